@@ -1,0 +1,2 @@
+//! Quantization codecs (dequantize, quantize, dot products) for every
+//! [`crate::GgmlType`].

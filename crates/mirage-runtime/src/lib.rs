@@ -1,0 +1,2 @@
+//! The runtime: Backend trait, CPU backend, model graph, KV cache, sampling.
+#![deny(missing_docs)]

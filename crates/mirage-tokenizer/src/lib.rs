@@ -1,0 +1,2 @@
+//! Tokenizer and chat templates from GGUF metadata.
+#![deny(missing_docs)]
