@@ -1,0 +1,240 @@
+//! Router input: per-page, per-slice boxes, thresholds and (optionally) the
+//! slice projections, with a stable little-endian byte layout.
+//!
+//! # Byte layout of [`RouterData::to_bytes`] (version 1, all little-endian)
+//!
+//! | offset | size | field |
+//! | --- | --- | --- |
+//! | 0 | 4 | magic `b"MRRD"` |
+//! | 4 | 4 | version `u32` = 1 |
+//! | 8 | 4 | `slices` `u32` (1..=32) |
+//! | 12 | 4 | `pages` `u32` |
+//! | 16 | 4 | `d_model` `u32` (0 when no projection is stored) |
+//! | 20 | 4 | reserved `u32` = 0 |
+//! | 24 | 4 x pages | `thresholds[page]` `u32` |
+//! | … | 24 x pages x slices | boxes, page-major: for page p, slice s: `min[3]`, `max[3]` as `f32` |
+//! | … | 4 x slices x 3 x d_model | projection, `f32`, row-major `[slice][axis][d_model]` |
+//!
+//! The reader rejects any other magic or version, and any length mismatch.
+
+use crate::RouteError;
+
+/// Largest number of slices: the GPU paths keep one bit per slice in a `u32`.
+pub const MAX_SLICES: usize = 32;
+
+const MAGIC: &[u8; 4] = b"MRRD";
+const VERSION: u32 = 1;
+const HEADER_BYTES: usize = 24;
+
+/// An axis-aligned box in one slice's 3-D space (closed: a point on a face is inside).
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct Aabb {
+    /// Lower corner.
+    pub min: [f32; 3],
+    /// Upper corner.
+    pub max: [f32; 3],
+}
+
+impl Aabb {
+    /// The box `[min, max]`.
+    pub fn new(min: [f32; 3], max: [f32; 3]) -> Self {
+        Self { min, max }
+    }
+
+    /// Closed containment test; `false` for NaN coordinates.
+    #[inline]
+    pub fn contains(&self, p: [f32; 3]) -> bool {
+        p[0] >= self.min[0]
+            && p[0] <= self.max[0]
+            && p[1] >= self.min[1]
+            && p[1] <= self.max[1]
+            && p[2] >= self.min[2]
+            && p[2] <= self.max[2]
+    }
+
+    /// The empty box (min = +inf, max = -inf), neutral for [`Aabb::union`].
+    pub fn empty() -> Self {
+        Self { min: [f32::INFINITY; 3], max: [f32::NEG_INFINITY; 3] }
+    }
+
+    /// Smallest box holding both.
+    #[inline]
+    pub fn union(&self, o: &Aabb) -> Aabb {
+        let mut r = *self;
+        for a in 0..3 {
+            r.min[a] = r.min[a].min(o.min[a]);
+            r.max[a] = r.max[a].max(o.max[a]);
+        }
+        r
+    }
+
+    /// Surface area (0 for an empty box).
+    pub fn area(&self) -> f32 {
+        let d = [self.max[0] - self.min[0], self.max[1] - self.min[1], self.max[2] - self.min[2]];
+        if d.iter().any(|x| !(*x >= 0.0)) {
+            return 0.0;
+        }
+        2.0 * (d[0] * d[1] + d[1] * d[2] + d[2] * d[0])
+    }
+}
+
+/// One layer's router: `pages` pages, each with one box per slice, and the
+/// number of slice hits a page needs to be a candidate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouterData {
+    /// Number of slices (query points per token), 1..=[`MAX_SLICES`].
+    pub slices: usize,
+    /// Boxes, page-major: `boxes[page * slices + slice]`.
+    pub boxes: Vec<Aabb>,
+    /// Per page: a page is a candidate when at least this many of its slice
+    /// boxes contain the query's slice point (0 = always a candidate).
+    pub thresholds: Vec<u32>,
+    /// Width of the FFN input `x` the projection reads (0 = no projection stored).
+    pub d_model: usize,
+    /// Projection `P`, row-major `[slice][axis][d_model]`; empty when `d_model == 0`.
+    pub projection: Vec<f32>,
+}
+
+impl RouterData {
+    /// Router data without a projection, with one threshold for every page.
+    pub fn new(slices: usize, boxes: Vec<Aabb>, threshold: u32) -> Result<Self, RouteError> {
+        let pages = if slices == 0 { 0 } else { boxes.len() / slices };
+        let data = Self { slices, boxes, thresholds: vec![threshold; pages], d_model: 0, projection: Vec::new() };
+        data.validate()?;
+        Ok(data)
+    }
+
+    /// Number of pages.
+    pub fn pages(&self) -> usize {
+        self.thresholds.len()
+    }
+
+    /// The box of `page` in `slice`.
+    #[inline]
+    pub fn page_box(&self, page: usize, slice: usize) -> &Aabb {
+        &self.boxes[page * self.slices + slice]
+    }
+
+    /// Checks the shape and the boxes (finite, `min <= max`).
+    pub fn validate(&self) -> Result<(), RouteError> {
+        if self.slices == 0 || self.slices > MAX_SLICES {
+            return Err(RouteError::InvalidData(format!("slices = {} (must be 1..={MAX_SLICES})", self.slices)));
+        }
+        if self.boxes.len() != self.thresholds.len() * self.slices {
+            return Err(RouteError::InvalidData(format!(
+                "{} boxes for {} pages x {} slices",
+                self.boxes.len(),
+                self.thresholds.len(),
+                self.slices
+            )));
+        }
+        if self.pages() > u32::MAX as usize / MAX_SLICES {
+            return Err(RouteError::InvalidData(format!("{} pages is too many", self.pages())));
+        }
+        for (i, b) in self.boxes.iter().enumerate() {
+            for a in 0..3 {
+                if !b.min[a].is_finite() || !b.max[a].is_finite() || b.min[a] > b.max[a] {
+                    return Err(RouteError::InvalidData(format!(
+                        "box {i} (page {}, slice {}) is not a finite min<=max box: {b:?}",
+                        i / self.slices,
+                        i % self.slices
+                    )));
+                }
+            }
+        }
+        if self.projection.len() != self.slices * 3 * self.d_model {
+            return Err(RouteError::InvalidData(format!(
+                "projection has {} floats, want slices*3*d_model = {}",
+                self.projection.len(),
+                self.slices * 3 * self.d_model
+            )));
+        }
+        Ok(())
+    }
+
+    /// Projects one FFN input `x` (length `d_model`) to its slice points `z_s = P_s x`,
+    /// appending `slices` points to `out`.
+    pub fn project_into(&self, x: &[f32], out: &mut Vec<[f32; 3]>) -> Result<(), RouteError> {
+        if self.d_model == 0 || x.len() != self.d_model {
+            return Err(RouteError::InvalidInput(format!(
+                "x has {} values, router projects d_model = {}",
+                x.len(),
+                self.d_model
+            )));
+        }
+        for s in 0..self.slices {
+            let mut z = [0f32; 3];
+            for (a, za) in z.iter_mut().enumerate() {
+                let row = &self.projection[(s * 3 + a) * self.d_model..][..self.d_model];
+                *za = row.iter().zip(x).map(|(p, v)| p * v).sum();
+            }
+            out.push(z);
+        }
+        Ok(())
+    }
+
+    /// Serializes to the documented little-endian layout.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(
+            HEADER_BYTES + 4 * self.pages() + 24 * self.boxes.len() + 4 * self.projection.len(),
+        );
+        out.extend_from_slice(MAGIC);
+        for v in [VERSION, self.slices as u32, self.pages() as u32, self.d_model as u32, 0] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        for t in &self.thresholds {
+            out.extend_from_slice(&t.to_le_bytes());
+        }
+        for b in &self.boxes {
+            for v in b.min.iter().chain(b.max.iter()) {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        for v in &self.projection {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+
+    /// Parses the documented layout and validates the result.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, RouteError> {
+        let bad = |m: String| RouteError::InvalidData(m);
+        if bytes.len() < HEADER_BYTES || &bytes[..4] != MAGIC {
+            return Err(bad("not MIRAGE router data (bad magic or short header)".into()));
+        }
+        let u = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes"));
+        if u(4) != VERSION {
+            return Err(bad(format!("router data version {} (this reader knows {VERSION})", u(4))));
+        }
+        let (slices, pages, d_model) = (u(8) as usize, u(12) as usize, u(16) as usize);
+        if slices == 0 || slices > MAX_SLICES {
+            return Err(bad(format!("slices = {slices}")));
+        }
+        let want = (|| {
+            let n_boxes = pages.checked_mul(slices)?;
+            HEADER_BYTES
+                .checked_add(pages.checked_mul(4)?)?
+                .checked_add(n_boxes.checked_mul(24)?)?
+                .checked_add(slices.checked_mul(12)?.checked_mul(d_model)?)
+        })()
+        .ok_or_else(|| bad("size overflows".into()))?;
+        if bytes.len() != want {
+            return Err(bad(format!("{} bytes, header says {want}", bytes.len())));
+        }
+        let f = |i: usize| f32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes"));
+        let mut at = HEADER_BYTES;
+        let thresholds = (0..pages).map(|i| u(at + 4 * i)).collect();
+        at += 4 * pages;
+        let boxes = (0..pages * slices)
+            .map(|i| {
+                let o = at + 24 * i;
+                Aabb::new([f(o), f(o + 4), f(o + 8)], [f(o + 12), f(o + 16), f(o + 20)])
+            })
+            .collect();
+        at += 24 * pages * slices;
+        let projection = (0..slices * 3 * d_model).map(|i| f(at + 4 * i)).collect();
+        let data = Self { slices, boxes, thresholds, d_model, projection };
+        data.validate()?;
+        Ok(data)
+    }
+}
