@@ -1,0 +1,125 @@
+//! Chat templates (`tokenizer.chat_template`) rendered with minijinja.
+//!
+//! Hugging Face renders these Jinja templates with `trim_blocks` and `lstrip_blocks` on and adds
+//! `raise_exception`; the templates call Python string methods (`.strip()`, `.startswith()`, ...),
+//! which minijinja-contrib's `pycompat` callback supplies. `tools` is left undefined (no tool use).
+
+use minijinja::{Environment, ErrorKind, Value};
+use serde::Serialize;
+
+use crate::TokenizerError;
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChatMessage {
+    /// "system", "user", "assistant", ...
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with the given role and content.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A compiled chat template plus the BOS/EOS strings it may refer to.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+fn template_error(e: minijinja::Error) -> TokenizerError {
+    // Include the chain of causes: minijinja wraps the root error of a failed call.
+    let mut message = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        message.push_str(": ");
+        message.push_str(&s.to_string());
+        source = s.source();
+    }
+    TokenizerError::Template(message)
+}
+
+impl ChatTemplate {
+    /// Compile `source`; `bos_token` / `eos_token` are the texts the template sees under those names.
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate, TokenizerError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |message: String| -> Result<Value, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+        });
+        env.add_template_owned(TEMPLATE_NAME, source.to_owned())
+            .map_err(template_error)?;
+        Ok(ChatTemplate {
+            env,
+            bos_token: bos_token.to_owned(),
+            eos_token: eos_token.to_owned(),
+        })
+    }
+
+    /// Read `tokenizer.chat_template` and the BOS/EOS token texts from a GGUF file.
+    pub fn from_gguf(file: &mirage_gguf::GgufFile) -> Result<ChatTemplate, TokenizerError> {
+        let meta = crate::gguf::TokenizerMetadata::read(file)?;
+        let source = meta
+            .chat_template
+            .as_deref()
+            .ok_or(TokenizerError::MissingKey("tokenizer.chat_template"))?;
+        let text_of = |id: Option<u32>| {
+            id.and_then(|id| meta.tokens.get(id as usize)).cloned().unwrap_or_default()
+        };
+        ChatTemplate::new(source, &text_of(meta.bos_id), &text_of(meta.eos_id))
+    }
+
+    /// Render a conversation; with `add_generation_prompt` the text ends where the assistant's reply
+    /// begins (e.g. `<|im_start|>assistant\n`).
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(template_error)?;
+        template
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => &self.bos_token,
+                eos_token => &self.eos_token,
+            })
+            .map_err(template_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_with_python_methods_and_block_trimming() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}\n  {{ m.role.upper() }}:{{ m.content.strip() }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}",
+            "<s>",
+            "</s>",
+        )
+        .unwrap();
+        let out = t
+            .render(&[ChatMessage::new("user", "  hi  ")], true)
+            .unwrap();
+        // Same output as Python jinja2 with trim_blocks + lstrip_blocks.
+        assert_eq!(out, "  USER:hi\nA:");
+    }
+
+    #[test]
+    fn raise_exception_is_an_error() {
+        let t = ChatTemplate::new("{{ raise_exception('no system role') }}", "", "").unwrap();
+        let err = t.render(&[], false).unwrap_err().to_string();
+        assert!(err.contains("no system role"), "{err}");
+    }
+}

@@ -1,0 +1,133 @@
+//! Reading the `tokenizer.*` keys of a GGUF file into [`TokenizerParts`].
+
+use mirage_gguf::{GgufFile, Metadata};
+
+use crate::{PreTokenizerKind, TokenType, Tokenizer, TokenizerError, TokenizerParts};
+
+/// The tokenizer-related metadata of one GGUF file.
+pub(crate) struct TokenizerMetadata {
+    pub(crate) model: String,
+    pub(crate) pre: Option<String>,
+    pub(crate) tokens: Vec<String>,
+    pub(crate) token_types: Vec<TokenType>,
+    pub(crate) merges: Vec<String>,
+    pub(crate) bos_id: Option<u32>,
+    pub(crate) eos_id: Option<u32>,
+    pub(crate) eot_id: Option<u32>,
+    pub(crate) padding_id: Option<u32>,
+    pub(crate) unknown_id: Option<u32>,
+    pub(crate) add_bos: Option<bool>,
+    pub(crate) add_eos: Option<bool>,
+    pub(crate) chat_template: Option<String>,
+}
+
+fn token_id(meta: &Metadata, key: &'static str) -> Result<Option<u32>, TokenizerError> {
+    match meta.get(key) {
+        None => Ok(None),
+        Some(v) => {
+            // llama.cpp writes -1 (as a signed value) for "no such token".
+            if v.as_i64().is_some_and(|x| x < 0) {
+                return Ok(None);
+            }
+            v.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| TokenizerError::BadMetadata {
+                    key,
+                    reason: format!("expected a token id, found {:?}", v.value_type()),
+                })
+        }
+    }
+}
+
+fn flag(meta: &Metadata, key: &'static str) -> Result<Option<bool>, TokenizerError> {
+    match meta.get(key) {
+        None => Ok(None),
+        Some(v) => v.as_bool().map(Some).ok_or_else(|| TokenizerError::BadMetadata {
+            key,
+            reason: format!("expected a bool, found {:?}", v.value_type()),
+        }),
+    }
+}
+
+fn string_array(meta: &Metadata, key: &'static str) -> Result<Option<Vec<String>>, TokenizerError> {
+    if !meta.contains_key(key) {
+        return Ok(None);
+    }
+    meta.get_str_array(key)
+        .map(|v| Some(v.into_iter().map(str::to_owned).collect()))
+        .ok_or_else(|| TokenizerError::BadMetadata {
+            key,
+            reason: "expected an array of strings".into(),
+        })
+}
+
+impl TokenizerMetadata {
+    pub(crate) fn read(file: &GgufFile) -> Result<TokenizerMetadata, TokenizerError> {
+        let meta = file.metadata();
+        let model = meta
+            .get_str("tokenizer.ggml.model")
+            .ok_or(TokenizerError::MissingKey("tokenizer.ggml.model"))?
+            .to_owned();
+        let tokens = string_array(meta, "tokenizer.ggml.tokens")?
+            .ok_or(TokenizerError::MissingKey("tokenizer.ggml.tokens"))?;
+        let token_types = if meta.contains_key("tokenizer.ggml.token_type") {
+            meta.get_i32_array("tokenizer.ggml.token_type")
+                .ok_or_else(|| TokenizerError::BadMetadata {
+                    key: "tokenizer.ggml.token_type",
+                    reason: "expected an array of integers".into(),
+                })?
+                .into_iter()
+                .map(TokenType::from_code)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(TokenizerMetadata {
+            model,
+            pre: meta.get_str("tokenizer.ggml.pre").map(str::to_owned),
+            tokens,
+            token_types,
+            merges: string_array(meta, "tokenizer.ggml.merges")?.unwrap_or_default(),
+            bos_id: token_id(meta, "tokenizer.ggml.bos_token_id")?,
+            eos_id: token_id(meta, "tokenizer.ggml.eos_token_id")?,
+            eot_id: token_id(meta, "tokenizer.ggml.eot_token_id")?,
+            padding_id: token_id(meta, "tokenizer.ggml.padding_token_id")?,
+            unknown_id: token_id(meta, "tokenizer.ggml.unknown_token_id")?,
+            add_bos: flag(meta, "tokenizer.ggml.add_bos_token")?,
+            add_eos: flag(meta, "tokenizer.ggml.add_eos_token")?,
+            chat_template: meta.get_str("tokenizer.chat_template").map(str::to_owned),
+        })
+    }
+}
+
+impl Tokenizer {
+    /// Build the tokenizer a GGUF file describes (`tokenizer.ggml.model` must be `gpt2`).
+    pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer, TokenizerError> {
+        let meta = TokenizerMetadata::read(file)?;
+        if meta.model != "gpt2" {
+            return Err(TokenizerError::UnsupportedModel(meta.model));
+        }
+        let pre_tokenizer = match meta.pre.as_deref() {
+            None => PreTokenizerKind::Gpt2,
+            Some(name) => PreTokenizerKind::from_gguf_name(name).ok_or_else(|| TokenizerError::BadMetadata {
+                key: "tokenizer.ggml.pre",
+                reason: format!("unsupported pre-tokenizer `{name}`"),
+            })?,
+        };
+        Tokenizer::from_parts(TokenizerParts {
+            tokens: meta.tokens,
+            token_types: meta.token_types,
+            merges: meta.merges,
+            pre_tokenizer,
+            bos_id: meta.bos_id,
+            eos_id: meta.eos_id,
+            eot_id: meta.eot_id,
+            padding_id: meta.padding_id,
+            unknown_id: meta.unknown_id,
+            // llama.cpp's default for BPE vocabularies without the key is to add BOS.
+            add_bos: meta.add_bos.unwrap_or(true),
+            add_eos: meta.add_eos.unwrap_or(false),
+        })
+    }
+}
