@@ -1,2 +1,20 @@
-//! The runtime: Backend trait, CPU backend, model graph, KV cache, sampling.
+//! The runtime: the [`Backend`] trait, the CPU backend, the model graph
+//! (llama, qwen2, qwen3), the KV cache and sampling, and the high-level
+//! [`Engine`]/[`Session`] API that frontends use.
+//!
+//! Libraries never print; errors are [`RuntimeError`].
 #![deny(missing_docs)]
+
+pub mod backend;
+pub mod error;
+pub mod kv_cache;
+pub mod model;
+pub mod ops;
+pub mod sampling;
+
+pub use backend::cpu::CpuBackend;
+pub use backend::{Backend, TokenSlot};
+pub use error::{Result, RuntimeError};
+pub use kv_cache::{KvCache, KvDtype};
+pub use model::{Model, ModelConfig};
+pub use sampling::{Sampler, SamplingParams, StopStrings};

@@ -1,0 +1,202 @@
+//! The [`Backend`] trait: the seam where compute devices plug in.
+//!
+//! Design rules (after wgpu-hal's `Api`, candle's `BackendStorage` and burn's
+//! `Backend`):
+//! - A backend owns its memory through associated types ([`Backend::Matrix`],
+//!   [`Backend::Activations`], [`Backend::KvCache`], ...). The model graph in
+//!   [`crate::model`] only moves handles around; it never reads device memory
+//!   except through [`Backend::read`].
+//! - Weights are uploaded once, in their quantized form ([`HostMatrix`] carries
+//!   the raw ggml blocks). The CPU backend keeps them memory-mapped; a GPU
+//!   backend copies them to the device; nothing is expanded to f32 whole.
+//! - Every op works on a batch of token rows. A [`TokenSlot`] per row says
+//!   which sequence (KV-cache slot) and position it belongs to, so the same
+//!   call is a prefill of `n` tokens of one sequence, a decode step of a batch
+//!   of sequences, or a mix of both.
+//! - The FFN is one op with its own weight type ([`Backend::Ffn`]), built from
+//!   the gate/up/down matrices by [`Backend::upload_ffn`]. The superblock-sparse
+//!   and NVFP4 backends replace exactly that op (and may repack the weights
+//!   page-major at upload), leaving attention and the rest untouched.
+//! - CPU ([`cpu::CpuBackend`]) is the always-built reference implementation.
+//!
+//! The trait is deliberately small: ops that a device fuses anyway (q/k norm,
+//! RoPE, the KV-cache write and the attention itself) are one call.
+
+pub mod cpu;
+
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::kv_cache::KvSpec;
+use crate::ops::RopeMode;
+use mirage_gguf::GgmlType;
+
+/// Which sequence and position a row of a batch belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenSlot {
+    /// KV-cache sequence slot.
+    pub seq: usize,
+    /// Position in that sequence (0-based).
+    pub pos: usize,
+}
+
+/// Something that owns bytes that stay put while it is alive (a memory map,
+/// a parsed GGUF file, a `Vec`).
+pub trait ByteOwner: Send + Sync {
+    /// The owned bytes.
+    fn bytes(&self) -> &[u8];
+}
+
+impl ByteOwner for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+impl ByteOwner for mirage_gguf::GgufFile {
+    fn bytes(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+/// A shared, immutable byte range of a [`ByteOwner`] (zero-copy view of a
+/// tensor inside a memory-mapped model file).
+#[derive(Clone)]
+pub struct SharedBytes {
+    owner: Arc<dyn ByteOwner>,
+    start: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for SharedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedBytes({}..{})", self.start, self.start + self.len)
+    }
+}
+
+impl SharedBytes {
+    /// The range `start..start + len` of `owner`; `None` when out of bounds.
+    pub fn new(owner: Arc<dyn ByteOwner>, start: usize, len: usize) -> Option<SharedBytes> {
+        let end = start.checked_add(len)?;
+        (end <= owner.bytes().len()).then_some(SharedBytes { owner, start, len })
+    }
+
+    /// Takes ownership of a buffer.
+    pub fn from_vec(v: Vec<u8>) -> SharedBytes {
+        let len = v.len();
+        SharedBytes { owner: Arc::new(v), start: 0, len }
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.owner.bytes()[self.start..self.start + self.len]
+    }
+}
+
+/// A weight matrix on the host in its ggml encoding: `rows` rows of `cols`
+/// elements of type `ty`, row-major (ggml dims `[cols, rows]`).
+#[derive(Debug, Clone)]
+pub struct HostMatrix {
+    /// Tensor name, for error messages.
+    pub name: String,
+    /// Element type.
+    pub ty: GgmlType,
+    /// Output features (rows).
+    pub rows: usize,
+    /// Input features (row length).
+    pub cols: usize,
+    /// The raw blocks: `rows * row_bytes(ty, cols)` bytes.
+    pub data: SharedBytes,
+}
+
+/// Shape and numerics of one attention layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionParams {
+    /// Query heads.
+    pub n_head: usize,
+    /// Key/value heads (grouped-query attention when fewer than `n_head`).
+    pub n_head_kv: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// RoPE pairing.
+    pub rope_mode: RopeMode,
+    /// RoPE base frequency.
+    pub rope_freq_base: f32,
+    /// Epsilon of the per-head q/k RMSNorm (qwen3).
+    pub norm_eps: f32,
+}
+
+/// Per-head RMSNorm weights of q and k applied before RoPE (qwen3's QK-norm).
+#[derive(Debug, Clone, Copy)]
+pub struct QkNorm<'a, V> {
+    /// Weight of the query norm (`head_dim`).
+    pub q: &'a V,
+    /// Weight of the key norm (`head_dim`).
+    pub k: &'a V,
+}
+
+/// A compute device that runs the model graph. See the module doc for the
+/// design rules.
+pub trait Backend: Send + Sync {
+    /// A weight matrix resident on the device in its quantized form.
+    type Matrix: Send + Sync;
+    /// A small f32 vector (norm weights, biases).
+    type Vector: Send + Sync;
+    /// One layer's FFN weights (gate, up, down), in the backend's layout.
+    type Ffn: Send + Sync;
+    /// A `[rows, width]` f32 activation buffer; ops set the shape of outputs.
+    type Activations: Send;
+    /// The key/value cache of every layer and sequence slot.
+    type KvCache: Send;
+
+    /// Short name (`cpu`, `cuda`, ...), for logs and stats.
+    fn name(&self) -> String;
+
+    /// Uploads a weight matrix once, keeping its quantization.
+    fn upload_matrix(&self, m: &HostMatrix) -> Result<Self::Matrix>;
+    /// Uploads an f32 vector.
+    fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector>;
+    /// Uploads the FFN of layer `layer`: `gate` and `up` are `[n_ff, n_embd]`,
+    /// `down` is `[n_embd, n_ff]`.
+    fn upload_ffn(&self, layer: usize, gate: &HostMatrix, up: &HostMatrix, down: &HostMatrix) -> Result<Self::Ffn>;
+    /// A KV cache of the given shape.
+    fn new_kv_cache(&self, spec: KvSpec) -> Result<Self::KvCache>;
+    /// Drops positions `pos..` of sequence `seq` from the cache.
+    fn kv_truncate(&self, cache: &mut Self::KvCache, seq: usize, pos: usize);
+    /// An empty activation buffer.
+    fn new_activations(&self) -> Self::Activations;
+
+    /// `out[r] = table[tokens[r]]` (rows of the embedding matrix, as f32).
+    fn embed(&self, table: &Self::Matrix, tokens: &[u32], out: &mut Self::Activations) -> Result<()>;
+    /// Row-wise RMSNorm: `out[r] = x[r] / rms(x[r]) * weight`.
+    fn rms_norm(&self, x: &Self::Activations, weight: &Self::Vector, eps: f32, out: &mut Self::Activations) -> Result<()>;
+    /// `out[r] = W x[r]` for every row (`W` is `[rows, cols]`).
+    fn matmul(&self, w: &Self::Matrix, x: &Self::Activations, out: &mut Self::Activations) -> Result<()>;
+    /// `x[r] += bias` for every row.
+    fn add_bias(&self, x: &mut Self::Activations, bias: &Self::Vector) -> Result<()>;
+    /// `acc += x` (residual connection).
+    fn add(&self, acc: &mut Self::Activations, x: &Self::Activations) -> Result<()>;
+    /// Self-attention of a batch: applies the optional QK-norm and RoPE to
+    /// `q` and `k` (in place), stores `k` and `v` into `cache` at each row's
+    /// slot, then attends each query row causally over positions
+    /// `0..=pos` of its sequence. `out` gets `n_head * head_dim` per row.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        layer: usize,
+        params: &AttentionParams,
+        q: &mut Self::Activations,
+        k: &mut Self::Activations,
+        v: &Self::Activations,
+        qk_norm: Option<QkNorm<'_, Self::Vector>>,
+        slots: &[TokenSlot],
+        cache: &mut Self::KvCache,
+        out: &mut Self::Activations,
+    ) -> Result<()>;
+    /// The feed-forward block: `out[r] = down(silu(gate x[r]) * up x[r])`.
+    fn ffn(&self, ffn: &Self::Ffn, x: &Self::Activations, out: &mut Self::Activations) -> Result<()>;
+    /// `out` = the listed rows of `x`, in that order.
+    fn select_rows(&self, x: &Self::Activations, rows: &[usize], out: &mut Self::Activations) -> Result<()>;
+    /// Copies `x` to the host as `rows * width` floats; returns `(rows, width)`.
+    fn read(&self, x: &Self::Activations, out: &mut Vec<f32>) -> Result<(usize, usize)>;
+}

@@ -1,0 +1,55 @@
+//! The runtime's error type.
+
+use mirage_gguf::GgmlType;
+
+/// Why a runtime call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// The model file could not be read or parsed.
+    #[error("model file: {0}")]
+    Gguf(#[from] mirage_gguf::GgufError),
+    /// A quantization codec refused its input.
+    #[error("quantization codec: {0}")]
+    Quant(#[from] mirage_gguf::quant::QuantError),
+    /// The tokenizer could not be built or failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A tensor the architecture needs is not in the file.
+    #[error("tensor `{0}` is missing from the model file")]
+    MissingTensor(String),
+    /// A tensor has an unexpected shape.
+    #[error("tensor `{name}` has dims {got:?}, expected {expected:?}")]
+    BadShape {
+        /// Tensor name.
+        name: String,
+        /// Dims found (ggml order).
+        got: Vec<u64>,
+        /// Dims expected (ggml order).
+        expected: Vec<u64>,
+    },
+    /// The backend cannot run tensors of this type.
+    #[error("backend `{backend}` does not support {ty} tensors ({what})")]
+    UnsupportedType {
+        /// Backend name.
+        backend: String,
+        /// The tensor type.
+        ty: GgmlType,
+        /// Which tensor or operation.
+        what: String,
+    },
+    /// The sequence does not fit in the KV cache.
+    #[error("context is full ({n_ctx} positions)")]
+    ContextFull {
+        /// Positions per sequence in the cache.
+        n_ctx: usize,
+    },
+    /// A caller passed something out of range or inconsistent.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// File-system error.
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

@@ -1,0 +1,207 @@
+//! The CPU key/value cache.
+//!
+//! Layout: per layer, per sequence slot, per KV head, one contiguous
+//! `[n_ctx, head_dim]` block for keys and one for values, so that the
+//! attention of one head walks memory linearly. Storage is f32 or f16.
+
+use crate::error::RuntimeError;
+use half::f16;
+
+/// Element type of the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    /// 32-bit floats (the default: exact with respect to the activations).
+    #[default]
+    F32,
+    /// IEEE halves (half the memory, as llama.cpp's default cache).
+    F16,
+}
+
+/// Shape of a KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvSpec {
+    /// Layers.
+    pub n_layer: usize,
+    /// KV heads per layer.
+    pub n_head_kv: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Positions per sequence.
+    pub n_ctx: usize,
+    /// Independent sequence slots (batch of decodes).
+    pub n_seq: usize,
+    /// Element type.
+    pub dtype: KvDtype,
+}
+
+#[derive(Debug)]
+enum Store {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+impl Store {
+    fn new(dtype: KvDtype, n: usize) -> Store {
+        match dtype {
+            KvDtype::F32 => Store::F32(vec![0.0; n]),
+            KvDtype::F16 => Store::F16(vec![f16::ZERO; n]),
+        }
+    }
+    fn write(&mut self, at: usize, src: &[f32]) {
+        match self {
+            Store::F32(v) => v[at..at + src.len()].copy_from_slice(src),
+            Store::F16(v) => {
+                for (d, &s) in v[at..at + src.len()].iter_mut().zip(src) {
+                    *d = f16::from_f32(s);
+                }
+            }
+        }
+    }
+}
+
+/// Key/value cache for every layer and sequence slot.
+#[derive(Debug)]
+pub struct KvCache {
+    spec: KvSpec,
+    k: Vec<Store>,
+    v: Vec<Store>,
+    lens: Vec<usize>,
+}
+
+impl KvCache {
+    /// Allocates a zeroed cache.
+    pub fn new(spec: KvSpec) -> Result<KvCache, RuntimeError> {
+        let per_layer = spec
+            .n_seq
+            .checked_mul(spec.n_head_kv)
+            .and_then(|x| x.checked_mul(spec.n_ctx))
+            .and_then(|x| x.checked_mul(spec.head_dim))
+            .ok_or_else(|| RuntimeError::InvalidArgument("KV cache size overflows".into()))?;
+        if spec.head_dim == 0 || spec.n_ctx == 0 || spec.n_seq == 0 {
+            return Err(RuntimeError::InvalidArgument(format!("empty KV cache shape {spec:?}")));
+        }
+        let k = (0..spec.n_layer).map(|_| Store::new(spec.dtype, per_layer)).collect();
+        let v = (0..spec.n_layer).map(|_| Store::new(spec.dtype, per_layer)).collect();
+        Ok(KvCache { spec, k, v, lens: vec![0; spec.n_seq] })
+    }
+
+    /// The shape it was built with.
+    pub fn spec(&self) -> &KvSpec {
+        &self.spec
+    }
+
+    /// Positions filled in sequence `seq` (0 for an unknown slot).
+    pub fn len(&self, seq: usize) -> usize {
+        self.lens.get(seq).copied().unwrap_or(0)
+    }
+
+    /// Whether every sequence is empty.
+    pub fn is_empty(&self) -> bool {
+        self.lens.iter().all(|&l| l == 0)
+    }
+
+    /// Forgets sequence `seq` from position `pos` on (0 clears it).
+    pub fn truncate(&mut self, seq: usize, pos: usize) {
+        if let Some(l) = self.lens.get_mut(seq) {
+            *l = (*l).min(pos);
+        }
+    }
+
+    /// Forgets every sequence.
+    pub fn clear(&mut self) {
+        self.lens.fill(0);
+    }
+
+    fn base(&self, seq: usize, head: usize, pos: usize) -> usize {
+        ((seq * self.spec.n_head_kv + head) * self.spec.n_ctx + pos) * self.spec.head_dim
+    }
+
+    /// Stores the keys and values of one token (`n_head_kv * head_dim` each,
+    /// heads concatenated) at `pos` of `seq` in `layer`. The sequence length
+    /// becomes at least `pos + 1` once the last layer is written.
+    pub fn write(&mut self, layer: usize, seq: usize, pos: usize, k: &[f32], v: &[f32]) -> Result<(), RuntimeError> {
+        let s = self.spec;
+        if layer >= s.n_layer || seq >= s.n_seq {
+            return Err(RuntimeError::InvalidArgument(format!("KV slot layer {layer} seq {seq} out of range")));
+        }
+        if pos >= s.n_ctx {
+            return Err(RuntimeError::ContextFull { n_ctx: s.n_ctx });
+        }
+        let hd = s.head_dim;
+        if k.len() != s.n_head_kv * hd || v.len() != s.n_head_kv * hd {
+            return Err(RuntimeError::InvalidArgument("KV row has the wrong width".into()));
+        }
+        for h in 0..s.n_head_kv {
+            let at = self.base(seq, h, pos);
+            self.k[layer].write(at, &k[h * hd..(h + 1) * hd]);
+            self.v[layer].write(at, &v[h * hd..(h + 1) * hd]);
+        }
+        if layer + 1 == s.n_layer {
+            self.lens[seq] = self.lens[seq].max(pos + 1);
+        }
+        Ok(())
+    }
+
+    /// Attention of query head `q` over positions `0..n` of KV head `head`
+    /// of `seq` in `layer`: `out = softmax(q.K^T * scale) V`. `scores` needs
+    /// `n` elements. Callers check the ranges.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(&self, layer: usize, seq: usize, head: usize, n: usize, q: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        let hd = self.spec.head_dim;
+        let at = self.base(seq, head, 0);
+        match (&self.k[layer], &self.v[layer]) {
+            (Store::F32(k), Store::F32(v)) => {
+                crate::ops::attend_f32(q, &k[at..at + n * hd], &v[at..at + n * hd], n, scale, scores, out)
+            }
+            (Store::F16(k), Store::F16(v)) => {
+                for j in 0..n {
+                    let row = &k[at + j * hd..at + (j + 1) * hd];
+                    scores[j] = q.iter().zip(row).map(|(a, b)| a * b.to_f32()).sum::<f32>() * scale;
+                }
+                crate::ops::softmax_in_place(&mut scores[..n]);
+                out.fill(0.0);
+                for j in 0..n {
+                    let row = &v[at + j * hd..at + (j + 1) * hd];
+                    let p = scores[j];
+                    for (o, x) in out.iter_mut().zip(row) {
+                        *o += p * x.to_f32();
+                    }
+                }
+            }
+            _ => unreachable!("k and v share one dtype"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_and_f32_caches_agree() {
+        let mk = |dtype| {
+            KvCache::new(KvSpec { n_layer: 2, n_head_kv: 2, head_dim: 4, n_ctx: 8, n_seq: 2, dtype }).unwrap()
+        };
+        let (mut a, mut b) = (mk(KvDtype::F32), mk(KvDtype::F16));
+        for pos in 0..5 {
+            let k: Vec<f32> = (0..8).map(|i| ((i + pos) as f32 * 0.3).sin()).collect();
+            let v: Vec<f32> = (0..8).map(|i| ((i * pos) as f32 * 0.2).cos()).collect();
+            for l in 0..2 {
+                a.write(l, 1, pos, &k, &v).unwrap();
+                b.write(l, 1, pos, &k, &v).unwrap();
+            }
+        }
+        assert_eq!(a.len(1), 5);
+        assert_eq!(a.len(0), 0);
+        let q = [0.5f32, -0.3, 0.8, 0.1];
+        let (mut s, mut oa, mut ob) = ([0.0f32; 5], [0.0f32; 4], [0.0f32; 4]);
+        a.attend(1, 1, 1, 5, &q, 0.5, &mut s, &mut oa);
+        b.attend(1, 1, 1, 5, &q, 0.5, &mut s, &mut ob);
+        for i in 0..4 {
+            assert!((oa[i] - ob[i]).abs() < 2e-3);
+        }
+        assert!(matches!(a.write(0, 0, 8, &[0.0; 8], &[0.0; 8]), Err(RuntimeError::ContextFull { .. })));
+        a.truncate(1, 2);
+        assert_eq!(a.len(1), 2);
+    }
+}

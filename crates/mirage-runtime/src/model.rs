@@ -1,0 +1,311 @@
+//! The transformer graph of the llama family (llama, qwen2, qwen3), generic
+//! over a [`Backend`].
+//!
+//! One block per layer:
+//! `h = x + Wo attn(rope(norm_qk(Wq n(x) + bq)), rope(norm_qk(Wk n(x) + bk)), Wv n(x) + bv)`,
+//! `x' = h + ffn(n'(h))`; then the final norm and the lm head (`output.weight`,
+//! or `token_embd.weight` when the embeddings are tied).
+
+use std::sync::Arc;
+
+use mirage_gguf::{quant, Arch, GgmlType, GgufFile, ModelHparams};
+
+use crate::backend::{AttentionParams, Backend, ByteOwner, HostMatrix, QkNorm, SharedBytes, TokenSlot};
+use crate::error::{Result, RuntimeError};
+use crate::kv_cache::{KvDtype, KvSpec};
+use crate::ops::RopeMode;
+
+/// Shape and numerics of a model, from its GGUF hyperparameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// Architecture.
+    pub arch: Arch,
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Hidden size.
+    pub n_embd: usize,
+    /// FFN intermediate size.
+    pub n_ff: usize,
+    /// Query heads.
+    pub n_head: usize,
+    /// Key/value heads.
+    pub n_head_kv: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Vocabulary size (rows of the lm head).
+    pub vocab_size: usize,
+    /// Context length the model was trained with.
+    pub n_ctx_train: usize,
+    /// RoPE base frequency.
+    pub rope_freq_base: f32,
+    /// RoPE pairing of this architecture.
+    pub rope_mode: RopeMode,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+}
+
+impl ModelConfig {
+    /// Derives the config from GGUF hyperparameters; refuses what the graph
+    /// does not implement (partial rotary, RoPE scaling, v heads of another size).
+    pub fn from_hparams(hp: &ModelHparams) -> Result<ModelConfig> {
+        let unsupported = |what: String| RuntimeError::InvalidArgument(format!("unsupported model: {what}"));
+        if hp.rope_dim != hp.head_dim {
+            return Err(unsupported(format!("partial rotary ({} of {})", hp.rope_dim, hp.head_dim)));
+        }
+        if hp.head_dim_v != hp.head_dim {
+            return Err(unsupported("value heads of a different size".into()));
+        }
+        if let Some(s) = &hp.rope_scaling {
+            if s.factor != 1.0 {
+                return Err(unsupported(format!("RoPE scaling `{}`", s.type_name)));
+            }
+        }
+        if hp.n_head_kv == 0 || hp.n_head % hp.n_head_kv != 0 {
+            return Err(unsupported(format!("{} heads over {} KV heads", hp.n_head, hp.n_head_kv)));
+        }
+        let rope_mode = match hp.arch {
+            // llama.cpp: LLM_ARCH_LLAMA -> LLAMA_ROPE_TYPE_NORM; QWEN2/QWEN3 -> NEOX.
+            Arch::Llama => RopeMode::Normal,
+            Arch::Qwen2 | Arch::Qwen3 => RopeMode::Neox,
+        };
+        Ok(ModelConfig {
+            arch: hp.arch,
+            n_layer: hp.n_layer,
+            n_embd: hp.n_embd,
+            n_ff: hp.n_ff,
+            n_head: hp.n_head,
+            n_head_kv: hp.n_head_kv,
+            head_dim: hp.head_dim,
+            vocab_size: hp.vocab_size,
+            n_ctx_train: hp.n_ctx_train,
+            rope_freq_base: hp.rope_freq_base,
+            rope_mode,
+            rms_norm_eps: hp.rms_norm_eps,
+        })
+    }
+
+    /// The attention parameters every layer shares.
+    pub fn attention_params(&self) -> AttentionParams {
+        AttentionParams {
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            head_dim: self.head_dim,
+            rope_mode: self.rope_mode,
+            rope_freq_base: self.rope_freq_base,
+            norm_eps: self.rms_norm_eps,
+        }
+    }
+}
+
+struct Layer<B: Backend> {
+    attn_norm: B::Vector,
+    wq: B::Matrix,
+    wk: B::Matrix,
+    wv: B::Matrix,
+    wo: B::Matrix,
+    bias: Option<[B::Vector; 3]>,
+    qk_norm: Option<[B::Vector; 2]>,
+    ffn_norm: B::Vector,
+    ffn: B::Ffn,
+}
+
+/// Reusable activation buffers of a forward pass (one set per session).
+pub struct Scratch<B: Backend> {
+    x: B::Activations,
+    xn: B::Activations,
+    q: B::Activations,
+    k: B::Activations,
+    v: B::Activations,
+    att: B::Activations,
+    proj: B::Activations,
+    picked: B::Activations,
+    logits: B::Activations,
+}
+
+/// A loaded model: weights uploaded to a backend, plus the graph.
+pub struct Model<B: Backend> {
+    config: ModelConfig,
+    backend: B,
+    tok_embd: B::Matrix,
+    output: Option<B::Matrix>,
+    output_norm: B::Vector,
+    layers: Vec<Layer<B>>,
+}
+
+impl<B: Backend> std::fmt::Debug for Model<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("config", &self.config).field("backend", &self.backend.name()).finish()
+    }
+}
+
+/// Reads tensors of a GGUF file as [`HostMatrix`] views and f32 vectors.
+struct TensorSource {
+    file: Arc<GgufFile>,
+}
+
+impl TensorSource {
+    fn matrix(&self, name: &str, cols: usize, rows: usize) -> Result<HostMatrix> {
+        let info = self.file.tensor_info(name).ok_or_else(|| RuntimeError::MissingTensor(name.into()))?;
+        if info.dims != [cols as u64, rows as u64] {
+            return Err(RuntimeError::BadShape { name: name.into(), got: info.dims.clone(), expected: vec![cols as u64, rows as u64] });
+        }
+        let start = (self.file.data_offset() + info.offset) as usize;
+        let owner: Arc<dyn ByteOwner> = self.file.clone();
+        let data = SharedBytes::new(owner, start, info.n_bytes() as usize)
+            .ok_or_else(|| RuntimeError::InvalidArgument(format!("{name}: data out of bounds")))?;
+        Ok(HostMatrix { name: name.into(), ty: info.ty, rows, cols, data })
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let t = self.file.tensor(name).ok_or_else(|| RuntimeError::MissingTensor(name.into()))?;
+        if t.info.n_elements() != len as u64 {
+            return Err(RuntimeError::BadShape { name: name.into(), got: t.info.dims.clone(), expected: vec![len as u64] });
+        }
+        let mut v = vec![0.0f32; len];
+        quant::dequantize(t.info.ty, t.data, &mut v)?;
+        Ok(v)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.file.tensor_info(name).is_some()
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// Uploads every weight of `file` to `backend` (zero-copy on the CPU).
+    pub fn load(file: Arc<GgufFile>, backend: B) -> Result<Model<B>> {
+        let config = ModelConfig::from_hparams(&file.hparams()?)?;
+        let src = TensorSource { file };
+        let c = &config;
+        let (d, q_dim, kv_dim) = (c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
+        let tok_embd = backend.upload_matrix(&src.matrix("token_embd.weight", d, c.vocab_size)?)?;
+        let output = if src.has("output.weight") {
+            Some(backend.upload_matrix(&src.matrix("output.weight", d, c.vocab_size)?)?)
+        } else {
+            None
+        };
+        let output_norm = backend.upload_vector(&src.vector("output_norm.weight", d)?)?;
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for l in 0..c.n_layer {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            let mat = |s: &str, cols, rows| -> Result<B::Matrix> { backend.upload_matrix(&src.matrix(&n(s), cols, rows)?) };
+            let vec = |s: &str, len| -> Result<B::Vector> { backend.upload_vector(&src.vector(&n(s), len)?) };
+            let bias = if src.has(&n("attn_q.bias")) {
+                Some([vec("attn_q.bias", q_dim)?, vec("attn_k.bias", kv_dim)?, vec("attn_v.bias", kv_dim)?])
+            } else {
+                None
+            };
+            let qk_norm = if src.has(&n("attn_q_norm.weight")) {
+                Some([vec("attn_q_norm.weight", c.head_dim)?, vec("attn_k_norm.weight", c.head_dim)?])
+            } else if c.arch == Arch::Qwen3 {
+                return Err(RuntimeError::MissingTensor(n("attn_q_norm.weight")));
+            } else {
+                None
+            };
+            let ffn = backend.upload_ffn(
+                l,
+                &src.matrix(&n("ffn_gate.weight"), d, c.n_ff)?,
+                &src.matrix(&n("ffn_up.weight"), d, c.n_ff)?,
+                &src.matrix(&n("ffn_down.weight"), c.n_ff, d)?,
+            )?;
+            layers.push(Layer {
+                attn_norm: vec("attn_norm.weight", d)?,
+                wq: mat("attn_q.weight", d, q_dim)?,
+                wk: mat("attn_k.weight", d, kv_dim)?,
+                wv: mat("attn_v.weight", d, kv_dim)?,
+                wo: mat("attn_output.weight", q_dim, d)?,
+                bias,
+                qk_norm,
+                ffn_norm: vec("ffn_norm.weight", d)?,
+                ffn,
+            });
+        }
+        Ok(Model { config, backend, tok_embd, output, output_norm, layers })
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The backend it runs on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// A KV cache for `n_seq` sequences of up to `n_ctx` positions.
+    pub fn new_kv_cache(&self, n_ctx: usize, n_seq: usize, dtype: KvDtype) -> Result<B::KvCache> {
+        let c = &self.config;
+        self.backend.new_kv_cache(KvSpec { n_layer: c.n_layer, n_head_kv: c.n_head_kv, head_dim: c.head_dim, n_ctx, n_seq, dtype })
+    }
+
+    /// Fresh activation buffers.
+    pub fn new_scratch(&self) -> Scratch<B> {
+        let b = &self.backend;
+        Scratch {
+            x: b.new_activations(),
+            xn: b.new_activations(),
+            q: b.new_activations(),
+            k: b.new_activations(),
+            v: b.new_activations(),
+            att: b.new_activations(),
+            proj: b.new_activations(),
+            picked: b.new_activations(),
+            logits: b.new_activations(),
+        }
+    }
+
+    /// Runs a batch of tokens (row `i` is `tokens[i]` at `slots[i]`) through
+    /// the model, filling the KV cache, and writes the logits of the rows
+    /// listed in `logits_rows` (in that order) to `logits`, `vocab_size`
+    /// floats per row.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        slots: &[TokenSlot],
+        logits_rows: &[usize],
+        cache: &mut B::KvCache,
+        s: &mut Scratch<B>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        if tokens.len() != slots.len() || tokens.is_empty() {
+            return Err(RuntimeError::InvalidArgument(format!("{} tokens for {} slots", tokens.len(), slots.len())));
+        }
+        let b = &self.backend;
+        let c = &self.config;
+        let ap = c.attention_params();
+        b.embed(&self.tok_embd, tokens, &mut s.x)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            b.rms_norm(&s.x, &layer.attn_norm, c.rms_norm_eps, &mut s.xn)?;
+            b.matmul(&layer.wq, &s.xn, &mut s.q)?;
+            b.matmul(&layer.wk, &s.xn, &mut s.k)?;
+            b.matmul(&layer.wv, &s.xn, &mut s.v)?;
+            if let Some([bq, bk, bv]) = &layer.bias {
+                b.add_bias(&mut s.q, bq)?;
+                b.add_bias(&mut s.k, bk)?;
+                b.add_bias(&mut s.v, bv)?;
+            }
+            let qk_norm = layer.qk_norm.as_ref().map(|[q, k]| QkNorm { q, k });
+            b.attention(l, &ap, &mut s.q, &mut s.k, &s.v, qk_norm, slots, cache, &mut s.att)?;
+            b.matmul(&layer.wo, &s.att, &mut s.proj)?;
+            b.add(&mut s.x, &s.proj)?;
+            b.rms_norm(&s.x, &layer.ffn_norm, c.rms_norm_eps, &mut s.xn)?;
+            b.ffn(&layer.ffn, &s.xn, &mut s.proj)?;
+            b.add(&mut s.x, &s.proj)?;
+        }
+        logits.clear();
+        if logits_rows.is_empty() {
+            return Ok(());
+        }
+        b.select_rows(&s.x, logits_rows, &mut s.picked)?;
+        b.rms_norm(&s.picked, &self.output_norm, c.rms_norm_eps, &mut s.xn)?;
+        b.matmul(self.output.as_ref().unwrap_or(&self.tok_embd), &s.xn, &mut s.logits)?;
+        b.read(&s.logits, logits)?;
+        Ok(())
+    }
+}
+
+/// The GGML type of the lm head (for stats and docs).
+pub fn lm_head_type(file: &GgufFile) -> Option<GgmlType> {
+    file.tensor_info("output.weight").or_else(|| file.tensor_info("token_embd.weight")).map(|t| t.ty)
+}

@@ -1,0 +1,264 @@
+//! Plain f32 reference ops shared by the CPU backend and the tests: RMSNorm,
+//! RoPE (interleaved and NEOX), softmax, SwiGLU and single-head attention.
+//!
+//! These are written for clarity first; they run on rows of at most a few
+//! thousand elements, so the hot cost of a forward pass is in the quantized
+//! matrix products, not here.
+
+/// How RoPE pairs the elements of a head vector.
+///
+/// llama.cpp picks this per architecture (`llama_model_rope_type`): the llama
+/// arch uses [`RopeMode::Normal`] (its converter permutes Q/K rows so that the
+/// GGUF expects interleaved pairs), qwen2 and qwen3 use [`RopeMode::Neox`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeMode {
+    /// ggml mode 0: rotate adjacent pairs `(x[2i], x[2i+1])`.
+    Normal,
+    /// ggml NEOX mode: rotate `(x[i], x[i + d/2])`.
+    Neox,
+}
+
+/// `out = x / rms(x) * weight`, with `rms(x) = sqrt(mean(x^2) + eps)`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    debug_assert_eq!(x.len(), weight.len());
+    debug_assert_eq!(x.len(), out.len());
+    // Accumulate in f64: rows of a few thousand elements lose a few ulps in f32.
+    let sum_sq: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let scale = 1.0 / ((sum_sq / x.len() as f64) + eps as f64).sqrt();
+    let scale = scale as f32;
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = v * scale * w;
+    }
+}
+
+/// In-place [`rms_norm`].
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let sum_sq: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let scale = (1.0 / ((sum_sq / x.len() as f64) + eps as f64).sqrt()) as f32;
+    for (v, &w) in x.iter_mut().zip(weight) {
+        *v = *v * scale * w;
+    }
+}
+
+/// Precomputed rotary angles for one position: `cos`/`sin` of
+/// `pos * base^(-2i/d)` for `i` in `0..d/2`.
+#[derive(Debug, Clone)]
+pub struct RopeAngles {
+    /// Cosines, one per rotated pair.
+    pub cos: Vec<f32>,
+    /// Sines, one per rotated pair.
+    pub sin: Vec<f32>,
+}
+
+impl RopeAngles {
+    /// Angles for `pos` with `head_dim` rotated dimensions and base `freq_base`.
+    pub fn new(pos: usize, head_dim: usize, freq_base: f32) -> RopeAngles {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(half);
+        let mut sin = Vec::with_capacity(half);
+        for i in 0..half {
+            // f64 so that long positions keep their phase; the references
+            // (HF and ggml) compute in f32 and agree to ~1e-6 here.
+            let inv_freq = (freq_base as f64).powf(-2.0 * i as f64 / head_dim as f64);
+            let theta = pos as f64 * inv_freq;
+            cos.push(theta.cos() as f32);
+            sin.push(theta.sin() as f32);
+        }
+        RopeAngles { cos, sin }
+    }
+}
+
+/// Rotates one head vector in place.
+pub fn rope_in_place(x: &mut [f32], angles: &RopeAngles, mode: RopeMode) {
+    let half = x.len() / 2;
+    debug_assert_eq!(angles.cos.len(), half);
+    match mode {
+        RopeMode::Normal => {
+            for i in 0..half {
+                let (c, s) = (angles.cos[i], angles.sin[i]);
+                let (a, b) = (x[2 * i], x[2 * i + 1]);
+                x[2 * i] = a * c - b * s;
+                x[2 * i + 1] = a * s + b * c;
+            }
+        }
+        RopeMode::Neox => {
+            for i in 0..half {
+                let (c, s) = (angles.cos[i], angles.sin[i]);
+                let (a, b) = (x[i], x[i + half]);
+                x[i] = a * c - b * s;
+                x[i + half] = a * s + b * c;
+            }
+        }
+    }
+}
+
+/// Numerically stable softmax in place. An empty slice is left alone.
+pub fn softmax_in_place(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return;
+    }
+    let mut sum = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// `x * sigmoid(x)`.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// `out[i] = silu(gate[i]) * up[i]`.
+pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = silu(g) * u;
+    }
+}
+
+/// Dot product of two f32 slices (auto-vectorised: eight independent sums).
+#[inline]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f32; 8];
+    let chunks = n / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for i in chunks * 8..n {
+        sum += a[i] * b[i];
+    }
+    sum
+}
+
+/// `y += alpha * x`.
+#[inline]
+pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += alpha * x;
+    }
+}
+
+/// Attention of one query head over `n` cached positions stored row-major
+/// (`keys[j*d..(j+1)*d]`). `scores` needs `n` elements; `out` gets `d`.
+pub fn attend_f32(q: &[f32], keys: &[f32], values: &[f32], n: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    let d = q.len();
+    for j in 0..n {
+        scores[j] = dot_f32(q, &keys[j * d..(j + 1) * d]) * scale;
+    }
+    softmax_in_place(&mut scores[..n]);
+    out.fill(0.0);
+    for j in 0..n {
+        axpy(scores[j], &values[j * d..(j + 1) * d], out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_matches_definition() {
+        let x = [1.0f32, -2.0, 3.0, 0.5];
+        let w = [1.0f32, 2.0, 0.5, 1.0];
+        let mut out = [0.0f32; 4];
+        rms_norm(&x, &w, 1e-5, &mut out);
+        let ms = (1.0 + 4.0 + 9.0 + 0.25) / 4.0;
+        let s = 1.0 / (ms + 1e-5f64).sqrt();
+        for i in 0..4 {
+            assert!((out[i] as f64 - x[i] as f64 * s * w[i] as f64).abs() < 1e-6);
+        }
+        let mut y = x;
+        rms_norm_in_place(&mut y, &w, 1e-5);
+        assert_eq!(y, out);
+    }
+
+    #[test]
+    fn rope_modes_rotate_the_right_pairs() {
+        let d = 8;
+        let a = RopeAngles::new(3, d, 10000.0);
+        let x: Vec<f32> = (0..d).map(|i| i as f32 + 1.0).collect();
+        let mut n = x.clone();
+        rope_in_place(&mut n, &a, RopeMode::Normal);
+        let mut x2 = x.clone();
+        rope_in_place(&mut x2, &a, RopeMode::Neox);
+        // Pair 0 has frequency 1: angle = pos.
+        let (c, s) = (3.0f32.cos(), 3.0f32.sin());
+        assert!((n[0] - (1.0 * c - 2.0 * s)).abs() < 1e-5);
+        assert!((n[1] - (1.0 * s + 2.0 * c)).abs() < 1e-5);
+        assert!((x2[0] - (1.0 * c - 5.0 * s)).abs() < 1e-5);
+        assert!((x2[4] - (1.0 * s + 5.0 * c)).abs() < 1e-5);
+        // Rotation preserves the norm in both modes.
+        let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>();
+        assert!((norm(&n) - norm(&x)).abs() < 1e-3);
+        assert!((norm(&x2) - norm(&x)).abs() < 1e-3);
+        // Position 0 is the identity.
+        let mut z = x.clone();
+        rope_in_place(&mut z, &RopeAngles::new(0, d, 10000.0), RopeMode::Neox);
+        assert_eq!(z, x);
+    }
+
+    #[test]
+    fn rope_relative_property() {
+        // <R(p) q, R(p') k> depends only on p - p'.
+        let d = 16;
+        let q: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin()).collect();
+        let k: Vec<f32> = (0..d).map(|i| (i as f32 * 0.71).cos()).collect();
+        for mode in [RopeMode::Normal, RopeMode::Neox] {
+            let score = |pq: usize, pk: usize| {
+                let mut a = q.clone();
+                let mut b = k.clone();
+                rope_in_place(&mut a, &RopeAngles::new(pq, d, 10000.0), mode);
+                rope_in_place(&mut b, &RopeAngles::new(pk, d, 10000.0), mode);
+                dot_f32(&a, &b)
+            };
+            assert!((score(7, 3) - score(14, 10)).abs() < 1e-4);
+        }
+    }
+
+    #[test]
+    fn softmax_sums_to_one_and_is_stable() {
+        let mut x = [1000.0f32, 1001.0, 999.0];
+        softmax_in_place(&mut x);
+        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(x[1] > x[0] && x[0] > x[2]);
+    }
+
+    #[test]
+    fn attention_with_one_position_returns_its_value() {
+        let q = [1.0f32, 2.0];
+        let k = [0.5f32, 0.5];
+        let v = [3.0f32, -1.0];
+        let mut s = [0.0f32; 1];
+        let mut out = [0.0f32; 2];
+        attend_f32(&q, &k, &v, 1, 0.7, &mut s, &mut out);
+        assert_eq!(out, v);
+        // Two positions: weights follow softmax of the scaled scores.
+        let k2 = [1.0f32, 0.0, 0.0, 1.0];
+        let v2 = [1.0f32, 0.0, 0.0, 1.0];
+        let mut s2 = [0.0f32; 2];
+        attend_f32(&q, &k2, &v2, 2, 1.0, &mut s2, &mut out);
+        let e = (2.0f32 - 1.0).exp();
+        assert!((out[1] - e / (1.0 + e)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn swiglu_and_dot() {
+        let mut o = [0.0f32; 2];
+        swiglu(&[0.0, 2.0], &[5.0, 3.0], &mut o);
+        assert_eq!(o[0], 0.0);
+        assert!((o[1] - 3.0 * 2.0 / (1.0 + (-2.0f32).exp())).abs() < 1e-6);
+        let a: Vec<f32> = (0..19).map(|i| i as f32).collect();
+        assert_eq!(dot_f32(&a, &a), (0..19).map(|i| (i * i) as f32).sum::<f32>());
+    }
+}

@@ -1,0 +1,327 @@
+//! Token sampling: greedy, temperature, top-k, top-p, min-p, repetition and
+//! presence/frequency penalties, seeded randomness; plus stop-string
+//! matching for streamed text.
+//!
+//! The order of the transforms follows llama.cpp's default sampler chain:
+//! penalties, then top-k, top-p, min-p, then temperature and the draw. A
+//! temperature of zero (or below) means greedy after the penalties.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+
+/// Sampling knobs. [`SamplingParams::default`] is greedy with no penalties.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; `<= 0` selects the arg-max (greedy).
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 disables.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p`; 1 disables.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one; 0 disables.
+    pub min_p: f32,
+    /// CTRL-style repetition penalty on recently seen tokens; 1 disables.
+    pub repeat_penalty: f32,
+    /// Subtracted from the logit of every recently seen token; 0 disables.
+    pub presence_penalty: f32,
+    /// Subtracted once per occurrence of a recently seen token; 0 disables.
+    pub frequency_penalty: f32,
+    /// How many of the latest tokens the penalties look at.
+    pub penalty_last_n: usize,
+    /// Seed of the random draw; the same seed and inputs give the same tokens.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            penalty_last_n: 64,
+            seed: 0,
+        }
+    }
+}
+
+/// A stateful sampler: owns its random generator and scratch buffers so that
+/// a decode step does not allocate.
+#[derive(Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+    candidates: Vec<(u32, f32)>,
+    counts: HashMap<u32, u32>,
+}
+
+impl Sampler {
+    /// A sampler seeded from `params.seed`.
+    pub fn new(params: SamplingParams) -> Sampler {
+        let rng = StdRng::seed_from_u64(params.seed);
+        Sampler { params, rng, candidates: Vec::new(), counts: HashMap::new() }
+    }
+
+    /// The parameters this sampler was built with.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from `logits` given the tokens seen so far
+    /// (prompt and generated, oldest first). Returns 0 for empty logits.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        if logits.is_empty() {
+            return 0;
+        }
+        let p = self.params.clone();
+        self.candidates.clear();
+        self.candidates.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+        self.apply_penalties(history);
+        if p.temperature <= 0.0 {
+            return arg_max(&self.candidates);
+        }
+        // Sort descending once; top-k, top-p and min-p are then prefixes.
+        self.candidates.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut keep = self.candidates.len();
+        if p.top_k > 0 {
+            keep = keep.min(p.top_k);
+        }
+        // Probabilities at temperature 1, as llama.cpp's top-p/min-p see them.
+        let max = self.candidates[0].1;
+        let probs: Vec<f32> = self.candidates[..keep].iter().map(|c| (c.1 - max).exp()).collect();
+        let total: f32 = probs.iter().sum();
+        if p.top_p < 1.0 {
+            let mut cum = 0.0;
+            for (i, pr) in probs.iter().enumerate() {
+                cum += pr / total;
+                if cum >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            // probs[0] is the maximum (exp(0) = 1).
+            let cut = p.min_p;
+            let n = probs[..keep].iter().take_while(|&&pr| pr >= cut).count();
+            keep = n.max(1);
+        }
+        let cands = &self.candidates[..keep];
+        let inv_t = 1.0 / p.temperature;
+        let weights: Vec<f32> = cands.iter().map(|c| ((c.1 - max) * inv_t).exp()).collect();
+        let sum: f32 = weights.iter().sum();
+        let mut r = self.rng.random::<f32>() * sum;
+        for (c, w) in cands.iter().zip(&weights) {
+            if r < *w {
+                return c.0;
+            }
+            r -= w;
+        }
+        cands[keep - 1].0
+    }
+
+    fn apply_penalties(&mut self, history: &[u32]) {
+        let p = &self.params;
+        if p.repeat_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 {
+            return;
+        }
+        let start = history.len().saturating_sub(p.penalty_last_n);
+        self.counts.clear();
+        for &t in &history[start..] {
+            *self.counts.entry(t).or_insert(0) += 1;
+        }
+        for (&tok, &count) in &self.counts {
+            let Some(c) = self.candidates.get_mut(tok as usize) else { continue };
+            if p.repeat_penalty != 1.0 {
+                c.1 = if c.1 <= 0.0 { c.1 * p.repeat_penalty } else { c.1 / p.repeat_penalty };
+            }
+            c.1 -= count as f32 * p.frequency_penalty + p.presence_penalty;
+        }
+    }
+}
+
+fn arg_max(c: &[(u32, f32)]) -> u32 {
+    let mut best = c[0];
+    for &x in &c[1..] {
+        if x.1 > best.1 {
+            best = x;
+        }
+    }
+    best.0
+}
+
+/// Index of the largest logit (first on ties); 0 for an empty slice.
+pub fn greedy(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// What [`StopStrings::check`] found in the text generated so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopCheck {
+    /// A stop string starts at this byte: emit the text before it and stop.
+    Stop(usize),
+    /// No stop yet; text up to this byte is safe to emit (the rest could
+    /// still grow into a stop string).
+    Emit(usize),
+}
+
+/// Stop strings for streamed generation.
+#[derive(Debug, Clone, Default)]
+pub struct StopStrings {
+    stops: Vec<String>,
+}
+
+impl StopStrings {
+    /// Builds the matcher; empty strings are ignored.
+    pub fn new<I: IntoIterator<Item = S>, S: Into<String>>(stops: I) -> StopStrings {
+        StopStrings { stops: stops.into_iter().map(Into::into).filter(|s: &String| !s.is_empty()).collect() }
+    }
+
+    /// Whether there are no stop strings.
+    pub fn is_empty(&self) -> bool {
+        self.stops.is_empty()
+    }
+
+    /// Looks for the earliest stop string in `text`; otherwise how much of
+    /// `text` cannot be the start of one.
+    pub fn check(&self, text: &str) -> StopCheck {
+        let earliest = self.stops.iter().filter_map(|s| text.find(s.as_str())).min();
+        if let Some(at) = earliest {
+            return StopCheck::Stop(at);
+        }
+        // Hold back the longest suffix that is a proper prefix of a stop.
+        let mut safe = text.len();
+        for s in &self.stops {
+            for k in (1..s.len()).rev() {
+                if k <= text.len() && s.is_char_boundary(k) && text.ends_with(&s[..k]) {
+                    safe = safe.min(text.len() - k);
+                    break;
+                }
+            }
+        }
+        while !text.is_char_boundary(safe) {
+            safe -= 1;
+        }
+        StopCheck::Emit(safe)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        vec![1.0, 3.0, 2.5, -1.0, 0.0, 2.9]
+    }
+
+    #[test]
+    fn greedy_picks_argmax() {
+        let mut s = Sampler::new(SamplingParams::default());
+        assert_eq!(s.sample(&logits(), &[]), 1);
+        assert_eq!(greedy(&logits()), 1);
+    }
+
+    #[test]
+    fn repetition_penalty_changes_greedy_choice() {
+        let params = SamplingParams { repeat_penalty: 1.5, ..Default::default() };
+        let mut s = Sampler::new(params);
+        // 3.0/1.5 = 2.0 < 2.9: token 5 wins; then 2.9/1.5 < 2.5: token 2.
+        assert_eq!(s.sample(&logits(), &[1]), 5);
+        assert_eq!(s.sample(&logits(), &[1, 5]), 2);
+        // Negative logits are multiplied, not divided.
+        let mut s = Sampler::new(SamplingParams { repeat_penalty: 2.0, ..Default::default() });
+        assert_eq!(s.sample(&[-1.0, -1.5], &[0]), 1);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties() {
+        let params = SamplingParams { frequency_penalty: 0.2, ..Default::default() };
+        let mut s = Sampler::new(params);
+        // 3.0 - 0.2 = 2.8 < 2.9.
+        assert_eq!(s.sample(&logits(), &[1]), 5);
+        let params = SamplingParams { presence_penalty: 0.05, ..Default::default() };
+        let mut s = Sampler::new(params);
+        assert_eq!(s.sample(&logits(), &[1, 1, 1]), 1);
+        let params = SamplingParams { frequency_penalty: 0.05, ..Default::default() };
+        let mut s = Sampler::new(params);
+        assert_eq!(s.sample(&logits(), &[1, 1, 1]), 5);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_even_when_hot() {
+        let params = SamplingParams { temperature: 5.0, top_k: 1, seed: 9, ..Default::default() };
+        let mut s = Sampler::new(params);
+        for _ in 0..50 {
+            assert_eq!(s.sample(&logits(), &[]), 1);
+        }
+    }
+
+    #[test]
+    fn top_p_and_min_p_restrict_the_support() {
+        // top-p 0.5: token 1 alone has p ~ 0.37 < 0.5, adding token 5 passes.
+        let params = SamplingParams { temperature: 1.0, top_p: 0.5, seed: 1, ..Default::default() };
+        let mut s = Sampler::new(params);
+        for _ in 0..200 {
+            let t = s.sample(&logits(), &[]);
+            assert!(t == 1 || t == 5, "{t}");
+        }
+        // min-p 0.7: exp(2.5-3) = 0.61 < 0.7, exp(-0.1) = 0.905 >= 0.7.
+        let params = SamplingParams { temperature: 1.0, min_p: 0.7, seed: 2, ..Default::default() };
+        let mut s = Sampler::new(params);
+        let mut seen = [0u32; 6];
+        for _ in 0..400 {
+            seen[s.sample(&logits(), &[]) as usize] += 1;
+        }
+        assert!(seen[1] > 0 && seen[5] > 0);
+        assert_eq!(seen[0] + seen[2] + seen[3] + seen[4], 0);
+    }
+
+    #[test]
+    fn seeded_sampling_is_deterministic_and_follows_the_distribution() {
+        let params = SamplingParams { temperature: 1.0, seed: 42, ..Default::default() };
+        let draw = |p: &SamplingParams| {
+            let mut s = Sampler::new(p.clone());
+            (0..4000).map(|_| s.sample(&logits(), &[])).collect::<Vec<_>>()
+        };
+        let a = draw(&params);
+        assert_eq!(a, draw(&params));
+        let b = draw(&SamplingParams { seed: 43, ..params.clone() });
+        assert_ne!(a, b);
+        // Empirical frequency of token 1 vs its softmax probability.
+        let l = logits();
+        let z: f32 = l.iter().map(|x| x.exp()).sum();
+        let p1 = 3.0f32.exp() / z;
+        let f1 = a.iter().filter(|&&t| t == 1).count() as f32 / a.len() as f32;
+        assert!((f1 - p1).abs() < 0.03, "{f1} vs {p1}");
+    }
+
+    #[test]
+    fn low_temperature_concentrates() {
+        let params = SamplingParams { temperature: 0.01, seed: 5, ..Default::default() };
+        let mut s = Sampler::new(params);
+        for _ in 0..100 {
+            assert_eq!(s.sample(&logits(), &[]), 1);
+        }
+    }
+
+    #[test]
+    fn stop_strings_find_and_hold_back() {
+        let s = StopStrings::new(["</s>", "\nUser:"]);
+        assert_eq!(s.check("hello"), StopCheck::Emit(5));
+        assert_eq!(s.check("hello</"), StopCheck::Emit(5));
+        assert_eq!(s.check("hello\nUs"), StopCheck::Emit(5));
+        assert_eq!(s.check("hi</s> more"), StopCheck::Stop(2));
+        assert_eq!(s.check("a\nUser: b</s>"), StopCheck::Stop(1));
+        assert_eq!(StopStrings::default().check("x<"), StopCheck::Emit(2));
+    }
+}
