@@ -403,6 +403,13 @@ impl Fetcher {
             });
         }
         let tmp_path = out.path().to_path_buf();
+        // tempfile creates files 0600; a cached model is an ordinary file.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(&tmp_path, fs::Permissions::from_mode(0o644))
+                .map_err(io_err("set permissions of", &tmp_path))?;
+        }
         out.as_file_mut()
             .sync_all()
             .map_err(io_err("sync", &tmp_path))?;
