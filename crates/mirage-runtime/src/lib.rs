@@ -6,6 +6,7 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod engine;
 pub mod error;
 pub mod kv_cache;
 pub mod model;
@@ -14,6 +15,7 @@ pub mod sampling;
 
 pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, TokenSlot};
+pub use engine::{Engine, EngineOptions, GenerateParams, Generation, GenerationStats, Session, StopReason};
 pub use error::{Result, RuntimeError};
 pub use kv_cache::{KvCache, KvDtype};
 pub use model::{Model, ModelConfig};

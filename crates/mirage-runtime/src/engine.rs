@@ -1,0 +1,376 @@
+//! The high-level API: load a model file into an [`Engine`] (tokenizer,
+//! chat template, weights on a backend), open a [`Session`] (KV cache and
+//! buffers), generate text with a callback per piece of text.
+//!
+//! ```no_run
+//! use mirage_runtime::{Engine, EngineOptions, GenerateParams};
+//! let engine = Engine::load("models/smollm2-135m-instruct-q4_1.gguf", EngineOptions::default())?;
+//! let mut session = engine.session()?;
+//! let out = session.generate("The capital of France is", &GenerateParams::default(), |piece| {
+//!     print!("{piece}");
+//!     true // keep going
+//! })?;
+//! eprintln!("\n{:.1} tok/s", out.stats.decode_tok_s());
+//! # Ok::<(), mirage_runtime::RuntimeError>(())
+//! ```
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use mirage_gguf::GgufFile;
+use mirage_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, TokenSlot};
+use crate::error::{Result, RuntimeError};
+use crate::kv_cache::KvDtype;
+use crate::model::{Model, Scratch};
+use crate::sampling::{Sampler, SamplingParams, StopCheck, StopStrings};
+
+fn tok_err(e: mirage_tokenizer::TokenizerError) -> RuntimeError {
+    RuntimeError::Tokenizer(e.to_string())
+}
+
+/// How to build an [`Engine`] and its sessions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineOptions {
+    /// CPU worker threads (0: one per logical CPU).
+    pub threads: usize,
+    /// Positions per session (0: the training context, capped at 4096).
+    pub n_ctx: usize,
+    /// KV cache element type.
+    pub kv_dtype: KvDtype,
+    /// Most tokens per forward pass during prefill.
+    pub n_batch: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { threads: 0, n_ctx: 0, kv_dtype: KvDtype::F32, n_batch: 256 }
+    }
+}
+
+/// What to generate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateParams {
+    /// Most new tokens.
+    pub max_tokens: usize,
+    /// Sampler settings.
+    pub sampling: SamplingParams,
+    /// Generation stops before the first occurrence of any of these.
+    pub stop: Vec<String>,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        GenerateParams { max_tokens: 128, sampling: SamplingParams::default(), stop: Vec::new() }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model produced an end-of-generation token.
+    EndOfGeneration,
+    /// `max_tokens` were generated.
+    MaxTokens,
+    /// A stop string appeared.
+    StopString,
+    /// The callback asked to stop.
+    Callback,
+    /// The KV cache is full.
+    ContextFull,
+}
+
+/// Counts and timings of one generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationStats {
+    /// Tokens run through the model before the first sample (new ones only:
+    /// a prefix already in the cache is not counted).
+    pub prompt_tokens: usize,
+    /// Tokens sampled.
+    pub generated_tokens: usize,
+    /// Decode forward passes (one per generated token except the last).
+    pub decode_steps: usize,
+    /// Seconds of the prompt forward passes.
+    pub prompt_secs: f64,
+    /// Seconds of the decode forward passes and sampling.
+    pub decode_secs: f64,
+    /// Why it stopped.
+    pub stop_reason: StopReason,
+}
+
+impl GenerationStats {
+    /// Prompt tokens per second.
+    pub fn prompt_tok_s(&self) -> f64 {
+        if self.prompt_secs > 0.0 { self.prompt_tokens as f64 / self.prompt_secs } else { 0.0 }
+    }
+    /// Decode steps per second.
+    pub fn decode_tok_s(&self) -> f64 {
+        if self.decode_secs > 0.0 { self.decode_steps as f64 / self.decode_secs } else { 0.0 }
+    }
+}
+
+/// The result of [`Session::generate`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// The generated text (stop string excluded).
+    pub text: String,
+    /// The generated token ids (end-of-generation token excluded).
+    pub tokens: Vec<u32>,
+    /// Counts and timings.
+    pub stats: GenerationStats,
+}
+
+/// A loaded model with its tokenizer, ready to open sessions.
+pub struct Engine<B: Backend = CpuBackend> {
+    model: Model<B>,
+    tokenizer: Tokenizer,
+    chat_template: Option<ChatTemplate>,
+    options: EngineOptions,
+    n_ctx: usize,
+}
+
+impl<B: Backend> std::fmt::Debug for Engine<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("model", &self.model).field("n_ctx", &self.n_ctx).finish()
+    }
+}
+
+impl Engine<CpuBackend> {
+    /// Loads a GGUF model onto the CPU backend.
+    pub fn load(path: impl AsRef<Path>, options: EngineOptions) -> Result<Engine<CpuBackend>> {
+        let backend = CpuBackend::new(options.threads)?;
+        Engine::load_with_backend(path, backend, options)
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// Loads a GGUF model onto `backend`.
+    pub fn load_with_backend(path: impl AsRef<Path>, backend: B, options: EngineOptions) -> Result<Engine<B>> {
+        let file = Arc::new(GgufFile::open(path)?);
+        Engine::from_file(file, backend, options)
+    }
+
+    /// Builds an engine from an opened GGUF file.
+    pub fn from_file(file: Arc<GgufFile>, backend: B, options: EngineOptions) -> Result<Engine<B>> {
+        let tokenizer = Tokenizer::from_gguf(&file).map_err(tok_err)?;
+        let chat_template = ChatTemplate::from_gguf(&file).ok();
+        let model = Model::load(file, backend)?;
+        let train = model.config().n_ctx_train.max(1);
+        let n_ctx = if options.n_ctx == 0 { train.min(4096) } else { options.n_ctx };
+        Ok(Engine { model, tokenizer, chat_template, options, n_ctx })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model<B> {
+        &self.model
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The chat template, when the file has one that compiles.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
+    }
+
+    /// Positions per session.
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    /// Name of the backend.
+    pub fn backend_name(&self) -> String {
+        self.model.backend().name()
+    }
+
+    /// Tokenizes `text`, parsing special tokens; `add_special` adds BOS/EOS
+    /// where the model asks for them.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        self.tokenizer.encode(text, add_special, true).map_err(tok_err)
+    }
+
+    /// Renders `messages` with the chat template, ending with the assistant
+    /// prompt.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+        let t = self.chat_template.as_ref().ok_or_else(|| RuntimeError::Tokenizer("the model has no chat template".into()))?;
+        t.render(messages, true).map_err(tok_err)
+    }
+
+    /// A new session with an empty KV cache of [`Engine::n_ctx`] positions.
+    pub fn session(&self) -> Result<Session<'_, B>> {
+        Ok(Session {
+            engine: self,
+            cache: self.model.new_kv_cache(self.n_ctx, 1, self.options.kv_dtype)?,
+            scratch: self.model.new_scratch(),
+            tokens: Vec::new(),
+            logits: Vec::new(),
+        })
+    }
+
+    /// Logits at every position of `tokens` (`tokens.len() * vocab` floats,
+    /// row-major), run from an empty cache in one batch. For tests and
+    /// perplexity.
+    pub fn logits_for(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut cache = self.model.new_kv_cache(tokens.len().max(1), 1, self.options.kv_dtype)?;
+        let mut scratch = self.model.new_scratch();
+        let slots: Vec<TokenSlot> = (0..tokens.len()).map(|pos| TokenSlot { seq: 0, pos }).collect();
+        let rows: Vec<usize> = (0..tokens.len()).collect();
+        let mut logits = Vec::new();
+        self.model.forward(tokens, &slots, &rows, &mut cache, &mut scratch, &mut logits)?;
+        Ok(logits)
+    }
+}
+
+/// One conversation: a KV cache, buffers and the tokens it holds.
+pub struct Session<'e, B: Backend = CpuBackend> {
+    engine: &'e Engine<B>,
+    cache: B::KvCache,
+    scratch: Scratch<B>,
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+impl<B: Backend> std::fmt::Debug for Session<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").field("tokens", &self.tokens.len()).finish()
+    }
+}
+
+impl<'e, B: Backend> Session<'e, B> {
+    /// The tokens in the cache, oldest first.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Forgets everything.
+    pub fn reset(&mut self) {
+        self.engine.model.backend().kv_truncate(&mut self.cache, 0, 0);
+        self.tokens.clear();
+        self.logits.clear();
+    }
+
+    /// Runs `tokens` after the ones already in the cache (in batches of
+    /// `n_batch`) and returns the logits after the last one.
+    pub fn feed(&mut self, tokens: &[u32]) -> Result<&[f32]> {
+        if tokens.is_empty() {
+            return Err(RuntimeError::InvalidArgument("nothing to feed".into()));
+        }
+        if self.tokens.len() + tokens.len() > self.engine.n_ctx {
+            return Err(RuntimeError::ContextFull { n_ctx: self.engine.n_ctx });
+        }
+        let n_batch = self.engine.options.n_batch.max(1);
+        for chunk in tokens.chunks(n_batch) {
+            let start = self.tokens.len();
+            let slots: Vec<TokenSlot> = (0..chunk.len()).map(|i| TokenSlot { seq: 0, pos: start + i }).collect();
+            self.engine.model.forward(chunk, &slots, &[chunk.len() - 1], &mut self.cache, &mut self.scratch, &mut self.logits)?;
+            self.tokens.extend_from_slice(chunk);
+        }
+        Ok(&self.logits)
+    }
+
+    /// Makes the cache hold exactly `tokens`, reusing the longest common
+    /// prefix, and returns the logits after the last one.
+    pub fn feed_context(&mut self, tokens: &[u32]) -> Result<&[f32]> {
+        if tokens.is_empty() {
+            return Err(RuntimeError::InvalidArgument("empty context".into()));
+        }
+        let common = self.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        // At least one token must run to produce logits.
+        let keep = common.min(tokens.len() - 1);
+        self.engine.model.backend().kv_truncate(&mut self.cache, 0, keep);
+        self.tokens.truncate(keep);
+        self.feed(&tokens[keep..])
+    }
+
+    /// Appends `prompt` to the conversation (with BOS when the session is
+    /// empty and the model wants one) and generates a continuation,
+    /// streaming text to `on_text` (return `false` to stop).
+    pub fn generate(&mut self, prompt: &str, params: &GenerateParams, on_text: impl FnMut(&str) -> bool) -> Result<Generation> {
+        let mut context = self.tokens.clone();
+        context.extend(self.engine.encode(prompt, self.tokens.is_empty())?);
+        self.generate_from(&context, params, on_text)
+    }
+
+    /// Generates after exactly `context` (reusing the cached prefix).
+    pub fn generate_from(&mut self, context: &[u32], params: &GenerateParams, mut on_text: impl FnMut(&str) -> bool) -> Result<Generation> {
+        let tokenizer = &self.engine.tokenizer;
+        let t0 = Instant::now();
+        let before = self.tokens.iter().zip(context).take_while(|(a, b)| a == b).count().min(context.len().saturating_sub(1));
+        self.feed_context(context)?;
+        let prompt_secs = t0.elapsed().as_secs_f64();
+        let prompt_tokens = context.len() - before;
+        let t1 = Instant::now();
+        let mut sampler = Sampler::new(params.sampling.clone());
+        let stops = StopStrings::new(params.stop.iter().cloned());
+        let mut decoder = StreamDecoder::new();
+        let (mut text, mut emitted) = (String::new(), 0usize);
+        let mut generated = Vec::new();
+        let mut decode_steps = 0;
+        let mut stop_reason = StopReason::MaxTokens;
+        let mut logits = std::mem::take(&mut self.logits);
+        while generated.len() < params.max_tokens {
+            let token = sampler.sample(&logits, &self.tokens);
+            if tokenizer.is_eog(token) {
+                stop_reason = StopReason::EndOfGeneration;
+                break;
+            }
+            generated.push(token);
+            text.push_str(&decoder.push_token(tokenizer, token));
+            match stops.check(&text) {
+                StopCheck::Stop(at) => {
+                    text.truncate(at);
+                    if at > emitted {
+                        on_text(&text[emitted..]);
+                    }
+                    emitted = text.len();
+                    stop_reason = StopReason::StopString;
+                    break;
+                }
+                StopCheck::Emit(safe) => {
+                    if safe > emitted {
+                        let go_on = on_text(&text[emitted..safe]);
+                        emitted = safe;
+                        if !go_on {
+                            stop_reason = StopReason::Callback;
+                            break;
+                        }
+                    }
+                }
+            }
+            // The sample is fed even after the last one, so that the cache
+            // holds the whole reply and a chat can continue after it.
+            self.logits = logits;
+            match self.feed(&[token]) {
+                Ok(_) => decode_steps += 1,
+                Err(RuntimeError::ContextFull { .. }) => {
+                    logits = std::mem::take(&mut self.logits);
+                    stop_reason = StopReason::ContextFull;
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+            logits = std::mem::take(&mut self.logits);
+        }
+        self.logits = logits;
+        if stop_reason != StopReason::StopString {
+            text.push_str(&decoder.finish());
+            if text.len() > emitted {
+                on_text(&text[emitted..]);
+            }
+        }
+        let stats = GenerationStats {
+            prompt_tokens,
+            generated_tokens: generated.len(),
+            decode_steps,
+            prompt_secs,
+            decode_secs: t1.elapsed().as_secs_f64(),
+            stop_reason,
+        };
+        Ok(Generation { text, tokens: generated, stats })
+    }
+}
