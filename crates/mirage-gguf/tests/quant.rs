@@ -171,8 +171,11 @@ fn fixture_inputs_round_trip_for_every_type() {
                 Q4_0 | Q4_1 | Q4_K => 0.16,
                 _ => 0.08,
             };
+            // Scales are f16 (F16 values themselves): below 2^-24 they flush
+            // to zero, so tiny blocks may decode as zero, as in ggml.
+            let floor = 64.0 * 2f32.powi(-24);
             let worst = xb.iter().zip(yb).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(worst <= frac * amax, "{ty} block {b}: max error {worst} > {frac} * {amax}");
+            assert!(worst <= frac * amax + floor, "{ty} block {b}: max error {worst} > {frac} * {amax}");
         }
     }
 }

@@ -78,3 +78,4 @@ pub(crate) fn dot_f16_scalar(n: usize, w: &[u8], a: &[u8]) -> f32 {
 pub(crate) fn dot_bf16_scalar(n: usize, w: &[u8], a: &[u8]) -> f32 {
     dot_by_lanes(n, |i| bf16_to_f32(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])), a)
 }
+
