@@ -10,6 +10,8 @@ Outputs, all small:
   crates/mirage-gguf/tests/fixtures/<model>.gguf.json
   crates/mirage-gguf/tests/fixtures/tiny.safetensors
   crates/mirage-gguf/tests/fixtures/tiny.safetensors.json
+  crates/mirage-gguf/tests/fixtures/tiny_py.gguf   (written by gguf.GGUFWriter;
+      also the seed of the fuzz corpus, crates/mirage-gguf/fuzz/corpus/parse/)
 """
 import hashlib
 import json
@@ -122,6 +124,58 @@ def tiny_safetensors():
     (OUT / "tiny.safetensors.json").write_text(json.dumps(expect, indent=1) + "\n")
 
 
+def tiny_gguf():
+    """A small GGUF written by the independent Python writer: every metadata
+    value type, a nested array, F32/F16/Q8_0 tensors. tests/format.rs checks
+    these exact values."""
+    import shutil
+
+    import numpy as np
+
+    path = OUT / "tiny_py.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    T = gguf.GGUFValueType
+    w.add_key_value("t.u8", 200, T.UINT8)
+    w.add_key_value("t.i8", -100, T.INT8)
+    w.add_key_value("t.u16", 60000, T.UINT16)
+    w.add_key_value("t.i16", -30000, T.INT16)
+    w.add_key_value("t.u32", 4000000000, T.UINT32)
+    w.add_key_value("t.i32", -2000000000, T.INT32)
+    w.add_key_value("t.u64", 2**63 + 5, T.UINT64)
+    w.add_key_value("t.i64", -(2**62), T.INT64)
+    w.add_key_value("t.f32", 0.15625, T.FLOAT32)
+    w.add_key_value("t.f64", -1e300, T.FLOAT64)
+    w.add_key_value("t.bool", True, T.BOOL)
+    w.add_key_value("t.str", "héllo ✓", T.STRING)
+    w.add_key_value("t.strs", ["a", "", "ü"], T.ARRAY, sub_type=T.STRING)
+    w.add_key_value("t.nested", [[1, 2], [3], [4, 5, 6]], T.ARRAY, sub_type=T.ARRAY)
+    w.add_key_value("t.f32s", [0.5, -1.5], T.ARRAY, sub_type=T.FLOAT32)
+    a = (np.arange(8, dtype=np.float32) - 3.5).reshape(2, 4)
+    w.add_tensor("a.f32", a)
+    b = np.array([1.0, -2.0, 0.25, 1024.0], dtype=np.float16)
+    w.add_tensor("b.f16", b)
+    c = (np.arange(64, dtype=np.float32).reshape(2, 32) / 8.0 - 4.0)
+    cq = gguf.quants.quantize(c, gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("c.q8_0", cq, raw_shape=cq.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    corpus = ROOT / "crates" / "mirage-gguf" / "fuzz" / "corpus" / "parse"
+    corpus.mkdir(parents=True, exist_ok=True)
+    shutil.copy(path, corpus / "seed-tiny_py.gguf")
+    # A second seed: metadata only, alignment 64, nested string arrays.
+    w = gguf.GGUFWriter(str(corpus / "seed-kv-only.gguf"), arch="qwen2")
+    w.add_uint32("general.alignment", 64)
+    w.add_key_value("n.strs", [["ab", "c"], ["d"]], T.ARRAY, sub_type=T.ARRAY)
+    w.add_key_value("n.f64", [1.5, 2.5], T.ARRAY, sub_type=T.FLOAT64)
+    w.add_bool("n.flag", False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
@@ -131,6 +185,7 @@ def main():
         d = dump_model(path)
         (OUT / f"{name}.json").write_text(json.dumps(d, indent=0, ensure_ascii=False) + "\n")
     tiny_safetensors()
+    tiny_gguf()
     for p in sorted(OUT.iterdir()):
         print(f"{p.relative_to(ROOT)}: {p.stat().st_size} bytes")
 
