@@ -219,11 +219,20 @@ pub enum GgufError {
         dtype: String,
     },
     /// Dequantizing a tensor failed.
-    #[error("dequantize tensor {name:?}: {reason}")]
+    #[error("dequantize tensor {name:?}: {source}")]
     Dequantize {
         /// The tensor's name.
         name: String,
         /// What the codec said.
-        reason: String,
+        #[source]
+        source: crate::quant::QuantError,
+    },
+    /// A tensor too large to materialise in this address space.
+    #[error("tensor {name:?} has {n_elements} elements, too many to dequantize here")]
+    TooLarge {
+        /// The tensor's name.
+        name: String,
+        /// Its element count.
+        n_elements: u64,
     },
 }

@@ -1,5 +1,6 @@
 //! Tensor descriptors and zero-copy views of tensor data.
 
+use crate::error::GgufError;
 use crate::GgmlType;
 
 /// One tensor info record of a GGUF file.
@@ -71,5 +72,18 @@ impl<'a> TensorView<'a> {
     /// The dims, ggml order.
     pub fn dims(&self) -> &'a [u64] {
         &self.info.dims
+    }
+
+    /// Dequantizes the whole tensor to f32 (row-major in ggml order: row
+    /// `r` is `out[r * dims[0]..(r + 1) * dims[0]]`), through
+    /// [`crate::quant::dequantize`].
+    pub fn to_f32(&self) -> Result<Vec<f32>, GgufError> {
+        let n_elements = self.info.n_elements();
+        let n = usize::try_from(n_elements)
+            .map_err(|_| GgufError::TooLarge { name: self.info.name.clone(), n_elements })?;
+        let mut out = vec![0f32; n];
+        crate::quant::dequantize(self.info.ty, self.data, &mut out)
+            .map_err(|source| GgufError::Dequantize { name: self.info.name.clone(), source })?;
+        Ok(out)
     }
 }

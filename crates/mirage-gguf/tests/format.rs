@@ -68,6 +68,16 @@ fn reads_file_written_by_python_gguf() {
     let c = f.tensor("c.q8_0").unwrap();
     assert_eq!((c.info.ty, c.info.dims.as_slice(), c.info.offset), (GgmlType::Q8_0, &[32u64, 2][..], 64));
     assert_eq!(c.data.len(), 68);
+    // Dequantized through crate::quant: exact for F32/F16, within half a
+    // Q8_0 step (scale = max|x| / 127 = 4 / 127) of what Python quantized.
+    assert_eq!(a.to_f32().unwrap(), [-3.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5]);
+    assert_eq!(b.to_f32().unwrap(), [1.0, -2.0, 0.25, 1024.0]);
+    let c_vals = c.to_f32().unwrap();
+    assert_eq!(c_vals.len(), 64);
+    for (i, v) in c_vals.iter().enumerate() {
+        let want = i as f32 / 8.0 - 4.0;
+        assert!((v - want).abs() <= 0.5 * 4.0 / 127.0 + 1e-3, "c[{i}] = {v}, want {want}");
+    }
     assert!(f.tensor("missing").is_none());
 
     // Our writer reproduces the Python writer's bytes exactly.
