@@ -11,6 +11,7 @@ pub mod error;
 pub mod kv_cache;
 pub mod model;
 pub mod ops;
+pub mod perplexity;
 pub mod sampling;
 
 pub use backend::cpu::CpuBackend;
