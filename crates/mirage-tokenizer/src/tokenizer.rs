@@ -333,6 +333,11 @@ impl Tokenizer {
         &self.end_of_generation
     }
 
+    /// Empty the BPE piece cache (for timing cold encodes; encoding results never depend on it).
+    pub fn clear_cache(&self) {
+        self.bpe.clear_cache();
+    }
+
     /// Number of tokens in the vocabulary.
     pub fn vocab_size(&self) -> usize {
         self.tokens.len()
