@@ -233,3 +233,29 @@ fn encode_speed_on_gpl3() {
         assert!(cold < 2.0, "{model}: encoding {} bytes took {cold:.2} s", text.len());
     }
 }
+
+/// Long runs that one regex alternative or one BPE piece must swallow whole: these must neither hit
+/// the regex engine's backtracking limit nor go quadratic in the merge loop, and must round-trip.
+#[test]
+fn pathological_inputs_stay_linear_and_round_trip() {
+    let inputs = [
+        " ".repeat(200_000),
+        "\t \n".repeat(60_000),
+        "a".repeat(200_000),
+        "9".repeat(100_000),
+        "😀".repeat(30_000),
+        "!?".repeat(60_000) + "x",
+        format!("{}<|im_end|>{}", "é".repeat(50_000), " \n".repeat(50_000)),
+    ];
+    for model in MODELS {
+        let Some(tok) = tokenizer(model) else { continue };
+        for text in &inputs {
+            let start = Instant::now();
+            let ids = tok.encode(text, false, true).unwrap_or_else(|e| panic!("{model}: {e}"));
+            let secs = start.elapsed().as_secs_f64();
+            println!("{model}: {} bytes -> {} ids in {:.1} ms", text.len(), ids.len(), secs * 1e3);
+            assert!(secs < 3.0, "{model}: {} bytes took {secs:.2} s", text.len());
+            assert_eq!(&tok.decode(&ids, false).unwrap(), text, "{model}");
+        }
+    }
+}
