@@ -1,0 +1,255 @@
+//! End-to-end tests of the `mirage-cli` binary on the real models, checked
+//! against the `gguf` Python package (an independent reader and quantizer).
+//!
+//! Models come from the workspace's models/ folder (`cargo xtask
+//! fetch-models`); without them these tests fail, unless
+//! MIRAGE_SKIP_MODEL_TESTS=1, in which case they say why they skip.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const SMOLLM2: &str = "smollm2-135m-instruct-q4_1.gguf";
+const QWEN: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+
+fn models_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models")
+}
+
+/// The model's path; `None` (with a message) only when skipping is asked for.
+fn model(name: &str) -> Option<PathBuf> {
+    let path = models_dir().join(name);
+    if path.is_file() {
+        return Some(path);
+    }
+    if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!("skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1", path.display());
+        return None;
+    }
+    panic!("{} is missing: run `cargo xtask fetch-models`", path.display());
+}
+
+fn cli(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mirage-cli"))
+        .args(args)
+        .output()
+        .expect("run mirage-cli")
+}
+
+fn ok_stdout(args: &[&str]) -> String {
+    let out = cli(args);
+    assert!(
+        out.status.success(),
+        "mirage-cli {args:?} failed: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 stdout")
+}
+
+/// Runs a Python script (argv after it) and parses the JSON it prints.
+fn python_json(script: &str, args: &[&str]) -> serde_json::Value {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("python3 must be installed (tests compare against the `gguf` package)");
+    assert!(
+        out.status.success(),
+        "python3 failed (needs `pip install gguf numpy`): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("python printed JSON")
+}
+
+fn inspect_json(path: &Path) -> serde_json::Value {
+    let text = ok_stdout(&["inspect", "--json", path.to_str().unwrap()]);
+    serde_json::from_str(&text).expect("inspect --json prints JSON")
+}
+
+#[test]
+fn inspect_json_reports_qwen_shape() {
+    let Some(path) = model(QWEN) else { return };
+    let r = inspect_json(&path);
+    assert_eq!(r["architecture"], "qwen2");
+    assert_eq!(r["block_count"], 24);
+    assert_eq!(r["embedding_length"], 896);
+    assert_eq!(r["feed_forward_length"], 4864);
+    assert_eq!(r["head_count"], 14);
+    assert_eq!(r["head_count_kv"], 2);
+    assert_eq!(r["tensor_count"], 291);
+    assert_eq!(r["vocab_size"], 151936);
+    assert_eq!(r["tokenizer"]["pre"], "qwen2");
+    assert_eq!(r["tokenizer"]["has_chat_template"], true);
+    assert_eq!(r["tensors"].as_array().unwrap().len(), 291);
+    // Per-type byte totals add up to the tensor data and match the file.
+    let per_type: u64 = r["bytes_per_type"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|t| t["bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(per_type, r["tensor_bytes"].as_u64().unwrap());
+    assert!(r["tensor_bytes"].as_u64().unwrap() < r["file_size"].as_u64().unwrap());
+}
+
+#[test]
+fn inspect_agrees_with_gguf_py() {
+    let Some(path) = model(SMOLLM2) else { return };
+    let r = inspect_json(&path);
+    let py = python_json(
+        r#"
+import sys, json, gguf
+r = gguf.GGUFReader(sys.argv[1])
+f = r.fields
+print(json.dumps({
+  "tensors": [[t.name, t.tensor_type.name, [int(d) for d in t.shape], int(t.n_bytes)] for t in r.tensors],
+  "block_count": int(f["llama.block_count"].parts[-1][0]),
+  "vocab": len(f["tokenizer.ggml.tokens"].data),
+}))
+"#,
+        &[path.to_str().unwrap()],
+    );
+    assert_eq!(r["block_count"], py["block_count"]);
+    assert_eq!(r["vocab_size"], py["vocab"]);
+    assert_eq!(r["tokenizer"]["vocab_size"], py["vocab"]);
+    let ours = r["tensors"].as_array().unwrap();
+    let theirs = py["tensors"].as_array().unwrap();
+    assert_eq!(ours.len(), theirs.len());
+    for (o, t) in ours.iter().zip(theirs) {
+        assert_eq!(o["name"], t[0]);
+        assert_eq!(o["type"], t[1]);
+        assert_eq!(o["shape"], t[2], "{}", o["name"]);
+        assert_eq!(o["bytes"], t[3], "{}", o["name"]);
+    }
+}
+
+#[test]
+fn inspect_rejects_a_file_that_is_not_gguf() {
+    let dir = tempfile::tempdir().unwrap();
+    let bogus = dir.path().join("bogus.gguf");
+    std::fs::write(&bogus, b"this is not a model at all").unwrap();
+    let out = cli(&["inspect", bogus.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.starts_with("error: reading"), "{stderr}");
+    assert!(stderr.contains("magic"), "{stderr}");
+}
+
+/// Compares a re-quantized file with its source through gguf-py: names,
+/// order, shapes and types, and per-tensor relative RMS error of the
+/// dequantized values; Q8_0 tensors must also equal gguf-py's own Q8_0
+/// quantization of the source byte for byte.
+const COMPARE_PY: &str = r#"
+import sys, json, numpy as np, gguf
+src, out = gguf.GGUFReader(sys.argv[1]), gguf.GGUFReader(sys.argv[2])
+by_name = {t.name: t for t in src.tensors}
+Q8 = gguf.GGMLQuantizationType.Q8_0
+res = {"names_in_order": [t.name for t in out.tensors] == [t.name for t in src.tensors],
+       "file_type": int(out.fields["general.file_type"].parts[-1][0]),
+       "types": {}, "max_rel_rmse": {}, "q8_0_identical": 0, "q8_0_differ": []}
+for t in out.tensors:
+    s = by_name[t.name]
+    assert list(t.shape) == list(s.shape), t.name
+    res["types"][t.name] = t.tensor_type.name
+    x = gguf.quants.dequantize(s.data, s.tensor_type).astype(np.float64)
+    y = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+    rel = float(np.sqrt(np.mean((x - y) ** 2)) / max(np.sqrt(np.mean(x ** 2)), 1e-30))
+    k = t.tensor_type.name
+    res["max_rel_rmse"][k] = max(res["max_rel_rmse"].get(k, 0.0), rel)
+    if t.tensor_type == Q8 and s.tensor_type != Q8:
+        ref = gguf.quants.quantize(x.astype(np.float32), Q8).reshape(-1).view(np.uint8)
+        if np.array_equal(ref, np.asarray(t.data).reshape(-1).view(np.uint8)):
+            res["q8_0_identical"] += 1
+        else:
+            res["q8_0_differ"].append(t.name)
+print(json.dumps(res))
+"#;
+
+fn is_weight_matrix(name: &str) -> bool {
+    name.ends_with(".weight") && !name.contains("norm")
+}
+
+#[test]
+fn quantize_smollm2_to_q8_0_matches_gguf_py() {
+    let Some(src) = model(SMOLLM2) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("smollm2-q8_0.gguf");
+    let stdout = ok_stdout(&[
+        "quantize",
+        src.to_str().unwrap(),
+        out.to_str().unwrap(),
+        "--type",
+        "q8_0",
+    ]);
+    assert!(stdout.contains("210 tensors converted Q4_1 -> Q8_0"), "{stdout}");
+    // Written via a temporary name: only the final file is left.
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert_eq!(left.len(), 1);
+
+    let r = python_json(COMPARE_PY, &[src.to_str().unwrap(), out.to_str().unwrap()]);
+    assert_eq!(r["names_in_order"], true);
+    assert_eq!(r["file_type"], 7, "general.file_type must say MOSTLY_Q8_0");
+    let types = r["types"].as_object().unwrap();
+    assert_eq!(types.len(), 272);
+    for (name, ty) in types {
+        // SmolLM2's matrices are all 2-D `.weight`s; norms are 1-D F32.
+        let want = if is_weight_matrix(name) { "Q8_0" } else { "F32" };
+        assert_eq!(ty, want, "{name}");
+    }
+    // 210 Q4_1 matrices re-quantized; token_embd was Q8_0 already and is copied.
+    assert_eq!(r["q8_0_identical"], 210, "differ: {}", r["q8_0_differ"]);
+    let q8_err = r["max_rel_rmse"]["Q8_0"].as_f64().unwrap();
+    assert!(q8_err > 0.0 && q8_err < 0.01, "Q8_0 relative RMSE {q8_err}");
+    assert_eq!(r["max_rel_rmse"]["F32"], 0.0);
+}
+
+#[test]
+fn quantize_to_q4_k_falls_back_where_rows_do_not_fit() {
+    let Some(src) = model(SMOLLM2) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("smollm2-q4_k.gguf");
+    let stdout = ok_stdout(&[
+        "quantize",
+        src.to_str().unwrap(),
+        out.to_str().unwrap(),
+        "-t",
+        "q4_k",
+    ]);
+    assert!(stdout.contains("row length 576 is not a multiple of Q4_K's block of 256"), "{stdout}");
+
+    let r = python_json(COMPARE_PY, &[src.to_str().unwrap(), out.to_str().unwrap()]);
+    assert_eq!(r["file_type"], 14);
+    let types = r["types"].as_object().unwrap();
+    for (name, ty) in types {
+        let want = if !is_weight_matrix(name) {
+            "F32"
+        } else if name.contains("ffn_down") {
+            "Q4_K" // rows of 1536 = 6 x 256
+        } else {
+            "Q5_0" // rows of 576: llama.cpp's fallback for Q4_K
+        };
+        assert_eq!(ty, want, "{name}");
+    }
+    let err = &r["max_rel_rmse"];
+    assert!(err["Q4_K"].as_f64().unwrap() < 0.05, "{err}");
+    assert!(err["Q5_0"].as_f64().unwrap() < 0.08, "{err}");
+}
+
+#[test]
+fn quantize_refuses_activation_only_types() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = cli(&["quantize", "in.gguf", dir.path().join("o").to_str().unwrap(), "-t", "q8_k"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("activation format"));
+    let out = cli(&["quantize", "in.gguf", "o.gguf", "-t", "q9_9"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown type"));
+}
+
+#[test]
+fn fetch_models_verifies_the_present_model_without_fetching() {
+    let Some(path) = model(SMOLLM2) else { return };
+    let dir = path.parent().unwrap().to_str().unwrap().to_string();
+    let stdout = ok_stdout(&["fetch-models", "--only", "smollm2", "--dir", &dir]);
+    assert!(stdout.contains("up to date"), "{stdout}");
+}
