@@ -1,6 +1,6 @@
 //! `mirage-cli fetch-models`: the same fetch `cargo xtask fetch-models` runs
-//! (both call `mirage-fetch`), plus [`resolve_model`] for commands whose
-//! `--model` is optional.
+//! (both call `mirage-fetch`), plus [`fetch_if_known_and_missing`] for
+//! commands that load a model.
 
 use std::path::{Path, PathBuf};
 
@@ -27,24 +27,32 @@ pub fn ensure(spec: &ModelSpec, dir: &Path) -> anyhow::Result<(PathBuf, FetchOut
         .with_context(|| format!("fetching {} into {}", spec.id, dir.display()))
 }
 
-/// The model a command should load: `explicit` when given, else the default
-/// model in the default models folder, fetched first if it is missing. A
-/// present default model is used without re-hashing it (that is what
-/// `fetch-models` is for), so start-up stays instant.
-// Used by `generate`/`chat`/`perplexity` (no --model means the default model).
+/// Makes sure a model path a command is about to load exists: when `path` is
+/// missing and its file name is one of the known models (the default
+/// `models/smollm2-135m-instruct-q4_1.gguf`, say), that model is fetched into
+/// the path's folder first. Returns whether a fetch happened. A present file
+/// is used as is, without re-hashing it (`fetch-models` verifies), so
+/// start-up stays instant; an unknown missing file is left for the caller to
+/// report.
+// Used by `generate`/`chat`/`perplexity` before loading their `--model`.
 #[allow(dead_code)]
-pub fn resolve_model(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
-    if let Some(path) = explicit {
-        return Ok(path.to_path_buf());
+pub fn fetch_if_known_and_missing(path: &Path) -> anyhow::Result<bool> {
+    if path.exists() {
+        return Ok(false);
     }
-    let spec = &mirage_fetch::DEFAULT_MODEL;
-    let dir = mirage_fetch::default_models_dir();
-    let path = dir.join(spec.file_name);
-    if path.is_file() {
-        return Ok(path);
-    }
-    tracing::info!("no --model given and {} is missing: fetching it", path.display());
-    Ok(ensure(spec, &dir)?.0)
+    let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+        return Ok(false);
+    };
+    let Some(spec) = MODELS.iter().find(|m| m.file_name == name) else {
+        return Ok(false);
+    };
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    tracing::info!("{} is missing: fetching {}", path.display(), spec.id);
+    ensure(spec, &dir)?;
+    Ok(true)
 }
 
 /// Runs `fetch-models`.
