@@ -32,6 +32,12 @@ enum Command {
     Quantize(cmd::quantize::QuantizeArgs),
     /// Download, verify (sha256) and cache the known models under models/.
     FetchModels(cmd::fetch::FetchArgs),
+    /// Generate a continuation of a prompt (streams to stdout).
+    Generate(cmd::generate::GenerateArgs),
+    /// Interactive chat with the model's chat template.
+    Chat(cmd::chat::ChatArgs),
+    /// Perplexity of a text file, as llama-perplexity computes it.
+    Perplexity(cmd::perplexity::PerplexityArgs),
 }
 
 impl Command {
@@ -40,6 +46,9 @@ impl Command {
             Command::Inspect(args) => cmd::inspect::run(args),
             Command::Quantize(args) => cmd::quantize::run(args),
             Command::FetchModels(args) => cmd::fetch::run(args),
+            Command::Generate(args) => cmd::generate::run(args),
+            Command::Chat(args) => cmd::chat::run(args),
+            Command::Perplexity(args) => cmd::perplexity::run(args),
         }
     }
 }

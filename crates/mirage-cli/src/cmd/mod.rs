@@ -2,8 +2,11 @@
 //! `pub fn run(args) -> anyhow::Result<()>`; `main.rs` only dispatches.
 //! Small helpers several commands share live here.
 
+pub mod chat;
 pub mod fetch;
+pub mod generate;
 pub mod inspect;
+pub mod perplexity;
 pub mod quantize;
 
 use mirage_gguf::GgmlType;

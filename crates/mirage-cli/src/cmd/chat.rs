@@ -1,0 +1,75 @@
+//! `mirage-cli chat`: an interactive terminal chat with history.
+
+use std::io::{BufRead, Write};
+
+use anyhow::Context;
+use clap::Args;
+use mirage_tokenizer::ChatMessage;
+
+use super::generate::{ModelArgs, SamplingArgs};
+
+/// Arguments of `chat`.
+#[derive(Debug, Args)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// System prompt.
+    #[arg(long)]
+    system: Option<String>,
+}
+
+/// Runs `chat`: one user message per stdin line; `/exit` quits, `/reset`
+/// forgets the conversation.
+pub fn run(args: ChatArgs) -> anyhow::Result<()> {
+    let engine = args.model.load()?;
+    if engine.chat_template().is_none() {
+        anyhow::bail!("{} has no chat template", args.model.model.display());
+    }
+    let params = args.sampling.params();
+    let mut session = engine.session()?;
+    let fresh = || -> Vec<ChatMessage> {
+        args.system.iter().map(|s| ChatMessage::new("system", s.as_str())).collect()
+    };
+    let mut history = fresh();
+    eprintln!("chat with {} (/exit to quit, /reset to start over)", args.model.model.display());
+    let stdin = std::io::stdin();
+    let mut stdout = std::io::stdout();
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line).context("reading stdin")? == 0 {
+            break;
+        }
+        let line = line.trim();
+        match line {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                history = fresh();
+                session.reset();
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            _ => {}
+        }
+        history.push(ChatMessage::new("user", line));
+        let text = engine.render_chat(&history)?;
+        // Re-tokenize the whole conversation; the session reuses the
+        // cached prefix, so only the new turn runs through the model.
+        let context = engine.encode(&text, true)?;
+        let out = session.generate_from(&context, &params, |piece| {
+            stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()).is_ok()
+        })?;
+        println!();
+        eprintln!(
+            "[{} tokens, prompt {:.1} tok/s, decode {:.1} tok/s]",
+            out.stats.generated_tokens,
+            out.stats.prompt_tok_s(),
+            out.stats.decode_tok_s()
+        );
+        history.push(ChatMessage::new("assistant", out.text.trim()));
+    }
+    Ok(())
+}

@@ -1,0 +1,60 @@
+//! `mirage-cli perplexity`: llama-perplexity's measure on a text file.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+
+use super::generate::ModelArgs;
+
+/// Arguments of `perplexity`.
+#[derive(Debug, Args)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Text file to score.
+    #[arg(long)]
+    text: PathBuf,
+    /// Window length in tokens (the second half of each window is scored).
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// Evaluate at most this many windows (0: all).
+    #[arg(long, default_value_t = 0)]
+    chunks: usize,
+    /// Print the result as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `perplexity`.
+pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&args.text).with_context(|| format!("reading {}", args.text.display()))?;
+    let engine = args.model.load()?;
+    let start = std::time::Instant::now();
+    let r = mirage_runtime::perplexity::perplexity(&engine, &text, args.ctx, args.chunks, |i, n, ppl| {
+        eprintln!("[{}/{}] running PPL {:.4}", i + 1, n, ppl);
+    })?;
+    let secs = start.elapsed().as_secs_f64();
+    if args.json {
+        let json = serde_json::json!({
+            "model": args.model.model.display().to_string(),
+            "text": args.text.display().to_string(),
+            "ppl": r.ppl,
+            "ppl_err": r.ppl_err,
+            "mean_nll": r.mean_nll,
+            "n_ctx": r.n_ctx,
+            "n_chunks": r.n_chunks,
+            "n_scored": r.n_scored,
+            "n_tokens": r.n_tokens,
+            "chunk_ppl": r.chunk_ppl,
+            "seconds": secs,
+        });
+        println!("{}", serde_json::to_string_pretty(&json)?);
+    } else {
+        println!(
+            "PPL = {:.4} +/- {:.5} ({} chunks of {} tokens, {} scored, {:.1} s)",
+            r.ppl, r.ppl_err, r.n_chunks, r.n_ctx, r.n_scored, secs
+        );
+    }
+    Ok(())
+}
