@@ -490,12 +490,24 @@ fn exercise(bytes: Vec<u8>) {
         }
         let _ = total;
         let _ = f.hparams();
-        // Whatever parses rewrites and re-parses to the same content.
-        let mut out = Vec::new();
-        if GgufWriter::from_gguf(&f).write_to(&mut out).is_ok() {
-            let g = GgufFile::from_bytes(out).expect("rewritten file must parse");
-            assert_eq!(g.metadata(), f.metadata());
-            assert_eq!(g.tensors().len(), f.tensors().len());
+        // Whatever parses rewrites and re-parses to the same content
+        // (compared as bytes of a second rewrite: NaN metadata != itself).
+        // A tensor-less file may declare a huge alignment without holding the
+        // padding; rewriting it would (correctly) write that padding.
+        if f.alignment() > 1 << 20 {
+            return;
+        }
+        let mut once = Vec::new();
+        if GgufWriter::from_gguf(&f).write_to(&mut once).is_ok() {
+            let g = GgufFile::from_bytes(once.clone()).expect("rewritten file must parse");
+            assert_eq!(g.metadata().len(), f.metadata().len());
+            for (a, b) in f.tensor_views().zip(g.tensor_views()) {
+                assert_eq!((&a.info.name, &a.info.dims, a.info.ty), (&b.info.name, &b.info.dims, b.info.ty));
+                assert_eq!(a.data, b.data);
+            }
+            let mut twice = Vec::new();
+            GgufWriter::from_gguf(&g).write_to(&mut twice).unwrap();
+            assert!(once == twice, "rewrite is not idempotent");
         }
     }
 }
