@@ -216,13 +216,7 @@ impl<B: Backend> Engine<B> {
     /// row-major), run from an empty cache in one batch. For tests and
     /// perplexity.
     pub fn logits_for(&self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let mut cache = self.model.new_kv_cache(tokens.len().max(1), 1, self.options.kv_dtype)?;
-        let mut scratch = self.model.new_scratch();
-        let slots: Vec<TokenSlot> = (0..tokens.len()).map(|pos| TokenSlot { seq: 0, pos }).collect();
-        let rows: Vec<usize> = (0..tokens.len()).collect();
-        let mut logits = Vec::new();
-        self.model.forward(tokens, &slots, &rows, &mut cache, &mut scratch, &mut logits)?;
-        Ok(logits)
+        self.model.logits_all(tokens, self.options.kv_dtype)
     }
 }
 

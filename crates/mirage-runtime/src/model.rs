@@ -174,11 +174,19 @@ impl TensorSource {
 impl<B: Backend> Model<B> {
     /// Uploads every weight of `file` to `backend` (zero-copy on the CPU).
     pub fn load(file: Arc<GgufFile>, backend: B) -> Result<Model<B>> {
-        let config = ModelConfig::from_hparams(&file.hparams()?)?;
+        let mut config = ModelConfig::from_hparams(&file.hparams()?)?;
+        // The lm head's rows are the vocabulary the logits cover (Qwen pads
+        // its tensor past the tokenizer's list).
+        if let Some(t) = file.tensor_info("output.weight").or_else(|| file.tensor_info("token_embd.weight")) {
+            if t.dims.len() == 2 {
+                config.vocab_size = t.dims[1] as usize;
+            }
+        }
         let src = TensorSource { file };
         let c = &config;
         let (d, q_dim, kv_dim) = (c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
-        let tok_embd = backend.upload_matrix(&src.matrix("token_embd.weight", d, c.vocab_size)?)?;
+        let n_embd_rows = src.file.tensor_info("token_embd.weight").map_or(0, |t| t.n_rows() as usize);
+        let tok_embd = backend.upload_matrix(&src.matrix("token_embd.weight", d, n_embd_rows)?)?;
         let output = if src.has("output.weight") {
             Some(backend.upload_matrix(&src.matrix("output.weight", d, c.vocab_size)?)?)
         } else {
@@ -221,6 +229,18 @@ impl<B: Backend> Model<B> {
             });
         }
         Ok(Model { config, backend, tok_embd, output, output_norm, layers })
+    }
+
+    /// Logits at every position of `tokens` run as one sequence from an
+    /// empty cache (`tokens.len() * vocab_size` floats).
+    pub fn logits_all(&self, tokens: &[u32], kv_dtype: KvDtype) -> Result<Vec<f32>> {
+        let mut cache = self.new_kv_cache(tokens.len().max(1), 1, kv_dtype)?;
+        let mut scratch = self.new_scratch();
+        let slots: Vec<TokenSlot> = (0..tokens.len()).map(|pos| TokenSlot { seq: 0, pos }).collect();
+        let rows: Vec<usize> = (0..tokens.len()).collect();
+        let mut logits = Vec::new();
+        self.forward(tokens, &slots, &rows, &mut cache, &mut scratch, &mut logits)?;
+        Ok(logits)
     }
 
     /// The model's shape.
