@@ -23,6 +23,11 @@
 //!   writer.
 //! - [`GgufError`]: every error; parse errors carry the byte offset.
 //!
+//! The reader is our own rather than the `gguf-rs` crate: gguf-rs truncates
+//! metadata arrays to 3 entries unless asked for more (the Qwen tokenizer
+//! needs all 151,936), pulls CLI dependencies, and has no writer; ours keeps
+//! file order so a rewrite is byte-identical, and is fuzzed.
+//!
 //! Hostile input never panics and never makes the reader allocate from a
 //! length it has not checked against the bytes that remain.
 //!

@@ -424,7 +424,7 @@ fn bad_shapes() {
 #[test]
 fn overflowing_tensor_offset() {
     let l = Layout::new();
-    let e = parse_err(l.with(l.ab_offset(), &(u64::MAX & !31).to_le_bytes()));
+    let e = parse_err(l.with(l.ab_offset(), &(!31u64).to_le_bytes()));
     assert!(matches!(&e, GgufError::OffsetOverflow { name, offset } if name == "t.ab" && *offset == l.ab_offset() as u64), "{e}");
     assert_names_offset(&e, l.ab_offset());
 }
@@ -596,4 +596,79 @@ fn imports_safetensors_written_by_python() {
     assert_eq!((c.info.ty, c.info.dims.as_slice()), (GgmlType::BF16, &[2u64, 2, 3][..]));
     assert_eq!(c.data, st.tensor("c.bf16").unwrap().unwrap().data);
     assert!(matches!(SafetensorsFile::from_bytes(vec![1, 2, 3]), Err(GgufError::Safetensors(_))));
+}
+
+// ---------------------------------------------------------------------------
+// Hyperparameters on synthetic metadata (the real models are in
+// real_models.rs).
+
+fn hparams_of(md: Metadata, tensors: &[&str]) -> Result<mirage_gguf::ModelHparams, GgufError> {
+    let mut w = GgufWriter::new(md);
+    for name in tensors {
+        w.add_tensor(*name, vec![4], GgmlType::F32, vec![0u8; 16]).unwrap();
+    }
+    let mut out = Vec::new();
+    w.write_to(&mut out).unwrap();
+    GgufFile::from_bytes(out).unwrap().hparams()
+}
+
+fn qwen3_metadata() -> Metadata {
+    let mut md = Metadata::new();
+    md.insert("general.architecture", Value::String("qwen3".into()));
+    for (k, v) in [
+        ("block_count", 28u32),
+        ("embedding_length", 1024),
+        ("feed_forward_length", 3072),
+        ("attention.head_count", 16),
+        ("attention.head_count_kv", 8),
+        ("attention.key_length", 128),
+        ("context_length", 40960),
+        ("vocab_size", 151_936),
+    ] {
+        md.insert(format!("qwen3.{k}"), Value::U32(v));
+    }
+    md.insert("qwen3.attention.layer_norm_rms_epsilon", Value::F32(1e-6));
+    md.insert("qwen3.rope.freq_base", Value::F32(1e6));
+    md
+}
+
+#[test]
+fn hparams_qwen3_and_errors() {
+    let hp = hparams_of(qwen3_metadata(), &["blk.0.attn_q_norm.weight", "output.weight"]).unwrap();
+    assert_eq!(hp.arch, mirage_gguf::Arch::Qwen3);
+    // key_length wins over n_embd / n_head (1024 / 16 = 64).
+    assert_eq!((hp.head_dim, hp.q_dim(), hp.kv_dim()), (128, 2048, 1024));
+    assert_eq!(hp.vocab_size, 151_936, "from {{arch}}.vocab_size when no tokenizer array");
+    assert!(hp.attn_qk_norm && !hp.attn_qkv_bias && !hp.tied_embeddings);
+    assert!(hp.rope_scaling.is_none());
+
+    let mut md = qwen3_metadata();
+    md.insert("qwen3.rope.scaling.type", Value::String("yarn".into()));
+    md.insert("qwen3.rope.scaling.factor", Value::F32(4.0));
+    md.insert("qwen3.rope.scaling.original_context_length", Value::U32(32768));
+    let rs = hparams_of(md, &[]).unwrap().rope_scaling.unwrap();
+    assert_eq!((rs.kind, rs.factor, rs.original_context_length), (mirage_gguf::RopeScalingType::Yarn, 4.0, Some(32768)));
+
+    let mut md = qwen3_metadata();
+    md.remove("qwen3.block_count");
+    let e = hparams_of(md, &[]).unwrap_err();
+    assert!(matches!(&e, GgufError::MissingKey { key } if key == "qwen3.block_count"), "{e}");
+    assert!(e.to_string().contains("qwen3.block_count"));
+
+    let mut md = qwen3_metadata();
+    md.insert("qwen3.attention.head_count_kv", Value::U32(5));
+    assert!(matches!(hparams_of(md, &[]), Err(GgufError::BadHparam { .. })));
+
+    let mut md = qwen3_metadata();
+    md.insert("qwen3.context_length", Value::String("long".into()));
+    assert!(matches!(hparams_of(md, &[]), Err(GgufError::WrongType { .. })));
+
+    let mut md = qwen3_metadata();
+    md.insert("general.architecture", Value::String("gpt2".into()));
+    let e = hparams_of(md, &[]).unwrap_err();
+    assert!(matches!(&e, GgufError::UnsupportedArch { arch } if arch == "gpt2"), "{e}");
+
+    let mut md = qwen3_metadata();
+    md.remove("general.architecture");
+    assert!(matches!(hparams_of(md, &[]), Err(GgufError::MissingKey { .. })));
 }
