@@ -236,8 +236,12 @@ fn dot_products_agree_with_dequantized_f64_and_scalar() {
             assert!(simd_dot_fn(ty).is_some(), "{ty}: AVX2 detected but no AVX2 kernel");
         }
         let bs = ty.block_size().max(act_ty.block_size()).max(32);
-        for blocks in [1usize, 3, 7, 16, 33] {
-            let n = bs * blocks;
+        let mut sizes: Vec<usize> = [1usize, 3, 7, 16, 33].iter().map(|b| b * bs).collect();
+        if !ty.is_quantized() {
+            // Float kernels run 32/8 lanes at a time and finish with a scalar tail.
+            sizes.extend([1, 5, 37, 1001]);
+        }
+        for n in sizes {
             let x = rng.normals(n, 0.7);
             let a = rng.normals(n, 1.3);
             let (wq, aq) = (quantized(ty, &x), quantized(act_ty, &a));
