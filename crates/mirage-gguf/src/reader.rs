@@ -291,7 +291,9 @@ impl<'a> Cursor<'a> {
                 }
                 let elem_type = self.value_type()?;
                 let n = self.count("array element", elem_type.min_encoded_size())?;
-                let mut values = Vec::with_capacity(n as usize);
+                // n is bounded by the bytes left, but a Value is larger than
+                // its encoding: reserve a bounded amount, grow as parsed.
+                let mut values = Vec::with_capacity((n as usize).min(MAX_UPFRONT_RESERVE));
                 for _ in 0..n {
                     values.push(self.value(elem_type, depth + 1)?);
                 }
@@ -300,6 +302,10 @@ impl<'a> Cursor<'a> {
         })
     }
 }
+
+/// Most elements reserved before parsing an array; longer arrays grow as
+/// their elements are actually read.
+const MAX_UPFRONT_RESERVE: usize = 1 << 16;
 
 /// Bytes at least needed by one KV pair: key length, type, a 1-byte value.
 const MIN_KV_SIZE: u64 = 8 + 4 + 1;
@@ -373,9 +379,10 @@ pub(crate) fn parse_gguf(buf: &[u8]) -> Result<Parsed, GgufError> {
         metadata.insert(key, value);
     }
 
-    let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors as usize);
-    let mut seen: HashMap<String, ()> = HashMap::with_capacity(n_tensors as usize);
-    let mut offset_fields = Vec::with_capacity(n_tensors as usize);
+    let reserve = (n_tensors as usize).min(MAX_UPFRONT_RESERVE);
+    let mut tensors: Vec<TensorInfo> = Vec::with_capacity(reserve);
+    let mut seen: HashMap<String, ()> = HashMap::with_capacity(reserve);
+    let mut offset_fields = Vec::with_capacity(reserve);
     for _ in 0..n_tensors {
         let info_at = c.offset();
         let name = c.string()?;

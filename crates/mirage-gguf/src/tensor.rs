@@ -38,14 +38,15 @@ impl TensorInfo {
         self.dims.first().copied().unwrap_or(1)
     }
 
-    /// Number of rows (product of `dims[1..]`).
+    /// Number of rows (product of `dims[1..]`; saturates like
+    /// [`TensorInfo::n_elements`]).
     pub fn n_rows(&self) -> u64 {
-        self.dims.iter().skip(1).product()
+        self.dims.iter().skip(1).try_fold(1u64, |acc, &d| acc.checked_mul(d)).unwrap_or(u64::MAX)
     }
 
     /// Bytes per row, for types whose rows are whole blocks.
     pub fn row_bytes(&self) -> u64 {
-        self.row_len() / self.ty.block_size() as u64 * self.ty.type_size() as u64
+        (self.row_len() / self.ty.block_size() as u64).saturating_mul(self.ty.type_size() as u64)
     }
 }
 
