@@ -18,6 +18,12 @@ const CACHE_CAPACITY: usize = 1 << 16;
 /// Pieces longer than this (bytes) bypass the cache: they rarely repeat.
 const CACHE_MAX_PIECE_LEN: usize = 64;
 
+/// Token ids of recently merged pieces, keyed by the piece's bytes.
+type PieceCache = HashMap<Box<[u8]>, Box<[u32]>>;
+
+/// Heap entry: (rank, left position, left id, right id); `Reverse` makes the heap a min-heap.
+type PairEntry = Reverse<(u32, usize, u32, u32)>;
+
 #[derive(Debug, Clone, Copy)]
 struct Merge {
     rank: u32,
@@ -30,7 +36,7 @@ pub(crate) struct Bpe {
     merges: HashMap<(u32, u32), Merge>,
     byte_ids: [Option<u32>; 256],
     unknown_id: Option<u32>,
-    cache: Mutex<HashMap<Box<[u8]>, Box<[u32]>>>,
+    cache: Mutex<PieceCache>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -74,7 +80,11 @@ impl Bpe {
     }
 
     /// Append the token ids of one pre-tokenized piece to `out`.
-    pub(crate) fn encode_piece(&self, piece: &[u8], out: &mut Vec<u32>) -> Result<(), TokenizerError> {
+    pub(crate) fn encode_piece(
+        &self,
+        piece: &[u8],
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizerError> {
         let cacheable = piece.len() <= CACHE_MAX_PIECE_LEN;
         if cacheable {
             if let Ok(cache) = self.cache.lock() {
@@ -150,8 +160,7 @@ impl Bpe {
         Ok(())
     }
 
-    #[allow(clippy::type_complexity)]
-    fn push_pair(&self, symbols: &[Symbol], pos: usize, heap: &mut BinaryHeap<Reverse<(u32, usize, u32, u32)>>) {
+    fn push_pair(&self, symbols: &[Symbol], pos: usize, heap: &mut BinaryHeap<PairEntry>) {
         let next = symbols[pos].next;
         if next == NONE {
             return;

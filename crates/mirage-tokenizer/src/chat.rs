@@ -52,14 +52,21 @@ fn template_error(e: minijinja::Error) -> TokenizerError {
 
 impl ChatTemplate {
     /// Compile `source`; `bos_token` / `eos_token` are the texts the template sees under those names.
-    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate, TokenizerError> {
+    pub fn new(
+        source: &str,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<ChatTemplate, TokenizerError> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |message: String| -> Result<Value, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
-        });
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<Value, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
         env.add_template_owned(TEMPLATE_NAME, source.to_owned())
             .map_err(template_error)?;
         Ok(ChatTemplate {
@@ -77,15 +84,24 @@ impl ChatTemplate {
             .as_deref()
             .ok_or(TokenizerError::MissingKey("tokenizer.chat_template"))?;
         let text_of = |id: Option<u32>| {
-            id.and_then(|id| meta.tokens.get(id as usize)).cloned().unwrap_or_default()
+            id.and_then(|id| meta.tokens.get(id as usize))
+                .cloned()
+                .unwrap_or_default()
         };
         ChatTemplate::new(source, &text_of(meta.bos_id), &text_of(meta.eos_id))
     }
 
     /// Render a conversation; with `add_generation_prompt` the text ends where the assistant's reply
     /// begins (e.g. `<|im_start|>assistant\n`).
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
-        let template = self.env.get_template(TEMPLATE_NAME).map_err(template_error)?;
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(template_error)?;
         template
             .render(minijinja::context! {
                 messages => messages,

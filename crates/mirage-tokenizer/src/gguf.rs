@@ -43,10 +43,13 @@ fn token_id(meta: &Metadata, key: &'static str) -> Result<Option<u32>, Tokenizer
 fn flag(meta: &Metadata, key: &'static str) -> Result<Option<bool>, TokenizerError> {
     match meta.get(key) {
         None => Ok(None),
-        Some(v) => v.as_bool().map(Some).ok_or_else(|| TokenizerError::BadMetadata {
-            key,
-            reason: format!("expected a bool, found {:?}", v.value_type()),
-        }),
+        Some(v) => v
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| TokenizerError::BadMetadata {
+                key,
+                reason: format!("expected a bool, found {:?}", v.value_type()),
+            }),
     }
 }
 
@@ -110,9 +113,11 @@ impl Tokenizer {
         }
         let pre_tokenizer = match meta.pre.as_deref() {
             None => PreTokenizerKind::Gpt2,
-            Some(name) => PreTokenizerKind::from_gguf_name(name).ok_or_else(|| TokenizerError::BadMetadata {
-                key: "tokenizer.ggml.pre",
-                reason: format!("unsupported pre-tokenizer `{name}`"),
+            Some(name) => PreTokenizerKind::from_gguf_name(name).ok_or_else(|| {
+                TokenizerError::BadMetadata {
+                    key: "tokenizer.ggml.pre",
+                    reason: format!("unsupported pre-tokenizer `{name}`"),
+                }
             })?,
         };
         Tokenizer::from_parts(TokenizerParts {
@@ -125,8 +130,11 @@ impl Tokenizer {
             eot_id: meta.eot_id,
             padding_id: meta.padding_id,
             unknown_id: meta.unknown_id,
-            // llama.cpp's default for BPE vocabularies without the key is to add BOS.
-            add_bos: meta.add_bos.unwrap_or(true),
+            // Without the key, llama.cpp adds BOS for BPE vocabularies only where the pre-tokenizer
+            // says so (Llama 3); both shipped models carry the key explicitly.
+            add_bos: meta
+                .add_bos
+                .unwrap_or(pre_tokenizer == PreTokenizerKind::Llama3),
             add_eos: meta.add_eos.unwrap_or(false),
         })
     }

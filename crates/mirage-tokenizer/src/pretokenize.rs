@@ -143,6 +143,9 @@ mod tests {
 
     #[test]
     fn llama3_groups_three_digits() {
-        assert_eq!(pieces(PreTokenizerKind::Llama3, "1234567"), vec!["123", "456", "7"]);
+        assert_eq!(
+            pieces(PreTokenizerKind::Llama3, "1234567"),
+            vec!["123", "456", "7"]
+        );
     }
 }

@@ -37,7 +37,8 @@ impl SpecialMatcher {
             return segments;
         }
         // next_pos[i]: where active[i] next occurs at or after the cursor (None: never again).
-        let mut next_pos: Vec<Option<usize>> = active.iter().map(|(s, _)| text.find(s.as_str())).collect();
+        let mut next_pos: Vec<Option<usize>> =
+            active.iter().map(|(s, _)| text.find(s.as_str())).collect();
         let mut cursor = 0;
         loop {
             // Leftmost match; ties go to the earlier entry, which is the longer token.
@@ -58,7 +59,9 @@ impl SpecialMatcher {
             cursor = pos + token.len();
             for (j, p) in next_pos.iter_mut().enumerate() {
                 if p.is_some_and(|p| p < cursor) {
-                    *p = text[cursor..].find(active[j].0.as_str()).map(|q| q + cursor);
+                    *p = text[cursor..]
+                        .find(active[j].0.as_str())
+                        .map(|q| q + cursor);
                 }
             }
         }
@@ -75,7 +78,11 @@ mod tests {
 
     #[test]
     fn leftmost_longest() {
-        let m = SpecialMatcher::new(vec![("<a>".into(), 1), ("<a><b>".into(), 2), ("<b>".into(), 3)]);
+        let m = SpecialMatcher::new(vec![
+            ("<a>".into(), 1),
+            ("<a><b>".into(), 2),
+            ("<b>".into(), 3),
+        ]);
         assert_eq!(
             m.split("x<a><b>y<b><a>", |_| true),
             vec![

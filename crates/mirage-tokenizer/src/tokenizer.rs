@@ -111,7 +111,9 @@ impl Tokenizer {
             return Err(TokenizerError::InvalidConfig("empty vocabulary".into()));
         }
         if u32::try_from(n).is_err() {
-            return Err(TokenizerError::InvalidConfig(format!("vocabulary of {n} tokens exceeds u32")));
+            return Err(TokenizerError::InvalidConfig(format!(
+                "vocabulary of {n} tokens exceeds u32"
+            )));
         }
         let token_types = if parts.token_types.is_empty() {
             vec![TokenType::Normal; n]
@@ -139,7 +141,8 @@ impl Tokenizer {
             }
         }
 
-        let is_bpe_text = |t: TokenType| matches!(t, TokenType::Normal | TokenType::Unused | TokenType::Byte);
+        let is_bpe_text =
+            |t: TokenType| matches!(t, TokenType::Normal | TokenType::Unused | TokenType::Byte);
         let pieces: Vec<Vec<u8>> = parts
             .tokens
             .iter()
@@ -168,7 +171,9 @@ impl Tokenizer {
         let mut merged_text = String::new();
         for (rank, line) in parts.merges.iter().enumerate() {
             let (left, right) = line.split_once(' ').ok_or_else(|| {
-                TokenizerError::InvalidConfig(format!("merge {rank} `{line}` has no space separator"))
+                TokenizerError::InvalidConfig(format!(
+                    "merge {rank} `{line}` has no space separator"
+                ))
             })?;
             merged_text.clear();
             merged_text.push_str(left);
@@ -190,14 +195,21 @@ impl Tokenizer {
                 .iter()
                 .zip(&token_types)
                 .enumerate()
-                .filter(|(_, (_, &ty))| matches!(ty, TokenType::Control | TokenType::UserDefined | TokenType::Unknown))
+                .filter(|(_, (_, &ty))| {
+                    matches!(
+                        ty,
+                        TokenType::Control | TokenType::UserDefined | TokenType::Unknown
+                    )
+                })
                 .map(|(id, (text, _))| (text.clone(), id as u32))
                 .collect(),
         );
 
-        let mut end_of_generation: Vec<u32> = [parts.eos_id, parts.eot_id].into_iter().flatten().collect();
+        let mut end_of_generation: Vec<u32> =
+            [parts.eos_id, parts.eot_id].into_iter().flatten().collect();
         for (id, (text, &ty)) in parts.tokens.iter().zip(&token_types).enumerate() {
-            if matches!(ty, TokenType::Control | TokenType::UserDefined) && END_OF_GENERATION_TEXTS.contains(&text.as_str())
+            if matches!(ty, TokenType::Control | TokenType::UserDefined)
+                && END_OF_GENERATION_TEXTS.contains(&text.as_str())
             {
                 end_of_generation.push(id as u32);
             }
@@ -226,7 +238,12 @@ impl Tokenizer {
     /// `add_special` adds BOS / EOS as the metadata's `add_bos_token` / `add_eos_token` say.
     /// With `parse_special`, control tokens written in the text (e.g. `<|im_start|>`) become their ids;
     /// without it they are tokenized as ordinary text. User-defined tokens are always matched whole.
-    pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
+    pub fn encode(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
         let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
             if let Some(bos) = self.bos_id {
@@ -264,7 +281,10 @@ impl Tokenizer {
             let ty = *self
                 .token_types
                 .get(id as usize)
-                .ok_or(TokenizerError::UnknownTokenId { id, vocab_size: self.tokens.len() })?;
+                .ok_or(TokenizerError::UnknownTokenId {
+                    id,
+                    vocab_size: self.tokens.len(),
+                })?;
             if skip_special && ty == TokenType::Control {
                 continue;
             }

@@ -15,7 +15,9 @@ use sha2::{Digest, Sha256};
 const MODELS: [&str; 2] = ["smollm2", "qwen2.5-coder"];
 
 fn fixture(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -27,14 +29,24 @@ fn tokenizer_fixture() -> &'static Value {
 
 /// The GGUF file of a fixture model, or `None` (with a printed reason) when model tests are skipped.
 fn open_model(model: &str) -> Option<GgufFile> {
-    let file = tokenizer_fixture()["models"][model]["file"].as_str().expect("fixture names the file");
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models").join(file);
+    let file = tokenizer_fixture()["models"][model]["file"]
+        .as_str()
+        .expect("fixture names the file");
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(file);
     if !path.exists() {
         if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-            println!("skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1", path.display());
+            println!(
+                "skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1",
+                path.display()
+            );
             return None;
         }
-        panic!("{} is missing: run `cargo xtask fetch-models`", path.display());
+        panic!(
+            "{} is missing: run `cargo xtask fetch-models`",
+            path.display()
+        );
     }
     Some(GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
 }
@@ -48,7 +60,10 @@ fn tokenizer(model: &str) -> Option<&'static Tokenizer> {
             .map(|m| open_model(m).map(|f| Tokenizer::from_gguf(&f).expect("tokenizer from GGUF")))
             .collect()
     });
-    let i = MODELS.iter().position(|m| *m == model).expect("known model");
+    let i = MODELS
+        .iter()
+        .position(|m| *m == model)
+        .expect("known model");
     all[i].as_ref()
 }
 
@@ -70,31 +85,46 @@ fn ids_sha256(ids: &[u32]) -> String {
 
 fn gpl_text(bytes: usize) -> String {
     let path = "/usr/share/common-licenses/GPL-3";
-    let data = std::fs::read(path).unwrap_or_else(|e| panic!("{path}: {e} (it ships with Debian's base-files)"));
+    let data = std::fs::read(path)
+        .unwrap_or_else(|e| panic!("{path}: {e} (it ships with Debian's base-files)"));
     String::from_utf8(data[..bytes.min(data.len())].to_vec()).expect("GPL-3 is ASCII")
 }
 
 #[test]
 fn encodings_match_transformers() {
     for model in MODELS {
-        let Some(tok) = tokenizer(model) else { continue };
-        let cases = tokenizer_fixture()["models"][model]["cases"].as_array().expect("cases");
+        let Some(tok) = tokenizer(model) else {
+            continue;
+        };
+        let cases = tokenizer_fixture()["models"][model]["cases"]
+            .as_array()
+            .expect("cases");
         assert!(cases.len() >= 25, "fixture has too few cases");
         let mut failures = Vec::new();
         for case in cases {
             let text = case["text"].as_str().expect("text");
             let checks = [
-                ("parse_special", ids_of(&case["ids"]), tok.encode(text, false, true).unwrap()),
+                (
+                    "parse_special",
+                    ids_of(&case["ids"]),
+                    tok.encode(text, false, true).unwrap(),
+                ),
                 (
                     "no parse_special",
                     ids_of(&case["ids_no_parse_special"]),
                     tok.encode(text, false, false).unwrap(),
                 ),
-                ("add_special", ids_of(&case["ids_add_special"]), tok.encode(text, true, true).unwrap()),
+                (
+                    "add_special",
+                    ids_of(&case["ids_add_special"]),
+                    tok.encode(text, true, true).unwrap(),
+                ),
             ];
             for (what, expected, got) in checks {
                 if expected != got {
-                    failures.push(format!("{model} {what} {text:?}:\n  expected {expected:?}\n  got      {got:?}"));
+                    failures.push(format!(
+                        "{model} {what} {text:?}:\n  expected {expected:?}\n  got      {got:?}"
+                    ));
                 }
             }
             let ids = ids_of(&case["ids"]);
@@ -104,7 +134,9 @@ fn encodings_match_transformers() {
             }
             let skipped = tok.decode(&ids, true).unwrap();
             if skipped != case["decoded_skip_special"].as_str().unwrap() {
-                failures.push(format!("{model} decode(skip_special) {text:?} gave {skipped:?}"));
+                failures.push(format!(
+                    "{model} decode(skip_special) {text:?} gave {skipped:?}"
+                ));
             }
             // Round trip through our own encoder too, without special parsing.
             let plain = tok.encode(text, false, false).unwrap();
@@ -112,7 +144,12 @@ fn encodings_match_transformers() {
                 failures.push(format!("{model} decode(encode(s)) != s for {text:?}"));
             }
         }
-        assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+        assert!(
+            failures.is_empty(),
+            "{} mismatches:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
     }
 }
 
@@ -121,27 +158,58 @@ fn gpl_20kb_matches_transformers() {
     let spec = &tokenizer_fixture()["gpl"];
     let text = gpl_text(spec["bytes"].as_u64().unwrap() as usize);
     for model in MODELS {
-        let Some(tok) = tokenizer(model) else { continue };
+        let Some(tok) = tokenizer(model) else {
+            continue;
+        };
         let m = &tokenizer_fixture()["models"][model];
         let ids = tok.encode(&text, false, true).unwrap();
         let head = ids_of(&m["gpl_head"]);
-        assert_eq!(&ids[..head.len().min(ids.len())], &head[..], "{model}: first ids differ");
-        assert_eq!(ids.len() as u64, m["gpl_len"].as_u64().unwrap(), "{model}: id count differs");
-        assert_eq!(ids_sha256(&ids), m["gpl_sha256"].as_str().unwrap(), "{model}: id hash differs");
-        assert_eq!(tok.decode(&ids, false).unwrap(), text, "{model}: round trip");
+        assert_eq!(
+            &ids[..head.len().min(ids.len())],
+            &head[..],
+            "{model}: first ids differ"
+        );
+        assert_eq!(
+            ids.len() as u64,
+            m["gpl_len"].as_u64().unwrap(),
+            "{model}: id count differs"
+        );
+        assert_eq!(
+            ids_sha256(&ids),
+            m["gpl_sha256"].as_str().unwrap(),
+            "{model}: id hash differs"
+        );
+        assert_eq!(
+            tok.decode(&ids, false).unwrap(),
+            text,
+            "{model}: round trip"
+        );
     }
 }
 
 #[test]
 fn special_token_metadata_matches() {
     for model in MODELS {
-        let Some(tok) = tokenizer(model) else { continue };
+        let Some(tok) = tokenizer(model) else {
+            continue;
+        };
         let m = &tokenizer_fixture()["models"][model];
-        assert_eq!(tok.vocab_size() as u64, m["vocab_size"].as_u64().unwrap(), "{model}");
+        assert_eq!(
+            tok.vocab_size() as u64,
+            m["vocab_size"].as_u64().unwrap(),
+            "{model}"
+        );
         assert_eq!(tok.bos().map(u64::from), m["bos"].as_u64(), "{model} bos");
         assert_eq!(tok.eos().map(u64::from), m["eos"].as_u64(), "{model} eos");
-        assert_eq!(tok.padding().map(u64::from), m["pad"].as_u64(), "{model} pad");
-        assert!(!tok.add_bos(), "{model}: both models say add_bos_token = false");
+        assert_eq!(
+            tok.padding().map(u64::from),
+            m["pad"].as_u64(),
+            "{model} pad"
+        );
+        assert!(
+            !tok.add_bos(),
+            "{model}: both models say add_bos_token = false"
+        );
         let im_end = tok.token_id("<|im_end|>").expect("<|im_end|>");
         let endoftext = tok.token_id("<|endoftext|>").expect("<|endoftext|>");
         let im_start = tok.token_id("<|im_start|>").expect("<|im_start|>");
@@ -156,8 +224,13 @@ fn special_token_metadata_matches() {
 #[test]
 fn stream_decoder_reassembles_split_characters() {
     for model in MODELS {
-        let Some(tok) = tokenizer(model) else { continue };
-        for case in tokenizer_fixture()["models"][model]["cases"].as_array().unwrap() {
+        let Some(tok) = tokenizer(model) else {
+            continue;
+        };
+        for case in tokenizer_fixture()["models"][model]["cases"]
+            .as_array()
+            .unwrap()
+        {
             let text = case["text"].as_str().unwrap();
             let ids = ids_of(&case["ids"]);
             let mut stream = StreamDecoder::new();
@@ -166,7 +239,10 @@ fn stream_decoder_reassembles_split_characters() {
             for &id in &ids {
                 let part = stream.push_token(tok, id);
                 split_seen |= stream.has_pending();
-                assert!(!part.contains('\u{FFFD}'), "{model} {text:?}: partial char leaked");
+                assert!(
+                    !part.contains('\u{FFFD}'),
+                    "{model} {text:?}: partial char leaked"
+                );
                 out.push_str(&part);
             }
             out.push_str(&stream.finish());
@@ -182,7 +258,9 @@ fn stream_decoder_reassembles_split_characters() {
 fn chat_templates_match_transformers() {
     let chat = fixture("chat.json");
     for model in MODELS {
-        let Some(file) = open_model(model) else { continue };
+        let Some(file) = open_model(model) else {
+            continue;
+        };
         let template = ChatTemplate::from_gguf(&file).expect("chat template");
         let tok = tokenizer(model).expect("model present");
         let cases = chat["models"][model]["cases"].as_array().expect("cases");
@@ -192,12 +270,23 @@ fn chat_templates_match_transformers() {
                 .as_array()
                 .unwrap()
                 .iter()
-                .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+                .map(|m| {
+                    ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap())
+                })
                 .collect();
             let add = case["add_generation_prompt"].as_bool().unwrap();
             let rendered = template.render(&messages, add).expect("render");
-            assert_eq!(rendered, case["rendered"].as_str().unwrap(), "{model} {} add={add}", case["name"]);
-            assert_eq!(tok.encode(&rendered, false, true).unwrap(), ids_of(&case["ids"]), "{model} ids");
+            assert_eq!(
+                rendered,
+                case["rendered"].as_str().unwrap(),
+                "{model} {} add={add}",
+                case["name"]
+            );
+            assert_eq!(
+                tok.encode(&rendered, false, true).unwrap(),
+                ids_of(&case["ids"]),
+                "{model} ids"
+            );
         }
     }
 }
@@ -209,7 +298,9 @@ fn chat_templates_match_transformers() {
 fn encode_speed_on_gpl3() {
     let text = gpl_text(usize::MAX);
     for model in MODELS {
-        let Some(tok) = tokenizer(model) else { continue };
+        let Some(tok) = tokenizer(model) else {
+            continue;
+        };
         tok.clear_cache();
         let start = Instant::now();
         let ids = tok.encode(&text, false, true).unwrap();
@@ -230,7 +321,11 @@ fn encode_speed_on_gpl3() {
             warm * 1e3,
             ids.len() as f64 / warm,
         );
-        assert!(cold < 2.0, "{model}: encoding {} bytes took {cold:.2} s", text.len());
+        assert!(
+            cold < 2.0,
+            "{model}: encoding {} bytes took {cold:.2} s",
+            text.len()
+        );
     }
 }
 
@@ -248,12 +343,21 @@ fn pathological_inputs_stay_linear_and_round_trip() {
         format!("{}<|im_end|>{}", "é".repeat(50_000), " \n".repeat(50_000)),
     ];
     for model in MODELS {
-        let Some(tok) = tokenizer(model) else { continue };
+        let Some(tok) = tokenizer(model) else {
+            continue;
+        };
         for text in &inputs {
             let start = Instant::now();
-            let ids = tok.encode(text, false, true).unwrap_or_else(|e| panic!("{model}: {e}"));
+            let ids = tok
+                .encode(text, false, true)
+                .unwrap_or_else(|e| panic!("{model}: {e}"));
             let secs = start.elapsed().as_secs_f64();
-            println!("{model}: {} bytes -> {} ids in {:.1} ms", text.len(), ids.len(), secs * 1e3);
+            println!(
+                "{model}: {} bytes -> {} ids in {:.1} ms",
+                text.len(),
+                ids.len(),
+                secs * 1e3
+            );
             assert!(secs < 3.0, "{model}: {} bytes took {secs:.2} s", text.len());
             assert_eq!(&tok.decode(&ids, false).unwrap(), text, "{model}");
         }
