@@ -352,11 +352,11 @@ unsafe fn dot_q3_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
     for i in 0..n / QK_K {
         let (x, y) = (wp.add(110 * i), ap.add(Q8K * i));
         let scales = super::kquants::scales_q3_k(std::slice::from_raw_parts(x, 110));
-        // codes are (low | h<<2) - 4: fold the -4 into the group sums.
-        let mut offset = 0i32;
-        for j in 0..16 {
-            offset += scales[j] as i32 * bsum(y, j);
-        }
+        // codes are (low | h<<2) - 4: fold the -4 into the group sums,
+        // -4 * Σ_j scale_j * bsum_j, computed in one madd.
+        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(scales.as_ptr() as *const __m128i));
+        let bsums = load256(y.add(260));
+        let offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsums), 2);
         let hbits = load256(x);
         let mut acc = _mm256_setzero_si256();
         for h in 0..2 {
@@ -370,7 +370,7 @@ unsafe fn dot_q3_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
                 acc = _mm256_add_epi32(acc, scaled_u8_i8(q, y.add(4 + 128 * h + 32 * k), sc));
             }
         }
-        let isum = hsum_epi32(acc) - 4 * offset;
+        let isum = hsum_epi32(_mm256_sub_epi32(acc, offset));
         sum += read_f32(y) * fp16(x.add(108)) * isum as f32;
     }
     sum

@@ -48,15 +48,27 @@ fn codes_q3_k(b: &[u8], out: &mut [i8; QK_K]) {
     }
 }
 
-/// Q3_K's 16 signed 6-bit scales (already minus 32).
+/// Q3_K's 16 signed 6-bit scales (already minus 32): scale j has its low
+/// nibble in byte j (j < 8, low) or j-8 (high nibble), its top two bits in
+/// byte 8 + j%4 at bit 2*(j/4). Unpacked four at a time as ggml does.
 #[inline(always)]
 pub(crate) fn scales_q3_k(b: &[u8]) -> [i8; 16] {
+    const KMASK1: u32 = 0x0303_0303;
+    const KMASK2: u32 = 0x0f0f_0f0f;
     let s = &b[96..108];
+    let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (a0, a1, tmp) = (word(0), word(1), word(2));
+    let words = [
+        (a0 & KMASK2) | ((tmp & KMASK1) << 4),
+        (a1 & KMASK2) | (((tmp >> 2) & KMASK1) << 4),
+        ((a0 >> 4) & KMASK2) | (((tmp >> 4) & KMASK1) << 4),
+        ((a1 >> 4) & KMASK2) | (((tmp >> 6) & KMASK1) << 4),
+    ];
     let mut out = [0i8; 16];
-    for (j, o) in out.iter_mut().enumerate() {
-        let low = if j < 8 { s[j] & 0xf } else { s[j - 8] >> 4 };
-        let high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
-        *o = (low | (high << 4)) as i8 - 32;
+    for (i, w) in words.iter().enumerate() {
+        for (k, byte) in w.to_le_bytes().iter().enumerate() {
+            out[4 * i + k] = (*byte as i8).wrapping_sub(32);
+        }
     }
     out
 }
@@ -103,32 +115,49 @@ fn codes_q6_k(b: &[u8], out: &mut [i8; QK_K]) {
 
 // ------------------------------------------------------------- dequantizers
 
+// The dequantizers walk the blocks in ggml's loop order (which keeps the
+// inner loops branch-free and vectorizable) and use its float expressions.
+
 pub(crate) fn dequantize_q2_k(src: &[u8], dst: &mut [f32]) {
-    let mut q = [0i8; QK_K];
     for (b, y) in src.chunks_exact(Q2_K_SIZE).zip(dst.chunks_exact_mut(QK_K)) {
         let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
-        codes_q2_k(b, &mut q);
-        for j in 0..16 {
-            let sc = b[j];
-            let dl = d * (sc & 0xf) as f32;
-            let ml = dmin * (sc >> 4) as f32;
-            for e in 16 * j..16 * j + 16 {
-                y[e] = dl * q[e] as f32 - ml;
+        for h in 0..2 {
+            let q = &b[16 + 32 * h..48 + 32 * h];
+            for j in 0..4 {
+                let shift = 2 * j;
+                for half in 0..2 {
+                    let sc = b[8 * h + 2 * j + half];
+                    let dl = d * (sc & 0xf) as f32;
+                    let ml = dmin * (sc >> 4) as f32;
+                    let out = &mut y[128 * h + 32 * j + 16 * half..][..16];
+                    for (l, o) in out.iter_mut().enumerate() {
+                        *o = dl * ((q[16 * half + l] >> shift) & 3) as f32 - ml;
+                    }
+                }
             }
         }
     }
 }
 
 pub(crate) fn dequantize_q3_k(src: &[u8], dst: &mut [f32]) {
-    let mut q = [0i8; QK_K];
     for (b, y) in src.chunks_exact(Q3_K_SIZE).zip(dst.chunks_exact_mut(QK_K)) {
         let d = f16_at(b, 108);
         let scales = scales_q3_k(b);
-        codes_q3_k(b, &mut q);
-        for j in 0..16 {
-            let dl = d * scales[j] as f32;
-            for e in 16 * j..16 * j + 16 {
-                y[e] = dl * q[e] as f32;
+        let hm = &b[0..32];
+        for h in 0..2 {
+            let q = &b[32 + 32 * h..64 + 32 * h];
+            for j in 0..4 {
+                let (shift, bit) = (2 * j, 4 * h + j);
+                for half in 0..2 {
+                    let dl = d * scales[8 * h + 2 * j + half] as f32;
+                    let out = &mut y[128 * h + 32 * j + 16 * half..][..16];
+                    for (l, o) in out.iter_mut().enumerate() {
+                        let i = 16 * half + l;
+                        let low = ((q[i] >> shift) & 3) as i8;
+                        let sub = if (hm[i] >> bit) & 1 != 0 { 0 } else { 4 };
+                        *o = dl * (low - sub) as f32;
+                    }
+                }
             }
         }
     }
@@ -136,17 +165,24 @@ pub(crate) fn dequantize_q3_k(src: &[u8], dst: &mut [f32]) {
 
 fn dequantize_q45_k(src: &[u8], dst: &mut [f32], five_bit: bool) {
     let (size, qs_at) = if five_bit { (Q5_K_SIZE, 48) } else { (Q4_K_SIZE, 16) };
-    let mut q = [0i8; QK_K];
     for (b, y) in src.chunks_exact(size).zip(dst.chunks_exact_mut(QK_K)) {
         let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-        let qh = if five_bit { Some(&b[16..48]) } else { None };
-        codes_q45_k(&b[qs_at..qs_at + 128], qh, &mut q);
-        for j in 0..8 {
-            let (sc, m) = scale_min_k4(j, &b[4..16]);
-            let d1 = d * sc as f32;
-            let m1 = dmin * m as f32;
-            for e in 32 * j..32 * j + 32 {
-                y[e] = d1 * q[e] as f32 - m1;
+        let qh = &b[16..48];
+        for c in 0..4 {
+            let q = &b[qs_at + 32 * c..qs_at + 32 * c + 32];
+            let (sc1, m1) = scale_min_k4(2 * c, &b[4..16]);
+            let (sc2, m2) = scale_min_k4(2 * c + 1, &b[4..16]);
+            let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
+            let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
+            let (lo, hi) = y[64 * c..64 * c + 64].split_at_mut(32);
+            for l in 0..32 {
+                let (mut a, mut b2) = (q[l] & 0xf, q[l] >> 4);
+                if five_bit {
+                    a |= ((qh[l] >> (2 * c)) & 1) << 4;
+                    b2 |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                }
+                lo[l] = d1 * a as f32 - min1;
+                hi[l] = d2 * b2 as f32 - min2;
             }
         }
     }
@@ -161,15 +197,24 @@ pub(crate) fn dequantize_q5_k(src: &[u8], dst: &mut [f32]) {
 }
 
 pub(crate) fn dequantize_q6_k(src: &[u8], dst: &mut [f32]) {
-    let mut q = [0i8; QK_K];
     for (b, y) in src.chunks_exact(Q6_K_SIZE).zip(dst.chunks_exact_mut(QK_K)) {
         let d = f16_at(b, 208);
-        codes_q6_k(b, &mut q);
-        for j in 0..16 {
-            // ggml computes `d * sc * q` left to right.
-            let dl = d * b[192 + j] as i8 as f32;
-            for e in 16 * j..16 * j + 16 {
-                y[e] = dl * q[e] as f32;
+        for h in 0..2 {
+            let ql = &b[64 * h..64 * h + 64];
+            let qh = &b[128 + 32 * h..160 + 32 * h];
+            let sc = &b[192 + 8 * h..200 + 8 * h];
+            let out = &mut y[128 * h..128 * h + 128];
+            for l in 0..32 {
+                let is = l / 16;
+                let q1 = ((ql[l] & 0xf) | ((qh[l] & 3) << 4)) as i8 - 32;
+                let q2 = ((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+                let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+                let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+                // ggml computes `d * sc * q` left to right.
+                out[l] = d * sc[is] as i8 as f32 * q1 as f32;
+                out[l + 32] = d * sc[is + 2] as i8 as f32 * q2 as f32;
+                out[l + 64] = d * sc[is + 4] as i8 as f32 * q3 as f32;
+                out[l + 96] = d * sc[is + 6] as i8 as f32 * q4 as f32;
             }
         }
     }
