@@ -2,7 +2,6 @@
 //! scripts/gen_quant_fixtures.py), round-trip error bounds, SIMD vs scalar
 //! dot kernels, and dequantization of real tensors of both models.
 
-use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use mirage_gguf::quant::{
@@ -10,6 +9,7 @@ use mirage_gguf::quant::{
     QuantError,
 };
 use mirage_gguf::GgmlType::{self, *};
+use mirage_gguf::GgufFile;
 
 fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant")
@@ -285,6 +285,7 @@ fn real_tensors_dequantize_like_gguf() {
         serde_json::from_slice(&read_fixture("real_tensors.json")).expect("valid JSON");
     let tensors = json["tensors"].as_array().expect("tensors array");
     let mut types_seen = std::collections::BTreeSet::new();
+    let mut files = std::collections::HashMap::new();
     for t in tensors {
         let model = t["model"].as_str().unwrap();
         let path = models_dir().join(model);
@@ -298,14 +299,23 @@ fn real_tensors_dequantize_like_gguf() {
         let ty = GgmlType::from_name(t["type"].as_str().unwrap()).unwrap();
         let n = t["n_elements"].as_u64().unwrap() as usize;
         let n_bytes = t["n_bytes"].as_u64().unwrap() as usize;
-        assert_eq!(quant::row_bytes(ty, n).unwrap(), n_bytes);
-        let mut f = std::fs::File::open(&path).unwrap();
-        f.seek(SeekFrom::Start(t["offset"].as_u64().unwrap())).unwrap();
-        let mut raw = vec![0u8; n_bytes];
-        f.read_exact(&mut raw).unwrap();
-        let y = dequantized(ty, &raw, n);
-
         let name = t["tensor"].as_str().unwrap();
+        assert_eq!(quant::row_bytes(ty, n).unwrap(), n_bytes);
+        // Tensor located by our reader, its position checked against gguf-py's.
+        let file = files
+            .entry(model.to_string())
+            .or_insert_with(|| GgufFile::open(&path).expect("model parses"));
+        let view = file.tensor(name).unwrap_or_else(|| panic!("{model}: no tensor {name}"));
+        assert_eq!(view.ty(), ty, "{model} {name} type");
+        assert_eq!(
+            file.data_offset() + view.info.offset,
+            t["offset"].as_u64().unwrap(),
+            "{model} {name}: data offset differs from gguf-py's"
+        );
+        let raw = view.data;
+        assert_eq!(raw.len(), n_bytes, "{model} {name} byte length");
+        let y = dequantized(ty, raw, n);
+
         let checksum = y
             .iter()
             .enumerate()
@@ -317,6 +327,19 @@ fn real_tensors_dequantize_like_gguf() {
         for s in t["samples"].as_array().unwrap() {
             let (i, bits) = (s[0].as_u64().unwrap() as usize, s[1].as_u64().unwrap() as u32);
             assert_eq!(y[i].to_bits(), bits, "{model} {name}[{i}]");
+        }
+        // The runtime's use: a few rows dotted with quantized activations.
+        let row_len = view.info.row_len() as usize;
+        let row_bytes = quant::row_bytes(ty, row_len).unwrap();
+        let act_ty = vec_dot_type(ty);
+        let a = Rng(row_len as u64).normals(row_len, 1.0);
+        let aq = quantized(act_ty, &a);
+        let ad = dequantized(act_ty, &aq, row_len);
+        for r in 0..4 {
+            let (want, abs) = dot_f64(&y[r * row_len..(r + 1) * row_len], &ad);
+            let got = vec_dot(ty, row_len, &raw[r * row_bytes..(r + 1) * row_bytes], &aq).unwrap();
+            let tol = if act_ty == Q8_1 { 2e-3 } else { 2e-6 } * abs + 1e-6;
+            assert!((got as f64 - want).abs() <= tol, "{model} {name} row {r}: {got} vs {want}");
         }
         types_seen.insert(ty);
     }

@@ -21,6 +21,10 @@
 //! inner-loop entry point [`dot_fn`] returns an unchecked kernel whose
 //! contract the caller upholds once per matrix, not once per row.
 
+// Codec loops mirror ggml's index arithmetic (element e of block i, scale
+// e/16, ...); iterator rewrites would hide the correspondence.
+#![allow(clippy::needless_range_loop)]
+
 mod float;
 mod kquants;
 mod legacy;
