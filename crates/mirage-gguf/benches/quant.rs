@@ -14,8 +14,9 @@ use mirage_gguf::GgmlType::{self, *};
 
 const ROWS: usize = 4096;
 const COLS: usize = 4096;
-const TYPES: [GgmlType; 14] =
-    [F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K];
+const TYPES: [GgmlType; 14] = [
+    F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K,
+];
 
 struct Case {
     ty: GgmlType,
@@ -30,7 +31,9 @@ fn pseudo_normal(n: usize, seed: u64) -> Vec<f32> {
             // Sum of 4 uniforms: cheap, bell-shaped, deterministic.
             let mut acc = 0f32;
             for _ in 0..4 {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 acc += (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
             }
             acc
@@ -96,19 +99,34 @@ fn main() {
         g.bench_function("dequantize", |b| {
             b.iter(|| dequantize(case.ty, black_box(&case.weights), &mut f32_out).unwrap())
         });
-        g.bench_function("matvec_dot", |b| b.iter(|| matvec(black_box(case), &mut rows_out)));
-        g.bench_function("memcpy", |b| b.iter(|| copy.copy_from_slice(black_box(&case.weights))));
+        g.bench_function("matvec_dot", |b| {
+            b.iter(|| matvec(black_box(case), &mut rows_out))
+        });
+        g.bench_function("memcpy", |b| {
+            b.iter(|| copy.copy_from_slice(black_box(&case.weights)))
+        });
         g.finish();
 
         let gbs = |s: f64| bytes as f64 / s / 1e9;
-        let deq = median_secs(|| dequantize(case.ty, black_box(&case.weights), &mut f32_out).unwrap());
+        let deq =
+            median_secs(|| dequantize(case.ty, black_box(&case.weights), &mut f32_out).unwrap());
         let dot = median_secs(|| matvec(black_box(case), &mut rows_out));
         let cpy = median_secs(|| copy.copy_from_slice(black_box(&case.weights)));
-        table.push((case.ty, bytes, gbs(deq), gbs(dot), gbs(cpy), simd_dot_fn(case.ty).is_some()));
+        table.push((
+            case.ty,
+            bytes,
+            gbs(deq),
+            gbs(dot),
+            gbs(cpy),
+            simd_dot_fn(case.ty).is_some(),
+        ));
     }
     c.final_summary();
     println!("\n4096x4096 elements; GB/s of quantized bytes (median of 7 runs)");
-    println!("{:<6} {:>9} {:>12} {:>12} {:>9} {:>6}", "type", "MiB", "dequantize", "matvec dot", "memcpy", "simd");
+    println!(
+        "{:<6} {:>9} {:>12} {:>12} {:>9} {:>6}",
+        "type", "MiB", "dequantize", "matvec dot", "memcpy", "simd"
+    );
     for (ty, bytes, deq, dot, cpy, simd) in table {
         println!(
             "{:<6} {:>9.1} {:>12.2} {:>12.2} {:>9.2} {:>6}",

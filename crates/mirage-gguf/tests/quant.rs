@@ -18,12 +18,18 @@ fn fixture_dir() -> PathBuf {
 fn read_fixture(name: &str) -> Vec<u8> {
     let p = fixture_dir().join(name);
     std::fs::read(&p).unwrap_or_else(|e| {
-        panic!("{}: {e}; regenerate with `python3 scripts/gen_quant_fixtures.py`", p.display())
+        panic!(
+            "{}: {e}; regenerate with `python3 scripts/gen_quant_fixtures.py`",
+            p.display()
+        )
     })
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 /// Deterministic normal samples (splitmix64 + Box-Muller), no rand API churn.
@@ -48,11 +54,13 @@ impl Rng {
     }
 }
 
-const DEQUANT_FIXTURE_TYPES: [GgmlType; 12] =
-    [F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K];
+const DEQUANT_FIXTURE_TYPES: [GgmlType; 12] = [
+    F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+];
 const GGUF_QUANTIZED_TYPES: [GgmlType; 7] = [F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0];
-const QUANTIZABLE: [GgmlType; 15] =
-    [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K];
+const QUANTIZABLE: [GgmlType; 15] = [
+    F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K,
+];
 
 fn quantized(ty: GgmlType, x: &[f32]) -> Vec<u8> {
     let mut q = vec![0u8; quant::row_bytes(ty, x.len()).unwrap()];
@@ -75,7 +83,11 @@ fn dequantize_matches_gguf_bit_for_bit() {
         assert!(!want.is_empty());
         let got = dequantized(ty, &blocks, want.len());
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g.to_bits(), w.to_bits(), "{ty} element {i}: ours {g:e}, gguf {w:e}");
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "{ty} element {i}: ours {g:e}, gguf {w:e}"
+            );
         }
     }
 }
@@ -123,7 +135,11 @@ fn rms_bound(ty: GgmlType) -> f64 {
 }
 
 fn rel_rms(x: &[f32], y: &[f32]) -> f64 {
-    let num: f64 = x.iter().zip(y).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+    let num: f64 = x
+        .iter()
+        .zip(y)
+        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+        .sum();
     let den: f64 = x.iter().map(|a| (*a as f64).powi(2)).sum();
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
@@ -138,13 +154,20 @@ fn round_trip_error_is_bounded_and_stable() {
         let y1 = dequantized(ty, &q1, n);
         let err = rel_rms(&x, &y1);
         eprintln!("{ty}: relative RMS round-trip error {err:.5}");
-        assert!(err <= rms_bound(ty), "{ty}: relative RMS error {err} > {}", rms_bound(ty));
+        assert!(
+            err <= rms_bound(ty),
+            "{ty}: relative RMS error {err} > {}",
+            rms_bound(ty)
+        );
         // Re-quantizing what we decoded must not drift: the second round adds
         // well under the first round's error (exactly zero for most types).
         let q2 = quantized(ty, &y1);
         let y2 = dequantized(ty, &q2, n);
         let drift = rel_rms(&y1, &y2);
-        assert!(drift <= 0.25 * err + 1e-7, "{ty}: re-quantization drift {drift} vs error {err}");
+        assert!(
+            drift <= 0.25 * err + 1e-7,
+            "{ty}: re-quantization drift {drift} vs error {err}"
+        );
     }
 }
 
@@ -152,15 +175,25 @@ fn round_trip_error_is_bounded_and_stable() {
 fn fixture_inputs_round_trip_for_every_type() {
     // The fixture inputs hold zero blocks, outliers, tiny and one-signed blocks.
     for ty in QUANTIZABLE {
-        let src = if ty == F32 || ty == Q8_1 { "q8_0" } else { ty.name() };
+        let src = if ty == F32 || ty == Q8_1 {
+            "q8_0"
+        } else {
+            ty.name()
+        };
         let x = f32s(&read_fixture(&format!("{src}.qin.f32")));
         let y = dequantized(ty, &quantized(ty, &x), x.len());
         let bs = ty.block_size().max(32);
         for (b, (xb, yb)) in x.chunks(bs).zip(y.chunks(bs)).enumerate() {
-            assert!(yb.iter().all(|v| v.is_finite()), "{ty} block {b}: non-finite output");
+            assert!(
+                yb.iter().all(|v| v.is_finite()),
+                "{ty} block {b}: non-finite output"
+            );
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             if amax == 0.0 {
-                assert!(yb.iter().all(|v| *v == 0.0), "{ty} block {b}: zeros did not stay zero");
+                assert!(
+                    yb.iter().all(|v| *v == 0.0),
+                    "{ty} block {b}: zeros did not stay zero"
+                );
                 continue;
             }
             // Every element within a type-dependent fraction of the block's
@@ -174,8 +207,15 @@ fn fixture_inputs_round_trip_for_every_type() {
             // Scales are f16 (F16 values themselves): below 2^-24 they flush
             // to zero, so tiny blocks may decode as zero, as in ggml.
             let floor = 64.0 * 2f32.powi(-24);
-            let worst = xb.iter().zip(yb).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(worst <= frac * amax + floor, "{ty} block {b}: max error {worst} > {frac} * {amax}");
+            let worst = xb
+                .iter()
+                .zip(yb)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst <= frac * amax + floor,
+                "{ty} block {b}: max error {worst} > {frac} * {amax}"
+            );
         }
     }
 }
@@ -185,12 +225,20 @@ fn bad_lengths_are_typed_errors() {
     let mut out = vec![0f32; 33];
     assert!(matches!(
         dequantize(Q8_0, &[0u8; 34], &mut out),
-        Err(QuantError::NotBlockMultiple { n: 33, block_size: 32, .. })
+        Err(QuantError::NotBlockMultiple {
+            n: 33,
+            block_size: 32,
+            ..
+        })
     ));
     let mut out = vec![0f32; 32];
     assert!(matches!(
         dequantize(Q8_0, &[0u8; 33], &mut out),
-        Err(QuantError::LengthMismatch { expected: 34, got: 33, .. })
+        Err(QuantError::LengthMismatch {
+            expected: 34,
+            got: 33,
+            ..
+        })
     ));
     assert!(matches!(
         quantize(Q4_K, &[0f32; 256], &mut [0u8; 10]),
@@ -203,7 +251,11 @@ fn bad_lengths_are_typed_errors() {
 
 fn dot_f64(a: &[f32], b: &[f32]) -> (f64, f64) {
     let dot = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    let abs = a.iter().zip(b).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum();
+    let abs = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 * *y as f64).abs())
+        .sum();
     (dot, abs)
 }
 
@@ -233,7 +285,10 @@ fn dot_products_agree_with_dequantized_f64_and_scalar() {
         let act_ty = vec_dot_type(ty);
         assert!(scalar_dot_fn(ty).is_some(), "{ty} has no scalar kernel");
         if avx2 {
-            assert!(simd_dot_fn(ty).is_some(), "{ty}: AVX2 detected but no AVX2 kernel");
+            assert!(
+                simd_dot_fn(ty).is_some(),
+                "{ty}: AVX2 detected but no AVX2 kernel"
+            );
         }
         let bs = ty.block_size().max(act_ty.block_size()).max(32);
         let mut sizes: Vec<usize> = [1usize, 3, 7, 16, 33].iter().map(|b| b * bs).collect();
@@ -258,10 +313,17 @@ fn dot_products_agree_with_dequantized_f64_and_scalar() {
             // And both close to the unquantized dot (the quantization error).
             let (exact, exact_abs) = dot_f64(&x, &a);
             let qtol = (rms_bound(ty) + rms_bound(act_ty)) * 3.0 * exact_abs.max(1e-6) + 1e-4;
-            assert!((scalar - exact).abs() <= qtol, "{ty} n={n}: {scalar} vs exact {exact}");
+            assert!(
+                (scalar - exact).abs() <= qtol,
+                "{ty} n={n}: {scalar} vs exact {exact}"
+            );
             let fast = vec_dot(ty, n, &wq, &aq).unwrap() as f64;
             if simd_is_exact(ty) {
-                assert_eq!(fast.to_bits(), scalar.to_bits(), "{ty} n={n}: SIMD {fast} != scalar {scalar}");
+                assert_eq!(
+                    fast.to_bits(),
+                    scalar.to_bits(),
+                    "{ty} n={n}: SIMD {fast} != scalar {scalar}"
+                );
             } else {
                 // Float partial sums are added in a different order.
                 assert!(
@@ -305,7 +367,9 @@ fn real_tensors_dequantize_like_gguf() {
         let file = files
             .entry(model.to_string())
             .or_insert_with(|| GgufFile::open(&path).expect("model parses"));
-        let view = file.tensor(name).unwrap_or_else(|| panic!("{model}: no tensor {name}"));
+        let view = file
+            .tensor(name)
+            .unwrap_or_else(|| panic!("{model}: no tensor {name}"));
         assert_eq!(view.ty(), ty, "{model} {name} type");
         assert_eq!(
             file.data_offset() + view.info.offset,
@@ -316,16 +380,25 @@ fn real_tensors_dequantize_like_gguf() {
         assert_eq!(raw.len(), n_bytes, "{model} {name} byte length");
         let y = dequantized(ty, raw, n);
 
-        let checksum = y
-            .iter()
-            .enumerate()
-            .fold(0u64, |s, (i, v)| s.wrapping_add((v.to_bits() as u64).wrapping_mul(i as u64 + 1)));
-        assert_eq!(checksum.to_string(), t["checksum"].as_str().unwrap(), "{model} {name} checksum");
+        let checksum = y.iter().enumerate().fold(0u64, |s, (i, v)| {
+            s.wrapping_add((v.to_bits() as u64).wrapping_mul(i as u64 + 1))
+        });
+        assert_eq!(
+            checksum.to_string(),
+            t["checksum"].as_str().unwrap(),
+            "{model} {name} checksum"
+        );
         let sumsq: f64 = y.iter().map(|v| (*v as f64).powi(2)).sum();
         let want = t["sum_squares"].as_f64().unwrap();
-        assert!((sumsq - want).abs() <= 1e-9 * want, "{model} {name}: sum of squares {sumsq} vs {want}");
+        assert!(
+            (sumsq - want).abs() <= 1e-9 * want,
+            "{model} {name}: sum of squares {sumsq} vs {want}"
+        );
         for s in t["samples"].as_array().unwrap() {
-            let (i, bits) = (s[0].as_u64().unwrap() as usize, s[1].as_u64().unwrap() as u32);
+            let (i, bits) = (
+                s[0].as_u64().unwrap() as usize,
+                s[1].as_u64().unwrap() as u32,
+            );
             assert_eq!(y[i].to_bits(), bits, "{model} {name}[{i}]");
         }
         // The runtime's use: a few rows dotted with quantized activations.
@@ -339,7 +412,10 @@ fn real_tensors_dequantize_like_gguf() {
             let (want, abs) = dot_f64(&y[r * row_len..(r + 1) * row_len], &ad);
             let got = vec_dot(ty, row_len, &raw[r * row_bytes..(r + 1) * row_bytes], &aq).unwrap();
             let tol = if act_ty == Q8_1 { 2e-3 } else { 2e-6 } * abs + 1e-6;
-            assert!((got as f64 - want).abs() <= tol, "{model} {name} row {r}: {got} vs {want}");
+            assert!(
+                (got as f64 - want).abs() <= tol,
+                "{model} {name} row {r}: {got} vs {want}"
+            );
         }
         types_seen.insert(ty);
     }

@@ -161,7 +161,10 @@ unsafe fn dot_float(
         acc[0] = _mm256_fmadd_ps(load(wp, i), _mm256_loadu_ps(ap.add(i)), acc[0]);
         i += 8;
     }
-    let mut sum = hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    let mut sum = hsum_ps(_mm256_add_ps(
+        _mm256_add_ps(acc[0], acc[1]),
+        _mm256_add_ps(acc[2], acc[3]),
+    ));
     if i < n {
         sum += scalar(n - i, &w[i * wsize..], &a[i * 4..]);
     }
@@ -171,7 +174,14 @@ unsafe fn dot_float(
 unsafe fn dot_f32(n: usize, w: &[u8], a: &[u8]) -> f32 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn inner(n: usize, w: &[u8], a: &[u8]) -> f32 {
-        dot_float(n, w, a, |p, j| _mm256_loadu_ps((p as *const f32).add(j)), super::float::dot_f32_scalar, 4)
+        dot_float(
+            n,
+            w,
+            a,
+            |p, j| _mm256_loadu_ps((p as *const f32).add(j)),
+            super::float::dot_f32_scalar,
+            4,
+        )
     }
     inner(n, w, a)
 }
@@ -179,7 +189,14 @@ unsafe fn dot_f32(n: usize, w: &[u8], a: &[u8]) -> f32 {
 unsafe fn dot_f16(n: usize, w: &[u8], a: &[u8]) -> f32 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn inner(n: usize, w: &[u8], a: &[u8]) -> f32 {
-        dot_float(n, w, a, |p, j| _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * j) as *const __m128i)), super::float::dot_f16_scalar, 2)
+        dot_float(
+            n,
+            w,
+            a,
+            |p, j| _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * j) as *const __m128i)),
+            super::float::dot_f16_scalar,
+            2,
+        )
     }
     inner(n, w, a)
 }
@@ -393,7 +410,11 @@ unsafe fn dot_q45_k(n: usize, w: &[u8], a: &[u8], five_bit: bool) -> f32 {
             sc[j] = s as i32;
             summs += m as i32 * (bsum(y, 2 * j) + bsum(y, 2 * j + 1));
         }
-        let hbits = if five_bit { load256(x.add(16)) } else { _mm256_setzero_si256() };
+        let hbits = if five_bit {
+            load256(x.add(16))
+        } else {
+            _mm256_setzero_si256()
+        };
         let mut acc = _mm256_setzero_si256();
         for c in 0..4 {
             let bits = load256(x.add(qs_at + 32 * c));
@@ -406,7 +427,11 @@ unsafe fn dot_q45_k(n: usize, w: &[u8], a: &[u8], five_bit: bool) -> f32 {
                 qh = _mm256_or_si256(qh, _mm256_slli_epi16(b1, 4));
             }
             let pl = scaled_u8_i8(ql, y.add(4 + 64 * c), _mm256_set1_epi16(sc[2 * c] as i16));
-            let ph = scaled_u8_i8(qh, y.add(4 + 64 * c + 32), _mm256_set1_epi16(sc[2 * c + 1] as i16));
+            let ph = scaled_u8_i8(
+                qh,
+                y.add(4 + 64 * c + 32),
+                _mm256_set1_epi16(sc[2 * c + 1] as i16),
+            );
             acc = _mm256_add_epi32(acc, _mm256_add_epi32(pl, ph));
         }
         let isum = hsum_epi32(acc);
@@ -452,7 +477,8 @@ unsafe fn dot_q6_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
                 let yk = y.add(4 + 128 * h + 32 * k);
                 let y8 = load256(yk);
                 // (q - 32)·y == q·y - 32·y, both pair sums fit i16.
-                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, y8), _mm256_maddubs_epi16(m32, y8));
+                let p =
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(q, y8), _mm256_maddubs_epi16(m32, y8));
                 let g = 8 * h + 2 * k;
                 let s = scale_pair(*sc.add(g) as i32, *sc.add(g + 1) as i32);
                 acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
@@ -472,7 +498,10 @@ unsafe fn dot_q8_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
         let (x, y) = (wp.add(Q8K * i), ap.add(Q8K * i));
         let mut acc = _mm256_setzero_si256();
         for c in 0..8 {
-            acc = _mm256_add_epi32(acc, mul_sum_i8_pairs(load256(x.add(4 + 32 * c)), load256(y.add(4 + 32 * c))));
+            acc = _mm256_add_epi32(
+                acc,
+                mul_sum_i8_pairs(load256(x.add(4 + 32 * c)), load256(y.add(4 + 32 * c))),
+            );
         }
         let isum = hsum_epi32(acc);
         sum += read_f32(y) * read_f32(x) * isum as f32;

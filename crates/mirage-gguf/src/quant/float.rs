@@ -9,8 +9,16 @@ pub(crate) fn dequantize_f32(src: &[u8], dst: &mut [f32]) {
 }
 
 pub(crate) fn dequantize_f16(src: &[u8], dst: &mut [f32]) {
-    for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
-        *d = f16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
+    use half::slice::HalfFloatSliceExt;
+    // `src` may be unaligned for u16: stage 256 halves at a time, then let
+    // half convert them with F16C when the CPU has it.
+    let mut stage = [f16::ZERO; 256];
+    for (s, d) in src.chunks(512).zip(dst.chunks_mut(256)) {
+        let halves = &mut stage[..d.len()];
+        for (h, b) in halves.iter_mut().zip(s.chunks_exact(2)) {
+            *h = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+        }
+        halves.convert_to_f32_slice(d);
     }
 }
 
@@ -68,14 +76,25 @@ fn dot_by_lanes(n: usize, mut w: impl FnMut(usize) -> f32, a: &[u8]) -> f32 {
 }
 
 pub(crate) fn dot_f32_scalar(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    dot_by_lanes(n, |i| f32::from_le_bytes([w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]]), a)
+    dot_by_lanes(
+        n,
+        |i| f32::from_le_bytes([w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]]),
+        a,
+    )
 }
 
 pub(crate) fn dot_f16_scalar(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    dot_by_lanes(n, |i| f16::from_bits(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])).to_f32(), a)
+    dot_by_lanes(
+        n,
+        |i| f16::from_bits(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])).to_f32(),
+        a,
+    )
 }
 
 pub(crate) fn dot_bf16_scalar(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    dot_by_lanes(n, |i| bf16_to_f32(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])), a)
+    dot_by_lanes(
+        n,
+        |i| bf16_to_f32(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])),
+        a,
+    )
 }
-

@@ -79,7 +79,10 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -88,7 +91,11 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 fn codes_q45_k(qs: &[u8], qh: Option<&[u8]>, out: &mut [i8; QK_K]) {
     for e in 0..QK_K {
         let byte = qs[32 * (e / 64) + e % 32];
-        let nib = if (e / 32) % 2 == 0 { byte & 0xf } else { byte >> 4 };
+        let nib = if (e / 32) % 2 == 0 {
+            byte & 0xf
+        } else {
+            byte >> 4
+        };
         let high = qh.map_or(0, |h| ((h[e % 32] >> (e / 32)) & 1) << 4);
         out[e] = (nib | high) as i8;
     }
@@ -164,7 +171,11 @@ pub(crate) fn dequantize_q3_k(src: &[u8], dst: &mut [f32]) {
 }
 
 fn dequantize_q45_k(src: &[u8], dst: &mut [f32], five_bit: bool) {
-    let (size, qs_at) = if five_bit { (Q5_K_SIZE, 48) } else { (Q4_K_SIZE, 16) };
+    let (size, qs_at) = if five_bit {
+        (Q5_K_SIZE, 48)
+    } else {
+        (Q4_K_SIZE, 16)
+    };
     for (b, y) in src.chunks_exact(size).zip(dst.chunks_exact_mut(QK_K)) {
         let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
         let qh = &b[16..48];
@@ -253,8 +264,11 @@ fn make_qx_quants(x: &[f32], nmax: i32, l_out: &mut [i8], rmse_type: i32) -> f32
         }
         return 1.0 / iscale;
     }
-    let (rmse_type, return_early) =
-        if rmse_type < 0 { (-rmse_type, true) } else { (rmse_type, false) };
+    let (rmse_type, return_early) = if rmse_type < 0 {
+        (-rmse_type, true)
+    } else {
+        (rmse_type, false)
+    };
     let weight = |v: f32| -> f32 {
         match rmse_type {
             1 => v * v,
@@ -273,7 +287,11 @@ fn make_qx_quants(x: &[f32], nmax: i32, l_out: &mut [i8], rmse_type: i32) -> f32
     }
     let mut scale = if suml2 != 0.0 { sumlx / suml2 } else { 0.0 };
     if return_early {
-        return if suml2 > 0.0 { 0.5 * (scale + 1.0 / iscale) } else { 1.0 / iscale };
+        return if suml2 > 0.0 {
+            0.5 * (scale + 1.0 / iscale)
+        } else {
+            1.0 / iscale
+        };
     }
     let mut best = scale * sumlx;
     for is in -9..=9 {
@@ -474,7 +492,15 @@ pub(crate) fn quantize_q2_k(src: &[f32], dst: &mut [u8]) {
                 *w = v.abs();
             }
             scales[j] = make_qkx2_quants(
-                xs, &weights, 3, &mut l[16 * j..16 * j + 16], &mut mins[j], -0.5, 0.1, 15, true,
+                xs,
+                &weights,
+                3,
+                &mut l[16 * j..16 * j + 16],
+                &mut mins[j],
+                -0.5,
+                0.1,
+                15,
+                true,
             );
             if scales[j] > max_scale {
                 max_scale = scales[j];
@@ -577,8 +603,11 @@ pub(crate) fn quantize_q3_k(src: &[f32], dst: &mut [u8]) {
 
 /// Q4_K and Q5_K share everything but the code width and the packing.
 fn quantize_q45_k(src: &[f32], dst: &mut [u8], five_bit: bool) {
-    let (size, nmax, rmin, nstep) =
-        if five_bit { (Q5_K_SIZE, 31, -0.5f32, 15) } else { (Q4_K_SIZE, 15, -1.0f32, 20) };
+    let (size, nmax, rmin, nstep) = if five_bit {
+        (Q5_K_SIZE, 31, -0.5f32, 15)
+    } else {
+        (Q4_K_SIZE, 15, -1.0f32, 20)
+    };
     let mut l = [0u8; QK_K];
     let mut weights = [0f32; 32];
     for (x, b) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(size)) {
@@ -596,7 +625,14 @@ fn quantize_q45_k(src: &[f32], dst: &mut [u8], five_bit: bool) {
                 *w = av_x + v.abs();
             }
             scales[j] = make_qkx2_quants(
-                xs, &weights, nmax, &mut l[32 * j..32 * j + 32], &mut mins[j], rmin, 0.1, nstep,
+                xs,
+                &weights,
+                nmax,
+                &mut l[32 * j..32 * j + 32],
+                &mut mins[j],
+                rmin,
+                0.1,
+                nstep,
                 false,
             );
             if scales[j] > max_scale {
@@ -606,7 +642,11 @@ fn quantize_q45_k(src: &[f32], dst: &mut [u8], five_bit: bool) {
                 max_min = mins[j];
             }
         }
-        let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+        let inv_scale = if max_scale > 0.0 {
+            63.0 / max_scale
+        } else {
+            0.0
+        };
         let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
         let sc = &mut b[4..16];
         for j in 0..8 {
@@ -682,7 +722,12 @@ pub(crate) fn quantize_q6_k(src: &[f32], dst: &mut [u8]) {
         let mut scales = [0f32; 16];
         let (mut max_scale, mut max_abs_scale) = (0f32, 0f32);
         for ib in 0..16 {
-            let scale = make_qx_quants(&x[16 * ib..16 * ib + 16], 32, &mut l[16 * ib..16 * ib + 16], 1);
+            let scale = make_qx_quants(
+                &x[16 * ib..16 * ib + 16],
+                32,
+                &mut l[16 * ib..16 * ib + 16],
+                1,
+            );
             scales[ib] = scale;
             if scale.abs() > max_abs_scale {
                 max_abs_scale = scale.abs();
@@ -715,7 +760,8 @@ pub(crate) fn quantize_q6_k(src: &[f32], dst: &mut [u8]) {
                 let q = |o: usize| l[j + k + o] as u8;
                 ql[64 * h + k] = (q(0) & 0xf) | ((q(64) & 0xf) << 4);
                 ql[64 * h + k + 32] = (q(32) & 0xf) | ((q(96) & 0xf) << 4);
-                qh[32 * h + k] = (q(0) >> 4) | ((q(32) >> 4) << 2) | ((q(64) >> 4) << 4) | ((q(96) >> 4) << 6);
+                qh[32 * h + k] =
+                    (q(0) >> 4) | ((q(32) >> 4) << 2) | ((q(64) >> 4) << 4) | ((q(96) >> 4) << 6);
             }
         }
     }
@@ -809,7 +855,11 @@ pub(crate) fn dot_q3_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
 }
 
 fn dot_q45_k_q8_k(n: usize, w: &[u8], a: &[u8], five_bit: bool) -> f32 {
-    let (size, qs_at) = if five_bit { (Q5_K_SIZE, 48) } else { (Q4_K_SIZE, 16) };
+    let (size, qs_at) = if five_bit {
+        (Q5_K_SIZE, 48)
+    } else {
+        (Q4_K_SIZE, 16)
+    };
     let mut q = [0i8; QK_K];
     let mut sum = 0f32;
     for i in 0..n / QK_K {

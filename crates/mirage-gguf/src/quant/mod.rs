@@ -96,7 +96,12 @@ fn check_len(
     got: usize,
 ) -> Result<(), QuantError> {
     if expected != got {
-        return Err(QuantError::LengthMismatch { ty, what, expected, got });
+        return Err(QuantError::LengthMismatch {
+            ty,
+            what,
+            expected,
+            got,
+        });
     }
     Ok(())
 }
