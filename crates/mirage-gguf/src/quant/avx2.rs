@@ -8,7 +8,8 @@
 //!   combine it with the float scales in the same scalar expression as the
 //!   scalar kernels, so results are bit-identical to them (the horizontal sum
 //!   costs little against 256 elements).
-//! - 32-element block kernels keep ggml's 8-lane float accumulator (a
+//! - 32-element block kernels keep ggml's 8-lane float accumulators (two,
+//!   alternating between blocks, to hide FMA latency; a
 //!   horizontal sum per 32 elements would cost ~30%), so they agree with the
 //!   scalar kernels to float rounding only.
 //!
@@ -221,92 +222,105 @@ unsafe fn dot_bf16(n: usize, w: &[u8], a: &[u8]) -> f32 {
 
 // ------------------------------------------------------- 32-element blocks
 
+/// Runs `$block` (which reads block index `$i` and yields the f32 scale
+/// product, the i32 pair sums and the min term) over `$nb` blocks with two
+/// independent accumulators, so consecutive blocks' FMAs do not wait on each
+/// other's latency.
+macro_rules! two_chain_blocks {
+    ($nb:expr, |$i:ident| $block:expr) => {{
+        let nb = $nb;
+        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (mut min0, mut min1) = (0f32, 0f32);
+        let mut $i = 0usize;
+        while $i + 2 <= nb {
+            let (d, p, m): (f32, __m256i, f32) = $block;
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc0);
+            min0 += m;
+            $i += 1;
+            let (d, p, m): (f32, __m256i, f32) = $block;
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc1);
+            min1 += m;
+            $i += 1;
+        }
+        if $i < nb {
+            let (d, p, m): (f32, __m256i, f32) = $block;
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc0);
+            min0 += m;
+        }
+        hsum_ps(_mm256_add_ps(acc0, acc1)) + (min0 + min1)
+    }};
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q8_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
     let (wp, ap) = (w.as_ptr(), a.as_ptr());
-    let mut acc = _mm256_setzero_ps();
-    for i in 0..n / 32 {
+    two_chain_blocks!(n / 32, |i| {
         let (x, y) = (wp.add(34 * i), ap.add(34 * i));
-        let d = _mm256_set1_ps(fp16(x) * fp16(y));
         let p = mul_sum_i8_pairs(load256(x.add(2)), load256(y.add(2)));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc);
-    }
-    hsum_ps(acc)
+        (fp16(x) * fp16(y), p, 0.0)
+    })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q8_1_q8_1(n: usize, w: &[u8], a: &[u8]) -> f32 {
     let (wp, ap) = (w.as_ptr(), a.as_ptr());
-    let mut acc = _mm256_setzero_ps();
-    for i in 0..n / 32 {
+    two_chain_blocks!(n / 32, |i| {
         let (x, y) = (wp.add(36 * i), ap.add(36 * i));
-        let d = _mm256_set1_ps(fp16(x) * fp16(y));
         let p = mul_sum_i8_pairs(load256(x.add(4)), load256(y.add(4)));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc);
-    }
-    hsum_ps(acc)
+        (fp16(x) * fp16(y), p, 0.0)
+    })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
     let (wp, ap) = (w.as_ptr(), a.as_ptr());
-    let mut acc = _mm256_setzero_ps();
-    for i in 0..n / 32 {
+    two_chain_blocks!(n / 32, |i| {
         let (x, y) = (wp.add(18 * i), ap.add(34 * i));
-        let d = _mm256_set1_ps(fp16(x) * fp16(y));
         let q = _mm256_sub_epi8(nibbles_32(x.add(2)), _mm256_set1_epi8(8));
-        let p = mul_sum_i8_pairs(q, load256(y.add(2)));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc);
-    }
-    hsum_ps(acc)
+        (
+            fp16(x) * fp16(y),
+            mul_sum_i8_pairs(q, load256(y.add(2))),
+            0.0,
+        )
+    })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q5_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
     let (wp, ap) = (w.as_ptr(), a.as_ptr());
-    let mut acc = _mm256_setzero_ps();
-    for i in 0..n / 32 {
+    two_chain_blocks!(n / 32, |i| {
         let (x, y) = (wp.add(22 * i), ap.add(34 * i));
-        let d = _mm256_set1_ps(fp16(x) * fp16(y));
         // (q | h<<4) - 16 == q | 0xf0 (as i8) where h is clear, q where set.
         let hi = _mm256_andnot_si256(bytes_from_bits_32(x.add(2)), _mm256_set1_epi8(0xf0u8 as i8));
         let q = _mm256_or_si256(nibbles_32(x.add(6)), hi);
-        let p = mul_sum_i8_pairs(q, load256(y.add(2)));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc);
-    }
-    hsum_ps(acc)
+        (
+            fp16(x) * fp16(y),
+            mul_sum_i8_pairs(q, load256(y.add(2))),
+            0.0,
+        )
+    })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_1_q8_1(n: usize, w: &[u8], a: &[u8]) -> f32 {
     let (wp, ap) = (w.as_ptr(), a.as_ptr());
-    let mut acc = _mm256_setzero_ps();
-    let mut summs = 0f32;
-    for i in 0..n / 32 {
+    two_chain_blocks!(n / 32, |i| {
         let (x, y) = (wp.add(20 * i), ap.add(36 * i));
-        let d = _mm256_set1_ps(fp16(x) * fp16(y));
-        summs += fp16(x.add(2)) * fp16(y.add(2));
         let p = mul_sum_u8_i8_pairs(nibbles_32(x.add(4)), load256(y.add(4)));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc);
-    }
-    hsum_ps(acc) + summs
+        (fp16(x) * fp16(y), p, fp16(x.add(2)) * fp16(y.add(2)))
+    })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q5_1_q8_1(n: usize, w: &[u8], a: &[u8]) -> f32 {
     let (wp, ap) = (w.as_ptr(), a.as_ptr());
-    let mut acc = _mm256_setzero_ps();
-    let mut summs = 0f32;
-    for i in 0..n / 32 {
+    two_chain_blocks!(n / 32, |i| {
         let (x, y) = (wp.add(24 * i), ap.add(36 * i));
-        let d = _mm256_set1_ps(fp16(x) * fp16(y));
-        summs += fp16(x.add(2)) * fp16(y.add(2));
         let hi = _mm256_and_si256(bytes_from_bits_32(x.add(4)), _mm256_set1_epi8(0x10));
         let q = _mm256_or_si256(nibbles_32(x.add(8)), hi);
         let p = mul_sum_u8_i8_pairs(q, load256(y.add(4)));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc);
-    }
-    hsum_ps(acc) + summs
+        (fp16(x) * fp16(y), p, fp16(x.add(2)) * fp16(y.add(2)))
+    })
 }
 
 // ---------------------------------------------------------------- K-quants
