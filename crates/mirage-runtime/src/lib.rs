@@ -11,6 +11,7 @@ pub mod engine;
 pub mod error;
 pub mod kv_cache;
 pub mod model;
+pub mod observe;
 pub mod ops;
 pub mod perplexity;
 pub mod sampling;

@@ -288,6 +288,25 @@ impl<B: Backend> Model<B> {
         s: &mut Scratch<B>,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
+        self.forward_observed(tokens, slots, logits_rows, cache, s, logits, None)
+    }
+
+    /// [`Model::forward`], calling `observer(layer, x)` with each layer's FFN
+    /// input (after `ffn_norm`, `tokens.len() * n_embd` floats, row-major)
+    /// before the FFN runs. With `None` it costs nothing (see
+    /// [`crate::observe`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_observed(
+        &self,
+        tokens: &[u32],
+        slots: &[TokenSlot],
+        logits_rows: &[usize],
+        cache: &mut B::KvCache,
+        s: &mut Scratch<B>,
+        logits: &mut Vec<f32>,
+        mut observer: Option<&mut dyn FnMut(usize, &[f32])>,
+    ) -> Result<()> {
+        let mut observed = Vec::new();
         if tokens.len() != slots.len() || tokens.is_empty() {
             return Err(RuntimeError::InvalidArgument(format!("{} tokens for {} slots", tokens.len(), slots.len())));
         }
@@ -310,6 +329,10 @@ impl<B: Backend> Model<B> {
             b.matmul(&layer.wo, &s.att, &mut s.proj)?;
             b.add(&mut s.x, &s.proj)?;
             b.rms_norm(&s.x, &layer.ffn_norm, c.rms_norm_eps, &mut s.xn)?;
+            if let Some(obs) = observer.as_mut() {
+                b.read(&s.xn, &mut observed)?;
+                obs(l, &observed);
+            }
             b.ffn(&layer.ffn, &s.xn, &mut s.proj)?;
             b.add(&mut s.x, &s.proj)?;
         }
