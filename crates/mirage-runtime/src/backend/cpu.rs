@@ -121,6 +121,7 @@ struct Scratch {
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     threads: usize,
+    f32_activations: bool,
     scratch: Mutex<Scratch>,
 }
 
@@ -143,7 +144,17 @@ impl CpuBackend {
             .thread_name(|i| format!("mirage-cpu-{i}"))
             .build()
             .map_err(|e| RuntimeError::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
-        Ok(CpuBackend { pool, threads, scratch: Mutex::new(Scratch::default()) })
+        Ok(CpuBackend { pool, threads, f32_activations: false, scratch: Mutex::new(Scratch::default()) })
+    }
+
+    /// A backend that keeps activations in f32 and dequantizes each weight
+    /// row before its dot product. Much slower; it computes what HF
+    /// transformers computes on dequantized weights, so tests can separate
+    /// graph errors from activation-quantization noise.
+    pub fn new_f32_activations(threads: usize) -> Result<CpuBackend> {
+        let mut b = CpuBackend::new(threads)?;
+        b.f32_activations = true;
+        Ok(b)
     }
 
     /// Worker threads.
@@ -180,9 +191,12 @@ impl CpuBackend {
                 m.ty
             )));
         }
-        let act_ty = quant::vec_dot_type(m.ty);
+        let (act_ty, dot) = if self.f32_activations {
+            (GgmlType::F32, dequantizing_dot_fn(m.ty))
+        } else {
+            (quant::vec_dot_type(m.ty), quant::dot_fn(m.ty).ok_or_else(|| unsupported("no dot kernel"))?)
+        };
         quant::row_bytes(act_ty, m.cols).map_err(|_| unsupported("row length not a block multiple"))?;
-        let dot = quant::dot_fn(m.ty).ok_or_else(|| unsupported("no dot kernel"))?;
         Ok(CpuMatrix {
             name: m.name.clone(),
             ty: m.ty,
@@ -193,6 +207,50 @@ impl CpuBackend {
             dot,
             data: m.data.clone(),
         })
+    }
+}
+
+/// Dequantizes `n` weights of type `T` and dots them with f32 activations.
+///
+/// # Safety
+/// Same contract as [`DotFn`] with F32 activations.
+unsafe fn dequantizing_dot<const T: u32>(n: usize, w: &[u8], act: &[u8]) -> f32 {
+    thread_local! {
+        static ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let Some(ty) = GgmlType::from_id(T) else { return f32::NAN };
+    let Ok(bytes) = quant::row_bytes(ty, n) else { return f32::NAN };
+    ROW.with_borrow_mut(|row| {
+        row.resize(n, 0.0);
+        if quant::dequantize(ty, &w[..bytes], row).is_err() {
+            return f32::NAN;
+        }
+        let mut sum = 0.0f64;
+        for (x, a) in row.iter().zip(act.chunks_exact(4)) {
+            sum += *x as f64 * f32::from_le_bytes([a[0], a[1], a[2], a[3]]) as f64;
+        }
+        sum as f32
+    })
+}
+
+fn dequantizing_dot_fn(ty: GgmlType) -> DotFn {
+    use GgmlType::*;
+    match ty {
+        F32 => dequantizing_dot::<{ F32 as u32 }>,
+        F16 => dequantizing_dot::<{ F16 as u32 }>,
+        BF16 => dequantizing_dot::<{ BF16 as u32 }>,
+        Q4_0 => dequantizing_dot::<{ Q4_0 as u32 }>,
+        Q4_1 => dequantizing_dot::<{ Q4_1 as u32 }>,
+        Q5_0 => dequantizing_dot::<{ Q5_0 as u32 }>,
+        Q5_1 => dequantizing_dot::<{ Q5_1 as u32 }>,
+        Q8_0 => dequantizing_dot::<{ Q8_0 as u32 }>,
+        Q8_1 => dequantizing_dot::<{ Q8_1 as u32 }>,
+        Q2_K => dequantizing_dot::<{ Q2_K as u32 }>,
+        Q3_K => dequantizing_dot::<{ Q3_K as u32 }>,
+        Q4_K => dequantizing_dot::<{ Q4_K as u32 }>,
+        Q5_K => dequantizing_dot::<{ Q5_K as u32 }>,
+        Q6_K => dequantizing_dot::<{ Q6_K as u32 }>,
+        Q8_K => dequantizing_dot::<{ Q8_K as u32 }>,
     }
 }
 
