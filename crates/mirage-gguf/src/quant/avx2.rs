@@ -333,11 +333,51 @@ unsafe fn bsum(y: *const u8, j: usize) -> i32 {
     (y.add(260 + 2 * j) as *const i16).read_unaligned() as i32
 }
 
-/// i16 scale vector: `lo` for the first 16 bytes' pair sums, `hi` for the rest.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scale_pair(lo: i32, hi: i32) -> __m256i {
-    _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16))
+/// `PAIR_SHUF[p]` picks i16 lane 2p of a 128-bit half into bytes 0..16 and
+/// lane 2p+1 into bytes 16..32 (for `_mm256_shuffle_epi8`).
+const PAIR_SHUF: [[u8; 32]; 4] = {
+    let mut t = [[0u8; 32]; 4];
+    let mut p = 0;
+    while p < 4 {
+        let mut i = 0;
+        while i < 16 {
+            t[p][i] = (4 * p + i % 2) as u8;
+            t[p][16 + i] = (4 * p + 2 + i % 2) as u8;
+            i += 1;
+        }
+        p += 1;
+    }
+    t
+};
+
+/// The 16 per-group scales of a K-quant block, widened to i16 and ready to
+/// be spread over pair sums: group g's scale for the first 16 elements of a
+/// 32-element run, group g+1's for the rest.
+struct GroupScales {
+    /// Scales 0..8 in both 128-bit halves.
+    low: __m256i,
+    /// Scales 8..16 in both 128-bit halves.
+    high: __m256i,
+}
+
+impl GroupScales {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn new(scales16: __m256i) -> GroupScales {
+        GroupScales {
+            low: _mm256_permute2x128_si256(scales16, scales16, 0x00),
+            high: _mm256_permute2x128_si256(scales16, scales16, 0x11),
+        }
+    }
+
+    /// i16 vector: scale `g` in bytes 0..16, scale `g + 1` in 16..32 (g even).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pair(&self, g: usize) -> __m256i {
+        let src = if g < 8 { self.low } else { self.high };
+        let mask = _mm256_loadu_si256(PAIR_SHUF[(g % 8) / 2].as_ptr() as *const __m256i);
+        _mm256_shuffle_epi8(src, mask)
+    }
 }
 
 /// Σ over 32 elements of scale(group) × q × y, with unsigned codes `q`.
@@ -354,17 +394,22 @@ unsafe fn dot_q2_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
     let mut sum = 0f32;
     for i in 0..n / QK_K {
         let (x, y) = (wp.add(84 * i), ap.add(Q8K * i));
+        let packed = _mm_loadu_si128(x as *const __m128i);
+        let mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(
+            _mm_srli_epi16(packed, 4),
+            _mm_set1_epi8(0x0f),
+        ));
+        let scales = GroupScales::new(_mm256_cvtepu8_epi16(_mm_and_si128(
+            packed,
+            _mm_set1_epi8(0x0f),
+        )));
+        let summs = hsum_epi32(_mm256_madd_epi16(mins16, load256(y.add(260))));
         let mut acc = _mm256_setzero_si256();
-        let mut summs = 0i32;
-        for j in 0..16 {
-            summs += (*x.add(j) >> 4) as i32 * bsum(y, j);
-        }
         for h in 0..2 {
             let bits = load256(x.add(16 + 32 * h));
             for k in 0..4 {
                 let q = _mm256_and_si256(srl16(bits, 2 * k as i32), mask);
-                let g = 8 * h + 2 * k;
-                let sc = scale_pair((*x.add(g) & 0xf) as i32, (*x.add(g + 1) & 0xf) as i32);
+                let sc = scales.pair(8 * h + 2 * k);
                 acc = _mm256_add_epi32(acc, scaled_u8_i8(q, y.add(4 + 128 * h + 32 * k), sc));
             }
         }
@@ -388,6 +433,7 @@ unsafe fn dot_q3_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
         let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(scales.as_ptr() as *const __m128i));
         let bsums = load256(y.add(260));
         let offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsums), 2);
+        let groups = GroupScales::new(sc16);
         let hbits = load256(x);
         let mut acc = _mm256_setzero_si256();
         for h in 0..2 {
@@ -396,8 +442,7 @@ unsafe fn dot_q3_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
                 let low = _mm256_and_si256(srl16(bits, 2 * k as i32), m3);
                 let hb = _mm256_and_si256(srl16(hbits, (4 * h + k) as i32), m1);
                 let q = _mm256_or_si256(low, _mm256_slli_epi16(hb, 2));
-                let g = 8 * h + 2 * k;
-                let sc = scale_pair(scales[g] as i32, scales[g + 1] as i32);
+                let sc = groups.pair(8 * h + 2 * k);
                 acc = _mm256_add_epi32(acc, scaled_u8_i8(q, y.add(4 + 128 * h + 32 * k), sc));
             }
         }
@@ -473,7 +518,9 @@ unsafe fn dot_q6_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
     let mut sum = 0f32;
     for i in 0..n / QK_K {
         let (x, y) = (wp.add(210 * i), ap.add(Q8K * i));
-        let sc = x.add(192) as *const i8;
+        let groups = GroupScales::new(_mm256_cvtepi8_epi16(_mm_loadu_si128(
+            x.add(192) as *const __m128i
+        )));
         let mut acc = _mm256_setzero_si256();
         for h in 0..2 {
             let b1 = load256(x.add(64 * h));
@@ -493,9 +540,7 @@ unsafe fn dot_q6_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
                 // (q - 32)·y == q·y - 32·y, both pair sums fit i16.
                 let p =
                     _mm256_sub_epi16(_mm256_maddubs_epi16(q, y8), _mm256_maddubs_epi16(m32, y8));
-                let g = 8 * h + 2 * k;
-                let s = scale_pair(*sc.add(g) as i32, *sc.add(g + 1) as i32);
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, groups.pair(8 * h + 2 * k)));
             }
         }
         let isum = hsum_epi32(acc);
