@@ -368,6 +368,9 @@ impl VulkanRtRouter {
                     &vk::CommandBufferBeginInfo::default().flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT),
                 )
                 .map_err(vkerr("vkBeginCommandBuffer"))?;
+            // Device writes of earlier submissions (AS builds, uploads) become
+            // visible here; the fence wait alone only orders them for the host.
+            self.barrier(self.cmd);
             record(self.cmd);
             self.device.end_command_buffer(self.cmd).map_err(vkerr("vkEndCommandBuffer"))?;
             let cmds = [self.cmd];
