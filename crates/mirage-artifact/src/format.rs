@@ -1,0 +1,512 @@
+//! The artifact file: writer and validating, memory-mapped loader. The byte
+//! layout is specified in docs/ARTIFACT.md; keep the two in step.
+
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+
+use mirage_gguf::{quant, GgmlType};
+use mirage_route::RouterData;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::{ArtifactError, Result};
+
+/// File magic.
+pub const MAGIC: &[u8; 8] = b"MIRAGEAF";
+/// Format version this code writes and reads.
+pub const VERSION: u32 = 1;
+/// Channels per page.
+pub const PAGE_CHANNELS: usize = 128;
+/// Alignment of sections and of every page (bytes).
+pub const PAGE_ALIGN: usize = 4096;
+/// Header bytes before the section table.
+pub const HEADER_BYTES: usize = 96;
+/// Bytes per section-table entry.
+pub const SECTION_ENTRY_BYTES: usize = 64;
+/// Section names, in file order.
+pub const SECTIONS: [&str; 6] = ["META", "LAYERS", "WEIGHTS", "ROUTER", "PREDICT", "CALIB"];
+
+/// Self-description of an artifact (the META section, JSON).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ArtifactMeta {
+    /// Architecture name of the source model (`llama`, `qwen2`, ...).
+    pub arch: String,
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Hidden size.
+    pub d_model: usize,
+    /// FFN channels of the source model.
+    pub n_ff: usize,
+    /// Channels per page.
+    pub page_channels: usize,
+    /// File name of the source GGUF.
+    pub source_name: String,
+    /// sha256 of the source GGUF (hex).
+    pub source_sha256: String,
+    /// Name of the calibration text.
+    pub calib_name: String,
+    /// sha256 of the calibration text (hex).
+    pub calib_sha256: String,
+    /// Calibration tokens used (fit + validation).
+    pub calib_tokens: usize,
+    /// Of those, tokens the router and predictor were fitted on (the rest
+    /// chose the default margin and threshold).
+    pub fit_tokens: usize,
+    /// Router slices (3-D points per token).
+    pub slices: usize,
+    /// Rank of the low-rank predictor baseline.
+    pub predictor_rank: usize,
+    /// Oracle cosine target the calibration used.
+    pub oracle_cosine: f64,
+    /// Default router margin (in units of each slice axis' std).
+    pub default_margin: f32,
+    /// Default predictor score threshold.
+    pub default_predictor_threshold: f32,
+}
+
+/// One layer of an artifact, in memory (what the builder produces and the
+/// loader parses, except the page bytes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerData {
+    /// Pages stored (trunk first, then routed pages by decreasing hotness).
+    pub n_pages: usize,
+    /// Always-on pages (the first `n_trunk`).
+    pub n_trunk: usize,
+    /// Quantization of this layer's pages.
+    pub quant: GgmlType,
+    /// Source channel of each stored channel (`n_pages * PAGE_CHANNELS`).
+    pub perm: Vec<u32>,
+    /// Per page: share of calibration tokens whose oracle set held it.
+    pub page_freq: Vec<f32>,
+    /// Router data over the stored pages, with tight (margin 0) boxes.
+    pub router: RouterData,
+    /// Per slice and axis: the unit the margin is measured in (std of the
+    /// calibration points).
+    pub margin_scale: Vec<f32>,
+    /// Predictor: `rank` rows of `d_model` (the feature projection).
+    pub predictor_proj: Vec<f32>,
+    /// Predictor: per page `rank + 1` weights (last one the bias).
+    pub predictor_weights: Vec<f32>,
+    /// Per source channel: mean |h| on calibration text.
+    pub channel_mean_abs: Vec<f32>,
+    /// Per source channel: share of calibration tokens whose oracle set held
+    /// the channel's page.
+    pub channel_oracle_freq: Vec<f32>,
+}
+
+/// Bytes of one packed page of `d_model`-wide rows in `ty`.
+pub fn page_bytes(ty: GgmlType, d_model: usize) -> Result<usize> {
+    if d_model % ty.block_size() != 0 {
+        return Err(ArtifactError::QuantUnsupported { ty, d_model, block: ty.block_size() });
+    }
+    Ok(3 * PAGE_CHANNELS * quant::row_bytes(ty, d_model)?)
+}
+
+/// Distance between page starts (page bytes rounded up to [`PAGE_ALIGN`]).
+pub fn page_stride(ty: GgmlType, d_model: usize) -> Result<usize> {
+    Ok(page_bytes(ty, d_model)?.div_ceil(PAGE_ALIGN) * PAGE_ALIGN)
+}
+
+fn align(n: usize) -> usize {
+    n.div_ceil(PAGE_ALIGN) * PAGE_ALIGN
+}
+
+fn put_u32(v: &mut Vec<u8>, x: u32) {
+    v.extend_from_slice(&x.to_le_bytes());
+}
+fn put_u64(v: &mut Vec<u8>, x: u64) {
+    v.extend_from_slice(&x.to_le_bytes());
+}
+fn put_f32s(v: &mut Vec<u8>, xs: &[f32]) {
+    for x in xs {
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+/// Serializes an artifact. `pages[l]` holds layer `l`'s packed pages, each
+/// exactly [`page_bytes`] long, in stored order.
+pub fn write_bytes(meta: &ArtifactMeta, layers: &[LayerData], pages: &[Vec<Vec<u8>>]) -> Result<Vec<u8>> {
+    if layers.len() != meta.n_layer || pages.len() != meta.n_layer {
+        return Err(ArtifactError::InvalidArgument("one LayerData and page list per layer".into()));
+    }
+    let source_sha: [u8; 32] = hex::decode(&meta.source_sha256)
+        .ok()
+        .and_then(|v| v.try_into().ok())
+        .ok_or_else(|| ArtifactError::InvalidArgument("source_sha256 is not 64 hex digits".into()))?;
+    let meta_json = serde_json::to_vec_pretty(meta).map_err(|e| ArtifactError::InvalidArgument(e.to_string()))?;
+    // WEIGHTS and LAYERS together: page offsets are relative to WEIGHTS.
+    let mut weights = Vec::new();
+    let mut layer_sec = Vec::new();
+    for (l, (ld, lp)) in layers.iter().zip(pages).enumerate() {
+        let pb = page_bytes(ld.quant, meta.d_model)?;
+        let stride = page_stride(ld.quant, meta.d_model)?;
+        if lp.len() != ld.n_pages || ld.perm.len() != ld.n_pages * PAGE_CHANNELS || ld.page_freq.len() != ld.n_pages {
+            return Err(ArtifactError::InvalidArgument(format!("layer {l}: page count mismatch")));
+        }
+        let offset = weights.len();
+        for p in lp {
+            if p.len() != pb {
+                return Err(ArtifactError::InvalidArgument(format!("layer {l}: page of {} bytes, want {pb}", p.len())));
+            }
+            weights.extend_from_slice(p);
+            weights.resize(align(weights.len()), 0);
+        }
+        debug_assert_eq!(weights.len(), offset + stride * ld.n_pages);
+        put_u32(&mut layer_sec, ld.n_pages as u32);
+        put_u32(&mut layer_sec, ld.n_trunk as u32);
+        put_u32(&mut layer_sec, ld.quant.id());
+        put_u32(&mut layer_sec, 0);
+        put_u64(&mut layer_sec, offset as u64);
+        put_u64(&mut layer_sec, stride as u64);
+        for c in &ld.perm {
+            put_u32(&mut layer_sec, *c);
+        }
+        put_f32s(&mut layer_sec, &ld.page_freq);
+    }
+    let mut router = Vec::new();
+    let mut predict = Vec::new();
+    let mut calib = Vec::new();
+    for ld in layers {
+        let rb = ld.router.to_bytes();
+        put_u64(&mut router, rb.len() as u64);
+        router.extend_from_slice(&rb);
+        put_f32s(&mut router, &ld.margin_scale);
+        put_u32(&mut predict, meta.predictor_rank as u32);
+        put_u32(&mut predict, ld.n_pages as u32);
+        put_f32s(&mut predict, &ld.predictor_proj);
+        put_f32s(&mut predict, &ld.predictor_weights);
+        put_f32s(&mut calib, &ld.channel_mean_abs);
+        put_f32s(&mut calib, &ld.channel_oracle_freq);
+    }
+    let bodies = [meta_json, layer_sec, weights, router, predict, calib];
+    let table_end = HEADER_BYTES + SECTION_ENTRY_BYTES * bodies.len();
+    let mut out = vec![0u8; table_end];
+    out[..8].copy_from_slice(MAGIC);
+    out[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    out[12..16].copy_from_slice(&(bodies.len() as u32).to_le_bytes());
+    out[16..48].copy_from_slice(&source_sha);
+    for (i, body) in bodies.iter().enumerate() {
+        out.resize(align(out.len()), 0);
+        let e = HEADER_BYTES + SECTION_ENTRY_BYTES * i;
+        let mut name = [0u8; 8];
+        name[..SECTIONS[i].len()].copy_from_slice(SECTIONS[i].as_bytes());
+        out[e..e + 8].copy_from_slice(&name);
+        let at = out.len() as u64;
+        out[e + 8..e + 16].copy_from_slice(&at.to_le_bytes());
+        out[e + 16..e + 24].copy_from_slice(&(body.len() as u64).to_le_bytes());
+        out[e + 24..e + 56].copy_from_slice(&Sha256::digest(body));
+        out.extend_from_slice(body);
+    }
+    let h = Sha256::digest(&out[..table_end]);
+    out[48..80].copy_from_slice(&h);
+    Ok(out)
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file in the same folder,
+/// synced, then renamed over `path`.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "artifact".into());
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let res = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(ArtifactError::io(path, e));
+    }
+    Ok(())
+}
+
+enum Storage {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Storage {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Mapped(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
+}
+
+/// Where one layer's pages lie in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageRange {
+    /// File offset of page 0.
+    pub offset: usize,
+    /// Distance between pages.
+    pub stride: usize,
+    /// Bytes of one page.
+    pub bytes: usize,
+}
+
+/// A loaded, validated artifact (memory-mapped when opened from a file).
+pub struct Artifact {
+    storage: Storage,
+    meta: ArtifactMeta,
+    layers: Vec<LayerData>,
+    pages: Vec<PageRange>,
+}
+
+impl std::fmt::Debug for Artifact {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Artifact").field("meta", &self.meta).field("bytes", &self.storage.bytes().len()).finish()
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+    what: &'static str,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8]> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or_else(|| {
+            ArtifactError::Malformed(format!("{} section ends early (needs {} more bytes at {})", self.what, n, self.at))
+        })?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+    fn f32s(&mut self, n: usize) -> Result<Vec<f32>> {
+        let bytes = self.take(n.checked_mul(4).ok_or_else(|| ArtifactError::Malformed("size overflow".into()))?)?;
+        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect())
+    }
+    fn done(&self) -> Result<()> {
+        if self.at != self.b.len() {
+            return Err(ArtifactError::Malformed(format!("{} section has {} trailing bytes", self.what, self.b.len() - self.at)));
+        }
+        Ok(())
+    }
+}
+
+impl Artifact {
+    /// Memory-maps and validates an artifact file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Arc<Artifact>> {
+        let path = path.as_ref();
+        let f = std::fs::File::open(path).map_err(|e| ArtifactError::io(path, e))?;
+        // SAFETY: the file is opened read-only; artifacts are written
+        // atomically (rename), so a mapped file is never rewritten in place.
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| ArtifactError::io(path, e))?;
+        Ok(Arc::new(Artifact::parse(Storage::Mapped(map))?))
+    }
+
+    /// Validates an artifact held in memory.
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Arc<Artifact>> {
+        Ok(Arc::new(Artifact::parse(Storage::Owned(bytes))?))
+    }
+
+    fn parse(storage: Storage) -> Result<Artifact> {
+        let b = storage.bytes();
+        let have = b.len() as u64;
+        if b.len() < 8 || &b[..8] != MAGIC {
+            return Err(ArtifactError::BadMagic);
+        }
+        if b.len() < HEADER_BYTES {
+            return Err(ArtifactError::Truncated { what: "header".into(), need: HEADER_BYTES as u64, have });
+        }
+        let version = u32::from_le_bytes(b[8..12].try_into().expect("4"));
+        if version != VERSION {
+            return Err(ArtifactError::UnsupportedVersion { found: version, supported: VERSION });
+        }
+        let n_sections = u32::from_le_bytes(b[12..16].try_into().expect("4")) as usize;
+        if n_sections != SECTIONS.len() {
+            return Err(ArtifactError::Malformed(format!("{n_sections} sections, version {VERSION} has {}", SECTIONS.len())));
+        }
+        let table_end = HEADER_BYTES + SECTION_ENTRY_BYTES * n_sections;
+        if b.len() < table_end {
+            return Err(ArtifactError::Truncated { what: "section table".into(), need: table_end as u64, have });
+        }
+        let mut head = b[..table_end].to_vec();
+        head[48..80].fill(0);
+        if Sha256::digest(&head)[..] != b[48..80] {
+            return Err(ArtifactError::ChecksumMismatch { section: "header".into() });
+        }
+        let mut sections: Vec<&[u8]> = Vec::new();
+        for (i, want) in SECTIONS.iter().enumerate() {
+            let e = HEADER_BYTES + SECTION_ENTRY_BYTES * i;
+            let name = &b[e..e + 8];
+            if &name[..want.len()] != want.as_bytes() || name[want.len()..].iter().any(|&c| c != 0) {
+                return Err(ArtifactError::Malformed(format!("section {i} is not {want}")));
+            }
+            let off = u64::from_le_bytes(b[e + 8..e + 16].try_into().expect("8"));
+            let len = u64::from_le_bytes(b[e + 16..e + 24].try_into().expect("8"));
+            let end = off.checked_add(len).ok_or_else(|| ArtifactError::Malformed(format!("{want}: size overflows")))?;
+            if end > have {
+                return Err(ArtifactError::Truncated { what: format!("section {want}"), need: end, have });
+            }
+            if off % PAGE_ALIGN as u64 != 0 {
+                return Err(ArtifactError::Malformed(format!("{want} is not {PAGE_ALIGN}-aligned")));
+            }
+            let body = &b[off as usize..end as usize];
+            if Sha256::digest(body)[..] != b[e + 24..e + 56] {
+                return Err(ArtifactError::ChecksumMismatch { section: (*want).into() });
+            }
+            sections.push(body);
+        }
+        let meta: ArtifactMeta = serde_json::from_slice(sections[0]).map_err(|e| ArtifactError::Malformed(format!("META: {e}")))?;
+        if hex::encode(&b[16..48]) != meta.source_sha256 {
+            return Err(ArtifactError::Malformed("header and META disagree on the source sha256".into()));
+        }
+        if meta.page_channels != PAGE_CHANNELS || meta.n_ff % PAGE_CHANNELS != 0 || meta.d_model == 0 || meta.n_layer == 0 {
+            return Err(ArtifactError::Malformed(format!(
+                "shape n_layer={} d_model={} n_ff={} page_channels={}",
+                meta.n_layer, meta.d_model, meta.n_ff, meta.page_channels
+            )));
+        }
+        let (d, n_ff, slices) = (meta.d_model, meta.n_ff, meta.slices);
+        let weights_off = (sections[2].as_ptr() as usize) - (b.as_ptr() as usize);
+        let mut lr = Reader { b: sections[1], at: 0, what: "LAYERS" };
+        let mut rr = Reader { b: sections[3], at: 0, what: "ROUTER" };
+        let mut pr = Reader { b: sections[4], at: 0, what: "PREDICT" };
+        let mut cr = Reader { b: sections[5], at: 0, what: "CALIB" };
+        let mut layers = Vec::with_capacity(meta.n_layer);
+        let mut pages = Vec::with_capacity(meta.n_layer);
+        for l in 0..meta.n_layer {
+            let bad = |m: String| ArtifactError::Malformed(format!("layer {l}: {m}"));
+            let n_pages = lr.u32()? as usize;
+            let n_trunk = lr.u32()? as usize;
+            let qid = lr.u32()?;
+            let _reserved = lr.u32()?;
+            let offset = lr.u64()? as usize;
+            let stride = lr.u64()? as usize;
+            let quant = GgmlType::from_id(qid).ok_or_else(|| bad(format!("unknown quant type id {qid}")))?;
+            if n_pages * PAGE_CHANNELS > n_ff || n_trunk > n_pages {
+                return Err(bad(format!("{n_pages} pages / {n_trunk} trunk for n_ff {n_ff}")));
+            }
+            let pb = page_bytes(quant, d)?;
+            if stride != page_stride(quant, d)? || offset % PAGE_ALIGN != 0 {
+                return Err(bad(format!("page stride {stride} / offset {offset} not aligned packing of {pb}-byte pages")));
+            }
+            if offset.checked_add(stride * n_pages).is_none_or(|e| e > sections[2].len()) {
+                return Err(bad("pages lie outside WEIGHTS".into()));
+            }
+            let perm: Vec<u32> = (0..n_pages * PAGE_CHANNELS).map(|_| lr.u32()).collect::<Result<_>>()?;
+            let mut seen = vec![false; n_ff];
+            for &c in &perm {
+                if c as usize >= n_ff || std::mem::replace(&mut seen[c as usize], true) {
+                    return Err(bad(format!("channel {c} out of range or repeated")));
+                }
+            }
+            let page_freq = lr.f32s(n_pages)?;
+            let rlen = rr.u64()? as usize;
+            let router = RouterData::from_bytes(rr.take(rlen)?)?;
+            if router.pages() != n_pages || router.d_model != d || router.slices != slices {
+                return Err(bad(format!("router has {} pages/d_model {}/{} slices", router.pages(), router.d_model, router.slices)));
+            }
+            let margin_scale = rr.f32s(slices * 3)?;
+            let rank = pr.u32()? as usize;
+            let pp = pr.u32()? as usize;
+            if rank != meta.predictor_rank || pp != n_pages {
+                return Err(bad(format!("predictor rank {rank} / pages {pp}")));
+            }
+            let predictor_proj = pr.f32s(rank * d)?;
+            let predictor_weights = pr.f32s(n_pages * (rank + 1))?;
+            let channel_mean_abs = cr.f32s(n_ff)?;
+            let channel_oracle_freq = cr.f32s(n_ff)?;
+            layers.push(LayerData {
+                n_pages,
+                n_trunk,
+                quant,
+                perm,
+                page_freq,
+                router,
+                margin_scale,
+                predictor_proj,
+                predictor_weights,
+                channel_mean_abs,
+                channel_oracle_freq,
+            });
+            pages.push(PageRange { offset: weights_off + offset, stride, bytes: pb });
+        }
+        lr.done()?;
+        rr.done()?;
+        pr.done()?;
+        cr.done()?;
+        Ok(Artifact { storage, meta, layers, pages })
+    }
+
+    /// The self-description.
+    pub fn meta(&self) -> &ArtifactMeta {
+        &self.meta
+    }
+
+    /// Layer `l`'s tables.
+    pub fn layer(&self, l: usize) -> &LayerData {
+        &self.layers[l]
+    }
+
+    /// All layers.
+    pub fn layers(&self) -> &[LayerData] {
+        &self.layers
+    }
+
+    /// Packed bytes of page `p` of layer `l`: gate rows, up rows, then the
+    /// transposed down slice, `PAGE_CHANNELS` rows of `d_model` each.
+    pub fn page(&self, l: usize, p: usize) -> &[u8] {
+        let r = self.pages[l];
+        &self.storage.bytes()[r.offset + p * r.stride..][..r.bytes]
+    }
+
+    /// Layer `l`'s pages `0..k` as one contiguous range (with alignment
+    /// padding between pages): what prefix slicing hands a dense kernel.
+    pub fn page_prefix(&self, l: usize, k: usize) -> &[u8] {
+        let r = self.pages[l];
+        &self.storage.bytes()[r.offset..r.offset + k * r.stride]
+    }
+
+    /// Where layer `l`'s pages lie.
+    pub fn page_range(&self, l: usize) -> PageRange {
+        self.pages[l]
+    }
+
+    /// Size of the file.
+    pub fn file_len(&self) -> usize {
+        self.storage.bytes().len()
+    }
+
+    /// Layer `l`'s router data with every box inflated by `margin` times the
+    /// layer's per-axis scale.
+    pub fn router_with_margin(&self, l: usize, margin: f32) -> RouterData {
+        let ld = &self.layers[l];
+        let mut r = ld.router.clone();
+        let s = r.slices;
+        for (i, b) in r.boxes.iter_mut().enumerate() {
+            let slice = i % s;
+            for a in 0..3 {
+                let m = margin * ld.margin_scale[slice * 3 + a];
+                b.min[a] -= m;
+                b.max[a] += m;
+            }
+        }
+        r
+    }
+
+    /// Refuses a model whose sha256 differs from the one the artifact was
+    /// built from.
+    pub fn check_source_sha256(&self, sha256_hex: &str) -> Result<()> {
+        if sha256_hex != self.meta.source_sha256 {
+            return Err(ArtifactError::SourceMismatch { expected: self.meta.source_sha256.clone(), found: sha256_hex.into() });
+        }
+        Ok(())
+    }
+}
+
+/// sha256 (hex) of a file's bytes.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}

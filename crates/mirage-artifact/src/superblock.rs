@@ -1,0 +1,329 @@
+//! The superblock CPU backend: the runtime's [`Backend`] with exactly one op
+//! replaced — the FFN runs from the artifact's page-major pages, computing
+//! the trunk plus the candidate pages only (the skipped pages' weights are
+//! never read). Everything else delegates to [`CpuBackend`].
+//!
+//! Modes ([`SparseMode`]): every stored page; a prefix of `k` pages (the
+//! contiguous prefix run with the same per-page dense kernel: no routing);
+//! the BVH router at a margin; the low-rank predictor at a threshold; and the
+//! oracle (computes every page, keeps the oracle set: a reference, not a
+//! speed path).
+
+use std::sync::{Arc, Mutex, RwLock};
+
+use mirage_gguf::quant::{self, DotFn};
+use mirage_gguf::GgmlType;
+use mirage_route::{CpuBvh, Router};
+use mirage_runtime::backend::cpu::{CpuActivations, CpuMatrix};
+use mirage_runtime::backend::{AttentionParams, HostMatrix, QkNorm, TokenSlot};
+use mirage_runtime::kv_cache::{KvCache, KvSpec};
+use mirage_runtime::{Backend, CpuBackend, RuntimeError};
+use rayon::prelude::*;
+
+use crate::error::{ArtifactError, Result};
+use crate::ffn::{axpy, silu};
+use crate::fit::predictor_scores;
+use crate::format::{Artifact, PAGE_CHANNELS};
+use crate::metrics::{oracle_useful_set, ORACLE_COSINE};
+
+/// Which pages the FFN runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SparseMode {
+    /// Every stored page.
+    All,
+    /// The first `k` pages (trunk first, then by hotness).
+    Prefix(usize),
+    /// Trunk + pages the BVH router selects with this margin.
+    Bvh {
+        /// Box inflation in std units of each slice axis.
+        margin: f32,
+    },
+    /// Trunk + pages whose predictor score reaches this threshold.
+    Predictor {
+        /// Score threshold.
+        threshold: f32,
+    },
+    /// The oracle useful set (computes every page first).
+    Oracle,
+}
+
+/// Decides the active pages of one token at one layer (all modes but the
+/// oracle, which needs the page outputs).
+pub struct PageSelector {
+    artifact: Arc<Artifact>,
+    mode: SparseMode,
+    bvhs: Vec<Mutex<CpuBvh>>,
+}
+
+impl std::fmt::Debug for PageSelector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PageSelector({:?})", self.mode)
+    }
+}
+
+impl PageSelector {
+    /// Builds the per-layer routers the mode needs (BVH built once here).
+    pub fn new(artifact: Arc<Artifact>, mode: SparseMode) -> Result<PageSelector> {
+        let bvhs = match mode {
+            SparseMode::Bvh { margin } => (0..artifact.meta().n_layer)
+                .map(|l| Ok(Mutex::new(CpuBvh::new(&artifact.router_with_margin(l, margin))?)))
+                .collect::<Result<_>>()?,
+            _ => Vec::new(),
+        };
+        Ok(PageSelector { artifact, mode, bvhs })
+    }
+
+    /// The mode.
+    pub fn mode(&self) -> SparseMode {
+        self.mode
+    }
+
+    /// Active pages (ascending) of FFN input `x` at `layer`; `None` for the
+    /// oracle mode.
+    pub fn select(&self, layer: usize, x: &[f32]) -> Result<Option<Vec<usize>>> {
+        let ld = self.artifact.layer(layer);
+        let n = ld.n_pages;
+        Ok(Some(match self.mode {
+            SparseMode::All => (0..n).collect(),
+            SparseMode::Prefix(k) => (0..k.min(n)).collect(),
+            SparseMode::Bvh { .. } => {
+                let mut pts = Vec::with_capacity(ld.router.slices);
+                ld.router.project_into(x, &mut pts)?;
+                let set = self.bvhs[layer].lock().map_err(|_| ArtifactError::InvalidArgument("router lock poisoned".into()))?.route(&pts)?;
+                (0..n).filter(|&p| p < ld.n_trunk || set.contains(0, p)).collect()
+            }
+            SparseMode::Predictor { threshold } => {
+                let mut s = Vec::new();
+                let rank = self.artifact.meta().predictor_rank;
+                predictor_scores(&ld.predictor_proj, &ld.predictor_weights, rank, x.len(), x, &mut s);
+                (0..n).filter(|&p| p < ld.n_trunk || s[p] >= threshold).collect()
+            }
+            SparseMode::Oracle => return Ok(None),
+        }))
+    }
+}
+
+/// One layer's FFN handle: the layer index into the artifact.
+#[derive(Debug)]
+pub struct SuperFfn {
+    layer: usize,
+    quant: GgmlType,
+    act_ty: GgmlType,
+    dot: DotFn,
+    row_bytes: usize,
+}
+
+/// The superblock backend. See the module doc.
+pub struct SuperblockBackend {
+    inner: CpuBackend,
+    artifact: Arc<Artifact>,
+    selector: RwLock<PageSelector>,
+    active: Mutex<Vec<Vec<u16>>>,
+}
+
+impl std::fmt::Debug for SuperblockBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SuperblockBackend {{ artifact: {} }}", self.artifact.meta().source_name)
+    }
+}
+
+fn rt(e: ArtifactError) -> RuntimeError {
+    RuntimeError::InvalidArgument(format!("superblock: {e}"))
+}
+
+impl SuperblockBackend {
+    /// A backend running `artifact`'s pages in `mode`, other ops on `inner`.
+    pub fn new(inner: CpuBackend, artifact: Arc<Artifact>, mode: SparseMode) -> Result<SuperblockBackend> {
+        let selector = RwLock::new(PageSelector::new(artifact.clone(), mode)?);
+        let active = Mutex::new(vec![Vec::new(); artifact.meta().n_layer]);
+        Ok(SuperblockBackend { inner, artifact, selector, active })
+    }
+
+    /// Switches the mode (rebuilds routers).
+    pub fn set_mode(&self, mode: SparseMode) -> Result<()> {
+        let s = PageSelector::new(self.artifact.clone(), mode)?;
+        *self.selector.write().map_err(|_| ArtifactError::InvalidArgument("lock poisoned".into()))? = s;
+        Ok(())
+    }
+
+    /// Per layer, the active page count of every token row run since the
+    /// last call (cleared).
+    pub fn take_active_counts(&self) -> Vec<Vec<u16>> {
+        let mut a = self.active.lock().unwrap_or_else(|e| e.into_inner());
+        let n = a.len();
+        std::mem::replace(&mut *a, vec![Vec::new(); n])
+    }
+
+    /// The artifact.
+    pub fn artifact(&self) -> &Arc<Artifact> {
+        &self.artifact
+    }
+
+    /// Hidden activations of page `p` for quantized input `xq`.
+    fn page_hidden(&self, f: &SuperFfn, p: usize, d: usize, xq: &[u8], h: &mut [f32]) {
+        let page = self.artifact.page(f.layer, p);
+        let rb = f.row_bytes;
+        for (i, h) in h.iter_mut().enumerate().take(PAGE_CHANNELS) {
+            let g_row = &page[i * rb..(i + 1) * rb];
+            let u_row = &page[(PAGE_CHANNELS + i) * rb..(PAGE_CHANNELS + i + 1) * rb];
+            // SAFETY: rows are row_bytes(quant, d) long (checked at load),
+            // xq is encoded as vec_dot_type(quant) for d values.
+            let (g, u) = unsafe { ((f.dot)(d, g_row, xq), (f.dot)(d, u_row, xq)) };
+            *h = silu(g) * u;
+        }
+    }
+
+    /// `y += W_down,p h`.
+    fn page_down(&self, f: &SuperFfn, p: usize, h: &[f32], y: &mut [f32], tmp: &mut [f32]) -> Result<()> {
+        let page = self.artifact.page(f.layer, p);
+        let rb = f.row_bytes;
+        for (i, &hi) in h.iter().enumerate().take(PAGE_CHANNELS) {
+            if hi == 0.0 {
+                continue;
+            }
+            let row = &page[(2 * PAGE_CHANNELS + i) * rb..(2 * PAGE_CHANNELS + i + 1) * rb];
+            quant::dequantize(f.quant, row, tmp)?;
+            axpy(y, hi, tmp);
+        }
+        Ok(())
+    }
+
+    /// FFN output of one row over `pages`.
+    fn run_pages(&self, f: &SuperFfn, xq: &[u8], d: usize, pages: &[usize], parallel: bool) -> Result<Vec<f32>> {
+        let one = |p: usize| -> Result<Vec<f32>> {
+            let mut h = [0f32; PAGE_CHANNELS];
+            self.page_hidden(f, p, d, xq, &mut h);
+            let mut y = vec![0f32; d];
+            let mut tmp = vec![0f32; d];
+            self.page_down(f, p, &h, &mut y, &mut tmp)?;
+            Ok(y)
+        };
+        let parts: Vec<Vec<f32>> = if parallel {
+            pages.par_iter().map(|&p| one(p)).collect::<Result<_>>()?
+        } else {
+            pages.iter().map(|&p| one(p)).collect::<Result<_>>()?
+        };
+        let mut y = vec![0f32; d];
+        for part in &parts {
+            axpy(&mut y, 1.0, part);
+        }
+        Ok(y)
+    }
+
+    fn ffn_row(&self, f: &SuperFfn, sel: &PageSelector, x: &[f32], parallel: bool) -> Result<(Vec<f32>, usize)> {
+        let d = x.len();
+        let mut xq = vec![0u8; quant::row_bytes(f.act_ty, d)?];
+        quant::quantize(f.act_ty, x, &mut xq)?;
+        match sel.select(f.layer, x)? {
+            Some(pages) => Ok((self.run_pages(f, &xq, d, &pages, parallel)?, pages.len())),
+            None => {
+                // Oracle: every page's contribution, then the oracle set.
+                let n = self.artifact.layer(f.layer).n_pages;
+                let all: Vec<usize> = (0..n).collect();
+                let parts: Vec<Vec<f32>> = all.par_iter().map(|&p| self.run_pages(f, &xq, d, &[p], false)).collect::<Result<_>>()?;
+                let flat: Vec<f32> = parts.concat();
+                let set = oracle_useful_set(&flat, d, ORACLE_COSINE);
+                let mut y = vec![0f32; d];
+                for &p in &set {
+                    axpy(&mut y, 1.0, &parts[p]);
+                }
+                Ok((y, set.len()))
+            }
+        }
+    }
+}
+
+impl Backend for SuperblockBackend {
+    type Matrix = CpuMatrix;
+    type Vector = Vec<f32>;
+    type Ffn = SuperFfn;
+    type Activations = CpuActivations;
+    type KvCache = KvCache;
+
+    fn name(&self) -> String {
+        "superblock-cpu".into()
+    }
+    fn upload_matrix(&self, m: &HostMatrix) -> mirage_runtime::Result<CpuMatrix> {
+        self.inner.upload_matrix(m)
+    }
+    fn upload_vector(&self, v: &[f32]) -> mirage_runtime::Result<Vec<f32>> {
+        self.inner.upload_vector(v)
+    }
+    fn upload_ffn(&self, layer: usize, gate: &HostMatrix, _up: &HostMatrix, _down: &HostMatrix) -> mirage_runtime::Result<SuperFfn> {
+        let meta = self.artifact.meta();
+        if layer >= meta.n_layer || gate.rows != meta.n_ff || gate.cols != meta.d_model {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "superblock: model layer {layer} FFN [{}x{}] does not match the artifact ({} layers, n_ff {}, d_model {})",
+                gate.rows, gate.cols, meta.n_layer, meta.n_ff, meta.d_model
+            )));
+        }
+        let quant = self.artifact.layer(layer).quant;
+        let dot = quant::dot_fn(quant).ok_or_else(|| RuntimeError::InvalidArgument(format!("no dot kernel for {quant}")))?;
+        let row_bytes = quant::row_bytes(quant, meta.d_model).map_err(|e| rt(e.into()))?;
+        Ok(SuperFfn { layer, quant, act_ty: quant::vec_dot_type(quant), dot, row_bytes })
+    }
+    fn new_kv_cache(&self, spec: KvSpec) -> mirage_runtime::Result<KvCache> {
+        self.inner.new_kv_cache(spec)
+    }
+    fn kv_truncate(&self, cache: &mut KvCache, seq: usize, pos: usize) {
+        self.inner.kv_truncate(cache, seq, pos)
+    }
+    fn new_activations(&self) -> CpuActivations {
+        self.inner.new_activations()
+    }
+    fn embed(&self, table: &CpuMatrix, tokens: &[u32], out: &mut CpuActivations) -> mirage_runtime::Result<()> {
+        self.inner.embed(table, tokens, out)
+    }
+    fn rms_norm(&self, x: &CpuActivations, weight: &Vec<f32>, eps: f32, out: &mut CpuActivations) -> mirage_runtime::Result<()> {
+        self.inner.rms_norm(x, weight, eps, out)
+    }
+    fn matmul(&self, w: &CpuMatrix, x: &CpuActivations, out: &mut CpuActivations) -> mirage_runtime::Result<()> {
+        self.inner.matmul(w, x, out)
+    }
+    fn add_bias(&self, x: &mut CpuActivations, bias: &Vec<f32>) -> mirage_runtime::Result<()> {
+        self.inner.add_bias(x, bias)
+    }
+    fn add(&self, acc: &mut CpuActivations, x: &CpuActivations) -> mirage_runtime::Result<()> {
+        self.inner.add(acc, x)
+    }
+    fn attention(
+        &self,
+        layer: usize,
+        params: &AttentionParams,
+        q: &mut CpuActivations,
+        k: &mut CpuActivations,
+        v: &CpuActivations,
+        qk_norm: Option<QkNorm<'_, Vec<f32>>>,
+        slots: &[TokenSlot],
+        cache: &mut KvCache,
+        out: &mut CpuActivations,
+    ) -> mirage_runtime::Result<()> {
+        self.inner.attention(layer, params, q, k, v, qk_norm, slots, cache, out)
+    }
+    fn ffn(&self, f: &SuperFfn, x: &CpuActivations, out: &mut CpuActivations) -> mirage_runtime::Result<()> {
+        let d = self.artifact.meta().d_model;
+        if x.width() != d {
+            return Err(RuntimeError::InvalidArgument(format!("ffn input width {} != {d}", x.width())));
+        }
+        let sel = self.selector.read().map_err(|_| RuntimeError::InvalidArgument("lock poisoned".into()))?;
+        let n = x.rows();
+        let rows: Vec<(Vec<f32>, usize)> = if n == 1 {
+            vec![self.ffn_row(f, &sel, x.row(0), true).map_err(rt)?]
+        } else {
+            (0..n).into_par_iter().map(|r| self.ffn_row(f, &sel, x.row(r), false)).collect::<Result<_>>().map_err(rt)?
+        };
+        {
+            let mut a = self.active.lock().unwrap_or_else(|e| e.into_inner());
+            a[f.layer].extend(rows.iter().map(|r| r.1 as u16));
+        }
+        let data: Vec<f32> = rows.into_iter().flat_map(|r| r.0).collect();
+        *out = CpuActivations::from_vec(n, d, data)?;
+        Ok(())
+    }
+    fn select_rows(&self, x: &CpuActivations, rows: &[usize], out: &mut CpuActivations) -> mirage_runtime::Result<()> {
+        self.inner.select_rows(x, rows, out)
+    }
+    fn read(&self, x: &CpuActivations, out: &mut Vec<f32>) -> mirage_runtime::Result<(usize, usize)> {
+        self.inner.read(x, out)
+    }
+}
