@@ -64,17 +64,32 @@ fn log_sum_exp(x: &[f32]) -> f64 {
     m + x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln()
 }
 
-/// A near-tie in the reference: the top-2 gap is under 1% of the top logit.
-fn near_tie(top1: f32, top2: f32) -> bool {
-    (top1 - top2).abs() < 1e-2 * top1.abs().max(1.0)
+/// A near-tie in the reference: `other` is within `rel` (relative) of `top1`.
+fn near_tie(top1: f32, other: f32, rel: f32) -> bool {
+    (top1 - other).abs() < rel * top1.abs().max(1.0)
 }
 
-fn check_real_model(dir: &str) {
+/// How strict a comparison is. The default CPU path quantizes activations
+/// (Q8_0/Q8_1/Q8_K, as llama.cpp does), the reference does not: logits then
+/// differ by quantization noise and near-equal candidates may swap.
+struct Mode {
+    f32_activations: bool,
+    prompts: usize,
+    min_cosine: f64,
+    max_logprob_diff: f64,
+    /// Relative reference gap under which a swapped top-1 is accepted.
+    tie: f32,
+}
+
+const QUANTIZED: Mode = Mode { f32_activations: false, prompts: usize::MAX, min_cosine: 0.997, max_logprob_diff: 2.0, tie: 2e-2 };
+const EXACT: Mode = Mode { f32_activations: true, prompts: 2, min_cosine: 0.99999, max_logprob_diff: 2e-3, tie: 0.0 };
+
+fn check_real_model(dir: &str, mode: &Mode) {
     let refdir = fixtures().join(dir);
     let reference = read_json(&refdir.join("reference.json"));
     let Some(path) = model_path(reference["model_file"].as_str().unwrap()) else { return };
     let options = EngineOptions { n_ctx: 512, ..Default::default() };
-    let engine = if std::env::var("MIRAGE_F32_ACTIVATIONS").as_deref() == Ok("1") {
+    let engine = if mode.f32_activations {
         Engine::load_with_backend(&path, CpuBackend::new_f32_activations(0).unwrap(), options).unwrap()
     } else {
         Engine::load(&path, options).unwrap()
@@ -83,7 +98,7 @@ fn check_real_model(dir: &str) {
     assert_eq!(engine.model().config().vocab_size, vocab, "lm head rows");
     let prompts = reference["prompts"].as_array().unwrap();
     assert!(prompts.len() >= 5, "need >= 5 prompts");
-    for p in prompts {
+    for p in prompts.iter().take(mode.prompts) {
         let name = p["name"].as_str().unwrap();
         let ids = u32s(&p["token_ids"]);
         // Our tokenizer must agree with HF's on the prompt (parse_special on).
@@ -97,10 +112,10 @@ fn check_real_model(dir: &str) {
             let row = &logits[i * vocab..(i + 1) * vocab];
             let got = argmax(row);
             if got != top5[0] {
-                assert!(
-                    near_tie(top5_l[0], top5_l[1]) && got == top5[1],
-                    "{dir}/{name} position {i}: top-1 {got}, reference {top5:?} {top5_l:?}"
-                );
+                // Accept only a swap among candidates the reference itself
+                // rates within `tie` (relative) of its top-1.
+                let ok = top5.iter().zip(&top5_l).any(|(&t, &l)| t == got && near_tie(top5_l[0], l, mode.tie));
+                assert!(ok, "{dir}/{name} position {i}: top-1 {got}, reference {top5:?} {top5_l:?}");
                 ties += 1;
             }
             // Log-probabilities of the reference top-5 (shift-invariant).
@@ -116,16 +131,16 @@ fn check_real_model(dir: &str) {
         let last = read_f16(&refdir.join(p["last_logits_file"].as_str().unwrap()));
         let cos = cosine(&logits[(ids.len() - 1) * vocab..], &last);
         eprintln!("{dir}/{name}: {} positions, last-logits cosine {cos:.6}, worst top-5 log-prob diff {worst_lp:.4} at {worst_at}, near-tie flips {ties}", ids.len());
-        assert!(cos >= 0.999, "{dir}/{name}: cosine {cos}");
-        assert!(worst_lp < 0.5, "{dir}/{name}: log-prob diff {worst_lp}");
+        assert!(cos >= mode.min_cosine, "{dir}/{name}: cosine {cos}");
+        assert!(worst_lp < mode.max_logprob_diff, "{dir}/{name}: log-prob diff {worst_lp}");
 
         if let Some(g) = p.get("greedy").filter(|g| !g.is_null()) {
-            check_greedy(&engine, dir, name, &ids, g);
+            check_greedy(&engine, dir, name, &ids, g, mode.tie);
         }
     }
 }
 
-fn check_greedy(engine: &Engine, dir: &str, name: &str, prompt: &[u32], g: &Value) {
+fn check_greedy(engine: &Engine, dir: &str, name: &str, prompt: &[u32], g: &Value, tie: f32) {
     let want = u32s(&g["ids"]);
     let top2: Vec<Vec<f32>> = g["top2_logits"].as_array().unwrap().iter().map(f32s).collect();
     let mut session = engine.session().unwrap();
@@ -134,7 +149,7 @@ fn check_greedy(engine: &Engine, dir: &str, name: &str, prompt: &[u32], g: &Valu
         let got = argmax(&logits);
         if got != w {
             assert!(
-                near_tie(top2[s][0], top2[s][1]),
+                near_tie(top2[s][0], top2[s][1], tie),
                 "{dir}/{name}: greedy step {s} gave {got}, reference {w} (margin {:?})",
                 top2[s]
             );
@@ -148,12 +163,19 @@ fn check_greedy(engine: &Engine, dir: &str, name: &str, prompt: &[u32], g: &Valu
 
 #[test]
 fn smollm2_matches_transformers() {
-    check_real_model("smollm2");
+    check_real_model("smollm2", &QUANTIZED);
 }
 
 #[test]
 fn qwen2_matches_transformers() {
-    check_real_model("qwen2");
+    check_real_model("qwen2", &QUANTIZED);
+}
+
+/// With f32 activations the graph must reproduce the reference to
+/// rounding: any RoPE, norm, GQA or lm-head mistake shows here.
+#[test]
+fn smollm2_f32_activations_reproduce_transformers_exactly() {
+    check_real_model("smollm2", &EXACT);
 }
 
 #[test]
