@@ -327,10 +327,31 @@ unsafe fn dot_q5_1_q8_1(n: usize, w: &[u8], a: &[u8]) -> f32 {
 
 const Q8K: usize = 292;
 
+/// ggml's `utmp` unpacking of Q4_K/Q5_K's 12 packed bytes: the eight 6-bit
+/// scales in bytes 0..8, the eight 6-bit mins in bytes 8..16.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bsum(y: *const u8, j: usize) -> i32 {
-    (y.add(260 + 2 * j) as *const i16).read_unaligned() as i32
+unsafe fn scales_mins_k4(p: *const u8) -> [u32; 4] {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let w = |i: usize| (p.add(4 * i) as *const u32).read_unaligned();
+    let (u0, u1, u2) = (w(0), w(1), w(2));
+    [
+        u0 & KMASK1,
+        (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4),
+        u1 & KMASK1,
+        ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4),
+    ]
+}
+
+/// i16 lane `l` (0..8) of the low 128-bit half, in all 16 lanes of `v`
+/// (whose two halves are equal).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn broadcast_i16(v: __m256i, l: usize) -> __m256i {
+    let b = (2 * l) as i8;
+    _mm256_shuffle_epi8(v, _mm256_set1_epi16(((b as i16 + 1) << 8) | b as i16))
 }
 
 /// `PAIR_SHUF[p]` picks i16 lane 2p of a 128-bit half into bytes 0..16 and
@@ -461,14 +482,19 @@ unsafe fn dot_q45_k(n: usize, w: &[u8], a: &[u8], five_bit: bool) -> f32 {
     let mut sum = 0f32;
     for i in 0..n / QK_K {
         let (x, y) = (wp.add(size * i), ap.add(Q8K * i));
-        let packed = std::slice::from_raw_parts(x.add(4), 12);
-        let mut sc = [0i32; 8];
-        let mut summs = 0i32;
-        for j in 0..8 {
-            let (s, m) = super::kquants::scale_min_k4(j, packed);
-            sc[j] = s as i32;
-            summs += m as i32 * (bsum(y, 2 * j) + bsum(y, 2 * j + 1));
-        }
+        // ggml's utmp shuffle: bytes 0..8 = the 6-bit scales, 8..16 = mins.
+        let sm = scales_mins_k4(x.add(4));
+        let sm16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(sm.as_ptr() as *const __m128i));
+        let bsums = load256(y.add(260));
+        let pair_bsums = _mm_hadd_epi16(
+            _mm256_castsi256_si128(bsums),
+            _mm256_extracti128_si256(bsums, 1),
+        );
+        let mins = _mm_madd_epi16(_mm256_extracti128_si256(sm16, 1), pair_bsums);
+        let mins = _mm_add_epi32(mins, _mm_shuffle_epi32(mins, 0b01_00_11_10));
+        let mins = _mm_add_epi32(mins, _mm_shuffle_epi32(mins, 0b10_11_00_01));
+        let summs = _mm_cvtsi128_si32(mins);
+        let scales = _mm256_permute2x128_si256(sm16, sm16, 0x00);
         let hbits = if five_bit {
             load256(x.add(16))
         } else {
@@ -485,12 +511,8 @@ unsafe fn dot_q45_k(n: usize, w: &[u8], a: &[u8], five_bit: bool) -> f32 {
                 ql = _mm256_or_si256(ql, _mm256_slli_epi16(b0, 4));
                 qh = _mm256_or_si256(qh, _mm256_slli_epi16(b1, 4));
             }
-            let pl = scaled_u8_i8(ql, y.add(4 + 64 * c), _mm256_set1_epi16(sc[2 * c] as i16));
-            let ph = scaled_u8_i8(
-                qh,
-                y.add(4 + 64 * c + 32),
-                _mm256_set1_epi16(sc[2 * c + 1] as i16),
-            );
+            let pl = scaled_u8_i8(ql, y.add(4 + 64 * c), broadcast_i16(scales, 2 * c));
+            let ph = scaled_u8_i8(qh, y.add(4 + 64 * c + 32), broadcast_i16(scales, 2 * c + 1));
             acc = _mm256_add_epi32(acc, _mm256_add_epi32(pl, ph));
         }
         let isum = hsum_epi32(acc);
