@@ -13,6 +13,8 @@ use clap::{Parser, Subcommand};
 use mirage_fetch::progress::FetchProgress;
 use mirage_fetch::{FetchOutcome, ModelSpec, MODELS};
 
+mod build_artifacts;
+
 #[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "MIRAGE project chores")]
 struct Cli {
@@ -31,6 +33,8 @@ enum Task {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
+    /// Build a page-major MIRAGE artifact (calibration, pages, router, packing) from a GGUF model.
+    BuildArtifacts(build_artifacts::BuildArtifactsArgs),
 }
 
 /// The workspace root: xtask/ sits directly below it.
@@ -75,6 +79,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.task {
         Task::FetchModels { only, dir } => fetch_models(only, dir),
+        Task::BuildArtifacts(args) => build_artifacts::run(&args, &workspace_root()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
