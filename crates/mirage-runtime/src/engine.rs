@@ -183,6 +183,11 @@ impl<B: Backend> Engine<B> {
         self.n_ctx
     }
 
+    /// The options it was built with.
+    pub fn options(&self) -> &EngineOptions {
+        &self.options
+    }
+
     /// Name of the backend.
     pub fn backend_name(&self) -> String {
         self.model.backend().name()

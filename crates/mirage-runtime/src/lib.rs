@@ -6,6 +6,7 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod batch;
 pub mod convert;
 pub mod engine;
 pub mod error;

@@ -306,10 +306,28 @@ impl<B: Backend> Model<B> {
         logits: &mut Vec<f32>,
         mut observer: Option<&mut dyn FnMut(usize, &[f32])>,
     ) -> Result<()> {
-        let mut observed = Vec::new();
         if tokens.len() != slots.len() || tokens.is_empty() {
             return Err(RuntimeError::InvalidArgument(format!("{} tokens for {} slots", tokens.len(), slots.len())));
         }
+        match observer {
+            // An observer need not be Send, so it runs on the caller's thread.
+            Some(obs) => self.forward_inner(tokens, slots, logits_rows, cache, s, logits, Some(obs)),
+            None => self.backend.run(|| self.forward_inner(tokens, slots, logits_rows, cache, s, logits, None)),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward_inner(
+        &self,
+        tokens: &[u32],
+        slots: &[TokenSlot],
+        logits_rows: &[usize],
+        cache: &mut B::KvCache,
+        s: &mut Scratch<B>,
+        logits: &mut Vec<f32>,
+        mut observer: Option<&mut dyn FnMut(usize, &[f32])>,
+    ) -> Result<()> {
+        let mut observed = Vec::new();
         let b = &self.backend;
         let c = &self.config;
         let ap = c.attention_params();

@@ -322,6 +322,10 @@ impl Backend for CpuBackend {
         "cpu".into()
     }
 
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
     fn upload_matrix(&self, m: &HostMatrix) -> Result<CpuMatrix> {
         self.make_matrix(m)
     }

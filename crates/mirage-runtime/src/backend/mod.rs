@@ -152,6 +152,16 @@ pub trait Backend: Send + Sync {
     /// Short name (`cpu`, `cuda`, ...), for logs and stats.
     fn name(&self) -> String;
 
+    /// Runs a whole forward pass in the backend's execution context (the
+    /// CPU backend's thread pool, so that the ops' parallel loops do not
+    /// each hand work across threads). The default just calls `f`.
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R
+    where
+        Self: Sized,
+    {
+        f()
+    }
+
     /// Uploads a weight matrix once, keeping its quantization.
     fn upload_matrix(&self, m: &HostMatrix) -> Result<Self::Matrix>;
     /// Uploads an f32 vector.
