@@ -46,6 +46,14 @@ pub enum RuntimeError {
     /// A caller passed something out of range or inconsistent.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A compute device (GPU backend) failed: driver, compiler or launch error.
+    #[error("backend `{backend}`: {message}")]
+    Device {
+        /// Backend name.
+        backend: String,
+        /// What the device layer reported.
+        message: String,
+    },
     /// File-system error.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),

@@ -304,7 +304,7 @@ impl<B: Backend> Model<B> {
         cache: &mut B::KvCache,
         s: &mut Scratch<B>,
         logits: &mut Vec<f32>,
-        mut observer: Option<&mut dyn FnMut(usize, &[f32])>,
+        observer: Option<&mut dyn FnMut(usize, &[f32])>,
     ) -> Result<()> {
         if tokens.len() != slots.len() || tokens.is_empty() {
             return Err(RuntimeError::InvalidArgument(format!("{} tokens for {} slots", tokens.len(), slots.len())));
@@ -334,9 +334,7 @@ impl<B: Backend> Model<B> {
         b.embed(&self.tok_embd, tokens, &mut s.x)?;
         for (l, layer) in self.layers.iter().enumerate() {
             b.rms_norm(&s.x, &layer.attn_norm, c.rms_norm_eps, &mut s.xn)?;
-            b.matmul(&layer.wq, &s.xn, &mut s.q)?;
-            b.matmul(&layer.wk, &s.xn, &mut s.k)?;
-            b.matmul(&layer.wv, &s.xn, &mut s.v)?;
+            b.matmul_many(&[&layer.wq, &layer.wk, &layer.wv], &s.xn, &mut [&mut s.q, &mut s.k, &mut s.v])?;
             if let Some([bq, bk, bv]) = &layer.bias {
                 b.add_bias(&mut s.q, bq)?;
                 b.add_bias(&mut s.k, bk)?;

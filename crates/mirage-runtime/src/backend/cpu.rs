@@ -114,6 +114,7 @@ struct Scratch {
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
     rope_key: (usize, u32, usize),
+    act_by_type: Vec<(GgmlType, usize, Vec<u8>)>,
 }
 
 /// The CPU backend. Holds its own rayon pool so that `--threads` is honoured
@@ -392,6 +393,79 @@ impl Backend for CpuBackend {
         let rb = quantize_rows(w.act_ty, x.data(), x.rows, w.cols, &mut s.act_q)?;
         let chunk = self.chunk_rows(w.rows);
         matmul_quantized(&self.pool, chunk, w, &s.act_q, rb, x.rows, out.data_mut(), &mut s.transposed);
+        Ok(())
+    }
+
+    fn matmul_many(&self, ws: &[&CpuMatrix], x: &CpuActivations, outs: &mut [&mut CpuActivations]) -> Result<()> {
+        if ws.len() != outs.len() {
+            return Err(RuntimeError::InvalidArgument("matmul_many: one output per matrix".into()));
+        }
+        if let Some(w) = ws.iter().find(|w| w.cols != x.width) {
+            return Err(RuntimeError::InvalidArgument(format!("{}: input width {} != {}", w.name, x.width, w.cols)));
+        }
+        let n = x.rows;
+        let mut s = self.scratch();
+        let s = &mut *s;
+        // One quantization of x per activation encoding in use.
+        for e in s.act_by_type.iter_mut() {
+            e.1 = 0;
+        }
+        let mut which = Vec::with_capacity(ws.len());
+        for w in ws {
+            let idx = match s.act_by_type.iter().position(|e| e.0 == w.act_ty && e.1 != 0) {
+                Some(i) => i,
+                None => {
+                    let slot = match s.act_by_type.iter().position(|e| e.1 == 0) {
+                        Some(i) => i,
+                        None => {
+                            s.act_by_type.push((w.act_ty, 0, Vec::new()));
+                            s.act_by_type.len() - 1
+                        }
+                    };
+                    let e = &mut s.act_by_type[slot];
+                    e.0 = w.act_ty;
+                    e.1 = quantize_rows(w.act_ty, x.data(), n, w.cols, &mut e.2)?;
+                    slot
+                }
+            };
+            which.push(idx);
+        }
+        // One parallel pass over the concatenated rows, written weight-row
+        // major ([total_rows, n]) and scattered to the outputs after.
+        let offsets: Vec<usize> = ws.iter().scan(0, |o, w| {
+            let start = *o;
+            *o += w.rows;
+            Some(start)
+        }).collect();
+        let total: usize = ws.iter().map(|w| w.rows).sum();
+        s.transposed.resize(total * n, 0.0);
+        let chunk = self.chunk_rows(total);
+        let acts = &s.act_by_type;
+        self.pool.install(|| {
+            s.transposed.par_chunks_mut(chunk * n).enumerate().for_each(|(ci, o)| {
+                let r0 = ci * chunk;
+                for (i, o) in o.chunks_mut(n).enumerate() {
+                    let g = r0 + i;
+                    let m = offsets.partition_point(|&off| off <= g) - 1;
+                    let (w, e) = (ws[m], &acts[which[m]]);
+                    let wr = w.row(g - offsets[m]);
+                    for (a, o) in o.iter_mut().enumerate() {
+                        // SAFETY: shapes checked at upload and above; each
+                        // activation row is quantized as w's vec_dot_type.
+                        *o = unsafe { (w.dot)(w.cols, wr, &e.2[a * e.1..(a + 1) * e.1]) };
+                    }
+                }
+            })
+        });
+        for ((w, out), &off) in ws.iter().zip(outs.iter_mut()).zip(&offsets) {
+            out.reshape(n, w.rows);
+            let od = out.data_mut();
+            for r in 0..w.rows {
+                for a in 0..n {
+                    od[a * w.rows + r] = s.transposed[(off + r) * n + a];
+                }
+            }
+        }
         Ok(())
     }
 

@@ -182,6 +182,15 @@ pub trait Backend: Send + Sync {
     fn rms_norm(&self, x: &Self::Activations, weight: &Self::Vector, eps: f32, out: &mut Self::Activations) -> Result<()>;
     /// `out[r] = W x[r]` for every row (`W` is `[rows, cols]`).
     fn matmul(&self, w: &Self::Matrix, x: &Self::Activations, out: &mut Self::Activations) -> Result<()>;
+    /// Several products of the same input (`outs[i][r] = ws[i] x[r]`), such
+    /// as Q, K and V: a backend can quantize `x` once and run them as one
+    /// launch. The default calls [`Backend::matmul`] for each.
+    fn matmul_many(&self, ws: &[&Self::Matrix], x: &Self::Activations, outs: &mut [&mut Self::Activations]) -> Result<()> {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(w, x, out)?;
+        }
+        Ok(())
+    }
     /// `x[r] += bias` for every row.
     fn add_bias(&self, x: &mut Self::Activations, bias: &Self::Vector) -> Result<()>;
     /// `acc += x` (residual connection).
