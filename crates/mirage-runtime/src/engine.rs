@@ -117,7 +117,9 @@ impl GenerationStats {
 pub struct Generation {
     /// The generated text (stop string excluded).
     pub text: String,
-    /// The generated token ids (end-of-generation token excluded).
+    /// The generated token ids (end-of-generation token excluded). The
+    /// session's cache holds all of them, except the last one when a stop
+    /// string or the callback ended generation.
     pub tokens: Vec<u32>,
     /// Counts and timings.
     pub stats: GenerationStats,

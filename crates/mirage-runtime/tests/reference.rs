@@ -234,3 +234,34 @@ fn batched_prefill_equals_token_by_token_decode() {
         assert!(d < 1e-4, "position {pos}: {d}");
     }
 }
+
+#[test]
+fn session_generation_streams_stops_and_is_seeded() {
+    let Some(path) = model_path("smollm2-135m-instruct-q4_1.gguf") else { return };
+    let engine = Engine::load(&path, EngineOptions { n_ctx: 256, ..Default::default() }).unwrap();
+    let sampling = mirage_runtime::SamplingParams { temperature: 0.9, top_k: 40, top_p: 0.95, seed: 7, ..Default::default() };
+    let params = mirage_runtime::GenerateParams { max_tokens: 24, sampling, stop: vec![] };
+    let run = |params: &mirage_runtime::GenerateParams| {
+        let mut session = engine.session().unwrap();
+        let mut streamed = String::new();
+        let out = session.generate("Once upon a time", params, |p| {
+            streamed.push_str(p);
+            true
+        }).unwrap();
+        assert_eq!(streamed, out.text, "streamed pieces add up to the text");
+        // The last sample is not fed when a stop string or the callback ended it.
+        let unfed = matches!(out.stats.stop_reason, mirage_runtime::StopReason::StopString | mirage_runtime::StopReason::Callback) as usize;
+        assert_eq!(session.tokens().len() + unfed, engine.encode("Once upon a time", true).unwrap().len() + out.tokens.len());
+        out
+    };
+    let a = run(&params);
+    assert_eq!(a.tokens.len(), 24);
+    assert_eq!(a.stats.stop_reason, mirage_runtime::StopReason::MaxTokens);
+    assert_eq!(run(&params).tokens, a.tokens, "same seed, same tokens");
+    // Stop at a string taken from the middle of the first run's text.
+    let words: Vec<&str> = a.text.split_whitespace().collect();
+    let stop = words[words.len() / 2].to_string();
+    let b = run(&mirage_runtime::GenerateParams { stop: vec![stop.clone()], ..params.clone() });
+    assert_eq!(b.stats.stop_reason, mirage_runtime::StopReason::StopString);
+    assert!(!b.text.contains(&stop) && a.text.starts_with(&b.text), "{:?} / {:?} / {stop:?}", b.text, a.text);
+}
