@@ -147,7 +147,7 @@ mod tests {
     fn oracle_takes_largest_pages_first() {
         // page 0 tiny, page 1 large, page 2 medium, 2-d.
         let c = [0.001, 0.0, 10.0, 0.0, 0.0, 1.0];
-        assert_eq!(oracle_useful_set(&c, 2, 0.99), vec![1, 2]);
+        assert_eq!(oracle_useful_set(&c, 2, 0.999), vec![1, 2]);
         assert_eq!(oracle_useful_set(&c, 2, 0.9), vec![1]);
         assert_eq!(oracle_useful_set(&[0.0; 4], 2, 0.999), Vec::<usize>::new());
     }

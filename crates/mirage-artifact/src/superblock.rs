@@ -243,6 +243,12 @@ impl Backend for SuperblockBackend {
     fn name(&self) -> String {
         "superblock-cpu".into()
     }
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.inner.run(f)
+    }
+    fn matmul_many(&self, ws: &[&CpuMatrix], x: &CpuActivations, outs: &mut [&mut CpuActivations]) -> mirage_runtime::Result<()> {
+        self.inner.matmul_many(ws, x, outs)
+    }
     fn upload_matrix(&self, m: &HostMatrix) -> mirage_runtime::Result<CpuMatrix> {
         self.inner.upload_matrix(m)
     }

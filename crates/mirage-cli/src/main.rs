@@ -38,6 +38,8 @@ enum Command {
     Chat(cmd::chat::ChatArgs),
     /// Perplexity of a text file, as llama-perplexity computes it.
     Perplexity(cmd::perplexity::PerplexityArgs),
+    /// Fidelity of an artifact's sparse FFN (BVH router, predictor, oracle) on held-out text.
+    Eval(cmd::eval::EvalArgs),
 }
 
 impl Command {
@@ -49,6 +51,7 @@ impl Command {
             Command::Generate(args) => cmd::generate::run(args),
             Command::Chat(args) => cmd::chat::run(args),
             Command::Perplexity(args) => cmd::perplexity::run(args),
+            Command::Eval(args) => cmd::eval::run(args),
         }
     }
 }

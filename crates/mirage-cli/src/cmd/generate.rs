@@ -125,11 +125,35 @@ pub struct GenerateArgs {
     /// Write {prompt_tokens, generated_tokens, prompt_tok_s, decode_tok_s, backend} here.
     #[arg(long = "stats-json")]
     stats_json: Option<PathBuf>,
+    /// Run the FFN sparsely from this page-major artifact (BVH router at its default margin).
+    #[arg(long)]
+    artifact: Option<PathBuf>,
 }
 
 /// Runs `generate`.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    let engine = args.model.load()?;
+    match &args.artifact {
+        None => generate_with(&args.model.load()?, &args),
+        Some(path) => {
+            use mirage_artifact::{Artifact, SparseMode, SuperblockBackend};
+            check_model(&args.model.model)?;
+            let artifact = Artifact::open(path).with_context(|| format!("loading {}", path.display()))?;
+            let file = std::sync::Arc::new(mirage_gguf::GgufFile::open(&args.model.model)?);
+            artifact.check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))?;
+            let mode = SparseMode::Bvh { margin: artifact.meta().default_margin };
+            let backend = SuperblockBackend::new(mirage_runtime::CpuBackend::new(args.model.threads)?, artifact, mode)?;
+            let options = EngineOptions {
+                threads: args.model.threads,
+                n_ctx: args.model.ctx_size,
+                kv_dtype: if args.model.kv_f16 { KvDtype::F16 } else { KvDtype::F32 },
+                ..EngineOptions::default()
+            };
+            generate_with(&Engine::from_file(file, backend, options)?, &args)
+        }
+    }
+}
+
+fn generate_with<B: mirage_runtime::Backend>(engine: &Engine<B>, args: &GenerateArgs) -> anyhow::Result<()> {
     let prompt = if args.chat {
         engine.render_chat(&[ChatMessage::new("user", args.prompt.as_str())])?
     } else {

@@ -3,6 +3,7 @@
 //! Small helpers several commands share live here.
 
 pub mod chat;
+pub mod eval;
 pub mod fetch;
 pub mod generate;
 pub mod inspect;

@@ -1,0 +1,315 @@
+//! `mirage-cli eval`: fidelity of an artifact's sparse FFN on held-out text.
+//!
+//! Router metrics (recall, rejection, active pages per token) are computed
+//! on the dense model's FFN inputs for the BVH router (margin sweep), the
+//! low-rank predictor (threshold sweep) and the oracle; then, for the
+//! cheapest setting of each that meets the recall gate, the superblock
+//! backend runs the whole text and its logits are compared with dense
+//! (cosine, top-1 agreement, perplexity). Metric definitions:
+//! `mirage_artifact::metrics`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use mirage_artifact::build::{MARGIN_GRID, THRESHOLD_GRID};
+use mirage_artifact::ffn::{axpy, FfnF32};
+use mirage_artifact::metrics::{self, cosine, oracle_useful_set, COSINE_GATE, ORACLE_COSINE, RECALL_GATE};
+use mirage_artifact::pack::unpack_pages;
+use mirage_artifact::superblock::PageSelector;
+use mirage_artifact::{Artifact, SparseMode, SuperblockBackend, PAGE_CHANNELS};
+use mirage_gguf::GgufFile;
+use mirage_runtime::backend::TokenSlot;
+use mirage_runtime::observe::observe_ffn_inputs;
+use mirage_runtime::{Backend, CpuBackend, Engine, EngineOptions, KvDtype, Model};
+use rayon::prelude::*;
+use serde_json::json;
+
+/// Arguments of `eval`.
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// The artifact (from `cargo xtask build-artifacts`).
+    #[arg(long)]
+    artifact: PathBuf,
+    /// Held-out text (must not overlap the calibration text).
+    #[arg(long)]
+    text: PathBuf,
+    /// The source GGUF (default: models/<name recorded in the artifact>).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Most tokens of the text to evaluate.
+    #[arg(long = "max-tokens", default_value_t = 512)]
+    max_tokens: usize,
+    /// Worker threads (0: all).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// Write SVG charts (recall vs rejection, active fraction per layer) here.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+/// Router metrics of one setting over all tokens and layers.
+#[derive(Debug, Clone)]
+struct Sweep {
+    label: String,
+    mode: SparseMode,
+    recall: f64,
+    rejection: f64,
+    active_fraction: f64,
+    /// Per layer: (recall, rejection, active counts per token).
+    layers: Vec<(f64, f64, Vec<f64>)>,
+}
+
+/// Fidelity of one full sparse run.
+#[derive(Debug, Clone)]
+struct Fidelity {
+    cosine: f64,
+    top1: f64,
+    ppl: f64,
+    active_fraction: f64,
+}
+
+fn run_logits<B: Backend>(model: &Model<B>, tokens: &[u32], n_batch: usize) -> anyhow::Result<Vec<f32>> {
+    let mut cache = model.new_kv_cache(tokens.len(), 1, KvDtype::F32)?;
+    let mut scratch = model.new_scratch();
+    let mut all = Vec::new();
+    let mut logits = Vec::new();
+    for (ci, chunk) in tokens.chunks(n_batch).enumerate() {
+        let slots: Vec<TokenSlot> = (0..chunk.len()).map(|i| TokenSlot { seq: 0, pos: ci * n_batch + i }).collect();
+        let rows: Vec<usize> = (0..chunk.len()).collect();
+        model.forward(chunk, &slots, &rows, &mut cache, &mut scratch, &mut logits)?;
+        all.extend_from_slice(&logits);
+    }
+    Ok(all)
+}
+
+fn ppl(logits: &[f32], tokens: &[u32], vocab: usize) -> f64 {
+    let n = tokens.len() - 1;
+    let s: f64 = (0..n).map(|i| metrics::nll(&logits[i * vocab..(i + 1) * vocab], tokens[i + 1] as usize)).sum();
+    (s / n as f64).exp()
+}
+
+/// Runs `eval`.
+pub fn run(args: EvalArgs) -> anyhow::Result<()> {
+    let artifact = Artifact::open(&args.artifact).with_context(|| format!("loading {}", args.artifact.display()))?;
+    let meta = artifact.meta().clone();
+    let model_path = args.model.clone().unwrap_or_else(|| PathBuf::from("models").join(&meta.source_name));
+    super::generate::check_model(&model_path)?;
+    let file = Arc::new(GgufFile::open(&model_path)?);
+    artifact.check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))?;
+    let text = std::fs::read_to_string(&args.text).with_context(|| format!("reading {}", args.text.display()))?;
+    if mirage_artifact::format::sha256_hex(text.as_bytes()) == meta.calib_sha256 {
+        bail!("{} is the calibration text; evaluate on held-out text", args.text.display());
+    }
+    let opts = EngineOptions { threads: args.threads, ..EngineOptions::default() };
+    let dense = Engine::from_file(file.clone(), CpuBackend::new(args.threads)?, opts.clone())?;
+    let mut tokens = dense.encode(&text, true)?;
+    tokens.truncate(args.max_tokens.min(dense.n_ctx()));
+    if tokens.len() < 2 {
+        bail!("the text gives fewer than 2 tokens");
+    }
+    let (n, d, n_layer) = (tokens.len(), meta.d_model, meta.n_layer);
+    let vocab = dense.model().config().vocab_size;
+    eprintln!("eval: {} tokens of {}, {} layers", n, args.text.display(), n_layer);
+
+    // Dense pass: FFN inputs and logits.
+    let mut xs: Vec<Vec<f32>> = vec![Vec::with_capacity(n * d); n_layer];
+    let mut dense_logits = Vec::with_capacity(n * vocab);
+    observe_ffn_inputs(dense.model(), &tokens, 128, KvDtype::F32, &mut |l, _, x| xs[l].extend_from_slice(x), &mut |_, lg| {
+        dense_logits.extend_from_slice(lg)
+    })?;
+    drop(dense);
+
+    // Oracle sets on the artifact's pages.
+    let mut oracle: Vec<Vec<Vec<usize>>> = Vec::with_capacity(n_layer);
+    for (l, x) in xs.iter().enumerate() {
+        let ld = artifact.layer(l);
+        let pages: Vec<&[u8]> = (0..ld.n_pages).map(|p| artifact.page(l, p)).collect();
+        let ffn: FfnF32 = unpack_pages(&pages, ld.quant, d)?;
+        let sets: Vec<Vec<usize>> = (0..n)
+            .into_par_iter()
+            .map(|t| {
+                let mut h = vec![0f32; ffn.n_ff];
+                ffn.hidden(&x[t * d..(t + 1) * d], &mut h);
+                let mut c = vec![0f32; ld.n_pages * d];
+                ffn.page_contributions(&h, PAGE_CHANNELS, &mut c);
+                oracle_useful_set(&c, d, ORACLE_COSINE)
+            })
+            .collect();
+        oracle.push(sets);
+    }
+    let total_pages: usize = (0..n_layer).map(|l| artifact.layer(l).n_pages).sum();
+    let routed_pages: usize = (0..n_layer).map(|l| artifact.layer(l).n_pages - artifact.layer(l).n_trunk).sum();
+
+    // Sweeps.
+    let sweep = |label: String, mode: SparseMode| -> anyhow::Result<Sweep> {
+        let sel = PageSelector::new(artifact.clone(), mode)?;
+        let mut layers = Vec::with_capacity(n_layer);
+        let (mut rec, mut rej, mut act) = (0f64, 0f64, 0f64);
+        for l in 0..n_layer {
+            let ld = artifact.layer(l);
+            let (mut lr, mut lj) = (0f64, 0f64);
+            let mut counts = Vec::with_capacity(n);
+            for t in 0..n {
+                let active = match sel.select(l, &xs[l][t * d..(t + 1) * d])? {
+                    Some(a) => a,
+                    None => oracle[l][t].clone(),
+                };
+                let mut on = vec![false; ld.n_pages];
+                active.iter().for_each(|&p| on[p] = true);
+                lr += metrics::recall(&oracle[l][t], |p| on[p]);
+                let routed = active.iter().filter(|&&p| p >= ld.n_trunk).count();
+                lj += metrics::rejection(routed, ld.n_pages - ld.n_trunk);
+                counts.push(active.len() as f64);
+                act += active.len() as f64;
+            }
+            rec += lr;
+            rej += lj;
+            layers.push((lr / n as f64, lj / n as f64, counts));
+        }
+        let tl = (n * n_layer) as f64;
+        Ok(Sweep { label, mode, recall: rec / tl, rejection: rej / tl, active_fraction: act / (n as f64 * total_pages as f64) * n_layer as f64 / n_layer as f64, layers })
+    };
+    let oracle_sweep = sweep("oracle".into(), SparseMode::Oracle)?;
+    let bvh: Vec<Sweep> = MARGIN_GRID.iter().map(|&m| sweep(format!("bvh margin {m}"), SparseMode::Bvh { margin: m })).collect::<anyhow::Result<_>>()?;
+    let pred: Vec<Sweep> =
+        THRESHOLD_GRID.iter().map(|&t| sweep(format!("predictor threshold {t}"), SparseMode::Predictor { threshold: t })).collect::<anyhow::Result<_>>()?;
+
+    // Fidelity of full sparse runs.
+    let sb = SuperblockBackend::new(CpuBackend::new(args.threads)?, artifact.clone(), SparseMode::All)?;
+    let sparse = Engine::from_file(file, sb, opts)?;
+    let dense_ppl = ppl(&dense_logits, &tokens, vocab);
+    let fidelity = |mode: SparseMode| -> anyhow::Result<Fidelity> {
+        sparse.model().backend().set_mode(mode)?;
+        sparse.model().backend().take_active_counts();
+        let lg = run_logits(sparse.model(), &tokens, 128)?;
+        let counts = sparse.model().backend().take_active_counts();
+        let active: f64 = counts.iter().flatten().map(|&c| c as f64).sum();
+        let (mut cs, mut top) = (0f64, 0usize);
+        for t in 0..n {
+            let (a, b) = (&dense_logits[t * vocab..(t + 1) * vocab], &lg[t * vocab..(t + 1) * vocab]);
+            cs += cosine(a, b);
+            top += (metrics::argmax(a) == metrics::argmax(b)) as usize;
+        }
+        Ok(Fidelity { cosine: cs / n as f64, top1: top as f64 / n as f64, ppl: ppl(&lg, &tokens, vocab), active_fraction: active / (n * total_pages) as f64 })
+    };
+    eprintln!("eval: fidelity runs (all pages, oracle, bvh, predictor)");
+    let all_pages = fidelity(SparseMode::All)?;
+    let oracle_fid = fidelity(SparseMode::Oracle)?;
+    // The cheapest setting meeting recall that also meets the cosine gate.
+    let pick = |sweeps: &[Sweep]| -> anyhow::Result<Option<(Sweep, Fidelity)>> {
+        let mut ok: Vec<&Sweep> = sweeps.iter().filter(|s| s.recall >= RECALL_GATE).collect();
+        ok.sort_by(|a, b| a.active_fraction.total_cmp(&b.active_fraction));
+        let mut last = None;
+        for s in ok.into_iter().take(3) {
+            let f = fidelity(s.mode)?;
+            let pass = f.cosine >= COSINE_GATE;
+            last = Some((s.clone(), f));
+            if pass {
+                break;
+            }
+        }
+        Ok(last)
+    };
+    let bvh_pick = pick(&bvh)?;
+    let pred_pick = pick(&pred)?;
+
+    let fid_json = |f: &Fidelity| json!({"logit_cosine": f.cosine, "top1_agreement": f.top1, "ppl": f.ppl, "ppl_delta": f.ppl - dense_ppl, "active_fraction_measured": f.active_fraction});
+    let sweep_json = |s: &Sweep| {
+        json!({
+            "label": s.label, "recall": s.recall, "rejection": s.rejection, "active_fraction": s.active_fraction,
+            "per_layer": s.layers.iter().map(|(r, j, c)| json!({"recall": r, "rejection": j, "active_mean": metrics::mean(c), "active_p50": metrics::quantile(c, 0.5), "active_p99": metrics::quantile(c, 0.99)})).collect::<Vec<_>>(),
+        })
+    };
+    let pick_json = |p: &Option<(Sweep, Fidelity)>| match p {
+        Some((s, f)) => json!({"setting": sweep_json(s), "fidelity": fid_json(f), "meets_gates": s.recall >= RECALL_GATE && f.cosine >= COSINE_GATE}),
+        None => json!(null),
+    };
+    let report = json!({
+        "artifact": args.artifact.display().to_string(), "model": meta.source_name, "text": args.text.display().to_string(),
+        "tokens": n, "pages_total": total_pages, "pages_routed": routed_pages, "dense_ppl": dense_ppl,
+        "all_pages": fid_json(&all_pages),
+        "oracle": {"setting": sweep_json(&oracle_sweep), "fidelity": fid_json(&oracle_fid)},
+        "bvh": pick_json(&bvh_pick), "predictor": pick_json(&pred_pick),
+        "bvh_sweep": bvh.iter().map(|s| json!({"label": s.label, "recall": s.recall, "rejection": s.rejection, "active_fraction": s.active_fraction})).collect::<Vec<_>>(),
+        "predictor_sweep": pred.iter().map(|s| json!({"label": s.label, "recall": s.recall, "rejection": s.rejection, "active_fraction": s.active_fraction})).collect::<Vec<_>>(),
+    });
+    if let Some(dir) = &args.plot {
+        std::fs::create_dir_all(dir)?;
+        write_plots(dir, &bvh, &pred, bvh_pick.as_ref().map(|p| &p.0), &oracle_sweep)?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!("{} on {} ({} tokens), {} pages ({} routed); dense ppl {:.3}", meta.source_name, args.text.display(), n, total_pages, routed_pages, dense_ppl);
+    println!("{:<28} {:>8} {:>9} {:>8} {:>9} {:>7} {:>8} {:>9}", "router", "recall", "rejection", "active", "cosine", "top1", "ppl", "Δppl");
+    let row = |name: &str, s: Option<&Sweep>, f: &Fidelity| {
+        let (r, j) = s.map_or((f64::NAN, f64::NAN), |s| (s.recall, s.rejection));
+        println!(
+            "{name:<28} {:>8.4} {:>9.4} {:>8.4} {:>9.5} {:>7.4} {:>8.3} {:>+9.3}",
+            r, j, f.active_fraction, f.cosine, f.top1, f.ppl, f.ppl - dense_ppl
+        );
+    };
+    row("all pages (Q8_0 repack)", None, &all_pages);
+    row("oracle", Some(&oracle_sweep), &oracle_fid);
+    match &bvh_pick {
+        Some((s, f)) => row(&s.label, Some(s), f),
+        None => println!("bvh: no margin reaches recall {RECALL_GATE}"),
+    }
+    match &pred_pick {
+        Some((s, f)) => row(&s.label, Some(s), f),
+        None => println!("predictor: no threshold reaches recall {RECALL_GATE}"),
+    }
+    println!("sweeps (offline, dense FFN inputs):");
+    for s in bvh.iter().chain(&pred) {
+        println!("  {:<28} recall {:.4} rejection {:.4} active {:.4}", s.label, s.recall, s.rejection, s.active_fraction);
+    }
+    if let Some((s, _)) = &bvh_pick {
+        println!("per layer ({}): recall  rejection  active mean/p50/p99", s.label);
+        for (l, (r, j, c)) in s.layers.iter().enumerate() {
+            println!("  {l:>3}  {r:.4}  {j:.4}  {:.2}/{}/{}", metrics::mean(c), metrics::quantile(c, 0.5), metrics::quantile(c, 0.99));
+        }
+    }
+    let _ = axpy;
+    Ok(())
+}
+
+/// Two small SVG charts, written by hand (no plotting dependency).
+fn write_plots(dir: &std::path::Path, bvh: &[Sweep], pred: &[Sweep], picked: Option<&Sweep>, oracle: &Sweep) -> anyhow::Result<()> {
+    let (w, h, m) = (640.0, 420.0, 50.0);
+    let sx = |v: f64| m + v * (w - 2.0 * m);
+    let sy = |v: f64, lo: f64| h - m - (v - lo) / (1.0 - lo) * (h - 2.0 * m);
+    let lo = bvh.iter().chain(pred).map(|s| s.recall).fold(1.0f64, f64::min).min(0.99).max(0.0);
+    let mut svg = format!("<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}'><rect width='100%' height='100%' fill='white'/>\n");
+    svg += &format!("<text x='{}' y='20' font-size='14'>useful-page recall vs rejection (margin / threshold sweep)</text>\n", m);
+    svg += &format!("<line x1='{m}' y1='{}' x2='{}' y2='{}' stroke='black'/><line x1='{m}' y1='{m}' x2='{m}' y2='{}' stroke='black'/>\n", h - m, w - m, h - m, h - m);
+    svg += &format!("<text x='{}' y='{}' font-size='12'>rejection 0..1</text><text x='5' y='{}' font-size='12'>recall {lo:.3}..1</text>\n", w / 2.0, h - 15.0, m - 10.0);
+    let gate = sy(RECALL_GATE, lo);
+    svg += &format!("<line x1='{m}' y1='{gate}' x2='{}' y2='{gate}' stroke='gray' stroke-dasharray='4'/>\n", w - m);
+    for (sweeps, color) in [(bvh, "blue"), (pred, "red")] {
+        let pts: Vec<String> = sweeps.iter().map(|s| format!("{:.1},{:.1}", sx(s.rejection), sy(s.recall, lo))).collect();
+        svg += &format!("<polyline fill='none' stroke='{color}' points='{}'/>\n", pts.join(" "));
+    }
+    svg += "<text x='60' y='40' fill='blue' font-size='12'>BVH router</text><text x='160' y='40' fill='red' font-size='12'>low-rank predictor</text></svg>\n";
+    std::fs::write(dir.join("recall_vs_rejection.svg"), svg)?;
+    let sel = picked.unwrap_or(oracle);
+    let n = sel.layers.len().max(1) as f64;
+    let bw = (w - 2.0 * m) / n;
+    let max_pages = sel.layers.iter().flat_map(|l| l.2.iter().copied()).fold(1.0f64, f64::max);
+    let mut svg = format!("<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}'><rect width='100%' height='100%' fill='white'/>\n<text x='{m}' y='20' font-size='14'>active fraction per layer ({} in blue, oracle in gray)</text>\n", sel.label);
+    for (i, (a, b)) in sel.layers.iter().zip(&oracle.layers).enumerate() {
+        for (k, (c, color)) in [(&a.2, "blue"), (&b.2, "gray")].into_iter().enumerate() {
+            let v = metrics::mean(c) / max_pages;
+            let bh = v * (h - 2.0 * m);
+            svg += &format!("<rect x='{:.1}' y='{:.1}' width='{:.1}' height='{:.1}' fill='{color}'/>\n", m + i as f64 * bw + k as f64 * bw / 2.0, h - m - bh, bw / 2.0 - 1.0, bh);
+        }
+    }
+    svg += "</svg>\n";
+    std::fs::write(dir.join("active_per_layer.svg"), svg)?;
+    Ok(())
+}
