@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench, llama-perplexity and llama-cli (CPU only, native ISA) as a peer to
-# compare MIRAGE against. The source is the llama.cpp tree vendored inside the PyPI sdist of
+# Build llama.cpp's llama-bench, llama-perplexity and llama-completion (CPU only, native ISA) as a
+# peer to compare MIRAGE against. In the vendored llama.cpp, `llama-completion` is the classic
+# prompt-in/text-out CLI; `llama-cli` became a chat client built on the server code
+# (LLAMA_BUILD_SERVER, with the web UI), which takes far longer to compile, so it is only built
+# when LLAMACPP_WITH_CLI=1. The source is the llama.cpp tree vendored inside the PyPI sdist of
 # llama-cpp-python, because no git host is reachable here but the package registry is.
 #
 # Everything lands under target/llamacpp/ (git-ignored). Idempotent: exits early when all three
-# binaries already exist. Usage: scripts/build_llamacpp.sh [JOBS]   (default JOBS=2)
+# binaries already exist. Usage: [LLAMACPP_WITH_CLI=1] scripts/build_llamacpp.sh [JOBS]   (default JOBS=2)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="$ROOT/target/llamacpp"
 JOBS="${1:-2}"
-BIN_NAMES=(llama-bench llama-perplexity llama-cli)
+BIN_NAMES=(llama-bench llama-perplexity llama-completion)
+BUILD_SERVER=OFF
+if [[ "${LLAMACPP_WITH_CLI:-0}" == 1 ]]; then
+    BIN_NAMES+=(llama-cli)
+    BUILD_SERVER=ON
+fi
 
 find_bin_dir() {
     # The build tree is target/llamacpp/build/bin once it has been built.
@@ -59,7 +67,7 @@ cmake -S "$LLAMA_SRC" -B "$WORK/build" \
     -DLLAMA_CURL=OFF \
     -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_SERVER=OFF
+    -DLLAMA_BUILD_SERVER="$BUILD_SERVER"
 cmake --build "$WORK/build" --config Release -j "$JOBS" --target "${BIN_NAMES[@]}"
 
 dir="$(find_bin_dir)" || { echo "build finished but binaries are missing in $WORK/build/bin" >&2; exit 1; }
