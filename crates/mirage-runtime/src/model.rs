@@ -109,6 +109,9 @@ struct Layer<B: Backend> {
     ffn: B::Ffn,
 }
 
+/// A callback given `(layer, ffn_input_rows)` during a forward pass.
+pub type FfnInputObserver<'a> = &'a mut dyn FnMut(usize, &[f32]);
+
 /// Reusable activation buffers of a forward pass (one set per session).
 pub struct Scratch<B: Backend> {
     x: B::Activations,
@@ -304,7 +307,7 @@ impl<B: Backend> Model<B> {
         cache: &mut B::KvCache,
         s: &mut Scratch<B>,
         logits: &mut Vec<f32>,
-        observer: Option<&mut dyn FnMut(usize, &[f32])>,
+        observer: Option<FfnInputObserver<'_>>,
     ) -> Result<()> {
         if tokens.len() != slots.len() || tokens.is_empty() {
             return Err(RuntimeError::InvalidArgument(format!("{} tokens for {} slots", tokens.len(), slots.len())));
@@ -325,7 +328,7 @@ impl<B: Backend> Model<B> {
         cache: &mut B::KvCache,
         s: &mut Scratch<B>,
         logits: &mut Vec<f32>,
-        mut observer: Option<&mut dyn FnMut(usize, &[f32])>,
+        mut observer: Option<FfnInputObserver<'_>>,
     ) -> Result<()> {
         let mut observed = Vec::new();
         let b = &self.backend;

@@ -266,6 +266,7 @@ fn quantize_rows(ty: GgmlType, x: &[f32], n: usize, cols: usize, dst: &mut Vec<u
 }
 
 /// `out[a * w.rows + r] = w_r . act_a` for `n_act` quantized activation rows.
+#[allow(clippy::too_many_arguments)]
 fn matmul_quantized(
     pool: &rayon::ThreadPool,
     chunk: usize,
