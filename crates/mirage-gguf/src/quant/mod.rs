@@ -28,12 +28,15 @@
 mod float;
 mod kquants;
 mod legacy;
+pub mod nvfp4;
 mod util;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 
 use crate::types::GgmlType;
+
+pub use nvfp4::{Nvfp4Error, Nvfp4Tensor, NVFP4_ARTIFACT_TAG, NVFP4_BLOCK_SIZE};
 
 /// Why a codec call was refused.
 #[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
