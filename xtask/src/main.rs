@@ -14,6 +14,7 @@ use mirage_fetch::progress::FetchProgress;
 use mirage_fetch::{FetchOutcome, ModelSpec, MODELS};
 
 mod build_artifacts;
+mod shaders;
 
 #[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "MIRAGE project chores")]
@@ -33,6 +34,8 @@ enum Task {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
+    /// Compile shaders/*.{rgen,rint,rmiss,comp} to the committed SPIR-V (`--check`: fail if stale).
+    Shaders(shaders::ShadersArgs),
     /// Build a page-major MIRAGE artifact (calibration, pages, router, packing) from a GGUF model.
     BuildArtifacts(build_artifacts::BuildArtifactsArgs),
 }
@@ -79,6 +82,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.task {
         Task::FetchModels { only, dir } => fetch_models(only, dir),
+        Task::Shaders(args) => shaders::run(&args, &workspace_root()),
         Task::BuildArtifacts(args) => build_artifacts::run(&args, &workspace_root()),
     };
     match result {
