@@ -1,0 +1,138 @@
+//! Stand-in for builds without the `cuda` feature: the same public API, whose
+//! constructor returns [`CudaError::NotCompiledWithCuda`], so frontends can
+//! name the types unconditionally.
+
+use mirage_runtime::backend::{AttentionParams, Backend, HostMatrix, QkNorm, TokenSlot};
+use mirage_runtime::kv_cache::KvSpec;
+use mirage_runtime::{Result, RuntimeError};
+
+use crate::{CudaError, MemoryStats};
+
+fn no() -> RuntimeError {
+    CudaError::NotCompiledWithCuda.into()
+}
+
+/// Stand-in: never constructed.
+#[derive(Debug)]
+pub struct CudaMatrix(());
+/// Stand-in: never constructed.
+#[derive(Debug)]
+pub struct CudaVector(());
+/// Stand-in: never constructed.
+#[derive(Debug)]
+pub struct CudaFfn(());
+/// Stand-in: never constructed.
+#[derive(Debug)]
+pub struct CudaKvCache(());
+/// Stand-in activation buffer.
+#[derive(Debug, Default)]
+pub struct CudaActivations(());
+
+/// Stand-in backend: [`CudaBackend::new`] always fails.
+#[derive(Debug)]
+pub struct CudaBackend(());
+
+impl CudaBackend {
+    /// Always [`CudaError::NotCompiledWithCuda`].
+    pub fn new(_ordinal: usize) -> Result<CudaBackend, CudaError> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// Never reached.
+    pub fn device_name(&self) -> &str {
+        ""
+    }
+    /// Never reached.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        (0, 0)
+    }
+    /// Never reached.
+    pub fn ptx_from_cache(&self) -> bool {
+        false
+    }
+    /// Never reached.
+    pub fn memory_stats(&self) -> MemoryStats {
+        MemoryStats::default()
+    }
+    /// Never reached.
+    pub fn device_memory(&self) -> Result<(usize, usize)> {
+        Err(no())
+    }
+    /// Never reached.
+    pub fn synchronize(&self) -> Result<()> {
+        Err(no())
+    }
+    /// Never reached.
+    pub fn copy_bandwidth(&self, _bytes: usize, _iters: usize) -> Result<f64> {
+        Err(no())
+    }
+    /// Never reached.
+    pub fn argmax(&self, _x: &CudaActivations) -> Result<Vec<u32>> {
+        Err(no())
+    }
+}
+
+impl Backend for CudaBackend {
+    type Matrix = CudaMatrix;
+    type Vector = CudaVector;
+    type Ffn = CudaFfn;
+    type Activations = CudaActivations;
+    type KvCache = CudaKvCache;
+
+    fn name(&self) -> String {
+        "cuda".into()
+    }
+    fn upload_matrix(&self, _m: &HostMatrix) -> Result<CudaMatrix> {
+        Err(no())
+    }
+    fn upload_vector(&self, _v: &[f32]) -> Result<CudaVector> {
+        Err(no())
+    }
+    fn upload_ffn(&self, _l: usize, _g: &HostMatrix, _u: &HostMatrix, _d: &HostMatrix) -> Result<CudaFfn> {
+        Err(no())
+    }
+    fn new_kv_cache(&self, _spec: KvSpec) -> Result<CudaKvCache> {
+        Err(no())
+    }
+    fn kv_truncate(&self, _cache: &mut CudaKvCache, _seq: usize, _pos: usize) {}
+    fn new_activations(&self) -> CudaActivations {
+        CudaActivations(())
+    }
+    fn embed(&self, _t: &CudaMatrix, _tokens: &[u32], _out: &mut CudaActivations) -> Result<()> {
+        Err(no())
+    }
+    fn rms_norm(&self, _x: &CudaActivations, _w: &CudaVector, _eps: f32, _out: &mut CudaActivations) -> Result<()> {
+        Err(no())
+    }
+    fn matmul(&self, _w: &CudaMatrix, _x: &CudaActivations, _out: &mut CudaActivations) -> Result<()> {
+        Err(no())
+    }
+    fn add_bias(&self, _x: &mut CudaActivations, _b: &CudaVector) -> Result<()> {
+        Err(no())
+    }
+    fn add(&self, _acc: &mut CudaActivations, _x: &CudaActivations) -> Result<()> {
+        Err(no())
+    }
+    fn attention(
+        &self,
+        _layer: usize,
+        _p: &AttentionParams,
+        _q: &mut CudaActivations,
+        _k: &mut CudaActivations,
+        _v: &CudaActivations,
+        _qk_norm: Option<QkNorm<'_, CudaVector>>,
+        _slots: &[TokenSlot],
+        _cache: &mut CudaKvCache,
+        _out: &mut CudaActivations,
+    ) -> Result<()> {
+        Err(no())
+    }
+    fn ffn(&self, _f: &CudaFfn, _x: &CudaActivations, _out: &mut CudaActivations) -> Result<()> {
+        Err(no())
+    }
+    fn select_rows(&self, _x: &CudaActivations, _rows: &[usize], _out: &mut CudaActivations) -> Result<()> {
+        Err(no())
+    }
+    fn read(&self, _x: &CudaActivations, _out: &mut Vec<f32>) -> Result<(usize, usize)> {
+        Err(no())
+    }
+}

@@ -1,0 +1,50 @@
+//! The CUDA backend of the MIRAGE runtime.
+//!
+//! [`CudaBackend`] implements [`mirage_runtime::Backend`]: weights are
+//! uploaded once in their ggml encoding and every op of a decode or prefill
+//! step runs on the device (embedding lookup, RMSNorm, quantized mat-vec
+//! straight on the ggml blocks, bias and residual adds, RoPE with the KV-cache
+//! write, attention over a device KV cache, SwiGLU, lm head, argmax).
+//!
+//! Kernels live in `cuda/*.cu` at the workspace root and are compiled at run
+//! time by NVRTC for the device's compute capability; the PTX is cached on
+//! disk per device architecture and source hash (see [`module`]). Run-time
+//! compilation was chosen over nvcc ahead of time so that the crate builds
+//! with no CUDA toolkit at all (cudarc loads `libcuda` and `libnvrtc`
+//! dynamically) and each GPU gets code for its own architecture.
+//!
+//! Without the `cuda` cargo feature the crate builds a stand-in whose
+//! constructor returns [`CudaError::NotCompiledWithCuda`]. With it, a machine
+//! without `libcuda` gets [`CudaError::DriverNotFound`]; nothing panics.
+#![deny(missing_docs)]
+
+mod error;
+pub use error::CudaError;
+
+#[cfg(feature = "cuda")]
+mod backend;
+#[cfg(feature = "cuda")]
+pub mod module;
+#[cfg(feature = "cuda")]
+pub use backend::{CudaActivations, CudaBackend, CudaFfn, CudaKvCache, CudaMatrix, CudaVector};
+
+#[cfg(not(feature = "cuda"))]
+mod dummy;
+#[cfg(not(feature = "cuda"))]
+pub use dummy::{CudaActivations, CudaBackend, CudaFfn, CudaKvCache, CudaMatrix, CudaVector};
+
+/// Device memory the backend holds, by purpose (bytes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Weight matrices and vectors.
+    pub weights: usize,
+    /// KV caches.
+    pub kv_cache: usize,
+    /// Activation buffers and scratch (high-water mark; they are reused).
+    pub workspace: usize,
+    /// Highest total of the three seen so far.
+    pub peak: usize,
+}
+
+/// Whether this build has the CUDA backend compiled in.
+pub const COMPILED_WITH_CUDA: bool = cfg!(feature = "cuda");

@@ -1,0 +1,485 @@
+// MIRAGE dense CUDA kernels: one decode/prefill step of the llama family on
+// ggml-quantized weights. Compiled at run time by NVRTC (see
+// crates/mirage-cuda/src/module.rs); no CUDA headers are included so that
+// NVRTC needs no include path.
+//
+// Block layouts follow ggml (ggml-common.h); the element order of every
+// dequantizer is the one of ggml's dequantize_row_* (and of
+// mirage_gguf::quant), so a row dequantized here equals the CPU's.
+//
+// Unit of work: 32 consecutive elements of a row ("unit"). Legacy types have
+// one block per unit; K-quants (256-element super-blocks) have 8 units per
+// super-block. A mat-vec warp walks the units of one weight row, each lane
+// taking every 32nd unit, and reduces with shuffles.
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+#define MIRAGE_INF __int_as_float(0x7f800000)
+
+#define TY_F32 0
+#define TY_F16 1
+#define TY_Q4_0 2
+#define TY_Q4_1 3
+#define TY_Q5_0 6
+#define TY_Q5_1 7
+#define TY_Q8_0 8
+#define TY_Q2_K 10
+#define TY_Q4_K 12
+#define TY_Q5_K 13
+#define TY_Q6_K 14
+#define TY_BF16 30
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Bytes per unit (legacy) or per super-block (K-quants).
+template <int T> struct Layout;
+template <> struct Layout<TY_F32> { enum { BYTES = 128, UNITS = 1 }; };
+template <> struct Layout<TY_F16> { enum { BYTES = 64, UNITS = 1 }; };
+template <> struct Layout<TY_BF16> { enum { BYTES = 64, UNITS = 1 }; };
+template <> struct Layout<TY_Q4_0> { enum { BYTES = 18, UNITS = 1 }; };
+template <> struct Layout<TY_Q4_1> { enum { BYTES = 20, UNITS = 1 }; };
+template <> struct Layout<TY_Q5_0> { enum { BYTES = 22, UNITS = 1 }; };
+template <> struct Layout<TY_Q5_1> { enum { BYTES = 24, UNITS = 1 }; };
+template <> struct Layout<TY_Q8_0> { enum { BYTES = 34, UNITS = 1 }; };
+template <> struct Layout<TY_Q2_K> { enum { BYTES = 84, UNITS = 8 }; };
+template <> struct Layout<TY_Q4_K> { enum { BYTES = 144, UNITS = 8 }; };
+template <> struct Layout<TY_Q5_K> { enum { BYTES = 176, UNITS = 8 }; };
+template <> struct Layout<TY_Q6_K> { enum { BYTES = 210, UNITS = 8 }; };
+
+// Dequantizes unit `u` of a row starting at `row` into w[0..32).
+template <int T> __device__ __forceinline__ void dequant_unit(const u8* row, int u, float* w);
+
+template <> __device__ __forceinline__ void dequant_unit<TY_F32>(const u8* row, int u, float* w) {
+    const float4* p = (const float4*)(row + u * 128);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        float4 v = p[i];
+        w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+}
+
+template <> __device__ __forceinline__ void dequant_unit<TY_F16>(const u8* row, int u, float* w) {
+    const u16* p = (const u16*)(row + u * 64);
+#pragma unroll
+    for (int i = 0; i < 32; i++) w[i] = h2f(p[i]);
+}
+
+template <> __device__ __forceinline__ void dequant_unit<TY_BF16>(const u8* row, int u, float* w) {
+    const u16* p = (const u16*)(row + u * 64);
+#pragma unroll
+    for (int i = 0; i < 32; i++) w[i] = bf2f(p[i]);
+}
+
+template <> __device__ __forceinline__ void dequant_unit<TY_Q8_0>(const u8* row, int u, float* w) {
+    const u8* b = row + u * 34;
+    float d = h2f(ld16(b));
+    const i8* q = (const i8*)(b + 2);
+#pragma unroll
+    for (int i = 0; i < 32; i++) w[i] = d * (float)q[i];
+}
+
+template <> __device__ __forceinline__ void dequant_unit<TY_Q4_0>(const u8* row, int u, float* w) {
+    const u8* b = row + u * 18;
+    float d = h2f(ld16(b));
+    const u8* q = b + 2;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        w[i] = d * (float)((int)(q[i] & 15) - 8);
+        w[i + 16] = d * (float)((int)(q[i] >> 4) - 8);
+    }
+}
+
+template <> __device__ __forceinline__ void dequant_unit<TY_Q4_1>(const u8* row, int u, float* w) {
+    const u8* b = row + u * 20;
+    float d = h2f(ld16(b)), m = h2f(ld16(b + 2));
+    const u32* q = (const u32*)(b + 4);  // 20-byte blocks: offset 4 is 4-aligned
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        u32 v = q[k];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u32 byte = (v >> (8 * j)) & 255u;
+            w[4 * k + j] = d * (float)(byte & 15) + m;
+            w[4 * k + j + 16] = d * (float)(byte >> 4) + m;
+        }
+    }
+}
+
+template <> __device__ __forceinline__ void dequant_unit<TY_Q5_0>(const u8* row, int u, float* w) {
+    const u8* b = row + u * 22;
+    float d = h2f(ld16(b));
+    u32 qh = (u32)b[2] | ((u32)b[3] << 8) | ((u32)b[4] << 16) | ((u32)b[5] << 24);
+    const u8* q = b + 6;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        int x0 = (int)((q[j] & 15) | (((qh >> j) << 4) & 0x10)) - 16;
+        int x1 = (int)((q[j] >> 4) | ((qh >> (j + 12)) & 0x10)) - 16;
+        w[j] = d * (float)x0;
+        w[j + 16] = d * (float)x1;
+    }
+}
+
+template <> __device__ __forceinline__ void dequant_unit<TY_Q5_1>(const u8* row, int u, float* w) {
+    const u8* b = row + u * 24;
+    float d = h2f(ld16(b)), m = h2f(ld16(b + 2));
+    u32 qh = *(const u32*)(b + 4);
+    const u8* q = b + 8;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u32 x0 = (q[j] & 15) | (((qh >> j) << 4) & 0x10);
+        u32 x1 = (q[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+        w[j] = d * (float)x0 + m;
+        w[j + 16] = d * (float)x1 + m;
+    }
+}
+
+template <> __device__ __forceinline__ void dequant_unit<TY_Q2_K>(const u8* row, int u, float* w) {
+    const u8* b = row + (u >> 3) * 84;
+    int sub = u & 7, h = sub >> 2, j = sub & 3;
+    const u8* scales = b;
+    const u8* q = b + 16 + h * 32;
+    float d = h2f(ld16(b + 80)), dmin = h2f(ld16(b + 82));
+    int shift = 2 * j;
+    u8 s0 = scales[h * 8 + 2 * j], s1 = scales[h * 8 + 2 * j + 1];
+    float dl0 = d * (float)(s0 & 15), ml0 = dmin * (float)(s0 >> 4);
+    float dl1 = d * (float)(s1 & 15), ml1 = dmin * (float)(s1 >> 4);
+#pragma unroll
+    for (int l = 0; l < 16; l++) {
+        w[l] = dl0 * (float)((q[l] >> shift) & 3) - ml0;
+        w[l + 16] = dl1 * (float)((q[l + 16] >> shift) & 3) - ml1;
+    }
+}
+
+__device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, float* m) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *m = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 15) | ((q[j - 4] >> 6) << 4));
+        *m = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+template <> __device__ __forceinline__ void dequant_unit<TY_Q4_K>(const u8* row, int u, float* w) {
+    const u8* b = row + (u >> 3) * 144;
+    int sub = u & 7;
+    float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+    float sc, m;
+    scale_min_k4(sub, b + 4, &sc, &m);
+    float d1 = d * sc, m1 = dmin * m;
+    const u32* q = (const u32*)(b + 16 + (sub >> 1) * 32);  // 144-byte blocks: 4-aligned
+    int shift = (sub & 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        u32 v = q[k];
+#pragma unroll
+        for (int j = 0; j < 4; j++) w[4 * k + j] = d1 * (float)((v >> (8 * j + shift)) & 15) - m1;
+    }
+}
+
+template <> __device__ __forceinline__ void dequant_unit<TY_Q5_K>(const u8* row, int u, float* w) {
+    const u8* b = row + (u >> 3) * 176;
+    int sub = u & 7;
+    float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+    float sc, m;
+    scale_min_k4(sub, b + 4, &sc, &m);
+    float d1 = d * sc, m1 = dmin * m;
+    const u8* qh = b + 16;
+    const u8* ql = b + 48 + (sub >> 1) * 32;
+    int shift = (sub & 1) * 4;
+    u32 mask = 1u << sub;
+#pragma unroll
+    for (int l = 0; l < 32; l++) {
+        u32 v = ((ql[l] >> shift) & 15) + ((qh[l] & mask) ? 16 : 0);
+        w[l] = d1 * (float)v - m1;
+    }
+}
+
+template <> __device__ __forceinline__ void dequant_unit<TY_Q6_K>(const u8* row, int u, float* w) {
+    const u8* b = row + (u >> 3) * 210;
+    int sub = u & 7, h = sub >> 2, k = sub & 3;
+    const u8* ql = b + h * 64 + (k & 1) * 32;
+    const u8* qh = b + 128 + h * 32;
+    const i8* sc = (const i8*)(b + 192 + h * 8);
+    float d = h2f(ld16(b + 208));
+    int lshift = (k >> 1) * 4, hshift = 2 * k;
+    float d0 = d * (float)sc[2 * k], d1 = d * (float)sc[2 * k + 1];
+#pragma unroll
+    for (int l = 0; l < 32; l++) {
+        int q = (int)(((ql[l] >> lshift) & 15) | (((qh[l] >> hshift) & 3) << 4)) - 32;
+        w[l] = (l < 16 ? d0 : d1) * (float)q;
+    }
+}
+
+// y[a, r] = W[r, :] . x[a, :]; grid (ceil(rows / warps), n_act); one warp per
+// weight row.
+template <int T>
+__device__ void matvec(const u8* __restrict__ W, long row_bytes, int rows, int cols, const float* __restrict__ x,
+                       float* __restrict__ y) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (r >= rows) return;
+    int a = blockIdx.y;
+    const u8* row = W + (long)r * row_bytes;
+    const float* xa = x + (long)a * cols;
+    int units = cols >> 5;
+    float acc = 0.f;
+    for (int u = lane; u < units; u += 32) {
+        float w[32];
+        dequant_unit<T>(row, u, w);
+        const float4* xv = (const float4*)(xa + u * 32);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float4 v = __ldg(xv + i);
+            acc += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) y[(long)a * rows + r] = acc;
+}
+
+// out[i, :] = dequant(table[tokens[i], :]); grid (n_tokens), block 32 * k.
+template <int T>
+__device__ void embed(const u8* __restrict__ table, long row_bytes, int n_rows, int cols, const u32* __restrict__ tokens,
+                      float* __restrict__ out) {
+    u32 t = tokens[blockIdx.x];
+    if (t >= (u32)n_rows) return;  // checked on the host
+    const u8* row = table + (long)t * row_bytes;
+    float* o = out + (long)blockIdx.x * cols;
+    for (int u = threadIdx.x; u < (cols >> 5); u += blockDim.x) {
+        float w[32];
+        dequant_unit<T>(row, u, w);
+#pragma unroll
+        for (int i = 0; i < 32; i++) o[u * 32 + i] = w[i];
+    }
+}
+
+#define INSTANCE(NAME, T)                                                                                           \
+    extern "C" __global__ void matvec_##NAME(const u8* W, long row_bytes, int rows, int cols, const float* x,       \
+                                             float* y) {                                                            \
+        matvec<T>(W, row_bytes, rows, cols, x, y);                                                                  \
+    }                                                                                                               \
+    extern "C" __global__ void embed_##NAME(const u8* table, long row_bytes, int n_rows, int cols, const u32* tokens, \
+                                            float* out) {                                                           \
+        embed<T>(table, row_bytes, n_rows, cols, tokens, out);                                                      \
+    }
+
+INSTANCE(f32, TY_F32)
+INSTANCE(f16, TY_F16)
+INSTANCE(bf16, TY_BF16)
+INSTANCE(q4_0, TY_Q4_0)
+INSTANCE(q4_1, TY_Q4_1)
+INSTANCE(q5_0, TY_Q5_0)
+INSTANCE(q5_1, TY_Q5_1)
+INSTANCE(q8_0, TY_Q8_0)
+INSTANCE(q2_k, TY_Q2_K)
+INSTANCE(q4_k, TY_Q4_K)
+INSTANCE(q5_k, TY_Q5_K)
+INSTANCE(q6_k, TY_Q6_K)
+
+// Block-wide sum over blockDim.x (a multiple of 32, at most 1024) threads.
+__device__ float block_sum(float v, float* shared32) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) shared32[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? shared32[lane] : 0.f;
+    return warp_sum(t);
+}
+
+__device__ float block_max(float v, float* shared32) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) shared32[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? shared32[lane] : -MIRAGE_INF;
+    return warp_max(t);
+}
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w; grid (rows), block 256.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float eps, int width,
+                                    float* __restrict__ out) {
+    __shared__ float s32[32];
+    const float* xr = x + (long)blockIdx.x * width;
+    float* o = out + (long)blockIdx.x * width;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, s32);
+    float scale = rsqrtf(ss / (float)width + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+}
+
+// x[i] += b[i % width]
+extern "C" __global__ void add_bias(float* x, const float* __restrict__ b, int width, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += b[i % width];
+}
+
+// acc[i] += x[i]
+extern "C" __global__ void add_inplace(float* acc, const float* __restrict__ x, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) acc[i] += x[i];
+}
+
+// h[i] = silu(g[i]) * u[i]
+extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ h,
+                                  long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float v = g[i];
+        h[i] = v / (1.f + expf(-v)) * u[i];
+    }
+}
+
+// out[i, :] = x[idx[i], :]; grid (n_out), block 256.
+extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ idx, int width,
+                                       float* __restrict__ out) {
+    const float* src = x + (long)idx[blockIdx.x] * width;
+    float* dst = out + (long)blockIdx.x * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
+}
+
+// Optional per-head RMSNorm (qwen3) and RoPE of every q and k head of every
+// row, then the k and v heads are stored into the cache at the row's slot.
+// slots[2 * row] = seq, slots[2 * row + 1] = pos. Grid (rows, n_head +
+// n_head_kv), block head_dim / 2 (one thread per rotated pair).
+// Cache layout per layer: [n_seq, n_head_kv, n_ctx, head_dim] f32.
+extern "C" __global__ void rope_store(float* q, float* k, const float* __restrict__ v, const int* __restrict__ slots,
+                                      int n_head, int n_head_kv, int head_dim, int neox, float freq_base,
+                                      const float* qn, const float* kn, float norm_eps, float* kc, float* vc,
+                                      int n_ctx) {
+    __shared__ float s32[32];
+    int row = blockIdx.x, hh = blockIdx.y, i = threadIdx.x, half = head_dim >> 1;
+    int seq = slots[2 * row], pos = slots[2 * row + 1];
+    bool is_q = hh < n_head;
+    int head = is_q ? hh : hh - n_head;
+    float* x = is_q ? q + ((long)row * n_head + head) * head_dim : k + ((long)row * n_head_kv + head) * head_dim;
+    int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+    float a = x[ia], b = x[ib];
+    const float* nw = is_q ? qn : kn;
+    if (nw != 0) {
+        float ss = block_sum(a * a + b * b, s32);
+        float scale = rsqrtf(ss / (float)head_dim + norm_eps);
+        a = a * scale * nw[ia];
+        b = b * scale * nw[ib];
+    }
+    // The angle in double, as the CPU reference builds its tables.
+    double theta = (double)pos * pow((double)freq_base, -2.0 * (double)i / (double)head_dim);
+    float c = (float)cos(theta), s = (float)sin(theta);
+    float ra = a * c - b * s, rb = a * s + b * c;
+    x[ia] = ra;
+    x[ib] = rb;
+    if (!is_q) {
+        long at = (((long)seq * n_head_kv + head) * n_ctx + pos) * head_dim;
+        kc[at + ia] = ra;
+        kc[at + ib] = rb;
+        const float* vr = v + ((long)row * n_head_kv + head) * head_dim;
+        vc[at + ia] = vr[ia];
+        vc[at + ib] = vr[ib];
+    }
+}
+
+// Causal attention of one query head of one row over positions 0..=pos of
+// its sequence. Grid (rows, n_head), block 128, dynamic shared memory
+// (max_n + head_dim) floats.
+extern "C" __global__ void attend(const float* __restrict__ q, const float* __restrict__ kc,
+                                  const float* __restrict__ vc, const int* __restrict__ slots, int n_head,
+                                  int n_head_kv, int head_dim, int n_ctx, float scale, float* __restrict__ out) {
+    extern __shared__ float sm[];
+    __shared__ float s32[32];
+    int row = blockIdx.x, head = blockIdx.y;
+    int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
+    int kvh = head / (n_head / n_head_kv);
+    float* qs = sm;
+    float* sc = sm + head_dim;
+    const float* qh = q + ((long)row * n_head + head) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d];
+    __syncthreads();
+    const float* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    const float* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    // Scores: one warp per key, lanes over the head dimension.
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int j = warp; j < n; j += nw) {
+        const float* kr = K + (long)j * head_dim;
+        float s = 0.f;
+        for (int d = lane; d < head_dim; d += 32) s += qs[d] * kr[d];
+        s = warp_sum(s);
+        if (lane == 0) sc[j] = s * scale;
+    }
+    __syncthreads();
+    float mx = -MIRAGE_INF;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, sc[j]);
+    mx = block_max(mx, s32);
+    float sum = 0.f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float e = expf(sc[j] - mx);
+        sc[j] = e;
+        sum += e;
+    }
+    sum = block_sum(sum, s32);  // its barriers also publish sc[]
+    float inv = 1.f / sum;
+    float* o = out + ((long)row * n_head + head) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.f;
+        for (int j = 0; j < n; j++) acc += sc[j] * V[(long)j * head_dim + d];
+        o[d] = acc * inv;
+    }
+}
+
+// idx[r] = argmax(x[r, :]) (first maximum); grid (rows), block 1024.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, u32* __restrict__ idx) {
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    const float* xr = x + (long)blockIdx.x * width;
+    float best = -MIRAGE_INF;
+    int besti = 0x7fffffff;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        float v = xr[i];
+        if (v > best) { best = v; besti = i; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, besti, o);
+        if (ov > best || (ov == best && oi < besti)) { best = ov; besti = oi; }
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) { bv[warp] = best; bi[warp] = besti; }
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < nw ? bv[lane] : -MIRAGE_INF;
+        besti = lane < nw ? bi[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, besti, o);
+            if (ov > best || (ov == best && oi < besti)) { best = ov; besti = oi; }
+        }
+        if (lane == 0) idx[blockIdx.x] = (u32)besti;
+    }
+}
