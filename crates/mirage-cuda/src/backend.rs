@@ -281,6 +281,20 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// A device buffer holding `data` as `rows` rows of `width` floats.
+    pub fn upload_activations(&self, rows: usize, width: usize, data: &[f32]) -> Result<CudaActivations> {
+        if rows.checked_mul(width) != Some(data.len()) {
+            return Err(bad("activation data does not match its shape"));
+        }
+        let mut a = CudaActivations::default();
+        self.reshape(&mut a, rows, width)?;
+        if !data.is_empty() {
+            let buf = a.buf.as_mut().expect("reshape allocates");
+            self.stream.memcpy_htod(data, &mut buf.slice_mut(0..data.len())).map_err(drv)?;
+        }
+        Ok(a)
+    }
+
     fn kernel(&self, name: &str) -> Result<&CudaFunction> {
         self.kernels.get(name).ok_or_else(|| bad(format!("no kernel `{name}`")))
     }

@@ -66,6 +66,10 @@ impl CudaBackend {
         Err(no())
     }
     /// Never reached.
+    pub fn upload_activations(&self, _rows: usize, _width: usize, _data: &[f32]) -> Result<CudaActivations> {
+        Err(no())
+    }
+    /// Never reached.
     pub fn argmax(&self, _x: &CudaActivations) -> Result<Vec<u32>> {
         Err(no())
     }

@@ -1,0 +1,278 @@
+//! Each CUDA kernel against an independent f64 reference or the CPU backend
+//! on random data, and the whole model against the CPU backend on real
+//! weights. Without a GPU (or without the `cuda` feature) every test prints
+//! why it skips and passes; on a GPU machine a missing run-time compiler or a
+//! kernel that does not compile fails.
+
+use std::sync::Arc;
+
+use mirage_cuda::{CudaBackend, CudaError};
+use mirage_gguf::{quant, GgmlType, GgufFile};
+use mirage_runtime::backend::cpu::CpuActivations;
+use mirage_runtime::backend::{AttentionParams, Backend, HostMatrix, QkNorm, SharedBytes, TokenSlot};
+use mirage_runtime::kv_cache::{KvDtype, KvSpec};
+use mirage_runtime::ops::RopeMode;
+use mirage_runtime::{CpuBackend, Model};
+use rand::{Rng, SeedableRng};
+
+fn cuda(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e @ (CudaError::NotCompiledWithCuda | CudaError::DriverNotFound | CudaError::NoDevice { .. })) => {
+            eprintln!("{test}: skipped, no CUDA device here: {e}");
+            None
+        }
+        Err(e) => panic!("{test}: CUDA device present but the backend failed to start: {e}"),
+    }
+}
+
+fn rng(seed: u64) -> rand::rngs::StdRng {
+    rand::rngs::StdRng::seed_from_u64(seed)
+}
+
+fn randn(r: &mut impl Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| r.random_range(-1.0f32..1.0) + r.random_range(-1.0f32..1.0)).collect()
+}
+
+fn host_matrix(ty: GgmlType, rows: usize, cols: usize, values: &[f32]) -> HostMatrix {
+    let rb = quant::row_bytes(ty, cols).unwrap();
+    let mut data = vec![0u8; rb * rows];
+    for r in 0..rows {
+        quant::quantize(ty, &values[r * cols..(r + 1) * cols], &mut data[r * rb..(r + 1) * rb]).unwrap();
+    }
+    HostMatrix { name: format!("test.{ty}"), ty, rows, cols, data: SharedBytes::from_vec(data) }
+}
+
+fn dequantized(m: &HostMatrix) -> Vec<f32> {
+    let mut out = vec![0.0f32; m.rows * m.cols];
+    quant::dequantize(m.ty, m.data.as_slice(), &mut out).unwrap();
+    out
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
+    let num: f64 = got.iter().zip(want).map(|(a, b)| ((*a - *b) as f64).powi(2)).sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+const TYPES: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+#[test]
+fn matvec_and_embed_every_type_match_f64_reference() {
+    let Some(gpu) = cuda("matvec_and_embed_every_type_match_f64_reference") else { return };
+    let mut r = rng(1);
+    // 1280 columns: five K-quant super-blocks, forty legacy blocks; 77 rows
+    // leaves a partly filled last thread block.
+    let (rows, cols, n_act) = (77usize, 1280usize, 3usize);
+    for &ty in TYPES {
+        let values = randn(&mut r, rows * cols);
+        let hm = host_matrix(ty, rows, cols, &values);
+        let w = dequantized(&hm);
+        let x = randn(&mut r, n_act * cols);
+        let mut want = vec![0.0f32; n_act * rows];
+        for a in 0..n_act {
+            for o in 0..rows {
+                let s: f64 = (0..cols).map(|i| w[o * cols + i] as f64 * x[a * cols + i] as f64).sum();
+                want[a * rows + o] = s as f32;
+            }
+        }
+        let dm = gpu.upload_matrix(&hm).unwrap();
+        let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
+        let mut dy = gpu.new_activations();
+        // Poison: a previous, larger result in the output buffer.
+        gpu.matmul(&dm, &dx, &mut dy).unwrap();
+        let mut got = Vec::new();
+        assert_eq!(gpu.read(&dy, &mut got).unwrap(), (n_act, rows));
+        let e = rel_err(&got, &want);
+        assert!(e < 1e-5, "{ty}: matvec relative error {e}");
+
+        let tokens = [5u32, 0, 76, 5];
+        let mut de = gpu.new_activations();
+        gpu.embed(&dm, &tokens, &mut de).unwrap();
+        gpu.read(&de, &mut got).unwrap();
+        let want: Vec<f32> = tokens.iter().flat_map(|&t| w[t as usize * cols..(t as usize + 1) * cols].to_vec()).collect();
+        assert_eq!(got, want, "{ty}: embedding rows differ from the CPU dequantizer");
+        eprintln!("{ty}: matvec rel err {e:.2e}, embedding exact");
+    }
+    assert!(gpu.embed(&gpu.upload_matrix(&host_matrix(GgmlType::Q8_0, 4, 32, &[0.5; 128])).unwrap(), &[4], &mut gpu.new_activations()).is_err());
+}
+
+#[test]
+fn norm_bias_residual_select_and_argmax_match_cpu() {
+    let Some(gpu) = cuda("norm_bias_residual_select_and_argmax_match_cpu") else { return };
+    let cpu = CpuBackend::new(1).unwrap();
+    let mut r = rng(2);
+    let (rows, width) = (5usize, 576usize);
+    let x = randn(&mut r, rows * width);
+    let y = randn(&mut r, rows * width);
+    let w = randn(&mut r, width);
+    let bias = randn(&mut r, width);
+    let (cw, gw) = (cpu.upload_vector(&w).unwrap(), gpu.upload_vector(&w).unwrap());
+    let (cb, gb) = (cpu.upload_vector(&bias).unwrap(), gpu.upload_vector(&bias).unwrap());
+    let mut cx = CpuActivations::from_vec(rows, width, x.clone()).unwrap();
+    let cy = CpuActivations::from_vec(rows, width, y.clone()).unwrap();
+    let mut gx = gpu.upload_activations(rows, width, &x).unwrap();
+    let gy = gpu.upload_activations(rows, width, &y).unwrap();
+    let (mut cn, mut gn) = (cpu.new_activations(), gpu.new_activations());
+    cpu.rms_norm(&cx, &cw, 1e-5, &mut cn).unwrap();
+    gpu.rms_norm(&gx, &gw, 1e-5, &mut gn).unwrap();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    cpu.read(&cn, &mut a).unwrap();
+    gpu.read(&gn, &mut b).unwrap();
+    assert!(rel_err(&b, &a) < 1e-6, "rms_norm {}", rel_err(&b, &a));
+    cpu.add_bias(&mut cx, &cb).unwrap();
+    gpu.add_bias(&mut gx, &gb).unwrap();
+    cpu.add(&mut cx, &cy).unwrap();
+    gpu.add(&mut gx, &gy).unwrap();
+    cpu.read(&cx, &mut a).unwrap();
+    gpu.read(&gx, &mut b).unwrap();
+    assert_eq!(a, b, "bias + residual");
+    let (mut cs, mut gs) = (cpu.new_activations(), gpu.new_activations());
+    cpu.select_rows(&cx, &[4, 1], &mut cs).unwrap();
+    gpu.select_rows(&gx, &[4, 1], &mut gs).unwrap();
+    cpu.read(&cs, &mut a).unwrap();
+    gpu.read(&gs, &mut b).unwrap();
+    assert_eq!(a, b, "select_rows");
+    let idx = gpu.argmax(&gx).unwrap();
+    cpu.read(&cx, &mut a).unwrap();
+    for (row, &i) in idx.iter().enumerate() {
+        let rowv = &a[row * width..(row + 1) * width];
+        let best = rowv.iter().enumerate().fold(0, |bi, (j, v)| if *v > rowv[bi] { j } else { bi });
+        assert_eq!(i as usize, best, "argmax row {row}");
+    }
+}
+
+#[test]
+fn attention_prefill_then_decode_matches_cpu() {
+    let Some(gpu) = cuda("attention_prefill_then_decode_matches_cpu") else { return };
+    let cpu = CpuBackend::new(1).unwrap();
+    let mut r = rng(3);
+    for (mode, with_norm, n_head, n_head_kv, hd) in
+        [(RopeMode::Normal, false, 9, 3, 64), (RopeMode::Neox, true, 14, 2, 64), (RopeMode::Neox, false, 4, 4, 128)]
+    {
+        let p = AttentionParams { n_head, n_head_kv, head_dim: hd, rope_mode: mode, rope_freq_base: 10000.0, norm_eps: 1e-6 };
+        let spec = KvSpec { n_layer: 2, n_head_kv, head_dim: hd, n_ctx: 40, n_seq: 2, dtype: KvDtype::F32 };
+        let (mut cc, mut gc) = (cpu.new_kv_cache(spec).unwrap(), gpu.new_kv_cache(spec).unwrap());
+        let nq: Vec<f32> = randn(&mut r, hd);
+        let nk: Vec<f32> = randn(&mut r, hd);
+        let (cqn, ckn) = (cpu.upload_vector(&nq).unwrap(), cpu.upload_vector(&nk).unwrap());
+        let (gqn, gkn) = (gpu.upload_vector(&nq).unwrap(), gpu.upload_vector(&nk).unwrap());
+        // A prefill of 7 rows of sequence 1, then two decode steps of one row.
+        let steps: Vec<Vec<TokenSlot>> = vec![
+            (0..7).map(|pos| TokenSlot { seq: 1, pos }).collect(),
+            vec![TokenSlot { seq: 1, pos: 7 }],
+            vec![TokenSlot { seq: 1, pos: 8 }],
+        ];
+        for slots in &steps {
+            let n = slots.len();
+            let q = randn(&mut r, n * n_head * hd);
+            let k = randn(&mut r, n * n_head_kv * hd);
+            let v = randn(&mut r, n * n_head_kv * hd);
+            let mut cq = CpuActivations::from_vec(n, n_head * hd, q.clone()).unwrap();
+            let mut ck = CpuActivations::from_vec(n, n_head_kv * hd, k.clone()).unwrap();
+            let cv = CpuActivations::from_vec(n, n_head_kv * hd, v.clone()).unwrap();
+            let mut gq = gpu.upload_activations(n, n_head * hd, &q).unwrap();
+            let mut gk = gpu.upload_activations(n, n_head_kv * hd, &k).unwrap();
+            let gv = gpu.upload_activations(n, n_head_kv * hd, &v).unwrap();
+            let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
+            let cn = with_norm.then(|| QkNorm { q: &cqn, k: &ckn });
+            let gn = with_norm.then(|| QkNorm { q: &gqn, k: &gkn });
+            cpu.attention(1, &p, &mut cq, &mut ck, &cv, cn, slots, &mut cc, &mut co).unwrap();
+            gpu.attention(1, &p, &mut gq, &mut gk, &gv, gn, slots, &mut gc, &mut go).unwrap();
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            cpu.read(&co, &mut a).unwrap();
+            gpu.read(&go, &mut b).unwrap();
+            let e = rel_err(&b, &a);
+            assert!(e < 1e-5, "{mode:?} norm={with_norm} heads {n_head}/{n_head_kv} rows {n}: attention rel err {e}");
+            cpu.read(&cq, &mut a).unwrap();
+            gpu.read(&gq, &mut b).unwrap();
+            assert!(rel_err(&b, &a) < 1e-5, "rotated q differs");
+        }
+    }
+}
+
+#[test]
+fn ffn_matches_cpu_f32_activations() {
+    let Some(gpu) = cuda("ffn_matches_cpu_f32_activations") else { return };
+    let cpu = CpuBackend::new_f32_activations(1).unwrap();
+    let mut r = rng(4);
+    let (d, ff, n) = (512usize, 1536usize, 2usize);
+    for (tg, td) in [(GgmlType::Q4_K, GgmlType::Q6_K), (GgmlType::Q4_1, GgmlType::Q8_0), (GgmlType::Q2_K, GgmlType::Q5_0)] {
+        let gate = host_matrix(tg, ff, d, &randn(&mut r, ff * d));
+        let up = host_matrix(tg, ff, d, &randn(&mut r, ff * d));
+        let down = host_matrix(td, d, ff, &randn(&mut r, d * ff));
+        let x = randn(&mut r, n * d);
+        let cf = cpu.upload_ffn(0, &gate, &up, &down).unwrap();
+        let gf = gpu.upload_ffn(0, &gate, &up, &down).unwrap();
+        let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
+        cpu.ffn(&cf, &CpuActivations::from_vec(n, d, x.clone()).unwrap(), &mut co).unwrap();
+        gpu.ffn(&gf, &gpu.upload_activations(n, d, &x).unwrap(), &mut go).unwrap();
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        cpu.read(&co, &mut a).unwrap();
+        gpu.read(&go, &mut b).unwrap();
+        let e = rel_err(&b, &a);
+        assert!(e < 1e-4, "{tg}/{td}: ffn rel err {e}");
+    }
+}
+
+fn models_dir() -> std::path::PathBuf {
+    std::env::var_os("MIRAGE_MODELS_DIR")
+        .map(Into::into)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"))
+}
+
+/// Final logits of the real SmolLM2 on the GPU against the CPU reference in
+/// its f32-activation mode (the same arithmetic: dequantized weights times
+/// f32 activations) and in its default q8-activation mode.
+#[test]
+fn smollm2_logits_match_cpu() {
+    let Some(gpu) = cuda("smollm2_logits_match_cpu") else { return };
+    let path = models_dir().join("smollm2-135m-instruct-q4_1.gguf");
+    if !path.exists() {
+        if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+            eprintln!("smollm2_logits_match_cpu: skipped, {} missing (MIRAGE_SKIP_MODEL_TESTS=1)", path.display());
+            return;
+        }
+        panic!("{} is missing: run `cargo xtask fetch-models`", path.display());
+    }
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let tokens: Vec<u32> = vec![1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 3458, 5248];
+    let g = Model::load(file.clone(), gpu).unwrap().logits_all(&tokens, KvDtype::F32).unwrap();
+    let vocab = g.len() / tokens.len();
+    for (label, cpu) in [("f32-act", CpuBackend::new_f32_activations(0).unwrap()), ("q8-act", CpuBackend::new(0).unwrap())] {
+        let c = Model::load(file.clone(), cpu).unwrap().logits_all(&tokens, KvDtype::F32).unwrap();
+        let mut worst = 1.0f64;
+        for t in 0..tokens.len() {
+            worst = worst.min(cosine(&g[t * vocab..(t + 1) * vocab], &c[t * vocab..(t + 1) * vocab]));
+        }
+        let last = cosine(&g[g.len() - vocab..], &c[c.len() - vocab..]);
+        eprintln!("smollm2 cuda vs cpu {label}: final-logit cosine {last:.7}, worst position {worst:.7}");
+        if label == "f32-act" {
+            assert!(worst >= 0.9999, "cosine {worst} < 0.9999");
+        } else {
+            assert!(last >= 0.999, "cosine vs q8 CPU {last} < 0.999");
+        }
+    }
+}
