@@ -1,0 +1,327 @@
+//! The scheduler thread: owns the engine and a [`Batcher`], admits queued
+//! jobs between decode steps (continuous batching), streams text back to
+//! each job's channel and frees the sequence of a job whose receiver is
+//! gone (client disconnected).
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mirage_runtime::batch::{Batcher, SeqEvent};
+use mirage_runtime::{Engine, EngineOptions, GenerateParams, StopReason};
+use tokio::sync::mpsc;
+
+use crate::api::Prompt;
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+
+/// What the scheduler tells a job's handler.
+#[derive(Debug)]
+pub enum JobEvent {
+    /// The job holds a sequence slot; its prompt has this many tokens.
+    Started {
+        /// Prompt tokens.
+        prompt_tokens: usize,
+    },
+    /// Generated text.
+    Text(String),
+    /// Generation ended.
+    Done {
+        /// Why.
+        reason: StopReason,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Generated tokens.
+        completion_tokens: usize,
+    },
+    /// The job could not run (before `Started`) or the engine failed.
+    Failed(ApiError),
+}
+
+/// One request for the scheduler.
+#[derive(Debug)]
+pub struct Job {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Settings; `max_tokens` 0 means "the room the prompt leaves".
+    pub params: GenerateParams,
+    /// Where events go; dropped by the handler when the client leaves.
+    pub events: mpsc::UnboundedSender<JobEvent>,
+    /// When the request arrived.
+    pub arrived: Instant,
+}
+
+/// Facts about the loaded model, for /v1/models and request checks.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// The model id clients see (file stem).
+    pub id: String,
+    /// Positions per sequence.
+    pub n_ctx: usize,
+    /// Backend name.
+    pub backend: String,
+    /// Whether chat requests can be rendered.
+    pub has_chat_template: bool,
+    /// Unix seconds when it was loaded.
+    pub created: u64,
+}
+
+/// How to start the scheduler.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// The GGUF file.
+    pub model: PathBuf,
+    /// Engine options (threads, context, prompt chunk).
+    pub engine: EngineOptions,
+    /// Concurrent sequences.
+    pub max_batch: usize,
+}
+
+/// Handle of the running scheduler thread.
+pub struct Scheduler {
+    /// Model facts.
+    pub info: ModelInfo,
+    /// Set to cancel everything in flight (second stage of shutdown).
+    pub cancel_all: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Scheduler {
+    /// Loads the model on a new thread and starts serving `jobs`.
+    pub fn start(cfg: SchedulerConfig, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>) -> anyhow::Result<Scheduler> {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<ModelInfo, String>>();
+        let cancel_all = Arc::new(AtomicBool::new(false));
+        let cancel = cancel_all.clone();
+        let thread = std::thread::Builder::new().name("mirage-scheduler".into()).spawn(move || {
+            let engine = match Engine::load(&cfg.model, cfg.engine.clone()) {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(format!("loading {}: {e}", cfg.model.display())));
+                    return;
+                }
+            };
+            let id = cfg.model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+            let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+            let info = ModelInfo {
+                id,
+                n_ctx: engine.n_ctx(),
+                backend: engine.backend_name(),
+                has_chat_template: engine.chat_template().is_some(),
+                created,
+            };
+            let batcher = match Batcher::new(&engine, cfg.max_batch, cfg.engine.n_batch) {
+                Ok(b) => b,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(format!("KV cache for {} sequences: {e}", cfg.max_batch)));
+                    return;
+                }
+            };
+            let _ = ready_tx.send(Ok(info));
+            run(&engine, batcher, jobs, &metrics, &cancel);
+        })?;
+        match ready_rx.recv() {
+            Ok(Ok(info)) => Ok(Scheduler { info, cancel_all, thread }),
+            Ok(Err(e)) => Err(anyhow::anyhow!(e)),
+            Err(_) => Err(anyhow::anyhow!("the scheduler thread died while loading the model")),
+        }
+    }
+
+    /// Waits for the thread to end (after every job sender is dropped).
+    pub fn join(self) {
+        let _ = self.thread.join();
+    }
+}
+
+struct Running {
+    events: mpsc::UnboundedSender<JobEvent>,
+    arrived: Instant,
+    first_text: bool,
+}
+
+fn tokenize(engine: &Engine, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+    let vocab = engine.model().config().vocab_size;
+    match prompt {
+        Prompt::Chat(messages) => {
+            let text = engine.render_chat(messages).map_err(|e| ApiError::invalid(format!("Chat template: {e}"), Some("messages")))?;
+            engine.encode(&text, true).map_err(|e| ApiError::invalid(format!("Tokenizer: {e}"), Some("messages")))
+        }
+        Prompt::Text(text) => engine.encode(text, true).map_err(|e| ApiError::invalid(format!("Tokenizer: {e}"), Some("prompt"))),
+        Prompt::Tokens(t) => match t.iter().find(|&&id| id as usize >= vocab) {
+            Some(bad) => Err(ApiError::invalid(format!("Token id {bad} is outside the vocabulary ({vocab})."), Some("prompt"))),
+            None => Ok(t.clone()),
+        },
+    }
+}
+
+/// Tokens per second over a sliding window of recent steps.
+struct Throughput {
+    window: VecDeque<(Instant, usize)>,
+}
+
+impl Throughput {
+    fn record(&mut self, now: Instant, tokens: usize) -> f64 {
+        self.window.push_back((now, tokens));
+        while self.window.front().is_some_and(|(t, _)| now.duration_since(*t) > Duration::from_secs(5)) {
+            self.window.pop_front();
+        }
+        let first = self.window.front().map(|(t, _)| *t).unwrap_or(now);
+        let secs = now.duration_since(first).as_secs_f64().max(1e-3);
+        let total: usize = self.window.iter().skip(1).map(|(_, n)| n).sum();
+        if self.window.len() < 2 {
+            0.0
+        } else {
+            total as f64 / secs
+        }
+    }
+}
+
+fn run(engine: &Engine, mut batcher: Batcher<'_, mirage_runtime::CpuBackend>, mut jobs: mpsc::Receiver<Job>, m: &Metrics, cancel_all: &AtomicBool) {
+    let n_ctx = engine.n_ctx();
+    let mut running: Vec<Option<Running>> = (0..batcher.capacity()).map(|_| None).collect();
+    let mut events = Vec::new();
+    let mut closed = false;
+    let mut throughput = Throughput { window: VecDeque::new() };
+    let set_active = |b: &Batcher<'_, _>| m.active_sequences.store(b.active() as i64, Ordering::Relaxed);
+    loop {
+        // Admit queued jobs into free slots; block only when idle.
+        while !closed && batcher.free_slots() > 0 {
+            let job = if batcher.active() == 0 {
+                match jobs.blocking_recv() {
+                    Some(j) => j,
+                    None => {
+                        closed = true;
+                        break;
+                    }
+                }
+            } else {
+                match jobs.try_recv() {
+                    Ok(j) => j,
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        closed = true;
+                        break;
+                    }
+                }
+            };
+            m.queue_depth.fetch_sub(1, Ordering::Relaxed);
+            if job.events.is_closed() {
+                // The client left while queued.
+                m.cancelled.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            if cancel_all.load(Ordering::Relaxed) {
+                let _ = job.events.send(JobEvent::Failed(ApiError::shutting_down()));
+                continue;
+            }
+            let prompt = match tokenize(engine, &job.prompt) {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = job.events.send(JobEvent::Failed(e));
+                    continue;
+                }
+            };
+            let mut params = job.params;
+            let room = n_ctx.saturating_sub(prompt.len());
+            if params.max_tokens == 0 {
+                params.max_tokens = room;
+            }
+            if prompt.len() + params.max_tokens > n_ctx || room == 0 {
+                let e = ApiError::invalid(
+                    format!(
+                        "This model's maximum context length is {n_ctx} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion).",
+                        prompt.len() + params.max_tokens,
+                        prompt.len(),
+                        params.max_tokens
+                    ),
+                    Some(if matches!(job.prompt, Prompt::Chat(_)) { "messages" } else { "prompt" }),
+                )
+                .with_code("context_length_exceeded");
+                let _ = job.events.send(JobEvent::Failed(e));
+                continue;
+            }
+            let prompt_tokens = prompt.len();
+            match batcher.add(prompt, &params) {
+                Ok(slot) => {
+                    m.queue_wait.observe(job.arrived.elapsed().as_secs_f64());
+                    m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+                    let _ = job.events.send(JobEvent::Started { prompt_tokens });
+                    running[slot] = Some(Running { events: job.events, arrived: job.arrived, first_text: false });
+                }
+                Err(e) => {
+                    let _ = job.events.send(JobEvent::Failed(ApiError::invalid(e.to_string(), None)));
+                }
+            }
+        }
+        set_active(&batcher);
+        if batcher.active() == 0 {
+            if closed {
+                break;
+            }
+            continue;
+        }
+        // Free the slots of clients that went away before spending a step on them.
+        let stop_everything = cancel_all.load(Ordering::Relaxed);
+        for (slot, r) in running.iter_mut().enumerate() {
+            let gone = r.as_ref().is_some_and(|r| r.events.is_closed());
+            if gone || (stop_everything && r.is_some()) {
+                if let Some(r) = r.take() {
+                    if !gone {
+                        let _ = r.events.send(JobEvent::Failed(ApiError::shutting_down()));
+                    }
+                }
+                batcher.cancel(slot);
+                m.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        set_active(&batcher);
+        if batcher.active() == 0 {
+            continue;
+        }
+        events.clear();
+        let stats = match batcher.step(&mut events) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!("forward pass failed: {e}");
+                for (slot, r) in running.iter_mut().enumerate() {
+                    if let Some(r) = r.take() {
+                        let _ = r.events.send(JobEvent::Failed(ApiError::internal(format!("engine: {e}"))));
+                        batcher.cancel(slot);
+                    }
+                }
+                set_active(&batcher);
+                continue;
+            }
+        };
+        m.steps.fetch_add(1, Ordering::Relaxed);
+        m.step_latency.observe(stats.secs);
+        let tps = throughput.record(Instant::now(), stats.sampled);
+        m.tokens_per_second.store(tps.to_bits(), Ordering::Relaxed);
+        for ev in events.drain(..) {
+            match ev {
+                SeqEvent::Text { slot, text } => {
+                    let Some(r) = running[slot].as_mut() else { continue };
+                    if !r.first_text {
+                        r.first_text = true;
+                        m.time_to_first_token.observe(r.arrived.elapsed().as_secs_f64());
+                    }
+                    if r.events.send(JobEvent::Text(text)).is_err() {
+                        running[slot] = None;
+                        batcher.cancel(slot);
+                        m.cancelled.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                SeqEvent::Finished { slot, reason, prompt_tokens, completion_tokens } => {
+                    m.completion_tokens.fetch_add(completion_tokens as u64, Ordering::Relaxed);
+                    if let Some(r) = running[slot].take() {
+                        m.request_latency.observe(r.arrived.elapsed().as_secs_f64());
+                        let _ = r.events.send(JobEvent::Done { reason, prompt_tokens, completion_tokens });
+                    }
+                }
+            }
+        }
+        set_active(&batcher);
+    }
+    m.active_sequences.store(0, Ordering::Relaxed);
+}

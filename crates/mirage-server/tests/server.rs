@@ -1,0 +1,417 @@
+//! End-to-end tests: the `mirage-server` binary on an ephemeral loopback
+//! port with the real SmolLM2 model, driven by a small HTTP/1.1 client, by
+//! the non-batched `Session` API as the reference for greedy text, and by
+//! the `openai` Python package.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use mirage_runtime::{Engine, EngineOptions, GenerateParams};
+use mirage_tokenizer::ChatMessage;
+use serde_json::{json, Value};
+
+fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The SmolLM2 model, or None (with the reason printed) when model tests
+/// are skipped on purpose.
+fn model() -> Option<PathBuf> {
+    let p = workspace().join("models/smollm2-135m-instruct-q4_1.gguf");
+    if p.exists() {
+        return Some(p);
+    }
+    if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!("skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1", p.display());
+        return None;
+    }
+    panic!("{} is missing: run `cargo xtask fetch-models`", p.display());
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(model: &std::path::Path, extra: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_mirage-server"))
+            .arg("--model")
+            .arg(model)
+            .args(["--port", "0", "--ctx", "1024", "--threads", "2"])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn mirage-server");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let line = lines.next().expect("server printed nothing").unwrap();
+        let addr = line.rsplit("http://").next().unwrap().trim().to_string();
+        assert!(line.contains("listening on"), "{line}");
+        Server { child, addr }
+    }
+
+    fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Response {
+        let mut s = TcpStream::connect(&self.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+        s.write_all(request_head(&self.addr, method, path, headers, body.len()).as_bytes()).unwrap();
+        // A server may answer (413) before the whole body is sent.
+        let _ = s.write_all(body);
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).unwrap();
+        Response::parse(&raw)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Response {
+        self.request("POST", path, &[("Content-Type", "application/json")], body.to_string().as_bytes())
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let text = self.request("GET", "/metrics", &[], b"").body;
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).map(|v| v.trim().parse::<f64>().unwrap()))
+            .unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
+    }
+
+    /// Polls a metric until `ok` holds, for up to `secs`.
+    fn wait_metric(&self, name: &str, secs: u64, ok: impl Fn(f64) -> bool) -> f64 {
+        let t0 = Instant::now();
+        loop {
+            let v = self.metric(name);
+            if ok(v) || t0.elapsed() > Duration::from_secs(secs) {
+                return v;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "server did not stop after SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn request_head(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], len: usize) -> String {
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {len}\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    head
+}
+
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Response {
+    fn parse(raw: &[u8]) -> Response {
+        let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("no header end");
+        let head = std::str::from_utf8(&raw[..split]).unwrap();
+        let mut lines = head.split("\r\n");
+        let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        let mut body = raw[split + 4..].to_vec();
+        if headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked")) {
+            body = dechunk(&body);
+        }
+        Response { status, headers, body: String::from_utf8(body).unwrap() }
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+
+    /// The `data:` payloads of an event stream.
+    fn events(&self) -> Vec<String> {
+        self.body.lines().filter_map(|l| l.strip_prefix("data:")).map(|d| d.trim().to_string()).collect()
+    }
+
+    fn error(&self) -> Value {
+        let j = self.json();
+        let e = &j["error"];
+        for k in ["message", "type", "param", "code"] {
+            assert!(e.get(k).is_some(), "error without `{k}`: {j}");
+        }
+        e.clone()
+    }
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = b.windows(2).position(|w| w == b"\r\n") else { break };
+        let size = usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap();
+        if size == 0 {
+            break;
+        }
+        out.extend_from_slice(&b[eol + 2..eol + 2 + size]);
+        b = &b[eol + 2 + size + 2..];
+    }
+    out
+}
+
+/// Reference greedy text from the non-batched `Session` API.
+fn session_greedy(model: &std::path::Path, prompts: &[&str], max_tokens: usize) -> Vec<String> {
+    let engine = Engine::load(model, EngineOptions { n_ctx: 1024, threads: 2, ..Default::default() }).unwrap();
+    let params = GenerateParams { max_tokens, ..Default::default() };
+    prompts
+        .iter()
+        .map(|p| {
+            let text = engine.render_chat(&[ChatMessage::new("user", *p)]).unwrap();
+            let ctx = engine.encode(&text, true).unwrap();
+            let mut s = engine.session().unwrap();
+            s.generate_from(&ctx, &params, |_| true).unwrap().text
+        })
+        .collect()
+}
+
+fn chat_body(prompt: &str, max_tokens: usize, stream: bool) -> Value {
+    json!({"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+           "temperature": 0, "stream": stream})
+}
+
+const PROMPTS: [&str; 4] =
+    ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.", "Say hello in Spanish."];
+
+#[test]
+fn api_matches_the_session_and_reports_errors() {
+    let Some(model) = model() else { return };
+    let reference = session_greedy(&model, &PROMPTS, 24);
+    let srv = Server::start(&model, &["--max-batch", "4", "--max-body", "65536"]);
+
+    // Models, health, page.
+    let models = srv.request("GET", "/v1/models", &[], b"").json();
+    assert_eq!(models["data"][0]["id"], "smollm2-135m-instruct-q4_1");
+    assert_eq!(srv.request("GET", "/health", &[], b"").json()["status"], "ok");
+    let page = srv.request("GET", "/", &[], b"");
+    assert!(page.body.contains("/v1/chat/completions") && page.header("content-type").unwrap().starts_with("text/html"));
+
+    // Non-streaming greedy chat equals the non-batched session.
+    let r = srv.post("/v1/chat/completions", &chat_body(PROMPTS[0], 24, false));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let j = r.json();
+    assert_eq!(j["object"], "chat.completion");
+    assert_eq!(j["choices"][0]["message"]["content"].as_str().unwrap(), reference[0]);
+    let usage = &j["usage"];
+    assert!(usage["prompt_tokens"].as_u64().unwrap() > 5);
+    assert!(usage["completion_tokens"].as_u64().unwrap() >= 1);
+    assert_eq!(usage["total_tokens"], usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap());
+
+    // Four concurrent requests share decode steps; each still equals its
+    // solo reference.
+    let texts: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = PROMPTS
+            .iter()
+            .map(|p| {
+                let srv = &srv;
+                s.spawn(move || srv.post("/v1/chat/completions", &chat_body(p, 24, false)).json())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()["choices"][0]["message"]["content"].as_str().unwrap().to_string()).collect()
+    });
+    assert_eq!(texts, reference);
+    assert!(srv.metric("mirage_forward_steps_total") > 0.0);
+
+    // Streaming: role first, deltas concatenate to the same text, usage on
+    // the last chunk, `[DONE]` at the end.
+    let r = srv.post("/v1/chat/completions", &chat_body(PROMPTS[1], 24, true));
+    assert_eq!(r.status, 200);
+    assert!(r.header("content-type").unwrap().starts_with("text/event-stream"));
+    let events = r.events();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(streamed, reference[1]);
+    let last = chunks.last().unwrap();
+    assert!(last["choices"][0]["finish_reason"].is_string());
+    assert!(last["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
+
+    // Completions, plain and streamed, with a stop string.
+    let body = json!({"prompt": "One, two, three, four,", "max_tokens": 12, "temperature": 0});
+    let plain = srv.post("/v1/completions", &body).json();
+    let text = plain["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(!text.is_empty());
+    assert_eq!(plain["usage"]["completion_tokens"], 12);
+    assert_eq!(plain["choices"][0]["finish_reason"], "length");
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let r = srv.post("/v1/completions", &sb);
+    let ev = r.events();
+    let streamed: String = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(streamed, text);
+    let usage_chunk: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+    assert_eq!(usage_chunk["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(usage_chunk["usage"]["completion_tokens"], 12);
+    if let Some(cut) = text.trim_start().get(..2).filter(|s| s.len() == 2) {
+        let mut stop = body.clone();
+        stop["stop"] = json!([cut]);
+        let j = srv.post("/v1/completions", &stop).json();
+        let got = j["choices"][0]["text"].as_str().unwrap();
+        assert!(!got.contains(cut) && text.starts_with(got), "{got:?} vs {text:?} stop {cut:?}");
+        assert_eq!(j["choices"][0]["finish_reason"], "stop");
+    }
+
+    // Errors: OpenAI shape with the right status.
+    let r = srv.request("POST", "/v1/chat/completions", &[("Content-Type", "application/json")], b"{\"messages\": [");
+    assert_eq!(r.status, 400);
+    assert_eq!(r.error()["code"], "invalid_json");
+    let r = srv.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}));
+    assert_eq!(r.status, 400);
+    assert_eq!(r.error()["param"], "temperature");
+    let r = srv.post("/v1/chat/completions", &json!({"messages": "hi"}));
+    assert_eq!(r.status, 400);
+    assert_eq!(r.error()["param"], "messages");
+    let r = srv.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}));
+    assert_eq!(r.status, 400);
+    assert_eq!(r.error()["code"], "context_length_exceeded");
+    // Prompt plus max_tokens over the context: found after tokenizing.
+    let r = srv.post("/v1/completions", &json!({"prompt": "word ".repeat(600), "max_tokens": 900}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.error()["code"], "context_length_exceeded");
+    let r = srv.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "x".repeat(70_000)}]}));
+    assert_eq!(r.status, 413);
+    assert_eq!(r.error()["type"], "invalid_request_error");
+    let r = srv.request("GET", "/v1/nothing", &[], b"");
+    assert_eq!(r.status, 404);
+    r.error();
+    let r = srv.request("GET", "/v1/chat/completions", &[], b"");
+    assert_eq!(r.status, 405);
+    r.error();
+
+    // A client that disconnects mid-stream frees its sequence at once.
+    let cancelled_before = srv.metric("mirage_cancelled_sequences_total");
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0.8, "stream": true}).to_string();
+    let mut s = TcpStream::connect(&srv.addr).unwrap();
+    s.write_all(request_head(&srv.addr, "POST", "/v1/completions", &[("Content-Type", "application/json")], body.len()).as_bytes())
+        .unwrap();
+    s.write_all(body.as_bytes()).unwrap();
+    let mut buf = [0u8; 4096];
+    let mut seen = String::new();
+    while seen.matches("data:").count() < 3 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "stream ended early: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    assert_eq!(srv.metric("mirage_active_sequences"), 1.0);
+    let t0 = Instant::now();
+    drop(s);
+    let active = srv.wait_metric("mirage_active_sequences", 5, |v| v == 0.0);
+    assert_eq!(active, 0.0, "the sequence of a disconnected client is still active");
+    eprintln!("disconnect freed the slot in {:?}", t0.elapsed());
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert_eq!(srv.metric("mirage_cancelled_sequences_total"), cancelled_before + 1.0);
+    assert!(srv.metric("mirage_completion_tokens_total") > 0.0);
+
+    // The `openai` Python package against the same server.
+    openai_python_client(&srv);
+
+    let status = srv.terminate();
+    assert!(status.success(), "server exited with {status}");
+}
+
+fn openai_python_client(srv: &Server) {
+    let script = workspace().join("scripts/server_openai_test.py");
+    let have = Command::new("python3").args(["-c", "import openai"]).status().map(|s| s.success()).unwrap_or(false);
+    if !have {
+        if std::env::var("MIRAGE_SKIP_PYTHON_TESTS").as_deref() == Ok("1") {
+            eprintln!("skipping the openai client test: the `openai` package is missing and MIRAGE_SKIP_PYTHON_TESTS=1");
+            return;
+        }
+        panic!("the Python package `openai` is missing: `pip install openai` (or set MIRAGE_SKIP_PYTHON_TESTS=1)");
+    }
+    let out = Command::new("python3").arg(&script).arg("--base-url").arg(format!("http://{}/v1", srv.addr)).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "openai client test failed");
+    assert!(stdout.contains("openai client: 6 passed, 0 failed"), "{stdout}");
+}
+
+#[test]
+fn api_key_queue_limit_and_graceful_shutdown() {
+    let Some(model) = model() else { return };
+    let srv = Server::start(&model, &["--api-key", "sekret", "--max-batch", "1", "--queue", "1"]);
+    let chat = chat_body("Tell me a long story about a dragon.", 300, true).to_string();
+    let auth = ("Authorization", "Bearer sekret");
+    let ct = ("Content-Type", "application/json");
+
+    let r = srv.request("GET", "/v1/models", &[], b"");
+    assert_eq!(r.status, 401);
+    assert_eq!(r.error()["code"], "invalid_api_key");
+    assert_eq!(srv.request("GET", "/v1/models", &[("Authorization", "Bearer wrong")], b"").status, 401);
+    assert_eq!(srv.request("GET", "/v1/models", &[auth], b"").status, 200);
+    // Health and metrics stay open for probes.
+    assert_eq!(srv.request("GET", "/health", &[], b"").status, 200);
+
+    // One request holds the only slot, one waits in the queue of one, the
+    // third is turned away with 429 and Retry-After.
+    let open = |body: &str| {
+        let mut s = TcpStream::connect(&srv.addr).unwrap();
+        s.write_all(request_head(&srv.addr, "POST", "/v1/chat/completions", &[auth, ct], body.len()).as_bytes()).unwrap();
+        s.write_all(body.as_bytes()).unwrap();
+        s
+    };
+    let first = open(&chat);
+    assert_eq!(srv.wait_metric("mirage_active_sequences", 10, |v| v == 1.0), 1.0);
+    let second = open(&chat);
+    assert_eq!(srv.wait_metric("mirage_queue_depth", 10, |v| v == 1.0), 1.0);
+    let r = srv.request("POST", "/v1/chat/completions", &[auth, ct], chat.as_bytes());
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.error()["type"], "rate_limit_error");
+    let retry: u64 = r.header("retry-after").expect("Retry-After").parse().unwrap();
+    assert!((1..=60).contains(&retry));
+    assert_eq!(srv.metric("mirage_rejected_requests_total"), 1.0);
+
+    // Both clients leave: the queued one is dropped, the slot is freed.
+    drop(first);
+    drop(second);
+    assert_eq!(srv.wait_metric("mirage_active_sequences", 5, |v| v == 0.0), 0.0);
+    assert_eq!(srv.wait_metric("mirage_queue_depth", 5, |v| v == 0.0), 0.0);
+
+    // SIGTERM while a request streams: it finishes, the server exits 0.
+    let body = chat_body("Count to five.", 40, false).to_string();
+    let mut s = TcpStream::connect(&srv.addr).unwrap();
+    s.write_all(request_head(&srv.addr, "POST", "/v1/chat/completions", &[auth, ct], body.len()).as_bytes()).unwrap();
+    s.write_all(body.as_bytes()).unwrap();
+    assert_eq!(srv.wait_metric("mirage_active_sequences", 10, |v| v == 1.0), 1.0);
+    let status = srv.terminate();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let r = Response::parse(&raw);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.json()["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
+    assert!(status.success(), "server exited with {status}");
+}
