@@ -35,7 +35,7 @@ async function main() {
       new MutationObserver(() => window.__growth++).observe(document.getElementById("log"),
         { subtree: true, childList: true, characterData: true });
     });
-    await page.fill("#input", "What is the capital of France?");
+    await page.fill("#input", "What is the capital of France? Answer in one word.");
     await page.press("#input", "Enter");
     await page.waitForSelector(".msg.assistant.done", { timeout: 120000 });
     const reply = await page.textContent(".msg.assistant");
