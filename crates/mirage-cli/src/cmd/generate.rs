@@ -42,8 +42,12 @@ impl ModelArgs {
     }
 }
 
-/// Fails with the fetch hint when `path` does not exist.
+/// Fetches `path` when it is a known model that is missing (the default
+/// model on a fresh machine); fails with the fetch hint when it still does
+/// not exist.
 pub fn check_model(path: &Path) -> anyhow::Result<()> {
+    super::fetch::fetch_if_known_and_missing(path)
+        .with_context(|| format!("fetching the missing model {}", path.display()))?;
     if !path.exists() {
         bail!(
             "model file {} not found: run `cargo xtask fetch-models` (or `mirage-cli fetch-models`) to download it",

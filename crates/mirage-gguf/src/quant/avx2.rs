@@ -589,3 +589,87 @@ unsafe fn dot_q8_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
     }
     sum
 }
+
+// ------------------------------------------------- multi-row (prefill) dots
+
+/// The 4-row AVX2 kernel for `ty` (one weight row against 4 activation
+/// rows), for the 32-element block types; `None` for the others. Callers
+/// check [`available`] first.
+pub(crate) fn dot_rows_fn(ty: GgmlType) -> Option<super::DotRowsFn> {
+    use GgmlType::*;
+    Some(match ty {
+        Q4_0 => dot4_q4_0_q8_0,
+        Q4_1 => dot4_q4_1_q8_1,
+        Q5_0 => dot4_q5_0_q8_0,
+        Q5_1 => dot4_q5_1_q8_1,
+        Q8_0 => dot4_q8_0_q8_0,
+        _ => return None,
+    })
+}
+
+/// Decodes each 32-element weight block once (`$decode` reads block pointer
+/// `$x` and yields its scale, its minimum and the 32 quants) and pairs it
+/// with the same block of 4 activation rows, so the weight bytes are read
+/// and unpacked once per 4 tokens instead of once per token. Per row the
+/// float operations are the single-row kernels' (one accumulator instead
+/// of two), so results agree with them to float rounding.
+macro_rules! four_rows_blocks {
+    ($n:expr, $w:expr, $a:expr, $stride:expr, $out:expr,
+     wsize = $wsz:expr, asize = $asz:expr, aqs = $aoff:expr, mins = $has_min:expr,
+     $mul:ident, |$x:ident| $decode:expr) => {{
+        let (wp, ap) = ($w.as_ptr(), $a.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut mins = [0f32; 4];
+        for i in 0..$n / 32 {
+            let $x = wp.add($wsz * i);
+            let (dw, mw, q): (f32, f32, __m256i) = $decode;
+            for j in 0..4 {
+                let y = ap.add(j * $stride + $asz * i);
+                let p = $mul(q, load256(y.add($aoff)));
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * fp16(y)), _mm256_cvtepi32_ps(p), acc[j]);
+                if $has_min {
+                    mins[j] += mw * fp16(y.add(2));
+                }
+            }
+        }
+        for j in 0..4 {
+            $out[j] = hsum_ps(acc[j]) + mins[j];
+        }
+    }};
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_q8_0_q8_0(n: usize, w: &[u8], a: &[u8], stride: usize, out: &mut [f32; 4]) {
+    four_rows_blocks!(n, w, a, stride, out, wsize = 34, asize = 34, aqs = 2, mins = false,
+        mul_sum_i8_pairs, |x| (fp16(x), 0.0, load256(x.add(2))))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_q4_0_q8_0(n: usize, w: &[u8], a: &[u8], stride: usize, out: &mut [f32; 4]) {
+    four_rows_blocks!(n, w, a, stride, out, wsize = 18, asize = 34, aqs = 2, mins = false,
+        mul_sum_i8_pairs, |x| (fp16(x), 0.0, _mm256_sub_epi8(nibbles_32(x.add(2)), _mm256_set1_epi8(8))))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_q5_0_q8_0(n: usize, w: &[u8], a: &[u8], stride: usize, out: &mut [f32; 4]) {
+    four_rows_blocks!(n, w, a, stride, out, wsize = 22, asize = 34, aqs = 2, mins = false,
+        mul_sum_i8_pairs, |x| {
+            let hi = _mm256_andnot_si256(bytes_from_bits_32(x.add(2)), _mm256_set1_epi8(0xf0u8 as i8));
+            (fp16(x), 0.0, _mm256_or_si256(nibbles_32(x.add(6)), hi))
+        })
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_q4_1_q8_1(n: usize, w: &[u8], a: &[u8], stride: usize, out: &mut [f32; 4]) {
+    four_rows_blocks!(n, w, a, stride, out, wsize = 20, asize = 36, aqs = 4, mins = true,
+        mul_sum_u8_i8_pairs, |x| (fp16(x), fp16(x.add(2)), nibbles_32(x.add(4))))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_q5_1_q8_1(n: usize, w: &[u8], a: &[u8], stride: usize, out: &mut [f32; 4]) {
+    four_rows_blocks!(n, w, a, stride, out, wsize = 24, asize = 36, aqs = 4, mins = true,
+        mul_sum_u8_i8_pairs, |x| {
+            let hi = _mm256_and_si256(bytes_from_bits_32(x.add(4)), _mm256_set1_epi8(0x10));
+            (fp16(x), fp16(x.add(2)), _mm256_or_si256(nibbles_32(x.add(8)), hi))
+        })
+}

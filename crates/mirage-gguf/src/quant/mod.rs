@@ -29,6 +29,7 @@ mod float;
 mod kquants;
 mod legacy;
 pub mod nvfp4;
+mod rows;
 mod util;
 
 #[cfg(target_arch = "x86_64")]
@@ -36,6 +37,7 @@ mod avx2;
 
 use crate::types::GgmlType;
 
+pub use rows::{dot_rows_fn, scalar_dot_rows_fn, DotRowsFn, DOT_ROWS};
 pub use nvfp4::{Nvfp4Error, Nvfp4Tensor, NVFP4_ARTIFACT_TAG, NVFP4_BLOCK_SIZE};
 
 /// Why a codec call was refused.
