@@ -69,20 +69,34 @@ fn near_tie(top1: f32, other: f32, rel: f32) -> bool {
     (top1 - other).abs() < rel * top1.abs().max(1.0)
 }
 
-/// How strict a comparison is. The default CPU path quantizes activations
-/// (Q8_0/Q8_1/Q8_K, as llama.cpp does), the reference does not: logits then
-/// differ by quantization noise and near-equal candidates may swap.
+/// How strict a comparison is.
+///
+/// Exact mode (f32 activations, weights dequantized row by row) computes
+/// what the reference computes, so it is held to the brief's gates: final
+/// logits cosine >= 0.999 and the same top-1 at every position of every
+/// prompt; a swap is accepted only where the reference's own top-1/top-2
+/// gap is below 1e-3 relative (none occurs on the fixtures).
+///
+/// The default path quantizes activations (Q8_0/Q8_1/Q8_K, as llama.cpp
+/// does) and the reference does not: logits differ by quantization noise
+/// (measured cosine 0.9982–0.99997) and candidates the reference rates
+/// within ~2% of each other may swap. Its thresholds are set to that noise.
 struct Mode {
     f32_activations: bool,
-    prompts: usize,
     min_cosine: f64,
     max_logprob_diff: f64,
-    /// Relative reference gap under which a swapped top-1 is accepted.
+    /// Relative reference gap under which a swapped top-1 (or greedy step)
+    /// is accepted.
     tie: f32,
+    /// Check greedy continuations by incremental decoding through the KV
+    /// cache (true) or by one teacher-forced pass over prompt + reference
+    /// continuation (false; identical up to the first divergence, which is
+    /// where the check stops, and far cheaper in exact mode).
+    greedy_by_decode: bool,
 }
 
-const QUANTIZED: Mode = Mode { f32_activations: false, prompts: usize::MAX, min_cosine: 0.997, max_logprob_diff: 2.0, tie: 2e-2 };
-const EXACT: Mode = Mode { f32_activations: true, prompts: 2, min_cosine: 0.99999, max_logprob_diff: 2e-3, tie: 0.0 };
+const QUANTIZED: Mode = Mode { f32_activations: false, min_cosine: 0.997, max_logprob_diff: 2.0, tie: 2e-2, greedy_by_decode: true };
+const EXACT: Mode = Mode { f32_activations: true, min_cosine: 0.999, max_logprob_diff: 1e-2, tie: 1e-3, greedy_by_decode: false };
 
 fn check_real_model(dir: &str, mode: &Mode) {
     let refdir = fixtures().join(dir);
@@ -98,7 +112,7 @@ fn check_real_model(dir: &str, mode: &Mode) {
     assert_eq!(engine.model().config().vocab_size, vocab, "lm head rows");
     let prompts = reference["prompts"].as_array().unwrap();
     assert!(prompts.len() >= 5, "need >= 5 prompts");
-    for p in prompts.iter().take(mode.prompts) {
+    for p in prompts {
         let name = p["name"].as_str().unwrap();
         let ids = u32s(&p["token_ids"]);
         // Our tokenizer must agree with HF's on the prompt (parse_special on).
@@ -130,12 +144,16 @@ fn check_real_model(dir: &str, mode: &Mode) {
         }
         let last = read_f16(&refdir.join(p["last_logits_file"].as_str().unwrap()));
         let cos = cosine(&logits[(ids.len() - 1) * vocab..], &last);
-        eprintln!("{dir}/{name}: {} positions, last-logits cosine {cos:.6}, worst top-5 log-prob diff {worst_lp:.4} at {worst_at}, near-tie flips {ties}", ids.len());
+        eprintln!("{dir}/{name}: {} positions, last-logits cosine {cos:.6}, worst top-5 log-prob diff {worst_lp:.2e} at {worst_at}, near-tie flips {ties}", ids.len());
         assert!(cos >= mode.min_cosine, "{dir}/{name}: cosine {cos}");
         assert!(worst_lp < mode.max_logprob_diff, "{dir}/{name}: log-prob diff {worst_lp}");
 
         if let Some(g) = p.get("greedy").filter(|g| !g.is_null()) {
-            check_greedy(&engine, dir, name, &ids, g, mode.tie);
+            if mode.greedy_by_decode {
+                check_greedy(&engine, dir, name, &ids, g, mode.tie);
+            } else {
+                check_greedy_teacher_forced(&engine, dir, name, &ids, g, mode.tie);
+            }
         }
     }
 }
@@ -161,6 +179,32 @@ fn check_greedy(engine: &Engine, dir: &str, name: &str, prompt: &[u32], g: &Valu
     eprintln!("{dir}/{name}: greedy {} tokens identical", want.len());
 }
 
+/// Greedy check by one forward pass over prompt + the reference's 64
+/// tokens: step `s`'s logits are row `prompt.len() - 1 + s`. Up to the first
+/// divergence this is exactly greedy decoding; the check stops there.
+fn check_greedy_teacher_forced(engine: &Engine, dir: &str, name: &str, prompt: &[u32], g: &Value, tie: f32) {
+    let want = u32s(&g["ids"]);
+    let top2: Vec<Vec<f32>> = g["top2_logits"].as_array().unwrap().iter().map(f32s).collect();
+    let mut seq = prompt.to_vec();
+    seq.extend_from_slice(&want[..want.len() - 1]);
+    let logits = engine.logits_for(&seq).unwrap();
+    let vocab = logits.len() / seq.len();
+    for (s, &w) in want.iter().enumerate() {
+        let row = prompt.len() - 1 + s;
+        let got = argmax(&logits[row * vocab..(row + 1) * vocab]);
+        if got != w {
+            assert!(
+                near_tie(top2[s][0], top2[s][1], tie),
+                "{dir}/{name}: greedy step {s} gave {got}, reference {w} (margin {:?})",
+                top2[s]
+            );
+            eprintln!("{dir}/{name}: greedy diverges at step {s} at a near-tie {:?}", top2[s]);
+            return;
+        }
+    }
+    eprintln!("{dir}/{name}: greedy {} tokens identical", want.len());
+}
+
 #[test]
 fn smollm2_matches_transformers() {
     check_real_model("smollm2", &QUANTIZED);
@@ -172,10 +216,16 @@ fn qwen2_matches_transformers() {
 }
 
 /// With f32 activations the graph must reproduce the reference to
-/// rounding: any RoPE, norm, GQA or lm-head mistake shows here.
+/// rounding: any RoPE, norm, GQA or lm-head mistake shows here. These are
+/// the brief's gates, on all 5 prompts of each model.
 #[test]
 fn smollm2_f32_activations_reproduce_transformers_exactly() {
     check_real_model("smollm2", &EXACT);
+}
+
+#[test]
+fn qwen2_f32_activations_reproduce_transformers_exactly() {
+    check_real_model("qwen2", &EXACT);
 }
 
 #[test]

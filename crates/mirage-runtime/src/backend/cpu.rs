@@ -2,19 +2,28 @@
 //!
 //! Matrix products run straight on the quantized ggml blocks: each
 //! activation row is quantized once into the weight's `vec_dot_type`, then
-//! every weight row is dotted with it by the SIMD kernel of
-//! [`mirage_gguf::quant::dot_fn`]. Weight rows are split into chunks over a
-//! rayon pool; for a batch of rows (prefill) each weight row is dotted with
-//! all activation rows while it is hot in L1, so weights are read once per
-//! batch, not once per token. Gate and up of the FFN are computed in one
-//! pass (same rows, same quantized input) with SwiGLU fused in.
+//! every weight row is dotted with it by the SIMD kernels of
+//! [`mirage_gguf::quant`]. Weight rows are split into chunks over a rayon
+//! pool. For a batch of rows (prefill) each weight row is dotted with 4
+//! activation rows per call of the multi-row kernel
+//! ([`mirage_gguf::quant::dot_rows_fn`]), which unpacks each weight block
+//! once per 4 tokens; the row stays in L1 across the groups, so weights are
+//! read from memory once per batch, not once per token. Gate and up of the
+//! FFN are computed in one pass (same rows, same quantized input) with
+//! SwiGLU fused in.
 //!
-//! Scratch buffers live in the backend and in [`CpuActivations`] and are
-//! reused between steps, so a decode step allocates (almost) nothing.
+//! Exact mode ([`CpuBackend::new_f32_activations`]) keeps activations in
+//! f32 and dequantizes each weight row once per product, then dots it with
+//! every token row in f32: what HF transformers computes on the dequantized
+//! GGUF, at prefill cost close to the quantized path's.
+//!
+//! Scratch buffers live in the backend, in per-worker thread locals and in
+//! [`CpuActivations`], and are reused between steps, so a decode step
+//! allocates (almost) nothing.
 
 use std::sync::{Mutex, MutexGuard};
 
-use mirage_gguf::quant::{self, DotFn};
+use mirage_gguf::quant::{self, DotFn, DotRowsFn, DOT_ROWS};
 use mirage_gguf::GgmlType;
 use rayon::prelude::*;
 
@@ -33,6 +42,9 @@ pub struct CpuMatrix {
     row_bytes: usize,
     act_ty: GgmlType,
     dot: DotFn,
+    dot_rows: DotRowsFn,
+    /// Exact mode: dequantize each row once per call and dot it in f32.
+    f32_activations: bool,
     data: SharedBytes,
 }
 
@@ -52,6 +64,73 @@ impl CpuMatrix {
     fn row(&self, r: usize) -> &[u8] {
         &self.data.as_slice()[r * self.row_bytes..(r + 1) * self.row_bytes]
     }
+
+    /// `out[a] = W_r · act_a` for the `out.len()` activation rows of `act`.
+    ///
+    /// Quantized activations go through the multi-row kernel [`DOT_ROWS`]
+    /// rows at a time (the weight row is unpacked once per group, and stays
+    /// in L1 across groups). In exact mode the row is dequantized once into
+    /// `deq` and dotted with every f32 activation row.
+    fn row_dots(&self, r: usize, act: &ActRows<'_>, out: &mut [f32], deq: &mut Vec<f32>) {
+        let (wr, cols) = (self.row(r), self.cols);
+        match *act {
+            ActRows::Quantized { data, row_bytes } => {
+                let mut groups = out.chunks_exact_mut(DOT_ROWS);
+                let mut a = 0;
+                for o in &mut groups {
+                    let o: &mut [f32; DOT_ROWS] = o.try_into().expect("chunks_exact_mut yields DOT_ROWS");
+                    // SAFETY: make_matrix checked that rows hold `cols`
+                    // elements of self.ty; quantize_rows wrote `cols`
+                    // elements of vec_dot_type(self.ty) per activation row,
+                    // `row_bytes` apart.
+                    unsafe { (self.dot_rows)(cols, wr, &data[a * row_bytes..], row_bytes, o) };
+                    a += DOT_ROWS;
+                }
+                for o in groups.into_remainder() {
+                    // SAFETY: as above, one row.
+                    *o = unsafe { (self.dot)(cols, wr, &data[a * row_bytes..(a + 1) * row_bytes]) };
+                    a += 1;
+                }
+            }
+            ActRows::F32(x) => {
+                deq.resize(cols, 0.0);
+                if quant::dequantize(self.ty, wr, deq).is_err() {
+                    // Unreachable: shapes were checked at upload.
+                    out.fill(f32::NAN);
+                    return;
+                }
+                let w = f32_bytes(deq);
+                for (a, o) in out.iter_mut().enumerate() {
+                    // SAFETY: both sides hold `cols` f32 values; the F32
+                    // kernel reads them unaligned.
+                    *o = unsafe { (self.dot)(cols, w, f32_bytes(&x[a * cols..(a + 1) * cols])) };
+                }
+            }
+        }
+    }
+}
+
+/// Activation rows as a matrix product consumes them.
+#[derive(Clone, Copy)]
+enum ActRows<'a> {
+    /// Rows quantized into the weight's `vec_dot_type`, `row_bytes` apart.
+    Quantized { data: &'a [u8], row_bytes: usize },
+    /// Plain f32 rows of `cols` (exact mode).
+    F32(&'a [f32]),
+}
+
+/// The bytes of an f32 slice (what the F32 dot kernel takes).
+fn f32_bytes(x: &[f32]) -> &[u8] {
+    // SAFETY: any initialised f32 is 4 initialised bytes; u8 has alignment 1.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
+}
+
+thread_local! {
+    /// Per-worker scratch of [`CpuMatrix::row_dots`] (a dequantized row) and
+    /// of the fused FFN (gate and up results of one weight row), reused so
+    /// that the parallel loops allocate nothing per task.
+    static ROW_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// One layer's FFN on the CPU.
@@ -115,6 +194,8 @@ struct Scratch {
     rope_sin: Vec<f32>,
     rope_key: (usize, u32, usize),
     act_by_type: Vec<(GgmlType, usize, Vec<u8>)>,
+    /// Staging of the FFN's down product (`hidden`/`transposed` hold its input).
+    down_staging: Vec<f32>,
 }
 
 /// The CPU backend. Holds its own rayon pool so that `--threads` is honoured
@@ -124,6 +205,8 @@ pub struct CpuBackend {
     threads: usize,
     f32_activations: bool,
     scratch: Mutex<Scratch>,
+    /// KV-page pruning of decode attention (off when `None`).
+    kv_pruning: Option<crate::kv_pages::KvPruning>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -145,13 +228,15 @@ impl CpuBackend {
             .thread_name(|i| format!("mirage-cpu-{i}"))
             .build()
             .map_err(|e| RuntimeError::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
-        Ok(CpuBackend { pool, threads, f32_activations: false, scratch: Mutex::new(Scratch::default()) })
+        Ok(CpuBackend { pool, threads, f32_activations: false, scratch: Mutex::new(Scratch::default()), kv_pruning: None })
     }
 
     /// A backend that keeps activations in f32 and dequantizes each weight
-    /// row before its dot product. Much slower; it computes what HF
-    /// transformers computes on dequantized weights, so tests can separate
-    /// graph errors from activation-quantization noise.
+    /// row once per matrix product, dotting it with every token row in f32.
+    /// It computes what HF transformers computes on the dequantized weights
+    /// (so tests can separate graph errors from activation-quantization
+    /// noise); prefill is a few times slower than the quantized path, decode
+    /// much slower (a full dequantization per token).
     pub fn new_f32_activations(threads: usize) -> Result<CpuBackend> {
         let mut b = CpuBackend::new(threads)?;
         b.f32_activations = true;
@@ -161,6 +246,14 @@ impl CpuBackend {
     /// Worker threads.
     pub fn threads(&self) -> usize {
         self.threads
+    }
+
+    /// Prunes decode attention to the KV pages `cfg` selects (see
+    /// [`crate::kv_pages`]); caches made afterwards keep page summaries.
+    pub fn with_kv_pruning(mut self, cfg: crate::kv_pages::KvPruning) -> Result<CpuBackend> {
+        cfg.validate()?;
+        self.kv_pruning = Some(cfg);
+        Ok(self)
     }
 
     fn scratch(&self) -> MutexGuard<'_, Scratch> {
@@ -193,7 +286,7 @@ impl CpuBackend {
             )));
         }
         let (act_ty, dot) = if self.f32_activations {
-            (GgmlType::F32, dequantizing_dot_fn(m.ty))
+            (GgmlType::F32, quant::dot_fn(GgmlType::F32).ok_or_else(|| unsupported("no f32 dot kernel"))?)
         } else {
             (quant::vec_dot_type(m.ty), quant::dot_fn(m.ty).ok_or_else(|| unsupported("no dot kernel"))?)
         };
@@ -206,52 +299,20 @@ impl CpuBackend {
             row_bytes,
             act_ty,
             dot,
+            dot_rows: quant::dot_rows_fn(m.ty),
+            f32_activations: self.f32_activations,
             data: m.data.clone(),
         })
     }
-}
 
-/// Dequantizes `n` weights of type `T` and dots them with f32 activations.
-///
-/// # Safety
-/// Same contract as [`DotFn`] with F32 activations.
-unsafe fn dequantizing_dot<const T: u32>(n: usize, w: &[u8], act: &[u8]) -> f32 {
-    thread_local! {
-        static ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-    let Some(ty) = GgmlType::from_id(T) else { return f32::NAN };
-    let Ok(bytes) = quant::row_bytes(ty, n) else { return f32::NAN };
-    ROW.with_borrow_mut(|row| {
-        row.resize(n, 0.0);
-        if quant::dequantize(ty, &w[..bytes], row).is_err() {
-            return f32::NAN;
+    /// The activation rows `x` (`n` rows of `cols`) as `w` consumes them,
+    /// quantized into `buf` unless `w` runs in exact mode.
+    fn encode<'a>(w: &CpuMatrix, x: &'a [f32], n: usize, buf: &'a mut Vec<u8>) -> Result<ActRows<'a>> {
+        if w.f32_activations {
+            return Ok(ActRows::F32(x));
         }
-        let mut sum = 0.0f64;
-        for (x, a) in row.iter().zip(act.chunks_exact(4)) {
-            sum += *x as f64 * f32::from_le_bytes([a[0], a[1], a[2], a[3]]) as f64;
-        }
-        sum as f32
-    })
-}
-
-fn dequantizing_dot_fn(ty: GgmlType) -> DotFn {
-    use GgmlType::*;
-    match ty {
-        F32 => dequantizing_dot::<{ F32 as u32 }>,
-        F16 => dequantizing_dot::<{ F16 as u32 }>,
-        BF16 => dequantizing_dot::<{ BF16 as u32 }>,
-        Q4_0 => dequantizing_dot::<{ Q4_0 as u32 }>,
-        Q4_1 => dequantizing_dot::<{ Q4_1 as u32 }>,
-        Q5_0 => dequantizing_dot::<{ Q5_0 as u32 }>,
-        Q5_1 => dequantizing_dot::<{ Q5_1 as u32 }>,
-        Q8_0 => dequantizing_dot::<{ Q8_0 as u32 }>,
-        Q8_1 => dequantizing_dot::<{ Q8_1 as u32 }>,
-        Q2_K => dequantizing_dot::<{ Q2_K as u32 }>,
-        Q3_K => dequantizing_dot::<{ Q3_K as u32 }>,
-        Q4_K => dequantizing_dot::<{ Q4_K as u32 }>,
-        Q5_K => dequantizing_dot::<{ Q5_K as u32 }>,
-        Q6_K => dequantizing_dot::<{ Q6_K as u32 }>,
-        Q8_K => dequantizing_dot::<{ Q8_K as u32 }>,
+        let row_bytes = quantize_rows(w.act_ty, x, n, w.cols, buf)?;
+        Ok(ActRows::Quantized { data: buf, row_bytes })
     }
 }
 
@@ -265,50 +326,47 @@ fn quantize_rows(ty: GgmlType, x: &[f32], n: usize, cols: usize, dst: &mut Vec<u
     Ok(rb)
 }
 
-/// `out[a * w.rows + r] = w_r . act_a` for `n_act` quantized activation rows.
-#[allow(clippy::too_many_arguments)]
-fn matmul_quantized(
+/// `out[a * w.rows + r] = w_r · act_a` for `n_act` activation rows.
+///
+/// Weight rows are split into chunks over the pool; each task produces its
+/// rows' dots with every activation row into `transposed` (weight-row
+/// major, so each task owns a contiguous block), scattered to `out` after.
+/// With one activation row the two layouts coincide and `out` is written
+/// directly.
+fn matmul_rows(
     pool: &rayon::ThreadPool,
     chunk: usize,
     w: &CpuMatrix,
-    act: &[u8],
-    act_row_bytes: usize,
+    act: &ActRows<'_>,
     n_act: usize,
     out: &mut [f32],
     transposed: &mut Vec<f32>,
 ) {
-    let dot = w.dot;
-    let cols = w.cols;
-    if n_act == 1 {
-        pool.install(|| {
-            out.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
-                let r0 = ci * chunk;
-                for (i, o) in o.iter_mut().enumerate() {
-                    // SAFETY: make_matrix checked that rows hold `cols`
-                    // elements of w.ty and quantize_rows wrote `cols`
-                    // elements of vec_dot_type(w.ty).
-                    *o = unsafe { dot(cols, w.row(r0 + i), act) };
+    let dst: &mut [f32] = if n_act == 1 {
+        out
+    } else {
+        transposed.resize(w.rows * n_act, 0.0);
+        transposed
+    };
+    pool.install(|| {
+        dst.par_chunks_mut(chunk * n_act).enumerate().for_each(|(ci, o)| {
+            ROW_SCRATCH.with_borrow_mut(|(deq, _, _)| {
+                for (i, o) in o.chunks_mut(n_act).enumerate() {
+                    w.row_dots(ci * chunk + i, act, o, deq);
                 }
             })
-        });
-        return;
-    }
-    transposed.resize(w.rows * n_act, 0.0);
-    pool.install(|| {
-        transposed.par_chunks_mut(chunk * n_act).enumerate().for_each(|(ci, o)| {
-            let r0 = ci * chunk;
-            for (i, o) in o.chunks_mut(n_act).enumerate() {
-                let wr = w.row(r0 + i);
-                for (a, o) in o.iter_mut().enumerate() {
-                    // SAFETY: as above, per activation row.
-                    *o = unsafe { dot(cols, wr, &act[a * act_row_bytes..(a + 1) * act_row_bytes]) };
-                }
-            }
         })
     });
-    for r in 0..w.rows {
-        for a in 0..n_act {
-            out[a * w.rows + r] = transposed[r * n_act + a];
+    if n_act > 1 {
+        transpose_into(transposed, w.rows, n_act, out);
+    }
+}
+
+/// `dst[a * rows + r] = src[r * cols + a]` (`src` is `[rows, cols]`).
+fn transpose_into(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    for (r, row) in src.chunks_exact(cols).take(rows).enumerate() {
+        for (a, &v) in row.iter().enumerate() {
+            dst[a * rows + r] = v;
         }
     }
 }
@@ -348,7 +406,11 @@ impl Backend for CpuBackend {
     }
 
     fn new_kv_cache(&self, spec: KvSpec) -> Result<KvCache> {
-        KvCache::new(spec)
+        let mut cache = KvCache::new(spec)?;
+        if let Some(cfg) = self.kv_pruning {
+            cache.enable_kv_pruning(cfg)?;
+        }
+        Ok(cache)
     }
 
     fn kv_truncate(&self, cache: &mut KvCache, seq: usize, pos: usize) {
@@ -391,9 +453,9 @@ impl Backend for CpuBackend {
         out.reshape(x.rows, w.rows);
         let mut s = self.scratch();
         let s = &mut *s;
-        let rb = quantize_rows(w.act_ty, x.data(), x.rows, w.cols, &mut s.act_q)?;
+        let act = CpuBackend::encode(w, x.data(), x.rows, &mut s.act_q)?;
         let chunk = self.chunk_rows(w.rows);
-        matmul_quantized(&self.pool, chunk, w, &s.act_q, rb, x.rows, out.data_mut(), &mut s.transposed);
+        matmul_rows(&self.pool, chunk, w, &act, x.rows, out.data_mut(), &mut s.transposed);
         Ok(())
     }
 
@@ -411,8 +473,13 @@ impl Backend for CpuBackend {
         for e in s.act_by_type.iter_mut() {
             e.1 = 0;
         }
-        let mut which = Vec::with_capacity(ws.len());
+        // Index into act_by_type per matrix; None: exact mode (f32 rows).
+        let mut which: Vec<Option<usize>> = Vec::with_capacity(ws.len());
         for w in ws {
+            if w.f32_activations {
+                which.push(None);
+                continue;
+            }
             let idx = match s.act_by_type.iter().position(|e| e.0 == w.act_ty && e.1 != 0) {
                 Some(i) => i,
                 None => {
@@ -429,43 +496,42 @@ impl Backend for CpuBackend {
                     slot
                 }
             };
-            which.push(idx);
+            which.push(Some(idx));
         }
+        let acts: Vec<ActRows<'_>> = which
+            .iter()
+            .map(|wh| match wh {
+                Some(i) => ActRows::Quantized { data: &s.act_by_type[*i].2, row_bytes: s.act_by_type[*i].1 },
+                None => ActRows::F32(x.data()),
+            })
+            .collect();
         // One parallel pass over the concatenated rows, written weight-row
         // major ([total_rows, n]) and scattered to the outputs after.
-        let offsets: Vec<usize> = ws.iter().scan(0, |o, w| {
-            let start = *o;
-            *o += w.rows;
-            Some(start)
-        }).collect();
+        let offsets: Vec<usize> = ws
+            .iter()
+            .scan(0, |o, w| {
+                let start = *o;
+                *o += w.rows;
+                Some(start)
+            })
+            .collect();
         let total: usize = ws.iter().map(|w| w.rows).sum();
         s.transposed.resize(total * n, 0.0);
         let chunk = self.chunk_rows(total);
-        let acts = &s.act_by_type;
         self.pool.install(|| {
             s.transposed.par_chunks_mut(chunk * n).enumerate().for_each(|(ci, o)| {
-                let r0 = ci * chunk;
-                for (i, o) in o.chunks_mut(n).enumerate() {
-                    let g = r0 + i;
-                    let m = offsets.partition_point(|&off| off <= g) - 1;
-                    let (w, e) = (ws[m], &acts[which[m]]);
-                    let wr = w.row(g - offsets[m]);
-                    for (a, o) in o.iter_mut().enumerate() {
-                        // SAFETY: shapes checked at upload and above; each
-                        // activation row is quantized as w's vec_dot_type.
-                        *o = unsafe { (w.dot)(w.cols, wr, &e.2[a * e.1..(a + 1) * e.1]) };
+                ROW_SCRATCH.with_borrow_mut(|(deq, _, _)| {
+                    for (i, o) in o.chunks_mut(n).enumerate() {
+                        let g = ci * chunk + i;
+                        let m = offsets.partition_point(|&off| off <= g) - 1;
+                        ws[m].row_dots(g - offsets[m], &acts[m], o, deq);
                     }
-                }
+                })
             })
         });
         for ((w, out), &off) in ws.iter().zip(outs.iter_mut()).zip(&offsets) {
             out.reshape(n, w.rows);
-            let od = out.data_mut();
-            for r in 0..w.rows {
-                for a in 0..n {
-                    od[a * w.rows + r] = s.transposed[(off + r) * n + a];
-                }
-            }
+            transpose_into(&s.transposed[off * n..(off + w.rows) * n], w.rows, n, out.data_mut());
         }
         Ok(())
     }
@@ -565,6 +631,7 @@ impl Backend for CpuBackend {
         let scale = 1.0 / (hd as f32).sqrt();
         let cache = &*cache;
         let q = &*q;
+        let decode_row = crate::attention_pruned::decode_rows(slots);
         self.pool.install(|| {
             out.data_mut().par_chunks_mut(hd).enumerate().for_each_init(
                 || vec![0.0f32; max_pos + 1],
@@ -572,7 +639,7 @@ impl Backend for CpuBackend {
                     let (row, head) = (idx / p.n_head, idx % p.n_head);
                     let slot = slots[row];
                     let qh = &q.data[row * qw + head * hd..row * qw + (head + 1) * hd];
-                    cache.attend(layer, slot.seq, head / group, slot.pos + 1, qh, scale, scores, o);
+                    cache.attend_maybe_pruned(layer, slot.seq, head / group, slot.pos + 1, qh, scale, decode_row[row], scores, o);
                 },
             )
         });
@@ -590,50 +657,45 @@ impl Backend for CpuBackend {
         let s = &mut *s;
         // Gate and up share their input; quantize it once when they share
         // the activation encoding (they do in every llama.cpp mix).
-        let rb_g = quantize_rows(f.gate.act_ty, x.data(), n, n_embd, &mut s.act_q)?;
         let mut up_q = Vec::new();
-        let (rb_u, up_act): (usize, &[u8]) = if f.up.act_ty == f.gate.act_ty {
-            (rb_g, &s.act_q)
-        } else {
-            let rb = quantize_rows(f.up.act_ty, x.data(), n, n_embd, &mut up_q)?;
-            (rb, &up_q)
+        let gate_act = CpuBackend::encode(&f.gate, x.data(), n, &mut s.act_q)?;
+        let up_act = match gate_act {
+            ActRows::Quantized { .. } if f.up.act_ty == f.gate.act_ty && !f.up.f32_activations => gate_act,
+            _ => CpuBackend::encode(&f.up, x.data(), n, &mut up_q)?,
         };
-        let gate_act: &[u8] = &s.act_q;
         // hidden is [n_ff, n] (weight-row major) so that each task owns a
         // contiguous block; transposed below when n > 1.
         s.hidden.resize(n_ff * n, 0.0);
         let chunk = self.chunk_rows(n_ff);
-        let (gd, ud) = (f.gate.dot, f.up.dot);
         self.pool.install(|| {
             s.hidden.par_chunks_mut(chunk * n).enumerate().for_each(|(ci, o)| {
-                let r0 = ci * chunk;
-                for (i, o) in o.chunks_mut(n).enumerate() {
-                    let (gr, ur) = (f.gate.row(r0 + i), f.up.row(r0 + i));
-                    for (a, o) in o.iter_mut().enumerate() {
-                        // SAFETY: shapes checked at upload; activations
-                        // quantized with each matrix's vec_dot_type.
-                        let g = unsafe { gd(n_embd, gr, &gate_act[a * rb_g..(a + 1) * rb_g]) };
-                        let u = unsafe { ud(n_embd, ur, &up_act[a * rb_u..(a + 1) * rb_u]) };
-                        *o = ops::silu(g) * u;
+                ROW_SCRATCH.with_borrow_mut(|(deq, g, u)| {
+                    g.resize(n, 0.0);
+                    u.resize(n, 0.0);
+                    for (i, o) in o.chunks_mut(n).enumerate() {
+                        let r = ci * chunk + i;
+                        f.gate.row_dots(r, &gate_act, g, deq);
+                        f.up.row_dots(r, &up_act, u, deq);
+                        for ((o, &g), &u) in o.iter_mut().zip(g.iter()).zip(u.iter()) {
+                            *o = ops::silu(g) * u;
+                        }
                     }
-                }
+                })
             })
         });
         let hidden_rows: &[f32] = if n == 1 {
             &s.hidden
         } else {
             s.transposed.resize(n_ff * n, 0.0);
-            for j in 0..n_ff {
-                for a in 0..n {
-                    s.transposed[a * n_ff + j] = s.hidden[j * n + a];
-                }
-            }
+            transpose_into(&s.hidden, n_ff, n, &mut s.transposed);
             &s.transposed
         };
-        let rb_d = quantize_rows(f.down.act_ty, hidden_rows, n, n_ff, &mut s.hidden_q)?;
         out.reshape(n, f.down.rows);
+        let down_act = CpuBackend::encode(&f.down, hidden_rows, n, &mut s.hidden_q)?;
         let chunk = self.chunk_rows(f.down.rows);
-        matmul_quantized(&self.pool, chunk, &f.down, &s.hidden_q, rb_d, n, out.data_mut(), &mut s.hidden);
+        let mut staging = std::mem::take(&mut s.down_staging);
+        matmul_rows(&self.pool, chunk, &f.down, &down_act, n, out.data_mut(), &mut staging);
+        s.down_staging = staging;
         Ok(())
     }
 
