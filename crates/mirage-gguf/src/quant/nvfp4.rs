@@ -122,9 +122,8 @@ pub fn f32_to_e2m1(x: f32) -> u8 {
     sign | magnitude
 }
 
-/// Decodes an unsigned E4M3 ("fn") byte; the sign bit is ignored and the
-/// NaN pattern (0x7f) reads as 448's neighbour is never written, so it is
-/// decoded as NaN.
+/// Decodes an unsigned E4M3 ("fn") byte (the sign bit is ignored). 0x7f,
+/// E4M3fn's NaN pattern, which the quantizer never writes, decodes as NaN.
 #[inline]
 pub fn e4m3_to_f32(code: u8) -> f32 {
     let exp = (code >> 3) & 0x0f;
@@ -144,8 +143,7 @@ pub fn e4m3_to_f32(code: u8) -> f32 {
 /// Negative input and NaN give 0.
 #[inline]
 pub fn f32_to_e4m3(x: f32) -> u8 {
-    // `!(x > 0)` also catches NaN.
-    if !(x > 0.0) {
+    if x.is_nan() || x <= 0.0 {
         return 0;
     }
     let x = x.min(E4M3_MAX);
