@@ -66,6 +66,8 @@ pub struct KvCache {
     k: Vec<Store>,
     v: Vec<Store>,
     lens: Vec<usize>,
+    /// Page summaries for pruned attention (see [`crate::kv_pages`]).
+    paged: Option<crate::kv_pages::PagedKv>,
 }
 
 impl KvCache {
@@ -82,7 +84,7 @@ impl KvCache {
         }
         let k = (0..spec.n_layer).map(|_| Store::new(spec.dtype, per_layer)).collect();
         let v = (0..spec.n_layer).map(|_| Store::new(spec.dtype, per_layer)).collect();
-        Ok(KvCache { spec, k, v, lens: vec![0; spec.n_seq] })
+        Ok(KvCache { spec, k, v, lens: vec![0; spec.n_seq], paged: None })
     }
 
     /// The shape it was built with.
@@ -105,11 +107,37 @@ impl KvCache {
         if let Some(l) = self.lens.get_mut(seq) {
             *l = (*l).min(pos);
         }
+        if let Some(mut paged) = self.paged.take() {
+            let hd = self.spec.head_dim;
+            paged.summaries.truncate(seq, pos, |layer, head, p, out| self.head_view(layer, seq, head).key(p, &mut out[..hd]));
+            self.paged = Some(paged);
+        }
     }
 
     /// Forgets every sequence.
     pub fn clear(&mut self) {
-        self.lens.fill(0);
+        for seq in 0..self.spec.n_seq {
+            self.truncate(seq, 0);
+        }
+    }
+
+    pub(crate) fn paged(&self) -> Option<&crate::kv_pages::PagedKv> {
+        self.paged.as_ref()
+    }
+
+    pub(crate) fn paged_mut(&mut self) -> &mut Option<crate::kv_pages::PagedKv> {
+        &mut self.paged
+    }
+
+    /// Keys and values of KV head `head` of `seq` in `layer` (all `n_ctx`
+    /// rows). Callers check the ranges.
+    pub fn head_view(&self, layer: usize, seq: usize, head: usize) -> crate::attention_pruned::KvHeadView<'_> {
+        let (at, len) = (self.base(seq, head, 0), self.spec.n_ctx * self.spec.head_dim);
+        match (&self.k[layer], &self.v[layer]) {
+            (Store::F32(k), Store::F32(v)) => crate::attention_pruned::KvHeadView::F32 { k: &k[at..at + len], v: &v[at..at + len] },
+            (Store::F16(k), Store::F16(v)) => crate::attention_pruned::KvHeadView::F16 { k: &k[at..at + len], v: &v[at..at + len] },
+            _ => unreachable!("k and v share one dtype"),
+        }
     }
 
     fn base(&self, seq: usize, head: usize, pos: usize) -> usize {
@@ -135,6 +163,16 @@ impl KvCache {
             let at = self.base(seq, h, pos);
             self.k[layer].write(at, &k[h * hd..(h + 1) * hd]);
             self.v[layer].write(at, &v[h * hd..(h + 1) * hd]);
+        }
+        if let Some(paged) = &mut self.paged {
+            // The box of what is stored (f16 rounding included), so the bound holds for the cached keys.
+            match &self.k[layer] {
+                Store::F32(_) => paged.summaries.record(layer, seq, pos, k),
+                Store::F16(_) => {
+                    let rounded: Vec<f32> = k.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
+                    paged.summaries.record(layer, seq, pos, &rounded)
+                }
+            }
         }
         if layer + 1 == s.n_layer {
             self.lens[seq] = self.lens[seq].max(pos + 1);

@@ -5,12 +5,14 @@
 //! Libraries never print; errors are [`RuntimeError`].
 #![deny(missing_docs)]
 
+pub mod attention_pruned;
 pub mod backend;
 pub mod batch;
 pub mod convert;
 pub mod engine;
 pub mod error;
 pub mod kv_cache;
+pub mod kv_pages;
 pub mod model;
 pub mod observe;
 pub mod ops;
@@ -22,5 +24,6 @@ pub use backend::{Backend, TokenSlot};
 pub use engine::{Engine, EngineOptions, GenerateParams, Generation, GenerationStats, Session, StopReason};
 pub use error::{Result, RuntimeError};
 pub use kv_cache::{KvCache, KvDtype};
+pub use kv_pages::KvPruning;
 pub use model::{Model, ModelConfig};
 pub use sampling::{Sampler, SamplingParams, StopStrings};

@@ -1,0 +1,102 @@
+//! Attention of one query over a subset of KV pages.
+//!
+//! The softmax runs over exactly the positions of the selected pages: the
+//! result is the attention the model would compute if the other positions
+//! did not exist. With every page selected it is full attention.
+
+use half::f16;
+
+use crate::ops;
+
+/// Keys and values of one KV head of one sequence, rows of `head_dim`
+/// elements from position 0 on.
+#[derive(Debug, Clone, Copy)]
+pub enum KvHeadView<'a> {
+    /// f32 storage.
+    F32 {
+        /// Keys, row-major.
+        k: &'a [f32],
+        /// Values, row-major.
+        v: &'a [f32],
+    },
+    /// f16 storage.
+    F16 {
+        /// Keys, row-major.
+        k: &'a [f16],
+        /// Values, row-major.
+        v: &'a [f16],
+    },
+}
+
+impl KvHeadView<'_> {
+    /// Copies the key at `pos` into `out` (`head_dim` elements).
+    pub fn key(&self, pos: usize, out: &mut [f32]) {
+        let d = out.len();
+        match self {
+            KvHeadView::F32 { k, .. } => out.copy_from_slice(&k[pos * d..(pos + 1) * d]),
+            KvHeadView::F16 { k, .. } => {
+                for (o, x) in out.iter_mut().zip(&k[pos * d..(pos + 1) * d]) {
+                    *o = x.to_f32();
+                }
+            }
+        }
+    }
+}
+
+/// `out = softmax(q·K_S^T * scale) V_S` where `S` is the positions `< n` of
+/// the pages listed in `pages` (`page` positions each; any order, no
+/// duplicates). `scores` needs as many elements as `S` has positions; `out`
+/// gets `q.len()`. Callers check the ranges.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_pages(view: &KvHeadView<'_>, page: usize, pages: &[usize], n: usize, q: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    let d = q.len();
+    let spans = || pages.iter().map(move |&p| (p * page).min(n)..((p + 1) * page).min(n));
+    let mut m = 0;
+    match view {
+        KvHeadView::F32 { k, .. } => {
+            for span in spans() {
+                for j in span {
+                    scores[m] = ops::dot_f32(q, &k[j * d..(j + 1) * d]) * scale;
+                    m += 1;
+                }
+            }
+        }
+        KvHeadView::F16 { k, .. } => {
+            for span in spans() {
+                for j in span {
+                    let row = &k[j * d..(j + 1) * d];
+                    scores[m] = q.iter().zip(row).map(|(a, b)| a * b.to_f32()).sum::<f32>() * scale;
+                    m += 1;
+                }
+            }
+        }
+    }
+    ops::softmax_in_place(&mut scores[..m]);
+    out.fill(0.0);
+    let mut m = 0;
+    for span in spans() {
+        for j in span {
+            let p = scores[m];
+            m += 1;
+            match view {
+                KvHeadView::F32 { v, .. } => ops::axpy(p, &v[j * d..(j + 1) * d], out),
+                KvHeadView::F16 { v, .. } => {
+                    for (o, x) in out.iter_mut().zip(&v[j * d..(j + 1) * d]) {
+                        *o += p * x.to_f32();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// For each row of a batch, whether it is the only row of its sequence:
+/// a decode step, the rows pruning applies to (prefill attends every page so
+/// that the cache it fills is exact).
+pub fn decode_rows(slots: &[crate::backend::TokenSlot]) -> Vec<bool> {
+    let mut counts: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+    for s in slots {
+        *counts.entry(s.seq).or_default() += 1;
+    }
+    slots.iter().map(|s| counts[&s.seq] == 1).collect()
+}

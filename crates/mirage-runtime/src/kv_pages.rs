@@ -1,0 +1,327 @@
+//! KV pages with key summaries, for attention over a subset of the cache.
+//!
+//! The cache of each layer, sequence and KV head is cut into pages of
+//! [`KvPruning::page`] positions. Each page keeps the per-dimension minimum
+//! and maximum of its keys (an axis-aligned box, AABB), updated as tokens are
+//! appended. For a query `q` the largest `q·k` any key of the page can have
+//! is bounded exactly by `Σ_d max(q_d·min_d, q_d·max_d)`, so pages whose bound
+//! is low cannot hold a large attention weight.
+//!
+//! Selection keeps the first [`KvPruning::sink_pages`] pages (attention
+//! sinks), the last [`KvPruning::recent_pages`] pages (locality) and the
+//! [`KvPruning::top_pages`] other pages with the highest bound. Attention then
+//! runs over the selected pages only ([`crate::attention_pruned`]).
+
+use crate::error::RuntimeError;
+use crate::kv_cache::{KvCache, KvSpec};
+
+/// Which KV pages decode attention reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvPruning {
+    /// Positions per page.
+    pub page: usize,
+    /// Pages at the start of the sequence that are always attended.
+    pub sink_pages: usize,
+    /// Most recent pages (the one being filled included) always attended.
+    pub recent_pages: usize,
+    /// Other pages attended: those with the highest `q·k` upper bound.
+    pub top_pages: usize,
+}
+
+impl Default for KvPruning {
+    fn default() -> Self {
+        KvPruning { page: 64, sink_pages: 1, recent_pages: 2, top_pages: 8 }
+    }
+}
+
+impl KvPruning {
+    /// Settings that select every page: pruned attention then computes full
+    /// attention (used to check the pruned path against the full one).
+    pub fn all_pages(page: usize) -> KvPruning {
+        KvPruning { page, sink_pages: 0, recent_pages: 0, top_pages: usize::MAX }
+    }
+
+    /// Rejects a zero page size.
+    pub fn validate(&self) -> Result<(), RuntimeError> {
+        if self.page == 0 {
+            return Err(RuntimeError::InvalidArgument("KV page size must be at least 1".into()));
+        }
+        Ok(())
+    }
+
+    /// Most pages attended per query head (sinks, recent and top pages).
+    pub fn max_selected(&self) -> usize {
+        self.sink_pages.saturating_add(self.recent_pages).saturating_add(self.top_pages)
+    }
+}
+
+/// Exact upper bound of `q·k` over every `k` inside the box `[min, max]`.
+#[inline]
+pub fn page_upper_bound(q: &[f32], min: &[f32], max: &[f32]) -> f32 {
+    q.iter().zip(min).zip(max).map(|((&q, &lo), &hi)| (q * lo).max(q * hi)).sum()
+}
+
+/// Per-page key boxes of a whole cache.
+#[derive(Debug, Clone)]
+pub struct PageSummaries {
+    page: usize,
+    n_seq: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+    n_pages: usize,
+    /// Minimum of each key dimension, `[layer][seq][head][page][dim]`.
+    min: Vec<f32>,
+    /// Maximum of each key dimension, same layout.
+    max: Vec<f32>,
+    /// Positions summarized per `[layer][seq]`.
+    lens: Vec<usize>,
+}
+
+impl PageSummaries {
+    /// Empty summaries for a cache of shape `spec` with `page` positions per page.
+    pub fn new(spec: &KvSpec, page: usize) -> Result<PageSummaries, RuntimeError> {
+        if page == 0 {
+            return Err(RuntimeError::InvalidArgument("KV page size must be at least 1".into()));
+        }
+        let n_pages = spec.n_ctx.div_ceil(page);
+        let n = spec
+            .n_layer
+            .checked_mul(spec.n_seq)
+            .and_then(|x| x.checked_mul(spec.n_head_kv))
+            .and_then(|x| x.checked_mul(n_pages))
+            .and_then(|x| x.checked_mul(spec.head_dim))
+            .ok_or_else(|| RuntimeError::InvalidArgument("KV page summaries size overflows".into()))?;
+        Ok(PageSummaries {
+            page,
+            n_seq: spec.n_seq,
+            n_head_kv: spec.n_head_kv,
+            head_dim: spec.head_dim,
+            n_pages,
+            min: vec![f32::INFINITY; n],
+            max: vec![f32::NEG_INFINITY; n],
+            lens: vec![0; spec.n_layer * spec.n_seq],
+        })
+    }
+
+    /// Positions per page.
+    pub fn page(&self) -> usize {
+        self.page
+    }
+
+    /// Positions summarized in `layer` of `seq`.
+    pub fn len(&self, layer: usize, seq: usize) -> usize {
+        self.lens.get(layer * self.n_seq + seq).copied().unwrap_or(0)
+    }
+
+    /// Whether nothing is summarized.
+    pub fn is_empty(&self) -> bool {
+        self.lens.iter().all(|&l| l == 0)
+    }
+
+    fn at(&self, layer: usize, seq: usize, head: usize, page: usize) -> usize {
+        (((layer * self.n_seq + seq) * self.n_head_kv + head) * self.n_pages + page) * self.head_dim
+    }
+
+    /// The key box `(min, max)` of `page` of `head` in `layer` of `seq`
+    /// (infinite, i.e. empty, for a page with no positions).
+    pub fn bounds(&self, layer: usize, seq: usize, head: usize, page: usize) -> (&[f32], &[f32]) {
+        let at = self.at(layer, seq, head, page);
+        let hd = self.head_dim;
+        (&self.min[at..at + hd], &self.max[at..at + hd])
+    }
+
+    fn reset_page(&mut self, layer: usize, seq: usize, page: usize) {
+        for head in 0..self.n_head_kv {
+            let at = self.at(layer, seq, head, page);
+            self.min[at..at + self.head_dim].fill(f32::INFINITY);
+            self.max[at..at + self.head_dim].fill(f32::NEG_INFINITY);
+        }
+    }
+
+    fn fold(&mut self, layer: usize, seq: usize, head: usize, pos: usize, key: &[f32]) {
+        let at = self.at(layer, seq, head, pos / self.page);
+        let hd = self.head_dim;
+        for ((lo, hi), &k) in self.min[at..at + hd].iter_mut().zip(&mut self.max[at..at + hd]).zip(key) {
+            *lo = lo.min(k);
+            *hi = hi.max(k);
+        }
+    }
+
+    /// Folds the keys of one token (`n_head_kv * head_dim`, heads
+    /// concatenated) written at `pos`. Pages past the summarized length are
+    /// cleared first; rewriting a position already summarized only widens its
+    /// box, which keeps the bound valid (truncate first to make it tight).
+    /// Callers check the ranges.
+    pub fn record(&mut self, layer: usize, seq: usize, pos: usize, keys: &[f32]) {
+        let li = layer * self.n_seq + seq;
+        let len = self.lens[li];
+        if pos >= len {
+            for page in len.div_ceil(self.page)..=pos / self.page {
+                self.reset_page(layer, seq, page);
+            }
+            self.lens[li] = pos + 1;
+        }
+        for head in 0..self.n_head_kv {
+            self.fold(layer, seq, head, pos, &keys[head * self.head_dim..(head + 1) * self.head_dim]);
+        }
+    }
+
+    /// Forgets positions `pos..` of `seq` and rebuilds the box of the page
+    /// cut in two from the keys that remain; `key(layer, head, position, out)`
+    /// reads one cached key.
+    pub fn truncate(&mut self, seq: usize, pos: usize, mut key: impl FnMut(usize, usize, usize, &mut [f32])) {
+        if seq >= self.n_seq {
+            return;
+        }
+        let n_layer = self.lens.len() / self.n_seq;
+        let mut row = vec![0.0f32; self.head_dim];
+        for layer in 0..n_layer {
+            let li = layer * self.n_seq + seq;
+            let len = self.lens[li].min(pos);
+            self.lens[li] = len;
+            if len % self.page == 0 {
+                continue; // no page is cut; pages past `len` are cleared on the next write
+            }
+            let first = len / self.page * self.page;
+            self.reset_page(layer, seq, len / self.page);
+            for head in 0..self.n_head_kv {
+                for p in first..len {
+                    key(layer, head, p, &mut row);
+                    self.fold(layer, seq, head, p, &row);
+                }
+            }
+        }
+    }
+
+    /// The pages of `head` in `layer` of `seq` that a query `q` over
+    /// positions `0..n` attends under `cfg`, in increasing order, written to
+    /// `out`. `bounds` is scratch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn select(
+        &self,
+        cfg: &KvPruning,
+        layer: usize,
+        seq: usize,
+        head: usize,
+        n: usize,
+        q: &[f32],
+        bounds: &mut Vec<(f32, usize)>,
+        out: &mut Vec<usize>,
+    ) {
+        out.clear();
+        let n_pages = n.div_ceil(self.page).min(self.n_pages);
+        if n_pages <= cfg.max_selected() {
+            out.extend(0..n_pages);
+            return;
+        }
+        let sinks = cfg.sink_pages.min(n_pages);
+        let recent_from = n_pages.saturating_sub(cfg.recent_pages).max(sinks);
+        bounds.clear();
+        for page in sinks..recent_from {
+            let (lo, hi) = self.bounds(layer, seq, head, page);
+            bounds.push((page_upper_bound(q, lo, hi), page));
+        }
+        let top = cfg.top_pages.min(bounds.len());
+        if top < bounds.len() {
+            // Highest bounds first; NaN (from a NaN query) sorts as lowest.
+            let by_bound_desc = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0);
+            if top > 0 {
+                bounds.select_nth_unstable_by(top - 1, by_bound_desc);
+            }
+            bounds.truncate(top);
+        }
+        out.extend(0..sinks);
+        out.extend(bounds.iter().map(|&(_, p)| p));
+        out.extend(recent_from..n_pages);
+        out.sort_unstable();
+    }
+}
+
+/// Page summaries of a cache together with the selection rule in force.
+#[derive(Debug, Clone)]
+pub struct PagedKv {
+    /// The key boxes, kept up to date on every write.
+    pub summaries: PageSummaries,
+    /// The selection used by decode attention; `None` attends every position
+    /// (summaries are still maintained, so pruning can be switched back on).
+    pub pruning: Option<KvPruning>,
+}
+
+impl KvCache {
+    /// Starts keeping page summaries and prunes decode attention with `cfg`.
+    /// Must be called on an empty cache (the summaries start empty).
+    pub fn enable_kv_pruning(&mut self, cfg: KvPruning) -> Result<(), RuntimeError> {
+        cfg.validate()?;
+        if !self.is_empty() {
+            return Err(RuntimeError::InvalidArgument("KV pruning must be enabled on an empty cache".into()));
+        }
+        let summaries = PageSummaries::new(self.spec(), cfg.page)?;
+        *self.paged_mut() = Some(PagedKv { summaries, pruning: Some(cfg) });
+        Ok(())
+    }
+
+    /// Switches the selection on (`Some`, same page size as enabled) or off
+    /// (`None`: full attention) on a cache that keeps page summaries.
+    pub fn set_kv_pruning(&mut self, cfg: Option<KvPruning>) -> Result<(), RuntimeError> {
+        let Some(paged) = self.paged_mut() else {
+            return Err(RuntimeError::InvalidArgument("this KV cache keeps no page summaries".into()));
+        };
+        if let Some(c) = &cfg {
+            c.validate()?;
+            if c.page != paged.summaries.page() {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "KV page size {} differs from the summaries' {}",
+                    c.page,
+                    paged.summaries.page()
+                )));
+            }
+        }
+        paged.pruning = cfg;
+        Ok(())
+    }
+
+    /// The selection in force, if any.
+    pub fn kv_pruning(&self) -> Option<&KvPruning> {
+        self.paged().and_then(|p| p.pruning.as_ref())
+    }
+
+    /// The page summaries, when kept.
+    pub fn page_summaries(&self) -> Option<&PageSummaries> {
+        self.paged().map(|p| &p.summaries)
+    }
+
+    /// Attention of query head `q` over positions `0..n` of KV head `head`:
+    /// over the selected pages only when `prune` is set and a selection is in
+    /// force, otherwise over every position ([`KvCache::attend`]). `scores`
+    /// needs `n` elements. Callers check the ranges.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_maybe_pruned(
+        &self,
+        layer: usize,
+        seq: usize,
+        head: usize,
+        n: usize,
+        q: &[f32],
+        scale: f32,
+        prune: bool,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let paged = match self.paged() {
+            Some(p) if prune => p,
+            _ => return self.attend(layer, seq, head, n, q, scale, scores, out),
+        };
+        let Some(cfg) = &paged.pruning else {
+            return self.attend(layer, seq, head, n, q, scale, scores, out);
+        };
+        let summaries = &paged.summaries;
+        if n.div_ceil(summaries.page()) <= cfg.max_selected() {
+            return self.attend(layer, seq, head, n, q, scale, scores, out);
+        }
+        let mut bounds = Vec::new();
+        let mut pages = Vec::new();
+        summaries.select(cfg, layer, seq, head, n, q, &mut bounds, &mut pages);
+        let view = self.head_view(layer, seq, head);
+        crate::attention_pruned::attend_pages(&view, summaries.page(), &pages, n, q, scale, scores, out);
+    }
+}
