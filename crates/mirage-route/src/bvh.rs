@@ -298,7 +298,8 @@ fn sah_split(items: &mut [Item], bounds: &Aabb) -> Option<usize> {
     let mut best: Option<(f32, usize, usize)> = None; // (cost, axis, bin boundary)
     for axis in 0..3 {
         let (lo, hi) = (cb.min[axis], cb.max[axis]);
-        if !(hi > lo) {
+        // Also skips NaN extents (the data is validated finite, this is belt and braces).
+        if hi.partial_cmp(&lo) != Some(std::cmp::Ordering::Greater) {
             continue;
         }
         let scale = BINS as f32 / (hi - lo);

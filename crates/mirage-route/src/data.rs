@@ -71,7 +71,7 @@ impl Aabb {
     /// Surface area (0 for an empty box).
     pub fn area(&self) -> f32 {
         let d = [self.max[0] - self.min[0], self.max[1] - self.min[1], self.max[2] - self.min[2]];
-        if d.iter().any(|x| !(*x >= 0.0)) {
+        if d.iter().any(|x| x.is_nan() || *x < 0.0) {
             return 0.0;
         }
         2.0 * (d[0] * d[1] + d[1] * d[2] + d[2] * d[0])
@@ -98,7 +98,7 @@ pub struct RouterData {
 impl RouterData {
     /// Router data without a projection, with one threshold for every page.
     pub fn new(slices: usize, boxes: Vec<Aabb>, threshold: u32) -> Result<Self, RouteError> {
-        let pages = if slices == 0 { 0 } else { boxes.len() / slices };
+        let pages = boxes.len().checked_div(slices).unwrap_or(0);
         let data = Self { slices, boxes, thresholds: vec![threshold; pages], d_model: 0, projection: Vec::new() };
         data.validate()?;
         Ok(data)

@@ -198,8 +198,8 @@ impl VulkanRtRouter {
             let qf = unsafe { instance.get_physical_device_queue_family_properties(pd) }
                 .iter()
                 .position(|q| q.queue_flags.contains(vk::QueueFlags::COMPUTE));
-            if REQUIRED_EXTENSIONS.iter().all(|e| has(e)) && props.api_version >= vk::API_VERSION_1_2 && qf.is_some() {
-                chosen = Some((pd, name, qf.expect("checked") as u32));
+            if let Some(qf) = qf.filter(|_| REQUIRED_EXTENSIONS.iter().all(|e| has(e)) && props.api_version >= vk::API_VERSION_1_2) {
+                chosen = Some((pd, name, qf as u32));
                 break;
             }
             seen.push(name);
@@ -492,13 +492,13 @@ impl VulkanRtRouter {
         let (slices, pages) = (self.slices, self.pages);
         let mut boxes = Vec::with_capacity(pages * slices * 6);
         let mut aabbs = Vec::with_capacity(pages * slices * 6);
-        for s in 0..slices {
+        for (s, off) in offsets.iter().enumerate() {
             for p in 0..pages {
                 let b = data.page_box(p, s);
                 boxes.extend(b.min.iter().chain(b.max.iter()).copied());
                 let mut t = *b;
-                t.min[0] += offsets[s];
-                t.max[0] += offsets[s];
+                t.min[0] += off;
+                t.max[0] += off;
                 aabbs.extend(t.min.map(|v| rt_pad(v, false)).into_iter().chain(t.max.map(|v| rt_pad(v, true))));
             }
         }
