@@ -45,6 +45,13 @@ int mirage_cutlass_sm90_bf16_gemm_host(int m, int n, int k, const uint16_t* a,
 // (operand 0 = A with m rows, 1 = B with n rows), for a GEMM m x n x k.
 int mirage_cutlass_sm120_sf_bytes(int m, int n, int k, int operand, size_t* bytes);
 
+// Reorders row-major block scales ([rows, k/16] bytes, rows = m for operand
+// 0 = A, n for operand 1 = B) into the interleaved layout, zero-filling the
+// padding; `out` must hold exactly mirage_cutlass_sm120_sf_bytes bytes.
+// Host-only: needs no GPU.
+int mirage_cutlass_sm120_reorder_scales(int m, int n, int k, int operand, const uint8_t* rowmajor,
+                                        uint8_t* out, size_t out_bytes);
+
 // D[m,n] (bf16, row-major) = alpha * A[m,k] * B[n,k]^T with A and B NVFP4:
 // packed E2M1 (two per byte, low nibble first, row-major [rows, k/2]) and
 // E4M3 block scales (one per 16 elements) already in the interleaved layout

@@ -166,6 +166,23 @@ extern "C" int mirage_cutlass_sm120_sf_bytes(int m, int n, int k, int operand, s
   return MIRAGE_CUTLASS_OK;
 }
 
+extern "C" int mirage_cutlass_sm120_reorder_scales(int m, int n, int k, int operand,
+                                                   const uint8_t* rowmajor, uint8_t* out,
+                                                   size_t out_bytes) {
+  using namespace mirage_cutlass;
+  if (int s = check_shape(m, n, k)) return s;
+  if ((operand != 0 && operand != 1) || !rowmajor || !out)
+    return fail(MIRAGE_CUTLASS_INVALID_ARGUMENT, "sm120 reorder scales: bad operand or null pointer");
+  if (out_bytes != sf_bytes(m, n, k, operand))
+    return fail(MIRAGE_CUTLASS_INVALID_ARGUMENT,
+                "sm120 reorder scales: out holds " + std::to_string(out_bytes) + " bytes, expected " +
+                    std::to_string(sf_bytes(m, n, k, operand)));
+  std::vector<uint8_t> tmp;
+  reorder_scales(m, n, k, operand, rowmajor, tmp);
+  std::memcpy(out, tmp.data(), tmp.size());
+  return MIRAGE_CUTLASS_OK;
+}
+
 extern "C" int mirage_cutlass_sm120_nvfp4_gemm(int m, int n, int k, const void* a, const void* sfa,
                                                const void* b, const void* sfb, float alpha, void* d,
                                                void* stream) {

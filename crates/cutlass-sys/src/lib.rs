@@ -211,6 +211,33 @@ pub fn sm120_scale_bytes(m: usize, n: usize, k: usize, operand: Operand) -> Resu
     imp::sm120_sf_bytes(m, n, k, operand as i32)
 }
 
+/// Reorders row-major E4M3 block scales (`[rows, k/16]`, the layout of
+/// `mirage_gguf`'s NVFP4 codec; rows = `m` for A, `n` for B) into the
+/// interleaved layout [`sm120_nvfp4_gemm`] reads, with CUTLASS's own layout
+/// function. Host-only (no GPU needed); padding is zero.
+pub fn sm120_reorder_scales(
+    m: usize,
+    n: usize,
+    k: usize,
+    operand: Operand,
+    rowmajor: &[u8],
+) -> Result<Vec<u8>, Error> {
+    if k % 128 != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "k={k} is not a multiple of 128"
+        )));
+    }
+    let rows = match operand {
+        Operand::A => m,
+        Operand::B => n,
+    };
+    check_len("block scales (e4m3 bytes)", rows * k / 16, rowmajor.len())?;
+    let (mi, ni, ki) = check_dims(m, n, k)?;
+    let mut out = vec![0u8; imp::sm120_sf_bytes(mi, ni, ki, operand as i32)?];
+    imp::sm120_reorder_scales(mi, ni, ki, operand as i32, rowmajor, &mut out)?;
+    Ok(out)
+}
+
 /// `D[m,n] = alpha · A[m,k] · B[n,k]ᵀ` with NVFP4 A and B on device memory:
 /// packed E2M1 (two per byte, low nibble first, row-major `[rows, k/2]`)
 /// with UE4M3 block scales (one per 16 elements) in CUTLASS's interleaved

@@ -62,6 +62,41 @@ fn stub_or_runtime_error_without_gpu() {
     }
 }
 
+/// CUTLASS's SM1xx scale-factor layout written out independently: 128-row
+/// x 4-block atoms of 512 bytes, K atoms contiguous within a row tile;
+/// inside an atom row r sits at (r % 32) * 16 + ((r / 32) % 4) * 4, block j
+/// at j % 4 (the shape/stride ((32,4),(16,4)) : ((16,4),(0,1)) of
+/// `Sm1xxBlkScaledConfig`, visible in the kernel's mangled name).
+fn sf_offset(r: usize, j: usize, k: usize) -> usize {
+    let k_atoms = k / 64;
+    (r % 32) * 16 + ((r / 32) % 4) * 4 + (j % 4) + (j / 4) * 512 + (r / 128) * 512 * k_atoms
+}
+
+#[test]
+fn sm120_scale_reorder_matches_the_documented_layout() {
+    let (m, n, k) = (200usize, 130usize, 384usize);
+    for (operand, rows) in [(Operand::A, m), (Operand::B, n)] {
+        let rowmajor: Vec<u8> = (0..rows * k / 16).map(|i| (i % 251) as u8 + 1).collect();
+        let got = cutlass_sys::sm120_reorder_scales(m, n, k, operand, &rowmajor);
+        if !cutlass_sys::is_built() {
+            assert!(matches!(got, Err(Error::NotBuilt { .. })), "{got:?}");
+            continue;
+        }
+        let got = got.unwrap();
+        let padded_rows = rows.div_ceil(128) * 128;
+        assert_eq!(got.len(), padded_rows * k / 16, "{operand:?}");
+        let mut want = vec![0u8; got.len()];
+        for r in 0..rows {
+            for j in 0..k / 16 {
+                want[sf_offset(r, j, k)] = rowmajor[r * (k / 16) + j];
+            }
+        }
+        assert_eq!(got, want, "{operand:?}");
+    }
+    let err = cutlass_sys::sm120_reorder_scales(128, 128, 128, Operand::A, &[0; 10]).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+}
+
 #[test]
 fn lengths_and_shapes_are_checked_before_any_call() {
     let mut d = vec![0f32; 4];

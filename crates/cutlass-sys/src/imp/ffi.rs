@@ -45,6 +45,15 @@ extern "C" {
         operand: c_int,
         bytes: *mut usize,
     ) -> c_int;
+    fn mirage_cutlass_sm120_reorder_scales(
+        m: c_int,
+        n: c_int,
+        k: c_int,
+        operand: c_int,
+        rowmajor: *const u8,
+        out: *mut u8,
+        out_bytes: usize,
+    ) -> c_int;
     fn mirage_cutlass_sm120_nvfp4_gemm(
         m: c_int,
         n: c_int,
@@ -151,6 +160,29 @@ pub(crate) fn sm120_sf_bytes(m: i32, n: i32, k: i32, operand: i32) -> Result<usi
     // SAFETY: out-pointer valid for writes.
     check(unsafe { mirage_cutlass_sm120_sf_bytes(m, n, k, operand, &mut bytes) })?;
     Ok(bytes)
+}
+
+pub(crate) fn sm120_reorder_scales(
+    m: i32,
+    n: i32,
+    k: i32,
+    operand: i32,
+    rowmajor: &[u8],
+    out: &mut [u8],
+) -> Result<(), Error> {
+    // SAFETY: rowmajor's length was checked by the caller; out's length is
+    // passed and checked on the C side.
+    check(unsafe {
+        mirage_cutlass_sm120_reorder_scales(
+            m,
+            n,
+            k,
+            operand,
+            rowmajor.as_ptr(),
+            out.as_mut_ptr(),
+            out.len(),
+        )
+    })
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -47,6 +47,17 @@ pub(crate) fn sm120_sf_bytes(_m: i32, _n: i32, _k: i32, _operand: i32) -> Result
     not_built()
 }
 
+pub(crate) fn sm120_reorder_scales(
+    _m: i32,
+    _n: i32,
+    _k: i32,
+    _operand: i32,
+    _rowmajor: &[u8],
+    _out: &mut [u8],
+) -> Result<(), Error> {
+    not_built()
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn sm120_nvfp4_gemm(
     _m: i32,
