@@ -10,8 +10,8 @@ against it:
     python3 scripts/server_e2e.py load --binary target/release/mirage-server \
         [--model models/smollm2-135m-instruct-q4_1.gguf] [--clients 64] [--seconds 30] [--json out.json]
 
-Exits non-zero when a check fails. The load test needs httpx (a dependency
-of the openai package).
+Exits non-zero when a check fails. Standard library only (the load client
+speaks HTTP/1.1 over asyncio streams).
 """
 import argparse
 import asyncio
@@ -63,15 +63,53 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-async def load(base, clients, seconds, max_tokens):
-    import httpx
+async def sse_post(host, port, path, body):
+    """POSTs JSON over a fresh HTTP/1.1 connection and yields (status,
+    headers) and then each `data:` payload of the chunked event stream."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        payload = json.dumps(body).encode()
+        writer.write((f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode() + payload)
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        yield status, headers
+        chunked = "chunked" in headers.get("transfer-encoding", "")
+        buf = b""
+        while True:
+            if chunked:
+                size = int((await reader.readline()).strip() or b"0", 16)
+                if size == 0:
+                    break
+                buf += await reader.readexactly(size)
+                await reader.readexactly(2)
+            else:
+                data = await reader.read(65536)
+                if not data:
+                    break
+                buf += data
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                for line in event.decode().splitlines():
+                    if line.startswith("data:"):
+                        yield line[5:].strip()
+    finally:
+        writer.close()
 
+
+async def load(base, clients, seconds, max_tokens, drain):
+    host, port = base.split("//")[1].rsplit(":", 1)
+    port = int(port)
     prompts = ["Tell me about the moon.", "Write a short poem about rain.", "What is 12 times 7?",
                "Explain what a CPU does.", "Name three colors.", "Describe a cat in two sentences."]
     stats = {"ok": 0, "status": {}, "tokens": 0, "latency": [], "ttft": [], "errors": []}
     deadline = time.monotonic() + seconds
 
-    async def client(i, http):
+    async def client(i):
         n = 0
         while time.monotonic() < deadline:
             body = {"messages": [{"role": "user", "content": prompts[(i + n) % len(prompts)]}], "stream": True,
@@ -79,48 +117,53 @@ async def load(base, clients, seconds, max_tokens):
             n += 1
             t0 = time.monotonic()
             first = None
+            done = False
             try:
-                async with http.stream("POST", base + "/v1/chat/completions", json=body) as r:
-                    stats["status"][r.status_code] = stats["status"].get(r.status_code, 0) + 1
-                    if r.status_code != 200:
-                        await r.aread()
-                        if r.status_code == 429:
-                            await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+                stream = sse_post(host, port, "/v1/chat/completions", body)
+                status, headers = await stream.__anext__()
+                stats["status"][status] = stats["status"].get(status, 0) + 1
+                if status != 200:
+                    await stream.aclose()
+                    if status == 429:
+                        await asyncio.sleep(float(headers.get("retry-after", "1")))
+                    continue
+                async for data in stream:
+                    if data == "[DONE]":
+                        done = True
                         continue
-                    done = False
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            done = True
-                            break
-                        j = json.loads(data)
-                        if "error" in j:
-                            stats["errors"].append(j["error"]["message"])
-                            break
-                        if j["choices"] and j["choices"][0]["delta"].get("content") and first is None:
-                            first = time.monotonic() - t0
-                        if j.get("usage") and j["choices"] and j["choices"][0].get("finish_reason"):
-                            stats["tokens"] += j["usage"]["completion_tokens"]
-                    if done:
-                        stats["ok"] += 1
-                        stats["latency"].append(time.monotonic() - t0)
-                        if first is not None:
-                            stats["ttft"].append(first)
+                    j = json.loads(data)
+                    if "error" in j:
+                        stats["errors"].append(j["error"]["message"])
+                        continue
+                    if j["choices"] and j["choices"][0]["delta"].get("content") and first is None:
+                        first = time.monotonic() - t0
+                    if j.get("usage") and j["choices"] and j["choices"][0].get("finish_reason"):
+                        stats["tokens"] += j["usage"]["completion_tokens"]
+                if done:
+                    stats["ok"] += 1
+                    stats["latency"].append(time.monotonic() - t0)
+                    if first is not None:
+                        stats["ttft"].append(first)
+                else:
+                    stats["errors"].append("stream ended without [DONE]")
             except Exception as e:  # noqa: BLE001 - counted as a failure
                 stats["errors"].append(repr(e))
 
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as http:
-        t0 = time.monotonic()
-        await asyncio.gather(*(client(i, http) for i in range(clients)))
-        wall = time.monotonic() - t0
-    return stats, wall
+    t0 = time.monotonic()
+    tasks = [asyncio.create_task(client(i)) for i in range(clients)]
+    # Requests in flight at the deadline may finish within `drain` seconds;
+    # the rest are cancelled (their connections close, which must free
+    # their sequences on the server).
+    _, pending = await asyncio.wait(tasks, timeout=seconds + drain)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    stats["cancelled_at_drain"] = len(pending)
+    return stats, time.monotonic() - t0
 
 
 def run_load(args, base):
-    stats, wall = asyncio.run(load(base, args.clients, args.seconds, args.max_tokens))
+    stats, wall = asyncio.run(load(base, args.clients, args.seconds, args.max_tokens, args.drain))
     # Every stream is closed: no sequence may stay behind.
     t0 = time.monotonic()
     m = metrics(base)
@@ -132,7 +175,7 @@ def run_load(args, base):
         "clients": args.clients, "seconds": args.seconds, "wall_s": round(wall, 1), "max_tokens": args.max_tokens,
         "server_args": args.server_args,
         "requests_ok": stats["ok"], "status_counts": {str(k): v for k, v in sorted(stats["status"].items())},
-        "stream_errors": len(stats["errors"]), "completion_tokens": stats["tokens"],
+        "stream_errors": len(stats["errors"]), "cancelled_at_drain": stats["cancelled_at_drain"], "completion_tokens": stats["tokens"],
         "throughput_tok_s": round(stats["tokens"] / wall, 1), "requests_per_s": round(stats["ok"] / wall, 2),
         "latency_p50_s": round(pct(stats["latency"], 50), 2), "latency_p99_s": round(pct(stats["latency"], 99), 2),
         "ttft_p50_s": round(pct(stats["ttft"], 50), 2), "ttft_p99_s": round(pct(stats["ttft"], 99), 2),
@@ -168,6 +211,7 @@ def main():
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--drain", type=float, default=120, help="seconds after the deadline for requests in flight")
     ap.add_argument("--screenshot", default="/tmp/mirage-chat-page.png")
     ap.add_argument("--json")
     ap.add_argument("--server-args", default="--max-batch 16 --queue 128 --ctx 1024",
