@@ -38,6 +38,8 @@ enum Command {
     Chat(cmd::chat::ChatArgs),
     /// Perplexity of a text file, as llama-perplexity computes it.
     Perplexity(cmd::perplexity::PerplexityArgs),
+    /// Prompt and decode speed on a backend, against a copy-bandwidth ceiling.
+    Bench(cmd::bench::BenchArgs),
     /// Fidelity of an artifact's sparse FFN (BVH router, predictor, oracle) on held-out text.
     Eval(cmd::eval::EvalArgs),
 }
@@ -51,6 +53,7 @@ impl Command {
             Command::Generate(args) => cmd::generate::run(args),
             Command::Chat(args) => cmd::chat::run(args),
             Command::Perplexity(args) => cmd::perplexity::run(args),
+            Command::Bench(args) => cmd::bench::run(args),
             Command::Eval(args) => cmd::eval::run(args),
         }
     }

@@ -113,8 +113,10 @@ fn matvec_and_embed_every_type_match_f64_reference() {
         gpu.embed(&dm, &tokens, &mut de).unwrap();
         gpu.read(&de, &mut got).unwrap();
         let want: Vec<f32> = tokens.iter().flat_map(|&t| w[t as usize * cols..(t as usize + 1) * cols].to_vec()).collect();
-        assert_eq!(got, want, "{ty}: embedding rows differ from the CPU dequantizer");
-        eprintln!("{ty}: matvec rel err {e:.2e}, embedding exact");
+        // Not bit-exact: the device may fuse `d * q + m` into one FMA.
+        let ee = rel_err(&got, &want);
+        assert!(ee < 1e-6, "{ty}: embedding rows differ from the CPU dequantizer: {ee}");
+        eprintln!("{ty}: matvec rel err {e:.2e}, embedding rel err {ee:.2e}");
     }
     assert!(gpu.embed(&gpu.upload_matrix(&host_matrix(GgmlType::Q8_0, 4, 32, &[0.5; 128])).unwrap(), &[4], &mut gpu.new_activations()).is_err());
 }

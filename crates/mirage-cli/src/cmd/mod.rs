@@ -2,6 +2,7 @@
 //! `pub fn run(args) -> anyhow::Result<()>`; `main.rs` only dispatches.
 //! Small helpers several commands share live here.
 
+pub mod bench;
 pub mod chat;
 pub mod eval;
 pub mod fetch;

@@ -1,0 +1,246 @@
+//! `mirage-cli bench`: prompt and decode speed of a model on a backend, with
+//! the memory-bandwidth ceiling measured in the same run.
+//!
+//! Prompt tokens are pseudo-random ids (speed does not depend on the text);
+//! decoding is greedy from the prompt's last logits. Decode speed is reported
+//! next to the weight bytes one token reads (every `blk.*` tensor, the final
+//! norm and the lm head; one embedding row is negligible) and the achieved
+//! weight-read bandwidth as a share of a device-to-device copy (CUDA) or a
+//! memcpy (CPU) measured by the same process, counting the copy's bytes read
+//! plus written.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use mirage_gguf::GgufFile;
+use mirage_runtime::backend::Backend;
+use mirage_runtime::{CpuBackend, KvDtype, Model, TokenSlot};
+
+/// Arguments of `mirage-cli bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// GGUF model file.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// `cpu` or `cuda`.
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+    /// Prompt tokens (processed as one batch).
+    #[arg(long, default_value_t = 512)]
+    pub prompt: usize,
+    /// Tokens to decode after the prompt.
+    #[arg(long, default_value_t = 128)]
+    pub gen: usize,
+    /// CPU worker threads (0: one per CPU).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What one bench run measured.
+#[derive(Debug, serde::Serialize)]
+struct BenchReport {
+    model: String,
+    backend: String,
+    device: String,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    prompt_tok_s: f64,
+    decode_tok_s: f64,
+    decode_ms_median: f64,
+    weight_bytes_per_token: u64,
+    achieved_gb_s: f64,
+    copy_gb_s: f64,
+    share_of_copy: f64,
+    peak_device_bytes: Option<usize>,
+    weights_bytes: Option<usize>,
+    kv_cache_bytes: Option<usize>,
+    workspace_bytes: Option<usize>,
+    device_used_bytes: Option<usize>,
+    first_tokens: Vec<u32>,
+}
+
+/// Runs `mirage-cli bench`.
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    super::generate::check_model(&args.model)?;
+    let file = Arc::new(GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?);
+    let weight_bytes = weight_bytes_per_token(&file);
+    let report = match args.backend.as_str() {
+        "cpu" => {
+            let backend = CpuBackend::new(args.threads)?;
+            let device = format!("cpu ({} threads)", backend.threads());
+            let copy = host_copy_bandwidth(256 << 20, 5);
+            let model = Model::load(file.clone(), backend)?;
+            let mut r = measure(&model, &args, weight_bytes, copy, device)?;
+            r.backend = "cpu".into();
+            r
+        }
+        "cuda" => {
+            let backend = mirage_cuda::CudaBackend::new(args.device).context("starting the CUDA backend")?;
+            let device = format!("{} (sm_{}{})", backend.device_name(), backend.compute_capability().0, backend.compute_capability().1);
+            let (free0, _) = backend.device_memory()?;
+            let copy = backend.copy_bandwidth(1 << 30, 10)?;
+            let model = Model::load(file.clone(), backend)?;
+            let mut r = measure(&model, &args, weight_bytes, copy, device)?;
+            let b = model.backend();
+            let m = b.memory_stats();
+            let (free1, _) = b.device_memory()?;
+            r.backend = "cuda".into();
+            r.peak_device_bytes = Some(m.peak);
+            r.weights_bytes = Some(m.weights);
+            r.kv_cache_bytes = Some(m.kv_cache);
+            r.workspace_bytes = Some(m.workspace);
+            r.device_used_bytes = Some(free0.saturating_sub(free1));
+            r
+        }
+        other => bail!("unknown backend `{other}` (cpu or cuda)"),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+fn weight_bytes_per_token(file: &GgufFile) -> u64 {
+    let has_output = file.tensor_info("output.weight").is_some();
+    file.tensors()
+        .iter()
+        .filter(|t| {
+            t.name.starts_with("blk.")
+                || t.name == "output.weight"
+                || t.name == "output_norm.weight"
+                || (!has_output && t.name == "token_embd.weight")
+        })
+        .map(|t| t.n_bytes())
+        .sum()
+}
+
+/// memcpy bandwidth (read + written bytes per second), median of `iters`.
+fn host_copy_bandwidth(bytes: usize, iters: usize) -> f64 {
+    let src: Vec<u8> = (0..bytes).map(|i| (i * 31 + 7) as u8).collect();
+    let mut dst = vec![0u8; bytes];
+    let mut times = Vec::new();
+    for _ in 0..iters + 1 {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&mut dst);
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.remove(0);
+    times.sort_by(|a, b| a.total_cmp(b));
+    2.0 * bytes as f64 / times[times.len() / 2]
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn measure<B: Backend>(
+    model: &Model<B>,
+    args: &BenchArgs,
+    weight_bytes: u64,
+    copy_bytes_s: f64,
+    device: String,
+) -> anyhow::Result<BenchReport> {
+    let vocab = model.config().vocab_size.max(2);
+    let n_prompt = args.prompt.max(1);
+    // A fixed LCG: the same prompt on every backend.
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let prompt: Vec<u32> = (0..n_prompt)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 33) % (vocab.min(32000) as u64 - 1) + 1) as u32
+        })
+        .collect();
+    let n_ctx = n_prompt + args.gen + 1;
+    let mut logits = Vec::new();
+    let mut scratch = model.new_scratch();
+    // Warm-up: a short prefill and two decode steps in a throw-away cache.
+    {
+        let mut cache = model.new_kv_cache(16, 1, KvDtype::F32)?;
+        let slots: Vec<TokenSlot> = (0..8).map(|pos| TokenSlot { seq: 0, pos }).collect();
+        model.forward(&prompt[..8.min(n_prompt)], &slots[..8.min(n_prompt)], &[0], &mut cache, &mut scratch, &mut logits)?;
+        for pos in 8..10 {
+            model.forward(&[prompt[0]], &[TokenSlot { seq: 0, pos }], &[0], &mut cache, &mut scratch, &mut logits)?;
+        }
+    }
+    let mut cache = model.new_kv_cache(n_ctx, 1, KvDtype::F32)?;
+    let slots: Vec<TokenSlot> = (0..n_prompt).map(|pos| TokenSlot { seq: 0, pos }).collect();
+    let t = Instant::now();
+    // `forward` reads the logits back, so the clock stops after the device is done.
+    model.forward(&prompt, &slots, &[n_prompt - 1], &mut cache, &mut scratch, &mut logits)?;
+    let prompt_s = t.elapsed().as_secs_f64();
+    let mut tok = argmax(&logits);
+    let mut first_tokens = vec![tok];
+    let mut step_times = Vec::with_capacity(args.gen);
+    let t_all = Instant::now();
+    for i in 0..args.gen {
+        let t = Instant::now();
+        model.forward(&[tok], &[TokenSlot { seq: 0, pos: n_prompt + i }], &[0], &mut cache, &mut scratch, &mut logits)?;
+        tok = argmax(&logits);
+        step_times.push(t.elapsed().as_secs_f64());
+        if first_tokens.len() < 16 {
+            first_tokens.push(tok);
+        }
+    }
+    let decode_s = t_all.elapsed().as_secs_f64();
+    step_times.sort_by(|a, b| a.total_cmp(b));
+    let median = step_times.get(step_times.len() / 2).copied().unwrap_or(f64::NAN);
+    let decode_tok_s = args.gen as f64 / decode_s;
+    let achieved = weight_bytes as f64 * decode_tok_s;
+    Ok(BenchReport {
+        model: args.model.display().to_string(),
+        backend: String::new(),
+        device,
+        prompt_tokens: n_prompt,
+        gen_tokens: args.gen,
+        prompt_tok_s: n_prompt as f64 / prompt_s,
+        decode_tok_s,
+        decode_ms_median: median * 1e3,
+        weight_bytes_per_token: weight_bytes,
+        achieved_gb_s: achieved / 1e9,
+        copy_gb_s: copy_bytes_s / 1e9,
+        share_of_copy: achieved / copy_bytes_s,
+        peak_device_bytes: None,
+        weights_bytes: None,
+        kv_cache_bytes: None,
+        workspace_bytes: None,
+        device_used_bytes: None,
+        first_tokens,
+    })
+}
+
+fn print_table(r: &BenchReport) {
+    let mib = |b: Option<usize>| b.map_or("-".to_string(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64));
+    println!("model            {}", r.model);
+    println!("backend          {} on {}", r.backend, r.device);
+    println!("prompt           {} tokens, {:.1} tok/s", r.prompt_tokens, r.prompt_tok_s);
+    println!("decode           {} tokens, {:.1} tok/s (median step {:.3} ms)", r.gen_tokens, r.decode_tok_s, r.decode_ms_median);
+    println!("weights / token  {:.1} MiB", r.weight_bytes_per_token as f64 / (1 << 20) as f64);
+    println!("achieved         {:.1} GB/s = {:.1}% of copy {:.1} GB/s", r.achieved_gb_s, 100.0 * r.share_of_copy, r.copy_gb_s);
+    println!(
+        "device memory    peak {} (weights {}, KV {}, workspace {}); driver-reported use {}",
+        mib(r.peak_device_bytes),
+        mib(r.weights_bytes),
+        mib(r.kv_cache_bytes),
+        mib(r.workspace_bytes),
+        mib(r.device_used_bytes)
+    );
+    println!("first tokens     {:?}", r.first_tokens);
+}
