@@ -13,6 +13,7 @@ use clap::{Parser, Subcommand};
 use mirage_fetch::progress::FetchProgress;
 use mirage_fetch::{FetchOutcome, ModelSpec, MODELS};
 
+mod bench;
 mod build_artifacts;
 mod shaders;
 
@@ -38,6 +39,8 @@ enum Task {
     Shaders(shaders::ShadersArgs),
     /// Build a page-major MIRAGE artifact (calibration, pages, router, packing) from a GGUF model.
     BuildArtifacts(build_artifacts::BuildArtifactsArgs),
+    /// Benchmark MIRAGE against llama.cpp (`bench cpu`: llama-bench on the same GGUF, same threads).
+    Bench(bench::BenchArgs),
 }
 
 /// The workspace root: xtask/ sits directly below it.
@@ -84,6 +87,7 @@ fn main() -> ExitCode {
         Task::FetchModels { only, dir } => fetch_models(only, dir),
         Task::Shaders(args) => shaders::run(&args, &workspace_root()),
         Task::BuildArtifacts(args) => build_artifacts::run(&args, &workspace_root()),
+        Task::Bench(args) => bench::run(&args, &workspace_root()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
