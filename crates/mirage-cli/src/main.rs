@@ -42,6 +42,8 @@ enum Command {
     Bench(cmd::bench::BenchArgs),
     /// Fidelity of an artifact's sparse FFN (BVH router, predictor, oracle) on held-out text.
     Eval(cmd::eval::EvalArgs),
+    /// Long-context fidelity and speed of KV-page pruning (pruned vs full attention).
+    EvalLong(cmd::eval_long::EvalLongArgs),
 }
 
 impl Command {
@@ -55,6 +57,7 @@ impl Command {
             Command::Perplexity(args) => cmd::perplexity::run(args),
             Command::Bench(args) => cmd::bench::run(args),
             Command::Eval(args) => cmd::eval::run(args),
+            Command::EvalLong(args) => cmd::eval_long::run(args),
         }
     }
 }

@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod chat;
 pub mod eval;
+pub mod eval_long;
 pub mod fetch;
 pub mod generate;
 pub mod inspect;
