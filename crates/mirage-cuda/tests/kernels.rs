@@ -199,8 +199,8 @@ fn attention_prefill_then_decode_matches_cpu() {
             let mut gk = gpu.upload_activations(n, n_head_kv * hd, &k).unwrap();
             let gv = gpu.upload_activations(n, n_head_kv * hd, &v).unwrap();
             let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
-            let cn = with_norm.then(|| QkNorm { q: &cqn, k: &ckn });
-            let gn = with_norm.then(|| QkNorm { q: &gqn, k: &gkn });
+            let cn = with_norm.then_some(QkNorm { q: &cqn, k: &ckn });
+            let gn = with_norm.then_some(QkNorm { q: &gqn, k: &gkn });
             cpu.attention(1, &p, &mut cq, &mut ck, &cv, cn, slots, &mut cc, &mut co).unwrap();
             gpu.attention(1, &p, &mut gq, &mut gk, &gv, gn, slots, &mut gc, &mut go).unwrap();
             let (mut a, mut b) = (Vec::new(), Vec::new());
