@@ -132,6 +132,10 @@ pub struct GenerateArgs {
     /// Run the FFN sparsely from this page-major artifact (BVH router at its default margin).
     #[arg(long)]
     artifact: Option<PathBuf>,
+    /// With --artifact: BVH router margin in std units (default: the artifact's; `mirage-cli eval` finds
+    /// the smallest that meets the fidelity gates).
+    #[arg(long)]
+    margin: Option<f32>,
 }
 
 /// Runs `generate`.
@@ -144,7 +148,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             let artifact = Artifact::open(path).with_context(|| format!("loading {}", path.display()))?;
             let file = std::sync::Arc::new(mirage_gguf::GgufFile::open(&args.model.model)?);
             artifact.check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))?;
-            let mode = SparseMode::Bvh { margin: artifact.meta().default_margin };
+            let mode = SparseMode::Bvh { margin: args.margin.unwrap_or(artifact.meta().default_margin) };
             let backend = SuperblockBackend::new(mirage_runtime::CpuBackend::new(args.model.threads)?, artifact, mode)?;
             let options = EngineOptions {
                 threads: args.model.threads,
