@@ -126,6 +126,10 @@ pub fn f32_to_e2m1(x: f32) -> u8 {
 /// E4M3fn's NaN pattern, which the quantizer never writes, decodes as NaN.
 #[inline]
 pub fn e4m3_to_f32(code: u8) -> f32 {
+    E4M3_LUT[code as usize]
+}
+
+const fn e4m3_decode(code: u8) -> f32 {
     let exp = (code >> 3) & 0x0f;
     let man = (code & 0x07) as f32;
     if exp == 0x0f && code & 0x07 == 0x07 {
@@ -137,6 +141,17 @@ pub fn e4m3_to_f32(code: u8) -> f32 {
         (1.0 + man / 8.0) * f32::from_bits(((exp as u32 + 127 - 7) & 0xff) << 23)
     }
 }
+
+/// All 256 E4M3 values: the dot kernels read a block scale per 16 elements.
+static E4M3_LUT: [f32; 256] = {
+    let mut lut = [0f32; 256];
+    let mut i = 0;
+    while i < 256 {
+        lut[i] = e4m3_decode(i as u8);
+        i += 1;
+    }
+    lut
+};
 
 /// Rounds a non-negative `x` to unsigned E4M3, ties to even, saturating at
 /// 448 (E4M3 "fn" has no infinity; ml_dtypes would give NaN above 464).
@@ -447,8 +462,11 @@ pub fn dot_q8_0(
     check_q8(n, block_scales, packed, act)?;
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: lengths checked above; AVX2 and FMA detected.
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            // SAFETY: lengths checked above; AVX2, FMA and F16C detected.
             return Ok(unsafe { dot_q8_0_avx2(n, tensor_scale, block_scales, packed, act) });
         }
     }
@@ -497,9 +515,9 @@ fn dot_q8_0_kernel(n: usize, tensor_scale: f32, scales: &[u8], packed: &[u8], ac
 /// ggml's sign trick for `maddubs`, per-16 integer sums scaled in f32.
 ///
 /// # Safety
-/// Lengths as checked by `check_q8`; the CPU has AVX2 and FMA.
+/// Lengths as checked by `check_q8`; the CPU has AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q8_0_avx2(
     n: usize,
     tensor_scale: f32,
@@ -524,9 +542,10 @@ unsafe fn dot_q8_0_avx2(
         let products = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w));
         // Lanes 0..3 sum elements 0..15 (first scale), lanes 4..7 the rest.
         let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
-        let d = half::f16::from_bits(u16::from_le_bytes([*q8, *q8.add(1)])).to_f32();
-        let s0 = e4m3_to_f32(*scales.get_unchecked(b * 2)) * d;
-        let s1 = e4m3_to_f32(*scales.get_unchecked(b * 2 + 1)) * d;
+        let d_bits = u16::from_le_bytes([*q8, *q8.add(1)]);
+        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits as i32)));
+        let s0 = E4M3_LUT[*scales.get_unchecked(b * 2) as usize] * d;
+        let s1 = E4M3_LUT[*scales.get_unchecked(b * 2 + 1) as usize] * d;
         let scale = _mm256_set_ps(s1, s1, s1, s1, s0, s0, s0, s0);
         acc = _mm256_fmadd_ps(isum, scale, acc);
     }
