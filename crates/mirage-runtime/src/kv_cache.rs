@@ -6,6 +6,14 @@
 
 use crate::error::RuntimeError;
 use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+thread_local! {
+    /// Per-worker f32 copies of the f16 key and value rows one attention
+    /// call reads, reused between calls.
+    static F16_WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
 
 /// Element type of the cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -192,19 +200,16 @@ impl KvCache {
                 crate::ops::attend_f32(q, &k[at..at + n * hd], &v[at..at + n * hd], n, scale, scores, out)
             }
             (Store::F16(k), Store::F16(v)) => {
-                for j in 0..n {
-                    let row = &k[at + j * hd..at + (j + 1) * hd];
-                    scores[j] = q.iter().zip(row).map(|(a, b)| a * b.to_f32()).sum::<f32>() * scale;
-                }
-                crate::ops::softmax_in_place(&mut scores[..n]);
-                out.fill(0.0);
-                for j in 0..n {
-                    let row = &v[at + j * hd..at + (j + 1) * hd];
-                    let p = scores[j];
-                    for (o, x) in out.iter_mut().zip(row) {
-                        *o += p * x.to_f32();
-                    }
-                }
+                // Widen the rows once (half's slice conversion uses F16C when
+                // the CPU has it) and run the f32 kernel: a per-element
+                // `to_f32` call in the dot loops cost more than the attention.
+                F16_WIDE.with_borrow_mut(|(kw, vw)| {
+                    kw.resize(n * hd, 0.0);
+                    vw.resize(n * hd, 0.0);
+                    k[at..at + n * hd].convert_to_f32_slice(kw);
+                    v[at..at + n * hd].convert_to_f32_slice(vw);
+                    crate::ops::attend_f32(q, kw, vw, n, scale, scores, out)
+                })
             }
             _ => unreachable!("k and v share one dtype"),
         }
