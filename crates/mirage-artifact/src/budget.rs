@@ -142,7 +142,7 @@ pub fn parse_size(s: &str) -> Result<u64> {
         "gib" => 1024.0 * 1024.0 * 1024.0,
         u => return Err(ArtifactError::InvalidArgument(format!("unknown size unit {u:?}"))),
     };
-    if !(v >= 0.0) {
+    if v.is_nan() || v < 0.0 {
         return Err(ArtifactError::InvalidArgument(format!("bad size {s:?}")));
     }
     Ok((v * mul) as u64)

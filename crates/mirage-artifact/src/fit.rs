@@ -67,7 +67,7 @@ pub fn fit_layer_router(
     // A page never useful on calibration text gets a point box at the
     // origin: it is a candidate only once the margin grows around it.
     for b in boxes.iter_mut() {
-        if !(b.min[0] <= b.max[0]) {
+        if b.min[0].is_nan() || b.min[0] > b.max[0] {
             *b = Aabb::new([0.0; 3], [0.0; 3]);
         }
     }

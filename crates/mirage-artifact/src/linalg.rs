@@ -5,7 +5,7 @@
 /// The top `k` principal directions of `x` (`n` rows of `d`), as `k` rows of
 /// `d` (unit length, orthogonal), largest variance first; and the mean.
 pub fn principal_components(x: &[f32], d: usize, k: usize, iterations: usize) -> (Vec<f32>, Vec<f32>) {
-    let n = if d == 0 { 0 } else { x.len() / d };
+    let n = x.len().checked_div(d).unwrap_or(0);
     let mut mean = vec![0f64; d];
     for r in 0..n {
         for (m, v) in mean.iter_mut().zip(&x[r * d..(r + 1) * d]) {
@@ -89,7 +89,7 @@ fn orthonormalize(q: &mut [f64], d: usize) {
 /// Ridge least squares: `W` (`outputs x f`) minimising `|F W^T - Y|^2 +
 /// lambda |W|^2`, with `F` `n x f` features and `Y` `n x outputs` targets.
 pub fn ridge_least_squares(features: &[f64], f: usize, targets: &[f64], outputs: usize, lambda: f64) -> Vec<f64> {
-    let n = if f == 0 { 0 } else { features.len() / f };
+    let n = features.len().checked_div(f).unwrap_or(0);
     let mut a = vec![0f64; f * f];
     let mut b = vec![0f64; f * outputs];
     for r in 0..n {
