@@ -198,8 +198,13 @@ fn chat_body(prompt: &str, max_tokens: usize, stream: bool) -> Value {
            "temperature": 0, "stream": stream})
 }
 
+// Prompts whose greedy continuations have clear margins: the CPU backend
+// computes a row with the multi-row dot kernel or the one-row kernel
+// depending on where the row falls in the batch, and the two differ in the
+// last bits, which can flip a near-tie (a haiku prompt did, at its first
+// token). A slot mix-up or a wrong position would change every one of these.
 const PROMPTS: [&str; 4] =
-    ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.", "Say hello in Spanish."];
+    ["What is the capital of France?", "Name the largest planet in the solar system.", "List three prime numbers.", "Say hello in Spanish."];
 
 #[test]
 fn api_matches_the_session_and_reports_errors() {
@@ -225,9 +230,13 @@ fn api_matches_the_session_and_reports_errors() {
     assert!(usage["completion_tokens"].as_u64().unwrap() >= 1);
     assert_eq!(usage["total_tokens"], usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap());
 
-    // Four concurrent requests share decode steps; each still equals its
-    // solo reference.
-    let texts: Vec<String> = std::thread::scope(|s| {
+    // Four concurrent requests share forward passes. Exact text equality
+    // with the solo reference is not a property of the CPU backend (see
+    // PROMPTS), so this checks that each answer starts as its own prompt's
+    // reference does (a slot mix-up breaks that at once) and that steps were
+    // shared; `batched_forward_matches_single_sequences` checks the numbers.
+    let steps_before = srv.metric("mirage_forward_steps_total");
+    let answers: Vec<Value> = std::thread::scope(|s| {
         let hs: Vec<_> = PROMPTS
             .iter()
             .map(|p| {
@@ -235,14 +244,23 @@ fn api_matches_the_session_and_reports_errors() {
                 s.spawn(move || srv.post("/v1/chat/completions", &chat_body(p, 24, false)).json())
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap()["choices"][0]["message"]["content"].as_str().unwrap().to_string()).collect()
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert_eq!(texts, reference);
-    assert!(srv.metric("mirage_forward_steps_total") > 0.0);
+    let steps = srv.metric("mirage_forward_steps_total") - steps_before;
+    let mut generated = 0;
+    for (a, want) in answers.iter().zip(&reference) {
+        let got = a["choices"][0]["message"]["content"].as_str().unwrap();
+        let common = got.bytes().zip(want.bytes()).take_while(|(x, y)| x == y).count();
+        assert!(common >= 5 || got == want, "batched {got:?} vs solo {want:?}");
+        generated += a["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    assert!(steps < generated as f64, "{steps} forward passes for {generated} tokens: no step was shared");
+    let identical = answers.iter().zip(&reference).filter(|(a, w)| a["choices"][0]["message"]["content"] == **w).count();
+    eprintln!("concurrent: {identical}/4 identical to the solo session, {steps} passes for {generated} tokens");
 
     // Streaming: role first, deltas concatenate to the same text, usage on
     // the last chunk, `[DONE]` at the end.
-    let r = srv.post("/v1/chat/completions", &chat_body(PROMPTS[1], 24, true));
+    let r = srv.post("/v1/chat/completions", &chat_body(PROMPTS[2], 24, true));
     assert_eq!(r.status, 200);
     assert!(r.header("content-type").unwrap().starts_with("text/event-stream"));
     let events = r.events();
@@ -250,7 +268,7 @@ fn api_matches_the_session_and_reports_errors() {
     let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
-    assert_eq!(streamed, reference[1]);
+    assert_eq!(streamed, reference[2]);
     let last = chunks.last().unwrap();
     assert!(last["choices"][0]["finish_reason"].is_string());
     assert!(last["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
@@ -358,6 +376,66 @@ fn openai_python_client(srv: &Server) {
     eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "openai client test failed");
     assert!(stdout.contains("openai client: 6 passed, 0 failed"), "{stdout}");
+}
+
+/// One forward pass over several sequences (prompts of different lengths,
+/// each in its own KV slot, then one decode row each) gives each sequence
+/// the logits it gets alone: bit-exact where its rows fall as they do alone,
+/// otherwise within the difference between the CPU backend's multi-row and
+/// one-row dot kernels (measured by the control: one sequence fed in
+/// chunks of 5 rows moves logits by up to ~0.6 at a scale of ~20).
+#[test]
+fn batched_forward_matches_single_sequences() {
+    use mirage_runtime::TokenSlot;
+    let Some(model) = model() else { return };
+    let engine = Engine::load(&model, EngineOptions { n_ctx: 256, threads: 2, ..Default::default() }).unwrap();
+    let m = engine.model();
+    let vocab = m.config().vocab_size;
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| engine.encode(p, true).unwrap()).collect();
+    let next: Vec<u32> = vec![42, 1337, 7, 999];
+    let mut cache = m.new_kv_cache(256, prompts.len(), Default::default()).unwrap();
+    let mut scratch = m.new_scratch();
+    let (mut tokens, mut slots, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+    for (seq, p) in prompts.iter().enumerate() {
+        for (pos, &t) in p.iter().enumerate() {
+            tokens.push(t);
+            slots.push(TokenSlot { seq, pos });
+        }
+        rows.push(tokens.len() - 1);
+    }
+    let mut prefill = Vec::new();
+    m.forward(&tokens, &slots, &rows, &mut cache, &mut scratch, &mut prefill).unwrap();
+    let decode_slots: Vec<TokenSlot> = prompts.iter().enumerate().map(|(seq, p)| TokenSlot { seq, pos: p.len() }).collect();
+    let mut decode = Vec::new();
+    m.forward(&next, &decode_slots, &[0, 1, 2, 3], &mut cache, &mut scratch, &mut decode).unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        // Control: the same sequence alone, fed in chunks of 5 rows.
+        let e5 = Engine::load(&model, EngineOptions { n_ctx: 256, threads: 2, n_batch: 5, ..Default::default() }).unwrap();
+        let mut sess = e5.session().unwrap();
+        let chunked = sess.feed(p).unwrap().to_vec();
+        let solo_p = engine.logits_for(p).unwrap();
+        let s = &solo_p[(p.len() - 1) * vocab..];
+        let d = chunked.iter().zip(s).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        eprintln!("sequence {i} control (chunks of 5): max |diff| {d}");
+        let mut full = p.clone();
+        full.push(next[i]);
+        let solo = engine.logits_for(&full).unwrap();
+        for (label, batched, at) in [("prompt", &prefill, p.len() - 1), ("decode", &decode, p.len())] {
+            let b = &batched[i * vocab..(i + 1) * vocab];
+            let s = &solo[at * vocab..(at + 1) * vocab];
+            let scale = s.iter().fold(0f32, |a, x| a.max(x.abs()));
+            let diff = b.iter().zip(s).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            eprintln!("sequence {i} {label}: max |diff| {diff} (logit scale {scale})");
+            // Rows of sequence 0 sit where they sit alone: bit-exact.
+            if i == 0 {
+                assert_eq!(diff, 0.0, "sequence 0 {label} differs from the solo run");
+            }
+            // Others differ as much as one sequence fed in other chunks
+            // does (the control above); a slot or position mix-up moves
+            // logits by the whole scale.
+            assert!(diff <= 0.05 * scale, "sequence {i} {label}: max |diff| {diff} (logit scale {scale})");
+        }
+    }
 }
 
 #[test]
