@@ -160,7 +160,8 @@ fn from_value<T: for<'de> Deserialize<'de>>(value: serde_json::Value) -> Result<
         let inner = e.into_inner();
         let param = (path != ".").then_some(path.as_str());
         let at = param.map(|p| format!(" at `{p}`")).unwrap_or_default();
-        ApiError::invalid(format!("Invalid request body{at}: {inner}"), param).with_code("invalid_type")
+        ApiError::invalid(format!("Invalid request body{at}: {inner}"), param)
+            .with_code("invalid_type")
     })
 }
 
@@ -186,10 +187,18 @@ impl WithKnobs for CompletionRequest {
 /// the same object (two passes instead of `#[serde(flatten)]`, which would
 /// hide the name of a field of the wrong type).
 pub fn parse_request<T: WithKnobs>(body: &[u8]) -> Result<T, ApiError> {
-    let value: serde_json::Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(format!("We could not parse the JSON body of your request: {e}"), None).with_code("invalid_json"))?;
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid(
+            format!("We could not parse the JSON body of your request: {e}"),
+            None,
+        )
+        .with_code("invalid_json")
+    })?;
     if !value.is_object() {
-        return Err(ApiError::invalid("The request body must be a JSON object.", None).with_code("invalid_type"));
+        return Err(
+            ApiError::invalid("The request body must be a JSON object.", None)
+                .with_code("invalid_type"),
+        );
     }
     let knobs: Knobs = from_value(value.clone())?;
     let mut req: T = from_value(value)?;
@@ -199,9 +208,11 @@ pub fn parse_request<T: WithKnobs>(body: &[u8]) -> Result<T, ApiError> {
 
 fn check_range(name: &str, v: Option<f32>, lo: f32, hi: f32) -> Result<(), ApiError> {
     match v {
-        Some(x) if !(x.is_finite() && x >= lo && x <= hi) => {
-            Err(ApiError::invalid(format!("`{name}` must be between {lo} and {hi}, got {x}."), Some(name)).with_code("invalid_value"))
-        }
+        Some(x) if !(x.is_finite() && x >= lo && x <= hi) => Err(ApiError::invalid(
+            format!("`{name}` must be between {lo} and {hi}, got {x}."),
+            Some(name),
+        )
+        .with_code("invalid_value")),
         _ => Ok(()),
     }
 }
@@ -221,11 +232,19 @@ pub struct Checked {
 /// Checks the shared fields against the context size `n_ctx`.
 /// `default_max_tokens` applies when the request leaves it out (None: the
 /// room the prompt leaves).
-pub fn check_knobs(k: &Knobs, n_ctx: usize, default_max_tokens: Option<usize>, fresh_seed: u64) -> Result<Checked, ApiError> {
+pub fn check_knobs(
+    k: &Knobs,
+    n_ctx: usize,
+    default_max_tokens: Option<usize>,
+    fresh_seed: u64,
+) -> Result<Checked, ApiError> {
     check_range("temperature", k.temperature, 0.0, 2.0)?;
     check_range("top_p", k.top_p, 0.0, 1.0)?;
     if k.top_p == Some(0.0) {
-        return Err(ApiError::invalid("`top_p` must be greater than 0.", Some("top_p")).with_code("invalid_value"));
+        return Err(
+            ApiError::invalid("`top_p` must be greater than 0.", Some("top_p"))
+                .with_code("invalid_value"),
+        );
     }
     check_range("min_p", k.min_p, 0.0, 1.0)?;
     check_range("presence_penalty", k.presence_penalty, -2.0, 2.0)?;
@@ -233,7 +252,8 @@ pub fn check_knobs(k: &Knobs, n_ctx: usize, default_max_tokens: Option<usize>, f
     check_range("repetition_penalty", k.repetition_penalty, 0.01, 10.0)?;
     if let Some(n) = k.n {
         if n != 1 {
-            return Err(ApiError::invalid("Only `n` = 1 is supported.", Some("n")).with_code("invalid_value"));
+            return Err(ApiError::invalid("Only `n` = 1 is supported.", Some("n"))
+                .with_code("invalid_value"));
         }
     }
     let stop = match &k.stop {
@@ -242,7 +262,10 @@ pub fn check_knobs(k: &Knobs, n_ctx: usize, default_max_tokens: Option<usize>, f
         Some(StopField::Many(v)) => v.clone(),
     };
     if stop.len() > 4 {
-        return Err(ApiError::invalid("`stop` takes at most 4 sequences.", Some("stop")).with_code("invalid_value"));
+        return Err(
+            ApiError::invalid("`stop` takes at most 4 sequences.", Some("stop"))
+                .with_code("invalid_value"),
+        );
     }
     let (max_field, max_value) = match (k.max_completion_tokens, k.max_tokens) {
         (Some(m), _) => ("max_completion_tokens", Some(m)),
@@ -273,9 +296,17 @@ pub fn check_knobs(k: &Knobs, n_ctx: usize, default_max_tokens: Option<usize>, f
         seed: k.seed.map(|s| s as u64).unwrap_or(fresh_seed),
     };
     let stream = k.stream.unwrap_or(false);
-    let include_usage = stream && k.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let include_usage = stream
+        && k.stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
     Ok(Checked {
-        params: GenerateParams { max_tokens, sampling, stop },
+        params: GenerateParams {
+            max_tokens,
+            sampling,
+            stop,
+        },
         stream,
         include_usage,
     })
@@ -284,7 +315,10 @@ pub fn check_knobs(k: &Knobs, n_ctx: usize, default_max_tokens: Option<usize>, f
 /// The chat messages of a request, checked.
 pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
     if messages.is_empty() {
-        return Err(ApiError::invalid("`messages` must not be empty.", Some("messages")).with_code("invalid_value"));
+        return Err(
+            ApiError::invalid("`messages` must not be empty.", Some("messages"))
+                .with_code("invalid_value"),
+        );
     }
     let mut out = Vec::with_capacity(messages.len());
     for (i, m) in messages.iter().enumerate() {
@@ -292,8 +326,11 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
             "developer" => "system",
             r @ ("system" | "user" | "assistant" | "tool") => r,
             other => {
-                return Err(ApiError::invalid(format!("Unknown role `{other}` in messages[{i}]."), Some(&format!("messages[{i}].role")))
-                    .with_code("invalid_value"))
+                return Err(ApiError::invalid(
+                    format!("Unknown role `{other}` in messages[{i}]."),
+                    Some(&format!("messages[{i}].role")),
+                )
+                .with_code("invalid_value"))
             }
         };
         let content = match &m.content {
@@ -327,7 +364,11 @@ pub fn completion_prompt(p: &PromptField) -> Result<Prompt, ApiError> {
         if n == 1 {
             Ok(())
         } else {
-            Err(ApiError::invalid("Exactly one prompt per request is supported.", Some("prompt")).with_code("invalid_value"))
+            Err(ApiError::invalid(
+                "Exactly one prompt per request is supported.",
+                Some("prompt"),
+            )
+            .with_code("invalid_value"))
         }
     };
     let prompt = match p {
@@ -343,8 +384,16 @@ pub fn completion_prompt(p: &PromptField) -> Result<Prompt, ApiError> {
         }
     };
     match &prompt {
-        Prompt::Text(s) if s.is_empty() => Err(ApiError::invalid("`prompt` must not be empty.", Some("prompt")).with_code("invalid_value")),
-        Prompt::Tokens(t) if t.is_empty() => Err(ApiError::invalid("`prompt` must not be empty.", Some("prompt")).with_code("invalid_value")),
+        Prompt::Text(s) if s.is_empty() => Err(ApiError::invalid(
+            "`prompt` must not be empty.",
+            Some("prompt"),
+        )
+        .with_code("invalid_value")),
+        Prompt::Tokens(t) if t.is_empty() => Err(ApiError::invalid(
+            "`prompt` must not be empty.",
+            Some("prompt"),
+        )
+        .with_code("invalid_value")),
         _ => Ok(prompt),
     }
 }
@@ -371,7 +420,11 @@ pub struct Usage {
 impl Usage {
     /// Counts with their total.
     pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Usage {
-        Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
     }
 }
 
@@ -381,23 +434,42 @@ mod tests {
 
     #[test]
     fn wrong_types_name_the_field() {
-        let e = parse_request::<ChatRequest>(br#"{"messages":[{"role":"user","content":"hi"}],"temperature":"hot"}"#).unwrap_err();
+        let e = parse_request::<ChatRequest>(
+            br#"{"messages":[{"role":"user","content":"hi"}],"temperature":"hot"}"#,
+        )
+        .unwrap_err();
         assert_eq!(e.status.as_u16(), 400);
         assert_eq!(e.param.as_deref(), Some("temperature"), "{e:?}");
-        let e = parse_request::<ChatRequest>(br#"{"messages":[{"role":"user","content":"hi"}"#).unwrap_err();
+        let e = parse_request::<ChatRequest>(br#"{"messages":[{"role":"user","content":"hi"}"#)
+            .unwrap_err();
         assert_eq!(e.code, Some("invalid_json"));
         let e = parse_request::<ChatRequest>(br#"{"model":"x"}"#).unwrap_err();
         assert!(e.message.contains("messages"), "{e:?}");
-        let e = parse_request::<ChatRequest>(br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":-3}"#).unwrap_err();
+        let e = parse_request::<ChatRequest>(
+            br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":-3}"#,
+        )
+        .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("max_tokens"), "{e:?}");
     }
 
     #[test]
     fn knobs_are_checked_against_the_context() {
-        let k = Knobs { max_tokens: Some(5000), ..Default::default() };
-        assert_eq!(check_knobs(&k, 2048, None, 1).unwrap_err().code, Some("context_length_exceeded"));
-        let k = Knobs { temperature: Some(3.0), ..Default::default() };
-        assert_eq!(check_knobs(&k, 2048, None, 1).unwrap_err().param.as_deref(), Some("temperature"));
+        let k = Knobs {
+            max_tokens: Some(5000),
+            ..Default::default()
+        };
+        assert_eq!(
+            check_knobs(&k, 2048, None, 1).unwrap_err().code,
+            Some("context_length_exceeded")
+        );
+        let k = Knobs {
+            temperature: Some(3.0),
+            ..Default::default()
+        };
+        assert_eq!(
+            check_knobs(&k, 2048, None, 1).unwrap_err().param.as_deref(),
+            Some("temperature")
+        );
         let k = Knobs {
             max_tokens: Some(7),
             temperature: Some(0.5),

@@ -39,12 +39,22 @@ struct ErrorFields<'a> {
 
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None }
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after: None,
+        }
     }
 
     /// 400 for a request that cannot be served as written.
     pub fn invalid(message: impl Into<String>, param: Option<&str>) -> ApiError {
-        ApiError { param: param.map(str::to_string), ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message) }
+        ApiError {
+            param: param.map(str::to_string),
+            ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+        }
     }
 
     /// Sets the machine-readable code.
@@ -55,31 +65,54 @@ impl ApiError {
 
     /// 401 for a missing or wrong API key.
     pub fn unauthorized() -> ApiError {
-        ApiError::new(StatusCode::UNAUTHORIZED, "authentication_error", "Incorrect or missing API key.").with_code("invalid_api_key")
+        ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "Incorrect or missing API key.",
+        )
+        .with_code("invalid_api_key")
     }
 
     /// 404 for an unknown path.
     pub fn not_found(path: &str) -> ApiError {
-        ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("Unknown path `{path}`.")).with_code("not_found")
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!("Unknown path `{path}`."),
+        )
+        .with_code("not_found")
     }
 
     /// 405 for a known path with the wrong method.
     pub fn method_not_allowed() -> ApiError {
-        ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "Method not allowed.").with_code("method_not_allowed")
+        ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            "Method not allowed.",
+        )
+        .with_code("method_not_allowed")
     }
 
     /// 413 for a body over the size limit.
     pub fn too_large(limit: usize) -> ApiError {
-        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("Request body is larger than {limit} bytes."))
-            .with_code("request_too_large")
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("Request body is larger than {limit} bytes."),
+        )
+        .with_code("request_too_large")
     }
 
     /// 429 when the queue is full.
     pub fn queue_full(retry_after: u64) -> ApiError {
         ApiError {
             retry_after: Some(retry_after),
-            ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "The server is busy: the request queue is full. Retry later.")
-                .with_code("queue_full")
+            ..ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "The server is busy: the request queue is full. Retry later.",
+            )
+            .with_code("queue_full")
         }
     }
 
@@ -87,7 +120,12 @@ impl ApiError {
     pub fn shutting_down() -> ApiError {
         ApiError {
             retry_after: Some(5),
-            ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "The server is shutting down.").with_code("shutting_down")
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "The server is shutting down.",
+            )
+            .with_code("shutting_down")
         }
     }
 
@@ -99,7 +137,12 @@ impl ApiError {
     /// The JSON body.
     pub fn body_json(&self) -> String {
         let body = ErrorBody {
-            error: ErrorFields { message: &self.message, kind: self.kind, param: self.param.as_deref(), code: self.code },
+            error: ErrorFields {
+                message: &self.message,
+                kind: self.kind,
+                param: self.param.as_deref(),
+                code: self.code,
+            },
         };
         serde_json::to_string(&body).unwrap_or_else(|_| "{\"error\":{}}".into())
     }
@@ -107,9 +150,15 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut resp = (self.status, [(header::CONTENT_TYPE, "application/json")], self.body_json()).into_response();
+        let mut resp = (
+            self.status,
+            [(header::CONTENT_TYPE, "application/json")],
+            self.body_json(),
+        )
+            .into_response();
         if let Some(s) = self.retry_after {
-            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         resp
     }

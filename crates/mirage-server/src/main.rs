@@ -88,20 +88,35 @@ async fn shutdown_signal() {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
         .with_writer(std::io::stderr)
         .init();
     if args.backend != "cpu" {
-        anyhow::bail!("unknown backend `{}` (this build serves: cpu)", args.backend);
+        anyhow::bail!(
+            "unknown backend `{}` (this build serves: cpu)",
+            args.backend
+        );
     }
     if args.max_batch == 0 || args.queue == 0 {
         anyhow::bail!("--max-batch and --queue must be at least 1");
     }
     let metrics = Arc::new(Metrics::new(args.max_batch));
     let (jobs_tx, jobs_rx) = tokio::sync::mpsc::channel(args.queue);
-    let engine = EngineOptions { threads: args.threads, n_ctx: args.ctx, n_batch: args.batch_rows, ..EngineOptions::default() };
-    let cfg = SchedulerConfig { model: args.model.clone(), engine, max_batch: args.max_batch };
-    let scheduler = Scheduler::start(cfg, jobs_rx, metrics.clone()).with_context(|| format!("starting on {}", args.model.display()))?;
+    let engine = EngineOptions {
+        threads: args.threads,
+        n_ctx: args.ctx,
+        n_batch: args.batch_rows,
+        ..EngineOptions::default()
+    };
+    let cfg = SchedulerConfig {
+        model: args.model.clone(),
+        engine,
+        max_batch: args.max_batch,
+    };
+    let scheduler = Scheduler::start(cfg, jobs_rx, metrics.clone())
+        .with_context(|| format!("starting on {}", args.model.display()))?;
     tracing::info!(model = %scheduler.info.id, n_ctx = scheduler.info.n_ctx, max_batch = args.max_batch, "model loaded");
     let state = Arc::new(AppState {
         jobs: jobs_tx,
@@ -113,7 +128,10 @@ fn main() -> anyhow::Result<()> {
         counter: AtomicU64::new(0),
     });
     let cancel_all = scheduler.cancel_all.clone();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
             .await

@@ -14,7 +14,9 @@ pub struct Histogram {
     total: AtomicU64,
 }
 
-const LATENCY_BOUNDS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+const LATENCY_BOUNDS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
 
 impl Histogram {
     fn new(bounds: &'static [f64]) -> Histogram {
@@ -31,7 +33,8 @@ impl Histogram {
         if let Some(i) = self.bounds.iter().position(|&b| secs <= b) {
             self.counts[i].fetch_add(1, Ordering::Relaxed);
         }
-        self.sum_micros.fetch_add((secs.max(0.0) * 1e6) as u64, Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add((secs.max(0.0) * 1e6) as u64, Ordering::Relaxed);
         self.total.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -50,7 +53,11 @@ impl Histogram {
         }
         let total = self.total.load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {total}");
-        let _ = writeln!(out, "{name}_sum {}", self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6);
+        let _ = writeln!(
+            out,
+            "{name}_sum {}",
+            self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6
+        );
         let _ = writeln!(out, "{name}_count {total}");
     }
 }
@@ -120,7 +127,10 @@ impl Metrics {
     pub fn render(&self) -> String {
         let mut out = String::new();
         let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
         };
         let gauge = |out: &mut String, name: &str, help: &str, v: String| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
@@ -128,33 +138,87 @@ impl Metrics {
         let _ = writeln!(out, "# HELP mirage_requests_total HTTP requests answered, by path and status.\n# TYPE mirage_requests_total counter");
         if let Ok(m) = self.requests.lock() {
             for ((path, code), n) in m.iter() {
-                let _ = writeln!(out, "mirage_requests_total{{path=\"{path}\",code=\"{code}\"}} {n}");
+                let _ = writeln!(
+                    out,
+                    "mirage_requests_total{{path=\"{path}\",code=\"{code}\"}} {n}"
+                );
             }
         }
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        counter(&mut out, "mirage_prompt_tokens_total", "Prompt tokens run through the model.", ld(&self.prompt_tokens));
-        counter(&mut out, "mirage_completion_tokens_total", "Tokens generated.", ld(&self.completion_tokens));
-        counter(&mut out, "mirage_cancelled_sequences_total", "Sequences freed because the client disconnected.", ld(&self.cancelled));
-        counter(&mut out, "mirage_rejected_requests_total", "Requests answered 429 because the queue was full.", ld(&self.rejected));
-        counter(&mut out, "mirage_forward_steps_total", "Batched forward passes.", ld(&self.steps));
-        gauge(&mut out, "mirage_queue_depth", "Requests waiting for a sequence slot.", self.queue_depth.load(Ordering::Relaxed).to_string());
+        counter(
+            &mut out,
+            "mirage_prompt_tokens_total",
+            "Prompt tokens run through the model.",
+            ld(&self.prompt_tokens),
+        );
+        counter(
+            &mut out,
+            "mirage_completion_tokens_total",
+            "Tokens generated.",
+            ld(&self.completion_tokens),
+        );
+        counter(
+            &mut out,
+            "mirage_cancelled_sequences_total",
+            "Sequences freed because the client disconnected.",
+            ld(&self.cancelled),
+        );
+        counter(
+            &mut out,
+            "mirage_rejected_requests_total",
+            "Requests answered 429 because the queue was full.",
+            ld(&self.rejected),
+        );
+        counter(
+            &mut out,
+            "mirage_forward_steps_total",
+            "Batched forward passes.",
+            ld(&self.steps),
+        );
+        gauge(
+            &mut out,
+            "mirage_queue_depth",
+            "Requests waiting for a sequence slot.",
+            self.queue_depth.load(Ordering::Relaxed).to_string(),
+        );
         gauge(
             &mut out,
             "mirage_active_sequences",
             "Sequences holding a KV cache slot.",
             self.active_sequences.load(Ordering::Relaxed).to_string(),
         );
-        gauge(&mut out, "mirage_max_batch", "Sequence slots in all.", self.max_batch.to_string());
+        gauge(
+            &mut out,
+            "mirage_max_batch",
+            "Sequence slots in all.",
+            self.max_batch.to_string(),
+        );
         gauge(
             &mut out,
             "mirage_tokens_per_second",
             "Generated tokens per second over the last seconds.",
             format!("{:.3}", f64::from_bits(ld(&self.tokens_per_second))),
         );
-        self.request_latency.render(&mut out, "mirage_request_duration_seconds", "From arrival to the last generated token.");
-        self.time_to_first_token.render(&mut out, "mirage_time_to_first_token_seconds", "From arrival to the first generated text.");
-        self.queue_wait.render(&mut out, "mirage_queue_wait_seconds", "From arrival to getting a sequence slot.");
-        self.step_latency.render(&mut out, "mirage_step_duration_seconds", "One batched forward pass with sampling.");
+        self.request_latency.render(
+            &mut out,
+            "mirage_request_duration_seconds",
+            "From arrival to the last generated token.",
+        );
+        self.time_to_first_token.render(
+            &mut out,
+            "mirage_time_to_first_token_seconds",
+            "From arrival to the first generated text.",
+        );
+        self.queue_wait.render(
+            &mut out,
+            "mirage_queue_wait_seconds",
+            "From arrival to getting a sequence slot.",
+        );
+        self.step_latency.render(
+            &mut out,
+            "mirage_step_duration_seconds",
+            "One batched forward pass with sampling.",
+        );
         out
     }
 }
@@ -171,7 +235,10 @@ mod tests {
         m.request_latency.observe(500.0);
         m.count_request("/v1/models", 200);
         let text = m.render();
-        assert!(text.contains("mirage_request_duration_seconds_bucket{le=\"0.005\"} 1\n"), "{text}");
+        assert!(
+            text.contains("mirage_request_duration_seconds_bucket{le=\"0.005\"} 1\n"),
+            "{text}"
+        );
         assert!(text.contains("mirage_request_duration_seconds_bucket{le=\"0.25\"} 2\n"));
         assert!(text.contains("mirage_request_duration_seconds_bucket{le=\"120\"} 2\n"));
         assert!(text.contains("mirage_request_duration_seconds_bucket{le=\"+Inf\"} 3\n"));

@@ -58,13 +58,20 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
-        .layer(middleware::from_fn_with_state(state.clone(), count_requests))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
         .layer(DefaultBodyLimit::max(state.body_limit))
         .with_state(state)
 }
 
 async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let path = req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_else(|| "unmatched".into());
+    let path = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".into());
     let resp = next.run(req).await;
     st.metrics.count_request(&path, resp.status().as_u16());
     resp
@@ -72,9 +79,19 @@ async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Nex
 
 async fn require_key(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.api_key {
-        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
         // Compare every byte so the time does not tell how much matched.
-        let ok = given.is_some_and(|g| g.len() == key.len() && g.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0);
+        let ok = given.is_some_and(|g| {
+            g.len() == key.len()
+                && g.bytes()
+                    .zip(key.bytes())
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0
+        });
         if !ok {
             return ApiError::unauthorized().into_response();
         }
@@ -93,7 +110,10 @@ fn body_bytes(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes
 }
 
 fn now_secs() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 impl AppState {
@@ -107,21 +127,35 @@ impl AppState {
         let m = &self.metrics;
         let queued = m.queue_depth.load(Ordering::Relaxed).max(1) as f64;
         let mean = m.request_latency.mean().unwrap_or(1.0);
-        (queued * mean / m.max_batch.max(1) as f64).ceil().clamp(1.0, 60.0) as u64
+        (queued * mean / m.max_batch.max(1) as f64)
+            .ceil()
+            .clamp(1.0, 60.0) as u64
     }
 
     fn fresh_seed(&self) -> u64 {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
         t ^ self.next_id().wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
 
     /// Queues a job and waits until it holds a sequence slot.
-    async fn submit(&self, prompt: Prompt, checked: &Checked) -> Result<(mpsc::UnboundedReceiver<JobEvent>, usize), ApiError> {
+    async fn submit(
+        &self,
+        prompt: Prompt,
+        checked: &Checked,
+    ) -> Result<(mpsc::UnboundedReceiver<JobEvent>, usize), ApiError> {
         if self.shutting_down.load(Ordering::Relaxed) {
             return Err(ApiError::shutting_down());
         }
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let job = Job { prompt, params: checked.params.clone(), events: tx, arrived: Instant::now() };
+        let job = Job {
+            prompt,
+            params: checked.params.clone(),
+            events: tx,
+            arrived: Instant::now(),
+        };
         self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = self.jobs.try_send(job) {
             self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
@@ -136,27 +170,42 @@ impl AppState {
         match rx.recv().await {
             Some(JobEvent::Started { prompt_tokens }) => Ok((rx, prompt_tokens)),
             Some(JobEvent::Failed(e)) => Err(e),
-            Some(other) => Err(ApiError::internal(format!("scheduler answered {other:?} before starting"))),
+            Some(other) => Err(ApiError::internal(format!(
+                "scheduler answered {other:?} before starting"
+            ))),
             None => Err(ApiError::shutting_down()),
         }
     }
 }
 
 /// Collects a whole generation.
-async fn collect(mut rx: mpsc::UnboundedReceiver<JobEvent>, prompt_tokens: usize) -> Result<(String, &'static str, Usage), ApiError> {
+async fn collect(
+    mut rx: mpsc::UnboundedReceiver<JobEvent>,
+    prompt_tokens: usize,
+) -> Result<(String, &'static str, Usage), ApiError> {
     let mut text = String::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             JobEvent::Text(t) => text.push_str(&t),
-            JobEvent::Done { reason, prompt_tokens, completion_tokens } => {
-                return Ok((text, api::finish_reason(reason), Usage::new(prompt_tokens, completion_tokens)))
+            JobEvent::Done {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+            } => {
+                return Ok((
+                    text,
+                    api::finish_reason(reason),
+                    Usage::new(prompt_tokens, completion_tokens),
+                ))
             }
             JobEvent::Failed(e) => return Err(e),
             JobEvent::Started { .. } => {}
         }
     }
     let _ = prompt_tokens;
-    Err(ApiError::internal("the scheduler stopped before the generation ended"))
+    Err(ApiError::internal(
+        "the scheduler stopped before the generation ended",
+    ))
 }
 
 fn sse_json(v: &serde_json::Value) -> Result<Event, Infallible> {
@@ -196,15 +245,23 @@ fn sse_stream(
         }
         yield Ok(Event::default().data("[DONE]"));
     };
-    Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response()
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
 }
 
-async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     let body = body_bytes(body, st.body_limit)?;
     let req: api::ChatRequest = api::parse_request(&body)?;
     let messages = api::chat_messages(&req.messages)?;
     if !st.info.has_chat_template {
-        return Err(ApiError::invalid("This model has no chat template; use /v1/completions.", Some("messages")));
+        return Err(ApiError::invalid(
+            "This model has no chat template; use /v1/completions.",
+            Some("messages"),
+        ));
     }
     let checked = api::check_knobs(&req.knobs, st.info.n_ctx, None, st.fresh_seed())?;
     let (rx, prompt_tokens) = st.submit(Prompt::Chat(messages), &checked).await?;
@@ -236,7 +293,13 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, B
             json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": model2,
                    "system_fingerprint": "mirage", "choices": [], "usage": u})
         };
-        return Ok(sse_stream(rx, Some(first), checked.include_usage, chunk, usage_only));
+        return Ok(sse_stream(
+            rx,
+            Some(first),
+            checked.include_usage,
+            chunk,
+            usage_only,
+        ));
     }
     let (text, finish, usage) = collect(rx, prompt_tokens).await?;
     Ok(Json(json!({
@@ -248,7 +311,10 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, B
     .into_response())
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     let body = body_bytes(body, st.body_limit)?;
     let req: api::CompletionRequest = api::parse_request(&body)?;
     let prompt = api::completion_prompt(&req.prompt)?;
@@ -256,7 +322,12 @@ async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesR
     let checked = api::check_knobs(&req.knobs, st.info.n_ctx, Some(16), st.fresh_seed())?;
     let echo = match (&prompt, req.echo.unwrap_or(false)) {
         (Prompt::Text(t), true) => Some(t.clone()),
-        (Prompt::Tokens(_), true) => return Err(ApiError::invalid("`echo` is supported for text prompts only.", Some("echo"))),
+        (Prompt::Tokens(_), true) => {
+            return Err(ApiError::invalid(
+                "`echo` is supported for text prompts only.",
+                Some("echo"),
+            ))
+        }
         _ => None,
     };
     let (rx, prompt_tokens) = st.submit(prompt, &checked).await?;
@@ -276,10 +347,14 @@ async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesR
             v
         };
         let first = echo.map(|e| chunk(Some(&e), None, None));
-        let usage_only = move |u: Usage| {
-            json!({"id": id2, "object": "text_completion", "created": created, "model": model2, "choices": [], "usage": u})
-        };
-        return Ok(sse_stream(rx, first, checked.include_usage, chunk, usage_only));
+        let usage_only = move |u: Usage| json!({"id": id2, "object": "text_completion", "created": created, "model": model2, "choices": [], "usage": u});
+        return Ok(sse_stream(
+            rx,
+            first,
+            checked.include_usage,
+            chunk,
+            usage_only,
+        ));
     }
     let (text, finish, usage) = collect(rx, prompt_tokens).await?;
     let text = match echo {
@@ -303,14 +378,18 @@ async fn list_models(State(st): State<Arc<AppState>>) -> Json<serde_json::Value>
     Json(json!({"object": "list", "data": [model_json(&st.info)]}))
 }
 
-async fn get_model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<serde_json::Value>, ApiError> {
+async fn get_model(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
     if id == st.info.id {
         Ok(Json(model_json(&st.info)))
     } else {
         Err(ApiError {
             status: StatusCode::NOT_FOUND,
             param: Some("model".into()),
-            ..ApiError::invalid(format!("The model `{id}` does not exist."), None).with_code("model_not_found")
+            ..ApiError::invalid(format!("The model `{id}` does not exist."), None)
+                .with_code("model_not_found")
         })
     }
 }
@@ -325,12 +404,19 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
         "queue_depth": m.queue_depth.load(Ordering::Relaxed),
         "max_batch": m.max_batch,
     });
-    let status = if down { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK };
+    let status = if down {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
     (status, Json(body)).into_response()
 }
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let mut r = Response::new(Body::from(st.metrics.render()));
-    r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; version=0.0.4"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/plain; version=0.0.4"),
+    );
     r
 }

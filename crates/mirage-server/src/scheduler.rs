@@ -90,41 +90,63 @@ pub struct Scheduler {
 
 impl Scheduler {
     /// Loads the model on a new thread and starts serving `jobs`.
-    pub fn start(cfg: SchedulerConfig, jobs: mpsc::Receiver<Job>, metrics: Arc<Metrics>) -> anyhow::Result<Scheduler> {
+    pub fn start(
+        cfg: SchedulerConfig,
+        jobs: mpsc::Receiver<Job>,
+        metrics: Arc<Metrics>,
+    ) -> anyhow::Result<Scheduler> {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<ModelInfo, String>>();
         let cancel_all = Arc::new(AtomicBool::new(false));
         let cancel = cancel_all.clone();
-        let thread = std::thread::Builder::new().name("mirage-scheduler".into()).spawn(move || {
-            let engine = match Engine::load(&cfg.model, cfg.engine.clone()) {
-                Ok(e) => e,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(format!("loading {}: {e}", cfg.model.display())));
-                    return;
-                }
-            };
-            let id = cfg.model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
-            let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-            let info = ModelInfo {
-                id,
-                n_ctx: engine.n_ctx(),
-                backend: engine.backend_name(),
-                has_chat_template: engine.chat_template().is_some(),
-                created,
-            };
-            let batcher = match Batcher::new(&engine, cfg.max_batch, cfg.engine.n_batch) {
-                Ok(b) => b,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(format!("KV cache for {} sequences: {e}", cfg.max_batch)));
-                    return;
-                }
-            };
-            let _ = ready_tx.send(Ok(info));
-            run(&engine, batcher, jobs, &metrics, &cancel);
-        })?;
+        let thread = std::thread::Builder::new()
+            .name("mirage-scheduler".into())
+            .spawn(move || {
+                let engine = match Engine::load(&cfg.model, cfg.engine.clone()) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(format!("loading {}: {e}", cfg.model.display())));
+                        return;
+                    }
+                };
+                let id = cfg
+                    .model
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| "model".into());
+                let created = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0);
+                let info = ModelInfo {
+                    id,
+                    n_ctx: engine.n_ctx(),
+                    backend: engine.backend_name(),
+                    has_chat_template: engine.chat_template().is_some(),
+                    created,
+                };
+                let batcher = match Batcher::new(&engine, cfg.max_batch, cfg.engine.n_batch) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(format!(
+                            "KV cache for {} sequences: {e}",
+                            cfg.max_batch
+                        )));
+                        return;
+                    }
+                };
+                let _ = ready_tx.send(Ok(info));
+                run(&engine, batcher, jobs, &metrics, &cancel);
+            })?;
         match ready_rx.recv() {
-            Ok(Ok(info)) => Ok(Scheduler { info, cancel_all, thread }),
+            Ok(Ok(info)) => Ok(Scheduler {
+                info,
+                cancel_all,
+                thread,
+            }),
             Ok(Err(e)) => Err(anyhow::anyhow!(e)),
-            Err(_) => Err(anyhow::anyhow!("the scheduler thread died while loading the model")),
+            Err(_) => Err(anyhow::anyhow!(
+                "the scheduler thread died while loading the model"
+            )),
         }
     }
 
@@ -144,12 +166,21 @@ fn tokenize(engine: &Engine, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
     let vocab = engine.model().config().vocab_size;
     match prompt {
         Prompt::Chat(messages) => {
-            let text = engine.render_chat(messages).map_err(|e| ApiError::invalid(format!("Chat template: {e}"), Some("messages")))?;
-            engine.encode(&text, true).map_err(|e| ApiError::invalid(format!("Tokenizer: {e}"), Some("messages")))
+            let text = engine
+                .render_chat(messages)
+                .map_err(|e| ApiError::invalid(format!("Chat template: {e}"), Some("messages")))?;
+            engine
+                .encode(&text, true)
+                .map_err(|e| ApiError::invalid(format!("Tokenizer: {e}"), Some("messages")))
         }
-        Prompt::Text(text) => engine.encode(text, true).map_err(|e| ApiError::invalid(format!("Tokenizer: {e}"), Some("prompt"))),
+        Prompt::Text(text) => engine
+            .encode(text, true)
+            .map_err(|e| ApiError::invalid(format!("Tokenizer: {e}"), Some("prompt"))),
         Prompt::Tokens(t) => match t.iter().find(|&&id| id as usize >= vocab) {
-            Some(bad) => Err(ApiError::invalid(format!("Token id {bad} is outside the vocabulary ({vocab})."), Some("prompt"))),
+            Some(bad) => Err(ApiError::invalid(
+                format!("Token id {bad} is outside the vocabulary ({vocab})."),
+                Some("prompt"),
+            )),
             None => Ok(t.clone()),
         },
     }
@@ -163,7 +194,11 @@ struct Throughput {
 impl Throughput {
     fn record(&mut self, now: Instant, tokens: usize) -> f64 {
         self.window.push_back((now, tokens));
-        while self.window.front().is_some_and(|(t, _)| now.duration_since(*t) > Duration::from_secs(5)) {
+        while self
+            .window
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > Duration::from_secs(5))
+        {
             self.window.pop_front();
         }
         let first = self.window.front().map(|(t, _)| *t).unwrap_or(now);
@@ -177,13 +212,24 @@ impl Throughput {
     }
 }
 
-fn run(engine: &Engine, mut batcher: Batcher<'_, mirage_runtime::CpuBackend>, mut jobs: mpsc::Receiver<Job>, m: &Metrics, cancel_all: &AtomicBool) {
+fn run(
+    engine: &Engine,
+    mut batcher: Batcher<'_, mirage_runtime::CpuBackend>,
+    mut jobs: mpsc::Receiver<Job>,
+    m: &Metrics,
+    cancel_all: &AtomicBool,
+) {
     let n_ctx = engine.n_ctx();
     let mut running: Vec<Option<Running>> = (0..batcher.capacity()).map(|_| None).collect();
     let mut events = Vec::new();
     let mut closed = false;
-    let mut throughput = Throughput { window: VecDeque::new() };
-    let set_active = |b: &Batcher<'_, _>| m.active_sequences.store(b.active() as i64, Ordering::Relaxed);
+    let mut throughput = Throughput {
+        window: VecDeque::new(),
+    };
+    let set_active = |b: &Batcher<'_, _>| {
+        m.active_sequences
+            .store(b.active() as i64, Ordering::Relaxed)
+    };
     loop {
         // Admit queued jobs into free slots; block only when idle.
         while !closed && batcher.free_slots() > 0 {
@@ -245,12 +291,19 @@ fn run(engine: &Engine, mut batcher: Batcher<'_, mirage_runtime::CpuBackend>, mu
             match batcher.add(prompt, &params) {
                 Ok(slot) => {
                     m.queue_wait.observe(job.arrived.elapsed().as_secs_f64());
-                    m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+                    m.prompt_tokens
+                        .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
                     let _ = job.events.send(JobEvent::Started { prompt_tokens });
-                    running[slot] = Some(Running { events: job.events, arrived: job.arrived, first_text: false });
+                    running[slot] = Some(Running {
+                        events: job.events,
+                        arrived: job.arrived,
+                        first_text: false,
+                    });
                 }
                 Err(e) => {
-                    let _ = job.events.send(JobEvent::Failed(ApiError::invalid(e.to_string(), None)));
+                    let _ = job
+                        .events
+                        .send(JobEvent::Failed(ApiError::invalid(e.to_string(), None)));
                 }
             }
         }
@@ -286,7 +339,9 @@ fn run(engine: &Engine, mut batcher: Batcher<'_, mirage_runtime::CpuBackend>, mu
                 tracing::error!("forward pass failed: {e}");
                 for (slot, r) in running.iter_mut().enumerate() {
                     if let Some(r) = r.take() {
-                        let _ = r.events.send(JobEvent::Failed(ApiError::internal(format!("engine: {e}"))));
+                        let _ = r
+                            .events
+                            .send(JobEvent::Failed(ApiError::internal(format!("engine: {e}"))));
                         batcher.cancel(slot);
                     }
                 }
@@ -301,10 +356,13 @@ fn run(engine: &Engine, mut batcher: Batcher<'_, mirage_runtime::CpuBackend>, mu
         for ev in events.drain(..) {
             match ev {
                 SeqEvent::Text { slot, text } => {
-                    let Some(r) = running[slot].as_mut() else { continue };
+                    let Some(r) = running[slot].as_mut() else {
+                        continue;
+                    };
                     if !r.first_text {
                         r.first_text = true;
-                        m.time_to_first_token.observe(r.arrived.elapsed().as_secs_f64());
+                        m.time_to_first_token
+                            .observe(r.arrived.elapsed().as_secs_f64());
                     }
                     if r.events.send(JobEvent::Text(text)).is_err() {
                         running[slot] = None;
@@ -312,11 +370,21 @@ fn run(engine: &Engine, mut batcher: Batcher<'_, mirage_runtime::CpuBackend>, mu
                         m.cancelled.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                SeqEvent::Finished { slot, reason, prompt_tokens, completion_tokens } => {
-                    m.completion_tokens.fetch_add(completion_tokens as u64, Ordering::Relaxed);
+                SeqEvent::Finished {
+                    slot,
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                } => {
+                    m.completion_tokens
+                        .fetch_add(completion_tokens as u64, Ordering::Relaxed);
                     if let Some(r) = running[slot].take() {
                         m.request_latency.observe(r.arrived.elapsed().as_secs_f64());
-                        let _ = r.events.send(JobEvent::Done { reason, prompt_tokens, completion_tokens });
+                        let _ = r.events.send(JobEvent::Done {
+                            reason,
+                            prompt_tokens,
+                            completion_tokens,
+                        });
                     }
                 }
             }

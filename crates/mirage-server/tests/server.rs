@@ -25,7 +25,10 @@ fn model() -> Option<PathBuf> {
         return Some(p);
     }
     if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1", p.display());
+        eprintln!(
+            "skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1",
+            p.display()
+        );
         return None;
     }
     panic!("{} is missing: run `cargo xtask fetch-models`", p.display());
@@ -57,7 +60,8 @@ impl Server {
     fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Response {
         let mut s = TcpStream::connect(&self.addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-        s.write_all(request_head(&self.addr, method, path, headers, body.len()).as_bytes()).unwrap();
+        s.write_all(request_head(&self.addr, method, path, headers, body.len()).as_bytes())
+            .unwrap();
         // A server may answer (413) before the whole body is sent.
         let _ = s.write_all(body);
         let mut raw = Vec::new();
@@ -66,13 +70,22 @@ impl Server {
     }
 
     fn post(&self, path: &str, body: &Value) -> Response {
-        self.request("POST", path, &[("Content-Type", "application/json")], body.to_string().as_bytes())
+        self.request(
+            "POST",
+            path,
+            &[("Content-Type", "application/json")],
+            body.to_string().as_bytes(),
+        )
     }
 
     fn metric(&self, name: &str) -> f64 {
         let text = self.request("GET", "/metrics", &[], b"").body;
         text.lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).map(|v| v.trim().parse::<f64>().unwrap()))
+            .find_map(|l| {
+                l.strip_prefix(name)
+                    .and_then(|r| r.strip_prefix(' '))
+                    .map(|v| v.trim().parse::<f64>().unwrap())
+            })
             .unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
     }
 
@@ -96,7 +109,10 @@ impl Server {
             if let Some(st) = self.child.try_wait().unwrap() {
                 return st;
             }
-            assert!(t0.elapsed() < Duration::from_secs(30), "server did not stop after SIGTERM");
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "server did not stop after SIGTERM"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -109,7 +125,13 @@ impl Drop for Server {
     }
 }
 
-fn request_head(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], len: usize) -> String {
+fn request_head(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    len: usize,
+) -> String {
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {len}\r\n");
     for (k, v) in headers {
         head.push_str(&format!("{k}: {v}\r\n"));
@@ -126,23 +148,43 @@ struct Response {
 
 impl Response {
     fn parse(raw: &[u8]) -> Response {
-        let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("no header end");
+        let split = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("no header end");
         let head = std::str::from_utf8(&raw[..split]).unwrap();
         let mut lines = head.split("\r\n");
-        let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+        let status = lines
+            .next()
+            .unwrap()
+            .split(' ')
+            .nth(1)
+            .unwrap()
+            .parse()
+            .unwrap();
         let headers: Vec<(String, String)> = lines
             .filter_map(|l| l.split_once(':'))
             .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
             .collect();
         let mut body = raw[split + 4..].to_vec();
-        if headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked")) {
+        if headers
+            .iter()
+            .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"))
+        {
             body = dechunk(&body);
         }
-        Response { status, headers, body: String::from_utf8(body).unwrap() }
+        Response {
+            status,
+            headers,
+            body: String::from_utf8(body).unwrap(),
+        }
     }
 
     fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
 
     fn json(&self) -> Value {
@@ -151,7 +193,11 @@ impl Response {
 
     /// The `data:` payloads of an event stream.
     fn events(&self) -> Vec<String> {
-        self.body.lines().filter_map(|l| l.strip_prefix("data:")).map(|d| d.trim().to_string()).collect()
+        self.body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| d.trim().to_string())
+            .collect()
     }
 
     fn error(&self) -> Value {
@@ -167,8 +213,11 @@ impl Response {
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     loop {
-        let Some(eol) = b.windows(2).position(|w| w == b"\r\n") else { break };
-        let size = usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap();
+        let Some(eol) = b.windows(2).position(|w| w == b"\r\n") else {
+            break;
+        };
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap();
         if size == 0 {
             break;
         }
@@ -180,8 +229,19 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
 
 /// Reference greedy text from the non-batched `Session` API.
 fn session_greedy(model: &std::path::Path, prompts: &[&str], max_tokens: usize) -> Vec<String> {
-    let engine = Engine::load(model, EngineOptions { n_ctx: 1024, threads: 2, ..Default::default() }).unwrap();
-    let params = GenerateParams { max_tokens, ..Default::default() };
+    let engine = Engine::load(
+        model,
+        EngineOptions {
+            n_ctx: 1024,
+            threads: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let params = GenerateParams {
+        max_tokens,
+        ..Default::default()
+    };
     prompts
         .iter()
         .map(|p| {
@@ -203,8 +263,12 @@ fn chat_body(prompt: &str, max_tokens: usize, stream: bool) -> Value {
 // depending on where the row falls in the batch, and the two differ in the
 // last bits, which can flip a near-tie (a haiku prompt did, at its first
 // token). A slot mix-up or a wrong position would change every one of these.
-const PROMPTS: [&str; 4] =
-    ["What is the capital of France?", "Name the largest planet in the solar system.", "List three prime numbers.", "Say hello in Spanish."];
+const PROMPTS: [&str; 4] = [
+    "What is the capital of France?",
+    "Name the largest planet in the solar system.",
+    "List three prime numbers.",
+    "Say hello in Spanish.",
+];
 
 #[test]
 fn api_matches_the_session_and_reports_errors() {
@@ -215,20 +279,35 @@ fn api_matches_the_session_and_reports_errors() {
     // Models, health, page.
     let models = srv.request("GET", "/v1/models", &[], b"").json();
     assert_eq!(models["data"][0]["id"], "smollm2-135m-instruct-q4_1");
-    assert_eq!(srv.request("GET", "/health", &[], b"").json()["status"], "ok");
+    assert_eq!(
+        srv.request("GET", "/health", &[], b"").json()["status"],
+        "ok"
+    );
     let page = srv.request("GET", "/", &[], b"");
-    assert!(page.body.contains("/v1/chat/completions") && page.header("content-type").unwrap().starts_with("text/html"));
+    assert!(
+        page.body.contains("/v1/chat/completions")
+            && page
+                .header("content-type")
+                .unwrap()
+                .starts_with("text/html")
+    );
 
     // Non-streaming greedy chat equals the non-batched session.
     let r = srv.post("/v1/chat/completions", &chat_body(PROMPTS[0], 24, false));
     assert_eq!(r.status, 200, "{}", r.body);
     let j = r.json();
     assert_eq!(j["object"], "chat.completion");
-    assert_eq!(j["choices"][0]["message"]["content"].as_str().unwrap(), reference[0]);
+    assert_eq!(
+        j["choices"][0]["message"]["content"].as_str().unwrap(),
+        reference[0]
+    );
     let usage = &j["usage"];
     assert!(usage["prompt_tokens"].as_u64().unwrap() > 5);
     assert!(usage["completion_tokens"].as_u64().unwrap() >= 1);
-    assert_eq!(usage["total_tokens"], usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap());
+    assert_eq!(
+        usage["total_tokens"],
+        usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
+    );
 
     // Four concurrent requests share forward passes. Exact text equality
     // with the solo reference is not a property of the CPU backend (see
@@ -241,7 +320,10 @@ fn api_matches_the_session_and_reports_errors() {
             .iter()
             .map(|p| {
                 let srv = &srv;
-                s.spawn(move || srv.post("/v1/chat/completions", &chat_body(p, 24, false)).json())
+                s.spawn(move || {
+                    srv.post("/v1/chat/completions", &chat_body(p, 24, false))
+                        .json()
+                })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -250,24 +332,47 @@ fn api_matches_the_session_and_reports_errors() {
     let mut generated = 0;
     for (a, want) in answers.iter().zip(&reference) {
         let got = a["choices"][0]["message"]["content"].as_str().unwrap();
-        let common = got.bytes().zip(want.bytes()).take_while(|(x, y)| x == y).count();
-        assert!(common >= 5 || got == want, "batched {got:?} vs solo {want:?}");
+        let common = got
+            .bytes()
+            .zip(want.bytes())
+            .take_while(|(x, y)| x == y)
+            .count();
+        assert!(
+            common >= 5 || got == want,
+            "batched {got:?} vs solo {want:?}"
+        );
         generated += a["usage"]["completion_tokens"].as_u64().unwrap();
     }
-    assert!(steps < generated as f64, "{steps} forward passes for {generated} tokens: no step was shared");
-    let identical = answers.iter().zip(&reference).filter(|(a, w)| a["choices"][0]["message"]["content"] == **w).count();
+    assert!(
+        steps < generated as f64,
+        "{steps} forward passes for {generated} tokens: no step was shared"
+    );
+    let identical = answers
+        .iter()
+        .zip(&reference)
+        .filter(|(a, w)| a["choices"][0]["message"]["content"] == **w)
+        .count();
     eprintln!("concurrent: {identical}/4 identical to the solo session, {steps} passes for {generated} tokens");
 
     // Streaming: role first, deltas concatenate to the same text, usage on
     // the last chunk, `[DONE]` at the end.
     let r = srv.post("/v1/chat/completions", &chat_body(PROMPTS[2], 24, true));
     assert_eq!(r.status, 200);
-    assert!(r.header("content-type").unwrap().starts_with("text/event-stream"));
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/event-stream"));
     let events = r.events();
     assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
     assert_eq!(streamed, reference[2]);
     let last = chunks.last().unwrap();
     assert!(last["choices"][0]["finish_reason"].is_string());
@@ -299,28 +404,48 @@ fn api_matches_the_session_and_reports_errors() {
         stop["stop"] = json!([cut]);
         let j = srv.post("/v1/completions", &stop).json();
         let got = j["choices"][0]["text"].as_str().unwrap();
-        assert!(!got.contains(cut) && text.starts_with(got), "{got:?} vs {text:?} stop {cut:?}");
+        assert!(
+            !got.contains(cut) && text.starts_with(got),
+            "{got:?} vs {text:?} stop {cut:?}"
+        );
         assert_eq!(j["choices"][0]["finish_reason"], "stop");
     }
 
     // Errors: OpenAI shape with the right status.
-    let r = srv.request("POST", "/v1/chat/completions", &[("Content-Type", "application/json")], b"{\"messages\": [");
+    let r = srv.request(
+        "POST",
+        "/v1/chat/completions",
+        &[("Content-Type", "application/json")],
+        b"{\"messages\": [",
+    );
     assert_eq!(r.status, 400);
     assert_eq!(r.error()["code"], "invalid_json");
-    let r = srv.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}));
+    let r = srv.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
+    );
     assert_eq!(r.status, 400);
     assert_eq!(r.error()["param"], "temperature");
     let r = srv.post("/v1/chat/completions", &json!({"messages": "hi"}));
     assert_eq!(r.status, 400);
     assert_eq!(r.error()["param"], "messages");
-    let r = srv.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}));
+    let r = srv.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}),
+    );
     assert_eq!(r.status, 400);
     assert_eq!(r.error()["code"], "context_length_exceeded");
     // Prompt plus max_tokens over the context: found after tokenizing.
-    let r = srv.post("/v1/completions", &json!({"prompt": "word ".repeat(600), "max_tokens": 900}));
+    let r = srv.post(
+        "/v1/completions",
+        &json!({"prompt": "word ".repeat(600), "max_tokens": 900}),
+    );
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.error()["code"], "context_length_exceeded");
-    let r = srv.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "x".repeat(70_000)}]}));
+    let r = srv.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x".repeat(70_000)}]}),
+    );
     assert_eq!(r.status, 413);
     assert_eq!(r.error()["type"], "invalid_request_error");
     let r = srv.request("GET", "/v1/nothing", &[], b"");
@@ -334,8 +459,17 @@ fn api_matches_the_session_and_reports_errors() {
     let cancelled_before = srv.metric("mirage_cancelled_sequences_total");
     let body = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0.8, "stream": true}).to_string();
     let mut s = TcpStream::connect(&srv.addr).unwrap();
-    s.write_all(request_head(&srv.addr, "POST", "/v1/completions", &[("Content-Type", "application/json")], body.len()).as_bytes())
-        .unwrap();
+    s.write_all(
+        request_head(
+            &srv.addr,
+            "POST",
+            "/v1/completions",
+            &[("Content-Type", "application/json")],
+            body.len(),
+        )
+        .as_bytes(),
+    )
+    .unwrap();
     s.write_all(body.as_bytes()).unwrap();
     let mut buf = [0u8; 4096];
     let mut seen = String::new();
@@ -348,10 +482,16 @@ fn api_matches_the_session_and_reports_errors() {
     let t0 = Instant::now();
     drop(s);
     let active = srv.wait_metric("mirage_active_sequences", 5, |v| v == 0.0);
-    assert_eq!(active, 0.0, "the sequence of a disconnected client is still active");
+    assert_eq!(
+        active, 0.0,
+        "the sequence of a disconnected client is still active"
+    );
     eprintln!("disconnect freed the slot in {:?}", t0.elapsed());
     assert!(t0.elapsed() < Duration::from_secs(2));
-    assert_eq!(srv.metric("mirage_cancelled_sequences_total"), cancelled_before + 1.0);
+    assert_eq!(
+        srv.metric("mirage_cancelled_sequences_total"),
+        cancelled_before + 1.0
+    );
     assert!(srv.metric("mirage_completion_tokens_total") > 0.0);
 
     // The `openai` Python package against the same server.
@@ -363,7 +503,11 @@ fn api_matches_the_session_and_reports_errors() {
 
 fn openai_python_client(srv: &Server) {
     let script = workspace().join("scripts/server_openai_test.py");
-    let have = Command::new("python3").args(["-c", "import openai"]).status().map(|s| s.success()).unwrap_or(false);
+    let have = Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
     if !have {
         if std::env::var("MIRAGE_SKIP_PYTHON_TESTS").as_deref() == Ok("1") {
             eprintln!("skipping the openai client test: the `openai` package is missing and MIRAGE_SKIP_PYTHON_TESTS=1");
@@ -371,11 +515,19 @@ fn openai_python_client(srv: &Server) {
         }
         panic!("the Python package `openai` is missing: `pip install openai` (or set MIRAGE_SKIP_PYTHON_TESTS=1)");
     }
-    let out = Command::new("python3").arg(&script).arg("--base-url").arg(format!("http://{}/v1", srv.addr)).output().unwrap();
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg("--base-url")
+        .arg(format!("http://{}/v1", srv.addr))
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "openai client test failed");
-    assert!(stdout.contains("openai client: 6 passed, 0 failed"), "{stdout}");
+    assert!(
+        stdout.contains("openai client: 6 passed, 0 failed"),
+        "{stdout}"
+    );
 }
 
 /// One forward pass over several sequences (prompts of different lengths,
@@ -388,12 +540,25 @@ fn openai_python_client(srv: &Server) {
 fn batched_forward_matches_single_sequences() {
     use mirage_runtime::TokenSlot;
     let Some(model) = model() else { return };
-    let engine = Engine::load(&model, EngineOptions { n_ctx: 256, threads: 2, ..Default::default() }).unwrap();
+    let engine = Engine::load(
+        &model,
+        EngineOptions {
+            n_ctx: 256,
+            threads: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let m = engine.model();
     let vocab = m.config().vocab_size;
-    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| engine.encode(p, true).unwrap()).collect();
+    let prompts: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| engine.encode(p, true).unwrap())
+        .collect();
     let next: Vec<u32> = vec![42, 1337, 7, 999];
-    let mut cache = m.new_kv_cache(256, prompts.len(), Default::default()).unwrap();
+    let mut cache = m
+        .new_kv_cache(256, prompts.len(), Default::default())
+        .unwrap();
     let mut scratch = m.new_scratch();
     let (mut tokens, mut slots, mut rows) = (Vec::new(), Vec::new(), Vec::new());
     for (seq, p) in prompts.iter().enumerate() {
@@ -404,23 +569,58 @@ fn batched_forward_matches_single_sequences() {
         rows.push(tokens.len() - 1);
     }
     let mut prefill = Vec::new();
-    m.forward(&tokens, &slots, &rows, &mut cache, &mut scratch, &mut prefill).unwrap();
-    let decode_slots: Vec<TokenSlot> = prompts.iter().enumerate().map(|(seq, p)| TokenSlot { seq, pos: p.len() }).collect();
+    m.forward(
+        &tokens,
+        &slots,
+        &rows,
+        &mut cache,
+        &mut scratch,
+        &mut prefill,
+    )
+    .unwrap();
+    let decode_slots: Vec<TokenSlot> = prompts
+        .iter()
+        .enumerate()
+        .map(|(seq, p)| TokenSlot { seq, pos: p.len() })
+        .collect();
     let mut decode = Vec::new();
-    m.forward(&next, &decode_slots, &[0, 1, 2, 3], &mut cache, &mut scratch, &mut decode).unwrap();
+    m.forward(
+        &next,
+        &decode_slots,
+        &[0, 1, 2, 3],
+        &mut cache,
+        &mut scratch,
+        &mut decode,
+    )
+    .unwrap();
     for (i, p) in prompts.iter().enumerate() {
         // Control: the same sequence alone, fed in chunks of 5 rows.
-        let e5 = Engine::load(&model, EngineOptions { n_ctx: 256, threads: 2, n_batch: 5, ..Default::default() }).unwrap();
+        let e5 = Engine::load(
+            &model,
+            EngineOptions {
+                n_ctx: 256,
+                threads: 2,
+                n_batch: 5,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         let mut sess = e5.session().unwrap();
         let chunked = sess.feed(p).unwrap().to_vec();
         let solo_p = engine.logits_for(p).unwrap();
         let s = &solo_p[(p.len() - 1) * vocab..];
-        let d = chunked.iter().zip(s).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        let d = chunked
+            .iter()
+            .zip(s)
+            .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
         eprintln!("sequence {i} control (chunks of 5): max |diff| {d}");
         let mut full = p.clone();
         full.push(next[i]);
         let solo = engine.logits_for(&full).unwrap();
-        for (label, batched, at) in [("prompt", &prefill, p.len() - 1), ("decode", &decode, p.len())] {
+        for (label, batched, at) in [
+            ("prompt", &prefill, p.len() - 1),
+            ("decode", &decode, p.len()),
+        ] {
             let b = &batched[i * vocab..(i + 1) * vocab];
             let s = &solo[at * vocab..(at + 1) * vocab];
             let scale = s.iter().fold(0f32, |a, x| a.max(x.abs()));
@@ -433,7 +633,10 @@ fn batched_forward_matches_single_sequences() {
             // Others differ as much as one sequence fed in other chunks
             // does (the control above); a slot or position mix-up moves
             // logits by the whole scale.
-            assert!(diff <= 0.05 * scale, "sequence {i} {label}: max |diff| {diff} (logit scale {scale})");
+            assert!(
+                diff <= 0.05 * scale,
+                "sequence {i} {label}: max |diff| {diff} (logit scale {scale})"
+            );
         }
     }
 }
@@ -441,7 +644,10 @@ fn batched_forward_matches_single_sequences() {
 #[test]
 fn api_key_queue_limit_and_graceful_shutdown() {
     let Some(model) = model() else { return };
-    let srv = Server::start(&model, &["--api-key", "sekret", "--max-batch", "1", "--queue", "1"]);
+    let srv = Server::start(
+        &model,
+        &["--api-key", "sekret", "--max-batch", "1", "--queue", "1"],
+    );
     let chat = chat_body("Tell me a long story about a dragon.", 300, true).to_string();
     let auth = ("Authorization", "Bearer sekret");
     let ct = ("Content-Type", "application/json");
@@ -449,7 +655,16 @@ fn api_key_queue_limit_and_graceful_shutdown() {
     let r = srv.request("GET", "/v1/models", &[], b"");
     assert_eq!(r.status, 401);
     assert_eq!(r.error()["code"], "invalid_api_key");
-    assert_eq!(srv.request("GET", "/v1/models", &[("Authorization", "Bearer wrong")], b"").status, 401);
+    assert_eq!(
+        srv.request(
+            "GET",
+            "/v1/models",
+            &[("Authorization", "Bearer wrong")],
+            b""
+        )
+        .status,
+        401
+    );
     assert_eq!(srv.request("GET", "/v1/models", &[auth], b"").status, 200);
     // Health and metrics stay open for probes.
     assert_eq!(srv.request("GET", "/health", &[], b"").status, 200);
@@ -458,33 +673,66 @@ fn api_key_queue_limit_and_graceful_shutdown() {
     // third is turned away with 429 and Retry-After.
     let open = |body: &str| {
         let mut s = TcpStream::connect(&srv.addr).unwrap();
-        s.write_all(request_head(&srv.addr, "POST", "/v1/chat/completions", &[auth, ct], body.len()).as_bytes()).unwrap();
+        s.write_all(
+            request_head(
+                &srv.addr,
+                "POST",
+                "/v1/chat/completions",
+                &[auth, ct],
+                body.len(),
+            )
+            .as_bytes(),
+        )
+        .unwrap();
         s.write_all(body.as_bytes()).unwrap();
         s
     };
     let first = open(&chat);
-    assert_eq!(srv.wait_metric("mirage_active_sequences", 10, |v| v == 1.0), 1.0);
+    assert_eq!(
+        srv.wait_metric("mirage_active_sequences", 10, |v| v == 1.0),
+        1.0
+    );
     let second = open(&chat);
     assert_eq!(srv.wait_metric("mirage_queue_depth", 10, |v| v == 1.0), 1.0);
     let r = srv.request("POST", "/v1/chat/completions", &[auth, ct], chat.as_bytes());
     assert_eq!(r.status, 429, "{}", r.body);
     assert_eq!(r.error()["type"], "rate_limit_error");
-    let retry: u64 = r.header("retry-after").expect("Retry-After").parse().unwrap();
+    let retry: u64 = r
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .unwrap();
     assert!((1..=60).contains(&retry));
     assert_eq!(srv.metric("mirage_rejected_requests_total"), 1.0);
 
     // Both clients leave: the queued one is dropped, the slot is freed.
     drop(first);
     drop(second);
-    assert_eq!(srv.wait_metric("mirage_active_sequences", 5, |v| v == 0.0), 0.0);
+    assert_eq!(
+        srv.wait_metric("mirage_active_sequences", 5, |v| v == 0.0),
+        0.0
+    );
     assert_eq!(srv.wait_metric("mirage_queue_depth", 5, |v| v == 0.0), 0.0);
 
     // SIGTERM while a request streams: it finishes, the server exits 0.
     let body = chat_body("Count to five.", 40, false).to_string();
     let mut s = TcpStream::connect(&srv.addr).unwrap();
-    s.write_all(request_head(&srv.addr, "POST", "/v1/chat/completions", &[auth, ct], body.len()).as_bytes()).unwrap();
+    s.write_all(
+        request_head(
+            &srv.addr,
+            "POST",
+            "/v1/chat/completions",
+            &[auth, ct],
+            body.len(),
+        )
+        .as_bytes(),
+    )
+    .unwrap();
     s.write_all(body.as_bytes()).unwrap();
-    assert_eq!(srv.wait_metric("mirage_active_sequences", 10, |v| v == 1.0), 1.0);
+    assert_eq!(
+        srv.wait_metric("mirage_active_sequences", 10, |v| v == 1.0),
+        1.0
+    );
     let status = srv.terminate();
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).unwrap();
