@@ -26,11 +26,14 @@ pub struct KvPruning {
     pub recent_pages: usize,
     /// Other pages attended: those with the highest `q·k` upper bound.
     pub top_pages: usize,
+    /// The first layers attend every position (their attention is spread
+    /// out, so page bounds select poorly there; Quest does the same).
+    pub dense_layers: usize,
 }
 
 impl Default for KvPruning {
     fn default() -> Self {
-        KvPruning { page: 64, sink_pages: 1, recent_pages: 2, top_pages: 8 }
+        KvPruning { page: 64, sink_pages: 1, recent_pages: 2, top_pages: 8, dense_layers: 0 }
     }
 }
 
@@ -38,7 +41,7 @@ impl KvPruning {
     /// Settings that select every page: pruned attention then computes full
     /// attention (used to check the pruned path against the full one).
     pub fn all_pages(page: usize) -> KvPruning {
-        KvPruning { page, sink_pages: 0, recent_pages: 0, top_pages: usize::MAX }
+        KvPruning { page, sink_pages: 0, recent_pages: 0, top_pages: usize::MAX, dense_layers: 0 }
     }
 
     /// Rejects a zero page size.
@@ -311,8 +314,9 @@ impl KvCache {
             Some(p) if prune => p,
             _ => return self.attend(layer, seq, head, n, q, scale, scores, out),
         };
-        let Some(cfg) = &paged.pruning else {
-            return self.attend(layer, seq, head, n, q, scale, scores, out);
+        let cfg = match &paged.pruning {
+            Some(cfg) if layer >= cfg.dense_layers => cfg,
+            _ => return self.attend(layer, seq, head, n, q, scale, scores, out),
         };
         // No shortcut to full attention when every page is selected: the page
         // path costs the same, and tests rely on it being the one that runs.

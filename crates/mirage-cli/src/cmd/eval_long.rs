@@ -46,6 +46,9 @@ pub struct EvalLongArgs {
     /// Always-attended most recent pages.
     #[arg(long, default_value_t = 2)]
     recent_pages: usize,
+    /// First layers left dense (every position attended).
+    #[arg(long, default_value_t = 0)]
+    dense_layers: usize,
     /// Tokens at the end of each context scored (perplexity) and timed.
     #[arg(long, default_value_t = 32)]
     ppl_tokens: usize,
@@ -243,7 +246,7 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&args.text).with_context(|| format!("reading {}", args.text.display()))?;
     let file = Arc::new(GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?);
     let tok = Tokenizer::from_gguf(&file).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let pruning = KvPruning { page: args.page, sink_pages: args.sink_pages, recent_pages: args.recent_pages, top_pages: args.top_pages };
+    let pruning = KvPruning { page: args.page, sink_pages: args.sink_pages, recent_pages: args.recent_pages, top_pages: args.top_pages, dense_layers: args.dense_layers };
     let backend = CpuBackend::new(args.threads)?.with_kv_pruning(pruning)?;
     let model = Model::load(file, backend)?;
     let n_ctx_train = model.config().n_ctx_train;
@@ -288,7 +291,7 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
             "model": args.model.display().to_string(),
             "text": args.text.display().to_string(),
             "n_ctx_train": n_ctx_train,
-            "pruning": { "page": pruning.page, "sink_pages": pruning.sink_pages, "recent_pages": pruning.recent_pages, "top_pages": pruning.top_pages },
+            "pruning": { "page": pruning.page, "sink_pages": pruning.sink_pages, "recent_pages": pruning.recent_pages, "top_pages": pruning.top_pages, "dense_layers": pruning.dense_layers },
             "kv_dtype": if args.kv_f16 { "f16" } else { "f32" },
             "threads": model.backend().threads(),
             "ppl_tokens": args.ppl_tokens,
