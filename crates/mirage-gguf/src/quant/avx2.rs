@@ -610,30 +610,47 @@ pub(crate) fn dot_rows_fn(ty: GgmlType) -> Option<super::DotRowsFn> {
 /// Decodes each 32-element weight block once (`$decode` reads block pointer
 /// `$x` and yields its scale, its minimum and the 32 quants) and pairs it
 /// with the same block of 4 activation rows, so the weight bytes are read
-/// and unpacked once per 4 tokens instead of once per token. Per row the
-/// float operations are the single-row kernels' (one accumulator instead
-/// of two), so results agree with them to float rounding.
+/// and unpacked once per 4 tokens instead of once per token. The 4 rows'
+/// f16 scale (and, for Q8_1, block sum) pairs are widened by one `cvtph`
+/// and scaled by one multiply: lane `2j` is row j's `dw * dy`, lane `2j+1`
+/// its `mw * sy`, accumulated in `mins`. Per row these are the single-row
+/// kernels' float operations (one accumulator instead of two), so results
+/// agree with them to float rounding.
 macro_rules! four_rows_blocks {
     ($n:expr, $w:expr, $a:expr, $stride:expr, $out:expr,
      wsize = $wsz:expr, asize = $asz:expr, aqs = $aoff:expr, mins = $has_min:expr,
      $mul:ident, |$x:ident| $decode:expr) => {{
         let (wp, ap) = ($w.as_ptr(), $a.as_ptr());
         let mut acc = [_mm256_setzero_ps(); 4];
-        let mut mins = [0f32; 4];
+        let mut mins = _mm256_setzero_ps();
+        let lane = [
+            _mm256_set1_epi32(0),
+            _mm256_set1_epi32(2),
+            _mm256_set1_epi32(4),
+            _mm256_set1_epi32(6),
+        ];
         for i in 0..$n / 32 {
             let $x = wp.add($wsz * i);
             let (dw, mw, q): (f32, f32, __m256i) = $decode;
+            let y0 = ap.add($asz * i);
+            let rd = |j: usize| (y0.add(j * $stride) as *const i32).read_unaligned();
+            // Q8_0 rows have no sum: their odd lanes hold quant bytes,
+            // which are scaled by mw = 0 and never read.
+            let halves = _mm_set_epi32(rd(3), rd(2), rd(1), rd(0));
+            let scaled = _mm256_mul_ps(_mm256_cvtph_ps(halves), _mm256_set_ps(mw, dw, mw, dw, mw, dw, mw, dw));
+            if $has_min {
+                mins = _mm256_add_ps(mins, scaled);
+            }
             for j in 0..4 {
-                let y = ap.add(j * $stride + $asz * i);
-                let p = $mul(q, load256(y.add($aoff)));
-                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * fp16(y)), _mm256_cvtepi32_ps(p), acc[j]);
-                if $has_min {
-                    mins[j] += mw * fp16(y.add(2));
-                }
+                let p = $mul(q, load256(y0.add(j * $stride + $aoff)));
+                let d = _mm256_permutevar8x32_ps(scaled, lane[j]);
+                acc[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[j]);
             }
         }
+        let mut m = [0f32; 8];
+        _mm256_storeu_ps(m.as_mut_ptr(), mins);
         for j in 0..4 {
-            $out[j] = hsum_ps(acc[j]) + mins[j];
+            $out[j] = hsum_ps(acc[j]) + if $has_min { m[2 * j + 1] } else { 0.0 };
         }
     }};
 }
