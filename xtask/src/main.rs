@@ -15,6 +15,7 @@ use mirage_fetch::{FetchOutcome, ModelSpec, MODELS};
 
 mod bench;
 mod build_artifacts;
+mod route_export;
 mod shaders;
 
 #[derive(Debug, Parser)]
@@ -41,6 +42,8 @@ enum Task {
     BuildArtifacts(build_artifacts::BuildArtifactsArgs),
     /// Benchmark MIRAGE against llama.cpp (`bench cpu`: llama-bench on the same GGUF, same threads).
     Bench(bench::BenchArgs),
+    /// Export an artifact's per-layer router data and real query points (dense pass over held-out text) for `route-real`.
+    RouteExport(route_export::RouteExportArgs),
 }
 
 /// The workspace root: xtask/ sits directly below it.
@@ -88,6 +91,7 @@ fn main() -> ExitCode {
         Task::Shaders(args) => shaders::run(&args, &workspace_root()),
         Task::BuildArtifacts(args) => build_artifacts::run(&args, &workspace_root()),
         Task::Bench(args) => bench::run(&args, &workspace_root()),
+        Task::RouteExport(args) => route_export::run(&args, &workspace_root()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
