@@ -158,7 +158,7 @@ fn greedy(r: &mut Runner<'_>, tok: &Tokenizer, last: u32, pos: usize, n: usize) 
         }
         out.push(t);
     }
-    Ok(tok.decode(&out, true).map_err(|e| anyhow::anyhow!("{e}"))?)
+    tok.decode(&out, true).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 fn eval_context(r: &mut Runner<'_>, tok: &Tokenizer, text_tokens: &[u32], n: usize, args: &EvalLongArgs) -> anyhow::Result<ContextResult> {
