@@ -405,8 +405,11 @@ extern "C" __global__ void rope_store(float* q, float* k, const float* __restric
 }
 
 // Causal attention of one query head of one row over positions 0..=pos of
-// its sequence. Grid (rows, n_head), block 128, dynamic shared memory
-// (max_n + head_dim) floats.
+// its sequence. Grid (rows, n_head), block 512 (a multiple of head_dim),
+// dynamic shared memory (max_n + head_dim + 512) floats. Scores: one warp per
+// key, 16 keys in flight. Weighted V sum: blockDim / head_dim groups of
+// head_dim threads each take every G-th position, then the partial sums are
+// added, so no thread walks all positions alone.
 extern "C" __global__ void attend(const float* __restrict__ q, const float* __restrict__ kc,
                                   const float* __restrict__ vc, const int* __restrict__ slots, int n_head,
                                   int n_head_kv, int head_dim, int n_ctx, float scale, float* __restrict__ out) {
@@ -416,13 +419,13 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
     int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
     int kvh = head / (n_head / n_head_kv);
     float* qs = sm;
-    float* sc = sm + head_dim;
+    float* part = sm + head_dim;             // G * head_dim partial sums
+    float* sc = part + blockDim.x;           // n scores
     const float* qh = q + ((long)row * n_head + head) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d];
     __syncthreads();
     const float* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
     const float* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
-    // Scores: one warp per key, lanes over the head dimension.
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     for (int j = warp; j < n; j += nw) {
         const float* kr = K + (long)j * head_dim;
@@ -442,12 +445,24 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
         sum += e;
     }
     sum = block_sum(sum, s32);  // its barriers also publish sc[]
+    int groups = blockDim.x / head_dim, g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
+    if (g < groups) {
+        float a0 = 0.f, a1 = 0.f;
+        int j = g;
+        for (; j + groups < n; j += 2 * groups) {
+            a0 += sc[j] * V[(long)j * head_dim + d];
+            a1 += sc[j + groups] * V[(long)(j + groups) * head_dim + d];
+        }
+        if (j < n) a0 += sc[j] * V[(long)j * head_dim + d];
+        part[g * head_dim + d] = a0 + a1;
+    }
+    __syncthreads();
     float inv = 1.f / sum;
     float* o = out + ((long)row * n_head + head) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    for (int dd = threadIdx.x; dd < head_dim; dd += blockDim.x) {
         float acc = 0.f;
-        for (int j = 0; j < n; j++) acc += sc[j] * V[(long)j * head_dim + d];
-        o[d] = acc * inv;
+        for (int k = 0; k < groups; k++) acc += part[k * head_dim + dd];
+        o[dd] = acc * inv;
     }
 }
 

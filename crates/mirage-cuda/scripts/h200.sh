@@ -32,4 +32,17 @@ case $phase in
   "$W/mirage-cli" bench --model "$M" --backend cpu --prompt 512 --gen 128 --json | tee "$OUT/bench_cpu.json"
   "$W/mirage-cli" bench --model "$M" --backend cpu --prompt 512 --gen 128 | tee "$OUT/bench_cpu.txt"
   ;;
+3)
+  # Before/after in one run on SmolLM2 cut to its first 10 blocks (real
+  # weights, fits one transfer): .devbin3/{bins-old,bins-new}.tar.xz, smol10.gguf
+  mkdir -p "$W/old" "$W/new"
+  tar -xJf .devbin3/bins-old.tar.xz -C "$W/old" && tar -xJf .devbin3/bins-new.tar.xz -C "$W/new" || exit 1
+  nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv
+  "$W/new/kernels" --nocapture --test-threads 1 --skip smollm2 2>&1 | tee "$OUT/kernels.log"
+  M=.devbin3/smol10.gguf
+  for v in old new old new; do
+    "$W/$v/mirage-cli" bench --model "$M" --backend cuda --prompt 512 --gen 128 --json | tee -a "$OUT/bench_$v.json"
+  done
+  "$W/new/mirage-cli" bench --model "$M" --backend cpu --prompt 512 --gen 128 --json | tee "$OUT/bench_cpu.json"
+  ;;
 esac

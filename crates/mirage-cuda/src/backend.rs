@@ -46,6 +46,9 @@ const SUFFIXES: &[&str] = &["f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1"
 const OTHER_KERNELS: &[&str] =
     &["rms_norm", "add_bias", "add_inplace", "swiglu", "gather_rows", "rope_store", "attend", "argmax_rows"];
 
+/// Threads of an attention block (a multiple of every supported head_dim).
+const ATTEND_THREADS: u32 = 512;
+
 /// Warps (weight rows) per mat-vec thread block.
 const MATVEC_WARPS: u32 = 8;
 
@@ -556,8 +559,8 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let hd = p.head_dim;
         let n = slots.len();
-        if p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 || hd % 64 != 0 || hd > 1024 {
-            return Err(bad(format!("attention shape {p:?} (the cuda kernels need head_dim a multiple of 64)")));
+        if p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 || hd % 64 != 0 || hd > ATTEND_THREADS as usize {
+            return Err(bad(format!("attention shape {p:?} (the cuda kernels need head_dim a multiple of 64, at most 512)")));
         }
         if q.rows != n || k.rows != n || v.rows != n || q.width != p.n_head * hd || k.width != p.n_head_kv * hd || v.width != k.width {
             return Err(bad("attention inputs do not match the batch"));
@@ -573,9 +576,9 @@ impl Backend for CudaBackend {
         if let Some(s) = slots.iter().find(|s| s.seq >= spec.n_seq) {
             return Err(bad(format!("sequence slot {} >= {}", s.seq, spec.n_seq)));
         }
-        let smem = (max_pos + 1 + hd) * 4;
+        let smem = (max_pos + 1 + hd + ATTEND_THREADS as usize) * 4;
         if smem > 48 * 1024 {
-            return Err(bad(format!("position {max_pos}: the cuda attention kernel holds at most {} scores", 48 * 1024 / 4 - hd)));
+            return Err(bad(format!("position {max_pos}: the cuda attention kernel holds at most {} scores", 48 * 1024 / 4 - hd - ATTEND_THREADS as usize)));
         }
         let mut s = self.scratch();
         let pslots = self.slots_ptr(&mut s, slots)?;
@@ -604,7 +607,7 @@ impl Backend for CudaBackend {
         let po = self.reshape(out, n, p.n_head * hd)?;
         let scale = 1.0 / (hd as f32).sqrt();
         let f = self.kernel("attend")?;
-        let cfg = LaunchConfig { grid_dim: (n as u32, p.n_head as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: smem as u32 };
+        let cfg = LaunchConfig { grid_dim: (n as u32, p.n_head as u32, 1), block_dim: (ATTEND_THREADS, 1, 1), shared_mem_bytes: smem as u32 };
         let mut b = self.stream.launch_builder(f);
         b.arg(&pq).arg(&pkc).arg(&pvc).arg(&pslots).arg(&nh).arg(&nkv).arg(&hdi).arg(&n_ctx).arg(&scale).arg(&po);
         // SAFETY: as above; dynamic shared memory sized for max_pos + 1 scores.
