@@ -121,6 +121,37 @@ fn slice_set(set: &CandidateSet, from: usize, n: usize) -> CandidateSet {
     CandidateSet { queries: n, pages: set.pages, words_per_query: w, bits: set.bits[from * w..(from + n) * w].to_vec() }
 }
 
+/// Runs one (export, GPU router) pair in a child process; passes its output
+/// through and returns (mismatching queries, load seconds, seconds per pass per batch).
+fn run_child(args: &[String], job: usize, name: &str, n_batches: usize) -> Result<(usize, f64, Vec<f64>), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("{name}: current_exe: {e}"))?;
+    let out = std::process::Command::new(exe)
+        .args(args)
+        .args(["--child", &job.to_string(), name])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("{name}: spawning child: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut result = None;
+    for line in text.lines() {
+        match line.strip_prefix("RESULT ") {
+            Some(r) => result = Some(r.to_string()),
+            None => println!("{line}"),
+        }
+    }
+    let r = result.ok_or_else(|| format!("{name}: child exited with {} and no result", out.status))?;
+    if let Some(f) = r.strip_prefix("fail ") {
+        return Err(f.to_string());
+    }
+    let v: Vec<&str> = r.split_whitespace().collect();
+    let parse = |s: &str| s.parse::<f64>().map_err(|e| format!("{name}: child result {r:?}: {e}"));
+    if v.len() != 3 + n_batches || v[0] != "ok" {
+        return Err(format!("{name}: malformed child result {r:?}"));
+    }
+    let secs = v[3..].iter().map(|s| parse(s)).collect::<Result<Vec<_>, _>>()?;
+    Ok((parse(v[1])? as usize, parse(v[2])?, secs))
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut seconds = 0.5f64;
@@ -128,6 +159,10 @@ fn main() {
     let mut batch_spec = "1,24,all".to_string();
     let mut variant_batches = "24,all".to_string();
     let mut all_routed = false;
+    // GPU routers run in a child process per (export, router): the first H200
+    // run lost its Vulkan driver after ~30 wgpu devices in one process.
+    let mut isolate = true;
+    let mut child: Option<(usize, String)> = None;
     let mut files = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -136,6 +171,11 @@ fn main() {
             "--require-gpu" => require_gpu = true,
             "--batches" => batch_spec = it.next().expect("--batches LIST").clone(),
             "--all-routed" => all_routed = true,
+            "--no-isolate" => isolate = false,
+            "--child" => {
+                let j: usize = it.next().and_then(|s| s.parse().ok()).expect("--child JOB ROUTER");
+                child = Some((j, it.next().expect("--child JOB ROUTER").clone()));
+            }
             "--variant-batches" => variant_batches = it.next().expect("--variant-batches LIST").clone(),
             f => files.push(f.to_string()),
         }
@@ -177,7 +217,10 @@ fn main() {
         }
         jobs.insert(jobs.len() - if all_routed { 2 } else { 0 }, (ex, path.clone(), batch_spec.clone()));
     }
-    for (ex, path, batch_spec) in &jobs {
+    for (ji, (ex, path, batch_spec)) in jobs.iter().enumerate() {
+        if child.as_ref().is_some_and(|(cj, _)| *cj != ji) {
+            continue;
+        }
         let n_layer = ex.layers.len();
         let queries: usize = ex.layers.iter().map(|l| l.queries).sum();
         let max_q = ex.layers.iter().map(|l| l.queries).max().unwrap_or(0);
@@ -187,8 +230,10 @@ fn main() {
         let (rmin, rmax) = (routed.iter().min().copied().unwrap_or(0), routed.iter().max().copied().unwrap_or(0));
         let span = |a: usize, b: usize| if a == b { format!("{a}") } else { format!("{a}..{b}") };
         let pages_txt = format!("{} ({} routed)", span(pmin, pmax), span(rmin, rmax));
-        println!("== {} ({path}): {n_layer} layers, {queries} token-layer queries, pages/layer {pages:?}, routed (threshold > 0) {routed:?}", ex.name);
+        if child.is_none() {
+            println!("== {} ({path}): {n_layer} layers, {queries} token-layer queries, pages/layer {pages:?}, routed (threshold > 0) {routed:?}", ex.name);
         println!("   provenance: {}", ex.provenance);
+        }
         let batches: Vec<usize> = batch_spec
             .split(',')
             .map(|b| if b == "all" { max_q } else { b.parse().expect("batch size") })
@@ -211,7 +256,21 @@ fn main() {
             let mut secs = vec![0f64; batches.len()];
             let mut bad = 0usize;
             let mut failed = None;
-            for (l, layer) in ex.layers.iter().enumerate() {
+            if child.as_ref().is_some_and(|(_, cn)| cn != name) {
+                continue;
+            }
+            let in_child = child.is_none() && isolate && (name == "wgpu" || name == "vulkan-rt");
+            if in_child {
+                match run_child(&args, ji, name, batches.len()) {
+                    Ok((b, l, s)) => {
+                        bad = b;
+                        load = l;
+                        secs = s;
+                    }
+                    Err(f) => failed = Some(f),
+                }
+            }
+            for (l, layer) in ex.layers.iter().enumerate().filter(|_| !in_child) {
                 let t = Instant::now();
                 let mut router = match make(&layer.data) {
                     Ok(r) => r,
@@ -269,6 +328,20 @@ fn main() {
                 if failed.is_some() {
                     break;
                 }
+            }
+            if child.is_some() {
+                match &failed {
+                    // Open file descriptors, to tell a leak from a missing driver.
+                    Some(f) => println!(
+                        "RESULT fail {f} (open fds {})",
+                        std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+                    ),
+                    None => println!(
+                        "RESULT ok {bad} {load} {}",
+                        secs.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ")
+                    ),
+                }
+                std::process::exit(0);
             }
             if let Some(f) = failed {
                 println!("UNAVAILABLE {f}");
