@@ -71,9 +71,17 @@ impl CpuMatrix {
     /// rows at a time (the weight row is unpacked once per group, and stays
     /// in L1 across groups). In exact mode the row is dequantized once into
     /// `deq` and dotted with every f32 activation row.
-    fn row_dots(&self, r: usize, act: &ActRows<'_>, out: &mut [f32], deq: &mut Vec<f32>) {
-        let (wr, cols) = (self.row(r), self.cols);
+    ///
+    /// `bytes` is `self.data.as_slice()`, looked up once per task by the
+    /// caller (it goes through a trait object).
+    fn row_dots(&self, bytes: &[u8], r: usize, act: &ActRows<'_>, out: &mut [f32], deq: &mut Vec<f32>) {
+        let (wr, cols) = (&bytes[r * self.row_bytes..(r + 1) * self.row_bytes], self.cols);
         match *act {
+            ActRows::Quantized { data, row_bytes } if out.len() == 1 => {
+                // Decode: one activation row.
+                // SAFETY: as below.
+                out[0] = unsafe { (self.dot)(cols, wr, &data[..row_bytes]) };
+            }
             ActRows::Quantized { data, row_bytes } => {
                 let mut groups = out.chunks_exact_mut(DOT_ROWS);
                 let mut a = 0;
@@ -350,9 +358,10 @@ fn matmul_rows(
     };
     pool.install(|| {
         dst.par_chunks_mut(chunk * n_act).enumerate().for_each(|(ci, o)| {
+            let bytes = w.data.as_slice();
             ROW_SCRATCH.with_borrow_mut(|(deq, _, _)| {
                 for (i, o) in o.chunks_mut(n_act).enumerate() {
-                    w.row_dots(ci * chunk + i, act, o, deq);
+                    w.row_dots(bytes, ci * chunk + i, act, o, deq);
                 }
             })
         })
@@ -524,7 +533,7 @@ impl Backend for CpuBackend {
                     for (i, o) in o.chunks_mut(n).enumerate() {
                         let g = ci * chunk + i;
                         let m = offsets.partition_point(|&off| off <= g) - 1;
-                        ws[m].row_dots(g - offsets[m], &acts[m], o, deq);
+                        ws[m].row_dots(ws[m].data.as_slice(), g - offsets[m], &acts[m], o, deq);
                     }
                 })
             })
@@ -669,13 +678,14 @@ impl Backend for CpuBackend {
         let chunk = self.chunk_rows(n_ff);
         self.pool.install(|| {
             s.hidden.par_chunks_mut(chunk * n).enumerate().for_each(|(ci, o)| {
+                let (gate_bytes, up_bytes) = (f.gate.data.as_slice(), f.up.data.as_slice());
                 ROW_SCRATCH.with_borrow_mut(|(deq, g, u)| {
                     g.resize(n, 0.0);
                     u.resize(n, 0.0);
                     for (i, o) in o.chunks_mut(n).enumerate() {
                         let r = ci * chunk + i;
-                        f.gate.row_dots(r, &gate_act, g, deq);
-                        f.up.row_dots(r, &up_act, u, deq);
+                        f.gate.row_dots(gate_bytes, r, &gate_act, g, deq);
+                        f.up.row_dots(up_bytes, r, &up_act, u, deq);
                         for ((o, &g), &u) in o.iter_mut().zip(g.iter()).zip(u.iter()) {
                             *o = ops::silu(g) * u;
                         }
