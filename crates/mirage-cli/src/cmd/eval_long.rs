@@ -55,6 +55,9 @@ pub struct EvalLongArgs {
     /// Needle depths (fractions of the haystack), comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "0.1,0.5,0.9")]
     needle_depths: Vec<f64>,
+    /// Skip the needle check (it costs one full prefill per depth).
+    #[arg(long)]
+    no_needles: bool,
     /// Store the KV cache as f16.
     #[arg(long)]
     kv_f16: bool,
@@ -191,7 +194,8 @@ fn eval_context(r: &mut Runner<'_>, tok: &Tokenizer, text_tokens: &[u32], n: usi
     let same = full.iter().zip(&pruned).filter(|(a, b)| argmax(a) == argmax(b)).count();
     let pages = n.div_ceil(args.page);
     let mut needles = Vec::new();
-    for (i, &depth) in args.needle_depths.iter().enumerate() {
+    let depths: &[f64] = if args.no_needles { &[] } else { &args.needle_depths };
+    for (i, &depth) in depths.iter().enumerate() {
         needles.push(needle(r, tok, text_tokens, n, depth, 1000 + (n as u64 * 7919 + i as u64 * 104_729) % 9000)?);
     }
     Ok(ContextResult {
