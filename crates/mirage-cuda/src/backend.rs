@@ -3,7 +3,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use mirage_gguf::quant;
 use mirage_gguf::GgmlType;
 use mirage_runtime::backend::{AttentionParams, Backend, HostMatrix, QkNorm, TokenSlot};
@@ -42,9 +44,19 @@ fn kernel_suffix(ty: GgmlType) -> Option<&'static str> {
     })
 }
 
-const SUFFIXES: &[&str] = &["f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q4_k", "q5_k", "q6_k"];
-const OTHER_KERNELS: &[&str] =
-    &["rms_norm", "add_bias", "add_inplace", "swiglu", "gather_rows", "rope_store", "attend", "argmax_rows"];
+const SUFFIXES: &[&str] = &[
+    "f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q4_k", "q5_k", "q6_k",
+];
+const OTHER_KERNELS: &[&str] = &[
+    "rms_norm",
+    "add_bias",
+    "add_inplace",
+    "swiglu",
+    "gather_rows",
+    "rope_store",
+    "attend",
+    "argmax_rows",
+];
 
 /// Threads of an attention block (a multiple of every supported head_dim).
 const ATTEND_THREADS: u32 = 512;
@@ -152,7 +164,11 @@ pub struct CudaBackend {
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CudaBackend {{ device: {:?}, sm_{}{} }}", self.device_name, self.compute_capability.0, self.compute_capability.1)
+        write!(
+            f,
+            "CudaBackend {{ device: {:?}, sm_{}{} }}",
+            self.device_name, self.compute_capability.0, self.compute_capability.1
+        )
     }
 }
 
@@ -187,12 +203,17 @@ impl CudaBackend {
         let device_name = ctx.name().map_err(d)?;
         let cc = ctx.compute_capability().map_err(d)?;
         let (ptx, ptx_from_cache) = module::ptx_for("dense", module::DENSE_SOURCE, cc.0, cc.1)?;
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(d)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(d)?;
         let mut kernels = HashMap::new();
         let names: Vec<&'static str> = SUFFIXES
             .iter()
             .flat_map(|s| {
-                [&*Box::leak(format!("matvec_{s}").into_boxed_str()), &*Box::leak(format!("embed_{s}").into_boxed_str())]
+                [
+                    &*Box::leak(format!("matvec_{s}").into_boxed_str()),
+                    &*Box::leak(format!("embed_{s}").into_boxed_str()),
+                ]
             })
             .chain(OTHER_KERNELS.iter().copied())
             .collect();
@@ -250,8 +271,14 @@ impl CudaBackend {
         let mut dst = self.stream.alloc_zeros::<f32>(n).map_err(drv)?;
         let mut times = Vec::with_capacity(iters);
         for i in 0..iters + 2 {
-            let start = self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv)?;
-            let end = self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv)?;
+            let start = self
+                .ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(drv)?;
+            let end = self
+                .ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(drv)?;
             start.record(&self.stream).map_err(drv)?;
             self.stream.memcpy_dtod(&src, &mut dst).map_err(drv)?;
             end.record(&self.stream).map_err(drv)?;
@@ -268,10 +295,17 @@ impl CudaBackend {
     /// `out[r]` = index of the largest element of row `r` of `x`, computed on
     /// the device (only the indices travel to the host).
     pub fn argmax(&self, x: &CudaActivations) -> Result<Vec<u32>> {
-        let buf = x.buf.as_ref().ok_or_else(|| bad("argmax of an empty buffer"))?;
+        let buf = x
+            .buf
+            .as_ref()
+            .ok_or_else(|| bad("argmax of an empty buffer"))?;
         let mut idx = self.stream.alloc_zeros::<u32>(x.rows.max(1)).map_err(drv)?;
         let f = self.kernel("argmax_rows")?;
-        let cfg = LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (x.rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let (px, pi) = (self.ptr(buf), self.ptr(&idx));
         let width = x.width as i32;
         let mut b = self.stream.launch_builder(f);
@@ -279,13 +313,20 @@ impl CudaBackend {
         // SAFETY: argument types match the kernel's signature.
         unsafe { b.launch(cfg) }.map_err(drv)?;
         let mut out = vec![0u32; x.rows];
-        self.stream.memcpy_dtoh(&idx.slice(0..x.rows), &mut out).map_err(drv)?;
+        self.stream
+            .memcpy_dtoh(&idx.slice(0..x.rows), &mut out)
+            .map_err(drv)?;
         let _ = &mut idx;
         Ok(out)
     }
 
     /// A device buffer holding `data` as `rows` rows of `width` floats.
-    pub fn upload_activations(&self, rows: usize, width: usize, data: &[f32]) -> Result<CudaActivations> {
+    pub fn upload_activations(
+        &self,
+        rows: usize,
+        width: usize,
+        data: &[f32],
+    ) -> Result<CudaActivations> {
         if rows.checked_mul(width) != Some(data.len()) {
             return Err(bad("activation data does not match its shape"));
         }
@@ -293,13 +334,17 @@ impl CudaBackend {
         self.reshape(&mut a, rows, width)?;
         if !data.is_empty() {
             let buf = a.buf.as_mut().expect("reshape allocates");
-            self.stream.memcpy_htod(data, &mut buf.slice_mut(0..data.len())).map_err(drv)?;
+            self.stream
+                .memcpy_htod(data, &mut buf.slice_mut(0..data.len()))
+                .map_err(drv)?;
         }
         Ok(a)
     }
 
     fn kernel(&self, name: &str) -> Result<&CudaFunction> {
-        self.kernels.get(name).ok_or_else(|| bad(format!("no kernel `{name}`")))
+        self.kernels
+            .get(name)
+            .ok_or_else(|| bad(format!("no kernel `{name}`")))
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
@@ -325,7 +370,10 @@ impl CudaBackend {
     /// Sets the shape of `a`, growing its buffer when needed; returns its
     /// device pointer.
     fn reshape(&self, a: &mut CudaActivations, rows: usize, width: usize) -> Result<u64> {
-        let n = rows.checked_mul(width).ok_or_else(|| bad("activation shape overflows"))?.max(1);
+        let n = rows
+            .checked_mul(width)
+            .ok_or_else(|| bad("activation shape overflows"))?
+            .max(1);
         let cap = a.buf.as_ref().map_or(0, |b| b.len());
         if cap < n {
             // Round up so that a growing prefill does not reallocate every call.
@@ -339,15 +387,24 @@ impl CudaBackend {
     }
 
     fn act_ptr(&self, a: &CudaActivations) -> Result<u64> {
-        a.buf.as_ref().map(|b| self.ptr(b)).ok_or_else(|| bad("activation buffer used before it was written"))
+        a.buf
+            .as_ref()
+            .map(|b| self.ptr(b))
+            .ok_or_else(|| bad("activation buffer used before it was written"))
     }
 
     fn upload_u32(&self, slot: &mut Option<CudaSlice<u32>>, v: &[u32]) -> Result<u64> {
         if slot.as_ref().is_none_or(|s| s.len() < v.len()) {
-            *slot = Some(self.stream.alloc_zeros::<u32>(v.len().next_power_of_two()).map_err(drv)?);
+            *slot = Some(
+                self.stream
+                    .alloc_zeros::<u32>(v.len().next_power_of_two())
+                    .map_err(drv)?,
+            );
         }
         let s = slot.as_mut().expect("allocated above");
-        self.stream.memcpy_htod(v, &mut s.slice_mut(0..v.len())).map_err(drv)?;
+        self.stream
+            .memcpy_htod(v, &mut s.slice_mut(0..v.len()))
+            .map_err(drv)?;
         Ok(self.ptr(s))
     }
 
@@ -363,7 +420,12 @@ impl CudaBackend {
             block_dim: (32 * MATVEC_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (pw, rb, rows, cols) = (self.ptr(&w.data), w.row_bytes as i64, w.rows as i32, w.cols as i32);
+        let (pw, rb, rows, cols) = (
+            self.ptr(&w.data),
+            w.row_bytes as i64,
+            w.rows as i32,
+            w.cols as i32,
+        );
         let mut b = self.stream.launch_builder(f);
         b.arg(&pw).arg(&rb).arg(&rows).arg(&cols).arg(&x).arg(&y);
         // SAFETY: argument types match the kernel; x holds n_act * cols and y
@@ -374,7 +436,11 @@ impl CudaBackend {
 
     fn elementwise(&self, name: &str, n: usize, args: &[u64], width: Option<i32>) -> Result<()> {
         let f = self.kernel(name)?;
-        let cfg = LaunchConfig { grid_dim: ((n as u32).div_ceil(256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(256), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let n = n as i64;
         let mut b = self.stream.launch_builder(f);
         for a in args {
@@ -393,28 +459,58 @@ impl CudaBackend {
         let row_bytes = quant::row_bytes(m.ty, m.cols)?;
         let bytes = m.data.as_slice();
         if bytes.len() != row_bytes * m.rows {
-            return Err(bad(format!("{}: {} bytes for {}x{} {}", m.name, bytes.len(), m.rows, m.cols, m.ty)));
+            return Err(bad(format!(
+                "{}: {} bytes for {}x{} {}",
+                m.name,
+                bytes.len(),
+                m.rows,
+                m.cols,
+                m.ty
+            )));
         }
         if kernel_suffix(m.ty).is_none() {
-            return Err(RuntimeError::UnsupportedType { backend: "cuda".into(), ty: m.ty, what: m.name.clone() });
+            return Err(RuntimeError::UnsupportedType {
+                backend: "cuda".into(),
+                ty: m.ty,
+                what: m.name.clone(),
+            });
         }
         if m.cols % 32 != 0 {
-            return Err(bad(format!("{}: row length {} is not a multiple of 32", m.name, m.cols)));
+            return Err(bad(format!(
+                "{}: row length {} is not a multiple of 32",
+                m.name, m.cols
+            )));
         }
         let data = self.stream.clone_htod(bytes).map_err(drv)?;
         self.account(MemKind::Weights, bytes.len());
-        Ok(CudaMatrix { name: m.name.clone(), ty: m.ty, rows: m.rows, cols: m.cols, row_bytes, data })
+        Ok(CudaMatrix {
+            name: m.name.clone(),
+            ty: m.ty,
+            rows: m.rows,
+            cols: m.cols,
+            row_bytes,
+            data,
+        })
     }
 
     fn slots_ptr(&self, s: &mut Scratch, slots: &[TokenSlot]) -> Result<u64> {
-        let host: Vec<i32> = slots.iter().flat_map(|t| [t.seq as i32, t.pos as i32]).collect();
+        let host: Vec<i32> = slots
+            .iter()
+            .flat_map(|t| [t.seq as i32, t.pos as i32])
+            .collect();
         let reuse = s.slots_dev.is_some() && s.slots_host == host;
         if !reuse {
             if s.slots_dev.as_ref().is_none_or(|d| d.len() < host.len()) {
-                s.slots_dev = Some(self.stream.alloc_zeros::<i32>(host.len().next_power_of_two()).map_err(drv)?);
+                s.slots_dev = Some(
+                    self.stream
+                        .alloc_zeros::<i32>(host.len().next_power_of_two())
+                        .map_err(drv)?,
+                );
             }
             let d = s.slots_dev.as_mut().expect("allocated above");
-            self.stream.memcpy_htod(&host, &mut d.slice_mut(0..host.len())).map_err(drv)?;
+            self.stream
+                .memcpy_htod(&host, &mut d.slice_mut(0..host.len()))
+                .map_err(drv)?;
             s.slots_host = host;
         }
         Ok(self.ptr(s.slots_dev.as_ref().expect("set above")))
@@ -442,19 +538,35 @@ impl Backend for CudaBackend {
         Ok(CudaVector { len: v.len(), data })
     }
 
-    fn upload_ffn(&self, _layer: usize, gate: &HostMatrix, up: &HostMatrix, down: &HostMatrix) -> Result<CudaFfn> {
-        if gate.rows != up.rows || gate.cols != up.cols || down.cols != gate.rows || down.rows != gate.cols {
+    fn upload_ffn(
+        &self,
+        _layer: usize,
+        gate: &HostMatrix,
+        up: &HostMatrix,
+        down: &HostMatrix,
+    ) -> Result<CudaFfn> {
+        if gate.rows != up.rows
+            || gate.cols != up.cols
+            || down.cols != gate.rows
+            || down.rows != gate.cols
+        {
             return Err(bad(format!(
                 "FFN shapes disagree: gate {}x{}, up {}x{}, down {}x{}",
                 gate.rows, gate.cols, up.rows, up.cols, down.rows, down.cols
             )));
         }
-        Ok(CudaFfn { gate: self.upload_host_matrix(gate)?, up: self.upload_host_matrix(up)?, down: self.upload_host_matrix(down)? })
+        Ok(CudaFfn {
+            gate: self.upload_host_matrix(gate)?,
+            up: self.upload_host_matrix(up)?,
+            down: self.upload_host_matrix(down)?,
+        })
     }
 
     fn new_kv_cache(&self, spec: KvSpec) -> Result<CudaKvCache> {
         if spec.dtype != KvDtype::F32 {
-            return Err(bad("the cuda backend keeps its KV cache in f32 only (f16 is not implemented yet)"));
+            return Err(bad(
+                "the cuda backend keeps its KV cache in f32 only (f16 is not implemented yet)",
+            ));
         }
         if spec.head_dim == 0 || spec.n_ctx == 0 || spec.n_seq == 0 {
             return Err(bad(format!("empty KV cache shape {spec:?}")));
@@ -488,14 +600,26 @@ impl Backend for CudaBackend {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= table.rows) {
             return Err(bad(format!("token id {t} >= vocabulary {}", table.rows)));
         }
-        let suffix = kernel_suffix(table.ty)
-            .ok_or_else(|| RuntimeError::UnsupportedType { backend: "cuda".into(), ty: table.ty, what: table.name.clone() })?;
+        let suffix = kernel_suffix(table.ty).ok_or_else(|| RuntimeError::UnsupportedType {
+            backend: "cuda".into(),
+            ty: table.ty,
+            what: table.name.clone(),
+        })?;
         let po = self.reshape(out, tokens.len(), table.cols)?;
         let mut s = self.scratch();
         let pt = self.upload_u32(&mut s.indices, tokens)?;
         let f = self.kernel(&format!("embed_{suffix}"))?;
-        let cfg = LaunchConfig { grid_dim: (tokens.len() as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        let (pw, rb, nr, cols) = (self.ptr(&table.data), table.row_bytes as i64, table.rows as i32, table.cols as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (tokens.len() as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (pw, rb, nr, cols) = (
+            self.ptr(&table.data),
+            table.row_bytes as i64,
+            table.rows as i32,
+            table.cols as i32,
+        );
         let mut b = self.stream.launch_builder(f);
         b.arg(&pw).arg(&rb).arg(&nr).arg(&cols).arg(&pt).arg(&po);
         // SAFETY: argument types match; token ids checked above.
@@ -503,7 +627,13 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn rms_norm(&self, x: &CudaActivations, weight: &CudaVector, eps: f32, out: &mut CudaActivations) -> Result<()> {
+    fn rms_norm(
+        &self,
+        x: &CudaActivations,
+        weight: &CudaVector,
+        eps: f32,
+        out: &mut CudaActivations,
+    ) -> Result<()> {
         if weight.len != x.width {
             return Err(bad("norm weight width"));
         }
@@ -512,7 +642,11 @@ impl Backend for CudaBackend {
         let pw = self.ptr(&weight.data);
         let width = x.width as i32;
         let f = self.kernel("rms_norm")?;
-        let cfg = LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (x.rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.stream.launch_builder(f);
         b.arg(&px).arg(&pw).arg(&eps).arg(&width).arg(&po);
         // SAFETY: argument types match the kernel.
@@ -522,7 +656,10 @@ impl Backend for CudaBackend {
 
     fn matmul(&self, w: &CudaMatrix, x: &CudaActivations, out: &mut CudaActivations) -> Result<()> {
         if x.width != w.cols {
-            return Err(bad(format!("{}: input width {} != {}", w.name, x.width, w.cols)));
+            return Err(bad(format!(
+                "{}: input width {} != {}",
+                w.name, x.width, w.cols
+            )));
         }
         let px = self.act_ptr(x)?;
         let py = self.reshape(out, x.rows, w.rows)?;
@@ -534,7 +671,12 @@ impl Backend for CudaBackend {
             return Err(bad("bias width"));
         }
         let px = self.act_ptr(x)?;
-        self.elementwise("add_bias", x.rows * x.width, &[px, self.ptr(&bias.data)], Some(x.width as i32))
+        self.elementwise(
+            "add_bias",
+            x.rows * x.width,
+            &[px, self.ptr(&bias.data)],
+            Some(x.width as i32),
+        )
     }
 
     fn add(&self, acc: &mut CudaActivations, x: &CudaActivations) -> Result<()> {
@@ -559,10 +701,20 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let hd = p.head_dim;
         let n = slots.len();
-        if p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 || hd % 64 != 0 || hd > ATTEND_THREADS as usize {
+        if p.n_head_kv == 0
+            || p.n_head % p.n_head_kv != 0
+            || hd % 64 != 0
+            || hd > ATTEND_THREADS as usize
+        {
             return Err(bad(format!("attention shape {p:?} (the cuda kernels need head_dim a multiple of 64, at most 512)")));
         }
-        if q.rows != n || k.rows != n || v.rows != n || q.width != p.n_head * hd || k.width != p.n_head_kv * hd || v.width != k.width {
+        if q.rows != n
+            || k.rows != n
+            || v.rows != n
+            || q.width != p.n_head * hd
+            || k.width != p.n_head_kv * hd
+            || v.width != k.width
+        {
             return Err(bad("attention inputs do not match the batch"));
         }
         let spec = cache.spec;
@@ -578,7 +730,10 @@ impl Backend for CudaBackend {
         }
         let smem = (max_pos + 1 + hd + ATTEND_THREADS as usize) * 4;
         if smem > 48 * 1024 {
-            return Err(bad(format!("position {max_pos}: the cuda attention kernel holds at most {} scores", 48 * 1024 / 4 - hd - ATTEND_THREADS as usize)));
+            return Err(bad(format!(
+                "position {max_pos}: the cuda attention kernel holds at most {} scores",
+                48 * 1024 / 4 - hd - ATTEND_THREADS as usize
+            )));
         }
         let mut s = self.scratch();
         let pslots = self.slots_ptr(&mut s, slots)?;
@@ -589,7 +744,12 @@ impl Backend for CudaBackend {
             None => (0u64, 0u64),
         };
         let (pkc, pvc) = (self.ptr(&cache.k[layer]), self.ptr(&cache.v[layer]));
-        let (nh, nkv, hdi, neox) = (p.n_head as i32, p.n_head_kv as i32, hd as i32, (p.rope_mode == RopeMode::Neox) as i32);
+        let (nh, nkv, hdi, neox) = (
+            p.n_head as i32,
+            p.n_head_kv as i32,
+            hd as i32,
+            (p.rope_mode == RopeMode::Neox) as i32,
+        );
         let (base, eps, n_ctx) = (p.rope_freq_base, p.norm_eps, spec.n_ctx as i32);
         {
             let f = self.kernel("rope_store")?;
@@ -599,17 +759,43 @@ impl Backend for CudaBackend {
                 shared_mem_bytes: 0,
             };
             let mut b = self.stream.launch_builder(f);
-            b.arg(&pq).arg(&pk).arg(&pv).arg(&pslots).arg(&nh).arg(&nkv).arg(&hdi).arg(&neox).arg(&base);
-            b.arg(&pqn).arg(&pkn).arg(&eps).arg(&pkc).arg(&pvc).arg(&n_ctx);
+            b.arg(&pq)
+                .arg(&pk)
+                .arg(&pv)
+                .arg(&pslots)
+                .arg(&nh)
+                .arg(&nkv)
+                .arg(&hdi)
+                .arg(&neox)
+                .arg(&base);
+            b.arg(&pqn)
+                .arg(&pkn)
+                .arg(&eps)
+                .arg(&pkc)
+                .arg(&pvc)
+                .arg(&n_ctx);
             // SAFETY: argument types match; shapes and slots checked above.
             unsafe { b.launch(cfg) }.map_err(drv)?;
         }
         let po = self.reshape(out, n, p.n_head * hd)?;
         let scale = 1.0 / (hd as f32).sqrt();
         let f = self.kernel("attend")?;
-        let cfg = LaunchConfig { grid_dim: (n as u32, p.n_head as u32, 1), block_dim: (ATTEND_THREADS, 1, 1), shared_mem_bytes: smem as u32 };
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, p.n_head as u32, 1),
+            block_dim: (ATTEND_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
         let mut b = self.stream.launch_builder(f);
-        b.arg(&pq).arg(&pkc).arg(&pvc).arg(&pslots).arg(&nh).arg(&nkv).arg(&hdi).arg(&n_ctx).arg(&scale).arg(&po);
+        b.arg(&pq)
+            .arg(&pkc)
+            .arg(&pvc)
+            .arg(&pslots)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hdi)
+            .arg(&n_ctx)
+            .arg(&scale)
+            .arg(&po);
         // SAFETY: as above; dynamic shared memory sized for max_pos + 1 scores.
         unsafe { b.launch(cfg) }.map_err(drv)?;
         Ok(())
@@ -617,7 +803,10 @@ impl Backend for CudaBackend {
 
     fn ffn(&self, f: &CudaFfn, x: &CudaActivations, out: &mut CudaActivations) -> Result<()> {
         if x.width != f.gate.cols {
-            return Err(bad(format!("ffn input width {} != {}", x.width, f.gate.cols)));
+            return Err(bad(format!(
+                "ffn input width {} != {}",
+                x.width, f.gate.cols
+            )));
         }
         let n = x.rows;
         let n_ff = f.gate.rows;
@@ -634,7 +823,12 @@ impl Backend for CudaBackend {
         self.matvec(&f.down, ph, n, po)
     }
 
-    fn select_rows(&self, x: &CudaActivations, rows: &[usize], out: &mut CudaActivations) -> Result<()> {
+    fn select_rows(
+        &self,
+        x: &CudaActivations,
+        rows: &[usize],
+        out: &mut CudaActivations,
+    ) -> Result<()> {
         if let Some(&r) = rows.iter().find(|&&r| r >= x.rows) {
             return Err(bad(format!("row {r} >= {}", x.rows)));
         }
@@ -647,7 +841,11 @@ impl Backend for CudaBackend {
         let mut s = self.scratch();
         let pi = self.upload_u32(&mut s.indices, &idx)?;
         let f = self.kernel("gather_rows")?;
-        let cfg = LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (rows.len() as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let width = x.width as i32;
         let mut b = self.stream.launch_builder(f);
         b.arg(&px).arg(&pi).arg(&width).arg(&po);
@@ -661,8 +859,13 @@ impl Backend for CudaBackend {
         out.clear();
         out.resize(n, 0.0);
         if n > 0 {
-            let buf = x.buf.as_ref().ok_or_else(|| bad("read of an unwritten buffer"))?;
-            self.stream.memcpy_dtoh(&buf.slice(0..n), out.as_mut_slice()).map_err(drv)?;
+            let buf = x
+                .buf
+                .as_ref()
+                .ok_or_else(|| bad("read of an unwritten buffer"))?;
+            self.stream
+                .memcpy_dtoh(&buf.slice(0..n), out.as_mut_slice())
+                .map_err(drv)?;
             self.stream.synchronize().map_err(drv)?;
         }
         Ok((x.rows, x.width))

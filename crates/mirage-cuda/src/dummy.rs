@@ -66,7 +66,12 @@ impl CudaBackend {
         Err(no())
     }
     /// Never reached.
-    pub fn upload_activations(&self, _rows: usize, _width: usize, _data: &[f32]) -> Result<CudaActivations> {
+    pub fn upload_activations(
+        &self,
+        _rows: usize,
+        _width: usize,
+        _data: &[f32],
+    ) -> Result<CudaActivations> {
         Err(no())
     }
     /// Never reached.
@@ -91,7 +96,13 @@ impl Backend for CudaBackend {
     fn upload_vector(&self, _v: &[f32]) -> Result<CudaVector> {
         Err(no())
     }
-    fn upload_ffn(&self, _l: usize, _g: &HostMatrix, _u: &HostMatrix, _d: &HostMatrix) -> Result<CudaFfn> {
+    fn upload_ffn(
+        &self,
+        _l: usize,
+        _g: &HostMatrix,
+        _u: &HostMatrix,
+        _d: &HostMatrix,
+    ) -> Result<CudaFfn> {
         Err(no())
     }
     fn new_kv_cache(&self, _spec: KvSpec) -> Result<CudaKvCache> {
@@ -104,10 +115,21 @@ impl Backend for CudaBackend {
     fn embed(&self, _t: &CudaMatrix, _tokens: &[u32], _out: &mut CudaActivations) -> Result<()> {
         Err(no())
     }
-    fn rms_norm(&self, _x: &CudaActivations, _w: &CudaVector, _eps: f32, _out: &mut CudaActivations) -> Result<()> {
+    fn rms_norm(
+        &self,
+        _x: &CudaActivations,
+        _w: &CudaVector,
+        _eps: f32,
+        _out: &mut CudaActivations,
+    ) -> Result<()> {
         Err(no())
     }
-    fn matmul(&self, _w: &CudaMatrix, _x: &CudaActivations, _out: &mut CudaActivations) -> Result<()> {
+    fn matmul(
+        &self,
+        _w: &CudaMatrix,
+        _x: &CudaActivations,
+        _out: &mut CudaActivations,
+    ) -> Result<()> {
         Err(no())
     }
     fn add_bias(&self, _x: &mut CudaActivations, _b: &CudaVector) -> Result<()> {
@@ -133,7 +155,12 @@ impl Backend for CudaBackend {
     fn ffn(&self, _f: &CudaFfn, _x: &CudaActivations, _out: &mut CudaActivations) -> Result<()> {
         Err(no())
     }
-    fn select_rows(&self, _x: &CudaActivations, _rows: &[usize], _out: &mut CudaActivations) -> Result<()> {
+    fn select_rows(
+        &self,
+        _x: &CudaActivations,
+        _rows: &[usize],
+        _out: &mut CudaActivations,
+    ) -> Result<()> {
         Err(no())
     }
     fn read(&self, _x: &CudaActivations, _out: &mut Vec<f32>) -> Result<(usize, usize)> {

@@ -39,6 +39,9 @@ pub enum CudaError {
 
 impl From<CudaError> for RuntimeError {
     fn from(e: CudaError) -> RuntimeError {
-        RuntimeError::Device { backend: "cuda".into(), message: e.to_string() }
+        RuntimeError::Device {
+            backend: "cuda".into(),
+            message: e.to_string(),
+        }
     }
 }

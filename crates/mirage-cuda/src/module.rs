@@ -43,7 +43,12 @@ fn cache_dir() -> Option<PathBuf> {
 
 /// PTX of `source` for compute capability `major.minor`, from the cache or
 /// freshly compiled. Returns the PTX and whether it came from the cache.
-pub fn ptx_for(name: &str, source: &str, major: i32, minor: i32) -> Result<(String, bool), CudaError> {
+pub fn ptx_for(
+    name: &str,
+    source: &str,
+    major: i32,
+    minor: i32,
+) -> Result<(String, bool), CudaError> {
     let arch = format!("sm_{major}{minor}");
     let key = fnv1a(&[source, &arch, &OPTIONS.join(" ")]);
     let path = cache_dir().map(|d| d.join(format!("{name}-{arch}-{key:016x}.ptx")));
@@ -60,13 +65,23 @@ pub fn ptx_for(name: &str, source: &str, major: i32, minor: i32) -> Result<(Stri
     }
     let mut options: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
     options.push(format!("--gpu-architecture={arch}"));
-    let opts = cudarc::nvrtc::CompileOptions { options, name: Some(format!("{name}.cu")), ..Default::default() };
+    let opts = cudarc::nvrtc::CompileOptions {
+        options,
+        name: Some(format!("{name}.cu")),
+        ..Default::default()
+    };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| {
         let log = match &e {
-            cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                log.to_string_lossy().into_owned()
+            }
             other => format!("{other:?}"),
         };
-        CudaError::Compile { source_name: format!("{name}.cu"), arch: arch.clone(), log }
+        CudaError::Compile {
+            source_name: format!("{name}.cu"),
+            arch: arch.clone(),
+            log,
+        }
     })?;
     let text = ptx.to_src();
     if let Some(p) = &path {

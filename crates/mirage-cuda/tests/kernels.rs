@@ -9,7 +9,9 @@ use std::sync::Arc;
 use mirage_cuda::{CudaBackend, CudaError};
 use mirage_gguf::{quant, GgmlType, GgufFile};
 use mirage_runtime::backend::cpu::CpuActivations;
-use mirage_runtime::backend::{AttentionParams, Backend, HostMatrix, QkNorm, SharedBytes, TokenSlot};
+use mirage_runtime::backend::{
+    AttentionParams, Backend, HostMatrix, QkNorm, SharedBytes, TokenSlot,
+};
 use mirage_runtime::kv_cache::{KvDtype, KvSpec};
 use mirage_runtime::ops::RopeMode;
 use mirage_runtime::{CpuBackend, Model};
@@ -18,7 +20,11 @@ use rand::{Rng, SeedableRng};
 fn cuda(test: &str) -> Option<CudaBackend> {
     match CudaBackend::new(0) {
         Ok(b) => Some(b),
-        Err(e @ (CudaError::NotCompiledWithCuda | CudaError::DriverNotFound | CudaError::NoDevice { .. })) => {
+        Err(
+            e @ (CudaError::NotCompiledWithCuda
+            | CudaError::DriverNotFound
+            | CudaError::NoDevice { .. }),
+        ) => {
             eprintln!("{test}: skipped, no CUDA device here: {e}");
             None
         }
@@ -31,16 +37,29 @@ fn rng(seed: u64) -> rand::rngs::StdRng {
 }
 
 fn randn(r: &mut impl Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| r.random_range(-1.0f32..1.0) + r.random_range(-1.0f32..1.0)).collect()
+    (0..n)
+        .map(|_| r.random_range(-1.0f32..1.0) + r.random_range(-1.0f32..1.0))
+        .collect()
 }
 
 fn host_matrix(ty: GgmlType, rows: usize, cols: usize, values: &[f32]) -> HostMatrix {
     let rb = quant::row_bytes(ty, cols).unwrap();
     let mut data = vec![0u8; rb * rows];
     for r in 0..rows {
-        quant::quantize(ty, &values[r * cols..(r + 1) * cols], &mut data[r * rb..(r + 1) * rb]).unwrap();
+        quant::quantize(
+            ty,
+            &values[r * cols..(r + 1) * cols],
+            &mut data[r * rb..(r + 1) * rb],
+        )
+        .unwrap();
     }
-    HostMatrix { name: format!("test.{ty}"), ty, rows, cols, data: SharedBytes::from_vec(data) }
+    HostMatrix {
+        name: format!("test.{ty}"),
+        ty,
+        rows,
+        cols,
+        data: SharedBytes::from_vec(data),
+    }
 }
 
 fn dequantized(m: &HostMatrix) -> Vec<f32> {
@@ -52,7 +71,11 @@ fn dequantized(m: &HostMatrix) -> Vec<f32> {
 fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     assert_eq!(got.len(), want.len());
     assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
-    let num: f64 = got.iter().zip(want).map(|(a, b)| ((*a - *b) as f64).powi(2)).sum();
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| ((*a - *b) as f64).powi(2))
+        .sum();
     let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
     (num / den.max(1e-30)).sqrt()
 }
@@ -81,7 +104,9 @@ const TYPES: &[GgmlType] = &[
 
 #[test]
 fn matvec_and_embed_every_type_match_f64_reference() {
-    let Some(gpu) = cuda("matvec_and_embed_every_type_match_f64_reference") else { return };
+    let Some(gpu) = cuda("matvec_and_embed_every_type_match_f64_reference") else {
+        return;
+    };
     let mut r = rng(1);
     // 1280 columns: five K-quant super-blocks, forty legacy blocks; 77 rows
     // leaves a partly filled last thread block.
@@ -94,7 +119,9 @@ fn matvec_and_embed_every_type_match_f64_reference() {
         let mut want = vec![0.0f32; n_act * rows];
         for a in 0..n_act {
             for o in 0..rows {
-                let s: f64 = (0..cols).map(|i| w[o * cols + i] as f64 * x[a * cols + i] as f64).sum();
+                let s: f64 = (0..cols)
+                    .map(|i| w[o * cols + i] as f64 * x[a * cols + i] as f64)
+                    .sum();
                 want[a * rows + o] = s as f32;
             }
         }
@@ -112,18 +139,33 @@ fn matvec_and_embed_every_type_match_f64_reference() {
         let mut de = gpu.new_activations();
         gpu.embed(&dm, &tokens, &mut de).unwrap();
         gpu.read(&de, &mut got).unwrap();
-        let want: Vec<f32> = tokens.iter().flat_map(|&t| w[t as usize * cols..(t as usize + 1) * cols].to_vec()).collect();
+        let want: Vec<f32> = tokens
+            .iter()
+            .flat_map(|&t| w[t as usize * cols..(t as usize + 1) * cols].to_vec())
+            .collect();
         // Not bit-exact: the device may fuse `d * q + m` into one FMA.
         let ee = rel_err(&got, &want);
-        assert!(ee < 1e-6, "{ty}: embedding rows differ from the CPU dequantizer: {ee}");
+        assert!(
+            ee < 1e-6,
+            "{ty}: embedding rows differ from the CPU dequantizer: {ee}"
+        );
         eprintln!("{ty}: matvec rel err {e:.2e}, embedding rel err {ee:.2e}");
     }
-    assert!(gpu.embed(&gpu.upload_matrix(&host_matrix(GgmlType::Q8_0, 4, 32, &[0.5; 128])).unwrap(), &[4], &mut gpu.new_activations()).is_err());
+    assert!(gpu
+        .embed(
+            &gpu.upload_matrix(&host_matrix(GgmlType::Q8_0, 4, 32, &[0.5; 128]))
+                .unwrap(),
+            &[4],
+            &mut gpu.new_activations()
+        )
+        .is_err());
 }
 
 #[test]
 fn norm_bias_residual_select_and_argmax_match_cpu() {
-    let Some(gpu) = cuda("norm_bias_residual_select_and_argmax_match_cpu") else { return };
+    let Some(gpu) = cuda("norm_bias_residual_select_and_argmax_match_cpu") else {
+        return;
+    };
     let cpu = CpuBackend::new(1).unwrap();
     let mut r = rng(2);
     let (rows, width) = (5usize, 576usize);
@@ -131,8 +173,14 @@ fn norm_bias_residual_select_and_argmax_match_cpu() {
     let y = randn(&mut r, rows * width);
     let w = randn(&mut r, width);
     let bias = randn(&mut r, width);
-    let (cw, gw) = (cpu.upload_vector(&w).unwrap(), gpu.upload_vector(&w).unwrap());
-    let (cb, gb) = (cpu.upload_vector(&bias).unwrap(), gpu.upload_vector(&bias).unwrap());
+    let (cw, gw) = (
+        cpu.upload_vector(&w).unwrap(),
+        gpu.upload_vector(&w).unwrap(),
+    );
+    let (cb, gb) = (
+        cpu.upload_vector(&bias).unwrap(),
+        gpu.upload_vector(&bias).unwrap(),
+    );
     let mut cx = CpuActivations::from_vec(rows, width, x.clone()).unwrap();
     let cy = CpuActivations::from_vec(rows, width, y.clone()).unwrap();
     let mut gx = gpu.upload_activations(rows, width, &x).unwrap();
@@ -161,26 +209,56 @@ fn norm_bias_residual_select_and_argmax_match_cpu() {
     cpu.read(&cx, &mut a).unwrap();
     for (row, &i) in idx.iter().enumerate() {
         let rowv = &a[row * width..(row + 1) * width];
-        let best = rowv.iter().enumerate().fold(0, |bi, (j, v)| if *v > rowv[bi] { j } else { bi });
+        let best = rowv
+            .iter()
+            .enumerate()
+            .fold(0, |bi, (j, v)| if *v > rowv[bi] { j } else { bi });
         assert_eq!(i as usize, best, "argmax row {row}");
     }
 }
 
 #[test]
 fn attention_prefill_then_decode_matches_cpu() {
-    let Some(gpu) = cuda("attention_prefill_then_decode_matches_cpu") else { return };
+    let Some(gpu) = cuda("attention_prefill_then_decode_matches_cpu") else {
+        return;
+    };
     let cpu = CpuBackend::new(1).unwrap();
     let mut r = rng(3);
-    for (mode, with_norm, n_head, n_head_kv, hd) in
-        [(RopeMode::Normal, false, 9, 3, 64), (RopeMode::Neox, true, 14, 2, 64), (RopeMode::Neox, false, 4, 4, 128)]
-    {
-        let p = AttentionParams { n_head, n_head_kv, head_dim: hd, rope_mode: mode, rope_freq_base: 10000.0, norm_eps: 1e-6 };
-        let spec = KvSpec { n_layer: 2, n_head_kv, head_dim: hd, n_ctx: 40, n_seq: 2, dtype: KvDtype::F32 };
-        let (mut cc, mut gc) = (cpu.new_kv_cache(spec).unwrap(), gpu.new_kv_cache(spec).unwrap());
+    for (mode, with_norm, n_head, n_head_kv, hd) in [
+        (RopeMode::Normal, false, 9, 3, 64),
+        (RopeMode::Neox, true, 14, 2, 64),
+        (RopeMode::Neox, false, 4, 4, 128),
+    ] {
+        let p = AttentionParams {
+            n_head,
+            n_head_kv,
+            head_dim: hd,
+            rope_mode: mode,
+            rope_freq_base: 10000.0,
+            norm_eps: 1e-6,
+        };
+        let spec = KvSpec {
+            n_layer: 2,
+            n_head_kv,
+            head_dim: hd,
+            n_ctx: 40,
+            n_seq: 2,
+            dtype: KvDtype::F32,
+        };
+        let (mut cc, mut gc) = (
+            cpu.new_kv_cache(spec).unwrap(),
+            gpu.new_kv_cache(spec).unwrap(),
+        );
         let nq: Vec<f32> = randn(&mut r, hd);
         let nk: Vec<f32> = randn(&mut r, hd);
-        let (cqn, ckn) = (cpu.upload_vector(&nq).unwrap(), cpu.upload_vector(&nk).unwrap());
-        let (gqn, gkn) = (gpu.upload_vector(&nq).unwrap(), gpu.upload_vector(&nk).unwrap());
+        let (cqn, ckn) = (
+            cpu.upload_vector(&nq).unwrap(),
+            cpu.upload_vector(&nk).unwrap(),
+        );
+        let (gqn, gkn) = (
+            gpu.upload_vector(&nq).unwrap(),
+            gpu.upload_vector(&nk).unwrap(),
+        );
         // A prefill of 7 rows of sequence 1, then two decode steps of one row.
         let steps: Vec<Vec<TokenSlot>> = vec![
             (0..7).map(|pos| TokenSlot { seq: 1, pos }).collect(),
@@ -201,8 +279,10 @@ fn attention_prefill_then_decode_matches_cpu() {
             let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
             let cn = with_norm.then_some(QkNorm { q: &cqn, k: &ckn });
             let gn = with_norm.then_some(QkNorm { q: &gqn, k: &gkn });
-            cpu.attention(1, &p, &mut cq, &mut ck, &cv, cn, slots, &mut cc, &mut co).unwrap();
-            gpu.attention(1, &p, &mut gq, &mut gk, &gv, gn, slots, &mut gc, &mut go).unwrap();
+            cpu.attention(1, &p, &mut cq, &mut ck, &cv, cn, slots, &mut cc, &mut co)
+                .unwrap();
+            gpu.attention(1, &p, &mut gq, &mut gk, &gv, gn, slots, &mut gc, &mut go)
+                .unwrap();
             let (mut a, mut b) = (Vec::new(), Vec::new());
             cpu.read(&co, &mut a).unwrap();
             gpu.read(&go, &mut b).unwrap();
@@ -217,11 +297,17 @@ fn attention_prefill_then_decode_matches_cpu() {
 
 #[test]
 fn ffn_matches_cpu_f32_activations() {
-    let Some(gpu) = cuda("ffn_matches_cpu_f32_activations") else { return };
+    let Some(gpu) = cuda("ffn_matches_cpu_f32_activations") else {
+        return;
+    };
     let cpu = CpuBackend::new_f32_activations(1).unwrap();
     let mut r = rng(4);
     let (d, ff, n) = (512usize, 1536usize, 2usize);
-    for (tg, td) in [(GgmlType::Q4_K, GgmlType::Q6_K), (GgmlType::Q4_1, GgmlType::Q8_0), (GgmlType::Q2_K, GgmlType::Q5_0)] {
+    for (tg, td) in [
+        (GgmlType::Q4_K, GgmlType::Q6_K),
+        (GgmlType::Q4_1, GgmlType::Q8_0),
+        (GgmlType::Q2_K, GgmlType::Q5_0),
+    ] {
         let gate = host_matrix(tg, ff, d, &randn(&mut r, ff * d));
         let up = host_matrix(tg, ff, d, &randn(&mut r, ff * d));
         let down = host_matrix(td, d, ff, &randn(&mut r, d * ff));
@@ -229,8 +315,14 @@ fn ffn_matches_cpu_f32_activations() {
         let cf = cpu.upload_ffn(0, &gate, &up, &down).unwrap();
         let gf = gpu.upload_ffn(0, &gate, &up, &down).unwrap();
         let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
-        cpu.ffn(&cf, &CpuActivations::from_vec(n, d, x.clone()).unwrap(), &mut co).unwrap();
-        gpu.ffn(&gf, &gpu.upload_activations(n, d, &x).unwrap(), &mut go).unwrap();
+        cpu.ffn(
+            &cf,
+            &CpuActivations::from_vec(n, d, x.clone()).unwrap(),
+            &mut co,
+        )
+        .unwrap();
+        gpu.ffn(&gf, &gpu.upload_activations(n, d, &x).unwrap(), &mut go)
+            .unwrap();
         let (mut a, mut b) = (Vec::new(), Vec::new());
         cpu.read(&co, &mut a).unwrap();
         gpu.read(&go, &mut b).unwrap();
@@ -250,27 +342,49 @@ fn models_dir() -> std::path::PathBuf {
 /// f32 activations) and in its default q8-activation mode.
 #[test]
 fn smollm2_logits_match_cpu() {
-    let Some(gpu) = cuda("smollm2_logits_match_cpu") else { return };
+    let Some(gpu) = cuda("smollm2_logits_match_cpu") else {
+        return;
+    };
     let path = models_dir().join("smollm2-135m-instruct-q4_1.gguf");
     if !path.exists() {
         if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-            eprintln!("smollm2_logits_match_cpu: skipped, {} missing (MIRAGE_SKIP_MODEL_TESTS=1)", path.display());
+            eprintln!(
+                "smollm2_logits_match_cpu: skipped, {} missing (MIRAGE_SKIP_MODEL_TESTS=1)",
+                path.display()
+            );
             return;
         }
-        panic!("{} is missing: run `cargo xtask fetch-models`", path.display());
+        panic!(
+            "{} is missing: run `cargo xtask fetch-models`",
+            path.display()
+        );
     }
     let file = Arc::new(GgufFile::open(&path).unwrap());
     let tokens: Vec<u32> = vec![1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 3458, 5248];
-    let g = Model::load(file.clone(), gpu).unwrap().logits_all(&tokens, KvDtype::F32).unwrap();
+    let g = Model::load(file.clone(), gpu)
+        .unwrap()
+        .logits_all(&tokens, KvDtype::F32)
+        .unwrap();
     let vocab = g.len() / tokens.len();
-    for (label, cpu) in [("f32-act", CpuBackend::new_f32_activations(0).unwrap()), ("q8-act", CpuBackend::new(0).unwrap())] {
-        let c = Model::load(file.clone(), cpu).unwrap().logits_all(&tokens, KvDtype::F32).unwrap();
+    for (label, cpu) in [
+        ("f32-act", CpuBackend::new_f32_activations(0).unwrap()),
+        ("q8-act", CpuBackend::new(0).unwrap()),
+    ] {
+        let c = Model::load(file.clone(), cpu)
+            .unwrap()
+            .logits_all(&tokens, KvDtype::F32)
+            .unwrap();
         let mut worst = 1.0f64;
         for t in 0..tokens.len() {
-            worst = worst.min(cosine(&g[t * vocab..(t + 1) * vocab], &c[t * vocab..(t + 1) * vocab]));
+            worst = worst.min(cosine(
+                &g[t * vocab..(t + 1) * vocab],
+                &c[t * vocab..(t + 1) * vocab],
+            ));
         }
         let last = cosine(&g[g.len() - vocab..], &c[c.len() - vocab..]);
-        eprintln!("smollm2 cuda vs cpu {label}: final-logit cosine {last:.7}, worst position {worst:.7}");
+        eprintln!(
+            "smollm2 cuda vs cpu {label}: final-logit cosine {last:.7}, worst position {worst:.7}"
+        );
         if label == "f32-act" {
             assert!(worst >= 0.9999, "cosine {worst} < 0.9999");
         } else {

@@ -71,7 +71,9 @@ struct BenchReport {
 /// Runs `mirage-cli bench`.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     super::generate::check_model(&args.model)?;
-    let file = Arc::new(GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?);
+    let file = Arc::new(
+        GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
+    );
     let weight_bytes = weight_bytes_per_token(&file);
     let report = match args.backend.as_str() {
         "cpu" => {
@@ -84,8 +86,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             r
         }
         "cuda" => {
-            let backend = mirage_cuda::CudaBackend::new(args.device).context("starting the CUDA backend")?;
-            let device = format!("{} (sm_{}{})", backend.device_name(), backend.compute_capability().0, backend.compute_capability().1);
+            let backend =
+                mirage_cuda::CudaBackend::new(args.device).context("starting the CUDA backend")?;
+            let device = format!(
+                "{} (sm_{}{})",
+                backend.device_name(),
+                backend.compute_capability().0,
+                backend.compute_capability().1
+            );
             let (free0, _) = backend.device_memory()?;
             let copy = backend.copy_bandwidth(1 << 30, 10)?;
             let model = Model::load(file.clone(), backend)?;
@@ -164,7 +172,9 @@ fn measure<B: Backend>(
     let mut state = 0x2545_f491_4f6c_dd1du64;
     let prompt: Vec<u32> = (0..n_prompt)
         .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((state >> 33) % (vocab.min(32000) as u64 - 1) + 1) as u32
         })
         .collect();
@@ -175,16 +185,37 @@ fn measure<B: Backend>(
     {
         let mut cache = model.new_kv_cache(16, 1, KvDtype::F32)?;
         let slots: Vec<TokenSlot> = (0..8).map(|pos| TokenSlot { seq: 0, pos }).collect();
-        model.forward(&prompt[..8.min(n_prompt)], &slots[..8.min(n_prompt)], &[0], &mut cache, &mut scratch, &mut logits)?;
+        model.forward(
+            &prompt[..8.min(n_prompt)],
+            &slots[..8.min(n_prompt)],
+            &[0],
+            &mut cache,
+            &mut scratch,
+            &mut logits,
+        )?;
         for pos in 8..10 {
-            model.forward(&[prompt[0]], &[TokenSlot { seq: 0, pos }], &[0], &mut cache, &mut scratch, &mut logits)?;
+            model.forward(
+                &[prompt[0]],
+                &[TokenSlot { seq: 0, pos }],
+                &[0],
+                &mut cache,
+                &mut scratch,
+                &mut logits,
+            )?;
         }
     }
     let mut cache = model.new_kv_cache(n_ctx, 1, KvDtype::F32)?;
     let slots: Vec<TokenSlot> = (0..n_prompt).map(|pos| TokenSlot { seq: 0, pos }).collect();
     let t = Instant::now();
     // `forward` reads the logits back, so the clock stops after the device is done.
-    model.forward(&prompt, &slots, &[n_prompt - 1], &mut cache, &mut scratch, &mut logits)?;
+    model.forward(
+        &prompt,
+        &slots,
+        &[n_prompt - 1],
+        &mut cache,
+        &mut scratch,
+        &mut logits,
+    )?;
     let prompt_s = t.elapsed().as_secs_f64();
     let mut tok = argmax(&logits);
     let mut first_tokens = vec![tok];
@@ -192,7 +223,17 @@ fn measure<B: Backend>(
     let t_all = Instant::now();
     for i in 0..args.gen {
         let t = Instant::now();
-        model.forward(&[tok], &[TokenSlot { seq: 0, pos: n_prompt + i }], &[0], &mut cache, &mut scratch, &mut logits)?;
+        model.forward(
+            &[tok],
+            &[TokenSlot {
+                seq: 0,
+                pos: n_prompt + i,
+            }],
+            &[0],
+            &mut cache,
+            &mut scratch,
+            &mut logits,
+        )?;
         tok = argmax(&logits);
         step_times.push(t.elapsed().as_secs_f64());
         if first_tokens.len() < 16 {
@@ -201,7 +242,10 @@ fn measure<B: Backend>(
     }
     let decode_s = t_all.elapsed().as_secs_f64();
     step_times.sort_by(|a, b| a.total_cmp(b));
-    let median = step_times.get(step_times.len() / 2).copied().unwrap_or(f64::NAN);
+    let median = step_times
+        .get(step_times.len() / 2)
+        .copied()
+        .unwrap_or(f64::NAN);
     let decode_tok_s = args.gen as f64 / decode_s;
     let achieved = weight_bytes as f64 * decode_tok_s;
     Ok(BenchReport {
@@ -227,13 +271,31 @@ fn measure<B: Backend>(
 }
 
 fn print_table(r: &BenchReport) {
-    let mib = |b: Option<usize>| b.map_or("-".to_string(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64));
+    let mib = |b: Option<usize>| {
+        b.map_or("-".to_string(), |b| {
+            format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
+        })
+    };
     println!("model            {}", r.model);
     println!("backend          {} on {}", r.backend, r.device);
-    println!("prompt           {} tokens, {:.1} tok/s", r.prompt_tokens, r.prompt_tok_s);
-    println!("decode           {} tokens, {:.1} tok/s (median step {:.3} ms)", r.gen_tokens, r.decode_tok_s, r.decode_ms_median);
-    println!("weights / token  {:.1} MiB", r.weight_bytes_per_token as f64 / (1 << 20) as f64);
-    println!("achieved         {:.1} GB/s = {:.1}% of copy {:.1} GB/s", r.achieved_gb_s, 100.0 * r.share_of_copy, r.copy_gb_s);
+    println!(
+        "prompt           {} tokens, {:.1} tok/s",
+        r.prompt_tokens, r.prompt_tok_s
+    );
+    println!(
+        "decode           {} tokens, {:.1} tok/s (median step {:.3} ms)",
+        r.gen_tokens, r.decode_tok_s, r.decode_ms_median
+    );
+    println!(
+        "weights / token  {:.1} MiB",
+        r.weight_bytes_per_token as f64 / (1 << 20) as f64
+    );
+    println!(
+        "achieved         {:.1} GB/s = {:.1}% of copy {:.1} GB/s",
+        r.achieved_gb_s,
+        100.0 * r.share_of_copy,
+        r.copy_gb_s
+    );
     println!(
         "device memory    peak {} (weights {}, KV {}, workspace {}); driver-reported use {}",
         mib(r.peak_device_bytes),
