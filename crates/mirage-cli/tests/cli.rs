@@ -275,3 +275,41 @@ fn fetch_models_verifies_the_present_model_without_fetching() {
     let stdout = ok_stdout(&["fetch-models", "--only", "smollm2", "--dir", &dir]);
     assert!(stdout.contains("up to date"), "{stdout}");
 }
+
+#[test]
+fn generate_reports_the_backend_it_ran_on_and_refuses_bad_choices() {
+    let Some(smol) = model(SMOLLM2) else { return };
+    let smol = smol.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let stats = dir.path().join("stats.json");
+    let stats_s = stats.to_str().unwrap();
+    let base = ["generate", "--model", smol, "--prompt", "The capital of France is", "--max-tokens", "4"];
+    let base = [&base[..], &["--temp", "0", "--threads", "2", "--ctx-size", "64", "--stats-json", stats_s]].concat();
+    let read_backend = || -> String {
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        v["backend"].as_str().unwrap().to_string()
+    };
+    let cpu_text = ok_stdout(&[&base[..], &["--backend", "cpu"]].concat());
+    assert_eq!(read_backend(), "cpu");
+    // auto: the CPU here unless a GPU answers; the greedy text is the same.
+    let auto_text = ok_stdout(&base);
+    let auto = read_backend();
+    assert!(auto == "cpu" || auto == "cuda", "{auto}");
+    if auto == "cpu" {
+        assert_eq!(auto_text, cpu_text);
+        // --backend cuda with no GPU (or no cuda feature) fails and says why.
+        let out = cli(&[&base[..], &["--backend", "cuda"]].concat());
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("no usable GPU") || err.contains("built without the `cuda` feature; rebuild with --features cuda"),
+            "{err}"
+        );
+    }
+    let out = cli(&[&base[..], &["--backend", "tpu"]].concat());
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown backend `tpu`"), "{err}");
+    // --margin only means something with --artifact.
+    assert!(!cli(&[&base[..], &["--margin", "1.0"]].concat()).status.success());
+}

@@ -4,6 +4,7 @@ use std::io::{BufRead, Write};
 
 use anyhow::Context;
 use clap::Args;
+use mirage::{Backend, Engine, WithEngine};
 use mirage_tokenizer::ChatMessage;
 
 use super::generate::{ModelArgs, SamplingArgs};
@@ -23,7 +24,19 @@ pub struct ChatArgs {
 /// Runs `chat`: one user message per stdin line; `/exit` quits, `/reset`
 /// forgets the conversation.
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
-    let engine = args.model.load()?;
+    args.model.with_engine(Chat(&args))
+}
+
+struct Chat<'a>(&'a ChatArgs);
+
+impl WithEngine for Chat<'_> {
+    type Out = anyhow::Result<()>;
+    fn run<B: Backend>(self, engine: Engine<B>) -> anyhow::Result<()> {
+        chat_with(&engine, self.0)
+    }
+}
+
+fn chat_with<B: Backend>(engine: &Engine<B>, args: &ChatArgs) -> anyhow::Result<()> {
     if engine.chat_template().is_none() {
         anyhow::bail!("{} has no chat template", args.model.model.display());
     }
@@ -33,7 +46,11 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         args.system.iter().map(|s| ChatMessage::new("system", s.as_str())).collect()
     };
     let mut history = fresh();
-    eprintln!("chat with {} (/exit to quit, /reset to start over)", args.model.model.display());
+    eprintln!(
+        "chat with {} on {} (/exit to quit, /reset to start over)",
+        args.model.model.display(),
+        engine.backend_name()
+    );
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
     loop {

@@ -5,18 +5,32 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use mirage_runtime::{Engine, EngineOptions, GenerateParams, KvDtype, SamplingParams};
+use mirage::{Backend, BackendChoice, Engine, EngineOptions, LoadSpec, SparseMode, WithEngine};
+use mirage_runtime::{GenerateParams, KvDtype, SamplingParams};
 use mirage_tokenizer::ChatMessage;
 
 /// The model used when `--model` is not given.
 pub const DEFAULT_MODEL: &str = "models/smollm2-135m-instruct-q4_1.gguf";
 
-/// Model and engine options shared by generate, chat and perplexity.
+/// Model, backend and engine options shared by generate, chat and perplexity.
 #[derive(Debug, Args)]
 pub struct ModelArgs {
     /// GGUF model file.
     #[arg(long, default_value = DEFAULT_MODEL)]
     pub model: PathBuf,
+    /// Backend: cpu, cuda, or auto (CUDA when built in and a GPU answers, else CPU; CPU with --artifact).
+    #[arg(long, default_value = "auto")]
+    pub backend: BackendChoice,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Run the FFN sparsely from this page-major artifact (CPU superblock backend; BVH router at its default margin).
+    #[arg(long)]
+    pub artifact: Option<PathBuf>,
+    /// With --artifact: BVH router margin in std units (default: the artifact's; `mirage-cli eval` finds
+    /// the smallest that meets the fidelity gates).
+    #[arg(long, requires = "artifact")]
+    pub margin: Option<f32>,
     /// Worker threads (0: one per CPU).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -29,16 +43,27 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// Loads the engine, with a helpful message when the model is missing.
-    pub fn load(&self) -> anyhow::Result<Engine> {
-        check_model(&self.model)?;
+    /// What the shared loader (`mirage::load`) needs.
+    pub fn spec(&self) -> LoadSpec {
         let options = EngineOptions {
             threads: self.threads,
             n_ctx: self.ctx_size,
             kv_dtype: if self.kv_f16 { KvDtype::F16 } else { KvDtype::F32 },
             ..EngineOptions::default()
         };
-        Engine::load(&self.model, options).with_context(|| format!("loading {}", self.model.display()))
+        let mut spec = LoadSpec::new(&self.model).backend(self.backend).options(options);
+        spec.cuda_device = self.device;
+        if let Some(a) = &self.artifact {
+            spec = spec.artifact(a, self.margin.map(|margin| SparseMode::Bvh { margin }));
+        }
+        spec
+    }
+
+    /// Loads the engine on the chosen backend (fetching the default model
+    /// when it is missing) and runs `visitor` with it.
+    pub fn with_engine<T, V: WithEngine<Out = anyhow::Result<T>>>(&self, visitor: V) -> anyhow::Result<T> {
+        check_model(&self.model)?;
+        mirage::load(&self.spec(), visitor).with_context(|| format!("loading {}", self.model.display()))?
     }
 }
 
@@ -129,39 +154,23 @@ pub struct GenerateArgs {
     /// Write {prompt_tokens, generated_tokens, prompt_tok_s, decode_tok_s, backend} here.
     #[arg(long = "stats-json")]
     stats_json: Option<PathBuf>,
-    /// Run the FFN sparsely from this page-major artifact (BVH router at its default margin).
-    #[arg(long)]
-    artifact: Option<PathBuf>,
-    /// With --artifact: BVH router margin in std units (default: the artifact's; `mirage-cli eval` finds
-    /// the smallest that meets the fidelity gates).
-    #[arg(long)]
-    margin: Option<f32>,
 }
 
 /// Runs `generate`.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    match &args.artifact {
-        None => generate_with(&args.model.load()?, &args),
-        Some(path) => {
-            use mirage_artifact::{Artifact, SparseMode, SuperblockBackend};
-            check_model(&args.model.model)?;
-            let artifact = Artifact::open(path).with_context(|| format!("loading {}", path.display()))?;
-            let file = std::sync::Arc::new(mirage_gguf::GgufFile::open(&args.model.model)?);
-            artifact.check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))?;
-            let mode = SparseMode::Bvh { margin: args.margin.unwrap_or(artifact.meta().default_margin) };
-            let backend = SuperblockBackend::new(mirage_runtime::CpuBackend::new(args.model.threads)?, artifact, mode)?;
-            let options = EngineOptions {
-                threads: args.model.threads,
-                n_ctx: args.model.ctx_size,
-                kv_dtype: if args.model.kv_f16 { KvDtype::F16 } else { KvDtype::F32 },
-                ..EngineOptions::default()
-            };
-            generate_with(&Engine::from_file(file, backend, options)?, &args)
-        }
+    args.model.with_engine(Generate(&args))
+}
+
+struct Generate<'a>(&'a GenerateArgs);
+
+impl WithEngine for Generate<'_> {
+    type Out = anyhow::Result<()>;
+    fn run<B: Backend>(self, engine: Engine<B>) -> anyhow::Result<()> {
+        generate_with(&engine, self.0)
     }
 }
 
-fn generate_with<B: mirage_runtime::Backend>(engine: &Engine<B>, args: &GenerateArgs) -> anyhow::Result<()> {
+fn generate_with<B: Backend>(engine: &Engine<B>, args: &GenerateArgs) -> anyhow::Result<()> {
     let prompt = if args.chat {
         engine.render_chat(&[ChatMessage::new("user", args.prompt.as_str())])?
     } else {

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
+use mirage::{Backend, Engine, WithEngine};
 
 use super::generate::ModelArgs;
 
@@ -29,9 +30,24 @@ pub struct PerplexityArgs {
 /// Runs `perplexity`.
 pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&args.text).with_context(|| format!("reading {}", args.text.display()))?;
-    let engine = args.model.load()?;
+    args.model.with_engine(Perplexity { args: &args, text: &text })
+}
+
+struct Perplexity<'a> {
+    args: &'a PerplexityArgs,
+    text: &'a str,
+}
+
+impl WithEngine for Perplexity<'_> {
+    type Out = anyhow::Result<()>;
+    fn run<B: Backend>(self, engine: Engine<B>) -> anyhow::Result<()> {
+        perplexity_with(&engine, self.args, self.text)
+    }
+}
+
+fn perplexity_with<B: Backend>(engine: &Engine<B>, args: &PerplexityArgs, text: &str) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
-    let r = mirage_runtime::perplexity::perplexity(&engine, &text, args.ctx, args.chunks, |i, n, ppl| {
+    let r = mirage_runtime::perplexity::perplexity(engine, text, args.ctx, args.chunks, |i, n, ppl| {
         eprintln!("[{}/{}] running PPL {:.4}", i + 1, n, ppl);
     })?;
     let secs = start.elapsed().as_secs_f64();
@@ -39,6 +55,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
         let json = serde_json::json!({
             "model": args.model.model.display().to_string(),
             "text": args.text.display().to_string(),
+            "backend": engine.backend_name(),
             "ppl": r.ppl,
             "ppl_err": r.ppl_err,
             "mean_nll": r.mean_nll,
