@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use mirage::{BackendChoice, LoadSpec, SparseMode};
 use mirage_runtime::EngineOptions;
 use tracing_subscriber::EnvFilter;
 
@@ -29,9 +30,18 @@ struct Args {
     /// The GGUF model file.
     #[arg(long, default_value = "models/smollm2-135m-instruct-q4_1.gguf")]
     model: PathBuf,
-    /// Compute backend (`cpu`).
-    #[arg(long, default_value = "cpu")]
-    backend: String,
+    /// Backend: cpu, cuda, or auto (CUDA when built in and a GPU answers, else CPU; CPU with --artifact).
+    #[arg(long, default_value = "auto")]
+    backend: BackendChoice,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Run the FFN sparsely from this page-major artifact (built from --model; CPU superblock backend).
+    #[arg(long)]
+    artifact: Option<PathBuf>,
+    /// With --artifact: BVH router margin in std units (default: the artifact's).
+    #[arg(long, requires = "artifact")]
+    margin: Option<f32>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -85,20 +95,24 @@ async fn shutdown_signal() {
     }
 }
 
-fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+fn main() -> std::process::ExitCode {
+    match serve(Args::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line with the context chain, like mirage-cli.
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn serve(args: Args) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
         .init();
-    if args.backend != "cpu" {
-        anyhow::bail!(
-            "unknown backend `{}` (this build serves: cpu)",
-            args.backend
-        );
-    }
     if args.max_batch == 0 || args.queue == 0 {
         anyhow::bail!("--max-batch and --queue must be at least 1");
     }
@@ -110,14 +124,21 @@ fn main() -> anyhow::Result<()> {
         n_batch: args.batch_rows,
         ..EngineOptions::default()
     };
+    let mut load = LoadSpec::new(&args.model)
+        .backend(args.backend)
+        .options(engine);
+    load.cuda_device = args.device;
+    if let Some(a) = &args.artifact {
+        load = load.artifact(a, args.margin.map(|margin| SparseMode::Bvh { margin }));
+    }
     let cfg = SchedulerConfig {
-        model: args.model.clone(),
-        engine,
+        load,
         max_batch: args.max_batch,
     };
     let scheduler = Scheduler::start(cfg, jobs_rx, metrics.clone())
         .with_context(|| format!("starting on {}", args.model.display()))?;
-    tracing::info!(model = %scheduler.info.id, n_ctx = scheduler.info.n_ctx, max_batch = args.max_batch, "model loaded");
+    let _ = metrics.backend.set(scheduler.info.backend.clone());
+    tracing::info!(model = %scheduler.info.id, backend = %scheduler.info.backend, artifact = ?scheduler.info.artifact, n_ctx = scheduler.info.n_ctx, max_batch = args.max_batch, "model loaded");
     let state = Arc::new(AppState {
         jobs: jobs_tx,
         info: scheduler.info.clone(),

@@ -93,6 +93,8 @@ pub struct Metrics {
     pub step_latency: Histogram,
     /// Sequence slots in all.
     pub max_batch: usize,
+    /// The backend serving the model (set once it is loaded).
+    pub backend: std::sync::OnceLock<String>,
 }
 
 impl Metrics {
@@ -113,6 +115,7 @@ impl Metrics {
             queue_wait: Histogram::new(LATENCY_BOUNDS),
             step_latency: Histogram::new(LATENCY_BOUNDS),
             max_batch,
+            backend: std::sync::OnceLock::new(),
         }
     }
 
@@ -193,6 +196,12 @@ impl Metrics {
             "Sequence slots in all.",
             self.max_batch.to_string(),
         );
+        if let Some(b) = self.backend.get() {
+            let _ = writeln!(
+                out,
+                "# HELP mirage_backend_info The backend serving the model (label), always 1.\n# TYPE mirage_backend_info gauge\nmirage_backend_info{{backend=\"{b}\"}} 1"
+            );
+        }
         gauge(
             &mut out,
             "mirage_tokens_per_second",

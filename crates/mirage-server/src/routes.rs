@@ -371,7 +371,7 @@ async fn completions(
 
 fn model_json(info: &ModelInfo) -> serde_json::Value {
     json!({"id": info.id, "object": "model", "created": info.created, "owned_by": "mirage",
-           "context_length": info.n_ctx, "backend": info.backend})
+           "context_length": info.n_ctx, "backend": info.backend, "artifact": info.artifact})
 }
 
 async fn list_models(State(st): State<Arc<AppState>>) -> Json<serde_json::Value> {

@@ -4,13 +4,13 @@
 //! gone (client disconnected).
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use mirage::{Backend, Engine, LoadSpec, WithEngine};
 use mirage_runtime::batch::{Batcher, SeqEvent};
-use mirage_runtime::{Engine, EngineOptions, GenerateParams, StopReason};
+use mirage_runtime::{GenerateParams, StopReason};
 use tokio::sync::mpsc;
 
 use crate::api::Prompt;
@@ -60,8 +60,10 @@ pub struct ModelInfo {
     pub id: String,
     /// Positions per sequence.
     pub n_ctx: usize,
-    /// Backend name.
+    /// Backend name (`cpu`, `cuda`, `superblock-cpu`).
     pub backend: String,
+    /// The artifact file's name, when the FFN runs from one.
+    pub artifact: Option<String>,
     /// Whether chat requests can be rendered.
     pub has_chat_template: bool,
     /// Unix seconds when it was loaded.
@@ -71,10 +73,9 @@ pub struct ModelInfo {
 /// How to start the scheduler.
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
-    /// The GGUF file.
-    pub model: PathBuf,
-    /// Engine options (threads, context, prompt chunk).
-    pub engine: EngineOptions,
+    /// Model, artifact, backend choice and engine options (threads,
+    /// context, prompt chunk), for the shared loader.
+    pub load: LoadSpec,
     /// Concurrent sequences.
     pub max_batch: usize,
 }
@@ -101,41 +102,16 @@ impl Scheduler {
         let thread = std::thread::Builder::new()
             .name("mirage-scheduler".into())
             .spawn(move || {
-                let engine = match Engine::load(&cfg.model, cfg.engine.clone()) {
-                    Ok(e) => e,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(format!("loading {}: {e}", cfg.model.display())));
-                        return;
-                    }
+                let serve = Serve {
+                    cfg: &cfg,
+                    ready: ready_tx.clone(),
+                    jobs,
+                    metrics: &metrics,
+                    cancel: &cancel,
                 };
-                let id = cfg
-                    .model
-                    .file_stem()
-                    .map(|s| s.to_string_lossy().into_owned())
-                    .unwrap_or_else(|| "model".into());
-                let created = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_secs())
-                    .unwrap_or(0);
-                let info = ModelInfo {
-                    id,
-                    n_ctx: engine.n_ctx(),
-                    backend: engine.backend_name(),
-                    has_chat_template: engine.chat_template().is_some(),
-                    created,
-                };
-                let batcher = match Batcher::new(&engine, cfg.max_batch, cfg.engine.n_batch) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(format!(
-                            "KV cache for {} sequences: {e}",
-                            cfg.max_batch
-                        )));
-                        return;
-                    }
-                };
-                let _ = ready_tx.send(Ok(info));
-                run(&engine, batcher, jobs, &metrics, &cancel);
+                if let Err(e) = mirage::load(&cfg.load, serve) {
+                    let _ = ready_tx.send(Err(e.to_string()));
+                }
             })?;
         match ready_rx.recv() {
             Ok(Ok(info)) => Ok(Scheduler {
@@ -156,13 +132,65 @@ impl Scheduler {
     }
 }
 
+/// The scheduler's work once the shared loader has built the engine on
+/// whichever backend was chosen (compiled once per backend type).
+struct Serve<'a> {
+    cfg: &'a SchedulerConfig,
+    ready: std::sync::mpsc::Sender<Result<ModelInfo, String>>,
+    jobs: mpsc::Receiver<Job>,
+    metrics: &'a Metrics,
+    cancel: &'a AtomicBool,
+}
+
+impl WithEngine for Serve<'_> {
+    type Out = ();
+    fn run<B: Backend>(self, engine: Engine<B>) {
+        let cfg = self.cfg;
+        let id = cfg
+            .load
+            .model
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into());
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let info = ModelInfo {
+            id,
+            n_ctx: engine.n_ctx(),
+            backend: engine.backend_name(),
+            artifact: cfg.load.artifact.as_ref().map(|a| {
+                a.path
+                    .file_name()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_default()
+            }),
+            has_chat_template: engine.chat_template().is_some(),
+            created,
+        };
+        let batcher = match Batcher::new(&engine, cfg.max_batch, cfg.load.options.n_batch) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = self.ready.send(Err(format!(
+                    "KV cache for {} sequences: {e}",
+                    cfg.max_batch
+                )));
+                return;
+            }
+        };
+        let _ = self.ready.send(Ok(info));
+        run(&engine, batcher, self.jobs, self.metrics, self.cancel);
+    }
+}
+
 struct Running {
     events: mpsc::UnboundedSender<JobEvent>,
     arrived: Instant,
     first_text: bool,
 }
 
-fn tokenize(engine: &Engine, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+fn tokenize<B: Backend>(engine: &Engine<B>, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
     let vocab = engine.model().config().vocab_size;
     match prompt {
         Prompt::Chat(messages) => {
@@ -212,9 +240,9 @@ impl Throughput {
     }
 }
 
-fn run(
-    engine: &Engine,
-    mut batcher: Batcher<'_, mirage_runtime::CpuBackend>,
+fn run<B: Backend>(
+    engine: &Engine<B>,
+    mut batcher: Batcher<'_, B>,
     mut jobs: mpsc::Receiver<Job>,
     m: &Metrics,
     cancel_all: &AtomicBool,
@@ -226,7 +254,7 @@ fn run(
     let mut throughput = Throughput {
         window: VecDeque::new(),
     };
-    let set_active = |b: &Batcher<'_, _>| {
+    let set_active = |b: &Batcher<'_, B>| {
         m.active_sequences
             .store(b.active() as i64, Ordering::Relaxed)
     };
