@@ -137,6 +137,26 @@ impl KvCache {
         &mut self.paged
     }
 
+    /// Widens positions `0..n` of KV head `head` of `seq` in `layer` into
+    /// `k` and `v` (`n * head_dim` f32 each): prefill converts each f16 row
+    /// once for all the queries of its batch instead of once per query.
+    /// Callers check the ranges.
+    pub fn widen(&self, layer: usize, seq: usize, head: usize, n: usize, k: &mut [f32], v: &mut [f32]) {
+        let len = n * self.spec.head_dim;
+        let at = self.base(seq, head, 0);
+        match (&self.k[layer], &self.v[layer]) {
+            (Store::F32(ks), Store::F32(vs)) => {
+                k[..len].copy_from_slice(&ks[at..at + len]);
+                v[..len].copy_from_slice(&vs[at..at + len]);
+            }
+            (Store::F16(ks), Store::F16(vs)) => {
+                ks[at..at + len].convert_to_f32_slice(&mut k[..len]);
+                vs[at..at + len].convert_to_f32_slice(&mut v[..len]);
+            }
+            _ => unreachable!("k and v share one dtype"),
+        }
+    }
+
     /// Keys and values of KV head `head` of `seq` in `layer` (all `n_ctx`
     /// rows). Callers check the ranges.
     pub fn head_view(&self, layer: usize, seq: usize, head: usize) -> crate::attention_pruned::KvHeadView<'_> {

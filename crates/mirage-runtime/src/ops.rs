@@ -123,7 +123,8 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
 }
 
 /// Dot product of two f32 slices (auto-vectorised: eight independent sums).
-#[inline]
+// inline(always): attend_f32's AVX2 copy must get its own AVX2 copy of it.
+#[inline(always)]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
@@ -142,7 +143,8 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `y += alpha * x`.
-#[inline]
+// inline(always): attend_f32's AVX2 copy must get its own AVX2 copy of it.
+#[inline(always)]
 pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     for (y, &x) in y.iter_mut().zip(x) {
         *y += alpha * x;
@@ -152,6 +154,25 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 /// Attention of one query head over `n` cached positions stored row-major
 /// (`keys[j*d..(j+1)*d]`). `scores` needs `n` elements; `out` gets `d`.
 pub fn attend_f32(q: &[f32], keys: &[f32], values: &[f32], n: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        /// The same code compiled for AVX2 (the default build targets
+        /// baseline x86-64): 8-wide dot and axpy loops. Rust never fuses
+        /// multiply-adds, so the results are bit-identical.
+        #[target_feature(enable = "avx2")]
+        unsafe fn attend_avx2(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, s: &mut [f32], o: &mut [f32]) {
+            attend_f32_body(q, k, v, n, scale, s, o)
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { attend_avx2(q, keys, values, n, scale, scores, out) };
+        }
+    }
+    attend_f32_body(q, keys, values, n, scale, scores, out)
+}
+
+#[inline(always)]
+fn attend_f32_body(q: &[f32], keys: &[f32], values: &[f32], n: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
     let d = q.len();
     for j in 0..n {
         scores[j] = dot_f32(q, &keys[j * d..(j + 1) * d]) * scale;

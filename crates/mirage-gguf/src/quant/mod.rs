@@ -26,6 +26,7 @@
 #![allow(clippy::needless_range_loop)]
 
 mod float;
+mod gemm_q8_0;
 mod kquants;
 mod legacy;
 pub mod nvfp4;
@@ -37,6 +38,9 @@ mod avx2;
 
 use crate::types::GgmlType;
 
+pub use gemm_q8_0::{
+    pack_q8_0_rows, packed_q8_0_bytes, Q8_0Gemm, Q8_0GemmFn, PACKED_BLOCK_BYTES, Q8_0_TOKEN_GROUP,
+};
 pub use rows::{dot_rows_fn, scalar_dot_rows_fn, DotRowsFn, DOT_ROWS};
 pub use nvfp4::{Nvfp4Error, Nvfp4Tensor, NVFP4_ARTIFACT_TAG, NVFP4_BLOCK_SIZE};
 
@@ -155,6 +159,11 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
         Q4_1 => legacy::quantize_q4_1(src, dst),
         Q5_0 => legacy::quantize_q5_0(src, dst),
         Q5_1 => legacy::quantize_q5_1(src, dst),
+        // SAFETY (both): available() checked; lengths checked above.
+        #[cfg(target_arch = "x86_64")]
+        Q8_0 if avx2::available() => unsafe { avx2::quantize_q8_0(src, dst) },
+        #[cfg(target_arch = "x86_64")]
+        Q8_1 if avx2::available() => unsafe { avx2::quantize_q8_1(src, dst) },
         Q8_0 => legacy::quantize_q8_0(src, dst),
         Q8_1 => legacy::quantize_q8_1(src, dst),
         Q2_K => kquants::quantize_q2_k(src, dst),

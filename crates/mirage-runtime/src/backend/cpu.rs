@@ -23,7 +23,7 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use mirage_gguf::quant::{self, DotFn, DotRowsFn, DOT_ROWS};
+use mirage_gguf::quant::{self, DotFn, DotRowsFn, Q8_0GemmFn, DOT_ROWS};
 use mirage_gguf::GgmlType;
 use rayon::prelude::*;
 
@@ -43,6 +43,9 @@ pub struct CpuMatrix {
     act_ty: GgmlType,
     dot: DotFn,
     dot_rows: DotRowsFn,
+    /// Q8_0 weights with a SIMD GEMM kernel: batches of
+    /// [`GEMM_MIN_TOKENS`] or more rows go through it on packed activations.
+    gemm: Option<Q8_0GemmFn>,
     /// Exact mode: dequantize each row once per call and dot it in f32.
     f32_activations: bool,
     data: SharedBytes,
@@ -100,6 +103,7 @@ impl CpuMatrix {
                     a += 1;
                 }
             }
+            ActRows::PackedQ8_0(_) => out.fill(f32::NAN), // unreachable: rows_dots takes this case
             ActRows::F32(x) => {
                 deq.resize(cols, 0.0);
                 if quant::dequantize(self.ty, wr, deq).is_err() {
@@ -118,11 +122,41 @@ impl CpuMatrix {
     }
 }
 
+impl CpuMatrix {
+    /// `out[i * n + a] = W_{r0 + i} · act_a` for `i < out.len() / n`, the
+    /// `n` activation rows of `act`: one GEMM call on packed activations,
+    /// else [`CpuMatrix::row_dots`] per row.
+    fn rows_dots(&self, bytes: &[u8], r0: usize, act: &ActRows<'_>, n: usize, out: &mut [f32], deq: &mut Vec<f32>) {
+        let rows = out.len() / n;
+        match (*act, self.gemm) {
+            (ActRows::PackedQ8_0(packed), Some(gemm)) => {
+                let w = &bytes[r0 * self.row_bytes..(r0 + rows) * self.row_bytes];
+                // SAFETY: make_matrix checked that rows hold `cols` Q8_0
+                // elements and set `gemm` only for Q8_0; encode packed `n`
+                // rows of `cols` with pack_q8_0_rows; `out` holds rows * n.
+                unsafe { gemm(self.cols, w, rows, packed, n, out) };
+            }
+            (ActRows::PackedQ8_0(_), None) => out.fill(f32::NAN), // unreachable: encode packs only for gemm
+            _ => {
+                for (i, o) in out.chunks_exact_mut(n).enumerate() {
+                    self.row_dots(bytes, r0 + i, act, o, deq);
+                }
+            }
+        }
+    }
+}
+
+/// Batches of at least this many activation rows use the Q8_0 GEMM kernel
+/// (it pads to groups of 8 tokens; below 2 the matrix-vector kernel wins).
+const GEMM_MIN_TOKENS: usize = 2;
+
 /// Activation rows as a matrix product consumes them.
 #[derive(Clone, Copy)]
 enum ActRows<'a> {
     /// Rows quantized into the weight's `vec_dot_type`, `row_bytes` apart.
     Quantized { data: &'a [u8], row_bytes: usize },
+    /// Q8_0 rows repacked for the GEMM kernel ([`quant::pack_q8_0_rows`]).
+    PackedQ8_0(&'a [u8]),
     /// Plain f32 rows of `cols` (exact mode).
     F32(&'a [f32]),
 }
@@ -195,13 +229,19 @@ impl CpuActivations {
 #[derive(Default)]
 struct Scratch {
     act_q: Vec<u8>,
+    /// Standard Q8_0 rows on their way to being packed for the GEMM kernel.
+    pack_staging: Vec<u8>,
     hidden: Vec<f32>,
     hidden_q: Vec<u8>,
     transposed: Vec<f32>,
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
     rope_key: (usize, u32, usize),
-    act_by_type: Vec<(GgmlType, usize, Vec<u8>)>,
+    /// Encodings of one input for `matmul_many`: (type, packed for the
+    /// GEMM kernel, row bytes or 0 when free, bytes).
+    act_by_type: Vec<(GgmlType, bool, usize, Vec<u8>)>,
+    /// Prefill attention's keys and values widened to f32.
+    kv_wide: Vec<f32>,
     /// Staging of the FFN's down product (`hidden`/`transposed` hold its input).
     down_staging: Vec<f32>,
 }
@@ -273,7 +313,8 @@ impl CpuBackend {
     /// Rows per parallel task: a few tasks per thread for load balance, but
     /// not so small that task overhead shows.
     fn chunk_rows(&self, rows: usize) -> usize {
-        rows.div_ceil(self.threads * 4).max(4)
+        // A multiple of 4: the GEMM kernel's row tile.
+        rows.div_ceil(self.threads * 4).max(4).next_multiple_of(4)
     }
 
     fn make_matrix(&self, m: &HostMatrix) -> Result<CpuMatrix> {
@@ -308,19 +349,40 @@ impl CpuBackend {
             act_ty,
             dot,
             dot_rows: quant::dot_rows_fn(m.ty),
+            gemm: match quant::Q8_0Gemm::best() {
+                quant::Q8_0Gemm::Scalar => None,
+                best if m.ty == GgmlType::Q8_0 && !self.f32_activations => best.kernel(),
+                _ => None,
+            },
             f32_activations: self.f32_activations,
             data: m.data.clone(),
         })
     }
 
     /// The activation rows `x` (`n` rows of `cols`) as `w` consumes them,
-    /// quantized into `buf` unless `w` runs in exact mode.
-    fn encode<'a>(w: &CpuMatrix, x: &'a [f32], n: usize, buf: &'a mut Vec<u8>) -> Result<ActRows<'a>> {
+    /// quantized into `buf` unless `w` runs in exact mode (`staging` holds
+    /// the plain Q8_0 rows when they are packed for the GEMM kernel).
+    fn encode<'a>(
+        w: &CpuMatrix,
+        x: &'a [f32],
+        n: usize,
+        buf: &'a mut Vec<u8>,
+        staging: &mut Vec<u8>,
+    ) -> Result<ActRows<'a>> {
         if w.f32_activations {
             return Ok(ActRows::F32(x));
         }
+        if CpuBackend::packs(w, n) {
+            pack_rows(x, n, w.cols, staging, buf)?;
+            return Ok(ActRows::PackedQ8_0(buf));
+        }
         let row_bytes = quantize_rows(w.act_ty, x, n, w.cols, buf)?;
         Ok(ActRows::Quantized { data: buf, row_bytes })
+    }
+
+    /// Whether `n` activation rows for `w` are packed for its GEMM kernel.
+    fn packs(w: &CpuMatrix, n: usize) -> bool {
+        w.gemm.is_some() && n >= GEMM_MIN_TOKENS
     }
 }
 
@@ -332,6 +394,15 @@ fn quantize_rows(ty: GgmlType, x: &[f32], n: usize, cols: usize, dst: &mut Vec<u
         quant::quantize(ty, &x[r * cols..(r + 1) * cols], &mut dst[r * rb..(r + 1) * rb])?;
     }
     Ok(rb)
+}
+
+/// Quantizes `n` rows of `x` to Q8_0 (into `staging`) and packs them for the
+/// GEMM kernel into `dst`.
+fn pack_rows(x: &[f32], n: usize, cols: usize, staging: &mut Vec<u8>, dst: &mut Vec<u8>) -> Result<()> {
+    let rb = quantize_rows(GgmlType::Q8_0, x, n, cols, staging)?;
+    dst.resize(quant::packed_q8_0_bytes(n, cols)?, 0);
+    quant::pack_q8_0_rows(staging, rb, n, cols, dst)?;
+    Ok(())
 }
 
 /// `out[a * w.rows + r] = w_r · act_a` for `n_act` activation rows.
@@ -359,11 +430,7 @@ fn matmul_rows(
     pool.install(|| {
         dst.par_chunks_mut(chunk * n_act).enumerate().for_each(|(ci, o)| {
             let bytes = w.data.as_slice();
-            ROW_SCRATCH.with_borrow_mut(|(deq, _, _)| {
-                for (i, o) in o.chunks_mut(n_act).enumerate() {
-                    w.row_dots(bytes, ci * chunk + i, act, o, deq);
-                }
-            })
+            ROW_SCRATCH.with_borrow_mut(|(deq, _, _)| w.rows_dots(bytes, ci * chunk, act, n_act, o, deq))
         })
     });
     if n_act > 1 {
@@ -462,7 +529,7 @@ impl Backend for CpuBackend {
         out.reshape(x.rows, w.rows);
         let mut s = self.scratch();
         let s = &mut *s;
-        let act = CpuBackend::encode(w, x.data(), x.rows, &mut s.act_q)?;
+        let act = CpuBackend::encode(w, x.data(), x.rows, &mut s.act_q, &mut s.pack_staging)?;
         let chunk = self.chunk_rows(w.rows);
         matmul_rows(&self.pool, chunk, w, &act, x.rows, out.data_mut(), &mut s.transposed);
         Ok(())
@@ -480,7 +547,7 @@ impl Backend for CpuBackend {
         let s = &mut *s;
         // One quantization of x per activation encoding in use.
         for e in s.act_by_type.iter_mut() {
-            e.1 = 0;
+            e.2 = 0;
         }
         // Index into act_by_type per matrix; None: exact mode (f32 rows).
         let mut which: Vec<Option<usize>> = Vec::with_capacity(ws.len());
@@ -489,19 +556,26 @@ impl Backend for CpuBackend {
                 which.push(None);
                 continue;
             }
-            let idx = match s.act_by_type.iter().position(|e| e.0 == w.act_ty && e.1 != 0) {
+            let packed = CpuBackend::packs(w, n);
+            let idx = match s.act_by_type.iter().position(|e| e.0 == w.act_ty && e.1 == packed && e.2 != 0) {
                 Some(i) => i,
                 None => {
-                    let slot = match s.act_by_type.iter().position(|e| e.1 == 0) {
+                    let slot = match s.act_by_type.iter().position(|e| e.2 == 0) {
                         Some(i) => i,
                         None => {
-                            s.act_by_type.push((w.act_ty, 0, Vec::new()));
+                            s.act_by_type.push((w.act_ty, false, 0, Vec::new()));
                             s.act_by_type.len() - 1
                         }
                     };
                     let e = &mut s.act_by_type[slot];
                     e.0 = w.act_ty;
-                    e.1 = quantize_rows(w.act_ty, x.data(), n, w.cols, &mut e.2)?;
+                    e.1 = packed;
+                    e.2 = if packed {
+                        pack_rows(x.data(), n, w.cols, &mut s.pack_staging, &mut e.3)?;
+                        usize::MAX // in use; packed data has no row stride
+                    } else {
+                        quantize_rows(w.act_ty, x.data(), n, w.cols, &mut e.3)?
+                    };
                     slot
                 }
             };
@@ -510,7 +584,8 @@ impl Backend for CpuBackend {
         let acts: Vec<ActRows<'_>> = which
             .iter()
             .map(|wh| match wh {
-                Some(i) => ActRows::Quantized { data: &s.act_by_type[*i].2, row_bytes: s.act_by_type[*i].1 },
+                Some(i) if s.act_by_type[*i].1 => ActRows::PackedQ8_0(&s.act_by_type[*i].3),
+                Some(i) => ActRows::Quantized { data: &s.act_by_type[*i].3, row_bytes: s.act_by_type[*i].2 },
                 None => ActRows::F32(x.data()),
             })
             .collect();
@@ -528,12 +603,17 @@ impl Backend for CpuBackend {
         s.transposed.resize(total * n, 0.0);
         let chunk = self.chunk_rows(total);
         self.pool.install(|| {
-            s.transposed.par_chunks_mut(chunk * n).enumerate().for_each(|(ci, o)| {
+            s.transposed.par_chunks_mut(chunk * n).enumerate().for_each(|(ci, mut o)| {
                 ROW_SCRATCH.with_borrow_mut(|(deq, _, _)| {
-                    for (i, o) in o.chunks_mut(n).enumerate() {
-                        let g = ci * chunk + i;
+                    // The chunk's rows, split where one matrix ends.
+                    let mut g = ci * chunk;
+                    while !o.is_empty() {
                         let m = offsets.partition_point(|&off| off <= g) - 1;
-                        ws[m].row_dots(ws[m].data.as_slice(), g - offsets[m], &acts[m], o, deq);
+                        let take = (offsets[m] + ws[m].rows - g).min(o.len() / n);
+                        let (head, tail) = std::mem::take(&mut o).split_at_mut(take * n);
+                        ws[m].rows_dots(ws[m].data.as_slice(), g - offsets[m], &acts[m], n, head, deq);
+                        o = tail;
+                        g += take;
                     }
                 })
             })
@@ -641,6 +721,31 @@ impl Backend for CpuBackend {
         let cache = &*cache;
         let q = &*q;
         let decode_row = crate::attention_pruned::decode_rows(slots);
+        // Prefill rows (several of one sequence) read the cache widened to
+        // f32 once per (sequence, KV head): `wide` is (seq, first element,
+        // positions) per sequence, each holding n_head_kv keys blocks then
+        // n_head_kv values blocks of [positions, hd].
+        let mut wide: Vec<(usize, usize, usize)> = Vec::new();
+        for (slot, _) in slots.iter().zip(&decode_row).filter(|(_, &d)| !d) {
+            match wide.iter_mut().find(|w| w.0 == slot.seq) {
+                Some(w) => w.2 = w.2.max(slot.pos + 1),
+                None => wide.push((slot.seq, 0, slot.pos + 1)),
+            }
+        }
+        let mut total = 0;
+        for w in wide.iter_mut() {
+            w.1 = total;
+            total += 2 * p.n_head_kv * w.2 * hd;
+        }
+        s.kv_wide.resize(total, 0.0);
+        for &(seq, at, n_pos) in &wide {
+            let (k, v) = s.kv_wide[at..at + 2 * p.n_head_kv * n_pos * hd].split_at_mut(p.n_head_kv * n_pos * hd);
+            for h in 0..p.n_head_kv {
+                let r = h * n_pos * hd..(h + 1) * n_pos * hd;
+                cache.widen(layer, seq, h, n_pos, &mut k[r.clone()], &mut v[r]);
+            }
+        }
+        let kv_wide = &s.kv_wide;
         self.pool.install(|| {
             out.data_mut().par_chunks_mut(hd).enumerate().for_each_init(
                 || vec![0.0f32; max_pos + 1],
@@ -648,7 +753,18 @@ impl Backend for CpuBackend {
                     let (row, head) = (idx / p.n_head, idx % p.n_head);
                     let slot = slots[row];
                     let qh = &q.data[row * qw + head * hd..row * qw + (head + 1) * hd];
-                    cache.attend_maybe_pruned(layer, slot.seq, head / group, slot.pos + 1, qh, scale, decode_row[row], scores, o);
+                    match wide.iter().find(|w| w.0 == slot.seq && !decode_row[row]) {
+                        Some(&(_, at, n_pos)) => {
+                            let kv = head / group;
+                            let k = &kv_wide[at + kv * n_pos * hd..];
+                            let v = &kv_wide[at + (p.n_head_kv + kv) * n_pos * hd..];
+                            let n = slot.pos + 1;
+                            ops::attend_f32(qh, &k[..n * hd], &v[..n * hd], n, scale, scores, o);
+                        }
+                        None => cache.attend_maybe_pruned(
+                            layer, slot.seq, head / group, slot.pos + 1, qh, scale, decode_row[row], scores, o,
+                        ),
+                    }
                 },
             )
         });
@@ -667,10 +783,13 @@ impl Backend for CpuBackend {
         // Gate and up share their input; quantize it once when they share
         // the activation encoding (they do in every llama.cpp mix).
         let mut up_q = Vec::new();
-        let gate_act = CpuBackend::encode(&f.gate, x.data(), n, &mut s.act_q)?;
+        let gate_act = CpuBackend::encode(&f.gate, x.data(), n, &mut s.act_q, &mut s.pack_staging)?;
+        let same_encoding = f.up.act_ty == f.gate.act_ty
+            && !f.up.f32_activations
+            && CpuBackend::packs(&f.up, n) == CpuBackend::packs(&f.gate, n);
         let up_act = match gate_act {
-            ActRows::Quantized { .. } if f.up.act_ty == f.gate.act_ty && !f.up.f32_activations => gate_act,
-            _ => CpuBackend::encode(&f.up, x.data(), n, &mut up_q)?,
+            ActRows::Quantized { .. } | ActRows::PackedQ8_0(_) if same_encoding => gate_act,
+            _ => CpuBackend::encode(&f.up, x.data(), n, &mut up_q, &mut s.pack_staging)?,
         };
         // hidden is [n_ff, n] (weight-row major) so that each task owns a
         // contiguous block; transposed below when n > 1.
@@ -680,15 +799,13 @@ impl Backend for CpuBackend {
             s.hidden.par_chunks_mut(chunk * n).enumerate().for_each(|(ci, o)| {
                 let (gate_bytes, up_bytes) = (f.gate.data.as_slice(), f.up.data.as_slice());
                 ROW_SCRATCH.with_borrow_mut(|(deq, g, u)| {
-                    g.resize(n, 0.0);
-                    u.resize(n, 0.0);
-                    for (i, o) in o.chunks_mut(n).enumerate() {
-                        let r = ci * chunk + i;
-                        f.gate.row_dots(gate_bytes, r, &gate_act, g, deq);
-                        f.up.row_dots(up_bytes, r, &up_act, u, deq);
-                        for ((o, &g), &u) in o.iter_mut().zip(g.iter()).zip(u.iter()) {
-                            *o = ops::silu(g) * u;
-                        }
+                    g.resize(o.len(), 0.0);
+                    u.resize(o.len(), 0.0);
+                    let r0 = ci * chunk;
+                    f.gate.rows_dots(gate_bytes, r0, &gate_act, n, g, deq);
+                    f.up.rows_dots(up_bytes, r0, &up_act, n, u, deq);
+                    for ((o, &g), &u) in o.iter_mut().zip(g.iter()).zip(u.iter()) {
+                        *o = ops::silu(g) * u;
                     }
                 })
             })
@@ -701,7 +818,7 @@ impl Backend for CpuBackend {
             &s.transposed
         };
         out.reshape(n, f.down.rows);
-        let down_act = CpuBackend::encode(&f.down, hidden_rows, n, &mut s.hidden_q)?;
+        let down_act = CpuBackend::encode(&f.down, hidden_rows, n, &mut s.hidden_q, &mut s.pack_staging)?;
         let chunk = self.chunk_rows(f.down.rows);
         let mut staging = std::mem::take(&mut s.down_staging);
         matmul_rows(&self.pool, chunk, &f.down, &down_act, n, out.data_mut(), &mut staging);
