@@ -1,0 +1,628 @@
+//! The sparse path on the GPU: the fused superblock FFN over page-major
+//! Q8_0 pages (`cuda/superblock.cu`) and the weight-only mat-vecs it is
+//! measured against (split Q8_0 here, NVFP4 in [`crate::nvfp4`]).
+//!
+//! Issue #7's lesson is that a scattered sparse FFN loses to the dense one;
+//! what can win is coarse 128-channel pages stored contiguously (page-major,
+//! as `mirage_artifact::pack::pack_page` writes them), one fused kernel per
+//! FFN and no host round trip. [`SparseDevice::ffn_q8`] is that kernel, one
+//! cooperative launch: the active page ids and their count live in device
+//! memory (a router kernel can write them); phase 1 computes every active
+//! channel's gate and up rows and SwiGLU (h stays in L2), a grid barrier,
+//! then phase 2 streams the down slices with each block owning 128 outputs
+//! of a share of the channels, so an output receives a handful of block
+//! partials (not one per page or per block). Those are added with atomics
+//! into `y`, or deterministically: the last block to finish an output chunk
+//! sums its partials in a fixed order.
+//!
+//! Device layout ("split Q8_0"): the ggml Q8_0 blocks of a matrix are split
+//! into all quants first (`[rows][d]` int8, 4-byte aligned) and all f16 block
+//! scales after (`[rows][d/32]`): the same 34 bytes per 32 weights, but a
+//! warp's 32-bit loads cover whole 128-byte lines and each lane's float4 of x
+//! is conflict-free in shared memory. A page is
+//! `[gate q][up q][down_t q][gate scales][up scales][down_t scales]`, one
+//! contiguous span (see the comment at the top of `cuda/superblock.cu`).
+//!
+//! The host-side repacking ([`split_q8_0_rows`], [`split_q8_0_page`]) is
+//! plain Rust and builds without the `cuda` feature.
+
+use mirage_gguf::quant::{self, Nvfp4Error, QuantError};
+use mirage_gguf::GgmlType;
+
+use crate::CudaError;
+
+/// FFN channels per page (as in the artifact format).
+pub const PAGE_CHANNELS: usize = 128;
+
+/// Ggml Q8_0: weights per block and bytes per block.
+const Q8_BLOCK: usize = 32;
+const Q8_BYTES: usize = 34;
+
+/// Why a sparse-path call was refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SparseError {
+    /// The device, driver or compiler failed.
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    /// Bad shapes or lengths from the caller.
+    #[error("sparse kernels: {0}")]
+    InvalidArgument(String),
+    /// A ggml quantization helper refused its input.
+    #[error(transparent)]
+    Quant(#[from] QuantError),
+    /// The NVFP4 codec refused its input.
+    #[error(transparent)]
+    Nvfp4(#[from] Nvfp4Error),
+}
+
+fn invalid(msg: impl Into<String>) -> SparseError {
+    SparseError::InvalidArgument(msg.into())
+}
+
+/// Splits `rows` ggml Q8_0 rows of `d` weights (`rows * d / 32 * 34` bytes)
+/// into the split-Q8_0 layout: all quants, then all f16 scales.
+pub fn split_q8_0_rows(ggml: &[u8], rows: usize, d: usize) -> Result<Vec<u8>, SparseError> {
+    if d == 0 || d % Q8_BLOCK != 0 {
+        return Err(invalid(format!(
+            "Q8_0 row length {d} is not a positive multiple of {Q8_BLOCK}"
+        )));
+    }
+    let blocks = rows * d / Q8_BLOCK;
+    if ggml.len() != blocks * Q8_BYTES {
+        return Err(invalid(format!(
+            "{rows} Q8_0 rows of {d} need {} bytes, got {}",
+            blocks * Q8_BYTES,
+            ggml.len()
+        )));
+    }
+    let mut out = vec![0u8; ggml.len()];
+    let (quants, scales) = out.split_at_mut(rows * d);
+    for (b, block) in ggml.chunks_exact(Q8_BYTES).enumerate() {
+        scales[2 * b..2 * b + 2].copy_from_slice(&block[..2]);
+        quants[b * Q8_BLOCK..(b + 1) * Q8_BLOCK].copy_from_slice(&block[2..]);
+    }
+    Ok(out)
+}
+
+/// Bytes of one Q8_0 page of `d_model` (three 128-row matrices).
+pub fn q8_0_page_bytes(d_model: usize) -> usize {
+    3 * PAGE_CHANNELS * d_model / Q8_BLOCK * Q8_BYTES
+}
+
+/// Repacks one artifact page (`pack_page` layout, Q8_0: 128 gate rows, 128
+/// up rows, 128 down_t rows, each a ggml Q8_0 row of `d_model`) into the
+/// device page layout `[gate q][up q][down_t q][gate s][up s][down_t s]`.
+pub fn split_q8_0_page(page: &[u8], d_model: usize) -> Result<Vec<u8>, SparseError> {
+    let rb = quant::row_bytes(GgmlType::Q8_0, d_model)?;
+    let mat = PAGE_CHANNELS * rb;
+    if page.len() != 3 * mat {
+        return Err(invalid(format!(
+            "Q8_0 page of d_model {d_model} must be {} bytes, got {}",
+            3 * mat,
+            page.len()
+        )));
+    }
+    let q = PAGE_CHANNELS * d_model;
+    let s = PAGE_CHANNELS * d_model / Q8_BLOCK * 2;
+    let mut out = vec![0u8; 3 * mat];
+    for k in 0..3 {
+        let split = split_q8_0_rows(&page[k * mat..(k + 1) * mat], PAGE_CHANNELS, d_model)?;
+        out[k * q..(k + 1) * q].copy_from_slice(&split[..q]);
+        out[3 * q + k * s..3 * q + (k + 1) * s].copy_from_slice(&split[q..]);
+    }
+    Ok(out)
+}
+
+#[cfg(feature = "cuda")]
+pub use device::*;
+
+#[cfg(feature = "cuda")]
+mod device {
+    use std::sync::Arc;
+
+    use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+    use cudarc::driver::{
+        CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    };
+
+    use super::{invalid, q8_0_page_bytes, split_q8_0_page, split_q8_0_rows, SparseError};
+    use super::{PAGE_CHANNELS, Q8_BLOCK};
+    use crate::{module, CudaError};
+
+    /// Sources of the sparse-path module, compiled as one NVRTC unit
+    /// (`nvfp4.cu` holds the decode helpers `superblock.cu` uses).
+    pub const SPARSE_SOURCE: &str = concat!(
+        include_str!("../../../cuda/nvfp4.cu"),
+        "\n",
+        include_str!("../../../cuda/superblock.cu")
+    );
+
+    /// Threads of the mat-vec and FFN blocks (`NV_WARPS`/`SB_WARPS` * 32).
+    const BLOCK: u32 = 256;
+    /// Rows per warp of the mat-vecs (`NV_ROWS`, and 4 in `matvec_q8s`).
+    const ROWS_PER_BLOCK: usize = 8 * 4;
+
+    pub(crate) fn drv(e: cudarc::driver::DriverError) -> SparseError {
+        SparseError::Cuda(CudaError::Driver(e.to_string()))
+    }
+
+    /// How the fused FFN reduces page contributions into `y`.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Reduction {
+        /// Each busy block adds its sum into `y` with atomics (one launch;
+        /// the float order, hence the last bits, vary from run to run).
+        Atomic,
+        /// Block partials go to a buffer and the last block to finish an
+        /// output chunk adds them in part order (bit-reproducible for a given
+        /// grid).
+        Ordered,
+    }
+
+    /// The sparse-path kernels on one device: context, stream, functions.
+    pub struct SparseDevice {
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        matvec_nvfp4: CudaFunction,
+        matvec_q8s: CudaFunction,
+        ffn_q8s: CudaFunction,
+        multiprocessors: u32,
+        max_dynamic_smem: usize,
+        device_name: String,
+    }
+
+    impl std::fmt::Debug for SparseDevice {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "SparseDevice {{ device: {:?} }}", self.device_name)
+        }
+    }
+
+    /// A split-Q8_0 matrix on the device.
+    #[derive(Debug)]
+    pub struct Q8sMatrix {
+        rows: usize,
+        cols: usize,
+        data: CudaSlice<u8>,
+    }
+
+    impl Q8sMatrix {
+        /// Output features.
+        pub fn rows(&self) -> usize {
+            self.rows
+        }
+        /// Input features.
+        pub fn cols(&self) -> usize {
+            self.cols
+        }
+        /// Bytes on the device (what one mat-vec reads).
+        pub fn bytes(&self) -> usize {
+            self.data.len()
+        }
+    }
+
+    /// One layer's FFN as page-major split-Q8_0 pages on the device.
+    #[derive(Debug)]
+    pub struct Q8Pages {
+        d_model: usize,
+        n_pages: usize,
+        page_bytes: usize,
+        grid: u32,
+        data: CudaSlice<u8>,
+    }
+
+    impl Q8Pages {
+        /// Model width.
+        pub fn d_model(&self) -> usize {
+            self.d_model
+        }
+        /// Pages stored.
+        pub fn n_pages(&self) -> usize {
+            self.n_pages
+        }
+        /// Bytes per page (what the kernel reads for each active page).
+        pub fn page_bytes(&self) -> usize {
+            self.page_bytes
+        }
+        /// Grid of the fused kernel: every block resident (it is launched
+        /// cooperatively and has a grid barrier).
+        pub fn grid(&self) -> u32 {
+            self.grid
+        }
+    }
+
+    /// Active page ids and their count, both in device memory.
+    #[derive(Debug)]
+    pub struct ActivePages {
+        ids: CudaSlice<u32>,
+        count: CudaSlice<i32>,
+        capacity: usize,
+    }
+
+    impl ActivePages {
+        /// Largest number of ids it holds.
+        pub fn capacity(&self) -> usize {
+            self.capacity
+        }
+        /// The id buffer, for a device-side router to write into.
+        pub fn ids_mut(&mut self) -> &mut CudaSlice<u32> {
+            &mut self.ids
+        }
+        /// The count (one i32), for a device-side router to write into.
+        pub fn count_mut(&mut self) -> &mut CudaSlice<i32> {
+            &mut self.count
+        }
+    }
+
+    /// Scratch of the fused FFN: h of the active channels, the block
+    /// partials and the barrier/arrival counters (self-resetting, so one
+    /// scratch serves any number of launches on one stream).
+    #[derive(Debug, Default)]
+    pub struct FfnScratch {
+        hbuf: Option<CudaSlice<f32>>,
+        partials: Option<CudaSlice<f32>>,
+        counters: Option<CudaSlice<u32>>,
+    }
+
+    impl SparseDevice {
+        /// Opens device `ordinal` and compiles (or loads from the PTX cache)
+        /// the sparse-path kernels. Typed errors when the driver, NVRTC or
+        /// the device is missing.
+        pub fn new(ordinal: usize) -> Result<SparseDevice, SparseError> {
+            // SAFETY: only probes whether the shared library can be opened.
+            if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                return Err(CudaError::DriverNotFound.into());
+            }
+            cudarc::driver::result::init().map_err(drv)?;
+            let count = CudaContext::device_count().map_err(drv)?.max(0) as usize;
+            if ordinal >= count {
+                return Err(CudaError::NoDevice { ordinal, count }.into());
+            }
+            let ctx = CudaContext::new(ordinal).map_err(drv)?;
+            // One stream: cudarc's cross-stream event tracking is overhead.
+            // SAFETY: nothing has been allocated through this handle yet.
+            unsafe { ctx.disable_event_tracking() };
+            let stream = ctx.default_stream();
+            let device_name = ctx.name().map_err(drv)?;
+            let cc = ctx.compute_capability().map_err(drv)?;
+            let (ptx, _) = module::ptx_for("sparse", SPARSE_SOURCE, cc.0, cc.1)?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                .map_err(drv)?;
+            let load = |n: &str| module.load_function(n).map_err(drv);
+            let multiprocessors = ctx
+                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(drv)?
+                .max(1) as u32;
+            let max_dynamic_smem = ctx
+                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+                .map_err(drv)?
+                .max(48 * 1024) as usize;
+            let dev = SparseDevice {
+                matvec_nvfp4: load("matvec_nvfp4")?,
+                matvec_q8s: load("matvec_q8s")?,
+                ffn_q8s: load("superblock_ffn_q8s")?,
+                ctx,
+                stream,
+                multiprocessors,
+                max_dynamic_smem,
+                device_name,
+            };
+            // x (and the FFN's accumulator) live in dynamic shared memory:
+            // allow the device's opt-in maximum beyond the default 48 KiB.
+            for f in [&dev.matvec_nvfp4, &dev.matvec_q8s, &dev.ffn_q8s] {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    max_dynamic_smem as i32,
+                )
+                .map_err(drv)?;
+            }
+            Ok(dev)
+        }
+
+        /// The device's name.
+        pub fn device_name(&self) -> &str {
+            &self.device_name
+        }
+        /// Streaming multiprocessors.
+        pub fn multiprocessors(&self) -> u32 {
+            self.multiprocessors
+        }
+        /// The context (for events and allocations by callers).
+        pub fn context(&self) -> &Arc<CudaContext> {
+            &self.ctx
+        }
+        /// The stream every launch goes to.
+        pub fn stream(&self) -> &Arc<CudaStream> {
+            &self.stream
+        }
+
+        pub(crate) fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+            // Event tracking is off (one stream): the guard has nothing to do.
+            let (p, _guard) = s.device_ptr(&self.stream);
+            p
+        }
+
+        pub(crate) fn check_smem(&self, bytes: usize, what: &str) -> Result<(), SparseError> {
+            if bytes > self.max_dynamic_smem {
+                return Err(invalid(format!(
+                    "{what} needs {bytes} bytes of shared memory, the device allows {}",
+                    self.max_dynamic_smem
+                )));
+            }
+            Ok(())
+        }
+
+        /// Grid of a row-looping mat-vec: enough blocks to cover the rows,
+        /// at most a few per multiprocessor (each block stages x once).
+        pub(crate) fn matvec_grid(&self, rows: usize) -> u32 {
+            let need = rows.div_ceil(ROWS_PER_BLOCK).max(1);
+            need.min(self.multiprocessors as usize * 8) as u32
+        }
+
+        /// Copies `v` to a new device buffer.
+        pub fn upload_f32(&self, v: &[f32]) -> Result<CudaSlice<f32>, SparseError> {
+            self.stream.clone_htod(v).map_err(drv)
+        }
+
+        /// Copies a device buffer back (synchronizes).
+        pub fn download_f32(&self, v: &CudaSlice<f32>) -> Result<Vec<f32>, SparseError> {
+            self.stream.clone_dtoh(v).map_err(drv)
+        }
+
+        /// Uploads `rows` ggml Q8_0 rows of `cols` weights as a split-Q8_0
+        /// matrix.
+        pub fn upload_q8s(
+            &self,
+            ggml: &[u8],
+            rows: usize,
+            cols: usize,
+        ) -> Result<Q8sMatrix, SparseError> {
+            if rows == 0 {
+                return Err(invalid("a matrix needs at least one row"));
+            }
+            let split = split_q8_0_rows(ggml, rows, cols)?;
+            let data = self.stream.clone_htod(&split).map_err(drv)?;
+            Ok(Q8sMatrix { rows, cols, data })
+        }
+
+        /// `y = W x` for a split-Q8_0 matrix (`x`: `cols` floats, `y`: `rows`).
+        pub fn matvec_q8s(
+            &self,
+            w: &Q8sMatrix,
+            x: &CudaSlice<f32>,
+            y: &mut CudaSlice<f32>,
+        ) -> Result<(), SparseError> {
+            if x.len() < w.cols || y.len() < w.rows {
+                return Err(invalid(format!(
+                    "matvec_q8s: x holds {}, y {}; the matrix is {}x{}",
+                    x.len(),
+                    y.len(),
+                    w.rows,
+                    w.cols
+                )));
+            }
+            let smem = w.cols * 4;
+            self.check_smem(smem, "matvec_q8s")?;
+            let cfg = LaunchConfig {
+                grid_dim: (self.matvec_grid(w.rows), 1, 1),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            let (pw, px, py) = (self.ptr(&w.data), self.ptr(x), self.ptr(y));
+            let (rows, cols) = (w.rows as i32, w.cols as i32);
+            let mut b = self.stream.launch_builder(&self.matvec_q8s);
+            b.arg(&pw).arg(&rows).arg(&cols).arg(&px).arg(&py);
+            // SAFETY: argument types and order match the kernel; buffer
+            // lengths were checked above.
+            unsafe { b.launch(cfg) }.map_err(drv)?;
+            Ok(())
+        }
+
+        /// Uploads one layer's FFN pages (each in the artifact's
+        /// `pack_page` layout, Q8_0, `d_model` wide) page-major.
+        pub fn upload_q8_0_pages(
+            &self,
+            d_model: usize,
+            pages: &[&[u8]],
+        ) -> Result<Q8Pages, SparseError> {
+            let split: Vec<Vec<u8>> = pages
+                .iter()
+                .map(|p| split_q8_0_page(p, d_model))
+                .collect::<Result<_, _>>()?;
+            let flat: Vec<u8> = split.concat();
+            self.upload_q8s_pages(d_model, pages.len(), &flat)
+        }
+
+        /// Uploads pages already in the device layout (`n_pages` spans of
+        /// [`q8_0_page_bytes`] each): the bench fills them with random bytes.
+        pub fn upload_q8s_pages(
+            &self,
+            d_model: usize,
+            n_pages: usize,
+            device_layout: &[u8],
+        ) -> Result<Q8Pages, SparseError> {
+            if d_model == 0 || d_model % Q8_BLOCK != 0 {
+                return Err(invalid(format!(
+                    "d_model {d_model} is not a positive multiple of {Q8_BLOCK}"
+                )));
+            }
+            let page_bytes = q8_0_page_bytes(d_model);
+            if n_pages == 0 || device_layout.len() != n_pages * page_bytes {
+                return Err(invalid(format!(
+                    "{n_pages} pages of {page_bytes} bytes expected, got {} bytes",
+                    device_layout.len()
+                )));
+            }
+            let smem = d_model * 4;
+            self.check_smem(smem, "the fused FFN")?;
+            let per_sm = self
+                .ffn_q8s
+                .occupancy_max_active_blocks_per_multiprocessor(BLOCK, smem, None)
+                .map_err(drv)?
+                .max(1);
+            let data = self.stream.clone_htod(device_layout).map_err(drv)?;
+            Ok(Q8Pages {
+                d_model,
+                n_pages,
+                page_bytes,
+                grid: per_sm * self.multiprocessors,
+                data,
+            })
+        }
+
+        /// A device list of active pages holding `ids` (at most `capacity`).
+        pub fn new_active(&self, ids: &[u32], capacity: usize) -> Result<ActivePages, SparseError> {
+            let mut a = ActivePages {
+                ids: self.stream.alloc_zeros::<u32>(capacity.max(1)).map_err(drv)?,
+                count: self.stream.alloc_zeros::<i32>(1).map_err(drv)?,
+                capacity,
+            };
+            self.set_active(&mut a, ids)?;
+            Ok(a)
+        }
+
+        /// Writes `ids` into the device list (host to device only).
+        pub fn set_active(&self, a: &mut ActivePages, ids: &[u32]) -> Result<(), SparseError> {
+            if ids.len() > a.capacity {
+                return Err(invalid(format!(
+                    "{} active pages exceed the list's capacity {}",
+                    ids.len(),
+                    a.capacity
+                )));
+            }
+            if !ids.is_empty() {
+                self.stream
+                    .memcpy_htod(ids, &mut a.ids.slice_mut(0..ids.len()))
+                    .map_err(drv)?;
+            }
+            let n = [ids.len() as i32];
+            self.stream.memcpy_htod(&n, &mut a.count).map_err(drv)?;
+            Ok(())
+        }
+
+        /// The fused sparse FFN: `y += FFN(x)` over the active pages
+        /// (`Reduction::Atomic`, which always accumulates: zero `y` first or
+        /// pass the residual), or `y = FFN(x)` / `y += FFN(x)`
+        /// (`Reduction::Ordered` with `accumulate` false / true). Ids at or
+        /// past `n_pages` contribute nothing. One cooperative launch.
+        #[allow(clippy::too_many_arguments)]
+        pub fn ffn_q8(
+            &self,
+            pages: &Q8Pages,
+            x: &CudaSlice<f32>,
+            active: &ActivePages,
+            reduction: Reduction,
+            accumulate: bool,
+            scratch: &mut FfnScratch,
+            y: &mut CudaSlice<f32>,
+        ) -> Result<(), SparseError> {
+            let d = pages.d_model;
+            if x.len() < d || y.len() < d {
+                return Err(invalid(format!(
+                    "ffn_q8: x holds {}, y {}; d_model is {d}",
+                    x.len(),
+                    y.len()
+                )));
+            }
+            if reduction == Reduction::Atomic && !accumulate {
+                return Err(invalid(
+                    "the atomic reduction adds into y: zero y and pass accumulate = true",
+                ));
+            }
+            let grid = pages.grid;
+            let n_chunks = d.div_ceil(128);
+            let parts = (grid as usize / n_chunks).max(1);
+            let grow_f32 = |slot: &mut Option<CudaSlice<f32>>, n: usize| -> Result<(), SparseError> {
+                if slot.as_ref().is_none_or(|s| s.len() < n) {
+                    *slot = Some(self.stream.alloc_zeros::<f32>(n).map_err(drv)?);
+                }
+                Ok(())
+            };
+            grow_f32(&mut scratch.hbuf, active.capacity.max(1) * PAGE_CHANNELS)?;
+            grow_f32(&mut scratch.partials, parts * d)?;
+            if scratch.counters.as_ref().is_none_or(|s| s.len() < 2 + n_chunks) {
+                scratch.counters = Some(self.stream.alloc_zeros::<u32>(2 + n_chunks).map_err(drv)?);
+            }
+            let ph = scratch.hbuf.as_ref().map_or(0, |p| self.ptr(p));
+            let pp = scratch.partials.as_ref().map_or(0, |p| self.ptr(p));
+            let pc = scratch.counters.as_ref().map_or(0, |p| self.ptr(p));
+            let cfg = LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: (d * 4) as u32,
+            };
+            let (pw, px, pa, pn, py) = (
+                self.ptr(&pages.data),
+                self.ptr(x),
+                self.ptr(&active.ids),
+                self.ptr(&active.count),
+                self.ptr(y),
+            );
+            let page_bytes = pages.page_bytes as i64;
+            let n_pages = pages.n_pages as i32;
+            let d32 = d as i32;
+            let cap = active.capacity as i32;
+            let mode: i32 = match reduction {
+                Reduction::Atomic => 0,
+                Reduction::Ordered => 1,
+            };
+            let acc = accumulate as i32;
+            let mut b = self.stream.launch_builder(&self.ffn_q8s);
+            b.arg(&pw)
+                .arg(&page_bytes)
+                .arg(&n_pages)
+                .arg(&d32)
+                .arg(&px)
+                .arg(&pa)
+                .arg(&pn)
+                .arg(&cap)
+                .arg(&mode)
+                .arg(&acc)
+                .arg(&ph)
+                .arg(&pp)
+                .arg(&pc)
+                .arg(&py);
+            // SAFETY: argument types and order match the kernel; x and y hold
+            // d floats, hbuf capacity * 128, partials (grid / n_chunks) * d,
+            // counters 2 + n_chunks; the kernel clamps the count to the
+            // capacity and skips ids >= n_pages. The grid is the resident
+            // block count, and the cooperative launch refuses otherwise, so
+            // the grid barrier cannot deadlock.
+            unsafe { b.launch_cooperative(cfg) }.map_err(drv)?;
+            Ok(())
+        }
+
+        /// Launches `matvec_nvfp4` (see [`crate::nvfp4`]).
+        pub(crate) fn launch_matvec_nvfp4(
+            &self,
+            packed: u64,
+            scales: u64,
+            tensor_scale: f32,
+            rows: usize,
+            cols: usize,
+            x: u64,
+            y: u64,
+        ) -> Result<(), SparseError> {
+            let smem = cols * 4;
+            self.check_smem(smem, "matvec_nvfp4")?;
+            let cfg = LaunchConfig {
+                grid_dim: (self.matvec_grid(rows), 1, 1),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            let (r, c) = (rows as i32, cols as i32);
+            let mut b = self.stream.launch_builder(&self.matvec_nvfp4);
+            b.arg(&packed)
+                .arg(&scales)
+                .arg(&tensor_scale)
+                .arg(&r)
+                .arg(&c)
+                .arg(&x)
+                .arg(&y);
+            // SAFETY: the caller passes device pointers of the sizes the
+            // shapes imply (checked in crate::nvfp4).
+            unsafe { b.launch(cfg) }.map_err(drv)?;
+            Ok(())
+        }
+    }
+
+}
