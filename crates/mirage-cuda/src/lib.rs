@@ -28,6 +28,9 @@ pub mod module;
 #[cfg(feature = "cuda")]
 pub use backend::{CudaActivations, CudaBackend, CudaFfn, CudaKvCache, CudaMatrix, CudaVector};
 
+pub mod nvfp4;
+pub mod superblock;
+
 #[cfg(not(feature = "cuda"))]
 mod dummy;
 #[cfg(not(feature = "cuda"))]
