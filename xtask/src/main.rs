@@ -17,6 +17,7 @@ mod bench;
 mod build_artifacts;
 mod route_export;
 mod shaders;
+mod synth_model;
 
 #[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "MIRAGE project chores")]
@@ -42,6 +43,8 @@ enum Task {
     BuildArtifacts(build_artifacts::BuildArtifactsArgs),
     /// Benchmark MIRAGE against llama.cpp (`bench cpu`: llama-bench on the same GGUF, same threads).
     Bench(bench::BenchArgs),
+    /// Write a shape-true Qwen2.5 GGUF (0.5b/1.5b/7b/14b or tiny) with random quantized weights and the real tokenizer, for speed tests.
+    SynthModel(synth_model::SynthModelArgs),
     /// Export an artifact's per-layer router data and real query points (dense pass over held-out text) for `route-real`.
     RouteExport(route_export::RouteExportArgs),
 }
@@ -92,6 +95,7 @@ fn main() -> ExitCode {
         Task::BuildArtifacts(args) => build_artifacts::run(&args, &workspace_root()),
         Task::Bench(args) => bench::run(&args, &workspace_root()),
         Task::RouteExport(args) => route_export::run(&args, &workspace_root()),
+        Task::SynthModel(args) => synth_model::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

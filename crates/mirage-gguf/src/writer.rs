@@ -137,31 +137,10 @@ impl<'a> GgufWriter<'a> {
     /// Writes the file to a stream; returns the number of bytes written.
     pub fn write_to<W: Write>(&self, mut w: W) -> Result<u64, GgufError> {
         let alignment = self.alignment()?;
-        for (key, value) in self.metadata.iter() {
-            check_value(key, value)?;
-        }
         let mut out = CountingWriter { inner: &mut w, written: 0 };
-        out.put(&GGUF_MAGIC)?;
-        out.put(&self.version.to_le_bytes())?;
-        out.put(&(self.tensors.len() as u64).to_le_bytes())?;
-        out.put(&(self.metadata.len() as u64).to_le_bytes())?;
-        for (key, value) in self.metadata.iter() {
-            put_string(&mut out, key)?;
-            out.put(&value.value_type().id().to_le_bytes())?;
-            put_value(&mut out, value)?;
-        }
-        let mut offset = 0u64;
-        for t in &self.tensors {
-            put_string(&mut out, &t.name)?;
-            out.put(&(t.dims.len() as u32).to_le_bytes())?;
-            for d in &t.dims {
-                out.put(&d.to_le_bytes())?;
-            }
-            out.put(&t.ty.id().to_le_bytes())?;
-            out.put(&offset.to_le_bytes())?;
-            offset += padded(t.data.len() as u64, alignment);
-        }
-        out.pad(alignment)?;
+        let infos: Vec<(&str, &[u64], GgmlType, u64)> =
+            self.tensors.iter().map(|t| (t.name.as_str(), t.dims.as_slice(), t.ty, t.data.len() as u64)).collect();
+        write_header(&mut out, self.version, &self.metadata, &infos, alignment)?;
         for t in &self.tensors {
             out.put(&t.data)?;
             out.pad(alignment)?;
@@ -206,6 +185,180 @@ impl<'a> GgufWriter<'a> {
         let file = buf.into_inner().map_err(|e| io_err(e.into_error()))?;
         file.sync_all().map_err(io_err)?;
         Ok(n)
+    }
+}
+
+/// Header, KV pairs and tensor infos (name, dims, type, data bytes), padded
+/// to the alignment: everything before the first tensor's data.
+fn write_header<W: Write>(
+    out: &mut CountingWriter<'_, W>,
+    version: u32,
+    metadata: &Metadata,
+    tensors: &[(&str, &[u64], GgmlType, u64)],
+    alignment: u64,
+) -> Result<(), GgufError> {
+    for (key, value) in metadata.iter() {
+        check_value(key, value)?;
+    }
+    out.put(&GGUF_MAGIC)?;
+    out.put(&version.to_le_bytes())?;
+    out.put(&(tensors.len() as u64).to_le_bytes())?;
+    out.put(&(metadata.len() as u64).to_le_bytes())?;
+    for (key, value) in metadata.iter() {
+        put_string(out, key)?;
+        out.put(&value.value_type().id().to_le_bytes())?;
+        put_value(out, value)?;
+    }
+    let mut offset = 0u64;
+    for &(name, dims, ty, bytes) in tensors {
+        put_string(out, name)?;
+        out.put(&(dims.len() as u32).to_le_bytes())?;
+        for d in dims {
+            out.put(&d.to_le_bytes())?;
+        }
+        out.put(&ty.id().to_le_bytes())?;
+        out.put(&offset.to_le_bytes())?;
+        offset += padded(bytes, alignment);
+    }
+    out.pad(alignment)
+}
+
+/// The name, dims (ggml order) and type of a tensor whose bytes
+/// [`GgufStreamWriter`] receives later.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorDecl {
+    /// The tensor's name.
+    pub name: String,
+    /// Dims in ggml order (`dims[0]` is the row length).
+    pub dims: Vec<u64>,
+    /// Element type.
+    pub ty: GgmlType,
+}
+
+impl TensorDecl {
+    /// Bytes of its data, checked like [`GgufWriter::add_tensor`] checks.
+    pub fn n_bytes(&self) -> Result<u64, GgufError> {
+        if self.dims.len() > MAX_DIMS as usize {
+            return Err(invalid(format!("tensor {:?}: {} dims, at most {MAX_DIMS}", self.name, self.dims.len())));
+        }
+        let row = self.dims.first().copied().unwrap_or(1);
+        if row % self.ty.block_size() as u64 != 0 {
+            return Err(invalid(format!(
+                "tensor {:?}: row length {row} is not a multiple of {}'s block size {}",
+                self.name,
+                self.ty,
+                self.ty.block_size()
+            )));
+        }
+        self.dims
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .and_then(|n| self.ty.bytes_for(n))
+            .ok_or_else(|| invalid(format!("tensor {:?}: dims {:?} overflow", self.name, self.dims)))
+    }
+}
+
+/// Writes a GGUF file whose tensors are too large to hold in memory: the
+/// header and tensor infos first ([`GgufStreamWriter::new`]), then each
+/// declared tensor's bytes in order, in pieces of any size
+/// ([`GgufStreamWriter::write_data`]); the padding between tensors is added
+/// here. The layout is [`GgufWriter`]'s.
+pub struct GgufStreamWriter<W: Write> {
+    out: W,
+    written: u64,
+    alignment: u64,
+    /// (name, bytes) of every declared tensor.
+    sizes: Vec<(String, u64)>,
+    /// The tensor receiving bytes, and how many it has.
+    current: usize,
+    in_current: u64,
+}
+
+impl<W: Write> std::fmt::Debug for GgufStreamWriter<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufStreamWriter").field("written", &self.written).field("current", &self.current).finish()
+    }
+}
+
+impl<W: Write> GgufStreamWriter<W> {
+    /// Writes the header for `metadata` and `tensors` (GGUF v3; alignment
+    /// from `general.alignment` or 32). Tensor names must be unique.
+    pub fn new(mut out: W, metadata: &Metadata, tensors: &[TensorDecl]) -> Result<GgufStreamWriter<W>, GgufError> {
+        let alignment = GgufWriter::new(metadata.clone()).alignment()?;
+        let mut names = HashSet::new();
+        let mut sizes = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            if !names.insert(t.name.as_str()) {
+                return Err(invalid(format!("duplicate tensor name {:?}", t.name)));
+            }
+            sizes.push((t.name.clone(), t.n_bytes()?));
+        }
+        let infos: Vec<(&str, &[u64], GgmlType, u64)> =
+            tensors.iter().zip(&sizes).map(|(t, s)| (t.name.as_str(), t.dims.as_slice(), t.ty, s.1)).collect();
+        let mut counting = CountingWriter { inner: &mut out, written: 0 };
+        write_header(&mut counting, 3, metadata, &infos, alignment)?;
+        let written = counting.written;
+        let mut w = GgufStreamWriter { out, written, alignment, sizes, current: 0, in_current: 0 };
+        w.skip_empty()?;
+        Ok(w)
+    }
+
+    /// Bytes the current tensor still needs (0 when every tensor is complete).
+    pub fn remaining_in_tensor(&self) -> u64 {
+        self.sizes.get(self.current).map(|s| s.1 - self.in_current).unwrap_or(0)
+    }
+
+    /// Appends data; a piece may end inside a tensor or run across the end
+    /// of one into the next. More bytes than the tensors declared is an error.
+    pub fn write_data(&mut self, mut data: &[u8]) -> Result<(), GgufError> {
+        while !data.is_empty() {
+            let Some(&(_, size)) = self.sizes.get(self.current) else {
+                return Err(invalid(format!("{} bytes past the last tensor", data.len())));
+            };
+            let take = ((size - self.in_current).min(data.len() as u64)) as usize;
+            self.put(&data[..take])?;
+            self.in_current += take as u64;
+            data = &data[take..];
+            self.skip_empty()?;
+        }
+        Ok(())
+    }
+
+    /// Checks that every tensor got all its bytes, flushes and returns the
+    /// stream and the file's length.
+    pub fn finish(mut self) -> Result<(W, u64), GgufError> {
+        if let Some((name, size)) = self.sizes.get(self.current) {
+            return Err(invalid(format!("tensor {name:?} got {} of its {size} bytes", self.in_current)));
+        }
+        self.out.flush()?;
+        Ok((self.out, self.written))
+    }
+
+    /// After a tensor is complete: pads to the alignment and moves on (past
+    /// empty tensors too).
+    fn skip_empty(&mut self) -> Result<(), GgufError> {
+        while let Some(&(_, size)) = self.sizes.get(self.current) {
+            if self.in_current < size {
+                break;
+            }
+            let pad = padded(self.written, self.alignment) - self.written;
+            const ZEROS: [u8; 64] = [0; 64];
+            let mut n = pad;
+            while n > 0 {
+                let k = n.min(64);
+                self.put(&ZEROS[..k as usize])?;
+                n -= k;
+            }
+            self.current += 1;
+            self.in_current = 0;
+        }
+        Ok(())
+    }
+
+    fn put(&mut self, b: &[u8]) -> Result<(), GgufError> {
+        self.out.write_all(b)?;
+        self.written += b.len() as u64;
+        Ok(())
     }
 }
 
@@ -285,4 +438,46 @@ fn check_value(key: &str, v: &Value) -> Result<(), GgufError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_writer_equals_the_in_memory_writer_and_checks_sizes() {
+        let mut md = Metadata::new();
+        md.insert("general.architecture", Value::String("test".into()));
+        let a: Vec<u8> = (0..34 * 3).map(|i| i as u8).collect(); // 3 Q8_0 blocks
+        let b: Vec<u8> = (0..4 * 5).map(|i| (i * 7) as u8).collect(); // 5 f32
+        let mut w = GgufWriter::new(md.clone());
+        w.add_tensor("a", vec![32, 3], GgmlType::Q8_0, a.clone()).unwrap();
+        w.add_tensor("b", vec![5], GgmlType::F32, b.clone()).unwrap();
+        let mut want = Vec::new();
+        w.write_to(&mut want).unwrap();
+        let decls = [
+            TensorDecl { name: "a".into(), dims: vec![32, 3], ty: GgmlType::Q8_0 },
+            TensorDecl { name: "b".into(), dims: vec![5], ty: GgmlType::F32 },
+        ];
+        // Pieces that end inside a tensor and run across the boundary.
+        let all: Vec<u8> = a.iter().chain(&b).copied().collect();
+        let mut s = GgufStreamWriter::new(Vec::new(), &md, &decls).unwrap();
+        for piece in all.chunks(7) {
+            s.write_data(piece).unwrap();
+        }
+        let (got, n) = s.finish().unwrap();
+        assert_eq!(got, want);
+        assert_eq!(n, want.len() as u64);
+        // Too few bytes, too many, bad dims, duplicate names.
+        let mut s = GgufStreamWriter::new(Vec::new(), &md, &decls).unwrap();
+        s.write_data(&all[..10]).unwrap();
+        assert_eq!(s.remaining_in_tensor(), a.len() as u64 - 10);
+        assert!(s.finish().is_err());
+        let mut s = GgufStreamWriter::new(Vec::new(), &md, &decls).unwrap();
+        assert!(s.write_data(&[all.clone(), vec![0]].concat()).is_err());
+        let bad = [TensorDecl { name: "a".into(), dims: vec![31], ty: GgmlType::Q8_0 }];
+        assert!(GgufStreamWriter::new(Vec::new(), &md, &bad).is_err());
+        let dup = [decls[1].clone(), decls[1].clone()];
+        assert!(GgufStreamWriter::new(Vec::new(), &md, &dup).is_err());
+    }
 }

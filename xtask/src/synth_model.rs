@@ -1,0 +1,400 @@
+//! `cargo xtask synth-model`: a shape-true Qwen2.5 GGUF with random weights,
+//! for speed measurements of sizes that are not downloaded (7B, 14B).
+//!
+//! The file has the real hyperparameters of the named size (embedding, FFN,
+//! layers, heads, KV heads, vocabulary, RoPE base, q/k/v biases, a separate
+//! `output.weight`) and the real tokenizer metadata copied from a Qwen GGUF,
+//! its token list padded with unused `[PADn]` tokens up to the vocabulary
+//! (as Qwen's own converter does), so llama.cpp and MIRAGE both load it.
+//! Weights are random quantized blocks written straight in their ggml
+//! encoding (`mirage_gguf::synth`), streamed to disk chunk by chunk with
+//! each chunk seeded from its index: a 7B Q8_0 file (~8 GB) never sits in
+//! memory, and the bytes depend only on `--seed`. Written to a temporary
+//! name and renamed when complete.
+//!
+//! The weights mean nothing: use these files for speed, never for fidelity.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use mirage_gguf::synth::{fill_random, mix_seed, WyRand};
+use mirage_gguf::{GgmlType, GgufFile, GgufStreamWriter, Metadata, TensorDecl, Value, ValueType};
+use rayon::prelude::*;
+
+/// Arguments of `cargo xtask synth-model`.
+#[derive(Debug, clap::Args)]
+pub struct SynthModelArgs {
+    /// Shape: qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen2.5-14b, or tiny (2 layers, 256 wide, for tests).
+    #[arg(long, required_unless_present = "tokenizer_only")]
+    like: Option<String>,
+    /// Weight type: q8_0, q4_k or q2_k (K-quants fall back to q5_0 / q4_0 for rows not a multiple of 256,
+    /// as llama.cpp does).
+    #[arg(long, default_value = "q8_0")]
+    quant: String,
+    /// Random seed (the file's bytes depend only on it and the shape and type).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Output GGUF file.
+    #[arg(long)]
+    out: PathBuf,
+    /// GGUF whose tokenizer.* metadata is copied (a Qwen2.5 model, or a file written with --tokenizer-only).
+    #[arg(long, default_value = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")]
+    tokenizer_from: PathBuf,
+    /// Write only the tokenizer metadata (a few MB, no tensors): a small stand-in for --tokenizer-from
+    /// on machines without the Qwen model.
+    #[arg(long)]
+    tokenizer_only: bool,
+}
+
+/// Hyperparameters of one Qwen2.5 size (from its config.json).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shape {
+    /// `--like` name.
+    pub name: &'static str,
+    /// Hidden size.
+    pub n_embd: usize,
+    /// FFN intermediate size.
+    pub n_ff: usize,
+    /// Layers.
+    pub n_layer: usize,
+    /// Attention heads.
+    pub n_head: usize,
+    /// KV heads.
+    pub n_head_kv: usize,
+    /// Vocabulary (rows of the embedding and the lm head).
+    pub vocab: usize,
+    /// Training context.
+    pub n_ctx: usize,
+}
+
+/// The sizes `--like` knows.
+pub const SHAPES: [Shape; 5] = [
+    Shape { name: "qwen2.5-0.5b", n_embd: 896, n_ff: 4864, n_layer: 24, n_head: 14, n_head_kv: 2, vocab: 151936, n_ctx: 32768 },
+    Shape { name: "qwen2.5-1.5b", n_embd: 1536, n_ff: 8960, n_layer: 28, n_head: 12, n_head_kv: 2, vocab: 151936, n_ctx: 32768 },
+    Shape { name: "qwen2.5-7b", n_embd: 3584, n_ff: 18944, n_layer: 28, n_head: 28, n_head_kv: 4, vocab: 152064, n_ctx: 32768 },
+    Shape { name: "qwen2.5-14b", n_embd: 5120, n_ff: 13824, n_layer: 48, n_head: 40, n_head_kv: 8, vocab: 152064, n_ctx: 32768 },
+    // Not a real size: small enough for tests, with the real vocabulary so the real tokenizer fits.
+    Shape { name: "tiny", n_embd: 256, n_ff: 512, n_layer: 2, n_head: 4, n_head_kv: 2, vocab: 151936, n_ctx: 4096 },
+];
+
+const ROPE_BASE: f32 = 1_000_000.0;
+const RMS_EPS: f32 = 1e-6;
+
+/// How one tensor is filled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fill {
+    /// Random quantized weights with this std.
+    Weights(f32),
+    /// f32 values 1 ± a little (norm gains).
+    NearOne,
+    /// Small f32 values (biases).
+    Small,
+}
+
+/// One tensor of the file: declaration and fill.
+#[derive(Debug, Clone)]
+struct Planned {
+    decl: TensorDecl,
+    fill: Fill,
+}
+
+/// The type a weight matrix with rows of `row` values gets: `quant`, or
+/// llama.cpp's fallback when the row is not a whole number of its blocks.
+fn weight_type(quant: GgmlType, row: usize) -> GgmlType {
+    if row % quant.block_size() == 0 {
+        return quant;
+    }
+    match quant {
+        GgmlType::Q4_K => GgmlType::Q5_0,
+        _ => GgmlType::Q4_0,
+    }
+}
+
+fn plan(shape: &Shape, quant: GgmlType) -> Vec<Planned> {
+    let head_dim = shape.n_embd / shape.n_head;
+    let kv = shape.n_head_kv * head_dim;
+    let mut out = Vec::new();
+    let weight = |out: &mut Vec<Planned>, name: String, cols: usize, rows: usize| {
+        out.push(Planned {
+            decl: TensorDecl { name, dims: vec![cols as u64, rows as u64], ty: weight_type(quant, cols) },
+            fill: Fill::Weights(1.0 / (cols as f32).sqrt()),
+        })
+    };
+    let vector = |out: &mut Vec<Planned>, name: String, n: usize, fill: Fill| {
+        out.push(Planned { decl: TensorDecl { name, dims: vec![n as u64], ty: GgmlType::F32 }, fill })
+    };
+    weight(&mut out, "token_embd.weight".into(), shape.n_embd, shape.vocab);
+    for l in 0..shape.n_layer {
+        let b = |s: &str| format!("blk.{l}.{s}");
+        vector(&mut out, b("attn_norm.weight"), shape.n_embd, Fill::NearOne);
+        weight(&mut out, b("attn_q.weight"), shape.n_embd, shape.n_embd);
+        vector(&mut out, b("attn_q.bias"), shape.n_embd, Fill::Small);
+        weight(&mut out, b("attn_k.weight"), shape.n_embd, kv);
+        vector(&mut out, b("attn_k.bias"), kv, Fill::Small);
+        weight(&mut out, b("attn_v.weight"), shape.n_embd, kv);
+        vector(&mut out, b("attn_v.bias"), kv, Fill::Small);
+        weight(&mut out, b("attn_output.weight"), shape.n_embd, shape.n_embd);
+        vector(&mut out, b("ffn_norm.weight"), shape.n_embd, Fill::NearOne);
+        weight(&mut out, b("ffn_gate.weight"), shape.n_embd, shape.n_ff);
+        weight(&mut out, b("ffn_up.weight"), shape.n_embd, shape.n_ff);
+        weight(&mut out, b("ffn_down.weight"), shape.n_ff, shape.n_embd);
+    }
+    vector(&mut out, "output_norm.weight".into(), shape.n_embd, Fill::NearOne);
+    weight(&mut out, "output.weight".into(), shape.n_embd, shape.vocab);
+    out
+}
+
+/// The tokenizer.* keys of `src`, with the token list (and its types)
+/// padded to `vocab` entries by unused `[PADn]` tokens.
+fn tokenizer_metadata(src: &GgufFile, vocab: Option<usize>) -> anyhow::Result<Vec<(String, Value)>> {
+    let md = src.metadata();
+    let mut keys: Vec<(String, Value)> =
+        md.iter().filter(|(k, _)| k.starts_with("tokenizer.")).map(|(k, v)| (k.to_string(), v.clone())).collect();
+    let n_tokens = md.array_len("tokenizer.ggml.tokens").context("the file has no tokenizer.ggml.tokens")?;
+    let Some(vocab) = vocab else { return Ok(keys) };
+    if n_tokens > vocab {
+        bail!("the tokenizer has {n_tokens} tokens, more than the shape's vocabulary of {vocab}");
+    }
+    for (k, v) in keys.iter_mut() {
+        let Value::Array(a) = v else { continue };
+        match k.as_str() {
+            "tokenizer.ggml.tokens" => a.values.extend((n_tokens..vocab).map(|i| Value::String(format!("[PAD{i}]")))),
+            "tokenizer.ggml.token_type" => {
+                if a.values.len() != n_tokens {
+                    bail!("tokenizer.ggml.token_type has {} entries for {n_tokens} tokens", a.values.len());
+                }
+                // llama.cpp's LLAMA_TOKEN_TYPE_UNUSED.
+                let unused = match a.elem_type {
+                    ValueType::I32 => Value::I32(5),
+                    ValueType::U32 => Value::U32(5),
+                    t => bail!("tokenizer.ggml.token_type is an array of {}, expected i32", t.name()),
+                };
+                a.values.extend((n_tokens..vocab).map(|_| unused.clone()));
+            }
+            "tokenizer.ggml.scores" => {
+                a.values.extend((n_tokens..vocab).map(|_| Value::F32(0.0)));
+            }
+            _ => {}
+        }
+    }
+    Ok(keys)
+}
+
+fn parse_quant(q: &str) -> anyhow::Result<GgmlType> {
+    Ok(match q.to_ascii_lowercase().as_str() {
+        "q8_0" => GgmlType::Q8_0,
+        "q4_k" => GgmlType::Q4_K,
+        "q2_k" => GgmlType::Q2_K,
+        other => bail!("--quant {other}: expected q8_0, q4_k or q2_k"),
+    })
+}
+
+/// The file's metadata.
+fn metadata(shape: &Shape, quant: GgmlType, seed: u64, tokenizer: Vec<(String, Value)>) -> Metadata {
+    let mut md = Metadata::new();
+    let s = |x: &str| Value::String(x.to_string());
+    let u = |x: usize| Value::U32(x as u32);
+    md.insert("general.architecture", s("qwen2"));
+    md.insert("general.type", s("model"));
+    md.insert(
+        "general.name",
+        s(&format!("synthetic {} shape, random {} weights (seed {seed}; speed only, not a model)", shape.name, quant)),
+    );
+    md.insert("qwen2.block_count", u(shape.n_layer));
+    md.insert("qwen2.context_length", u(shape.n_ctx));
+    md.insert("qwen2.embedding_length", u(shape.n_embd));
+    md.insert("qwen2.feed_forward_length", u(shape.n_ff));
+    md.insert("qwen2.attention.head_count", u(shape.n_head));
+    md.insert("qwen2.attention.head_count_kv", u(shape.n_head_kv));
+    md.insert("qwen2.rope.freq_base", Value::F32(ROPE_BASE));
+    md.insert("qwen2.attention.layer_norm_rms_epsilon", Value::F32(RMS_EPS));
+    // llama_ftype: MOSTLY_Q8_0, MOSTLY_Q4_K_S, MOSTLY_Q2_K.
+    let ftype = match quant {
+        GgmlType::Q8_0 => 7,
+        GgmlType::Q4_K => 14,
+        _ => 10,
+    };
+    md.insert("general.file_type", Value::U32(ftype));
+    md.insert("general.quantization_version", Value::U32(2));
+    md.insert("mirage.synth.like", s(shape.name));
+    md.insert("mirage.synth.seed", Value::U64(seed));
+    for (k, v) in tokenizer {
+        md.insert(k, v);
+    }
+    md
+}
+
+/// Bytes generated per seeded chunk (whole blocks).
+const CHUNK_BYTES: usize = 1 << 20;
+/// Chunks generated in parallel before one write.
+const CHUNKS_PER_WRITE: usize = 32;
+
+fn write_tensor<W: Write>(
+    w: &mut GgufStreamWriter<W>,
+    p: &Planned,
+    index: usize,
+    seed: u64,
+    buf: &mut Vec<u8>,
+    bar: &ProgressBar,
+) -> anyhow::Result<()> {
+    let total = p.decl.n_bytes()? as usize;
+    let tensor_seed = mix_seed(&[seed, index as u64]);
+    match p.fill {
+        Fill::Weights(std) => {
+            let ts = p.decl.ty.type_size();
+            let chunk = (CHUNK_BYTES / ts).max(1) * ts;
+            let mut done = 0usize;
+            let mut chunk_index = 0u64;
+            while done < total {
+                let n = (total - done).min(chunk * CHUNKS_PER_WRITE);
+                buf.resize(n, 0);
+                let first = chunk_index;
+                buf.par_chunks_mut(chunk).enumerate().try_for_each(|(i, c)| {
+                    fill_random(p.decl.ty, std, mix_seed(&[tensor_seed, first + i as u64]), c)
+                })?;
+                w.write_data(buf)?;
+                chunk_index += n.div_ceil(chunk) as u64;
+                done += n;
+                bar.inc(n as u64);
+            }
+        }
+        Fill::NearOne | Fill::Small => {
+            let mut rng = WyRand::new(tensor_seed);
+            let n = total / 4;
+            let values: Vec<u8> = (0..n)
+                .flat_map(|_| {
+                    let u = rng.next_f32() * 2.0 - 1.0;
+                    let x = if p.fill == Fill::NearOne { 1.0 + 0.05 * u } else { 0.02 * u };
+                    x.to_le_bytes()
+                })
+                .collect();
+            w.write_data(&values)?;
+            bar.inc(total as u64);
+        }
+    }
+    Ok(())
+}
+
+/// The temporary name a file is written under before the rename.
+fn temp_name(out: &Path) -> PathBuf {
+    let mut name = out.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    out.with_file_name(name)
+}
+
+fn write_file(out: &Path, md: &Metadata, planned: &[Planned], seed: u64) -> anyhow::Result<u64> {
+    let tmp = temp_name(out);
+    let result = (|| -> anyhow::Result<u64> {
+        let file = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        let decls: Vec<TensorDecl> = planned.iter().map(|p| p.decl.clone()).collect();
+        let total: u64 = decls.iter().map(|d| d.n_bytes()).sum::<Result<u64, _>>()?;
+        let mut w = GgufStreamWriter::new(BufWriter::with_capacity(8 << 20, file), md, &decls)?;
+        let bar = ProgressBar::new(total).with_style(
+            ProgressStyle::with_template("{prefix} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
+                .expect("template")
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+        let mut buf = Vec::new();
+        for (i, p) in planned.iter().enumerate() {
+            write_tensor(&mut w, p, i, seed, &mut buf, &bar).with_context(|| format!("writing {}", p.decl.name))?;
+        }
+        bar.finish_and_clear();
+        let (buffered, n) = w.finish()?;
+        let file = buffered.into_inner().map_err(|e| e.into_error()).context("flushing")?;
+        file.sync_all().context("syncing")?;
+        Ok(n)
+    })();
+    match result {
+        Ok(n) => {
+            std::fs::rename(&tmp, out).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))?;
+            Ok(n)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// Runs the task.
+pub fn run(args: &SynthModelArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let src = GgufFile::open(&args.tokenizer_from).with_context(|| {
+        format!(
+            "reading the tokenizer from {} (a Qwen2.5 GGUF: `cargo xtask fetch-models --only qwen2.5-coder`, \
+             or a file written by `synth-model --tokenizer-only`)",
+            args.tokenizer_from.display()
+        )
+    })?;
+    if args.tokenizer_only {
+        let mut md = Metadata::new();
+        md.insert("general.architecture", Value::String("qwen2".into()));
+        md.insert("general.type", Value::String("vocab".into()));
+        for (k, v) in tokenizer_metadata(&src, None)? {
+            md.insert(k, v);
+        }
+        let n = write_file(&args.out, &md, &[], args.seed)?;
+        println!("{}: tokenizer only, {:.1} MB", args.out.display(), n as f64 / 1e6);
+        return Ok(());
+    }
+    let like = args.like.as_deref().unwrap_or_default();
+    let shape = SHAPES.iter().find(|s| s.name.eq_ignore_ascii_case(like)).with_context(|| {
+        let names: Vec<&str> = SHAPES.iter().map(|s| s.name).collect();
+        format!("--like {like}: expected one of {}", names.join(", "))
+    })?;
+    let quant = parse_quant(&args.quant)?;
+    let md = metadata(shape, quant, args.seed, tokenizer_metadata(&src, Some(shape.vocab))?);
+    let planned = plan(shape, quant);
+    let n = write_file(&args.out, &md, &planned, args.seed)?;
+    let secs = started.elapsed().as_secs_f64();
+    let params: u64 = planned.iter().map(|p| p.decl.dims.iter().product::<u64>()).sum();
+    println!(
+        "{}: {} {} ({:.2} B parameters), {:.2} GB in {:.1} s ({:.0} MB/s)",
+        args.out.display(),
+        shape.name,
+        quant,
+        params as f64 / 1e9,
+        n as f64 / 1e9,
+        secs,
+        n as f64 / 1e6 / secs.max(1e-9)
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_have_the_real_shapes_and_fallback_types() {
+        let q05 = plan(&SHAPES[0], GgmlType::Q4_K);
+        // 1 embedding + 12 per layer + output norm + output.
+        assert_eq!(q05.len(), 1 + 24 * 12 + 2);
+        let get = |p: &[Planned], n: &str| p.iter().find(|t| t.decl.name == n).unwrap().decl.clone();
+        let q = get(&q05, "blk.0.attn_q.weight");
+        // 896 is not a multiple of 256: Q4_K falls back to Q5_0 as in llama.cpp.
+        assert_eq!((q.dims.clone(), q.ty), (vec![896, 896], GgmlType::Q5_0));
+        let down = get(&q05, "blk.23.ffn_down.weight");
+        assert_eq!((down.dims.clone(), down.ty), (vec![4864, 896], GgmlType::Q4_K));
+        assert_eq!(get(&q05, "blk.0.attn_k.weight").dims, vec![896, 128]);
+        assert_eq!(get(&q05, "blk.0.attn_v.bias").dims, vec![128]);
+        let q7 = plan(&SHAPES[2], GgmlType::Q8_0);
+        assert_eq!(get(&q7, "output.weight").dims, vec![3584, 152064]);
+        assert_eq!(get(&q7, "blk.27.attn_k.weight").dims, vec![3584, 512]);
+        let params: u64 = q7.iter().map(|p| p.decl.dims.iter().product::<u64>()).sum();
+        // Qwen2.5-7B has 7.62 B parameters.
+        assert!((7.6e9..7.65e9).contains(&(params as f64)), "{params}");
+        let bytes: u64 = q7.iter().map(|p| p.decl.n_bytes().unwrap()).sum();
+        assert!((8.0e9..8.2e9).contains(&(bytes as f64)), "{bytes}");
+        let q14 = plan(&SHAPES[3], GgmlType::Q2_K);
+        assert!(q14.iter().all(|p| p.decl.ty == GgmlType::Q2_K || p.decl.ty == GgmlType::F32));
+        let params: u64 = q14.iter().map(|p| p.decl.dims.iter().product::<u64>()).sum();
+        // Qwen2.5-14B has 14.77 B parameters.
+        assert!((14.7e9..14.8e9).contains(&(params as f64)), "{params}");
+    }
+}
