@@ -249,9 +249,27 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS)
             __syncthreads();
             if (last_flag) {
                 __threadfence();
+                // Warp w sums parts w, w + 8, ... in order (lane: outputs
+                // 4 lane .. 4 lane + 3), then thread j adds the 8 warp sums
+                // in warp order: a fixed order, and one L2 round trip per
+                // 8 parts instead of K dependent ones.
+                float4 t4 = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (live) {
+                    for (int kk = warp; kk < K; kk += SB_WARPS) {
+                        float4 v = __ldcg((const float4*)(partials + (long)kk * d + e));
+                        t4.x += v.x; t4.y += v.y; t4.z += v.z; t4.w += v.w;
+                    }
+                }
+                __syncthreads();  // everyone has read red[] above
+                red[warp][4 * lane] = t4.x;
+                red[warp][4 * lane + 1] = t4.y;
+                red[warp][4 * lane + 2] = t4.z;
+                red[warp][4 * lane + 3] = t4.w;
+                __syncthreads();
                 if (own) {
                     float t = 0.f;
-                    for (int kk = 0; kk < K; kk++) t += __ldcg(partials + (long)kk * d + (chunk << 7) + j);
+#pragma unroll
+                    for (int w2 = 0; w2 < SB_WARPS; w2++) t += red[w2][j];
                     float* o = y + (chunk << 7) + j;
                     *o = accumulate ? *o + t : t;
                 }

@@ -1,0 +1,394 @@
+//! kernel-bench: decode mat-vec and FFN kernels on random data, timed with
+//! CUDA events (warm-up, then the median of many runs, the L2 flushed by a
+//! 256 MiB memset before every timed run), against a device-to-device copy
+//! measured in the same run as the bandwidth ceiling.
+//!
+//! (a) mat-vec GB/s and microseconds for ggml Q8_0 and Q4_K (the kernels of
+//!     cuda/dense.cu), split Q8_0 and NVFP4 (cuda/superblock.cu, nvfp4.cu);
+//! (b) a Qwen2-7B-shape FFN (d 3584, n_ff 18944, Q8_0): dense (three
+//!     mat-vecs + SwiGLU) against the fused sparse kernel at several active
+//!     fractions of random page subsets.
+//!
+//! Usage: `kernel-bench [--iters N]`. Prints a table last.
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!("kernel-bench: built without the `cuda` feature");
+    std::process::exit(2);
+}
+
+#[cfg(feature = "cuda")]
+fn main() {
+    if let Err(e) = bench::run() {
+        eprintln!("kernel-bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod bench {
+    use std::error::Error;
+    use std::sync::Arc;
+
+    use cudarc::driver::sys::CUevent_flags;
+    use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+    use mirage_cuda::module;
+    use mirage_cuda::superblock::{
+        q8_0_page_bytes, FfnScratch, Reduction, SparseDevice, PAGE_CHANNELS,
+    };
+    use mirage_gguf::quant::Nvfp4Tensor;
+
+    type Res<T> = Result<T, Box<dyn Error>>;
+
+    /// xorshift64*: fast, reproducible random bytes (speed does not depend
+    /// on the values much, but all-zero data can run faster than real data).
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            let mut v = vec![0u8; n];
+            for c in v.chunks_mut(8) {
+                let r = self.next().to_le_bytes();
+                c.copy_from_slice(&r[..c.len()]);
+            }
+            v
+        }
+        fn f32s(&mut self, n: usize) -> Vec<f32> {
+            (0..n)
+                .map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+                .collect()
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    fn f16_bytes(v: f32) -> [u8; 2] {
+        half::f16::from_f32(v).to_le_bytes()
+    }
+
+    /// Random ggml Q8_0 rows with valid, small block scales.
+    fn random_q8_0(r: &mut Rng, rows: usize, cols: usize) -> Vec<u8> {
+        let mut b = r.bytes(rows * cols / 32 * 34);
+        for blk in b.chunks_exact_mut(34) {
+            let s = 1e-3 * (1.0 + (blk[2] as f32) / 64.0);
+            blk[..2].copy_from_slice(&f16_bytes(s));
+        }
+        b
+    }
+
+    /// Random ggml Q4_K super-blocks with valid d and dmin.
+    fn random_q4_k(r: &mut Rng, rows: usize, cols: usize) -> Vec<u8> {
+        let mut b = r.bytes(rows * cols / 256 * 144);
+        for blk in b.chunks_exact_mut(144) {
+            blk[..2].copy_from_slice(&f16_bytes(1e-3));
+            blk[2..4].copy_from_slice(&f16_bytes(5e-4));
+        }
+        b
+    }
+
+    /// Random NVFP4 matrix: any code, E4M3 scales below the NaN pattern.
+    fn random_nvfp4(r: &mut Rng, rows: usize, cols: usize) -> Nvfp4Tensor {
+        let packed = r.bytes(rows * cols / 2);
+        let block_scales = r.bytes(rows * cols / 16).iter().map(|b| b % 0x7f).collect();
+        Nvfp4Tensor {
+            dims: vec![cols as u64, rows as u64],
+            tensor_scale: 1e-3,
+            block_scales,
+            packed,
+        }
+    }
+
+    /// Random pages already in the device layout, valid f16 scales.
+    fn random_q8s_pages(r: &mut Rng, d: usize, n_pages: usize) -> Vec<u8> {
+        let pb = q8_0_page_bytes(d);
+        let q = 3 * PAGE_CHANNELS * d;
+        let mut v = r.bytes(n_pages * pb);
+        for page in v.chunks_exact_mut(pb) {
+            for s in page[q..].chunks_exact_mut(2) {
+                s.copy_from_slice(&f16_bytes(1e-3));
+            }
+        }
+        v
+    }
+
+    struct Timer<'a> {
+        dev: &'a SparseDevice,
+        flush: CudaSlice<u8>,
+        warmup: usize,
+        iters: usize,
+    }
+
+    impl Timer<'_> {
+        /// Median microseconds of `f` (L2 flushed before every run).
+        fn median_us(&mut self, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+            let ctx = self.dev.context();
+            let stream = self.dev.stream();
+            let n = self.warmup + self.iters;
+            let mut pairs = Vec::with_capacity(n);
+            for _ in 0..n {
+                let a = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+                let b = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+                stream.memset_zeros(&mut self.flush)?;
+                a.record(stream)?;
+                f()?;
+                b.record(stream)?;
+                pairs.push((a, b));
+            }
+            stream.synchronize()?;
+            let mut t: Vec<f64> = pairs[self.warmup..]
+                .iter()
+                .map(|(a, b)| a.elapsed_ms(b).map(|ms| ms as f64 * 1e3))
+                .collect::<Result<_, _>>()?;
+            t.sort_by(|a, b| a.total_cmp(b));
+            Ok(t[t.len() / 2])
+        }
+    }
+
+    struct Dense {
+        matvec_q8_0: CudaFunction,
+        matvec_q4_k: CudaFunction,
+        swiglu: CudaFunction,
+    }
+
+    fn ptr<T>(dev: &SparseDevice, s: &CudaSlice<T>) -> u64 {
+        let (p, _g) = s.device_ptr(dev.stream());
+        p
+    }
+
+    /// One launch of a cuda/dense.cu mat-vec (one warp per row, 8 rows per
+    /// block: the backend's MATVEC_WARPS).
+    fn dense_matvec(
+        dev: &SparseDevice,
+        f: &CudaFunction,
+        w: &CudaSlice<u8>,
+        row_bytes: usize,
+        rows: usize,
+        cols: usize,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+    ) -> Res<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (pw, px, py) = (ptr(dev, w), ptr(dev, x), ptr(dev, y));
+        let (rb, r, c) = (row_bytes as i64, rows as i32, cols as i32);
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&pw).arg(&rb).arg(&r).arg(&c).arg(&px).arg(&py);
+        // SAFETY: matches `matvec_<type>(const u8*, long, int, int, const
+        // float*, float*)` of cuda/dense.cu; buffers sized by the caller.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    fn swiglu(
+        dev: &SparseDevice,
+        f: &CudaFunction,
+        g: &CudaSlice<f32>,
+        u: &CudaSlice<f32>,
+        h: &mut CudaSlice<f32>,
+        n: usize,
+    ) -> Res<()> {
+        let cfg = LaunchConfig::for_num_elems(n as u32);
+        let (pg, pu, ph, nn) = (ptr(dev, g), ptr(dev, u), ptr(dev, h), n as i64);
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&pg).arg(&pu).arg(&ph).arg(&nn);
+        // SAFETY: matches `swiglu(const float*, const float*, float*, long)`.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    struct Row {
+        what: String,
+        us: f64,
+        bytes: f64,
+        extra: String,
+    }
+
+    pub fn run() -> Res<()> {
+        let args: Vec<String> = std::env::args().collect();
+        let iters = args
+            .iter()
+            .position(|a| a == "--iters")
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(30usize);
+        let dev = SparseDevice::new(0)?;
+        let ctx: &Arc<_> = dev.context();
+        let cc = ctx.compute_capability()?;
+        let (ptx, _) = module::ptx_for("dense", module::DENSE_SOURCE, cc.0, cc.1)?;
+        let m = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
+        let dense = Dense {
+            matvec_q8_0: m.load_function("matvec_q8_0")?,
+            matvec_q4_k: m.load_function("matvec_q4_k")?,
+            swiglu: m.load_function("swiglu")?,
+        };
+        println!(
+            "device: {} ({} SMs, sm_{}{}); iters {iters} (median), L2 flushed before each run",
+            dev.device_name(),
+            dev.multiprocessors(),
+            cc.0,
+            cc.1
+        );
+        let stream = dev.stream().clone();
+        let mut timer = Timer {
+            dev: &dev,
+            flush: stream.alloc_zeros::<u8>(256 << 20)?,
+            warmup: 3,
+            iters,
+        };
+        let mut r = Rng(0x9e37_79b9_7f4a_7c15);
+
+        // Ceiling: device-to-device copy of 1 GiB (bytes read + written).
+        let copy_bytes = 1usize << 30;
+        let src = stream.clone_htod(&r.bytes(copy_bytes))?;
+        let mut dst = stream.alloc_zeros::<u8>(copy_bytes)?;
+        let copy_us = timer.median_us(|| Ok(stream.memcpy_dtod(&src, &mut dst)?))?;
+        drop((src, dst));
+        let copy_gbs = 2.0 * copy_bytes as f64 / copy_us / 1e3;
+        println!("copy: 1 GiB dtod {copy_us:.1} us = {copy_gbs:.0} GB/s (read + write)");
+
+        // (a) mat-vecs.
+        let shapes = [
+            (4096usize, 4096usize),
+            (14336, 4096),
+            (4096, 14336),
+            (18944, 3584),
+            (152064, 3584),
+        ];
+        let mut mv: Vec<Row> = Vec::new();
+        for &(rows, cols) in &shapes {
+            let x = stream.clone_htod(&r.f32s(cols))?;
+            let mut y = stream.alloc_zeros::<f32>(rows)?;
+            let io = (cols + rows) as f64 * 4.0;
+            {
+                let q8 = random_q8_0(&mut r, rows, cols);
+                let rb = cols / 32 * 34;
+                let dq8 = stream.clone_htod(&q8)?;
+                let us = timer.median_us(|| {
+                    dense_matvec(&dev, &dense.matvec_q8_0, &dq8, rb, rows, cols, &x, &mut y)
+                })?;
+                mv.push(Row { what: format!("{rows}x{cols} Q8_0 dense.cu"), us, bytes: q8.len() as f64 + io, extra: String::new() });
+                drop(dq8);
+                let ds = dev.upload_q8s(&q8, rows, cols)?;
+                let us = timer.median_us(|| Ok(dev.matvec_q8s(&ds, &x, &mut y)?))?;
+                mv.push(Row { what: format!("{rows}x{cols} Q8_0 split (q8s)"), us, bytes: ds.bytes() as f64 + io, extra: String::new() });
+            }
+            {
+                let q4 = random_q4_k(&mut r, rows, cols);
+                let dq4 = stream.clone_htod(&q4)?;
+                let rb = cols / 256 * 144;
+                let us = timer.median_us(|| {
+                    dense_matvec(&dev, &dense.matvec_q4_k, &dq4, rb, rows, cols, &x, &mut y)
+                })?;
+                mv.push(Row { what: format!("{rows}x{cols} Q4_K dense.cu"), us, bytes: q4.len() as f64 + io, extra: String::new() });
+            }
+            {
+                let t = random_nvfp4(&mut r, rows, cols);
+                let dn = dev.upload_nvfp4(&t)?;
+                let us = timer.median_us(|| Ok(dev.matvec_nvfp4(&dn, &x, &mut y)?))?;
+                mv.push(Row { what: format!("{rows}x{cols} NVFP4"), us, bytes: dn.bytes() as f64 + io, extra: String::new() });
+            }
+        }
+
+        // (b) Qwen2-7B FFN, Q8_0.
+        let (d, n_ff) = (3584usize, 18944usize);
+        let n_pages = n_ff / PAGE_CHANNELS;
+        let x = stream.clone_htod(&r.f32s(d))?;
+        let mut ffn: Vec<Row> = Vec::new();
+        let dense_us;
+        {
+            let g = random_q8_0(&mut r, n_ff, d);
+            let u = random_q8_0(&mut r, n_ff, d);
+            let dn = random_q8_0(&mut r, d, n_ff);
+            let bytes = (g.len() + u.len() + dn.len()) as f64;
+            let (dg, du, ddn) = (stream.clone_htod(&g)?, stream.clone_htod(&u)?, stream.clone_htod(&dn)?);
+            let mut bg = stream.alloc_zeros::<f32>(n_ff)?;
+            let mut bu = stream.alloc_zeros::<f32>(n_ff)?;
+            let mut bh = stream.alloc_zeros::<f32>(n_ff)?;
+            let mut y = stream.alloc_zeros::<f32>(d)?;
+            let (rbd, rbf) = (d / 32 * 34, n_ff / 32 * 34);
+            dense_us = timer.median_us(|| {
+                dense_matvec(&dev, &dense.matvec_q8_0, &dg, rbd, n_ff, d, &x, &mut bg)?;
+                dense_matvec(&dev, &dense.matvec_q8_0, &du, rbd, n_ff, d, &x, &mut bu)?;
+                swiglu(&dev, &dense.swiglu, &bg, &bu, &mut bh, n_ff)?;
+                dense_matvec(&dev, &dense.matvec_q8_0, &ddn, rbf, d, n_ff, &bh, &mut y)
+            })?;
+            ffn.push(Row { what: "dense: 3 x matvec_q8_0 (dense.cu) + swiglu".into(), us: dense_us, bytes, extra: String::new() });
+            drop((dg, du, ddn));
+            let sg = dev.upload_q8s(&g, n_ff, d)?;
+            let su = dev.upload_q8s(&u, n_ff, d)?;
+            let sd = dev.upload_q8s(&dn, d, n_ff)?;
+            let us = timer.median_us(|| {
+                dev.matvec_q8s(&sg, &x, &mut bg)?;
+                dev.matvec_q8s(&su, &x, &mut bu)?;
+                swiglu(&dev, &dense.swiglu, &bg, &bu, &mut bh, n_ff)?;
+                Ok(dev.matvec_q8s(&sd, &bh, &mut y)?)
+            })?;
+            ffn.push(Row { what: "dense: 3 x matvec_q8s + swiglu".into(), us, bytes, extra: String::new() });
+        }
+        let pages = dev.upload_q8s_pages(d, n_pages, &random_q8s_pages(&mut r, d, n_pages))?;
+        println!(
+            "ffn: d {d}, n_ff {n_ff}, {n_pages} pages of {} bytes, fused grid {} blocks",
+            pages.page_bytes(),
+            pages.grid()
+        );
+        let mut active = dev.new_active(&[], n_pages)?;
+        let mut scratch = FfnScratch::default();
+        let mut y = stream.alloc_zeros::<f32>(d)?;
+        for &frac in &[1.0f64, 0.75, 0.5, 0.4, 0.35, 0.25] {
+            let k = ((frac * n_pages as f64).round() as usize).clamp(1, n_pages);
+            // Random subset of k pages (partial Fisher-Yates), ascending as a
+            // router emits them.
+            let mut all: Vec<u32> = (0..n_pages as u32).collect();
+            for i in 0..k {
+                let j = i + r.below(n_pages - i);
+                all.swap(i, j);
+            }
+            let mut ids = all[..k].to_vec();
+            ids.sort_unstable();
+            dev.set_active(&mut active, &ids)?;
+            let bytes = (k * pages.page_bytes()) as f64;
+            for (reduction, name) in [(Reduction::Atomic, "atomic"), (Reduction::Ordered, "ordered")] {
+                let us = timer.median_us(|| {
+                    Ok(dev.ffn_q8(&pages, &x, &active, reduction, reduction == Reduction::Atomic, &mut scratch, &mut y)?)
+                })?;
+                ffn.push(Row {
+                    what: format!("fused {name}, {k}/{n_pages} pages ({:.0} %)", frac * 100.0),
+                    us,
+                    bytes,
+                    extra: format!("{:.2}x", dense_us / us),
+                });
+            }
+        }
+        let out = dev.download_f32(&y)?;
+        if !out.iter().all(|v| v.is_finite()) {
+            return Err("fused FFN produced a non-finite output".into());
+        }
+
+        println!();
+        println!("copy ceiling: {copy_gbs:.0} GB/s (1 GiB dtod, read + write, same run)");
+        println!("| mat-vec (rows x cols, type) | us | MB read | GB/s | % of copy |");
+        println!("| --- | --- | --- | --- | --- |");
+        for row in &mv {
+            let gbs = row.bytes / row.us / 1e3;
+            println!("| {} | {:.1} | {:.1} | {:.0} | {:.0} % |", row.what, row.us, row.bytes / 1e6, gbs, 100.0 * gbs / copy_gbs);
+        }
+        println!();
+        println!("| FFN d 3584, n_ff 18944, Q8_0 | us | MB read | GB/s | % of copy | speedup vs dense.cu |");
+        println!("| --- | --- | --- | --- | --- | --- |");
+        for row in &ffn {
+            let gbs = row.bytes / row.us / 1e3;
+            let speed = if row.extra.is_empty() { format!("{:.2}x", dense_us / row.us) } else { row.extra.clone() };
+            println!("| {} | {:.1} | {:.1} | {:.0} | {:.0} % | {} |", row.what, row.us, row.bytes / 1e6, gbs, 100.0 * gbs / copy_gbs, speed);
+        }
+        Ok(())
+    }
+}
