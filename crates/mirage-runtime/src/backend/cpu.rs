@@ -23,7 +23,7 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use mirage_gguf::quant::{self, DotFn, DotRowsFn, Q8_0GemmFn, DOT_ROWS};
+use mirage_gguf::quant::{self, DotFn, DotRowsFn, Q8_0GemmFn, Q8_0MatvecFn, DOT_ROWS};
 use mirage_gguf::GgmlType;
 use rayon::prelude::*;
 
@@ -46,6 +46,8 @@ pub struct CpuMatrix {
     /// Q8_0 weights with a SIMD GEMM kernel: batches of
     /// [`GEMM_MIN_TOKENS`] or more rows go through it on packed activations.
     gemm: Option<Q8_0GemmFn>,
+    /// Q8_0 weights with a multi-row SIMD matrix-vector kernel (decode).
+    matvec: Option<Q8_0MatvecFn>,
     /// Exact mode: dequantize each row once per call and dot it in f32.
     f32_activations: bool,
     data: SharedBytes,
@@ -137,6 +139,14 @@ impl CpuMatrix {
                 unsafe { gemm(self.cols, w, rows, packed, n, out) };
             }
             (ActRows::PackedQ8_0(_), None) => out.fill(f32::NAN), // unreachable: encode packs only for gemm
+            (ActRows::Quantized { data, row_bytes }, _) if n == 1 && self.matvec.is_some() => {
+                let w = &bytes[r0 * self.row_bytes..(r0 + rows) * self.row_bytes];
+                if let Some(matvec) = self.matvec {
+                    // SAFETY: as for gemm; `data` holds one Q8_0 row of
+                    // `cols` written by quantize_rows.
+                    unsafe { matvec(self.cols, w, rows, &data[..row_bytes], out) };
+                }
+            }
             _ => {
                 for (i, o) in out.chunks_exact_mut(n).enumerate() {
                     self.row_dots(bytes, r0 + i, act, o, deq);
@@ -313,8 +323,9 @@ impl CpuBackend {
     /// Rows per parallel task: a few tasks per thread for load balance, but
     /// not so small that task overhead shows.
     fn chunk_rows(&self, rows: usize) -> usize {
-        // A multiple of 4: the GEMM kernel's row tile.
-        rows.div_ceil(self.threads * 4).max(4).next_multiple_of(4)
+        // A multiple of 8: the matrix-vector kernel's row tile (and twice
+        // the GEMM kernel's).
+        rows.div_ceil(self.threads * 4).max(8).next_multiple_of(8)
     }
 
     fn make_matrix(&self, m: &HostMatrix) -> Result<CpuMatrix> {
@@ -352,6 +363,13 @@ impl CpuBackend {
             gemm: match quant::Q8_0Gemm::best() {
                 quant::Q8_0Gemm::Scalar => None,
                 best if m.ty == GgmlType::Q8_0 && !self.f32_activations => best.kernel(),
+                _ => None,
+            },
+            // Only the VNNI one is more than the single-row kernel per row.
+            matvec: match quant::Q8_0Gemm::best() {
+                best @ quant::Q8_0Gemm::Avx512Vnni if m.ty == GgmlType::Q8_0 && !self.f32_activations => {
+                    best.matvec_kernel()
+                }
                 _ => None,
             },
             f32_activations: self.f32_activations,
