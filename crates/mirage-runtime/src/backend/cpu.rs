@@ -862,3 +862,161 @@ impl Backend for CpuBackend {
         Ok((x.rows, x.width))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{AttentionParams, SharedBytes, TokenSlot};
+    use crate::kv_cache::{KvDtype, KvSpec};
+    use crate::ops::RopeMode;
+
+    /// Deterministic values in about [-1, 1] (an LCG).
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn q8_matrix(name: &str, seed: u64, rows: usize, cols: usize) -> HostMatrix {
+        let mut data = vec![0u8; quant::row_bytes(GgmlType::Q8_0, cols).unwrap() * rows];
+        quant::quantize(GgmlType::Q8_0, &values(seed, rows * cols), &mut data).unwrap();
+        HostMatrix { name: name.into(), ty: GgmlType::Q8_0, rows, cols, data: SharedBytes::from_vec(data) }
+    }
+
+    fn acts(rows: usize, width: usize, seed: u64) -> CpuActivations {
+        CpuActivations::from_vec(rows, width, values(seed, rows * width)).unwrap()
+    }
+
+    /// Largest |a - b| over the largest |b|.
+    fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+    }
+
+    /// Batched Q8_0 products (the GEMM kernel on packed activations) equal
+    /// the scalar reference dot of every (row, token), and so do the
+    /// single-token products (the matrix-vector kernel); row counts are
+    /// not multiples of the tiles and column counts not of 8 blocks.
+    #[test]
+    fn q8_0_batched_and_single_token_products_match_the_scalar_dot() {
+        let backend = CpuBackend::new(2).unwrap();
+        for (rows, cols) in [(44usize, 96usize), (37, 320)] {
+            let host = q8_matrix("w", rows as u64, rows, cols);
+            let w = backend.upload_matrix(&host).unwrap();
+            let rb = quant::row_bytes(GgmlType::Q8_0, cols).unwrap();
+            for n in [1usize, 2, 3, 8, 9, 17] {
+                let x = acts(n, cols, 100 + n as u64);
+                let mut out = CpuActivations::default();
+                backend.matmul(&w, &x, &mut out).unwrap();
+                let mut one = CpuActivations::default();
+                let mut aq = vec![0u8; rb];
+                for t in 0..n {
+                    quant::quantize(GgmlType::Q8_0, x.row(t), &mut aq).unwrap();
+                    let reference: Vec<f32> = (0..rows)
+                        .map(|r| {
+                            quant::vec_dot_scalar(GgmlType::Q8_0, cols, &host.data.as_slice()[r * rb..(r + 1) * rb], &aq)
+                                .unwrap()
+                        })
+                        .collect();
+                    let e = rel_err(out.row(t), &reference);
+                    assert!(e < 1e-5, "{rows}x{cols} n={n} token {t}: batched rel err {e}");
+                    let xt = CpuActivations::from_vec(1, cols, x.row(t).to_vec()).unwrap();
+                    backend.matmul(&w, &xt, &mut one).unwrap();
+                    let e = rel_err(one.row(0), &reference);
+                    assert!(e < 1e-5, "{rows}x{cols} token {t}: single-token rel err {e}");
+                }
+            }
+        }
+    }
+
+    /// `matmul_many` splits its row chunks where one matrix ends; each
+    /// output must equal that matrix's own `matmul` bit for bit (the
+    /// kernels compute every (row, token) the same way whatever the tile).
+    #[test]
+    fn matmul_many_equals_separate_matmuls() {
+        let backend = CpuBackend::new(2).unwrap();
+        let cols = 128;
+        let ws: Vec<CpuMatrix> = [(40usize, 1u64), (12, 2), (20, 3)]
+            .iter()
+            .map(|&(rows, seed)| backend.upload_matrix(&q8_matrix("w", seed, rows, cols)).unwrap())
+            .collect();
+        for n in [1usize, 5, 16] {
+            let x = acts(n, cols, 7 + n as u64);
+            let mut outs = vec![CpuActivations::default(); ws.len()];
+            {
+                let refs: Vec<&CpuMatrix> = ws.iter().collect();
+                let mut out_refs: Vec<&mut CpuActivations> = outs.iter_mut().collect();
+                backend.matmul_many(&refs, &x, &mut out_refs).unwrap();
+            }
+            for (w, many) in ws.iter().zip(&outs) {
+                let mut single = CpuActivations::default();
+                backend.matmul(w, &x, &mut single).unwrap();
+                assert_eq!(many.data(), single.data(), "n={n}, {} rows", w.rows());
+            }
+        }
+    }
+
+    /// The fused FFN of a batch equals the FFN of each token alone (to
+    /// float rounding, which can move an activation quantization step).
+    #[test]
+    fn batched_ffn_equals_per_token_ffn() {
+        let backend = CpuBackend::new(2).unwrap();
+        let (n_embd, n_ff) = (64usize, 96usize);
+        let ffn = backend
+            .upload_ffn(
+                0,
+                &q8_matrix("gate", 1, n_ff, n_embd),
+                &q8_matrix("up", 2, n_ff, n_embd),
+                &q8_matrix("down", 3, n_embd, n_ff),
+            )
+            .unwrap();
+        let n = 11;
+        let x = acts(n, n_embd, 42);
+        let mut batched = CpuActivations::default();
+        backend.ffn(&ffn, &x, &mut batched).unwrap();
+        for t in 0..n {
+            let xt = CpuActivations::from_vec(1, n_embd, x.row(t).to_vec()).unwrap();
+            let mut one = CpuActivations::default();
+            backend.ffn(&ffn, &xt, &mut one).unwrap();
+            let e = rel_err(batched.row(t), one.row(0));
+            assert!(e < 2e-2, "token {t}: rel err {e}");
+        }
+    }
+
+    /// Prefill attention (the cache widened once per head) equals decoding
+    /// the same tokens one at a time, bit for bit: both run attend_f32 on
+    /// the same widened rows.
+    #[test]
+    fn prefill_attention_equals_token_by_token() {
+        let backend = CpuBackend::new(2).unwrap();
+        let p = AttentionParams {
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 16,
+            rope_mode: RopeMode::Neox,
+            rope_freq_base: 10000.0,
+            norm_eps: 1e-6,
+        };
+        let n = 7;
+        let spec = KvSpec { n_layer: 1, n_head_kv: 2, head_dim: 16, n_ctx: 16, n_seq: 2, dtype: KvDtype::F16 };
+        let (q0, k0, v0) = (acts(n, 64, 1), acts(n, 32, 2), acts(n, 32, 3));
+        // Sequence 1 of the cache, so that the per-sequence offsets matter.
+        let slots: Vec<TokenSlot> = (0..n).map(|pos| TokenSlot { seq: 1, pos }).collect();
+        let mut cache = backend.new_kv_cache(spec).unwrap();
+        let (mut q, mut k, mut out) = (q0.clone(), k0.clone(), CpuActivations::default());
+        backend.attention(0, &p, &mut q, &mut k, &v0, None, &slots, &mut cache, &mut out).unwrap();
+        let mut cache1 = backend.new_kv_cache(spec).unwrap();
+        for t in 0..n {
+            let row = |a: &CpuActivations| CpuActivations::from_vec(1, a.width(), a.row(t).to_vec()).unwrap();
+            let (mut q, mut k, v) = (row(&q0), row(&k0), row(&v0));
+            let mut o = CpuActivations::default();
+            backend.attention(0, &p, &mut q, &mut k, &v, None, &slots[t..t + 1], &mut cache1, &mut o).unwrap();
+            assert_eq!(out.row(t), o.row(0), "token {t}");
+        }
+    }
+}
