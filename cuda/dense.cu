@@ -364,15 +364,28 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* _
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
 }
 
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// KV-cache element access: f32 or f16 (stored as raw u16 bits).
+__device__ __forceinline__ float kv_load(const float* p, long i) { return p[i]; }
+__device__ __forceinline__ float kv_load(const u16* p, long i) { return h2f(p[i]); }
+__device__ __forceinline__ void kv_store(float* p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void kv_store(u16* p, long i, float v) { p[i] = f2h(v); }
+
 // Optional per-head RMSNorm (qwen3) and RoPE of every q and k head of every
 // row, then the k and v heads are stored into the cache at the row's slot.
-// slots[2 * row] = seq, slots[2 * row + 1] = pos. Grid (rows, n_head +
+// slots[2 * row] = seq, slots[2 * row + 1] = pos (read from device memory, so
+// a recorded step replays for any position). Grid (rows, n_head +
 // n_head_kv), block head_dim / 2 (one thread per rotated pair).
-// Cache layout per layer: [n_seq, n_head_kv, n_ctx, head_dim] f32.
-extern "C" __global__ void rope_store(float* q, float* k, const float* __restrict__ v, const int* __restrict__ slots,
-                                      int n_head, int n_head_kv, int head_dim, int neox, float freq_base,
-                                      const float* qn, const float* kn, float norm_eps, float* kc, float* vc,
-                                      int n_ctx) {
+// Cache layout per layer: [n_seq, n_head_kv, n_ctx, head_dim] of KV.
+template <typename KV>
+__device__ void rope_store(float* q, float* k, const float* __restrict__ v, const int* __restrict__ slots, int n_head,
+                           int n_head_kv, int head_dim, int neox, float freq_base, const float* qn, const float* kn,
+                           float norm_eps, KV* kc, KV* vc, int n_ctx) {
     __shared__ float s32[32];
     int row = blockIdx.x, hh = blockIdx.y, i = threadIdx.x, half = head_dim >> 1;
     int seq = slots[2 * row], pos = slots[2 * row + 1];
@@ -396,74 +409,169 @@ extern "C" __global__ void rope_store(float* q, float* k, const float* __restric
     x[ib] = rb;
     if (!is_q) {
         long at = (((long)seq * n_head_kv + head) * n_ctx + pos) * head_dim;
-        kc[at + ia] = ra;
-        kc[at + ib] = rb;
+        kv_store(kc, at + ia, ra);
+        kv_store(kc, at + ib, rb);
         const float* vr = v + ((long)row * n_head_kv + head) * head_dim;
-        vc[at + ia] = vr[ia];
-        vc[at + ib] = vr[ib];
+        kv_store(vc, at + ia, vr[ia]);
+        kv_store(vc, at + ib, vr[ib]);
     }
 }
 
-// Causal attention of one query head of one row over positions 0..=pos of
-// its sequence. Grid (rows, n_head), block 512 (a multiple of head_dim),
-// dynamic shared memory (max_n + head_dim + 512) floats. Scores: one warp per
-// key, 16 keys in flight. Weighted V sum: blockDim / head_dim groups of
-// head_dim threads each take every G-th position, then the partial sums are
-// added, so no thread walks all positions alone.
-extern "C" __global__ void attend(const float* __restrict__ q, const float* __restrict__ kc,
-                                  const float* __restrict__ vc, const int* __restrict__ slots, int n_head,
-                                  int n_head_kv, int head_dim, int n_ctx, float scale, float* __restrict__ out) {
-    extern __shared__ float sm[];
-    __shared__ float s32[32];
-    int row = blockIdx.x, head = blockIdx.y;
+// Split-K ("flash-decoding") causal attention, part 1. Grid (rows, n_head,
+// n_split), block ATT_THREADS. Block (row, head, s) attends the query head
+// over positions [s * chunk, min((s + 1) * chunk, pos + 1)) of the row's
+// sequence with an online softmax in tiles of ATT_TILE keys, and writes its
+// running max m, its sum l and its unnormalised V sum to
+// part[((row * n_head + head) * n_split + s) * (head_dim + 2) + {0, 1, 2..}].
+// The grid depends only on the batch and the cache size, never on the
+// position (read from device memory): a recorded step replays at any length.
+// Scores: one warp per key. V sum: blockDim / head_dim groups of head_dim
+// threads take every G-th key of a tile; groups are added at the end.
+#define ATT_THREADS 256
+#define ATT_TILE 64
+template <typename KV>
+__device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+                            const int* __restrict__ slots, int n_head, int n_head_kv, int head_dim, int n_ctx,
+                            int chunk, float scale, float* __restrict__ part) {
+    __shared__ float qs[ATT_THREADS];
+    __shared__ float sc[ATT_TILE];
+    __shared__ float red[ATT_THREADS];
+    __shared__ float lred[ATT_THREADS / 64];
+    int row = blockIdx.x, head = blockIdx.y, split = blockIdx.z, n_split = gridDim.z;
     int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
+    int j0 = split * chunk, j1 = min(n, j0 + chunk);
+    if (j0 >= j1) return;  // the combine step skips splits past the position
     int kvh = head / (n_head / n_head_kv);
-    float* qs = sm;
-    float* part = sm + head_dim;             // G * head_dim partial sums
-    float* sc = part + blockDim.x;           // n scores
     const float* qh = q + ((long)row * n_head + head) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d];
-    __syncthreads();
-    const float* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
-    const float* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    const KV* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    const KV* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    for (int j = warp; j < n; j += nw) {
-        const float* kr = K + (long)j * head_dim;
-        float s = 0.f;
-        for (int d = lane; d < head_dim; d += 32) s += qs[d] * kr[d];
-        s = warp_sum(s);
-        if (lane == 0) sc[j] = s * scale;
-    }
-    __syncthreads();
-    float mx = -MIRAGE_INF;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, sc[j]);
-    mx = block_max(mx, s32);
-    float sum = 0.f;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        float e = expf(sc[j] - mx);
-        sc[j] = e;
-        sum += e;
-    }
-    sum = block_sum(sum, s32);  // its barriers also publish sc[]
     int groups = blockDim.x / head_dim, g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
-    if (g < groups) {
-        float a0 = 0.f, a1 = 0.f;
-        int j = g;
-        for (; j + groups < n; j += 2 * groups) {
-            a0 += sc[j] * V[(long)j * head_dim + d];
-            a1 += sc[j + groups] * V[(long)(j + groups) * head_dim + d];
+    float m = -MIRAGE_INF, l = 0.f, acc = 0.f;
+    __syncthreads();
+    for (int t0 = j0; t0 < j1; t0 += ATT_TILE) {
+        int cnt = min(ATT_TILE, j1 - t0);
+        for (int jj = warp; jj < cnt; jj += nw) {
+            long kr = (long)(t0 + jj) * head_dim;
+            float s = 0.f;
+            for (int e = lane; e < head_dim; e += 32) s += qs[e] * kv_load(K, kr + e);
+            s = warp_sum(s);
+            if (lane == 0) sc[jj] = s * scale;
         }
-        if (j < n) a0 += sc[j] * V[(long)j * head_dim + d];
-        part[g * head_dim + d] = a0 + a1;
+        __syncthreads();
+        float tm = -MIRAGE_INF;
+        for (int jj = 0; jj < cnt; jj++) tm = fmaxf(tm, sc[jj]);
+        float nm = fmaxf(m, tm);
+        float f = expf(m - nm);  // 0 on the first tile (m = -inf)
+        __syncthreads();         // every thread has read the raw scores
+        if (threadIdx.x < cnt) sc[threadIdx.x] = expf(sc[threadIdx.x] - nm);
+        __syncthreads();
+        acc *= f;
+        l *= f;
+        m = nm;
+        if (g < groups) {
+            for (int jj = g; jj < cnt; jj += groups) {
+                float p = sc[jj];
+                acc += p * kv_load(V, (long)(t0 + jj) * head_dim + d);
+                l += p;
+            }
+        }
+        __syncthreads();  // before the next tile overwrites sc
+    }
+    if (g < groups) {
+        red[g * head_dim + d] = acc;
+        if (d == 0) lred[g] = l;
     }
     __syncthreads();
-    float inv = 1.f / sum;
-    float* o = out + ((long)row * n_head + head) * head_dim;
-    for (int dd = threadIdx.x; dd < head_dim; dd += blockDim.x) {
-        float acc = 0.f;
-        for (int k = 0; k < groups; k++) acc += part[k * head_dim + dd];
-        o[dd] = acc * inv;
+    float* P = part + (((long)row * n_head + head) * n_split + split) * (head_dim + 2);
+    for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
+        float a = 0.f;
+        for (int k = 0; k < groups; k++) a += red[k * head_dim + e];
+        P[2 + e] = a;
     }
+    if (threadIdx.x == 0) {
+        float ls = 0.f;
+        for (int k = 0; k < groups; k++) ls += lred[k];
+        P[0] = m;
+        P[1] = ls;
+    }
+}
+
+// Split-K attention, part 2: out[row, head, :] = sum_s e^(m_s - M) acc_s /
+// sum_s e^(m_s - M) l_s over the splits that hold positions of the row.
+// Grid (rows, n_head), block head_dim.
+extern "C" __global__ void attend_combine(const float* __restrict__ part, const int* __restrict__ slots, int n_head,
+                                          int head_dim, int n_split, int chunk, float* __restrict__ out) {
+    int row = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+    int n = slots[2 * row + 1] + 1;
+    int ns = min(n_split, (n + chunk - 1) / chunk);
+    const float* P = part + ((long)row * n_head + head) * n_split * (head_dim + 2);
+    float M = -MIRAGE_INF;
+    for (int s = 0; s < ns; s++) M = fmaxf(M, P[s * (head_dim + 2)]);
+    float L = 0.f, a = 0.f;
+    for (int s = 0; s < ns; s++) {
+        const float* ps = P + s * (head_dim + 2);
+        float w = expf(ps[0] - M);
+        L += w * ps[1];
+        a += w * ps[2 + d];
+    }
+    out[((long)row * n_head + head) * head_dim + d] = a / L;
+}
+
+#define KV_INSTANCE(NAME, KV)                                                                                       \
+    extern "C" __global__ void rope_store_##NAME(float* q, float* k, const float* v, const int* slots, int n_head,  \
+                                                 int n_head_kv, int head_dim, int neox, float freq_base,            \
+                                                 const float* qn, const float* kn, float norm_eps, KV* kc, KV* vc,  \
+                                                 int n_ctx) {                                                       \
+        rope_store<KV>(q, k, v, slots, n_head, n_head_kv, head_dim, neox, freq_base, qn, kn, norm_eps, kc, vc,     \
+                       n_ctx);                                                                                      \
+    }                                                                                                               \
+    extern "C" __global__ void attend_part_##NAME(const float* q, const KV* kc, const KV* vc, const int* slots,     \
+                                                  int n_head, int n_head_kv, int head_dim, int n_ctx, int chunk,    \
+                                                  float scale, float* part) {                                       \
+        attend_part<KV>(q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part);                 \
+    }
+
+KV_INSTANCE(f32, float)
+KV_INSTANCE(f16, u16)
+
+// wh[r - r0, :] = f16(dequant(W[r, :])) for r in [r0, r0 + gridDim.x): the
+// weight tile a tensor-core GEMM multiplies. Block 128.
+template <int T>
+__device__ void dequant_f16(const u8* __restrict__ W, long row_bytes, int cols, int r0, u16* __restrict__ wh) {
+    const u8* row = W + (long)(r0 + blockIdx.x) * row_bytes;
+    u16* o = wh + (long)blockIdx.x * cols;
+    for (int u = threadIdx.x; u < (cols >> 5); u += blockDim.x) {
+        float w[32];
+        dequant_unit<T>(row, u, w);
+#pragma unroll
+        for (int i = 0; i < 32; i++) o[u * 32 + i] = f2h(w[i]);
+    }
+}
+
+#define DEQUANT_INSTANCE(NAME, T)                                                                                  \
+    extern "C" __global__ void dequant_f16_##NAME(const u8* W, long row_bytes, int cols, int r0, u16* wh) {      \
+        dequant_f16<T>(W, row_bytes, cols, r0, wh);                                                                \
+    }
+
+DEQUANT_INSTANCE(f32, TY_F32)
+DEQUANT_INSTANCE(f16, TY_F16)
+DEQUANT_INSTANCE(bf16, TY_BF16)
+DEQUANT_INSTANCE(q4_0, TY_Q4_0)
+DEQUANT_INSTANCE(q4_1, TY_Q4_1)
+DEQUANT_INSTANCE(q5_0, TY_Q5_0)
+DEQUANT_INSTANCE(q5_1, TY_Q5_1)
+DEQUANT_INSTANCE(q8_0, TY_Q8_0)
+DEQUANT_INSTANCE(q2_k, TY_Q2_K)
+DEQUANT_INSTANCE(q4_k, TY_Q4_K)
+DEQUANT_INSTANCE(q5_k, TY_Q5_K)
+DEQUANT_INSTANCE(q6_k, TY_Q6_K)
+
+// y[i] = f16(x[i])
+extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restrict__ y, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = f2h(x[i]);
 }
 
 // idx[r] = argmax(x[r, :]) (first maximum); grid (rows), block 1024.

@@ -3,17 +3,22 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
 };
 use mirage_gguf::quant;
 use mirage_gguf::GgmlType;
-use mirage_runtime::backend::{AttentionParams, Backend, HostMatrix, QkNorm, TokenSlot};
+use mirage_runtime::backend::{
+    AttentionParams, Backend, HostMatrix, QkNorm, StepInputs, TokenSlot,
+};
 use mirage_runtime::kv_cache::{KvDtype, KvSpec};
 use mirage_runtime::ops::RopeMode;
 use mirage_runtime::{Result, RuntimeError};
 
-use crate::{module, CudaError, MemoryStats};
+use crate::{module, CudaError, GraphStats, MemoryStats};
 
 fn drv(e: cudarc::driver::DriverError) -> RuntimeError {
     CudaError::Driver(e.to_string()).into()
@@ -53,13 +58,40 @@ const OTHER_KERNELS: &[&str] = &[
     "add_inplace",
     "swiglu",
     "gather_rows",
-    "rope_store",
-    "attend",
+    "rope_store_f32",
+    "rope_store_f16",
+    "attend_part_f32",
+    "attend_part_f16",
+    "attend_combine",
     "argmax_rows",
+    "f32_to_f16",
 ];
 
-/// Threads of an attention block (a multiple of every supported head_dim).
-const ATTEND_THREADS: u32 = 512;
+/// Threads of an attention block (`ATT_THREADS` in dense.cu): the largest
+/// head_dim the kernel takes.
+const ATTEND_THREADS: u32 = 256;
+
+/// Keys per attention split at least (`ATT_TILE` in dense.cu).
+const ATTEND_MIN_CHUNK: usize = 64;
+
+/// Attention splits are added while the grid has fewer blocks than this (so
+/// that a decode step of a few heads still fills the device); a prefill of
+/// many rows gets one split per (row, head).
+const ATTEND_TARGET_BLOCKS: usize = 1024;
+
+/// Batches of at most this many rows are recorded and replayed as a CUDA
+/// graph (decode steps); larger ones (prefill) launch op by op.
+const GRAPH_MAX_ROWS: usize = 16;
+
+/// Recorded graphs kept (e.g. decode at two batch sizes, or two sessions).
+const GRAPH_CACHE: usize = 4;
+
+/// Batches of more rows than this multiply through cuBLAS on tensor cores
+/// (weights dequantized to f16 tile by tile); smaller ones use the mat-vec.
+const GEMM_MIN_ROWS: usize = 17;
+
+/// Bytes of the f16 weight tile of the GEMM path (bounds its workspace).
+const GEMM_TILE_BYTES: usize = 32 << 20;
 
 /// Warps (weight rows) per mat-vec thread block.
 const MATVEC_WARPS: u32 = 8;
@@ -130,12 +162,12 @@ impl CudaActivations {
 }
 
 /// The KV cache on the device: per layer, `[n_seq, n_head_kv, n_ctx,
-/// head_dim]` f32 keys and values.
+/// head_dim]` keys and values, f32 or f16 (`spec.dtype`).
 #[derive(Debug)]
 pub struct CudaKvCache {
     spec: KvSpec,
-    k: Vec<CudaSlice<f32>>,
-    v: Vec<CudaSlice<f32>>,
+    k: Vec<CudaSlice<u8>>,
+    v: Vec<CudaSlice<u8>>,
 }
 
 #[derive(Default)]
@@ -143,21 +175,108 @@ struct Scratch {
     gate: CudaActivations,
     up: CudaActivations,
     hidden: CudaActivations,
+    /// Attention split partials `[rows, n_head, n_split, head_dim + 2]`.
+    attn_part: CudaActivations,
     /// Last uploaded token slots (seq, pos pairs) and their device copy:
-    /// every layer of a step passes the same slots.
+    /// every layer of a step passes the same slots (ops outside a step).
     slots_host: Vec<i32>,
     slots_dev: Option<CudaSlice<i32>>,
     indices: Option<CudaSlice<u32>>,
+    /// f16 copies of a GEMM's activations and of one weight tile.
+    gemm_x: Option<CudaSlice<u16>>,
+    gemm_w: Option<CudaSlice<u16>>,
+}
+
+/// One kernel argument, kept by value so that a recorded step can be
+/// compared with the next one and launched later.
+#[derive(Debug, Clone, Copy)]
+enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+impl PartialEq for Arg {
+    fn eq(&self, other: &Arg) -> bool {
+        match (self, other) {
+            (Arg::Ptr(a), Arg::Ptr(b)) => a == b,
+            (Arg::I32(a), Arg::I32(b)) => a == b,
+            (Arg::I64(a), Arg::I64(b)) => a == b,
+            // Bit equality: the graph must launch exactly these bits.
+            (Arg::F32(a), Arg::F32(b)) => a.to_bits() == b.to_bits(),
+            _ => false,
+        }
+    }
+}
+
+/// One kernel launch: kernel index, grid, block, dynamic shared memory, args.
+#[derive(Debug, Clone, PartialEq)]
+struct Launch {
+    kernel: usize,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    smem: u32,
+    args: Vec<Arg>,
+}
+
+/// A captured step and the launches it replays.
+struct RecordedGraph {
+    launches: Vec<Launch>,
+    graph: CudaGraph,
+}
+
+// SAFETY: a CUDA graph may be used from any thread as long as calls on it are
+// serialised; it lives inside `CudaBackend::step_state`'s mutex.
+unsafe impl Send for RecordedGraph {}
+
+/// Inputs of the step in progress, already on the device at `base`: token
+/// ids at `base`, (seq, pos) pairs at `base + 4 n`, logits rows at
+/// `base + 12 n` (i32 each).
+struct Staged {
+    tokens: Vec<u32>,
+    slots: Vec<TokenSlot>,
+    rows: Vec<usize>,
+    base: u64,
+}
+
+#[derive(Default)]
+struct StepState {
+    staged: Option<Staged>,
+    /// Launches of the step in progress when it is being recorded.
+    recording: Option<Vec<Launch>>,
+    host: Vec<i32>,
+    inputs_dev: Option<CudaSlice<i32>>,
+    /// Most recently used first.
+    graphs: Vec<RecordedGraph>,
+    stats: GraphStats,
 }
 
 /// The CUDA backend: one device, one stream, kernels compiled by NVRTC.
+///
+/// A forward pass of at most `GRAPH_MAX_ROWS` rows (a decode step) run
+/// through [`Backend::step`] is recorded (every launch with its arguments,
+/// nothing launched) and compared with the passes captured before: the same
+/// launches replay that CUDA graph, new ones are captured into a new graph.
+/// Per-token inputs (token ids, (seq, pos) slots, logits rows) are copied
+/// once per step into a fixed device buffer that the kernels read, and the
+/// attention grid depends on the cache size only, so a decode step at any
+/// position is the same graph. Larger passes (prefill) launch op by op and
+/// multiply through cuBLAS on tensor cores.
 pub struct CudaBackend {
+    // First, so that recorded graphs are destroyed before the module whose
+    // kernels they launch is unloaded.
+    step_state: Mutex<StepState>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    kernels: HashMap<&'static str, CudaFunction>,
+    functions: Vec<CudaFunction>,
+    kernel_index: HashMap<&'static str, usize>,
+    blas: Option<CudaBlas>,
     device_name: String,
     compute_capability: (i32, i32),
     ptx_from_cache: bool,
+    graphs_enabled: std::sync::atomic::AtomicBool,
+    gemm_enabled: std::sync::atomic::AtomicBool,
     scratch: Mutex<Scratch>,
     mem: Mutex<MemoryStats>,
 }
@@ -199,37 +318,88 @@ impl CudaBackend {
         // cross-stream safety are pure overhead.
         // SAFETY: nothing has been allocated on this context yet.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of its own: the legacy default stream cannot be captured.
+        let stream = ctx.new_stream().map_err(d)?;
         let device_name = ctx.name().map_err(d)?;
         let cc = ctx.compute_capability().map_err(d)?;
         let (ptx, ptx_from_cache) = module::ptx_for("dense", module::DENSE_SOURCE, cc.0, cc.1)?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(d)?;
-        let mut kernels = HashMap::new();
+        let mut functions = Vec::new();
+        let mut kernel_index = HashMap::new();
         let names: Vec<&'static str> = SUFFIXES
             .iter()
             .flat_map(|s| {
                 [
                     &*Box::leak(format!("matvec_{s}").into_boxed_str()),
                     &*Box::leak(format!("embed_{s}").into_boxed_str()),
+                    &*Box::leak(format!("dequant_f16_{s}").into_boxed_str()),
                 ]
             })
             .chain(OTHER_KERNELS.iter().copied())
             .collect();
         for name in names {
-            kernels.insert(name, module.load_function(name).map_err(d)?);
+            kernel_index.insert(name, functions.len());
+            functions.push(module.load_function(name).map_err(d)?);
         }
+        // cuBLAS is optional: without the library prefill uses the mat-vec.
+        // SAFETY: only probes whether the shared library can be opened.
+        let blas = if unsafe { cudarc::cublas::sys::is_culib_present() } {
+            CudaBlas::new(stream.clone()).ok()
+        } else {
+            None
+        };
+        let env_off = |k: &str| std::env::var(k).is_ok_and(|v| v == "0" || v == "off");
         Ok(CudaBackend {
             ctx,
             stream,
-            kernels,
+            functions,
+            kernel_index,
+            gemm_enabled: (!env_off("MIRAGE_CUDA_GEMM") && blas.is_some()).into(),
+            blas,
             device_name,
             compute_capability: cc,
             ptx_from_cache,
+            graphs_enabled: (!env_off("MIRAGE_CUDA_GRAPHS")).into(),
             scratch: Mutex::new(Scratch::default()),
+            step_state: Mutex::new(StepState::default()),
             mem: Mutex::new(MemoryStats::default()),
         })
+    }
+
+    /// Records decode steps as CUDA graphs (default; `MIRAGE_CUDA_GRAPHS=0`
+    /// turns it off at start) or launches every op (`false`).
+    pub fn set_graphs(&self, on: bool) {
+        self.graphs_enabled
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether decode steps are recorded as CUDA graphs.
+    pub fn graphs(&self) -> bool {
+        self.graphs_enabled
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Multiplies batches of more than 16 rows through cuBLAS (default when
+    /// the library loads; `MIRAGE_CUDA_GEMM=0` turns it off at start) or
+    /// with the mat-vec kernel (`false`). Returns whether it is on.
+    pub fn set_prefill_gemm(&self, on: bool) -> bool {
+        let on = on && self.blas.is_some();
+        self.gemm_enabled
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+        on
+    }
+
+    /// Whether large batches multiply through cuBLAS.
+    pub fn prefill_gemm(&self) -> bool {
+        self.gemm_enabled
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How steps ran so far (captured, replayed, op by op).
+    pub fn graph_stats(&self) -> GraphStats {
+        self.step_state().stats
     }
 
     /// The device's name as the driver reports it.
@@ -300,18 +470,14 @@ impl CudaBackend {
             .as_ref()
             .ok_or_else(|| bad("argmax of an empty buffer"))?;
         let mut idx = self.stream.alloc_zeros::<u32>(x.rows.max(1)).map_err(drv)?;
-        let f = self.kernel("argmax_rows")?;
-        let cfg = LaunchConfig {
-            grid_dim: (x.rows as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let (px, pi) = (self.ptr(buf), self.ptr(&idx));
-        let width = x.width as i32;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&px).arg(&width).arg(&pi);
-        // SAFETY: argument types match the kernel's signature.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
+        self.launch(
+            "argmax_rows",
+            (x.rows as u32, 1, 1),
+            (1024, 1, 1),
+            0,
+            vec![Arg::Ptr(px), Arg::I32(x.width as i32), Arg::Ptr(pi)],
+        )?;
         let mut out = vec![0u32; x.rows];
         self.stream
             .memcpy_dtoh(&idx.slice(0..x.rows), &mut out)
@@ -341,10 +507,114 @@ impl CudaBackend {
         Ok(a)
     }
 
-    fn kernel(&self, name: &str) -> Result<&CudaFunction> {
-        self.kernels
-            .get(name)
-            .ok_or_else(|| bad(format!("no kernel `{name}`")))
+    fn step_state(&self) -> MutexGuard<'_, StepState> {
+        self.step_state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Launches `kernel`, or appends the launch to the step being recorded.
+    fn launch(
+        &self,
+        kernel: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: Vec<Arg>,
+    ) -> Result<()> {
+        let kernel = *self
+            .kernel_index
+            .get(kernel)
+            .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
+        let l = Launch {
+            kernel,
+            grid,
+            block,
+            smem,
+            args,
+        };
+        let mut st = self.step_state();
+        if let Some(rec) = st.recording.as_mut() {
+            rec.push(l);
+            return Ok(());
+        }
+        drop(st);
+        self.launch_now(&l)
+    }
+
+    fn launch_now(&self, l: &Launch) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: l.grid,
+            block_dim: l.block,
+            shared_mem_bytes: l.smem,
+        };
+        let mut b = self.stream.launch_builder(&self.functions[l.kernel]);
+        for a in &l.args {
+            match a {
+                Arg::Ptr(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::I64(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        // SAFETY: every call site passes the argument list of the kernel's
+        // signature (pointers as u64) and checks the shapes first.
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(())
+    }
+
+    fn recording(&self) -> bool {
+        self.step_state().recording.is_some()
+    }
+
+    /// The device address of staged step input `what` (0 tokens, 1 slots,
+    /// 2 logits rows) when a step is in progress and its inputs equal `eq`.
+    fn staged(&self, check: impl FnOnce(&Staged) -> Option<u64>) -> Result<Option<u64>> {
+        let st = self.step_state();
+        match &st.staged {
+            Some(s) => match check(s) {
+                Some(p) => Ok(Some(p)),
+                None if st.recording.is_some() => Err(bad(
+                    "an op inside a recorded step got inputs other than the step's",
+                )),
+                None => Ok(None),
+            },
+            None => Ok(None),
+        }
+    }
+
+    /// Replays the graph recorded with exactly `launches`, or captures one.
+    fn run_recorded(&self, st: &mut StepState, launches: Vec<Launch>) -> Result<()> {
+        if let Some(i) = st.graphs.iter().position(|g| g.launches == launches) {
+            st.graphs[i].graph.launch().map_err(drv)?;
+            let g = st.graphs.remove(i);
+            st.graphs.insert(0, g);
+            st.stats.replays += 1;
+            return Ok(());
+        }
+        if st.graphs.len() >= GRAPH_CACHE {
+            // The oldest graph may still be queued: let it finish first.
+            self.stream.synchronize().map_err(drv)?;
+            st.graphs.truncate(GRAPH_CACHE - 1);
+        }
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv)?;
+        let mut launched = Ok(());
+        for l in &launches {
+            launched = self.launch_now(l);
+            if launched.is_err() {
+                break;
+            }
+        }
+        // End the capture whatever happened, so that the stream is usable.
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        launched?;
+        let graph = graph
+            .map_err(drv)?
+            .ok_or_else(|| bad("stream capture returned no graph"))?;
+        graph.launch().map_err(drv)?;
+        st.stats.captures += 1;
+        st.graphs.insert(0, RecordedGraph { launches, graph });
+        Ok(())
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
@@ -414,45 +684,123 @@ impl CudaBackend {
             ty: w.ty,
             what: w.name.clone(),
         })?;
-        let f = self.kernel(&format!("matvec_{suffix}"))?;
-        let cfg = LaunchConfig {
-            grid_dim: ((w.rows as u32).div_ceil(MATVEC_WARPS), n_act as u32, 1),
-            block_dim: (32 * MATVEC_WARPS, 1, 1),
-            shared_mem_bytes: 0,
+        if n_act >= GEMM_MIN_ROWS && self.prefill_gemm() && !self.recording() {
+            return self.gemm(w, suffix, x, n_act, y);
+        }
+        self.launch(
+            &format!("matvec_{suffix}"),
+            ((w.rows as u32).div_ceil(MATVEC_WARPS), n_act as u32, 1),
+            (32 * MATVEC_WARPS, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(self.ptr(&w.data)),
+                Arg::I64(w.row_bytes as i64),
+                Arg::I32(w.rows as i32),
+                Arg::I32(w.cols as i32),
+                Arg::Ptr(x),
+                Arg::Ptr(y),
+            ],
+        )
+    }
+
+    /// `y[a, r] = W[r, :] . x[a, :]` on tensor cores: the activations go to
+    /// f16 once, the weight is dequantized to f16 in tiles of rows that fit
+    /// `GEMM_TILE_BYTES`, and each tile is one cuBLAS GemmEx (f16 inputs,
+    /// f32 accumulation and output) writing its columns of `y`.
+    fn gemm(&self, w: &CudaMatrix, suffix: &str, x: u64, n_act: usize, y: u64) -> Result<()> {
+        let blas = self
+            .blas
+            .as_ref()
+            .ok_or_else(|| bad("cuBLAS is not loaded"))?;
+        let (rows, cols) = (w.rows, w.cols);
+        let tile_rows = (GEMM_TILE_BYTES / (2 * cols)).max(16) / 16 * 16;
+        let tile_rows = tile_rows.min(rows);
+        let (px, pw) = {
+            let mut s = self.scratch();
+            let s = &mut *s;
+            (
+                self.grow_u16(&mut s.gemm_x, n_act * cols)?,
+                self.grow_u16(&mut s.gemm_w, tile_rows * cols)?,
+            )
         };
-        let (pw, rb, rows, cols) = (
-            self.ptr(&w.data),
-            w.row_bytes as i64,
-            w.rows as i32,
-            w.cols as i32,
-        );
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&pw).arg(&rb).arg(&rows).arg(&cols).arg(&x).arg(&y);
-        // SAFETY: argument types match the kernel; x holds n_act * cols and y
-        // n_act * rows floats (callers reshape first).
-        unsafe { b.launch(cfg) }.map_err(drv)?;
+        let n = (n_act * cols) as i64;
+        self.launch(
+            "f32_to_f16",
+            ((n as u64).div_ceil(256) as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            vec![Arg::Ptr(x), Arg::Ptr(px), Arg::I64(n)],
+        )?;
+        let dq = format!("dequant_f16_{suffix}");
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let mut r0 = 0;
+        while r0 < rows {
+            let rc = tile_rows.min(rows - r0);
+            self.launch(
+                &dq,
+                (rc as u32, 1, 1),
+                (128, 1, 1),
+                0,
+                vec![
+                    Arg::Ptr(self.ptr(&w.data)),
+                    Arg::I64(w.row_bytes as i64),
+                    Arg::I32(cols as i32),
+                    Arg::I32(r0 as i32),
+                    Arg::Ptr(pw),
+                ],
+            )?;
+            // Column-major view: Y^T (rows x n_act, ld rows) = W_tile (cols x
+            // rc, transposed) times X^T (cols x n_act).
+            use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+            // SAFETY: the pointers hold rc * cols and n_act * cols halves and
+            // n_act * rows floats; the handle runs on self.stream.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    rc as i32,
+                    n_act as i32,
+                    cols as i32,
+                    (&alpha) as *const f32 as *const _,
+                    pw as *const _,
+                    cudaDataType::CUDA_R_16F,
+                    cols as i32,
+                    px as *const _,
+                    cudaDataType::CUDA_R_16F,
+                    cols as i32,
+                    (&beta) as *const f32 as *const _,
+                    (y + 4 * r0 as u64) as *mut _,
+                    cudaDataType::CUDA_R_32F,
+                    rows as i32,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| RuntimeError::from(CudaError::Driver(format!("cuBLAS GemmEx: {e:?}"))))?;
+            r0 += rc;
+        }
         Ok(())
     }
 
+    /// Grows an f16 scratch buffer to `n` elements; returns its address.
+    fn grow_u16(&self, slot: &mut Option<CudaSlice<u16>>, n: usize) -> Result<u64> {
+        let cap = slot.as_ref().map_or(0, |b| b.len());
+        if cap < n {
+            let want = n.next_power_of_two();
+            *slot = Some(self.stream.alloc_zeros::<u16>(want).map_err(drv)?);
+            self.account(MemKind::Workspace, (want - cap) * 2);
+        }
+        Ok(self.ptr(slot.as_ref().expect("allocated above")))
+    }
+
     fn elementwise(&self, name: &str, n: usize, args: &[u64], width: Option<i32>) -> Result<()> {
-        let f = self.kernel(name)?;
-        let cfg = LaunchConfig {
-            grid_dim: ((n as u32).div_ceil(256), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let n = n as i64;
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            b.arg(a);
+        let mut a: Vec<Arg> = args.iter().map(|&p| Arg::Ptr(p)).collect();
+        if let Some(w) = width {
+            a.push(Arg::I32(w));
         }
-        if let Some(w) = &width {
-            b.arg(w);
-        }
-        b.arg(&n);
-        // SAFETY: each caller passes the kernel's pointer arguments in order.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        Ok(())
+        a.push(Arg::I64(n as i64));
+        self.launch(name, ((n as u32).div_ceil(256), 1, 1), (256, 1, 1), 0, a)
     }
 
     fn upload_host_matrix(&self, m: &HostMatrix) -> Result<CudaMatrix> {
@@ -528,6 +876,60 @@ impl Backend for CudaBackend {
         "cuda".into()
     }
 
+    fn step<R>(&self, inputs: &StepInputs<'_>, pass: impl FnOnce() -> Result<R>) -> Result<R> {
+        let n = inputs.tokens.len();
+        {
+            let mut st = self.step_state();
+            let st = &mut *st;
+            if st.staged.is_some() {
+                return Err(bad("a step started inside another step"));
+            }
+            st.host.clear();
+            st.host.extend(inputs.tokens.iter().map(|&t| t as i32));
+            st.host
+                .extend(inputs.slots.iter().flat_map(|t| [t.seq as i32, t.pos as i32]));
+            st.host
+                .extend(inputs.logits_rows.iter().map(|&r| r as i32));
+            let len = st.host.len().max(1);
+            if st.inputs_dev.as_ref().is_none_or(|d| d.len() < len) {
+                let cap = st.inputs_dev.as_ref().map_or(0, |d| d.len());
+                let want = len.next_power_of_two().max(64);
+                st.inputs_dev = Some(self.stream.alloc_zeros::<i32>(want).map_err(drv)?);
+                self.account(MemKind::Workspace, (want - cap) * 4);
+            }
+            let dev = st.inputs_dev.as_mut().expect("allocated above");
+            if !st.host.is_empty() {
+                // The one host-to-device copy of the step, queued before its
+                // launches (or its graph).
+                self.stream
+                    .memcpy_htod(&st.host, &mut dev.slice_mut(0..st.host.len()))
+                    .map_err(drv)?;
+            }
+            let base = self.ptr(dev);
+            st.staged = Some(Staged {
+                tokens: inputs.tokens.to_vec(),
+                slots: inputs.slots.to_vec(),
+                rows: inputs.logits_rows.to_vec(),
+                base,
+            });
+            if self.graphs() && n <= GRAPH_MAX_ROWS {
+                let hint = st.graphs.first().map_or(0, |g| g.launches.len());
+                st.recording = Some(Vec::with_capacity(hint));
+            } else {
+                st.stats.eager += 1;
+            }
+        }
+        let out = pass();
+        let mut st = self.step_state();
+        st.staged = None;
+        let launches = st.recording.take();
+        let out = out?;
+        if let Some(launches) = launches {
+            self.run_recorded(&mut st, launches)?;
+        }
+        Ok(out)
+    }
+
     fn upload_matrix(&self, m: &HostMatrix) -> Result<CudaMatrix> {
         self.upload_host_matrix(m)
     }
@@ -563,11 +965,6 @@ impl Backend for CudaBackend {
     }
 
     fn new_kv_cache(&self, spec: KvSpec) -> Result<CudaKvCache> {
-        if spec.dtype != KvDtype::F32 {
-            return Err(bad(
-                "the cuda backend keeps its KV cache in f32 only (f16 is not implemented yet)",
-            ));
-        }
         if spec.head_dim == 0 || spec.n_ctx == 0 || spec.n_seq == 0 {
             return Err(bad(format!("empty KV cache shape {spec:?}")));
         }
@@ -576,14 +973,20 @@ impl Backend for CudaBackend {
             .checked_mul(spec.n_head_kv)
             .and_then(|x| x.checked_mul(spec.n_ctx))
             .and_then(|x| x.checked_mul(spec.head_dim))
+            .and_then(|x| {
+                x.checked_mul(match spec.dtype {
+                    KvDtype::F32 => 4,
+                    KvDtype::F16 => 2,
+                })
+            })
             .ok_or_else(|| bad("KV cache size overflows"))?;
         let mut k = Vec::with_capacity(spec.n_layer);
         let mut v = Vec::with_capacity(spec.n_layer);
         for _ in 0..spec.n_layer {
-            k.push(self.stream.alloc_zeros::<f32>(per_layer).map_err(drv)?);
-            v.push(self.stream.alloc_zeros::<f32>(per_layer).map_err(drv)?);
+            k.push(self.stream.alloc_zeros::<u8>(per_layer).map_err(drv)?);
+            v.push(self.stream.alloc_zeros::<u8>(per_layer).map_err(drv)?);
         }
-        self.account(MemKind::Kv, 2 * spec.n_layer * per_layer * 4);
+        self.account(MemKind::Kv, 2 * spec.n_layer * per_layer);
         Ok(CudaKvCache { spec, k, v })
     }
 
@@ -606,25 +1009,27 @@ impl Backend for CudaBackend {
             what: table.name.clone(),
         })?;
         let po = self.reshape(out, tokens.len(), table.cols)?;
-        let mut s = self.scratch();
-        let pt = self.upload_u32(&mut s.indices, tokens)?;
-        let f = self.kernel(&format!("embed_{suffix}"))?;
-        let cfg = LaunchConfig {
-            grid_dim: (tokens.len() as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+        let pt = match self.staged(|s| (s.tokens == tokens).then_some(s.base))? {
+            Some(p) => p,
+            None => {
+                let mut s = self.scratch();
+                self.upload_u32(&mut s.indices, tokens)?
+            }
         };
-        let (pw, rb, nr, cols) = (
-            self.ptr(&table.data),
-            table.row_bytes as i64,
-            table.rows as i32,
-            table.cols as i32,
-        );
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&pw).arg(&rb).arg(&nr).arg(&cols).arg(&pt).arg(&po);
-        // SAFETY: argument types match; token ids checked above.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        Ok(())
+        self.launch(
+            &format!("embed_{suffix}"),
+            (tokens.len() as u32, 1, 1),
+            (128, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(self.ptr(&table.data)),
+                Arg::I64(table.row_bytes as i64),
+                Arg::I32(table.rows as i32),
+                Arg::I32(table.cols as i32),
+                Arg::Ptr(pt),
+                Arg::Ptr(po),
+            ],
+        )
     }
 
     fn rms_norm(
@@ -639,19 +1044,19 @@ impl Backend for CudaBackend {
         }
         let px = self.act_ptr(x)?;
         let po = self.reshape(out, x.rows, x.width)?;
-        let pw = self.ptr(&weight.data);
-        let width = x.width as i32;
-        let f = self.kernel("rms_norm")?;
-        let cfg = LaunchConfig {
-            grid_dim: (x.rows as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&px).arg(&pw).arg(&eps).arg(&width).arg(&po);
-        // SAFETY: argument types match the kernel.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        Ok(())
+        self.launch(
+            "rms_norm",
+            (x.rows as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(px),
+                Arg::Ptr(self.ptr(&weight.data)),
+                Arg::F32(eps),
+                Arg::I32(x.width as i32),
+                Arg::Ptr(po),
+            ],
+        )
     }
 
     fn matmul(&self, w: &CudaMatrix, x: &CudaActivations, out: &mut CudaActivations) -> Result<()> {
@@ -706,7 +1111,9 @@ impl Backend for CudaBackend {
             || hd % 64 != 0
             || hd > ATTEND_THREADS as usize
         {
-            return Err(bad(format!("attention shape {p:?} (the cuda kernels need head_dim a multiple of 64, at most 512)")));
+            return Err(bad(format!(
+                "attention shape {p:?} (the cuda kernels need head_dim a multiple of 64, at most {ATTEND_THREADS})"
+            )));
         }
         if q.rows != n
             || k.rows != n
@@ -728,77 +1135,95 @@ impl Backend for CudaBackend {
         if let Some(s) = slots.iter().find(|s| s.seq >= spec.n_seq) {
             return Err(bad(format!("sequence slot {} >= {}", s.seq, spec.n_seq)));
         }
-        let smem = (max_pos + 1 + hd + ATTEND_THREADS as usize) * 4;
-        if smem > 48 * 1024 {
-            return Err(bad(format!(
-                "position {max_pos}: the cuda attention kernel holds at most {} scores",
-                48 * 1024 / 4 - hd - ATTEND_THREADS as usize
-            )));
-        }
-        let mut s = self.scratch();
-        let pslots = self.slots_ptr(&mut s, slots)?;
-        drop(s);
+        // The split count depends on the batch and the cache size only, so a
+        // recorded decode step replays at every position.
+        let n_split = spec
+            .n_ctx
+            .div_ceil(ATTEND_MIN_CHUNK)
+            .min((ATTEND_TARGET_BLOCKS / (n * p.n_head)).max(1))
+            .max(1);
+        let chunk = spec.n_ctx.div_ceil(n_split);
+        let pslots = match self.staged(|s| (s.slots == slots).then_some(s.base + 4 * s.tokens.len() as u64))? {
+            Some(p) => p,
+            None => {
+                let mut s = self.scratch();
+                self.slots_ptr(&mut s, slots)?
+            }
+        };
+        let ppart = {
+            let mut s = self.scratch();
+            self.reshape(&mut s.attn_part, n * p.n_head * n_split, hd + 2)?
+        };
         let (pq, pk, pv) = (self.act_ptr(q)?, self.act_ptr(k)?, self.act_ptr(v)?);
         let (pqn, pkn) = match &qk_norm {
             Some(nm) => (self.ptr(&nm.q.data), self.ptr(&nm.k.data)),
             None => (0u64, 0u64),
         };
         let (pkc, pvc) = (self.ptr(&cache.k[layer]), self.ptr(&cache.v[layer]));
-        let (nh, nkv, hdi, neox) = (
-            p.n_head as i32,
-            p.n_head_kv as i32,
-            hd as i32,
-            (p.rope_mode == RopeMode::Neox) as i32,
-        );
-        let (base, eps, n_ctx) = (p.rope_freq_base, p.norm_eps, spec.n_ctx as i32);
-        {
-            let f = self.kernel("rope_store")?;
-            let cfg = LaunchConfig {
-                grid_dim: (n as u32, (p.n_head + p.n_head_kv) as u32, 1),
-                block_dim: ((hd / 2) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut b = self.stream.launch_builder(f);
-            b.arg(&pq)
-                .arg(&pk)
-                .arg(&pv)
-                .arg(&pslots)
-                .arg(&nh)
-                .arg(&nkv)
-                .arg(&hdi)
-                .arg(&neox)
-                .arg(&base);
-            b.arg(&pqn)
-                .arg(&pkn)
-                .arg(&eps)
-                .arg(&pkc)
-                .arg(&pvc)
-                .arg(&n_ctx);
-            // SAFETY: argument types match; shapes and slots checked above.
-            unsafe { b.launch(cfg) }.map_err(drv)?;
-        }
+        let kv = match spec.dtype {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+        };
+        let (nh, nkv, hdi, n_ctx) = (p.n_head as i32, p.n_head_kv as i32, hd as i32, spec.n_ctx as i32);
+        self.launch(
+            &format!("rope_store_{kv}"),
+            (n as u32, (p.n_head + p.n_head_kv) as u32, 1),
+            ((hd / 2) as u32, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(pq),
+                Arg::Ptr(pk),
+                Arg::Ptr(pv),
+                Arg::Ptr(pslots),
+                Arg::I32(nh),
+                Arg::I32(nkv),
+                Arg::I32(hdi),
+                Arg::I32((p.rope_mode == RopeMode::Neox) as i32),
+                Arg::F32(p.rope_freq_base),
+                Arg::Ptr(pqn),
+                Arg::Ptr(pkn),
+                Arg::F32(p.norm_eps),
+                Arg::Ptr(pkc),
+                Arg::Ptr(pvc),
+                Arg::I32(n_ctx),
+            ],
+        )?;
         let po = self.reshape(out, n, p.n_head * hd)?;
         let scale = 1.0 / (hd as f32).sqrt();
-        let f = self.kernel("attend")?;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, p.n_head as u32, 1),
-            block_dim: (ATTEND_THREADS, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&pq)
-            .arg(&pkc)
-            .arg(&pvc)
-            .arg(&pslots)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hdi)
-            .arg(&n_ctx)
-            .arg(&scale)
-            .arg(&po);
-        // SAFETY: as above; dynamic shared memory sized for max_pos + 1 scores.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        Ok(())
+        self.launch(
+            &format!("attend_part_{kv}"),
+            (n as u32, p.n_head as u32, n_split as u32),
+            (ATTEND_THREADS, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(pq),
+                Arg::Ptr(pkc),
+                Arg::Ptr(pvc),
+                Arg::Ptr(pslots),
+                Arg::I32(nh),
+                Arg::I32(nkv),
+                Arg::I32(hdi),
+                Arg::I32(n_ctx),
+                Arg::I32(chunk as i32),
+                Arg::F32(scale),
+                Arg::Ptr(ppart),
+            ],
+        )?;
+        self.launch(
+            "attend_combine",
+            (n as u32, p.n_head as u32, 1),
+            (hd as u32, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(ppart),
+                Arg::Ptr(pslots),
+                Arg::I32(nh),
+                Arg::I32(hdi),
+                Arg::I32(n_split as i32),
+                Arg::I32(chunk as i32),
+                Arg::Ptr(po),
+            ],
+        )
     }
 
     fn ffn(&self, f: &CudaFfn, x: &CudaActivations, out: &mut CudaActivations) -> Result<()> {
@@ -811,11 +1236,17 @@ impl Backend for CudaBackend {
         let n = x.rows;
         let n_ff = f.gate.rows;
         let px = self.act_ptr(x)?;
-        let mut s = self.scratch();
-        let s = &mut *s;
-        let pg = self.reshape(&mut s.gate, n, n_ff)?;
-        let pu = self.reshape(&mut s.up, n, n_ff)?;
-        let ph = self.reshape(&mut s.hidden, n, n_ff)?;
+        // The scratch lock is released before the products: the GEMM path
+        // takes it again for its f16 buffers.
+        let (pg, pu, ph) = {
+            let mut s = self.scratch();
+            let s = &mut *s;
+            (
+                self.reshape(&mut s.gate, n, n_ff)?,
+                self.reshape(&mut s.up, n, n_ff)?,
+                self.reshape(&mut s.hidden, n, n_ff)?,
+            )
+        };
         self.matvec(&f.gate, px, n, pg)?;
         self.matvec(&f.up, px, n, pu)?;
         self.elementwise("swiglu", n * n_ff, &[pg, pu, ph], None)?;
@@ -837,21 +1268,28 @@ impl Backend for CudaBackend {
         if rows.is_empty() {
             return Ok(());
         }
-        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let mut s = self.scratch();
-        let pi = self.upload_u32(&mut s.indices, &idx)?;
-        let f = self.kernel("gather_rows")?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows.len() as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+        let pi = match self.staged(|s| {
+            (s.rows == rows).then_some(s.base + 12 * s.tokens.len() as u64)
+        })? {
+            Some(p) => p,
+            None => {
+                let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+                let mut s = self.scratch();
+                self.upload_u32(&mut s.indices, &idx)?
+            }
         };
-        let width = x.width as i32;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&px).arg(&pi).arg(&width).arg(&po);
-        // SAFETY: argument types match; rows checked above.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        Ok(())
+        self.launch(
+            "gather_rows",
+            (rows.len() as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(px),
+                Arg::Ptr(pi),
+                Arg::I32(x.width as i32),
+                Arg::Ptr(po),
+            ],
+        )
     }
 
     fn read(&self, x: &CudaActivations, out: &mut Vec<f32>) -> Result<(usize, usize)> {

@@ -6,7 +6,7 @@ use mirage_runtime::backend::{AttentionParams, Backend, HostMatrix, QkNorm, Toke
 use mirage_runtime::kv_cache::KvSpec;
 use mirage_runtime::{Result, RuntimeError};
 
-use crate::{CudaError, MemoryStats};
+use crate::{CudaError, GraphStats, MemoryStats};
 
 fn no() -> RuntimeError {
     CudaError::NotCompiledWithCuda.into()
@@ -48,6 +48,24 @@ impl CudaBackend {
     /// Never reached.
     pub fn ptx_from_cache(&self) -> bool {
         false
+    }
+    /// Never reached.
+    pub fn set_graphs(&self, _on: bool) {}
+    /// Never reached.
+    pub fn graphs(&self) -> bool {
+        false
+    }
+    /// Never reached.
+    pub fn set_prefill_gemm(&self, _on: bool) -> bool {
+        false
+    }
+    /// Never reached.
+    pub fn prefill_gemm(&self) -> bool {
+        false
+    }
+    /// Never reached.
+    pub fn graph_stats(&self) -> GraphStats {
+        GraphStats::default()
     }
     /// Never reached.
     pub fn memory_stats(&self) -> MemoryStats {

@@ -49,5 +49,17 @@ pub struct MemoryStats {
     pub peak: usize,
 }
 
+/// How forward passes ran on the backend since it started (see
+/// `CudaBackend::graph_stats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Steps captured into a new CUDA graph.
+    pub captures: u64,
+    /// Steps that replayed a captured graph.
+    pub replays: u64,
+    /// Steps launched op by op (too many rows, or graphs off).
+    pub eager: u64,
+}
+
 /// Whether this build has the CUDA backend compiled in.
 pub const COMPILED_WITH_CUDA: bool = cfg!(feature = "cuda");

@@ -392,3 +392,270 @@ fn smollm2_logits_match_cpu() {
         }
     }
 }
+
+/// Whether a GPU test must run the part that needs an optional library.
+fn require_gpu_tests() -> bool {
+    std::env::var("MIRAGE_REQUIRE_GPU_TESTS").as_deref() == Ok("1")
+}
+
+/// Split-K attention over a long context (several splits per head), with
+/// the KV cache in f32 and in f16, against the CPU backend with the same
+/// cache type: a prefill of 300 rows, then decode steps past 600.
+#[test]
+fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
+    let Some(gpu) = cuda("attention_long_context_splits_match_cpu_f32_and_f16_cache") else {
+        return;
+    };
+    let cpu = CpuBackend::new(0).unwrap();
+    let mut r = rng(11);
+    let (n_head, n_head_kv, hd) = (8, 2, 128);
+    let p = AttentionParams {
+        n_head,
+        n_head_kv,
+        head_dim: hd,
+        rope_mode: RopeMode::Neox,
+        rope_freq_base: 10000.0,
+        norm_eps: 1e-6,
+    };
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let spec = KvSpec {
+            n_layer: 1,
+            n_head_kv,
+            head_dim: hd,
+            n_ctx: 700,
+            n_seq: 1,
+            dtype,
+        };
+        let (mut cc, mut gc) = (
+            cpu.new_kv_cache(spec).unwrap(),
+            gpu.new_kv_cache(spec).unwrap(),
+        );
+        let mut steps: Vec<Vec<TokenSlot>> =
+            vec![(0..300).map(|pos| TokenSlot { seq: 0, pos }).collect()];
+        // Fill 300..600 in chunks, then decode single rows.
+        for c in 0..3 {
+            steps.push((300 + 100 * c..400 + 100 * c).map(|pos| TokenSlot { seq: 0, pos }).collect());
+        }
+        for pos in [600, 601, 699] {
+            steps.push(vec![TokenSlot { seq: 0, pos }]);
+        }
+        for slots in &steps {
+            let n = slots.len();
+            let q = randn(&mut r, n * n_head * hd);
+            let k = randn(&mut r, n * n_head_kv * hd);
+            let v = randn(&mut r, n * n_head_kv * hd);
+            let mut cq = CpuActivations::from_vec(n, n_head * hd, q.clone()).unwrap();
+            let mut ck = CpuActivations::from_vec(n, n_head_kv * hd, k.clone()).unwrap();
+            let cv = CpuActivations::from_vec(n, n_head_kv * hd, v.clone()).unwrap();
+            let mut gq = gpu.upload_activations(n, n_head * hd, &q).unwrap();
+            let mut gk = gpu.upload_activations(n, n_head_kv * hd, &k).unwrap();
+            let gv = gpu.upload_activations(n, n_head_kv * hd, &v).unwrap();
+            let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
+            cpu.attention(0, &p, &mut cq, &mut ck, &cv, None, slots, &mut cc, &mut co)
+                .unwrap();
+            gpu.attention(0, &p, &mut gq, &mut gk, &gv, None, slots, &mut gc, &mut go)
+                .unwrap();
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            cpu.read(&co, &mut a).unwrap();
+            gpu.read(&go, &mut b).unwrap();
+            let e = rel_err(&b, &a);
+            eprintln!(
+                "long attention {dtype:?} rows {n} from pos {}: rel err {e:.2e}",
+                slots[0].pos
+            );
+            assert!(e < 1e-4, "{dtype:?} rows {n} at {}: attention rel err {e}", slots[0].pos);
+        }
+    }
+}
+
+/// A random llama-shaped model (2 layers, GQA 4/2, head_dim 64, mixed weight
+/// types) written as GGUF in memory.
+fn tiny_model() -> Arc<GgufFile> {
+    use mirage_gguf::{GgufWriter, Metadata, Value};
+    let (d, ff, vocab, n_layer) = (256usize, 512usize, 384usize, 2usize);
+    let (n_head, n_head_kv, hd) = (4usize, 2usize, 64usize);
+    let mut md = Metadata::new();
+    md.insert("general.architecture", Value::String("llama".into()));
+    md.insert("llama.block_count", Value::U32(n_layer as u32));
+    md.insert("llama.context_length", Value::U32(4096));
+    md.insert("llama.embedding_length", Value::U32(d as u32));
+    md.insert("llama.feed_forward_length", Value::U32(ff as u32));
+    md.insert("llama.attention.head_count", Value::U32(n_head as u32));
+    md.insert("llama.attention.head_count_kv", Value::U32(n_head_kv as u32));
+    md.insert("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5));
+    md.insert("llama.rope.freq_base", Value::F32(10000.0));
+    md.insert("llama.vocab_size", Value::U32(vocab as u32));
+    let mut r = rng(21);
+    let mut tensors: Vec<(String, Vec<u64>, GgmlType, Vec<u8>)> = Vec::new();
+    let mut mat = |name: String, ty: GgmlType, rows: usize, cols: usize, scale: f32, r: &mut rand::rngs::StdRng| {
+        let v: Vec<f32> = randn(r, rows * cols).iter().map(|x| x * scale).collect();
+        let m = host_matrix(ty, rows, cols, &v);
+        tensors.push((name, vec![cols as u64, rows as u64], ty, m.data.as_slice().to_vec()));
+    };
+    mat("token_embd.weight".into(), GgmlType::F16, vocab, d, 1.0, &mut r);
+    mat("output.weight".into(), GgmlType::Q6_K, vocab, d, 0.1, &mut r);
+    let (q_dim, kv_dim) = (n_head * hd, n_head_kv * hd);
+    for l in 0..n_layer {
+        let s = 1.0 / (d as f32).sqrt();
+        mat(format!("blk.{l}.attn_q.weight"), GgmlType::Q8_0, q_dim, d, 3.0 * s, &mut r);
+        mat(format!("blk.{l}.attn_k.weight"), GgmlType::Q8_0, kv_dim, d, 3.0 * s, &mut r);
+        mat(format!("blk.{l}.attn_v.weight"), GgmlType::Q4_1, kv_dim, d, s, &mut r);
+        mat(format!("blk.{l}.attn_output.weight"), GgmlType::Q5_K, d, q_dim, s, &mut r);
+        mat(format!("blk.{l}.ffn_gate.weight"), GgmlType::Q4_K, ff, d, s, &mut r);
+        mat(format!("blk.{l}.ffn_up.weight"), GgmlType::Q4_K, ff, d, s, &mut r);
+        mat(format!("blk.{l}.ffn_down.weight"), GgmlType::Q2_K, d, ff, 1.0 / (ff as f32).sqrt(), &mut r);
+    }
+    let mut vecs: Vec<(String, Vec<f32>)> = vec![("output_norm.weight".into(), vec![1.0; d])];
+    for l in 0..n_layer {
+        for nm in ["attn_norm", "ffn_norm"] {
+            let w: Vec<f32> = (0..d).map(|_| 1.0 + 0.2 * r.random_range(-1.0f32..1.0)).collect();
+            vecs.push((format!("blk.{l}.{nm}.weight"), w));
+        }
+    }
+    let mut w = GgufWriter::new(md);
+    for (name, dims, ty, data) in tensors {
+        w.add_tensor(name, dims, ty, data).unwrap();
+    }
+    for (name, v) in vecs {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        w.add_tensor(name, vec![v.len() as u64], GgmlType::F32, bytes).unwrap();
+    }
+    let mut out = Vec::new();
+    w.write_to(&mut out).unwrap();
+    Arc::new(GgufFile::from_bytes(out).unwrap())
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Greedy decode of `steps` tokens after a 20-token prompt, as one sequence
+/// (or, with `batch` 2, two sequences decoded in one batch, the second
+/// starting from another prompt): the logits of every step, concatenated.
+fn greedy_run(model: &Model<CudaBackend>, kv: KvDtype, batch: usize, steps: usize) -> (Vec<f32>, Vec<u32>) {
+    let vocab = model.config().vocab_size;
+    let prompt_len = 20;
+    let mut cache = model.new_kv_cache(prompt_len + steps + 1, batch, kv).unwrap();
+    let mut scratch = model.new_scratch();
+    let mut logits = Vec::new();
+    let mut last = Vec::new();
+    for seq in 0..batch {
+        let prompt: Vec<u32> = (0..prompt_len).map(|i| ((i * 37 + 5 + seq * 101) % vocab) as u32).collect();
+        let slots: Vec<TokenSlot> = (0..prompt_len).map(|pos| TokenSlot { seq, pos }).collect();
+        model
+            .forward(&prompt, &slots, &[prompt_len - 1], &mut cache, &mut scratch, &mut logits)
+            .unwrap();
+        last.push(argmax(&logits));
+    }
+    let (mut all, mut toks) = (Vec::new(), Vec::new());
+    for i in 0..steps {
+        let slots: Vec<TokenSlot> = (0..batch).map(|seq| TokenSlot { seq, pos: prompt_len + i }).collect();
+        let rows: Vec<usize> = (0..batch).collect();
+        model
+            .forward(&last, &slots, &rows, &mut cache, &mut scratch, &mut logits)
+            .unwrap();
+        for (b, t) in last.iter_mut().enumerate() {
+            *t = argmax(&logits[b * vocab..(b + 1) * vocab]);
+            toks.push(*t);
+        }
+        all.extend_from_slice(&logits);
+    }
+    (all, toks)
+}
+
+/// Decode steps replayed as one CUDA graph give the logits of op-by-op
+/// launches (every step, same greedy tokens over 32 steps), at batch 1 and
+/// 2, and the graph is really replayed.
+#[test]
+fn graph_decode_equals_eager_decode() {
+    let Some(gpu) = cuda("graph_decode_equals_eager_decode") else {
+        return;
+    };
+    let model = Model::load(tiny_model(), gpu).unwrap();
+    let vocab = model.config().vocab_size;
+    for batch in [1, 2] {
+        model.backend().set_graphs(false);
+        let (eager, eager_toks) = greedy_run(&model, KvDtype::F32, batch, 32);
+        model.backend().set_graphs(true);
+        let before = model.backend().graph_stats();
+        let (graph, graph_toks) = greedy_run(&model, KvDtype::F32, batch, 32);
+        let after = model.backend().graph_stats();
+        let mut worst = 1.0f64;
+        for (a, b) in eager.chunks(vocab).zip(graph.chunks(vocab)) {
+            worst = worst.min(cosine(a, b));
+        }
+        eprintln!(
+            "batch {batch}: graph vs eager worst step cosine {worst:.9}; captures {}, replays {}; tokens {:?}",
+            after.captures - before.captures,
+            after.replays - before.replays,
+            &graph_toks[..8.min(graph_toks.len())]
+        );
+        assert_eq!(eager_toks, graph_toks, "batch {batch}: greedy tokens differ");
+        assert!(worst >= 0.9999, "batch {batch}: cosine {worst}");
+        assert!(after.replays - before.replays >= 30, "graph not replayed: {before:?} -> {after:?}");
+    }
+}
+
+/// The tiny model on the GPU (split-K attention, graphs) against the CPU
+/// f32-activation reference; the prompt batch through cuBLAS against the
+/// mat-vec path; an f16 KV cache against f32.
+#[test]
+fn tiny_model_prefill_gemm_and_f16_cache_match() {
+    let Some(gpu) = cuda("tiny_model_prefill_gemm_and_f16_cache_match") else {
+        return;
+    };
+    let file = tiny_model();
+    let model = Model::load(file.clone(), gpu).unwrap();
+    let vocab = model.config().vocab_size;
+    let tokens: Vec<u32> = (0..40).map(|i| ((i * 53 + 7) % vocab) as u32).collect();
+    let worst = |a: &[f32], b: &[f32]| {
+        a.chunks(vocab)
+            .zip(b.chunks(vocab))
+            .map(|(x, y)| cosine(x, y))
+            .fold(1.0f64, f64::min)
+    };
+    let cpu = Model::load(file.clone(), CpuBackend::new_f32_activations(0).unwrap()).unwrap();
+    let reference = cpu.logits_all(&tokens, KvDtype::F32).unwrap();
+    model.backend().set_prefill_gemm(false);
+    let matvec = model.logits_all(&tokens, KvDtype::F32).unwrap();
+    let c = worst(&matvec, &reference);
+    eprintln!("tiny model cuda mat-vec vs cpu f32-act: worst position cosine {c:.7}");
+    assert!(c >= 0.9999, "cuda vs cpu cosine {c}");
+    if model.backend().set_prefill_gemm(true) {
+        let gemm = model.logits_all(&tokens, KvDtype::F32).unwrap();
+        let c = worst(&gemm, &matvec);
+        eprintln!("tiny model prefill cuBLAS f16 GEMM vs mat-vec: worst position cosine {c:.7}");
+        assert!(c >= 0.9999, "gemm vs matvec cosine {c}");
+    } else if require_gpu_tests() {
+        panic!("cuBLAS did not load, so the prefill GEMM path was not tested");
+    } else {
+        eprintln!("prefill GEMM part skipped: cuBLAS did not load");
+    }
+    let f16 = model.logits_all(&tokens, KvDtype::F16).unwrap();
+    let f32 = model.logits_all(&tokens, KvDtype::F32).unwrap();
+    let c = worst(&f16, &f32);
+    eprintln!("tiny model f16 KV vs f32 KV: worst position cosine {c:.7}");
+    assert!(c >= 0.999, "f16 cache cosine {c}");
+    let cpu16 = cpu.logits_all(&tokens, KvDtype::F16).unwrap();
+    let c = worst(&f16, &cpu16);
+    eprintln!("tiny model f16 KV cuda vs cpu f16 KV: worst position cosine {c:.7}");
+    assert!(c >= 0.9999, "f16 cache cuda vs cpu cosine {c}");
+}
+
+/// The in-memory fixture of the GPU model tests is a valid model (runs
+/// everywhere, so a broken fixture shows up without a GPU).
+#[test]
+fn tiny_model_fixture_runs_on_cpu() {
+    let model = Model::load(tiny_model(), CpuBackend::new(1).unwrap()).unwrap();
+    let logits = model.logits_all(&[1, 2, 3, 4], KvDtype::F32).unwrap();
+    assert_eq!(logits.len(), 4 * model.config().vocab_size);
+    assert!(logits.iter().all(|v| v.is_finite()));
+    let spread = logits.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    assert!(spread > 1e-3, "logits all ~0: the fixture's weights are degenerate");
+}

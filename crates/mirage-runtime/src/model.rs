@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use mirage_gguf::{quant, Arch, GgmlType, GgufFile, ModelHparams};
 
-use crate::backend::{AttentionParams, Backend, ByteOwner, HostMatrix, QkNorm, SharedBytes, TokenSlot};
+use crate::backend::{AttentionParams, Backend, ByteOwner, HostMatrix, QkNorm, SharedBytes, StepInputs, TokenSlot};
 use crate::error::{Result, RuntimeError};
 use crate::kv_cache::{KvDtype, KvSpec};
 use crate::ops::RopeMode;
@@ -328,6 +328,34 @@ impl<B: Backend> Model<B> {
         cache: &mut B::KvCache,
         s: &mut Scratch<B>,
         logits: &mut Vec<f32>,
+        observer: Option<FfnInputObserver<'_>>,
+    ) -> Result<()> {
+        logits.clear();
+        match observer {
+            // The observer reads activations in the middle of the pass, so
+            // the pass cannot be recorded as one unit.
+            Some(obs) => self.pass(tokens, slots, logits_rows, cache, s, Some(obs))?,
+            None => {
+                let inputs = StepInputs { tokens, slots, logits_rows };
+                self.backend.step(&inputs, || self.pass(tokens, slots, logits_rows, cache, s, None))?
+            }
+        }
+        if !logits_rows.is_empty() {
+            self.backend.read(&s.logits, logits)?;
+        }
+        Ok(())
+    }
+
+    /// Every op of a forward pass up to the lm head (its output stays in
+    /// `s.logits`).
+    #[allow(clippy::too_many_arguments)]
+    fn pass(
+        &self,
+        tokens: &[u32],
+        slots: &[TokenSlot],
+        logits_rows: &[usize],
+        cache: &mut B::KvCache,
+        s: &mut Scratch<B>,
         mut observer: Option<FfnInputObserver<'_>>,
     ) -> Result<()> {
         let mut observed = Vec::new();
@@ -355,14 +383,12 @@ impl<B: Backend> Model<B> {
             b.ffn(&layer.ffn, &s.xn, &mut s.proj)?;
             b.add(&mut s.x, &s.proj)?;
         }
-        logits.clear();
         if logits_rows.is_empty() {
             return Ok(());
         }
         b.select_rows(&s.x, logits_rows, &mut s.picked)?;
         b.rms_norm(&s.picked, &self.output_norm, c.rms_norm_eps, &mut s.xn)?;
         b.matmul(self.output.as_ref().unwrap_or(&self.tok_embd), &s.xn, &mut s.logits)?;
-        b.read(&s.logits, logits)?;
         Ok(())
     }
 }

@@ -40,6 +40,17 @@ pub struct BenchArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// KV cache element type: `f32` or `f16`.
+    #[arg(long, default_value = "f32")]
+    pub kv: String,
+    /// CUDA: record decode steps as CUDA graphs (`on`) or launch op by op
+    /// (`off`).
+    #[arg(long, default_value = "on")]
+    pub cuda_graphs: String,
+    /// CUDA: multiply prompt batches through cuBLAS on tensor cores (`on`)
+    /// or with the mat-vec kernel (`off`).
+    #[arg(long, default_value = "on")]
+    pub cuda_gemm: String,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -65,7 +76,21 @@ struct BenchReport {
     kv_cache_bytes: Option<usize>,
     workspace_bytes: Option<usize>,
     device_used_bytes: Option<usize>,
+    kv_dtype: String,
+    cuda_graphs: Option<bool>,
+    cuda_gemm: Option<bool>,
+    graph_captures: Option<u64>,
+    graph_replays: Option<u64>,
+    eager_steps: Option<u64>,
     first_tokens: Vec<u32>,
+}
+
+fn on_off(what: &str, v: &str) -> anyhow::Result<bool> {
+    match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => bail!("--{what} takes `on` or `off`, not `{other}`"),
+    }
 }
 
 /// Runs `mirage-cli bench`.
@@ -75,13 +100,20 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
     );
     let weight_bytes = weight_bytes_per_token(&file);
+    let kv = match args.kv.as_str() {
+        "f32" => KvDtype::F32,
+        "f16" => KvDtype::F16,
+        other => bail!("--kv takes `f32` or `f16`, not `{other}`"),
+    };
+    let graphs = on_off("cuda-graphs", &args.cuda_graphs)?;
+    let gemm = on_off("cuda-gemm", &args.cuda_gemm)?;
     let report = match args.backend.as_str() {
         "cpu" => {
             let backend = CpuBackend::new(args.threads)?;
             let device = format!("cpu ({} threads)", backend.threads());
             let copy = host_copy_bandwidth(256 << 20, 5);
             let model = Model::load(file.clone(), backend)?;
-            let mut r = measure(&model, &args, weight_bytes, copy, device)?;
+            let mut r = measure(&model, &args, kv, weight_bytes, copy, device)?;
             r.backend = "cpu".into();
             r
         }
@@ -94,12 +126,20 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 backend.compute_capability().0,
                 backend.compute_capability().1
             );
+            backend.set_graphs(graphs);
+            let gemm_on = backend.set_prefill_gemm(gemm);
             let (free0, _) = backend.device_memory()?;
             let copy = backend.copy_bandwidth(1 << 30, 10)?;
             let model = Model::load(file.clone(), backend)?;
-            let mut r = measure(&model, &args, weight_bytes, copy, device)?;
+            let mut r = measure(&model, &args, kv, weight_bytes, copy, device)?;
             let b = model.backend();
             let m = b.memory_stats();
+            let g = b.graph_stats();
+            r.cuda_graphs = Some(b.graphs());
+            r.cuda_gemm = Some(gemm_on);
+            r.graph_captures = Some(g.captures);
+            r.graph_replays = Some(g.replays);
+            r.eager_steps = Some(g.eager);
             let (free1, _) = b.device_memory()?;
             r.backend = "cuda".into();
             r.peak_device_bytes = Some(m.peak);
@@ -162,6 +202,7 @@ fn argmax(v: &[f32]) -> u32 {
 fn measure<B: Backend>(
     model: &Model<B>,
     args: &BenchArgs,
+    kv: KvDtype,
     weight_bytes: u64,
     copy_bytes_s: f64,
     device: String,
@@ -183,7 +224,7 @@ fn measure<B: Backend>(
     let mut scratch = model.new_scratch();
     // Warm-up: a short prefill and two decode steps in a throw-away cache.
     {
-        let mut cache = model.new_kv_cache(16, 1, KvDtype::F32)?;
+        let mut cache = model.new_kv_cache(16, 1, kv)?;
         let slots: Vec<TokenSlot> = (0..8).map(|pos| TokenSlot { seq: 0, pos }).collect();
         model.forward(
             &prompt[..8.min(n_prompt)],
@@ -204,7 +245,7 @@ fn measure<B: Backend>(
             )?;
         }
     }
-    let mut cache = model.new_kv_cache(n_ctx, 1, KvDtype::F32)?;
+    let mut cache = model.new_kv_cache(n_ctx, 1, kv)?;
     let slots: Vec<TokenSlot> = (0..n_prompt).map(|pos| TokenSlot { seq: 0, pos }).collect();
     let t = Instant::now();
     // `forward` reads the logits back, so the clock stops after the device is done.
@@ -266,6 +307,12 @@ fn measure<B: Backend>(
         kv_cache_bytes: None,
         workspace_bytes: None,
         device_used_bytes: None,
+        kv_dtype: args.kv.clone(),
+        cuda_graphs: None,
+        cuda_gemm: None,
+        graph_captures: None,
+        graph_replays: None,
+        eager_steps: None,
         first_tokens,
     })
 }
@@ -304,5 +351,16 @@ fn print_table(r: &BenchReport) {
         mib(r.workspace_bytes),
         mib(r.device_used_bytes)
     );
+    println!("kv cache         {}", r.kv_dtype);
+    if let (Some(gr), Some(gm)) = (r.cuda_graphs, r.cuda_gemm) {
+        println!(
+            "cuda             graphs {} ({} captured, {} replayed, {} op by op), prefill GEMM {}",
+            if gr { "on" } else { "off" },
+            r.graph_captures.unwrap_or(0),
+            r.graph_replays.unwrap_or(0),
+            r.eager_steps.unwrap_or(0),
+            if gm { "on (cuBLAS)" } else { "off (mat-vec)" }
+        );
+    }
     println!("first tokens     {:?}", r.first_tokens);
 }

@@ -21,6 +21,10 @@
 //!
 //! The trait is deliberately small: ops that a device fuses anyway (q/k norm,
 //! RoPE, the KV-cache write and the attention itself) are one call.
+//! [`Backend::step`] brackets the ops of one forward pass with its per-row
+//! inputs ([`StepInputs`]), so that a GPU backend can copy them to the device
+//! once and replay a recorded pass (a CUDA graph) instead of launching every
+//! op; the CPU backend keeps the default, which just runs the ops.
 
 pub mod cpu;
 
@@ -38,6 +42,17 @@ pub struct TokenSlot {
     pub seq: usize,
     /// Position in that sequence (0-based).
     pub pos: usize,
+}
+
+/// The per-row inputs of one forward pass (see [`Backend::step`]).
+#[derive(Debug, Clone, Copy)]
+pub struct StepInputs<'a> {
+    /// Token id of each row.
+    pub tokens: &'a [u32],
+    /// Sequence slot and position of each row.
+    pub slots: &'a [TokenSlot],
+    /// Rows whose logits the pass computes, in order.
+    pub logits_rows: &'a [usize],
 }
 
 /// Something that owns bytes that stay put while it is alive (a memory map,
@@ -160,6 +175,23 @@ pub trait Backend: Send + Sync {
         Self: Sized,
     {
         f()
+    }
+
+    /// Runs `pass`: the ops of one forward pass over the batch `inputs`
+    /// (embedding to lm head, not the final [`Backend::read`]). Inside it,
+    /// [`Backend::embed`], [`Backend::attention`] and [`Backend::select_rows`]
+    /// receive exactly `inputs.tokens`, `inputs.slots` and
+    /// `inputs.logits_rows`. A backend may copy these to the device once
+    /// before the ops run and record the ops' launches, replaying a recorded
+    /// pass when a later one launches the same work with other inputs (CUDA
+    /// graphs: a decode step then costs one launch). The default just runs
+    /// `pass`.
+    fn step<R>(&self, inputs: &StepInputs<'_>, pass: impl FnOnce() -> Result<R>) -> Result<R>
+    where
+        Self: Sized,
+    {
+        let _ = inputs;
+        pass()
     }
 
     /// Uploads a weight matrix once, keeping its quantization.
