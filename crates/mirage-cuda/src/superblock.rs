@@ -295,7 +295,11 @@ mod device {
             let max_dynamic_smem = ctx
                 .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
                 .map_err(drv)?
-                .max(48 * 1024) as usize;
+                .max(48 * 1024) as usize
+                // The attribute below caps dynamic shared memory at the opt-in
+                // maximum minus the kernel's static shared memory (4 KiB for
+                // the FFN's reduction tile): keep 8 KiB aside for it.
+                - 8 * 1024;
             let dev = SparseDevice {
                 matvec_nvfp4: load("matvec_nvfp4")?,
                 matvec_q8s: load("matvec_q8s")?,
