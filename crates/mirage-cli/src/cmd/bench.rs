@@ -222,19 +222,22 @@ fn measure<B: Backend>(
     let n_ctx = n_prompt + args.gen + 1;
     let mut logits = Vec::new();
     let mut scratch = model.new_scratch();
-    // Warm-up: a short prefill and two decode steps in a throw-away cache.
+    // Warm-up in a throw-away cache: a prefill of 32 rows (large enough to
+    // take the CUDA backend's GEMM path, so cuBLAS's one-time set-up is not
+    // timed) and two decode steps.
     {
-        let mut cache = model.new_kv_cache(16, 1, kv)?;
-        let slots: Vec<TokenSlot> = (0..8).map(|pos| TokenSlot { seq: 0, pos }).collect();
+        let n_warm = 32.min(n_prompt);
+        let mut cache = model.new_kv_cache(n_warm + 2, 1, kv)?;
+        let slots: Vec<TokenSlot> = (0..n_warm).map(|pos| TokenSlot { seq: 0, pos }).collect();
         model.forward(
-            &prompt[..8.min(n_prompt)],
-            &slots[..8.min(n_prompt)],
-            &[0],
+            &prompt[..n_warm],
+            &slots,
+            &[n_warm - 1],
             &mut cache,
             &mut scratch,
             &mut logits,
         )?;
-        for pos in 8..10 {
+        for pos in n_warm..n_warm + 2 {
             model.forward(
                 &[prompt[0]],
                 &[TokenSlot { seq: 0, pos }],
