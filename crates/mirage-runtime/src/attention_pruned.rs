@@ -54,11 +54,12 @@ pub fn attend_pages(view: &KvHeadView<'_>, page: usize, pages: &[usize], n: usiz
     let mut m = 0;
     match view {
         KvHeadView::F32 { k, .. } => {
+            // The same score kernel as full attention, per page span (a
+            // key's score does not depend on the span it comes in).
             for span in spans() {
-                for j in span {
-                    scores[m] = ops::dot_f32(q, &k[j * d..(j + 1) * d]) * scale;
-                    m += 1;
-                }
+                let len = span.len();
+                ops::attention_scores(q, &k[span.start * d..span.end * d], len, scale, &mut scores[m..m + len]);
+                m += len;
             }
         }
         KvHeadView::F16 { k, .. } => {
@@ -75,12 +76,18 @@ pub fn attend_pages(view: &KvHeadView<'_>, page: usize, pages: &[usize], n: usiz
     out.fill(0.0);
     let mut m = 0;
     for span in spans() {
-        for j in span {
-            let p = scores[m];
-            m += 1;
-            match view {
-                KvHeadView::F32 { v, .. } => ops::axpy(p, &v[j * d..(j + 1) * d], out),
-                KvHeadView::F16 { v, .. } => {
+        match view {
+            // As full attention's weighted sum (keys added in order), so
+            // every page selected reproduces it bit for bit.
+            KvHeadView::F32 { v, .. } => {
+                let len = span.len();
+                ops::attention_weighted_sum(&scores[m..m + len], &v[span.start * d..span.end * d], len, out);
+                m += len;
+            }
+            KvHeadView::F16 { v, .. } => {
+                for j in span {
+                    let p = scores[m];
+                    m += 1;
                     for (o, x) in out.iter_mut().zip(&v[j * d..(j + 1) * d]) {
                         *o += p * x.to_f32();
                     }

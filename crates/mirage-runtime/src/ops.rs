@@ -152,31 +152,17 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 /// Attention of one query head over `n` cached positions stored row-major
 /// (`keys[j*d..(j+1)*d]`). `scores` needs `n` elements; `out` gets `d`.
 ///
-/// With AVX2+FMA and `d` a multiple of 8 it runs [`attend_avx2`] (the
-/// default build targets baseline x86-64, where the portable loops compile
-/// to scalar code), else the portable loops; the two agree to float
-/// rounding. Prefill and decode both come here, so a prompt fed at once and
-/// the same prompt fed token by token attend identically.
+/// [`attention_scores`], softmax, then [`attention_weighted_sum`] into a
+/// zeroed `out`. Prefill and decode both come here, so a prompt fed at once
+/// and the same prompt fed token by token attend identically.
 pub fn attend_f32(q: &[f32], keys: &[f32], values: &[f32], n: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let d = q.len();
-        if d % 8 == 0
-            && keys.len() >= n * d
-            && values.len() >= n * d
-            && scores.len() >= n
-            && out.len() >= d
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU has AVX2+FMA; lengths checked above.
-            return unsafe { attend_avx2(q, keys, values, n, scale, scores, out) };
-        }
-    }
-    attend_f32_portable(q, keys, values, n, scale, scores, out)
+    attention_scores(q, keys, n, scale, scores);
+    softmax_in_place(&mut scores[..n]);
+    out.fill(0.0);
+    attention_weighted_sum(&scores[..n], values, n, out);
 }
 
-/// [`attend_f32`] in portable loops (the reference for the SIMD one).
+/// [`attend_f32`] in portable loops only (the reference for the SIMD one).
 pub fn attend_f32_portable(q: &[f32], keys: &[f32], values: &[f32], n: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
     let d = q.len();
     for j in 0..n {
@@ -189,29 +175,84 @@ pub fn attend_f32_portable(q: &[f32], keys: &[f32], values: &[f32], n: usize, sc
     }
 }
 
-/// AVX2+FMA attention for `d % 8 == 0`: scores of 8 keys at a time (8
-/// independent FMA chains, reduced together by `hadd` into one vector of 8
-/// scores), and the weighted value sum with the output kept in registers,
-/// 64 dimensions at a time, across all keys.
+/// Whether the AVX2+FMA attention pieces run for head size `d` (the
+/// default build targets baseline x86-64, where the portable loops compile
+/// to scalar code).
+#[inline]
+fn simd_attention(d: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        d % 8 == 0 && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = d;
+        false
+    }
+}
+
+/// `scores[j] = (q · keys_j) * scale` for `j < n` (`d = q.len()`). Each
+/// score depends only on its own key, never on `n` or on which keys share
+/// a SIMD step, so any split of the keys into calls gives the same scores.
+pub fn attention_scores(q: &[f32], keys: &[f32], n: usize, scale: f32, scores: &mut [f32]) {
+    let d = q.len();
+    assert!(keys.len() >= n * d && scores.len() >= n, "attention_scores: short buffers");
+    #[cfg(target_arch = "x86_64")]
+    if simd_attention(d) {
+        // SAFETY: AVX2+FMA present, d % 8 == 0, lengths asserted above.
+        return unsafe { scores_avx2(q, keys, n, scale, scores) };
+    }
+    for j in 0..n {
+        scores[j] = dot_f32(q, &keys[j * d..(j + 1) * d]) * scale;
+    }
+}
+
+/// `out += sum_j p[j] * values_j` for `j < n` (`d = out.len()`), adding the
+/// keys in order: a split of the keys into consecutive calls gives the
+/// same result as one call.
+pub fn attention_weighted_sum(p: &[f32], values: &[f32], n: usize, out: &mut [f32]) {
+    let d = out.len();
+    assert!(values.len() >= n * d && p.len() >= n, "attention_weighted_sum: short buffers");
+    #[cfg(target_arch = "x86_64")]
+    if simd_attention(d) {
+        // SAFETY: AVX2+FMA present, d % 8 == 0, lengths asserted above.
+        return unsafe { weighted_sum_avx2(p, values, n, out) };
+    }
+    for j in 0..n {
+        axpy(p[j], &values[j * d..(j + 1) * d], out);
+    }
+}
+
+/// Scores of 8 keys at a time: 8 independent FMA chains over the head,
+/// reduced together by `hadd` into one vector of 8 scores. A last partial
+/// group runs the same code with zero accumulators for the missing keys, so
+/// every key's reduction tree is the same.
 ///
 /// # Safety
-/// AVX2 and FMA are present; `d = q.len()` is a multiple of 8; `keys` and
-/// `values` hold `n * d`, `scores` `n`, `out` `d` values.
+/// AVX2 and FMA are present; `d = q.len()` is a multiple of 8; `keys` holds
+/// `n * d` values and `scores` `n`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2(q: &[f32], keys: &[f32], values: &[f32], n: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+unsafe fn scores_avx2(q: &[f32], keys: &[f32], n: usize, scale: f32, scores: &mut [f32]) {
     use std::arch::x86_64::*;
     let d = q.len();
-    let (qp, kp, vp, sp) = (q.as_ptr(), keys.as_ptr(), values.as_ptr(), scores.as_mut_ptr());
+    let (qp, kp) = (q.as_ptr(), keys.as_ptr());
     let vscale = _mm256_set1_ps(scale);
     let mut j = 0;
-    while j + 8 <= n {
+    while j < n {
+        let m = (n - j).min(8);
         let mut acc = [_mm256_setzero_ps(); 8];
         let mut c = 0;
         while c < d {
             let qc = _mm256_loadu_ps(qp.add(c));
-            for (key, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kp.add((j + key) * d + c)), *a);
+            if m == 8 {
+                for (key, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kp.add((j + key) * d + c)), *a);
+                }
+            } else {
+                for (key, a) in acc.iter_mut().enumerate().take(m) {
+                    *a = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kp.add((j + key) * d + c)), *a);
+                }
             }
             c += 8;
         }
@@ -225,38 +266,43 @@ unsafe fn attend_avx2(q: &[f32], keys: &[f32], values: &[f32], n: usize, scale: 
             _mm256_permute2f128_ps(h0123, h4567, 0x20),
             _mm256_permute2f128_ps(h0123, h4567, 0x31),
         );
-        _mm256_storeu_ps(sp.add(j), _mm256_mul_ps(sums, vscale));
-        j += 8;
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_mul_ps(sums, vscale));
+        scores[j..j + m].copy_from_slice(&lanes[..m]);
+        j += m;
     }
-    while j < n {
-        let mut acc = _mm256_setzero_ps();
-        let mut c = 0;
-        while c < d {
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(kp.add(j * d + c)), acc);
-            c += 8;
-        }
-        let s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        *sp.add(j) = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))) * scale;
-        j += 1;
-    }
-    softmax_in_place(&mut scores[..n]);
-    let op = out.as_mut_ptr();
+}
+
+/// The weighted value sum with the output held in registers, 64
+/// dimensions at a time, across all keys (one FMA per key and 8 dims).
+///
+/// # Safety
+/// AVX2 and FMA are present; `d = out.len()` is a multiple of 8; `values`
+/// holds `n * d` values and `p` `n`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_sum_avx2(p: &[f32], values: &[f32], n: usize, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let d = out.len();
+    let (vp, op) = (values.as_ptr(), out.as_mut_ptr());
     let mut b = 0;
     while b < d {
         let w = ((d - b) / 8).min(8);
         let mut acc = [_mm256_setzero_ps(); 8];
+        for (i, a) in acc.iter_mut().enumerate().take(w) {
+            *a = _mm256_loadu_ps(op.add(b + 8 * i));
+        }
         if w == 8 {
-            for j in 0..n {
-                let s = _mm256_set1_ps(*sp.add(j));
+            for (j, &pj) in p.iter().enumerate().take(n) {
+                let s = _mm256_set1_ps(pj);
                 let v = vp.add(j * d + b);
                 for (i, a) in acc.iter_mut().enumerate() {
                     *a = _mm256_fmadd_ps(s, _mm256_loadu_ps(v.add(8 * i)), *a);
                 }
             }
         } else {
-            for j in 0..n {
-                let s = _mm256_set1_ps(*sp.add(j));
+            for (j, &pj) in p.iter().enumerate().take(n) {
+                let s = _mm256_set1_ps(pj);
                 let v = vp.add(j * d + b);
                 for (i, a) in acc.iter_mut().enumerate().take(w) {
                     *a = _mm256_fmadd_ps(s, _mm256_loadu_ps(v.add(8 * i)), *a);
@@ -295,6 +341,17 @@ mod tests {
                 for i in 0..d {
                     assert!((o1[i] - o2[i]).abs() <= 1e-5, "d={d} n={n} dim {i}: {} vs {}", o1[i], o2[i]);
                 }
+                // Split into two calls (as the KV-page path does): the
+                // same scores and output bit for bit.
+                let cut = n / 3;
+                let (mut s3, mut o3) = (vec![0f32; n], vec![0f32; d]);
+                attention_scores(&q, &k[..cut * d], cut, 0.3, &mut s3[..cut]);
+                attention_scores(&q, &k[cut * d..], n - cut, 0.3, &mut s3[cut..]);
+                softmax_in_place(&mut s3);
+                attention_weighted_sum(&s3[..cut], &v[..cut * d], cut, &mut o3);
+                attention_weighted_sum(&s3[cut..], &v[cut * d..], n - cut, &mut o3);
+                assert_eq!(s3, s1, "d={d} n={n}: split scores");
+                assert_eq!(o3, o1, "d={d} n={n}: split output");
             }
         }
     }
