@@ -105,11 +105,9 @@ struct Planned {
 /// The type a weight matrix with rows of `row` values gets: `quant`, or
 /// llama.cpp's fallback when the row is not a whole number of its blocks.
 fn weight_type(quant: GgmlType, row: usize) -> GgmlType {
-    if row % quant.block_size() == 0 {
-        return quant;
-    }
-    match quant {
-        GgmlType::Q4_K => GgmlType::Q5_0,
+    match (row % quant.block_size(), quant) {
+        (0, _) => quant,
+        (_, GgmlType::Q4_K) => GgmlType::Q5_0,
         _ => GgmlType::Q4_0,
     }
 }

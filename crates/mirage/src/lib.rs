@@ -162,7 +162,7 @@ pub enum LoadError {
     CudaNotBuilt,
     /// The CUDA backend is built but could not start (no driver, no device, ...).
     #[error("backend `cuda`: no usable GPU: {0}")]
-    CudaUnavailable(mirage_cuda::CudaError),
+    CudaUnavailable(Box<mirage_cuda::CudaError>),
     /// An artifact was asked for on a backend that cannot run it.
     #[error(
         "artifact {artifact} needs the CPU superblock backend, but backend `{backend}` was asked for \
@@ -182,7 +182,7 @@ pub enum LoadError {
         /// The artifact file.
         path: PathBuf,
         /// What is wrong.
-        error: mirage_artifact::ArtifactError,
+        error: Box<mirage_artifact::ArtifactError>,
     },
     /// The artifact was built from another model.
     #[error("artifact {artifact} does not belong to model {model}: {error}")]
@@ -192,7 +192,7 @@ pub enum LoadError {
         /// The model file.
         model: PathBuf,
         /// The hashes.
-        error: mirage_artifact::ArtifactError,
+        error: Box<mirage_artifact::ArtifactError>,
     },
     /// The model file could not be opened or parsed.
     #[error("model {path}: {error}")]
@@ -200,7 +200,7 @@ pub enum LoadError {
         /// The model file.
         path: PathBuf,
         /// What is wrong.
-        error: mirage_gguf::GgufError,
+        error: Box<mirage_gguf::GgufError>,
     },
     /// Building the engine failed (unsupported architecture, device memory, ...).
     #[error("loading {path} on backend {backend}: {error}")]
@@ -210,7 +210,7 @@ pub enum LoadError {
         /// The backend's name.
         backend: String,
         /// What failed.
-        error: RuntimeError,
+        error: Box<RuntimeError>,
     },
 }
 
@@ -235,14 +235,14 @@ pub trait WithEngine {
 /// model is loaded.
 enum Resolved {
     Cpu,
-    Cuda(mirage_cuda::CudaBackend),
+    Cuda(Box<mirage_cuda::CudaBackend>),
 }
 
 fn start_cuda(device: usize) -> Result<mirage_cuda::CudaBackend, LoadError> {
     if !COMPILED_WITH_CUDA {
         return Err(LoadError::CudaNotBuilt);
     }
-    mirage_cuda::CudaBackend::new(device).map_err(LoadError::CudaUnavailable)
+    mirage_cuda::CudaBackend::new(device).map_err(|e| LoadError::CudaUnavailable(Box::new(e)))
 }
 
 fn resolve(
@@ -256,7 +256,7 @@ fn resolve(
             artifact: a.to_path_buf(),
             backend: BackendChoice::Cuda,
         }),
-        (BackendChoice::Cuda, None) => start_cuda(device).map(Resolved::Cuda),
+        (BackendChoice::Cuda, None) => start_cuda(device).map(|b| Resolved::Cuda(Box::new(b))),
         (BackendChoice::Auto, Some(a)) => {
             tracing::info!(backend = "cpu", artifact = %a.display(), "backend auto: cpu (the artifact's superblock backend runs on the CPU)");
             Ok(Resolved::Cpu)
@@ -268,7 +268,7 @@ fn resolve(
                     device = b.device_name(),
                     "backend auto: cuda"
                 );
-                Ok(Resolved::Cuda(b))
+                Ok(Resolved::Cuda(Box::new(b)))
             }
             Err(e) => {
                 tracing::info!(backend = "cpu", reason = %e, "backend auto: cpu");
@@ -291,7 +291,7 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
         move |error| LoadError::Engine {
             path,
             backend,
-            error,
+            error: Box::new(error),
         }
     };
     let resolved = resolve(
@@ -304,7 +304,7 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
             .map(Arc::new)
             .map_err(|error| LoadError::Model {
                 path: spec.model.clone(),
-                error,
+                error: Box::new(error),
             })
     };
     match (resolved, &spec.artifact) {
@@ -315,7 +315,7 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
             Ok(visitor.run(engine))
         }
         (Resolved::Cuda(backend), None) => {
-            let engine = Engine::from_file(open_model()?, backend, spec.options.clone())
+            let engine = Engine::from_file(open_model()?, *backend, spec.options.clone())
                 .map_err(engine_err("cuda"))?;
             Ok(visitor.run(engine))
         }
@@ -323,7 +323,7 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
             use mirage_artifact::{Artifact, SuperblockBackend};
             let artifact = Artifact::open(&a.path).map_err(|error| LoadError::Artifact {
                 path: a.path.clone(),
-                error,
+                error: Box::new(error),
             })?;
             let file = open_model()?;
             artifact
@@ -331,7 +331,7 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
                 .map_err(|error| LoadError::ArtifactMismatch {
                     artifact: a.path.clone(),
                     model: spec.model.clone(),
-                    error,
+                    error: Box::new(error),
                 })?;
             let mode = a.mode.unwrap_or(SparseMode::Bvh {
                 margin: artifact.meta().default_margin,
@@ -341,7 +341,7 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
             let backend = SuperblockBackend::new(cpu, artifact, mode).map_err(|error| {
                 LoadError::Artifact {
                     path: a.path.clone(),
-                    error,
+                    error: Box::new(error),
                 }
             })?;
             let engine = Engine::from_file(file, backend, spec.options.clone())
