@@ -476,7 +476,10 @@ mod device {
         /// A device list of active pages holding `ids` (at most `capacity`).
         pub fn new_active(&self, ids: &[u32], capacity: usize) -> Result<ActivePages, SparseError> {
             let mut a = ActivePages {
-                ids: self.stream.alloc_zeros::<u32>(capacity.max(1)).map_err(drv)?,
+                ids: self
+                    .stream
+                    .alloc_zeros::<u32>(capacity.max(1))
+                    .map_err(drv)?,
                 count: self.stream.alloc_zeros::<i32>(1).map_err(drv)?,
                 capacity,
             };
@@ -535,15 +538,20 @@ mod device {
             let grid = pages.grid;
             let n_chunks = d.div_ceil(128);
             let parts = (grid as usize / n_chunks).max(1);
-            let grow_f32 = |slot: &mut Option<CudaSlice<f32>>, n: usize| -> Result<(), SparseError> {
-                if slot.as_ref().is_none_or(|s| s.len() < n) {
-                    *slot = Some(self.stream.alloc_zeros::<f32>(n).map_err(drv)?);
-                }
-                Ok(())
-            };
+            let grow_f32 =
+                |slot: &mut Option<CudaSlice<f32>>, n: usize| -> Result<(), SparseError> {
+                    if slot.as_ref().is_none_or(|s| s.len() < n) {
+                        *slot = Some(self.stream.alloc_zeros::<f32>(n).map_err(drv)?);
+                    }
+                    Ok(())
+                };
             grow_f32(&mut scratch.hbuf, active.capacity.max(1) * PAGE_CHANNELS)?;
             grow_f32(&mut scratch.partials, parts * d)?;
-            if scratch.counters.as_ref().is_none_or(|s| s.len() < 2 + n_chunks) {
+            if scratch
+                .counters
+                .as_ref()
+                .is_none_or(|s| s.len() < 2 + n_chunks)
+            {
                 scratch.counters = Some(self.stream.alloc_zeros::<u32>(2 + n_chunks).map_err(drv)?);
             }
             let ph = scratch.hbuf.as_ref().map_or(0, |p| self.ptr(p));
@@ -596,6 +604,7 @@ mod device {
         }
 
         /// Launches `matvec_nvfp4` (see [`crate::nvfp4`]).
+        #[allow(clippy::too_many_arguments)]
         pub(crate) fn launch_matvec_nvfp4(
             &self,
             packed: u64,
@@ -628,5 +637,4 @@ mod device {
             Ok(())
         }
     }
-
 }

@@ -2,6 +2,8 @@
 //! superblock FFN) against f64 references computed here on the dequantized
 //! weights. Without a GPU each device test prints why it skips and passes;
 //! with MIRAGE_REQUIRE_GPU_TESTS=1 a missing GPU fails them.
+// The f64 references serve only the device tests.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use mirage_cuda::superblock::{split_q8_0_page, PAGE_CHANNELS};
 use mirage_gguf::{quant, GgmlType};
@@ -12,7 +14,9 @@ fn rng(seed: u64) -> rand::rngs::StdRng {
 }
 
 fn uniform(r: &mut impl Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| r.random_range(-1.0f32..1.0) * scale).collect()
+    (0..n)
+        .map(|_| r.random_range(-1.0f32..1.0) * scale)
+        .collect()
 }
 
 fn q8_rows(values: &[f32], cols: usize) -> Vec<u8> {
@@ -57,7 +61,12 @@ fn paged_ffn(r: &mut impl Rng, d: usize, n_pages: usize) -> PagedFfn {
     let pages = (0..n_pages)
         .map(|p| {
             let span = p * PAGE_CHANNELS * rb..(p + 1) * PAGE_CHANNELS * rb;
-            [&mats[0][span.clone()], &mats[1][span.clone()], &mats[2][span]].concat()
+            [
+                &mats[0][span.clone()],
+                &mats[1][span.clone()],
+                &mats[2][span],
+            ]
+            .concat()
         })
         .collect();
     PagedFfn {
@@ -95,7 +104,11 @@ fn reference_ffn(f: &PagedFfn, x: &[f32], pages: &[usize]) -> Vec<f64> {
 fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
     assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
-    let num: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - b).powi(2)).sum();
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f64 - b).powi(2))
+        .sum();
     let den: f64 = want.iter().map(|b| b.powi(2)).sum();
     (num / den.max(1e-300)).sqrt()
 }
@@ -151,7 +164,9 @@ mod gpu {
                 eprintln!("{test}: skipped, no CUDA device here: {e}");
                 None
             }
-            Err(e) => panic!("{test}: CUDA device expected but the sparse kernels failed to start: {e}"),
+            Err(e) => {
+                panic!("{test}: CUDA device expected but the sparse kernels failed to start: {e}")
+            }
         }
     }
 
@@ -163,7 +178,13 @@ mod gpu {
         let mut r = rng(21);
         // Odd row counts (partial row groups and blocks), column counts that
         // are not multiples of the 256-element warp chunk.
-        for &(rows, cols) in &[(1usize, 16usize), (7, 48), (33, 272), (130, 4112), (517, 3584)] {
+        for &(rows, cols) in &[
+            (1usize, 16usize),
+            (7, 48),
+            (33, 272),
+            (130, 4112),
+            (517, 3584),
+        ] {
             let mut values = uniform(&mut r, rows * cols, 1.0);
             // A wide dynamic range across blocks exercises the E4M3 scales
             // (subnormal ones included).
@@ -174,7 +195,11 @@ mod gpu {
             let w = t.dequantize().unwrap();
             let x = uniform(&mut r, cols, 1.0);
             let want: Vec<f64> = (0..rows)
-                .map(|o| (0..cols).map(|i| w[o * cols + i] as f64 * x[i] as f64).sum())
+                .map(|o| {
+                    (0..cols)
+                        .map(|i| w[o * cols + i] as f64 * x[i] as f64)
+                        .sum()
+                })
                 .collect();
             let dm = dev.upload_nvfp4(&t).unwrap();
             let dx = dev.upload_f32(&x).unwrap();
@@ -198,7 +223,11 @@ mod gpu {
             let w = dequant_q8(&bytes, rows * cols);
             let x = uniform(&mut r, cols, 1.0);
             let want: Vec<f64> = (0..rows)
-                .map(|o| (0..cols).map(|i| w[o * cols + i] as f64 * x[i] as f64).sum())
+                .map(|o| {
+                    (0..cols)
+                        .map(|i| w[o * cols + i] as f64 * x[i] as f64)
+                        .sum()
+                })
                 .collect();
             let dm = dev.upload_q8s(&bytes, rows, cols).unwrap();
             let dx = dev.upload_f32(&x).unwrap();
@@ -226,8 +255,16 @@ mod gpu {
         let dx = dev.upload_f32(x).unwrap();
         let mut dy = dev.upload_f32(y0).unwrap();
         let mut scratch = FfnScratch::default();
-        dev.ffn_q8(&dp, &dx, &active, reduction, accumulate, &mut scratch, &mut dy)
-            .unwrap();
+        dev.ffn_q8(
+            &dp,
+            &dx,
+            &active,
+            reduction,
+            accumulate,
+            &mut scratch,
+            &mut dy,
+        )
+        .unwrap();
         dev.download_f32(&dy).unwrap()
     }
 
@@ -274,21 +311,50 @@ mod gpu {
             ids.insert(ids.len() / 2, 1000);
             let want = reference_ffn(&f, &x, &subset);
             let residual = uniform(&mut r, d, 0.1);
-            let want_acc: Vec<f64> = want.iter().zip(&residual).map(|(a, b)| a + *b as f64).collect();
+            let want_acc: Vec<f64> = want
+                .iter()
+                .zip(&residual)
+                .map(|(a, b)| a + *b as f64)
+                .collect();
 
-            let ordered = run_ffn(&dev, &f, &x, &ids, Reduction::Ordered, &vec![f32::NAN; d], false);
+            let ordered = run_ffn(
+                &dev,
+                &f,
+                &x,
+                &ids,
+                Reduction::Ordered,
+                &vec![f32::NAN; d],
+                false,
+            );
             let e = rel_err(&ordered, &want);
-            eprintln!("ffn d={d} pages {subset:?}: ordered relative error {e:.3e}, cosine {:.9}", cosine(&ordered, &want));
+            eprintln!(
+                "ffn d={d} pages {subset:?}: ordered relative error {e:.3e}, cosine {:.9}",
+                cosine(&ordered, &want)
+            );
             assert!(e < 1e-5, "d={d} ordered: relative error {e}");
-            let again = run_ffn(&dev, &f, &x, &ids, Reduction::Ordered, &vec![f32::NAN; d], false);
+            let again = run_ffn(
+                &dev,
+                &f,
+                &x,
+                &ids,
+                Reduction::Ordered,
+                &vec![f32::NAN; d],
+                false,
+            );
             assert!(
-                ordered.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),
+                ordered
+                    .iter()
+                    .zip(&again)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "the ordered reduction is not bit-reproducible"
             );
             for reduction in [Reduction::Atomic, Reduction::Ordered] {
                 let got = run_ffn(&dev, &f, &x, &ids, reduction, &residual, true);
                 let e = rel_err(&got, &want_acc);
-                assert!(e < 1e-5, "d={d} {reduction:?} onto a residual: relative error {e}");
+                assert!(
+                    e < 1e-5,
+                    "d={d} {reduction:?} onto a residual: relative error {e}"
+                );
             }
         }
     }
@@ -303,7 +369,10 @@ mod gpu {
         let x = uniform(&mut r, 256, 1.0);
         let y0 = uniform(&mut r, 256, 1.0);
         assert_eq!(run_ffn(&dev, &f, &x, &[], Reduction::Atomic, &y0, true), y0);
-        assert_eq!(run_ffn(&dev, &f, &x, &[], Reduction::Ordered, &y0, true), y0);
+        assert_eq!(
+            run_ffn(&dev, &f, &x, &[], Reduction::Ordered, &y0, true),
+            y0
+        );
         let zero = run_ffn(&dev, &f, &x, &[], Reduction::Ordered, &y0, false);
         assert!(zero.iter().all(|v| *v == 0.0));
     }

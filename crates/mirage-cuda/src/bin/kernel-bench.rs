@@ -163,6 +163,7 @@ mod bench {
 
     /// One launch of a cuda/dense.cu mat-vec (one warp per row, 8 rows per
     /// block: the backend's MATVEC_WARPS).
+    #[allow(clippy::too_many_arguments)]
     fn dense_matvec(
         dev: &SparseDevice,
         f: &CudaFunction,
@@ -275,11 +276,21 @@ mod bench {
                 let us = timer.median_us(|| {
                     dense_matvec(&dev, &dense.matvec_q8_0, &dq8, rb, rows, cols, &x, &mut y)
                 })?;
-                mv.push(Row { what: format!("{rows}x{cols} Q8_0 dense.cu"), us, bytes: q8.len() as f64 + io, extra: String::new() });
+                mv.push(Row {
+                    what: format!("{rows}x{cols} Q8_0 dense.cu"),
+                    us,
+                    bytes: q8.len() as f64 + io,
+                    extra: String::new(),
+                });
                 drop(dq8);
                 let ds = dev.upload_q8s(&q8, rows, cols)?;
                 let us = timer.median_us(|| Ok(dev.matvec_q8s(&ds, &x, &mut y)?))?;
-                mv.push(Row { what: format!("{rows}x{cols} Q8_0 split (q8s)"), us, bytes: ds.bytes() as f64 + io, extra: String::new() });
+                mv.push(Row {
+                    what: format!("{rows}x{cols} Q8_0 split (q8s)"),
+                    us,
+                    bytes: ds.bytes() as f64 + io,
+                    extra: String::new(),
+                });
             }
             {
                 let q4 = random_q4_k(&mut r, rows, cols);
@@ -288,13 +299,23 @@ mod bench {
                 let us = timer.median_us(|| {
                     dense_matvec(&dev, &dense.matvec_q4_k, &dq4, rb, rows, cols, &x, &mut y)
                 })?;
-                mv.push(Row { what: format!("{rows}x{cols} Q4_K dense.cu"), us, bytes: q4.len() as f64 + io, extra: String::new() });
+                mv.push(Row {
+                    what: format!("{rows}x{cols} Q4_K dense.cu"),
+                    us,
+                    bytes: q4.len() as f64 + io,
+                    extra: String::new(),
+                });
             }
             {
                 let t = random_nvfp4(&mut r, rows, cols);
                 let dn = dev.upload_nvfp4(&t)?;
                 let us = timer.median_us(|| Ok(dev.matvec_nvfp4(&dn, &x, &mut y)?))?;
-                mv.push(Row { what: format!("{rows}x{cols} NVFP4"), us, bytes: dn.bytes() as f64 + io, extra: String::new() });
+                mv.push(Row {
+                    what: format!("{rows}x{cols} NVFP4"),
+                    us,
+                    bytes: dn.bytes() as f64 + io,
+                    extra: String::new(),
+                });
             }
         }
 
@@ -309,7 +330,11 @@ mod bench {
             let u = random_q8_0(&mut r, n_ff, d);
             let dn = random_q8_0(&mut r, d, n_ff);
             let bytes = (g.len() + u.len() + dn.len()) as f64;
-            let (dg, du, ddn) = (stream.clone_htod(&g)?, stream.clone_htod(&u)?, stream.clone_htod(&dn)?);
+            let (dg, du, ddn) = (
+                stream.clone_htod(&g)?,
+                stream.clone_htod(&u)?,
+                stream.clone_htod(&dn)?,
+            );
             let mut bg = stream.alloc_zeros::<f32>(n_ff)?;
             let mut bu = stream.alloc_zeros::<f32>(n_ff)?;
             let mut bh = stream.alloc_zeros::<f32>(n_ff)?;
@@ -321,7 +346,12 @@ mod bench {
                 swiglu(&dev, &dense.swiglu, &bg, &bu, &mut bh, n_ff)?;
                 dense_matvec(&dev, &dense.matvec_q8_0, &ddn, rbf, d, n_ff, &bh, &mut y)
             })?;
-            ffn.push(Row { what: "dense: 3 x matvec_q8_0 (dense.cu) + swiglu".into(), us: dense_us, bytes, extra: String::new() });
+            ffn.push(Row {
+                what: "dense: 3 x matvec_q8_0 (dense.cu) + swiglu".into(),
+                us: dense_us,
+                bytes,
+                extra: String::new(),
+            });
             drop((dg, du, ddn));
             let sg = dev.upload_q8s(&g, n_ff, d)?;
             let su = dev.upload_q8s(&u, n_ff, d)?;
@@ -332,7 +362,12 @@ mod bench {
                 swiglu(&dev, &dense.swiglu, &bg, &bu, &mut bh, n_ff)?;
                 Ok(dev.matvec_q8s(&sd, &bh, &mut y)?)
             })?;
-            ffn.push(Row { what: "dense: 3 x matvec_q8s + swiglu".into(), us, bytes, extra: String::new() });
+            ffn.push(Row {
+                what: "dense: 3 x matvec_q8s + swiglu".into(),
+                us,
+                bytes,
+                extra: String::new(),
+            });
         }
         let pages = dev.upload_q8s_pages(d, n_pages, &random_q8s_pages(&mut r, d, n_pages))?;
         println!(
@@ -356,9 +391,20 @@ mod bench {
             ids.sort_unstable();
             dev.set_active(&mut active, &ids)?;
             let bytes = (k * pages.page_bytes()) as f64;
-            for (reduction, name) in [(Reduction::Atomic, "atomic"), (Reduction::Ordered, "ordered")] {
+            for (reduction, name) in [
+                (Reduction::Atomic, "atomic"),
+                (Reduction::Ordered, "ordered"),
+            ] {
                 let us = timer.median_us(|| {
-                    Ok(dev.ffn_q8(&pages, &x, &active, reduction, reduction == Reduction::Atomic, &mut scratch, &mut y)?)
+                    Ok(dev.ffn_q8(
+                        &pages,
+                        &x,
+                        &active,
+                        reduction,
+                        reduction == Reduction::Atomic,
+                        &mut scratch,
+                        &mut y,
+                    )?)
                 })?;
                 ffn.push(Row {
                     what: format!("fused {name}, {k}/{n_pages} pages ({:.0} %)", frac * 100.0),
@@ -379,15 +425,34 @@ mod bench {
         println!("| --- | --- | --- | --- | --- |");
         for row in &mv {
             let gbs = row.bytes / row.us / 1e3;
-            println!("| {} | {:.1} | {:.1} | {:.0} | {:.0} % |", row.what, row.us, row.bytes / 1e6, gbs, 100.0 * gbs / copy_gbs);
+            println!(
+                "| {} | {:.1} | {:.1} | {:.0} | {:.0} % |",
+                row.what,
+                row.us,
+                row.bytes / 1e6,
+                gbs,
+                100.0 * gbs / copy_gbs
+            );
         }
         println!();
         println!("| FFN d 3584, n_ff 18944, Q8_0 | us | MB read | GB/s | % of copy | speedup vs dense.cu |");
         println!("| --- | --- | --- | --- | --- | --- |");
         for row in &ffn {
             let gbs = row.bytes / row.us / 1e3;
-            let speed = if row.extra.is_empty() { format!("{:.2}x", dense_us / row.us) } else { row.extra.clone() };
-            println!("| {} | {:.1} | {:.1} | {:.0} | {:.0} % | {} |", row.what, row.us, row.bytes / 1e6, gbs, 100.0 * gbs / copy_gbs, speed);
+            let speed = if row.extra.is_empty() {
+                format!("{:.2}x", dense_us / row.us)
+            } else {
+                row.extra.clone()
+            };
+            println!(
+                "| {} | {:.1} | {:.1} | {:.0} | {:.0} % | {} |",
+                row.what,
+                row.us,
+                row.bytes / 1e6,
+                gbs,
+                100.0 * gbs / copy_gbs,
+                speed
+            );
         }
         Ok(())
     }
