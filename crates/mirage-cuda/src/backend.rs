@@ -393,8 +393,7 @@ impl CudaBackend {
 
     /// Whether large batches multiply through cuBLAS.
     pub fn prefill_gemm(&self) -> bool {
-        self.gemm_enabled
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.gemm_enabled.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// How steps ran so far (captured, replayed, op by op).
@@ -751,7 +750,9 @@ impl CudaBackend {
             )?;
             // Column-major view: Y^T (rows x n_act, ld rows) = W_tile (cols x
             // rc, transposed) times X^T (cols x n_act).
-            use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+            use cudarc::cublas::sys::{
+                cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
+            };
             // SAFETY: the pointers hold rc * cols and n_act * cols halves and
             // n_act * rows floats; the handle runs on self.stream.
             unsafe {
@@ -886,10 +887,13 @@ impl Backend for CudaBackend {
             }
             st.host.clear();
             st.host.extend(inputs.tokens.iter().map(|&t| t as i32));
-            st.host
-                .extend(inputs.slots.iter().flat_map(|t| [t.seq as i32, t.pos as i32]));
-            st.host
-                .extend(inputs.logits_rows.iter().map(|&r| r as i32));
+            st.host.extend(
+                inputs
+                    .slots
+                    .iter()
+                    .flat_map(|t| [t.seq as i32, t.pos as i32]),
+            );
+            st.host.extend(inputs.logits_rows.iter().map(|&r| r as i32));
             let len = st.host.len().max(1);
             if st.inputs_dev.as_ref().is_none_or(|d| d.len() < len) {
                 let cap = st.inputs_dev.as_ref().map_or(0, |d| d.len());
@@ -1143,7 +1147,9 @@ impl Backend for CudaBackend {
             .min((ATTEND_TARGET_BLOCKS / (n * p.n_head)).max(1))
             .max(1);
         let chunk = spec.n_ctx.div_ceil(n_split);
-        let pslots = match self.staged(|s| (s.slots == slots).then_some(s.base + 4 * s.tokens.len() as u64))? {
+        let pslots = match self
+            .staged(|s| (s.slots == slots).then_some(s.base + 4 * s.tokens.len() as u64))?
+        {
             Some(p) => p,
             None => {
                 let mut s = self.scratch();
@@ -1164,7 +1170,12 @@ impl Backend for CudaBackend {
             KvDtype::F32 => "f32",
             KvDtype::F16 => "f16",
         };
-        let (nh, nkv, hdi, n_ctx) = (p.n_head as i32, p.n_head_kv as i32, hd as i32, spec.n_ctx as i32);
+        let (nh, nkv, hdi, n_ctx) = (
+            p.n_head as i32,
+            p.n_head_kv as i32,
+            hd as i32,
+            spec.n_ctx as i32,
+        );
         self.launch(
             &format!("rope_store_{kv}"),
             (n as u32, (p.n_head + p.n_head_kv) as u32, 1),
@@ -1268,9 +1279,9 @@ impl Backend for CudaBackend {
         if rows.is_empty() {
             return Ok(());
         }
-        let pi = match self.staged(|s| {
-            (s.rows == rows).then_some(s.base + 12 * s.tokens.len() as u64)
-        })? {
+        let pi = match self
+            .staged(|s| (s.rows == rows).then_some(s.base + 12 * s.tokens.len() as u64))?
+        {
             Some(p) => p,
             None => {
                 let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();

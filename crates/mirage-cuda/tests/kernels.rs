@@ -434,7 +434,11 @@ fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
             vec![(0..300).map(|pos| TokenSlot { seq: 0, pos }).collect()];
         // Fill 300..600 in chunks, then decode single rows.
         for c in 0..3 {
-            steps.push((300 + 100 * c..400 + 100 * c).map(|pos| TokenSlot { seq: 0, pos }).collect());
+            steps.push(
+                (300 + 100 * c..400 + 100 * c)
+                    .map(|pos| TokenSlot { seq: 0, pos })
+                    .collect(),
+            );
         }
         for pos in [600, 601, 699] {
             steps.push(vec![TokenSlot { seq: 0, pos }]);
@@ -463,7 +467,11 @@ fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
                 "long attention {dtype:?} rows {n} from pos {}: rel err {e:.2e}",
                 slots[0].pos
             );
-            assert!(e < 1e-4, "{dtype:?} rows {n} at {}: attention rel err {e}", slots[0].pos);
+            assert!(
+                e < 1e-4,
+                "{dtype:?} rows {n} at {}: attention rel err {e}",
+                slots[0].pos
+            );
         }
     }
 }
@@ -481,34 +489,112 @@ fn tiny_model() -> Arc<GgufFile> {
     md.insert("llama.embedding_length", Value::U32(d as u32));
     md.insert("llama.feed_forward_length", Value::U32(ff as u32));
     md.insert("llama.attention.head_count", Value::U32(n_head as u32));
-    md.insert("llama.attention.head_count_kv", Value::U32(n_head_kv as u32));
+    md.insert(
+        "llama.attention.head_count_kv",
+        Value::U32(n_head_kv as u32),
+    );
     md.insert("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5));
     md.insert("llama.rope.freq_base", Value::F32(10000.0));
     md.insert("llama.vocab_size", Value::U32(vocab as u32));
     let mut r = rng(21);
     let mut tensors: Vec<(String, Vec<u64>, GgmlType, Vec<u8>)> = Vec::new();
-    let mut mat = |name: String, ty: GgmlType, rows: usize, cols: usize, scale: f32, r: &mut rand::rngs::StdRng| {
+    let mut mat = |name: String,
+                   ty: GgmlType,
+                   rows: usize,
+                   cols: usize,
+                   scale: f32,
+                   r: &mut rand::rngs::StdRng| {
         let v: Vec<f32> = randn(r, rows * cols).iter().map(|x| x * scale).collect();
         let m = host_matrix(ty, rows, cols, &v);
-        tensors.push((name, vec![cols as u64, rows as u64], ty, m.data.as_slice().to_vec()));
+        tensors.push((
+            name,
+            vec![cols as u64, rows as u64],
+            ty,
+            m.data.as_slice().to_vec(),
+        ));
     };
-    mat("token_embd.weight".into(), GgmlType::F16, vocab, d, 1.0, &mut r);
-    mat("output.weight".into(), GgmlType::Q6_K, vocab, d, 0.1, &mut r);
+    mat(
+        "token_embd.weight".into(),
+        GgmlType::F16,
+        vocab,
+        d,
+        1.0,
+        &mut r,
+    );
+    mat(
+        "output.weight".into(),
+        GgmlType::Q6_K,
+        vocab,
+        d,
+        0.1,
+        &mut r,
+    );
     let (q_dim, kv_dim) = (n_head * hd, n_head_kv * hd);
     for l in 0..n_layer {
         let s = 1.0 / (d as f32).sqrt();
-        mat(format!("blk.{l}.attn_q.weight"), GgmlType::Q8_0, q_dim, d, 3.0 * s, &mut r);
-        mat(format!("blk.{l}.attn_k.weight"), GgmlType::Q8_0, kv_dim, d, 3.0 * s, &mut r);
-        mat(format!("blk.{l}.attn_v.weight"), GgmlType::Q4_1, kv_dim, d, s, &mut r);
-        mat(format!("blk.{l}.attn_output.weight"), GgmlType::Q5_K, d, q_dim, s, &mut r);
-        mat(format!("blk.{l}.ffn_gate.weight"), GgmlType::Q4_K, ff, d, s, &mut r);
-        mat(format!("blk.{l}.ffn_up.weight"), GgmlType::Q4_K, ff, d, s, &mut r);
-        mat(format!("blk.{l}.ffn_down.weight"), GgmlType::Q2_K, d, ff, 1.0 / (ff as f32).sqrt(), &mut r);
+        mat(
+            format!("blk.{l}.attn_q.weight"),
+            GgmlType::Q8_0,
+            q_dim,
+            d,
+            3.0 * s,
+            &mut r,
+        );
+        mat(
+            format!("blk.{l}.attn_k.weight"),
+            GgmlType::Q8_0,
+            kv_dim,
+            d,
+            3.0 * s,
+            &mut r,
+        );
+        mat(
+            format!("blk.{l}.attn_v.weight"),
+            GgmlType::Q4_1,
+            kv_dim,
+            d,
+            s,
+            &mut r,
+        );
+        mat(
+            format!("blk.{l}.attn_output.weight"),
+            GgmlType::Q5_K,
+            d,
+            q_dim,
+            s,
+            &mut r,
+        );
+        mat(
+            format!("blk.{l}.ffn_gate.weight"),
+            GgmlType::Q4_K,
+            ff,
+            d,
+            s,
+            &mut r,
+        );
+        mat(
+            format!("blk.{l}.ffn_up.weight"),
+            GgmlType::Q4_K,
+            ff,
+            d,
+            s,
+            &mut r,
+        );
+        mat(
+            format!("blk.{l}.ffn_down.weight"),
+            GgmlType::Q2_K,
+            d,
+            ff,
+            1.0 / (ff as f32).sqrt(),
+            &mut r,
+        );
     }
     let mut vecs: Vec<(String, Vec<f32>)> = vec![("output_norm.weight".into(), vec![1.0; d])];
     for l in 0..n_layer {
         for nm in ["attn_norm", "ffn_norm"] {
-            let w: Vec<f32> = (0..d).map(|_| 1.0 + 0.2 * r.random_range(-1.0f32..1.0)).collect();
+            let w: Vec<f32> = (0..d)
+                .map(|_| 1.0 + 0.2 * r.random_range(-1.0f32..1.0))
+                .collect();
             vecs.push((format!("blk.{l}.{nm}.weight"), w));
         }
     }
@@ -518,7 +604,8 @@ fn tiny_model() -> Arc<GgufFile> {
     }
     for (name, v) in vecs {
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        w.add_tensor(name, vec![v.len() as u64], GgmlType::F32, bytes).unwrap();
+        w.add_tensor(name, vec![v.len() as u64], GgmlType::F32, bytes)
+            .unwrap();
     }
     let mut out = Vec::new();
     w.write_to(&mut out).unwrap();
@@ -538,24 +625,45 @@ fn argmax(v: &[f32]) -> u32 {
 /// Greedy decode of `steps` tokens after a 20-token prompt, as one sequence
 /// (or, with `batch` 2, two sequences decoded in one batch, the second
 /// starting from another prompt): the logits of every step, concatenated.
-fn greedy_run(model: &Model<CudaBackend>, kv: KvDtype, batch: usize, steps: usize) -> (Vec<f32>, Vec<u32>) {
+fn greedy_run(
+    model: &Model<CudaBackend>,
+    kv: KvDtype,
+    batch: usize,
+    steps: usize,
+) -> (Vec<f32>, Vec<u32>) {
     let vocab = model.config().vocab_size;
     let prompt_len = 20;
-    let mut cache = model.new_kv_cache(prompt_len + steps + 1, batch, kv).unwrap();
+    let mut cache = model
+        .new_kv_cache(prompt_len + steps + 1, batch, kv)
+        .unwrap();
     let mut scratch = model.new_scratch();
     let mut logits = Vec::new();
     let mut last = Vec::new();
     for seq in 0..batch {
-        let prompt: Vec<u32> = (0..prompt_len).map(|i| ((i * 37 + 5 + seq * 101) % vocab) as u32).collect();
+        let prompt: Vec<u32> = (0..prompt_len)
+            .map(|i| ((i * 37 + 5 + seq * 101) % vocab) as u32)
+            .collect();
         let slots: Vec<TokenSlot> = (0..prompt_len).map(|pos| TokenSlot { seq, pos }).collect();
         model
-            .forward(&prompt, &slots, &[prompt_len - 1], &mut cache, &mut scratch, &mut logits)
+            .forward(
+                &prompt,
+                &slots,
+                &[prompt_len - 1],
+                &mut cache,
+                &mut scratch,
+                &mut logits,
+            )
             .unwrap();
         last.push(argmax(&logits));
     }
     let (mut all, mut toks) = (Vec::new(), Vec::new());
     for i in 0..steps {
-        let slots: Vec<TokenSlot> = (0..batch).map(|seq| TokenSlot { seq, pos: prompt_len + i }).collect();
+        let slots: Vec<TokenSlot> = (0..batch)
+            .map(|seq| TokenSlot {
+                seq,
+                pos: prompt_len + i,
+            })
+            .collect();
         let rows: Vec<usize> = (0..batch).collect();
         model
             .forward(&last, &slots, &rows, &mut cache, &mut scratch, &mut logits)
@@ -596,9 +704,15 @@ fn graph_decode_equals_eager_decode() {
             after.replays - before.replays,
             &graph_toks[..8.min(graph_toks.len())]
         );
-        assert_eq!(eager_toks, graph_toks, "batch {batch}: greedy tokens differ");
+        assert_eq!(
+            eager_toks, graph_toks,
+            "batch {batch}: greedy tokens differ"
+        );
         assert!(worst >= 0.9999, "batch {batch}: cosine {worst}");
-        assert!(after.replays - before.replays >= 30, "graph not replayed: {before:?} -> {after:?}");
+        assert!(
+            after.replays - before.replays >= 30,
+            "graph not replayed: {before:?} -> {after:?}"
+        );
     }
 }
 
@@ -657,5 +771,8 @@ fn tiny_model_fixture_runs_on_cpu() {
     assert_eq!(logits.len(), 4 * model.config().vocab_size);
     assert!(logits.iter().all(|v| v.is_finite()));
     let spread = logits.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    assert!(spread > 1e-3, "logits all ~0: the fixture's weights are degenerate");
+    assert!(
+        spread > 1e-3,
+        "logits all ~0: the fixture's weights are degenerate"
+    );
 }
