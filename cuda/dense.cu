@@ -27,6 +27,7 @@ typedef unsigned int u32;
 #define TY_Q5_1 7
 #define TY_Q8_0 8
 #define TY_Q2_K 10
+#define TY_Q3_K 11
 #define TY_Q4_K 12
 #define TY_Q5_K 13
 #define TY_Q6_K 14
@@ -65,6 +66,7 @@ template <> struct Layout<TY_Q5_0> { enum { BYTES = 22, UNITS = 1 }; };
 template <> struct Layout<TY_Q5_1> { enum { BYTES = 24, UNITS = 1 }; };
 template <> struct Layout<TY_Q8_0> { enum { BYTES = 34, UNITS = 1 }; };
 template <> struct Layout<TY_Q2_K> { enum { BYTES = 84, UNITS = 8 }; };
+template <> struct Layout<TY_Q3_K> { enum { BYTES = 110, UNITS = 8 }; };
 template <> struct Layout<TY_Q4_K> { enum { BYTES = 144, UNITS = 8 }; };
 template <> struct Layout<TY_Q5_K> { enum { BYTES = 176, UNITS = 8 }; };
 template <> struct Layout<TY_Q6_K> { enum { BYTES = 210, UNITS = 8 }; };
@@ -170,6 +172,33 @@ template <> __device__ __forceinline__ void dequant_unit<TY_Q2_K>(const u8* row,
     for (int l = 0; l < 16; l++) {
         w[l] = dl0 * (float)((q[l] >> shift) & 3) - ml0;
         w[l + 16] = dl1 * (float)((q[l + 16] >> shift) & 3) - ml1;
+    }
+}
+
+// Q3_K super-block: hmask[32], qs[64], scales[12] (sixteen 6-bit scales,
+// low nibbles in bytes 0..7, high pairs in bytes 8..11), d (f16). Unit `sub`
+// is half h = sub / 4, bit-pair j = sub % 4 (ggml's dequantize_row_q3_K).
+template <> __device__ __forceinline__ void dequant_unit<TY_Q3_K>(const u8* row, int u, float* w) {
+    const u8* b = row + (u >> 3) * 110;
+    int sub = u & 7, h = sub >> 2, j = sub & 3;
+    const u8* hm = b;
+    const u8* q = b + 32 + h * 32;
+    const u8* s = b + 96;
+    float d = h2f(ld16(b + 108));
+    int shift = 2 * j;
+    u32 m = 1u << (h * 4 + j);
+    float dl[2];
+#pragma unroll
+    for (int t = 0; t < 2; t++) {
+        int i = h * 8 + 2 * j + t;
+        int lo = i < 8 ? (s[i] & 15) : (s[i - 8] >> 4);
+        int hi = (s[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+        dl[t] = d * (float)((lo | (hi << 4)) - 32);
+    }
+#pragma unroll
+    for (int l = 0; l < 32; l++) {
+        int v = (int)((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4);
+        w[l] = dl[l >> 4] * (float)v;
     }
 }
 
@@ -296,6 +325,7 @@ INSTANCE(q5_0, TY_Q5_0)
 INSTANCE(q5_1, TY_Q5_1)
 INSTANCE(q8_0, TY_Q8_0)
 INSTANCE(q2_k, TY_Q2_K)
+INSTANCE(q3_k, TY_Q3_K)
 INSTANCE(q4_k, TY_Q4_K)
 INSTANCE(q5_k, TY_Q5_K)
 INSTANCE(q6_k, TY_Q6_K)
@@ -564,6 +594,7 @@ DEQUANT_INSTANCE(q5_0, TY_Q5_0)
 DEQUANT_INSTANCE(q5_1, TY_Q5_1)
 DEQUANT_INSTANCE(q8_0, TY_Q8_0)
 DEQUANT_INSTANCE(q2_k, TY_Q2_K)
+DEQUANT_INSTANCE(q3_k, TY_Q3_K)
 DEQUANT_INSTANCE(q4_k, TY_Q4_K)
 DEQUANT_INSTANCE(q5_k, TY_Q5_K)
 DEQUANT_INSTANCE(q6_k, TY_Q6_K)

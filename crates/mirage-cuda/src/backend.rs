@@ -42,15 +42,17 @@ fn kernel_suffix(ty: GgmlType) -> Option<&'static str> {
         Q5_1 => "q5_1",
         Q8_0 => "q8_0",
         Q2_K => "q2_k",
+        Q3_K => "q3_k",
         Q4_K => "q4_k",
         Q5_K => "q5_k",
         Q6_K => "q6_k",
-        Q3_K | Q8_1 | Q8_K => return None,
+        Q8_1 | Q8_K => return None,
     })
 }
 
 const SUFFIXES: &[&str] = &[
-    "f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q4_k", "q5_k", "q6_k",
+    "f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k",
+    "q6_k",
 ];
 const OTHER_KERNELS: &[&str] = &[
     "rms_norm",
@@ -277,6 +279,7 @@ pub struct CudaBackend {
     ptx_from_cache: bool,
     graphs_enabled: std::sync::atomic::AtomicBool,
     gemm_enabled: std::sync::atomic::AtomicBool,
+    gemm_tile_bytes: std::sync::atomic::AtomicUsize,
     scratch: Mutex<Scratch>,
     mem: Mutex<MemoryStats>,
 }
@@ -357,6 +360,7 @@ impl CudaBackend {
             functions,
             kernel_index,
             gemm_enabled: (!env_off("MIRAGE_CUDA_GEMM") && blas.is_some()).into(),
+            gemm_tile_bytes: GEMM_TILE_BYTES.into(),
             blas,
             device_name,
             compute_capability: cc,
@@ -389,6 +393,13 @@ impl CudaBackend {
         self.gemm_enabled
             .store(on, std::sync::atomic::Ordering::Relaxed);
         on
+    }
+
+    /// Sets the size of the f16 weight tile of the GEMM path (default 32
+    /// MiB; at least 16 rows). Tests use small tiles to cover the tiling.
+    pub fn set_gemm_tile_bytes(&self, bytes: usize) {
+        self.gemm_tile_bytes
+            .store(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether large batches multiply through cuBLAS.
@@ -712,7 +723,10 @@ impl CudaBackend {
             .as_ref()
             .ok_or_else(|| bad("cuBLAS is not loaded"))?;
         let (rows, cols) = (w.rows, w.cols);
-        let tile_rows = (GEMM_TILE_BYTES / (2 * cols)).max(16) / 16 * 16;
+        let tile_bytes = self
+            .gemm_tile_bytes
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let tile_rows = (tile_bytes / (2 * cols)).max(16) / 16 * 16;
         let tile_rows = tile_rows.min(rows);
         let (px, pw) = {
             let mut s = self.scratch();

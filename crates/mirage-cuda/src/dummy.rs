@@ -64,6 +64,8 @@ impl CudaBackend {
         false
     }
     /// Never reached.
+    pub fn set_gemm_tile_bytes(&self, _bytes: usize) {}
+    /// Never reached.
     pub fn graph_stats(&self) -> GraphStats {
         GraphStats::default()
     }

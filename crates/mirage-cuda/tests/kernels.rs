@@ -97,6 +97,7 @@ const TYPES: &[GgmlType] = &[
     GgmlType::Q5_1,
     GgmlType::Q8_0,
     GgmlType::Q2_K,
+    GgmlType::Q3_K,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
@@ -775,4 +776,47 @@ fn tiny_model_fixture_runs_on_cpu() {
         spread > 1e-3,
         "logits all ~0: the fixture's weights are degenerate"
     );
+}
+
+/// The prefill GEMM path (weights dequantized to f16 on the device, cuBLAS
+/// f16 x f16 -> f32) against the mat-vec path for every weight type, in
+/// one weight tile and in tiles of 48 rows (300 rows: six tiles, the last
+/// one partial).
+#[test]
+fn prefill_gemm_every_type_matches_matvec() {
+    let Some(gpu) = cuda("prefill_gemm_every_type_matches_matvec") else {
+        return;
+    };
+    if !gpu.set_prefill_gemm(true) {
+        assert!(!require_gpu_tests(), "cuBLAS did not load");
+        eprintln!("prefill_gemm_every_type_matches_matvec: skipped, cuBLAS did not load");
+        return;
+    }
+    let mut r = rng(31);
+    let (rows, cols, n_act) = (300usize, 512usize, 40usize);
+    for &ty in TYPES {
+        let values = randn(&mut r, rows * cols);
+        let hm = host_matrix(ty, rows, cols, &values);
+        let dm = gpu.upload_matrix(&hm).unwrap();
+        let x = randn(&mut r, n_act * cols);
+        let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
+        let mut ym = gpu.new_activations();
+        gpu.set_prefill_gemm(false);
+        gpu.matmul(&dm, &dx, &mut ym).unwrap();
+        let mut b = Vec::new();
+        gpu.read(&ym, &mut b).unwrap();
+        for tile in [32 << 20, 48 * 2 * cols] {
+            gpu.set_prefill_gemm(true);
+            gpu.set_gemm_tile_bytes(tile);
+            let mut yg = gpu.new_activations();
+            gpu.matmul(&dm, &dx, &mut yg).unwrap();
+            let mut a = Vec::new();
+            gpu.read(&yg, &mut a).unwrap();
+            // f16 activations (and f16 copies of F32/BF16 weights): ~1e-3.
+            let e = rel_err(&a, &b);
+            eprintln!("{ty}: prefill GEMM (tile {tile} B) vs mat-vec rel err {e:.2e}");
+            assert!(e < 5e-3, "{ty} tile {tile}: GEMM rel err {e}");
+        }
+        gpu.set_gemm_tile_bytes(32 << 20);
+    }
 }
