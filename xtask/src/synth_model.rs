@@ -369,6 +369,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn tokenizer_is_padded_to_the_vocabulary_with_unused_tokens() {
+        let mut md = Metadata::new();
+        md.insert("general.architecture", Value::String("qwen2".into()));
+        md.insert("tokenizer.ggml.model", Value::String("gpt2".into()));
+        md.insert("tokenizer.ggml.tokens", Value::string_array(["a", "b", "<|end|>"]));
+        md.insert("tokenizer.ggml.token_type", Value::array(ValueType::I32, vec![Value::I32(1), Value::I32(1), Value::I32(3)]));
+        md.insert("tokenizer.ggml.merges", Value::string_array(["a b"]));
+        md.insert("qwen2.block_count", Value::U32(1));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tok.gguf");
+        mirage_gguf::GgufWriter::new(md).write_to_path(&path).unwrap();
+        let src = GgufFile::open(&path).unwrap();
+        let keys = tokenizer_metadata(&src, Some(5)).unwrap();
+        let get = |k: &str| keys.iter().find(|(name, _)| name == k).map(|(_, v)| v.clone()).unwrap();
+        let Value::Array(tokens) = get("tokenizer.ggml.tokens") else { panic!() };
+        let names: Vec<_> = tokens.values.iter().map(|v| v.as_str().unwrap().to_string()).collect();
+        assert_eq!(names, ["a", "b", "<|end|>", "[PAD3]", "[PAD4]"]);
+        let Value::Array(types) = get("tokenizer.ggml.token_type") else { panic!() };
+        assert_eq!(types.values, [1, 1, 3, 5, 5].map(Value::I32));
+        // Only tokenizer keys are copied; merges untouched.
+        assert!(keys.iter().all(|(k, _)| k.starts_with("tokenizer.")));
+        assert_eq!(get("tokenizer.ggml.merges"), Value::string_array(["a b"]));
+        // A vocabulary smaller than the token list is refused.
+        assert!(tokenizer_metadata(&src, Some(2)).is_err());
+        // --tokenizer-only copies without padding.
+        assert_eq!(tokenizer_metadata(&src, None).unwrap().len(), 4);
+    }
+
+    #[test]
     fn plans_have_the_real_shapes_and_fallback_types() {
         let q05 = plan(&SHAPES[0], GgmlType::Q4_K);
         // 1 embedding + 12 per layer + output norm + output.
