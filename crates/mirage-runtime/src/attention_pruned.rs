@@ -64,11 +64,9 @@ pub fn attend_pages(view: &KvHeadView<'_>, page: usize, pages: &[usize], n: usiz
         }
         KvHeadView::F16 { k, .. } => {
             for span in spans() {
-                for j in span {
-                    let row = &k[j * d..(j + 1) * d];
-                    scores[m] = q.iter().zip(row).map(|(a, b)| a * b.to_f32()).sum::<f32>() * scale;
-                    m += 1;
-                }
+                let len = span.len();
+                ops::attention_scores(q, &k[span.start * d..span.end * d], len, scale, &mut scores[m..m + len]);
+                m += len;
             }
         }
     }
@@ -78,20 +76,16 @@ pub fn attend_pages(view: &KvHeadView<'_>, page: usize, pages: &[usize], n: usiz
     for span in spans() {
         match view {
             // As full attention's weighted sum (keys added in order), so
-            // every page selected reproduces it bit for bit.
+            // every page selected reproduces it bit for bit (f32 and f16).
             KvHeadView::F32 { v, .. } => {
                 let len = span.len();
                 ops::attention_weighted_sum(&scores[m..m + len], &v[span.start * d..span.end * d], len, out);
                 m += len;
             }
             KvHeadView::F16 { v, .. } => {
-                for j in span {
-                    let p = scores[m];
-                    m += 1;
-                    for (o, x) in out.iter_mut().zip(&v[j * d..(j + 1) * d]) {
-                        *o += p * x.to_f32();
-                    }
-                }
+                let len = span.len();
+                ops::attention_weighted_sum(&scores[m..m + len], &v[span.start * d..span.end * d], len, out);
+                m += len;
             }
         }
     }

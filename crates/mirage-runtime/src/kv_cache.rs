@@ -6,14 +6,6 @@
 
 use crate::error::RuntimeError;
 use half::f16;
-use half::slice::HalfFloatSliceExt;
-
-thread_local! {
-    /// Per-worker f32 copies of the f16 key and value rows one attention
-    /// call reads, reused between calls.
-    static F16_WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
-}
 
 /// Element type of the cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -137,26 +129,6 @@ impl KvCache {
         &mut self.paged
     }
 
-    /// Widens positions `0..n` of KV head `head` of `seq` in `layer` into
-    /// `k` and `v` (`n * head_dim` f32 each): prefill converts each f16 row
-    /// once for all the queries of its batch instead of once per query.
-    /// Callers check the ranges.
-    pub fn widen(&self, layer: usize, seq: usize, head: usize, n: usize, k: &mut [f32], v: &mut [f32]) {
-        let len = n * self.spec.head_dim;
-        let at = self.base(seq, head, 0);
-        match (&self.k[layer], &self.v[layer]) {
-            (Store::F32(ks), Store::F32(vs)) => {
-                k[..len].copy_from_slice(&ks[at..at + len]);
-                v[..len].copy_from_slice(&vs[at..at + len]);
-            }
-            (Store::F16(ks), Store::F16(vs)) => {
-                ks[at..at + len].convert_to_f32_slice(&mut k[..len]);
-                vs[at..at + len].convert_to_f32_slice(&mut v[..len]);
-            }
-            _ => unreachable!("k and v share one dtype"),
-        }
-    }
-
     /// Keys and values of KV head `head` of `seq` in `layer` (all `n_ctx`
     /// rows). Callers check the ranges.
     pub fn head_view(&self, layer: usize, seq: usize, head: usize) -> crate::attention_pruned::KvHeadView<'_> {
@@ -220,16 +192,9 @@ impl KvCache {
                 crate::ops::attend_f32(q, &k[at..at + n * hd], &v[at..at + n * hd], n, scale, scores, out)
             }
             (Store::F16(k), Store::F16(v)) => {
-                // Widen the rows once (half's slice conversion uses F16C when
-                // the CPU has it) and run the f32 kernel: a per-element
-                // `to_f32` call in the dot loops cost more than the attention.
-                F16_WIDE.with_borrow_mut(|(kw, vw)| {
-                    kw.resize(n * hd, 0.0);
-                    vw.resize(n * hd, 0.0);
-                    k[at..at + n * hd].convert_to_f32_slice(kw);
-                    v[at..at + n * hd].convert_to_f32_slice(vw);
-                    crate::ops::attend_f32(q, kw, vw, n, scale, scores, out)
-                })
+                // The kernels widen on load (F16C): no widened copy of the
+                // rows, which cost as much as the attention itself.
+                crate::ops::attend_f16(q, &k[at..at + n * hd], &v[at..at + n * hd], n, scale, scores, out)
             }
             _ => unreachable!("k and v share one dtype"),
         }

@@ -175,14 +175,17 @@ pub fn attend_f32_portable(q: &[f32], keys: &[f32], values: &[f32], n: usize, sc
     }
 }
 
-/// Whether the AVX2+FMA attention pieces run for head size `d` (the
-/// default build targets baseline x86-64, where the portable loops compile
-/// to scalar code).
+/// Whether the AVX2+FMA(+F16C) attention pieces run for head size `d`
+/// (the default build targets baseline x86-64, where the portable loops
+/// compile to scalar code).
 #[inline]
 fn simd_attention(d: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        d % 8 == 0 && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        d % 8 == 0
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -191,129 +194,219 @@ fn simd_attention(d: usize) -> bool {
     }
 }
 
+/// A key/value cache element the attention kernels read: f32, or f16
+/// widened on load (exactly, so both give the same results on the same
+/// values).
+pub trait KvElement: Copy + Send + Sync + 'static {
+    /// The value as f32 (exact).
+    fn widen(self) -> f32;
+    /// The AVX2+FMA+F16C score kernel for this element type.
+    ///
+    /// # Safety
+    /// As `simd::scores_f32`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn simd_scores(q: &[f32], keys: &[Self], n: usize, scale: f32, scores: &mut [f32]);
+    /// The AVX2+FMA+F16C weighted-sum kernel for this element type.
+    ///
+    /// # Safety
+    /// As `simd::weighted_sum_f32`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn simd_weighted_sum(p: &[f32], values: &[Self], n: usize, out: &mut [f32]);
+}
+
+impl KvElement for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn simd_scores(q: &[f32], keys: &[f32], n: usize, scale: f32, scores: &mut [f32]) {
+        simd::scores_f32(q, keys, n, scale, scores)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn simd_weighted_sum(p: &[f32], values: &[f32], n: usize, out: &mut [f32]) {
+        simd::weighted_sum_f32(p, values, n, out)
+    }
+}
+
+impl KvElement for half::f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn simd_scores(q: &[f32], keys: &[half::f16], n: usize, scale: f32, scores: &mut [f32]) {
+        simd::scores_f16(q, keys, n, scale, scores)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn simd_weighted_sum(p: &[f32], values: &[half::f16], n: usize, out: &mut [f32]) {
+        simd::weighted_sum_f16(p, values, n, out)
+    }
+}
+
 /// `scores[j] = (q · keys_j) * scale` for `j < n` (`d = q.len()`). Each
 /// score depends only on its own key, never on `n` or on which keys share
 /// a SIMD step, so any split of the keys into calls gives the same scores.
-pub fn attention_scores(q: &[f32], keys: &[f32], n: usize, scale: f32, scores: &mut [f32]) {
+pub fn attention_scores<T: KvElement>(q: &[f32], keys: &[T], n: usize, scale: f32, scores: &mut [f32]) {
     let d = q.len();
     assert!(keys.len() >= n * d && scores.len() >= n, "attention_scores: short buffers");
     #[cfg(target_arch = "x86_64")]
     if simd_attention(d) {
-        // SAFETY: AVX2+FMA present, d % 8 == 0, lengths asserted above.
-        return unsafe { scores_avx2(q, keys, n, scale, scores) };
+        // SAFETY: AVX2+FMA+F16C present, d % 8 == 0, lengths asserted above.
+        return unsafe { T::simd_scores(q, keys, n, scale, scores) };
     }
+    let mut row = vec![0f32; d];
     for j in 0..n {
-        scores[j] = dot_f32(q, &keys[j * d..(j + 1) * d]) * scale;
+        for (r, k) in row.iter_mut().zip(&keys[j * d..(j + 1) * d]) {
+            *r = k.widen();
+        }
+        scores[j] = dot_f32(q, &row) * scale;
     }
 }
 
 /// `out += sum_j p[j] * values_j` for `j < n` (`d = out.len()`), adding the
 /// keys in order: a split of the keys into consecutive calls gives the
 /// same result as one call.
-pub fn attention_weighted_sum(p: &[f32], values: &[f32], n: usize, out: &mut [f32]) {
+pub fn attention_weighted_sum<T: KvElement>(p: &[f32], values: &[T], n: usize, out: &mut [f32]) {
     let d = out.len();
     assert!(values.len() >= n * d && p.len() >= n, "attention_weighted_sum: short buffers");
     #[cfg(target_arch = "x86_64")]
     if simd_attention(d) {
-        // SAFETY: AVX2+FMA present, d % 8 == 0, lengths asserted above.
-        return unsafe { weighted_sum_avx2(p, values, n, out) };
+        // SAFETY: AVX2+FMA+F16C present, d % 8 == 0, lengths asserted above.
+        return unsafe { T::simd_weighted_sum(p, values, n, out) };
     }
     for j in 0..n {
-        axpy(p[j], &values[j * d..(j + 1) * d], out);
+        for (o, v) in out.iter_mut().zip(&values[j * d..(j + 1) * d]) {
+            *o += p[j] * v.widen();
+        }
     }
 }
 
-/// Scores of 8 keys at a time: 8 independent FMA chains over the head,
-/// reduced together by `hadd` into one vector of 8 scores. A last partial
-/// group runs the same code with zero accumulators for the missing keys, so
-/// every key's reduction tree is the same.
-///
-/// # Safety
-/// AVX2 and FMA are present; `d = q.len()` is a multiple of 8; `keys` holds
-/// `n * d` values and `scores` `n`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn scores_avx2(q: &[f32], keys: &[f32], n: usize, scale: f32, scores: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let d = q.len();
-    let (qp, kp) = (q.as_ptr(), keys.as_ptr());
-    let vscale = _mm256_set1_ps(scale);
-    let mut j = 0;
-    while j < n {
-        let m = (n - j).min(8);
-        let mut acc = [_mm256_setzero_ps(); 8];
-        let mut c = 0;
-        while c < d {
-            let qc = _mm256_loadu_ps(qp.add(c));
-            if m == 8 {
-                for (key, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kp.add((j + key) * d + c)), *a);
-                }
-            } else {
-                for (key, a) in acc.iter_mut().enumerate().take(m) {
-                    *a = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kp.add((j + key) * d + c)), *a);
-                }
-            }
-            c += 8;
-        }
-        let h01 = _mm256_hadd_ps(acc[0], acc[1]);
-        let h23 = _mm256_hadd_ps(acc[2], acc[3]);
-        let h45 = _mm256_hadd_ps(acc[4], acc[5]);
-        let h67 = _mm256_hadd_ps(acc[6], acc[7]);
-        let h0123 = _mm256_hadd_ps(h01, h23);
-        let h4567 = _mm256_hadd_ps(h45, h67);
-        let sums = _mm256_add_ps(
-            _mm256_permute2f128_ps(h0123, h4567, 0x20),
-            _mm256_permute2f128_ps(h0123, h4567, 0x31),
-        );
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_mul_ps(sums, vscale));
-        scores[j..j + m].copy_from_slice(&lanes[..m]);
-        j += m;
-    }
+/// [`attend_f32`] over f16 keys and values, widened on load (no widened
+/// copy): the same results as widening the rows first and calling
+/// [`attend_f32`].
+pub fn attend_f16(q: &[f32], keys: &[half::f16], values: &[half::f16], n: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    attention_scores(q, keys, n, scale, scores);
+    softmax_in_place(&mut scores[..n]);
+    out.fill(0.0);
+    attention_weighted_sum(&scores[..n], values, n, out);
 }
 
-/// The weighted value sum with the output held in registers, 64
-/// dimensions at a time, across all keys (one FMA per key and 8 dims).
-///
-/// # Safety
-/// AVX2 and FMA are present; `d = out.len()` is a multiple of 8; `values`
-/// holds `n * d` values and `p` `n`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn weighted_sum_avx2(p: &[f32], values: &[f32], n: usize, out: &mut [f32]) {
+mod simd {
     use std::arch::x86_64::*;
-    let d = out.len();
-    let (vp, op) = (values.as_ptr(), out.as_mut_ptr());
-    let mut b = 0;
-    while b < d {
-        let w = ((d - b) / 8).min(8);
-        let mut acc = [_mm256_setzero_ps(); 8];
-        for (i, a) in acc.iter_mut().enumerate().take(w) {
-            *a = _mm256_loadu_ps(op.add(b + 8 * i));
-        }
-        if w == 8 {
-            for (j, &pj) in p.iter().enumerate().take(n) {
-                let s = _mm256_set1_ps(pj);
-                let v = vp.add(j * d + b);
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(s, _mm256_loadu_ps(v.add(8 * i)), *a);
+
+    /// Generates the score and weighted-sum kernels for one element type;
+    /// `$load8` widens 8 elements at a pointer to a `__m256`.
+    macro_rules! attention_kernels {
+        ($scores:ident, $wsum:ident, $t:ty, $load8:ident) => {
+            /// Scores of 8 keys at a time: 8 independent FMA chains over the
+            /// head, reduced together by `hadd` into one vector of 8 scores.
+            /// A last partial group runs the same code with zero
+            /// accumulators for the missing keys, so every key's reduction
+            /// tree is the same.
+            ///
+            /// # Safety
+            /// AVX2, FMA and F16C are present; `d = q.len()` is a multiple
+            /// of 8; `keys` holds `n * d` values and `scores` `n`.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub(super) unsafe fn $scores(q: &[f32], keys: &[$t], n: usize, scale: f32, scores: &mut [f32]) {
+                let d = q.len();
+                let (qp, kp) = (q.as_ptr(), keys.as_ptr());
+                let vscale = _mm256_set1_ps(scale);
+                let mut j = 0;
+                while j < n {
+                    let m = (n - j).min(8);
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    let mut c = 0;
+                    while c < d {
+                        let qc = _mm256_loadu_ps(qp.add(c));
+                        if m == 8 {
+                            for (key, a) in acc.iter_mut().enumerate() {
+                                *a = _mm256_fmadd_ps(qc, $load8(kp.add((j + key) * d + c)), *a);
+                            }
+                        } else {
+                            for (key, a) in acc.iter_mut().enumerate().take(m) {
+                                *a = _mm256_fmadd_ps(qc, $load8(kp.add((j + key) * d + c)), *a);
+                            }
+                        }
+                        c += 8;
+                    }
+                    let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+                    let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+                    let h45 = _mm256_hadd_ps(acc[4], acc[5]);
+                    let h67 = _mm256_hadd_ps(acc[6], acc[7]);
+                    let h0123 = _mm256_hadd_ps(h01, h23);
+                    let h4567 = _mm256_hadd_ps(h45, h67);
+                    let sums = _mm256_add_ps(
+                        _mm256_permute2f128_ps(h0123, h4567, 0x20),
+                        _mm256_permute2f128_ps(h0123, h4567, 0x31),
+                    );
+                    let mut lanes = [0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_mul_ps(sums, vscale));
+                    scores[j..j + m].copy_from_slice(&lanes[..m]);
+                    j += m;
                 }
             }
-        } else {
-            for (j, &pj) in p.iter().enumerate().take(n) {
-                let s = _mm256_set1_ps(pj);
-                let v = vp.add(j * d + b);
-                for (i, a) in acc.iter_mut().enumerate().take(w) {
-                    *a = _mm256_fmadd_ps(s, _mm256_loadu_ps(v.add(8 * i)), *a);
+
+            /// The weighted value sum with the output held in registers, 64
+            /// dimensions at a time, across all keys (one FMA per key and 8
+            /// dimensions), keys in order.
+            ///
+            /// # Safety
+            /// AVX2, FMA and F16C are present; `d = out.len()` is a multiple
+            /// of 8; `values` holds `n * d` values and `p` `n`.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub(super) unsafe fn $wsum(p: &[f32], values: &[$t], n: usize, out: &mut [f32]) {
+                let d = out.len();
+                let (vp, op) = (values.as_ptr(), out.as_mut_ptr());
+                let mut b = 0;
+                while b < d {
+                    let w = ((d - b) / 8).min(8);
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    for (i, a) in acc.iter_mut().enumerate().take(w) {
+                        *a = _mm256_loadu_ps(op.add(b + 8 * i));
+                    }
+                    if w == 8 {
+                        for (j, &pj) in p.iter().enumerate().take(n) {
+                            let s = _mm256_set1_ps(pj);
+                            let v = vp.add(j * d + b);
+                            for (i, a) in acc.iter_mut().enumerate() {
+                                *a = _mm256_fmadd_ps(s, $load8(v.add(8 * i)), *a);
+                            }
+                        }
+                    } else {
+                        for (j, &pj) in p.iter().enumerate().take(n) {
+                            let s = _mm256_set1_ps(pj);
+                            let v = vp.add(j * d + b);
+                            for (i, a) in acc.iter_mut().enumerate().take(w) {
+                                *a = _mm256_fmadd_ps(s, $load8(v.add(8 * i)), *a);
+                            }
+                        }
+                    }
+                    for (i, a) in acc.iter().enumerate().take(w) {
+                        _mm256_storeu_ps(op.add(b + 8 * i), *a);
+                    }
+                    b += 8 * w;
                 }
             }
-        }
-        for (i, a) in acc.iter().enumerate().take(w) {
-            _mm256_storeu_ps(op.add(b + 8 * i), *a);
-        }
-        b += 8 * w;
+        };
     }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load8_f32(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load8_f16(p: *const half::f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+
+    attention_kernels!(scores_f32, weighted_sum_f32, f32, load8_f32);
+    attention_kernels!(scores_f16, weighted_sum_f16, half::f16, load8_f16);
 }
 
 #[cfg(test)]
@@ -352,6 +445,15 @@ mod tests {
                 attention_weighted_sum(&s3[cut..], &v[cut * d..], n - cut, &mut o3);
                 assert_eq!(s3, s1, "d={d} n={n}: split scores");
                 assert_eq!(o3, o1, "d={d} n={n}: split output");
+                // f16 rows read directly equal the same rows widened first.
+                let k16: Vec<half::f16> = k.iter().map(|&x| half::f16::from_f32(x)).collect();
+                let v16: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+                let kw: Vec<f32> = k16.iter().map(|x| x.to_f32()).collect();
+                let vw: Vec<f32> = v16.iter().map(|x| x.to_f32()).collect();
+                let (mut s4, mut o4, mut s5, mut o5) = (vec![0f32; n], vec![0f32; d], vec![0f32; n], vec![0f32; d]);
+                attend_f16(&q, &k16, &v16, n, 0.3, &mut s4, &mut o4);
+                attend_f32(&q, &kw, &vw, n, 0.3, &mut s5, &mut o5);
+                assert_eq!(o4, o5, "d={d} n={n}: f16 direct vs widened");
             }
         }
     }

@@ -250,8 +250,6 @@ struct Scratch {
     /// Encodings of one input for `matmul_many`: (type, packed for the
     /// GEMM kernel, row bytes or 0 when free, bytes).
     act_by_type: Vec<(GgmlType, bool, usize, Vec<u8>)>,
-    /// Prefill attention's keys and values widened to f32.
-    kv_wide: Vec<f32>,
     /// Staging of the FFN's down product (`hidden`/`transposed` hold its input).
     down_staging: Vec<f32>,
 }
@@ -739,31 +737,6 @@ impl Backend for CpuBackend {
         let cache = &*cache;
         let q = &*q;
         let decode_row = crate::attention_pruned::decode_rows(slots);
-        // Prefill rows (several of one sequence) read the cache widened to
-        // f32 once per (sequence, KV head): `wide` is (seq, first element,
-        // positions) per sequence, each holding n_head_kv keys blocks then
-        // n_head_kv values blocks of [positions, hd].
-        let mut wide: Vec<(usize, usize, usize)> = Vec::new();
-        for (slot, _) in slots.iter().zip(&decode_row).filter(|(_, &d)| !d) {
-            match wide.iter_mut().find(|w| w.0 == slot.seq) {
-                Some(w) => w.2 = w.2.max(slot.pos + 1),
-                None => wide.push((slot.seq, 0, slot.pos + 1)),
-            }
-        }
-        let mut total = 0;
-        for w in wide.iter_mut() {
-            w.1 = total;
-            total += 2 * p.n_head_kv * w.2 * hd;
-        }
-        s.kv_wide.resize(total, 0.0);
-        for &(seq, at, n_pos) in &wide {
-            let (k, v) = s.kv_wide[at..at + 2 * p.n_head_kv * n_pos * hd].split_at_mut(p.n_head_kv * n_pos * hd);
-            for h in 0..p.n_head_kv {
-                let r = h * n_pos * hd..(h + 1) * n_pos * hd;
-                cache.widen(layer, seq, h, n_pos, &mut k[r.clone()], &mut v[r]);
-            }
-        }
-        let kv_wide = &s.kv_wide;
         self.pool.install(|| {
             out.data_mut().par_chunks_mut(hd).enumerate().for_each_init(
                 || vec![0.0f32; max_pos + 1],
@@ -771,18 +744,7 @@ impl Backend for CpuBackend {
                     let (row, head) = (idx / p.n_head, idx % p.n_head);
                     let slot = slots[row];
                     let qh = &q.data[row * qw + head * hd..row * qw + (head + 1) * hd];
-                    match wide.iter().find(|w| w.0 == slot.seq && !decode_row[row]) {
-                        Some(&(_, at, n_pos)) => {
-                            let kv = head / group;
-                            let k = &kv_wide[at + kv * n_pos * hd..];
-                            let v = &kv_wide[at + (p.n_head_kv + kv) * n_pos * hd..];
-                            let n = slot.pos + 1;
-                            ops::attend_f32(qh, &k[..n * hd], &v[..n * hd], n, scale, scores, o);
-                        }
-                        None => cache.attend_maybe_pruned(
-                            layer, slot.seq, head / group, slot.pos + 1, qh, scale, decode_row[row], scores, o,
-                        ),
-                    }
+                    cache.attend_maybe_pruned(layer, slot.seq, head / group, slot.pos + 1, qh, scale, decode_row[row], scores, o);
                 },
             )
         });
