@@ -89,7 +89,7 @@ impl FromStr for BackendChoice {
     fn from_str(s: &str) -> Result<BackendChoice, UnknownBackend> {
         match s.trim().to_ascii_lowercase().as_str() {
             "cpu" => Ok(BackendChoice::Cpu),
-            "cuda" | "gpu" => Ok(BackendChoice::Cuda),
+            "cuda" => Ok(BackendChoice::Cuda),
             "auto" => Ok(BackendChoice::Auto),
             _ => Err(UnknownBackend(s.to_string())),
         }
