@@ -87,7 +87,12 @@ pub fn pack_q8_0_rows(
         return Err(QuantError::LengthMismatch { ty, what: "packed activation bytes", expected: bytes, got: dst.len() });
     }
     let nb = cols / QK;
-    dst.fill(0);
+    // Every byte of a full group is written below; only a last partial
+    // group has lanes to clear.
+    if n_tokens % Q8_0_TOKEN_GROUP != 0 {
+        let last = n_tokens / Q8_0_TOKEN_GROUP * nb * PACKED_BLOCK_BYTES;
+        dst[last..].fill(0);
+    }
     for t in 0..n_tokens {
         let (g, lane) = (t / Q8_0_TOKEN_GROUP, t % Q8_0_TOKEN_GROUP);
         let row = &rows[t * row_stride..t * row_stride + rb];
@@ -343,8 +348,21 @@ mod x86 {
                     let mut k0 = 0;
                     while k0 < nb {
                         let kc = (nb - k0).min(KC);
-                        for k in 0..kc {
-                            for m in 0..M {
+                        // Row by row (front to back, as the prefetchers
+                        // expect), while the next tile's rows are fetched:
+                        // the group loop below is long enough to hide it.
+                        if k0 == 0 {
+                            // wrapping_add: past the last tile this points
+                            // outside the matrix; a prefetch never faults.
+                            let next = w.wrapping_add(M * wrow);
+                            let mut off = 0;
+                            while off < RM * wrow {
+                                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off) as *const i8);
+                                off += 64;
+                            }
+                        }
+                        for m in 0..M {
+                            for k in 0..kc {
                                 let src = w.add(m * wrow + (k0 + k) * Q8_0_BYTES);
                                 dw[k * RM + m] = half::f16::from_bits(u16::from_le_bytes([*src, *src.add(1)])).to_f32();
                                 let q = _mm256_loadu_si256(src.add(2) as *const __m256i);
@@ -673,7 +691,9 @@ mod tests {
                 for t in 0..n {
                     act[t * stride..t * stride + rb].copy_from_slice(&a[t * rb..(t + 1) * rb]);
                 }
-                let mut packed = vec![0u8; packed_q8_0_bytes(n, cols).unwrap()];
+                // Stale bytes (a reused buffer): packing must clear the
+                // padding lanes it does not write.
+                let mut packed = vec![0xabu8; packed_q8_0_bytes(n, cols).unwrap()];
                 pack_q8_0_rows(&act, stride, n, cols, &mut packed).unwrap();
                 for &k in &kernels {
                     let mut out = vec![f32::NAN; rows * n];
