@@ -158,14 +158,14 @@ impl Q8_0Gemm {
             Q8_0Gemm::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             Q8_0Gemm::Avx2 => super::avx2::available(),
-            #[cfg(target_arch = "x86_64")]
+            #[cfg(all(target_arch = "x86_64", mirage_avx512))]
             Q8_0Gemm::Avx512Vnni => {
                 super::avx2::available()
                     && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
             }
-            #[cfg(not(target_arch = "x86_64"))]
+            #[allow(unreachable_patterns)] // every arm is there on x86_64 with mirage_avx512
             _ => false,
         }
     }
@@ -184,9 +184,9 @@ impl Q8_0Gemm {
             Q8_0Gemm::Scalar => gemm_scalar,
             #[cfg(target_arch = "x86_64")]
             Q8_0Gemm::Avx2 => x86::gemm_avx2,
-            #[cfg(target_arch = "x86_64")]
-            Q8_0Gemm::Avx512Vnni => x86::gemm_vnni,
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(all(target_arch = "x86_64", mirage_avx512))]
+            Q8_0Gemm::Avx512Vnni => x86::vnni::gemm_vnni,
+            #[allow(unreachable_patterns)] // every arm is there on x86_64 with mirage_avx512
             _ => return None,
         })
     }
@@ -202,9 +202,9 @@ impl Q8_0Gemm {
             Q8_0Gemm::Scalar => matvec_scalar,
             #[cfg(target_arch = "x86_64")]
             Q8_0Gemm::Avx2 => x86::matvec_avx2,
-            #[cfg(target_arch = "x86_64")]
-            Q8_0Gemm::Avx512Vnni => x86::matvec_vnni,
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(all(target_arch = "x86_64", mirage_avx512))]
+            Q8_0Gemm::Avx512Vnni => x86::vnni::matvec_vnni,
+            #[allow(unreachable_patterns)] // every arm is there on x86_64 with mirage_avx512
             _ => return None,
         })
     }
@@ -331,7 +331,7 @@ mod x86 {
             /// # Safety
             /// [`super::Q8_0GemmFn`]'s contract.
             #[target_feature(enable = $feat)]
-            pub(super) unsafe fn $name(cols: usize, w: &[u8], rows: usize, packed: &[u8], n: usize, out: &mut [f32]) {
+            pub(crate) unsafe fn $name(cols: usize, w: &[u8], rows: usize, packed: &[u8], n: usize, out: &mut [f32]) {
                 #[target_feature(enable = $feat)]
                 #[inline]
                 unsafe fn row_tile<const M: usize>(
@@ -370,7 +370,7 @@ mod x86 {
                             }
                         }
                         let mut g = 0;
-                        while g + $rn <= groups {
+                        while groups - g >= $rn {
                             tile::<M, $rn>(nb, k0, kc, &wq, &dw, packed, g, n, out);
                             g += $rn;
                         }
@@ -498,31 +498,6 @@ mod x86 {
 
     tiled_gemm!(gemm_avx2, "avx2,fma,f16c", rn = 1, keep, zero_init, dot_avx2);
 
-    // --------------------------------------------------- AVX-512 VNNI
-
-    /// `w + 128` as unsigned bytes (the `vpdpbusd` unsigned operand).
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    #[inline]
-    unsafe fn bias_128(q: __m256i) -> __m256i {
-        _mm256_xor_si256(q, _mm256_set1_epi8(0x80u8 as i8))
-    }
-
-    /// The packed `-128 * sum(a)` per token: with it as the start,
-    /// `sum((w + 128) a)` ends at `sum(w a)`.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    #[inline]
-    unsafe fn corr_init(corr: *const u8) -> __m256i {
-        _mm256_loadu_si256(corr as *const __m256i)
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    #[inline]
-    unsafe fn dot_vnni(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(acc, w, a)
-    }
-
-    tiled_gemm!(gemm_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", rn = 2, bias_128, corr_init, dot_vnni);
-
     // ------------------------------------------------------ matrix-vector
 
     /// Per-row AVX2 `vec_dot`.
@@ -539,110 +514,147 @@ mod x86 {
 
     /// Activation blocks whose scales and `-128 * sum` corrections are
     /// computed per piece (1 KiB of stack); longer rows go in pieces.
-    const MV_KC: usize = 128;
+    /// The AVX-512 VNNI kernels: built only by Rust 1.89+ (where AVX-512
+    /// intrinsics and target features are stable; build.rs sets
+    /// `mirage_avx512`), so the crate keeps building on its older MSRV.
+    #[cfg(mirage_avx512)]
+    #[allow(clippy::incompatible_msrv)] // gated on the compiler version above
+    pub(super) mod vnni {
+        use std::arch::x86_64::*;
 
-    /// One row at a time, in steps of 8 blocks: each block biased to
-    /// `w + 128` and multiplied with the activation block in one
-    /// `vpdpbusd`, the eight 8-lane results reduced by `hadd` into one
-    /// vector whose lane b is block b's exact sum, the activation's
-    /// `-128 * sum(a)` per block added, then one convert and one FMA by the
-    /// 8 blocks' `dw` (gathered, one `cvtph`) times their `da`. About 6
-    /// vector ops per block against ~12 for the single-row kernel, whose
-    /// per-block widening, convert and scalar scale products made decode
-    /// compute-bound. Rows are read front to back (the hardware
-    /// prefetchers follow that; a multi-row column order defeated them).
-    ///
-    /// # Safety
-    /// [`super::Q8_0MatvecFn`]'s contract.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub(super) unsafe fn matvec_vnni(cols: usize, w: &[u8], rows: usize, act: &[u8], out: &mut [f32]) {
-        let nb = cols / QK;
-        let rb = nb * Q8_0_BYTES;
-        let (wp, ap) = (w.as_ptr(), act.as_ptr());
-        let bias = _mm256_set1_epi8(0x80u8 as i8);
-        // Lane b of a gather: the f16 `d` of block b, 34 bytes apart.
-        let d_offsets = _mm256_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238);
-        let mut corr = [0i32; MV_KC];
-        let mut da = [0f32; MV_KC];
-        let mut k0 = 0;
-        while k0 < nb {
-            let kc = (nb - k0).min(MV_KC);
-            for k in 0..kc {
-                let y = ap.add((k0 + k) * Q8_0_BYTES);
-                let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), bias, _mm256_loadu_si256(y.add(2) as *const __m256i));
-                corr[k] = -hsum_i32(s);
-                da[k] = half::f16::from_bits(u16::from_le_bytes([*y, *y.add(1)])).to_f32();
-            }
-            for r in 0..rows {
-                let x0 = wp.add(r * rb + k0 * Q8_0_BYTES);
-                let mut acc = _mm256_setzero_ps();
-                let mut k = 0;
-                while k < kc {
-                    let m = (kc - k).min(8);
-                    let x = x0.add(k * Q8_0_BYTES);
-                    let mut p = [_mm256_setzero_si256(); 8];
-                    for (b, p) in p.iter_mut().enumerate().take(m) {
-                        let q = _mm256_loadu_si256(x.add(b * Q8_0_BYTES + 2) as *const __m256i);
-                        let a = _mm256_loadu_si256(ap.add((k0 + k + b) * Q8_0_BYTES + 2) as *const __m256i);
-                        *p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(q, bias), a);
-                    }
-                    let h01 = _mm256_hadd_epi32(p[0], p[1]);
-                    let h23 = _mm256_hadd_epi32(p[2], p[3]);
-                    let h45 = _mm256_hadd_epi32(p[4], p[5]);
-                    let h67 = _mm256_hadd_epi32(p[6], p[7]);
-                    let h0123 = _mm256_hadd_epi32(h01, h23);
-                    let h4567 = _mm256_hadd_epi32(h45, h67);
-                    let sums = _mm256_add_epi32(
-                        _mm256_permute2x128_si256(h0123, h4567, 0x20),
-                        _mm256_permute2x128_si256(h0123, h4567, 0x31),
-                    );
-                    let (dw, sums) = if m == 8 {
-                        let g = _mm256_i32gather_epi32::<1>(x as *const i32, d_offsets);
-                        let corr8 = _mm256_loadu_si256(corr.as_ptr().add(k) as *const __m256i);
-                        (_mm256_cvtph_ps(_mm256_cvtepi32_epi16(g)), _mm256_add_epi32(sums, corr8))
-                    } else {
-                        // Tail: lanes past `m` get dw = 0 and no correction
-                        // (their sums are 0), so they add nothing.
-                        let mut d16 = [0u16; 8];
-                        let mut c8 = [0i32; 8];
-                        for b in 0..m {
-                            d16[b] = u16::from_le_bytes([*x.add(b * Q8_0_BYTES), *x.add(b * Q8_0_BYTES + 1)]);
-                            c8[b] = corr[k + b];
-                        }
-                        let corr8 = _mm256_loadu_si256(c8.as_ptr() as *const __m256i);
-                        (_mm256_cvtph_ps(_mm_loadu_si128(d16.as_ptr() as *const __m128i)), _mm256_add_epi32(sums, corr8))
-                    };
-                    let d = _mm256_mul_ps(dw, _mm256_loadu_ps(da.as_ptr().add(k)));
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc);
-                    k += m;
-                }
-                let v = hsum_ps(acc);
-                if k0 == 0 {
-                    out[r] = v;
-                } else {
-                    out[r] += v;
-                }
-            }
-            k0 += kc;
+        use super::super::{CORR_AT, PACKED_BLOCK_BYTES, Q8_0_BYTES, Q8_0_TOKEN_GROUP, QK, QS_AT, SCALES_AT};
+        use super::{KC, RM};
+
+        // --------------------------------------------------- AVX-512 VNNI
+
+        /// `w + 128` as unsigned bytes (the `vpdpbusd` unsigned operand).
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+        #[inline]
+        unsafe fn bias_128(q: __m256i) -> __m256i {
+            _mm256_xor_si256(q, _mm256_set1_epi8(0x80u8 as i8))
         }
-    }
 
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    #[inline]
-    unsafe fn hsum_ps(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
+        /// The packed `-128 * sum(a)` per token: with it as the start,
+        /// `sum((w + 128) a)` ends at `sum(w a)`.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+        #[inline]
+        unsafe fn corr_init(corr: *const u8) -> __m256i {
+            _mm256_loadu_si256(corr as *const __m256i)
+        }
 
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    #[inline]
-    unsafe fn hsum_i32(v: __m256i) -> i32 {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-        _mm_cvtsi128_si32(s)
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+        #[inline]
+        unsafe fn dot_vnni(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+            _mm256_dpbusd_epi32(acc, w, a)
+        }
+
+        tiled_gemm!(gemm_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", rn = 2, bias_128, corr_init, dot_vnni);
+
+        const MV_KC: usize = 128;
+
+        /// One row at a time, in steps of 8 blocks: each block biased to
+        /// `w + 128` and multiplied with the activation block in one
+        /// `vpdpbusd`, the eight 8-lane results reduced by `hadd` into one
+        /// vector whose lane b is block b's exact sum, the activation's
+        /// `-128 * sum(a)` per block added, then one convert and one FMA by the
+        /// 8 blocks' `dw` (gathered, one `cvtph`) times their `da`. About 6
+        /// vector ops per block against ~12 for the single-row kernel, whose
+        /// per-block widening, convert and scalar scale products made decode
+        /// compute-bound. Rows are read front to back (the hardware
+        /// prefetchers follow that; a multi-row column order defeated them).
+        ///
+        /// # Safety
+        /// [`super::Q8_0MatvecFn`]'s contract.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+        pub(crate) unsafe fn matvec_vnni(cols: usize, w: &[u8], rows: usize, act: &[u8], out: &mut [f32]) {
+            let nb = cols / QK;
+            let rb = nb * Q8_0_BYTES;
+            let (wp, ap) = (w.as_ptr(), act.as_ptr());
+            let bias = _mm256_set1_epi8(0x80u8 as i8);
+            // Lane b of a gather: the f16 `d` of block b, 34 bytes apart.
+            let d_offsets = _mm256_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238);
+            let mut corr = [0i32; MV_KC];
+            let mut da = [0f32; MV_KC];
+            let mut k0 = 0;
+            while k0 < nb {
+                let kc = (nb - k0).min(MV_KC);
+                for k in 0..kc {
+                    let y = ap.add((k0 + k) * Q8_0_BYTES);
+                    let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), bias, _mm256_loadu_si256(y.add(2) as *const __m256i));
+                    corr[k] = -hsum_i32(s);
+                    da[k] = half::f16::from_bits(u16::from_le_bytes([*y, *y.add(1)])).to_f32();
+                }
+                for r in 0..rows {
+                    let x0 = wp.add(r * rb + k0 * Q8_0_BYTES);
+                    let mut acc = _mm256_setzero_ps();
+                    let mut k = 0;
+                    while k < kc {
+                        let m = (kc - k).min(8);
+                        let x = x0.add(k * Q8_0_BYTES);
+                        let mut p = [_mm256_setzero_si256(); 8];
+                        for (b, p) in p.iter_mut().enumerate().take(m) {
+                            let q = _mm256_loadu_si256(x.add(b * Q8_0_BYTES + 2) as *const __m256i);
+                            let a = _mm256_loadu_si256(ap.add((k0 + k + b) * Q8_0_BYTES + 2) as *const __m256i);
+                            *p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(q, bias), a);
+                        }
+                        let h01 = _mm256_hadd_epi32(p[0], p[1]);
+                        let h23 = _mm256_hadd_epi32(p[2], p[3]);
+                        let h45 = _mm256_hadd_epi32(p[4], p[5]);
+                        let h67 = _mm256_hadd_epi32(p[6], p[7]);
+                        let h0123 = _mm256_hadd_epi32(h01, h23);
+                        let h4567 = _mm256_hadd_epi32(h45, h67);
+                        let sums = _mm256_add_epi32(
+                            _mm256_permute2x128_si256(h0123, h4567, 0x20),
+                            _mm256_permute2x128_si256(h0123, h4567, 0x31),
+                        );
+                        let (dw, sums) = if m == 8 {
+                            let g = _mm256_i32gather_epi32::<1>(x as *const i32, d_offsets);
+                            let corr8 = _mm256_loadu_si256(corr.as_ptr().add(k) as *const __m256i);
+                            (_mm256_cvtph_ps(_mm256_cvtepi32_epi16(g)), _mm256_add_epi32(sums, corr8))
+                        } else {
+                            // Tail: lanes past `m` get dw = 0 and no correction
+                            // (their sums are 0), so they add nothing.
+                            let mut d16 = [0u16; 8];
+                            let mut c8 = [0i32; 8];
+                            for b in 0..m {
+                                d16[b] = u16::from_le_bytes([*x.add(b * Q8_0_BYTES), *x.add(b * Q8_0_BYTES + 1)]);
+                                c8[b] = corr[k + b];
+                            }
+                            let corr8 = _mm256_loadu_si256(c8.as_ptr() as *const __m256i);
+                            (_mm256_cvtph_ps(_mm_loadu_si128(d16.as_ptr() as *const __m128i)), _mm256_add_epi32(sums, corr8))
+                        };
+                        let d = _mm256_mul_ps(dw, _mm256_loadu_ps(da.as_ptr().add(k)));
+                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc);
+                        k += m;
+                    }
+                    let v = hsum_ps(acc);
+                    if k0 == 0 {
+                        out[r] = v;
+                    } else {
+                        out[r] += v;
+                    }
+                }
+                k0 += kc;
+            }
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+        #[inline]
+        unsafe fn hsum_ps(v: __m256) -> f32 {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            _mm_cvtss_f32(s)
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+        #[inline]
+        unsafe fn hsum_i32(v: __m256i) -> i32 {
+            let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+            _mm_cvtsi128_si32(s)
+        }
     }
 }
 
