@@ -145,11 +145,16 @@ __device__ __forceinline__ void sb_grid_barrier(sb_u32* bar) {
 // floats), counters (2 + n_chunks u32, zero at first use, self-resetting).
 // Grid: at most the resident blocks (launched cooperatively); block
 // SB_THREADS; dynamic shared memory d * 4 bytes; d % 32 == 0.
+// phases: 3 = both phases with the grid barrier (cooperative launch); 1 or 2
+// = that phase only, so the pair can run as two ordinary launches (the
+// kernel boundary is the barrier) inside a captured CUDA graph, with the
+// same grid for both (phase 2's split K depends on it). Phase 2 alone needs
+// no dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(SB_THREADS)
     superblock_ffn_q8s(const sb_u8* __restrict__ pages, long page_bytes, int n_pages, int d,
                        const float* __restrict__ x, const sb_u32* __restrict__ active,
                        const int* __restrict__ n_active, int max_active, int mode, int accumulate,
-                       float* hbuf, float* partials, sb_u32* counters, float* y) {
+                       float* hbuf, float* partials, sb_u32* counters, float* y, int phases) {
     extern __shared__ float4 sb_xs[];
     __shared__ float red[SB_WARPS][128];
     __shared__ int last_flag;
@@ -160,6 +165,7 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS)
     const long smat = (long)SB_PAGE_CH * (d >> 5);  // f16 scales of one matrix
 
     // Phase 1.
+    if (phases & 1) {
     const float4* x4 = (const float4*)x;
     for (int m = threadIdx.x; m < (d >> 2); m += blockDim.x) sb_xs[m] = x4[m];
     __syncthreads();
@@ -180,7 +186,9 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS)
         }
         if (lane == 0) hbuf[c] = hv;
     }
-    sb_grid_barrier(counters);
+    }
+    if (phases == 3) sb_grid_barrier(counters);
+    if (!(phases & 2)) return;
 
     // Phase 2.
     const int n_chunks = (d + 127) >> 7;

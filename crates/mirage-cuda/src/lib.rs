@@ -27,6 +27,10 @@ mod backend;
 pub mod module;
 #[cfg(feature = "cuda")]
 pub use backend::{CudaActivations, CudaBackend, CudaFfn, CudaKvCache, CudaMatrix, CudaVector};
+#[cfg(feature = "cuda")]
+pub use backend::sparse_backend::{
+    pages_for_fraction, random_subset, OpTimes, PageSource, SparseCudaBackend, SparseFfn, SparsePages,
+};
 
 pub mod nvfp4;
 pub mod superblock;

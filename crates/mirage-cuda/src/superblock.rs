@@ -137,6 +137,8 @@ mod device {
         include_str!("../../../cuda/superblock.cu")
     );
 
+    /// `phases` argument of the fused FFN: both phases, grid barrier between.
+    const BOTH_PHASES: i32 = 3;
     /// Threads of the mat-vec and FFN blocks (`NV_WARPS`/`SB_WARPS` * 32).
     const BLOCK: u32 = 256;
     /// Rows per warp of the mat-vecs (`NV_ROWS`, and 4 in `matvec_q8s`).
@@ -592,7 +594,8 @@ mod device {
                 .arg(&ph)
                 .arg(&pp)
                 .arg(&pc)
-                .arg(&py);
+                .arg(&py)
+                .arg(&BOTH_PHASES);
             // SAFETY: argument types and order match the kernel; x and y hold
             // d floats, hbuf capacity * 128, partials (grid / n_chunks) * d,
             // counters 2 + n_chunks; the kernel clamps the count to the
