@@ -637,3 +637,353 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, u
         if (lane == 0) idx[blockIdx.x] = (u32)besti;
     }
 }
+
+// ===========================================================================
+// Decode fast path (CudaBackend's default; MIRAGE_CUDA_FAST=0 keeps the
+// kernels above). This file is compiled after nvfp4.cu (module.rs), whose
+// sb_* decode helpers these kernels share with the sparse path.
+//
+// Weight layouts, chosen at upload:
+//   ggml  : the file's blocks, read by dequant_unit<T> as above.
+//   q8_0s : split Q8_0 (superblock.cu): quants [rows][cols] int8, then block
+//           scales [rows][cols/32] f16. Lane l reads the 32-bit word l of
+//           each 128-element chunk: one coalesced 128-byte line per warp load.
+//   nvfp4 : the CPU codec's NVFP4 (mirage_gguf::quant::nvfp4): packed E2M1
+//           codes [rows][cols/2], then E4M3 scales [rows][cols/16]; the f32
+//           tensor scale is a kernel argument. Lane l reads word l of each
+//           256-element chunk (128 bytes per row per warp load).
+//
+// Fusions (fewer dependent launches per layer):
+//   mv3_*  : up to three products of the same input (Q, K, V) in one launch;
+//            a single product passes rows1 = rows2 = 0. Blocks
+//            [0, b0) take matrix 0, [b0, b0 + b1) matrix 1, the rest matrix 2.
+//   ffn_*  : gate and up products of one row and silu(g) * u in one kernel.
+// Grids stay fixed for a given shape (graph-replayable); gridDim.y = rows of
+// the activation batch.
+// ===========================================================================
+
+#define FAST_WARPS 8   // warps per block
+#define FAST_ROWS 4    // weight rows per warp (q8_0s, nvfp4)
+#define Q8S_UNROLL 4   // 128-element chunks in flight per row (q8_0s)
+
+__device__ __forceinline__ int pick3(int bx, int per_block, int rows0, int rows1, int* m) {
+    int b0 = (rows0 + per_block - 1) / per_block, b1 = (rows1 + per_block - 1) / per_block;
+    if (bx < b0) { *m = 0; return bx; }
+    bx -= b0;
+    if (bx < b1) { *m = 1; return bx; }
+    *m = 2;
+    return bx - b1;
+}
+
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
+// This lane's share of the dot products of NR split-Q8_0 rows (quants q[k],
+// scales s[k]) with xa[0..cols); the caller reduces over the warp.
+template <int NR>
+__device__ __forceinline__ void q8s_dot(const u8* const* q, const u16* const* s, const float* __restrict__ xa, int cols,
+                                        int lane, float* acc) {
+    const int n_chunks = (cols + 127) >> 7;
+    for (int c = 0; c < n_chunks; c += Q8S_UNROLL) {
+        u32 w[Q8S_UNROLL][NR];
+        u16 sc[Q8S_UNROLL][NR];
+#pragma unroll
+        for (int h = 0; h < Q8S_UNROLL; h++) {
+            int e = ((c + h) << 7) + (lane << 2);
+            bool ok = e < cols;  // implies c + h < n_chunks
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                w[h][k] = ok ? __ldg((const u32*)(q[k] + e)) : 0u;
+                sc[h][k] = ok ? __ldg(s[k] + (e >> 5)) : (u16)0;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < Q8S_UNROLL; h++) {
+            int e = ((c + h) << 7) + (lane << 2);
+            if (e >= cols) continue;
+            float4 xv = __ldg((const float4*)(xa + e));
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                float f[4];
+                sb_q8x4(w[h][k], f);
+                acc[k] += h2f(sc[h][k]) * (f[0] * xv.x + f[1] * xv.y + f[2] * xv.z + f[3] * xv.w);
+            }
+        }
+    }
+}
+
+// This lane's share of NR NVFP4 rows (codes q[k] as words, scales s[k]) dotted
+// with xa, in units of (E2M1 doubled) x (E4M3 scale): the caller multiplies
+// by tensor_scale / 2.
+template <int NR>
+__device__ __forceinline__ void nvfp4_dot(const u32* const* q, const u8* const* s, const float* __restrict__ xa,
+                                          int cols, int lane, float* acc) {
+    const int n_chunks = (cols + 255) >> 8;
+    for (int c = 0; c < n_chunks; c += 2) {
+        u32 w[2][NR], sc[2][NR];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int e = ((c + h) << 8) + (lane << 3);
+            bool ok = e < cols;
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                w[h][k] = ok ? __ldg(q[k] + (e >> 3)) : 0u;
+                sc[h][k] = ok ? (u32)__ldg(s[k] + (e >> 4)) : 0u;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int e = ((c + h) << 8) + (lane << 3);
+            if (e >= cols) continue;
+            float4 xa4 = __ldg((const float4*)(xa + e)), xb4 = __ldg((const float4*)(xa + e + 4));
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                float lo[4], hi[4];
+                sb_e2m1x4_doubled(w[h][k], lo);
+                sb_e2m1x4_doubled(w[h][k] >> 16, hi);
+                float d = lo[0] * xa4.x + lo[1] * xa4.y + lo[2] * xa4.z + lo[3] * xa4.w + hi[0] * xb4.x +
+                          hi[1] * xb4.y + hi[2] * xb4.z + hi[3] * xb4.w;
+                acc[k] += d * sb_e4m3(sc[h][k]);
+            }
+        }
+    }
+}
+
+// One lane's share of W[row] . xa on a ggml-layout row (the old matvec's
+// loop, same order, so results equal matvec_<T> bit for bit).
+template <int T>
+__device__ __forceinline__ float ggml_row_dot(const u8* row, const float* __restrict__ xa, int cols, int lane) {
+    int units = cols >> 5;
+    float acc = 0.f;
+    for (int u = lane; u < units; u += 32) {
+        float w[32];
+        dequant_unit<T>(row, u, w);
+        const float4* xv = (const float4*)(xa + u * 32);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float4 v = __ldg(xv + i);
+            acc += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
+        }
+    }
+    return acc;
+}
+
+#define MV3_PARAMS                                                                                                   \
+    const u8 *W0, const u8 *W1, const u8 *W2, int rows0, int rows1, int rows2, long row_bytes, int cols,          \
+        const float *x, float *y0, float *y1, float *y2, float ts0, float ts1, float ts2
+#define FFN_PARAMS                                                                                                   \
+    const u8 *Wg, const u8 *Wu, int rows, long row_bytes, int cols, const float *x, float *h, float ts_g, float ts_u
+
+#define MV3_PICK(PER_BLOCK)                                                                                          \
+    int m;                                                                                                           \
+    int bx = pick3(blockIdx.x, PER_BLOCK, rows0, rows1, &m);                                                         \
+    const u8* W = m == 0 ? W0 : m == 1 ? W1 : W2;                                                                    \
+    int rows = m == 0 ? rows0 : m == 1 ? rows1 : rows2;                                                              \
+    float* y = m == 0 ? y0 : m == 1 ? y1 : y2;                                                                       \
+    float ts = m == 0 ? ts0 : m == 1 ? ts1 : ts2;                                                                    \
+    (void)ts;                                                                                                        \
+    (void)row_bytes;                                                                                                 \
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                                            \
+    int a = blockIdx.y;                                                                                              \
+    const float* xa = x + (long)a * cols;
+
+// ggml layout: one warp per row, FAST_WARPS rows per block.
+template <int T>
+__device__ void mv3_ggml(MV3_PARAMS) {
+    MV3_PICK(FAST_WARPS)
+    int r = bx * FAST_WARPS + warp;
+    if (r >= rows) return;
+    float acc = warp_sum(ggml_row_dot<T>(W + (long)r * row_bytes, xa, cols, lane));
+    if (lane == 0) y[(long)a * rows + r] = acc;
+}
+
+template <int T>
+__device__ void ffn_ggml(FFN_PARAMS) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r = blockIdx.x * FAST_WARPS + warp;
+    if (r >= rows) return;
+    int a = blockIdx.y;
+    const float* xa = x + (long)a * cols;
+    float g = warp_sum(ggml_row_dot<T>(Wg + (long)r * row_bytes, xa, cols, lane));
+    float u = warp_sum(ggml_row_dot<T>(Wu + (long)r * row_bytes, xa, cols, lane));
+    if (lane == 0) h[(long)a * rows + r] = silu_mul(g, u);
+}
+
+#define FAST_INSTANCE(NAME, T)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_##NAME(MV3_PARAMS) {                           \
+        mv3_ggml<T>(W0, W1, W2, rows0, rows1, rows2, row_bytes, cols, x, y0, y1, y2, ts0, ts1, ts2);                 \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_##NAME(FFN_PARAMS) {                           \
+        ffn_ggml<T>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u);                                                \
+    }
+
+FAST_INSTANCE(f32, TY_F32)
+FAST_INSTANCE(f16, TY_F16)
+FAST_INSTANCE(bf16, TY_BF16)
+FAST_INSTANCE(q4_0, TY_Q4_0)
+FAST_INSTANCE(q4_1, TY_Q4_1)
+FAST_INSTANCE(q5_0, TY_Q5_0)
+FAST_INSTANCE(q5_1, TY_Q5_1)
+FAST_INSTANCE(q8_0, TY_Q8_0)
+FAST_INSTANCE(q2_k, TY_Q2_K)
+FAST_INSTANCE(q3_k, TY_Q3_K)
+FAST_INSTANCE(q4_k, TY_Q4_K)
+FAST_INSTANCE(q5_k, TY_Q5_K)
+FAST_INSTANCE(q6_k, TY_Q6_K)
+
+// Split Q8_0: FAST_ROWS rows per warp (they share the x loads).
+extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q8_0s(MV3_PARAMS) {
+    MV3_PICK(FAST_WARPS * FAST_ROWS)
+    int r0 = (bx * FAST_WARPS + warp) * FAST_ROWS;
+    if (r0 >= rows) return;
+    const u16* scales = (const u16*)(W + (long)rows * cols);
+    const u8* q[FAST_ROWS];
+    const u16* s[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) {
+        int r = min(r0 + k, rows - 1);  // duplicate the last row; not stored
+        q[k] = W + (long)r * cols;
+        s[k] = scales + (long)r * (cols >> 5);
+    }
+    float acc[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) acc[k] = 0.f;
+    q8s_dot<FAST_ROWS>(q, s, xa, cols, lane, acc);
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) {
+        float v = warp_sum(acc[k]);
+        if (lane == 0 && r0 + k < rows) y[(long)a * rows + r0 + k] = v;
+    }
+}
+
+// Split Q8_0 gate/up/SwiGLU: FAST_ROWS / 2 channels per warp (their gate and
+// up rows are the warp's FAST_ROWS rows).
+extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q8_0s(FFN_PARAMS) {
+    const int NC = FAST_ROWS / 2;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
+    if (r0 >= rows) return;
+    int a = blockIdx.y;
+    const float* xa = x + (long)a * cols;
+    const u16* sg = (const u16*)(Wg + (long)rows * cols);
+    const u16* su = (const u16*)(Wu + (long)rows * cols);
+    const u8* q[FAST_ROWS];
+    const u16* s[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        int r = min(r0 + k, rows - 1);
+        q[k] = Wg + (long)r * cols;
+        s[k] = sg + (long)r * (cols >> 5);
+        q[NC + k] = Wu + (long)r * cols;
+        s[NC + k] = su + (long)r * (cols >> 5);
+    }
+    float acc[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) acc[k] = 0.f;
+    q8s_dot<FAST_ROWS>(q, s, xa, cols, lane, acc);
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        float g = warp_sum(acc[k]), u = warp_sum(acc[NC + k]);
+        if (lane == 0 && r0 + k < rows) h[(long)a * rows + r0 + k] = silu_mul(g, u);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_nvfp4(MV3_PARAMS) {
+    MV3_PICK(FAST_WARPS * FAST_ROWS)
+    int r0 = (bx * FAST_WARPS + warp) * FAST_ROWS;
+    if (r0 >= rows) return;
+    const u8* scales = W + (long)rows * (cols >> 1);
+    const u32* q[FAST_ROWS];
+    const u8* s[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) {
+        int r = min(r0 + k, rows - 1);
+        q[k] = (const u32*)(W + (long)r * (cols >> 1));
+        s[k] = scales + (long)r * (cols >> 4);
+    }
+    float acc[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) acc[k] = 0.f;
+    nvfp4_dot<FAST_ROWS>(q, s, xa, cols, lane, acc);
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) {
+        float v = warp_sum(acc[k]);
+        if (lane == 0 && r0 + k < rows) y[(long)a * rows + r0 + k] = v * (0.5f * ts);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_nvfp4(FFN_PARAMS) {
+    const int NC = FAST_ROWS / 2;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
+    if (r0 >= rows) return;
+    int a = blockIdx.y;
+    const float* xa = x + (long)a * cols;
+    const u8* sg = Wg + (long)rows * (cols >> 1);
+    const u8* su = Wu + (long)rows * (cols >> 1);
+    const u32* q[FAST_ROWS];
+    const u8* s[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        int r = min(r0 + k, rows - 1);
+        q[k] = (const u32*)(Wg + (long)r * (cols >> 1));
+        s[k] = sg + (long)r * (cols >> 4);
+        q[NC + k] = (const u32*)(Wu + (long)r * (cols >> 1));
+        s[NC + k] = su + (long)r * (cols >> 4);
+    }
+    float acc[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) acc[k] = 0.f;
+    nvfp4_dot<FAST_ROWS>(q, s, xa, cols, lane, acc);
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        float g = warp_sum(acc[k]) * (0.5f * ts_g), u = warp_sum(acc[NC + k]) * (0.5f * ts_u);
+        if (lane == 0 && r0 + k < rows) h[(long)a * rows + r0 + k] = silu_mul(g, u);
+    }
+}
+
+// Element i of row r of a repacked matrix, as f32.
+__device__ __forceinline__ float q8s_elem(const u8* W, int rows, int cols, long r, int i) {
+    const u16* scales = (const u16*)(W + (long)rows * cols);
+    return h2f(scales[r * (cols >> 5) + (i >> 5)]) * (float)((const i8*)W)[r * cols + i];
+}
+
+__device__ __forceinline__ float e2m1_f32(u32 c) {
+    u32 m = c & 7u;
+    float v = m < 4u ? 0.5f * (float)m : (m == 4u ? 2.f : m == 5u ? 3.f : m == 6u ? 4.f : 6.f);
+    return (c & 8u) ? -v : v;
+}
+
+__device__ __forceinline__ float nvfp4_elem(const u8* W, int rows, int cols, float ts, long r, int i) {
+    u32 code = (W[r * (cols >> 1) + (i >> 1)] >> (4 * (i & 1))) & 15u;
+    u32 sc = W[(long)rows * (cols >> 1) + r * (cols >> 4) + (i >> 4)];
+    // The CPU codec's order: code value times (block scale times tensor scale).
+    return e2m1_f32(code) * (sb_e4m3(sc) * ts);
+}
+
+// Embedding rows of repacked tables; grid (n_tokens), block 128.
+extern "C" __global__ void embed_q8_0s(const u8* W, int n_rows, int cols, const u32* tokens, float* out) {
+    u32 t = tokens[blockIdx.x];
+    if (t >= (u32)n_rows) return;  // checked on the host
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(long)blockIdx.x * cols + i] = q8s_elem(W, n_rows, cols, t, i);
+}
+
+extern "C" __global__ void embed_nvfp4(const u8* W, int n_rows, int cols, float ts, const u32* tokens, float* out) {
+    u32 t = tokens[blockIdx.x];
+    if (t >= (u32)n_rows) return;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        out[(long)blockIdx.x * cols + i] = nvfp4_elem(W, n_rows, cols, ts, t, i);
+}
+
+// GEMM weight tiles of repacked matrices: wh[r - r0, :] for r in [r0, r0 +
+// gridDim.x); block 128.
+extern "C" __global__ void dequant_f16_q8_0s(const u8* W, int rows, int cols, int r0, u16* wh) {
+    long r = r0 + blockIdx.x;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        wh[(long)blockIdx.x * cols + i] = f2h(q8s_elem(W, rows, cols, r, i));
+}
+
+extern "C" __global__ void dequant_f16_nvfp4(const u8* W, int rows, int cols, float ts, int r0, u16* wh) {
+    long r = r0 + blockIdx.x;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        wh[(long)blockIdx.x * cols + i] = f2h(nvfp4_elem(W, rows, cols, ts, r, i));
+}

@@ -18,7 +18,7 @@ use mirage_runtime::kv_cache::{KvDtype, KvSpec};
 use mirage_runtime::ops::RopeMode;
 use mirage_runtime::{Result, RuntimeError};
 
-use crate::{module, CudaError, GraphStats, MemoryStats};
+use crate::{module, CudaError, GraphStats, MemoryStats, WeightFormat};
 
 fn drv(e: cudarc::driver::DriverError) -> RuntimeError {
     CudaError::Driver(e.to_string()).into()
@@ -54,7 +54,13 @@ const SUFFIXES: &[&str] = &[
     "f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k",
     "q6_k",
 ];
+/// Kernel-name suffixes of the repacked layouts (fast path only).
+const REPACKED_SUFFIXES: &[&str] = &["q8_0s", "nvfp4"];
 const OTHER_KERNELS: &[&str] = &[
+    "embed_q8_0s",
+    "embed_nvfp4",
+    "dequant_f16_q8_0s",
+    "dequant_f16_nvfp4",
     "rms_norm",
     "add_bias",
     "add_inplace",
@@ -98,6 +104,26 @@ const GEMM_TILE_BYTES: usize = 32 << 20;
 /// Warps (weight rows) per mat-vec thread block.
 const MATVEC_WARPS: u32 = 8;
 
+/// Warps per block of the fast-path kernels (`FAST_WARPS` in dense.cu).
+const FAST_WARPS: usize = 8;
+
+/// Weight rows per warp of the repacked-layout kernels (`FAST_ROWS`).
+const FAST_ROWS: usize = 4;
+
+/// How a matrix's bytes are laid out on the device.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Layout {
+    /// The file's ggml blocks.
+    Ggml,
+    /// Split Q8_0: all quants `[rows][cols]`, then all f16 scales (see
+    /// `superblock::split_q8_0_rows`).
+    Q8Split,
+    /// NVFP4 (the CPU codec's): packed codes `[rows][cols/2]`, then E4M3
+    /// scales `[rows][cols/16]`, and this tensor scale.
+    Nvfp4 { tensor_scale: f32 },
+}
+
+
 /// A weight matrix on the device, in its ggml encoding.
 #[derive(Debug)]
 pub struct CudaMatrix {
@@ -106,6 +132,7 @@ pub struct CudaMatrix {
     rows: usize,
     cols: usize,
     row_bytes: usize,
+    layout: Layout,
     data: CudaSlice<u8>,
 }
 
@@ -124,7 +151,37 @@ impl CudaMatrix {
     }
     /// Bytes on the device.
     pub fn bytes(&self) -> usize {
-        self.rows * self.row_bytes
+        self.data.len()
+    }
+    /// Whether the matrix was requantized to NVFP4 at upload.
+    pub fn is_nvfp4(&self) -> bool {
+        matches!(self.layout, Layout::Nvfp4 { .. })
+    }
+    /// Whether the matrix sits in a repacked layout (split Q8_0 or NVFP4)
+    /// that only the fast-path kernels read.
+    pub fn is_repacked(&self) -> bool {
+        self.layout != Layout::Ggml
+    }
+    /// Suffix of the fast-path kernels (`mv3_*`, `ffn_*`) that read it.
+    fn fast_suffix(&self) -> Option<&'static str> {
+        match self.layout {
+            Layout::Ggml => kernel_suffix(self.ty),
+            Layout::Q8Split => Some("q8_0s"),
+            Layout::Nvfp4 { .. } => Some("nvfp4"),
+        }
+    }
+    /// Weight rows per block of the fast-path mat-vec.
+    fn fast_rows_per_block(&self) -> usize {
+        match self.layout {
+            Layout::Ggml => FAST_WARPS,
+            _ => FAST_WARPS * FAST_ROWS,
+        }
+    }
+    fn tensor_scale(&self) -> f32 {
+        match self.layout {
+            Layout::Nvfp4 { tensor_scale } => tensor_scale,
+            _ => 0.0,
+        }
     }
 }
 
@@ -280,6 +337,8 @@ pub struct CudaBackend {
     graphs_enabled: std::sync::atomic::AtomicBool,
     gemm_enabled: std::sync::atomic::AtomicBool,
     gemm_tile_bytes: std::sync::atomic::AtomicUsize,
+    fast_decode: std::sync::atomic::AtomicBool,
+    nvfp4_weights: std::sync::atomic::AtomicBool,
     scratch: Mutex<Scratch>,
     mem: Mutex<MemoryStats>,
 }
@@ -331,15 +390,22 @@ impl CudaBackend {
             .map_err(d)?;
         let mut functions = Vec::new();
         let mut kernel_index = HashMap::new();
+        let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
         let names: Vec<&'static str> = SUFFIXES
             .iter()
             .flat_map(|s| {
                 [
-                    &*Box::leak(format!("matvec_{s}").into_boxed_str()),
-                    &*Box::leak(format!("embed_{s}").into_boxed_str()),
-                    &*Box::leak(format!("dequant_f16_{s}").into_boxed_str()),
+                    leak(format!("matvec_{s}")),
+                    leak(format!("embed_{s}")),
+                    leak(format!("dequant_f16_{s}")),
                 ]
             })
+            .chain(
+                SUFFIXES
+                    .iter()
+                    .chain(REPACKED_SUFFIXES)
+                    .flat_map(|s| [leak(format!("mv3_{s}")), leak(format!("ffn_{s}"))]),
+            )
             .chain(OTHER_KERNELS.iter().copied())
             .collect();
         for name in names {
@@ -366,6 +432,10 @@ impl CudaBackend {
             compute_capability: cc,
             ptx_from_cache,
             graphs_enabled: (!env_off("MIRAGE_CUDA_GRAPHS")).into(),
+            fast_decode: (!env_off("MIRAGE_CUDA_FAST")).into(),
+            nvfp4_weights: std::env::var("MIRAGE_CUDA_WEIGHTS")
+                .is_ok_and(|v| v.eq_ignore_ascii_case("nvfp4"))
+                .into(),
             scratch: Mutex::new(Scratch::default()),
             step_state: Mutex::new(StepState::default()),
             mem: Mutex::new(MemoryStats::default()),
@@ -377,6 +447,40 @@ impl CudaBackend {
     pub fn set_graphs(&self, on: bool) {
         self.graphs_enabled
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Turns the fast decode path on (default; `MIRAGE_CUDA_FAST=0` turns it
+    /// off at start) or off: Q8_0 matrices uploaded afterwards are repacked
+    /// to the split layout, Q/K/V products of one input run as one launch
+    /// and the FFN's gate, up and SwiGLU as one kernel. Off, uploads keep the
+    /// ggml blocks and every op runs the first version's kernels. Matrices
+    /// already uploaded keep their layout (repacked ones always take the
+    /// fast kernels).
+    pub fn set_fast_decode(&self, on: bool) {
+        self.fast_decode
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the fast decode path is on.
+    pub fn fast_decode(&self) -> bool {
+        self.fast_decode.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets the encoding of matrices uploaded afterwards (default
+    /// [`WeightFormat::Native`]; `MIRAGE_CUDA_WEIGHTS=nvfp4` picks NVFP4 at
+    /// start).
+    pub fn set_weight_format(&self, f: WeightFormat) {
+        self.nvfp4_weights
+            .store(f == WeightFormat::Nvfp4, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The encoding of matrices uploaded from now on.
+    pub fn weight_format(&self) -> WeightFormat {
+        if self.nvfp4_weights.load(std::sync::atomic::Ordering::Relaxed) {
+            WeightFormat::Nvfp4
+        } else {
+            WeightFormat::Native
+        }
     }
 
     /// Whether decode steps are recorded as CUDA graphs.
@@ -688,14 +792,22 @@ impl CudaBackend {
         Ok(self.ptr(s))
     }
 
+    /// Whether a product over `n_act` activation rows goes through cuBLAS.
+    fn use_gemm(&self, n_act: usize) -> bool {
+        n_act >= GEMM_MIN_ROWS && self.prefill_gemm() && !self.recording()
+    }
+
     fn matvec(&self, w: &CudaMatrix, x: u64, n_act: usize, y: u64) -> Result<()> {
-        let suffix = kernel_suffix(w.ty).ok_or_else(|| RuntimeError::UnsupportedType {
+        let suffix = w.fast_suffix().ok_or_else(|| RuntimeError::UnsupportedType {
             backend: "cuda".into(),
             ty: w.ty,
             what: w.name.clone(),
         })?;
-        if n_act >= GEMM_MIN_ROWS && self.prefill_gemm() && !self.recording() {
+        if self.use_gemm(n_act) {
             return self.gemm(w, suffix, x, n_act, y);
+        }
+        if w.layout != Layout::Ggml || self.fast_decode() {
+            return self.mv3(&[w], x, n_act, &[y]);
         }
         self.launch(
             &format!("matvec_{suffix}"),
@@ -711,6 +823,94 @@ impl CudaBackend {
                 Arg::Ptr(y),
             ],
         )
+    }
+
+    /// `ys[i][a, :] = ws[i] x[a, :]` for 1 to 3 matrices of one kernel
+    /// suffix and row length, in one launch of `mv3_*` (its blocks are cut
+    /// between the matrices by their row counts).
+    fn mv3(&self, ws: &[&CudaMatrix], x: u64, n_act: usize, ys: &[u64]) -> Result<()> {
+        if ws.is_empty() || ws.len() > 3 || ws.len() != ys.len() {
+            return Err(bad("mv3 takes 1 to 3 matrices with one output each"));
+        }
+        let w0 = ws[0];
+        let suffix = w0.fast_suffix().ok_or_else(|| RuntimeError::UnsupportedType {
+            backend: "cuda".into(),
+            ty: w0.ty,
+            what: w0.name.clone(),
+        })?;
+        if ws
+            .iter()
+            .any(|w| w.fast_suffix() != Some(suffix) || w.cols != w0.cols)
+        {
+            return Err(bad("mv3 matrices differ in layout or row length"));
+        }
+        let per_block = w0.fast_rows_per_block();
+        let mut args_w = [Arg::Ptr(self.ptr(&w0.data)); 3];
+        let mut args_rows = [Arg::I32(0); 3];
+        let mut args_y = [Arg::Ptr(ys[0]); 3];
+        let mut args_ts = [Arg::F32(0.0); 3];
+        let mut blocks = 0usize;
+        for (i, (w, &y)) in ws.iter().zip(ys).enumerate() {
+            args_w[i] = Arg::Ptr(self.ptr(&w.data));
+            args_rows[i] = Arg::I32(w.rows as i32);
+            args_y[i] = Arg::Ptr(y);
+            args_ts[i] = Arg::F32(w.tensor_scale());
+            blocks += w.rows.div_ceil(per_block);
+        }
+        let mut args = Vec::with_capacity(14);
+        args.extend(args_w);
+        args.extend(args_rows);
+        args.push(Arg::I64(w0.row_bytes as i64));
+        args.push(Arg::I32(w0.cols as i32));
+        args.push(Arg::Ptr(x));
+        args.extend(args_y);
+        args.extend(args_ts);
+        self.launch(
+            &format!("mv3_{suffix}"),
+            (blocks as u32, n_act as u32, 1),
+            ((32 * FAST_WARPS) as u32, 1, 1),
+            0,
+            args,
+        )
+    }
+
+    /// `h[a, r] = silu(gate[r] . x[a]) * (up[r] . x[a])` in one launch;
+    /// `None` (nothing launched) when gate and up are read by different
+    /// kernels.
+    fn ffn_gate_up(
+        &self,
+        f: &CudaFfn,
+        x: u64,
+        n_act: usize,
+        h: u64,
+    ) -> Result<Option<()>> {
+        let (g, u) = (&f.gate, &f.up);
+        let suffix = match (g.fast_suffix(), u.fast_suffix()) {
+            (Some(a), Some(b)) if a == b && g.row_bytes == u.row_bytes => a,
+            _ => return Ok(None),
+        };
+        let per_block = match g.layout {
+            Layout::Ggml => FAST_WARPS,
+            _ => FAST_WARPS * FAST_ROWS / 2,
+        };
+        self.launch(
+            &format!("ffn_{suffix}"),
+            (g.rows.div_ceil(per_block) as u32, n_act as u32, 1),
+            ((32 * FAST_WARPS) as u32, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(self.ptr(&g.data)),
+                Arg::Ptr(self.ptr(&u.data)),
+                Arg::I32(g.rows as i32),
+                Arg::I64(g.row_bytes as i64),
+                Arg::I32(g.cols as i32),
+                Arg::Ptr(x),
+                Arg::Ptr(h),
+                Arg::F32(g.tensor_scale()),
+                Arg::F32(u.tensor_scale()),
+            ],
+        )?;
+        Ok(Some(()))
     }
 
     /// `y[a, r] = W[r, :] . x[a, :]` on tensor cores: the activations go to
@@ -749,19 +949,32 @@ impl CudaBackend {
         let mut r0 = 0;
         while r0 < rows {
             let rc = tile_rows.min(rows - r0);
-            self.launch(
-                &dq,
-                (rc as u32, 1, 1),
-                (128, 1, 1),
-                0,
-                vec![
-                    Arg::Ptr(self.ptr(&w.data)),
+            let pdata = Arg::Ptr(self.ptr(&w.data));
+            let args = match w.layout {
+                Layout::Ggml => vec![
+                    pdata,
                     Arg::I64(w.row_bytes as i64),
                     Arg::I32(cols as i32),
                     Arg::I32(r0 as i32),
                     Arg::Ptr(pw),
                 ],
-            )?;
+                Layout::Q8Split => vec![
+                    pdata,
+                    Arg::I32(rows as i32),
+                    Arg::I32(cols as i32),
+                    Arg::I32(r0 as i32),
+                    Arg::Ptr(pw),
+                ],
+                Layout::Nvfp4 { tensor_scale } => vec![
+                    pdata,
+                    Arg::I32(rows as i32),
+                    Arg::I32(cols as i32),
+                    Arg::F32(tensor_scale),
+                    Arg::I32(r0 as i32),
+                    Arg::Ptr(pw),
+                ],
+            };
+            self.launch(&dq, (rc as u32, 1, 1), (128, 1, 1), 0, args)?;
             // Column-major view: Y^T (rows x n_act, ld rows) = W_tile (cols x
             // rc, transposed) times X^T (cols x n_act).
             use cudarc::cublas::sys::{
@@ -844,14 +1057,38 @@ impl CudaBackend {
                 m.name, m.cols
             )));
         }
-        let data = self.stream.clone_htod(bytes).map_err(drv)?;
-        self.account(MemKind::Weights, bytes.len());
+        // The embedding table and the lm head keep their type under NVFP4
+        // (they set the logits' fidelity and are read once per token).
+        let is_table = m.name == "token_embd.weight" || m.name == "output.weight";
+        let repacked;
+        let (layout, upload): (Layout, &[u8]) = if self.weight_format() == WeightFormat::Nvfp4 && !is_table {
+            let t = quant::Nvfp4Tensor::requantize(m.ty, bytes, &[m.cols as u64, m.rows as u64])
+                .map_err(|e| bad(format!("{}: NVFP4 requantization: {e}", m.name)))?;
+            let mut v = t.packed;
+            v.extend_from_slice(&t.block_scales);
+            repacked = v;
+            (
+                Layout::Nvfp4 {
+                    tensor_scale: t.tensor_scale,
+                },
+                &repacked,
+            )
+        } else if m.ty == GgmlType::Q8_0 && self.fast_decode() {
+            repacked = crate::superblock::split_q8_0_rows(bytes, m.rows, m.cols)
+                .map_err(|e| bad(format!("{}: {e}", m.name)))?;
+            (Layout::Q8Split, &repacked)
+        } else {
+            (Layout::Ggml, bytes)
+        };
+        let data = self.stream.clone_htod(upload).map_err(drv)?;
+        self.account(MemKind::Weights, upload.len());
         Ok(CudaMatrix {
             name: m.name.clone(),
             ty: m.ty,
             rows: m.rows,
             cols: m.cols,
             row_bytes,
+            layout,
             data,
         })
     }
@@ -1034,20 +1271,37 @@ impl Backend for CudaBackend {
                 self.upload_u32(&mut s.indices, tokens)?
             }
         };
-        self.launch(
-            &format!("embed_{suffix}"),
-            (tokens.len() as u32, 1, 1),
-            (128, 1, 1),
-            0,
-            vec![
-                Arg::Ptr(self.ptr(&table.data)),
-                Arg::I64(table.row_bytes as i64),
-                Arg::I32(table.rows as i32),
-                Arg::I32(table.cols as i32),
-                Arg::Ptr(pt),
-                Arg::Ptr(po),
-            ],
-        )
+        let pw = Arg::Ptr(self.ptr(&table.data));
+        let (rows, cols) = (Arg::I32(table.rows as i32), Arg::I32(table.cols as i32));
+        let (kernel, args) = match table.layout {
+            Layout::Ggml => (
+                format!("embed_{suffix}"),
+                vec![
+                    pw,
+                    Arg::I64(table.row_bytes as i64),
+                    rows,
+                    cols,
+                    Arg::Ptr(pt),
+                    Arg::Ptr(po),
+                ],
+            ),
+            Layout::Q8Split => (
+                "embed_q8_0s".to_string(),
+                vec![pw, rows, cols, Arg::Ptr(pt), Arg::Ptr(po)],
+            ),
+            Layout::Nvfp4 { tensor_scale } => (
+                "embed_nvfp4".to_string(),
+                vec![
+                    pw,
+                    rows,
+                    cols,
+                    Arg::F32(tensor_scale),
+                    Arg::Ptr(pt),
+                    Arg::Ptr(po),
+                ],
+            ),
+        };
+        self.launch(&kernel, (tokens.len() as u32, 1, 1), (128, 1, 1), 0, args)
     }
 
     fn rms_norm(
@@ -1087,6 +1341,49 @@ impl Backend for CudaBackend {
         let px = self.act_ptr(x)?;
         let py = self.reshape(out, x.rows, w.rows)?;
         self.matvec(w, px, x.rows, py)
+    }
+
+    fn matmul_many(
+        &self,
+        ws: &[&CudaMatrix],
+        x: &CudaActivations,
+        outs: &mut [&mut CudaActivations],
+    ) -> Result<()> {
+        if ws.len() != outs.len() {
+            return Err(bad(format!(
+                "{} matrices for {} outputs",
+                ws.len(),
+                outs.len()
+            )));
+        }
+        if !self.fast_decode() || self.use_gemm(x.rows) {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul(w, x, out)?;
+            }
+            return Ok(());
+        }
+        if let Some(w) = ws.iter().find(|w| w.cols != x.width) {
+            return Err(bad(format!(
+                "{}: input width {} != {}",
+                w.name, x.width, w.cols
+            )));
+        }
+        let px = self.act_ptr(x)?;
+        let mut ys = Vec::with_capacity(ws.len());
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            ys.push(self.reshape(out, x.rows, w.rows)?);
+        }
+        // Runs of up to three matrices read by the same kernel share a launch.
+        let mut i = 0;
+        while i < ws.len() {
+            let mut j = i + 1;
+            while j < ws.len() && j - i < 3 && ws[j].fast_suffix() == ws[i].fast_suffix() {
+                j += 1;
+            }
+            self.mv3(&ws[i..j], px, x.rows, &ys[i..j])?;
+            i = j;
+        }
+        Ok(())
     }
 
     fn add_bias(&self, x: &mut CudaActivations, bias: &CudaVector) -> Result<()> {
@@ -1190,6 +1487,10 @@ impl Backend for CudaBackend {
             hd as i32,
             spec.n_ctx as i32,
         );
+        if !p.rope_scaling.is_none() {
+            // rope_store computes the unscaled angles on the device.
+            return Err(bad(format!("RoPE scaling {:?} is not implemented on CUDA", p.rope_scaling.kind)));
+        }
         self.launch(
             &format!("rope_store_{kv}"),
             (n as u32, (p.n_head + p.n_head_kv) as u32, 1),
@@ -1272,9 +1573,16 @@ impl Backend for CudaBackend {
                 self.reshape(&mut s.hidden, n, n_ff)?,
             )
         };
-        self.matvec(&f.gate, px, n, pg)?;
-        self.matvec(&f.up, px, n, pu)?;
-        self.elementwise("swiglu", n * n_ff, &[pg, pu, ph], None)?;
+        let fused = if self.fast_decode() && !self.use_gemm(n) {
+            self.ffn_gate_up(f, px, n, ph)?
+        } else {
+            None
+        };
+        if fused.is_none() {
+            self.matvec(&f.gate, px, n, pg)?;
+            self.matvec(&f.up, px, n, pu)?;
+            self.elementwise("swiglu", n * n_ff, &[pg, pu, ph], None)?;
+        }
         let po = self.reshape(out, n, f.down.rows)?;
         self.matvec(&f.down, ph, n, po)
     }

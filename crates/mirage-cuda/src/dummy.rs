@@ -51,6 +51,18 @@ impl CudaBackend {
     }
     /// Never reached.
     pub fn set_graphs(&self, _on: bool) {}
+    /// Fast decode path switch (no effect without CUDA).
+    pub fn set_fast_decode(&self, _on: bool) {}
+    /// Whether the fast decode path is on.
+    pub fn fast_decode(&self) -> bool {
+        false
+    }
+    /// Weight upload format (no effect without CUDA).
+    pub fn set_weight_format(&self, _f: crate::WeightFormat) {}
+    /// The weight upload format.
+    pub fn weight_format(&self) -> crate::WeightFormat {
+        crate::WeightFormat::Native
+    }
     /// Never reached.
     pub fn graphs(&self) -> bool {
         false

@@ -65,5 +65,18 @@ pub struct GraphStats {
     pub eager: u64,
 }
 
+/// The encoding weight matrices are uploaded in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightFormat {
+    /// The file's own quantization (Q8_0 repacked to the split layout when
+    /// the fast decode path is on).
+    #[default]
+    Native,
+    /// Every attention and FFN matrix requantized to NVFP4 at upload with
+    /// the CPU codec (weight-only: activations stay f32). The embedding
+    /// table and the lm head keep their own type.
+    Nvfp4,
+}
+
 /// Whether this build has the CUDA backend compiled in.
 pub const COMPILED_WITH_CUDA: bool = cfg!(feature = "cuda");

@@ -13,8 +13,13 @@ use std::path::PathBuf;
 
 use crate::CudaError;
 
-/// The dense kernels (`cuda/dense.cu`).
-pub const DENSE_SOURCE: &str = include_str!("../../../cuda/dense.cu");
+/// The dense kernels (`cuda/dense.cu`), after `cuda/nvfp4.cu`, whose `sb_*`
+/// decode helpers the fast decode kernels (split Q8_0, NVFP4) share with the
+/// sparse path.
+pub const DENSE_SOURCE: &str = concat!(
+    include_str!("../../../cuda/nvfp4.cu"),
+    include_str!("../../../cuda/dense.cu")
+);
 
 /// NVRTC options besides the architecture. Precise `expf`/division: the
 /// backend is checked against the CPU reference to cosine 0.9999.
