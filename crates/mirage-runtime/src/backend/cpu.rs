@@ -784,9 +784,7 @@ impl Backend for CpuBackend {
                     let r0 = ci * chunk;
                     f.gate.rows_dots(gate_bytes, r0, &gate_act, n, g, deq);
                     f.up.rows_dots(up_bytes, r0, &up_act, n, u, deq);
-                    for ((o, &g), &u) in o.iter_mut().zip(g.iter()).zip(u.iter()) {
-                        *o = ops::silu(g) * u;
-                    }
+                    ops::swiglu(g, u, o);
                 })
             })
         });
