@@ -8,7 +8,13 @@
 //! activation rows per call of the multi-row kernel
 //! ([`mirage_gguf::quant::dot_rows_fn`]), which unpacks each weight block
 //! once per 4 tokens; the row stays in L1 across the groups, so weights are
-//! read from memory once per batch, not once per token. Gate and up of the
+//! read from memory once per batch, not once per token. Q8_0 weights go
+//! further (when the CPU has AVX2, best with AVX-512 VNNI): a batch's
+//! activations are quantized and packed once per product
+//! ([`mirage_gguf::quant::pack_q8_0_rows`]) and each task runs the tiled
+//! GEMM kernel ([`mirage_gguf::quant::Q8_0Gemm`]) over its contiguous rows;
+//! a single token goes through the VNNI matrix-vector kernel. Row chunks
+//! are multiples of 8 (the kernels' row tiles). Gate and up of the
 //! FFN are computed in one pass (same rows, same quantized input) with
 //! SwiGLU fused in.
 //!
