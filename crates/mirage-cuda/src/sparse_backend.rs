@@ -529,6 +529,24 @@ impl SparseCudaBackend {
         self.inner.launch("superblock_ffn_q8s", g, b, 0, base(2))
     }
 
+    /// Writes `data` (`rows * width` floats) into `a`, reusing its buffer
+    /// when it is large enough (so a recorded step that reads `a` replays
+    /// with the new values). Not inside a step.
+    pub fn write_activations(&self, a: &mut CudaActivations, rows: usize, width: usize, data: &[f32]) -> Result<()> {
+        if rows.checked_mul(width) != Some(data.len()) {
+            return Err(bad("activation data does not match its shape"));
+        }
+        self.inner.reshape(a, rows, width)?;
+        if !data.is_empty() {
+            let buf = a.buf.as_mut().ok_or_else(|| bad("reshape allocates"))?;
+            self.inner
+                .stream
+                .memcpy_htod(data, &mut buf.slice_mut(0..data.len()))
+                .map_err(drv)?;
+        }
+        Ok(())
+    }
+
     /// Event-timed device time of `layer`'s routing and FFN on `x` (one
     /// row), median of `iters` runs each. Outside steps only.
     pub fn time_ops(&self, layer: usize, x: &CudaActivations, iters: usize) -> Result<OpTimes> {
