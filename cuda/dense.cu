@@ -677,6 +677,15 @@ __device__ __forceinline__ int pick3(int bx, int per_block, int rows0, int rows1
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 
+// Output element (a, r) of a mat-vec with its optional epilogues, in the
+// old ops' order: y = W x, then y += bias, then res += y.
+__device__ __forceinline__ void mv_store(float v, float* y, const float* bias, float* rs, int a, int rows, int r) {
+    if (bias != 0) v += bias[r];
+    long i = (long)a * rows + r;
+    y[i] = v;
+    if (rs != 0) rs[i] += v;
+}
+
 // This lane's share of the dot products of NR split-Q8_0 rows (quants q[k],
 // scales s[k]) with xa[0..cols); the caller reduces over the warp.
 template <int NR>
@@ -767,9 +776,14 @@ __device__ __forceinline__ float ggml_row_dot(const u8* row, const float* __rest
     return acc;
 }
 
+// Epilogues (set by the backend when it folds the next op into a recorded
+// step; null otherwise): bias_m adds a bias to matrix m's outputs, res adds
+// matrix 0's outputs into a residual stream (y is written as well).
 #define MV3_PARAMS                                                                                                   \
     const u8 *W0, const u8 *W1, const u8 *W2, int rows0, int rows1, int rows2, long row_bytes, int cols,          \
-        const float *x, float *y0, float *y1, float *y2, float ts0, float ts1, float ts2
+        const float *x, float *y0, float *y1, float *y2, float ts0, float ts1, float ts2, const float *bias0,       \
+        const float *bias1, const float *bias2, float *res
+#define MV3_ARGS W0, W1, W2, rows0, rows1, rows2, row_bytes, cols, x, y0, y1, y2, ts0, ts1, ts2, bias0, bias1, bias2, res
 #define FFN_PARAMS                                                                                                   \
     const u8 *Wg, const u8 *Wu, int rows, long row_bytes, int cols, const float *x, float *h, float ts_g, float ts_u
 
@@ -780,6 +794,8 @@ __device__ __forceinline__ float ggml_row_dot(const u8* row, const float* __rest
     int rows = m == 0 ? rows0 : m == 1 ? rows1 : rows2;                                                              \
     float* y = m == 0 ? y0 : m == 1 ? y1 : y2;                                                                       \
     float ts = m == 0 ? ts0 : m == 1 ? ts1 : ts2;                                                                    \
+    const float* bias = m == 0 ? bias0 : m == 1 ? bias1 : bias2;                                                     \
+    float* rs = m == 0 ? res : (float*)0;                                                                            \
     (void)ts;                                                                                                        \
     (void)row_bytes;                                                                                                 \
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                                            \
@@ -793,7 +809,7 @@ __device__ void mv3_ggml(MV3_PARAMS) {
     int r = bx * FAST_WARPS + warp;
     if (r >= rows) return;
     float acc = warp_sum(ggml_row_dot<T>(W + (long)r * row_bytes, xa, cols, lane));
-    if (lane == 0) y[(long)a * rows + r] = acc;
+    if (lane == 0) mv_store(acc, y, bias, rs, a, rows, r);
 }
 
 template <int T>
@@ -810,7 +826,7 @@ __device__ void ffn_ggml(FFN_PARAMS) {
 
 #define FAST_INSTANCE(NAME, T)                                                                                       \
     extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_##NAME(MV3_PARAMS) {                           \
-        mv3_ggml<T>(W0, W1, W2, rows0, rows1, rows2, row_bytes, cols, x, y0, y1, y2, ts0, ts1, ts2);                 \
+        mv3_ggml<T>(MV3_ARGS);                                                                                       \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_##NAME(FFN_PARAMS) {                           \
         ffn_ggml<T>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u);                                                \
@@ -851,7 +867,7 @@ extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q8_0s(MV3_PARA
 #pragma unroll
     for (int k = 0; k < FAST_ROWS; k++) {
         float v = warp_sum(acc[k]);
-        if (lane == 0 && r0 + k < rows) y[(long)a * rows + r0 + k] = v;
+        if (lane == 0 && r0 + k < rows) mv_store(v, y, bias, rs, a, rows, r0 + k);
     }
 }
 
@@ -907,7 +923,7 @@ extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_nvfp4(MV3_PARA
 #pragma unroll
     for (int k = 0; k < FAST_ROWS; k++) {
         float v = warp_sum(acc[k]);
-        if (lane == 0 && r0 + k < rows) y[(long)a * rows + r0 + k] = v * (0.5f * ts);
+        if (lane == 0 && r0 + k < rows) mv_store(v * (0.5f * ts), y, bias, rs, a, rows, r0 + k);
     }
 }
 

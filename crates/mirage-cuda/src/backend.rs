@@ -104,6 +104,9 @@ const GEMM_TILE_BYTES: usize = 32 << 20;
 /// Warps (weight rows) per mat-vec thread block.
 const MATVEC_WARPS: u32 = 8;
 
+/// Arguments of an `mv3_*` launch (`MV3_PARAMS` in dense.cu).
+const MV3_ARGS: usize = 19;
+
 /// Warps per block of the fast-path kernels (`FAST_WARPS` in dense.cu).
 const FAST_WARPS: usize = 8;
 
@@ -329,6 +332,8 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     functions: Vec<CudaFunction>,
+    /// Kernel name of each entry of `functions`.
+    functions_names: Vec<&'static str>,
     kernel_index: HashMap<&'static str, usize>,
     blas: Option<CudaBlas>,
     device_name: String,
@@ -408,7 +413,7 @@ impl CudaBackend {
             )
             .chain(OTHER_KERNELS.iter().copied())
             .collect();
-        for name in names {
+        for &name in &names {
             kernel_index.insert(name, functions.len());
             functions.push(module.load_function(name).map_err(d)?);
         }
@@ -424,6 +429,7 @@ impl CudaBackend {
             ctx,
             stream,
             functions,
+            functions_names: names,
             kernel_index,
             gemm_enabled: (!env_off("MIRAGE_CUDA_GEMM") && blas.is_some()).into(),
             gemm_tile_bytes: GEMM_TILE_BYTES.into(),
@@ -865,6 +871,8 @@ impl CudaBackend {
         args.push(Arg::Ptr(x));
         args.extend(args_y);
         args.extend(args_ts);
+        // Epilogues (bias0..2, res): none; `fold_epilogue` may set them.
+        args.extend([Arg::Ptr(0); 4]);
         self.launch(
             &format!("mv3_{suffix}"),
             (blocks as u32, n_act as u32, 1),
@@ -872,6 +880,56 @@ impl CudaBackend {
             0,
             args,
         )
+    }
+
+    /// Folds an elementwise op on `target` (the output of a recorded `mv3_*`
+    /// launch) into that launch as an epilogue: a bias (`res` false: sets
+    /// `bias_m` of the matrix whose output is `target`) or a residual add
+    /// (`res` true: sets `res` = `extra`, only for a single-matrix launch).
+    /// Only while a step is being recorded, and only when no launch after
+    /// the producer touches `target` or `extra`. Returns whether it folded.
+    fn fold_epilogue(&self, target: u64, n_rows: usize, extra: u64, res: bool) -> bool {
+        if !self.fast_decode() {
+            return false;
+        }
+        let mut st = self.step_state();
+        let Some(rec) = st.recording.as_mut() else {
+            return false;
+        };
+        let touches = |l: &Launch| {
+            l.args
+                .iter()
+                .any(|a| matches!(a, Arg::Ptr(p) if *p == target || *p == extra))
+        };
+        for i in (0..rec.len()).rev() {
+            let l = &rec[i];
+            let is_mv3 = self
+                .functions_names
+                .get(l.kernel)
+                .is_some_and(|n| n.starts_with("mv3_"));
+            if is_mv3 && l.args.len() == MV3_ARGS && l.grid.1 as usize == n_rows {
+                // y0..2 at 9..12, rows0..2 at 3..6, bias0..2 at 15..18, res 18.
+                let m = (0..3).find(|&m| {
+                    l.args[9 + m] == Arg::Ptr(target) && !matches!(l.args[3 + m], Arg::I32(0))
+                });
+                if let Some(m) = m {
+                    let single = matches!(l.args[4], Arg::I32(0)) && matches!(l.args[5], Arg::I32(0));
+                    let slot = if res { 18 } else { 15 + m };
+                    // The residual must not be the launch's own input
+                    // (other warps still read it).
+                    let reads_extra = l.args[8] == Arg::Ptr(extra);
+                    if (res && (m != 0 || !single || reads_extra)) || rec[i].args[slot] != Arg::Ptr(0) {
+                        return false;
+                    }
+                    rec[i].args[slot] = Arg::Ptr(extra);
+                    return true;
+                }
+            }
+            if touches(l) {
+                return false;
+            }
+        }
+        false
     }
 
     /// `h[a, r] = silu(gate[r] . x[a]) * (up[r] . x[a])` in one launch;
@@ -1391,6 +1449,9 @@ impl Backend for CudaBackend {
             return Err(bad("bias width"));
         }
         let px = self.act_ptr(x)?;
+        if self.fold_epilogue(px, x.rows, self.ptr(&bias.data), false) {
+            return Ok(());
+        }
         self.elementwise(
             "add_bias",
             x.rows * x.width,
@@ -1404,6 +1465,9 @@ impl Backend for CudaBackend {
             return Err(bad("residual shapes differ"));
         }
         let (pa, px) = (self.act_ptr(acc)?, self.act_ptr(x)?);
+        if pa != px && self.fold_epilogue(px, x.rows, pa, true) {
+            return Ok(());
+        }
         self.elementwise("add_inplace", acc.rows * acc.width, &[pa, px], None)
     }
 

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Device-side check of the fast dense decode path (issue #6) and NVFP4
+# weights (#8); see ../NOTES.md.
+#
+#   h200-dense.sh BIN_DIR MODEL.gguf [MODEL.gguf ...]
+#
+# BIN_DIR holds bins.tar.xz (mirage-cli with the cuda feature and the
+# mirage-cuda test binaries `fast_decode` and `kernels`, release, stripped;
+# made by the lead's bundle step) or those binaries unpacked. For each model
+# it runs `mirage-cli bench --backend cuda` with the fast path (default),
+# the old path (`--cuda-fast off`, the first version's kernels and ggml
+# layout) and NVFP4 weights (`--weights nvfp4`), prompt 128 + 64 generated
+# tokens, graphs on. Tests run first (MIRAGE_REQUIRE_GPU_TESTS=1): the fast
+# path against the old one and NVFP4 against the CPU codec
+# (tests/fast_decode.rs), then the original kernel tests on the fast path
+# (the default) and on the old path (MIRAGE_CUDA_FAST=0). Budget < 3 min.
+# Raw logs and JSON go to $OUT; a short table is printed last.
+set -uo pipefail
+BIN_DIR=${1:?usage: h200-dense.sh BIN_DIR MODEL.gguf [MODEL.gguf ...]}
+shift
+W=/tmp/mirage-dense
+OUT=${OUT:-/tmp/out}
+mkdir -p "$W" "$OUT"
+if [ -f "$BIN_DIR/bins.tar.xz" ]; then
+  tar -xJf "$BIN_DIR/bins.tar.xz" -C "$W" || exit 1
+else
+  cp "$BIN_DIR"/* "$W"/ || exit 1
+fi
+chmod +x "$W"/* 2>/dev/null
+NV=$(find /usr/local/cuda* /usr/local/lib /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | grep -v stub | head -1)
+export LD_LIBRARY_PATH="$(dirname "${NV:-/x/y}"):${LD_LIBRARY_PATH:-}"
+export MIRAGE_CUDA_CACHE=$W/cache
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+echo "nvrtc: ${NV:-none}"
+
+# The SmolLM2 model test of fast_decode needs models/smollm2-135m-instruct-q4_1.gguf
+# (MIRAGE_MODELS_DIR); without it it is skipped, saying so.
+export MIRAGE_SKIP_MODEL_TESTS=${MIRAGE_SKIP_MODEL_TESTS:-1}
+tests() {  # tag, binary, "VAR=value ..." (or ""), test-binary arguments...
+  local tag=$1 bin=$2 vars=$3; shift 3
+  [ -x "$W/$bin" ] || { echo "$tag: $bin missing"; return; }
+  env MIRAGE_REQUIRE_GPU_TESTS=1 $vars timeout 60 "$W/$bin" --test-threads 1 --nocapture "$@" > "$OUT/test_$tag.log" 2>&1
+  echo "$tag rc=$? $(grep -E '^test result:' "$OUT/test_$tag.log" | tail -1)"
+  grep -E "panicked|FAILED|failed" "$OUT/test_$tag.log" | head -5
+}
+tests fast_decode fast_decode ""
+grep -E "fused vs unfused|GEMM on the repacked|NVFP4 cuda" "$OUT/test_fast_decode.log" | head -8
+tests kernels_fast kernels "" --skip smollm2 --skip qwen
+tests kernels_old kernels "MIRAGE_CUDA_FAST=0" --skip smollm2 --skip qwen
+
+field() { grep -o "\"$2\":[^,}]*" "$1" | head -1 | cut -d: -f2 | tr -d '"'; }
+ROWS=()
+for M in "$@"; do
+  name=$(basename "$M" .gguf)
+  for mode in fast old nvfp4; do
+    case $mode in
+      fast) flags="--cuda-fast on" ;;
+      old) flags="--cuda-fast off" ;;
+      nvfp4) flags="--cuda-fast on --weights nvfp4" ;;
+    esac
+    j="$OUT/bench_${name}_$mode.json"
+    timeout 40 "$W/mirage-cli" bench --model "$M" --backend cuda --prompt 128 --gen 64 $flags --json > "$j" 2> "${j%.json}.err"
+    rc=$?
+    ROWS+=("$(printf '%-34s %-6s rc=%-3s %9s %9s %8s %8s %9s' "$name" "$mode" "$rc" \
+      "$(field "$j" decode_tok_s)" "$(field "$j" decode_ms_median)" "$(field "$j" achieved_gb_s)" \
+      "$(field "$j" copy_gb_s)" "$(field "$j" weights_bytes)")")
+  done
+done
+echo
+echo "decode, prompt 128 + 64, graphs on (GB/s counts the file's weight bytes per token; weights_B = device bytes)"
+printf '%-34s %-6s %-6s %9s %9s %8s %8s %9s\n' model mode rc tok/s med_ms GB/s copyGB/s weights_B
+for r in "${ROWS[@]}"; do echo "$r"; done

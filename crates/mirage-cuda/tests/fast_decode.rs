@@ -1,0 +1,425 @@
+//! The fast decode path (split-Q8_0 repacking, `mv3_*` multi-matrix mat-vec,
+//! fused gate/up/SwiGLU, NVFP4 weights) against the first version's kernels
+//! (`set_fast_decode(false)`, ggml layout) and against f64 / CPU references.
+//! Without a GPU (or without the `cuda` feature) every test prints why it
+//! skips and passes.
+
+use std::sync::Arc;
+
+use mirage_cuda::{CudaBackend, CudaError, WeightFormat};
+use mirage_gguf::quant::Nvfp4Tensor;
+use mirage_gguf::writer::GgufWriter;
+use mirage_gguf::{quant, GgmlType, GgufFile};
+use mirage_runtime::backend::{Backend, HostMatrix, SharedBytes};
+use mirage_runtime::kv_cache::KvDtype;
+use mirage_runtime::{CpuBackend, Model};
+use rand::{Rng, SeedableRng};
+
+fn cuda(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(
+            e @ (CudaError::NotCompiledWithCuda
+            | CudaError::DriverNotFound
+            | CudaError::NoDevice { .. }),
+        ) => {
+            eprintln!("{test}: skipped, no CUDA device here: {e}");
+            None
+        }
+        Err(e) => panic!("{test}: CUDA device present but the backend failed to start: {e}"),
+    }
+}
+
+fn rng(seed: u64) -> rand::rngs::StdRng {
+    rand::rngs::StdRng::seed_from_u64(seed)
+}
+
+fn randn(r: &mut impl Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| r.random_range(-1.0f32..1.0) + r.random_range(-1.0f32..1.0))
+        .collect()
+}
+
+fn host_matrix(name: &str, ty: GgmlType, rows: usize, cols: usize, values: &[f32]) -> HostMatrix {
+    let rb = quant::row_bytes(ty, cols).unwrap();
+    let mut data = vec![0u8; rb * rows];
+    for r in 0..rows {
+        quant::quantize(
+            ty,
+            &values[r * cols..(r + 1) * cols],
+            &mut data[r * rb..(r + 1) * rb],
+        )
+        .unwrap();
+    }
+    HostMatrix {
+        name: name.into(),
+        ty,
+        rows,
+        cols,
+        data: SharedBytes::from_vec(data),
+    }
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| ((*a - *b) as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+const TYPES: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// Odd shapes: rows not a multiple of the 32 rows of a split-Q8_0 block or
+/// the 4 rows of a warp, row lengths not a multiple of the 128-element chunk.
+const SHAPES: &[(usize, usize)] = &[(1, 256), (5, 288), (37, 96), (130, 512), (67, 1056)];
+
+fn read(gpu: &CudaBackend, a: &<CudaBackend as Backend>::Activations) -> Vec<f32> {
+    let mut v = Vec::new();
+    gpu.read(a, &mut v).unwrap();
+    v
+}
+
+/// y = W x for `n_act` rows, on the device.
+fn product(
+    gpu: &CudaBackend,
+    w: &<CudaBackend as Backend>::Matrix,
+    x: &<CudaBackend as Backend>::Activations,
+) -> Vec<f32> {
+    let mut y = gpu.new_activations();
+    gpu.matmul(w, x, &mut y).unwrap();
+    read(gpu, &y)
+}
+
+/// f64 reference of y = W x on the dequantized weights.
+fn reference(w: &[f32], x: &[f32], rows: usize, cols: usize, n_act: usize) -> Vec<f32> {
+    let mut y = vec![0f32; n_act * rows];
+    for a in 0..n_act {
+        for r in 0..rows {
+            let s: f64 = (0..cols)
+                .map(|k| w[r * cols + k] as f64 * x[a * cols + k] as f64)
+                .sum();
+            y[a * rows + r] = s as f32;
+        }
+    }
+    y
+}
+
+/// Every type and odd shapes: the fast mat-vec (mv3_* on the ggml blocks,
+/// or the split-Q8_0 kernel) equals the first version's matvec_* (bit for
+/// bit where the summation order is the same, else to 1e-6), both match the
+/// f64 reference, and the embedding of a repacked table equals the old one.
+#[test]
+fn fast_matvec_and_embed_equal_old_path_every_type_and_odd_shapes() {
+    let Some(gpu) = cuda("fast_matvec_and_embed_equal_old_path_every_type_and_odd_shapes") else {
+        return;
+    };
+    gpu.set_prefill_gemm(false);
+    let mut r = rng(7);
+    for &ty in TYPES {
+        for &(rows, cols) in SHAPES {
+            if cols % ty.block_size() != 0 {
+                continue;
+            }
+            let values = randn(&mut r, rows * cols);
+            let hm = host_matrix("blk.0.test.weight", ty, rows, cols, &values);
+            let mut deq = vec![0f32; rows * cols];
+            quant::dequantize(ty, hm.data.as_slice(), &mut deq).unwrap();
+            gpu.set_fast_decode(false);
+            let old = gpu.upload_matrix(&hm).unwrap();
+            gpu.set_fast_decode(true);
+            let new = gpu.upload_matrix(&hm).unwrap();
+            assert_eq!(new.is_repacked(), ty == GgmlType::Q8_0, "{ty}: repacking");
+            for n_act in [1usize, 3] {
+                let x = randn(&mut r, n_act * cols);
+                let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
+                gpu.set_fast_decode(false);
+                let y_old = product(&gpu, &old, &dx);
+                gpu.set_fast_decode(true);
+                let y_new = product(&gpu, &new, &dx);
+                let y_new_ggml = product(&gpu, &old, &dx);
+                let want = reference(&deq, &x, rows, cols, n_act);
+                let e_ref = rel_err(&y_new, &want);
+                let e_old = rel_err(&y_new, &y_old);
+                assert!(e_ref < 1e-5, "{ty} {rows}x{cols} n_act {n_act}: fast vs f64 rel err {e_ref}");
+                assert!(e_old < 1e-5, "{ty} {rows}x{cols} n_act {n_act}: fast vs old rel err {e_old}");
+                // mv3 on ggml blocks runs the old loop in the old order
+                // (equal up to the compiler's FMA contraction choices).
+                let e_ggml = rel_err(&y_new_ggml, &y_old);
+                assert!(e_ggml < 1e-6, "{ty} {rows}x{cols}: mv3 on ggml blocks vs matvec rel err {e_ggml}");
+            }
+            // Embedding rows of the repacked table == the old ones.
+            let tokens: Vec<u32> = vec![0, (rows - 1) as u32, (rows / 2) as u32];
+            let (mut eo, mut en) = (gpu.new_activations(), gpu.new_activations());
+            gpu.embed(&old, &tokens, &mut eo).unwrap();
+            gpu.embed(&new, &tokens, &mut en).unwrap();
+            assert_eq!(read(&gpu, &eo), read(&gpu, &en), "{ty}: embedding rows differ");
+        }
+        eprintln!("{ty}: fast mat-vec == old path over {} shapes", SHAPES.len());
+    }
+}
+
+/// Q, K, V as one launch (same kernel: one mv3; mixed: runs) == three
+/// separate old mat-vecs.
+#[test]
+fn matmul_many_equals_separate_matmuls() {
+    let Some(gpu) = cuda("matmul_many_equals_separate_matmuls") else {
+        return;
+    };
+    gpu.set_prefill_gemm(false);
+    let mut r = rng(11);
+    let cols = 320usize;
+    let sets: &[[GgmlType; 3]] = &[
+        [GgmlType::Q8_0; 3],
+        [GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K],
+        [GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q5_0],
+        [GgmlType::F16; 3],
+    ];
+    for set in sets {
+        let rows = [320usize, 64, 40];
+        let hms: Vec<HostMatrix> = set
+            .iter()
+            .zip(rows)
+            .map(|(&ty, n)| host_matrix("blk.0.attn.weight", ty, n, cols, &randn(&mut r, n * cols)))
+            .collect();
+        for n_act in [1usize, 2] {
+            let x = randn(&mut r, n_act * cols);
+            let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
+            gpu.set_fast_decode(false);
+            let old: Vec<_> = hms.iter().map(|m| gpu.upload_matrix(m).unwrap()).collect();
+            let want: Vec<Vec<f32>> = old.iter().map(|w| product(&gpu, w, &dx)).collect();
+            gpu.set_fast_decode(true);
+            let new: Vec<_> = hms.iter().map(|m| gpu.upload_matrix(m).unwrap()).collect();
+            let (mut a, mut b, mut c) = (
+                gpu.new_activations(),
+                gpu.new_activations(),
+                gpu.new_activations(),
+            );
+            gpu.matmul_many(
+                &[&new[0], &new[1], &new[2]],
+                &dx,
+                &mut [&mut a, &mut b, &mut c],
+            )
+            .unwrap();
+            for (i, got) in [read(&gpu, &a), read(&gpu, &b), read(&gpu, &c)].iter().enumerate() {
+                let e = rel_err(got, &want[i]);
+                assert!(e < 1e-5, "{set:?} n_act {n_act}: output {i} rel err {e}");
+            }
+        }
+    }
+}
+
+/// gate + up + SwiGLU in one kernel == the old three launches, per type
+/// pair (mixed pairs take the unfused path and must agree too).
+#[test]
+fn fused_ffn_equals_unfused() {
+    let Some(gpu) = cuda("fused_ffn_equals_unfused") else {
+        return;
+    };
+    gpu.set_prefill_gemm(false);
+    let mut r = rng(13);
+    let (d, ff) = (256usize, 704usize);
+    let pairs = [
+        (GgmlType::Q8_0, GgmlType::Q8_0),
+        (GgmlType::Q4_K, GgmlType::Q6_K),
+        (GgmlType::Q5_0, GgmlType::Q8_0),
+        (GgmlType::Q4_1, GgmlType::Q4_1),
+        (GgmlType::Q6_K, GgmlType::Q6_K),
+    ];
+    for (tg, td) in pairs {
+        let g = host_matrix("blk.0.ffn_gate.weight", tg, ff, d, &randn(&mut r, ff * d));
+        let u = host_matrix("blk.0.ffn_up.weight", tg, ff, d, &randn(&mut r, ff * d));
+        let dn = host_matrix("blk.0.ffn_down.weight", td, d, ff, &randn(&mut r, ff * d));
+        for n_act in [1usize, 3] {
+            let x = randn(&mut r, n_act * d);
+            let dx = gpu.upload_activations(n_act, d, &x).unwrap();
+            gpu.set_fast_decode(false);
+            let f_old = gpu.upload_ffn(0, &g, &u, &dn).unwrap();
+            let mut yo = gpu.new_activations();
+            gpu.ffn(&f_old, &dx, &mut yo).unwrap();
+            gpu.set_fast_decode(true);
+            let f_new = gpu.upload_ffn(0, &g, &u, &dn).unwrap();
+            let mut yn = gpu.new_activations();
+            gpu.ffn(&f_new, &dx, &mut yn).unwrap();
+            let e = rel_err(&read(&gpu, &yn), &read(&gpu, &yo));
+            eprintln!("ffn {tg}/{td} n_act {n_act}: fused vs unfused rel err {e:.2e}");
+            assert!(e < 1e-5, "ffn {tg}/{td} n_act {n_act}: rel err {e}");
+        }
+    }
+}
+
+/// NVFP4 weights: mat-vec (1 and 3 rows), fused FFN, embedding and the GEMM
+/// prefill path against the CPU codec's dequantized values.
+#[test]
+fn nvfp4_matvec_ffn_embed_gemm_match_cpu_codec() {
+    let Some(gpu) = cuda("nvfp4_matvec_ffn_embed_gemm_match_cpu_codec") else {
+        return;
+    };
+    gpu.set_prefill_gemm(false);
+    gpu.set_weight_format(WeightFormat::Nvfp4);
+    let mut r = rng(17);
+    for &(rows, cols) in SHAPES {
+        for ty in [GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::F32] {
+            if cols % ty.block_size() != 0 {
+                continue;
+            }
+            let hm = host_matrix("blk.0.attn_q.weight", ty, rows, cols, &randn(&mut r, rows * cols));
+            let t = Nvfp4Tensor::requantize(ty, hm.data.as_slice(), &[cols as u64, rows as u64])
+                .unwrap();
+            let deq = t.dequantize().unwrap();
+            let w = gpu.upload_matrix(&hm).unwrap();
+            assert!(w.is_nvfp4());
+            assert_eq!(w.bytes(), rows * cols / 2 + rows * cols / 16);
+            for n_act in [1usize, 3] {
+                let x = randn(&mut r, n_act * cols);
+                let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
+                let e = rel_err(&product(&gpu, &w, &dx), &reference(&deq, &x, rows, cols, n_act));
+                assert!(e < 1e-5, "nvfp4 from {ty} {rows}x{cols} n_act {n_act}: rel err {e}");
+            }
+            let tokens: Vec<u32> = vec![(rows - 1) as u32, 0];
+            let mut e = gpu.new_activations();
+            gpu.embed(&w, &tokens, &mut e).unwrap();
+            let mut want = Vec::new();
+            for &t in &tokens {
+                want.extend_from_slice(&deq[t as usize * cols..(t as usize + 1) * cols]);
+            }
+            assert_eq!(read(&gpu, &e), want, "nvfp4 embedding rows");
+        }
+    }
+    // Tables keep their type.
+    let hm = host_matrix("token_embd.weight", GgmlType::Q8_0, 64, 256, &randn(&mut r, 64 * 256));
+    assert!(!gpu.upload_matrix(&hm).unwrap().is_nvfp4());
+    // Fused FFN on NVFP4 == unfused on the same NVFP4 matrices.
+    let (d, ff) = (256usize, 352usize);
+    let g = host_matrix("blk.0.ffn_gate.weight", GgmlType::Q8_0, ff, d, &randn(&mut r, ff * d));
+    let u = host_matrix("blk.0.ffn_up.weight", GgmlType::Q8_0, ff, d, &randn(&mut r, ff * d));
+    let dn = host_matrix("blk.0.ffn_down.weight", GgmlType::Q8_0, d, ff, &randn(&mut r, ff * d));
+    let f = gpu.upload_ffn(0, &g, &u, &dn).unwrap();
+    let x = randn(&mut r, 2 * d);
+    let dx = gpu.upload_activations(2, d, &x).unwrap();
+    let (mut y1, mut y2) = (gpu.new_activations(), gpu.new_activations());
+    gpu.ffn(&f, &dx, &mut y1).unwrap();
+    gpu.set_fast_decode(false); // repacked matrices still take the fast kernels, unfused
+    gpu.ffn(&f, &dx, &mut y2).unwrap();
+    gpu.set_fast_decode(true);
+    let e = rel_err(&read(&gpu, &y1), &read(&gpu, &y2));
+    assert!(e < 1e-5, "nvfp4 ffn fused vs unfused rel err {e}");
+    // GEMM prefill on repacked layouts vs the mat-vec.
+    if gpu.set_prefill_gemm(true) {
+        for fmt in [WeightFormat::Nvfp4, WeightFormat::Native] {
+            gpu.set_weight_format(fmt);
+            let (rows, cols, n_act) = (300usize, 512usize, 24usize);
+            let hm = host_matrix("blk.0.attn_q.weight", GgmlType::Q8_0, rows, cols, &randn(&mut r, rows * cols));
+            let w = gpu.upload_matrix(&hm).unwrap();
+            assert!(w.is_repacked());
+            let x = randn(&mut r, n_act * cols);
+            let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
+            let a = product(&gpu, &w, &dx);
+            gpu.set_prefill_gemm(false);
+            let b = product(&gpu, &w, &dx);
+            gpu.set_prefill_gemm(true);
+            let e = rel_err(&a, &b);
+            eprintln!("{fmt:?}: GEMM on the repacked layout vs mat-vec rel err {e:.2e}");
+            assert!(e < 5e-3, "{fmt:?}: GEMM vs mat-vec rel err {e}");
+        }
+    }
+}
+
+fn models_dir() -> std::path::PathBuf {
+    std::env::var_os("MIRAGE_MODELS_DIR")
+        .map(Into::into)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"))
+}
+
+/// SmolLM2 with NVFP4 weights on the GPU against the CPU (f32 activations)
+/// running the SAME rounded weights (each attention/FFN matrix replaced by
+/// its NVFP4 round trip, stored as F32): cosine >= 0.9999 at every
+/// position. Fidelity vs the file's own weights is printed and bounded
+/// loosely (NVFP4 is a second, 4-bit rounding of a Q4_1 model).
+#[test]
+fn nvfp4_smollm2_logits_match_cpu_on_rounded_weights() {
+    let Some(gpu) = cuda("nvfp4_smollm2_logits_match_cpu_on_rounded_weights") else {
+        return;
+    };
+    let path = models_dir().join("smollm2-135m-instruct-q4_1.gguf");
+    if !path.exists() {
+        if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+            eprintln!("nvfp4_smollm2: skipped, {} missing (MIRAGE_SKIP_MODEL_TESTS=1)", path.display());
+            return;
+        }
+        panic!("{} is missing: run `cargo xtask fetch-models`", path.display());
+    }
+    gpu.set_weight_format(WeightFormat::Nvfp4);
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let mut w = GgufWriter::new(file.metadata().clone());
+    for view in file.tensor_views() {
+        let (name, dims, ty) = (&view.info.name, &view.info.dims, view.info.ty);
+        if dims.len() == 2 && name != "token_embd.weight" && name != "output.weight" {
+            let t = Nvfp4Tensor::requantize(ty, view.data, dims).unwrap();
+            let bytes: Vec<u8> = t
+                .dequantize()
+                .unwrap()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            w.add_tensor(name.clone(), dims.clone(), GgmlType::F32, bytes).unwrap();
+        } else {
+            w.add_tensor(name.clone(), dims.clone(), ty, view.data).unwrap();
+        }
+    }
+    let mut buf = Vec::new();
+    w.write_to(&mut buf).unwrap();
+    let rounded = Arc::new(GgufFile::from_bytes(buf).unwrap());
+    let tokens: Vec<u32> = vec![1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 3458, 5248];
+    let g = Model::load(file.clone(), gpu)
+        .unwrap()
+        .logits_all(&tokens, KvDtype::F32)
+        .unwrap();
+    let vocab = g.len() / tokens.len();
+    let worst = |c: &[f32]| {
+        (0..tokens.len())
+            .map(|t| cosine(&g[t * vocab..(t + 1) * vocab], &c[t * vocab..(t + 1) * vocab]))
+            .fold(1.0f64, f64::min)
+    };
+    let c_rounded = Model::load(rounded, CpuBackend::new_f32_activations(0).unwrap())
+        .unwrap()
+        .logits_all(&tokens, KvDtype::F32)
+        .unwrap();
+    let c_file = Model::load(file, CpuBackend::new_f32_activations(0).unwrap())
+        .unwrap()
+        .logits_all(&tokens, KvDtype::F32)
+        .unwrap();
+    let (wr, wf) = (worst(&c_rounded), worst(&c_file));
+    let last = cosine(&g[g.len() - vocab..], &c_file[c_file.len() - vocab..]);
+    eprintln!(
+        "smollm2 NVFP4 cuda: worst-position cosine vs CPU on the same rounded weights {wr:.7}; \
+         fidelity vs the Q4_1 file on the CPU: final {last:.5}, worst position {wf:.5}"
+    );
+    assert!(wr >= 0.9999, "NVFP4 kernels vs CPU on the same weights: cosine {wr}");
+    assert!(wf >= 0.9, "NVFP4 fidelity vs the file collapsed: cosine {wf}");
+}
