@@ -271,6 +271,10 @@ impl Backend for SuperblockBackend {
     fn new_kv_cache(&self, spec: KvSpec) -> mirage_runtime::Result<KvCache> {
         self.inner.new_kv_cache(spec)
     }
+    fn new_kv_cache_pruned(&self, spec: KvSpec, pruning: Option<mirage_runtime::KvPruning>) -> mirage_runtime::Result<KvCache> {
+        // Attention is the inner CPU backend's, so is its KV-page pruning.
+        self.inner.new_kv_cache_pruned(spec, pruning)
+    }
     fn kv_truncate(&self, cache: &mut KvCache, seq: usize, pos: usize) {
         self.inner.kv_truncate(cache, seq, pos)
     }

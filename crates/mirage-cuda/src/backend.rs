@@ -1281,6 +1281,9 @@ impl Backend for CudaBackend {
         if spec.head_dim == 0 || spec.n_ctx == 0 || spec.n_seq == 0 {
             return Err(bad(format!("empty KV cache shape {spec:?}")));
         }
+        if spec.dtype == KvDtype::Q8_0 {
+            return Err(bad("a q8_0 KV cache has no CUDA kernels (use f16)"));
+        }
         let per_layer = spec
             .n_seq
             .checked_mul(spec.n_head_kv)
@@ -1289,7 +1292,8 @@ impl Backend for CudaBackend {
             .and_then(|x| {
                 x.checked_mul(match spec.dtype {
                     KvDtype::F32 => 4,
-                    KvDtype::F16 => 2,
+                    // q8_0 is refused above.
+                    KvDtype::F16 | KvDtype::Q8_0 => 2,
                 })
             })
             .ok_or_else(|| bad("KV cache size overflows"))?;
@@ -1543,7 +1547,8 @@ impl Backend for CudaBackend {
         let (pkc, pvc) = (self.ptr(&cache.k[layer]), self.ptr(&cache.v[layer]));
         let kv = match spec.dtype {
             KvDtype::F32 => "f32",
-            KvDtype::F16 => "f16",
+            // new_kv_cache refuses q8_0.
+            KvDtype::F16 | KvDtype::Q8_0 => "f16",
         };
         let (nh, nkv, hdi, n_ctx) = (
             p.n_head as i32,

@@ -26,6 +26,21 @@ pub enum KvHeadView<'a> {
         /// Values, row-major.
         v: &'a [f16],
     },
+    /// Q8_0 storage: (quantized values, one scale per 32 of them).
+    Q8_0 {
+        /// Keys, row-major.
+        k: (&'a [i8], &'a [f16]),
+        /// Values, row-major.
+        v: (&'a [i8], &'a [f16]),
+    },
+}
+
+/// Rows `span` (of `d` values) of Q8_0 storage widened to f32 in `out`.
+fn widen_q8_0(rows: (&[i8], &[f16]), d: usize, span: std::ops::Range<usize>, out: &mut Vec<f32>) {
+    use crate::kv_cache::{dequantize_q8_0, Q8_0_BLOCK};
+    out.resize(span.len() * d, 0.0);
+    let (a, b) = (span.start * d, span.end * d);
+    dequantize_q8_0(&rows.0[a..b], &rows.1[a / Q8_0_BLOCK..b / Q8_0_BLOCK], out);
 }
 
 impl KvHeadView<'_> {
@@ -38,6 +53,11 @@ impl KvHeadView<'_> {
                 for (o, x) in out.iter_mut().zip(&k[pos * d..(pos + 1) * d]) {
                     *o = x.to_f32();
                 }
+            }
+            KvHeadView::Q8_0 { k, .. } => {
+                let mut row = Vec::new();
+                widen_q8_0(*k, d, pos..pos + 1, &mut row);
+                out.copy_from_slice(&row);
             }
         }
     }
@@ -69,6 +89,15 @@ pub fn attend_pages(view: &KvHeadView<'_>, page: usize, pages: &[usize], n: usiz
                 m += len;
             }
         }
+        KvHeadView::Q8_0 { k, .. } => {
+            let mut wide = Vec::new();
+            for span in spans() {
+                let len = span.len();
+                widen_q8_0(*k, d, span, &mut wide);
+                ops::attention_scores(q, &wide, len, scale, &mut scores[m..m + len]);
+                m += len;
+            }
+        }
     }
     ops::softmax_in_place(&mut scores[..m]);
     out.fill(0.0);
@@ -85,6 +114,13 @@ pub fn attend_pages(view: &KvHeadView<'_>, page: usize, pages: &[usize], n: usiz
             KvHeadView::F16 { v, .. } => {
                 let len = span.len();
                 ops::attention_weighted_sum(&scores[m..m + len], &v[span.start * d..span.end * d], len, out);
+                m += len;
+            }
+            KvHeadView::Q8_0 { v, .. } => {
+                let len = span.len();
+                let mut wide = Vec::new();
+                widen_q8_0(*v, d, span, &mut wide);
+                ops::attention_weighted_sum(&scores[m..m + len], &wide, len, out);
                 m += len;
             }
         }

@@ -100,7 +100,8 @@ impl<'e, B: Backend> Batcher<'e, B> {
         if max_seqs == 0 {
             return Err(RuntimeError::InvalidArgument("a batcher needs at least one sequence slot".into()));
         }
-        let cache = engine.model().new_kv_cache(engine.n_ctx(), max_seqs, engine.options().kv_dtype)?;
+        let o = engine.options();
+        let cache = engine.model().new_kv_cache_pruned(engine.n_ctx(), max_seqs, o.kv_dtype, o.kv_pruning)?;
         Ok(Batcher {
             engine,
             cache,

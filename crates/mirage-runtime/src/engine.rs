@@ -43,11 +43,15 @@ pub struct EngineOptions {
     pub kv_dtype: KvDtype,
     /// Most tokens per forward pass during prefill.
     pub n_batch: usize,
+    /// Decode attention over selected KV pages only (see
+    /// [`crate::kv_pages`]); `None`: every position. Prefill always attends
+    /// every position. Backends without pruned attention refuse it.
+    pub kv_pruning: Option<crate::kv_pages::KvPruning>,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { threads: 0, n_ctx: 0, kv_dtype: KvDtype::F32, n_batch: 256 }
+        EngineOptions { threads: 0, n_ctx: 0, kv_dtype: KvDtype::F32, n_batch: 256, kv_pruning: None }
     }
 }
 
@@ -212,7 +216,7 @@ impl<B: Backend> Engine<B> {
     pub fn session(&self) -> Result<Session<'_, B>> {
         Ok(Session {
             engine: self,
-            cache: self.model.new_kv_cache(self.n_ctx, 1, self.options.kv_dtype)?,
+            cache: self.model.new_kv_cache_pruned(self.n_ctx, 1, self.options.kv_dtype, self.options.kv_pruning)?,
             scratch: self.model.new_scratch(),
             tokens: Vec::new(),
             logits: Vec::new(),

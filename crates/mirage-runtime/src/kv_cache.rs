@@ -2,7 +2,9 @@
 //!
 //! Layout: per layer, per sequence slot, per KV head, one contiguous
 //! `[n_ctx, head_dim]` block for keys and one for values, so that the
-//! attention of one head walks memory linearly. Storage is f32 or f16.
+//! attention of one head walks memory linearly. Storage is f32, f16 or
+//! q8_0 (ggml's blocks of 32: one f16 scale and 32 signed bytes, along
+//! `head_dim`, so a row is whole blocks).
 
 use crate::error::RuntimeError;
 use half::f16;
@@ -15,6 +17,38 @@ pub enum KvDtype {
     F32,
     /// IEEE halves (half the memory, as llama.cpp's default cache).
     F16,
+    /// ggml Q8_0 blocks (34 bytes per 32 values, about 0.27x of f32), as
+    /// llama.cpp's `--cache-type-k/v q8_0`. Needs `head_dim % 32 == 0`.
+    /// Attention widens the rows it reads to f32 (per call), so it saves
+    /// memory, not time.
+    Q8_0,
+}
+
+/// Values per Q8_0 block.
+pub const Q8_0_BLOCK: usize = 32;
+
+/// Quantizes `src` (a multiple of 32 values) into Q8_0 blocks as ggml's
+/// `quantize_row_q8_0_ref`: `d = max|x| / 127`, `q = round(x / d)`.
+pub fn quantize_q8_0(src: &[f32], q: &mut [i8], d: &mut [f16]) {
+    for ((x, qb), db) in src.chunks_exact(Q8_0_BLOCK).zip(q.chunks_exact_mut(Q8_0_BLOCK)).zip(d.iter_mut()) {
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = amax / 127.0;
+        let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+        for (o, v) in qb.iter_mut().zip(x) {
+            *o = (v * inv).round() as i8;
+        }
+        *db = f16::from_f32(scale);
+    }
+}
+
+/// Widens Q8_0 blocks back to f32 (`out.len()` values, a multiple of 32).
+pub fn dequantize_q8_0(q: &[i8], d: &[f16], out: &mut [f32]) {
+    for ((o, qb), db) in out.chunks_exact_mut(Q8_0_BLOCK).zip(q.chunks_exact(Q8_0_BLOCK)).zip(d) {
+        let s = db.to_f32();
+        for (x, &v) in o.iter_mut().zip(qb) {
+            *x = v as f32 * s;
+        }
+    }
 }
 
 /// Shape of a KV cache.
@@ -38,6 +72,8 @@ pub struct KvSpec {
 enum Store {
     F32(Vec<f32>),
     F16(Vec<f16>),
+    /// Quantized values and one scale per 32 of them.
+    Q8_0(Vec<i8>, Vec<f16>),
 }
 
 impl Store {
@@ -45,6 +81,7 @@ impl Store {
         match dtype {
             KvDtype::F32 => Store::F32(vec![0.0; n]),
             KvDtype::F16 => Store::F16(vec![f16::ZERO; n]),
+            KvDtype::Q8_0 => Store::Q8_0(vec![0; n], vec![f16::ZERO; n / Q8_0_BLOCK]),
         }
     }
     fn write(&mut self, at: usize, src: &[f32]) {
@@ -54,6 +91,10 @@ impl Store {
                 for (d, &s) in v[at..at + src.len()].iter_mut().zip(src) {
                     *d = f16::from_f32(s);
                 }
+            }
+            Store::Q8_0(q, d) => {
+                let b = at / Q8_0_BLOCK;
+                quantize_q8_0(src, &mut q[at..at + src.len()], &mut d[b..b + src.len() / Q8_0_BLOCK]);
             }
         }
     }
@@ -81,6 +122,12 @@ impl KvCache {
             .ok_or_else(|| RuntimeError::InvalidArgument("KV cache size overflows".into()))?;
         if spec.head_dim == 0 || spec.n_ctx == 0 || spec.n_seq == 0 {
             return Err(RuntimeError::InvalidArgument(format!("empty KV cache shape {spec:?}")));
+        }
+        if spec.dtype == KvDtype::Q8_0 && spec.head_dim % Q8_0_BLOCK != 0 {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "a q8_0 KV cache needs head_dim divisible by {Q8_0_BLOCK}, not {}",
+                spec.head_dim
+            )));
         }
         let k = (0..spec.n_layer).map(|_| Store::new(spec.dtype, per_layer)).collect();
         let v = (0..spec.n_layer).map(|_| Store::new(spec.dtype, per_layer)).collect();
@@ -136,6 +183,13 @@ impl KvCache {
         match (&self.k[layer], &self.v[layer]) {
             (Store::F32(k), Store::F32(v)) => crate::attention_pruned::KvHeadView::F32 { k: &k[at..at + len], v: &v[at..at + len] },
             (Store::F16(k), Store::F16(v)) => crate::attention_pruned::KvHeadView::F16 { k: &k[at..at + len], v: &v[at..at + len] },
+            (Store::Q8_0(kq, kd), Store::Q8_0(vq, vd)) => {
+                let (b, blen) = (at / Q8_0_BLOCK, len / Q8_0_BLOCK);
+                crate::attention_pruned::KvHeadView::Q8_0 {
+                    k: (&kq[at..at + len], &kd[b..b + blen]),
+                    v: (&vq[at..at + len], &vd[b..b + blen]),
+                }
+            }
             _ => unreachable!("k and v share one dtype"),
         }
     }
@@ -172,6 +226,16 @@ impl KvCache {
                     let rounded: Vec<f32> = k.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
                     paged.summaries.record(layer, seq, pos, &rounded)
                 }
+                Store::Q8_0(q, d) => {
+                    let mut stored = vec![0.0f32; k.len()];
+                    for h in 0..s.n_head_kv {
+                        // self.base, spelled out: `paged` borrows self mutably.
+                        let at = ((seq * s.n_head_kv + h) * s.n_ctx + pos) * hd;
+                        let b = at / Q8_0_BLOCK;
+                        dequantize_q8_0(&q[at..at + hd], &d[b..b + hd / Q8_0_BLOCK], &mut stored[h * hd..(h + 1) * hd]);
+                    }
+                    paged.summaries.record(layer, seq, pos, &stored)
+                }
             }
         }
         if layer + 1 == s.n_layer {
@@ -196,9 +260,27 @@ impl KvCache {
                 // rows, which cost as much as the attention itself.
                 crate::ops::attend_f16(q, &k[at..at + n * hd], &v[at..at + n * hd], n, scale, scores, out)
             }
+            (Store::Q8_0(kq, kd), Store::Q8_0(vq, vd)) => {
+                // Widened per call into a per-thread buffer, then the f32
+                // kernel (the same one the f32 cache uses).
+                let (b, nb) = (at / Q8_0_BLOCK, n * hd / Q8_0_BLOCK);
+                WIDE.with(|w| {
+                    let mut w = w.borrow_mut();
+                    w.resize(2 * n * hd, 0.0);
+                    let (kw, vw) = w.split_at_mut(n * hd);
+                    dequantize_q8_0(&kq[at..at + n * hd], &kd[b..b + nb], kw);
+                    dequantize_q8_0(&vq[at..at + n * hd], &vd[b..b + nb], vw);
+                    crate::ops::attend_f32(q, kw, vw, n, scale, scores, out)
+                })
+            }
             _ => unreachable!("k and v share one dtype"),
         }
     }
+}
+
+thread_local! {
+    /// Widened q8_0 rows of the head being attended.
+    static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 #[cfg(test)]

@@ -58,6 +58,36 @@ impl KvPruning {
     }
 }
 
+/// Parses `key=value` pairs separated by commas over [`KvPruning::default`]:
+/// `page`, `sinks`, `recent`, `top`, `dense` (e.g. `top=16,dense=2`);
+/// `default` alone is the default, `all` every page (64 positions each).
+impl std::str::FromStr for KvPruning {
+    type Err = RuntimeError;
+
+    fn from_str(s: &str) -> Result<KvPruning, RuntimeError> {
+        let s = s.trim();
+        if s == "all" {
+            return Ok(KvPruning::all_pages(64));
+        }
+        let mut cfg = KvPruning::default();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty() && *p != "default") {
+            let bad = || RuntimeError::InvalidArgument(format!("KV pruning: expected key=number, got `{part}` (keys: page, sinks, recent, top, dense)"));
+            let (key, value) = part.split_once('=').ok_or_else(bad)?;
+            let value: usize = value.trim().parse().map_err(|_| bad())?;
+            match key.trim() {
+                "page" => cfg.page = value,
+                "sinks" => cfg.sink_pages = value,
+                "recent" => cfg.recent_pages = value,
+                "top" => cfg.top_pages = value,
+                "dense" => cfg.dense_layers = value,
+                _ => return Err(bad()),
+            }
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
 /// Exact upper bound of `q·k` over every `k` inside the box `[min, max]`.
 #[inline]
 pub fn page_upper_bound(q: &[f32], min: &[f32], max: &[f32]) -> f32 {

@@ -17,6 +17,7 @@ pub mod model;
 pub mod observe;
 pub mod ops;
 pub mod perplexity;
+pub mod rope;
 pub mod sampling;
 
 pub use backend::cpu::CpuBackend;

@@ -14,6 +14,7 @@ use crate::backend::{AttentionParams, Backend, ByteOwner, HostMatrix, QkNorm, Sh
 use crate::error::{Result, RuntimeError};
 use crate::kv_cache::{KvDtype, KvSpec};
 use crate::ops::RopeMode;
+use crate::rope::RopeScaling;
 
 /// Shape and numerics of a model, from its GGUF hyperparameters.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,13 +41,16 @@ pub struct ModelConfig {
     pub rope_freq_base: f32,
     /// RoPE pairing of this architecture.
     pub rope_mode: RopeMode,
+    /// RoPE frequency scaling the file declares (context extension).
+    pub rope_scaling: RopeScaling,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
 }
 
 impl ModelConfig {
     /// Derives the config from GGUF hyperparameters; refuses what the graph
-    /// does not implement (partial rotary, RoPE scaling, v heads of another size).
+    /// does not implement (partial rotary, llama3/unknown RoPE scaling, v
+    /// heads of another size).
     pub fn from_hparams(hp: &ModelHparams) -> Result<ModelConfig> {
         let unsupported = |what: String| RuntimeError::InvalidArgument(format!("unsupported model: {what}"));
         if hp.rope_dim != hp.head_dim {
@@ -55,11 +59,7 @@ impl ModelConfig {
         if hp.head_dim_v != hp.head_dim {
             return Err(unsupported("value heads of a different size".into()));
         }
-        if let Some(s) = &hp.rope_scaling {
-            if s.factor != 1.0 {
-                return Err(unsupported(format!("RoPE scaling `{}`", s.type_name)));
-            }
-        }
+        let rope_scaling = RopeScaling::from_hparams(hp)?;
         if hp.n_head_kv == 0 || hp.n_head % hp.n_head_kv != 0 {
             return Err(unsupported(format!("{} heads over {} KV heads", hp.n_head, hp.n_head_kv)));
         }
@@ -80,6 +80,7 @@ impl ModelConfig {
             n_ctx_train: hp.n_ctx_train,
             rope_freq_base: hp.rope_freq_base,
             rope_mode,
+            rope_scaling,
             rms_norm_eps: hp.rms_norm_eps,
         })
     }
@@ -92,6 +93,7 @@ impl ModelConfig {
             head_dim: self.head_dim,
             rope_mode: self.rope_mode,
             rope_freq_base: self.rope_freq_base,
+            rope_scaling: self.rope_scaling,
             norm_eps: self.rms_norm_eps,
         }
     }
@@ -260,6 +262,20 @@ impl<B: Backend> Model<B> {
     pub fn new_kv_cache(&self, n_ctx: usize, n_seq: usize, dtype: KvDtype) -> Result<B::KvCache> {
         let c = &self.config;
         self.backend.new_kv_cache(KvSpec { n_layer: c.n_layer, n_head_kv: c.n_head_kv, head_dim: c.head_dim, n_ctx, n_seq, dtype })
+    }
+
+    /// [`Model::new_kv_cache`] whose decode attention reads only the KV
+    /// pages `pruning` selects (`None`: every position).
+    pub fn new_kv_cache_pruned(
+        &self,
+        n_ctx: usize,
+        n_seq: usize,
+        dtype: KvDtype,
+        pruning: Option<crate::kv_pages::KvPruning>,
+    ) -> Result<B::KvCache> {
+        let c = &self.config;
+        let spec = KvSpec { n_layer: c.n_layer, n_head_kv: c.n_head_kv, head_dim: c.head_dim, n_ctx, n_seq, dtype };
+        self.backend.new_kv_cache_pruned(spec, pruning)
     }
 
     /// Fresh activation buffers.

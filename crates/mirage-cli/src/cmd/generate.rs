@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::Args;
 use mirage::{Backend, BackendChoice, Engine, EngineOptions, LoadSpec, SparseMode, WithEngine};
-use mirage_runtime::{GenerateParams, KvDtype, SamplingParams};
+use mirage_runtime::{GenerateParams, KvDtype, KvPruning, SamplingParams};
 use mirage_tokenizer::ChatMessage;
 
 /// The model used when `--model` is not given.
@@ -40,6 +40,10 @@ pub struct ModelArgs {
     /// Store the KV cache as f16 instead of f32.
     #[arg(long)]
     pub kv_f16: bool,
+    /// Decode attention over selected KV pages only: `default`, `all`, or key=number pairs over the default
+    /// (`page=64,sinks=1,recent=2,top=8,dense=0`), e.g. `--kv-prune top=16,dense=2`. CPU backend only.
+    #[arg(long)]
+    pub kv_prune: Option<KvPruning>,
 }
 
 impl ModelArgs {
@@ -49,6 +53,7 @@ impl ModelArgs {
             threads: self.threads,
             n_ctx: self.ctx_size,
             kv_dtype: if self.kv_f16 { KvDtype::F16 } else { KvDtype::F32 },
+            kv_pruning: self.kv_prune,
             ..EngineOptions::default()
         };
         let mut spec = LoadSpec::new(&self.model).backend(self.backend).options(options);

@@ -253,6 +253,7 @@ struct Scratch {
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
     rope_key: (usize, u32, usize),
+    rope_scaling: crate::rope::RopeScaling,
     /// Encodings of one input for `matmul_many`: (type, packed for the
     /// GEMM kernel, row bytes or 0 when free, bytes).
     act_by_type: Vec<(GgmlType, bool, usize, Vec<u8>)>,
@@ -511,6 +512,14 @@ impl Backend for CpuBackend {
         Ok(cache)
     }
 
+    fn new_kv_cache_pruned(&self, spec: KvSpec, pruning: Option<crate::kv_pages::KvPruning>) -> Result<KvCache> {
+        let mut cache = self.new_kv_cache(spec)?;
+        if let Some(cfg) = pruning {
+            cache.enable_kv_pruning(cfg)?;
+        }
+        Ok(cache)
+    }
+
     fn kv_truncate(&self, cache: &mut KvCache, seq: usize, pos: usize) {
         cache.truncate(seq, pos);
     }
@@ -707,16 +716,19 @@ impl Backend for CpuBackend {
         // shape changes or positions grow.
         let half = hd / 2;
         let key = (hd, p.rope_freq_base.to_bits(), 0);
-        if s.rope_key.0 != key.0 || s.rope_key.1 != key.1 || s.rope_key.2 <= max_pos {
+        if s.rope_key.0 != key.0 || s.rope_key.1 != key.1 || s.rope_key.2 <= max_pos || s.rope_scaling != p.rope_scaling {
             let n_pos = (max_pos + 1).next_power_of_two().max(64).min(spec.n_ctx.max(max_pos + 1));
             s.rope_cos.clear();
             s.rope_sin.clear();
+            let inv_freqs = p.rope_scaling.inv_freqs(hd, p.rope_freq_base);
+            let mscale = p.rope_scaling.mscale();
             for pos in 0..n_pos {
-                let a = ops::RopeAngles::new(pos, hd, p.rope_freq_base);
+                let a = crate::rope::angles(pos, &inv_freqs, mscale);
                 s.rope_cos.extend_from_slice(&a.cos);
                 s.rope_sin.extend_from_slice(&a.sin);
             }
             s.rope_key = (hd, key.1, n_pos);
+            s.rope_scaling = p.rope_scaling;
         }
         let mut angles = ops::RopeAngles { cos: vec![0.0; half], sin: vec![0.0; half] };
         let (qw, kw) = (q.width, k.width);
@@ -966,6 +978,7 @@ mod tests {
             head_dim: 16,
             rope_mode: RopeMode::Neox,
             rope_freq_base: 10000.0,
+            rope_scaling: Default::default(),
             norm_eps: 1e-6,
         };
         let n = 7;

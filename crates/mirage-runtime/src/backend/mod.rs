@@ -137,6 +137,8 @@ pub struct AttentionParams {
     pub rope_mode: RopeMode,
     /// RoPE base frequency.
     pub rope_freq_base: f32,
+    /// RoPE frequency scaling (backends that cannot apply it refuse it).
+    pub rope_scaling: crate::rope::RopeScaling,
     /// Epsilon of the per-head q/k RMSNorm (qwen3).
     pub norm_eps: f32,
 }
@@ -203,6 +205,19 @@ pub trait Backend: Send + Sync {
     fn upload_ffn(&self, layer: usize, gate: &HostMatrix, up: &HostMatrix, down: &HostMatrix) -> Result<Self::Ffn>;
     /// A KV cache of the given shape.
     fn new_kv_cache(&self, spec: KvSpec) -> Result<Self::KvCache>;
+    /// A KV cache whose decode attention reads only the KV pages `pruning`
+    /// selects (see [`crate::kv_pages`]); `None` is [`Backend::new_kv_cache`].
+    /// Backends without pruned attention refuse `Some` (never a silent full
+    /// attention: the caller asked for a different computation).
+    fn new_kv_cache_pruned(&self, spec: KvSpec, pruning: Option<crate::kv_pages::KvPruning>) -> Result<Self::KvCache> {
+        match pruning {
+            None => self.new_kv_cache(spec),
+            Some(_) => Err(crate::error::RuntimeError::InvalidArgument(format!(
+                "the {} backend does not prune KV pages",
+                self.name()
+            ))),
+        }
+    }
     /// Drops positions `pos..` of sequence `seq` from the cache.
     fn kv_truncate(&self, cache: &mut Self::KvCache, seq: usize, pos: usize);
     /// An empty activation buffer.
