@@ -423,3 +423,199 @@ fn nvfp4_smollm2_logits_match_cpu_on_rounded_weights() {
     assert!(wr >= 0.9999, "NVFP4 kernels vs CPU on the same weights: cosine {wr}");
     assert!(wf >= 0.9, "NVFP4 fidelity vs the file collapsed: cosine {wf}");
 }
+
+/// A random llama-shaped model with Q/K/V biases (2 layers, GQA 4/2,
+/// head_dim 64) written as GGUF in memory; `types` = (q, k, v, o, gate/up,
+/// down).
+fn tiny_model_with_bias(types: [GgmlType; 6]) -> Arc<GgufFile> {
+    use mirage_gguf::{Metadata, Value};
+    let (d, ff, vocab, n_layer) = (256usize, 512usize, 384usize, 2usize);
+    let (n_head, n_head_kv, hd) = (4usize, 2usize, 64usize);
+    let mut md = Metadata::new();
+    md.insert("general.architecture", Value::String("llama".into()));
+    md.insert("llama.block_count", Value::U32(n_layer as u32));
+    md.insert("llama.context_length", Value::U32(4096));
+    md.insert("llama.embedding_length", Value::U32(d as u32));
+    md.insert("llama.feed_forward_length", Value::U32(ff as u32));
+    md.insert("llama.attention.head_count", Value::U32(n_head as u32));
+    md.insert("llama.attention.head_count_kv", Value::U32(n_head_kv as u32));
+    md.insert("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5));
+    md.insert("llama.rope.freq_base", Value::F32(10000.0));
+    md.insert("llama.vocab_size", Value::U32(vocab as u32));
+    let mut r = rng(23);
+    let mut w = GgufWriter::new(md);
+    let mut mat = |w: &mut GgufWriter, name: String, ty: GgmlType, rows: usize, cols: usize, scale: f32| {
+        let v: Vec<f32> = randn(&mut r, rows * cols).iter().map(|x| x * scale).collect();
+        let m = host_matrix(&name, ty, rows, cols, &v);
+        w.add_tensor(name, vec![cols as u64, rows as u64], ty, m.data.as_slice().to_vec())
+            .unwrap();
+    };
+    mat(&mut w, "token_embd.weight".into(), GgmlType::Q8_0, vocab, d, 1.0);
+    mat(&mut w, "output.weight".into(), GgmlType::Q6_K, vocab, d, 0.1);
+    let (q_dim, kv_dim) = (n_head * hd, n_head_kv * hd);
+    let s = 1.0 / (d as f32).sqrt();
+    for l in 0..n_layer {
+        mat(&mut w, format!("blk.{l}.attn_q.weight"), types[0], q_dim, d, 3.0 * s);
+        mat(&mut w, format!("blk.{l}.attn_k.weight"), types[1], kv_dim, d, 3.0 * s);
+        mat(&mut w, format!("blk.{l}.attn_v.weight"), types[2], kv_dim, d, s);
+        mat(&mut w, format!("blk.{l}.attn_output.weight"), types[3], d, q_dim, s);
+        mat(&mut w, format!("blk.{l}.ffn_gate.weight"), types[4], ff, d, s);
+        mat(&mut w, format!("blk.{l}.ffn_up.weight"), types[4], ff, d, s);
+        mat(&mut w, format!("blk.{l}.ffn_down.weight"), types[5], d, ff, 1.0 / (ff as f32).sqrt());
+    }
+    let mut r = rng(29);
+    let vec = |w: &mut GgufWriter, name: String, v: Vec<f32>| {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        w.add_tensor(name, vec![v.len() as u64], GgmlType::F32, bytes).unwrap();
+    };
+    vec(&mut w, "output_norm.weight".into(), vec![1.0; d]);
+    for l in 0..n_layer {
+        for nm in ["attn_norm", "ffn_norm"] {
+            let v = (0..d).map(|_| 1.0 + 0.2 * r.random_range(-1.0f32..1.0)).collect();
+            vec(&mut w, format!("blk.{l}.{nm}.weight"), v);
+        }
+        for (nm, n) in [("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)] {
+            let v = (0..n).map(|_| 0.5 * r.random_range(-1.0f32..1.0)).collect();
+            vec(&mut w, format!("blk.{l}.{nm}.bias"), v);
+        }
+    }
+    let mut out = Vec::new();
+    w.write_to(&mut out).unwrap();
+    Arc::new(GgufFile::from_bytes(out).unwrap())
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Greedy decode of `steps` tokens after a 20-token prompt per sequence
+/// (`batch` sequences decoded together): every step's logits and tokens.
+/// With `force`, the inputs after the prompt are those tokens instead
+/// (teacher forcing, so that two numerically different paths are compared
+/// on the same inputs even where a near-tie flips an argmax).
+fn greedy_run(
+    model: &Model<CudaBackend>,
+    batch: usize,
+    steps: usize,
+    force: Option<&[u32]>,
+) -> (Vec<f32>, Vec<u32>) {
+    use mirage_runtime::backend::TokenSlot;
+    let vocab = model.config().vocab_size;
+    let prompt_len = 20;
+    let mut cache = model
+        .new_kv_cache(prompt_len + steps + 1, batch, KvDtype::F32)
+        .unwrap();
+    let mut scratch = model.new_scratch();
+    let mut logits = Vec::new();
+    let mut last = Vec::new();
+    for seq in 0..batch {
+        let prompt: Vec<u32> = (0..prompt_len)
+            .map(|i| ((i * 37 + 5 + seq * 101) % vocab) as u32)
+            .collect();
+        let slots: Vec<TokenSlot> = (0..prompt_len).map(|pos| TokenSlot { seq, pos }).collect();
+        model
+            .forward(&prompt, &slots, &[prompt_len - 1], &mut cache, &mut scratch, &mut logits)
+            .unwrap();
+        last.push(argmax(&logits));
+    }
+    let (mut all, mut toks) = (Vec::new(), Vec::new());
+    for i in 0..steps {
+        let slots: Vec<TokenSlot> = (0..batch)
+            .map(|seq| TokenSlot { seq, pos: prompt_len + i })
+            .collect();
+        let rows: Vec<usize> = (0..batch).collect();
+        model
+            .forward(&last, &slots, &rows, &mut cache, &mut scratch, &mut logits)
+            .unwrap();
+        for (b, t) in last.iter_mut().enumerate() {
+            let best = argmax(&logits[b * vocab..(b + 1) * vocab]);
+            toks.push(best);
+            *t = force.map_or(best, |f| f[i * batch + b]);
+        }
+        all.extend_from_slice(&logits);
+    }
+    (all, toks)
+}
+
+/// The whole fused layer: a model with Q/K/V biases decoded with the fast
+/// path in CUDA graphs (Q/K/V in one launch, bias and residual adds folded
+/// into the mat-vecs, fused gate/up/SwiGLU, split-Q8_0) against the old
+/// path op by op, teacher-forced on the old path's greedy tokens: logits
+/// cosine >= 0.99999 at every step, batch 1 and 2 (token agreement is
+/// printed and must be >= 90 %); the graph is replayed. Then the NVFP4 model
+/// in graphs (folded epilogues) against NVFP4 op by op (unfolded).
+#[test]
+fn fused_layer_graph_decode_equals_old_path() {
+    let Some(probe) = cuda("fused_layer_graph_decode_equals_old_path") else {
+        return;
+    };
+    drop(probe);
+    let mixes = [
+        [GgmlType::Q8_0; 6],
+        [
+            GgmlType::Q4_K,
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+            GgmlType::Q5_0,
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+        ],
+    ];
+    for types in mixes {
+        let file = tiny_model_with_bias(types);
+        let old = {
+            let b = CudaBackend::new(0).unwrap();
+            b.set_fast_decode(false);
+            b.set_graphs(false);
+            Model::load(file.clone(), b).unwrap()
+        };
+        let new = {
+            let b = CudaBackend::new(0).unwrap();
+            b.set_graphs(true);
+            Model::load(file.clone(), b).unwrap()
+        };
+        let vocab = old.config().vocab_size;
+        for batch in [1usize, 2] {
+            let (lo, to) = greedy_run(&old, batch, 16, None);
+            let before = new.backend().graph_stats();
+            let (ln, tn) = greedy_run(&new, batch, 16, Some(&to));
+            let after = new.backend().graph_stats();
+            let worst = lo
+                .chunks(vocab)
+                .zip(ln.chunks(vocab))
+                .map(|(a, b)| cosine(a, b))
+                .fold(1.0f64, f64::min);
+            let agree = to.iter().zip(&tn).filter(|(a, b)| a == b).count() as f64 / to.len() as f64;
+            eprintln!(
+                "{types:?} batch {batch}: fast+graphs vs old eager worst step cosine {worst:.9}, \
+                 argmax agreement {agree:.3}, replays {}",
+                after.replays - before.replays
+            );
+            assert!(agree >= 0.9, "{types:?} batch {batch}: argmax agreement {agree}");
+            assert!(worst >= 0.99999, "{types:?} batch {batch}: cosine {worst}");
+            assert!(after.replays - before.replays >= 14, "graph not replayed");
+        }
+        let nv = |graphs: bool| {
+            let b = CudaBackend::new(0).unwrap();
+            b.set_weight_format(WeightFormat::Nvfp4);
+            b.set_graphs(graphs);
+            Model::load(file.clone(), b).unwrap()
+        };
+        let (a, ta) = greedy_run(&nv(false), 2, 12, None);
+        let (b, tb) = greedy_run(&nv(true), 2, 12, None);
+        let worst = a
+            .chunks(vocab)
+            .zip(b.chunks(vocab))
+            .map(|(x, y)| cosine(x, y))
+            .fold(1.0f64, f64::min);
+        eprintln!("{types:?}: NVFP4 graphs vs NVFP4 op by op worst step cosine {worst:.9}");
+        assert_eq!(ta, tb, "{types:?}: NVFP4 greedy tokens differ graphs vs eager");
+        assert!(worst >= 0.99999, "{types:?}: NVFP4 graph cosine {worst}");
+    }
+}
