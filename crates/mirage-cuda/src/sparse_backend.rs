@@ -191,38 +191,58 @@ fn q8_rows(v: &[f32], rows: usize, d: usize) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Page `p` of a model FFN (channels `128 p .. 128 p + 128`) in the
-/// artifact's `pack_page` layout, Q8_0: gate rows, up rows, down columns
-/// as rows. Channels past `n_ff` are zero.
-fn synthetic_page(gate: &HostMatrix, up: &HostMatrix, down: &HostMatrix, p: usize) -> Result<Vec<u8>> {
+/// Every page of a model FFN (page p = channels `128 p .. 128 p + 128`) in
+/// the artifact's `pack_page` layout, Q8_0: gate rows, up rows, down columns
+/// as rows; channels past `n_ff` are zero. `down` is dequantized once, and
+/// the pages are built on all CPUs (a 7B layer is 68 M down weights).
+fn synthetic_pages(gate: &HostMatrix, up: &HostMatrix, down: &HostMatrix) -> Result<Vec<Vec<u8>>> {
     let d = gate.cols;
     let n_ff = gate.rows;
-    let c0 = p * PAGE_CHANNELS;
-    let n = PAGE_CHANNELS.min(n_ff - c0);
-    let rb = quant::row_bytes(GgmlType::Q8_0, d).map_err(rt)?;
-    let mut page = Vec::with_capacity(3 * PAGE_CHANNELS * rb);
-    for m in [gate, up] {
-        if m.ty == GgmlType::Q8_0 && n == PAGE_CHANNELS {
-            page.extend_from_slice(&m.data.as_slice()[c0 * rb..(c0 + n) * rb]);
-        } else {
-            let mut f = vec![0f32; PAGE_CHANNELS * d];
-            dequant_rows(m, c0, n, &mut f)?;
-            page.extend_from_slice(&q8_rows(&f, PAGE_CHANNELS, d)?);
+    let n_pages = n_ff.div_ceil(PAGE_CHANNELS);
+    let mut down_f = vec![0f32; d * n_ff];
+    dequant_rows(down, 0, d, &mut down_f)?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(n_pages).max(1);
+    let per = n_pages.div_ceil(threads);
+    let down_f = &down_f;
+    let one = move |p: usize| -> Result<Vec<u8>> {
+        let c0 = p * PAGE_CHANNELS;
+        let n = PAGE_CHANNELS.min(n_ff - c0);
+        let rb = quant::row_bytes(GgmlType::Q8_0, d).map_err(rt)?;
+        let mut page = Vec::with_capacity(3 * PAGE_CHANNELS * rb);
+        for m in [gate, up] {
+            if m.ty == GgmlType::Q8_0 && n == PAGE_CHANNELS {
+                page.extend_from_slice(&m.data.as_slice()[c0 * rb..(c0 + n) * rb]);
+            } else {
+                let mut f = vec![0f32; PAGE_CHANNELS * d];
+                dequant_rows(m, c0, n, &mut f)?;
+                page.extend_from_slice(&q8_rows(&f, PAGE_CHANNELS, d)?);
+            }
         }
-    }
-    // down is [d, n_ff]: row i of the page's down_t is column c0 + i.
-    let mut dt = vec![0f32; PAGE_CHANNELS * d];
-    let drb = quant::row_bytes(down.ty, down.cols).map_err(rt)?;
-    let data: &[u8] = down.data.as_slice();
-    let mut row = vec![0f32; down.cols];
-    for j in 0..d {
-        quant::dequantize(down.ty, &data[j * drb..(j + 1) * drb], &mut row).map_err(rt)?;
-        for i in 0..n {
-            dt[i * d + j] = row[c0 + i];
+        let mut dt = vec![0f32; PAGE_CHANNELS * d];
+        for j in 0..d {
+            let row = &down_f[j * n_ff..(j + 1) * n_ff];
+            for i in 0..n {
+                dt[i * d + j] = row[c0 + i];
+            }
         }
+        page.extend_from_slice(&q8_rows(&dt, PAGE_CHANNELS, d)?);
+        Ok(page)
+    };
+    let parts: Vec<Result<Vec<Vec<u8>>>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..threads)
+            .map(|t| {
+                sc.spawn(move || ((t * per)..((t + 1) * per).min(n_pages)).map(one).collect::<Result<Vec<_>>>())
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(rt("a page-building thread panicked"))))
+            .collect()
+    });
+    let mut out = Vec::with_capacity(n_pages);
+    for p in parts {
+        out.extend(p?);
     }
-    page.extend_from_slice(&q8_rows(&dt, PAGE_CHANNELS, d)?);
-    Ok(page)
+    Ok(out)
 }
 
 /// An artifact page re-encoded as Q8_0 (identity for Q8_0 pages).
@@ -635,11 +655,7 @@ impl Backend for SparseCudaBackend {
                 (pages, ld.n_trunk)
             }
             PageSource::Synthetic => {
-                let n = gate.rows.div_ceil(PAGE_CHANNELS);
-                let pages = (0..n)
-                    .map(|p| synthetic_page(gate, up, down, p))
-                    .collect::<Result<_>>()?;
-                (pages, 0)
+                (synthetic_pages(gate, up, down)?, 0)
             }
         };
         let n_pages = pages.len();
