@@ -1003,3 +1003,155 @@ extern "C" __global__ void dequant_f16_nvfp4(const u8* W, int rows, int cols, fl
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
         wh[(long)blockIdx.x * cols + i] = f2h(nvfp4_elem(W, rows, cols, ts, r, i));
 }
+
+// ---------------------------------------------------------------------------
+// Split Q4_K ("q4_ks"): the 128 quant bytes of every super-block, [rows]
+// [cols/2], then the 16 header bytes of every super-block (d, dmin, 12 packed
+// 6-bit scales/mins), [rows][cols/256][16]. Same bytes as ggml. Lane l reads
+// the 32-bit word l of a super-block's quants (one 128-byte line per warp
+// load): bytes 4(l%8)..+3 of group j = l/8, i.e. elements 64j + 4(l%8) + i
+// (low nibbles, sub-block 2j) and 64j + 32 + 4(l%8) + i (high nibbles,
+// sub-block 2j + 1); the header is one broadcast 16-byte load.
+
+// Byte i (0..11) of the packed scales held in header words y, z, w.
+__device__ __forceinline__ u32 q4k_scale_byte(uint4 h, int i) {
+    u32 word = i < 4 ? h.y : (i < 8 ? h.z : h.w);
+    return (word >> (8 * (i & 3))) & 255u;
+}
+
+// Scale and min of sub-block s of a header (ggml's get_scale_min_k4).
+__device__ __forceinline__ void q4k_scale_min(uint4 h, int s, float* sc, float* m) {
+    if (s < 4) {
+        *sc = (float)(q4k_scale_byte(h, s) & 63u);
+        *m = (float)(q4k_scale_byte(h, s + 4) & 63u);
+    } else {
+        *sc = (float)((q4k_scale_byte(h, s + 4) & 15u) | ((q4k_scale_byte(h, s - 4) >> 6) << 4));
+        *m = (float)((q4k_scale_byte(h, s + 4) >> 4) | ((q4k_scale_byte(h, s) >> 6) << 4));
+    }
+}
+
+template <int NR>
+__device__ __forceinline__ void q4ks_dot(const u8* const* q, const u8* const* meta, const float* __restrict__ xa,
+                                         int cols, int lane, float* acc) {
+    const int n_sb = cols >> 8;
+    const int j = lane >> 3, off = 64 * j + ((lane & 7) << 2);
+    for (int c = 0; c < n_sb; c += 2) {
+        u32 w[2][NR];
+        uint4 hd[2][NR];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            bool ok = c + h < n_sb;
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                w[h][k] = ok ? __ldg((const u32*)(q[k] + ((c + h) << 7) + (lane << 2))) : 0u;
+                hd[h][k] = ok ? __ldg((const uint4*)(meta[k] + ((c + h) << 4))) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (c + h >= n_sb) continue;
+            const float* xs = xa + ((c + h) << 8) + off;
+            float4 xl = __ldg((const float4*)xs), xh = __ldg((const float4*)(xs + 32));
+            float sxl = xl.x + xl.y + xl.z + xl.w, sxh = xh.x + xh.y + xh.z + xh.w;
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                u32 lo = w[h][k] & 0x0f0f0f0fu, hi = (w[h][k] >> 4) & 0x0f0f0f0fu;
+                float ql[4], qh[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    ql[i] = sb_byte_f32(lo, i, 8388608.0f);  // 2^23
+                    qh[i] = sb_byte_f32(hi, i, 8388608.0f);
+                }
+                float dl = ql[0] * xl.x + ql[1] * xl.y + ql[2] * xl.z + ql[3] * xl.w;
+                float dh = qh[0] * xh.x + qh[1] * xh.y + qh[2] * xh.z + qh[3] * xh.w;
+                uint4 hh = hd[h][k];
+                float d = h2f((u16)(hh.x & 0xffffu)), dmin = h2f((u16)(hh.x >> 16));
+                float sc0, m0, sc1, m1;
+                q4k_scale_min(hh, 2 * j, &sc0, &m0);
+                q4k_scale_min(hh, 2 * j + 1, &sc1, &m1);
+                acc[k] += d * (sc0 * dl + sc1 * dh) - dmin * (m0 * sxl + m1 * sxh);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q4_ks(MV3_PARAMS) {
+    MV3_PICK(FAST_WARPS * FAST_ROWS)
+    int r0 = (bx * FAST_WARPS + warp) * FAST_ROWS;
+    if (r0 >= rows) return;
+    const u8* meta = W + (long)rows * (cols >> 1);
+    const u8* q[FAST_ROWS];
+    const u8* mt[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) {
+        int r = min(r0 + k, rows - 1);
+        q[k] = W + (long)r * (cols >> 1);
+        mt[k] = meta + (long)r * (cols >> 4);
+    }
+    float acc[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) acc[k] = 0.f;
+    q4ks_dot<FAST_ROWS>(q, mt, xa, cols, lane, acc);
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) {
+        float v = warp_sum(acc[k]);
+        if (lane == 0 && r0 + k < rows) mv_store(v, y, bias, rs, a, rows, r0 + k);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q4_ks(FFN_PARAMS) {
+    const int NC = FAST_ROWS / 2;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
+    if (r0 >= rows) return;
+    int a = blockIdx.y;
+    const float* xa = x + (long)a * cols;
+    const u8* mg = Wg + (long)rows * (cols >> 1);
+    const u8* mu = Wu + (long)rows * (cols >> 1);
+    const u8* q[FAST_ROWS];
+    const u8* mt[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        int r = min(r0 + k, rows - 1);
+        q[k] = Wg + (long)r * (cols >> 1);
+        mt[k] = mg + (long)r * (cols >> 4);
+        q[NC + k] = Wu + (long)r * (cols >> 1);
+        mt[NC + k] = mu + (long)r * (cols >> 4);
+    }
+    float acc[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) acc[k] = 0.f;
+    q4ks_dot<FAST_ROWS>(q, mt, xa, cols, lane, acc);
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        float g = warp_sum(acc[k]), u = warp_sum(acc[NC + k]);
+        if (lane == 0 && r0 + k < rows) h[(long)a * rows + r0 + k] = silu_mul(g, u);
+    }
+}
+
+// Element i of row r of a split-Q4_K matrix (dequant_unit<TY_Q4_K>'s
+// arithmetic).
+__device__ __forceinline__ float q4ks_elem(const u8* W, int rows, int cols, long r, int i) {
+    int sb = i >> 8, e = i & 255, j = e >> 6, hi = (e >> 5) & 1, l = e & 31;
+    u32 byte = W[r * (cols >> 1) + ((long)sb << 7) + 32 * j + l];
+    u32 qv = hi ? (byte >> 4) : (byte & 15u);
+    const u8* hp = W + (long)rows * (cols >> 1) + r * (cols >> 4) + ((long)sb << 4);
+    uint4 hh = *(const uint4*)hp;
+    float d = h2f((u16)(hh.x & 0xffffu)), dmin = h2f((u16)(hh.x >> 16));
+    float sc, m;
+    q4k_scale_min(hh, 2 * j + hi, &sc, &m);
+    float d1 = d * sc, m1 = dmin * m;
+    return d1 * (float)qv - m1;
+}
+
+extern "C" __global__ void embed_q4_ks(const u8* W, int n_rows, int cols, const u32* tokens, float* out) {
+    u32 t = tokens[blockIdx.x];
+    if (t >= (u32)n_rows) return;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(long)blockIdx.x * cols + i] = q4ks_elem(W, n_rows, cols, t, i);
+}
+
+extern "C" __global__ void dequant_f16_q4_ks(const u8* W, int rows, int cols, int r0, u16* wh) {
+    long r = r0 + blockIdx.x;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        wh[(long)blockIdx.x * cols + i] = f2h(q4ks_elem(W, rows, cols, r, i));
+}

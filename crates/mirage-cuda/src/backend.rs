@@ -28,6 +28,21 @@ fn bad(msg: impl Into<String>) -> RuntimeError {
     RuntimeError::InvalidArgument(msg.into())
 }
 
+/// Ggml Q4_K rows (whole 144-byte super-blocks) in the split layout: every
+/// super-block's 128 quant bytes in order, then every super-block's 16
+/// header bytes (d, dmin, packed scales) in order. Row r's quants start at
+/// `r * cols / 2`, its headers at `rows * cols / 2 + r * cols / 16`.
+fn split_q4_k_rows(ggml: &[u8]) -> Vec<u8> {
+    let n = ggml.len() / 144;
+    let mut out = vec![0u8; n * 144];
+    let (qs, head) = out.split_at_mut(n * 128);
+    for (i, blk) in ggml.chunks_exact(144).enumerate() {
+        qs[i * 128..(i + 1) * 128].copy_from_slice(&blk[16..]);
+        head[i * 16..(i + 1) * 16].copy_from_slice(&blk[..16]);
+    }
+    out
+}
+
 /// Kernel-name suffix of a weight type the mat-vec and embedding kernels
 /// read; `None` for types they do not (yet) decode.
 fn kernel_suffix(ty: GgmlType) -> Option<&'static str> {
@@ -55,11 +70,13 @@ const SUFFIXES: &[&str] = &[
     "q6_k",
 ];
 /// Kernel-name suffixes of the repacked layouts (fast path only).
-const REPACKED_SUFFIXES: &[&str] = &["q8_0s", "nvfp4"];
+const REPACKED_SUFFIXES: &[&str] = &["q8_0s", "q4_ks", "nvfp4"];
 const OTHER_KERNELS: &[&str] = &[
     "embed_q8_0s",
+    "embed_q4_ks",
     "embed_nvfp4",
     "dequant_f16_q8_0s",
+    "dequant_f16_q4_ks",
     "dequant_f16_nvfp4",
     "rms_norm",
     "add_bias",
@@ -121,6 +138,9 @@ enum Layout {
     /// Split Q8_0: all quants `[rows][cols]`, then all f16 scales (see
     /// `superblock::split_q8_0_rows`).
     Q8Split,
+    /// Split Q4_K: all super-blocks' 128 quant bytes `[rows][cols/2]`, then
+    /// their 16 header bytes (d, dmin, packed scales) `[rows][cols/256][16]`.
+    Q4KSplit,
     /// NVFP4 (the CPU codec's): packed codes `[rows][cols/2]`, then E4M3
     /// scales `[rows][cols/16]`, and this tensor scale.
     Nvfp4 { tensor_scale: f32 },
@@ -170,6 +190,7 @@ impl CudaMatrix {
         match self.layout {
             Layout::Ggml => kernel_suffix(self.ty),
             Layout::Q8Split => Some("q8_0s"),
+            Layout::Q4KSplit => Some("q4_ks"),
             Layout::Nvfp4 { .. } => Some("nvfp4"),
         }
     }
@@ -1016,7 +1037,7 @@ impl CudaBackend {
                     Arg::I32(r0 as i32),
                     Arg::Ptr(pw),
                 ],
-                Layout::Q8Split => vec![
+                Layout::Q8Split | Layout::Q4KSplit => vec![
                     pdata,
                     Arg::I32(rows as i32),
                     Arg::I32(cols as i32),
@@ -1135,6 +1156,9 @@ impl CudaBackend {
             repacked = crate::superblock::split_q8_0_rows(bytes, m.rows, m.cols)
                 .map_err(|e| bad(format!("{}: {e}", m.name)))?;
             (Layout::Q8Split, &repacked)
+        } else if m.ty == GgmlType::Q4_K && self.fast_decode() {
+            repacked = split_q4_k_rows(bytes);
+            (Layout::Q4KSplit, &repacked)
         } else {
             (Layout::Ggml, bytes)
         };
@@ -1349,6 +1373,10 @@ impl Backend for CudaBackend {
             ),
             Layout::Q8Split => (
                 "embed_q8_0s".to_string(),
+                vec![pw, rows, cols, Arg::Ptr(pt), Arg::Ptr(po)],
+            ),
+            Layout::Q4KSplit => (
+                "embed_q4_ks".to_string(),
                 vec![pw, rows, cols, Arg::Ptr(pt), Arg::Ptr(po)],
             ),
             Layout::Nvfp4 { tensor_scale } => (
