@@ -51,9 +51,32 @@ pub struct BenchArgs {
     /// or with the mat-vec kernel (`off`).
     #[arg(long, default_value = "on")]
     pub cuda_gemm: String,
+    /// CUDA: fast decode path (`on`: split-Q8_0 repacking, Q/K/V in one
+    /// launch, fused gate/up/SwiGLU) or the first version's kernels (`off`).
+    #[arg(long, default_value = "on")]
+    pub cuda_fast: String,
+    /// CUDA: weight encoding on the device, `native` (the file's) or
+    /// `nvfp4` (attention and FFN matrices requantized at upload).
+    #[arg(long, default_value = "native")]
+    pub weights: String,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Sparse decode (CUDA): the model's `.mirage` artifact; runs dense vs
+    /// sparse in one process (see `bench_sparse`).
+    #[arg(long)]
+    pub artifact: Option<PathBuf>,
+    /// Sparse decode: FFN page fractions to force (first pages by hotness),
+    /// comma-separated; default 1.0,0.75,0.5,0.35,0.25.
+    #[arg(long, value_delimiter = ',')]
+    pub active: Vec<f32>,
+    /// Sparse decode: also decode with the artifact's BVH router on the device.
+    #[arg(long)]
+    pub routed: bool,
+    /// Sparse decode without an artifact: Q8_0 pages built from the model's
+    /// FFN matrices (synthetic shapes; forced fractions only).
+    #[arg(long)]
+    pub synthetic_pages: bool,
 }
 
 /// What one bench run measured.
@@ -79,6 +102,8 @@ struct BenchReport {
     kv_dtype: String,
     cuda_graphs: Option<bool>,
     cuda_gemm: Option<bool>,
+    cuda_fast: Option<bool>,
+    weight_format: Option<String>,
     graph_captures: Option<u64>,
     graph_replays: Option<u64>,
     eager_steps: Option<u64>,
@@ -95,6 +120,12 @@ fn on_off(what: &str, v: &str) -> anyhow::Result<bool> {
 
 /// Runs `mirage-cli bench`.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.artifact.is_some() || args.synthetic_pages {
+        #[cfg(feature = "cuda")]
+        return super::bench_sparse::run(&args);
+        #[cfg(not(feature = "cuda"))]
+        bail!("the sparse bench needs the CUDA backend: build mirage-cli with --features cuda");
+    }
     super::generate::check_model(&args.model)?;
     let file = Arc::new(
         GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
@@ -107,6 +138,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
     let graphs = on_off("cuda-graphs", &args.cuda_graphs)?;
     let gemm = on_off("cuda-gemm", &args.cuda_gemm)?;
+    let fast = on_off("cuda-fast", &args.cuda_fast)?;
+    let weights = match args.weights.as_str() {
+        "native" => mirage_cuda::WeightFormat::Native,
+        "nvfp4" => mirage_cuda::WeightFormat::Nvfp4,
+        other => bail!("--weights takes `native` or `nvfp4`, not `{other}`"),
+    };
     let report = match args.backend.as_str() {
         "cpu" => {
             let backend = CpuBackend::new(args.threads)?;
@@ -128,6 +165,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             );
             backend.set_graphs(graphs);
             let gemm_on = backend.set_prefill_gemm(gemm);
+            backend.set_fast_decode(fast);
+            backend.set_weight_format(weights);
             let (free0, _) = backend.device_memory()?;
             let copy = backend.copy_bandwidth(1 << 30, 10)?;
             let model = Model::load(file.clone(), backend)?;
@@ -137,6 +176,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             let g = b.graph_stats();
             r.cuda_graphs = Some(b.graphs());
             r.cuda_gemm = Some(gemm_on);
+            r.cuda_fast = Some(b.fast_decode());
+            r.weight_format = Some(match b.weight_format() {
+                mirage_cuda::WeightFormat::Native => "native".into(),
+                mirage_cuda::WeightFormat::Nvfp4 => "nvfp4".into(),
+            });
             r.graph_captures = Some(g.captures);
             r.graph_replays = Some(g.replays);
             r.eager_steps = Some(g.eager);
@@ -313,6 +357,8 @@ fn measure<B: Backend>(
         kv_dtype: args.kv.clone(),
         cuda_graphs: None,
         cuda_gemm: None,
+        cuda_fast: None,
+        weight_format: None,
         graph_captures: None,
         graph_replays: None,
         eager_steps: None,
@@ -363,6 +409,12 @@ fn print_table(r: &BenchReport) {
             r.graph_replays.unwrap_or(0),
             r.eager_steps.unwrap_or(0),
             if gm { "on (cuBLAS)" } else { "off (mat-vec)" }
+        );
+    }
+    if let (Some(f), Some(w)) = (r.cuda_fast, &r.weight_format) {
+        println!(
+            "cuda weights     {w}, fast decode path {}",
+            if f { "on" } else { "off" }
         );
     }
     println!("first tokens     {:?}", r.first_tokens);
