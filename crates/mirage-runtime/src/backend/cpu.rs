@@ -462,10 +462,26 @@ fn matmul_rows(
 }
 
 /// `dst[a * rows + r] = src[r * cols + a]` (`src` is `[rows, cols]`).
+///
+/// Eight source rows at a time, so that each destination write is a run of
+/// 8 consecutive floats: a row-at-a-time loop writes every element to a
+/// different cache line (`rows` apart) and was ~5% of a Q8_0 prefill; this
+/// is 2-5x faster on the prefill shapes.
 fn transpose_into(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
-    for (r, row) in src.chunks_exact(cols).take(rows).enumerate() {
-        for (a, &v) in row.iter().enumerate() {
-            dst[a * rows + r] = v;
+    let mut r0 = 0;
+    while r0 + 8 <= rows {
+        let s = &src[r0 * cols..(r0 + 8) * cols];
+        for a in 0..cols {
+            let d = &mut dst[a * rows + r0..a * rows + r0 + 8];
+            for (i, d) in d.iter_mut().enumerate() {
+                *d = s[i * cols + a];
+            }
+        }
+        r0 += 8;
+    }
+    for r in r0..rows {
+        for a in 0..cols {
+            dst[a * rows + r] = src[r * cols + a];
         }
     }
 }
@@ -966,9 +982,23 @@ mod tests {
         }
     }
 
-    /// Prefill attention (the cache widened once per head) equals decoding
-    /// the same tokens one at a time, bit for bit: both run attend_f32 on
-    /// the same widened rows.
+    #[test]
+    fn tiled_transpose_is_a_transpose() {
+        for (rows, cols) in [(1usize, 1usize), (17, 33), (40, 5), (3, 100)] {
+            let src: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+            let mut dst = vec![f32::NAN; rows * cols];
+            transpose_into(&src, rows, cols, &mut dst);
+            for r in 0..rows {
+                for a in 0..cols {
+                    assert_eq!(dst[a * rows + r], src[r * cols + a], "{rows}x{cols} ({r},{a})");
+                }
+            }
+        }
+    }
+
+    /// Prefill attention equals decoding the same tokens one at a time,
+    /// bit for bit: both run the same f16 attention kernels, whose scores
+    /// and sums do not depend on how many keys a call covers.
     #[test]
     fn prefill_attention_equals_token_by_token() {
         let backend = CpuBackend::new(2).unwrap();
