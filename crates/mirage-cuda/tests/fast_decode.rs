@@ -23,6 +23,11 @@ fn cuda(test: &str) -> Option<CudaBackend> {
             | CudaError::DriverNotFound
             | CudaError::NoDevice { .. }),
         ) => {
+            // MIRAGE_REQUIRE_GPU_TESTS=1 (the device runs): skipping is a failure.
+            assert!(
+                std::env::var("MIRAGE_REQUIRE_GPU_TESTS").as_deref() != Ok("1"),
+                "{test}: MIRAGE_REQUIRE_GPU_TESTS=1 but no CUDA device: {e}"
+            );
             eprintln!("{test}: skipped, no CUDA device here: {e}");
             None
         }
