@@ -25,6 +25,10 @@ pub use error::CudaError;
 mod backend;
 #[cfg(feature = "cuda")]
 pub mod module;
+/// Decode attention over selected KV pages (page boxes, selection and
+/// split-K on the device).
+#[cfg(feature = "cuda")]
+pub mod kv_pruning;
 #[cfg(feature = "cuda")]
 pub use backend::{CudaActivations, CudaBackend, CudaFfn, CudaKvCache, CudaMatrix, CudaVector};
 #[cfg(feature = "cuda")]

@@ -58,27 +58,47 @@ impl Default for RopeScaling {
 impl RopeScaling {
     /// No scaling.
     pub const fn none() -> RopeScaling {
-        RopeScaling { kind: RopeScalingKind::None, factor: 1.0, original_context_length: 0, beta_fast: 32.0, beta_slow: 1.0 }
+        RopeScaling {
+            kind: RopeScalingKind::None,
+            factor: 1.0,
+            original_context_length: 0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        }
     }
 
     /// Linear scaling by `factor`.
     pub fn linear(factor: f32) -> RopeScaling {
-        RopeScaling { kind: RopeScalingKind::Linear, factor, ..RopeScaling::none() }
+        RopeScaling {
+            kind: RopeScalingKind::Linear,
+            factor,
+            ..RopeScaling::none()
+        }
     }
 
     /// YaRN with `factor` over a model trained on `original_context_length`
     /// positions (llama.cpp's and transformers' default betas).
     pub fn yarn(factor: f32, original_context_length: usize) -> RopeScaling {
-        RopeScaling { kind: RopeScalingKind::Yarn, factor, original_context_length, ..RopeScaling::none() }
+        RopeScaling {
+            kind: RopeScalingKind::Yarn,
+            factor,
+            original_context_length,
+            ..RopeScaling::none()
+        }
     }
 
     /// The scaling a GGUF declares. A factor of 1 (or none) is no scaling;
     /// YaRN without `original_context_length` uses the training context, as
     /// llama.cpp does.
     pub fn from_hparams(hp: &ModelHparams) -> Result<RopeScaling> {
-        let Some(s) = &hp.rope_scaling else { return Ok(RopeScaling::none()) };
+        let Some(s) = &hp.rope_scaling else {
+            return Ok(RopeScaling::none());
+        };
         if !(s.factor.is_finite() && s.factor > 0.0) {
-            return Err(RuntimeError::InvalidArgument(format!("RoPE scaling factor {} is not a positive number", s.factor)));
+            return Err(RuntimeError::InvalidArgument(format!(
+                "RoPE scaling factor {} is not a positive number",
+                s.factor
+            )));
         }
         if s.factor == 1.0 {
             return Ok(RopeScaling::none());
@@ -86,15 +106,20 @@ impl RopeScaling {
         match s.kind {
             RopeScalingType::Linear => Ok(RopeScaling::linear(s.factor)),
             RopeScalingType::Yarn => {
-                let orig = s.original_context_length.map(|x| x as usize).unwrap_or(hp.n_ctx_train);
+                let orig = s
+                    .original_context_length
+                    .map(|x| x as usize)
+                    .unwrap_or(hp.n_ctx_train);
                 if orig == 0 {
-                    return Err(RuntimeError::InvalidArgument("YaRN needs an original context length > 0".into()));
+                    return Err(RuntimeError::InvalidArgument(
+                        "YaRN needs an original context length > 0".into(),
+                    ));
                 }
                 Ok(RopeScaling::yarn(s.factor, orig))
             }
-            RopeScalingType::Llama3 | RopeScalingType::Other => {
-                Err(RuntimeError::InvalidArgument(format!("unsupported model: RoPE scaling `{}`", s.type_name)))
-            }
+            RopeScalingType::Llama3 | RopeScalingType::Other => Err(RuntimeError::InvalidArgument(
+                format!("unsupported model: RoPE scaling `{}`", s.type_name),
+            )),
         }
     }
 
@@ -123,7 +148,8 @@ impl RopeScaling {
         let half = head_dim / 2;
         let base = freq_base as f64;
         let freq_scale = 1.0 / self.factor as f64;
-        let range = (self.kind == RopeScalingKind::Yarn).then(|| self.yarn_correction_range(head_dim, freq_base));
+        let range = (self.kind == RopeScalingKind::Yarn)
+            .then(|| self.yarn_correction_range(head_dim, freq_base));
         (0..half)
             .map(|i| {
                 let extrap = base.powf(-2.0 * i as f64 / head_dim as f64);
@@ -156,7 +182,10 @@ impl RopeScaling {
 /// scaled by `mscale`. With the unscaled table and `mscale` 1 this is
 /// exactly [`RopeAngles::new`] (same f64 arithmetic).
 pub fn angles(pos: usize, inv_freqs: &[f64], mscale: f32) -> RopeAngles {
-    let (mut cos, mut sin) = (Vec::with_capacity(inv_freqs.len()), Vec::with_capacity(inv_freqs.len()));
+    let (mut cos, mut sin) = (
+        Vec::with_capacity(inv_freqs.len()),
+        Vec::with_capacity(inv_freqs.len()),
+    );
     for &f in inv_freqs {
         let theta = pos as f64 * f;
         cos.push(theta.cos() as f32 * mscale);
@@ -175,18 +204,25 @@ mod tests {
     /// base 1e6, factor 4, original context 32768.
     const HF_LINEAR_INV_FREQ: &[f64] = &include!("../tests/fixtures/rope_linear_inv_freq.in");
     const HF_YARN_INV_FREQ: &[f64] = &include!("../tests/fixtures/rope_yarn_inv_freq.in");
-    const HF_YARN_ATTENTION_FACTOR: f64 = include!("../tests/fixtures/rope_yarn_attention_factor.in");
+    const HF_YARN_ATTENTION_FACTOR: f64 =
+        include!("../tests/fixtures/rope_yarn_attention_factor.in");
 
     fn assert_close(got: &[f64], want: &[f64]) {
         assert_eq!(got.len(), want.len());
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            assert!((g - w).abs() <= 1e-12 * w.abs().max(1e-30), "pair {i}: {g} vs {w}");
+            assert!(
+                (g - w).abs() <= 1e-12 * w.abs().max(1e-30),
+                "pair {i}: {g} vs {w}"
+            );
         }
     }
 
     #[test]
     fn linear_matches_transformers() {
-        assert_close(&RopeScaling::linear(4.0).inv_freqs(64, 1e6), HF_LINEAR_INV_FREQ);
+        assert_close(
+            &RopeScaling::linear(4.0).inv_freqs(64, 1e6),
+            HF_LINEAR_INV_FREQ,
+        );
         assert_eq!(RopeScaling::linear(4.0).mscale(), 1.0);
     }
 
@@ -215,6 +251,14 @@ mod tests {
     #[test]
     fn none_is_the_plain_rope_table() {
         let f = RopeScaling::none().inv_freqs(8, 10000.0);
-        assert_eq!(f, vec![1.0, 10000f64.powf(-0.25), 10000f64.powf(-0.5), 10000f64.powf(-0.75)]);
+        assert_eq!(
+            f,
+            vec![
+                1.0,
+                10000f64.powf(-0.25),
+                10000f64.powf(-0.5),
+                10000f64.powf(-0.75)
+            ]
+        );
     }
 }

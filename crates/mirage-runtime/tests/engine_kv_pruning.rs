@@ -6,23 +6,45 @@ use std::path::PathBuf;
 use mirage_runtime::{Engine, EngineOptions, KvPruning};
 
 fn model_path(name: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models").join(name);
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(name);
     if p.exists() {
         return Some(p);
     }
     if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1", p.display());
+        eprintln!(
+            "skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1",
+            p.display()
+        );
         return None;
     }
-    panic!("{} is missing: run `cargo xtask fetch-models` (or set MIRAGE_SKIP_MODEL_TESTS=1)", p.display());
+    panic!(
+        "{} is missing: run `cargo xtask fetch-models` (or set MIRAGE_SKIP_MODEL_TESTS=1)",
+        p.display()
+    );
 }
 
 #[test]
 fn kv_prune_syntax() {
-    assert_eq!("default".parse::<KvPruning>().unwrap(), KvPruning::default());
-    assert_eq!("all".parse::<KvPruning>().unwrap(), KvPruning::all_pages(64));
+    assert_eq!(
+        "default".parse::<KvPruning>().unwrap(),
+        KvPruning::default()
+    );
+    assert_eq!(
+        "all".parse::<KvPruning>().unwrap(),
+        KvPruning::all_pages(64)
+    );
     let c: KvPruning = "top=16, dense=2,page=32".parse().unwrap();
-    assert_eq!(c, KvPruning { page: 32, top_pages: 16, dense_layers: 2, ..KvPruning::default() });
+    assert_eq!(
+        c,
+        KvPruning {
+            page: 32,
+            top_pages: 16,
+            dense_layers: 2,
+            ..KvPruning::default()
+        }
+    );
     for bad in ["top", "top=x", "pages=3", "page=0"] {
         assert!(bad.parse::<KvPruning>().is_err(), "{bad} accepted");
     }
@@ -31,7 +53,12 @@ fn kv_prune_syntax() {
 /// Logits after feeding `prompt` then one more token, one session of an
 /// engine with `pruning`.
 fn last_logits(path: &PathBuf, pruning: Option<KvPruning>, prompt: &[u32], next: u32) -> Vec<f32> {
-    let opts = EngineOptions { threads: 2, n_ctx: 512, kv_pruning: pruning, ..EngineOptions::default() };
+    let opts = EngineOptions {
+        threads: 2,
+        n_ctx: 512,
+        kv_pruning: pruning,
+        ..EngineOptions::default()
+    };
     let engine = Engine::load(path, opts).unwrap();
     let mut s = engine.session().unwrap();
     s.feed(prompt).unwrap();
@@ -40,8 +67,18 @@ fn last_logits(path: &PathBuf, pruning: Option<KvPruning>, prompt: &[u32], next:
 
 #[test]
 fn engine_option_reaches_the_session_cache() {
-    let Some(path) = model_path("smollm2-135m-instruct-q4_1.gguf") else { return };
-    let engine = Engine::load(&path, EngineOptions { threads: 2, n_ctx: 512, ..EngineOptions::default() }).unwrap();
+    let Some(path) = model_path("smollm2-135m-instruct-q4_1.gguf") else {
+        return;
+    };
+    let engine = Engine::load(
+        &path,
+        EngineOptions {
+            threads: 2,
+            n_ctx: 512,
+            ..EngineOptions::default()
+        },
+    )
+    .unwrap();
     let text = include_str!("../src/engine.rs");
     let mut prompt = engine.encode(text, false).unwrap();
     prompt.truncate(300);
@@ -52,8 +89,21 @@ fn engine_option_reaches_the_session_cache() {
     assert_eq!(full, all, "every page selected must equal full attention");
     // Only the newest 16-position page: a different computation, so the
     // option really reached the cache the decode step used.
-    let tight = KvPruning { page: 16, sink_pages: 0, recent_pages: 1, top_pages: 0, dense_layers: 0 };
+    let tight = KvPruning {
+        page: 16,
+        sink_pages: 0,
+        recent_pages: 1,
+        top_pages: 0,
+        dense_layers: 0,
+    };
     let pruned = last_logits(&path, Some(tight), &prompt, 42);
-    let max_diff = full.iter().zip(&pruned).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    assert!(max_diff > 1e-2, "a 16-position window left the logits unchanged ({max_diff})");
+    let max_diff = full
+        .iter()
+        .zip(&pruned)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        max_diff > 1e-2,
+        "a 16-position window left the logits unchanged ({max_diff})"
+    );
 }

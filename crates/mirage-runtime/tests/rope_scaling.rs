@@ -23,20 +23,41 @@ fn params(rope_scaling: RopeScaling) -> AttentionParams {
 }
 
 fn row(width: usize, seed: u32) -> Vec<f32> {
-    (0..width).map(|i| (((i as u32 * 2654435761u32) ^ seed) % 1000) as f32 / 500.0 - 1.0).collect()
+    (0..width)
+        .map(|i| (((i as u32 * 2654435761u32) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+        .collect()
 }
 
 /// q and k of one row after the backend rotated them at position `pos`.
 fn rotated(scaling: RopeScaling, pos: usize) -> (Vec<f32>, Vec<f32>) {
     let backend = CpuBackend::new(1).unwrap();
-    let spec = KvSpec { n_layer: 1, n_head_kv: 1, head_dim: HD, n_ctx: 64, n_seq: 1, dtype: KvDtype::F32 };
+    let spec = KvSpec {
+        n_layer: 1,
+        n_head_kv: 1,
+        head_dim: HD,
+        n_ctx: 64,
+        n_seq: 1,
+        dtype: KvDtype::F32,
+    };
     let mut cache = backend.new_kv_cache(spec).unwrap();
     let mut q = CpuActivations::from_vec(1, 2 * HD, row(2 * HD, 1)).unwrap();
     let mut k = CpuActivations::from_vec(1, HD, row(HD, 2)).unwrap();
     let v = CpuActivations::from_vec(1, HD, row(HD, 3)).unwrap();
     let mut out = CpuActivations::default();
     let slots = [TokenSlot { seq: 0, pos }];
-    backend.attention(0, &params(scaling), &mut q, &mut k, &v, None, &slots, &mut cache, &mut out).unwrap();
+    backend
+        .attention(
+            0,
+            &params(scaling),
+            &mut q,
+            &mut k,
+            &v,
+            None,
+            &slots,
+            &mut cache,
+            &mut out,
+        )
+        .unwrap();
     (q.data().to_vec(), k.data().to_vec())
 }
 
@@ -45,9 +66,16 @@ fn linear_scaling_is_position_interpolation() {
     // Factor 2 at position 2p rotates exactly as unscaled RoPE at p (the
     // halved frequencies are exact in binary).
     for p in [1, 5, 20] {
-        assert_eq!(rotated(RopeScaling::linear(2.0), 2 * p), rotated(RopeScaling::none(), p), "position {p}");
+        assert_eq!(
+            rotated(RopeScaling::linear(2.0), 2 * p),
+            rotated(RopeScaling::none(), p),
+            "position {p}"
+        );
     }
-    assert_ne!(rotated(RopeScaling::linear(2.0), 10), rotated(RopeScaling::none(), 10));
+    assert_ne!(
+        rotated(RopeScaling::linear(2.0), 10),
+        rotated(RopeScaling::none(), 10)
+    );
 }
 
 #[test]
@@ -58,7 +86,11 @@ fn yarn_scales_the_magnitude_and_keeps_high_frequencies() {
     // Rotations keep norms, so the norm ratio is YaRN's mscale.
     let norm = |x: &[f32]| x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
     let ratio = norm(&q) / norm(&q0);
-    assert!((ratio - s.mscale() as f64).abs() < 1e-5, "norm ratio {ratio} vs mscale {}", s.mscale());
+    assert!(
+        (ratio - s.mscale() as f64).abs() < 1e-5,
+        "norm ratio {ratio} vs mscale {}",
+        s.mscale()
+    );
     // Pair 0 (below the correction range) keeps its frequency: same angle,
     // only scaled (NEOX pairs element 0 with element HD/2).
     let m = s.mscale();
