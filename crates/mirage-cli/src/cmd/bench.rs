@@ -62,6 +62,21 @@ pub struct BenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Sparse decode (CUDA): the model's `.mirage` artifact; runs dense vs
+    /// sparse in one process (see `bench_sparse`).
+    #[arg(long)]
+    pub artifact: Option<PathBuf>,
+    /// Sparse decode: FFN page fractions to force (first pages by hotness),
+    /// comma-separated; default 1.0,0.75,0.5,0.35,0.25.
+    #[arg(long, value_delimiter = ',')]
+    pub active: Vec<f32>,
+    /// Sparse decode: also decode with the artifact's BVH router on the device.
+    #[arg(long)]
+    pub routed: bool,
+    /// Sparse decode without an artifact: Q8_0 pages built from the model's
+    /// FFN matrices (synthetic shapes; forced fractions only).
+    #[arg(long)]
+    pub synthetic_pages: bool,
 }
 
 /// What one bench run measured.
@@ -105,6 +120,12 @@ fn on_off(what: &str, v: &str) -> anyhow::Result<bool> {
 
 /// Runs `mirage-cli bench`.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.artifact.is_some() || args.synthetic_pages {
+        #[cfg(feature = "cuda")]
+        return super::bench_sparse::run(&args);
+        #[cfg(not(feature = "cuda"))]
+        bail!("the sparse bench needs the CUDA backend: build mirage-cli with --features cuda");
+    }
     super::generate::check_model(&args.model)?;
     let file = Arc::new(
         GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,

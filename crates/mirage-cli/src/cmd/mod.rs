@@ -3,6 +3,8 @@
 //! Small helpers several commands share live here.
 
 pub mod bench;
+#[cfg(feature = "cuda")]
+pub mod bench_sparse;
 pub mod chat;
 pub mod eval;
 pub mod eval_long;
