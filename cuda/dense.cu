@@ -709,7 +709,7 @@ __device__ __forceinline__ void q8s_dot(const u8* const* q, const u16* const* s,
         for (int h = 0; h < Q8S_UNROLL; h++) {
             int e = ((c + h) << 7) + (lane << 2);
             if (e >= cols) continue;
-            float4 xv = __ldg((const float4*)(xa + e));
+            float4 xv = *(const float4*)(xa + e);
 #pragma unroll
             for (int k = 0; k < NR; k++) {
                 float f[4];
@@ -743,7 +743,7 @@ __device__ __forceinline__ void nvfp4_dot(const u32* const* q, const u8* const* 
         for (int h = 0; h < 2; h++) {
             int e = ((c + h) << 8) + (lane << 3);
             if (e >= cols) continue;
-            float4 xa4 = __ldg((const float4*)(xa + e)), xb4 = __ldg((const float4*)(xa + e + 4));
+            float4 xa4 = *(const float4*)(xa + e), xb4 = *(const float4*)(xa + e + 4);
 #pragma unroll
             for (int k = 0; k < NR; k++) {
                 float lo[4], hi[4];
@@ -758,7 +758,8 @@ __device__ __forceinline__ void nvfp4_dot(const u32* const* q, const u8* const* 
 }
 
 // One lane's share of W[row] . xa on a ggml-layout row (the old matvec's
-// loop, same order, so results equal matvec_<T> bit for bit).
+// loop, same order, so results equal matvec_<T> bit for bit). xa may be in
+// global or shared memory (norm-fused launches), so x loads are generic.
 template <int T>
 __device__ __forceinline__ float ggml_row_dot(const u8* row, const float* __restrict__ xa, int cols, int lane) {
     int units = cols >> 5;
@@ -769,7 +770,7 @@ __device__ __forceinline__ float ggml_row_dot(const u8* row, const float* __rest
         const float4* xv = (const float4*)(xa + u * 32);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            float4 v = __ldg(xv + i);
+            float4 v = xv[i];
             acc += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
         }
     }
@@ -782,10 +783,42 @@ __device__ __forceinline__ float ggml_row_dot(const u8* row, const float* __rest
 #define MV3_PARAMS                                                                                                   \
     const u8 *W0, const u8 *W1, const u8 *W2, int rows0, int rows1, int rows2, long row_bytes, int cols,          \
         const float *x, float *y0, float *y1, float *y2, float ts0, float ts1, float ts2, const float *bias0,       \
-        const float *bias1, const float *bias2, float *res
-#define MV3_ARGS W0, W1, W2, rows0, rows1, rows2, row_bytes, cols, x, y0, y1, y2, ts0, ts1, ts2, bias0, bias1, bias2, res
+        const float *bias1, const float *bias2, float *res, const float *nx, const float *nw, float neps, float *nout
+#define MV3_ARGS                                                                                                     \
+    W0, W1, W2, rows0, rows1, rows2, row_bytes, cols, x, y0, y1, y2, ts0, ts1, ts2, bias0, bias1, bias2, res, nx, nw, \
+        neps, nout
 #define FFN_PARAMS                                                                                                   \
-    const u8 *Wg, const u8 *Wu, int rows, long row_bytes, int cols, const float *x, float *h, float ts_g, float ts_u
+    const u8 *Wg, const u8 *Wu, int rows, long row_bytes, int cols, const float *x, float *h, float ts_g, float ts_u,  \
+        const float *nx, const float *nw, float neps, float *nout
+
+// RMSNorm folded into a mat-vec (nx != null; the backend sets it when the
+// norm's only reader is this launch): the block normalizes activation row
+// a of nx into shared memory (dynamic, cols floats) with rms_norm's exact
+// arithmetic (256 threads, same order), and the dot reads it from there;
+// blocks with blockIdx.x == 0 also write the norm's output row to nout, so
+// the buffer holds what the unfused norm would have written. Every thread of
+// the block must call it (block-wide reduction) before any early return.
+extern __shared__ float fused_norm_xs[];
+__device__ const float* norm_prologue(const float* nx, const float* nw, float eps, float* nout, int cols, int a) {
+    __shared__ float s32[32];
+    const float* xr = nx + (long)a * cols;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, s32);
+    float scale = rsqrtf(ss / (float)cols + eps);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = xr[i] * scale * nw[i];
+        fused_norm_xs[i] = v;
+        if (blockIdx.x == 0 && nout != 0) nout[(long)a * cols + i] = v;
+    }
+    __syncthreads();
+    return fused_norm_xs;
+}
+
+// Activation row a = blockIdx.y of x, or of the folded norm's output.
+#define FAST_INPUT                                                                                                   \
+    int a = blockIdx.y;                                                                                              \
+    const float* xa = nx != 0 ? norm_prologue(nx, nw, neps, nout, cols, a) : x + (long)a * cols;
 
 #define MV3_PICK(PER_BLOCK)                                                                                          \
     int m;                                                                                                           \
@@ -799,8 +832,7 @@ __device__ __forceinline__ float ggml_row_dot(const u8* row, const float* __rest
     (void)ts;                                                                                                        \
     (void)row_bytes;                                                                                                 \
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                                            \
-    int a = blockIdx.y;                                                                                              \
-    const float* xa = x + (long)a * cols;
+    FAST_INPUT
 
 // ggml layout: one warp per row, FAST_WARPS rows per block.
 template <int T>
@@ -815,10 +847,9 @@ __device__ void mv3_ggml(MV3_PARAMS) {
 template <int T>
 __device__ void ffn_ggml(FFN_PARAMS) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    FAST_INPUT
     int r = blockIdx.x * FAST_WARPS + warp;
     if (r >= rows) return;
-    int a = blockIdx.y;
-    const float* xa = x + (long)a * cols;
     float g = warp_sum(ggml_row_dot<T>(Wg + (long)r * row_bytes, xa, cols, lane));
     float u = warp_sum(ggml_row_dot<T>(Wu + (long)r * row_bytes, xa, cols, lane));
     if (lane == 0) h[(long)a * rows + r] = silu_mul(g, u);
@@ -829,7 +860,7 @@ __device__ void ffn_ggml(FFN_PARAMS) {
         mv3_ggml<T>(MV3_ARGS);                                                                                       \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_##NAME(FFN_PARAMS) {                           \
-        ffn_ggml<T>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u);                                                \
+        ffn_ggml<T>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                            \
     }
 
 FAST_INSTANCE(f32, TY_F32)
@@ -876,10 +907,9 @@ extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q8_0s(MV3_PARA
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q8_0s(FFN_PARAMS) {
     const int NC = FAST_ROWS / 2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    FAST_INPUT
     int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
     if (r0 >= rows) return;
-    int a = blockIdx.y;
-    const float* xa = x + (long)a * cols;
     const u16* sg = (const u16*)(Wg + (long)rows * cols);
     const u16* su = (const u16*)(Wu + (long)rows * cols);
     const u8* q[FAST_ROWS];
@@ -930,10 +960,9 @@ extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_nvfp4(MV3_PARA
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_nvfp4(FFN_PARAMS) {
     const int NC = FAST_ROWS / 2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    FAST_INPUT
     int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
     if (r0 >= rows) return;
-    int a = blockIdx.y;
-    const float* xa = x + (long)a * cols;
     const u8* sg = Wg + (long)rows * (cols >> 1);
     const u8* su = Wu + (long)rows * (cols >> 1);
     const u32* q[FAST_ROWS];
@@ -1051,7 +1080,7 @@ __device__ __forceinline__ void q4ks_dot(const u8* const* q, const u8* const* me
         for (int h = 0; h < 2; h++) {
             if (c + h >= n_sb) continue;
             const float* xs = xa + ((c + h) << 8) + off;
-            float4 xl = __ldg((const float4*)xs), xh = __ldg((const float4*)(xs + 32));
+            float4 xl = *(const float4*)xs, xh = *(const float4*)(xs + 32);
             float sxl = xl.x + xl.y + xl.z + xl.w, sxh = xh.x + xh.y + xh.z + xh.w;
 #pragma unroll
             for (int k = 0; k < NR; k++) {
@@ -1102,10 +1131,9 @@ extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q4_ks(MV3_PARA
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q4_ks(FFN_PARAMS) {
     const int NC = FAST_ROWS / 2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    FAST_INPUT
     int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
     if (r0 >= rows) return;
-    int a = blockIdx.y;
-    const float* xa = x + (long)a * cols;
     const u8* mg = Wg + (long)rows * (cols >> 1);
     const u8* mu = Wu + (long)rows * (cols >> 1);
     const u8* q[FAST_ROWS];

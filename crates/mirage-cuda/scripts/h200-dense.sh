@@ -10,7 +10,8 @@
 # it runs `mirage-cli bench --backend cuda` with the fast path (default),
 # the old path (`--cuda-fast off`, the first version's kernels and ggml
 # layout) and NVFP4 weights (`--weights nvfp4`), prompt 128 + 64 generated
-# tokens, graphs on. Tests run first (MIRAGE_REQUIRE_GPU_TESTS=1): the fast
+# tokens, graphs on, and the fast path without the norm folded into the
+# next mat-vec (`nonorm`: MIRAGE_CUDA_FUSE_NORM=0). Tests run first (MIRAGE_REQUIRE_GPU_TESTS=1): the fast
 # path against the old one and NVFP4 against the CPU codec
 # (tests/fast_decode.rs), then the original kernel tests on the fast path
 # (the default) and on the old path (MIRAGE_CUDA_FAST=0). Budget < 3 min.
@@ -52,14 +53,16 @@ field() { grep -o "\"$2\":[^,}]*" "$1" | head -1 | cut -d: -f2 | tr -d '"'; }
 ROWS=()
 for M in "$@"; do
   name=$(basename "$M" .gguf)
-  for mode in fast old nvfp4; do
+  for mode in fast old nonorm nvfp4; do
+    fuse=1
     case $mode in
       fast) flags="--cuda-fast on" ;;
       old) flags="--cuda-fast off" ;;
+      nonorm) flags="--cuda-fast on"; fuse=0 ;;
       nvfp4) flags="--cuda-fast on --weights nvfp4" ;;
     esac
     j="$OUT/bench_${name}_$mode.json"
-    timeout 40 "$W/mirage-cli" bench --model "$M" --backend cuda --prompt 128 --gen 64 $flags --json > "$j" 2> "${j%.json}.err"
+    MIRAGE_CUDA_FUSE_NORM=$fuse timeout 40 "$W/mirage-cli" bench --model "$M" --backend cuda --prompt 128 --gen 64 $flags --json > "$j" 2> "${j%.json}.err"
     rc=$?
     ROWS+=("$(printf '%-34s %-6s rc=%-3s %9s %9s %8s %8s %9s' "$name" "$mode" "$rc" \
       "$(field "$j" decode_tok_s)" "$(field "$j" decode_ms_median)" "$(field "$j" achieved_gb_s)" \

@@ -121,8 +121,16 @@ const GEMM_TILE_BYTES: usize = 32 << 20;
 /// Warps (weight rows) per mat-vec thread block.
 const MATVEC_WARPS: u32 = 8;
 
-/// Arguments of an `mv3_*` launch (`MV3_PARAMS` in dense.cu).
-const MV3_ARGS: usize = 19;
+/// Arguments of an `mv3_*` launch (`MV3_PARAMS` in dense.cu); the last four
+/// (`nx, nw, neps, nout`) fold a pending RMSNorm into it.
+const MV3_ARGS: usize = 23;
+
+/// Arguments of an `ffn_*` launch (`FFN_PARAMS`), the last four as above.
+const FFN_ARGS: usize = 13;
+
+/// Widest row a norm can be folded into the next mat-vec (its normalized
+/// row sits in 48 KiB of shared memory).
+const FUSED_NORM_MAX_WIDTH: usize = 12 * 1024;
 
 /// Warps per block of the fast-path kernels (`FAST_WARPS` in dense.cu).
 const FAST_WARPS: usize = 8;
@@ -333,6 +341,39 @@ struct StepState {
     /// Most recently used first.
     graphs: Vec<RecordedGraph>,
     stats: GraphStats,
+    /// An RMSNorm of the step being recorded that was not launched: the
+    /// next launch folds it in when it is a fast mat-vec reading its
+    /// output, else it is launched first.
+    pending_norm: Option<PendingNorm>,
+}
+
+/// `out = rms_norm(x) * w` over `rows` rows of `width`, not yet launched.
+#[derive(Debug, Clone, Copy)]
+struct PendingNorm {
+    x: u64,
+    w: u64,
+    eps: f32,
+    rows: usize,
+    width: usize,
+    out: u64,
+}
+
+impl PendingNorm {
+    fn launch(&self, kernel: usize) -> Launch {
+        Launch {
+            kernel,
+            grid: (self.rows as u32, 1, 1),
+            block: (256, 1, 1),
+            smem: 0,
+            args: vec![
+                Arg::Ptr(self.x),
+                Arg::Ptr(self.w),
+                Arg::F32(self.eps),
+                Arg::I32(self.width as i32),
+                Arg::Ptr(self.out),
+            ],
+        }
+    }
 }
 
 /// The CUDA backend: one device, one stream, kernels compiled by NVRTC.
@@ -364,6 +405,7 @@ pub struct CudaBackend {
     gemm_enabled: std::sync::atomic::AtomicBool,
     gemm_tile_bytes: std::sync::atomic::AtomicUsize,
     fast_decode: std::sync::atomic::AtomicBool,
+    fuse_norm: std::sync::atomic::AtomicBool,
     nvfp4_weights: std::sync::atomic::AtomicBool,
     scratch: Mutex<Scratch>,
     mem: Mutex<MemoryStats>,
@@ -460,6 +502,7 @@ impl CudaBackend {
             ptx_from_cache,
             graphs_enabled: (!env_off("MIRAGE_CUDA_GRAPHS")).into(),
             fast_decode: (!env_off("MIRAGE_CUDA_FAST")).into(),
+            fuse_norm: (!env_off("MIRAGE_CUDA_FUSE_NORM")).into(),
             nvfp4_weights: std::env::var("MIRAGE_CUDA_WEIGHTS")
                 .is_ok_and(|v| v.eq_ignore_ascii_case("nvfp4"))
                 .into(),
@@ -673,12 +716,59 @@ impl CudaBackend {
             args,
         };
         let mut st = self.step_state();
+        let st = &mut *st;
         if let Some(rec) = st.recording.as_mut() {
+            let mut l = l;
+            if let Some(pn) = st.pending_norm.take() {
+                if !self.fold_norm(&pn, &mut l) {
+                    rec.push(pn.launch(self.kernel_index["rms_norm"]));
+                }
+            }
             rec.push(l);
             return Ok(());
         }
-        drop(st);
         self.launch_now(&l)
+    }
+
+    /// Folds `pn` into `l` when `l` is a fast mat-vec (`mv3_*`, `ffn_*`)
+    /// over exactly the norm's output rows with no norm folded yet.
+    fn fold_norm(&self, pn: &PendingNorm, l: &mut Launch) -> bool {
+        let name = self.functions_names[l.kernel];
+        let (x_at, norm_at) = if name.starts_with("mv3_") && l.args.len() == MV3_ARGS {
+            (8, 19)
+        } else if name.starts_with("ffn_") && l.args.len() == FFN_ARGS {
+            (5, 9)
+        } else {
+            return false;
+        };
+        let cols = if x_at == 8 { l.args[7] } else { l.args[4] };
+        if l.args[x_at] != Arg::Ptr(pn.out)
+            || cols != Arg::I32(pn.width as i32)
+            || l.grid.1 as usize != pn.rows
+            || l.smem != 0
+            || l.args[norm_at] != Arg::Ptr(0)
+        {
+            return false;
+        }
+        l.args[norm_at] = Arg::Ptr(pn.x);
+        l.args[norm_at + 1] = Arg::Ptr(pn.w);
+        l.args[norm_at + 2] = Arg::F32(pn.eps);
+        l.args[norm_at + 3] = Arg::Ptr(pn.out);
+        l.smem = (pn.width * 4) as u32;
+        true
+    }
+
+    /// Turns folding RMSNorm into the next mat-vec of a recorded step on
+    /// (default with the fast path; `MIRAGE_CUDA_FUSE_NORM=0` turns it off
+    /// at start) or off.
+    pub fn set_fuse_norm(&self, on: bool) {
+        self.fuse_norm
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether norms are folded into the next mat-vec of a recorded step.
+    pub fn fuse_norm(&self) -> bool {
+        self.fast_decode() && self.fuse_norm.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn launch_now(&self, l: &Launch) -> Result<()> {
@@ -894,6 +984,8 @@ impl CudaBackend {
         args.extend(args_ts);
         // Epilogues (bias0..2, res): none; `fold_epilogue` may set them.
         args.extend([Arg::Ptr(0); 4]);
+        // Folded norm (nx, nw, neps, nout): none; `fold_norm` may set it.
+        args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::F32(0.0), Arg::Ptr(0)]);
         self.launch(
             &format!("mv3_{suffix}"),
             (blocks as u32, n_act as u32, 1),
@@ -938,7 +1030,7 @@ impl CudaBackend {
                     let slot = if res { 18 } else { 15 + m };
                     // The residual must not be the launch's own input
                     // (other warps still read it).
-                    let reads_extra = l.args[8] == Arg::Ptr(extra);
+                    let reads_extra = l.args[8] == Arg::Ptr(extra) || l.args[19] == Arg::Ptr(extra);
                     if (res && (m != 0 || !single || reads_extra)) || rec[i].args[slot] != Arg::Ptr(0) {
                         return false;
                     }
@@ -987,6 +1079,10 @@ impl CudaBackend {
                 Arg::Ptr(h),
                 Arg::F32(g.tensor_scale()),
                 Arg::F32(u.tensor_scale()),
+                Arg::Ptr(0),
+                Arg::Ptr(0),
+                Arg::F32(0.0),
+                Arg::Ptr(0),
             ],
         )?;
         Ok(Some(()))
@@ -1259,6 +1355,12 @@ impl Backend for CudaBackend {
         let out = pass();
         let mut st = self.step_state();
         st.staged = None;
+        if let Some(pn) = st.pending_norm.take() {
+            let k = self.kernel_index["rms_norm"];
+            if let Some(rec) = st.recording.as_mut() {
+                rec.push(pn.launch(k));
+            }
+        }
         let launches = st.recording.take();
         let out = out?;
         if let Some(launches) = launches {
@@ -1406,6 +1508,27 @@ impl Backend for CudaBackend {
         }
         let px = self.act_ptr(x)?;
         let po = self.reshape(out, x.rows, x.width)?;
+        if self.fuse_norm() && x.width <= FUSED_NORM_MAX_WIDTH && px != po {
+            let mut st = self.step_state();
+            if st.recording.is_some() {
+                let pn = PendingNorm {
+                    x: px,
+                    w: self.ptr(&weight.data),
+                    eps,
+                    rows: x.rows,
+                    width: x.width,
+                    out: po,
+                };
+                if let Some(prev) = st.pending_norm.replace(pn) {
+                    let k = self.kernel_index["rms_norm"];
+                    st.recording
+                        .as_mut()
+                        .expect("checked above")
+                        .push(prev.launch(k));
+                }
+                return Ok(());
+            }
+        }
         self.launch(
             "rms_norm",
             (x.rows as u32, 1, 1),

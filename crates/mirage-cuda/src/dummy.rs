@@ -57,6 +57,12 @@ impl CudaBackend {
     pub fn fast_decode(&self) -> bool {
         false
     }
+    /// Norm folding switch (no effect without CUDA).
+    pub fn set_fuse_norm(&self, _on: bool) {}
+    /// Whether norms are folded into the next mat-vec.
+    pub fn fuse_norm(&self) -> bool {
+        false
+    }
     /// Weight upload format (no effect without CUDA).
     pub fn set_weight_format(&self, _f: crate::WeightFormat) {}
     /// The weight upload format.

@@ -633,3 +633,45 @@ fn fused_layer_graph_decode_equals_old_path() {
         assert!(worst >= 0.99999, "{types:?}: NVFP4 graph cosine {worst}");
     }
 }
+
+/// RMSNorm folded into the next mat-vec of a recorded step (the default)
+/// against the same fast path with the norm launched on its own
+/// (`set_fuse_norm(false)`): same arithmetic, so same tokens and logits
+/// (cosine >= 0.999999) at every step, batch 1 and 2, split-Q8_0/Q4_K and
+/// ggml-layout kernels.
+#[test]
+fn folded_norm_equals_separate_norm() {
+    let Some(probe) = cuda("folded_norm_equals_separate_norm") else {
+        return;
+    };
+    drop(probe);
+    let types = [
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_0,
+        GgmlType::Q6_K,
+        GgmlType::Q4_K,
+        GgmlType::Q8_0,
+    ];
+    let file = tiny_model_with_bias(types);
+    let load = |fuse: bool| {
+        let b = CudaBackend::new(0).unwrap();
+        b.set_graphs(true);
+        b.set_fuse_norm(fuse);
+        Model::load(file.clone(), b).unwrap()
+    };
+    let (on, off) = (load(true), load(false));
+    let vocab = on.config().vocab_size;
+    for batch in [1usize, 2] {
+        let (a, ta) = greedy_run(&off, batch, 12, None);
+        let (b, tb) = greedy_run(&on, batch, 12, None);
+        let worst = a
+            .chunks(vocab)
+            .zip(b.chunks(vocab))
+            .map(|(x, y)| cosine(x, y))
+            .fold(1.0f64, f64::min);
+        eprintln!("batch {batch}: folded norm vs separate norm worst step cosine {worst:.9}");
+        assert_eq!(ta, tb, "batch {batch}: greedy tokens differ");
+        assert!(worst >= 0.999999, "batch {batch}: cosine {worst}");
+    }
+}
