@@ -129,8 +129,9 @@ const MV3_ARGS: usize = 23;
 const FFN_ARGS: usize = 13;
 
 /// Widest row a norm can be folded into the next mat-vec (its normalized
-/// row sits in 48 KiB of shared memory).
-const FUSED_NORM_MAX_WIDTH: usize = 12 * 1024;
+/// row sits in shared memory, under the 48 KiB a launch gets without
+/// opting in, with the kernels' static reduction buffer).
+const FUSED_NORM_MAX_WIDTH: usize = 10 * 1024;
 
 /// Warps per block of the fast-path kernels (`FAST_WARPS` in dense.cu).
 const FAST_WARPS: usize = 8;
@@ -1006,6 +1007,14 @@ impl CudaBackend {
             return false;
         }
         let mut st = self.step_state();
+        // A norm not yet launched must read its input before the op it
+        // precedes in program order; folding into an earlier launch would
+        // change what it reads.
+        if st.pending_norm.is_some_and(|p| {
+            [p.x, p.out].iter().any(|&q| q == target || q == extra)
+        }) {
+            return false;
+        }
         let Some(rec) = st.recording.as_mut() else {
             return false;
         };
