@@ -44,14 +44,16 @@ __device__ void page_bounds(const KV* __restrict__ kc, int seq, int n_head_kv, i
 // and their count to nsel[r * n_head + h]. Forced pages (the first `sinks`
 // and the last `recent`) rank as +inf, ties broken by the lower index, a
 // NaN bound as -inf; a page is chosen when fewer than K pages outrank it,
-// K = min(sinks + recent + top, pages). Rank counting is O(pages^2 /
+// K = min(sinks + recent + max(top, ceil(pages * top_percent / 100)), pages,
+// max_sel) (KvPruning::top_for). Rank counting is O(pages^2 /
 // threads): ~1k comparisons per thread at 1k pages (64k positions at 64).
 #define SEL_THREADS 512
 #define SEL_MAX_PAGES 4096
 extern "C" __global__ void select_pages(const float* __restrict__ q, const int* __restrict__ slots,
                                         const float* __restrict__ kmin, const float* __restrict__ kmax, int n_head,
                                         int n_head_kv, int head_dim, int page, int max_pages, int sinks, int recent,
-                                        int top, int max_sel, int* __restrict__ sel, int* __restrict__ nsel) {
+                                        int top, int top_percent, int max_sel, int* __restrict__ sel,
+                                        int* __restrict__ nsel) {
     __shared__ float bound[SEL_MAX_PAGES];
     __shared__ float qs[256];
     int row = blockIdx.x, head = blockIdx.y;
@@ -76,7 +78,8 @@ extern "C" __global__ void select_pages(const float* __restrict__ q, const int* 
         bound[p] = b;
     }
     __syncthreads();
-    long total = (long)sinks + recent + top;
+    long top_eff = max((long)top, ((long)n_pages * top_percent + 99) / 100);
+    long total = (long)sinks + recent + top_eff;
     int k = (int)min((long)min(n_pages, max_sel), total);
     int* out = sel + ((long)row * n_head + head) * max_sel;
     for (int p = threadIdx.x; p < n_pages; p += blockDim.x) {

@@ -30,7 +30,7 @@ echo "kv_pruning_gpu rc=$?"
 grep -E "^test |result:|panicked|differs|off the" "$OUT/kv_pruning_gpu.log" | head -20
 
 timeout 60 "$W/pruned-attention-bench" --contexts 4096,8192,16384,32768 --iters 50 \
-  --prune page=64,sinks=1,recent=2,top=8 --prune page=64,sinks=1,recent=2,top=32 \
+  --prune page=16,sinks=4,recent=8,top=32 --prune page=16,sinks=4,recent=8,top=32,top_percent=10 \
   > "$OUT/pruned_bench.txt" 2>&1
 echo "pruned-attention-bench rc=$?"
 

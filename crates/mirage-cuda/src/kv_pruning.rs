@@ -426,7 +426,7 @@ impl PrunedAttention {
                 s.max_pages()
             )));
         }
-        let max_sel = cfg.max_selected().min(s.max_pages()).max(1);
+        let max_sel = cfg.max_selected_for(s.max_pages()).min(s.max_pages()).max(1);
         let n_split = max_sel.min((TARGET_BLOCKS / (rows * n_head)).max(1)).max(1);
         let per_split = max_sel.div_ceil(n_split);
         let ppart = grow(
@@ -471,9 +471,11 @@ impl PrunedAttention {
             .arg(&hd)
             .arg(&page)
             .arg(&maxp);
+        let top_percent = clamp(cfg.top_percent);
         b.arg(&sinks)
             .arg(&recent)
             .arg(&top)
+            .arg(&top_percent)
             .arg(&msel)
             .arg(&psel)
             .arg(&pnsel);

@@ -248,6 +248,7 @@ mod device {
             sink_pages: 1,
             recent_pages: 2,
             top_pages: 3,
+            top_percent: 0,
             dense_layers: 0,
         };
         for dtype in [KvDtype::F32, KvDtype::F16] {

@@ -26,6 +26,10 @@ pub struct KvPruning {
     pub recent_pages: usize,
     /// Other pages attended: those with the highest `q·k` upper bound.
     pub top_pages: usize,
+    /// Budget that grows with the context: at least this percentage of the
+    /// sequence's pages (rounded up) among the top pages, when more than
+    /// `top_pages` (0: a fixed budget).
+    pub top_percent: usize,
     /// The first layers attend every position (their attention is spread
     /// out, so page bounds select poorly there; Quest does the same).
     pub dense_layers: usize,
@@ -33,7 +37,7 @@ pub struct KvPruning {
 
 impl Default for KvPruning {
     fn default() -> Self {
-        KvPruning { page: 64, sink_pages: 1, recent_pages: 2, top_pages: 8, dense_layers: 0 }
+        KvPruning { page: 64, sink_pages: 1, recent_pages: 2, top_pages: 8, top_percent: 0, dense_layers: 0 }
     }
 }
 
@@ -41,25 +45,42 @@ impl KvPruning {
     /// Settings that select every page: pruned attention then computes full
     /// attention (used to check the pruned path against the full one).
     pub fn all_pages(page: usize) -> KvPruning {
-        KvPruning { page, sink_pages: 0, recent_pages: 0, top_pages: usize::MAX, dense_layers: 0 }
+        KvPruning { page, sink_pages: 0, recent_pages: 0, top_pages: usize::MAX, top_percent: 0, dense_layers: 0 }
     }
 
-    /// Rejects a zero page size.
+    /// Rejects a zero page size and a percentage above 100.
     pub fn validate(&self) -> Result<(), RuntimeError> {
         if self.page == 0 {
             return Err(RuntimeError::InvalidArgument("KV page size must be at least 1".into()));
         }
+        if self.top_percent > 100 {
+            return Err(RuntimeError::InvalidArgument(format!("KV top_percent {} is above 100", self.top_percent)));
+        }
         Ok(())
     }
 
-    /// Most pages attended per query head (sinks, recent and top pages).
+    /// Top pages chosen by bound for a sequence of `n_pages` pages:
+    /// `max(top_pages, ceil(n_pages * top_percent / 100))`.
+    pub fn top_for(&self, n_pages: usize) -> usize {
+        self.top_pages.max((n_pages.saturating_mul(self.top_percent)).div_ceil(100))
+    }
+
+    /// Most pages attended per query head of a sequence of `n_pages` pages
+    /// (sinks, recent and top pages).
+    pub fn max_selected_for(&self, n_pages: usize) -> usize {
+        self.sink_pages.saturating_add(self.recent_pages).saturating_add(self.top_for(n_pages))
+    }
+
+    /// Most pages attended per query head with a fixed budget
+    /// (`top_percent` 0; otherwise see [`KvPruning::max_selected_for`]).
     pub fn max_selected(&self) -> usize {
         self.sink_pages.saturating_add(self.recent_pages).saturating_add(self.top_pages)
     }
 }
 
 /// Parses `key=value` pairs separated by commas over [`KvPruning::default`]:
-/// `page`, `sinks`, `recent`, `top`, `dense` (e.g. `top=16,dense=2`);
+/// `page`, `sinks`, `recent`, `top`, `top_percent`, `dense` (e.g.
+/// `top=16,top_percent=10,dense=2`);
 /// `default` alone is the default, `all` every page (64 positions each).
 impl std::str::FromStr for KvPruning {
     type Err = RuntimeError;
@@ -71,7 +92,7 @@ impl std::str::FromStr for KvPruning {
         }
         let mut cfg = KvPruning::default();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty() && *p != "default") {
-            let bad = || RuntimeError::InvalidArgument(format!("KV pruning: expected key=number, got `{part}` (keys: page, sinks, recent, top, dense)"));
+            let bad = || RuntimeError::InvalidArgument(format!("KV pruning: expected key=number, got `{part}` (keys: page, sinks, recent, top, top_percent, dense)"));
             let (key, value) = part.split_once('=').ok_or_else(bad)?;
             let value: usize = value.trim().parse().map_err(|_| bad())?;
             match key.trim() {
@@ -79,6 +100,7 @@ impl std::str::FromStr for KvPruning {
                 "sinks" => cfg.sink_pages = value,
                 "recent" => cfg.recent_pages = value,
                 "top" => cfg.top_pages = value,
+                "top_percent" => cfg.top_percent = value,
                 "dense" => cfg.dense_layers = value,
                 _ => return Err(bad()),
             }
@@ -243,7 +265,7 @@ impl PageSummaries {
     ) {
         out.clear();
         let n_pages = n.div_ceil(self.page).min(self.n_pages);
-        if n_pages <= cfg.max_selected() {
+        if n_pages <= cfg.max_selected_for(n_pages) {
             out.extend(0..n_pages);
             return;
         }
@@ -254,7 +276,7 @@ impl PageSummaries {
             let (lo, hi) = self.bounds(layer, seq, head, page);
             bounds.push((page_upper_bound(q, lo, hi), page));
         }
-        let top = cfg.top_pages.min(bounds.len());
+        let top = cfg.top_for(n_pages).min(bounds.len());
         if top < bounds.len() {
             // Highest bounds first; NaN (from a NaN query) sorts as lowest.
             let by_bound_desc = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0);

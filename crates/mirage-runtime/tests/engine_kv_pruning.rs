@@ -45,7 +45,10 @@ fn kv_prune_syntax() {
             ..KvPruning::default()
         }
     );
-    for bad in ["top", "top=x", "pages=3", "page=0"] {
+    let grows: KvPruning = "top_percent=25".parse().unwrap();
+    assert_eq!((grows.top_for(10), grows.top_for(100), grows.top_for(101)), (8, 25, 26));
+    assert_eq!(grows.max_selected_for(512), 1 + 2 + 128);
+    for bad in ["top", "top=x", "pages=3", "page=0", "top_percent=101"] {
         assert!(bad.parse::<KvPruning>().is_err(), "{bad} accepted");
     }
 }
@@ -94,6 +97,7 @@ fn engine_option_reaches_the_session_cache() {
         sink_pages: 0,
         recent_pages: 1,
         top_pages: 0,
+        top_percent: 0,
         dense_layers: 0,
     };
     let pruned = last_logits(&path, Some(tight), &prompt, 42);

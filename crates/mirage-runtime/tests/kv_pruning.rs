@@ -148,7 +148,7 @@ fn pruned_attention_is_exact_over_the_selected_positions() {
     // An independent f64 softmax over exactly the positions of the selected pages.
     let mut rng = StdRng::seed_from_u64(5);
     let mut cache = KvCache::new(spec(600, KvDtype::F32)).unwrap();
-    let cfg = KvPruning { page: 32, sink_pages: 1, recent_pages: 2, top_pages: 3, dense_layers: 0 };
+    let cfg = KvPruning { page: 32, sink_pages: 1, recent_pages: 2, top_pages: 3, top_percent: 0, dense_layers: 0 };
     cache.enable_kv_pruning(cfg).unwrap();
     fill(&mut cache, &mut rng, 0, 0, 555);
     let hd = 16;
@@ -270,7 +270,7 @@ fn smollm2_logits_with_every_page_selected_equal_full_attention() {
     }
     // Real pruning (a quarter of the 24 pages) stays close on this text.
     cache.truncate(0, prompt.len());
-    cache.set_kv_pruning(Some(KvPruning { page: 64, sink_pages: 1, recent_pages: 2, top_pages: 3, dense_layers: 0 })).unwrap();
+    cache.set_kv_pruning(Some(KvPruning { page: 64, sink_pages: 1, recent_pages: 2, top_pages: 3, top_percent: 0, dense_layers: 0 })).unwrap();
     let pruned = decode(&mut cache, &mut scratch);
     let cos = cosine(&pruned[2], &full[2]);
     let argmax = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i).unwrap();

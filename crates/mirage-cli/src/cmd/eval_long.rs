@@ -37,6 +37,10 @@ pub struct EvalLongArgs {
     /// Pages chosen by their q·k upper bound, besides sinks and recent pages.
     #[arg(long, default_value_t = 8)]
     top_pages: usize,
+    /// At least this percentage of the context's pages among the top pages (a budget that grows with
+    /// the context; 0: fixed).
+    #[arg(long, default_value_t = 0)]
+    top_percent: usize,
     /// Positions per KV page.
     #[arg(long, default_value_t = 64)]
     page: usize,
@@ -201,7 +205,7 @@ fn eval_context(r: &mut Runner<'_>, tok: &Tokenizer, text_tokens: &[u32], n: usi
     Ok(ContextResult {
         n_ctx: n,
         pages,
-        pages_attended: pages.min(r.pruning.max_selected()),
+        pages_attended: pages.min(r.pruning.max_selected_for(pages)),
         final_logit_cosine: *cos.last().unwrap_or(&f64::NAN),
         min_logit_cosine: cos.iter().copied().fold(f64::INFINITY, f64::min),
         same_argmax_fraction: same as f64 / p as f64,
@@ -250,7 +254,7 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&args.text).with_context(|| format!("reading {}", args.text.display()))?;
     let file = Arc::new(GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?);
     let tok = Tokenizer::from_gguf(&file).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let pruning = KvPruning { page: args.page, sink_pages: args.sink_pages, recent_pages: args.recent_pages, top_pages: args.top_pages, dense_layers: args.dense_layers };
+    let pruning = KvPruning { page: args.page, sink_pages: args.sink_pages, recent_pages: args.recent_pages, top_pages: args.top_pages, top_percent: args.top_percent, dense_layers: args.dense_layers };
     let backend = CpuBackend::new(args.threads)?.with_kv_pruning(pruning)?;
     let model = Model::load(file, backend)?;
     let n_ctx_train = model.config().n_ctx_train;

@@ -76,13 +76,15 @@ mod bench {
             }
         }
         if a.prunes.is_empty() {
+            // The CPU run's setting (16-position pages, 44 of them) and the
+            // same with a budget growing with the context (10 % of pages).
             a.prunes = vec![
-                KvPruning::default(),
-                KvPruning {
-                    top_pages: 32,
-                    ..KvPruning::default()
-                },
+                "page=16,sinks=4,recent=8,top=32".parse()?,
+                "page=16,sinks=4,recent=8,top=32,top_percent=10".parse()?,
             ];
+        }
+        if a.prunes.iter().any(|c| c.page != a.prunes[0].page) {
+            return Err("every --prune needs the same page size (one cache layout per run)".into());
         }
         Ok(a)
     }
@@ -162,7 +164,8 @@ mod bench {
             let mut row = vec![format!("{n_ctx}"), format!("{full:.3}")];
             for cfg in &a.prunes {
                 let ms = time(&mut dev, Some(cfg))?;
-                let kept = cfg.max_selected().min(n_ctx.div_ceil(cfg.page)) * cfg.page;
+                let pages = n_ctx.div_ceil(cfg.page);
+                let kept = cfg.max_selected_for(pages).min(pages) * cfg.page;
                 row.push(format!("{ms:.3} ({:.2}x, {kept} pos)", full / ms));
             }
             println!("context {n_ctx}: {}", row[1..].join(" | "));
@@ -174,8 +177,8 @@ mod bench {
             .iter()
             .map(|c| {
                 format!(
-                    "pruned page={},sinks={},recent={},top={}",
-                    c.page, c.sink_pages, c.recent_pages, c.top_pages
+                    "pruned page={},sinks={},recent={},top={},top%={}",
+                    c.page, c.sink_pages, c.recent_pages, c.top_pages, c.top_percent
                 )
             })
             .collect();
