@@ -1183,3 +1183,137 @@ extern "C" __global__ void dequant_f16_q4_ks(const u8* W, int rows, int cols, in
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
         wh[(long)blockIdx.x * cols + i] = f2h(q4ks_elem(W, rows, cols, r, i));
 }
+
+// ---------------------------------------------------------------------------
+// Split Q5_0 ("q5_0s"): the 16 quant bytes of every block [rows][cols/2],
+// then the 32-bit high-bit words [rows][cols/32], then the f16 scales
+// [rows][cols/32]. Same bytes as ggml. Lane l reads the 32-bit word l of a
+// 128-byte line of quants (8 blocks, 256 elements): block l/4, bytes
+// j = 4(l%4)..+3, i.e. elements j (low nibbles, high bit j of qh) and j + 16
+// (high nibbles, high bit j + 16).
+template <int NR>
+__device__ __forceinline__ void q5s_dot(const u8* const* q, const u32* const* qh, const u16* const* s,
+                                        const float* __restrict__ xa, int cols, int lane, float* acc) {
+    const int n_chunks = (cols + 255) >> 8;
+    const int blk = lane >> 2, t = lane & 3;
+    for (int c = 0; c < n_chunks; c += 2) {
+        u32 w[2][NR], hb[2][NR];
+        u16 sc[2][NR];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int b = ((c + h) << 3) + blk;  // block index in the row
+            bool ok = (b << 5) < cols;
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                w[h][k] = ok ? __ldg((const u32*)(q[k] + ((c + h) << 7) + (lane << 2))) : 0u;
+                hb[h][k] = ok ? __ldg(qh[k] + b) : 0u;
+                sc[h][k] = ok ? __ldg(s[k] + b) : (u16)0;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int b = ((c + h) << 3) + blk;
+            if ((b << 5) >= cols) continue;
+            const float* xs = xa + (b << 5) + (t << 2);
+            float4 xl = *(const float4*)xs, xh = *(const float4*)(xs + 16);
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                u32 hl = hb[h][k] >> (t << 2), hh = hb[h][k] >> ((t << 2) + 16);
+                u32 lo = w[h][k] & 0x0f0f0f0fu, hi = (w[h][k] >> 4) & 0x0f0f0f0fu;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    lo |= ((hl >> i) & 1u) << (8 * i + 4);
+                    hi |= ((hh >> i) & 1u) << (8 * i + 4);
+                }
+                float ql[4], qv[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    ql[i] = sb_byte_f32(lo, i, 8388624.0f);  // 2^23 + 16: q - 16
+                    qv[i] = sb_byte_f32(hi, i, 8388624.0f);
+                }
+                float dsum = ql[0] * xl.x + ql[1] * xl.y + ql[2] * xl.z + ql[3] * xl.w + qv[0] * xh.x + qv[1] * xh.y +
+                             qv[2] * xh.z + qv[3] * xh.w;
+                acc[k] += h2f(sc[h][k]) * dsum;
+            }
+        }
+    }
+}
+
+#define Q5S_ROW_PTRS(W, rows, r, k, q, qh, s)                                                                        \
+    q[k] = W + (long)(r) * (cols >> 1);                                                                              \
+    qh[k] = (const u32*)(W + (long)(rows) * (cols >> 1)) + (long)(r) * (cols >> 5);                                  \
+    s[k] = (const u16*)(W + (long)(rows) * (cols >> 1) + (long)(rows) * (cols >> 3)) + (long)(r) * (cols >> 5);
+
+extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q5_0s(MV3_PARAMS) {
+    MV3_PICK(FAST_WARPS * FAST_ROWS)
+    int r0 = (bx * FAST_WARPS + warp) * FAST_ROWS;
+    if (r0 >= rows) return;
+    const u8* q[FAST_ROWS];
+    const u32* qh[FAST_ROWS];
+    const u16* s[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) {
+        int r = min(r0 + k, rows - 1);
+        Q5S_ROW_PTRS(W, rows, r, k, q, qh, s)
+    }
+    float acc[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) acc[k] = 0.f;
+    q5s_dot<FAST_ROWS>(q, qh, s, xa, cols, lane, acc);
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) {
+        float v = warp_sum(acc[k]);
+        if (lane == 0 && r0 + k < rows) mv_store(v, y, bias, rs, a, rows, r0 + k);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q5_0s(FFN_PARAMS) {
+    const int NC = FAST_ROWS / 2;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    FAST_INPUT
+    int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
+    if (r0 >= rows) return;
+    const u8* q[FAST_ROWS];
+    const u32* qh[FAST_ROWS];
+    const u16* s[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        int r = min(r0 + k, rows - 1);
+        Q5S_ROW_PTRS(Wg, rows, r, k, q, qh, s)
+        Q5S_ROW_PTRS(Wu, rows, r, NC + k, q, qh, s)
+    }
+    float acc[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) acc[k] = 0.f;
+    q5s_dot<FAST_ROWS>(q, qh, s, xa, cols, lane, acc);
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        float g = warp_sum(acc[k]), u = warp_sum(acc[NC + k]);
+        if (lane == 0 && r0 + k < rows) h[(long)a * rows + r0 + k] = silu_mul(g, u);
+    }
+}
+
+// Element i of row r of a split-Q5_0 matrix (dequant_unit<TY_Q5_0>'s
+// arithmetic).
+__device__ __forceinline__ float q5s_elem(const u8* W, int rows, int cols, long r, int i) {
+    long b = r * (cols >> 5) + (i >> 5);
+    int e = i & 31, j = e & 15;
+    u32 byte = W[r * (cols >> 1) + ((long)(i >> 5) << 4) + j];
+    u32 qh = ((const u32*)(W + (long)rows * (cols >> 1)))[b];
+    float d = h2f(((const u16*)(W + (long)rows * (cols >> 1) + (long)rows * (cols >> 3)))[b]);
+    int x = e < 16 ? (int)((byte & 15) | (((qh >> j) << 4) & 0x10)) - 16
+                   : (int)((byte >> 4) | ((qh >> (j + 12)) & 0x10)) - 16;
+    return d * (float)x;
+}
+
+extern "C" __global__ void embed_q5_0s(const u8* W, int n_rows, int cols, const u32* tokens, float* out) {
+    u32 t = tokens[blockIdx.x];
+    if (t >= (u32)n_rows) return;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(long)blockIdx.x * cols + i] = q5s_elem(W, n_rows, cols, t, i);
+}
+
+extern "C" __global__ void dequant_f16_q5_0s(const u8* W, int rows, int cols, int r0, u16* wh) {
+    long r = r0 + blockIdx.x;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        wh[(long)blockIdx.x * cols + i] = f2h(q5s_elem(W, rows, cols, r, i));
+}

@@ -28,6 +28,21 @@ fn bad(msg: impl Into<String>) -> RuntimeError {
     RuntimeError::InvalidArgument(msg.into())
 }
 
+/// Ggml Q5_0 blocks (22 bytes: f16 d, 32-bit qh, 16 quant bytes) in the
+/// split layout: every block's quants, then every qh word, then every d.
+fn split_q5_0_rows(ggml: &[u8]) -> Vec<u8> {
+    let n = ggml.len() / 22;
+    let mut out = vec![0u8; n * 22];
+    let (qs, rest) = out.split_at_mut(n * 16);
+    let (qh, d) = rest.split_at_mut(n * 4);
+    for (i, blk) in ggml.chunks_exact(22).enumerate() {
+        d[i * 2..i * 2 + 2].copy_from_slice(&blk[..2]);
+        qh[i * 4..i * 4 + 4].copy_from_slice(&blk[2..6]);
+        qs[i * 16..i * 16 + 16].copy_from_slice(&blk[6..]);
+    }
+    out
+}
+
 /// Ggml Q4_K rows (whole 144-byte super-blocks) in the split layout: every
 /// super-block's 128 quant bytes in order, then every super-block's 16
 /// header bytes (d, dmin, packed scales) in order. Row r's quants start at
@@ -70,13 +85,15 @@ const SUFFIXES: &[&str] = &[
     "q6_k",
 ];
 /// Kernel-name suffixes of the repacked layouts (fast path only).
-const REPACKED_SUFFIXES: &[&str] = &["q8_0s", "q4_ks", "nvfp4"];
+const REPACKED_SUFFIXES: &[&str] = &["q8_0s", "q4_ks", "q5_0s", "nvfp4"];
 const OTHER_KERNELS: &[&str] = &[
     "embed_q8_0s",
     "embed_q4_ks",
+    "embed_q5_0s",
     "embed_nvfp4",
     "dequant_f16_q8_0s",
     "dequant_f16_q4_ks",
+    "dequant_f16_q5_0s",
     "dequant_f16_nvfp4",
     "rms_norm",
     "add_bias",
@@ -150,6 +167,9 @@ enum Layout {
     /// Split Q4_K: all super-blocks' 128 quant bytes `[rows][cols/2]`, then
     /// their 16 header bytes (d, dmin, packed scales) `[rows][cols/256][16]`.
     Q4KSplit,
+    /// Split Q5_0: all blocks' 16 quant bytes `[rows][cols/2]`, then their
+    /// 32-bit high-bit words `[rows][cols/32]`, then their f16 scales.
+    Q5Split,
     /// NVFP4 (the CPU codec's): packed codes `[rows][cols/2]`, then E4M3
     /// scales `[rows][cols/16]`, and this tensor scale.
     Nvfp4 { tensor_scale: f32 },
@@ -200,6 +220,7 @@ impl CudaMatrix {
             Layout::Ggml => kernel_suffix(self.ty),
             Layout::Q8Split => Some("q8_0s"),
             Layout::Q4KSplit => Some("q4_ks"),
+            Layout::Q5Split => Some("q5_0s"),
             Layout::Nvfp4 { .. } => Some("nvfp4"),
         }
     }
@@ -1142,7 +1163,7 @@ impl CudaBackend {
                     Arg::I32(r0 as i32),
                     Arg::Ptr(pw),
                 ],
-                Layout::Q8Split | Layout::Q4KSplit => vec![
+                Layout::Q8Split | Layout::Q4KSplit | Layout::Q5Split => vec![
                     pdata,
                     Arg::I32(rows as i32),
                     Arg::I32(cols as i32),
@@ -1264,6 +1285,9 @@ impl CudaBackend {
         } else if m.ty == GgmlType::Q4_K && self.fast_decode() {
             repacked = split_q4_k_rows(bytes);
             (Layout::Q4KSplit, &repacked)
+        } else if m.ty == GgmlType::Q5_0 && self.fast_decode() {
+            repacked = split_q5_0_rows(bytes);
+            (Layout::Q5Split, &repacked)
         } else {
             (Layout::Ggml, bytes)
         };
@@ -1488,6 +1512,10 @@ impl Backend for CudaBackend {
             ),
             Layout::Q4KSplit => (
                 "embed_q4_ks".to_string(),
+                vec![pw, rows, cols, Arg::Ptr(pt), Arg::Ptr(po)],
+            ),
+            Layout::Q5Split => (
+                "embed_q5_0s".to_string(),
                 vec![pw, rows, cols, Arg::Ptr(pt), Arg::Ptr(po)],
             ),
             Layout::Nvfp4 { tensor_scale } => (

@@ -161,7 +161,7 @@ fn fast_matvec_and_embed_equal_old_path_every_type_and_odd_shapes() {
             let new = gpu.upload_matrix(&hm).unwrap();
             assert_eq!(
                 new.is_repacked(),
-                ty == GgmlType::Q8_0 || ty == GgmlType::Q4_K,
+                matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q5_0),
                 "{ty}: repacking"
             );
             for n_act in [1usize, 3] {
@@ -345,6 +345,7 @@ fn nvfp4_matvec_ffn_embed_gemm_match_cpu_codec() {
             (WeightFormat::Nvfp4, GgmlType::Q8_0),
             (WeightFormat::Native, GgmlType::Q8_0),
             (WeightFormat::Native, GgmlType::Q4_K),
+            (WeightFormat::Native, GgmlType::Q5_0),
         ] {
             gpu.set_weight_format(fmt);
             let (rows, cols, n_act) = (300usize, 512usize, 24usize);
