@@ -1,0 +1,44 @@
+"""Cuts the device functions the host checks need out of cuda/nvfp4.cu +
+cuda/dense.cu (brace matching), so the checks always compile the current
+kernel source. Writes kernels_extract.h, q4k_extract.h, q5_extract.h."""
+import pathlib, sys
+
+root = pathlib.Path(__file__).resolve().parents[3]
+src = (root / "cuda/nvfp4.cu").read_text() + (root / "cuda/dense.cu").read_text()
+
+
+def extract(name):
+    i = src.index(name)
+    ls = src.rfind("\n", 0, i) + 1
+    prev = src.rfind("\n", 0, ls - 1) + 1
+    if src[prev:ls].startswith("template"):
+        ls = prev
+    k = src.index("{", i)
+    depth = 0
+    while True:
+        if src[k] == "{":
+            depth += 1
+        elif src[k] == "}":
+            depth -= 1
+            if depth == 0:
+                break
+        k += 1
+    return src[ls : k + 1] + "\n"
+
+
+def macro(name):
+    i = src.index("#define " + name)
+    return src[i : src.index('extern "C"', i)]
+
+
+out = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
+(out / "kernels_extract.h").write_text("".join(extract(n) for n in [
+    "float sb_byte_f32(", "void sb_q8x4(", "void sb_e2m1x4_doubled(", "float sb_e4m3(", "int pick3(",
+    "void q8s_dot(", "void nvfp4_dot(", "float e2m1_f32(", "float q8s_elem(", "float nvfp4_elem("]))
+(out / "q4k_extract.h").write_text("".join(extract(n) for n in [
+    "float sb_byte_f32(", "u32 q4k_scale_byte(", "void q4k_scale_min(", "void q4ks_dot(", "float q4ks_elem(",
+    "void scale_min_k4("]) + fwd + extract("void dequant_unit<TY_Q4_K>("))
+(out / "q5_extract.h").write_text("".join(extract(n) for n in [
+    "float sb_byte_f32(", "void q5s_dot(", "float q5s_elem("]) + fwd + extract("void dequant_unit<TY_Q5_0>(")
+    + macro("Q5S_ROW_PTRS"))
