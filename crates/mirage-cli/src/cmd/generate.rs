@@ -40,6 +40,9 @@ pub struct ModelArgs {
     /// Store the KV cache as f16 instead of f32.
     #[arg(long)]
     pub kv_f16: bool,
+    /// Store the KV cache as ggml Q8_0 blocks (about a quarter of f32; CPU backend only).
+    #[arg(long, conflicts_with = "kv_f16")]
+    pub kv_q8: bool,
     /// Decode attention over selected KV pages only: `default`, `all`, or key=number pairs over the default
     /// (`page=64,sinks=1,recent=2,top=8,dense=0`), e.g. `--kv-prune top=16,dense=2`. CPU backend only.
     #[arg(long)]
@@ -52,7 +55,11 @@ impl ModelArgs {
         let options = EngineOptions {
             threads: self.threads,
             n_ctx: self.ctx_size,
-            kv_dtype: if self.kv_f16 { KvDtype::F16 } else { KvDtype::F32 },
+            kv_dtype: match (self.kv_f16, self.kv_q8) {
+                (true, _) => KvDtype::F16,
+                (_, true) => KvDtype::Q8_0,
+                _ => KvDtype::F32,
+            },
             kv_pruning: self.kv_prune,
             ..EngineOptions::default()
         };
