@@ -755,7 +755,10 @@ impl CudaBackend {
     /// Folds `pn` into `l` when `l` is a fast mat-vec (`mv3_*`, `ffn_*`)
     /// over exactly the norm's output rows with no norm folded yet.
     fn fold_norm(&self, pn: &PendingNorm, l: &mut Launch) -> bool {
-        let name = self.functions_names[l.kernel];
+        // Kernels added after start (the sparse backend's) have no name here.
+        let Some(name) = self.functions_names.get(l.kernel) else {
+            return false;
+        };
         let (x_at, norm_at) = if name.starts_with("mv3_") && l.args.len() == MV3_ARGS {
             (8, 19)
         } else if name.starts_with("ffn_") && l.args.len() == FFN_ARGS {
