@@ -2,20 +2,29 @@
 # Device-side run for the sparse (superblock) CUDA backend, issue #7.
 # Carried: .devbin-e/bins.tar.xz (release, stripped: mirage-cli, xtask, the
 # `sparse_backend` and `sparse_kernels` test binaries, and
-# qwen-tokenizer.gguf = `xtask synth-model --tokenizer-only`).
+# qwen-tokenizer.gguf = `xtask synth-model --tokenizer-only`), and
+# .devbin-e/smol4.gguf (SmolLM2-135M Q4_1 cut to its first 4 blocks by
+# scripts/truncate_gguf_blocks.py) + .devbin-e/smol4.mirage (`xtask
+# build-artifacts --model smol4.gguf --max-tokens 256`, GPL-3 calibration).
 #
 # Usage: h200-sparse.sh [SHAPES] [MODEL ARTIFACT]
 #   SHAPES  synthetic Qwen2.5 shapes to bench with --synthetic-pages, written
 #           on the device by `xtask synth-model --quant q8_0` (default
 #           "qwen2.5-1.5b qwen2.5-7b"; "none" to skip).
-#   MODEL ARTIFACT  optional real GGUF and its .mirage artifact: bench with
-#           forced fractions and --routed.
+#   MODEL ARTIFACT  a real GGUF and its .mirage artifact (default: the
+#           carried smol4 pair when present): the routed-vs-CPU-superblock
+#           greedy test runs on them, and a bench with forced fractions and
+#           --routed.
 # GPU tests run first (MIRAGE_REQUIRE_GPU_TESTS=1), then the benches; the
 # table is printed last, raw logs go to $OUT.
 set -uo pipefail
 SHAPES=${1:-"qwen2.5-1.5b qwen2.5-7b"}
 MODEL=${2:-}
 ARTIFACT=${3:-}
+if [ -z "$MODEL" ] && [ -f .devbin-e/smol4.gguf ] && [ -f .devbin-e/smol4.mirage ]; then
+  MODEL=.devbin-e/smol4.gguf ARTIFACT=.devbin-e/smol4.mirage
+fi
+if [ -n "$MODEL" ]; then export MIRAGE_SPARSE_MODEL=$MODEL MIRAGE_SPARSE_ARTIFACT=$ARTIFACT; else export MIRAGE_SKIP_MODEL_TESTS=1; fi
 W=/tmp/e
 OUT=${OUT:-/tmp/out}
 mkdir -p "$W" "$OUT"
@@ -25,9 +34,9 @@ export LD_LIBRARY_PATH="$(dirname "${NV:-/x/y}"):${LD_LIBRARY_PATH:-}"
 export MIRAGE_CUDA_CACHE=$W/cache
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 t0=$(date +%s)
-MIRAGE_REQUIRE_GPU_TESTS=1 MIRAGE_SKIP_MODEL_TESTS=1 timeout 60 "$W/sparse_backend_test" --nocapture --test-threads 1 > "$OUT/sparse_backend.log" 2>&1
+MIRAGE_REQUIRE_GPU_TESTS=1 timeout 60 "$W/sparse_backend_test" --nocapture --test-threads 1 > "$OUT/sparse_backend.log" 2>&1
 echo "sparse_backend tests rc=$? ($(( $(date +%s) - t0 )) s)"
-grep -E "^test |cosine|sizes|differed|graph stats|result:|panicked" "$OUT/sparse_backend.log" | head -30
+grep -E "^test |cosine|sizes|differed|graph stats|result:|panicked|skipped" "$OUT/sparse_backend.log" | head -30
 MIRAGE_REQUIRE_GPU_TESTS=1 timeout 40 "$W/sparse_kernels_test" --nocapture --test-threads 1 > "$OUT/sparse_kernels.log" 2>&1
 echo "sparse_kernels tests rc=$?"
 grep -E "^test |result:|panicked" "$OUT/sparse_kernels.log" | head -12
