@@ -157,7 +157,12 @@ pub struct SparseCudaBackend {
 
 impl std::fmt::Debug for SparseCudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SparseCudaBackend {{ {:?}, mode: {:?} }}", self.inner, self.mode())
+        write!(
+            f,
+            "SparseCudaBackend {{ {:?}, mode: {:?} }}",
+            self.inner,
+            self.mode()
+        )
     }
 }
 
@@ -185,8 +190,12 @@ fn q8_rows(v: &[f32], rows: usize, d: usize) -> Result<Vec<u8>> {
     let rb = quant::row_bytes(GgmlType::Q8_0, d).map_err(rt)?;
     let mut out = vec![0u8; rows * rb];
     for r in 0..rows {
-        quant::quantize(GgmlType::Q8_0, &v[r * d..(r + 1) * d], &mut out[r * rb..(r + 1) * rb])
-            .map_err(rt)?;
+        quant::quantize(
+            GgmlType::Q8_0,
+            &v[r * d..(r + 1) * d],
+            &mut out[r * rb..(r + 1) * rb],
+        )
+        .map_err(rt)?;
     }
     Ok(out)
 }
@@ -201,7 +210,10 @@ fn synthetic_pages(gate: &HostMatrix, up: &HostMatrix, down: &HostMatrix) -> Res
     let n_pages = n_ff.div_ceil(PAGE_CHANNELS);
     let mut down_f = vec![0f32; d * n_ff];
     dequant_rows(down, 0, d, &mut down_f)?;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(n_pages).max(1);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(n_pages)
+        .max(1);
     let per = n_pages.div_ceil(threads);
     let down_f = &down_f;
     let one = move |p: usize| -> Result<Vec<u8>> {
@@ -231,11 +243,18 @@ fn synthetic_pages(gate: &HostMatrix, up: &HostMatrix, down: &HostMatrix) -> Res
     let parts: Vec<Result<Vec<Vec<u8>>>> = std::thread::scope(|sc| {
         let hs: Vec<_> = (0..threads)
             .map(|t| {
-                sc.spawn(move || ((t * per)..((t + 1) * per).min(n_pages)).map(one).collect::<Result<Vec<_>>>())
+                sc.spawn(move || {
+                    ((t * per)..((t + 1) * per).min(n_pages))
+                        .map(one)
+                        .collect::<Result<Vec<_>>>()
+                })
             })
             .collect();
         hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(rt("a page-building thread panicked"))))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(rt("a page-building thread panicked")))
+            })
             .collect()
     });
     let mut out = Vec::with_capacity(n_pages);
@@ -256,8 +275,12 @@ fn artifact_page_q8(artifact: &Artifact, layer: usize, p: usize) -> Result<Vec<u
     let rb = quant::row_bytes(ld.quant, d).map_err(rt)?;
     let mut f = vec![0f32; 3 * PAGE_CHANNELS * d];
     for r in 0..3 * PAGE_CHANNELS {
-        quant::dequantize(ld.quant, &page[r * rb..(r + 1) * rb], &mut f[r * d..(r + 1) * d])
-            .map_err(rt)?;
+        quant::dequantize(
+            ld.quant,
+            &page[r * rb..(r + 1) * rb],
+            &mut f[r * d..(r + 1) * d],
+        )
+        .map_err(rt)?;
     }
     q8_rows(&f, 3 * PAGE_CHANNELS, d)
 }
@@ -321,11 +344,18 @@ pub fn random_subset(n: usize, k: usize, seed: u64) -> Vec<u32> {
 impl SparseCudaBackend {
     /// Wraps `inner` (its context, stream and graph recorder) and loads the
     /// sparse kernels into it. `source` supplies the pages at `upload_ffn`.
-    pub fn new(mut inner: CudaBackend, source: PageSource, mode: SparsePages) -> std::result::Result<SparseCudaBackend, CudaError> {
+    pub fn new(
+        mut inner: CudaBackend,
+        source: PageSource,
+        mode: SparsePages,
+    ) -> std::result::Result<SparseCudaBackend, CudaError> {
         let d = |e: cudarc::driver::DriverError| CudaError::Driver(e.to_string());
         let cc = inner.compute_capability;
         let (ptx, _) = module::ptx_for("sparse-backend", SOURCE, cc.0, cc.1)?;
-        let m = inner.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(d)?;
+        let m = inner
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(d)?;
         for name in KERNELS {
             let f = m.load_function(name).map_err(d)?;
             inner.kernel_index.insert(name, inner.functions.len());
@@ -333,11 +363,15 @@ impl SparseCudaBackend {
         }
         let multiprocessors = inner
             .ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
             .map_err(d)?
             .max(1) as u32;
         if matches!(mode, SparsePages::Routed { .. }) && matches!(source, PageSource::Synthetic) {
-            return Err(CudaError::Driver("routed mode needs an artifact (synthetic pages have no router)".into()));
+            return Err(CudaError::Driver(
+                "routed mode needs an artifact (synthetic pages have no router)".into(),
+            ));
         }
         Ok(SparseCudaBackend {
             inner,
@@ -367,8 +401,12 @@ impl SparseCudaBackend {
     /// Switches the mode: rewrites every uploaded layer's active list (forced
     /// modes) or builds the routers (routed). Not inside a step.
     pub fn set_mode(&self, mode: SparsePages) -> Result<()> {
-        if matches!(mode, SparsePages::Routed { .. }) && matches!(self.source, PageSource::Synthetic) {
-            return Err(rt("routed mode needs an artifact (synthetic pages have no router)"));
+        if matches!(mode, SparsePages::Routed { .. })
+            && matches!(self.source, PageSource::Synthetic)
+        {
+            return Err(rt(
+                "routed mode needs an artifact (synthetic pages have no router)",
+            ));
         }
         let mut layers = self.layers();
         for (l, slot) in layers.iter_mut().enumerate() {
@@ -386,9 +424,11 @@ impl SparseCudaBackend {
             SparsePages::All => Some((0..n as u32).collect()),
             SparsePages::Prefix(k) => Some((0..k.clamp(1, n) as u32).collect()),
             SparsePages::Fraction(f) => Some((0..pages_for_fraction(f, n) as u32).collect()),
-            SparsePages::Random { fraction, seed } => {
-                Some(random_subset(n, pages_for_fraction(fraction, n), seed ^ layer as u64))
-            }
+            SparsePages::Random { fraction, seed } => Some(random_subset(
+                n,
+                pages_for_fraction(fraction, n),
+                seed ^ layer as u64,
+            )),
             SparsePages::Routed { margin, .. } => {
                 if ld.router.is_none() || ld.router_margin != Some(margin) {
                     let PageSource::Artifact(a) = &self.source else {
@@ -403,8 +443,10 @@ impl SparseCudaBackend {
         };
         if let Some(ids) = ids {
             let s = &self.inner.stream;
-            s.memcpy_htod(&ids, &mut ld.ids.slice_mut(0..ids.len())).map_err(drv)?;
-            s.memcpy_htod(&[ids.len() as i32], &mut ld.count).map_err(drv)?;
+            s.memcpy_htod(&ids, &mut ld.ids.slice_mut(0..ids.len()))
+                .map_err(drv)?;
+            s.memcpy_htod(&[ids.len() as i32], &mut ld.count)
+                .map_err(drv)?;
         }
         Ok(())
     }
@@ -485,7 +527,10 @@ impl SparseCudaBackend {
             .get(layer)
             .and_then(|l| l.as_ref())
             .ok_or_else(|| rt(format!("layer {layer} has no FFN uploaded")))?;
-        let SparsePages::Routed { exact_projection, .. } = self.mode() else {
+        let SparsePages::Routed {
+            exact_projection, ..
+        } = self.mode()
+        else {
             return Err(rt("route_only needs the routed mode"));
         };
         self.launch_route(ld, px, exact_projection)
@@ -546,14 +591,21 @@ impl SparseCudaBackend {
         };
         let g = (self.grid.load(Ordering::Relaxed).max(1), 1, 1);
         let b = (FFN_THREADS, 1, 1);
-        self.inner.launch("superblock_ffn_q8s", g, b, (d * 4) as u32, base(1))?;
+        self.inner
+            .launch("superblock_ffn_q8s", g, b, (d * 4) as u32, base(1))?;
         self.inner.launch("superblock_ffn_q8s", g, b, 0, base(2))
     }
 
     /// Writes `data` (`rows * width` floats) into `a`, reusing its buffer
     /// when it is large enough (so a recorded step that reads `a` replays
     /// with the new values). Not inside a step.
-    pub fn write_activations(&self, a: &mut CudaActivations, rows: usize, width: usize, data: &[f32]) -> Result<()> {
+    pub fn write_activations(
+        &self,
+        a: &mut CudaActivations,
+        rows: usize,
+        width: usize,
+        data: &[f32],
+    ) -> Result<()> {
         if rows.checked_mul(width) != Some(data.len()) {
             return Err(bad("activation data does not match its shape"));
         }
@@ -580,7 +632,9 @@ impl SparseCudaBackend {
             .ok_or_else(|| rt(format!("layer {layer} has no FFN uploaded")))?;
         let py = self.inner.reshape(&mut y, 1, ld.d_model)?;
         let routed = match self.mode() {
-            SparsePages::Routed { exact_projection, .. } => Some(exact_projection),
+            SparsePages::Routed {
+                exact_projection, ..
+            } => Some(exact_projection),
             _ => None,
         };
         let ctx = &self.inner.ctx;
@@ -588,8 +642,12 @@ impl SparseCudaBackend {
         let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
             let mut v = Vec::with_capacity(iters);
             for i in 0..iters + 3 {
-                let a = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv)?;
-                let b = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv)?;
+                let a = ctx
+                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(drv)?;
+                let b = ctx
+                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(drv)?;
                 a.record(stream).map_err(drv)?;
                 f()?;
                 b.record(stream).map_err(drv)?;
@@ -629,7 +687,13 @@ impl Backend for SparseCudaBackend {
     fn upload_vector(&self, v: &[f32]) -> Result<CudaVector> {
         self.inner.upload_vector(v)
     }
-    fn upload_ffn(&self, layer: usize, gate: &HostMatrix, up: &HostMatrix, down: &HostMatrix) -> Result<SparseFfn> {
+    fn upload_ffn(
+        &self,
+        layer: usize,
+        gate: &HostMatrix,
+        up: &HostMatrix,
+        down: &HostMatrix,
+    ) -> Result<SparseFfn> {
         let d = gate.cols;
         if up.rows != gate.rows || up.cols != d || down.rows != d || down.cols != gate.rows {
             return Err(rt(format!(
@@ -638,7 +702,9 @@ impl Backend for SparseCudaBackend {
             )));
         }
         if d == 0 || d % 32 != 0 {
-            return Err(rt(format!("d_model {d} is not a positive multiple of 32 (Q8_0 pages)")));
+            return Err(rt(format!(
+                "d_model {d} is not a positive multiple of 32 (Q8_0 pages)"
+            )));
         }
         let (pages, n_trunk): (Vec<Vec<u8>>, usize) = match &self.source {
             PageSource::Artifact(a) => {
@@ -655,9 +721,7 @@ impl Backend for SparseCudaBackend {
                     .collect::<Result<_>>()?;
                 (pages, ld.n_trunk)
             }
-            PageSource::Synthetic => {
-                (synthetic_pages(gate, up, down)?, 0)
-            }
+            PageSource::Synthetic => (synthetic_pages(gate, up, down)?, 0),
         };
         let n_pages = pages.len();
         if n_pages == 0 {
@@ -734,13 +798,24 @@ impl Backend for SparseCudaBackend {
     fn embed(&self, table: &CudaMatrix, tokens: &[u32], out: &mut CudaActivations) -> Result<()> {
         self.inner.embed(table, tokens, out)
     }
-    fn rms_norm(&self, x: &CudaActivations, weight: &CudaVector, eps: f32, out: &mut CudaActivations) -> Result<()> {
+    fn rms_norm(
+        &self,
+        x: &CudaActivations,
+        weight: &CudaVector,
+        eps: f32,
+        out: &mut CudaActivations,
+    ) -> Result<()> {
         self.inner.rms_norm(x, weight, eps, out)
     }
     fn matmul(&self, w: &CudaMatrix, x: &CudaActivations, out: &mut CudaActivations) -> Result<()> {
         self.inner.matmul(w, x, out)
     }
-    fn matmul_many(&self, ws: &[&CudaMatrix], x: &CudaActivations, outs: &mut [&mut CudaActivations]) -> Result<()> {
+    fn matmul_many(
+        &self,
+        ws: &[&CudaMatrix],
+        x: &CudaActivations,
+        outs: &mut [&mut CudaActivations],
+    ) -> Result<()> {
         self.inner.matmul_many(ws, x, outs)
     }
     fn add_bias(&self, x: &mut CudaActivations, bias: &CudaVector) -> Result<()> {
@@ -761,7 +836,8 @@ impl Backend for SparseCudaBackend {
         cache: &mut CudaKvCache,
         out: &mut CudaActivations,
     ) -> Result<()> {
-        self.inner.attention(layer, params, q, k, v, qk_norm, slots, cache, out)
+        self.inner
+            .attention(layer, params, q, k, v, qk_norm, slots, cache, out)
     }
     fn ffn(&self, f: &SparseFfn, x: &CudaActivations, out: &mut CudaActivations) -> Result<()> {
         let layers = self.layers();
@@ -777,7 +853,9 @@ impl Backend for SparseCudaBackend {
         let px = self.inner.act_ptr(x)?;
         let py = self.inner.reshape(out, rows, d)?;
         let routed = match self.mode() {
-            SparsePages::Routed { exact_projection, .. } => Some(exact_projection),
+            SparsePages::Routed {
+                exact_projection, ..
+            } => Some(exact_projection),
             _ => None,
         };
         // One row at a time: the active list (and, routed, the routing) is
@@ -792,7 +870,12 @@ impl Backend for SparseCudaBackend {
         }
         Ok(())
     }
-    fn select_rows(&self, x: &CudaActivations, rows: &[usize], out: &mut CudaActivations) -> Result<()> {
+    fn select_rows(
+        &self,
+        x: &CudaActivations,
+        rows: &[usize],
+        out: &mut CudaActivations,
+    ) -> Result<()> {
         self.inner.select_rows(x, rows, out)
     }
     fn read(&self, x: &CudaActivations, out: &mut Vec<f32>) -> Result<(usize, usize)> {

@@ -43,7 +43,10 @@ fn cuda(test: &str) -> Option<CudaBackend> {
             | CudaError::DriverNotFound
             | CudaError::NoDevice { .. }),
         ) => {
-            assert!(!require_gpu(), "{test}: MIRAGE_REQUIRE_GPU_TESTS=1 but no GPU: {e}");
+            assert!(
+                !require_gpu(),
+                "{test}: MIRAGE_REQUIRE_GPU_TESTS=1 but no GPU: {e}"
+            );
             eprintln!("{test}: skipped, no CUDA device here: {e}");
             None
         }
@@ -64,7 +67,11 @@ fn exact_q8_weights(r: &mut impl Rng, rows: usize, cols: usize) -> Vec<f32> {
     (0..rows * cols)
         .map(|k| {
             let (i, j) = (k / cols, k % cols);
-            let q = if i % 32 == j % 32 { 127 } else { r.random_range(-126i32..=126) };
+            let q = if i % 32 == j % 32 {
+                127
+            } else {
+                r.random_range(-126i32..=126)
+            };
             q as f32 * s / 8.0
         })
         .collect()
@@ -75,13 +82,24 @@ fn q8(values: &[f32], cols: usize) -> Vec<u8> {
     let rows = values.len() / cols;
     let mut out = vec![0u8; rows * rb];
     for r in 0..rows {
-        quant::quantize(GgmlType::Q8_0, &values[r * cols..(r + 1) * cols], &mut out[r * rb..(r + 1) * rb]).unwrap();
+        quant::quantize(
+            GgmlType::Q8_0,
+            &values[r * cols..(r + 1) * cols],
+            &mut out[r * rb..(r + 1) * rb],
+        )
+        .unwrap();
     }
     out
 }
 
 fn host(name: &str, rows: usize, cols: usize, values: &[f32]) -> HostMatrix {
-    HostMatrix { name: name.into(), ty: GgmlType::Q8_0, rows, cols, data: SharedBytes::from_vec(q8(values, cols)) }
+    HostMatrix {
+        name: name.into(),
+        ty: GgmlType::Q8_0,
+        rows,
+        cols,
+        data: SharedBytes::from_vec(q8(values, cols)),
+    }
 }
 
 /// One layer's weights: gate, up `[N_FF][D]`, down `[D][N_FF]` (f32, exact in Q8_0).
@@ -93,14 +111,24 @@ struct LayerW {
 
 impl LayerW {
     fn host(&self) -> (HostMatrix, HostMatrix, HostMatrix) {
-        (host("gate", N_FF, D, &self.gate), host("up", N_FF, D, &self.up), host("down", D, N_FF, &self.down))
+        (
+            host("gate", N_FF, D, &self.gate),
+            host("up", N_FF, D, &self.up),
+            host("down", D, N_FF, &self.down),
+        )
     }
     /// f64 FFN over the channels of `pages`.
     fn reference(&self, x: &[f32], pages: &[u32]) -> Vec<f32> {
         let mut y = vec![0f64; D];
         for &p in pages {
             for c in p as usize * PAGE..(p as usize + 1) * PAGE {
-                let dot = |w: &[f32]| w[c * D..(c + 1) * D].iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>();
+                let dot = |w: &[f32]| {
+                    w[c * D..(c + 1) * D]
+                        .iter()
+                        .zip(x)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                };
                 let (g, u) = (dot(&self.gate), dot(&self.up));
                 let h = g / (1.0 + (-g).exp()) * u;
                 for (j, yj) in y.iter_mut().enumerate() {
@@ -138,18 +166,33 @@ fn fixture() -> Fixture {
                 down_t[c * D + j] = w.down[j * N_FF + c];
             }
         }
-        let ffn = mirage_artifact::ffn::FfnF32 { d_model: D, n_ff: N_FF, gate: w.gate.clone(), up: w.up.clone(), down_t };
-        pages.push((0..N_PAGES).map(|p| mirage_artifact::pack::pack_page(&ffn, p, GgmlType::Q8_0).unwrap()).collect::<Vec<_>>());
+        let ffn = mirage_artifact::ffn::FfnF32 {
+            d_model: D,
+            n_ff: N_FF,
+            gate: w.gate.clone(),
+            up: w.up.clone(),
+            down_t,
+        };
+        pages.push(
+            (0..N_PAGES)
+                .map(|p| mirage_artifact::pack::pack_page(&ffn, p, GgmlType::Q8_0).unwrap())
+                .collect::<Vec<_>>(),
+        );
         let boxes: Vec<Aabb> = (0..N_PAGES * SLICES)
             .map(|_| {
                 let c: [f32; 3] = std::array::from_fn(|_| r.random_range(-0.5f32..0.5));
                 let h: [f32; 3] = std::array::from_fn(|_| r.random_range(0.2f32..0.7));
-                Aabb::new(std::array::from_fn(|a| c[a] - h[a]), std::array::from_fn(|a| c[a] + h[a]))
+                Aabb::new(
+                    std::array::from_fn(|a| c[a] - h[a]),
+                    std::array::from_fn(|a| c[a] + h[a]),
+                )
             })
             .collect();
         let mut router = RouterData::new(SLICES, boxes, 2).unwrap();
         router.d_model = D;
-        router.projection = (0..SLICES * 3 * D).map(|_| r.random_range(-1.0f32..1.0) / (D as f32).sqrt()).collect();
+        router.projection = (0..SLICES * 3 * D)
+            .map(|_| r.random_range(-1.0f32..1.0) / (D as f32).sqrt())
+            .collect();
         router.validate().unwrap();
         lds.push(LayerData {
             n_pages: N_PAGES,
@@ -184,17 +227,27 @@ fn fixture() -> Fixture {
         default_predictor_threshold: 0.0,
     };
     let bytes = write_bytes(&meta, &lds, &pages).unwrap();
-    Fixture { layers, artifact: Artifact::from_bytes(bytes).unwrap() }
+    Fixture {
+        layers,
+        artifact: Artifact::from_bytes(bytes).unwrap(),
+    }
 }
 
 fn xs(seed: u64, n: usize) -> Vec<Vec<f32>> {
     let mut r = rng(seed);
-    (0..n).map(|_| (0..D).map(|_| r.random_range(-1.0f32..1.0)).collect()).collect()
+    (0..n)
+        .map(|_| (0..D).map(|_| r.random_range(-1.0f32..1.0)).collect())
+        .collect()
 }
 
-fn sparse(test: &str, fx: &Fixture, mode: SparsePages) -> Option<(SparseCudaBackend, Vec<mirage_cuda::SparseFfn>)> {
+fn sparse(
+    test: &str,
+    fx: &Fixture,
+    mode: SparsePages,
+) -> Option<(SparseCudaBackend, Vec<mirage_cuda::SparseFfn>)> {
     let gpu = cuda(test)?;
-    let sb = SparseCudaBackend::new(gpu, PageSource::Artifact(fx.artifact.clone()), mode).expect("sparse backend");
+    let sb = SparseCudaBackend::new(gpu, PageSource::Artifact(fx.artifact.clone()), mode)
+        .expect("sparse backend");
     let ffns = fx
         .layers
         .iter()
@@ -220,7 +273,10 @@ fn run_ffn(sb: &SparseCudaBackend, f: &mirage_cuda::SparseFfn, rows: &[Vec<f32>]
 #[test]
 fn all_pages_equal_the_dense_cuda_ffn() {
     let fx = fixture();
-    let Some((sb, ffns)) = sparse("all_pages_equal_the_dense_cuda_ffn", &fx, SparsePages::All) else { return };
+    let Some((sb, ffns)) = sparse("all_pages_equal_the_dense_cuda_ffn", &fx, SparsePages::All)
+    else {
+        return;
+    };
     let dense = cuda("dense").unwrap();
     let rows = xs(1, 3);
     for (l, w) in fx.layers.iter().enumerate() {
@@ -234,8 +290,13 @@ fn all_pages_equal_the_dense_cuda_ffn() {
         let got = run_ffn(&sb, &ffns[l], &rows);
         for r in 0..3 {
             let c = cosine(&got[r * D..(r + 1) * D], &want[r * D..(r + 1) * D]);
-            let c64 = cosine(&got[r * D..(r + 1) * D], &w.reference(&rows[r], &(0..N_PAGES as u32).collect::<Vec<_>>()));
-            eprintln!("layer {l} row {r}: all-pages sparse vs dense cuda cosine {c:.9}, vs f64 {c64:.9}");
+            let c64 = cosine(
+                &got[r * D..(r + 1) * D],
+                &w.reference(&rows[r], &(0..N_PAGES as u32).collect::<Vec<_>>()),
+            );
+            eprintln!(
+                "layer {l} row {r}: all-pages sparse vs dense cuda cosine {c:.9}, vs f64 {c64:.9}"
+            );
             assert!(c >= 0.9999, "layer {l} row {r}: cosine {c}");
         }
     }
@@ -246,19 +307,33 @@ fn all_pages_equal_the_dense_cuda_ffn() {
 fn device_routing_equals_the_cpu_page_selector() {
     let fx = fixture();
     let margin = fx.artifact.meta().default_margin;
-    let mode = SparsePages::Routed { margin, exact_projection: true };
-    let Some((sb, _ffns)) = sparse("device_routing_equals_the_cpu_page_selector", &fx, mode) else { return };
+    let mode = SparsePages::Routed {
+        margin,
+        exact_projection: true,
+    };
+    let Some((sb, _ffns)) = sparse("device_routing_equals_the_cpu_page_selector", &fx, mode) else {
+        return;
+    };
     let sel = PageSelector::new(fx.artifact.clone(), SparseMode::Bvh { margin }).unwrap();
     let inputs = xs(2, 300);
     let mut sizes = std::collections::BTreeMap::new();
     let mut fast_diff = 0;
     for exact in [true, false] {
-        sb.set_mode(SparsePages::Routed { margin, exact_projection: exact }).unwrap();
+        sb.set_mode(SparsePages::Routed {
+            margin,
+            exact_projection: exact,
+        })
+        .unwrap();
         for (i, x) in inputs.iter().enumerate() {
             let xa = sb.inner().upload_activations(1, D, x).unwrap();
             for l in 0..N_LAYER {
                 sb.route_only(l, &xa).unwrap();
-                let got: Vec<usize> = sb.active_pages(l).unwrap().into_iter().map(|p| p as usize).collect();
+                let got: Vec<usize> = sb
+                    .active_pages(l)
+                    .unwrap()
+                    .into_iter()
+                    .map(|p| p as usize)
+                    .collect();
                 let want = sel.select(l, x).unwrap().unwrap();
                 if exact {
                     assert_eq!(got, want, "input {i} layer {l}: device vs CPU route");
@@ -269,17 +344,37 @@ fn device_routing_equals_the_cpu_page_selector() {
             }
         }
     }
-    eprintln!("active-set sizes over {} routes: {sizes:?}; fast projection differed on {fast_diff}", inputs.len() * N_LAYER);
-    assert!(sizes.len() >= 3, "the fixture must exercise several set sizes: {sizes:?}");
-    assert!(fast_diff * 100 <= inputs.len() * N_LAYER, "fast projection differs on {fast_diff} routes (> 1%)");
+    eprintln!(
+        "active-set sizes over {} routes: {sizes:?}; fast projection differed on {fast_diff}",
+        inputs.len() * N_LAYER
+    );
+    assert!(
+        sizes.len() >= 3,
+        "the fixture must exercise several set sizes: {sizes:?}"
+    );
+    assert!(
+        fast_diff * 100 <= inputs.len() * N_LAYER,
+        "fast projection differs on {fast_diff} routes (> 1%)"
+    );
 }
 
 #[test]
 fn forced_and_routed_modes_match_cpu_references() {
     let fx = fixture();
-    let Some((sb, ffns)) = sparse("forced_and_routed_modes_match_cpu_references", &fx, SparsePages::All) else { return };
+    let Some((sb, ffns)) = sparse(
+        "forced_and_routed_modes_match_cpu_references",
+        &fx,
+        SparsePages::All,
+    ) else {
+        return;
+    };
     let margin = fx.artifact.meta().default_margin;
-    let cpu = SuperblockBackend::new(CpuBackend::new(1).unwrap(), fx.artifact.clone(), SparseMode::All).unwrap();
+    let cpu = SuperblockBackend::new(
+        CpuBackend::new(1).unwrap(),
+        fx.artifact.clone(),
+        SparseMode::All,
+    )
+    .unwrap();
     let cpu_ffns: Vec<_> = fx
         .layers
         .iter()
@@ -293,8 +388,20 @@ fn forced_and_routed_modes_match_cpu_references() {
     let cases = [
         (SparsePages::Prefix(3), Some(SparseMode::Prefix(3))),
         (SparsePages::Fraction(0.5), Some(SparseMode::Prefix(3))),
-        (SparsePages::Routed { margin, exact_projection: true }, Some(SparseMode::Bvh { margin })),
-        (SparsePages::Random { fraction: 0.5, seed: 9 }, None),
+        (
+            SparsePages::Routed {
+                margin,
+                exact_projection: true,
+            },
+            Some(SparseMode::Bvh { margin }),
+        ),
+        (
+            SparsePages::Random {
+                fraction: 0.5,
+                seed: 9,
+            },
+            None,
+        ),
     ];
     for (mode, cpu_mode) in cases {
         sb.set_mode(mode).unwrap();
@@ -305,23 +412,37 @@ fn forced_and_routed_modes_match_cpu_references() {
             for x in &inputs {
                 let got = run_ffn(&sb, &ffns[l], std::slice::from_ref(x));
                 let pages: Vec<u32> = match mode {
-                    SparsePages::Random { fraction, seed } => {
-                        random_subset(N_PAGES, mirage_cuda::pages_for_fraction(fraction, N_PAGES), seed ^ l as u64)
-                    }
+                    SparsePages::Random { fraction, seed } => random_subset(
+                        N_PAGES,
+                        mirage_cuda::pages_for_fraction(fraction, N_PAGES),
+                        seed ^ l as u64,
+                    ),
                     _ => {
-                        let sel = PageSelector::new(fx.artifact.clone(), cpu_mode.unwrap()).unwrap();
-                        sel.select(l, x).unwrap().unwrap().into_iter().map(|p| p as u32).collect()
+                        let sel =
+                            PageSelector::new(fx.artifact.clone(), cpu_mode.unwrap()).unwrap();
+                        sel.select(l, x)
+                            .unwrap()
+                            .unwrap()
+                            .into_iter()
+                            .map(|p| p as u32)
+                            .collect()
                     }
                 };
                 assert_eq!(sb.active_pages(l).unwrap(), pages, "{mode:?} layer {l}");
                 let c64 = cosine(&got, &w.reference(x, &pages));
-                assert!(c64 >= 0.99999, "{mode:?} layer {l}: vs f64 reference cosine {c64}");
+                assert!(
+                    c64 >= 0.99999,
+                    "{mode:?} layer {l}: vs f64 reference cosine {c64}"
+                );
                 if cpu_mode.is_some() {
                     let xa = CpuActivations::from_vec(1, D, x.clone()).unwrap();
                     let mut ya = cpu.new_activations();
                     cpu.ffn(&cpu_ffns[l], &xa, &mut ya).unwrap();
                     let c = cosine(&got, ya.row(0));
-                    assert!(c >= 0.999, "{mode:?} layer {l}: vs CPU superblock cosine {c}");
+                    assert!(
+                        c >= 0.999,
+                        "{mode:?} layer {l}: vs CPU superblock cosine {c}"
+                    );
                 }
             }
         }
@@ -332,13 +453,22 @@ fn forced_and_routed_modes_match_cpu_references() {
 fn routed_ffn_replays_from_a_cuda_graph() {
     let fx = fixture();
     let margin = fx.artifact.meta().default_margin;
-    let mode = SparsePages::Routed { margin, exact_projection: false };
-    let Some((sb, ffns)) = sparse("routed_ffn_replays_from_a_cuda_graph", &fx, mode) else { return };
+    let mode = SparsePages::Routed {
+        margin,
+        exact_projection: false,
+    };
+    let Some((sb, ffns)) = sparse("routed_ffn_replays_from_a_cuda_graph", &fx, mode) else {
+        return;
+    };
     let inputs = xs(4, 6);
     let mut x = sb.new_activations();
     let (mut h, mut y) = (sb.new_activations(), sb.new_activations());
     let slots = [TokenSlot { seq: 0, pos: 0 }];
-    let step = StepInputs { tokens: &[0], slots: &slots, logits_rows: &[0] };
+    let step = StepInputs {
+        tokens: &[0],
+        slots: &slots,
+        logits_rows: &[0],
+    };
     let mut counts = std::collections::BTreeSet::new();
     for xi in &inputs {
         // Eager reference.
@@ -359,7 +489,10 @@ fn routed_ffn_replays_from_a_cuda_graph() {
     eprintln!("graph stats {st:?}; per-layer active counts seen {counts:?}");
     assert_eq!(st.captures, 1, "one graph for every step: {st:?}");
     assert_eq!(st.replays as usize, inputs.len() - 1);
-    assert!(counts.len() >= 2, "the routed counts must vary between steps: {counts:?}");
+    assert!(
+        counts.len() >= 2,
+        "the routed counts must vary between steps: {counts:?}"
+    );
 }
 
 fn sb_layer0(sb: &SparseCudaBackend, f: &mirage_cuda::SparseFfn, x: &[f32]) -> Vec<f32> {
@@ -373,27 +506,58 @@ fn sb_layer0(sb: &SparseCudaBackend, f: &mirage_cuda::SparseFfn, x: &[f32]) -> V
 /// fits the transfer limit); otherwise the artifact is built here.
 #[test]
 fn smollm2_routed_matches_cpu_superblock() {
-    let model = std::env::var_os("MIRAGE_SPARSE_MODEL").map(std::path::PathBuf::from).unwrap_or_else(|| {
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/smollm2-135m-instruct-q4_1.gguf")
-    });
+    let model = std::env::var_os("MIRAGE_SPARSE_MODEL")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../models/smollm2-135m-instruct-q4_1.gguf")
+        });
     if !model.exists() {
-        assert!(std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1"), "{} is missing", model.display());
-        eprintln!("smollm2_routed_matches_cpu_superblock: skipped, {} is missing", model.display());
+        assert!(
+            std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1"),
+            "{} is missing",
+            model.display()
+        );
+        eprintln!(
+            "smollm2_routed_matches_cpu_superblock: skipped, {} is missing",
+            model.display()
+        );
         return;
     }
-    let Some(gpu) = cuda("smollm2_routed_matches_cpu_superblock") else { return };
+    let Some(gpu) = cuda("smollm2_routed_matches_cpu_superblock") else {
+        return;
+    };
     let artifact = match std::env::var_os("MIRAGE_SPARSE_ARTIFACT") {
         Some(p) => Artifact::open(&p).expect("MIRAGE_SPARSE_ARTIFACT"),
         None => build_artifact(&model),
     };
     let margin = artifact.meta().default_margin;
     let file = Arc::new(mirage_gguf::GgufFile::open(&model).unwrap());
-    let eo = mirage_runtime::EngineOptions { threads: 2, n_ctx: 128, ..Default::default() };
-    let sb = SparseCudaBackend::new(gpu, PageSource::Artifact(artifact.clone()), SparsePages::Routed { margin, exact_projection: false }).unwrap();
-    let cpu = SuperblockBackend::new(CpuBackend::new(2).unwrap(), artifact.clone(), SparseMode::Bvh { margin }).unwrap();
+    let eo = mirage_runtime::EngineOptions {
+        threads: 2,
+        n_ctx: 128,
+        ..Default::default()
+    };
+    let sb = SparseCudaBackend::new(
+        gpu,
+        PageSource::Artifact(artifact.clone()),
+        SparsePages::Routed {
+            margin,
+            exact_projection: false,
+        },
+    )
+    .unwrap();
+    let cpu = SuperblockBackend::new(
+        CpuBackend::new(2).unwrap(),
+        artifact.clone(),
+        SparseMode::Bvh { margin },
+    )
+    .unwrap();
     let g = mirage_runtime::Engine::from_file(file.clone(), sb, eo.clone()).unwrap();
     let c = mirage_runtime::Engine::from_file(file, cpu, eo).unwrap();
-    let mut tokens = g.encode("Licensed under the Apache License, Version 2.0", true).unwrap();
+    let mut tokens = g
+        .encode("Licensed under the Apache License, Version 2.0", true)
+        .unwrap();
     let mut worst = 1.0f64;
     for step in 0..16 {
         let gl = g.model().logits_all(&tokens, Default::default()).unwrap();
@@ -402,8 +566,18 @@ fn smollm2_routed_matches_cpu_superblock() {
         let (gl, cl) = (&gl[gl.len() - v..], &cl[cl.len() - v..]);
         let cs = cosine(gl, cl);
         worst = worst.min(cs);
-        let am = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
-        assert_eq!(am(gl), am(cl), "step {step}: greedy tokens differ (cosine {cs})");
+        let am = |l: &[f32]| {
+            l.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0 as u32
+        };
+        assert_eq!(
+            am(gl),
+            am(cl),
+            "step {step}: greedy tokens differ (cosine {cs})"
+        );
         tokens.push(am(gl));
     }
     let counts = g.model().backend().active_counts().unwrap();
@@ -440,19 +614,31 @@ fn fixture_routes_to_several_set_sizes_on_the_cpu() {
     let mut sizes = std::collections::BTreeMap::new();
     for x in xs(2, 300) {
         for l in 0..N_LAYER {
-            *sizes.entry(sel.select(l, &x).unwrap().unwrap().len()).or_insert(0) += 1;
+            *sizes
+                .entry(sel.select(l, &x).unwrap().unwrap().len())
+                .or_insert(0) += 1;
         }
     }
     eprintln!("CPU active-set sizes: {sizes:?}");
     assert!(sizes.len() >= 3, "{sizes:?}");
-    let cpu = SuperblockBackend::new(CpuBackend::new(1).unwrap(), fx.artifact.clone(), SparseMode::All).unwrap();
+    let cpu = SuperblockBackend::new(
+        CpuBackend::new(1).unwrap(),
+        fx.artifact.clone(),
+        SparseMode::All,
+    )
+    .unwrap();
     let all: Vec<u32> = (0..N_PAGES as u32).collect();
     for (l, w) in fx.layers.iter().enumerate() {
         let (g, u, d) = w.host();
         let f = cpu.upload_ffn(l, &g, &u, &d).unwrap();
         for x in xs(5, 3) {
             let mut y = cpu.new_activations();
-            cpu.ffn(&f, &CpuActivations::from_vec(1, D, x.clone()).unwrap(), &mut y).unwrap();
+            cpu.ffn(
+                &f,
+                &CpuActivations::from_vec(1, D, x.clone()).unwrap(),
+                &mut y,
+            )
+            .unwrap();
             let c = cosine(y.row(0), &w.reference(&x, &all));
             assert!(c >= 0.9999, "layer {l}: CPU superblock vs f64 cosine {c}");
         }

@@ -58,7 +58,9 @@ fn decode<B: Backend>(
     let mut state = 0x2545_f491_4f6c_dd1du64;
     let prompt: Vec<u32> = (0..n_prompt)
         .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((state >> 33) % (vocab.min(32000) as u64 - 1) + 1) as u32
         })
         .collect();
@@ -67,13 +69,32 @@ fn decode<B: Backend>(
     let mut scratch = model.new_scratch();
     let mut logits = Vec::new();
     let slots: Vec<TokenSlot> = (0..n_prompt).map(|pos| TokenSlot { seq: 0, pos }).collect();
-    model.forward(&prompt, &slots, &[n_prompt - 1], &mut cache, &mut scratch, &mut logits)?;
-    let argmax = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |m| m.0 as u32);
+    model.forward(
+        &prompt,
+        &slots,
+        &[n_prompt - 1],
+        &mut cache,
+        &mut scratch,
+        &mut logits,
+    )?;
+    let argmax = |v: &[f32]| {
+        v.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map_or(0, |m| m.0 as u32)
+    };
     let mut tok = argmax(&logits);
     // Two warm-up steps (graph capture) at the next positions, then timed.
     let mut pos = n_prompt;
     for _ in 0..2 {
-        model.forward(&[tok], &[TokenSlot { seq: 0, pos }], &[0], &mut cache, &mut scratch, &mut logits)?;
+        model.forward(
+            &[tok],
+            &[TokenSlot { seq: 0, pos }],
+            &[0],
+            &mut cache,
+            &mut scratch,
+            &mut logits,
+        )?;
         tok = argmax(&logits);
         pos += 1;
     }
@@ -84,7 +105,14 @@ fn decode<B: Backend>(
     let mut stats_s = 0.0;
     for _ in 0..n_gen.saturating_sub(2) {
         let t = Instant::now();
-        model.forward(&[tok], &[TokenSlot { seq: 0, pos }], &[0], &mut cache, &mut scratch, &mut logits)?;
+        model.forward(
+            &[tok],
+            &[TokenSlot { seq: 0, pos }],
+            &[0],
+            &mut cache,
+            &mut scratch,
+            &mut logits,
+        )?;
         tok = argmax(&logits);
         times.push(t.elapsed().as_secs_f64());
         pos += 1;
@@ -115,12 +143,23 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     if args.routed && args.synthetic_pages {
         bail!("--routed needs an artifact (synthetic pages have no router)");
     }
-    let fractions = if args.active.is_empty() { vec![1.0, 0.75, 0.5, 0.35, 0.25] } else { args.active.clone() };
+    let fractions = if args.active.is_empty() {
+        vec![1.0, 0.75, 0.5, 0.35, 0.25]
+    } else {
+        args.active.clone()
+    };
     if let Some(f) = fractions.iter().find(|f| !(**f > 0.0 && **f <= 1.0)) {
         bail!("--active fractions must be in (0, 1], got {f}");
     }
-    let file = Arc::new(GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?);
-    let is_ffn = |n: &str| n.starts_with("blk.") && (n.ends_with("ffn_gate.weight") || n.ends_with("ffn_up.weight") || n.ends_with("ffn_down.weight"));
+    let file = Arc::new(
+        GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
+    );
+    let is_ffn = |n: &str| {
+        n.starts_with("blk.")
+            && (n.ends_with("ffn_gate.weight")
+                || n.ends_with("ffn_up.weight")
+                || n.ends_with("ffn_down.weight"))
+    };
     let has_output = file.tensor_info("output.weight").is_some();
     let other_bytes: u64 = file
         .tensors()
@@ -133,7 +172,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         })
         .map(|t| t.n_bytes())
         .sum();
-    let ffn_bytes: u64 = file.tensors().iter().filter(|t| is_ffn(&t.name)).map(|t| t.n_bytes()).sum();
+    let ffn_bytes: u64 = file
+        .tensors()
+        .iter()
+        .filter(|t| is_ffn(&t.name))
+        .map(|t| t.n_bytes())
+        .sum();
     let n_prompt = args.prompt.max(1);
     let n_gen = args.gen.max(4);
     let mib = |b: f64| b / (1u64 << 20) as f64;
@@ -161,11 +205,15 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 
     // Sparse.
     let source = match &args.artifact {
-        Some(p) => PageSource::Artifact(mirage_artifact::Artifact::open(p).with_context(|| format!("opening {}", p.display()))?),
+        Some(p) => PageSource::Artifact(
+            mirage_artifact::Artifact::open(p)
+                .with_context(|| format!("opening {}", p.display()))?,
+        ),
         None => PageSource::Synthetic,
     };
     let inner = CudaBackend::new(args.device).context("starting the CUDA backend")?;
-    let sb = SparseCudaBackend::new(inner, source.clone(), SparsePages::All).context("starting the sparse backend")?;
+    let sb = SparseCudaBackend::new(inner, source.clone(), SparsePages::All)
+        .context("starting the sparse backend")?;
     let t_load = Instant::now();
     let model = Model::load(file.clone(), sb)?;
     let load_s = t_load.elapsed().as_secs_f64();
@@ -186,11 +234,27 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         })
         .collect();
     let x = b.inner().upload_activations(1, d_model, &xs)?;
-    let mut modes: Vec<(String, SparsePages)> = fractions.iter().map(|&f| (format!("sparse {:.0}%", f * 100.0), SparsePages::Fraction(f))).collect();
+    let mut modes: Vec<(String, SparsePages)> = fractions
+        .iter()
+        .map(|&f| {
+            (
+                format!("sparse {:.0}%", f * 100.0),
+                SparsePages::Fraction(f),
+            )
+        })
+        .collect();
     if args.routed {
-        let PageSource::Artifact(a) = &source else { unreachable!("checked above") };
+        let PageSource::Artifact(a) = &source else {
+            unreachable!("checked above")
+        };
         let margin = a.meta().default_margin;
-        modes.push((format!("routed (margin {margin})"), SparsePages::Routed { margin, exact_projection: false }));
+        modes.push((
+            format!("routed (margin {margin})"),
+            SparsePages::Routed {
+                margin,
+                exact_projection: false,
+            },
+        ));
     }
     for (name, mode) in modes {
         b.set_mode(mode)?;
