@@ -547,8 +547,10 @@ fn smollm2_routed_matches_cpu_superblock() {
         },
     )
     .unwrap();
+    // f32 activations outside the FFN, as the CUDA backend computes (the
+    // superblock FFN itself quantizes x to Q8_0 for its dot products).
     let cpu = SuperblockBackend::new(
-        CpuBackend::new(2).unwrap(),
+        CpuBackend::new_f32_activations(0).unwrap(),
         artifact.clone(),
         SparseMode::Bvh { margin },
     )
