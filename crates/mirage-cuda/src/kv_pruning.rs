@@ -412,6 +412,34 @@ impl PrunedAttention {
         cfg: &KvPruning,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        self.pruned(kv, q, slots, rows, n_head, cfg, Some(out))
+    }
+
+    /// Only the page choice of [`PrunedAttention::attend_pruned`] (bounds
+    /// and selection, no attention): for timing its share.
+    pub fn select_only(
+        &mut self,
+        kv: &DeviceLayerKv,
+        q: &CudaSlice<f32>,
+        slots: &CudaSlice<i32>,
+        rows: usize,
+        n_head: usize,
+        cfg: &KvPruning,
+    ) -> Result<(), CudaError> {
+        self.pruned(kv, q, slots, rows, n_head, cfg, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn pruned(
+        &mut self,
+        kv: &DeviceLayerKv,
+        q: &CudaSlice<f32>,
+        slots: &CudaSlice<i32>,
+        rows: usize,
+        n_head: usize,
+        cfg: &KvPruning,
+        out: Option<&mut CudaSlice<f32>>,
+    ) -> Result<(), CudaError> {
         self.check_rows(kv, q, slots, rows, n_head)?;
         let s = kv.shape;
         if cfg.page != s.page {
@@ -426,7 +454,10 @@ impl PrunedAttention {
                 s.max_pages()
             )));
         }
-        let max_sel = cfg.max_selected_for(s.max_pages()).min(s.max_pages()).max(1);
+        let max_sel = cfg
+            .max_selected_for(s.max_pages())
+            .min(s.max_pages())
+            .max(1);
         let n_split = max_sel.min((TARGET_BLOCKS / (rows * n_head)).max(1)).max(1);
         let per_split = max_sel.div_ceil(n_split);
         let ppart = grow(
@@ -441,7 +472,7 @@ impl PrunedAttention {
             self.ptr(&kv.k),
             self.ptr(&kv.v),
             self.ptr(slots),
-            self.ptr(out),
+            out.as_ref().map_or(0, |o| self.ptr(&**o)),
         );
         let (pmin, pmax) = (self.ptr(&kv.kmin), self.ptr(&kv.kmax));
         let clamp = |x: usize| x.min(i32::MAX as usize) as i32;
@@ -487,6 +518,9 @@ impl PrunedAttention {
         // SAFETY: buffers sized above; the kernel writes at most max_sel
         // entries per (row, head).
         unsafe { b.launch(lc) }.map_err(drv)?;
+        if out.is_none() {
+            return Ok(());
+        }
         let scale = 1.0 / (s.head_dim as f32).sqrt();
         let f = &self.attend_pages_part[(s.dtype == KvDtype::F16) as usize];
         let mut b = self.stream.launch_builder(f);

@@ -12,7 +12,8 @@
 //! Usage: `pruned-attention-bench [--contexts 4096,8192,16384,32768]
 //! [--layers 24 --heads 14 --kv-heads 2 --head-dim 64] [--iters 50]
 //! [--prune top=8,...]...` (the default shape is Qwen2.5-0.5B's). Prints a
-//! table last.
+//! table last: per pruning setting, ms/token, speedup over full, positions
+//! kept and ("choice") the ms/token of the page choice alone.
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -133,8 +134,11 @@ mod bench {
             let slots = dev.upload_i32(&[0, (n_ctx - 1) as i32])?;
             let mut out = dev.upload_f32(&vec![0.0; a.heads * a.head_dim])?;
             let last_page = (n_ctx - 1) / page;
+            // select_only: the page choice alone (box refresh + bounds +
+            // selection), to show its share of the pruned time.
             let mut time = |dev: &mut PrunedAttention,
-                            prune: Option<&KvPruning>|
+                            prune: Option<&KvPruning>,
+                            select_only: bool|
              -> Result<f64, Box<dyn Error>> {
                 let mut token = |dev: &mut PrunedAttention| -> Result<(), Box<dyn Error>> {
                     for kv in layers.iter_mut() {
@@ -143,7 +147,11 @@ mod bench {
                             Some(cfg) => {
                                 // A decode step refreshes the box of the page it wrote.
                                 dev.refresh_bounds(kv, 0, last_page, n_ctx)?;
-                                dev.attend_pruned(kv, &q, &slots, 1, a.heads, cfg, &mut out)?;
+                                if select_only {
+                                    dev.select_only(kv, &q, &slots, 1, a.heads, cfg)?;
+                                } else {
+                                    dev.attend_pruned(kv, &q, &slots, 1, a.heads, cfg, &mut out)?;
+                                }
                             }
                         }
                     }
@@ -160,13 +168,17 @@ mod bench {
                 dev.synchronize()?;
                 Ok(t.elapsed().as_secs_f64() * 1e3 / a.iters as f64)
             };
-            let full = time(&mut dev, None)?;
+            let full = time(&mut dev, None, false)?;
             let mut row = vec![format!("{n_ctx}"), format!("{full:.3}")];
             for cfg in &a.prunes {
-                let ms = time(&mut dev, Some(cfg))?;
+                let ms = time(&mut dev, Some(cfg), false)?;
+                let sel = time(&mut dev, Some(cfg), true)?;
                 let pages = n_ctx.div_ceil(cfg.page);
                 let kept = cfg.max_selected_for(pages).min(pages) * cfg.page;
-                row.push(format!("{ms:.3} ({:.2}x, {kept} pos)", full / ms));
+                row.push(format!(
+                    "{ms:.3} ({:.2}x, {kept} pos, choice {sel:.3})",
+                    full / ms
+                ));
             }
             println!("context {n_ctx}: {}", row[1..].join(" | "));
             table.push(row);
