@@ -2,10 +2,18 @@
 # Device-side check of the fast dense decode path (issue #6) and NVFP4
 # weights (#8); see ../NOTES.md.
 #
-#   h200-dense.sh BIN_DIR MODEL.gguf [MODEL.gguf ...]
+#   h200-dense.sh BIN_DIR MODEL [MODEL ...]
 #
-# BIN_DIR holds bins.tar.xz (mirage-cli with the cuda feature and the
-# mirage-cuda test binaries `fast_decode` and `kernels`, release, stripped;
+# MODEL is a GGUF path, or synth:LIKE:QUANT (e.g. synth:qwen2.5-7b:q4_k):
+# a shape-true random model written on the device by the bundled `xtask
+# synth-model` with the bundled tokenizer-only GGUF (7B Q4_K: 4.3 GB in
+# ~20 s; Q8_0 8.1 GB in ~40 s); synthetic models get the fast and old modes
+# only, prompt 32 + 32 (the NVFP4 requantization of 7B weights on one CPU
+# core takes minutes).
+#
+# BIN_DIR holds bins.tar.xz (mirage-cli with the cuda feature, the
+# mirage-cuda test binaries `fast_decode` and `kernels`, `xtask` and
+# `tok.gguf` for synthetic models; release, stripped;
 # made by the lead's bundle step) or those binaries unpacked. For each model
 # it runs `mirage-cli bench --backend cuda` with the fast path (default),
 # the old path (`--cuda-fast off`, the first version's kernels and ggml
@@ -52,8 +60,19 @@ tests kernels_old kernels "MIRAGE_CUDA_FAST=0" --skip smollm2 --skip qwen
 field() { grep -o "\"$2\":[^,}]*" "$1" | head -1 | cut -d: -f2 | tr -d '"'; }
 ROWS=()
 for M in "$@"; do
+  modes="fast old nonorm nvfp4"
+  len="--prompt 128 --gen 64"
+  if [[ $M == synth:* ]]; then
+    IFS=: read -r _ like quant <<< "$M"
+    M=$W/synth-$like-$quant.gguf
+    [ -f "$M" ] || timeout 90 "$W/xtask" synth-model --like "$like" --quant "$quant" \
+      --tokenizer-from "$W/tok.gguf" --out "$M" > "$OUT/synth-$like-$quant.log" 2>&1
+    echo "synth $like $quant rc=$? $(tail -1 "$OUT/synth-$like-$quant.log")"
+    modes="fast old"
+    len="--prompt 32 --gen 32"
+  fi
   name=$(basename "$M" .gguf)
-  for mode in fast old nonorm nvfp4; do
+  for mode in $modes; do
     fuse=1
     case $mode in
       fast) flags="--cuda-fast on" ;;
@@ -62,7 +81,7 @@ for M in "$@"; do
       nvfp4) flags="--cuda-fast on --weights nvfp4" ;;
     esac
     j="$OUT/bench_${name}_$mode.json"
-    MIRAGE_CUDA_FUSE_NORM=$fuse timeout 40 "$W/mirage-cli" bench --model "$M" --backend cuda --prompt 128 --gen 64 $flags --json > "$j" 2> "${j%.json}.err"
+    MIRAGE_CUDA_FUSE_NORM=$fuse timeout 60 "$W/mirage-cli" bench --model "$M" --backend cuda $len $flags --json > "$j" 2> "${j%.json}.err"
     rc=$?
     ROWS+=("$(printf '%-34s %-6s rc=%-3s %9s %9s %8s %8s %9s' "$name" "$mode" "$rc" \
       "$(field "$j" decode_tok_s)" "$(field "$j" decode_ms_median)" "$(field "$j" achieved_gb_s)" \
@@ -70,6 +89,6 @@ for M in "$@"; do
   done
 done
 echo
-echo "decode, prompt 128 + 64, graphs on (GB/s counts the file's weight bytes per token; weights_B = device bytes)"
+echo "decode (prompt 128 + 64; synthetic 32 + 32), graphs on (GB/s counts the file's weight bytes per token; weights_B = device bytes)"
 printf '%-34s %-6s %-6s %9s %9s %8s %8s %9s\n' model mode rc tok/s med_ms GB/s copyGB/s weights_B
 for r in "${ROWS[@]}"; do echo "$r"; done
