@@ -100,6 +100,41 @@ const TYPES: &[GgmlType] = &[
     GgmlType::Q6_K,
 ];
 
+/// Q/K/V sets of `matmul_many_equals_separate_matmuls` (row length a whole
+/// number of 256-element K-quant blocks).
+const QKV_SETS: [[GgmlType; 3]; 4] = [
+    [GgmlType::Q8_0; 3],
+    [GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K],
+    [GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q5_0],
+    [GgmlType::F16; 3],
+];
+const QKV_COLS: usize = 512;
+const QKV_ROWS: [usize; 3] = [320, 64, 40];
+
+/// (gate/up, down) types and (d, n_ff) of `fused_ffn_equals_unfused`.
+const FFN_PAIRS: [(GgmlType, GgmlType); 5] = [
+    (GgmlType::Q8_0, GgmlType::Q8_0),
+    (GgmlType::Q4_K, GgmlType::Q6_K),
+    (GgmlType::Q5_0, GgmlType::Q8_0),
+    (GgmlType::Q4_1, GgmlType::Q4_1),
+    (GgmlType::Q6_K, GgmlType::Q6_K),
+];
+const FFN_DIMS: (usize, usize) = (256, 768);
+
+/// Weight types (q, k, v, o, gate/up, down) of the tiny biased models.
+const LAYER_MIXES: [[GgmlType; 6]; 2] = [
+    [GgmlType::Q8_0; 6],
+    [GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K],
+];
+const NORM_MIX: [GgmlType; 6] = [
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_0,
+    GgmlType::Q6_K,
+    GgmlType::Q4_K,
+    GgmlType::Q8_0,
+];
+
 /// Odd shapes: rows not a multiple of the 32 rows of a split-Q8_0 block or
 /// the 4 rows of a warp, row lengths not a multiple of the 128-element chunk.
 const SHAPES: &[(usize, usize)] = &[(1, 256), (5, 288), (37, 96), (130, 512), (67, 1056)];
@@ -203,15 +238,9 @@ fn matmul_many_equals_separate_matmuls() {
     };
     gpu.set_prefill_gemm(false);
     let mut r = rng(11);
-    let cols = 320usize;
-    let sets: &[[GgmlType; 3]] = &[
-        [GgmlType::Q8_0; 3],
-        [GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K],
-        [GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q5_0],
-        [GgmlType::F16; 3],
-    ];
-    for set in sets {
-        let rows = [320usize, 64, 40];
+    let cols = QKV_COLS;
+    for set in QKV_SETS {
+        let rows = QKV_ROWS;
         let hms: Vec<HostMatrix> = set
             .iter()
             .zip(rows)
@@ -253,15 +282,8 @@ fn fused_ffn_equals_unfused() {
     };
     gpu.set_prefill_gemm(false);
     let mut r = rng(13);
-    let (d, ff) = (256usize, 704usize);
-    let pairs = [
-        (GgmlType::Q8_0, GgmlType::Q8_0),
-        (GgmlType::Q4_K, GgmlType::Q6_K),
-        (GgmlType::Q5_0, GgmlType::Q8_0),
-        (GgmlType::Q4_1, GgmlType::Q4_1),
-        (GgmlType::Q6_K, GgmlType::Q6_K),
-    ];
-    for (tg, td) in pairs {
+    let (d, ff) = FFN_DIMS;
+    for (tg, td) in FFN_PAIRS {
         let g = host_matrix("blk.0.ffn_gate.weight", tg, ff, d, &randn(&mut r, ff * d));
         let u = host_matrix("blk.0.ffn_up.weight", tg, ff, d, &randn(&mut r, ff * d));
         let dn = host_matrix("blk.0.ffn_down.weight", td, d, ff, &randn(&mut r, ff * d));
@@ -571,18 +593,7 @@ fn fused_layer_graph_decode_equals_old_path() {
         return;
     };
     drop(probe);
-    let mixes = [
-        [GgmlType::Q8_0; 6],
-        [
-            GgmlType::Q4_K,
-            GgmlType::Q4_K,
-            GgmlType::Q6_K,
-            GgmlType::Q5_0,
-            GgmlType::Q4_K,
-            GgmlType::Q6_K,
-        ],
-    ];
-    for types in mixes {
+    for types in LAYER_MIXES {
         let file = tiny_model_with_bias(types);
         let old = {
             let b = CudaBackend::new(0).unwrap();
@@ -646,15 +657,7 @@ fn folded_norm_equals_separate_norm() {
         return;
     };
     drop(probe);
-    let types = [
-        GgmlType::Q8_0,
-        GgmlType::Q4_K,
-        GgmlType::Q5_0,
-        GgmlType::Q6_K,
-        GgmlType::Q4_K,
-        GgmlType::Q8_0,
-    ];
-    let file = tiny_model_with_bias(types);
+    let file = tiny_model_with_bias(NORM_MIX);
     let load = |fuse: bool| {
         let b = CudaBackend::new(0).unwrap();
         b.set_graphs(true);
@@ -674,5 +677,32 @@ fn folded_norm_equals_separate_norm() {
         eprintln!("batch {batch}: folded norm vs separate norm worst step cosine {worst:.9}");
         assert_eq!(ta, tb, "batch {batch}: greedy tokens differ");
         assert!(worst >= 0.999999, "batch {batch}: cosine {worst}");
+    }
+}
+
+/// The GPU tests' fixtures are valid without a GPU (so that a shape a type
+/// cannot hold fails here, not on the device): every matrix they quantize,
+/// and the tiny biased models run on the CPU backend with finite logits.
+#[test]
+fn fixtures_build_and_run_on_cpu() {
+    let mut r = rng(1);
+    for set in QKV_SETS {
+        for (&ty, n) in set.iter().zip(QKV_ROWS) {
+            host_matrix("m", ty, n, QKV_COLS, &randn(&mut r, n * QKV_COLS));
+        }
+    }
+    let (d, ff) = FFN_DIMS;
+    for (tg, td) in FFN_PAIRS {
+        host_matrix("g", tg, ff, d, &randn(&mut r, ff * d));
+        host_matrix("d", td, d, ff, &randn(&mut r, ff * d));
+    }
+    for types in LAYER_MIXES.iter().chain([&NORM_MIX]) {
+        let model = Model::load(
+            tiny_model_with_bias(*types),
+            CpuBackend::new_f32_activations(1).unwrap(),
+        )
+        .unwrap();
+        let logits = model.logits_all(&[1, 2, 3], KvDtype::F32).unwrap();
+        assert!(!logits.is_empty() && logits.iter().all(|v| v.is_finite()), "{types:?}");
     }
 }
