@@ -28,6 +28,28 @@ fn bad(msg: impl Into<String>) -> RuntimeError {
     RuntimeError::InvalidArgument(msg.into())
 }
 
+/// Types with a split layout.
+const REPACKABLE: &[GgmlType] = &[GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_0];
+
+fn repack_bit(ty: GgmlType) -> u32 {
+    REPACKABLE
+        .iter()
+        .position(|&t| t == ty)
+        .map_or(0, |i| 1 << i)
+}
+
+/// `MIRAGE_CUDA_SPLIT`: comma-separated type names (`q8_0,q4_k,q5_0`), or
+/// `none`; unknown names are ignored.
+fn repack_mask_from_names(v: &str) -> u32 {
+    v.split(',')
+        .filter_map(|n| {
+            REPACKABLE
+                .iter()
+                .find(|t| t.to_string().eq_ignore_ascii_case(n.trim()))
+        })
+        .fold(0, |m, &t| m | repack_bit(t))
+}
+
 /// Ggml Q5_0 blocks (22 bytes: f16 d, 32-bit qh, 16 quant bytes) in the
 /// split layout: every block's quants, then every qh word, then every d.
 fn split_q5_0_rows(ggml: &[u8]) -> Vec<u8> {
@@ -428,6 +450,9 @@ pub struct CudaBackend {
     gemm_tile_bytes: std::sync::atomic::AtomicUsize,
     fast_decode: std::sync::atomic::AtomicBool,
     fuse_norm: std::sync::atomic::AtomicBool,
+    /// Bit set of the types repacked to a split layout at upload
+    /// (`repack_bit`).
+    repacked_types: std::sync::atomic::AtomicU32,
     nvfp4_weights: std::sync::atomic::AtomicBool,
     scratch: Mutex<Scratch>,
     mem: Mutex<MemoryStats>,
@@ -525,6 +550,11 @@ impl CudaBackend {
             graphs_enabled: (!env_off("MIRAGE_CUDA_GRAPHS")).into(),
             fast_decode: (!env_off("MIRAGE_CUDA_FAST")).into(),
             fuse_norm: (!env_off("MIRAGE_CUDA_FUSE_NORM")).into(),
+            repacked_types: std::env::var("MIRAGE_CUDA_SPLIT")
+                .map_or(REPACKABLE.iter().fold(0, |m, &t| m | repack_bit(t)), |v| {
+                    repack_mask_from_names(&v)
+                })
+                .into(),
             nvfp4_weights: std::env::var("MIRAGE_CUDA_WEIGHTS")
                 .is_ok_and(|v| v.eq_ignore_ascii_case("nvfp4"))
                 .into(),
@@ -551,6 +581,22 @@ impl CudaBackend {
     pub fn set_fast_decode(&self, on: bool) {
         self.fast_decode
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The weight types repacked to a split layout at upload while the fast
+    /// path is on (default Q8_0, Q4_K and Q5_0; `MIRAGE_CUDA_SPLIT=q8_0,q4_k`
+    /// or `none` at start). Others keep their ggml blocks (read by the fast
+    /// path's ggml-layout kernels). A switch per layout, so that one kernel
+    /// found wrong on a device can be left out alone.
+    pub fn set_repacked_types(&self, types: &[GgmlType]) {
+        let mask = types.iter().fold(0, |m, &t| m | repack_bit(t));
+        self.repacked_types
+            .store(mask, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn repacks(&self, ty: GgmlType) -> bool {
+        self.fast_decode()
+            && self.repacked_types.load(std::sync::atomic::Ordering::Relaxed) & repack_bit(ty) != 0
     }
 
     /// Whether the fast decode path is on.
@@ -1281,14 +1327,14 @@ impl CudaBackend {
                 },
                 &repacked,
             )
-        } else if m.ty == GgmlType::Q8_0 && self.fast_decode() {
+        } else if m.ty == GgmlType::Q8_0 && self.repacks(m.ty) {
             repacked = crate::superblock::split_q8_0_rows(bytes, m.rows, m.cols)
                 .map_err(|e| bad(format!("{}: {e}", m.name)))?;
             (Layout::Q8Split, &repacked)
-        } else if m.ty == GgmlType::Q4_K && self.fast_decode() {
+        } else if m.ty == GgmlType::Q4_K && self.repacks(m.ty) {
             repacked = split_q4_k_rows(bytes);
             (Layout::Q4KSplit, &repacked)
-        } else if m.ty == GgmlType::Q5_0 && self.fast_decode() {
+        } else if m.ty == GgmlType::Q5_0 && self.repacks(m.ty) {
             repacked = split_q5_0_rows(bytes);
             (Layout::Q5Split, &repacked)
         } else {

@@ -57,6 +57,8 @@ impl CudaBackend {
     pub fn fast_decode(&self) -> bool {
         false
     }
+    /// Split-layout type switch (no effect without CUDA).
+    pub fn set_repacked_types(&self, _types: &[mirage_gguf::GgmlType]) {}
     /// Norm folding switch (no effect without CUDA).
     pub fn set_fuse_norm(&self, _on: bool) {}
     /// Whether norms are folded into the next mat-vec.

@@ -706,3 +706,25 @@ fn fixtures_build_and_run_on_cpu() {
         assert!(!logits.is_empty() && logits.iter().all(|v| v.is_finite()), "{types:?}");
     }
 }
+
+/// `set_repacked_types` picks which types take a split layout (one layout
+/// can be left out on its own); the fast path still runs the others.
+#[test]
+fn repacked_types_switch_per_type() {
+    let Some(gpu) = cuda("repacked_types_switch_per_type") else {
+        return;
+    };
+    let mut r = rng(37);
+    gpu.set_repacked_types(&[GgmlType::Q4_K]);
+    for (ty, want) in [
+        (GgmlType::Q8_0, false),
+        (GgmlType::Q4_K, true),
+        (GgmlType::Q5_0, false),
+    ] {
+        let hm = host_matrix("blk.0.x.weight", ty, 40, 512, &randn(&mut r, 40 * 512));
+        assert_eq!(gpu.upload_matrix(&hm).unwrap().is_repacked(), want, "{ty}");
+    }
+    gpu.set_repacked_types(&[GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_0]);
+    let hm = host_matrix("blk.0.x.weight", GgmlType::Q5_0, 40, 512, &randn(&mut r, 40 * 512));
+    assert!(gpu.upload_matrix(&hm).unwrap().is_repacked());
+}
