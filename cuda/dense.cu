@@ -1317,3 +1317,147 @@ extern "C" __global__ void dequant_f16_q5_0s(const u8* W, int rows, int cols, in
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
         wh[(long)blockIdx.x * cols + i] = f2h(q5s_elem(W, rows, cols, r, i));
 }
+
+// ---------------------------------------------------------------------------
+// Split Q6_K ("q6_ks"): every super-block's 128 ql bytes [rows][cols/2], then
+// its 64 qh bytes [rows][cols/4], then its 16 int8 scales [rows][cols/16],
+// then its f16 d [rows][cols/256]. Same bytes as ggml. Lane l reads the
+// 32-bit ql word l of a super-block (one 128-byte line per warp load): half
+// n = l / 16, m = l % 16; m < 8: ql bytes 64n + 4m..+3 hold quarters 0
+// (low nibbles) and 2 (high) at position p = 4m; m >= 8: ql bytes
+// 64n + 32 + p (p = 4m - 32) hold quarters 1 and 3. Quarter k of half n is
+// elements 128n + 32k + p .. +3, its 2 high bits at qh[32n + p] >> 2k, its
+// scale scales[8n + 2k + p / 16] (ggml's dequantize_row_q6_K).
+template <int NR>
+__device__ __forceinline__ void q6ks_dot(const u8* const* ql, const u8* const* qh, const i8* const* sc,
+                                         const u16* const* dd, const float* __restrict__ xa, int cols, int lane,
+                                         float* acc) {
+    const int n_sb = cols >> 8;
+    const int n = lane >> 4, m = lane & 15;
+    const int p = m < 8 ? 4 * m : 4 * m - 32;
+    const int k_lo = m < 8 ? 0 : 1, k_hi = k_lo + 2;
+    const int qh_off = 32 * n + p, sc_lo = 8 * n + 2 * k_lo + (p >> 4), sc_hi = sc_lo + 4;
+    const int x_lo = 128 * n + 32 * k_lo + p, x_hi = x_lo + 64;
+    for (int c = 0; c < n_sb; c += 2) {
+        u32 w[2][NR], hb[2][NR];
+        float s_lo[2][NR], s_hi[2][NR];
+        u16 dv[2][NR];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            bool ok = c + h < n_sb;
+            int sb = c + h;
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                w[h][k] = ok ? __ldg((const u32*)(ql[k] + (sb << 7) + (lane << 2))) : 0u;
+                hb[h][k] = ok ? __ldg((const u32*)(qh[k] + (sb << 6) + qh_off)) : 0u;
+                s_lo[h][k] = ok ? (float)__ldg(sc[k] + (sb << 4) + sc_lo) : 0.f;
+                s_hi[h][k] = ok ? (float)__ldg(sc[k] + (sb << 4) + sc_hi) : 0.f;
+                dv[h][k] = ok ? __ldg(dd[k] + sb) : (u16)0;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (c + h >= n_sb) continue;
+            const float* xs = xa + ((c + h) << 8);
+            float4 xl = *(const float4*)(xs + x_lo), xh = *(const float4*)(xs + x_hi);
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                u32 lo = (w[h][k] & 0x0f0f0f0fu) | (((hb[h][k] >> (2 * k_lo)) & 0x03030303u) << 4);
+                u32 hi = ((w[h][k] >> 4) & 0x0f0f0f0fu) | (((hb[h][k] >> (2 * k_hi)) & 0x03030303u) << 4);
+                float ql4[4], qh4[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    ql4[i] = sb_byte_f32(lo, i, 8388640.0f);  // 2^23 + 32: q - 32
+                    qh4[i] = sb_byte_f32(hi, i, 8388640.0f);
+                }
+                float dl = ql4[0] * xl.x + ql4[1] * xl.y + ql4[2] * xl.z + ql4[3] * xl.w;
+                float dh = qh4[0] * xh.x + qh4[1] * xh.y + qh4[2] * xh.z + qh4[3] * xh.w;
+                acc[k] += h2f(dv[h][k]) * (s_lo[h][k] * dl + s_hi[h][k] * dh);
+            }
+        }
+    }
+}
+
+#define Q6S_ROW_PTRS(W, rows, r, k)                                                                                  \
+    ql[k] = W + (long)(r) * (cols >> 1);                                                                             \
+    qh[k] = W + (long)(rows) * (cols >> 1) + (long)(r) * (cols >> 2);                                                \
+    sc[k] = (const i8*)(W + (long)(rows) * (cols >> 1) + (long)(rows) * (cols >> 2)) + (long)(r) * (cols >> 4);     \
+    dd[k] = (const u16*)(W + (long)(rows) * (cols >> 1) + (long)(rows) * (cols >> 2) + (long)(rows) * (cols >> 4)) + \
+            (long)(r) * (cols >> 8);
+
+extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q6_ks(MV3_PARAMS) {
+    MV3_PICK(FAST_WARPS * FAST_ROWS)
+    int r0 = (bx * FAST_WARPS + warp) * FAST_ROWS;
+    if (r0 >= rows) return;
+    const u8* ql[FAST_ROWS];
+    const u8* qh[FAST_ROWS];
+    const i8* sc[FAST_ROWS];
+    const u16* dd[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) {
+        int r = min(r0 + k, rows - 1);
+        Q6S_ROW_PTRS(W, rows, r, k)
+    }
+    float acc[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) acc[k] = 0.f;
+    q6ks_dot<FAST_ROWS>(ql, qh, sc, dd, xa, cols, lane, acc);
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) {
+        float v = warp_sum(acc[k]);
+        if (lane == 0 && r0 + k < rows) mv_store(v, y, bias, rs, a, rows, r0 + k);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q6_ks(FFN_PARAMS) {
+    const int NC = FAST_ROWS / 2;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    FAST_INPUT
+    int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
+    if (r0 >= rows) return;
+    const u8* ql[FAST_ROWS];
+    const u8* qh[FAST_ROWS];
+    const i8* sc[FAST_ROWS];
+    const u16* dd[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        int r = min(r0 + k, rows - 1);
+        Q6S_ROW_PTRS(Wg, rows, r, k)
+        Q6S_ROW_PTRS(Wu, rows, r, NC + k)
+    }
+    float acc[FAST_ROWS];
+#pragma unroll
+    for (int k = 0; k < FAST_ROWS; k++) acc[k] = 0.f;
+    q6ks_dot<FAST_ROWS>(ql, qh, sc, dd, xa, cols, lane, acc);
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        float g = warp_sum(acc[k]), u = warp_sum(acc[NC + k]);
+        if (lane == 0 && r0 + k < rows) h[(long)a * rows + r0 + k] = silu_mul(g, u);
+    }
+}
+
+// Element i of row r of a split-Q6_K matrix (dequant_unit<TY_Q6_K>'s
+// arithmetic).
+__device__ __forceinline__ float q6ks_elem(const u8* W, int rows, int cols, long r, int i) {
+    int sb = i >> 8, e = i & 255, n = e >> 7, k = (e >> 5) & 3, l = e & 31;
+    long nsb = cols >> 8, b = r * nsb + sb;
+    const u8* ql = W + b * 128 + 64 * n + (k & 1) * 32;
+    const u8* qh = W + (long)rows * (cols >> 1) + b * 64 + 32 * n;
+    const i8* sc = (const i8*)(W + (long)rows * (cols >> 1) + (long)rows * (cols >> 2)) + b * 16 + 8 * n;
+    float d = h2f(((const u16*)(W + (long)rows * (cols >> 1) + (long)rows * (cols >> 2) + (long)rows * (cols >> 4)))[b]);
+    int q = (int)(((ql[l] >> ((k >> 1) * 4)) & 15) | (((qh[l] >> (2 * k)) & 3) << 4)) - 32;
+    float dl = d * (float)sc[2 * k + (l >> 4)];
+    return dl * (float)q;
+}
+
+extern "C" __global__ void embed_q6_ks(const u8* W, int n_rows, int cols, const u32* tokens, float* out) {
+    u32 t = tokens[blockIdx.x];
+    if (t >= (u32)n_rows) return;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(long)blockIdx.x * cols + i] = q6ks_elem(W, n_rows, cols, t, i);
+}
+
+extern "C" __global__ void dequant_f16_q6_ks(const u8* W, int rows, int cols, int r0, u16* wh) {
+    long r = r0 + blockIdx.x;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        wh[(long)blockIdx.x * cols + i] = f2h(q6ks_elem(W, rows, cols, r, i));
+}

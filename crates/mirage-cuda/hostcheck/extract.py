@@ -1,6 +1,6 @@
 """Cuts the device functions the host checks need out of cuda/nvfp4.cu +
 cuda/dense.cu (brace matching), so the checks always compile the current
-kernel source. Writes kernels_extract.h, q4k_extract.h, q5_extract.h."""
+kernel source. Writes kernels_extract.h, q4k_extract.h, q5_extract.h, q6k_extract.h."""
 import pathlib, sys
 
 root = pathlib.Path(__file__).resolve().parents[3]
@@ -42,3 +42,6 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
 (out / "q5_extract.h").write_text("".join(extract(n) for n in [
     "float sb_byte_f32(", "void q5s_dot(", "float q5s_elem("]) + fwd + extract("void dequant_unit<TY_Q5_0>(")
     + macro("Q5S_ROW_PTRS"))
+(out / "q6k_extract.h").write_text("".join(extract(n) for n in [
+    "float sb_byte_f32(", "void q6ks_dot(", "float q6ks_elem("]) + fwd + extract("void dequant_unit<TY_Q6_K>(")
+    + macro("Q6S_ROW_PTRS"))

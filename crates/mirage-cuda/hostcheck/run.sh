@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Host checks of the fast-path device helpers (no GPU): the per-lane dot
-# helpers of the split Q8_0 / Q4_K / Q5_0 and NVFP4 layouts, summed over the
+# helpers of the split Q8_0 / Q4_K / Q5_0 / Q6_K and NVFP4 layouts, summed over the
 # 32 lanes of a warp, against references on odd shapes, and their element
 # accessors against dequant_unit<T> (bit-equal). PRMT is emulated per the PTX
 # spec in prelude.h. Needs python3 and g++.
@@ -9,7 +9,7 @@ cd "$(dirname "$0")"
 T=$(mktemp -d)
 python3 extract.py "$T"
 cp prelude.h "$T"/
-for c in check_q8s_nvfp4 check_q4ks check_q5s; do
+for c in check_q8s_nvfp4 check_q4ks check_q5s check_q6ks; do
   g++ -O1 -std=c++17 -I"$T" -o "$T/$c" "$c.cpp"
   "$T/$c"
 done

@@ -29,7 +29,12 @@ fn bad(msg: impl Into<String>) -> RuntimeError {
 }
 
 /// Types with a split layout.
-const REPACKABLE: &[GgmlType] = &[GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_0];
+const REPACKABLE: &[GgmlType] = &[
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_0,
+    GgmlType::Q6_K,
+];
 
 fn repack_bit(ty: GgmlType) -> u32 {
     REPACKABLE
@@ -48,6 +53,23 @@ fn repack_mask_from_names(v: &str) -> u32 {
                 .find(|t| t.to_string().eq_ignore_ascii_case(n.trim()))
         })
         .fold(0, |m, &t| m | repack_bit(t))
+}
+
+/// Ggml Q6_K super-blocks (210 bytes: ql 128, qh 64, scales 16, f16 d) in
+/// the split layout: every ql, then every qh, then every scales, then every d.
+fn split_q6_k_rows(ggml: &[u8]) -> Vec<u8> {
+    let n = ggml.len() / 210;
+    let mut out = vec![0u8; n * 210];
+    let (ql, rest) = out.split_at_mut(n * 128);
+    let (qh, rest) = rest.split_at_mut(n * 64);
+    let (sc, d) = rest.split_at_mut(n * 16);
+    for (i, blk) in ggml.chunks_exact(210).enumerate() {
+        ql[i * 128..(i + 1) * 128].copy_from_slice(&blk[..128]);
+        qh[i * 64..(i + 1) * 64].copy_from_slice(&blk[128..192]);
+        sc[i * 16..(i + 1) * 16].copy_from_slice(&blk[192..208]);
+        d[i * 2..(i + 1) * 2].copy_from_slice(&blk[208..]);
+    }
+    out
 }
 
 /// Ggml Q5_0 blocks (22 bytes: f16 d, 32-bit qh, 16 quant bytes) in the
@@ -107,15 +129,17 @@ const SUFFIXES: &[&str] = &[
     "q6_k",
 ];
 /// Kernel-name suffixes of the repacked layouts (fast path only).
-const REPACKED_SUFFIXES: &[&str] = &["q8_0s", "q4_ks", "q5_0s", "nvfp4"];
+const REPACKED_SUFFIXES: &[&str] = &["q8_0s", "q4_ks", "q5_0s", "q6_ks", "nvfp4"];
 const OTHER_KERNELS: &[&str] = &[
     "embed_q8_0s",
     "embed_q4_ks",
     "embed_q5_0s",
+    "embed_q6_ks",
     "embed_nvfp4",
     "dequant_f16_q8_0s",
     "dequant_f16_q4_ks",
     "dequant_f16_q5_0s",
+    "dequant_f16_q6_ks",
     "dequant_f16_nvfp4",
     "rms_norm",
     "add_bias",
@@ -192,6 +216,9 @@ enum Layout {
     /// Split Q5_0: all blocks' 16 quant bytes `[rows][cols/2]`, then their
     /// 32-bit high-bit words `[rows][cols/32]`, then their f16 scales.
     Q5Split,
+    /// Split Q6_K: all super-blocks' 128 ql bytes `[rows][cols/2]`, then
+    /// their 64 qh bytes, then their 16 scales, then their f16 d.
+    Q6KSplit,
     /// NVFP4 (the CPU codec's): packed codes `[rows][cols/2]`, then E4M3
     /// scales `[rows][cols/16]`, and this tensor scale.
     Nvfp4 { tensor_scale: f32 },
@@ -243,6 +270,7 @@ impl CudaMatrix {
             Layout::Q8Split => Some("q8_0s"),
             Layout::Q4KSplit => Some("q4_ks"),
             Layout::Q5Split => Some("q5_0s"),
+            Layout::Q6KSplit => Some("q6_ks"),
             Layout::Nvfp4 { .. } => Some("nvfp4"),
         }
     }
@@ -584,7 +612,7 @@ impl CudaBackend {
     }
 
     /// The weight types repacked to a split layout at upload while the fast
-    /// path is on (default Q8_0, Q4_K and Q5_0; `MIRAGE_CUDA_SPLIT=q8_0,q4_k`
+    /// path is on (default Q8_0, Q4_K, Q5_0 and Q6_K; `MIRAGE_CUDA_SPLIT=q8_0,q4_k`
     /// or `none` at start). Others keep their ggml blocks (read by the fast
     /// path's ggml-layout kernels). A switch per layout, so that one kernel
     /// found wrong on a device can be left out alone.
@@ -1212,7 +1240,7 @@ impl CudaBackend {
                     Arg::I32(r0 as i32),
                     Arg::Ptr(pw),
                 ],
-                Layout::Q8Split | Layout::Q4KSplit | Layout::Q5Split => vec![
+                Layout::Q8Split | Layout::Q4KSplit | Layout::Q5Split | Layout::Q6KSplit => vec![
                     pdata,
                     Arg::I32(rows as i32),
                     Arg::I32(cols as i32),
@@ -1337,6 +1365,9 @@ impl CudaBackend {
         } else if m.ty == GgmlType::Q5_0 && self.repacks(m.ty) {
             repacked = split_q5_0_rows(bytes);
             (Layout::Q5Split, &repacked)
+        } else if m.ty == GgmlType::Q6_K && self.repacks(m.ty) {
+            repacked = split_q6_k_rows(bytes);
+            (Layout::Q6KSplit, &repacked)
         } else {
             (Layout::Ggml, bytes)
         };
@@ -1565,6 +1596,10 @@ impl Backend for CudaBackend {
             ),
             Layout::Q5Split => (
                 "embed_q5_0s".to_string(),
+                vec![pw, rows, cols, Arg::Ptr(pt), Arg::Ptr(po)],
+            ),
+            Layout::Q6KSplit => (
+                "embed_q6_ks".to_string(),
                 vec![pw, rows, cols, Arg::Ptr(pt), Arg::Ptr(po)],
             ),
             Layout::Nvfp4 { tensor_scale } => (

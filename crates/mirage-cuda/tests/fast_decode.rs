@@ -196,7 +196,7 @@ fn fast_matvec_and_embed_equal_old_path_every_type_and_odd_shapes() {
             let new = gpu.upload_matrix(&hm).unwrap();
             assert_eq!(
                 new.is_repacked(),
-                matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q5_0),
+                matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q5_0 | GgmlType::Q6_K),
                 "{ty}: repacking"
             );
             for n_act in [1usize, 3] {
@@ -368,6 +368,7 @@ fn nvfp4_matvec_ffn_embed_gemm_match_cpu_codec() {
             (WeightFormat::Native, GgmlType::Q8_0),
             (WeightFormat::Native, GgmlType::Q4_K),
             (WeightFormat::Native, GgmlType::Q5_0),
+            (WeightFormat::Native, GgmlType::Q6_K),
         ] {
             gpu.set_weight_format(fmt);
             let (rows, cols, n_act) = (300usize, 512usize, 24usize);
@@ -724,7 +725,7 @@ fn repacked_types_switch_per_type() {
         let hm = host_matrix("blk.0.x.weight", ty, 40, 512, &randn(&mut r, 40 * 512));
         assert_eq!(gpu.upload_matrix(&hm).unwrap().is_repacked(), want, "{ty}");
     }
-    gpu.set_repacked_types(&[GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_0]);
+    gpu.set_repacked_types(&[GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_0, GgmlType::Q6_K]);
     let hm = host_matrix("blk.0.x.weight", GgmlType::Q5_0, 40, 512, &randn(&mut r, 40 * 512));
     assert!(gpu.upload_matrix(&hm).unwrap().is_repacked());
 }
