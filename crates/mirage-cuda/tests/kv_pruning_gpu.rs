@@ -39,7 +39,7 @@ fn data(seed: u64, round_f16: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
 /// (seq, pos) of each query row.
 const ROWS: [(usize, usize); 3] = [(0, 999), (1, 500), (1, 63)];
 
-fn head_rows<'a>(x: &'a [f32], seq: usize, kvh: usize) -> &'a [f32] {
+fn head_rows(x: &[f32], seq: usize, kvh: usize) -> &[f32] {
     let at = (seq * N_HEAD_KV + kvh) * N_CTX * HD;
     &x[at..at + N_CTX * HD]
 }
