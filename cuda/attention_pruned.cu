@@ -78,9 +78,12 @@ extern "C" __global__ void select_pages(const float* __restrict__ q, const int* 
         bound[p] = b;
     }
     __syncthreads();
-    long top_eff = max((long)top, ((long)n_pages * top_percent + 99) / 100);
-    long total = (long)sinks + recent + top_eff;
-    int k = (int)min((long)min(n_pages, max_sel), total);
+    // In 64-bit without min/max overloads (settings may be near INT_MAX).
+    long long grown = ((long long)n_pages * top_percent + 99) / 100;
+    long long top_eff = grown > top ? grown : (long long)top;
+    long long total = (long long)sinks + recent + top_eff;
+    int cap = min(n_pages, max_sel);
+    int k = total < cap ? (int)total : cap;
     int* out = sel + ((long)row * n_head + head) * max_sel;
     for (int p = threadIdx.x; p < n_pages; p += blockDim.x) {
         float b = bound[p];
