@@ -224,7 +224,6 @@ enum Layout {
     Nvfp4 { tensor_scale: f32 },
 }
 
-
 /// A weight matrix on the device, in its ggml encoding.
 #[derive(Debug)]
 pub struct CudaMatrix {
@@ -624,7 +623,11 @@ impl CudaBackend {
 
     fn repacks(&self, ty: GgmlType) -> bool {
         self.fast_decode()
-            && self.repacked_types.load(std::sync::atomic::Ordering::Relaxed) & repack_bit(ty) != 0
+            && self
+                .repacked_types
+                .load(std::sync::atomic::Ordering::Relaxed)
+                & repack_bit(ty)
+                != 0
     }
 
     /// Whether the fast decode path is on.
@@ -636,13 +639,18 @@ impl CudaBackend {
     /// [`WeightFormat::Native`]; `MIRAGE_CUDA_WEIGHTS=nvfp4` picks NVFP4 at
     /// start).
     pub fn set_weight_format(&self, f: WeightFormat) {
-        self.nvfp4_weights
-            .store(f == WeightFormat::Nvfp4, std::sync::atomic::Ordering::Relaxed);
+        self.nvfp4_weights.store(
+            f == WeightFormat::Nvfp4,
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     /// The encoding of matrices uploaded from now on.
     pub fn weight_format(&self) -> WeightFormat {
-        if self.nvfp4_weights.load(std::sync::atomic::Ordering::Relaxed) {
+        if self
+            .nvfp4_weights
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
             WeightFormat::Nvfp4
         } else {
             WeightFormat::Native
@@ -1014,11 +1022,13 @@ impl CudaBackend {
     }
 
     fn matvec(&self, w: &CudaMatrix, x: u64, n_act: usize, y: u64) -> Result<()> {
-        let suffix = w.fast_suffix().ok_or_else(|| RuntimeError::UnsupportedType {
-            backend: "cuda".into(),
-            ty: w.ty,
-            what: w.name.clone(),
-        })?;
+        let suffix = w
+            .fast_suffix()
+            .ok_or_else(|| RuntimeError::UnsupportedType {
+                backend: "cuda".into(),
+                ty: w.ty,
+                what: w.name.clone(),
+            })?;
         if self.use_gemm(n_act) {
             return self.gemm(w, suffix, x, n_act, y);
         }
@@ -1049,11 +1059,13 @@ impl CudaBackend {
             return Err(bad("mv3 takes 1 to 3 matrices with one output each"));
         }
         let w0 = ws[0];
-        let suffix = w0.fast_suffix().ok_or_else(|| RuntimeError::UnsupportedType {
-            backend: "cuda".into(),
-            ty: w0.ty,
-            what: w0.name.clone(),
-        })?;
+        let suffix = w0
+            .fast_suffix()
+            .ok_or_else(|| RuntimeError::UnsupportedType {
+                backend: "cuda".into(),
+                ty: w0.ty,
+                what: w0.name.clone(),
+            })?;
         if ws
             .iter()
             .any(|w| w.fast_suffix() != Some(suffix) || w.cols != w0.cols)
@@ -1108,9 +1120,10 @@ impl CudaBackend {
         // A norm not yet launched must read its input before the op it
         // precedes in program order; folding into an earlier launch would
         // change what it reads.
-        if st.pending_norm.is_some_and(|p| {
-            [p.x, p.out].iter().any(|&q| q == target || q == extra)
-        }) {
+        if st
+            .pending_norm
+            .is_some_and(|p| [p.x, p.out].iter().any(|&q| q == target || q == extra))
+        {
             return false;
         }
         let Some(rec) = st.recording.as_mut() else {
@@ -1133,12 +1146,15 @@ impl CudaBackend {
                     l.args[9 + m] == Arg::Ptr(target) && !matches!(l.args[3 + m], Arg::I32(0))
                 });
                 if let Some(m) = m {
-                    let single = matches!(l.args[4], Arg::I32(0)) && matches!(l.args[5], Arg::I32(0));
+                    let single =
+                        matches!(l.args[4], Arg::I32(0)) && matches!(l.args[5], Arg::I32(0));
                     let slot = if res { 18 } else { 15 + m };
                     // The residual must not be the launch's own input
                     // (other warps still read it).
                     let reads_extra = l.args[8] == Arg::Ptr(extra) || l.args[19] == Arg::Ptr(extra);
-                    if (res && (m != 0 || !single || reads_extra)) || rec[i].args[slot] != Arg::Ptr(0) {
+                    if (res && (m != 0 || !single || reads_extra))
+                        || rec[i].args[slot] != Arg::Ptr(0)
+                    {
                         return false;
                     }
                     rec[i].args[slot] = Arg::Ptr(extra);
@@ -1155,13 +1171,7 @@ impl CudaBackend {
     /// `h[a, r] = silu(gate[r] . x[a]) * (up[r] . x[a])` in one launch;
     /// `None` (nothing launched) when gate and up are read by different
     /// kernels.
-    fn ffn_gate_up(
-        &self,
-        f: &CudaFfn,
-        x: u64,
-        n_act: usize,
-        h: u64,
-    ) -> Result<Option<()>> {
+    fn ffn_gate_up(&self, f: &CudaFfn, x: u64, n_act: usize, h: u64) -> Result<Option<()>> {
         let (g, u) = (&f.gate, &f.up);
         let suffix = match (g.fast_suffix(), u.fast_suffix()) {
             (Some(a), Some(b)) if a == b && g.row_bytes == u.row_bytes => a,
@@ -1343,7 +1353,9 @@ impl CudaBackend {
         // (they set the logits' fidelity and are read once per token).
         let is_table = m.name == "token_embd.weight" || m.name == "output.weight";
         let repacked;
-        let (layout, upload): (Layout, &[u8]) = if self.weight_format() == WeightFormat::Nvfp4 && !is_table {
+        let (layout, upload): (Layout, &[u8]) = if self.weight_format() == WeightFormat::Nvfp4
+            && !is_table
+        {
             let t = quant::Nvfp4Tensor::requantize(m.ty, bytes, &[m.cols as u64, m.rows as u64])
                 .map_err(|e| bad(format!("{}: NVFP4 requantization: {e}", m.name)))?;
             let mut v = t.packed;
@@ -1830,7 +1842,10 @@ impl Backend for CudaBackend {
         );
         if !p.rope_scaling.is_none() {
             // rope_store computes the unscaled angles on the device.
-            return Err(bad(format!("RoPE scaling {:?} is not implemented on CUDA", p.rope_scaling.kind)));
+            return Err(bad(format!(
+                "RoPE scaling {:?} is not implemented on CUDA",
+                p.rope_scaling.kind
+            )));
         }
         self.launch(
             &format!("rope_store_{kv}"),

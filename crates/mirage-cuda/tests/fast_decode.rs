@@ -124,7 +124,14 @@ const FFN_DIMS: (usize, usize) = (256, 768);
 /// Weight types (q, k, v, o, gate/up, down) of the tiny biased models.
 const LAYER_MIXES: [[GgmlType; 6]; 2] = [
     [GgmlType::Q8_0; 6],
-    [GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K],
+    [
+        GgmlType::Q4_K,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q5_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ],
 ];
 const NORM_MIX: [GgmlType; 6] = [
     GgmlType::Q8_0,
@@ -196,7 +203,10 @@ fn fast_matvec_and_embed_equal_old_path_every_type_and_odd_shapes() {
             let new = gpu.upload_matrix(&hm).unwrap();
             assert_eq!(
                 new.is_repacked(),
-                matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q5_0 | GgmlType::Q6_K),
+                matches!(
+                    ty,
+                    GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q5_0 | GgmlType::Q6_K
+                ),
                 "{ty}: repacking"
             );
             for n_act in [1usize, 3] {
@@ -210,12 +220,21 @@ fn fast_matvec_and_embed_equal_old_path_every_type_and_odd_shapes() {
                 let want = reference(&deq, &x, rows, cols, n_act);
                 let e_ref = rel_err(&y_new, &want);
                 let e_old = rel_err(&y_new, &y_old);
-                assert!(e_ref < 1e-5, "{ty} {rows}x{cols} n_act {n_act}: fast vs f64 rel err {e_ref}");
-                assert!(e_old < 1e-5, "{ty} {rows}x{cols} n_act {n_act}: fast vs old rel err {e_old}");
+                assert!(
+                    e_ref < 1e-5,
+                    "{ty} {rows}x{cols} n_act {n_act}: fast vs f64 rel err {e_ref}"
+                );
+                assert!(
+                    e_old < 1e-5,
+                    "{ty} {rows}x{cols} n_act {n_act}: fast vs old rel err {e_old}"
+                );
                 // mv3 on ggml blocks runs the old loop in the old order
                 // (equal up to the compiler's FMA contraction choices).
                 let e_ggml = rel_err(&y_new_ggml, &y_old);
-                assert!(e_ggml < 1e-6, "{ty} {rows}x{cols}: mv3 on ggml blocks vs matvec rel err {e_ggml}");
+                assert!(
+                    e_ggml < 1e-6,
+                    "{ty} {rows}x{cols}: mv3 on ggml blocks vs matvec rel err {e_ggml}"
+                );
             }
             // Embedding rows of the repacked table == the old ones.
             let tokens: Vec<u32> = vec![0, (rows - 1) as u32, (rows / 2) as u32];
@@ -223,9 +242,15 @@ fn fast_matvec_and_embed_equal_old_path_every_type_and_odd_shapes() {
             gpu.embed(&old, &tokens, &mut eo).unwrap();
             gpu.embed(&new, &tokens, &mut en).unwrap();
             let e = rel_err(&read(&gpu, &en), &read(&gpu, &eo));
-            assert!(e < 1e-6, "{ty}: embedding rows of the repacked table differ: rel err {e}");
+            assert!(
+                e < 1e-6,
+                "{ty}: embedding rows of the repacked table differ: rel err {e}"
+            );
         }
-        eprintln!("{ty}: fast mat-vec == old path over {} shapes", SHAPES.len());
+        eprintln!(
+            "{ty}: fast mat-vec == old path over {} shapes",
+            SHAPES.len()
+        );
     }
 }
 
@@ -265,7 +290,10 @@ fn matmul_many_equals_separate_matmuls() {
                 &mut [&mut a, &mut b, &mut c],
             )
             .unwrap();
-            for (i, got) in [read(&gpu, &a), read(&gpu, &b), read(&gpu, &c)].iter().enumerate() {
+            for (i, got) in [read(&gpu, &a), read(&gpu, &b), read(&gpu, &c)]
+                .iter()
+                .enumerate()
+            {
                 let e = rel_err(got, &want[i]);
                 assert!(e < 1e-5, "{set:?} n_act {n_act}: output {i} rel err {e}");
             }
@@ -320,7 +348,13 @@ fn nvfp4_matvec_ffn_embed_gemm_match_cpu_codec() {
             if cols % ty.block_size() != 0 {
                 continue;
             }
-            let hm = host_matrix("blk.0.attn_q.weight", ty, rows, cols, &randn(&mut r, rows * cols));
+            let hm = host_matrix(
+                "blk.0.attn_q.weight",
+                ty,
+                rows,
+                cols,
+                &randn(&mut r, rows * cols),
+            );
             let t = Nvfp4Tensor::requantize(ty, hm.data.as_slice(), &[cols as u64, rows as u64])
                 .unwrap();
             let deq = t.dequantize().unwrap();
@@ -330,8 +364,14 @@ fn nvfp4_matvec_ffn_embed_gemm_match_cpu_codec() {
             for n_act in [1usize, 3] {
                 let x = randn(&mut r, n_act * cols);
                 let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
-                let e = rel_err(&product(&gpu, &w, &dx), &reference(&deq, &x, rows, cols, n_act));
-                assert!(e < 1e-5, "nvfp4 from {ty} {rows}x{cols} n_act {n_act}: rel err {e}");
+                let e = rel_err(
+                    &product(&gpu, &w, &dx),
+                    &reference(&deq, &x, rows, cols, n_act),
+                );
+                assert!(
+                    e < 1e-5,
+                    "nvfp4 from {ty} {rows}x{cols} n_act {n_act}: rel err {e}"
+                );
             }
             let tokens: Vec<u32> = vec![(rows - 1) as u32, 0];
             let mut e = gpu.new_activations();
@@ -344,13 +384,37 @@ fn nvfp4_matvec_ffn_embed_gemm_match_cpu_codec() {
         }
     }
     // Tables keep their type.
-    let hm = host_matrix("token_embd.weight", GgmlType::Q8_0, 64, 256, &randn(&mut r, 64 * 256));
+    let hm = host_matrix(
+        "token_embd.weight",
+        GgmlType::Q8_0,
+        64,
+        256,
+        &randn(&mut r, 64 * 256),
+    );
     assert!(!gpu.upload_matrix(&hm).unwrap().is_nvfp4());
     // Fused FFN on NVFP4 == unfused on the same NVFP4 matrices.
     let (d, ff) = (256usize, 352usize);
-    let g = host_matrix("blk.0.ffn_gate.weight", GgmlType::Q8_0, ff, d, &randn(&mut r, ff * d));
-    let u = host_matrix("blk.0.ffn_up.weight", GgmlType::Q8_0, ff, d, &randn(&mut r, ff * d));
-    let dn = host_matrix("blk.0.ffn_down.weight", GgmlType::Q8_0, d, ff, &randn(&mut r, ff * d));
+    let g = host_matrix(
+        "blk.0.ffn_gate.weight",
+        GgmlType::Q8_0,
+        ff,
+        d,
+        &randn(&mut r, ff * d),
+    );
+    let u = host_matrix(
+        "blk.0.ffn_up.weight",
+        GgmlType::Q8_0,
+        ff,
+        d,
+        &randn(&mut r, ff * d),
+    );
+    let dn = host_matrix(
+        "blk.0.ffn_down.weight",
+        GgmlType::Q8_0,
+        d,
+        ff,
+        &randn(&mut r, ff * d),
+    );
     let f = gpu.upload_ffn(0, &g, &u, &dn).unwrap();
     let x = randn(&mut r, 2 * d);
     let dx = gpu.upload_activations(2, d, &x).unwrap();
@@ -372,7 +436,13 @@ fn nvfp4_matvec_ffn_embed_gemm_match_cpu_codec() {
         ] {
             gpu.set_weight_format(fmt);
             let (rows, cols, n_act) = (300usize, 512usize, 24usize);
-            let hm = host_matrix("blk.0.attn_q.weight", ty, rows, cols, &randn(&mut r, rows * cols));
+            let hm = host_matrix(
+                "blk.0.attn_q.weight",
+                ty,
+                rows,
+                cols,
+                &randn(&mut r, rows * cols),
+            );
             let w = gpu.upload_matrix(&hm).unwrap();
             assert!(w.is_repacked());
             let x = randn(&mut r, n_act * cols);
@@ -407,10 +477,16 @@ fn nvfp4_smollm2_logits_match_cpu_on_rounded_weights() {
     let path = models_dir().join("smollm2-135m-instruct-q4_1.gguf");
     if !path.exists() {
         if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-            eprintln!("nvfp4_smollm2: skipped, {} missing (MIRAGE_SKIP_MODEL_TESTS=1)", path.display());
+            eprintln!(
+                "nvfp4_smollm2: skipped, {} missing (MIRAGE_SKIP_MODEL_TESTS=1)",
+                path.display()
+            );
             return;
         }
-        panic!("{} is missing: run `cargo xtask fetch-models`", path.display());
+        panic!(
+            "{} is missing: run `cargo xtask fetch-models`",
+            path.display()
+        );
     }
     gpu.set_weight_format(WeightFormat::Nvfp4);
     let file = Arc::new(GgufFile::open(&path).unwrap());
@@ -425,9 +501,11 @@ fn nvfp4_smollm2_logits_match_cpu_on_rounded_weights() {
                 .iter()
                 .flat_map(|v| v.to_le_bytes())
                 .collect();
-            w.add_tensor(name.clone(), dims.clone(), GgmlType::F32, bytes).unwrap();
+            w.add_tensor(name.clone(), dims.clone(), GgmlType::F32, bytes)
+                .unwrap();
         } else {
-            w.add_tensor(name.clone(), dims.clone(), ty, view.data).unwrap();
+            w.add_tensor(name.clone(), dims.clone(), ty, view.data)
+                .unwrap();
         }
     }
     let mut buf = Vec::new();
@@ -441,7 +519,12 @@ fn nvfp4_smollm2_logits_match_cpu_on_rounded_weights() {
     let vocab = g.len() / tokens.len();
     let worst = |c: &[f32]| {
         (0..tokens.len())
-            .map(|t| cosine(&g[t * vocab..(t + 1) * vocab], &c[t * vocab..(t + 1) * vocab]))
+            .map(|t| {
+                cosine(
+                    &g[t * vocab..(t + 1) * vocab],
+                    &c[t * vocab..(t + 1) * vocab],
+                )
+            })
             .fold(1.0f64, f64::min)
     };
     let c_rounded = Model::load(rounded, CpuBackend::new_f32_activations(0).unwrap())
@@ -458,8 +541,14 @@ fn nvfp4_smollm2_logits_match_cpu_on_rounded_weights() {
         "smollm2 NVFP4 cuda: worst-position cosine vs CPU on the same rounded weights {wr:.7}; \
          fidelity vs the Q4_1 file on the CPU: final {last:.5}, worst position {wf:.5}"
     );
-    assert!(wr >= 0.9999, "NVFP4 kernels vs CPU on the same weights: cosine {wr}");
-    assert!(wf >= 0.9, "NVFP4 fidelity vs the file collapsed: cosine {wf}");
+    assert!(
+        wr >= 0.9999,
+        "NVFP4 kernels vs CPU on the same weights: cosine {wr}"
+    );
+    assert!(
+        wf >= 0.9,
+        "NVFP4 fidelity vs the file collapsed: cosine {wf}"
+    );
 }
 
 /// A random llama-shaped model with Q/K/V biases (2 layers, GQA 4/2,
@@ -476,40 +565,111 @@ fn tiny_model_with_bias(types: [GgmlType; 6]) -> Arc<GgufFile> {
     md.insert("llama.embedding_length", Value::U32(d as u32));
     md.insert("llama.feed_forward_length", Value::U32(ff as u32));
     md.insert("llama.attention.head_count", Value::U32(n_head as u32));
-    md.insert("llama.attention.head_count_kv", Value::U32(n_head_kv as u32));
+    md.insert(
+        "llama.attention.head_count_kv",
+        Value::U32(n_head_kv as u32),
+    );
     md.insert("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5));
     md.insert("llama.rope.freq_base", Value::F32(10000.0));
     md.insert("llama.vocab_size", Value::U32(vocab as u32));
     let mut r = rng(23);
     let mut w = GgufWriter::new(md);
-    let mut mat = |w: &mut GgufWriter, name: String, ty: GgmlType, rows: usize, cols: usize, scale: f32| {
-        let v: Vec<f32> = randn(&mut r, rows * cols).iter().map(|x| x * scale).collect();
-        let m = host_matrix(&name, ty, rows, cols, &v);
-        w.add_tensor(name, vec![cols as u64, rows as u64], ty, m.data.as_slice().to_vec())
+    let mut mat =
+        |w: &mut GgufWriter, name: String, ty: GgmlType, rows: usize, cols: usize, scale: f32| {
+            let v: Vec<f32> = randn(&mut r, rows * cols)
+                .iter()
+                .map(|x| x * scale)
+                .collect();
+            let m = host_matrix(&name, ty, rows, cols, &v);
+            w.add_tensor(
+                name,
+                vec![cols as u64, rows as u64],
+                ty,
+                m.data.as_slice().to_vec(),
+            )
             .unwrap();
-    };
-    mat(&mut w, "token_embd.weight".into(), GgmlType::Q8_0, vocab, d, 1.0);
-    mat(&mut w, "output.weight".into(), GgmlType::Q6_K, vocab, d, 0.1);
+        };
+    mat(
+        &mut w,
+        "token_embd.weight".into(),
+        GgmlType::Q8_0,
+        vocab,
+        d,
+        1.0,
+    );
+    mat(
+        &mut w,
+        "output.weight".into(),
+        GgmlType::Q6_K,
+        vocab,
+        d,
+        0.1,
+    );
     let (q_dim, kv_dim) = (n_head * hd, n_head_kv * hd);
     let s = 1.0 / (d as f32).sqrt();
     for l in 0..n_layer {
-        mat(&mut w, format!("blk.{l}.attn_q.weight"), types[0], q_dim, d, 3.0 * s);
-        mat(&mut w, format!("blk.{l}.attn_k.weight"), types[1], kv_dim, d, 3.0 * s);
-        mat(&mut w, format!("blk.{l}.attn_v.weight"), types[2], kv_dim, d, s);
-        mat(&mut w, format!("blk.{l}.attn_output.weight"), types[3], d, q_dim, s);
-        mat(&mut w, format!("blk.{l}.ffn_gate.weight"), types[4], ff, d, s);
+        mat(
+            &mut w,
+            format!("blk.{l}.attn_q.weight"),
+            types[0],
+            q_dim,
+            d,
+            3.0 * s,
+        );
+        mat(
+            &mut w,
+            format!("blk.{l}.attn_k.weight"),
+            types[1],
+            kv_dim,
+            d,
+            3.0 * s,
+        );
+        mat(
+            &mut w,
+            format!("blk.{l}.attn_v.weight"),
+            types[2],
+            kv_dim,
+            d,
+            s,
+        );
+        mat(
+            &mut w,
+            format!("blk.{l}.attn_output.weight"),
+            types[3],
+            d,
+            q_dim,
+            s,
+        );
+        mat(
+            &mut w,
+            format!("blk.{l}.ffn_gate.weight"),
+            types[4],
+            ff,
+            d,
+            s,
+        );
         mat(&mut w, format!("blk.{l}.ffn_up.weight"), types[4], ff, d, s);
-        mat(&mut w, format!("blk.{l}.ffn_down.weight"), types[5], d, ff, 1.0 / (ff as f32).sqrt());
+        mat(
+            &mut w,
+            format!("blk.{l}.ffn_down.weight"),
+            types[5],
+            d,
+            ff,
+            1.0 / (ff as f32).sqrt(),
+        );
     }
     let mut r = rng(29);
     let vec = |w: &mut GgufWriter, name: String, v: Vec<f32>| {
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        w.add_tensor(name, vec![v.len() as u64], GgmlType::F32, bytes).unwrap();
+        w.add_tensor(name, vec![v.len() as u64], GgmlType::F32, bytes)
+            .unwrap();
     };
     vec(&mut w, "output_norm.weight".into(), vec![1.0; d]);
     for l in 0..n_layer {
         for nm in ["attn_norm", "ffn_norm"] {
-            let v = (0..d).map(|_| 1.0 + 0.2 * r.random_range(-1.0f32..1.0)).collect();
+            let v = (0..d)
+                .map(|_| 1.0 + 0.2 * r.random_range(-1.0f32..1.0))
+                .collect();
             vec(&mut w, format!("blk.{l}.{nm}.weight"), v);
         }
         for (nm, n) in [("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)] {
@@ -558,14 +718,24 @@ fn greedy_run(
             .collect();
         let slots: Vec<TokenSlot> = (0..prompt_len).map(|pos| TokenSlot { seq, pos }).collect();
         model
-            .forward(&prompt, &slots, &[prompt_len - 1], &mut cache, &mut scratch, &mut logits)
+            .forward(
+                &prompt,
+                &slots,
+                &[prompt_len - 1],
+                &mut cache,
+                &mut scratch,
+                &mut logits,
+            )
             .unwrap();
         last.push(argmax(&logits));
     }
     let (mut all, mut toks) = (Vec::new(), Vec::new());
     for i in 0..steps {
         let slots: Vec<TokenSlot> = (0..batch)
-            .map(|seq| TokenSlot { seq, pos: prompt_len + i })
+            .map(|seq| TokenSlot {
+                seq,
+                pos: prompt_len + i,
+            })
             .collect();
         let rows: Vec<usize> = (0..batch).collect();
         model
@@ -624,7 +794,10 @@ fn fused_layer_graph_decode_equals_old_path() {
                  argmax agreement {agree:.3}, replays {}",
                 after.replays - before.replays
             );
-            assert!(agree >= 0.9, "{types:?} batch {batch}: argmax agreement {agree}");
+            assert!(
+                agree >= 0.9,
+                "{types:?} batch {batch}: argmax agreement {agree}"
+            );
             assert!(worst >= 0.99999, "{types:?} batch {batch}: cosine {worst}");
             assert!(after.replays - before.replays >= 14, "graph not replayed");
         }
@@ -642,7 +815,10 @@ fn fused_layer_graph_decode_equals_old_path() {
             .map(|(x, y)| cosine(x, y))
             .fold(1.0f64, f64::min);
         eprintln!("{types:?}: NVFP4 graphs vs NVFP4 op by op worst step cosine {worst:.9}");
-        assert_eq!(ta, tb, "{types:?}: NVFP4 greedy tokens differ graphs vs eager");
+        assert_eq!(
+            ta, tb,
+            "{types:?}: NVFP4 greedy tokens differ graphs vs eager"
+        );
         assert!(worst >= 0.99999, "{types:?}: NVFP4 graph cosine {worst}");
     }
 }
@@ -704,7 +880,10 @@ fn fixtures_build_and_run_on_cpu() {
         )
         .unwrap();
         let logits = model.logits_all(&[1, 2, 3], KvDtype::F32).unwrap();
-        assert!(!logits.is_empty() && logits.iter().all(|v| v.is_finite()), "{types:?}");
+        assert!(
+            !logits.is_empty() && logits.iter().all(|v| v.is_finite()),
+            "{types:?}"
+        );
     }
 }
 
@@ -725,7 +904,18 @@ fn repacked_types_switch_per_type() {
         let hm = host_matrix("blk.0.x.weight", ty, 40, 512, &randn(&mut r, 40 * 512));
         assert_eq!(gpu.upload_matrix(&hm).unwrap().is_repacked(), want, "{ty}");
     }
-    gpu.set_repacked_types(&[GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_0, GgmlType::Q6_K]);
-    let hm = host_matrix("blk.0.x.weight", GgmlType::Q5_0, 40, 512, &randn(&mut r, 40 * 512));
+    gpu.set_repacked_types(&[
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_0,
+        GgmlType::Q6_K,
+    ]);
+    let hm = host_matrix(
+        "blk.0.x.weight",
+        GgmlType::Q5_0,
+        40,
+        512,
+        &randn(&mut r, 40 * 512),
+    );
     assert!(gpu.upload_matrix(&hm).unwrap().is_repacked());
 }
