@@ -19,7 +19,7 @@
 # the old path (`--cuda-fast off`, the first version's kernels and ggml
 # layout) and NVFP4 weights (`--weights nvfp4`), prompt 128 + 64 generated
 # tokens, graphs on, and the fast path without the norm folded into the
-# next mat-vec (`nonorm`: MIRAGE_CUDA_FUSE_NORM=0). Tests run first (MIRAGE_REQUIRE_GPU_TESTS=1): the fast
+# next mat-vec (`nonorm`: MIRAGE_CUDA_FUSE_NORM=0). Tests run first (MIRAGE_REQUIRE_CUDA_TESTS=1): the fast
 # path against the old one and NVFP4 against the CPU codec
 # (tests/fast_decode.rs), then the original kernel tests on the fast path
 # (the default) and on the old path (MIRAGE_CUDA_FAST=0). Budget < 3 min.
@@ -48,7 +48,7 @@ export MIRAGE_SKIP_MODEL_TESTS=${MIRAGE_SKIP_MODEL_TESTS:-1}
 tests() {  # tag, binary, "VAR=value ..." (or ""), test-binary arguments...
   local tag=$1 bin=$2 vars=$3; shift 3
   [ -x "$W/$bin" ] || { echo "$tag: $bin missing"; return; }
-  env MIRAGE_REQUIRE_GPU_TESTS=1 $vars timeout 60 "$W/$bin" --test-threads 1 --nocapture "$@" > "$OUT/test_$tag.log" 2>&1
+  env MIRAGE_REQUIRE_CUDA_TESTS=1 $vars timeout 60 "$W/$bin" --test-threads 1 --nocapture "$@" > "$OUT/test_$tag.log" 2>&1
   echo "$tag rc=$? $(grep -E '^test result:' "$OUT/test_$tag.log" | tail -1)"
   grep -E "panicked|FAILED|failed" "$OUT/test_$tag.log" | head -5
 }

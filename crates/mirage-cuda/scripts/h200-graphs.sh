@@ -18,7 +18,7 @@ export MIRAGE_CUDA_CACHE=$W/cache
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 echo "nvrtc: ${NV:-none}; cublas: $(ls "$(dirname "${NV:-/x/y}")"/libcublas.so* 2>/dev/null | head -1)"
 if [ "$phase" = 1 ]; then
-MIRAGE_REQUIRE_GPU_TESTS=1 timeout 70 "$W/kernels" --nocapture --test-threads 1 --skip smollm2 > "$OUT/kernels.log" 2>&1
+MIRAGE_REQUIRE_CUDA_TESTS=1 timeout 70 "$W/kernels" --nocapture --test-threads 1 --skip smollm2 > "$OUT/kernels.log" 2>&1
 echo "kernels rc=$?"
 grep -E "^test |cosine|rel err [0-9]|result:|panicked" "$OUT/kernels.log" | grep -v "long attention" | head -40
 grep -E "long attention" "$OUT/kernels.log" | tail -4

@@ -4,7 +4,7 @@
 #   The folder holds bins.tar.xz with: kv_pruning_gpu (the test binary of
 #   crates/mirage-cuda/tests/kv_pruning_gpu.rs), pruned-attention-bench and,
 #   optionally, mirage-cli (all release, cuda feature, stripped).
-# 1. GPU tests (MIRAGE_REQUIRE_GPU_TESTS=1): device page boxes == host
+# 1. GPU tests (MIRAGE_REQUIRE_CUDA_TESTS=1): device page boxes == host
 #    min/max, every page selected == dense.cu full split-K attention, device
 #    selection == the CPU rule with an f64 reference.
 # 2. Attention-only decode time per token, full vs pruned, Qwen2.5-0.5B shape
@@ -25,7 +25,7 @@ export MIRAGE_CUDA_CACHE=$W/cache
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 echo "nvrtc: ${NV:-none}"
 
-MIRAGE_REQUIRE_GPU_TESTS=1 timeout 90 "$W/kv_pruning_gpu" --nocapture --test-threads 1 > "$OUT/kv_pruning_gpu.log" 2>&1
+MIRAGE_REQUIRE_CUDA_TESTS=1 timeout 90 "$W/kv_pruning_gpu" --nocapture --test-threads 1 > "$OUT/kv_pruning_gpu.log" 2>&1
 echo "kv_pruning_gpu rc=$?"
 grep -E "^test |result:|panicked|CUDA device expected|differs|off the|changed nothing" "$OUT/kv_pruning_gpu.log" | head -24
 

@@ -15,7 +15,7 @@
 #           carried smol4 pair when present): the routed-vs-CPU-superblock
 #           greedy test runs on them, and a bench with forced fractions and
 #           --routed.
-# GPU tests run first (MIRAGE_REQUIRE_GPU_TESTS=1), then the benches; the
+# GPU tests run first (MIRAGE_REQUIRE_CUDA_TESTS=1), then the benches; the
 # table is printed last, raw logs go to $OUT.
 set -uo pipefail
 SHAPES=${1:-"qwen2.5-1.5b qwen2.5-7b"}
@@ -34,10 +34,10 @@ export LD_LIBRARY_PATH="$(dirname "${NV:-/x/y}"):${LD_LIBRARY_PATH:-}"
 export MIRAGE_CUDA_CACHE=$W/cache
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 t0=$(date +%s)
-MIRAGE_REQUIRE_GPU_TESTS=1 timeout 60 "$W/sparse_backend_test" --nocapture --test-threads 1 > "$OUT/sparse_backend.log" 2>&1
+MIRAGE_REQUIRE_CUDA_TESTS=1 timeout 60 "$W/sparse_backend_test" --nocapture --test-threads 1 > "$OUT/sparse_backend.log" 2>&1
 echo "sparse_backend tests rc=$? ($(( $(date +%s) - t0 )) s)"
 grep -E "^test |cosine|sizes|differed|graph stats|result:|panicked|skipped" "$OUT/sparse_backend.log" | head -30
-MIRAGE_REQUIRE_GPU_TESTS=1 timeout 40 "$W/sparse_kernels_test" --nocapture --test-threads 1 > "$OUT/sparse_kernels.log" 2>&1
+MIRAGE_REQUIRE_CUDA_TESTS=1 timeout 40 "$W/sparse_kernels_test" --nocapture --test-threads 1 > "$OUT/sparse_kernels.log" 2>&1
 echo "sparse_kernels tests rc=$?"
 grep -E "^test |result:|panicked" "$OUT/sparse_kernels.log" | head -12
 : > "$OUT/tables.txt"

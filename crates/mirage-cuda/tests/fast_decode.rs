@@ -23,10 +23,10 @@ fn cuda(test: &str) -> Option<CudaBackend> {
             | CudaError::DriverNotFound
             | CudaError::NoDevice { .. }),
         ) => {
-            // MIRAGE_REQUIRE_GPU_TESTS=1 (the device runs): skipping is a failure.
+            // MIRAGE_REQUIRE_CUDA_TESTS=1 (the device runs): skipping is a failure.
             assert!(
-                std::env::var("MIRAGE_REQUIRE_GPU_TESTS").as_deref() != Ok("1"),
-                "{test}: MIRAGE_REQUIRE_GPU_TESTS=1 but no CUDA device: {e}"
+                std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").as_deref() != Ok("1"),
+                "{test}: MIRAGE_REQUIRE_CUDA_TESTS=1 but no CUDA device: {e}"
             );
             eprintln!("{test}: skipped, no CUDA device here: {e}");
             None

@@ -397,7 +397,7 @@ fn smollm2_logits_match_cpu() {
 
 /// Whether a GPU test must run the part that needs an optional library.
 fn require_gpu_tests() -> bool {
-    std::env::var("MIRAGE_REQUIRE_GPU_TESTS").as_deref() == Ok("1")
+    std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").as_deref() == Ok("1")
 }
 
 /// Split-K attention over a long context (several splits per head), with

@@ -2,7 +2,7 @@
 //! page boxes equal the host min/max, every page selected equals dense.cu's
 //! full split-K attention, and a real selection equals an f64 host reference
 //! of the CPU path's rule. Without a GPU each test prints why it skips; with
-//! MIRAGE_REQUIRE_GPU_TESTS=1 a missing GPU fails them.
+//! MIRAGE_REQUIRE_CUDA_TESTS=1 a missing GPU fails them.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use half::f16;
@@ -112,7 +112,7 @@ mod device {
     use mirage_runtime::KvDtype;
 
     fn device(test: &str) -> Option<PrunedAttention> {
-        let require = std::env::var("MIRAGE_REQUIRE_GPU_TESTS").is_ok_and(|v| v == "1");
+        let require = std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").is_ok_and(|v| v == "1");
         match PrunedAttention::new(0) {
             Ok(d) => Some(d),
             Err(e @ (CudaError::DriverNotFound | CudaError::NoDevice { .. })) if !require => {

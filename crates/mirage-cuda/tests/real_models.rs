@@ -19,6 +19,11 @@ fn cuda(test: &str) -> Option<CudaBackend> {
     match CudaBackend::new(0) {
         Ok(b) => Some(b),
         Err(e @ (CudaError::NotCompiledWithCuda | CudaError::DriverNotFound | CudaError::NoDevice { .. })) => {
+            // On the GPU machine (MIRAGE_REQUIRE_CUDA_TESTS=1) skipping is a failure.
+            assert!(
+                std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").as_deref() != Ok("1"),
+                "{test}: MIRAGE_REQUIRE_CUDA_TESTS=1 but no CUDA device: {e}"
+            );
             eprintln!("{test}: skipped, no CUDA device here: {e}");
             None
         }

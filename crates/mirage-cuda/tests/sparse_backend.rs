@@ -5,7 +5,7 @@
 //! backend and an f64 reference, and the routed FFN replayed from a CUDA
 //! graph. With SmolLM2 present, a real artifact end to end against the CPU
 //! superblock backend. Without a GPU each test prints why it skips and
-//! passes; with MIRAGE_REQUIRE_GPU_TESTS=1 a missing GPU fails them.
+//! passes; with MIRAGE_REQUIRE_CUDA_TESTS=1 a missing GPU fails them.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -32,7 +32,7 @@ const N_LAYER: usize = 2;
 const SLICES: usize = 4;
 
 fn require_gpu() -> bool {
-    std::env::var("MIRAGE_REQUIRE_GPU_TESTS").as_deref() == Ok("1")
+    std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").as_deref() == Ok("1")
 }
 
 fn cuda(test: &str) -> Option<CudaBackend> {
@@ -45,7 +45,7 @@ fn cuda(test: &str) -> Option<CudaBackend> {
         ) => {
             assert!(
                 !require_gpu(),
-                "{test}: MIRAGE_REQUIRE_GPU_TESTS=1 but no GPU: {e}"
+                "{test}: MIRAGE_REQUIRE_CUDA_TESTS=1 but no GPU: {e}"
             );
             eprintln!("{test}: skipped, no CUDA device here: {e}");
             None

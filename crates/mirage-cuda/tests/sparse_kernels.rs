@@ -1,7 +1,7 @@
 //! The sparse-path kernels (NVFP4 and split-Q8_0 mat-vecs, the fused
 //! superblock FFN) against f64 references computed here on the dequantized
 //! weights. Without a GPU each device test prints why it skips and passes;
-//! with MIRAGE_REQUIRE_GPU_TESTS=1 a missing GPU fails them.
+//! with MIRAGE_REQUIRE_CUDA_TESTS=1 a missing GPU fails them.
 // The f64 references serve only the device tests.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
@@ -153,7 +153,7 @@ mod gpu {
     use mirage_gguf::quant::Nvfp4Tensor;
 
     fn device(test: &str) -> Option<SparseDevice> {
-        let require = std::env::var("MIRAGE_REQUIRE_GPU_TESTS").is_ok_and(|v| v == "1");
+        let require = std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").is_ok_and(|v| v == "1");
         match SparseDevice::new(0) {
             Ok(d) => Some(d),
             Err(SparseError::Cuda(
