@@ -1461,3 +1461,126 @@ extern "C" __global__ void dequant_f16_q6_ks(const u8* W, int rows, int cols, in
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
         wh[(long)blockIdx.x * cols + i] = f2h(q6ks_elem(W, rows, cols, r, i));
 }
+
+// ---------------------------------------------------------------------------
+// Split-K variants of the repacked mat-vecs (`mv3_<suffix>_k<S>`): the S
+// warps of a group share the group's FAST_ROWS rows, each dotting one
+// contiguous slice of the columns (whole granules of G elements, so every
+// slice starts where the type's chunk loop expects), and lane 0 of slice 0
+// adds the S partial sums in slice order from shared memory, so the result
+// is deterministic (it differs from the S = 1 kernel's only in summation
+// order). A block covers (FAST_WARPS / S) * FAST_ROWS rows, so matrices with
+// few rows and long columns (attention output, FFN down: 3584 x 18944 in a
+// 7B) get S times more blocks and warps in flight than the one-warp-per-row
+// kernels, which leave most of the H200's 132 SMs with a single block. No
+// warp returns early: every thread reaches the block barrier.
+#define MV3K_BEGIN(S, G)                                                                                             \
+    MV3_PICK((FAST_WARPS / (S)) * FAST_ROWS)                                                                         \
+    __shared__ float mv3k_part[FAST_WARPS][FAST_ROWS];                                                               \
+    const int slice = warp % (S);                                                                                    \
+    const int r0 = (bx * (FAST_WARPS / (S)) + warp / (S)) * FAST_ROWS;                                              \
+    const int n_gran = (cols + (G) - 1) / (G), per_slice = (n_gran + (S) - 1) / (S);                                 \
+    const int c_lo = min(cols, slice * per_slice * (G));                                                             \
+    const int c_n = min(cols, c_lo + per_slice * (G)) - c_lo;                                                        \
+    float acc[FAST_ROWS];                                                                                            \
+    _Pragma("unroll") for (int k = 0; k < FAST_ROWS; k++) acc[k] = 0.f;                                             \
+    if (r0 < rows && c_n > 0) {
+
+#define MV3K_END(S, OUT_SCALE)                                                                                       \
+    }                                                                                                                \
+    _Pragma("unroll") for (int k = 0; k < FAST_ROWS; k++) {                                                          \
+        float v = warp_sum(acc[k]);                                                                                  \
+        if (lane == 0) mv3k_part[warp][k] = v;                                                                       \
+    }                                                                                                                \
+    __syncthreads();                                                                                                 \
+    if (slice == 0 && lane < FAST_ROWS && r0 + lane < rows) {                                                        \
+        float v = 0.f;                                                                                               \
+        for (int j = 0; j < (S); j++) v += mv3k_part[warp + j][lane];                                                \
+        mv_store(v * (OUT_SCALE), y, bias, rs, a, rows, r0 + lane);                                                  \
+    }
+
+#define MV3K_Q8_0S(S)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q8_0s_k##S(MV3_PARAMS) {                       \
+        MV3K_BEGIN(S, 128)                                                                                           \
+        const u16* scales = (const u16*)(W + (long)rows * cols);                                                     \
+        const u8* q[FAST_ROWS];                                                                                      \
+        const u16* s[FAST_ROWS];                                                                                     \
+        _Pragma("unroll") for (int k = 0; k < FAST_ROWS; k++) {                                                      \
+            int r = min(r0 + k, rows - 1);                                                                           \
+            q[k] = W + (long)r * cols + c_lo;                                                                        \
+            s[k] = scales + (long)r * (cols >> 5) + (c_lo >> 5);                                                     \
+        }                                                                                                            \
+        q8s_dot<FAST_ROWS>(q, s, xa + c_lo, c_n, lane, acc);                                                         \
+        MV3K_END(S, 1.f)                                                                                             \
+    }
+
+#define MV3K_Q4_KS(S)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q4_ks_k##S(MV3_PARAMS) {                       \
+        MV3K_BEGIN(S, 256)                                                                                           \
+        const u8* meta = W + (long)rows * (cols >> 1);                                                               \
+        const u8* q[FAST_ROWS];                                                                                      \
+        const u8* mt[FAST_ROWS];                                                                                     \
+        _Pragma("unroll") for (int k = 0; k < FAST_ROWS; k++) {                                                      \
+            int r = min(r0 + k, rows - 1);                                                                           \
+            q[k] = W + (long)r * (cols >> 1) + (c_lo >> 1);                                                          \
+            mt[k] = meta + (long)r * (cols >> 4) + (c_lo >> 4);                                                      \
+        }                                                                                                            \
+        q4ks_dot<FAST_ROWS>(q, mt, xa + c_lo, c_n, lane, acc);                                                       \
+        MV3K_END(S, 1.f)                                                                                             \
+    }
+
+#define MV3K_Q5_0S(S)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q5_0s_k##S(MV3_PARAMS) {                       \
+        MV3K_BEGIN(S, 256)                                                                                           \
+        const u8* q[FAST_ROWS];                                                                                      \
+        const u32* qh[FAST_ROWS];                                                                                    \
+        const u16* s[FAST_ROWS];                                                                                     \
+        _Pragma("unroll") for (int k = 0; k < FAST_ROWS; k++) {                                                      \
+            int r = min(r0 + k, rows - 1);                                                                           \
+            Q5S_ROW_PTRS(W, rows, r, k, q, qh, s)                                                                    \
+            q[k] += c_lo >> 1;                                                                                       \
+            qh[k] += c_lo >> 5;                                                                                      \
+            s[k] += c_lo >> 5;                                                                                       \
+        }                                                                                                            \
+        q5s_dot<FAST_ROWS>(q, qh, s, xa + c_lo, c_n, lane, acc);                                                     \
+        MV3K_END(S, 1.f)                                                                                             \
+    }
+
+#define MV3K_Q6_KS(S)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q6_ks_k##S(MV3_PARAMS) {                       \
+        MV3K_BEGIN(S, 256)                                                                                           \
+        const u8* ql[FAST_ROWS];                                                                                     \
+        const u8* qh[FAST_ROWS];                                                                                     \
+        const i8* sc[FAST_ROWS];                                                                                     \
+        const u16* dd[FAST_ROWS];                                                                                    \
+        _Pragma("unroll") for (int k = 0; k < FAST_ROWS; k++) {                                                      \
+            int r = min(r0 + k, rows - 1);                                                                           \
+            Q6S_ROW_PTRS(W, rows, r, k)                                                                              \
+            ql[k] += c_lo >> 1;                                                                                      \
+            qh[k] += c_lo >> 2;                                                                                      \
+            sc[k] += c_lo >> 4;                                                                                      \
+            dd[k] += c_lo >> 8;                                                                                      \
+        }                                                                                                            \
+        q6ks_dot<FAST_ROWS>(ql, qh, sc, dd, xa + c_lo, c_n, lane, acc);                                              \
+        MV3K_END(S, 1.f)                                                                                             \
+    }
+
+#define MV3K_NVFP4(S)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_nvfp4_k##S(MV3_PARAMS) {                       \
+        MV3K_BEGIN(S, 256)                                                                                           \
+        const u8* scales = W + (long)rows * (cols >> 1);                                                             \
+        const u32* q[FAST_ROWS];                                                                                     \
+        const u8* s[FAST_ROWS];                                                                                      \
+        _Pragma("unroll") for (int k = 0; k < FAST_ROWS; k++) {                                                      \
+            int r = min(r0 + k, rows - 1);                                                                           \
+            q[k] = (const u32*)(W + (long)r * (cols >> 1) + (c_lo >> 1));                                            \
+            s[k] = scales + (long)r * (cols >> 4) + (c_lo >> 4);                                                     \
+        }                                                                                                            \
+        nvfp4_dot<FAST_ROWS>(q, s, xa + c_lo, c_n, lane, acc);                                                       \
+        MV3K_END(S, 0.5f * ts)                                                                                       \
+    }
+
+#define MV3K_ALL(S) MV3K_Q8_0S(S) MV3K_Q4_KS(S) MV3K_Q5_0S(S) MV3K_Q6_KS(S) MV3K_NVFP4(S)
+MV3K_ALL(2)
+MV3K_ALL(4)
+MV3K_ALL(8)

@@ -19,7 +19,8 @@
 # the old path (`--cuda-fast off`, the first version's kernels and ggml
 # layout) and NVFP4 weights (`--weights nvfp4`), prompt 128 + 64 generated
 # tokens, graphs on, and the fast path without the norm folded into the
-# next mat-vec (`nonorm`: MIRAGE_CUDA_FUSE_NORM=0). Tests run first (MIRAGE_REQUIRE_CUDA_TESTS=1): the fast
+# next mat-vec (`nonorm`: MIRAGE_CUDA_FUSE_NORM=0), and the fast path without the split-K mat-vecs
+# (`splitk1`: MIRAGE_CUDA_SPLITK=1, one warp per row group as before 2026-12-03). Tests run first (MIRAGE_REQUIRE_CUDA_TESTS=1): the fast
 # path against the old one and NVFP4 against the CPU codec
 # (tests/fast_decode.rs), then the original kernel tests on the fast path
 # (the default) and on the old path (MIRAGE_CUDA_FAST=0). Budget < 3 min.
@@ -60,7 +61,7 @@ tests kernels_old kernels "MIRAGE_CUDA_FAST=0" --skip smollm2 --skip qwen
 field() { grep -o "\"$2\":[^,}]*" "$1" | head -1 | cut -d: -f2 | tr -d '"'; }
 ROWS=()
 for M in "$@"; do
-  modes="fast old nonorm nvfp4"
+  modes="fast splitk1 old nonorm nvfp4"
   len="--prompt 128 --gen 64"
   if [[ $M == synth:* ]]; then
     IFS=: read -r _ like quant <<< "$M"
@@ -68,20 +69,21 @@ for M in "$@"; do
     [ -f "$M" ] || timeout 90 "$W/xtask" synth-model --like "$like" --quant "$quant" \
       --tokenizer-from "$W/tok.gguf" --out "$M" > "$OUT/synth-$like-$quant.log" 2>&1
     echo "synth $like $quant rc=$? $(tail -1 "$OUT/synth-$like-$quant.log")"
-    modes="fast old"
+    modes="fast splitk1 old"
     len="--prompt 32 --gen 32"
   fi
   name=$(basename "$M" .gguf)
   for mode in $modes; do
-    fuse=1
+    fuse=1 splitk=0
     case $mode in
       fast) flags="--cuda-fast on" ;;
+      splitk1) flags="--cuda-fast on"; splitk=1 ;;
       old) flags="--cuda-fast off" ;;
       nonorm) flags="--cuda-fast on"; fuse=0 ;;
       nvfp4) flags="--cuda-fast on --weights nvfp4" ;;
     esac
     j="$OUT/bench_${name}_$mode.json"
-    MIRAGE_CUDA_FUSE_NORM=$fuse timeout 60 "$W/mirage-cli" bench --model "$M" --backend cuda $len $flags --json > "$j" 2> "${j%.json}.err"
+    MIRAGE_CUDA_SPLITK=$splitk MIRAGE_CUDA_FUSE_NORM=$fuse timeout 60 "$W/mirage-cli" bench --model "$M" --backend cuda $len $flags --json > "$j" 2> "${j%.json}.err"
     rc=$?
     ROWS+=("$(printf '%-34s %-6s rc=%-3s %9s %9s %8s %8s %9s' "$name" "$mode" "$rc" \
       "$(field "$j" decode_tok_s)" "$(field "$j" decode_ms_median)" "$(field "$j" achieved_gb_s)" \

@@ -202,6 +202,18 @@ const FAST_WARPS: usize = 8;
 /// Weight rows per warp of the repacked-layout kernels (`FAST_ROWS`).
 const FAST_ROWS: usize = 4;
 
+/// Column splits of the split-K repacked mat-vecs (`mv3_<suffix>_k<S>` in
+/// dense.cu; 1 is the one-warp-per-row kernel).
+const SPLIT_K: [usize; 4] = [1, 2, 4, 8];
+
+/// The split-K rule picks the smallest split whose grid has at least this
+/// many blocks per SM (a single block of 8 warps per SM leaves too few
+/// loads in flight to stream a matrix at the copy rate).
+const SPLIT_K_BLOCKS_PER_SM: usize = 3;
+
+/// Shortest column slice (elements) a split-K warp is given.
+const SPLIT_K_MIN_SLICE: usize = 128;
+
 /// How a matrix's bytes are laid out on the device.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Layout {
@@ -481,6 +493,11 @@ pub struct CudaBackend {
     /// (`repack_bit`).
     repacked_types: std::sync::atomic::AtomicU32,
     nvfp4_weights: std::sync::atomic::AtomicBool,
+    /// Streaming multiprocessors of the device (the split-K rule's target).
+    sm_count: usize,
+    /// Column split of the repacked mat-vecs: 0 = by the rule, else forced
+    /// (`MIRAGE_CUDA_SPLITK` at start, `set_split_k`).
+    split_k: std::sync::atomic::AtomicUsize,
     scratch: Mutex<Scratch>,
     mem: Mutex<MemoryStats>,
 }
@@ -526,6 +543,12 @@ impl CudaBackend {
         let stream = ctx.new_stream().map_err(d)?;
         let device_name = ctx.name().map_err(d)?;
         let cc = ctx.compute_capability().map_err(d)?;
+        let sm_count = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(d)?
+            .max(1) as usize;
         let (ptx, ptx_from_cache) = module::ptx_for("dense", module::DENSE_SOURCE, cc.0, cc.1)?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
@@ -548,6 +571,11 @@ impl CudaBackend {
                     .chain(REPACKED_SUFFIXES)
                     .flat_map(|s| [leak(format!("mv3_{s}")), leak(format!("ffn_{s}"))]),
             )
+            .chain(REPACKED_SUFFIXES.iter().flat_map(|s| {
+                SPLIT_K[1..]
+                    .iter()
+                    .map(move |k| leak(format!("mv3_{s}_k{k}")))
+            }))
             .chain(OTHER_KERNELS.iter().copied())
             .collect();
         for &name in &names {
@@ -584,6 +612,13 @@ impl CudaBackend {
                 .into(),
             nvfp4_weights: std::env::var("MIRAGE_CUDA_WEIGHTS")
                 .is_ok_and(|v| v.eq_ignore_ascii_case("nvfp4"))
+                .into(),
+            sm_count,
+            split_k: std::env::var("MIRAGE_CUDA_SPLITK")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|k| SPLIT_K.contains(k))
+                .unwrap_or(0)
                 .into(),
             scratch: Mutex::new(Scratch::default()),
             step_state: Mutex::new(StepState::default()),
@@ -628,6 +663,45 @@ impl CudaBackend {
                 .load(std::sync::atomic::Ordering::Relaxed)
                 & repack_bit(ty)
                 != 0
+    }
+
+    /// Forces the column split of the repacked mat-vecs (1, 2, 4 or 8;
+    /// `MIRAGE_CUDA_SPLITK=N` at start) or returns it to the rule (0, the
+    /// default): the smallest split giving at least 3 blocks per SM with
+    /// column slices of at least 128 elements. Other values are refused.
+    pub fn set_split_k(&self, k: usize) -> Result<(), CudaError> {
+        if k != 0 && !SPLIT_K.contains(&k) {
+            return Err(CudaError::Setting(format!(
+                "split-K {k}: expected 0 (automatic), 1, 2, 4 or 8"
+            )));
+        }
+        self.split_k.store(k, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Column split for a repacked mat-vec over matrices of these row
+    /// counts and `cols` columns.
+    fn split_k_for(&self, rows: &[usize], cols: usize) -> usize {
+        let forced = self.split_k.load(std::sync::atomic::Ordering::Relaxed);
+        if forced != 0 {
+            return forced;
+        }
+        let blocks = |k: usize| -> usize {
+            let per_block = FAST_WARPS / k * FAST_ROWS;
+            rows.iter().map(|r| r.div_ceil(per_block)).sum()
+        };
+        let target = SPLIT_K_BLOCKS_PER_SM * self.sm_count;
+        let mut best = 1;
+        for &k in &SPLIT_K {
+            if k > 1 && cols / k < SPLIT_K_MIN_SLICE {
+                break;
+            }
+            best = k;
+            if blocks(k) >= target {
+                break;
+            }
+        }
+        best
     }
 
     /// Whether the fast decode path is on.
@@ -1072,7 +1146,13 @@ impl CudaBackend {
         {
             return Err(bad("mv3 matrices differ in layout or row length"));
         }
-        let per_block = w0.fast_rows_per_block();
+        let split = if w0.layout == Layout::Ggml {
+            1
+        } else {
+            let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
+            self.split_k_for(&rows, w0.cols)
+        };
+        let per_block = w0.fast_rows_per_block() / split;
         let mut args_w = [Arg::Ptr(self.ptr(&w0.data)); 3];
         let mut args_rows = [Arg::I32(0); 3];
         let mut args_y = [Arg::Ptr(ys[0]); 3];
@@ -1097,8 +1177,13 @@ impl CudaBackend {
         args.extend([Arg::Ptr(0); 4]);
         // Folded norm (nx, nw, neps, nout): none; `fold_norm` may set it.
         args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::F32(0.0), Arg::Ptr(0)]);
+        let kernel = if split == 1 {
+            format!("mv3_{suffix}")
+        } else {
+            format!("mv3_{suffix}_k{split}")
+        };
         self.launch(
-            &format!("mv3_{suffix}"),
+            &kernel,
             (blocks as u32, n_act as u32, 1),
             ((32 * FAST_WARPS) as u32, 1, 1),
             0,

@@ -59,6 +59,10 @@ impl CudaBackend {
     }
     /// Split-layout type switch (no effect without CUDA).
     pub fn set_repacked_types(&self, _types: &[mirage_gguf::GgmlType]) {}
+    /// Split-K switch (no effect without CUDA).
+    pub fn set_split_k(&self, _k: usize) -> Result<(), CudaError> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
     /// Norm folding switch (no effect without CUDA).
     pub fn set_fuse_norm(&self, _on: bool) {}
     /// Whether norms are folded into the next mat-vec.

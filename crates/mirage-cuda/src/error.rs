@@ -25,6 +25,9 @@ pub enum CudaError {
     /// A driver call failed.
     #[error("CUDA driver: {0}")]
     Driver(String),
+    /// A backend setting out of its range.
+    #[error("CUDA backend setting: {0}")]
+    Setting(String),
     /// NVRTC refused the kernel source.
     #[error("NVRTC compile of {source_name} for {arch}: {log}")]
     Compile {

@@ -23,18 +23,19 @@ pub use error::CudaError;
 
 #[cfg(feature = "cuda")]
 mod backend;
-#[cfg(feature = "cuda")]
-pub mod module;
 /// Decode attention over selected KV pages (page boxes, selection and
 /// split-K on the device).
 #[cfg(feature = "cuda")]
 pub mod kv_pruning;
 #[cfg(feature = "cuda")]
-pub use backend::{CudaActivations, CudaBackend, CudaFfn, CudaKvCache, CudaMatrix, CudaVector};
+pub mod module;
 #[cfg(feature = "cuda")]
 pub use backend::sparse_backend::{
-    pages_for_fraction, random_subset, OpTimes, PageSource, SparseCudaBackend, SparseFfn, SparsePages,
+    pages_for_fraction, random_subset, OpTimes, PageSource, SparseCudaBackend, SparseFfn,
+    SparsePages,
 };
+#[cfg(feature = "cuda")]
+pub use backend::{CudaActivations, CudaBackend, CudaFfn, CudaKvCache, CudaMatrix, CudaVector};
 
 pub mod nvfp4;
 pub mod superblock;

@@ -919,3 +919,97 @@ fn repacked_types_switch_per_type() {
     );
     assert!(gpu.upload_matrix(&hm).unwrap().is_repacked());
 }
+
+/// The split-K mat-vecs (`mv3_<layout>_k2/4/8`: a row's columns cut into 2,
+/// 4 or 8 slices summed in order through shared memory) equal the
+/// one-warp-per-row kernel to 1e-6 and the f64 reference to 1e-5, for every
+/// repacked layout and NVFP4, on shapes whose columns do not divide evenly
+/// into slices (a slice may be short or empty), one to three activation
+/// rows, and Q/K/V as one launch; the automatic rule matches too, and a
+/// split outside 0/1/2/4/8 is refused.
+#[test]
+fn split_k_matvec_equals_unsplit_every_layout() {
+    let Some(gpu) = cuda("split_k_matvec_equals_unsplit_every_layout") else {
+        return;
+    };
+    gpu.set_prefill_gemm(false);
+    gpu.set_fast_decode(true);
+    assert!(gpu.set_split_k(3).is_err(), "split 3 accepted");
+    let mut r = rng(23);
+    // (rows, cols): cols in whole 256-element blocks; 7 and 9 blocks do not
+    // split evenly in 2/4/8, 1 block leaves most slices empty.
+    let shapes: &[(usize, usize)] = &[(37, 256 * 9), (130, 256 * 7), (8, 256), (300, 256 * 14)];
+    let layouts: &[(&str, GgmlType, WeightFormat)] = &[
+        ("q8_0s", GgmlType::Q8_0, WeightFormat::Native),
+        ("q4_ks", GgmlType::Q4_K, WeightFormat::Native),
+        ("q5_0s", GgmlType::Q5_0, WeightFormat::Native),
+        ("q6_ks", GgmlType::Q6_K, WeightFormat::Native),
+        ("nvfp4", GgmlType::Q8_0, WeightFormat::Nvfp4),
+    ];
+    for &(label, ty, fmt) in layouts {
+        gpu.set_weight_format(fmt);
+        for &(rows, cols) in shapes {
+            let hms: Vec<HostMatrix> = [rows, 24, 40]
+                .iter()
+                .map(|&n| host_matrix("blk.0.attn_q.weight", ty, n, cols, &randn(&mut r, n * cols)))
+                .collect();
+            let deq: Vec<f32> = if fmt == WeightFormat::Nvfp4 {
+                Nvfp4Tensor::requantize(ty, hms[0].data.as_slice(), &[cols as u64, rows as u64])
+                    .unwrap()
+                    .dequantize()
+                    .unwrap()
+            } else {
+                let mut d = vec![0f32; rows * cols];
+                quant::dequantize(ty, hms[0].data.as_slice(), &mut d).unwrap();
+                d
+            };
+            let ws: Vec<_> = hms.iter().map(|m| gpu.upload_matrix(m).unwrap()).collect();
+            assert!(ws[0].is_repacked(), "{label}: not repacked");
+            for n_act in [1usize, 3] {
+                let x = randn(&mut r, n_act * cols);
+                let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
+                let want = reference(&deq, &x, rows, cols, n_act);
+                let mut base: Option<Vec<Vec<f32>>> = None;
+                for k in [1usize, 2, 4, 8, 0] {
+                    gpu.set_split_k(k).unwrap();
+                    let got = product(&gpu, &ws[0], &dx);
+                    let e = rel_err(&got, &want);
+                    assert!(
+                        e < 1e-5,
+                        "{label} {rows}x{cols} n_act {n_act} split {k}: vs f64 rel err {e}"
+                    );
+                    let (mut a, mut b, mut c) = (
+                        gpu.new_activations(),
+                        gpu.new_activations(),
+                        gpu.new_activations(),
+                    );
+                    gpu.matmul_many(
+                        &[&ws[0], &ws[1], &ws[2]],
+                        &dx,
+                        &mut [&mut a, &mut b, &mut c],
+                    )
+                    .unwrap();
+                    let three = vec![read(&gpu, &a), read(&gpu, &b), read(&gpu, &c)];
+                    match &base {
+                        None => base = Some(three),
+                        Some(b0) => {
+                            for (i, (g, w)) in three.iter().zip(b0).enumerate() {
+                                let e = rel_err(g, w);
+                                assert!(
+                                    e < 1e-6,
+                                    "{label} {rows}x{cols} n_act {n_act} split {k}: output {i} vs split 1 rel err {e}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        eprintln!(
+            "{label}: split-K 2/4/8 and the rule == split 1 over {} shapes",
+            shapes.len()
+        );
+    }
+    gpu.set_split_k(0).unwrap();
+    gpu.set_weight_format(WeightFormat::Native);
+}

@@ -417,7 +417,7 @@ fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
         head_dim: hd,
         rope_mode: RopeMode::Neox,
         rope_freq_base: 10000.0,
-            rope_scaling: Default::default(),
+        rope_scaling: Default::default(),
         norm_eps: 1e-6,
     };
     for dtype in [KvDtype::F32, KvDtype::F16] {

@@ -18,7 +18,11 @@ use mirage_runtime::{CpuBackend, Engine, EngineOptions, GenerateParams};
 fn cuda(test: &str) -> Option<CudaBackend> {
     match CudaBackend::new(0) {
         Ok(b) => Some(b),
-        Err(e @ (CudaError::NotCompiledWithCuda | CudaError::DriverNotFound | CudaError::NoDevice { .. })) => {
+        Err(
+            e @ (CudaError::NotCompiledWithCuda
+            | CudaError::DriverNotFound
+            | CudaError::NoDevice { .. }),
+        ) => {
             // On the GPU machine (MIRAGE_REQUIRE_CUDA_TESTS=1) skipping is a failure.
             assert!(
                 std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").as_deref() != Ok("1"),
@@ -38,10 +42,16 @@ fn model(test: &str, name: &str) -> Option<Arc<GgufFile>> {
     let path = dir.join(name);
     if !path.exists() {
         if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-            eprintln!("{test}: skipped, {} missing (MIRAGE_SKIP_MODEL_TESTS=1)", path.display());
+            eprintln!(
+                "{test}: skipped, {} missing (MIRAGE_SKIP_MODEL_TESTS=1)",
+                path.display()
+            );
             return None;
         }
-        panic!("{} is missing: run `cargo xtask fetch-models`", path.display());
+        panic!(
+            "{} is missing: run `cargo xtask fetch-models`",
+            path.display()
+        );
     }
     Some(Arc::new(GgufFile::open(&path).unwrap()))
 }
@@ -64,8 +74,13 @@ const PROMPTS: [&str; 3] = [
 
 fn check(test: &str, name: &str) {
     let Some(gpu) = cuda(test) else { return };
-    let Some(file) = model(test, name) else { return };
-    let opts = EngineOptions { n_ctx: 256, ..EngineOptions::default() };
+    let Some(file) = model(test, name) else {
+        return;
+    };
+    let opts = EngineOptions {
+        n_ctx: 256,
+        ..EngineOptions::default()
+    };
     let g = Engine::from_file(file.clone(), gpu, opts.clone()).unwrap();
     let c = Engine::from_file(file, CpuBackend::new_f32_activations(0).unwrap(), opts).unwrap();
     for prompt in PROMPTS {
@@ -74,14 +89,28 @@ fn check(test: &str, name: &str) {
         let cl = c.logits_for(&tokens).unwrap();
         let vocab = gl.len() / tokens.len();
         let worst = (0..tokens.len())
-            .map(|t| cosine(&gl[t * vocab..(t + 1) * vocab], &cl[t * vocab..(t + 1) * vocab]))
+            .map(|t| {
+                cosine(
+                    &gl[t * vocab..(t + 1) * vocab],
+                    &cl[t * vocab..(t + 1) * vocab],
+                )
+            })
             .fold(1.0f64, f64::min);
-        eprintln!("{name}: {prompt:?}: {} tokens, worst-position logit cosine cuda vs cpu {worst:.7}", tokens.len());
-        assert!(worst >= 0.9999, "{name}: cosine {worst} < 0.9999 on {prompt:?}");
+        eprintln!(
+            "{name}: {prompt:?}: {} tokens, worst-position logit cosine cuda vs cpu {worst:.7}",
+            tokens.len()
+        );
+        assert!(
+            worst >= 0.9999,
+            "{name}: cosine {worst} < 0.9999 on {prompt:?}"
+        );
 
         // Greedy on the GPU, then teacher-forced through the CPU.
         let mut s = g.session().unwrap();
-        let params = GenerateParams { max_tokens: 32, ..GenerateParams::default() };
+        let params = GenerateParams {
+            max_tokens: 32,
+            ..GenerateParams::default()
+        };
         let out = s.generate_from(&tokens, &params, |_| true).unwrap();
         let mut all = tokens.clone();
         all.extend(&out.tokens);
@@ -89,7 +118,10 @@ fn check(test: &str, name: &str) {
         let mut ties = 0;
         for (i, &tok) in out.tokens.iter().enumerate() {
             let row = &cl[(tokens.len() - 1 + i) * vocab..(tokens.len() + i) * vocab];
-            let (best, max) = row.iter().enumerate().fold((0, f32::MIN), |m, (j, &v)| if v > m.1 { (j, v) } else { m });
+            let (best, max) =
+                row.iter()
+                    .enumerate()
+                    .fold((0, f32::MIN), |m, (j, &v)| if v > m.1 { (j, v) } else { m });
             let min = row.iter().copied().fold(f32::MAX, f32::min);
             if best as u32 != tok {
                 let gap = max - row[tok as usize];
@@ -110,10 +142,16 @@ fn check(test: &str, name: &str) {
 
 #[test]
 fn smollm2_cuda_matches_cpu_logits_and_greedy() {
-    check("smollm2_cuda_matches_cpu_logits_and_greedy", "smollm2-135m-instruct-q4_1.gguf");
+    check(
+        "smollm2_cuda_matches_cpu_logits_and_greedy",
+        "smollm2-135m-instruct-q4_1.gguf",
+    );
 }
 
 #[test]
 fn qwen_coder_cuda_matches_cpu_logits_and_greedy() {
-    check("qwen_coder_cuda_matches_cpu_logits_and_greedy", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    check(
+        "qwen_coder_cuda_matches_cpu_logits_and_greedy",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    );
 }
