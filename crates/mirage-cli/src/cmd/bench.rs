@@ -28,9 +28,14 @@ pub struct BenchArgs {
     /// `cpu` or `cuda`.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
-    /// Prompt tokens (processed as one batch).
+    /// Prompt tokens.
     #[arg(long, default_value_t = 512)]
     pub prompt: usize,
+    /// Prompt tokens per forward pass (llama.cpp's `n_ubatch`, also 512 by
+    /// default): a longer prompt runs in chunks, which bounds the
+    /// activation workspace; 0 = the whole prompt as one batch.
+    #[arg(long, default_value_t = 512)]
+    pub ubatch: usize,
     /// Tokens to decode after the prompt.
     #[arg(long, default_value_t = 128)]
     pub gen: usize,
@@ -86,6 +91,7 @@ struct BenchReport {
     backend: String,
     device: String,
     prompt_tokens: usize,
+    prompt_ubatch: usize,
     gen_tokens: usize,
     prompt_tok_s: f64,
     decode_tok_s: f64,
@@ -294,16 +300,19 @@ fn measure<B: Backend>(
     }
     let mut cache = model.new_kv_cache(n_ctx, 1, kv)?;
     let slots: Vec<TokenSlot> = (0..n_prompt).map(|pos| TokenSlot { seq: 0, pos }).collect();
+    let ubatch = if args.ubatch == 0 { n_prompt } else { args.ubatch.min(n_prompt) };
     let t = Instant::now();
     // `forward` reads the logits back, so the clock stops after the device is done.
-    model.forward(
-        &prompt,
-        &slots,
-        &[n_prompt - 1],
-        &mut cache,
-        &mut scratch,
-        &mut logits,
-    )?;
+    for (chunk, chunk_slots) in prompt.chunks(ubatch).zip(slots.chunks(ubatch)) {
+        model.forward(
+            chunk,
+            chunk_slots,
+            &[chunk.len() - 1],
+            &mut cache,
+            &mut scratch,
+            &mut logits,
+        )?;
+    }
     let prompt_s = t.elapsed().as_secs_f64();
     let mut tok = argmax(&logits);
     let mut first_tokens = vec![tok];
@@ -341,6 +350,7 @@ fn measure<B: Backend>(
         backend: String::new(),
         device,
         prompt_tokens: n_prompt,
+        prompt_ubatch: ubatch,
         gen_tokens: args.gen,
         prompt_tok_s: n_prompt as f64 / prompt_s,
         decode_tok_s,
