@@ -313,3 +313,25 @@ fn generate_reports_the_backend_it_ran_on_and_refuses_bad_choices() {
     // --margin only means something with --artifact.
     assert!(!cli(&[&base[..], &["--margin", "1.0"]].concat()).status.success());
 }
+
+/// `bench --ubatch`: a prompt run in chunks fills the same KV cache as one
+/// batch, so the greedy tokens decoded after it are the same; the JSON
+/// names the chunk size.
+#[test]
+fn bench_prompt_in_ubatch_chunks_decodes_the_same_tokens() {
+    let Some(smol) = model(SMOLLM2) else { return };
+    let smol = smol.to_str().unwrap();
+    let run = |ubatch: &str| -> serde_json::Value {
+        let out = ok_stdout(&[
+            "bench", "--model", smol, "--prompt", "70", "--gen", "6", "--threads", "2", "--ubatch", ubatch, "--json",
+        ]);
+        serde_json::from_str(&out).expect("bench --json prints JSON")
+    };
+    let whole = run("0");
+    let chunked = run("32");
+    assert_eq!(whole["prompt_ubatch"], 70);
+    assert_eq!(chunked["prompt_ubatch"], 32);
+    assert_eq!(chunked["prompt_tokens"], 70);
+    assert_eq!(whole["first_tokens"], chunked["first_tokens"], "chunked prefill changed the decoded tokens");
+    assert!(!cli(&["bench", "--model", smol, "--ubatch", "x"]).status.success());
+}
