@@ -1584,3 +1584,322 @@ extern "C" __global__ void dequant_f16_q6_ks(const u8* W, int rows, int cols, in
 MV3K_ALL(2)
 MV3K_ALL(4)
 MV3K_ALL(8)
+
+// ---------------------------------------------------------------------------
+// Mat-vec variants of the split Q8_0 and split Q4_K layouts (issue 6;
+// `MIRAGE_CUDA_MV=v1|v2|v3`, `CudaBackend::set_matvec_variant`; v1 = the
+// kernels above, the default). Same device bytes, same parameter lists
+// (MV3_PARAMS / FFN_PARAMS, so the recorder, the epilogue and norm folding
+// work unchanged); kernel names get `_v2` / `_v3` before the split-K suffix:
+// `mv3_q8_0s_v2`, `mv3_q8_0s_v2_k4`, `ffn_q4_ks_v3`, ...
+//
+// What changes against v1:
+//   * 16-byte weight loads: lane l reads bytes 16l..16l+15 of a 512-byte
+//     stretch of a row (one uint4), so a warp load is four 128-byte lines
+//     per row and a lane issues 4x fewer load instructions per byte;
+//   * Q8_0: 16 elements of one lane lie in one 32-element block, so one f16
+//     scale load per 16 elements (v1: one per 4);
+//   * Q4_K: a warp covers 4 super-blocks of a row per load (8 lanes per
+//     super-block); the 16-byte header is not loaded per lane: lane s of a
+//     super-block's 8 lanes loads 32-bit header word s & 3, the 4 words are
+//     broadcast in the group with shuffles, and each lane decodes the
+//     packed 6-bit scales/mins of its two sub-blocks with lane-constant
+//     shifts (two sub-blocks at once in 16-bit pairs, no per-byte selects);
+//   * v2: 4 rows per warp (32 per block), v3: 2 rows per warp (16 per block)
+//     with twice the chunks in flight per row: twice the blocks for the
+//     same matrix, so few-row matrices fill more SMs even without split-K.
+// Split-K (`_k2/_k4/_k8`) as above: the S warps of a group dot one column
+// slice each (whole 128-element (Q8_0) / 256-element (Q4_K) granules) and
+// slice 0 adds the partial sums in slice order.
+// ---------------------------------------------------------------------------
+
+// Rows of a variant's dot: row k < NH of the warp is quants qa + rk * qs and
+// scales/headers ma + rk * ms with rk = min(k, last) (the last row is
+// duplicated past the matrix end; the caller does not store it); rows
+// k >= NH likewise from qb / mb (gate rows, then up rows, of the FFN
+// kernel). 32-bit row offsets instead of 2 NR 64-bit pointers.
+struct MvvRows {
+    const u8 *qa, *qb, *ma, *mb;
+    int qs, ms, last;
+};
+
+template <int NH>
+__device__ __forceinline__ const u8* mvv_q(const MvvRows& R, int k) {
+    int kk = k < NH ? k : k - NH;
+    return (k < NH ? R.qa : R.qb) + min(kk, R.last) * R.qs;
+}
+template <int NH>
+__device__ __forceinline__ const u8* mvv_m(const MvvRows& R, int k) {
+    int kk = k < NH ? k : k - NH;
+    return (k < NH ? R.ma : R.mb) + min(kk, R.last) * R.ms;
+}
+
+// This lane's share of NR split-Q8_0 rows dotted with xa[0..cols), U chunks
+// of 512 elements in flight per row. cols % 32 == 0, so a lane's 16
+// elements at a 16-aligned e < cols are all in range and in one block.
+template <int NR, int NH, int U>
+__device__ __forceinline__ void q8s_dot16(const MvvRows& R, const float* __restrict__ xa, int cols, int lane,
+                                          float* acc) {
+    const int n_chunks = (cols + 511) >> 9;
+    for (int c = 0; c < n_chunks; c += U) {
+        uint4 w[U][NR];
+        u32 sc[U][NR];
+#pragma unroll
+        for (int h = 0; h < U; h++) {
+            int e = ((c + h) << 9) + (lane << 4);
+            bool ok = e < cols;  // implies c + h < n_chunks
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                w[h][k] = ok ? __ldg((const uint4*)(mvv_q<NH>(R, k) + e)) : make_uint4(0u, 0u, 0u, 0u);
+                sc[h][k] = ok ? (u32)__ldg((const u16*)(mvv_m<NH>(R, k) + ((e >> 5) << 1))) : 0u;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < U; h++) {
+            int e = ((c + h) << 9) + (lane << 4);
+            if (e >= cols) continue;
+            const float4* xp = (const float4*)(xa + e);
+            float4 x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3];
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                float f[4], d;
+                sb_q8x4(w[h][k].x, f);
+                d = f[0] * x0.x + f[1] * x0.y + f[2] * x0.z + f[3] * x0.w;
+                sb_q8x4(w[h][k].y, f);
+                d += f[0] * x1.x + f[1] * x1.y + f[2] * x1.z + f[3] * x1.w;
+                sb_q8x4(w[h][k].z, f);
+                d += f[0] * x2.x + f[1] * x2.y + f[2] * x2.z + f[3] * x2.w;
+                sb_q8x4(w[h][k].w, f);
+                d += f[0] * x3.x + f[1] * x3.y + f[2] * x3.z + f[3] * x3.w;
+                acc[k] += h2f((u16)sc[h][k]) * d;
+            }
+        }
+    }
+}
+
+// Sum of the four bytes of v (small unsigned values), each times the
+// matching x.
+__device__ __forceinline__ float q4v_nib_dot(u32 v, float4 x) {
+    return sb_byte_f32(v, 0, 8388608.0f) * x.x + sb_byte_f32(v, 1, 8388608.0f) * x.y +
+           sb_byte_f32(v, 2, 8388608.0f) * x.z + sb_byte_f32(v, 3, 8388608.0f) * x.w;
+}
+
+// This lane's share of NR split-Q4_K rows dotted with xa[0..cols), U chunks
+// of 4 super-blocks in flight per row. Lane l takes super-block 4c + l / 8
+// of chunk c, bytes 16 (l % 8)..+15 of its 128 quant bytes: group j = (l % 8)
+// / 2 of ggml's qs, elements 64j + 16 ((l % 8) & 1) + i (low nibbles,
+// sub-block 2j) and 32 more (high nibbles, sub-block 2j + 1), i < 16.
+// Every lane runs every shuffle (no lane leaves the loop early).
+template <int NR, int NH, int U>
+__device__ __forceinline__ void q4ks_dot16(const MvvRows& R, const float* __restrict__ xa, int cols, int lane,
+                                           float* acc) {
+    const int n_sb = cols >> 8;
+    const int g = lane >> 3, s8 = lane & 7, j = s8 >> 1;
+    const int xoff = 64 * j + 16 * (s8 & 1);
+    const int sh = 16 * (j & 1);  // byte pair (2j, 2j + 1) mod 4 of a scale word
+    const bool upper = j >= 2;    // sub-blocks 4..7: 6-bit values split over two bytes
+    const int base = lane & 24;   // first lane of this super-block's group
+    const int n_chunks = (n_sb + 3) >> 2;
+    for (int c = 0; c < n_chunks; c += U) {
+        uint4 w[U][NR];
+        u32 hw[U][NR];
+#pragma unroll
+        for (int h = 0; h < U; h++) {
+            int sb = ((c + h) << 2) + g;
+            bool ok = sb < n_sb;
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                w[h][k] = ok ? __ldg((const uint4*)(mvv_q<NH>(R, k) + (sb << 7) + (s8 << 4)))
+                             : make_uint4(0u, 0u, 0u, 0u);
+                hw[h][k] = ok ? __ldg((const u32*)(mvv_m<NH>(R, k) + (sb << 4)) + (s8 & 3)) : 0u;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < U; h++) {
+            int sb = ((c + h) << 2) + g;
+            // Header words of every row, from lanes base..base+3 (all lanes).
+            u32 hx[NR], sc2[NR], m2[NR];
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                hx[k] = __shfl_sync(0xffffffffu, hw[h][k], base);
+                u32 a = __shfl_sync(0xffffffffu, hw[h][k], base + 1) >> sh;
+                u32 b = __shfl_sync(0xffffffffu, hw[h][k], base + 2) >> sh;
+                u32 cc = __shfl_sync(0xffffffffu, hw[h][k], base + 3) >> sh;
+                // ggml's get_scale_min_k4 for sub-blocks 2j and 2j + 1 (bytes 0, 1).
+                sc2[k] = upper ? ((cc & 0x0f0fu) | ((a >> 2) & 0x3030u)) : (a & 0x3f3fu);
+                m2[k] = upper ? (((cc >> 4) & 0x0f0fu) | ((b >> 2) & 0x3030u)) : (b & 0x3f3fu);
+            }
+            if (sb >= n_sb) continue;
+            const float* xs = xa + (sb << 8) + xoff;
+            float dl[NR], dh[NR];
+            float sxl, sxh;
+            {
+                const float4* xp = (const float4*)xs;
+                float4 x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3];
+                sxl = ((x0.x + x0.y) + (x0.z + x0.w)) + ((x1.x + x1.y) + (x1.z + x1.w)) +
+                      ((x2.x + x2.y) + (x2.z + x2.w)) + ((x3.x + x3.y) + (x3.z + x3.w));
+#pragma unroll
+                for (int k = 0; k < NR; k++) {
+                    dl[k] = q4v_nib_dot(w[h][k].x & 0x0f0f0f0fu, x0) + q4v_nib_dot(w[h][k].y & 0x0f0f0f0fu, x1) +
+                            q4v_nib_dot(w[h][k].z & 0x0f0f0f0fu, x2) + q4v_nib_dot(w[h][k].w & 0x0f0f0f0fu, x3);
+                }
+            }
+            {
+                const float4* xp = (const float4*)(xs + 32);
+                float4 x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3];
+                sxh = ((x0.x + x0.y) + (x0.z + x0.w)) + ((x1.x + x1.y) + (x1.z + x1.w)) +
+                      ((x2.x + x2.y) + (x2.z + x2.w)) + ((x3.x + x3.y) + (x3.z + x3.w));
+#pragma unroll
+                for (int k = 0; k < NR; k++) {
+                    dh[k] = q4v_nib_dot((w[h][k].x >> 4) & 0x0f0f0f0fu, x0) +
+                            q4v_nib_dot((w[h][k].y >> 4) & 0x0f0f0f0fu, x1) +
+                            q4v_nib_dot((w[h][k].z >> 4) & 0x0f0f0f0fu, x2) +
+                            q4v_nib_dot((w[h][k].w >> 4) & 0x0f0f0f0fu, x3);
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                float d = h2f((u16)(hx[k] & 0xffffu)), dmin = h2f((u16)(hx[k] >> 16));
+                float sc0 = sb_byte_f32(sc2[k], 0, 8388608.0f), sc1 = sb_byte_f32(sc2[k], 1, 8388608.0f);
+                float m0 = sb_byte_f32(m2[k], 0, 8388608.0f), m1 = sb_byte_f32(m2[k], 1, 8388608.0f);
+                acc[k] += d * (sc0 * dl[k] + sc1 * dh[k]) - dmin * (m0 * sxl + m1 * sxh);
+            }
+        }
+    }
+}
+
+#define MVV_Q8 0
+#define MVV_Q4K 1
+
+template <int L, int NR, int NH, int U>
+__device__ __forceinline__ void mvv_dot(const MvvRows& R, const float* xa, int cols, int lane, float* acc) {
+    if (L == MVV_Q8)
+        q8s_dot16<NR, NH, U>(R, xa, cols, lane, acc);
+    else
+        q4ks_dot16<NR, NH, U>(R, xa, cols, lane, acc);
+}
+
+// Quant bytes and scale/header bytes per row of layout L (split Q8_0: cols
+// int8 then cols / 32 f16; split Q4_K: cols / 2 then cols / 16).
+template <int L>
+__device__ __forceinline__ int mvv_qrow(int cols) {
+    return L == MVV_Q8 ? cols : (cols >> 1);
+}
+template <int L>
+__device__ __forceinline__ int mvv_mrow(int cols) {
+    return L == MVV_Q8 ? (cols >> 4) : (cols >> 4);
+}
+
+// mv3 of a variant: S warps per group of NR rows (S = 1: no split), each
+// over one column slice of whole G-element granules.
+template <int L, int NR, int U, int S>
+__device__ __forceinline__ void mv3_variant(MV3_PARAMS) {
+    const int G = L == MVV_Q8 ? 128 : 256;
+    MV3_PICK((FAST_WARPS / S) * NR)
+    __shared__ float part[S > 1 ? FAST_WARPS : 1][NR];
+    const int slice = warp % S;
+    const int r0 = (bx * (FAST_WARPS / S) + warp / S) * NR;
+    const int n_gran = (cols + G - 1) / G, per_slice = (n_gran + S - 1) / S;
+    const int c_lo = min(cols, slice * per_slice * G);
+    const int c_n = min(cols, c_lo + per_slice * G) - c_lo;
+    float acc[NR];
+#pragma unroll
+    for (int k = 0; k < NR; k++) acc[k] = 0.f;
+    if (r0 < rows && c_n > 0) {
+        const int qs = mvv_qrow<L>(cols), ms = mvv_mrow<L>(cols);
+        MvvRows R;
+        // Bytes of the slice start: c_lo / 2 (Q4_K quants) or c_lo (Q8_0);
+        // scales/headers c_lo / 16 in both (2 bytes per 32, 16 per 256).
+        R.qa = R.qb = W + (long)r0 * qs + (L == MVV_Q8 ? c_lo : (c_lo >> 1));
+        R.ma = R.mb = W + (long)rows * qs + (long)r0 * ms + (c_lo >> 4);
+        R.qs = qs;
+        R.ms = ms;
+        R.last = rows - 1 - r0;
+        mvv_dot<L, NR, NR, U>(R, xa + c_lo, c_n, lane, acc);
+    }
+    if (S == 1) {
+#pragma unroll
+        for (int k = 0; k < NR; k++) {
+            float v = warp_sum(acc[k]);
+            if (lane == 0 && r0 + k < rows) mv_store(v, y, bias, rs, a, rows, r0 + k);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < NR; k++) {
+            float v = warp_sum(acc[k]);
+            if (lane == 0) part[warp][k] = v;
+        }
+        __syncthreads();
+        if (slice == 0 && lane < NR && r0 + lane < rows) {
+            float v = 0.f;
+            for (int t = 0; t < S; t++) v += part[warp + t][lane];
+            mv_store(v, y, bias, rs, a, rows, r0 + lane);
+        }
+    }
+}
+
+// gate/up/SwiGLU of a variant: NR / 2 channels per warp (their gate rows,
+// then their up rows, are the warp's NR rows).
+template <int L, int NR, int U>
+__device__ __forceinline__ void ffn_variant(FFN_PARAMS) {
+    const int NC = NR / 2;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    FAST_INPUT
+    int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
+    if (r0 >= rows) return;
+    const int qs = mvv_qrow<L>(cols), ms = mvv_mrow<L>(cols);
+    MvvRows R;
+    R.qa = Wg + (long)r0 * qs;
+    R.qb = Wu + (long)r0 * qs;
+    R.ma = Wg + (long)rows * qs + (long)r0 * ms;
+    R.mb = Wu + (long)rows * qs + (long)r0 * ms;
+    R.qs = qs;
+    R.ms = ms;
+    R.last = rows - 1 - r0;
+    float acc[NR];
+#pragma unroll
+    for (int k = 0; k < NR; k++) acc[k] = 0.f;
+    mvv_dot<L, NR, NC, U>(R, xa, cols, lane, acc);
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        float gs = warp_sum(acc[k]), us = warp_sum(acc[NC + k]);
+        if (lane == 0 && r0 + k < rows) h[(long)a * rows + r0 + k] = silu_mul(gs, us);
+    }
+}
+
+// Variant parameters: rows per warp (NR), chunks in flight per row (U); the
+// launch bounds follow each instance (v4: at least 4 resident blocks per SM
+// for Q8_0, i.e. <= 64 registers; 3 for Q4_K, where 64 spills).
+#define MVV2_NR 4
+#define MVV2_U_Q8 2
+#define MVV2_U_Q4K 1
+#define MVV3_NR 2
+#define MVV3_U_Q8 4
+#define MVV3_U_Q4K 2
+#define MVV4_NR 2
+#define MVV4_U_Q8 2
+#define MVV4_U_Q4K 1
+
+#define MVV_INSTANCE(NAME, L, V, NR, U, ...)                                                                              \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_##V(MV3_PARAMS) {                     \
+        mv3_variant<L, NR, U, 1>(MV3_ARGS);                                                                          \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_##V##_k2(MV3_PARAMS) {                \
+        mv3_variant<L, NR, U, 2>(MV3_ARGS);                                                                          \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_##V##_k4(MV3_PARAMS) {                \
+        mv3_variant<L, NR, U, 4>(MV3_ARGS);                                                                          \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_##V##_k8(MV3_PARAMS) {                \
+        mv3_variant<L, NR, U, 8>(MV3_ARGS);                                                                          \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) ffn_##NAME##_##V(FFN_PARAMS) {                     \
+        ffn_variant<L, NR, U>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                  \
+    }
+
+MVV_INSTANCE(q8_0s, MVV_Q8, v2, MVV2_NR, MVV2_U_Q8, FAST_WARPS * 32)
+MVV_INSTANCE(q8_0s, MVV_Q8, v3, MVV3_NR, MVV3_U_Q8, FAST_WARPS * 32)
+MVV_INSTANCE(q4_ks, MVV_Q4K, v2, MVV2_NR, MVV2_U_Q4K, FAST_WARPS * 32)
+MVV_INSTANCE(q4_ks, MVV_Q4K, v3, MVV3_NR, MVV3_U_Q4K, FAST_WARPS * 32)
+MVV_INSTANCE(q8_0s, MVV_Q8, v4, MVV4_NR, MVV4_U_Q8, FAST_WARPS * 32, 4)
+MVV_INSTANCE(q4_ks, MVV_Q4K, v4, MVV4_NR, MVV4_U_Q4K, FAST_WARPS * 32, 3)

@@ -45,3 +45,8 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
 (out / "q6k_extract.h").write_text("".join(extract(n) for n in [
     "float sb_byte_f32(", "void q6ks_dot(", "float q6ks_elem("]) + fwd + extract("void dequant_unit<TY_Q6_K>(")
     + macro("Q6S_ROW_PTRS"))
+(out / "mvv_extract.h").write_text("".join(extract(n) for n in [
+    "float sb_byte_f32(", "void sb_q8x4(", "struct MvvRows", "const u8* mvv_q(", "const u8* mvv_m(",
+    "void q8s_dot16(", "float q4v_nib_dot(", "void q4ks_dot16(", "u32 q4k_scale_byte(", "void q4k_scale_min(",
+    "float q4ks_elem(", "float q8s_elem("]).replace("int qs, ms, last;\n}", "int qs, ms, last;\n};"))
+

@@ -9,8 +9,8 @@ cd "$(dirname "$0")"
 T=$(mktemp -d)
 python3 extract.py "$T"
 cp prelude.h "$T"/
-for c in check_q8s_nvfp4 check_q4ks check_q5s check_q6ks; do
-  g++ -O1 -std=c++17 -I"$T" -o "$T/$c" "$c.cpp"
+for c in check_q8s_nvfp4 check_q4ks check_q5s check_q6ks check_mvv; do
+  g++ -O1 -std=c++20 -pthread -I"$T" -o "$T/$c" "$c.cpp"
   "$T/$c"
 done
 rm -rf "$T"
