@@ -1,32 +1,56 @@
 // Decode attention over selected KV pages only (issue 10), appended to
-// dense.cu's source (it uses warp_sum, kv_load, h2f, MIRAGE_INF and the
-// ATT_THREADS / ATT_TILE constants from there).
+// dense.cu's source (module::DENSE_SOURCE; it uses warp_sum, kv_load,
+// MIRAGE_INF and the ATT_THREADS / ATT_TILE constants from there).
 //
 // KV cache layout per layer as dense.cu: [n_seq, n_head_kv, n_ctx, head_dim].
 // Page summaries per layer: kmin / kmax [n_seq, n_head_kv, max_pages,
 // head_dim] f32, the per-dimension min and max of the keys of each page of
 // `page` positions (an axis-aligned box). For a query q the exact upper bound
-// of q.k over the box is sum_d max(q_d min_d, q_d max_d).
+// of q.k over the box is sum_d max(q_d min_d, q_d max_d), summed in d order
+// as the CPU's kv_pages::page_upper_bound does (bit-equal bounds).
 //
-// Three kernels per decode step and layer:
-//   page_bounds_*      refresh the boxes of the pages that changed;
-//   select_pages       per (row, query head): the bound of every page, then
-//                      the sinks, the recent window and the top pages by
-//                      bound, chosen on the device;
+// Kernels per decode step and layer (every grid depends on the batch and
+// the cache size only; positions come from `slots` in device memory):
+//   page_bounds_rows_* refresh the box of the page each row wrote (after
+//                      rope_store), or page_bounds_* for a range of pages;
+//   page_keys          the bound of every page as an order-preserving u32
+//                      key, many blocks per (row, head);
+//   select_pages       per (row, query head): radix select of the K-th
+//                      largest key, then the chosen pages in increasing
+//                      order (sinks, recent window, top pages by bound;
+//                      ties by the lower page index);
 //   attend_pages_part_* / attend_pages_combine
 //                      split-K over the selected pages (online softmax per
 //                      split, combined as dense.cu's attend_combine does).
+//
+// Row r of a launch is batch row row_base + r (slots, q, out); the scratch
+// (keys, sel, nsel, part) is indexed by the launch's own row r, so a host
+// can launch for single rows of a large batch.
+//
+// `only_decode` (the backend's mixed batches): rows that share their
+// sequence with another row of the batch (prefill) are skipped by the
+// selection and attention kernels; they attend every position through
+// dense.cu's kernels instead, as the CPU path does (attention_pruned::decode_rows).
 
-// Boxes of pages p0 .. p0 + gridDim.x of KV head blockIdx.y of `seq` over
-// positions < n. Grid (pages, n_head_kv), block head_dim. An empty page gets
-// the empty box (+inf, -inf).
+// Whether row `row` is the only row of its sequence among `n_rows`.
+__device__ __forceinline__ bool pruned_row(const int* __restrict__ slots, int row, int n_rows, int only_decode) {
+    if (!only_decode) return true;
+    int seq = slots[2 * row];
+    for (int r = 0; r < n_rows; r++)
+        if (r != row && slots[2 * r] == seq) return false;
+    return true;
+}
+
+// Box of page p of KV head kvh of `seq` over positions [p * page, min(n,
+// (p + 1) * page)); block head_dim threads. An empty page gets the empty box
+// (+inf, -inf).
 template <typename KV>
-__device__ void page_bounds(const KV* __restrict__ kc, int seq, int n_head_kv, int head_dim, int n_ctx, int page,
-                            int p0, int n, int max_pages, float* __restrict__ kmin, float* __restrict__ kmax) {
-    int p = p0 + blockIdx.x, kvh = blockIdx.y, d = threadIdx.x;
-    if (p >= max_pages || d >= head_dim) return;
+__device__ void page_box(const KV* __restrict__ kc, int seq, int kvh, int n_head_kv, int head_dim, int n_ctx, int page,
+                         int p, int n, int max_pages, float* __restrict__ kmin, float* __restrict__ kmax) {
+    int d = threadIdx.x;
+    if (p < 0 || p >= max_pages || d >= head_dim) return;
     const KV* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
-    int j0 = p * page, j1 = min(n, j0 + page);
+    int j0 = p * page, j1 = min(min(n, n_ctx), j0 + page);
     float lo = MIRAGE_INF, hi = -MIRAGE_INF;
     for (int j = j0; j < j1; j++) {
         float x = kv_load(K, (long)j * head_dim + d);
@@ -38,83 +62,244 @@ __device__ void page_bounds(const KV* __restrict__ kc, int seq, int n_head_kv, i
     kmax[at] = hi;
 }
 
-// Page selection. Grid (rows, n_head), block SEL_THREADS. Row r attends
-// positions 0..pos (slots[2r + 1] = pos, slots[2r] = seq). Writes the chosen
-// page indices to sel[(r * n_head + h) * max_sel ..] (highest rank first)
-// and their count to nsel[r * n_head + h]. Forced pages (the first `sinks`
-// and the last `recent`) rank as +inf, ties broken by the lower index, a
-// NaN bound as -inf; a page is chosen when fewer than K pages outrank it,
-// K = min(sinks + recent + max(top, ceil(pages * top_percent / 100)), pages,
-// max_sel) (KvPruning::top_for). Rank counting is O(pages^2 /
-// threads): ~1k comparisons per thread at 1k pages (64k positions at 64).
-#define SEL_THREADS 512
-#define SEL_MAX_PAGES 4096
-extern "C" __global__ void select_pages(const float* __restrict__ q, const int* __restrict__ slots,
-                                        const float* __restrict__ kmin, const float* __restrict__ kmax, int n_head,
-                                        int n_head_kv, int head_dim, int page, int max_pages, int sinks, int recent,
-                                        int top, int top_percent, int max_sel, int* __restrict__ sel,
-                                        int* __restrict__ nsel) {
-    __shared__ float bound[SEL_MAX_PAGES];
-    __shared__ float qs[256];
-    int row = blockIdx.x, head = blockIdx.y;
-    int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
-    int n_pages = min((n + page - 1) / page, min(max_pages, SEL_MAX_PAGES));
-    int kvh = head / (n_head / n_head_kv);
-    const float* qh = q + ((long)row * n_head + head) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d];
-    __syncthreads();
-    int recent_from = max(n_pages - recent, min(sinks, n_pages));
-    for (int p = threadIdx.x; p < n_pages; p += blockDim.x) {
-        float b;
-        if (p < sinks || p >= recent_from) {
-            b = MIRAGE_INF;
-        } else {
-            const float* lo = kmin + (((long)seq * n_head_kv + kvh) * max_pages + p) * head_dim;
-            const float* hi = kmax + (((long)seq * n_head_kv + kvh) * max_pages + p) * head_dim;
-            b = 0.f;
-            for (int d = 0; d < head_dim; d++) b += fmaxf(qs[d] * lo[d], qs[d] * hi[d]);
-            if (b != b) b = -MIRAGE_INF;
-        }
-        bound[p] = b;
-    }
-    __syncthreads();
-    // In 64-bit without min/max overloads (settings may be near INT_MAX).
+// Boxes of pages p0 .. p0 + gridDim.x of KV head blockIdx.y of `seq` over
+// positions < n. Grid (pages, n_head_kv), block head_dim.
+template <typename KV>
+__device__ void page_bounds(const KV* __restrict__ kc, int seq, int n_head_kv, int head_dim, int n_ctx, int page,
+                            int p0, int n, int max_pages, float* __restrict__ kmin, float* __restrict__ kmax) {
+    page_box<KV>(kc, seq, blockIdx.y, n_head_kv, head_dim, n_ctx, page, p0 + blockIdx.x, n, max_pages, kmin, kmax);
+}
+
+// The box of the page row blockIdx.x wrote, over the positions of its
+// sequence up to the last one any row of the batch wrote (rows of one
+// sequence in one page write the same box). Grid (n_rows, n_head_kv), block
+// head_dim. Every write recomputes its page from the cache, so boxes never
+// need work on truncation.
+template <typename KV>
+__device__ void page_bounds_rows(const KV* __restrict__ kc, const int* __restrict__ slots, int n_rows, int n_head_kv,
+                                 int head_dim, int n_ctx, int page, int max_pages, float* __restrict__ kmin,
+                                 float* __restrict__ kmax) {
+    int row = blockIdx.x;
+    int seq = slots[2 * row], pos = slots[2 * row + 1];
+    int n = pos + 1;
+    for (int r = 0; r < n_rows; r++)
+        if (slots[2 * r] == seq) n = max(n, slots[2 * r + 1] + 1);
+    page_box<KV>(kc, seq, blockIdx.y, n_head_kv, head_dim, n_ctx, page, pos / page, n, max_pages, kmin, kmax);
+}
+
+// Order-preserving key of a bound (larger bound, larger key; -0 below +0
+// as total_cmp; NaN as -inf). Forced pages (sinks, recent) get SEL_FORCED,
+// above every bound's key.
+#define SEL_FORCED 0xffffffffu
+__device__ __forceinline__ unsigned int bound_key(float b) {
+    if (b != b) b = -MIRAGE_INF;
+    unsigned int u = __float_as_uint(b);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return min(u, SEL_FORCED - 1u);
+}
+
+// Pages of a row and the number it attends: K = min(sinks + recent +
+// max(top, ceil(pages * top_percent / 100)), pages, max_sel)
+// (KvPruning::top_for), in 64-bit (settings may be near INT_MAX).
+__device__ __forceinline__ int sel_count(int n_pages, int sinks, int recent, int top, int top_percent, int max_sel) {
     long long grown = ((long long)n_pages * top_percent + 99) / 100;
     long long top_eff = grown > top ? grown : (long long)top;
     long long total = (long long)sinks + recent + top_eff;
     int cap = min(n_pages, max_sel);
-    int k = total < cap ? (int)total : cap;
-    int* out = sel + ((long)row * n_head + head) * max_sel;
-    for (int p = threadIdx.x; p < n_pages; p += blockDim.x) {
-        float b = bound[p];
-        int rank = 0;
-        for (int j = 0; j < n_pages && rank < k; j++) {
-            float c = bound[j];
-            rank += (c > b) || (c == b && j < p);
-        }
-        if (rank < k) out[rank] = p;
+    return total < cap ? (int)total : cap;
+}
+
+// Bound keys. Grid (rows, n_head, ceil(max_pages / blockDim.x)), block
+// KEY_THREADS: one thread per page. keys[(row * n_head + head) * max_pages
+// + p] for p < the row's page count.
+#define KEY_THREADS 128
+extern "C" __global__ void page_keys(const float* __restrict__ q, const int* __restrict__ slots,
+                                     const float* __restrict__ kmin, const float* __restrict__ kmax, int n_head,
+                                     int n_head_kv, int head_dim, int page, int max_pages, int sinks, int recent,
+                                     int only_decode, int n_rows, int row_base, unsigned int* __restrict__ keys) {
+    __shared__ float qs[256];
+    int row = row_base + blockIdx.x, head = blockIdx.y;
+    int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
+    int n_pages = min((n + page - 1) / page, max_pages);
+    int p0 = blockIdx.z * blockDim.x;
+    if (p0 >= n_pages || !pruned_row(slots, row, n_rows, only_decode)) return;
+    int kvh = head / (n_head / n_head_kv);
+    const float* qh = q + ((long)row * n_head + head) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d];
+    __syncthreads();
+    int p = p0 + threadIdx.x;
+    if (p >= n_pages) return;
+    int recent_from = max(n_pages - recent, min(sinks, n_pages));
+    unsigned int key;
+    if (p < sinks || p >= recent_from) {
+        key = SEL_FORCED;
+    } else {
+        const float* lo = kmin + (((long)seq * n_head_kv + kvh) * max_pages + p) * head_dim;
+        const float* hi = kmax + (((long)seq * n_head_kv + kvh) * max_pages + p) * head_dim;
+        float b = 0.f;
+        for (int d = 0; d < head_dim; d++) b += fmaxf(qs[d] * lo[d], qs[d] * hi[d]);
+        key = bound_key(b);
     }
-    if (threadIdx.x == 0) nsel[row * n_head + head] = k;
+    keys[((long)blockIdx.x * n_head + head) * max_pages + p] = key;
+}
+
+// Inclusive block scan of 64-bit counters (blockDim a multiple of 32, at
+// most 1024); `wsum` has 32 entries. Returns the exclusive prefix and sets
+// *total to the block's sum.
+__device__ __forceinline__ unsigned long long block_scan_excl(unsigned long long v, unsigned long long* wsum,
+                                                              unsigned long long* total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    unsigned long long x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned long long t = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += t;
+    }
+    if (lane == 31) wsum[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        unsigned long long w = lane < nw ? wsum[lane] : 0ull;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            unsigned long long t = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += t;
+        }
+        if (lane < nw) wsum[lane] = w;
+    }
+    __syncthreads();
+    unsigned long long before = (warp > 0 ? wsum[warp - 1] : 0ull) + x - v;
+    *total = wsum[nw - 1];
+    __syncthreads();  // wsum is reused by the next call
+    return before;
+}
+
+// Page choice. Grid (rows, n_head), block SEL_THREADS. The K largest keys
+// (page_keys; ties by the lower page index) are found by a radix select
+// (four 8-bit passes over the keys, a histogram each) and written in
+// increasing page order to sel[(r * n_head + h) * max_sel ..], their count
+// to nsel[r * n_head + h]. Cost O(pages / threads) per pass, whatever K.
+#define SEL_THREADS 512
+#define SEL_SMEM_KEYS 8192
+extern "C" __global__ void select_pages(const unsigned int* __restrict__ keys, const int* __restrict__ slots,
+                                        int n_head, int page, int max_pages, int sinks, int recent, int top,
+                                        int top_percent, int max_sel, int only_decode, int n_rows, int row_base,
+                                        int* __restrict__ sel, int* __restrict__ nsel) {
+    __shared__ unsigned int skeys[SEL_SMEM_KEYS];
+    __shared__ int hist[256];
+    __shared__ unsigned int s_prefix;
+    __shared__ int s_remaining;
+    __shared__ unsigned long long wsum[32];
+    int row = row_base + blockIdx.x, head = blockIdx.y, at = blockIdx.x * n_head + head;
+    int n = slots[2 * row + 1] + 1;
+    int n_pages = min((n + page - 1) / page, max_pages);
+    int* out = sel + (long)at * max_sel;
+    if (!pruned_row(slots, row, n_rows, only_decode)) {
+        if (threadIdx.x == 0) nsel[at] = 0;
+        return;
+    }
+    int k = sel_count(n_pages, sinks, recent, top, top_percent, max_sel);
+    if (k >= n_pages) {
+        for (int p = threadIdx.x; p < n_pages; p += blockDim.x) out[p] = p;
+        if (threadIdx.x == 0) nsel[at] = n_pages;
+        return;
+    }
+    if (k <= 0) {
+        if (threadIdx.x == 0) nsel[at] = 0;
+        return;
+    }
+    const unsigned int* gk = keys + (long)at * max_pages;
+    const unsigned int* K = gk;
+    if (n_pages <= SEL_SMEM_KEYS) {
+        for (int p = threadIdx.x; p < n_pages; p += blockDim.x) skeys[p] = gk[p];
+        K = skeys;
+    }
+    if (threadIdx.x == 0) {
+        s_prefix = 0u;
+        s_remaining = k;
+    }
+    unsigned int mask = 0u;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        unsigned int prefix = s_prefix;
+        for (int p = threadIdx.x; p < n_pages; p += blockDim.x) {
+            unsigned int u = K[p];
+            if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            // Lane l owns digits 8l .. 8l + 7; counts from the top digit down.
+            int lane = threadIdx.x, rem = s_remaining;
+            int own = 0;
+            for (int b = 0; b < 8; b++) own += hist[8 * lane + b];
+            int suffix = own;  // sum over lanes >= lane
+            for (int o = 1; o < 32; o <<= 1) {
+                int t = __shfl_down_sync(0xffffffffu, suffix, o);
+                if (lane + o < 32) suffix += t;
+            }
+            int above = suffix - own;
+            if (above < rem && rem <= suffix) {
+                int cum = above;
+                for (int b = 7; b >= 0; b--) {
+                    int h = hist[8 * lane + b];
+                    if (cum + h >= rem) {
+                        s_prefix = prefix | ((unsigned int)(8 * lane + b) << shift);
+                        s_remaining = rem - cum;
+                        break;
+                    }
+                    cum += h;
+                }
+            }
+        }
+        __syncthreads();
+        mask |= 255u << shift;
+    }
+    // The K-th largest key is T = s_prefix; every key above it is chosen and
+    // the first s_remaining pages (by index) whose key equals it.
+    unsigned int T = s_prefix;
+    unsigned long long take_eq = (unsigned long long)s_remaining;
+    unsigned long long base = 0ull;  // (equal << 32) | above, before this chunk
+    for (int c0 = 0; c0 < n_pages; c0 += blockDim.x) {
+        int p = c0 + threadIdx.x;
+        unsigned int u = p < n_pages ? K[p] : 0u;
+        bool gt = p < n_pages && u > T, eq = p < n_pages && u == T;
+        unsigned long long v = (unsigned long long)gt | ((unsigned long long)eq << 32);
+        unsigned long long total;
+        unsigned long long before = base + block_scan_excl(v, wsum, &total);
+        unsigned long long gt_before = before & 0xffffffffull, eq_before = before >> 32;
+        unsigned long long at = gt_before + (eq_before < take_eq ? eq_before : take_eq);
+        if (gt || (eq && eq_before < take_eq)) out[at] = p;
+        base += total;
+    }
+    if (threadIdx.x == 0) nsel[at] = k;
 }
 
 // Split-K attention over the selected pages, part 1. Grid (rows, n_head,
-// n_split), block ATT_THREADS. Split s takes selected entries [s * per_split,
-// (s + 1) * per_split) and writes (m, l, unnormalised V sum) to part as
-// dense.cu's attend_part does; a split with no page writes (-inf, 0, 0).
+// n_split), block ATT_THREADS. The row's selected pages are cut into
+// n_split runs of ceil(count / n_split) pages (in the kernel: the grid does
+// not depend on the count); split s walks its run's positions as one
+// stream in tiles of ATT_TILE (positions >= n of the partial last page are
+// masked) and writes (m, l, unnormalised V sum) to part as dense.cu's
+// attend_part does; a split with no page writes (-inf, 0, 0).
 template <typename KV>
 __device__ void attend_pages_part(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
                                   const int* __restrict__ slots, const int* __restrict__ sel,
                                   const int* __restrict__ nsel, int n_head, int n_head_kv, int head_dim, int n_ctx,
-                                  int page, int max_sel, int per_split, float scale, float* __restrict__ part) {
+                                  int page, int max_sel, int only_decode, int n_rows, int row_base, float scale,
+                                  float* __restrict__ part) {
     __shared__ float qs[ATT_THREADS];
     __shared__ float sc[ATT_TILE];
+    __shared__ int spos[ATT_TILE];
     __shared__ float red[ATT_THREADS];
     __shared__ float lred[ATT_THREADS / 64];
-    int row = blockIdx.x, head = blockIdx.y, split = blockIdx.z, n_split = gridDim.z;
-    int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
-    const int* pages = sel + ((long)row * n_head + head) * max_sel;
-    int count = nsel[row * n_head + head];
-    int e0 = split * per_split, e1 = min(count, e0 + per_split);
+    int row = row_base + blockIdx.x, head = blockIdx.y, split = blockIdx.z, n_split = gridDim.z;
+    int at = blockIdx.x * n_head + head;
+    if (!pruned_row(slots, row, n_rows, only_decode)) return;  // the combine skips the row too
+    int seq = slots[2 * row], n = min(slots[2 * row + 1] + 1, n_ctx);
+    const int* pages = sel + (long)at * max_sel;
+    int count = nsel[at];
+    int per_split = (count + n_split - 1) / n_split;
+    int e0 = min(count, split * per_split), e1 = min(count, e0 + per_split);
     int kvh = head / (n_head / n_head_kv);
     const float* qh = q + ((long)row * n_head + head) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d];
@@ -123,45 +308,59 @@ __device__ void attend_pages_part(const float* __restrict__ q, const KV* __restr
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     int groups = blockDim.x / head_dim, g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
     float m = -MIRAGE_INF, l = 0.f, acc = 0.f;
+    long total = (long)(e1 - e0) * page;
     __syncthreads();
-    for (int e = e0; e < e1; e++) {
-        int j0 = pages[e] * page, j1 = min(n, j0 + page);
-        for (int t0 = j0; t0 < j1; t0 += ATT_TILE) {
-            int cnt = min(ATT_TILE, j1 - t0);
-            for (int jj = warp; jj < cnt; jj += nw) {
-                long kr = (long)(t0 + jj) * head_dim;
-                float s = 0.f;
-                for (int x = lane; x < head_dim; x += 32) s += qs[x] * kv_load(K, kr + x);
-                s = warp_sum(s);
-                if (lane == 0) sc[jj] = s * scale;
-            }
-            __syncthreads();
-            float tm = -MIRAGE_INF;
-            for (int jj = 0; jj < cnt; jj++) tm = fmaxf(tm, sc[jj]);
-            float nm = fmaxf(m, tm);
-            float f = expf(m - nm);
-            __syncthreads();
-            if (threadIdx.x < cnt) sc[threadIdx.x] = expf(sc[threadIdx.x] - nm);
-            __syncthreads();
-            acc *= f;
-            l *= f;
-            m = nm;
-            if (g < groups) {
-                for (int jj = g; jj < cnt; jj += groups) {
-                    float p = sc[jj];
-                    acc += p * kv_load(V, (long)(t0 + jj) * head_dim + d);
-                    l += p;
-                }
-            }
-            __syncthreads();
+    for (long t0 = 0; t0 < total; t0 += ATT_TILE) {
+        int cnt = (int)min((long)ATT_TILE, total - t0);
+        if (threadIdx.x < cnt) {
+            long v = t0 + threadIdx.x;
+            int j = pages[e0 + (int)(v / page)] * page + (int)(v % page);
+            spos[threadIdx.x] = j < n ? j : -1;
         }
+        __syncthreads();
+        for (int jj = warp; jj < cnt; jj += nw) {
+            int j = spos[jj];
+            float s = -MIRAGE_INF;
+            if (j >= 0) {
+                long kr = (long)j * head_dim;
+                s = 0.f;
+                for (int x = lane; x < head_dim; x += 32) s += qs[x] * kv_load(K, kr + x);
+                s = warp_sum(s) * scale;
+            }
+            if (lane == 0) sc[jj] = s;
+        }
+        __syncthreads();
+        float tm = -MIRAGE_INF;
+        for (int jj = 0; jj < cnt; jj++) tm = fmaxf(tm, sc[jj]);
+        float nm = fmaxf(m, tm);
+        if (nm == -MIRAGE_INF) {  // nothing valid yet (uniform over the block)
+            __syncthreads();
+            continue;
+        }
+        float f = expf(m - nm);  // 0 while m = -inf
+        __syncthreads();         // every thread has read the raw scores
+        if (threadIdx.x < cnt) sc[threadIdx.x] = expf(sc[threadIdx.x] - nm);
+        __syncthreads();
+        acc *= f;
+        l *= f;
+        m = nm;
+        if (g < groups) {
+            for (int jj = g; jj < cnt; jj += groups) {
+                int j = spos[jj];
+                if (j < 0) continue;
+                float p = sc[jj];
+                acc += p * kv_load(V, (long)j * head_dim + d);
+                l += p;
+            }
+        }
+        __syncthreads();  // before the next tile overwrites sc / spos
     }
     if (g < groups) {
         red[g * head_dim + d] = acc;
         if (d == 0) lred[g] = l;
     }
     __syncthreads();
-    float* P = part + (((long)row * n_head + head) * n_split + split) * (head_dim + 2);
+    float* P = part + ((long)at * n_split + split) * (head_dim + 2);
     for (int x = threadIdx.x; x < head_dim; x += blockDim.x) {
         float a = 0.f;
         for (int k = 0; k < groups; k++) a += red[k * head_dim + x];
@@ -176,11 +375,14 @@ __device__ void attend_pages_part(const float* __restrict__ q, const KV* __restr
 }
 
 // Part 2: out[row, head, :] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
-// over the splits that saw a page. Grid (rows, n_head), block head_dim.
-extern "C" __global__ void attend_pages_combine(const float* __restrict__ part, int n_head, int head_dim,
-                                                int n_split, float* __restrict__ out) {
-    int row = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
-    const float* P = part + ((long)row * n_head + head) * n_split * (head_dim + 2);
+// over the splits that saw a page (0 when no page was chosen). Grid (rows,
+// n_head), block head_dim. Rows skipped by `only_decode` are left as they are.
+extern "C" __global__ void attend_pages_combine(const float* __restrict__ part, const int* __restrict__ slots,
+                                                int n_head, int head_dim, int n_split, int only_decode, int n_rows,
+                                                int row_base, float* __restrict__ out) {
+    int row = row_base + blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+    if (!pruned_row(slots, row, n_rows, only_decode)) return;
+    const float* P = part + ((long)blockIdx.x * n_head + head) * n_split * (head_dim + 2);
     float M = -MIRAGE_INF;
     for (int s = 0; s < n_split; s++) M = fmaxf(M, P[s * (head_dim + 2)]);
     float L = 0.f, a = 0.f;
@@ -191,7 +393,7 @@ extern "C" __global__ void attend_pages_combine(const float* __restrict__ part, 
         L += w * ps[1];
         a += w * ps[2 + d];
     }
-    out[((long)row * n_head + head) * head_dim + d] = a / L;
+    out[((long)row * n_head + head) * head_dim + d] = L > 0.f ? a / L : 0.f;
 }
 
 #define PRUNED_INSTANCE(NAME, KV)                                                                                  \
@@ -200,13 +402,18 @@ extern "C" __global__ void attend_pages_combine(const float* __restrict__ part, 
                                                   float* kmax) {                                                   \
         page_bounds<KV>(kc, seq, n_head_kv, head_dim, n_ctx, page, p0, n, max_pages, kmin, kmax);                  \
     }                                                                                                              \
+    extern "C" __global__ void page_bounds_rows_##NAME(const KV* kc, const int* slots, int n_rows, int n_head_kv,  \
+                                                       int head_dim, int n_ctx, int page, int max_pages,           \
+                                                       float* kmin, float* kmax) {                                 \
+        page_bounds_rows<KV>(kc, slots, n_rows, n_head_kv, head_dim, n_ctx, page, max_pages, kmin, kmax);          \
+    }                                                                                                              \
     extern "C" __global__ void attend_pages_part_##NAME(const float* q, const KV* kc, const KV* vc,               \
                                                         const int* slots, const int* sel, const int* nsel,         \
                                                         int n_head, int n_head_kv, int head_dim, int n_ctx,        \
-                                                        int page, int max_sel, int per_split, float scale,         \
-                                                        float* part) {                                             \
+                                                        int page, int max_sel, int only_decode, int n_rows,        \
+                                                        int row_base, float scale, float* part) {                  \
         attend_pages_part<KV>(q, kc, vc, slots, sel, nsel, n_head, n_head_kv, head_dim, n_ctx, page, max_sel,      \
-                              per_split, scale, part);                                                             \
+                              only_decode, n_rows, row_base, scale, part);                                         \
     }
 
 PRUNED_INSTANCE(f32, float)

@@ -3,15 +3,23 @@
 //! the choice of pages made on the device, split-K attention over the chosen
 //! pages only (`cuda/attention_pruned.cu`).
 //!
-//! [`PrunedAttention`] is a stand-alone device (its own context and stream,
-//! the dense kernels compiled in the same module so that full attention —
-//! dense.cu's `attend_part`/`attend_combine` — runs beside it for checks
-//! and timing). It works on one layer's cache in the backend's layout,
-//! `[n_seq, n_head_kv, n_ctx, head_dim]` of f32 or f16, with the selection
-//! rule of the CPU path ([`mirage_runtime::kv_pages::KvPruning`]: sinks,
-//! recent window, top pages by bound). It is not yet wired into
-//! [`crate::CudaBackend`]'s decode graph; the kernels take positions from
-//! device memory like the backend's, so they can be recorded there.
+//! The kernels are part of [`crate::module::DENSE_SOURCE`], so
+//! [`crate::CudaBackend`] runs them inside its decode graph: a cache from
+//! `Backend::new_kv_cache_pruned(spec, Some(pruning))` keeps per-layer page
+//! boxes on the device, refreshed for every page a step writes, and its
+//! decode rows attend the pages the rule chooses (see the backend's
+//! `attention`). The choice: the bound of every page as an order-preserving
+//! key (`page_keys`, many blocks per head), then a radix select of the K-th
+//! largest key and a scan that lists the chosen pages in increasing order
+//! (`select_pages`, one block per head, O(pages / threads) per pass).
+//!
+//! [`PrunedAttention`] drives the same kernels as a stand-alone device (its
+//! own context and stream, full attention — dense.cu's
+//! `attend_part`/`attend_combine` — beside it) for kernel tests and for
+//! `pruned-attention-bench`. It works on one layer's cache in the backend's
+//! layout, `[n_seq, n_head_kv, n_ctx, head_dim]` of f32 or f16, with the
+//! selection rule of the CPU path ([`mirage_runtime::kv_pages::KvPruning`]:
+//! sinks, recent window, top pages by bound, ties to the lower page index).
 
 use std::sync::Arc;
 
@@ -25,18 +33,14 @@ use mirage_runtime::kv_pages::KvPruning;
 use crate::{module, CudaError};
 
 /// The kernels: nvfp4.cu and dense.cu (helpers and the full attention), then
-/// attention_pruned.cu.
-pub const PRUNED_SOURCE: &str = concat!(
-    include_str!("../../../cuda/nvfp4.cu"),
-    include_str!("../../../cuda/dense.cu"),
-    include_str!("../../../cuda/attention_pruned.cu")
-);
+/// attention_pruned.cu — the backend's module.
+pub const PRUNED_SOURCE: &str = module::DENSE_SOURCE;
 
 /// `ATT_THREADS` of dense.cu.
 const ATT_THREADS: u32 = 256;
-/// `SEL_THREADS` and `SEL_MAX_PAGES` of attention_pruned.cu.
-const SEL_THREADS: u32 = 512;
-const SEL_MAX_PAGES: usize = 4096;
+/// `SEL_THREADS` and `KEY_THREADS` of attention_pruned.cu.
+pub(crate) const SEL_THREADS: u32 = 512;
+pub(crate) const KEY_THREADS: u32 = 128;
 /// Blocks the split-K grids aim for (a couple of waves on an H200's 132 SMs).
 const TARGET_BLOCKS: usize = 264;
 /// Fewest positions per split of full attention (the backend's rule).
@@ -99,12 +103,14 @@ pub struct PrunedAttention {
     stream: Arc<CudaStream>,
     device_name: String,
     page_bounds: [CudaFunction; 2],
+    page_keys: CudaFunction,
     select_pages: CudaFunction,
     attend_pages_part: [CudaFunction; 2],
     attend_pages_combine: CudaFunction,
     attend_part: [CudaFunction; 2],
     attend_combine: CudaFunction,
     part: Option<CudaSlice<f32>>,
+    keys: Option<CudaSlice<u32>>,
     sel: Option<CudaSlice<i32>>,
     nsel: Option<CudaSlice<i32>>,
 }
@@ -148,6 +154,7 @@ impl PrunedAttention {
         let load = |n: &str| m.load_function(n).map_err(drv);
         Ok(PrunedAttention {
             page_bounds: [load("page_bounds_f32")?, load("page_bounds_f16")?],
+            page_keys: load("page_keys")?,
             select_pages: load("select_pages")?,
             attend_pages_part: [
                 load("attend_pages_part_f32")?,
@@ -160,6 +167,7 @@ impl PrunedAttention {
             stream,
             device_name,
             part: None,
+            keys: None,
             sel: None,
             nsel: None,
         })
@@ -448,23 +456,17 @@ impl PrunedAttention {
                 cfg.page, s.page
             )));
         }
-        if s.max_pages() > SEL_MAX_PAGES {
-            return Err(bad(format!(
-                "{} pages per head exceed the selection kernel's {SEL_MAX_PAGES}",
-                s.max_pages()
-            )));
-        }
         let max_sel = cfg
             .max_selected_for(s.max_pages())
             .min(s.max_pages())
             .max(1);
         let n_split = max_sel.min((TARGET_BLOCKS / (rows * n_head)).max(1)).max(1);
-        let per_split = max_sel.div_ceil(n_split);
         let ppart = grow(
             &self.stream,
             &mut self.part,
             rows * n_head * n_split * (s.head_dim + 2),
         )?;
+        let pkeys = grow(&self.stream, &mut self.keys, rows * n_head * s.max_pages())?;
         let psel = grow(&self.stream, &mut self.sel, rows * n_head * max_sel)?;
         let pnsel = grow(&self.stream, &mut self.nsel, rows * n_head)?;
         let (pq, pk, pv, pslots, pout) = (
@@ -484,15 +486,16 @@ impl PrunedAttention {
             s.page as i32,
             s.max_pages() as i32,
         );
-        let (sinks, recent, top, msel, ps, ns) = (
+        let (sinks, recent, top, msel, ns) = (
             clamp(cfg.sink_pages),
             clamp(cfg.recent_pages),
             clamp(cfg.top_pages),
             max_sel as i32,
-            per_split as i32,
             n_split as i32,
         );
-        let mut b = self.stream.launch_builder(&self.select_pages);
+        // Every row is pruned here (no decode-row check), `n_rows` unused.
+        let (only_decode, n_rows, row_base) = (0i32, rows as i32, 0i32);
+        let mut b = self.stream.launch_builder(&self.page_keys);
         b.arg(&pq)
             .arg(&pslots)
             .arg(&pmin)
@@ -502,12 +505,38 @@ impl PrunedAttention {
             .arg(&hd)
             .arg(&page)
             .arg(&maxp);
-        let top_percent = clamp(cfg.top_percent);
         b.arg(&sinks)
+            .arg(&recent)
+            .arg(&only_decode)
+            .arg(&n_rows)
+            .arg(&row_base)
+            .arg(&pkeys);
+        let lc = LaunchConfig {
+            grid_dim: (
+                rows as u32,
+                n_head as u32,
+                s.max_pages().div_ceil(KEY_THREADS as usize) as u32,
+            ),
+            block_dim: (KEY_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: keys holds max_pages entries per (row, head).
+        unsafe { b.launch(lc) }.map_err(drv)?;
+        let top_percent = clamp(cfg.top_percent);
+        let mut b = self.stream.launch_builder(&self.select_pages);
+        b.arg(&pkeys)
+            .arg(&pslots)
+            .arg(&nh)
+            .arg(&page)
+            .arg(&maxp)
+            .arg(&sinks)
             .arg(&recent)
             .arg(&top)
             .arg(&top_percent)
             .arg(&msel)
+            .arg(&only_decode)
+            .arg(&n_rows)
+            .arg(&row_base)
             .arg(&psel)
             .arg(&pnsel);
         let lc = LaunchConfig {
@@ -534,7 +563,13 @@ impl PrunedAttention {
             .arg(&nkv)
             .arg(&hd)
             .arg(&n_ctx);
-        b.arg(&page).arg(&msel).arg(&ps).arg(&scale).arg(&ppart);
+        b.arg(&page)
+            .arg(&msel)
+            .arg(&only_decode)
+            .arg(&n_rows)
+            .arg(&row_base)
+            .arg(&scale)
+            .arg(&ppart);
         let lc = LaunchConfig {
             grid_dim: (rows as u32, n_head as u32, n_split as u32),
             block_dim: (ATT_THREADS, 1, 1),
@@ -543,7 +578,15 @@ impl PrunedAttention {
         // SAFETY: as above.
         unsafe { b.launch(lc) }.map_err(drv)?;
         let mut b = self.stream.launch_builder(&self.attend_pages_combine);
-        b.arg(&ppart).arg(&nh).arg(&hd).arg(&ns).arg(&pout);
+        b.arg(&ppart)
+            .arg(&pslots)
+            .arg(&nh)
+            .arg(&hd)
+            .arg(&ns)
+            .arg(&only_decode)
+            .arg(&n_rows)
+            .arg(&row_base)
+            .arg(&pout);
         let lc = LaunchConfig {
             grid_dim: (rows as u32, n_head as u32, 1),
             block_dim: (s.head_dim as u32, 1, 1),

@@ -15,10 +15,12 @@ use crate::CudaError;
 
 /// The dense kernels (`cuda/dense.cu`), after `cuda/nvfp4.cu`, whose `sb_*`
 /// decode helpers the fast decode kernels (split Q8_0, NVFP4) share with the
-/// sparse path.
+/// sparse path, then the pruned decode attention (`cuda/attention_pruned.cu`,
+/// which uses dense.cu's helpers).
 pub const DENSE_SOURCE: &str = concat!(
     include_str!("../../../cuda/nvfp4.cu"),
-    include_str!("../../../cuda/dense.cu")
+    include_str!("../../../cuda/dense.cu"),
+    include_str!("../../../cuda/attention_pruned.cu")
 );
 
 /// NVRTC options besides the architecture. Precise `expf`/division: the
