@@ -24,6 +24,13 @@ pub struct CudaFfn(());
 /// Stand-in: never constructed.
 #[derive(Debug)]
 pub struct CudaKvCache(());
+
+impl CudaKvCache {
+    /// Never reached.
+    pub fn kv_pruning(&self) -> Option<&mirage_runtime::KvPruning> {
+        None
+    }
+}
 /// Stand-in activation buffer.
 #[derive(Debug, Default)]
 pub struct CudaActivations(());
@@ -150,6 +157,13 @@ impl Backend for CudaBackend {
         Err(no())
     }
     fn new_kv_cache(&self, _spec: KvSpec) -> Result<CudaKvCache> {
+        Err(no())
+    }
+    fn new_kv_cache_pruned(
+        &self,
+        _spec: KvSpec,
+        _pruning: Option<mirage_runtime::KvPruning>,
+    ) -> Result<CudaKvCache> {
         Err(no())
     }
     fn kv_truncate(&self, _cache: &mut CudaKvCache, _seq: usize, _pos: usize) {}

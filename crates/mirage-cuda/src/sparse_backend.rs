@@ -789,6 +789,13 @@ impl Backend for SparseCudaBackend {
     fn new_kv_cache(&self, spec: KvSpec) -> Result<CudaKvCache> {
         self.inner.new_kv_cache(spec)
     }
+    fn new_kv_cache_pruned(
+        &self,
+        spec: KvSpec,
+        pruning: Option<mirage_runtime::KvPruning>,
+    ) -> Result<CudaKvCache> {
+        self.inner.new_kv_cache_pruned(spec, pruning)
+    }
     fn kv_truncate(&self, cache: &mut CudaKvCache, seq: usize, pos: usize) {
         self.inner.kv_truncate(cache, seq, pos)
     }
