@@ -17,7 +17,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::Backend;
-use mirage_runtime::{CpuBackend, KvDtype, Model, TokenSlot};
+use mirage_runtime::{CpuBackend, KvDtype, KvPruning, Model, TokenSlot};
 
 /// Arguments of `mirage-cli bench`.
 #[derive(Debug, Args)]
@@ -48,6 +48,12 @@ pub struct BenchArgs {
     /// KV cache element type: `f32` or `f16`.
     #[arg(long, default_value = "f32")]
     pub kv: String,
+    /// Decode attention over selected KV pages only (cpu and cuda), as
+    /// generate's `--kv-prune`: `default`, `all`, or key=number pairs, e.g.
+    /// `page=16,sinks=4,recent=8,top=32,top_percent=20`. The prompt still
+    /// attends every position.
+    #[arg(long)]
+    pub kv_prune: Option<KvPruning>,
     /// CUDA: record decode steps as CUDA graphs (`on`) or launch op by op
     /// (`off`).
     #[arg(long, default_value = "on")]
@@ -106,6 +112,7 @@ struct BenchReport {
     workspace_bytes: Option<usize>,
     device_used_bytes: Option<usize>,
     kv_dtype: String,
+    kv_prune: Option<String>,
     cuda_graphs: Option<bool>,
     cuda_gemm: Option<bool>,
     cuda_fast: Option<bool>,
@@ -277,7 +284,7 @@ fn measure<B: Backend>(
     // timed) and two decode steps.
     {
         let n_warm = 32.min(n_prompt);
-        let mut cache = model.new_kv_cache(n_warm + 2, 1, kv)?;
+        let mut cache = model.new_kv_cache_pruned(n_warm + 2, 1, kv, args.kv_prune)?;
         let slots: Vec<TokenSlot> = (0..n_warm).map(|pos| TokenSlot { seq: 0, pos }).collect();
         model.forward(
             &prompt[..n_warm],
@@ -298,7 +305,7 @@ fn measure<B: Backend>(
             )?;
         }
     }
-    let mut cache = model.new_kv_cache(n_ctx, 1, kv)?;
+    let mut cache = model.new_kv_cache_pruned(n_ctx, 1, kv, args.kv_prune)?;
     let slots: Vec<TokenSlot> = (0..n_prompt).map(|pos| TokenSlot { seq: 0, pos }).collect();
     let ubatch = if args.ubatch == 0 { n_prompt } else { args.ubatch.min(n_prompt) };
     let t = Instant::now();
@@ -365,6 +372,7 @@ fn measure<B: Backend>(
         workspace_bytes: None,
         device_used_bytes: None,
         kv_dtype: args.kv.clone(),
+        kv_prune: args.kv_prune.as_ref().map(prune_spec),
         cuda_graphs: None,
         cuda_gemm: None,
         cuda_fast: None,
@@ -374,6 +382,14 @@ fn measure<B: Backend>(
         eager_steps: None,
         first_tokens,
     })
+}
+
+/// `--kv-prune` settings spelled out (the syntax it parses).
+fn prune_spec(p: &KvPruning) -> String {
+    format!(
+        "page={},sinks={},recent={},top={},top_percent={},dense={}",
+        p.page, p.sink_pages, p.recent_pages, p.top_pages, p.top_percent, p.dense_layers
+    )
 }
 
 fn print_table(r: &BenchReport) {
@@ -410,7 +426,13 @@ fn print_table(r: &BenchReport) {
         mib(r.workspace_bytes),
         mib(r.device_used_bytes)
     );
-    println!("kv cache         {}", r.kv_dtype);
+    println!(
+        "kv cache         {}, decode attention {}",
+        r.kv_dtype,
+        r.kv_prune
+            .as_ref()
+            .map_or("over every position".to_string(), |p| format!("over selected pages ({p})"))
+    );
     if let (Some(gr), Some(gm)) = (r.cuda_graphs, r.cuda_gemm) {
         println!(
             "cuda             graphs {} ({} captured, {} replayed, {} op by op), prefill GEMM {}",

@@ -45,7 +45,7 @@ pub struct ModelArgs {
     pub kv_q8: bool,
     /// Decode attention over selected KV pages only: `default`, `all`, or key=number pairs over the default
     /// (`page=64,sinks=1,recent=2,top=8,top_percent=0,dense=0`; top_percent: a budget growing with the
-    /// context), e.g. `--kv-prune page=16,sinks=4,recent=8,top=32,top_percent=20`. CPU backend only.
+    /// context), e.g. `--kv-prune page=16,sinks=4,recent=8,top=32,top_percent=20`. CPU and CUDA backends.
     #[arg(long)]
     pub kv_prune: Option<KvPruning>,
 }
