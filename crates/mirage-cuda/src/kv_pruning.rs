@@ -147,7 +147,8 @@ impl PrunedAttention {
         let stream = ctx.default_stream();
         let device_name = ctx.name().map_err(drv)?;
         let cc = ctx.compute_capability().map_err(drv)?;
-        let (ptx, _) = module::ptx_for("attention_pruned", PRUNED_SOURCE, cc.0, cc.1)?;
+        // The backend's module: the same PTX cache entry as `CudaBackend`.
+        let (ptx, _) = module::ptx_for("dense", PRUNED_SOURCE, cc.0, cc.1)?;
         let m = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(drv)?;
