@@ -24,6 +24,10 @@
 # path against the old one and NVFP4 against the CPU codec
 # (tests/fast_decode.rs), then the original kernel tests on the fast path
 # (the default) and on the old path (MIRAGE_CUDA_FAST=0). Budget < 3 min.
+# Mat-vec variants of the split Q8_0 / Q4_K layouts (MIRAGE_CUDA_MV): modes
+# `mvN` (variant N, split-K by the rule) and `mvNkS` (variant N, split S
+# forced); `mv1` is the default kernels. MODES="fast mv2 mv3 mv4" (env)
+# replaces the mode list of every model (default: as below).
 # Raw logs and JSON go to $OUT; a short table is printed last.
 set -uo pipefail
 BIN_DIR=${1:?usage: h200-dense.sh BIN_DIR MODEL.gguf [MODEL.gguf ...]}
@@ -61,7 +65,7 @@ tests kernels_old kernels "MIRAGE_CUDA_FAST=0" --skip smollm2 --skip qwen
 field() { grep -o "\"$2\":[^,}]*" "$1" | head -1 | cut -d: -f2 | tr -d '"'; }
 ROWS=()
 for M in "$@"; do
-  modes="fast splitk1 old nonorm nvfp4"
+  modes=${MODES:-"fast splitk1 old nonorm nvfp4"}
   len="--prompt 128 --gen 64"
   if [[ $M == synth:* ]]; then
     IFS=: read -r _ like quant <<< "$M"
@@ -69,21 +73,25 @@ for M in "$@"; do
     [ -f "$M" ] || timeout 90 "$W/xtask" synth-model --like "$like" --quant "$quant" \
       --tokenizer-from "$W/tok.gguf" --out "$M" > "$OUT/synth-$like-$quant.log" 2>&1
     echo "synth $like $quant rc=$? $(tail -1 "$OUT/synth-$like-$quant.log")"
-    modes="fast splitk1 old"
+    modes=${MODES:-"fast splitk1 old"}
     len="--prompt 32 --gen 32"
   fi
   name=$(basename "$M" .gguf)
   for mode in $modes; do
-    fuse=1 splitk=0
+    fuse=1 splitk=0 mv=1
     case $mode in
       fast) flags="--cuda-fast on" ;;
       splitk1) flags="--cuda-fast on"; splitk=1 ;;
       old) flags="--cuda-fast off" ;;
       nonorm) flags="--cuda-fast on"; fuse=0 ;;
       nvfp4) flags="--cuda-fast on --weights nvfp4" ;;
+      mv[1-9]|mv[1-9]k[1248])
+        flags="--cuda-fast on"; mv=${mode:2:1}
+        [[ $mode == *k* ]] && splitk=${mode##*k} ;;
+      *) echo "unknown mode $mode"; continue ;;
     esac
     j="$OUT/bench_${name}_$mode.json"
-    MIRAGE_CUDA_SPLITK=$splitk MIRAGE_CUDA_FUSE_NORM=$fuse timeout 60 "$W/mirage-cli" bench --model "$M" --backend cuda $len $flags --json > "$j" 2> "${j%.json}.err"
+    MIRAGE_CUDA_MV=v$mv MIRAGE_CUDA_SPLITK=$splitk MIRAGE_CUDA_FUSE_NORM=$fuse timeout 60 "$W/mirage-cli" bench --model "$M" --backend cuda $len $flags --json > "$j" 2> "${j%.json}.err"
     rc=$?
     ROWS+=("$(printf '%-34s %-6s rc=%-3s %9s %9s %8s %8s %9s' "$name" "$mode" "$rc" \
       "$(field "$j" decode_tok_s)" "$(field "$j" decode_ms_median)" "$(field "$j" achieved_gb_s)" \

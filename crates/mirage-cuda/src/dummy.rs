@@ -70,6 +70,14 @@ impl CudaBackend {
     pub fn set_split_k(&self, _k: usize) -> Result<(), CudaError> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Mat-vec variant switch (no effect without CUDA).
+    pub fn set_matvec_variant(&self, _v: usize) -> Result<(), CudaError> {
+        Err(CudaError::NotCompiledWithCuda)
+    }
+    /// The mat-vec variant (1, the default kernels).
+    pub fn matvec_variant(&self) -> usize {
+        1
+    }
     /// Norm folding switch (no effect without CUDA).
     pub fn set_fuse_norm(&self, _on: bool) {}
     /// Whether norms are folded into the next mat-vec.

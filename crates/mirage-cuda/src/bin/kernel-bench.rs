@@ -9,7 +9,13 @@
 //!     mat-vecs + SwiGLU) against the fused sparse kernel at several active
 //!     fractions of random page subsets.
 //!
-//! Usage: `kernel-bench [--iters N]`. Prints a table last.
+//! (c) with `--variants`, only the copy and the mat-vec variants of the split
+//!     Q8_0 and split Q4_K layouts (`mv3_<layout>[_v<N>][_k<S>]`,
+//!     `ffn_<layout>[_v<N>]`, the backend's kernels and launch shapes) at
+//!     every split-K setting on the 7B shapes, each checked against v1
+//!     (rel err printed).
+//!
+//! Usage: `kernel-bench [--iters N] [--variants]`. Prints a table last.
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -206,6 +212,237 @@ mod bench {
         Ok(())
     }
 
+    /// Split layouts of the variants section: 0 = split Q8_0 (quants
+    /// `[rows][cols]`, f16 scales `[rows][cols/32]`), 1 = split Q4_K (quants
+    /// `[rows][cols/2]`, 16-byte headers `[rows][cols/256]`). Random bytes
+    /// with sane f16 scales / d / dmin, directly in the device layout.
+    fn random_split(r: &mut Rng, layout: usize, rows: usize, cols: usize) -> Vec<u8> {
+        if layout == 0 {
+            let mut b = r.bytes(rows * cols + rows * cols / 16);
+            for (i, s) in b[rows * cols..].chunks_exact_mut(2).enumerate() {
+                s.copy_from_slice(&f16_bytes(1e-3 * (1.0 + (i % 61) as f32 / 64.0)));
+            }
+            b
+        } else {
+            let mut b = r.bytes(rows * cols / 2 + rows * cols / 16);
+            for h in b[rows * cols / 2..].chunks_exact_mut(16) {
+                h[..2].copy_from_slice(&f16_bytes(1e-3));
+                h[2..4].copy_from_slice(&f16_bytes(5e-4));
+            }
+            b
+        }
+    }
+
+    /// Rows per warp of mat-vec variant v (backend's FAST_ROWS / VARIANT_ROWS).
+    fn variant_rows(v: usize) -> usize {
+        [4, 4, 2, 2][v - 1]
+    }
+
+    /// One `mv3_*` launch (MV3_PARAMS) over up to three matrices of `rows`
+    /// with the backend's grid: blocks of 8 warps, `nr` rows per warp group,
+    /// `split` warps per group.
+    #[allow(clippy::too_many_arguments)]
+    fn mv3_launch(
+        dev: &SparseDevice,
+        f: &CudaFunction,
+        ws: [u64; 3],
+        rows: [usize; 3],
+        cols: usize,
+        x: u64,
+        ys: [u64; 3],
+        nr: usize,
+        split: usize,
+    ) -> Res<()> {
+        let per_block = 8 * nr / split;
+        let blocks: usize = rows.iter().map(|r| r.div_ceil(per_block)).sum();
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (r0, r1, r2) = (rows[0] as i32, rows[1] as i32, rows[2] as i32);
+        let (rb, c) = (0i64, cols as i32);
+        let (z, zf) = (0u64, 0f32);
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&ws[0])
+            .arg(&ws[1])
+            .arg(&ws[2])
+            .arg(&r0)
+            .arg(&r1)
+            .arg(&r2);
+        b.arg(&rb)
+            .arg(&c)
+            .arg(&x)
+            .arg(&ys[0])
+            .arg(&ys[1])
+            .arg(&ys[2]);
+        b.arg(&zf).arg(&zf).arg(&zf);
+        b.arg(&z).arg(&z).arg(&z).arg(&z);
+        b.arg(&z).arg(&z).arg(&zf).arg(&z);
+        // SAFETY: matches MV3_PARAMS of cuda/dense.cu (W0..2, rows0..2,
+        // row_bytes, cols, x, y0..2, ts0..2, bias0..2, res, nx, nw, neps,
+        // nout); every matrix and output sized for its rows and cols.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// One `ffn_*` launch (FFN_PARAMS): gate/up/SwiGLU, `nr / 2` channels
+    /// per warp.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_launch(
+        dev: &SparseDevice,
+        f: &CudaFunction,
+        wg: u64,
+        wu: u64,
+        rows: usize,
+        cols: usize,
+        x: u64,
+        h: u64,
+        nr: usize,
+    ) -> Res<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(8 * nr / 2) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (r, rb, c) = (rows as i32, 0i64, cols as i32);
+        let (z, zf) = (0u64, 0f32);
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&wg).arg(&wu).arg(&r).arg(&rb).arg(&c).arg(&x).arg(&h);
+        b.arg(&zf).arg(&zf).arg(&z).arg(&z).arg(&zf).arg(&z);
+        // SAFETY: matches FFN_PARAMS of cuda/dense.cu (Wg, Wu, rows,
+        // row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+        let num: f64 = got
+            .iter()
+            .zip(want)
+            .map(|(a, b)| ((*a - *b) as f64).powi(2))
+            .sum();
+        let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+        (num / den.max(1e-30)).sqrt()
+    }
+
+    /// (c): every variant x split of the split Q8_0 / Q4_K mat-vecs on the
+    /// 7B decode shapes, and the fused gate/up kernel; returns the rows of
+    /// the table (what, us, bytes, "rel err vs v1").
+    fn variants(
+        dev: &SparseDevice,
+        m: &Arc<cudarc::driver::CudaModule>,
+        timer: &mut Timer,
+        r: &mut Rng,
+    ) -> Res<Vec<Row>> {
+        let stream = dev.stream().clone();
+        let mut out = Vec::new();
+        // (label, matrices' rows, cols): QKV is one launch of three matrices.
+        let shapes: [(&str, [usize; 3], usize); 4] = [
+            ("QKV 4608x3584 (3584+512+512)", [3584, 512, 512], 3584),
+            ("O 3584x3584", [3584, 0, 0], 3584),
+            ("down 3584x18944", [3584, 0, 0], 18944),
+            ("lm head 152064x3584", [152064, 0, 0], 3584),
+        ];
+        for (layout, lname) in [(0usize, "q8_0s"), (1, "q4_ks")] {
+            let tname = if layout == 0 { "Q8_0" } else { "Q4_K" };
+            for &(label, rows, cols) in &shapes {
+                let ws: Vec<CudaSlice<u8>> = rows
+                    .iter()
+                    .filter(|&&n| n > 0)
+                    .map(|&n| stream.clone_htod(&random_split(r, layout, n, cols)))
+                    .collect::<Result<_, _>>()?;
+                let bytes: f64 = ws.iter().map(|w| w.len() as f64).sum::<f64>()
+                    + (cols + rows.iter().sum::<usize>()) as f64 * 4.0;
+                let wp = [0, 1, 2].map(|i| ws.get(i).map_or(0, |w| ptr(dev, w)));
+                let x = stream.clone_htod(&r.f32s(cols))?;
+                let ys: Vec<CudaSlice<f32>> = rows
+                    .iter()
+                    .map(|&n| stream.alloc_zeros::<f32>(n.max(1)))
+                    .collect::<Result<_, _>>()?;
+                let yp = [0, 1, 2].map(|i| ptr(dev, &ys[i]));
+                let px = ptr(dev, &x);
+                let read = |ys: &[CudaSlice<f32>]| -> Res<Vec<f32>> {
+                    let mut v = Vec::new();
+                    for (y, &n) in ys.iter().zip(&rows) {
+                        if n > 0 {
+                            v.extend(stream.clone_dtoh(y)?);
+                        }
+                    }
+                    Ok(v)
+                };
+                let mut base: Option<Vec<f32>> = None;
+                for v in 1..=4usize {
+                    for split in [1usize, 2, 4, 8] {
+                        let vs = if v == 1 {
+                            String::new()
+                        } else {
+                            format!("_v{v}")
+                        };
+                        let name = if split == 1 {
+                            format!("mv3_{lname}{vs}")
+                        } else {
+                            format!("mv3_{lname}{vs}_k{split}")
+                        };
+                        let f = m.load_function(&name)?;
+                        let nr = variant_rows(v);
+                        let us = timer
+                            .median_us(|| mv3_launch(dev, &f, wp, rows, cols, px, yp, nr, split))?;
+                        let got = read(&ys)?;
+                        let err = match &base {
+                            None => {
+                                base = Some(got);
+                                0.0
+                            }
+                            Some(b) => rel_err(&got, b),
+                        };
+                        out.push(Row {
+                            what: format!("{tname} {label} v{v} k{split} ({name})"),
+                            us,
+                            bytes,
+                            extra: format!("{err:.1e}"),
+                        });
+                    }
+                }
+            }
+            // gate + up + SwiGLU, 18944 x 3584 twice, one kernel.
+            let (ff, d) = (18944usize, 3584usize);
+            let g = stream.clone_htod(&random_split(r, layout, ff, d))?;
+            let u = stream.clone_htod(&random_split(r, layout, ff, d))?;
+            let bytes = (g.len() + u.len()) as f64 + (d + ff) as f64 * 4.0;
+            let x = stream.clone_htod(&r.f32s(d))?;
+            let h = stream.alloc_zeros::<f32>(ff)?;
+            let (pg, pu, px, ph) = (ptr(dev, &g), ptr(dev, &u), ptr(dev, &x), ptr(dev, &h));
+            let mut base: Option<Vec<f32>> = None;
+            for v in 1..=4usize {
+                let vs = if v == 1 {
+                    String::new()
+                } else {
+                    format!("_v{v}")
+                };
+                let name = format!("ffn_{lname}{vs}");
+                let f = m.load_function(&name)?;
+                let nr = variant_rows(v);
+                let us = timer.median_us(|| ffn_launch(dev, &f, pg, pu, ff, d, px, ph, nr))?;
+                let got = stream.clone_dtoh(&h)?;
+                let err = match &base {
+                    None => {
+                        base = Some(got);
+                        0.0
+                    }
+                    Some(b) => rel_err(&got, b),
+                };
+                out.push(Row {
+                    what: format!("{tname} gate+up 2x18944x3584 v{v} ({name})"),
+                    us,
+                    bytes,
+                    extra: format!("{err:.1e}"),
+                });
+            }
+        }
+        Ok(out)
+    }
+
     struct Row {
         what: String,
         us: f64,
@@ -255,6 +492,48 @@ mod bench {
         drop((src, dst));
         let copy_gbs = 2.0 * copy_bytes as f64 / copy_us / 1e3;
         println!("copy: 1 GiB dtod {copy_us:.1} us = {copy_gbs:.0} GB/s (read + write)");
+
+        if args.iter().any(|a| a == "--variants") {
+            let rows = variants(&dev, &m, &mut timer, &mut r)?;
+            println!();
+            println!("copy ceiling: {copy_gbs:.0} GB/s (1 GiB dtod, read + write, same run)");
+            println!("| mat-vec variant (7B shape) | us | MB read | GB/s | % of copy | rel err vs v1 k1 |");
+            println!("| --- | --- | --- | --- | --- | --- |");
+            for row in &rows {
+                let gbs = row.bytes / row.us / 1e3;
+                println!(
+                    "| {} | {:.1} | {:.1} | {:.0} | {:.0} % | {} |",
+                    row.what,
+                    row.us,
+                    row.bytes / 1e6,
+                    gbs,
+                    100.0 * gbs / copy_gbs,
+                    row.extra
+                );
+            }
+            // Short summary: the best (variant, split) per shape.
+            println!();
+            println!("| best per shape | us | GB/s | % of copy | v1 k1 us | speed-up vs v1 k1 |");
+            println!("| --- | --- | --- | --- | --- | --- |");
+            let shape_of = |w: &str| w.split(" v").next().unwrap_or(w).to_string();
+            let mut shapes: Vec<String> = rows.iter().map(|r| shape_of(&r.what)).collect();
+            shapes.dedup();
+            for sh in shapes {
+                let of: Vec<&Row> = rows.iter().filter(|r| shape_of(&r.what) == sh).collect();
+                let best = of.iter().min_by(|a, b| a.us.total_cmp(&b.us)).unwrap();
+                let gbs = best.bytes / best.us / 1e3;
+                println!(
+                    "| {} | {:.1} | {:.0} | {:.0} % | {:.1} | {:.2}x |",
+                    best.what,
+                    best.us,
+                    gbs,
+                    100.0 * gbs / copy_gbs,
+                    of[0].us,
+                    of[0].us / best.us
+                );
+            }
+            return Ok(());
+        }
 
         // (a) mat-vecs.
         let shapes = [
