@@ -335,3 +335,25 @@ fn bench_prompt_in_ubatch_chunks_decodes_the_same_tokens() {
     assert_eq!(whole["first_tokens"], chunked["first_tokens"], "chunked prefill changed the decoded tokens");
     assert!(!cli(&["bench", "--model", smol, "--ubatch", "x"]).status.success());
 }
+
+/// `bench --kv-prune`: every page selected decodes the tokens of full
+/// attention; a real budget runs and is named in the JSON; a bad spec is
+/// refused.
+#[test]
+fn bench_kv_prune_all_pages_decodes_the_same_tokens() {
+    let Some(smol) = model(SMOLLM2) else { return };
+    let smol = smol.to_str().unwrap();
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["bench", "--model", smol, "--prompt", "70", "--gen", "6", "--threads", "2", "--json"];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok_stdout(&args)).expect("bench --json prints JSON")
+    };
+    let full = run(&[]);
+    let all = run(&["--kv-prune", "page=16,sinks=0,recent=0,top=1000"]);
+    let pruned = run(&["--kv-prune", "page=16,sinks=1,recent=1,top=1"]);
+    assert!(full["kv_prune"].is_null());
+    assert_eq!(all["first_tokens"], full["first_tokens"], "every page selected changed the decoded tokens");
+    assert_eq!(pruned["kv_prune"], "page=16,sinks=1,recent=1,top=1,top_percent=0,dense=0");
+    assert_eq!(pruned["first_tokens"].as_array().map(|t| t.len()), Some(7));
+    assert!(!cli(&["bench", "--model", smol, "--kv-prune", "page=0"]).status.success());
+}
