@@ -1637,13 +1637,15 @@ __device__ __forceinline__ const u8* mvv_m(const MvvRows& R, int k) {
 // This lane's share of NR split-Q8_0 rows dotted with xa[0..cols), U chunks
 // of 512 elements in flight per row. cols % 32 == 0, so a lane's 16
 // elements at a 16-aligned e < cols are all in range and in one block.
-template <int NR, int NH, int U>
+// PF (prefetch): the loads of the next U chunks are issued before the
+// current ones are used (software pipelining, two register sets), so a warp
+// keeps loads in flight while it computes; without it a warp loads U chunks,
+// waits, computes, and loads again.
+template <int NR, int NH, int U, bool PF>
 __device__ __forceinline__ void q8s_dot16(const MvvRows& R, const float* __restrict__ xa, int cols, int lane,
                                           float* acc) {
     const int n_chunks = (cols + 511) >> 9;
-    for (int c = 0; c < n_chunks; c += U) {
-        uint4 w[U][NR];
-        u32 sc[U][NR];
+    auto load = [&](uint4 (&w)[U][NR], u32 (&sc)[U][NR], int c) {
 #pragma unroll
         for (int h = 0; h < U; h++) {
             int e = ((c + h) << 9) + (lane << 4);
@@ -1654,6 +1656,8 @@ __device__ __forceinline__ void q8s_dot16(const MvvRows& R, const float* __restr
                 sc[h][k] = ok ? (u32)__ldg((const u16*)(mvv_m<NH>(R, k) + ((e >> 5) << 1))) : 0u;
             }
         }
+    };
+    auto compute = [&](const uint4 (&w)[U][NR], const u32 (&sc)[U][NR], int c) {
 #pragma unroll
         for (int h = 0; h < U; h++) {
             int e = ((c + h) << 9) + (lane << 4);
@@ -1674,6 +1678,24 @@ __device__ __forceinline__ void q8s_dot16(const MvvRows& R, const float* __restr
                 acc[k] += h2f((u16)sc[h][k]) * d;
             }
         }
+    };
+    uint4 w[U][NR];
+    u32 sc[U][NR];
+    if (!PF) {
+        for (int c = 0; c < n_chunks; c += U) {
+            load(w, sc, c);
+            compute(w, sc, c);
+        }
+    } else {
+        uint4 w2[U][NR];
+        u32 sc2[U][NR];
+        load(w, sc, 0);
+        for (int c = 0; c < n_chunks; c += 2 * U) {
+            load(w2, sc2, c + U);  // past the end: predicated off (zeros)
+            compute(w, sc, c);
+            if (c + 2 * U < n_chunks) load(w, sc, c + 2 * U);
+            compute(w2, sc2, c + U);
+        }
     }
 }
 
@@ -1689,8 +1711,9 @@ __device__ __forceinline__ float q4v_nib_dot(u32 v, float4 x) {
 // of chunk c, bytes 16 (l % 8)..+15 of its 128 quant bytes: group j = (l % 8)
 // / 2 of ggml's qs, elements 64j + 16 ((l % 8) & 1) + i (low nibbles,
 // sub-block 2j) and 32 more (high nibbles, sub-block 2j + 1), i < 16.
-// Every lane runs every shuffle (no lane leaves the loop early).
-template <int NR, int NH, int U>
+// Every lane runs every shuffle (no lane leaves the loop early). PF as for
+// q8s_dot16.
+template <int NR, int NH, int U, bool PF>
 __device__ __forceinline__ void q4ks_dot16(const MvvRows& R, const float* __restrict__ xa, int cols, int lane,
                                            float* acc) {
     const int n_sb = cols >> 8;
@@ -1700,9 +1723,7 @@ __device__ __forceinline__ void q4ks_dot16(const MvvRows& R, const float* __rest
     const bool upper = j >= 2;    // sub-blocks 4..7: 6-bit values split over two bytes
     const int base = lane & 24;   // first lane of this super-block's group
     const int n_chunks = (n_sb + 3) >> 2;
-    for (int c = 0; c < n_chunks; c += U) {
-        uint4 w[U][NR];
-        u32 hw[U][NR];
+    auto load = [&](uint4 (&w)[U][NR], u32 (&hw)[U][NR], int c) {
 #pragma unroll
         for (int h = 0; h < U; h++) {
             int sb = ((c + h) << 2) + g;
@@ -1714,6 +1735,8 @@ __device__ __forceinline__ void q4ks_dot16(const MvvRows& R, const float* __rest
                 hw[h][k] = ok ? __ldg((const u32*)(mvv_m<NH>(R, k) + (sb << 4)) + (s8 & 3)) : 0u;
             }
         }
+    };
+    auto compute = [&](const uint4 (&w)[U][NR], const u32 (&hw)[U][NR], int c) {
 #pragma unroll
         for (int h = 0; h < U; h++) {
             int sb = ((c + h) << 2) + g;
@@ -1765,18 +1788,36 @@ __device__ __forceinline__ void q4ks_dot16(const MvvRows& R, const float* __rest
                 acc[k] += d * (sc0 * dl[k] + sc1 * dh[k]) - dmin * (m0 * sxl + m1 * sxh);
             }
         }
+    };
+    uint4 w[U][NR];
+    u32 hw[U][NR];
+    if (!PF) {
+        for (int c = 0; c < n_chunks; c += U) {
+            load(w, hw, c);
+            compute(w, hw, c);
+        }
+    } else {
+        uint4 w2[U][NR];
+        u32 hw2[U][NR];
+        load(w, hw, 0);
+        for (int c = 0; c < n_chunks; c += 2 * U) {
+            load(w2, hw2, c + U);  // past the end: predicated off (zeros)
+            compute(w, hw, c);
+            if (c + 2 * U < n_chunks) load(w, hw, c + 2 * U);
+            compute(w2, hw2, c + U);  // every lane: the shuffles run in step
+        }
     }
 }
 
 #define MVV_Q8 0
 #define MVV_Q4K 1
 
-template <int L, int NR, int NH, int U>
+template <int L, int NR, int NH, int U, bool PF>
 __device__ __forceinline__ void mvv_dot(const MvvRows& R, const float* xa, int cols, int lane, float* acc) {
     if (L == MVV_Q8)
-        q8s_dot16<NR, NH, U>(R, xa, cols, lane, acc);
+        q8s_dot16<NR, NH, U, PF>(R, xa, cols, lane, acc);
     else
-        q4ks_dot16<NR, NH, U>(R, xa, cols, lane, acc);
+        q4ks_dot16<NR, NH, U, PF>(R, xa, cols, lane, acc);
 }
 
 // Quant bytes and scale/header bytes per row of layout L (split Q8_0: cols
@@ -1792,7 +1833,7 @@ __device__ __forceinline__ int mvv_mrow(int cols) {
 
 // mv3 of a variant: S warps per group of NR rows (S = 1: no split), each
 // over one column slice of whole G-element granules.
-template <int L, int NR, int U, int S>
+template <int L, int NR, int U, bool PF, int S>
 __device__ __forceinline__ void mv3_variant(MV3_PARAMS) {
     const int G = L == MVV_Q8 ? 128 : 256;
     MV3_PICK((FAST_WARPS / S) * NR)
@@ -1815,7 +1856,7 @@ __device__ __forceinline__ void mv3_variant(MV3_PARAMS) {
         R.qs = qs;
         R.ms = ms;
         R.last = rows - 1 - r0;
-        mvv_dot<L, NR, NR, U>(R, xa + c_lo, c_n, lane, acc);
+        mvv_dot<L, NR, NR, U, PF>(R, xa + c_lo, c_n, lane, acc);
     }
     if (S == 1) {
 #pragma unroll
@@ -1840,7 +1881,7 @@ __device__ __forceinline__ void mv3_variant(MV3_PARAMS) {
 
 // gate/up/SwiGLU of a variant: NR / 2 channels per warp (their gate rows,
 // then their up rows, are the warp's NR rows).
-template <int L, int NR, int U>
+template <int L, int NR, int U, bool PF>
 __device__ __forceinline__ void ffn_variant(FFN_PARAMS) {
     const int NC = NR / 2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1859,7 +1900,7 @@ __device__ __forceinline__ void ffn_variant(FFN_PARAMS) {
     float acc[NR];
 #pragma unroll
     for (int k = 0; k < NR; k++) acc[k] = 0.f;
-    mvv_dot<L, NR, NC, U>(R, xa, cols, lane, acc);
+    mvv_dot<L, NR, NC, U, PF>(R, xa, cols, lane, acc);
 #pragma unroll
     for (int k = 0; k < NC; k++) {
         float gs = warp_sum(acc[k]), us = warp_sum(acc[NC + k]);
@@ -1879,27 +1920,32 @@ __device__ __forceinline__ void ffn_variant(FFN_PARAMS) {
 #define MVV4_NR 2
 #define MVV4_U_Q8 2
 #define MVV4_U_Q4K 1
+#define MVV5_NR 2     // v5: v4's shape, software-pipelined (PF)
+#define MVV5_U_Q8 1
+#define MVV5_U_Q4K 1
 
-#define MVV_INSTANCE(NAME, L, V, NR, U, ...)                                                                              \
+#define MVV_INSTANCE(NAME, L, V, NR, U, PF, ...)                                                                              \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_##V(MV3_PARAMS) {                     \
-        mv3_variant<L, NR, U, 1>(MV3_ARGS);                                                                          \
+        mv3_variant<L, NR, U, PF, 1>(MV3_ARGS);                                                                          \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_##V##_k2(MV3_PARAMS) {                \
-        mv3_variant<L, NR, U, 2>(MV3_ARGS);                                                                          \
+        mv3_variant<L, NR, U, PF, 2>(MV3_ARGS);                                                                          \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_##V##_k4(MV3_PARAMS) {                \
-        mv3_variant<L, NR, U, 4>(MV3_ARGS);                                                                          \
+        mv3_variant<L, NR, U, PF, 4>(MV3_ARGS);                                                                          \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_##V##_k8(MV3_PARAMS) {                \
-        mv3_variant<L, NR, U, 8>(MV3_ARGS);                                                                          \
+        mv3_variant<L, NR, U, PF, 8>(MV3_ARGS);                                                                          \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) ffn_##NAME##_##V(FFN_PARAMS) {                     \
-        ffn_variant<L, NR, U>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                  \
+        ffn_variant<L, NR, U, PF>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                  \
     }
 
-MVV_INSTANCE(q8_0s, MVV_Q8, v2, MVV2_NR, MVV2_U_Q8, FAST_WARPS * 32)
-MVV_INSTANCE(q8_0s, MVV_Q8, v3, MVV3_NR, MVV3_U_Q8, FAST_WARPS * 32)
-MVV_INSTANCE(q4_ks, MVV_Q4K, v2, MVV2_NR, MVV2_U_Q4K, FAST_WARPS * 32)
-MVV_INSTANCE(q4_ks, MVV_Q4K, v3, MVV3_NR, MVV3_U_Q4K, FAST_WARPS * 32)
-MVV_INSTANCE(q8_0s, MVV_Q8, v4, MVV4_NR, MVV4_U_Q8, FAST_WARPS * 32, 4)
-MVV_INSTANCE(q4_ks, MVV_Q4K, v4, MVV4_NR, MVV4_U_Q4K, FAST_WARPS * 32, 3)
+MVV_INSTANCE(q8_0s, MVV_Q8, v2, MVV2_NR, MVV2_U_Q8, false, FAST_WARPS * 32)
+MVV_INSTANCE(q8_0s, MVV_Q8, v3, MVV3_NR, MVV3_U_Q8, false, FAST_WARPS * 32)
+MVV_INSTANCE(q4_ks, MVV_Q4K, v2, MVV2_NR, MVV2_U_Q4K, false, FAST_WARPS * 32)
+MVV_INSTANCE(q4_ks, MVV_Q4K, v3, MVV3_NR, MVV3_U_Q4K, false, FAST_WARPS * 32)
+MVV_INSTANCE(q8_0s, MVV_Q8, v4, MVV4_NR, MVV4_U_Q8, false, FAST_WARPS * 32, 4)
+MVV_INSTANCE(q4_ks, MVV_Q4K, v4, MVV4_NR, MVV4_U_Q4K, false, FAST_WARPS * 32, 3)
+MVV_INSTANCE(q8_0s, MVV_Q8, v5, MVV5_NR, MVV5_U_Q8, true, FAST_WARPS * 32, 3)
+MVV_INSTANCE(q4_ks, MVV_Q4K, v5, MVV5_NR, MVV5_U_Q4K, true, FAST_WARPS * 32, 3)

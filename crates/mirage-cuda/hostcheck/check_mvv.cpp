@@ -2,7 +2,7 @@
 // MvvRows; run.sh): 32 lanes run as 32 threads so that __shfl_sync is real
 // (a barrier per shuffle), summed over the warp, against f64 references on
 // the element accessors q8s_elem / q4ks_elem (themselves checked against
-// dequant_unit in the other checks), for every variant's NR / U, the FFN's
+// dequant_unit in the other checks), for every variant's NR / U / PF, the FFN's
 // two-matrix row split (NH = NR / 2), rows past the matrix end, and
 // column slices (split-K offsets as mv3_variant computes them).
 #include "prelude.h"
@@ -34,7 +34,7 @@ template <int NR, class F> void warp_run(F f, double* tot) {
 static double worst = 0;
 // Layout L (0 = split Q8_0, 1 = split Q4_K), NR rows per warp, NH rows from
 // matrix a (the rest from matrix b), U chunks; S column slices.
-template <int L, int NR, int NH, int U>
+template <int L, int NR, int NH, int U, bool PF = false>
 void check(const std::vector<u8>& A, const std::vector<u8>& B, int rows, int cols, const std::vector<float>& x, int S) {
     int qs = L == 0 ? cols : cols / 2, ms = cols / 16, G = L == 0 ? 128 : 256;
     auto el = [&](const std::vector<u8>& W, int r, int i) {
@@ -55,8 +55,8 @@ void check(const std::vector<u8>& A, const std::vector<u8>& B, int rows, int col
             R.qs = qs; R.ms = ms; R.last = rows - 1 - r0;
             double t[NR];
             warp_run<NR>([&](int lane, float* acc) {
-                if (L == 0) q8s_dot16<NR, NH, U>(R, x.data() + c_lo, c_n, lane, acc);
-                else q4ks_dot16<NR, NH, U>(R, x.data() + c_lo, c_n, lane, acc);
+                if (L == 0) q8s_dot16<NR, NH, U, PF>(R, x.data() + c_lo, c_n, lane, acc);
+                else q4ks_dot16<NR, NH, U, PF>(R, x.data() + c_lo, c_n, lane, acc);
             }, t);
             for (int k = 0; k < NR; k++) tot[k] += t[k];
         }
@@ -68,7 +68,7 @@ void check(const std::vector<u8>& A, const std::vector<u8>& B, int rows, int col
             for (int i = 0; i < cols; i++) { double v = (double)el(W, r0 + kk, i) * x[i]; want += v; mag += std::fabs(v); }
             double e = std::fabs(tot[k] - want) / mag;
             if (e > worst) worst = e;
-            if (e > 1e-5) { printf("L%d NR%d NH%d U%d S%d %dx%d row %d: rel err %g\n", L, NR, NH, U, S, rows, cols, r0 + kk, e); exit(1); }
+            if (e > 1e-5) { printf("L%d NR%d NH%d U%d PF%d S%d %dx%d row %d: rel err %g\n", L, NR, NH, U, (int)PF, S, rows, cols, r0 + kk, e); exit(1); }
         }
     }
 }
@@ -79,7 +79,7 @@ static u16 f2h_host(float f) {
 }
 int main() {
     std::mt19937 g(11); std::uniform_real_distribution<float> Ud(-1, 1);
-    int shapes[][2] = {{1, 256}, {5, 768}, {7, 1280}, {3, 3584}, {6, 2304}};
+    int shapes[][2] = {{1, 256}, {5, 768}, {7, 1280}, {3, 3584}, {6, 2304}, {2, 4864}, {3, 2560}};
     for (auto& sh : shapes) {
         int rows = sh[0], cols = sh[1];
         std::vector<float> x(cols); for (auto& v : x) v = Ud(g);
@@ -110,6 +110,10 @@ int main() {
             check<1, 4, 4, 1>(a4, b4, rows, cols, x, S);
             check<1, 2, 2, 2>(a4, b4, rows, cols, x, S);
             check<1, 2, 2, 1>(a4, b4, rows, cols, x, S);
+            check<0, 2, 2, 1, true>(a8, b8, rows, cols, x, S);  // v5 (pipelined)
+            check<1, 2, 2, 1, true>(a4, b4, rows, cols, x, S);
+            check<0, 2, 2, 2, true>(a8, b8, rows, cols, x, S);  // pipelined, U 2
+            check<1, 4, 4, 2, true>(a4, b4, rows, cols, x, S);
         }
         // FFN: gate rows then up rows (NH = NR / 2), no split.
         check<0, 4, 2, 2>(a8, b8, rows, cols, x, 1);
@@ -118,6 +122,8 @@ int main() {
         check<1, 4, 2, 1>(a4, b4, rows, cols, x, 1);
         check<1, 2, 1, 2>(a4, b4, rows, cols, x, 1);
         check<1, 2, 1, 1>(a4, b4, rows, cols, x, 1);
+        check<0, 2, 1, 1, true>(a8, b8, rows, cols, x, 1);
+        check<1, 2, 1, 1, true>(a4, b4, rows, cols, x, 1);
     }
     printf("mat-vec variants (q8s_dot16, q4ks_dot16): worst dot rel err %.3g over all shapes/variants/splits\n", worst);
     return worst < 1e-5 ? 0 : 1;
