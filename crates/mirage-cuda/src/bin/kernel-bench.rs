@@ -235,7 +235,7 @@ mod bench {
 
     /// Rows per warp of mat-vec variant v (backend's FAST_ROWS / VARIANT_ROWS).
     fn variant_rows(v: usize) -> usize {
-        [4, 4, 2, 2][v - 1]
+        [4, 4, 2, 2, 2][v - 1]
     }
 
     /// One `mv3_*` launch (MV3_PARAMS) over up to three matrices of `rows`
@@ -372,7 +372,7 @@ mod bench {
                     Ok(v)
                 };
                 let mut base: Option<Vec<f32>> = None;
-                for v in 1..=4usize {
+                for v in 1..=5usize {
                     for split in [1usize, 2, 4, 8] {
                         let vs = if v == 1 {
                             String::new()
@@ -414,7 +414,7 @@ mod bench {
             let h = stream.alloc_zeros::<f32>(ff)?;
             let (pg, pu, px, ph) = (ptr(dev, &g), ptr(dev, &u), ptr(dev, &x), ptr(dev, &h));
             let mut base: Option<Vec<f32>> = None;
-            for v in 1..=4usize {
+            for v in 1..=5usize {
                 let vs = if v == 1 {
                     String::new()
                 } else {
