@@ -15,6 +15,7 @@ use mirage_runtime::backend::{
     AttentionParams, Backend, HostMatrix, QkNorm, StepInputs, TokenSlot,
 };
 use mirage_runtime::kv_cache::{KvDtype, KvSpec};
+use mirage_runtime::kv_pages::KvPruning;
 use mirage_runtime::ops::RopeMode;
 use mirage_runtime::{Result, RuntimeError};
 
@@ -153,6 +154,15 @@ const OTHER_KERNELS: &[&str] = &[
     "attend_combine",
     "argmax_rows",
     "f32_to_f16",
+    "page_bounds_f32",
+    "page_bounds_f16",
+    "page_bounds_rows_f32",
+    "page_bounds_rows_f16",
+    "page_keys",
+    "select_pages",
+    "attend_pages_part_f32",
+    "attend_pages_part_f16",
+    "attend_pages_combine",
 ];
 
 /// Threads of an attention block (`ATT_THREADS` in dense.cu): the largest
@@ -213,6 +223,14 @@ const SPLIT_K_BLOCKS_PER_SM: usize = 3;
 
 /// Shortest column slice (elements) a split-K warp is given.
 const SPLIT_K_MIN_SLICE: usize = 128;
+
+/// Layouts with mat-vec variants (`mv3_<suffix>_v<N>[_k<S>]`,
+/// `ffn_<suffix>_v<N>` in dense.cu; `MIRAGE_CUDA_MV`, `set_matvec_variant`).
+const VARIANT_SUFFIXES: &[&str] = &["q8_0s", "q4_ks"];
+
+/// Weight rows per warp of mat-vec variant N at index N - 2 (v2..v5:
+/// `MVV<N>_NR` in dense.cu); v1 is the default kernels (`FAST_ROWS`).
+const VARIANT_ROWS: [usize; 4] = [4, 2, 2, 2];
 
 /// How a matrix's bytes are laid out on the device.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -336,12 +354,35 @@ impl CudaActivations {
 }
 
 /// The KV cache on the device: per layer, `[n_seq, n_head_kv, n_ctx,
-/// head_dim]` keys and values, f32 or f16 (`spec.dtype`).
+/// head_dim]` keys and values, f32 or f16 (`spec.dtype`), and, for a cache
+/// made by `new_kv_cache_pruned(spec, Some(..))`, the page key boxes its
+/// decode attention chooses pages by.
 #[derive(Debug)]
 pub struct CudaKvCache {
     spec: KvSpec,
     k: Vec<CudaSlice<u8>>,
     v: Vec<CudaSlice<u8>>,
+    pages: Option<KvPageBoxes>,
+}
+
+impl CudaKvCache {
+    /// The page selection its decode attention uses, if any.
+    pub fn kv_pruning(&self) -> Option<&KvPruning> {
+        self.pages.as_ref().map(|p| &p.cfg)
+    }
+}
+
+/// Per-layer page boxes of a pruned cache: kmin / kmax `[n_seq, n_head_kv,
+/// max_pages, head_dim]` f32 (attention_pruned.cu). A box is rewritten from
+/// the cached keys every time a step writes a position of its page, so it
+/// always covers exactly the positions `0..=pos` of the row that reads it
+/// (the CPU's `PageSummaries` after the same writes and truncations).
+#[derive(Debug)]
+struct KvPageBoxes {
+    cfg: KvPruning,
+    max_pages: usize,
+    kmin: Vec<CudaSlice<f32>>,
+    kmax: Vec<CudaSlice<f32>>,
 }
 
 #[derive(Default)]
@@ -359,6 +400,12 @@ struct Scratch {
     /// f16 copies of a GEMM's activations and of one weight tile.
     gemm_x: Option<CudaSlice<u16>>,
     gemm_w: Option<CudaSlice<u16>>,
+    /// Pruned attention: page keys `[rows, n_head, max_pages]`, chosen pages
+    /// `[rows, n_head, max_sel]`, their counts, split partials.
+    prune_keys: Option<CudaSlice<u32>>,
+    prune_sel: Option<CudaSlice<i32>>,
+    prune_nsel: Option<CudaSlice<i32>>,
+    prune_part: Option<CudaSlice<f32>>,
 }
 
 /// One kernel argument, kept by value so that a recorded step can be
@@ -498,6 +545,10 @@ pub struct CudaBackend {
     /// Column split of the repacked mat-vecs: 0 = by the rule, else forced
     /// (`MIRAGE_CUDA_SPLITK` at start, `set_split_k`).
     split_k: std::sync::atomic::AtomicUsize,
+    /// Mat-vec variant of the split Q8_0 / Q4_K layouts: 1 = the default
+    /// kernels, 2..=5 = `mv3_<suffix>_v<N>` (`MIRAGE_CUDA_MV` at start,
+    /// `set_matvec_variant`).
+    matvec_variant: std::sync::atomic::AtomicUsize,
     scratch: Mutex<Scratch>,
     mem: Mutex<MemoryStats>,
 }
@@ -576,6 +627,19 @@ impl CudaBackend {
                     .iter()
                     .map(move |k| leak(format!("mv3_{s}_k{k}")))
             }))
+            .chain(VARIANT_SUFFIXES.iter().flat_map(|s| {
+                (2..2 + VARIANT_ROWS.len()).flat_map(move |v| {
+                    [leak(format!("ffn_{s}_v{v}"))]
+                        .into_iter()
+                        .chain(SPLIT_K.iter().map(move |&k| {
+                            leak(if k == 1 {
+                                format!("mv3_{s}_v{v}")
+                            } else {
+                                format!("mv3_{s}_v{v}_k{k}")
+                            })
+                        }))
+                })
+            }))
             .chain(OTHER_KERNELS.iter().copied())
             .collect();
         for &name in &names {
@@ -619,6 +683,12 @@ impl CudaBackend {
                 .and_then(|v| v.parse::<usize>().ok())
                 .filter(|k| SPLIT_K.contains(k))
                 .unwrap_or(0)
+                .into(),
+            matvec_variant: std::env::var("MIRAGE_CUDA_MV")
+                .ok()
+                .and_then(|v| v.trim_start_matches(['v', 'V']).parse::<usize>().ok())
+                .filter(|v| (1..=1 + VARIANT_ROWS.len()).contains(v))
+                .unwrap_or(1)
                 .into(),
             scratch: Mutex::new(Scratch::default()),
             step_state: Mutex::new(StepState::default()),
@@ -677,6 +747,39 @@ impl CudaBackend {
         }
         self.split_k.store(k, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Picks the mat-vec kernels of the split Q8_0 and split Q4_K layouts:
+    /// 1 (the default kernels), or variant 2 to 5 of `cuda/dense.cu`
+    /// (16-byte loads; v2 4 rows per warp, v3 and v4 2 rows per warp with
+    /// more or fewer loads in flight, v5 v4's shape software-pipelined);
+    /// `MIRAGE_CUDA_MV=v1|v2|v3|v4|v5` at start. Applies to launches recorded or made afterwards (a recorded
+    /// graph keeps its kernels until the step's launches change). Other
+    /// values are refused.
+    pub fn set_matvec_variant(&self, v: usize) -> Result<(), CudaError> {
+        if !(1..=1 + VARIANT_ROWS.len()).contains(&v) {
+            return Err(CudaError::Setting(format!(
+                "mat-vec variant {v}: expected 1 to {}",
+                1 + VARIANT_ROWS.len()
+            )));
+        }
+        self.matvec_variant
+            .store(v, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The mat-vec variant of the split Q8_0 / Q4_K layouts (1 = default).
+    pub fn matvec_variant(&self) -> usize {
+        self.matvec_variant
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Variant (> 1) and its rows per warp for a matrix in this layout, or
+    /// `None` for the default kernels.
+    fn variant_for(&self, layout: Layout) -> Option<(usize, usize)> {
+        let v = self.matvec_variant();
+        (v > 1 && matches!(layout, Layout::Q8Split | Layout::Q4KSplit))
+            .then(|| (v, VARIANT_ROWS[v - 2]))
     }
 
     /// Column split for a repacked mat-vec over matrices of these row
@@ -1146,13 +1249,21 @@ impl CudaBackend {
         {
             return Err(bad("mv3 matrices differ in layout or row length"));
         }
+        let variant = self.variant_for(w0.layout);
+        // Rows per warp of the kernel (variants: VARIANT_ROWS).
+        let nr = variant.map_or(FAST_ROWS, |(_, nr)| nr);
         let split = if w0.layout == Layout::Ggml {
             1
         } else {
-            let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
+            // The rule counts blocks of FAST_ROWS rows per warp: scale the
+            // row counts so that it sees the variant's block count.
+            let rows: Vec<usize> = ws.iter().map(|w| w.rows * FAST_ROWS / nr).collect();
             self.split_k_for(&rows, w0.cols)
         };
-        let per_block = w0.fast_rows_per_block() / split;
+        let per_block = match variant {
+            Some(_) => FAST_WARPS * nr / split,
+            None => w0.fast_rows_per_block() / split,
+        };
         let mut args_w = [Arg::Ptr(self.ptr(&w0.data)); 3];
         let mut args_rows = [Arg::I32(0); 3];
         let mut args_y = [Arg::Ptr(ys[0]); 3];
@@ -1177,10 +1288,11 @@ impl CudaBackend {
         args.extend([Arg::Ptr(0); 4]);
         // Folded norm (nx, nw, neps, nout): none; `fold_norm` may set it.
         args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::F32(0.0), Arg::Ptr(0)]);
+        let v = variant.map_or(String::new(), |(v, _)| format!("_v{v}"));
         let kernel = if split == 1 {
-            format!("mv3_{suffix}")
+            format!("mv3_{suffix}{v}")
         } else {
-            format!("mv3_{suffix}_k{split}")
+            format!("mv3_{suffix}{v}_k{split}")
         };
         self.launch(
             &kernel,
@@ -1262,12 +1374,15 @@ impl CudaBackend {
             (Some(a), Some(b)) if a == b && g.row_bytes == u.row_bytes => a,
             _ => return Ok(None),
         };
-        let per_block = match g.layout {
-            Layout::Ggml => FAST_WARPS,
+        let variant = self.variant_for(g.layout);
+        let per_block = match (g.layout, variant) {
+            (Layout::Ggml, _) => FAST_WARPS,
+            (_, Some((_, nr))) => FAST_WARPS * nr / 2,
             _ => FAST_WARPS * FAST_ROWS / 2,
         };
+        let v = variant.map_or(String::new(), |(v, _)| format!("_v{v}"));
         self.launch(
-            &format!("ffn_{suffix}"),
+            &format!("ffn_{suffix}{v}"),
             (g.rows.div_ceil(per_block) as u32, n_act as u32, 1),
             ((32 * FAST_WARPS) as u32, 1, 1),
             0,
@@ -1505,6 +1620,263 @@ impl CudaBackend {
     }
 }
 
+/// Device addresses the pruned attention of one layer reads and writes.
+struct PrunedPtrs {
+    q: u64,
+    kc: u64,
+    vc: u64,
+    slots: u64,
+    out: u64,
+}
+
+impl CudaBackend {
+    /// Grows a scratch slot to `n` elements at least; its device address.
+    fn grow_scratch<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        slot: &mut Option<CudaSlice<T>>,
+        n: usize,
+    ) -> Result<u64> {
+        let cap = slot.as_ref().map_or(0, |s| s.len());
+        if cap < n.max(1) {
+            let want = n.max(1).next_power_of_two();
+            *slot = Some(self.stream.alloc_zeros::<T>(want).map_err(drv)?);
+            self.account(
+                MemKind::Workspace,
+                (want - cap) * std::mem::size_of::<T>(),
+            );
+        }
+        Ok(self.ptr(slot.as_ref().expect("allocated above")))
+    }
+
+    /// Rewrites the boxes of the pages the batch `slots` wrote in `layer`
+    /// (after rope_store). Inside a recorded step (and for small batches)
+    /// one launch reads the positions from device memory; a large eager
+    /// batch (prefill) launches per sequence over its range of pages.
+    #[allow(clippy::too_many_arguments)]
+    fn refresh_page_boxes(
+        &self,
+        pages: &KvPageBoxes,
+        layer: usize,
+        slots: &[TokenSlot],
+        pslots: u64,
+        pkc: u64,
+        kv: &str,
+        spec: &KvSpec,
+    ) -> Result<()> {
+        let (pmin, pmax) = (
+            self.ptr(&pages.kmin[layer]),
+            self.ptr(&pages.kmax[layer]),
+        );
+        let page = pages.cfg.page.min(spec.n_ctx) as i32;
+        let (nkv, hd, n_ctx, maxp) = (
+            spec.n_head_kv as i32,
+            spec.head_dim as i32,
+            spec.n_ctx as i32,
+            pages.max_pages as i32,
+        );
+        let n = slots.len();
+        if n == 0 {
+            return Ok(());
+        }
+        if n <= GRAPH_MAX_ROWS || self.recording() {
+            return self.launch(
+                &format!("page_bounds_rows_{kv}"),
+                (n as u32, spec.n_head_kv as u32, 1),
+                (spec.head_dim as u32, 1, 1),
+                0,
+                vec![
+                    Arg::Ptr(pkc),
+                    Arg::Ptr(pslots),
+                    Arg::I32(n as i32),
+                    Arg::I32(nkv),
+                    Arg::I32(hd),
+                    Arg::I32(n_ctx),
+                    Arg::I32(page),
+                    Arg::I32(maxp),
+                    Arg::Ptr(pmin),
+                    Arg::Ptr(pmax),
+                ],
+            );
+        }
+        let mut ranges: std::collections::BTreeMap<usize, (usize, usize)> = Default::default();
+        for s in slots {
+            let r = ranges.entry(s.seq).or_insert((s.pos, s.pos));
+            r.0 = r.0.min(s.pos);
+            r.1 = r.1.max(s.pos);
+        }
+        let page = page as usize;
+        for (seq, (lo, hi)) in ranges {
+            let (p0, last) = (lo / page, hi / page);
+            self.launch(
+                &format!("page_bounds_{kv}"),
+                ((last - p0 + 1) as u32, spec.n_head_kv as u32, 1),
+                (spec.head_dim as u32, 1, 1),
+                0,
+                vec![
+                    Arg::Ptr(pkc),
+                    Arg::I32(seq as i32),
+                    Arg::I32(nkv),
+                    Arg::I32(hd),
+                    Arg::I32(n_ctx),
+                    Arg::I32(page as i32),
+                    Arg::I32(p0 as i32),
+                    Arg::I32(hi as i32 + 1),
+                    Arg::I32(maxp),
+                    Arg::Ptr(pmin),
+                    Arg::Ptr(pmax),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Attention of rows `row_base .. row_base + rows` (of a batch of
+    /// `n_rows`) over the pages the cache's rule selects: page keys, radix
+    /// select, split-K over the chosen pages, combine (attention_pruned.cu).
+    /// Every grid depends on the batch and the cache size only; the
+    /// positions are read from `ptrs.slots` on the device.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_pages(
+        &self,
+        pages: &KvPageBoxes,
+        layer: usize,
+        p: &AttentionParams,
+        kv: &str,
+        spec: &KvSpec,
+        ptrs: &PrunedPtrs,
+        n_rows: usize,
+        row_base: usize,
+        rows: usize,
+        only_decode: bool,
+    ) -> Result<()> {
+        let cfg = &pages.cfg;
+        let hd = p.head_dim;
+        let max_pages = pages.max_pages;
+        let max_sel = cfg.max_selected_for(max_pages).min(max_pages).max(1);
+        let n_split = max_sel
+            .min((ATTEND_TARGET_BLOCKS / (rows * p.n_head)).max(1))
+            .max(1);
+        let heads = rows * p.n_head;
+        let (pkeys, psel, pnsel, ppart) = {
+            let mut s = self.scratch();
+            let s = &mut *s;
+            (
+                self.grow_scratch(&mut s.prune_keys, heads * max_pages)?,
+                self.grow_scratch(&mut s.prune_sel, heads * max_sel)?,
+                self.grow_scratch(&mut s.prune_nsel, heads)?,
+                self.grow_scratch(&mut s.prune_part, heads * n_split * (hd + 2))?,
+            )
+        };
+        let clamp = |x: usize| x.min(i32::MAX as usize) as i32;
+        let (pmin, pmax) = (
+            self.ptr(&pages.kmin[layer]),
+            self.ptr(&pages.kmax[layer]),
+        );
+        let (nh, nkv, hdi, n_ctx, page, maxp) = (
+            p.n_head as i32,
+            p.n_head_kv as i32,
+            hd as i32,
+            spec.n_ctx as i32,
+            cfg.page.min(spec.n_ctx) as i32,
+            max_pages as i32,
+        );
+        let (sinks, recent) = (clamp(cfg.sink_pages), clamp(cfg.recent_pages));
+        let (od, nr, rb) = (only_decode as i32, n_rows as i32, row_base as i32);
+        self.launch(
+            "page_keys",
+            (
+                rows as u32,
+                p.n_head as u32,
+                max_pages.div_ceil(crate::kv_pruning::KEY_THREADS as usize) as u32,
+            ),
+            (crate::kv_pruning::KEY_THREADS, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(ptrs.q),
+                Arg::Ptr(ptrs.slots),
+                Arg::Ptr(pmin),
+                Arg::Ptr(pmax),
+                Arg::I32(nh),
+                Arg::I32(nkv),
+                Arg::I32(hdi),
+                Arg::I32(page),
+                Arg::I32(maxp),
+                Arg::I32(sinks),
+                Arg::I32(recent),
+                Arg::I32(od),
+                Arg::I32(nr),
+                Arg::I32(rb),
+                Arg::Ptr(pkeys),
+            ],
+        )?;
+        self.launch(
+            "select_pages",
+            (rows as u32, p.n_head as u32, 1),
+            (crate::kv_pruning::SEL_THREADS, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(pkeys),
+                Arg::Ptr(ptrs.slots),
+                Arg::I32(nh),
+                Arg::I32(page),
+                Arg::I32(maxp),
+                Arg::I32(sinks),
+                Arg::I32(recent),
+                Arg::I32(clamp(cfg.top_pages)),
+                Arg::I32(clamp(cfg.top_percent)),
+                Arg::I32(max_sel as i32),
+                Arg::I32(od),
+                Arg::I32(nr),
+                Arg::I32(rb),
+                Arg::Ptr(psel),
+                Arg::Ptr(pnsel),
+            ],
+        )?;
+        self.launch(
+            &format!("attend_pages_part_{kv}"),
+            (rows as u32, p.n_head as u32, n_split as u32),
+            (ATTEND_THREADS, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(ptrs.q),
+                Arg::Ptr(ptrs.kc),
+                Arg::Ptr(ptrs.vc),
+                Arg::Ptr(ptrs.slots),
+                Arg::Ptr(psel),
+                Arg::Ptr(pnsel),
+                Arg::I32(nh),
+                Arg::I32(nkv),
+                Arg::I32(hdi),
+                Arg::I32(n_ctx),
+                Arg::I32(page),
+                Arg::I32(max_sel as i32),
+                Arg::I32(od),
+                Arg::I32(nr),
+                Arg::I32(rb),
+                Arg::F32(1.0 / (hd as f32).sqrt()),
+                Arg::Ptr(ppart),
+            ],
+        )?;
+        self.launch(
+            "attend_pages_combine",
+            (rows as u32, p.n_head as u32, 1),
+            (hd as u32, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(ppart),
+                Arg::Ptr(ptrs.slots),
+                Arg::I32(nh),
+                Arg::I32(hdi),
+                Arg::I32(n_split as i32),
+                Arg::I32(od),
+                Arg::I32(nr),
+                Arg::I32(rb),
+                Arg::Ptr(ptrs.out),
+            ],
+        )
+    }
+}
+
 impl Backend for CudaBackend {
     type Matrix = CudaMatrix;
     type Vector = CudaVector;
@@ -1640,12 +2012,54 @@ impl Backend for CudaBackend {
             v.push(self.stream.alloc_zeros::<u8>(per_layer).map_err(drv)?);
         }
         self.account(MemKind::Kv, 2 * spec.n_layer * per_layer);
-        Ok(CudaKvCache { spec, k, v })
+        Ok(CudaKvCache {
+            spec,
+            k,
+            v,
+            pages: None,
+        })
+    }
+
+    fn new_kv_cache_pruned(
+        &self,
+        spec: KvSpec,
+        pruning: Option<KvPruning>,
+    ) -> Result<CudaKvCache> {
+        let mut cache = self.new_kv_cache(spec)?;
+        let Some(cfg) = pruning else {
+            return Ok(cache);
+        };
+        cfg.validate()?;
+        let max_pages = spec.n_ctx.div_ceil(cfg.page);
+        let per_layer = spec
+            .n_seq
+            .checked_mul(spec.n_head_kv)
+            .and_then(|x| x.checked_mul(max_pages))
+            .and_then(|x| x.checked_mul(spec.head_dim))
+            .filter(|&x| x <= i32::MAX as usize)
+            .ok_or_else(|| bad("KV page boxes size overflows"))?;
+        let (mut kmin, mut kmax) = (Vec::new(), Vec::new());
+        for _ in 0..spec.n_layer {
+            kmin.push(self.stream.alloc_zeros::<f32>(per_layer.max(1)).map_err(drv)?);
+            kmax.push(self.stream.alloc_zeros::<f32>(per_layer.max(1)).map_err(drv)?);
+        }
+        self.account(MemKind::Kv, 2 * spec.n_layer * per_layer * 4);
+        cache.pages = Some(KvPageBoxes {
+            cfg,
+            max_pages,
+            kmin,
+            kmax,
+        });
+        Ok(cache)
     }
 
     fn kv_truncate(&self, _cache: &mut CudaKvCache, _seq: usize, _pos: usize) {
         // Attention reads positions 0..=pos of each query row, so stale
         // entries past a truncation are never read before being rewritten.
+        // Page boxes need nothing either: every write recomputes the box of
+        // its page from the cached positions 0..=pos (the page cut by the
+        // truncation included), and pages past a row's position are never
+        // read.
     }
 
     fn new_activations(&self) -> CudaActivations {
@@ -1957,40 +2371,80 @@ impl Backend for CudaBackend {
         )?;
         let po = self.reshape(out, n, p.n_head * hd)?;
         let scale = 1.0 / (hd as f32).sqrt();
-        self.launch(
-            &format!("attend_part_{kv}"),
-            (n as u32, p.n_head as u32, n_split as u32),
-            (ATTEND_THREADS, 1, 1),
-            0,
-            vec![
-                Arg::Ptr(pq),
-                Arg::Ptr(pkc),
-                Arg::Ptr(pvc),
-                Arg::Ptr(pslots),
-                Arg::I32(nh),
-                Arg::I32(nkv),
-                Arg::I32(hdi),
-                Arg::I32(n_ctx),
-                Arg::I32(chunk as i32),
-                Arg::F32(scale),
-                Arg::Ptr(ppart),
-            ],
-        )?;
-        self.launch(
-            "attend_combine",
-            (n as u32, p.n_head as u32, 1),
-            (hd as u32, 1, 1),
-            0,
-            vec![
-                Arg::Ptr(ppart),
-                Arg::Ptr(pslots),
-                Arg::I32(nh),
-                Arg::I32(hdi),
-                Arg::I32(n_split as i32),
-                Arg::I32(chunk as i32),
-                Arg::Ptr(po),
-            ],
-        )
+        // KV-page pruning: the boxes of the pages this batch wrote, then
+        // which rows attend selected pages only — decode rows, the only row
+        // of their sequence, as on the CPU (attention_pruned::decode_rows).
+        // `Some(false)`: every row; `Some(true)`: a mixed batch, the kernels
+        // skip rows that share their sequence; those attend every position.
+        let mut pruned = None;
+        if let Some(pages) = &cache.pages {
+            self.refresh_page_boxes(pages, layer, slots, pslots, pkc, kv, &spec)?;
+            if layer >= pages.cfg.dense_layers {
+                let decode = mirage_runtime::attention_pruned::decode_rows(slots);
+                if decode.iter().all(|&d| d) {
+                    pruned = Some(false);
+                } else if decode.iter().any(|&d| d) {
+                    pruned = Some(true);
+                }
+            }
+        }
+        if pruned != Some(false) {
+            self.launch(
+                &format!("attend_part_{kv}"),
+                (n as u32, p.n_head as u32, n_split as u32),
+                (ATTEND_THREADS, 1, 1),
+                0,
+                vec![
+                    Arg::Ptr(pq),
+                    Arg::Ptr(pkc),
+                    Arg::Ptr(pvc),
+                    Arg::Ptr(pslots),
+                    Arg::I32(nh),
+                    Arg::I32(nkv),
+                    Arg::I32(hdi),
+                    Arg::I32(n_ctx),
+                    Arg::I32(chunk as i32),
+                    Arg::F32(scale),
+                    Arg::Ptr(ppart),
+                ],
+            )?;
+            self.launch(
+                "attend_combine",
+                (n as u32, p.n_head as u32, 1),
+                (hd as u32, 1, 1),
+                0,
+                vec![
+                    Arg::Ptr(ppart),
+                    Arg::Ptr(pslots),
+                    Arg::I32(nh),
+                    Arg::I32(hdi),
+                    Arg::I32(n_split as i32),
+                    Arg::I32(chunk as i32),
+                    Arg::Ptr(po),
+                ],
+            )?;
+        }
+        if let (Some(only_decode), Some(pages)) = (pruned, &cache.pages) {
+            let ptrs = PrunedPtrs {
+                q: pq,
+                kc: pkc,
+                vc: pvc,
+                slots: pslots,
+                out: po,
+            };
+            if only_decode && n > GRAPH_MAX_ROWS {
+                // A large mixed batch (never recorded): one launch per decode
+                // row, so that the scratch is sized for one row, not the
+                // whole prefill.
+                let decode = mirage_runtime::attention_pruned::decode_rows(slots);
+                for (row, _) in decode.iter().enumerate().filter(|(_, &d)| d) {
+                    self.attend_pages(pages, layer, p, kv, &spec, &ptrs, n, row, 1, false)?;
+                }
+            } else {
+                self.attend_pages(pages, layer, p, kv, &spec, &ptrs, n, 0, n, only_decode)?;
+            }
+        }
+        Ok(())
     }
 
     fn ffn(&self, f: &CudaFfn, x: &CudaActivations, out: &mut CudaActivations) -> Result<()> {

@@ -1013,3 +1013,187 @@ fn split_k_matvec_equals_unsplit_every_layout() {
     gpu.set_split_k(0).unwrap();
     gpu.set_weight_format(WeightFormat::Native);
 }
+
+/// Mat-vec variants of the split Q8_0 / Q4_K layouts (`set_matvec_variant`
+/// 2..=5, `MIRAGE_CUDA_MV`): for every variant, every split-K setting (1, 2,
+/// 4, 8 and the rule) and both layouts, on shapes whose rows are not a
+/// multiple of any variant's rows per block and whose columns run from one
+/// super-block to several thousand, with 1 and 3 activation rows:
+/// `matmul` equals the f64 reference (rel err < 1e-5) and variant 1 (the
+/// default kernels, < 1e-6; all variants keep f32 activations), `matmul_many`
+/// over three matrices equals variant 1's, and the fused FFN (gate/up/SwiGLU
+/// kernel of the variant, down through the variant's mv3) equals variant
+/// 1's. Values outside 1..=5 are refused.
+#[test]
+fn matvec_variants_equal_reference_and_v1() {
+    let Some(gpu) = cuda("matvec_variants_equal_reference_and_v1") else {
+        return;
+    };
+    gpu.set_prefill_gemm(false);
+    gpu.set_fast_decode(true);
+    assert!(gpu.set_matvec_variant(0).is_err(), "variant 0 accepted");
+    assert!(gpu.set_matvec_variant(6).is_err(), "variant 6 accepted");
+    let mut r = rng(41);
+    let shapes: &[(usize, usize)] = &[
+        (37, 256),
+        (5, 256 * 3),
+        (130, 256 * 7),
+        (67, 256 * 9),
+        (300, 256 * 14),
+        (19, 256 * 19),
+    ];
+    let (mut worst_ref, mut worst_v1) = (0f64, 0f64);
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_K] {
+        for &(rows, cols) in shapes {
+            let hms: Vec<HostMatrix> = [rows, 24, 41]
+                .iter()
+                .map(|&n| host_matrix("blk.0.attn_q.weight", ty, n, cols, &randn(&mut r, n * cols)))
+                .collect();
+            let mut deq = vec![0f32; rows * cols];
+            quant::dequantize(ty, hms[0].data.as_slice(), &mut deq).unwrap();
+            let ws: Vec<_> = hms.iter().map(|m| gpu.upload_matrix(m).unwrap()).collect();
+            assert!(ws[0].is_repacked(), "{ty}: not repacked");
+            for n_act in [1usize, 3] {
+                let x = randn(&mut r, n_act * cols);
+                let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
+                let want = reference(&deq, &x, rows, cols, n_act);
+                let many = |gpu: &CudaBackend| {
+                    let (mut a, mut b, mut c) = (
+                        gpu.new_activations(),
+                        gpu.new_activations(),
+                        gpu.new_activations(),
+                    );
+                    gpu.matmul_many(
+                        &[&ws[0], &ws[1], &ws[2]],
+                        &dx,
+                        &mut [&mut a, &mut b, &mut c],
+                    )
+                    .unwrap();
+                    vec![read(gpu, &a), read(gpu, &b), read(gpu, &c)]
+                };
+                gpu.set_matvec_variant(1).unwrap();
+                gpu.set_split_k(1).unwrap();
+                let base = product(&gpu, &ws[0], &dx);
+                let base_many = many(&gpu);
+                for v in 2..=5usize {
+                    gpu.set_matvec_variant(v).unwrap();
+                    for k in [1usize, 2, 4, 8, 0] {
+                        gpu.set_split_k(k).unwrap();
+                        let got = product(&gpu, &ws[0], &dx);
+                        let (e_ref, e_v1) = (rel_err(&got, &want), rel_err(&got, &base));
+                        worst_ref = worst_ref.max(e_ref);
+                        worst_v1 = worst_v1.max(e_v1);
+                        let what = format!("{ty} {rows}x{cols} n_act {n_act} v{v} split {k}");
+                        assert!(e_ref < 1e-5, "{what}: vs f64 rel err {e_ref}");
+                        assert!(e_v1 < 1e-6, "{what}: vs v1 rel err {e_v1}");
+                        for (i, (g, w)) in many(&gpu).iter().zip(&base_many).enumerate() {
+                            let e = rel_err(g, w);
+                            assert!(e < 1e-6, "{what}: matmul_many output {i} vs v1 rel err {e}");
+                        }
+                    }
+                }
+            }
+        }
+        // Fused FFN: n_ff an odd number of 32-element blocks (down in Q8_0;
+        // every down kernel needs whole blocks, so no n_ff leaves a partial
+        // 8- or 16-channel block: mv3's tail rows are tested above) or a
+        // whole number of super-blocks (1280: down of the same type).
+        for &(d, ff) in &[(256usize, 1312usize), (768, 1280), (2304, 352)] {
+            let g = host_matrix("blk.0.ffn_gate.weight", ty, ff, d, &randn(&mut r, ff * d));
+            let u = host_matrix("blk.0.ffn_up.weight", ty, ff, d, &randn(&mut r, ff * d));
+            let dn_ty = if ff % 256 == 0 { ty } else { GgmlType::Q8_0 };
+            let dn = host_matrix(
+                "blk.0.ffn_down.weight",
+                dn_ty,
+                d,
+                ff,
+                &randn(&mut r, ff * d),
+            );
+            let f = gpu.upload_ffn(0, &g, &u, &dn).unwrap();
+            for n_act in [1usize, 3] {
+                let x = randn(&mut r, n_act * d);
+                let dx = gpu.upload_activations(n_act, d, &x).unwrap();
+                gpu.set_matvec_variant(1).unwrap();
+                gpu.set_split_k(0).unwrap();
+                let mut yb = gpu.new_activations();
+                gpu.ffn(&f, &dx, &mut yb).unwrap();
+                let base = read(&gpu, &yb);
+                for v in 2..=5usize {
+                    gpu.set_matvec_variant(v).unwrap();
+                    for k in [1usize, 0] {
+                        gpu.set_split_k(k).unwrap();
+                        let mut y = gpu.new_activations();
+                        gpu.ffn(&f, &dx, &mut y).unwrap();
+                        let e = rel_err(&read(&gpu, &y), &base);
+                        worst_v1 = worst_v1.max(e);
+                        assert!(
+                            e < 1e-6,
+                            "ffn {ty} {d}x{ff} n_act {n_act} v{v} split {k}: vs v1 rel err {e}"
+                        );
+                    }
+                }
+            }
+        }
+        eprintln!(
+            "{ty}: mat-vec variants 2..5 == f64 and v1 over {} shapes and 3 FFNs",
+            shapes.len()
+        );
+    }
+    eprintln!("mat-vec variants: worst rel err vs f64 {worst_ref:.2e}, vs v1 {worst_v1:.2e}");
+    gpu.set_matvec_variant(1).unwrap();
+    gpu.set_split_k(0).unwrap();
+}
+
+/// A whole tiny model (Q/K/V biases, folded epilogues and norms, fused FFN)
+/// decoded greedily in CUDA graphs with each mat-vec variant against the
+/// default kernels (variant 1) in graphs, teacher-forced on variant 1's
+/// tokens: logits cosine >= 0.999999 at every step, argmax agreement >= 90 %
+/// (printed), batch 1 and 2, for an all-Q8_0 model and a Q4_K mix; the
+/// graph is replayed.
+#[test]
+fn matvec_variants_graph_decode_equals_v1() {
+    let Some(probe) = cuda("matvec_variants_graph_decode_equals_v1") else {
+        return;
+    };
+    drop(probe);
+    for types in [LAYER_MIXES[0], LAYER_MIXES[1], NORM_MIX] {
+        let file = tiny_model_with_bias(types);
+        let load = |v: usize| {
+            let b = CudaBackend::new(0).unwrap();
+            b.set_graphs(true);
+            b.set_matvec_variant(v).unwrap();
+            Model::load(file.clone(), b).unwrap()
+        };
+        let base = load(1);
+        let vocab = base.config().vocab_size;
+        for batch in [1usize, 2] {
+            let (lb, tb) = greedy_run(&base, batch, 16, None);
+            for v in 2..=5usize {
+                let m = load(v);
+                let before = m.backend().graph_stats();
+                let (lv, tv) = greedy_run(&m, batch, 16, Some(&tb));
+                let after = m.backend().graph_stats();
+                let worst = lb
+                    .chunks(vocab)
+                    .zip(lv.chunks(vocab))
+                    .map(|(a, b)| cosine(a, b))
+                    .fold(1.0f64, f64::min);
+                let agree =
+                    tb.iter().zip(&tv).filter(|(a, b)| a == b).count() as f64 / tb.len() as f64;
+                eprintln!(
+                    "{types:?} batch {batch} v{v}: vs v1 worst step cosine {worst:.9}, argmax agreement {agree:.3}, replays {}",
+                    after.replays - before.replays
+                );
+                assert!(
+                    agree >= 0.9,
+                    "{types:?} batch {batch} v{v}: agreement {agree}"
+                );
+                assert!(
+                    worst >= 0.999999,
+                    "{types:?} batch {batch} v{v}: cosine {worst}"
+                );
+                assert!(after.replays - before.replays >= 14, "graph not replayed");
+            }
+        }
+    }
+}
