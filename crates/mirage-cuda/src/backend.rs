@@ -1640,10 +1640,7 @@ impl CudaBackend {
         if cap < n.max(1) {
             let want = n.max(1).next_power_of_two();
             *slot = Some(self.stream.alloc_zeros::<T>(want).map_err(drv)?);
-            self.account(
-                MemKind::Workspace,
-                (want - cap) * std::mem::size_of::<T>(),
-            );
+            self.account(MemKind::Workspace, (want - cap) * std::mem::size_of::<T>());
         }
         Ok(self.ptr(slot.as_ref().expect("allocated above")))
     }
@@ -1663,10 +1660,7 @@ impl CudaBackend {
         kv: &str,
         spec: &KvSpec,
     ) -> Result<()> {
-        let (pmin, pmax) = (
-            self.ptr(&pages.kmin[layer]),
-            self.ptr(&pages.kmax[layer]),
-        );
+        let (pmin, pmax) = (self.ptr(&pages.kmin[layer]), self.ptr(&pages.kmax[layer]));
         let page = pages.cfg.page.min(spec.n_ctx) as i32;
         let (nkv, hd, n_ctx, maxp) = (
             spec.n_head_kv as i32,
@@ -1768,10 +1762,7 @@ impl CudaBackend {
             )
         };
         let clamp = |x: usize| x.min(i32::MAX as usize) as i32;
-        let (pmin, pmax) = (
-            self.ptr(&pages.kmin[layer]),
-            self.ptr(&pages.kmax[layer]),
-        );
+        let (pmin, pmax) = (self.ptr(&pages.kmin[layer]), self.ptr(&pages.kmax[layer]));
         let (nh, nkv, hdi, n_ctx, page, maxp) = (
             p.n_head as i32,
             p.n_head_kv as i32,
@@ -2020,11 +2011,7 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn new_kv_cache_pruned(
-        &self,
-        spec: KvSpec,
-        pruning: Option<KvPruning>,
-    ) -> Result<CudaKvCache> {
+    fn new_kv_cache_pruned(&self, spec: KvSpec, pruning: Option<KvPruning>) -> Result<CudaKvCache> {
         let mut cache = self.new_kv_cache(spec)?;
         let Some(cfg) = pruning else {
             return Ok(cache);
@@ -2040,8 +2027,16 @@ impl Backend for CudaBackend {
             .ok_or_else(|| bad("KV page boxes size overflows"))?;
         let (mut kmin, mut kmax) = (Vec::new(), Vec::new());
         for _ in 0..spec.n_layer {
-            kmin.push(self.stream.alloc_zeros::<f32>(per_layer.max(1)).map_err(drv)?);
-            kmax.push(self.stream.alloc_zeros::<f32>(per_layer.max(1)).map_err(drv)?);
+            kmin.push(
+                self.stream
+                    .alloc_zeros::<f32>(per_layer.max(1))
+                    .map_err(drv)?,
+            );
+            kmax.push(
+                self.stream
+                    .alloc_zeros::<f32>(per_layer.max(1))
+                    .map_err(drv)?,
+            );
         }
         self.account(MemKind::Kv, 2 * spec.n_layer * per_layer * 4);
         cache.pages = Some(KvPageBoxes {
