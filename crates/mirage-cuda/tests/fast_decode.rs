@@ -6,44 +6,17 @@
 
 use std::sync::Arc;
 
-use mirage_cuda::{CudaBackend, CudaError, WeightFormat};
+use mirage_cuda::{CudaBackend, WeightFormat};
 use mirage_gguf::quant::Nvfp4Tensor;
 use mirage_gguf::writer::GgufWriter;
 use mirage_gguf::{quant, GgmlType, GgufFile};
 use mirage_runtime::backend::{Backend, HostMatrix, SharedBytes};
 use mirage_runtime::kv_cache::KvDtype;
 use mirage_runtime::{CpuBackend, Model};
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
-fn cuda(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(
-            e @ (CudaError::NotCompiledWithCuda
-            | CudaError::DriverNotFound
-            | CudaError::NoDevice { .. }),
-        ) => {
-            // MIRAGE_REQUIRE_CUDA_TESTS=1 (the device runs): skipping is a failure.
-            assert!(
-                std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").as_deref() != Ok("1"),
-                "{test}: MIRAGE_REQUIRE_CUDA_TESTS=1 but no CUDA device: {e}"
-            );
-            eprintln!("{test}: skipped, no CUDA device here: {e}");
-            None
-        }
-        Err(e) => panic!("{test}: CUDA device present but the backend failed to start: {e}"),
-    }
-}
-
-fn rng(seed: u64) -> rand::rngs::StdRng {
-    rand::rngs::StdRng::seed_from_u64(seed)
-}
-
-fn randn(r: &mut impl Rng, n: usize) -> Vec<f32> {
-    (0..n)
-        .map(|_| r.random_range(-1.0f32..1.0) + r.random_range(-1.0f32..1.0))
-        .collect()
-}
+mod common;
+use common::{cuda, randn, rng};
 
 fn host_matrix(name: &str, ty: GgmlType, rows: usize, cols: usize, values: &[f32]) -> HostMatrix {
     let rb = quant::row_bytes(ty, cols).unwrap();

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use mirage_cuda::{CudaBackend, CudaError};
+use mirage_cuda::CudaBackend;
 use mirage_gguf::{quant, GgmlType, GgufFile};
 use mirage_runtime::backend::cpu::CpuActivations;
 use mirage_runtime::backend::{
@@ -15,32 +15,10 @@ use mirage_runtime::backend::{
 use mirage_runtime::kv_cache::{KvDtype, KvSpec};
 use mirage_runtime::ops::RopeMode;
 use mirage_runtime::{CpuBackend, Model};
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
-fn cuda(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(
-            e @ (CudaError::NotCompiledWithCuda
-            | CudaError::DriverNotFound
-            | CudaError::NoDevice { .. }),
-        ) => {
-            eprintln!("{test}: skipped, no CUDA device here: {e}");
-            None
-        }
-        Err(e) => panic!("{test}: CUDA device present but the backend failed to start: {e}"),
-    }
-}
-
-fn rng(seed: u64) -> rand::rngs::StdRng {
-    rand::rngs::StdRng::seed_from_u64(seed)
-}
-
-fn randn(r: &mut impl Rng, n: usize) -> Vec<f32> {
-    (0..n)
-        .map(|_| r.random_range(-1.0f32..1.0) + r.random_range(-1.0f32..1.0))
-        .collect()
-}
+mod common;
+use common::{cuda, randn, require_cuda_tests, rng};
 
 fn host_matrix(ty: GgmlType, rows: usize, cols: usize, values: &[f32]) -> HostMatrix {
     let rb = quant::row_bytes(ty, cols).unwrap();
@@ -395,11 +373,6 @@ fn smollm2_logits_match_cpu() {
     }
 }
 
-/// Whether a GPU test must run the part that needs an optional library.
-fn require_gpu_tests() -> bool {
-    std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").as_deref() == Ok("1")
-}
-
 /// Split-K attention over a long context (several splits per head), with
 /// the KV cache in f32 and in f16, against the CPU backend with the same
 /// cache type: a prefill of 300 rows, then decode steps past 600.
@@ -749,7 +722,7 @@ fn tiny_model_prefill_gemm_and_f16_cache_match() {
         let c = worst(&gemm, &matvec);
         eprintln!("tiny model prefill cuBLAS f16 GEMM vs mat-vec: worst position cosine {c:.7}");
         assert!(c >= 0.9999, "gemm vs matvec cosine {c}");
-    } else if require_gpu_tests() {
+    } else if require_cuda_tests() {
         panic!("cuBLAS did not load, so the prefill GEMM path was not tested");
     } else {
         eprintln!("prefill GEMM part skipped: cuBLAS did not load");
@@ -790,7 +763,7 @@ fn prefill_gemm_every_type_matches_matvec() {
         return;
     };
     if !gpu.set_prefill_gemm(true) {
-        assert!(!require_gpu_tests(), "cuBLAS did not load");
+        assert!(!require_cuda_tests(), "cuBLAS did not load");
         eprintln!("prefill_gemm_every_type_matches_matvec: skipped, cuBLAS did not load");
         return;
     }

@@ -14,43 +14,16 @@
 
 use std::sync::Arc;
 
-use mirage_cuda::{CudaBackend, CudaError};
+use mirage_cuda::CudaBackend;
 use mirage_gguf::writer::GgufWriter;
 use mirage_gguf::{quant, GgmlType, GgufFile};
 use mirage_runtime::backend::{Backend, TokenSlot};
 use mirage_runtime::kv_cache::KvDtype;
 use mirage_runtime::{CpuBackend, KvPruning, Model};
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
-fn cuda(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(
-            e @ (CudaError::NotCompiledWithCuda
-            | CudaError::DriverNotFound
-            | CudaError::NoDevice { .. }),
-        ) => {
-            // MIRAGE_REQUIRE_CUDA_TESTS=1 (the device runs): skipping is a failure.
-            assert!(
-                std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").as_deref() != Ok("1"),
-                "{test}: MIRAGE_REQUIRE_CUDA_TESTS=1 but no CUDA device: {e}"
-            );
-            eprintln!("{test}: skipped, no CUDA device here: {e}");
-            None
-        }
-        Err(e) => panic!("{test}: CUDA device present but the backend failed to start: {e}"),
-    }
-}
-
-fn rng(seed: u64) -> rand::rngs::StdRng {
-    rand::rngs::StdRng::seed_from_u64(seed)
-}
-
-fn randn(r: &mut impl Rng, n: usize) -> Vec<f32> {
-    (0..n)
-        .map(|_| r.random_range(-1.0f32..1.0) + r.random_range(-1.0f32..1.0))
-        .collect()
-}
+mod common;
+use common::{cuda, randn, rng};
 
 fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     assert_eq!(got.len(), want.len());
@@ -109,13 +82,8 @@ fn tiny_model() -> Arc<GgufFile> {
             )
             .unwrap();
         }
-        w.add_tensor(
-            name,
-            vec![cols as u64, rows as u64],
-            GgmlType::Q8_0,
-            data,
-        )
-        .unwrap();
+        w.add_tensor(name, vec![cols as u64, rows as u64], GgmlType::Q8_0, data)
+            .unwrap();
     };
     mat(&mut w, "token_embd.weight".into(), vocab, d, 1.0);
     mat(&mut w, "output.weight".into(), vocab, d, 0.1);
@@ -327,29 +295,75 @@ fn pruned_cuda_decode_equals_pruned_cpu_decode() {
     for dense in [0usize, 1] {
         let cfg = budget(dense);
         for batch in [1usize, 2] {
-            let (want, toks) = greedy_run(&cpu, Some(cfg), KvDtype::F32, prompt_len, batch, steps, None);
+            let (want, toks) = greedy_run(
+                &cpu,
+                Some(cfg),
+                KvDtype::F32,
+                prompt_len,
+                batch,
+                steps,
+                None,
+            );
             let before = gpu.backend().graph_stats();
-            let (got, gtoks) = greedy_run(&gpu, Some(cfg), KvDtype::F32, prompt_len, batch, steps, Some(&toks));
+            let (got, gtoks) = greedy_run(
+                &gpu,
+                Some(cfg),
+                KvDtype::F32,
+                prompt_len,
+                batch,
+                steps,
+                Some(&toks),
+            );
             let after = gpu.backend().graph_stats();
-            let (full, _) = greedy_run(&gpu, None, KvDtype::F32, prompt_len, batch, steps, Some(&toks));
-            let (op, otoks) = greedy_run(&eager, Some(cfg), KvDtype::F32, prompt_len, batch, steps, Some(&toks));
+            let (full, _) = greedy_run(
+                &gpu,
+                None,
+                KvDtype::F32,
+                prompt_len,
+                batch,
+                steps,
+                Some(&toks),
+            );
+            let (op, otoks) = greedy_run(
+                &eager,
+                Some(cfg),
+                KvDtype::F32,
+                prompt_len,
+                batch,
+                steps,
+                Some(&toks),
+            );
             let worst = |a: &[f32], b: &[f32]| {
                 a.chunks(vocab)
                     .zip(b.chunks(vocab))
                     .map(|(x, y)| cosine(x, y))
                     .fold(1.0f64, f64::min)
             };
-            let (vs_cpu, vs_full, vs_eager) = (worst(&got, &want), worst(&got, &full), worst(&got, &op));
-            let agree = toks.iter().zip(&gtoks).filter(|(a, b)| a == b).count() as f64 / toks.len() as f64;
+            let (vs_cpu, vs_full, vs_eager) =
+                (worst(&got, &want), worst(&got, &full), worst(&got, &op));
+            let agree =
+                toks.iter().zip(&gtoks).filter(|(a, b)| a == b).count() as f64 / toks.len() as f64;
             eprintln!(
                 "dense {dense} batch {batch}: cuda pruned vs cpu pruned worst step cosine {vs_cpu:.9} \
                  (argmax agreement {agree:.3}); vs cuda unpruned {vs_full:.6}; graph vs eager {vs_eager:.9}; replays {}",
                 after.replays - before.replays
             );
-            assert!(vs_cpu >= 0.9999, "dense {dense} batch {batch}: cosine vs CPU {vs_cpu}");
-            assert!(vs_full < 0.99999, "dense {dense} batch {batch}: pruning changed nothing ({vs_full})");
-            assert_eq!(gtoks, otoks, "dense {dense} batch {batch}: greedy tokens differ graph vs eager");
-            assert!(vs_eager >= 0.99999, "dense {dense} batch {batch}: graph vs eager cosine {vs_eager}");
+            assert!(
+                vs_cpu >= 0.9999,
+                "dense {dense} batch {batch}: cosine vs CPU {vs_cpu}"
+            );
+            assert!(
+                vs_full < 0.99999,
+                "dense {dense} batch {batch}: pruning changed nothing ({vs_full})"
+            );
+            assert_eq!(
+                gtoks, otoks,
+                "dense {dense} batch {batch}: greedy tokens differ graph vs eager"
+            );
+            assert!(
+                vs_eager >= 0.99999,
+                "dense {dense} batch {batch}: graph vs eager cosine {vs_eager}"
+            );
             assert!(
                 after.replays - before.replays >= (steps - 2) as u64,
                 "pruned decode graph not replayed: {before:?} -> {after:?}"
@@ -403,16 +417,29 @@ fn mixed_batches_and_truncation_equal_cpu() {
         steps.push((
             vec![tok(2 + 3 * i), tok(3 + 3 * i), tok(4 + 3 * i)],
             vec![
-                TokenSlot { seq: 0, pos: 302 + i },
+                TokenSlot {
+                    seq: 0,
+                    pos: 302 + i,
+                },
                 TokenSlot { seq: 1, pos: 7 + i },
-                TokenSlot { seq: 2, pos: 40 + i },
+                TokenSlot {
+                    seq: 2,
+                    pos: 40 + i,
+                },
             ],
             vec![0, 1, 2],
         ));
     }
     let truncate_at = steps.len();
     for i in 0..20 {
-        steps.push((vec![tok(20 + i)], vec![TokenSlot { seq: 0, pos: 250 + i }], vec![0]));
+        steps.push((
+            vec![tok(20 + i)],
+            vec![TokenSlot {
+                seq: 0,
+                pos: 250 + i,
+            }],
+            vec![0],
+        ));
     }
     fn run<B: Backend>(
         model: &Model<B>,
@@ -466,7 +493,15 @@ fn fixture_prunes_on_cpu() {
     let vocab = cpu.config().vocab_size;
     let (full, toks) = greedy_run(&cpu, None, KvDtype::F32, 420, 1, 4, None);
     let (pruned, _) = greedy_run(&cpu, Some(budget(0)), KvDtype::F32, 420, 1, 4, Some(&toks));
-    let (all, _) = greedy_run(&cpu, Some(KvPruning::all_pages(16)), KvDtype::F32, 420, 1, 4, Some(&toks));
+    let (all, _) = greedy_run(
+        &cpu,
+        Some(KvPruning::all_pages(16)),
+        KvDtype::F32,
+        420,
+        1,
+        4,
+        Some(&toks),
+    );
     let worst = |a: &[f32], b: &[f32]| {
         a.chunks(vocab)
             .zip(b.chunks(vocab))
@@ -476,5 +511,8 @@ fn fixture_prunes_on_cpu() {
     let (p, a) = (worst(&full, &pruned), worst(&full, &all));
     eprintln!("cpu: pruned vs full worst cosine {p:.6}, every page vs full {a:.9}");
     assert!(p < 0.99999, "the budget prunes nothing ({p})");
-    assert!(a > 0.999999, "every page selected differs from full attention ({a})");
+    assert!(
+        a > 0.999999,
+        "every page selected differs from full attention ({a})"
+    );
 }

@@ -11,29 +11,11 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use mirage_cuda::{CudaBackend, CudaError};
 use mirage_gguf::GgufFile;
 use mirage_runtime::{CpuBackend, Engine, EngineOptions, GenerateParams};
 
-fn cuda(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(
-            e @ (CudaError::NotCompiledWithCuda
-            | CudaError::DriverNotFound
-            | CudaError::NoDevice { .. }),
-        ) => {
-            // On the GPU machine (MIRAGE_REQUIRE_CUDA_TESTS=1) skipping is a failure.
-            assert!(
-                std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").as_deref() != Ok("1"),
-                "{test}: MIRAGE_REQUIRE_CUDA_TESTS=1 but no CUDA device: {e}"
-            );
-            eprintln!("{test}: skipped, no CUDA device here: {e}");
-            None
-        }
-        Err(e) => panic!("{test}: CUDA device present but the backend failed to start: {e}"),
-    }
-}
+mod common;
+use common::cuda;
 
 fn model(test: &str, name: &str) -> Option<Arc<GgufFile>> {
     let dir: PathBuf = std::env::var_os("MIRAGE_MODELS_DIR")

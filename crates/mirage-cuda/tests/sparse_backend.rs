@@ -14,15 +14,16 @@ use mirage_artifact::format::{write_bytes, ArtifactMeta, LayerData};
 use mirage_artifact::metrics::cosine;
 use mirage_artifact::superblock::PageSelector;
 use mirage_artifact::{Artifact, SparseMode, SuperblockBackend};
-use mirage_cuda::{
-    random_subset, CudaBackend, CudaError, PageSource, SparseCudaBackend, SparsePages,
-};
+use mirage_cuda::{random_subset, PageSource, SparseCudaBackend, SparsePages};
 use mirage_gguf::{quant, GgmlType};
 use mirage_route::{Aabb, RouterData};
 use mirage_runtime::backend::cpu::CpuActivations;
 use mirage_runtime::backend::{Backend, HostMatrix, SharedBytes, StepInputs, TokenSlot};
 use mirage_runtime::CpuBackend;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
+
+mod common;
+use common::{cuda, rng};
 
 const PAGE: usize = 128;
 const D: usize = 256;
@@ -30,33 +31,6 @@ const N_PAGES: usize = 6;
 const N_FF: usize = N_PAGES * PAGE;
 const N_LAYER: usize = 2;
 const SLICES: usize = 4;
-
-fn require_gpu() -> bool {
-    std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").as_deref() == Ok("1")
-}
-
-fn cuda(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(
-            e @ (CudaError::NotCompiledWithCuda
-            | CudaError::DriverNotFound
-            | CudaError::NoDevice { .. }),
-        ) => {
-            assert!(
-                !require_gpu(),
-                "{test}: MIRAGE_REQUIRE_CUDA_TESTS=1 but no GPU: {e}"
-            );
-            eprintln!("{test}: skipped, no CUDA device here: {e}");
-            None
-        }
-        Err(e) => panic!("{test}: CUDA device present but the backend failed to start: {e}"),
-    }
-}
-
-fn rng(seed: u64) -> rand::rngs::StdRng {
-    rand::rngs::StdRng::seed_from_u64(seed)
-}
 
 /// `[rows][cols]` weights that Q8_0 encodes exactly along rows and along
 /// columns: integers in -126..=126 times 2^-7, with 127 * 2^-7 wherever

@@ -1,0 +1,46 @@
+//! Helpers shared by the CUDA integration tests (each test file is its own
+//! crate and includes this module with `mod common;`).
+#![allow(dead_code)] // not every test file uses every helper
+
+use mirage_cuda::{CudaBackend, CudaError};
+use rand::{Rng, SeedableRng};
+
+/// The CUDA backend on device 0, or `None` after printing why the test
+/// skips (no `cuda` feature, no driver, no device). On the GPU machine
+/// (`MIRAGE_REQUIRE_CUDA_TESTS=1`, set by the H200 scripts) skipping is a
+/// failure. A device that is present but fails to start always fails.
+pub fn cuda(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(
+            e @ (CudaError::NotCompiledWithCuda
+            | CudaError::DriverNotFound
+            | CudaError::NoDevice { .. }),
+        ) => {
+            assert!(
+                !require_cuda_tests(),
+                "{test}: MIRAGE_REQUIRE_CUDA_TESTS=1 but no CUDA device: {e}"
+            );
+            eprintln!("{test}: skipped, no CUDA device here: {e}");
+            None
+        }
+        Err(e) => panic!("{test}: CUDA device present but the backend failed to start: {e}"),
+    }
+}
+
+/// Whether the GPU tests must run (`MIRAGE_REQUIRE_CUDA_TESTS=1`).
+pub fn require_cuda_tests() -> bool {
+    std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").as_deref() == Ok("1")
+}
+
+/// A seeded generator (tests are reproducible).
+pub fn rng(seed: u64) -> rand::rngs::StdRng {
+    rand::rngs::StdRng::seed_from_u64(seed)
+}
+
+/// `n` values in (-2, 2), triangular around 0.
+pub fn randn(r: &mut impl Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| r.random_range(-1.0f32..1.0) + r.random_range(-1.0f32..1.0))
+        .collect()
+}
