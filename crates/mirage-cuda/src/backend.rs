@@ -228,6 +228,14 @@ const SPLIT_K_MIN_SLICE: usize = 128;
 /// `ffn_<suffix>_v<N>` in dense.cu; `MIRAGE_CUDA_MV`, `set_matvec_variant`).
 const VARIANT_SUFFIXES: &[&str] = &["q8_0s", "q4_ks"];
 
+/// Default mat-vec variant of the split Q8_0 / Q4_K layouts: v2 (16-byte
+/// loads, 4 rows per warp). Chosen from the H200 run of 2026-12-03
+/// (`scripts/h200-matvec.sh`, docs/BENCHMARKS.md): whole-model decode of the
+/// 7B shape, two passes, v1 / v2 / v3 / v4 / v5 = 197-199 / 227-228 /
+/// 186-187 / 198-209 / 192-193 tok/s (Q8_0) and 150-151 / 236-241 / 188-193
+/// / 187-192 / 202 tok/s (Q4_K).
+const DEFAULT_MATVEC_VARIANT: usize = 2;
+
 /// Weight rows per warp of mat-vec variant N at index N - 2 (v2..v5:
 /// `MVV<N>_NR` in dense.cu); v1 is the default kernels (`FAST_ROWS`).
 const VARIANT_ROWS: [usize; 4] = [4, 2, 2, 2];
@@ -545,9 +553,9 @@ pub struct CudaBackend {
     /// Column split of the repacked mat-vecs: 0 = by the rule, else forced
     /// (`MIRAGE_CUDA_SPLITK` at start, `set_split_k`).
     split_k: std::sync::atomic::AtomicUsize,
-    /// Mat-vec variant of the split Q8_0 / Q4_K layouts: 1 = the default
+    /// Mat-vec variant of the split Q8_0 / Q4_K layouts: 1 = the first
     /// kernels, 2..=5 = `mv3_<suffix>_v<N>` (`MIRAGE_CUDA_MV` at start,
-    /// `set_matvec_variant`).
+    /// `set_matvec_variant`; default `DEFAULT_MATVEC_VARIANT`).
     matvec_variant: std::sync::atomic::AtomicUsize,
     scratch: Mutex<Scratch>,
     mem: Mutex<MemoryStats>,
@@ -688,7 +696,7 @@ impl CudaBackend {
                 .ok()
                 .and_then(|v| v.trim_start_matches(['v', 'V']).parse::<usize>().ok())
                 .filter(|v| (1..=1 + VARIANT_ROWS.len()).contains(v))
-                .unwrap_or(1)
+                .unwrap_or(DEFAULT_MATVEC_VARIANT)
                 .into(),
             scratch: Mutex::new(Scratch::default()),
             step_state: Mutex::new(StepState::default()),
@@ -750,7 +758,7 @@ impl CudaBackend {
     }
 
     /// Picks the mat-vec kernels of the split Q8_0 and split Q4_K layouts:
-    /// 1 (the default kernels), or variant 2 to 5 of `cuda/dense.cu`
+    /// 1 (the first kernels), or variant 2 (the default) to 5 of `cuda/dense.cu`
     /// (16-byte loads; v2 4 rows per warp, v3 and v4 2 rows per warp with
     /// more or fewer loads in flight, v5 v4's shape software-pipelined);
     /// `MIRAGE_CUDA_MV=v1|v2|v3|v4|v5` at start. Applies to launches recorded or made afterwards (a recorded
@@ -768,7 +776,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The mat-vec variant of the split Q8_0 / Q4_K layouts (1 = default).
+    /// The mat-vec variant of the split Q8_0 / Q4_K layouts (1 = the first
+    /// kernels; 2 is the default).
     pub fn matvec_variant(&self) -> usize {
         self.matvec_variant
             .load(std::sync::atomic::Ordering::Relaxed)
@@ -1553,36 +1562,41 @@ impl CudaBackend {
         // (they set the logits' fidelity and are read once per token).
         let is_table = m.name == "token_embd.weight" || m.name == "output.weight";
         let repacked;
-        let (layout, upload): (Layout, &[u8]) = if self.weight_format() == WeightFormat::Nvfp4
-            && !is_table
-        {
-            let t = quant::Nvfp4Tensor::requantize(m.ty, bytes, &[m.cols as u64, m.rows as u64])
+        let (layout, upload): (Layout, &[u8]) =
+            if self.weight_format() == WeightFormat::Nvfp4 && !is_table {
+                let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let t = quant::Nvfp4Tensor::requantize_parallel(
+                    m.ty,
+                    bytes,
+                    &[m.cols as u64, m.rows as u64],
+                    threads,
+                )
                 .map_err(|e| bad(format!("{}: NVFP4 requantization: {e}", m.name)))?;
-            let mut v = t.packed;
-            v.extend_from_slice(&t.block_scales);
-            repacked = v;
-            (
-                Layout::Nvfp4 {
-                    tensor_scale: t.tensor_scale,
-                },
-                &repacked,
-            )
-        } else if m.ty == GgmlType::Q8_0 && self.repacks(m.ty) {
-            repacked = crate::superblock::split_q8_0_rows(bytes, m.rows, m.cols)
-                .map_err(|e| bad(format!("{}: {e}", m.name)))?;
-            (Layout::Q8Split, &repacked)
-        } else if m.ty == GgmlType::Q4_K && self.repacks(m.ty) {
-            repacked = split_q4_k_rows(bytes);
-            (Layout::Q4KSplit, &repacked)
-        } else if m.ty == GgmlType::Q5_0 && self.repacks(m.ty) {
-            repacked = split_q5_0_rows(bytes);
-            (Layout::Q5Split, &repacked)
-        } else if m.ty == GgmlType::Q6_K && self.repacks(m.ty) {
-            repacked = split_q6_k_rows(bytes);
-            (Layout::Q6KSplit, &repacked)
-        } else {
-            (Layout::Ggml, bytes)
-        };
+                let mut v = t.packed;
+                v.extend_from_slice(&t.block_scales);
+                repacked = v;
+                (
+                    Layout::Nvfp4 {
+                        tensor_scale: t.tensor_scale,
+                    },
+                    &repacked,
+                )
+            } else if m.ty == GgmlType::Q8_0 && self.repacks(m.ty) {
+                repacked = crate::superblock::split_q8_0_rows(bytes, m.rows, m.cols)
+                    .map_err(|e| bad(format!("{}: {e}", m.name)))?;
+                (Layout::Q8Split, &repacked)
+            } else if m.ty == GgmlType::Q4_K && self.repacks(m.ty) {
+                repacked = split_q4_k_rows(bytes);
+                (Layout::Q4KSplit, &repacked)
+            } else if m.ty == GgmlType::Q5_0 && self.repacks(m.ty) {
+                repacked = split_q5_0_rows(bytes);
+                (Layout::Q5Split, &repacked)
+            } else if m.ty == GgmlType::Q6_K && self.repacks(m.ty) {
+                repacked = split_q6_k_rows(bytes);
+                (Layout::Q6KSplit, &repacked)
+            } else {
+                (Layout::Ggml, bytes)
+            };
         let data = self.stream.clone_htod(upload).map_err(drv)?;
         self.account(MemKind::Weights, upload.len());
         Ok(CudaMatrix {

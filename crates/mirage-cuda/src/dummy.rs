@@ -74,9 +74,9 @@ impl CudaBackend {
     pub fn set_matvec_variant(&self, _v: usize) -> Result<(), CudaError> {
         Err(CudaError::NotCompiledWithCuda)
     }
-    /// The mat-vec variant (1, the default kernels).
+    /// The mat-vec variant (2, the CUDA backend's default).
     pub fn matvec_variant(&self) -> usize {
-        1
+        2
     }
     /// Norm folding switch (no effect without CUDA).
     pub fn set_fuse_norm(&self, _on: bool) {}

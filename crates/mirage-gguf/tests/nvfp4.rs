@@ -303,6 +303,39 @@ fn requantize_gguf_types() {
     ));
 }
 
+/// The threaded requantization (rows in chunks, shared tensor scale) is
+/// bit-identical to the serial one for every chunking, including chunks
+/// that do not divide the rows evenly; a NaN is reported at its global index.
+#[test]
+fn requantize_parallel_equals_serial() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let (cols, rows) = (512usize, 37usize);
+    let mut x: Vec<f32> = (0..cols * rows)
+        .map(|_| rng.random::<f32>() * 2.0 - 1.0)
+        .collect();
+    // One large outlier in a late row sets the tensor scale for all chunks.
+    x[cols * 30 + 5] = 40.0;
+    let dims = [cols as u64, rows as u64];
+    for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_K] {
+        let mut bytes = vec![0u8; quant::row_bytes(ty, x.len()).unwrap()];
+        quant::quantize(ty, &x, &mut bytes).unwrap();
+        let serial = Nvfp4Tensor::requantize(ty, &bytes, &dims).unwrap();
+        for threads in [1, 2, 3, 5, 16, 64] {
+            let par = Nvfp4Tensor::requantize_parallel(ty, &bytes, &dims, threads).unwrap();
+            assert_eq!(par, serial, "{ty}, {threads} threads");
+        }
+    }
+    let mut bad = x.clone();
+    bad[cols * 20 + 7] = f32::NAN;
+    let mut bytes = vec![0u8; bad.len() * 4];
+    quant::quantize(GgmlType::F32, &bad, &mut bytes).unwrap();
+    match Nvfp4Tensor::requantize_parallel(GgmlType::F32, &bytes, &dims, 4) {
+        Err(Nvfp4Error::NonFinite { index, .. }) => assert_eq!(index, cols * 20 + 7),
+        other => panic!("expected NonFinite, got {other:?}"),
+    }
+    assert!(Nvfp4Tensor::requantize_parallel(GgmlType::Q8_0, &[0; 33], &[32], 4).is_err());
+}
+
 #[test]
 fn requantize_real_model_tensor() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

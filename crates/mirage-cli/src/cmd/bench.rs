@@ -116,6 +116,8 @@ struct BenchReport {
     cuda_graphs: Option<bool>,
     cuda_gemm: Option<bool>,
     cuda_fast: Option<bool>,
+    /// Mat-vec kernel variant of the split Q8_0 / Q4_K layouts (`MIRAGE_CUDA_MV`).
+    matvec_variant: Option<usize>,
     weight_format: Option<String>,
     graph_captures: Option<u64>,
     graph_replays: Option<u64>,
@@ -190,6 +192,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             r.cuda_graphs = Some(b.graphs());
             r.cuda_gemm = Some(gemm_on);
             r.cuda_fast = Some(b.fast_decode());
+            r.matvec_variant = Some(b.matvec_variant());
             r.weight_format = Some(match b.weight_format() {
                 mirage_cuda::WeightFormat::Native => "native".into(),
                 mirage_cuda::WeightFormat::Nvfp4 => "nvfp4".into(),
@@ -307,7 +310,11 @@ fn measure<B: Backend>(
     }
     let mut cache = model.new_kv_cache_pruned(n_ctx, 1, kv, args.kv_prune)?;
     let slots: Vec<TokenSlot> = (0..n_prompt).map(|pos| TokenSlot { seq: 0, pos }).collect();
-    let ubatch = if args.ubatch == 0 { n_prompt } else { args.ubatch.min(n_prompt) };
+    let ubatch = if args.ubatch == 0 {
+        n_prompt
+    } else {
+        args.ubatch.min(n_prompt)
+    };
     let t = Instant::now();
     // `forward` reads the logits back, so the clock stops after the device is done.
     for (chunk, chunk_slots) in prompt.chunks(ubatch).zip(slots.chunks(ubatch)) {
@@ -376,6 +383,7 @@ fn measure<B: Backend>(
         cuda_graphs: None,
         cuda_gemm: None,
         cuda_fast: None,
+        matvec_variant: None,
         weight_format: None,
         graph_captures: None,
         graph_replays: None,
@@ -431,7 +439,9 @@ fn print_table(r: &BenchReport) {
         r.kv_dtype,
         r.kv_prune
             .as_ref()
-            .map_or("over every position".to_string(), |p| format!("over selected pages ({p})"))
+            .map_or("over every position".to_string(), |p| format!(
+                "over selected pages ({p})"
+            ))
     );
     if let (Some(gr), Some(gm)) = (r.cuda_graphs, r.cuda_gemm) {
         println!(
@@ -445,8 +455,9 @@ fn print_table(r: &BenchReport) {
     }
     if let (Some(f), Some(w)) = (r.cuda_fast, &r.weight_format) {
         println!(
-            "cuda weights     {w}, fast decode path {}",
-            if f { "on" } else { "off" }
+            "cuda weights     {w}, fast decode path {}, mat-vec variant v{}",
+            if f { "on" } else { "off" },
+            r.matvec_variant.unwrap_or(0)
         );
     }
     println!("first tokens     {:?}", r.first_tokens);

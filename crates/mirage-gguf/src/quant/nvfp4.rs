@@ -233,6 +233,14 @@ pub fn quantize_into(
         amax = amax.max(value.abs());
     }
     let tensor_scale = amax / (E2M1_MAX * E4M3_MAX);
+    encode_blocks(src, tensor_scale, block_scales, packed);
+    Ok(tensor_scale)
+}
+
+/// Encodes whole blocks of `src` with a given tensor scale (the part of
+/// [`quantize_into`] after the tensor's absolute maximum is known). Lengths
+/// are the caller's to check.
+fn encode_blocks(src: &[f32], tensor_scale: f32, block_scales: &mut [u8], packed: &mut [u8]) {
     for ((block, scale), out) in src
         .chunks_exact(NVFP4_BLOCK_SIZE)
         .zip(block_scales.iter_mut())
@@ -255,7 +263,6 @@ pub fn quantize_into(
             *byte = code(pair[0]) | (code(pair[1]) << 4);
         }
     }
-    Ok(tensor_scale)
 }
 
 /// Decodes `dst.len()` elements from NVFP4 parts.
@@ -307,6 +314,75 @@ impl Nvfp4Tensor {
         let mut values = vec![0f32; n];
         super::dequantize(ty, data, &mut values)?;
         Self::quantize(&values, dims)
+    }
+
+    /// [`Nvfp4Tensor::requantize`] on up to `threads` threads (rows split in
+    /// contiguous chunks): bit-identical to it. The tensor scale needs the
+    /// whole tensor's absolute maximum, so the rows are first dequantized
+    /// (and their maxima taken) in parallel, then encoded in parallel with
+    /// the shared scale. A 7B model's matrices take minutes on one core.
+    pub fn requantize_parallel(
+        ty: GgmlType,
+        data: &[u8],
+        dims: &[u64],
+        threads: usize,
+    ) -> Result<Self, Nvfp4Error> {
+        let n = dims_elements(dims)?;
+        let row_len = dims.first().copied().unwrap_or(0) as usize;
+        let rows = n.checked_div(row_len).unwrap_or(0);
+        let threads = threads.clamp(1, rows.max(1));
+        let row_bytes = crate::quant::row_bytes(ty, row_len)?;
+        if threads == 1
+            || row_len % NVFP4_BLOCK_SIZE != 0
+            || row_bytes.checked_mul(rows) != Some(data.len())
+        {
+            return Self::requantize(ty, data, dims);
+        }
+        let per = rows.div_ceil(threads);
+        let mut values = vec![0f32; n];
+        let maxima = std::thread::scope(|s| {
+            let jobs: Vec<_> = values
+                .chunks_mut(per * row_len)
+                .zip(data.chunks(per * row_bytes))
+                .enumerate()
+                .map(|(c, (dst, src))| {
+                    s.spawn(move || -> Result<f32, Nvfp4Error> {
+                        super::dequantize(ty, src, dst)?;
+                        let mut amax = 0f32;
+                        for (i, &value) in dst.iter().enumerate() {
+                            if !value.is_finite() {
+                                let index = c * per * row_len + i;
+                                return Err(Nvfp4Error::NonFinite { index, value });
+                            }
+                            amax = amax.max(value.abs());
+                        }
+                        Ok(amax)
+                    })
+                })
+                .collect();
+            jobs.into_iter()
+                .map(|j| j.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect::<Result<Vec<f32>, Nvfp4Error>>()
+        })?;
+        let amax = maxima.into_iter().fold(0f32, f32::max);
+        let tensor_scale = amax / (E2M1_MAX * E4M3_MAX);
+        let mut block_scales = vec![0u8; n / NVFP4_BLOCK_SIZE];
+        let mut packed = vec![0u8; n / 2];
+        std::thread::scope(|s| {
+            for ((src, bs), pk) in values
+                .chunks(per * row_len)
+                .zip(block_scales.chunks_mut(per * row_len / NVFP4_BLOCK_SIZE))
+                .zip(packed.chunks_mut(per * row_len / 2))
+            {
+                s.spawn(move || encode_blocks(src, tensor_scale, bs, pk));
+            }
+        });
+        Ok(Nvfp4Tensor {
+            dims: dims.to_vec(),
+            tensor_scale,
+            block_scales,
+            packed,
+        })
     }
 
     /// [`Nvfp4Tensor::requantize`] of a tensor read from a GGUF file.
