@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The real-model runs on the H200 (issues #6 item 7, #7 real routed mode, #8
+# NVFP4 decode, #10 long-context fidelity on the GPU), in stages, because a
+# real model (Qwen2.5-Coder-0.5B Q4_K_M, 491 MB; SmolLM2-135M Q4_1, 98 MB)
+# only reaches the device in pieces of < 60 MiB, one `device` call each,
+# appended under /tmp while the machine stays warm (it goes back after 30 s
+# idle: issue the calls back to back).
+#
+#   h200-qwen.sh prep BIN_DIR PEER_SRC TEXT_DIR
+#       unpacks BIN_DIR/bins.tar.xz (scripts/bundle.sh) into /tmp/mq, copies
+#       TEXT_DIR (long.txt: evaluation text for eval-long; GPL-3: calibration
+#       text for the artifact) and starts the llama.cpp build (benches/gpu_peer.sh
+#       build PEER_SRC /tmp/peer) in the background, detached.
+#   h200-qwen.sh append PIECE NAME
+#       appends PIECE to /tmp/mq/models/NAME.
+#   h200-qwen.sh run1
+#       checks the models' sha256 (QWEN_SHA / SMOL_SHA), then: the real-model
+#       tests (tests/real_models.rs: CUDA vs CPU logits cosine >= 0.9999 and
+#       greedy equal on both models); the artifact build for the routed bench
+#       in the background (xtask build-artifacts, GPL-3, 512 tokens);
+#       eval-long on CUDA (full vs pruned attention at 16k and 32k with the
+#       real model: final-logit cosine, PPL, needles, ms/token).
+#   h200-qwen.sh run2
+#       the peer table (benches/gpu_peer.sh compare: llama-bench vs mirage-cli
+#       bench on Qwen as shipped, Qwen requantized to Q8_0 by `mirage-cli
+#       quantize`, synth 0.5B Q8_0 and 7B Q8_0 / Q4_K); NVFP4 weight-only decode
+#       beside the native formats; the sparse backend on the real artifact
+#       (routed vs CPU superblock test; routed bench vs dense).
+# Logs under /tmp/mq/log (copied to $OUT); short tables on stdout.
+set -uo pipefail
+W=/tmp/mq
+L=$W/log
+OUT=${OUT:-/tmp/out}
+QWEN_SHA=${QWEN_SHA:-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32}
+SMOL_SHA=${SMOL_SHA:-b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53}
+mkdir -p "$W/models" "$L" "$OUT"
+NV=$(find /usr/local/cuda* -name 'libnvrtc.so*' 2>/dev/null | grep -v stub | head -1)
+export LD_LIBRARY_PATH="$(dirname "${NV:-/x/y}"):${LD_LIBRARY_PATH:-}"
+export MIRAGE_CUDA_CACHE=$W/cache
+T0=$SECONDS
+el() { echo "[$((SECONDS - T0)) s]"; }
+Q=$W/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+S=$W/models/smollm2-135m-instruct-q4_1.gguf
+PRUNE=(--page 16 --sink-pages 4 --recent-pages 8 --top-pages 32)
+
+stage=${1:?stage: prep | append | run1 | run2}
+shift
+case $stage in
+prep)
+  BIN=${1:?BIN_DIR}; PEER=${2:?PEER_SRC}; TEXT=${3:?TEXT_DIR}
+  tar -xJf "$BIN/bins.tar.xz" -C "$W" && chmod +x "$W"/* 2>/dev/null
+  cp "$TEXT"/* "$W/" && cp "$PEER" "$W/peer-src.tar.xz"
+  cp benches/gpu_peer.sh "$W/"
+  setsid nohup bash -c "bash $W/gpu_peer.sh build $W/peer-src.tar.xz /tmp/peer > $L/peer-build.log 2>&1; echo rc=\$? >> $L/peer-build.log" \
+    > /dev/null 2>&1 < /dev/null &
+  nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+  ls "$W" | tr '\n' ' '; echo; el
+  ;;
+append)
+  cat "${1:?PIECE}" >> "$W/models/${2:?NAME}" && ls -l "$W/models/$2"
+  tail -1 "$L/peer-build.log" 2>/dev/null; pgrep -c -f 'cmake|nvcc|cicc' | sed 's/^/build processes: /'
+  ;;
+run1)
+  for f in "$Q:$QWEN_SHA" "$S:$SMOL_SHA"; do
+    sha=$(sha256sum "${f%%:*}" | cut -c1-64)
+    [[ $sha == ${f##*:}* ]] && echo "sha256 ok $(basename "${f%%:*}")" || echo "SHA256 MISMATCH ${f%%:*}: $sha"
+  done
+  # The artifact for run2's routed bench, on the CPU while the GPU runs the rest.
+  ( timeout 400 "$W/xtask" build-artifacts --model "$Q" --calib "$W/GPL-3" --max-tokens 512 --out "$W/qwen.mirage" \
+      > "$L/artifact.log" 2>&1; echo "rc=$?" >> "$L/artifact.log" ) &
+  MIRAGE_MODELS_DIR=$W/models MIRAGE_REQUIRE_CUDA_TESTS=1 timeout 150 "$W/real_models" --test-threads 1 --nocapture \
+    > "$L/real_models.log" 2>&1
+  echo "real_models rc=$? $(grep -E '^test result' "$L/real_models.log")"; el
+  grep -E 'cosine|greedy|panicked' "$L/real_models.log" | cut -c1-220 | head -12
+  timeout 330 "$W/mirage-cli" eval-long --backend cuda --model "$Q" --text "$W/long.txt" --ctx 16384,32768 --kv-f16 \
+    "${PRUNE[@]}" --top-percent 20 --needle-depths 0.25,0.75 --ppl-tokens 32 > "$L/eval-long-20.txt" 2> "$L/eval-long-20.err"
+  echo "eval-long top 20 % rc=$?"; el
+  tail -3 "$L/eval-long-20.err"; cat "$L/eval-long-20.txt"
+  left=$((560 - (SECONDS - T0)))
+  if [ $left -gt 60 ]; then
+    timeout $left "$W/mirage-cli" eval-long --backend cuda --model "$Q" --text "$W/long.txt" --ctx 32768 --kv-f16 \
+      "${PRUNE[@]}" --top-percent 0 --needle-depths 0.25,0.75 --ppl-tokens 32 > "$L/eval-long-fixed.txt" 2> "$L/eval-long-fixed.err"
+    echo "eval-long fixed budget rc=$?"; el
+    tail -2 "$L/eval-long-fixed.err"; cat "$L/eval-long-fixed.txt"
+  fi
+  tail -2 "$L/artifact.log"
+  cp "$L"/*.txt "$L"/*.log "$OUT/" 2>/dev/null
+  ;;
+run2)
+  tail -2 "$L/peer-build.log"; tail -2 "$L/artifact.log"
+  Q8=$W/models/qwen2.5-coder-0.5b-instruct-q8_0.gguf
+  [ -f "$Q8" ] || timeout 60 "$W/mirage-cli" quantize "$Q" "$Q8" -t q8_0 > "$L/quantize.log" 2>&1
+  echo "quantize q8_0 rc=$? $(ls -l "$Q8" | awk '{print $5}') bytes"
+  for s in "qwen2.5-0.5b q8_0" "qwen2.5-7b q8_0" "qwen2.5-7b q4_k"; do
+    set -- $s
+    f=$W/models/synth-$1-$2.gguf
+    [ -f "$f" ] || timeout 60 "$W/xtask" synth-model --like "$1" --quant "$2" --tokenizer-from "$W/tok.gguf" --out "$f" > /dev/null 2>&1
+  done
+  echo "synth models $(ls "$W"/models/synth-* | wc -l)"; el
+  if [ -x /tmp/peer/build/bin/llama-bench ]; then
+    PEER_REPS=2 PEER_OUT=$L/peer timeout 300 bash "$W/gpu_peer.sh" compare /tmp/peer/build/bin/llama-bench "$W/mirage-cli" \
+      "$Q" "$Q8" "$W/models/synth-qwen2.5-0.5b-q8_0.gguf" "$W/models/synth-qwen2.5-7b-q8_0.gguf" \
+      "$W/models/synth-qwen2.5-7b-q4_k.gguf" > "$L/peer.txt" 2>&1
+    echo "peer rc=$?"; el
+  else
+    echo "no llama-bench: $(tail -3 "$L/peer-build.log" 2>/dev/null)"
+  fi
+  field() { grep -o "\"$2\":[^,}]*" "$1" | head -1 | cut -d: -f2 | tr -d '"'; }
+  ROWS=()
+  for m in "$Q" "$Q8" "$W/models/synth-qwen2.5-7b-q8_0.gguf" "$W/models/synth-qwen2.5-7b-q4_k.gguf"; do
+    for w in native nvfp4; do
+      j=$L/nv_$(basename "$m" .gguf)_$w.json
+      timeout 90 "$W/mirage-cli" bench --model "$m" --backend cuda --prompt 128 --gen 64 --weights $w --json > "$j" 2> "${j%.json}.err"
+      ROWS+=("$(printf '%-40s %-7s rc=%-3s %8.1f %8.3f %12s' "$(basename "$m" .gguf)" $w $? "$(field "$j" decode_tok_s)" \
+        "$(field "$j" decode_ms_median)" "$(field "$j" weights_bytes)")")
+    done
+  done
+  el
+  if [ -f "$W/qwen.mirage" ]; then
+    MIRAGE_SPARSE_MODEL=$Q MIRAGE_SPARSE_ARTIFACT=$W/qwen.mirage MIRAGE_REQUIRE_CUDA_TESTS=1 timeout 120 \
+      "$W/sparse_backend" --test-threads 1 --nocapture > "$L/sparse_backend.log" 2>&1
+    echo "sparse_backend rc=$? $(grep -E '^test result' "$L/sparse_backend.log")"
+    grep -E 'panicked|routed|cosine' "$L/sparse_backend.log" | cut -c1-200 | head -8
+    timeout 120 "$W/mirage-cli" bench --backend cuda --model "$Q" --artifact "$W/qwen.mirage" --routed \
+      --active 1.0,0.75,0.5 --prompt 16 --gen 130 > "$L/routed.txt" 2>&1
+    echo "routed bench rc=$?"; el
+  fi
+  echo "== NVFP4 weight-only vs native decode (prompt 128 + 64, graphs on)"
+  printf '%-40s %-7s %-6s %8s %8s %12s\n' model weights rc tok/s med_ms device_B
+  printf '%s\n' "${ROWS[@]}"
+  echo "== peer"; tail -8 "$L/peer.txt" 2>/dev/null
+  echo "== routed"; tail -20 "$L/routed.txt" 2>/dev/null
+  cp -r "$L"/*.txt "$L"/*.log "$OUT/" 2>/dev/null
+  ;;
+*) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
