@@ -549,6 +549,106 @@ extern "C" __global__ void attend_combine(const float* __restrict__ part, const 
     out[((long)row * n_head + head) * head_dim + d] = a / L;
 }
 
+
+// Tiled causal attention for a prefill batch: the batch rows are consecutive
+// positions of one sequence (the host checks), so a block takes PF_ROWS of
+// them for one query head and streams the keys and values once for all of
+// them through shared memory (the split-K decode kernel reads every key once
+// per row: at 32k positions and 512-row chunks that is the prefill's cost).
+// Grid (ceil(n / PF_ROWS), n_head), block PF_THREADS = 16 x PF_ROWS threads;
+// thread t serves row t / 16 and, of that row, keys t % 16 and t % 16 + 16
+// of a PF_KEYS-key tile and output dims t % 16 + 16 i. Online softmax per row
+// (rows beyond a row's position are masked; key 0 is in every row's range, so
+// the first tile makes each row's running max finite). head_dim <= PF_MAX_HD,
+// a multiple of 16. Exact arithmetic differs from attend_part only in the
+// order of the sums.
+#define PF_ROWS 16
+#define PF_KEYS 32
+#define PF_THREADS (16 * PF_ROWS)
+#define PF_MAX_HD 128
+template <typename KV>
+__device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+                               const int* __restrict__ slots, int n, int n_head, int n_head_kv, int head_dim,
+                               int n_ctx, float scale, float* __restrict__ out) {
+    __shared__ float qs[PF_ROWS][PF_MAX_HD];
+    __shared__ float ks[PF_KEYS][PF_MAX_HD + 1];
+    __shared__ float vs[PF_KEYS][PF_MAX_HD];
+    __shared__ float ps[PF_ROWS][PF_KEYS];
+    int r0 = blockIdx.x * PF_ROWS, head = blockIdx.y;
+    int t = threadIdx.x, r = t >> 4, c = t & 15;
+    int rows = min(PF_ROWS, n - r0);
+    int seq = slots[2 * r0];
+    int my_pos = r < rows ? slots[2 * (r0 + r) + 1] : -1;
+    int last = slots[2 * (r0 + rows - 1) + 1];  // the tile's largest position
+    int kvh = head / (n_head / n_head_kv);
+    for (int i = t; i < PF_ROWS * head_dim; i += PF_THREADS) {
+        int rr = i / head_dim, d = i % head_dim;
+        qs[rr][d] = rr < rows ? q[((long)(r0 + rr) * n_head + head) * head_dim + d] : 0.f;
+    }
+    const KV* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    const KV* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    float acc[PF_MAX_HD / 16];
+#pragma unroll
+    for (int i = 0; i < PF_MAX_HD / 16; i++) acc[i] = 0.f;
+    float m = -MIRAGE_INF, l = 0.f;
+    int nd = head_dim >> 4;
+    for (int k0 = 0; k0 <= last; k0 += PF_KEYS) {
+        int cnt = min(PF_KEYS, last + 1 - k0);
+        __syncthreads();  // the previous tile is consumed (and qs is written)
+        for (int i = t; i < cnt * head_dim; i += PF_THREADS) {
+            int kk = i / head_dim, d = i % head_dim;
+            long at = (long)(k0 + kk) * head_dim + d;
+            ks[kk][d] = kv_load(K, at);
+            vs[kk][d] = kv_load(V, at);
+        }
+        __syncthreads();
+        float s[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int kk = c + 16 * h;
+            float a = 0.f;
+            if (kk < cnt && k0 + kk <= my_pos) {
+                for (int e = 0; e < head_dim; e++) a += qs[r][e] * ks[kk][e];
+                s[h] = a * scale;
+            } else {
+                s[h] = -MIRAGE_INF;
+            }
+        }
+        float tm = fmaxf(s[0], s[1]);
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o, 16));
+        float nm = fmaxf(m, tm);
+        // nm is finite for a live row from the first tile on (key 0); padding
+        // rows (my_pos = -1) keep -inf and are never written.
+        float f = nm == -MIRAGE_INF ? 1.f : expf(m - nm);
+        float p0 = s[0] == -MIRAGE_INF ? 0.f : expf(s[0] - nm);
+        float p1 = s[1] == -MIRAGE_INF ? 0.f : expf(s[1] - nm);
+        float ts = p0 + p1;
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) ts += __shfl_xor_sync(0xffffffffu, ts, o, 16);
+        l = l * f + ts;
+        m = nm;
+        ps[r][c] = p0;
+        ps[r][c + 16] = p1;
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < PF_MAX_HD / 16; i++) {
+            if (i < nd) {
+                int d = c + 16 * i;
+                float a = acc[i] * f;
+                for (int kk = 0; kk < cnt; kk++) a += ps[r][kk] * vs[kk][d];
+                acc[i] = a;
+            }
+        }
+    }
+    if (r < rows) {
+        float* o = out + ((long)(r0 + r) * n_head + head) * head_dim;
+#pragma unroll
+        for (int i = 0; i < PF_MAX_HD / 16; i++)
+            if (i < nd) o[c + 16 * i] = acc[i] / l;
+    }
+}
+
 #define KV_INSTANCE(NAME, KV)                                                                                       \
     extern "C" __global__ void rope_store_##NAME(float* q, float* k, const float* v, const int* slots, int n_head,  \
                                                  int n_head_kv, int head_dim, int neox, float freq_base,            \
@@ -561,6 +661,11 @@ extern "C" __global__ void attend_combine(const float* __restrict__ part, const 
                                                   int n_head, int n_head_kv, int head_dim, int n_ctx, int chunk,    \
                                                   float scale, float* part) {                                       \
         attend_part<KV>(q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part);                 \
+    }                                                                                                               \
+    extern "C" __global__ void attend_prefill_##NAME(const float* q, const KV* kc, const KV* vc, const int* slots,  \
+                                                     int n, int n_head, int n_head_kv, int head_dim, int n_ctx,     \
+                                                     float scale, float* out) {                                     \
+        attend_prefill<KV>(q, kc, vc, slots, n, n_head, n_head_kv, head_dim, n_ctx, scale, out);                   \
     }
 
 KV_INSTANCE(f32, float)

@@ -151,6 +151,8 @@ const OTHER_KERNELS: &[&str] = &[
     "rope_store_f16",
     "attend_part_f32",
     "attend_part_f16",
+    "attend_prefill_f32",
+    "attend_prefill_f16",
     "attend_combine",
     "argmax_rows",
     "f32_to_f16",
@@ -180,6 +182,13 @@ const ATTEND_TARGET_BLOCKS: usize = 1024;
 /// Batches of at most this many rows are recorded and replayed as a CUDA
 /// graph (decode steps); larger ones (prefill) launch op by op.
 const GRAPH_MAX_ROWS: usize = 16;
+
+/// Query rows per block of the tiled prefill attention (`PF_ROWS`), its
+/// threads per block (`PF_THREADS`) and the largest head size it takes
+/// (`PF_MAX_HD`; a multiple of 16), in cuda/dense.cu.
+const PREFILL_ROWS: usize = 16;
+const PREFILL_THREADS: u32 = 256;
+const PREFILL_MAX_HEAD_DIM: usize = 128;
 
 /// Recorded graphs kept (e.g. decode at two batch sizes, or two sessions).
 const GRAPH_CACHE: usize = 4;
@@ -557,6 +566,10 @@ pub struct CudaBackend {
     /// kernels, 2..=5 = `mv3_<suffix>_v<N>` (`MIRAGE_CUDA_MV` at start,
     /// `set_matvec_variant`; default `DEFAULT_MATVEC_VARIANT`).
     matvec_variant: std::sync::atomic::AtomicUsize,
+    /// Prefill batches of one sequence's consecutive positions attend
+    /// through the tiled kernel (`attend_prefill_*`, default) or row by row
+    /// like decode (`MIRAGE_CUDA_PREFILL_ATTN=0`, `set_tiled_prefill_attention`).
+    tiled_prefill: std::sync::atomic::AtomicBool,
     scratch: Mutex<Scratch>,
     mem: Mutex<MemoryStats>,
 }
@@ -698,6 +711,7 @@ impl CudaBackend {
                 .filter(|v| (1..=1 + VARIANT_ROWS.len()).contains(v))
                 .unwrap_or(DEFAULT_MATVEC_VARIANT)
                 .into(),
+            tiled_prefill: (std::env::var("MIRAGE_CUDA_PREFILL_ATTN").as_deref() != Ok("0")).into(),
             scratch: Mutex::new(Scratch::default()),
             step_state: Mutex::new(StepState::default()),
             mem: Mutex::new(MemoryStats::default()),
@@ -774,6 +788,22 @@ impl CudaBackend {
         self.matvec_variant
             .store(v, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Attends prefill batches (one sequence, consecutive positions, at
+    /// least 16 rows, head size <= 128) with the tiled kernel, which streams
+    /// each key and value once per 16 query rows (`true`, the default), or
+    /// row by row with the split-K decode kernel (`false`; also
+    /// `MIRAGE_CUDA_PREFILL_ATTN=0` at start).
+    pub fn set_tiled_prefill_attention(&self, on: bool) {
+        self.tiled_prefill
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether prefill batches use the tiled attention kernel.
+    pub fn tiled_prefill_attention(&self) -> bool {
+        self.tiled_prefill
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The mat-vec variant of the split Q8_0 / Q4_K layouts (1 = the first
@@ -2397,7 +2427,38 @@ impl Backend for CudaBackend {
                 }
             }
         }
-        if pruned != Some(false) {
+        // A prefill batch of one sequence's consecutive positions: the tiled
+        // kernel reads each key once per 16 query rows, not once per row.
+        let tiled = pruned != Some(false)
+            && n >= PREFILL_ROWS
+            && hd <= PREFILL_MAX_HEAD_DIM
+            && hd % 16 == 0
+            && self.tiled_prefill_attention()
+            && slots
+                .windows(2)
+                .all(|w| w[1].seq == w[0].seq && w[1].pos == w[0].pos + 1);
+        if tiled {
+            self.launch(
+                &format!("attend_prefill_{kv}"),
+                (n.div_ceil(PREFILL_ROWS) as u32, p.n_head as u32, 1),
+                (PREFILL_THREADS, 1, 1),
+                0,
+                vec![
+                    Arg::Ptr(pq),
+                    Arg::Ptr(pkc),
+                    Arg::Ptr(pvc),
+                    Arg::Ptr(pslots),
+                    Arg::I32(n as i32),
+                    Arg::I32(nh),
+                    Arg::I32(nkv),
+                    Arg::I32(hdi),
+                    Arg::I32(n_ctx),
+                    Arg::F32(scale),
+                    Arg::Ptr(po),
+                ],
+            )?;
+        }
+        if pruned != Some(false) && !tiled {
             self.launch(
                 &format!("attend_part_{kv}"),
                 (n as u32, p.n_head as u32, n_split as u32),

@@ -70,6 +70,12 @@ impl CudaBackend {
     pub fn set_split_k(&self, _k: usize) -> Result<(), CudaError> {
         Err(CudaError::NotCompiledWithCuda)
     }
+    /// Tiled prefill attention switch (no effect without CUDA).
+    pub fn set_tiled_prefill_attention(&self, _on: bool) {}
+    /// Whether prefill uses the tiled attention kernel (never without CUDA).
+    pub fn tiled_prefill_attention(&self) -> bool {
+        false
+    }
     /// Mat-vec variant switch (no effect without CUDA).
     pub fn set_matvec_variant(&self, _v: usize) -> Result<(), CudaError> {
         Err(CudaError::NotCompiledWithCuda)

@@ -376,6 +376,11 @@ fn smollm2_logits_match_cpu() {
 /// Split-K attention over a long context (several splits per head), with
 /// the KV cache in f32 and in f16, against the CPU backend with the same
 /// cache type: a prefill of 300 rows, then decode steps past 600.
+/// Long prefill chunks and decode rows against the CPU, f32 and f16 caches,
+/// with the tiled prefill kernel (`attend_prefill_*`: batches of one
+/// sequence's consecutive positions) and without it (row by row, the
+/// split-K decode kernel), for head sizes 128 and 64 (GQA 4:1 and 7:1) and
+/// chunks that are not multiples of the kernel's 16-row tile.
 #[test]
 fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
     let Some(gpu) = cuda("attention_long_context_splits_match_cpu_f32_and_f16_cache") else {
@@ -383,73 +388,74 @@ fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
     };
     let cpu = CpuBackend::new(0).unwrap();
     let mut r = rng(11);
-    let (n_head, n_head_kv, hd) = (8, 2, 128);
-    let p = AttentionParams {
-        n_head,
-        n_head_kv,
-        head_dim: hd,
-        rope_mode: RopeMode::Neox,
-        rope_freq_base: 10000.0,
-        rope_scaling: Default::default(),
-        norm_eps: 1e-6,
-    };
-    for dtype in [KvDtype::F32, KvDtype::F16] {
-        let spec = KvSpec {
-            n_layer: 1,
+    for (n_head, n_head_kv, hd) in [(8, 2, 128), (14, 2, 64)] {
+        let p = AttentionParams {
+            n_head,
             n_head_kv,
             head_dim: hd,
-            n_ctx: 700,
-            n_seq: 1,
-            dtype,
+            rope_mode: RopeMode::Neox,
+            rope_freq_base: 10000.0,
+            rope_scaling: Default::default(),
+            norm_eps: 1e-6,
         };
-        let (mut cc, mut gc) = (
-            cpu.new_kv_cache(spec).unwrap(),
-            gpu.new_kv_cache(spec).unwrap(),
-        );
-        let mut steps: Vec<Vec<TokenSlot>> =
-            vec![(0..300).map(|pos| TokenSlot { seq: 0, pos }).collect()];
-        // Fill 300..600 in chunks, then decode single rows.
-        for c in 0..3 {
-            steps.push(
-                (300 + 100 * c..400 + 100 * c)
-                    .map(|pos| TokenSlot { seq: 0, pos })
-                    .collect(),
-            );
-        }
-        for pos in [600, 601, 699] {
-            steps.push(vec![TokenSlot { seq: 0, pos }]);
-        }
-        for slots in &steps {
-            let n = slots.len();
-            let q = randn(&mut r, n * n_head * hd);
-            let k = randn(&mut r, n * n_head_kv * hd);
-            let v = randn(&mut r, n * n_head_kv * hd);
-            let mut cq = CpuActivations::from_vec(n, n_head * hd, q.clone()).unwrap();
-            let mut ck = CpuActivations::from_vec(n, n_head_kv * hd, k.clone()).unwrap();
-            let cv = CpuActivations::from_vec(n, n_head_kv * hd, v.clone()).unwrap();
-            let mut gq = gpu.upload_activations(n, n_head * hd, &q).unwrap();
-            let mut gk = gpu.upload_activations(n, n_head_kv * hd, &k).unwrap();
-            let gv = gpu.upload_activations(n, n_head_kv * hd, &v).unwrap();
-            let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
-            cpu.attention(0, &p, &mut cq, &mut ck, &cv, None, slots, &mut cc, &mut co)
-                .unwrap();
-            gpu.attention(0, &p, &mut gq, &mut gk, &gv, None, slots, &mut gc, &mut go)
-                .unwrap();
-            let (mut a, mut b) = (Vec::new(), Vec::new());
-            cpu.read(&co, &mut a).unwrap();
-            gpu.read(&go, &mut b).unwrap();
-            let e = rel_err(&b, &a);
-            eprintln!(
-                "long attention {dtype:?} rows {n} from pos {}: rel err {e:.2e}",
-                slots[0].pos
-            );
-            assert!(
-                e < 1e-4,
-                "{dtype:?} rows {n} at {}: attention rel err {e}",
-                slots[0].pos
-            );
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            for tiled in [true, false] {
+                gpu.set_tiled_prefill_attention(tiled);
+                let spec = KvSpec {
+                    n_layer: 1,
+                    n_head_kv,
+                    head_dim: hd,
+                    n_ctx: 700,
+                    n_seq: 1,
+                    dtype,
+                };
+                let (mut cc, mut gc) = (
+                    cpu.new_kv_cache(spec).unwrap(),
+                    gpu.new_kv_cache(spec).unwrap(),
+                );
+                let mut steps: Vec<Vec<TokenSlot>> =
+                    vec![(0..300).map(|pos| TokenSlot { seq: 0, pos }).collect()];
+                // Fill 300..637 in chunks (the last of 37 rows), then decode single rows.
+                for (a, b) in [(300, 400), (400, 500), (500, 600), (600, 637)] {
+                    steps.push((a..b).map(|pos| TokenSlot { seq: 0, pos }).collect());
+                }
+                for pos in [637, 638, 699] {
+                    steps.push(vec![TokenSlot { seq: 0, pos }]);
+                }
+                for slots in &steps {
+                    let n = slots.len();
+                    let q = randn(&mut r, n * n_head * hd);
+                    let k = randn(&mut r, n * n_head_kv * hd);
+                    let v = randn(&mut r, n * n_head_kv * hd);
+                    let mut cq = CpuActivations::from_vec(n, n_head * hd, q.clone()).unwrap();
+                    let mut ck = CpuActivations::from_vec(n, n_head_kv * hd, k.clone()).unwrap();
+                    let cv = CpuActivations::from_vec(n, n_head_kv * hd, v.clone()).unwrap();
+                    let mut gq = gpu.upload_activations(n, n_head * hd, &q).unwrap();
+                    let mut gk = gpu.upload_activations(n, n_head_kv * hd, &k).unwrap();
+                    let gv = gpu.upload_activations(n, n_head_kv * hd, &v).unwrap();
+                    let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
+                    cpu.attention(0, &p, &mut cq, &mut ck, &cv, None, slots, &mut cc, &mut co)
+                        .unwrap();
+                    gpu.attention(0, &p, &mut gq, &mut gk, &gv, None, slots, &mut gc, &mut go)
+                        .unwrap();
+                    let (mut a, mut b) = (Vec::new(), Vec::new());
+                    cpu.read(&co, &mut a).unwrap();
+                    gpu.read(&go, &mut b).unwrap();
+                    let e = rel_err(&b, &a);
+                    eprintln!(
+                        "long attention hd {hd} {dtype:?} tiled={tiled} rows {n} from pos {}: rel err {e:.2e}",
+                        slots[0].pos
+                    );
+                    assert!(
+                        e < 1e-4,
+                        "hd {hd} {dtype:?} tiled={tiled} rows {n} at {}: attention rel err {e}",
+                        slots[0].pos
+                    );
+                }
+            }
         }
     }
+    gpu.set_tiled_prefill_attention(true);
 }
 
 /// A random llama-shaped model (2 layers, GQA 4/2, head_dim 64, mixed weight
