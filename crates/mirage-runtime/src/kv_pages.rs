@@ -11,6 +11,14 @@
 //! sinks), the last [`KvPruning::recent_pages`] pages (locality) and the
 //! [`KvPruning::top_pages`] other pages with the highest bound. Attention then
 //! runs over the selected pages only ([`crate::attention_pruned`]).
+//!
+//! Two ways to find the top pages, with the same answer (tested): a flat scan
+//! of every page's bound ([`PageSelector::Flat`], what the CUDA kernels do: one
+//! pass, all pages in parallel), or a traversal of a two-level bounding-volume
+//! hierarchy ([`PageSelector::Bvh`]): groups of [`PAGE_GROUP`] consecutive
+//! pages keep the union box of their pages, a group's bound bounds every page
+//! in it, and groups are visited best bound first, stopping once no group can
+//! beat the `top`-th page found. Ties go to the lower page index in both.
 
 use crate::error::RuntimeError;
 use crate::kv_cache::{KvCache, KvSpec};
@@ -110,6 +118,20 @@ impl std::str::FromStr for KvPruning {
     }
 }
 
+/// Pages per group of the two-level page hierarchy ([`PageSelector::Bvh`]).
+pub const PAGE_GROUP: usize = 16;
+
+/// How [`PageSummaries`] finds the pages with the highest bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PageSelector {
+    /// Every candidate page's bound, then a partial sort.
+    #[default]
+    Flat,
+    /// Group bounds first, pages of a group only while the group can still
+    /// hold one of the top pages (branch and bound over a two-level BVH).
+    Bvh,
+}
+
 /// Exact upper bound of `q·k` over every `k` inside the box `[min, max]`.
 #[inline]
 pub fn page_upper_bound(q: &[f32], min: &[f32], max: &[f32]) -> f32 {
@@ -128,6 +150,10 @@ pub struct PageSummaries {
     min: Vec<f32>,
     /// Maximum of each key dimension, same layout.
     max: Vec<f32>,
+    /// Union boxes of groups of [`PAGE_GROUP`] pages, `[layer][seq][head][group][dim]`.
+    gmin: Vec<f32>,
+    gmax: Vec<f32>,
+    n_groups: usize,
     /// Positions summarized per `[layer][seq]`.
     lens: Vec<usize>,
 }
@@ -146,6 +172,8 @@ impl PageSummaries {
             .and_then(|x| x.checked_mul(n_pages))
             .and_then(|x| x.checked_mul(spec.head_dim))
             .ok_or_else(|| RuntimeError::InvalidArgument("KV page summaries size overflows".into()))?;
+        let n_groups = n_pages.div_ceil(PAGE_GROUP);
+        let ng = n / n_pages.max(1) * n_groups;
         Ok(PageSummaries {
             page,
             n_seq: spec.n_seq,
@@ -154,6 +182,9 @@ impl PageSummaries {
             n_pages,
             min: vec![f32::INFINITY; n],
             max: vec![f32::NEG_INFINITY; n],
+            gmin: vec![f32::INFINITY; ng],
+            gmax: vec![f32::NEG_INFINITY; ng],
+            n_groups,
             lens: vec![0; spec.n_layer * spec.n_seq],
         })
     }
@@ -185,18 +216,51 @@ impl PageSummaries {
         (&self.min[at..at + hd], &self.max[at..at + hd])
     }
 
+    fn group_at(&self, layer: usize, seq: usize, head: usize, group: usize) -> usize {
+        (((layer * self.n_seq + seq) * self.n_head_kv + head) * self.n_groups + group) * self.head_dim
+    }
+
+    /// The union box `(min, max)` of group `group` (pages `16 group ..`).
+    pub fn group_bounds(&self, layer: usize, seq: usize, head: usize, group: usize) -> (&[f32], &[f32]) {
+        let at = self.group_at(layer, seq, head, group);
+        let hd = self.head_dim;
+        (&self.gmin[at..at + hd], &self.gmax[at..at + hd])
+    }
+
     fn reset_page(&mut self, layer: usize, seq: usize, page: usize) {
         for head in 0..self.n_head_kv {
             let at = self.at(layer, seq, head, page);
             self.min[at..at + self.head_dim].fill(f32::INFINITY);
             self.max[at..at + self.head_dim].fill(f32::NEG_INFINITY);
+            self.rebuild_group(layer, seq, head, page / PAGE_GROUP);
+        }
+    }
+
+    /// The group box as the union of its pages' boxes (after a page shrank).
+    fn rebuild_group(&mut self, layer: usize, seq: usize, head: usize, group: usize) {
+        let hd = self.head_dim;
+        let g = self.group_at(layer, seq, head, group);
+        self.gmin[g..g + hd].fill(f32::INFINITY);
+        self.gmax[g..g + hd].fill(f32::NEG_INFINITY);
+        for page in group * PAGE_GROUP..((group + 1) * PAGE_GROUP).min(self.n_pages) {
+            let at = self.at(layer, seq, head, page);
+            for d in 0..hd {
+                self.gmin[g + d] = self.gmin[g + d].min(self.min[at + d]);
+                self.gmax[g + d] = self.gmax[g + d].max(self.max[at + d]);
+            }
         }
     }
 
     fn fold(&mut self, layer: usize, seq: usize, head: usize, pos: usize, key: &[f32]) {
-        let at = self.at(layer, seq, head, pos / self.page);
+        let page = pos / self.page;
+        let at = self.at(layer, seq, head, page);
+        let g = self.group_at(layer, seq, head, page / PAGE_GROUP);
         let hd = self.head_dim;
         for ((lo, hi), &k) in self.min[at..at + hd].iter_mut().zip(&mut self.max[at..at + hd]).zip(key) {
+            *lo = lo.min(k);
+            *hi = hi.max(k);
+        }
+        for ((lo, hi), &k) in self.gmin[g..g + hd].iter_mut().zip(&mut self.gmax[g..g + hd]).zip(key) {
             *lo = lo.min(k);
             *hi = hi.max(k);
         }
@@ -278,8 +342,9 @@ impl PageSummaries {
         }
         let top = cfg.top_for(n_pages).min(bounds.len());
         if top < bounds.len() {
-            // Highest bounds first; NaN (from a NaN query) sorts as lowest.
-            let by_bound_desc = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0);
+            // Highest bounds first, ties to the lower page; NaN (from a NaN
+            // query) sorts as lowest.
+            let by_bound_desc = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
             if top > 0 {
                 bounds.select_nth_unstable_by(top - 1, by_bound_desc);
             }
@@ -290,7 +355,106 @@ impl PageSummaries {
         out.extend(recent_from..n_pages);
         out.sort_unstable();
     }
+
+    /// [`PageSummaries::select`] by traversing the two-level hierarchy
+    /// ([`PageSelector::Bvh`]): the same pages, found with fewer bound
+    /// evaluations when the bounds discriminate. Returns the number of bounds
+    /// computed (group and page bounds), the cost the flat scan pays
+    /// `recent_from - sinks` of. `groups` and `heap` are scratch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn select_bvh(
+        &self,
+        cfg: &KvPruning,
+        layer: usize,
+        seq: usize,
+        head: usize,
+        n: usize,
+        q: &[f32],
+        groups: &mut Vec<(f32, usize)>,
+        heap: &mut std::collections::BinaryHeap<TopPage>,
+        out: &mut Vec<usize>,
+    ) -> usize {
+        out.clear();
+        let n_pages = n.div_ceil(self.page).min(self.n_pages);
+        if n_pages <= cfg.max_selected_for(n_pages) {
+            out.extend(0..n_pages);
+            return 0;
+        }
+        let sinks = cfg.sink_pages.min(n_pages);
+        let recent_from = n_pages.saturating_sub(cfg.recent_pages).max(sinks);
+        let top = cfg.top_for(n_pages).min(recent_from - sinks);
+        out.extend(0..sinks);
+        out.extend(recent_from..n_pages);
+        if top == recent_from - sinks {
+            out.extend(sinks..recent_from);
+            out.sort_unstable();
+            return 0;
+        }
+        let mut evals = 0;
+        groups.clear();
+        if top > 0 {
+            for g in sinks / PAGE_GROUP..=(recent_from - 1) / PAGE_GROUP {
+                let (lo, hi) = self.group_bounds(layer, seq, head, g);
+                groups.push((page_upper_bound(q, lo, hi), g));
+                evals += 1;
+            }
+        }
+        groups.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        heap.clear();
+        for &(gb, g) in groups.iter() {
+            if heap.len() == top {
+                // A group's bound bounds each of its pages: once it is below
+                // the worst page kept, no later group can contribute. (Equal
+                // bounds are visited: a tie goes to the lower page index.)
+                let worst = heap.peek().expect("top > 0");
+                if gb.total_cmp(&worst.bound).is_lt() {
+                    break;
+                }
+            }
+            for page in (g * PAGE_GROUP).max(sinks)..((g + 1) * PAGE_GROUP).min(recent_from) {
+                let (lo, hi) = self.bounds(layer, seq, head, page);
+                let cand = TopPage { bound: page_upper_bound(q, lo, hi), page };
+                evals += 1;
+                if heap.len() < top {
+                    heap.push(cand);
+                } else if cand < *heap.peek().expect("top > 0") {
+                    heap.pop();
+                    heap.push(cand);
+                }
+            }
+        }
+        out.extend(heap.iter().map(|t| t.page));
+        out.sort_unstable();
+        evals
+    }
 }
+
+/// A page and its bound, ordered best first: higher bound, then lower page
+/// index. A max-heap of them keeps the worst kept page on top.
+#[derive(Debug, Clone, Copy)]
+pub struct TopPage {
+    /// The page's `q·k` upper bound.
+    pub bound: f32,
+    /// The page index.
+    pub page: usize,
+}
+
+impl Ord for TopPage {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        other.bound.total_cmp(&self.bound).then(self.page.cmp(&other.page))
+    }
+}
+impl PartialOrd for TopPage {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl PartialEq for TopPage {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other).is_eq()
+    }
+}
+impl Eq for TopPage {}
 
 /// Page summaries of a cache together with the selection rule in force.
 #[derive(Debug, Clone)]
@@ -300,6 +464,8 @@ pub struct PagedKv {
     /// The selection used by decode attention; `None` attends every position
     /// (summaries are still maintained, so pruning can be switched back on).
     pub pruning: Option<KvPruning>,
+    /// How the top pages are found (same pages either way).
+    pub selector: PageSelector,
 }
 
 impl KvCache {
@@ -311,7 +477,7 @@ impl KvCache {
             return Err(RuntimeError::InvalidArgument("KV pruning must be enabled on an empty cache".into()));
         }
         let summaries = PageSummaries::new(self.spec(), cfg.page)?;
-        *self.paged_mut() = Some(PagedKv { summaries, pruning: Some(cfg) });
+        *self.paged_mut() = Some(PagedKv { summaries, pruning: Some(cfg), selector: PageSelector::Flat });
         Ok(())
     }
 
@@ -332,6 +498,16 @@ impl KvCache {
             }
         }
         paged.pruning = cfg;
+        Ok(())
+    }
+
+    /// Chooses how the top pages are found: a flat scan (default) or the
+    /// two-level hierarchy. The pages are the same; only the cost differs.
+    pub fn set_page_selector(&mut self, selector: PageSelector) -> Result<(), RuntimeError> {
+        let Some(paged) = self.paged_mut() else {
+            return Err(RuntimeError::InvalidArgument("this KV cache keeps no page summaries".into()));
+        };
+        paged.selector = selector;
         Ok(())
     }
 
@@ -375,7 +551,13 @@ impl KvCache {
         let summaries = &paged.summaries;
         let mut bounds = Vec::new();
         let mut pages = Vec::new();
-        summaries.select(cfg, layer, seq, head, n, q, &mut bounds, &mut pages);
+        match paged.selector {
+            PageSelector::Flat => summaries.select(cfg, layer, seq, head, n, q, &mut bounds, &mut pages),
+            PageSelector::Bvh => {
+                let mut heap = std::collections::BinaryHeap::new();
+                summaries.select_bvh(cfg, layer, seq, head, n, q, &mut bounds, &mut heap, &mut pages);
+            }
+        }
         let view = self.head_view(layer, seq, head);
         crate::attention_pruned::attend_pages(&view, summaries.page(), &pages, n, q, scale, scores, out);
     }

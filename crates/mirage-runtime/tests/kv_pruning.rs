@@ -277,3 +277,88 @@ fn smollm2_logits_with_every_page_selected_equal_full_attention() {
     eprintln!("SmolLM2 n={n}: pruned (6 of 24 pages) vs full cosine {cos:.6}, argmax {} vs {}", argmax(&pruned[2]), argmax(&full[2]));
     assert!(cos > 0.95, "pruned vs full cosine {cos}");
 }
+
+/// Fills positions `from..to` of every layer of sequence 0 with keys that
+/// drift (a random walk plus noise, like real keys: neighbouring pages are
+/// alike, far ones differ), so that group bounds discriminate.
+fn fill_drifting(cache: &mut KvCache, rng: &mut StdRng, from: usize, to: usize) {
+    let s = *cache.spec();
+    let w = s.n_head_kv * s.head_dim;
+    let mut walk = vec![0.0f32; w];
+    for pos in from..to {
+        for (i, x) in walk.iter_mut().enumerate() {
+            *x += rng.random_range(-0.3..0.3) + if i % 3 == 0 { 0.002 } else { 0.0 };
+        }
+        for l in 0..s.n_layer {
+            let k: Vec<f32> = walk.iter().map(|&x| x + rng.random_range(-0.5..0.5)).collect();
+            let v = random_row(rng, w, 1.0);
+            cache.write(l, 0, pos, &k, &v).unwrap();
+        }
+    }
+}
+
+/// The hierarchy (PageSelector::Bvh) selects exactly the pages of the flat
+/// scan, for many queries, budgets and lengths, after truncations and
+/// rewrites; every group box contains its pages' boxes; attention through
+/// either selector is bit-identical. Prints the bound evaluations of both.
+#[test]
+fn bvh_page_selection_equals_flat_scan() {
+    use mirage_runtime::kv_pages::{PageSelector, PAGE_GROUP};
+    let mut rng = StdRng::seed_from_u64(21);
+    let spec = KvSpec { n_layer: 2, n_head_kv: 2, head_dim: 16, n_ctx: 4200, n_seq: 1, dtype: KvDtype::F32 };
+    let cfgs = [
+        KvPruning { page: 16, sink_pages: 4, recent_pages: 8, top_pages: 32, top_percent: 0, dense_layers: 0 },
+        KvPruning { page: 16, sink_pages: 4, recent_pages: 8, top_pages: 32, top_percent: 20, dense_layers: 0 },
+        KvPruning { page: 8, sink_pages: 0, recent_pages: 1, top_pages: 1, top_percent: 0, dense_layers: 0 },
+        KvPruning { page: 64, sink_pages: 1, recent_pages: 2, top_pages: 0, top_percent: 0, dense_layers: 0 },
+    ];
+    let (mut flat_evals, mut bvh_evals) = (0usize, 0usize);
+    for cfg in cfgs {
+        let mut cache = KvCache::new(spec).unwrap();
+        cache.enable_kv_pruning(cfg).unwrap();
+        fill_drifting(&mut cache, &mut rng, 0, 4000);
+        // Truncate into the middle of a page and of a group, then rewrite.
+        cache.truncate(0, 2345);
+        fill_drifting(&mut cache, &mut rng, 2345, 4100);
+        let sums = cache.page_summaries().unwrap();
+        for layer in 0..2 {
+            for head in 0..2 {
+                let n_pages = 4100usize.div_ceil(cfg.page);
+                for g in 0..n_pages.div_ceil(PAGE_GROUP) {
+                    let (glo, ghi) = sums.group_bounds(layer, 0, head, g);
+                    for p in g * PAGE_GROUP..((g + 1) * PAGE_GROUP).min(n_pages) {
+                        let (lo, hi) = sums.bounds(layer, 0, head, p);
+                        for d in 0..16 {
+                            assert!(glo[d] <= lo[d] && ghi[d] >= hi[d], "group {g} does not contain page {p}");
+                        }
+                    }
+                }
+            }
+        }
+        let (mut bounds, mut groups, mut heap) = (Vec::new(), Vec::new(), std::collections::BinaryHeap::new());
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for i in 0..200 {
+            let n = [4100, 4099, 2346, 1000, 300, 17][i % 6];
+            let (layer, head) = (i % 2, (i / 2) % 2);
+            let q = random_row(&mut rng, 16, 1.5);
+            sums.select(&cfg, layer, 0, head, n, &q, &mut bounds, &mut a);
+            let evals = sums.select_bvh(&cfg, layer, 0, head, n, &q, &mut groups, &mut heap, &mut b);
+            assert_eq!(a, b, "{cfg:?} n={n} layer {layer} head {head}: flat vs bvh");
+            let n_pages = n.div_ceil(cfg.page);
+            if n_pages > cfg.max_selected_for(n_pages) {
+                flat_evals += n_pages - cfg.sink_pages.min(n_pages) - cfg.recent_pages.min(n_pages);
+                bvh_evals += evals;
+            }
+        }
+        // Attention through either selector: the same pages, the same bits.
+        let q = random_row(&mut rng, 16, 1.5);
+        let mut out = [vec![0.0f32; 16], vec![0.0f32; 16]];
+        let mut scores = vec![0.0f32; 4100];
+        for (sel, o) in [PageSelector::Flat, PageSelector::Bvh].into_iter().zip(out.iter_mut()) {
+            cache.set_page_selector(sel).unwrap();
+            cache.attend_maybe_pruned(1, 0, 1, 4100, &q, 0.25, true, &mut scores, o);
+        }
+        assert_eq!(out[0], out[1], "{cfg:?}: attention differs between selectors");
+    }
+    eprintln!("bound evaluations over the queries that prune: flat {flat_evals}, bvh {bvh_evals}");
+}
