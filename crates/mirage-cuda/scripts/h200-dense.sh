@@ -35,15 +35,9 @@ shift
 W=/tmp/mirage-dense
 OUT=${OUT:-/tmp/out}
 mkdir -p "$W" "$OUT"
-if [ -f "$BIN_DIR/bins.tar.xz" ]; then
-  tar -xJf "$BIN_DIR/bins.tar.xz" -C "$W" || exit 1
-else
-  cp "$BIN_DIR"/* "$W"/ || exit 1
-fi
-chmod +x "$W"/* 2>/dev/null
-NV=$(find /usr/local/cuda* /usr/local/lib /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | grep -v stub | head -1)
-export LD_LIBRARY_PATH="$(dirname "${NV:-/x/y}"):${LD_LIBRARY_PATH:-}"
-export MIRAGE_CUDA_CACHE=$W/cache
+. "$(dirname "$0")/common.sh"
+device_unpack "$BIN_DIR" "$W" || exit 1
+device_env "$W"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 echo "nvrtc: ${NV:-none}"
 

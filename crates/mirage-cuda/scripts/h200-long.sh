@@ -2,7 +2,7 @@
 # Device-side run for issue 10: KV-page pruned decode attention inside
 # CudaBackend's decode graph (item 3), and the stand-alone kernels.
 # Usage: h200-long.sh <bundle folder>
-#   The folder holds bins.tar.xz (scripts/bundle-long.sh makes it) or the
+#   The folder holds bins.tar.xz (scripts/bundle.sh makes it) or the
 #   files unpacked: mirage-cli, xtask, tok.gguf, pruned-attention-bench and
 #   the test binaries kv_pruning_gpu and kv_pruning_backend (release, cuda
 #   feature, stripped).
@@ -23,15 +23,9 @@ BIN=${1:?bundle folder}
 W=/tmp/mirage-long
 OUT=${OUT:-/tmp/out}
 mkdir -p "$W" "$OUT"
-if [ -f "$BIN/bins.tar.xz" ]; then
-  tar -xJf "$BIN/bins.tar.xz" -C "$W" || exit 1
-else
-  cp "$BIN"/* "$W"/ || exit 1
-fi
-chmod +x "$W"/* 2>/dev/null
-NV=$(find /usr/local/cuda* /usr/local/lib /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | grep -v stub | head -1)
-export LD_LIBRARY_PATH="$(dirname "${NV:-/x/y}"):${LD_LIBRARY_PATH:-}"
-export MIRAGE_CUDA_CACHE=$W/cache
+. "$(dirname "$0")/common.sh"
+device_unpack "$BIN" "$W" || exit 1
+device_env "$W"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 echo "nvrtc: ${NV:-none}"
 T0=$SECONDS

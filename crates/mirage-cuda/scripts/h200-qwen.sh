@@ -34,9 +34,8 @@ OUT=${OUT:-/tmp/out}
 QWEN_SHA=${QWEN_SHA:-1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32}
 SMOL_SHA=${SMOL_SHA:-b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53}
 mkdir -p "$W/models" "$L" "$OUT"
-NV=$(find /usr/local/cuda* -name 'libnvrtc.so*' 2>/dev/null | grep -v stub | head -1)
-export LD_LIBRARY_PATH="$(dirname "${NV:-/x/y}"):${LD_LIBRARY_PATH:-}"
-export MIRAGE_CUDA_CACHE=$W/cache
+. "$(dirname "$0")/common.sh"
+device_env "$W"
 T0=$SECONDS
 el() { echo "[$((SECONDS - T0)) s]"; }
 Q=$W/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -48,7 +47,7 @@ shift
 case $stage in
 prep)
   BIN=${1:?BIN_DIR}; PEER=${2:?PEER_SRC}; TEXT=${3:?TEXT_DIR}
-  tar -xJf "$BIN/bins.tar.xz" -C "$W" && chmod +x "$W"/* 2>/dev/null
+  device_unpack "$BIN" "$W" || exit 1
   cp "$TEXT"/* "$W/" && cp "$PEER" "$W/peer-src.tar.xz"
   cp benches/gpu_peer.sh "$W/"
   setsid nohup bash -c "bash $W/gpu_peer.sh build $W/peer-src.tar.xz /tmp/peer > $L/peer-build.log 2>&1; echo rc=\$? >> $L/peer-build.log" \

@@ -1,0 +1,26 @@
+# Sourced by the h200-*.sh device scripts (bash). Two steps every device run
+# needs, in one place:
+#   device_unpack BIN_DIR WORK_DIR  unpacks BIN_DIR/bins.tar.xz (made by
+#                                   bundle.sh) into WORK_DIR, or copies
+#                                   BIN_DIR's files when there is no archive;
+#   device_env WORK_DIR             puts the CUDA toolkit's libnvrtc on
+#                                   LD_LIBRARY_PATH (cudarc loads it at run
+#                                   time) and caches compiled PTX under
+#                                   WORK_DIR/cache; sets NV to the library found.
+device_unpack() {
+  local bin=$1 w=$2
+  mkdir -p "$w" || return 1
+  if [ -f "$bin/bins.tar.xz" ]; then
+    tar -xJf "$bin/bins.tar.xz" -C "$w" || return 1
+  else
+    cp "$bin"/* "$w"/ || return 1
+  fi
+  chmod +x "$w"/* 2>/dev/null
+  return 0
+}
+
+device_env() {
+  NV=$(find /usr/local/cuda* /usr/local/lib /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | grep -v stub | head -1)
+  export LD_LIBRARY_PATH="$(dirname "${NV:-/x/y}"):${LD_LIBRARY_PATH:-}"
+  export MIRAGE_CUDA_CACHE=$1/cache
+}
