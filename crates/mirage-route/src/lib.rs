@@ -40,7 +40,7 @@ mod wgpu_router;
 pub use bvh::{Bvh, BvhNode, BvhPrim};
 pub use cpu::{BruteForce, CpuBvh};
 pub use data::{Aabb, RouterData, MAX_SLICES};
-pub use vk_rt::VulkanRtRouter;
+pub use vk_rt::{ExportedMemory, InteropExports, InteropRequest, VulkanRtRouter};
 pub use wgpu_router::{WgpuOptions, WgpuRouter};
 
 /// Why a router path cannot run here.
@@ -66,6 +66,11 @@ pub enum Unavailable {
     /// The committed SPIR-V is missing or was rejected by the driver.
     #[error("shader rejected: {0}")]
     Shader(String),
+    /// CUDA interop was asked for, but no ray-tracing device can export its
+    /// memory and timeline semaphores as opaque fds (or none has the UUID of
+    /// the CUDA device).
+    #[error("no Vulkan CUDA-interop: {0}")]
+    NoInterop(String),
 }
 
 /// Errors of this crate.

@@ -20,6 +20,12 @@ use crate::bvh::Bvh;
 use crate::data::RouterData;
 use crate::{check_points, CandidateSet, RouteError, Router, RouterKind, Unavailable};
 
+// CUDA interop (exported buffers and timeline semaphores): a child module so
+// it can reach the router's private state.
+#[path = "vk_export.rs"]
+mod export;
+pub use export::{ExportedMemory, InteropExports, InteropRequest};
+
 const RGEN: &[u8] = include_bytes!("../../../shaders/route.rgen.spv");
 const RMISS: &[u8] = include_bytes!("../../../shaders/route.rmiss.spv");
 const RINT: &[u8] = include_bytes!("../../../shaders/route.rint.spv");
@@ -88,6 +94,12 @@ pub struct VulkanRtRouter {
     regions: [vk::StridedDeviceAddressRegionKHR; 4],
     max_launch_width: u32,
     batch: Option<Batch>,
+    physical: vk::PhysicalDevice,
+    queue_family: u32,
+    /// Whether the device was created with the external memory/semaphore
+    /// extensions and timeline semaphores ([`VulkanRtRouter::new_interop`]).
+    interop_enabled: bool,
+    interop: Option<export::InteropState>,
 }
 
 // The raw pointers are persistent mappings owned by this router; Vulkan
@@ -131,6 +143,10 @@ impl VulkanRtRouter {
     /// Loads Vulkan, picks the first device with `VK_KHR_ray_tracing_pipeline`,
     /// builds the acceleration structures, pipelines and shader binding table.
     pub fn new(data: &RouterData) -> Result<Self, RouteError> {
+        Self::new_inner(data, None)
+    }
+
+    fn new_inner(data: &RouterData, interop: Option<&InteropRequest>) -> Result<Self, RouteError> {
         data.validate()?;
         // SAFETY: loading the system Vulkan loader; failure is reported, not fatal.
         let entry = unsafe { ash::Entry::load() }.map_err(|e| unavailable(Unavailable::NoVulkan(e.to_string())))?;
@@ -139,11 +155,16 @@ impl VulkanRtRouter {
         let instance = unsafe { entry.create_instance(&vk::InstanceCreateInfo::default().application_info(&app), None) }
             .map_err(|e| unavailable(Unavailable::NoVulkan(format!("vkCreateInstance: {e}"))))?;
         // with_instance owns the instance from here: it destroys it on every error path.
-        Self::with_instance(entry, instance, data)
+        Self::with_instance(entry, instance, data, interop)
     }
 
-    fn with_instance(entry: ash::Entry, instance: ash::Instance, data: &RouterData) -> Result<Self, RouteError> {
-        let (device, qf, device_name, pd) = match Self::pick_device(&instance) {
+    fn with_instance(
+        entry: ash::Entry,
+        instance: ash::Instance,
+        data: &RouterData,
+        interop: Option<&InteropRequest>,
+    ) -> Result<Self, RouteError> {
+        let (device, qf, device_name, pd) = match Self::pick_device(&instance, interop) {
             Ok(x) => x,
             Err(e) => {
                 // SAFETY: nothing else refers to the instance.
@@ -177,10 +198,15 @@ impl VulkanRtRouter {
                 return Err(e);
             }
         };
-        Self::assemble(entry, instance, device, pd, qf, device_name, pool, cmd, fence, data)
+        let mut r = Self::assemble(entry, instance, device, pd, qf, device_name, pool, cmd, fence, data)?;
+        r.interop_enabled = interop.is_some();
+        Ok(r)
     }
 
-    fn pick_device(instance: &ash::Instance) -> Result<(ash::Device, u32, String, vk::PhysicalDevice), RouteError> {
+    fn pick_device(
+        instance: &ash::Instance,
+        interop: Option<&InteropRequest>,
+    ) -> Result<(ash::Device, u32, String, vk::PhysicalDevice), RouteError> {
         // SAFETY: plain queries on a live instance.
         let physicals = unsafe { instance.enumerate_physical_devices() }
             .map_err(|e| unavailable(Unavailable::NoAdapter(format!("vkEnumeratePhysicalDevices: {e}"))))?;
@@ -189,6 +215,7 @@ impl VulkanRtRouter {
         }
         let mut seen = Vec::new();
         let mut chosen = None;
+        let mut rt_without_interop = Vec::new();
         for pd in physicals {
             // SAFETY: pd comes from this instance.
             let props = unsafe { instance.get_physical_device_properties(pd) };
@@ -198,20 +225,39 @@ impl VulkanRtRouter {
             let qf = unsafe { instance.get_physical_device_queue_family_properties(pd) }
                 .iter()
                 .position(|q| q.queue_flags.contains(vk::QueueFlags::COMPUTE));
-            if let Some(qf) = qf.filter(|_| REQUIRED_EXTENSIONS.iter().all(|e| has(e)) && props.api_version >= vk::API_VERSION_1_2) {
+            let interop_ok = match interop {
+                None => true,
+                Some(req) => export::INTEROP_EXTENSIONS.iter().all(|e| has(e)) && export::device_fits(instance, pd, req),
+            };
+            let rt_ok = qf.is_some() && REQUIRED_EXTENSIONS.iter().all(|e| has(e)) && props.api_version >= vk::API_VERSION_1_2;
+            if let Some(qf) = qf.filter(|_| rt_ok && interop_ok) {
                 chosen = Some((pd, name, qf as u32));
                 break;
+            }
+            if rt_ok {
+                rt_without_interop.push(name.clone());
             }
             seen.push(name);
         }
         let Some((pd, device_name, qf)) = chosen else {
+            if !rt_without_interop.is_empty() {
+                return Err(unavailable(Unavailable::NoInterop(format!(
+                    "ray-tracing devices without external fd memory/semaphores, timeline semaphores or the CUDA device's UUID: {}",
+                    rt_without_interop.join(", ")
+                ))));
+            }
             return Err(unavailable(Unavailable::NoRayTracing(seen.join(", "))));
         };
 
         let prios = [1.0f32];
         let queue_info = [vk::DeviceQueueCreateInfo::default().queue_family_index(qf).queue_priorities(&prios)];
-        let ext_names: Vec<*const c_char> = REQUIRED_EXTENSIONS.iter().map(|e| e.as_ptr()).collect();
-        let mut f12 = vk::PhysicalDeviceVulkan12Features::default().buffer_device_address(true);
+        let mut ext_names: Vec<*const c_char> = REQUIRED_EXTENSIONS.iter().map(|e| e.as_ptr()).collect();
+        if interop.is_some() {
+            ext_names.extend(export::INTEROP_EXTENSIONS.iter().map(|e| e.as_ptr()));
+        }
+        let mut f12 = vk::PhysicalDeviceVulkan12Features::default()
+            .buffer_device_address(true)
+            .timeline_semaphore(interop.is_some());
         let mut f_as = vk::PhysicalDeviceAccelerationStructureFeaturesKHR::default().acceleration_structure(true);
         let mut f_rt = vk::PhysicalDeviceRayTracingPipelineFeaturesKHR::default().ray_tracing_pipeline(true);
         let info = vk::DeviceCreateInfo::default()
@@ -280,6 +326,10 @@ impl VulkanRtRouter {
             regions: [vk::StridedDeviceAddressRegionKHR::default(); 4],
             max_launch_width: limits.max_compute_work_group_count[0].min(1 << 20),
             batch: None,
+            physical: pd,
+            queue_family: qf,
+            interop_enabled: false,
+            interop: None,
         };
         // From here on, Drop cleans up whatever was created (null handles are skipped).
         r.build_static(data, &rt_props, &as_props)?;
@@ -830,6 +880,9 @@ impl Drop for VulkanRtRouter {
         // SAFETY: waits for the device, then destroys what this router created; null handles are ignored by Vulkan.
         unsafe {
             let _ = self.device.device_wait_idle();
+            if let Some(st) = self.interop.take() {
+                self.destroy_interop(st);
+            }
             if let Some(b) = self.batch.take() {
                 for x in [&b.points_host, &b.points, &b.masks, &b.out_bits, &b.readback] {
                     self.destroy_buf(x);
