@@ -39,6 +39,11 @@ pub use backend::{CudaActivations, CudaBackend, CudaFfn, CudaKvCache, CudaMatrix
 
 pub mod nvfp4;
 pub mod superblock;
+/// Routing through the Vulkan ray-tracing router with CUDA–Vulkan interop
+/// (exported memory and timeline semaphores), and route.cu on its own
+/// context for comparison.
+#[cfg(feature = "vulkan-interop")]
+pub mod vk_interop;
 
 #[cfg(not(feature = "cuda"))]
 mod dummy;
