@@ -23,10 +23,19 @@
 //! `[gate q][up q][down_t q][gate scales][up scales][down_t scales]`, one
 //! contiguous span (see the comment at the top of `cuda/superblock.cu`).
 //!
-//! The host-side repacking ([`split_q8_0_rows`], [`split_q8_0_page`]) is
-//! plain Rust and builds without the `cuda` feature.
+//! NVFP4 pages (issue #8): [`Nvfp4Pages`] packs a layer's gate, up and
+//! transposed down matrices with the CPU codec (from f32 or requantized from
+//! the GGUF's matrices, one tensor scale per layer matrix) into
+//! `[gate codes][up codes][down_t codes][gate scales][up scales][down_t scales]`
+//! per page; [`SparseDevice::ffn_nvfp4`] runs `superblock_ffn_nvfp4` on them,
+//! the same contract as the Q8_0 kernel, as one cooperative launch or as the
+//! two phase launches a graph records ([`FfnLaunch`]).
+//!
+//! The host-side repacking ([`split_q8_0_rows`], [`split_q8_0_page`],
+//! [`Nvfp4Pages`]) is plain Rust and builds without the `cuda` feature.
 
-use mirage_gguf::quant::{self, Nvfp4Error, QuantError};
+use mirage_gguf::quant::{self, Nvfp4Error, Nvfp4Tensor, QuantError};
+use mirage_gguf::tensor::TensorView;
 use mirage_gguf::GgmlType;
 
 use crate::CudaError;
@@ -113,6 +122,232 @@ pub fn split_q8_0_page(page: &[u8], d_model: usize) -> Result<Vec<u8>, SparseErr
     Ok(out)
 }
 
+/// NVFP4 elements per E4M3 block scale.
+const NV_BLOCK: usize = 16;
+
+/// Bytes of one NVFP4 page of `d_model`: three 128-row matrices of
+/// `d_model / 2` code bytes and `d_model / 16` scale bytes a row.
+pub fn nvfp4_page_bytes(d_model: usize) -> usize {
+    3 * PAGE_CHANNELS * (d_model / 2 + d_model / NV_BLOCK)
+}
+
+/// One layer's FFN as page-major NVFP4 pages on the host, in the device
+/// layout of `superblock_ffn_nvfp4` (`cuda/superblock.cu`): page `p` holds
+/// channels `128 p .. 128 p + 127` as
+/// `[gate codes 128 x d/2][up codes][down_t codes][gate scales 128 x d/16][up scales][down_t scales]`,
+/// each row exactly the bytes of the CPU codec ([`Nvfp4Tensor`]: E2M1
+/// codes, low nibble first, one E4M3 scale per 16 elements), plus one f32
+/// tensor scale per layer matrix.
+///
+/// `down_t` row `c` is column `c` of `W_down` (the artifact's transposed
+/// down slice), quantized along `d_model`: it is the codec's quantization of
+/// `W_downᵀ`, whose tensor scale (the absolute maximum over the matrix) is
+/// that of requantizing `W_down` itself; its block scales differ from
+/// `W_down`'s (blocks run along the other axis). If `n_ff` is not a
+/// multiple of 128 the last page is padded with zero rows (scale 0, code 0:
+/// those channels add nothing).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Nvfp4Pages {
+    d_model: usize,
+    n_ff: usize,
+    n_pages: usize,
+    tensor_scales: [f32; 3],
+    bytes: Vec<u8>,
+}
+
+impl Nvfp4Pages {
+    /// Packs three NVFP4 matrices of `n_ff` rows by `d_model` (`dims =
+    /// [d_model, n_ff]`): gate, up and the transposed down (`down_t`).
+    /// `d_model` must be a positive multiple of 32 (the kernel reads 32
+    /// elements a lane).
+    pub fn from_tensors(
+        gate: &Nvfp4Tensor,
+        up: &Nvfp4Tensor,
+        down_t: &Nvfp4Tensor,
+    ) -> Result<Nvfp4Pages, SparseError> {
+        let (n_ff, d_model) = crate::nvfp4::nvfp4_shape(gate)?;
+        if d_model % 32 != 0 {
+            return Err(invalid(format!(
+                "NVFP4 pages need d_model a multiple of 32, got {d_model}"
+            )));
+        }
+        for (name, t) in [("up", up), ("down_t", down_t)] {
+            if crate::nvfp4::nvfp4_shape(t)? != (n_ff, d_model) {
+                return Err(invalid(format!(
+                    "NVFP4 {name} matrix is {:?} rows x cols, gate is ({n_ff}, {d_model})",
+                    crate::nvfp4::nvfp4_shape(t)?
+                )));
+            }
+        }
+        let n_pages = n_ff.div_ceil(PAGE_CHANNELS);
+        let (rc, rs) = (d_model / 2, d_model / NV_BLOCK);
+        let (mat, smat) = (PAGE_CHANNELS * rc, PAGE_CHANNELS * rs);
+        let pb = nvfp4_page_bytes(d_model);
+        let mut bytes = vec![0u8; n_pages * pb];
+        for (p, page) in bytes.chunks_exact_mut(pb).enumerate() {
+            let rows = p * PAGE_CHANNELS..((p + 1) * PAGE_CHANNELS).min(n_ff);
+            let n = rows.len();
+            let (codes, scales) = page.split_at_mut(3 * mat);
+            for (k, t) in [gate, up, down_t].into_iter().enumerate() {
+                codes[k * mat..k * mat + n * rc]
+                    .copy_from_slice(&t.packed[rows.start * rc..rows.end * rc]);
+                scales[k * smat..k * smat + n * rs]
+                    .copy_from_slice(&t.block_scales[rows.start * rs..rows.end * rs]);
+            }
+        }
+        Ok(Nvfp4Pages {
+            d_model,
+            n_ff,
+            n_pages,
+            tensor_scales: [gate.tensor_scale, up.tensor_scale, down_t.tensor_scale],
+            bytes,
+        })
+    }
+
+    /// Quantizes f32 matrices of `n_ff` rows by `d_model` (gate, up and the
+    /// transposed down, row-major) with the codec, each matrix as a whole
+    /// (one tensor scale per matrix), and packs them.
+    pub fn from_f32(
+        d_model: usize,
+        gate: &[f32],
+        up: &[f32],
+        down_t: &[f32],
+    ) -> Result<Nvfp4Pages, SparseError> {
+        if d_model == 0 || gate.len() % d_model != 0 {
+            return Err(invalid(format!(
+                "{} gate values are not rows of {d_model}",
+                gate.len()
+            )));
+        }
+        let dims = [d_model as u64, (gate.len() / d_model) as u64];
+        Self::from_tensors(
+            &Nvfp4Tensor::quantize(gate, &dims)?,
+            &Nvfp4Tensor::quantize(up, &dims)?,
+            &Nvfp4Tensor::quantize(down_t, &dims)?,
+        )
+    }
+
+    /// Requantizes a layer's GGUF FFN matrices (`(type, bytes)` as the file
+    /// stores them: gate and up `n_ff` rows of `d_model`, down `d_model` rows
+    /// of `n_ff`) with the codec on up to `threads` threads. Gate and up are
+    /// exactly [`Nvfp4Tensor::requantize`]; down is dequantized, transposed
+    /// and quantized (same tensor scale as requantizing `W_down`).
+    pub fn from_gguf_parts(
+        d_model: usize,
+        n_ff: usize,
+        gate: (GgmlType, &[u8]),
+        up: (GgmlType, &[u8]),
+        down: (GgmlType, &[u8]),
+        threads: usize,
+    ) -> Result<Nvfp4Pages, SparseError> {
+        let dims = [d_model as u64, n_ff as u64];
+        let g = Nvfp4Tensor::requantize_parallel(gate.0, gate.1, &dims, threads)?;
+        let u = Nvfp4Tensor::requantize_parallel(up.0, up.1, &dims, threads)?;
+        let n = d_model * n_ff;
+        let mut w = vec![0f32; n];
+        quant::dequantize(down.0, down.1, &mut w)?;
+        // W_down is [d_model][n_ff]; down_t[c][r] = W_down[r][c]. Tiles of
+        // 64 x 64 keep both sides in cache.
+        let mut t = vec![0f32; n];
+        const TILE: usize = 64;
+        for r0 in (0..d_model).step_by(TILE) {
+            for c0 in (0..n_ff).step_by(TILE) {
+                for r in r0..(r0 + TILE).min(d_model) {
+                    for c in c0..(c0 + TILE).min(n_ff) {
+                        t[c * d_model + r] = w[r * n_ff + c];
+                    }
+                }
+            }
+        }
+        drop(w);
+        let t_bytes: Vec<u8> = t.iter().flat_map(|v| v.to_le_bytes()).collect();
+        drop(t);
+        let dt = Nvfp4Tensor::requantize_parallel(GgmlType::F32, &t_bytes, &dims, threads)?;
+        Self::from_tensors(&g, &u, &dt)
+    }
+
+    /// [`Nvfp4Pages::from_gguf_parts`] on tensors read from a GGUF file
+    /// (`ffn_gate`, `ffn_up`, `ffn_down` of one layer).
+    pub fn from_gguf(
+        gate: &TensorView<'_>,
+        up: &TensorView<'_>,
+        down: &TensorView<'_>,
+        threads: usize,
+    ) -> Result<Nvfp4Pages, SparseError> {
+        let dims = |v: &TensorView<'_>| -> Result<(usize, usize), SparseError> {
+            match v.dims() {
+                [a, b] => Ok((*a as usize, *b as usize)),
+                other => Err(invalid(format!(
+                    "{} has dims {other:?}, not a matrix",
+                    v.name()
+                ))),
+            }
+        };
+        let (d_model, n_ff) = dims(gate)?;
+        if dims(up)? != (d_model, n_ff) || dims(down)? != (n_ff, d_model) {
+            return Err(invalid(format!(
+                "FFN matrices {:?} / {:?} / {:?} do not match gate [{d_model}, {n_ff}]",
+                up.dims(),
+                down.dims(),
+                gate.dims()
+            )));
+        }
+        Self::from_gguf_parts(
+            d_model,
+            n_ff,
+            (gate.ty(), gate.data),
+            (up.ty(), up.data),
+            (down.ty(), down.data),
+            threads,
+        )
+    }
+
+    /// Model width.
+    pub fn d_model(&self) -> usize {
+        self.d_model
+    }
+    /// FFN channels (rows of each matrix; the last page may be padded).
+    pub fn n_ff(&self) -> usize {
+        self.n_ff
+    }
+    /// Pages.
+    pub fn n_pages(&self) -> usize {
+        self.n_pages
+    }
+    /// Tensor scales of gate, up and down.
+    pub fn tensor_scales(&self) -> [f32; 3] {
+        self.tensor_scales
+    }
+    /// All pages, page-major (`n_pages * nvfp4_page_bytes(d_model)` bytes).
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+    /// Page `p`'s bytes.
+    pub fn page(&self, p: usize) -> &[u8] {
+        let pb = nvfp4_page_bytes(self.d_model);
+        &self.bytes[p * pb..(p + 1) * pb]
+    }
+
+    /// Decodes page `p` with the codec: gate, up and down_t, each `128 x
+    /// d_model` f32 row-major (padding rows decode to zeros).
+    pub fn dequantize_page(&self, p: usize) -> Result<[Vec<f32>; 3], SparseError> {
+        let d = self.d_model;
+        let page = self.page(p);
+        let (mat, smat) = (PAGE_CHANNELS * d / 2, PAGE_CHANNELS * d / NV_BLOCK);
+        let (codes, scales) = page.split_at(3 * mat);
+        let mut out: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0f32; PAGE_CHANNELS * d]);
+        for (k, dst) in out.iter_mut().enumerate() {
+            quant::nvfp4::dequantize_into(
+                self.tensor_scales[k],
+                &scales[k * smat..(k + 1) * smat],
+                &codes[k * mat..(k + 1) * mat],
+                dst,
+            )?;
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(feature = "cuda")]
 pub use device::*;
 
@@ -125,7 +360,10 @@ mod device {
         CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
     };
 
-    use super::{invalid, q8_0_page_bytes, split_q8_0_page, split_q8_0_rows, SparseError};
+    use super::{
+        invalid, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, split_q8_0_rows, Nvfp4Pages,
+        SparseError,
+    };
     use super::{PAGE_CHANNELS, Q8_BLOCK};
     use crate::{module, CudaError};
 
@@ -137,8 +375,6 @@ mod device {
         include_str!("../../../cuda/superblock.cu")
     );
 
-    /// `phases` argument of the fused FFN: both phases, grid barrier between.
-    const BOTH_PHASES: i32 = 3;
     /// Threads of the mat-vec and FFN blocks (`NV_WARPS`/`SB_WARPS` * 32).
     const BLOCK: u32 = 256;
     /// Rows per warp of the mat-vecs (`NV_ROWS`, and 4 in `matvec_q8s`).
@@ -160,6 +396,18 @@ mod device {
         Ordered,
     }
 
+    /// How the fused FFN's two phases are launched.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum FfnLaunch {
+        /// One cooperative launch, a grid barrier between the phases
+        /// (`phases = 3`).
+        Cooperative,
+        /// Two ordinary launches with the same grid, phase 1 then phase 2
+        /// (the kernel boundary is the barrier): what a captured CUDA graph
+        /// runs.
+        TwoLaunches,
+    }
+
     /// The sparse-path kernels on one device: context, stream, functions.
     pub struct SparseDevice {
         ctx: Arc<CudaContext>,
@@ -167,6 +415,7 @@ mod device {
         matvec_nvfp4: CudaFunction,
         matvec_q8s: CudaFunction,
         ffn_q8s: CudaFunction,
+        ffn_nvfp4: CudaFunction,
         multiprocessors: u32,
         max_dynamic_smem: usize,
         device_name: String,
@@ -229,6 +478,54 @@ mod device {
         pub fn grid(&self) -> u32 {
             self.grid
         }
+    }
+
+    /// One layer's FFN as page-major NVFP4 pages on the device
+    /// ([`Nvfp4Pages`]' layout) with its three tensor scales.
+    #[derive(Debug)]
+    pub struct DeviceNvfp4Pages {
+        d_model: usize,
+        n_pages: usize,
+        page_bytes: usize,
+        tensor_scales: [f32; 3],
+        grid: u32,
+        data: CudaSlice<u8>,
+    }
+
+    impl DeviceNvfp4Pages {
+        /// Model width.
+        pub fn d_model(&self) -> usize {
+            self.d_model
+        }
+        /// Pages stored.
+        pub fn n_pages(&self) -> usize {
+            self.n_pages
+        }
+        /// Bytes per page (what the kernel reads for each active page).
+        pub fn page_bytes(&self) -> usize {
+            self.page_bytes
+        }
+        /// Tensor scales of gate, up and down.
+        pub fn tensor_scales(&self) -> [f32; 3] {
+            self.tensor_scales
+        }
+        /// Grid of the fused kernel: every block resident.
+        pub fn grid(&self) -> u32 {
+            self.grid
+        }
+    }
+
+    /// What one fused-FFN launch runs over (kernel, pages, shapes).
+    struct FfnTarget<'a> {
+        func: &'a CudaFunction,
+        name: &'a str,
+        data: &'a CudaSlice<u8>,
+        page_bytes: usize,
+        n_pages: usize,
+        d: usize,
+        grid: u32,
+        /// NVFP4 only: the tensor scales (kernel arguments after `d`).
+        tensor_scales: Option<[f32; 3]>,
     }
 
     /// Active page ids and their count, both in device memory.
@@ -306,6 +603,7 @@ mod device {
                 matvec_nvfp4: load("matvec_nvfp4")?,
                 matvec_q8s: load("matvec_q8s")?,
                 ffn_q8s: load("superblock_ffn_q8s")?,
+                ffn_nvfp4: load("superblock_ffn_nvfp4")?,
                 ctx,
                 stream,
                 multiprocessors,
@@ -314,7 +612,12 @@ mod device {
             };
             // x (and the FFN's accumulator) live in dynamic shared memory:
             // allow the device's opt-in maximum beyond the default 48 KiB.
-            for f in [&dev.matvec_nvfp4, &dev.matvec_q8s, &dev.ffn_q8s] {
+            for f in [
+                &dev.matvec_nvfp4,
+                &dev.matvec_q8s,
+                &dev.ffn_q8s,
+                &dev.ffn_nvfp4,
+            ] {
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     max_dynamic_smem as i32,
@@ -458,19 +761,51 @@ mod device {
                     device_layout.len()
                 )));
             }
-            let smem = d_model * 4;
-            self.check_smem(smem, "the fused FFN")?;
-            let per_sm = self
-                .ffn_q8s
-                .occupancy_max_active_blocks_per_multiprocessor(BLOCK, smem, None)
-                .map_err(drv)?
-                .max(1);
+            let grid = self.ffn_grid(&self.ffn_q8s, d_model)?;
             let data = self.stream.clone_htod(device_layout).map_err(drv)?;
             Ok(Q8Pages {
                 d_model,
                 n_pages,
                 page_bytes,
-                grid: per_sm * self.multiprocessors,
+                grid,
+                data,
+            })
+        }
+
+        /// The fused FFN's grid: every block resident (the cooperative launch
+        /// needs it), `d_model * 4` bytes of dynamic shared memory each.
+        fn ffn_grid(&self, f: &CudaFunction, d_model: usize) -> Result<u32, SparseError> {
+            let smem = d_model * 4;
+            self.check_smem(smem, "the fused FFN")?;
+            let per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor(BLOCK, smem, None)
+                .map_err(drv)?
+                .max(1);
+            Ok(per_sm * self.multiprocessors)
+        }
+
+        /// Uploads one layer's NVFP4 pages (see [`Nvfp4Pages`]).
+        pub fn upload_nvfp4_pages(
+            &self,
+            pages: &Nvfp4Pages,
+        ) -> Result<DeviceNvfp4Pages, SparseError> {
+            let d_model = pages.d_model();
+            let page_bytes = nvfp4_page_bytes(d_model);
+            if pages.n_pages() == 0 || pages.bytes().len() != pages.n_pages() * page_bytes {
+                return Err(invalid(format!(
+                    "{} NVFP4 pages of {page_bytes} bytes expected, got {} bytes",
+                    pages.n_pages(),
+                    pages.bytes().len()
+                )));
+            }
+            let grid = self.ffn_grid(&self.ffn_nvfp4, d_model)?;
+            let data = self.stream.clone_htod(pages.bytes()).map_err(drv)?;
+            Ok(DeviceNvfp4Pages {
+                d_model,
+                n_pages: pages.n_pages(),
+                page_bytes,
+                tensor_scales: pages.tensor_scales(),
+                grid,
                 data,
             })
         }
@@ -524,10 +859,79 @@ mod device {
             scratch: &mut FfnScratch,
             y: &mut CudaSlice<f32>,
         ) -> Result<(), SparseError> {
-            let d = pages.d_model;
+            let target = FfnTarget {
+                func: &self.ffn_q8s,
+                name: "ffn_q8",
+                data: &pages.data,
+                page_bytes: pages.page_bytes,
+                n_pages: pages.n_pages,
+                d: pages.d_model,
+                grid: pages.grid,
+                tensor_scales: None,
+            };
+            self.launch_ffn(
+                &target,
+                x,
+                active,
+                reduction,
+                accumulate,
+                FfnLaunch::Cooperative,
+                scratch,
+                y,
+            )
+        }
+
+        /// The fused sparse FFN over NVFP4 pages (`superblock_ffn_nvfp4`):
+        /// the contract of [`SparseDevice::ffn_q8`], launched as one
+        /// cooperative launch or as the two phase launches a CUDA graph
+        /// records (`launch`).
+        #[allow(clippy::too_many_arguments)]
+        pub fn ffn_nvfp4(
+            &self,
+            pages: &DeviceNvfp4Pages,
+            x: &CudaSlice<f32>,
+            active: &ActivePages,
+            reduction: Reduction,
+            accumulate: bool,
+            launch: FfnLaunch,
+            scratch: &mut FfnScratch,
+            y: &mut CudaSlice<f32>,
+        ) -> Result<(), SparseError> {
+            let target = FfnTarget {
+                func: &self.ffn_nvfp4,
+                name: "ffn_nvfp4",
+                data: &pages.data,
+                page_bytes: pages.page_bytes,
+                n_pages: pages.n_pages,
+                d: pages.d_model,
+                grid: pages.grid,
+                tensor_scales: Some(pages.tensor_scales),
+            };
+            self.launch_ffn(
+                &target, x, active, reduction, accumulate, launch, scratch, y,
+            )
+        }
+
+        /// Checks the buffers, grows the scratch and launches a fused FFN
+        /// kernel (both kernels share the argument list but for the NVFP4
+        /// tensor scales after `d`).
+        #[allow(clippy::too_many_arguments)]
+        fn launch_ffn(
+            &self,
+            t: &FfnTarget<'_>,
+            x: &CudaSlice<f32>,
+            active: &ActivePages,
+            reduction: Reduction,
+            accumulate: bool,
+            launch: FfnLaunch,
+            scratch: &mut FfnScratch,
+            y: &mut CudaSlice<f32>,
+        ) -> Result<(), SparseError> {
+            let d = t.d;
             if x.len() < d || y.len() < d {
                 return Err(invalid(format!(
-                    "ffn_q8: x holds {}, y {}; d_model is {d}",
+                    "{}: x holds {}, y {}; d_model is {d}",
+                    t.name,
                     x.len(),
                     y.len()
                 )));
@@ -537,7 +941,7 @@ mod device {
                     "the atomic reduction adds into y: zero y and pass accumulate = true",
                 ));
             }
-            let grid = pages.grid;
+            let grid = t.grid;
             let n_chunks = d.div_ceil(128);
             let parts = (grid as usize / n_chunks).max(1);
             let grow_f32 =
@@ -559,20 +963,15 @@ mod device {
             let ph = scratch.hbuf.as_ref().map_or(0, |p| self.ptr(p));
             let pp = scratch.partials.as_ref().map_or(0, |p| self.ptr(p));
             let pc = scratch.counters.as_ref().map_or(0, |p| self.ptr(p));
-            let cfg = LaunchConfig {
-                grid_dim: (grid, 1, 1),
-                block_dim: (BLOCK, 1, 1),
-                shared_mem_bytes: (d * 4) as u32,
-            };
             let (pw, px, pa, pn, py) = (
-                self.ptr(&pages.data),
+                self.ptr(t.data),
                 self.ptr(x),
                 self.ptr(&active.ids),
                 self.ptr(&active.count),
                 self.ptr(y),
             );
-            let page_bytes = pages.page_bytes as i64;
-            let n_pages = pages.n_pages as i32;
+            let page_bytes = t.page_bytes as i64;
+            let n_pages = t.n_pages as i32;
             let d32 = d as i32;
             let cap = active.capacity as i32;
             let mode: i32 = match reduction {
@@ -580,29 +979,49 @@ mod device {
                 Reduction::Ordered => 1,
             };
             let acc = accumulate as i32;
-            let mut b = self.stream.launch_builder(&self.ffn_q8s);
-            b.arg(&pw)
-                .arg(&page_bytes)
-                .arg(&n_pages)
-                .arg(&d32)
-                .arg(&px)
-                .arg(&pa)
-                .arg(&pn)
-                .arg(&cap)
-                .arg(&mode)
-                .arg(&acc)
-                .arg(&ph)
-                .arg(&pp)
-                .arg(&pc)
-                .arg(&py)
-                .arg(&BOTH_PHASES);
-            // SAFETY: argument types and order match the kernel; x and y hold
-            // d floats, hbuf capacity * 128, partials (grid / n_chunks) * d,
-            // counters 2 + n_chunks; the kernel clamps the count to the
-            // capacity and skips ids >= n_pages. The grid is the resident
-            // block count, and the cooperative launch refuses otherwise, so
-            // the grid barrier cannot deadlock.
-            unsafe { b.launch_cooperative(cfg) }.map_err(drv)?;
+            let ts = t.tensor_scales.unwrap_or_default();
+            let launches: &[(i32, u32)] = match launch {
+                FfnLaunch::Cooperative => &[(3, (d * 4) as u32)],
+                // Phase 2 alone reads no x: no dynamic shared memory.
+                FfnLaunch::TwoLaunches => &[(1, (d * 4) as u32), (2, 0)],
+            };
+            for (phases, smem) in launches {
+                let cfg = LaunchConfig {
+                    grid_dim: (grid, 1, 1),
+                    block_dim: (BLOCK, 1, 1),
+                    shared_mem_bytes: *smem,
+                };
+                let mut b = self.stream.launch_builder(t.func);
+                b.arg(&pw).arg(&page_bytes).arg(&n_pages).arg(&d32);
+                if t.tensor_scales.is_some() {
+                    b.arg(&ts[0]).arg(&ts[1]).arg(&ts[2]);
+                }
+                b.arg(&px)
+                    .arg(&pa)
+                    .arg(&pn)
+                    .arg(&cap)
+                    .arg(&mode)
+                    .arg(&acc)
+                    .arg(&ph)
+                    .arg(&pp)
+                    .arg(&pc)
+                    .arg(&py)
+                    .arg(phases);
+                // SAFETY: argument types and order match the kernel
+                // (superblock_ffn_q8s, or superblock_ffn_nvfp4 with the three
+                // tensor scales after d); x and y hold d floats, hbuf
+                // capacity * 128, partials (grid / n_chunks) * d, counters
+                // 2 + n_chunks; the kernel clamps the count to the capacity
+                // and skips ids >= n_pages. The grid is the resident block
+                // count: the cooperative launch (phases 3) refuses otherwise,
+                // so the grid barrier cannot deadlock; the phase launches
+                // have no grid barrier.
+                match launch {
+                    FfnLaunch::Cooperative => unsafe { b.launch_cooperative(cfg) },
+                    FfnLaunch::TwoLaunches => unsafe { b.launch(cfg) },
+                }
+                .map_err(drv)?;
+            }
             Ok(())
         }
 

@@ -5,7 +5,9 @@
 // The f64 references serve only the device tests.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
-use mirage_cuda::superblock::{split_q8_0_page, PAGE_CHANNELS};
+use mirage_cuda::superblock::{nvfp4_page_bytes, split_q8_0_page, Nvfp4Pages, PAGE_CHANNELS};
+use mirage_gguf::quant::nvfp4::{e2m1_to_f32, e4m3_to_f32};
+use mirage_gguf::quant::Nvfp4Tensor;
 use mirage_gguf::{quant, GgmlType};
 use rand::{Rng, SeedableRng};
 
@@ -143,6 +145,119 @@ fn split_q8_0_page_keeps_every_weight() {
     }
     assert!(split_q8_0_page(&f.pages[0][1..], d).is_err());
     assert!(split_q8_0_page(&f.pages[0], d + 32).is_err());
+}
+
+/// `n` values in (-1, 1) * scale, each 16-element block further scaled by
+/// one of four factors (a spread of E4M3 block scales within a matrix).
+fn blocky(r: &mut impl Rng, n: usize, scale: f32) -> Vec<f32> {
+    let mut v = uniform(r, n, scale);
+    for (i, x) in v.iter_mut().enumerate() {
+        *x *= [1.0, 0.1, 3.0, 0.01][(i / 16 + i / 96) % 4];
+    }
+    v
+}
+
+/// `rows x cols` row-major to `cols x rows`.
+fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; m.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = m[r * cols + c];
+        }
+    }
+    t
+}
+
+/// Decodes weight `i` of row `row` of matrix `k` (0 gate, 1 up, 2 down_t)
+/// straight from a page's bytes, by the layout documented in
+/// cuda/superblock.cu (not through the packer's own decoder).
+fn nvfp4_page_weight(page: &[u8], d: usize, ts: [f32; 3], k: usize, row: usize, i: usize) -> f32 {
+    let (mat, smat) = (PAGE_CHANNELS * d / 2, PAGE_CHANNELS * d / 16);
+    let byte = page[k * mat + row * d / 2 + i / 2];
+    let code = if i % 2 == 0 { byte & 15 } else { byte >> 4 };
+    let scale = page[3 * mat + k * smat + row * d / 16 + i / 16];
+    e2m1_to_f32(code) * (e4m3_to_f32(scale) * ts[k])
+}
+
+#[test]
+fn nvfp4_pages_dequantize_to_the_codecs_rows() {
+    let mut r = rng(13);
+    // d a multiple of 32 but not of 128; n_ff not a multiple of 128 (the
+    // last page is padded), a multiple of 32 so W_down can be Q8_0.
+    let (d, n_ff) = (96usize, 288usize);
+    let s = 1.0 / (d as f32).sqrt();
+    let gate = blocky(&mut r, n_ff * d, s);
+    let up = blocky(&mut r, n_ff * d, s);
+    let down = blocky(&mut r, d * n_ff, s); // W_down: d rows of n_ff
+    let gate_q8 = q8_rows(&gate, d);
+    let down_q8 = q8_rows(&down, n_ff);
+    let up_bytes: Vec<u8> = up.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let pages = Nvfp4Pages::from_gguf_parts(
+        d,
+        n_ff,
+        (GgmlType::Q8_0, &gate_q8),
+        (GgmlType::F32, &up_bytes),
+        (GgmlType::Q8_0, &down_q8),
+        3,
+    )
+    .unwrap();
+    assert_eq!(pages.n_pages(), 3);
+    assert_eq!(pages.bytes().len(), 3 * nvfp4_page_bytes(d));
+    assert_eq!(nvfp4_page_bytes(d), 216 * d);
+
+    // What the codec gives for the same matrices: gate and up requantized
+    // as they are, down dequantized, transposed and quantized.
+    let dims = [d as u64, n_ff as u64];
+    let tg = Nvfp4Tensor::requantize(GgmlType::Q8_0, &gate_q8, &dims).unwrap();
+    let tu = Nvfp4Tensor::requantize(GgmlType::F32, &up_bytes, &dims).unwrap();
+    let down_t = transpose(&dequant_q8(&down_q8, d * n_ff), d, n_ff);
+    let td = Nvfp4Tensor::quantize(&down_t, &dims).unwrap();
+    let t_down =
+        Nvfp4Tensor::requantize(GgmlType::Q8_0, &down_q8, &[n_ff as u64, d as u64]).unwrap();
+    let ts = pages.tensor_scales();
+    assert_eq!(
+        ts.map(f32::to_bits),
+        [tg.tensor_scale, tu.tensor_scale, td.tensor_scale].map(f32::to_bits)
+    );
+    // The down tensor scale is that of requantizing W_down itself.
+    assert_eq!(ts[2].to_bits(), t_down.tensor_scale.to_bits());
+    let want = [
+        tg.dequantize().unwrap(),
+        tu.dequantize().unwrap(),
+        td.dequantize().unwrap(),
+    ];
+    for p in 0..pages.n_pages() {
+        let page = pages.page(p);
+        let decoded = pages.dequantize_page(p).unwrap();
+        for (k, w) in want.iter().enumerate() {
+            for row in 0..PAGE_CHANNELS {
+                let c = p * PAGE_CHANNELS + row;
+                for i in 0..d {
+                    let got = nvfp4_page_weight(page, d, ts, k, row, i);
+                    let exp = if c < n_ff { w[c * d + i] } else { 0.0 };
+                    assert_eq!(
+                        got.to_bits(),
+                        exp.to_bits(),
+                        "page {p} matrix {k} row {row} weight {i}"
+                    );
+                    assert_eq!(decoded[k][row * d + i].to_bits(), exp.to_bits());
+                }
+            }
+        }
+    }
+    // From f32: the same as quantizing the three matrices with the codec.
+    let from_f32 = Nvfp4Pages::from_f32(d, &gate, &up, &down_t).unwrap();
+    let again = Nvfp4Pages::from_tensors(
+        &Nvfp4Tensor::quantize(&gate, &dims).unwrap(),
+        &Nvfp4Tensor::quantize(&up, &dims).unwrap(),
+        &Nvfp4Tensor::quantize(&down_t, &dims).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(from_f32, again);
+    // Row lengths the kernel cannot take, and mismatched shapes.
+    let g48 = blocky(&mut r, 128 * 48, 1.0);
+    assert!(Nvfp4Pages::from_f32(48, &g48, &g48, &g48).is_err());
+    assert!(Nvfp4Pages::from_f32(d, &gate, &up, &down_t[d..]).is_err());
 }
 
 #[cfg(feature = "cuda")]
@@ -375,5 +490,131 @@ mod gpu {
         );
         let zero = run_ffn(&dev, &f, &x, &[], Reduction::Ordered, &y0, false);
         assert!(zero.iter().all(|v| *v == 0.0));
+    }
+
+    /// NVFP4 pages of random weights (`n_ff` rows, the last page padded)
+    /// and their codec-dequantized weights as a [`PagedFfn`] (pages of
+    /// 128 rows, padding rows zero) for [`reference_ffn`].
+    fn nvfp4_ffn(r: &mut impl Rng, d: usize, n_ff: usize) -> (Nvfp4Pages, PagedFfn) {
+        let s = 1.0 / (d as f32).sqrt();
+        let m: Vec<Vec<f32>> = (0..3).map(|_| blocky(r, n_ff * d, 2.0 * s)).collect();
+        let pages = Nvfp4Pages::from_f32(d, &m[0], &m[1], &m[2]).unwrap();
+        let mut f = PagedFfn {
+            d,
+            pages: Vec::new(),
+            gate: Vec::new(),
+            up: Vec::new(),
+            down_t: Vec::new(),
+        };
+        for p in 0..pages.n_pages() {
+            let [g, u, dt] = pages.dequantize_page(p).unwrap();
+            f.gate.extend(g);
+            f.up.extend(u);
+            f.down_t.extend(dt);
+        }
+        (pages, f)
+    }
+
+    #[test]
+    fn nvfp4_fused_ffn_matches_f64_reference() {
+        use mirage_cuda::superblock::FfnLaunch;
+        let Some(dev) = device("nvfp4_fused_ffn_matches_f64_reference") else {
+            return;
+        };
+        let mut r = rng(61);
+        // d: multiples of 32 but not of 128 (96, 864: a last output chunk of
+        // 96 and a partial last 1024-element group of the gate/up rows),
+        // 3584 (Qwen2-7B). n_ff: padded last pages (300, 900).
+        for &(d, n_ff) in &[(96usize, 300usize), (320, 640), (864, 900), (3584, 768)] {
+            let (pages, f) = nvfp4_ffn(&mut r, d, n_ff);
+            let n_pages = pages.n_pages();
+            let dp = dev.upload_nvfp4_pages(&pages).unwrap();
+            let x = uniform(&mut r, d, 1.0);
+            let residual = uniform(&mut r, d, 0.1);
+            let dx = dev.upload_f32(&x).unwrap();
+            // All pages; a random subset in random order with an id past
+            // the end inserted (skipped) and one page twice (counted twice);
+            // no page at all.
+            let all: Vec<usize> = (0..n_pages).collect();
+            let mut subset: Vec<usize> = (0..n_pages).filter(|_| r.random_bool(0.5)).collect();
+            if subset.is_empty() {
+                subset.push(n_pages - 1);
+            }
+            subset.reverse();
+            subset.push(subset[0]);
+            let sets: [(&str, Vec<usize>, Vec<u32>); 3] = [
+                ("all", all.clone(), all.iter().map(|&p| p as u32).collect()),
+                ("subset", subset.clone(), {
+                    let mut ids: Vec<u32> = subset.iter().map(|&p| p as u32).collect();
+                    ids.insert(ids.len() / 2, n_pages as u32 + 1000);
+                    ids.insert(0, n_pages as u32);
+                    ids
+                }),
+                ("empty", Vec::new(), Vec::new()),
+            ];
+            let mut scratch = FfnScratch::default();
+            let mut active = dev.new_active(&[], n_pages + 8).unwrap();
+            for (name, set, ids) in &sets {
+                dev.set_active(&mut active, ids).unwrap();
+                let want = reference_ffn(&f, &x, set);
+                let want_acc: Vec<f64> = want
+                    .iter()
+                    .zip(&residual)
+                    .map(|(a, b)| a + *b as f64)
+                    .collect();
+                let mut ordered_bits: Vec<Vec<u32>> = Vec::new();
+                for launch in [FfnLaunch::Cooperative, FfnLaunch::TwoLaunches] {
+                    let mut run =
+                        |reduction: Reduction, y0: &[f32], accumulate: bool| -> Vec<f32> {
+                            let mut dy = dev.upload_f32(y0).unwrap();
+                            dev.ffn_nvfp4(
+                                &dp,
+                                &dx,
+                                &active,
+                                reduction,
+                                accumulate,
+                                launch,
+                                &mut scratch,
+                                &mut dy,
+                            )
+                            .unwrap();
+                            dev.download_f32(&dy).unwrap()
+                        };
+                    let ordered = run(Reduction::Ordered, &vec![f32::NAN; d], false);
+                    let atomic = run(Reduction::Atomic, &residual, true);
+                    let ordered_acc = run(Reduction::Ordered, &residual, true);
+                    let tag = format!("nvfp4 ffn d={d} n_ff={n_ff} {name} {launch:?}");
+                    if set.is_empty() {
+                        assert!(
+                            ordered.iter().all(|v| *v == 0.0),
+                            "{tag}: ordered, no pages, not zero"
+                        );
+                        assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
+                        assert_eq!(ordered_acc, residual, "{tag}: ordered, no pages, changed y");
+                    } else {
+                        let e = rel_err(&ordered, &want);
+                        let ea = rel_err(&atomic, &want_acc);
+                        let eo = rel_err(&ordered_acc, &want_acc);
+                        eprintln!(
+                            "{tag}: relative error ordered {e:.3e} (cosine {:.9}), atomic + residual {ea:.3e}, ordered + residual {eo:.3e}",
+                            cosine(&ordered, &want)
+                        );
+                        assert!(e < 1e-5, "{tag}: ordered relative error {e}");
+                        assert!(ea < 1e-5, "{tag}: atomic relative error {ea}");
+                        assert!(
+                            eo < 1e-5,
+                            "{tag}: ordered onto a residual: relative error {eo}"
+                        );
+                    }
+                    ordered_bits.push(ordered.iter().map(|v| v.to_bits()).collect());
+                }
+                // Same grid, same order: the ordered reduction gives the same
+                // bits from one cooperative launch as from the two phases.
+                assert_eq!(
+                    ordered_bits[0], ordered_bits[1],
+                    "d={d} {name}: ordered results differ between the launch modes"
+                );
+            }
+        }
     }
 }
