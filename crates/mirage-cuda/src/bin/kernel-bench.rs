@@ -5,9 +5,10 @@
 //!
 //! (a) mat-vec GB/s and microseconds for ggml Q8_0 and Q4_K (the kernels of
 //!     cuda/dense.cu), split Q8_0 and NVFP4 (cuda/superblock.cu, nvfp4.cu);
-//! (b) a Qwen2-7B-shape FFN (d 3584, n_ff 18944, Q8_0): dense (three
-//!     mat-vecs + SwiGLU) against the fused sparse kernel at several active
-//!     fractions of random page subsets.
+//! (b) a Qwen2-7B-shape FFN (d 3584, n_ff 18944): dense (three mat-vecs +
+//!     SwiGLU) in Q8_0, split Q8_0, Q4_K and NVFP4, against the fused sparse
+//!     kernels over Q8_0 pages and over NVFP4 pages at several active
+//!     fractions (the same random page subsets for both formats).
 //!
 //! (c) with `--variants`, only the copy and the mat-vec variants of the split
 //!     Q8_0 and split Q4_K layouts (`mv3_<layout>[_v<N>][_k<S>]`,
@@ -40,7 +41,7 @@ mod bench {
     use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
     use mirage_cuda::module;
     use mirage_cuda::superblock::{
-        q8_0_page_bytes, FfnScratch, Reduction, SparseDevice, PAGE_CHANNELS,
+        q8_0_page_bytes, FfnLaunch, FfnScratch, Nvfp4Pages, Reduction, SparseDevice, PAGE_CHANNELS,
     };
     use mirage_gguf::quant::Nvfp4Tensor;
 
@@ -154,6 +155,16 @@ mod bench {
             t.sort_by(|a, b| a.total_cmp(b));
             Ok(t[t.len() / 2])
         }
+    }
+
+    /// Random NVFP4 pages: random gate, up and down_t matrices packed.
+    fn random_nvfp4_pages(r: &mut Rng, d: usize, n_ff: usize) -> Res<Nvfp4Pages> {
+        let (g, u, dt) = (
+            random_nvfp4(r, n_ff, d),
+            random_nvfp4(r, n_ff, d),
+            random_nvfp4(r, n_ff, d),
+        );
+        Ok(Nvfp4Pages::from_tensors(&g, &u, &dt)?)
     }
 
     struct Dense {
@@ -648,11 +659,61 @@ mod bench {
                 extra: String::new(),
             });
         }
+        {
+            // The same FFN in Q4_K (dense.cu) and NVFP4 (matvec_nvfp4).
+            let g = random_q4_k(&mut r, n_ff, d);
+            let u = random_q4_k(&mut r, n_ff, d);
+            let dn = random_q4_k(&mut r, d, n_ff);
+            let bytes = (g.len() + u.len() + dn.len()) as f64;
+            let (dg, du, ddn) = (
+                stream.clone_htod(&g)?,
+                stream.clone_htod(&u)?,
+                stream.clone_htod(&dn)?,
+            );
+            let mut bg = stream.alloc_zeros::<f32>(n_ff)?;
+            let mut bu = stream.alloc_zeros::<f32>(n_ff)?;
+            let mut bh = stream.alloc_zeros::<f32>(n_ff)?;
+            let mut y = stream.alloc_zeros::<f32>(d)?;
+            let (rbd, rbf) = (d / 256 * 144, n_ff / 256 * 144);
+            let us = timer.median_us(|| {
+                dense_matvec(&dev, &dense.matvec_q4_k, &dg, rbd, n_ff, d, &x, &mut bg)?;
+                dense_matvec(&dev, &dense.matvec_q4_k, &du, rbd, n_ff, d, &x, &mut bu)?;
+                swiglu(&dev, &dense.swiglu, &bg, &bu, &mut bh, n_ff)?;
+                dense_matvec(&dev, &dense.matvec_q4_k, &ddn, rbf, d, n_ff, &bh, &mut y)
+            })?;
+            ffn.push(Row {
+                what: "dense: 3 x matvec_q4_k (dense.cu) + swiglu".into(),
+                us,
+                bytes,
+                extra: String::new(),
+            });
+            drop((dg, du, ddn));
+            let ng = dev.upload_nvfp4(&random_nvfp4(&mut r, n_ff, d))?;
+            let nu = dev.upload_nvfp4(&random_nvfp4(&mut r, n_ff, d))?;
+            let nd = dev.upload_nvfp4(&random_nvfp4(&mut r, d, n_ff))?;
+            let bytes = (ng.bytes() + nu.bytes() + nd.bytes()) as f64;
+            let us = timer.median_us(|| {
+                dev.matvec_nvfp4(&ng, &x, &mut bg)?;
+                dev.matvec_nvfp4(&nu, &x, &mut bu)?;
+                swiglu(&dev, &dense.swiglu, &bg, &bu, &mut bh, n_ff)?;
+                Ok(dev.matvec_nvfp4(&nd, &bh, &mut y)?)
+            })?;
+            ffn.push(Row {
+                what: "dense: 3 x matvec_nvfp4 + swiglu".into(),
+                us,
+                bytes,
+                extra: String::new(),
+            });
+        }
         let pages = dev.upload_q8s_pages(d, n_pages, &random_q8s_pages(&mut r, d, n_pages))?;
+        let nv_pages = dev.upload_nvfp4_pages(&random_nvfp4_pages(&mut r, d, n_ff)?)?;
         println!(
-            "ffn: d {d}, n_ff {n_ff}, {n_pages} pages of {} bytes, fused grid {} blocks",
+            "ffn: d {d}, n_ff {n_ff}, {n_pages} pages; Q8_0 pages {} bytes, fused grid {} blocks; \
+             NVFP4 pages {} bytes, fused grid {} blocks",
             pages.page_bytes(),
-            pages.grid()
+            pages.grid(),
+            nv_pages.page_bytes(),
+            nv_pages.grid()
         );
         let mut active = dev.new_active(&[], n_pages)?;
         let mut scratch = FfnScratch::default();
@@ -686,7 +747,44 @@ mod bench {
                     )?)
                 })?;
                 ffn.push(Row {
-                    what: format!("fused {name}, {k}/{n_pages} pages ({:.0} %)", frac * 100.0),
+                    what: format!(
+                        "fused Q8_0 {name}, {k}/{n_pages} pages ({:.0} %)",
+                        frac * 100.0
+                    ),
+                    us,
+                    bytes,
+                    extra: format!("{:.2}x", dense_us / us),
+                });
+            }
+            // The same pages in NVFP4: one cooperative launch (both
+            // reductions) and the two phase launches of a graph (ordered).
+            let bytes = (k * nv_pages.page_bytes()) as f64;
+            for (reduction, launch, name) in [
+                (Reduction::Atomic, FfnLaunch::Cooperative, "atomic"),
+                (Reduction::Ordered, FfnLaunch::Cooperative, "ordered"),
+                (
+                    Reduction::Ordered,
+                    FfnLaunch::TwoLaunches,
+                    "ordered, 2 launches",
+                ),
+            ] {
+                let us = timer.median_us(|| {
+                    Ok(dev.ffn_nvfp4(
+                        &nv_pages,
+                        &x,
+                        &active,
+                        reduction,
+                        reduction == Reduction::Atomic,
+                        launch,
+                        &mut scratch,
+                        &mut y,
+                    )?)
+                })?;
+                ffn.push(Row {
+                    what: format!(
+                        "fused NVFP4 {name}, {k}/{n_pages} pages ({:.0} %)",
+                        frac * 100.0
+                    ),
                     us,
                     bytes,
                     extra: format!("{:.2}x", dense_us / us),
@@ -714,7 +812,9 @@ mod bench {
             );
         }
         println!();
-        println!("| FFN d 3584, n_ff 18944, Q8_0 | us | MB read | GB/s | % of copy | speedup vs dense.cu |");
+        println!(
+            "| FFN d 3584, n_ff 18944 | us | MB read | GB/s | % of copy | speed-up vs dense Q8_0 (dense.cu) |"
+        );
         println!("| --- | --- | --- | --- | --- | --- |");
         for row in &ffn {
             let gbs = row.bytes / row.us / 1e3;
