@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use mirage_gguf::GgufFile;
 use mirage_runtime::attention_pruned::attend_pages;
-use mirage_runtime::backend::TokenSlot;
+use mirage_runtime::backend::{Backend, TokenSlot};
 use mirage_runtime::kv_cache::{KvCache, KvDtype, KvSpec};
 use mirage_runtime::kv_pages::{page_upper_bound, KvPruning};
 use mirage_runtime::{CpuBackend, Model};
@@ -276,6 +276,77 @@ fn smollm2_logits_with_every_page_selected_equal_full_attention() {
     let argmax = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i).unwrap();
     eprintln!("SmolLM2 n={n}: pruned (6 of 24 pages) vs full cosine {cos:.6}, argmax {} vs {}", argmax(&pruned[2]), argmax(&full[2]));
     assert!(cos > 0.95, "pruned vs full cosine {cos}");
+}
+
+/// `Backend::kv_set_pruning` switches the page selection of one cache
+/// between runs from the same prefix, as `mirage-cli eval-long` does: off,
+/// its decode logits are bit-identical to a cache made without pruning; on,
+/// to a cache made with it (the summaries were kept up to date while it was
+/// off); off again, to the unpruned cache once more. `None` is accepted on a
+/// cache without summaries, `Some` is refused there and with another page
+/// size.
+#[test]
+fn smollm2_pruning_toggled_on_one_cache_equals_dedicated_caches() {
+    let Some(path) = model_path("smollm2-135m-instruct-q4_1.gguf") else { return };
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let tokenizer = mirage_tokenizer::Tokenizer::from_gguf(&file).unwrap();
+    let model = Model::load(file, CpuBackend::new(2).unwrap()).unwrap();
+    let b = model.backend();
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut text = String::new();
+    for f in ["kv_pages.rs", "engine.rs"] {
+        text.push_str(&std::fs::read_to_string(src.join(f)).unwrap());
+    }
+    let mut tokens = tokenizer.encode(&text, false, false).unwrap();
+    tokens.truncate(700);
+    assert_eq!(tokens.len(), 700, "prompt long enough");
+    let (prompt, tail) = tokens.split_at(694);
+    // 22 pages of 32 at the prompt's end, 6 attended: the selection prunes.
+    let cfg = KvPruning { page: 32, sink_pages: 1, recent_pages: 2, top_pages: 3, top_percent: 0, dense_layers: 0 };
+    let mut scratch = model.new_scratch();
+    let prefilled = |pruning: Option<KvPruning>, scratch: &mut mirage_runtime::model::Scratch<CpuBackend>| -> KvCache {
+        let mut cache = model.new_kv_cache_pruned(tokens.len(), 1, KvDtype::F32, pruning).unwrap();
+        let slots: Vec<TokenSlot> = (0..prompt.len()).map(|pos| TokenSlot { seq: 0, pos }).collect();
+        model.forward(prompt, &slots, &[], &mut cache, scratch, &mut Vec::new()).unwrap();
+        cache
+    };
+    let decode = |cache: &mut KvCache, scratch: &mut mirage_runtime::model::Scratch<CpuBackend>| -> Vec<Vec<f32>> {
+        let mut out = Vec::new();
+        for (i, &t) in tail.iter().enumerate() {
+            let mut l = Vec::new();
+            model.forward(&[t], &[TokenSlot { seq: 0, pos: prompt.len() + i }], &[0], cache, scratch, &mut l).unwrap();
+            out.push(l);
+        }
+        out
+    };
+    let full = decode(&mut prefilled(None, &mut scratch), &mut scratch);
+    let pruned = decode(&mut prefilled(Some(cfg), &mut scratch), &mut scratch);
+    assert_ne!(full, pruned, "the selection prunes nothing");
+
+    let mut cache = prefilled(Some(cfg), &mut scratch);
+    b.kv_set_pruning(&mut cache, None).unwrap();
+    assert_eq!(cache.kv_pruning(), None);
+    assert_eq!(decode(&mut cache, &mut scratch), full, "selection off");
+    // The boxes kept up with the full-attention steps.
+    assert_summaries_exact(&cache, 0, tokens.len());
+    b.kv_truncate(&mut cache, 0, prompt.len());
+    b.kv_set_pruning(&mut cache, Some(cfg)).unwrap();
+    assert_eq!(cache.kv_pruning(), Some(&cfg));
+    assert_eq!(decode(&mut cache, &mut scratch), pruned, "selection back on");
+    b.kv_truncate(&mut cache, 0, prompt.len());
+    b.kv_set_pruning(&mut cache, None).unwrap();
+    assert_eq!(decode(&mut cache, &mut scratch), full, "selection off again");
+
+    // Same page size, another budget: accepted; another page size: refused.
+    let wider = KvPruning { top_pages: 5, ..cfg };
+    b.kv_set_pruning(&mut cache, Some(wider)).unwrap();
+    assert_eq!(cache.kv_pruning(), Some(&wider));
+    let err = b.kv_set_pruning(&mut cache, Some(KvPruning { page: 64, ..cfg })).unwrap_err();
+    assert!(err.to_string().contains("page size"), "{err}");
+    // A cache without summaries: already full attention; cannot prune.
+    let mut plain = model.new_kv_cache(64, 1, KvDtype::F32).unwrap();
+    b.kv_set_pruning(&mut plain, None).unwrap();
+    assert!(b.kv_set_pruning(&mut plain, Some(cfg)).is_err());
 }
 
 /// Fills positions `from..to` of every layer of sequence 0 with keys that

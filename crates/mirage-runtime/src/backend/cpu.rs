@@ -536,6 +536,14 @@ impl Backend for CpuBackend {
         Ok(cache)
     }
 
+    fn kv_set_pruning(&self, cache: &mut KvCache, pruning: Option<crate::kv_pages::KvPruning>) -> Result<()> {
+        // `None` on a cache without page summaries: already full attention.
+        if pruning.is_none() && cache.page_summaries().is_none() {
+            return Ok(());
+        }
+        cache.set_kv_pruning(pruning)
+    }
+
     fn kv_truncate(&self, cache: &mut KvCache, seq: usize, pos: usize) {
         cache.truncate(seq, pos);
     }

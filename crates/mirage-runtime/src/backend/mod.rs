@@ -218,6 +218,27 @@ pub trait Backend: Send + Sync {
             ))),
         }
     }
+    /// Turns the KV-page selection of `cache` on (`Some`) or off (`None`:
+    /// decode attention reads every position) between steps, e.g. to
+    /// compare pruned and full decode over the same cached prefix. The
+    /// cache keeps its page summaries up to date on every write while the
+    /// selection is off, so switching it back on is exact. `Some` needs a
+    /// cache made by [`Backend::new_kv_cache_pruned`] with `Some` rule of the
+    /// same page size (the summaries depend on it); the rest of the rule
+    /// (sinks, recent, top pages, dense layers) may change. `None` is
+    /// accepted on any cache. The default (backends without pruned
+    /// attention) accepts `None` and refuses `Some`, like
+    /// [`Backend::new_kv_cache_pruned`].
+    fn kv_set_pruning(&self, cache: &mut Self::KvCache, pruning: Option<crate::kv_pages::KvPruning>) -> Result<()> {
+        let _ = cache;
+        match pruning {
+            None => Ok(()),
+            Some(_) => Err(crate::error::RuntimeError::InvalidArgument(format!(
+                "the {} backend does not prune KV pages",
+                self.name()
+            ))),
+        }
+    }
     /// Drops positions `pos..` of sequence `seq` from the cache.
     fn kv_truncate(&self, cache: &mut Self::KvCache, seq: usize, pos: usize);
     /// An empty activation buffer.
