@@ -275,6 +275,9 @@ impl Backend for SuperblockBackend {
         // Attention is the inner CPU backend's, so is its KV-page pruning.
         self.inner.new_kv_cache_pruned(spec, pruning)
     }
+    fn kv_set_pruning(&self, cache: &mut KvCache, pruning: Option<mirage_runtime::KvPruning>) -> mirage_runtime::Result<()> {
+        self.inner.kv_set_pruning(cache, pruning)
+    }
     fn kv_truncate(&self, cache: &mut KvCache, seq: usize, pos: usize) {
         self.inner.kv_truncate(cache, seq, pos)
     }

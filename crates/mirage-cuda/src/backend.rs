@@ -383,9 +383,10 @@ pub struct CudaKvCache {
 }
 
 impl CudaKvCache {
-    /// The page selection its decode attention uses, if any.
+    /// The page selection its decode attention uses, if any (`None` also
+    /// while [`Backend::kv_set_pruning`] has switched it off).
     pub fn kv_pruning(&self) -> Option<&KvPruning> {
-        self.pages.as_ref().map(|p| &p.cfg)
+        self.pages.as_ref().filter(|p| p.active).map(|p| &p.cfg)
     }
 }
 
@@ -394,9 +395,14 @@ impl CudaKvCache {
 /// the cached keys every time a step writes a position of its page, so it
 /// always covers exactly the positions `0..=pos` of the row that reads it
 /// (the CPU's `PageSummaries` after the same writes and truncations).
+/// Boxes are refreshed whether or not the selection is `active`, so
+/// switching it back on (`Backend::kv_set_pruning`) is exact.
 #[derive(Debug)]
 struct KvPageBoxes {
     cfg: KvPruning,
+    /// Whether decode rows attend the selected pages (`false`: every
+    /// position, boxes still maintained).
+    active: bool,
     max_pages: usize,
     kmin: Vec<CudaSlice<f32>>,
     kmax: Vec<CudaSlice<f32>>,
@@ -2085,11 +2091,42 @@ impl Backend for CudaBackend {
         self.account(MemKind::Kv, 2 * spec.n_layer * per_layer * 4);
         cache.pages = Some(KvPageBoxes {
             cfg,
+            active: true,
             max_pages,
             kmin,
             kmax,
         });
         Ok(cache)
+    }
+
+    fn kv_set_pruning(&self, cache: &mut CudaKvCache, pruning: Option<KvPruning>) -> Result<()> {
+        let Some(cfg) = pruning else {
+            // Full attention from the next step; the boxes keep being
+            // refreshed on every write.
+            if let Some(pages) = &mut cache.pages {
+                pages.active = false;
+            }
+            return Ok(());
+        };
+        cfg.validate()?;
+        let Some(pages) = &mut cache.pages else {
+            return Err(bad(
+                "this CUDA KV cache keeps no page boxes: make it with new_kv_cache_pruned(spec, Some(..)) to switch pruning on",
+            ));
+        };
+        if cfg.page != pages.cfg.page {
+            return Err(bad(format!(
+                "KV page size {} differs from the {} the cache's page boxes were made with",
+                cfg.page, pages.cfg.page
+            )));
+        }
+        // Same page size, so the same boxes and max_pages. The other fields
+        // only enter the selection kernels' arguments and the scratch sizes,
+        // both computed from `cfg` at every launch; a changed launch list
+        // is recorded as another graph (`run_recorded` compares launches).
+        pages.cfg = cfg;
+        pages.active = true;
+        Ok(())
     }
 
     fn kv_truncate(&self, _cache: &mut CudaKvCache, _seq: usize, _pos: usize) {
@@ -2417,8 +2454,10 @@ impl Backend for CudaBackend {
         // skip rows that share their sequence; those attend every position.
         let mut pruned = None;
         if let Some(pages) = &cache.pages {
+            // Refreshed even while the selection is off, so that switching
+            // it back on finds exact boxes.
             self.refresh_page_boxes(pages, layer, slots, pslots, pkc, kv, &spec)?;
-            if layer >= pages.cfg.dense_layers {
+            if pages.active && layer >= pages.cfg.dense_layers {
                 let decode = mirage_runtime::attention_pruned::decode_rows(slots);
                 if decode.iter().all(|&d| d) {
                     pruned = Some(false);

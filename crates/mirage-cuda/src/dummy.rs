@@ -180,6 +180,13 @@ impl Backend for CudaBackend {
     ) -> Result<CudaKvCache> {
         Err(no())
     }
+    fn kv_set_pruning(
+        &self,
+        _cache: &mut CudaKvCache,
+        _pruning: Option<mirage_runtime::KvPruning>,
+    ) -> Result<()> {
+        Err(no())
+    }
     fn kv_truncate(&self, _cache: &mut CudaKvCache, _seq: usize, _pos: usize) {}
     fn new_activations(&self) -> CudaActivations {
         CudaActivations(())

@@ -796,6 +796,13 @@ impl Backend for SparseCudaBackend {
     ) -> Result<CudaKvCache> {
         self.inner.new_kv_cache_pruned(spec, pruning)
     }
+    fn kv_set_pruning(
+        &self,
+        cache: &mut CudaKvCache,
+        pruning: Option<mirage_runtime::KvPruning>,
+    ) -> Result<()> {
+        self.inner.kv_set_pruning(cache, pruning)
+    }
     fn kv_truncate(&self, cache: &mut CudaKvCache, seq: usize, pos: usize) {
         self.inner.kv_truncate(cache, seq, pos)
     }

@@ -516,3 +516,123 @@ fn fixture_prunes_on_cpu() {
         "every page selected differs from full attention ({a})"
     );
 }
+
+/// `Backend::kv_set_pruning` on one pruned cache (as `mirage-cli eval-long`
+/// uses it): after one 420-token prefill, the same teacher-forced decode
+/// runs with the selection off, on, and off again, truncating back to the
+/// prompt in between. Off equals a cache made without pruning, on equals a
+/// cache made with it (the boxes were refreshed while it was off), step by
+/// step, cosine >= 0.99999, graphs on and replayed (the two launch lists
+/// are two graphs). f32 KV with every layer pruned, f16 with the first
+/// layer dense. `None` is accepted on a cache without boxes; `Some` is
+/// refused there and with another page size.
+#[test]
+fn pruning_toggled_on_one_cache_equals_dedicated_caches() {
+    let Some(probe) = cuda("pruning_toggled_on_one_cache_equals_dedicated_caches") else {
+        return;
+    };
+    drop(probe);
+    let file = tiny_model();
+    let gpu = gpu_model(&file, true);
+    let b = gpu.backend();
+    let vocab = gpu.config().vocab_size;
+    let (prompt_len, steps) = (420usize, 16usize);
+    for (kv, cfg) in [(KvDtype::F32, budget(0)), (KvDtype::F16, budget(1))] {
+        let (full, toks) = greedy_run(&gpu, None, kv, prompt_len, 1, steps, None);
+        let (pruned, _) = greedy_run(&gpu, Some(cfg), kv, prompt_len, 1, steps, Some(&toks));
+        let mut cache = gpu
+            .new_kv_cache_pruned(prompt_len + steps + 1, 1, kv, Some(cfg))
+            .unwrap();
+        let mut scratch = gpu.new_scratch();
+        let mut logits = Vec::new();
+        let p = prompt(0, prompt_len, vocab);
+        let slots: Vec<TokenSlot> = (0..prompt_len)
+            .map(|pos| TokenSlot { seq: 0, pos })
+            .collect();
+        gpu.forward(
+            &p,
+            &slots,
+            &[prompt_len - 1],
+            &mut cache,
+            &mut scratch,
+            &mut logits,
+        )
+        .unwrap();
+        // The inputs of greedy_run's teacher-forced decode.
+        let mut inputs = vec![argmax(&logits)];
+        inputs.extend_from_slice(&toks[..steps - 1]);
+        let mut phase = |on: bool| -> Vec<f32> {
+            b.kv_truncate(&mut cache, 0, prompt_len);
+            b.kv_set_pruning(&mut cache, on.then_some(cfg)).unwrap();
+            assert_eq!(cache.kv_pruning(), on.then_some(&cfg));
+            let before = b.graph_stats();
+            let mut all = Vec::new();
+            for (i, &t) in inputs.iter().enumerate() {
+                gpu.forward(
+                    &[t],
+                    &[TokenSlot {
+                        seq: 0,
+                        pos: prompt_len + i,
+                    }],
+                    &[0],
+                    &mut cache,
+                    &mut scratch,
+                    &mut logits,
+                )
+                .unwrap();
+                all.extend_from_slice(&logits);
+            }
+            let after = b.graph_stats();
+            eprintln!(
+                "{kv:?} pruning {on}: captures {}, replays {}",
+                after.captures - before.captures,
+                after.replays - before.replays
+            );
+            assert!(
+                after.replays - before.replays >= (steps - 2) as u64,
+                "{kv:?} pruning {on}: decode graph not replayed: {before:?} -> {after:?}"
+            );
+            all
+        };
+        let (off1, on, off2) = (phase(false), phase(true), phase(false));
+        let worst = |a: &[f32], b: &[f32]| {
+            a.chunks(vocab)
+                .zip(b.chunks(vocab))
+                .map(|(x, y)| cosine(x, y))
+                .fold(1.0f64, f64::min)
+        };
+        let (c_off1, c_on, c_off2, c_prunes) = (
+            worst(&off1, &full),
+            worst(&on, &pruned),
+            worst(&off2, &full),
+            worst(&pruned, &full),
+        );
+        eprintln!(
+            "{kv:?}: toggled off vs unpruned {c_off1:.9}, on vs pruned {c_on:.9}, off again vs unpruned {c_off2:.9}; pruned vs unpruned {c_prunes:.6}"
+        );
+        assert!(
+            c_prunes < 0.99999,
+            "{kv:?}: pruning changed nothing ({c_prunes})"
+        );
+        assert!(c_off1 >= 0.99999, "{kv:?}: off vs unpruned {c_off1}");
+        assert!(c_on >= 0.99999, "{kv:?}: on vs pruned {c_on}");
+        assert!(c_off2 >= 0.99999, "{kv:?}: off again vs unpruned {c_off2}");
+        // Same page size, another budget: accepted; another page size: refused.
+        b.kv_set_pruning(
+            &mut cache,
+            Some(KvPruning {
+                top_pages: 6,
+                ..cfg
+            }),
+        )
+        .unwrap();
+        let err = b
+            .kv_set_pruning(&mut cache, Some(KvPruning { page: 32, ..cfg }))
+            .unwrap_err();
+        assert!(err.to_string().contains("page size"), "{err}");
+    }
+    let mut plain = gpu.new_kv_cache(64, 1, KvDtype::F32).unwrap();
+    b.kv_set_pruning(&mut plain, None).unwrap();
+    let err = b.kv_set_pruning(&mut plain, Some(budget(0))).unwrap_err();
+    assert!(err.to_string().contains("no page boxes"), "{err}");
+}
