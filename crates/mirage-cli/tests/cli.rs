@@ -357,3 +357,42 @@ fn bench_kv_prune_all_pages_decodes_the_same_tokens() {
     assert_eq!(pruned["first_tokens"].as_array().map(|t| t.len()), Some(7));
     assert!(!cli(&["bench", "--model", smol, "--kv-prune", "page=0"]).status.success());
 }
+
+/// `eval-long --backend`: `cpu` runs and names the backend and device in its
+/// JSON; `cuda` runs when a GPU answers, else fails saying why (no GPU, or a
+/// build without the `cuda` feature); an unknown backend is refused by the
+/// argument parser. None of them panics.
+#[test]
+fn eval_long_reports_its_backend_and_refuses_bad_choices() {
+    let Some(smol) = model(SMOLLM2) else { return };
+    let smol = smol.to_str().unwrap();
+    let text = models_dir().join("../README.md");
+    let text = text.to_str().unwrap();
+    let base = ["eval-long", "--model", smol, "--text", text, "--ctx", "96", "--ppl-tokens", "4", "--page", "16"];
+    let base = [&base[..], &["--top-pages", "1", "--recent-pages", "1", "--no-needles", "--threads", "2", "--json"]].concat();
+    let no_panic = |out: &Output| assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"), "{}", String::from_utf8_lossy(&out.stderr));
+    let cpu: serde_json::Value = serde_json::from_str(&ok_stdout(&[&base[..], &["--backend", "cpu"]].concat())).expect("JSON");
+    assert_eq!(cpu["backend"], "cpu");
+    assert!(cpu["device"].as_str().unwrap().starts_with("cpu ("), "{}", cpu["device"]);
+    assert_eq!(cpu["threads"], 2);
+    assert_eq!(cpu["results"][0]["n_ctx"], 96);
+    assert!(cpu["results"][0]["final_logit_cosine"].as_f64().unwrap() > 0.5);
+    let out = cli(&[&base[..], &["--backend", "cuda"]].concat());
+    no_panic(&out);
+    if out.status.success() {
+        let cuda: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        assert_eq!(cuda["backend"], "cuda");
+        assert!(cuda["cuda"]["graph_replays"].as_u64().unwrap() > 0, "{}", cuda["cuda"]);
+    } else {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("no usable GPU") || err.contains("built without the `cuda` feature; rebuild with --features cuda"),
+            "{err}"
+        );
+    }
+    let out = cli(&[&base[..], &["--backend", "bogus"]].concat());
+    no_panic(&out);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown backend `bogus` (expected cpu or cuda)"), "{err}");
+}

@@ -9,18 +9,54 @@
 //! the same positions. Then a needle ("The secret code is NNNN.") is put at
 //! several depths of an `N`-token haystack and the model is asked for it;
 //! the greedy answers of full and pruned attention are compared.
+//!
+//! Runs on the CPU (`--backend cpu`, the default) or the CUDA backend
+//! (`--backend cuda --device N`, in a build with the `cuda` feature). One
+//! KV cache made with the pruning rule serves both decodes: the selection
+//! is switched off and on between them with `Backend::kv_set_pruning`
+//! (page summaries stay up to date while it is off).
 
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args;
 use mirage_gguf::GgufFile;
-use mirage_runtime::backend::TokenSlot;
+use mirage_runtime::backend::{Backend, TokenSlot};
 use mirage_runtime::model::Scratch;
-use mirage_runtime::{CpuBackend, KvCache, KvDtype, KvPruning, Model};
+use mirage_runtime::{CpuBackend, KvDtype, KvPruning, Model};
 use mirage_tokenizer::Tokenizer;
+
+/// The backend `eval-long` runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvalBackend {
+    /// The CPU backend.
+    Cpu,
+    /// The CUDA backend (needs the `cuda` feature and a GPU).
+    Cuda,
+}
+
+impl EvalBackend {
+    fn as_str(self) -> &'static str {
+        match self {
+            EvalBackend::Cpu => "cpu",
+            EvalBackend::Cuda => "cuda",
+        }
+    }
+}
+
+impl FromStr for EvalBackend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<EvalBackend, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cpu" => Ok(EvalBackend::Cpu),
+            "cuda" => Ok(EvalBackend::Cuda),
+            _ => Err(format!("unknown backend `{s}` (expected cpu or cuda)")),
+        }
+    }
+}
 
 /// Arguments of `eval-long`.
 #[derive(Debug, Args)]
@@ -28,6 +64,12 @@ pub struct EvalLongArgs {
     /// GGUF model file.
     #[arg(long)]
     model: PathBuf,
+    /// Backend: `cpu` or `cuda` (a build with the `cuda` feature and a GPU).
+    #[arg(long, default_value = "cpu")]
+    backend: EvalBackend,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
     /// Long text file (tokenized once; needs at least the largest `--ctx` tokens).
     #[arg(long)]
     text: PathBuf,
@@ -62,10 +104,10 @@ pub struct EvalLongArgs {
     /// Skip the needle check (it costs one full prefill per depth).
     #[arg(long)]
     no_needles: bool,
-    /// Store the KV cache as f16.
+    /// Store the KV cache as f16 (cpu and cuda).
     #[arg(long)]
     kv_f16: bool,
-    /// Worker threads (0: one per CPU).
+    /// CPU worker threads (0: one per CPU).
     #[arg(long, default_value_t = 0)]
     threads: usize,
     /// Print the result as JSON on stdout.
@@ -73,14 +115,14 @@ pub struct EvalLongArgs {
     json: bool,
 }
 
-struct Runner<'a> {
-    model: &'a Model<CpuBackend>,
-    cache: KvCache,
-    scratch: Scratch<CpuBackend>,
+struct Runner<'a, B: Backend> {
+    model: &'a Model<B>,
+    cache: B::KvCache,
+    scratch: Scratch<B>,
     pruning: KvPruning,
 }
 
-impl Runner<'_> {
+impl<B: Backend> Runner<'_, B> {
     /// Prefills `tokens` at positions `from..` with full attention (prefill rows are never pruned).
     fn prefill(&mut self, tokens: &[u32], from: usize) -> anyhow::Result<()> {
         let mut logits = Vec::new();
@@ -92,6 +134,9 @@ impl Runner<'_> {
     }
 
     /// One decode step: logits of `token` at `pos` and the seconds it took.
+    /// The time covers the device work on a GPU too: `forward` copies the
+    /// logits back to the host (`Backend::read`, which on CUDA waits for the
+    /// stream), so it returns only once the step has finished.
     fn step(&mut self, token: u32, pos: usize) -> anyhow::Result<(Vec<f32>, f64)> {
         let mut logits = Vec::new();
         let t = Instant::now();
@@ -99,9 +144,15 @@ impl Runner<'_> {
         Ok((logits, t.elapsed().as_secs_f64()))
     }
 
+    /// Switches decode attention between the pruned selection and every position.
     fn set_pruned(&mut self, on: bool) -> anyhow::Result<()> {
-        self.cache.set_kv_pruning(if on { Some(self.pruning) } else { None })?;
+        self.model.backend().kv_set_pruning(&mut self.cache, if on { Some(self.pruning) } else { None })?;
         Ok(())
+    }
+
+    /// Drops every cached position from `pos` on (0: the whole sequence).
+    fn truncate(&mut self, pos: usize) {
+        self.model.backend().kv_truncate(&mut self.cache, 0, pos);
     }
 }
 
@@ -154,7 +205,7 @@ struct NeedleResult {
 }
 
 /// Greedy answer of up to `n` tokens after `prompt` (its last token decoded, the rest already cached).
-fn greedy(r: &mut Runner<'_>, tok: &Tokenizer, last: u32, pos: usize, n: usize) -> anyhow::Result<String> {
+fn greedy<B: Backend>(r: &mut Runner<'_, B>, tok: &Tokenizer, last: u32, pos: usize, n: usize) -> anyhow::Result<String> {
     let mut out = Vec::new();
     let mut t = last;
     for i in 0..n {
@@ -168,16 +219,16 @@ fn greedy(r: &mut Runner<'_>, tok: &Tokenizer, last: u32, pos: usize, n: usize) 
     tok.decode(&out, true).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
-fn eval_context(r: &mut Runner<'_>, tok: &Tokenizer, text_tokens: &[u32], n: usize, args: &EvalLongArgs) -> anyhow::Result<ContextResult> {
+fn eval_context<B: Backend>(r: &mut Runner<'_, B>, tok: &Tokenizer, text_tokens: &[u32], n: usize, args: &EvalLongArgs) -> anyhow::Result<ContextResult> {
     let p = args.ppl_tokens.clamp(2, n / 2);
     let tokens = &text_tokens[..n];
     let head = n - p;
-    r.cache.clear();
+    r.truncate(0);
     r.set_pruned(false)?;
     r.prefill(&tokens[..head], 0)?;
     // Decode tokens head..n: logits at step i predict token head+i+1.
-    let run = |r: &mut Runner<'_>, pruned: bool| -> anyhow::Result<(Vec<Vec<f32>>, f64)> {
-        r.cache.truncate(0, head);
+    let run = |r: &mut Runner<'_, B>, pruned: bool| -> anyhow::Result<(Vec<Vec<f32>>, f64)> {
+        r.truncate(head);
         r.set_pruned(pruned)?;
         let (mut all, mut secs) = (Vec::new(), 0.0);
         for i in 0..p {
@@ -187,8 +238,10 @@ fn eval_context(r: &mut Runner<'_>, tok: &Tokenizer, text_tokens: &[u32], n: usi
         }
         Ok((all, secs))
     };
-    // Warm both paths once (page faults, allocator) before timing.
+    // Warm both paths once (page faults, allocator; on CUDA the capture of
+    // each path's decode graph) before timing.
     run(r, false)?;
+    run(r, true)?;
     let (full, t_full) = run(r, false)?;
     let (pruned, t_pruned) = run(r, true)?;
     let scored = p - 1;
@@ -219,7 +272,7 @@ fn eval_context(r: &mut Runner<'_>, tok: &Tokenizer, text_tokens: &[u32], n: usi
     })
 }
 
-fn needle(r: &mut Runner<'_>, tok: &Tokenizer, text_tokens: &[u32], n: usize, depth: f64, code: u64) -> anyhow::Result<NeedleResult> {
+fn needle<B: Backend>(r: &mut Runner<'_, B>, tok: &Tokenizer, text_tokens: &[u32], n: usize, depth: f64, code: u64) -> anyhow::Result<NeedleResult> {
     let enc = |s: &str| tok.encode(s, false, false).map_err(|e| anyhow::anyhow!("{e}"));
     let needle = enc(&format!("\nThe secret code is {code}.\n"))?;
     let question = enc("\n\nQuestion: What is the secret code mentioned in the text above?\nAnswer: The secret code is")?;
@@ -231,11 +284,11 @@ fn needle(r: &mut Runner<'_>, tok: &Tokenizer, text_tokens: &[u32], n: usize, de
     prompt.extend_from_slice(&text_tokens[at..hay]);
     prompt.extend_from_slice(&question);
     let last = prompt.len() - 1;
-    r.cache.clear();
+    r.truncate(0);
     r.set_pruned(false)?;
     r.prefill(&prompt[..last], 0)?;
     let answer_full = greedy(r, tok, prompt[last], last, 6)?;
-    r.cache.truncate(0, last);
+    r.truncate(last);
     r.set_pruned(true)?;
     let answer_pruned = greedy(r, tok, prompt[last], last, 6)?;
     let code = code.to_string();
@@ -249,14 +302,61 @@ fn needle(r: &mut Runner<'_>, tok: &Tokenizer, text_tokens: &[u32], n: usize, de
     })
 }
 
+/// The CUDA backend on `device`, or why not (the messages of `generate --backend cuda`).
+fn start_cuda(device: usize) -> anyhow::Result<mirage_cuda::CudaBackend> {
+    if !mirage_cuda::COMPILED_WITH_CUDA {
+        return Err(mirage::LoadError::CudaNotBuilt.into());
+    }
+    mirage_cuda::CudaBackend::new(device).map_err(|e| mirage::LoadError::CudaUnavailable(Box::new(e)).into())
+}
+
 /// Runs `eval-long`.
 pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&args.text).with_context(|| format!("reading {}", args.text.display()))?;
     let file = Arc::new(GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?);
     let tok = Tokenizer::from_gguf(&file).map_err(|e| anyhow::anyhow!("{e}"))?;
     let pruning = KvPruning { page: args.page, sink_pages: args.sink_pages, recent_pages: args.recent_pages, top_pages: args.top_pages, top_percent: args.top_percent, dense_layers: args.dense_layers };
-    let backend = CpuBackend::new(args.threads)?.with_kv_pruning(pruning)?;
-    let model = Model::load(file, backend)?;
+    pruning.validate()?;
+    match args.backend {
+        EvalBackend::Cpu => {
+            let backend = CpuBackend::new(args.threads)?;
+            let threads = backend.threads();
+            let model = Model::load(file, backend)?;
+            let device = format!("cpu ({threads} threads)");
+            evaluate(&args, &model, &tok, &text, pruning, &device, serde_json::json!(threads), |_| None)
+        }
+        EvalBackend::Cuda => {
+            let backend = start_cuda(args.device)?;
+            let (major, minor) = backend.compute_capability();
+            let device = format!("{} (sm_{major}{minor}, device {})", backend.device_name(), args.device);
+            let model = Model::load(file, backend)?;
+            evaluate(&args, &model, &tok, &text, pruning, &device, serde_json::Value::Null, |b: &mirage_cuda::CudaBackend| {
+                let (g, m) = (b.graph_stats(), b.memory_stats());
+                Some(serde_json::json!({
+                    "graphs": b.graphs(),
+                    "graph_captures": g.captures,
+                    "graph_replays": g.replays,
+                    "eager_steps": g.eager,
+                    "kv_cache_bytes": m.kv_cache,
+                    "peak_device_bytes": m.peak,
+                }))
+            })
+        }
+    }
+}
+
+/// Every context of `args` on `model`; prints the table or JSON.
+#[allow(clippy::too_many_arguments)]
+fn evaluate<B: Backend>(
+    args: &EvalLongArgs,
+    model: &Model<B>,
+    tok: &Tokenizer,
+    text: &str,
+    pruning: KvPruning,
+    device: &str,
+    threads: serde_json::Value,
+    backend_stats: impl Fn(&B) -> Option<serde_json::Value>,
+) -> anyhow::Result<()> {
     let n_ctx_train = model.config().n_ctx_train;
     let max_ctx = args.ctx.iter().copied().max().unwrap_or(0);
     if max_ctx < 64 {
@@ -265,19 +365,22 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
     if max_ctx > n_ctx_train {
         eprintln!("warning: --ctx {max_ctx} exceeds the model's trained context {n_ctx_train}");
     }
-    let mut text_tokens = tok.encode(&text, tok.add_bos(), false).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut text_tokens = tok.encode(text, tok.add_bos(), false).map_err(|e| anyhow::anyhow!("{e}"))?;
     if text_tokens.len() < max_ctx {
         bail!("{} has {} tokens, fewer than --ctx {max_ctx}", args.text.display(), text_tokens.len());
     }
     text_tokens.truncate(max_ctx);
     let dtype = if args.kv_f16 { KvDtype::F16 } else { KvDtype::F32 };
-    let cache = model.new_kv_cache(max_ctx + 16, 1, dtype)?;
+    // One cache keeps the page summaries; the selection is toggled per run.
+    let cache = model.new_kv_cache_pruned(max_ctx + 16, 1, dtype, Some(pruning))?;
     let scratch = model.new_scratch();
-    let mut runner = Runner { model: &model, cache, scratch, pruning };
+    let mut runner = Runner { model, cache, scratch, pruning };
+    let backend = args.backend.as_str();
+    eprintln!("eval-long on {backend}: {device}");
     let mut results = Vec::new();
     for &n in &args.ctx {
         let start = Instant::now();
-        let r = eval_context(&mut runner, &tok, &text_tokens, n, &args)?;
+        let r = eval_context(&mut runner, tok, &text_tokens, n, args)?;
         eprintln!(
             "ctx {n}: cos {:.5} ppl {:.3} -> {:.3} ({:+.2}%) decode {:.1} -> {:.1} ms/tok, needles full {}/{} pruned {}/{} ({:.0} s)",
             r.final_logit_cosine,
@@ -294,19 +397,27 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
         );
         results.push(r);
     }
+    let kv_dtype = if args.kv_f16 { "f16" } else { "f32" };
     if args.json {
-        let json = serde_json::json!({
+        let mut json = serde_json::json!({
             "model": args.model.display().to_string(),
             "text": args.text.display().to_string(),
+            "backend": backend,
+            "device": device,
             "n_ctx_train": n_ctx_train,
-            "pruning": { "page": pruning.page, "sink_pages": pruning.sink_pages, "recent_pages": pruning.recent_pages, "top_pages": pruning.top_pages, "dense_layers": pruning.dense_layers },
-            "kv_dtype": if args.kv_f16 { "f16" } else { "f32" },
-            "threads": model.backend().threads(),
+            "pruning": { "page": pruning.page, "sink_pages": pruning.sink_pages, "recent_pages": pruning.recent_pages, "top_pages": pruning.top_pages, "top_percent": pruning.top_percent, "dense_layers": pruning.dense_layers },
+            "kv_dtype": kv_dtype,
+            "threads": threads,
             "ppl_tokens": args.ppl_tokens,
             "results": results,
         });
+        if let Some(stats) = backend_stats(model.backend()) {
+            json[backend] = stats;
+        }
         println!("{}", serde_json::to_string_pretty(&json)?);
     } else {
+        println!("backend: {backend}, device: {device}, KV {kv_dtype}");
+        println!();
         println!("| ctx | pages attended | final-logit cos | min cos | same top-1 | PPL full | PPL pruned | ΔPPL | needles full | needles pruned | ms/tok full | ms/tok pruned | speedup |");
         println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for r in &results {
