@@ -119,6 +119,10 @@ pub struct SuperblockBackend {
     artifact: Arc<Artifact>,
     selector: RwLock<PageSelector>,
     active: Mutex<Vec<Vec<u16>>>,
+    /// Gate/up dot products against f32 `x` (rows dequantized) instead of
+    /// `x` quantized to the rows' dot type: the arithmetic of the CUDA fused
+    /// kernel, for like-for-like comparisons (slower).
+    f32_activations: bool,
 }
 
 impl std::fmt::Debug for SuperblockBackend {
@@ -136,7 +140,18 @@ impl SuperblockBackend {
     pub fn new(inner: CpuBackend, artifact: Arc<Artifact>, mode: SparseMode) -> Result<SuperblockBackend> {
         let selector = RwLock::new(PageSelector::new(artifact.clone(), mode)?);
         let active = Mutex::new(vec![Vec::new(); artifact.meta().n_layer]);
-        Ok(SuperblockBackend { inner, artifact, selector, active })
+        Ok(SuperblockBackend { inner, artifact, selector, active, f32_activations: false })
+    }
+
+    /// Multiplies the pages' gate and up rows with `x` in f32 (each row
+    /// dequantized) rather than with `x` quantized to Q8_0 (the dot kernels'
+    /// input): what the CUDA fused superblock kernel computes. Over a whole
+    /// model the Q8_0 rounding of `x` alone moves SmolLM2's last logits to a
+    /// cosine of ~0.995 against the f32 path, so a reference for the GPU
+    /// must not have it.
+    pub fn with_f32_activations(mut self) -> SuperblockBackend {
+        self.f32_activations = true;
+        self
     }
 
     /// Switches the mode (rebuilds routers).
@@ -159,10 +174,22 @@ impl SuperblockBackend {
         &self.artifact
     }
 
-    /// Hidden activations of page `p` for quantized input `xq`.
-    fn page_hidden(&self, f: &SuperFfn, p: usize, d: usize, xq: &[u8], h: &mut [f32]) {
+    /// Hidden activations of page `p` for quantized input `xq` (or, with
+    /// f32 activations, `xq` holding `x`'s f32 bytes).
+    fn page_hidden(&self, f: &SuperFfn, p: usize, d: usize, xq: &[u8], h: &mut [f32]) -> Result<()> {
         let page = self.artifact.page(f.layer, p);
         let rb = f.row_bytes;
+        if self.f32_activations {
+            let x: Vec<f32> = xq.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let (mut g, mut u) = (vec![0f32; d], vec![0f32; d]);
+            for (i, h) in h.iter_mut().enumerate().take(PAGE_CHANNELS) {
+                quant::dequantize(f.quant, &page[i * rb..(i + 1) * rb], &mut g)?;
+                quant::dequantize(f.quant, &page[(PAGE_CHANNELS + i) * rb..(PAGE_CHANNELS + i + 1) * rb], &mut u)?;
+                let dot = |w: &[f32]| w.iter().zip(&x).map(|(a, b)| a * b).sum::<f32>();
+                *h = silu(dot(&g)) * dot(&u);
+            }
+            return Ok(());
+        }
         for (i, h) in h.iter_mut().enumerate().take(PAGE_CHANNELS) {
             let g_row = &page[i * rb..(i + 1) * rb];
             let u_row = &page[(PAGE_CHANNELS + i) * rb..(PAGE_CHANNELS + i + 1) * rb];
@@ -171,6 +198,7 @@ impl SuperblockBackend {
             let (g, u) = unsafe { ((f.dot)(d, g_row, xq), (f.dot)(d, u_row, xq)) };
             *h = silu(g) * u;
         }
+        Ok(())
     }
 
     /// `y += W_down,p h`.
@@ -192,7 +220,7 @@ impl SuperblockBackend {
     fn run_pages(&self, f: &SuperFfn, xq: &[u8], d: usize, pages: &[usize], parallel: bool) -> Result<Vec<f32>> {
         let one = |p: usize| -> Result<Vec<f32>> {
             let mut h = [0f32; PAGE_CHANNELS];
-            self.page_hidden(f, p, d, xq, &mut h);
+            self.page_hidden(f, p, d, xq, &mut h)?;
             let mut y = vec![0f32; d];
             let mut tmp = vec![0f32; d];
             self.page_down(f, p, &h, &mut y, &mut tmp)?;
@@ -212,8 +240,13 @@ impl SuperblockBackend {
 
     fn ffn_row(&self, f: &SuperFfn, sel: &PageSelector, x: &[f32], parallel: bool) -> Result<(Vec<f32>, usize)> {
         let d = x.len();
-        let mut xq = vec![0u8; quant::row_bytes(f.act_ty, d)?];
-        quant::quantize(f.act_ty, x, &mut xq)?;
+        let xq: Vec<u8> = if self.f32_activations {
+            x.iter().flat_map(|v| v.to_le_bytes()).collect()
+        } else {
+            let mut xq = vec![0u8; quant::row_bytes(f.act_ty, d)?];
+            quant::quantize(f.act_ty, x, &mut xq)?;
+            xq
+        };
         match sel.select(f.layer, x)? {
             Some(pages) => Ok((self.run_pages(f, &xq, d, &pages, parallel)?, pages.len())),
             None => {

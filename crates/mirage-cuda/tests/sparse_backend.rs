@@ -474,7 +474,8 @@ fn sb_layer0(sb: &SparseCudaBackend, f: &mirage_cuda::SparseFfn, x: &[f32]) -> V
 }
 
 /// SmolLM2 with a real artifact: routed sparse CUDA vs the CPU superblock
-/// backend (same artifact, same mode), 16 greedy tokens and the logits.
+/// backend (same artifact, same mode, f32 activations on both), 16 greedy
+/// tokens (the CPU's; a near-tie may differ) and the last logits.
 /// `MIRAGE_SPARSE_MODEL` and `MIRAGE_SPARSE_ARTIFACT` name another model and
 /// its prebuilt artifact (the device run uses SmolLM2 cut to 4 blocks, which
 /// fits the transfer limit); otherwise the artifact is built here.
@@ -521,20 +522,23 @@ fn smollm2_routed_matches_cpu_superblock() {
         },
     )
     .unwrap();
-    // f32 activations outside the FFN, as the CUDA backend computes (the
-    // superblock FFN itself quantizes x to Q8_0 for its dot products).
+    // f32 activations outside the FFN and inside it, as the CUDA backend
+    // computes.
     let cpu = SuperblockBackend::new(
         CpuBackend::new_f32_activations(0).unwrap(),
         artifact.clone(),
         SparseMode::Bvh { margin },
     )
-    .unwrap();
+    .unwrap()
+    // Gate/up dotted with f32 x, as the CUDA fused kernel does (the default
+    // quantizes x to Q8_0; over a whole model that alone is visible).
+    .with_f32_activations();
     let g = mirage_runtime::Engine::from_file(file.clone(), sb, eo.clone()).unwrap();
     let c = mirage_runtime::Engine::from_file(file, cpu, eo).unwrap();
     let mut tokens = g
         .encode("Licensed under the Apache License, Version 2.0", true)
         .unwrap();
-    let mut worst = 1.0f64;
+    let (mut worst, mut ties) = (1.0f64, 0);
     for step in 0..16 {
         let gl = g.model().logits_all(&tokens, Default::default()).unwrap();
         let cl = c.model().logits_all(&tokens, Default::default()).unwrap();
@@ -549,16 +553,26 @@ fn smollm2_routed_matches_cpu_superblock() {
                 .unwrap()
                 .0 as u32
         };
-        assert_eq!(
-            am(gl),
-            am(cl),
-            "step {step}: greedy tokens differ (cosine {cs})"
-        );
-        tokens.push(am(gl));
+        let (g_tok, c_tok) = (am(gl) as usize, am(cl) as usize);
+        if g_tok != c_tok {
+            // A near-tie may go either way (as in tests/real_models.rs): the
+            // CPU's logit gap between the two below 1e-3 of its logit range.
+            let (lo, hi) = cl
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+            let gap = cl[c_tok] - cl[g_tok];
+            assert!(
+                gap <= 1e-3 * (hi - lo),
+                "step {step}: greedy tokens differ (gpu {g_tok}, cpu {c_tok}, cpu gap {gap}, cosine {cs})"
+            );
+            ties += 1;
+        }
+        // Both continue with the CPU's token.
+        tokens.push(c_tok as u32);
     }
     let counts = g.model().backend().active_counts().unwrap();
     eprintln!(
-        "{}: routed sparse cuda vs cpu superblock: worst last-logit cosine {worst:.6} over 16 greedy steps; last token's active pages per layer {counts:?} of {}",
+        "{}: routed sparse cuda vs cpu superblock: worst last-logit cosine {worst:.6} over 16 greedy steps ({ties} near-tie steps); last token's active pages per layer {counts:?} of {}",
         model.display(),
         artifact.layer(0).n_pages
     );
