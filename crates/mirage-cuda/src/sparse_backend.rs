@@ -106,6 +106,26 @@ struct DeviceRouter {
     thresholds: CudaSlice<u32>,
 }
 
+/// Dynamic shared memory for one `route_bvh` launch (cuda/route.cu): the hit
+/// masks (rounded up to 16 bytes), then, while the total stays under the
+/// 48 KiB a launch gets without opting in, a copy of `x` and then of the BVH
+/// nodes (32 bytes each). The kernel reads the size it was given and stages
+/// what fits; the result is the same either way.
+pub(crate) fn route_smem_bytes(n_pages: usize, d_model: usize, n_nodes: usize) -> u32 {
+    const LIMIT: usize = 47 * 1024; // 48 KiB less the kernel's static arrays
+    let masks = (4 * n_pages).div_ceil(16) * 16;
+    let with_x = masks + 4 * d_model;
+    let with_nodes = with_x + 32 * n_nodes;
+    let bytes = if with_nodes <= LIMIT {
+        with_nodes
+    } else if with_x <= LIMIT {
+        with_x
+    } else {
+        masks
+    };
+    bytes as u32
+}
+
 /// One layer's device state, owned by the backend (mode changes rewrite the
 /// active lists of every layer).
 struct LayerDev {
@@ -543,7 +563,7 @@ impl SparseCudaBackend {
             "route_bvh",
             (1, 1, 1),
             (ROUTE_THREADS, 1, 1),
-            (4 * ld.n_pages) as u32,
+            route_smem_bytes(ld.n_pages, ld.d_model, r.n_nodes),
             vec![
                 Arg::Ptr(px),
                 Arg::I32(ld.d_model as i32),

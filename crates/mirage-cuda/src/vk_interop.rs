@@ -455,7 +455,11 @@ impl CudaBvhRouter {
             let cfg = LaunchConfig {
                 grid_dim: (1, 1, 1),
                 block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: (4 * self.n_pages) as u32,
+                shared_mem_bytes: crate::backend::sparse_backend::route_smem_bytes(
+                    self.n_pages,
+                    self.d_model,
+                    self.n_nodes,
+                ),
             };
             // SAFETY: matches route_bvh's signature in cuda/route.cu (as the
             // sparse backend launches it); every buffer is sized above.
