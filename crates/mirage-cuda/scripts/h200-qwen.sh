@@ -26,6 +26,9 @@
 #       quantize`, synth 0.5B Q8_0 and 7B Q8_0 / Q4_K); NVFP4 weight-only decode
 #       beside the native formats; the sparse backend on the real artifact
 #       (routed vs CPU superblock test; routed bench vs dense).
+#   h200-qwen.sh sparse
+#       the sparse part of run2 alone (artifact built first if missing):
+#       the sparse_backend tests on the real artifact and the routed bench.
 # Logs under /tmp/mq/log (copied to $OUT); short tables on stdout.
 set -uo pipefail
 W=/tmp/mq
@@ -42,7 +45,19 @@ Q=$W/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 S=$W/models/smollm2-135m-instruct-q4_1.gguf
 PRUNE=(--page 16 --sink-pages 4 --recent-pages 8 --top-pages 32)
 
-stage=${1:?stage: prep | append | run1 | run2}
+sparse_part() {
+  if [ -f "$W/qwen.mirage" ]; then
+    MIRAGE_SPARSE_MODEL=$Q MIRAGE_SPARSE_ARTIFACT=$W/qwen.mirage MIRAGE_REQUIRE_CUDA_TESTS=1 timeout 120 \
+      "$W/sparse_backend" --test-threads 1 --nocapture > "$L/sparse_backend.log" 2>&1
+    echo "sparse_backend rc=$? $(grep -E '^test result' "$L/sparse_backend.log")"
+    grep -E 'panicked|routed|cosine' "$L/sparse_backend.log" | cut -c1-200 | head -8
+    timeout 120 "$W/mirage-cli" bench --backend cuda --model "$Q" --artifact "$W/qwen.mirage" --routed \
+      --active 1.0,0.75,0.5 --prompt 16 --gen 130 > "$L/routed.txt" 2>&1
+    echo "routed bench rc=$?"; el
+  fi
+}
+
+stage=${1:?stage: prep | append | run1 | run2 | sparse}
 shift
 case $stage in
 prep)
@@ -115,21 +130,20 @@ run2)
     done
   done
   el
-  if [ -f "$W/qwen.mirage" ]; then
-    MIRAGE_SPARSE_MODEL=$Q MIRAGE_SPARSE_ARTIFACT=$W/qwen.mirage MIRAGE_REQUIRE_CUDA_TESTS=1 timeout 120 \
-      "$W/sparse_backend" --test-threads 1 --nocapture > "$L/sparse_backend.log" 2>&1
-    echo "sparse_backend rc=$? $(grep -E '^test result' "$L/sparse_backend.log")"
-    grep -E 'panicked|routed|cosine' "$L/sparse_backend.log" | cut -c1-200 | head -8
-    timeout 120 "$W/mirage-cli" bench --backend cuda --model "$Q" --artifact "$W/qwen.mirage" --routed \
-      --active 1.0,0.75,0.5 --prompt 16 --gen 130 > "$L/routed.txt" 2>&1
-    echo "routed bench rc=$?"; el
-  fi
+  sparse_part
   echo "== NVFP4 weight-only vs native decode (prompt 128 + 64, graphs on)"
   printf '%-40s %-7s %-6s %8s %8s %12s\n' model weights rc tok/s med_ms device_B
   printf '%s\n' "${ROWS[@]}"
   echo "== peer"; tail -8 "$L/peer.txt" 2>/dev/null
   echo "== routed"; tail -20 "$L/routed.txt" 2>/dev/null
   cp -r "$L"/*.txt "$L"/*.log "$OUT/" 2>/dev/null
+  ;;
+sparse)
+  [ -f "$W/qwen.mirage" ] || timeout 120 "$W/xtask" build-artifacts --model "$Q" --calib "$W/GPL-3" --max-tokens 512 \
+    --out "$W/qwen.mirage" > "$L/artifact.log" 2>&1
+  tail -1 "$L/artifact.log"
+  sparse_part
+  echo "== routed"; tail -8 "$L/routed.txt" 2>/dev/null
   ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
