@@ -395,4 +395,15 @@ fn eval_long_reports_its_backend_and_refuses_bad_choices() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("unknown backend `bogus` (expected cpu or cuda)"), "{err}");
+    // The BVH page selector: same results as the flat scan, its cost reported.
+    let bvh: serde_json::Value = serde_json::from_str(&ok_stdout(&[&base[..], &["--backend", "cpu", "--page-selector", "bvh"]].concat())).expect("JSON");
+    assert_eq!(bvh["results"][0]["final_logit_cosine"], cpu["results"][0]["final_logit_cosine"], "selectors chose different pages");
+    let sel = &bvh["page_selection"];
+    assert_eq!(sel["selector"], "bvh");
+    assert!(sel["pruned_queries"].as_u64().unwrap() > 0, "{sel}");
+    assert!(sel["bounds_flat_scan"].as_u64().unwrap() > 0, "{sel}");
+    assert_eq!(cpu["page_selection"]["bounds_evaluated"], cpu["page_selection"]["bounds_flat_scan"], "flat scan counts");
+    let out = cli(&[&base[..], &["--backend", "cpu", "--page-selector", "tree"]].concat());
+    no_panic(&out);
+    assert!(!out.status.success(), "an unknown selector was accepted");
 }

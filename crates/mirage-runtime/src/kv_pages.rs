@@ -194,6 +194,11 @@ impl PageSummaries {
         self.page
     }
 
+    /// Pages per sequence the summaries have room for.
+    pub fn max_pages(&self) -> usize {
+        self.n_pages
+    }
+
     /// Positions summarized in `layer` of `seq`.
     pub fn len(&self, layer: usize, seq: usize) -> usize {
         self.lens.get(layer * self.n_seq + seq).copied().unwrap_or(0)
@@ -466,6 +471,50 @@ pub struct PagedKv {
     pub pruning: Option<KvPruning>,
     /// How the top pages are found (same pages either way).
     pub selector: PageSelector,
+    /// Bounds computed by the selections so far (see [`SelectionStats`]).
+    pub stats: SelectionStats,
+}
+
+/// What the page selections of a cache cost: queries that pruned, bounds the
+/// selector computed for them, and the bounds a flat scan would have computed
+/// (every candidate page's). Counted by [`KvCache::attend_maybe_pruned`].
+#[derive(Debug, Default)]
+pub struct SelectionStats {
+    queries: std::sync::atomic::AtomicU64,
+    evaluated: std::sync::atomic::AtomicU64,
+    flat: std::sync::atomic::AtomicU64,
+}
+
+impl Clone for SelectionStats {
+    fn clone(&self) -> Self {
+        let (q, e, f) = self.get();
+        let s = SelectionStats::default();
+        s.add(q, e, f);
+        s
+    }
+}
+
+impl SelectionStats {
+    fn add(&self, queries: u64, evaluated: u64, flat: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.queries.fetch_add(queries, Relaxed);
+        self.evaluated.fetch_add(evaluated, Relaxed);
+        self.flat.fetch_add(flat, Relaxed);
+    }
+
+    /// `(queries, bounds evaluated, bounds a flat scan evaluates)` so far.
+    pub fn get(&self) -> (u64, u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.queries.load(Relaxed), self.evaluated.load(Relaxed), self.flat.load(Relaxed))
+    }
+
+    /// Starts counting again.
+    pub fn reset(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.queries.store(0, Relaxed);
+        self.evaluated.store(0, Relaxed);
+        self.flat.store(0, Relaxed);
+    }
 }
 
 impl KvCache {
@@ -477,7 +526,7 @@ impl KvCache {
             return Err(RuntimeError::InvalidArgument("KV pruning must be enabled on an empty cache".into()));
         }
         let summaries = PageSummaries::new(self.spec(), cfg.page)?;
-        *self.paged_mut() = Some(PagedKv { summaries, pruning: Some(cfg), selector: PageSelector::Flat });
+        *self.paged_mut() = Some(PagedKv { summaries, pruning: Some(cfg), selector: PageSelector::Flat, stats: SelectionStats::default() });
         Ok(())
     }
 
@@ -509,6 +558,11 @@ impl KvCache {
         };
         paged.selector = selector;
         Ok(())
+    }
+
+    /// What the page selections cost so far (`None` without summaries).
+    pub fn selection_stats(&self) -> Option<&SelectionStats> {
+        self.paged().map(|p| &p.stats)
     }
 
     /// The selection in force, if any.
@@ -551,11 +605,22 @@ impl KvCache {
         let summaries = &paged.summaries;
         let mut bounds = Vec::new();
         let mut pages = Vec::new();
+        let n_pages = n.div_ceil(summaries.page()).min(summaries.max_pages());
+        let candidates = n_pages.saturating_sub(cfg.sink_pages.min(n_pages)).saturating_sub(cfg.recent_pages.min(n_pages)) as u64;
+        let prunes = n_pages > cfg.max_selected_for(n_pages);
         match paged.selector {
-            PageSelector::Flat => summaries.select(cfg, layer, seq, head, n, q, &mut bounds, &mut pages),
+            PageSelector::Flat => {
+                summaries.select(cfg, layer, seq, head, n, q, &mut bounds, &mut pages);
+                if prunes {
+                    paged.stats.add(1, candidates, candidates);
+                }
+            }
             PageSelector::Bvh => {
                 let mut heap = std::collections::BinaryHeap::new();
-                summaries.select_bvh(cfg, layer, seq, head, n, q, &mut bounds, &mut heap, &mut pages);
+                let evals = summaries.select_bvh(cfg, layer, seq, head, n, q, &mut bounds, &mut heap, &mut pages);
+                if prunes {
+                    paged.stats.add(1, evals as u64, candidates);
+                }
             }
         }
         let view = self.head_view(layer, seq, head);

@@ -425,11 +425,22 @@ fn bvh_page_selection_equals_flat_scan() {
         let q = random_row(&mut rng, 16, 1.5);
         let mut out = [vec![0.0f32; 16], vec![0.0f32; 16]];
         let mut scores = vec![0.0f32; 4100];
+        let mut counted = Vec::new();
         for (sel, o) in [PageSelector::Flat, PageSelector::Bvh].into_iter().zip(out.iter_mut()) {
             cache.set_page_selector(sel).unwrap();
+            cache.selection_stats().unwrap().reset();
             cache.attend_maybe_pruned(1, 0, 1, 4100, &q, 0.25, true, &mut scores, o);
+            counted.push(cache.selection_stats().unwrap().get());
         }
         assert_eq!(out[0], out[1], "{cfg:?}: attention differs between selectors");
+        // One pruned query each; the flat scan evaluates every candidate page,
+        // the hierarchy reports what it computed against the same flat count.
+        let n_pages = 4100usize.div_ceil(cfg.page);
+        let candidates = (n_pages - cfg.sink_pages - cfg.recent_pages) as u64;
+        assert_eq!(counted[0], (1, candidates, candidates), "{cfg:?}: flat stats");
+        assert_eq!((counted[1].0, counted[1].2), (1, candidates), "{cfg:?}: bvh stats");
+        // (With no top pages to find the hierarchy computes no bound at all.)
+        assert_eq!(counted[1].1 > 0, cfg.top_for(n_pages) > 0, "{cfg:?}: bvh bounds {}", counted[1].1);
     }
     eprintln!("bound evaluations over the queries that prune: flat {flat_evals}, bvh {bvh_evals}");
 }

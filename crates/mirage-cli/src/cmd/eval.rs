@@ -302,7 +302,7 @@ fn write_plots(dir: &std::path::Path, bvh: &[Sweep], pred: &[Sweep], picked: Opt
     let (w, h, m) = (640.0, 420.0, 50.0);
     let sx = |v: f64| m + v * (w - 2.0 * m);
     let sy = |v: f64, lo: f64| h - m - (v - lo) / (1.0 - lo) * (h - 2.0 * m);
-    let lo = bvh.iter().chain(pred).map(|s| s.recall).fold(1.0f64, f64::min).min(0.99).max(0.0);
+    let lo = bvh.iter().chain(pred).map(|s| s.recall).fold(1.0f64, f64::min).clamp(0.0, 0.99);
     let mut svg = format!("<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}'><rect width='100%' height='100%' fill='white'/>\n");
     svg += &format!("<text x='{}' y='20' font-size='14'>useful-page recall vs rejection (margin / threshold sweep)</text>\n", m);
     svg += &format!("<line x1='{m}' y1='{}' x2='{}' y2='{}' stroke='black'/><line x1='{m}' y1='{m}' x2='{m}' y2='{}' stroke='black'/>\n", h - m, w - m, h - m, h - m);

@@ -26,6 +26,7 @@ use clap::Args;
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::{Backend, TokenSlot};
 use mirage_runtime::model::Scratch;
+use mirage_runtime::kv_pages::PageSelector;
 use mirage_runtime::{CpuBackend, KvDtype, KvPruning, Model};
 use mirage_tokenizer::Tokenizer;
 
@@ -107,6 +108,11 @@ pub struct EvalLongArgs {
     /// Store the KV cache as f16 (cpu and cuda).
     #[arg(long)]
     kv_f16: bool,
+    /// How the CPU finds the top pages: `flat` (every candidate page's bound)
+    /// or `bvh` (branch and bound over groups of 16 pages); the same pages
+    /// either way, the bounds computed are reported. CUDA always scans flat.
+    #[arg(long, default_value = "flat", value_parser = ["flat", "bvh"])]
+    page_selector: String,
     /// CPU worker threads (0: one per CPU).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -323,9 +329,22 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
             let threads = backend.threads();
             let model = Model::load(file, backend)?;
             let device = format!("cpu ({threads} threads)");
-            evaluate(&args, &model, &tok, &text, pruning, &device, serde_json::json!(threads), |_| None)
+            let selector = if args.page_selector == "bvh" { PageSelector::Bvh } else { PageSelector::Flat };
+            let hooks = CacheHooks {
+                configure: |c: &mut mirage_runtime::KvCache| Ok(c.set_page_selector(selector)?),
+                stats: |c: &mirage_runtime::KvCache| {
+                    c.selection_stats().map(|s| {
+                        let (queries, evaluated, flat) = s.get();
+                        serde_json::json!({ "selector": args.page_selector, "pruned_queries": queries, "bounds_evaluated": evaluated, "bounds_flat_scan": flat })
+                    })
+                },
+            };
+            evaluate(&args, &model, &tok, &text, pruning, &device, serde_json::json!(threads), |_| None, hooks)
         }
         EvalBackend::Cuda => {
+            if args.page_selector != "flat" {
+                bail!("--page-selector {}: the CUDA backend chooses pages with a flat scan (one pass over every page's bound, then a radix select)", args.page_selector);
+            }
             let backend = start_cuda(args.device)?;
             let (major, minor) = backend.compute_capability();
             let device = format!("{} (sm_{major}{minor}, device {})", backend.device_name(), args.device);
@@ -340,14 +359,21 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
                     "kv_cache_bytes": m.kv_cache,
                     "peak_device_bytes": m.peak,
                 }))
-            })
+            }, CacheHooks { configure: |_: &mut _| Ok(()), stats: |_: &_| None })
         }
     }
 }
 
+/// Backend-specific handling of the cache: set-up after it is made, and the
+/// page-selection cost to report (CPU: the selector and its bound counts).
+struct CacheHooks<C, S> {
+    configure: C,
+    stats: S,
+}
+
 /// Every context of `args` on `model`; prints the table or JSON.
 #[allow(clippy::too_many_arguments)]
-fn evaluate<B: Backend>(
+fn evaluate<B: Backend, C, S>(
     args: &EvalLongArgs,
     model: &Model<B>,
     tok: &Tokenizer,
@@ -356,7 +382,12 @@ fn evaluate<B: Backend>(
     device: &str,
     threads: serde_json::Value,
     backend_stats: impl Fn(&B) -> Option<serde_json::Value>,
-) -> anyhow::Result<()> {
+    hooks: CacheHooks<C, S>,
+) -> anyhow::Result<()>
+where
+    C: Fn(&mut B::KvCache) -> anyhow::Result<()>,
+    S: Fn(&B::KvCache) -> Option<serde_json::Value>,
+{
     let n_ctx_train = model.config().n_ctx_train;
     let max_ctx = args.ctx.iter().copied().max().unwrap_or(0);
     if max_ctx < 64 {
@@ -372,7 +403,8 @@ fn evaluate<B: Backend>(
     text_tokens.truncate(max_ctx);
     let dtype = if args.kv_f16 { KvDtype::F16 } else { KvDtype::F32 };
     // One cache keeps the page summaries; the selection is toggled per run.
-    let cache = model.new_kv_cache_pruned(max_ctx + 16, 1, dtype, Some(pruning))?;
+    let mut cache = model.new_kv_cache_pruned(max_ctx + 16, 1, dtype, Some(pruning))?;
+    (hooks.configure)(&mut cache)?;
     let scratch = model.new_scratch();
     let mut runner = Runner { model, cache, scratch, pruning };
     let backend = args.backend.as_str();
@@ -414,6 +446,9 @@ fn evaluate<B: Backend>(
         if let Some(stats) = backend_stats(model.backend()) {
             json[backend] = stats;
         }
+        if let Some(sel) = (hooks.stats)(&runner.cache) {
+            json["page_selection"] = sel;
+        }
         println!("{}", serde_json::to_string_pretty(&json)?);
     } else {
         println!("backend: {backend}, device: {device}, KV {kv_dtype}");
@@ -440,6 +475,15 @@ fn evaluate<B: Backend>(
                 r.decode_ms_full,
                 r.decode_ms_pruned,
                 r.speedup
+            );
+        }
+        if let Some(sel) = (hooks.stats)(&runner.cache) {
+            let n = |k: &str| sel[k].as_u64().unwrap_or(0);
+            let (q, e, f) = (n("pruned_queries"), n("bounds_evaluated"), n("bounds_flat_scan"));
+            println!(
+                "page selection ({}): {q} pruned queries, {e} page/group bounds computed, a flat scan computes {f} ({:.2}x)",
+                args.page_selector,
+                f as f64 / e.max(1) as f64
             );
         }
     }
