@@ -470,32 +470,10 @@ impl VulkanRtRouter {
                 )
                 .map_err(vkerr("vkAllocateDescriptorSets (interop)"))?[0];
         }
-        // Same bindings as the batch path (shaders/route_common.glsl), with the
-        // exported buffers for the points and the bits.
-        let tlas = [self.tlas];
-        let mut as_write = vk::WriteDescriptorSetAccelerationStructureKHR::default().acceleration_structures(&tlas);
-        let infos: Vec<[vk::DescriptorBufferInfo; 1]> =
-            [st.points.buffer, self.offsets, self.prim_boxes, st.masks.buffer, self.thresholds, st.bits.buffer]
-                .iter()
-                .map(|&b| [vk::DescriptorBufferInfo::default().buffer(b).range(vk::WHOLE_SIZE)])
-                .collect();
-        let mut writes = vec![vk::WriteDescriptorSet::default()
-            .dst_set(st.desc_set)
-            .dst_binding(0)
-            .descriptor_type(vk::DescriptorType::ACCELERATION_STRUCTURE_KHR)
-            .descriptor_count(1)
-            .push_next(&mut as_write)];
-        for (i, info) in infos.iter().enumerate() {
-            writes.push(
-                vk::WriteDescriptorSet::default()
-                    .dst_set(st.desc_set)
-                    .dst_binding(i as u32 + 1)
-                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
-                    .buffer_info(info),
-            );
-        }
+        // Same bindings as the batch path, with the exported buffers for the
+        // points and the bits.
         // SAFETY: the set is new and not in use.
-        unsafe { self.device.update_descriptor_sets(&writes, &[]) };
+        unsafe { self.write_descriptors(st.desc_set, st.points.buffer, st.masks.buffer, st.bits.buffer) };
         // Defined contents before anything reads them (no NaN ray origins
         // from uninitialized memory if a trace runs before CUDA wrote points).
         let (pb, bb) = (st.points.buffer, st.bits.buffer);

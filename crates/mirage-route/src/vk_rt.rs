@@ -771,15 +771,27 @@ impl VulkanRtRouter {
             out_bits: self.create_buf(q * words * 4, U::STORAGE_BUFFER | U::TRANSFER_SRC, false)?,
             readback: self.create_buf_cached(q * words * 4, U::TRANSFER_DST, true, true)?,
         };
+        // SAFETY: the set is not in use (every submit is waited for).
+        unsafe { self.write_descriptors(self.desc_set, batch.points.buffer, batch.masks.buffer, batch.out_bits.buffer) };
+        self.batch = Some(batch);
+        Ok(())
+    }
+
+    /// Points `set` at the TLAS, the router's buffers and the given points,
+    /// masks and output-bits buffers (the bindings of
+    /// shaders/route_common.glsl), for the batch and the interop paths.
+    ///
+    /// # Safety
+    /// `set` must not be in use by a pending command buffer.
+    pub(crate) unsafe fn write_descriptors(&self, set: vk::DescriptorSet, points: vk::Buffer, masks: vk::Buffer, bits: vk::Buffer) {
         let tlas = [self.tlas];
         let mut as_write = vk::WriteDescriptorSetAccelerationStructureKHR::default().acceleration_structures(&tlas);
-        let infos: Vec<[vk::DescriptorBufferInfo; 1]> =
-            [batch.points.buffer, self.offsets, self.prim_boxes, batch.masks.buffer, self.thresholds, batch.out_bits.buffer]
-                .iter()
-                .map(|&b| [vk::DescriptorBufferInfo::default().buffer(b).range(vk::WHOLE_SIZE)])
-                .collect();
+        let infos: Vec<[vk::DescriptorBufferInfo; 1]> = [points, self.offsets, self.prim_boxes, masks, self.thresholds, bits]
+            .iter()
+            .map(|&b| [vk::DescriptorBufferInfo::default().buffer(b).range(vk::WHOLE_SIZE)])
+            .collect();
         let mut writes = vec![vk::WriteDescriptorSet::default()
-            .dst_set(self.desc_set)
+            .dst_set(set)
             .dst_binding(0)
             .descriptor_type(vk::DescriptorType::ACCELERATION_STRUCTURE_KHR)
             .descriptor_count(1)
@@ -787,16 +799,14 @@ impl VulkanRtRouter {
         for (i, info) in infos.iter().enumerate() {
             writes.push(
                 vk::WriteDescriptorSet::default()
-                    .dst_set(self.desc_set)
+                    .dst_set(set)
                     .dst_binding(i as u32 + 1)
                     .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
                     .buffer_info(info),
             );
         }
-        // SAFETY: the set is not in use (every submit is waited for).
+        // SAFETY: the caller guarantees the set is idle; every info outlives the call.
         unsafe { self.device.update_descriptor_sets(&writes, &[]) };
-        self.batch = Some(batch);
-        Ok(())
     }
 
     /// Most queries per chunk: masks of at most 512 MiB, launch width within limits.
