@@ -194,11 +194,6 @@ impl PageSummaries {
         self.page
     }
 
-    /// Pages per sequence the summaries have room for.
-    pub fn max_pages(&self) -> usize {
-        self.n_pages
-    }
-
     /// Positions summarized in `layer` of `seq`.
     pub fn len(&self, layer: usize, seq: usize) -> usize {
         self.lens.get(layer * self.n_seq + seq).copied().unwrap_or(0)
@@ -317,6 +312,19 @@ impl PageSummaries {
         }
     }
 
+    /// For a query over positions `0..n`: the page count and the pages that
+    /// compete by bound (after the sinks, before the recent pages), or
+    /// `None` when `cfg` selects every page anyway. Shared by both selectors
+    /// and the selection cost count.
+    fn candidate_pages(&self, cfg: &KvPruning, n: usize) -> (usize, Option<std::ops::Range<usize>>) {
+        let n_pages = n.div_ceil(self.page).min(self.n_pages);
+        if n_pages <= cfg.max_selected_for(n_pages) {
+            return (n_pages, None);
+        }
+        let sinks = cfg.sink_pages.min(n_pages);
+        (n_pages, Some(sinks..n_pages.saturating_sub(cfg.recent_pages).max(sinks)))
+    }
+
     /// The pages of `head` in `layer` of `seq` that a query `q` over
     /// positions `0..n` attends under `cfg`, in increasing order, written to
     /// `out`. `bounds` is scratch.
@@ -333,13 +341,12 @@ impl PageSummaries {
         out: &mut Vec<usize>,
     ) {
         out.clear();
-        let n_pages = n.div_ceil(self.page).min(self.n_pages);
-        if n_pages <= cfg.max_selected_for(n_pages) {
+        let (n_pages, candidates) = self.candidate_pages(cfg, n);
+        let Some(candidates) = candidates else {
             out.extend(0..n_pages);
             return;
-        }
-        let sinks = cfg.sink_pages.min(n_pages);
-        let recent_from = n_pages.saturating_sub(cfg.recent_pages).max(sinks);
+        };
+        let (sinks, recent_from) = (candidates.start, candidates.end);
         bounds.clear();
         for page in sinks..recent_from {
             let (lo, hi) = self.bounds(layer, seq, head, page);
@@ -380,13 +387,12 @@ impl PageSummaries {
         out: &mut Vec<usize>,
     ) -> usize {
         out.clear();
-        let n_pages = n.div_ceil(self.page).min(self.n_pages);
-        if n_pages <= cfg.max_selected_for(n_pages) {
+        let (n_pages, candidates) = self.candidate_pages(cfg, n);
+        let Some(candidates) = candidates else {
             out.extend(0..n_pages);
             return 0;
-        }
-        let sinks = cfg.sink_pages.min(n_pages);
-        let recent_from = n_pages.saturating_sub(cfg.recent_pages).max(sinks);
+        };
+        let (sinks, recent_from) = (candidates.start, candidates.end);
         let top = cfg.top_for(n_pages).min(recent_from - sinks);
         out.extend(0..sinks);
         out.extend(recent_from..n_pages);
@@ -605,23 +611,20 @@ impl KvCache {
         let summaries = &paged.summaries;
         let mut bounds = Vec::new();
         let mut pages = Vec::new();
-        let n_pages = n.div_ceil(summaries.page()).min(summaries.max_pages());
-        let candidates = n_pages.saturating_sub(cfg.sink_pages.min(n_pages)).saturating_sub(cfg.recent_pages.min(n_pages)) as u64;
-        let prunes = n_pages > cfg.max_selected_for(n_pages);
-        match paged.selector {
+        // What a flat scan computes: one bound per competing page.
+        let flat = summaries.candidate_pages(cfg, n).1.map(|c| c.len() as u64);
+        let evaluated = match paged.selector {
             PageSelector::Flat => {
                 summaries.select(cfg, layer, seq, head, n, q, &mut bounds, &mut pages);
-                if prunes {
-                    paged.stats.add(1, candidates, candidates);
-                }
+                flat.unwrap_or(0)
             }
             PageSelector::Bvh => {
                 let mut heap = std::collections::BinaryHeap::new();
-                let evals = summaries.select_bvh(cfg, layer, seq, head, n, q, &mut bounds, &mut heap, &mut pages);
-                if prunes {
-                    paged.stats.add(1, evals as u64, candidates);
-                }
+                summaries.select_bvh(cfg, layer, seq, head, n, q, &mut bounds, &mut heap, &mut pages) as u64
             }
+        };
+        if let Some(flat) = flat {
+            paged.stats.add(1, evaluated, flat);
         }
         let view = self.head_view(layer, seq, head);
         crate::attention_pruned::attend_pages(&view, summaries.page(), &pages, n, q, scale, scores, out);
