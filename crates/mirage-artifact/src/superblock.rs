@@ -103,6 +103,14 @@ impl PageSelector {
     }
 }
 
+/// The FFN input one row's pages are multiplied with: quantized to the
+/// rows' dot type (the fast CPU kernels) or f32 (`with_f32_activations`).
+#[derive(Clone, Copy)]
+enum FfnInput<'a> {
+    Quantized(&'a [u8]),
+    F32(&'a [f32]),
+}
+
 /// One layer's FFN handle: the layer index into the artifact.
 #[derive(Debug)]
 pub struct SuperFfn {
@@ -174,22 +182,23 @@ impl SuperblockBackend {
         &self.artifact
     }
 
-    /// Hidden activations of page `p` for quantized input `xq` (or, with
-    /// f32 activations, `xq` holding `x`'s f32 bytes).
-    fn page_hidden(&self, f: &SuperFfn, p: usize, d: usize, xq: &[u8], h: &mut [f32]) -> Result<()> {
+    /// Hidden activations of page `p` for the input `x` (`d` values).
+    fn page_hidden(&self, f: &SuperFfn, p: usize, d: usize, x: FfnInput<'_>, h: &mut [f32]) -> Result<()> {
         let page = self.artifact.page(f.layer, p);
         let rb = f.row_bytes;
-        if self.f32_activations {
-            let x: Vec<f32> = xq.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-            let (mut g, mut u) = (vec![0f32; d], vec![0f32; d]);
-            for (i, h) in h.iter_mut().enumerate().take(PAGE_CHANNELS) {
-                quant::dequantize(f.quant, &page[i * rb..(i + 1) * rb], &mut g)?;
-                quant::dequantize(f.quant, &page[(PAGE_CHANNELS + i) * rb..(PAGE_CHANNELS + i + 1) * rb], &mut u)?;
-                let dot = |w: &[f32]| w.iter().zip(&x).map(|(a, b)| a * b).sum::<f32>();
-                *h = silu(dot(&g)) * dot(&u);
+        let xq = match x {
+            FfnInput::Quantized(xq) => xq,
+            FfnInput::F32(x) => {
+                let (mut g, mut u) = (vec![0f32; d], vec![0f32; d]);
+                for (i, h) in h.iter_mut().enumerate().take(PAGE_CHANNELS) {
+                    quant::dequantize(f.quant, &page[i * rb..(i + 1) * rb], &mut g)?;
+                    quant::dequantize(f.quant, &page[(PAGE_CHANNELS + i) * rb..(PAGE_CHANNELS + i + 1) * rb], &mut u)?;
+                    let dot = |w: &[f32]| w.iter().zip(x).map(|(a, b)| a * b).sum::<f32>();
+                    *h = silu(dot(&g)) * dot(&u);
+                }
+                return Ok(());
             }
-            return Ok(());
-        }
+        };
         for (i, h) in h.iter_mut().enumerate().take(PAGE_CHANNELS) {
             let g_row = &page[i * rb..(i + 1) * rb];
             let u_row = &page[(PAGE_CHANNELS + i) * rb..(PAGE_CHANNELS + i + 1) * rb];
@@ -217,10 +226,10 @@ impl SuperblockBackend {
     }
 
     /// FFN output of one row over `pages`.
-    fn run_pages(&self, f: &SuperFfn, xq: &[u8], d: usize, pages: &[usize], parallel: bool) -> Result<Vec<f32>> {
+    fn run_pages(&self, f: &SuperFfn, x: FfnInput<'_>, d: usize, pages: &[usize], parallel: bool) -> Result<Vec<f32>> {
         let one = |p: usize| -> Result<Vec<f32>> {
             let mut h = [0f32; PAGE_CHANNELS];
-            self.page_hidden(f, p, d, xq, &mut h)?;
+            self.page_hidden(f, p, d, x, &mut h)?;
             let mut y = vec![0f32; d];
             let mut tmp = vec![0f32; d];
             self.page_down(f, p, &h, &mut y, &mut tmp)?;
@@ -240,20 +249,21 @@ impl SuperblockBackend {
 
     fn ffn_row(&self, f: &SuperFfn, sel: &PageSelector, x: &[f32], parallel: bool) -> Result<(Vec<f32>, usize)> {
         let d = x.len();
-        let xq: Vec<u8> = if self.f32_activations {
-            x.iter().flat_map(|v| v.to_le_bytes()).collect()
+        let mut xq = Vec::new();
+        let input = if self.f32_activations {
+            FfnInput::F32(x)
         } else {
-            let mut xq = vec![0u8; quant::row_bytes(f.act_ty, d)?];
+            xq.resize(quant::row_bytes(f.act_ty, d)?, 0u8);
             quant::quantize(f.act_ty, x, &mut xq)?;
-            xq
+            FfnInput::Quantized(&xq)
         };
         match sel.select(f.layer, x)? {
-            Some(pages) => Ok((self.run_pages(f, &xq, d, &pages, parallel)?, pages.len())),
+            Some(pages) => Ok((self.run_pages(f, input, d, &pages, parallel)?, pages.len())),
             None => {
                 // Oracle: every page's contribution, then the oracle set.
                 let n = self.artifact.layer(f.layer).n_pages;
                 let all: Vec<usize> = (0..n).collect();
-                let parts: Vec<Vec<f32>> = all.par_iter().map(|&p| self.run_pages(f, &xq, d, &[p], false)).collect::<Result<_>>()?;
+                let parts: Vec<Vec<f32>> = all.par_iter().map(|&p| self.run_pages(f, input, d, &[p], false)).collect::<Result<_>>()?;
                 let flat: Vec<f32> = parts.concat();
                 let set = oracle_useful_set(&flat, d, ORACLE_COSINE);
                 let mut y = vec![0f32; d];
