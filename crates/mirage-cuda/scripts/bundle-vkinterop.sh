@@ -13,14 +13,8 @@ cd "$(dirname "$0")/../../.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
 OUTDIR=${OUTDIR:-target/bundle-vk}
 nice cargo build --release -p mirage-cuda --features vulkan-interop --bin vk-route-bench
-exe() { # cargo test args... -> the test executable's path, from cargo's JSON
-  nice cargo test --release "$@" --no-run --message-format json 2>/dev/null |
-    python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"]:
-        print(m["executable"])' | tail -1
-}
+. crates/mirage-cuda/scripts/common.sh
+exe() { test_executables "$@" | cut -d' ' -f2 | tail -1; }
 T1=$(exe -p mirage-cuda --features vulkan-interop --test vk_interop)
 T2=$(exe -p mirage-route --features vulkan-rt --test vk_interop_export)
 [ -n "$T1" ] && [ -n "$T2" ] || { echo "test binaries not found" >&2; exit 1; }

@@ -15,14 +15,8 @@ OUTDIR=${OUTDIR:-target/bundle}
 TOK_FROM=${TOKENIZER_FROM:-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}
 [ -f "$TOK_FROM" ] || { echo "no $TOK_FROM: set TOKENIZER_FROM to a Qwen2.5 GGUF or a tokenizer-only file" >&2; exit 1; }
 nice cargo build --release -p mirage-cuda -p mirage-cli -p xtask --bins
-# The test binaries' paths, from cargo's own JSON (not the newest file by
-# time, which can be a stale build of another commit).
-tests=$(nice cargo test --release -p mirage-cuda --no-run --message-format json 2>/dev/null |
-  python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable") and "test" in m["target"]["kind"]:
-        print(m["target"]["name"], m["executable"])')
+. crates/mirage-cuda/scripts/common.sh
+tests=$(test_executables -p mirage-cuda)
 S=$(mktemp -d)
 trap 'rm -rf "$S"' EXIT
 R=$CARGO_TARGET_DIR/release

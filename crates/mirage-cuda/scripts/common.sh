@@ -1,5 +1,11 @@
-# Sourced by the h200-*.sh device scripts (bash). Two steps every device run
-# needs, in one place:
+# Sourced by the device scripts (bash): the bundle builders here and the
+# h200-*.sh scripts there.
+#   test_executables CARGO_TEST_ARGS...  (dev machine) builds the test binaries
+#                                   (`cargo test --release ARGS --no-run`) and
+#                                   prints "name path" per test binary, from
+#                                   cargo's JSON (not the newest file by time,
+#                                   which can be a stale build);
+# and two steps every device run needs:
 #   device_unpack BIN_DIR WORK_DIR  unpacks BIN_DIR/bins.tar.xz (made by
 #                                   bundle.sh) into WORK_DIR, or copies
 #                                   BIN_DIR's files when there is no archive;
@@ -23,4 +29,13 @@ device_env() {
   NV=$(find /usr/local/cuda* /usr/local/lib /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | grep -v stub | head -1)
   export LD_LIBRARY_PATH="$(dirname "${NV:-/x/y}"):${LD_LIBRARY_PATH:-}"
   export MIRAGE_CUDA_CACHE=$1/cache
+}
+
+test_executables() {
+  nice cargo test --release "$@" --no-run --message-format json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable") and "test" in m["target"]["kind"]:
+        print(m["target"]["name"], m["executable"])'
 }
