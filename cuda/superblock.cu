@@ -93,6 +93,21 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS)
 }
 
 // ---------------------------------------------------------------------------
+// One reduce-scatter step over lane bit `bit` (16, 8 or 4) on the first 2 n
+// values of a: afterwards a[0 .. n) holds the sums over the lane pair of
+// elements (lane & bit ? n : 0) + i of the previous a[0 .. 2 n). Used by the
+// phase 2 of superblock_ffn_nvfp4 and of the 16-byte q8s variants.
+template <int N>
+__device__ __forceinline__ void nv_reduce_scatter(float* a, int lane, int bit) {
+    const bool upper = lane & bit;
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        const float send = upper ? a[i] : a[i + N];
+        const float keep = upper ? a[i + N] : a[i];
+        a[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
+    }
+}
+
 // Grid-wide barrier of a cooperative launch (all blocks resident). bar[0]
 // counts arrivals, bar[1] is the generation; both stay consistent across
 // launches (the last arriver resets the count and bumps the generation).
@@ -119,6 +134,12 @@ __device__ __forceinline__ void sb_grid_barrier(sb_u32* bar) {
 // the chunk and the block has synchronized. Thread j adds the 8 warp sums in
 // warp order and finishes by mode (see superblock_ffn_q8s). Ends with a
 // block barrier: red[] is rewritten by the next item.
+// FB: how the last block reads the K partials. 0: one load per loop trip,
+// each add waiting for its load (the first version; superblock_ffn_nvfp4
+// and superblock_ffn_q8s keep it); FB > 1: a warp issues the loads of FB of
+// its parts at once, then adds them in the same order (the same bits, one
+// L2 round trip per FB parts instead of one per part).
+template <int FB = 0>
 __device__ __forceinline__ void sb_finish_item(float (*red)[128], int* last_flag, int chunk, int k, int K, int d,
                                                int mode, int accumulate, float* partials, sb_u32* counters,
                                                float* y) {
@@ -152,9 +173,27 @@ __device__ __forceinline__ void sb_finish_item(float (*red)[128], int* last_flag
             // 8 parts instead of K dependent ones.
             float4 t4 = make_float4(0.f, 0.f, 0.f, 0.f);
             if (live) {
-                for (int kk = warp; kk < K; kk += SB_WARPS) {
-                    float4 v = __ldcg((const float4*)(partials + (long)kk * d + e));
-                    t4.x += v.x; t4.y += v.y; t4.z += v.z; t4.w += v.w;
+                if constexpr (FB <= 1) {
+                    for (int kk = warp; kk < K; kk += SB_WARPS) {
+                        float4 v = __ldcg((const float4*)(partials + (long)kk * d + e));
+                        t4.x += v.x; t4.y += v.y; t4.z += v.z; t4.w += v.w;
+                    }
+                } else {
+                    for (int k0 = warp; k0 < K; k0 += SB_WARPS * FB) {
+                        float4 v[FB];
+#pragma unroll
+                        for (int i = 0; i < FB; i++) {
+                            const int kk = k0 + i * SB_WARPS;
+                            v[i] = kk < K ? __ldcg((const float4*)(partials + (long)kk * d + e))
+                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+                        }
+#pragma unroll
+                        for (int i = 0; i < FB; i++) {
+                            if (k0 + i * SB_WARPS < K) {
+                                t4.x += v[i].x; t4.y += v[i].y; t4.z += v[i].z; t4.w += v[i].w;
+                            }
+                        }
+                    }
                 }
             }
             __syncthreads();  // everyone has read red[] above
@@ -211,11 +250,58 @@ __device__ __forceinline__ void sb_finish_item(float (*red)[128], int* last_flag
 // kernel boundary is the barrier) inside a captured CUDA graph, with the
 // same grid for both (phase 2's split K depends on it). Phase 2 alone needs
 // no dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(SB_THREADS)
-    superblock_ffn_q8s(const sb_u8* __restrict__ pages, long page_bytes, int n_pages, int d,
-                       const float* __restrict__ x, const sb_u32* __restrict__ active,
-                       const int* __restrict__ n_active, int max_active, int mode, int accumulate,
-                       float* hbuf, float* partials, sb_u32* counters, float* y, int phases) {
+// Variants (the first version reads at 52 % of the copy bandwidth at 100 %
+// of the 7B pages and less below: phase 1 is latency-bound, its rounds of
+// one channel per warp unbalanced; at d 896 the last block of a chunk adds
+// 94 partials one dependent load at a time). One implementation,
+// sb_ffn_q8s<P1V, P2, P2U, FB>, instantiated as superblock_ffn_q8s (the
+// first version, the arguments above) and superblock_ffn_q8s_v<N> (the same
+// arguments plus `int part_ch` last; the list is at the end of this
+// section). Knobs:
+//   P1V  phase 1. 0: as above (grid-stride channels, 4-byte loads, 4 of the
+//        28 128-byte lines of a 3584-wide row in flight per warp). N > 0:
+//        16-byte loads (a warp load is 512 contiguous bytes of a row), N of
+//        them per lane and row in flight (N = 8: a whole 3584-byte gate row
+//        and up row at once); x staged as 4 planes (float4 j of 16-element
+//        vector v at xs[j * d/16 + v]) so the lanes' float4 reads are
+//        conflict-free; warp w of W takes the contiguous channels
+//        [C w / W, C (w + 1) / W) (equal shares, neighbouring rows), and
+//        reads its first page id before staging x.
+//   P2   phase 2. 0: as above (lane = 4 outputs, a warp load = one channel's
+//        128-byte line), P2U 8-channel groups in flight per warp (P2U = 1:
+//        the first version). 1: 16-byte loads, lane 8 s + q reads bytes
+//        16 q .. 16 q + 15 of the chunk of channel s of a 4-channel quad (one
+//        warp load = 4 channels' lines), 16 outputs in registers, P2U quads
+//        in flight per warp; at the item's end a reduce-scatter over lane
+//        bits 16 and 8 (12 shuffles) leaves lane (s, q) outputs
+//        16 q + 4 s .. + 3.
+//   FB   sb_finish_item's batch (0: the first version's loop).
+// part_ch > 0 caps the parts per output chunk: K = min(gridDim / n_chunks,
+// max(C / part_ch, 1)), C the active channels read from the device count,
+// so a part holds at least part_ch channels (fewer, fuller parts and fewer
+// partials for the last block to add when few channels are active or d is
+// small); part_ch <= 0: K = gridDim / n_chunks as above. The partial buffer
+// stays (gridDim / n_chunks) * d floats. Ordered mode is bit-reproducible
+// for a given variant, grid, part_ch and active list (phases 3, or 1 then
+// 2, give the same bits); variants add in different orders, so their bits
+// differ from each other (v0 with part_ch 0 is superblock_ffn_q8s).
+
+#define SB_Q8S_PARAMS                                                                                      \
+    const sb_u8 *__restrict__ pages, long page_bytes, int n_pages, int d, const float *__restrict__ x,    \
+        const sb_u32 *__restrict__ active, const int *__restrict__ n_active, int max_active, int mode,     \
+        int accumulate, float *hbuf, float *partials, sb_u32 *counters, float *y, int phases
+#define SB_Q8S_ARGS \
+    pages, page_bytes, n_pages, d, x, active, n_active, max_active, mode, accumulate, hbuf, partials, counters, y, phases
+
+// dot(4 Q8_0 quants in w, xv), unscaled.
+__device__ __forceinline__ float sb_q8_dot4(sb_u32 w, float4 xv) {
+    float f[4];
+    sb_q8x4(w, f);
+    return f[0] * xv.x + f[1] * xv.y + f[2] * xv.z + f[3] * xv.w;
+}
+
+template <int P1V, int P2, int P2U, int FB>
+__device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch) {
     extern __shared__ float4 sb_xs[];
     __shared__ float red[SB_WARPS][128];
     __shared__ int last_flag;
@@ -227,6 +313,7 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS)
 
     // Phase 1.
     if (phases & 1) {
+    if constexpr (P1V == 0) {
     const float4* x4 = (const float4*)x;
     for (int m = threadIdx.x; m < (d >> 2); m += blockDim.x) sb_xs[m] = x4[m];
     __syncthreads();
@@ -247,59 +334,215 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS)
         }
         if (lane == 0) hbuf[c] = hv;
     }
+    } else {
+        const int nv = d >> 4;  // 16-element (16-byte) vectors per row
+        const long warps = (long)gridDim.x * SB_WARPS, gw = (long)blockIdx.x * SB_WARPS + warp;
+        const int c_begin = (int)(n_ch * gw / warps), c_end = (int)(n_ch * (gw + 1) / warps);
+        // The first page id is read before x is staged (two round trips
+        // overlapped: what a small FFN waits on).
+        const sb_u32 page0 = c_begin < c_end ? active[c_begin >> 7] : 0xffffffffu;
+        const float4* x4 = (const float4*)x;
+#pragma unroll 4
+        for (int t = threadIdx.x; t < (d >> 2); t += SB_THREADS) sb_xs[(t & 3) * nv + (t >> 2)] = x4[t];
+        __syncthreads();
+        for (int c = c_begin; c < c_end; c++) {
+            const sb_u32 page = (c >> 7) == (c_begin >> 7) ? page0 : active[c >> 7];
+            const bool on = page < (sb_u32)n_pages;
+            const int ch = c & 127;
+            const sb_u8* base = pages + (long)(on ? page : 0u) * page_bytes;
+            const sb_u16* sbase = (const sb_u16*)(base + 3 * mat);
+            const uint4* q[2] = {(const uint4*)(base + (long)ch * d), (const uint4*)(base + mat + (long)ch * d)};
+            const sb_u16* s[2] = {sbase + (long)ch * (d >> 5), sbase + smat + (long)ch * (d >> 5)};
+            float acc[2] = {0.f, 0.f};
+            for (int v0 = 0; v0 < nv; v0 += 32 * P1V) {
+                uint4 w[P1V][2];
+                sb_u16 sc[P1V][2];
+#pragma unroll
+                for (int h = 0; h < P1V; h++) {
+                    const int v = v0 + 32 * h + lane;
+                    const bool ok = on && v < nv;
+#pragma unroll
+                    for (int r = 0; r < 2; r++) {
+                        w[h][r] = ok ? __ldg(q[r] + v) : make_uint4(0u, 0u, 0u, 0u);
+                        sc[h][r] = ok ? __ldg(s[r] + (v >> 1)) : (sb_u16)0;
+                    }
+                }
+#pragma unroll
+                for (int h = 0; h < P1V; h++) {
+                    const int v = v0 + 32 * h + lane;
+                    if (v >= nv) continue;
+                    float4 xv[4];
+#pragma unroll
+                    for (int j = 0; j < 4; j++) xv[j] = sb_xs[j * nv + v];
+#pragma unroll
+                    for (int r = 0; r < 2; r++) {
+                        const uint4 wv = w[h][r];
+                        const float t = (sb_q8_dot4(wv.x, xv[0]) + sb_q8_dot4(wv.y, xv[1])) +
+                                        (sb_q8_dot4(wv.z, xv[2]) + sb_q8_dot4(wv.w, xv[3]));
+                        acc[r] += sb_h2f(sc[h][r]) * t;
+                    }
+                }
+            }
+            const float g = sb_warp_sum(acc[0]), u = sb_warp_sum(acc[1]);
+            if (lane == 0) hbuf[c] = on ? g / (1.f + expf(-g)) * u : 0.f;
+        }
+    }
     }
     if (phases == 3) sb_grid_barrier(counters);
     if (!(phases & 2)) return;
 
     // Phase 2.
     const int n_chunks = (d + 127) >> 7;
-    const int K = max((int)gridDim.x / n_chunks, 1);
+    int K = max((int)gridDim.x / n_chunks, 1);
+    if (part_ch > 0) K = min(K, max(n_ch / part_ch, 1));
     const int items = K * n_chunks;
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
         const int chunk = it % n_chunks, k = it / n_chunks;
         const int g_begin = (int)((long)(n_ch >> 3) * k / K), g_end = (int)((long)(n_ch >> 3) * (k + 1) / K);
+        if constexpr (P2 == 0) {
         const int e = (chunk << 7) + (lane << 2);
         const bool live = e < d;
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
         // Groups of 8 consecutive channels (never across a page): one page
         // lookup per 8 rows, rows at stride d.
-        for (int gi = g_begin + warp; gi < g_end && live; gi += SB_WARPS) {
-            const int c0 = gi << 3;
-            const sb_u32 page = active[c0 >> 7];
-            if (page >= (sb_u32)n_pages) continue;
-            const int ch = c0 & 127;
-            const sb_u8* base = pages + (long)page * page_bytes;
-            const sb_u8* row = base + 2 * mat + (long)ch * d + e;
-            const sb_u16* srow = (const sb_u16*)(base + 3 * mat) + 2 * smat + (long)ch * (d >> 5) + (e >> 5);
-            sb_u32 w[8];
-            sb_u16 sc[8];
+        for (int gi = g_begin + warp; gi < g_end && live; gi += SB_WARPS * P2U) {
+            sb_u32 w[P2U][8];
+            sb_u16 sc[P2U][8];
+            float hh[P2U][8];
+            bool ok[P2U];
 #pragma unroll
-            for (int r = 0; r < 8; r++) {
-                w[r] = __ldg((const sb_u32*)(row + (long)r * d));
-                sc[r] = __ldg(srow + (long)r * (d >> 5));
+            for (int u = 0; u < P2U; u++) {
+                const int g = gi + u * SB_WARPS;
+                const int c0 = g << 3;
+                const sb_u32 page = g < g_end ? active[c0 >> 7] : 0xffffffffu;
+                ok[u] = page < (sb_u32)n_pages;
+                if (!ok[u]) continue;
+                const int ch = c0 & 127;
+                const sb_u8* base = pages + (long)page * page_bytes;
+                const sb_u8* row = base + 2 * mat + (long)ch * d + e;
+                const sb_u16* srow = (const sb_u16*)(base + 3 * mat) + 2 * smat + (long)ch * (d >> 5) + (e >> 5);
+#pragma unroll
+                for (int r = 0; r < 8; r++) {
+                    w[u][r] = __ldg((const sb_u32*)(row + (long)r * d));
+                    sc[u][r] = __ldg(srow + (long)r * (d >> 5));
+                }
+                const float4 h0 = __ldcg((const float4*)(hbuf + c0));
+                const float4 h1 = __ldcg((const float4*)(hbuf + c0 + 4));
+                hh[u][0] = h0.x; hh[u][1] = h0.y; hh[u][2] = h0.z; hh[u][3] = h0.w;
+                hh[u][4] = h1.x; hh[u][5] = h1.y; hh[u][6] = h1.z; hh[u][7] = h1.w;
             }
-            const float4 h0 = __ldcg((const float4*)(hbuf + c0));
-            const float4 h1 = __ldcg((const float4*)(hbuf + c0 + 4));
-            const float hh[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
 #pragma unroll
-            for (int r = 0; r < 8; r++) {
-                float f[4];
-                sb_q8x4(w[r], f);
-                float hv = hh[r] * sb_h2f(sc[r]);
-                a0 += hv * f[0];
-                a1 += hv * f[1];
-                a2 += hv * f[2];
-                a3 += hv * f[3];
+            for (int u = 0; u < P2U; u++) {
+                if (!ok[u]) continue;
+#pragma unroll
+                for (int r = 0; r < 8; r++) {
+                    float f[4];
+                    sb_q8x4(w[u][r], f);
+                    float hv = hh[u][r] * sb_h2f(sc[u][r]);
+                    a0 += hv * f[0];
+                    a1 += hv * f[1];
+                    a2 += hv * f[2];
+                    a3 += hv * f[3];
+                }
             }
         }
         red[warp][4 * lane] = a0;
         red[warp][4 * lane + 1] = a1;
         red[warp][4 * lane + 2] = a2;
         red[warp][4 * lane + 3] = a3;
+        } else {
+            const int sub = lane >> 3, piece = lane & 7;  // channel of the quad, 16-byte piece of the chunk
+            const int e = (chunk << 7) + (piece << 4);
+            const bool live = e < d;
+            float a[16];
+#pragma unroll
+            for (int i = 0; i < 16; i++) a[i] = 0.f;
+            // Quads of 4 consecutive channels (never across a page); the
+            // loop is warp-uniform (the shuffles below need every lane).
+            const int q_end = g_end << 1;
+            for (int qi = (g_begin << 1) + warp; qi < q_end; qi += SB_WARPS * P2U) {
+                uint4 w[P2U];
+                sb_u16 sc[P2U];
+                float hq[P2U];
+                bool ok[P2U];
+#pragma unroll
+                for (int u = 0; u < P2U; u++) {
+                    const int quad = qi + u * SB_WARPS;
+                    const sb_u32 page = quad < q_end ? active[quad >> 5] : 0xffffffffu;
+                    ok[u] = live && page < (sb_u32)n_pages;
+                    const int c = (quad << 2) + sub, ch = c & 127;
+                    const sb_u8* base = pages + (long)(ok[u] ? page : 0u) * page_bytes;
+                    w[u] = ok[u] ? __ldg((const uint4*)(base + 2 * mat + (long)ch * d + e))
+                                 : make_uint4(0u, 0u, 0u, 0u);
+                    sc[u] = ok[u] ? __ldg((const sb_u16*)(base + 3 * mat) + 2 * smat + (long)ch * (d >> 5) + (e >> 5))
+                                  : (sb_u16)0;
+                    hq[u] = ok[u] ? __ldcg(hbuf + c) : 0.f;
+                }
+#pragma unroll
+                for (int u = 0; u < P2U; u++) {
+                    if (!ok[u]) continue;
+                    const float hv = hq[u] * sb_h2f(sc[u]);
+                    const sb_u32 words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        float f[4];
+                        sb_q8x4(words[i], f);
+#pragma unroll
+                        for (int n = 0; n < 4; n++) a[4 * i + n] += hv * f[n];
+                    }
+                }
+            }
+            // Sum over the 4 channel lanes (lane bits 16, 8): lane (sub,
+            // piece) ends with outputs 16 piece + 4 sub .. + 3.
+            nv_reduce_scatter<8>(a, lane, 16);
+            nv_reduce_scatter<4>(a, lane, 8);
+#pragma unroll
+            for (int i = 0; i < 4; i++) red[warp][16 * piece + 4 * sub + i] = a[i];
+        }
         __syncthreads();
-        sb_finish_item(red, &last_flag, chunk, k, K, d, mode, accumulate, partials, counters, y);
+        sb_finish_item<FB>(red, &last_flag, chunk, k, K, d, mode, accumulate, partials, counters, y);
     }
 }
+
+// The first version (the argument list the sparse backend launches today).
+extern "C" __global__ void __launch_bounds__(SB_THREADS) superblock_ffn_q8s(SB_Q8S_PARAMS) {
+    sb_ffn_q8s<0, 0, 1, 0>(SB_Q8S_ARGS, 0);
+}
+
+// superblock_ffn_q8s_v<N>(SB_Q8S_PARAMS, int part_ch). MINB: blocks per SM
+// that __launch_bounds__ asks ptxas to fit (a register cap); the grid is the
+// resident block count of that function, so every variant runs at its own
+// occupancy. The host table (Q8_FFN_VARIANTS in
+// crates/mirage-cuda/src/superblock.rs) describes each; keep them in step.
+#define SB_Q8S_VARIANT(N, MINB, P1V, P2, P2U, FB)                                                 \
+    extern "C" __global__ void __launch_bounds__(SB_THREADS, MINB)                                \
+        superblock_ffn_q8s_v##N(SB_Q8S_PARAMS, int part_ch) {                                     \
+        sb_ffn_q8s<P1V, P2, P2U, FB>(SB_Q8S_ARGS, part_ch);                                       \
+    }
+// Tried on the H200 and dropped (slower; crates/mirage-cuda/NOTES.md): the
+// active ids staged in shared memory, phase-2 items of 512 outputs (a warp
+// load = 512 contiguous bytes of one down_t row, four finishes per item),
+// L2 prefetches of the next channel / trip.
+// MINB 5: at most 51 registers, 5 blocks of 256 threads per SM (the first
+// version's 48 registers, its occupancy); 4: 64; 3: 80 (85); 2: 128.
+// v0: the first version (plus part_ch).
+SB_Q8S_VARIANT(0, 5, 0, 0, 1, 0)
+// v1: the first version's phases, batched finish (8 partial loads in flight
+// per warp).
+SB_Q8S_VARIANT(1, 5, 0, 0, 1, 8)
+// v2: phase 1 a whole 3584-wide gate and up row in flight per warp (8 x 16
+// bytes a lane and row), phase 2 16-byte loads, 8 quads (32 channels) in
+// flight per warp; 2 blocks per SM.
+SB_Q8S_VARIANT(2, 2, 8, 1, 8, 8)
+// v3: half of that per warp (4 x 16 bytes a lane and row: a 3584 row in two
+// steps; 4 quads), 3 blocks per SM.
+SB_Q8S_VARIANT(3, 3, 4, 1, 4, 8)
+// v4: 2 x 16 bytes a lane and row (one step for an 896 row), 4 quads, 4
+// blocks per SM.
+SB_Q8S_VARIANT(4, 4, 2, 1, 4, 8)
+// v5: the first version's occupancy (5 blocks per SM) with 16-byte loads:
+// 1 x 16 bytes a lane and row, 2 quads.
+SB_Q8S_VARIANT(5, 5, 1, 1, 2, 8)
 
 // ---------------------------------------------------------------------------
 // The fused FFN over NVFP4 pages (weight-only NVFP4: codes and scales decoded
@@ -383,20 +626,6 @@ __device__ __forceinline__ void nv_dot_rows(const uint4* const* q, const sb_u16*
                 acc[k] += b0 * sb_e4m3(sc[h][k]) + b1 * sb_e4m3(sc[h][k] >> 8);
             }
         }
-    }
-}
-
-// One reduce-scatter step over lane bit `bit` (16, 8 or 4) on the first 2 n
-// values of a: afterwards a[0 .. n) holds the sums over the lane pair of
-// elements (lane & bit ? n : 0) + i of the previous a[0 .. 2 n).
-template <int N>
-__device__ __forceinline__ void nv_reduce_scatter(float* a, int lane, int bit) {
-    const bool upper = lane & bit;
-#pragma unroll
-    for (int i = 0; i < N; i++) {
-        const float send = upper ? a[i] : a[i + N];
-        const float keep = upper ? a[i + N] : a[i];
-        a[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
     }
 }
 

@@ -1,65 +1,69 @@
 #!/usr/bin/env bash
-# Device-side run for the sparse (superblock) CUDA backend, issue #7.
-# Carried: .devbin-e/bins.tar.xz (release, stripped: mirage-cli, xtask, the
-# `sparse_backend` and `sparse_kernels` test binaries, and
-# qwen-tokenizer.gguf = `xtask synth-model --tokenizer-only`), and
-# .devbin-e/smol4.gguf (SmolLM2-135M Q4_1 cut to its first 4 blocks by
-# scripts/truncate_gguf_blocks.py) + .devbin-e/smol4.mirage (`xtask
-# build-artifacts --model smol4.gguf --max-tokens 256`, GPL-3 calibration).
+# Device-side run of the sparse (superblock) CUDA backend, issue #7, on
+# synthetic shapes (the real Qwen artifact runs through h200-qwen.sh's
+# `sparse` stage, which needs the model carried in pieces).
 #
-# Usage: h200-sparse.sh [SHAPES] [MODEL ARTIFACT]
-#   SHAPES  synthetic Qwen2.5 shapes to bench with --synthetic-pages, written
-#           on the device by `xtask synth-model --quant q8_0` (default
-#           "qwen2.5-1.5b qwen2.5-7b"; "none" to skip).
-#   MODEL ARTIFACT  a real GGUF and its .mirage artifact (default: the
-#           carried smol4 pair when present): the routed-vs-CPU-superblock
-#           greedy test runs on them, and a bench with forced fractions and
-#           --routed.
-# GPU tests run first (MIRAGE_REQUIRE_CUDA_TESTS=1), then the benches; the
-# table is printed last, raw logs go to $OUT.
+# Build here: bash crates/mirage-cuda/scripts/bundle.sh   (-> target/bundle)
+# Then on the device, carrying target/bundle (and target/bundle-vk + .gl for
+# the Vulkan interop part, built by bundle-vkinterop.sh; skipped when absent):
+#   bash crates/mirage-cuda/scripts/h200-sparse.sh target/bundle [SHAPES]
+# SHAPES: synthetic Qwen2.5 shapes (`xtask synth-model --like S --quant
+# q8_0`, written on the device) benched with --synthetic-pages at forced
+# fractions in Q8_0 and NVFP4 pages; default "qwen2.5-7b"; "none" skips.
+# Order: GPU tests (MIRAGE_REQUIRE_CUDA_TESTS=1: a missing GPU fails), the
+# kernel-level sparse tables, the decode benches, the interop part; short
+# tables last, raw logs in $OUT.
 set -uo pipefail
-SHAPES=${1:-"qwen2.5-1.5b qwen2.5-7b"}
-MODEL=${2:-}
-ARTIFACT=${3:-}
-if [ -z "$MODEL" ] && [ -f .devbin-e/smol4.gguf ] && [ -f .devbin-e/smol4.mirage ]; then
-  MODEL=.devbin-e/smol4.gguf ARTIFACT=.devbin-e/smol4.mirage
-fi
-if [ -n "$MODEL" ]; then export MIRAGE_SPARSE_MODEL=$MODEL MIRAGE_SPARSE_ARTIFACT=$ARTIFACT; else export MIRAGE_SKIP_MODEL_TESTS=1; fi
-W=/tmp/e
+BIN=${1:?usage: h200-sparse.sh BIN_DIR [SHAPES]}
+SHAPES=${2:-qwen2.5-7b}
+W=/tmp/sp
 OUT=${OUT:-/tmp/out}
-mkdir -p "$W" "$OUT"
-tar -xJf .devbin-e/bins.tar.xz -C "$W" || exit 1
-NV=$(find /usr/local/cuda* /usr/local/lib /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | grep -v stub | head -1)
-export LD_LIBRARY_PATH="$(dirname "${NV:-/x/y}"):${LD_LIBRARY_PATH:-}"
-export MIRAGE_CUDA_CACHE=$W/cache
+L=$W/log
+mkdir -p "$W" "$L" "$OUT"
+. "$(dirname "$0")/common.sh"
+device_unpack "$BIN" "$W" || exit 1
+device_env "$W"
+export MIRAGE_REQUIRE_CUDA_TESTS=1
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
-t0=$(date +%s)
-MIRAGE_REQUIRE_CUDA_TESTS=1 timeout 60 "$W/sparse_backend_test" --nocapture --test-threads 1 > "$OUT/sparse_backend.log" 2>&1
-echo "sparse_backend tests rc=$? ($(( $(date +%s) - t0 )) s)"
-grep -E "^test |cosine|sizes|differed|graph stats|result:|panicked|skipped" "$OUT/sparse_backend.log" | head -30
-MIRAGE_REQUIRE_CUDA_TESTS=1 timeout 40 "$W/sparse_kernels_test" --nocapture --test-threads 1 > "$OUT/sparse_kernels.log" 2>&1
-echo "sparse_kernels tests rc=$?"
-grep -E "^test |result:|panicked" "$OUT/sparse_kernels.log" | head -12
-: > "$OUT/tables.txt"
+[ -f "$BIN/COMMIT" ] && echo "bundle commit $(cat "$BIN/COMMIT")"
+T0=$SECONDS
+run() { # tag, timeout, cmd...
+  local tag=$1 lim=$2 t=$SECONDS; shift 2
+  timeout "$lim" "$@" > "$L/$tag.log" 2>&1
+  local r=$?
+  echo "== $tag rc=$r ($((SECONDS - t)) s) $(grep -E '^test result' "$L/$tag.log" | head -1)"
+  return $r
+}
+run sparse_kernels 120 "$W/sparse_kernels" --nocapture --test-threads 1
+grep -E "panicked|FAILED" "$L/sparse_kernels.log" | head -8
+MIRAGE_SKIP_MODEL_TESTS=1 run sparse_backend 120 "$W/sparse_backend" --nocapture --test-threads 1
+grep -E "panicked|FAILED|sizes|cosine" "$L/sparse_backend.log" | cut -c1-200 | head -10
+run kv_toggle 60 "$W/kv_pruning_backend" pruning_toggled_on_one_cache_equals_dedicated_caches --nocapture
+grep -E "panicked|cosine|err" "$L/kv_toggle.log" | cut -c1-200 | head -4
+run kernel_bench 240 "$W/kernel-bench" --iters 30 --sparse
+: > "$L/tables.txt"
 bench() { # tag, timeout, args...
   local tag=$1 lim=$2; shift 2
-  local t=$(date +%s)
-  timeout "$lim" "$W/mirage-cli" bench --backend cuda "$@" > "$OUT/bench_$tag.txt" 2> "$OUT/bench_$tag.err"
-  local rc=$?
-  echo "bench $tag rc=$rc ($(( $(date +%s) - t )) s)"; tail -3 "$OUT/bench_$tag.err"
-  { echo "== $tag: mirage-cli bench --backend cuda $*"; cat "$OUT/bench_$tag.txt"; } >> "$OUT/tables.txt"
+  run "bench_$tag" "$lim" "$W/mirage-cli" bench --backend cuda "$@"
+  { echo "== $tag: mirage-cli bench --backend cuda $*"; grep -vE '^\s*$|INFO|WARN' "$L/bench_$tag.log" | tail -14; } >> "$L/tables.txt"
 }
 if [ "$SHAPES" != none ]; then
   for s in $SHAPES; do
-    t=$(date +%s)
-    timeout 90 "$W/xtask" synth-model --like "$s" --quant q8_0 --out "$W/$s.gguf" --tokenizer-from "$W/qwen-tokenizer.gguf" > "$OUT/synth_$s.log" 2>&1
-    echo "synth $s rc=$? ($(( $(date +%s) - t )) s, $(du -h "$W/$s.gguf" 2>/dev/null | cut -f1))"
-    bench "$s" 120 --model "$W/$s.gguf" --synthetic-pages --active 1.0,0.75,0.5,0.4,0.35,0.25 --prompt 16 --gen 66
-    rm -f "$W/$s.gguf"
+    f=$W/$s.gguf
+    timeout 120 "$W/xtask" synth-model --like "$s" --quant q8_0 --out "$f" --tokenizer-from "$W/tok.gguf" > "$L/synth_$s.log" 2>&1
+    echo "synth $s rc=$? ($(du -h "$f" 2>/dev/null | cut -f1))"
+    for pf in q8_0 nvfp4; do
+      bench "$s-$pf" 150 --model "$f" --synthetic-pages --page-format $pf --active 1.0,0.5,0.4,0.25 --prompt 16 --gen 66
+    done
+    rm -f "$f"
   done
 fi
-if [ -n "$MODEL" ] && [ -n "$ARTIFACT" ]; then
-  bench real 90 --model "$MODEL" --artifact "$ARTIFACT" --routed --active 1.0,0.75,0.5,0.35,0.25 --prompt 16 --gen 130
+if [ -d target/bundle-vk ] && [ -d .gl ]; then
+  OUT=$L/vk bash "$(dirname "$0")/h200-vkinterop.sh" target/bundle-vk > "$L/vk.txt" 2>&1
+  echo "== vk interop rc=$? $(grep -c 'rc=0' "$L/vk.txt") steps ok"; grep -E 'rc=[1-9]' "$L/vk.txt" | head -5
 fi
-echo "total $(( $(date +%s) - t0 )) s"
-cat "$OUT/tables.txt"
+echo "total $((SECONDS - T0)) s"
+tar -czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null
+echo; sed -n '/^== sparse FFN variants/,$p' "$L/kernel_bench.log" | head -40
+echo; cat "$L/tables.txt"
+[ -f "$L/vk/vk_tables.txt" ] && { echo; cat "$L/vk/vk_tables.txt"; }

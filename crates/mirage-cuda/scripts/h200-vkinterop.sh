@@ -63,7 +63,7 @@ bench qwen05b --iters 200
 bench qwen05b-1router --iters 200 --routers 1
 # Qwen2.5-7B FFN pages (18944/128 = 148), 28 layers, d_model 3584.
 bench qwen7b --layers 28 --pages 148 --d-model 3584 --iters 200
-# The warp-reduced projection (the backend's default routed mode).
-bench qwen05b-fast --iters 200 --fast
+# route.cu walking the BVH instead of scanning the boxes (same lists).
+bench qwen05b-bvh --iters 200 --bvh
 echo; cat "$OUT/vk_tables.txt"
 exit $rc

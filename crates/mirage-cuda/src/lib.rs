@@ -31,14 +31,15 @@ pub mod kv_pruning;
 pub mod module;
 #[cfg(feature = "cuda")]
 pub use backend::sparse_backend::{
-    pages_for_fraction, random_subset, OpTimes, PageSource, SparseCudaBackend, SparseFfn,
-    SparsePages,
+    nvfp4_layer_pages, pages_for_fraction, q2k_layer_pages, random_subset, OpTimes, PageFormat,
+    PageSource, RouteTraversal, SparseCudaBackend, SparseFfn, SparsePages, ROUTE_SCAN_MAX_PRIMS,
 };
 #[cfg(feature = "cuda")]
 pub use backend::{CudaActivations, CudaBackend, CudaFfn, CudaKvCache, CudaMatrix, CudaVector};
 
 pub mod nvfp4;
 pub mod superblock;
+pub mod superblock_q2k;
 /// Routing through the Vulkan ray-tracing router with CUDA–Vulkan interop
 /// (exported memory and timeline semaphores), and route.cu on its own
 /// context for comparison.

@@ -1,6 +1,7 @@
 //! [`SparseCudaBackend`]: the superblock (page-major, sparse FFN) backend on
 //! CUDA. Every op but the FFN is [`CudaBackend`]'s, on the same context and
-//! stream; the FFN runs the fused page kernel of `cuda/superblock.cu` over a
+//! stream; the FFN runs the fused page kernel of `cuda/superblock.cu` (or
+//! `cuda/superblock_q2k.cu`, per [`PageFormat`]) over a
 //! per-layer active page list that lives in device memory, written either
 //! once (all pages, a prefix by hotness, a forced random subset) or per
 //! token by the BVH traversal of `cuda/route.cu` (routed mode). No op of a
@@ -19,7 +20,6 @@
 //! same kernel (`phases` 1 then 2, same grid): the kernel boundary is the
 //! barrier. It costs one more launch per layer inside the graph.
 
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute};
@@ -37,22 +37,62 @@ use mirage_runtime::{Result, RuntimeError};
 use super::{
     bad, drv, Arg, CudaActivations, CudaBackend, CudaKvCache, CudaMatrix, CudaVector, MemKind,
 };
-use crate::superblock::{q8_0_page_bytes, split_q8_0_page, PAGE_CHANNELS};
+use crate::superblock::{
+    nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, Nvfp4Pages, SparseError, PAGE_CHANNELS,
+};
+use crate::superblock_q2k::{join_q2k_rows, q2k_page_bytes, Q2kPages, Q2K_BLOCK, Q2K_MAX_D};
 use crate::{module, CudaError};
 
-/// Sources of the sparse backend's module: NVFP4 helpers, the fused FFN,
-/// the router.
+/// Sources of the sparse backend's module: NVFP4 helpers, the fused FFNs
+/// (Q8_0 and NVFP4, then Q2_K), the router.
 const SOURCE: &str = concat!(
     include_str!("../../../cuda/nvfp4.cu"),
     "\n",
     include_str!("../../../cuda/superblock.cu"),
     "\n",
+    include_str!("../../../cuda/superblock_q2k.cu"),
+    "\n",
     include_str!("../../../cuda/route.cu")
 );
-const KERNELS: &[&str] = &["superblock_ffn_q8s", "route_bvh", "set_active_prefix"];
+const KERNELS: &[&str] = &[
+    "superblock_ffn_q8s",
+    "superblock_ffn_nvfp4",
+    "superblock_ffn_q2k",
+    "route_bvh",
+    "set_active_prefix",
+];
 /// Threads per block of the fused FFN (`SB_THREADS`) and the router.
 const FFN_THREADS: u32 = 256;
-const ROUTE_THREADS: u32 = 256;
+pub(crate) const ROUTE_THREADS: u32 = 512;
+
+/// Largest router (leaf primitives = pages x slices) that `route_bvh` tests
+/// primitive by primitive (one thread each, a few rounds of 512) instead of
+/// walking the BVH: with the heavily overlapping boxes of real routers the
+/// walk visits nearly every leaf anyway, serially (see cuda/route.cu).
+pub const ROUTE_SCAN_MAX_PRIMS: usize = 8192;
+
+/// How `route_bvh` finds the boxes that hold each slice point. Every choice
+/// gives the same sets (the CPU's); they differ only in speed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RouteTraversal {
+    /// Scan up to [`ROUTE_SCAN_MAX_PRIMS`] primitives, walk the BVH above.
+    #[default]
+    Auto,
+    /// Test every leaf primitive, one thread each.
+    Scan,
+    /// Walk the BVH, one thread per slice.
+    Bvh,
+}
+
+impl RouteTraversal {
+    pub(crate) fn scans(self, n_prims: usize) -> bool {
+        match self {
+            RouteTraversal::Auto => n_prims <= ROUTE_SCAN_MAX_PRIMS,
+            RouteTraversal::Scan => true,
+            RouteTraversal::Bvh => false,
+        }
+    }
+}
 
 /// Which pages the sparse FFN runs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -77,10 +117,119 @@ pub enum SparsePages {
     Routed {
         /// Box inflation (the artifact's `default_margin` is calibrated).
         margin: f32,
-        /// Project x onto the slice axes in the CPU's exact summation order
-        /// (bit-identical points, slower), else a warp reduction.
-        exact_projection: bool,
+        /// Primitive scan or BVH walk (same sets).
+        traversal: RouteTraversal,
     },
+}
+
+/// How the pages are encoded on the device (and so which fused kernel runs
+/// the FFN). Chosen before the layers are uploaded
+/// ([`SparseCudaBackend::set_page_format`]); the active lists, routing and
+/// modes do not depend on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PageFormat {
+    /// Split Q8_0 (`superblock_ffn_q8s`): artifact pages as stored (other
+    /// types requantized to Q8_0), synthetic pages from the model's FFN.
+    #[default]
+    Q8_0,
+    /// Weight-only NVFP4 (`superblock_ffn_nvfp4`, [`Nvfp4Pages`]): the
+    /// model's own gate/up/down requantized at upload (one tensor scale per
+    /// layer matrix), in the same channel order as the Q8_0 pages (the
+    /// artifact's permutation, or 128 consecutive channels for synthetic
+    /// pages). 216 bytes per `d_model` a page, 53 % of Q8_0.
+    Nvfp4,
+    /// Split Q2_K (`superblock_ffn_q2k`, [`Q2kPages`]): the model's own
+    /// gate/up/down as ggml Q2_K at upload (Q2_K gate/up rows copied
+    /// verbatim, other types requantized; `W_down` dequantized, transposed
+    /// and quantized), in the same channel order as the Q8_0 pages. 126
+    /// bytes per `d_model` a page, 33 % of Q8_0. Needs `d_model` a multiple
+    /// of 256 (one Q2_K super-block) up to 16384.
+    Q2K,
+}
+
+impl PageFormat {
+    /// Every format (a layer's upload sizes the shared scratch for each
+    /// format's grid).
+    pub const ALL: [PageFormat; 3] = [PageFormat::Q8_0, PageFormat::Nvfp4, PageFormat::Q2K];
+
+    /// `q8_0`, `nvfp4` or `q2_k`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PageFormat::Q8_0 => "q8_0",
+            PageFormat::Nvfp4 => "nvfp4",
+            PageFormat::Q2K => "q2_k",
+        }
+    }
+
+    /// Device bytes of one page of `d_model`.
+    pub fn page_bytes(self, d_model: usize) -> usize {
+        match self {
+            PageFormat::Q8_0 => q8_0_page_bytes(d_model),
+            PageFormat::Nvfp4 => nvfp4_page_bytes(d_model),
+            PageFormat::Q2K => q2k_page_bytes(d_model),
+        }
+    }
+
+    /// The fused FFN kernel over pages of this format.
+    fn kernel(self) -> &'static str {
+        match self {
+            PageFormat::Q8_0 => "superblock_ffn_q8s",
+            PageFormat::Nvfp4 => "superblock_ffn_nvfp4",
+            PageFormat::Q2K => "superblock_ffn_q2k",
+        }
+    }
+
+    /// Whether pages of this format can hold a model of width `d_model`
+    /// (checked by `upload_ffn` before any page is built). Q8_0 and NVFP4
+    /// need a positive multiple of 32 ([`RuntimeError::InvalidArgument`]);
+    /// Q2_K a positive multiple of 256 up to 16384, else
+    /// [`RuntimeError::UnsupportedType`] with type Q2_K, naming the width
+    /// (Qwen2.5 0.5B's 896 is 3.5 super-blocks).
+    pub fn check_d_model(self, d_model: usize) -> Result<()> {
+        match self {
+            PageFormat::Q8_0 | PageFormat::Nvfp4 => {
+                if d_model == 0 || d_model % 32 != 0 {
+                    return Err(rt(format!(
+                        "d_model {d_model} is not a positive multiple of 32 ({self} pages)"
+                    )));
+                }
+            }
+            PageFormat::Q2K => {
+                if d_model == 0 || d_model % Q2K_BLOCK != 0 || d_model > Q2K_MAX_D {
+                    return Err(RuntimeError::UnsupportedType {
+                        backend: "superblock-cuda".into(),
+                        ty: GgmlType::Q2_K,
+                        what: format!(
+                            "page format q2_k: d_model {d_model} is not a positive multiple of \
+                             {Q2K_BLOCK} (one Q2_K super-block) up to {Q2K_MAX_D}; \
+                             use page format q8_0 or nvfp4 for this model"
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for PageFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for PageFormat {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<PageFormat, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "q8_0" | "q8" => Ok(PageFormat::Q8_0),
+            "nvfp4" => Ok(PageFormat::Nvfp4),
+            "q2_k" | "q2k" => Ok(PageFormat::Q2K),
+            other => Err(format!(
+                "page format `{other}`: expected q8_0, nvfp4 or q2_k"
+            )),
+        }
+    }
 }
 
 /// Where the pages come from.
@@ -99,6 +248,7 @@ struct DeviceRouter {
     slices: usize,
     pages: usize,
     n_nodes: usize,
+    n_prims: usize,
     proj: CudaSlice<f32>,
     offsets: CudaSlice<f32>,
     nodes: CudaSlice<u8>,
@@ -133,6 +283,15 @@ struct LayerDev {
     n_pages: usize,
     n_trunk: usize,
     pages: CudaSlice<u8>,
+    /// Encoding of `pages` (the backend's format when it was uploaded).
+    format: PageFormat,
+    /// Bytes of one page in `pages`.
+    page_bytes: usize,
+    /// NVFP4 tensor scales of gate, up and down (unused for Q8_0 and Q2_K).
+    tensor_scales: [f32; 3],
+    /// Grid of both phase launches of `format`'s kernel: its resident
+    /// blocks (occupancy at `d_model * 4` bytes of shared memory).
+    grid: u32,
     ids: CudaSlice<u32>,
     count: CudaSlice<i32>,
     router: Option<DeviceRouter>,
@@ -171,7 +330,7 @@ pub struct SparseCudaBackend {
     mode: Mutex<SparsePages>,
     layers: Mutex<Vec<Option<LayerDev>>>,
     scratch: Mutex<FfnScratch>,
-    grid: AtomicU32,
+    format: Mutex<PageFormat>,
     multiprocessors: u32,
 }
 
@@ -179,9 +338,10 @@ impl std::fmt::Debug for SparseCudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "SparseCudaBackend {{ {:?}, mode: {:?} }}",
+            "SparseCudaBackend {{ {:?}, mode: {:?}, pages: {} }}",
             self.inner,
-            self.mode()
+            self.mode(),
+            self.page_format()
         )
     }
 }
@@ -305,7 +465,250 @@ fn artifact_page_q8(artifact: &Artifact, layer: usize, p: usize) -> Result<Vec<u
     q8_rows(&f, 3 * PAGE_CHANNELS, d)
 }
 
-fn as_bytes_nodes(v: &[BvhNode]) -> Vec<u8> {
+/// Refuses a model layer whose FFN does not match the artifact's.
+fn check_artifact_layer(a: &Artifact, layer: usize, d: usize, n_ff: usize) -> Result<()> {
+    let m = a.meta();
+    if layer >= m.n_layer || m.d_model != d || m.n_ff != n_ff {
+        return Err(rt(format!(
+            "model layer {layer} FFN [{n_ff}x{d}] does not match the artifact ({} layers, n_ff {}, d_model {})",
+            m.n_layer, m.n_ff, m.d_model
+        )));
+    }
+    Ok(())
+}
+
+/// A page-major packer whose page is planes of rows: each plane holds
+/// gate, up and `down_t` (in that order) as 128 rows of a fixed width, so a
+/// channel's bytes can be moved to another page and slot without
+/// requantizing. What [`layer_pages`] builds from the model's FFN and lays
+/// out in the artifact's channel order, for [`PageFormat::Nvfp4`]
+/// (planes: codes, block scales) and [`PageFormat::Q2K`] (quants, scales,
+/// d/dmin words).
+trait PlanePages: Sized {
+    /// The page format these pages are.
+    const FORMAT: PageFormat;
+    /// Packs a layer's FFN (ggml `(type, bytes)` as the GGUF stores them).
+    fn pack(
+        d_model: usize,
+        n_ff: usize,
+        gate: (GgmlType, &[u8]),
+        up: (GgmlType, &[u8]),
+        down: (GgmlType, &[u8]),
+        threads: usize,
+    ) -> std::result::Result<Self, SparseError>;
+    /// `(d_model, n_ff)`.
+    fn shape(&self) -> (usize, usize);
+    /// All pages, page-major.
+    fn all_bytes(&self) -> &[u8];
+    /// Bytes of one row in each plane of a page, in page order.
+    fn plane_widths(d_model: usize) -> Vec<usize>;
+    /// Pages of `n` channels (whole pages) in `self`'s format and tensor
+    /// scales from `rows[m][s]`: the `n` rows of matrix `m` (gate, up,
+    /// `down_t`) in plane `s`, row-major.
+    fn with_planes(
+        &self,
+        n: usize,
+        rows: [Vec<Vec<u8>>; 3],
+    ) -> std::result::Result<Self, SparseError>;
+}
+
+impl PlanePages for Nvfp4Pages {
+    const FORMAT: PageFormat = PageFormat::Nvfp4;
+    fn pack(
+        d_model: usize,
+        n_ff: usize,
+        gate: (GgmlType, &[u8]),
+        up: (GgmlType, &[u8]),
+        down: (GgmlType, &[u8]),
+        threads: usize,
+    ) -> std::result::Result<Self, SparseError> {
+        Nvfp4Pages::from_gguf_parts(d_model, n_ff, gate, up, down, threads)
+    }
+    fn shape(&self) -> (usize, usize) {
+        (self.d_model(), self.n_ff())
+    }
+    fn all_bytes(&self) -> &[u8] {
+        self.bytes()
+    }
+    fn plane_widths(d: usize) -> Vec<usize> {
+        vec![d / 2, d / 16]
+    }
+    fn with_planes(
+        &self,
+        n: usize,
+        rows: [Vec<Vec<u8>>; 3],
+    ) -> std::result::Result<Self, SparseError> {
+        let d = self.d_model();
+        let t: Vec<quant::Nvfp4Tensor> = rows
+            .into_iter()
+            .zip(self.tensor_scales())
+            .map(|(planes, tensor_scale)| {
+                let [packed, block_scales]: [Vec<u8>; 2] = planes.try_into().map_err(|_| {
+                    SparseError::InvalidArgument("NVFP4 pages have 2 planes".into())
+                })?;
+                Ok(quant::Nvfp4Tensor {
+                    dims: vec![d as u64, n as u64],
+                    tensor_scale,
+                    block_scales,
+                    packed,
+                })
+            })
+            .collect::<std::result::Result<_, SparseError>>()?;
+        Nvfp4Pages::from_tensors(&t[0], &t[1], &t[2])
+    }
+}
+
+impl PlanePages for Q2kPages {
+    const FORMAT: PageFormat = PageFormat::Q2K;
+    fn pack(
+        d_model: usize,
+        n_ff: usize,
+        gate: (GgmlType, &[u8]),
+        up: (GgmlType, &[u8]),
+        down: (GgmlType, &[u8]),
+        threads: usize,
+    ) -> std::result::Result<Self, SparseError> {
+        Q2kPages::from_gguf_parts(d_model, n_ff, gate, up, down, threads)
+    }
+    fn shape(&self) -> (usize, usize) {
+        (self.d_model(), self.n_ff())
+    }
+    fn all_bytes(&self) -> &[u8] {
+        self.bytes()
+    }
+    fn plane_widths(d: usize) -> Vec<usize> {
+        vec![d / 4, d / 16, d / 64]
+    }
+    fn with_planes(
+        &self,
+        n: usize,
+        rows: [Vec<Vec<u8>>; 3],
+    ) -> std::result::Result<Self, SparseError> {
+        // A matrix's planes, concatenated, are its split Q2_K rows: back to
+        // ggml rows for the packer (a byte shuffle, no requantization).
+        let d = self.d_model();
+        let [g, u, dt] = rows.map(|planes| join_q2k_rows(&planes.concat(), n, d));
+        Q2kPages::from_q2k_rows(d, n, &g?, &u?, &dt?)
+    }
+}
+
+/// The pages of format `P` [`SparseCudaBackend`] uploads for `layer`, built
+/// on the host (no device needed): the model's gate, up and down (any ggml
+/// type) packed as whole layer matrices ([`PlanePages::pack`]), then laid
+/// out in the Q8_0 path's channel order: stored channel `k` is the
+/// artifact's `perm[k]` ([`PageSource::Artifact`]: only its kept pages), or
+/// channel `k` itself ([`PageSource::Synthetic`]; a last partial page is
+/// zero-padded).
+fn layer_pages<P: PlanePages>(
+    source: &PageSource,
+    layer: usize,
+    gate: &HostMatrix,
+    up: &HostMatrix,
+    down: &HostMatrix,
+) -> Result<P> {
+    let (d, n_ff) = (gate.cols, gate.rows);
+    if up.rows != n_ff || up.cols != d || down.rows != d || down.cols != n_ff {
+        return Err(rt(format!(
+            "layer {layer}: FFN shapes gate {}x{}, up {}x{}, down {}x{} do not fit",
+            gate.rows, gate.cols, up.rows, up.cols, down.rows, down.cols
+        )));
+    }
+    P::FORMAT.check_d_model(d)?;
+    if let PageSource::Artifact(a) = source {
+        check_artifact_layer(a, layer, d, n_ff)?;
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let all = P::pack(
+        d,
+        n_ff,
+        (gate.ty, gate.data.as_slice()),
+        (up.ty, up.data.as_slice()),
+        (down.ty, down.data.as_slice()),
+        threads,
+    )
+    .map_err(|e| rt(format!("layer {layer}: {} pages: {e}", P::FORMAT)))?;
+    match source {
+        PageSource::Synthetic => Ok(all),
+        PageSource::Artifact(a) => {
+            permute_pages(&all, &a.layer(layer).perm).map_err(|e| rt(format!("layer {layer}: {e}")))
+        }
+    }
+}
+
+/// `all`'s channels in the order `perm` (stored channel `k` = `all`'s
+/// channel `perm[k]`; `perm.len()` a multiple of 128), tensor scales kept:
+/// each channel's row bytes are moved plane by plane, nothing is
+/// requantized.
+fn permute_pages<P: PlanePages>(all: &P, perm: &[u32]) -> Result<P> {
+    let (d, n_ff) = all.shape();
+    let widths = P::plane_widths(d);
+    let pb = P::FORMAT.page_bytes(d);
+    debug_assert_eq!(3 * PAGE_CHANNELS * widths.iter().sum::<usize>(), pb);
+    let n = perm.len();
+    if n == 0 || n % PAGE_CHANNELS != 0 {
+        return Err(rt(format!(
+            "a channel order of {n} channels is not whole pages of {PAGE_CHANNELS}"
+        )));
+    }
+    let mut rows: [Vec<Vec<u8>>; 3] =
+        std::array::from_fn(|_| widths.iter().map(|w| Vec::with_capacity(n * w)).collect());
+    for &c in perm {
+        let c = c as usize;
+        if c >= n_ff {
+            return Err(rt(format!("channel {c} is past the FFN's {n_ff} channels")));
+        }
+        let p = c / PAGE_CHANNELS;
+        let page = &all.all_bytes()[p * pb..(p + 1) * pb];
+        let mut plane = 0;
+        for (s, &w) in widths.iter().enumerate() {
+            for (m, rm) in rows.iter_mut().enumerate() {
+                let at = plane + (m * PAGE_CHANNELS + c % PAGE_CHANNELS) * w;
+                rm[s].extend_from_slice(&page[at..at + w]);
+            }
+            plane += 3 * PAGE_CHANNELS * w;
+        }
+    }
+    all.with_planes(n, rows).map_err(rt)
+}
+
+/// The NVFP4 pages [`SparseCudaBackend`] uploads for `layer` under
+/// [`PageFormat::Nvfp4`], built on the host (no device needed): the model's
+/// gate, up and down (any ggml type) requantized as whole layer matrices
+/// ([`Nvfp4Pages::from_gguf_parts`]: one tensor scale per matrix, the down
+/// scale that of `W_down`; gate and up bit-identical to what the dense
+/// backend's NVFP4 weights hold), then laid out in the Q8_0 path's channel
+/// order: stored channel `k` is the artifact's `perm[k]`
+/// ([`PageSource::Artifact`]: only its kept pages), or channel `k` itself
+/// ([`PageSource::Synthetic`]; a last partial page is zero-padded).
+pub fn nvfp4_layer_pages(
+    source: &PageSource,
+    layer: usize,
+    gate: &HostMatrix,
+    up: &HostMatrix,
+    down: &HostMatrix,
+) -> Result<Nvfp4Pages> {
+    layer_pages(source, layer, gate, up, down)
+}
+
+/// The Q2_K pages [`SparseCudaBackend`] uploads for `layer` under
+/// [`PageFormat::Q2K`], built on the host (no device needed):
+/// [`Q2kPages::from_gguf_parts`] on the model's gate, up and down (Q2_K
+/// gate/up rows copied verbatim, other types quantized to Q2_K; `W_down`
+/// dequantized, transposed and quantized along `d_model`), then laid out in
+/// the channel order of [`nvfp4_layer_pages`] (the artifact's `perm`, kept
+/// pages only; or identity). `d_model` must be a multiple of 256 up to 16384
+/// ([`PageFormat::check_d_model`]).
+pub fn q2k_layer_pages(
+    source: &PageSource,
+    layer: usize,
+    gate: &HostMatrix,
+    up: &HostMatrix,
+    down: &HostMatrix,
+) -> Result<Q2kPages> {
+    layer_pages(source, layer, gate, up, down)
+}
+
+pub(crate) fn as_bytes_nodes(v: &[BvhNode]) -> Vec<u8> {
     let mut out = Vec::with_capacity(32 * v.len());
     for n in v {
         for x in n.min {
@@ -320,7 +723,7 @@ fn as_bytes_nodes(v: &[BvhNode]) -> Vec<u8> {
     out
 }
 
-fn as_bytes_prims(v: &[BvhPrim]) -> Vec<u8> {
+pub(crate) fn as_bytes_prims(v: &[BvhPrim]) -> Vec<u8> {
     let mut out = Vec::with_capacity(32 * v.len());
     for n in v {
         for x in n.min {
@@ -399,7 +802,7 @@ impl SparseCudaBackend {
             mode: Mutex::new(mode),
             layers: Mutex::new(Vec::new()),
             scratch: Mutex::new(FfnScratch::default()),
-            grid: AtomicU32::new(0),
+            format: Mutex::new(PageFormat::default()),
             multiprocessors,
         })
     }
@@ -412,6 +815,25 @@ impl SparseCudaBackend {
     /// The current mode.
     pub fn mode(&self) -> SparsePages {
         *self.mode.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The encoding of the pages uploaded from now on.
+    pub fn page_format(&self) -> PageFormat {
+        *self.format.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Chooses the page encoding (default [`PageFormat::Q8_0`]). Only before
+    /// any layer is uploaded (before `Model::load`): every layer of one
+    /// backend uses one format.
+    pub fn set_page_format(&self, format: PageFormat) -> Result<()> {
+        if self.layers().iter().any(|l| l.is_some()) && format != self.page_format() {
+            return Err(rt(format!(
+                "the page format ({}) cannot change after layers are uploaded",
+                self.page_format()
+            )));
+        }
+        *self.format.lock().unwrap_or_else(|e| e.into_inner()) = format;
+        Ok(())
     }
 
     fn layers(&self) -> std::sync::MutexGuard<'_, Vec<Option<LayerDev>>> {
@@ -491,6 +913,7 @@ impl SparseCudaBackend {
             slices: data.slices,
             pages: data.pages(),
             n_nodes: bvh.nodes.len(),
+            n_prims: bvh.prims.len(),
             proj: s.clone_htod(&data.projection).map_err(drv)?,
             offsets: s.clone_htod(&bvh.slice_offsets).map_err(drv)?,
             nodes: up_u8(&as_bytes_nodes(&bvh.nodes))?,
@@ -533,7 +956,7 @@ impl SparseCudaBackend {
         self.layers()
             .iter()
             .flatten()
-            .map(|l| (l.n_pages, q8_0_page_bytes(l.d_model)))
+            .map(|l| (l.n_pages, l.page_bytes))
             .collect()
     }
 
@@ -547,33 +970,32 @@ impl SparseCudaBackend {
             .get(layer)
             .and_then(|l| l.as_ref())
             .ok_or_else(|| rt(format!("layer {layer} has no FFN uploaded")))?;
-        let SparsePages::Routed {
-            exact_projection, ..
-        } = self.mode()
-        else {
+        let SparsePages::Routed { traversal, .. } = self.mode() else {
             return Err(rt("route_only needs the routed mode"));
         };
-        self.launch_route(ld, px, exact_projection)
+        self.launch_route(ld, px, traversal)
     }
 
-    fn launch_route(&self, ld: &LayerDev, px: u64, exact: bool) -> Result<()> {
+    fn launch_route(&self, ld: &LayerDev, px: u64, traversal: RouteTraversal) -> Result<()> {
         let r = ld.router.as_ref().ok_or_else(|| rt("router not built"))?;
         let p = |s: &CudaSlice<u8>| self.inner.ptr(s);
+        let scan = traversal.scans(r.n_prims);
         self.inner.launch(
             "route_bvh",
             (1, 1, 1),
             (ROUTE_THREADS, 1, 1),
-            route_smem_bytes(ld.n_pages, ld.d_model, r.n_nodes),
+            route_smem_bytes(ld.n_pages, ld.d_model, if scan { 0 } else { r.n_nodes }),
             vec![
                 Arg::Ptr(px),
                 Arg::I32(ld.d_model as i32),
                 Arg::Ptr(self.inner.ptr(&r.proj)),
                 Arg::I32(r.slices as i32),
-                Arg::I32(exact as i32),
                 Arg::Ptr(self.inner.ptr(&r.offsets)),
                 Arg::Ptr(p(&r.nodes)),
                 Arg::I32(r.n_nodes as i32),
                 Arg::Ptr(p(&r.prims)),
+                Arg::I32(r.n_prims as i32),
+                Arg::I32(scan as i32),
                 Arg::Ptr(self.inner.ptr(&r.thresholds)),
                 Arg::I32(r.pages as i32),
                 Arg::I32(ld.n_pages as i32),
@@ -590,12 +1012,19 @@ impl SparseCudaBackend {
             return Err(rt("FFN scratch not allocated"));
         };
         let d = ld.d_model;
+        // The kernels take the same arguments but for NVFP4's three tensor
+        // scales after d (Q2_K's are q8s's).
         let base = |phase: i32| {
-            vec![
+            let mut a = vec![
                 Arg::Ptr(self.inner.ptr(&ld.pages)),
-                Arg::I64(q8_0_page_bytes(d) as i64),
+                Arg::I64(ld.page_bytes as i64),
                 Arg::I32(ld.n_pages as i32),
                 Arg::I32(d as i32),
+            ];
+            if ld.format == PageFormat::Nvfp4 {
+                a.extend(ld.tensor_scales.map(Arg::F32));
+            }
+            a.extend([
                 Arg::Ptr(px),
                 Arg::Ptr(self.inner.ptr(&ld.ids)),
                 Arg::Ptr(self.inner.ptr(&ld.count)),
@@ -607,13 +1036,18 @@ impl SparseCudaBackend {
                 Arg::Ptr(self.inner.ptr(c)),
                 Arg::Ptr(py),
                 Arg::I32(phase),
-            ]
+            ]);
+            a
         };
-        let g = (self.grid.load(Ordering::Relaxed).max(1), 1, 1);
-        let b = (FFN_THREADS, 1, 1);
-        self.inner
-            .launch("superblock_ffn_q8s", g, b, (d * 4) as u32, base(1))?;
-        self.inner.launch("superblock_ffn_q8s", g, b, 0, base(2))
+        // Phase 2 reads no x: no dynamic shared memory. Same grid for both
+        // (phase 2's split of the channels depends on it).
+        let (k, g, b) = (
+            ld.format.kernel(),
+            (ld.grid.max(1), 1, 1),
+            (FFN_THREADS, 1, 1),
+        );
+        self.inner.launch(k, g, b, (d * 4) as u32, base(1))?;
+        self.inner.launch(k, g, b, 0, base(2))
     }
 
     /// Writes `data` (`rows * width` floats) into `a`, reusing its buffer
@@ -652,9 +1086,7 @@ impl SparseCudaBackend {
             .ok_or_else(|| rt(format!("layer {layer} has no FFN uploaded")))?;
         let py = self.inner.reshape(&mut y, 1, ld.d_model)?;
         let routed = match self.mode() {
-            SparsePages::Routed {
-                exact_projection, ..
-            } => Some(exact_projection),
+            SparsePages::Routed { traversal, .. } => Some(traversal),
             _ => None,
         };
         let ctx = &self.inner.ctx;
@@ -680,7 +1112,7 @@ impl SparseCudaBackend {
             Ok(v[v.len() / 2])
         };
         let route_us = match routed {
-            Some(exact) => time(&|| self.launch_route(ld, px, exact))?,
+            Some(t) => time(&|| self.launch_route(ld, px, t))?,
             None => 0.0,
         };
         let ffn_us = time(&|| self.launch_ffn(ld, px, py))?;
@@ -721,69 +1153,104 @@ impl Backend for SparseCudaBackend {
                 gate.rows, gate.cols, up.rows, up.cols, down.rows, down.cols
             )));
         }
-        if d == 0 || d % 32 != 0 {
-            return Err(rt(format!(
-                "d_model {d} is not a positive multiple of 32 (Q8_0 pages)"
-            )));
-        }
-        let (pages, n_trunk): (Vec<Vec<u8>>, usize) = match &self.source {
+        let format = self.page_format();
+        format.check_d_model(d)?;
+        let n_trunk = match &self.source {
             PageSource::Artifact(a) => {
-                let m = a.meta();
-                if layer >= m.n_layer || m.d_model != d || m.n_ff != gate.rows {
-                    return Err(rt(format!(
-                        "model layer {layer} FFN [{}x{d}] does not match the artifact ({} layers, n_ff {}, d_model {})",
-                        gate.rows, m.n_layer, m.n_ff, m.d_model
-                    )));
-                }
-                let ld = a.layer(layer);
-                let pages = (0..ld.n_pages)
-                    .map(|p| artifact_page_q8(a, layer, p))
-                    .collect::<Result<_>>()?;
-                (pages, ld.n_trunk)
+                check_artifact_layer(a, layer, d, gate.rows)?;
+                a.layer(layer).n_trunk
             }
-            PageSource::Synthetic => (synthetic_pages(gate, up, down)?, 0),
+            PageSource::Synthetic => 0,
         };
-        let n_pages = pages.len();
+        let (q8_flat, nv_pages, q2_pages);
+        let (bytes, n_pages, tensor_scales): (&[u8], usize, [f32; 3]) = match format {
+            PageFormat::Q8_0 => {
+                let pages: Vec<Vec<u8>> = match &self.source {
+                    PageSource::Artifact(a) => (0..a.layer(layer).n_pages)
+                        .map(|p| artifact_page_q8(a, layer, p))
+                        .collect::<Result<_>>()?,
+                    PageSource::Synthetic => synthetic_pages(gate, up, down)?,
+                };
+                let mut flat = Vec::with_capacity(pages.len() * q8_0_page_bytes(d));
+                for p in &pages {
+                    flat.extend_from_slice(&split_q8_0_page(p, d).map_err(rt)?);
+                }
+                q8_flat = flat;
+                (&q8_flat, pages.len(), [0.0; 3])
+            }
+            PageFormat::Nvfp4 => {
+                nv_pages = nvfp4_layer_pages(&self.source, layer, gate, up, down)?;
+                (
+                    nv_pages.bytes(),
+                    nv_pages.n_pages(),
+                    nv_pages.tensor_scales(),
+                )
+            }
+            PageFormat::Q2K => {
+                q2_pages = q2k_layer_pages(&self.source, layer, gate, up, down)?;
+                (q2_pages.bytes(), q2_pages.n_pages(), [0.0; 3])
+            }
+        };
         if n_pages == 0 {
             return Err(rt(format!("layer {layer} has no pages")));
         }
-        let mut flat = Vec::with_capacity(n_pages * q8_0_page_bytes(d));
-        for p in &pages {
-            flat.extend_from_slice(&split_q8_0_page(p, d).map_err(rt)?);
+        let page_bytes = format.page_bytes(d);
+        debug_assert_eq!(bytes.len(), n_pages * page_bytes);
+        // Grids of every fused kernel that takes this width (each phase
+        // launch of a layer uses its format's): every block resident. The
+        // scratch covers any.
+        let grid_of = |kernel: &str| -> Result<u32> {
+            let f = &self.inner.functions[self.inner.kernel_index[kernel]];
+            if d * 4 > 48 * 1024 {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    (d * 4) as i32,
+                )
+                .map_err(drv)?;
+            }
+            let per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor(FFN_THREADS, d * 4, None)
+                .map_err(drv)?
+                .max(1);
+            Ok(per_sm * self.multiprocessors)
+        };
+        let mut grids = [0u32; PageFormat::ALL.len()];
+        let mut grid = 0;
+        for (g, f) in grids.iter_mut().zip(PageFormat::ALL) {
+            if f.check_d_model(d).is_err() {
+                continue;
+            }
+            *g = grid_of(f.kernel())?;
+            if f == format {
+                grid = *g;
+            }
         }
-        drop(pages);
         let s = &self.inner.stream;
-        let dev_pages = s.clone_htod(&flat).map_err(drv)?;
-        self.inner.account(MemKind::Weights, flat.len());
+        let dev_pages = s.clone_htod(bytes).map_err(drv)?;
+        self.inner.account(MemKind::Weights, bytes.len());
         let mut ld = LayerDev {
             d_model: d,
             n_pages,
             n_trunk,
             pages: dev_pages,
+            format,
+            page_bytes,
+            tensor_scales,
+            grid,
             ids: s.alloc_zeros::<u32>(n_pages).map_err(drv)?,
             count: s.alloc_zeros::<i32>(1).map_err(drv)?,
             router: None,
             router_margin: None,
         };
         self.apply_mode(layer, &mut ld, self.mode())?;
-        // Grid of the fused kernel (both phases): every block resident.
-        let ffn = &self.inner.functions[self.inner.kernel_index["superblock_ffn_q8s"]];
-        if d * 4 > 48 * 1024 {
-            ffn.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                (d * 4) as i32,
-            )
-            .map_err(drv)?;
-        }
-        let per_sm = ffn
-            .occupancy_max_active_blocks_per_multiprocessor(FFN_THREADS, d * 4, None)
-            .map_err(drv)?
-            .max(1);
-        let grid = per_sm * self.multiprocessors;
         {
             let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
             let n_chunks = d.div_ceil(128);
-            let parts = (grid as usize / n_chunks).max(1);
+            let parts = grids
+                .iter()
+                .map(|&g| (g as usize / n_chunks).max(1))
+                .max()
+                .unwrap_or(1);
             let grow = |slot: &mut Option<CudaSlice<f32>>, n: usize| -> Result<()> {
                 if slot.as_ref().is_none_or(|b| b.len() < n) {
                     *slot = Some(s.alloc_zeros::<f32>(n).map_err(drv)?);
@@ -796,9 +1263,6 @@ impl Backend for SparseCudaBackend {
                 sc.counters = Some(s.alloc_zeros::<u32>(2 + n_chunks).map_err(drv)?);
             }
         }
-        // The same for every layer of one d_model; set at upload, before any
-        // step records launches with it.
-        self.grid.store(grid, Ordering::Relaxed);
         let mut layers = self.layers();
         if layers.len() <= layer {
             layers.resize_with(layer + 1, || None);
@@ -887,9 +1351,7 @@ impl Backend for SparseCudaBackend {
         let px = self.inner.act_ptr(x)?;
         let py = self.inner.reshape(out, rows, d)?;
         let routed = match self.mode() {
-            SparsePages::Routed {
-                exact_projection, ..
-            } => Some(exact_projection),
+            SparsePages::Routed { traversal, .. } => Some(traversal),
             _ => None,
         };
         // One row at a time: the active list (and, routed, the routing) is
@@ -897,8 +1359,8 @@ impl Backend for SparseCudaBackend {
         // overwrites the list.
         for r in 0..rows {
             let off = (4 * r * d) as u64;
-            if let Some(exact) = routed {
-                self.launch_route(ld, px + off, exact)?;
+            if let Some(t) = routed {
+                self.launch_route(ld, px + off, t)?;
             }
             self.launch_ffn(ld, px + off, py + off)?;
         }

@@ -31,6 +31,11 @@
 //! the same contract as the Q8_0 kernel, as one cooperative launch or as the
 //! two phase launches a graph records ([`FfnLaunch`]).
 //!
+//! Faster versions of the Q8_0 kernel are variants of one CUDA template
+//! (`superblock_ffn_q8s_v<n>`, listed in [`Q8_FFN_VARIANTS`]) that
+//! [`SparseDevice::ffn_q8_with`] runs with a phase-2 part size
+//! (`part_ch`) and either launch mode; `ffn_q8` keeps the first version.
+//!
 //! The host-side repacking ([`split_q8_0_rows`], [`split_q8_0_page`],
 //! [`Nvfp4Pages`]) is plain Rust and builds without the `cuda` feature.
 
@@ -96,6 +101,62 @@ pub fn split_q8_0_rows(ggml: &[u8], rows: usize, d: usize) -> Result<Vec<u8>, Sp
 /// Bytes of one Q8_0 page of `d_model` (three 128-row matrices).
 pub fn q8_0_page_bytes(d_model: usize) -> usize {
     3 * PAGE_CHANNELS * d_model / Q8_BLOCK * Q8_BYTES
+}
+
+/// One variant of the fused Q8_0 FFN kernel: `superblock_ffn_q8s_v<index>`
+/// in `cuda/superblock.cu` (the arguments of `superblock_ffn_q8s` plus an
+/// `int part_ch` last), one template instantiated per variant, each at its
+/// own register cap and occupancy (so each has its own grid).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Q8FfnVariant {
+    /// `N` of `superblock_ffn_q8s_v<N>`.
+    pub index: usize,
+    /// The kernel's name.
+    pub kernel: &'static str,
+    /// What it changes against the first version (v0), in a few words.
+    pub about: &'static str,
+}
+
+/// The fused Q8_0 FFN variants, in the order of `cuda/superblock.cu`'s
+/// `SB_Q8S_VARIANT` list (keep the two in step). v0 with `part_ch` 0 is
+/// `superblock_ffn_q8s`, the first version, bit for bit.
+pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 6] = [
+    q8v(
+        0,
+        "first version (4 B loads, grid-stride channels), 5 blocks/SM",
+    ),
+    q8v(1, "v0 + batched finish"),
+    q8v(
+        2,
+        "16 B loads, p1 8 x 16 B a lane and row, p2 8 quads, 2 blocks/SM",
+    ),
+    q8v(3, "16 B, p1 4 x 16 B, p2 4 quads, 3 blocks/SM"),
+    q8v(4, "16 B, p1 2 x 16 B, p2 4 quads, 4 blocks/SM"),
+    q8v(5, "16 B, p1 1 x 16 B, p2 2 quads, 5 blocks/SM"),
+];
+
+const fn q8v(index: usize, about: &'static str) -> Q8FfnVariant {
+    const NAMES: [&str; 6] = [
+        "superblock_ffn_q8s_v0",
+        "superblock_ffn_q8s_v1",
+        "superblock_ffn_q8s_v2",
+        "superblock_ffn_q8s_v3",
+        "superblock_ffn_q8s_v4",
+        "superblock_ffn_q8s_v5",
+    ];
+    Q8FfnVariant {
+        index,
+        kernel: NAMES[index],
+        about,
+    }
+}
+
+/// Floats of the ordered reduction's partial buffer of the fused FFN
+/// kernels (every kernel and variant, any `part_ch`) launched with `grid`
+/// blocks at `d_model`: `(grid / n_chunks).max(1) * d_model`, `n_chunks`
+/// the 128-wide output chunks.
+pub fn ffn_partials_len(grid: u32, d_model: usize) -> usize {
+    (grid as usize / d_model.div_ceil(128)).max(1) * d_model
 }
 
 /// Repacks one artifact page (`pack_page` layout, Q8_0: 128 gate rows, 128
@@ -361,8 +422,8 @@ mod device {
     };
 
     use super::{
-        invalid, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, split_q8_0_rows, Nvfp4Pages,
-        SparseError,
+        ffn_partials_len, invalid, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page,
+        split_q8_0_rows, Nvfp4Pages, SparseError, Q8_FFN_VARIANTS,
     };
     use super::{PAGE_CHANNELS, Q8_BLOCK};
     use crate::{module, CudaError};
@@ -372,7 +433,9 @@ mod device {
     pub const SPARSE_SOURCE: &str = concat!(
         include_str!("../../../cuda/nvfp4.cu"),
         "\n",
-        include_str!("../../../cuda/superblock.cu")
+        include_str!("../../../cuda/superblock.cu"),
+        "\n",
+        include_str!("../../../cuda/superblock_q2k.cu")
     );
 
     /// Threads of the mat-vec and FFN blocks (`NV_WARPS`/`SB_WARPS` * 32).
@@ -406,6 +469,40 @@ mod device {
         /// (the kernel boundary is the barrier): what a captured CUDA graph
         /// runs.
         TwoLaunches,
+        /// Phase 1 alone (gate, up, SwiGLU into the scratch's h), one
+        /// ordinary launch: for timing a phase.
+        Phase1Only,
+        /// Phase 2 alone (down and the reduction into `y`) over the h that
+        /// the last phase 1 on this scratch left, one ordinary launch: for
+        /// timing a phase.
+        Phase2Only,
+    }
+
+    /// Which fused Q8_0 FFN kernel [`SparseDevice::ffn_q8_with`] runs and
+    /// how. The default is what [`SparseDevice::ffn_q8`] runs today: the
+    /// first version (`superblock_ffn_q8s`), one cooperative launch.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct FfnQ8Options {
+        /// `None`: `superblock_ffn_q8s`; `Some(n)`: variant `n` of
+        /// [`Q8_FFN_VARIANTS`] (`superblock_ffn_q8s_v<n>`).
+        pub variant: Option<usize>,
+        /// Variants only: at least this many active channels per phase-2
+        /// part, `K = min(grid / n_chunks, max(channels / part_ch, 1))`
+        /// parts per 128-output chunk (read on the device from the active
+        /// count); 0 keeps `K = grid / n_chunks`.
+        pub part_ch: u32,
+        /// One cooperative launch or the two phase launches of a graph.
+        pub launch: FfnLaunch,
+    }
+
+    impl Default for FfnQ8Options {
+        fn default() -> FfnQ8Options {
+            FfnQ8Options {
+                variant: None,
+                part_ch: 0,
+                launch: FfnLaunch::Cooperative,
+            }
+        }
     }
 
     /// The sparse-path kernels on one device: context, stream, functions.
@@ -415,7 +512,11 @@ mod device {
         matvec_nvfp4: CudaFunction,
         matvec_q8s: CudaFunction,
         ffn_q8s: CudaFunction,
+        /// `superblock_ffn_q8s_v<n>`, in [`Q8_FFN_VARIANTS`] order.
+        ffn_q8s_variants: Vec<CudaFunction>,
         ffn_nvfp4: CudaFunction,
+        /// `superblock_ffn_q2k` (launched from `crate::superblock_q2k`).
+        pub(crate) ffn_q2k: CudaFunction,
         multiprocessors: u32,
         max_dynamic_smem: usize,
         device_name: String,
@@ -457,6 +558,8 @@ mod device {
         n_pages: usize,
         page_bytes: usize,
         grid: u32,
+        /// Grid of each variant (its own occupancy), [`Q8_FFN_VARIANTS`] order.
+        variant_grids: Vec<u32>,
         data: CudaSlice<u8>,
     }
 
@@ -477,6 +580,11 @@ mod device {
         /// cooperatively and has a grid barrier).
         pub fn grid(&self) -> u32 {
             self.grid
+        }
+        /// Grid of variant `v` of [`Q8_FFN_VARIANTS`] (its resident
+        /// blocks at this `d_model`), `None` past the list.
+        pub fn variant_grid(&self, v: usize) -> Option<u32> {
+            self.variant_grids.get(v).copied()
         }
     }
 
@@ -516,16 +624,18 @@ mod device {
     }
 
     /// What one fused-FFN launch runs over (kernel, pages, shapes).
-    struct FfnTarget<'a> {
-        func: &'a CudaFunction,
-        name: &'a str,
-        data: &'a CudaSlice<u8>,
-        page_bytes: usize,
-        n_pages: usize,
-        d: usize,
-        grid: u32,
+    pub(crate) struct FfnTarget<'a> {
+        pub(crate) func: &'a CudaFunction,
+        pub(crate) name: &'a str,
+        pub(crate) data: &'a CudaSlice<u8>,
+        pub(crate) page_bytes: usize,
+        pub(crate) n_pages: usize,
+        pub(crate) d: usize,
+        pub(crate) grid: u32,
         /// NVFP4 only: the tensor scales (kernel arguments after `d`).
-        tensor_scales: Option<[f32; 3]>,
+        pub(crate) tensor_scales: Option<[f32; 3]>,
+        /// Q8_0 variants only: `part_ch` (the kernel argument after `phases`).
+        pub(crate) part_ch: Option<i32>,
     }
 
     /// Active page ids and their count, both in device memory.
@@ -591,19 +701,27 @@ mod device {
                 .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(drv)?
                 .max(1) as u32;
-            let max_dynamic_smem = ctx
-                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            let optin_smem = ctx
+                .attribute(
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )
                 .map_err(drv)?
-                .max(48 * 1024) as usize
-                // The attribute below caps dynamic shared memory at the opt-in
-                // maximum minus the kernel's static shared memory (4 KiB for
-                // the FFN's reduction tile): keep 8 KiB aside for it.
-                - 8 * 1024;
+                .max(48 * 1024) as usize;
+            // The attribute below caps dynamic shared memory at the opt-in
+            // maximum minus the kernel's static shared memory (4 KiB for
+            // the FFN's reduction tile): keep 8 KiB aside for it (kernels
+            // with more static shared memory get less, below).
+            let max_dynamic_smem = optin_smem - 8 * 1024;
             let dev = SparseDevice {
                 matvec_nvfp4: load("matvec_nvfp4")?,
                 matvec_q8s: load("matvec_q8s")?,
                 ffn_q8s: load("superblock_ffn_q8s")?,
+                ffn_q8s_variants: Q8_FFN_VARIANTS
+                    .iter()
+                    .map(|v| load(v.kernel))
+                    .collect::<Result<_, _>>()?,
                 ffn_nvfp4: load("superblock_ffn_nvfp4")?,
+                ffn_q2k: load("superblock_ffn_q2k")?,
                 ctx,
                 stream,
                 multiprocessors,
@@ -617,10 +735,16 @@ mod device {
                 &dev.matvec_q8s,
                 &dev.ffn_q8s,
                 &dev.ffn_nvfp4,
-            ] {
+                &dev.ffn_q2k,
+            ]
+            .into_iter()
+            .chain(&dev.ffn_q8s_variants)
+            {
+                let static_smem = f.shared_size_bytes().map_err(drv)?.max(0) as usize;
+                let allow = max_dynamic_smem.min(optin_smem.saturating_sub(static_smem));
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    max_dynamic_smem as i32,
+                    allow as i32,
                 )
                 .map_err(drv)?;
             }
@@ -762,19 +886,29 @@ mod device {
                 )));
             }
             let grid = self.ffn_grid(&self.ffn_q8s, d_model)?;
+            let variant_grids = self
+                .ffn_q8s_variants
+                .iter()
+                .map(|f| self.ffn_grid(f, d_model))
+                .collect::<Result<_, _>>()?;
             let data = self.stream.clone_htod(device_layout).map_err(drv)?;
             Ok(Q8Pages {
                 d_model,
                 n_pages,
                 page_bytes,
                 grid,
+                variant_grids,
                 data,
             })
         }
 
         /// The fused FFN's grid: every block resident (the cooperative launch
         /// needs it), `d_model * 4` bytes of dynamic shared memory each.
-        fn ffn_grid(&self, f: &CudaFunction, d_model: usize) -> Result<u32, SparseError> {
+        pub(crate) fn ffn_grid(
+            &self,
+            f: &CudaFunction,
+            d_model: usize,
+        ) -> Result<u32, SparseError> {
             let smem = d_model * 4;
             self.check_smem(smem, "the fused FFN")?;
             let per_sm = f
@@ -859,15 +993,57 @@ mod device {
             scratch: &mut FfnScratch,
             y: &mut CudaSlice<f32>,
         ) -> Result<(), SparseError> {
+            self.ffn_q8_with(
+                pages,
+                x,
+                active,
+                reduction,
+                accumulate,
+                FfnQ8Options::default(),
+                scratch,
+                y,
+            )
+        }
+
+        /// [`SparseDevice::ffn_q8`] with a kernel variant, a phase-2 part
+        /// size and a launch mode ([`FfnQ8Options`]; its default is
+        /// `ffn_q8`). Each variant runs with its own grid
+        /// ([`Q8Pages::variant_grid`]); the scratch grows to fit it.
+        #[allow(clippy::too_many_arguments)]
+        pub fn ffn_q8_with(
+            &self,
+            pages: &Q8Pages,
+            x: &CudaSlice<f32>,
+            active: &ActivePages,
+            reduction: Reduction,
+            accumulate: bool,
+            opts: FfnQ8Options,
+            scratch: &mut FfnScratch,
+            y: &mut CudaSlice<f32>,
+        ) -> Result<(), SparseError> {
+            let (func, grid, part_ch) = match opts.variant {
+                None => (&self.ffn_q8s, pages.grid, None),
+                Some(v) => {
+                    let (Some(f), Some(g)) = (self.ffn_q8s_variants.get(v), pages.variant_grid(v))
+                    else {
+                        return Err(invalid(format!(
+                            "fused Q8_0 FFN variant {v} does not exist (0..{})",
+                            Q8_FFN_VARIANTS.len()
+                        )));
+                    };
+                    (f, g, Some(opts.part_ch.min(i32::MAX as u32) as i32))
+                }
+            };
             let target = FfnTarget {
-                func: &self.ffn_q8s,
+                func,
                 name: "ffn_q8",
                 data: &pages.data,
                 page_bytes: pages.page_bytes,
                 n_pages: pages.n_pages,
                 d: pages.d_model,
-                grid: pages.grid,
+                grid,
                 tensor_scales: None,
+                part_ch,
             };
             self.launch_ffn(
                 &target,
@@ -875,7 +1051,7 @@ mod device {
                 active,
                 reduction,
                 accumulate,
-                FfnLaunch::Cooperative,
+                opts.launch,
                 scratch,
                 y,
             )
@@ -906,6 +1082,7 @@ mod device {
                 d: pages.d_model,
                 grid: pages.grid,
                 tensor_scales: Some(pages.tensor_scales),
+                part_ch: None,
             };
             self.launch_ffn(
                 &target, x, active, reduction, accumulate, launch, scratch, y,
@@ -916,7 +1093,7 @@ mod device {
         /// kernel (both kernels share the argument list but for the NVFP4
         /// tensor scales after `d`).
         #[allow(clippy::too_many_arguments)]
-        fn launch_ffn(
+        pub(crate) fn launch_ffn(
             &self,
             t: &FfnTarget<'_>,
             x: &CudaSlice<f32>,
@@ -943,7 +1120,6 @@ mod device {
             }
             let grid = t.grid;
             let n_chunks = d.div_ceil(128);
-            let parts = (grid as usize / n_chunks).max(1);
             let grow_f32 =
                 |slot: &mut Option<CudaSlice<f32>>, n: usize| -> Result<(), SparseError> {
                     if slot.as_ref().is_none_or(|s| s.len() < n) {
@@ -952,7 +1128,7 @@ mod device {
                     Ok(())
                 };
             grow_f32(&mut scratch.hbuf, active.capacity.max(1) * PAGE_CHANNELS)?;
-            grow_f32(&mut scratch.partials, parts * d)?;
+            grow_f32(&mut scratch.partials, ffn_partials_len(grid, d))?;
             if scratch
                 .counters
                 .as_ref()
@@ -984,6 +1160,8 @@ mod device {
                 FfnLaunch::Cooperative => &[(3, (d * 4) as u32)],
                 // Phase 2 alone reads no x: no dynamic shared memory.
                 FfnLaunch::TwoLaunches => &[(1, (d * 4) as u32), (2, 0)],
+                FfnLaunch::Phase1Only => &[(1, (d * 4) as u32)],
+                FfnLaunch::Phase2Only => &[(2, 0)],
             };
             for (phases, smem) in launches {
                 let cfg = LaunchConfig {
@@ -1007,9 +1185,13 @@ mod device {
                     .arg(&pc)
                     .arg(&py)
                     .arg(phases);
+                if let Some(pc) = &t.part_ch {
+                    b.arg(pc);
+                }
                 // SAFETY: argument types and order match the kernel
-                // (superblock_ffn_q8s, or superblock_ffn_nvfp4 with the three
-                // tensor scales after d); x and y hold d floats, hbuf
+                // (superblock_ffn_q8s, superblock_ffn_q8s_v<n> with part_ch
+                // after phases, superblock_ffn_q2k (q8s's arguments), or
+                // superblock_ffn_nvfp4 with the three tensor scales after d); x and y hold d floats, hbuf
                 // capacity * 128, partials (grid / n_chunks) * d, counters
                 // 2 + n_chunks; the kernel clamps the count to the capacity
                 // and skips ids >= n_pages. The grid is the resident block
@@ -1018,7 +1200,9 @@ mod device {
                 // have no grid barrier.
                 match launch {
                     FfnLaunch::Cooperative => unsafe { b.launch_cooperative(cfg) },
-                    FfnLaunch::TwoLaunches => unsafe { b.launch(cfg) },
+                    FfnLaunch::TwoLaunches | FfnLaunch::Phase1Only | FfnLaunch::Phase2Only => unsafe {
+                        b.launch(cfg)
+                    },
                 }
                 .map_err(drv)?;
             }

@@ -41,10 +41,13 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use mirage_route::{
-    Bvh, BvhNode, BvhPrim, ExportedMemory, InteropRequest, RouteError, Router, RouterData,
+    Bvh, ExportedMemory, InteropRequest, RouteError, Router, RouterData,
     VulkanRtRouter,
 };
 
+use crate::backend::sparse_backend::{
+    as_bytes_nodes, as_bytes_prims, route_smem_bytes, RouteTraversal, ROUTE_THREADS,
+};
 use crate::{module, CudaError};
 
 /// The module: route.cu (the sparse backend's router) and the interop kernels.
@@ -237,20 +240,19 @@ impl RouteDevice {
         d: usize,
         proj: u64,
         slices: usize,
-        exact: bool,
         points: u64,
         queries: usize,
     ) -> Result<()> {
-        let (d, s, e) = (d as i32, slices as i32, exact as i32);
+        let (d, s) = (d as i32, slices as i32);
         let mut b = self.stream.launch_builder(&self.f_project);
-        b.arg(&x).arg(&d).arg(&proj).arg(&s).arg(&e).arg(&points);
+        b.arg(&x).arg(&d).arg(&proj).arg(&s).arg(&points);
         let cfg = LaunchConfig {
             grid_dim: (queries as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: matches vki_project(const float*, int, const float*, int,
-        // int, float*); x holds queries * d floats, points queries * slices * 3.
+        // float*); x holds queries * d floats, points queries * slices * 3.
         unsafe { b.launch(cfg) }.map_err(drv)?;
         Ok(())
     }
@@ -333,6 +335,7 @@ pub struct CudaBvhRouter {
     pages: usize,
     d_model: usize,
     n_nodes: usize,
+    n_prims: usize,
     n_pages: usize,
     n_trunk: usize,
     proj: CudaSlice<f32>,
@@ -340,28 +343,6 @@ pub struct CudaBvhRouter {
     nodes: CudaSlice<u8>,
     prims: CudaSlice<u8>,
     thresholds: CudaSlice<u32>,
-}
-
-fn node_bytes(v: &[BvhNode]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(32 * v.len());
-    for n in v {
-        n.min.iter().for_each(|x| out.extend(x.to_le_bytes()));
-        out.extend(n.left_or_first.to_le_bytes());
-        n.max.iter().for_each(|x| out.extend(x.to_le_bytes()));
-        out.extend(n.count.to_le_bytes());
-    }
-    out
-}
-
-fn prim_bytes(v: &[BvhPrim]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(32 * v.len());
-    for n in v {
-        n.min.iter().for_each(|x| out.extend(x.to_le_bytes()));
-        out.extend(n.page.to_le_bytes());
-        n.max.iter().for_each(|x| out.extend(x.to_le_bytes()));
-        out.extend(n.slice.to_le_bytes());
-    }
-    out
 }
 
 impl CudaBvhRouter {
@@ -393,12 +374,13 @@ impl CudaBvhRouter {
             pages: data.pages(),
             d_model: data.d_model,
             n_nodes: bvh.nodes.len(),
+            n_prims: bvh.prims.len(),
             n_pages,
             n_trunk,
             proj: s.clone_htod(&data.projection).map_err(drv)?,
             offsets: s.clone_htod(&bvh.slice_offsets).map_err(drv)?,
-            nodes: up(node_bytes(&bvh.nodes))?,
-            prims: up(prim_bytes(&bvh.prims))?,
+            nodes: up(as_bytes_nodes(&bvh.nodes))?,
+            prims: up(as_bytes_prims(&bvh.prims))?,
             thresholds,
         })
     }
@@ -409,7 +391,7 @@ impl CudaBvhRouter {
         dev: &RouteDevice,
         x: &CudaSlice<f32>,
         queries: usize,
-        exact: bool,
+        traversal: RouteTraversal,
         out: &mut ActiveLists,
     ) -> Result<()> {
         check_out(out, queries, self.n_pages)?;
@@ -423,11 +405,13 @@ impl CudaBvhRouter {
             dev.ptr(&self.thresholds),
         );
         let (ids, count) = (dev.ptr(&out.ids), dev.ptr(&out.count));
-        let (d, sl, ex, nn, rp, np, nt) = (
+        let scan = traversal.scans(self.n_prims);
+        let (d, sl, nn, npr, sc, rp, np, nt) = (
             self.d_model as i32,
             self.slices as i32,
-            exact as i32,
             self.n_nodes as i32,
+            self.n_prims as i32,
+            scan as i32,
             self.pages as i32,
             self.n_pages as i32,
             self.n_trunk as i32,
@@ -441,11 +425,12 @@ impl CudaBvhRouter {
                 .arg(&d)
                 .arg(&proj)
                 .arg(&sl)
-                .arg(&ex)
                 .arg(&offsets)
                 .arg(&nodes)
                 .arg(&nn)
                 .arg(&prims)
+                .arg(&npr)
+                .arg(&sc)
                 .arg(&thr)
                 .arg(&rp)
                 .arg(&np)
@@ -454,11 +439,11 @@ impl CudaBvhRouter {
                 .arg(&cq);
             let cfg = LaunchConfig {
                 grid_dim: (1, 1, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: crate::backend::sparse_backend::route_smem_bytes(
+                block_dim: (ROUTE_THREADS, 1, 1),
+                shared_mem_bytes: route_smem_bytes(
                     self.n_pages,
                     self.d_model,
-                    self.n_nodes,
+                    if scan { 0 } else { self.n_nodes },
                 ),
             };
             // SAFETY: matches route_bvh's signature in cuda/route.cu (as the
@@ -670,7 +655,6 @@ impl VkInteropRouter {
         dev: &RouteDevice,
         x: &CudaSlice<f32>,
         queries: usize,
-        exact: bool,
         out: &mut ActiveLists,
     ) -> Result<()> {
         self.check(dev, x, queries, out)?;
@@ -683,7 +667,6 @@ impl VkInteropRouter {
             self.d_model,
             dev.ptr(&self.proj),
             self.slices,
-            exact,
             pp,
             queries,
         )?;
@@ -717,7 +700,6 @@ impl VkInteropRouter {
         dev: &RouteDevice,
         x: &CudaSlice<f32>,
         queries: usize,
-        exact: bool,
         out: &mut ActiveLists,
     ) -> Result<()> {
         self.check(dev, x, queries, out)?;
@@ -727,7 +709,6 @@ impl VkInteropRouter {
             self.d_model,
             dev.ptr(&self.proj),
             self.slices,
-            exact,
             pd,
             queries,
         )?;

@@ -267,7 +267,7 @@ mod gpu {
     use mirage_cuda::CudaError;
     use mirage_gguf::quant::Nvfp4Tensor;
 
-    fn device(test: &str) -> Option<SparseDevice> {
+    pub(super) fn device(test: &str) -> Option<SparseDevice> {
         let require = std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").is_ok_and(|v| v == "1");
         match SparseDevice::new(0) {
             Ok(d) => Some(d),
@@ -492,6 +492,147 @@ mod gpu {
         assert!(zero.iter().all(|v| *v == 0.0));
     }
 
+    /// Every fused Q8_0 FFN variant (`superblock_ffn_q8s_v<n>`) at several
+    /// phase-2 part sizes against the f64 reference, as the NVFP4 test does:
+    /// all pages / a subset with ids past the end and a repeated page / no
+    /// page; ordered, atomic onto a residual, ordered onto a residual; one
+    /// cooperative launch and the two phase launches, ordered bit-equal
+    /// across them; v0 with part_ch 0 bit-equal to `superblock_ffn_q8s`.
+    #[test]
+    fn q8s_ffn_variants_match_f64_reference() {
+        use mirage_cuda::superblock::{FfnLaunch, FfnQ8Options, Q8_FFN_VARIANTS};
+        let Some(dev) = device("q8s_ffn_variants_match_f64_reference") else {
+            return;
+        };
+        let mut r = rng(71);
+        // d: 96 and 864 (a last output chunk narrower than 128, rows not a
+        // whole number of 512-byte warp loads), 320, 896 (Qwen2.5-0.5B),
+        // 3584 (Qwen2-7B).
+        for &(d, n_pages) in &[(96usize, 5usize), (320, 4), (864, 6), (896, 7), (3584, 5)] {
+            let f = paged_ffn(&mut r, d, n_pages);
+            let pages: Vec<&[u8]> = f.pages.iter().map(|p| p.as_slice()).collect();
+            let dp = dev.upload_q8_0_pages(d, &pages).unwrap();
+            let x = uniform(&mut r, d, 1.0);
+            let residual = uniform(&mut r, d, 0.1);
+            let dx = dev.upload_f32(&x).unwrap();
+            let all: Vec<usize> = (0..n_pages).collect();
+            let mut subset: Vec<usize> = (0..n_pages).filter(|_| r.random_bool(0.5)).collect();
+            if subset.is_empty() {
+                subset.push(n_pages - 1);
+            }
+            subset.reverse();
+            subset.push(subset[0]);
+            let sets: [(&str, Vec<usize>, Vec<u32>); 3] = [
+                ("all", all.clone(), all.iter().map(|&p| p as u32).collect()),
+                ("subset", subset.clone(), {
+                    let mut ids: Vec<u32> = subset.iter().map(|&p| p as u32).collect();
+                    ids.insert(ids.len() / 2, n_pages as u32 + 1000);
+                    ids.insert(0, n_pages as u32);
+                    ids
+                }),
+                ("empty", Vec::new(), Vec::new()),
+            ];
+            let mut scratch = FfnScratch::default();
+            let mut active = dev.new_active(&[], n_pages + 8).unwrap();
+            for (name, set, ids) in &sets {
+                dev.set_active(&mut active, ids).unwrap();
+                let want = reference_ffn(&f, &x, set);
+                let want_acc: Vec<f64> = want
+                    .iter()
+                    .zip(&residual)
+                    .map(|(a, b)| a + *b as f64)
+                    .collect();
+                let mut run = |opts: FfnQ8Options,
+                               reduction: Reduction,
+                               y0: &[f32],
+                               accumulate: bool|
+                 -> Vec<f32> {
+                    let mut dy = dev.upload_f32(y0).unwrap();
+                    dev.ffn_q8_with(
+                        &dp,
+                        &dx,
+                        &active,
+                        reduction,
+                        accumulate,
+                        opts,
+                        &mut scratch,
+                        &mut dy,
+                    )
+                    .unwrap();
+                    dev.download_f32(&dy).unwrap()
+                };
+                let first = run(
+                    FfnQ8Options::default(),
+                    Reduction::Ordered,
+                    &vec![f32::NAN; d],
+                    false,
+                );
+                for v in &Q8_FFN_VARIANTS {
+                    // 0: K = grid / n_chunks; 64: many small parts; 1 << 20:
+                    // one part per output chunk.
+                    for part_ch in [0u32, 64, 1 << 20] {
+                        let mut ordered_bits: Vec<Vec<u32>> = Vec::new();
+                        for launch in [FfnLaunch::Cooperative, FfnLaunch::TwoLaunches] {
+                            let opts = FfnQ8Options {
+                                variant: Some(v.index),
+                                part_ch,
+                                launch,
+                            };
+                            let ordered = run(opts, Reduction::Ordered, &vec![f32::NAN; d], false);
+                            let atomic = run(opts, Reduction::Atomic, &residual, true);
+                            let ordered_acc = run(opts, Reduction::Ordered, &residual, true);
+                            let tag = format!(
+                                "q8s ffn {} d={d} {name} part_ch {part_ch} {launch:?}",
+                                v.kernel
+                            );
+                            if set.is_empty() {
+                                assert!(
+                                    ordered.iter().all(|v| *v == 0.0),
+                                    "{tag}: ordered, no pages, not zero"
+                                );
+                                assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
+                                assert_eq!(
+                                    ordered_acc, residual,
+                                    "{tag}: ordered, no pages, changed y"
+                                );
+                            } else {
+                                let e = rel_err(&ordered, &want);
+                                let ea = rel_err(&atomic, &want_acc);
+                                let eo = rel_err(&ordered_acc, &want_acc);
+                                if launch == FfnLaunch::TwoLaunches && part_ch == 0 {
+                                    eprintln!(
+                                        "{tag}: relative error ordered {e:.3e}, atomic + residual {ea:.3e}, ordered + residual {eo:.3e}"
+                                    );
+                                }
+                                assert!(e < 1e-5, "{tag}: ordered relative error {e}");
+                                assert!(ea < 1e-5, "{tag}: atomic relative error {ea}");
+                                assert!(
+                                    eo < 1e-5,
+                                    "{tag}: ordered onto a residual: relative error {eo}"
+                                );
+                            }
+                            ordered_bits.push(ordered.iter().map(|v| v.to_bits()).collect());
+                        }
+                        assert_eq!(
+                            ordered_bits[0], ordered_bits[1],
+                            "{} d={d} {name} part_ch {part_ch}: ordered results differ between the launch modes",
+                            v.kernel
+                        );
+                        // v0 is the first version's code: the same bits when
+                        // it runs on the same grid.
+                        if v.index == 0 && part_ch == 0 && dp.variant_grid(0) == Some(dp.grid()) {
+                            let first_bits: Vec<u32> = first.iter().map(|v| v.to_bits()).collect();
+                            assert_eq!(
+                                ordered_bits[0], first_bits,
+                                "d={d} {name}: v0 differs from superblock_ffn_q8s"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// NVFP4 pages of random weights (`n_ff` rows, the last page padded)
     /// and their codec-dequantized weights as a [`PagedFfn`] (pages of
     /// 128 rows, padding rows zero) for [`reference_ffn`].
@@ -613,6 +754,474 @@ mod gpu {
                 assert_eq!(
                     ordered_bits[0], ordered_bits[1],
                     "d={d} {name}: ordered results differ between the launch modes"
+                );
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Q2_K pages (`superblock_ffn_q2k`, cuda/superblock_q2k.cu).
+
+/// u32 at byte `at` (little-endian).
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// (d, dmin) of a split-Q2_K dm word.
+fn q2k_dm(w: u32) -> (f32, f32) {
+    (
+        half::f16::from_bits(w as u16).to_f32(),
+        half::f16::from_bits((w >> 16) as u16).to_f32(),
+    )
+}
+
+/// Decodes weight `i` of row `row` of matrix `k` (0 gate, 1 up, 2 down_t)
+/// straight from a Q2_K page's bytes, by the layout documented in
+/// cuda/superblock_q2k.cu (not through the packer's decoder), with ggml's
+/// float expressions.
+fn q2k_page_weight(page: &[u8], d: usize, k: usize, row: usize, i: usize) -> f32 {
+    let (mq, ms, mm) = (
+        PAGE_CHANNELS * d / 4,
+        PAGE_CHANNELS * d / 16,
+        PAGE_CHANNELS * d / 64,
+    );
+    let (blk, e) = (i / 256, i % 256);
+    let byte = page[k * mq + row * d / 4 + 64 * blk + 32 * (e >> 7) + (e & 31)];
+    let code = (byte >> (2 * ((e >> 5) & 3))) & 3;
+    // Quarter u = 2 h + hi, bit pair j: scale byte 4 u + j of the block.
+    let (h, j, hi) = (e >> 7, (e >> 5) & 3, (e >> 4) & 1);
+    let sc = page[3 * mq + k * ms + row * d / 16 + 16 * blk + 4 * (2 * h + hi) + j];
+    let (dd, dmin) = q2k_dm(u32_at(
+        page,
+        3 * mq + 3 * ms + k * mm + row * d / 64 + 4 * blk,
+    ));
+    let dl = dd * (sc & 0xf) as f32;
+    let ml = dmin * (sc >> 4) as f32;
+    dl * code as f32 - ml
+}
+
+fn dequant(ty: GgmlType, bytes: &[u8], n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    quant::dequantize(ty, bytes, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn q2k_pages_dequantize_to_ggml_rows() {
+    use mirage_cuda::superblock_q2k::{
+        join_q2k_rows, q2k_page_bytes, q2k_scale_slot, quantize_q2k_rows, split_q2k_rows, Q2kPages,
+    };
+    let mut r = rng(71);
+    // n_ff not a multiple of 128 (the last page is padded), a multiple of
+    // 32 so W_down can be Q8_0.
+    let (d, n_ff) = (512usize, 288usize);
+    let s = 1.0 / (d as f32).sqrt();
+    let gate = blocky(&mut r, n_ff * d, s);
+    let up = blocky(&mut r, n_ff * d, s);
+    let down = blocky(&mut r, d * n_ff, s); // W_down: d rows of n_ff
+    let gate_q2k = quantize_q2k_rows(&gate, d, 3).unwrap();
+    let up_bytes: Vec<u8> = up.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let down_q8 = q8_rows(&down, n_ff);
+    let pages = Q2kPages::from_gguf_parts(
+        d,
+        n_ff,
+        (GgmlType::Q2_K, &gate_q2k),
+        (GgmlType::F32, &up_bytes),
+        (GgmlType::Q8_0, &down_q8),
+        3,
+    )
+    .unwrap();
+    assert_eq!(pages.n_pages(), 3);
+    assert_eq!(q2k_page_bytes(d), 126 * d);
+    assert_eq!(pages.bytes().len(), 3 * q2k_page_bytes(d));
+
+    // mirage-gguf's own Q2_K: gate verbatim, up quantized in one call, down
+    // dequantized, transposed and quantized.
+    let one_call = |v: &[f32]| -> Vec<u8> {
+        let mut b = vec![0u8; quant::row_bytes(GgmlType::Q2_K, v.len()).unwrap()];
+        quant::quantize(GgmlType::Q2_K, v, &mut b).unwrap();
+        b
+    };
+    assert_eq!(gate_q2k, one_call(&gate), "threaded quantizer differs");
+    let down_t = transpose(&dequant_q8(&down_q8, d * n_ff), d, n_ff);
+    let want = [
+        dequant(GgmlType::Q2_K, &gate_q2k, n_ff * d),
+        dequant(GgmlType::Q2_K, &one_call(&up), n_ff * d),
+        dequant(GgmlType::Q2_K, &one_call(&down_t), n_ff * d),
+    ];
+    for p in 0..pages.n_pages() {
+        let page = pages.page(p);
+        let decoded = pages.dequantize_page(p).unwrap();
+        for (k, w) in want.iter().enumerate() {
+            for row in 0..PAGE_CHANNELS {
+                let c = p * PAGE_CHANNELS + row;
+                for i in 0..d {
+                    let got = q2k_page_weight(page, d, k, row, i);
+                    let exp = if c < n_ff { w[c * d + i] } else { 0.0 };
+                    assert_eq!(
+                        got.to_bits(),
+                        exp.to_bits(),
+                        "page {p} matrix {k} row {row} weight {i}"
+                    );
+                    assert_eq!(decoded[k][row * d + i].to_bits(), exp.to_bits());
+                }
+            }
+        }
+    }
+    // From f32: the same as packing mirage-gguf's Q2_K rows.
+    let from_f32 = Q2kPages::from_f32(d, &gate, &up, &down_t).unwrap();
+    let again =
+        Q2kPages::from_q2k_rows(d, n_ff, &gate_q2k, &one_call(&up), &one_call(&down_t)).unwrap();
+    assert_eq!(from_f32, again);
+    // The scale permutation is one, and split/join are inverses.
+    let mut slots: Vec<usize> = (0..16).map(q2k_scale_slot).collect();
+    slots.sort_unstable();
+    assert_eq!(slots, (0..16).collect::<Vec<_>>());
+    let split = split_q2k_rows(&gate_q2k, n_ff, d).unwrap();
+    assert_eq!(join_q2k_rows(&split, n_ff, d).unwrap(), gate_q2k);
+    // Widths the kernel cannot take, and mismatched shapes.
+    let g384 = blocky(&mut r, 128 * 384, 1.0);
+    assert!(Q2kPages::from_f32(384, &g384, &g384, &g384).is_err());
+    assert!(Q2kPages::from_f32(d, &gate, &up, &down_t[d..]).is_err());
+    assert!(Q2kPages::from_q2k_rows(d, n_ff, &gate_q2k[1..], &gate_q2k, &gate_q2k).is_err());
+}
+
+/// Q2_K pages of random weights (`n_ff` rows, the last page padded) and
+/// their dequantized weights as a [`PagedFfn`] for [`reference_ffn`].
+fn q2k_ffn(
+    r: &mut impl Rng,
+    d: usize,
+    n_ff: usize,
+) -> (mirage_cuda::superblock_q2k::Q2kPages, PagedFfn) {
+    let s = 1.0 / (d as f32).sqrt();
+    let m: Vec<Vec<f32>> = (0..3).map(|_| blocky(r, n_ff * d, 2.0 * s)).collect();
+    let pages = mirage_cuda::superblock_q2k::Q2kPages::from_f32(d, &m[0], &m[1], &m[2]).unwrap();
+    let mut f = PagedFfn {
+        d,
+        pages: Vec::new(),
+        gate: Vec::new(),
+        up: Vec::new(),
+        down_t: Vec::new(),
+    };
+    for p in 0..pages.n_pages() {
+        let [g, u, dt] = pages.dequantize_page(p).unwrap();
+        f.gate.extend(g);
+        f.up.extend(u);
+        f.down_t.extend(dt);
+    }
+    (pages, f)
+}
+
+/// `superblock_ffn_q2k` transliterated to the host (ordered mode, `y =
+/// FFN(x)`): the same x planes and 16-weight sums, lane -> quarter map and
+/// page offsets in phase 1; the same items, parts, 8-channel groups, lane
+/// map, min sums, reduce-scatter and red[] index in phase 2; f32 as on the
+/// device. `grid` blocks (phase 2's split K depends on it).
+// Index loops on purpose: they read as the kernel's lane and element indices.
+#[allow(clippy::needless_range_loop)]
+fn emulate_ffn_q2k(
+    bytes: &[u8],
+    n_pages: usize,
+    d: usize,
+    x: &[f32],
+    ids: &[u32],
+    grid: usize,
+) -> Vec<f32> {
+    const U1: usize = 2; // Q2_FFN_U1
+    const U2: usize = 4; // Q2_FFN_U2
+    let pb = 126 * d;
+    let (mat, smat, dmat) = (128 * d / 4, 128 * d / 16, 128 * d / 64);
+    let qn = d >> 6;
+    let code = |w: u32, b: usize, j: usize| ((w >> (8 * b + 2 * j)) & 3) as f32;
+    let nib = |sw: u32| -> ([f32; 4], [f32; 4]) {
+        (
+            std::array::from_fn(|j| ((sw >> (8 * j)) & 15) as f32),
+            std::array::from_fn(|j| ((sw >> (8 * j + 4)) & 15) as f32),
+        )
+    };
+    // Phase 1.
+    let mut xs = vec![[0f32; 4]; d / 4];
+    for t in 0..d / 4 {
+        let b = t & 63;
+        let (h, j, hi, w) = (b >> 5, (b >> 3) & 3, (b >> 2) & 1, b & 3);
+        xs[(4 * j + w) * qn + 4 * (t >> 6) + 2 * h + hi].copy_from_slice(&x[4 * t..4 * t + 4]);
+    }
+    let xsum: Vec<f32> = (0..d / 16)
+        .map(|g| {
+            let (j, qi) = (g / qn, g % qn);
+            (0..4)
+                .map(|w| {
+                    let v = xs[(4 * j + w) * qn + qi];
+                    (v[0] + v[1]) + (v[2] + v[3])
+                })
+                .fold(0f32, |s, v| s + v)
+        })
+        .collect();
+    let n_ch = ids.len() * 128;
+    let mut hbuf = vec![0f32; n_ch];
+    for (c, hv) in hbuf.iter_mut().enumerate() {
+        let page = ids[c >> 7] as usize;
+        if page >= n_pages {
+            continue;
+        }
+        let (ch, base) = (c & 127, page * pb);
+        let mut dots = [0f32; 2];
+        for (k, dot) in dots.iter_mut().enumerate() {
+            let mut acc = [0f32; 32];
+            for c0 in (0..qn).step_by(32 * U1) {
+                for hh in 0..U1 {
+                    for (lane, a) in acc.iter_mut().enumerate() {
+                        let qi = c0 + 32 * hh + lane;
+                        if qi >= qn {
+                            continue;
+                        }
+                        let q = base + k * mat + ch * (d >> 2) + 16 * qi;
+                        let w: [u32; 4] = std::array::from_fn(|t| u32_at(bytes, q + 4 * t));
+                        let sw = u32_at(bytes, base + 3 * mat + k * smat + ch * (d >> 4) + 4 * qi);
+                        let dw = u32_at(
+                            bytes,
+                            base + 3 * mat + 3 * smat + k * dmat + ch * (d >> 6) + 4 * (qi >> 2),
+                        );
+                        let (sc, mn) = nib(sw);
+                        let (mut pp, mut mm) = (0f32, 0f32);
+                        for j in 0..4 {
+                            let mut s = 0f32;
+                            for (t, wt) in w.iter().enumerate() {
+                                let xv = xs[(4 * j + t) * qn + qi];
+                                for b in 0..4 {
+                                    s += code(*wt, b, j) * xv[b];
+                                }
+                            }
+                            pp += sc[j] * s;
+                            mm += mn[j] * xsum[j * qn + qi];
+                        }
+                        let (dd, dmin) = q2k_dm(dw);
+                        *a += dd * pp - dmin * mm;
+                    }
+                }
+            }
+            *dot = acc.iter().sum();
+        }
+        let (g, u) = (dots[0], dots[1]);
+        *hv = g / (1.0 + (-g).exp()) * u;
+    }
+    // Phase 2.
+    let n_chunks = d >> 7;
+    let kk = (grid / n_chunks).max(1);
+    let mut partials = vec![vec![0f32; d]; kk];
+    for it in 0..kk * n_chunks {
+        let (chunk, k) = (it % n_chunks, it / n_chunks);
+        let groups = n_ch >> 3;
+        let (g_begin, g_end) = (groups * k / kk, groups * (k + 1) / kk);
+        let mut red = [[0f32; 128]; 8];
+        for (warp, red_w) in red.iter_mut().enumerate() {
+            let mut a = [[0f32; 32]; 32];
+            let mut mins = [[0f32; 4]; 32];
+            for gi in (g_begin + warp..g_end).step_by(8 * U2) {
+                for v in 0..U2 {
+                    let g = gi + v * 8;
+                    if g >= g_end || ids[g >> 4] as usize >= n_pages {
+                        continue;
+                    }
+                    let base = ids[g >> 4] as usize * pb;
+                    for lane in 0..32 {
+                        let (sub, t8) = (lane >> 2, lane & 3);
+                        let c = (g << 3) + sub;
+                        let ch = c & 127;
+                        let qo = base + 2 * mat + 32 * chunk + 8 * t8 + ch * (d >> 2);
+                        let so =
+                            base + 3 * mat + 2 * smat + 8 * chunk + 4 * (t8 >> 1) + ch * (d >> 4);
+                        let mo =
+                            base + 3 * mat + 3 * smat + 2 * dmat + 4 * (chunk >> 1) + ch * (d >> 6);
+                        let (w0, w1) = (u32_at(bytes, qo), u32_at(bytes, qo + 4));
+                        let (sc, mn) = nib(u32_at(bytes, so));
+                        let (dd, dmin) = q2k_dm(u32_at(bytes, mo));
+                        let (hd, hm) = (hbuf[c] * dd, hbuf[c] * dmin);
+                        for j in 0..4 {
+                            mins[lane][j] += hm * mn[j];
+                            let sf = hd * sc[j];
+                            for b in 0..4 {
+                                a[lane][8 * j + b] += sf * code(w0, b, j);
+                                a[lane][8 * j + 4 + b] += sf * code(w1, b, j);
+                            }
+                        }
+                    }
+                }
+            }
+            for lane in 0..32 {
+                for i in 0..32 {
+                    a[lane][i] -= mins[lane][i >> 3];
+                }
+            }
+            for (bit, n) in [(16usize, 16usize), (8, 8), (4, 4)] {
+                let prev = a;
+                for (lane, al) in a.iter_mut().enumerate() {
+                    let upper = lane & bit != 0;
+                    let p = lane ^ bit; // the partner is upper iff this lane is not
+                    for i in 0..n {
+                        let keep = if upper {
+                            prev[lane][i + n]
+                        } else {
+                            prev[lane][i]
+                        };
+                        let sent = if upper { prev[p][i + n] } else { prev[p][i] };
+                        al[i] = keep + sent;
+                    }
+                }
+            }
+            for (lane, al) in a.iter().enumerate() {
+                let (sub, t8) = (lane >> 2, lane & 3);
+                for i in 0..4 {
+                    red_w[32 * (sub >> 1) + 8 * t8 + 4 * (sub & 1) + i] = al[i];
+                }
+            }
+        }
+        for j in 0..128 {
+            partials[k][128 * chunk + j] = (0..8).fold(0f32, |s, w| s + red[w][j]);
+        }
+    }
+    (0..d)
+        .map(|e| (0..kk).fold(0f32, |s, k| s + partials[k][e]))
+        .collect()
+}
+
+#[test]
+fn q2k_kernel_indexing_emulated_on_the_cpu() {
+    let mut r = rng(73);
+    for &(d, n_ff, grid) in &[
+        (256usize, 300usize, 12usize),
+        (512, 640, 40),
+        (1024, 200, 7),
+    ] {
+        let (pages, f) = q2k_ffn(&mut r, d, n_ff);
+        let n_pages = pages.n_pages();
+        let x = uniform(&mut r, d, 1.0);
+        let all: Vec<usize> = (0..n_pages).collect();
+        let mut subset: Vec<usize> = (0..n_pages).rev().step_by(2).collect();
+        subset.push(subset[0]);
+        let mut ids: Vec<u32> = subset.iter().map(|&p| p as u32).collect();
+        ids.insert(0, n_pages as u32);
+        ids.insert(ids.len() / 2, n_pages as u32 + 1000);
+        for (set, ids) in [
+            (all.clone(), all.iter().map(|&p| p as u32).collect()),
+            (subset, ids),
+        ] {
+            let got = emulate_ffn_q2k(pages.bytes(), n_pages, d, &x, &ids, grid);
+            let e = rel_err(&got, &reference_ffn(&f, &x, &set));
+            eprintln!(
+                "q2k emulation d={d} n_ff={n_ff} grid={grid} ids {ids:?}: relative error {e:.3e}"
+            );
+            assert!(e < 1e-5, "d={d} ids {ids:?}: relative error {e}");
+        }
+        let none = emulate_ffn_q2k(pages.bytes(), n_pages, d, &x, &[], grid);
+        assert!(none.iter().all(|v| *v == 0.0));
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu_q2k {
+    use super::*;
+    use mirage_cuda::superblock::{FfnLaunch, FfnScratch, Reduction};
+
+    #[test]
+    fn q2k_fused_ffn_matches_f64_reference() {
+        let Some(dev) = super::gpu::device("q2k_fused_ffn_matches_f64_reference") else {
+            return;
+        };
+        let mut r = rng(75);
+        // d: one block (256: 2 output chunks, 4 quarters a row), 512, 3584
+        // (Qwen2-7B: 56 quarters, the second phase-1 trip 24 lanes wide).
+        // n_ff: padded last pages (300, 900).
+        for &(d, n_ff) in &[(256usize, 300usize), (512, 640), (3584, 900)] {
+            let (pages, f) = q2k_ffn(&mut r, d, n_ff);
+            let n_pages = pages.n_pages();
+            let dp = dev.upload_q2k_pages(&pages).unwrap();
+            assert_eq!(dp.page_bytes(), 126 * d);
+            let x = uniform(&mut r, d, 1.0);
+            let residual = uniform(&mut r, d, 0.1);
+            let dx = dev.upload_f32(&x).unwrap();
+            // All pages; a random subset in random order with ids past the
+            // end inserted (skipped, one of them == n_pages) and one page
+            // twice (counted twice); no page at all.
+            let all: Vec<usize> = (0..n_pages).collect();
+            let mut subset: Vec<usize> = (0..n_pages).filter(|_| r.random_bool(0.5)).collect();
+            if subset.is_empty() {
+                subset.push(n_pages - 1);
+            }
+            subset.reverse();
+            subset.push(subset[0]);
+            let sets: [(&str, Vec<usize>, Vec<u32>); 3] = [
+                ("all", all.clone(), all.iter().map(|&p| p as u32).collect()),
+                ("subset", subset.clone(), {
+                    let mut ids: Vec<u32> = subset.iter().map(|&p| p as u32).collect();
+                    ids.insert(ids.len() / 2, n_pages as u32 + 1000);
+                    ids.insert(0, n_pages as u32);
+                    ids
+                }),
+                ("empty", Vec::new(), Vec::new()),
+            ];
+            let mut scratch = FfnScratch::default();
+            let mut active = dev.new_active(&[], n_pages + 8).unwrap();
+            for (name, set, ids) in &sets {
+                dev.set_active(&mut active, ids).unwrap();
+                let want = reference_ffn(&f, &x, set);
+                let want_acc: Vec<f64> = want
+                    .iter()
+                    .zip(&residual)
+                    .map(|(a, b)| a + *b as f64)
+                    .collect();
+                let mut ordered_bits: Vec<Vec<u32>> = Vec::new();
+                for launch in [FfnLaunch::Cooperative, FfnLaunch::TwoLaunches] {
+                    let mut run =
+                        |reduction: Reduction, y0: &[f32], accumulate: bool| -> Vec<f32> {
+                            let mut dy = dev.upload_f32(y0).unwrap();
+                            dev.ffn_q2k(
+                                &dp,
+                                &dx,
+                                &active,
+                                reduction,
+                                accumulate,
+                                launch,
+                                &mut scratch,
+                                &mut dy,
+                            )
+                            .unwrap();
+                            dev.download_f32(&dy).unwrap()
+                        };
+                    let ordered = run(Reduction::Ordered, &vec![f32::NAN; d], false);
+                    let atomic = run(Reduction::Atomic, &residual, true);
+                    let ordered_acc = run(Reduction::Ordered, &residual, true);
+                    let tag = format!("q2k ffn d={d} n_ff={n_ff} {name} {launch:?}");
+                    if set.is_empty() {
+                        assert!(
+                            ordered.iter().all(|v| *v == 0.0),
+                            "{tag}: ordered, no pages, not zero"
+                        );
+                        assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
+                        assert_eq!(ordered_acc, residual, "{tag}: ordered, no pages, changed y");
+                    } else {
+                        let e = rel_err(&ordered, &want);
+                        let ea = rel_err(&atomic, &want_acc);
+                        let eo = rel_err(&ordered_acc, &want_acc);
+                        eprintln!(
+                            "{tag}: relative error ordered {e:.3e} (cosine {:.9}), atomic + residual {ea:.3e}, ordered + residual {eo:.3e}",
+                            cosine(&ordered, &want)
+                        );
+                        assert!(e < 1e-5, "{tag}: ordered relative error {e}");
+                        assert!(ea < 1e-5, "{tag}: atomic relative error {ea}");
+                        assert!(
+                            eo < 1e-5,
+                            "{tag}: ordered onto a residual: relative error {eo}"
+                        );
+                    }
+                    ordered_bits.push(ordered.iter().map(|v| v.to_bits()).collect());
+                }
+                // Same grid, same order: the ordered reduction gives the same
+                // bits from one cooperative launch as from the two phases.
+                assert_eq!(
+                    ordered_bits[0], ordered_bits[1],
+                    "q2k d={d} {name}: ordered results differ between the launch modes"
                 );
             }
         }

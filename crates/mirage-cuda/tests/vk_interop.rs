@@ -34,7 +34,7 @@ mod gpu {
     use mirage_cuda::vk_interop::{
         cpu_active, CudaBvhRouter, InteropError, RouteDevice, VkInteropRouter,
     };
-    use mirage_cuda::CudaError;
+    use mirage_cuda::{CudaError, RouteTraversal};
     use mirage_route::synth::{router_data, SynthSpec};
     use mirage_route::{CpuBvh, RouterData};
     use rand::Rng;
@@ -142,13 +142,13 @@ mod gpu {
             let mut a_vk = check("lists", dev.active_lists(BATCH, PAGES));
             let mut a_host = check("lists", dev.active_lists(BATCH, PAGES));
             let mut a_cu = check("lists", dev.active_lists(BATCH, PAGES));
-            check("interop route", vk.route(&dev, &x, q, true, &mut a_vk));
+            check("interop route", vk.route(&dev, &x, q, &mut a_vk));
             check("vulkan done", vk.wait_vulkan(Duration::from_secs(20)));
             check(
                 "host-copy route",
-                vk.route_host(&dev, &x, q, true, &mut a_host),
+                vk.route_host(&dev, &x, q, &mut a_host),
             );
-            check("route.cu", cu.route(&dev, &x, q, true, &mut a_cu));
+            check("route.cu", cu.route(&dev, &x, q, RouteTraversal::Auto, &mut a_cu));
             let got_vk = check("read", dev.read(&a_vk, q));
             let got_host = check("read", dev.read(&a_host, q));
             let got_cu = check("read", dev.read(&a_cu, q));
@@ -208,7 +208,7 @@ mod gpu {
             .map(|_| check("lists", dev.active_lists(1, PAGES)))
             .collect();
         for (x, a) in rows.iter().zip(lists.iter_mut()) {
-            check("interop route", vk.route(&dev, x, 1, true, a));
+            check("interop route", vk.route(&dev, x, 1, a));
         }
         check("vulkan done", vk.wait_vulkan(Duration::from_secs(20)));
         check("sync", dev.synchronize());

@@ -22,6 +22,40 @@ use crate::RouteError;
 /// Largest number of slices: the GPU paths keep one bit per slice in a `u32`.
 pub const MAX_SLICES: usize = 32;
 
+/// Lanes of [`slice_dot`]'s summation order (one GPU warp).
+pub const DOT_LANES: usize = 32;
+
+/// `row . x` in the routers' canonical order, so that every implementation
+/// (this CPU code, CUDA's `route.cu`, the Vulkan interop projection) computes
+/// the same slice points bit for bit and hence the same page sets:
+/// 1. lane `l` (0..32) sums `row[i] * x[i]` for `i = l, l + 32, l + 64, ...`
+///    in increasing `i`, starting from `+0.0`, each product and each sum
+///    rounded to nearest (no fused multiply-add);
+/// 2. the 32 lane sums are combined pairwise, `s[l] += s[l + h]` for
+///    `h = 16, 8, 4, 2, 1` (a warp's xor butterfly), giving `s[0]`.
+///
+/// Why this order and not index order: a GPU warp computes it with coalesced
+/// loads and `d / 32` dependent adds per lane, where the index-order sum is one
+/// chain of `d` dependent adds on one thread (the first device router spent
+/// most of its time there). Lengths must match (the caller checks).
+pub fn slice_dot(row: &[f32], x: &[f32]) -> f32 {
+    debug_assert_eq!(row.len(), x.len());
+    let mut lanes = [0f32; DOT_LANES];
+    for (rc, xc) in row.chunks(DOT_LANES).zip(x.chunks(DOT_LANES)) {
+        for ((acc, p), v) in lanes.iter_mut().zip(rc).zip(xc) {
+            *acc += p * v;
+        }
+    }
+    let mut h = DOT_LANES / 2;
+    while h > 0 {
+        for l in 0..h {
+            lanes[l] += lanes[l + h];
+        }
+        h /= 2;
+    }
+    lanes[0]
+}
+
 const MAGIC: &[u8; 4] = b"MRRD";
 const VERSION: u32 = 1;
 const HEADER_BYTES: usize = 24;
@@ -153,7 +187,8 @@ impl RouterData {
     }
 
     /// Projects one FFN input `x` (length `d_model`) to its slice points `z_s = P_s x`,
-    /// appending `slices` points to `out`.
+    /// appending `slices` points to `out`. Every coordinate is [`slice_dot`], whose fixed
+    /// summation order the GPU routers reproduce bit for bit.
     pub fn project_into(&self, x: &[f32], out: &mut Vec<[f32; 3]>) -> Result<(), RouteError> {
         if self.d_model == 0 || x.len() != self.d_model {
             return Err(RouteError::InvalidInput(format!(
@@ -166,7 +201,7 @@ impl RouterData {
             let mut z = [0f32; 3];
             for (a, za) in z.iter_mut().enumerate() {
                 let row = &self.projection[(s * 3 + a) * self.d_model..][..self.d_model];
-                *za = row.iter().zip(x).map(|(p, v)| p * v).sum();
+                *za = slice_dot(row, x);
             }
             out.push(z);
         }
@@ -236,5 +271,59 @@ impl RouterData {
         let data = Self { slices, boxes, thresholds, d_model, projection };
         data.validate()?;
         Ok(data)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a warp computes: every lane sums its strided share, then each
+    /// butterfly step adds the value of lane `l ^ h` (so lanes `>= h` add in
+    /// the other operand order). Exactly `slice_dot`'s pairwise order only
+    /// because IEEE addition is commutative; this checks that claim on data.
+    fn warp_xor_butterfly(row: &[f32], x: &[f32]) -> [f32; DOT_LANES] {
+        let mut v = [0f32; DOT_LANES];
+        for (l, acc) in v.iter_mut().enumerate() {
+            let mut i = l;
+            while i < row.len() {
+                *acc += row[i] * x[i];
+                i += DOT_LANES;
+            }
+        }
+        let mut h = DOT_LANES / 2;
+        while h > 0 {
+            let prev = v;
+            for l in 0..DOT_LANES {
+                v[l] = prev[l] + prev[l ^ h];
+            }
+            h /= 2;
+        }
+        v
+    }
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+    }
+
+    #[test]
+    fn slice_dot_is_the_warp_butterfly_bit_for_bit_and_close_to_f64() {
+        let mut seed = 7u64;
+        for d in [1usize, 5, 31, 32, 33, 64, 96, 577, 896, 3584] {
+            for _ in 0..20 {
+                let row: Vec<f32> = (0..d).map(|_| lcg(&mut seed)).collect();
+                let x: Vec<f32> = (0..d).map(|_| lcg(&mut seed) * 1e3).collect();
+                let got = slice_dot(&row, &x);
+                for (l, w) in warp_xor_butterfly(&row, &x).iter().enumerate() {
+                    assert_eq!(got.to_bits(), w.to_bits(), "d {d}: lane {l} of the butterfly differs");
+                }
+                let exact: f64 = row.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let scale: f64 = row.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                assert!(((got as f64) - exact).abs() <= 1e-5 * scale.max(1e-30), "d {d}: {got} vs f64 {exact}");
+            }
+        }
+        // Signed zeros: the sum starts from +0.0, as the GPU's does.
+        assert_eq!(slice_dot(&[-0.0], &[1.0]).to_bits(), 0f32.to_bits());
     }
 }

@@ -39,7 +39,7 @@ mod wgpu_router;
 
 pub use bvh::{Bvh, BvhNode, BvhPrim};
 pub use cpu::{BruteForce, CpuBvh};
-pub use data::{Aabb, RouterData, MAX_SLICES};
+pub use data::{slice_dot, Aabb, RouterData, DOT_LANES, MAX_SLICES};
 pub use vk_rt::{ExportedMemory, InteropExports, InteropRequest, VulkanRtRouter};
 pub use wgpu_router::{WgpuOptions, WgpuRouter};
 

@@ -84,10 +84,24 @@ pub struct BenchArgs {
     /// Sparse decode: also decode with the artifact's BVH router on the device.
     #[arg(long)]
     pub routed: bool,
-    /// Sparse decode without an artifact: Q8_0 pages built from the model's
-    /// FFN matrices (synthetic shapes; forced fractions only).
+    /// Sparse decode without an artifact: pages built from the model's FFN
+    /// matrices, 128 consecutive channels each (synthetic shapes; forced
+    /// fractions only).
     #[arg(long)]
     pub synthetic_pages: bool,
+    /// Sparse decode: encoding of the FFN pages. `q8_0` (default): split
+    /// Q8_0, fused kernel `superblock_ffn_q8s`. `nvfp4`: weight-only NVFP4
+    /// (E2M1 codes, an E4M3 scale per 16 weights, one f32 scale per layer
+    /// matrix; 53 % of the Q8_0 bytes) requantized at load from the model's
+    /// gate/up/down in the same page order, fused kernel
+    /// `superblock_ffn_nvfp4`. `q2_k`: split Q2_K (ggml Q2_K blocks, 2.625
+    /// bits a weight, 33 % of the Q8_0 bytes; the GGUF's Q2_K gate/up rows
+    /// verbatim, other types and the transposed down quantized to Q2_K at
+    /// load; d_model must be a multiple of 256), fused kernel
+    /// `superblock_ffn_q2k`. MiB/tok counts the chosen format's page bytes.
+    /// Only with --artifact or --synthetic-pages.
+    #[arg(long, value_parser = ["q8_0", "nvfp4", "q2_k"])]
+    pub page_format: Option<String>,
 }
 
 /// What one bench run measured.
@@ -135,6 +149,9 @@ fn on_off(what: &str, v: &str) -> anyhow::Result<bool> {
 
 /// Runs `mirage-cli bench`.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.page_format.is_some() && args.artifact.is_none() && !args.synthetic_pages {
+        bail!("--page-format selects the sparse FFN's page encoding: pass --artifact FILE or --synthetic-pages with it");
+    }
     if args.artifact.is_some() || args.synthetic_pages {
         #[cfg(feature = "cuda")]
         return super::bench_sparse::run(&args);

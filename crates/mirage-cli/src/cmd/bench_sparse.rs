@@ -11,16 +11,30 @@
 //! for the rest of the step, and the weight bytes a token reads (non-FFN
 //! tensors + active pages).
 //!
-//! `--synthetic-pages` builds Q8_0 pages from the model's own FFN matrices
+//! `--synthetic-pages` builds pages from the model's own FFN matrices
 //! (128 consecutive channels per page, no calibration, no router): for
 //! synthetic shapes such as `cargo xtask synth-model --like qwen2.5-7b`,
 //! forced fractions only.
+//!
+//! `--page-format nvfp4` stores the pages as weight-only NVFP4 (requantized
+//! at load from the model's gate/up/down, same page order) and runs
+//! `superblock_ffn_nvfp4`; `--page-format q2_k` stores them as split Q2_K
+//! (the GGUF's Q2_K gate/up rows verbatim, other types and the transposed
+//! `W_down` quantized to Q2_K at load, same page order; `d_model` a multiple
+//! of 256, checked before the dense run) and runs `superblock_ffn_q2k`; the
+//! default `q8_0` runs `superblock_ffn_q8s`. The bytes per token count the
+//! chosen format's pages. `--weights nvfp4`
+//! requantizes the other matrices of both the dense and the sparse backend
+//! (the dense FFN too), as in the plain bench.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use mirage_cuda::{CudaBackend, PageSource, SparseCudaBackend, SparsePages};
+use mirage_cuda::{
+    CudaBackend, PageFormat, PageSource, RouteTraversal, SparseCudaBackend, SparsePages,
+    WeightFormat,
+};
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::Backend;
 use mirage_runtime::{KvDtype, Model, TokenSlot};
@@ -31,6 +45,10 @@ use super::bench::BenchArgs;
 #[derive(Debug, serde::Serialize)]
 struct Row {
     mode: String,
+    /// Page encoding of the sparse FFN (`None` for dense).
+    page_format: Option<String>,
+    /// Encoding of the other matrices (`native` or `nvfp4`).
+    weights: String,
     active_share: f64,
     decode_tok_s: f64,
     speedup: f64,
@@ -143,6 +161,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     if args.routed && args.synthetic_pages {
         bail!("--routed needs an artifact (synthetic pages have no router)");
     }
+    let format: PageFormat = args
+        .page_format
+        .as_deref()
+        .unwrap_or("q8_0")
+        .parse()
+        .map_err(anyhow::Error::msg)?;
+    let weights = match args.weights.as_str() {
+        "native" => WeightFormat::Native,
+        "nvfp4" => WeightFormat::Nvfp4,
+        other => bail!("--weights takes `native` or `nvfp4`, not `{other}`"),
+    };
     let fractions = if args.active.is_empty() {
         vec![1.0, 0.75, 0.5, 0.35, 0.25]
     } else {
@@ -154,6 +183,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let file = Arc::new(
         GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
     );
+    // A page format that cannot hold the model's width fails now, not
+    // after the dense run (q2_k needs d_model a multiple of 256).
+    if let Some(t) = file.tensor_info("blk.0.ffn_gate.weight") {
+        format
+            .check_d_model(t.dims.first().copied().unwrap_or(0) as usize)
+            .with_context(|| format!("--page-format {format} on {}", args.model.display()))?;
+    }
     let is_ffn = |n: &str| {
         n.starts_with("blk.")
             && (n.ends_with("ffn_gate.weight")
@@ -161,6 +197,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                 || n.ends_with("ffn_down.weight"))
     };
     let has_output = file.tensor_info("output.weight").is_some();
+    // Bytes a token reads of a tensor as the device holds it: with NVFP4
+    // weights every matrix but the embedding table and the lm head is
+    // requantized (half a byte a weight, a scale byte per 16, the f32 scale).
+    let device_bytes = |t: &mirage_gguf::TensorInfo| -> u64 {
+        let table = t.name == "token_embd.weight" || t.name == "output.weight";
+        if weights == WeightFormat::Nvfp4 && !table && t.dims.len() == 2 {
+            let n = t.n_elements();
+            n / 2 + n / 16 + 4
+        } else {
+            t.n_bytes()
+        }
+    };
     let other_bytes: u64 = file
         .tensors()
         .iter()
@@ -170,13 +218,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                 || t.name == "output_norm.weight"
                 || (!has_output && t.name == "token_embd.weight")
         })
-        .map(|t| t.n_bytes())
+        .map(device_bytes)
         .sum();
     let ffn_bytes: u64 = file
         .tensors()
         .iter()
         .filter(|t| is_ffn(&t.name))
-        .map(|t| t.n_bytes())
+        .map(device_bytes)
         .sum();
     let n_prompt = args.prompt.max(1);
     let n_gen = args.gen.max(4);
@@ -187,10 +235,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let (dense_tok_s, device) = {
         let b = CudaBackend::new(args.device).context("starting the CUDA backend")?;
         let device = b.device_name().to_string();
+        b.set_weight_format(weights);
         let model = Model::load(file.clone(), b)?;
         let d = decode(&model, n_prompt, n_gen, || Ok(None))?;
         rows.push(Row {
             mode: "dense".into(),
+            page_format: None,
+            weights: args.weights.clone(),
             active_share: 1.0,
             decode_tok_s: d.tok_s,
             speedup: 1.0,
@@ -212,8 +263,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         None => PageSource::Synthetic,
     };
     let inner = CudaBackend::new(args.device).context("starting the CUDA backend")?;
+    inner.set_weight_format(weights);
     let sb = SparseCudaBackend::new(inner, source.clone(), SparsePages::All)
         .context("starting the sparse backend")?;
+    sb.set_page_format(format)?;
     let t_load = Instant::now();
     let model = Model::load(file.clone(), sb)?;
     let load_s = t_load.elapsed().as_secs_f64();
@@ -252,7 +305,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             format!("routed (margin {margin})"),
             SparsePages::Routed {
                 margin,
-                exact_projection: false,
+                traversal: RouteTraversal::Auto,
             },
         ));
     }
@@ -278,6 +331,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         let ffn_bytes_tok = active_pages * page_bytes as f64;
         rows.push(Row {
             mode: name,
+            page_format: Some(format.name().into()),
+            weights: args.weights.clone(),
             active_share: active_pages / total_pages.max(1) as f64,
             decode_tok_s: d.tok_s,
             speedup: d.tok_s / dense_tok_s,
@@ -295,10 +350,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "model {} | {device} | {n_layer} layers, {} pages/layer of {:.2} MiB (split Q8_0) | prompt {n_prompt}, decode {} timed steps | sparse load {load_s:.1} s | graphs: {} captured, {} replayed, {} eager",
+        "model {} | {device} | {n_layer} layers, {} pages/layer of {:.2} MiB ({}) | weights {} | prompt {n_prompt}, decode {} timed steps | sparse load {load_s:.1} s | graphs: {} captured, {} replayed, {} eager",
         args.model.display(),
         total_pages / n_layer.max(1),
         mib(page_bytes as f64),
+        match format {
+            PageFormat::Q8_0 => "page format q8_0: split Q8_0, superblock_ffn_q8s",
+            PageFormat::Nvfp4 => "page format nvfp4: weight-only NVFP4, superblock_ffn_nvfp4",
+            PageFormat::Q2K => "page format q2_k: split Q2_K, superblock_ffn_q2k",
+        },
+        args.weights,
         n_gen.saturating_sub(2),
         g.captures,
         g.replays,

@@ -6,9 +6,10 @@
 //! (a) mat-vec GB/s and microseconds for ggml Q8_0 and Q4_K (the kernels of
 //!     cuda/dense.cu), split Q8_0 and NVFP4 (cuda/superblock.cu, nvfp4.cu);
 //! (b) a Qwen2-7B-shape FFN (d 3584, n_ff 18944): dense (three mat-vecs +
-//!     SwiGLU) in Q8_0, split Q8_0, Q4_K and NVFP4, against the fused sparse
-//!     kernels over Q8_0 pages and over NVFP4 pages at several active
-//!     fractions (the same random page subsets for both formats).
+//!     SwiGLU) in Q8_0, split Q8_0, Q4_K, NVFP4 and Q2_K, against the fused
+//!     sparse kernels over Q8_0 pages and over NVFP4 pages at several active
+//!     fractions and over Q2_K pages at 100/40/25 % (the same random page
+//!     subsets for every format).
 //!
 //! (c) with `--variants`, only the copy and the mat-vec variants of the split
 //!     Q8_0 and split Q4_K layouts (`mv3_<layout>[_v<N>][_k<S>]`,
@@ -16,7 +17,16 @@
 //!     every split-K setting on the 7B shapes, each checked against v1
 //!     (rel err printed).
 //!
-//! Usage: `kernel-bench [--iters N] [--variants]`. Prints a table last.
+//! (d) the fused Q8_0 FFN variants (`superblock_ffn_q8s_v<n>`, both phases
+//!     as the two launches of the sparse backend's graph, every phase-2 part
+//!     size of PART_CH, each phase alone too) at the 7B shape (100/40/25 %
+//!     of the pages) and the Qwen2.5-0.5B shape (d 896, n_ff 4864; 100/50 %),
+//!     per layer in replayed CUDA graphs of several layers (each its own
+//!     cold pages), against the backend's dense v2 FFN run the same way; printed last,
+//!     and alone (after the copy) with `--sparse`.
+//!
+//! Usage: `kernel-bench [--iters N] [--variants | --sparse]`. Prints a table
+//! last.
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -37,12 +47,14 @@ mod bench {
     use std::error::Error;
     use std::sync::Arc;
 
-    use cudarc::driver::sys::CUevent_flags;
+    use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
     use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
     use mirage_cuda::module;
     use mirage_cuda::superblock::{
-        q8_0_page_bytes, FfnLaunch, FfnScratch, Nvfp4Pages, Reduction, SparseDevice, PAGE_CHANNELS,
+        q8_0_page_bytes, ActivePages, FfnLaunch, FfnQ8Options, FfnScratch, Nvfp4Pages, Reduction,
+        SparseDevice, PAGE_CHANNELS, Q8_FFN_VARIANTS,
     };
+    use mirage_cuda::superblock_q2k::Q2kPages;
     use mirage_gguf::quant::Nvfp4Tensor;
 
     type Res<T> = Result<T, Box<dyn Error>>;
@@ -167,6 +179,26 @@ mod bench {
         Ok(Nvfp4Pages::from_tensors(&g, &u, &dt)?)
     }
 
+    /// Random ggml Q2_K rows with valid d and dmin.
+    fn random_q2_k(r: &mut Rng, rows: usize, cols: usize) -> Vec<u8> {
+        let mut b = r.bytes(rows * cols / 256 * 84);
+        for blk in b.chunks_exact_mut(84) {
+            blk[80..82].copy_from_slice(&f16_bytes(1e-3));
+            blk[82..84].copy_from_slice(&f16_bytes(5e-4));
+        }
+        b
+    }
+
+    /// Random Q2_K pages: random gate, up and down_t Q2_K rows packed.
+    fn random_q2k_pages(r: &mut Rng, d: usize, n_ff: usize) -> Res<Q2kPages> {
+        let (g, u, dt) = (
+            random_q2_k(r, n_ff, d),
+            random_q2_k(r, n_ff, d),
+            random_q2_k(r, n_ff, d),
+        );
+        Ok(Q2kPages::from_q2k_rows(d, n_ff, &g, &u, &dt)?)
+    }
+
     struct Dense {
         matvec_q8_0: CudaFunction,
         matvec_q4_k: CudaFunction,
@@ -221,6 +253,53 @@ mod bench {
         // SAFETY: matches `swiglu(const float*, const float*, float*, long)`.
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+
+    /// Median us of a dense FFN as the three cuda/dense.cu mat-vecs of one
+    /// type (`mv`) and SwiGLU: `w` = gate and up (`n_ff` rows of `d`, rows
+    /// of `row_bytes[0]`), down (`d` rows of `n_ff`, `row_bytes[1]`).
+    #[allow(clippy::too_many_arguments)]
+    fn dense_ffn_us(
+        dev: &SparseDevice,
+        timer: &mut Timer,
+        mv: &CudaFunction,
+        swiglu_f: &CudaFunction,
+        w: [&[u8]; 3],
+        row_bytes: [usize; 2],
+        d: usize,
+        n_ff: usize,
+        x: &CudaSlice<f32>,
+    ) -> Res<f64> {
+        let stream = dev.stream();
+        let (dg, du, ddn) = (
+            stream.clone_htod(w[0])?,
+            stream.clone_htod(w[1])?,
+            stream.clone_htod(w[2])?,
+        );
+        let mut bg = stream.alloc_zeros::<f32>(n_ff)?;
+        let mut bu = stream.alloc_zeros::<f32>(n_ff)?;
+        let mut bh = stream.alloc_zeros::<f32>(n_ff)?;
+        let mut y = stream.alloc_zeros::<f32>(d)?;
+        let [rbd, rbf] = row_bytes;
+        timer.median_us(|| {
+            dense_matvec(dev, mv, &dg, rbd, n_ff, d, x, &mut bg)?;
+            dense_matvec(dev, mv, &du, rbd, n_ff, d, x, &mut bu)?;
+            swiglu(dev, swiglu_f, &bg, &bu, &mut bh, n_ff)?;
+            dense_matvec(dev, mv, &ddn, rbf, d, n_ff, &bh, &mut y)
+        })
+    }
+
+    /// `k` distinct random page ids below `n` (partial Fisher-Yates),
+    /// ascending as a router emits them.
+    fn random_subset(r: &mut Rng, n: usize, k: usize) -> Vec<u32> {
+        let mut all: Vec<u32> = (0..n as u32).collect();
+        for i in 0..k {
+            let j = i + r.below(n - i);
+            all.swap(i, j);
+        }
+        let mut ids = all[..k].to_vec();
+        ids.sort_unstable();
+        ids
     }
 
     /// Split layouts of the variants section: 0 = split Q8_0 (quants
@@ -461,6 +540,276 @@ mod bench {
         extra: String,
     }
 
+    /// Phase-2 part sizes the fused-variant table sweeps
+    /// (`FfnQ8Options::part_ch`; 0: K = grid / n_chunks, the first version).
+    const PART_CH: [u32; 3] = [0, 128, 512];
+
+    /// One row of the fused-variant table: a kernel variant at one shape and
+    /// active fraction, or (`grid` 0) a dense reference. Times are per layer.
+    struct SbRow {
+        shape: String,
+        what: String,
+        grid: u32,
+        /// Both phases over an empty list (part_ch 0: the fixed cost),
+        /// phase 1 alone, phase 2 alone (at the best part size), us.
+        empty: f64,
+        p1: f64,
+        p2: f64,
+        /// Both phases as two launches, one per PART_CH (one entry for a
+        /// dense reference).
+        both: Vec<f64>,
+        bytes: f64,
+        /// v0 at part_ch 0 and the backend's dense v2 FFN at this shape, us.
+        v0_us: f64,
+        dense_us: f64,
+    }
+
+    impl SbRow {
+        fn best(&self) -> f64 {
+            self.both.iter().copied().fold(f64::INFINITY, f64::min)
+        }
+    }
+
+    /// Median us per layer of `enqueue` (the launches of `layers` layers),
+    /// run once to warm up (scratch allocations), then captured into a CUDA
+    /// graph and replayed (L2 flushed before each replay): as the backend's
+    /// decode graph runs it, without host launch costs.
+    fn graph_us(
+        dev: &SparseDevice,
+        timer: &mut Timer,
+        layers: usize,
+        mut enqueue: impl FnMut() -> Res<()>,
+    ) -> Res<f64> {
+        let stream = dev.stream();
+        enqueue()?;
+        stream.synchronize()?;
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let launched = enqueue();
+        // End the capture whatever happened, so that the stream stays usable.
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        launched?;
+        let graph = graph?.ok_or("stream capture returned no graph")?;
+        graph.upload()?;
+        Ok(timer.median_us(|| Ok(graph.launch()?))? / layers as f64)
+    }
+
+    /// (d) the fused Q8_0 FFN variants (`superblock_ffn_q8s_v<n>`) as the
+    /// sparse backend runs them (ordered reduction, y = FFN(x), phase 1 then
+    /// phase 2 as two launches with the variant's grid) on random pages at
+    /// the Qwen2-7B shape (100, 40, 25 % of the pages) and the Qwen2.5-0.5B
+    /// shape (100, 50 %), every part size of PART_CH; each phase also timed
+    /// alone. A timed run is a CUDA graph of `layers` layers, each with its
+    /// own copy of the pages (so a layer's pages are cold when it runs, as
+    /// in a decode step), replayed ([`graph_us`]); times are per layer. The reference: the backend's dense
+    /// v2 FFN over the same layers (`ffn_q8_0s_v2` + `mv3_q8_0s_v2`, the
+    /// best split of 1/2/4/8).
+    fn sb_variants(
+        dev: &SparseDevice,
+        m: &Arc<cudarc::driver::CudaModule>,
+        timer: &mut Timer,
+        r: &mut Rng,
+    ) -> Res<Vec<SbRow>> {
+        let stream = dev.stream().clone();
+        let mut out = Vec::new();
+        let shapes: [(&str, usize, usize, usize, &[f64]); 2] = [
+            ("7B", 3584, 18944, 8, &[1.0, 0.4, 0.25]),
+            ("0.5B", 896, 4864, 24, &[1.0, 0.5]),
+        ];
+        for (name, d, n_ff, layers, fracs) in shapes {
+            let n_pages = n_ff / PAGE_CHANNELS;
+            let x = stream.clone_htod(&r.f32s(d))?;
+            // The backend's dense FFN: gate + up + SwiGLU in one kernel, the
+            // down mat-vec, split Q8_0.
+            let host = [
+                random_split(r, 0, n_ff, d),
+                random_split(r, 0, n_ff, d),
+                random_split(r, 0, d, n_ff),
+            ];
+            let bytes = host.iter().map(|w| w.len() as f64).sum::<f64>();
+            let mut ws: Vec<[u64; 3]> = Vec::new();
+            let mut bufs: Vec<CudaSlice<u8>> = Vec::new();
+            for _ in 0..layers {
+                for h in &host {
+                    bufs.push(stream.clone_htod(h)?);
+                }
+                let n = bufs.len();
+                ws.push([0, 1, 2].map(|i| ptr(dev, &bufs[n - 3 + i])));
+            }
+            drop(host);
+            let h = stream.alloc_zeros::<f32>(n_ff)?;
+            let yd = stream.alloc_zeros::<f32>(d)?;
+            let (px, ph, py) = (ptr(dev, &x), ptr(dev, &h), ptr(dev, &yd));
+            let fg = m.load_function("ffn_q8_0s_v2")?;
+            let nr = variant_rows(2);
+            let mut dense_v2 = (f64::INFINITY, 1usize);
+            for split in [1usize, 2, 4, 8] {
+                let fname = if split == 1 {
+                    "mv3_q8_0s_v2".to_string()
+                } else {
+                    format!("mv3_q8_0s_v2_k{split}")
+                };
+                let fd = m.load_function(&fname)?;
+                let us = graph_us(dev, timer, layers, || {
+                    for &[pg, pu, pd] in &ws {
+                        ffn_launch(dev, &fg, pg, pu, n_ff, d, px, ph, nr)?;
+                        mv3_launch(
+                            dev,
+                            &fd,
+                            [pd, 0, 0],
+                            [d, 0, 0],
+                            n_ff,
+                            ph,
+                            [py, 0, 0],
+                            nr,
+                            split,
+                        )?;
+                    }
+                    Ok(())
+                })?;
+                if us < dense_v2.0 {
+                    dense_v2 = (us, split);
+                }
+            }
+            out.push(SbRow {
+                shape: format!("{name} dense, {layers} layers"),
+                what: format!("dense v2: ffn_q8_0s_v2 + mv3_q8_0s_v2 k{}", dense_v2.1),
+                grid: 0,
+                empty: f64::NAN,
+                p1: f64::NAN,
+                p2: f64::NAN,
+                both: vec![dense_v2.0],
+                bytes,
+                v0_us: f64::NAN,
+                dense_us: f64::NAN,
+            });
+            drop(bufs);
+
+            let host_pages = random_q8s_pages(r, d, n_pages);
+            let pages: Vec<_> = (0..layers)
+                .map(|_| dev.upload_q8s_pages(d, n_pages, &host_pages))
+                .collect::<Result<_, _>>()?;
+            drop(host_pages);
+            let mut active = dev.new_active(&[], n_pages)?;
+            let mut scratch = FfnScratch::default();
+            let mut y = stream.alloc_zeros::<f32>(d)?;
+            let mut time =
+                |v: usize, active: &ActivePages, part_ch: u32, launch: FfnLaunch| -> Res<f64> {
+                    let opts = FfnQ8Options {
+                        variant: Some(v),
+                        part_ch,
+                        launch,
+                    };
+                    graph_us(dev, timer, layers, || {
+                        for p in &pages {
+                            dev.ffn_q8_with(
+                                p,
+                                &x,
+                                active,
+                                Reduction::Ordered,
+                                false,
+                                opts,
+                                &mut scratch,
+                                &mut y,
+                            )?;
+                        }
+                        Ok(())
+                    })
+                };
+            dev.set_active(&mut active, &[])?;
+            let empty: Vec<f64> = Q8_FFN_VARIANTS
+                .iter()
+                .map(|v| time(v.index, &active, 0, FfnLaunch::TwoLaunches))
+                .collect::<Res<_>>()?;
+            for &frac in fracs {
+                let k = ((frac * n_pages as f64).round() as usize).clamp(1, n_pages);
+                dev.set_active(&mut active, &random_subset(r, n_pages, k))?;
+                let shape = format!("{name} {:.0} % ({k}/{n_pages})", frac * 100.0);
+                let mut v0_us = f64::NAN;
+                for v in &Q8_FFN_VARIANTS {
+                    let mut time = |part_ch: u32, launch: FfnLaunch| -> Res<f64> {
+                        time(v.index, &active, part_ch, launch)
+                    };
+                    let both: Vec<f64> = PART_CH
+                        .iter()
+                        .map(|&pc| time(pc, FfnLaunch::TwoLaunches))
+                        .collect::<Res<_>>()?;
+                    let best = (0..PART_CH.len())
+                        .min_by(|&a, &b| both[a].total_cmp(&both[b]))
+                        .unwrap_or(0);
+                    let p1 = time(0, FfnLaunch::Phase1Only)?;
+                    let p2 = time(PART_CH[best], FfnLaunch::Phase2Only)?;
+                    if v.index == 0 {
+                        v0_us = both[0];
+                    }
+                    out.push(SbRow {
+                        shape: shape.clone(),
+                        what: format!("v{}", v.index),
+                        grid: pages[0].variant_grid(v.index).unwrap_or(0),
+                        empty: empty[v.index],
+                        p1,
+                        p2,
+                        both,
+                        bytes: (k * pages[0].page_bytes()) as f64,
+                        v0_us,
+                        dense_us: dense_v2.0,
+                    });
+                }
+            }
+            let got = dev.download_f32(&y)?;
+            if !got.iter().all(|v| v.is_finite()) {
+                return Err(format!("fused FFN variants at {name}: non-finite output").into());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Prints the table of (d): one row per shape, active fraction and
+    /// variant, the dense references first.
+    fn print_sb_variants(rows: &[SbRow], copy_gbs: f64) {
+        println!();
+        println!(
+            "== sparse FFN variants (superblock_ffn_q8s_v<n>): us per layer, CUDA graphs of several \
+             layers (each its own pages, cold) replayed; ordered, phase 1 then phase 2 as two launches (the \
+             sparse backend's graph); empty: both over no page; p1 / p2: that phase alone (p2 at the \
+             best part_ch); part_ch: least channels per phase-2 part (0: K = grid / n_chunks); \
+             GB/s of the page bytes read at the best part_ch; copy ceiling {copy_gbs:.0} GB/s"
+        );
+        let about: Vec<String> = Q8_FFN_VARIANTS
+            .iter()
+            .map(|v| format!("v{}: {}", v.index, v.about))
+            .collect();
+        println!("{}", about.join("; "));
+        let pcs: Vec<String> = PART_CH.iter().map(|p| p.to_string()).collect();
+        println!(
+            "| shape, active pages | kernel | grid | empty us | p1 us | p2 us | p1+p2 us, part_ch {} | GB/s | % of copy | vs v0 | vs dense v2 |",
+            pcs.join(" / ")
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+        for row in rows {
+            let best = row.best();
+            let gbs = row.bytes / best / 1e3;
+            let both: Vec<String> = row.both.iter().map(|u| format!("{u:.1}")).collect();
+            let dash = || "-".to_string();
+            let (grid, times, v0, dv2) = if row.grid == 0 {
+                (dash(), "- | - | -".to_string(), dash(), dash())
+            } else {
+                (
+                    row.grid.to_string(),
+                    format!("{:.1} | {:.1} | {:.1}", row.empty, row.p1, row.p2),
+                    format!("{:.2}x", row.v0_us / best),
+                    format!("{:.2}x", row.dense_us / best),
+                )
+            };
+            println!(
+                "| {} | {} | {grid} | {times} | {} | {gbs:.0} | {:.0} % | {v0} | {dv2} |",
+                row.shape,
+                row.what,
+                both.join(" / "),
+                100.0 * gbs / copy_gbs,
+            );
+        }
+    }
+
     pub fn run() -> Res<()> {
         let args: Vec<String> = std::env::args().collect();
         let iters = args
@@ -504,6 +853,11 @@ mod bench {
         let copy_gbs = 2.0 * copy_bytes as f64 / copy_us / 1e3;
         println!("copy: 1 GiB dtod {copy_us:.1} us = {copy_gbs:.0} GB/s (read + write)");
 
+        if args.iter().any(|a| a == "--sparse") {
+            let rows = sb_variants(&dev, &m, &mut timer, &mut r)?;
+            print_sb_variants(&rows, copy_gbs);
+            return Ok(());
+        }
         if args.iter().any(|a| a == "--variants") {
             let rows = variants(&dev, &m, &mut timer, &mut r)?;
             println!();
@@ -620,29 +974,27 @@ mod bench {
             let u = random_q8_0(&mut r, n_ff, d);
             let dn = random_q8_0(&mut r, d, n_ff);
             let bytes = (g.len() + u.len() + dn.len()) as f64;
-            let (dg, du, ddn) = (
-                stream.clone_htod(&g)?,
-                stream.clone_htod(&u)?,
-                stream.clone_htod(&dn)?,
-            );
-            let mut bg = stream.alloc_zeros::<f32>(n_ff)?;
-            let mut bu = stream.alloc_zeros::<f32>(n_ff)?;
-            let mut bh = stream.alloc_zeros::<f32>(n_ff)?;
-            let mut y = stream.alloc_zeros::<f32>(d)?;
-            let (rbd, rbf) = (d / 32 * 34, n_ff / 32 * 34);
-            dense_us = timer.median_us(|| {
-                dense_matvec(&dev, &dense.matvec_q8_0, &dg, rbd, n_ff, d, &x, &mut bg)?;
-                dense_matvec(&dev, &dense.matvec_q8_0, &du, rbd, n_ff, d, &x, &mut bu)?;
-                swiglu(&dev, &dense.swiglu, &bg, &bu, &mut bh, n_ff)?;
-                dense_matvec(&dev, &dense.matvec_q8_0, &ddn, rbf, d, n_ff, &bh, &mut y)
-            })?;
+            dense_us = dense_ffn_us(
+                &dev,
+                &mut timer,
+                &dense.matvec_q8_0,
+                &dense.swiglu,
+                [&g, &u, &dn],
+                [d / 32 * 34, n_ff / 32 * 34],
+                d,
+                n_ff,
+                &x,
+            )?;
             ffn.push(Row {
                 what: "dense: 3 x matvec_q8_0 (dense.cu) + swiglu".into(),
                 us: dense_us,
                 bytes,
                 extra: String::new(),
             });
-            drop((dg, du, ddn));
+            let mut bg = stream.alloc_zeros::<f32>(n_ff)?;
+            let mut bu = stream.alloc_zeros::<f32>(n_ff)?;
+            let mut bh = stream.alloc_zeros::<f32>(n_ff)?;
+            let mut y = stream.alloc_zeros::<f32>(d)?;
             let sg = dev.upload_q8s(&g, n_ff, d)?;
             let su = dev.upload_q8s(&u, n_ff, d)?;
             let sd = dev.upload_q8s(&dn, d, n_ff)?;
@@ -665,29 +1017,27 @@ mod bench {
             let u = random_q4_k(&mut r, n_ff, d);
             let dn = random_q4_k(&mut r, d, n_ff);
             let bytes = (g.len() + u.len() + dn.len()) as f64;
-            let (dg, du, ddn) = (
-                stream.clone_htod(&g)?,
-                stream.clone_htod(&u)?,
-                stream.clone_htod(&dn)?,
-            );
-            let mut bg = stream.alloc_zeros::<f32>(n_ff)?;
-            let mut bu = stream.alloc_zeros::<f32>(n_ff)?;
-            let mut bh = stream.alloc_zeros::<f32>(n_ff)?;
-            let mut y = stream.alloc_zeros::<f32>(d)?;
-            let (rbd, rbf) = (d / 256 * 144, n_ff / 256 * 144);
-            let us = timer.median_us(|| {
-                dense_matvec(&dev, &dense.matvec_q4_k, &dg, rbd, n_ff, d, &x, &mut bg)?;
-                dense_matvec(&dev, &dense.matvec_q4_k, &du, rbd, n_ff, d, &x, &mut bu)?;
-                swiglu(&dev, &dense.swiglu, &bg, &bu, &mut bh, n_ff)?;
-                dense_matvec(&dev, &dense.matvec_q4_k, &ddn, rbf, d, n_ff, &bh, &mut y)
-            })?;
+            let us = dense_ffn_us(
+                &dev,
+                &mut timer,
+                &dense.matvec_q4_k,
+                &dense.swiglu,
+                [&g, &u, &dn],
+                [d / 256 * 144, n_ff / 256 * 144],
+                d,
+                n_ff,
+                &x,
+            )?;
             ffn.push(Row {
                 what: "dense: 3 x matvec_q4_k (dense.cu) + swiglu".into(),
                 us,
                 bytes,
                 extra: String::new(),
             });
-            drop((dg, du, ddn));
+            let mut bg = stream.alloc_zeros::<f32>(n_ff)?;
+            let mut bu = stream.alloc_zeros::<f32>(n_ff)?;
+            let mut bh = stream.alloc_zeros::<f32>(n_ff)?;
+            let mut y = stream.alloc_zeros::<f32>(d)?;
             let ng = dev.upload_nvfp4(&random_nvfp4(&mut r, n_ff, d))?;
             let nu = dev.upload_nvfp4(&random_nvfp4(&mut r, n_ff, d))?;
             let nd = dev.upload_nvfp4(&random_nvfp4(&mut r, d, n_ff))?;
@@ -715,20 +1065,45 @@ mod bench {
             nv_pages.page_bytes(),
             nv_pages.grid()
         );
+        // Q2_K: the dense FFN (dense.cu's ggml-block mat-vecs) and pages for
+        // the fused kernel (rows below, 100/40/25 %).
+        let q2_pages = dev.upload_q2k_pages(&random_q2k_pages(&mut r, d, n_ff)?)?;
+        println!(
+            "ffn: Q2_K pages {} bytes, fused grid {} blocks",
+            q2_pages.page_bytes(),
+            q2_pages.grid()
+        );
+        {
+            let w = [
+                random_q2_k(&mut r, n_ff, d),
+                random_q2_k(&mut r, n_ff, d),
+                random_q2_k(&mut r, d, n_ff),
+            ];
+            let mv = m.load_function("matvec_q2_k")?;
+            let us = dense_ffn_us(
+                &dev,
+                &mut timer,
+                &mv,
+                &dense.swiglu,
+                [&w[0], &w[1], &w[2]],
+                [d / 256 * 84, n_ff / 256 * 84],
+                d,
+                n_ff,
+                &x,
+            )?;
+            ffn.push(Row {
+                what: "dense: 3 x matvec_q2_k (dense.cu) + swiglu".into(),
+                us,
+                bytes: w.iter().map(|v| v.len()).sum::<usize>() as f64,
+                extra: String::new(),
+            });
+        }
         let mut active = dev.new_active(&[], n_pages)?;
         let mut scratch = FfnScratch::default();
         let mut y = stream.alloc_zeros::<f32>(d)?;
         for &frac in &[1.0f64, 0.75, 0.5, 0.4, 0.35, 0.25] {
             let k = ((frac * n_pages as f64).round() as usize).clamp(1, n_pages);
-            // Random subset of k pages (partial Fisher-Yates), ascending as a
-            // router emits them.
-            let mut all: Vec<u32> = (0..n_pages as u32).collect();
-            for i in 0..k {
-                let j = i + r.below(n_pages - i);
-                all.swap(i, j);
-            }
-            let mut ids = all[..k].to_vec();
-            ids.sort_unstable();
+            let ids = random_subset(&mut r, n_pages, k);
             dev.set_active(&mut active, &ids)?;
             let bytes = (k * pages.page_bytes()) as f64;
             for (reduction, name) in [
@@ -790,11 +1165,49 @@ mod bench {
                     extra: format!("{:.2}x", dense_us / us),
                 });
             }
+            // The same pages in Q2_K (100, 40 and 25 %), as the NVFP4 rows.
+            if [1.0, 0.4, 0.25].contains(&frac) {
+                let bytes = (k * q2_pages.page_bytes()) as f64;
+                for (reduction, launch, name) in [
+                    (Reduction::Atomic, FfnLaunch::Cooperative, "atomic"),
+                    (Reduction::Ordered, FfnLaunch::Cooperative, "ordered"),
+                    (
+                        Reduction::Ordered,
+                        FfnLaunch::TwoLaunches,
+                        "ordered, 2 launches",
+                    ),
+                ] {
+                    let us = timer.median_us(|| {
+                        Ok(dev.ffn_q2k(
+                            &q2_pages,
+                            &x,
+                            &active,
+                            reduction,
+                            reduction == Reduction::Atomic,
+                            launch,
+                            &mut scratch,
+                            &mut y,
+                        )?)
+                    })?;
+                    ffn.push(Row {
+                        what: format!(
+                            "fused Q2_K {name}, {k}/{n_pages} pages ({:.0} %)",
+                            frac * 100.0
+                        ),
+                        us,
+                        bytes,
+                        extra: format!("{:.2}x", dense_us / us),
+                    });
+                }
+            }
         }
         let out = dev.download_f32(&y)?;
         if !out.iter().all(|v| v.is_finite()) {
             return Err("fused FFN produced a non-finite output".into());
         }
+        drop(q2_pages);
+        drop((pages, nv_pages, active, scratch, y));
+        let sb_rows = sb_variants(&dev, &m, &mut timer, &mut r)?;
 
         println!();
         println!("copy ceiling: {copy_gbs:.0} GB/s (1 GiB dtod, read + write, same run)");
@@ -833,6 +1246,7 @@ mod bench {
                 speed
             );
         }
+        print_sb_variants(&sb_rows, copy_gbs);
         Ok(())
     }
 }

@@ -18,10 +18,10 @@
 //! checked against route.cu's on the last token.
 //!
 //! Usage: `vk-route-bench [--layers 24] [--pages 38] [--slices 4]
-//! [--d-model 896] [--iters 200] [--routers N] [--fast]` (`--routers`:
+//! [--d-model 896] [--iters 200] [--routers N] [--bvh | --scan]` (`--routers`:
 //! distinct Vulkan routers, each its own VkDevice, reused cyclically;
-//! default one per layer; `--fast`: warp-reduced projection instead of the
-//! exact CPU-order one). Build: `cargo build --release -p mirage-cuda
+//! default one per layer; `--bvh` / `--scan`: how route.cu finds the hit
+//! boxes, default by size). Build: `cargo build --release -p mirage-cuda
 //! --features vulkan-interop --bin vk-route-bench`.
 
 use std::error::Error;
@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
 use mirage_cuda::vk_interop::{ActiveLists, CudaBvhRouter, RouteDevice, VkInteropRouter};
+use mirage_cuda::{RouteTraversal, ROUTE_SCAN_MAX_PRIMS};
 use mirage_route::synth::{router_data, SplitMix64, SynthSpec};
 use mirage_route::RouterData;
 
@@ -41,7 +42,7 @@ struct Opts {
     d_model: usize,
     iters: usize,
     routers: Option<usize>,
-    exact: bool,
+    traversal: RouteTraversal,
 }
 
 fn parse() -> Res<Opts> {
@@ -52,7 +53,7 @@ fn parse() -> Res<Opts> {
         d_model: 896,
         iters: 200,
         routers: None,
-        exact: true,
+        traversal: RouteTraversal::Auto,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -67,9 +68,11 @@ fn parse() -> Res<Opts> {
             "--d-model" => o.d_model = num("--d-model")?.max(1),
             "--iters" => o.iters = num("--iters")?.max(1),
             "--routers" => o.routers = Some(num("--routers")?.max(1)),
-            "--fast" => o.exact = false,
+            "--bvh" => o.traversal = RouteTraversal::Bvh,
+            "--scan" => o.traversal = RouteTraversal::Scan,
             "-h" | "--help" => {
-                println!("vk-route-bench [--layers N] [--pages N] [--slices N] [--d-model N] [--iters N] [--routers N] [--fast]");
+                println!("vk-route-bench [--layers N] [--pages N] [--slices N] [--d-model N] [--iters N] [--routers N] [--bvh | --scan]");
+                println!("  --bvh / --scan: route.cu walks the BVH / tests every box (default: scan up to {ROUTE_SCAN_MAX_PRIMS} boxes)");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}").into()),
@@ -117,14 +120,14 @@ fn run() -> Res<()> {
     let datas: Vec<RouterData> = (0..o.layers).map(|l| layer_router(&o, l)).collect();
     let n_trunk = 1;
     eprintln!(
-        "device {}: {} layers, {} pages x {} slices, d_model {}, {} Vulkan routers, {} projection",
+        "device {}: {} layers, {} pages x {} slices, d_model {}, {} Vulkan routers, route.cu {:?}",
         dev.name(),
         o.layers,
         o.pages,
         o.slices,
         o.d_model,
         n_routers,
-        if o.exact { "exact" } else { "fast" }
+        o.traversal
     );
     let mut r = SplitMix64(3);
     let xs: Vec<f32> = (0..o.layers * o.d_model)
@@ -172,7 +175,7 @@ fn run() -> Res<()> {
         let t = Instant::now();
         e0.record(stream)?;
         for l in 0..o.layers {
-            cu[l].route(&dev, &x_rows[l], 1, o.exact, &mut l_cu[l])?;
+            cu[l].route(&dev, &x_rows[l], 1, o.traversal, &mut l_cu[l])?;
         }
         e1.record(stream)?;
         e1.synchronize()?;
@@ -189,7 +192,7 @@ fn run() -> Res<()> {
         let t = Instant::now();
         e0.record(stream)?;
         for l in 0..o.layers {
-            vk[l % n_routers].route(&dev, &x_rows[l], 1, o.exact, &mut l_vk[l])?;
+            vk[l % n_routers].route(&dev, &x_rows[l], 1, &mut l_vk[l])?;
         }
         e1.record(stream)?;
         watchdog(&vk)?;
@@ -207,7 +210,7 @@ fn run() -> Res<()> {
         let (e0, e1) = (ev()?, ev()?);
         let t = Instant::now();
         e0.record(stream)?;
-        vk[l % n_routers].route(&dev, &x_rows[l], 1, o.exact, &mut l_vk[l])?;
+        vk[l % n_routers].route(&dev, &x_rows[l], 1, &mut l_vk[l])?;
         e1.record(stream)?;
         vk[l % n_routers].wait_vulkan(Duration::from_secs(20))?;
         e1.synchronize()?;
@@ -222,7 +225,7 @@ fn run() -> Res<()> {
     for i in 0..warm + o.iters {
         let t = Instant::now();
         for l in 0..o.layers {
-            vk[l % n_routers].route_host(&dev, &x_rows[l], 1, o.exact, &mut l_host[l])?;
+            vk[l % n_routers].route_host(&dev, &x_rows[l], 1, &mut l_host[l])?;
         }
         dev.synchronize()?;
         if i >= warm {
@@ -236,9 +239,9 @@ fn run() -> Res<()> {
     let (mut checked, mut bad_vk, mut bad_host, mut active) = (0, 0, 0, 0usize);
     for l in 0..n_routers {
         // Re-route layer l on all paths (b1 overwrote some interop lists).
-        cu[l].route(&dev, &x_rows[l], 1, o.exact, &mut l_cu[l])?;
-        vk[l].route(&dev, &x_rows[l], 1, o.exact, &mut l_vk[l])?;
-        vk[l].route_host(&dev, &x_rows[l], 1, o.exact, &mut l_host[l])?;
+        cu[l].route(&dev, &x_rows[l], 1, o.traversal, &mut l_cu[l])?;
+        vk[l].route(&dev, &x_rows[l], 1, &mut l_vk[l])?;
+        vk[l].route_host(&dev, &x_rows[l], 1, &mut l_host[l])?;
     }
     watchdog(&vk)?;
     for l in 0..n_routers {
