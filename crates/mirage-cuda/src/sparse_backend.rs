@@ -39,6 +39,7 @@ use super::{
 };
 use crate::superblock::{
     nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, Nvfp4Pages, SparseError, PAGE_CHANNELS,
+    Q8_FFN_VARIANTS,
 };
 use crate::superblock_q2k::{join_q2k_rows, q2k_page_bytes, Q2kPages, Q2K_BLOCK, Q2K_MAX_D};
 use crate::{module, CudaError};
@@ -90,6 +91,47 @@ impl RouteTraversal {
             RouteTraversal::Auto => n_prims <= ROUTE_SCAN_MAX_PRIMS,
             RouteTraversal::Scan => true,
             RouteTraversal::Bvh => false,
+        }
+    }
+}
+
+/// The fused Q8_0 kernel the backend runs. Default: variant 3 of
+/// `superblock::Q8_FFN_VARIANTS` (16-byte loads, 4 in flight per lane and
+/// row, 3 blocks per SM), the fastest on the H200 at 7B (100 % and 40 % of
+/// the pages: 73.5 / 40.0 us per layer vs 97.6 / 48.5 for the first version,
+/// `kernel-bench --sparse`, 2026-12-03), with at least 128 channels per
+/// phase-2 part at widths up to 1024 (it helped at d 896) and the grid's
+/// own split above. `MIRAGE_SPARSE_Q8_KERNEL=first` runs the first version,
+/// `=N` variant N (for comparisons in `mirage-cli bench`).
+#[derive(Debug, Clone, Copy)]
+enum Q8Kernel {
+    /// `superblock_ffn_q8s`.
+    First,
+    /// `superblock_ffn_q8s_v<index>` with `part_ch(d)` channels per part.
+    Variant { index: usize, part_ch: fn(usize) -> usize },
+}
+
+fn default_part_ch(d_model: usize) -> usize {
+    if d_model <= 1024 {
+        128
+    } else {
+        0
+    }
+}
+
+impl Q8Kernel {
+    const DEFAULT: Q8Kernel = Q8Kernel::Variant { index: 3, part_ch: default_part_ch };
+
+    fn from_env() -> Q8Kernel {
+        match std::env::var("MIRAGE_SPARSE_Q8_KERNEL").as_deref() {
+            Ok("first") => Q8Kernel::First,
+            Ok(n) => match n.parse::<usize>() {
+                Ok(index) if index < Q8_FFN_VARIANTS.len() => {
+                    Q8Kernel::Variant { index, part_ch: default_part_ch }
+                }
+                _ => Q8Kernel::DEFAULT,
+            },
+            Err(_) => Q8Kernel::DEFAULT,
         }
     }
 }
@@ -332,6 +374,8 @@ pub struct SparseCudaBackend {
     scratch: Mutex<FfnScratch>,
     format: Mutex<PageFormat>,
     multiprocessors: u32,
+    /// Which `superblock_ffn_q8s` kernel Q8_0 pages run (see [`Q8Kernel`]).
+    q8_kernel: Q8Kernel,
 }
 
 impl std::fmt::Debug for SparseCudaBackend {
@@ -779,7 +823,7 @@ impl SparseCudaBackend {
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(d)?;
-        for name in KERNELS {
+        for name in KERNELS.iter().copied().chain(Q8_FFN_VARIANTS.iter().map(|v| v.kernel)) {
             let f = m.load_function(name).map_err(d)?;
             inner.kernel_index.insert(name, inner.functions.len());
             inner.functions.push(f);
@@ -804,7 +848,16 @@ impl SparseCudaBackend {
             scratch: Mutex::new(FfnScratch::default()),
             format: Mutex::new(PageFormat::default()),
             multiprocessors,
+            q8_kernel: Q8Kernel::from_env(),
         })
+    }
+
+    /// The fused FFN kernel pages of `format` run on this backend.
+    fn kernel_for(&self, format: PageFormat) -> &'static str {
+        match (format, self.q8_kernel) {
+            (PageFormat::Q8_0, Q8Kernel::Variant { index, .. }) => Q8_FFN_VARIANTS[index].kernel,
+            (f, _) => f.kernel(),
+        }
     }
 
     /// The dense backend every other op runs on.
@@ -1037,12 +1090,15 @@ impl SparseCudaBackend {
                 Arg::Ptr(py),
                 Arg::I32(phase),
             ]);
+            if let (PageFormat::Q8_0, Q8Kernel::Variant { part_ch, .. }) = (ld.format, self.q8_kernel) {
+                a.push(Arg::I32(part_ch(d) as i32));
+            }
             a
         };
         // Phase 2 reads no x: no dynamic shared memory. Same grid for both
         // (phase 2's split of the channels depends on it).
         let (k, g, b) = (
-            ld.format.kernel(),
+            self.kernel_for(ld.format),
             (ld.grid.max(1), 1, 1),
             (FFN_THREADS, 1, 1),
         );
@@ -1220,7 +1276,7 @@ impl Backend for SparseCudaBackend {
             if f.check_d_model(d).is_err() {
                 continue;
             }
-            *g = grid_of(f.kernel())?;
+            *g = grid_of(self.kernel_for(f))?;
             if f == format {
                 grid = *g;
             }
