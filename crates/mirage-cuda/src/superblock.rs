@@ -689,7 +689,11 @@ mod device {
             // One stream: cudarc's cross-stream event tracking is overhead.
             // SAFETY: nothing has been allocated through this handle yet.
             unsafe { ctx.disable_event_tracking() };
-            let stream = ctx.default_stream();
+            // A created stream, not the legacy default one, so that the
+            // launches can be captured into a CUDA graph (kernel-bench times
+            // the fused FFN's two phase launches in graphs, as the backend
+            // runs them).
+            let stream = ctx.new_stream().map_err(drv)?;
             let device_name = ctx.name().map_err(drv)?;
             let cc = ctx.compute_capability().map_err(drv)?;
             let (ptx, _) = module::ptx_for("sparse", SPARSE_SOURCE, cc.0, cc.1)?;
