@@ -27,7 +27,7 @@ use mirage_gguf::quant;
 use mirage_gguf::tensor::TensorView;
 use mirage_gguf::GgmlType;
 
-use crate::superblock::{SparseError, PAGE_CHANNELS};
+use crate::superblock::{dequantize_parallel, dequantize_transposed, SparseError, PAGE_CHANNELS};
 
 /// Weights per Q2_K super-block.
 pub const Q2K_BLOCK: usize = 256;
@@ -139,23 +139,6 @@ pub fn quantize_q2k_rows(values: &[f32], d: usize, threads: usize) -> Result<Vec
         Ok(())
     })?;
     Ok(out)
-}
-
-/// `rows x cols` row-major to `cols x rows`, in 64 x 64 tiles (both sides
-/// stay in cache).
-fn transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    const TILE: usize = 64;
-    let mut t = vec![0f32; w.len()];
-    for r0 in (0..rows).step_by(TILE) {
-        for c0 in (0..cols).step_by(TILE) {
-            for r in r0..(r0 + TILE).min(rows) {
-                for c in c0..(c0 + TILE).min(cols) {
-                    t[c * rows + r] = w[r * cols + c];
-                }
-            }
-        }
-    }
-    t
 }
 
 fn default_threads() -> usize {
@@ -277,22 +260,17 @@ impl Q2kPages {
         threads: usize,
     ) -> Result<Q2kPages, SparseError> {
         check_d(d_model)?;
-        let n = d_model * n_ff;
         let rows_q2k = |(ty, data): (GgmlType, &[u8])| -> Result<Vec<u8>, SparseError> {
             if ty == GgmlType::Q2_K {
                 return Ok(data.to_vec());
             }
-            let mut w = vec![0f32; n];
-            quant::dequantize(ty, data, &mut w)?;
+            let w = dequantize_parallel(ty, data, n_ff, d_model, threads)?;
             quantize_q2k_rows(&w, d_model, threads)
         };
         let g = rows_q2k(gate)?;
         let u = rows_q2k(up)?;
-        let mut w = vec![0f32; n];
-        quant::dequantize(down.0, down.1, &mut w)?;
         // W_down is [d_model][n_ff]; down_t[c][r] = W_down[r][c].
-        let t = transpose(&w, d_model, n_ff);
-        drop(w);
+        let t = dequantize_transposed(down.0, down.1, d_model, n_ff, threads)?;
         let dt = quantize_q2k_rows(&t, d_model, threads)?;
         Self::from_q2k_rows(d_model, n_ff, &g, &u, &dt)
     }
