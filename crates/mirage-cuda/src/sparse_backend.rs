@@ -108,7 +108,10 @@ enum Q8Kernel {
     /// `superblock_ffn_q8s`.
     First,
     /// `superblock_ffn_q8s_v<index>` with `part_ch(d)` channels per part.
-    Variant { index: usize, part_ch: fn(usize) -> usize },
+    Variant {
+        index: usize,
+        part_ch: fn(usize) -> usize,
+    },
 }
 
 fn default_part_ch(d_model: usize) -> usize {
@@ -120,15 +123,19 @@ fn default_part_ch(d_model: usize) -> usize {
 }
 
 impl Q8Kernel {
-    const DEFAULT: Q8Kernel = Q8Kernel::Variant { index: 3, part_ch: default_part_ch };
+    const DEFAULT: Q8Kernel = Q8Kernel::Variant {
+        index: 3,
+        part_ch: default_part_ch,
+    };
 
     fn from_env() -> Q8Kernel {
         match std::env::var("MIRAGE_SPARSE_Q8_KERNEL").as_deref() {
             Ok("first") => Q8Kernel::First,
             Ok(n) => match n.parse::<usize>() {
-                Ok(index) if index < Q8_FFN_VARIANTS.len() => {
-                    Q8Kernel::Variant { index, part_ch: default_part_ch }
-                }
+                Ok(index) if index < Q8_FFN_VARIANTS.len() => Q8Kernel::Variant {
+                    index,
+                    part_ch: default_part_ch,
+                },
                 _ => Q8Kernel::DEFAULT,
             },
             Err(_) => Q8Kernel::DEFAULT,
@@ -823,7 +830,11 @@ impl SparseCudaBackend {
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(d)?;
-        for name in KERNELS.iter().copied().chain(Q8_FFN_VARIANTS.iter().map(|v| v.kernel)) {
+        for name in KERNELS
+            .iter()
+            .copied()
+            .chain(Q8_FFN_VARIANTS.iter().map(|v| v.kernel))
+        {
             let f = m.load_function(name).map_err(d)?;
             inner.kernel_index.insert(name, inner.functions.len());
             inner.functions.push(f);
@@ -1090,7 +1101,9 @@ impl SparseCudaBackend {
                 Arg::Ptr(py),
                 Arg::I32(phase),
             ]);
-            if let (PageFormat::Q8_0, Q8Kernel::Variant { part_ch, .. }) = (ld.format, self.q8_kernel) {
+            if let (PageFormat::Q8_0, Q8Kernel::Variant { part_ch, .. }) =
+                (ld.format, self.q8_kernel)
+            {
                 a.push(Arg::I32(part_ch(d) as i32));
             }
             a

@@ -41,8 +41,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use mirage_route::{
-    Bvh, ExportedMemory, InteropRequest, RouteError, Router, RouterData,
-    VulkanRtRouter,
+    Bvh, ExportedMemory, InteropRequest, RouteError, Router, RouterData, VulkanRtRouter,
 };
 
 use crate::backend::sparse_backend::{
