@@ -103,6 +103,35 @@ pub fn q8_0_page_bytes(d_model: usize) -> usize {
     3 * PAGE_CHANNELS * d_model / Q8_BLOCK * Q8_BYTES
 }
 
+/// `(d_model, n_ff)` of a layer's GGUF `ffn_gate`, `ffn_up` (`[d_model,
+/// n_ff]`) and `ffn_down` (`[n_ff, d_model]`), or an error naming the
+/// mismatch: the page packers' shape check.
+pub(crate) fn ffn_matrix_dims(
+    gate: &TensorView<'_>,
+    up: &TensorView<'_>,
+    down: &TensorView<'_>,
+) -> Result<(usize, usize), SparseError> {
+    let dims = |v: &TensorView<'_>| -> Result<(usize, usize), SparseError> {
+        match v.dims() {
+            [a, b] => Ok((*a as usize, *b as usize)),
+            other => Err(invalid(format!(
+                "{} has dims {other:?}, not a matrix",
+                v.name()
+            ))),
+        }
+    };
+    let (d_model, n_ff) = dims(gate)?;
+    if dims(up)? != (d_model, n_ff) || dims(down)? != (n_ff, d_model) {
+        return Err(invalid(format!(
+            "FFN matrices {:?} / {:?} / {:?} do not match gate [{d_model}, {n_ff}]",
+            up.dims(),
+            down.dims(),
+            gate.dims()
+        )));
+    }
+    Ok((d_model, n_ff))
+}
+
 /// A `rows x cols` ggml matrix dequantized to f32 on up to `threads`
 /// threads (bands of whole rows), with its size checked against the type.
 pub(crate) fn dequantize_parallel(
@@ -404,24 +433,7 @@ impl Nvfp4Pages {
         down: &TensorView<'_>,
         threads: usize,
     ) -> Result<Nvfp4Pages, SparseError> {
-        let dims = |v: &TensorView<'_>| -> Result<(usize, usize), SparseError> {
-            match v.dims() {
-                [a, b] => Ok((*a as usize, *b as usize)),
-                other => Err(invalid(format!(
-                    "{} has dims {other:?}, not a matrix",
-                    v.name()
-                ))),
-            }
-        };
-        let (d_model, n_ff) = dims(gate)?;
-        if dims(up)? != (d_model, n_ff) || dims(down)? != (n_ff, d_model) {
-            return Err(invalid(format!(
-                "FFN matrices {:?} / {:?} / {:?} do not match gate [{d_model}, {n_ff}]",
-                up.dims(),
-                down.dims(),
-                gate.dims()
-            )));
-        }
+        let (d_model, n_ff) = ffn_matrix_dims(gate, up, down)?;
         Self::from_gguf_parts(
             d_model,
             n_ff,

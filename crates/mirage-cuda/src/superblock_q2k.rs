@@ -27,7 +27,9 @@ use mirage_gguf::quant;
 use mirage_gguf::tensor::TensorView;
 use mirage_gguf::GgmlType;
 
-use crate::superblock::{dequantize_parallel, dequantize_transposed, SparseError, PAGE_CHANNELS};
+use crate::superblock::{
+    dequantize_parallel, dequantize_transposed, ffn_matrix_dims, SparseError, PAGE_CHANNELS,
+};
 
 /// Weights per Q2_K super-block.
 pub const Q2K_BLOCK: usize = 256;
@@ -283,24 +285,7 @@ impl Q2kPages {
         down: &TensorView<'_>,
         threads: usize,
     ) -> Result<Q2kPages, SparseError> {
-        let dims = |v: &TensorView<'_>| -> Result<(usize, usize), SparseError> {
-            match v.dims() {
-                [a, b] => Ok((*a as usize, *b as usize)),
-                other => Err(invalid(format!(
-                    "{} has dims {other:?}, not a matrix",
-                    v.name()
-                ))),
-            }
-        };
-        let (d_model, n_ff) = dims(gate)?;
-        if dims(up)? != (d_model, n_ff) || dims(down)? != (n_ff, d_model) {
-            return Err(invalid(format!(
-                "FFN matrices {:?} / {:?} / {:?} do not match gate [{d_model}, {n_ff}]",
-                up.dims(),
-                down.dims(),
-                gate.dims()
-            )));
-        }
+        let (d_model, n_ff) = ffn_matrix_dims(gate, up, down)?;
         Self::from_gguf_parts(
             d_model,
             n_ff,

@@ -263,7 +263,9 @@ fn nvfp4_pages_dequantize_to_the_codecs_rows() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use mirage_cuda::superblock::{FfnScratch, Reduction, SparseDevice, SparseError};
+    use mirage_cuda::superblock::{
+        ActivePages, FfnLaunch, FfnScratch, Reduction, SparseDevice, SparseError,
+    };
     use mirage_cuda::CudaError;
     use mirage_gguf::quant::Nvfp4Tensor;
 
@@ -658,7 +660,6 @@ mod gpu {
 
     #[test]
     fn nvfp4_fused_ffn_matches_f64_reference() {
-        use mirage_cuda::superblock::FfnLaunch;
         let Some(dev) = device("nvfp4_fused_ffn_matches_f64_reference") else {
             return;
         };
@@ -668,94 +669,121 @@ mod gpu {
         // 3584 (Qwen2-7B). n_ff: padded last pages (300, 900).
         for &(d, n_ff) in &[(96usize, 300usize), (320, 640), (864, 900), (3584, 768)] {
             let (pages, f) = nvfp4_ffn(&mut r, d, n_ff);
-            let n_pages = pages.n_pages();
             let dp = dev.upload_nvfp4_pages(&pages).unwrap();
-            let x = uniform(&mut r, d, 1.0);
-            let residual = uniform(&mut r, d, 0.1);
-            let dx = dev.upload_f32(&x).unwrap();
-            // All pages; a random subset in random order with an id past
-            // the end inserted (skipped) and one page twice (counted twice);
-            // no page at all.
-            let all: Vec<usize> = (0..n_pages).collect();
-            let mut subset: Vec<usize> = (0..n_pages).filter(|_| r.random_bool(0.5)).collect();
-            if subset.is_empty() {
-                subset.push(n_pages - 1);
-            }
-            subset.reverse();
-            subset.push(subset[0]);
-            let sets: [(&str, Vec<usize>, Vec<u32>); 3] = [
-                ("all", all.clone(), all.iter().map(|&p| p as u32).collect()),
-                ("subset", subset.clone(), {
-                    let mut ids: Vec<u32> = subset.iter().map(|&p| p as u32).collect();
-                    ids.insert(ids.len() / 2, n_pages as u32 + 1000);
-                    ids.insert(0, n_pages as u32);
-                    ids
-                }),
-                ("empty", Vec::new(), Vec::new()),
-            ];
-            let mut scratch = FfnScratch::default();
-            let mut active = dev.new_active(&[], n_pages + 8).unwrap();
-            for (name, set, ids) in &sets {
-                dev.set_active(&mut active, ids).unwrap();
-                let want = reference_ffn(&f, &x, set);
-                let want_acc: Vec<f64> = want
-                    .iter()
-                    .zip(&residual)
-                    .map(|(a, b)| a + *b as f64)
-                    .collect();
-                let mut ordered_bits: Vec<Vec<u32>> = Vec::new();
-                for launch in [FfnLaunch::Cooperative, FfnLaunch::TwoLaunches] {
-                    let mut run =
-                        |reduction: Reduction, y0: &[f32], accumulate: bool| -> Vec<f32> {
-                            let mut dy = dev.upload_f32(y0).unwrap();
-                            dev.ffn_nvfp4(
-                                &dp,
-                                &dx,
-                                &active,
-                                reduction,
-                                accumulate,
-                                launch,
-                                &mut scratch,
-                                &mut dy,
-                            )
-                            .unwrap();
-                            dev.download_f32(&dy).unwrap()
-                        };
-                    let ordered = run(Reduction::Ordered, &vec![f32::NAN; d], false);
-                    let atomic = run(Reduction::Atomic, &residual, true);
-                    let ordered_acc = run(Reduction::Ordered, &residual, true);
-                    let tag = format!("nvfp4 ffn d={d} n_ff={n_ff} {name} {launch:?}");
-                    if set.is_empty() {
-                        assert!(
-                            ordered.iter().all(|v| *v == 0.0),
-                            "{tag}: ordered, no pages, not zero"
-                        );
-                        assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
-                        assert_eq!(ordered_acc, residual, "{tag}: ordered, no pages, changed y");
-                    } else {
-                        let e = rel_err(&ordered, &want);
-                        let ea = rel_err(&atomic, &want_acc);
-                        let eo = rel_err(&ordered_acc, &want_acc);
-                        eprintln!(
-                            "{tag}: relative error ordered {e:.3e} (cosine {:.9}), atomic + residual {ea:.3e}, ordered + residual {eo:.3e}",
-                            cosine(&ordered, &want)
-                        );
-                        assert!(e < 1e-5, "{tag}: ordered relative error {e}");
-                        assert!(ea < 1e-5, "{tag}: atomic relative error {ea}");
-                        assert!(
-                            eo < 1e-5,
-                            "{tag}: ordered onto a residual: relative error {eo}"
-                        );
-                    }
-                    ordered_bits.push(ordered.iter().map(|v| v.to_bits()).collect());
+            let tag = format!("nvfp4 ffn d={d} n_ff={n_ff}");
+            check_weight_only_ffn(
+                &dev,
+                &mut r,
+                &tag,
+                &f,
+                pages.n_pages(),
+                d,
+                |x, a, red, y0, acc, launch, sc| {
+                    let dx = dev.upload_f32(x).unwrap();
+                    let mut dy = dev.upload_f32(y0).unwrap();
+                    dev.ffn_nvfp4(&dp, &dx, a, red, acc, launch, sc, &mut dy)
+                        .unwrap();
+                    dev.download_f32(&dy).unwrap()
+                },
+            );
+        }
+    }
+
+    /// The checks of a weight-only fused FFN (NVFP4, Q2_K) at one shape,
+    /// against `f` (the f64 reference on the dequantized weights): all pages;
+    /// a random subset in random order with ids past the end inserted
+    /// (skipped, one of them == n_pages) and one page twice (counted twice);
+    /// no page at all; each as ordered, atomic onto a residual and ordered
+    /// onto a residual, from one cooperative launch and from two launches,
+    /// the ordered bits equal across the two. `run(x, active, reduction, y0,
+    /// accumulate, launch, scratch)` runs the kernel with y starting at y0
+    /// and returns y.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn check_weight_only_ffn(
+        dev: &SparseDevice,
+        r: &mut impl Rng,
+        tag: &str,
+        f: &PagedFfn,
+        n_pages: usize,
+        d: usize,
+        run: impl Fn(
+            &[f32],
+            &ActivePages,
+            Reduction,
+            &[f32],
+            bool,
+            FfnLaunch,
+            &mut FfnScratch,
+        ) -> Vec<f32>,
+    ) {
+        let x = uniform(r, d, 1.0);
+        let residual = uniform(r, d, 0.1);
+        let all: Vec<usize> = (0..n_pages).collect();
+        let mut subset: Vec<usize> = (0..n_pages).filter(|_| r.random_bool(0.5)).collect();
+        if subset.is_empty() {
+            subset.push(n_pages - 1);
+        }
+        subset.reverse();
+        subset.push(subset[0]);
+        let sets: [(&str, Vec<usize>, Vec<u32>); 3] = [
+            ("all", all.clone(), all.iter().map(|&p| p as u32).collect()),
+            ("subset", subset.clone(), {
+                let mut ids: Vec<u32> = subset.iter().map(|&p| p as u32).collect();
+                ids.insert(ids.len() / 2, n_pages as u32 + 1000);
+                ids.insert(0, n_pages as u32);
+                ids
+            }),
+            ("empty", Vec::new(), Vec::new()),
+        ];
+        let mut scratch = FfnScratch::default();
+        let mut active = dev.new_active(&[], n_pages + 8).unwrap();
+        for (name, set, ids) in &sets {
+            dev.set_active(&mut active, ids).unwrap();
+            let want = reference_ffn(f, &x, set);
+            let want_acc: Vec<f64> = want
+                .iter()
+                .zip(&residual)
+                .map(|(a, b)| a + *b as f64)
+                .collect();
+            let mut ordered_bits: Vec<Vec<u32>> = Vec::new();
+            for launch in [FfnLaunch::Cooperative, FfnLaunch::TwoLaunches] {
+                let mut go = |reduction: Reduction, y0: &[f32], accumulate: bool| {
+                    run(&x, &active, reduction, y0, accumulate, launch, &mut scratch)
+                };
+                let ordered = go(Reduction::Ordered, &vec![f32::NAN; d], false);
+                let atomic = go(Reduction::Atomic, &residual, true);
+                let ordered_acc = go(Reduction::Ordered, &residual, true);
+                let tag = format!("{tag} {name} {launch:?}");
+                if set.is_empty() {
+                    assert!(
+                        ordered.iter().all(|v| *v == 0.0),
+                        "{tag}: ordered, no pages, not zero"
+                    );
+                    assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
+                    assert_eq!(ordered_acc, residual, "{tag}: ordered, no pages, changed y");
+                } else {
+                    let e = rel_err(&ordered, &want);
+                    let ea = rel_err(&atomic, &want_acc);
+                    let eo = rel_err(&ordered_acc, &want_acc);
+                    eprintln!(
+                        "{tag}: relative error ordered {e:.3e} (cosine {:.9}), atomic + residual {ea:.3e}, ordered + residual {eo:.3e}",
+                        cosine(&ordered, &want)
+                    );
+                    assert!(e < 1e-5, "{tag}: ordered relative error {e}");
+                    assert!(ea < 1e-5, "{tag}: atomic relative error {ea}");
+                    assert!(
+                        eo < 1e-5,
+                        "{tag}: ordered onto a residual: relative error {eo}"
+                    );
                 }
-                // Same grid, same order: the ordered reduction gives the same
-                // bits from one cooperative launch as from the two phases.
-                assert_eq!(
-                    ordered_bits[0], ordered_bits[1],
-                    "d={d} {name}: ordered results differ between the launch modes"
-                );
+                ordered_bits.push(ordered.iter().map(|v| v.to_bits()).collect());
             }
+            // Same grid, same order: the ordered reduction gives the same
+            // bits from one cooperative launch as from the two phases.
+            assert_eq!(
+                ordered_bits[0], ordered_bits[1],
+                "{tag} {name}: ordered results differ between the launch modes"
+            );
         }
     }
 }
@@ -1122,7 +1150,6 @@ fn q2k_kernel_indexing_emulated_on_the_cpu() {
 #[cfg(feature = "cuda")]
 mod gpu_q2k {
     use super::*;
-    use mirage_cuda::superblock::{FfnLaunch, FfnScratch, Reduction};
 
     #[test]
     fn q2k_fused_ffn_matches_f64_reference() {
@@ -1135,95 +1162,24 @@ mod gpu_q2k {
         // n_ff: padded last pages (300, 900).
         for &(d, n_ff) in &[(256usize, 300usize), (512, 640), (3584, 900)] {
             let (pages, f) = q2k_ffn(&mut r, d, n_ff);
-            let n_pages = pages.n_pages();
             let dp = dev.upload_q2k_pages(&pages).unwrap();
             assert_eq!(dp.page_bytes(), 126 * d);
-            let x = uniform(&mut r, d, 1.0);
-            let residual = uniform(&mut r, d, 0.1);
-            let dx = dev.upload_f32(&x).unwrap();
-            // All pages; a random subset in random order with ids past the
-            // end inserted (skipped, one of them == n_pages) and one page
-            // twice (counted twice); no page at all.
-            let all: Vec<usize> = (0..n_pages).collect();
-            let mut subset: Vec<usize> = (0..n_pages).filter(|_| r.random_bool(0.5)).collect();
-            if subset.is_empty() {
-                subset.push(n_pages - 1);
-            }
-            subset.reverse();
-            subset.push(subset[0]);
-            let sets: [(&str, Vec<usize>, Vec<u32>); 3] = [
-                ("all", all.clone(), all.iter().map(|&p| p as u32).collect()),
-                ("subset", subset.clone(), {
-                    let mut ids: Vec<u32> = subset.iter().map(|&p| p as u32).collect();
-                    ids.insert(ids.len() / 2, n_pages as u32 + 1000);
-                    ids.insert(0, n_pages as u32);
-                    ids
-                }),
-                ("empty", Vec::new(), Vec::new()),
-            ];
-            let mut scratch = FfnScratch::default();
-            let mut active = dev.new_active(&[], n_pages + 8).unwrap();
-            for (name, set, ids) in &sets {
-                dev.set_active(&mut active, ids).unwrap();
-                let want = reference_ffn(&f, &x, set);
-                let want_acc: Vec<f64> = want
-                    .iter()
-                    .zip(&residual)
-                    .map(|(a, b)| a + *b as f64)
-                    .collect();
-                let mut ordered_bits: Vec<Vec<u32>> = Vec::new();
-                for launch in [FfnLaunch::Cooperative, FfnLaunch::TwoLaunches] {
-                    let mut run =
-                        |reduction: Reduction, y0: &[f32], accumulate: bool| -> Vec<f32> {
-                            let mut dy = dev.upload_f32(y0).unwrap();
-                            dev.ffn_q2k(
-                                &dp,
-                                &dx,
-                                &active,
-                                reduction,
-                                accumulate,
-                                launch,
-                                &mut scratch,
-                                &mut dy,
-                            )
-                            .unwrap();
-                            dev.download_f32(&dy).unwrap()
-                        };
-                    let ordered = run(Reduction::Ordered, &vec![f32::NAN; d], false);
-                    let atomic = run(Reduction::Atomic, &residual, true);
-                    let ordered_acc = run(Reduction::Ordered, &residual, true);
-                    let tag = format!("q2k ffn d={d} n_ff={n_ff} {name} {launch:?}");
-                    if set.is_empty() {
-                        assert!(
-                            ordered.iter().all(|v| *v == 0.0),
-                            "{tag}: ordered, no pages, not zero"
-                        );
-                        assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
-                        assert_eq!(ordered_acc, residual, "{tag}: ordered, no pages, changed y");
-                    } else {
-                        let e = rel_err(&ordered, &want);
-                        let ea = rel_err(&atomic, &want_acc);
-                        let eo = rel_err(&ordered_acc, &want_acc);
-                        eprintln!(
-                            "{tag}: relative error ordered {e:.3e} (cosine {:.9}), atomic + residual {ea:.3e}, ordered + residual {eo:.3e}",
-                            cosine(&ordered, &want)
-                        );
-                        assert!(e < 1e-5, "{tag}: ordered relative error {e}");
-                        assert!(ea < 1e-5, "{tag}: atomic relative error {ea}");
-                        assert!(
-                            eo < 1e-5,
-                            "{tag}: ordered onto a residual: relative error {eo}"
-                        );
-                    }
-                    ordered_bits.push(ordered.iter().map(|v| v.to_bits()).collect());
-                }
-                // Same grid, same order: the ordered reduction gives the same
-                // bits from one cooperative launch as from the two phases.
-                assert_eq!(
-                    ordered_bits[0], ordered_bits[1],
-                    "q2k d={d} {name}: ordered results differ between the launch modes"
-                );
-            }
+            let tag = format!("q2k ffn d={d} n_ff={n_ff}");
+            super::gpu::check_weight_only_ffn(
+                &dev,
+                &mut r,
+                &tag,
+                &f,
+                pages.n_pages(),
+                d,
+                |x, a, red, y0, acc, launch, sc| {
+                    let dx = dev.upload_f32(x).unwrap();
+                    let mut dy = dev.upload_f32(y0).unwrap();
+                    dev.ffn_q2k(&dp, &dx, a, red, acc, launch, sc, &mut dy)
+                        .unwrap();
+                    dev.download_f32(&dy).unwrap()
+                },
+            );
         }
     }
 }

@@ -540,6 +540,38 @@ mod bench {
         extra: String,
     }
 
+    /// Rows of a weight-only fused FFN (NVFP4, Q2_K) over one page set: one
+    /// cooperative launch with each reduction and the two phase launches of
+    /// a graph (ordered). `what` has a `{}` for the launch's name; `run`
+    /// launches the kernel once.
+    fn weight_only_rows(
+        timer: &mut Timer<'_>,
+        rows: &mut Vec<Row>,
+        what: &str,
+        bytes: f64,
+        dense_us: f64,
+        mut run: impl FnMut(Reduction, FfnLaunch) -> Res<()>,
+    ) -> Res<()> {
+        for (reduction, launch, name) in [
+            (Reduction::Atomic, FfnLaunch::Cooperative, "atomic"),
+            (Reduction::Ordered, FfnLaunch::Cooperative, "ordered"),
+            (
+                Reduction::Ordered,
+                FfnLaunch::TwoLaunches,
+                "ordered, 2 launches",
+            ),
+        ] {
+            let us = timer.median_us(|| run(reduction, launch))?;
+            rows.push(Row {
+                what: what.replacen("{}", name, 1),
+                us,
+                bytes,
+                extra: format!("{:.2}x", dense_us / us),
+            });
+        }
+        Ok(())
+    }
+
     /// Phase-2 part sizes the fused-variant table sweeps
     /// (`FfnQ8Options::part_ch`; 0: K = grid / n_chunks, the first version).
     const PART_CH: [u32; 3] = [0, 128, 512];
@@ -1139,19 +1171,16 @@ mod bench {
                     extra: format!("{:.2}x", dense_us / us),
                 });
             }
-            // The same pages in NVFP4: one cooperative launch (both
-            // reductions) and the two phase launches of a graph (ordered).
+            // The same pages in NVFP4, and in Q2_K at 100, 40 and 25 %.
+            let pct = frac * 100.0;
             let bytes = (k * nv_pages.page_bytes()) as f64;
-            for (reduction, launch, name) in [
-                (Reduction::Atomic, FfnLaunch::Cooperative, "atomic"),
-                (Reduction::Ordered, FfnLaunch::Cooperative, "ordered"),
-                (
-                    Reduction::Ordered,
-                    FfnLaunch::TwoLaunches,
-                    "ordered, 2 launches",
-                ),
-            ] {
-                let us = timer.median_us(|| {
+            weight_only_rows(
+                &mut timer,
+                &mut ffn,
+                &format!("fused NVFP4 {{}}, {k}/{n_pages} pages ({pct:.0} %)"),
+                bytes,
+                dense_us,
+                |reduction, launch| {
                     Ok(dev.ffn_nvfp4(
                         &nv_pages,
                         &x,
@@ -1162,30 +1191,17 @@ mod bench {
                         &mut scratch,
                         &mut y,
                     )?)
-                })?;
-                ffn.push(Row {
-                    what: format!(
-                        "fused NVFP4 {name}, {k}/{n_pages} pages ({:.0} %)",
-                        frac * 100.0
-                    ),
-                    us,
-                    bytes,
-                    extra: format!("{:.2}x", dense_us / us),
-                });
-            }
-            // The same pages in Q2_K (100, 40 and 25 %), as the NVFP4 rows.
+                },
+            )?;
             if [1.0, 0.4, 0.25].contains(&frac) {
                 let bytes = (k * q2_pages.page_bytes()) as f64;
-                for (reduction, launch, name) in [
-                    (Reduction::Atomic, FfnLaunch::Cooperative, "atomic"),
-                    (Reduction::Ordered, FfnLaunch::Cooperative, "ordered"),
-                    (
-                        Reduction::Ordered,
-                        FfnLaunch::TwoLaunches,
-                        "ordered, 2 launches",
-                    ),
-                ] {
-                    let us = timer.median_us(|| {
+                weight_only_rows(
+                    &mut timer,
+                    &mut ffn,
+                    &format!("fused Q2_K {{}}, {k}/{n_pages} pages ({pct:.0} %)"),
+                    bytes,
+                    dense_us,
+                    |reduction, launch| {
                         Ok(dev.ffn_q2k(
                             &q2_pages,
                             &x,
@@ -1196,17 +1212,8 @@ mod bench {
                             &mut scratch,
                             &mut y,
                         )?)
-                    })?;
-                    ffn.push(Row {
-                        what: format!(
-                            "fused Q2_K {name}, {k}/{n_pages} pages ({:.0} %)",
-                            frac * 100.0
-                        ),
-                        us,
-                        bytes,
-                        extra: format!("{:.2}x", dense_us / us),
-                    });
-                }
+                    },
+                )?;
             }
         }
         let out = dev.download_f32(&y)?;
