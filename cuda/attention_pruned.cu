@@ -117,6 +117,7 @@ extern "C" __global__ void page_keys(const float* __restrict__ q, const int* __r
                                      const float* __restrict__ kmin, const float* __restrict__ kmax, int n_head,
                                      int n_head_kv, int head_dim, int page, int max_pages, int sinks, int recent,
                                      int only_decode, int n_rows, int row_base, unsigned int* __restrict__ keys) {
+    PDL_ENTRY();
     __shared__ float qs[256];
     int row = row_base + blockIdx.x, head = blockIdx.y;
     int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
@@ -184,6 +185,7 @@ extern "C" __global__ void select_pages(const unsigned int* __restrict__ keys, c
                                         int n_head, int page, int max_pages, int sinks, int recent, int top,
                                         int top_percent, int max_sel, int only_decode, int n_rows, int row_base,
                                         int* __restrict__ sel, int* __restrict__ nsel) {
+    PDL_ENTRY();
     __shared__ unsigned int skeys[SEL_SMEM_KEYS];
     __shared__ int hist[256];
     __shared__ unsigned int s_prefix;
@@ -380,6 +382,7 @@ __device__ void attend_pages_part(const float* __restrict__ q, const KV* __restr
 extern "C" __global__ void attend_pages_combine(const float* __restrict__ part, const int* __restrict__ slots,
                                                 int n_head, int head_dim, int n_split, int only_decode, int n_rows,
                                                 int row_base, float* __restrict__ out) {
+    PDL_ENTRY();
     int row = row_base + blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     if (!pruned_row(slots, row, n_rows, only_decode)) return;
     const float* P = part + ((long)blockIdx.x * n_head + head) * n_split * (head_dim + 2);
@@ -399,19 +402,19 @@ extern "C" __global__ void attend_pages_combine(const float* __restrict__ part, 
 #define PRUNED_INSTANCE(NAME, KV)                                                                                  \
     extern "C" __global__ void page_bounds_##NAME(const KV* kc, int seq, int n_head_kv, int head_dim, int n_ctx,   \
                                                   int page, int p0, int n, int max_pages, float* kmin,             \
-                                                  float* kmax) {                                                   \
+                                                  float* kmax) { PDL_ENTRY();                                       \
         page_bounds<KV>(kc, seq, n_head_kv, head_dim, n_ctx, page, p0, n, max_pages, kmin, kmax);                  \
     }                                                                                                              \
     extern "C" __global__ void page_bounds_rows_##NAME(const KV* kc, const int* slots, int n_rows, int n_head_kv,  \
                                                        int head_dim, int n_ctx, int page, int max_pages,           \
-                                                       float* kmin, float* kmax) {                                 \
+                                                       float* kmin, float* kmax) { PDL_ENTRY();                     \
         page_bounds_rows<KV>(kc, slots, n_rows, n_head_kv, head_dim, n_ctx, page, max_pages, kmin, kmax);          \
     }                                                                                                              \
     extern "C" __global__ void attend_pages_part_##NAME(const float* q, const KV* kc, const KV* vc,               \
                                                         const int* slots, const int* sel, const int* nsel,         \
                                                         int n_head, int n_head_kv, int head_dim, int n_ctx,        \
                                                         int page, int max_sel, int only_decode, int n_rows,        \
-                                                        int row_base, float scale, float* part) {                  \
+                                                        int row_base, float scale, float* part) { PDL_ENTRY();      \
         attend_pages_part<KV>(q, kc, vc, slots, sel, nsel, n_head, n_head_kv, head_dim, n_ctx, page, max_sel,      \
                               only_decode, n_rows, row_base, scale, part);                                         \
     }

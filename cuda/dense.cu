@@ -308,11 +308,11 @@ __device__ void embed(const u8* __restrict__ table, long row_bytes, int n_rows, 
 
 #define INSTANCE(NAME, T)                                                                                           \
     extern "C" __global__ void matvec_##NAME(const u8* W, long row_bytes, int rows, int cols, const float* x,       \
-                                             float* y) {                                                            \
+                                             float* y) { PDL_ENTRY();                                                \
         matvec<T>(W, row_bytes, rows, cols, x, y);                                                                  \
     }                                                                                                               \
     extern "C" __global__ void embed_##NAME(const u8* table, long row_bytes, int n_rows, int cols, const u32* tokens, \
-                                            float* out) {                                                           \
+                                            float* out) { PDL_ENTRY();                                               \
         embed<T>(table, row_bytes, n_rows, cols, tokens, out);                                                      \
     }
 
@@ -354,6 +354,7 @@ __device__ float block_max(float v, float* shared32) {
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w; grid (rows), block 256.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float eps, int width,
                                     float* __restrict__ out) {
+    PDL_ENTRY();
     __shared__ float s32[32];
     const float* xr = x + (long)blockIdx.x * width;
     float* o = out + (long)blockIdx.x * width;
@@ -366,12 +367,14 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 
 // x[i] += b[i % width]
 extern "C" __global__ void add_bias(float* x, const float* __restrict__ b, int width, long n) {
+    PDL_ENTRY();
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += b[i % width];
 }
 
 // acc[i] += x[i]
 extern "C" __global__ void add_inplace(float* acc, const float* __restrict__ x, long n) {
+    PDL_ENTRY();
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) acc[i] += x[i];
 }
@@ -379,6 +382,7 @@ extern "C" __global__ void add_inplace(float* acc, const float* __restrict__ x, 
 // h[i] = silu(g[i]) * u[i]
 extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ h,
                                   long n) {
+    PDL_ENTRY();
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float v = g[i];
@@ -389,6 +393,7 @@ extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __re
 // out[i, :] = x[idx[i], :]; grid (n_out), block 256.
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ idx, int width,
                                        float* __restrict__ out) {
+    PDL_ENTRY();
     const float* src = x + (long)idx[blockIdx.x] * width;
     float* dst = out + (long)blockIdx.x * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
@@ -533,6 +538,7 @@ __device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ 
 // Grid (rows, n_head), block head_dim.
 extern "C" __global__ void attend_combine(const float* __restrict__ part, const int* __restrict__ slots, int n_head,
                                           int head_dim, int n_split, int chunk, float* __restrict__ out) {
+    PDL_ENTRY();
     int row = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     int n = slots[2 * row + 1] + 1;
     int ns = min(n_split, (n + chunk - 1) / chunk);
@@ -653,18 +659,18 @@ __device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict
     extern "C" __global__ void rope_store_##NAME(float* q, float* k, const float* v, const int* slots, int n_head,  \
                                                  int n_head_kv, int head_dim, int neox, float freq_base,            \
                                                  const float* qn, const float* kn, float norm_eps, KV* kc, KV* vc,  \
-                                                 int n_ctx) {                                                       \
+                                                 int n_ctx) { PDL_ENTRY();                                           \
         rope_store<KV>(q, k, v, slots, n_head, n_head_kv, head_dim, neox, freq_base, qn, kn, norm_eps, kc, vc,     \
                        n_ctx);                                                                                      \
     }                                                                                                               \
     extern "C" __global__ void attend_part_##NAME(const float* q, const KV* kc, const KV* vc, const int* slots,     \
                                                   int n_head, int n_head_kv, int head_dim, int n_ctx, int chunk,    \
-                                                  float scale, float* part) {                                       \
+                                                  float scale, float* part) { PDL_ENTRY();                           \
         attend_part<KV>(q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part);                 \
     }                                                                                                               \
     extern "C" __global__ void attend_prefill_##NAME(const float* q, const KV* kc, const KV* vc, const int* slots,  \
                                                      int n, int n_head, int n_head_kv, int head_dim, int n_ctx,     \
-                                                     float scale, float* out) {                                     \
+                                                     float scale, float* out) { PDL_ENTRY();                         \
         attend_prefill<KV>(q, kc, vc, slots, n, n_head, n_head_kv, head_dim, n_ctx, scale, out);                   \
     }
 
@@ -686,7 +692,7 @@ __device__ void dequant_f16(const u8* __restrict__ W, long row_bytes, int cols, 
 }
 
 #define DEQUANT_INSTANCE(NAME, T)                                                                                  \
-    extern "C" __global__ void dequant_f16_##NAME(const u8* W, long row_bytes, int cols, int r0, u16* wh) {      \
+    extern "C" __global__ void dequant_f16_##NAME(const u8* W, long row_bytes, int cols, int r0, u16* wh) { PDL_ENTRY(); \
         dequant_f16<T>(W, row_bytes, cols, r0, wh);                                                                \
     }
 
@@ -706,12 +712,14 @@ DEQUANT_INSTANCE(q6_k, TY_Q6_K)
 
 // y[i] = f16(x[i])
 extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restrict__ y, long n) {
+    PDL_ENTRY();
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = f2h(x[i]);
 }
 
 // idx[r] = argmax(x[r, :]) (first maximum); grid (rows), block 1024.
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, u32* __restrict__ idx) {
+    PDL_ENTRY();
     __shared__ float bv[32];
     __shared__ int bi[32];
     const float* xr = x + (long)blockIdx.x * width;
@@ -926,6 +934,11 @@ __device__ const float* norm_prologue(const float* nx, const float* nw, float ep
     const float* xa = nx != 0 ? norm_prologue(nx, nw, neps, nout, cols, a) : x + (long)a * cols;
 
 #define MV3_PICK(PER_BLOCK)                                                                                          \
+    MV3_PICK_W(PER_BLOCK)                                                                                            \
+    FAST_INPUT
+
+// MV3_PICK without reading the input: this block's matrix and row group.
+#define MV3_PICK_W(PER_BLOCK)                                                                                        \
     int m;                                                                                                           \
     int bx = pick3(blockIdx.x, PER_BLOCK, rows0, rows1, &m);                                                         \
     const u8* W = m == 0 ? W0 : m == 1 ? W1 : W2;                                                                    \
@@ -936,8 +949,7 @@ __device__ const float* norm_prologue(const float* nx, const float* nw, float ep
     float* rs = m == 0 ? res : (float*)0;                                                                            \
     (void)ts;                                                                                                        \
     (void)row_bytes;                                                                                                 \
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;                                                            \
-    FAST_INPUT
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
 // ggml layout: one warp per row, FAST_WARPS rows per block.
 template <int T>
@@ -961,10 +973,10 @@ __device__ void ffn_ggml(FFN_PARAMS) {
 }
 
 #define FAST_INSTANCE(NAME, T)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_##NAME(MV3_PARAMS) {                           \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_##NAME(MV3_PARAMS) { PDL_ENTRY();               \
         mv3_ggml<T>(MV3_ARGS);                                                                                       \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_##NAME(FFN_PARAMS) {                           \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_##NAME(FFN_PARAMS) { PDL_ENTRY();               \
         ffn_ggml<T>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                            \
     }
 
@@ -984,6 +996,7 @@ FAST_INSTANCE(q6_k, TY_Q6_K)
 
 // Split Q8_0: FAST_ROWS rows per warp (they share the x loads).
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q8_0s(MV3_PARAMS) {
+    PDL_ENTRY();
     MV3_PICK(FAST_WARPS * FAST_ROWS)
     int r0 = (bx * FAST_WARPS + warp) * FAST_ROWS;
     if (r0 >= rows) return;
@@ -1010,6 +1023,7 @@ extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q8_0s(MV3_PARA
 // Split Q8_0 gate/up/SwiGLU: FAST_ROWS / 2 channels per warp (their gate and
 // up rows are the warp's FAST_ROWS rows).
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q8_0s(FFN_PARAMS) {
+    PDL_ENTRY();
     const int NC = FAST_ROWS / 2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     FAST_INPUT
@@ -1039,6 +1053,7 @@ extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q8_0s(FFN_PARA
 }
 
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_nvfp4(MV3_PARAMS) {
+    PDL_ENTRY();
     MV3_PICK(FAST_WARPS * FAST_ROWS)
     int r0 = (bx * FAST_WARPS + warp) * FAST_ROWS;
     if (r0 >= rows) return;
@@ -1063,6 +1078,7 @@ extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_nvfp4(MV3_PARA
 }
 
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_nvfp4(FFN_PARAMS) {
+    PDL_ENTRY();
     const int NC = FAST_ROWS / 2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     FAST_INPUT
@@ -1112,12 +1128,14 @@ __device__ __forceinline__ float nvfp4_elem(const u8* W, int rows, int cols, flo
 
 // Embedding rows of repacked tables; grid (n_tokens), block 128.
 extern "C" __global__ void embed_q8_0s(const u8* W, int n_rows, int cols, const u32* tokens, float* out) {
+    PDL_ENTRY();
     u32 t = tokens[blockIdx.x];
     if (t >= (u32)n_rows) return;  // checked on the host
     for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(long)blockIdx.x * cols + i] = q8s_elem(W, n_rows, cols, t, i);
 }
 
 extern "C" __global__ void embed_nvfp4(const u8* W, int n_rows, int cols, float ts, const u32* tokens, float* out) {
+    PDL_ENTRY();
     u32 t = tokens[blockIdx.x];
     if (t >= (u32)n_rows) return;
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
@@ -1127,12 +1145,14 @@ extern "C" __global__ void embed_nvfp4(const u8* W, int n_rows, int cols, float 
 // GEMM weight tiles of repacked matrices: wh[r - r0, :] for r in [r0, r0 +
 // gridDim.x); block 128.
 extern "C" __global__ void dequant_f16_q8_0s(const u8* W, int rows, int cols, int r0, u16* wh) {
+    PDL_ENTRY();
     long r = r0 + blockIdx.x;
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
         wh[(long)blockIdx.x * cols + i] = f2h(q8s_elem(W, rows, cols, r, i));
 }
 
 extern "C" __global__ void dequant_f16_nvfp4(const u8* W, int rows, int cols, float ts, int r0, u16* wh) {
+    PDL_ENTRY();
     long r = r0 + blockIdx.x;
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
         wh[(long)blockIdx.x * cols + i] = f2h(nvfp4_elem(W, rows, cols, ts, r, i));
@@ -1210,6 +1230,7 @@ __device__ __forceinline__ void q4ks_dot(const u8* const* q, const u8* const* me
 }
 
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q4_ks(MV3_PARAMS) {
+    PDL_ENTRY();
     MV3_PICK(FAST_WARPS * FAST_ROWS)
     int r0 = (bx * FAST_WARPS + warp) * FAST_ROWS;
     if (r0 >= rows) return;
@@ -1234,6 +1255,7 @@ extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q4_ks(MV3_PARA
 }
 
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q4_ks(FFN_PARAMS) {
+    PDL_ENTRY();
     const int NC = FAST_ROWS / 2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     FAST_INPUT
@@ -1278,12 +1300,14 @@ __device__ __forceinline__ float q4ks_elem(const u8* W, int rows, int cols, long
 }
 
 extern "C" __global__ void embed_q4_ks(const u8* W, int n_rows, int cols, const u32* tokens, float* out) {
+    PDL_ENTRY();
     u32 t = tokens[blockIdx.x];
     if (t >= (u32)n_rows) return;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(long)blockIdx.x * cols + i] = q4ks_elem(W, n_rows, cols, t, i);
 }
 
 extern "C" __global__ void dequant_f16_q4_ks(const u8* W, int rows, int cols, int r0, u16* wh) {
+    PDL_ENTRY();
     long r = r0 + blockIdx.x;
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
         wh[(long)blockIdx.x * cols + i] = f2h(q4ks_elem(W, rows, cols, r, i));
@@ -1350,6 +1374,7 @@ __device__ __forceinline__ void q5s_dot(const u8* const* q, const u32* const* qh
     s[k] = (const u16*)(W + (long)(rows) * (cols >> 1) + (long)(rows) * (cols >> 3)) + (long)(r) * (cols >> 5);
 
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q5_0s(MV3_PARAMS) {
+    PDL_ENTRY();
     MV3_PICK(FAST_WARPS * FAST_ROWS)
     int r0 = (bx * FAST_WARPS + warp) * FAST_ROWS;
     if (r0 >= rows) return;
@@ -1373,6 +1398,7 @@ extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q5_0s(MV3_PARA
 }
 
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q5_0s(FFN_PARAMS) {
+    PDL_ENTRY();
     const int NC = FAST_ROWS / 2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     FAST_INPUT
@@ -1412,12 +1438,14 @@ __device__ __forceinline__ float q5s_elem(const u8* W, int rows, int cols, long 
 }
 
 extern "C" __global__ void embed_q5_0s(const u8* W, int n_rows, int cols, const u32* tokens, float* out) {
+    PDL_ENTRY();
     u32 t = tokens[blockIdx.x];
     if (t >= (u32)n_rows) return;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(long)blockIdx.x * cols + i] = q5s_elem(W, n_rows, cols, t, i);
 }
 
 extern "C" __global__ void dequant_f16_q5_0s(const u8* W, int rows, int cols, int r0, u16* wh) {
+    PDL_ENTRY();
     long r = r0 + blockIdx.x;
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
         wh[(long)blockIdx.x * cols + i] = f2h(q5s_elem(W, rows, cols, r, i));
@@ -1491,6 +1519,7 @@ __device__ __forceinline__ void q6ks_dot(const u8* const* ql, const u8* const* q
             (long)(r) * (cols >> 8);
 
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q6_ks(MV3_PARAMS) {
+    PDL_ENTRY();
     MV3_PICK(FAST_WARPS * FAST_ROWS)
     int r0 = (bx * FAST_WARPS + warp) * FAST_ROWS;
     if (r0 >= rows) return;
@@ -1515,6 +1544,7 @@ extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q6_ks(MV3_PARA
 }
 
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q6_ks(FFN_PARAMS) {
+    PDL_ENTRY();
     const int NC = FAST_ROWS / 2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     FAST_INPUT
@@ -1556,12 +1586,14 @@ __device__ __forceinline__ float q6ks_elem(const u8* W, int rows, int cols, long
 }
 
 extern "C" __global__ void embed_q6_ks(const u8* W, int n_rows, int cols, const u32* tokens, float* out) {
+    PDL_ENTRY();
     u32 t = tokens[blockIdx.x];
     if (t >= (u32)n_rows) return;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(long)blockIdx.x * cols + i] = q6ks_elem(W, n_rows, cols, t, i);
 }
 
 extern "C" __global__ void dequant_f16_q6_ks(const u8* W, int rows, int cols, int r0, u16* wh) {
+    PDL_ENTRY();
     long r = r0 + blockIdx.x;
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
         wh[(long)blockIdx.x * cols + i] = f2h(q6ks_elem(W, rows, cols, r, i));
@@ -1605,7 +1637,7 @@ extern "C" __global__ void dequant_f16_q6_ks(const u8* W, int rows, int cols, in
     }
 
 #define MV3K_Q8_0S(S)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q8_0s_k##S(MV3_PARAMS) {                       \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q8_0s_k##S(MV3_PARAMS) { PDL_ENTRY();           \
         MV3K_BEGIN(S, 128)                                                                                           \
         const u16* scales = (const u16*)(W + (long)rows * cols);                                                     \
         const u8* q[FAST_ROWS];                                                                                      \
@@ -1620,7 +1652,7 @@ extern "C" __global__ void dequant_f16_q6_ks(const u8* W, int rows, int cols, in
     }
 
 #define MV3K_Q4_KS(S)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q4_ks_k##S(MV3_PARAMS) {                       \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q4_ks_k##S(MV3_PARAMS) { PDL_ENTRY();           \
         MV3K_BEGIN(S, 256)                                                                                           \
         const u8* meta = W + (long)rows * (cols >> 1);                                                               \
         const u8* q[FAST_ROWS];                                                                                      \
@@ -1635,7 +1667,7 @@ extern "C" __global__ void dequant_f16_q6_ks(const u8* W, int rows, int cols, in
     }
 
 #define MV3K_Q5_0S(S)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q5_0s_k##S(MV3_PARAMS) {                       \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q5_0s_k##S(MV3_PARAMS) { PDL_ENTRY();           \
         MV3K_BEGIN(S, 256)                                                                                           \
         const u8* q[FAST_ROWS];                                                                                      \
         const u32* qh[FAST_ROWS];                                                                                    \
@@ -1652,7 +1684,7 @@ extern "C" __global__ void dequant_f16_q6_ks(const u8* W, int rows, int cols, in
     }
 
 #define MV3K_Q6_KS(S)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q6_ks_k##S(MV3_PARAMS) {                       \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q6_ks_k##S(MV3_PARAMS) { PDL_ENTRY();           \
         MV3K_BEGIN(S, 256)                                                                                           \
         const u8* ql[FAST_ROWS];                                                                                     \
         const u8* qh[FAST_ROWS];                                                                                     \
@@ -1671,7 +1703,7 @@ extern "C" __global__ void dequant_f16_q6_ks(const u8* W, int rows, int cols, in
     }
 
 #define MV3K_NVFP4(S)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_nvfp4_k##S(MV3_PARAMS) {                       \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_nvfp4_k##S(MV3_PARAMS) { PDL_ENTRY();           \
         MV3K_BEGIN(S, 256)                                                                                           \
         const u8* scales = W + (long)rows * (cols >> 1);                                                             \
         const u32* q[FAST_ROWS];                                                                                     \
@@ -1941,7 +1973,19 @@ __device__ __forceinline__ int mvv_mrow(int cols) {
 template <int L, int NR, int U, bool PF, int S>
 __device__ __forceinline__ void mv3_variant(MV3_PARAMS) {
     const int G = L == MVV_Q8 ? 128 : 256;
-    MV3_PICK((FAST_WARPS / S) * NR)
+    MV3_PICK_W((FAST_WARPS / S) * NR)
+    {
+        // The block's rows (all columns), before waiting on the previous
+        // kernel: weights only (pdl.cu).
+        const int rb = bx * (FAST_WARPS / S) * NR, nb = min((FAST_WARPS / S) * NR, rows - rb);
+        const int qs = mvv_qrow<L>(cols), ms = mvv_mrow<L>(cols);
+        if (blockIdx.y == 0) {
+            l2_prefetch_rows(W + (long)rb * qs, qs, nb, min(qs, MIRAGE_PREFETCH_ROW));
+            if (MIRAGE_PREFETCH_ROW > 0) l2_prefetch_block(W + (long)rows * qs + (long)rb * ms, (long)nb * ms);
+        }
+    }
+    PDL_ENTRY();
+    FAST_INPUT
     __shared__ float part[S > 1 ? FAST_WARPS : 1][NR];
     const int slice = warp % S;
     const int r0 = (bx * (FAST_WARPS / S) + warp / S) * NR;
@@ -1990,10 +2034,24 @@ template <int L, int NR, int U, bool PF>
 __device__ __forceinline__ void ffn_variant(FFN_PARAMS) {
     const int NC = NR / 2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int qs = mvv_qrow<L>(cols), ms = mvv_mrow<L>(cols);
+    {
+        // The block's gate and up rows before waiting (see mv3_variant).
+        const int rb = blockIdx.x * FAST_WARPS * NC, nb = min(FAST_WARPS * NC, rows - rb);
+        if (blockIdx.y == 0) {
+            const long pr = min(qs, MIRAGE_PREFETCH_ROW);
+            l2_prefetch_rows(Wg + (long)rb * qs, qs, nb, pr);
+            l2_prefetch_rows(Wu + (long)rb * qs, qs, nb, pr);
+            if (pr > 0) {
+                l2_prefetch_block(Wg + (long)rows * qs + (long)rb * ms, (long)nb * ms);
+                l2_prefetch_block(Wu + (long)rows * qs + (long)rb * ms, (long)nb * ms);
+            }
+        }
+    }
+    PDL_ENTRY();
     FAST_INPUT
     int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
     if (r0 >= rows) return;
-    const int qs = mvv_qrow<L>(cols), ms = mvv_mrow<L>(cols);
     MvvRows R;
     R.qa = Wg + (long)r0 * qs;
     R.qb = Wu + (long)r0 * qs;

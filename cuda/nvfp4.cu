@@ -90,6 +90,7 @@ __device__ __forceinline__ float sb_e4m3(sb_u32 b) {
 extern "C" __global__ void __launch_bounds__(NV_WARPS * 32)
     matvec_nvfp4(const sb_u8* __restrict__ packed, const sb_u8* __restrict__ scales, float tensor_scale, int rows,
                  int cols, const float* __restrict__ x, float* __restrict__ y) {
+    PDL_ENTRY();
     extern __shared__ float4 nv_xs[];
     const int n8 = cols >> 3;  // float4 pairs
     float4* plane_a = nv_xs;

@@ -135,6 +135,7 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS)
               const float* __restrict__ slice_offsets, const RtNode* __restrict__ nodes, int n_nodes,
               const RtPrim* __restrict__ prims, int n_prims, int scan, const unsigned* __restrict__ thresholds,
               int router_pages, int n_pages, int n_trunk, unsigned* __restrict__ ids, int* __restrict__ count) {
+    PDL_ENTRY();
     extern __shared__ __align__(16) unsigned char rt_smem[];
     unsigned* rt_mask = (unsigned*)rt_smem;
     __shared__ float pts[32 * 3];
@@ -199,6 +200,7 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS)
 // count on the device. Used once at set-up; a graph can replay it too.
 extern "C" __global__ void set_active_prefix(const unsigned* __restrict__ order, int n, unsigned* __restrict__ ids,
                                              int* __restrict__ count) {
+    PDL_ENTRY();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) ids[i] = order[i];
     if (blockIdx.x == 0 && threadIdx.x == 0) *count = n;
 }

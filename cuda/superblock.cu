@@ -64,6 +64,7 @@ __device__ __forceinline__ void sb_dot_rows_q8s(const sb_u8* const* q, const sb_
 // Grid: any; block SB_THREADS; dynamic shared memory cols * 4 bytes.
 extern "C" __global__ void __launch_bounds__(SB_THREADS)
     matvec_q8s(const sb_u8* __restrict__ W, int rows, int cols, const float* __restrict__ x, float* __restrict__ y) {
+    PDL_ENTRY();
     extern __shared__ float4 q8_xs[];
     const float4* x4 = (const float4*)x;
     for (int m = threadIdx.x; m < (cols >> 2); m += blockDim.x) q8_xs[m] = x4[m];
@@ -506,6 +507,7 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch) {
 
 // The first version (the argument list the sparse backend launches today).
 extern "C" __global__ void __launch_bounds__(SB_THREADS) superblock_ffn_q8s(SB_Q8S_PARAMS) {
+    PDL_ENTRY();
     sb_ffn_q8s<0, 0, 1, 0>(SB_Q8S_ARGS, 0);
 }
 
@@ -516,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS) superblock_ffn_q8s(SB_Q
 // crates/mirage-cuda/src/superblock.rs) describes each; keep them in step.
 #define SB_Q8S_VARIANT(N, MINB, P1V, P2, P2U, FB)                                                 \
     extern "C" __global__ void __launch_bounds__(SB_THREADS, MINB)                                \
-        superblock_ffn_q8s_v##N(SB_Q8S_PARAMS, int part_ch) {                                     \
+        superblock_ffn_q8s_v##N(SB_Q8S_PARAMS, int part_ch) { PDL_ENTRY();                         \
         sb_ffn_q8s<P1V, P2, P2U, FB>(SB_Q8S_ARGS, part_ch);                                       \
     }
 // Tried on the H200 and dropped (slower; crates/mirage-cuda/NOTES.md): the
@@ -636,6 +638,7 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS, 2)
                          float ts_up, float ts_down, const float* __restrict__ x, const sb_u32* __restrict__ active,
                          const int* __restrict__ n_active, int max_active, int mode, int accumulate, float* hbuf,
                          float* partials, sb_u32* counters, float* y, int phases) {
+    PDL_ENTRY();
     extern __shared__ float4 nvsb_xs[];
     __shared__ float red[SB_WARPS][128];
     __shared__ int last_flag;

@@ -178,6 +178,7 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS, 2)
                        const float* __restrict__ x, const sb_u32* __restrict__ active,
                        const int* __restrict__ n_active, int max_active, int mode, int accumulate, float* hbuf,
                        float* partials, sb_u32* counters, float* y, int phases) {
+    PDL_ENTRY();
     extern __shared__ float4 q2_xs[];
     __shared__ float red[SB_WARPS][128];
     __shared__ int last_flag;

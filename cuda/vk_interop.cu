@@ -18,6 +18,7 @@
 extern "C" __global__ void __launch_bounds__(VKI_THREADS)
     vki_project(const float* __restrict__ x, int d, const float* __restrict__ proj, int slices,
                 float* __restrict__ points) {
+    PDL_ENTRY();
     const int q = blockIdx.x;
     rt_project(x + (long)q * d, d, proj, slices * 3, points + (long)q * slices * 3);
 }
@@ -33,6 +34,7 @@ struct VkiBitRule {
 extern "C" __global__ void __launch_bounds__(VKI_THREADS)
     vki_compact(const unsigned* __restrict__ bits, int words, int router_pages, int n_pages, int n_trunk,
                 unsigned* __restrict__ ids, int* __restrict__ count) {
+    PDL_ENTRY();
     const int q = blockIdx.x;
     rt_compact(n_pages, VkiBitRule{bits + (long)q * words, words, n_trunk, router_pages}, ids + (long)q * n_pages,
                count + q);

@@ -547,6 +547,13 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     functions: Vec<CudaFunction>,
+    /// Whether each entry of `functions` waits on its prerequisite grid
+    /// (`module::waits_on_prerequisite`): only those are launched with
+    /// programmatic stream serialization.
+    waits: Vec<bool>,
+    /// Programmatic dependent launch on (sm_90+, default; `MIRAGE_CUDA_PDL=0`
+    /// turns it off at start, `set_pdl`).
+    pdl: std::sync::atomic::AtomicBool,
     /// Kernel name of each entry of `functions`.
     functions_names: Vec<&'static str>,
     kernel_index: HashMap<&'static str, usize>,
@@ -627,11 +634,13 @@ impl CudaBackend {
             )
             .map_err(d)?
             .max(1) as usize;
-        let (ptx, ptx_from_cache) = module::ptx_for("dense", module::DENSE_SOURCE, cc.0, cc.1)?;
+        let source = module::with_prefetch_define(module::DENSE_SOURCE);
+        let (ptx, ptx_from_cache) = module::ptx_for("dense", &source, cc.0, cc.1)?;
         let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx.clone()))
             .map_err(d)?;
         let mut functions = Vec::new();
+        let mut waits = Vec::new();
         let mut kernel_index = HashMap::new();
         let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
         let names: Vec<&'static str> = SUFFIXES
@@ -672,6 +681,7 @@ impl CudaBackend {
         for &name in &names {
             kernel_index.insert(name, functions.len());
             functions.push(module.load_function(name).map_err(d)?);
+            waits.push(module::waits_on_prerequisite(&ptx, name));
         }
         // cuBLAS is optional: without the library prefill uses the mat-vec.
         // SAFETY: only probes whether the shared library can be opened.
@@ -685,6 +695,8 @@ impl CudaBackend {
             ctx,
             stream,
             functions,
+            waits,
+            pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             functions_names: names,
             kernel_index,
             gemm_enabled: (!env_off("MIRAGE_CUDA_GEMM") && blas.is_some()).into(),
@@ -1100,7 +1112,84 @@ impl CudaBackend {
         self.fast_decode() && self.fuse_norm.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Turns programmatic dependent launch on (only where the device has it:
+    /// compute capability 9.0 and up) or off. Kernels whose PTX waits on
+    /// their prerequisite grid are then launched with programmatic stream
+    /// serialization, so their blocks start (and prefetch weights) while the
+    /// previous kernel drains; results are the same bits either way.
+    pub fn set_pdl(&self, on: bool) {
+        self.pdl.store(
+            on && self.compute_capability.0 >= 9,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    /// Whether programmatic dependent launch is on.
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Adds kernel `name` of a module loaded on this context (the sparse
+    /// backend's); `ptx` is that module's, to learn whether it waits.
+    pub(crate) fn add_function(&mut self, name: &'static str, f: CudaFunction, ptx: &str) {
+        self.kernel_index.insert(name, self.functions.len());
+        self.functions.push(f);
+        self.waits.push(module::waits_on_prerequisite(ptx, name));
+    }
+
+    /// `l` through `cuLaunchKernelEx` with programmatic stream serialization.
+    fn launch_programmatic(&self, l: &Launch) -> Result<()> {
+        use cudarc::driver::sys;
+        let mut params: Vec<*mut std::ffi::c_void> = l
+            .args
+            .iter()
+            .map(|a| match a {
+                Arg::Ptr(v) => v as *const u64 as *mut std::ffi::c_void,
+                Arg::I32(v) => v as *const i32 as *mut std::ffi::c_void,
+                Arg::I64(v) => v as *const i64 as *mut std::ffi::c_void,
+                Arg::F32(v) => v as *const f32 as *mut std::ffi::c_void,
+            })
+            .collect();
+        // SAFETY: a plain C union of integers; zero is a valid value of
+        // every member.
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: l.grid.0,
+            gridDimY: l.grid.1,
+            gridDimZ: l.grid.2,
+            blockDimX: l.block.0,
+            blockDimY: l.block.1,
+            blockDimZ: l.block.2,
+            sharedMemBytes: l.smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: `params` points at the argument values in `l.args`, which
+        // outlive the call, in the order of the kernel's signature (every
+        // call site passes the kernel's argument list, pointers as u64);
+        // the function belongs to this context and the stream to it too.
+        let r = unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                self.functions[l.kernel].cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        r.result().map_err(drv)
+    }
+
     fn launch_now(&self, l: &Launch) -> Result<()> {
+        if self.waits[l.kernel] && self.pdl() {
+            return self.launch_programmatic(l);
+        }
         let cfg = LaunchConfig {
             grid_dim: l.grid,
             block_dim: l.block,

@@ -64,6 +64,12 @@ impl CudaBackend {
     pub fn fast_decode(&self) -> bool {
         false
     }
+    /// Programmatic dependent launch switch (no effect without CUDA).
+    pub fn set_pdl(&self, _on: bool) {}
+    /// Whether programmatic dependent launch is on (never without CUDA).
+    pub fn pdl(&self) -> bool {
+        false
+    }
     /// Split-layout type switch (no effect without CUDA).
     pub fn set_repacked_types(&self, _types: &[mirage_gguf::GgmlType]) {}
     /// Split-K switch (no effect without CUDA).

@@ -13,11 +13,13 @@ use std::path::PathBuf;
 
 use crate::CudaError;
 
-/// The dense kernels (`cuda/dense.cu`), after `cuda/nvfp4.cu`, whose `sb_*`
-/// decode helpers the fast decode kernels (split Q8_0, NVFP4) share with the
-/// sparse path, then the pruned decode attention (`cuda/attention_pruned.cu`,
-/// which uses dense.cu's helpers).
+/// The dense kernels (`cuda/dense.cu`), after `cuda/pdl.cu` (the
+/// programmatic-dependent-launch helpers every module starts with) and
+/// `cuda/nvfp4.cu`, whose `sb_*` decode helpers the fast decode kernels
+/// (split Q8_0, NVFP4) share with the sparse path, then the pruned decode
+/// attention (`cuda/attention_pruned.cu`, which uses dense.cu's helpers).
 pub const DENSE_SOURCE: &str = concat!(
+    include_str!("../../../cuda/pdl.cu"),
     include_str!("../../../cuda/nvfp4.cu"),
     include_str!("../../../cuda/dense.cu"),
     include_str!("../../../cuda/attention_pruned.cu")
@@ -26,6 +28,37 @@ pub const DENSE_SOURCE: &str = concat!(
 /// NVRTC options besides the architecture. Precise `expf`/division: the
 /// backend is checked against the CPU reference to cosine 0.9999.
 const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
+
+/// `source` with `MIRAGE_PREFETCH_ROW` defined from `MIRAGE_CUDA_PREFETCH`
+/// (bytes of each weight row the mat-vec variants ask L2 for before waiting
+/// on the previous kernel, `cuda/pdl.cu`; `0` turns the prefetch off) when
+/// that variable is set to a number, else `source` as it is.
+pub fn with_prefetch_define(source: &str) -> std::borrow::Cow<'_, str> {
+    match std::env::var("MIRAGE_CUDA_PREFETCH")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+    {
+        Some(n) => format!("#define MIRAGE_PREFETCH_ROW {n}\n{source}").into(),
+        None => source.into(),
+    }
+}
+
+/// Whether kernel `name` of `ptx` waits on its prerequisite grid
+/// (`griddepcontrol.wait`, `cuda/pdl.cu`): only such a kernel may be
+/// launched with programmatic stream serialization, since it is what keeps
+/// the kernel from reading the previous kernel's output too early.
+pub fn waits_on_prerequisite(ptx: &str, name: &str) -> bool {
+    let Some(at) = ptx
+        .match_indices(".entry ")
+        .map(|(i, _)| i)
+        .find(|&i| ptx[i + 7..].starts_with(name) && ptx[i + 7 + name.len()..].starts_with('('))
+    else {
+        return false;
+    };
+    let body = &ptx[at + 7..];
+    let end = body.find(".entry ").unwrap_or(body.len());
+    body[..end].contains("griddepcontrol.wait")
+}
 
 fn fnv1a(parts: &[&str]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -104,4 +137,64 @@ pub fn ptx_for(
         }
     }
     Ok((text, false))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::waits_on_prerequisite;
+
+    const PTX: &str = "
+.visible .entry add_one(
+\t.param .u64 add_one_param_0
+)
+{
+\tgriddepcontrol.wait;
+\tgriddepcontrol.launch_dependents;
+\tret;
+}
+.visible .entry add_one_plain(
+\t.param .u64 add_one_plain_param_0
+)
+{
+\tret;
+}
+";
+
+    /// Only a kernel whose own body waits is eligible; a name that is a
+    /// prefix of another kernel's does not match that kernel.
+    #[test]
+    fn finds_the_wait_in_the_named_kernel_only() {
+        assert!(waits_on_prerequisite(PTX, "add_one"));
+        assert!(!waits_on_prerequisite(PTX, "add_one_plain"));
+        assert!(!waits_on_prerequisite(PTX, "add"));
+        assert!(!waits_on_prerequisite(PTX, "missing"));
+    }
+
+    /// Every kernel of the shipped sources starts with PDL_ENTRY() (pdl.cu);
+    /// a kernel without it would only lose the overlap, but the rule is that
+    /// all of them have it.
+    #[test]
+    fn every_shipped_kernel_calls_pdl_entry() {
+        let files = [
+            include_str!("../../../cuda/dense.cu"),
+            include_str!("../../../cuda/attention_pruned.cu"),
+            include_str!("../../../cuda/nvfp4.cu"),
+            include_str!("../../../cuda/superblock.cu"),
+            include_str!("../../../cuda/superblock_q2k.cu"),
+            include_str!("../../../cuda/route.cu"),
+            include_str!("../../../cuda/vk_interop.cu"),
+        ];
+        for src in files {
+            let kernels = src.matches("__global__").count();
+            // The split mat-vec variants wait inside mv3_variant/ffn_variant
+            // (after their weight prefetch), one call for the 5 kernels of
+            // each MVV_INSTANCE.
+            let entries = src.matches("PDL_ENTRY();").count();
+            let variant_kernels = src.matches("MVV_INSTANCE(").count().saturating_sub(1) * 5;
+            assert!(
+                entries + variant_kernels >= kernels,
+                "{kernels} kernels, {entries} PDL_ENTRY calls, {variant_kernels} variant kernels"
+            );
+        }
+    }
 }

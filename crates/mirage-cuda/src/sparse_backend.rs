@@ -47,6 +47,8 @@ use crate::{module, CudaError};
 /// Sources of the sparse backend's module: NVFP4 helpers, the fused FFNs
 /// (Q8_0 and NVFP4, then Q2_K), the router.
 const SOURCE: &str = concat!(
+    include_str!("../../../cuda/pdl.cu"),
+    "\n",
     include_str!("../../../cuda/nvfp4.cu"),
     "\n",
     include_str!("../../../cuda/superblock.cu"),
@@ -828,7 +830,7 @@ impl SparseCudaBackend {
         let (ptx, _) = module::ptx_for("sparse-backend", SOURCE, cc.0, cc.1)?;
         let m = inner
             .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx.clone()))
             .map_err(d)?;
         for name in KERNELS
             .iter()
@@ -836,8 +838,7 @@ impl SparseCudaBackend {
             .chain(Q8_FFN_VARIANTS.iter().map(|v| v.kernel))
         {
             let f = m.load_function(name).map_err(d)?;
-            inner.kernel_index.insert(name, inner.functions.len());
-            inner.functions.push(f);
+            inner.add_function(name, f, &ptx);
         }
         let multiprocessors = inner
             .ctx

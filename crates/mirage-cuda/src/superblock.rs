@@ -512,6 +512,8 @@ mod device {
     /// Sources of the sparse-path module, compiled as one NVRTC unit
     /// (`nvfp4.cu` holds the decode helpers `superblock.cu` uses).
     pub const SPARSE_SOURCE: &str = concat!(
+        include_str!("../../../cuda/pdl.cu"),
+        "\n",
         include_str!("../../../cuda/nvfp4.cu"),
         "\n",
         include_str!("../../../cuda/superblock.cu"),

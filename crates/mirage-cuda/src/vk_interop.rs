@@ -51,6 +51,8 @@ use crate::{module, CudaError};
 
 /// The module: route.cu (the sparse backend's router) and the interop kernels.
 const SOURCE: &str = concat!(
+    include_str!("../../../cuda/pdl.cu"),
+    "\n",
     include_str!("../../../cuda/route.cu"),
     "\n",
     include_str!("../../../cuda/vk_interop.cu")

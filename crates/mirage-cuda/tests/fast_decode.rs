@@ -1170,3 +1170,48 @@ fn matvec_variants_graph_decode_equals_v1() {
         }
     }
 }
+
+/// Programmatic dependent launch (sm_90+: kernels start behind the previous
+/// one's drain and prefetch their weight rows into L2 before waiting on it)
+/// changes when work starts, never what is computed: a tiny model decoded
+/// greedily in CUDA graphs with PDL on equals PDL off bit for bit (logits
+/// and tokens), every mat-vec variant, batch 1 and 2, Q8_0 and Q4_K mixes.
+/// On a device without PDL it checks that `set_pdl(true)` stays off.
+#[test]
+fn pdl_decode_equals_serialized_decode() {
+    let Some(probe) = cuda("pdl_decode_equals_serialized_decode") else {
+        return;
+    };
+    let has_pdl = probe.compute_capability().0 >= 9;
+    drop(probe);
+    for types in [LAYER_MIXES[0], LAYER_MIXES[1], NORM_MIX] {
+        let file = tiny_model_with_bias(types);
+        for v in 1..=5usize {
+            let load = |pdl: bool| {
+                let b = CudaBackend::new(0).unwrap();
+                b.set_graphs(true);
+                b.set_matvec_variant(v).unwrap();
+                b.set_pdl(pdl);
+                assert_eq!(b.pdl(), pdl && has_pdl, "set_pdl({pdl})");
+                Model::load(file.clone(), b).unwrap()
+            };
+            let (off, on) = (load(false), load(true));
+            for batch in [1usize, 2] {
+                let (lo, to) = greedy_run(&off, batch, 12, None);
+                let (ln, tn) = greedy_run(&on, batch, 12, None);
+                let differ = lo
+                    .iter()
+                    .zip(&ln)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                eprintln!(
+                    "{types:?} v{v} batch {batch}: PDL {} vs off: {differ} of {} logits differ",
+                    if has_pdl { "on" } else { "(unsupported)" },
+                    lo.len()
+                );
+                assert_eq!(to, tn, "{types:?} v{v} batch {batch}: tokens differ");
+                assert_eq!(differ, 0, "{types:?} v{v} batch {batch}: logits differ");
+            }
+        }
+    }
+}

@@ -66,6 +66,12 @@ pub struct BenchArgs {
     /// launch, fused gate/up/SwiGLU) or the first version's kernels (`off`).
     #[arg(long, default_value = "on")]
     pub cuda_fast: String,
+    /// CUDA: programmatic dependent launch (`on`, sm_90 and up: each kernel
+    /// starts behind the previous one and prefetches its weight rows into
+    /// L2 while waiting) or strict kernel-after-kernel order (`off`). Same
+    /// results either way.
+    #[arg(long, default_value = "on")]
+    pub cuda_pdl: String,
     /// CUDA: weight encoding on the device, `native` (the file's) or
     /// `nvfp4` (attention and FFN matrices requantized at upload).
     #[arg(long, default_value = "native")]
@@ -130,6 +136,7 @@ struct BenchReport {
     cuda_graphs: Option<bool>,
     cuda_gemm: Option<bool>,
     cuda_fast: Option<bool>,
+    cuda_pdl: Option<bool>,
     /// Mat-vec kernel variant of the split Q8_0 / Q4_K layouts (`MIRAGE_CUDA_MV`).
     matvec_variant: Option<usize>,
     weight_format: Option<String>,
@@ -139,7 +146,7 @@ struct BenchReport {
     first_tokens: Vec<u32>,
 }
 
-fn on_off(what: &str, v: &str) -> anyhow::Result<bool> {
+pub(crate) fn on_off(what: &str, v: &str) -> anyhow::Result<bool> {
     match v {
         "on" => Ok(true),
         "off" => Ok(false),
@@ -171,6 +178,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let graphs = on_off("cuda-graphs", &args.cuda_graphs)?;
     let gemm = on_off("cuda-gemm", &args.cuda_gemm)?;
     let fast = on_off("cuda-fast", &args.cuda_fast)?;
+    let pdl = on_off("cuda-pdl", &args.cuda_pdl)?;
     let weights = match args.weights.as_str() {
         "native" => mirage_cuda::WeightFormat::Native,
         "nvfp4" => mirage_cuda::WeightFormat::Nvfp4,
@@ -198,6 +206,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             backend.set_graphs(graphs);
             let gemm_on = backend.set_prefill_gemm(gemm);
             backend.set_fast_decode(fast);
+            backend.set_pdl(pdl);
             backend.set_weight_format(weights);
             let (free0, _) = backend.device_memory()?;
             let copy = backend.copy_bandwidth(1 << 30, 10)?;
@@ -209,6 +218,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             r.cuda_graphs = Some(b.graphs());
             r.cuda_gemm = Some(gemm_on);
             r.cuda_fast = Some(b.fast_decode());
+            r.cuda_pdl = Some(b.pdl());
             r.matvec_variant = Some(b.matvec_variant());
             r.weight_format = Some(match b.weight_format() {
                 mirage_cuda::WeightFormat::Native => "native".into(),
@@ -400,6 +410,7 @@ fn measure<B: Backend>(
         cuda_graphs: None,
         cuda_gemm: None,
         cuda_fast: None,
+        cuda_pdl: None,
         matvec_variant: None,
         weight_format: None,
         graph_captures: None,
@@ -472,9 +483,10 @@ fn print_table(r: &BenchReport) {
     }
     if let (Some(f), Some(w)) = (r.cuda_fast, &r.weight_format) {
         println!(
-            "cuda weights     {w}, fast decode path {}, mat-vec variant v{}",
+            "cuda weights     {w}, fast decode path {}, mat-vec variant v{}, programmatic dependent launch {}",
             if f { "on" } else { "off" },
-            r.matvec_variant.unwrap_or(0)
+            r.matvec_variant.unwrap_or(0),
+            if r.cuda_pdl == Some(true) { "on" } else { "off" }
         );
     }
     println!("first tokens     {:?}", r.first_tokens);

@@ -226,6 +226,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         .filter(|t| is_ffn(&t.name))
         .map(device_bytes)
         .sum();
+    let pdl = super::bench::on_off("cuda-pdl", &args.cuda_pdl)?;
     let n_prompt = args.prompt.max(1);
     let n_gen = args.gen.max(4);
     let mib = |b: f64| b / (1u64 << 20) as f64;
@@ -236,6 +237,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         let b = CudaBackend::new(args.device).context("starting the CUDA backend")?;
         let device = b.device_name().to_string();
         b.set_weight_format(weights);
+        b.set_pdl(pdl);
         let model = Model::load(file.clone(), b)?;
         let d = decode(&model, n_prompt, n_gen, || Ok(None))?;
         rows.push(Row {
@@ -264,6 +266,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     };
     let inner = CudaBackend::new(args.device).context("starting the CUDA backend")?;
     inner.set_weight_format(weights);
+    inner.set_pdl(pdl);
     let sb = SparseCudaBackend::new(inner, source.clone(), SparsePages::All)
         .context("starting the sparse backend")?;
     sb.set_page_format(format)?;
@@ -350,7 +353,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "model {} | {device} | {n_layer} layers, {} pages/layer of {:.2} MiB ({}) | weights {} | prompt {n_prompt}, decode {} timed steps | sparse load {load_s:.1} s | graphs: {} captured, {} replayed, {} eager",
+        "model {} | {device} | {n_layer} layers, {} pages/layer of {:.2} MiB ({}) | weights {} | PDL {} | prompt {n_prompt}, decode {} timed steps | sparse load {load_s:.1} s | graphs: {} captured, {} replayed, {} eager",
         args.model.display(),
         total_pages / n_layer.max(1),
         mib(page_bytes as f64),
@@ -360,6 +363,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             PageFormat::Q2K => "page format q2_k: split Q2_K, superblock_ffn_q2k",
         },
         args.weights,
+        if b.inner().pdl() { "on" } else { "off" },
         n_gen.saturating_sub(2),
         g.captures,
         g.replays,

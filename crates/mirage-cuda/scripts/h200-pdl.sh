@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Device-side A/B of programmatic dependent launch (cuda/pdl.cu) and the
+# mat-vecs' L2 weight prefetch, issue #7: the non-FFN part of the decode
+# step ("rest" in the sparse bench) is what bounds sparse vs dense, and it
+# is mostly kernel-boundary latency.
+#
+# Build here: bash crates/mirage-cuda/scripts/bundle.sh   (-> target/bundle)
+# Then on the device (carry target/bundle):
+#   bash crates/mirage-cuda/scripts/h200-pdl.sh target/bundle
+# Order: GPU tests (PDL on vs off bit-equal, the sparse backend with PDL on),
+# synthetic 7B Q8_0 dense vs sparse (100/40/25 %) with PDL off / on without
+# prefetch / on with the default prefetch / on with 8 KiB rows, the 0.5B
+# shape dense with PDL off / on, then one ncu pass over a 7B dense decode
+# (kernel durations, for the per-kernel table; ncu serializes kernels, so it
+# shows work, not gaps). Binaries stay unpacked in $W (default /tmp/mq, the
+# directory h200-qwen.sh's stages use). Raw logs in $OUT/pdl-logs.tgz.
+set -uo pipefail
+BIN=${1:?usage: h200-pdl.sh BIN_DIR}
+W=${W:-/tmp/mq}
+OUT=${OUT:-/tmp/out}
+L=$W/log
+mkdir -p "$W" "$L" "$OUT"
+. "$(dirname "$0")/common.sh"
+device_unpack "$BIN" "$W" || exit 1
+device_env "$W"
+export MIRAGE_REQUIRE_CUDA_TESTS=1
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+[ -f "$BIN/COMMIT" ] && echo "bundle commit $(cat "$BIN/COMMIT")"
+T0=$SECONDS
+BUDGET=${BUDGET:-480}
+left() { [ $((SECONDS - T0)) -lt "$BUDGET" ] || { echo "(budget spent: skipping $1)"; return 1; }; }
+run() { # tag, timeout, cmd...
+  local tag=$1 lim=$2 t=$SECONDS; shift 2
+  timeout "$lim" "$@" > "$L/$tag.log" 2>&1
+  local r=$?
+  echo "== $tag rc=$r ($((SECONDS - t)) s) $(grep -E '^test result' "$L/$tag.log" | head -1)"
+  return $r
+}
+run fast_decode 200 "$W/fast_decode" --nocapture --test-threads 1
+grep -E "panicked|FAILED|PDL on" "$L/fast_decode.log" | cut -c1-160 | head -6
+MIRAGE_SKIP_MODEL_TESTS=1 run sparse_backend 150 "$W/sparse_backend" --nocapture --test-threads 1
+grep -E "panicked|FAILED" "$L/sparse_backend.log" | head -4
+run sparse_kernels 100 "$W/sparse_kernels" --test-threads 1
+: > "$L/tables.txt"
+for s in qwen2.5-7b qwen2.5-0.5b; do
+  timeout 120 "$W/xtask" synth-model --like $s --quant q8_0 --out "$W/$s.gguf" --tokenizer-from "$W/tok.gguf" > "$L/synth_$s.log" 2>&1
+  echo "synth $s rc=$?"
+done
+M7=$W/qwen2.5-7b.gguf
+i=0
+for cfg in "MIRAGE_CUDA_PDL=0" "MIRAGE_CUDA_PREFETCH=0" "MIRAGE_CUDA_PDL=1" "MIRAGE_CUDA_PREFETCH=8192"; do
+  left "7b $cfg" || break
+  i=$((i + 1))
+  run "b7_$i" 90 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages \
+    --active 1.0,0.4,0.25 --prompt 16 --gen 66
+  { echo "== 7B q8_0, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$i.log" | tail -5; } >> "$L/tables.txt"
+done
+for pdl in off on off on; do
+  left "0.5b $pdl" || break
+  i=$((i + 1))
+  run "b05_$i" 60 "$W/mirage-cli" bench --backend cuda --model "$W/qwen2.5-0.5b.gguf" --prompt 16 --gen 256 \
+    --kv f16 --cuda-pdl $pdl --json
+  echo "== 0.5B q8_0 dense, --cuda-pdl $pdl: $(grep -o '"decode_tok_s":[0-9.]*' "$L/b05_$i.log")" >> "$L/tables.txt"
+done
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+if [ -n "$NCU" ] && left ncu; then
+  run ncu 150 "$NCU" --graph-profiling node --cache-control none --clock-control none \
+    --metrics gpu__time_duration.sum --csv --log-file "$L/ncu.csv" \
+    "$W/mirage-cli" bench --backend cuda --model "$M7" --prompt 16 --gen 4 --kv f16
+  echo "ncu rows: $(wc -l < "$L/ncu.csv" 2>/dev/null)"
+fi
+rm -f "$W"/qwen2.5-*.gguf
+echo "total $((SECONDS - T0)) s"
+tar -czf "$OUT/pdl-logs.tgz" -C "$L" . 2>/dev/null
+echo; cat "$L/tables.txt"
