@@ -277,6 +277,10 @@ __device__ __forceinline__ void sb_finish_item(float (*red)[128], int* last_flag
 //        bits 16 and 8 (12 shuffles) leaves lane (s, q) outputs
 //        16 q + 4 s .. + 3.
 //   FB   sb_finish_item's batch (0: the first version's loop).
+//   PFD  (P1V > 0 only) 1: phase 1 also asks L2 for each of its channels'
+//        down_t row and scales (prefetch.global.L2, one line a lane) while
+//        it streams the gate and up rows, so phase 2's loads hit L2 (the
+//        40 % 7B page set's down_t rows are 27 MB, the H200's L2 50 MB).
 // part_ch > 0 caps the parts per output chunk: K = min(gridDim / n_chunks,
 // max(C / part_ch, 1)), C the active channels read from the device count,
 // so a part holds at least part_ch channels (fewer, fuller parts and fewer
@@ -301,7 +305,7 @@ __device__ __forceinline__ float sb_q8_dot4(sb_u32 w, float4 xv) {
     return f[0] * xv.x + f[1] * xv.y + f[2] * xv.z + f[3] * xv.w;
 }
 
-template <int P1V, int P2, int P2U, int FB>
+template <int P1V, int P2, int P2U, int FB, int PFD = 0>
 __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch) {
     extern __shared__ float4 sb_xs[];
     __shared__ float red[SB_WARPS][128];
@@ -354,6 +358,16 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch) {
             const sb_u16* sbase = (const sb_u16*)(base + 3 * mat);
             const uint4* q[2] = {(const uint4*)(base + (long)ch * d), (const uint4*)(base + mat + (long)ch * d)};
             const sb_u16* s[2] = {sbase + (long)ch * (d >> 5), sbase + smat + (long)ch * (d >> 5)};
+            if constexpr (PFD) {
+                // This channel's down_t row (d bytes) and its scales into
+                // L2 now, so phase 2 reads them from L2 (see PFD above).
+                if (on) {
+                    const sb_u8* drow = base + 2 * mat + (long)ch * d;
+                    for (int o = lane << 7; o < d; o += 32 << 7) asm volatile("prefetch.global.L2 [%0];" ::"l"(drow + o));
+                    const sb_u8* dsc = (const sb_u8*)(sbase + 2 * smat + (long)ch * (d >> 5));
+                    if ((lane << 7) < (d >> 4) + 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(dsc + (lane << 7)));
+                }
+            }
             float acc[2] = {0.f, 0.f};
             for (int v0 = 0; v0 < nv; v0 += 32 * P1V) {
                 uint4 w[P1V][2];
@@ -516,10 +530,10 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS) superblock_ffn_q8s(SB_Q
 // resident block count of that function, so every variant runs at its own
 // occupancy. The host table (Q8_FFN_VARIANTS in
 // crates/mirage-cuda/src/superblock.rs) describes each; keep them in step.
-#define SB_Q8S_VARIANT(N, MINB, P1V, P2, P2U, FB)                                                 \
+#define SB_Q8S_VARIANT(N, MINB, P1V, P2, P2U, FB, PFD)                                            \
     extern "C" __global__ void __launch_bounds__(SB_THREADS, MINB)                                \
         superblock_ffn_q8s_v##N(SB_Q8S_PARAMS, int part_ch) { PDL_ENTRY();                         \
-        sb_ffn_q8s<P1V, P2, P2U, FB>(SB_Q8S_ARGS, part_ch);                                       \
+        sb_ffn_q8s<P1V, P2, P2U, FB, PFD>(SB_Q8S_ARGS, part_ch);                                  \
     }
 // Tried on the H200 and dropped (slower; crates/mirage-cuda/NOTES.md): the
 // active ids staged in shared memory, phase-2 items of 512 outputs (a warp
@@ -528,23 +542,27 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS) superblock_ffn_q8s(SB_Q
 // MINB 5: at most 51 registers, 5 blocks of 256 threads per SM (the first
 // version's 48 registers, its occupancy); 4: 64; 3: 80 (85); 2: 128.
 // v0: the first version (plus part_ch).
-SB_Q8S_VARIANT(0, 5, 0, 0, 1, 0)
+SB_Q8S_VARIANT(0, 5, 0, 0, 1, 0, 0)
 // v1: the first version's phases, batched finish (8 partial loads in flight
 // per warp).
-SB_Q8S_VARIANT(1, 5, 0, 0, 1, 8)
+SB_Q8S_VARIANT(1, 5, 0, 0, 1, 8, 0)
 // v2: phase 1 a whole 3584-wide gate and up row in flight per warp (8 x 16
 // bytes a lane and row), phase 2 16-byte loads, 8 quads (32 channels) in
 // flight per warp; 2 blocks per SM.
-SB_Q8S_VARIANT(2, 2, 8, 1, 8, 8)
+SB_Q8S_VARIANT(2, 2, 8, 1, 8, 8, 0)
 // v3: half of that per warp (4 x 16 bytes a lane and row: a 3584 row in two
 // steps; 4 quads), 3 blocks per SM.
-SB_Q8S_VARIANT(3, 3, 4, 1, 4, 8)
+SB_Q8S_VARIANT(3, 3, 4, 1, 4, 8, 0)
 // v4: 2 x 16 bytes a lane and row (one step for an 896 row), 4 quads, 4
 // blocks per SM.
-SB_Q8S_VARIANT(4, 4, 2, 1, 4, 8)
+SB_Q8S_VARIANT(4, 4, 2, 1, 4, 8, 0)
 // v5: the first version's occupancy (5 blocks per SM) with 16-byte loads:
 // 1 x 16 bytes a lane and row, 2 quads.
-SB_Q8S_VARIANT(5, 5, 1, 1, 2, 8)
+SB_Q8S_VARIANT(5, 5, 1, 1, 2, 8, 0)
+// v6: v3 with phase 1 prefetching the down_t rows into L2 (PFD).
+SB_Q8S_VARIANT(6, 3, 4, 1, 4, 8, 1)
+// v7: v4 (4 blocks per SM) with the same prefetch.
+SB_Q8S_VARIANT(7, 4, 2, 1, 4, 8, 1)
 
 // ---------------------------------------------------------------------------
 // The fused FFN over NVFP4 pages (weight-only NVFP4: codes and scales decoded

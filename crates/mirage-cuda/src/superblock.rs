@@ -233,7 +233,7 @@ pub struct Q8FfnVariant {
 /// The fused Q8_0 FFN variants, in the order of `cuda/superblock.cu`'s
 /// `SB_Q8S_VARIANT` list (keep the two in step). v0 with `part_ch` 0 is
 /// `superblock_ffn_q8s`, the first version, bit for bit.
-pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 6] = [
+pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 8] = [
     q8v(
         0,
         "first version (4 B loads, grid-stride channels), 5 blocks/SM",
@@ -246,16 +246,20 @@ pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 6] = [
     q8v(3, "16 B, p1 4 x 16 B, p2 4 quads, 3 blocks/SM"),
     q8v(4, "16 B, p1 2 x 16 B, p2 4 quads, 4 blocks/SM"),
     q8v(5, "16 B, p1 1 x 16 B, p2 2 quads, 5 blocks/SM"),
+    q8v(6, "v3 + phase 1 prefetches the down_t rows into L2"),
+    q8v(7, "v4 + phase 1 prefetches the down_t rows into L2"),
 ];
 
 const fn q8v(index: usize, about: &'static str) -> Q8FfnVariant {
-    const NAMES: [&str; 6] = [
+    const NAMES: [&str; 8] = [
         "superblock_ffn_q8s_v0",
         "superblock_ffn_q8s_v1",
         "superblock_ffn_q8s_v2",
         "superblock_ffn_q8s_v3",
         "superblock_ffn_q8s_v4",
         "superblock_ffn_q8s_v5",
+        "superblock_ffn_q8s_v6",
+        "superblock_ffn_q8s_v7",
     ];
     Q8FfnVariant {
         index,
