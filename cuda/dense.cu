@@ -536,6 +536,22 @@ __device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ 
 // Split-K attention, part 2: out[row, head, :] = sum_s e^(m_s - M) acc_s /
 // sum_s e^(m_s - M) l_s over the splits that hold positions of the row.
 // Grid (rows, n_head), block head_dim.
+// Output element d of (row, head) from the ns splits' partials P (the
+// combine's arithmetic, shared by attend_combine and attend_fused; __ldcg:
+// in attend_fused other blocks of the same grid wrote P).
+__device__ __forceinline__ float attend_merge(const float* P, int ns, int head_dim, int d) {
+    float M = -MIRAGE_INF;
+    for (int s = 0; s < ns; s++) M = fmaxf(M, __ldcg(P + s * (head_dim + 2)));
+    float L = 0.f, a = 0.f;
+    for (int s = 0; s < ns; s++) {
+        const float* ps = P + s * (head_dim + 2);
+        float w = expf(__ldcg(ps) - M);
+        L += w * __ldcg(ps + 1);
+        a += w * __ldcg(ps + 2 + d);
+    }
+    return a / L;
+}
+
 extern "C" __global__ void attend_combine(const float* __restrict__ part, const int* __restrict__ slots, int n_head,
                                           int head_dim, int n_split, int chunk, float* __restrict__ out) {
     PDL_ENTRY();
@@ -543,16 +559,38 @@ extern "C" __global__ void attend_combine(const float* __restrict__ part, const 
     int n = slots[2 * row + 1] + 1;
     int ns = min(n_split, (n + chunk - 1) / chunk);
     const float* P = part + ((long)row * n_head + head) * n_split * (head_dim + 2);
-    float M = -MIRAGE_INF;
-    for (int s = 0; s < ns; s++) M = fmaxf(M, P[s * (head_dim + 2)]);
-    float L = 0.f, a = 0.f;
-    for (int s = 0; s < ns; s++) {
-        const float* ps = P + s * (head_dim + 2);
-        float w = expf(ps[0] - M);
-        L += w * ps[1];
-        a += w * ps[2 + d];
+    out[((long)row * n_head + head) * head_dim + d] = attend_merge(P, ns, head_dim, d);
+}
+
+// attend_part, then the combine in the same launch: the last of the ns
+// splits of (row, head) to finish (per-(row, head) arrival counter, reset by
+// that block, so it is zero again for the next launch) merges the partials
+// with attend_combine's arithmetic: the same bits as the two launches, one
+// dependent launch fewer per layer. count: rows * n_head u32, zero at first
+// use. Grid and block as attend_part.
+template <typename KV>
+__device__ void attend_fused(const float* q, const KV* kc, const KV* vc, const int* slots, int n_head, int n_head_kv,
+                             int head_dim, int n_ctx, int chunk, float scale, float* part, unsigned* count,
+                             float* out) {
+    __shared__ int last;
+    const int row = blockIdx.x, head = blockIdx.y, n_split = gridDim.z;
+    const int n = slots[2 * row + 1] + 1;
+    const int ns = min(n_split, (n + chunk - 1) / chunk);
+    if ((int)blockIdx.z >= ns) return;  // attend_part's empty splits
+    attend_part<KV>(q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned* c = count + (long)row * n_head + head;
+        last = atomicAdd(c, 1u) == (unsigned)ns - 1;
+        if (last) *c = 0u;  // every split of this (row, head) has arrived
     }
-    out[((long)row * n_head + head) * head_dim + d] = a / L;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* P = part + ((long)row * n_head + head) * n_split * (head_dim + 2);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+        out[((long)row * n_head + head) * head_dim + d] = attend_merge(P, ns, head_dim, d);
 }
 
 
@@ -667,6 +705,12 @@ __device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict
                                                   int n_head, int n_head_kv, int head_dim, int n_ctx, int chunk,    \
                                                   float scale, float* part) { PDL_ENTRY();                           \
         attend_part<KV>(q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part);                 \
+    }                                                                                                               \
+    extern "C" __global__ void attend_fused_##NAME(const float* q, const KV* kc, const KV* vc, const int* slots,    \
+                                                   int n_head, int n_head_kv, int head_dim, int n_ctx, int chunk,   \
+                                                   float scale, float* part, unsigned* count, float* out) {         \
+        PDL_ENTRY();                                                                                                \
+        attend_fused<KV>(q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part, count, out);    \
     }                                                                                                               \
     extern "C" __global__ void attend_prefill_##NAME(const float* q, const KV* kc, const KV* vc, const int* slots,  \
                                                      int n, int n_head, int n_head_kv, int head_dim, int n_ctx,     \

@@ -7,10 +7,12 @@
 # Build here: bash crates/mirage-cuda/scripts/bundle.sh   (-> target/bundle)
 # Then on the device (carry target/bundle):
 #   bash crates/mirage-cuda/scripts/h200-pdl.sh target/bundle
-# Order: GPU tests (PDL on vs off bit-equal, the sparse backend with PDL on),
-# synthetic 7B Q8_0 dense vs sparse (100/40/25 %) with PDL off / on without
-# prefetch / on with the default prefetch / on with 8 KiB rows / the fused
-# FFN variants 6 and 7 (phase 1 prefetches the down rows into L2), the 0.5B
+# Order: GPU tests (PDL on vs off and fused vs split attention bit-equal,
+# the sparse backend with PDL on), synthetic 7B Q8_0 dense vs sparse
+# (100/40/25 %): the previous launch path (PDL, prefetch and fused attention
+# off), PDL alone, + the L2 prefetch, + the fused attention (all defaults),
+# defaults with 8 KiB prefetch rows, defaults with the fused FFN variants 6
+# and 7 (phase 1 prefetches the down rows into L2); the 0.5B
 # shape dense with PDL off / on, then one ncu pass over a 7B dense decode
 # (kernel durations, for the per-kernel table; ncu serializes kernels, so it
 # shows work, not gaps). Binaries stay unpacked in $W (default /tmp/mq, the
@@ -49,8 +51,9 @@ for s in qwen2.5-7b qwen2.5-0.5b; do
 done
 M7=$W/qwen2.5-7b.gguf
 i=0
-for cfg in "MIRAGE_CUDA_PDL=0" "MIRAGE_CUDA_PREFETCH=0" "MIRAGE_CUDA_PDL=1" "MIRAGE_CUDA_PREFETCH=8192" \
-  "MIRAGE_SPARSE_Q8_KERNEL=6" "MIRAGE_SPARSE_Q8_KERNEL=7"; do
+B0="MIRAGE_CUDA_PDL=0 MIRAGE_CUDA_PREFETCH=0 MIRAGE_CUDA_ATTN_FUSE=0"
+for cfg in "$B0" "MIRAGE_CUDA_PREFETCH=0 MIRAGE_CUDA_ATTN_FUSE=0" "MIRAGE_CUDA_ATTN_FUSE=0" "MIRAGE_CUDA_PDL=1" \
+  "MIRAGE_CUDA_PREFETCH=8192" "MIRAGE_SPARSE_Q8_KERNEL=6" "MIRAGE_SPARSE_Q8_KERNEL=7"; do
   left "7b $cfg" || break
   i=$((i + 1))
   run "b7_$i" 90 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages \

@@ -154,6 +154,8 @@ const OTHER_KERNELS: &[&str] = &[
     "attend_prefill_f32",
     "attend_prefill_f16",
     "attend_combine",
+    "attend_fused_f32",
+    "attend_fused_f16",
     "argmax_rows",
     "f32_to_f16",
     "page_bounds_f32",
@@ -415,6 +417,9 @@ struct Scratch {
     hidden: CudaActivations,
     /// Attention split partials `[rows, n_head, n_split, head_dim + 2]`.
     attn_part: CudaActivations,
+    /// `attend_fused`'s arrival counters, one per (row, head); zero between
+    /// launches.
+    attn_count: Option<CudaSlice<u32>>,
     /// Last uploaded token slots (seq, pos pairs) and their device copy:
     /// every layer of a step passes the same slots (ops outside a step).
     slots_host: Vec<i32>,
@@ -551,6 +556,10 @@ pub struct CudaBackend {
     /// (`module::waits_on_prerequisite`): only those are launched with
     /// programmatic stream serialization.
     waits: Vec<bool>,
+    /// Decode attention as one launch (`attend_fused_*`, default;
+    /// `MIRAGE_CUDA_ATTN_FUSE=0` turns it off at start, `set_fused_attention`)
+    /// or as `attend_part_*` + `attend_combine`.
+    fused_attention: std::sync::atomic::AtomicBool,
     /// Programmatic dependent launch on (sm_90+, default; `MIRAGE_CUDA_PDL=0`
     /// turns it off at start, `set_pdl`).
     pdl: std::sync::atomic::AtomicBool,
@@ -697,6 +706,7 @@ impl CudaBackend {
             functions,
             waits,
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
+            fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
             functions_names: names,
             kernel_index,
             gemm_enabled: (!env_off("MIRAGE_CUDA_GEMM") && blas.is_some()).into(),
@@ -1122,6 +1132,19 @@ impl CudaBackend {
             on && self.compute_capability.0 >= 9,
             std::sync::atomic::Ordering::Relaxed,
         );
+    }
+
+    /// Runs the split-K decode attention and its combine as one launch
+    /// (`true`, default) or as two (`false`); the results are the same bits.
+    pub fn set_fused_attention(&self, on: bool) {
+        self.fused_attention
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the decode attention and its combine run as one launch.
+    pub fn fused_attention(&self) -> bool {
+        self.fused_attention
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether programmatic dependent launch is on.
@@ -2586,7 +2609,34 @@ impl Backend for CudaBackend {
                 ],
             )?;
         }
-        if pruned != Some(false) && !tiled {
+        if pruned != Some(false) && !tiled && self.fused_attention() {
+            // attend_part and attend_combine in one launch (the same bits).
+            let pcount = {
+                let mut s = self.scratch();
+                self.grow_scratch(&mut s.attn_count, n * p.n_head)?
+            };
+            self.launch(
+                &format!("attend_fused_{kv}"),
+                (n as u32, p.n_head as u32, n_split as u32),
+                (ATTEND_THREADS, 1, 1),
+                0,
+                vec![
+                    Arg::Ptr(pq),
+                    Arg::Ptr(pkc),
+                    Arg::Ptr(pvc),
+                    Arg::Ptr(pslots),
+                    Arg::I32(nh),
+                    Arg::I32(nkv),
+                    Arg::I32(hdi),
+                    Arg::I32(n_ctx),
+                    Arg::I32(chunk as i32),
+                    Arg::F32(scale),
+                    Arg::Ptr(ppart),
+                    Arg::Ptr(pcount),
+                    Arg::Ptr(po),
+                ],
+            )?;
+        } else if pruned != Some(false) && !tiled {
             self.launch(
                 &format!("attend_part_{kv}"),
                 (n as u32, p.n_head as u32, n_split as u32),

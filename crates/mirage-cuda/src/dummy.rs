@@ -64,6 +64,8 @@ impl CudaBackend {
     pub fn fast_decode(&self) -> bool {
         false
     }
+    /// Fused decode attention switch (no effect without CUDA).
+    pub fn set_fused_attention(&self, _on: bool) {}
     /// Programmatic dependent launch switch (no effect without CUDA).
     pub fn set_pdl(&self, _on: bool) {}
     /// Whether programmatic dependent launch is on (never without CUDA).

@@ -1215,3 +1215,44 @@ fn pdl_decode_equals_serialized_decode() {
         }
     }
 }
+
+/// The decode attention as one launch (`attend_fused_*`: the last split of
+/// each head merges the partials) against `attend_part_*` + `attend_combine`:
+/// the same arithmetic, so the same bits, over 60 greedy steps after a
+/// 20-token prompt (positions past 64, so two splits of the 81-position
+/// cache hold keys and the merge has more than one partial), batch 1 and 2,
+/// in graphs and op by op.
+#[test]
+fn fused_attention_equals_part_and_combine() {
+    let Some(probe) = cuda("fused_attention_equals_part_and_combine") else {
+        return;
+    };
+    drop(probe);
+    for types in [LAYER_MIXES[0], NORM_MIX] {
+        let file = tiny_model_with_bias(types);
+        for graphs in [true, false] {
+            let load = |fused: bool| {
+                let b = CudaBackend::new(0).unwrap();
+                b.set_graphs(graphs);
+                b.set_fused_attention(fused);
+                Model::load(file.clone(), b).unwrap()
+            };
+            let (two, one) = (load(false), load(true));
+            for batch in [1usize, 2] {
+                let (lt, tt) = greedy_run(&two, batch, 60, None);
+                let (lo, to) = greedy_run(&one, batch, 60, None);
+                let differ = lt
+                    .iter()
+                    .zip(&lo)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                eprintln!(
+                    "{types:?} graphs {graphs} batch {batch}: fused vs two launches: {differ} of {} logits differ",
+                    lt.len()
+                );
+                assert_eq!(tt, to, "{types:?} graphs {graphs} batch {batch}: tokens");
+                assert_eq!(differ, 0, "{types:?} graphs {graphs} batch {batch}: logits");
+            }
+        }
+    }
+}
