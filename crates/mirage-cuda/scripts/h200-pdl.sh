@@ -39,7 +39,7 @@ run() { # tag, timeout, cmd...
   echo "== $tag rc=$r ($((SECONDS - t)) s) $(grep -E '^test result' "$L/$tag.log" | head -1)"
   return $r
 }
-run fast_decode 200 "$W/fast_decode" --nocapture --test-threads 1
+run fast_decode 150 "$W/fast_decode" --nocapture --test-threads 1
 grep -E "panicked|FAILED|PDL on" "$L/fast_decode.log" | cut -c1-160 | head -6
 MIRAGE_SKIP_MODEL_TESTS=1 run sparse_backend 150 "$W/sparse_backend" --nocapture --test-threads 1
 grep -E "panicked|FAILED" "$L/sparse_backend.log" | head -4
@@ -74,6 +74,12 @@ if [ -n "$NCU" ] && left ncu; then
     "$W/mirage-cli" bench --backend cuda --model "$M7" --prompt 16 --gen 4 --kv f16
   echo "ncu rows: $(wc -l < "$L/ncu.csv" 2>/dev/null)"
 fi
+for pf in q2_k nvfp4; do
+  left "7b $pf" || break
+  run "b7_$pf" 150 "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages --page-format $pf \
+    --active 1.0,0.4,0.25 --prompt 16 --gen 66
+  { echo "== 7B, defaults, --page-format $pf"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$pf.log" | tail -5; } >> "$L/tables.txt"
+done
 rm -f "$W"/qwen2.5-*.gguf
 echo "total $((SECONDS - T0)) s"
 tar -czf "$OUT/pdl-logs.tgz" -C "$L" . 2>/dev/null
