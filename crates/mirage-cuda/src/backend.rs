@@ -556,10 +556,18 @@ pub struct CudaBackend {
     /// (`module::waits_on_prerequisite`): only those are launched with
     /// programmatic stream serialization.
     waits: Vec<bool>,
+    /// Per entry of `functions`: `(accumulate, y)` argument positions of a
+    /// kernel whose output can take the residual add (`y = sum + y` when
+    /// accumulate is 1: the sparse backend's fused FFN), for
+    /// `fold_epilogue`; `None` for the others (mat-vecs fold through their
+    /// own `res` argument).
+    accumulate_slots: Vec<Option<(usize, usize)>>,
     /// Decode attention as one launch (`attend_fused_*`, default;
     /// `MIRAGE_CUDA_ATTN_FUSE=0` turns it off at start, `set_fused_attention`)
     /// or as `attend_part_*` + `attend_combine`.
     fused_attention: std::sync::atomic::AtomicBool,
+    /// `fold_residual_into_ffn` (`MIRAGE_SPARSE_FOLD_ADD`, read at start).
+    fold_ffn_add: bool,
     /// Programmatic dependent launch on (sm_90+, default; `MIRAGE_CUDA_PDL=0`
     /// turns it off at start, `set_pdl`).
     pdl: std::sync::atomic::AtomicBool,
@@ -650,6 +658,7 @@ impl CudaBackend {
             .map_err(d)?;
         let mut functions = Vec::new();
         let mut waits = Vec::new();
+        let mut accumulate_slots = Vec::new();
         let mut kernel_index = HashMap::new();
         let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
         let names: Vec<&'static str> = SUFFIXES
@@ -691,6 +700,7 @@ impl CudaBackend {
             kernel_index.insert(name, functions.len());
             functions.push(module.load_function(name).map_err(d)?);
             waits.push(module::waits_on_prerequisite(&ptx, name));
+            accumulate_slots.push(None);
         }
         // cuBLAS is optional: without the library prefill uses the mat-vec.
         // SAFETY: only probes whether the shared library can be opened.
@@ -705,8 +715,10 @@ impl CudaBackend {
             stream,
             functions,
             waits,
+            accumulate_slots,
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
+            fold_ffn_add: !env_off("MIRAGE_SPARSE_FOLD_ADD"),
             functions_names: names,
             kernel_index,
             gemm_enabled: (!env_off("MIRAGE_CUDA_GEMM") && blas.is_some()).into(),
@@ -1134,6 +1146,13 @@ impl CudaBackend {
         );
     }
 
+    /// Whether the residual add after a sparse FFN folds into the FFN's
+    /// last phase (`MIRAGE_SPARSE_FOLD_ADD=0` at start, or the fast path
+    /// off, keeps the separate `add_inplace`).
+    fn fold_residual_into_ffn(&self) -> bool {
+        self.fold_ffn_add
+    }
+
     /// Runs the split-K decode attention and its combine as one launch
     /// (`true`, default) or as two (`false`); the results are the same bits.
     pub fn set_fused_attention(&self, on: bool) {
@@ -1147,17 +1166,33 @@ impl CudaBackend {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Kernel launches of the most recently replayed or captured decode
+    /// graph (0 when none): what the fusions save shows here.
+    pub fn last_graph_launches(&self) -> usize {
+        self.step_state().graphs.first().map_or(0, |g| g.launches.len())
+    }
+
     /// Whether programmatic dependent launch is on.
     pub fn pdl(&self) -> bool {
         self.pdl.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Adds kernel `name` of a module loaded on this context (the sparse
-    /// backend's); `ptx` is that module's, to learn whether it waits.
-    pub(crate) fn add_function(&mut self, name: &'static str, f: CudaFunction, ptx: &str) {
+    /// backend's); `ptx` is that module's, to learn whether it waits;
+    /// `accumulate` the `(accumulate, y)` argument positions when the
+    /// kernel's output can take the next residual add (`fold_epilogue`).
+    pub(crate) fn add_function(
+        &mut self,
+        name: &'static str,
+        f: CudaFunction,
+        ptx: &str,
+        accumulate: Option<(usize, usize)>,
+    ) {
         self.kernel_index.insert(name, self.functions.len());
         self.functions.push(f);
+        self.functions_names.push(name);
         self.waits.push(module::waits_on_prerequisite(ptx, name));
+        self.accumulate_slots.push(accumulate);
     }
 
     /// `l` through `cuLaunchKernelEx` with programmatic stream serialization.
@@ -1490,6 +1525,24 @@ impl CudaBackend {
         };
         for i in (0..rec.len()).rev() {
             let l = &rec[i];
+            // A kernel that adds onto its output (the sparse FFN's last
+            // phase, one row): y becomes the residual stream, accumulate 1
+            // (`y = FFN + y`, the same add as add_inplace's). Its own output
+            // buffer is then not written; the pass reads it only for this add.
+            if let Some(Some((acc_at, y_at))) = self.accumulate_slots.get(l.kernel) {
+                let (acc_at, y_at) = (*acc_at, *y_at);
+                if res
+                    && n_rows == 1
+                    && self.fold_residual_into_ffn()
+                    && l.args.get(y_at) == Some(&Arg::Ptr(target))
+                    && l.args.get(acc_at) == Some(&Arg::I32(0))
+                    && !l.args[..y_at].contains(&Arg::Ptr(extra))
+                {
+                    rec[i].args[y_at] = Arg::Ptr(extra);
+                    rec[i].args[acc_at] = Arg::I32(1);
+                    return true;
+                }
+            }
             let is_mv3 = self
                 .functions_names
                 .get(l.kernel)

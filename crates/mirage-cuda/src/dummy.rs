@@ -64,6 +64,10 @@ impl CudaBackend {
     pub fn fast_decode(&self) -> bool {
         false
     }
+    /// Launches of the last decode graph (none without CUDA).
+    pub fn last_graph_launches(&self) -> usize {
+        0
+    }
     /// Fused decode attention switch (no effect without CUDA).
     pub fn set_fused_attention(&self, _on: bool) {}
     /// Programmatic dependent launch switch (no effect without CUDA).

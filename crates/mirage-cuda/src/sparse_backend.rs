@@ -64,6 +64,21 @@ const KERNELS: &[&str] = &[
     "route_bvh",
     "set_active_prefix",
 ];
+/// `(accumulate, y)` argument positions of the fused FFN kernels as
+/// `launch_ffn` passes them (NVFP4's three tensor scales come before x), so
+/// that a recorded step folds the residual add after the FFN into its last
+/// phase (`y = FFN + residual`, `CudaBackend::fold_epilogue`); `None` for the
+/// router kernels.
+fn ffn_accumulate_slots(kernel: &str) -> Option<(usize, usize)> {
+    if kernel == "superblock_ffn_nvfp4" {
+        Some((12, 16))
+    } else if kernel.starts_with("superblock_ffn_") {
+        Some((9, 13))
+    } else {
+        None
+    }
+}
+
 /// Threads per block of the fused FFN (`SB_THREADS`) and the router.
 const FFN_THREADS: u32 = 256;
 pub(crate) const ROUTE_THREADS: u32 = 512;
@@ -838,7 +853,7 @@ impl SparseCudaBackend {
             .chain(Q8_FFN_VARIANTS.iter().map(|v| v.kernel))
         {
             let f = m.load_function(name).map_err(d)?;
-            inner.add_function(name, f, &ptx);
+            inner.add_function(name, f, &ptx, ffn_accumulate_slots(name));
         }
         let multiprocessors = inner
             .ctx
@@ -1116,6 +1131,15 @@ impl SparseCudaBackend {
             (ld.grid.max(1), 1, 1),
             (FFN_THREADS, 1, 1),
         );
+        // The residual fold patches these two arguments by position.
+        if let Some((acc_at, y_at)) = ffn_accumulate_slots(k) {
+            let a = base(2);
+            if a.get(acc_at) != Some(&Arg::I32(0)) || a.get(y_at) != Some(&Arg::Ptr(py)) {
+                return Err(rt(format!(
+                    "{k}: accumulate/y argument positions ({acc_at}, {y_at}) do not match the launch"
+                )));
+            }
+        }
         self.inner.launch(k, g, b, (d * 4) as u32, base(1))?;
         self.inner.launch(k, g, b, 0, base(2))
     }

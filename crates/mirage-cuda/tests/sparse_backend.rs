@@ -485,6 +485,63 @@ fn routed_ffn_replays_from_a_cuda_graph() {
     );
 }
 
+/// The residual add after a sparse FFN, folded into the FFN's last phase
+/// inside a recorded step (`y = FFN(x) + residual` in the ordered finish),
+/// equals the FFN then `add_inplace` op by op bit for bit, forced and routed,
+/// and the graph holds no add launch (phase 1 + phase 2, + the router).
+#[test]
+fn residual_add_folds_into_the_sparse_ffn() {
+    let fx = fixture();
+    let margin = fx.artifact.meta().default_margin;
+    let routed = SparsePages::Routed {
+        margin,
+        traversal: RouteTraversal::Auto,
+    };
+    for (mode, launches) in [(SparsePages::Fraction(0.5), 2usize), (routed, 3)] {
+        let Some((sb, ffns)) = sparse("residual_add_folds_into_the_sparse_ffn", &fx, mode) else {
+            return;
+        };
+        let inputs = xs(7, 4);
+        let residuals = xs(8, 4);
+        let mut x = sb.new_activations();
+        let mut res = sb.new_activations();
+        let mut h = sb.new_activations();
+        let slots = [TokenSlot { seq: 0, pos: 0 }];
+        let step = StepInputs {
+            tokens: &[0],
+            slots: &slots,
+            logits_rows: &[0],
+        };
+        for (xi, ri) in inputs.iter().zip(&residuals) {
+            // Op by op: ffn, then add_inplace.
+            sb.write_activations(&mut x, 1, D, xi).unwrap();
+            sb.write_activations(&mut res, 1, D, ri).unwrap();
+            sb.ffn(&ffns[0], &x, &mut h).unwrap();
+            sb.add(&mut res, &h).unwrap();
+            let mut want = Vec::new();
+            sb.read(&res, &mut want).unwrap();
+            // Recorded: the add folds into the FFN's second phase.
+            sb.write_activations(&mut res, 1, D, ri).unwrap();
+            sb.step(&step, || {
+                sb.ffn(&ffns[0], &x, &mut h)?;
+                sb.add(&mut res, &h)
+            })
+            .unwrap();
+            let mut got = Vec::new();
+            sb.read(&res, &mut got).unwrap();
+            let differ = got
+                .iter()
+                .zip(&want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(differ, 0, "{mode:?}: folded add vs ffn + add_inplace");
+        }
+        let n = sb.inner().last_graph_launches();
+        eprintln!("{mode:?}: recorded step of {n} launches, folded add == op by op");
+        assert_eq!(n, launches, "{mode:?}: the add was not folded");
+    }
+}
+
 fn sb_layer0(sb: &SparseCudaBackend, f: &mirage_cuda::SparseFfn, x: &[f32]) -> Vec<f32> {
     run_ffn(sb, f, &[x.to_vec()])
 }
