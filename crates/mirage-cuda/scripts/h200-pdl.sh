@@ -52,15 +52,19 @@ done
 M7=$W/qwen2.5-7b.gguf
 i=0
 B0="MIRAGE_CUDA_PDL=0 MIRAGE_CUDA_PREFETCH=0 MIRAGE_CUDA_ATTN_FUSE=0 MIRAGE_SPARSE_FOLD_ADD=0"
-for cfg in "$B0" "MIRAGE_CUDA_PREFETCH=0 MIRAGE_CUDA_ATTN_FUSE=0" "MIRAGE_CUDA_ATTN_FUSE=0" "MIRAGE_CUDA_PDL=1" \
-  "MIRAGE_SPARSE_FOLD_ADD=0" "MIRAGE_CUDA_PREFETCH=8192" "MIRAGE_SPARSE_Q8_KERNEL=6" "MIRAGE_SPARSE_Q8_KERNEL=7"; do
+# CFGS (";"-separated env settings, "B0" = everything off) picks the 7B rows
+# when device time is short; the default is the full A/B list.
+CFGS=${CFGS:-"B0;MIRAGE_CUDA_PREFETCH=0 MIRAGE_CUDA_ATTN_FUSE=0;MIRAGE_CUDA_ATTN_FUSE=0;MIRAGE_CUDA_PDL=1;MIRAGE_SPARSE_FOLD_ADD=0;MIRAGE_CUDA_PREFETCH=8192;MIRAGE_SPARSE_Q8_KERNEL=6;MIRAGE_SPARSE_Q8_KERNEL=7"}
+IFS=';' read -r -a CFG_LIST <<< "$CFGS"
+for cfg in "${CFG_LIST[@]}"; do
+  [ "$cfg" = B0 ] && cfg=$B0
   left "7b $cfg" || break
   i=$((i + 1))
   run "b7_$i" 90 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages \
     --active 1.0,0.4,0.25 --prompt 16 --gen 66
   { echo "== 7B q8_0, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$i.log" | tail -5; } >> "$L/tables.txt"
 done
-for pdl in off on off on; do
+for pdl in ${PDL_05B:-off on off on}; do
   left "0.5b $pdl" || break
   i=$((i + 1))
   run "b05_$i" 60 "$W/mirage-cli" bench --backend cuda --model "$W/qwen2.5-0.5b.gguf" --prompt 16 --gen 256 \
