@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Per-kernel table of one decode step from an ncu CSV.
 
-Usage: ncu_step_table.py NCU_CSV [STEP]
+Usage: ncu_step_table.py NCU_CSV [STEP [FIRST]]
 
 NCU_CSV is what `ncu --metrics gpu__time_duration.sum --csv --log-file F
 mirage-cli bench ...` writes (h200-pdl.sh makes one). Every forward pass
 starts with an `embed_*` kernel, so the kernels between two of them are one
 step; STEP picks which (default -1: the last, a decode step). Prints, per
 kernel name, launches, total and mean duration and share of the step, then
-the sum. ncu runs kernels one at a time, so the sum is the work of the step
+the sum, then the first FIRST launches of the step in order (default 12:
+the embedding and the first layers, which tells apart launches of one
+kernel that do different jobs, e.g. Q/K/V vs O vs down). ncu runs kernels one at a time, so the sum is the work of the step
 without the gaps between kernels; compare it with the step's wall time from
 the bench to see what the gaps cost.
 """
@@ -34,6 +36,7 @@ def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     step = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+    first = int(sys.argv[3]) if len(sys.argv) > 3 else 12
     steps, cur = [], []
     for name, us in rows(sys.argv[1]):
         if name.startswith("embed_") and cur:
@@ -54,6 +57,8 @@ def main():
     print(f"{'kernel':<34} {'launches':>8} {'total us':>9} {'mean us':>8} {'share':>6}")
     for name, (n, t) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
         print(f"{name:<34} {n:>8} {t:>9.1f} {t / n:>8.2f} {100 * t / total:>5.1f}%")
+    if first > 0:
+        print(f"first {min(first, len(s))} launches: " + ", ".join(f"{name} {us:.1f}" for name, us in s[:first]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Where the non-FFN part of the decode step goes (issue #7, "rest" in the
+# sparse bench): after PDL and the fused attention changed little, this
+# sweeps the existing launch-shape toggles on the 7B Q8_0 dense decode
+# (the RMSNorm folded into the mat-vecs or not, mat-vec variants v2-v5,
+# forced split-K) and takes three ncu kernel tables: the 0.5B dense step
+# (the real-model shape, latency bound), the 7B dense step with the norm
+# unfolded, and the 7B sparse step at 40 % active pages.
+#
+# Build here: bash crates/mirage-cuda/scripts/bundle.sh   (-> target/bundle)
+# On the device (carry target/bundle):
+#   bash crates/mirage-cuda/scripts/h200-rest.sh target/bundle
+# Then here: python3 crates/mirage-cuda/scripts/ncu_step_table.py LOG/ncu_*.csv
+set -uo pipefail
+BIN=${1:?usage: h200-rest.sh BIN_DIR}
+W=${W:-/tmp/mq}
+OUT=${OUT:-/tmp/out}
+L=$W/log-rest
+mkdir -p "$W" "$L" "$OUT"
+. "$(dirname "$0")/common.sh"
+device_unpack "$BIN" "$W" || exit 1
+device_env "$W"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv,noheader
+[ -f "$BIN/COMMIT" ] && echo "bundle commit $(cat "$BIN/COMMIT")"
+T0=$SECONDS
+BUDGET=${BUDGET:-200}
+left() { [ $((SECONDS - T0)) -lt "$BUDGET" ] || { echo "(budget spent: skipping $1)"; return 1; }; }
+run() { # tag, timeout, cmd...
+  local tag=$1 lim=$2 t=$SECONDS; shift 2
+  timeout "$lim" "$@" > "$L/$tag.log" 2>&1
+  local r=$?
+  echo "== $tag rc=$r ($((SECONDS - t)) s)"
+  return $r
+}
+for s in qwen2.5-7b qwen2.5-0.5b; do
+  [ -f "$W/$s.gguf" ] || timeout 120 "$W/xtask" synth-model --like $s --quant q8_0 --out "$W/$s.gguf" \
+    --tokenizer-from "$W/tok.gguf" > "$L/synth_$s.log" 2>&1
+done
+M7=$W/qwen2.5-7b.gguf M05=$W/qwen2.5-0.5b.gguf
+: > "$L/tables.txt"
+i=0
+for cfg in "MIRAGE_CUDA_PDL=1" "MIRAGE_CUDA_FUSE_NORM=0" "MIRAGE_CUDA_MV=3" "MIRAGE_CUDA_MV=4" "MIRAGE_CUDA_MV=5" \
+  "MIRAGE_CUDA_SPLITK=1" "MIRAGE_CUDA_SPLITK=2" "MIRAGE_CUDA_PDL=1"; do
+  left "7b $cfg" || break
+  i=$((i + 1))
+  run "d7_$i" 60 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --prompt 16 --gen 66 --kv f16 --json
+  echo "7B dense $cfg: $(grep -oE '"decode_(tok_s|ms_median)":[0-9.]*' "$L/d7_$i.log" | tr '\n' ' ')" >> "$L/tables.txt"
+done
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+ncu_run() { # tag, timeout, one VAR=value, bench args...
+  local tag=$1 lim=$2 setting=$3; shift 3
+  run "ncu_$tag" "$lim" env "$setting" "$NCU" --graph-profiling node --cache-control none --clock-control none \
+    --metrics gpu__time_duration.sum --csv --log-file "$L/ncu_$tag.csv" \
+    "$W/mirage-cli" bench --backend cuda --kv f16 --prompt 16 --gen 4 "$@"
+}
+if [ -n "$NCU" ]; then
+  left ncu05 && ncu_run 05 60 MIRAGE_CUDA_PDL=1 --model "$M05"
+  left ncu7n && ncu_run 7_nofold 90 MIRAGE_CUDA_FUSE_NORM=0 --model "$M7"
+  left ncu7s && ncu_run 7_sparse40 150 MIRAGE_CUDA_PDL=1 --model "$M7" --synthetic-pages --active 0.4
+fi
+echo "total $((SECONDS - T0)) s"
+tar -czf "$OUT/rest-logs.tgz" -C "$L" . 2>/dev/null
+cat "$L/tables.txt"
