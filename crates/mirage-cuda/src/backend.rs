@@ -169,6 +169,48 @@ const OTHER_KERNELS: &[&str] = &[
     "attend_pages_combine",
 ];
 
+/// Every kernel of the dense module (`module::DENSE_SOURCE`) the backend
+/// loads, by name. Built once per backend (the names are leaked: the
+/// backend's index keys are `&'static str`).
+pub(crate) fn kernel_names() -> Vec<&'static str> {
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    SUFFIXES
+        .iter()
+        .flat_map(|s| {
+            [
+                leak(format!("matvec_{s}")),
+                leak(format!("embed_{s}")),
+                leak(format!("dequant_f16_{s}")),
+            ]
+        })
+        .chain(
+            SUFFIXES
+                .iter()
+                .chain(REPACKED_SUFFIXES)
+                .flat_map(|s| [leak(format!("mv3_{s}")), leak(format!("ffn_{s}"))]),
+        )
+        .chain(REPACKED_SUFFIXES.iter().flat_map(|s| {
+            SPLIT_K[1..]
+                .iter()
+                .map(move |k| leak(format!("mv3_{s}_k{k}")))
+        }))
+        .chain(VARIANT_SUFFIXES.iter().flat_map(|s| {
+            (2..2 + VARIANT_ROWS.len()).flat_map(move |v| {
+                [leak(format!("ffn_{s}_v{v}"))]
+                    .into_iter()
+                    .chain(SPLIT_K.iter().map(move |&k| {
+                        leak(if k == 1 {
+                            format!("mv3_{s}_v{v}")
+                        } else {
+                            format!("mv3_{s}_v{v}_k{k}")
+                        })
+                    }))
+            })
+        }))
+        .chain(OTHER_KERNELS.iter().copied())
+        .collect()
+}
+
 /// Threads of an attention block (`ATT_THREADS` in dense.cu): the largest
 /// head_dim the kernel takes.
 const ATTEND_THREADS: u32 = 256;
@@ -660,42 +702,7 @@ impl CudaBackend {
         let mut waits = Vec::new();
         let mut accumulate_slots = Vec::new();
         let mut kernel_index = HashMap::new();
-        let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
-        let names: Vec<&'static str> = SUFFIXES
-            .iter()
-            .flat_map(|s| {
-                [
-                    leak(format!("matvec_{s}")),
-                    leak(format!("embed_{s}")),
-                    leak(format!("dequant_f16_{s}")),
-                ]
-            })
-            .chain(
-                SUFFIXES
-                    .iter()
-                    .chain(REPACKED_SUFFIXES)
-                    .flat_map(|s| [leak(format!("mv3_{s}")), leak(format!("ffn_{s}"))]),
-            )
-            .chain(REPACKED_SUFFIXES.iter().flat_map(|s| {
-                SPLIT_K[1..]
-                    .iter()
-                    .map(move |k| leak(format!("mv3_{s}_k{k}")))
-            }))
-            .chain(VARIANT_SUFFIXES.iter().flat_map(|s| {
-                (2..2 + VARIANT_ROWS.len()).flat_map(move |v| {
-                    [leak(format!("ffn_{s}_v{v}"))]
-                        .into_iter()
-                        .chain(SPLIT_K.iter().map(move |&k| {
-                            leak(if k == 1 {
-                                format!("mv3_{s}_v{v}")
-                            } else {
-                                format!("mv3_{s}_v{v}_k{k}")
-                            })
-                        }))
-                })
-            }))
-            .chain(OTHER_KERNELS.iter().copied())
-            .collect();
+        let names = kernel_names();
         for &name in &names {
             kernel_index.insert(name, functions.len());
             functions.push(module.load_function(name).map_err(d)?);
@@ -1169,7 +1176,10 @@ impl CudaBackend {
     /// Kernel launches of the most recently replayed or captured decode
     /// graph (0 when none): what the fusions save shows here.
     pub fn last_graph_launches(&self) -> usize {
-        self.step_state().graphs.first().map_or(0, |g| g.launches.len())
+        self.step_state()
+            .graphs
+            .first()
+            .map_or(0, |g| g.launches.len())
     }
 
     /// Whether programmatic dependent launch is on.

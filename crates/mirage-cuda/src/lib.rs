@@ -91,3 +91,93 @@ pub enum WeightFormat {
 
 /// Whether this build has the CUDA backend compiled in.
 pub const COMPILED_WITH_CUDA: bool = cfg!(feature = "cuda");
+
+/// Every CUDA module compiles (NVRTC, for the H200's sm_90), every kernel a
+/// backend loads is in its PTX, and every one of them waits on its
+/// prerequisite grid (the programmatic-dependent-launch rule, cuda/pdl.cu).
+/// Needs only `libnvrtc` (`pip install nvidia-cuda-nvrtc`, which `.ci/run`
+/// does), no driver and no GPU: a kernel that would not compile on the
+/// device fails here first. Without the library it prints why and passes,
+/// unless `MIRAGE_REQUIRE_NVRTC=1` (set by `.ci/run`).
+#[cfg(all(test, feature = "cuda"))]
+mod nvrtc_check {
+    use crate::module;
+
+    fn nvrtc_present() -> bool {
+        // SAFETY: only probes whether the shared library can be opened.
+        let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+        if !present {
+            assert!(
+                std::env::var("MIRAGE_REQUIRE_NVRTC").as_deref() != Ok("1"),
+                "MIRAGE_REQUIRE_NVRTC=1 but libnvrtc was not found (LD_LIBRARY_PATH)"
+            );
+            eprintln!("nvrtc_check: skipped, libnvrtc not found (pip install nvidia-cuda-nvrtc and put its lib/ on LD_LIBRARY_PATH)");
+        }
+        present
+    }
+
+    fn check(module_name: &str, source: &str, kernels: &[&str]) {
+        let ptx = module::compile(module_name, source, 9, 0)
+            .unwrap_or_else(|e| panic!("{module_name}: {e}"));
+        let missing: Vec<_> = kernels
+            .iter()
+            .filter(|k| !ptx.contains(&format!(".entry {k}(")))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "{module_name}: kernels not in the PTX: {missing:?}"
+        );
+        let no_wait: Vec<_> = kernels
+            .iter()
+            .filter(|k| !module::waits_on_prerequisite(&ptx, k))
+            .collect();
+        assert!(
+            no_wait.is_empty(),
+            "{module_name}: kernels without griddepcontrol.wait: {no_wait:?}"
+        );
+        eprintln!("{module_name}: {} kernels compile for sm_90", kernels.len());
+    }
+
+    #[test]
+    fn dense_module_compiles_with_and_without_the_prefetch() {
+        if !nvrtc_present() {
+            return;
+        }
+        let names = crate::backend::kernel_names();
+        check("dense", module::DENSE_SOURCE, &names);
+        let off = format!("#define MIRAGE_PREFETCH_ROW 0\n{}", module::DENSE_SOURCE);
+        check("dense-noprefetch", &off, &names);
+    }
+
+    #[test]
+    fn sparse_modules_compile() {
+        if !nvrtc_present() {
+            return;
+        }
+        let backend: Vec<_> = crate::backend::sparse_backend::kernel_names().collect();
+        check(
+            "sparse-backend",
+            crate::backend::sparse_backend::SOURCE,
+            &backend,
+        );
+        let kernel_bench: Vec<_> = crate::superblock::SPARSE_KERNELS
+            .iter()
+            .copied()
+            .chain(crate::superblock::Q8_FFN_VARIANTS.iter().map(|v| v.kernel))
+            .collect();
+        check("sparse", crate::superblock::SPARSE_SOURCE, &kernel_bench);
+    }
+
+    #[cfg(feature = "vulkan-interop")]
+    #[test]
+    fn vk_interop_module_compiles() {
+        if !nvrtc_present() {
+            return;
+        }
+        check(
+            "vk_interop",
+            crate::vk_interop::SOURCE,
+            &["route_bvh", "vki_project", "vki_compact"],
+        );
+    }
+}

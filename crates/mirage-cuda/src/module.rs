@@ -81,24 +81,12 @@ fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/mirage/cuda"))
 }
 
-/// PTX of `source` for compute capability `major.minor`, from the cache or
-/// freshly compiled. Returns the PTX and whether it came from the cache.
-pub fn ptx_for(
-    name: &str,
-    source: &str,
-    major: i32,
-    minor: i32,
-) -> Result<(String, bool), CudaError> {
+/// PTX of `source` for compute capability `major.minor`, compiled now (no
+/// cache): what [`ptx_for`] runs on a cache miss. Needs only `libnvrtc`, no
+/// driver and no GPU, so a machine without one can still check that every
+/// kernel source compiles (the crate's `nvrtc_check` test).
+pub fn compile(name: &str, source: &str, major: i32, minor: i32) -> Result<String, CudaError> {
     let arch = format!("sm_{major}{minor}");
-    let key = fnv1a(&[source, &arch, &OPTIONS.join(" ")]);
-    let path = cache_dir().map(|d| d.join(format!("{name}-{arch}-{key:016x}.ptx")));
-    if let Some(p) = &path {
-        if let Ok(ptx) = std::fs::read_to_string(p) {
-            if ptx.contains(".entry") {
-                return Ok((ptx, true));
-            }
-        }
-    }
     // SAFETY: only probes whether the shared library can be opened.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(CudaError::NvrtcNotFound);
@@ -123,7 +111,28 @@ pub fn ptx_for(
             log,
         }
     })?;
-    let text = ptx.to_src();
+    Ok(ptx.to_src())
+}
+
+/// PTX of `source` for compute capability `major.minor`, from the cache or
+/// freshly compiled. Returns the PTX and whether it came from the cache.
+pub fn ptx_for(
+    name: &str,
+    source: &str,
+    major: i32,
+    minor: i32,
+) -> Result<(String, bool), CudaError> {
+    let arch = format!("sm_{major}{minor}");
+    let key = fnv1a(&[source, &arch, &OPTIONS.join(" ")]);
+    let path = cache_dir().map(|d| d.join(format!("{name}-{arch}-{key:016x}.ptx")));
+    if let Some(p) = &path {
+        if let Ok(ptx) = std::fs::read_to_string(p) {
+            if ptx.contains(".entry") {
+                return Ok((ptx, true));
+            }
+        }
+    }
+    let text = compile(name, source, major, minor)?;
     if let Some(p) = &path {
         // Write to a temporary name and rename, so that a concurrent reader
         // never sees half a file.

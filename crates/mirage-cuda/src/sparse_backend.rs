@@ -46,7 +46,7 @@ use crate::{module, CudaError};
 
 /// Sources of the sparse backend's module: NVFP4 helpers, the fused FFNs
 /// (Q8_0 and NVFP4, then Q2_K), the router.
-const SOURCE: &str = concat!(
+pub(crate) const SOURCE: &str = concat!(
     include_str!("../../../cuda/pdl.cu"),
     "\n",
     include_str!("../../../cuda/nvfp4.cu"),
@@ -64,6 +64,14 @@ const KERNELS: &[&str] = &[
     "route_bvh",
     "set_active_prefix",
 ];
+/// Every kernel of [`SOURCE`] the backend loads.
+pub(crate) fn kernel_names() -> impl Iterator<Item = &'static str> {
+    KERNELS
+        .iter()
+        .copied()
+        .chain(Q8_FFN_VARIANTS.iter().map(|v| v.kernel))
+}
+
 /// `(accumulate, y)` argument positions of the fused FFN kernels as
 /// `launch_ffn` passes them (NVFP4's three tensor scales come before x), so
 /// that a recorded step folds the residual add after the FFN into its last
@@ -847,11 +855,7 @@ impl SparseCudaBackend {
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx.clone()))
             .map_err(d)?;
-        for name in KERNELS
-            .iter()
-            .copied()
-            .chain(Q8_FFN_VARIANTS.iter().map(|v| v.kernel))
-        {
+        for name in kernel_names() {
             let f = m.load_function(name).map_err(d)?;
             inner.add_function(name, f, &ptx, ffn_accumulate_slots(name));
         }

@@ -525,6 +525,18 @@ mod device {
         include_str!("../../../cuda/superblock_q2k.cu")
     );
 
+    /// The kernels of [`SPARSE_SOURCE`] `SparseDevice::new` loads besides
+    /// the `Q8_FFN_VARIANTS` (a change there belongs here too: the
+    /// crate's `nvrtc_check` test compiles the source and looks for each).
+    #[cfg(test)]
+    pub(crate) const SPARSE_KERNELS: &[&str] = &[
+        "matvec_nvfp4",
+        "matvec_q8s",
+        "superblock_ffn_q8s",
+        "superblock_ffn_nvfp4",
+        "superblock_ffn_q2k",
+    ];
+
     /// Threads of the mat-vec and FFN blocks (`NV_WARPS`/`SB_WARPS` * 32).
     const BLOCK: u32 = 256;
     /// Rows per warp of the mat-vecs (`NV_ROWS`, and 4 in `matvec_q8s`).

@@ -50,7 +50,7 @@ use crate::backend::sparse_backend::{
 use crate::{module, CudaError};
 
 /// The module: route.cu (the sparse backend's router) and the interop kernels.
-const SOURCE: &str = concat!(
+pub(crate) const SOURCE: &str = concat!(
     include_str!("../../../cuda/pdl.cu"),
     "\n",
     include_str!("../../../cuda/route.cu"),
