@@ -352,17 +352,88 @@ __device__ float block_max(float v, float* shared32) {
 }
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w; grid (rows), block 256.
+// RMSNorm of one row xr[0..cols) with weights w by every thread of the
+// block (a block-wide reduction: all threads must call it); emit(i, v) gets
+// each output element once. The one definition of the norm's arithmetic,
+// shared by the `rms_norm` kernel and the prologue that folds the norm into
+// a mat-vec (norm_prologue), so the two give the same bits.
+//
+// Latency, not bandwidth, is what a norm costs in a decode step (one row of
+// a few thousand floats; the H200 run of 2026-12-03 measured the scalar
+// loop below at ~10 us a launch for 3584 wide, and the same again inside
+// every block of a folded mat-vec). The vector path issues all of a
+// thread's 16-byte loads of x (up to NORM_VEC per round) before using any,
+// and loads the weights together with x's second read, so a row costs two
+// memory round trips and one block reduction. Rows not made of 16-byte
+// aligned float4s take the scalar loop, as does MIRAGE_NORM_SCALAR (the
+// previous arithmetic, `MIRAGE_CUDA_NORM=scalar`, for A/B runs).
+#define NORM_VEC 4
+template <class Emit>
+__device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const float* __restrict__ w, float eps,
+                                             int cols, float* s32, Emit emit) {
+    const int T = blockDim.x, t = threadIdx.x;
+    const int n4 = cols >> 2;
+    bool vec = (cols & 3) == 0 && ((((unsigned long long)xr) | ((unsigned long long)w)) & 15) == 0;
+#ifdef MIRAGE_NORM_SCALAR
+    vec = false;
+#endif
+    if (vec) {
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+        float ss = 0.f;
+        for (int base = 0; base < n4; base += NORM_VEC * T) {
+            float4 xv[NORM_VEC];
+#pragma unroll
+            for (int k = 0; k < NORM_VEC; k++) {
+                const int v = base + k * T + t;
+                xv[k] = v < n4 ? x4[v] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int k = 0; k < NORM_VEC; k++) {
+                ss += xv[k].x * xv[k].x;
+                ss += xv[k].y * xv[k].y;
+                ss += xv[k].z * xv[k].z;
+                ss += xv[k].w * xv[k].w;
+            }
+        }
+        ss = block_sum(ss, s32);
+        const float scale = rsqrtf(ss / (float)cols + eps);
+        for (int base = 0; base < n4; base += NORM_VEC * T) {
+            float4 xv[NORM_VEC], wv[NORM_VEC];
+#pragma unroll
+            for (int k = 0; k < NORM_VEC; k++) {
+                const int v = base + k * T + t;
+                if (v < n4) {
+                    xv[k] = x4[v];
+                    wv[k] = __ldg(&w4[v]);
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < NORM_VEC; k++) {
+                const int v = base + k * T + t;
+                if (v < n4) {
+                    emit(4 * v, xv[k].x * scale * wv[k].x);
+                    emit(4 * v + 1, xv[k].y * scale * wv[k].y);
+                    emit(4 * v + 2, xv[k].z * scale * wv[k].z);
+                    emit(4 * v + 3, xv[k].w * scale * wv[k].w);
+                }
+            }
+        }
+    } else {
+        float ss = 0.f;
+        for (int i = t; i < cols; i += T) ss += xr[i] * xr[i];
+        ss = block_sum(ss, s32);
+        const float scale = rsqrtf(ss / (float)cols + eps);
+        for (int i = t; i < cols; i += T) emit(i, xr[i] * scale * w[i]);
+    }
+}
+
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float eps, int width,
                                     float* __restrict__ out) {
     PDL_ENTRY();
     __shared__ float s32[32];
-    const float* xr = x + (long)blockIdx.x * width;
     float* o = out + (long)blockIdx.x * width;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = block_sum(ss, s32);
-    float scale = rsqrtf(ss / (float)width + eps);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+    rms_norm_row(x + (long)blockIdx.x * width, w, eps, width, s32, [&](int i, float v) { o[i] = v; });
 }
 
 // x[i] += b[i % width]
@@ -950,24 +1021,19 @@ __device__ __forceinline__ float ggml_row_dot(const u8* row, const float* __rest
 
 // RMSNorm folded into a mat-vec (nx != null; the backend sets it when the
 // norm's only reader is this launch): the block normalizes activation row
-// a of nx into shared memory (dynamic, cols floats) with rms_norm's exact
-// arithmetic (256 threads, same order), and the dot reads it from there;
+// a of nx into shared memory (dynamic, cols floats) through rms_norm_row,
+// the rms_norm kernel's arithmetic (256 threads both), and the dot reads it from there;
 // blocks with blockIdx.x == 0 also write the norm's output row to nout, so
 // the buffer holds what the unfused norm would have written. Every thread of
 // the block must call it (block-wide reduction) before any early return.
 extern __shared__ float fused_norm_xs[];
 __device__ const float* norm_prologue(const float* nx, const float* nw, float eps, float* nout, int cols, int a) {
     __shared__ float s32[32];
-    const float* xr = nx + (long)a * cols;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = block_sum(ss, s32);
-    float scale = rsqrtf(ss / (float)cols + eps);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = xr[i] * scale * nw[i];
+    float* o = blockIdx.x == 0 && nout != 0 ? nout + (long)a * cols : (float*)0;
+    rms_norm_row(nx + (long)a * cols, nw, eps, cols, s32, [&](int i, float v) {
         fused_norm_xs[i] = v;
-        if (blockIdx.x == 0 && nout != 0) nout[(long)a * cols + i] = v;
-    }
+        if (o != 0) o[i] = v;
+    });
     __syncthreads();
     return fused_norm_xs;
 }

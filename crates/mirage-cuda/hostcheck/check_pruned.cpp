@@ -43,6 +43,9 @@ static std::vector<unsigned long long> g_slots;  // one per thread, for shuffles
 #define MIRAGE_INF INFINITY
 #define ATT_THREADS 256
 #define ATT_TILE 64
+// Programmatic dependent launch (cuda/pdl.cu) orders kernels on the device;
+// here kernels run one after another anyway.
+#define PDL_ENTRY()
 
 inline void __syncthreads() { g_block->arrive_and_wait(); }
 inline float __uint_as_float(u32 u) { float f; memcpy(&f, &u, 4); return f; }

@@ -1,6 +1,7 @@
 """Cuts the device functions the host checks need out of cuda/nvfp4.cu +
 cuda/dense.cu (brace matching), so the checks always compile the current
-kernel source. Writes kernels_extract.h, q4k_extract.h, q5_extract.h, q6k_extract.h."""
+kernel source. Writes kernels_extract.h, q4k_extract.h, q5_extract.h, q6k_extract.h,
+mvv_extract.h and norm_extract.h."""
 import pathlib, sys
 
 root = pathlib.Path(__file__).resolve().parents[3]
@@ -24,6 +25,11 @@ def extract(name):
                 break
         k += 1
     return src[ls : k + 1] + "\n"
+
+
+def macro_line(name):
+    i = src.index("#define " + name)
+    return src[i : src.index("\n", i) + 1]
 
 
 def macro(name):
@@ -50,3 +56,5 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
     "void q8s_dot16(", "float q4v_nib_dot(", "void q4ks_dot16(", "u32 q4k_scale_byte(", "void q4k_scale_min(",
     "float q4ks_elem(", "float q8s_elem("]).replace("int qs, ms, last;\n}", "int qs, ms, last;\n};"))
 
+(out / "norm_extract.h").write_text(macro_line("NORM_VEC") + "".join(extract(n) for n in [
+    "float block_sum(", "void rms_norm_row("]))

@@ -693,7 +693,7 @@ impl CudaBackend {
             )
             .map_err(d)?
             .max(1) as usize;
-        let source = module::with_prefetch_define(module::DENSE_SOURCE);
+        let source = module::with_env_defines(module::DENSE_SOURCE);
         let (ptx, ptx_from_cache) = module::ptx_for("dense", &source, cc.0, cc.1)?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx.clone()))

@@ -139,14 +139,17 @@ mod nvrtc_check {
     }
 
     #[test]
-    fn dense_module_compiles_with_and_without_the_prefetch() {
+    fn dense_module_compiles_with_and_without_the_compile_time_switches() {
         if !nvrtc_present() {
             return;
         }
         let names = crate::backend::kernel_names();
         check("dense", module::DENSE_SOURCE, &names);
-        let off = format!("#define MIRAGE_PREFETCH_ROW 0\n{}", module::DENSE_SOURCE);
-        check("dense-noprefetch", &off, &names);
+        let off = format!(
+            "#define MIRAGE_PREFETCH_ROW 0\n#define MIRAGE_NORM_SCALAR 1\n{}",
+            module::DENSE_SOURCE
+        );
+        check("dense-noprefetch-scalar-norm", &off, &names);
     }
 
     #[test]
@@ -179,5 +182,58 @@ mod nvrtc_check {
             crate::vk_interop::SOURCE,
             &["route_bvh", "vki_project", "vki_compact"],
         );
+    }
+}
+
+/// The host checks of device code (`hostcheck/run.sh`: the split-layout dot
+/// helpers, the mat-vec variants' per-lane dots and the RMSNorm row against
+/// f64 references; `hostcheck/run_pruned.sh`: the pruned-attention kernels):
+/// the CUDA sources compiled as C++ with every CUDA thread an std::thread, so
+/// they run in CI, which has no GPU. Needs g++ (C++20) and python3; without
+/// them it prints why and passes.
+#[cfg(test)]
+mod hostcheck {
+    fn run(script: &str) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("hostcheck");
+        let out = std::process::Command::new("bash")
+            .arg(dir.join(script))
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run bash {script}: {e}"));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "hostcheck/{script} failed ({}):\n{text}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        eprintln!("hostcheck/{script}: {}", text.lines().last().unwrap_or(""));
+    }
+
+    fn tools_present() -> bool {
+        let ok = |cmd: &str| {
+            std::process::Command::new(cmd)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        };
+        let present = ok("g++") && ok("python3");
+        if !present {
+            eprintln!("hostcheck: skipped, g++ or python3 not found");
+        }
+        present
+    }
+
+    #[test]
+    fn device_helpers_pass_the_host_checks() {
+        if tools_present() {
+            run("run.sh");
+        }
+    }
+
+    #[test]
+    fn pruned_attention_kernels_pass_the_host_check() {
+        if tools_present() {
+            run("run_pruned.sh");
+        }
     }
 }

@@ -29,17 +29,28 @@ pub const DENSE_SOURCE: &str = concat!(
 /// backend is checked against the CPU reference to cosine 0.9999.
 const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
 
-/// `source` with `MIRAGE_PREFETCH_ROW` defined from `MIRAGE_CUDA_PREFETCH`
-/// (bytes of each weight row the mat-vec variants ask L2 for before waiting
-/// on the previous kernel, `cuda/pdl.cu`; `0` turns the prefetch off) when
-/// that variable is set to a number, else `source` as it is.
-pub fn with_prefetch_define(source: &str) -> std::borrow::Cow<'_, str> {
-    match std::env::var("MIRAGE_CUDA_PREFETCH")
+/// `source` with the compile-time switches the environment asks for put in
+/// front: `MIRAGE_PREFETCH_ROW` from `MIRAGE_CUDA_PREFETCH` (bytes of each
+/// weight row the mat-vec variants ask L2 for before waiting on the previous
+/// kernel, `cuda/pdl.cu`; `0` turns the prefetch off) when that variable is
+/// a number, and `MIRAGE_NORM_SCALAR` when `MIRAGE_CUDA_NORM=scalar` (the
+/// RMSNorm's previous scalar loop instead of its vector path, dense.cu's
+/// `rms_norm_row`); `source` as it is when neither is set.
+pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
+    let mut defines = String::new();
+    if let Some(n) = std::env::var("MIRAGE_CUDA_PREFETCH")
         .ok()
         .and_then(|v| v.parse::<u32>().ok())
     {
-        Some(n) => format!("#define MIRAGE_PREFETCH_ROW {n}\n{source}").into(),
-        None => source.into(),
+        defines.push_str(&format!("#define MIRAGE_PREFETCH_ROW {n}\n"));
+    }
+    if std::env::var("MIRAGE_CUDA_NORM").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {
+        defines.push_str("#define MIRAGE_NORM_SCALAR 1\n");
+    }
+    if defines.is_empty() {
+        source.into()
+    } else {
+        format!("{defines}{source}").into()
     }
 }
 
