@@ -331,15 +331,7 @@ INSTANCE(q5_k, TY_Q5_K)
 INSTANCE(q6_k, TY_Q6_K)
 
 // Block-wide sum over blockDim.x (a multiple of 32, at most 1024) threads.
-__device__ float block_sum(float v, float* shared32) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) shared32[warp] = v;
-    __syncthreads();
-    float t = lane < nw ? shared32[lane] : 0.f;
-    return warp_sum(t);
-}
+__device__ float block_sum(float v, float* shared32) { return norm_block_sum(v, shared32); }
 
 __device__ float block_max(float v, float* shared32) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -352,82 +344,6 @@ __device__ float block_max(float v, float* shared32) {
 }
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w; grid (rows), block 256.
-// RMSNorm of one row xr[0..cols) with weights w by every thread of the
-// block (a block-wide reduction: all threads must call it); emit(i, v) gets
-// each output element once. The one definition of the norm's arithmetic,
-// shared by the `rms_norm` kernel and the prologue that folds the norm into
-// a mat-vec (norm_prologue), so the two give the same bits.
-//
-// Latency, not bandwidth, is what a norm costs in a decode step (one row of
-// a few thousand floats; the H200 run of 2026-12-03 measured the scalar
-// loop below at ~10 us a launch for 3584 wide, and the same again inside
-// every block of a folded mat-vec). The vector path issues all of a
-// thread's 16-byte loads of x (up to NORM_VEC per round) before using any,
-// and loads the weights together with x's second read, so a row costs two
-// memory round trips and one block reduction. Rows not made of 16-byte
-// aligned float4s take the scalar loop, as does MIRAGE_NORM_SCALAR (the
-// previous arithmetic, `MIRAGE_CUDA_NORM=scalar`, for A/B runs).
-#define NORM_VEC 4
-template <class Emit>
-__device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const float* __restrict__ w, float eps,
-                                             int cols, float* s32, Emit emit) {
-    const int T = blockDim.x, t = threadIdx.x;
-    const int n4 = cols >> 2;
-    bool vec = (cols & 3) == 0 && ((((unsigned long long)xr) | ((unsigned long long)w)) & 15) == 0;
-#ifdef MIRAGE_NORM_SCALAR
-    vec = false;
-#endif
-    if (vec) {
-        const float4* x4 = reinterpret_cast<const float4*>(xr);
-        const float4* w4 = reinterpret_cast<const float4*>(w);
-        float ss = 0.f;
-        for (int base = 0; base < n4; base += NORM_VEC * T) {
-            float4 xv[NORM_VEC];
-#pragma unroll
-            for (int k = 0; k < NORM_VEC; k++) {
-                const int v = base + k * T + t;
-                xv[k] = v < n4 ? x4[v] : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-#pragma unroll
-            for (int k = 0; k < NORM_VEC; k++) {
-                ss += xv[k].x * xv[k].x;
-                ss += xv[k].y * xv[k].y;
-                ss += xv[k].z * xv[k].z;
-                ss += xv[k].w * xv[k].w;
-            }
-        }
-        ss = block_sum(ss, s32);
-        const float scale = rsqrtf(ss / (float)cols + eps);
-        for (int base = 0; base < n4; base += NORM_VEC * T) {
-            float4 xv[NORM_VEC], wv[NORM_VEC];
-#pragma unroll
-            for (int k = 0; k < NORM_VEC; k++) {
-                const int v = base + k * T + t;
-                if (v < n4) {
-                    xv[k] = x4[v];
-                    wv[k] = __ldg(&w4[v]);
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < NORM_VEC; k++) {
-                const int v = base + k * T + t;
-                if (v < n4) {
-                    emit(4 * v, xv[k].x * scale * wv[k].x);
-                    emit(4 * v + 1, xv[k].y * scale * wv[k].y);
-                    emit(4 * v + 2, xv[k].z * scale * wv[k].z);
-                    emit(4 * v + 3, xv[k].w * scale * wv[k].w);
-                }
-            }
-        }
-    } else {
-        float ss = 0.f;
-        for (int i = t; i < cols; i += T) ss += xr[i] * xr[i];
-        ss = block_sum(ss, s32);
-        const float scale = rsqrtf(ss / (float)cols + eps);
-        for (int i = t; i < cols; i += T) emit(i, xr[i] * scale * w[i]);
-    }
-}
-
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float eps, int width,
                                     float* __restrict__ out) {
     PDL_ENTRY();

@@ -305,8 +305,41 @@ __device__ __forceinline__ float sb_q8_dot4(sb_u32 w, float4 xv) {
     return f[0] * xv.x + f[1] * xv.y + f[2] * xv.z + f[3] * xv.w;
 }
 
+// Phase 1 stages x in shared memory (d floats, as float4s; P1V > 0 in the
+// interleaved order the 16-byte loads read: float4 t at (t & 3) * (d / 16) +
+// t / 4). With nw != null the RMSNorm that precedes the FFN is folded in
+// (the sparse backend patches a recorded step's phase-1 launch, as
+// dense.cu's norm_prologue for the mat-vecs): x is then the norm's input,
+// the block stages rms_norm_row(x, nw, neps) instead (norm.cu: the rms_norm
+// kernel's arithmetic at the same 256 threads, so the same bits), and block
+// 0 also writes it to nout, so that buffer holds what the norm would have.
+template <int P1V>
+__device__ __forceinline__ void sb_stage_x(float4* xs, const float* __restrict__ x, int d, const float* nw,
+                                           float neps, float* nout) {
+    const int nv = d >> 4;
+    if (nw != 0) {
+        __shared__ float s32[32];
+        float* xf = (float*)xs;
+        float* o = blockIdx.x == 0 ? nout : (float*)0;
+        rms_norm_row(x, nw, neps, d, s32, [&](int i, float v) {
+            const int t = i >> 2;
+            xf[4 * (P1V > 0 ? (t & 3) * nv + (t >> 2) : t) + (i & 3)] = v;
+            if (o != 0) o[i] = v;
+        });
+    } else {
+        const float4* x4 = (const float4*)x;
+        if constexpr (P1V > 0) {
+#pragma unroll 4
+            for (int t = threadIdx.x; t < (d >> 2); t += SB_THREADS) xs[(t & 3) * nv + (t >> 2)] = x4[t];
+        } else {
+            for (int m = threadIdx.x; m < (d >> 2); m += blockDim.x) xs[m] = x4[m];
+        }
+    }
+    __syncthreads();
+}
+
 template <int P1V, int P2, int P2U, int FB, int PFD = 0>
-__device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch) {
+__device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const float* nw, float neps, float* nout) {
     extern __shared__ float4 sb_xs[];
     __shared__ float red[SB_WARPS][128];
     __shared__ int last_flag;
@@ -319,9 +352,7 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch) {
     // Phase 1.
     if (phases & 1) {
     if constexpr (P1V == 0) {
-    const float4* x4 = (const float4*)x;
-    for (int m = threadIdx.x; m < (d >> 2); m += blockDim.x) sb_xs[m] = x4[m];
-    __syncthreads();
+    sb_stage_x<0>(sb_xs, x, d, nw, neps, nout);
     const int warps = gridDim.x * SB_WARPS;
     for (int c = blockIdx.x * SB_WARPS + warp; c < n_ch; c += warps) {
         const sb_u32 page = active[c >> 7];
@@ -346,10 +377,7 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch) {
         // The first page id is read before x is staged (two round trips
         // overlapped: what a small FFN waits on).
         const sb_u32 page0 = c_begin < c_end ? active[c_begin >> 7] : 0xffffffffu;
-        const float4* x4 = (const float4*)x;
-#pragma unroll 4
-        for (int t = threadIdx.x; t < (d >> 2); t += SB_THREADS) sb_xs[(t & 3) * nv + (t >> 2)] = x4[t];
-        __syncthreads();
+        sb_stage_x<P1V>(sb_xs, x, d, nw, neps, nout);
         for (int c = c_begin; c < c_end; c++) {
             const sb_u32 page = (c >> 7) == (c_begin >> 7) ? page0 : active[c >> 7];
             const bool on = page < (sb_u32)n_pages;
@@ -522,18 +550,21 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch) {
 // The first version (the argument list the sparse backend launches today).
 extern "C" __global__ void __launch_bounds__(SB_THREADS) superblock_ffn_q8s(SB_Q8S_PARAMS) {
     PDL_ENTRY();
-    sb_ffn_q8s<0, 0, 1, 0>(SB_Q8S_ARGS, 0);
+    sb_ffn_q8s<0, 0, 1, 0>(SB_Q8S_ARGS, 0, (const float*)0, 0.f, (float*)0);
 }
 
-// superblock_ffn_q8s_v<N>(SB_Q8S_PARAMS, int part_ch). MINB: blocks per SM
+// superblock_ffn_q8s_v<N>(SB_Q8S_PARAMS, int part_ch, nw, neps, nout): the
+// last three fold the FFN's RMSNorm into phase 1 (sb_stage_x; nw = null:
+// x is the FFN's input as it is). MINB: blocks per SM
 // that __launch_bounds__ asks ptxas to fit (a register cap); the grid is the
 // resident block count of that function, so every variant runs at its own
 // occupancy. The host table (Q8_FFN_VARIANTS in
 // crates/mirage-cuda/src/superblock.rs) describes each; keep them in step.
 #define SB_Q8S_VARIANT(N, MINB, P1V, P2, P2U, FB, PFD)                                            \
-    extern "C" __global__ void __launch_bounds__(SB_THREADS, MINB)                                \
-        superblock_ffn_q8s_v##N(SB_Q8S_PARAMS, int part_ch) { PDL_ENTRY();                         \
-        sb_ffn_q8s<P1V, P2, P2U, FB, PFD>(SB_Q8S_ARGS, part_ch);                                  \
+    extern "C" __global__ void __launch_bounds__(SB_THREADS, MINB) superblock_ffn_q8s_v##N(        \
+        SB_Q8S_PARAMS, int part_ch, const float* nw, float neps, float* nout) {                   \
+        PDL_ENTRY();                                                                              \
+        sb_ffn_q8s<P1V, P2, P2U, FB, PFD>(SB_Q8S_ARGS, part_ch, nw, neps, nout);                  \
     }
 // Tried on the H200 and dropped (slower; crates/mirage-cuda/NOTES.md): the
 // active ids staged in shared memory, phase-2 items of 512 outputs (a warp

@@ -1,4 +1,4 @@
-// Host check of dense.cu's rms_norm_row (no GPU): the function cut out of the
+// Host check of norm.cu's rms_norm_row (no GPU): the function cut out of the
 // kernel source (extract.py -> norm_extract.h) and run as one block, every
 // CUDA thread an std::thread (shared memory = a static array, __syncthreads
 // = a block barrier, warp shuffles = a 32-thread exchange with barriers, as
@@ -7,7 +7,11 @@
 // rows that take the scalar loop, at 256 threads (the backend's launch):
 // every element is emitted exactly once, the values equal an f64 RMSNorm to
 // 2e-6 relative, and the vector path equals the scalar loop on the same row
-// to the same bound (they sum in different orders).
+// to the same bound (they sum in different orders). Then superblock.cu's
+// sb_stage_x, phase 1 of the sparse FFN with the norm folded in: the
+// shared-memory x it stages holds rms_norm_row's values in the layout of
+// the unfolded staging (interleaved for P1V > 0, plain for P1V = 0), bit
+// for bit, and block 0 writes the norm's output row.
 // Build and run: hostcheck/run.sh.
 #include <barrier>
 #include <cmath>
@@ -29,6 +33,8 @@ static std::vector<float> g_slots;
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
+#define __shared__ static
+#define SB_THREADS 256
 struct float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 template <class T> T __ldg(const T* p) { return *p; }
@@ -41,10 +47,6 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     float r = g_slots[w * 32 + (lane ^ o)];
     g_warps[w]->arrive_and_wait();
     return r;
-}
-inline float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
 }
 #include "norm_extract.h"
 
@@ -114,5 +116,47 @@ int main() {
         }
     }
     printf("rms_norm_row: %d of %d cases ok\n", cases - fails, cases);
+    for (int d : {256, 896, 3584, 5120}) {
+        for (int layout = 0; layout < 2; layout++) {
+            std::vector<float4> xs(d / 4), ws(d / 4), staged(d / 4), plain(d / 4);
+            float* x = reinterpret_cast<float*>(xs.data());
+            float* w = reinterpret_cast<float*>(ws.data());
+            for (int i = 0; i < d; i++) x[i] = 2.f * nd(rng), w[i] = 1.f + 0.3f * nd(rng);
+            std::vector<float> ref, nout(d, NAN);
+            std::vector<int> hits;
+            run_block(x, w, d, 256, ref, hits);
+            // Unfolded staging of the normalized row, as phase 1 did before.
+            std::vector<float4> want(d / 4);
+            const int nv = d >> 4;
+            for (int t = 0; t < d / 4; t++) {
+                float4 v{ref[4 * t], ref[4 * t + 1], ref[4 * t + 2], ref[4 * t + 3]};
+                want[layout ? (t & 3) * nv + (t >> 2) : t] = v;
+            }
+            blockDim.x = 256;
+            std::barrier<> bar(256);
+            g_block = &bar;
+            g_warps.clear();
+            for (int i = 0; i < 8; i++) g_warps.push_back(std::make_unique<std::barrier<>>(32));
+            g_slots.assign(256, 0.f);
+            std::vector<std::thread> th;
+            for (int t = 0; t < 256; t++)
+                th.emplace_back([&, t] {
+                    threadIdx.x = t;
+                    blockIdx.x = 0;
+                    if (layout) sb_stage_x<4>(staged.data(), x, d, w, 1e-6f, nout.data());
+                    else sb_stage_x<0>(staged.data(), x, d, w, 1e-6f, nout.data());
+                });
+            for (auto& x : th) x.join();
+            int differ = 0;
+            for (int t = 0; t < d / 4; t++)
+                differ += memcmp(&staged[t], &want[t], sizeof(float4)) != 0;
+            for (int i = 0; i < d; i++) differ += memcmp(&nout[i], &ref[i], 4) != 0;
+            cases++;
+            fails += differ != 0;
+            printf("sb_stage_x d %4d %s: %s (%d float4s or outputs differ)\n", d, layout ? "interleaved" : "plain",
+                   differ ? "FAIL" : "ok", differ);
+        }
+    }
+    printf("norm checks: %d of %d cases ok\n", cases - fails, cases);
     return fails ? 1 : 0;
 }

@@ -1,11 +1,12 @@
-"""Cuts the device functions the host checks need out of cuda/nvfp4.cu +
-cuda/dense.cu (brace matching), so the checks always compile the current
+"""Cuts the device functions the host checks need out of cuda/norm.cu +
+cuda/nvfp4.cu + cuda/dense.cu (brace matching), so the checks always compile the current
 kernel source. Writes kernels_extract.h, q4k_extract.h, q5_extract.h, q6k_extract.h,
 mvv_extract.h and norm_extract.h."""
 import pathlib, sys
 
 root = pathlib.Path(__file__).resolve().parents[3]
-src = (root / "cuda/nvfp4.cu").read_text() + (root / "cuda/dense.cu").read_text()
+src = ((root / "cuda/norm.cu").read_text() + (root / "cuda/nvfp4.cu").read_text() + (root / "cuda/dense.cu").read_text()
+       + (root / "cuda/superblock.cu").read_text())
 
 
 def extract(name):
@@ -57,4 +58,4 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
     "float q4ks_elem(", "float q8s_elem("]).replace("int qs, ms, last;\n}", "int qs, ms, last;\n};"))
 
 (out / "norm_extract.h").write_text(macro_line("NORM_VEC") + "".join(extract(n) for n in [
-    "float block_sum(", "void rms_norm_row("]))
+    "float norm_warp_sum(", "float norm_block_sum(", "void rms_norm_row(", "void sb_stage_x("]))

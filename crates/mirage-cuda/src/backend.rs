@@ -547,6 +547,18 @@ struct StepState {
     pending_norm: Option<PendingNorm>,
 }
 
+/// Argument positions of a kernel that can take the RMSNorm before it
+/// (`add_function`): `x` its input (replaced by the norm's input), `width`
+/// the row width (an `I32` that must equal the norm's), `nw` the first of
+/// three arguments `(weights, eps, out)` that are null/0 when not folded.
+/// Such a kernel takes one row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct NormSlots {
+    pub(crate) x: usize,
+    pub(crate) width: usize,
+    pub(crate) nw: usize,
+}
+
 /// `out = rms_norm(x) * w` over `rows` rows of `width`, not yet launched.
 #[derive(Debug, Clone, Copy)]
 struct PendingNorm {
@@ -574,6 +586,26 @@ impl PendingNorm {
             ],
         }
     }
+}
+
+/// Folds `pn` into `l` through `slots` (one row, the norm's output is
+/// `l`'s input, same width, nothing folded yet): `l` then reads the norm's
+/// input and normalizes it itself, writing the norm's output as well.
+fn fold_norm_at(slots: NormSlots, pn: &PendingNorm, l: &mut Launch) -> bool {
+    let last = slots.x.max(slots.width).max(slots.nw + 2);
+    if pn.rows != 1
+        || l.args.len() <= last
+        || l.args[slots.x] != Arg::Ptr(pn.out)
+        || l.args[slots.width] != Arg::I32(pn.width as i32)
+        || l.args[slots.nw] != Arg::Ptr(0)
+    {
+        return false;
+    }
+    l.args[slots.x] = Arg::Ptr(pn.x);
+    l.args[slots.nw] = Arg::Ptr(pn.w);
+    l.args[slots.nw + 1] = Arg::F32(pn.eps);
+    l.args[slots.nw + 2] = Arg::Ptr(pn.out);
+    true
 }
 
 /// The CUDA backend: one device, one stream, kernels compiled by NVRTC.
@@ -604,6 +636,15 @@ pub struct CudaBackend {
     /// `fold_epilogue`; `None` for the others (mat-vecs fold through their
     /// own `res` argument).
     accumulate_slots: Vec<Option<(usize, usize)>>,
+    /// Per entry of `functions`: where a kernel added after start takes a
+    /// folded RMSNorm (`NormSlots`; the sparse backend's fused Q8_0 FFN
+    /// variants), for `fold_norm`; `None` for the others (the dense module's
+    /// mat-vecs are known by name).
+    norm_slots: Vec<Option<NormSlots>>,
+    /// Fold the RMSNorm before a sparse FFN into its phase 1
+    /// (`MIRAGE_SPARSE_FOLD_NORM=1` at start; off by default until measured
+    /// on a GPU).
+    fold_ffn_norm: std::sync::atomic::AtomicBool,
     /// Decode attention as one launch (`attend_fused_*`, default;
     /// `MIRAGE_CUDA_ATTN_FUSE=0` turns it off at start, `set_fused_attention`)
     /// or as `attend_part_*` + `attend_combine`.
@@ -701,6 +742,7 @@ impl CudaBackend {
         let mut functions = Vec::new();
         let mut waits = Vec::new();
         let mut accumulate_slots = Vec::new();
+        let mut norm_slots = Vec::new();
         let mut kernel_index = HashMap::new();
         let names = kernel_names();
         for &name in &names {
@@ -708,6 +750,7 @@ impl CudaBackend {
             functions.push(module.load_function(name).map_err(d)?);
             waits.push(module::waits_on_prerequisite(&ptx, name));
             accumulate_slots.push(None);
+            norm_slots.push(None);
         }
         // cuBLAS is optional: without the library prefill uses the mat-vec.
         // SAFETY: only probes whether the shared library can be opened.
@@ -723,6 +766,10 @@ impl CudaBackend {
             functions,
             waits,
             accumulate_slots,
+            norm_slots,
+            fold_ffn_norm: std::env::var("MIRAGE_SPARSE_FOLD_NORM")
+                .is_ok_and(|v| v == "1" || v == "on")
+                .into(),
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
             fold_ffn_add: !env_off("MIRAGE_SPARSE_FOLD_ADD"),
@@ -1100,7 +1147,10 @@ impl CudaBackend {
     /// Folds `pn` into `l` when `l` is a fast mat-vec (`mv3_*`, `ffn_*`)
     /// over exactly the norm's output rows with no norm folded yet.
     fn fold_norm(&self, pn: &PendingNorm, l: &mut Launch) -> bool {
-        // Kernels added after start (the sparse backend's) have no name here.
+        if let Some(Some(slots)) = self.norm_slots.get(l.kernel) {
+            return self.fold_ffn_norm.load(std::sync::atomic::Ordering::Relaxed)
+                && fold_norm_at(*slots, pn, l);
+        }
         let Some(name) = self.functions_names.get(l.kernel) else {
             return false;
         };
@@ -1197,12 +1247,23 @@ impl CudaBackend {
         f: CudaFunction,
         ptx: &str,
         accumulate: Option<(usize, usize)>,
+        norm: Option<NormSlots>,
     ) {
         self.kernel_index.insert(name, self.functions.len());
         self.functions.push(f);
         self.functions_names.push(name);
         self.waits.push(module::waits_on_prerequisite(ptx, name));
         self.accumulate_slots.push(accumulate);
+        self.norm_slots.push(norm);
+    }
+
+    /// Turns folding the RMSNorm before a sparse FFN into the FFN's phase 1
+    /// on or off (`MIRAGE_SPARSE_FOLD_NORM=1` turns it on at start; off by
+    /// default). Takes effect for steps recorded afterwards; needs
+    /// [`fuse_norm`](Self::fuse_norm) on as well.
+    pub fn set_fold_ffn_norm(&self, on: bool) {
+        self.fold_ffn_norm
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// `l` through `cuLaunchKernelEx` with programmatic stream serialization.

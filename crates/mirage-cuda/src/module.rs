@@ -14,12 +14,14 @@ use std::path::PathBuf;
 use crate::CudaError;
 
 /// The dense kernels (`cuda/dense.cu`), after `cuda/pdl.cu` (the
-/// programmatic-dependent-launch helpers every module starts with) and
-/// `cuda/nvfp4.cu`, whose `sb_*` decode helpers the fast decode kernels
+/// programmatic-dependent-launch helpers every module starts with),
+/// `cuda/norm.cu` (the RMSNorm row both the dense and the sparse module
+/// run) and `cuda/nvfp4.cu`, whose `sb_*` decode helpers the fast decode kernels
 /// (split Q8_0, NVFP4) share with the sparse path, then the pruned decode
 /// attention (`cuda/attention_pruned.cu`, which uses dense.cu's helpers).
 pub const DENSE_SOURCE: &str = concat!(
     include_str!("../../../cuda/pdl.cu"),
+    include_str!("../../../cuda/norm.cu"),
     include_str!("../../../cuda/nvfp4.cu"),
     include_str!("../../../cuda/dense.cu"),
     include_str!("../../../cuda/attention_pruned.cu")

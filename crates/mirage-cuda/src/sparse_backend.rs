@@ -49,6 +49,8 @@ use crate::{module, CudaError};
 pub(crate) const SOURCE: &str = concat!(
     include_str!("../../../cuda/pdl.cu"),
     "\n",
+    include_str!("../../../cuda/norm.cu"),
+    "\n",
     include_str!("../../../cuda/nvfp4.cu"),
     "\n",
     include_str!("../../../cuda/superblock.cu"),
@@ -70,6 +72,20 @@ pub(crate) fn kernel_names() -> impl Iterator<Item = &'static str> {
         .iter()
         .copied()
         .chain(Q8_FFN_VARIANTS.iter().map(|v| v.kernel))
+}
+
+/// Where the fused Q8_0 FFN variants (`superblock_ffn_q8s_v<n>`: x at 4, d
+/// at 3, then after `part_ch` (15) the folded norm's weights, eps and
+/// output) take the RMSNorm before them (`CudaBackend::fold_norm`,
+/// `MIRAGE_SPARSE_FOLD_NORM=1`); `None` for the other kernels.
+fn ffn_norm_slots(kernel: &str) -> Option<crate::backend::NormSlots> {
+    kernel
+        .starts_with("superblock_ffn_q8s_v")
+        .then_some(crate::backend::NormSlots {
+            x: 4,
+            width: 3,
+            nw: 16,
+        })
 }
 
 /// `(accumulate, y)` argument positions of the fused FFN kernels as
@@ -850,14 +866,14 @@ impl SparseCudaBackend {
     ) -> std::result::Result<SparseCudaBackend, CudaError> {
         let d = |e: cudarc::driver::DriverError| CudaError::Driver(e.to_string());
         let cc = inner.compute_capability;
-        let (ptx, _) = module::ptx_for("sparse-backend", SOURCE, cc.0, cc.1)?;
+        let (ptx, _) = module::ptx_for("sparse-backend", &module::with_env_defines(SOURCE), cc.0, cc.1)?;
         let m = inner
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx.clone()))
             .map_err(d)?;
         for name in kernel_names() {
             let f = m.load_function(name).map_err(d)?;
-            inner.add_function(name, f, &ptx, ffn_accumulate_slots(name));
+            inner.add_function(name, f, &ptx, ffn_accumulate_slots(name), ffn_norm_slots(name));
         }
         let multiprocessors = inner
             .ctx
@@ -1124,7 +1140,14 @@ impl SparseCudaBackend {
             if let (PageFormat::Q8_0, Q8Kernel::Variant { part_ch, .. }) =
                 (ld.format, self.q8_kernel)
             {
-                a.push(Arg::I32(part_ch(d) as i32));
+                // part_ch, then the folded norm (weights, eps, out): none
+                // unless a recorded step folds the norm before it in.
+                a.extend([
+                    Arg::I32(part_ch(d) as i32),
+                    Arg::Ptr(0),
+                    Arg::F32(0.0),
+                    Arg::Ptr(0),
+                ]);
             }
             a
         };

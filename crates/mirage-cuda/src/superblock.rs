@@ -518,6 +518,8 @@ mod device {
     pub const SPARSE_SOURCE: &str = concat!(
         include_str!("../../../cuda/pdl.cu"),
         "\n",
+        include_str!("../../../cuda/norm.cu"),
+        "\n",
         include_str!("../../../cuda/nvfp4.cu"),
         "\n",
         include_str!("../../../cuda/superblock.cu"),
@@ -1288,12 +1290,14 @@ mod device {
                     .arg(&pc)
                     .arg(&py)
                     .arg(phases);
+                // The variants' folded-norm arguments (nw, neps, nout): none.
+                let (no_norm_w, no_norm_eps, no_norm_out) = (0u64, 0f32, 0u64);
                 if let Some(pc) = &t.part_ch {
-                    b.arg(pc);
+                    b.arg(pc).arg(&no_norm_w).arg(&no_norm_eps).arg(&no_norm_out);
                 }
                 // SAFETY: argument types and order match the kernel
                 // (superblock_ffn_q8s, superblock_ffn_q8s_v<n> with part_ch
-                // after phases, superblock_ffn_q2k (q8s's arguments), or
+                // and the null norm (nw, neps, nout) after phases, superblock_ffn_q2k (q8s's arguments), or
                 // superblock_ffn_nvfp4 with the three tensor scales after d); x and y hold d floats, hbuf
                 // capacity * 128, partials (grid / n_chunks) * d, counters
                 // 2 + n_chunks; the kernel clamps the count to the capacity

@@ -542,6 +542,69 @@ fn residual_add_folds_into_the_sparse_ffn() {
     }
 }
 
+/// In a recorded step the RMSNorm before a forced-mode sparse FFN folds into
+/// the fused Q8_0 FFN's phase 1 when `set_fold_ffn_norm(true)`
+/// (`MIRAGE_SPARSE_FOLD_NORM=1`): the same bits as the separate `rms_norm`
+/// launch (norm.cu's one row function at 256 threads both), the norm's
+/// output buffer still written, and one launch fewer (2 instead of 3).
+/// Routed mode keeps the norm (the router reads its output first).
+#[test]
+fn ffn_norm_folds_into_the_sparse_ffn() {
+    let fx = fixture();
+    let margin = fx.artifact.meta().default_margin;
+    let routed = SparsePages::Routed {
+        margin,
+        traversal: RouteTraversal::Auto,
+    };
+    for (mode, launches) in [(SparsePages::Fraction(0.5), 2usize), (routed, 4)] {
+        let Some((sb, ffns)) = sparse("ffn_norm_folds_into_the_sparse_ffn", &fx, mode) else {
+            return;
+        };
+        sb.inner().set_fold_ffn_norm(true);
+        let norm_w = sb.upload_vector(&xs(9, 1)[0]).unwrap();
+        let inputs = xs(10, 4);
+        let mut x = sb.new_activations();
+        let mut xn = sb.new_activations();
+        let mut h = sb.new_activations();
+        let slots = [TokenSlot { seq: 0, pos: 0 }];
+        let step = StepInputs {
+            tokens: &[0],
+            slots: &slots,
+            logits_rows: &[0],
+        };
+        for xi in &inputs {
+            // Op by op: rms_norm, then the FFN.
+            sb.write_activations(&mut x, 1, D, xi).unwrap();
+            sb.rms_norm(&x, &norm_w, 1e-6, &mut xn).unwrap();
+            sb.ffn(&ffns[0], &xn, &mut h).unwrap();
+            let (mut want, mut want_n) = (Vec::new(), Vec::new());
+            sb.read(&h, &mut want).unwrap();
+            sb.read(&xn, &mut want_n).unwrap();
+            // Recorded: the norm folds into phase 1 (forced mode).
+            sb.write_activations(&mut xn, 1, D, &vec![0.0; D]).unwrap();
+            sb.step(&step, || {
+                sb.rms_norm(&x, &norm_w, 1e-6, &mut xn)?;
+                sb.ffn(&ffns[0], &xn, &mut h)
+            })
+            .unwrap();
+            let (mut got, mut got_n) = (Vec::new(), Vec::new());
+            sb.read(&h, &mut got).unwrap();
+            sb.read(&xn, &mut got_n).unwrap();
+            let differ = |a: &[f32], b: &[f32]| {
+                a.iter()
+                    .zip(b)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count()
+            };
+            assert_eq!(differ(&got, &want), 0, "{mode:?}: folded norm FFN vs rms_norm + FFN");
+            assert_eq!(differ(&got_n, &want_n), 0, "{mode:?}: the norm's output buffer");
+        }
+        let n = sb.inner().last_graph_launches();
+        eprintln!("{mode:?}: recorded step of {n} launches, folded norm == op by op");
+        assert_eq!(n, launches, "{mode:?}: launches in the recorded step");
+    }
+}
+
 fn sb_layer0(sb: &SparseCudaBackend, f: &mirage_cuda::SparseFfn, x: &[f32]) -> Vec<f32> {
     run_ffn(sb, f, &[x.to_vec()])
 }
