@@ -10,6 +10,11 @@
 # Build here: bash crates/mirage-cuda/scripts/bundle.sh   (-> target/bundle)
 # On the device (carry target/bundle):
 #   bash crates/mirage-cuda/scripts/h200-rest.sh target/bundle
+# The next run after the vector RMSNorm and the sparse norm fold (fifth
+# session, not yet run on a GPU) — tests first (h200-pdl.sh's three test
+# binaries hold the new bit-equality tests), then:
+#   DENSE_CFGS="MIRAGE_CUDA_PDL=1;MIRAGE_CUDA_NORM=scalar;MIRAGE_CUDA_FUSE_NORM=0;MIRAGE_CUDA_FUSE_NORM=0 MIRAGE_CUDA_NORM=scalar"
+#   SPARSE_CFGS="MIRAGE_CUDA_PDL=1;MIRAGE_SPARSE_FOLD_NORM=1;MIRAGE_CUDA_NORM=scalar"
 # Then here: python3 crates/mirage-cuda/scripts/ncu_step_table.py LOG/ncu_*.csv
 set -uo pipefail
 BIN=${1:?usage: h200-rest.sh BIN_DIR}
@@ -39,12 +44,23 @@ done
 M7=$W/qwen2.5-7b.gguf M05=$W/qwen2.5-0.5b.gguf
 : > "$L/tables.txt"
 i=0
-for cfg in "MIRAGE_CUDA_PDL=1" "MIRAGE_CUDA_FUSE_NORM=0" "MIRAGE_CUDA_MV=3" "MIRAGE_CUDA_MV=4" "MIRAGE_CUDA_MV=5" \
-  "MIRAGE_CUDA_SPLITK=1" "MIRAGE_CUDA_SPLITK=2" "MIRAGE_CUDA_PDL=1"; do
+# DENSE_CFGS (";"-separated) overrides the dense rows; SPARSE_CFGS adds 7B
+# sparse rows (--synthetic-pages --active 1.0,0.4,0.25) per setting.
+DENSE_CFGS=${DENSE_CFGS:-"MIRAGE_CUDA_PDL=1;MIRAGE_CUDA_FUSE_NORM=0;MIRAGE_CUDA_MV=3;MIRAGE_CUDA_MV=4;MIRAGE_CUDA_MV=5;MIRAGE_CUDA_SPLITK=1;MIRAGE_CUDA_SPLITK=2;MIRAGE_CUDA_PDL=1"}
+IFS=';' read -r -a DENSE_LIST <<< "$DENSE_CFGS"
+for cfg in "${DENSE_LIST[@]}"; do
   left "7b $cfg" || break
   i=$((i + 1))
   run "d7_$i" 60 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --prompt 16 --gen 66 --kv f16 --json
   echo "7B dense $cfg: $(grep -oE '"decode_(tok_s|ms_median)":[0-9.]*' "$L/d7_$i.log" | tr '\n' ' ')" >> "$L/tables.txt"
+done
+IFS=';' read -r -a SPARSE_LIST <<< "${SPARSE_CFGS:-}"
+for cfg in "${SPARSE_LIST[@]}"; do
+  left "7b sparse $cfg" || break
+  i=$((i + 1))
+  run "s7_$i" 90 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages \
+    --active 1.0,0.4,0.25 --prompt 16 --gen 66
+  { echo "== 7B q8_0 sparse, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/s7_$i.log" | tail -4; } >> "$L/tables.txt"
 done
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 ncu_run() { # tag, timeout, one VAR=value, bench args...
