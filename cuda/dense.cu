@@ -451,6 +451,11 @@ __device__ void rope_store(float* q, float* k, const float* __restrict__ v, cons
 // threads take every G-th key of a tile; groups are added at the end.
 #define ATT_THREADS 256
 #define ATT_TILE 64
+// Keys per warp batch of the scores, elements of a key per lane (head_dim
+// <= ATT_THREADS), V rows per batch of the weighted sum (attend_part).
+#define ATT_KB 4
+#define ATT_HD_LANE (ATT_THREADS / 32)
+#define ATT_VB 8
 template <typename KV>
 __device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
                             const int* __restrict__ slots, int n_head, int n_head_kv, int head_dim, int n_ctx,
@@ -474,12 +479,35 @@ __device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ 
     __syncthreads();
     for (int t0 = j0; t0 < j1; t0 += ATT_TILE) {
         int cnt = min(ATT_TILE, j1 - t0);
-        for (int jj = warp; jj < cnt; jj += nw) {
-            long kr = (long)(t0 + jj) * head_dim;
-            float s = 0.f;
-            for (int e = lane; e < head_dim; e += 32) s += qs[e] * kv_load(K, kr + e);
-            s = warp_sum(s);
-            if (lane == 0) sc[jj] = s * scale;
+        // Warp w scores keys w, w + nw, ... as before, ATT_KB of them per
+        // batch with every load of the batch issued before the first
+        // product: one memory round trip per ATT_KB keys, not per key (a
+        // decode step's attention is a chain of such round trips). Same
+        // products and sums per key, in the same order: the same bits.
+        for (int jb = warp; jb < cnt; jb += ATT_KB * nw) {
+            float kx[ATT_KB][ATT_HD_LANE];
+#pragma unroll
+            for (int u = 0; u < ATT_KB; u++) {
+                const int jj = jb + u * nw;
+                const long kr = (long)(t0 + jj) * head_dim;
+#pragma unroll
+                for (int t = 0; t < ATT_HD_LANE; t++) {
+                    const int e = lane + 32 * t;
+                    kx[u][t] = jj < cnt && e < head_dim ? kv_load(K, kr + e) : 0.f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < ATT_KB; u++) {
+                const int jj = jb + u * nw;
+                float s = 0.f;
+#pragma unroll
+                for (int t = 0; t < ATT_HD_LANE; t++) {
+                    const int e = lane + 32 * t;
+                    if (e < head_dim) s += qs[e] * kx[u][t];
+                }
+                s = warp_sum(s);
+                if (lane == 0 && jj < cnt) sc[jj] = s * scale;
+            }
         }
         __syncthreads();
         float tm = -MIRAGE_INF;
@@ -493,10 +521,24 @@ __device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ 
         l *= f;
         m = nm;
         if (g < groups) {
-            for (int jj = g; jj < cnt; jj += groups) {
-                float p = sc[jj];
-                acc += p * kv_load(V, (long)(t0 + jj) * head_dim + d);
-                l += p;
+            // Keys g, g + groups, ... in batches of ATT_VB loads (as the
+            // scores above; same order of the sums).
+            for (int jb = g; jb < cnt; jb += ATT_VB * groups) {
+                float vx[ATT_VB];
+#pragma unroll
+                for (int u = 0; u < ATT_VB; u++) {
+                    const int jj = jb + u * groups;
+                    vx[u] = jj < cnt ? kv_load(V, (long)(t0 + jj) * head_dim + d) : 0.f;
+                }
+#pragma unroll
+                for (int u = 0; u < ATT_VB; u++) {
+                    const int jj = jb + u * groups;
+                    if (jj < cnt) {
+                        const float p = sc[jj];
+                        acc += p * vx[u];
+                        l += p;
+                    }
+                }
             }
         }
         __syncthreads();  // before the next tile overwrites sc

@@ -1,7 +1,7 @@
 """Cuts the device functions the host checks need out of cuda/norm.cu +
 cuda/nvfp4.cu + cuda/dense.cu (brace matching), so the checks always compile the current
 kernel source. Writes kernels_extract.h, q4k_extract.h, q5_extract.h, q6k_extract.h,
-mvv_extract.h and norm_extract.h."""
+mvv_extract.h, norm_extract.h and attend_extract.h."""
 import pathlib, sys
 
 root = pathlib.Path(__file__).resolve().parents[3]
@@ -59,3 +59,5 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
 
 (out / "norm_extract.h").write_text(macro_line("NORM_VEC") + "".join(extract(n) for n in [
     "float norm_warp_sum(", "float norm_block_sum(", "void rms_norm_row(", "void sb_stage_x("]))
+(out / "attend_extract.h").write_text(macro_line("ATT_THREADS") + macro_line("ATT_TILE") + macro_line("ATT_KB")
+    + macro_line("ATT_HD_LANE") + macro_line("ATT_VB") + extract("void attend_part("))

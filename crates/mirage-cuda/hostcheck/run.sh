@@ -9,7 +9,7 @@ cd "$(dirname "$0")"
 T=$(mktemp -d)
 python3 extract.py "$T"
 cp prelude.h "$T"/
-for c in check_q8s_nvfp4 check_q4ks check_q5s check_q6ks check_mvv check_norm; do
+for c in check_q8s_nvfp4 check_q4ks check_q5s check_q6ks check_mvv check_norm check_attend; do
   g++ -O1 -std=c++20 -pthread -I"$T" -o "$T/$c" "$c.cpp"
   "$T/$c"
 done

@@ -1,0 +1,201 @@
+// Host check of dense.cu's attend_part (no GPU): the kernel body cut out of
+// the source (extract.py -> attend_extract.h) and the version before its
+// loads were batched (attend_part_v1 below, verbatim but for the name), both
+// run block by block with every CUDA thread an std::thread (as
+// check_pruned.cpp), f32 and f16 caches, head_dim 64 and 128, GQA, several
+// split sizes and positions: the partials (max, sum, V sums) must be the same
+// bits, since the batching only reorders loads, not arithmetic.
+// Build and run: hostcheck/run.sh.
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+struct dim3_ { unsigned x = 1, y = 1, z = 1; };
+thread_local dim3_ threadIdx, blockIdx;
+dim3_ blockDim, gridDim;
+static std::barrier<>* g_block = nullptr;
+static std::vector<std::unique_ptr<std::barrier<>>> g_warps;
+static std::vector<float> g_slots;
+
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+#define MIRAGE_INF INFINITY
+inline void __syncthreads() { g_block->arrive_and_wait(); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+    int t = threadIdx.x, lane = t & 31, w = t >> 5;
+    g_slots[t] = v;
+    g_warps[w]->arrive_and_wait();
+    float r = g_slots[w * 32 + (lane ^ o)];
+    g_warps[w]->arrive_and_wait();
+    return r;
+}
+inline float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+inline float h2f(u16 h) {
+    u32 s = (h >> 15) & 1, e = (h >> 10) & 31, m = h & 1023;
+    float v = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? INFINITY : std::ldexp((float)(m | 1024), (int)e - 25);
+    return s ? -v : v;
+}
+inline u16 f2h(float f) {  // round to nearest (normal range only, enough for test data)
+    u32 u; memcpy(&u, &f, 4);
+    u32 s = (u >> 16) & 0x8000; int e = ((u >> 23) & 255) - 127 + 15; u32 m = u & 0x7fffff;
+    if (e <= 0) return (u16)s;
+    u32 h = s | (e << 10) | (m >> 13);
+    if ((m >> 12) & 1) h++;
+    return (u16)h;
+}
+inline float kv_load(const float* p, long i) { return p[i]; }
+inline float kv_load(const u16* p, long i) { return h2f(p[i]); }
+#include "attend_extract.h"
+
+template <typename KV>
+__device__ void attend_part_v1(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+                            const int* __restrict__ slots, int n_head, int n_head_kv, int head_dim, int n_ctx,
+                            int chunk, float scale, float* __restrict__ part) {
+    __shared__ float qs[ATT_THREADS];
+    __shared__ float sc[ATT_TILE];
+    __shared__ float red[ATT_THREADS];
+    __shared__ float lred[ATT_THREADS / 64];
+    int row = blockIdx.x, head = blockIdx.y, split = blockIdx.z, n_split = gridDim.z;
+    int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
+    int j0 = split * chunk, j1 = min(n, j0 + chunk);
+    if (j0 >= j1) return;  // the combine step skips splits past the position
+    int kvh = head / (n_head / n_head_kv);
+    const float* qh = q + ((long)row * n_head + head) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d];
+    const KV* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    const KV* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    int groups = blockDim.x / head_dim, g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
+    float m = -MIRAGE_INF, l = 0.f, acc = 0.f;
+    __syncthreads();
+    for (int t0 = j0; t0 < j1; t0 += ATT_TILE) {
+        int cnt = min(ATT_TILE, j1 - t0);
+        for (int jj = warp; jj < cnt; jj += nw) {
+            long kr = (long)(t0 + jj) * head_dim;
+            float s = 0.f;
+            for (int e = lane; e < head_dim; e += 32) s += qs[e] * kv_load(K, kr + e);
+            s = warp_sum(s);
+            if (lane == 0) sc[jj] = s * scale;
+        }
+        __syncthreads();
+        float tm = -MIRAGE_INF;
+        for (int jj = 0; jj < cnt; jj++) tm = fmaxf(tm, sc[jj]);
+        float nm = fmaxf(m, tm);
+        float f = expf(m - nm);  // 0 on the first tile (m = -inf)
+        __syncthreads();         // every thread has read the raw scores
+        if (threadIdx.x < cnt) sc[threadIdx.x] = expf(sc[threadIdx.x] - nm);
+        __syncthreads();
+        acc *= f;
+        l *= f;
+        m = nm;
+        if (g < groups) {
+            for (int jj = g; jj < cnt; jj += groups) {
+                float p = sc[jj];
+                acc += p * kv_load(V, (long)(t0 + jj) * head_dim + d);
+                l += p;
+            }
+        }
+        __syncthreads();  // before the next tile overwrites sc
+    }
+    if (g < groups) {
+        red[g * head_dim + d] = acc;
+        if (d == 0) lred[g] = l;
+    }
+    __syncthreads();
+    float* P = part + (((long)row * n_head + head) * n_split + split) * (head_dim + 2);
+    for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
+        float a = 0.f;
+        for (int k = 0; k < groups; k++) a += red[k * head_dim + e];
+        P[2 + e] = a;
+    }
+    if (threadIdx.x == 0) {
+        float ls = 0.f;
+        for (int k = 0; k < groups; k++) ls += lred[k];
+        P[0] = m;
+        P[1] = ls;
+    }
+}
+
+// Runs every block of the grid (rows, n_head, n_split) of f, 256 threads.
+template <class F>
+static void run_grid(int rows, int n_head, int n_split, F f) {
+    blockDim.x = 256;
+    gridDim.z = n_split;
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < n_head; h++)
+            for (int s = 0; s < n_split; s++) {
+                std::barrier<> bar(256);
+                g_block = &bar;
+                g_warps.clear();
+                for (int i = 0; i < 8; i++) g_warps.push_back(std::make_unique<std::barrier<>>(32));
+                g_slots.assign(256, 0.f);
+                std::vector<std::thread> th;
+                for (int t = 0; t < 256; t++)
+                    th.emplace_back([&, t] {
+                        threadIdx.x = t;
+                        blockIdx.x = r; blockIdx.y = h; blockIdx.z = s;
+                        f();
+                    });
+                for (auto& x : th) x.join();
+            }
+}
+
+template <class KV>
+static int check(std::mt19937& rng, int head_dim, int chunk, int n_pos0, int n_pos1, const char* ty,
+                 KV (*conv)(float)) {
+    const int rows = 2, n_head = 2, n_head_kv = 1, n_ctx = 160, n_seq = 2;
+    const int n_split = (n_ctx + chunk - 1) / chunk;
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> q(rows * n_head * head_dim);
+    for (auto& v : q) v = nd(rng);
+    std::vector<KV> kc(n_seq * n_head_kv * n_ctx * head_dim), vc(kc.size());
+    for (auto& v : kc) v = conv(nd(rng));
+    for (auto& v : vc) v = conv(nd(rng));
+    int slots[4] = {0, n_pos0 - 1, 1, n_pos1 - 1};
+    const size_t np = (size_t)rows * n_head * n_split * (head_dim + 2);
+    std::vector<float> a(np, 7.f), b(np, 7.f);
+    const float scale = 1.f / std::sqrt((float)head_dim);
+    run_grid(rows, n_head, n_split, [&] {
+        attend_part<KV>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, a.data());
+    });
+    run_grid(rows, n_head, n_split, [&] {
+        attend_part_v1<KV>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale,
+                           b.data());
+    });
+    int differ = 0;
+    for (size_t i = 0; i < np; i++) differ += memcmp(&a[i], &b[i], 4) != 0;
+    printf("attend_part %s head_dim %3d chunk %3d positions %3d/%3d: %s (%d of %zu partial floats differ)\n", ty, head_dim,
+           chunk, n_pos0, n_pos1, differ ? "FAIL" : "ok", differ, np);
+    return differ != 0;
+}
+
+static float keep(float f) { return f; }
+
+int main() {
+    std::mt19937 rng(11);
+    int fails = 0, cases = 0;
+    for (int hd : {64, 128})
+        for (int chunk : {64, 160})
+            for (auto [p0, p1] : {std::pair{37, 150}}) {
+                fails += check<float>(rng, hd, chunk, p0, p1, "f32", keep);
+                fails += check<u16>(rng, hd, chunk, p0, p1, "f16", f2h);
+                cases += 2;
+            }
+    printf("attend_part: %d of %d cases ok\n", cases - fails, cases);
+    return fails ? 1 : 0;
+}
