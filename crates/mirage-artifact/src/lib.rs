@@ -23,9 +23,11 @@ pub mod format;
 pub mod linalg;
 pub mod metrics;
 pub mod pack;
+pub mod prefix;
 pub mod superblock;
 
 pub use build::{build, BuildEvent, BuildOptions, BuildOutput};
 pub use error::{ArtifactError, Result};
 pub use format::{Artifact, ArtifactMeta, LayerData, PAGE_CHANNELS};
+pub use prefix::{pages_for_fraction, prefix_slice, ChannelOrder, PrefixSlice};
 pub use superblock::{SparseMode, SuperblockBackend};

@@ -9,7 +9,7 @@ use mirage_artifact::ffn::FfnF32;
 use mirage_artifact::format::{page_bytes, HEADER_BYTES, SECTIONS, SECTION_ENTRY_BYTES};
 use mirage_artifact::metrics::cosine;
 use mirage_artifact::pack::{effective_quant, pack_page, unpack_pages};
-use mirage_artifact::{build, Artifact, ArtifactError, BuildOptions, SparseMode, SuperblockBackend};
+use mirage_artifact::{build, prefix_slice, Artifact, ArtifactError, BuildOptions, ChannelOrder, SparseMode, SuperblockBackend};
 use mirage_gguf::{GgmlType, GgufFile};
 use mirage_runtime::{CpuBackend, Engine, EngineOptions};
 
@@ -259,4 +259,136 @@ fn superblock_f32_activations_match_dense_f32() {
     eprintln!("all pages vs dense f32: f32 activations {cf:.6}, Q8_0 activations {cq:.6}");
     assert!(cf > 0.998, "f32-activation superblock vs dense f32 cosine {cf}");
     assert!(cf > cq, "f32 activations ({cf}) should track dense f32 closer than Q8_0 ones ({cq})");
+}
+
+/// Compares the FFN tensors of a prefix slice with the source model's
+/// through the `gguf` Python package (an independent reader and codec):
+/// per layer 0 and the last one, the sliced gate/up rows and down columns
+/// against the source's, gathered in `order` (one list of source channels
+/// per layer, as JSON). Returns the worst absolute difference per tensor
+/// kind, and the sliced file's feed_forward_length.
+fn gguf_py_compare(source: &std::path::Path, sliced: &std::path::Path, order: &[Vec<usize>]) -> serde_json::Value {
+    let order_file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(order_file.path(), serde_json::to_vec(order).unwrap()).unwrap();
+    let script = r#"
+import json, sys
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+src, cut, order = GGUFReader(sys.argv[1]), GGUFReader(sys.argv[2]), json.load(open(sys.argv[3]))
+def tensors(r):
+    return {t.name: dequantize(t.data, t.tensor_type).reshape(-1, int(t.shape[0])) for t in r.tensors
+            if t.name.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))}
+a, b = tensors(src), tensors(cut)
+n_layer = len(order)
+worst = {"gate": 0.0, "up": 0.0, "down": 0.0, "down_rel": 0.0}
+for l in (0, n_layer - 1):
+    keep = np.array(order[l])
+    for k in ("gate", "up"):
+        want = a[f"blk.{l}.ffn_{k}.weight"][keep, :]
+        worst[k] = max(worst[k], float(np.abs(b[f"blk.{l}.ffn_{k}.weight"] - want).max()))
+    want = a[f"blk.{l}.ffn_down.weight"][:, keep]
+    diff = np.abs(b[f"blk.{l}.ffn_down.weight"] - want)
+    worst["down"] = max(worst["down"], float(diff.max()))
+    worst["down_rel"] = max(worst["down_rel"], float(diff.max() / np.abs(want).max()))
+ff = [f.parts[f.data[0]][0] for f in cut.fields.values() if f.name.endswith(".feed_forward_length")]
+worst["n_ff"] = int(ff[0])
+print(json.dumps(worst))
+"#;
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(source)
+        .arg(sliced)
+        .arg(order_file.path())
+        .output()
+        .expect("python3 must be installed (tests compare against the `gguf` package)");
+    assert!(
+        out.status.success(),
+        "python3 failed (needs `pip install gguf numpy`): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("python printed JSON")
+}
+
+/// Prefix slicing in the source order (synthetic pages): half the pages of
+/// SmolLM2 (6 of 12) cut out as a dense GGUF, every FFN tensor equal to the
+/// source's leading rows / columns bit for bit as the `gguf` package reads
+/// them, the other tensors untouched, feed_forward_length 768; and the
+/// sliced model runs on the dense CPU backend.
+#[test]
+fn prefix_slice_in_source_order_is_the_leading_channels() {
+    let Some(path) = model_path() else { return };
+    let file = GgufFile::open(&path).unwrap();
+    let cut = prefix_slice(&file, ChannelOrder::Source, 0.5).unwrap();
+    assert_eq!((cut.pages, cut.total_pages, cut.requantized_down), (6, 12, false));
+    assert_eq!(cut.file.hparams().unwrap().n_ff, 768);
+    for t in file.tensors().iter().filter(|t| !t.name.contains(".ffn_gate") && !t.name.contains(".ffn_up") && !t.name.contains(".ffn_down")) {
+        let s = cut.file.tensor(&t.name).unwrap_or_else(|| panic!("{} missing", t.name));
+        assert!(s.data == file.tensor_data(t) && s.info.dims == t.dims, "{} changed", t.name);
+    }
+    let tmp = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(tmp.path(), cut.file.as_bytes()).unwrap();
+    let order: Vec<Vec<usize>> = (0..30).map(|_| (0..768).collect()).collect();
+    let r = gguf_py_compare(&path, tmp.path(), &order);
+    eprintln!("source-order prefix slice vs gguf-py: {r}");
+    assert_eq!(r["n_ff"], 768);
+    for k in ["gate", "up", "down"] {
+        assert_eq!(r[k].as_f64(), Some(0.0), "{k}: {r}");
+    }
+    let opts = EngineOptions { threads: 2, n_ctx: 64, ..EngineOptions::default() };
+    let e = Engine::from_file(Arc::new(cut.file), CpuBackend::new(2).unwrap(), opts).unwrap();
+    let tokens = e.encode("Permission is hereby granted", true).unwrap();
+    let logits = e.model().logits_all(&tokens, Default::default()).unwrap();
+    assert!(logits.iter().all(|v| v.is_finite()));
+}
+
+/// Prefix slicing in the artifact's order (trunk first, then by hotness)
+/// is the dense-kernel twin of the superblock backend's `Prefix(k)`: its
+/// gate/up rows are the source rows of the artifact's first channels bit
+/// for bit and its down columns those columns re-encoded in Q8_0 (`gguf`
+/// package), and the dense CPU engine on it gives the superblock backend's
+/// prefix logits (f32 activations on both; the pages are Q8_0 re-encodings
+/// of Q4_1 too: close, not equal) — and not the full model's.
+#[test]
+fn prefix_slice_in_artifact_order_matches_superblock_prefix_mode() {
+    let Some(bytes) = built() else { return };
+    let path = model_path().unwrap();
+    let artifact = Artifact::from_bytes(bytes.clone()).unwrap();
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let cut = prefix_slice(&file, ChannelOrder::Artifact(&artifact), 0.5).unwrap();
+    assert_eq!((cut.pages, cut.requantized_down), (6, true));
+    let tmp = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(tmp.path(), cut.file.as_bytes()).unwrap();
+    let order: Vec<Vec<usize>> = (0..artifact.meta().n_layer)
+        .map(|l| artifact.layer(l).perm.iter().take(768).map(|&c| c as usize).collect())
+        .collect();
+    let r = gguf_py_compare(&path, tmp.path(), &order);
+    eprintln!("artifact-order prefix slice vs gguf-py: {r}");
+    assert_eq!(r["gate"].as_f64(), Some(0.0), "{r}");
+    assert_eq!(r["up"].as_f64(), Some(0.0), "{r}");
+    // Q8_0 re-encoding of the gathered columns: within half a step (1/254
+    // of a block's largest magnitude) of the Q4_1 values.
+    assert!(r["down_rel"].as_f64().unwrap() < 0.005, "{r}");
+
+    let opts = EngineOptions { threads: 2, n_ctx: 64, ..EngineOptions::default() };
+    let sliced = Engine::from_file(Arc::new(cut.file), CpuBackend::new_f32_activations(2).unwrap(), opts.clone()).unwrap();
+    let sb = SuperblockBackend::new(CpuBackend::new_f32_activations(2).unwrap(), artifact.clone(), SparseMode::Prefix(6))
+        .unwrap()
+        .with_f32_activations();
+    let sparse = Engine::from_file(file.clone(), sb, opts.clone()).unwrap();
+    let dense = Engine::from_file(file, CpuBackend::new_f32_activations(2).unwrap(), opts).unwrap();
+    let tokens = dense.encode("Permission is hereby granted, free of charge, to any person", true).unwrap();
+    let n = tokens.len();
+    let last = |l: Vec<f32>| -> Vec<f32> {
+        let w = l.len() / n;
+        l[(n - 1) * w..].to_vec()
+    };
+    let ls = last(sliced.model().logits_all(&tokens, Default::default()).unwrap());
+    let lp = last(sparse.model().logits_all(&tokens, Default::default()).unwrap());
+    let ld = last(dense.model().logits_all(&tokens, Default::default()).unwrap());
+    let (c_prefix, c_full) = (cosine(&ls, &lp), cosine(&ls, &ld));
+    eprintln!("dense on the prefix slice vs superblock Prefix(6): {c_prefix:.6}; vs the full model: {c_full:.6}");
+    assert!(c_prefix > 0.999, "prefix slice vs superblock prefix mode cosine {c_prefix}");
+    assert!(c_prefix > c_full, "the slice should track the prefix mode ({c_prefix}) closer than the full model ({c_full})");
 }

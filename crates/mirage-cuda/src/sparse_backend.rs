@@ -830,11 +830,9 @@ pub(crate) fn as_bytes_prims(v: &[BvhPrim]) -> Vec<u8> {
     out
 }
 
-/// `ceil(fraction * n)`, at least 1 and at most n.
-pub fn pages_for_fraction(fraction: f32, n: usize) -> usize {
-    // The tolerance keeps 0.4 * 70 (28.000000298 in f32) at 28 pages.
-    ((fraction.clamp(0.0, 1.0) as f64 * n as f64 - 1e-4).ceil() as usize).clamp(1, n.max(1))
-}
+/// Pages of `n` a forced fraction keeps (`ceil(fraction * n)`, at least
+/// one): the artifact crate's rule, shared with its dense prefix slice.
+pub use mirage_artifact::pages_for_fraction;
 
 /// A sorted random subset of `k` of `0..n` (splitmix64 shuffle, seeded).
 pub fn random_subset(n: usize, k: usize, seed: u64) -> Vec<u32> {
