@@ -108,6 +108,12 @@ pub struct BenchArgs {
     /// Only with --artifact or --synthetic-pages.
     #[arg(long, value_parser = ["q8_0", "nvfp4", "q2_k"])]
     pub page_format: Option<String>,
+    /// Sparse decode: also decode each forced fraction below 1 as a dense
+    /// model cut to those pages (`prefix X% dense` rows: the prefix slice
+    /// through the dense kernels, the second baseline; gate/up rows copied,
+    /// down columns copied or, in an artifact's order, re-encoded in Q8_0).
+    #[arg(long, default_value = "on")]
+    pub prefix_dense: String,
 }
 
 /// What one bench run measured.

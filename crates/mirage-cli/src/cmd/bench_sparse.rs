@@ -11,6 +11,13 @@
 //! for the rest of the step, and the weight bytes a token reads (non-FFN
 //! tensors + active pages).
 //!
+//! With `--prefix-dense on` (default) each forced fraction below 1 is also
+//! decoded as a dense model cut to its first pages
+//! ([`mirage_artifact::prefix_slice`], in the artifact's page order or the
+//! source order for synthetic pages) on a fresh dense backend: the prefix
+//! slice through the dense kernels, the second baseline (`prefix X% dense`
+//! rows).
+//!
 //! `--synthetic-pages` builds pages from the model's own FFN matrices
 //! (128 consecutive channels per page, no calibration, no router): for
 //! synthetic shapes such as `cargo xtask synth-model --like qwen2.5-7b`,
@@ -209,24 +216,25 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             t.n_bytes()
         }
     };
-    let other_bytes: u64 = file
-        .tensors()
-        .iter()
-        .filter(|t| {
-            (t.name.starts_with("blk.") && !is_ffn(&t.name))
-                || t.name == "output.weight"
-                || t.name == "output_norm.weight"
-                || (!has_output && t.name == "token_embd.weight")
-        })
-        .map(device_bytes)
-        .sum();
-    let ffn_bytes: u64 = file
-        .tensors()
-        .iter()
-        .filter(|t| is_ffn(&t.name))
-        .map(device_bytes)
-        .sum();
+    // (non-FFN, FFN) bytes a token reads of a model.
+    let token_bytes = |f: &GgufFile| -> (u64, u64) {
+        let other = f
+            .tensors()
+            .iter()
+            .filter(|t| {
+                (t.name.starts_with("blk.") && !is_ffn(&t.name))
+                    || t.name == "output.weight"
+                    || t.name == "output_norm.weight"
+                    || (!has_output && t.name == "token_embd.weight")
+            })
+            .map(device_bytes)
+            .sum();
+        let ffn = f.tensors().iter().filter(|t| is_ffn(&t.name)).map(device_bytes).sum();
+        (other, ffn)
+    };
+    let (other_bytes, ffn_bytes) = token_bytes(&file);
     let pdl = super::bench::on_off("cuda-pdl", &args.cuda_pdl)?;
+    let prefix_dense = super::bench::on_off("prefix-dense", &args.prefix_dense)?;
     let n_prompt = args.prompt.max(1);
     let n_gen = args.gen.max(4);
     let mib = |b: f64| b / (1u64 << 20) as f64;
@@ -256,7 +264,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         (d.tok_s, device)
     };
 
-    // Sparse.
     let source = match &args.artifact {
         Some(p) => PageSource::Artifact(
             mirage_artifact::Artifact::open(p)
@@ -264,6 +271,44 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         ),
         None => PageSource::Synthetic,
     };
+
+    // Prefix slices through the dense kernels: one model per fraction,
+    // loaded after the previous one is dropped.
+    if prefix_dense {
+        for &f in fractions.iter().filter(|&&f| f < 1.0) {
+            let order = match &source {
+                PageSource::Artifact(a) => mirage_artifact::ChannelOrder::Artifact(a),
+                _ => mirage_artifact::ChannelOrder::Source,
+            };
+            let cut = mirage_artifact::prefix_slice(&file, order, f)
+                .with_context(|| format!("cutting the {:.0}% prefix slice", f * 100.0))?;
+            let (other, ffn) = token_bytes(&cut.file);
+            let b = CudaBackend::new(args.device).context("starting the CUDA backend")?;
+            b.set_weight_format(weights);
+            b.set_pdl(pdl);
+            let model = Model::load(Arc::new(cut.file), b)?;
+            let d = decode(&model, n_prompt, n_gen, || Ok(None))?;
+            rows.push(Row {
+                mode: format!(
+                    "prefix {:.0}% dense{}",
+                    f * 100.0,
+                    if cut.requantized_down { " (q8 down)" } else { "" }
+                ),
+                page_format: None,
+                weights: args.weights.clone(),
+                active_share: cut.pages as f64 / cut.total_pages.max(1) as f64,
+                decode_tok_s: d.tok_s,
+                speedup: d.tok_s / dense_tok_s,
+                step_ms: d.median_ms,
+                route_us_layer: 0.0,
+                ffn_us_layer: f64::NAN,
+                rest_ms: f64::NAN,
+                mib_per_token: mib((other + ffn) as f64),
+            });
+        }
+    }
+
+    // Sparse.
     let inner = CudaBackend::new(args.device).context("starting the CUDA backend")?;
     inner.set_weight_format(weights);
     inner.set_pdl(pdl);
