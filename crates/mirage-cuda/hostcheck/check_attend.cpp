@@ -6,41 +6,15 @@
 // split sizes and positions: the partials (max, sum, V sums) must be the same
 // bits, since the batching only reorders loads, not arithmetic.
 // Build and run: hostcheck/run.sh.
-#include <barrier>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <memory>
 #include <random>
-#include <thread>
-#include <vector>
+#include "block_emu.h"
 
 typedef unsigned short u16;
 typedef unsigned int u32;
-struct dim3_ { unsigned x = 1, y = 1, z = 1; };
-thread_local dim3_ threadIdx, blockIdx;
-dim3_ blockDim, gridDim;
-static std::barrier<>* g_block = nullptr;
-static std::vector<std::unique_ptr<std::barrier<>>> g_warps;
-static std::vector<float> g_slots;
-
-#define __device__
-#define __forceinline__ inline
-#define __restrict__
-#define __shared__ static
 #define MIRAGE_INF INFINITY
-inline void __syncthreads() { g_block->arrive_and_wait(); }
-inline int min(int a, int b) { return a < b ? a : b; }
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-    int t = threadIdx.x, lane = t & 31, w = t >> 5;
-    g_slots[t] = v;
-    g_warps[w]->arrive_and_wait();
-    float r = g_slots[w * 32 + (lane ^ o)];
-    g_warps[w]->arrive_and_wait();
-    return r;
-}
 inline float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -134,25 +108,10 @@ __device__ void attend_part_v1(const float* __restrict__ q, const KV* __restrict
 // Runs every block of the grid (rows, n_head, n_split) of f, 256 threads.
 template <class F>
 static void run_grid(int rows, int n_head, int n_split, F f) {
-    blockDim.x = 256;
     gridDim.z = n_split;
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < n_head; h++)
-            for (int s = 0; s < n_split; s++) {
-                std::barrier<> bar(256);
-                g_block = &bar;
-                g_warps.clear();
-                for (int i = 0; i < 8; i++) g_warps.push_back(std::make_unique<std::barrier<>>(32));
-                g_slots.assign(256, 0.f);
-                std::vector<std::thread> th;
-                for (int t = 0; t < 256; t++)
-                    th.emplace_back([&, t] {
-                        threadIdx.x = t;
-                        blockIdx.x = r; blockIdx.y = h; blockIdx.z = s;
-                        f();
-                    });
-                for (auto& x : th) x.join();
-            }
+            for (int s = 0; s < n_split; s++) run_block(256, dim3_{(unsigned)r, (unsigned)h, (unsigned)s}, f);
 }
 
 template <class KV>

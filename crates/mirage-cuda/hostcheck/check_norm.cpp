@@ -13,66 +13,26 @@
 // the unfolded staging (interleaved for P1V > 0, plain for P1V = 0), bit
 // for bit, and block 0 writes the norm's output row.
 // Build and run: hostcheck/run.sh.
-#include <barrier>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <memory>
 #include <random>
-#include <thread>
-#include <vector>
-
-struct dim3_ { unsigned x = 1, y = 1, z = 1; };
-thread_local dim3_ threadIdx, blockIdx;
-dim3_ blockDim;
-static std::barrier<>* g_block = nullptr;
-static std::vector<std::unique_ptr<std::barrier<>>> g_warps;
-static std::vector<float> g_slots;
-
-#define __device__
-#define __forceinline__ inline
-#define __restrict__
-#define __shared__ static
+#include "block_emu.h"
 #define SB_THREADS 256
-struct float4 { float x, y, z, w; };
-inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
-template <class T> T __ldg(const T* p) { return *p; }
-inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
-inline void __syncthreads() { g_block->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-    int t = threadIdx.x, lane = t & 31, w = t >> 5;
-    g_slots[t] = v;
-    g_warps[w]->arrive_and_wait();
-    float r = g_slots[w * 32 + (lane ^ o)];
-    g_warps[w]->arrive_and_wait();
-    return r;
-}
 #include "norm_extract.h"
 
 // Runs rms_norm_row over xr on one block of `threads`; out[i] gets emit's
 // value, hits[i] how many times element i was emitted.
-static void run_block(const float* xr, const float* w, int cols, int threads, std::vector<float>& out,
-                      std::vector<int>& hits) {
-    blockDim.x = threads;
-    std::barrier<> bar(threads);
-    g_block = &bar;
-    g_warps.clear();
-    for (int i = 0; i < threads / 32; i++) g_warps.push_back(std::make_unique<std::barrier<>>(32));
-    g_slots.assign(threads, 0.f);
+static void norm_block(const float* xr, const float* w, int cols, int threads, std::vector<float>& out,
+                       std::vector<int>& hits) {
     out.assign(cols, NAN);
     hits.assign(cols, 0);
     static float s32[32];
-    std::vector<std::thread> th;
-    for (int t = 0; t < threads; t++)
-        th.emplace_back([&, t] {
-            threadIdx.x = t;
-            rms_norm_row(xr, w, 1e-6f, cols, s32, [&](int i, float v) {
-                out[i] = v;
-                __atomic_fetch_add(&hits[i], 1, __ATOMIC_RELAXED);
-            });
+    run_block(threads, dim3_{0, 0, 0}, [&] {
+        rms_norm_row(xr, w, 1e-6f, cols, s32, [&](int i, float v) {
+            out[i] = v;
+            __atomic_fetch_add(&hits[i], 1, __ATOMIC_RELAXED);
         });
-    for (auto& x : th) x.join();
+    });
 }
 
 int main() {
@@ -93,12 +53,12 @@ int main() {
             double scale = 1.0 / std::sqrt(ss / cols + 1e-6);
             std::vector<float> out, scalar_out;
             std::vector<int> hits, scalar_hits;
-            run_block(x, w, cols, 256, out, hits);
+            norm_block(x, w, cols, 256, out, hits);
             // The scalar loop on the same values: copy x to a row one float off alignment.
             std::vector<float4> xs2(cols / 4 + 2);
             float* x2 = reinterpret_cast<float*>(xs2.data()) + 1;
             memcpy(x2, x, cols * sizeof(float));
-            run_block(x2, w, cols, 256, scalar_out, scalar_hits);
+            norm_block(x2, w, cols, 256, scalar_out, scalar_hits);
             double worst = 0, worst_sc = 0;
             int bad_hits = 0;
             for (int i = 0; i < cols; i++) {
@@ -124,7 +84,7 @@ int main() {
             for (int i = 0; i < d; i++) x[i] = 2.f * nd(rng), w[i] = 1.f + 0.3f * nd(rng);
             std::vector<float> ref, nout(d, NAN);
             std::vector<int> hits;
-            run_block(x, w, d, 256, ref, hits);
+            norm_block(x, w, d, 256, ref, hits);
             // Unfolded staging of the normalized row, as phase 1 did before.
             std::vector<float4> want(d / 4);
             const int nv = d >> 4;
@@ -132,21 +92,10 @@ int main() {
                 float4 v{ref[4 * t], ref[4 * t + 1], ref[4 * t + 2], ref[4 * t + 3]};
                 want[layout ? (t & 3) * nv + (t >> 2) : t] = v;
             }
-            blockDim.x = 256;
-            std::barrier<> bar(256);
-            g_block = &bar;
-            g_warps.clear();
-            for (int i = 0; i < 8; i++) g_warps.push_back(std::make_unique<std::barrier<>>(32));
-            g_slots.assign(256, 0.f);
-            std::vector<std::thread> th;
-            for (int t = 0; t < 256; t++)
-                th.emplace_back([&, t] {
-                    threadIdx.x = t;
-                    blockIdx.x = 0;
-                    if (layout) sb_stage_x<4>(staged.data(), x, d, w, 1e-6f, nout.data());
-                    else sb_stage_x<0>(staged.data(), x, d, w, 1e-6f, nout.data());
-                });
-            for (auto& x : th) x.join();
+            run_block(256, dim3_{0, 0, 0}, [&] {
+                if (layout) sb_stage_x<4>(staged.data(), x, d, w, 1e-6f, nout.data());
+                else sb_stage_x<0>(staged.data(), x, d, w, 1e-6f, nout.data());
+            });
             int differ = 0;
             for (int t = 0; t < d / 4; t++)
                 differ += memcmp(&staged[t], &want[t], sizeof(float4)) != 0;

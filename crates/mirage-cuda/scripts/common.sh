@@ -39,3 +39,19 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable") and "test" in m["target"]["kind"]:
         print(m["target"]["name"], m["executable"])'
 }
+
+# The step helpers of the h200-*.sh scripts (they set L, the log folder,
+# T0=$SECONDS and BUDGET first):
+#   run TAG LIMIT CMD...  runs CMD under `timeout LIMIT`, output in $L/TAG.log,
+#                         prints "== TAG rc=... (N s)" and the test-result
+#                         line when CMD is a test binary; returns CMD's status;
+#   left WHAT             false (and says so) once BUDGET seconds have passed
+#                         since T0: no new step starts after that.
+run() {
+  local tag=$1 lim=$2 t=$SECONDS; shift 2
+  timeout "$lim" "$@" > "$L/$tag.log" 2>&1
+  local r=$?
+  echo "== $tag rc=$r ($((SECONDS - t)) s) $(grep -E '^test result' "$L/$tag.log" | head -1)"
+  return $r
+}
+left() { [ $((SECONDS - T0)) -lt "$BUDGET" ] || { echo "(budget spent: skipping $1)"; return 1; }; }

@@ -31,14 +31,6 @@ nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 [ -f "$BIN/COMMIT" ] && echo "bundle commit $(cat "$BIN/COMMIT")"
 T0=$SECONDS
 BUDGET=${BUDGET:-480}
-left() { [ $((SECONDS - T0)) -lt "$BUDGET" ] || { echo "(budget spent: skipping $1)"; return 1; }; }
-run() { # tag, timeout, cmd...
-  local tag=$1 lim=$2 t=$SECONDS; shift 2
-  timeout "$lim" "$@" > "$L/$tag.log" 2>&1
-  local r=$?
-  echo "== $tag rc=$r ($((SECONDS - t)) s) $(grep -E '^test result' "$L/$tag.log" | head -1)"
-  return $r
-}
 run fast_decode 150 "$W/fast_decode" --nocapture --test-threads 1
 grep -E "panicked|FAILED|PDL on" "$L/fast_decode.log" | cut -c1-160 | head -6
 MIRAGE_SKIP_MODEL_TESTS=1 run sparse_backend 150 "$W/sparse_backend" --nocapture --test-threads 1

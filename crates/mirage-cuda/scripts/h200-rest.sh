@@ -29,14 +29,6 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw --form
 [ -f "$BIN/COMMIT" ] && echo "bundle commit $(cat "$BIN/COMMIT")"
 T0=$SECONDS
 BUDGET=${BUDGET:-200}
-left() { [ $((SECONDS - T0)) -lt "$BUDGET" ] || { echo "(budget spent: skipping $1)"; return 1; }; }
-run() { # tag, timeout, cmd...
-  local tag=$1 lim=$2 t=$SECONDS; shift 2
-  timeout "$lim" "$@" > "$L/$tag.log" 2>&1
-  local r=$?
-  echo "== $tag rc=$r ($((SECONDS - t)) s)"
-  return $r
-}
 for s in qwen2.5-7b qwen2.5-0.5b; do
   [ -f "$W/$s.gguf" ] || timeout 120 "$W/xtask" synth-model --like $s --quant q8_0 --out "$W/$s.gguf" \
     --tokenizer-from "$W/tok.gguf" > "$L/synth_$s.log" 2>&1

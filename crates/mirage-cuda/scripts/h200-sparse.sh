@@ -27,15 +27,7 @@ export MIRAGE_REQUIRE_CUDA_TESTS=1
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 [ -f "$BIN/COMMIT" ] && echo "bundle commit $(cat "$BIN/COMMIT")"
 T0=$SECONDS
-run() { # tag, timeout, cmd...
-  local tag=$1 lim=$2 t=$SECONDS; shift 2
-  timeout "$lim" "$@" > "$L/$tag.log" 2>&1
-  local r=$?
-  echo "== $tag rc=$r ($((SECONDS - t)) s) $(grep -E '^test result' "$L/$tag.log" | head -1)"
-  return $r
-}
 BUDGET=${BUDGET:-540}  # seconds: no new step starts after this (the call's limit is 600)
-left() { [ $((SECONDS - T0)) -lt "$BUDGET" ] || { echo "(budget spent: skipping $1)"; return 1; }; }
 MIRAGE_SKIP_MODEL_TESTS=1 run sparse_backend 150 "$W/sparse_backend" --nocapture --test-threads 1
 grep -E "panicked|FAILED|sizes|cosine" "$L/sparse_backend.log" | cut -c1-200 | head -10
 run sparse_kernels 150 "$W/sparse_kernels" --nocapture --test-threads 1

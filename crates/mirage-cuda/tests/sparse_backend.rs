@@ -453,12 +453,7 @@ fn routed_ffn_replays_from_a_cuda_graph() {
     let inputs = xs(4, 6);
     let mut x = sb.new_activations();
     let (mut h, mut y) = (sb.new_activations(), sb.new_activations());
-    let slots = [TokenSlot { seq: 0, pos: 0 }];
-    let step = StepInputs {
-        tokens: &[0],
-        slots: &slots,
-        logits_rows: &[0],
-    };
+    let step = one_token_step();
     let mut counts = std::collections::BTreeSet::new();
     for xi in &inputs {
         // Eager reference.
@@ -492,11 +487,7 @@ fn routed_ffn_replays_from_a_cuda_graph() {
 #[test]
 fn residual_add_folds_into_the_sparse_ffn() {
     let fx = fixture();
-    let margin = fx.artifact.meta().default_margin;
-    let routed = SparsePages::Routed {
-        margin,
-        traversal: RouteTraversal::Auto,
-    };
+    let routed = routed_mode(&fx);
     for (mode, launches) in [(SparsePages::Fraction(0.5), 2usize), (routed, 3)] {
         let Some((sb, ffns)) = sparse("residual_add_folds_into_the_sparse_ffn", &fx, mode) else {
             return;
@@ -506,12 +497,7 @@ fn residual_add_folds_into_the_sparse_ffn() {
         let mut x = sb.new_activations();
         let mut res = sb.new_activations();
         let mut h = sb.new_activations();
-        let slots = [TokenSlot { seq: 0, pos: 0 }];
-        let step = StepInputs {
-            tokens: &[0],
-            slots: &slots,
-            logits_rows: &[0],
-        };
+        let step = one_token_step();
         for (xi, ri) in inputs.iter().zip(&residuals) {
             // Op by op: ffn, then add_inplace.
             sb.write_activations(&mut x, 1, D, xi).unwrap();
@@ -551,11 +537,7 @@ fn residual_add_folds_into_the_sparse_ffn() {
 #[test]
 fn ffn_norm_folds_into_the_sparse_ffn() {
     let fx = fixture();
-    let margin = fx.artifact.meta().default_margin;
-    let routed = SparsePages::Routed {
-        margin,
-        traversal: RouteTraversal::Auto,
-    };
+    let routed = routed_mode(&fx);
     for (mode, launches) in [(SparsePages::Fraction(0.5), 2usize), (routed, 4)] {
         let Some((sb, ffns)) = sparse("ffn_norm_folds_into_the_sparse_ffn", &fx, mode) else {
             return;
@@ -566,12 +548,7 @@ fn ffn_norm_folds_into_the_sparse_ffn() {
         let mut x = sb.new_activations();
         let mut xn = sb.new_activations();
         let mut h = sb.new_activations();
-        let slots = [TokenSlot { seq: 0, pos: 0 }];
-        let step = StepInputs {
-            tokens: &[0],
-            slots: &slots,
-            logits_rows: &[0],
-        };
+        let step = one_token_step();
         for xi in &inputs {
             // Op by op: rms_norm, then the FFN.
             sb.write_activations(&mut x, 1, D, xi).unwrap();
@@ -602,6 +579,25 @@ fn ffn_norm_folds_into_the_sparse_ffn() {
         let n = sb.inner().last_graph_launches();
         eprintln!("{mode:?}: recorded step of {n} launches, folded norm == op by op");
         assert_eq!(n, launches, "{mode:?}: launches in the recorded step");
+    }
+}
+
+/// One row, sequence 0, position 0: the step inputs of the tests that
+/// record a single-token step around FFN ops.
+fn one_token_step() -> StepInputs<'static> {
+    static SLOTS: [TokenSlot; 1] = [TokenSlot { seq: 0, pos: 0 }];
+    StepInputs {
+        tokens: &[0],
+        slots: &SLOTS,
+        logits_rows: &[0],
+    }
+}
+
+/// Routed mode at the fixture artifact's default margin.
+fn routed_mode(fx: &Fixture) -> SparsePages {
+    SparsePages::Routed {
+        margin: fx.artifact.meta().default_margin,
+        traversal: RouteTraversal::Auto,
     }
 }
 
