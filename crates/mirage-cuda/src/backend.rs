@@ -249,10 +249,10 @@ const MATVEC_WARPS: u32 = 8;
 
 /// Arguments of an `mv3_*` launch (`MV3_PARAMS` in dense.cu); the last four
 /// (`nx, nw, neps, nout`) fold a pending RMSNorm into it.
-const MV3_ARGS: usize = 23;
+pub(crate) const MV3_ARGS: usize = 23;
 
 /// Arguments of an `ffn_*` launch (`FFN_PARAMS`), the last four as above.
-const FFN_ARGS: usize = 13;
+pub(crate) const FFN_ARGS: usize = 13;
 
 /// Widest row a norm can be folded into the next mat-vec (its normalized
 /// row sits in shared memory, under the 48 KiB a launch gets without

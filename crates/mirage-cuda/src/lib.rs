@@ -116,7 +116,16 @@ mod nvrtc_check {
         present
     }
 
-    fn check(module_name: &str, source: &str, kernels: &[&str]) {
+    /// Parameters of kernel `name` in `ptx` (its `.entry` line's list).
+    fn param_count(ptx: &str, name: &str) -> usize {
+        let at = ptx
+            .find(&format!(".entry {name}("))
+            .unwrap_or_else(|| panic!("{name} not in the PTX"));
+        let body = &ptx[at..];
+        body[..body.find(')').unwrap()].matches(".param").count()
+    }
+
+    fn check(module_name: &str, source: &str, kernels: &[&str]) -> String {
         let ptx = module::compile(module_name, source, 9, 0)
             .unwrap_or_else(|e| panic!("{module_name}: {e}"));
         let missing: Vec<_> = kernels
@@ -136,6 +145,7 @@ mod nvrtc_check {
             "{module_name}: kernels without griddepcontrol.wait: {no_wait:?}"
         );
         eprintln!("{module_name}: {} kernels compile for sm_90", kernels.len());
+        ptx
     }
 
     #[test]
@@ -144,7 +154,14 @@ mod nvrtc_check {
             return;
         }
         let names = crate::backend::kernel_names();
-        check("dense", module::DENSE_SOURCE, &names);
+        let ptx = check("dense", module::DENSE_SOURCE, &names);
+        // The host's argument counts for the launches it patches by position.
+        for name in names.iter().filter(|n| n.starts_with("mv3_")) {
+            assert_eq!(param_count(&ptx, name), crate::backend::MV3_ARGS, "{name}");
+        }
+        for name in names.iter().filter(|n| n.starts_with("ffn_")) {
+            assert_eq!(param_count(&ptx, name), crate::backend::FFN_ARGS, "{name}");
+        }
         let off = format!(
             "#define MIRAGE_PREFETCH_ROW 0\n#define MIRAGE_NORM_SCALAR 1\n{}",
             module::DENSE_SOURCE
@@ -158,11 +175,28 @@ mod nvrtc_check {
             return;
         }
         let backend: Vec<_> = crate::backend::sparse_backend::kernel_names().collect();
-        check(
+        let ptx = check(
             "sparse-backend",
             crate::backend::sparse_backend::SOURCE,
             &backend,
         );
+        use crate::backend::sparse_backend::{FFN_KERNEL_ARGS, Q8_VARIANT_ARGS};
+        for name in &backend {
+            let want = if name.starts_with("superblock_ffn_q8s_v") {
+                Q8_VARIANT_ARGS
+            } else if *name == "superblock_ffn_nvfp4" {
+                FFN_KERNEL_ARGS + 3
+            } else if name.starts_with("superblock_ffn_") {
+                FFN_KERNEL_ARGS
+            } else {
+                continue;
+            };
+            assert_eq!(
+                param_count(&ptx, name),
+                want,
+                "{name}: kernel parameters vs launch_ffn"
+            );
+        }
         let kernel_bench: Vec<_> = crate::superblock::SPARSE_KERNELS
             .iter()
             .copied()

@@ -74,6 +74,14 @@ pub(crate) fn kernel_names() -> impl Iterator<Item = &'static str> {
         .chain(Q8_FFN_VARIANTS.iter().map(|v| v.kernel))
 }
 
+/// Arguments of the fused Q8_0 FFN variants as `launch_ffn` passes them
+/// (`SB_Q8S_PARAMS`, `part_ch`, the folded norm's three); the crate's
+/// `nvrtc_check` test holds the kernels' PTX parameter lists to it.
+pub(crate) const Q8_VARIANT_ARGS: usize = 19;
+/// Arguments of the other fused FFN kernels: `SB_Q8S_PARAMS` (15; Q2_K's
+/// are the same) and NVFP4's three tensor scales on top.
+pub(crate) const FFN_KERNEL_ARGS: usize = 15;
+
 /// Where the fused Q8_0 FFN variants (`superblock_ffn_q8s_v<n>`: x at 4, d
 /// at 3, then after `part_ch` (15) the folded norm's weights, eps and
 /// output) take the RMSNorm before them (`CudaBackend::fold_norm`,
@@ -1156,6 +1164,18 @@ impl SparseCudaBackend {
             (ld.grid.max(1), 1, 1),
             (FFN_THREADS, 1, 1),
         );
+        let want = match (ld.format, self.q8_kernel) {
+            (PageFormat::Q8_0, Q8Kernel::Variant { .. }) => Q8_VARIANT_ARGS,
+            (PageFormat::Nvfp4, _) => FFN_KERNEL_ARGS + 3,
+            _ => FFN_KERNEL_ARGS,
+        };
+        if base(1).len() != want {
+            return Err(rt(format!(
+                "{}: {} launch arguments, the kernel takes {want}",
+                self.kernel_for(ld.format),
+                base(1).len()
+            )));
+        }
         // The residual fold patches these two arguments by position.
         if let Some((acc_at, y_at)) = ffn_accumulate_slots(k) {
             let a = base(2);
