@@ -76,7 +76,7 @@ for pf in q2_k nvfp4; do
     --active 1.0,0.4,0.25 --prompt 16 --gen 66
   { echo "== 7B, defaults, --page-format $pf"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$pf.log" | tail -5; } >> "$L/tables.txt"
 done
-rm -f "$W"/qwen2.5-*.gguf
+[ "${KEEP_MODELS:-0}" = 1 ] || rm -f "$W"/qwen2.5-*.gguf  # KEEP_MODELS=1: h200-rest.sh reuses them
 echo "total $((SECONDS - T0)) s"
 tar -czf "$OUT/pdl-logs.tgz" -C "$L" . 2>/dev/null
 echo; cat "$L/tables.txt"
