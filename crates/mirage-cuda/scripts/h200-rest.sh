@@ -50,7 +50,7 @@ IFS=';' read -r -a SPARSE_LIST <<< "${SPARSE_CFGS:-}"
 for cfg in "${SPARSE_LIST[@]}"; do
   left "7b sparse $cfg" || break
   i=$((i + 1))
-  run "s7_$i" 90 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages \
+  run "s7_$i" 150 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages \
     --active 1.0,0.4,0.25 --prompt 16 --gen 66
   { echo "== 7B q8_0 sparse, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/s7_$i.log" | tail -4; } >> "$L/tables.txt"
 done
@@ -64,7 +64,7 @@ ncu_run() { # tag, timeout, one VAR=value, bench args...
 if [ -n "$NCU" ]; then
   left ncu05 && ncu_run 05 60 MIRAGE_CUDA_PDL=1 --model "$M05"
   left ncu7n && ncu_run 7_nofold 90 MIRAGE_CUDA_FUSE_NORM=0 --model "$M7"
-  left ncu7s && ncu_run 7_sparse40 150 MIRAGE_CUDA_PDL=1 --model "$M7" --synthetic-pages --active 0.4
+  left ncu7s && ncu_run 7_sparse40 150 MIRAGE_CUDA_PDL=1 --model "$M7" --synthetic-pages --active 0.4 --prefix-dense off
 fi
 echo "total $((SECONDS - T0)) s"
 tar -czf "$OUT/rest-logs.tgz" -C "$L" . 2>/dev/null
