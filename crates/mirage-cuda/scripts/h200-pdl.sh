@@ -54,7 +54,7 @@ for cfg in "${CFG_LIST[@]}"; do
   i=$((i + 1))
   run "b7_$i" 90 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages --prefix-dense off \
     --active 1.0,0.4,0.25 --prompt 16 --gen 66
-  { echo "== 7B q8_0, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$i.log" | tail -5; } >> "$L/tables.txt"
+  { echo "== 7B q8_0, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$i.log" | tail -7; } >> "$L/tables.txt"
 done
 for pdl in ${PDL_05B:-off on off on}; do
   left "0.5b $pdl" || break
@@ -74,7 +74,7 @@ for pf in q2_k nvfp4; do
   left "7b $pf" || break
   run "b7_$pf" 150 "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages --page-format $pf \
     --active 1.0,0.4,0.25 --prompt 16 --gen 66
-  { echo "== 7B, defaults, --page-format $pf"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$pf.log" | tail -5; } >> "$L/tables.txt"
+  { echo "== 7B, defaults, --page-format $pf"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$pf.log" | tail -9; } >> "$L/tables.txt"
 done
 [ "${KEEP_MODELS:-0}" = 1 ] || rm -f "$W"/qwen2.5-*.gguf  # KEEP_MODELS=1: h200-rest.sh reuses them
 echo "total $((SECONDS - T0)) s"

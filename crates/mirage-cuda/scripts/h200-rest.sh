@@ -52,7 +52,7 @@ for cfg in "${SPARSE_LIST[@]}"; do
   i=$((i + 1))
   run "s7_$i" 150 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages \
     --active 1.0,0.4,0.25 --prompt 16 --gen 66
-  { echo "== 7B q8_0 sparse, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/s7_$i.log" | tail -4; } >> "$L/tables.txt"
+  { echo "== 7B q8_0 sparse, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/s7_$i.log" | tail -9; } >> "$L/tables.txt"
 done
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 ncu_run() { # tag, timeout, one VAR=value, bench args...
