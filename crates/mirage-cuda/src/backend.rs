@@ -2733,32 +2733,37 @@ impl Backend for CudaBackend {
                 ],
             )?;
         }
+        // attend_part's arguments; attend_fused takes its counters and the
+        // output after them.
+        let part_args = || {
+            vec![
+                Arg::Ptr(pq),
+                Arg::Ptr(pkc),
+                Arg::Ptr(pvc),
+                Arg::Ptr(pslots),
+                Arg::I32(nh),
+                Arg::I32(nkv),
+                Arg::I32(hdi),
+                Arg::I32(n_ctx),
+                Arg::I32(chunk as i32),
+                Arg::F32(scale),
+                Arg::Ptr(ppart),
+            ]
+        };
         if pruned != Some(false) && !tiled && self.fused_attention() {
             // attend_part and attend_combine in one launch (the same bits).
             let pcount = {
                 let mut s = self.scratch();
                 self.grow_scratch(&mut s.attn_count, n * p.n_head)?
             };
+            let mut args = part_args();
+            args.extend([Arg::Ptr(pcount), Arg::Ptr(po)]);
             self.launch(
                 &format!("attend_fused_{kv}"),
                 (n as u32, p.n_head as u32, n_split as u32),
                 (ATTEND_THREADS, 1, 1),
                 0,
-                vec![
-                    Arg::Ptr(pq),
-                    Arg::Ptr(pkc),
-                    Arg::Ptr(pvc),
-                    Arg::Ptr(pslots),
-                    Arg::I32(nh),
-                    Arg::I32(nkv),
-                    Arg::I32(hdi),
-                    Arg::I32(n_ctx),
-                    Arg::I32(chunk as i32),
-                    Arg::F32(scale),
-                    Arg::Ptr(ppart),
-                    Arg::Ptr(pcount),
-                    Arg::Ptr(po),
-                ],
+                args,
             )?;
         } else if pruned != Some(false) && !tiled {
             self.launch(
@@ -2766,19 +2771,7 @@ impl Backend for CudaBackend {
                 (n as u32, p.n_head as u32, n_split as u32),
                 (ATTEND_THREADS, 1, 1),
                 0,
-                vec![
-                    Arg::Ptr(pq),
-                    Arg::Ptr(pkc),
-                    Arg::Ptr(pvc),
-                    Arg::Ptr(pslots),
-                    Arg::I32(nh),
-                    Arg::I32(nkv),
-                    Arg::I32(hdi),
-                    Arg::I32(n_ctx),
-                    Arg::I32(chunk as i32),
-                    Arg::F32(scale),
-                    Arg::Ptr(ppart),
-                ],
+                part_args(),
             )?;
             self.launch(
                 "attend_combine",
