@@ -16,7 +16,7 @@ use mirage_runtime::{CpuBackend, Model};
 use rand::Rng;
 
 mod common;
-use common::{cuda, randn, rng};
+use common::{bits_differ, cuda, randn, rng};
 
 fn host_matrix(name: &str, ty: GgmlType, rows: usize, cols: usize, values: &[f32]) -> HostMatrix {
     let rb = quant::row_bytes(ty, cols).unwrap();
@@ -1199,11 +1199,7 @@ fn pdl_decode_equals_serialized_decode() {
             for batch in [1usize, 2] {
                 let (lo, to) = greedy_run(&off, batch, 12, None);
                 let (ln, tn) = greedy_run(&on, batch, 12, None);
-                let differ = lo
-                    .iter()
-                    .zip(&ln)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
+                let differ = bits_differ(&lo, &ln);
                 eprintln!(
                     "{types:?} v{v} batch {batch}: PDL {} vs off: {differ} of {} logits differ",
                     if has_pdl { "on" } else { "(unsupported)" },
@@ -1241,11 +1237,7 @@ fn fused_attention_equals_part_and_combine() {
             for batch in [1usize, 2] {
                 let (lt, tt) = greedy_run(&two, batch, 60, None);
                 let (lo, to) = greedy_run(&one, batch, 60, None);
-                let differ = lt
-                    .iter()
-                    .zip(&lo)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
+                let differ = bits_differ(&lt, &lo);
                 eprintln!(
                     "{types:?} graphs {graphs} batch {batch}: fused vs two launches: {differ} of {} logits differ",
                     lt.len()

@@ -38,7 +38,7 @@ use mirage_cuda::q2k_layer_pages;
 use mirage_cuda::superblock_q2k::{q2k_page_bytes, quantize_q2k_rows, split_q2k_rows, Q2kPages};
 
 mod common;
-use common::{cuda, rng};
+use common::{bits_differ, cuda, rng};
 
 const PAGE: usize = 128;
 const D: usize = 256;
@@ -515,12 +515,7 @@ fn residual_add_folds_into_the_sparse_ffn() {
             .unwrap();
             let mut got = Vec::new();
             sb.read(&res, &mut got).unwrap();
-            let differ = got
-                .iter()
-                .zip(&want)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            assert_eq!(differ, 0, "{mode:?}: folded add vs ffn + add_inplace");
+            assert_eq!(bits_differ(&got, &want), 0, "{mode:?}: folded add vs ffn + add_inplace");
         }
         let n = sb.inner().last_graph_launches();
         eprintln!("{mode:?}: recorded step of {n} launches, folded add == op by op");
@@ -567,14 +562,8 @@ fn ffn_norm_folds_into_the_sparse_ffn() {
             let (mut got, mut got_n) = (Vec::new(), Vec::new());
             sb.read(&h, &mut got).unwrap();
             sb.read(&xn, &mut got_n).unwrap();
-            let differ = |a: &[f32], b: &[f32]| {
-                a.iter()
-                    .zip(b)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count()
-            };
-            assert_eq!(differ(&got, &want), 0, "{mode:?}: folded norm FFN vs rms_norm + FFN");
-            assert_eq!(differ(&got_n, &want_n), 0, "{mode:?}: the norm's output buffer");
+            assert_eq!(bits_differ(&got, &want), 0, "{mode:?}: folded norm FFN vs rms_norm + FFN");
+            assert_eq!(bits_differ(&got_n, &want_n), 0, "{mode:?}: the norm's output buffer");
         }
         let n = sb.inner().last_graph_launches();
         eprintln!("{mode:?}: recorded step of {n} launches, folded norm == op by op");

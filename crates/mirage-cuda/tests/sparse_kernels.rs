@@ -15,6 +15,25 @@ fn rng(seed: u64) -> rand::rngs::StdRng {
     rand::rngs::StdRng::seed_from_u64(seed)
 }
 
+/// The page lists the fused-FFN tests run: every page; a random subset in
+/// reverse order with a repeated page, plus two ids past the end that the
+/// kernel must skip (`ids` holds them, the reference set does not); none.
+/// Each entry is (name, reference pages, device ids).
+fn page_sets(r: &mut impl Rng, n_pages: usize) -> [(&'static str, Vec<usize>, Vec<u32>); 3] {
+    let all: Vec<usize> = (0..n_pages).collect();
+    let mut subset: Vec<usize> = (0..n_pages).filter(|_| r.random_bool(0.5)).collect();
+    if subset.is_empty() {
+        subset.push(n_pages - 1);
+    }
+    subset.reverse();
+    subset.push(subset[0]);
+    let mut ids: Vec<u32> = subset.iter().map(|&p| p as u32).collect();
+    ids.insert(ids.len() / 2, n_pages as u32 + 1000);
+    ids.insert(0, n_pages as u32);
+    let all_ids = all.iter().map(|&p| p as u32).collect();
+    [("all", all, all_ids), ("subset", subset, ids), ("empty", Vec::new(), Vec::new())]
+}
+
 fn uniform(r: &mut impl Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
         .map(|_| r.random_range(-1.0f32..1.0) * scale)
@@ -517,23 +536,7 @@ mod gpu {
             let x = uniform(&mut r, d, 1.0);
             let residual = uniform(&mut r, d, 0.1);
             let dx = dev.upload_f32(&x).unwrap();
-            let all: Vec<usize> = (0..n_pages).collect();
-            let mut subset: Vec<usize> = (0..n_pages).filter(|_| r.random_bool(0.5)).collect();
-            if subset.is_empty() {
-                subset.push(n_pages - 1);
-            }
-            subset.reverse();
-            subset.push(subset[0]);
-            let sets: [(&str, Vec<usize>, Vec<u32>); 3] = [
-                ("all", all.clone(), all.iter().map(|&p| p as u32).collect()),
-                ("subset", subset.clone(), {
-                    let mut ids: Vec<u32> = subset.iter().map(|&p| p as u32).collect();
-                    ids.insert(ids.len() / 2, n_pages as u32 + 1000);
-                    ids.insert(0, n_pages as u32);
-                    ids
-                }),
-                ("empty", Vec::new(), Vec::new()),
-            ];
+            let sets = page_sets(&mut r, n_pages);
             let mut scratch = FfnScratch::default();
             let mut active = dev.new_active(&[], n_pages + 8).unwrap();
             for (name, set, ids) in &sets {
@@ -718,23 +721,7 @@ mod gpu {
     ) {
         let x = uniform(r, d, 1.0);
         let residual = uniform(r, d, 0.1);
-        let all: Vec<usize> = (0..n_pages).collect();
-        let mut subset: Vec<usize> = (0..n_pages).filter(|_| r.random_bool(0.5)).collect();
-        if subset.is_empty() {
-            subset.push(n_pages - 1);
-        }
-        subset.reverse();
-        subset.push(subset[0]);
-        let sets: [(&str, Vec<usize>, Vec<u32>); 3] = [
-            ("all", all.clone(), all.iter().map(|&p| p as u32).collect()),
-            ("subset", subset.clone(), {
-                let mut ids: Vec<u32> = subset.iter().map(|&p| p as u32).collect();
-                ids.insert(ids.len() / 2, n_pages as u32 + 1000);
-                ids.insert(0, n_pages as u32);
-                ids
-            }),
-            ("empty", Vec::new(), Vec::new()),
-        ];
+        let sets = page_sets(r, n_pages);
         let mut scratch = FfnScratch::default();
         let mut active = dev.new_active(&[], n_pages + 8).unwrap();
         for (name, set, ids) in &sets {

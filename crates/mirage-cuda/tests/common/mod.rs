@@ -44,3 +44,13 @@ pub fn randn(r: &mut impl Rng, n: usize) -> Vec<f32> {
         .map(|_| r.random_range(-1.0f32..1.0) + r.random_range(-1.0f32..1.0))
         .collect()
 }
+
+/// How many elements of `a` and `b` differ in their bits (the bit-equality
+/// tests print it; a length mismatch counts the missing elements too).
+pub fn bits_differ(a: &[f32], b: &[f32]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count()
+        + a.len().abs_diff(b.len())
+}
