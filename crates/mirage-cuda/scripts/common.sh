@@ -31,6 +31,19 @@ device_env() {
   export MIRAGE_CUDA_CACHE=$1/cache
 }
 
+# The start of a device run: device_unpack and device_env, the GPU's name,
+# driver, memory in use and clocks, the bundle's commit, and T0 (the clock
+# `left` measures BUDGET from).
+device_start() {
+  local bin=$1 w=$2
+  device_unpack "$bin" "$w" || return 1
+  device_env "$w"
+  nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.max.sm,clocks.mem,power.draw \
+    --format=csv,noheader
+  [ -f "$bin/COMMIT" ] && echo "bundle commit $(cat "$bin/COMMIT")"
+  T0=$SECONDS
+}
+
 test_executables() {
   nice cargo test --release "$@" --no-run --message-format json 2>/dev/null |
     python3 -c 'import json,sys

@@ -24,12 +24,8 @@ OUT=${OUT:-/tmp/out}
 L=$W/log
 mkdir -p "$W" "$L" "$OUT"
 . "$(dirname "$0")/common.sh"
-device_unpack "$BIN" "$W" || exit 1
-device_env "$W"
+device_start "$BIN" "$W" || exit 1
 export MIRAGE_REQUIRE_CUDA_TESTS=1
-nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
-[ -f "$BIN/COMMIT" ] && echo "bundle commit $(cat "$BIN/COMMIT")"
-T0=$SECONDS
 BUDGET=${BUDGET:-480}
 run fast_decode 150 "$W/fast_decode" --nocapture --test-threads 1
 grep -E "panicked|FAILED|PDL on" "$L/fast_decode.log" | cut -c1-160 | head -6

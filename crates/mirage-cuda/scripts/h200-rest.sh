@@ -23,11 +23,7 @@ OUT=${OUT:-/tmp/out}
 L=$W/log-rest
 mkdir -p "$W" "$L" "$OUT"
 . "$(dirname "$0")/common.sh"
-device_unpack "$BIN" "$W" || exit 1
-device_env "$W"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv,noheader
-[ -f "$BIN/COMMIT" ] && echo "bundle commit $(cat "$BIN/COMMIT")"
-T0=$SECONDS
+device_start "$BIN" "$W" || exit 1
 BUDGET=${BUDGET:-200}
 for s in qwen2.5-7b qwen2.5-0.5b; do
   [ -f "$W/$s.gguf" ] || timeout 120 "$W/xtask" synth-model --like $s --quant q8_0 --out "$W/$s.gguf" \

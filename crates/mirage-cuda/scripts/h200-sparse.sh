@@ -21,12 +21,8 @@ OUT=${OUT:-/tmp/out}
 L=$W/log
 mkdir -p "$W" "$L" "$OUT"
 . "$(dirname "$0")/common.sh"
-device_unpack "$BIN" "$W" || exit 1
-device_env "$W"
+device_start "$BIN" "$W" || exit 1
 export MIRAGE_REQUIRE_CUDA_TESTS=1
-nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
-[ -f "$BIN/COMMIT" ] && echo "bundle commit $(cat "$BIN/COMMIT")"
-T0=$SECONDS
 BUDGET=${BUDGET:-540}  # seconds: no new step starts after this (the call's limit is 600)
 MIRAGE_SKIP_MODEL_TESTS=1 run sparse_backend 150 "$W/sparse_backend" --nocapture --test-threads 1
 grep -E "panicked|FAILED|sizes|cosine" "$L/sparse_backend.log" | cut -c1-200 | head -10
