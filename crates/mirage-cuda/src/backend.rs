@@ -649,7 +649,9 @@ pub struct CudaBackend {
     /// `MIRAGE_CUDA_ATTN_FUSE=0` turns it off at start, `set_fused_attention`)
     /// or as `attend_part_*` + `attend_combine`.
     fused_attention: std::sync::atomic::AtomicBool,
-    /// `fold_residual_into_ffn` (`MIRAGE_SPARSE_FOLD_ADD`, read at start).
+    /// Whether the residual add after a sparse FFN folds into the FFN's
+    /// last phase in a recorded step (`MIRAGE_SPARSE_FOLD_ADD=0` at start
+    /// keeps the separate `add_inplace`).
     fold_ffn_add: bool,
     /// Programmatic dependent launch on (sm_90+, default; `MIRAGE_CUDA_PDL=0`
     /// turns it off at start, `set_pdl`).
@@ -1203,13 +1205,6 @@ impl CudaBackend {
         );
     }
 
-    /// Whether the residual add after a sparse FFN folds into the FFN's
-    /// last phase (`MIRAGE_SPARSE_FOLD_ADD=0` at start, or the fast path
-    /// off, keeps the separate `add_inplace`).
-    fn fold_residual_into_ffn(&self) -> bool {
-        self.fold_ffn_add
-    }
-
     /// Runs the split-K decode attention and its combine as one launch
     /// (`true`, default) or as two (`false`); the results are the same bits.
     pub fn set_fused_attention(&self, on: bool) {
@@ -1604,7 +1599,7 @@ impl CudaBackend {
                 let (acc_at, y_at) = (*acc_at, *y_at);
                 if res
                     && n_rows == 1
-                    && self.fold_residual_into_ffn()
+                    && self.fold_ffn_add
                     && l.args.get(y_at) == Some(&Arg::Ptr(target))
                     && l.args.get(acc_at) == Some(&Arg::I32(0))
                     && !l.args[..y_at].contains(&Arg::Ptr(extra))

@@ -1169,24 +1169,23 @@ impl SparseCudaBackend {
             (PageFormat::Nvfp4, _) => FFN_KERNEL_ARGS + 3,
             _ => FFN_KERNEL_ARGS,
         };
-        if base(1).len() != want {
+        let (phase1, phase2) = (base(1), base(2));
+        if phase1.len() != want {
             return Err(rt(format!(
-                "{}: {} launch arguments, the kernel takes {want}",
-                self.kernel_for(ld.format),
-                base(1).len()
+                "{k}: {} launch arguments, the kernel takes {want}",
+                phase1.len()
             )));
         }
         // The residual fold patches these two arguments by position.
         if let Some((acc_at, y_at)) = ffn_accumulate_slots(k) {
-            let a = base(2);
-            if a.get(acc_at) != Some(&Arg::I32(0)) || a.get(y_at) != Some(&Arg::Ptr(py)) {
+            if phase2.get(acc_at) != Some(&Arg::I32(0)) || phase2.get(y_at) != Some(&Arg::Ptr(py)) {
                 return Err(rt(format!(
                     "{k}: accumulate/y argument positions ({acc_at}, {y_at}) do not match the launch"
                 )));
             }
         }
-        self.inner.launch(k, g, b, (d * 4) as u32, base(1))?;
-        self.inner.launch(k, g, b, 0, base(2))
+        self.inner.launch(k, g, b, (d * 4) as u32, phase1)?;
+        self.inner.launch(k, g, b, 0, phase2)
     }
 
     /// Writes `data` (`rows * width` floats) into `a`, reusing its buffer
