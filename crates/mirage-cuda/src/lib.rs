@@ -118,11 +118,8 @@ mod nvrtc_check {
 
     /// Parameters of kernel `name` in `ptx` (its `.entry` line's list).
     fn param_count(ptx: &str, name: &str) -> usize {
-        let at = ptx
-            .find(&format!(".entry {name}("))
-            .unwrap_or_else(|| panic!("{name} not in the PTX"));
-        let body = &ptx[at..];
-        body[..body.find(')').unwrap()].matches(".param").count()
+        let e = module::entry(ptx, name).unwrap_or_else(|| panic!("{name} not in the PTX"));
+        e[..e.find(')').unwrap()].matches(".param").count()
     }
 
     fn check(module_name: &str, source: &str, kernels: &[&str]) -> String {
@@ -130,7 +127,7 @@ mod nvrtc_check {
             .unwrap_or_else(|e| panic!("{module_name}: {e}"));
         let missing: Vec<_> = kernels
             .iter()
-            .filter(|k| !ptx.contains(&format!(".entry {k}(")))
+            .filter(|k| module::entry(&ptx, k).is_none())
             .collect();
         assert!(
             missing.is_empty(),

@@ -36,7 +36,7 @@ const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
 /// weight row the mat-vec variants ask L2 for before waiting on the previous
 /// kernel, `cuda/pdl.cu`; `0` turns the prefetch off) when that variable is
 /// a number, and `MIRAGE_NORM_SCALAR` when `MIRAGE_CUDA_NORM=scalar` (the
-/// RMSNorm's previous scalar loop instead of its vector path, dense.cu's
+/// RMSNorm's previous scalar loop instead of its vector path, norm.cu's
 /// `rms_norm_row`); `source` as it is when neither is set.
 pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     let mut defines = String::new();
@@ -61,16 +61,20 @@ pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
 /// launched with programmatic stream serialization, since it is what keeps
 /// the kernel from reading the previous kernel's output too early.
 pub fn waits_on_prerequisite(ptx: &str, name: &str) -> bool {
-    let Some(at) = ptx
+    entry(ptx, name).is_some_and(|e| e.contains("griddepcontrol.wait"))
+}
+
+/// The text of kernel `name` in `ptx`: from its `.entry name(` line (its
+/// parameter list first) up to the next kernel's; `None` when the PTX has
+/// no such kernel (a name that is a prefix of another kernel's does not
+/// match that kernel).
+pub(crate) fn entry<'a>(ptx: &'a str, name: &str) -> Option<&'a str> {
+    let at = ptx
         .match_indices(".entry ")
         .map(|(i, _)| i)
-        .find(|&i| ptx[i + 7..].starts_with(name) && ptx[i + 7 + name.len()..].starts_with('('))
-    else {
-        return false;
-    };
+        .find(|&i| ptx[i + 7..].starts_with(name) && ptx[i + 7 + name.len()..].starts_with('('))?;
     let body = &ptx[at + 7..];
-    let end = body.find(".entry ").unwrap_or(body.len());
-    body[..end].contains("griddepcontrol.wait")
+    Some(&body[..body.find(".entry ").unwrap_or(body.len())])
 }
 
 fn fnv1a(parts: &[&str]) -> u64 {
