@@ -246,33 +246,41 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     // and as their own launches (which the H200 measured 8.7 % faster on
     // the 7B shape); speed-ups are against the faster of the two, so a
     // sparse row never beats a dense configuration that is not the best.
+    // Every backend of the run: same device, weight encoding and PDL.
+    let new_backend = || -> anyhow::Result<CudaBackend> {
+        let b = CudaBackend::new(args.device).context("starting the CUDA backend")?;
+        b.set_weight_format(weights);
+        b.set_pdl(pdl);
+        Ok(b)
+    };
+    // A row of a dense decode (`speedup` filled in once the best dense is known).
+    let dense_row = |mode: String, active_share: f64, d: &Decode, bytes: u64| Row {
+        mode,
+        page_format: None,
+        weights: args.weights.clone(),
+        active_share,
+        decode_tok_s: d.tok_s,
+        speedup: f64::NAN,
+        step_ms: d.median_ms,
+        route_us_layer: 0.0,
+        ffn_us_layer: f64::NAN,
+        rest_ms: f64::NAN,
+        mib_per_token: mib(bytes as f64),
+    };
     let mut device = String::new();
     let mut dense_tok_s = 0.0f64;
     let mut best_fold = true;
     for fold in [true, false] {
-        let b = CudaBackend::new(args.device).context("starting the CUDA backend")?;
+        let b = new_backend()?;
         device = b.device_name().to_string();
-        b.set_weight_format(weights);
-        b.set_pdl(pdl);
         b.set_fuse_norm(fold);
         let model = Model::load(file.clone(), b)?;
         let d = decode(&model, n_prompt, n_gen, || Ok(None))?;
         if d.tok_s > dense_tok_s {
             (dense_tok_s, best_fold) = (d.tok_s, fold);
         }
-        rows.push(Row {
-            mode: if fold { "dense".into() } else { "dense (norms unfolded)".into() },
-            page_format: None,
-            weights: args.weights.clone(),
-            active_share: 1.0,
-            decode_tok_s: d.tok_s,
-            speedup: f64::NAN,
-            step_ms: d.median_ms,
-            route_us_layer: 0.0,
-            ffn_us_layer: f64::NAN,
-            rest_ms: f64::NAN,
-            mib_per_token: mib((other_bytes + ffn_bytes) as f64),
-        });
+        let mode = if fold { "dense" } else { "dense (norms unfolded)" };
+        rows.push(dense_row(mode.into(), 1.0, &d, other_bytes + ffn_bytes));
     }
     for r in rows.iter_mut() {
         r.speedup = r.decode_tok_s / dense_tok_s;
@@ -297,37 +305,26 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             let cut = mirage_artifact::prefix_slice(&file, order, f)
                 .with_context(|| format!("cutting the {:.0}% prefix slice", f * 100.0))?;
             let (other, ffn) = token_bytes(&cut.file);
-            let b = CudaBackend::new(args.device).context("starting the CUDA backend")?;
-            b.set_weight_format(weights);
-            b.set_pdl(pdl);
+            let b = new_backend()?;
             // The faster of the two dense norm settings.
             b.set_fuse_norm(best_fold);
             let model = Model::load(Arc::new(cut.file), b)?;
             let d = decode(&model, n_prompt, n_gen, || Ok(None))?;
+            let mode = format!(
+                "prefix {:.0}% dense{}",
+                f * 100.0,
+                if cut.requantized_down { " (q8 down)" } else { "" }
+            );
+            let share = cut.pages as f64 / cut.total_pages.max(1) as f64;
             rows.push(Row {
-                mode: format!(
-                    "prefix {:.0}% dense{}",
-                    f * 100.0,
-                    if cut.requantized_down { " (q8 down)" } else { "" }
-                ),
-                page_format: None,
-                weights: args.weights.clone(),
-                active_share: cut.pages as f64 / cut.total_pages.max(1) as f64,
-                decode_tok_s: d.tok_s,
                 speedup: d.tok_s / dense_tok_s,
-                step_ms: d.median_ms,
-                route_us_layer: 0.0,
-                ffn_us_layer: f64::NAN,
-                rest_ms: f64::NAN,
-                mib_per_token: mib((other + ffn) as f64),
+                ..dense_row(mode, share, &d, other + ffn)
             });
         }
     }
 
     // Sparse.
-    let inner = CudaBackend::new(args.device).context("starting the CUDA backend")?;
-    inner.set_weight_format(weights);
-    inner.set_pdl(pdl);
+    let inner = new_backend()?;
     let sb = SparseCudaBackend::new(inner, source.clone(), SparsePages::All)
         .context("starting the sparse backend")?;
     sb.set_page_format(format)?;
