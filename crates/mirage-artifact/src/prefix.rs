@@ -71,7 +71,6 @@ pub fn prefix_slice(file: &GgufFile, order: ChannelOrder<'_>, fraction: f32) -> 
     if file.tensors().iter().any(|t| t.name.starts_with("blk.") && t.name.contains(".ffn_") && t.name.ends_with(".bias")) {
         return Err(invalid("prefix slicing does not handle FFN biases".into()));
     }
-    // Per layer: the kept source channels, in order.
     let total_pages = match order {
         ChannelOrder::Source => {
             if n_ff % PAGE_CHANNELS != 0 {
@@ -99,6 +98,7 @@ pub fn prefix_slice(file: &GgufFile, order: ChannelOrder<'_>, fraction: f32) -> 
     };
     let pages = pages_for_fraction(fraction, total_pages);
     let kept = pages * PAGE_CHANNELS;
+    // Per layer: the kept source channels, in order.
     let channels = |l: usize| -> Result<Vec<usize>> {
         match order {
             ChannelOrder::Source => Ok((0..kept).collect()),
@@ -112,6 +112,7 @@ pub fn prefix_slice(file: &GgufFile, order: ChannelOrder<'_>, fraction: f32) -> 
             }
         }
     };
+    let kept_channels = (0..n_layer).map(channels).collect::<Result<Vec<_>>>()?;
     let mut md = file.metadata().clone();
     md.insert(format!("{arch}.feed_forward_length"), Value::U32(kept as u32));
     let mut w = GgufWriter::new(md);
@@ -131,7 +132,9 @@ pub fn prefix_slice(file: &GgufFile, order: ChannelOrder<'_>, fraction: f32) -> 
             w.add_tensor(name, info.dims.clone(), info.ty, view.data)?;
             continue;
         };
-        let keep = channels(l)?;
+        let keep = kept_channels
+            .get(l)
+            .ok_or_else(|| invalid(format!("{name}: block {l} is past block_count {n_layer}")))?;
         let ty = info.ty;
         if kind == "ffn_down.weight" {
             if info.dims != [n_ff as u64, d as u64] {
@@ -157,7 +160,7 @@ pub fn prefix_slice(file: &GgufFile, order: ChannelOrder<'_>, fraction: f32) -> 
                 let (mut row, mut gathered) = (vec![0f32; n_ff], vec![0f32; kept]);
                 for r in 0..d {
                     dequantize(ty, &view.data[r * row_in..(r + 1) * row_in], &mut row)?;
-                    for (g, &c) in gathered.iter_mut().zip(&keep) {
+                    for (g, &c) in gathered.iter_mut().zip(keep) {
                         *g = row[c];
                     }
                     quantize(out_ty, &gathered, &mut data[r * row_out..(r + 1) * row_out])?;
@@ -171,7 +174,7 @@ pub fn prefix_slice(file: &GgufFile, order: ChannelOrder<'_>, fraction: f32) -> 
             }
             let row = bytes_for(ty, d)?;
             let mut data = Vec::with_capacity(row * kept);
-            for &c in &keep {
+            for &c in keep {
                 data.extend_from_slice(&view.data[c * row..(c + 1) * row]);
             }
             w.add_tensor(name, vec![d as u64, kept as u64], ty, data)?;
