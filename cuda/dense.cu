@@ -43,11 +43,7 @@ __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) <
 
 __device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+__device__ __forceinline__ float warp_sum(float v) { return norm_warp_sum(v); }
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
