@@ -122,6 +122,27 @@ fn reference_ffn(f: &PagedFfn, x: &[f32], pages: &[usize]) -> Vec<f64> {
     y
 }
 
+/// The fused-FFN tests' bound on one page set: the ordered result against
+/// the reference, and the atomic and ordered results accumulated onto a
+/// residual against reference + residual, each under 1e-5 relative error.
+/// Returns the three errors (ordered, atomic + residual, ordered + residual).
+fn check_ffn_errors(
+    tag: &str,
+    ordered: &[f32],
+    atomic: &[f32],
+    ordered_acc: &[f32],
+    want: &[f64],
+    want_acc: &[f64],
+) -> [f64; 3] {
+    let e = rel_err(ordered, want);
+    let ea = rel_err(atomic, want_acc);
+    let eo = rel_err(ordered_acc, want_acc);
+    assert!(e < 1e-5, "{tag}: ordered relative error {e}");
+    assert!(ea < 1e-5, "{tag}: atomic relative error {ea}");
+    assert!(eo < 1e-5, "{tag}: ordered onto a residual: relative error {eo}");
+    [e, ea, eo]
+}
+
 fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
     assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
@@ -601,20 +622,14 @@ mod gpu {
                                     "{tag}: ordered, no pages, changed y"
                                 );
                             } else {
-                                let e = rel_err(&ordered, &want);
-                                let ea = rel_err(&atomic, &want_acc);
-                                let eo = rel_err(&ordered_acc, &want_acc);
+                                let [e, ea, eo] = check_ffn_errors(
+                                    &tag, &ordered, &atomic, &ordered_acc, &want, &want_acc,
+                                );
                                 if launch == FfnLaunch::TwoLaunches && part_ch == 0 {
                                     eprintln!(
                                         "{tag}: relative error ordered {e:.3e}, atomic + residual {ea:.3e}, ordered + residual {eo:.3e}"
                                     );
                                 }
-                                assert!(e < 1e-5, "{tag}: ordered relative error {e}");
-                                assert!(ea < 1e-5, "{tag}: atomic relative error {ea}");
-                                assert!(
-                                    eo < 1e-5,
-                                    "{tag}: ordered onto a residual: relative error {eo}"
-                                );
                             }
                             ordered_bits.push(ordered.iter().map(|v| v.to_bits()).collect());
                         }
@@ -749,18 +764,11 @@ mod gpu {
                     assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
                     assert_eq!(ordered_acc, residual, "{tag}: ordered, no pages, changed y");
                 } else {
-                    let e = rel_err(&ordered, &want);
-                    let ea = rel_err(&atomic, &want_acc);
-                    let eo = rel_err(&ordered_acc, &want_acc);
+                    let [e, ea, eo] =
+                        check_ffn_errors(&tag, &ordered, &atomic, &ordered_acc, &want, &want_acc);
                     eprintln!(
                         "{tag}: relative error ordered {e:.3e} (cosine {:.9}), atomic + residual {ea:.3e}, ordered + residual {eo:.3e}",
                         cosine(&ordered, &want)
-                    );
-                    assert!(e < 1e-5, "{tag}: ordered relative error {e}");
-                    assert!(ea < 1e-5, "{tag}: atomic relative error {ea}");
-                    assert!(
-                        eo < 1e-5,
-                        "{tag}: ordered onto a residual: relative error {eo}"
                     );
                 }
                 ordered_bits.push(ordered.iter().map(|v| v.to_bits()).collect());
