@@ -393,6 +393,21 @@ __device__ __forceinline__ float kv_load(const float* p, long i) { return p[i]; 
 __device__ __forceinline__ float kv_load(const u16* p, long i) { return h2f(p[i]); }
 __device__ __forceinline__ void kv_store(float* p, long i, float v) { p[i] = v; }
 __device__ __forceinline__ void kv_store(u16* p, long i, float v) { p[i] = f2h(v); }
+// What kv_load returns after kv_store(p, i, v): v as the cache holds it.
+__device__ __forceinline__ float kv_round(const float*, float v) { return v; }
+__device__ __forceinline__ float kv_round(const u16*, float v) { return h2f(f2h(v)); }
+
+// RoPE of pair i of a head (elements ia, ib: neox halves or adjacent) at
+// position pos, rope_store's arithmetic (shared with attend_rope, so both
+// give the same bits).
+__device__ __forceinline__ void rope_rotate(float a, float b, int i, int pos, int head_dim, float freq_base, float* ra,
+                                            float* rb) {
+    // The angle in double, as the CPU reference builds its tables.
+    double theta = (double)pos * pow((double)freq_base, -2.0 * (double)i / (double)head_dim);
+    float c = (float)cos(theta), s = (float)sin(theta);
+    *ra = a * c - b * s;
+    *rb = a * s + b * c;
+}
 
 // Optional per-head RMSNorm (qwen3) and RoPE of every q and k head of every
 // row, then the k and v heads are stored into the cache at the row's slot.
@@ -419,10 +434,8 @@ __device__ void rope_store(float* q, float* k, const float* __restrict__ v, cons
         a = a * scale * nw[ia];
         b = b * scale * nw[ib];
     }
-    // The angle in double, as the CPU reference builds its tables.
-    double theta = (double)pos * pow((double)freq_base, -2.0 * (double)i / (double)head_dim);
-    float c = (float)cos(theta), s = (float)sin(theta);
-    float ra = a * c - b * s, rb = a * s + b * c;
+    float ra, rb;
+    rope_rotate(a, b, i, pos, head_dim, freq_base, &ra, &rb);
     x[ia] = ra;
     x[ib] = rb;
     if (!is_q) {
@@ -452,10 +465,15 @@ __device__ void rope_store(float* q, float* k, const float* __restrict__ v, cons
 #define ATT_KB 4
 #define ATT_HD_LANE (ATT_THREADS / 32)
 #define ATT_VB 8
-template <typename KV>
-__device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
-                            const int* __restrict__ slots, int n_head, int n_head_kv, int head_dim, int n_ctx,
-                            int chunk, float scale, float* __restrict__ part) {
+// attend_part_with: the same, with the query head staged by load_q(qs) (a
+// copy from q, or attend_rope's rotated copy) and, when psub >= 0, the key
+// and value of position psub taken from ksub / vsub (shared memory, as the
+// cache will hold them) instead of the cache, which the same launch writes.
+template <typename KV, typename LoadQ>
+__device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+                                 const int* __restrict__ slots, int n_head, int n_head_kv, int head_dim, int n_ctx,
+                                 int chunk, float scale, const float* ksub, const float* vsub, int psub,
+                                 float* __restrict__ part) {
     __shared__ float qs[ATT_THREADS];
     __shared__ float sc[ATT_TILE];
     __shared__ float red[ATT_THREADS];
@@ -465,8 +483,7 @@ __device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ 
     int j0 = split * chunk, j1 = min(n, j0 + chunk);
     if (j0 >= j1) return;  // the combine step skips splits past the position
     int kvh = head / (n_head / n_head_kv);
-    const float* qh = q + ((long)row * n_head + head) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d];
+    load_q(qs);
     const KV* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
     const KV* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
@@ -490,6 +507,7 @@ __device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ 
                 for (int t = 0; t < ATT_HD_LANE; t++) {
                     const int e = lane + 32 * t;
                     kx[u][t] = jj < cnt && e < head_dim ? kv_load(K, kr + e) : 0.f;
+                    if (t0 + jj == psub && e < head_dim) kx[u][t] = ksub[e];
                 }
             }
 #pragma unroll
@@ -525,6 +543,7 @@ __device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ 
                 for (int u = 0; u < ATT_VB; u++) {
                     const int jj = jb + u * groups;
                     vx[u] = jj < cnt ? kv_load(V, (long)(t0 + jj) * head_dim + d) : 0.f;
+                    if (t0 + jj == psub) vx[u] = vsub[d];
                 }
 #pragma unroll
                 for (int u = 0; u < ATT_VB; u++) {
@@ -556,6 +575,76 @@ __device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ 
         P[0] = m;
         P[1] = ls;
     }
+}
+
+template <typename KV>
+__device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+                            const int* __restrict__ slots, int n_head, int n_head_kv, int head_dim, int n_ctx,
+                            int chunk, float scale, float* __restrict__ part) {
+    const float* qh = q + ((long)blockIdx.x * n_head + blockIdx.y) * head_dim;
+    attend_part_with<KV>(
+        [&](float* qs) {
+            for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d];
+        },
+        kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, (const float*)0, (const float*)0, -1, part);
+}
+
+// Decode rows' RoPE and KV store folded into the split attention (one
+// launch fewer per layer; MIRAGE_CUDA_ROPE_FUSE=0 keeps rope_store): block
+// (row, head, split) rotates its query head itself, and the block of the
+// last split (the one holding position pos, the row's new key) rotates the
+// row's key head and stages it and the value head, rounded as the cache
+// stores them, in shared memory; it attends position pos from there, since
+// the cache slot is written in the same launch (by the block of the first
+// query head of the KV group). Everything else is attend_part's. The same
+// bits as rope_store then attend_part: the same rotation (rope_rotate) and
+// the same values per key. Only for batches whose rows are in different
+// sequences (a row never attends another row's new key) and without the
+// per-head q/k norm (the host checks both). Grid and block as attend_part;
+// head_dim <= ATT_THREADS.
+template <typename KV>
+__device__ void attend_rope_part(const float* __restrict__ q, const float* __restrict__ k,
+                                 const float* __restrict__ v, KV* kc, KV* vc, const int* __restrict__ slots,
+                                 int n_head, int n_head_kv, int head_dim, int n_ctx, int chunk, float scale, int neox,
+                                 float freq_base, float* __restrict__ part) {
+    __shared__ float qr[ATT_THREADS], kr[ATT_THREADS], vr[ATT_THREADS];
+    const int row = blockIdx.x, head = blockIdx.y, half = head_dim >> 1;
+    const int seq = slots[2 * row], pos = slots[2 * row + 1];
+    const int kvh = head / (n_head / n_head_kv);
+    // The split of position pos is the last one with positions.
+    const bool has_new = (int)blockIdx.z == pos / chunk;
+    const bool stores = has_new && head % (n_head / n_head_kv) == 0;
+    const float* qh = q + ((long)row * n_head + head) * head_dim;
+    const float* kh = k + ((long)row * n_head_kv + kvh) * head_dim;
+    const float* vh = v + ((long)row * n_head_kv + kvh) * head_dim;
+    const long at = (((long)seq * n_head_kv + kvh) * n_ctx + pos) * head_dim;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+        float ra, rb;
+        rope_rotate(qh[ia], qh[ib], i, pos, head_dim, freq_base, &ra, &rb);
+        qr[ia] = ra;
+        qr[ib] = rb;
+        if (has_new) {
+            rope_rotate(kh[ia], kh[ib], i, pos, head_dim, freq_base, &ra, &rb);
+            const float va = vh[ia], vb = vh[ib];
+            kr[ia] = kv_round(kc, ra);
+            kr[ib] = kv_round(kc, rb);
+            vr[ia] = kv_round(vc, va);
+            vr[ib] = kv_round(vc, vb);
+            if (stores) {
+                kv_store(kc, at + ia, ra);
+                kv_store(kc, at + ib, rb);
+                kv_store(vc, at + ia, va);
+                kv_store(vc, at + ib, vb);
+            }
+        }
+    }
+    __syncthreads();
+    attend_part_with<KV>(
+        [&](float* qs) {
+            for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
+        },
+        kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, kr, vr, has_new ? pos : -1, part);
 }
 
 // Split-K attention, part 2: out[row, head, :] = sum_s e^(m_s - M) acc_s /
@@ -592,17 +681,17 @@ extern "C" __global__ void attend_combine(const float* __restrict__ part, const 
 // that block, so it is zero again for the next launch) merges the partials
 // with attend_combine's arithmetic: the same bits as the two launches, one
 // dependent launch fewer per layer. count: rows * n_head u32, zero at first
-// use. Grid and block as attend_part.
-template <typename KV>
-__device__ void attend_fused(const float* q, const KV* kc, const KV* vc, const int* slots, int n_head, int n_head_kv,
-                             int head_dim, int n_ctx, int chunk, float scale, float* part, unsigned* count,
-                             float* out) {
+// use. Grid and block as attend_part. part_fn() runs the block's split
+// (attend_part, or attend_rope_part for attend_rope).
+template <typename PartFn>
+__device__ void attend_then_merge(PartFn part_fn, const int* slots, int n_head, int head_dim, int chunk, float* part,
+                                  unsigned* count, float* out) {
     __shared__ int last;
     const int row = blockIdx.x, head = blockIdx.y, n_split = gridDim.z;
     const int n = slots[2 * row + 1] + 1;
     const int ns = min(n_split, (n + chunk - 1) / chunk);
     if ((int)blockIdx.z >= ns) return;  // attend_part's empty splits
-    attend_part<KV>(q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part);
+    part_fn();
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -735,7 +824,21 @@ __device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict
                                                    int n_head, int n_head_kv, int head_dim, int n_ctx, int chunk,   \
                                                    float scale, float* part, unsigned* count, float* out) {         \
         PDL_ENTRY();                                                                                                \
-        attend_fused<KV>(q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part, count, out);    \
+        attend_then_merge(                                                                                          \
+            [&] { attend_part<KV>(q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part); },      \
+            slots, n_head, head_dim, chunk, part, count, out);                                                      \
+    }                                                                                                               \
+    extern "C" __global__ void attend_rope_##NAME(const float* q, const float* k, const float* v, KV* kc, KV* vc,   \
+                                                  const int* slots, int n_head, int n_head_kv, int head_dim,        \
+                                                  int n_ctx, int chunk, float scale, int neox, float freq_base,     \
+                                                  float* part, unsigned* count, float* out) {                       \
+        PDL_ENTRY();                                                                                                \
+        attend_then_merge(                                                                                          \
+            [&] {                                                                                                   \
+                attend_rope_part<KV>(q, k, v, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale,     \
+                                     neox, freq_base, part);                                                        \
+            },                                                                                                      \
+            slots, n_head, head_dim, chunk, part, count, out);                                                      \
     }                                                                                                               \
     extern "C" __global__ void attend_prefill_##NAME(const float* q, const KV* kc, const KV* vc, const int* slots,  \
                                                      int n, int n_head, int n_head_kv, int head_dim, int n_ctx,     \

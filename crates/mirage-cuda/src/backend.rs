@@ -156,6 +156,8 @@ const OTHER_KERNELS: &[&str] = &[
     "attend_combine",
     "attend_fused_f32",
     "attend_fused_f16",
+    "attend_rope_f32",
+    "attend_rope_f16",
     "argmax_rows",
     "f32_to_f16",
     "page_bounds_f32",
@@ -649,6 +651,10 @@ pub struct CudaBackend {
     /// `MIRAGE_CUDA_ATTN_FUSE=0` turns it off at start, `set_fused_attention`)
     /// or as `attend_part_*` + `attend_combine`.
     fused_attention: std::sync::atomic::AtomicBool,
+    /// Decode rows' RoPE and KV store folded into the one-launch attention
+    /// (`attend_rope_*`, default; `MIRAGE_CUDA_ROPE_FUSE=0` at start or
+    /// `set_rope_in_attention(false)` keeps `rope_store_*` as its own launch).
+    rope_in_attention: std::sync::atomic::AtomicBool,
     /// Whether the residual add after a sparse FFN folds into the FFN's
     /// last phase in a recorded step (`MIRAGE_SPARSE_FOLD_ADD=0` at start
     /// keeps the separate `add_inplace`).
@@ -774,6 +780,7 @@ impl CudaBackend {
                 .into(),
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
+            rope_in_attention: (!env_off("MIRAGE_CUDA_ROPE_FUSE")).into(),
             fold_ffn_add: !env_off("MIRAGE_SPARSE_FOLD_ADD"),
             functions_names: names,
             kernel_index,
@@ -1216,6 +1223,16 @@ impl CudaBackend {
     pub fn fused_attention(&self) -> bool {
         self.fused_attention
             .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Folds the decode rows' RoPE and KV-cache store into the one-launch
+    /// attention (`true`, default) or keeps them a launch of their own; the
+    /// results are the same bits. Applies where the attention runs as one
+    /// launch, without a per-head q/k norm or KV-page pruning, and every row
+    /// of the batch is in its own sequence.
+    pub fn set_rope_in_attention(&self, on: bool) {
+        self.rope_in_attention
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Kernel launches of the most recently replayed or captured decode
@@ -2653,29 +2670,46 @@ impl Backend for CudaBackend {
                 p.rope_scaling.kind
             )));
         }
-        self.launch(
-            &format!("rope_store_{kv}"),
-            (n as u32, (p.n_head + p.n_head_kv) as u32, 1),
-            ((hd / 2) as u32, 1, 1),
-            0,
-            vec![
-                Arg::Ptr(pq),
-                Arg::Ptr(pk),
-                Arg::Ptr(pv),
-                Arg::Ptr(pslots),
-                Arg::I32(nh),
-                Arg::I32(nkv),
-                Arg::I32(hdi),
-                Arg::I32((p.rope_mode == RopeMode::Neox) as i32),
-                Arg::F32(p.rope_freq_base),
-                Arg::Ptr(pqn),
-                Arg::Ptr(pkn),
-                Arg::F32(p.norm_eps),
-                Arg::Ptr(pkc),
-                Arg::Ptr(pvc),
-                Arg::I32(n_ctx),
-            ],
-        )?;
+        // The RoPE and KV store fold into the one-launch attention (the
+        // same bits) when nothing else reads the cache in between (no page
+        // boxes), there is no per-head q/k norm and no row attends another
+        // row's new key (each row in its own sequence).
+        let rope_in_attention = self
+            .rope_in_attention
+            .load(std::sync::atomic::Ordering::Relaxed)
+            && self.fused_attention()
+            && qk_norm.is_none()
+            && cache.pages.is_none()
+            && slots
+                .iter()
+                .enumerate()
+                .all(|(i, a)| slots[..i].iter().all(|b| b.seq != a.seq));
+        let neox = (p.rope_mode == RopeMode::Neox) as i32;
+        if !rope_in_attention {
+            self.launch(
+                &format!("rope_store_{kv}"),
+                (n as u32, (p.n_head + p.n_head_kv) as u32, 1),
+                ((hd / 2) as u32, 1, 1),
+                0,
+                vec![
+                    Arg::Ptr(pq),
+                    Arg::Ptr(pk),
+                    Arg::Ptr(pv),
+                    Arg::Ptr(pslots),
+                    Arg::I32(nh),
+                    Arg::I32(nkv),
+                    Arg::I32(hdi),
+                    Arg::I32(neox),
+                    Arg::F32(p.rope_freq_base),
+                    Arg::Ptr(pqn),
+                    Arg::Ptr(pkn),
+                    Arg::F32(p.norm_eps),
+                    Arg::Ptr(pkc),
+                    Arg::Ptr(pvc),
+                    Arg::I32(n_ctx),
+                ],
+            )?;
+        }
         let po = self.reshape(out, n, p.n_head * hd)?;
         let scale = 1.0 / (hd as f32).sqrt();
         // KV-page pruning: the boxes of the pages this batch wrote, then
@@ -2751,15 +2785,35 @@ impl Backend for CudaBackend {
                 let mut s = self.scratch();
                 self.grow_scratch(&mut s.attn_count, n * p.n_head)?
             };
-            let mut args = part_args();
-            args.extend([Arg::Ptr(pcount), Arg::Ptr(po)]);
-            self.launch(
-                &format!("attend_fused_{kv}"),
-                (n as u32, p.n_head as u32, n_split as u32),
-                (ATTEND_THREADS, 1, 1),
-                0,
-                args,
-            )?;
+            let grid = (n as u32, p.n_head as u32, n_split as u32);
+            if rope_in_attention {
+                let args = vec![
+                    Arg::Ptr(pq),
+                    Arg::Ptr(pk),
+                    Arg::Ptr(pv),
+                    Arg::Ptr(pkc),
+                    Arg::Ptr(pvc),
+                    Arg::Ptr(pslots),
+                    Arg::I32(nh),
+                    Arg::I32(nkv),
+                    Arg::I32(hdi),
+                    Arg::I32(n_ctx),
+                    Arg::I32(chunk as i32),
+                    Arg::F32(scale),
+                    Arg::I32(neox),
+                    Arg::F32(p.rope_freq_base),
+                    Arg::Ptr(ppart),
+                    Arg::Ptr(pcount),
+                    Arg::Ptr(po),
+                ];
+                let k = format!("attend_rope_{kv}");
+                self.launch(&k, grid, (ATTEND_THREADS, 1, 1), 0, args)?;
+            } else {
+                let mut args = part_args();
+                args.extend([Arg::Ptr(pcount), Arg::Ptr(po)]);
+                let k = format!("attend_fused_{kv}");
+                self.launch(&k, grid, (ATTEND_THREADS, 1, 1), 0, args)?;
+            }
         } else if pruned != Some(false) && !tiled {
             self.launch(
                 &format!("attend_part_{kv}"),

@@ -676,11 +676,22 @@ fn greedy_run(
     steps: usize,
     force: Option<&[u32]>,
 ) -> (Vec<f32>, Vec<u32>) {
+    greedy_run_kv(model, batch, steps, force, KvDtype::F32)
+}
+
+/// `greedy_run` with a KV cache of `kv`.
+fn greedy_run_kv(
+    model: &Model<CudaBackend>,
+    batch: usize,
+    steps: usize,
+    force: Option<&[u32]>,
+    kv: KvDtype,
+) -> (Vec<f32>, Vec<u32>) {
     use mirage_runtime::backend::TokenSlot;
     let vocab = model.config().vocab_size;
     let prompt_len = 20;
     let mut cache = model
-        .new_kv_cache(prompt_len + steps + 1, batch, KvDtype::F32)
+        .new_kv_cache(prompt_len + steps + 1, batch, kv)
         .unwrap();
     let mut scratch = model.new_scratch();
     let mut logits = Vec::new();
@@ -1244,6 +1255,58 @@ fn fused_attention_equals_part_and_combine() {
                 );
                 assert_eq!(tt, to, "{types:?} graphs {graphs} batch {batch}: tokens");
                 assert_eq!(differ, 0, "{types:?} graphs {graphs} batch {batch}: logits");
+            }
+        }
+    }
+}
+
+/// The decode rows' RoPE and KV store folded into the one-launch attention
+/// (`attend_rope_*`) against `rope_store_*` then `attend_fused_*`: the same
+/// rotation and the same values per key, so the same bits, over 60 greedy
+/// steps after a 20-token prompt (the new key in the second split too),
+/// batch 1 and 2 (two sequences), f32 and f16 caches, in graphs and op by op;
+/// a folded graph has one launch fewer per layer. NORM_MIX's per-head q/k
+/// norm keeps rope_store (the fold does not apply): equal too.
+#[test]
+fn rope_in_attention_equals_rope_store() {
+    let Some(probe) = cuda("rope_in_attention_equals_rope_store") else {
+        return;
+    };
+    drop(probe);
+    for types in [LAYER_MIXES[0], NORM_MIX] {
+        let file = tiny_model_with_bias(types);
+        for graphs in [true, false] {
+            let load = |fold: bool| {
+                let b = CudaBackend::new(0).unwrap();
+                b.set_graphs(graphs);
+                b.set_rope_in_attention(fold);
+                Model::load(file.clone(), b).unwrap()
+            };
+            let (apart, folded) = (load(false), load(true));
+            for kv in [KvDtype::F32, KvDtype::F16] {
+                for batch in [1usize, 2] {
+                    let (la, ta) = greedy_run_kv(&apart, batch, 60, None, kv);
+                    let (lf, tf) = greedy_run_kv(&folded, batch, 60, None, kv);
+                    let differ = bits_differ(&la, &lf);
+                    let launches = (
+                        apart.backend().last_graph_launches(),
+                        folded.backend().last_graph_launches(),
+                    );
+                    eprintln!(
+                        "{types:?} graphs {graphs} {kv:?} batch {batch}: RoPE in the attention vs \
+                         rope_store: {differ} of {} logits differ; graph launches {} vs {}",
+                        la.len(),
+                        launches.0,
+                        launches.1
+                    );
+                    let what = format!("{types:?} graphs {graphs} {kv:?} batch {batch}");
+                    assert_eq!(ta, tf, "{what}: tokens");
+                    assert_eq!(differ, 0, "{what}: logits");
+                    if graphs {
+                        let saved = if types == NORM_MIX { 0 } else { 2 };
+                        assert_eq!(launches.0, launches.1 + saved, "{what}: launches per graph");
+                    }
+                }
             }
         }
     }
