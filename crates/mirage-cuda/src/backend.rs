@@ -511,6 +511,9 @@ struct Launch {
     block: (u32, u32, u32),
     smem: u32,
     args: Vec<Arg>,
+    /// A cooperative launch (`cuLaunchCooperativeKernel`: every block
+    /// resident, so the kernel may have a grid barrier); never programmatic.
+    cooperative: bool,
 }
 
 /// A captured step and the launches it replays.
@@ -579,6 +582,7 @@ impl PendingNorm {
             grid: (self.rows as u32, 1, 1),
             block: (256, 1, 1),
             smem: 0,
+            cooperative: false,
             args: vec![
                 Arg::Ptr(self.x),
                 Arg::Ptr(self.w),
@@ -1127,6 +1131,20 @@ impl CudaBackend {
         smem: u32,
         args: Vec<Arg>,
     ) -> Result<()> {
+        self.launch_with(kernel, grid, block, smem, args, false)
+    }
+
+    /// `launch`, cooperatively when `cooperative` (the grid must fit the
+    /// device at once; a recorded step captures it as a cooperative node).
+    fn launch_with(
+        &self,
+        kernel: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: Vec<Arg>,
+        cooperative: bool,
+    ) -> Result<()> {
         let kernel = *self
             .kernel_index
             .get(kernel)
@@ -1137,6 +1155,7 @@ impl CudaBackend {
             block,
             smem,
             args,
+            cooperative,
         };
         let mut st = self.step_state();
         let st = &mut *st;
@@ -1328,7 +1347,7 @@ impl CudaBackend {
     }
 
     fn launch_now(&self, l: &Launch) -> Result<()> {
-        if self.waits[l.kernel] && self.pdl() {
+        if self.waits[l.kernel] && self.pdl() && !l.cooperative {
             return self.launch_programmatic(l);
         }
         let cfg = LaunchConfig {
@@ -1346,8 +1365,13 @@ impl CudaBackend {
             };
         }
         // SAFETY: every call site passes the argument list of the kernel's
-        // signature (pointers as u64) and checks the shapes first.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
+        // signature (pointers as u64) and checks the shapes first; a
+        // cooperative launch's caller sizes the grid to the resident blocks.
+        if l.cooperative {
+            unsafe { b.launch_cooperative(cfg) }.map_err(drv)?;
+        } else {
+            unsafe { b.launch(cfg) }.map_err(drv)?;
+        }
         Ok(())
     }
 

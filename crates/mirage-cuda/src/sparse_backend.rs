@@ -432,6 +432,11 @@ pub struct SparseCudaBackend {
     multiprocessors: u32,
     /// Which `superblock_ffn_q8s` kernel Q8_0 pages run (see [`Q8Kernel`]).
     q8_kernel: Q8Kernel,
+    /// The fused FFN as one cooperative launch (both phases, the kernel's
+    /// grid barrier between them; a recorded step captures it as one
+    /// cooperative node) instead of the two phase launches.
+    /// `MIRAGE_SPARSE_COOP=1` at start, or [`Self::set_cooperative_ffn`].
+    cooperative_ffn: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for SparseCudaBackend {
@@ -902,7 +907,18 @@ impl SparseCudaBackend {
             format: Mutex::new(PageFormat::default()),
             multiprocessors,
             q8_kernel: Q8Kernel::from_env(),
+            cooperative_ffn: std::env::var("MIRAGE_SPARSE_COOP")
+                .is_ok_and(|v| v == "1" || v == "on")
+                .into(),
         })
+    }
+
+    /// Runs each fused FFN as one cooperative launch (`true`) or as its two
+    /// phase launches (`false`); the same grid and the same order of sums,
+    /// so the same bits either way.
+    pub fn set_cooperative_ffn(&self, on: bool) {
+        self.cooperative_ffn
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The fused FFN kernel pages of `format` run on this backend.
@@ -1170,6 +1186,9 @@ impl SparseCudaBackend {
             _ => FFN_KERNEL_ARGS,
         };
         let (phase1, phase2) = (base(1), base(2));
+        let cooperative = self
+            .cooperative_ffn
+            .load(std::sync::atomic::Ordering::Relaxed);
         if phase1.len() != want {
             return Err(rt(format!(
                 "{k}: {} launch arguments, the kernel takes {want}",
@@ -1183,6 +1202,10 @@ impl SparseCudaBackend {
                     "{k}: accumulate/y argument positions ({acc_at}, {y_at}) do not match the launch"
                 )));
             }
+        }
+        if cooperative {
+            // Both phases (3), the grid barrier between them.
+            return self.inner.launch_with(k, g, b, (d * 4) as u32, base(3), true);
         }
         self.inner.launch(k, g, b, (d * 4) as u32, phase1)?;
         self.inner.launch(k, g, b, 0, phase2)

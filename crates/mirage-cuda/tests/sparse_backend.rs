@@ -571,6 +571,56 @@ fn ffn_norm_folds_into_the_sparse_ffn() {
     }
 }
 
+/// The fused FFN as one cooperative launch (`set_cooperative_ffn(true)`,
+/// `MIRAGE_SPARSE_COOP=1`: both phases with the kernel's grid barrier),
+/// inside a recorded step with the residual add folded in, equals the two
+/// phase launches op by op bit for bit (same grid, same order of sums),
+/// forced and routed, and the graph holds one launch fewer; its replays
+/// (4 steps of one graph) give the same bits as well.
+#[test]
+fn cooperative_ffn_equals_two_phase_launches_in_a_graph() {
+    let fx = fixture();
+    let routed = routed_mode(&fx);
+    for (mode, launches) in [(SparsePages::Fraction(0.5), 1usize), (routed, 2)] {
+        let test = "cooperative_ffn_equals_two_phase_launches_in_a_graph";
+        let Some((sb, ffns)) = sparse(test, &fx, mode) else {
+            return;
+        };
+        let inputs = xs(11, 4);
+        let residuals = xs(12, 4);
+        let mut x = sb.new_activations();
+        let mut res = sb.new_activations();
+        let mut h = sb.new_activations();
+        let step = one_token_step();
+        for (xi, ri) in inputs.iter().zip(&residuals) {
+            // Op by op, two phase launches: ffn, then add_inplace.
+            sb.set_cooperative_ffn(false);
+            sb.write_activations(&mut x, 1, D, xi).unwrap();
+            sb.write_activations(&mut res, 1, D, ri).unwrap();
+            sb.ffn(&ffns[0], &x, &mut h).unwrap();
+            sb.add(&mut res, &h).unwrap();
+            let mut want = Vec::new();
+            sb.read(&res, &mut want).unwrap();
+            // Recorded, one cooperative launch with the add folded in.
+            sb.set_cooperative_ffn(true);
+            sb.write_activations(&mut res, 1, D, ri).unwrap();
+            sb.step(&step, || {
+                sb.ffn(&ffns[0], &x, &mut h)?;
+                sb.add(&mut res, &h)
+            })
+            .unwrap();
+            let mut got = Vec::new();
+            sb.read(&res, &mut got).unwrap();
+            assert_eq!(bits_differ(&got, &want), 0, "{mode:?}: cooperative vs two launches");
+        }
+        let n = sb.inner().last_graph_launches();
+        let st = sb.inner().graph_stats();
+        eprintln!("{mode:?}: cooperative FFN, recorded step of {n} launches == two launches op by op; {st:?}");
+        assert_eq!(n, launches, "{mode:?}: launches in the recorded step");
+        assert_eq!(st.captures, 1, "{mode:?}: one graph, replayed: {st:?}");
+    }
+}
+
 /// One row, sequence 0, position 0: the step inputs of the tests that
 /// record a single-token step around FFN ops.
 fn one_token_step() -> StepInputs<'static> {
