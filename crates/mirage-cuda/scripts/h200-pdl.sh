@@ -31,7 +31,7 @@ run fast_decode 150 "$W/fast_decode" --nocapture --test-threads 1
 grep -E "panicked|FAILED|PDL on" "$L/fast_decode.log" | cut -c1-160 | head -6
 MIRAGE_SKIP_MODEL_TESTS=1 run sparse_backend 150 "$W/sparse_backend" --nocapture --test-threads 1
 grep -E "panicked|FAILED" "$L/sparse_backend.log" | head -4
-run sparse_kernels 100 "$W/sparse_kernels" --test-threads 1
+[ "${SKIP_KERNEL_TESTS:-0}" = 1 ] || run sparse_kernels 100 "$W/sparse_kernels" --test-threads 1
 : > "$L/tables.txt"
 for s in qwen2.5-7b qwen2.5-0.5b; do
   timeout 120 "$W/xtask" synth-model --like $s --quant q8_0 --out "$W/$s.gguf" --tokenizer-from "$W/tok.gguf" > "$L/synth_$s.log" 2>&1
@@ -46,6 +46,7 @@ CFGS=${CFGS:-"B0;MIRAGE_CUDA_PREFETCH=0 MIRAGE_CUDA_ATTN_FUSE=0;MIRAGE_CUDA_ATTN
 IFS=';' read -r -a CFG_LIST <<< "$CFGS"
 for cfg in "${CFG_LIST[@]}"; do
   [ "$cfg" = B0 ] && cfg=$B0
+  [ "$cfg" = D ] && cfg=MIRAGE_DEFAULTS=1  # the defaults (env needs a setting)
   left "7b $cfg" || break
   i=$((i + 1))
   run "b7_$i" 90 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages --prefix-dense off \
@@ -59,11 +60,24 @@ for pdl in ${PDL_05B:-off on off on}; do
     --kv f16 --cuda-pdl $pdl --json
   echo "== 0.5B q8_0 dense, --cuda-pdl $pdl: $(grep -o '"decode_tok_s":[0-9.]*' "$L/b05_$i.log")" >> "$L/tables.txt"
 done
+# CFGS05 (";"-separated env settings, "D" = defaults): 0.5B dense rows per
+# setting, after the PDL_05B rows (set PDL_05B=" " to skip those).
+IFS=';' read -r -a CFG05_LIST <<< "${CFGS05:-}"
+for cfg in "${CFG05_LIST[@]}"; do
+  [ "$cfg" = D ] && cfg=MIRAGE_DEFAULTS=1
+  left "0.5b $cfg" || break
+  i=$((i + 1))
+  run "b05_$i" 60 env $cfg "$W/mirage-cli" bench --backend cuda --model "$W/qwen2.5-0.5b.gguf" --prompt 16 --gen 256 \
+    --kv f16 --json
+  echo "== 0.5B q8_0 dense, $cfg: $(grep -o '"decode_tok_s":[0-9.]*' "$L/b05_$i.log")" >> "$L/tables.txt"
+done
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 if [ -n "$NCU" ] && left ncu; then
-  run ncu 150 "$NCU" --graph-profiling node --cache-control none --clock-control none \
+  # NCU_ENV (one VAR=value) and NCU_EXTRA (more bench arguments, e.g.
+  # "--synthetic-pages --active 0.4 --prefix-dense off") pick the step.
+  run ncu 150 env ${NCU_ENV:-MIRAGE_DEFAULTS=1} "$NCU" --graph-profiling node --cache-control none --clock-control none \
     --metrics gpu__time_duration.sum --csv --log-file "$L/ncu.csv" \
-    "$W/mirage-cli" bench --backend cuda --model "$M7" --prompt 16 --gen 4 --kv f16
+    "$W/mirage-cli" bench --backend cuda --model "$M7" --prompt 16 --gen 4 --kv f16 ${NCU_EXTRA:-}
   echo "ncu rows: $(wc -l < "$L/ncu.csv" 2>/dev/null)"
 fi
 for pf in q2_k nvfp4; do
