@@ -2,9 +2,10 @@
 // the source (extract.py -> attend_extract.h) and the version before its
 // loads were batched (attend_part_v1 below, verbatim but for the name), both
 // run block by block with every CUDA thread an std::thread (as
-// check_pruned.cpp), f32 and f16 caches, head_dim 64 and 128, GQA, several
+// check_pruned.cpp), f32 and f16 caches, head_dim 64, 96, 128 and 256, GQA, several
 // split sizes and positions: the partials (max, sum, V sums) must be the same
-// bits, since the batching only reorders loads, not arithmetic.
+// bits, since the batching only reorders loads, not arithmetic. Then
+// attend_rope_part against rope_store + attend_part (check_rope below).
 // Build and run: hostcheck/run.sh.
 #include <cstdint>
 #include <cstdio>
@@ -34,6 +35,9 @@ inline u16 f2h(float f) {  // round to nearest (normal range only, enough for te
 }
 inline float kv_load(const float* p, long i) { return p[i]; }
 inline float kv_load(const u16* p, long i) { return h2f(p[i]); }
+inline float __fmul_rn(float a, float b) { return a * b; }  // g++ -O1 does not contract across statements
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
 inline float block_sum(float, float*) { abort(); }  // rope_store's q/k norm: not used here
 #include "attend_extract.h"
 
@@ -212,7 +216,7 @@ static int check_rope(std::mt19937& rng, int head_dim, int chunk, int neox, int 
 int main() {
     std::mt19937 rng(11);
     int fails = 0, cases = 0;
-    for (int hd : {64, 128})
+    for (int hd : {64, 96, 128, 256})
         for (int chunk : {64, 160})
             for (auto [p0, p1] : {std::pair{37, 150}}) {
                 fails += check<float>(rng, hd, chunk, p0, p1, "f32", keep);
