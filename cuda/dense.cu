@@ -864,10 +864,11 @@ __device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict
             [&] { attend_part<KV>(q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part); },      \
             slots, n_head, head_dim, chunk, part, count, out);                                                      \
     }                                                                                                               \
-    extern "C" __global__ void attend_rope_##NAME(const float* q, const float* k, const float* v, KV* kc, KV* vc,   \
-                                                  const int* slots, int n_head, int n_head_kv, int head_dim,        \
-                                                  int n_ctx, int chunk, float scale, int neox, float freq_base,     \
-                                                  float* part, unsigned* count, float* out) {                       \
+    /* attend_fused's arguments, then the rows' unrotated k and v and the RoPE's mode and base. */             \
+    extern "C" __global__ void attend_rope_##NAME(const float* q, KV* kc, KV* vc, const int* slots, int n_head,     \
+                                                  int n_head_kv, int head_dim, int n_ctx, int chunk, float scale,   \
+                                                  float* part, unsigned* count, float* out, const float* k,         \
+                                                  const float* v, int neox, float freq_base) {                      \
         PDL_ENTRY();                                                                                                \
         attend_then_merge(                                                                                          \
             [&] {                                                                                                   \

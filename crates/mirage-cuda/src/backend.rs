@@ -2787,7 +2787,7 @@ impl Backend for CudaBackend {
             )?;
         }
         // attend_part's arguments; attend_fused takes its counters and the
-        // output after them.
+        // output after them, attend_rope those and its RoPE inputs.
         let part_args = || {
             vec![
                 Arg::Ptr(pq),
@@ -2809,35 +2809,27 @@ impl Backend for CudaBackend {
                 let mut s = self.scratch();
                 self.grow_scratch(&mut s.attn_count, n * p.n_head)?
             };
-            let grid = (n as u32, p.n_head as u32, n_split as u32);
-            if rope_in_attention {
-                let args = vec![
-                    Arg::Ptr(pq),
+            let mut args = part_args();
+            args.extend([Arg::Ptr(pcount), Arg::Ptr(po)]);
+            let kernel = if rope_in_attention {
+                // attend_rope: then the unrotated k and v, mode and base.
+                args.extend([
                     Arg::Ptr(pk),
                     Arg::Ptr(pv),
-                    Arg::Ptr(pkc),
-                    Arg::Ptr(pvc),
-                    Arg::Ptr(pslots),
-                    Arg::I32(nh),
-                    Arg::I32(nkv),
-                    Arg::I32(hdi),
-                    Arg::I32(n_ctx),
-                    Arg::I32(chunk as i32),
-                    Arg::F32(scale),
                     Arg::I32(neox),
                     Arg::F32(p.rope_freq_base),
-                    Arg::Ptr(ppart),
-                    Arg::Ptr(pcount),
-                    Arg::Ptr(po),
-                ];
-                let k = format!("attend_rope_{kv}");
-                self.launch(&k, grid, (ATTEND_THREADS, 1, 1), 0, args)?;
+                ]);
+                format!("attend_rope_{kv}")
             } else {
-                let mut args = part_args();
-                args.extend([Arg::Ptr(pcount), Arg::Ptr(po)]);
-                let k = format!("attend_fused_{kv}");
-                self.launch(&k, grid, (ATTEND_THREADS, 1, 1), 0, args)?;
-            }
+                format!("attend_fused_{kv}")
+            };
+            self.launch(
+                &kernel,
+                (n as u32, p.n_head as u32, n_split as u32),
+                (ATTEND_THREADS, 1, 1),
+                0,
+                args,
+            )?;
         } else if pruned != Some(false) && !tiled {
             self.launch(
                 &format!("attend_part_{kv}"),

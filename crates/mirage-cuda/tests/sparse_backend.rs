@@ -321,8 +321,13 @@ fn device_routing_equals_the_cpu_page_selector() {
     let mut sizes = std::collections::BTreeMap::new();
     // Both ways of finding the hit boxes (and Auto) must give the CPU's
     // sets exactly: the projection is slice_dot's order on both sides.
-    for traversal in [RouteTraversal::Scan, RouteTraversal::Bvh, RouteTraversal::Auto] {
-        sb.set_mode(SparsePages::Routed { margin, traversal }).unwrap();
+    for traversal in [
+        RouteTraversal::Scan,
+        RouteTraversal::Bvh,
+        RouteTraversal::Auto,
+    ] {
+        sb.set_mode(SparsePages::Routed { margin, traversal })
+            .unwrap();
         for (i, x) in inputs.iter().enumerate() {
             let xa = sb.inner().upload_activations(1, D, x).unwrap();
             for l in 0..N_LAYER {
@@ -334,14 +339,20 @@ fn device_routing_equals_the_cpu_page_selector() {
                     .map(|p| p as usize)
                     .collect();
                 let want = sel.select(l, x).unwrap().unwrap();
-                assert_eq!(got, want, "input {i} layer {l}: device ({traversal:?}) vs CPU route");
+                assert_eq!(
+                    got, want,
+                    "input {i} layer {l}: device ({traversal:?}) vs CPU route"
+                );
                 if traversal == RouteTraversal::Scan {
                     *sizes.entry(got.len()).or_insert(0) += 1;
                 }
             }
         }
     }
-    eprintln!("active-set sizes over {} routes: {sizes:?}", inputs.len() * N_LAYER);
+    eprintln!(
+        "active-set sizes over {} routes: {sizes:?}",
+        inputs.len() * N_LAYER
+    );
     assert!(
         sizes.len() >= 3,
         "the fixture must exercise several set sizes: {sizes:?}"
@@ -482,44 +493,68 @@ fn routed_ffn_replays_from_a_cuda_graph() {
 
 /// The residual add after a sparse FFN, folded into the FFN's last phase
 /// inside a recorded step (`y = FFN(x) + residual` in the ordered finish),
-/// equals the FFN then `add_inplace` op by op bit for bit, forced and routed,
-/// and the graph holds no add launch (phase 1 + phase 2, + the router).
+/// equals the FFN then `add_inplace` op by op (two phase launches) bit for
+/// bit, forced and routed, and the graph holds no add launch (phase 1 +
+/// phase 2, + the router). Then the same with the FFN as one cooperative
+/// launch (`set_cooperative_ffn(true)`, `MIRAGE_SPARSE_COOP=1`: both phases
+/// and the kernel's grid barrier, captured as a cooperative graph node):
+/// the same bits (same grid, same order of sums), one launch fewer, and the
+/// graph captured once and replayed.
 #[test]
 fn residual_add_folds_into_the_sparse_ffn() {
     let fx = fixture();
     let routed = routed_mode(&fx);
-    for (mode, launches) in [(SparsePages::Fraction(0.5), 2usize), (routed, 3)] {
-        let Some((sb, ffns)) = sparse("residual_add_folds_into_the_sparse_ffn", &fx, mode) else {
-            return;
-        };
-        let inputs = xs(7, 4);
-        let residuals = xs(8, 4);
-        let mut x = sb.new_activations();
-        let mut res = sb.new_activations();
-        let mut h = sb.new_activations();
-        let step = one_token_step();
-        for (xi, ri) in inputs.iter().zip(&residuals) {
-            // Op by op: ffn, then add_inplace.
-            sb.write_activations(&mut x, 1, D, xi).unwrap();
-            sb.write_activations(&mut res, 1, D, ri).unwrap();
-            sb.ffn(&ffns[0], &x, &mut h).unwrap();
-            sb.add(&mut res, &h).unwrap();
-            let mut want = Vec::new();
-            sb.read(&res, &mut want).unwrap();
-            // Recorded: the add folds into the FFN's second phase.
-            sb.write_activations(&mut res, 1, D, ri).unwrap();
-            sb.step(&step, || {
-                sb.ffn(&ffns[0], &x, &mut h)?;
-                sb.add(&mut res, &h)
-            })
-            .unwrap();
-            let mut got = Vec::new();
-            sb.read(&res, &mut got).unwrap();
-            assert_eq!(bits_differ(&got, &want), 0, "{mode:?}: folded add vs ffn + add_inplace");
+    for cooperative in [false, true] {
+        for (mode, two_phase_launches) in [(SparsePages::Fraction(0.5), 2usize), (routed, 3)] {
+            let Some((sb, ffns)) = sparse("residual_add_folds_into_the_sparse_ffn", &fx, mode)
+            else {
+                return;
+            };
+            let inputs = xs(7, 4);
+            let residuals = xs(8, 4);
+            let mut x = sb.new_activations();
+            let mut res = sb.new_activations();
+            let mut h = sb.new_activations();
+            let step = one_token_step();
+            for (xi, ri) in inputs.iter().zip(&residuals) {
+                // Op by op, two phase launches: ffn, then add_inplace.
+                sb.set_cooperative_ffn(false);
+                sb.write_activations(&mut x, 1, D, xi).unwrap();
+                sb.write_activations(&mut res, 1, D, ri).unwrap();
+                sb.ffn(&ffns[0], &x, &mut h).unwrap();
+                sb.add(&mut res, &h).unwrap();
+                let mut want = Vec::new();
+                sb.read(&res, &mut want).unwrap();
+                // Recorded: the add folds into the FFN's (last) launch.
+                sb.set_cooperative_ffn(cooperative);
+                sb.write_activations(&mut res, 1, D, ri).unwrap();
+                sb.step(&step, || {
+                    sb.ffn(&ffns[0], &x, &mut h)?;
+                    sb.add(&mut res, &h)
+                })
+                .unwrap();
+                let mut got = Vec::new();
+                sb.read(&res, &mut got).unwrap();
+                let what = format!("{mode:?}, cooperative {cooperative}");
+                assert_eq!(
+                    bits_differ(&got, &want),
+                    0,
+                    "{what}: folded add vs ffn + add_inplace"
+                );
+            }
+            let n = sb.inner().last_graph_launches();
+            let st = sb.inner().graph_stats();
+            eprintln!("{mode:?}, cooperative {cooperative}: recorded step of {n} launches, folded add == op by op; {st:?}");
+            let launches = two_phase_launches - cooperative as usize;
+            assert_eq!(
+                n, launches,
+                "{mode:?}, cooperative {cooperative}: launches in the recorded step"
+            );
+            assert_eq!(
+                st.captures, 1,
+                "{mode:?}, cooperative {cooperative}: one graph, replayed: {st:?}"
+            );
         }
-        let n = sb.inner().last_graph_launches();
-        eprintln!("{mode:?}: recorded step of {n} launches, folded add == op by op");
-        assert_eq!(n, launches, "{mode:?}: the add was not folded");
     }
 }
 
@@ -562,62 +597,20 @@ fn ffn_norm_folds_into_the_sparse_ffn() {
             let (mut got, mut got_n) = (Vec::new(), Vec::new());
             sb.read(&h, &mut got).unwrap();
             sb.read(&xn, &mut got_n).unwrap();
-            assert_eq!(bits_differ(&got, &want), 0, "{mode:?}: folded norm FFN vs rms_norm + FFN");
-            assert_eq!(bits_differ(&got_n, &want_n), 0, "{mode:?}: the norm's output buffer");
+            assert_eq!(
+                bits_differ(&got, &want),
+                0,
+                "{mode:?}: folded norm FFN vs rms_norm + FFN"
+            );
+            assert_eq!(
+                bits_differ(&got_n, &want_n),
+                0,
+                "{mode:?}: the norm's output buffer"
+            );
         }
         let n = sb.inner().last_graph_launches();
         eprintln!("{mode:?}: recorded step of {n} launches, folded norm == op by op");
         assert_eq!(n, launches, "{mode:?}: launches in the recorded step");
-    }
-}
-
-/// The fused FFN as one cooperative launch (`set_cooperative_ffn(true)`,
-/// `MIRAGE_SPARSE_COOP=1`: both phases with the kernel's grid barrier),
-/// inside a recorded step with the residual add folded in, equals the two
-/// phase launches op by op bit for bit (same grid, same order of sums),
-/// forced and routed, and the graph holds one launch fewer; its replays
-/// (4 steps of one graph) give the same bits as well.
-#[test]
-fn cooperative_ffn_equals_two_phase_launches_in_a_graph() {
-    let fx = fixture();
-    let routed = routed_mode(&fx);
-    for (mode, launches) in [(SparsePages::Fraction(0.5), 1usize), (routed, 2)] {
-        let test = "cooperative_ffn_equals_two_phase_launches_in_a_graph";
-        let Some((sb, ffns)) = sparse(test, &fx, mode) else {
-            return;
-        };
-        let inputs = xs(11, 4);
-        let residuals = xs(12, 4);
-        let mut x = sb.new_activations();
-        let mut res = sb.new_activations();
-        let mut h = sb.new_activations();
-        let step = one_token_step();
-        for (xi, ri) in inputs.iter().zip(&residuals) {
-            // Op by op, two phase launches: ffn, then add_inplace.
-            sb.set_cooperative_ffn(false);
-            sb.write_activations(&mut x, 1, D, xi).unwrap();
-            sb.write_activations(&mut res, 1, D, ri).unwrap();
-            sb.ffn(&ffns[0], &x, &mut h).unwrap();
-            sb.add(&mut res, &h).unwrap();
-            let mut want = Vec::new();
-            sb.read(&res, &mut want).unwrap();
-            // Recorded, one cooperative launch with the add folded in.
-            sb.set_cooperative_ffn(true);
-            sb.write_activations(&mut res, 1, D, ri).unwrap();
-            sb.step(&step, || {
-                sb.ffn(&ffns[0], &x, &mut h)?;
-                sb.add(&mut res, &h)
-            })
-            .unwrap();
-            let mut got = Vec::new();
-            sb.read(&res, &mut got).unwrap();
-            assert_eq!(bits_differ(&got, &want), 0, "{mode:?}: cooperative vs two launches");
-        }
-        let n = sb.inner().last_graph_launches();
-        let st = sb.inner().graph_stats();
-        eprintln!("{mode:?}: cooperative FFN, recorded step of {n} launches == two launches op by op; {st:?}");
-        assert_eq!(n, launches, "{mode:?}: launches in the recorded step");
-        assert_eq!(st.captures, 1, "{mode:?}: one graph, replayed: {st:?}");
     }
 }
 
