@@ -467,19 +467,10 @@ __device__ void rope_store(float* q, float* k, const float* __restrict__ v, cons
 #define ATT_TILE 64
 // Keys per warp batch of the scores, elements of a key per lane (head_dim
 // <= ATT_THREADS), V rows per batch of the weighted sum (attend_part).
-// V rows per thread loaded at the start of a tile, before the scores (they
-// do not depend on them, so their round trip overlaps the score phase): a
-// whole 64-key tile for head_dim >= 128; the rest in batches of ATT_VB.
-// MIRAGE_CUDA_ATT=b4 (module::with_env_defines) compiles about the previous
-// schedule (4 keys per warp batch, one V row ahead) for the A/B; the same
-// bits either way.
-#ifdef MIRAGE_ATT_B4
+// (Measured on the H200, sixth session: 8 keys per batch with the tile's V
+// rows loaded before the scores was no faster, 7B sparse 40 % step 3.09 vs
+// 2.93 ms in the same call; not kept.)
 #define ATT_KB 4
-#define ATT_VPRE 1
-#else
-#define ATT_KB 8
-#define ATT_VPRE 32
-#endif
 #define ATT_HD_LANE (ATT_THREADS / 32)
 #define ATT_VB 8
 // attend_part_with: the same, with the query head staged by load_q(qs) (a
@@ -509,15 +500,6 @@ __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const 
     __syncthreads();
     for (int t0 = j0; t0 < j1; t0 += ATT_TILE) {
         int cnt = min(ATT_TILE, j1 - t0);
-        float vpre[ATT_VPRE];
-        if (g < groups) {
-#pragma unroll
-            for (int u = 0; u < ATT_VPRE; u++) {
-                const int jj = g + u * groups;
-                vpre[u] = jj < cnt ? kv_load(V, (long)(t0 + jj) * head_dim + d) : 0.f;
-                if (t0 + jj == psub) vpre[u] = vsub[d];
-            }
-        }
         // Warp w scores keys w, w + nw, ... as before, ATT_KB of them per
         // batch with every load of the batch issued before the first
         // product: one memory round trip per ATT_KB keys, not per key (a
@@ -561,19 +543,9 @@ __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const 
         l *= f;
         m = nm;
         if (g < groups) {
-            // Keys g, g + groups, ...: the preloaded ones, then the rest in
-            // batches of ATT_VB loads (as the scores above); the same order
-            // of the sums.
-#pragma unroll
-            for (int u = 0; u < ATT_VPRE; u++) {
-                const int jj = g + u * groups;
-                if (jj < cnt) {
-                    const float p = sc[jj];
-                    acc += p * vpre[u];
-                    l += p;
-                }
-            }
-            for (int jb = g + ATT_VPRE * groups; jb < cnt; jb += ATT_VB * groups) {
+            // Keys g, g + groups, ... in batches of ATT_VB loads (as the
+            // scores above; same order of the sums).
+            for (int jb = g; jb < cnt; jb += ATT_VB * groups) {
                 float vx[ATT_VB];
 #pragma unroll
                 for (int u = 0; u < ATT_VB; u++) {

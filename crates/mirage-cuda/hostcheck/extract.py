@@ -59,8 +59,7 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
 
 (out / "norm_extract.h").write_text(macro_line("NORM_VEC") + "".join(extract(n) for n in [
     "float norm_warp_sum(", "float norm_block_sum(", "void rms_norm_row(", "void sb_stage_x("]))
-(out / "attend_extract.h").write_text(macro_line("ATT_THREADS") + macro_line("ATT_TILE")
-    + src[src.index("#ifdef MIRAGE_ATT_B4"):src.index("#endif", src.index("#ifdef MIRAGE_ATT_B4")) + 7]
+(out / "attend_extract.h").write_text(macro_line("ATT_THREADS") + macro_line("ATT_TILE") + macro_line("ATT_KB")
     + macro_line("ATT_HD_LANE") + macro_line("ATT_VB") + "".join(extract(n) for n in [
         "void kv_store(float*", "void kv_store(u16*", "float kv_round(const float*", "float kv_round(const u16*",
         "void rope_rotate(", "void rope_store(", "void attend_part_with(", "void attend_part(",

@@ -13,7 +13,4 @@ for c in check_q8s_nvfp4 check_q4ks check_q5s check_q6ks check_mvv check_norm ch
   g++ -O1 -std=c++20 -pthread -I"$T" -o "$T/$c" "$c.cpp"
   "$T/$c"
 done
-# The attention's previous load schedule too (MIRAGE_CUDA_ATT=b4).
-g++ -O1 -std=c++20 -pthread -DMIRAGE_ATT_B4 -I"$T" -o "$T/check_attend_b4" check_attend.cpp
-"$T/check_attend_b4"
 rm -rf "$T"

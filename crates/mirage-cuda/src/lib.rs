@@ -160,7 +160,7 @@ mod nvrtc_check {
             assert_eq!(param_count(&ptx, name), crate::backend::FFN_ARGS, "{name}");
         }
         let off = format!(
-            "#define MIRAGE_PREFETCH_ROW 0\n#define MIRAGE_NORM_SCALAR 1\n#define MIRAGE_ATT_B4 1\n{}",
+            "#define MIRAGE_PREFETCH_ROW 0\n#define MIRAGE_NORM_SCALAR 1\n{}",
             module::DENSE_SOURCE
         );
         check("dense-noprefetch-scalar-norm", &off, &names);

@@ -37,9 +37,7 @@ const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
 /// kernel, `cuda/pdl.cu`; `0` turns the prefetch off) when that variable is
 /// a number, and `MIRAGE_NORM_SCALAR` when `MIRAGE_CUDA_NORM=scalar` (the
 /// RMSNorm's previous scalar loop instead of its vector path, norm.cu's
-/// `rms_norm_row`) and `MIRAGE_ATT_B4` when `MIRAGE_CUDA_ATT=b4` (the split
-/// attention's previous load schedule, dense.cu); `source` as it is when
-/// none is set.
+/// `rms_norm_row`); `source` as it is when neither is set.
 pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     let mut defines = String::new();
     if let Some(n) = std::env::var("MIRAGE_CUDA_PREFETCH")
@@ -50,9 +48,6 @@ pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     }
     if std::env::var("MIRAGE_CUDA_NORM").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {
         defines.push_str("#define MIRAGE_NORM_SCALAR 1\n");
-    }
-    if std::env::var("MIRAGE_CUDA_ATT").is_ok_and(|v| v.eq_ignore_ascii_case("b4")) {
-        defines.push_str("#define MIRAGE_ATT_B4 1\n");
     }
     if defines.is_empty() {
         source.into()
