@@ -1223,6 +1223,54 @@ fn pdl_decode_equals_serialized_decode() {
     }
 }
 
+/// Greedy decodes of `file` (60 steps after a 20-token prompt, batch 1 and
+/// 2, in graphs and op by op, a KV cache of each of `kvs`) on two backends
+/// that differ only in `set(backend, false)` / `set(backend, true)`: the
+/// tokens must be equal and the logits the same bits. Returns each graph
+/// run's case and the two graphs' launch counts (off, on).
+fn switch_keeps_bits(
+    types: [GgmlType; 6],
+    label: &str,
+    kvs: &[KvDtype],
+    set: impl Fn(&CudaBackend, bool),
+) -> Vec<(String, usize, usize)> {
+    let file = tiny_model_with_bias(types);
+    let mut graph_launches = Vec::new();
+    for graphs in [true, false] {
+        let load = |on: bool| {
+            let b = CudaBackend::new(0).unwrap();
+            b.set_graphs(graphs);
+            set(&b, on);
+            Model::load(file.clone(), b).unwrap()
+        };
+        let (off, on) = (load(false), load(true));
+        for &kv in kvs {
+            for batch in [1usize, 2] {
+                let (lf, tf) = greedy_run_kv(&off, batch, 60, None, kv);
+                let (ln, tn) = greedy_run_kv(&on, batch, 60, None, kv);
+                let differ = bits_differ(&lf, &ln);
+                let launches = (
+                    off.backend().last_graph_launches(),
+                    on.backend().last_graph_launches(),
+                );
+                let what = format!("{types:?} graphs {graphs} {kv:?} batch {batch}");
+                eprintln!(
+                    "{what}: {label}: {differ} of {} logits differ; graph launches {} vs {}",
+                    lf.len(),
+                    launches.0,
+                    launches.1
+                );
+                assert_eq!(tf, tn, "{what}: tokens");
+                assert_eq!(differ, 0, "{what}: logits");
+                if graphs {
+                    graph_launches.push((what, launches.0, launches.1));
+                }
+            }
+        }
+    }
+    graph_launches
+}
+
 /// The decode attention as one launch (`attend_fused_*`: the last split of
 /// each head merges the partials) against `attend_part_*` + `attend_combine`:
 /// the same arithmetic, so the same bits, over 60 greedy steps after a
@@ -1236,27 +1284,9 @@ fn fused_attention_equals_part_and_combine() {
     };
     drop(probe);
     for types in [LAYER_MIXES[0], NORM_MIX] {
-        let file = tiny_model_with_bias(types);
-        for graphs in [true, false] {
-            let load = |fused: bool| {
-                let b = CudaBackend::new(0).unwrap();
-                b.set_graphs(graphs);
-                b.set_fused_attention(fused);
-                Model::load(file.clone(), b).unwrap()
-            };
-            let (two, one) = (load(false), load(true));
-            for batch in [1usize, 2] {
-                let (lt, tt) = greedy_run(&two, batch, 60, None);
-                let (lo, to) = greedy_run(&one, batch, 60, None);
-                let differ = bits_differ(&lt, &lo);
-                eprintln!(
-                    "{types:?} graphs {graphs} batch {batch}: fused vs two launches: {differ} of {} logits differ",
-                    lt.len()
-                );
-                assert_eq!(tt, to, "{types:?} graphs {graphs} batch {batch}: tokens");
-                assert_eq!(differ, 0, "{types:?} graphs {graphs} batch {batch}: logits");
-            }
-        }
+        switch_keeps_bits(types, "fused vs two launches", &[KvDtype::F32], |b, on| {
+            b.set_fused_attention(on)
+        });
     }
 }
 
@@ -1273,39 +1303,12 @@ fn rope_in_attention_equals_rope_store() {
     };
     drop(probe);
     for types in [LAYER_MIXES[0], NORM_MIX] {
-        let file = tiny_model_with_bias(types);
-        for graphs in [true, false] {
-            let load = |fold: bool| {
-                let b = CudaBackend::new(0).unwrap();
-                b.set_graphs(graphs);
-                b.set_rope_in_attention(fold);
-                Model::load(file.clone(), b).unwrap()
-            };
-            let (apart, folded) = (load(false), load(true));
-            for kv in [KvDtype::F32, KvDtype::F16] {
-                for batch in [1usize, 2] {
-                    let (la, ta) = greedy_run_kv(&apart, batch, 60, None, kv);
-                    let (lf, tf) = greedy_run_kv(&folded, batch, 60, None, kv);
-                    let differ = bits_differ(&la, &lf);
-                    let launches = (
-                        apart.backend().last_graph_launches(),
-                        folded.backend().last_graph_launches(),
-                    );
-                    eprintln!(
-                        "{types:?} graphs {graphs} {kv:?} batch {batch}: RoPE in the attention vs \
-                         rope_store: {differ} of {} logits differ; graph launches {} vs {}",
-                        la.len(),
-                        launches.0,
-                        launches.1
-                    );
-                    let what = format!("{types:?} graphs {graphs} {kv:?} batch {batch}");
-                    assert_eq!(ta, tf, "{what}: tokens");
-                    assert_eq!(differ, 0, "{what}: logits");
-                    if graphs {
-                        assert_eq!(launches.0, launches.1 + 2, "{what}: launches per graph");
-                    }
-                }
-            }
+        let label = "RoPE in the attention vs rope_store";
+        let kvs = [KvDtype::F32, KvDtype::F16];
+        for (what, apart, folded) in
+            switch_keeps_bits(types, label, &kvs, |b, on| b.set_rope_in_attention(on))
+        {
+            assert_eq!(apart, folded + 2, "{what}: launches per graph");
         }
     }
 }
