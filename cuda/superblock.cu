@@ -338,6 +338,67 @@ __device__ __forceinline__ void sb_stage_x(float4* xs, const float* __restrict__
     __syncthreads();
 }
 
+// One channel's SwiGLU value silu(gate . x) * (up . x) over split-Q8_0
+// page rows, computed by a whole warp (every lane returns it; 0 when `page`
+// is out of range): the phase 1 of the 16-byte variants (P1V > 0: P1V
+// 16-byte loads of each row in flight per lane; xs: x as 4 planes, see
+// sb_stage_x) and of the single-pass kernel. PFD: also ask L2 for the
+// channel's down_t row and scales (see PFD below).
+template <int P1V, int PFD>
+__device__ __forceinline__ float sb_q8s_channel(const sb_u8* __restrict__ pages, long page_bytes, int n_pages, int d,
+                                                sb_u32 page, int ch, const float4* xs, int lane) {
+    const int nv = d >> 4;  // 16-element (16-byte) vectors per row
+    const long mat = (long)SB_PAGE_CH * d;          // bytes of one quant matrix in a page
+    const long smat = (long)SB_PAGE_CH * (d >> 5);  // f16 scales of one matrix
+    const bool on = page < (sb_u32)n_pages;
+    const sb_u8* base = pages + (long)(on ? page : 0u) * page_bytes;
+    const sb_u16* sbase = (const sb_u16*)(base + 3 * mat);
+    const uint4* q[2] = {(const uint4*)(base + (long)ch * d), (const uint4*)(base + mat + (long)ch * d)};
+    const sb_u16* s[2] = {sbase + (long)ch * (d >> 5), sbase + smat + (long)ch * (d >> 5)};
+    if constexpr (PFD) {
+        // This channel's down_t row (d bytes) and its scales into
+        // L2 now, so phase 2 reads them from L2 (see PFD above).
+        if (on) {
+            const sb_u8* drow = base + 2 * mat + (long)ch * d;
+            for (int o = lane << 7; o < d; o += 32 << 7) asm volatile("prefetch.global.L2 [%0];" ::"l"(drow + o));
+            const sb_u8* dsc = (const sb_u8*)(sbase + 2 * smat + (long)ch * (d >> 5));
+            if ((lane << 7) < (d >> 4) + 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(dsc + (lane << 7)));
+        }
+    }
+    float acc[2] = {0.f, 0.f};
+    for (int v0 = 0; v0 < nv; v0 += 32 * P1V) {
+        uint4 w[P1V][2];
+        sb_u16 sc[P1V][2];
+#pragma unroll
+        for (int h = 0; h < P1V; h++) {
+            const int v = v0 + 32 * h + lane;
+            const bool ok = on && v < nv;
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                w[h][r] = ok ? __ldg(q[r] + v) : make_uint4(0u, 0u, 0u, 0u);
+                sc[h][r] = ok ? __ldg(s[r] + (v >> 1)) : (sb_u16)0;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < P1V; h++) {
+            const int v = v0 + 32 * h + lane;
+            if (v >= nv) continue;
+            float4 xv[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) xv[j] = xs[j * nv + v];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const uint4 wv = w[h][r];
+                const float t = (sb_q8_dot4(wv.x, xv[0]) + sb_q8_dot4(wv.y, xv[1])) +
+                                (sb_q8_dot4(wv.z, xv[2]) + sb_q8_dot4(wv.w, xv[3]));
+                acc[r] += sb_h2f(sc[h][r]) * t;
+            }
+        }
+    }
+    const float g = sb_warp_sum(acc[0]), u = sb_warp_sum(acc[1]);
+    return on ? g / (1.f + expf(-g)) * u : 0.f;
+}
+
 template <int P1V, int P2, int P2U, int FB, int PFD = 0>
 __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const float* nw, float neps, float* nout) {
     extern __shared__ float4 sb_xs[];
@@ -371,7 +432,6 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const flo
         if (lane == 0) hbuf[c] = hv;
     }
     } else {
-        const int nv = d >> 4;  // 16-element (16-byte) vectors per row
         const long warps = (long)gridDim.x * SB_WARPS, gw = (long)blockIdx.x * SB_WARPS + warp;
         const int c_begin = (int)(n_ch * gw / warps), c_end = (int)(n_ch * (gw + 1) / warps);
         // The first page id is read before x is staged (two round trips
@@ -380,54 +440,8 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const flo
         sb_stage_x<P1V>(sb_xs, x, d, nw, neps, nout);
         for (int c = c_begin; c < c_end; c++) {
             const sb_u32 page = (c >> 7) == (c_begin >> 7) ? page0 : active[c >> 7];
-            const bool on = page < (sb_u32)n_pages;
-            const int ch = c & 127;
-            const sb_u8* base = pages + (long)(on ? page : 0u) * page_bytes;
-            const sb_u16* sbase = (const sb_u16*)(base + 3 * mat);
-            const uint4* q[2] = {(const uint4*)(base + (long)ch * d), (const uint4*)(base + mat + (long)ch * d)};
-            const sb_u16* s[2] = {sbase + (long)ch * (d >> 5), sbase + smat + (long)ch * (d >> 5)};
-            if constexpr (PFD) {
-                // This channel's down_t row (d bytes) and its scales into
-                // L2 now, so phase 2 reads them from L2 (see PFD above).
-                if (on) {
-                    const sb_u8* drow = base + 2 * mat + (long)ch * d;
-                    for (int o = lane << 7; o < d; o += 32 << 7) asm volatile("prefetch.global.L2 [%0];" ::"l"(drow + o));
-                    const sb_u8* dsc = (const sb_u8*)(sbase + 2 * smat + (long)ch * (d >> 5));
-                    if ((lane << 7) < (d >> 4) + 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(dsc + (lane << 7)));
-                }
-            }
-            float acc[2] = {0.f, 0.f};
-            for (int v0 = 0; v0 < nv; v0 += 32 * P1V) {
-                uint4 w[P1V][2];
-                sb_u16 sc[P1V][2];
-#pragma unroll
-                for (int h = 0; h < P1V; h++) {
-                    const int v = v0 + 32 * h + lane;
-                    const bool ok = on && v < nv;
-#pragma unroll
-                    for (int r = 0; r < 2; r++) {
-                        w[h][r] = ok ? __ldg(q[r] + v) : make_uint4(0u, 0u, 0u, 0u);
-                        sc[h][r] = ok ? __ldg(s[r] + (v >> 1)) : (sb_u16)0;
-                    }
-                }
-#pragma unroll
-                for (int h = 0; h < P1V; h++) {
-                    const int v = v0 + 32 * h + lane;
-                    if (v >= nv) continue;
-                    float4 xv[4];
-#pragma unroll
-                    for (int j = 0; j < 4; j++) xv[j] = sb_xs[j * nv + v];
-#pragma unroll
-                    for (int r = 0; r < 2; r++) {
-                        const uint4 wv = w[h][r];
-                        const float t = (sb_q8_dot4(wv.x, xv[0]) + sb_q8_dot4(wv.y, xv[1])) +
-                                        (sb_q8_dot4(wv.z, xv[2]) + sb_q8_dot4(wv.w, xv[3]));
-                        acc[r] += sb_h2f(sc[h][r]) * t;
-                    }
-                }
-            }
-            const float g = sb_warp_sum(acc[0]), u = sb_warp_sum(acc[1]);
-            if (lane == 0) hbuf[c] = on ? g / (1.f + expf(-g)) * u : 0.f;
+            const float hv = sb_q8s_channel<P1V, PFD>(pages, page_bytes, n_pages, d, page, c & 127, sb_xs, lane);
+            if (lane == 0) hbuf[c] = hv;
         }
     }
     }
@@ -594,6 +608,208 @@ SB_Q8S_VARIANT(5, 5, 1, 1, 2, 8, 0)
 SB_Q8S_VARIANT(6, 3, 4, 1, 4, 8, 1)
 // v7: v4 (4 blocks per SM) with the same prefetch.
 SB_Q8S_VARIANT(7, 4, 2, 1, 4, 8, 1)
+
+// ---------------------------------------------------------------------------
+// The single-pass fused FFN (`superblock_ffn_q8s_v8`, same arguments as the
+// variants; part_ch is ignored): no grid barrier and no second launch in the
+// atomic mode. Block b owns the contiguous active channels [C b / B,
+// C (b + 1) / B) (B = gridDim). In rounds of SB_LOCAL_CH channels its warps
+// compute h (sb_q8s_channel, channel i of the round on warp i % 8) into
+// shared memory, then the block multiplies them by their down_t rows: thread
+// (g, p) (p < d / 16 a 16-output piece, g < G = 256 / (d / 16) a share of
+// the round's channels) keeps 16 outputs in registers over every round; at
+// the end the G shares are added in g order. So each block holds ONE d-wide
+// partial of the FFN output, and:
+//   mode 0 (atomic): adds it into y with atomics, right away: one launch,
+//     no barrier, the float order varies. With accumulate, y holds what to
+//     add onto (the residual); without, block 0 zeroes y first and the
+//     others wait for a flag before their atomics (one word of counters);
+//   mode 1 (ordered): writes it to partials[b][d]; after the grid barrier
+//     (phases 3) or in the phase-2 launch, block k sums output chunk k
+//     (128 outputs) over the B partials in block order (warp w: blocks w,
+//     w + 8, ...; then the 8 warp sums in warp order) and writes y = sum
+//     (+ y if accumulate). Bit-reproducible for a given grid.
+// In the atomic mode the phase-2 launch does nothing, so the two launch
+// modes give the same bits in both reductions. Needs d <= 4096 (one piece a
+// thread); the partial buffer holds gridDim * d floats (ffn_partials_len).
+#define SB_LOCAL_CH 64
+#define SB_LOCAL_MAX_D 4096
+#define SB_LOCAL_ZEROED 0x80000000u
+
+// y[0..4) += v with atomics (one 16-byte vector reduction on sm_90, y
+// 16-byte aligned).
+__device__ __forceinline__ void sb_red_add4(float* y, float4 v) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(y), "f"(v.x), "f"(v.y), "f"(v.z),
+                 "f"(v.w)
+                 : "memory");
+#else
+    atomicAdd(y, v.x);
+    atomicAdd(y + 1, v.y);
+    atomicAdd(y + 2, v.z);
+    atomicAdd(y + 3, v.w);
+#endif
+}
+
+template <int P1V>
+__device__ __forceinline__ void sb_ffn_q8s_local(SB_Q8S_PARAMS, const float* nw, float neps, float* nout) {
+    extern __shared__ float4 sb_xs[];
+    __shared__ float hs[SB_LOCAL_CH];
+    __shared__ __align__(16) float comb[SB_LOCAL_MAX_D];
+    __shared__ float red[SB_WARPS][128];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n_pieces = d >> 4;
+    const int G = max(SB_THREADS / max(n_pieces, 1), 1);
+    if (phases & 1) {
+        const int n_ch = max(min(*n_active, max_active), 0) * SB_PAGE_CH;
+        const long mat = (long)SB_PAGE_CH * d, smat = (long)SB_PAGE_CH * (d >> 5);
+        const int cb = (int)((long)n_ch * blockIdx.x / gridDim.x);
+        const int ce = (int)((long)n_ch * (blockIdx.x + 1) / gridDim.x);
+        const int g = threadIdx.x / max(n_pieces, 1), p = threadIdx.x - g * n_pieces;
+        const bool down = g < G && n_pieces > 0 && p < n_pieces;
+        float a[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) a[i] = 0.f;
+        // Mode 0 without accumulate: y = FFN(x). Block 0 zeroes y first and
+        // raises the flag bit of counters[2]; every block waits for it
+        // before its atomics (all blocks are resident: the grid is the
+        // resident block count) and then counts itself out in the low bits;
+        // the last one clears the word for the next launch.
+        const bool zero_y = mode == 0 && !accumulate;
+        if (zero_y && blockIdx.x == 0) {
+            for (int j4 = threadIdx.x; j4 < (d >> 2); j4 += SB_THREADS)
+                *(float4*)(y + 4 * j4) = make_float4(0.f, 0.f, 0.f, 0.f);
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) atomicOr(counters + 2, SB_LOCAL_ZEROED);
+        }
+        sb_stage_x<P1V>(sb_xs, x, d, nw, neps, nout);
+        for (int c0 = cb; c0 < ce; c0 += SB_LOCAL_CH) {
+            const int n = min(SB_LOCAL_CH, ce - c0);
+            for (int i = warp; i < n; i += SB_WARPS) {
+                const int c = c0 + i;
+                const float hv = sb_q8s_channel<P1V, 0>(pages, page_bytes, n_pages, d, active[c >> 7], c & 127, sb_xs, lane);
+                if (lane == 0) hs[i] = hv;
+            }
+            __syncthreads();
+            if (down) {
+                // Channels g, g + G, ... of the round, 4 rows in flight.
+                for (int i0 = g; i0 < n; i0 += 4 * G) {
+                    uint4 w[4];
+                    float hv[4];
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        const int i = i0 + u * G;
+                        const int c = c0 + i;
+                        const sb_u32 page = i < n ? active[c >> 7] : 0xffffffffu;
+                        const bool on = page < (sb_u32)n_pages;
+                        const sb_u8* base = pages + (long)(on ? page : 0u) * page_bytes;
+                        const int ch = c & 127;
+                        w[u] = on ? __ldg((const uint4*)(base + 2 * mat + (long)ch * d) + p) : make_uint4(0u, 0u, 0u, 0u);
+                        const sb_u16 sc = on ? __ldg((const sb_u16*)(base + 3 * mat) + 2 * smat + (long)ch * (d >> 5) + (p >> 1))
+                                             : (sb_u16)0;
+                        hv[u] = on ? hs[i] * sb_h2f(sc) : 0.f;
+                    }
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        if (i0 + u * G >= n) continue;
+                        const sb_u32 words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+                        for (int k = 0; k < 4; k++) {
+                            float f[4];
+                            sb_q8x4(words[k], f);
+#pragma unroll
+                            for (int m = 0; m < 4; m++) a[4 * k + m] += hv[u] * f[m];
+                        }
+                    }
+                }
+            }
+            __syncthreads();  // hs[] is rewritten by the next round
+        }
+        // The G shares of each output, in g order.
+        if (down) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) comb[g * d + 16 * p + i] = a[i];
+        }
+        __syncthreads();
+        if (zero_y) {
+            if (threadIdx.x == 0) {
+                while (!(atomicAdd(counters + 2, 0u) & SB_LOCAL_ZEROED)) __nanosleep(32);
+                __threadfence();
+            }
+            __syncthreads();
+        }
+        if (cb < ce || mode == 1) {
+            for (int j4 = threadIdx.x; j4 < (d >> 2); j4 += SB_THREADS) {
+                float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+                for (int gg = 0; gg < G; gg++) {
+                    const float4 v = *(const float4*)(comb + gg * d + 4 * j4);
+                    t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
+                }
+                if (mode == 0) {
+                    sb_red_add4(y + 4 * j4, t);
+                } else {
+                    *(float4*)(partials + (long)blockIdx.x * d + 4 * j4) = t;
+                }
+            }
+        }
+        if (zero_y && threadIdx.x == 0) {
+            // Everyone has seen the flag once the count is complete.
+            if (((atomicAdd(counters + 2, 1u) + 1u) & ~SB_LOCAL_ZEROED) == gridDim.x) atomicExch(counters + 2, 0u);
+        }
+    }
+    if (mode == 0) return;
+    if (phases == 3) sb_grid_barrier(counters);
+    if (!(phases & 2)) return;
+    // The ordered sum: block k takes output chunks k, k + B, ...
+    const int B = gridDim.x, n_chunks = (d + 127) >> 7;
+    for (int chunk = blockIdx.x; chunk < n_chunks; chunk += B) {
+        const int e = (chunk << 7) + (lane << 2);
+        float4 t4 = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (e < d) {
+            for (int b0 = warp; b0 < B; b0 += SB_WARPS * 8) {
+                float4 v[8];
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const int b = b0 + i * SB_WARPS;
+                    v[i] = b < B ? __ldcg((const float4*)(partials + (long)b * d + e)) : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    if (b0 + i * SB_WARPS < B) {
+                        t4.x += v[i].x; t4.y += v[i].y; t4.z += v[i].z; t4.w += v[i].w;
+                    }
+                }
+            }
+        }
+        red[warp][4 * lane] = t4.x;
+        red[warp][4 * lane + 1] = t4.y;
+        red[warp][4 * lane + 2] = t4.z;
+        red[warp][4 * lane + 3] = t4.w;
+        __syncthreads();
+        const int j = threadIdx.x;
+        if (j < 128 && (chunk << 7) + j < d) {
+            float t = 0.f;
+#pragma unroll
+            for (int w2 = 0; w2 < SB_WARPS; w2++) t += red[w2][j];
+            float* o = y + (chunk << 7) + j;
+            *o = accumulate ? *o + t : t;
+        }
+        __syncthreads();  // red[] is rewritten by the next chunk
+    }
+}
+
+// v8, v9: the single-pass kernel above. v8: 4 x 16 bytes a lane and row in
+// its gate/up pass (as v3), 2 blocks per SM (at 3 the 80-register cap
+// spills the 16 accumulators); v9: 2 x 16 bytes (as v4), 3 blocks per SM.
+#define SB_Q8S_LOCAL(N, MINB, P1V)                                                         \
+    extern "C" __global__ void __launch_bounds__(SB_THREADS, MINB) superblock_ffn_q8s_v##N( \
+        SB_Q8S_PARAMS, int part_ch, const float* nw, float neps, float* nout) {            \
+        PDL_ENTRY();                                                                       \
+        sb_ffn_q8s_local<P1V>(SB_Q8S_ARGS, nw, neps, nout);                                \
+    }
+SB_Q8S_LOCAL(8, 2, 4)
+SB_Q8S_LOCAL(9, 3, 2)
 
 // ---------------------------------------------------------------------------
 // The fused FFN over NVFP4 pages (weight-only NVFP4: codes and scales decoded

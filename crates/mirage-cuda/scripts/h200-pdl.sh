@@ -15,7 +15,9 @@
 # and 7 (phase 1 prefetches the down rows into L2); the 0.5B
 # shape dense with PDL off / on, then one ncu pass over a 7B dense decode
 # (kernel durations, for the per-kernel table; ncu serializes kernels, so it
-# shows work, not gaps). Binaries stay unpacked in $W (default /tmp/mq, the
+# shows work, not gaps). Switches: SKIP_FAST_DECODE=1, SKIP_KERNEL_TESTS=1,
+# KBENCH=1 (kernel-bench --sparse after the 7B rows), SKIP_NCU=1,
+# PAGE_FORMATS="" (no Q2_K / NVFP4 rows). Binaries stay unpacked in $W (default /tmp/mq, the
 # directory h200-qwen.sh's stages use). Raw logs in $OUT/pdl-logs.tgz.
 set -uo pipefail
 BIN=${1:?usage: h200-pdl.sh BIN_DIR}
@@ -27,8 +29,10 @@ mkdir -p "$W" "$L" "$OUT"
 device_start "$BIN" "$W" || exit 1
 export MIRAGE_REQUIRE_CUDA_TESTS=1
 BUDGET=${BUDGET:-480}
-run fast_decode 150 "$W/fast_decode" --nocapture --test-threads 1
-grep -E "panicked|FAILED|PDL on" "$L/fast_decode.log" | cut -c1-160 | head -6
+if [ "${SKIP_FAST_DECODE:-0}" != 1 ]; then
+  run fast_decode 150 "$W/fast_decode" --nocapture --test-threads 1
+  grep -E "panicked|FAILED|PDL on" "$L/fast_decode.log" | cut -c1-160 | head -6
+fi
 MIRAGE_SKIP_MODEL_TESTS=1 run sparse_backend 150 "$W/sparse_backend" --nocapture --test-threads 1
 grep -E "panicked|FAILED" "$L/sparse_backend.log" | head -4
 [ "${SKIP_KERNEL_TESTS:-0}" = 1 ] || run sparse_kernels 100 "$W/sparse_kernels" --test-threads 1
@@ -71,7 +75,13 @@ for cfg in "${CFG05_LIST[@]}"; do
     --kv f16 --json
   echo "== 0.5B q8_0 dense, $cfg: $(grep -o '"decode_tok_s":[0-9.]*' "$L/b05_$i.log")" >> "$L/tables.txt"
 done
-NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+if [ "${KBENCH:-0}" = 1 ] && left kernel-bench; then
+  # The fused FFN kernels alone (every variant, 7B and 0.5B shapes, CUDA
+  # graphs, cold pages) beside the dense FFN and the copy ceiling.
+  run kbench 240 "$W/kernel-bench" --iters 20 --sparse
+  { echo "== kernel-bench --sparse"; sed -n '/== sparse FFN variants/,$p' "$L/kbench.log"; } >> "$L/tables.txt"
+fi
+NCU=$( [ "${SKIP_NCU:-0}" = 1 ] || command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 if [ -n "$NCU" ] && left ncu; then
   # NCU_ENV (one VAR=value) and NCU_EXTRA (more bench arguments, e.g.
   # "--synthetic-pages --active 0.4 --prefix-dense off") pick the step.
@@ -80,7 +90,7 @@ if [ -n "$NCU" ] && left ncu; then
     "$W/mirage-cli" bench --backend cuda --model "$M7" --prompt 16 --gen 4 --kv f16 ${NCU_EXTRA:-}
   echo "ncu rows: $(wc -l < "$L/ncu.csv" 2>/dev/null)"
 fi
-for pf in q2_k nvfp4; do
+for pf in ${PAGE_FORMATS-q2_k nvfp4}; do
   left "7b $pf" || break
   run "b7_$pf" 150 "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages --page-format $pf \
     --active 1.0,0.4,0.25 --prompt 16 --gen 66

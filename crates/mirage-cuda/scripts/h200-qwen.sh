@@ -29,6 +29,15 @@
 #   h200-qwen.sh sparse
 #       the sparse part of run2 alone (artifact built first if missing):
 #       the sparse_backend tests on the real artifact and the routed bench.
+#   h200-qwen.sh table
+#       issue #7's real-model rows in one go (after prep with PEER_SRC "-"
+#       and the appends): sha256, the artifact (GPL-3, 512 tokens), the
+#       sparse_backend tests on it (routed CUDA == CPU superblock), the routed
+#       bench (RACTIVE prefix fractions + routed, dense in the same process;
+#       again per TABLE_CFGS env setting), then the fidelity of the same
+#       artifact on held-out text on the CPU (`mirage-cli eval`, GFDL-1.3,
+#       384 tokens: recall, rejection, active fraction, logit cosine, top-1,
+#       perplexity per router).
 # Logs under /tmp/mq/log (copied to $OUT); short tables on stdout.
 set -uo pipefail
 W=/tmp/mq
@@ -52,21 +61,24 @@ sparse_part() {
     echo "sparse_backend rc=$? $(grep -E '^test result' "$L/sparse_backend.log")"
     grep -E 'panicked|routed|cosine' "$L/sparse_backend.log" | cut -c1-200 | head -8
     timeout 120 "$W/mirage-cli" bench --backend cuda --model "$Q" --artifact "$W/qwen.mirage" --routed \
-      --active 1.0,0.75,0.5 --prompt 16 --gen 130 > "$L/routed.txt" 2>&1
+      --active "${RACTIVE:-1.0,0.75,0.5}" --prompt 16 --gen 130 > "$L/routed.txt" 2>&1
     echo "routed bench rc=$?"; el
   fi
 }
 
-stage=${1:?stage: prep | append | run1 | run2 | sparse}
+stage=${1:?stage: prep | append | run1 | run2 | sparse | table}
 shift
 case $stage in
 prep)
-  BIN=${1:?BIN_DIR}; PEER=${2:?PEER_SRC}; TEXT=${3:?TEXT_DIR}
+  BIN=${1:?BIN_DIR}; PEER=${2:?PEER_SRC or -}; TEXT=${3:?TEXT_DIR}
   device_unpack "$BIN" "$W" || exit 1
-  cp "$TEXT"/* "$W/" && cp "$PEER" "$W/peer-src.tar.xz"
-  cp benches/gpu_peer.sh "$W/"
-  setsid nohup bash -c "bash $W/gpu_peer.sh build $W/peer-src.tar.xz /tmp/peer > $L/peer-build.log 2>&1; echo rc=\$? >> $L/peer-build.log" \
-    > /dev/null 2>&1 < /dev/null &
+  cp "$TEXT"/* "$W/"
+  if [ "$PEER" != - ]; then
+    cp "$PEER" "$W/peer-src.tar.xz"
+    cp benches/gpu_peer.sh "$W/"
+    setsid nohup bash -c "bash $W/gpu_peer.sh build $W/peer-src.tar.xz /tmp/peer > $L/peer-build.log 2>&1; echo rc=\$? >> $L/peer-build.log" \
+      > /dev/null 2>&1 < /dev/null &
+  fi
   nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
   ls "$W" | tr '\n' ' '; echo; el
   ;;
@@ -144,6 +156,30 @@ sparse)
   tail -1 "$L/artifact.log"
   sparse_part
   echo "== routed"; tail -8 "$L/routed.txt" 2>/dev/null
+  ;;
+table)
+  sha=$(sha256sum "$Q" | cut -c1-64)
+  [[ $sha == "$QWEN_SHA" ]] && echo "sha256 ok $(basename "$Q")" || { echo "SHA256 MISMATCH $Q: $sha"; exit 1; }
+  [ -f "$W/qwen.mirage" ] || timeout 200 "$W/xtask" build-artifacts --model "$Q" --calib "$W/GPL-3" --max-tokens 512 \
+    --out "$W/qwen.mirage" > "$L/artifact.log" 2>&1
+  echo "artifact rc=$? $(ls -l "$W/qwen.mirage" 2>/dev/null | awk '{print $5}') bytes"; el
+  grep -iE 'margin|recall|trunk|routed' "$L/artifact.log" | tail -4 | cut -c1-200
+  RACTIVE=${RACTIVE:-1.0,0.75,0.5,0.35,0.25} sparse_part
+  echo "== routed, defaults"; grep -vE '^\s*$|INFO|WARN' "$L/routed.txt" | tail -9
+  # TABLE_CFGS: ";"-separated env settings, one more routed bench each.
+  IFS=';' read -r -a TCFG <<< "${TABLE_CFGS:-}"
+  i=0
+  for cfg in "${TCFG[@]}"; do
+    i=$((i + 1))
+    timeout 120 env $cfg "$W/mirage-cli" bench --backend cuda --model "$Q" --artifact "$W/qwen.mirage" --routed \
+      --active "${RACTIVE:-1.0,0.75,0.5,0.35,0.25}" --prompt 16 --gen 130 > "$L/routed_$i.txt" 2>&1
+    echo "== routed, $cfg (rc=$?)"; grep -vE '^\s*$|INFO|WARN' "$L/routed_$i.txt" | tail -9; el
+  done
+  timeout "${EVAL_LIMIT:-240}" "$W/mirage-cli" eval --artifact "$W/qwen.mirage" --model "$Q" --text "$W/GFDL-1.3" \
+    --max-tokens 384 --max-fidelity-runs 4 > "$L/eval.txt" 2> "$L/eval.err"
+  echo "== fidelity (mirage-cli eval, CPU) rc=$?"; el
+  tail -2 "$L/eval.err"; cat "$L/eval.txt"
+  cp "$L"/*.txt "$L"/*.log "$OUT/" 2>/dev/null
   ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

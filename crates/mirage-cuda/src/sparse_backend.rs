@@ -38,8 +38,8 @@ use super::{
     bad, drv, Arg, CudaActivations, CudaBackend, CudaKvCache, CudaMatrix, CudaVector, MemKind,
 };
 use crate::superblock::{
-    nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, Nvfp4Pages, SparseError, PAGE_CHANNELS,
-    Q8_FFN_VARIANTS,
+    ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, Nvfp4Pages, SparseError,
+    PAGE_CHANNELS, Q8_FFN_VARIANTS, SINGLE_PASS_MAX_D,
 };
 use crate::superblock_q2k::{join_q2k_rows, q2k_page_bytes, Q2kPages, Q2K_BLOCK, Q2K_MAX_D};
 use crate::{module, CudaError};
@@ -437,6 +437,12 @@ pub struct SparseCudaBackend {
     /// cooperative node) instead of the two phase launches.
     /// `MIRAGE_SPARSE_COOP=1` at start, or [`Self::set_cooperative_ffn`].
     cooperative_ffn: std::sync::atomic::AtomicBool,
+    /// The atomic reduction for the single-pass Q8_0 variants (one launch a
+    /// layer, the float order varies run to run) instead of the ordered one
+    /// (two launches, bit-reproducible). `MIRAGE_SPARSE_REDUCE=atomic` at
+    /// start, or [`Self::set_atomic_reduction`]; the other kernels stay
+    /// ordered.
+    atomic_ffn: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for SparseCudaBackend {
@@ -910,7 +916,47 @@ impl SparseCudaBackend {
             cooperative_ffn: std::env::var("MIRAGE_SPARSE_COOP")
                 .is_ok_and(|v| v == "1" || v == "on")
                 .into(),
+            atomic_ffn: std::env::var("MIRAGE_SPARSE_REDUCE")
+                .is_ok_and(|v| v == "atomic")
+                .into(),
         })
+    }
+
+    /// Runs variant `index` of [`Q8_FFN_VARIANTS`] for Q8_0 pages (what
+    /// `MIRAGE_SPARSE_Q8_KERNEL=N` does at start). Before any layer is
+    /// uploaded: a layer's grid is its kernel's occupancy.
+    pub fn with_q8_variant(mut self, index: usize) -> Result<Self> {
+        if index >= Q8_FFN_VARIANTS.len() {
+            return Err(rt(format!(
+                "fused Q8_0 FFN variant {index} does not exist (0..{})",
+                Q8_FFN_VARIANTS.len()
+            )));
+        }
+        if self.layers().iter().any(|l| l.is_some()) {
+            return Err(rt("the FFN kernel cannot change after layers are uploaded"));
+        }
+        self.q8_kernel = Q8Kernel::Variant {
+            index,
+            part_ch: default_part_ch,
+        };
+        Ok(self)
+    }
+
+    /// Reduces the single-pass Q8_0 FFN variants' block partials with
+    /// atomics in their one launch (`true`) or in block order over two
+    /// launches (`false`, the default: the same bits every run). No effect
+    /// on the other kernels.
+    pub fn set_atomic_reduction(&self, on: bool) {
+        self.atomic_ffn
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether `format`'s FFN runs as one atomic single-pass launch.
+    fn one_pass_atomic(&self, format: PageFormat) -> bool {
+        matches!(
+            (format, self.q8_kernel),
+            (PageFormat::Q8_0, Q8Kernel::Variant { index, .. }) if Q8_FFN_VARIANTS[index].single_pass
+        ) && self.atomic_ffn.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Runs each fused FFN as one cooperative launch (`true`) or as its two
@@ -1134,6 +1180,17 @@ impl SparseCudaBackend {
             return Err(rt("FFN scratch not allocated"));
         };
         let d = ld.d_model;
+        let single_pass = matches!(
+            (ld.format, self.q8_kernel),
+            (PageFormat::Q8_0, Q8Kernel::Variant { index, .. }) if Q8_FFN_VARIANTS[index].single_pass
+        );
+        if single_pass && d > SINGLE_PASS_MAX_D {
+            return Err(rt(format!(
+                "the single-pass FFN kernels take d_model up to {SINGLE_PASS_MAX_D}, not {d}; \
+                 choose another MIRAGE_SPARSE_Q8_KERNEL"
+            )));
+        }
+        let one_pass = self.one_pass_atomic(ld.format);
         // The kernels take the same arguments but for NVFP4's three tensor
         // scales after d (Q2_K's are q8s's).
         let base = |phase: i32| {
@@ -1151,7 +1208,9 @@ impl SparseCudaBackend {
                 Arg::Ptr(self.inner.ptr(&ld.ids)),
                 Arg::Ptr(self.inner.ptr(&ld.count)),
                 Arg::I32(ld.n_pages as i32),
-                Arg::I32(1), // ordered reduction: deterministic, y = FFN(x)
+                // Ordered reduction: deterministic, y = FFN(x); the atomic
+                // one of the single-pass kernels zeroes y itself.
+                Arg::I32(if one_pass { 0 } else { 1 }),
                 Arg::I32(0),
                 Arg::Ptr(self.inner.ptr(h)),
                 Arg::Ptr(self.inner.ptr(pa)),
@@ -1202,6 +1261,10 @@ impl SparseCudaBackend {
                     "{k}: accumulate/y argument positions ({acc_at}, {y_at}) do not match the launch"
                 )));
             }
+        }
+        if one_pass {
+            // Everything in phase 1 (its phase 2 would return at once).
+            return self.inner.launch(k, g, b, (d * 4) as u32, phase1);
         }
         if cooperative {
             // Both phases (3), the grid barrier between them.
@@ -1407,11 +1470,11 @@ impl Backend for SparseCudaBackend {
         {
             let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
             let n_chunks = d.div_ceil(128);
-            let parts = grids
+            let partials = grids
                 .iter()
-                .map(|&g| (g as usize / n_chunks).max(1))
+                .map(|&g| ffn_partials_len(g, d))
                 .max()
-                .unwrap_or(1);
+                .unwrap_or(d);
             let grow = |slot: &mut Option<CudaSlice<f32>>, n: usize| -> Result<()> {
                 if slot.as_ref().is_none_or(|b| b.len() < n) {
                     *slot = Some(s.alloc_zeros::<f32>(n).map_err(drv)?);
@@ -1419,7 +1482,7 @@ impl Backend for SparseCudaBackend {
                 Ok(())
             };
             grow(&mut sc.hbuf, n_pages * PAGE_CHANNELS)?;
-            grow(&mut sc.partials, parts * d)?;
+            grow(&mut sc.partials, partials)?;
             if sc.counters.as_ref().is_none_or(|b| b.len() < 2 + n_chunks) {
                 sc.counters = Some(s.alloc_zeros::<u32>(2 + n_chunks).map_err(drv)?);
             }

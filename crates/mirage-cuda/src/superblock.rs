@@ -218,8 +218,8 @@ pub(crate) fn dequantize_transposed(
 
 /// One variant of the fused Q8_0 FFN kernel: `superblock_ffn_q8s_v<index>`
 /// in `cuda/superblock.cu` (the arguments of `superblock_ffn_q8s` plus an
-/// `int part_ch` last), one template instantiated per variant, each at its
-/// own register cap and occupancy (so each has its own grid).
+/// `int part_ch` and the folded norm's three last), each at its own register
+/// cap and occupancy (so each has its own grid).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Q8FfnVariant {
     /// `N` of `superblock_ffn_q8s_v<N>`.
@@ -228,12 +228,22 @@ pub struct Q8FfnVariant {
     pub kernel: &'static str,
     /// What it changes against the first version (v0), in a few words.
     pub about: &'static str,
+    /// The single-pass kernel (`sb_ffn_q8s_local`): each block reduces its
+    /// own channels' down products into one d-wide partial, so the atomic
+    /// reduction needs no second launch (its phase 2 does nothing) and may
+    /// start from `y` as it is (`accumulate` false: the kernel zeroes `y`).
+    /// `d_model` at most [`SINGLE_PASS_MAX_D`]; `part_ch` is ignored.
+    pub single_pass: bool,
 }
 
+/// Widest `d_model` the single-pass variants take (`SB_LOCAL_MAX_D`: one
+/// 16-output piece per thread).
+pub const SINGLE_PASS_MAX_D: usize = 4096;
+
 /// The fused Q8_0 FFN variants, in the order of `cuda/superblock.cu`'s
-/// `SB_Q8S_VARIANT` list (keep the two in step). v0 with `part_ch` 0 is
+/// variant list (keep the two in step). v0 with `part_ch` 0 is
 /// `superblock_ffn_q8s`, the first version, bit for bit.
-pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 8] = [
+pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 10] = [
     q8v(
         0,
         "first version (4 B loads, grid-stride channels), 5 blocks/SM",
@@ -248,10 +258,12 @@ pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 8] = [
     q8v(5, "16 B, p1 1 x 16 B, p2 2 quads, 5 blocks/SM"),
     q8v(6, "v3 + phase 1 prefetches the down_t rows into L2"),
     q8v(7, "v4 + phase 1 prefetches the down_t rows into L2"),
+    q8v(8, "single pass (block-local partial), 4 x 16 B, 2 blocks/SM"),
+    q8v(9, "single pass (block-local partial), 2 x 16 B, 3 blocks/SM"),
 ];
 
 const fn q8v(index: usize, about: &'static str) -> Q8FfnVariant {
-    const NAMES: [&str; 8] = [
+    const NAMES: [&str; 10] = [
         "superblock_ffn_q8s_v0",
         "superblock_ffn_q8s_v1",
         "superblock_ffn_q8s_v2",
@@ -260,20 +272,24 @@ const fn q8v(index: usize, about: &'static str) -> Q8FfnVariant {
         "superblock_ffn_q8s_v5",
         "superblock_ffn_q8s_v6",
         "superblock_ffn_q8s_v7",
+        "superblock_ffn_q8s_v8",
+        "superblock_ffn_q8s_v9",
     ];
     Q8FfnVariant {
         index,
         kernel: NAMES[index],
         about,
+        single_pass: index >= 8,
     }
 }
 
 /// Floats of the ordered reduction's partial buffer of the fused FFN
 /// kernels (every kernel and variant, any `part_ch`) launched with `grid`
-/// blocks at `d_model`: `(grid / n_chunks).max(1) * d_model`, `n_chunks`
-/// the 128-wide output chunks.
+/// blocks at `d_model`: `grid * d_model` (the single-pass variants keep one
+/// d-wide partial per block; the others use the first
+/// `(grid / n_chunks) * d_model`, `n_chunks` the 128-wide output chunks).
 pub fn ffn_partials_len(grid: u32, d_model: usize) -> usize {
-    (grid as usize / d_model.div_ceil(128)).max(1) * d_model
+    (grid as usize).max(1) * d_model
 }
 
 /// Repacks one artifact page (`pack_page` layout, Q8_0: 128 gate rows, 128
@@ -510,7 +526,7 @@ mod device {
         ffn_partials_len, invalid, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page,
         split_q8_0_rows, Nvfp4Pages, SparseError, Q8_FFN_VARIANTS,
     };
-    use super::{PAGE_CHANNELS, Q8_BLOCK};
+    use super::{PAGE_CHANNELS, Q8_BLOCK, SINGLE_PASS_MAX_D};
     use crate::{module, CudaError};
 
     /// Sources of the sparse-path module, compiled as one NVRTC unit
@@ -737,6 +753,8 @@ mod device {
         pub(crate) tensor_scales: Option<[f32; 3]>,
         /// Q8_0 variants only: `part_ch` (the kernel argument after `phases`).
         pub(crate) part_ch: Option<i32>,
+        /// A single-pass variant (`Q8FfnVariant::single_pass`).
+        pub(crate) single_pass: bool,
     }
 
     /// Active page ids and their count, both in device memory.
@@ -1149,6 +1167,7 @@ mod device {
                 grid,
                 tensor_scales: None,
                 part_ch,
+                single_pass: opts.variant.is_some_and(|v| Q8_FFN_VARIANTS[v].single_pass),
             };
             self.launch_ffn(
                 &target,
@@ -1188,6 +1207,7 @@ mod device {
                 grid: pages.grid,
                 tensor_scales: Some(pages.tensor_scales),
                 part_ch: None,
+                single_pass: false,
             };
             self.launch_ffn(
                 &target, x, active, reduction, accumulate, launch, scratch, y,
@@ -1218,10 +1238,16 @@ mod device {
                     y.len()
                 )));
             }
-            if reduction == Reduction::Atomic && !accumulate {
+            if reduction == Reduction::Atomic && !accumulate && !t.single_pass {
                 return Err(invalid(
                     "the atomic reduction adds into y: zero y and pass accumulate = true",
                 ));
+            }
+            if t.single_pass && d > SINGLE_PASS_MAX_D {
+                return Err(invalid(format!(
+                    "{}: the single-pass kernels take d_model up to {SINGLE_PASS_MAX_D}, not {d}",
+                    t.name
+                )));
             }
             let grid = t.grid;
             let n_chunks = d.div_ceil(128);

@@ -437,6 +437,7 @@ mod device {
                 grid: pages.grid,
                 tensor_scales: None,
                 part_ch: None,
+                single_pass: false,
             };
             self.launch_ffn(
                 &target, x, active, reduction, accumulate, launch, scratch, y,

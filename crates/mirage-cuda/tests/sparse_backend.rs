@@ -558,6 +558,91 @@ fn residual_add_folds_into_the_sparse_ffn() {
     }
 }
 
+/// The single-pass Q8_0 FFN kernels (variants 8 and 9: each block reduces
+/// its own channels' down products) in the backend, against the default
+/// two-phase kernel on the same pages: ordered (two launches, the same bits
+/// every run), atomic (one launch, y zeroed by the kernel), and atomic with
+/// the residual add folded into that one launch in a recorded step (y
+/// starts as the residual). Sums run in other orders, so the check is a
+/// relative error; the recorded step's launch count shows the single launch.
+#[test]
+fn single_pass_ffn_matches_the_two_phase_kernel() {
+    let fx = fixture();
+    let routed = routed_mode(&fx);
+    for variant in [8usize, 9] {
+        for (mode, step_launches) in [(SparsePages::Fraction(0.5), 1usize), (routed, 2)] {
+            let test = "single_pass_ffn_matches_the_two_phase_kernel";
+            let Some((two_phase, ffns2)) = sparse(test, &fx, mode) else {
+                return;
+            };
+            let gpu = cuda(test).unwrap();
+            let sb = SparseCudaBackend::new(gpu, PageSource::Artifact(fx.artifact.clone()), mode)
+                .unwrap()
+                .with_q8_variant(variant)
+                .unwrap();
+            let ffns: Vec<_> = fx
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(l, w)| {
+                    let (g, u, d) = w.host();
+                    sb.upload_ffn(l, &g, &u, &d).unwrap()
+                })
+                .collect();
+            let what = format!("v{variant} {mode:?}");
+            for (l, (f, f2)) in ffns.iter().zip(&ffns2).enumerate() {
+                for (i, xi) in xs(20 + l as u64, 3).iter().enumerate() {
+                    let want = run_ffn(&two_phase, f2, std::slice::from_ref(xi));
+                    for atomic in [false, true] {
+                        sb.set_atomic_reduction(atomic);
+                        let got = run_ffn(&sb, f, std::slice::from_ref(xi));
+                        let e = rel_err(&got, &want);
+                        assert!(
+                            e < 1e-5,
+                            "{what} layer {l} row {i} atomic {atomic}: rel err {e}"
+                        );
+                        if atomic {
+                            continue;
+                        }
+                        let again = run_ffn(&sb, f, std::slice::from_ref(xi));
+                        assert_eq!(bits_differ(&again, &got), 0, "{what}: ordered, run to run");
+                    }
+                }
+            }
+            // Recorded, atomic: FFN + residual add as one launch.
+            sb.set_atomic_reduction(true);
+            let (inputs, residuals) = (xs(30, 3), xs(31, 3));
+            let (mut x, mut res, mut h) = (
+                sb.new_activations(),
+                sb.new_activations(),
+                sb.new_activations(),
+            );
+            let step = one_token_step();
+            for (xi, ri) in inputs.iter().zip(&residuals) {
+                let ffn = run_ffn(&two_phase, &ffns2[0], std::slice::from_ref(xi));
+                let want: Vec<f32> = ffn.iter().zip(ri).map(|(a, b)| a + b).collect();
+                sb.write_activations(&mut x, 1, D, xi).unwrap();
+                sb.write_activations(&mut res, 1, D, ri).unwrap();
+                sb.step(&step, || {
+                    sb.ffn(&ffns[0], &x, &mut h)?;
+                    sb.add(&mut res, &h)
+                })
+                .unwrap();
+                let mut got = Vec::new();
+                sb.read(&res, &mut got).unwrap();
+                let e = rel_err(&got, &want);
+                assert!(
+                    e < 1e-5,
+                    "{what}: recorded atomic FFN + residual: rel err {e}"
+                );
+            }
+            let n = sb.inner().last_graph_launches();
+            eprintln!("{what}: single pass == two-phase (ordered and atomic); recorded step of {n} launches");
+            assert_eq!(n, step_launches, "{what}: launches in the recorded step");
+        }
+    }
+}
+
 /// In a recorded step the RMSNorm before a forced-mode sparse FFN folds into
 /// the fused Q8_0 FFN's phase 1 when `set_fold_ffn_norm(true)`
 /// (`MIRAGE_SPARSE_FOLD_NORM=1`): the same bits as the separate `rms_norm`

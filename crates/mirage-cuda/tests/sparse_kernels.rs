@@ -611,11 +611,23 @@ mod gpu {
                                 "q8s ffn {} d={d} {name} part_ch {part_ch} {launch:?}",
                                 v.kernel
                             );
+                            // The single-pass kernels also take the atomic
+                            // reduction without accumulate (they zero y
+                            // themselves; y starts as NaN here).
+                            let atomic_zeroed = v
+                                .single_pass
+                                .then(|| run(opts, Reduction::Atomic, &vec![f32::NAN; d], false));
                             if set.is_empty() {
                                 assert!(
                                     ordered.iter().all(|v| *v == 0.0),
                                     "{tag}: ordered, no pages, not zero"
                                 );
+                                if let Some(z) = &atomic_zeroed {
+                                    assert!(
+                                        z.iter().all(|v| *v == 0.0),
+                                        "{tag}: atomic from NaN, no pages, not zero"
+                                    );
+                                }
                                 assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
                                 assert_eq!(
                                     ordered_acc, residual,
@@ -625,6 +637,16 @@ mod gpu {
                                 let [e, ea, eo] = check_ffn_errors(
                                     &tag, &ordered, &atomic, &ordered_acc, &want, &want_acc,
                                 );
+                                if let Some(z) = &atomic_zeroed {
+                                    check_ffn_errors(
+                                        &format!("{tag} (atomic from NaN as 'ordered')"),
+                                        z,
+                                        &atomic,
+                                        &ordered_acc,
+                                        &want,
+                                        &want_acc,
+                                    );
+                                }
                                 if launch == FfnLaunch::TwoLaunches && part_ch == 0 {
                                     eprintln!(
                                         "{tag}: relative error ordered {e:.3e}, atomic + residual {ea:.3e}, ordered + residual {eo:.3e}"

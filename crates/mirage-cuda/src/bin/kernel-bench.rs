@@ -732,33 +732,52 @@ mod bench {
             let mut active = dev.new_active(&[], n_pages)?;
             let mut scratch = FfnScratch::default();
             let mut y = stream.alloc_zeros::<f32>(d)?;
-            let mut time =
-                |v: usize, active: &ActivePages, part_ch: u32, launch: FfnLaunch| -> Res<f64> {
-                    let opts = FfnQ8Options {
-                        variant: Some(v),
-                        part_ch,
-                        launch,
-                    };
-                    graph_us(dev, timer, layers, || {
-                        for p in &pages {
-                            dev.ffn_q8_with(
-                                p,
-                                &x,
-                                active,
-                                Reduction::Ordered,
-                                false,
-                                opts,
-                                &mut scratch,
-                                &mut y,
-                            )?;
-                        }
-                        Ok(())
-                    })
+            // The single-pass variants as the backend runs them with the
+            // atomic reduction: one launch (phase 1), y = FFN(x).
+            let one_pass = |v: usize| Q8_FFN_VARIANTS[v].single_pass;
+            let mut time = |v: usize,
+                            active: &ActivePages,
+                            part_ch: u32,
+                            launch: FfnLaunch,
+                            reduction: Reduction|
+             -> Res<f64> {
+                let opts = FfnQ8Options {
+                    variant: Some(v),
+                    part_ch,
+                    launch,
                 };
+                graph_us(dev, timer, layers, || {
+                    for p in &pages {
+                        dev.ffn_q8_with(
+                            p,
+                            &x,
+                            active,
+                            reduction,
+                            false,
+                            opts,
+                            &mut scratch,
+                            &mut y,
+                        )?;
+                    }
+                    Ok(())
+                })
+            };
+            // A variant's usual launch: two phases, ordered; the single-pass
+            // ones one atomic launch.
+            let usual = |v: usize| {
+                if one_pass(v) {
+                    (FfnLaunch::Phase1Only, Reduction::Atomic)
+                } else {
+                    (FfnLaunch::TwoLaunches, Reduction::Ordered)
+                }
+            };
             dev.set_active(&mut active, &[])?;
             let empty: Vec<f64> = Q8_FFN_VARIANTS
                 .iter()
-                .map(|v| time(v.index, &active, 0, FfnLaunch::TwoLaunches))
+                .map(|v| {
+                    let (launch, red) = usual(v.index);
+                    time(v.index, &active, 0, launch, red)
+                })
                 .collect::<Res<_>>()?;
             for &frac in fracs {
                 let k = ((frac * n_pages as f64).round() as usize).clamp(1, n_pages);
@@ -766,24 +785,43 @@ mod bench {
                 let shape = format!("{name} {:.0} % ({k}/{n_pages})", frac * 100.0);
                 let mut v0_us = f64::NAN;
                 for v in &Q8_FFN_VARIANTS {
-                    let mut time = |part_ch: u32, launch: FfnLaunch| -> Res<f64> {
-                        time(v.index, &active, part_ch, launch)
+                    let mut time = |part_ch: u32, launch: FfnLaunch, red: Reduction| -> Res<f64> {
+                        time(v.index, &active, part_ch, launch, red)
                     };
-                    let both: Vec<f64> = PART_CH
-                        .iter()
-                        .map(|&pc| time(pc, FfnLaunch::TwoLaunches))
-                        .collect::<Res<_>>()?;
-                    let best = (0..PART_CH.len())
-                        .min_by(|&a, &b| both[a].total_cmp(&both[b]))
-                        .unwrap_or(0);
-                    let p1 = time(0, FfnLaunch::Phase1Only)?;
-                    let p2 = time(PART_CH[best], FfnLaunch::Phase2Only)?;
+                    let (both, p1, p2, what) = if v.single_pass {
+                        // part_ch means nothing here: the columns are the
+                        // atomic single launch, the ordered two launches
+                        // and the ordered one cooperative launch.
+                        let both = vec![
+                            time(0, FfnLaunch::Phase1Only, Reduction::Atomic)?,
+                            time(0, FfnLaunch::TwoLaunches, Reduction::Ordered)?,
+                            time(0, FfnLaunch::Cooperative, Reduction::Ordered)?,
+                        ];
+                        let p1 = time(0, FfnLaunch::Phase1Only, Reduction::Ordered)?;
+                        let p2 = time(0, FfnLaunch::Phase2Only, Reduction::Ordered)?;
+                        let what = format!(
+                            "v{} (atomic 1 launch / ordered 2 launches / ordered cooperative; p1, p2: ordered)",
+                            v.index
+                        );
+                        (both, p1, p2, what)
+                    } else {
+                        let both: Vec<f64> = PART_CH
+                            .iter()
+                            .map(|&pc| time(pc, FfnLaunch::TwoLaunches, Reduction::Ordered))
+                            .collect::<Res<_>>()?;
+                        let best = (0..PART_CH.len())
+                            .min_by(|&a, &b| both[a].total_cmp(&both[b]))
+                            .unwrap_or(0);
+                        let p1 = time(0, FfnLaunch::Phase1Only, Reduction::Ordered)?;
+                        let p2 = time(PART_CH[best], FfnLaunch::Phase2Only, Reduction::Ordered)?;
+                        (both, p1, p2, format!("v{}", v.index))
+                    };
                     if v.index == 0 {
                         v0_us = both[0];
                     }
                     out.push(SbRow {
                         shape: shape.clone(),
-                        what: format!("v{}", v.index),
+                        what,
                         grid: pages[0].variant_grid(v.index).unwrap_or(0),
                         empty: empty[v.index],
                         p1,
