@@ -53,7 +53,7 @@ for cfg in "${CFG_LIST[@]}"; do
   [ "$cfg" = D ] && cfg=MIRAGE_DEFAULTS=1  # the defaults (env needs a setting)
   left "7b $cfg" || break
   i=$((i + 1))
-  run "b7_$i" 90 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages --prefix-dense off \
+  run "b7_$i" 90 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages --prefix-dense ${PREFIX_DENSE:-off} \
     --active ${ACTIVE:-1.0,0.4,0.25} --prompt 16 --gen 66
   { echo "== 7B q8_0, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$i.log" | tail -7; } >> "$L/tables.txt"
 done
