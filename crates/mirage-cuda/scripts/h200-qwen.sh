@@ -38,6 +38,10 @@
 #       artifact on held-out text on the CPU (`mirage-cli eval`, GFDL-1.3,
 #       384 tokens: recall, rejection, active fraction, logit cosine, top-1,
 #       perplexity per router).
+#   h200-qwen.sh vk VK_BIN GL_DIR
+#       after table: the Vulkan RT router wired into the sparse backend
+#       (tests/vk_interop.rs on the real model and artifact: lists and logits
+#       equal route.cu's; `bench --routed --vulkan-router`).
 # Logs under /tmp/mq/log (copied to $OUT); short tables on stdout.
 set -uo pipefail
 W=/tmp/mq
@@ -66,7 +70,7 @@ sparse_part() {
   fi
 }
 
-stage=${1:?stage: prep | append | run1 | run2 | sparse | table}
+stage=${1:?stage: prep | append | run1 | run2 | sparse | table | vk}
 shift
 case $stage in
 prep)
@@ -179,6 +183,22 @@ table)
     --max-tokens 384 --max-fidelity-runs 4 > "$L/eval.txt" 2> "$L/eval.err"
   echo "== fidelity (mirage-cli eval, CPU) rc=$?"; el
   tail -2 "$L/eval.err"; cat "$L/eval.txt"
+  cp "$L"/*.txt "$L"/*.log "$OUT/" 2>/dev/null
+  ;;
+vk)
+  # The Vulkan RT router wired into the sparse backend, on the real model
+  # and the table stage's artifact: VK_BIN from bundle-vkinterop.sh, the
+  # Vulkan loader .debs in GL_DIR (see the device notes).
+  VK_BIN=${1:?VK_BIN}; GL_DIR=${2:?GL_DIR}
+  for f in "$GL_DIR"/*.deb; do dpkg -x "$f" /; done; ldconfig
+  mkdir -p "$W/vk" && cp "$VK_BIN"/* "$W/vk/" && chmod +x "$W/vk"/*
+  MIRAGE_SPARSE_MODEL=$Q MIRAGE_SPARSE_ARTIFACT=$W/qwen.mirage MIRAGE_REQUIRE_CUDA_TESTS=1 MIRAGE_REQUIRE_VK_RT=1 \
+    timeout 200 "$W/vk/vk_interop" --test-threads 1 --nocapture > "$L/vk_interop.log" 2>&1
+  echo "vk_interop rc=$? $(grep -E '^test result' "$L/vk_interop.log")"; el
+  grep -E 'panicked|routed_decode|skipped' "$L/vk_interop.log" | cut -c1-240 | head -6
+  timeout 200 "$W/vk/mirage-cli-vk" bench --backend cuda --model "$Q" --artifact "$W/qwen.mirage" --routed --vulkan-router \
+    --prefix-dense off --active 1.0 --prompt 16 --gen 66 > "$L/routed_vk.txt" 2>&1
+  echo "== routed, Vulkan RT router (rc=$?)"; grep -vE '^\s*$|INFO|WARN' "$L/routed_vk.txt" | tail -8; el
   cp "$L"/*.txt "$L"/*.log "$OUT/" 2>/dev/null
   ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;

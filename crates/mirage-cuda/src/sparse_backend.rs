@@ -443,6 +443,25 @@ pub struct SparseCudaBackend {
     /// start, or [`Self::set_atomic_reduction`]; the other kernels stay
     /// ordered.
     atomic_ffn: std::sync::atomic::AtomicBool,
+    /// Routed mode through the Vulkan ray-tracing router instead of
+    /// route.cu (feature `vulkan-interop`; [`Self::set_vulkan_router`]).
+    #[cfg(feature = "vulkan-interop")]
+    vulkan: Mutex<Option<VulkanRouting>>,
+}
+
+/// The Vulkan RT routers of the routed mode, one per uploaded layer, fed
+/// and read on the backend's own stream through CUDA–Vulkan interop
+/// (`crate::vk_interop`): projection into the exported points buffer,
+/// timeline semaphores around one queued Vulkan submission, compaction into
+/// the layer's active list. The submission is a host call per routing, so a
+/// step that routes this way runs eagerly (no CUDA graph).
+#[cfg(feature = "vulkan-interop")]
+struct VulkanRouting {
+    dev: crate::vk_interop::RouteDevice,
+    layers: Vec<Option<crate::vk_interop::VkInteropRouter>>,
+    margin: f32,
+    /// Routing through these routers now (off: route.cu, routers kept).
+    active: bool,
 }
 
 impl std::fmt::Debug for SparseCudaBackend {
@@ -919,7 +938,118 @@ impl SparseCudaBackend {
             atomic_ffn: std::env::var("MIRAGE_SPARSE_REDUCE")
                 .is_ok_and(|v| v == "atomic")
                 .into(),
+            #[cfg(feature = "vulkan-interop")]
+            vulkan: Mutex::new(None),
         })
+    }
+
+    /// Routes the routed mode's tokens with the Vulkan ray-tracing router
+    /// (`true`) or route.cu (`false`, the default); both give the same lists.
+    /// Needs the routed mode and every layer uploaded. The first switch on
+    /// (or one after a margin change) builds one Vulkan router per layer (a
+    /// Vulkan device each) on the Vulkan device with this CUDA device's UUID;
+    /// switching off keeps them. Switching on turns CUDA graphs off (each
+    /// routing is one host `vkQueueSubmit`).
+    #[cfg(feature = "vulkan-interop")]
+    pub fn set_vulkan_router(&self, on: bool) -> Result<()> {
+        // (pages, trunk) per layer, read before the lock: ffn() holds the
+        // layers' lock while it takes the routers'.
+        let shapes: Vec<Option<(usize, usize)>> = self
+            .layers()
+            .iter()
+            .map(|l| l.as_ref().map(|l| (l.n_pages, l.n_trunk)))
+            .collect();
+        let mut slot = self.vulkan.lock().unwrap_or_else(|e| e.into_inner());
+        let SparsePages::Routed { margin, .. } = self.mode() else {
+            if on {
+                return Err(rt("the Vulkan router needs the routed mode"));
+            }
+            if let Some(v) = slot.as_mut() {
+                v.active = false;
+            }
+            return Ok(());
+        };
+        if let Some(v) = slot.as_mut().filter(|v| v.margin == margin || !on) {
+            v.active = on;
+            if on {
+                self.inner.set_graphs(false);
+            }
+            return Ok(());
+        }
+        if !on {
+            return Ok(());
+        }
+        let PageSource::Artifact(a) = &self.source else {
+            return Err(rt("the Vulkan router needs an artifact"));
+        };
+        let vk = |e: crate::vk_interop::InteropError| rt(format!("Vulkan router: {e}"));
+        let dev = crate::vk_interop::RouteDevice::on_stream(
+            self.inner.ctx.clone(),
+            self.inner.stream.clone(),
+        )
+        .map_err(|e| rt(format!("Vulkan router: {e}")))?;
+        let mut layers = Vec::new();
+        for (l, shape) in shapes.into_iter().enumerate() {
+            layers.push(match shape {
+                Some((n_pages, n_trunk)) => Some(
+                    crate::vk_interop::VkInteropRouter::new(
+                        &dev,
+                        &a.router_with_margin(l, margin),
+                        n_pages,
+                        n_trunk,
+                        1,
+                    )
+                    .map_err(vk)?,
+                ),
+                None => None,
+            });
+        }
+        self.inner.set_graphs(false);
+        *slot = Some(VulkanRouting {
+            dev,
+            layers,
+            margin,
+            active: true,
+        });
+        Ok(())
+    }
+
+    /// Routes row `px` of `layer` with its Vulkan router into the layer's
+    /// list when the Vulkan router is on (`Ok(true)`); `Ok(false)`: route.cu.
+    #[cfg(feature = "vulkan-interop")]
+    fn route_vulkan(&self, layer: usize, ld: &LayerDev, px: u64, margin: f32) -> Result<bool> {
+        let mut slot = self.vulkan.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(v) = slot.as_mut().filter(|v| v.active) else {
+            return Ok(false);
+        };
+        if v.margin != margin {
+            return Err(rt(format!(
+                "the Vulkan routers were built for margin {}, the mode has {margin}: call set_vulkan_router again",
+                v.margin
+            )));
+        }
+        if self.inner.recording() {
+            return Err(rt(
+                "the Vulkan router cannot run inside a recorded CUDA graph (turn graphs off)",
+            ));
+        }
+        let router = v
+            .layers
+            .get_mut(layer)
+            .and_then(|r| r.as_mut())
+            .ok_or_else(|| rt(format!("layer {layer} has no Vulkan router (uploaded later?)")))?;
+        let (ids, count) = (self.inner.ptr(&ld.ids), self.inner.ptr(&ld.count));
+        // SAFETY: px is a row of d_model floats of an activation buffer on
+        // this stream, ids / count the layer's list (n_pages slots, one
+        // count), all owned by this backend and alive while its stream runs.
+        unsafe { router.route_one_raw(&v.dev, px, ids, count) }
+            .map_err(|e| rt(format!("Vulkan router, layer {layer}: {e}")))?;
+        Ok(true)
+    }
+
+    #[cfg(not(feature = "vulkan-interop"))]
+    fn route_vulkan(&self, _: usize, _: &LayerDev, _: u64, _: f32) -> Result<bool> {
+        Ok(false)
     }
 
     /// Runs variant `index` of [`Q8_FFN_VARIANTS`] for Q8_0 pages (what
@@ -1138,9 +1268,12 @@ impl SparseCudaBackend {
             .get(layer)
             .and_then(|l| l.as_ref())
             .ok_or_else(|| rt(format!("layer {layer} has no FFN uploaded")))?;
-        let SparsePages::Routed { traversal, .. } = self.mode() else {
+        let SparsePages::Routed { traversal, margin } = self.mode() else {
             return Err(rt("route_only needs the routed mode"));
         };
+        if self.route_vulkan(layer, ld, px, margin)? {
+            return Ok(());
+        }
         self.launch_route(ld, px, traversal)
     }
 
@@ -1310,7 +1443,7 @@ impl SparseCudaBackend {
             .ok_or_else(|| rt(format!("layer {layer} has no FFN uploaded")))?;
         let py = self.inner.reshape(&mut y, 1, ld.d_model)?;
         let routed = match self.mode() {
-            SparsePages::Routed { traversal, .. } => Some(traversal),
+            SparsePages::Routed { traversal, margin } => Some((traversal, margin)),
             _ => None,
         };
         let ctx = &self.inner.ctx;
@@ -1336,7 +1469,12 @@ impl SparseCudaBackend {
             Ok(v[v.len() / 2])
         };
         let route_us = match routed {
-            Some(t) => time(&|| self.launch_route(ld, px, t))?,
+            Some((t, margin)) => time(&|| {
+                if !self.route_vulkan(layer, ld, px, margin)? {
+                    self.launch_route(ld, px, t)?;
+                }
+                Ok(())
+            })?,
             None => 0.0,
         };
         let ffn_us = time(&|| self.launch_ffn(ld, px, py))?;
@@ -1575,7 +1713,7 @@ impl Backend for SparseCudaBackend {
         let px = self.inner.act_ptr(x)?;
         let py = self.inner.reshape(out, rows, d)?;
         let routed = match self.mode() {
-            SparsePages::Routed { traversal, .. } => Some(traversal),
+            SparsePages::Routed { traversal, margin } => Some((traversal, margin)),
             _ => None,
         };
         // One row at a time: the active list (and, routed, the routing) is
@@ -1583,8 +1721,10 @@ impl Backend for SparseCudaBackend {
         // overwrites the list.
         for r in 0..rows {
             let off = (4 * r * d) as u64;
-            if let Some(t) = routed {
-                self.launch_route(ld, px + off, t)?;
+            if let Some((t, margin)) = routed {
+                if !self.route_vulkan(f.layer, ld, px + off, margin)? {
+                    self.launch_route(ld, px + off, t)?;
+                }
             }
             self.launch_ffn(ld, px + off, py + off)?;
         }

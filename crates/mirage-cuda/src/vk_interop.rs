@@ -151,6 +151,16 @@ impl RouteDevice {
         // SAFETY: nothing is allocated on this context yet; one stream.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(d)?;
+        Self::on_stream(ctx, stream)
+    }
+
+    /// The routing kernels on an existing context and stream (the sparse
+    /// backend's), so that routings are ordered with that stream's launches.
+    pub fn on_stream(
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+    ) -> std::result::Result<Self, CudaError> {
+        let d = |e: cudarc::driver::DriverError| CudaError::Driver(e.to_string());
         let name = ctx.name().map_err(d)?;
         let cc = ctx.compute_capability().map_err(d)?;
         let (ptx, _) = module::ptx_for("vk_interop", SOURCE, cc.0, cc.1)?;
@@ -258,20 +268,24 @@ impl RouteDevice {
         Ok(())
     }
 
+    /// `vki_compact` into `queries` lists at `ids` (`n_pages` slots each)
+    /// and `count` (one i32 each).
+    #[allow(clippy::too_many_arguments)]
     fn compact(
         &self,
         bits: u64,
         words: usize,
         router_pages: usize,
         n_trunk: usize,
-        out: &mut ActiveLists,
+        ids: u64,
+        count: u64,
+        n_pages: usize,
         queries: usize,
     ) -> Result<()> {
-        let (ids, count) = (self.ptr(&out.ids), self.ptr(&out.count));
         let (w, rp, np, nt) = (
             words as i32,
             router_pages as i32,
-            out.n_pages as i32,
+            n_pages as i32,
             n_trunk as i32,
         );
         let mut b = self.stream.launch_builder(&self.f_compact);
@@ -288,7 +302,8 @@ impl RouteDevice {
             shared_mem_bytes: 0,
         };
         // SAFETY: matches vki_compact(const unsigned*, int, int, int, int,
-        // unsigned*, int*); bits holds queries * words words, out is sized.
+        // unsigned*, int*); bits holds queries * words words, the callers
+        // size ids / count (checked lists, or the backend's layer list).
         unsafe { b.launch(cfg) }.map_err(drv)?;
         Ok(())
     }
@@ -659,12 +674,49 @@ impl VkInteropRouter {
         out: &mut ActiveLists,
     ) -> Result<()> {
         self.check(dev, x, queries, out)?;
+        let (ids, count) = (dev.ptr(&out.ids), dev.ptr(&out.count));
+        self.enqueue(dev, dev.ptr(x), queries, ids, count)
+    }
+
+    /// [`Self::route`] of one query at raw device pointers: `x` holds
+    /// `d_model` floats and the list `ids` (`n_pages` slots) / `count` (one
+    /// i32) is written as route.cu writes it: the sparse backend's layer
+    /// list, which its fused FFN reads.
+    ///
+    /// # Safety
+    /// The pointers are live device allocations of `dev`'s context of at
+    /// least those sizes, not freed before the stream has run the routing.
+    pub unsafe fn route_one_raw(
+        &mut self,
+        dev: &RouteDevice,
+        x: u64,
+        ids: u64,
+        count: u64,
+    ) -> Result<()> {
+        if !Arc::ptr_eq(&dev.ctx, &self.ctx) || !Arc::ptr_eq(&dev.stream, &self.stream) {
+            return Err(InteropError::Invalid(
+                "router imported into another RouteDevice".into(),
+            ));
+        }
+        self.enqueue(dev, x, 1, ids, count)
+    }
+
+    /// Projection, the semaphore hand-offs around the Vulkan submission,
+    /// compaction into `ids` / `count` (checked by the callers).
+    fn enqueue(
+        &mut self,
+        dev: &RouteDevice,
+        x: u64,
+        queries: usize,
+        ids: u64,
+        count: u64,
+    ) -> Result<()> {
         let (Some(points), Some(bits)) = (&self.points, &self.bits) else {
             return Err(InteropError::Invalid("interop buffers not imported".into()));
         };
         let (pp, pb) = (points.ptr, bits.ptr);
         dev.project(
-            dev.ptr(x),
+            x,
             self.d_model,
             dev.ptr(&self.proj),
             self.slices,
@@ -690,7 +742,16 @@ impl VkInteropRouter {
         check("cuWaitExternalSemaphoresAsync", unsafe {
             sys::cuWaitExternalSemaphoresAsync(&self.done, &wait, 1, self.stream.cu_stream())
         })?;
-        dev.compact(pb, self.words, self.pages, self.n_trunk, out, queries)
+        dev.compact(
+            pb,
+            self.words,
+            self.pages,
+            self.n_trunk,
+            ids,
+            count,
+            self.n_pages,
+            queries,
+        )
     }
 
     /// The same routing with host copies: points to the host (synchronizes),
@@ -731,7 +792,17 @@ impl VkInteropRouter {
                 .map_err(drv)?;
         }
         let pb = dev.ptr(&self.bits_dev);
-        dev.compact(pb, self.words, self.pages, self.n_trunk, out, queries)
+        let (ids, count) = (dev.ptr(&out.ids), dev.ptr(&out.count));
+        dev.compact(
+            pb,
+            self.words,
+            self.pages,
+            self.n_trunk,
+            ids,
+            count,
+            self.n_pages,
+            queries,
+        )
     }
 
     /// Waits on the host (Vulkan side) until the last routing's trace is

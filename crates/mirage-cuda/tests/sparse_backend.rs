@@ -753,7 +753,7 @@ fn smollm2_routed_matches_cpu_superblock() {
     };
     let artifact = match std::env::var_os("MIRAGE_SPARSE_ARTIFACT") {
         Some(p) => Artifact::open(&p).expect("MIRAGE_SPARSE_ARTIFACT"),
-        None => build_artifact(&model),
+        None => common::build_artifact(&model),
     };
     let margin = artifact.meta().default_margin;
     let file = Arc::new(mirage_gguf::GgufFile::open(&model).unwrap());
@@ -828,20 +828,6 @@ fn smollm2_routed_matches_cpu_superblock() {
     assert!(worst >= 0.999, "cosine {worst}");
 }
 
-fn build_artifact(model: &std::path::Path) -> Arc<Artifact> {
-    let text: String = std::fs::read_to_string("/usr/share/common-licenses/Apache-2.0")
-        .map(|t| t.chars().take(1200).collect())
-        .unwrap_or_else(|_| "The quick brown fox jumps over the lazy dog. ".repeat(30));
-    let opts = mirage_artifact::BuildOptions {
-        calib_name: "Apache-2.0 (first 1200 chars)".into(),
-        calib_text: text,
-        max_calib_tokens: 64,
-        threads: 2,
-        ..mirage_artifact::BuildOptions::default()
-    };
-    let built = mirage_artifact::build(model, &opts, &mut |_| {}).expect("artifact build");
-    Artifact::from_bytes(built.bytes).unwrap()
-}
 
 /// The fixture itself (no GPU): the CPU router sees several set sizes and the
 /// CPU superblock backend over every page matches the f64 reference.

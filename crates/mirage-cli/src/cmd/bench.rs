@@ -114,6 +114,12 @@ pub struct BenchArgs {
     /// down columns copied or, in an artifact's order, re-encoded in Q8_0).
     #[arg(long, default_value = "on")]
     pub prefix_dense: String,
+    /// Sparse decode, with --routed: also decode routed with the Vulkan
+    /// ray-tracing router (CUDA–Vulkan interop, one host submission per
+    /// layer, so no CUDA graph), beside route.cu without graphs. Needs a
+    /// build with the `vulkan-interop` feature and a Vulkan RT device.
+    #[arg(long)]
+    pub vulkan_router: bool,
 }
 
 /// What one bench run measured.

@@ -170,6 +170,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     if args.routed && args.synthetic_pages {
         bail!("--routed needs an artifact (synthetic pages have no router)");
     }
+    if args.vulkan_router && !args.routed {
+        bail!("--vulkan-router is a router for --routed");
+    }
+    if args.vulkan_router && !cfg!(feature = "vulkan-interop") {
+        bail!("--vulkan-router: this mirage-cli was built without the `vulkan-interop` feature");
+    }
     let format: PageFormat = args
         .page_format
         .as_deref()
@@ -357,21 +363,40 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             )
         })
         .collect();
+    // The routed rows: route.cu in graphs; with --vulkan-router also
+    // route.cu without graphs and the Vulkan RT router (no graphs either).
+    #[derive(Clone, Copy, PartialEq)]
+    enum Router {
+        Cuda,
+        CudaEager,
+        Vulkan,
+    }
+    let mut routers = vec![Router::Cuda; modes.len()];
     if args.routed {
         let PageSource::Artifact(a) = &source else {
             unreachable!("checked above")
         };
         let margin = a.meta().default_margin;
-        modes.push((
-            format!("routed (margin {margin})"),
-            SparsePages::Routed {
-                margin,
-                traversal: RouteTraversal::Auto,
-            },
-        ));
+        let routed = SparsePages::Routed {
+            margin,
+            traversal: RouteTraversal::Auto,
+        };
+        modes.push((format!("routed (margin {margin})"), routed));
+        routers.push(Router::Cuda);
+        if args.vulkan_router {
+            modes.push((format!("routed, no graphs (margin {margin})"), routed));
+            routers.push(Router::CudaEager);
+            modes.push((format!("routed, Vulkan RT (margin {margin})"), routed));
+            routers.push(Router::Vulkan);
+        }
     }
-    for (name, mode) in modes {
+    let graphs = b.inner().graphs();
+    for ((name, mode), router) in modes.into_iter().zip(routers) {
         b.set_mode(mode)?;
+        b.inner().set_graphs(graphs && router == Router::Cuda);
+        #[cfg(feature = "vulkan-interop")]
+        b.set_vulkan_router(router == Router::Vulkan)
+            .context("the Vulkan RT router")?;
         let routed = matches!(mode, SparsePages::Routed { .. });
         let d = decode(&model, n_prompt, n_gen, || {
             if routed {

@@ -54,3 +54,20 @@ pub fn bits_differ(a: &[f32], b: &[f32]) -> usize {
         .count()
         + a.len().abs_diff(b.len())
 }
+
+/// A small artifact of `model` built here (Apache-2.0 text, 64 calibration
+/// tokens): enough for routed-mode tests when no artifact is given.
+pub fn build_artifact(model: &std::path::Path) -> std::sync::Arc<mirage_artifact::Artifact> {
+    let text: String = std::fs::read_to_string("/usr/share/common-licenses/Apache-2.0")
+        .map(|t| t.chars().take(1200).collect())
+        .unwrap_or_else(|_| "The quick brown fox jumps over the lazy dog. ".repeat(30));
+    let opts = mirage_artifact::BuildOptions {
+        calib_name: "Apache-2.0 (first 1200 chars)".into(),
+        calib_text: text,
+        max_calib_tokens: 64,
+        threads: 2,
+        ..mirage_artifact::BuildOptions::default()
+    };
+    let built = mirage_artifact::build(model, &opts, &mut |_| {}).expect("artifact build");
+    mirage_artifact::Artifact::from_bytes(built.bytes).unwrap()
+}
