@@ -51,11 +51,13 @@ IFS=';' read -r -a CFG_LIST <<< "$CFGS"
 for cfg in "${CFG_LIST[@]}"; do
   [ "$cfg" = B0 ] && cfg=$B0
   [ "$cfg" = D ] && cfg=MIRAGE_DEFAULTS=1  # the defaults (env needs a setting)
+  pd=${PREFIX_DENSE:-off}
+  [ "$cfg" = DP ] && { cfg=MIRAGE_DEFAULTS=1; pd=on; }  # defaults + the prefix-slice rows
   left "7b $cfg" || break
   i=$((i + 1))
-  run "b7_$i" 90 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages --prefix-dense ${PREFIX_DENSE:-off} \
+  run "b7_$i" 150 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages --prefix-dense $pd \
     --active ${ACTIVE:-1.0,0.4,0.25} --prompt 16 --gen 66
-  { echo "== 7B q8_0, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$i.log" | tail -7; } >> "$L/tables.txt"
+  { echo "== 7B q8_0, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$i.log" | tail -12; } >> "$L/tables.txt"
 done
 for pdl in ${PDL_05B:-off on off on}; do
   left "0.5b $pdl" || break
