@@ -57,7 +57,7 @@ for cfg in "${CFG_LIST[@]}"; do
   i=$((i + 1))
   run "b7_$i" 150 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages --prefix-dense $pd \
     --active ${ACTIVE:-1.0,0.4,0.25} --prompt 16 --gen 66
-  { echo "== 7B q8_0, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$i.log" | tail -12; } >> "$L/tables.txt"
+  { echo "== 7B q8_0, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$i.log" | tail -14; } >> "$L/tables.txt"
 done
 for pdl in ${PDL_05B:-off on off on}; do
   left "0.5b $pdl" || break
