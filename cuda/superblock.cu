@@ -130,23 +130,71 @@ __device__ __forceinline__ void sb_grid_barrier(sb_u32* bar) {
     __syncthreads();
 }
 
+// y[chunk's 128 outputs] = the sum of the K partials partials[k][d] of
+// output chunk `chunk` (+ y if accumulate), in a fixed order: warp w sums
+// parts w, w + 8, ... in order (lane: outputs 4 lane .. 4 lane + 3), then
+// thread j adds the 8 warp sums in warp order. red[] is overwritten (after
+// a block barrier, so it may hold the caller's data on entry).
+// FB: 0 or 1, one load per loop trip, each add waiting for its load (the
+// first version); FB > 1: a warp issues the loads of FB of its parts at
+// once, then adds them in the same order (the same bits, one L2 round trip
+// per FB parts).
+template <int FB>
+__device__ __forceinline__ void sb_sum_chunk_parts(float (*red)[128], const float* partials, int K, int d, int chunk,
+                                                   int accumulate, float* y) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int e = (chunk << 7) + (lane << 2);
+    const int j = threadIdx.x;
+    float4 t4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (e < d) {
+        if constexpr (FB <= 1) {
+            for (int kk = warp; kk < K; kk += SB_WARPS) {
+                float4 v = __ldcg((const float4*)(partials + (long)kk * d + e));
+                t4.x += v.x; t4.y += v.y; t4.z += v.z; t4.w += v.w;
+            }
+        } else {
+            for (int k0 = warp; k0 < K; k0 += SB_WARPS * FB) {
+                float4 v[FB];
+#pragma unroll
+                for (int i = 0; i < FB; i++) {
+                    const int kk = k0 + i * SB_WARPS;
+                    v[i] = kk < K ? __ldcg((const float4*)(partials + (long)kk * d + e)) : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int i = 0; i < FB; i++) {
+                    if (k0 + i * SB_WARPS < K) {
+                        t4.x += v[i].x; t4.y += v[i].y; t4.z += v[i].z; t4.w += v[i].w;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();  // everyone has read red[] (the caller's data)
+    red[warp][4 * lane] = t4.x;
+    red[warp][4 * lane + 1] = t4.y;
+    red[warp][4 * lane + 2] = t4.z;
+    red[warp][4 * lane + 3] = t4.w;
+    __syncthreads();
+    if (j < 128 && (chunk << 7) + j < d) {
+        float t = 0.f;
+#pragma unroll
+        for (int w2 = 0; w2 < SB_WARPS; w2++) t += red[w2][j];
+        float* o = y + (chunk << 7) + j;
+        *o = accumulate ? *o + t : t;
+    }
+}
+
 // The end of one phase-2 item (output chunk `chunk`, part k of K) of the
 // fused FFN kernels. On entry red[w][j] holds warp w's sum for output j of
 // the chunk and the block has synchronized. Thread j adds the 8 warp sums in
 // warp order and finishes by mode (see superblock_ffn_q8s). Ends with a
 // block barrier: red[] is rewritten by the next item.
-// FB: how the last block reads the K partials. 0: one load per loop trip,
-// each add waiting for its load (the first version; superblock_ffn_nvfp4
-// and superblock_ffn_q8s keep it); FB > 1: a warp issues the loads of FB of
-// its parts at once, then adds them in the same order (the same bits, one
-// L2 round trip per FB parts instead of one per part).
+// FB: how the last block reads the K partials (sb_sum_chunk_parts; 0 for
+// the first version, superblock_ffn_nvfp4 and superblock_ffn_q8s).
 template <int FB = 0>
 __device__ __forceinline__ void sb_finish_item(float (*red)[128], int* last_flag, int chunk, int k, int K, int d,
                                                int mode, int accumulate, float* partials, sb_u32* counters,
                                                float* y) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int e = (chunk << 7) + (lane << 2);  // lane: outputs e .. e + 3 in the ordered sum
-    const bool live = e < d;
     const int j = threadIdx.x;  // output j of the chunk (threads 0..127)
     const bool own = j < 128 && (chunk << 7) + j < d;
     float p = 0.f;
@@ -168,48 +216,7 @@ __device__ __forceinline__ void sb_finish_item(float (*red)[128], int* last_flag
         __syncthreads();
         if (*last_flag) {
             __threadfence();
-            // Warp w sums parts w, w + 8, ... in order (lane: outputs
-            // 4 lane .. 4 lane + 3), then thread j adds the 8 warp sums
-            // in warp order: a fixed order, and one L2 round trip per
-            // 8 parts instead of K dependent ones.
-            float4 t4 = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (live) {
-                if constexpr (FB <= 1) {
-                    for (int kk = warp; kk < K; kk += SB_WARPS) {
-                        float4 v = __ldcg((const float4*)(partials + (long)kk * d + e));
-                        t4.x += v.x; t4.y += v.y; t4.z += v.z; t4.w += v.w;
-                    }
-                } else {
-                    for (int k0 = warp; k0 < K; k0 += SB_WARPS * FB) {
-                        float4 v[FB];
-#pragma unroll
-                        for (int i = 0; i < FB; i++) {
-                            const int kk = k0 + i * SB_WARPS;
-                            v[i] = kk < K ? __ldcg((const float4*)(partials + (long)kk * d + e))
-                                          : make_float4(0.f, 0.f, 0.f, 0.f);
-                        }
-#pragma unroll
-                        for (int i = 0; i < FB; i++) {
-                            if (k0 + i * SB_WARPS < K) {
-                                t4.x += v[i].x; t4.y += v[i].y; t4.z += v[i].z; t4.w += v[i].w;
-                            }
-                        }
-                    }
-                }
-            }
-            __syncthreads();  // everyone has read red[] above
-            red[warp][4 * lane] = t4.x;
-            red[warp][4 * lane + 1] = t4.y;
-            red[warp][4 * lane + 2] = t4.z;
-            red[warp][4 * lane + 3] = t4.w;
-            __syncthreads();
-            if (own) {
-                float t = 0.f;
-#pragma unroll
-                for (int w2 = 0; w2 < SB_WARPS; w2++) t += red[w2][j];
-                float* o = y + (chunk << 7) + j;
-                *o = accumulate ? *o + t : t;
-            }
+            sb_sum_chunk_parts<FB>(red, partials, K, d, chunk, accumulate, y);
         }
     }
     __syncthreads();  // red[] is rewritten by the next item
@@ -303,6 +310,19 @@ __device__ __forceinline__ float sb_q8_dot4(sb_u32 w, float4 xv) {
     float f[4];
     sb_q8x4(w, f);
     return f[0] * xv.x + f[1] * xv.y + f[2] * xv.z + f[3] * xv.w;
+}
+
+// a[0 .. 16) += hv * the 16 Q8_0 quants in w (quant 4 i + n in byte n of
+// word i): the down-row step of the 16-byte phase 2 and of the single pass.
+__device__ __forceinline__ void sb_q8x16_axpy(uint4 w, float hv, float* a) {
+    const sb_u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float f[4];
+        sb_q8x4(words[i], f);
+#pragma unroll
+        for (int n = 0; n < 4; n++) a[4 * i + n] += hv * f[n];
+    }
 }
 
 // Phase 1 stages x in shared memory (d floats, as float4s; P1V > 0 in the
@@ -538,15 +558,7 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const flo
 #pragma unroll
                 for (int u = 0; u < P2U; u++) {
                     if (!ok[u]) continue;
-                    const float hv = hq[u] * sb_h2f(sc[u]);
-                    const sb_u32 words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        float f[4];
-                        sb_q8x4(words[i], f);
-#pragma unroll
-                        for (int n = 0; n < 4; n++) a[4 * i + n] += hv * f[n];
-                    }
+                    sb_q8x16_axpy(w[u], hq[u] * sb_h2f(sc[u]), a);
                 }
             }
             // Sum over the 4 channel lanes (lane bits 16, 8): lane (sub,
@@ -712,15 +724,7 @@ __device__ __forceinline__ void sb_ffn_q8s_local(SB_Q8S_PARAMS, const float* nw,
                     }
 #pragma unroll
                     for (int u = 0; u < 4; u++) {
-                        if (i0 + u * G >= n) continue;
-                        const sb_u32 words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
-#pragma unroll
-                        for (int k = 0; k < 4; k++) {
-                            float f[4];
-                            sb_q8x4(words[k], f);
-#pragma unroll
-                            for (int m = 0; m < 4; m++) a[4 * k + m] += hv[u] * f[m];
-                        }
+                        if (i0 + u * G < n) sb_q8x16_axpy(w[u], hv[u], a);
                     }
                 }
             }
@@ -762,39 +766,9 @@ __device__ __forceinline__ void sb_ffn_q8s_local(SB_Q8S_PARAMS, const float* nw,
     if (phases == 3) sb_grid_barrier(counters);
     if (!(phases & 2)) return;
     // The ordered sum: block k takes output chunks k, k + B, ...
-    const int B = gridDim.x, n_chunks = (d + 127) >> 7;
-    for (int chunk = blockIdx.x; chunk < n_chunks; chunk += B) {
-        const int e = (chunk << 7) + (lane << 2);
-        float4 t4 = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (e < d) {
-            for (int b0 = warp; b0 < B; b0 += SB_WARPS * 8) {
-                float4 v[8];
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    const int b = b0 + i * SB_WARPS;
-                    v[i] = b < B ? __ldcg((const float4*)(partials + (long)b * d + e)) : make_float4(0.f, 0.f, 0.f, 0.f);
-                }
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    if (b0 + i * SB_WARPS < B) {
-                        t4.x += v[i].x; t4.y += v[i].y; t4.z += v[i].z; t4.w += v[i].w;
-                    }
-                }
-            }
-        }
-        red[warp][4 * lane] = t4.x;
-        red[warp][4 * lane + 1] = t4.y;
-        red[warp][4 * lane + 2] = t4.z;
-        red[warp][4 * lane + 3] = t4.w;
-        __syncthreads();
-        const int j = threadIdx.x;
-        if (j < 128 && (chunk << 7) + j < d) {
-            float t = 0.f;
-#pragma unroll
-            for (int w2 = 0; w2 < SB_WARPS; w2++) t += red[w2][j];
-            float* o = y + (chunk << 7) + j;
-            *o = accumulate ? *o + t : t;
-        }
+    const int n_chunks = (d + 127) >> 7;
+    for (int chunk = blockIdx.x; chunk < n_chunks; chunk += gridDim.x) {
+        sb_sum_chunk_parts<8>(red, partials, gridDim.x, d, chunk, accumulate, y);
         __syncthreads();  // red[] is rewritten by the next chunk
     }
 }

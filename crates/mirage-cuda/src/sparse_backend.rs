@@ -1081,12 +1081,12 @@ impl SparseCudaBackend {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether `format`'s FFN runs as one atomic single-pass launch.
-    fn one_pass_atomic(&self, format: PageFormat) -> bool {
+    /// Whether `format`'s pages run a single-pass kernel.
+    fn single_pass(&self, format: PageFormat) -> bool {
         matches!(
             (format, self.q8_kernel),
             (PageFormat::Q8_0, Q8Kernel::Variant { index, .. }) if Q8_FFN_VARIANTS[index].single_pass
-        ) && self.atomic_ffn.load(std::sync::atomic::Ordering::Relaxed)
+        )
     }
 
     /// Runs each fused FFN as one cooperative launch (`true`) or as its two
@@ -1313,17 +1313,16 @@ impl SparseCudaBackend {
             return Err(rt("FFN scratch not allocated"));
         };
         let d = ld.d_model;
-        let single_pass = matches!(
-            (ld.format, self.q8_kernel),
-            (PageFormat::Q8_0, Q8Kernel::Variant { index, .. }) if Q8_FFN_VARIANTS[index].single_pass
-        );
+        let single_pass = self.single_pass(ld.format);
         if single_pass && d > SINGLE_PASS_MAX_D {
             return Err(rt(format!(
                 "the single-pass FFN kernels take d_model up to {SINGLE_PASS_MAX_D}, not {d}; \
                  choose another MIRAGE_SPARSE_Q8_KERNEL"
             )));
         }
-        let one_pass = self.one_pass_atomic(ld.format);
+        // One atomic launch: the single-pass kernels with the atomic reduction.
+        let one_pass =
+            single_pass && self.atomic_ffn.load(std::sync::atomic::Ordering::Relaxed);
         // The kernels take the same arguments but for NVFP4's three tensor
         // scales after d (Q2_K's are q8s's).
         let base = |phase: i32| {

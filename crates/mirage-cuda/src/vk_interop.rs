@@ -742,8 +742,21 @@ impl VkInteropRouter {
         check("cuWaitExternalSemaphoresAsync", unsafe {
             sys::cuWaitExternalSemaphoresAsync(&self.done, &wait, 1, self.stream.cu_stream())
         })?;
+        self.compact(dev, pb, ids, count, queries)
+    }
+
+    /// `vki_compact` of `queries` bitsets at `bits` (this router's shape)
+    /// into the lists at `ids` / `count`.
+    fn compact(
+        &self,
+        dev: &RouteDevice,
+        bits: u64,
+        ids: u64,
+        count: u64,
+        queries: usize,
+    ) -> Result<()> {
         dev.compact(
-            pb,
+            bits,
             self.words,
             self.pages,
             self.n_trunk,
@@ -792,17 +805,7 @@ impl VkInteropRouter {
                 .map_err(drv)?;
         }
         let pb = dev.ptr(&self.bits_dev);
-        let (ids, count) = (dev.ptr(&out.ids), dev.ptr(&out.count));
-        dev.compact(
-            pb,
-            self.words,
-            self.pages,
-            self.n_trunk,
-            ids,
-            count,
-            self.n_pages,
-            queries,
-        )
+        self.compact(dev, pb, dev.ptr(&out.ids), dev.ptr(&out.count), queries)
     }
 
     /// Waits on the host (Vulkan side) until the last routing's trace is

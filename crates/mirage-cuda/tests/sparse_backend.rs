@@ -134,6 +134,20 @@ struct Fixture {
     artifact: Arc<Artifact>,
 }
 
+impl Fixture {
+    /// Every layer's FFN uploaded to `b`, in layer order.
+    fn upload<B: Backend>(&self, b: &B) -> Vec<B::Ffn> {
+        self.layers
+            .iter()
+            .enumerate()
+            .map(|(l, w)| {
+                let (g, u, d) = w.host();
+                b.upload_ffn(l, &g, &u, &d).expect("upload_ffn")
+            })
+            .collect()
+    }
+}
+
 /// A 2-layer artifact: identity channel order (page p = channels 128p..),
 /// one trunk page, random router boxes over 4 slices with threshold 2.
 fn fixture() -> Fixture {
@@ -250,15 +264,7 @@ fn sparse(
     let gpu = cuda(test)?;
     let sb = SparseCudaBackend::new(gpu, PageSource::Artifact(fx.artifact.clone()), mode)
         .expect("sparse backend");
-    let ffns = fx
-        .layers
-        .iter()
-        .enumerate()
-        .map(|(l, w)| {
-            let (g, u, d) = w.host();
-            sb.upload_ffn(l, &g, &u, &d).expect("upload_ffn")
-        })
-        .collect();
+    let ffns = fx.upload(&sb);
     Some((sb, ffns))
 }
 
@@ -376,15 +382,7 @@ fn forced_and_routed_modes_match_cpu_references() {
         SparseMode::All,
     )
     .unwrap();
-    let cpu_ffns: Vec<_> = fx
-        .layers
-        .iter()
-        .enumerate()
-        .map(|(l, w)| {
-            let (g, u, d) = w.host();
-            cpu.upload_ffn(l, &g, &u, &d).unwrap()
-        })
-        .collect();
+    let cpu_ffns = fx.upload(&cpu);
     let inputs = xs(3, 8);
     let cases = [
         (SparsePages::Prefix(3), Some(SparseMode::Prefix(3))),
@@ -580,15 +578,7 @@ fn single_pass_ffn_matches_the_two_phase_kernel() {
                 .unwrap()
                 .with_q8_variant(variant)
                 .unwrap();
-            let ffns: Vec<_> = fx
-                .layers
-                .iter()
-                .enumerate()
-                .map(|(l, w)| {
-                    let (g, u, d) = w.host();
-                    sb.upload_ffn(l, &g, &u, &d).unwrap()
-                })
-                .collect();
+            let ffns = fx.upload(&sb);
             let what = format!("v{variant} {mode:?}");
             for (l, (f, f2)) in ffns.iter().zip(&ffns2).enumerate() {
                 for (i, xi) in xs(20 + l as u64, 3).iter().enumerate() {
@@ -730,31 +720,13 @@ fn sb_layer0(sb: &SparseCudaBackend, f: &mirage_cuda::SparseFfn, x: &[f32]) -> V
 /// fits the transfer limit); otherwise the artifact is built here.
 #[test]
 fn smollm2_routed_matches_cpu_superblock() {
-    let model = std::env::var_os("MIRAGE_SPARSE_MODEL")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/smollm2-135m-instruct-q4_1.gguf")
-        });
-    if !model.exists() {
-        assert!(
-            std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1"),
-            "{} is missing",
-            model.display()
-        );
-        eprintln!(
-            "smollm2_routed_matches_cpu_superblock: skipped, {} is missing",
-            model.display()
-        );
+    let Some(model) = common::sparse_model("smollm2_routed_matches_cpu_superblock") else {
         return;
-    }
+    };
     let Some(gpu) = cuda("smollm2_routed_matches_cpu_superblock") else {
         return;
     };
-    let artifact = match std::env::var_os("MIRAGE_SPARSE_ARTIFACT") {
-        Some(p) => Artifact::open(&p).expect("MIRAGE_SPARSE_ARTIFACT"),
-        None => common::build_artifact(&model),
-    };
+    let artifact = common::sparse_artifact(&model);
     let margin = artifact.meta().default_margin;
     let file = Arc::new(mirage_gguf::GgufFile::open(&model).unwrap());
     let eo = mirage_runtime::EngineOptions {
@@ -827,7 +799,6 @@ fn smollm2_routed_matches_cpu_superblock() {
     );
     assert!(worst >= 0.999, "cosine {worst}");
 }
-
 
 /// The fixture itself (no GPU): the CPU router sees several set sizes and the
 /// CPU superblock backend over every page matches the f64 reference.

@@ -234,25 +234,12 @@ mod gpu {
     fn routed_decode_with_the_vulkan_router_equals_route_cu() {
         use std::sync::Arc;
 
-        use mirage_artifact::Artifact;
         use mirage_cuda::{PageSource, SparseCudaBackend, SparsePages};
 
         let test = "routed_decode_with_the_vulkan_router_equals_route_cu";
-        let model = std::env::var_os("MIRAGE_SPARSE_MODEL")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(|| {
-                std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                    .join("../../models/smollm2-135m-instruct-q4_1.gguf")
-            });
-        if !model.exists() {
-            assert!(
-                std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1"),
-                "{} is missing",
-                model.display()
-            );
-            eprintln!("{test}: skipped, {} is missing", model.display());
+        let Some(model) = super::common::sparse_model(test) else {
             return;
-        }
+        };
         // Skip (saying why) without a CUDA device or a Vulkan RT device.
         let Some(dev) = device(test) else { return };
         if vk_router(test, &dev, &fixture(3), 1).is_none() {
@@ -260,10 +247,7 @@ mod gpu {
         }
         drop(dev);
         let gpu = super::common::cuda(test).expect("CUDA device");
-        let artifact = match std::env::var_os("MIRAGE_SPARSE_ARTIFACT") {
-            Some(p) => Artifact::open(&p).expect("MIRAGE_SPARSE_ARTIFACT"),
-            None => super::common::build_artifact(&model),
-        };
+        let artifact = super::common::sparse_artifact(&model);
         let mode = SparsePages::Routed {
             margin: artifact.meta().default_margin,
             traversal: RouteTraversal::Auto,

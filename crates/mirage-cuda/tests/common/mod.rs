@@ -55,6 +55,37 @@ pub fn bits_differ(a: &[f32], b: &[f32]) -> usize {
         + a.len().abs_diff(b.len())
 }
 
+/// The model of the real-model sparse tests: `MIRAGE_SPARSE_MODEL`, by
+/// default SmolLM2 in models/. `None` after printing why when it is missing
+/// (allowed only with `MIRAGE_SKIP_MODEL_TESTS=1`).
+pub fn sparse_model(test: &str) -> Option<std::path::PathBuf> {
+    let model = std::env::var_os("MIRAGE_SPARSE_MODEL")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../models/smollm2-135m-instruct-q4_1.gguf")
+        });
+    if !model.exists() {
+        assert!(
+            std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1"),
+            "{} is missing",
+            model.display()
+        );
+        eprintln!("{test}: skipped, {} is missing", model.display());
+        return None;
+    }
+    Some(model)
+}
+
+/// The artifact of the real-model sparse tests: `MIRAGE_SPARSE_ARTIFACT`,
+/// or a small one of `model` built here ([`build_artifact`]).
+pub fn sparse_artifact(model: &std::path::Path) -> std::sync::Arc<mirage_artifact::Artifact> {
+    match std::env::var_os("MIRAGE_SPARSE_ARTIFACT") {
+        Some(p) => mirage_artifact::Artifact::open(&p).expect("MIRAGE_SPARSE_ARTIFACT"),
+        None => build_artifact(model),
+    }
+}
+
 /// A small artifact of `model` built here (Apache-2.0 text, 64 calibration
 /// tokens): enough for routed-mode tests when no artifact is given.
 pub fn build_artifact(model: &std::path::Path) -> std::sync::Arc<mirage_artifact::Artifact> {
