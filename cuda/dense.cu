@@ -455,8 +455,8 @@ __device__ void rope_store(float* q, float* k, const float* __restrict__ v, cons
 
 // Split-K ("flash-decoding") causal attention, part 1. Grid (rows, n_head,
 // n_split), block ATT_THREADS. Block (row, head, s) attends the query head
-// over positions [s * chunk, min((s + 1) * chunk, pos + 1)) of the row's
-// sequence with an online softmax in tiles of ATT_TILE keys, and writes its
+// over positions [s * c, min((s + 1) * c, pos + 1)) of the row's
+// sequence, c = att_chunk(pos + 1, n_split, chunk) (below), with an online softmax in tiles of ATT_TILE keys, and writes its
 // running max m, its sum l and its unnormalised V sum to
 // part[((row * n_head + head) * n_split + s) * (head_dim + 2) + {0, 1, 2..}].
 // The grid depends only on the batch and the cache size, never on the
@@ -473,6 +473,27 @@ __device__ void rope_store(float* q, float* k, const float* __restrict__ v, cons
 #define ATT_KB 4
 #define ATT_HD_LANE (ATT_THREADS / 32)
 #define ATT_VB 8
+// Keys of a row's split blocks, chosen on the device from the row's length
+// n (the grid is fixed for graph replay; n comes from `slots`): the least
+// chunk that covers n with the launch's n_split blocks, at least
+// MIRAGE_ATT_MIN_KEYS and at most the host's chunk = ceil(n_ctx / n_split).
+// Why: with the host's chunk alone, a short sequence (a decode at position
+// 80 of a 4096-position cache: chunk 114) is ONE block per head walking every
+// key in dependent load batches (the 7B ncu table: 13.5 us a layer for ~80
+// positions); at 16 keys a block every split block does one batch of keys
+// and one of values, in parallel. Long sequences spread evenly over all the
+// splits instead of filling the first ones. 0 keeps the host's chunk
+// (`MIRAGE_CUDA_ATT_KEYS=0`, the previous schedule, for A/B runs). Every
+// decode-attention kernel (attend_part, attend_rope, attend_combine, the
+// fused merge) uses this one function, so they agree on the split of each
+// row and stay bit-equal to one another.
+#ifndef MIRAGE_ATT_MIN_KEYS
+#define MIRAGE_ATT_MIN_KEYS 16
+#endif
+__device__ __forceinline__ int att_chunk(int n, int n_split, int chunk) {
+    if (MIRAGE_ATT_MIN_KEYS <= 0) return chunk;
+    return min(chunk, max(MIRAGE_ATT_MIN_KEYS, (n + n_split - 1) / n_split));
+}
 // attend_part_with: the same, with the query head staged by load_q(qs) (a
 // copy from q, or attend_rope's rotated copy) and, when psub >= 0, the key
 // and value of position psub taken from ksub / vsub (shared memory, as the
@@ -488,6 +509,7 @@ __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const 
     __shared__ float lred[ATT_THREADS / 64];
     int row = blockIdx.x, head = blockIdx.y, split = blockIdx.z, n_split = gridDim.z;
     int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
+    chunk = att_chunk(n, n_split, chunk);
     int j0 = split * chunk, j1 = min(n, j0 + chunk);
     if (j0 >= j1) return;  // the combine step skips splits past the position
     int kvh = head / (n_head / n_head_kv);
@@ -532,8 +554,12 @@ __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const 
             }
         }
         __syncthreads();
+        // The tile's max by every warp at once (lanes, then shuffles), not
+        // one thread reading every score in turn: the same value (max does
+        // not depend on the order).
         float tm = -MIRAGE_INF;
-        for (int jj = 0; jj < cnt; jj++) tm = fmaxf(tm, sc[jj]);
+        for (int jj = lane; jj < cnt; jj += 32) tm = fmaxf(tm, sc[jj]);
+        tm = warp_max(tm);
         float nm = fmaxf(m, tm);
         float f = expf(m - nm);  // 0 on the first tile (m = -inf)
         __syncthreads();         // every thread has read the raw scores
@@ -620,7 +646,7 @@ __device__ void attend_rope_part(const float* __restrict__ q, const float* __res
     const int seq = slots[2 * row], pos = slots[2 * row + 1];
     const int kvh = head / (n_head / n_head_kv);
     // The split of position pos is the last one with positions.
-    const bool has_new = (int)blockIdx.z == pos / chunk;
+    const bool has_new = (int)blockIdx.z == pos / att_chunk(pos + 1, gridDim.z, chunk);
     const bool stores = has_new && head % (n_head / n_head_kv) == 0;
     const float* qh = q + ((long)row * n_head + head) * head_dim;
     const float* kh = k + ((long)row * n_head_kv + kvh) * head_dim;
@@ -661,10 +687,14 @@ __device__ void attend_rope_part(const float* __restrict__ q, const float* __res
 // Output element d of (row, head) from the ns splits' partials P (the
 // combine's arithmetic, shared by attend_combine and attend_fused; __ldcg:
 // in attend_fused other blocks of the same grid wrote P).
+// The loops are unrolled so that their independent loads go out together
+// (a decode merges up to n_split partials); the sums keep their order.
 __device__ __forceinline__ float attend_merge(const float* P, int ns, int head_dim, int d) {
     float M = -MIRAGE_INF;
+#pragma unroll 8
     for (int s = 0; s < ns; s++) M = fmaxf(M, __ldcg(P + s * (head_dim + 2)));
     float L = 0.f, a = 0.f;
+#pragma unroll 8
     for (int s = 0; s < ns; s++) {
         const float* ps = P + s * (head_dim + 2);
         float w = expf(__ldcg(ps) - M);
@@ -679,6 +709,7 @@ extern "C" __global__ void attend_combine(const float* __restrict__ part, const 
     PDL_ENTRY();
     int row = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     int n = slots[2 * row + 1] + 1;
+    chunk = att_chunk(n, n_split, chunk);
     int ns = min(n_split, (n + chunk - 1) / chunk);
     const float* P = part + ((long)row * n_head + head) * n_split * (head_dim + 2);
     out[((long)row * n_head + head) * head_dim + d] = attend_merge(P, ns, head_dim, d);
@@ -697,6 +728,7 @@ __device__ void attend_then_merge(PartFn part_fn, const int* slots, int n_head, 
     __shared__ int last;
     const int row = blockIdx.x, head = blockIdx.y, n_split = gridDim.z;
     const int n = slots[2 * row + 1] + 1;
+    chunk = att_chunk(n, n_split, chunk);
     const int ns = min(n_split, (n + chunk - 1) / chunk);
     if ((int)blockIdx.z >= ns) return;  // attend_part's empty splits
     part_fn();

@@ -37,12 +37,18 @@ __device__ __forceinline__ float norm_block_sum(float v, float* shared32) {
 // memory round trips and one block reduction. Rows not made of 16-byte
 // aligned float4s take the scalar loop, as does MIRAGE_NORM_SCALAR (the
 // previous arithmetic, `MIRAGE_CUDA_NORM=scalar`, for A/B runs).
+//
+// rms_norm_row_by(T, ...): the same with only threads 0..T-1 of a larger
+// block taking part (the others load nothing, emit nothing, and add zeros
+// to the reduction, which leaves every bit as it is): a 512-thread kernel
+// (route.cu) gets the 256-thread kernel's bits.
 #define NORM_VEC 4
 template <class Emit>
-__device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const float* __restrict__ w, float eps,
-                                             int cols, float* s32, Emit emit) {
-    const int T = blockDim.x, t = threadIdx.x;
-    const int n4 = cols >> 2;
+__device__ __forceinline__ void rms_norm_row_by(int T, const float* __restrict__ xr, const float* __restrict__ w,
+                                                float eps, int cols, float* s32, Emit emit) {
+    const int t = threadIdx.x;
+    const bool on = t < T;
+    const int n4 = on ? cols >> 2 : 0;
     bool vec = (cols & 3) == 0 && ((((unsigned long long)xr) | ((unsigned long long)w)) & 15) == 0;
 #ifdef MIRAGE_NORM_SCALAR
     vec = false;
@@ -90,11 +96,17 @@ __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const
             }
         }
     } else {
+        const int end = on ? cols : 0;
         float ss = 0.f;
-        for (int i = t; i < cols; i += T) ss += xr[i] * xr[i];
+        for (int i = t; i < end; i += T) ss += xr[i] * xr[i];
         ss = norm_block_sum(ss, s32);
         const float scale = rsqrtf(ss / (float)cols + eps);
-        for (int i = t; i < cols; i += T) emit(i, xr[i] * scale * w[i]);
+        for (int i = t; i < end; i += T) emit(i, xr[i] * scale * w[i]);
     }
+}
+template <class Emit>
+__device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const float* __restrict__ w, float eps,
+                                             int cols, float* s32, Emit emit) {
+    rms_norm_row_by(blockDim.x, xr, w, eps, cols, s32, emit);
 }
 

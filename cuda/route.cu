@@ -49,35 +49,64 @@ struct RtPrim {
     unsigned slice;
 };
 
-// row . x in mirage_route::slice_dot's order; every lane returns the sum.
-// Loads of 4 strides are issued before their (ordered) adds.
-__device__ __forceinline__ float rt_slice_dot(const float* __restrict__ row, const float* x, int d, int lane) {
-    float acc = 0.f;
-    int i = lane;
-    for (; i + 96 < d; i += 128) {
-        float p[4], v[4];
+// Strides of 32 elements whose projection loads a lane issues at once.
+#define RT_DOT_BATCH 16
+
+// row[k] . x for NR rows in mirage_route::slice_dot's order (each lane sums
+// its elements lane, lane + 32, ... in turn, then the xor butterfly); every
+// lane gets the sums. The loads of RT_DOT_BATCH strides of every row go
+// out before their (ordered) adds: the projection is a chain of memory
+// round trips on one block, ceil(d / (32 RT_DOT_BATCH)) per NR rows instead
+// of one per 4 strides and row (the first version: ~42 at 0.5B's 96 x 896).
+template <int NR>
+__device__ __forceinline__ void rt_slice_dots(const float* const (&row)[NR], const float* x, int d, int lane,
+                                              float (&acc)[NR]) {
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            p[k] = __ldg(row + i + 32 * k);
-            v[k] = x[i + 32 * k];
+    for (int k = 0; k < NR; k++) acc[k] = 0.f;
+    for (int base = lane; base < d; base += 32 * RT_DOT_BATCH) {
+        float p[NR][RT_DOT_BATCH];
+#pragma unroll
+        for (int u = 0; u < RT_DOT_BATCH; u++) {
+            const int i = base + 32 * u;
+#pragma unroll
+            for (int k = 0; k < NR; k++) p[k][u] = i < d ? __ldg(row[k] + i) : 0.f;
         }
 #pragma unroll
-        for (int k = 0; k < 4; k++) acc = __fadd_rn(acc, __fmul_rn(p[k], v[k]));
-    }
-    for (; i < d; i += 32) acc = __fadd_rn(acc, __fmul_rn(__ldg(row + i), x[i]));
+        for (int u = 0; u < RT_DOT_BATCH; u++) {
+            const int i = base + 32 * u;
+            if (i < d) {
+                const float xv = x[i];
 #pragma unroll
-    for (int h = 16; h > 0; h >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, h));
-    return acc;
+                for (int k = 0; k < NR; k++) acc[k] = __fadd_rn(acc[k], __fmul_rn(p[k][u], xv));
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NR; k++)
+#pragma unroll
+        for (int h = 16; h > 0; h >>= 1) acc[k] = __fadd_rn(acc[k], __shfl_xor_sync(0xffffffffu, acc[k], h));
 }
 
 // out[r] = row r of proj (rows x d) . x, one warp per row (the block's warps
-// take rows w, w + warps, ...).
+// take rows w, w + warps, ..., two at a time).
 __device__ __forceinline__ void rt_project(const float* x, int d, const float* __restrict__ proj, int rows,
                                            float* out) {
-    const int lane = threadIdx.x & 31;
-    for (int r = threadIdx.x >> 5; r < rows; r += blockDim.x >> 5) {
-        const float v = rt_slice_dot(proj + (long)r * d, x, d, lane);
-        if (lane == 0) out[r] = v;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (int r = threadIdx.x >> 5; r < rows; r += 2 * warps) {
+        if (r + warps < rows) {
+            const float* const two[2] = {proj + (long)r * d, proj + (long)(r + warps) * d};
+            float v[2];
+            rt_slice_dots<2>(two, x, d, lane, v);
+            if (lane == 0) {
+                out[r] = v[0];
+                out[r + warps] = v[1];
+            }
+        } else {
+            const float* const one[1] = {proj + (long)r * d};
+            float v[1];
+            rt_slice_dots<1>(one, x, d, lane, v);
+            if (lane == 0) out[r] = v[0];
+        }
     }
 }
 
@@ -130,11 +159,31 @@ __device__ __forceinline__ bool rt_prim_hit(const RtPrim& q, int s, const float*
            p2 <= q.max[2];
 }
 
+// Folded RMSNorm (nw != null; a recorded step sets it when the norm before
+// the FFN is this launch's input, `CudaBackend::fold_norm`): x is then the
+// norm's INPUT; the block normalizes it with the rms_norm kernel's
+// arithmetic and bits (rms_norm_row_by on 256 of its threads), routes on
+// the result and writes it to nout, the buffer the fused FFN reads next.
+// One launch fewer per layer: routing then costs only what it adds to the
+// norm launch it replaces.
 extern "C" __global__ void __launch_bounds__(RT_THREADS)
     route_bvh(const float* __restrict__ x, int d, const float* __restrict__ proj, int slices,
               const float* __restrict__ slice_offsets, const RtNode* __restrict__ nodes, int n_nodes,
               const RtPrim* __restrict__ prims, int n_prims, int scan, const unsigned* __restrict__ thresholds,
-              int router_pages, int n_pages, int n_trunk, unsigned* __restrict__ ids, int* __restrict__ count) {
+              int router_pages, int n_pages, int n_trunk, unsigned* __restrict__ ids, int* __restrict__ count,
+              const float* __restrict__ nw, float neps, float* __restrict__ nout) {
+    // The router's tables are constants of the model: ask L2 for them
+    // before waiting on the previous kernel (pdl.cu), so that the
+    // projection's loads after the wait hit L2 (the FFN weights streamed
+    // through since the last token have evicted them).
+    if (MIRAGE_PREFETCH_ROW > 0) {
+        l2_prefetch_block(proj, 12L * slices * d);
+        if (scan)
+            l2_prefetch_block(prims, 32L * n_prims);
+        else
+            l2_prefetch_block(nodes, 32L * n_nodes);
+        l2_prefetch_block(thresholds, 4L * router_pages);
+    }
     PDL_ENTRY();
     extern __shared__ __align__(16) unsigned char rt_smem[];
     unsigned* rt_mask = (unsigned*)rt_smem;
@@ -149,15 +198,25 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS)
     float* xs = (float*)(rt_smem + mask_bytes);
     RtNode* ns = (RtNode*)(rt_smem + mask_bytes + 4u * (unsigned)d);
     for (int p = tid; p < n_pages; p += blockDim.x) rt_mask[p] = 0u;
-    if (x_in_smem)
+    if (nw != 0) {
+        __shared__ float s32[32];
+        rms_norm_row_by(256, x, nw, neps, d, s32, [&](int i, float v) {
+            nout[i] = v;
+            if (x_in_smem) xs[i] = v;
+        });
+    } else if (x_in_smem) {
         for (int i = tid; i < d; i += blockDim.x) xs[i] = __ldg(x + i);
+    }
     if (nodes_in_smem) {
         const uint4* src = (const uint4*)nodes;  // 32-byte nodes: two uint4 each
         uint4* dst = (uint4*)ns;
         for (int i = tid; i < 2 * n_nodes; i += blockDim.x) dst[i] = __ldg(src + i);
     }
     __syncthreads();
-    rt_project(x_in_smem ? xs : x, d, proj, slices * 3, pts);
+    // Without room for x in shared memory, the folded norm's output is read
+    // back from nout (written above by this block: visible after the
+    // barrier; plain loads, not __ldg).
+    rt_project(x_in_smem ? xs : nw != 0 ? nout : x, d, proj, slices * 3, pts);
     __syncthreads();
     if (scan) {
         for (int k = tid; k < n_prims; k += blockDim.x) {

@@ -20,6 +20,15 @@ inline float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+inline float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+using std::max;
+// att_chunk's floor as a variable, so that one build checks both schedules:
+// 0 = the host's chunk (the previous kernels), 16 = the default.
+static int g_att_min_keys = 0;
+#define MIRAGE_ATT_MIN_KEYS g_att_min_keys
 inline float h2f(u16 h) {
     u32 s = (h >> 15) & 1, e = (h >> 10) & 31, m = h & 1023;
     float v = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? INFINITY : std::ldexp((float)(m | 1024), (int)e - 25);
@@ -137,14 +146,22 @@ static int check(std::mt19937& rng, int head_dim, int chunk, int n_pos0, int n_p
     run_grid(rows, n_head, n_split, [&] {
         attend_part<KV>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, a.data());
     });
-    run_grid(rows, n_head, n_split, [&] {
-        attend_part_v1<KV>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale,
-                           b.data());
-    });
+    // v1 knows only a fixed chunk: each row's blocks run with the chunk
+    // att_chunk gives that row (the host's chunk when the floor is 0).
+    gridDim.z = n_split;
+    for (int r = 0; r < rows; r++) {
+        const int row_chunk = att_chunk(slots[2 * r + 1] + 1, n_split, chunk);
+        for (int h = 0; h < n_head; h++)
+            for (int s = 0; s < n_split; s++)
+                run_block(256, dim3_{(unsigned)r, (unsigned)h, (unsigned)s}, [&] {
+                    attend_part_v1<KV>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, head_dim, n_ctx,
+                                       row_chunk, scale, b.data());
+                });
+    }
     int differ = 0;
     for (size_t i = 0; i < np; i++) differ += memcmp(&a[i], &b[i], 4) != 0;
-    printf("attend_part %s head_dim %3d chunk %3d positions %3d/%3d: %s (%d of %zu partial floats differ)\n", ty, head_dim,
-           chunk, n_pos0, n_pos1, differ ? "FAIL" : "ok", differ, np);
+    printf("attend_part %s head_dim %3d chunk %3d min keys %2d positions %3d/%3d: %s (%d of %zu partial floats differ)\n",
+           ty, head_dim, chunk, g_att_min_keys, n_pos0, n_pos1, differ ? "FAIL" : "ok", differ, np);
     return differ != 0;
 }
 
@@ -196,7 +213,7 @@ static int check_rope(std::mt19937& rng, int head_dim, int chunk, int neox, int 
         for (int h = n_head - 1; h >= 0; h--)
             for (int sp = n_split - 1; sp >= 0; sp--) {
                 const int n = slots[2 * r + 1] + 1;
-                if (sp * chunk >= n) continue;  // attend_then_merge's empty splits
+                if (sp * att_chunk(n, n_split, chunk) >= n) continue;  // attend_then_merge's empty splits
                 run_block(256, dim3_{(unsigned)r, (unsigned)h, (unsigned)sp}, [&] {
                     attend_rope_part<KV>(q.data(), k.data(), v.data(), kc2.data(), vc2.data(), slots, n_head,
                                          n_head_kv, head_dim, n_ctx, chunk, scale, neox, base, b.data());
@@ -207,15 +224,17 @@ static int check_rope(std::mt19937& rng, int head_dim, int chunk, int neox, int 
     for (size_t i = 0; i < kc.size(); i++)
         cache_differ += memcmp(&kc[i], &kc2[i], sizeof(KV)) != 0 || memcmp(&vc[i], &vc2[i], sizeof(KV)) != 0;
     const bool bad = differ || cache_differ;
-    printf("attend_rope_part %s head_dim %3d chunk %3d neox %d positions %3d/%3d: %s (%d of %zu partial floats, "
-           "%d cache entries differ)\n", ty, head_dim, chunk, neox, n_pos0, n_pos1, bad ? "FAIL" : "ok", differ, np,
-           cache_differ);
+    printf("attend_rope_part %s head_dim %3d chunk %3d min keys %2d neox %d positions %3d/%3d: %s (%d of %zu partial "
+           "floats, %d cache entries differ)\n", ty, head_dim, chunk, g_att_min_keys, neox, n_pos0, n_pos1,
+           bad ? "FAIL" : "ok", differ, np, cache_differ);
     return bad;
 }
 
 int main() {
     std::mt19937 rng(11);
     int fails = 0, cases = 0;
+    for (int min_keys : {0, 16}) {
+    g_att_min_keys = min_keys;
     for (int hd : {64, 96, 128, 256})
         for (int chunk : {64, 160})
             for (auto [p0, p1] : {std::pair{37, 150}}) {
@@ -230,6 +249,7 @@ int main() {
                 fails += check_rope<u16>(rng, hd, chunk, neox, 64, 129, "f16", f2h);
                 cases += 2;
             }
+    }
     printf("attend_part / attend_rope_part: %d of %d cases ok\n", cases - fails, cases);
     return fails ? 1 : 0;
 }

@@ -58,9 +58,9 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
     "float q4ks_elem(", "float q8s_elem("]).replace("int qs, ms, last;\n}", "int qs, ms, last;\n};"))
 
 (out / "norm_extract.h").write_text(macro_line("NORM_VEC") + "".join(extract(n) for n in [
-    "float norm_warp_sum(", "float norm_block_sum(", "void rms_norm_row(", "void sb_stage_x("]))
+    "float norm_warp_sum(", "float norm_block_sum(", "void rms_norm_row_by(", "void rms_norm_row(", "void sb_stage_x("]))
 (out / "attend_extract.h").write_text(macro_line("ATT_THREADS") + macro_line("ATT_TILE") + macro_line("ATT_KB")
     + macro_line("ATT_HD_LANE") + macro_line("ATT_VB") + "".join(extract(n) for n in [
-        "void kv_store(float*", "void kv_store(u16*", "float kv_round(const float*", "float kv_round(const u16*",
+        "int att_chunk(", "void kv_store(float*", "void kv_store(u16*", "float kv_round(const float*", "float kv_round(const u16*",
         "void rope_rotate(", "void rope_store(", "void attend_part_with(", "void attend_part(",
         "void attend_rope_part("]))

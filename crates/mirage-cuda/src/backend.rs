@@ -217,8 +217,25 @@ pub(crate) fn kernel_names() -> Vec<&'static str> {
 /// head_dim the kernel takes.
 const ATTEND_THREADS: u32 = 256;
 
-/// Keys per attention split at least (`ATT_TILE` in dense.cu).
-const ATTEND_MIN_CHUNK: usize = 64;
+/// Keys per attention split the host plans for at least: the splits of a
+/// cache are `n_ctx / this` (capped by `ATTEND_TARGET_BLOCKS`), and the
+/// kernels spread each row's positions over them (dense.cu's `att_chunk`,
+/// whose floor `MIRAGE_ATT_MIN_KEYS` is the same number). 16 by default;
+/// `MIRAGE_CUDA_ATT_KEYS=n` sets both, and `0` restores the previous
+/// schedule (64 here, fixed chunks in the kernels) for A/B runs.
+fn attend_min_chunk() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        match std::env::var("MIRAGE_CUDA_ATT_KEYS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+        {
+            Some(0) => 64,
+            Some(n) => n,
+            None => 16,
+        }
+    })
+}
 
 /// Attention splits are added while the grid has fewer blocks than this (so
 /// that a decode step of a few heads still fills the device); a prefill of
@@ -556,12 +573,23 @@ struct StepState {
 /// (`add_function`): `x` its input (replaced by the norm's input), `width`
 /// the row width (an `I32` that must equal the norm's), `nw` the first of
 /// three arguments `(weights, eps, out)` that are null/0 when not folded.
-/// Such a kernel takes one row.
+/// Such a kernel takes one row. `gate`: the switch that allows the fold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct NormSlots {
     pub(crate) x: usize,
     pub(crate) width: usize,
     pub(crate) nw: usize,
+    pub(crate) gate: NormFoldGate,
+}
+
+/// Which switch allows folding the RMSNorm into a kernel with `NormSlots`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NormFoldGate {
+    /// The fused sparse FFN (`MIRAGE_SPARSE_FOLD_NORM=1`, off by default).
+    SparseFfn,
+    /// The router before a routed sparse FFN (`MIRAGE_SPARSE_ROUTE_NORM=0`
+    /// turns it off; on by default).
+    Router,
 }
 
 /// `out = rms_norm(x) * w` over `rows` rows of `width`, not yet launched.
@@ -651,6 +679,9 @@ pub struct CudaBackend {
     /// (`MIRAGE_SPARSE_FOLD_NORM=1` at start; off by default until measured
     /// on a GPU).
     fold_ffn_norm: std::sync::atomic::AtomicBool,
+    /// Fold the RMSNorm before a routed sparse FFN into the router's launch
+    /// (`route_bvh`; `MIRAGE_SPARSE_ROUTE_NORM=0` at start turns it off).
+    fold_route_norm: std::sync::atomic::AtomicBool,
     /// Decode attention as one launch (`attend_fused_*`, default;
     /// `MIRAGE_CUDA_ATTN_FUSE=0` turns it off at start, `set_fused_attention`)
     /// or as `attend_part_*` + `attend_combine`.
@@ -782,6 +813,7 @@ impl CudaBackend {
             fold_ffn_norm: std::env::var("MIRAGE_SPARSE_FOLD_NORM")
                 .is_ok_and(|v| v == "1" || v == "on")
                 .into(),
+            fold_route_norm: (!env_off("MIRAGE_SPARSE_ROUTE_NORM")).into(),
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
             rope_in_attention: (!env_off("MIRAGE_CUDA_ROPE_FUSE")).into(),
@@ -1176,7 +1208,11 @@ impl CudaBackend {
     /// over exactly the norm's output rows with no norm folded yet.
     fn fold_norm(&self, pn: &PendingNorm, l: &mut Launch) -> bool {
         if let Some(Some(slots)) = self.norm_slots.get(l.kernel) {
-            return self.fold_ffn_norm.load(std::sync::atomic::Ordering::Relaxed)
+            let allowed = match slots.gate {
+                NormFoldGate::SparseFfn => &self.fold_ffn_norm,
+                NormFoldGate::Router => &self.fold_route_norm,
+            };
+            return allowed.load(std::sync::atomic::Ordering::Relaxed)
                 && fold_norm_at(*slots, pn, l);
         }
         let Some(name) = self.functions_names.get(l.kernel) else {
@@ -1295,6 +1331,21 @@ impl CudaBackend {
     pub fn set_fold_ffn_norm(&self, on: bool) {
         self.fold_ffn_norm
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Turns folding the RMSNorm before a routed sparse FFN into the
+    /// router's launch on or off (on by default; `MIRAGE_SPARSE_ROUTE_NORM=0`
+    /// turns it off at start). Takes effect for steps recorded afterwards;
+    /// needs [`fuse_norm`](Self::fuse_norm) on as well.
+    pub fn set_fold_route_norm(&self, on: bool) {
+        self.fold_route_norm
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the RMSNorm before a routed sparse FFN folds into the router.
+    pub fn fold_route_norm(&self) -> bool {
+        self.fold_route_norm
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// `l` through `cuLaunchKernelEx` with programmatic stream serialization.
@@ -2653,7 +2704,7 @@ impl Backend for CudaBackend {
         // recorded decode step replays at every position.
         let n_split = spec
             .n_ctx
-            .div_ceil(ATTEND_MIN_CHUNK)
+            .div_ceil(attend_min_chunk())
             .min((ATTEND_TARGET_BLOCKS / (n * p.n_head)).max(1))
             .max(1);
         let chunk = spec.n_ctx.div_ceil(n_split);

@@ -160,7 +160,7 @@ mod nvrtc_check {
             assert_eq!(param_count(&ptx, name), crate::backend::FFN_ARGS, "{name}");
         }
         let off = format!(
-            "#define MIRAGE_PREFETCH_ROW 0\n#define MIRAGE_NORM_SCALAR 1\n{}",
+            "#define MIRAGE_PREFETCH_ROW 0\n#define MIRAGE_NORM_SCALAR 1\n#define MIRAGE_ATT_MIN_KEYS 0\n{}",
             module::DENSE_SOURCE
         );
         check("dense-noprefetch-scalar-norm", &off, &names);
@@ -177,9 +177,11 @@ mod nvrtc_check {
             crate::backend::sparse_backend::SOURCE,
             &backend,
         );
-        use crate::backend::sparse_backend::{FFN_KERNEL_ARGS, Q8_VARIANT_ARGS};
+        use crate::backend::sparse_backend::{FFN_KERNEL_ARGS, Q8_VARIANT_ARGS, ROUTE_ARGS};
         for name in &backend {
-            let want = if name.starts_with("superblock_ffn_q8s_v") {
+            let want = if *name == "route_bvh" {
+                ROUTE_ARGS
+            } else if name.starts_with("superblock_ffn_q8s_v") {
                 Q8_VARIANT_ARGS
             } else if *name == "superblock_ffn_nvfp4" {
                 FFN_KERNEL_ARGS + 3

@@ -35,9 +35,12 @@ const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
 /// front: `MIRAGE_PREFETCH_ROW` from `MIRAGE_CUDA_PREFETCH` (bytes of each
 /// weight row the mat-vec variants ask L2 for before waiting on the previous
 /// kernel, `cuda/pdl.cu`; `0` turns the prefetch off) when that variable is
-/// a number, and `MIRAGE_NORM_SCALAR` when `MIRAGE_CUDA_NORM=scalar` (the
-/// RMSNorm's previous scalar loop instead of its vector path, norm.cu's
-/// `rms_norm_row`); `source` as it is when neither is set.
+/// a number, `MIRAGE_ATT_MIN_KEYS` from `MIRAGE_CUDA_ATT_KEYS` (the least
+/// keys per split block of the decode attention, dense.cu's `att_chunk`;
+/// `0` keeps the host's fixed chunk) when that is a number, and
+/// `MIRAGE_NORM_SCALAR` when `MIRAGE_CUDA_NORM=scalar` (the RMSNorm's
+/// previous scalar loop instead of its vector path, norm.cu's
+/// `rms_norm_row`); `source` as it is when none is set.
 pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     let mut defines = String::new();
     if let Some(n) = std::env::var("MIRAGE_CUDA_PREFETCH")
@@ -45,6 +48,12 @@ pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
         .and_then(|v| v.parse::<u32>().ok())
     {
         defines.push_str(&format!("#define MIRAGE_PREFETCH_ROW {n}\n"));
+    }
+    if let Some(n) = std::env::var("MIRAGE_CUDA_ATT_KEYS")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+    {
+        defines.push_str(&format!("#define MIRAGE_ATT_MIN_KEYS {n}\n"));
     }
     if std::env::var("MIRAGE_CUDA_NORM").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {
         defines.push_str("#define MIRAGE_NORM_SCALAR 1\n");

@@ -78,21 +78,37 @@ pub(crate) fn kernel_names() -> impl Iterator<Item = &'static str> {
 /// (`SB_Q8S_PARAMS`, `part_ch`, the folded norm's three); the crate's
 /// `nvrtc_check` test holds the kernels' PTX parameter lists to it.
 pub(crate) const Q8_VARIANT_ARGS: usize = 19;
+/// Arguments of `route_bvh` as `launch_route` passes them (the router's 16,
+/// then the folded norm's weights, eps and output); `nvrtc_check` holds the
+/// kernel's PTX parameter list to it, `launch_route` its argument list.
+pub(crate) const ROUTE_ARGS: usize = 19;
 /// Arguments of the other fused FFN kernels: `SB_Q8S_PARAMS` (15; Q2_K's
 /// are the same) and NVFP4's three tensor scales on top.
 pub(crate) const FFN_KERNEL_ARGS: usize = 15;
 
-/// Where the fused Q8_0 FFN variants (`superblock_ffn_q8s_v<n>`: x at 4, d
-/// at 3, then after `part_ch` (15) the folded norm's weights, eps and
-/// output) take the RMSNorm before them (`CudaBackend::fold_norm`,
-/// `MIRAGE_SPARSE_FOLD_NORM=1`); `None` for the other kernels.
+/// Where a kernel takes the RMSNorm before it (`CudaBackend::fold_norm`):
+/// the fused Q8_0 FFN variants (`superblock_ffn_q8s_v<n>`: x at 4, d at 3,
+/// then after `part_ch` (15) the folded norm's weights, eps and output;
+/// `MIRAGE_SPARSE_FOLD_NORM=1`) and the router (`route_bvh`: x at 0, d at 1,
+/// the norm's three after `count` (15); on unless
+/// `MIRAGE_SPARSE_ROUTE_NORM=0`); `None` for the other kernels.
 fn ffn_norm_slots(kernel: &str) -> Option<crate::backend::NormSlots> {
+    use crate::backend::{NormFoldGate, NormSlots};
+    if kernel == "route_bvh" {
+        return Some(NormSlots {
+            x: 0,
+            width: 1,
+            nw: 16,
+            gate: NormFoldGate::Router,
+        });
+    }
     kernel
         .starts_with("superblock_ffn_q8s_v")
-        .then_some(crate::backend::NormSlots {
+        .then_some(NormSlots {
             x: 4,
             width: 3,
             nw: 16,
+            gate: NormFoldGate::SparseFfn,
         })
 }
 
@@ -443,6 +459,9 @@ pub struct SparseCudaBackend {
     /// start, or [`Self::set_atomic_reduction`]; the other kernels stay
     /// ordered.
     atomic_ffn: std::sync::atomic::AtomicBool,
+    /// Routed mode with the routing left out (timing only: the FFN runs the
+    /// lists the last routing left; [`Self::set_skip_routing`]).
+    skip_routing: std::sync::atomic::AtomicBool,
     /// Routed mode through the Vulkan ray-tracing router instead of
     /// route.cu (feature `vulkan-interop`; [`Self::set_vulkan_router`]).
     #[cfg(feature = "vulkan-interop")]
@@ -938,6 +957,7 @@ impl SparseCudaBackend {
             atomic_ffn: std::env::var("MIRAGE_SPARSE_REDUCE")
                 .is_ok_and(|v| v == "atomic")
                 .into(),
+            skip_routing: false.into(),
             #[cfg(feature = "vulkan-interop")]
             vulkan: Mutex::new(None),
         })
@@ -1079,6 +1099,31 @@ impl SparseCudaBackend {
     pub fn set_atomic_reduction(&self, on: bool) {
         self.atomic_ffn
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// For timing the routing inside a decode step: with `true`, the routed
+    /// mode launches no router and the FFN runs whatever lists the last
+    /// routing left on the device (the outputs are then NOT the routed
+    /// model's). The difference between a routed step and the same step
+    /// with this on is what the routing costs in the graph (the RMSNorm it
+    /// folds goes back to a launch of its own). Off by default.
+    pub fn set_skip_routing(&self, on: bool) {
+        self.skip_routing
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The routing an FFN launches before its pages: the routed mode's
+    /// traversal and margin, `None` in the other modes or while routing is
+    /// skipped ([`Self::set_skip_routing`]).
+    fn routing(&self) -> Option<(RouteTraversal, f32)> {
+        match self.mode() {
+            SparsePages::Routed { traversal, margin }
+                if !self.skip_routing.load(std::sync::atomic::Ordering::Relaxed) =>
+            {
+                Some((traversal, margin))
+            }
+            _ => None,
+        }
     }
 
     /// Whether `format`'s pages run a single-pass kernel.
@@ -1281,29 +1326,36 @@ impl SparseCudaBackend {
         let r = ld.router.as_ref().ok_or_else(|| rt("router not built"))?;
         let p = |s: &CudaSlice<u8>| self.inner.ptr(s);
         let scan = traversal.scans(r.n_prims);
+        let args = vec![
+            Arg::Ptr(px),
+            Arg::I32(ld.d_model as i32),
+            Arg::Ptr(self.inner.ptr(&r.proj)),
+            Arg::I32(r.slices as i32),
+            Arg::Ptr(self.inner.ptr(&r.offsets)),
+            Arg::Ptr(p(&r.nodes)),
+            Arg::I32(r.n_nodes as i32),
+            Arg::Ptr(p(&r.prims)),
+            Arg::I32(r.n_prims as i32),
+            Arg::I32(scan as i32),
+            Arg::Ptr(self.inner.ptr(&r.thresholds)),
+            Arg::I32(r.pages as i32),
+            Arg::I32(ld.n_pages as i32),
+            Arg::I32(ld.n_trunk as i32),
+            Arg::Ptr(self.inner.ptr(&ld.ids)),
+            Arg::Ptr(self.inner.ptr(&ld.count)),
+            // The folded norm (weights, eps, output): none unless a
+            // recorded step folds the norm before it in.
+            Arg::Ptr(0),
+            Arg::F32(0.0),
+            Arg::Ptr(0),
+        ];
+        debug_assert_eq!(args.len(), ROUTE_ARGS);
         self.inner.launch(
             "route_bvh",
             (1, 1, 1),
             (ROUTE_THREADS, 1, 1),
             route_smem_bytes(ld.n_pages, ld.d_model, if scan { 0 } else { r.n_nodes }),
-            vec![
-                Arg::Ptr(px),
-                Arg::I32(ld.d_model as i32),
-                Arg::Ptr(self.inner.ptr(&r.proj)),
-                Arg::I32(r.slices as i32),
-                Arg::Ptr(self.inner.ptr(&r.offsets)),
-                Arg::Ptr(p(&r.nodes)),
-                Arg::I32(r.n_nodes as i32),
-                Arg::Ptr(p(&r.prims)),
-                Arg::I32(r.n_prims as i32),
-                Arg::I32(scan as i32),
-                Arg::Ptr(self.inner.ptr(&r.thresholds)),
-                Arg::I32(r.pages as i32),
-                Arg::I32(ld.n_pages as i32),
-                Arg::I32(ld.n_trunk as i32),
-                Arg::Ptr(self.inner.ptr(&ld.ids)),
-                Arg::Ptr(self.inner.ptr(&ld.count)),
-            ],
+            args,
         )
     }
 
@@ -1441,10 +1493,7 @@ impl SparseCudaBackend {
             .and_then(|l| l.as_ref())
             .ok_or_else(|| rt(format!("layer {layer} has no FFN uploaded")))?;
         let py = self.inner.reshape(&mut y, 1, ld.d_model)?;
-        let routed = match self.mode() {
-            SparsePages::Routed { traversal, margin } => Some((traversal, margin)),
-            _ => None,
-        };
+        let routed = self.routing();
         let ctx = &self.inner.ctx;
         let stream = &self.inner.stream;
         let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
@@ -1711,10 +1760,7 @@ impl Backend for SparseCudaBackend {
         let rows = x.rows;
         let px = self.inner.act_ptr(x)?;
         let py = self.inner.reshape(out, rows, d)?;
-        let routed = match self.mode() {
-            SparsePages::Routed { traversal, margin } => Some((traversal, margin)),
-            _ => None,
-        };
+        let routed = self.routing();
         // One row at a time: the active list (and, routed, the routing) is
         // per token; the stream orders row r's FFN before row r + 1's routing
         // overwrites the list.

@@ -49,9 +49,12 @@ use crate::backend::sparse_backend::{
 };
 use crate::{module, CudaError};
 
-/// The module: route.cu (the sparse backend's router) and the interop kernels.
+/// The module: route.cu (the sparse backend's router, with norm.cu for its
+/// folded RMSNorm) and the interop kernels.
 pub(crate) const SOURCE: &str = concat!(
     include_str!("../../../cuda/pdl.cu"),
+    "\n",
+    include_str!("../../../cuda/norm.cu"),
     "\n",
     include_str!("../../../cuda/route.cu"),
     "\n",
@@ -432,6 +435,8 @@ impl CudaBvhRouter {
             self.n_pages as i32,
             self.n_trunk as i32,
         );
+        // No folded norm: x is the router's input as it is.
+        let (no_norm, no_eps) = (0u64, 0f32);
         for q in 0..queries {
             let xq = px + (q * self.d_model * 4) as u64;
             let iq = ids + (q * self.n_pages * 4) as u64;
@@ -452,7 +457,10 @@ impl CudaBvhRouter {
                 .arg(&np)
                 .arg(&nt)
                 .arg(&iq)
-                .arg(&cq);
+                .arg(&cq)
+                .arg(&no_norm)
+                .arg(&no_eps)
+                .arg(&no_norm);
             let cfg = LaunchConfig {
                 grid_dim: (1, 1, 1),
                 block_dim: (ROUTE_THREADS, 1, 1),

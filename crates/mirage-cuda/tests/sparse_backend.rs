@@ -640,14 +640,29 @@ fn single_pass_ffn_matches_the_two_phase_kernel() {
 /// output buffer still written, and one launch fewer (2 instead of 3).
 /// Routed mode keeps the norm (the router reads its output first).
 #[test]
-fn ffn_norm_folds_into_the_sparse_ffn() {
+fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
     let fx = fixture();
     let routed = routed_mode(&fx);
-    for (mode, launches) in [(SparsePages::Fraction(0.5), 2usize), (routed, 4)] {
-        let Some((sb, ffns)) = sparse("ffn_norm_folds_into_the_sparse_ffn", &fx, mode) else {
+    // (mode, fold into the FFN, fold into the router, launches recorded):
+    // forced, the norm goes into phase 1; routed, into the router (the
+    // router reads the norm's output, so it comes first), or, with that
+    // fold off, it stays a launch of its own.
+    for (mode, into_ffn, into_router, launches) in [
+        (SparsePages::Fraction(0.5), true, true, 2usize),
+        (routed, false, true, 3),
+        (routed, true, true, 3),
+        (routed, true, false, 4),
+    ] {
+        let Some((sb, ffns)) = sparse(
+            "ffn_norm_folds_into_the_sparse_ffn_or_the_router",
+            &fx,
+            mode,
+        ) else {
             return;
         };
-        sb.inner().set_fold_ffn_norm(true);
+        sb.inner().set_fold_ffn_norm(into_ffn);
+        sb.inner().set_fold_route_norm(into_router);
+        let case = format!("{mode:?}, into the FFN {into_ffn}, into the router {into_router}");
         let norm_w = sb.upload_vector(&xs(9, 1)[0]).unwrap();
         let inputs = xs(10, 4);
         let mut x = sb.new_activations();
@@ -662,7 +677,8 @@ fn ffn_norm_folds_into_the_sparse_ffn() {
             let (mut want, mut want_n) = (Vec::new(), Vec::new());
             sb.read(&h, &mut want).unwrap();
             sb.read(&xn, &mut want_n).unwrap();
-            // Recorded: the norm folds into phase 1 (forced mode).
+            let want_pages = sb.active_pages(0).unwrap();
+            // Recorded: the norm folds into phase 1 or the router.
             sb.write_activations(&mut xn, 1, D, &vec![0.0; D]).unwrap();
             sb.step(&step, || {
                 sb.rms_norm(&x, &norm_w, 1e-6, &mut xn)?;
@@ -675,17 +691,22 @@ fn ffn_norm_folds_into_the_sparse_ffn() {
             assert_eq!(
                 bits_differ(&got, &want),
                 0,
-                "{mode:?}: folded norm FFN vs rms_norm + FFN"
+                "{case}: folded norm FFN vs rms_norm + FFN"
             );
             assert_eq!(
                 bits_differ(&got_n, &want_n),
                 0,
-                "{mode:?}: the norm's output buffer"
+                "{case}: the norm's output buffer"
+            );
+            assert_eq!(
+                sb.active_pages(0).unwrap(),
+                want_pages,
+                "{case}: active pages"
             );
         }
         let n = sb.inner().last_graph_launches();
-        eprintln!("{mode:?}: recorded step of {n} launches, folded norm == op by op");
-        assert_eq!(n, launches, "{mode:?}: launches in the recorded step");
+        eprintln!("{case}: recorded step of {n} launches, folded norm == op by op");
+        assert_eq!(n, launches, "{case}: launches in the recorded step");
     }
 }
 

@@ -368,6 +368,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     #[derive(Clone, Copy, PartialEq)]
     enum Router {
         Cuda,
+        /// route.cu's launches left out of the graph (timing only).
+        Skipped,
         CudaEager,
         Vulkan,
     }
@@ -383,6 +385,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         };
         modes.push((format!("routed (margin {margin})"), routed));
         routers.push(Router::Cuda);
+        // The same step with the router launches left out, right after
+        // the routed row (the FFN runs the lists the last routed token
+        // left): the difference is what routing costs inside the graph.
+        modes.push(("routed, router skipped".into(), routed));
+        routers.push(Router::Skipped);
         if args.vulkan_router {
             modes.push((format!("routed, no graphs (margin {margin})"), routed));
             routers.push(Router::CudaEager);
@@ -392,12 +399,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let graphs = b.inner().graphs();
     for ((name, mode), router) in modes.into_iter().zip(routers) {
-        b.set_mode(mode)?;
-        b.inner().set_graphs(graphs && router == Router::Cuda);
+        // A skipped router keeps the lists of the routed row before it.
+        if router != Router::Skipped {
+            b.set_mode(mode)?;
+        }
+        b.set_skip_routing(router == Router::Skipped);
+        b.inner()
+            .set_graphs(graphs && matches!(router, Router::Cuda | Router::Skipped));
         #[cfg(feature = "vulkan-interop")]
         b.set_vulkan_router(router == Router::Vulkan)
             .context("the Vulkan RT router")?;
-        let routed = matches!(mode, SparsePages::Routed { .. });
+        let routed = matches!(mode, SparsePages::Routed { .. }) && router != Router::Skipped;
         let d = decode(&model, n_prompt, n_gen, || {
             if routed {
                 Ok(Some(b.active_counts()?.iter().sum()))
@@ -429,6 +441,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             mib_per_token: mib(other_bytes as f64 + ffn_bytes_tok),
         });
     }
+    b.set_skip_routing(false);
     let g = b.inner().graph_stats();
     if args.json {
         for r in &rows {
@@ -468,6 +481,22 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             r.ffn_us_layer,
             r.rest_ms,
             r.mib_per_token
+        );
+    }
+    // Routing inside the decode graph: the routed step less the same step
+    // with the router launches left out (the next row).
+    if let Some(w) = rows
+        .windows(2)
+        .find(|w| w[0].mode.starts_with("routed (") && w[1].mode == "routed, router skipped")
+    {
+        let diff_ms = w[0].step_ms - w[1].step_ms;
+        println!(
+            "routing in the decode graph: {:.1} us/layer, {:.1}% of the routed step (routed step {:.3} ms - the same step with the router launches left out {:.3} ms, norm folded into the router: {})",
+            diff_ms * 1e3 / n_layer.max(1) as f64,
+            100.0 * diff_ms / w[0].step_ms,
+            w[0].step_ms,
+            w[1].step_ms,
+            if b.inner().fold_route_norm() { "yes" } else { "no" },
         );
     }
     Ok(())
