@@ -33,14 +33,10 @@ static void norm_block(const float* xr, const float* w, int cols, int threads, s
             out[i] = v;
             __atomic_fetch_add(&hits[i], 1, __ATOMIC_RELAXED);
         };
-        if (by > 0) {
+        if (by > 0)
             rms_norm_row_by(by, xr, w, 1e-6f, cols, s32, emit);
-            return;
-        }
-        rms_norm_row(xr, w, 1e-6f, cols, s32, [&](int i, float v) {
-            out[i] = v;
-            __atomic_fetch_add(&hits[i], 1, __ATOMIC_RELAXED);
-        });
+        else
+            rms_norm_row(xr, w, 1e-6f, cols, s32, emit);
     });
 }
 

@@ -225,15 +225,10 @@ const ATTEND_THREADS: u32 = 256;
 /// schedule (64 here, fixed chunks in the kernels) for A/B runs.
 fn attend_min_chunk() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        match std::env::var("MIRAGE_CUDA_ATT_KEYS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-        {
-            Some(0) => 64,
-            Some(n) => n,
-            None => 16,
-        }
+    *V.get_or_init(|| match module::attention_min_keys_setting() {
+        Some(0) => 64,
+        Some(n) => n,
+        None => 16,
     })
 }
 

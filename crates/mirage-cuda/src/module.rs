@@ -31,6 +31,15 @@ pub const DENSE_SOURCE: &str = concat!(
 /// backend is checked against the CPU reference to cosine 0.9999.
 const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
 
+/// `MIRAGE_CUDA_ATT_KEYS` when it is a number: the least keys per split
+/// block of the decode attention, read by the kernels (`with_env_defines`)
+/// and by the host's split plan (`backend::attend_min_chunk`) alike.
+pub(crate) fn attention_min_keys_setting() -> Option<usize> {
+    std::env::var("MIRAGE_CUDA_ATT_KEYS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+}
+
 /// `source` with the compile-time switches the environment asks for put in
 /// front: `MIRAGE_PREFETCH_ROW` from `MIRAGE_CUDA_PREFETCH` (bytes of each
 /// weight row the mat-vec variants ask L2 for before waiting on the previous
@@ -49,10 +58,7 @@ pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     {
         defines.push_str(&format!("#define MIRAGE_PREFETCH_ROW {n}\n"));
     }
-    if let Some(n) = std::env::var("MIRAGE_CUDA_ATT_KEYS")
-        .ok()
-        .and_then(|v| v.parse::<u32>().ok())
-    {
+    if let Some(n) = attention_min_keys_setting() {
         defines.push_str(&format!("#define MIRAGE_ATT_MIN_KEYS {n}\n"));
     }
     if std::env::var("MIRAGE_CUDA_NORM").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {

@@ -638,7 +638,9 @@ fn single_pass_ffn_matches_the_two_phase_kernel() {
 /// (`MIRAGE_SPARSE_FOLD_NORM=1`): the same bits as the separate `rms_norm`
 /// launch (norm.cu's one row function at 256 threads both), the norm's
 /// output buffer still written, and one launch fewer (2 instead of 3).
-/// Routed mode keeps the norm (the router reads its output first).
+/// Routed mode: the norm folds into the router instead (it reads the norm's
+/// output first; `set_fold_route_norm`, on by default), 3 launches instead
+/// of 4, the same bits and the same active lists.
 #[test]
 fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
     let fx = fixture();
