@@ -362,6 +362,38 @@ extern "C" __global__ void add_inplace(float* acc, const float* __restrict__ x, 
     if (i < n) acc[i] += x[i];
 }
 
+// Cross-op weight prefetch (CudaBackend::prefetch; the runtime hints which
+// weights a kernel a few launches later reads): asks L2 for up to three
+// regions [p, p + n) while the kernels in between leave DRAM idle (the decode
+// attention; the second half of an FFN, whose pages are read by few blocks
+// at a time). Weights only, so nothing waits for them. It lets its
+// dependents launch first, so the next kernel starts as it would without
+// this one, and it completes only after its own prerequisite has (its
+// pdl_wait last): the next kernel's wait then covers both. With
+// MIRAGE_XPF_EVICT_LAST the lines are fetched with the evict-last priority,
+// so that the streaming reads in between evict each other first.
+__device__ __forceinline__ void l2_prefetch_span(const char* p, long n, long t, long step) {
+    if (n <= 0) return;
+    const char* a = (const char*)((unsigned long long)p & ~127ull);
+    const long lines = ((const char*)p + n - a + 127) >> 7;
+    for (long i = t; i < lines; i += step) {
+#ifdef MIRAGE_XPF_EVICT_LAST
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a + (i << 7)));
+#else
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a + (i << 7)));
+#endif
+    }
+}
+
+extern "C" __global__ void l2_prefetch(const char* p0, long n0, const char* p1, long n1, const char* p2, long n2) {
+    pdl_trigger();
+    const long t = (long)blockIdx.x * blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
+    l2_prefetch_span(p0, n0, t, step);
+    l2_prefetch_span(p1, n1, t, step);
+    l2_prefetch_span(p2, n2, t, step);
+    pdl_wait();
+}
+
 // h[i] = silu(g[i]) * u[i]
 extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ h,
                                   long n) {

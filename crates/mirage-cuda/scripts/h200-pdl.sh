@@ -17,7 +17,9 @@
 # (kernel durations, for the per-kernel table; ncu serializes kernels, so it
 # shows work, not gaps). Switches: SKIP_FAST_DECODE=1, SKIP_KERNEL_TESTS=1,
 # KBENCH=1 (kernel-bench --sparse after the 7B rows), SKIP_NCU=1,
-# PAGE_FORMATS="" (no Q2_K / NVFP4 rows). Binaries stay unpacked in $W (default /tmp/mq, the
+# PAGE_FORMATS="" (no Q2_K / NVFP4 rows), BENCH_EXTRA (more arguments of
+# every 7B bench row, e.g. --xprefetch-ab), TABLE_LINES (bench lines kept
+# per row in tables.txt, default 14). Binaries stay unpacked in $W (default /tmp/mq, the
 # directory h200-qwen.sh's stages use). Raw logs in $OUT/pdl-logs.tgz.
 set -uo pipefail
 BIN=${1:?usage: h200-pdl.sh BIN_DIR}
@@ -56,8 +58,8 @@ for cfg in "${CFG_LIST[@]}"; do
   left "7b $cfg" || break
   i=$((i + 1))
   run "b7_$i" 150 env $cfg "$W/mirage-cli" bench --backend cuda --model "$M7" --synthetic-pages --prefix-dense $pd \
-    --active ${ACTIVE:-1.0,0.4,0.25} --prompt 16 --gen 66
-  { echo "== 7B q8_0, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$i.log" | tail -14; } >> "$L/tables.txt"
+    --active ${ACTIVE:-1.0,0.4,0.25} --prompt 16 --gen 66 ${BENCH_EXTRA:-}
+  { echo "== 7B q8_0, $cfg"; grep -vE '^\s*$|INFO|WARN' "$L/b7_$i.log" | tail -${TABLE_LINES:-14}; } >> "$L/tables.txt"
 done
 for pdl in ${PDL_05B:-off on off on}; do
   left "0.5b $pdl" || break

@@ -65,7 +65,7 @@ sparse_part() {
     echo "sparse_backend rc=$? $(grep -E '^test result' "$L/sparse_backend.log")"
     grep -E 'panicked|routed|cosine' "$L/sparse_backend.log" | cut -c1-200 | head -8
     timeout 120 "$W/mirage-cli" bench --backend cuda --model "$Q" --artifact "$W/qwen.mirage" --routed \
-      --active "${RACTIVE:-1.0,0.75,0.5}" --prompt 16 --gen 130 > "$L/routed.txt" 2>&1
+      --active "${RACTIVE:-1.0,0.75,0.5}" --prompt 16 --gen 130 ${BENCH_EXTRA:-} > "$L/routed.txt" 2>&1
     echo "routed bench rc=$?"; el
   fi
 }
@@ -176,7 +176,7 @@ table)
   for cfg in "${TCFG[@]}"; do
     i=$((i + 1))
     timeout 120 env $cfg "$W/mirage-cli" bench --backend cuda --model "$Q" --artifact "$W/qwen.mirage" --routed \
-      --active "${RACTIVE:-1.0,0.75,0.5,0.35,0.25}" --prompt 16 --gen 130 > "$L/routed_$i.txt" 2>&1
+      --active "${RACTIVE:-1.0,0.75,0.5,0.35,0.25}" --prompt 16 --gen 130 ${BENCH_EXTRA:-} > "$L/routed_$i.txt" 2>&1
     echo "== routed, $cfg (rc=$?)"; grep -vE '^\s*$|INFO|WARN' "$L/routed_$i.txt" | tail -9; el
   done
   timeout "${EVAL_LIMIT:-240}" "$W/mirage-cli" eval --artifact "$W/qwen.mirage" --model "$Q" --text "$W/GFDL-1.3" \

@@ -19,7 +19,7 @@ use mirage_runtime::kv_pages::KvPruning;
 use mirage_runtime::ops::RopeMode;
 use mirage_runtime::{Result, RuntimeError};
 
-use crate::{module, CudaError, GraphStats, MemoryStats, WeightFormat};
+use crate::{module, CudaError, GraphStats, MemoryStats, PrefetchSites, WeightFormat};
 
 fn drv(e: cudarc::driver::DriverError) -> RuntimeError {
     CudaError::Driver(e.to_string()).into()
@@ -169,6 +169,7 @@ const OTHER_KERNELS: &[&str] = &[
     "attend_pages_part_f32",
     "attend_pages_part_f16",
     "attend_pages_combine",
+    "l2_prefetch",
 ];
 
 /// Every kernel of the dense module (`module::DENSE_SOURCE`) the backend
@@ -212,6 +213,9 @@ pub(crate) fn kernel_names() -> Vec<&'static str> {
         .chain(OTHER_KERNELS.iter().copied())
         .collect()
 }
+
+/// Threads of an `l2_prefetch` block.
+const PREFETCH_THREADS: u32 = 256;
 
 /// Threads of an attention block (`ATT_THREADS` in dense.cu): the largest
 /// head_dim the kernel takes.
@@ -562,6 +566,17 @@ struct StepState {
     /// next launch folds it in when it is a fast mat-vec reading its
     /// output, else it is launched first.
     pending_norm: Option<PendingNorm>,
+    /// Weight regions `(address, bytes)` the runtime said a later op reads
+    /// (`Backend::prefetch`), waiting for the op that issues them
+    /// (`CudaBackend::emit_prefetch`).
+    pending_prefetch: Vec<(u64, usize)>,
+}
+
+/// One of [`PrefetchSites`]: which op is issuing the pending regions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PrefetchSite {
+    Attention,
+    Ffn,
 }
 
 /// Argument positions of a kernel that can take the RMSNorm before it
@@ -692,6 +707,10 @@ pub struct CudaBackend {
     /// Programmatic dependent launch on (sm_90+, default; `MIRAGE_CUDA_PDL=0`
     /// turns it off at start, `set_pdl`).
     pdl: std::sync::atomic::AtomicBool,
+    /// `PrefetchSites::bits` of the cross-op weight prefetch.
+    cross_prefetch: std::sync::atomic::AtomicU8,
+    /// L2 bytes of the device: one prefetch launch asks for at most half.
+    l2_bytes: usize,
     /// Kernel name of each entry of `functions`.
     functions_names: Vec<&'static str>,
     kernel_index: HashMap<&'static str, usize>,
@@ -772,6 +791,10 @@ impl CudaBackend {
             )
             .map_err(d)?
             .max(1) as usize;
+        let l2_bytes = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+            .map_err(d)?
+            .max(0) as usize;
         let source = module::with_env_defines(module::DENSE_SOURCE);
         let (ptx, ptx_from_cache) = module::ptx_for("dense", &source, cc.0, cc.1)?;
         let module = ctx
@@ -810,6 +833,8 @@ impl CudaBackend {
                 .into(),
             fold_route_norm: (!env_off("MIRAGE_SPARSE_ROUTE_NORM")).into(),
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
+            cross_prefetch: PrefetchSites::from_env().bits().into(),
+            l2_bytes,
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
             rope_in_attention: (!env_off("MIRAGE_CUDA_ROPE_FUSE")).into(),
             fold_ffn_add: !env_off("MIRAGE_SPARSE_FOLD_ADD"),
@@ -1297,6 +1322,83 @@ impl CudaBackend {
     /// Whether programmatic dependent launch is on.
     pub fn pdl(&self) -> bool {
         self.pdl.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Where recorded decode steps issue the weights the runtime hints
+    /// (`Backend::prefetch`) into L2: see [`PrefetchSites`]. Results are the
+    /// same bits either way; each site adds one `l2_prefetch` launch per
+    /// layer to the graph.
+    pub fn set_cross_prefetch(&self, sites: PrefetchSites) {
+        self.cross_prefetch
+            .store(sites.bits(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Where the cross-op weight prefetch is issued.
+    pub fn cross_prefetch(&self) -> PrefetchSites {
+        PrefetchSites::from_bits(
+            self.cross_prefetch
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
+    /// Keeps `regions` (`(address, bytes)` of weights a later op reads) for
+    /// the next `emit_prefetch`, replacing any not issued. Only in a step
+    /// being recorded: a prefill reads its weights at once.
+    fn hint_prefetch(&self, regions: &[(u64, usize)]) {
+        let mut st = self.step_state();
+        if st.recording.is_some() {
+            st.pending_prefetch.clear();
+            st.pending_prefetch.extend_from_slice(regions);
+        }
+    }
+
+    /// Appends one `l2_prefetch` launch of the pending regions to the step
+    /// being recorded when `site` is on (its first three regions, at most
+    /// half the L2 in all, the rest of a larger region left out); drops
+    /// them either way. Straight into the recording: a pending norm stays
+    /// pending for the kernel it folds into.
+    pub(crate) fn emit_prefetch(&self, site: PrefetchSite) {
+        let sites = self.cross_prefetch();
+        let on = match site {
+            PrefetchSite::Attention => sites.attention,
+            PrefetchSite::Ffn => sites.ffn,
+        };
+        let mut st = self.step_state();
+        let st = &mut *st;
+        let regions = std::mem::take(&mut st.pending_prefetch);
+        let Some(rec) = st.recording.as_mut() else {
+            return;
+        };
+        if !on || regions.is_empty() {
+            return;
+        }
+        let mut budget = self.l2_bytes / 2;
+        let mut args = Vec::with_capacity(6);
+        let mut lines = 0;
+        for &(p, n) in regions.iter().take(3) {
+            let n = n.min(budget);
+            budget -= n;
+            lines += n.div_ceil(128);
+            args.extend([Arg::Ptr(p), Arg::I64(n as i64)]);
+        }
+        while args.len() < 6 {
+            args.extend([Arg::Ptr(0), Arg::I64(0)]);
+        }
+        if lines == 0 {
+            return;
+        }
+        // About four lines a thread, at most one block per SM.
+        let blocks = lines
+            .div_ceil(PREFETCH_THREADS as usize * 4)
+            .clamp(1, self.sm_count);
+        rec.push(Launch {
+            kernel: self.kernel_index["l2_prefetch"],
+            grid: (blocks as u32, 1, 1),
+            block: (PREFETCH_THREADS, 1, 1),
+            smem: 0,
+            args,
+            cooperative: false,
+        });
     }
 
     /// Adds kernel `name` of a module loaded on this context (the sparse
@@ -2664,6 +2766,9 @@ impl Backend for CudaBackend {
         cache: &mut CudaKvCache,
         out: &mut CudaActivations,
     ) -> Result<()> {
+        // The output projection's weights (hinted by the runtime) stream
+        // into L2 while the attention reads only the cache.
+        self.emit_prefetch(PrefetchSite::Attention);
         let hd = p.head_dim;
         let n = slots.len();
         if p.n_head_kv == 0
@@ -2954,6 +3059,9 @@ impl Backend for CudaBackend {
             self.matvec(&f.up, px, n, pu)?;
             self.elementwise("swiglu", n * n_ff, &[pg, pu, ph], None)?;
         }
+        // The next layer's Q/K/V weights (hinted by the runtime) while the
+        // down projection runs.
+        self.emit_prefetch(PrefetchSite::Ffn);
         let po = self.reshape(out, n, f.down.rows)?;
         self.matvec(&f.down, ph, n, po)
     }
@@ -2994,6 +3102,13 @@ impl Backend for CudaBackend {
                 Arg::Ptr(po),
             ],
         )
+    }
+
+    fn prefetch(&self, ws: &[&CudaMatrix]) -> Result<()> {
+        let regions: Vec<(u64, usize)> =
+            ws.iter().map(|m| (self.ptr(&m.data), m.bytes())).collect();
+        self.hint_prefetch(&regions);
+        Ok(())
     }
 
     fn read(&self, x: &CudaActivations, out: &mut Vec<f32>) -> Result<(usize, usize)> {

@@ -78,6 +78,12 @@ impl CudaBackend {
     pub fn pdl(&self) -> bool {
         false
     }
+    /// Cross-op weight prefetch switch (no effect without CUDA).
+    pub fn set_cross_prefetch(&self, _sites: crate::PrefetchSites) {}
+    /// Where the cross-op weight prefetch is issued (nowhere without CUDA).
+    pub fn cross_prefetch(&self) -> crate::PrefetchSites {
+        crate::PrefetchSites::NONE
+    }
     /// Split-layout type switch (no effect without CUDA).
     pub fn set_repacked_types(&self, _types: &[mirage_gguf::GgmlType]) {}
     /// Split-K switch (no effect without CUDA).

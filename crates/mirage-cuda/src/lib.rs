@@ -51,6 +51,61 @@ mod dummy;
 #[cfg(not(feature = "cuda"))]
 pub use dummy::{CudaActivations, CudaBackend, CudaFfn, CudaKvCache, CudaMatrix, CudaVector};
 
+/// Where the cross-op weight prefetch (`Backend::prefetch`) is issued in a
+/// recorded decode step: while the attention runs (the output projection's
+/// weights) and between the FFN's gate/up and down halves (the next layer's
+/// Q/K/V weights). Both by default; `MIRAGE_CUDA_XPREFETCH=off|attn|ffn` at
+/// start, or `CudaBackend::set_cross_prefetch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefetchSites {
+    /// Issue the regions hinted before an attention while it runs.
+    pub attention: bool,
+    /// Issue the regions hinted before an FFN between its two halves.
+    pub ffn: bool,
+}
+
+impl PrefetchSites {
+    /// Both sites.
+    pub const ALL: PrefetchSites = PrefetchSites {
+        attention: true,
+        ffn: true,
+    };
+    /// No cross-op prefetch.
+    pub const NONE: PrefetchSites = PrefetchSites {
+        attention: false,
+        ffn: false,
+    };
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn from_env() -> PrefetchSites {
+        match std::env::var("MIRAGE_CUDA_XPREFETCH").as_deref() {
+            Ok("0" | "off" | "none") => PrefetchSites::NONE,
+            Ok("attn" | "attention") => PrefetchSites {
+                attention: true,
+                ffn: false,
+            },
+            Ok("ffn") => PrefetchSites {
+                attention: false,
+                ffn: true,
+            },
+            _ => PrefetchSites::ALL,
+        }
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn bits(self) -> u8 {
+        self.attention as u8 | (self.ffn as u8) << 1
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn from_bits(b: u8) -> PrefetchSites {
+        PrefetchSites {
+            attention: b & 1 != 0,
+            ffn: b & 2 != 0,
+        }
+    }
+}
+
 /// Device memory the backend holds, by purpose (bytes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MemoryStats {
@@ -159,11 +214,18 @@ mod nvrtc_check {
         for name in names.iter().filter(|n| n.starts_with("ffn_")) {
             assert_eq!(param_count(&ptx, name), crate::backend::FFN_ARGS, "{name}");
         }
+        // The cross-op prefetch: six arguments (three regions), and it waits
+        // on its prerequisite grid, so the kernel after it waits on both.
+        assert_eq!(param_count(&ptx, "l2_prefetch"), 6);
+        assert!(module::waits_on_prerequisite(&ptx, "l2_prefetch"));
         let off = format!(
-            "#define MIRAGE_PREFETCH_ROW 0\n#define MIRAGE_NORM_SCALAR 1\n#define MIRAGE_ATT_MIN_KEYS 0\n{}",
+            "#define MIRAGE_PREFETCH_ROW 0\n#define MIRAGE_NORM_SCALAR 1\n#define MIRAGE_ATT_MIN_KEYS 0\n\
+             #define MIRAGE_XPF_EVICT_LAST 1\n{}",
             module::DENSE_SOURCE
         );
-        check("dense-noprefetch-scalar-norm", &off, &names);
+        let ptx_off = check("dense-noprefetch-scalar-norm", &off, &names);
+        let evict = module::entry(&ptx_off, "l2_prefetch").unwrap_or_default();
+        assert!(evict.contains("evict_last"), "l2_prefetch without L2::evict_last");
     }
 
     #[test]

@@ -36,6 +36,7 @@ use mirage_runtime::{Result, RuntimeError};
 
 use super::{
     bad, drv, Arg, CudaActivations, CudaBackend, CudaKvCache, CudaMatrix, CudaVector, MemKind,
+    PrefetchSite,
 };
 use crate::superblock::{
     ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, Nvfp4Pages, SparseError,
@@ -1446,15 +1447,22 @@ impl SparseCudaBackend {
                 )));
             }
         }
+        // The weights the runtime hinted (the next layer's Q/K/V) go into
+        // L2 while phase 2 reads the active pages' down rows, a few blocks
+        // per page: DRAM has room then. Before the launch when the phases
+        // are one launch.
         if one_pass {
             // Everything in phase 1 (its phase 2 would return at once).
+            self.inner.emit_prefetch(PrefetchSite::Ffn);
             return self.inner.launch(k, g, b, (d * 4) as u32, phase1);
         }
         if cooperative {
             // Both phases (3), the grid barrier between them.
+            self.inner.emit_prefetch(PrefetchSite::Ffn);
             return self.inner.launch_with(k, g, b, (d * 4) as u32, base(3), true);
         }
         self.inner.launch(k, g, b, (d * 4) as u32, phase1)?;
+        self.inner.emit_prefetch(PrefetchSite::Ffn);
         self.inner.launch(k, g, b, 0, phase2)
     }
 
@@ -1774,6 +1782,9 @@ impl Backend for SparseCudaBackend {
             self.launch_ffn(ld, px + off, py + off)?;
         }
         Ok(())
+    }
+    fn prefetch(&self, ws: &[&CudaMatrix]) -> Result<()> {
+        self.inner.prefetch(ws)
     }
     fn select_rows(
         &self,

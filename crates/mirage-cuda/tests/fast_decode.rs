@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use mirage_cuda::{CudaBackend, WeightFormat};
+use mirage_cuda::{CudaBackend, PrefetchSites, WeightFormat};
 use mirage_gguf::quant::Nvfp4Tensor;
 use mirage_gguf::writer::GgufWriter;
 use mirage_gguf::{quant, GgmlType, GgufFile};
@@ -1309,6 +1309,37 @@ fn rope_in_attention_equals_rope_store() {
             switch_keeps_bits(types, label, &kvs, |b, on| b.set_rope_in_attention(on))
         {
             assert_eq!(apart, folded + 2, "{what}: launches per graph");
+        }
+    }
+}
+
+/// The cross-op weight prefetch (`Backend::prefetch` hints: the output
+/// projection's weights issued into L2 while the attention runs, the next
+/// layer's Q/K/V or the lm head between the FFN's halves) changes what is
+/// in the cache, never what is computed: 60 greedy steps after a 20-token
+/// prompt, batch 1 and 2, in graphs and op by op, with both sites on equal
+/// both off bit for bit; a recorded graph has one `l2_prefetch` launch more
+/// per site and layer (2 layers: 4 with both sites, 2 with the attention's
+/// alone).
+#[test]
+fn cross_op_prefetch_keeps_bits() {
+    let Some(probe) = cuda("cross_op_prefetch_keeps_bits") else {
+        return;
+    };
+    drop(probe);
+    let attn_only = PrefetchSites {
+        attention: true,
+        ffn: false,
+    };
+    for types in [LAYER_MIXES[0], NORM_MIX] {
+        for (sites, extra) in [(PrefetchSites::ALL, 4), (attn_only, 2)] {
+            let label = format!("prefetch at {sites:?} vs none");
+            let kvs = [KvDtype::F32];
+            for (what, off, on) in switch_keeps_bits(types, &label, &kvs, |b, on| {
+                b.set_cross_prefetch(if on { sites } else { PrefetchSites::NONE })
+            }) {
+                assert_eq!(on, off + extra, "{what}: launches per graph");
+            }
         }
     }
 }

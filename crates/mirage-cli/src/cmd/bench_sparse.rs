@@ -41,8 +41,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use mirage_cuda::{
-    CudaBackend, PageFormat, PageSource, RouteTraversal, SparseCudaBackend, SparsePages,
-    WeightFormat,
+    CudaBackend, PageFormat, PageSource, PrefetchSites, RouteTraversal, SparseCudaBackend,
+    SparsePages, WeightFormat,
 };
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::Backend;
@@ -276,16 +276,28 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let mut device = String::new();
     let mut dense_tok_s = 0.0f64;
     let mut best_fold = true;
-    for fold in [true, false] {
+    // (norms folded, cross-op prefetch) of each dense row.
+    let mut dense_cfgs = vec![(true, true), (false, true)];
+    if args.xprefetch_ab {
+        dense_cfgs.push((true, false));
+    }
+    for (fold, xpf) in dense_cfgs {
         let b = new_backend()?;
         device = b.device_name().to_string();
         b.set_fuse_norm(fold);
+        if !xpf {
+            b.set_cross_prefetch(PrefetchSites::NONE);
+        }
         let model = Model::load(file.clone(), b)?;
         let d = decode(&model, n_prompt, n_gen, || Ok(None))?;
         if d.tok_s > dense_tok_s {
             (dense_tok_s, best_fold) = (d.tok_s, fold);
         }
-        let mode = if fold { "dense" } else { "dense (norms unfolded)" };
+        let mode = match (fold, xpf) {
+            (true, true) => "dense",
+            (false, _) => "dense (norms unfolded)",
+            (true, false) => "dense (no cross-op prefetch)",
+        };
         rows.push(dense_row(mode.into(), 1.0, &d, other_bytes + ffn_bytes));
     }
     for r in rows.iter_mut() {
@@ -397,8 +409,23 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             routers.push(Router::Vulkan);
         }
     }
+    // With --xprefetch-ab, each row again without the cross-op prefetch.
+    let mut xpf = vec![true; modes.len()];
+    if args.xprefetch_ab {
+        let n = modes.len();
+        for i in 0..n {
+            if routers[i] == Router::Cuda {
+                modes.push((format!("{} (no cross-op prefetch)", modes[i].0), modes[i].1));
+                routers.push(Router::Cuda);
+                xpf.push(false);
+            }
+        }
+    }
+    let sites = b.inner().cross_prefetch();
     let graphs = b.inner().graphs();
-    for ((name, mode), router) in modes.into_iter().zip(routers) {
+    for (((name, mode), router), xpf) in modes.into_iter().zip(routers).zip(xpf) {
+        b.inner()
+            .set_cross_prefetch(if xpf { sites } else { PrefetchSites::NONE });
         // A skipped router keeps the lists of the routed row before it.
         if router != Router::Skipped {
             b.set_mode(mode)?;
@@ -442,6 +469,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         });
     }
     b.set_skip_routing(false);
+    b.inner().set_cross_prefetch(sites);
     let g = b.inner().graph_stats();
     if args.json {
         for r in &rows {

@@ -282,6 +282,15 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// The feed-forward block: `out[r] = down(silu(gate x[r]) * up x[r])`.
     fn ffn(&self, ffn: &Self::Ffn, x: &Self::Activations, out: &mut Self::Activations) -> Result<()>;
+    /// A hint, never a change in what is computed: `ws` are read by an op
+    /// soon, after the next one. A backend may start loading them into a
+    /// cache while the ops in between run (CUDA: into L2 during the
+    /// attention, or between the FFN's halves, where DRAM is idle). The
+    /// default ignores it.
+    fn prefetch(&self, ws: &[&Self::Matrix]) -> Result<()> {
+        let _ = ws;
+        Ok(())
+    }
     /// `out` = the listed rows of `x`, in that order.
     fn select_rows(&self, x: &Self::Activations, rows: &[usize], out: &mut Self::Activations) -> Result<()>;
     /// Copies `x` to the host as `rows * width` floats; returns `(rows, width)`.
