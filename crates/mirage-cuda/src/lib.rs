@@ -54,8 +54,12 @@ pub use dummy::{CudaActivations, CudaBackend, CudaFfn, CudaKvCache, CudaMatrix, 
 /// Where the cross-op weight prefetch (`Backend::prefetch`) is issued in a
 /// recorded decode step: while the attention runs (the output projection's
 /// weights) and between the FFN's gate/up and down halves (the next layer's
-/// Q/K/V weights). Both by default; `MIRAGE_CUDA_XPREFETCH=off|attn|ffn` at
-/// start, or `CudaBackend::set_cross_prefetch`.
+/// Q/K/V weights), one `l2_prefetch` launch per site and layer. Off by
+/// default: on the H200 (7B Q8_0 shape) it made the step slower, dense
+/// 3.81 -> 3.94 ms and sparse 40 % 2.79 -> 2.95 ms, since the extra graph
+/// node costs more than the L2 hits save (ncu: the output projection 9.1
+/// instead of 9.6 us). `MIRAGE_CUDA_XPREFETCH=on|attn|ffn` at start, or
+/// `CudaBackend::set_cross_prefetch`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefetchSites {
     /// Issue the regions hinted before an attention while it runs.
@@ -79,7 +83,7 @@ impl PrefetchSites {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn from_env() -> PrefetchSites {
         match std::env::var("MIRAGE_CUDA_XPREFETCH").as_deref() {
-            Ok("0" | "off" | "none") => PrefetchSites::NONE,
+            Ok("1" | "on" | "all") => PrefetchSites::ALL,
             Ok("attn" | "attention") => PrefetchSites {
                 attention: true,
                 ffn: false,
@@ -88,7 +92,7 @@ impl PrefetchSites {
                 attention: false,
                 ffn: true,
             },
-            _ => PrefetchSites::ALL,
+            _ => PrefetchSites::NONE,
         }
     }
 

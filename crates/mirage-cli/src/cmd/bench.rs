@@ -120,10 +120,12 @@ pub struct BenchArgs {
     /// build with the `vulkan-interop` feature and a Vulkan RT device.
     #[arg(long)]
     pub vulkan_router: bool,
-    /// Sparse decode: also decode the dense model and every sparse row
-    /// without the cross-op weight prefetch (`... (no cross-op prefetch)`
-    /// rows, same process: the output projection's and the next layer's
-    /// Q/K/V weights are then not issued into L2 ahead of their mat-vecs).
+    /// Sparse decode: also decode the dense model and every sparse row with
+    /// the other cross-op weight prefetch setting, in the same process:
+    /// `... (cross-op prefetch)` rows when it is off (the default; the
+    /// output projection's and the next layer's Q/K/V weights then go into
+    /// L2 ahead of their mat-vecs), `... (no cross-op prefetch)` when
+    /// MIRAGE_CUDA_XPREFETCH turned it on.
     #[arg(long)]
     pub xprefetch_ab: bool,
 }

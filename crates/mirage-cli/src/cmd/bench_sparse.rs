@@ -276,29 +276,41 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let mut device = String::new();
     let mut dense_tok_s = 0.0f64;
     let mut best_fold = true;
-    // (norms folded, cross-op prefetch) of each dense row.
-    let mut dense_cfgs = vec![(true, true), (false, true)];
+    // --xprefetch-ab: the other cross-op prefetch setting (on when the
+    // start-up one is off, else off) for one more dense row and each
+    // sparse row, with its label.
+    let xpf_other = {
+        let b = new_backend()?;
+        let here = b.cross_prefetch();
+        if here == PrefetchSites::NONE {
+            (PrefetchSites::ALL, "cross-op prefetch")
+        } else {
+            (PrefetchSites::NONE, "no cross-op prefetch")
+        }
+    };
+    // (norms folded, the other prefetch setting) of each dense row.
+    let mut dense_cfgs = vec![(true, false), (false, false)];
     if args.xprefetch_ab {
-        dense_cfgs.push((true, false));
+        dense_cfgs.push((true, true));
     }
-    for (fold, xpf) in dense_cfgs {
+    for (fold, other) in dense_cfgs {
         let b = new_backend()?;
         device = b.device_name().to_string();
         b.set_fuse_norm(fold);
-        if !xpf {
-            b.set_cross_prefetch(PrefetchSites::NONE);
+        if other {
+            b.set_cross_prefetch(xpf_other.0);
         }
         let model = Model::load(file.clone(), b)?;
         let d = decode(&model, n_prompt, n_gen, || Ok(None))?;
         if d.tok_s > dense_tok_s {
             (dense_tok_s, best_fold) = (d.tok_s, fold);
         }
-        let mode = match (fold, xpf) {
-            (true, true) => "dense",
-            (false, _) => "dense (norms unfolded)",
-            (true, false) => "dense (no cross-op prefetch)",
+        let mode = match (fold, other) {
+            (true, false) => "dense".to_string(),
+            (false, _) => "dense (norms unfolded)".to_string(),
+            (true, true) => format!("dense ({})", xpf_other.1),
         };
-        rows.push(dense_row(mode.into(), 1.0, &d, other_bytes + ffn_bytes));
+        rows.push(dense_row(mode, 1.0, &d, other_bytes + ffn_bytes));
     }
     for r in rows.iter_mut() {
         r.speedup = r.decode_tok_s / dense_tok_s;
@@ -409,23 +421,23 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             routers.push(Router::Vulkan);
         }
     }
-    // With --xprefetch-ab, each row again without the cross-op prefetch.
-    let mut xpf = vec![true; modes.len()];
+    // With --xprefetch-ab, each row again with the other prefetch setting.
+    let mut other_xpf = vec![false; modes.len()];
     if args.xprefetch_ab {
         let n = modes.len();
         for i in 0..n {
             if routers[i] == Router::Cuda {
-                modes.push((format!("{} (no cross-op prefetch)", modes[i].0), modes[i].1));
+                modes.push((format!("{} ({})", modes[i].0, xpf_other.1), modes[i].1));
                 routers.push(Router::Cuda);
-                xpf.push(false);
+                other_xpf.push(true);
             }
         }
     }
     let sites = b.inner().cross_prefetch();
     let graphs = b.inner().graphs();
-    for (((name, mode), router), xpf) in modes.into_iter().zip(routers).zip(xpf) {
+    for (((name, mode), router), other) in modes.into_iter().zip(routers).zip(other_xpf) {
         b.inner()
-            .set_cross_prefetch(if xpf { sites } else { PrefetchSites::NONE });
+            .set_cross_prefetch(if other { xpf_other.0 } else { sites });
         // A skipped router keeps the lists of the routed row before it.
         if router != Router::Skipped {
             b.set_mode(mode)?;
