@@ -2344,7 +2344,16 @@ __device__ __forceinline__ void ffn_variant(FFN_PARAMS) {
         ffn_variant<L, NR, U, PF>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                  \
     }
 
+// MIRAGE_MV2_MIN_BLOCKS (MIRAGE_CUDA_MV2_BLOCKS at start): the least
+// resident blocks per SM the split Q8_0 v2 kernels are compiled for. Unset,
+// the split-K instances take 102 registers: 2 blocks (16 warps) per SM, and
+// ncu found the Q/K/V and O mat-vecs at 25-27 % of DRAM peak, waiting on
+// their loads with few warps to cover them.
+#ifdef MIRAGE_MV2_MIN_BLOCKS
+MVV_INSTANCE(q8_0s, MVV_Q8, v2, MVV2_NR, MVV2_U_Q8, false, FAST_WARPS * 32, MIRAGE_MV2_MIN_BLOCKS)
+#else
 MVV_INSTANCE(q8_0s, MVV_Q8, v2, MVV2_NR, MVV2_U_Q8, false, FAST_WARPS * 32)
+#endif
 MVV_INSTANCE(q8_0s, MVV_Q8, v3, MVV3_NR, MVV3_U_Q8, false, FAST_WARPS * 32)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v2, MVV2_NR, MVV2_U_Q4K, false, FAST_WARPS * 32)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v3, MVV3_NR, MVV3_U_Q4K, false, FAST_WARPS * 32)

@@ -29,7 +29,12 @@ prof() {
     --prompt 16 --gen 4 > "$L/ncu-$tag.log" 2>&1
   echo "== ncu $tag rc=$? ($((SECONDS - t)) s), $(wc -l < "$OUT/ncu-$tag.csv" 2>/dev/null) csv lines"
 }
-# Dense: past the prompt and the first decode steps, one layer and a half.
-prof dense '^(mv3_q8_0s|attend_rope|ffn_q8_0s)' "${DENSE_SKIP:-400}" "${DENSE_COUNT:-6}"
-# Sparse: both phases of two layers, after two decode steps.
-prof sparse '^superblock_ffn_q8s' "${SPARSE_SKIP:-112}" "${SPARSE_COUNT:-4}"
+# PARTS: which of the two passes run (default both).
+for part in ${PARTS:-dense sparse}; do
+  case $part in
+    # Dense: past the prompt and the first decode steps, one layer and a half.
+    dense) prof dense '^(mv3_q8_0s|attend_rope|ffn_q8_0s)' "${DENSE_SKIP:-400}" "${DENSE_COUNT:-6}" ;;
+    # Sparse: both phases of two layers, after two decode steps.
+    sparse) prof sparse '^superblock_ffn_q8s' "${SPARSE_SKIP:-112}" "${SPARSE_COUNT:-4}" ;;
+  esac
+done

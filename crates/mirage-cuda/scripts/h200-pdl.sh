@@ -15,7 +15,7 @@
 # and 7 (phase 1 prefetches the down rows into L2); the 0.5B
 # shape dense with PDL off / on, then one ncu pass over a 7B dense decode
 # (kernel durations, for the per-kernel table; ncu serializes kernels, so it
-# shows work, not gaps). Switches: SKIP_FAST_DECODE=1, SKIP_KERNEL_TESTS=1,
+# shows work, not gaps). Switches: SKIP_FAST_DECODE=1, SKIP_SPARSE_TESTS=1, SKIP_KERNEL_TESTS=1,
 # KBENCH=1 (kernel-bench --sparse after the 7B rows), SKIP_NCU=1,
 # PAGE_FORMATS="" (no Q2_K / NVFP4 rows), BENCH_EXTRA (more arguments of
 # every 7B bench row, e.g. --xprefetch-ab), TABLE_LINES (bench lines kept
@@ -35,8 +35,10 @@ if [ "${SKIP_FAST_DECODE:-0}" != 1 ]; then
   run fast_decode 150 "$W/fast_decode" --nocapture --test-threads 1
   grep -E "panicked|FAILED|PDL on" "$L/fast_decode.log" | cut -c1-160 | head -6
 fi
-MIRAGE_SKIP_MODEL_TESTS=1 run sparse_backend 150 "$W/sparse_backend" --nocapture --test-threads 1
-grep -E "panicked|FAILED" "$L/sparse_backend.log" | head -4
+if [ "${SKIP_SPARSE_TESTS:-0}" != 1 ]; then
+  MIRAGE_SKIP_MODEL_TESTS=1 run sparse_backend 150 "$W/sparse_backend" --nocapture --test-threads 1
+  grep -E "panicked|FAILED" "$L/sparse_backend.log" | head -4
+fi
 [ "${SKIP_KERNEL_TESTS:-0}" = 1 ] || run sparse_kernels 100 "$W/sparse_kernels" --test-threads 1
 : > "$L/tables.txt"
 for s in qwen2.5-7b qwen2.5-0.5b; do

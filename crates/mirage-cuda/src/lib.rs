@@ -224,7 +224,7 @@ mod nvrtc_check {
         assert!(module::waits_on_prerequisite(&ptx, "l2_prefetch"));
         let off = format!(
             "#define MIRAGE_PREFETCH_ROW 0\n#define MIRAGE_NORM_SCALAR 1\n#define MIRAGE_ATT_MIN_KEYS 0\n\
-             #define MIRAGE_XPF_EVICT_LAST 1\n{}",
+             #define MIRAGE_XPF_EVICT_LAST 1\n#define MIRAGE_MV2_MIN_BLOCKS 3\n{}",
             module::DENSE_SOURCE
         );
         let ptx_off = check("dense-noprefetch-scalar-norm", &off, &names);

@@ -49,7 +49,9 @@ pub(crate) fn attention_min_keys_setting() -> Option<usize> {
 /// `0` keeps the host's fixed chunk) when that is a number, and
 /// `MIRAGE_NORM_SCALAR` when `MIRAGE_CUDA_NORM=scalar` (the RMSNorm's
 /// previous scalar loop instead of its vector path, norm.cu's
-/// `rms_norm_row`), and `MIRAGE_XPF_EVICT_LAST` when
+/// `rms_norm_row`), `MIRAGE_MV2_MIN_BLOCKS` from `MIRAGE_CUDA_MV2_BLOCKS`
+/// (1 to 8: the least resident blocks per SM the split Q8_0 v2 mat-vecs are
+/// compiled for, dense.cu), and `MIRAGE_XPF_EVICT_LAST` when
 /// `MIRAGE_CUDA_XPREFETCH_EVICT=last` (the cross-op weight prefetch,
 /// dense.cu's `l2_prefetch`, asks for the evict-last priority); `source` as
 /// it is when none is set.
@@ -66,6 +68,13 @@ pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     }
     if std::env::var("MIRAGE_CUDA_NORM").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {
         defines.push_str("#define MIRAGE_NORM_SCALAR 1\n");
+    }
+    if let Some(n) = std::env::var("MIRAGE_CUDA_MV2_BLOCKS")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .filter(|n| (1..=8).contains(n))
+    {
+        defines.push_str(&format!("#define MIRAGE_MV2_MIN_BLOCKS {n}\n"));
     }
     if std::env::var("MIRAGE_CUDA_XPREFETCH_EVICT").is_ok_and(|v| v.eq_ignore_ascii_case("last")) {
         defines.push_str("#define MIRAGE_XPF_EVICT_LAST 1\n");
