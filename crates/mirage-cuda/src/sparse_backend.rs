@@ -93,6 +93,21 @@ pub(crate) const FFN_KERNEL_ARGS: usize = 15;
 /// `MIRAGE_SPARSE_FOLD_NORM=1`) and the router (`route_bvh`: x at 0, d at 1,
 /// the norm's three after `count` (15); on unless
 /// `MIRAGE_SPARSE_ROUTE_NORM=0`); `None` for the other kernels.
+/// `MIRAGE_SPARSE_BLOCKS_PER_SM=n` at start: the fused FFN's grid takes at
+/// most n blocks per SM instead of every block its occupancy allows, so
+/// that the next launch's blocks find room on the SMs while its phases
+/// drain (programmatic dependent launch). Unset: no cap.
+fn blocks_per_sm_cap() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("MIRAGE_SPARSE_BLOCKS_PER_SM")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(u32::MAX)
+    })
+}
+
 fn ffn_norm_slots(kernel: &str) -> Option<crate::backend::NormSlots> {
     use crate::backend::{NormFoldGate, NormSlots};
     if kernel == "route_bvh" {
@@ -1630,7 +1645,7 @@ impl Backend for SparseCudaBackend {
                 .occupancy_max_active_blocks_per_multiprocessor(FFN_THREADS, d * 4, None)
                 .map_err(drv)?
                 .max(1);
-            Ok(per_sm * self.multiprocessors)
+            Ok(per_sm.min(blocks_per_sm_cap()) * self.multiprocessors)
         };
         let mut grids = [0u32; PageFormat::ALL.len()];
         let mut grid = 0;
