@@ -80,8 +80,9 @@ impl PrefetchSites {
         ffn: false,
     };
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn from_env() -> PrefetchSites {
+    /// The sites `MIRAGE_CUDA_XPREFETCH` asks for (what a new backend
+    /// starts with): `on`/`1`/`all`, `attn`, `ffn`, anything else none.
+    pub fn from_env() -> PrefetchSites {
         match std::env::var("MIRAGE_CUDA_XPREFETCH").as_deref() {
             Ok("1" | "on" | "all") => PrefetchSites::ALL,
             Ok("attn" | "attention") => PrefetchSites {

@@ -279,14 +279,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     // --xprefetch-ab: the other cross-op prefetch setting (on when the
     // start-up one is off, else off) for one more dense row and each
     // sparse row, with its label.
-    let xpf_other = {
-        let b = new_backend()?;
-        let here = b.cross_prefetch();
-        if here == PrefetchSites::NONE {
-            (PrefetchSites::ALL, "cross-op prefetch")
-        } else {
-            (PrefetchSites::NONE, "no cross-op prefetch")
-        }
+    let xpf_other = if PrefetchSites::from_env() == PrefetchSites::NONE {
+        (PrefetchSites::ALL, "cross-op prefetch")
+    } else {
+        (PrefetchSites::NONE, "no cross-op prefetch")
     };
     // (norms folded, the other prefetch setting) of each dense row.
     let mut dense_cfgs = vec![(true, false), (false, false)];
