@@ -230,7 +230,10 @@ mod nvrtc_check {
         );
         let ptx_off = check("dense-noprefetch-scalar-norm", &off, &names);
         let evict = module::entry(&ptx_off, "l2_prefetch").unwrap_or_default();
-        assert!(evict.contains("evict_last"), "l2_prefetch without L2::evict_last");
+        assert!(
+            evict.contains("evict_last"),
+            "l2_prefetch without L2::evict_last"
+        );
     }
 
     #[test]
