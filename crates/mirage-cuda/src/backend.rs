@@ -2398,6 +2398,8 @@ impl Backend for CudaBackend {
         let out = pass();
         let mut st = self.step_state();
         st.staged = None;
+        // A hint no op issued does not outlive its pass.
+        st.pending_prefetch.clear();
         if let Some(pn) = st.pending_norm.take() {
             let k = self.kernel_index["rms_norm"];
             if let Some(rec) = st.recording.as_mut() {
