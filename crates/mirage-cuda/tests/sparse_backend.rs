@@ -28,7 +28,7 @@ use mirage_runtime::CpuBackend;
 use rand::Rng;
 // NVFP4 pages.
 use mirage_cuda::superblock::{nvfp4_page_bytes, Nvfp4Pages};
-use mirage_cuda::{nvfp4_layer_pages, CudaBackend, PageFormat, WeightFormat};
+use mirage_cuda::{nvfp4_layer_pages, CudaBackend, PageFormat, PrefetchSites, WeightFormat};
 use mirage_gguf::quant::Nvfp4Tensor;
 use mirage_gguf::{GgufFile, GgufWriter, Metadata, Value};
 use mirage_runtime::kv_cache::KvDtype;
@@ -1680,4 +1680,49 @@ fn nvfp4_all_pages_decode_matches_dense_nvfp4() {
         after.replays - before.replays >= steps as u64 - 2,
         "decode steps did not replay a graph: {before:?} -> {after:?}"
     );
+}
+
+/// The cross-op weight prefetch in the sparse backend's decode graph (the
+/// output projection's weights issued during the attention, the next
+/// layer's Q/K/V between the fused FFN's two phases) changes no bit: 8
+/// greedy steps over a random half of the pages with it on equal it off,
+/// logits and tokens, and the graph holds one `l2_prefetch` launch more per
+/// site and layer.
+#[test]
+fn cross_op_prefetch_keeps_the_sparse_decode_bits() {
+    let Some(probe) = cuda("cross_op_prefetch_keeps_the_sparse_decode_bits") else {
+        return;
+    };
+    drop(probe);
+    let (art, file) = nvfp4_model();
+    let load = |sites: PrefetchSites| {
+        let inner = CudaBackend::new(0).unwrap();
+        inner.set_cross_prefetch(sites);
+        let half = SparsePages::Random {
+            fraction: 0.5,
+            seed: 7,
+        };
+        let sb = SparseCudaBackend::new(inner, PageSource::Artifact(art.clone()), half).unwrap();
+        Model::load(file.clone(), sb).unwrap()
+    };
+    let (off, on) = (load(PrefetchSites::NONE), load(PrefetchSites::ALL));
+    let steps = 8;
+    let (lf, tf) = greedy(&off, steps, None);
+    let (ln, tn) = greedy(&on, steps, None);
+    let (lf, ln): (Vec<f32>, Vec<f32>) = (lf.concat(), ln.concat());
+    let differ = bits_differ(&lf, &ln);
+    let launches = (
+        off.backend().inner().last_graph_launches(),
+        on.backend().inner().last_graph_launches(),
+    );
+    eprintln!(
+        "sparse decode, prefetch on vs off: {differ} of {} logits differ, graph launches {} vs {}",
+        lf.len(),
+        launches.0,
+        launches.1
+    );
+    assert_eq!(tf, tn, "tokens");
+    assert_eq!(differ, 0, "logits");
+    assert!(launches.0 > 0, "the decode steps were not recorded");
+    assert_eq!(launches.1, launches.0 + 2 * N_LAYER, "launches per graph");
 }
