@@ -2350,10 +2350,11 @@ __device__ __forceinline__ void ffn_variant(FFN_PARAMS) {
 // ncu found the Q/K/V and O mat-vecs at 25-27 % of DRAM peak, waiting on
 // their loads with few warps to cover them.
 #ifdef MIRAGE_MV2_MIN_BLOCKS
-MVV_INSTANCE(q8_0s, MVV_Q8, v2, MVV2_NR, MVV2_U_Q8, false, FAST_WARPS * 32, MIRAGE_MV2_MIN_BLOCKS)
+#define MVV2_Q8_BOUNDS FAST_WARPS * 32, MIRAGE_MV2_MIN_BLOCKS
 #else
-MVV_INSTANCE(q8_0s, MVV_Q8, v2, MVV2_NR, MVV2_U_Q8, false, FAST_WARPS * 32)
+#define MVV2_Q8_BOUNDS FAST_WARPS * 32
 #endif
+MVV_INSTANCE(q8_0s, MVV_Q8, v2, MVV2_NR, MVV2_U_Q8, false, MVV2_Q8_BOUNDS)
 MVV_INSTANCE(q8_0s, MVV_Q8, v3, MVV3_NR, MVV3_U_Q8, false, FAST_WARPS * 32)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v2, MVV2_NR, MVV2_U_Q4K, false, FAST_WARPS * 32)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v3, MVV3_NR, MVV3_U_Q4K, false, FAST_WARPS * 32)

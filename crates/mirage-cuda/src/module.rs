@@ -244,8 +244,9 @@ mod tests {
             let kernels = src.matches("__global__").count();
             // The split mat-vec variants wait inside mv3_variant/ffn_variant
             // (after their weight prefetch), one call for the 5 kernels of
-            // each MVV_INSTANCE.
-            let entries = src.matches("PDL_ENTRY();").count();
+            // each MVV_INSTANCE; l2_prefetch triggers first and waits last
+            // (`pdl_wait();` of its own).
+            let entries = src.matches("PDL_ENTRY();").count() + src.matches("pdl_wait();").count();
             let variant_kernels = src.matches("MVV_INSTANCE(").count().saturating_sub(1) * 5;
             assert!(
                 entries + variant_kernels >= kernels,
