@@ -371,26 +371,26 @@ extern "C" __global__ void add_inplace(float* acc, const float* __restrict__ x, 
 // this one, and it completes only after its own prerequisite has (its
 // pdl_wait last): the next kernel's wait then covers both. With
 // MIRAGE_XPF_EVICT_LAST the lines are fetched with the evict-last priority,
-// so that the streaming reads in between evict each other first.
-__device__ __forceinline__ void l2_prefetch_span(const char* p, long n, long t, long step) {
-    if (n <= 0) return;
-    const char* a = (const char*)((unsigned long long)p & ~127ull);
-    const long lines = ((const char*)p + n - a + 127) >> 7;
-    for (long i = t; i < lines; i += step) {
+// so that the streaming reads in between evict each other first. Block b
+// takes the b-th of gridDim.x line-aligned shares of each region (the
+// regions are device allocations, so p is aligned); unused regions are
+// (null, 0).
 #ifdef MIRAGE_XPF_EVICT_LAST
-        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a + (i << 7)));
+#define XPF_EVICT_LAST true
 #else
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a + (i << 7)));
+#define XPF_EVICT_LAST false
 #endif
-    }
+__device__ __forceinline__ void l2_prefetch_share(const char* p, long n) {
+    const long share = ((n + gridDim.x - 1) / gridDim.x + 127) & ~127L;
+    const long at = (long)blockIdx.x * share;
+    if (at < n) l2_prefetch_block<XPF_EVICT_LAST>(p + at, min(share, n - at));
 }
 
 extern "C" __global__ void l2_prefetch(const char* p0, long n0, const char* p1, long n1, const char* p2, long n2) {
     pdl_trigger();
-    const long t = (long)blockIdx.x * blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
-    l2_prefetch_span(p0, n0, t, step);
-    l2_prefetch_span(p1, n1, t, step);
-    l2_prefetch_span(p2, n2, t, step);
+    l2_prefetch_share(p0, n0);
+    l2_prefetch_share(p1, n1);
+    l2_prefetch_share(p2, n2);
     pdl_wait();
 }
 

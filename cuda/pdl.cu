@@ -44,12 +44,18 @@ __device__ __forceinline__ void pdl_trigger() {
 // Asks L2 to fetch bytes [p, p + n) (whole 128-byte lines around them), this
 // thread's share of a block-wide prefetch: thread t of the block takes lines
 // t, t + blockDim.x, ... Issued before pdl_wait() on weights only, so the
-// lines stream in while the previous kernel still runs. No-op for n <= 0.
+// lines stream in while the previous kernel still runs. No-op for n <= 0
+// at an aligned p. EvictLast: the lines get the evict-last priority.
+template <bool EvictLast = false>
 __device__ __forceinline__ void l2_prefetch_block(const void* p, long n) {
     const char* a = (const char*)((unsigned long long)p & ~127ull);
     const long span = (const char*)p + n - a;
-    for (long o = (long)threadIdx.x * 128; o < span; o += (long)blockDim.x * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
+    for (long o = (long)threadIdx.x * 128; o < span; o += (long)blockDim.x * 128) {
+        if constexpr (EvictLast)
+            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a + o));
+        else
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
+    }
 }
 
 // The first `per_row` bytes (whole lines) of each of `n` rows that start at

@@ -35,9 +35,17 @@ const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
 /// block of the decode attention, read by the kernels (`with_env_defines`)
 /// and by the host's split plan (`backend::attend_min_chunk`) alike.
 pub(crate) fn attention_min_keys_setting() -> Option<usize> {
-    std::env::var("MIRAGE_CUDA_ATT_KEYS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
+    env_number("MIRAGE_CUDA_ATT_KEYS")
+}
+
+/// Environment variable `key` when it parses as a `T`.
+fn env_number<T: std::str::FromStr>(key: &str) -> Option<T> {
+    std::env::var(key).ok().and_then(|v| v.parse().ok())
+}
+
+/// Whether environment variable `key` is `value` (any case).
+fn env_is(key: &str, value: &str) -> bool {
+    std::env::var(key).is_ok_and(|v| v.eq_ignore_ascii_case(value))
 }
 
 /// `source` with the compile-time switches the environment asks for put in
@@ -57,26 +65,19 @@ pub(crate) fn attention_min_keys_setting() -> Option<usize> {
 /// it is when none is set.
 pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     let mut defines = String::new();
-    if let Some(n) = std::env::var("MIRAGE_CUDA_PREFETCH")
-        .ok()
-        .and_then(|v| v.parse::<u32>().ok())
-    {
+    if let Some(n) = env_number::<u32>("MIRAGE_CUDA_PREFETCH") {
         defines.push_str(&format!("#define MIRAGE_PREFETCH_ROW {n}\n"));
     }
     if let Some(n) = attention_min_keys_setting() {
         defines.push_str(&format!("#define MIRAGE_ATT_MIN_KEYS {n}\n"));
     }
-    if std::env::var("MIRAGE_CUDA_NORM").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {
+    if env_is("MIRAGE_CUDA_NORM", "scalar") {
         defines.push_str("#define MIRAGE_NORM_SCALAR 1\n");
     }
-    if let Some(n) = std::env::var("MIRAGE_CUDA_MV2_BLOCKS")
-        .ok()
-        .and_then(|v| v.parse::<u32>().ok())
-        .filter(|n| (1..=8).contains(n))
-    {
+    if let Some(n) = env_number::<u32>("MIRAGE_CUDA_MV2_BLOCKS").filter(|n| (1..=8).contains(n)) {
         defines.push_str(&format!("#define MIRAGE_MV2_MIN_BLOCKS {n}\n"));
     }
-    if std::env::var("MIRAGE_CUDA_XPREFETCH_EVICT").is_ok_and(|v| v.eq_ignore_ascii_case("last")) {
+    if env_is("MIRAGE_CUDA_XPREFETCH_EVICT", "last") {
         defines.push_str("#define MIRAGE_XPF_EVICT_LAST 1\n");
     }
     if defines.is_empty() {

@@ -87,12 +87,6 @@ pub(crate) const ROUTE_ARGS: usize = 19;
 /// are the same) and NVFP4's three tensor scales on top.
 pub(crate) const FFN_KERNEL_ARGS: usize = 15;
 
-/// Where a kernel takes the RMSNorm before it (`CudaBackend::fold_norm`):
-/// the fused Q8_0 FFN variants (`superblock_ffn_q8s_v<n>`: x at 4, d at 3,
-/// then after `part_ch` (15) the folded norm's weights, eps and output;
-/// `MIRAGE_SPARSE_FOLD_NORM=1`) and the router (`route_bvh`: x at 0, d at 1,
-/// the norm's three after `count` (15); on unless
-/// `MIRAGE_SPARSE_ROUTE_NORM=0`); `None` for the other kernels.
 /// `MIRAGE_SPARSE_BLOCKS_PER_SM=n` at start: the fused FFN's grid takes at
 /// most n blocks per SM instead of every block its occupancy allows, so
 /// that the next launch's blocks find room on the SMs while its phases
@@ -108,6 +102,12 @@ fn blocks_per_sm_cap() -> u32 {
     })
 }
 
+/// Where a kernel takes the RMSNorm before it (`CudaBackend::fold_norm`):
+/// the fused Q8_0 FFN variants (`superblock_ffn_q8s_v<n>`: x at 4, d at 3,
+/// then after `part_ch` (15) the folded norm's weights, eps and output;
+/// `MIRAGE_SPARSE_FOLD_NORM=1`) and the router (`route_bvh`: x at 0, d at 1,
+/// the norm's three after `count` (15); on unless
+/// `MIRAGE_SPARSE_ROUTE_NORM=0`); `None` for the other kernels.
 fn ffn_norm_slots(kernel: &str) -> Option<crate::backend::NormSlots> {
     use crate::backend::{NormFoldGate, NormSlots};
     if kernel == "route_bvh" {

@@ -378,6 +378,7 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let c = &self.config;
         let ap = c.attention_params();
+        let lm_head = self.output.as_ref().unwrap_or(&self.tok_embd);
         b.embed(&self.tok_embd, tokens, &mut s.x)?;
         for (l, layer) in self.layers.iter().enumerate() {
             b.rms_norm(&s.x, &layer.attn_norm, c.rms_norm_eps, &mut s.xn)?;
@@ -400,7 +401,7 @@ impl<B: Backend> Model<B> {
             // What the next layer (or the lm head) reads first.
             match self.layers.get(l + 1) {
                 Some(next) => b.prefetch(&[&next.wq, &next.wk, &next.wv])?,
-                None => b.prefetch(&[self.output.as_ref().unwrap_or(&self.tok_embd)])?,
+                None => b.prefetch(&[lm_head])?,
             }
             b.ffn(&layer.ffn, &s.xn, &mut s.proj)?;
             b.add(&mut s.x, &s.proj)?;
@@ -410,7 +411,7 @@ impl<B: Backend> Model<B> {
         }
         b.select_rows(&s.x, logits_rows, &mut s.picked)?;
         b.rms_norm(&s.picked, &self.output_norm, c.rms_norm_eps, &mut s.xn)?;
-        b.matmul(self.output.as_ref().unwrap_or(&self.tok_embd), &s.xn, &mut s.logits)?;
+        b.matmul(lm_head, &s.xn, &mut s.logits)?;
         Ok(())
     }
 }
