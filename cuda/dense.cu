@@ -2011,6 +2011,51 @@ __device__ __forceinline__ const u8* mvv_m(const MvvRows& R, int k) {
     return (k < NH ? R.ma : R.mb) + min(kk, R.last) * R.ms;
 }
 
+// The U chunks of 512 elements from chunk c of NR split-Q8_0 rows: this
+// lane's 16 quants of each (w) and their block scale (sc); chunks past the
+// row end load zeros. Reads weights only, so the preload variants issue it
+// before pdl_wait().
+template <int NR, int NH, int U>
+__device__ __forceinline__ void q8s_load16(const MvvRows& R, int cols, int lane, uint4 (&w)[U][NR], u32 (&sc)[U][NR],
+                                           int c) {
+#pragma unroll
+    for (int h = 0; h < U; h++) {
+        int e = ((c + h) << 9) + (lane << 4);
+        bool ok = e < cols;  // implies c + h < n_chunks
+#pragma unroll
+        for (int k = 0; k < NR; k++) {
+            w[h][k] = ok ? __ldg((const uint4*)(mvv_q<NH>(R, k) + e)) : make_uint4(0u, 0u, 0u, 0u);
+            sc[h][k] = ok ? (u32)__ldg((const u16*)(mvv_m<NH>(R, k) + ((e >> 5) << 1))) : 0u;
+        }
+    }
+}
+
+// acc[k] += this lane's products of the chunks q8s_load16 loaded from chunk c.
+template <int NR, int U>
+__device__ __forceinline__ void q8s_compute16(const float* __restrict__ xa, int cols, int lane,
+                                              const uint4 (&w)[U][NR], const u32 (&sc)[U][NR], int c, float* acc) {
+#pragma unroll
+    for (int h = 0; h < U; h++) {
+        int e = ((c + h) << 9) + (lane << 4);
+        if (e >= cols) continue;
+        const float4* xp = (const float4*)(xa + e);
+        float4 x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3];
+#pragma unroll
+        for (int k = 0; k < NR; k++) {
+            float f[4], d;
+            sb_q8x4(w[h][k].x, f);
+            d = f[0] * x0.x + f[1] * x0.y + f[2] * x0.z + f[3] * x0.w;
+            sb_q8x4(w[h][k].y, f);
+            d += f[0] * x1.x + f[1] * x1.y + f[2] * x1.z + f[3] * x1.w;
+            sb_q8x4(w[h][k].z, f);
+            d += f[0] * x2.x + f[1] * x2.y + f[2] * x2.z + f[3] * x2.w;
+            sb_q8x4(w[h][k].w, f);
+            d += f[0] * x3.x + f[1] * x3.y + f[2] * x3.z + f[3] * x3.w;
+            acc[k] += h2f((u16)sc[h][k]) * d;
+        }
+    }
+}
+
 // This lane's share of NR split-Q8_0 rows dotted with xa[0..cols), U chunks
 // of 512 elements in flight per row. cols % 32 == 0, so a lane's 16
 // elements at a 16-aligned e < cols are all in range and in one block.
@@ -2022,39 +2067,9 @@ template <int NR, int NH, int U, bool PF>
 __device__ __forceinline__ void q8s_dot16(const MvvRows& R, const float* __restrict__ xa, int cols, int lane,
                                           float* acc) {
     const int n_chunks = (cols + 511) >> 9;
-    auto load = [&](uint4 (&w)[U][NR], u32 (&sc)[U][NR], int c) {
-#pragma unroll
-        for (int h = 0; h < U; h++) {
-            int e = ((c + h) << 9) + (lane << 4);
-            bool ok = e < cols;  // implies c + h < n_chunks
-#pragma unroll
-            for (int k = 0; k < NR; k++) {
-                w[h][k] = ok ? __ldg((const uint4*)(mvv_q<NH>(R, k) + e)) : make_uint4(0u, 0u, 0u, 0u);
-                sc[h][k] = ok ? (u32)__ldg((const u16*)(mvv_m<NH>(R, k) + ((e >> 5) << 1))) : 0u;
-            }
-        }
-    };
+    auto load = [&](uint4 (&w)[U][NR], u32 (&sc)[U][NR], int c) { q8s_load16<NR, NH, U>(R, cols, lane, w, sc, c); };
     auto compute = [&](const uint4 (&w)[U][NR], const u32 (&sc)[U][NR], int c) {
-#pragma unroll
-        for (int h = 0; h < U; h++) {
-            int e = ((c + h) << 9) + (lane << 4);
-            if (e >= cols) continue;
-            const float4* xp = (const float4*)(xa + e);
-            float4 x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3];
-#pragma unroll
-            for (int k = 0; k < NR; k++) {
-                float f[4], d;
-                sb_q8x4(w[h][k].x, f);
-                d = f[0] * x0.x + f[1] * x0.y + f[2] * x0.z + f[3] * x0.w;
-                sb_q8x4(w[h][k].y, f);
-                d += f[0] * x1.x + f[1] * x1.y + f[2] * x1.z + f[3] * x1.w;
-                sb_q8x4(w[h][k].z, f);
-                d += f[0] * x2.x + f[1] * x2.y + f[2] * x2.z + f[3] * x2.w;
-                sb_q8x4(w[h][k].w, f);
-                d += f[0] * x3.x + f[1] * x3.y + f[2] * x3.z + f[3] * x3.w;
-                acc[k] += h2f((u16)sc[h][k]) * d;
-            }
-        }
+        q8s_compute16<NR, U>(xa, cols, lane, w, sc, c, acc);
     };
     uint4 w[U][NR];
     u32 sc[U][NR];
@@ -2208,6 +2223,33 @@ __device__ __forceinline__ int mvv_mrow(int cols) {
     return L == MVV_Q8 ? (cols >> 4) : (cols >> 4);
 }
 
+// The end of a split mat-vec: the warp sums of acc stored (S = 1), or added
+// over the S slices of each row group in slice order by the slice-0 warp
+// (S > 1; part: FAST_WARPS x NR floats of shared memory).
+template <int NR, int S>
+__device__ __forceinline__ void mv3_store(const float* acc, float (*part)[NR], int warp, int lane, int slice, int r0,
+                                          float* y, const float* bias, float* rs, int a, int rows) {
+    if (S == 1) {
+#pragma unroll
+        for (int k = 0; k < NR; k++) {
+            float v = warp_sum(acc[k]);
+            if (lane == 0 && r0 + k < rows) mv_store(v, y, bias, rs, a, rows, r0 + k);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < NR; k++) {
+            float v = warp_sum(acc[k]);
+            if (lane == 0) part[warp][k] = v;
+        }
+        __syncthreads();
+        if (slice == 0 && lane < NR && r0 + lane < rows) {
+            float v = 0.f;
+            for (int t = 0; t < S; t++) v += part[warp + t][lane];
+            mv_store(v, y, bias, rs, a, rows, r0 + lane);
+        }
+    }
+}
+
 // mv3 of a variant: S warps per group of NR rows (S = 1: no split), each
 // over one column slice of whole G-element granules.
 template <int L, int NR, int U, bool PF, int S>
@@ -2247,25 +2289,54 @@ __device__ __forceinline__ void mv3_variant(MV3_PARAMS) {
         R.last = rows - 1 - r0;
         mvv_dot<L, NR, NR, U, PF>(R, xa + c_lo, c_n, lane, acc);
     }
-    if (S == 1) {
+    mv3_store<NR, S>(acc, part, warp, lane, slice, r0, y, bias, rs, a, rows);
+}
+
+// The preload form of mv3_variant (split Q8_0 only, instances `mv3_*_v2p*`):
+// the same slices, loads and arithmetic (the same bits), but the warp's
+// first U chunks of weights go into registers BEFORE pdl_wait(), not only
+// the heads of its rows into L2. Weights are constant during a step, so a
+// grid that is resident while the previous kernel runs (the O projection's
+// blocks during the attention, which uses 56 blocks of 132 SMs) has its
+// weights on chip when its input lands; the chain after the wait is then
+// the input, the products, the sums and the store. At 7B the Q/K/V and O
+// slices (k4: 896 columns, two chunks) fit in U = 2 whole.
+template <int NR, int U, int S>
+__device__ __forceinline__ void mv3_preload(MV3_PARAMS) {
+    const int G = 128;
+    MV3_PICK_W((FAST_WARPS / S) * NR)
+    const int slice = warp % S;
+    const int r0 = (bx * (FAST_WARPS / S) + warp / S) * NR;
+    const int n_gran = (cols + G - 1) / G, per_slice = (n_gran + S - 1) / S;
+    const int c_lo = min(cols, slice * per_slice * G);
+    const int c_n = min(cols, c_lo + per_slice * G) - c_lo;
+    const bool live = r0 < rows && c_n > 0;
+    const int qs = cols, ms = cols >> 4;
+    MvvRows R;
+    R.qa = R.qb = W + (long)r0 * qs + c_lo;
+    R.ma = R.mb = W + (long)rows * qs + (long)r0 * ms + (c_lo >> 4);
+    R.qs = qs;
+    R.ms = ms;
+    R.last = rows - 1 - r0;
+    uint4 w[U][NR];
+    u32 sc[U][NR];
+    if (live) q8s_load16<NR, NR, U>(R, c_n, lane, w, sc, 0);
+    PDL_ENTRY();
+    FAST_INPUT
+    __shared__ float part[S > 1 ? FAST_WARPS : 1][NR];
+    float acc[NR];
 #pragma unroll
-        for (int k = 0; k < NR; k++) {
-            float v = warp_sum(acc[k]);
-            if (lane == 0 && r0 + k < rows) mv_store(v, y, bias, rs, a, rows, r0 + k);
-        }
-    } else {
-#pragma unroll
-        for (int k = 0; k < NR; k++) {
-            float v = warp_sum(acc[k]);
-            if (lane == 0) part[warp][k] = v;
-        }
-        __syncthreads();
-        if (slice == 0 && lane < NR && r0 + lane < rows) {
-            float v = 0.f;
-            for (int t = 0; t < S; t++) v += part[warp + t][lane];
-            mv_store(v, y, bias, rs, a, rows, r0 + lane);
+    for (int k = 0; k < NR; k++) acc[k] = 0.f;
+    if (live) {
+        const float* xs = xa + c_lo;
+        q8s_compute16<NR, U>(xs, c_n, lane, w, sc, 0, acc);
+        const int n_chunks = (c_n + 511) >> 9;
+        for (int c = U; c < n_chunks; c += U) {
+            q8s_load16<NR, NR, U>(R, c_n, lane, w, sc, c);
+            q8s_compute16<NR, U>(xs, c_n, lane, w, sc, c, acc);
         }
     }
+    mv3_store<NR, S>(acc, part, warp, lane, slice, r0, y, bias, rs, a, rows);
 }
 
 // gate/up/SwiGLU of a variant: NR / 2 channels per warp (their gate rows,
@@ -2304,6 +2375,45 @@ __device__ __forceinline__ void ffn_variant(FFN_PARAMS) {
 #pragma unroll
     for (int k = 0; k < NR; k++) acc[k] = 0.f;
     mvv_dot<L, NR, NC, U, PF>(R, xa, cols, lane, acc);
+#pragma unroll
+    for (int k = 0; k < NC; k++) {
+        float gs = warp_sum(acc[k]), us = warp_sum(acc[NC + k]);
+        if (lane == 0 && r0 + k < rows) h[(long)a * rows + r0 + k] = silu_mul(gs, us);
+    }
+}
+
+// The preload form of ffn_variant (split Q8_0; `ffn_*_v2p`): the warp's
+// first U chunks of its gate and up rows into registers before pdl_wait()
+// (see mv3_preload), then the rest as ffn_variant does it. The same bits.
+template <int NR, int U>
+__device__ __forceinline__ void ffn_preload(FFN_PARAMS) {
+    const int NC = NR / 2;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int qs = cols, ms = cols >> 4;
+    const int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
+    MvvRows R;
+    R.qa = Wg + (long)r0 * qs;
+    R.qb = Wu + (long)r0 * qs;
+    R.ma = Wg + (long)rows * qs + (long)r0 * ms;
+    R.mb = Wu + (long)rows * qs + (long)r0 * ms;
+    R.qs = qs;
+    R.ms = ms;
+    R.last = rows - 1 - r0;
+    uint4 w[U][NR];
+    u32 sc[U][NR];
+    if (r0 < rows) q8s_load16<NR, NC, U>(R, cols, lane, w, sc, 0);
+    PDL_ENTRY();
+    FAST_INPUT
+    if (r0 >= rows) return;
+    float acc[NR];
+#pragma unroll
+    for (int k = 0; k < NR; k++) acc[k] = 0.f;
+    q8s_compute16<NR, U>(xa, cols, lane, w, sc, 0, acc);
+    const int n_chunks = (cols + 511) >> 9;
+    for (int c = U; c < n_chunks; c += U) {
+        q8s_load16<NR, NC, U>(R, cols, lane, w, sc, c);
+        q8s_compute16<NR, U>(xa, cols, lane, w, sc, c, acc);
+    }
 #pragma unroll
     for (int k = 0; k < NC; k++) {
         float gs = warp_sum(acc[k]), us = warp_sum(acc[NC + k]);
@@ -2355,7 +2465,26 @@ __device__ __forceinline__ void ffn_variant(FFN_PARAMS) {
 #define MVV2_Q8_BOUNDS FAST_WARPS * 32
 #endif
 MVV_INSTANCE(q8_0s, MVV_Q8, v2, MVV2_NR, MVV2_U_Q8, false, MVV2_Q8_BOUNDS)
+// v2p: v2's split Q8_0 kernels with the weight preload (mv3_preload,
+// ffn_preload); the backend picks them with `MIRAGE_CUDA_PRELOAD=1`.
+#define MVV_PRE_INSTANCE(NAME, NR, U, ...)                                                                           \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2p(MV3_PARAMS) {                     \
+        mv3_preload<NR, U, 1>(MV3_ARGS);                                                                             \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2p_k2(MV3_PARAMS) {                  \
+        mv3_preload<NR, U, 2>(MV3_ARGS);                                                                             \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2p_k4(MV3_PARAMS) {                  \
+        mv3_preload<NR, U, 4>(MV3_ARGS);                                                                             \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2p_k8(MV3_PARAMS) {                  \
+        mv3_preload<NR, U, 8>(MV3_ARGS);                                                                             \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) ffn_##NAME##_v2p(FFN_PARAMS) {                     \
+        ffn_preload<NR, U>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                     \
+    }
 MVV_INSTANCE(q8_0s, MVV_Q8, v3, MVV3_NR, MVV3_U_Q8, false, FAST_WARPS * 32)
+MVV_PRE_INSTANCE(q8_0s, MVV2_NR, MVV2_U_Q8, MVV2_Q8_BOUNDS)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v2, MVV2_NR, MVV2_U_Q4K, false, FAST_WARPS * 32)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v3, MVV3_NR, MVV3_U_Q4K, false, FAST_WARPS * 32)
 MVV_INSTANCE(q8_0s, MVV_Q8, v4, MVV4_NR, MVV4_U_Q8, false, FAST_WARPS * 32, 4)

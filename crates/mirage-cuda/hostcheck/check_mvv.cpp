@@ -32,6 +32,7 @@ template <int NR, class F> void warp_run(F f, double* tot) {
 }
 
 static double worst = 0;
+static long preload_checked = 0;
 // Layout L (0 = split Q8_0, 1 = split Q4_K), NR rows per warp, NH rows from
 // matrix a (the rest from matrix b), U chunks; S column slices.
 template <int L, int NR, int NH, int U, bool PF = false>
@@ -59,6 +60,32 @@ void check(const std::vector<u8>& A, const std::vector<u8>& B, int rows, int col
                 else q4ks_dot16<NR, NH, U, PF>(R, x.data() + c_lo, c_n, lane, acc);
             }, t);
             for (int k = 0; k < NR; k++) tot[k] += t[k];
+            if (L == 0 && !PF) {
+                // mv3_preload / ffn_preload's order: chunks 0..U loaded (before
+                // the PDL wait on the device), then computed, then the rest as
+                // q8s_dot16: every lane's sum must be the same bits.
+                float a0[32][NR] = {}, a1[32][NR] = {};
+                std::barrier<> bar(32); g_bar = &bar;
+                std::vector<std::thread> th;
+                for (int l = 0; l < 32; l++) th.emplace_back([&, l] {
+                    t_lane = l;
+                    q8s_dot16<NR, NH, U, false>(R, x.data() + c_lo, c_n, l, a0[l]);
+                    uint4 w[U][NR];
+                    u32 sc[U][NR];
+                    q8s_load16<NR, NH, U>(R, c_n, l, w, sc, 0);
+                    q8s_compute16<NR, U>(x.data() + c_lo, c_n, l, w, sc, 0, a1[l]);
+                    for (int c = U; c < (c_n + 511) / 512; c += U) {
+                        q8s_load16<NR, NH, U>(R, c_n, l, w, sc, c);
+                        q8s_compute16<NR, U>(x.data() + c_lo, c_n, l, w, sc, c, a1[l]);
+                    }
+                });
+                for (auto& tt : th) tt.join();
+                if (memcmp(a0, a1, sizeof a0) != 0) {
+                    printf("L0 NR%d NH%d U%d S%d %dx%d rows %d..: preload order differs from q8s_dot16\n", NR, NH, U, S, rows, cols, r0);
+                    exit(1);
+                }
+                preload_checked++;
+            }
         }
         for (int k = 0; k < NR; k++) {
             int kk = k < NH ? k : k - NH;
@@ -126,5 +153,6 @@ int main() {
         check<1, 2, 1, 1, true>(a4, b4, rows, cols, x, 1);
     }
     printf("mat-vec variants (q8s_dot16, q4ks_dot16): worst dot rel err %.3g over all shapes/variants/splits\n", worst);
+    printf("preload order (q8s_load16 + q8s_compute16) == q8s_dot16 bit for bit over %ld warp slices\n", preload_checked);
     return worst < 1e-5 ? 0 : 1;
 }

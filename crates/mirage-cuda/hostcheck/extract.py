@@ -54,7 +54,7 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
     + macro("Q6S_ROW_PTRS"))
 (out / "mvv_extract.h").write_text("".join(extract(n) for n in [
     "float sb_byte_f32(", "void sb_q8x4(", "struct MvvRows", "const u8* mvv_q(", "const u8* mvv_m(",
-    "void q8s_dot16(", "float q4v_nib_dot(", "void q4ks_dot16(", "u32 q4k_scale_byte(", "void q4k_scale_min(",
+    "void q8s_load16(", "void q8s_compute16(", "void q8s_dot16(", "float q4v_nib_dot(", "void q4ks_dot16(", "u32 q4k_scale_byte(", "void q4k_scale_min(",
     "float q4ks_elem(", "float q8s_elem("]).replace("int qs, ms, last;\n}", "int qs, ms, last;\n};"))
 
 (out / "norm_extract.h").write_text(macro_line("NORM_VEC") + "".join(extract(n) for n in [

@@ -210,6 +210,8 @@ pub(crate) fn kernel_names() -> Vec<&'static str> {
                     }))
             })
         }))
+        .chain(["", "_k2", "_k4", "_k8"].map(|k| leak(format!("mv3_q8_0s_v2p{k}"))))
+        .chain([leak("ffn_q8_0s_v2p".to_string())])
         .chain(OTHER_KERNELS.iter().copied())
         .collect()
 }
@@ -709,6 +711,10 @@ pub struct CudaBackend {
     pdl: std::sync::atomic::AtomicBool,
     /// `PrefetchSites::bits` of the cross-op weight prefetch.
     cross_prefetch: std::sync::atomic::AtomicU8,
+    /// The v2 split Q8_0 mat-vecs load their first weights into registers
+    /// before the PDL wait (`*_v2p` kernels; `MIRAGE_CUDA_PRELOAD` at start,
+    /// `set_weight_preload`).
+    weight_preload: std::sync::atomic::AtomicBool,
     /// L2 bytes of the device: one prefetch launch asks for at most half.
     l2_bytes: usize,
     /// Kernel name of each entry of `functions`.
@@ -834,6 +840,7 @@ impl CudaBackend {
             fold_route_norm: (!env_off("MIRAGE_SPARSE_ROUTE_NORM")).into(),
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             cross_prefetch: PrefetchSites::from_env().bits().into(),
+            weight_preload: Self::weight_preload_from_env().into(),
             l2_bytes,
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
             rope_in_attention: (!env_off("MIRAGE_CUDA_ROPE_FUSE")).into(),
@@ -947,6 +954,40 @@ impl CudaBackend {
         self.matvec_variant
             .store(v, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Turns the weight preload of the v2 split Q8_0 mat-vecs on or off
+    /// (`MIRAGE_CUDA_PRELOAD=1` at start; default off): each warp loads its
+    /// first chunks of weights into registers before the kernel waits on
+    /// its prerequisite, so a grid resident while the previous kernel runs
+    /// (PDL) starts computing the moment its input lands. The same bits;
+    /// applies to launches recorded afterwards.
+    pub fn set_weight_preload(&self, on: bool) {
+        self.weight_preload
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The weight-preload setting a backend starts with:
+    /// `MIRAGE_CUDA_PRELOAD=1` (or `on`) turns it on.
+    pub fn weight_preload_from_env() -> bool {
+        module::env_is("MIRAGE_CUDA_PRELOAD", "1") || module::env_is("MIRAGE_CUDA_PRELOAD", "on")
+    }
+
+    /// Whether the v2 split Q8_0 mat-vecs preload their weights.
+    pub fn weight_preload(&self) -> bool {
+        self.weight_preload
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Kernel-name suffix of a variant for a matrix in this layout: `_v<N>`,
+    /// `_v2p` for v2 over split Q8_0 with the weight preload on, or empty
+    /// for the default kernels.
+    fn variant_suffix(&self, layout: Layout, variant: Option<(usize, usize)>) -> String {
+        match variant {
+            Some((2, _)) if layout == Layout::Q8Split && self.weight_preload() => "_v2p".into(),
+            Some((v, _)) => format!("_v{v}"),
+            None => String::new(),
+        }
     }
 
     /// Attends prefill batches (one sequence, consecutive positions, at
@@ -1735,7 +1776,7 @@ impl CudaBackend {
         args.extend([Arg::Ptr(0); 4]);
         // Folded norm (nx, nw, neps, nout): none; `fold_norm` may set it.
         args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::F32(0.0), Arg::Ptr(0)]);
-        let v = variant.map_or(String::new(), |(v, _)| format!("_v{v}"));
+        let v = self.variant_suffix(w0.layout, variant);
         let kernel = if split == 1 {
             format!("mv3_{suffix}{v}")
         } else {
@@ -1845,7 +1886,7 @@ impl CudaBackend {
             (_, Some((_, nr))) => FAST_WARPS * nr / 2,
             _ => FAST_WARPS * FAST_ROWS / 2,
         };
-        let v = variant.map_or(String::new(), |(v, _)| format!("_v{v}"));
+        let v = self.variant_suffix(g.layout, variant);
         self.launch(
             &format!("ffn_{suffix}{v}"),
             (g.rows.div_ceil(per_block) as u32, n_act as u32, 1),

@@ -1070,9 +1070,26 @@ fn matvec_variants_equal_reference_and_v1() {
                         let what = format!("{ty} {rows}x{cols} n_act {n_act} v{v} split {k}");
                         assert!(e_ref < 1e-5, "{what}: vs f64 rel err {e_ref}");
                         assert!(e_v1 < 1e-6, "{what}: vs v1 rel err {e_v1}");
-                        for (i, (g, w)) in many(&gpu).iter().zip(&base_many).enumerate() {
+                        let got_many = many(&gpu);
+                        for (i, (g, w)) in got_many.iter().zip(&base_many).enumerate() {
                             let e = rel_err(g, w);
                             assert!(e < 1e-6, "{what}: matmul_many output {i} vs v1 rel err {e}");
+                        }
+                        if v == 2 && ty == GgmlType::Q8_0 {
+                            // v2p: the same loads and sums, the first ones
+                            // before the PDL wait: the same bits.
+                            gpu.set_weight_preload(true);
+                            let pre = product(&gpu, &ws[0], &dx);
+                            let pre_many = many(&gpu);
+                            gpu.set_weight_preload(false);
+                            assert_eq!(bits_differ(&pre, &got), 0, "{what}: preload changed bits");
+                            for (i, (p, g)) in pre_many.iter().zip(&got_many).enumerate() {
+                                assert_eq!(
+                                    bits_differ(p, g),
+                                    0,
+                                    "{what}: preload, matmul_many output {i}"
+                                );
+                            }
                         }
                     }
                 }
@@ -1108,18 +1125,30 @@ fn matvec_variants_equal_reference_and_v1() {
                         gpu.set_split_k(k).unwrap();
                         let mut y = gpu.new_activations();
                         gpu.ffn(&f, &dx, &mut y).unwrap();
-                        let e = rel_err(&read(&gpu, &y), &base);
+                        let got = read(&gpu, &y);
+                        let e = rel_err(&got, &base);
                         worst_v1 = worst_v1.max(e);
                         assert!(
                             e < 1e-6,
                             "ffn {ty} {d}x{ff} n_act {n_act} v{v} split {k}: vs v1 rel err {e}"
                         );
+                        if v == 2 && ty == GgmlType::Q8_0 {
+                            gpu.set_weight_preload(true);
+                            let mut yp = gpu.new_activations();
+                            gpu.ffn(&f, &dx, &mut yp).unwrap();
+                            gpu.set_weight_preload(false);
+                            assert_eq!(
+                                bits_differ(&read(&gpu, &yp), &got),
+                                0,
+                                "ffn {ty} {d}x{ff} n_act {n_act} split {k}: preload changed bits"
+                            );
+                        }
                     }
                 }
             }
         }
         eprintln!(
-            "{ty}: mat-vec variants 2..5 == f64 and v1 over {} shapes and 3 FFNs",
+            "{ty}: mat-vec variants 2..5 == f64 and v1 (v2 with the weight preload bit-equal) over {} shapes and 3 FFNs",
             shapes.len()
         );
     }
@@ -1309,6 +1338,28 @@ fn rope_in_attention_equals_rope_store() {
             switch_keeps_bits(types, label, &kvs, |b, on| b.set_rope_in_attention(on))
         {
             assert_eq!(apart, folded + 2, "{what}: launches per graph");
+        }
+    }
+}
+
+/// The weight preload of the v2 split Q8_0 mat-vecs (`set_weight_preload`)
+/// changes when the weights are loaded, not what is computed: bit-equal
+/// greedy decodes with it on and off, in graphs and op by op, with the same
+/// launches per graph.
+#[test]
+fn weight_preload_keeps_bits() {
+    let Some(probe) = cuda("weight_preload_keeps_bits") else {
+        return;
+    };
+    drop(probe);
+    for types in [LAYER_MIXES[0], NORM_MIX] {
+        let kvs = [KvDtype::F32, KvDtype::F16];
+        for (what, off, on) in
+            switch_keeps_bits(types, "weight preload on vs off", &kvs, |b, on| {
+                b.set_weight_preload(on)
+            })
+        {
+            assert_eq!(on, off, "{what}: launches per graph");
         }
     }
 }

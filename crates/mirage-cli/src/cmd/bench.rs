@@ -128,6 +128,14 @@ pub struct BenchArgs {
     /// MIRAGE_CUDA_XPREFETCH turned it on.
     #[arg(long)]
     pub xprefetch_ab: bool,
+    /// Sparse decode: also decode the dense model and every sparse row with
+    /// the other weight-preload setting, in the same process (`... (weight
+    /// preload)` rows when it is off, the default: the split Q8_0 mat-vecs
+    /// then load their first weights into registers before waiting on the
+    /// previous kernel; `... (no weight preload)` when MIRAGE_CUDA_PRELOAD=1
+    /// turned it on).
+    #[arg(long)]
+    pub preload_ab: bool,
 }
 
 /// What one bench run measured.

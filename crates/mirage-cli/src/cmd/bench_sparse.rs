@@ -276,25 +276,20 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let mut device = String::new();
     let mut dense_tok_s = 0.0f64;
     let mut best_fold = true;
-    // --xprefetch-ab: the other cross-op prefetch setting (on when the
-    // start-up one is off, else off) for one more dense row and each
-    // sparse row, with its label.
-    let xpf_other = if PrefetchSites::from_env() == PrefetchSites::NONE {
-        (PrefetchSites::ALL, "cross-op prefetch")
-    } else {
-        (PrefetchSites::NONE, "no cross-op prefetch")
-    };
-    // (norms folded, the other prefetch setting) of each dense row.
+    // --xprefetch-ab / --preload-ab: one more dense row and each sparse
+    // row again with the other setting of that switch.
+    let ab = AbSwitch::from_args(args)?;
+    // (norms folded, the A/B switch's other setting) of each dense row.
     let mut dense_cfgs = vec![(true, false), (false, false)];
-    if args.xprefetch_ab {
+    if ab.is_some() {
         dense_cfgs.push((true, true));
     }
     for (fold, other) in dense_cfgs {
         let b = new_backend()?;
         device = b.device_name().to_string();
         b.set_fuse_norm(fold);
-        if other {
-            b.set_cross_prefetch(xpf_other.0);
+        if let (true, Some(ab)) = (other, &ab) {
+            ab.set(&b, true);
         }
         let model = Model::load(file.clone(), b)?;
         let d = decode(&model, n_prompt, n_gen, || Ok(None))?;
@@ -304,7 +299,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         let mode = match (fold, other) {
             (true, false) => "dense".to_string(),
             (false, _) => "dense (norms unfolded)".to_string(),
-            (true, true) => format!("dense ({})", xpf_other.1),
+            (true, true) => format!("dense ({})", ab.as_ref().map_or("", |a| a.label)),
         };
         rows.push(dense_row(mode, 1.0, &d, other_bytes + ffn_bytes));
     }
@@ -417,23 +412,23 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             routers.push(Router::Vulkan);
         }
     }
-    // With --xprefetch-ab, each row again with the other prefetch setting.
+    // With an A/B switch, each row again with its other setting.
     let mut other_xpf = vec![false; modes.len()];
-    if args.xprefetch_ab {
+    if let Some(ab) = &ab {
         let n = modes.len();
         for i in 0..n {
             if routers[i] == Router::Cuda {
-                modes.push((format!("{} ({})", modes[i].0, xpf_other.1), modes[i].1));
+                modes.push((format!("{} ({})", modes[i].0, ab.label), modes[i].1));
                 routers.push(Router::Cuda);
                 other_xpf.push(true);
             }
         }
     }
-    let sites = b.inner().cross_prefetch();
     let graphs = b.inner().graphs();
     for (((name, mode), router), other) in modes.into_iter().zip(routers).zip(other_xpf) {
-        b.inner()
-            .set_cross_prefetch(if other { xpf_other.0 } else { sites });
+        if let Some(ab) = &ab {
+            ab.set(b.inner(), other);
+        }
         // A skipped router keeps the lists of the routed row before it.
         if router != Router::Skipped {
             b.set_mode(mode)?;
@@ -477,7 +472,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         });
     }
     b.set_skip_routing(false);
-    b.inner().set_cross_prefetch(sites);
+    if let Some(ab) = &ab {
+        ab.set(b.inner(), false);
+    }
     let g = b.inner().graph_stats();
     if args.json {
         for r in &rows {
@@ -536,4 +533,53 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A backend switch the sparse bench measures both ways in one process
+/// (`--xprefetch-ab`, `--preload-ab`): `set(b, true)` applies the setting
+/// the start-up environment did not pick, `set(b, false)` restores it.
+struct AbSwitch {
+    /// Row-label suffix of the other setting.
+    label: &'static str,
+    apply: ApplySetting,
+}
+
+/// Applies the start-up setting (`false`) or the other one (`true`).
+type ApplySetting = Box<dyn Fn(&CudaBackend, bool)>;
+
+impl AbSwitch {
+    fn from_args(args: &BenchArgs) -> anyhow::Result<Option<Self>> {
+        if args.xprefetch_ab && args.preload_ab {
+            bail!("--xprefetch-ab and --preload-ab: pick one A/B switch per run");
+        }
+        if args.xprefetch_ab {
+            let start = PrefetchSites::from_env();
+            let (other, label) = if start == PrefetchSites::NONE {
+                (PrefetchSites::ALL, "cross-op prefetch")
+            } else {
+                (PrefetchSites::NONE, "no cross-op prefetch")
+            };
+            return Ok(Some(Self {
+                label,
+                apply: Box::new(move |b, o| b.set_cross_prefetch(if o { other } else { start })),
+            }));
+        }
+        if args.preload_ab {
+            let start = CudaBackend::weight_preload_from_env();
+            let label = if start {
+                "no weight preload"
+            } else {
+                "weight preload"
+            };
+            return Ok(Some(Self {
+                label,
+                apply: Box::new(move |b, o| b.set_weight_preload(start != o)),
+            }));
+        }
+        Ok(None)
+    }
+
+    fn set(&self, b: &CudaBackend, other: bool) {
+        (self.apply)(b, other)
+    }
 }
