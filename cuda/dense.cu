@@ -432,11 +432,15 @@ __device__ __forceinline__ float kv_round(const u16*, float v) { return h2f(f2h(
 // RoPE of pair i of a head (elements ia, ib: neox halves or adjacent) at
 // position pos, rope_store's arithmetic (shared with attend_rope, so both
 // give the same bits).
-__device__ __forceinline__ void rope_rotate(float a, float b, int i, int pos, int head_dim, float freq_base, float* ra,
-                                            float* rb) {
+// Split in two so that attend_rope_pre can take the angle before its PDL
+// wait (it depends on the position only).
+__device__ __forceinline__ void rope_angle(int i, int pos, int head_dim, float freq_base, float* c, float* s) {
     // The angle in double, as the CPU reference builds its tables.
     double theta = (double)pos * pow((double)freq_base, -2.0 * (double)i / (double)head_dim);
-    float c = (float)cos(theta), s = (float)sin(theta);
+    *c = (float)cos(theta);
+    *s = (float)sin(theta);
+}
+__device__ __forceinline__ void rope_turn(float a, float b, float c, float s, float* ra, float* rb) {
     // No FMA contraction: a * s + b * c may contract into either fma(a, s,
     // b * c) or fma(b, c, a * s), and NVRTC picked differently for the same
     // source inlined into rope_store and into attend_rope (measured: the
@@ -444,6 +448,12 @@ __device__ __forceinline__ void rope_rotate(float a, float b, int i, int pos, in
     // the sum: one result wherever this is inlined.
     *ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
     *rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+}
+__device__ __forceinline__ void rope_rotate(float a, float b, int i, int pos, int head_dim, float freq_base, float* ra,
+                                            float* rb) {
+    float c, s;
+    rope_angle(i, pos, head_dim, freq_base, &c, &s);
+    rope_turn(a, b, c, s, ra, rb);
 }
 
 // Optional per-head RMSNorm (qwen3) and RoPE of every q and k head of every
@@ -526,15 +536,52 @@ __device__ __forceinline__ int att_chunk(int n, int n_split, int chunk) {
     if (MIRAGE_ATT_MIN_KEYS <= 0) return chunk;
     return min(chunk, max(MIRAGE_ATT_MIN_KEYS, (n + n_split - 1) / n_split));
 }
+// The first loads of attend_part_with for block (row, head, split): this
+// warp's first batch of keys and this thread's first batch of values of the
+// split's first tile, with the same predicates (zeros where the loop would
+// not load). attend_rope_pre reads them BEFORE its PDL wait: every position
+// but the row's new one was written by earlier steps, and the new one is
+// replaced by the staged copy (psub) exactly as when the loop loads it.
+struct AttPre {
+    float kx[ATT_KB][ATT_HD_LANE];
+    float vx[ATT_VB];
+};
+template <typename KV>
+__device__ __forceinline__ void att_preload(const KV* kc, const KV* vc, int seq, int n, int kvh, int n_head_kv,
+                                            int head_dim, int n_ctx, int chunk, AttPre& p) {
+    chunk = att_chunk(n, gridDim.z, chunk);
+    const int j0 = blockIdx.z * chunk, cnt = min(ATT_TILE, min(n, j0 + chunk) - j0);
+    const KV* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    const KV* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int groups = blockDim.x / head_dim, g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
+#pragma unroll
+    for (int u = 0; u < ATT_KB; u++) {
+        const int jj = warp + u * nw;
+        const long kr = (long)(j0 + jj) * head_dim;
+#pragma unroll
+        for (int t = 0; t < ATT_HD_LANE; t++) {
+            const int e = lane + 32 * t;
+            p.kx[u][t] = jj < cnt && e < head_dim ? kv_load(K, kr + e) : 0.f;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < ATT_VB; u++) {
+        const int jj = g + u * groups;
+        p.vx[u] = g < groups && jj < cnt ? kv_load(V, (long)(j0 + jj) * head_dim + d) : 0.f;
+    }
+}
+
 // attend_part_with: the same, with the query head staged by load_q(qs) (a
 // copy from q, or attend_rope's rotated copy) and, when psub >= 0, the key
 // and value of position psub taken from ksub / vsub (shared memory, as the
 // cache will hold them) instead of the cache, which the same launch writes.
-template <typename KV, typename LoadQ>
+// PRE: the first batches come from *pre (att_preload) instead of loads.
+template <typename KV, typename LoadQ, bool PRE = false>
 __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const KV* __restrict__ vc,
                                  const int* __restrict__ slots, int n_head, int n_head_kv, int head_dim, int n_ctx,
                                  int chunk, float scale, const float* ksub, const float* vsub, int psub,
-                                 float* __restrict__ part) {
+                                 float* __restrict__ part, const AttPre* pre = nullptr) {
     __shared__ float qs[ATT_THREADS];
     __shared__ float sc[ATT_TILE];
     __shared__ float red[ATT_THREADS];
@@ -561,6 +608,7 @@ __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const 
         // products and sums per key, in the same order: the same bits.
         for (int jb = warp; jb < cnt; jb += ATT_KB * nw) {
             float kx[ATT_KB][ATT_HD_LANE];
+            const bool first = PRE && t0 == j0 && jb == warp;
 #pragma unroll
             for (int u = 0; u < ATT_KB; u++) {
                 const int jj = jb + u * nw;
@@ -568,7 +616,10 @@ __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const 
 #pragma unroll
                 for (int t = 0; t < ATT_HD_LANE; t++) {
                     const int e = lane + 32 * t;
-                    kx[u][t] = jj < cnt && e < head_dim ? kv_load(K, kr + e) : 0.f;
+                    if (first)
+                        kx[u][t] = pre->kx[u][t];
+                    else
+                        kx[u][t] = jj < cnt && e < head_dim ? kv_load(K, kr + e) : 0.f;
                     if (t0 + jj == psub && e < head_dim) kx[u][t] = ksub[e];
                 }
             }
@@ -605,10 +656,14 @@ __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const 
             // scores above; same order of the sums).
             for (int jb = g; jb < cnt; jb += ATT_VB * groups) {
                 float vx[ATT_VB];
+                const bool first = PRE && t0 == j0 && jb == g;
 #pragma unroll
                 for (int u = 0; u < ATT_VB; u++) {
                     const int jj = jb + u * groups;
-                    vx[u] = jj < cnt ? kv_load(V, (long)(t0 + jj) * head_dim + d) : 0.f;
+                    if (first)
+                        vx[u] = pre->vx[u];
+                    else
+                        vx[u] = jj < cnt ? kv_load(V, (long)(t0 + jj) * head_dim + d) : 0.f;
                     if (t0 + jj == psub) vx[u] = vsub[d];
                 }
 #pragma unroll
@@ -668,7 +723,10 @@ __device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ 
 // sequences (a row never attends another row's new key) and without the
 // per-head q/k norm (the host checks both). Grid and block as attend_part;
 // head_dim <= ATT_THREADS.
-template <typename KV>
+// PRE (attend_rope_pre): the kernel's PDL wait is here, after the position,
+// this thread's RoPE angle and the first key and value batches (att_preload)
+// are read: none of them depends on the previous kernel.
+template <typename KV, bool PRE = false>
 __device__ void attend_rope_part(const float* __restrict__ q, const float* __restrict__ k,
                                  const float* __restrict__ v, KV* kc, KV* vc, const int* __restrict__ slots,
                                  int n_head, int n_head_kv, int head_dim, int n_ctx, int chunk, float scale, int neox,
@@ -684,14 +742,27 @@ __device__ void attend_rope_part(const float* __restrict__ q, const float* __res
     const float* kh = k + ((long)row * n_head_kv + kvh) * head_dim;
     const float* vh = v + ((long)row * n_head_kv + kvh) * head_dim;
     const long at = (((long)seq * n_head_kv + kvh) * n_ctx + pos) * head_dim;
+    AttPre pre;
+    float pc = 0.f, ps = 0.f;  // PRE: pair threadIdx.x's angle
+    if constexpr (PRE) {
+        if ((int)threadIdx.x < half) rope_angle(threadIdx.x, pos, head_dim, freq_base, &pc, &ps);
+        att_preload<KV>(kc, vc, seq, pos + 1, kvh, n_head_kv, head_dim, n_ctx, chunk, pre);
+        PDL_ENTRY();
+    }
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-        float ra, rb;
-        rope_rotate(qh[ia], qh[ib], i, pos, head_dim, freq_base, &ra, &rb);
+        float c, s, ra, rb;
+        if (PRE && i == (int)threadIdx.x) {
+            c = pc;
+            s = ps;
+        } else {
+            rope_angle(i, pos, head_dim, freq_base, &c, &s);
+        }
+        rope_turn(qh[ia], qh[ib], c, s, &ra, &rb);
         qr[ia] = ra;
         qr[ib] = rb;
         if (has_new) {
-            rope_rotate(kh[ia], kh[ib], i, pos, head_dim, freq_base, &ra, &rb);
+            rope_turn(kh[ia], kh[ib], c, s, &ra, &rb);
             const float va = vh[ia], vb = vh[ib];
             kr[ia] = kv_round(kc, ra);
             kr[ib] = kv_round(kc, rb);
@@ -706,11 +777,11 @@ __device__ void attend_rope_part(const float* __restrict__ q, const float* __res
         }
     }
     __syncthreads();
-    attend_part_with<KV>(
-        [&](float* qs) {
-            for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
-        },
-        kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, kr, vr, has_new ? pos : -1, part);
+    auto load_q = [&](float* qs) {
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
+    };
+    attend_part_with<KV, decltype(load_q), PRE>(load_q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk,
+                                                scale, kr, vr, has_new ? pos : -1, part, &pre);
 }
 
 // Split-K attention, part 2: out[row, head, :] = sum_s e^(m_s - M) acc_s /
@@ -910,6 +981,19 @@ __device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict
             [&] {                                                                                                   \
                 attend_rope_part<KV>(q, k, v, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale,     \
                                      neox, freq_base, part);                                                        \
+            },                                                                                                      \
+            slots, n_head, head_dim, chunk, part, count, out);                                                      \
+    }                                                                                                               \
+    /* attend_rope with the position, RoPE angle and first K/V batches read before the PDL wait (the same */ \
+    /* bits; MIRAGE_CUDA_PRELOAD). Blocks past the row's last split exit without waiting. */                \
+    extern "C" __global__ void attend_rope_pre_##NAME(const float* q, KV* kc, KV* vc, const int* slots, int n_head, \
+                                                      int n_head_kv, int head_dim, int n_ctx, int chunk,            \
+                                                      float scale, float* part, unsigned* count, float* out,        \
+                                                      const float* k, const float* v, int neox, float freq_base) {  \
+        attend_then_merge(                                                                                          \
+            [&] {                                                                                                   \
+                attend_rope_part<KV, true>(q, k, v, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk,      \
+                                           scale, neox, freq_base, part);                                           \
             },                                                                                                      \
             slots, n_head, head_dim, chunk, part, count, out);                                                      \
     }                                                                                                               \

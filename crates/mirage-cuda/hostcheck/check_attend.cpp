@@ -5,7 +5,8 @@
 // check_pruned.cpp), f32 and f16 caches, head_dim 64, 96, 128 and 256, GQA, several
 // split sizes and positions: the partials (max, sum, V sums) must be the same
 // bits, since the batching only reorders loads, not arithmetic. Then
-// attend_rope_part against rope_store + attend_part (check_rope below).
+// attend_rope_part, and its preload form attend_rope_part<KV, true>, against
+// rope_store + attend_part (check_rope below).
 // Build and run: hostcheck/run.sh.
 #include <cstdint>
 #include <cstdio>
@@ -48,6 +49,7 @@ inline float __fmul_rn(float a, float b) { return a * b; }  // g++ -O1 does not 
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float block_sum(float, float*) { abort(); }  // rope_store's q/k norm: not used here
+#define PDL_ENTRY() do {} while (0)  // attend_rope_part<KV, true>'s wait: nothing to wait on here
 #include "attend_extract.h"
 
 template <typename KV>
@@ -219,8 +221,31 @@ static int check_rope(std::mt19937& rng, int head_dim, int chunk, int neox, int 
                                          n_head_kv, head_dim, n_ctx, chunk, scale, neox, base, b.data());
                 });
             }
+    // The preload form (attend_rope_pre): position, angle and first K/V
+    // batches read before its wait, here from the same poisoned cache.
+    std::vector<KV> kc3 = kc2, vc3 = vc2;
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < n_head_kv; h++)
+            for (int d = 0; d < head_dim; d++) {
+                long at = (((long)slots[2 * r] * n_head_kv + h) * n_ctx + slots[2 * r + 1]) * head_dim + d;
+                kc3[at] = conv(300.f);
+                vc3[at] = conv(-300.f);
+            }
+    std::vector<float> c(np, 7.f);
+    for (int r = rows - 1; r >= 0; r--)
+        for (int h = n_head - 1; h >= 0; h--)
+            for (int sp = n_split - 1; sp >= 0; sp--) {
+                const int n = slots[2 * r + 1] + 1;
+                if (sp * att_chunk(n, n_split, chunk) >= n) continue;
+                run_block(256, dim3_{(unsigned)r, (unsigned)h, (unsigned)sp}, [&] {
+                    attend_rope_part<KV, true>(q.data(), k.data(), v.data(), kc3.data(), vc3.data(), slots, n_head,
+                                               n_head_kv, head_dim, n_ctx, chunk, scale, neox, base, c.data());
+                });
+            }
     int differ = 0, cache_differ = 0;
-    for (size_t i = 0; i < np; i++) differ += memcmp(&a[i], &b[i], 4) != 0;
+    for (size_t i = 0; i < np; i++) differ += memcmp(&a[i], &b[i], 4) != 0 || memcmp(&a[i], &c[i], 4) != 0;
+    for (size_t i = 0; i < kc.size(); i++)
+        cache_differ += memcmp(&kc[i], &kc3[i], sizeof(KV)) != 0 || memcmp(&vc[i], &vc3[i], sizeof(KV)) != 0;
     for (size_t i = 0; i < kc.size(); i++)
         cache_differ += memcmp(&kc[i], &kc2[i], sizeof(KV)) != 0 || memcmp(&vc[i], &vc2[i], sizeof(KV)) != 0;
     const bool bad = differ || cache_differ;

@@ -157,6 +157,8 @@ const OTHER_KERNELS: &[&str] = &[
     "attend_fused_f32",
     "attend_fused_f16",
     "attend_rope_f32",
+    "attend_rope_pre_f32",
+    "attend_rope_pre_f16",
     "attend_rope_f16",
     "argmax_rows",
     "f32_to_f16",
@@ -711,10 +713,12 @@ pub struct CudaBackend {
     pdl: std::sync::atomic::AtomicBool,
     /// `PrefetchSites::bits` of the cross-op weight prefetch.
     cross_prefetch: std::sync::atomic::AtomicU8,
-    /// The v2 split Q8_0 mat-vecs load their first weights into registers
-    /// before the PDL wait (`*_v2p` kernels; `MIRAGE_CUDA_PRELOAD` at start,
-    /// `set_weight_preload`).
-    weight_preload: std::sync::atomic::AtomicBool,
+    /// Kernels read what does not depend on the previous kernel before
+    /// their PDL wait: the v2 split Q8_0 mat-vecs their first weights
+    /// (`*_v2p`), the decode attention its position, RoPE angle and first
+    /// keys and values (`attend_rope_pre_*`). `MIRAGE_CUDA_PRELOAD` at
+    /// start, `set_preload`.
+    preload: std::sync::atomic::AtomicBool,
     /// L2 bytes of the device: one prefetch launch asks for at most half.
     l2_bytes: usize,
     /// Kernel name of each entry of `functions`.
@@ -840,7 +844,7 @@ impl CudaBackend {
             fold_route_norm: (!env_off("MIRAGE_SPARSE_ROUTE_NORM")).into(),
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             cross_prefetch: PrefetchSites::from_env().bits().into(),
-            weight_preload: Self::weight_preload_from_env().into(),
+            preload: Self::preload_from_env().into(),
             l2_bytes,
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
             rope_in_attention: (!env_off("MIRAGE_CUDA_ROPE_FUSE")).into(),
@@ -956,35 +960,38 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Turns the weight preload of the v2 split Q8_0 mat-vecs on or off
-    /// (`MIRAGE_CUDA_PRELOAD=1` at start; default off): each warp loads its
-    /// first chunks of weights into registers before the kernel waits on
-    /// its prerequisite, so a grid resident while the previous kernel runs
-    /// (PDL) starts computing the moment its input lands. The same bits;
-    /// applies to launches recorded afterwards.
-    pub fn set_weight_preload(&self, on: bool) {
-        self.weight_preload
+    /// Turns the preload on or off (`MIRAGE_CUDA_PRELOAD=1` at start;
+    /// default off): the v2 split Q8_0 mat-vecs load their first chunks of
+    /// weights into registers, and the decode attention (`attend_rope`)
+    /// its position, RoPE angle and first keys and values, before waiting
+    /// on the previous kernel. Weights are constant during a step and the
+    /// cache positions before the new one were written by earlier steps,
+    /// so a grid resident while the previous kernel runs (PDL) starts
+    /// computing the moment its input lands. The same bits; applies to
+    /// launches recorded afterwards.
+    pub fn set_preload(&self, on: bool) {
+        self.preload
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// The weight-preload setting a backend starts with:
+    /// The preload setting a backend starts with:
     /// `MIRAGE_CUDA_PRELOAD=1` (or `on`) turns it on.
-    pub fn weight_preload_from_env() -> bool {
+    pub fn preload_from_env() -> bool {
         module::env_is("MIRAGE_CUDA_PRELOAD", "1") || module::env_is("MIRAGE_CUDA_PRELOAD", "on")
     }
 
-    /// Whether the v2 split Q8_0 mat-vecs preload their weights.
-    pub fn weight_preload(&self) -> bool {
-        self.weight_preload
+    /// Whether kernels read what they can before their PDL wait.
+    pub fn preload(&self) -> bool {
+        self.preload
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Kernel-name suffix of a variant for a matrix in this layout: `_v<N>`,
-    /// `_v2p` for v2 over split Q8_0 with the weight preload on, or empty
+    /// `_v2p` for v2 over split Q8_0 with the preload on, or empty
     /// for the default kernels.
     fn variant_suffix(&self, layout: Layout, variant: Option<(usize, usize)>) -> String {
         match variant {
-            Some((2, _)) if layout == Layout::Q8Split && self.weight_preload() => "_v2p".into(),
+            Some((2, _)) if layout == Layout::Q8Split && self.preload() => "_v2p".into(),
             Some((v, _)) => format!("_v{v}"),
             None => String::new(),
         }
@@ -3013,7 +3020,11 @@ impl Backend for CudaBackend {
                     Arg::I32(neox),
                     Arg::F32(p.rope_freq_base),
                 ]);
-                format!("attend_rope_{kv}")
+                // With the preload on, the variant that reads the position,
+                // its RoPE angle and the first keys and values before its
+                // PDL wait (the same bits).
+                let pre = if self.preload() { "_pre" } else { "" };
+                format!("attend_rope{pre}_{kv}")
             } else {
                 format!("attend_fused_{kv}")
             };

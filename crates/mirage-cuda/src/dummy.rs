@@ -84,14 +84,14 @@ impl CudaBackend {
     pub fn cross_prefetch(&self) -> crate::PrefetchSites {
         crate::PrefetchSites::NONE
     }
-    /// Weight-preload switch (no effect without CUDA).
-    pub fn set_weight_preload(&self, _on: bool) {}
-    /// Whether the split mat-vecs preload their weights (never without CUDA).
-    pub fn weight_preload(&self) -> bool {
+    /// Preload switch (no effect without CUDA).
+    pub fn set_preload(&self, _on: bool) {}
+    /// Whether kernels preload before their PDL wait (never without CUDA).
+    pub fn preload(&self) -> bool {
         false
     }
-    /// The start-up weight-preload setting (`MIRAGE_CUDA_PRELOAD`).
-    pub fn weight_preload_from_env() -> bool {
+    /// The start-up preload setting (`MIRAGE_CUDA_PRELOAD`).
+    pub fn preload_from_env() -> bool {
         false
     }
     /// Split-layout type switch (no effect without CUDA).

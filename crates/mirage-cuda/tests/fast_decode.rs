@@ -1078,10 +1078,10 @@ fn matvec_variants_equal_reference_and_v1() {
                         if v == 2 && ty == GgmlType::Q8_0 {
                             // v2p: the same loads and sums, the first ones
                             // before the PDL wait: the same bits.
-                            gpu.set_weight_preload(true);
+                            gpu.set_preload(true);
                             let pre = product(&gpu, &ws[0], &dx);
                             let pre_many = many(&gpu);
-                            gpu.set_weight_preload(false);
+                            gpu.set_preload(false);
                             assert_eq!(bits_differ(&pre, &got), 0, "{what}: preload changed bits");
                             for (i, (p, g)) in pre_many.iter().zip(&got_many).enumerate() {
                                 assert_eq!(
@@ -1133,10 +1133,10 @@ fn matvec_variants_equal_reference_and_v1() {
                             "ffn {ty} {d}x{ff} n_act {n_act} v{v} split {k}: vs v1 rel err {e}"
                         );
                         if v == 2 && ty == GgmlType::Q8_0 {
-                            gpu.set_weight_preload(true);
+                            gpu.set_preload(true);
                             let mut yp = gpu.new_activations();
                             gpu.ffn(&f, &dx, &mut yp).unwrap();
-                            gpu.set_weight_preload(false);
+                            gpu.set_preload(false);
                             assert_eq!(
                                 bits_differ(&read(&gpu, &yp), &got),
                                 0,
@@ -1148,7 +1148,7 @@ fn matvec_variants_equal_reference_and_v1() {
             }
         }
         eprintln!(
-            "{ty}: mat-vec variants 2..5 == f64 and v1 (v2 with the weight preload bit-equal) over {} shapes and 3 FFNs",
+            "{ty}: mat-vec variants 2..5 == f64 and v1 (v2 with the preload bit-equal) over {} shapes and 3 FFNs",
             shapes.len()
         );
     }
@@ -1342,21 +1342,22 @@ fn rope_in_attention_equals_rope_store() {
     }
 }
 
-/// The weight preload of the v2 split Q8_0 mat-vecs (`set_weight_preload`)
-/// changes when the weights are loaded, not what is computed: bit-equal
-/// greedy decodes with it on and off, in graphs and op by op, with the same
-/// launches per graph.
+/// The preload (`set_preload`: the v2 split Q8_0 mat-vecs' first weights
+/// and the decode attention's position, RoPE angle and first keys and
+/// values read before the PDL wait) changes when things are loaded, not
+/// what is computed: bit-equal greedy decodes with it on and off, in graphs
+/// and op by op, f32 and f16 caches, with the same launches per graph.
 #[test]
-fn weight_preload_keeps_bits() {
-    let Some(probe) = cuda("weight_preload_keeps_bits") else {
+fn preload_keeps_bits() {
+    let Some(probe) = cuda("preload_keeps_bits") else {
         return;
     };
     drop(probe);
     for types in [LAYER_MIXES[0], NORM_MIX] {
         let kvs = [KvDtype::F32, KvDtype::F16];
         for (what, off, on) in
-            switch_keeps_bits(types, "weight preload on vs off", &kvs, |b, on| {
-                b.set_weight_preload(on)
+            switch_keeps_bits(types, "preload on vs off", &kvs, |b, on| {
+                b.set_preload(on)
             })
         {
             assert_eq!(on, off, "{what}: launches per graph");

@@ -129,11 +129,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub xprefetch_ab: bool,
     /// Sparse decode: also decode the dense model and every sparse row with
-    /// the other weight-preload setting, in the same process (`... (weight
-    /// preload)` rows when it is off, the default: the split Q8_0 mat-vecs
-    /// then load their first weights into registers before waiting on the
-    /// previous kernel; `... (no weight preload)` when MIRAGE_CUDA_PRELOAD=1
-    /// turned it on).
+    /// the other preload setting, in the same process (`... (preload)` rows
+    /// when it is off, the default: the split Q8_0 mat-vecs then load their
+    /// first weights, and the attention its first keys and values, before
+    /// waiting on the previous kernel; `... (no preload)` when
+    /// MIRAGE_CUDA_PRELOAD=1 turned it on).
     #[arg(long)]
     pub preload_ab: bool,
 }

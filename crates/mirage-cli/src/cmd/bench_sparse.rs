@@ -565,15 +565,15 @@ impl AbSwitch {
             }));
         }
         if args.preload_ab {
-            let start = CudaBackend::weight_preload_from_env();
+            let start = CudaBackend::preload_from_env();
             let label = if start {
-                "no weight preload"
+                "no preload"
             } else {
-                "weight preload"
+                "preload"
             };
             return Ok(Some(Self {
                 label,
-                apply: Box::new(move |b, o| b.set_weight_preload(start != o)),
+                apply: Box::new(move |b, o| b.set_preload(start != o)),
             }));
         }
         Ok(None)
