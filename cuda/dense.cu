@@ -2095,6 +2095,20 @@ __device__ __forceinline__ const u8* mvv_m(const MvvRows& R, int k) {
     return (k < NH ? R.ma : R.mb) + min(kk, R.last) * R.ms;
 }
 
+// Rows r0.. of an FFN kernel's warp: gate rows from Wg, up rows from Wu
+// (split layout: quants qs bytes a row, then scales ms bytes a row).
+__device__ __forceinline__ MvvRows ffn_rows(const u8* Wg, const u8* Wu, int rows, int r0, int qs, int ms) {
+    MvvRows R;
+    R.qa = Wg + (long)r0 * qs;
+    R.qb = Wu + (long)r0 * qs;
+    R.ma = Wg + (long)rows * qs + (long)r0 * ms;
+    R.mb = Wu + (long)rows * qs + (long)r0 * ms;
+    R.qs = qs;
+    R.ms = ms;
+    R.last = rows - 1 - r0;
+    return R;
+}
+
 // The U chunks of 512 elements from chunk c of NR split-Q8_0 rows: this
 // lane's 16 quants of each (w) and their block scale (sc); chunks past the
 // row end load zeros. Reads weights only, so the preload variants issue it
@@ -2447,14 +2461,7 @@ __device__ __forceinline__ void ffn_variant(FFN_PARAMS) {
     FAST_INPUT
     int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
     if (r0 >= rows) return;
-    MvvRows R;
-    R.qa = Wg + (long)r0 * qs;
-    R.qb = Wu + (long)r0 * qs;
-    R.ma = Wg + (long)rows * qs + (long)r0 * ms;
-    R.mb = Wu + (long)rows * qs + (long)r0 * ms;
-    R.qs = qs;
-    R.ms = ms;
-    R.last = rows - 1 - r0;
+    const MvvRows R = ffn_rows(Wg, Wu, rows, r0, qs, ms);
     float acc[NR];
 #pragma unroll
     for (int k = 0; k < NR; k++) acc[k] = 0.f;
@@ -2475,14 +2482,7 @@ __device__ __forceinline__ void ffn_preload(FFN_PARAMS) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int qs = cols, ms = cols >> 4;
     const int r0 = (blockIdx.x * FAST_WARPS + warp) * NC;
-    MvvRows R;
-    R.qa = Wg + (long)r0 * qs;
-    R.qb = Wu + (long)r0 * qs;
-    R.ma = Wg + (long)rows * qs + (long)r0 * ms;
-    R.mb = Wu + (long)rows * qs + (long)r0 * ms;
-    R.qs = qs;
-    R.ms = ms;
-    R.last = rows - 1 - r0;
+    const MvvRows R = ffn_rows(Wg, Wu, rows, r0, qs, ms);
     uint4 w[U][NR];
     u32 sc[U][NR];
     if (r0 < rows) q8s_load16<NR, NC, U>(R, cols, lane, w, sc, 0);
