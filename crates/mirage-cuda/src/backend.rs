@@ -19,7 +19,9 @@ use mirage_runtime::kv_pages::KvPruning;
 use mirage_runtime::ops::RopeMode;
 use mirage_runtime::{Result, RuntimeError};
 
-use crate::{module, CudaError, GraphStats, MemoryStats, PrefetchSites, WeightFormat};
+use crate::{
+    module, CudaError, GraphStats, MemoryStats, PrefetchSites, PreloadParts, WeightFormat,
+};
 
 fn drv(e: cudarc::driver::DriverError) -> RuntimeError {
     CudaError::Driver(e.to_string()).into()
@@ -713,12 +715,11 @@ pub struct CudaBackend {
     pdl: std::sync::atomic::AtomicBool,
     /// `PrefetchSites::bits` of the cross-op weight prefetch.
     cross_prefetch: std::sync::atomic::AtomicU8,
-    /// Kernels read what does not depend on the previous kernel before
-    /// their PDL wait: the v2 split Q8_0 mat-vecs their first weights
-    /// (`*_v2p`), the decode attention its position, RoPE angle and first
-    /// keys and values (`attend_rope_pre_*`). `MIRAGE_CUDA_PRELOAD` at
-    /// start, `set_preload`.
-    preload: std::sync::atomic::AtomicBool,
+    /// `PreloadParts::bits`: which kernels read what does not depend on
+    /// the previous kernel before their PDL wait (the v2 split Q8_0
+    /// mat-vecs and FFN gate/up `*_v2p`, the decode attention
+    /// `attend_rope_pre_*`). `MIRAGE_CUDA_PRELOAD` at start, `set_preload`.
+    preload: std::sync::atomic::AtomicU8,
     /// L2 bytes of the device: one prefetch launch asks for at most half.
     l2_bytes: usize,
     /// Kernel name of each entry of `functions`.
@@ -844,7 +845,7 @@ impl CudaBackend {
             fold_route_norm: (!env_off("MIRAGE_SPARSE_ROUTE_NORM")).into(),
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             cross_prefetch: PrefetchSites::from_env().bits().into(),
-            preload: Self::preload_from_env().into(),
+            preload: PreloadParts::from_env().bits().into(),
             l2_bytes,
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
             rope_in_attention: (!env_off("MIRAGE_CUDA_ROPE_FUSE")).into(),
@@ -960,38 +961,27 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Turns the preload on or off (`MIRAGE_CUDA_PRELOAD=1` at start;
-    /// default off): the v2 split Q8_0 mat-vecs load their first chunks of
-    /// weights into registers, and the decode attention (`attend_rope`)
-    /// its position, RoPE angle and first keys and values, before waiting
-    /// on the previous kernel. Weights are constant during a step and the
-    /// cache positions before the new one were written by earlier steps,
-    /// so a grid resident while the previous kernel runs (PDL) starts
-    /// computing the moment its input lands. The same bits; applies to
-    /// launches recorded afterwards.
-    pub fn set_preload(&self, on: bool) {
+    /// Which kernels read what they can before waiting on the previous
+    /// kernel: see [`PreloadParts`] (`MIRAGE_CUDA_PRELOAD` at start;
+    /// default none). A grid resident while the previous kernel runs (PDL)
+    /// then starts computing the moment its input lands. The same bits;
+    /// applies to launches recorded afterwards.
+    pub fn set_preload(&self, parts: PreloadParts) {
         self.preload
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+            .store(parts.bits(), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// The preload setting a backend starts with:
-    /// `MIRAGE_CUDA_PRELOAD=1` (or `on`) turns it on.
-    pub fn preload_from_env() -> bool {
-        module::env_is("MIRAGE_CUDA_PRELOAD", "1") || module::env_is("MIRAGE_CUDA_PRELOAD", "on")
-    }
-
-    /// Whether kernels read what they can before their PDL wait.
-    pub fn preload(&self) -> bool {
-        self.preload
-            .load(std::sync::atomic::Ordering::Relaxed)
+    /// Which kernels preload.
+    pub fn preload(&self) -> PreloadParts {
+        PreloadParts::from_bits(self.preload.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Kernel-name suffix of a variant for a matrix in this layout: `_v<N>`,
-    /// `_v2p` for v2 over split Q8_0 with the preload on, or empty
-    /// for the default kernels.
-    fn variant_suffix(&self, layout: Layout, variant: Option<(usize, usize)>) -> String {
+    /// `_v2p` for v2 over split Q8_0 when `preload` (this kernel's part of
+    /// the preload is on), or empty for the default kernels.
+    fn variant_suffix(layout: Layout, variant: Option<(usize, usize)>, preload: bool) -> String {
         match variant {
-            Some((2, _)) if layout == Layout::Q8Split && self.preload() => "_v2p".into(),
+            Some((2, _)) if layout == Layout::Q8Split && preload => "_v2p".into(),
             Some((v, _)) => format!("_v{v}"),
             None => String::new(),
         }
@@ -1783,7 +1773,7 @@ impl CudaBackend {
         args.extend([Arg::Ptr(0); 4]);
         // Folded norm (nx, nw, neps, nout): none; `fold_norm` may set it.
         args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::F32(0.0), Arg::Ptr(0)]);
-        let v = self.variant_suffix(w0.layout, variant);
+        let v = Self::variant_suffix(w0.layout, variant, self.preload().matvec);
         let kernel = if split == 1 {
             format!("mv3_{suffix}{v}")
         } else {
@@ -1893,7 +1883,7 @@ impl CudaBackend {
             (_, Some((_, nr))) => FAST_WARPS * nr / 2,
             _ => FAST_WARPS * FAST_ROWS / 2,
         };
-        let v = self.variant_suffix(g.layout, variant);
+        let v = Self::variant_suffix(g.layout, variant, self.preload().ffn);
         self.launch(
             &format!("ffn_{suffix}{v}"),
             (g.rows.div_ceil(per_block) as u32, n_act as u32, 1),
@@ -3023,7 +3013,7 @@ impl Backend for CudaBackend {
                 // With the preload on, the variant that reads the position,
                 // its RoPE angle and the first keys and values before its
                 // PDL wait (the same bits).
-                let pre = if self.preload() { "_pre" } else { "" };
+                let pre = if self.preload().attention { "_pre" } else { "" };
                 format!("attend_rope{pre}_{kv}")
             } else {
                 format!("attend_fused_{kv}")

@@ -85,14 +85,10 @@ impl CudaBackend {
         crate::PrefetchSites::NONE
     }
     /// Preload switch (no effect without CUDA).
-    pub fn set_preload(&self, _on: bool) {}
-    /// Whether kernels preload before their PDL wait (never without CUDA).
-    pub fn preload(&self) -> bool {
-        false
-    }
-    /// The start-up preload setting (`MIRAGE_CUDA_PRELOAD`).
-    pub fn preload_from_env() -> bool {
-        false
+    pub fn set_preload(&self, _parts: crate::PreloadParts) {}
+    /// Which kernels preload before their PDL wait (none without CUDA).
+    pub fn preload(&self) -> crate::PreloadParts {
+        crate::PreloadParts::NONE
     }
     /// Split-layout type switch (no effect without CUDA).
     pub fn set_repacked_types(&self, _types: &[mirage_gguf::GgmlType]) {}

@@ -111,6 +111,108 @@ impl PrefetchSites {
     }
 }
 
+/// Which kernels read what they can before their PDL wait (the preload):
+/// the v2 split Q8_0 mat-vecs (`matvec`) and the dense FFN's gate/up
+/// (`ffn`) their first chunks of weights into registers, the decode
+/// attention (`attention`) its position, RoPE angle and first keys and
+/// values. Weights are constant during a step and the cache positions
+/// before the new one were written by earlier steps, so the results are
+/// the same bits. Off by default; `MIRAGE_CUDA_PRELOAD` at start or
+/// `CudaBackend::set_preload`. The FFN part is its own switch because its
+/// kernel needs 121 registers a thread with the preload (80 without),
+/// which costs the gate/up launch a resident block per SM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PreloadParts {
+    /// The split Q8_0 mat-vecs (Q/K/V, output projection, down, head).
+    pub matvec: bool,
+    /// The dense FFN's fused gate/up kernel.
+    pub ffn: bool,
+    /// The decode attention with RoPE (`attend_rope`).
+    pub attention: bool,
+}
+
+impl PreloadParts {
+    /// Every part.
+    pub const ALL: PreloadParts = PreloadParts {
+        matvec: true,
+        ffn: true,
+        attention: true,
+    };
+    /// No preload (the default).
+    pub const NONE: PreloadParts = PreloadParts {
+        matvec: false,
+        ffn: false,
+        attention: false,
+    };
+
+    /// The parts `MIRAGE_CUDA_PRELOAD` asks for (what a new backend starts
+    /// with): see [`PreloadParts::parse`]; unset or not understood, none.
+    pub fn from_env() -> PreloadParts {
+        std::env::var("MIRAGE_CUDA_PRELOAD")
+            .ok()
+            .and_then(|v| Self::parse(&v))
+            .unwrap_or(Self::NONE)
+    }
+
+    /// `1`/`on`/`all` every part, `0`/`off`/`none` none, or a comma list
+    /// of `matvec`, `ffn`, `attn` (or `attention`); `None` for anything else.
+    pub fn parse(s: &str) -> Option<PreloadParts> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "1" | "on" | "all" => return Some(Self::ALL),
+            "0" | "off" | "none" | "" => return Some(Self::NONE),
+            _ => {}
+        }
+        let mut p = Self::NONE;
+        for part in s.split(',') {
+            match part.trim().to_ascii_lowercase().as_str() {
+                "matvec" => p.matvec = true,
+                "ffn" => p.ffn = true,
+                "attn" | "attention" => p.attention = true,
+                _ => return None,
+            }
+        }
+        Some(p)
+    }
+
+    /// Whether any part is on.
+    pub fn any(self) -> bool {
+        self != Self::NONE
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn bits(self) -> u8 {
+        self.matvec as u8 | (self.ffn as u8) << 1 | (self.attention as u8) << 2
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn from_bits(b: u8) -> PreloadParts {
+        PreloadParts {
+            matvec: b & 1 != 0,
+            ffn: b & 2 != 0,
+            attention: b & 4 != 0,
+        }
+    }
+}
+
+impl std::fmt::Display for PreloadParts {
+    /// The form [`PreloadParts::parse`] reads back: `none`, `all` or a list.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if *self == Self::NONE {
+            return f.write_str("none");
+        }
+        if *self == Self::ALL {
+            return f.write_str("all");
+        }
+        let names = [
+            (self.matvec, "matvec"),
+            (self.ffn, "ffn"),
+            (self.attention, "attn"),
+        ];
+        let on: Vec<&str> = names.iter().filter(|(b, _)| *b).map(|(_, n)| *n).collect();
+        f.write_str(&on.join(","))
+    }
+}
+
 /// Device memory the backend holds, by purpose (bytes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MemoryStats {
@@ -285,6 +387,27 @@ mod nvrtc_check {
             crate::vk_interop::SOURCE,
             &["route_bvh", "vki_project", "vki_compact"],
         );
+    }
+}
+
+#[cfg(test)]
+mod preload_parts {
+    use super::PreloadParts;
+
+    #[test]
+    fn parse_reads_words_and_lists_and_display_reads_back() {
+        assert_eq!(PreloadParts::parse("on"), Some(PreloadParts::ALL));
+        assert_eq!(PreloadParts::parse("1"), Some(PreloadParts::ALL));
+        assert_eq!(PreloadParts::parse("OFF"), Some(PreloadParts::NONE));
+        let p = PreloadParts::parse("matvec, attn").unwrap();
+        assert!(p.matvec && p.attention && !p.ffn);
+        assert_eq!(PreloadParts::parse("ffn,bogus"), None);
+        assert_eq!(PreloadParts::parse("yes"), None);
+        for bits in 0..8 {
+            let p = PreloadParts::from_bits(bits);
+            assert_eq!(p.bits(), bits);
+            assert_eq!(PreloadParts::parse(&p.to_string()), Some(p), "{p}");
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use mirage_cuda::{CudaBackend, PrefetchSites, WeightFormat};
+use mirage_cuda::{CudaBackend, PrefetchSites, PreloadParts, WeightFormat};
 use mirage_gguf::quant::Nvfp4Tensor;
 use mirage_gguf::writer::GgufWriter;
 use mirage_gguf::{quant, GgmlType, GgufFile};
@@ -1078,10 +1078,10 @@ fn matvec_variants_equal_reference_and_v1() {
                         if v == 2 && ty == GgmlType::Q8_0 {
                             // v2p: the same loads and sums, the first ones
                             // before the PDL wait: the same bits.
-                            gpu.set_preload(true);
+                            gpu.set_preload(PreloadParts::ALL);
                             let pre = product(&gpu, &ws[0], &dx);
                             let pre_many = many(&gpu);
-                            gpu.set_preload(false);
+                            gpu.set_preload(PreloadParts::NONE);
                             assert_eq!(bits_differ(&pre, &got), 0, "{what}: preload changed bits");
                             for (i, (p, g)) in pre_many.iter().zip(&got_many).enumerate() {
                                 assert_eq!(
@@ -1133,10 +1133,10 @@ fn matvec_variants_equal_reference_and_v1() {
                             "ffn {ty} {d}x{ff} n_act {n_act} v{v} split {k}: vs v1 rel err {e}"
                         );
                         if v == 2 && ty == GgmlType::Q8_0 {
-                            gpu.set_preload(true);
+                            gpu.set_preload(PreloadParts::ALL);
                             let mut yp = gpu.new_activations();
                             gpu.ffn(&f, &dx, &mut yp).unwrap();
-                            gpu.set_preload(false);
+                            gpu.set_preload(PreloadParts::NONE);
                             assert_eq!(
                                 bits_differ(&read(&gpu, &yp), &got),
                                 0,
@@ -1355,11 +1355,13 @@ fn preload_keeps_bits() {
     drop(probe);
     for types in [LAYER_MIXES[0], NORM_MIX] {
         let kvs = [KvDtype::F32, KvDtype::F16];
-        for (what, off, on) in
-            switch_keeps_bits(types, "preload on vs off", &kvs, |b, on| {
-                b.set_preload(on)
+        for (what, off, on) in switch_keeps_bits(types, "preload on vs off", &kvs, |b, on| {
+            b.set_preload(if on {
+                PreloadParts::ALL
+            } else {
+                PreloadParts::NONE
             })
-        {
+        }) {
             assert_eq!(on, off, "{what}: launches per graph");
         }
     }

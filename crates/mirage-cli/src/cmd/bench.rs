@@ -129,13 +129,15 @@ pub struct BenchArgs {
     #[arg(long)]
     pub xprefetch_ab: bool,
     /// Sparse decode: also decode the dense model and every sparse row with
-    /// the other preload setting, in the same process (`... (preload)` rows
-    /// when it is off, the default: the split Q8_0 mat-vecs then load their
-    /// first weights, and the attention its first keys and values, before
-    /// waiting on the previous kernel; `... (no preload)` when
-    /// MIRAGE_CUDA_PRELOAD=1 turned it on).
-    #[arg(long)]
-    pub preload_ab: bool,
+    /// the preload set to PARTS, in the same process (`... (preload PARTS)`
+    /// rows beside the start-up setting, MIRAGE_CUDA_PRELOAD, default none).
+    /// PARTS: `all` (the default when the flag has no value), `none`, or a
+    /// comma list of `matvec` (the split Q8_0 mat-vecs load their first
+    /// weights before waiting on the previous kernel), `ffn` (the dense
+    /// FFN's gate/up does) and `attn` (the decode attention its first keys
+    /// and values).
+    #[arg(long, value_name = "PARTS", num_args = 0..=1, default_missing_value = "all")]
+    pub preload_ab: Option<String>,
 }
 
 /// What one bench run measured.

@@ -41,8 +41,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use mirage_cuda::{
-    CudaBackend, PageFormat, PageSource, PrefetchSites, RouteTraversal, SparseCudaBackend,
-    SparsePages, WeightFormat,
+    CudaBackend, PageFormat, PageSource, PrefetchSites, PreloadParts, RouteTraversal,
+    SparseCudaBackend, SparsePages, WeightFormat,
 };
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::Backend;
@@ -299,7 +299,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         let mode = match (fold, other) {
             (true, false) => "dense".to_string(),
             (false, _) => "dense (norms unfolded)".to_string(),
-            (true, true) => format!("dense ({})", ab.as_ref().map_or("", |a| a.label)),
+            (true, true) => format!("dense ({})", ab.as_ref().map_or("", |a| a.label.as_str())),
         };
         rows.push(dense_row(mode, 1.0, &d, other_bytes + ffn_bytes));
     }
@@ -540,7 +540,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 /// the start-up environment did not pick, `set(b, false)` restores it.
 struct AbSwitch {
     /// Row-label suffix of the other setting.
-    label: &'static str,
+    label: String,
     apply: ApplySetting,
 }
 
@@ -549,7 +549,7 @@ type ApplySetting = Box<dyn Fn(&CudaBackend, bool)>;
 
 impl AbSwitch {
     fn from_args(args: &BenchArgs) -> anyhow::Result<Option<Self>> {
-        if args.xprefetch_ab && args.preload_ab {
+        if args.xprefetch_ab && args.preload_ab.is_some() {
             bail!("--xprefetch-ab and --preload-ab: pick one A/B switch per run");
         }
         if args.xprefetch_ab {
@@ -560,20 +560,28 @@ impl AbSwitch {
                 (PrefetchSites::NONE, "no cross-op prefetch")
             };
             return Ok(Some(Self {
-                label,
+                label: label.into(),
                 apply: Box::new(move |b, o| b.set_cross_prefetch(if o { other } else { start })),
             }));
         }
-        if args.preload_ab {
-            let start = CudaBackend::preload_from_env();
-            let label = if start {
-                "no preload"
-            } else {
-                "preload"
+        if let Some(parts) = &args.preload_ab {
+            let other = PreloadParts::parse(parts).with_context(|| {
+                format!(
+                    "--preload-ab {parts:?}: want all, none, or a comma list of matvec, ffn, attn"
+                )
+            })?;
+            let start = match std::env::var("MIRAGE_CUDA_PRELOAD") {
+                Ok(v) => PreloadParts::parse(&v).with_context(|| {
+                    format!("MIRAGE_CUDA_PRELOAD={v:?}: want all, none, or a comma list of matvec, ffn, attn")
+                })?,
+                Err(_) => PreloadParts::NONE,
             };
+            if other == start {
+                bail!("--preload-ab {other}: that is already the start-up setting (MIRAGE_CUDA_PRELOAD)");
+            }
             return Ok(Some(Self {
-                label,
-                apply: Box::new(move |b, o| b.set_preload(start != o)),
+                label: format!("preload {other}"),
+                apply: Box::new(move |b, o| b.set_preload(if o { other } else { start })),
             }));
         }
         Ok(None)
