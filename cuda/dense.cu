@@ -546,6 +546,39 @@ struct AttPre {
     float kx[ATT_KB][ATT_HD_LANE];
     float vx[ATT_VB];
 };
+
+// This lane's ATT_HD_LANE elements of the ATT_KB keys of warp batch jb of
+// the tile at t0 (tile rows jb, jb + nw, ...; zeros past the tile's cnt
+// rows or the head), every load issued before any product. One function
+// for attend_part_with's loop and att_preload, so the preload reads
+// exactly what the loop would.
+template <typename KV>
+__device__ __forceinline__ void att_load_keys(const KV* K, int t0, int jb, int cnt, int nw, int lane, int head_dim,
+                                              float (&kx)[ATT_KB][ATT_HD_LANE]) {
+#pragma unroll
+    for (int u = 0; u < ATT_KB; u++) {
+        const int jj = jb + u * nw;
+        const long kr = (long)(t0 + jj) * head_dim;
+#pragma unroll
+        for (int t = 0; t < ATT_HD_LANE; t++) {
+            const int e = lane + 32 * t;
+            kx[u][t] = jj < cnt && e < head_dim ? kv_load(K, kr + e) : 0.f;
+        }
+    }
+}
+
+// This thread's element d of the ATT_VB values of batch jb of the tile at
+// t0 (tile rows jb, jb + groups, ...; zeros past cnt), as att_load_keys.
+template <typename KV>
+__device__ __forceinline__ void att_load_values(const KV* V, int t0, int jb, int cnt, int groups, int d, int head_dim,
+                                                float (&vx)[ATT_VB]) {
+#pragma unroll
+    for (int u = 0; u < ATT_VB; u++) {
+        const int jj = jb + u * groups;
+        vx[u] = jj < cnt ? kv_load(V, (long)(t0 + jj) * head_dim + d) : 0.f;
+    }
+}
+
 template <typename KV>
 __device__ __forceinline__ void att_preload(const KV* kc, const KV* vc, int seq, int n, int kvh, int n_head_kv,
                                             int head_dim, int n_ctx, int chunk, AttPre& p) {
@@ -555,20 +588,12 @@ __device__ __forceinline__ void att_preload(const KV* kc, const KV* vc, int seq,
     const KV* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int groups = blockDim.x / head_dim, g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
+    att_load_keys(K, j0, warp, cnt, nw, lane, head_dim, p.kx);
+    if (g < groups) {
+        att_load_values(V, j0, g, cnt, groups, d, head_dim, p.vx);
+    } else {
 #pragma unroll
-    for (int u = 0; u < ATT_KB; u++) {
-        const int jj = warp + u * nw;
-        const long kr = (long)(j0 + jj) * head_dim;
-#pragma unroll
-        for (int t = 0; t < ATT_HD_LANE; t++) {
-            const int e = lane + 32 * t;
-            p.kx[u][t] = jj < cnt && e < head_dim ? kv_load(K, kr + e) : 0.f;
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < ATT_VB; u++) {
-        const int jj = g + u * groups;
-        p.vx[u] = g < groups && jj < cnt ? kv_load(V, (long)(j0 + jj) * head_dim + d) : 0.f;
+        for (int u = 0; u < ATT_VB; u++) p.vx[u] = 0.f;
     }
 }
 
@@ -608,21 +633,19 @@ __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const 
         // products and sums per key, in the same order: the same bits.
         for (int jb = warp; jb < cnt; jb += ATT_KB * nw) {
             float kx[ATT_KB][ATT_HD_LANE];
-            const bool first = PRE && t0 == j0 && jb == warp;
+            if (PRE && t0 == j0 && jb == warp) {
 #pragma unroll
-            for (int u = 0; u < ATT_KB; u++) {
-                const int jj = jb + u * nw;
-                const long kr = (long)(t0 + jj) * head_dim;
+                for (int u = 0; u < ATT_KB; u++)
 #pragma unroll
-                for (int t = 0; t < ATT_HD_LANE; t++) {
-                    const int e = lane + 32 * t;
-                    if (first)
-                        kx[u][t] = pre->kx[u][t];
-                    else
-                        kx[u][t] = jj < cnt && e < head_dim ? kv_load(K, kr + e) : 0.f;
-                    if (t0 + jj == psub && e < head_dim) kx[u][t] = ksub[e];
-                }
+                    for (int t = 0; t < ATT_HD_LANE; t++) kx[u][t] = pre->kx[u][t];
+            } else {
+                att_load_keys(K, t0, jb, cnt, nw, lane, head_dim, kx);
             }
+#pragma unroll
+            for (int u = 0; u < ATT_KB; u++)
+#pragma unroll
+                for (int t = 0; t < ATT_HD_LANE; t++)
+                    if (t0 + jb + u * nw == psub && lane + 32 * t < head_dim) kx[u][t] = ksub[lane + 32 * t];
 #pragma unroll
             for (int u = 0; u < ATT_KB; u++) {
                 const int jj = jb + u * nw;
@@ -656,16 +679,15 @@ __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const 
             // scores above; same order of the sums).
             for (int jb = g; jb < cnt; jb += ATT_VB * groups) {
                 float vx[ATT_VB];
-                const bool first = PRE && t0 == j0 && jb == g;
+                if (PRE && t0 == j0 && jb == g) {
 #pragma unroll
-                for (int u = 0; u < ATT_VB; u++) {
-                    const int jj = jb + u * groups;
-                    if (first)
-                        vx[u] = pre->vx[u];
-                    else
-                        vx[u] = jj < cnt ? kv_load(V, (long)(t0 + jj) * head_dim + d) : 0.f;
-                    if (t0 + jj == psub) vx[u] = vsub[d];
+                    for (int u = 0; u < ATT_VB; u++) vx[u] = pre->vx[u];
+                } else {
+                    att_load_values(V, t0, jb, cnt, groups, d, head_dim, vx);
                 }
+#pragma unroll
+                for (int u = 0; u < ATT_VB; u++)
+                    if (t0 + jb + u * groups == psub) vx[u] = vsub[d];
 #pragma unroll
                 for (int u = 0; u < ATT_VB; u++) {
                     const int jj = jb + u * groups;

@@ -63,5 +63,5 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
     + macro_line("ATT_HD_LANE") + macro_line("ATT_VB") + "".join(extract(n) for n in [
         "int att_chunk(", "void kv_store(float*", "void kv_store(u16*", "float kv_round(const float*", "float kv_round(const u16*",
         "void rope_angle(", "void rope_turn(", "void rope_rotate(", "void rope_store(", "struct AttPre",
-        "void att_preload(", "void attend_part_with(", "void attend_part(",
+        "void att_load_keys(", "void att_load_values(", "void att_preload(", "void attend_part_with(", "void attend_part(",
         "void attend_rope_part("]).replace("float vx[ATT_VB];\n}", "float vx[ATT_VB];\n};"))
