@@ -2412,6 +2412,56 @@ __device__ __forceinline__ void mv3_variant(MV3_PARAMS) {
     mv3_store<NR, S>(acc, part, warp, lane, slice, r0, y, bias, rs, a, rows);
 }
 
+// mv3_variant on a persistent grid (instances `mv3_*_v2g*`, measured by
+// kernel-bench --variants): block b takes the row groups ("tiles") b,
+// b + gridDim.x, ... of the three matrices in mv3_variant's numbering, so a
+// grid of the device's resident blocks covers a launch of any size, and the
+// input (with a folded norm, its RMSNorm) is read once per block, not once
+// per tile. Each tile's loads and sums are mv3_variant's: the same bits.
+// Why try it: at the 7B shape the Q/K/V launch is 576 blocks on 264
+// resident (2.2 waves), the O and down launches 448 (1.7), and every block
+// pays the norm prologue and its own start again.
+template <int NR, int U, int S>
+__device__ __forceinline__ void mv3_grid(MV3_PARAMS) {
+    const int G = 128;  // split Q8_0 granule (mv3_variant's G)
+    const int per_block = (FAST_WARPS / S) * NR;
+    const int n_tiles = (rows0 + per_block - 1) / per_block + (rows1 + per_block - 1) / per_block +
+                        (rows2 + per_block - 1) / per_block;
+    (void)row_bytes;
+    PDL_ENTRY();
+    FAST_INPUT
+    __shared__ float part[S > 1 ? FAST_WARPS : 1][NR];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slice = warp % S;
+    const int n_gran = (cols + G - 1) / G, per_slice = (n_gran + S - 1) / S;
+    const int c_lo = min(cols, slice * per_slice * G);
+    const int c_n = min(cols, c_lo + per_slice * G) - c_lo;
+    const int qs = mvv_qrow<MVV_Q8>(cols), ms = mvv_mrow<MVV_Q8>(cols);
+    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+        int m;
+        const int bx = pick3(t, per_block, rows0, rows1, &m);
+        const u8* W = m == 0 ? W0 : m == 1 ? W1 : W2;
+        const int rows = m == 0 ? rows0 : m == 1 ? rows1 : rows2;
+        float* y = m == 0 ? y0 : m == 1 ? y1 : y2;
+        const float* bias = m == 0 ? bias0 : m == 1 ? bias1 : bias2;
+        float* rs = m == 0 ? res : (float*)0;
+        const int r0 = (bx * (FAST_WARPS / S) + warp / S) * NR;
+        float acc[NR];
+#pragma unroll
+        for (int k = 0; k < NR; k++) acc[k] = 0.f;
+        if (r0 < rows && c_n > 0) {
+            MvvRows R;
+            R.qa = R.qb = W + (long)r0 * qs + c_lo;
+            R.ma = R.mb = W + (long)rows * qs + (long)r0 * ms + (c_lo >> 4);
+            R.qs = qs;
+            R.ms = ms;
+            R.last = rows - 1 - r0;
+            mvv_dot<MVV_Q8, NR, NR, U, false>(R, xa + c_lo, c_n, lane, acc);
+        }
+        mv3_store<NR, S>(acc, part, warp, lane, slice, r0, y, bias, rs, a, rows);
+        if (S > 1) __syncthreads();  // the slice-0 warps have read part
+    }
+}
+
 // The preload form of mv3_variant (split Q8_0 only, instances `mv3_*_v2p*`):
 // the same slices, loads and arithmetic (the same bits), but the warp's
 // first U chunks of weights go into registers BEFORE pdl_wait(), not only
@@ -2591,6 +2641,21 @@ MVV_INSTANCE(q8_0s, MVV_Q8, v2, MVV2_NR, MVV2_U_Q8, false, MVV2_Q8_BOUNDS)
     }
 MVV_INSTANCE(q8_0s, MVV_Q8, v3, MVV3_NR, MVV3_U_Q8, false, FAST_WARPS * 32)
 MVV_PRE_INSTANCE(q8_0s, MVV2_NR, MVV2_U_Q8, MVV2_Q8_BOUNDS)
+// v2g: v2's split Q8_0 mat-vecs on a persistent grid (mv3_grid).
+#define MVV_GRID_INSTANCE(NAME, NR, U, ...)                                                                          \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2g(MV3_PARAMS) {                     \
+        mv3_grid<NR, U, 1>(MV3_ARGS);                                                                                \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2g_k2(MV3_PARAMS) {                  \
+        mv3_grid<NR, U, 2>(MV3_ARGS);                                                                                \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2g_k4(MV3_PARAMS) {                  \
+        mv3_grid<NR, U, 4>(MV3_ARGS);                                                                                \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2g_k8(MV3_PARAMS) {                  \
+        mv3_grid<NR, U, 8>(MV3_ARGS);                                                                                \
+    }
+MVV_GRID_INSTANCE(q8_0s, MVV2_NR, MVV2_U_Q8, MVV2_Q8_BOUNDS)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v2, MVV2_NR, MVV2_U_Q4K, false, FAST_WARPS * 32)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v3, MVV3_NR, MVV3_U_Q4K, false, FAST_WARPS * 32)
 MVV_INSTANCE(q8_0s, MVV_Q8, v4, MVV4_NR, MVV4_U_Q8, false, FAST_WARPS * 32, 4)

@@ -245,13 +245,15 @@ mod tests {
             let kernels = src.matches("__global__").count();
             // The split mat-vec variants wait inside mv3_variant/ffn_variant
             // (after their weight prefetch) or mv3_preload/ffn_preload, one
-            // call for the 5 kernels of each MVV_INSTANCE / MVV_PRE_INSTANCE; l2_prefetch triggers first and waits last
+            // call for the 5 kernels of each MVV_INSTANCE / MVV_PRE_INSTANCE (mv3_grid: the 4 of each
+            // MVV_GRID_INSTANCE); l2_prefetch triggers first and waits last
             // (`pdl_wait();` of its own).
             let entries = src.matches("PDL_ENTRY();").count() + src.matches("pdl_wait();").count();
             // (each macro's count less its #define line).
             let variant_kernels = (src.matches("MVV_INSTANCE(").count().saturating_sub(1)
                 + src.matches("MVV_PRE_INSTANCE(").count().saturating_sub(1))
-                * 5;
+                * 5
+                + src.matches("MVV_GRID_INSTANCE(").count().saturating_sub(1) * 4;
             assert!(
                 entries + variant_kernels >= kernels,
                 "{kernels} kernels, {entries} PDL_ENTRY calls, {variant_kernels} variant kernels"

@@ -343,16 +343,43 @@ mod bench {
         nr: usize,
         split: usize,
     ) -> Res<()> {
+        let blocks = mv3_tiles(rows, nr, split);
+        mv3_launch_on(dev, f, ws, rows, cols, x, ys, blocks, None)
+    }
+
+    /// Blocks of the backend's mv3 grid (tiles of `mv3_grid`).
+    fn mv3_tiles(rows: [usize; 3], nr: usize, split: usize) -> usize {
         let per_block = 8 * nr / split;
-        let blocks: usize = rows.iter().map(|r| r.div_ceil(per_block)).sum();
+        rows.iter().map(|r| r.div_ceil(per_block)).sum()
+    }
+
+    /// `mv3_launch` on `blocks` blocks, with the RMSNorm of `x` by weights
+    /// `norm` folded in (the decode's Q/K/V and gate/up launches) when given.
+    #[allow(clippy::too_many_arguments)]
+    fn mv3_launch_on(
+        dev: &SparseDevice,
+        f: &CudaFunction,
+        ws: [u64; 3],
+        rows: [usize; 3],
+        cols: usize,
+        x: u64,
+        ys: [u64; 3],
+        blocks: usize,
+        norm: Option<u64>,
+    ) -> Res<()> {
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+            // The folded norm's row (fused_norm_xs, dynamic shared memory).
+            shared_mem_bytes: if norm.is_some() { (cols * 4) as u32 } else { 0 },
         };
         let (r0, r1, r2) = (rows[0] as i32, rows[1] as i32, rows[2] as i32);
         let (rb, c) = (0i64, cols as i32);
         let (z, zf) = (0u64, 0f32);
+        let (nx, nw, neps) = match norm {
+            Some(w) => (x, w, 1e-6f32),
+            None => (0, 0, 0.0),
+        };
         let mut b = dev.stream().launch_builder(f);
         b.arg(&ws[0])
             .arg(&ws[1])
@@ -368,10 +395,12 @@ mod bench {
             .arg(&ys[2]);
         b.arg(&zf).arg(&zf).arg(&zf);
         b.arg(&z).arg(&z).arg(&z).arg(&z);
-        b.arg(&z).arg(&z).arg(&zf).arg(&z);
+        b.arg(&nx).arg(&nw).arg(&neps).arg(&z);
         // SAFETY: matches MV3_PARAMS of cuda/dense.cu (W0..2, rows0..2,
         // row_bytes, cols, x, y0..2, ts0..2, bias0..2, res, nx, nw, neps,
-        // nout); every matrix and output sized for its rows and cols.
+        // nout); every matrix and output sized for its rows and cols, the
+        // norm's weights (when given) for cols, and the shared memory for the
+        // normalised row.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -494,6 +523,19 @@ mod bench {
                         });
                     }
                 }
+                if layout == 0 {
+                    out.extend(grid_rows(
+                        dev,
+                        m,
+                        timer,
+                        r,
+                        (label, rows, cols),
+                        &wp,
+                        px,
+                        &ys,
+                        bytes,
+                    )?);
+                }
             }
             // gate + up + SwiGLU, 18944 x 3584 twice, one kernel.
             let (ff, d) = (18944usize, 3584usize);
@@ -528,6 +570,93 @@ mod bench {
                     bytes,
                     extra: format!("{err:.1e}"),
                 });
+            }
+        }
+        Ok(out)
+    }
+
+    /// v2 against v2g (`mv3_grid`: the same tiles on a grid of the resident
+    /// blocks) at every split, with and without the folded RMSNorm (row
+    /// lengths <= 8192: the normalised row lives in shared memory); the
+    /// outputs of each pair compared bit for bit ("bits equal" / "BITS
+    /// DIFFER" in the last column).
+    #[allow(clippy::too_many_arguments)]
+    fn grid_rows(
+        dev: &SparseDevice,
+        m: &Arc<cudarc::driver::CudaModule>,
+        timer: &mut Timer,
+        r: &mut Rng,
+        (label, rows, cols): (&str, [usize; 3], usize),
+        wp: &[u64; 3],
+        px: u64,
+        ys: &[CudaSlice<f32>],
+        bytes: f64,
+    ) -> Res<Vec<Row>> {
+        let stream = dev.stream().clone();
+        let sms = dev.context().attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as usize;
+        let nw = stream.clone_htod(&r.f32s(cols))?;
+        let yp = [0, 1, 2].map(|i| ptr(dev, &ys[i]));
+        let read = || -> Res<Vec<f32>> {
+            let mut v = Vec::new();
+            for (y, &n) in ys.iter().zip(&rows) {
+                if n > 0 {
+                    v.extend(stream.clone_dtoh(y)?);
+                }
+            }
+            Ok(v)
+        };
+        let mut out = Vec::new();
+        for with_norm in [false, true] {
+            if with_norm && cols > 8192 {
+                continue;
+            }
+            let norm = with_norm.then(|| ptr(dev, &nw));
+            let smem = if norm.is_some() { cols * 4 } else { 0 };
+            for split in [1usize, 2, 4, 8] {
+                let ks = if split == 1 {
+                    String::new()
+                } else {
+                    format!("_k{split}")
+                };
+                let tiles = mv3_tiles(rows, 4, split);
+                let mut pair = Vec::new();
+                for (name, persistent) in [
+                    (format!("mv3_q8_0s_v2{ks}"), false),
+                    (format!("mv3_q8_0s_v2g{ks}"), true),
+                ] {
+                    let f = m.load_function(&name)?;
+                    let blocks = if persistent {
+                        let per_sm = f
+                            .occupancy_max_active_blocks_per_multiprocessor(256, smem, None)?
+                            as usize;
+                        tiles.min(per_sm.max(1) * sms)
+                    } else {
+                        tiles
+                    };
+                    let us = timer.median_us(|| {
+                        mv3_launch_on(dev, &f, *wp, rows, cols, px, yp, blocks, norm)
+                    })?;
+                    pair.push(read()?);
+                    let bits = match pair.as_slice() {
+                        [a, b] if a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()) => {
+                            "bits equal"
+                        }
+                        [_, _] => "BITS DIFFER",
+                        _ => "",
+                    };
+                    out.push(Row {
+                        what: format!(
+                            "Q8_0 {label} v2{} k{split}{} ({name}, {blocks} blocks)",
+                            if persistent { "g" } else { "" },
+                            if norm.is_some() { " + norm" } else { "" }
+                        ),
+                        us,
+                        bytes,
+                        extra: bits.to_string(),
+                    });
+                }
             }
         }
         Ok(out)
