@@ -216,6 +216,7 @@ pub(crate) fn kernel_names() -> Vec<&'static str> {
         }))
         .chain(["", "_k2", "_k4", "_k8"].map(|k| leak(format!("mv3_q8_0s_v2p{k}"))))
         .chain([leak("ffn_q8_0s_v2p".to_string())])
+        .chain(["", "_k2", "_k4", "_k8"].map(|k| leak(format!("mv3_q8_0s_v2g{k}"))))
         .chain(OTHER_KERNELS.iter().copied())
         .collect()
 }
@@ -720,6 +721,10 @@ pub struct CudaBackend {
     /// mat-vecs and FFN gate/up `*_v2p`, the decode attention
     /// `attend_rope_pre_*`). `MIRAGE_CUDA_PRELOAD` at start, `set_preload`.
     preload: std::sync::atomic::AtomicU8,
+    /// The v2 split Q8_0 mat-vecs on a persistent grid (`mv3_*_v2g*`,
+    /// `mv3_grid` in dense.cu). `MIRAGE_CUDA_MV_GRID=1` at start,
+    /// `set_matvec_grid`.
+    matvec_grid: std::sync::atomic::AtomicBool,
     /// L2 bytes of the device: one prefetch launch asks for at most half.
     l2_bytes: usize,
     /// Kernel name of each entry of `functions`.
@@ -846,6 +851,9 @@ impl CudaBackend {
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             cross_prefetch: PrefetchSites::from_env().bits().into(),
             preload: PreloadParts::from_env().bits().into(),
+            matvec_grid: (module::env_is("MIRAGE_CUDA_MV_GRID", "1")
+                || module::env_is("MIRAGE_CUDA_MV_GRID", "on"))
+            .into(),
             l2_bytes,
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
             rope_in_attention: (!env_off("MIRAGE_CUDA_ROPE_FUSE")).into(),
@@ -974,6 +982,36 @@ impl CudaBackend {
     /// Which kernels preload.
     pub fn preload(&self) -> PreloadParts {
         PreloadParts::from_bits(self.preload.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Runs the v2 split Q8_0 mat-vecs (Q/K/V, output projection, down,
+    /// head) on a persistent grid: at most the device's resident blocks,
+    /// each taking the row groups b, b + grid, ... and reading the input
+    /// (and the folded norm) once, instead of one block per row group
+    /// (`MIRAGE_CUDA_MV_GRID=1` at start; default off). The same loads and
+    /// sums per row: the same bits. The preload's mat-vec part, when on,
+    /// takes precedence. Applies to launches recorded afterwards.
+    pub fn set_matvec_grid(&self, on: bool) {
+        self.matvec_grid
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the v2 split Q8_0 mat-vecs run on a persistent grid.
+    pub fn matvec_grid(&self) -> bool {
+        self.matvec_grid.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Blocks of `kernel` (block of `threads`, no dynamic shared memory)
+    /// resident on the whole device at once.
+    fn resident_blocks(&self, kernel: &str, threads: u32) -> Result<usize> {
+        let f = &self.functions[*self
+            .kernel_index
+            .get(kernel)
+            .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?];
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+            .map_err(drv)?;
+        Ok(per_sm.max(1) as usize * self.sm_count)
     }
 
     /// Kernel-name suffix of a variant for a matrix in this layout: `_v<N>`,
@@ -1773,12 +1811,19 @@ impl CudaBackend {
         args.extend([Arg::Ptr(0); 4]);
         // Folded norm (nx, nw, neps, nout): none; `fold_norm` may set it.
         args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::F32(0.0), Arg::Ptr(0)]);
-        let v = Self::variant_suffix(w0.layout, variant, self.preload().matvec);
+        let mut v = Self::variant_suffix(w0.layout, variant, self.preload().matvec);
+        if v == "_v2" && w0.layout == Layout::Q8Split && self.matvec_grid() {
+            v = "_v2g".into();
+        }
         let kernel = if split == 1 {
             format!("mv3_{suffix}{v}")
         } else {
             format!("mv3_{suffix}{v}_k{split}")
         };
+        if v == "_v2g" {
+            // Grid-stride over the same row groups: no more blocks than fit.
+            blocks = blocks.min(self.resident_blocks(&kernel, (32 * FAST_WARPS) as u32)?);
+        }
         self.launch(
             &kernel,
             (blocks as u32, n_act as u32, 1),

@@ -84,6 +84,12 @@ impl CudaBackend {
     pub fn cross_prefetch(&self) -> crate::PrefetchSites {
         crate::PrefetchSites::NONE
     }
+    /// Persistent-grid mat-vec switch (no effect without CUDA).
+    pub fn set_matvec_grid(&self, _on: bool) {}
+    /// Whether the mat-vecs run on a persistent grid (never without CUDA).
+    pub fn matvec_grid(&self) -> bool {
+        false
+    }
     /// Preload switch (no effect without CUDA).
     pub fn set_preload(&self, _parts: crate::PreloadParts) {}
     /// Which kernels preload before their PDL wait (none without CUDA).

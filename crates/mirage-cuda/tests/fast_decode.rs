@@ -1090,6 +1090,20 @@ fn matvec_variants_equal_reference_and_v1() {
                                     "{what}: preload, matmul_many output {i}"
                                 );
                             }
+                            // v2g: the same row groups on a persistent
+                            // grid: the same bits.
+                            gpu.set_matvec_grid(true);
+                            let grid = product(&gpu, &ws[0], &dx);
+                            let grid_many = many(&gpu);
+                            gpu.set_matvec_grid(false);
+                            assert_eq!(bits_differ(&grid, &got), 0, "{what}: grid changed bits");
+                            for (i, (p, g)) in grid_many.iter().zip(&got_many).enumerate() {
+                                assert_eq!(
+                                    bits_differ(p, g),
+                                    0,
+                                    "{what}: grid, matmul_many output {i}"
+                                );
+                            }
                         }
                     }
                 }
@@ -1361,6 +1375,90 @@ fn preload_keeps_bits() {
             } else {
                 PreloadParts::NONE
             })
+        }) {
+            assert_eq!(on, off, "{what}: launches per graph");
+        }
+    }
+}
+
+/// The persistent-grid mat-vec over more row groups than the device holds
+/// blocks (20000 rows: 625 groups of 32 at split 1, 1250 at split 2,
+/// against ~2 resident blocks per SM), so each block takes several: the same
+/// bits as the one-block-per-group v2 kernel at every split, one and three
+/// activation rows, and three matrices in one launch.
+#[test]
+fn matvec_grid_covers_tall_matrices() {
+    let Some(gpu) = cuda("matvec_grid_covers_tall_matrices") else {
+        return;
+    };
+    gpu.set_prefill_gemm(false);
+    gpu.set_fast_decode(true);
+    let mut r = rng(43);
+    let cols = 512;
+    let ws: Vec<_> = [20000usize, 4099, 777]
+        .iter()
+        .map(|&n| {
+            let m = host_matrix(
+                "blk.0.ffn_down.weight",
+                GgmlType::Q8_0,
+                n,
+                cols,
+                &randn(&mut r, n * cols),
+            );
+            gpu.upload_matrix(&m).unwrap()
+        })
+        .collect();
+    for n_act in [1usize, 3] {
+        let dx = gpu
+            .upload_activations(n_act, cols, &randn(&mut r, n_act * cols))
+            .unwrap();
+        let run = |gpu: &CudaBackend| {
+            let mut ys = [
+                gpu.new_activations(),
+                gpu.new_activations(),
+                gpu.new_activations(),
+            ];
+            let [a, b, c] = &mut ys;
+            gpu.matmul_many(&[&ws[0], &ws[1], &ws[2]], &dx, &mut [a, b, c])
+                .unwrap();
+            let mut out = product(gpu, &ws[0], &dx);
+            for y in &ys {
+                out.extend(read(gpu, y));
+            }
+            out
+        };
+        for split in [1usize, 2, 4, 8] {
+            gpu.set_split_k(split).unwrap();
+            gpu.set_matvec_grid(false);
+            let v2 = run(&gpu);
+            gpu.set_matvec_grid(true);
+            let v2g = run(&gpu);
+            gpu.set_matvec_grid(false);
+            let differ = bits_differ(&v2, &v2g);
+            eprintln!(
+                "split {split} n_act {n_act}: grid vs v2: {differ} of {} differ",
+                v2.len()
+            );
+            assert_eq!(differ, 0, "split {split} n_act {n_act}");
+        }
+    }
+    gpu.set_split_k(0).unwrap();
+}
+
+/// The persistent-grid mat-vecs (`set_matvec_grid`: `mv3_*_v2g*`, at most
+/// the resident blocks, each taking several row groups) change which block
+/// computes a row, not how: bit-equal greedy decodes with the switch on and
+/// off, in graphs and op by op, with the same launches per graph.
+#[test]
+fn matvec_grid_keeps_bits() {
+    let Some(probe) = cuda("matvec_grid_keeps_bits") else {
+        return;
+    };
+    drop(probe);
+    for types in [LAYER_MIXES[0], NORM_MIX] {
+        let kvs = [KvDtype::F32];
+        for (what, off, on) in switch_keeps_bits(types, "mat-vec grid on vs off", &kvs, |b, on| {
+            b.set_matvec_grid(on)
         }) {
             assert_eq!(on, off, "{what}: launches per graph");
         }

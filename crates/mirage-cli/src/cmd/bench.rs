@@ -138,6 +138,14 @@ pub struct BenchArgs {
     /// and values).
     #[arg(long, value_name = "PARTS", num_args = 0..=1, default_missing_value = "all")]
     pub preload_ab: Option<String>,
+    /// Sparse decode: also decode the dense model and every sparse row with
+    /// the other setting of the persistent-grid mat-vecs, in the same
+    /// process (`... (mat-vec grid)` rows when it is off, the default: the
+    /// v2 split Q8_0 mat-vecs then run on at most the device's resident
+    /// blocks, each taking several row groups; `... (no mat-vec grid)` when
+    /// MIRAGE_CUDA_MV_GRID=1 turned it on).
+    #[arg(long)]
+    pub mv_grid_ab: bool,
 }
 
 /// What one bench run measured.

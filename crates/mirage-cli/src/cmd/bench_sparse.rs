@@ -536,7 +536,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 }
 
 /// A backend switch the sparse bench measures both ways in one process
-/// (`--xprefetch-ab`, `--preload-ab`): `set(b, true)` applies the setting
+/// (`--xprefetch-ab`, `--preload-ab`, `--mv-grid-ab`): `set(b, true)` applies the setting
 /// the start-up environment did not pick, `set(b, false)` restores it.
 struct AbSwitch {
     /// Row-label suffix of the other setting.
@@ -549,8 +549,26 @@ type ApplySetting = Box<dyn Fn(&CudaBackend, bool)>;
 
 impl AbSwitch {
     fn from_args(args: &BenchArgs) -> anyhow::Result<Option<Self>> {
-        if args.xprefetch_ab && args.preload_ab.is_some() {
-            bail!("--xprefetch-ab and --preload-ab: pick one A/B switch per run");
+        let switches = [
+            args.xprefetch_ab,
+            args.preload_ab.is_some(),
+            args.mv_grid_ab,
+        ];
+        if switches.iter().filter(|&&on| on).count() > 1 {
+            bail!("--xprefetch-ab, --preload-ab and --mv-grid-ab: pick one A/B switch per run");
+        }
+        if args.mv_grid_ab {
+            let start = std::env::var("MIRAGE_CUDA_MV_GRID")
+                .is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("on"));
+            let label = if start {
+                "no mat-vec grid"
+            } else {
+                "mat-vec grid"
+            };
+            return Ok(Some(Self {
+                label: label.into(),
+                apply: Box::new(move |b, o| b.set_matvec_grid(start != o)),
+            }));
         }
         if args.xprefetch_ab {
             let start = PrefetchSites::from_env();
