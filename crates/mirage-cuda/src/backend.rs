@@ -20,7 +20,8 @@ use mirage_runtime::ops::RopeMode;
 use mirage_runtime::{Result, RuntimeError};
 
 use crate::{
-    module, CudaError, GraphStats, MemoryStats, PrefetchSites, PreloadParts, WeightFormat,
+    module, CudaError, GraphStats, MatvecGrid, MemoryStats, PrefetchSites, PreloadParts,
+    WeightFormat,
 };
 
 fn drv(e: cudarc::driver::DriverError) -> RuntimeError {
@@ -721,10 +722,10 @@ pub struct CudaBackend {
     /// mat-vecs and FFN gate/up `*_v2p`, the decode attention
     /// `attend_rope_pre_*`). `MIRAGE_CUDA_PRELOAD` at start, `set_preload`.
     preload: std::sync::atomic::AtomicU8,
-    /// The v2 split Q8_0 mat-vecs on a persistent grid (`mv3_*_v2g*`,
-    /// `mv3_grid` in dense.cu). `MIRAGE_CUDA_MV_GRID=1` at start,
-    /// `set_matvec_grid`.
-    matvec_grid: std::sync::atomic::AtomicBool,
+    /// `MatvecGrid::bits`: when the v2 split Q8_0 mat-vecs run on a
+    /// persistent grid (`mv3_*_v2g*`, `mv3_grid` in dense.cu).
+    /// `MIRAGE_CUDA_MV_GRID` at start, `set_matvec_grid`.
+    matvec_grid: std::sync::atomic::AtomicU8,
     /// L2 bytes of the device: one prefetch launch asks for at most half.
     l2_bytes: usize,
     /// Kernel name of each entry of `functions`.
@@ -851,9 +852,7 @@ impl CudaBackend {
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             cross_prefetch: PrefetchSites::from_env().bits().into(),
             preload: PreloadParts::from_env().bits().into(),
-            matvec_grid: (module::env_is("MIRAGE_CUDA_MV_GRID", "1")
-                || module::env_is("MIRAGE_CUDA_MV_GRID", "on"))
-            .into(),
+            matvec_grid: MatvecGrid::from_env().bits().into(),
             l2_bytes,
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
             rope_in_attention: (!env_off("MIRAGE_CUDA_ROPE_FUSE")).into(),
@@ -984,21 +983,19 @@ impl CudaBackend {
         PreloadParts::from_bits(self.preload.load(std::sync::atomic::Ordering::Relaxed))
     }
 
-    /// Runs the v2 split Q8_0 mat-vecs (Q/K/V, output projection, down,
-    /// head) on a persistent grid: at most the device's resident blocks,
-    /// each taking the row groups b, b + grid, ... and reading the input
-    /// (and the folded norm) once, instead of one block per row group
-    /// (`MIRAGE_CUDA_MV_GRID=1` at start; default off). The same loads and
-    /// sums per row: the same bits. The preload's mat-vec part, when on,
-    /// takes precedence. Applies to launches recorded afterwards.
-    pub fn set_matvec_grid(&self, on: bool) {
+    /// When the v2 split Q8_0 mat-vecs (Q/K/V, output projection, down,
+    /// head) run on a persistent grid: see [`MatvecGrid`] (default `Auto`).
+    /// The same loads and sums per row: the same bits. The preload's
+    /// mat-vec part, when on, takes precedence. Applies to launches recorded
+    /// afterwards.
+    pub fn set_matvec_grid(&self, grid: MatvecGrid) {
         self.matvec_grid
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+            .store(grid.bits(), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether the v2 split Q8_0 mat-vecs run on a persistent grid.
-    pub fn matvec_grid(&self) -> bool {
-        self.matvec_grid.load(std::sync::atomic::Ordering::Relaxed)
+    /// When the v2 split Q8_0 mat-vecs run on a persistent grid.
+    pub fn matvec_grid(&self) -> MatvecGrid {
+        MatvecGrid::from_bits(self.matvec_grid.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Blocks of `kernel` (block of `threads`, no dynamic shared memory)
@@ -1812,18 +1809,26 @@ impl CudaBackend {
         // Folded norm (nx, nw, neps, nout): none; `fold_norm` may set it.
         args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::F32(0.0), Arg::Ptr(0)]);
         let mut v = Self::variant_suffix(w0.layout, variant, self.preload().matvec);
-        if v == "_v2" && w0.layout == Layout::Q8Split && self.matvec_grid() {
-            v = "_v2g".into();
+        let grid = self.matvec_grid();
+        if v == "_v2" && w0.layout == Layout::Q8Split && grid != MatvecGrid::Off {
+            let k = if split == 1 {
+                String::new()
+            } else {
+                format!("_k{split}")
+            };
+            let resident =
+                self.resident_blocks(&format!("mv3_{suffix}_v2g{k}"), (32 * FAST_WARPS) as u32)?;
+            if grid.applies(w0.cols, blocks, resident) {
+                // Grid-stride over the same row groups: no more blocks than fit.
+                v = "_v2g".into();
+                blocks = blocks.min(resident);
+            }
         }
         let kernel = if split == 1 {
             format!("mv3_{suffix}{v}")
         } else {
             format!("mv3_{suffix}{v}_k{split}")
         };
-        if v == "_v2g" {
-            // Grid-stride over the same row groups: no more blocks than fit.
-            blocks = blocks.min(self.resident_blocks(&kernel, (32 * FAST_WARPS) as u32)?);
-        }
         self.launch(
             &kernel,
             (blocks as u32, n_act as u32, 1),

@@ -85,10 +85,10 @@ impl CudaBackend {
         crate::PrefetchSites::NONE
     }
     /// Persistent-grid mat-vec switch (no effect without CUDA).
-    pub fn set_matvec_grid(&self, _on: bool) {}
-    /// Whether the mat-vecs run on a persistent grid (never without CUDA).
-    pub fn matvec_grid(&self) -> bool {
-        false
+    pub fn set_matvec_grid(&self, _grid: crate::MatvecGrid) {}
+    /// When the mat-vecs run on a persistent grid (never without CUDA).
+    pub fn matvec_grid(&self) -> crate::MatvecGrid {
+        crate::MatvecGrid::Off
     }
     /// Preload switch (no effect without CUDA).
     pub fn set_preload(&self, _parts: crate::PreloadParts) {}

@@ -213,6 +213,64 @@ impl std::fmt::Display for PreloadParts {
     }
 }
 
+/// When the v2 split Q8_0 mat-vecs run on a persistent grid (`mv3_*_v2g*`:
+/// at most the device's resident blocks, each taking several row groups and
+/// reading the input and folded norm once; the same bits). `Auto`, the
+/// default, takes it where it measured faster on the H200: rows of at least
+/// 2048 columns and more row groups than resident blocks (the 7B shape's
+/// Q/K/V, output projection, down and head: dense step 3.65-3.80 ->
+/// 3.59-3.61 ms); the 0.5B shape (896 columns) decoded 5-7 % slower with
+/// it everywhere. `MIRAGE_CUDA_MV_GRID=0|1|auto` at start, or
+/// `CudaBackend::set_matvec_grid`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatvecGrid {
+    /// One block per row group (the v2 kernels).
+    Off,
+    /// The persistent grid where the rule above says so.
+    Auto,
+    /// The persistent grid for every v2 split Q8_0 mat-vec (tests, A/B).
+    Always,
+}
+
+impl MatvecGrid {
+    /// `MIRAGE_CUDA_MV_GRID`: `0`/`off`, `1`/`on`/`always`, `auto`; unset
+    /// or not understood, `Auto`.
+    pub fn from_env() -> MatvecGrid {
+        match std::env::var("MIRAGE_CUDA_MV_GRID")
+            .map(|v| v.to_ascii_lowercase())
+            .as_deref()
+        {
+            Ok("0" | "off") => MatvecGrid::Off,
+            Ok("1" | "on" | "always") => MatvecGrid::Always,
+            _ => MatvecGrid::Auto,
+        }
+    }
+
+    /// Whether a launch of `tiles` row groups of `cols`-element rows on a
+    /// device of `resident` blocks takes the persistent grid.
+    pub fn applies(self, cols: usize, tiles: usize, resident: usize) -> bool {
+        match self {
+            MatvecGrid::Off => false,
+            MatvecGrid::Always => true,
+            MatvecGrid::Auto => cols >= 2048 && tiles > resident,
+        }
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn bits(self) -> u8 {
+        self as u8
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn from_bits(b: u8) -> MatvecGrid {
+        match b {
+            0 => MatvecGrid::Off,
+            2 => MatvecGrid::Always,
+            _ => MatvecGrid::Auto,
+        }
+    }
+}
+
 /// Device memory the backend holds, by purpose (bytes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MemoryStats {
@@ -393,6 +451,19 @@ mod nvrtc_check {
 #[cfg(test)]
 mod preload_parts {
     use super::PreloadParts;
+
+    #[test]
+    fn matvec_grid_rule_and_bits() {
+        use super::MatvecGrid;
+        for g in [MatvecGrid::Off, MatvecGrid::Auto, MatvecGrid::Always] {
+            assert_eq!(MatvecGrid::from_bits(g.bits()), g);
+        }
+        assert!(MatvecGrid::Auto.applies(3584, 576, 264));
+        assert!(!MatvecGrid::Auto.applies(3584, 200, 264));
+        assert!(!MatvecGrid::Auto.applies(896, 4748, 264));
+        assert!(MatvecGrid::Always.applies(896, 1, 264));
+        assert!(!MatvecGrid::Off.applies(3584, 576, 264));
+    }
 
     #[test]
     fn parse_reads_words_and_lists_and_display_reads_back() {

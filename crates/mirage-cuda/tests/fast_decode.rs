@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use mirage_cuda::{CudaBackend, PrefetchSites, PreloadParts, WeightFormat};
+use mirage_cuda::{CudaBackend, MatvecGrid, PrefetchSites, PreloadParts, WeightFormat};
 use mirage_gguf::quant::Nvfp4Tensor;
 use mirage_gguf::writer::GgufWriter;
 use mirage_gguf::{quant, GgmlType, GgufFile};
@@ -1092,10 +1092,10 @@ fn matvec_variants_equal_reference_and_v1() {
                             }
                             // v2g: the same row groups on a persistent
                             // grid: the same bits.
-                            gpu.set_matvec_grid(true);
+                            gpu.set_matvec_grid(MatvecGrid::Always);
                             let grid = product(&gpu, &ws[0], &dx);
                             let grid_many = many(&gpu);
-                            gpu.set_matvec_grid(false);
+                            gpu.set_matvec_grid(MatvecGrid::Off);
                             assert_eq!(bits_differ(&grid, &got), 0, "{what}: grid changed bits");
                             for (i, (p, g)) in grid_many.iter().zip(&got_many).enumerate() {
                                 assert_eq!(
@@ -1429,11 +1429,11 @@ fn matvec_grid_covers_tall_matrices() {
         };
         for split in [1usize, 2, 4, 8] {
             gpu.set_split_k(split).unwrap();
-            gpu.set_matvec_grid(false);
+            gpu.set_matvec_grid(MatvecGrid::Off);
             let v2 = run(&gpu);
-            gpu.set_matvec_grid(true);
+            gpu.set_matvec_grid(MatvecGrid::Always);
             let v2g = run(&gpu);
-            gpu.set_matvec_grid(false);
+            gpu.set_matvec_grid(MatvecGrid::Off);
             let differ = bits_differ(&v2, &v2g);
             eprintln!(
                 "split {split} n_act {n_act}: grid vs v2: {differ} of {} differ",
@@ -1458,7 +1458,11 @@ fn matvec_grid_keeps_bits() {
     for types in [LAYER_MIXES[0], NORM_MIX] {
         let kvs = [KvDtype::F32];
         for (what, off, on) in switch_keeps_bits(types, "mat-vec grid on vs off", &kvs, |b, on| {
-            b.set_matvec_grid(on)
+            b.set_matvec_grid(if on {
+                MatvecGrid::Always
+            } else {
+                MatvecGrid::Off
+            })
         }) {
             assert_eq!(on, off, "{what}: launches per graph");
         }

@@ -139,11 +139,11 @@ pub struct BenchArgs {
     #[arg(long, value_name = "PARTS", num_args = 0..=1, default_missing_value = "all")]
     pub preload_ab: Option<String>,
     /// Sparse decode: also decode the dense model and every sparse row with
-    /// the other setting of the persistent-grid mat-vecs, in the same
-    /// process (`... (mat-vec grid)` rows when it is off, the default: the
-    /// v2 split Q8_0 mat-vecs then run on at most the device's resident
-    /// blocks, each taking several row groups; `... (no mat-vec grid)` when
-    /// MIRAGE_CUDA_MV_GRID=1 turned it on).
+    /// the persistent-grid mat-vecs off (`... (mat-vec grid off)` rows; by
+    /// default the v2 split Q8_0 mat-vecs of rows >= 2048 columns with more
+    /// row groups than resident blocks run on at most the resident blocks,
+    /// each taking several row groups), or on the rule's matrices
+    /// (`... (mat-vec grid auto)`) when MIRAGE_CUDA_MV_GRID=0 turned it off.
     #[arg(long)]
     pub mv_grid_ab: bool,
 }

@@ -41,7 +41,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use mirage_cuda::{
-    CudaBackend, PageFormat, PageSource, PrefetchSites, PreloadParts, RouteTraversal,
+    CudaBackend, MatvecGrid, PageFormat, PageSource, PrefetchSites, PreloadParts, RouteTraversal,
     SparseCudaBackend, SparsePages, WeightFormat,
 };
 use mirage_gguf::GgufFile;
@@ -558,16 +558,15 @@ impl AbSwitch {
             bail!("--xprefetch-ab, --preload-ab and --mv-grid-ab: pick one A/B switch per run");
         }
         if args.mv_grid_ab {
-            let start = std::env::var("MIRAGE_CUDA_MV_GRID")
-                .is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("on"));
-            let label = if start {
-                "no mat-vec grid"
+            let start = MatvecGrid::from_env();
+            let (other, label) = if start == MatvecGrid::Off {
+                (MatvecGrid::Auto, "mat-vec grid auto")
             } else {
-                "mat-vec grid"
+                (MatvecGrid::Off, "mat-vec grid off")
             };
             return Ok(Some(Self {
                 label: label.into(),
-                apply: Box::new(move |b, o| b.set_matvec_grid(start != o)),
+                apply: Box::new(move |b, o| b.set_matvec_grid(if o { other } else { start })),
             }));
         }
         if args.xprefetch_ab {
