@@ -746,6 +746,8 @@ pub struct CudaBackend {
     nvfp4_weights: std::sync::atomic::AtomicBool,
     /// Streaming multiprocessors of the device (the split-K rule's target).
     sm_count: usize,
+    /// `resident_blocks` answers by (kernel index, threads).
+    resident: Mutex<HashMap<(usize, u32), usize>>,
     /// Column split of the repacked mat-vecs: 0 = by the rule, else forced
     /// (`MIRAGE_CUDA_SPLITK` at start, `set_split_k`).
     split_k: std::sync::atomic::AtomicUsize,
@@ -877,6 +879,7 @@ impl CudaBackend {
                 .is_ok_and(|v| v.eq_ignore_ascii_case("nvfp4"))
                 .into(),
             sm_count,
+            resident: Mutex::new(HashMap::new()),
             split_k: std::env::var("MIRAGE_CUDA_SPLITK")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
@@ -998,17 +1001,26 @@ impl CudaBackend {
         MatvecGrid::from_bits(self.matvec_grid.load(std::sync::atomic::Ordering::Relaxed))
     }
 
-    /// Blocks of `kernel` (block of `threads`, no dynamic shared memory)
-    /// resident on the whole device at once.
+    /// Blocks of `kernel` (a block of `threads`, no dynamic shared memory)
+    /// resident on the whole device at once. Asked of the driver once per
+    /// kernel and kept: the decode path runs on the host every step (the
+    /// step is recorded, then its graph replayed), and a driver query per
+    /// mat-vec launch would cost the host more than the grid saves.
     fn resident_blocks(&self, kernel: &str, threads: u32) -> Result<usize> {
-        let f = &self.functions[*self
+        let i = *self
             .kernel_index
             .get(kernel)
-            .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?];
-        let per_sm = f
+            .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
+        let mut known = self.resident.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&n) = known.get(&(i, threads)) {
+            return Ok(n);
+        }
+        let per_sm = self.functions[i]
             .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
             .map_err(drv)?;
-        Ok(per_sm.max(1) as usize * self.sm_count)
+        let n = per_sm.max(1) as usize * self.sm_count;
+        known.insert((i, threads), n);
+        Ok(n)
     }
 
     /// Kernel-name suffix of a variant for a matrix in this layout: `_v<N>`,
