@@ -215,16 +215,19 @@ impl std::fmt::Display for PreloadParts {
 
 /// When the v2 split Q8_0 mat-vecs run on a persistent grid (`mv3_*_v2g*`:
 /// at most the device's resident blocks, each taking several row groups and
-/// reading the input and folded norm once; the same bits). `Auto`, the
-/// default, takes it where it measured faster on the H200: rows of at least
-/// 2048 columns and more row groups than resident blocks (the 7B shape's
-/// Q/K/V, output projection, down and head: dense step 3.65-3.80 ->
-/// 3.59-3.61 ms); the 0.5B shape (896 columns) decoded 5-7 % slower with
-/// it everywhere. `MIRAGE_CUDA_MV_GRID=0|1|auto` at start, or
+/// reading the input and folded norm once; the same bits). `Auto` takes it
+/// where it measured faster on the H200: rows of at least 2048 columns and
+/// more row groups than resident blocks (the 7B shape's Q/K/V, output
+/// projection, down and head: dense step 3.65-3.80 -> 3.59-3.62 ms in four
+/// same-process pairs; sparse 40 % -1.7 % on average, within the spread).
+/// Off by default: the 0.5B shape, which `Auto` leaves on the v2 kernels,
+/// decoded 6-7 % slower in the build that asked the driver for the
+/// occupancy at every launch (now asked once); that has not been measured
+/// again. `MIRAGE_CUDA_MV_GRID=0|auto|1` at start, or
 /// `CudaBackend::set_matvec_grid`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatvecGrid {
-    /// One block per row group (the v2 kernels).
+    /// One block per row group (the v2 kernels; the default).
     Off,
     /// The persistent grid where the rule above says so.
     Auto,
@@ -233,16 +236,16 @@ pub enum MatvecGrid {
 }
 
 impl MatvecGrid {
-    /// `MIRAGE_CUDA_MV_GRID`: `0`/`off`, `1`/`on`/`always`, `auto`; unset
-    /// or not understood, `Auto`.
+    /// `MIRAGE_CUDA_MV_GRID`: `auto`, `1`/`on`/`always`; unset, `0`/`off`
+    /// or not understood, `Off`.
     pub fn from_env() -> MatvecGrid {
         match std::env::var("MIRAGE_CUDA_MV_GRID")
             .map(|v| v.to_ascii_lowercase())
             .as_deref()
         {
-            Ok("0" | "off") => MatvecGrid::Off,
+            Ok("auto") => MatvecGrid::Auto,
             Ok("1" | "on" | "always") => MatvecGrid::Always,
-            _ => MatvecGrid::Auto,
+            _ => MatvecGrid::Off,
         }
     }
 
@@ -264,9 +267,9 @@ impl MatvecGrid {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn from_bits(b: u8) -> MatvecGrid {
         match b {
-            0 => MatvecGrid::Off,
+            1 => MatvecGrid::Auto,
             2 => MatvecGrid::Always,
-            _ => MatvecGrid::Auto,
+            _ => MatvecGrid::Off,
         }
     }
 }
