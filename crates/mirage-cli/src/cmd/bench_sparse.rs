@@ -608,3 +608,53 @@ impl AbSwitch {
         (self.apply)(b, other)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::AbSwitch;
+    use crate::cmd::bench::BenchArgs;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    fn args(extra: &[&str]) -> BenchArgs {
+        let argv = ["bench", "--model", "m.gguf"].iter().chain(extra);
+        Cli::try_parse_from(argv).expect("flags parse").args
+    }
+
+    /// The A/B flags are checked before any decode: one switch per run,
+    /// preload parts that parse and differ from the start-up setting
+    /// (MIRAGE_CUDA_PRELOAD, unset here: none).
+    #[test]
+    fn ab_switch_flags_are_checked() {
+        for var in ["MIRAGE_CUDA_PRELOAD", "MIRAGE_CUDA_MV_GRID"] {
+            assert!(
+                std::env::var_os(var).is_none(),
+                "unset {var} to run this test"
+            );
+        }
+        assert!(AbSwitch::from_args(&args(&[])).unwrap().is_none());
+        let two = AbSwitch::from_args(&args(&["--preload-ab", "--mv-grid-ab"]));
+        assert!(two.err().unwrap().to_string().contains("one A/B switch"));
+        let bad = AbSwitch::from_args(&args(&["--preload-ab=matvec,bogus"]));
+        assert!(bad.err().unwrap().to_string().contains("matvec,bogus"));
+        let same = AbSwitch::from_args(&args(&["--preload-ab=none"]));
+        assert!(same.err().unwrap().to_string().contains("start-up setting"));
+        let parts = AbSwitch::from_args(&args(&["--preload-ab=attn,matvec"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(parts.label, "preload matvec,attn");
+        let all = AbSwitch::from_args(&args(&["--preload-ab"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(all.label, "preload all");
+        let grid = AbSwitch::from_args(&args(&["--mv-grid-ab"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(grid.label, "mat-vec grid auto");
+    }
+}
