@@ -15,7 +15,9 @@
 //!     Q8_0 and split Q4_K layouts (`mv3_<layout>[_v<N>][_k<S>]`,
 //!     `ffn_<layout>[_v<N>]`, the backend's kernels and launch shapes) at
 //!     every split-K setting on the 7B shapes, each checked against v1
-//!     (rel err printed).
+//!     (rel err printed), then split Q8_0 v2 against v2g (`mv3_grid`, the
+//!     same row groups on at most the resident blocks) at every split, with
+//!     and without the folded RMSNorm, compared bit for bit.
 //!
 //! (d) the fused Q8_0 FFN variants (`superblock_ffn_q8s_v<n>`, both phases
 //!     as the two launches of the sparse backend's graph, every phase-2 part
