@@ -2418,6 +2418,8 @@ __device__ __forceinline__ void mv3_variant(MV3_PARAMS) {
 // grid of the device's resident blocks covers a launch of any size, and the
 // input (with a folded norm, its RMSNorm) is read once per block, not once
 // per tile. Each tile's loads and sums are mv3_variant's: the same bits.
+// Unlike mv3_variant it asks L2 for none of its rows before the PDL wait
+// (MIRAGE_PREFETCH_ROW); the measurements of the grid are without it.
 // Why try it: at the 7B shape the Q/K/V launch is 576 blocks on 264
 // resident (2.2 waves), the O and down launches 448 (1.7), and every block
 // pays the norm prologue and its own start again.
