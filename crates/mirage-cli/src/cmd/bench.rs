@@ -140,11 +140,11 @@ pub struct BenchArgs {
     pub preload_ab: Option<String>,
     /// Sparse decode: also decode the dense model and every sparse row with
     /// the persistent-grid mat-vecs by their rule, in the same process
-    /// (`... (mat-vec grid auto)` rows: the v2 split Q8_0 mat-vecs of rows
-    /// >= 2048 columns with more row groups than resident blocks run on at
-    /// most the resident blocks, each taking several row groups), or with
-    /// them off (`... (mat-vec grid off)`) when MIRAGE_CUDA_MV_GRID turned
-    /// them on.
+    /// (`... (mat-vec grid auto)` rows: the v2 split Q8_0 mat-vecs with rows
+    /// of at least 2048 columns and more row groups than resident blocks run
+    /// on at most the resident blocks, each taking several row groups), or
+    /// with them off (`... (mat-vec grid off)`) when MIRAGE_CUDA_MV_GRID
+    /// turned them on.
     #[arg(long)]
     pub mv_grid_ab: bool,
 }
