@@ -2623,41 +2623,30 @@ __device__ __forceinline__ void ffn_preload(FFN_PARAMS) {
 #define MVV2_Q8_BOUNDS FAST_WARPS * 32
 #endif
 MVV_INSTANCE(q8_0s, MVV_Q8, v2, MVV2_NR, MVV2_U_Q8, false, MVV2_Q8_BOUNDS)
+// The four split-K kernels mv3_NAME, mv3_NAME_k2/_k4/_k8 of a mat-vec body
+// FN<NR, U, S> (mv3_preload, mv3_grid), with the launch bounds that follow.
+#define MV3_SPLIT_KERNELS(NAME, FN, NR, U, ...)                                                                      \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME(MV3_PARAMS) { FN<NR, U, 1>(MV3_ARGS); }  \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_k2(MV3_PARAMS) {                      \
+        FN<NR, U, 2>(MV3_ARGS);                                                                                      \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_k4(MV3_PARAMS) {                      \
+        FN<NR, U, 4>(MV3_ARGS);                                                                                      \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_k8(MV3_PARAMS) {                      \
+        FN<NR, U, 8>(MV3_ARGS);                                                                                      \
+    }
 // v2p: v2's split Q8_0 kernels with the weight preload (mv3_preload,
-// ffn_preload); the backend picks them with `MIRAGE_CUDA_PRELOAD=1`.
+// ffn_preload); the backend picks them with `MIRAGE_CUDA_PRELOAD`.
 #define MVV_PRE_INSTANCE(NAME, NR, U, ...)                                                                           \
-    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2p(MV3_PARAMS) {                     \
-        mv3_preload<NR, U, 1>(MV3_ARGS);                                                                             \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2p_k2(MV3_PARAMS) {                  \
-        mv3_preload<NR, U, 2>(MV3_ARGS);                                                                             \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2p_k4(MV3_PARAMS) {                  \
-        mv3_preload<NR, U, 4>(MV3_ARGS);                                                                             \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2p_k8(MV3_PARAMS) {                  \
-        mv3_preload<NR, U, 8>(MV3_ARGS);                                                                             \
-    }                                                                                                                \
+    MV3_SPLIT_KERNELS(NAME##_v2p, mv3_preload, NR, U, __VA_ARGS__)                                                   \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) ffn_##NAME##_v2p(FFN_PARAMS) {                     \
         ffn_preload<NR, U>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                     \
     }
 MVV_INSTANCE(q8_0s, MVV_Q8, v3, MVV3_NR, MVV3_U_Q8, false, FAST_WARPS * 32)
 MVV_PRE_INSTANCE(q8_0s, MVV2_NR, MVV2_U_Q8, MVV2_Q8_BOUNDS)
 // v2g: v2's split Q8_0 mat-vecs on a persistent grid (mv3_grid).
-#define MVV_GRID_INSTANCE(NAME, NR, U, ...)                                                                          \
-    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2g(MV3_PARAMS) {                     \
-        mv3_grid<NR, U, 1>(MV3_ARGS);                                                                                \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2g_k2(MV3_PARAMS) {                  \
-        mv3_grid<NR, U, 2>(MV3_ARGS);                                                                                \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2g_k4(MV3_PARAMS) {                  \
-        mv3_grid<NR, U, 4>(MV3_ARGS);                                                                                \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) mv3_##NAME##_v2g_k8(MV3_PARAMS) {                  \
-        mv3_grid<NR, U, 8>(MV3_ARGS);                                                                                \
-    }
-MVV_GRID_INSTANCE(q8_0s, MVV2_NR, MVV2_U_Q8, MVV2_Q8_BOUNDS)
+MV3_SPLIT_KERNELS(q8_0s_v2g, mv3_grid, MVV2_NR, MVV2_U_Q8, MVV2_Q8_BOUNDS)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v2, MVV2_NR, MVV2_U_Q4K, false, FAST_WARPS * 32)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v3, MVV3_NR, MVV3_U_Q4K, false, FAST_WARPS * 32)
 MVV_INSTANCE(q8_0s, MVV_Q8, v4, MVV4_NR, MVV4_U_Q8, false, FAST_WARPS * 32, 4)
