@@ -221,7 +221,7 @@ impl std::fmt::Display for PreloadParts {
 /// projection, down and head: dense step 3.65-3.80 -> 3.59-3.62 ms in four
 /// same-process pairs; sparse 40 % -1.7 % on average, within the spread).
 /// Off by default: the 0.5B shape, which `Auto` leaves on the v2 kernels,
-/// decoded 6-7 % slower in the build that asked the driver for the
+/// decoded 5-7 % slower in the build that asked the driver for the
 /// occupancy at every launch (now asked once); that has not been measured
 /// again. `MIRAGE_CUDA_MV_GRID=0|auto|1` at start, or
 /// `CudaBackend::set_matvec_grid`.
