@@ -1285,17 +1285,23 @@ __device__ const float* norm_prologue(const float* nx, const float* nw, float ep
 
 // MV3_PICK without reading the input: this block's matrix and row group.
 #define MV3_PICK_W(PER_BLOCK)                                                                                        \
+    MV3_MATRIX(blockIdx.x, PER_BLOCK)                                                                                \
+    (void)row_bytes;                                                                                                 \
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+// Row group T of a launch over three matrices (mv3's numbering): its
+// matrix's weights, rows, output, tensor scale, bias and residual, and its
+// index bx within that matrix.
+#define MV3_MATRIX(T, PER_BLOCK)                                                                                     \
     int m;                                                                                                           \
-    int bx = pick3(blockIdx.x, PER_BLOCK, rows0, rows1, &m);                                                         \
+    int bx = pick3(T, PER_BLOCK, rows0, rows1, &m);                                                                  \
     const u8* W = m == 0 ? W0 : m == 1 ? W1 : W2;                                                                    \
     int rows = m == 0 ? rows0 : m == 1 ? rows1 : rows2;                                                              \
     float* y = m == 0 ? y0 : m == 1 ? y1 : y2;                                                                       \
     float ts = m == 0 ? ts0 : m == 1 ? ts1 : ts2;                                                                    \
     const float* bias = m == 0 ? bias0 : m == 1 ? bias1 : bias2;                                                     \
     float* rs = m == 0 ? res : (float*)0;                                                                            \
-    (void)ts;                                                                                                        \
-    (void)row_bytes;                                                                                                 \
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    (void)ts;
 
 // ggml layout: one warp per row, FAST_WARPS rows per block.
 template <int T>
@@ -2370,6 +2376,29 @@ __device__ __forceinline__ void mv3_store(const float* acc, float (*part)[NR], i
     }
 }
 
+// Columns [lo, lo + n) of warp slice `slice` of S over rows of cols
+// elements, in whole G-element granules (n = 0 past the row's end).
+template <int G, int S>
+__device__ __forceinline__ void mv3_slice(int cols, int slice, int& lo, int& n) {
+    const int n_gran = (cols + G - 1) / G, per_slice = (n_gran + S - 1) / S;
+    lo = min(cols, slice * per_slice * G);
+    n = min(cols, lo + per_slice * G) - lo;
+}
+
+// Rows r0.. of a split matrix of layout L from column c_lo on. Bytes of
+// the slice start: c_lo / 2 (Q4_K quants) or c_lo (Q8_0); scales/headers
+// c_lo / 16 in both (2 bytes per 32, 16 per 256).
+template <int L>
+__device__ __forceinline__ MvvRows mv3_rows(const u8* W, int rows, int r0, int c_lo, int qs, int ms) {
+    MvvRows R;
+    R.qa = R.qb = W + (long)r0 * qs + (L == MVV_Q8 ? c_lo : (c_lo >> 1));
+    R.ma = R.mb = W + (long)rows * qs + (long)r0 * ms + (c_lo >> 4);
+    R.qs = qs;
+    R.ms = ms;
+    R.last = rows - 1 - r0;
+    return R;
+}
+
 // mv3 of a variant: S warps per group of NR rows (S = 1: no split), each
 // over one column slice of whole G-element granules.
 template <int L, int NR, int U, bool PF, int S>
@@ -2391,22 +2420,13 @@ __device__ __forceinline__ void mv3_variant(MV3_PARAMS) {
     __shared__ float part[S > 1 ? FAST_WARPS : 1][NR];
     const int slice = warp % S;
     const int r0 = (bx * (FAST_WARPS / S) + warp / S) * NR;
-    const int n_gran = (cols + G - 1) / G, per_slice = (n_gran + S - 1) / S;
-    const int c_lo = min(cols, slice * per_slice * G);
-    const int c_n = min(cols, c_lo + per_slice * G) - c_lo;
+    int c_lo, c_n;
+    mv3_slice<G, S>(cols, slice, c_lo, c_n);
     float acc[NR];
 #pragma unroll
     for (int k = 0; k < NR; k++) acc[k] = 0.f;
     if (r0 < rows && c_n > 0) {
-        const int qs = mvv_qrow<L>(cols), ms = mvv_mrow<L>(cols);
-        MvvRows R;
-        // Bytes of the slice start: c_lo / 2 (Q4_K quants) or c_lo (Q8_0);
-        // scales/headers c_lo / 16 in both (2 bytes per 32, 16 per 256).
-        R.qa = R.qb = W + (long)r0 * qs + (L == MVV_Q8 ? c_lo : (c_lo >> 1));
-        R.ma = R.mb = W + (long)rows * qs + (long)r0 * ms + (c_lo >> 4);
-        R.qs = qs;
-        R.ms = ms;
-        R.last = rows - 1 - r0;
+        const MvvRows R = mv3_rows<L>(W, rows, r0, c_lo, mvv_qrow<L>(cols), mvv_mrow<L>(cols));
         mvv_dot<L, NR, NR, U, PF>(R, xa + c_lo, c_n, lane, acc);
     }
     mv3_store<NR, S>(acc, part, warp, lane, slice, r0, y, bias, rs, a, rows);
@@ -2434,29 +2454,17 @@ __device__ __forceinline__ void mv3_grid(MV3_PARAMS) {
     FAST_INPUT
     __shared__ float part[S > 1 ? FAST_WARPS : 1][NR];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slice = warp % S;
-    const int n_gran = (cols + G - 1) / G, per_slice = (n_gran + S - 1) / S;
-    const int c_lo = min(cols, slice * per_slice * G);
-    const int c_n = min(cols, c_lo + per_slice * G) - c_lo;
+    int c_lo, c_n;
+    mv3_slice<G, S>(cols, slice, c_lo, c_n);
     const int qs = mvv_qrow<MVV_Q8>(cols), ms = mvv_mrow<MVV_Q8>(cols);
     for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-        int m;
-        const int bx = pick3(t, per_block, rows0, rows1, &m);
-        const u8* W = m == 0 ? W0 : m == 1 ? W1 : W2;
-        const int rows = m == 0 ? rows0 : m == 1 ? rows1 : rows2;
-        float* y = m == 0 ? y0 : m == 1 ? y1 : y2;
-        const float* bias = m == 0 ? bias0 : m == 1 ? bias1 : bias2;
-        float* rs = m == 0 ? res : (float*)0;
+        MV3_MATRIX(t, per_block)
         const int r0 = (bx * (FAST_WARPS / S) + warp / S) * NR;
         float acc[NR];
 #pragma unroll
         for (int k = 0; k < NR; k++) acc[k] = 0.f;
         if (r0 < rows && c_n > 0) {
-            MvvRows R;
-            R.qa = R.qb = W + (long)r0 * qs + c_lo;
-            R.ma = R.mb = W + (long)rows * qs + (long)r0 * ms + (c_lo >> 4);
-            R.qs = qs;
-            R.ms = ms;
-            R.last = rows - 1 - r0;
+            const MvvRows R = mv3_rows<MVV_Q8>(W, rows, r0, c_lo, qs, ms);
             mvv_dot<MVV_Q8, NR, NR, U, false>(R, xa + c_lo, c_n, lane, acc);
         }
         mv3_store<NR, S>(acc, part, warp, lane, slice, r0, y, bias, rs, a, rows);
@@ -2479,17 +2487,10 @@ __device__ __forceinline__ void mv3_preload(MV3_PARAMS) {
     MV3_PICK_W((FAST_WARPS / S) * NR)
     const int slice = warp % S;
     const int r0 = (bx * (FAST_WARPS / S) + warp / S) * NR;
-    const int n_gran = (cols + G - 1) / G, per_slice = (n_gran + S - 1) / S;
-    const int c_lo = min(cols, slice * per_slice * G);
-    const int c_n = min(cols, c_lo + per_slice * G) - c_lo;
+    int c_lo, c_n;
+    mv3_slice<G, S>(cols, slice, c_lo, c_n);
     const bool live = r0 < rows && c_n > 0;
-    const int qs = cols, ms = cols >> 4;
-    MvvRows R;
-    R.qa = R.qb = W + (long)r0 * qs + c_lo;
-    R.ma = R.mb = W + (long)rows * qs + (long)r0 * ms + (c_lo >> 4);
-    R.qs = qs;
-    R.ms = ms;
-    R.last = rows - 1 - r0;
+    const MvvRows R = mv3_rows<MVV_Q8>(W, rows, r0, c_lo, mvv_qrow<MVV_Q8>(cols), mvv_mrow<MVV_Q8>(cols));
     uint4 w[U][NR];
     u32 sc[U][NR];
     if (live) q8s_load16<NR, NR, U>(R, c_n, lane, w, sc, 0);
