@@ -1820,27 +1820,23 @@ impl CudaBackend {
         args.extend([Arg::Ptr(0); 4]);
         // Folded norm (nx, nw, neps, nout): none; `fold_norm` may set it.
         args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::F32(0.0), Arg::Ptr(0)]);
-        let mut v = Self::variant_suffix(w0.layout, variant, self.preload().matvec);
+        let v = Self::variant_suffix(w0.layout, variant, self.preload().matvec);
+        let k = if split == 1 {
+            String::new()
+        } else {
+            format!("_k{split}")
+        };
+        let mut kernel = format!("mv3_{suffix}{v}{k}");
         let grid = self.matvec_grid();
         if v == "_v2" && w0.layout == Layout::Q8Split && grid != MatvecGrid::Off {
-            let k = if split == 1 {
-                String::new()
-            } else {
-                format!("_k{split}")
-            };
-            let resident =
-                self.resident_blocks(&format!("mv3_{suffix}_v2g{k}"), (32 * FAST_WARPS) as u32)?;
+            let grid_kernel = format!("mv3_{suffix}_v2g{k}");
+            let resident = self.resident_blocks(&grid_kernel, (32 * FAST_WARPS) as u32)?;
             if grid.applies(w0.cols, blocks, resident) {
                 // Grid-stride over the same row groups: no more blocks than fit.
-                v = "_v2g".into();
+                kernel = grid_kernel;
                 blocks = blocks.min(resident);
             }
         }
-        let kernel = if split == 1 {
-            format!("mv3_{suffix}{v}")
-        } else {
-            format!("mv3_{suffix}{v}_k{split}")
-        };
         self.launch(
             &kernel,
             (blocks as u32, n_act as u32, 1),

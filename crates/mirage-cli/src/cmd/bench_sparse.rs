@@ -558,28 +558,20 @@ impl AbSwitch {
             bail!("--xprefetch-ab, --preload-ab and --mv-grid-ab: pick one A/B switch per run");
         }
         if args.mv_grid_ab {
-            let start = MatvecGrid::from_env();
-            let (other, label) = if start == MatvecGrid::Off {
-                (MatvecGrid::Auto, "mat-vec grid auto")
-            } else {
-                (MatvecGrid::Off, "mat-vec grid off")
-            };
-            return Ok(Some(Self {
-                label: label.into(),
-                apply: Box::new(move |b, o| b.set_matvec_grid(if o { other } else { start })),
-            }));
+            return Ok(Some(Self::toggle(
+                MatvecGrid::from_env(),
+                (MatvecGrid::Off, "mat-vec grid off"),
+                (MatvecGrid::Auto, "mat-vec grid auto"),
+                CudaBackend::set_matvec_grid,
+            )));
         }
         if args.xprefetch_ab {
-            let start = PrefetchSites::from_env();
-            let (other, label) = if start == PrefetchSites::NONE {
-                (PrefetchSites::ALL, "cross-op prefetch")
-            } else {
-                (PrefetchSites::NONE, "no cross-op prefetch")
-            };
-            return Ok(Some(Self {
-                label: label.into(),
-                apply: Box::new(move |b, o| b.set_cross_prefetch(if o { other } else { start })),
-            }));
+            return Ok(Some(Self::toggle(
+                PrefetchSites::from_env(),
+                (PrefetchSites::NONE, "no cross-op prefetch"),
+                (PrefetchSites::ALL, "cross-op prefetch"),
+                CudaBackend::set_cross_prefetch,
+            )));
         }
         if let Some(parts) = &args.preload_ab {
             let other = PreloadParts::parse(parts).with_context(|| {
@@ -596,12 +588,37 @@ impl AbSwitch {
             if other == start {
                 bail!("--preload-ab {other}: that is already the start-up setting (MIRAGE_CUDA_PRELOAD)");
             }
-            return Ok(Some(Self {
-                label: format!("preload {other}"),
-                apply: Box::new(move |b, o| b.set_preload(if o { other } else { start })),
-            }));
+            let label = format!("preload {other}");
+            let set = CudaBackend::set_preload;
+            return Ok(Some(Self::between(start, other, label, set)));
         }
         Ok(None)
+    }
+
+    /// The start-up setting `start` against `other` (rows labelled `label`),
+    /// applied with `set`.
+    fn between<T: Copy + 'static>(
+        start: T,
+        other: T,
+        label: String,
+        set: fn(&CudaBackend, T),
+    ) -> Self {
+        Self {
+            label,
+            apply: Box::new(move |b, o| set(b, if o { other } else { start })),
+        }
+    }
+
+    /// The start-up setting against `on` when it is `off`, else against
+    /// `off`; each pair is (setting, row label).
+    fn toggle<T: Copy + PartialEq + 'static>(
+        start: T,
+        off: (T, &str),
+        on: (T, &str),
+        set: fn(&CudaBackend, T),
+    ) -> Self {
+        let (other, label) = if start == off.0 { on } else { off };
+        Self::between(start, other, label.to_string(), set)
     }
 
     fn set(&self, b: &CudaBackend, other: bool) {

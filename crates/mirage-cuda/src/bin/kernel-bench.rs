@@ -330,35 +330,18 @@ mod bench {
         [4, 4, 2, 2, 2][v - 1]
     }
 
-    /// One `mv3_*` launch (MV3_PARAMS) over up to three matrices of `rows`
-    /// with the backend's grid: blocks of 8 warps, `nr` rows per warp group,
-    /// `split` warps per group.
-    #[allow(clippy::too_many_arguments)]
-    fn mv3_launch(
-        dev: &SparseDevice,
-        f: &CudaFunction,
-        ws: [u64; 3],
-        rows: [usize; 3],
-        cols: usize,
-        x: u64,
-        ys: [u64; 3],
-        nr: usize,
-        split: usize,
-    ) -> Res<()> {
-        let blocks = mv3_tiles(rows, nr, split);
-        mv3_launch_on(dev, f, ws, rows, cols, x, ys, blocks, None)
-    }
-
     /// Blocks of the backend's mv3 grid (tiles of `mv3_grid`).
     fn mv3_tiles(rows: [usize; 3], nr: usize, split: usize) -> usize {
         let per_block = 8 * nr / split;
         rows.iter().map(|r| r.div_ceil(per_block)).sum()
     }
 
-    /// `mv3_launch` on `blocks` blocks, with the RMSNorm of `x` by weights
-    /// `norm` folded in (the decode's Q/K/V and gate/up launches) when given.
+    /// One `mv3_*` launch (MV3_PARAMS) over up to three matrices of `rows`
+    /// on `blocks` blocks of 8 warps (the backend's grid: `mv3_tiles`), with
+    /// the RMSNorm of `x` by weights `norm` folded in (the decode's Q/K/V
+    /// and gate/up launches) when given.
     #[allow(clippy::too_many_arguments)]
-    fn mv3_launch_on(
+    fn mv3_launch(
         dev: &SparseDevice,
         f: &CudaFunction,
         ws: [u64; 3],
@@ -507,8 +490,10 @@ mod bench {
                         };
                         let f = m.load_function(&name)?;
                         let nr = variant_rows(v);
-                        let us = timer
-                            .median_us(|| mv3_launch(dev, &f, wp, rows, cols, px, yp, nr, split))?;
+                        let blocks = mv3_tiles(rows, nr, split);
+                        let us = timer.median_us(|| {
+                            mv3_launch(dev, &f, wp, rows, cols, px, yp, blocks, None)
+                        })?;
                         let got = read(&ys)?;
                         let err = match &base {
                             None => {
@@ -637,9 +622,8 @@ mod bench {
                     } else {
                         tiles
                     };
-                    let us = timer.median_us(|| {
-                        mv3_launch_on(dev, &f, *wp, rows, cols, px, yp, blocks, norm)
-                    })?;
+                    let us = timer
+                        .median_us(|| mv3_launch(dev, &f, *wp, rows, cols, px, yp, blocks, norm))?;
                     pair.push(read()?);
                     let bits = match pair.as_slice() {
                         [a, b] if a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()) => {
@@ -831,8 +815,8 @@ mod bench {
                             n_ff,
                             ph,
                             [py, 0, 0],
-                            nr,
-                            split,
+                            mv3_tiles([d, 0, 0], nr, split),
+                            None,
                         )?;
                     }
                     Ok(())
