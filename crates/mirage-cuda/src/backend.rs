@@ -215,9 +215,12 @@ pub(crate) fn kernel_names() -> Vec<&'static str> {
                     }))
             })
         }))
-        .chain(["", "_k2", "_k4", "_k8"].map(|k| leak(format!("mv3_q8_0s_v2p{k}"))))
+        // v2's split Q8_0 mat-vecs with the preload (v2p) and on a
+        // persistent grid (v2g), at every split.
+        .chain(["v2p", "v2g"].into_iter().flat_map(|v| {
+            ["", "_k2", "_k4", "_k8"].map(move |k| leak(format!("mv3_q8_0s_{v}{k}")))
+        }))
         .chain([leak("ffn_q8_0s_v2p".to_string())])
-        .chain(["", "_k2", "_k4", "_k8"].map(|k| leak(format!("mv3_q8_0s_v2g{k}"))))
         .chain(OTHER_KERNELS.iter().copied())
         .collect()
 }
@@ -853,7 +856,10 @@ impl CudaBackend {
             fold_route_norm: (!env_off("MIRAGE_SPARSE_ROUTE_NORM")).into(),
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             cross_prefetch: PrefetchSites::from_env().bits().into(),
-            preload: PreloadParts::from_env().bits().into(),
+            preload: PreloadParts::from_env()
+                .unwrap_or(PreloadParts::NONE)
+                .bits()
+                .into(),
             matvec_grid: MatvecGrid::from_env().bits().into(),
             l2_bytes,
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),

@@ -145,13 +145,22 @@ impl PreloadParts {
         attention: false,
     };
 
-    /// The parts `MIRAGE_CUDA_PRELOAD` asks for (what a new backend starts
-    /// with): see [`PreloadParts::parse`]; unset or not understood, none.
-    pub fn from_env() -> PreloadParts {
-        std::env::var("MIRAGE_CUDA_PRELOAD")
-            .ok()
-            .and_then(|v| Self::parse(&v))
-            .unwrap_or(Self::NONE)
+    /// What [`PreloadParts::parse`] reads, for error messages.
+    pub const EXPECTED: &'static str = "all, none, or a comma list of matvec, ffn, attn";
+
+    /// The parts `MIRAGE_CUDA_PRELOAD` asks for (none when unset; see
+    /// [`PreloadParts::parse`]), or an error naming a value it does not
+    /// read. A new backend starts with them (with none on an error).
+    pub fn from_env() -> Result<PreloadParts, CudaError> {
+        match std::env::var("MIRAGE_CUDA_PRELOAD") {
+            Err(_) => Ok(Self::NONE),
+            Ok(v) => Self::parse(&v).ok_or_else(|| {
+                CudaError::Setting(format!(
+                    "MIRAGE_CUDA_PRELOAD={v:?}: want {}",
+                    Self::EXPECTED
+                ))
+            }),
+        }
     }
 
     /// `1`/`on`/`all` every part, `0`/`off`/`none` none, or a comma list
@@ -172,11 +181,6 @@ impl PreloadParts {
             }
         }
         Some(p)
-    }
-
-    /// Whether any part is on.
-    pub fn any(self) -> bool {
-        self != Self::NONE
     }
 
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -452,7 +456,7 @@ mod nvrtc_check {
 }
 
 #[cfg(test)]
-mod preload_parts {
+mod settings {
     use super::PreloadParts;
 
     #[test]

@@ -44,7 +44,7 @@ fn env_number<T: std::str::FromStr>(key: &str) -> Option<T> {
 }
 
 /// Whether environment variable `key` is `value` (any case).
-pub(crate) fn env_is(key: &str, value: &str) -> bool {
+fn env_is(key: &str, value: &str) -> bool {
     std::env::var(key).is_ok_and(|v| v.eq_ignore_ascii_case(value))
 }
 

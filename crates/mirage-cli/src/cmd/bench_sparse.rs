@@ -575,16 +575,9 @@ impl AbSwitch {
         }
         if let Some(parts) = &args.preload_ab {
             let other = PreloadParts::parse(parts).with_context(|| {
-                format!(
-                    "--preload-ab {parts:?}: want all, none, or a comma list of matvec, ffn, attn"
-                )
+                format!("--preload-ab {parts:?}: want {}", PreloadParts::EXPECTED)
             })?;
-            let start = match std::env::var("MIRAGE_CUDA_PRELOAD") {
-                Ok(v) => PreloadParts::parse(&v).with_context(|| {
-                    format!("MIRAGE_CUDA_PRELOAD={v:?}: want all, none, or a comma list of matvec, ffn, attn")
-                })?,
-                Err(_) => PreloadParts::NONE,
-            };
+            let start = PreloadParts::from_env()?;
             if other == start {
                 bail!("--preload-ab {other}: that is already the start-up setting (MIRAGE_CUDA_PRELOAD)");
             }
