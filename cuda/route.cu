@@ -49,31 +49,41 @@ struct RtPrim {
     unsigned slice;
 };
 
-// Strides of 32 elements whose projection loads a lane issues at once.
-#define RT_DOT_BATCH 16
+// Strides of 32 elements whose projection loads a lane issues at once: 28
+// covers a 896-wide row (the 0.5B models) in one round trip and a 3584-wide
+// one in four (16, the eighth session's value, took two and seven).
+#define RT_DOT_BATCH 28
+// Leaf primitives a thread of the scan loads before it tests any of them.
+#define RT_SCAN_BATCH 4
 
 // row[k] . x for NR rows in mirage_route::slice_dot's order (each lane sums
 // its elements lane, lane + 32, ... in turn, then the xor butterfly); every
 // lane gets the sums. The loads of RT_DOT_BATCH strides of every row go
 // out before their (ordered) adds: the projection is a chain of memory
-// round trips on one block, ceil(d / (32 RT_DOT_BATCH)) per NR rows instead
-// of one per 4 strides and row (the first version: ~42 at 0.5B's 96 x 896).
+// round trips on one block, ceil(d / (32 RT_DOT_BATCH)) per NR rows.
+// How the loads are kept together (SASS checked with nvdisasm, sm_90): they
+// are unconditional (clamped index; predicated loads were issued one to
+// five at a time between the adds), and a __syncwarp separates them from
+// the adds, which ptxas does not move them across (without it, even clamped
+// loads went out a few at a time). The warp's trip count is uniform (base
+// runs over the warp's strides, not the lane's), as __syncwarp needs.
 template <int NR>
 __device__ __forceinline__ void rt_slice_dots(const float* const (&row)[NR], const float* x, int d, int lane,
                                               float (&acc)[NR]) {
 #pragma unroll
     for (int k = 0; k < NR; k++) acc[k] = 0.f;
-    for (int base = lane; base < d; base += 32 * RT_DOT_BATCH) {
+    for (int base = 0; base < d; base += 32 * RT_DOT_BATCH) {
         float p[NR][RT_DOT_BATCH];
 #pragma unroll
         for (int u = 0; u < RT_DOT_BATCH; u++) {
-            const int i = base + 32 * u;
+            const int i = min(base + lane + 32 * u, d - 1);
 #pragma unroll
-            for (int k = 0; k < NR; k++) p[k][u] = i < d ? __ldg(row[k] + i) : 0.f;
+            for (int k = 0; k < NR; k++) p[k][u] = __ldg(row[k] + i);
         }
+        __syncwarp();
 #pragma unroll
         for (int u = 0; u < RT_DOT_BATCH; u++) {
-            const int i = base + 32 * u;
+            const int i = base + lane + 32 * u;
             if (i < d) {
                 const float xv = x[i];
 #pragma unroll
@@ -166,7 +176,7 @@ __device__ __forceinline__ bool rt_prim_hit(const RtPrim& q, int s, const float*
 // the result and writes it to nout, the buffer the fused FFN reads next.
 // One launch fewer per layer: routing then costs only what it adds to the
 // norm launch it replaces.
-extern "C" __global__ void __launch_bounds__(RT_THREADS)
+extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
     route_bvh(const float* __restrict__ x, int d, const float* __restrict__ proj, int slices,
               const float* __restrict__ slice_offsets, const RtNode* __restrict__ nodes, int n_nodes,
               const RtPrim* __restrict__ prims, int n_prims, int scan, const unsigned* __restrict__ thresholds,
@@ -219,10 +229,23 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS)
     rt_project(x_in_smem ? xs : nw != 0 ? nout : x, d, proj, slices * 3, pts);
     __syncthreads();
     if (scan) {
-        for (int k = tid; k < n_prims; k += blockDim.x) {
-            const RtPrim q = prims[k];
-            const int s = (int)q.slice;
-            if (s < slices && (int)q.page < n_pages && rt_prim_hit(q, s, pts)) atomicOr(&rt_mask[q.page], 1u << s);
+        // RT_SCAN_BATCH primitives a thread in flight at once (a few
+        // hundred to a few thousand primitives: one or two round trips
+        // instead of one per blockDim primitives); the hit masks are ORs,
+        // so the order of the tests does not matter.
+        for (int base = tid; base < n_prims; base += RT_SCAN_BATCH * blockDim.x) {
+            RtPrim q[RT_SCAN_BATCH];
+#pragma unroll
+            for (int u = 0; u < RT_SCAN_BATCH; u++) {
+                const int k = base + u * blockDim.x;
+                if (k < n_prims) q[u] = prims[k];
+            }
+#pragma unroll
+            for (int u = 0; u < RT_SCAN_BATCH; u++) {
+                const int k = base + u * blockDim.x, s = (int)q[u].slice;
+                if (k < n_prims && s < slices && (int)q[u].page < n_pages && rt_prim_hit(q[u], s, pts))
+                    atomicOr(&rt_mask[q[u].page], 1u << s);
+            }
         }
     } else if (tid < slices && n_nodes > 0) {
         const RtNode* np = nodes_in_smem ? ns : nodes;

@@ -993,7 +993,7 @@ impl CudaBackend {
     }
 
     /// When the v2 split Q8_0 mat-vecs (Q/K/V, output projection, down,
-    /// head) run on a persistent grid: see [`MatvecGrid`] (default `Off`).
+    /// head) run on a persistent grid: see [`MatvecGrid`] (default `Auto`).
     /// The same loads and sums per row: the same bits. The preload's
     /// mat-vec part, when on, takes precedence. Applies to launches recorded
     /// afterwards.

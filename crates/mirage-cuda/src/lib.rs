@@ -219,37 +219,37 @@ impl std::fmt::Display for PreloadParts {
 
 /// When the v2 split Q8_0 mat-vecs run on a persistent grid (`mv3_*_v2g*`:
 /// at most the device's resident blocks, each taking several row groups and
-/// reading the input and folded norm once; the same bits). `Auto` takes it
-/// where it measured faster on the H200: rows of at least 2048 columns and
-/// more row groups than resident blocks (the 7B shape's Q/K/V, output
-/// projection, down and head: dense step 3.65-3.80 -> 3.59-3.62 ms in four
-/// same-process pairs; sparse 40 % -1.7 % on average, within the spread).
-/// Off by default: the 0.5B shape, which `Auto` leaves on the v2 kernels,
-/// decoded 5-7 % slower in the build that asked the driver for the
-/// occupancy at every launch (now asked once); that has not been measured
-/// again. `MIRAGE_CUDA_MV_GRID=0|auto|1` at start, or
+/// reading the input and folded norm once; the same bits). `Auto`, the
+/// default, takes it where it measured faster on the H200: rows of at least
+/// 2048 columns and more row groups than resident blocks (the 7B shape's
+/// Q/K/V, output projection, down and head). Measured in the same process,
+/// grid off -> auto, synthetic 7B Q8_0: dense step 3.65-3.80 -> 3.57-3.62 ms
+/// in six pairs (2-4 %), sparse 40 % 1-3 % in five pairs of six; the 0.5B
+/// shape, which the rule leaves on v2, unchanged within its spread (synthetic
+/// 915-995 tok/s either way over six processes; real Qwen 0.5B dense 697-752
+/// either way). `MIRAGE_CUDA_MV_GRID=0|auto|1` at start, or
 /// `CudaBackend::set_matvec_grid`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatvecGrid {
-    /// One block per row group (the v2 kernels; the default).
+    /// One block per row group (the v2 kernels).
     Off,
-    /// The persistent grid where the rule above says so.
+    /// The persistent grid where the rule above says so (the default).
     Auto,
     /// The persistent grid for every v2 split Q8_0 mat-vec (tests, A/B).
     Always,
 }
 
 impl MatvecGrid {
-    /// `MIRAGE_CUDA_MV_GRID`: `auto`, `1`/`on`/`always`; unset, `0`/`off`
-    /// or not understood, `Off`.
+    /// `MIRAGE_CUDA_MV_GRID`: `0`/`off`, `1`/`on`/`always`; unset, `auto`
+    /// or not understood, `Auto` (the default).
     pub fn from_env() -> MatvecGrid {
         match std::env::var("MIRAGE_CUDA_MV_GRID")
             .map(|v| v.to_ascii_lowercase())
             .as_deref()
         {
-            Ok("auto") => MatvecGrid::Auto,
+            Ok("0" | "off") => MatvecGrid::Off,
             Ok("1" | "on" | "always") => MatvecGrid::Always,
-            _ => MatvecGrid::Off,
+            _ => MatvecGrid::Auto,
         }
     }
 

@@ -203,11 +203,19 @@ fn attention_prefill_then_decode_matches_cpu() {
     };
     let cpu = CpuBackend::new(1).unwrap();
     let mut r = rng(3);
-    for (mode, with_norm, n_head, n_head_kv, hd) in [
-        (RopeMode::Normal, false, 9, 3, 64),
-        (RopeMode::Neox, true, 14, 2, 64),
-        (RopeMode::Neox, false, 4, 4, 128),
-    ] {
+    // Both decode paths: RoPE and the KV store inside the attention launch
+    // (the default; q is rotated on chip and its buffer left as it was,
+    // which the Backend contract allows) and the separate rope_store launch
+    // (which rotates q in place, checked below).
+    for (rope_in_attention, (mode, with_norm, n_head, n_head_kv, hd)) in [true, false].into_iter().flat_map(|f| {
+        [
+            (RopeMode::Normal, false, 9, 3, 64),
+            (RopeMode::Neox, true, 14, 2, 64),
+            (RopeMode::Neox, false, 4, 4, 128),
+        ]
+        .map(|c| (f, c))
+    }) {
+        gpu.set_rope_in_attention(rope_in_attention);
         let p = AttentionParams {
             n_head,
             n_head_kv,
@@ -239,11 +247,13 @@ fn attention_prefill_then_decode_matches_cpu() {
             gpu.upload_vector(&nq).unwrap(),
             gpu.upload_vector(&nk).unwrap(),
         );
-        // A prefill of 7 rows of sequence 1, then two decode steps of one row.
+        // A prefill of 7 rows of sequence 1, then three decode steps of one
+        // row: each step reads the keys and values the one before stored.
         let steps: Vec<Vec<TokenSlot>> = vec![
             (0..7).map(|pos| TokenSlot { seq: 1, pos }).collect(),
             vec![TokenSlot { seq: 1, pos: 7 }],
             vec![TokenSlot { seq: 1, pos: 8 }],
+            vec![TokenSlot { seq: 1, pos: 9 }],
         ];
         for slots in &steps {
             let n = slots.len();
@@ -267,10 +277,16 @@ fn attention_prefill_then_decode_matches_cpu() {
             cpu.read(&co, &mut a).unwrap();
             gpu.read(&go, &mut b).unwrap();
             let e = rel_err(&b, &a);
-            assert!(e < 1e-5, "{mode:?} norm={with_norm} heads {n_head}/{n_head_kv} rows {n}: attention rel err {e}");
-            cpu.read(&cq, &mut a).unwrap();
-            gpu.read(&gq, &mut b).unwrap();
-            assert!(rel_err(&b, &a) < 1e-5, "rotated q differs");
+            assert!(
+                e < 1e-5,
+                "{mode:?} norm={with_norm} heads {n_head}/{n_head_kv} rows {n} rope in attention {rope_in_attention}: \
+                 attention rel err {e}"
+            );
+            if !rope_in_attention {
+                cpu.read(&cq, &mut a).unwrap();
+                gpu.read(&gq, &mut b).unwrap();
+                assert!(rel_err(&b, &a) < 1e-5, "rotated q differs");
+            }
         }
     }
 }

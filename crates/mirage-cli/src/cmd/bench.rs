@@ -139,12 +139,12 @@ pub struct BenchArgs {
     #[arg(long, value_name = "PARTS", num_args = 0..=1, default_missing_value = "all")]
     pub preload_ab: Option<String>,
     /// Sparse decode: also decode the dense model and every sparse row with
-    /// the persistent-grid mat-vecs by their rule, in the same process
-    /// (`... (mat-vec grid auto)` rows: the v2 split Q8_0 mat-vecs with rows
-    /// of at least 2048 columns and more row groups than resident blocks run
-    /// on at most the resident blocks, each taking several row groups), or
-    /// with them off (`... (mat-vec grid off)`) when MIRAGE_CUDA_MV_GRID
-    /// turned them on.
+    /// the persistent-grid mat-vecs off, in the same process (`... (mat-vec
+    /// grid off)` rows; by default the v2 split Q8_0 mat-vecs with rows of at
+    /// least 2048 columns and more row groups than resident blocks run on at
+    /// most the resident blocks, each taking several row groups), or by their
+    /// rule (`... (mat-vec grid auto)`) when MIRAGE_CUDA_MV_GRID=0 turned
+    /// them off.
     #[arg(long)]
     pub mv_grid_ab: bool,
 }

@@ -264,9 +264,13 @@ pub trait Backend: Send + Sync {
     /// `acc += x` (residual connection).
     fn add(&self, acc: &mut Self::Activations, x: &Self::Activations) -> Result<()>;
     /// Self-attention of a batch: applies the optional QK-norm and RoPE to
-    /// `q` and `k` (in place), stores `k` and `v` into `cache` at each row's
-    /// slot, then attends each query row causally over positions
-    /// `0..=pos` of its sequence. `out` gets `n_head * head_dim` per row.
+    /// `q` and `k`, stores `k` and `v` into `cache` at each row's slot, then
+    /// attends each query row causally over positions `0..=pos` of its
+    /// sequence. `out` gets `n_head * head_dim` per row. `q` and `k` are the
+    /// backend's scratch: afterwards they may hold the rotated rows (the CPU
+    /// backend rotates them in place) or what they held before (CUDA rotates
+    /// decode rows on chip inside the attention launch); callers must not
+    /// read them.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
