@@ -222,12 +222,13 @@ impl std::fmt::Display for PreloadParts {
 /// reading the input and folded norm once; the same bits). `Auto`, the
 /// default, takes it where it measured faster on the H200: rows of at least
 /// 2048 columns and more row groups than resident blocks (the 7B shape's
-/// Q/K/V, output projection, down and head). Measured in the same process,
-/// grid off -> auto, synthetic 7B Q8_0: dense step 3.65-3.80 -> 3.57-3.62 ms
-/// in six pairs (2-4 %), sparse 40 % 1-3 % in five pairs of six; the 0.5B
-/// shape, which the rule leaves on v2, unchanged within its spread (synthetic
-/// 915-995 tok/s either way over six processes; real Qwen 0.5B dense 697-752
-/// either way). `MIRAGE_CUDA_MV_GRID=0|auto|1` at start, or
+/// Q/K/V, output projection, down and head). Measured on the H200 in the
+/// same process, grid off -> auto, synthetic 7B Q8_0: the dense step
+/// 3.65-3.80 -> 3.57-3.62 ms in all seven pairs of two sessions (2-4 %),
+/// sparse 40 % faster in six of seven (up to 4 %); the 0.5B shape, which the
+/// rule leaves on v2, unchanged within its spread between processes
+/// (synthetic 819-995 tok/s off, 864-960 auto; real Qwen 0.5B dense 697-752
+/// off, 727-749 auto). `MIRAGE_CUDA_MV_GRID=0|auto|1` at start, or
 /// `CudaBackend::set_matvec_grid`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatvecGrid {

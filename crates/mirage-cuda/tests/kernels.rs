@@ -207,14 +207,16 @@ fn attention_prefill_then_decode_matches_cpu() {
     // (the default; q is rotated on chip and its buffer left as it was,
     // which the Backend contract allows) and the separate rope_store launch
     // (which rotates q in place, checked below).
-    for (rope_in_attention, (mode, with_norm, n_head, n_head_kv, hd)) in [true, false].into_iter().flat_map(|f| {
-        [
-            (RopeMode::Normal, false, 9, 3, 64),
-            (RopeMode::Neox, true, 14, 2, 64),
-            (RopeMode::Neox, false, 4, 4, 128),
-        ]
-        .map(|c| (f, c))
-    }) {
+    for (rope_in_attention, (mode, with_norm, n_head, n_head_kv, hd)) in
+        [true, false].into_iter().flat_map(|f| {
+            [
+                (RopeMode::Normal, false, 9, 3, 64),
+                (RopeMode::Neox, true, 14, 2, 64),
+                (RopeMode::Neox, false, 4, 4, 128),
+            ]
+            .map(|c| (f, c))
+        })
+    {
         gpu.set_rope_in_attention(rope_in_attention);
         let p = AttentionParams {
             n_head,
