@@ -2,7 +2,11 @@
 # The real-model runs on the H200 (issues #6 item 7, #7 real routed mode, #8
 # NVFP4 decode, #10 long-context fidelity on the GPU), in stages, because a
 # real model (Qwen2.5-Coder-0.5B Q4_K_M, 491 MB; SmolLM2-135M Q4_1, 98 MB)
-# only reaches the device in pieces of < 60 MiB, one `device` call each,
+# only reaches the device in pieces, one `device` call each (a piece plus the
+# tracked tree, 9.3 MiB in Dec 2026, must stay under 64 MiB: e.g.
+#   for i in $(seq 1 9); do mkdir -p .devbin-q/p$i; dd if=MODEL of=.devbin-q/p$i/piece \
+#     bs=1M skip=$(( (i-1)*53 )) count=53 status=none; done
+# with .devbin-q/ in .git/info/exclude, and `carry` .devbin-q/pN per call),
 # appended under /tmp while the machine stays warm (it goes back after 30 s
 # idle: issue the calls back to back).
 #
@@ -42,7 +46,7 @@
 #       after table: the Vulkan RT router wired into the sparse backend
 #       (tests/vk_interop.rs on the real model and artifact: lists and logits
 #       equal route.cu's; `bench --routed --vulkan-router`).
-# Logs under /tmp/mq/log (copied to $OUT); short tables on stdout.
+# Logs under /tmp/mq/log (packed into $OUT/qwen-logs-STAGE.tgz); short tables on stdout.
 set -uo pipefail
 W=/tmp/mq
 L=$W/log
@@ -69,6 +73,11 @@ sparse_part() {
     echo "routed bench rc=$?"; el
   fi
 }
+
+# The logs go back as one archive: the device tool returns only a handful
+# of files from $OUT and leaves the rest out (the twelfth session lost the
+# table stage's logs that way).
+save_logs() { tar -czf "$OUT/qwen-logs-$stage.tgz" -C "$L" . 2>/dev/null; }
 
 stage=${1:?stage: prep | append | run1 | run2 | sparse | table | vk}
 shift
@@ -114,7 +123,7 @@ run1)
     tail -2 "$L/eval-long-fixed.err"; cat "$L/eval-long-fixed.txt"
   fi
   tail -2 "$L/artifact.log"
-  cp "$L"/*.txt "$L"/*.log "$OUT/" 2>/dev/null
+  save_logs
   ;;
 run2)
   tail -2 "$L/peer-build.log"; tail -2 "$L/artifact.log"
@@ -152,7 +161,7 @@ run2)
   printf '%s\n' "${ROWS[@]}"
   echo "== peer"; tail -8 "$L/peer.txt" 2>/dev/null
   echo "== routed"; tail -20 "$L/routed.txt" 2>/dev/null
-  cp -r "$L"/*.txt "$L"/*.log "$OUT/" 2>/dev/null
+  save_logs
   ;;
 sparse)
   [ -f "$W/qwen.mirage" ] || timeout 120 "$W/xtask" build-artifacts --model "$Q" --calib "$W/GPL-3" --max-tokens 512 \
@@ -183,7 +192,7 @@ table)
     --max-tokens 384 --max-fidelity-runs 4 > "$L/eval.txt" 2> "$L/eval.err"
   echo "== fidelity (mirage-cli eval, CPU) rc=$?"; el
   tail -2 "$L/eval.err"; cat "$L/eval.txt"
-  cp "$L"/*.txt "$L"/*.log "$OUT/" 2>/dev/null
+  save_logs
   ;;
 vk)
   # The Vulkan RT router wired into the sparse backend, on the real model
@@ -199,7 +208,7 @@ vk)
   timeout 200 "$W/vk/mirage-cli-vk" bench --backend cuda --model "$Q" --artifact "$W/qwen.mirage" --routed --vulkan-router \
     --prefix-dense off --active 1.0 --prompt 16 --gen 66 > "$L/routed_vk.txt" 2>&1
   echo "== routed, Vulkan RT router (rc=$?)"; grep -vE '^\s*$|INFO|WARN' "$L/routed_vk.txt" | tail -8; el
-  cp "$L"/*.txt "$L"/*.log "$OUT/" 2>/dev/null
+  save_logs
   ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
