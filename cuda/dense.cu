@@ -425,6 +425,10 @@ __device__ __forceinline__ float kv_load(const float* p, long i) { return p[i]; 
 __device__ __forceinline__ float kv_load(const u16* p, long i) { return h2f(p[i]); }
 __device__ __forceinline__ void kv_store(float* p, long i, float v) { p[i] = v; }
 __device__ __forceinline__ void kv_store(u16* p, long i, float v) { p[i] = f2h(v); }
+// kv_load in two steps, for loads that must all be in flight before the
+// first value is used (att_load_keys): the element as stored, then as f32.
+__device__ __forceinline__ float kv_widen(float v) { return v; }
+__device__ __forceinline__ float kv_widen(u16 v) { return h2f(v); }
 // What kv_load returns after kv_store(p, i, v): v as the cache holds it.
 __device__ __forceinline__ float kv_round(const float*, float v) { return v; }
 __device__ __forceinline__ float kv_round(const u16*, float v) { return h2f(f2h(v)); }
@@ -551,32 +555,74 @@ struct AttPre {
 // the tile at t0 (tile rows jb, jb + nw, ...; zeros past the tile's cnt
 // rows or the head), every load issued before any product. One function
 // for attend_part_with's loop and att_preload, so the preload reads
-// exactly what the loop would.
+// exactly what the loop would. cnt >= 1; every lane of the warp calls it
+// with the same jb (the key loop is warp-uniform).
+// How the loads stay in flight together (SASS read with nvdisasm, sm_90):
+// written as `jj < cnt && e < head_dim ? kv_load(..) : 0`, ptxas issued
+// them one to three at a time, each f16 key's conversion (and the reuse of
+// its register) waiting for the load before the next went out: a chain of
+// round trips per batch. So the raw elements are loaded unconditionally at
+// clamped (in-range, already-read) addresses, a __syncwarp keeps ptxas from
+// moving the loads down to their uses, and the conversion and the zeroing
+// follow: the same values. MIRAGE_ATT_LOADS_SERIAL (MIRAGE_CUDA_ATT_LOADS=
+// serial at start) restores the predicated form for A/B runs.
+#ifndef MIRAGE_ATT_LOADS_SERIAL
+#define MIRAGE_ATT_LOADS_SERIAL 0
+#endif
 template <typename KV>
 __device__ __forceinline__ void att_load_keys(const KV* K, int t0, int jb, int cnt, int nw, int lane, int head_dim,
                                               float (&kx)[ATT_KB][ATT_HD_LANE]) {
+    if (MIRAGE_ATT_LOADS_SERIAL) {
+#pragma unroll
+        for (int u = 0; u < ATT_KB; u++) {
+            const int jj = jb + u * nw;
+            const long kr = (long)(t0 + jj) * head_dim;
+#pragma unroll
+            for (int t = 0; t < ATT_HD_LANE; t++) {
+                const int e = lane + 32 * t;
+                kx[u][t] = jj < cnt && e < head_dim ? kv_load(K, kr + e) : 0.f;
+            }
+        }
+        return;
+    }
+    KV raw[ATT_KB][ATT_HD_LANE];
 #pragma unroll
     for (int u = 0; u < ATT_KB; u++) {
-        const int jj = jb + u * nw;
-        const long kr = (long)(t0 + jj) * head_dim;
+        const long kr = (long)(t0 + min(jb + u * nw, cnt - 1)) * head_dim;
 #pragma unroll
-        for (int t = 0; t < ATT_HD_LANE; t++) {
-            const int e = lane + 32 * t;
-            kx[u][t] = jj < cnt && e < head_dim ? kv_load(K, kr + e) : 0.f;
-        }
+        for (int t = 0; t < ATT_HD_LANE; t++)  // (a warp-uniform test: no loads past a short head)
+            raw[u][t] = 32 * t < head_dim ? K[kr + min(lane + 32 * t, head_dim - 1)] : KV(0);
     }
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < ATT_KB; u++)
+#pragma unroll
+        for (int t = 0; t < ATT_HD_LANE; t++)
+            kx[u][t] = jb + u * nw < cnt && lane + 32 * t < head_dim ? kv_widen(raw[u][t]) : 0.f;
 }
 
 // This thread's element d of the ATT_VB values of batch jb of the tile at
-// t0 (tile rows jb, jb + groups, ...; zeros past cnt), as att_load_keys.
+// t0 (tile rows jb, jb + groups, ...; zeros past cnt), as att_load_keys
+// (cnt >= 1). The warp fence only where every warp lies in one group of
+// head_dim threads (head_dim % 32 == 0: then the warp's lanes share jb and
+// the loop's trip count); otherwise the loads are left to ptxas.
 template <typename KV>
 __device__ __forceinline__ void att_load_values(const KV* V, int t0, int jb, int cnt, int groups, int d, int head_dim,
                                                 float (&vx)[ATT_VB]) {
+    if (MIRAGE_ATT_LOADS_SERIAL) {
 #pragma unroll
-    for (int u = 0; u < ATT_VB; u++) {
-        const int jj = jb + u * groups;
-        vx[u] = jj < cnt ? kv_load(V, (long)(t0 + jj) * head_dim + d) : 0.f;
+        for (int u = 0; u < ATT_VB; u++) {
+            const int jj = jb + u * groups;
+            vx[u] = jj < cnt ? kv_load(V, (long)(t0 + jj) * head_dim + d) : 0.f;
+        }
+        return;
     }
+    KV raw[ATT_VB];
+#pragma unroll
+    for (int u = 0; u < ATT_VB; u++) raw[u] = V[(long)(t0 + min(jb + u * groups, cnt - 1)) * head_dim + d];
+    if (head_dim % 32 == 0) __syncwarp();
+#pragma unroll
+    for (int u = 0; u < ATT_VB; u++) vx[u] = jb + u * groups < cnt ? kv_widen(raw[u]) : 0.f;
 }
 
 template <typename KV>
@@ -588,8 +634,17 @@ __device__ __forceinline__ void att_preload(const KV* kc, const KV* vc, int seq,
     const KV* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int groups = blockDim.x / head_dim, g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
-    att_load_keys(K, j0, warp, cnt, nw, lane, head_dim, p.kx);
-    if (g < groups) {
+    // A split past the row's last position (cnt <= 0) returns before its
+    // loop; its preload reads nothing.
+    if (cnt > 0) {
+        att_load_keys(K, j0, warp, cnt, nw, lane, head_dim, p.kx);
+    } else {
+#pragma unroll
+        for (int u = 0; u < ATT_KB; u++)
+#pragma unroll
+            for (int t = 0; t < ATT_HD_LANE; t++) p.kx[u][t] = 0.f;
+    }
+    if (g < groups && cnt > 0) {
         att_load_values(V, j0, g, cnt, groups, d, head_dim, p.vx);
     } else {
 #pragma unroll

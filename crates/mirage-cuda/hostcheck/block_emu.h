@@ -2,7 +2,7 @@
 // block-wide device code (check_norm.cpp, check_attend.cpp): every CUDA
 // thread an std::thread, __shared__ = a static (one block runs at a time),
 // __syncthreads = a block barrier, __shfl_xor_sync = a 32-thread exchange
-// between two warp barriers. run_block(threads, f) runs f on every thread
+// between two warp barriers, __syncwarp = a warp barrier. run_block(threads, f) runs f on every thread
 // of one block (threadIdx set; blockIdx / gridDim are the caller's).
 #pragma once
 #include <barrier>
@@ -29,6 +29,9 @@ template <class T> T __ldg(const T* p) { return *p; }
 inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline void __syncthreads() { g_block->arrive_and_wait(); }
+// A warp barrier: every lane of the warp must reach it (as on the GPU with
+// the full mask); a lane that does not would hang the check.
+inline void __syncwarp() { g_warps[threadIdx.x >> 5]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int o) {
     int t = threadIdx.x, lane = t & 31, w = t >> 5;
     g_slots[t] = v;

@@ -61,8 +61,10 @@ fn env_is(key: &str, value: &str) -> bool {
 /// (1 to 8: the least resident blocks per SM the split Q8_0 v2 mat-vecs are
 /// compiled for, dense.cu), and `MIRAGE_XPF_EVICT_LAST` when
 /// `MIRAGE_CUDA_XPREFETCH_EVICT=last` (the cross-op weight prefetch,
-/// dense.cu's `l2_prefetch`, asks for the evict-last priority); `source` as
-/// it is when none is set.
+/// dense.cu's `l2_prefetch`, asks for the evict-last priority),
+/// `MIRAGE_ATT_LOADS_SERIAL` when `MIRAGE_CUDA_ATT_LOADS=serial` (the decode
+/// attention's key and value loads in their previous predicated form,
+/// dense.cu's `att_load_keys`); `source` as it is when none is set.
 pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     let mut defines = String::new();
     if let Some(n) = env_number::<u32>("MIRAGE_CUDA_PREFETCH") {
@@ -76,6 +78,11 @@ pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     }
     if let Some(n) = env_number::<u32>("MIRAGE_CUDA_MV2_BLOCKS").filter(|n| (1..=8).contains(n)) {
         defines.push_str(&format!("#define MIRAGE_MV2_MIN_BLOCKS {n}\n"));
+    }
+    if env_is("MIRAGE_CUDA_ATT_LOADS", "serial") {
+        // The decode attention's key/value loads in their predicated form
+        // (dense.cu, att_load_keys), for A/B runs.
+        defines.push_str("#define MIRAGE_ATT_LOADS_SERIAL 1\n");
     }
     if env_is("MIRAGE_CUDA_XPREFETCH_EVICT", "last") {
         defines.push_str("#define MIRAGE_XPF_EVICT_LAST 1\n");
