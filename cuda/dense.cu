@@ -564,15 +564,17 @@ struct AttPre {
 // round trips per batch. So the raw elements are loaded unconditionally at
 // clamped (in-range, already-read) addresses, a __syncwarp keeps ptxas from
 // moving the loads down to their uses, and the conversion and the zeroing
-// follow: the same values. MIRAGE_ATT_LOADS_SERIAL (MIRAGE_CUDA_ATT_LOADS=
-// serial at start) restores the predicated form for A/B runs.
-#ifndef MIRAGE_ATT_LOADS_SERIAL
-#define MIRAGE_ATT_LOADS_SERIAL 0
+// follow: the same values (host check: hostcheck/check_attend.cpp). Opt-in
+// until measured on a GPU (written after the twelfth session's device time
+// was spent): MIRAGE_ATT_LOADS_BATCH, MIRAGE_CUDA_ATT_LOADS=batch at start;
+// the default is the predicated form, the one every GPU run so far used.
+#ifndef MIRAGE_ATT_LOADS_BATCH
+#define MIRAGE_ATT_LOADS_BATCH 0
 #endif
 template <typename KV>
 __device__ __forceinline__ void att_load_keys(const KV* K, int t0, int jb, int cnt, int nw, int lane, int head_dim,
                                               float (&kx)[ATT_KB][ATT_HD_LANE]) {
-    if (MIRAGE_ATT_LOADS_SERIAL) {
+    if (!MIRAGE_ATT_LOADS_BATCH) {
 #pragma unroll
         for (int u = 0; u < ATT_KB; u++) {
             const int jj = jb + u * nw;
@@ -609,7 +611,7 @@ __device__ __forceinline__ void att_load_keys(const KV* K, int t0, int jb, int c
 template <typename KV>
 __device__ __forceinline__ void att_load_values(const KV* V, int t0, int jb, int cnt, int groups, int d, int head_dim,
                                                 float (&vx)[ATT_VB]) {
-    if (MIRAGE_ATT_LOADS_SERIAL) {
+    if (!MIRAGE_ATT_LOADS_BATCH) {
 #pragma unroll
         for (int u = 0; u < ATT_VB; u++) {
             const int jj = jb + u * groups;

@@ -30,11 +30,11 @@ using std::max;
 // 0 = the host's chunk (the previous kernels), 16 = the default.
 static int g_att_min_keys = 0;
 #define MIRAGE_ATT_MIN_KEYS g_att_min_keys
-// The key/value loads' two forms (dense.cu, att_load_keys): 1 = predicated
-// (MIRAGE_CUDA_ATT_LOADS=serial), 0 = clamped loads, warp fence, then the
-// conversions (the default). Both must give attend_part_v1's bits.
-static int g_att_loads_serial = 0;
-#define MIRAGE_ATT_LOADS_SERIAL g_att_loads_serial
+// The key/value loads' two forms (dense.cu, att_load_keys): 0 = predicated
+// (the default), 1 = clamped loads, warp fence, then the conversions
+// (MIRAGE_CUDA_ATT_LOADS=batch). Both must give attend_part_v1's bits.
+static int g_att_loads_batch = 0;
+#define MIRAGE_ATT_LOADS_BATCH g_att_loads_batch
 inline float h2f(u16 h) {
     u32 s = (h >> 15) & 1, e = (h >> 10) & 31, m = h & 1023;
     float v = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? INFINITY : std::ldexp((float)(m | 1024), (int)e - 25);
@@ -265,10 +265,10 @@ static int check_rope(std::mt19937& rng, int head_dim, int chunk, int neox, int 
 int main() {
     std::mt19937 rng(11);
     int fails = 0, cases = 0;
-    for (int serial : {0, 1})
+    for (int batch : {0, 1})
     for (int min_keys : {0, 16}) {
     g_att_min_keys = min_keys;
-    g_att_loads_serial = serial;
+    g_att_loads_batch = batch;
     for (int hd : {64, 80, 96, 128, 256})
         for (int chunk : {64, 160})
             for (auto [p0, p1] : {std::pair{37, 150}}) {
