@@ -8,7 +8,7 @@
 # Then on the device (carry target/bundle):
 #   bash crates/mirage-cuda/scripts/h200-pdl.sh target/bundle
 # Order: GPU tests (PDL on vs off and fused vs split attention bit-equal,
-# the sparse backend with PDL on), synthetic 7B Q8_0 dense vs sparse
+# the dense kernels vs the CPU backend, the sparse backend with PDL on), synthetic 7B Q8_0 dense vs sparse
 # (100/40/25 %): the previous launch path (PDL, prefetch and fused attention
 # off), PDL alone, + the L2 prefetch, + the fused attention (all defaults),
 # defaults with 8 KiB prefetch rows, defaults with the fused FFN variants 6
@@ -34,6 +34,10 @@ BUDGET=${BUDGET:-480}
 if [ "${SKIP_FAST_DECODE:-0}" != 1 ]; then
   run fast_decode 150 "$W/fast_decode" --nocapture --test-threads 1
   grep -E "panicked|FAILED|PDL on" "$L/fast_decode.log" | cut -c1-160 | head -6
+  # The dense kernels against the CPU backend (8 s); it went unrun from the
+  # sixth to the twelfth session, and a stale check in it failed unnoticed.
+  run kernels 60 "$W/kernels" --nocapture --test-threads 1
+  grep -E "panicked|FAILED" "$L/kernels.log" | cut -c1-160 | head -4
 fi
 if [ "${SKIP_SPARSE_TESTS:-0}" != 1 ]; then
   MIRAGE_SKIP_MODEL_TESTS=1 run sparse_backend 150 "$W/sparse_backend" --nocapture --test-threads 1
