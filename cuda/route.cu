@@ -63,10 +63,11 @@ struct RtPrim {
 // round trips on one block, ceil(d / (32 RT_DOT_BATCH)) per NR rows.
 // How the loads are kept together (SASS checked with nvdisasm, sm_90): they
 // are unconditional (clamped index; predicated loads were issued one to
-// five at a time between the adds), and a __syncwarp separates them from
-// the adds, which ptxas does not move them across (without it, even clamped
-// loads went out a few at a time). The warp's trip count is uniform (base
-// runs over the warp's strides, not the lane's), as __syncwarp needs.
+// eight at a time between the adds), and a __syncwarp separates them from
+// the adds (without it, even clamped loads went out a few at a time). The
+// fence steers ptxas's schedule here; it does not bind it, so check the SASS
+// after changing this code. The warp's trip count is uniform (base runs over
+// the warp's strides, not the lane's), as __syncwarp needs.
 template <int NR>
 __device__ __forceinline__ void rt_slice_dots(const float* const (&row)[NR], const float* x, int d, int lane,
                                               float (&acc)[NR]) {
