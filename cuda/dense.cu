@@ -562,9 +562,13 @@ struct AttPre {
 // them one to three at a time, each f16 key's conversion (and the reuse of
 // its register) waiting for the load before the next went out: a chain of
 // round trips per batch. So the raw elements are loaded unconditionally at
-// clamped (in-range, already-read) addresses, a __syncwarp keeps ptxas from
-// moving the loads down to their uses, and the conversion and the zeroing
-// follow: the same values (host check: hostcheck/check_attend.cpp). Opt-in
+// clamped (in-range, already-read) addresses (only a warp-uniform test skips
+// the elements past a short head), a __syncwarp separates them from their
+// uses, and the conversion and the zeroing follow: the same values (host
+// check: hostcheck/check_attend.cpp). In the SASS of that form 29-31 key
+// loads go out before the first conversion; the fence steers ptxas, it does
+// not bind it (a version with per-lane predicates left 15 loads after it),
+// so read the SASS again after changing this code. Opt-in
 // until measured on a GPU (written after the twelfth session's device time
 // was spent): MIRAGE_ATT_LOADS_BATCH, MIRAGE_CUDA_ATT_LOADS=batch at start;
 // the default is the predicated form, the one every GPU run so far used.
