@@ -1266,47 +1266,49 @@ fn pdl_decode_equals_serialized_decode() {
     }
 }
 
-/// Greedy decodes of `file` (60 steps after a 20-token prompt, batch 1 and
-/// 2, in graphs and op by op, a KV cache of each of `kvs`) on two backends
-/// that differ only in `set(backend, false)` / `set(backend, true)`: the
-/// tokens must be equal and the logits the same bits. Returns each graph
-/// run's case and the two graphs' launch counts (off, on).
+/// Greedy decodes of the tiny model in two layer mixes (`LAYER_MIXES[0]`
+/// and `NORM_MIX`; 60 steps after a 20-token prompt, batch 1 and 2, in
+/// graphs and op by op, a KV cache of each of `kvs`) on two backends that
+/// differ only in `set(backend, false)` / `set(backend, true)`: the tokens
+/// must be equal and the logits the same bits. Returns each graph run's
+/// case and the two graphs' launch counts (off, on).
 fn switch_keeps_bits(
-    types: [GgmlType; 6],
     label: &str,
     kvs: &[KvDtype],
     set: impl Fn(&CudaBackend, bool),
 ) -> Vec<(String, usize, usize)> {
-    let file = tiny_model_with_bias(types);
     let mut graph_launches = Vec::new();
-    for graphs in [true, false] {
-        let load = |on: bool| {
-            let b = CudaBackend::new(0).unwrap();
-            b.set_graphs(graphs);
-            set(&b, on);
-            Model::load(file.clone(), b).unwrap()
-        };
-        let (off, on) = (load(false), load(true));
-        for &kv in kvs {
-            for batch in [1usize, 2] {
-                let (lf, tf) = greedy_run_kv(&off, batch, 60, None, kv);
-                let (ln, tn) = greedy_run_kv(&on, batch, 60, None, kv);
-                let differ = bits_differ(&lf, &ln);
-                let launches = (
-                    off.backend().last_graph_launches(),
-                    on.backend().last_graph_launches(),
-                );
-                let what = format!("{types:?} graphs {graphs} {kv:?} batch {batch}");
-                eprintln!(
-                    "{what}: {label}: {differ} of {} logits differ; graph launches {} vs {}",
-                    lf.len(),
-                    launches.0,
-                    launches.1
-                );
-                assert_eq!(tf, tn, "{what}: tokens");
-                assert_eq!(differ, 0, "{what}: logits");
-                if graphs {
-                    graph_launches.push((what, launches.0, launches.1));
+    for types in [LAYER_MIXES[0], NORM_MIX] {
+        let file = tiny_model_with_bias(types);
+        for graphs in [true, false] {
+            let load = |on: bool| {
+                let b = CudaBackend::new(0).unwrap();
+                b.set_graphs(graphs);
+                set(&b, on);
+                Model::load(file.clone(), b).unwrap()
+            };
+            let (off, on) = (load(false), load(true));
+            for &kv in kvs {
+                for batch in [1usize, 2] {
+                    let (lf, tf) = greedy_run_kv(&off, batch, 60, None, kv);
+                    let (ln, tn) = greedy_run_kv(&on, batch, 60, None, kv);
+                    let differ = bits_differ(&lf, &ln);
+                    let launches = (
+                        off.backend().last_graph_launches(),
+                        on.backend().last_graph_launches(),
+                    );
+                    let what = format!("{types:?} graphs {graphs} {kv:?} batch {batch}");
+                    eprintln!(
+                        "{what}: {label}: {differ} of {} logits differ; graph launches {} vs {}",
+                        lf.len(),
+                        launches.0,
+                        launches.1
+                    );
+                    assert_eq!(tf, tn, "{what}: tokens");
+                    assert_eq!(differ, 0, "{what}: logits");
+                    if graphs {
+                        graph_launches.push((what, launches.0, launches.1));
+                    }
                 }
             }
         }
@@ -1326,11 +1328,9 @@ fn fused_attention_equals_part_and_combine() {
         return;
     };
     drop(probe);
-    for types in [LAYER_MIXES[0], NORM_MIX] {
-        switch_keeps_bits(types, "fused vs two launches", &[KvDtype::F32], |b, on| {
-            b.set_fused_attention(on)
-        });
-    }
+    switch_keeps_bits("fused vs two launches", &[KvDtype::F32], |b, on| {
+        b.set_fused_attention(on)
+    });
 }
 
 /// The decode rows' RoPE and KV store folded into the one-launch attention
@@ -1345,14 +1345,11 @@ fn rope_in_attention_equals_rope_store() {
         return;
     };
     drop(probe);
-    for types in [LAYER_MIXES[0], NORM_MIX] {
-        let label = "RoPE in the attention vs rope_store";
-        let kvs = [KvDtype::F32, KvDtype::F16];
-        for (what, apart, folded) in
-            switch_keeps_bits(types, label, &kvs, |b, on| b.set_rope_in_attention(on))
-        {
-            assert_eq!(apart, folded + 2, "{what}: launches per graph");
-        }
+    let label = "RoPE in the attention vs rope_store";
+    let kvs = [KvDtype::F32, KvDtype::F16];
+    for (what, apart, folded) in switch_keeps_bits(label, &kvs, |b, on| b.set_rope_in_attention(on))
+    {
+        assert_eq!(apart, folded + 2, "{what}: launches per graph");
     }
 }
 
@@ -1367,17 +1364,15 @@ fn preload_keeps_bits() {
         return;
     };
     drop(probe);
-    for types in [LAYER_MIXES[0], NORM_MIX] {
-        let kvs = [KvDtype::F32, KvDtype::F16];
-        for (what, off, on) in switch_keeps_bits(types, "preload on vs off", &kvs, |b, on| {
-            b.set_preload(if on {
-                PreloadParts::ALL
-            } else {
-                PreloadParts::NONE
-            })
-        }) {
-            assert_eq!(on, off, "{what}: launches per graph");
-        }
+    let kvs = [KvDtype::F32, KvDtype::F16];
+    for (what, off, on) in switch_keeps_bits("preload on vs off", &kvs, |b, on| {
+        b.set_preload(if on {
+            PreloadParts::ALL
+        } else {
+            PreloadParts::NONE
+        })
+    }) {
+        assert_eq!(on, off, "{what}: launches per graph");
     }
 }
 
@@ -1455,17 +1450,15 @@ fn matvec_grid_keeps_bits() {
         return;
     };
     drop(probe);
-    for types in [LAYER_MIXES[0], NORM_MIX] {
-        let kvs = [KvDtype::F32];
-        for (what, off, on) in switch_keeps_bits(types, "mat-vec grid on vs off", &kvs, |b, on| {
-            b.set_matvec_grid(if on {
-                MatvecGrid::Always
-            } else {
-                MatvecGrid::Off
-            })
-        }) {
-            assert_eq!(on, off, "{what}: launches per graph");
-        }
+    let kvs = [KvDtype::F32];
+    for (what, off, on) in switch_keeps_bits("mat-vec grid on vs off", &kvs, |b, on| {
+        b.set_matvec_grid(if on {
+            MatvecGrid::Always
+        } else {
+            MatvecGrid::Off
+        })
+    }) {
+        assert_eq!(on, off, "{what}: launches per graph");
     }
 }
 
@@ -1487,15 +1480,13 @@ fn cross_op_prefetch_keeps_bits() {
         attention: true,
         ffn: false,
     };
-    for types in [LAYER_MIXES[0], NORM_MIX] {
-        for (sites, extra) in [(PrefetchSites::ALL, 4), (attn_only, 2)] {
-            let label = format!("prefetch at {sites:?} vs none");
-            let kvs = [KvDtype::F32];
-            for (what, off, on) in switch_keeps_bits(types, &label, &kvs, |b, on| {
-                b.set_cross_prefetch(if on { sites } else { PrefetchSites::NONE })
-            }) {
-                assert_eq!(on, off + extra, "{what}: launches per graph");
-            }
+    for (sites, extra) in [(PrefetchSites::ALL, 4), (attn_only, 2)] {
+        let label = format!("prefetch at {sites:?} vs none");
+        let kvs = [KvDtype::F32];
+        for (what, off, on) in switch_keeps_bits(&label, &kvs, |b, on| {
+            b.set_cross_prefetch(if on { sites } else { PrefetchSites::NONE })
+        }) {
+            assert_eq!(on, off + extra, "{what}: launches per graph");
         }
     }
 }
