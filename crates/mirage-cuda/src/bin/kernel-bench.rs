@@ -330,6 +330,18 @@ mod bench {
         [4, 4, 2, 2, 2][v - 1]
     }
 
+    /// The outputs of an `mv3_*` launch over matrices of `rows` (the
+    /// matrices that exist, in order), read back to the host.
+    fn read_outputs(dev: &SparseDevice, ys: &[CudaSlice<f32>], rows: [usize; 3]) -> Res<Vec<f32>> {
+        let mut v = Vec::new();
+        for (y, &n) in ys.iter().zip(&rows) {
+            if n > 0 {
+                v.extend(dev.stream().clone_dtoh(y)?);
+            }
+        }
+        Ok(v)
+    }
+
     /// Blocks of the backend's mv3 grid (tiles of `mv3_grid`).
     fn mv3_tiles(rows: [usize; 3], nr: usize, split: usize) -> usize {
         let per_block = 8 * nr / split;
@@ -466,15 +478,6 @@ mod bench {
                     .collect::<Result<_, _>>()?;
                 let yp = [0, 1, 2].map(|i| ptr(dev, &ys[i]));
                 let px = ptr(dev, &x);
-                let read = |ys: &[CudaSlice<f32>]| -> Res<Vec<f32>> {
-                    let mut v = Vec::new();
-                    for (y, &n) in ys.iter().zip(&rows) {
-                        if n > 0 {
-                            v.extend(stream.clone_dtoh(y)?);
-                        }
-                    }
-                    Ok(v)
-                };
                 let mut base: Option<Vec<f32>> = None;
                 for v in 1..=5usize {
                     for split in [1usize, 2, 4, 8] {
@@ -494,7 +497,7 @@ mod bench {
                         let us = timer.median_us(|| {
                             mv3_launch(dev, &f, wp, rows, cols, px, yp, blocks, None)
                         })?;
-                        let got = read(&ys)?;
+                        let got = read_outputs(dev, &ys, rows)?;
                         let err = match &base {
                             None => {
                                 base = Some(got);
@@ -585,15 +588,6 @@ mod bench {
         )? as usize;
         let nw = stream.clone_htod(&r.f32s(cols))?;
         let yp = [0, 1, 2].map(|i| ptr(dev, &ys[i]));
-        let read = || -> Res<Vec<f32>> {
-            let mut v = Vec::new();
-            for (y, &n) in ys.iter().zip(&rows) {
-                if n > 0 {
-                    v.extend(stream.clone_dtoh(y)?);
-                }
-            }
-            Ok(v)
-        };
         let mut out = Vec::new();
         for with_norm in [false, true] {
             if with_norm && cols > 8192 {
@@ -624,7 +618,7 @@ mod bench {
                     };
                     let us = timer
                         .median_us(|| mv3_launch(dev, &f, *wp, rows, cols, px, yp, blocks, norm))?;
-                    pair.push(read()?);
+                    pair.push(read_outputs(dev, ys, rows)?);
                     let bits = match pair.as_slice() {
                         [a, b] if a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()) => {
                             "bits equal"
