@@ -568,12 +568,13 @@ struct AttPre {
 // check: hostcheck/check_attend.cpp). In the SASS of that form 29-31 key
 // loads go out before the first conversion; the fence steers ptxas, it does
 // not bind it (a version with per-lane predicates left 15 loads after it),
-// so read the SASS again after changing this code. Opt-in
-// until measured on a GPU (written after the twelfth session's device time
-// was spent): MIRAGE_ATT_LOADS_BATCH, MIRAGE_CUDA_ATT_LOADS=batch at start;
-// the default is the predicated form, the one every GPU run so far used.
+// so read the SASS again after changing this code. The default since the
+// thirteenth session (H200, ncu median of 280 decode launches of the 7B
+// shape: attend_rope_f16 11.87 -> 10.05 us; sparse 40 % step 2.755 / 2.759
+// -> 2.663 / 2.667 ms, alternating processes); MIRAGE_CUDA_ATT_LOADS=serial
+// at start (MIRAGE_ATT_LOADS_BATCH 0) restores the predicated form.
 #ifndef MIRAGE_ATT_LOADS_BATCH
-#define MIRAGE_ATT_LOADS_BATCH 0
+#define MIRAGE_ATT_LOADS_BATCH 1
 #endif
 template <typename KV>
 __device__ __forceinline__ void att_load_keys(const KV* K, int t0, int jb, int cnt, int nw, int lane, int head_dim,

@@ -31,8 +31,8 @@ using std::max;
 static int g_att_min_keys = 0;
 #define MIRAGE_ATT_MIN_KEYS g_att_min_keys
 // The key/value loads' two forms (dense.cu, att_load_keys): 0 = predicated
-// (the default), 1 = clamped loads, warp fence, then the conversions
-// (MIRAGE_CUDA_ATT_LOADS=batch). Both must give attend_part_v1's bits.
+// (MIRAGE_CUDA_ATT_LOADS=serial), 1 = clamped loads, warp fence, then the
+// conversions (the default). Both must give attend_part_v1's bits.
 static int g_att_loads_batch = 0;
 #define MIRAGE_ATT_LOADS_BATCH g_att_loads_batch
 inline float h2f(u16 h) {

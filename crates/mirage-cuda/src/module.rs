@@ -62,10 +62,11 @@ fn env_is(key: &str, value: &str) -> bool {
 /// compiled for, dense.cu), and `MIRAGE_XPF_EVICT_LAST` when
 /// `MIRAGE_CUDA_XPREFETCH_EVICT=last` (the cross-op weight prefetch,
 /// dense.cu's `l2_prefetch`, asks for the evict-last priority),
-/// `MIRAGE_ATT_LOADS_BATCH` when `MIRAGE_CUDA_ATT_LOADS=batch` (the decode
-/// attention issues a batch's key and value loads before converting any,
-/// dense.cu's `att_load_keys`; not yet measured on a GPU, so not the
-/// default); `source` as it is when none is set.
+/// `MIRAGE_ATT_LOADS_BATCH 0` when `MIRAGE_CUDA_ATT_LOADS=serial` (the
+/// decode attention's previous predicated loads, which ptxas issued one at
+/// a time, instead of the default batch of key and value loads in flight
+/// before any is converted, dense.cu's `att_load_keys`); `source` as it is
+/// when none is set.
 pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     let mut defines = String::new();
     if let Some(n) = env_number::<u32>("MIRAGE_CUDA_PREFETCH") {
@@ -80,10 +81,10 @@ pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     if let Some(n) = env_number::<u32>("MIRAGE_CUDA_MV2_BLOCKS").filter(|n| (1..=8).contains(n)) {
         defines.push_str(&format!("#define MIRAGE_MV2_MIN_BLOCKS {n}\n"));
     }
-    if env_is("MIRAGE_CUDA_ATT_LOADS", "batch") {
-        // The decode attention's key/value loads all in flight before their
-        // first use (dense.cu, att_load_keys); opt-in until measured.
-        defines.push_str("#define MIRAGE_ATT_LOADS_BATCH 1\n");
+    if env_is("MIRAGE_CUDA_ATT_LOADS", "serial") {
+        // The decode attention's key/value loads back in their predicated
+        // form (dense.cu, att_load_keys), for A/Bs against the batched default.
+        defines.push_str("#define MIRAGE_ATT_LOADS_BATCH 0\n");
     }
     if env_is("MIRAGE_CUDA_XPREFETCH_EVICT", "last") {
         defines.push_str("#define MIRAGE_XPF_EVICT_LAST 1\n");
