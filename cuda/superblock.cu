@@ -23,6 +23,9 @@
 #define SB_WARPS 8
 #define SB_THREADS (SB_WARPS * 32)
 #define SB_PAGE_CH 128
+// Units of the balanced phase 1 (P1B) per pass, a float2 each in shared
+// memory (a unit is 32 P1V vectors of a row: U <= 512 for d <= 65536).
+#define SB_P1B_UNITS 512
 
 // acc[k] += dot(row k, x) over d for NR rows of a split-Q8_0 matrix, this
 // lane's share (the caller reduces over the warp). xs: x in shared memory.
@@ -288,6 +291,15 @@ __device__ __forceinline__ void sb_finish_item(float (*red)[128], int* last_flag
 //        down_t row and scales (prefetch.global.L2, one line a lane) while
 //        it streams the gate and up rows, so phase 2's loads hit L2 (the
 //        40 % 7B page set's down_t rows are 27 MB, the H200's L2 50 MB).
+//   P1B  (P1V > 0 only) 1: balanced phase 1. The equal shares of whole
+//        channels per warp leave some warps one channel more than others
+//        when few channels are active (7B at 40 %: 2.38 a warp, so 38 % of
+//        the warps do 3 and set the phase's time); instead block b takes
+//        the contiguous channels [C b / B, C (b + 1) / B) and its warps
+//        share them in units of one sb_q8s_round (32 P1V vectors of a row:
+//        two units per 3584-wide row at P1V 4), so the busiest warp does
+//        2.5 channels' loads there, not 3. Unit dots meet in shared memory,
+//        summed in unit order: other bits than P1B 0.
 // part_ch > 0 caps the parts per output chunk: K = min(gridDim / n_chunks,
 // max(C / part_ch, 1)), C the active channels read from the device count,
 // so a part holds at least part_ch channels (fewer, fuller parts and fewer
@@ -358,6 +370,43 @@ __device__ __forceinline__ void sb_stage_x(float4* xs, const float* __restrict__
     __syncthreads();
 }
 
+// One round of a channel's gate and up dots: this lane's share over the
+// 16-byte vectors [v0, v0 + 32 P1V) of the two rows (quants q[r], f16 scales
+// s[r]; nothing loaded when !on), all P1V x 2 loads issued before the first
+// product, added to acc[r] (the caller reduces over the warp). The loop body
+// of sb_q8s_channel and the unit of the balanced phase 1 (P1B).
+template <int P1V>
+__device__ __forceinline__ void sb_q8s_round(const uint4* const* q, const sb_u16* const* s, bool on, int nv,
+                                             int v0, const float4* xs, int lane, float (&acc)[2]) {
+    uint4 w[P1V][2];
+    sb_u16 sc[P1V][2];
+#pragma unroll
+    for (int h = 0; h < P1V; h++) {
+        const int v = v0 + 32 * h + lane;
+        const bool ok = on && v < nv;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            w[h][r] = ok ? __ldg(q[r] + v) : make_uint4(0u, 0u, 0u, 0u);
+            sc[h][r] = ok ? __ldg(s[r] + (v >> 1)) : (sb_u16)0;
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < P1V; h++) {
+        const int v = v0 + 32 * h + lane;
+        if (v >= nv) continue;
+        float4 xv[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) xv[j] = xs[j * nv + v];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const uint4 wv = w[h][r];
+            const float t = (sb_q8_dot4(wv.x, xv[0]) + sb_q8_dot4(wv.y, xv[1])) +
+                            (sb_q8_dot4(wv.z, xv[2]) + sb_q8_dot4(wv.w, xv[3]));
+            acc[r] += sb_h2f(sc[h][r]) * t;
+        }
+    }
+}
+
 // One channel's SwiGLU value silu(gate . x) * (up . x) over split-Q8_0
 // page rows, computed by a whole warp (every lane returns it; 0 when `page`
 // is out of range): the phase 1 of the 16-byte variants (P1V > 0: P1V
@@ -386,40 +435,12 @@ __device__ __forceinline__ float sb_q8s_channel(const sb_u8* __restrict__ pages,
         }
     }
     float acc[2] = {0.f, 0.f};
-    for (int v0 = 0; v0 < nv; v0 += 32 * P1V) {
-        uint4 w[P1V][2];
-        sb_u16 sc[P1V][2];
-#pragma unroll
-        for (int h = 0; h < P1V; h++) {
-            const int v = v0 + 32 * h + lane;
-            const bool ok = on && v < nv;
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                w[h][r] = ok ? __ldg(q[r] + v) : make_uint4(0u, 0u, 0u, 0u);
-                sc[h][r] = ok ? __ldg(s[r] + (v >> 1)) : (sb_u16)0;
-            }
-        }
-#pragma unroll
-        for (int h = 0; h < P1V; h++) {
-            const int v = v0 + 32 * h + lane;
-            if (v >= nv) continue;
-            float4 xv[4];
-#pragma unroll
-            for (int j = 0; j < 4; j++) xv[j] = xs[j * nv + v];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const uint4 wv = w[h][r];
-                const float t = (sb_q8_dot4(wv.x, xv[0]) + sb_q8_dot4(wv.y, xv[1])) +
-                                (sb_q8_dot4(wv.z, xv[2]) + sb_q8_dot4(wv.w, xv[3]));
-                acc[r] += sb_h2f(sc[h][r]) * t;
-            }
-        }
-    }
+    for (int v0 = 0; v0 < nv; v0 += 32 * P1V) sb_q8s_round<P1V>(q, s, on, nv, v0, xs, lane, acc);
     const float g = sb_warp_sum(acc[0]), u = sb_warp_sum(acc[1]);
     return on ? g / (1.f + expf(-g)) * u : 0.f;
 }
 
-template <int P1V, int P2, int P2U, int FB, int PFD = 0>
+template <int P1V, int P2, int P2U, int FB, int PFD = 0, int P1B = 0>
 __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const float* nw, float neps, float* nout) {
     extern __shared__ float4 sb_xs[];
     __shared__ float red[SB_WARPS][128];
@@ -451,6 +472,48 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const flo
         }
         if (lane == 0) hbuf[c] = hv;
     }
+    } else if constexpr (P1B) {
+        // Balanced (see P1B above): block b owns the channels [C b / B,
+        // C (b + 1) / B); a channel is U units, one sb_q8s_round each; per
+        // pass of at most SB_P1B_UNITS units the block's warps take equal
+        // contiguous shares of the units and leave each unit's (gate, up)
+        // dots in shared memory, then thread t adds channel t's U units in
+        // unit order and applies the SwiGLU.
+        __shared__ float2 unit_dots[SB_P1B_UNITS];
+        const int nv = d >> 4, U = (nv + 32 * P1V - 1) / (32 * P1V);
+        const int per_pass = max(SB_P1B_UNITS / U, 1);
+        const int cb = (int)((long)n_ch * blockIdx.x / gridDim.x);
+        const int ce = (int)((long)n_ch * (blockIdx.x + 1) / gridDim.x);
+        const sb_u32 page0 = cb < ce ? active[cb >> 7] : 0xffffffffu;
+        sb_stage_x<P1V>(sb_xs, x, d, nw, neps, nout);
+        for (int p0 = cb; p0 < ce; p0 += per_pass) {
+            const int nc = min(per_pass, ce - p0), units = nc * U;
+            const int u_end = units * (warp + 1) / SB_WARPS;
+            for (int un = units * warp / SB_WARPS; un < u_end; un++) {
+                const int c = p0 + un / U, ch = c & 127;
+                const sb_u32 page = (c >> 7) == (cb >> 7) ? page0 : active[c >> 7];
+                const bool on = page < (sb_u32)n_pages;
+                const sb_u8* base = pages + (long)(on ? page : 0u) * page_bytes;
+                const sb_u16* sbase = (const sb_u16*)(base + 3 * mat);
+                const uint4* q[2] = {(const uint4*)(base + (long)ch * d), (const uint4*)(base + mat + (long)ch * d)};
+                const sb_u16* s[2] = {sbase + (long)ch * (d >> 5), sbase + smat + (long)ch * (d >> 5)};
+                float acc[2] = {0.f, 0.f};
+                sb_q8s_round<P1V>(q, s, on, nv, (un % U) * 32 * P1V, sb_xs, lane, acc);
+                const float g = sb_warp_sum(acc[0]), u = sb_warp_sum(acc[1]);
+                if (lane == 0) unit_dots[un] = make_float2(g, u);
+            }
+            __syncthreads();
+            for (int t = threadIdx.x; t < nc; t += SB_THREADS) {
+                float g = 0.f, u = 0.f;
+                for (int k = 0; k < U; k++) {
+                    const float2 v = unit_dots[t * U + k];
+                    g += v.x;
+                    u += v.y;
+                }
+                hbuf[p0 + t] = g / (1.f + expf(-g)) * u;  // 0 for a page out of range (g = u = 0)
+            }
+            __syncthreads();  // before the next pass rewrites unit_dots
+        }
     } else {
         const long warps = (long)gridDim.x * SB_WARPS, gw = (long)blockIdx.x * SB_WARPS + warp;
         const int c_begin = (int)(n_ch * gw / warps), c_end = (int)(n_ch * (gw + 1) / warps);
@@ -586,12 +649,14 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS) superblock_ffn_q8s(SB_Q
 // resident block count of that function, so every variant runs at its own
 // occupancy. The host table (Q8_FFN_VARIANTS in
 // crates/mirage-cuda/src/superblock.rs) describes each; keep them in step.
-#define SB_Q8S_VARIANT(N, MINB, P1V, P2, P2U, FB, PFD)                                            \
+#define SB_Q8S_VARIANT_B(N, MINB, P1V, P2, P2U, FB, PFD, P1B)                                    \
     extern "C" __global__ void __launch_bounds__(SB_THREADS, MINB) superblock_ffn_q8s_v##N(        \
         SB_Q8S_PARAMS, int part_ch, const float* nw, float neps, float* nout) {                   \
         PDL_ENTRY();                                                                              \
-        sb_ffn_q8s<P1V, P2, P2U, FB, PFD>(SB_Q8S_ARGS, part_ch, nw, neps, nout);                  \
+        sb_ffn_q8s<P1V, P2, P2U, FB, PFD, P1B>(SB_Q8S_ARGS, part_ch, nw, neps, nout);             \
     }
+#define SB_Q8S_VARIANT(N, MINB, P1V, P2, P2U, FB, PFD) SB_Q8S_VARIANT_B(N, MINB, P1V, P2, P2U, FB, PFD, 0)
+
 // Tried on the H200 and dropped (slower; crates/mirage-cuda/NOTES.md): the
 // active ids staged in shared memory, phase-2 items of 512 outputs (a warp
 // load = 512 contiguous bytes of one down_t row, four finishes per item),
@@ -620,6 +685,10 @@ SB_Q8S_VARIANT(5, 5, 1, 1, 2, 8, 0)
 SB_Q8S_VARIANT(6, 3, 4, 1, 4, 8, 1)
 // v7: v4 (4 blocks per SM) with the same prefetch.
 SB_Q8S_VARIANT(7, 4, 2, 1, 4, 8, 1)
+// v10: v3 with the balanced phase 1 (P1B); v11: v4 with it (4 units per
+// 3584-wide row). (v8 and v9, the single pass, are below.)
+SB_Q8S_VARIANT_B(10, 3, 4, 1, 4, 8, 0, 1)
+SB_Q8S_VARIANT_B(11, 4, 2, 1, 4, 8, 0, 1)
 
 // ---------------------------------------------------------------------------
 // The single-pass fused FFN (`superblock_ffn_q8s_v8`, same arguments as the

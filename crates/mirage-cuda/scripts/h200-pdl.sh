@@ -16,7 +16,8 @@
 # shape dense with PDL off / on, then one ncu pass over a 7B dense decode
 # (kernel durations, for the per-kernel table; ncu serializes kernels, so it
 # shows work, not gaps). Switches: SKIP_FAST_DECODE=1, SKIP_SPARSE_TESTS=1, SKIP_KERNEL_TESTS=1,
-# KBENCH=1 (kernel-bench --sparse after the 7B rows), SKIP_NCU=1,
+# KBENCH=1 (kernel-bench --sparse after the 7B rows; KBENCH_ARGS more of its
+# arguments, e.g. "--sparse-variants 0,3,10"), SKIP_NCU=1,
 # PAGE_FORMATS="" (no Q2_K / NVFP4 rows), BENCH_EXTRA (more arguments of
 # every 7B bench row, e.g. --xprefetch-ab), TABLE_LINES (bench lines kept
 # per row in tables.txt, default 14). Binaries stay unpacked in $W (default /tmp/mq, the
@@ -88,7 +89,7 @@ done
 if [ "${KBENCH:-0}" = 1 ] && left kernel-bench; then
   # The fused FFN kernels alone (every variant, 7B and 0.5B shapes, CUDA
   # graphs, cold pages) beside the dense FFN and the copy ceiling.
-  run kbench 240 "$W/kernel-bench" --iters 20 --sparse
+  run kbench 240 "$W/kernel-bench" --iters 20 --sparse ${KBENCH_ARGS:-}
   { echo "== kernel-bench --sparse"; sed -n '/== sparse FFN variants/,$p' "$L/kbench.log"; } >> "$L/tables.txt"
 fi
 NCU=$( [ "${SKIP_NCU:-0}" = 1 ] || command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)

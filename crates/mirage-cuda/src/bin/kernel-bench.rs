@@ -27,8 +27,10 @@
 //!     cold pages), against the backend's dense v2 FFN run the same way; printed last,
 //!     and alone (after the copy) with `--sparse`.
 //!
-//! Usage: `kernel-bench [--iters N] [--variants | --sparse]`. Prints a table
-//! last.
+//! Usage: `kernel-bench [--iters N] [--variants | --sparse]
+//! [--sparse-variants 0,3,10]`. Prints a table last. `--sparse-variants`
+//! keeps only those fused-FFN variants in (d) (v0, the "vs v0" column's
+//! base, only when listed).
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -757,9 +759,14 @@ mod bench {
         m: &Arc<cudarc::driver::CudaModule>,
         timer: &mut Timer,
         r: &mut Rng,
+        only: &[usize],
     ) -> Res<Vec<SbRow>> {
         let stream = dev.stream().clone();
         let mut out = Vec::new();
+        let variants: Vec<_> = Q8_FFN_VARIANTS
+            .iter()
+            .filter(|v| only.contains(&v.index))
+            .collect();
         let shapes: [(&str, usize, usize, usize, &[f64]); 2] = [
             ("7B", 3584, 18944, 8, &[1.0, 0.4, 0.25]),
             ("0.5B", 896, 4864, 24, &[1.0, 0.5]),
@@ -881,7 +888,7 @@ mod bench {
                 }
             };
             dev.set_active(&mut active, &[])?;
-            let empty: Vec<f64> = Q8_FFN_VARIANTS
+            let empty: Vec<f64> = variants
                 .iter()
                 .map(|v| {
                     let (launch, red) = usual(v.index);
@@ -893,7 +900,7 @@ mod bench {
                 dev.set_active(&mut active, &random_subset(r, n_pages, k))?;
                 let shape = format!("{name} {:.0} % ({k}/{n_pages})", frac * 100.0);
                 let mut v0_us = f64::NAN;
-                for v in &Q8_FFN_VARIANTS {
+                for (vi, v) in variants.iter().enumerate() {
                     let mut time = |part_ch: u32, launch: FfnLaunch, red: Reduction| -> Res<f64> {
                         time(v.index, &active, part_ch, launch, red)
                     };
@@ -932,7 +939,7 @@ mod bench {
                         shape: shape.clone(),
                         what,
                         grid: pages[0].variant_grid(v.index).unwrap_or(0),
-                        empty: empty[v.index],
+                        empty: empty[vi],
                         p1,
                         p2,
                         both,
@@ -1005,6 +1012,24 @@ mod bench {
             .and_then(|i| args.get(i + 1))
             .and_then(|v| v.parse().ok())
             .unwrap_or(30usize);
+        // --sparse-variants: the fused-FFN variants to time (all if absent).
+        let only: Vec<usize> = match args.iter().position(|a| a == "--sparse-variants") {
+            None => (0..Q8_FFN_VARIANTS.len()).collect(),
+            Some(i) => {
+                let list = args
+                    .get(i + 1)
+                    .ok_or("--sparse-variants needs a list, e.g. 0,3,10")?;
+                list.split(',')
+                    .map(|v| match v.trim().parse::<usize>() {
+                        Ok(n) if n < Q8_FFN_VARIANTS.len() => Ok(n),
+                        _ => Err(format!(
+                            "--sparse-variants: {v:?} is not a variant (0..{})",
+                            Q8_FFN_VARIANTS.len() - 1
+                        )),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+        };
         let dev = SparseDevice::new(0)?;
         let ctx: &Arc<_> = dev.context();
         let cc = ctx.compute_capability()?;
@@ -1041,7 +1066,7 @@ mod bench {
         println!("copy: 1 GiB dtod {copy_us:.1} us = {copy_gbs:.0} GB/s (read + write)");
 
         if args.iter().any(|a| a == "--sparse") {
-            let rows = sb_variants(&dev, &m, &mut timer, &mut r)?;
+            let rows = sb_variants(&dev, &m, &mut timer, &mut r, &only)?;
             print_sb_variants(&rows, copy_gbs);
             return Ok(());
         }
@@ -1369,7 +1394,7 @@ mod bench {
         }
         drop(q2_pages);
         drop((pages, nv_pages, active, scratch, y));
-        let sb_rows = sb_variants(&dev, &m, &mut timer, &mut r)?;
+        let sb_rows = sb_variants(&dev, &m, &mut timer, &mut r, &only)?;
 
         println!();
         println!("copy ceiling: {copy_gbs:.0} GB/s (1 GiB dtod, read + write, same run)");
