@@ -689,6 +689,10 @@ SB_Q8S_VARIANT(7, 4, 2, 1, 4, 8, 1)
 // 3584-wide row). (v8 and v9, the single pass, are below.)
 SB_Q8S_VARIANT_B(10, 3, 4, 1, 4, 8, 0, 1)
 SB_Q8S_VARIANT_B(11, 4, 2, 1, 4, 8, 0, 1)
+// v12 / v13: v10 with 5 / 6 quads in flight per warp in phase 2 (at 7B
+// 40 % a warp's part is 17 quads: 5 rounds of 4, 4 of 5, 3 of 6).
+SB_Q8S_VARIANT_B(12, 3, 4, 1, 5, 8, 0, 1)
+SB_Q8S_VARIANT_B(13, 3, 4, 1, 6, 8, 0, 1)
 
 // ---------------------------------------------------------------------------
 // The single-pass fused FFN (`superblock_ffn_q8s_v8`, same arguments as the

@@ -176,11 +176,12 @@ impl RouteTraversal {
     }
 }
 
-/// The fused Q8_0 kernel the backend runs. Default: variant 3 of
-/// `superblock::Q8_FFN_VARIANTS` (16-byte loads, 4 in flight per lane and
-/// row, 3 blocks per SM), the fastest on the H200 at 7B (100 % and 40 % of
-/// the pages: 73.5 / 40.0 us per layer vs 97.6 / 48.5 for the first version,
-/// `kernel-bench --sparse`, 2026-12-03), with at least 128 channels per
+/// The fused Q8_0 kernel the backend runs. Default: variant 10 of
+/// `superblock::Q8_FFN_VARIANTS` (variant 3 -- 16-byte loads, 4 in flight
+/// per lane and row, 3 blocks per SM, the fastest of v0-v9 on the H200 at
+/// 7B -- with the balanced phase 1: `kernel-bench --sparse`, 2026-12-04,
+/// 7B 100 / 40 / 25 % of the pages 71.3 / 36.3 / 26.2 us per layer vs v3's
+/// 70.7 / 37.4 / 28.4, 0.5B within 0.2 us), with at least 128 channels per
 /// phase-2 part at widths up to 1024 (it helped at d 896) and the grid's
 /// own split above. `MIRAGE_SPARSE_Q8_KERNEL=first` runs the first version,
 /// `=N` variant N (for comparisons in `mirage-cli bench`).
@@ -205,7 +206,7 @@ fn default_part_ch(d_model: usize) -> usize {
 
 impl Q8Kernel {
     const DEFAULT: Q8Kernel = Q8Kernel::Variant {
-        index: 3,
+        index: 10,
         part_ch: default_part_ch,
     };
 

@@ -243,7 +243,7 @@ pub const SINGLE_PASS_MAX_D: usize = 4096;
 /// The fused Q8_0 FFN variants, in the order of `cuda/superblock.cu`'s
 /// variant list (keep the two in step). v0 with `part_ch` 0 is
 /// `superblock_ffn_q8s`, the first version, bit for bit.
-pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 12] = [
+pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 14] = [
     q8v(
         0,
         "first version (4 B loads, grid-stride channels), 5 blocks/SM",
@@ -262,10 +262,12 @@ pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 12] = [
     q8v(9, "single pass (block-local partial), 2 x 16 B, 3 blocks/SM"),
     q8v(10, "v3 + balanced phase 1 (row rounds)"),
     q8v(11, "v4 + balanced phase 1 (row rounds)"),
+    q8v(12, "v10 + p2 5 quads"),
+    q8v(13, "v10 + p2 6 quads"),
 ];
 
 const fn q8v(index: usize, about: &'static str) -> Q8FfnVariant {
-    const NAMES: [&str; 12] = [
+    const NAMES: [&str; 14] = [
         "superblock_ffn_q8s_v0",
         "superblock_ffn_q8s_v1",
         "superblock_ffn_q8s_v2",
@@ -278,6 +280,8 @@ const fn q8v(index: usize, about: &'static str) -> Q8FfnVariant {
         "superblock_ffn_q8s_v9",
         "superblock_ffn_q8s_v10",
         "superblock_ffn_q8s_v11",
+        "superblock_ffn_q8s_v12",
+        "superblock_ffn_q8s_v13",
     ];
     Q8FfnVariant {
         index,
