@@ -78,6 +78,14 @@ done
 # CFGS05 (";"-separated env settings, "D" = defaults): 0.5B dense rows per
 # setting, after the PDL_05B rows (set PDL_05B=" " to skip those).
 IFS=';' read -r -a CFG05_LIST <<< "${CFGS05:-}"
+# A setting that changes a module's defines (e.g. MIRAGE_CUDA_ATT_LOADS=serial)
+# compiles that module's PTX at its first launch, 45-75 s on the H200, more
+# than a 0.5B row's limit (the thirteenth session lost a row that way): one
+# short decode per distinct setting first puts it in the PTX cache.
+printf '%s\n' "${CFG05_LIST[@]}" | sort -u | while read -r cfg; do
+  [ -z "$cfg" ] || [ "$cfg" = D ] && continue
+  run b05_warm 150 env $cfg "$W/mirage-cli" bench --backend cuda --model "$W/qwen2.5-0.5b.gguf" --prompt 4 --gen 2
+done
 for cfg in "${CFG05_LIST[@]}"; do
   [ "$cfg" = D ] && cfg=MIRAGE_DEFAULTS=1
   left "0.5b $cfg" || break

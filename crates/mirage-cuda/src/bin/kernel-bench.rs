@@ -990,7 +990,12 @@ mod bench {
                 (
                     row.grid.to_string(),
                     format!("{:.1} | {:.1} | {:.1}", row.empty, row.p1, row.p2),
-                    format!("{:.2}x", row.v0_us / best),
+                    // v0 left out by --sparse-variants: no base.
+                    if row.v0_us.is_nan() {
+                        dash()
+                    } else {
+                        format!("{:.2}x", row.v0_us / best)
+                    },
                     format!("{:.2}x", row.dense_us / best),
                 )
             };
