@@ -9,11 +9,17 @@ router's projection and the f16 decode attention's key loads going out one to
 eight at a time where the source asked for 16-32 (crates/mirage-cuda/NOTES.md).
 
 usage: sass_loads.py MODULE KERNEL [KERNEL ...] [-D NAME=VALUE ...]
+       sass_loads.py MODULE --diff OTHER_TREE [-D NAME=VALUE ...]
   MODULE: dense | sparse | vk_interop — the sources concatenated as the crate
   does (module.rs DENSE_SOURCE, sparse_backend.rs SOURCE, vk_interop.rs
   SOURCE; the file lists are read from those Rust files), compiled for sm_90
   with the crate's NVRTC options; -D puts `#define NAME VALUE` in front, as
   module::with_env_defines does for the MIRAGE_CUDA_* switches.
+
+--diff compiles the module from this tree and from OTHER_TREE (another
+checkout, e.g. `git worktree add /tmp/head HEAD`) and lists the kernels whose
+SASS differs: a refactor that should not change the code is checked that way
+(the same SASS, so the same bits on the GPU).
 
 Prints per kernel its registers and spills (ptxas -v) and a signature of its
 instruction stream: `L<n>` = n global loads in a row, `u` = an instruction
@@ -112,21 +118,63 @@ def signature(sass):
     return re.sub(r"L{2,}", lambda m: "L%d " % len(m.group()), text)
 
 
+def kernel_sass(lib, nvdisasm, module, defines):
+    """{kernel: SASS text without its addresses} of MODULE compiled from ROOT."""
+    cubin, _ = compile_cubin(lib, module_source(module, defines))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        r = subprocess.run([nvdisasm, f.name], capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"nvdisasm failed: {r.stderr.strip()[:300]}")
+    out = {}
+    for m in re.finditer(r"\.text\.(\w+):\n(.*?)(?=\n\s*\.section|\Z)", r.stdout, re.S):
+        text = re.sub(r"/\*[0-9a-f]{4,}\*/", "", m.group(2))
+        text = re.sub(r"(?m)^\s*//-+ \.text\..*$", "", text)  # the next section's banner
+        # Labels and helper names are numbered module-wide: renumber per kernel.
+        names = {}
+        text = re.sub(r"\.L_x_\d+", lambda l: names.setdefault(l.group(), ".L%d" % len(names)), text)
+        out[m.group(1)] = re.sub(r"__internal_\d+_", "__internal_", text)
+    return out
+
+
+def diff(lib, nvdisasm, module, defines, other):
+    global ROOT
+    here = kernel_sass(lib, nvdisasm, module, defines)
+    ROOT = os.path.abspath(other)
+    there = kernel_sass(lib, nvdisasm, module, defines)
+    for k in sorted(set(here) | set(there)):
+        if k not in there:
+            print(f"{k}: only in this tree")
+        elif k not in here:
+            print(f"{k}: only in {other}")
+        elif here[k] != there[k]:
+            print(f"{k}: SASS differs")
+    same = sum(1 for k in here if here[k] == there.get(k))
+    print(f"{same} of {len(here)} kernels of the {module} module have the same SASS in both trees")
+
+
 def main():
     args = sys.argv[1:]
     if len(args) < 2 or args[0] in ("-h", "--help") or args[0] not in MODULES:
         sys.exit(__doc__)
-    defines, names, i = [], [], 1
+    defines, names, other, i = [], [], None, 1
     while i < len(args):
         if args[i] == "-D" and i + 1 < len(args):
             k, _, v = args[i + 1].partition("=")
             defines.append((k, v or "1"))
+            i += 2
+        elif args[i] == "--diff" and i + 1 < len(args):
+            other = args[i + 1]
             i += 2
         else:
             names.append(args[i])
             i += 1
     lib = ctypes.CDLL(find("NVRTC_LIB", "~/.local/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13"))
     nvdisasm = find("NVDISASM", "~/.local/lib/python3*/site-packages/nvidia/cu13/bin/nvdisasm")
+    if other is not None:
+        diff(lib, nvdisasm, args[0], defines, other)
+        return
     cubin, log = compile_cubin(lib, module_source(args[0], defines))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
