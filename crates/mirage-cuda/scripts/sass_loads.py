@@ -118,17 +118,23 @@ def signature(sass):
     return re.sub(r"L{2,}", lambda m: "L%d " % len(m.group()), text)
 
 
-def kernel_sass(lib, nvdisasm, module, defines):
-    """{kernel: SASS text without its addresses} of MODULE compiled from ROOT."""
-    cubin, _ = compile_cubin(lib, module_source(module, defines))
+def disassemble(lib, nvdisasm, module, defines):
+    """(nvdisasm's SASS text, ptxas's log) of MODULE compiled from ROOT."""
+    cubin, log = compile_cubin(lib, module_source(module, defines))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         r = subprocess.run([nvdisasm, f.name], capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"nvdisasm failed: {r.stderr.strip()[:300]}")
+    return r.stdout, log
+
+
+def kernel_sass(lib, nvdisasm, module, defines):
+    """{kernel: SASS text without its addresses} of MODULE compiled from ROOT."""
+    sass, _ = disassemble(lib, nvdisasm, module, defines)
     out = {}
-    for m in re.finditer(r"\.text\.(\w+):\n(.*?)(?=\n\s*\.section|\Z)", r.stdout, re.S):
+    for m in re.finditer(r"\.text\.(\w+):\n(.*?)(?=\n\s*\.section|\Z)", sass, re.S):
         text = re.sub(r"/\*[0-9a-f]{4,}\*/", "", m.group(2))
         text = re.sub(r"(?m)^\s*//-+ \.text\..*$", "", text)  # the next section's banner
         # Labels and helper names are numbered module-wide: renumber per kernel.
@@ -175,15 +181,9 @@ def main():
     if other is not None:
         diff(lib, nvdisasm, args[0], defines, other)
         return
-    cubin, log = compile_cubin(lib, module_source(args[0], defines))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        r = subprocess.run([nvdisasm, f.name], capture_output=True, text=True)
-    if r.returncode:
-        sys.exit(f"nvdisasm failed: {r.stderr.strip()[:300]}")
+    sass, log = disassemble(lib, nvdisasm, args[0], defines)
     for k in names:
-        m = re.search(r"\.text\.%s:\n(.*?)(?:\n\s*\.section|\Z)" % re.escape(k), r.stdout, re.S)
+        m = re.search(r"\.text\.%s:\n(.*?)(?:\n\s*\.section|\Z)" % re.escape(k), sass, re.S)
         if not m:
             print(f"{k}: not in the {args[0]} module")
             continue
