@@ -431,12 +431,6 @@ fn nvfp4_matvec_ffn_embed_gemm_match_cpu_codec() {
     }
 }
 
-fn models_dir() -> std::path::PathBuf {
-    std::env::var_os("MIRAGE_MODELS_DIR")
-        .map(Into::into)
-        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"))
-}
-
 /// SmolLM2 with NVFP4 weights on the GPU against the CPU (f32 activations)
 /// running the SAME rounded weights (each attention/FFN matrix replaced by
 /// its NVFP4 round trip, stored as F32): cosine >= 0.9999 at every
@@ -447,20 +441,12 @@ fn nvfp4_smollm2_logits_match_cpu_on_rounded_weights() {
     let Some(gpu) = cuda("nvfp4_smollm2_logits_match_cpu_on_rounded_weights") else {
         return;
     };
-    let path = models_dir().join("smollm2-135m-instruct-q4_1.gguf");
-    if !path.exists() {
-        if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-            eprintln!(
-                "nvfp4_smollm2: skipped, {} missing (MIRAGE_SKIP_MODEL_TESTS=1)",
-                path.display()
-            );
-            return;
-        }
-        panic!(
-            "{} is missing: run `cargo xtask fetch-models`",
-            path.display()
-        );
-    }
+    let Some(path) = common::model_file(
+        "nvfp4_smollm2_logits_match_cpu_on_rounded_weights",
+        "smollm2-135m-instruct-q4_1.gguf",
+    ) else {
+        return;
+    };
     gpu.set_weight_format(WeightFormat::Nvfp4);
     let file = Arc::new(GgufFile::open(&path).unwrap());
     let mut w = GgufWriter::new(file.metadata().clone());

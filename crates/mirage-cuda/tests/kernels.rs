@@ -329,12 +329,6 @@ fn ffn_matches_cpu_f32_activations() {
     }
 }
 
-fn models_dir() -> std::path::PathBuf {
-    std::env::var_os("MIRAGE_MODELS_DIR")
-        .map(Into::into)
-        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"))
-}
-
 /// Final logits of the real SmolLM2 on the GPU against the CPU reference in
 /// its f32-activation mode (the same arithmetic: dequantized weights times
 /// f32 activations) and in its default q8-activation mode.
@@ -343,20 +337,12 @@ fn smollm2_logits_match_cpu() {
     let Some(gpu) = cuda("smollm2_logits_match_cpu") else {
         return;
     };
-    let path = models_dir().join("smollm2-135m-instruct-q4_1.gguf");
-    if !path.exists() {
-        if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-            eprintln!(
-                "smollm2_logits_match_cpu: skipped, {} missing (MIRAGE_SKIP_MODEL_TESTS=1)",
-                path.display()
-            );
-            return;
-        }
-        panic!(
-            "{} is missing: run `cargo xtask fetch-models`",
-            path.display()
-        );
-    }
+    let Some(path) = common::model_file(
+        "smollm2_logits_match_cpu",
+        "smollm2-135m-instruct-q4_1.gguf",
+    ) else {
+        return;
+    };
     let file = Arc::new(GgufFile::open(&path).unwrap());
     let tokens: Vec<u32> = vec![1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 3458, 5248];
     let g = Model::load(file.clone(), gpu)

@@ -8,7 +8,6 @@
 //! Without a GPU each test prints why it skips. A missing model file fails
 //! unless MIRAGE_SKIP_MODEL_TESTS=1 (then it prints why it skips).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use mirage_gguf::GgufFile;
@@ -18,23 +17,7 @@ mod common;
 use common::cuda;
 
 fn model(test: &str, name: &str) -> Option<Arc<GgufFile>> {
-    let dir: PathBuf = std::env::var_os("MIRAGE_MODELS_DIR")
-        .map(Into::into)
-        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"));
-    let path = dir.join(name);
-    if !path.exists() {
-        if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-            eprintln!(
-                "{test}: skipped, {} missing (MIRAGE_SKIP_MODEL_TESTS=1)",
-                path.display()
-            );
-            return None;
-        }
-        panic!(
-            "{} is missing: run `cargo xtask fetch-models`",
-            path.display()
-        );
-    }
+    let path = common::model_file(test, name)?;
     Some(Arc::new(GgufFile::open(&path).unwrap()))
 }
 

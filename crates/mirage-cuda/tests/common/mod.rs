@@ -55,26 +55,45 @@ pub fn bits_differ(a: &[f32], b: &[f32]) -> usize {
         + a.len().abs_diff(b.len())
 }
 
+/// Where the real models are: `MIRAGE_MODELS_DIR`, or models/ at the
+/// workspace root (what `cargo xtask fetch-models` fills).
+pub fn models_dir() -> std::path::PathBuf {
+    std::env::var_os("MIRAGE_MODELS_DIR")
+        .map(Into::into)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"))
+}
+
+/// `path` when that model file exists; else `None` after printing why
+/// `test` skips, which only `MIRAGE_SKIP_MODEL_TESTS=1` allows (otherwise
+/// a missing model fails the test, as on CI and the GPU machine).
+pub fn model_path(test: &str, path: std::path::PathBuf) -> Option<std::path::PathBuf> {
+    if path.exists() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1"),
+        "{test}: {} is missing: run `cargo xtask fetch-models` (or set MIRAGE_SKIP_MODEL_TESTS=1 to skip)",
+        path.display()
+    );
+    eprintln!(
+        "{test}: skipped, {} missing (MIRAGE_SKIP_MODEL_TESTS=1)",
+        path.display()
+    );
+    None
+}
+
+/// Real model `name` in [`models_dir`] (see [`model_path`]).
+pub fn model_file(test: &str, name: &str) -> Option<std::path::PathBuf> {
+    model_path(test, models_dir().join(name))
+}
+
 /// The model of the real-model sparse tests: `MIRAGE_SPARSE_MODEL`, by
-/// default SmolLM2 in models/. `None` after printing why when it is missing
-/// (allowed only with `MIRAGE_SKIP_MODEL_TESTS=1`).
+/// default SmolLM2 in [`models_dir`] (see [`model_path`]).
 pub fn sparse_model(test: &str) -> Option<std::path::PathBuf> {
     let model = std::env::var_os("MIRAGE_SPARSE_MODEL")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/smollm2-135m-instruct-q4_1.gguf")
-        });
-    if !model.exists() {
-        assert!(
-            std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1"),
-            "{} is missing",
-            model.display()
-        );
-        eprintln!("{test}: skipped, {} is missing", model.display());
-        return None;
-    }
-    Some(model)
+        .unwrap_or_else(|| models_dir().join("smollm2-135m-instruct-q4_1.gguf"));
+    model_path(test, model)
 }
 
 /// The artifact of the real-model sparse tests: `MIRAGE_SPARSE_ARTIFACT`,
