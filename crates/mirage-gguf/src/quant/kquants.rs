@@ -14,7 +14,7 @@
 //! dequantize_row_* walk them; [`codes_q2_k`] etc. spell that out once and
 //! both the dequantizers and the scalar dots read codes through them.
 
-use super::util::{f16_at, f32_at, nearest_int, put_f16, GROUP_MAX_EPS};
+use super::util::{f16_at, f32_at, nearest_int, put_f16, signed_absmax, GROUP_MAX_EPS};
 use crate::types::QK_K;
 
 const Q2_K_SIZE: usize = 84;
@@ -245,14 +245,8 @@ pub(crate) fn dequantize_q8_k(src: &[u8], dst: &mut [f32]) {
 /// ggml's `make_qx_quants` with `qw == NULL`; writes codes `l + nmax` to `l_out`.
 fn make_qx_quants(x: &[f32], nmax: i32, l_out: &mut [i8], rmse_type: i32) -> f32 {
     let n = x.len();
-    let (mut max, mut amax) = (0f32, 0f32);
-    for &v in x {
-        if v.abs() > amax {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    if amax < GROUP_MAX_EPS {
+    let max = signed_absmax(x);
+    if max.abs() < GROUP_MAX_EPS {
         l_out[..n].fill(0);
         return 0.0;
     }
@@ -322,14 +316,8 @@ fn make_qx_quants(x: &[f32], nmax: i32, l_out: &mut [i8], rmse_type: i32) -> f32
 /// ggml's `make_q3_quants` with `do_rmse = true`; writes codes `l + nmax`.
 fn make_q3_quants(x: &[f32], nmax: i32, l_out: &mut [i8]) -> f32 {
     let n = x.len();
-    let (mut max, mut amax) = (0f32, 0f32);
-    for &v in x {
-        if v.abs() > amax {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    if amax < GROUP_MAX_EPS {
+    let max = signed_absmax(x);
+    if max.abs() < GROUP_MAX_EPS {
         l_out[..n].fill(0);
         return 0.0;
     }
@@ -769,14 +757,8 @@ pub(crate) fn quantize_q6_k(src: &[f32], dst: &mut [u8]) {
 
 pub(crate) fn quantize_q8_k(src: &[f32], dst: &mut [u8]) {
     for (x, b) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(Q8_K_SIZE)) {
-        let (mut max, mut amax) = (0f32, 0f32);
-        for &v in x {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = v;
-            }
-        }
-        if amax == 0.0 {
+        let max = signed_absmax(x);
+        if max == 0.0 {
             // ggml leaves bsums unwritten here; zero is their true value.
             b.fill(0);
             continue;

@@ -5,7 +5,7 @@
 //! Q8_1 = d, s = d*sum(qs), qs:i8[32]. A nibble byte j holds element j (low)
 //! and element j+16 (high); qh bit j is element j's fifth bit.
 
-use super::util::{f16_at, put_f16};
+use super::util::{f16_at, put_f16, signed_absmax};
 
 const QK: usize = 32;
 
@@ -85,19 +85,6 @@ pub(crate) fn dequantize_q8_1(src: &[u8], dst: &mut [f32]) {
             y[j] = b[4 + j] as i8 as f32 * d;
         }
     }
-}
-
-/// The value of largest magnitude (first one on ties), as ggml picks it.
-#[inline(always)]
-fn signed_absmax(x: &[f32]) -> f32 {
-    let (mut amax, mut max) = (0f32, 0f32);
-    for &v in x {
-        if amax < v.abs() {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    max
 }
 
 #[inline(always)]

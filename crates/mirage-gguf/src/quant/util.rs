@@ -29,6 +29,20 @@ pub(crate) fn nearest_int(v: f32) -> i32 {
     ((val.to_bits() & 0x007f_ffff) as i32) - 0x0040_0000
 }
 
+/// The value of largest magnitude (the first one on ties), as ggml's
+/// quantizers pick it; its magnitude is their `amax`.
+#[inline(always)]
+pub(crate) fn signed_absmax(x: &[f32]) -> f32 {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    max
+}
+
 /// ggml's `GROUP_MAX_EPS`: groups whose largest magnitude is below this are
 /// stored as all zero.
 pub(crate) const GROUP_MAX_EPS: f32 = 1e-15;
