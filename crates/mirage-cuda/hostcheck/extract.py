@@ -1,7 +1,7 @@
 """Cuts the device functions the host checks need out of cuda/norm.cu +
 cuda/nvfp4.cu + cuda/dense.cu (brace matching), so the checks always compile the current
 kernel source. Writes kernels_extract.h, q4k_extract.h, q5_extract.h, q6k_extract.h,
-mvv_extract.h, norm_extract.h and attend_extract.h."""
+mvv_extract.h, norm_extract.h, attend_extract.h and ffn_p1_extract.h."""
 import pathlib, sys
 
 root = pathlib.Path(__file__).resolve().parents[3]
@@ -65,3 +65,11 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
         "void rope_angle(", "void rope_turn(", "void rope_rotate(", "void rope_store(", "struct AttPre",
         "void att_load_keys(", "void att_load_values(", "void att_preload(", "void attend_part_with(", "void attend_part(",
         "void attend_rope_part("]).replace("float vx[ATT_VB];\n}", "float vx[ATT_VB];\n};"))
+
+# Phase 1 of the fused Q8_0 FFN (superblock.cu) with the helpers it calls; the
+# L2-prefetch asm of the PFD variants becomes HOST_ASM(...) (a no-op there).
+(out / "ffn_p1_extract.h").write_text((macro_line("SB_WARPS") + macro_line("SB_THREADS") + macro_line("SB_PAGE_CH")
+    + macro_line("SB_P1B_UNITS") + macro_line("SB_MAGIC") + macro_line("NORM_VEC") + "".join(extract(n) for n in [
+        "float sb_warp_sum(", "float sb_byte_f32(", "void sb_q8x4(", "float sb_q8_dot4(", "void sb_dot_rows_q8s(",
+        "float norm_warp_sum(", "float norm_block_sum(", "void rms_norm_row_by(", "void rms_norm_row(", "void sb_stage_x(",
+        "void sb_q8s_round(", "float sb_q8s_channel(", "void sb_ffn_q8s_phase1("])).replace("asm volatile(", "HOST_ASM("))

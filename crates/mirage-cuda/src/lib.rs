@@ -491,8 +491,9 @@ mod settings {
 }
 
 /// The host checks of device code (`hostcheck/run.sh`: the split-layout dot
-/// helpers, the mat-vec variants' per-lane dots and the RMSNorm row against
-/// f64 references; `hostcheck/run_pruned.sh`: the pruned-attention kernels):
+/// helpers, the mat-vec variants' per-lane dots, the RMSNorm row, the decode
+/// attention and phase 1 of the fused Q8_0 FFN against f64 references or
+/// their previous forms; `hostcheck/run_pruned.sh`: the pruned-attention kernels):
 /// the CUDA sources compiled as C++ with every CUDA thread an std::thread, so
 /// they run in CI, which has no GPU. Needs g++ (C++20) and python3; without
 /// them it prints why and passes.
