@@ -370,6 +370,27 @@ __device__ __forceinline__ void sb_stage_x(float4* xs, const float* __restrict__
     __syncthreads();
 }
 
+// Channel ch's gate and up rows in split-Q8_0 pages: quants q[r] and f16
+// scales s[r] (r = 0 gate, 1 up); for an id past n_pages, on is false and
+// the pointers are page 0's (in range, never read: sb_q8s_round loads
+// nothing when !on).
+struct SbQ8sRows {
+    const uint4* q[2];
+    const sb_u16* s[2];
+    bool on;
+};
+__device__ __forceinline__ SbQ8sRows sb_q8s_rows(const sb_u8* __restrict__ pages, long page_bytes, int n_pages, int d,
+                                                 sb_u32 page, int ch) {
+    const long mat = (long)SB_PAGE_CH * d;          // bytes of one quant matrix in a page
+    const long smat = (long)SB_PAGE_CH * (d >> 5);  // f16 scales of one matrix
+    const bool on = page < (sb_u32)n_pages;
+    const sb_u8* base = pages + (long)(on ? page : 0u) * page_bytes;
+    const sb_u16* sbase = (const sb_u16*)(base + 3 * mat);
+    return {{(const uint4*)(base + (long)ch * d), (const uint4*)(base + mat + (long)ch * d)},
+            {sbase + (long)ch * (d >> 5), sbase + smat + (long)ch * (d >> 5)},
+            on};
+}
+
 // One round of a channel's gate and up dots: this lane's share over the
 // 16-byte vectors [v0, v0 + 32 P1V) of the two rows (quants q[r], f16 scales
 // s[r]; nothing loaded when !on), all P1V x 2 loads issued before the first
@@ -417,27 +438,23 @@ template <int P1V, int PFD>
 __device__ __forceinline__ float sb_q8s_channel(const sb_u8* __restrict__ pages, long page_bytes, int n_pages, int d,
                                                 sb_u32 page, int ch, const float4* xs, int lane) {
     const int nv = d >> 4;  // 16-element (16-byte) vectors per row
-    const long mat = (long)SB_PAGE_CH * d;          // bytes of one quant matrix in a page
-    const long smat = (long)SB_PAGE_CH * (d >> 5);  // f16 scales of one matrix
-    const bool on = page < (sb_u32)n_pages;
-    const sb_u8* base = pages + (long)(on ? page : 0u) * page_bytes;
-    const sb_u16* sbase = (const sb_u16*)(base + 3 * mat);
-    const uint4* q[2] = {(const uint4*)(base + (long)ch * d), (const uint4*)(base + mat + (long)ch * d)};
-    const sb_u16* s[2] = {sbase + (long)ch * (d >> 5), sbase + smat + (long)ch * (d >> 5)};
+    const SbQ8sRows r = sb_q8s_rows(pages, page_bytes, n_pages, d, page, ch);
     if constexpr (PFD) {
         // This channel's down_t row (d bytes) and its scales into
-        // L2 now, so phase 2 reads them from L2 (see PFD above).
-        if (on) {
-            const sb_u8* drow = base + 2 * mat + (long)ch * d;
+        // L2 now, so phase 2 reads them from L2 (see PFD above): the row
+        // 2 matrices past its gate row, the scales 2 scale blocks past its
+        // gate scales.
+        if (r.on) {
+            const sb_u8* drow = (const sb_u8*)r.q[0] + 2 * (long)SB_PAGE_CH * d;
             for (int o = lane << 7; o < d; o += 32 << 7) asm volatile("prefetch.global.L2 [%0];" ::"l"(drow + o));
-            const sb_u8* dsc = (const sb_u8*)(sbase + 2 * smat + (long)ch * (d >> 5));
+            const sb_u8* dsc = (const sb_u8*)(r.s[0] + 2 * (long)SB_PAGE_CH * (d >> 5));
             if ((lane << 7) < (d >> 4) + 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(dsc + (lane << 7)));
         }
     }
     float acc[2] = {0.f, 0.f};
-    for (int v0 = 0; v0 < nv; v0 += 32 * P1V) sb_q8s_round<P1V>(q, s, on, nv, v0, xs, lane, acc);
+    for (int v0 = 0; v0 < nv; v0 += 32 * P1V) sb_q8s_round<P1V>(r.q, r.s, r.on, nv, v0, xs, lane, acc);
     const float g = sb_warp_sum(acc[0]), u = sb_warp_sum(acc[1]);
-    return on ? g / (1.f + expf(-g)) * u : 0.f;
+    return r.on ? g / (1.f + expf(-g)) * u : 0.f;
 }
 
 // Phase 1 of sb_ffn_q8s: hbuf[c] = silu(gate_c . x) * (up_c . x) for the
@@ -495,13 +512,9 @@ __device__ __forceinline__ void sb_ffn_q8s_phase1(const sb_u8* __restrict__ page
             for (int un = units * warp / SB_WARPS; un < u_end; un++) {
                 const int c = p0 + un / U, ch = c & 127;
                 const sb_u32 page = (c >> 7) == (cb >> 7) ? page0 : active[c >> 7];
-                const bool on = page < (sb_u32)n_pages;
-                const sb_u8* base = pages + (long)(on ? page : 0u) * page_bytes;
-                const sb_u16* sbase = (const sb_u16*)(base + 3 * mat);
-                const uint4* q[2] = {(const uint4*)(base + (long)ch * d), (const uint4*)(base + mat + (long)ch * d)};
-                const sb_u16* s[2] = {sbase + (long)ch * (d >> 5), sbase + smat + (long)ch * (d >> 5)};
+                const SbQ8sRows r = sb_q8s_rows(pages, page_bytes, n_pages, d, page, ch);
                 float acc[2] = {0.f, 0.f};
-                sb_q8s_round<P1V>(q, s, on, nv, (un % U) * 32 * P1V, sb_xs, lane, acc);
+                sb_q8s_round<P1V>(r.q, r.s, r.on, nv, (un % U) * 32 * P1V, sb_xs, lane, acc);
                 const float g = sb_warp_sum(acc[0]), u = sb_warp_sum(acc[1]);
                 if (lane == 0) unit_dots[un] = make_float2(g, u);
             }

@@ -72,4 +72,5 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
     + macro_line("SB_P1B_UNITS") + macro_line("SB_MAGIC") + macro_line("NORM_VEC") + "".join(extract(n) for n in [
         "float sb_warp_sum(", "float sb_byte_f32(", "void sb_q8x4(", "float sb_q8_dot4(", "void sb_dot_rows_q8s(",
         "float norm_warp_sum(", "float norm_block_sum(", "void rms_norm_row_by(", "void rms_norm_row(", "void sb_stage_x(",
-        "void sb_q8s_round(", "float sb_q8s_channel(", "void sb_ffn_q8s_phase1("])).replace("asm volatile(", "HOST_ASM("))
+        "struct SbQ8sRows", "SbQ8sRows sb_q8s_rows(", "void sb_q8s_round(", "float sb_q8s_channel(",
+        "void sb_ffn_q8s_phase1("])).replace("asm volatile(", "HOST_ASM(").replace("bool on;\n}", "bool on;\n};"))

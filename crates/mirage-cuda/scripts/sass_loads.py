@@ -130,17 +130,22 @@ def disassemble(lib, nvdisasm, module, defines):
     return r.stdout, log
 
 
+def sections(sass):
+    """{kernel: its text section of nvdisasm's output, as printed}."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"\.text\.(\w+):\n(.*?)(?=\n\s*\.section|\Z)", sass, re.S)}
+
+
 def kernel_sass(lib, nvdisasm, module, defines):
     """{kernel: SASS text without its addresses} of MODULE compiled from ROOT."""
     sass, _ = disassemble(lib, nvdisasm, module, defines)
     out = {}
-    for m in re.finditer(r"\.text\.(\w+):\n(.*?)(?=\n\s*\.section|\Z)", sass, re.S):
-        text = re.sub(r"/\*[0-9a-f]{4,}\*/", "", m.group(2))
+    for kernel, text in sections(sass).items():
+        text = re.sub(r"/\*[0-9a-f]{4,}\*/", "", text)
         text = re.sub(r"(?m)^\s*//-+ \.text\..*$", "", text)  # the next section's banner
         # Labels and helper names are numbered module-wide: renumber per kernel.
         names = {}
         text = re.sub(r"\.L_x_\d+", lambda l: names.setdefault(l.group(), ".L%d" % len(names)), text)
-        out[m.group(1)] = re.sub(r"__internal_\d+_", "__internal_", text)
+        out[kernel] = re.sub(r"__internal_\d+_", "__internal_", text)
     return out
 
 
@@ -182,14 +187,14 @@ def main():
         diff(lib, nvdisasm, args[0], defines, other)
         return
     sass, log = disassemble(lib, nvdisasm, args[0], defines)
+    texts = sections(sass)
     for k in names:
-        m = re.search(r"\.text\.%s:\n(.*?)(?:\n\s*\.section|\Z)" % re.escape(k), sass, re.S)
-        if not m:
+        if k not in texts:
             print(f"{k}: not in the {args[0]} module")
             continue
         regs, spill = registers(log, k)
         print(f"{k}: {regs} registers, {spill} bytes spilled")
-        print("  " + signature(m.group(1)))
+        print("  " + signature(texts[k]))
 
 
 if __name__ == "__main__":
