@@ -285,7 +285,8 @@ __device__ __forceinline__ void sb_finish_item(float (*red)[128], int* last_flag
 //        warp load = 4 channels' lines), 16 outputs in registers, P2U quads
 //        in flight per warp; at the item's end a reduce-scatter over lane
 //        bits 16 and 8 (12 shuffles) leaves lane (s, q) outputs
-//        16 q + 4 s .. + 3.
+//        16 q + 4 s .. + 3. 2: output-stationary over a tiled down slice
+//        (sb_ffn_q8s_phase2_tiled; P2U, FB and part_ch unused).
 //   FB   sb_finish_item's batch (0: the first version's loop).
 //   PFD  (P1V > 0 only) 1: phase 1 also asks L2 for each of its channels'
 //        down_t row and scales (prefetch.global.L2, one line a lane) while
@@ -545,6 +546,184 @@ __device__ __forceinline__ void sb_ffn_q8s_phase1(const sb_u8* __restrict__ page
     }
 }
 
+// ---------------------------------------------------------------------------
+// Phase 2 over a tiled down slice (P2 2: superblock_ffn_q8s_v14), output-
+// stationary: no split of the channels, so no partials, no arrival counters
+// and no last-block sums (the ordered finish's chain of L2 round trips).
+// The page's down slice is stored for this kernel as [d][128] quants (row o:
+// output o's weight of the page's 128 channels) and [d/32][128] f16 scales
+// (row g: the scales of the 32-output group g, a channel each) -- the same
+// quants and scales as the split layout's down_t rows, transposed on the
+// host (superblock::tile_q8s_down) -- so the rows of a range of outputs are
+// ONE contiguous span of every page.
+// Block b of the first W = min(gridDim, d / SB_T2_MIN_ROWS) blocks owns the
+// outputs [d b / W, d (b + 1) / W), in passes of at most SB_T2_ROWS. Per pass
+// thread 0 asks the copy engine (cp.async.bulk, one transaction barrier per
+// batch of SB_T2_PAGES pages, two batches in flight) for each active page's
+// rows, their scale rows and the page's 128 values of hbuf; the block
+// computes a batch while the next one streams in. Warp w takes rows w and
+// w + 8 of the pass, lane l channels 4 l .. 4 l + 3: the lane adds its terms
+// page by page in list order, then the warp sums its lanes. So every output
+// is finished by one warp, in an order that does not depend on the grid:
+// y = sum (+ y if accumulate); `mode` is ignored (always reproducible).
+// Needs sm_90 for the copy engine; elsewhere thread 0 copies and the block
+// synchronizes (correct, slow).
+#define SB_T2_ROWS 11     // outputs a block finishes per pass (static shared memory < 48 KB)
+#define SB_T2_MIN_ROWS 8  // fewest outputs a block owns (small d: fewer, fuller blocks)
+#define SB_T2_PAGES 8     // pages per batch (one transaction barrier)
+
+struct SbT2Batch {
+    sb_u8 q[SB_T2_PAGES][SB_T2_ROWS * SB_PAGE_CH];  // the pass's rows of each page's quants
+    sb_u16 s[SB_T2_PAGES][2][SB_PAGE_CH];           // the (at most 2) scale rows they fall in
+    float h[SB_T2_PAGES][SB_PAGE_CH];               // the page's 128 phase-1 values
+};
+
+// The copy engine's transaction barriers (one arrival: the issuing thread's)
+// and the bulk global -> shared copy that completes on one of them.
+__device__ __forceinline__ void sb_tx_init(unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((sb_u32)__cvta_generic_to_shared(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#else
+    (void)bar;
+#endif
+}
+// Arrives on bar and makes its current phase wait for `bytes` more bytes of
+// copies (issued next).
+__device__ __forceinline__ void sb_tx_expect(unsigned long long* bar, sb_u32 bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"((sb_u32)__cvta_generic_to_shared(bar)),
+                 "r"(bytes)
+                 : "memory");
+#else
+    (void)bar;
+    (void)bytes;
+#endif
+}
+// bytes (a multiple of 16; both addresses 16-byte aligned) from src to dst.
+__device__ __forceinline__ void sb_bulk_g2s(void* dst, const void* src, sb_u32 bytes, unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     (sb_u32)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(bytes), "r"((sb_u32)__cvta_generic_to_shared(bar))
+                 : "memory");
+#else
+    (void)bar;
+    for (sb_u32 i = 0; i < bytes / 16; i++) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+#endif
+}
+// Every thread: waits until the phase of bar with this parity has completed.
+__device__ __forceinline__ void sb_tx_wait(unsigned long long* bar, sb_u32 parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    sb_u32 done;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.b32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"((sb_u32)__cvta_generic_to_shared(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+#else
+    (void)bar;
+    (void)parity;
+    __syncthreads();
+#endif
+}
+
+// This lane's term of output row `row` of the pass (the block's rows from
+// r0, scale rows from g0) from page j of batch b: its 4 channels' quants
+// times h times the scales, in channel order.
+__device__ __forceinline__ float sb_t2_term(const SbT2Batch& b, int j, int row, int r0, int g0, int lane, float4 h) {
+    float f[4];
+    sb_q8x4(((const sb_u32*)b.q[j])[row * 32 + lane], f);
+    const sb_u16* s = b.s[j][((r0 + row) >> 5) - g0] + 4 * lane;
+    return f[0] * (h.x * sb_h2f(s[0])) + f[1] * (h.y * sb_h2f(s[1])) + f[2] * (h.z * sb_h2f(s[2])) +
+           f[3] * (h.w * sb_h2f(s[3]));
+}
+
+// Phase 2 of superblock_ffn_q8s_v14 (see above): y[o] (+)= the down slice's
+// row o . hbuf over the n_act active pages, for the outputs this block owns.
+__device__ __forceinline__ void sb_ffn_q8s_phase2_tiled(const sb_u8* __restrict__ pages, long page_bytes, int n_pages,
+                                                        int d, const sb_u32* __restrict__ active, int n_act,
+                                                        int accumulate, const float* hbuf, float* y) {
+    __shared__ __align__(128) SbT2Batch t2[2];
+    __shared__ __align__(8) unsigned long long t2_bar[2];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int workers = min((int)gridDim.x, max(d / SB_T2_MIN_ROWS, 1));
+    if ((int)blockIdx.x >= workers) return;
+    const int o_begin = (int)((long)d * blockIdx.x / workers), o_end = (int)((long)d * (blockIdx.x + 1) / workers);
+    const long mat = (long)SB_PAGE_CH * d;          // bytes of one quant matrix in a page
+    const long smat = (long)SB_PAGE_CH * (d >> 5);  // f16 scales of one matrix
+    const int n_batches = (n_act + SB_T2_PAGES - 1) / SB_T2_PAGES;
+    if (threadIdx.x == 0) {
+        sb_tx_init(&t2_bar[0]);
+        sb_tx_init(&t2_bar[1]);
+    }
+    __syncthreads();
+    // Batch number `seq` (counted over the passes) fills buffer seq & 1 and
+    // completes phase seq >> 1 of that buffer's barrier.
+    int seq0 = 0;
+    for (int r0 = o_begin; r0 < o_end; r0 += SB_T2_ROWS) {
+        const int rows = min(SB_T2_ROWS, o_end - r0);
+        const int g0 = r0 >> 5, groups = ((r0 + rows - 1) >> 5) - g0 + 1;
+        const sb_u32 q_bytes = rows * SB_PAGE_CH, s_bytes = groups * SB_PAGE_CH * 2, h_bytes = SB_PAGE_CH * 4;
+        // The ids of batch bt (past the list: out of range), all loads at once.
+        auto batch_ids = [&](int bt, sb_u32 (&ids)[SB_T2_PAGES]) {
+            const int i0 = bt * SB_T2_PAGES;
+#pragma unroll
+            for (int j = 0; j < SB_T2_PAGES; j++) ids[j] = i0 + j < n_act ? active[i0 + j] : 0xffffffffu;
+        };
+        auto issue = [&](int bt) {  // thread 0
+            const int seq = seq0 + bt, i0 = bt * SB_T2_PAGES;
+            unsigned long long* bar = &t2_bar[seq & 1];
+            SbT2Batch& b = t2[seq & 1];
+            sb_u32 ids[SB_T2_PAGES];
+            batch_ids(bt, ids);
+            sb_u32 total = 0;
+#pragma unroll
+            for (int j = 0; j < SB_T2_PAGES; j++)
+                if (ids[j] < (sb_u32)n_pages) total += q_bytes + s_bytes + h_bytes;
+            sb_tx_expect(bar, total);
+#pragma unroll
+            for (int j = 0; j < SB_T2_PAGES; j++) {
+                const sb_u32 page = ids[j];
+                if (page >= (sb_u32)n_pages) continue;
+                const sb_u8* base = pages + (long)page * page_bytes;
+                sb_bulk_g2s(b.q[j], base + 2 * mat + (long)r0 * SB_PAGE_CH, q_bytes, bar);
+                sb_bulk_g2s(b.s[j], base + 3 * mat + 4 * smat + (long)g0 * SB_PAGE_CH * 2, s_bytes, bar);
+                sb_bulk_g2s(b.h[j], hbuf + (long)(i0 + j) * SB_PAGE_CH, h_bytes, bar);
+            }
+        };
+        if (threadIdx.x == 0) {
+            if (n_batches > 0) issue(0);
+            if (n_batches > 1) issue(1);
+        }
+        float acc0 = 0.f, acc1 = 0.f;  // rows warp and warp + 8
+        for (int bt = 0; bt < n_batches; bt++) {
+            const int seq = seq0 + bt;
+            sb_u32 ids[SB_T2_PAGES];
+            batch_ids(bt, ids);  // read while the batch streams in
+            sb_tx_wait(&t2_bar[seq & 1], (sb_u32)(seq >> 1) & 1u);
+            const SbT2Batch& b = t2[seq & 1];
+#pragma unroll
+            for (int j = 0; j < SB_T2_PAGES; j++) {
+                if (ids[j] >= (sb_u32)n_pages) continue;  // past the list or out of range: nothing was copied
+                const float4 h = ((const float4*)b.h[j])[lane];
+                if (warp < rows) acc0 += sb_t2_term(b, j, warp, r0, g0, lane, h);
+                if (warp + SB_WARPS < rows) acc1 += sb_t2_term(b, j, warp + SB_WARPS, r0, g0, lane, h);
+            }
+            __syncthreads();  // every warp is done with this buffer
+            if (threadIdx.x == 0 && bt + 2 < n_batches) issue(bt + 2);
+        }
+        const float t0 = sb_warp_sum(acc0), t1 = sb_warp_sum(acc1);
+        if (lane == 0) {
+            if (warp < rows) y[r0 + warp] = accumulate ? y[r0 + warp] + t0 : t0;
+            if (warp + SB_WARPS < rows) y[r0 + warp + SB_WARPS] = accumulate ? y[r0 + warp + SB_WARPS] + t1 : t1;
+        }
+        seq0 += n_batches;
+    }
+}
+
 template <int P1V, int P2, int P2U, int FB, int PFD = 0, int P1B = 0>
 __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const float* nw, float neps, float* nout) {
     extern __shared__ float4 sb_xs[];
@@ -562,6 +741,9 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const flo
     if (!(phases & 2)) return;
 
     // Phase 2.
+    if constexpr (P2 == 2) {
+        sb_ffn_q8s_phase2_tiled(pages, page_bytes, n_pages, d, active, n_act, accumulate, hbuf, y);
+    } else {
     const int n_chunks = (d + 127) >> 7;
     int K = max((int)gridDim.x / n_chunks, 1);
     if (part_ch > 0) K = min(K, max(n_ch / part_ch, 1));
@@ -664,6 +846,7 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const flo
         __syncthreads();
         sb_finish_item<FB>(red, &last_flag, chunk, k, K, d, mode, accumulate, partials, counters, y);
     }
+    }
 }
 
 // The first version (the argument list the sparse backend launches today).
@@ -723,6 +906,9 @@ SB_Q8S_VARIANT_B(11, 4, 2, 1, 4, 8, 0, 1)
 // 40 % a warp's part is 17 quads: 5 rounds of 4, 4 of 5, 3 of 6).
 SB_Q8S_VARIANT_B(12, 3, 4, 1, 5, 8, 0, 1)
 SB_Q8S_VARIANT_B(13, 3, 4, 1, 6, 8, 0, 1)
+// v14: v10's phase 1, phase 2 over the tiled down slice (P2 2, copy
+// engine, output-stationary; pages uploaded with superblock::tile_q8s_down).
+SB_Q8S_VARIANT_B(14, 3, 4, 2, 4, 8, 0, 1)
 
 // ---------------------------------------------------------------------------
 // The single-pass fused FFN (`superblock_ffn_q8s_v8`, same arguments as the

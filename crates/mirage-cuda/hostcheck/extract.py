@@ -1,7 +1,7 @@
 """Cuts the device functions the host checks need out of cuda/norm.cu +
 cuda/nvfp4.cu + cuda/dense.cu (brace matching), so the checks always compile the current
 kernel source. Writes kernels_extract.h, q4k_extract.h, q5_extract.h, q6k_extract.h,
-mvv_extract.h, norm_extract.h, attend_extract.h and ffn_p1_extract.h."""
+mvv_extract.h, norm_extract.h, attend_extract.h, ffn_p1_extract.h and ffn_p2t_extract.h."""
 import pathlib, sys
 
 root = pathlib.Path(__file__).resolve().parents[3]
@@ -74,3 +74,13 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
         "float norm_warp_sum(", "float norm_block_sum(", "void rms_norm_row_by(", "void rms_norm_row(", "void sb_stage_x(",
         "struct SbQ8sRows", "SbQ8sRows sb_q8s_rows(", "void sb_q8s_round(", "float sb_q8s_channel(",
         "void sb_ffn_q8s_phase1("])).replace("asm volatile(", "HOST_ASM(").replace("bool on;\n}", "bool on;\n};"))
+
+# Phase 2 over the tiled down slice (superblock.cu, v14) with the helpers it
+# calls; the copy engine's barriers and bulk copies (sb_tx_*, sb_bulk_g2s)
+# are check_ffn_p2t.cpp's stand-ins.
+(out / "ffn_p2t_extract.h").write_text((macro_line("SB_WARPS") + macro_line("SB_THREADS") + macro_line("SB_PAGE_CH")
+    + macro_line("SB_T2_ROWS") + macro_line("SB_T2_MIN_ROWS") + macro_line("SB_T2_PAGES") + macro_line("SB_MAGIC")
+    + "".join(extract(n) for n in ["float sb_warp_sum(", "float sb_byte_f32(", "void sb_q8x4(", "struct SbT2Batch",
+        "float sb_t2_term(", "void sb_ffn_q8s_phase2_tiled("])).replace(
+        "phase-1 values\n}", "phase-1 values\n};"))
+

@@ -39,7 +39,7 @@ use super::{
     PrefetchSite,
 };
 use crate::superblock::{
-    ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, Nvfp4Pages, SparseError,
+    ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, tile_q8s_down, Nvfp4Pages, SparseError,
     PAGE_CHANNELS, Q8_FFN_VARIANTS, SINGLE_PASS_MAX_D,
 };
 use crate::superblock_q2k::{join_q2k_rows, q2k_page_bytes, Q2kPages, Q2K_BLOCK, Q2K_MAX_D};
@@ -1608,6 +1608,11 @@ impl Backend for SparseCudaBackend {
                 let mut flat = Vec::with_capacity(pages.len() * q8_0_page_bytes(d));
                 for p in &pages {
                     flat.extend_from_slice(&split_q8_0_page(p, d).map_err(rt)?);
+                }
+                if let Q8Kernel::Variant { index, .. } = self.q8_kernel {
+                    if Q8_FFN_VARIANTS[index].tiled_down {
+                        tile_q8s_down(&mut flat, d).map_err(rt)?;
+                    }
                 }
                 q8_flat = flat;
                 (&q8_flat, pages.len(), [0.0; 3])

@@ -234,6 +234,10 @@ pub struct Q8FfnVariant {
     /// start from `y` as it is (`accumulate` false: the kernel zeroes `y`).
     /// `d_model` at most [`SINGLE_PASS_MAX_D`]; `part_ch` is ignored.
     pub single_pass: bool,
+    /// The kernel reads the pages' down slice tiled ([`tile_q8s_down`]):
+    /// its pages must be uploaded that way. `part_ch` and the reduction
+    /// mode are ignored (the output is always reproducible).
+    pub tiled_down: bool,
 }
 
 /// Widest `d_model` the single-pass variants take (`SB_LOCAL_MAX_D`: one
@@ -243,7 +247,7 @@ pub const SINGLE_PASS_MAX_D: usize = 4096;
 /// The fused Q8_0 FFN variants, in the order of `cuda/superblock.cu`'s
 /// variant list (keep the two in step). v0 with `part_ch` 0 is
 /// `superblock_ffn_q8s`, the first version, bit for bit.
-pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 14] = [
+pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 15] = [
     q8v(
         0,
         "first version (4 B loads, grid-stride channels), 5 blocks/SM",
@@ -264,10 +268,14 @@ pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 14] = [
     q8v(11, "v4 + balanced phase 1 (row rounds)"),
     q8v(12, "v10 + p2 5 quads"),
     q8v(13, "v10 + p2 6 quads"),
+    q8v(
+        14,
+        "v10 + p2 output-stationary over the tiled down slice (bulk copies)",
+    ),
 ];
 
 const fn q8v(index: usize, about: &'static str) -> Q8FfnVariant {
-    const NAMES: [&str; 14] = [
+    const NAMES: [&str; 15] = [
         "superblock_ffn_q8s_v0",
         "superblock_ffn_q8s_v1",
         "superblock_ffn_q8s_v2",
@@ -282,12 +290,14 @@ const fn q8v(index: usize, about: &'static str) -> Q8FfnVariant {
         "superblock_ffn_q8s_v11",
         "superblock_ffn_q8s_v12",
         "superblock_ffn_q8s_v13",
+        "superblock_ffn_q8s_v14",
     ];
     Q8FfnVariant {
         index,
         kernel: NAMES[index],
         about,
         single_pass: matches!(index, 8 | 9),
+        tiled_down: index == 14,
     }
 }
 
@@ -298,6 +308,45 @@ const fn q8v(index: usize, about: &'static str) -> Q8FfnVariant {
 /// `(grid / n_chunks) * d_model`, `n_chunks` the 128-wide output chunks).
 pub fn ffn_partials_len(grid: u32, d_model: usize) -> usize {
     (grid as usize).max(1) * d_model
+}
+
+/// Rewrites the down slice of split-Q8_0 device pages ([`split_q8_0_page`]'s
+/// layout, `pages` a whole number of them) in place into the tiled layout
+/// the variants with [`Q8FfnVariant::tiled_down`] read: the down quants as
+/// `[d_model][128]` (row o: output o's quant of each of the page's
+/// channels) instead of `[128][d_model]`, and the down scales as
+/// `[d_model / 32][128]` instead of `[128][d_model / 32]`. The same bytes,
+/// transposed, so a range of outputs is one contiguous span of a page.
+pub fn tile_q8s_down(pages: &mut [u8], d_model: usize) -> Result<(), SparseError> {
+    let page_bytes = q8_0_page_bytes(d_model);
+    if d_model == 0 || d_model % Q8_BLOCK != 0 || pages.len() % page_bytes != 0 {
+        return Err(invalid(format!(
+            "{} bytes are not whole split-Q8_0 pages of d_model {d_model}",
+            pages.len()
+        )));
+    }
+    let (q, groups) = (PAGE_CHANNELS * d_model, d_model / Q8_BLOCK);
+    let s = PAGE_CHANNELS * groups * 2;
+    let mut tmp = vec![0u8; q];
+    for page in pages.chunks_exact_mut(page_bytes) {
+        let down_q = &mut page[2 * q..3 * q];
+        for (c, row) in down_q.chunks_exact(d_model).enumerate() {
+            for (o, &b) in row.iter().enumerate() {
+                tmp[o * PAGE_CHANNELS + c] = b;
+            }
+        }
+        down_q.copy_from_slice(&tmp);
+        let down_s = &mut page[3 * q + 2 * s..3 * q + 3 * s];
+        let t = &mut tmp[..s];
+        for c in 0..PAGE_CHANNELS {
+            for g in 0..groups {
+                let (from, to) = (2 * (c * groups + g), 2 * (g * PAGE_CHANNELS + c));
+                t[to..to + 2].copy_from_slice(&down_s[from..from + 2]);
+            }
+        }
+        down_s.copy_from_slice(t);
+    }
+    Ok(())
 }
 
 /// Repacks one artifact page (`pack_page` layout, Q8_0: 128 gate rows, 128
@@ -532,7 +581,7 @@ mod device {
 
     use super::{
         ffn_partials_len, invalid, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page,
-        split_q8_0_rows, Nvfp4Pages, SparseError, Q8_FFN_VARIANTS,
+        split_q8_0_rows, tile_q8s_down, Nvfp4Pages, SparseError, Q8_FFN_VARIANTS,
     };
     use super::{PAGE_CHANNELS, Q8_BLOCK, SINGLE_PASS_MAX_D};
     use crate::{module, CudaError};
@@ -686,6 +735,11 @@ mod device {
         /// Grid of each variant (its own occupancy), [`Q8_FFN_VARIANTS`] order.
         variant_grids: Vec<u32>,
         data: CudaSlice<u8>,
+        /// The same pages with the down slice tiled ([`tile_q8s_down`]),
+        /// for the variants that read it that way; `None` when uploaded
+        /// by [`SparseDevice::upload_q8s_pages`] (bench bytes: those
+        /// variants then read `data`).
+        tiled: Option<CudaSlice<u8>>,
     }
 
     impl Q8Pages {
@@ -992,12 +1046,17 @@ mod device {
                 .iter()
                 .map(|p| split_q8_0_page(p, d_model))
                 .collect::<Result<_, _>>()?;
-            let flat: Vec<u8> = split.concat();
-            self.upload_q8s_pages(d_model, pages.len(), &flat)
+            let mut flat: Vec<u8> = split.concat();
+            let mut up = self.upload_q8s_pages(d_model, pages.len(), &flat)?;
+            tile_q8s_down(&mut flat, d_model)?;
+            up.tiled = Some(self.stream.clone_htod(&flat).map_err(drv)?);
+            Ok(up)
         }
 
         /// Uploads pages already in the device layout (`n_pages` spans of
         /// [`q8_0_page_bytes`] each): the bench fills them with random bytes.
+        /// The variants with a tiled down slice read these same bytes (no
+        /// tiled copy is made: for timing only).
         pub fn upload_q8s_pages(
             &self,
             d_model: usize,
@@ -1030,6 +1089,7 @@ mod device {
                 grid,
                 variant_grids,
                 data,
+                tiled: None,
             })
         }
 
@@ -1165,10 +1225,14 @@ mod device {
                     (f, g, Some(opts.part_ch.min(i32::MAX as u32) as i32))
                 }
             };
+            let tiled = opts.variant.is_some_and(|v| Q8_FFN_VARIANTS[v].tiled_down);
             let target = FfnTarget {
                 func,
                 name: "ffn_q8",
-                data: &pages.data,
+                data: match (&pages.tiled, tiled) {
+                    (Some(t), true) => t,
+                    _ => &pages.data,
+                },
                 page_bytes: pages.page_bytes,
                 n_pages: pages.n_pages,
                 d: pages.d_model,
@@ -1423,5 +1487,38 @@ mod dequantize_tests {
         // A length that does not match the shape is an error, not a panic.
         assert!(dequantize_parallel(GgmlType::Q8_0, &[0u8; 33], 1, 32, 2).is_err());
         assert!(dequantize_parallel(GgmlType::Q8_0, &[0u8; 34], 1, 31, 2).is_err());
+    }
+
+    /// The tiled down slice holds every down weight of the split layout at
+    /// its transposed place (a weight = quant times its block's scale, as
+    /// the kernels read them), leaves gate and up as they were, and rejects
+    /// bytes that are not whole pages.
+    #[test]
+    fn tiled_down_slice_is_the_split_one_transposed() {
+        for d in [32usize, 96, 896] {
+            let n = 3;
+            let pb = q8_0_page_bytes(d);
+            let split: Vec<u8> = (0..n * pb).map(|i| (i * 131 % 251) as u8).collect();
+            let mut tiled = split.clone();
+            tile_q8s_down(&mut tiled, d).unwrap();
+            let (q, g) = (PAGE_CHANNELS * d, d / Q8_BLOCK);
+            let s = PAGE_CHANNELS * g * 2;
+            for p in 0..n {
+                let (a, b) = (&split[p * pb..(p + 1) * pb], &tiled[p * pb..(p + 1) * pb]);
+                assert_eq!(a[..2 * q], b[..2 * q], "d {d} page {p}: gate/up quants moved");
+                assert_eq!(a[3 * q..3 * q + 2 * s], b[3 * q..3 * q + 2 * s], "d {d} page {p}: gate/up scales moved");
+                for c in 0..PAGE_CHANNELS {
+                    for o in 0..d {
+                        assert_eq!(a[2 * q + c * d + o], b[2 * q + o * PAGE_CHANNELS + c], "d {d} page {p} ch {c} out {o}");
+                        let sa = 3 * q + 2 * s + 2 * (c * g + o / Q8_BLOCK);
+                        let sb = 3 * q + 2 * s + 2 * ((o / Q8_BLOCK) * PAGE_CHANNELS + c);
+                        assert_eq!(a[sa..sa + 2], b[sb..sb + 2], "d {d} page {p} ch {c} scale of out {o}");
+                    }
+                }
+            }
+        }
+        let mut short = vec![0u8; q8_0_page_bytes(96) - 1];
+        assert!(tile_q8s_down(&mut short, 96).is_err());
+        assert!(tile_q8s_down(&mut [], 0).is_err());
     }
 }

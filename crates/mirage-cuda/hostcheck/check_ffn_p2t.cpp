@@ -1,0 +1,206 @@
+// Host check of phase 2 of the fused Q8_0 FFN over the tiled down slice
+// (superblock.cu's sb_ffn_q8s_phase2_tiled, variant v14; cut out by
+// extract.py -> ffn_p2t_extract.h; no GPU): every block of a grid run in
+// turn, each an emulated block of 256 threads (block_emu.h), the copy
+// engine's transaction barriers and bulk copies replaced by stand-ins that
+// keep their contract (below), over d 96 / 864 / 896 / 3584 and lists of
+// every page, a subset with a repeated page and ids past n_pages, a list of
+// three batches and more (buffer reuse, barrier parity wrapping) and an
+// empty list, on grids of 1, 5, 13 and 40 blocks (40 > d / 8 at d 96: idle
+// blocks), with and without accumulate:
+//   - every output equals an f64 sum over the active pages of h times the
+//     split layout's down weights (quant times scale) to 2e-6 of the terms'
+//     magnitude, plus y when accumulating; nothing past d is written;
+//   - the values do not depend on the grid (bit for bit);
+//   - the copies match the bytes each batch's barrier was told to expect
+//     (no more: the count would go negative; no fewer: a wait would never
+//     end), are 16-byte aligned multiples of 16 bytes, and read only inside
+//     the pages and hbuf.
+// The pages are tiled here by a transpose of its own (the Rust
+// tile_q8s_down has its own test against the split layout).
+// Build and run: hostcheck/run.sh.
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+#include "block_emu.h"
+#include "ptx_emu.h"
+
+struct uint4 { unsigned x, y, z, w; };
+#define __align__(n) __attribute__((aligned(n)))
+inline int max(int a, int b) { return a > b ? a : b; }
+
+// The memory the copies may read: [lo, hi) of the pages and of hbuf.
+static const unsigned char *g_pages_lo, *g_pages_hi, *g_h_lo, *g_h_hi;
+static std::atomic<int> g_bad{0};
+
+// Transaction barrier stand-ins. The 8 bytes hold the bytes still expected
+// (low 32 bits, signed) and the completed phases (high 32 bits). Only
+// thread 0 arrives and copies (as in the kernel); the waits spin.
+static std::atomic_ref<long long> bar_ref(unsigned long long* bar) { return std::atomic_ref<long long>(*(long long*)bar); }
+static void bar_add(unsigned long long* bar, long long bytes) {
+    // pending += bytes; when it reaches 0 the phase completes.
+    auto a = bar_ref(bar);
+    long long v = a.load(), nv;
+    do {
+        int pending = (int)(v & 0xffffffff);
+        long long phase = v >> 32;
+        pending += (int)bytes;
+        if (pending < 0) {
+            printf("  a barrier got more bytes than it was told to expect\n");
+            g_bad++;
+            pending = 0;
+        }
+        if (pending == 0) phase++;
+        nv = (phase << 32) | (unsigned)pending;
+    } while (!a.compare_exchange_weak(v, nv));
+}
+void sb_tx_init(unsigned long long* bar) { bar_ref(bar).store(0); }
+void sb_tx_expect(unsigned long long* bar, sb_u32 bytes) {
+    if (bytes == 0) bar_add(bar, 0);  // the arrival alone completes the phase
+    else bar_ref(bar).fetch_add(bytes);
+}
+void sb_bulk_g2s(void* dst, const void* src, sb_u32 bytes, unsigned long long* bar) {
+    const unsigned char* s = (const unsigned char*)src;
+    const bool in_pages = s >= g_pages_lo && s + bytes <= g_pages_hi, in_h = s >= g_h_lo && s + bytes <= g_h_hi;
+    if (bytes == 0 || bytes % 16 || (uintptr_t)dst % 16 || (uintptr_t)src % 16 || !(in_pages || in_h)) {
+        printf("  bad bulk copy: %u bytes from %p to %p\n", bytes, src, dst);
+        g_bad++;
+        return;
+    }
+    memcpy(dst, src, bytes);
+    bar_add(bar, -(long long)bytes);
+}
+void sb_tx_wait(unsigned long long* bar, sb_u32 parity) {
+    const auto t0 = std::chrono::steady_clock::now();
+    while ((((unsigned long long)bar_ref(bar).load() >> 32) & 1u) == parity) {
+        if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(5)) {
+            printf("  a transaction barrier never completed (fewer bytes copied than expected)\n");
+            g_bad++;
+            abort();
+        }
+        std::this_thread::yield();
+    }
+}
+
+#include "ffn_p2t_extract.h"
+
+struct Pages {
+    int d, n;
+    long page_bytes;
+    std::vector<sb_u8> split, tiled;
+    // The split layout (superblock.cu): [gate q 128 x d][up q][down_t q]
+    // [gate scales 128 x d/32 f16][up scales][down_t scales]; the down
+    // weight of channel ch for output o.
+    double down(int page, int ch, int o) const {
+        const sb_u8* base = split.data() + (long)page * page_bytes;
+        const sb_u16* sc = (const sb_u16*)(base + 3L * SB_PAGE_CH * d) + 2L * SB_PAGE_CH * (d / 32);
+        return (double)(signed char)base[2L * SB_PAGE_CH * d + (long)ch * d + o] * h2f(sc[(long)ch * (d / 32) + o / 32]);
+    }
+};
+
+static Pages make_pages(std::mt19937& g, int d, int n) {
+    Pages p{d, n, 408L * d, {}, {}};
+    p.split.resize(p.page_bytes * n);
+    for (auto& b : p.split) b = (sb_u8)(g() & 255);
+    for (int page = 0; page < n; page++) {  // scales: f16 in [2^-9, 2^-5), positive
+        sb_u16* sc = (sb_u16*)(p.split.data() + page * p.page_bytes + 3L * SB_PAGE_CH * d);
+        for (long i = 0; i < 3L * SB_PAGE_CH * (d / 32); i++) sc[i] = (sb_u16)(((6 + g() % 4) << 10) | (g() & 1023));
+    }
+    // Tiled: down quants [d][128], down scales [d/32][128].
+    p.tiled = p.split;
+    const long q = (long)SB_PAGE_CH * d, sm = (long)SB_PAGE_CH * (d / 32);
+    for (int page = 0; page < n; page++) {
+        const sb_u8* a = p.split.data() + page * p.page_bytes;
+        sb_u8* b = p.tiled.data() + page * p.page_bytes;
+        for (int c = 0; c < SB_PAGE_CH; c++)
+            for (int o = 0; o < d; o++) b[2 * q + (long)o * SB_PAGE_CH + c] = a[2 * q + (long)c * d + o];
+        const sb_u16* sa = (const sb_u16*)(a + 3 * q) + 2 * sm;
+        sb_u16* sb = (sb_u16*)(b + 3 * q) + 2 * sm;
+        for (int c = 0; c < SB_PAGE_CH; c++)
+            for (int gi = 0; gi < d / 32; gi++) sb[(long)gi * SB_PAGE_CH + c] = sa[(long)c * (d / 32) + gi];
+    }
+    return p;
+}
+
+static int failures = 0;
+static double worst = 0;
+
+static void check_case(const Pages& p, const std::vector<float>& h, const std::vector<sb_u32>& active,
+                       const char* list, const std::vector<float>& y0, bool accumulate) {
+    const int d = p.d, n_act = (int)active.size();
+    g_pages_lo = p.tiled.data();
+    g_pages_hi = p.tiled.data() + p.tiled.size();
+    g_h_lo = (const unsigned char*)h.data();
+    g_h_hi = (const unsigned char*)(h.data() + (size_t)n_act * SB_PAGE_CH);
+    std::vector<float> first;
+    for (int grid : {1, 5, 13, 40}) {
+        std::vector<float> y(y0);
+        y.push_back(NAN);  // a guard past the end
+        gridDim.x = grid;
+        g_bad = 0;
+        for (int b = 0; b < grid; b++)
+            run_block(SB_THREADS, dim3_{(unsigned)b, 0, 0}, [&] {
+                sb_ffn_q8s_phase2_tiled(p.tiled.data(), p.page_bytes, p.n, d, active.data(), n_act, accumulate,
+                                        h.data(), y.data());
+            });
+        bool ok = g_bad == 0 && std::isnan(y[d]);
+        for (int o = 0; o < d && ok; o++) {
+            double want = accumulate ? y0[o] : 0.0, mag = std::fabs(want);
+            for (int i = 0; i < n_act; i++) {
+                if (active[i] >= (sb_u32)p.n) continue;
+                for (int c = 0; c < SB_PAGE_CH; c++) {
+                    const double t = (double)h[(size_t)i * SB_PAGE_CH + c] * p.down(active[i], c, o);
+                    want += t;
+                    mag += std::fabs(t);
+                }
+            }
+            const double e = std::isnan(y[o]) ? INFINITY : std::fabs(y[o] - want) / (mag + 1e-30);
+            if (e > worst && mag > 0) worst = e;
+            if (!(e < 2e-6) && !(mag == 0 && y[o] == want)) {
+                printf("  output %d: got %.9g, want %.9g (err %.3g)\n", o, y[o], want, e);
+                ok = false;
+            }
+        }
+        if (ok && grid == 1) first = y;
+        if (ok && grid != 1 && !first.empty())
+            for (int o = 0; o < d && ok; o++)
+                if (memcmp(&y[o], &first[o], 4) != 0) {
+                    printf("  grid %d: output %d bits differ from grid 1 (%.9g vs %.9g)\n", grid, o, y[o], first[o]);
+                    ok = false;
+                }
+        printf("phase 2 tiled d %4d %-7s %2d pages%s grid %2d: %s\n", d, list, n_act, accumulate ? " +acc" : "", grid,
+               ok ? "ok" : "FAILED");
+        if (!ok) failures++;
+    }
+}
+
+int main() {
+    setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe before an abort
+    std::mt19937 g(23);
+    std::uniform_real_distribution<float> U(-1, 1);
+    for (int d : {96, 864, 896, 3584}) {
+        const int n = d >= 3584 ? 3 : 6;
+        const Pages p = make_pages(g, d, n);
+        std::vector<sb_u32> all(n), subset = {(sb_u32)(n - 1), (sb_u32)n, 0u, (sb_u32)(n + 1000), 0u}, none;
+        for (int i = 0; i < n; i++) all[i] = i;
+        // 19 entries: three batches of 8 (the first buffer used twice), ids
+        // past n_pages among them.
+        std::vector<sb_u32> long_list;
+        for (int i = 0; i < 19; i++) long_list.push_back(i % 7 == 3 ? (sb_u32)(n + i) : (sb_u32)(i * 5 % n));
+        std::vector<float> y0(d);
+        for (auto& v : y0) v = U(g);
+        for (const auto* l : {&all, &subset, &long_list, &none}) {
+            const char* name = l == &all ? "all" : l == &subset ? "subset" : l == &none ? "empty" : "long";
+            std::vector<float> h(std::max<size_t>(l->size(), 1) * SB_PAGE_CH);
+            for (auto& v : h) v = U(g);
+            check_case(p, h, *l, name, y0, false);
+            if (l != &long_list || d == 96) check_case(p, h, *l, name, y0, true);
+        }
+    }
+    printf("fused FFN phase 2 (tiled): worst error %.3g of the terms' magnitude; %s\n", worst,
+           failures ? "FAILED" : "all cases ok");
+    return failures ? 1 : 0;
+}
