@@ -554,29 +554,32 @@ __device__ __forceinline__ void sb_ffn_q8s_phase1(const sb_u8* __restrict__ page
 // output o's weight of the page's 128 channels) and [d/32][128] f16 scales
 // (row g: the scales of the 32-output group g, a channel each) -- the same
 // quants and scales as the split layout's down_t rows, transposed on the
-// host (superblock::tile_q8s_down) -- so the rows of a range of outputs are
-// ONE contiguous span of every page.
-// Block b of the first W = min(gridDim, d / SB_T2_MIN_ROWS) blocks owns the
-// outputs [d b / W, d (b + 1) / W), in passes of at most SB_T2_ROWS. Per pass
-// thread 0 asks the copy engine (cp.async.bulk, one transaction barrier per
-// batch of SB_T2_PAGES pages, two batches in flight) for each active page's
-// rows, their scale rows and the page's 128 values of hbuf; the block
-// computes a batch while the next one streams in. Warp w takes rows w and
-// w + 8 of the pass, lane l channels 4 l .. 4 l + 3: the lane adds its terms
-// page by page in list order, then the warp sums its lanes. So every output
-// is finished by one warp, in an order that does not depend on the grid:
-// y = sum (+ y if accumulate); `mode` is ignored (always reproducible).
-// Needs sm_90 for the copy engine; elsewhere thread 0 copies and the block
-// synchronizes (correct, slow).
-#define SB_T2_ROWS 11     // outputs a block finishes per pass (static shared memory < 48 KB)
-#define SB_T2_MIN_ROWS 8  // fewest outputs a block owns (small d: fewer, fuller blocks)
-#define SB_T2_PAGES 8     // pages per batch (one transaction barrier)
-
-struct SbT2Batch {
-    sb_u8 q[SB_T2_PAGES][SB_T2_ROWS * SB_PAGE_CH];  // the pass's rows of each page's quants
-    sb_u16 s[SB_T2_PAGES][2][SB_PAGE_CH];           // the (at most 2) scale rows they fall in
-    float h[SB_T2_PAGES][SB_PAGE_CH];               // the page's 128 phase-1 values
-};
+// host (superblock::tile_q8s_down) -- so R consecutive outputs of a group
+// are one contiguous span of R x 128 bytes in every page.
+// The outputs are cut into row blocks of R = 32, 16 or 8 (the largest that
+// still gives SB_T2_MIN_BLOCKS of them; R divides 32, so a row block has one
+// scale row); block b of the first W = min(gridDim, d / R) takes the row
+// blocks [n b / W, n (b + 1) / W). Per row block thread 0 asks the copy
+// engine (cp.async.bulk, completing on one transaction barrier per batch)
+// for each batch of SB_T2_PAGES active pages: every page's R rows and scale
+// row, and the batch's hbuf values in one copy; as many batches are in
+// flight as the dynamic shared memory holds (SB_T2_MAX_BATCHES at most; the
+// launch passes q8s_t2_smem bytes), so the block computes one batch while
+// the others stream in. Few, large copies: a first form with three small
+// copies per page and two batches in flight was bound by the copy engine's
+// issue rate (~66 cycles a copy per SM; NOTES.md, fourteenth session).
+// Warp w takes rows w R/8 .. of the row block, lane l channels 4 l .. 4 l + 3:
+// the lane adds its terms page by page in list order, then the warp sums its
+// lanes. Every output is finished by one warp, in an order that does not
+// depend on the grid: y = sum (+ y if accumulate); `mode` is ignored. With
+// less dynamic shared memory than one batch the block writes NaN (a launch
+// error, made visible). Needs sm_90 for the copy engine; elsewhere thread 0
+// copies and the block synchronizes (correct, slow).
+#define SB_T2_PAGES 4          // pages per batch (one transaction barrier, one copy of their hbuf values)
+#define SB_T2_MAX_BATCHES 8    // batches in flight at most
+#define SB_T2_MIN_BLOCKS 96    // least row blocks before R halves (so small d keeps the SMs busy)
+// Bytes of one batch buffer: per page 32 rows of quants, a scale row, 128 h.
+#define SB_T2_BATCH_BYTES (SB_T2_PAGES * (32 * SB_PAGE_CH + 2 * SB_PAGE_CH + 4 * SB_PAGE_CH))
 
 // The copy engine's transaction barriers (one arrival: the issuing thread's)
 // and the bulk global -> shared copy that completes on one of them.
@@ -629,44 +632,52 @@ __device__ __forceinline__ void sb_tx_wait(unsigned long long* bar, sb_u32 parit
     __syncthreads();
 #endif
 }
-
-// This lane's term of output row `row` of the pass (the block's rows from
-// r0, scale rows from g0) from page j of batch b: its 4 channels' quants
-// times h times the scales, in channel order.
-__device__ __forceinline__ float sb_t2_term(const SbT2Batch& b, int j, int row, int r0, int g0, int lane, float4 h) {
-    float f[4];
-    sb_q8x4(((const sb_u32*)b.q[j])[row * 32 + lane], f);
-    const sb_u16* s = b.s[j][((r0 + row) >> 5) - g0] + 4 * lane;
-    return f[0] * (h.x * sb_h2f(s[0])) + f[1] * (h.y * sb_h2f(s[1])) + f[2] * (h.z * sb_h2f(s[2])) +
-           f[3] * (h.w * sb_h2f(s[3]));
+// Bytes of dynamic shared memory this block was launched with.
+__device__ __forceinline__ sb_u32 sb_dynamic_smem() {
+    sb_u32 v;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
+    return v;
 }
 
 // Phase 2 of superblock_ffn_q8s_v14 (see above): y[o] (+)= the down slice's
 // row o . hbuf over the n_act active pages, for the outputs this block owns.
+// ring: the dynamic shared memory, ring_bytes of it.
 __device__ __forceinline__ void sb_ffn_q8s_phase2_tiled(const sb_u8* __restrict__ pages, long page_bytes, int n_pages,
                                                         int d, const sb_u32* __restrict__ active, int n_act,
-                                                        int accumulate, const float* hbuf, float* y) {
-    __shared__ __align__(128) SbT2Batch t2[2];
-    __shared__ __align__(8) unsigned long long t2_bar[2];
+                                                        int accumulate, const float* hbuf, float* y, sb_u8* ring,
+                                                        sb_u32 ring_bytes) {
+    __shared__ __align__(8) unsigned long long t2_bar[SB_T2_MAX_BATCHES];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int workers = min((int)gridDim.x, max(d / SB_T2_MIN_ROWS, 1));
+    const int R = (d >> 5) >= SB_T2_MIN_BLOCKS ? 32 : (d >> 4) >= SB_T2_MIN_BLOCKS ? 16 : 8, RW = R / SB_WARPS;
+    const int n_rb = d / R, workers = min((int)gridDim.x, n_rb);
     if ((int)blockIdx.x >= workers) return;
-    const int o_begin = (int)((long)d * blockIdx.x / workers), o_end = (int)((long)d * (blockIdx.x + 1) / workers);
+    const int rb_begin = (int)((long)n_rb * blockIdx.x / workers), rb_end = (int)((long)n_rb * (blockIdx.x + 1) / workers);
+    const int nb = min((int)(ring_bytes / SB_T2_BATCH_BYTES), SB_T2_MAX_BATCHES);
+    if (nb == 0) {  // launched without its ring: make it visible
+        for (int o = rb_begin * R + threadIdx.x; o < rb_end * R; o += blockDim.x) y[o] = __int_as_float(0x7fc00000);
+        return;
+    }
     const long mat = (long)SB_PAGE_CH * d;          // bytes of one quant matrix in a page
     const long smat = (long)SB_PAGE_CH * (d >> 5);  // f16 scales of one matrix
     const int n_batches = (n_act + SB_T2_PAGES - 1) / SB_T2_PAGES;
-    if (threadIdx.x == 0) {
-        sb_tx_init(&t2_bar[0]);
-        sb_tx_init(&t2_bar[1]);
-    }
+    // Batch buffer k: quants [SB_T2_PAGES][32 * 128], scale rows
+    // [SB_T2_PAGES][128] f16, h [SB_T2_PAGES][128] f32.
+    auto buf_q = [&](int k, int j) { return ring + (long)k * SB_T2_BATCH_BYTES + j * (32 * SB_PAGE_CH); };
+    auto buf_s = [&](int k, int j) {
+        return (sb_u16*)(ring + (long)k * SB_T2_BATCH_BYTES + SB_T2_PAGES * (32 * SB_PAGE_CH)) + j * SB_PAGE_CH;
+    };
+    auto buf_h = [&](int k) {
+        return (float*)(ring + (long)k * SB_T2_BATCH_BYTES + SB_T2_PAGES * (34 * SB_PAGE_CH));
+    };
+    if (threadIdx.x == 0)
+        for (int k = 0; k < nb; k++) sb_tx_init(&t2_bar[k]);
     __syncthreads();
-    // Batch number `seq` (counted over the passes) fills buffer seq & 1 and
-    // completes phase seq >> 1 of that buffer's barrier.
+    // Batch number `seq` (counted over the row blocks) fills buffer seq % nb
+    // and completes phase seq / nb of that buffer's barrier.
     int seq0 = 0;
-    for (int r0 = o_begin; r0 < o_end; r0 += SB_T2_ROWS) {
-        const int rows = min(SB_T2_ROWS, o_end - r0);
-        const int g0 = r0 >> 5, groups = ((r0 + rows - 1) >> 5) - g0 + 1;
-        const sb_u32 q_bytes = rows * SB_PAGE_CH, s_bytes = groups * SB_PAGE_CH * 2, h_bytes = SB_PAGE_CH * 4;
+    for (int rb = rb_begin; rb < rb_end; rb++) {
+        const int r0 = rb * R, g = r0 >> 5;
+        const sb_u32 q_bytes = R * SB_PAGE_CH;
         // The ids of batch bt (past the list: out of range), all loads at once.
         auto batch_ids = [&](int bt, sb_u32 (&ids)[SB_T2_PAGES]) {
             const int i0 = bt * SB_T2_PAGES;
@@ -674,51 +685,57 @@ __device__ __forceinline__ void sb_ffn_q8s_phase2_tiled(const sb_u8* __restrict_
             for (int j = 0; j < SB_T2_PAGES; j++) ids[j] = i0 + j < n_act ? active[i0 + j] : 0xffffffffu;
         };
         auto issue = [&](int bt) {  // thread 0
-            const int seq = seq0 + bt, i0 = bt * SB_T2_PAGES;
-            unsigned long long* bar = &t2_bar[seq & 1];
-            SbT2Batch& b = t2[seq & 1];
+            const int k = (seq0 + bt) % nb, i0 = bt * SB_T2_PAGES, n = min(SB_T2_PAGES, n_act - i0);
+            unsigned long long* bar = &t2_bar[k];
             sb_u32 ids[SB_T2_PAGES];
             batch_ids(bt, ids);
-            sb_u32 total = 0;
+            sb_u32 total = n * SB_PAGE_CH * 4;  // the batch's hbuf values, one copy
 #pragma unroll
             for (int j = 0; j < SB_T2_PAGES; j++)
-                if (ids[j] < (sb_u32)n_pages) total += q_bytes + s_bytes + h_bytes;
+                if (ids[j] < (sb_u32)n_pages) total += q_bytes + SB_PAGE_CH * 2;
             sb_tx_expect(bar, total);
+            sb_bulk_g2s(buf_h(k), hbuf + (long)i0 * SB_PAGE_CH, n * SB_PAGE_CH * 4, bar);
 #pragma unroll
             for (int j = 0; j < SB_T2_PAGES; j++) {
                 const sb_u32 page = ids[j];
                 if (page >= (sb_u32)n_pages) continue;
                 const sb_u8* base = pages + (long)page * page_bytes;
-                sb_bulk_g2s(b.q[j], base + 2 * mat + (long)r0 * SB_PAGE_CH, q_bytes, bar);
-                sb_bulk_g2s(b.s[j], base + 3 * mat + 4 * smat + (long)g0 * SB_PAGE_CH * 2, s_bytes, bar);
-                sb_bulk_g2s(b.h[j], hbuf + (long)(i0 + j) * SB_PAGE_CH, h_bytes, bar);
+                sb_bulk_g2s(buf_q(k, j), base + 2 * mat + (long)r0 * SB_PAGE_CH, q_bytes, bar);
+                sb_bulk_g2s(buf_s(k, j), base + 3 * mat + 4 * smat + (long)g * SB_PAGE_CH * 2, SB_PAGE_CH * 2, bar);
             }
         };
-        if (threadIdx.x == 0) {
-            if (n_batches > 0) issue(0);
-            if (n_batches > 1) issue(1);
-        }
-        float acc0 = 0.f, acc1 = 0.f;  // rows warp and warp + 8
+        if (threadIdx.x == 0)
+            for (int bt = 0; bt < min(nb, n_batches); bt++) issue(bt);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows warp * RW + i of the row block
         for (int bt = 0; bt < n_batches; bt++) {
-            const int seq = seq0 + bt;
+            const int seq = seq0 + bt, k = seq % nb;
             sb_u32 ids[SB_T2_PAGES];
             batch_ids(bt, ids);  // read while the batch streams in
-            sb_tx_wait(&t2_bar[seq & 1], (sb_u32)(seq >> 1) & 1u);
-            const SbT2Batch& b = t2[seq & 1];
+            sb_tx_wait(&t2_bar[k], (sb_u32)(seq / nb) & 1u);
 #pragma unroll
             for (int j = 0; j < SB_T2_PAGES; j++) {
                 if (ids[j] >= (sb_u32)n_pages) continue;  // past the list or out of range: nothing was copied
-                const float4 h = ((const float4*)b.h[j])[lane];
-                if (warp < rows) acc0 += sb_t2_term(b, j, warp, r0, g0, lane, h);
-                if (warp + SB_WARPS < rows) acc1 += sb_t2_term(b, j, warp + SB_WARPS, r0, g0, lane, h);
+                const float4 h = ((const float4*)buf_h(k))[j * 32 + lane];
+                const sb_u16* s = buf_s(k, j) + 4 * lane;
+                const float hs[4] = {h.x * sb_h2f(s[0]), h.y * sb_h2f(s[1]), h.z * sb_h2f(s[2]), h.w * sb_h2f(s[3])};
+                const sb_u32* q = (const sb_u32*)buf_q(k, j) + warp * RW * 32 + lane;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    if (i >= RW) break;
+                    float f[4];
+                    sb_q8x4(q[i * 32], f);
+                    acc[i] += f[0] * hs[0] + f[1] * hs[1] + f[2] * hs[2] + f[3] * hs[3];
+                }
             }
             __syncthreads();  // every warp is done with this buffer
-            if (threadIdx.x == 0 && bt + 2 < n_batches) issue(bt + 2);
+            if (threadIdx.x == 0 && bt + nb < n_batches) issue(bt + nb);
         }
-        const float t0 = sb_warp_sum(acc0), t1 = sb_warp_sum(acc1);
-        if (lane == 0) {
-            if (warp < rows) y[r0 + warp] = accumulate ? y[r0 + warp] + t0 : t0;
-            if (warp + SB_WARPS < rows) y[r0 + warp + SB_WARPS] = accumulate ? y[r0 + warp + SB_WARPS] + t1 : t1;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if (i >= RW) break;
+            const float t = sb_warp_sum(acc[i]);
+            float* o = y + r0 + warp * RW + i;
+            if (lane == 0) *o = accumulate ? *o + t : t;
         }
         seq0 += n_batches;
     }
@@ -742,7 +759,8 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const flo
 
     // Phase 2.
     if constexpr (P2 == 2) {
-        sb_ffn_q8s_phase2_tiled(pages, page_bytes, n_pages, d, active, n_act, accumulate, hbuf, y);
+        sb_ffn_q8s_phase2_tiled(pages, page_bytes, n_pages, d, active, n_act, accumulate, hbuf, y,
+                                (sb_u8*)sb_xs, sb_dynamic_smem());
     } else {
     const int n_chunks = (d + 127) >> 7;
     int K = max((int)gridDim.x / n_chunks, 1);
@@ -907,7 +925,9 @@ SB_Q8S_VARIANT_B(11, 4, 2, 1, 4, 8, 0, 1)
 SB_Q8S_VARIANT_B(12, 3, 4, 1, 5, 8, 0, 1)
 SB_Q8S_VARIANT_B(13, 3, 4, 1, 6, 8, 0, 1)
 // v14: v10's phase 1, phase 2 over the tiled down slice (P2 2, copy
-// engine, output-stationary; pages uploaded with superblock::tile_q8s_down).
+// engine, output-stationary; pages uploaded with superblock::tile_q8s_down,
+// the phase-2 launch with superblock::Q8S_T2_SMEM bytes of dynamic shared
+// memory).
 SB_Q8S_VARIANT_B(14, 3, 4, 2, 4, 8, 0, 1)
 
 // ---------------------------------------------------------------------------

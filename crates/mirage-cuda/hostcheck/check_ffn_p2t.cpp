@@ -3,19 +3,22 @@
 // extract.py -> ffn_p2t_extract.h; no GPU): every block of a grid run in
 // turn, each an emulated block of 256 threads (block_emu.h), the copy
 // engine's transaction barriers and bulk copies replaced by stand-ins that
-// keep their contract (below), over d 96 / 864 / 896 / 3584 and lists of
-// every page, a subset with a repeated page and ids past n_pages, a list of
-// three batches and more (buffer reuse, barrier parity wrapping) and an
-// empty list, on grids of 1, 5, 13 and 40 blocks (40 > d / 8 at d 96: idle
-// blocks), with and without accumulate:
+// keep their contract (below), over d 96 / 864 / 896 (row blocks of 8),
+// 2048 (16) and 3584 (32), lists of every page, a subset with a repeated
+// page and ids past n_pages, a list of five batches (buffer reuse, barrier
+// parity wrapping) and an empty list, with rings of 8 batch buffers on grids
+// of 1, 5 and 40 blocks (40 > the row blocks at d 96: idle blocks) and of 1
+// and 2 buffers on 5,
+// with and without accumulate:
 //   - every output equals an f64 sum over the active pages of h times the
 //     split layout's down weights (quant times scale) to 2e-6 of the terms'
 //     magnitude, plus y when accumulating; nothing past d is written;
-//   - the values do not depend on the grid (bit for bit);
+//   - the values depend on neither the grid nor the ring (bit for bit);
 //   - the copies match the bytes each batch's barrier was told to expect
 //     (no more: the count would go negative; no fewer: a wait would never
 //     end), are 16-byte aligned multiples of 16 bytes, and read only inside
-//     the pages and hbuf.
+//     the pages and the list's hbuf values;
+//   - with a ring smaller than one batch every output is NaN.
 // The pages are tiled here by a transpose of its own (the Rust
 // tile_q8s_down has its own test against the split layout).
 // Build and run: hostcheck/run.sh.
@@ -31,6 +34,7 @@
 struct uint4 { unsigned x, y, z, w; };
 #define __align__(n) __attribute__((aligned(n)))
 inline int max(int a, int b) { return a > b ? a : b; }
+inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 
 // The memory the copies may read: [lo, hi) of the pages and of hbuf.
 static const unsigned char *g_pages_lo, *g_pages_hi, *g_h_lo, *g_h_hi;
@@ -136,58 +140,70 @@ static void check_case(const Pages& p, const std::vector<float>& h, const std::v
     g_h_lo = (const unsigned char*)h.data();
     g_h_hi = (const unsigned char*)(h.data() + (size_t)n_act * SB_PAGE_CH);
     std::vector<float> first;
-    for (int grid : {1, 5, 13, 40}) {
-        std::vector<float> y(y0);
-        y.push_back(NAN);  // a guard past the end
-        gridDim.x = grid;
-        g_bad = 0;
-        for (int b = 0; b < grid; b++)
-            run_block(SB_THREADS, dim3_{(unsigned)b, 0, 0}, [&] {
-                sb_ffn_q8s_phase2_tiled(p.tiled.data(), p.page_bytes, p.n, d, active.data(), n_act, accumulate,
-                                        h.data(), y.data());
-            });
-        bool ok = g_bad == 0 && std::isnan(y[d]);
-        for (int o = 0; o < d && ok; o++) {
-            double want = accumulate ? y0[o] : 0.0, mag = std::fabs(want);
-            for (int i = 0; i < n_act; i++) {
-                if (active[i] >= (sb_u32)p.n) continue;
-                for (int c = 0; c < SB_PAGE_CH; c++) {
-                    const double t = (double)h[(size_t)i * SB_PAGE_CH + c] * p.down(active[i], c, o);
-                    want += t;
-                    mag += std::fabs(t);
+    for (int buffers : {8, 2, 1, 0})
+        for (int grid : {1, 5, 40}) {
+            if (buffers != 8 && grid != 5) continue;  // the small rings on one grid
+            const sb_u32 ring_bytes = buffers * SB_T2_BATCH_BYTES + (buffers ? 16 : SB_T2_BATCH_BYTES - 16);
+            std::vector<uint4> ring(ring_bytes / 16 + 1);
+            std::vector<float> y(y0);
+            y.push_back(NAN);  // a guard past the end
+            gridDim.x = grid;
+            g_bad = 0;
+            for (int b = 0; b < grid; b++)
+                run_block(SB_THREADS, dim3_{(unsigned)b, 0, 0}, [&] {
+                    sb_ffn_q8s_phase2_tiled(p.tiled.data(), p.page_bytes, p.n, d, active.data(), n_act, accumulate,
+                                            h.data(), y.data(), (sb_u8*)ring.data(), ring_bytes);
+                });
+            bool ok = g_bad == 0 && std::isnan(y[d]);
+            if (buffers == 0) {  // no room for one batch: NaN everywhere
+                for (int o = 0; o < d && ok; o++)
+                    if (!std::isnan(y[o])) {
+                        printf("  output %d: %g without a ring, want NaN\n", o, y[o]);
+                        ok = false;
+                    }
+            }
+            for (int o = 0; o < d && ok && buffers; o++) {
+                double want = accumulate ? y0[o] : 0.0, mag = std::fabs(want);
+                for (int i = 0; i < n_act; i++) {
+                    if (active[i] >= (sb_u32)p.n) continue;
+                    for (int c = 0; c < SB_PAGE_CH; c++) {
+                        const double t = (double)h[(size_t)i * SB_PAGE_CH + c] * p.down(active[i], c, o);
+                        want += t;
+                        mag += std::fabs(t);
+                    }
                 }
-            }
-            const double e = std::isnan(y[o]) ? INFINITY : std::fabs(y[o] - want) / (mag + 1e-30);
-            if (e > worst && mag > 0) worst = e;
-            if (!(e < 2e-6) && !(mag == 0 && y[o] == want)) {
-                printf("  output %d: got %.9g, want %.9g (err %.3g)\n", o, y[o], want, e);
-                ok = false;
-            }
-        }
-        if (ok && grid == 1) first = y;
-        if (ok && grid != 1 && !first.empty())
-            for (int o = 0; o < d && ok; o++)
-                if (memcmp(&y[o], &first[o], 4) != 0) {
-                    printf("  grid %d: output %d bits differ from grid 1 (%.9g vs %.9g)\n", grid, o, y[o], first[o]);
+                const double e = std::isnan(y[o]) ? INFINITY : std::fabs(y[o] - want) / (mag + 1e-30);
+                if (e > worst && mag > 0) worst = e;
+                if (!(e < 2e-6) && !(mag == 0 && y[o] == want)) {
+                    printf("  output %d: got %.9g, want %.9g (err %.3g)\n", o, y[o], want, e);
                     ok = false;
                 }
-        printf("phase 2 tiled d %4d %-7s %2d pages%s grid %2d: %s\n", d, list, n_act, accumulate ? " +acc" : "", grid,
-               ok ? "ok" : "FAILED");
-        if (!ok) failures++;
-    }
+            }
+            if (ok && buffers && first.empty()) first = y;
+            else if (ok && buffers)
+                for (int o = 0; o < d && ok; o++)
+                    if (memcmp(&y[o], &first[o], 4) != 0) {
+                        printf("  output %d bits differ from the first grid and ring (%.9g vs %.9g)\n", o, y[o],
+                               first[o]);
+                        ok = false;
+                    }
+            printf("phase 2 tiled d %4d %-7s %2d pages%s ring %d grid %2d: %s\n", d, list, n_act,
+                   accumulate ? " +acc" : "", buffers, grid, ok ? "ok" : "FAILED");
+            if (!ok) failures++;
+        }
 }
 
 int main() {
     setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe before an abort
     std::mt19937 g(23);
     std::uniform_real_distribution<float> U(-1, 1);
-    for (int d : {96, 864, 896, 3584}) {
+    for (int d : {96, 864, 896, 2048, 3584}) {
         const int n = d >= 3584 ? 3 : 6;
         const Pages p = make_pages(g, d, n);
         std::vector<sb_u32> all(n), subset = {(sb_u32)(n - 1), (sb_u32)n, 0u, (sb_u32)(n + 1000), 0u}, none;
         for (int i = 0; i < n; i++) all[i] = i;
-        // 19 entries: three batches of 8 (the first buffer used twice), ids
-        // past n_pages among them.
+        // 19 entries: five batches of 4 (buffers reused, barrier parities
+        // wrapping with rings of 1 and 2), ids past n_pages among them.
         std::vector<sb_u32> long_list;
         for (int i = 0; i < 19; i++) long_list.push_back(i % 7 == 3 ? (sb_u32)(n + i) : (sb_u32)(i * 5 % n));
         std::vector<float> y0(d);
@@ -197,7 +213,7 @@ int main() {
             std::vector<float> h(std::max<size_t>(l->size(), 1) * SB_PAGE_CH);
             for (auto& v : h) v = U(g);
             check_case(p, h, *l, name, y0, false);
-            if (l != &long_list || d == 96) check_case(p, h, *l, name, y0, true);
+            if (l == &subset || l == &none) check_case(p, h, *l, name, y0, true);
         }
     }
     printf("fused FFN phase 2 (tiled): worst error %.3g of the terms' magnitude; %s\n", worst,

@@ -79,8 +79,7 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
 # calls; the copy engine's barriers and bulk copies (sb_tx_*, sb_bulk_g2s)
 # are check_ffn_p2t.cpp's stand-ins.
 (out / "ffn_p2t_extract.h").write_text((macro_line("SB_WARPS") + macro_line("SB_THREADS") + macro_line("SB_PAGE_CH")
-    + macro_line("SB_T2_ROWS") + macro_line("SB_T2_MIN_ROWS") + macro_line("SB_T2_PAGES") + macro_line("SB_MAGIC")
-    + "".join(extract(n) for n in ["float sb_warp_sum(", "float sb_byte_f32(", "void sb_q8x4(", "struct SbT2Batch",
-        "float sb_t2_term(", "void sb_ffn_q8s_phase2_tiled("])).replace(
-        "phase-1 values\n}", "phase-1 values\n};"))
-
+    + macro_line("SB_T2_PAGES") + macro_line("SB_T2_MAX_BATCHES") + macro_line("SB_T2_MIN_BLOCKS")
+    + macro_line("SB_T2_BATCH_BYTES") + macro_line("SB_MAGIC")
+    + "".join(extract(n) for n in ["float sb_warp_sum(", "float sb_byte_f32(", "void sb_q8x4(",
+        "void sb_ffn_q8s_phase2_tiled("])))

@@ -40,7 +40,7 @@ use super::{
 };
 use crate::superblock::{
     ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, tile_q8s_down, Nvfp4Pages, SparseError,
-    PAGE_CHANNELS, Q8_FFN_VARIANTS, SINGLE_PASS_MAX_D,
+    PAGE_CHANNELS, Q8S_T2_SMEM, Q8_FFN_VARIANTS, SINGLE_PASS_MAX_D,
 };
 use crate::superblock_q2k::{join_q2k_rows, q2k_page_bytes, Q2kPages, Q2K_BLOCK, Q2K_MAX_D};
 use crate::{module, CudaError};
@@ -126,6 +126,19 @@ fn ffn_norm_slots(kernel: &str) -> Option<crate::backend::NormSlots> {
             nw: 16,
             gate: NormFoldGate::SparseFfn,
         })
+}
+
+/// Dynamic shared memory of `kernel`'s phase-2 launch: the copy buffers of
+/// the variants that read a tiled down slice, none for the others.
+fn phase2_smem_of(kernel: &str) -> u32 {
+    let tiled = Q8_FFN_VARIANTS
+        .iter()
+        .any(|v| v.tiled_down && v.kernel == kernel);
+    if tiled {
+        Q8S_T2_SMEM as u32
+    } else {
+        0
+    }
 }
 
 /// `(accumulate, y)` argument positions of the fused FFN kernels as
@@ -1151,6 +1164,14 @@ impl SparseCudaBackend {
         )
     }
 
+    /// Whether the Q8_0 pages' fused FFN kernel can run as one cooperative
+    /// launch ([`Self::set_cooperative_ffn`]): not the variants that read a
+    /// tiled down slice (their phase 2 takes more shared memory a block than
+    /// a grid of every resident block can have).
+    pub fn ffn_can_run_cooperatively(&self) -> bool {
+        phase2_smem_of(self.kernel_for(PageFormat::Q8_0)) == 0
+    }
+
     /// Runs each fused FFN as one cooperative launch (`true`) or as its two
     /// phase launches (`false`); the same grid and the same order of sums,
     /// so the same bits either way.
@@ -1472,6 +1493,13 @@ impl SparseCudaBackend {
             self.inner.emit_prefetch(PrefetchSite::Ffn);
             return self.inner.launch(k, g, b, (d * 4) as u32, phase1);
         }
+        let phase2_smem = phase2_smem_of(k);
+        if cooperative && phase2_smem > 0 {
+            return Err(rt(format!(
+                "{k} reads a tiled down slice with {phase2_smem} bytes of shared memory a block in phase 2: \
+                 it cannot run as one cooperative launch"
+            )));
+        }
         if cooperative {
             // Both phases (3), the grid barrier between them.
             self.inner.emit_prefetch(PrefetchSite::Ffn);
@@ -1479,7 +1507,7 @@ impl SparseCudaBackend {
         }
         self.inner.launch(k, g, b, (d * 4) as u32, phase1)?;
         self.inner.emit_prefetch(PrefetchSite::Ffn);
-        self.inner.launch(k, g, b, 0, phase2)
+        self.inner.launch(k, g, b, phase2_smem, phase2)
     }
 
     /// Writes `data` (`rows * width` floats) into `a`, reusing its buffer
@@ -1640,10 +1668,14 @@ impl Backend for SparseCudaBackend {
         // scratch covers any.
         let grid_of = |kernel: &str| -> Result<u32> {
             let f = &self.inner.functions[self.inner.kernel_index[kernel]];
-            if d * 4 > 48 * 1024 {
+            // Past 48 KiB of static plus dynamic shared memory a launch
+            // needs the opt-in; the tiled variants' phase 2 takes more.
+            let static_smem = f.shared_size_bytes().map_err(drv)?.max(0) as usize;
+            let dynamic = (d * 4).max(phase2_smem_of(kernel) as usize);
+            if static_smem + dynamic > 48 * 1024 {
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    (d * 4) as i32,
+                    dynamic as i32,
                 )
                 .map_err(drv)?;
             }

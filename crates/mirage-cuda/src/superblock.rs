@@ -240,6 +240,12 @@ pub struct Q8FfnVariant {
     pub tiled_down: bool,
 }
 
+/// Dynamic shared memory of the tiled variants' phase-2 launch
+/// ([`Q8FfnVariant::tiled_down`]): `SB_T2_MAX_BATCHES` batch buffers of
+/// `SB_T2_BATCH_BYTES` (cuda/superblock.cu), the copy engine's ring. With
+/// less the kernel writes NaN.
+pub const Q8S_T2_SMEM: usize = 8 * 4 * (32 * 128 + 2 * 128 + 4 * 128);
+
 /// Widest `d_model` the single-pass variants take (`SB_LOCAL_MAX_D`: one
 /// 16-output piece per thread).
 pub const SINGLE_PASS_MAX_D: usize = 4096;
@@ -583,7 +589,7 @@ mod device {
         ffn_partials_len, invalid, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page,
         split_q8_0_rows, tile_q8s_down, Nvfp4Pages, SparseError, Q8_FFN_VARIANTS,
     };
-    use super::{PAGE_CHANNELS, Q8_BLOCK, SINGLE_PASS_MAX_D};
+    use super::{PAGE_CHANNELS, Q8S_T2_SMEM, Q8_BLOCK, SINGLE_PASS_MAX_D};
     use crate::{module, CudaError};
 
     /// Sources of the sparse-path module, compiled as one NVRTC unit
@@ -817,6 +823,10 @@ mod device {
         pub(crate) part_ch: Option<i32>,
         /// A single-pass variant (`Q8FfnVariant::single_pass`).
         pub(crate) single_pass: bool,
+        /// Dynamic shared memory of the phase-2 launch (0: none;
+        /// [`Q8S_T2_SMEM`] for the tiled variants, which cannot run as
+        /// one cooperative launch).
+        pub(crate) phase2_smem: u32,
     }
 
     /// Active page ids and their count, both in device memory.
@@ -1240,6 +1250,7 @@ mod device {
                 tensor_scales: None,
                 part_ch,
                 single_pass: opts.variant.is_some_and(|v| Q8_FFN_VARIANTS[v].single_pass),
+                phase2_smem: if tiled { Q8S_T2_SMEM as u32 } else { 0 },
             };
             self.launch_ffn(
                 &target,
@@ -1280,6 +1291,7 @@ mod device {
                 tensor_scales: Some(pages.tensor_scales),
                 part_ch: None,
                 single_pass: false,
+                phase2_smem: 0,
             };
             self.launch_ffn(
                 &target, x, active, reduction, accumulate, launch, scratch, y,
@@ -1359,12 +1371,21 @@ mod device {
             };
             let acc = accumulate as i32;
             let ts = t.tensor_scales.unwrap_or_default();
+            if launch == FfnLaunch::Cooperative && t.phase2_smem > 0 {
+                return Err(invalid(format!(
+                    "{}: a tiled-down variant's phase 2 needs {} bytes of shared memory a block, too many for \
+                     every block of the grid to be resident: launch the two phases",
+                    t.name, t.phase2_smem
+                )));
+            }
+            let p2 = t.phase2_smem;
             let launches: &[(i32, u32)] = match launch {
                 FfnLaunch::Cooperative => &[(3, (d * 4) as u32)],
-                // Phase 2 alone reads no x: no dynamic shared memory.
-                FfnLaunch::TwoLaunches => &[(1, (d * 4) as u32), (2, 0)],
+                // Phase 2 alone reads no x: no dynamic shared memory (but
+                // the tiled variants' copy buffers).
+                FfnLaunch::TwoLaunches => &[(1, (d * 4) as u32), (2, p2)],
                 FfnLaunch::Phase1Only => &[(1, (d * 4) as u32)],
-                FfnLaunch::Phase2Only => &[(2, 0)],
+                FfnLaunch::Phase2Only => &[(2, p2)],
             };
             for (phases, smem) in launches {
                 let cfg = LaunchConfig {

@@ -508,6 +508,10 @@ fn residual_add_folds_into_the_sparse_ffn() {
             else {
                 return;
             };
+            if cooperative && !sb.ffn_can_run_cooperatively() {
+                eprintln!("{mode:?}: the FFN kernel in use cannot run cooperatively; that leg is skipped");
+                continue;
+            }
             let inputs = xs(7, 4);
             let residuals = xs(8, 4);
             let mut x = sb.new_activations();

@@ -539,7 +539,9 @@ mod gpu {
     /// all pages / a subset with ids past the end and a repeated page / no
     /// page; ordered, atomic onto a residual, ordered onto a residual; one
     /// cooperative launch and the two phase launches, ordered bit-equal
-    /// across them; v0 with part_ch 0 bit-equal to `superblock_ffn_q8s`.
+    /// across them (the tiled-down variants: refused cooperatively, two
+    /// runs of the two launches bit-equal); v0 with part_ch 0 bit-equal to
+    /// `superblock_ffn_q8s`.
     #[test]
     fn q8s_ffn_variants_match_f64_reference() {
         use mirage_cuda::superblock::{FfnLaunch, FfnQ8Options, Q8_FFN_VARIANTS};
@@ -598,7 +600,26 @@ mod gpu {
                     // one part per output chunk.
                     for part_ch in [0u32, 64, 1 << 20] {
                         let mut ordered_bits: Vec<Vec<u32>> = Vec::new();
-                        for launch in [FfnLaunch::Cooperative, FfnLaunch::TwoLaunches] {
+                        // The tiled variants' phase 2 needs more shared
+                        // memory than a cooperative grid can have: refused
+                        // with an error; their two launches run twice
+                        // instead (the same bits run to run).
+                        let launches = if v.tiled_down {
+                            let mut dy = dev.upload_f32(&vec![0.0; d]).unwrap();
+                            let coop = FfnQ8Options {
+                                variant: Some(v.index),
+                                part_ch,
+                                launch: FfnLaunch::Cooperative,
+                            };
+                            let err = dev
+                                .ffn_q8_with(&dp, &dx, &active, Reduction::Ordered, false, coop, &mut FfnScratch::default(), &mut dy)
+                                .expect_err("a tiled variant launched cooperatively");
+                            assert!(err.to_string().contains("cooperative"), "{}: {err}", v.kernel);
+                            [FfnLaunch::TwoLaunches, FfnLaunch::TwoLaunches]
+                        } else {
+                            [FfnLaunch::Cooperative, FfnLaunch::TwoLaunches]
+                        };
+                        for launch in launches {
                             let opts = FfnQ8Options {
                                 variant: Some(v.index),
                                 part_ch,
