@@ -568,16 +568,24 @@ __device__ __forceinline__ void sb_ffn_q8s_phase1(const sb_u8* __restrict__ page
 // the others stream in. Few, large copies: a first form with three small
 // copies per page and two batches in flight was bound by the copy engine's
 // issue rate (~66 cycles a copy per SM; NOTES.md, fourteenth session).
-// Warp w takes rows w R/8 .. of the row block, lane l channels 4 l .. 4 l + 3:
-// the lane adds its terms page by page in list order, then the warp sums its
-// lanes. Every output is finished by one warp, in an order that does not
-// depend on the grid: y = sum (+ y if accumulate); `mode` is ignored. With
-// less dynamic shared memory than one batch the block writes NaN (a launch
-// error, made visible). Needs sm_90 for the copy engine; elsewhere thread 0
-// copies and the block synchronizes (correct, slow).
+// It runs as its own launch, superblock_ffn_q8s_t2, of SB_T2_THREADS threads
+// a block: the dequantize-and-add work of a row block is ~3 instructions a
+// weight byte, and one block of 8 warps an SM (the second form, inside the
+// 256-thread variant kernel) was bound by that latency, not by the copies.
+// The W warps of a block make G = max(W / R, 1) groups of W / G; group q
+// takes pages q, q + G, .. of each batch, and in a group warp w takes rows
+// w RW .. w RW + RW - 1 (RW = R G / W), lane l channels 4 l .. 4 l + 3: the
+// lane adds its terms page by page in list order, the warp sums its lanes,
+// then group 0 adds the G group sums in group order. Every output is
+// finished in an order set by R and W alone, not by the grid: y = sum (+ y
+// if accumulate); `mode` is ignored. With less dynamic shared memory than
+// one batch the block writes NaN (a launch error, made visible). Needs sm_90
+// for the copy engine; elsewhere thread 0 copies and the block synchronizes
+// (correct, slow).
 #define SB_T2_PAGES 4          // pages per batch (one transaction barrier, one copy of their hbuf values)
 #define SB_T2_MAX_BATCHES 8    // batches in flight at most
 #define SB_T2_MIN_BLOCKS 96    // least row blocks before R halves (so small d keeps the SMs busy)
+#define SB_T2_THREADS 1024     // threads of a superblock_ffn_q8s_t2 block
 // Bytes of one batch buffer: per page 32 rows of quants, a scale row, 128 h.
 #define SB_T2_BATCH_BYTES (SB_T2_PAGES * (32 * SB_PAGE_CH + 2 * SB_PAGE_CH + 4 * SB_PAGE_CH))
 
@@ -647,8 +655,10 @@ __device__ __forceinline__ void sb_ffn_q8s_phase2_tiled(const sb_u8* __restrict_
                                                         int accumulate, const float* hbuf, float* y, sb_u8* ring,
                                                         sb_u32 ring_bytes) {
     __shared__ __align__(8) unsigned long long t2_bar[SB_T2_MAX_BATCHES];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int R = (d >> 5) >= SB_T2_MIN_BLOCKS ? 32 : (d >> 4) >= SB_T2_MIN_BLOCKS ? 16 : 8, RW = R / SB_WARPS;
+    __shared__ float t2_group[4][32];  // group q's sum of row r (G <= 4)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
+    const int R = (d >> 5) >= SB_T2_MIN_BLOCKS ? 32 : (d >> 4) >= SB_T2_MIN_BLOCKS ? 16 : 8;
+    const int G = W > R ? W / R : 1, RW = R * G / W, grp = warp / (W / G), wr = warp % (W / G) * RW;
     const int n_rb = d / R, workers = min((int)gridDim.x, n_rb);
     if ((int)blockIdx.x >= workers) return;
     const int rb_begin = (int)((long)n_rb * blockIdx.x / workers), rb_end = (int)((long)n_rb * (blockIdx.x + 1) / workers);
@@ -714,11 +724,12 @@ __device__ __forceinline__ void sb_ffn_q8s_phase2_tiled(const sb_u8* __restrict_
             sb_tx_wait(&t2_bar[k], (sb_u32)(seq / nb) & 1u);
 #pragma unroll
             for (int j = 0; j < SB_T2_PAGES; j++) {
+                if (j % G != grp) continue;                // another group's page
                 if (ids[j] >= (sb_u32)n_pages) continue;  // past the list or out of range: nothing was copied
                 const float4 h = ((const float4*)buf_h(k))[j * 32 + lane];
                 const sb_u16* s = buf_s(k, j) + 4 * lane;
                 const float hs[4] = {h.x * sb_h2f(s[0]), h.y * sb_h2f(s[1]), h.z * sb_h2f(s[2]), h.w * sb_h2f(s[3])};
-                const sb_u32* q = (const sb_u32*)buf_q(k, j) + warp * RW * 32 + lane;
+                const sb_u32* q = (const sb_u32*)buf_q(k, j) + wr * 32 + lane;
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     if (i >= RW) break;
@@ -734,9 +745,16 @@ __device__ __forceinline__ void sb_ffn_q8s_phase2_tiled(const sb_u8* __restrict_
         for (int i = 0; i < 4; i++) {
             if (i >= RW) break;
             const float t = sb_warp_sum(acc[i]);
-            float* o = y + r0 + warp * RW + i;
-            if (lane == 0) *o = accumulate ? *o + t : t;
+            if (lane == 0) t2_group[grp][wr + i] = t;
         }
+        __syncthreads();
+        if (threadIdx.x < R) {
+            float t = t2_group[0][threadIdx.x];
+            for (int q = 1; q < G; q++) t += t2_group[q][threadIdx.x];
+            float* o = y + r0 + threadIdx.x;
+            *o = accumulate ? *o + t : t;
+        }
+        __syncthreads();  // before the next row block rewrites t2_group
         seq0 += n_batches;
     }
 }
@@ -759,8 +777,10 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const flo
 
     // Phase 2.
     if constexpr (P2 == 2) {
-        sb_ffn_q8s_phase2_tiled(pages, page_bytes, n_pages, d, active, n_act, accumulate, hbuf, y,
-                                (sb_u8*)sb_xs, sb_dynamic_smem());
+        // In its own launch (superblock_ffn_q8s_t2); here (the cooperative
+        // form, which the hosts refuse) the output is made NaN, visibly.
+        for (int o = blockIdx.x * blockDim.x + threadIdx.x; o < d; o += gridDim.x * blockDim.x)
+            y[o] = __int_as_float(0x7fc00000);
     } else {
     const int n_chunks = (d + 127) >> 7;
     int K = max((int)gridDim.x / n_chunks, 1);
@@ -924,11 +944,22 @@ SB_Q8S_VARIANT_B(11, 4, 2, 1, 4, 8, 0, 1)
 // 40 % a warp's part is 17 quads: 5 rounds of 4, 4 of 5, 3 of 6).
 SB_Q8S_VARIANT_B(12, 3, 4, 1, 5, 8, 0, 1)
 SB_Q8S_VARIANT_B(13, 3, 4, 1, 6, 8, 0, 1)
-// v14: v10's phase 1, phase 2 over the tiled down slice (P2 2, copy
-// engine, output-stationary; pages uploaded with superblock::tile_q8s_down,
-// the phase-2 launch with superblock::Q8S_T2_SMEM bytes of dynamic shared
-// memory).
+// v14: v10's phase 1; phase 2 (P2 2) is superblock_ffn_q8s_t2 below, over
+// the tiled down slice (pages uploaded with superblock::tile_q8s_down).
 SB_Q8S_VARIANT_B(14, 3, 4, 2, 4, 8, 0, 1)
+
+// Phase 2 of v14: the arguments of the variants, SB_T2_THREADS threads a
+// block, superblock::Q8S_T2_SMEM bytes of dynamic shared memory (the copy
+// ring), a grid of superblock::q8s_t2_grid(d) blocks (one row block each;
+// any grid gives the same bits).
+extern "C" __global__ void __launch_bounds__(SB_T2_THREADS, 1) superblock_ffn_q8s_t2(
+    SB_Q8S_PARAMS, int part_ch, const float* nw, float neps, float* nout) {
+    PDL_ENTRY();
+    extern __shared__ float4 sb_xs[];
+    const int n_act = max(min(*n_active, max_active), 0);
+    sb_ffn_q8s_phase2_tiled(pages, page_bytes, n_pages, d, active, n_act, accumulate, hbuf, y, (sb_u8*)sb_xs,
+                            sb_dynamic_smem());
+}
 
 // ---------------------------------------------------------------------------
 // The single-pass fused FFN (`superblock_ffn_q8s_v8`, same arguments as the

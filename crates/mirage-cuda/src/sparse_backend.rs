@@ -40,7 +40,7 @@ use super::{
 };
 use crate::superblock::{
     ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, tile_q8s_down, Nvfp4Pages, SparseError,
-    PAGE_CHANNELS, Q8S_T2_SMEM, Q8_FFN_VARIANTS, SINGLE_PASS_MAX_D,
+    q8s_t2_grid, PAGE_CHANNELS, Q8S_T2_KERNEL, Q8S_T2_SMEM, Q8S_T2_THREADS, Q8_FFN_VARIANTS, SINGLE_PASS_MAX_D,
 };
 use crate::superblock_q2k::{join_q2k_rows, q2k_page_bytes, Q2kPages, Q2K_BLOCK, Q2K_MAX_D};
 use crate::{module, CudaError};
@@ -66,6 +66,7 @@ const KERNELS: &[&str] = &[
     "superblock_ffn_q2k",
     "route_bvh",
     "set_active_prefix",
+    Q8S_T2_KERNEL,
 ];
 /// Every kernel of [`SOURCE`] the backend loads.
 pub(crate) fn kernel_names() -> impl Iterator<Item = &'static str> {
@@ -128,17 +129,12 @@ fn ffn_norm_slots(kernel: &str) -> Option<crate::backend::NormSlots> {
         })
 }
 
-/// Dynamic shared memory of `kernel`'s phase-2 launch: the copy buffers of
-/// the variants that read a tiled down slice, none for the others.
-fn phase2_smem_of(kernel: &str) -> u32 {
-    let tiled = Q8_FFN_VARIANTS
+/// Whether `kernel` is a fused FFN variant that reads a tiled down slice:
+/// its phase 2 is then [`Q8S_T2_KERNEL`]'s launch.
+fn tiled_kernel(kernel: &str) -> bool {
+    Q8_FFN_VARIANTS
         .iter()
-        .any(|v| v.tiled_down && v.kernel == kernel);
-    if tiled {
-        Q8S_T2_SMEM as u32
-    } else {
-        0
-    }
+        .any(|v| v.tiled_down && v.kernel == kernel)
 }
 
 /// `(accumulate, y)` argument positions of the fused FFN kernels as
@@ -1169,7 +1165,7 @@ impl SparseCudaBackend {
     /// tiled down slice (their phase 2 takes more shared memory a block than
     /// a grid of every resident block can have).
     pub fn ffn_can_run_cooperatively(&self) -> bool {
-        phase2_smem_of(self.kernel_for(PageFormat::Q8_0)) == 0
+        !tiled_kernel(self.kernel_for(PageFormat::Q8_0))
     }
 
     /// Runs each fused FFN as one cooperative launch (`true`) or as its two
@@ -1493,11 +1489,11 @@ impl SparseCudaBackend {
             self.inner.emit_prefetch(PrefetchSite::Ffn);
             return self.inner.launch(k, g, b, (d * 4) as u32, phase1);
         }
-        let phase2_smem = phase2_smem_of(k);
-        if cooperative && phase2_smem > 0 {
+        let tiled = tiled_kernel(k);
+        if cooperative && tiled {
             return Err(rt(format!(
-                "{k} reads a tiled down slice with {phase2_smem} bytes of shared memory a block in phase 2: \
-                 it cannot run as one cooperative launch"
+                "{k} reads a tiled down slice in its own phase-2 kernel ({Q8S_T2_KERNEL}): it cannot run as one \
+                 cooperative launch"
             )));
         }
         if cooperative {
@@ -1507,7 +1503,16 @@ impl SparseCudaBackend {
         }
         self.inner.launch(k, g, b, (d * 4) as u32, phase1)?;
         self.inner.emit_prefetch(PrefetchSite::Ffn);
-        self.inner.launch(k, g, b, phase2_smem, phase2)
+        if tiled {
+            return self.inner.launch(
+                Q8S_T2_KERNEL,
+                (q8s_t2_grid(d), 1, 1),
+                (Q8S_T2_THREADS, 1, 1),
+                Q8S_T2_SMEM as u32,
+                phase2,
+            );
+        }
+        self.inner.launch(k, g, b, 0, phase2)
     }
 
     /// Writes `data` (`rows * width` floats) into `a`, reusing its buffer
@@ -1671,13 +1676,20 @@ impl Backend for SparseCudaBackend {
             // Past 48 KiB of static plus dynamic shared memory a launch
             // needs the opt-in; the tiled variants' phase 2 takes more.
             let static_smem = f.shared_size_bytes().map_err(drv)?.max(0) as usize;
-            let dynamic = (d * 4).max(phase2_smem_of(kernel) as usize);
-            if static_smem + dynamic > 48 * 1024 {
+            if static_smem + d * 4 > 48 * 1024 {
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    dynamic as i32,
+                    (d * 4) as i32,
                 )
                 .map_err(drv)?;
+            }
+            if tiled_kernel(kernel) {
+                self.inner.functions[self.inner.kernel_index[Q8S_T2_KERNEL]]
+                    .set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        Q8S_T2_SMEM as i32,
+                    )
+                    .map_err(drv)?;
             }
             let per_sm = f
                 .occupancy_max_active_blocks_per_multiprocessor(FFN_THREADS, d * 4, None)

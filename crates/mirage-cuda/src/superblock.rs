@@ -246,6 +246,30 @@ pub struct Q8FfnVariant {
 /// less the kernel writes NaN.
 pub const Q8S_T2_SMEM: usize = 8 * 4 * (32 * 128 + 2 * 128 + 4 * 128);
 
+/// The kernel the tiled variants' phase 2 runs as (the variants' own
+/// kernel does phase 1): [`Q8S_T2_THREADS`] threads a block,
+/// [`Q8S_T2_SMEM`] bytes of dynamic shared memory, [`q8s_t2_grid`] blocks,
+/// the variants' arguments.
+pub const Q8S_T2_KERNEL: &str = "superblock_ffn_q8s_t2";
+
+/// Threads of a [`Q8S_T2_KERNEL`] block (`SB_T2_THREADS`).
+pub const Q8S_T2_THREADS: u32 = 1024;
+
+/// Blocks of a [`Q8S_T2_KERNEL`] launch at `d_model`: one per row block of
+/// R outputs, R = 32, 16 or 8, the largest that still gives 96 row blocks
+/// (`SB_T2_MIN_BLOCKS`; the kernel's own rule, keep them in step). Any
+/// grid gives the same bits; this one gives every block one row block.
+pub fn q8s_t2_grid(d_model: usize) -> u32 {
+    let r = if d_model / 32 >= 96 {
+        32
+    } else if d_model / 16 >= 96 {
+        16
+    } else {
+        8
+    };
+    (d_model / r).max(1) as u32
+}
+
 /// Widest `d_model` the single-pass variants take (`SB_LOCAL_MAX_D`: one
 /// 16-output piece per thread).
 pub const SINGLE_PASS_MAX_D: usize = 4096;
@@ -589,7 +613,9 @@ mod device {
         ffn_partials_len, invalid, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page,
         split_q8_0_rows, tile_q8s_down, Nvfp4Pages, SparseError, Q8_FFN_VARIANTS,
     };
-    use super::{PAGE_CHANNELS, Q8S_T2_SMEM, Q8_BLOCK, SINGLE_PASS_MAX_D};
+    use super::{
+        q8s_t2_grid, PAGE_CHANNELS, Q8S_T2_KERNEL, Q8S_T2_SMEM, Q8S_T2_THREADS, Q8_BLOCK, SINGLE_PASS_MAX_D,
+    };
     use crate::{module, CudaError};
 
     /// Sources of the sparse-path module, compiled as one NVRTC unit
@@ -694,6 +720,7 @@ mod device {
         ffn_q8s: CudaFunction,
         /// `superblock_ffn_q8s_v<n>`, in [`Q8_FFN_VARIANTS`] order.
         ffn_q8s_variants: Vec<CudaFunction>,
+        ffn_q8s_t2: CudaFunction,
         ffn_nvfp4: CudaFunction,
         /// `superblock_ffn_q2k` (launched from `crate::superblock_q2k`).
         pub(crate) ffn_q2k: CudaFunction,
@@ -823,10 +850,9 @@ mod device {
         pub(crate) part_ch: Option<i32>,
         /// A single-pass variant (`Q8FfnVariant::single_pass`).
         pub(crate) single_pass: bool,
-        /// Dynamic shared memory of the phase-2 launch (0: none;
-        /// [`Q8S_T2_SMEM`] for the tiled variants, which cannot run as
-        /// one cooperative launch).
-        pub(crate) phase2_smem: u32,
+        /// The tiled variants' phase 2 ([`Q8S_T2_KERNEL`]; they cannot run
+        /// as one cooperative launch); `None`: phase 2 is `func` again.
+        pub(crate) phase2: Option<&'a CudaFunction>,
     }
 
     /// Active page ids and their count, both in device memory.
@@ -917,6 +943,7 @@ mod device {
                     .collect::<Result<_, _>>()?,
                 ffn_nvfp4: load("superblock_ffn_nvfp4")?,
                 ffn_q2k: load("superblock_ffn_q2k")?,
+                ffn_q8s_t2: load(Q8S_T2_KERNEL)?,
                 ctx,
                 stream,
                 multiprocessors,
@@ -931,6 +958,7 @@ mod device {
                 &dev.ffn_q8s,
                 &dev.ffn_nvfp4,
                 &dev.ffn_q2k,
+                &dev.ffn_q8s_t2,
             ]
             .into_iter()
             .chain(&dev.ffn_q8s_variants)
@@ -1250,7 +1278,7 @@ mod device {
                 tensor_scales: None,
                 part_ch,
                 single_pass: opts.variant.is_some_and(|v| Q8_FFN_VARIANTS[v].single_pass),
-                phase2_smem: if tiled { Q8S_T2_SMEM as u32 } else { 0 },
+                phase2: tiled.then_some(&self.ffn_q8s_t2),
             };
             self.launch_ffn(
                 &target,
@@ -1291,7 +1319,7 @@ mod device {
                 tensor_scales: Some(pages.tensor_scales),
                 part_ch: None,
                 single_pass: false,
-                phase2_smem: 0,
+                phase2: None,
             };
             self.launch_ffn(
                 &target, x, active, reduction, accumulate, launch, scratch, y,
@@ -1371,29 +1399,40 @@ mod device {
             };
             let acc = accumulate as i32;
             let ts = t.tensor_scales.unwrap_or_default();
-            if launch == FfnLaunch::Cooperative && t.phase2_smem > 0 {
+            if launch == FfnLaunch::Cooperative && t.phase2.is_some() {
                 return Err(invalid(format!(
-                    "{}: a tiled-down variant's phase 2 needs {} bytes of shared memory a block, too many for \
-                     every block of the grid to be resident: launch the two phases",
-                    t.name, t.phase2_smem
+                    "{}: a tiled-down variant's phase 2 is its own kernel ({Q8S_T2_KERNEL}): it cannot run as \
+                     one cooperative launch",
+                    t.name
                 )));
             }
-            let p2 = t.phase2_smem;
             let launches: &[(i32, u32)] = match launch {
                 FfnLaunch::Cooperative => &[(3, (d * 4) as u32)],
-                // Phase 2 alone reads no x: no dynamic shared memory (but
-                // the tiled variants' copy buffers).
-                FfnLaunch::TwoLaunches => &[(1, (d * 4) as u32), (2, p2)],
+                // Phase 2 alone reads no x: no dynamic shared memory.
+                FfnLaunch::TwoLaunches => &[(1, (d * 4) as u32), (2, 0)],
                 FfnLaunch::Phase1Only => &[(1, (d * 4) as u32)],
-                FfnLaunch::Phase2Only => &[(2, p2)],
+                FfnLaunch::Phase2Only => &[(2, 0)],
             };
             for (phases, smem) in launches {
-                let cfg = LaunchConfig {
-                    grid_dim: (grid, 1, 1),
-                    block_dim: (BLOCK, 1, 1),
-                    shared_mem_bytes: *smem,
+                let (func, cfg) = match (t.phase2, *phases) {
+                    (Some(f2), 2) => (
+                        f2,
+                        LaunchConfig {
+                            grid_dim: (q8s_t2_grid(d), 1, 1),
+                            block_dim: (Q8S_T2_THREADS, 1, 1),
+                            shared_mem_bytes: Q8S_T2_SMEM as u32,
+                        },
+                    ),
+                    _ => (
+                        t.func,
+                        LaunchConfig {
+                            grid_dim: (grid, 1, 1),
+                            block_dim: (BLOCK, 1, 1),
+                            shared_mem_bytes: *smem,
+                        },
+                    ),
                 };
-                let mut b = self.stream.launch_builder(t.func);
+                let mut b = self.stream.launch_builder(func);
                 b.arg(&pw).arg(&page_bytes).arg(&n_pages).arg(&d32);
                 if t.tensor_scales.is_some() {
                     b.arg(&ts[0]).arg(&ts[1]).arg(&ts[2]);

@@ -438,7 +438,7 @@ mod device {
                 tensor_scales: None,
                 part_ch: None,
                 single_pass: false,
-                phase2_smem: 0,
+                phase2: None,
             };
             self.launch_ffn(
                 &target, x, active, reduction, accumulate, launch, scratch, y,
