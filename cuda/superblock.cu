@@ -586,6 +586,7 @@ __device__ __forceinline__ void sb_ffn_q8s_phase1(const sb_u8* __restrict__ page
 #define SB_T2_MAX_BATCHES 8    // batches in flight at most
 #define SB_T2_MIN_BLOCKS 96    // least row blocks before R halves (so small d keeps the SMs busy)
 #define SB_T2_THREADS 1024     // threads of a superblock_ffn_q8s_t2 block
+#define SB_T2_IDS 1024         // active ids staged in shared memory (the rest are read from the list)
 // Bytes of one batch buffer: per page 32 rows of quants, a scale row, 128 h.
 #define SB_T2_BATCH_BYTES (SB_T2_PAGES * (32 * SB_PAGE_CH + 2 * SB_PAGE_CH + 4 * SB_PAGE_CH))
 
@@ -656,6 +657,7 @@ __device__ __forceinline__ void sb_ffn_q8s_phase2_tiled(const sb_u8* __restrict_
                                                         sb_u32 ring_bytes) {
     __shared__ __align__(8) unsigned long long t2_bar[SB_T2_MAX_BATCHES];
     __shared__ float t2_group[4][32];  // group q's sum of row r (G <= 4)
+    __shared__ sb_u32 t2_ids[SB_T2_IDS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
     const int R = (d >> 5) >= SB_T2_MIN_BLOCKS ? 32 : (d >> 4) >= SB_T2_MIN_BLOCKS ? 16 : 8;
     const int G = W > R ? W / R : 1, RW = R * G / W, grp = warp / (W / G), wr = warp % (W / G) * RW;
@@ -681,18 +683,23 @@ __device__ __forceinline__ void sb_ffn_q8s_phase2_tiled(const sb_u8* __restrict_
     };
     if (threadIdx.x == 0)
         for (int k = 0; k < nb; k++) sb_tx_init(&t2_bar[k]);
+    // The list once into shared memory: thread 0 issues a batch right after
+    // each block barrier, and a list read there (an L2 round trip) would
+    // hold the whole block at the next barrier.
+    for (int i = threadIdx.x; i < min(n_act, SB_T2_IDS); i += blockDim.x) t2_ids[i] = active[i];
     __syncthreads();
+    auto id_at = [&](int i) { return i < SB_T2_IDS ? t2_ids[i] : active[i]; };
     // Batch number `seq` (counted over the row blocks) fills buffer seq % nb
     // and completes phase seq / nb of that buffer's barrier.
     int seq0 = 0;
     for (int rb = rb_begin; rb < rb_end; rb++) {
         const int r0 = rb * R, g = r0 >> 5;
         const sb_u32 q_bytes = R * SB_PAGE_CH;
-        // The ids of batch bt (past the list: out of range), all loads at once.
+        // The ids of batch bt (past the list: out of range).
         auto batch_ids = [&](int bt, sb_u32 (&ids)[SB_T2_PAGES]) {
             const int i0 = bt * SB_T2_PAGES;
 #pragma unroll
-            for (int j = 0; j < SB_T2_PAGES; j++) ids[j] = i0 + j < n_act ? active[i0 + j] : 0xffffffffu;
+            for (int j = 0; j < SB_T2_PAGES; j++) ids[j] = i0 + j < n_act ? id_at(i0 + j) : 0xffffffffu;
         };
         auto issue = [&](int bt) {  // thread 0
             const int k = (seq0 + bt) % nb, i0 = bt * SB_T2_PAGES, n = min(SB_T2_PAGES, n_act - i0);

@@ -6,7 +6,8 @@
 // keep their contract (below), over d 96 / 864 / 896 (row blocks of 8),
 // 2048 (16) and 3584 (32), lists of every page, a subset with a repeated
 // page and ids past n_pages, a list of five batches (buffer reuse, barrier
-// parity wrapping) and an empty list, with rings of 8 batch buffers on grids
+// parity wrapping), an empty list and (d 96) one longer than the ids the
+// kernel stages in shared memory, with rings of 8 batch buffers on grids
 // of 1, 5 and 40 blocks (40 > the row blocks at d 96: idle blocks) and of 1
 // and 2 buffers on 5,
 // with and without accumulate:
@@ -215,8 +216,16 @@ int main() {
         for (int i = 0; i < 19; i++) long_list.push_back(i % 7 == 3 ? (sb_u32)(n + i) : (sb_u32)(i * 5 % n));
         std::vector<float> y0(d);
         for (auto& v : y0) v = U(g);
-        for (const auto* l : {&all, &subset, &long_list, &none}) {
-            const char* name = l == &all ? "all" : l == &subset ? "subset" : l == &none ? "empty" : "long";
+        // Past the SB_T2_IDS ids the kernel stages in shared memory (d 96).
+        std::vector<sb_u32> huge;
+        for (int i = 0; d == 96 && i < SB_T2_IDS + 9; i++) huge.push_back(i % 11 == 4 ? (sb_u32)(n + 3) : (sb_u32)(i % n));
+        for (const auto* l : {&all, &subset, &long_list, &none, &huge}) {
+            if (l->empty() && l != &none) continue;
+            const char* name = l == &all      ? "all"
+                               : l == &subset ? "subset"
+                               : l == &none   ? "empty"
+                               : l == &huge   ? "huge"
+                                              : "long";
             std::vector<float> h(std::max<size_t>(l->size(), 1) * SB_PAGE_CH);
             for (auto& v : h) v = U(g);
             check_case(p, h, *l, name, y0, false);
