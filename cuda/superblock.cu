@@ -595,9 +595,16 @@ __device__ __forceinline__ void sb_ffn_q8s_phase1(const sb_u8* __restrict__ page
 __device__ __forceinline__ void sb_tx_init(unsigned long long* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((sb_u32)__cvta_generic_to_shared(bar)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #else
     (void)bar;
+#endif
+}
+// Once after the inits, before the barrier that lets the block use them:
+// makes them visible to the copy engine (one fence for all: each costs a
+// round trip).
+__device__ __forceinline__ void sb_tx_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
 }
 // Arrives on bar and makes its current phase wait for `bytes` more bytes of
@@ -681,8 +688,10 @@ __device__ __forceinline__ void sb_ffn_q8s_phase2_tiled(const sb_u8* __restrict_
     auto buf_h = [&](int k) {
         return (float*)(ring + (long)k * SB_T2_BATCH_BYTES + SB_T2_PAGES * (34 * SB_PAGE_CH));
     };
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         for (int k = 0; k < nb; k++) sb_tx_init(&t2_bar[k]);
+        sb_tx_init_fence();
+    }
     // The list once into shared memory: thread 0 issues a batch right after
     // each block barrier, and a list read there (an L2 round trip) would
     // hold the whole block at the next barrier.

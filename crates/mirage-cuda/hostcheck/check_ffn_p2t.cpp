@@ -65,6 +65,7 @@ static void bar_add(unsigned long long* bar, long long bytes) {
     } while (!a.compare_exchange_weak(v, nv));
 }
 void sb_tx_init(unsigned long long* bar) { bar_ref(bar).store(0); }
+void sb_tx_init_fence() {}
 void sb_tx_expect(unsigned long long* bar, sb_u32 bytes) {
     if (bytes == 0) bar_add(bar, 0);  // the arrival alone completes the phase
     else bar_ref(bar).fetch_add(bytes);
