@@ -12,6 +12,7 @@
 // A page (128 FFN channels) is one contiguous span:
 //   [gate quants 128 x d][up quants 128 x d][down_t quants 128 x d]
 //   [gate scales 128 x d/32][up scales][down_t scales]
+// (variant v14 alone reads the down slice tiled instead: see its phase 2)
 // down_t row i is column i of the page's slice of W_down (the artifact's
 // transposed down slice, mirage_artifact::pack): in the down phase a warp
 // reads, for one channel, the 128-byte line of its row that covers 128
@@ -550,6 +551,12 @@ __device__ __forceinline__ void sb_ffn_q8s_phase1(const sb_u8* __restrict__ page
 // Phase 2 over a tiled down slice (P2 2: superblock_ffn_q8s_v14), output-
 // stationary: no split of the channels, so no partials, no arrival counters
 // and no last-block sums (the ordered finish's chain of L2 round trips).
+// OPT-IN AND SLOWER: on the H200 this phase 2 takes 30.7 us at 7B 40 % where
+// v10's takes 15.6 (kernel-bench; 72.0 vs 28.1 at 100 %), although over an
+// empty list both launches take 5.9 us against v10's 7.1. Four forms were
+// measured (crates/mirage-cuda/NOTES.md, fourteenth session) and none came
+// near v10; why the copies stream at ~1-1.6 TB/s is not known. It stays as
+// the tested starting point for the next attempt at copy-engine streaming.
 // The page's down slice is stored for this kernel as [d][128] quants (row o:
 // output o's weight of the page's 128 channels) and [d/32][128] f16 scales
 // (row g: the scales of the 32-output group g, a channel each) -- the same
@@ -564,14 +571,10 @@ __device__ __forceinline__ void sb_ffn_q8s_phase1(const sb_u8* __restrict__ page
 // for each batch of SB_T2_PAGES active pages: every page's R rows and scale
 // row, and the batch's hbuf values in one copy; as many batches are in
 // flight as the dynamic shared memory holds (SB_T2_MAX_BATCHES at most; the
-// launch passes q8s_t2_smem bytes), so the block computes one batch while
-// the others stream in. Few, large copies: a first form with three small
-// copies per page and two batches in flight was bound by the copy engine's
-// issue rate (~66 cycles a copy per SM; NOTES.md, fourteenth session).
-// It runs as its own launch, superblock_ffn_q8s_t2, of SB_T2_THREADS threads
-// a block: the dequantize-and-add work of a row block is ~3 instructions a
-// weight byte, and one block of 8 warps an SM (the second form, inside the
-// 256-thread variant kernel) was bound by that latency, not by the copies.
+// launch passes superblock::Q8S_T2_SMEM bytes), so the block computes one
+// batch while the others stream in. It runs as its own launch,
+// superblock_ffn_q8s_t2, of SB_T2_THREADS threads a block (the forms with
+// 8 warps inside the variant kernel were no faster).
 // The W warps of a block make G = max(W / R, 1) groups of W / G; group q
 // takes pages q, q + G, .. of each batch, and in a group warp w takes rows
 // w RW .. w RW + RW - 1 (RW = R G / W), lane l channels 4 l .. 4 l + 3: the

@@ -419,7 +419,9 @@ mod nvrtc_check {
         for name in &backend {
             let want = if *name == "route_bvh" {
                 ROUTE_ARGS
-            } else if name.starts_with("superblock_ffn_q8s_v") || *name == crate::superblock::Q8S_T2_KERNEL {
+            } else if name.starts_with("superblock_ffn_q8s_v")
+                || *name == crate::superblock::Q8S_T2_KERNEL
+            {
                 Q8_VARIANT_ARGS
             } else if *name == "superblock_ffn_nvfp4" {
                 FFN_KERNEL_ARGS + 3

@@ -39,8 +39,9 @@ use super::{
     PrefetchSite,
 };
 use crate::superblock::{
-    ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, tile_q8s_down, Nvfp4Pages, SparseError,
-    q8s_t2_grid, PAGE_CHANNELS, Q8S_T2_KERNEL, Q8S_T2_SMEM, Q8S_T2_THREADS, Q8_FFN_VARIANTS, SINGLE_PASS_MAX_D,
+    ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, q8s_t2_grid, split_q8_0_page,
+    tile_q8s_down, Nvfp4Pages, SparseError, PAGE_CHANNELS, Q8S_T2_KERNEL, Q8S_T2_SMEM,
+    Q8S_T2_THREADS, Q8_FFN_VARIANTS, SINGLE_PASS_MAX_D,
 };
 use crate::superblock_q2k::{join_q2k_rows, q2k_page_bytes, Q2kPages, Q2K_BLOCK, Q2K_MAX_D};
 use crate::{module, CudaError};

@@ -614,7 +614,8 @@ mod device {
         split_q8_0_rows, tile_q8s_down, Nvfp4Pages, SparseError, Q8_FFN_VARIANTS,
     };
     use super::{
-        q8s_t2_grid, PAGE_CHANNELS, Q8S_T2_KERNEL, Q8S_T2_SMEM, Q8S_T2_THREADS, Q8_BLOCK, SINGLE_PASS_MAX_D,
+        q8s_t2_grid, PAGE_CHANNELS, Q8S_T2_KERNEL, Q8S_T2_SMEM, Q8S_T2_THREADS, Q8_BLOCK,
+        SINGLE_PASS_MAX_D,
     };
     use crate::{module, CudaError};
 
@@ -1565,14 +1566,30 @@ mod dequantize_tests {
             let s = PAGE_CHANNELS * g * 2;
             for p in 0..n {
                 let (a, b) = (&split[p * pb..(p + 1) * pb], &tiled[p * pb..(p + 1) * pb]);
-                assert_eq!(a[..2 * q], b[..2 * q], "d {d} page {p}: gate/up quants moved");
-                assert_eq!(a[3 * q..3 * q + 2 * s], b[3 * q..3 * q + 2 * s], "d {d} page {p}: gate/up scales moved");
+                assert_eq!(
+                    a[..2 * q],
+                    b[..2 * q],
+                    "d {d} page {p}: gate/up quants moved"
+                );
+                assert_eq!(
+                    a[3 * q..3 * q + 2 * s],
+                    b[3 * q..3 * q + 2 * s],
+                    "d {d} page {p}: gate/up scales moved"
+                );
                 for c in 0..PAGE_CHANNELS {
                     for o in 0..d {
-                        assert_eq!(a[2 * q + c * d + o], b[2 * q + o * PAGE_CHANNELS + c], "d {d} page {p} ch {c} out {o}");
+                        assert_eq!(
+                            a[2 * q + c * d + o],
+                            b[2 * q + o * PAGE_CHANNELS + c],
+                            "d {d} page {p} ch {c} out {o}"
+                        );
                         let sa = 3 * q + 2 * s + 2 * (c * g + o / Q8_BLOCK);
                         let sb = 3 * q + 2 * s + 2 * ((o / Q8_BLOCK) * PAGE_CHANNELS + c);
-                        assert_eq!(a[sa..sa + 2], b[sb..sb + 2], "d {d} page {p} ch {c} scale of out {o}");
+                        assert_eq!(
+                            a[sa..sa + 2],
+                            b[sb..sb + 2],
+                            "d {d} page {p} ch {c} scale of out {o}"
+                        );
                     }
                 }
             }

@@ -509,7 +509,9 @@ fn residual_add_folds_into_the_sparse_ffn() {
                 return;
             };
             if cooperative && !sb.ffn_can_run_cooperatively() {
-                eprintln!("{mode:?}: the FFN kernel in use cannot run cooperatively; that leg is skipped");
+                eprintln!(
+                    "{mode:?}: the FFN kernel in use cannot run cooperatively; that leg is skipped"
+                );
                 continue;
             }
             let inputs = xs(7, 4);

@@ -612,9 +612,22 @@ mod gpu {
                                 launch: FfnLaunch::Cooperative,
                             };
                             let err = dev
-                                .ffn_q8_with(&dp, &dx, &active, Reduction::Ordered, false, coop, &mut FfnScratch::default(), &mut dy)
+                                .ffn_q8_with(
+                                    &dp,
+                                    &dx,
+                                    &active,
+                                    Reduction::Ordered,
+                                    false,
+                                    coop,
+                                    &mut FfnScratch::default(),
+                                    &mut dy,
+                                )
                                 .expect_err("a tiled variant launched cooperatively");
-                            assert!(err.to_string().contains("cooperative"), "{}: {err}", v.kernel);
+                            assert!(
+                                err.to_string().contains("cooperative"),
+                                "{}: {err}",
+                                v.kernel
+                            );
                             [FfnLaunch::TwoLaunches, FfnLaunch::TwoLaunches]
                         } else {
                             [FfnLaunch::Cooperative, FfnLaunch::TwoLaunches]
