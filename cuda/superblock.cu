@@ -590,6 +590,14 @@ __device__ __forceinline__ void sb_ffn_q8s_phase1(const sb_u8* __restrict__ page
 #define SB_T2_MIN_BLOCKS 96    // least row blocks before R halves (so small d keeps the SMs busy)
 #define SB_T2_THREADS 1024     // threads of a superblock_ffn_q8s_t2 block
 #define SB_T2_IDS 1024         // active ids staged in shared memory (the rest are read from the list)
+// Timing probes (MIRAGE_CUDA_T2_PROBE=copy|math, module::with_env_defines):
+// 1 = the copies and waits only (no arithmetic: y = 0), 2 = the arithmetic
+// only (no copies, no waits: it adds whatever the ring holds). Their outputs
+// are wrong; they split the phase's time between the copy path and the
+// consume loop (kernel-bench), nothing else.
+#ifndef MIRAGE_T2_PROBE
+#define MIRAGE_T2_PROBE 0
+#endif
 // Bytes of one batch buffer: per page 32 rows of quants, a scale row, 128 h.
 #define SB_T2_BATCH_BYTES (SB_T2_PAGES * (32 * SB_PAGE_CH + 2 * SB_PAGE_CH + 4 * SB_PAGE_CH))
 
@@ -718,6 +726,7 @@ __device__ __forceinline__ void sb_ffn_q8s_phase2_tiled(const sb_u8* __restrict_
             unsigned long long* bar = &t2_bar[k];
             sb_u32 ids[SB_T2_PAGES];
             batch_ids(bt, ids);
+            if (MIRAGE_T2_PROBE == 2) return;
             sb_u32 total = n * SB_PAGE_CH * 4;  // the batch's hbuf values, one copy
 #pragma unroll
             for (int j = 0; j < SB_T2_PAGES; j++)
@@ -740,9 +749,10 @@ __device__ __forceinline__ void sb_ffn_q8s_phase2_tiled(const sb_u8* __restrict_
             const int seq = seq0 + bt, k = seq % nb;
             sb_u32 ids[SB_T2_PAGES];
             batch_ids(bt, ids);  // read while the batch streams in
-            sb_tx_wait(&t2_bar[k], (sb_u32)(seq / nb) & 1u);
+            if (MIRAGE_T2_PROBE != 2) sb_tx_wait(&t2_bar[k], (sb_u32)(seq / nb) & 1u);
 #pragma unroll
             for (int j = 0; j < SB_T2_PAGES; j++) {
+                if (MIRAGE_T2_PROBE == 1) break;
                 if (j % G != grp) continue;                // another group's page
                 if (ids[j] >= (sb_u32)n_pages) continue;  // past the list or out of range: nothing was copied
                 const float4 h = ((const float4*)buf_h(k))[j * 32 + lane];

@@ -80,6 +80,6 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
 # are check_ffn_p2t.cpp's stand-ins.
 (out / "ffn_p2t_extract.h").write_text((macro_line("SB_WARPS") + macro_line("SB_THREADS") + macro_line("SB_PAGE_CH")
     + macro_line("SB_T2_PAGES") + macro_line("SB_T2_MAX_BATCHES") + macro_line("SB_T2_MIN_BLOCKS")
-    + macro_line("SB_T2_BATCH_BYTES") + macro_line("SB_T2_THREADS") + macro_line("SB_T2_IDS") + macro_line("SB_MAGIC")
+    + macro_line("SB_T2_BATCH_BYTES") + macro_line("SB_T2_THREADS") + macro_line("SB_T2_IDS") + macro_line("MIRAGE_T2_PROBE") + macro_line("SB_MAGIC")
     + "".join(extract(n) for n in ["float sb_warp_sum(", "float sb_byte_f32(", "void sb_q8x4(",
         "void sb_ffn_q8s_phase2_tiled("])))

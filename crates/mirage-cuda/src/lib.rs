@@ -440,8 +440,21 @@ mod nvrtc_check {
             .iter()
             .copied()
             .chain(crate::superblock::Q8_FFN_VARIANTS.iter().map(|v| v.kernel))
+            .chain([crate::superblock::Q8S_T2_KERNEL])
             .collect();
         check("sparse", crate::superblock::SPARSE_SOURCE, &kernel_bench);
+        // The tiled phase 2's timing probes (MIRAGE_CUDA_T2_PROBE).
+        for probe in [1, 2] {
+            let source = format!(
+                "#define MIRAGE_T2_PROBE {probe}\n{}",
+                crate::superblock::SPARSE_SOURCE
+            );
+            check(
+                &format!("sparse, T2 probe {probe}"),
+                &source,
+                &[crate::superblock::Q8S_T2_KERNEL],
+            );
+        }
     }
 
     #[cfg(feature = "vulkan-interop")]

@@ -65,8 +65,10 @@ fn env_is(key: &str, value: &str) -> bool {
 /// `MIRAGE_ATT_LOADS_BATCH 0` when `MIRAGE_CUDA_ATT_LOADS=serial` (the
 /// decode attention's previous predicated loads, which ptxas issued one at
 /// a time, instead of the default batch of key and value loads in flight
-/// before any is converted, dense.cu's `att_load_keys`); `source` as it is
-/// when none is set.
+/// before any is converted, dense.cu's `att_load_keys`), `MIRAGE_T2_PROBE`
+/// 1 / 2 when `MIRAGE_CUDA_T2_PROBE=copy` / `math` (superblock.cu: the tiled
+/// fused-FFN phase 2's copies alone / arithmetic alone, wrong outputs, for
+/// kernel-bench timing only); `source` as it is when none is set.
 pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     let mut defines = String::new();
     if let Some(n) = env_number::<u32>("MIRAGE_CUDA_PREFETCH") {
@@ -88,6 +90,14 @@ pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
     }
     if env_is("MIRAGE_CUDA_XPREFETCH_EVICT", "last") {
         defines.push_str("#define MIRAGE_XPF_EVICT_LAST 1\n");
+    }
+    // Timing probes of the tiled fused-FFN phase 2 (superblock.cu,
+    // MIRAGE_T2_PROBE): its copies alone or its arithmetic alone. Wrong
+    // outputs: for kernel-bench rows only.
+    if env_is("MIRAGE_CUDA_T2_PROBE", "copy") {
+        defines.push_str("#define MIRAGE_T2_PROBE 1\n");
+    } else if env_is("MIRAGE_CUDA_T2_PROBE", "math") {
+        defines.push_str("#define MIRAGE_T2_PROBE 2\n");
     }
     if defines.is_empty() {
         source.into()

@@ -914,7 +914,15 @@ mod device {
             let stream = ctx.new_stream().map_err(drv)?;
             let device_name = ctx.name().map_err(drv)?;
             let cc = ctx.compute_capability().map_err(drv)?;
-            let (ptx, _) = module::ptx_for("sparse", SPARSE_SOURCE, cc.0, cc.1)?;
+            // The compile-time switches the sparse backend takes too
+            // (MIRAGE_CUDA_*; module::with_env_defines), so kernel-bench
+            // can time them.
+            let (ptx, _) = module::ptx_for(
+                "sparse",
+                &module::with_env_defines(SPARSE_SOURCE),
+                cc.0,
+                cc.1,
+            )?;
             let module = ctx
                 .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
                 .map_err(drv)?;
