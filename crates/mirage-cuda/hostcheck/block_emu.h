@@ -28,6 +28,7 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 template <class T> T __ldg(const T* p) { return *p; }
 inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 inline void __syncthreads() { g_block->arrive_and_wait(); }
 // A warp barrier: every lane of the warp must reach it (as on the GPU with
 // the full mask); a lane that does not would hang the check.

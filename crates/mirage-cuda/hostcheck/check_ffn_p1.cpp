@@ -21,11 +21,8 @@
 #include "block_emu.h"
 #include "ptx_emu.h"
 
-struct uint4 { unsigned x, y, z, w; };
-inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
-inline int max(int a, int b) { return a > b ? a : b; }
 #define HOST_ASM(...) ((void)0)
 #include "ffn_p1_extract.h"
 

@@ -34,9 +34,7 @@
 #include "block_emu.h"
 #include "ptx_emu.h"
 
-struct uint4 { unsigned x, y, z, w; };
 #define __align__(n) __attribute__((aligned(n)))
-inline int max(int a, int b) { return a > b ? a : b; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 
 // The memory the copies may read: [lo, hi) of the pages and of hbuf.

@@ -9,8 +9,6 @@
 #include <barrier>
 #include <thread>
 #include <functional>
-struct uint4 { u32 x, y, z, w; };
-inline uint4 make_uint4(u32 a, u32 b, u32 c, u32 d) { return {a, b, c, d}; }
 static std::barrier<>* g_bar;
 static u32 g_slot[32];
 static thread_local int t_lane;

@@ -1,8 +1,6 @@
 // Host check of q4ks_dot / q4ks_elem vs dequant_unit<Q4_K> (run.sh).
 #include "prelude.h"
 #define TY_Q4_K 12
-struct uint4 { u32 x, y, z, w; };
-inline uint4 make_uint4(u32 a, u32 b, u32 c, u32 d) { return {a, b, c, d}; }
 inline u16 ld16(const u8* p) { u16 v; memcpy(&v, p, 2); return v; }
 #include "q4k_extract.h"
 int main() {

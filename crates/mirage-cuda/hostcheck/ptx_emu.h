@@ -1,5 +1,5 @@
 // Host stand-ins for the PTX the device helpers use (prmt, cvt.f32.f16) and
-// the integer types of the kernel sources; shared by prelude.h and the
+// the integer and vector types of the kernel sources; shared by prelude.h and the
 // checks that run whole blocks (block_emu.h).
 #pragma once
 #include <cmath>
@@ -7,6 +7,8 @@
 #include <cstring>
 typedef unsigned char u8; typedef signed char i8; typedef unsigned short u16; typedef unsigned int u32;
 typedef unsigned char sb_u8; typedef unsigned short sb_u16; typedef unsigned int sb_u32;
+struct uint4 { u32 x, y, z, w; };
+inline uint4 make_uint4(u32 a, u32 b, u32 c, u32 d) { return {a, b, c, d}; }
 inline float __uint_as_float(u32 u) { float f; memcpy(&f, &u, 4); return f; }
 inline float half_to_float(u16 h) {
     u32 s = (h >> 15) & 1, e = (h >> 10) & 31, m = h & 1023;

@@ -130,14 +130,6 @@ fn ffn_norm_slots(kernel: &str) -> Option<crate::backend::NormSlots> {
         })
 }
 
-/// Whether `kernel` is a fused FFN variant that reads a tiled down slice:
-/// its phase 2 is then [`Q8S_T2_KERNEL`]'s launch.
-fn tiled_kernel(kernel: &str) -> bool {
-    Q8_FFN_VARIANTS
-        .iter()
-        .any(|v| v.tiled_down && v.kernel == kernel)
-}
-
 /// `(accumulate, y)` argument positions of the fused FFN kernels as
 /// `launch_ffn` passes them (NVFP4's three tensor scales come before x), so
 /// that a recorded step folds the residual add after the FFN into its last
@@ -1161,12 +1153,20 @@ impl SparseCudaBackend {
         )
     }
 
+    /// Whether `format`'s pages run a variant that reads a tiled down slice
+    /// (uploaded tiled; phase 2 is [`Q8S_T2_KERNEL`]'s launch).
+    fn tiled_down(&self, format: PageFormat) -> bool {
+        matches!(
+            (format, self.q8_kernel),
+            (PageFormat::Q8_0, Q8Kernel::Variant { index, .. }) if Q8_FFN_VARIANTS[index].tiled_down
+        )
+    }
+
     /// Whether the Q8_0 pages' fused FFN kernel can run as one cooperative
     /// launch ([`Self::set_cooperative_ffn`]): not the variants that read a
-    /// tiled down slice (their phase 2 takes more shared memory a block than
-    /// a grid of every resident block can have).
+    /// tiled down slice (their phase 2 is a kernel of its own).
     pub fn ffn_can_run_cooperatively(&self) -> bool {
-        !tiled_kernel(self.kernel_for(PageFormat::Q8_0))
+        !self.tiled_down(PageFormat::Q8_0)
     }
 
     /// Runs each fused FFN as one cooperative launch (`true`) or as its two
@@ -1490,7 +1490,7 @@ impl SparseCudaBackend {
             self.inner.emit_prefetch(PrefetchSite::Ffn);
             return self.inner.launch(k, g, b, (d * 4) as u32, phase1);
         }
-        let tiled = tiled_kernel(k);
+        let tiled = self.tiled_down(ld.format);
         if cooperative && tiled {
             return Err(rt(format!(
                 "{k} reads a tiled down slice in its own phase-2 kernel ({Q8S_T2_KERNEL}): it cannot run as one \
@@ -1643,10 +1643,8 @@ impl Backend for SparseCudaBackend {
                 for p in &pages {
                     flat.extend_from_slice(&split_q8_0_page(p, d).map_err(rt)?);
                 }
-                if let Q8Kernel::Variant { index, .. } = self.q8_kernel {
-                    if Q8_FFN_VARIANTS[index].tiled_down {
-                        tile_q8s_down(&mut flat, d).map_err(rt)?;
-                    }
+                if self.tiled_down(format) {
+                    tile_q8s_down(&mut flat, d).map_err(rt)?;
                 }
                 q8_flat = flat;
                 (&q8_flat, pages.len(), [0.0; 3])
@@ -1675,7 +1673,7 @@ impl Backend for SparseCudaBackend {
         let grid_of = |kernel: &str| -> Result<u32> {
             let f = &self.inner.functions[self.inner.kernel_index[kernel]];
             // Past 48 KiB of static plus dynamic shared memory a launch
-            // needs the opt-in; the tiled variants' phase 2 takes more.
+            // needs the opt-in.
             let static_smem = f.shared_size_bytes().map_err(drv)?.max(0) as usize;
             if static_smem + d * 4 > 48 * 1024 {
                 f.set_attribute(
@@ -1684,20 +1682,21 @@ impl Backend for SparseCudaBackend {
                 )
                 .map_err(drv)?;
             }
-            if tiled_kernel(kernel) {
-                self.inner.functions[self.inner.kernel_index[Q8S_T2_KERNEL]]
-                    .set_attribute(
-                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        Q8S_T2_SMEM as i32,
-                    )
-                    .map_err(drv)?;
-            }
             let per_sm = f
                 .occupancy_max_active_blocks_per_multiprocessor(FFN_THREADS, d * 4, None)
                 .map_err(drv)?
                 .max(1);
             Ok(per_sm.min(blocks_per_sm_cap()) * self.multiprocessors)
         };
+        if self.tiled_down(format) {
+            // The tiled variants' phase 2 takes its copy ring.
+            self.inner.functions[self.inner.kernel_index[Q8S_T2_KERNEL]]
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    Q8S_T2_SMEM as i32,
+                )
+                .map_err(drv)?;
+        }
         let mut grids = [0u32; PageFormat::ALL.len()];
         let mut grid = 0;
         for (g, f) in grids.iter_mut().zip(PageFormat::ALL) {

@@ -600,10 +600,10 @@ mod gpu {
                     // one part per output chunk.
                     for part_ch in [0u32, 64, 1 << 20] {
                         let mut ordered_bits: Vec<Vec<u32>> = Vec::new();
-                        // The tiled variants' phase 2 needs more shared
-                        // memory than a cooperative grid can have: refused
-                        // with an error; their two launches run twice
-                        // instead (the same bits run to run).
+                        // The tiled variants' phase 2 is a kernel of its
+                        // own: one cooperative launch is refused with an
+                        // error; their two launches run twice instead (the
+                        // same bits run to run).
                         let launches = if v.tiled_down {
                             let mut dy = dev.upload_f32(&vec![0.0; d]).unwrap();
                             let coop = FfnQ8Options {
