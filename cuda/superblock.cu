@@ -287,7 +287,9 @@ __device__ __forceinline__ void sb_finish_item(float (*red)[128], int* last_flag
 //        in flight per warp; at the item's end a reduce-scatter over lane
 //        bits 16 and 8 (12 shuffles) leaves lane (s, q) outputs
 //        16 q + 4 s .. + 3. 2: output-stationary over a tiled down slice
-//        (sb_ffn_q8s_phase2_tiled; P2U, FB and part_ch unused).
+//        (sb_ffn_q8s_phase2_tiled; P2U, FB and part_ch unused). 3: P2 1's
+//        items with the ordered finish in a thread-block cluster
+//        (superblock_ffn_q8s_c2, its own launch; FB and part_ch unused).
 //   FB   sb_finish_item's batch (0: the first version's loop).
 //   PFD  (P1V > 0 only) 1: phase 1 also asks L2 for each of its channels'
 //        down_t row and scales (prefetch.global.L2, one line a lane) while
@@ -337,6 +339,60 @@ __device__ __forceinline__ void sb_q8x16_axpy(uint4 w, float hv, float* a) {
 #pragma unroll
         for (int n = 0; n < 4; n++) a[4 * i + n] += hv * f[n];
     }
+}
+
+// Phase 2's 16-byte form (P2 1) for one item: the channel groups [g_begin,
+// g_end) (groups of 8 channels, the item's part) of output chunk `chunk`.
+// Warp w's sums over its quads land in red[w][0 .. 128); the caller
+// synchronizes before reading them. warp / lane: the caller's (threadIdx.x
+// >> 5 / & 31; passed in, so the inlined code is v10's as it was). Every lane of every warp must call it
+// (the reduce-scatter's shuffles). The split-K phase 2 of sb_ffn_q8s and the
+// cluster-finished one (superblock_ffn_q8s_c2) share it.
+template <int P2U>
+__device__ __forceinline__ void sb_q8s_p2_quads(const sb_u8* __restrict__ pages, long page_bytes, int n_pages, int d,
+                                                const sb_u32* __restrict__ active, float* hbuf, int chunk,
+                                                int g_begin, int g_end, float (*red)[128], int warp, int lane) {
+    const long mat = (long)SB_PAGE_CH * d;          // bytes of one quant matrix in a page
+    const long smat = (long)SB_PAGE_CH * (d >> 5);  // f16 scales of one matrix
+                const int sub = lane >> 3, piece = lane & 7;  // channel of the quad, 16-byte piece of the chunk
+                const int e = (chunk << 7) + (piece << 4);
+                const bool live = e < d;
+                float a[16];
+    #pragma unroll
+                for (int i = 0; i < 16; i++) a[i] = 0.f;
+                // Quads of 4 consecutive channels (never across a page); the
+                // loop is warp-uniform (the shuffles below need every lane).
+                const int q_end = g_end << 1;
+                for (int qi = (g_begin << 1) + warp; qi < q_end; qi += SB_WARPS * P2U) {
+                    uint4 w[P2U];
+                    sb_u16 sc[P2U];
+                    float hq[P2U];
+                    bool ok[P2U];
+    #pragma unroll
+                    for (int u = 0; u < P2U; u++) {
+                        const int quad = qi + u * SB_WARPS;
+                        const sb_u32 page = quad < q_end ? active[quad >> 5] : 0xffffffffu;
+                        ok[u] = live && page < (sb_u32)n_pages;
+                        const int c = (quad << 2) + sub, ch = c & 127;
+                        const sb_u8* base = pages + (long)(ok[u] ? page : 0u) * page_bytes;
+                        w[u] = ok[u] ? __ldg((const uint4*)(base + 2 * mat + (long)ch * d + e))
+                                     : make_uint4(0u, 0u, 0u, 0u);
+                        sc[u] = ok[u] ? __ldg((const sb_u16*)(base + 3 * mat) + 2 * smat + (long)ch * (d >> 5) + (e >> 5))
+                                      : (sb_u16)0;
+                        hq[u] = ok[u] ? __ldcg(hbuf + c) : 0.f;
+                    }
+    #pragma unroll
+                    for (int u = 0; u < P2U; u++) {
+                        if (!ok[u]) continue;
+                        sb_q8x16_axpy(w[u], hq[u] * sb_h2f(sc[u]), a);
+                    }
+                }
+                // Sum over the 4 channel lanes (lane bits 16, 8): lane (sub,
+                // piece) ends with outputs 16 piece + 4 sub .. + 3.
+                nv_reduce_scatter<8>(a, lane, 16);
+                nv_reduce_scatter<4>(a, lane, 8);
+    #pragma unroll
+                for (int i = 0; i < 4; i++) red[warp][16 * piece + 4 * sub + i] = a[i];
 }
 
 // Phase 1 stages x in shared memory (d floats, as float4s; P1V > 0 in the
@@ -805,9 +861,10 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const flo
     if (!(phases & 2)) return;
 
     // Phase 2.
-    if constexpr (P2 == 2) {
-        // In its own launch (superblock_ffn_q8s_t2); here (the cooperative
-        // form, which the hosts refuse) the output is made NaN, visibly.
+    if constexpr (P2 >= 2) {
+        // In its own launch (superblock_ffn_q8s_t2 / _c2); here (the
+        // cooperative form, which the hosts refuse) the output is made NaN,
+        // visibly.
         for (int o = blockIdx.x * blockDim.x + threadIdx.x; o < d; o += gridDim.x * blockDim.x)
             y[o] = __int_as_float(0x7fc00000);
     } else {
@@ -870,45 +927,7 @@ __device__ __forceinline__ void sb_ffn_q8s(SB_Q8S_PARAMS, int part_ch, const flo
         red[warp][4 * lane + 2] = a2;
         red[warp][4 * lane + 3] = a3;
         } else {
-            const int sub = lane >> 3, piece = lane & 7;  // channel of the quad, 16-byte piece of the chunk
-            const int e = (chunk << 7) + (piece << 4);
-            const bool live = e < d;
-            float a[16];
-#pragma unroll
-            for (int i = 0; i < 16; i++) a[i] = 0.f;
-            // Quads of 4 consecutive channels (never across a page); the
-            // loop is warp-uniform (the shuffles below need every lane).
-            const int q_end = g_end << 1;
-            for (int qi = (g_begin << 1) + warp; qi < q_end; qi += SB_WARPS * P2U) {
-                uint4 w[P2U];
-                sb_u16 sc[P2U];
-                float hq[P2U];
-                bool ok[P2U];
-#pragma unroll
-                for (int u = 0; u < P2U; u++) {
-                    const int quad = qi + u * SB_WARPS;
-                    const sb_u32 page = quad < q_end ? active[quad >> 5] : 0xffffffffu;
-                    ok[u] = live && page < (sb_u32)n_pages;
-                    const int c = (quad << 2) + sub, ch = c & 127;
-                    const sb_u8* base = pages + (long)(ok[u] ? page : 0u) * page_bytes;
-                    w[u] = ok[u] ? __ldg((const uint4*)(base + 2 * mat + (long)ch * d + e))
-                                 : make_uint4(0u, 0u, 0u, 0u);
-                    sc[u] = ok[u] ? __ldg((const sb_u16*)(base + 3 * mat) + 2 * smat + (long)ch * (d >> 5) + (e >> 5))
-                                  : (sb_u16)0;
-                    hq[u] = ok[u] ? __ldcg(hbuf + c) : 0.f;
-                }
-#pragma unroll
-                for (int u = 0; u < P2U; u++) {
-                    if (!ok[u]) continue;
-                    sb_q8x16_axpy(w[u], hq[u] * sb_h2f(sc[u]), a);
-                }
-            }
-            // Sum over the 4 channel lanes (lane bits 16, 8): lane (sub,
-            // piece) ends with outputs 16 piece + 4 sub .. + 3.
-            nv_reduce_scatter<8>(a, lane, 16);
-            nv_reduce_scatter<4>(a, lane, 8);
-#pragma unroll
-            for (int i = 0; i < 4; i++) red[warp][16 * piece + 4 * sub + i] = a[i];
+            sb_q8s_p2_quads<P2U>(pages, page_bytes, n_pages, d, active, hbuf, chunk, g_begin, g_end, red, warp, lane);
         }
         __syncthreads();
         sb_finish_item<FB>(red, &last_flag, chunk, k, K, d, mode, accumulate, partials, counters, y);
@@ -976,6 +995,9 @@ SB_Q8S_VARIANT_B(13, 3, 4, 1, 6, 8, 0, 1)
 // v14: v10's phase 1; phase 2 (P2 2) is superblock_ffn_q8s_t2 below, over
 // the tiled down slice (pages uploaded with superblock::tile_q8s_down).
 SB_Q8S_VARIANT_B(14, 3, 4, 2, 4, 8, 0, 1)
+// v15: v10's phase 1; phase 2 (P2 3) is superblock_ffn_q8s_c2 below: v10's
+// items, the ordered finish inside a thread-block cluster.
+SB_Q8S_VARIANT_B(15, 3, 4, 3, 4, 8, 0, 1)
 
 // Phase 2 of v14: the arguments of the variants, SB_T2_THREADS threads a
 // block, superblock::Q8S_T2_SMEM bytes of dynamic shared memory (the copy
@@ -988,6 +1010,149 @@ extern "C" __global__ void __launch_bounds__(SB_T2_THREADS, 1) superblock_ffn_q8
     const int n_act = max(min(*n_active, max_active), 0);
     sb_ffn_q8s_phase2_tiled(pages, page_bytes, n_pages, d, active, n_act, accumulate, hbuf, y, (sb_u8*)sb_xs,
                             sb_dynamic_smem());
+}
+
+// Thread-block clusters (sm_90; elsewhere a cluster is one block): this
+// block's rank in its cluster, the cluster's size, the cluster's index and
+// the number of clusters, along x. A launch without cluster dimensions runs
+// clusters of one block (rank 0, size 1, index blockIdx.x).
+__device__ __forceinline__ unsigned sb_cluster_rank() {
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+__device__ __forceinline__ unsigned sb_cluster_size() {
+    unsigned r = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+#endif
+    return r;
+}
+__device__ __forceinline__ unsigned sb_cluster_id() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+    return r;
+#else
+    return blockIdx.x;
+#endif
+}
+__device__ __forceinline__ unsigned sb_cluster_count() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+    return r;
+#else
+    return gridDim.x;
+#endif
+}
+// Every thread of every block of the cluster: a barrier whose release /
+// acquire makes each block's shared-memory writes before it visible to the
+// other blocks' reads after it (and a block barrier).
+__device__ __forceinline__ void sb_cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+// The float at p (this block's shared memory) in the shared memory of the
+// cluster's block `rank` (distributed shared memory).
+__device__ __forceinline__ float sb_dsmem_load(const float* p, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    sb_u32 a;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((sb_u32)__cvta_generic_to_shared(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+    return v;
+#else
+    (void)rank;
+    return *p;
+#endif
+}
+
+// Most blocks in a cluster the c2 finish reads (the H200's non-portable
+// limit; superblock::Q8S_C2_MAX_CLUSTER).
+#define SB_C2_MAX_CLUSTER 16
+
+// Phase 2 of v15 (superblock_ffn_q8s_c2): v10's split-K phase 2 (its items
+// are sb_q8s_p2_quads with P2U quads a warp in flight) whose ordered finish
+// runs inside a thread-block cluster instead of through global memory. The
+// K parts of an output chunk are the K blocks of one cluster (K = the
+// cluster size the host launches with, at most SB_C2_MAX_CLUSTER); cluster c
+// takes chunks c, c + clusters, ...; block k of the cluster covers the
+// channel groups [G k / K, G (k + 1) / K) (G = active channels / 8). Each
+// block sums its warps in warp order into cpart (its own shared memory);
+// after a cluster barrier block k adds outputs [128 k / K, 128 (k + 1) / K)
+// of the chunk over the K blocks' cpart in part order (distributed shared
+// memory) and writes y = sum (+ y if accumulate); a second cluster barrier
+// keeps every cpart alive until all have read it. So no partial buffer, no
+// arrival counters, no last-block sums: the v10 finish's chain of L2 round
+// trips (partial store, fence, atomic, K partial loads) becomes two cluster
+// barriers and K shared-memory loads. Bits: a function of K alone (not of the
+// number of clusters). mode 0 (atomic) atomically adds each block's partial
+// into y instead (no cluster barrier). Every thread must call it.
+template <int P2U>
+__device__ __forceinline__ void sb_ffn_q8s_phase2_cluster(const sb_u8* __restrict__ pages, long page_bytes, int n_pages,
+                                                          int d, const sb_u32* __restrict__ active, int n_ch, int mode,
+                                                          int accumulate, float* hbuf, float* y,
+                                                          float (*red)[128], float* cpart) {
+    const unsigned K = sb_cluster_size(), k = sb_cluster_rank();
+    const int n_chunks = (d + 127) >> 7;
+    const int j = threadIdx.x, warp = j >> 5, lane = j & 31;
+    const int lo = (int)(128u * k / K), hi = (int)(128u * (k + 1) / K);  // this block's outputs of the finish
+    const int g_begin = (int)((long)(n_ch >> 3) * k / K), g_end = (int)((long)(n_ch >> 3) * (k + 1) / K);
+    for (int chunk = (int)sb_cluster_id(); chunk < n_chunks; chunk += (int)sb_cluster_count()) {
+        sb_q8s_p2_quads<P2U>(pages, page_bytes, n_pages, d, active, hbuf, chunk, g_begin, g_end, red, warp, lane);
+        __syncthreads();
+        float p = 0.f;
+        if (j < 128) {
+#pragma unroll
+            for (int w = 0; w < SB_WARPS; w++) p += red[w][j];
+        }
+        if (mode == 0) {
+            if (j < 128 && (chunk << 7) + j < d) atomicAdd(y + (chunk << 7) + j, p);
+            __syncthreads();  // red[] is rewritten by the next chunk
+            continue;
+        }
+        if (j < 128) cpart[j] = p;
+        sb_cluster_sync();  // every part's partial is in its block (and red[] is free again)
+        if (j < hi - lo && (chunk << 7) + lo + j < d) {
+            float v[SB_C2_MAX_CLUSTER];
+#pragma unroll
+            for (int kk = 0; kk < SB_C2_MAX_CLUSTER; kk++) v[kk] = kk < (int)K ? sb_dsmem_load(cpart + lo + j, kk) : 0.f;
+            float t = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < SB_C2_MAX_CLUSTER; kk++)
+                if (kk < (int)K) t += v[kk];
+            float* o = y + (chunk << 7) + lo + j;
+            *o = accumulate ? *o + t : t;
+        }
+        sb_cluster_sync();  // nobody reads cpart any more: the next chunk rewrites it, the blocks may exit
+    }
+}
+
+// Phase 2 of v15: the variants' arguments (x, partials, counters, phases,
+// part_ch and the folded norm unused), SB_THREADS threads a block, launched
+// with cluster dimensions (K, 1, 1) by the host (superblock::q8s_c2_shape),
+// grid = clusters x K. Without a cluster launch it is correct with K = 1.
+extern "C" __global__ void __launch_bounds__(SB_THREADS, 3) superblock_ffn_q8s_c2(
+    SB_Q8S_PARAMS, int part_ch, const float* nw, float neps, float* nout) {
+    PDL_ENTRY();
+    __shared__ float red[SB_WARPS][128];
+    __shared__ float cpart[128];
+    (void)x; (void)partials; (void)counters; (void)phases; (void)part_ch; (void)nw; (void)neps; (void)nout;
+    if (mode != 0 && sb_cluster_size() > SB_C2_MAX_CLUSTER) {
+        // The finish reads at most SB_C2_MAX_CLUSTER parts: made visible.
+        for (int o = blockIdx.x * blockDim.x + threadIdx.x; o < d; o += gridDim.x * blockDim.x)
+            y[o] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int n_act = max(min(*n_active, max_active), 0);
+    sb_ffn_q8s_phase2_cluster<4>(pages, page_bytes, n_pages, d, active, n_act * SB_PAGE_CH, mode, accumulate, hbuf,
+                                 y, red, cpart);
 }
 
 // ---------------------------------------------------------------------------

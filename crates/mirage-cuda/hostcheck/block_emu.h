@@ -1,9 +1,11 @@
 // One CUDA thread block emulated on the host, for the host checks that run
-// block-wide device code (check_norm.cpp, check_attend.cpp): every CUDA
-// thread an std::thread, __shared__ = a static (one block runs at a time),
+// block-wide device code (check_norm.cpp, check_attend.cpp, ...): every CUDA
+// thread an std::thread, __shared__ = a static (one block runs at a time;
+// code run as a cluster takes its shared arrays as arguments instead),
 // __syncthreads = a block barrier, __shfl_xor_sync = a 32-thread exchange
-// between two warp barriers, __syncwarp = a warp barrier. run_block(threads, f) runs f on every thread
-// of one block (threadIdx set; blockIdx / gridDim are the caller's).
+// between two warp barriers, __syncwarp = a warp barrier. run_block(threads,
+// f) runs f on every thread of one block (threadIdx set; blockIdx / gridDim
+// are the caller's); run_cluster runs several blocks at once.
 #pragma once
 #include <barrier>
 #include <cmath>
@@ -15,9 +17,18 @@
 struct dim3_ { unsigned x = 1, y = 1, z = 1; };
 thread_local dim3_ threadIdx, blockIdx;
 dim3_ blockDim, gridDim;
-static std::barrier<>* g_block = nullptr;
-static std::vector<std::unique_ptr<std::barrier<>>> g_warps;
-static std::vector<float> g_slots;
+// One emulated block's barriers and shuffle slots; every thread of it points
+// at its block's (so the blocks of a cluster can run at once).
+struct EmuBlock {
+    std::unique_ptr<std::barrier<>> bar;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    std::vector<float> slots;
+    explicit EmuBlock(int threads) : bar(std::make_unique<std::barrier<>>(threads)), slots(threads, 0.f) {
+        for (int i = 0; i < threads / 32; i++) warps.push_back(std::make_unique<std::barrier<>>(32));
+    }
+};
+thread_local EmuBlock* t_block = nullptr;
+thread_local unsigned t_cluster_rank = 0;
 
 #define __device__
 #define __forceinline__ inline
@@ -29,16 +40,16 @@ template <class T> T __ldg(const T* p) { return *p; }
 inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
-inline void __syncthreads() { g_block->arrive_and_wait(); }
+inline void __syncthreads() { t_block->bar->arrive_and_wait(); }
 // A warp barrier: every lane of the warp must reach it (as on the GPU with
 // the full mask); a lane that does not would hang the check.
-inline void __syncwarp() { g_warps[threadIdx.x >> 5]->arrive_and_wait(); }
+inline void __syncwarp() { t_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int o) {
     int t = threadIdx.x, lane = t & 31, w = t >> 5;
-    g_slots[t] = v;
-    g_warps[w]->arrive_and_wait();
-    float r = g_slots[w * 32 + (lane ^ o)];
-    g_warps[w]->arrive_and_wait();
+    t_block->slots[t] = v;
+    t_block->warps[w]->arrive_and_wait();
+    float r = t_block->slots[w * 32 + (lane ^ o)];
+    t_block->warps[w]->arrive_and_wait();
     return r;
 }
 
@@ -47,17 +58,35 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
 template <class F>
 void run_block(int threads, dim3_ block, F f) {
     blockDim.x = threads;
-    std::barrier<> bar(threads);
-    g_block = &bar;
-    g_warps.clear();
-    for (int i = 0; i < threads / 32; i++) g_warps.push_back(std::make_unique<std::barrier<>>(32));
-    g_slots.assign(threads, 0.f);
+    EmuBlock b(threads);
     std::vector<std::thread> th;
     for (int t = 0; t < threads; t++)
         th.emplace_back([&, t] {
             threadIdx.x = t;
             blockIdx = block;
+            t_block = &b;
             f();
         });
+    for (auto& x : th) x.join();
+}
+
+// Runs f() on `blocks` blocks of `threads` threads at once, as one cluster:
+// block r (t_cluster_rank r) has blockIdx.x = first + r; f's cluster
+// barriers are the caller's to emulate (every thread of every block).
+template <class F>
+void run_cluster(int blocks, int threads, unsigned first, F f) {
+    blockDim.x = threads;
+    std::vector<std::unique_ptr<EmuBlock>> bs;
+    for (int r = 0; r < blocks; r++) bs.push_back(std::make_unique<EmuBlock>(threads));
+    std::vector<std::thread> th;
+    for (int r = 0; r < blocks; r++)
+        for (int t = 0; t < threads; t++)
+            th.emplace_back([&, r, t] {
+                threadIdx.x = t;
+                blockIdx = dim3_{first + r, 0, 0};
+                t_block = bs[r].get();
+                t_cluster_rank = r;
+                f();
+            });
     for (auto& x : th) x.join();
 }

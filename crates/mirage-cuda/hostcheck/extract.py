@@ -1,7 +1,8 @@
 """Cuts the device functions the host checks need out of cuda/norm.cu +
 cuda/nvfp4.cu + cuda/dense.cu (brace matching), so the checks always compile the current
 kernel source. Writes kernels_extract.h, q4k_extract.h, q5_extract.h, q6k_extract.h,
-mvv_extract.h, norm_extract.h, attend_extract.h, ffn_p1_extract.h and ffn_p2t_extract.h."""
+mvv_extract.h, norm_extract.h, attend_extract.h, ffn_p1_extract.h, ffn_p2t_extract.h and
+ffn_p2c_extract.h."""
 import pathlib, sys
 
 root = pathlib.Path(__file__).resolve().parents[3]
@@ -83,3 +84,11 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
     + macro_line("SB_T2_BATCH_BYTES") + macro_line("SB_T2_THREADS") + macro_line("SB_T2_IDS") + macro_line("MIRAGE_T2_PROBE") + macro_line("SB_MAGIC")
     + "".join(extract(n) for n in ["float sb_warp_sum(", "float sb_byte_f32(", "void sb_q8x4(",
         "void sb_ffn_q8s_phase2_tiled("])))
+
+# Phase 2 with the cluster finish (superblock.cu, v15) with the helpers it
+# calls; the cluster registers, barrier and distributed shared memory
+# (sb_cluster_*, sb_dsmem_load) are check_ffn_p2c.cpp's stand-ins.
+(out / "ffn_p2c_extract.h").write_text((macro_line("SB_WARPS") + macro_line("SB_THREADS") + macro_line("SB_PAGE_CH")
+    + macro_line("SB_C2_MAX_CLUSTER") + macro_line("SB_MAGIC")
+    + "".join(extract(n) for n in ["float sb_byte_f32(", "void sb_q8x4(", "void nv_reduce_scatter(",
+        "void sb_q8x16_axpy(", "void sb_q8s_p2_quads(", "void sb_ffn_q8s_phase2_cluster("])))

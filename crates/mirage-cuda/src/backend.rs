@@ -541,6 +541,8 @@ struct Launch {
     /// A cooperative launch (`cuLaunchCooperativeKernel`: every block
     /// resident, so the kernel may have a grid barrier); never programmatic.
     cooperative: bool,
+    /// Blocks per thread-block cluster along x (1: no cluster launch).
+    cluster: u32,
 }
 
 /// A captured step and the launches it replays.
@@ -632,6 +634,7 @@ impl PendingNorm {
             block: (256, 1, 1),
             smem: 0,
             cooperative: false,
+            cluster: 1,
             args: vec![
                 Arg::Ptr(self.x),
                 Arg::Ptr(self.w),
@@ -1292,14 +1295,52 @@ impl CudaBackend {
             .kernel_index
             .get(kernel)
             .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
-        let l = Launch {
+        self.push_launch(Launch {
             kernel,
             grid,
             block,
             smem,
             args,
             cooperative,
-        };
+            cluster: 1,
+        })
+    }
+
+    /// `launch` in thread-block clusters of `cluster` blocks along x
+    /// (`grid.0` a multiple of it).
+    fn launch_clustered(
+        &self,
+        kernel: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: Vec<Arg>,
+        cluster: u32,
+    ) -> Result<()> {
+        let kernel = *self
+            .kernel_index
+            .get(kernel)
+            .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
+        if cluster == 0 || grid.0 % cluster != 0 {
+            return Err(bad(format!(
+                "a grid of {} blocks is not whole clusters of {cluster}",
+                grid.0
+            )));
+        }
+        self.push_launch(Launch {
+            kernel,
+            grid,
+            block,
+            smem,
+            args,
+            cooperative: false,
+            cluster,
+        })
+    }
+
+    /// Runs `l`, or appends it to the step being recorded (folding a
+    /// pending norm into it where it can).
+    fn push_launch(&self, l: Launch) -> Result<()> {
         let mut st = self.step_state();
         let st = &mut *st;
         if let Some(rec) = st.recording.as_mut() {
@@ -1489,6 +1530,7 @@ impl CudaBackend {
             smem: 0,
             args,
             cooperative: false,
+            cluster: 1,
         });
     }
 
@@ -1536,9 +1578,9 @@ impl CudaBackend {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// `l` through `cuLaunchKernelEx` with programmatic stream serialization.
-    fn launch_programmatic(&self, l: &Launch) -> Result<()> {
-        use cudarc::driver::sys;
+    /// `l` through `cuLaunchKernelEx`: in clusters, or with programmatic
+    /// stream serialization (`programmatic`), or both.
+    fn launch_extended(&self, l: &Launch, programmatic: bool) -> Result<()> {
         let mut params: Vec<*mut std::ffi::c_void> = l
             .args
             .iter()
@@ -1549,45 +1591,34 @@ impl CudaBackend {
                 Arg::F32(v) => v as *const f32 as *mut std::ffi::c_void,
             })
             .collect();
-        // SAFETY: a plain C union of integers; zero is a valid value of
-        // every member.
-        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        value.programmaticStreamSerializationAllowed = 1;
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value,
-        };
-        let cfg = sys::CUlaunchConfig {
-            gridDimX: l.grid.0,
-            gridDimY: l.grid.1,
-            gridDimZ: l.grid.2,
-            blockDimX: l.block.0,
-            blockDimY: l.block.1,
-            blockDimZ: l.block.2,
-            sharedMemBytes: l.smem,
-            hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
+        let mode = crate::cluster::LaunchMode {
+            cluster: l.cluster,
+            programmatic,
+            cooperative: false,
         };
         // SAFETY: `params` points at the argument values in `l.args`, which
         // outlive the call, in the order of the kernel's signature (every
         // call site passes the kernel's argument list, pointers as u64);
-        // the function belongs to this context and the stream to it too.
-        let r = unsafe {
-            sys::cuLaunchKernelEx(
-                &cfg,
-                self.functions[l.kernel].cu_function(),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
+        // the function belongs to this context and the stream to it too; a
+        // clustered launch's grid is whole clusters (launch_clustered).
+        unsafe {
+            crate::cluster::launch_ex(
+                &self.functions[l.kernel],
+                &self.stream,
+                l.grid,
+                l.block,
+                l.smem,
+                &mut params,
+                mode,
             )
-        };
-        r.result().map_err(drv)
+        }
+        .map_err(drv)
     }
 
     fn launch_now(&self, l: &Launch) -> Result<()> {
-        if self.waits[l.kernel] && self.pdl() && !l.cooperative {
-            return self.launch_programmatic(l);
+        let programmatic = self.waits[l.kernel] && self.pdl() && !l.cooperative;
+        if programmatic || l.cluster > 1 {
+            return self.launch_extended(l, programmatic);
         }
         let cfg = LaunchConfig {
             grid_dim: l.grid,

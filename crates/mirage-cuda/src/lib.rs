@@ -23,6 +23,8 @@ pub use error::CudaError;
 
 #[cfg(feature = "cuda")]
 mod backend;
+#[cfg(feature = "cuda")]
+mod cluster;
 /// Decode attention over selected KV pages (page boxes, selection and
 /// split-K on the device).
 #[cfg(feature = "cuda")]
@@ -421,6 +423,7 @@ mod nvrtc_check {
                 ROUTE_ARGS
             } else if name.starts_with("superblock_ffn_q8s_v")
                 || *name == crate::superblock::Q8S_T2_KERNEL
+                || *name == crate::superblock::Q8S_C2_KERNEL
             {
                 Q8_VARIANT_ARGS
             } else if *name == "superblock_ffn_nvfp4" {
@@ -440,9 +443,28 @@ mod nvrtc_check {
             .iter()
             .copied()
             .chain(crate::superblock::Q8_FFN_VARIANTS.iter().map(|v| v.kernel))
-            .chain([crate::superblock::Q8S_T2_KERNEL])
+            .chain([
+                crate::superblock::Q8S_T2_KERNEL,
+                crate::superblock::Q8S_C2_KERNEL,
+            ])
             .collect();
-        check("sparse", crate::superblock::SPARSE_SOURCE, &kernel_bench);
+        let sparse = check("sparse", crate::superblock::SPARSE_SOURCE, &kernel_bench);
+        // The cluster finish reads the other blocks' shared memory between
+        // two cluster barriers (not a block barrier and local loads: the
+        // sm_90 branch of its helpers).
+        let c2 = module::entry(&sparse, crate::superblock::Q8S_C2_KERNEL).unwrap_or_default();
+        for op in [
+            "barrier.cluster.arrive.release",
+            "barrier.cluster.wait.acquire",
+            "mapa.shared::cluster",
+            "ld.shared::cluster",
+        ] {
+            assert!(
+                c2.contains(op),
+                "{}: no {op} in its PTX",
+                crate::superblock::Q8S_C2_KERNEL
+            );
+        }
         // The tiled phase 2's timing probes (MIRAGE_CUDA_T2_PROBE).
         for probe in [1, 2] {
             let source = format!(

@@ -40,8 +40,8 @@ use super::{
 };
 use crate::superblock::{
     ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, q8s_t2_grid, split_q8_0_page,
-    tile_q8s_down, Nvfp4Pages, SparseError, PAGE_CHANNELS, Q8S_T2_KERNEL, Q8S_T2_SMEM,
-    Q8S_T2_THREADS, Q8_FFN_VARIANTS, SINGLE_PASS_MAX_D,
+    tile_q8s_down, Nvfp4Pages, SparseError, PAGE_CHANNELS, Q8S_C2_KERNEL, Q8S_T2_KERNEL,
+    Q8S_T2_SMEM, Q8S_T2_THREADS, Q8_FFN_VARIANTS, SINGLE_PASS_MAX_D,
 };
 use crate::superblock_q2k::{join_q2k_rows, q2k_page_bytes, Q2kPages, Q2K_BLOCK, Q2K_MAX_D};
 use crate::{module, CudaError};
@@ -68,6 +68,7 @@ const KERNELS: &[&str] = &[
     "route_bvh",
     "set_active_prefix",
     Q8S_T2_KERNEL,
+    Q8S_C2_KERNEL,
 ];
 /// Every kernel of [`SOURCE`] the backend loads.
 pub(crate) fn kernel_names() -> impl Iterator<Item = &'static str> {
@@ -425,6 +426,9 @@ struct LayerDev {
     /// Grid of both phase launches of `format`'s kernel: its resident
     /// blocks (occupancy at `d_model * 4` bytes of shared memory).
     grid: u32,
+    /// Grid and cluster size of phase 2 ([`Q8S_C2_KERNEL`]) when the
+    /// pages run a cluster-finished variant.
+    c2_shape: Option<(u32, u32)>,
     ids: CudaSlice<u32>,
     count: CudaSlice<i32>,
     router: Option<DeviceRouter>,
@@ -1162,11 +1166,20 @@ impl SparseCudaBackend {
         )
     }
 
+    /// Whether `format`'s pages run a variant whose phase 2 is
+    /// [`Q8S_C2_KERNEL`]'s clustered launch.
+    fn cluster_down(&self, format: PageFormat) -> bool {
+        matches!(
+            (format, self.q8_kernel),
+            (PageFormat::Q8_0, Q8Kernel::Variant { index, .. }) if Q8_FFN_VARIANTS[index].cluster_down
+        )
+    }
+
     /// Whether the Q8_0 pages' fused FFN kernel can run as one cooperative
-    /// launch ([`Self::set_cooperative_ffn`]): not the variants that read a
-    /// tiled down slice (their phase 2 is a kernel of its own).
+    /// launch ([`Self::set_cooperative_ffn`]): not the variants whose phase
+    /// 2 is a kernel of its own (a tiled down slice, the cluster finish).
     pub fn ffn_can_run_cooperatively(&self) -> bool {
-        !self.tiled_down(PageFormat::Q8_0)
+        !self.tiled_down(PageFormat::Q8_0) && !self.cluster_down(PageFormat::Q8_0)
     }
 
     /// Runs each fused FFN as one cooperative launch (`true`) or as its two
@@ -1491,10 +1504,10 @@ impl SparseCudaBackend {
             return self.inner.launch(k, g, b, (d * 4) as u32, phase1);
         }
         let tiled = self.tiled_down(ld.format);
-        if cooperative && tiled {
+        if cooperative && (tiled || ld.c2_shape.is_some()) {
+            let p2 = if tiled { Q8S_T2_KERNEL } else { Q8S_C2_KERNEL };
             return Err(rt(format!(
-                "{k} reads a tiled down slice in its own phase-2 kernel ({Q8S_T2_KERNEL}): it cannot run as one \
-                 cooperative launch"
+                "{k}'s phase 2 is a kernel of its own ({p2}): it cannot run as one cooperative launch"
             )));
         }
         if cooperative {
@@ -1504,6 +1517,16 @@ impl SparseCudaBackend {
         }
         self.inner.launch(k, g, b, (d * 4) as u32, phase1)?;
         self.inner.emit_prefetch(PrefetchSite::Ffn);
+        if let Some((grid, cluster)) = ld.c2_shape {
+            return self.inner.launch_clustered(
+                Q8S_C2_KERNEL,
+                (grid, 1, 1),
+                (FFN_THREADS, 1, 1),
+                0,
+                phase2,
+                cluster,
+            );
+        }
         if tiled {
             return self.inner.launch(
                 Q8S_T2_KERNEL,
@@ -1720,6 +1743,20 @@ impl Backend for SparseCudaBackend {
             page_bytes,
             tensor_scales,
             grid,
+            c2_shape: if self.cluster_down(format) {
+                Some(
+                    crate::cluster::q8s_c2_shape(
+                        &self.inner.functions[self.inner.kernel_index[Q8S_C2_KERNEL]],
+                        &self.inner.stream,
+                        d,
+                        FFN_THREADS,
+                        self.multiprocessors,
+                    )
+                    .map_err(drv)?,
+                )
+            } else {
+                None
+            },
             ids: s.alloc_zeros::<u32>(n_pages).map_err(drv)?,
             count: s.alloc_zeros::<i32>(1).map_err(drv)?,
             router: None,

@@ -238,6 +238,11 @@ pub struct Q8FfnVariant {
     /// its pages must be uploaded that way. `part_ch` and the reduction
     /// mode are ignored (the output is always reproducible).
     pub tiled_down: bool,
+    /// Phase 2 is [`Q8S_C2_KERNEL`]: the split-K items finished inside a
+    /// thread-block cluster (its own launch, clusters of
+    /// [`q8s_c2_cluster`] blocks). `part_ch` is ignored; the ordered bits
+    /// depend on the cluster size alone.
+    pub cluster_down: bool,
 }
 
 /// Dynamic shared memory of the tiled variants' phase-2 launch
@@ -270,6 +275,28 @@ pub fn q8s_t2_grid(d_model: usize) -> u32 {
     (d_model / r).max(1) as u32
 }
 
+/// The kernel the cluster-finished variants' phase 2 runs as
+/// ([`Q8FfnVariant::cluster_down`]): the variants' arguments, 256 threads
+/// a block, no dynamic shared memory, launched in clusters of K
+/// blocks (grid = clusters x K).
+pub const Q8S_C2_KERNEL: &str = "superblock_ffn_q8s_c2";
+
+/// Most blocks a [`Q8S_C2_KERNEL`] cluster may have (`SB_C2_MAX_CLUSTER`:
+/// the non-portable limit of the H100/H200; with more the kernel writes
+/// NaN).
+pub const Q8S_C2_MAX_CLUSTER: u32 = 16;
+
+/// Cluster size K of a [`Q8S_C2_KERNEL`] launch at `d_model` when
+/// `resident_blocks` blocks fit the device at once and its clusters may
+/// have `max_cluster` blocks: the parts per output chunk v10 would use
+/// (resident blocks / 128-wide output chunks), within 1..=`max_cluster`
+/// (and [`Q8S_C2_MAX_CLUSTER`]). At the 7B shape on the H200 (396
+/// resident, 28 chunks) K = 14, v10's split.
+pub fn q8s_c2_cluster(d_model: usize, resident_blocks: u32, max_cluster: u32) -> u32 {
+    let n_chunks = d_model.div_ceil(128).max(1) as u32;
+    (resident_blocks / n_chunks).clamp(1, max_cluster.clamp(1, Q8S_C2_MAX_CLUSTER))
+}
+
 /// Widest `d_model` the single-pass variants take (`SB_LOCAL_MAX_D`: one
 /// 16-output piece per thread).
 pub const SINGLE_PASS_MAX_D: usize = 4096;
@@ -277,7 +304,7 @@ pub const SINGLE_PASS_MAX_D: usize = 4096;
 /// The fused Q8_0 FFN variants, in the order of `cuda/superblock.cu`'s
 /// variant list (keep the two in step). v0 with `part_ch` 0 is
 /// `superblock_ffn_q8s`, the first version, bit for bit.
-pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 15] = [
+pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 16] = [
     q8v(
         0,
         "first version (4 B loads, grid-stride channels), 5 blocks/SM",
@@ -302,10 +329,11 @@ pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 15] = [
         14,
         "v10 + p2 output-stationary over the tiled down slice (bulk copies)",
     ),
+    q8v(15, "v10 + p2 ordered finish in a thread-block cluster"),
 ];
 
 const fn q8v(index: usize, about: &'static str) -> Q8FfnVariant {
-    const NAMES: [&str; 15] = [
+    const NAMES: [&str; 16] = [
         "superblock_ffn_q8s_v0",
         "superblock_ffn_q8s_v1",
         "superblock_ffn_q8s_v2",
@@ -321,6 +349,7 @@ const fn q8v(index: usize, about: &'static str) -> Q8FfnVariant {
         "superblock_ffn_q8s_v12",
         "superblock_ffn_q8s_v13",
         "superblock_ffn_q8s_v14",
+        "superblock_ffn_q8s_v15",
     ];
     Q8FfnVariant {
         index,
@@ -328,6 +357,7 @@ const fn q8v(index: usize, about: &'static str) -> Q8FfnVariant {
         about,
         single_pass: matches!(index, 8 | 9),
         tiled_down: index == 14,
+        cluster_down: index == 15,
     }
 }
 
@@ -614,9 +644,10 @@ mod device {
         split_q8_0_rows, tile_q8s_down, Nvfp4Pages, SparseError, Q8_FFN_VARIANTS,
     };
     use super::{
-        q8s_t2_grid, PAGE_CHANNELS, Q8S_T2_KERNEL, Q8S_T2_SMEM, Q8S_T2_THREADS, Q8_BLOCK,
-        SINGLE_PASS_MAX_D,
+        q8s_t2_grid, PAGE_CHANNELS, Q8S_C2_KERNEL, Q8S_T2_KERNEL, Q8S_T2_SMEM, Q8S_T2_THREADS,
+        Q8_BLOCK, SINGLE_PASS_MAX_D,
     };
+    use crate::cluster::{launch_ex, LaunchMode};
     use crate::{module, CudaError};
 
     /// Sources of the sparse-path module, compiled as one NVRTC unit
@@ -700,6 +731,11 @@ mod device {
         pub part_ch: u32,
         /// One cooperative launch or the two phase launches of a graph.
         pub launch: FfnLaunch,
+        /// Cluster-finished variants only: `Some((clusters, k))` launches
+        /// phase 2 as that many clusters of `k` blocks instead of the
+        /// pages' [`Q8Pages::cluster_shape`] (`k` at most what the device
+        /// takes for the kernel).
+        pub cluster: Option<(u32, u32)>,
     }
 
     impl Default for FfnQ8Options {
@@ -708,6 +744,7 @@ mod device {
                 variant: None,
                 part_ch: 0,
                 launch: FfnLaunch::Cooperative,
+                cluster: None,
             }
         }
     }
@@ -722,6 +759,7 @@ mod device {
         /// `superblock_ffn_q8s_v<n>`, in [`Q8_FFN_VARIANTS`] order.
         ffn_q8s_variants: Vec<CudaFunction>,
         ffn_q8s_t2: CudaFunction,
+        ffn_q8s_c2: CudaFunction,
         ffn_nvfp4: CudaFunction,
         /// `superblock_ffn_q2k` (launched from `crate::superblock_q2k`).
         pub(crate) ffn_q2k: CudaFunction,
@@ -768,6 +806,9 @@ mod device {
         grid: u32,
         /// Grid of each variant (its own occupancy), [`Q8_FFN_VARIANTS`] order.
         variant_grids: Vec<u32>,
+        /// Grid and cluster size of the cluster-finished phase 2
+        /// ([`Q8S_C2_KERNEL`]) at this `d_model`.
+        c2_shape: (u32, u32),
         data: CudaSlice<u8>,
         /// The same pages with the down slice tiled ([`tile_q8s_down`]),
         /// for the variants that read it that way; `None` when uploaded
@@ -798,6 +839,11 @@ mod device {
         /// blocks at this `d_model`), `None` past the list.
         pub fn variant_grid(&self, v: usize) -> Option<u32> {
             self.variant_grids.get(v).copied()
+        }
+        /// Grid and cluster size of the cluster-finished variants' phase
+        /// 2 ([`super::Q8FfnVariant::cluster_down`]) at this `d_model`.
+        pub fn cluster_shape(&self) -> (u32, u32) {
+            self.c2_shape
         }
     }
 
@@ -851,9 +897,22 @@ mod device {
         pub(crate) part_ch: Option<i32>,
         /// A single-pass variant (`Q8FfnVariant::single_pass`).
         pub(crate) single_pass: bool,
-        /// The tiled variants' phase 2 ([`Q8S_T2_KERNEL`]; they cannot run
-        /// as one cooperative launch); `None`: phase 2 is `func` again.
-        pub(crate) phase2: Option<&'a CudaFunction>,
+        /// The tiled or cluster-finished variants' phase 2 (they cannot
+        /// run as one cooperative launch); `None`: phase 2 is `func` again.
+        pub(crate) phase2: Option<Phase2Kernel<'a>>,
+    }
+
+    /// A fused FFN's phase 2 that is a kernel of its own: the variants'
+    /// arguments, its own launch shape.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Phase2Kernel<'a> {
+        pub(crate) func: &'a CudaFunction,
+        pub(crate) name: &'static str,
+        pub(crate) grid: u32,
+        pub(crate) block: u32,
+        pub(crate) smem: u32,
+        /// Blocks per cluster (1: no cluster launch).
+        pub(crate) cluster: u32,
     }
 
     /// Active page ids and their count, both in device memory.
@@ -953,6 +1012,7 @@ mod device {
                 ffn_nvfp4: load("superblock_ffn_nvfp4")?,
                 ffn_q2k: load("superblock_ffn_q2k")?,
                 ffn_q8s_t2: load(Q8S_T2_KERNEL)?,
+                ffn_q8s_c2: load(Q8S_C2_KERNEL)?,
                 ctx,
                 stream,
                 multiprocessors,
@@ -968,6 +1028,7 @@ mod device {
                 &dev.ffn_nvfp4,
                 &dev.ffn_q2k,
                 &dev.ffn_q8s_t2,
+                &dev.ffn_q8s_c2,
             ]
             .into_iter()
             .chain(&dev.ffn_q8s_variants)
@@ -1128,6 +1189,14 @@ mod device {
                 .iter()
                 .map(|f| self.ffn_grid(f, d_model))
                 .collect::<Result<_, _>>()?;
+            let c2_shape = crate::cluster::q8s_c2_shape(
+                &self.ffn_q8s_c2,
+                &self.stream,
+                d_model,
+                BLOCK,
+                self.multiprocessors,
+            )
+            .map_err(drv)?;
             let data = self.stream.clone_htod(device_layout).map_err(drv)?;
             Ok(Q8Pages {
                 d_model,
@@ -1135,6 +1204,7 @@ mod device {
                 page_bytes,
                 grid,
                 variant_grids,
+                c2_shape,
                 data,
                 tiled: None,
             })
@@ -1273,6 +1343,40 @@ mod device {
                 }
             };
             let tiled = opts.variant.is_some_and(|v| Q8_FFN_VARIANTS[v].tiled_down);
+            let clustered = opts
+                .variant
+                .is_some_and(|v| Q8_FFN_VARIANTS[v].cluster_down);
+            let d = pages.d_model;
+            let phase2 = if tiled {
+                Some(Phase2Kernel {
+                    func: &self.ffn_q8s_t2,
+                    name: Q8S_T2_KERNEL,
+                    grid: q8s_t2_grid(d),
+                    block: Q8S_T2_THREADS,
+                    smem: Q8S_T2_SMEM as u32,
+                    cluster: 1,
+                })
+            } else if clustered {
+                let (grid, cluster) = match opts.cluster {
+                    Some((clusters, k)) if clusters > 0 && k > 0 => (clusters * k, k),
+                    Some(c) => {
+                        return Err(invalid(format!(
+                            "a cluster shape of {c:?} (clusters, k) launches nothing"
+                        )))
+                    }
+                    None => pages.c2_shape,
+                };
+                Some(Phase2Kernel {
+                    func: &self.ffn_q8s_c2,
+                    name: Q8S_C2_KERNEL,
+                    grid,
+                    block: BLOCK,
+                    smem: 0,
+                    cluster,
+                })
+            } else {
+                None
+            };
             let target = FfnTarget {
                 func,
                 name: "ffn_q8",
@@ -1287,7 +1391,7 @@ mod device {
                 tensor_scales: None,
                 part_ch,
                 single_pass: opts.variant.is_some_and(|v| Q8_FFN_VARIANTS[v].single_pass),
-                phase2: tiled.then_some(&self.ffn_q8s_t2),
+                phase2,
             };
             self.launch_ffn(
                 &target,
@@ -1408,11 +1512,10 @@ mod device {
             };
             let acc = accumulate as i32;
             let ts = t.tensor_scales.unwrap_or_default();
-            if launch == FfnLaunch::Cooperative && t.phase2.is_some() {
+            if let (FfnLaunch::Cooperative, Some(p2)) = (launch, t.phase2) {
                 return Err(invalid(format!(
-                    "{}: a tiled-down variant's phase 2 is its own kernel ({Q8S_T2_KERNEL}): it cannot run as \
-                     one cooperative launch",
-                    t.name
+                    "{}: this variant's phase 2 is its own kernel ({}): it cannot run as one cooperative launch",
+                    t.name, p2.name
                 )));
             }
             let launches: &[(i32, u32)] = match launch {
@@ -1422,61 +1525,69 @@ mod device {
                 FfnLaunch::Phase1Only => &[(1, (d * 4) as u32)],
                 FfnLaunch::Phase2Only => &[(2, 0)],
             };
+            // The variants' folded-norm arguments (nw, neps, nout): none.
+            let (no_norm_w, no_norm_eps, no_norm_out) = (0u64, 0f32, 0u64);
             for (phases, smem) in launches {
-                let (func, cfg) = match (t.phase2, *phases) {
-                    (Some(f2), 2) => (
-                        f2,
-                        LaunchConfig {
-                            grid_dim: (q8s_t2_grid(d), 1, 1),
-                            block_dim: (Q8S_T2_THREADS, 1, 1),
-                            shared_mem_bytes: Q8S_T2_SMEM as u32,
-                        },
-                    ),
-                    _ => (
-                        t.func,
-                        LaunchConfig {
-                            grid_dim: (grid, 1, 1),
-                            block_dim: (BLOCK, 1, 1),
-                            shared_mem_bytes: *smem,
-                        },
-                    ),
+                let (func, grid, block, smem, cluster) = match (t.phase2, *phases) {
+                    (Some(p2), 2) => (p2.func, p2.grid, p2.block, p2.smem, p2.cluster),
+                    _ => (t.func, grid, BLOCK, *smem, 1),
                 };
-                let mut b = self.stream.launch_builder(func);
-                b.arg(&pw).arg(&page_bytes).arg(&n_pages).arg(&d32);
+                fn arg<T>(v: &T) -> *mut std::ffi::c_void {
+                    v as *const T as *mut std::ffi::c_void
+                }
+                let mut params = vec![arg(&pw), arg(&page_bytes), arg(&n_pages), arg(&d32)];
                 if t.tensor_scales.is_some() {
-                    b.arg(&ts[0]).arg(&ts[1]).arg(&ts[2]);
+                    params.extend([arg(&ts[0]), arg(&ts[1]), arg(&ts[2])]);
                 }
-                b.arg(&px)
-                    .arg(&pa)
-                    .arg(&pn)
-                    .arg(&cap)
-                    .arg(&mode)
-                    .arg(&acc)
-                    .arg(&ph)
-                    .arg(&pp)
-                    .arg(&pc)
-                    .arg(&py)
-                    .arg(phases);
-                // The variants' folded-norm arguments (nw, neps, nout): none.
-                let (no_norm_w, no_norm_eps, no_norm_out) = (0u64, 0f32, 0u64);
+                params.extend([
+                    arg(&px),
+                    arg(&pa),
+                    arg(&pn),
+                    arg(&cap),
+                    arg(&mode),
+                    arg(&acc),
+                    arg(&ph),
+                    arg(&pp),
+                    arg(&pc),
+                    arg(&py),
+                    arg(phases),
+                ]);
                 if let Some(pc) = &t.part_ch {
-                    b.arg(pc).arg(&no_norm_w).arg(&no_norm_eps).arg(&no_norm_out);
+                    params.extend([
+                        arg(pc),
+                        arg(&no_norm_w),
+                        arg(&no_norm_eps),
+                        arg(&no_norm_out),
+                    ]);
                 }
-                // SAFETY: argument types and order match the kernel
-                // (superblock_ffn_q8s, superblock_ffn_q8s_v<n> with part_ch
-                // and the null norm (nw, neps, nout) after phases, superblock_ffn_q2k (q8s's arguments), or
-                // superblock_ffn_nvfp4 with the three tensor scales after d); x and y hold d floats, hbuf
-                // capacity * 128, partials (grid / n_chunks) * d, counters
-                // 2 + n_chunks; the kernel clamps the count to the capacity
-                // and skips ids >= n_pages. The grid is the resident block
-                // count: the cooperative launch (phases 3) refuses otherwise,
-                // so the grid barrier cannot deadlock; the phase launches
-                // have no grid barrier.
-                match launch {
-                    FfnLaunch::Cooperative => unsafe { b.launch_cooperative(cfg) },
-                    FfnLaunch::TwoLaunches | FfnLaunch::Phase1Only | FfnLaunch::Phase2Only => unsafe {
-                        b.launch(cfg)
-                    },
+                let how = LaunchMode {
+                    cluster,
+                    cooperative: launch == FfnLaunch::Cooperative,
+                    ..LaunchMode::PLAIN
+                };
+                // SAFETY: `params` points at values that outlive the call,
+                // in the kernel's argument order and types
+                // (superblock_ffn_q8s, superblock_ffn_q8s_v<n> / _t2 / _c2
+                // with part_ch and the null norm (nw, neps, nout) after
+                // phases, superblock_ffn_q2k (q8s's arguments), or
+                // superblock_ffn_nvfp4 with the three tensor scales after
+                // d); x and y hold d floats, hbuf capacity * 128, partials
+                // (grid / n_chunks) * d, counters 2 + n_chunks; the kernel
+                // clamps the count to the capacity and skips ids >= n_pages.
+                // The grid is the resident block count: the cooperative
+                // launch (phases 3) refuses otherwise, so the grid barrier
+                // cannot deadlock; the phase launches have no grid barrier;
+                // a cluster grid is a multiple of its cluster (q8s_c2_shape).
+                unsafe {
+                    launch_ex(
+                        func,
+                        &self.stream,
+                        (grid, 1, 1),
+                        (block, 1, 1),
+                        smem,
+                        &mut params,
+                        how,
+                    )
                 }
                 .map_err(drv)?;
             }
@@ -1562,6 +1673,24 @@ mod dequantize_tests {
     /// its transposed place (a weight = quant times its block's scale, as
     /// the kernels read them), leaves gate and up as they were, and rejects
     /// bytes that are not whole pages.
+    /// The cluster size follows v10's parts per chunk within the device's
+    /// and the kernel's limits.
+    #[test]
+    fn c2_cluster_size_is_v10s_split_within_the_limits() {
+        // 7B on the H200: 396 resident blocks, 28 chunks -> v10's K = 14.
+        assert_eq!(q8s_c2_cluster(3584, 396, 16), 14);
+        // Portable clusters only: 8.
+        assert_eq!(q8s_c2_cluster(3584, 396, 8), 8);
+        // 0.5B (7 chunks): 56 parts would do, the kernel reads 16.
+        assert_eq!(q8s_c2_cluster(896, 396, 32), Q8S_C2_MAX_CLUSTER);
+        // Fewer resident blocks than chunks, or no clusters: 1.
+        assert_eq!(q8s_c2_cluster(3584, 20, 16), 1);
+        assert_eq!(q8s_c2_cluster(3584, 396, 0), 1);
+        assert_eq!(q8s_c2_cluster(96, 396, 3), 3);
+        assert!(Q8_FFN_VARIANTS.iter().filter(|v| v.cluster_down).count() == 1);
+        assert!(Q8_FFN_VARIANTS[15].cluster_down && !Q8_FFN_VARIANTS[15].tiled_down);
+    }
+
     #[test]
     fn tiled_down_slice_is_the_split_one_transposed() {
         for d in [32usize, 96, 896] {

@@ -539,8 +539,9 @@ mod gpu {
     /// all pages / a subset with ids past the end and a repeated page / no
     /// page; ordered, atomic onto a residual, ordered onto a residual; one
     /// cooperative launch and the two phase launches, ordered bit-equal
-    /// across them (the tiled-down variants: refused cooperatively, two
-    /// runs of the two launches bit-equal); v0 with part_ch 0 bit-equal to
+    /// across them (the tiled-down and cluster-finished variants: refused
+    /// cooperatively, two runs of the two launches bit-equal); v0 with
+    /// part_ch 0 bit-equal to
     /// `superblock_ffn_q8s`.
     #[test]
     fn q8s_ffn_variants_match_f64_reference() {
@@ -600,16 +601,17 @@ mod gpu {
                     // one part per output chunk.
                     for part_ch in [0u32, 64, 1 << 20] {
                         let mut ordered_bits: Vec<Vec<u32>> = Vec::new();
-                        // The tiled variants' phase 2 is a kernel of its
-                        // own: one cooperative launch is refused with an
-                        // error; their two launches run twice instead (the
-                        // same bits run to run).
-                        let launches = if v.tiled_down {
+                        // The tiled and cluster-finished variants' phase 2
+                        // is a kernel of its own: one cooperative launch is
+                        // refused with an error; their two launches run
+                        // twice instead (the same bits run to run).
+                        let launches = if v.tiled_down || v.cluster_down {
                             let mut dy = dev.upload_f32(&vec![0.0; d]).unwrap();
                             let coop = FfnQ8Options {
                                 variant: Some(v.index),
                                 part_ch,
                                 launch: FfnLaunch::Cooperative,
+                                cluster: None,
                             };
                             let err = dev
                                 .ffn_q8_with(
@@ -622,7 +624,9 @@ mod gpu {
                                     &mut FfnScratch::default(),
                                     &mut dy,
                                 )
-                                .expect_err("a tiled variant launched cooperatively");
+                                .expect_err(
+                                    "a variant with its own phase-2 kernel launched cooperatively",
+                                );
                             assert!(
                                 err.to_string().contains("cooperative"),
                                 "{}: {err}",
@@ -637,6 +641,7 @@ mod gpu {
                                 variant: Some(v.index),
                                 part_ch,
                                 launch,
+                                cluster: None,
                             };
                             let ordered = run(opts, Reduction::Ordered, &vec![f32::NAN; d], false);
                             let atomic = run(opts, Reduction::Atomic, &residual, true);
@@ -704,6 +709,115 @@ mod gpu {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The cluster-finished phase 2 (v15, `superblock_ffn_q8s_c2`) at
+    /// cluster sizes 1, 2, 3 (not a power of two), 8 (the portable limit)
+    /// and the largest the device takes (the H200: 16, non-portable), each
+    /// as one cluster looping over every output chunk and as one cluster a
+    /// chunk: the f64 reference (ordered, atomic onto a residual, ordered
+    /// onto a residual), and the ordered bits a function of the cluster
+    /// size alone (equal across the two numbers of clusters).
+    #[test]
+    fn q8s_cluster_finish_at_every_cluster_shape() {
+        use mirage_cuda::superblock::{FfnQ8Options, Q8_FFN_VARIANTS};
+        let Some(dev) = device("q8s_cluster_finish_at_every_cluster_shape") else {
+            return;
+        };
+        let v = Q8_FFN_VARIANTS
+            .iter()
+            .find(|v| v.cluster_down)
+            .expect("a cluster-finished variant");
+        let mut r = rng(73);
+        for &(d, n_pages) in &[(96usize, 5usize), (864, 6), (3584, 5)] {
+            let f = paged_ffn(&mut r, d, n_pages);
+            let pages: Vec<&[u8]> = f.pages.iter().map(|p| p.as_slice()).collect();
+            let dp = dev.upload_q8_0_pages(d, &pages).unwrap();
+            let (grid, k_max) = dp.cluster_shape();
+            eprintln!(
+                "d={d}: the upload's phase-2 shape: {} clusters of {k_max}",
+                grid / k_max.max(1)
+            );
+            assert!(
+                k_max >= 1 && grid % k_max == 0,
+                "d={d}: grid {grid}, cluster {k_max}"
+            );
+            let x = uniform(&mut r, d, 1.0);
+            let residual = uniform(&mut r, d, 0.1);
+            let dx = dev.upload_f32(&x).unwrap();
+            let mut scratch = FfnScratch::default();
+            let mut active = dev.new_active(&[], n_pages + 8).unwrap();
+            let n_chunks = d.div_ceil(128) as u32;
+            for (name, set, ids) in &page_sets(&mut r, n_pages) {
+                dev.set_active(&mut active, ids).unwrap();
+                let want = reference_ffn(&f, &x, set);
+                let want_acc: Vec<f64> = want
+                    .iter()
+                    .zip(&residual)
+                    .map(|(a, b)| a + *b as f64)
+                    .collect();
+                let mut sizes = vec![1u32, 2, 3, 8, k_max];
+                sizes.retain(|&k| k <= k_max);
+                sizes.dedup();
+                for k in sizes {
+                    let mut bits: Vec<Vec<u32>> = Vec::new();
+                    for clusters in [1, n_chunks] {
+                        let opts = FfnQ8Options {
+                            variant: Some(v.index),
+                            part_ch: 0,
+                            launch: FfnLaunch::TwoLaunches,
+                            cluster: Some((clusters, k)),
+                        };
+                        let mut run =
+                            |reduction: Reduction, y0: &[f32], accumulate: bool| -> Vec<f32> {
+                                let mut dy = dev.upload_f32(y0).unwrap();
+                                dev.ffn_q8_with(
+                                    &dp,
+                                    &dx,
+                                    &active,
+                                    reduction,
+                                    accumulate,
+                                    opts,
+                                    &mut scratch,
+                                    &mut dy,
+                                )
+                                .unwrap();
+                                dev.download_f32(&dy).unwrap()
+                            };
+                        let ordered = run(Reduction::Ordered, &vec![f32::NAN; d], false);
+                        let atomic = run(Reduction::Atomic, &residual, true);
+                        let ordered_acc = run(Reduction::Ordered, &residual, true);
+                        let tag = format!("c2 d={d} {name}: {clusters} clusters of {k}");
+                        if set.is_empty() {
+                            assert!(
+                                ordered.iter().all(|v| *v == 0.0),
+                                "{tag}: ordered, no pages, not zero"
+                            );
+                            assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
+                            assert_eq!(
+                                ordered_acc, residual,
+                                "{tag}: ordered, no pages, changed y"
+                            );
+                        } else {
+                            let [e, ea, eo] = check_ffn_errors(
+                                &tag,
+                                &ordered,
+                                &atomic,
+                                &ordered_acc,
+                                &want,
+                                &want_acc,
+                            );
+                            eprintln!("{tag}: relative error {e:.3e} / {ea:.3e} / {eo:.3e}");
+                        }
+                        bits.push(ordered.iter().map(|v| v.to_bits()).collect());
+                    }
+                    assert_eq!(
+                        bits[0], bits[1],
+                        "c2 d={d} {name}, clusters of {k}: bits depend on the cluster count"
+                    );
                 }
             }
         }

@@ -861,6 +861,7 @@ mod bench {
                     variant: Some(v),
                     part_ch,
                     launch,
+                    cluster: None,
                 };
                 graph_us(dev, timer, layers, || {
                     for p in &pages {
@@ -930,7 +931,13 @@ mod bench {
                             .unwrap_or(0);
                         let p1 = time(0, FfnLaunch::Phase1Only, Reduction::Ordered)?;
                         let p2 = time(PART_CH[best], FfnLaunch::Phase2Only, Reduction::Ordered)?;
-                        (both, p1, p2, format!("v{}", v.index))
+                        let what = if v.cluster_down {
+                            let (g, k) = pages[0].cluster_shape();
+                            format!("v{} (p2: {} clusters of {k})", v.index, g / k.max(1))
+                        } else {
+                            format!("v{}", v.index)
+                        };
+                        (both, p1, p2, what)
                     };
                     if v.index == 0 {
                         v0_us = both[0];
