@@ -85,6 +85,10 @@ impl PageSelector {
         let n = ld.n_pages;
         Ok(Some(match self.mode {
             SparseMode::All => (0..n).collect(),
+            // Every page is trunk: nothing to route (the same set).
+            SparseMode::Bvh { .. } | SparseMode::Predictor { .. } if ld.n_trunk >= n => {
+                (0..n).collect()
+            }
             SparseMode::Prefix(k) => (0..k.min(n)).collect(),
             SparseMode::Bvh { .. } => {
                 let mut pts = Vec::with_capacity(ld.router.slices);

@@ -1291,19 +1291,39 @@ impl CudaBackend {
         args: Vec<Arg>,
         cooperative: bool,
     ) -> Result<()> {
+        self.launch_folding_as(kernel, grid, block, smem, args, cooperative, None)
+    }
+
+    /// `launch_with`, a pending RMSNorm folding in as `fold`'s setting says
+    /// (`None`: the kernel's own; e.g. the router's for a routed FFN whose
+    /// router is skipped).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_folding_as(
+        &self,
+        kernel: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: Vec<Arg>,
+        cooperative: bool,
+        fold: Option<NormFoldGate>,
+    ) -> Result<()> {
         let kernel = *self
             .kernel_index
             .get(kernel)
             .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
-        self.push_launch(Launch {
-            kernel,
-            grid,
-            block,
-            smem,
-            args,
-            cooperative,
-            cluster: 1,
-        })
+        self.push_launch(
+            Launch {
+                kernel,
+                grid,
+                block,
+                smem,
+                args,
+                cooperative,
+                cluster: 1,
+            },
+            fold,
+        )
     }
 
     /// `launch` in thread-block clusters of `cluster` blocks along x
@@ -1327,26 +1347,30 @@ impl CudaBackend {
                 grid.0
             )));
         }
-        self.push_launch(Launch {
-            kernel,
-            grid,
-            block,
-            smem,
-            args,
-            cooperative: false,
-            cluster,
-        })
+        self.push_launch(
+            Launch {
+                kernel,
+                grid,
+                block,
+                smem,
+                args,
+                cooperative: false,
+                cluster,
+            },
+            None,
+        )
     }
 
     /// Runs `l`, or appends it to the step being recorded (folding a
-    /// pending norm into it where it can).
-    fn push_launch(&self, l: Launch) -> Result<()> {
+    /// pending norm into it where it can; `gate`: whose fold setting
+    /// decides, `None` for the kernel's own).
+    fn push_launch(&self, l: Launch, gate: Option<NormFoldGate>) -> Result<()> {
         let mut st = self.step_state();
         let st = &mut *st;
         if let Some(rec) = st.recording.as_mut() {
             let mut l = l;
             if let Some(pn) = st.pending_norm.take() {
-                if !self.fold_norm(&pn, &mut l) {
+                if !self.fold_norm(&pn, &mut l, gate) {
                     rec.push(pn.launch(self.kernel_index["rms_norm"]));
                 }
             }
@@ -1357,10 +1381,12 @@ impl CudaBackend {
     }
 
     /// Folds `pn` into `l` when `l` is a fast mat-vec (`mv3_*`, `ffn_*`)
-    /// over exactly the norm's output rows with no norm folded yet.
-    fn fold_norm(&self, pn: &PendingNorm, l: &mut Launch) -> bool {
+    /// over exactly the norm's output rows with no norm folded yet, or a
+    /// sparse kernel with norm slots whose fold setting (`gate`, else its
+    /// own) is on.
+    fn fold_norm(&self, pn: &PendingNorm, l: &mut Launch, gate: Option<NormFoldGate>) -> bool {
         if let Some(Some(slots)) = self.norm_slots.get(l.kernel) {
-            let allowed = match slots.gate {
+            let allowed = match gate.unwrap_or(slots.gate) {
                 NormFoldGate::SparseFfn => &self.fold_ffn_norm,
                 NormFoldGate::Router => &self.fold_route_norm,
             };

@@ -48,6 +48,9 @@ pub(crate) unsafe fn launch_ex(
     params: &mut [*mut c_void],
     mode: LaunchMode,
 ) -> Result<(), DriverError> {
+    // As cudarc's own launches do: the stream's context current on this
+    // thread (a no-op when it already is).
+    stream.context().bind_to_thread()?;
     let mut attrs = attributes(mode);
     let cfg = sys::CUlaunchConfig {
         gridDimX: grid.0,

@@ -36,7 +36,7 @@ use mirage_runtime::{Result, RuntimeError};
 
 use super::{
     bad, drv, Arg, CudaActivations, CudaBackend, CudaKvCache, CudaMatrix, CudaVector, MemKind,
-    PrefetchSite,
+    NormFoldGate, PrefetchSite,
 };
 use crate::superblock::{
     ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, q8s_t2_grid, split_q8_0_page,
@@ -485,6 +485,10 @@ pub struct SparseCudaBackend {
     /// Routed mode with the routing left out (timing only: the FFN runs the
     /// lists the last routing left; [`Self::set_skip_routing`]).
     skip_routing: std::sync::atomic::AtomicBool,
+    /// Route layers whose pages are all trunk too (the router can only
+    /// return every page there); off by default, `MIRAGE_SPARSE_ROUTE_TRUNK=1`
+    /// at start or [`Self::set_route_trunk_layers`].
+    route_trunk_layers: std::sync::atomic::AtomicBool,
     /// Routed mode through the Vulkan ray-tracing router instead of
     /// route.cu (feature `vulkan-interop`; [`Self::set_vulkan_router`]).
     #[cfg(feature = "vulkan-interop")]
@@ -981,6 +985,9 @@ impl SparseCudaBackend {
                 .is_ok_and(|v| v == "atomic")
                 .into(),
             skip_routing: false.into(),
+            route_trunk_layers: std::env::var("MIRAGE_SPARSE_ROUTE_TRUNK")
+                .is_ok_and(|v| v == "1" || v == "on")
+                .into(),
             #[cfg(feature = "vulkan-interop")]
             vulkan: Mutex::new(None),
         })
@@ -1135,6 +1142,47 @@ impl SparseCudaBackend {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// In the routed mode a layer whose pages are all trunk (the artifact
+    /// routes none of them: most layers of a small model at the fidelity
+    /// gates) launches no router: its active list is every page, written
+    /// once, the list the router would return, and the RMSNorm before its
+    /// FFN folds into the FFN's phase 1 as it would have into the router
+    /// (the router's fold setting). With `true` such layers are routed
+    /// anyway (the same lists and bits; for A/B timing). Takes effect for
+    /// steps recorded afterwards.
+    pub fn set_route_trunk_layers(&self, on: bool) {
+        self.route_trunk_layers
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the routed mode launches `ld`'s router: some of its pages
+    /// are routed (not trunk), or [`Self::set_route_trunk_layers`].
+    fn routes(&self, ld: &LayerDev) -> bool {
+        ld.n_trunk < ld.n_pages
+            || self
+                .route_trunk_layers
+                .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Routes `layer`'s FFN input at `px` (one row) when `ld` has pages to
+    /// route ([`Self::routes`]); `false` when it launched nothing.
+    fn route_layer(
+        &self,
+        layer: usize,
+        ld: &LayerDev,
+        px: u64,
+        traversal: RouteTraversal,
+        margin: f32,
+    ) -> Result<bool> {
+        if !self.routes(ld) {
+            return Ok(false);
+        }
+        if !self.route_vulkan(layer, ld, px, margin)? {
+            self.launch_route(ld, px, traversal)?;
+        }
+        Ok(true)
+    }
+
     /// The routing an FFN launches before its pages: the routed mode's
     /// traversal and margin, `None` in the other modes or while routing is
     /// skipped ([`Self::set_skip_routing`]).
@@ -1271,7 +1319,9 @@ impl SparseCudaBackend {
                     ld.router = Some(self.upload_router(&data, ld.d_model)?);
                     ld.router_margin = Some(margin);
                 }
-                None
+                // All trunk: the list is every page, routed or not
+                // (route_layer skips the router unless told otherwise).
+                (ld.n_trunk >= n).then(|| (0..n as u32).collect())
             }
         };
         if let Some(ids) = ids {
@@ -1364,10 +1414,8 @@ impl SparseCudaBackend {
         let SparsePages::Routed { traversal, margin } = self.mode() else {
             return Err(rt("route_only needs the routed mode"));
         };
-        if self.route_vulkan(layer, ld, px, margin)? {
-            return Ok(());
-        }
-        self.launch_route(ld, px, traversal)
+        self.route_layer(layer, ld, px, traversal, margin)
+            .map(|_| ())
     }
 
     fn launch_route(&self, ld: &LayerDev, px: u64, traversal: RouteTraversal) -> Result<()> {
@@ -1407,7 +1455,10 @@ impl SparseCudaBackend {
         )
     }
 
-    fn launch_ffn(&self, ld: &LayerDev, px: u64, py: u64) -> Result<()> {
+    /// Launches `ld`'s fused FFN on the row at `px` into `py`; with
+    /// `norm_as_router` a pending RMSNorm folds into its first launch under
+    /// the router's fold setting (a routed layer that launched no router).
+    fn launch_ffn(&self, ld: &LayerDev, px: u64, py: u64, norm_as_router: bool) -> Result<()> {
         let sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let (Some(h), Some(pa), Some(c)) = (&sc.hbuf, &sc.partials, &sc.counters) else {
             return Err(rt("FFN scratch not allocated"));
@@ -1498,10 +1549,13 @@ impl SparseCudaBackend {
         // L2 while phase 2 reads the active pages' down rows, a few blocks
         // per page: DRAM has room then. Before the launch when the phases
         // are one launch.
+        let fold = norm_as_router.then_some(NormFoldGate::Router);
         if one_pass {
             // Everything in phase 1 (its phase 2 would return at once).
             self.inner.emit_prefetch(PrefetchSite::Ffn);
-            return self.inner.launch(k, g, b, (d * 4) as u32, phase1);
+            return self
+                .inner
+                .launch_folding_as(k, g, b, (d * 4) as u32, phase1, false, fold);
         }
         let tiled = self.tiled_down(ld.format);
         if cooperative && (tiled || ld.c2_shape.is_some()) {
@@ -1513,9 +1567,12 @@ impl SparseCudaBackend {
         if cooperative {
             // Both phases (3), the grid barrier between them.
             self.inner.emit_prefetch(PrefetchSite::Ffn);
-            return self.inner.launch_with(k, g, b, (d * 4) as u32, base(3), true);
+            return self
+                .inner
+                .launch_folding_as(k, g, b, (d * 4) as u32, base(3), true, fold);
         }
-        self.inner.launch(k, g, b, (d * 4) as u32, phase1)?;
+        self.inner
+            .launch_folding_as(k, g, b, (d * 4) as u32, phase1, false, fold)?;
         self.inner.emit_prefetch(PrefetchSite::Ffn);
         if let Some((grid, cluster)) = ld.c2_shape {
             return self.inner.launch_clustered(
@@ -1598,15 +1655,12 @@ impl SparseCudaBackend {
             Ok(v[v.len() / 2])
         };
         let route_us = match routed {
-            Some((t, margin)) => time(&|| {
-                if !self.route_vulkan(layer, ld, px, margin)? {
-                    self.launch_route(ld, px, t)?;
-                }
-                Ok(())
-            })?,
-            None => 0.0,
+            Some((t, margin)) if self.routes(ld) => {
+                time(&|| self.route_layer(layer, ld, px, t, margin).map(|_| ()))?
+            }
+            _ => 0.0,
         };
-        let ffn_us = time(&|| self.launch_ffn(ld, px, py))?;
+        let ffn_us = time(&|| self.launch_ffn(ld, px, py, false))?;
         Ok(OpTimes { route_us, ffn_us })
     }
 }
@@ -1876,12 +1930,13 @@ impl Backend for SparseCudaBackend {
         // overwrites the list.
         for r in 0..rows {
             let off = (4 * r * d) as u64;
-            if let Some((t, margin)) = routed {
-                if !self.route_vulkan(f.layer, ld, px + off, margin)? {
-                    self.launch_route(ld, px + off, t)?;
-                }
-            }
-            self.launch_ffn(ld, px + off, py + off)?;
+            // A routed layer without a router launch: the norm the router
+            // would have taken folds into phase 1 under the router's setting.
+            let norm_as_router = match routed {
+                Some((t, margin)) => !self.route_layer(f.layer, ld, px + off, t, margin)?,
+                None => false,
+            };
+            self.launch_ffn(ld, px + off, py + off, norm_as_router)?;
         }
         Ok(())
     }

@@ -173,10 +173,21 @@ fn artifact_from(
     n_pages: usize,
     r: &mut impl Rng,
 ) -> Arc<Artifact> {
+    artifact_with_trunks(layers, perms, n_pages, &vec![1; layers.len()], r)
+}
+
+/// [`artifact_from`] with `trunks[l]` trunk pages in layer `l`.
+fn artifact_with_trunks(
+    layers: &[LayerW],
+    perms: &[Vec<u32>],
+    n_pages: usize,
+    trunks: &[usize],
+    r: &mut impl Rng,
+) -> Arc<Artifact> {
     let rank = 2;
     let mut lds = Vec::new();
     let mut pages = Vec::new();
-    for (w, perm) in layers.iter().zip(perms) {
+    for ((w, perm), &n_trunk) in layers.iter().zip(perms).zip(trunks) {
         let perm = &perm[..n_pages * PAGE];
         let mut down_t = vec![0f32; N_FF * D];
         for j in 0..D {
@@ -215,7 +226,7 @@ fn artifact_from(
         router.validate().unwrap();
         lds.push(LayerData {
             n_pages,
-            n_trunk: 1,
+            n_trunk,
             quant: GgmlType::Q8_0,
             perm: perm.to_vec(),
             page_freq: (0..n_pages).map(|p| 1.0 - p as f32 * 0.1).collect(),
@@ -716,6 +727,80 @@ fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
         eprintln!("{case}: recorded step of {n} launches, folded norm == op by op");
         assert_eq!(n, launches, "{case}: launches in the recorded step");
     }
+}
+
+/// Routed mode over an artifact whose layer 0 is all trunk (the router can
+/// only return every page) and whose layer 1 routes: layer 0 launches no
+/// router, its list is every page, and the RMSNorm before it folds into the
+/// FFN's phase 1 under the router's fold setting (2 launches in a recorded
+/// step instead of 3); `set_route_trunk_layers(true)` routes it anyway (3).
+/// Both give the bits of rms_norm + FFN op by op, the same lists, and layer
+/// 1 is routed (3 launches) either way.
+#[test]
+fn all_trunk_layers_launch_no_router() {
+    let base = fixture();
+    let mut r = rng(17);
+    let identity: Vec<Vec<u32>> = vec![(0..N_FF as u32).collect(); N_LAYER];
+    let artifact = artifact_with_trunks(&base.layers, &identity, N_PAGES, &[N_PAGES, 1], &mut r);
+    let fx = Fixture {
+        layers: base.layers,
+        artifact,
+    };
+    let Some((sb, ffns)) = sparse("all_trunk_layers_launch_no_router", &fx, routed_mode(&fx))
+    else {
+        return;
+    };
+    let norm_w = sb.upload_vector(&xs(19, 1)[0]).unwrap();
+    let step = one_token_step();
+    let mut x = sb.new_activations();
+    let mut xn = sb.new_activations();
+    let mut h = sb.new_activations();
+    let mut bits: Vec<Vec<u32>> = Vec::new();
+    for route_trunk in [false, true] {
+        sb.set_route_trunk_layers(route_trunk);
+        for (layer, launches) in [(0usize, if route_trunk { 3 } else { 2 }), (1, 3)] {
+            let case = format!("layer {layer}, route trunk layers {route_trunk}");
+            for (i, xi) in xs(20 + layer as u64, 3).iter().enumerate() {
+                sb.write_activations(&mut x, 1, D, xi).unwrap();
+                sb.rms_norm(&x, &norm_w, 1e-6, &mut xn).unwrap();
+                sb.ffn(&ffns[layer], &xn, &mut h).unwrap();
+                let mut want = Vec::new();
+                sb.read(&h, &mut want).unwrap();
+                let want_pages = sb.active_pages(layer).unwrap();
+                if layer == 0 {
+                    assert_eq!(
+                        want_pages,
+                        (0..N_PAGES as u32).collect::<Vec<_>>(),
+                        "{case}: every page"
+                    );
+                }
+                sb.write_activations(&mut xn, 1, D, &vec![0.0; D]).unwrap();
+                sb.step(&step, || {
+                    sb.rms_norm(&x, &norm_w, 1e-6, &mut xn)?;
+                    sb.ffn(&ffns[layer], &xn, &mut h)
+                })
+                .unwrap();
+                let mut got = Vec::new();
+                sb.read(&h, &mut got).unwrap();
+                assert_eq!(bits_differ(&got, &want), 0, "{case}: recorded vs op by op");
+                assert_eq!(
+                    sb.active_pages(layer).unwrap(),
+                    want_pages,
+                    "{case}: active pages"
+                );
+                if layer == 0 && i == 0 {
+                    bits.push(got.iter().map(|v| v.to_bits()).collect());
+                }
+            }
+            let n = sb.inner().last_graph_launches();
+            eprintln!("{case}: recorded step of {n} launches");
+            assert_eq!(n, launches, "{case}: launches in the recorded step");
+        }
+    }
+    assert_eq!(
+        bits[0], bits[1],
+        "layer 0: skipping its router changed the output"
+    );
 }
 
 /// One row, sequence 0, position 0: the step inputs of the tests that
