@@ -354,45 +354,45 @@ __device__ __forceinline__ void sb_q8s_p2_quads(const sb_u8* __restrict__ pages,
                                                 int g_begin, int g_end, float (*red)[128], int warp, int lane) {
     const long mat = (long)SB_PAGE_CH * d;          // bytes of one quant matrix in a page
     const long smat = (long)SB_PAGE_CH * (d >> 5);  // f16 scales of one matrix
-                const int sub = lane >> 3, piece = lane & 7;  // channel of the quad, 16-byte piece of the chunk
-                const int e = (chunk << 7) + (piece << 4);
-                const bool live = e < d;
-                float a[16];
-    #pragma unroll
-                for (int i = 0; i < 16; i++) a[i] = 0.f;
-                // Quads of 4 consecutive channels (never across a page); the
-                // loop is warp-uniform (the shuffles below need every lane).
-                const int q_end = g_end << 1;
-                for (int qi = (g_begin << 1) + warp; qi < q_end; qi += SB_WARPS * P2U) {
-                    uint4 w[P2U];
-                    sb_u16 sc[P2U];
-                    float hq[P2U];
-                    bool ok[P2U];
-    #pragma unroll
-                    for (int u = 0; u < P2U; u++) {
-                        const int quad = qi + u * SB_WARPS;
-                        const sb_u32 page = quad < q_end ? active[quad >> 5] : 0xffffffffu;
-                        ok[u] = live && page < (sb_u32)n_pages;
-                        const int c = (quad << 2) + sub, ch = c & 127;
-                        const sb_u8* base = pages + (long)(ok[u] ? page : 0u) * page_bytes;
-                        w[u] = ok[u] ? __ldg((const uint4*)(base + 2 * mat + (long)ch * d + e))
-                                     : make_uint4(0u, 0u, 0u, 0u);
-                        sc[u] = ok[u] ? __ldg((const sb_u16*)(base + 3 * mat) + 2 * smat + (long)ch * (d >> 5) + (e >> 5))
-                                      : (sb_u16)0;
-                        hq[u] = ok[u] ? __ldcg(hbuf + c) : 0.f;
-                    }
-    #pragma unroll
-                    for (int u = 0; u < P2U; u++) {
-                        if (!ok[u]) continue;
-                        sb_q8x16_axpy(w[u], hq[u] * sb_h2f(sc[u]), a);
-                    }
-                }
-                // Sum over the 4 channel lanes (lane bits 16, 8): lane (sub,
-                // piece) ends with outputs 16 piece + 4 sub .. + 3.
-                nv_reduce_scatter<8>(a, lane, 16);
-                nv_reduce_scatter<4>(a, lane, 8);
-    #pragma unroll
-                for (int i = 0; i < 4; i++) red[warp][16 * piece + 4 * sub + i] = a[i];
+    const int sub = lane >> 3, piece = lane & 7;  // channel of the quad, 16-byte piece of the chunk
+    const int e = (chunk << 7) + (piece << 4);
+    const bool live = e < d;
+    float a[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) a[i] = 0.f;
+    // Quads of 4 consecutive channels (never across a page); the
+    // loop is warp-uniform (the shuffles below need every lane).
+    const int q_end = g_end << 1;
+    for (int qi = (g_begin << 1) + warp; qi < q_end; qi += SB_WARPS * P2U) {
+        uint4 w[P2U];
+        sb_u16 sc[P2U];
+        float hq[P2U];
+        bool ok[P2U];
+#pragma unroll
+        for (int u = 0; u < P2U; u++) {
+            const int quad = qi + u * SB_WARPS;
+            const sb_u32 page = quad < q_end ? active[quad >> 5] : 0xffffffffu;
+            ok[u] = live && page < (sb_u32)n_pages;
+            const int c = (quad << 2) + sub, ch = c & 127;
+            const sb_u8* base = pages + (long)(ok[u] ? page : 0u) * page_bytes;
+            w[u] = ok[u] ? __ldg((const uint4*)(base + 2 * mat + (long)ch * d + e))
+                         : make_uint4(0u, 0u, 0u, 0u);
+            sc[u] = ok[u] ? __ldg((const sb_u16*)(base + 3 * mat) + 2 * smat + (long)ch * (d >> 5) + (e >> 5))
+                          : (sb_u16)0;
+            hq[u] = ok[u] ? __ldcg(hbuf + c) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < P2U; u++) {
+            if (!ok[u]) continue;
+            sb_q8x16_axpy(w[u], hq[u] * sb_h2f(sc[u]), a);
+        }
+    }
+    // Sum over the 4 channel lanes (lane bits 16, 8): lane (sub,
+    // piece) ends with outputs 16 piece + 4 sub .. + 3.
+    nv_reduce_scatter<8>(a, lane, 16);
+    nv_reduce_scatter<4>(a, lane, 8);
+#pragma unroll
+    for (int i = 0; i < 4; i++) red[warp][16 * piece + 4 * sub + i] = a[i];
 }
 
 // Phase 1 stages x in shared memory (d floats, as float4s; P1V > 0 in the
@@ -1016,38 +1016,21 @@ extern "C" __global__ void __launch_bounds__(SB_T2_THREADS, 1) superblock_ffn_q8
 // block's rank in its cluster, the cluster's size, the cluster's index and
 // the number of clusters, along x. A launch without cluster dimensions runs
 // clusters of one block (rank 0, size 1, index blockIdx.x).
-__device__ __forceinline__ unsigned sb_cluster_rank() {
-    unsigned r = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-    return r;
-}
-__device__ __forceinline__ unsigned sb_cluster_size() {
-    unsigned r = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-#endif
-    return r;
-}
-__device__ __forceinline__ unsigned sb_cluster_id() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned r;
-    asm("mov.u32 %0, %%clusterid.x;" : "=r"(r));
-    return r;
+#define SB_CLUSTER_SREG(NAME, REG, ELSEWHERE)                  \
+    __device__ __forceinline__ unsigned NAME() {               \
+        unsigned r;                                            \
+        asm("mov.u32 %0, %%" REG ";" : "=r"(r));               \
+        return r;                                              \
+    }
 #else
-    return blockIdx.x;
+#define SB_CLUSTER_SREG(NAME, REG, ELSEWHERE) \
+    __device__ __forceinline__ unsigned NAME() { return ELSEWHERE; }
 #endif
-}
-__device__ __forceinline__ unsigned sb_cluster_count() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned r;
-    asm("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
-    return r;
-#else
-    return gridDim.x;
-#endif
-}
+SB_CLUSTER_SREG(sb_cluster_rank, "cluster_ctarank", 0u)
+SB_CLUSTER_SREG(sb_cluster_size, "cluster_nctarank", 1u)
+SB_CLUSTER_SREG(sb_cluster_id, "clusterid.x", blockIdx.x)
+SB_CLUSTER_SREG(sb_cluster_count, "nclusterid.x", gridDim.x)
 // Every thread of every block of the cluster: a barrier whose release /
 // acquire makes each block's shared-memory writes before it visible to the
 // other blocks' reads after it (and a block barrier).

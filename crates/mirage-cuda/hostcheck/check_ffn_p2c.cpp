@@ -55,33 +55,10 @@ float sb_dsmem_load(const float* p, unsigned rank) {
 
 #include "ffn_p2c_extract.h"
 
-struct Pages {
-    int d, n;
-    long page_bytes;
-    std::vector<sb_u8> bytes;
-    // The split layout (superblock.cu): [gate q 128 x d][up q][down_t q]
-    // [gate scales 128 x d/32 f16][up scales][down_t scales]; the down
-    // weight of channel ch for output o.
-    double down(int page, int ch, int o) const {
-        const sb_u8* base = bytes.data() + (long)page * page_bytes;
-        const sb_u16* sc = (const sb_u16*)(base + 3L * SB_PAGE_CH * d) + 2L * SB_PAGE_CH * (d / 32);
-        return (double)(signed char)base[2L * SB_PAGE_CH * d + (long)ch * d + o] * h2f(sc[(long)ch * (d / 32) + o / 32]);
-    }
-};
-
-static Pages make_pages(std::mt19937& g, int d, int n) {
-    Pages p{d, n, 408L * d, {}};
-    p.bytes.resize(p.page_bytes * n);
-    for (auto& b : p.bytes) b = (sb_u8)(g() & 255);
-    for (int page = 0; page < n; page++) {  // scales: f16 in [2^-9, 2^-5), positive
-        sb_u16* sc = (sb_u16*)(p.bytes.data() + page * p.page_bytes + 3L * SB_PAGE_CH * d);
-        for (long i = 0; i < 3L * SB_PAGE_CH * (d / 32); i++) sc[i] = (sb_u16)(((6 + g() % 4) << 10) | (g() & 1023));
-    }
-    return p;
-}
+#include "split_pages.h"
 
 // Runs the phase over the whole grid: `clusters` clusters of `cs` blocks.
-static std::vector<float> run(const Pages& p, const std::vector<float>& h, const std::vector<sb_u32>& active,
+static std::vector<float> run(const SplitPages& p, const std::vector<float>& h, const std::vector<sb_u32>& active,
                               int mode, bool accumulate, const std::vector<float>& y0, unsigned cs, unsigned clusters) {
     std::vector<float> y(y0);
     y.push_back(NAN);  // a guard past the end
@@ -110,22 +87,15 @@ static int failures = 0;
 static double worst = 0;
 
 // y against the f64 sum (plus y0 when accumulating); false on a mismatch.
-static bool matches(const Pages& p, const std::vector<float>& h, const std::vector<sb_u32>& active,
+static bool matches(const SplitPages& p, const std::vector<float>& h, const std::vector<sb_u32>& active,
                     const std::vector<float>& y, const std::vector<float>* y0) {
     if (!std::isnan(y[p.d])) {
         printf("  the guard past d was written\n");
         return false;
     }
     for (int o = 0; o < p.d; o++) {
-        double want = y0 ? (*y0)[o] : 0.0, mag = std::fabs(want);
-        for (size_t i = 0; i < active.size(); i++) {
-            if (active[i] >= (sb_u32)p.n) continue;
-            for (int c = 0; c < SB_PAGE_CH; c++) {
-                const double t = (double)h[i * SB_PAGE_CH + c] * p.down(active[i], c, o);
-                want += t;
-                mag += std::fabs(t);
-            }
-        }
+        double mag;
+        const double want = p.reference(active, h.data(), o, y0 ? (*y0)[o] : 0.0, mag);
         const double e = std::isnan(y[o]) ? INFINITY : std::fabs(y[o] - want) / (mag + 1e-30);
         if (e > worst && mag > 0) worst = e;
         if (!(e < 2e-6) && !(mag == 0 && y[o] == want)) {
@@ -142,7 +112,7 @@ int main() {
     std::uniform_real_distribution<float> U(-1, 1);
     for (int d : {96, 864, 3584}) {
         const int n = d >= 3584 ? 3 : 5;
-        const Pages p = make_pages(g, d, n);
+        const SplitPages p = random_split_pages(g, d, n);
         const unsigned n_chunks = (d + 127) / 128;
         std::vector<sb_u32> all(n), subset = {(sb_u32)(n - 1), (sb_u32)n, 0u, (sb_u32)(n + 1000), 0u}, none;
         for (int i = 0; i < n; i++) all[i] = i;

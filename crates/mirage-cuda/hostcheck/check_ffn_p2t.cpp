@@ -93,33 +93,23 @@ void sb_tx_wait(unsigned long long* bar, sb_u32 parity) {
 
 #include "ffn_p2t_extract.h"
 
+#include "split_pages.h"
+
+// The split pages and the same pages tiled for the kernel.
 struct Pages {
+    SplitPages split;
+    std::vector<sb_u8> tiled;
     int d, n;
     long page_bytes;
-    std::vector<sb_u8> split, tiled;
-    // The split layout (superblock.cu): [gate q 128 x d][up q][down_t q]
-    // [gate scales 128 x d/32 f16][up scales][down_t scales]; the down
-    // weight of channel ch for output o.
-    double down(int page, int ch, int o) const {
-        const sb_u8* base = split.data() + (long)page * page_bytes;
-        const sb_u16* sc = (const sb_u16*)(base + 3L * SB_PAGE_CH * d) + 2L * SB_PAGE_CH * (d / 32);
-        return (double)(signed char)base[2L * SB_PAGE_CH * d + (long)ch * d + o] * h2f(sc[(long)ch * (d / 32) + o / 32]);
-    }
 };
 
 static Pages make_pages(std::mt19937& g, int d, int n) {
-    Pages p{d, n, 408L * d, {}, {}};
-    p.split.resize(p.page_bytes * n);
-    for (auto& b : p.split) b = (sb_u8)(g() & 255);
-    for (int page = 0; page < n; page++) {  // scales: f16 in [2^-9, 2^-5), positive
-        sb_u16* sc = (sb_u16*)(p.split.data() + page * p.page_bytes + 3L * SB_PAGE_CH * d);
-        for (long i = 0; i < 3L * SB_PAGE_CH * (d / 32); i++) sc[i] = (sb_u16)(((6 + g() % 4) << 10) | (g() & 1023));
-    }
+    Pages p{random_split_pages(g, d, n), {}, d, n, 408L * d};
     // Tiled: down quants [d][128], down scales [d/32][128].
-    p.tiled = p.split;
+    p.tiled = p.split.bytes;
     const long q = (long)SB_PAGE_CH * d, sm = (long)SB_PAGE_CH * (d / 32);
     for (int page = 0; page < n; page++) {
-        const sb_u8* a = p.split.data() + page * p.page_bytes;
+        const sb_u8* a = p.split.bytes.data() + page * p.page_bytes;
         sb_u8* b = p.tiled.data() + page * p.page_bytes;
         for (int c = 0; c < SB_PAGE_CH; c++)
             for (int o = 0; o < d; o++) b[2 * q + (long)o * SB_PAGE_CH + c] = a[2 * q + (long)c * d + o];
@@ -169,15 +159,8 @@ static void check_case(const Pages& p, const std::vector<float>& h, const std::v
                     }
             }
             for (int o = 0; o < d && ok && buffers; o++) {
-                double want = accumulate ? y0[o] : 0.0, mag = std::fabs(want);
-                for (int i = 0; i < n_act; i++) {
-                    if (active[i] >= (sb_u32)p.n) continue;
-                    for (int c = 0; c < SB_PAGE_CH; c++) {
-                        const double t = (double)h[(size_t)i * SB_PAGE_CH + c] * p.down(active[i], c, o);
-                        want += t;
-                        mag += std::fabs(t);
-                    }
-                }
+                double mag;
+                const double want = p.split.reference(active, h.data(), o, accumulate ? y0[o] : 0.0, mag);
                 const double e = std::isnan(y[o]) ? INFINITY : std::fabs(y[o] - want) / (mag + 1e-30);
                 if (e > worst && mag > 0) worst = e;
                 if (!(e < 2e-6) && !(mag == 0 && y[o] == want)) {

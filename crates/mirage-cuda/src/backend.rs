@@ -545,6 +545,20 @@ struct Launch {
     cluster: u32,
 }
 
+/// How [`CudaBackend::launch_how`] launches beyond grid, block and
+/// arguments (the default: an ordinary launch).
+#[derive(Debug, Clone, Copy, Default)]
+struct LaunchHow {
+    /// Cooperatively (every block resident).
+    cooperative: bool,
+    /// Blocks per thread-block cluster along x (0 or 1: none).
+    cluster: u32,
+    /// Whose fold setting lets a pending RMSNorm fold into this launch
+    /// (`None`: the kernel's own; e.g. the router's for a routed FFN whose
+    /// router is skipped).
+    fold: Option<NormFoldGate>,
+}
+
 /// A captured step and the launches it replays.
 struct RecordedGraph {
     launches: Vec<Launch>,
@@ -1291,74 +1305,46 @@ impl CudaBackend {
         args: Vec<Arg>,
         cooperative: bool,
     ) -> Result<()> {
-        self.launch_folding_as(kernel, grid, block, smem, args, cooperative, None)
+        let how = LaunchHow {
+            cooperative,
+            ..LaunchHow::default()
+        };
+        self.launch_how(kernel, grid, block, smem, args, how)
     }
 
-    /// `launch_with`, a pending RMSNorm folding in as `fold`'s setting says
-    /// (`None`: the kernel's own; e.g. the router's for a routed FFN whose
-    /// router is skipped).
-    #[allow(clippy::too_many_arguments)]
-    fn launch_folding_as(
+    /// `launch` as `how` says: cooperatively, in thread-block clusters
+    /// (`grid.0` a multiple of the cluster), or with a pending RMSNorm
+    /// folding in under another kernel's fold setting.
+    fn launch_how(
         &self,
         kernel: &str,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         smem: u32,
         args: Vec<Arg>,
-        cooperative: bool,
-        fold: Option<NormFoldGate>,
+        how: LaunchHow,
     ) -> Result<()> {
         let kernel = *self
             .kernel_index
             .get(kernel)
             .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
-        self.push_launch(
-            Launch {
-                kernel,
-                grid,
-                block,
-                smem,
-                args,
-                cooperative,
-                cluster: 1,
-            },
-            fold,
-        )
-    }
-
-    /// `launch` in thread-block clusters of `cluster` blocks along x
-    /// (`grid.0` a multiple of it).
-    fn launch_clustered(
-        &self,
-        kernel: &str,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        smem: u32,
-        args: Vec<Arg>,
-        cluster: u32,
-    ) -> Result<()> {
-        let kernel = *self
-            .kernel_index
-            .get(kernel)
-            .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
-        if cluster == 0 || grid.0 % cluster != 0 {
+        let cluster = how.cluster.max(1);
+        if grid.0 % cluster != 0 {
             return Err(bad(format!(
                 "a grid of {} blocks is not whole clusters of {cluster}",
                 grid.0
             )));
         }
-        self.push_launch(
-            Launch {
-                kernel,
-                grid,
-                block,
-                smem,
-                args,
-                cooperative: false,
-                cluster,
-            },
-            None,
-        )
+        let l = Launch {
+            kernel,
+            grid,
+            block,
+            smem,
+            args,
+            cooperative: how.cooperative,
+            cluster,
+        };
+        self.push_launch(l, how.fold)
     }
 
     /// Runs `l`, or appends it to the step being recorded (folding a

@@ -52,18 +52,7 @@ pub(crate) unsafe fn launch_ex(
     // thread (a no-op when it already is).
     stream.context().bind_to_thread()?;
     let mut attrs = attributes(mode);
-    let cfg = sys::CUlaunchConfig {
-        gridDimX: grid.0,
-        gridDimY: grid.1,
-        gridDimZ: grid.2,
-        blockDimX: block.0,
-        blockDimY: block.1,
-        blockDimZ: block.2,
-        sharedMemBytes: smem,
-        hStream: stream.cu_stream(),
-        attrs: attrs.as_mut_ptr(),
-        numAttrs: attrs.len() as u32,
-    };
+    let cfg = config(stream, grid, block, smem, &mut attrs);
     // SAFETY: the caller's contract; `attrs` outlives the call.
     unsafe {
         sys::cuLaunchKernelEx(
@@ -74,6 +63,29 @@ pub(crate) unsafe fn launch_ex(
         )
     }
     .result()
+}
+
+/// The launch configuration of `grid` x `block` on `stream` with `attrs`
+/// (which must outlive its use).
+fn config(
+    stream: &CudaStream,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    smem: u32,
+    attrs: &mut [sys::CUlaunchAttribute],
+) -> sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: smem,
+        hStream: stream.cu_stream(),
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: attrs.len() as u32,
+    }
 }
 
 fn attributes(mode: LaunchMode) -> Vec<sys::CUlaunchAttribute> {
@@ -160,18 +172,7 @@ pub(crate) fn q8s_c2_shape(
         cluster: k,
         ..LaunchMode::PLAIN
     });
-    let launch = sys::CUlaunchConfig {
-        gridDimX: n_chunks * k,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: 0,
-        hStream: stream.cu_stream(),
-        attrs: attrs.as_mut_ptr(),
-        numAttrs: attrs.len() as u32,
-    };
+    let launch = config(stream, (n_chunks * k, 1, 1), (block, 1, 1), 0, &mut attrs);
     let mut fit: std::ffi::c_int = 0;
     // SAFETY: `launch` and `attrs` outlive the call; `f` is a loaded function.
     unsafe { sys::cuOccupancyMaxActiveClusters(&mut fit, f.cu_function(), &launch) }.result()?;

@@ -35,8 +35,8 @@ use mirage_runtime::kv_cache::KvSpec;
 use mirage_runtime::{Result, RuntimeError};
 
 use super::{
-    bad, drv, Arg, CudaActivations, CudaBackend, CudaKvCache, CudaMatrix, CudaVector, MemKind,
-    NormFoldGate, PrefetchSite,
+    bad, drv, Arg, CudaActivations, CudaBackend, CudaKvCache, CudaMatrix, CudaVector, LaunchHow,
+    MemKind, NormFoldGate, PrefetchSite,
 };
 use crate::superblock::{
     ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, q8s_t2_grid, split_q8_0_page,
@@ -1549,13 +1549,17 @@ impl SparseCudaBackend {
         // L2 while phase 2 reads the active pages' down rows, a few blocks
         // per page: DRAM has room then. Before the launch when the phases
         // are one launch.
-        let fold = norm_as_router.then_some(NormFoldGate::Router);
+        // The first launch takes the pending norm as the router would have.
+        let first = LaunchHow {
+            fold: norm_as_router.then_some(NormFoldGate::Router),
+            ..LaunchHow::default()
+        };
         if one_pass {
             // Everything in phase 1 (its phase 2 would return at once).
             self.inner.emit_prefetch(PrefetchSite::Ffn);
             return self
                 .inner
-                .launch_folding_as(k, g, b, (d * 4) as u32, phase1, false, fold);
+                .launch_how(k, g, b, (d * 4) as u32, phase1, first);
         }
         let tiled = self.tiled_down(ld.format);
         if cooperative && (tiled || ld.c2_shape.is_some()) {
@@ -1567,21 +1571,27 @@ impl SparseCudaBackend {
         if cooperative {
             // Both phases (3), the grid barrier between them.
             self.inner.emit_prefetch(PrefetchSite::Ffn);
-            return self
-                .inner
-                .launch_folding_as(k, g, b, (d * 4) as u32, base(3), true, fold);
+            let how = LaunchHow {
+                cooperative: true,
+                ..first
+            };
+            return self.inner.launch_how(k, g, b, (d * 4) as u32, base(3), how);
         }
         self.inner
-            .launch_folding_as(k, g, b, (d * 4) as u32, phase1, false, fold)?;
+            .launch_how(k, g, b, (d * 4) as u32, phase1, first)?;
         self.inner.emit_prefetch(PrefetchSite::Ffn);
         if let Some((grid, cluster)) = ld.c2_shape {
-            return self.inner.launch_clustered(
+            let how = LaunchHow {
+                cluster,
+                ..LaunchHow::default()
+            };
+            return self.inner.launch_how(
                 Q8S_C2_KERNEL,
                 (grid, 1, 1),
                 (FFN_THREADS, 1, 1),
                 0,
                 phase2,
-                cluster,
+                how,
             );
         }
         if tiled {

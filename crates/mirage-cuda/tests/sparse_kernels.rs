@@ -143,6 +143,23 @@ fn check_ffn_errors(
     [e, ea, eo]
 }
 
+/// The outputs over an empty page list: ordered from scratch zero, atomic
+/// and ordered onto the residual the residual unchanged.
+fn check_empty_list(
+    tag: &str,
+    ordered: &[f32],
+    atomic: &[f32],
+    ordered_acc: &[f32],
+    residual: &[f32],
+) {
+    assert!(
+        ordered.iter().all(|v| *v == 0.0),
+        "{tag}: ordered, no pages, not zero"
+    );
+    assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
+    assert_eq!(ordered_acc, residual, "{tag}: ordered, no pages, changed y");
+}
+
 fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
     assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
@@ -534,6 +551,27 @@ mod gpu {
         assert!(zero.iter().all(|v| *v == 0.0));
     }
 
+    /// `ffn_q8_with` of `opts` onto a fresh copy of `y0`, read back.
+    #[allow(clippy::too_many_arguments)]
+    fn q8_ffn_onto(
+        dev: &SparseDevice,
+        pages: &mirage_cuda::superblock::Q8Pages,
+        x: &cudarc::driver::CudaSlice<f32>,
+        active: &ActivePages,
+        opts: mirage_cuda::superblock::FfnQ8Options,
+        reduction: Reduction,
+        y0: &[f32],
+        accumulate: bool,
+        scratch: &mut FfnScratch,
+    ) -> Vec<f32> {
+        let mut dy = dev.upload_f32(y0).unwrap();
+        dev.ffn_q8_with(
+            pages, x, active, reduction, accumulate, opts, scratch, &mut dy,
+        )
+        .unwrap();
+        dev.download_f32(&dy).unwrap()
+    }
+
     /// Every fused Q8_0 FFN variant (`superblock_ffn_q8s_v<n>`) at several
     /// phase-2 part sizes against the f64 reference, as the NVFP4 test does:
     /// all pages / a subset with ids past the end and a repeated page / no
@@ -576,19 +614,17 @@ mod gpu {
                                y0: &[f32],
                                accumulate: bool|
                  -> Vec<f32> {
-                    let mut dy = dev.upload_f32(y0).unwrap();
-                    dev.ffn_q8_with(
+                    q8_ffn_onto(
+                        &dev,
                         &dp,
                         &dx,
                         &active,
-                        reduction,
-                        accumulate,
                         opts,
+                        reduction,
+                        y0,
+                        accumulate,
                         &mut scratch,
-                        &mut dy,
                     )
-                    .unwrap();
-                    dev.download_f32(&dy).unwrap()
                 };
                 let first = run(
                     FfnQ8Options::default(),
@@ -657,21 +693,13 @@ mod gpu {
                                 .single_pass
                                 .then(|| run(opts, Reduction::Atomic, &vec![f32::NAN; d], false));
                             if set.is_empty() {
-                                assert!(
-                                    ordered.iter().all(|v| *v == 0.0),
-                                    "{tag}: ordered, no pages, not zero"
-                                );
+                                check_empty_list(&tag, &ordered, &atomic, &ordered_acc, &residual);
                                 if let Some(z) = &atomic_zeroed {
                                     assert!(
                                         z.iter().all(|v| *v == 0.0),
                                         "{tag}: atomic from NaN, no pages, not zero"
                                     );
                                 }
-                                assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
-                                assert_eq!(
-                                    ordered_acc, residual,
-                                    "{tag}: ordered, no pages, changed y"
-                                );
                             } else {
                                 let [e, ea, eo] = check_ffn_errors(
                                     &tag, &ordered, &atomic, &ordered_acc, &want, &want_acc,
@@ -773,34 +801,24 @@ mod gpu {
                         };
                         let mut run =
                             |reduction: Reduction, y0: &[f32], accumulate: bool| -> Vec<f32> {
-                                let mut dy = dev.upload_f32(y0).unwrap();
-                                dev.ffn_q8_with(
+                                q8_ffn_onto(
+                                    &dev,
                                     &dp,
                                     &dx,
                                     &active,
-                                    reduction,
-                                    accumulate,
                                     opts,
+                                    reduction,
+                                    y0,
+                                    accumulate,
                                     &mut scratch,
-                                    &mut dy,
                                 )
-                                .unwrap();
-                                dev.download_f32(&dy).unwrap()
                             };
                         let ordered = run(Reduction::Ordered, &vec![f32::NAN; d], false);
                         let atomic = run(Reduction::Atomic, &residual, true);
                         let ordered_acc = run(Reduction::Ordered, &residual, true);
                         let tag = format!("c2 d={d} {name}: {clusters} clusters of {k}");
                         if set.is_empty() {
-                            assert!(
-                                ordered.iter().all(|v| *v == 0.0),
-                                "{tag}: ordered, no pages, not zero"
-                            );
-                            assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
-                            assert_eq!(
-                                ordered_acc, residual,
-                                "{tag}: ordered, no pages, changed y"
-                            );
+                            check_empty_list(&tag, &ordered, &atomic, &ordered_acc, &residual);
                         } else {
                             let [e, ea, eo] = check_ffn_errors(
                                 &tag,
@@ -927,12 +945,7 @@ mod gpu {
                 let ordered_acc = go(Reduction::Ordered, &residual, true);
                 let tag = format!("{tag} {name} {launch:?}");
                 if set.is_empty() {
-                    assert!(
-                        ordered.iter().all(|v| *v == 0.0),
-                        "{tag}: ordered, no pages, not zero"
-                    );
-                    assert_eq!(atomic, residual, "{tag}: atomic, no pages, changed y");
-                    assert_eq!(ordered_acc, residual, "{tag}: ordered, no pages, changed y");
+                    check_empty_list(&tag, &ordered, &atomic, &ordered_acc, &residual);
                 } else {
                     let [e, ea, eo] =
                         check_ffn_errors(&tag, &ordered, &atomic, &ordered_acc, &want, &want_acc);
