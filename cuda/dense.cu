@@ -2716,3 +2716,15 @@ MVV_INSTANCE(q8_0s, MVV_Q8, v4, MVV4_NR, MVV4_U_Q8, false, FAST_WARPS * 32, 4)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v4, MVV4_NR, MVV4_U_Q4K, false, FAST_WARPS * 32, 3)
 MVV_INSTANCE(q8_0s, MVV_Q8, v5, MVV5_NR, MVV5_U_Q8, true, FAST_WARPS * 32, 3)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v5, MVV5_NR, MVV5_U_Q4K, true, FAST_WARPS * 32, 3)
+
+// ---------------------------------------------------------------------------
+// The floor of one decode-graph node (kernel-bench --launch-floor): a kernel
+// that does nothing but the PDL handshake every kernel starts with and one
+// dependent read-modify-write (block 0, thread 0: *counter += 1 after the
+// wait, so each node sees the previous node's write). Its time per node in a
+// replayed graph, with and without programmatic serialization, at grids of
+// 1 to several blocks per SM, is what a kernel boundary costs by itself.
+extern "C" __global__ void pdl_floor(unsigned* counter) {
+    PDL_ENTRY();
+    if (blockIdx.x == 0 && threadIdx.x == 0) *counter += 1u;
+}

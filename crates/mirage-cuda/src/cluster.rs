@@ -13,7 +13,7 @@ use crate::superblock::{q8s_c2_cluster, Q8S_C2_MAX_CLUSTER};
 
 /// How [`launch_ex`] launches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct LaunchMode {
+pub struct LaunchMode {
     /// Blocks per cluster along x (1: no cluster).
     pub cluster: u32,
     /// Programmatic stream serialization (PDL).
@@ -39,7 +39,7 @@ impl LaunchMode {
 /// `params` must match `f`'s signature and the values must outlive the
 /// call; `f` must belong to `stream`'s context; `grid.0` must be a multiple
 /// of `mode.cluster`; a cooperative grid must fit the device at once.
-pub(crate) unsafe fn launch_ex(
+pub unsafe fn launch_ex(
     f: &CudaFunction,
     stream: &CudaStream,
     grid: (u32, u32, u32),

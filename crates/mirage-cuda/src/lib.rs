@@ -23,8 +23,11 @@ pub use error::CudaError;
 
 #[cfg(feature = "cuda")]
 mod backend;
+/// Extended kernel launches (`cuLaunchKernelEx`: thread-block clusters,
+/// programmatic serialization, cooperative) and the cluster shape of the
+/// cluster-finished fused FFN.
 #[cfg(feature = "cuda")]
-mod cluster;
+pub mod cluster;
 /// Decode attention over selected KV pages (page boxes, selection and
 /// split-K on the device).
 #[cfg(feature = "cuda")]

@@ -27,7 +27,14 @@
 //!     cold pages), against the backend's dense v2 FFN run the same way; printed last,
 //!     and alone (after the copy) with `--sparse`.
 //!
-//! Usage: `kernel-bench [--iters N] [--variants | --sparse]
+//! (e) with `--launch-floor`, only the floor of one decode-graph node: a
+//!     graph of 64 launches of `pdl_floor` (dense.cu: the PDL handshake and
+//!     one dependent increment, nothing else) at grids of 1 block and of 1,
+//!     3 and 8 blocks per SM of 256 threads, with and without programmatic
+//!     serialization; µs per node. What a kernel boundary costs by itself,
+//!     beside the ~3.5 µs a fused-FFN phase costs over an empty page list.
+//!
+//! Usage: `kernel-bench [--iters N] [--variants | --sparse | --launch-floor]
 //! [--sparse-variants 0,3,10]`. Prints a table last. `--sparse-variants`
 //! keeps only those fused-FFN variants in (d) (v0, the "vs v0" column's
 //! base, only when listed).
@@ -744,6 +751,65 @@ mod bench {
         Ok(timer.median_us(|| Ok(graph.launch()?))? / layers as f64)
     }
 
+    /// (e) µs per node of a replayed graph of `pdl_floor` launches (see the
+    /// module docs), and a check that every node ran (the counter it
+    /// increments holds one per node executed, eager and replayed runs).
+    fn launch_floor(
+        dev: &SparseDevice,
+        m: &Arc<cudarc::driver::CudaModule>,
+        timer: &mut Timer,
+    ) -> Res<()> {
+        use mirage_cuda::cluster::{launch_ex, LaunchMode};
+        const NODES: usize = 64;
+        let f = m.load_function("pdl_floor")?;
+        let stream = dev.stream().clone();
+        let counter = stream.alloc_zeros::<u32>(1)?;
+        let pc: u64 = {
+            let (p, _sync) = counter.device_ptr(&stream);
+            p
+        };
+        let sms = dev.multiprocessors();
+        let mut rows = Vec::new();
+        let mut expected = 0u64;
+        for grid in [1, sms, 3 * sms, 8 * sms] {
+            for pdl in [false, true] {
+                let how = LaunchMode {
+                    programmatic: pdl,
+                    ..LaunchMode::PLAIN
+                };
+                let us = graph_us(dev, timer, NODES, || {
+                    for _ in 0..NODES {
+                        let mut params = [&pc as *const u64 as *mut std::ffi::c_void];
+                        // SAFETY: pdl_floor takes one pointer, to a live u32.
+                        unsafe {
+                            launch_ex(&f, &stream, (grid, 1, 1), (256, 1, 1), 0, &mut params, how)
+                        }?;
+                    }
+                    Ok(())
+                })?;
+                // graph_us runs the launches once eagerly, then the graph
+                // warm-up + iters times (the captured pass runs nothing).
+                expected += (NODES * (1 + timer.warmup + timer.iters)) as u64;
+                rows.push((grid, pdl, us));
+            }
+        }
+        let got = stream.clone_dtoh(&counter)?[0] as u64;
+        if got != expected {
+            return Err(format!(
+                "pdl_floor ran {got} times, {expected} expected: nodes were skipped or raced"
+            )
+            .into());
+        }
+        println!();
+        println!("launch floor: {NODES} pdl_floor nodes in a replayed graph, 256 threads a block ({got} runs checked)");
+        println!("| grid (blocks) | us per node, plain | us per node, PDL |");
+        println!("| --- | --- | --- |");
+        for pair in rows.chunks(2) {
+            println!("| {} | {:.2} | {:.2} |", pair[0].0, pair[0].2, pair[1].2);
+        }
+        Ok(())
+    }
+
     /// (d) the fused Q8_0 FFN variants (`superblock_ffn_q8s_v<n>`) as the
     /// sparse backend runs them (ordered reduction, y = FFN(x), phase 1 then
     /// phase 2 as two launches with the variant's grid) on random pages at
@@ -1077,6 +1143,9 @@ mod bench {
         let copy_gbs = 2.0 * copy_bytes as f64 / copy_us / 1e3;
         println!("copy: 1 GiB dtod {copy_us:.1} us = {copy_gbs:.0} GB/s (read + write)");
 
+        if args.iter().any(|a| a == "--launch-floor") {
+            return launch_floor(&dev, &m, &mut timer);
+        }
         if args.iter().any(|a| a == "--sparse") {
             let rows = sb_variants(&dev, &m, &mut timer, &mut r, &only)?;
             print_sb_variants(&rows, copy_gbs);
