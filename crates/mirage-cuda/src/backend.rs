@@ -1291,30 +1291,13 @@ impl CudaBackend {
         smem: u32,
         args: Vec<Arg>,
     ) -> Result<()> {
-        self.launch_with(kernel, grid, block, smem, args, false)
+        self.launch_how(kernel, grid, block, smem, args, LaunchHow::default())
     }
 
-    /// `launch`, cooperatively when `cooperative` (the grid must fit the
-    /// device at once; a recorded step captures it as a cooperative node).
-    fn launch_with(
-        &self,
-        kernel: &str,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        smem: u32,
-        args: Vec<Arg>,
-        cooperative: bool,
-    ) -> Result<()> {
-        let how = LaunchHow {
-            cooperative,
-            ..LaunchHow::default()
-        };
-        self.launch_how(kernel, grid, block, smem, args, how)
-    }
-
-    /// `launch` as `how` says: cooperatively, in thread-block clusters
-    /// (`grid.0` a multiple of the cluster), or with a pending RMSNorm
-    /// folding in under another kernel's fold setting.
+    /// `launch` as `how` says: cooperatively (the grid must fit the device
+    /// at once; a recorded step captures it as a cooperative node), in
+    /// thread-block clusters (`grid.0` a multiple of the cluster), or with a
+    /// pending RMSNorm folding in under another kernel's fold setting.
     fn launch_how(
         &self,
         kernel: &str,

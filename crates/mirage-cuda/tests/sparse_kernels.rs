@@ -551,25 +551,39 @@ mod gpu {
         assert!(zero.iter().all(|v| *v == 0.0));
     }
 
-    /// `ffn_q8_with` of `opts` onto a fresh copy of `y0`, read back.
-    #[allow(clippy::too_many_arguments)]
-    fn q8_ffn_onto(
-        dev: &SparseDevice,
-        pages: &mirage_cuda::superblock::Q8Pages,
-        x: &cudarc::driver::CudaSlice<f32>,
-        active: &ActivePages,
-        opts: mirage_cuda::superblock::FfnQ8Options,
-        reduction: Reduction,
-        y0: &[f32],
-        accumulate: bool,
-        scratch: &mut FfnScratch,
-    ) -> Vec<f32> {
-        let mut dy = dev.upload_f32(y0).unwrap();
-        dev.ffn_q8_with(
-            pages, x, active, reduction, accumulate, opts, scratch, &mut dy,
-        )
-        .unwrap();
-        dev.download_f32(&dy).unwrap()
+    /// One page set's inputs on the device, for runs of `ffn_q8_with`.
+    struct Q8Case<'a> {
+        dev: &'a SparseDevice,
+        pages: &'a mirage_cuda::superblock::Q8Pages,
+        x: &'a cudarc::driver::CudaSlice<f32>,
+        active: &'a ActivePages,
+    }
+
+    impl Q8Case<'_> {
+        /// `ffn_q8_with` of `opts` onto a fresh copy of `y0`, read back.
+        fn run(
+            &self,
+            opts: mirage_cuda::superblock::FfnQ8Options,
+            reduction: Reduction,
+            y0: &[f32],
+            accumulate: bool,
+            scratch: &mut FfnScratch,
+        ) -> Vec<f32> {
+            let mut dy = self.dev.upload_f32(y0).unwrap();
+            self.dev
+                .ffn_q8_with(
+                    self.pages,
+                    self.x,
+                    self.active,
+                    reduction,
+                    accumulate,
+                    opts,
+                    scratch,
+                    &mut dy,
+                )
+                .unwrap();
+            self.dev.download_f32(&dy).unwrap()
+        }
     }
 
     /// Every fused Q8_0 FFN variant (`superblock_ffn_q8s_v<n>`) at several
@@ -609,23 +623,16 @@ mod gpu {
                     .zip(&residual)
                     .map(|(a, b)| a + *b as f64)
                     .collect();
-                let mut run = |opts: FfnQ8Options,
-                               reduction: Reduction,
-                               y0: &[f32],
-                               accumulate: bool|
-                 -> Vec<f32> {
-                    q8_ffn_onto(
-                        &dev,
-                        &dp,
-                        &dx,
-                        &active,
-                        opts,
-                        reduction,
-                        y0,
-                        accumulate,
-                        &mut scratch,
-                    )
+                let case = Q8Case {
+                    dev: &dev,
+                    pages: &dp,
+                    x: &dx,
+                    active: &active,
                 };
+                let mut run =
+                    |opts: FfnQ8Options, reduction: Reduction, y0: &[f32], accumulate: bool| {
+                        case.run(opts, reduction, y0, accumulate, &mut scratch)
+                    };
                 let first = run(
                     FfnQ8Options::default(),
                     Reduction::Ordered,
@@ -799,20 +806,15 @@ mod gpu {
                             launch: FfnLaunch::TwoLaunches,
                             cluster: Some((clusters, k)),
                         };
-                        let mut run =
-                            |reduction: Reduction, y0: &[f32], accumulate: bool| -> Vec<f32> {
-                                q8_ffn_onto(
-                                    &dev,
-                                    &dp,
-                                    &dx,
-                                    &active,
-                                    opts,
-                                    reduction,
-                                    y0,
-                                    accumulate,
-                                    &mut scratch,
-                                )
-                            };
+                        let case = Q8Case {
+                            dev: &dev,
+                            pages: &dp,
+                            x: &dx,
+                            active: &active,
+                        };
+                        let mut run = |reduction: Reduction, y0: &[f32], accumulate: bool| {
+                            case.run(opts, reduction, y0, accumulate, &mut scratch)
+                        };
                         let ordered = run(Reduction::Ordered, &vec![f32::NAN; d], false);
                         let atomic = run(Reduction::Atomic, &residual, true);
                         let ordered_acc = run(Reduction::Ordered, &residual, true);
