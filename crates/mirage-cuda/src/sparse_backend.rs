@@ -1545,15 +1545,15 @@ impl SparseCudaBackend {
                 )));
             }
         }
-        // The weights the runtime hinted (the next layer's Q/K/V) go into
-        // L2 while phase 2 reads the active pages' down rows, a few blocks
-        // per page: DRAM has room then. Before the launch when the phases
-        // are one launch.
         // The first launch takes the pending norm as the router would have.
         let first = LaunchHow {
             fold: norm_as_router.then_some(NormFoldGate::Router),
             ..LaunchHow::default()
         };
+        // The weights the runtime hinted (the next layer's Q/K/V) go into
+        // L2 while phase 2 reads the active pages' down rows, a few blocks
+        // per page: DRAM has room then. Before the launch when the phases
+        // are one launch.
         if one_pass {
             // Everything in phase 1 (its phase 2 would return at once).
             self.inner.emit_prefetch(PrefetchSite::Ffn);
