@@ -17,7 +17,8 @@
 # (kernel durations, for the per-kernel table; ncu serializes kernels, so it
 # shows work, not gaps). Switches: SKIP_FAST_DECODE=1, SKIP_SPARSE_TESTS=1, SKIP_KERNEL_TESTS=1,
 # KBENCH=1 (kernel-bench --sparse after the 7B rows; KBENCH_ARGS more of its
-# arguments, e.g. "--sparse-variants 0,3,10"), SKIP_NCU=1,
+# arguments, e.g. "--sparse-variants 0,3,10"), FLOOR=1 (kernel-bench
+# --launch-floor after that), SKIP_NCU=1,
 # PAGE_FORMATS="" (no Q2_K / NVFP4 rows), BENCH_EXTRA (more arguments of
 # every 7B bench row, e.g. --xprefetch-ab), TABLE_LINES (bench lines kept
 # per row in tables.txt, default 14). Binaries stay unpacked in $W (default /tmp/mq, the
@@ -102,6 +103,12 @@ if [ "${KBENCH:-0}" = 1 ] && left kernel-bench; then
   # graphs, cold pages) beside the dense FFN and the copy ceiling.
   run kbench 240 "$W/kernel-bench" --iters 20 --sparse ${KBENCH_ARGS:-}
   { echo "== kernel-bench --sparse"; sed -n '/== sparse FFN variants/,$p' "$L/kbench.log"; } >> "$L/tables.txt"
+fi
+if [ "${FLOOR:-0}" = 1 ] && left launch-floor; then
+  # What one decode-graph node costs by itself (pdl_floor: the PDL
+  # handshake and one dependent increment), plain and with PDL.
+  run floor 60 "$W/kernel-bench" --iters 20 --launch-floor
+  { echo "== kernel-bench --launch-floor"; sed -n '/^launch floor/,$p' "$L/floor.log"; } >> "$L/tables.txt"
 fi
 NCU=$( [ "${SKIP_NCU:-0}" = 1 ] || command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 if [ -n "$NCU" ] && left ncu; then
