@@ -5,10 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
-    PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use mirage_gguf::quant;
 use mirage_gguf::GgmlType;
 use mirage_runtime::backend::{
@@ -23,6 +20,18 @@ use crate::{
     module, CudaError, GraphStats, MatvecGrid, MemoryStats, PrefetchSites, PreloadParts,
     WeightFormat,
 };
+
+/// Whether switch `key` is set to `1` / `on` (a start-up setting that is
+/// off unless asked for).
+fn env_on(key: &str) -> bool {
+    std::env::var(key).is_ok_and(|v| v == "1" || v == "on")
+}
+
+/// Whether switch `key` is set to `0` / `off` (a start-up setting that is
+/// on unless turned off).
+fn env_off(key: &str) -> bool {
+    std::env::var(key).is_ok_and(|v| v == "0" || v == "off")
+}
 
 fn drv(e: cudarc::driver::DriverError) -> RuntimeError {
     CudaError::Driver(e.to_string()).into()
@@ -538,7 +547,7 @@ struct Launch {
     block: (u32, u32, u32),
     smem: u32,
     args: Vec<Arg>,
-    /// A cooperative launch (`cuLaunchCooperativeKernel`: every block
+    /// A cooperative launch (the cooperative launch attribute: every block
     /// resident, so the kernel may have a grid barrier); never programmatic.
     cooperative: bool,
     /// Blocks per thread-block cluster along x (1: no cluster launch).
@@ -859,7 +868,6 @@ impl CudaBackend {
         } else {
             None
         };
-        let env_off = |k: &str| std::env::var(k).is_ok_and(|v| v == "0" || v == "off");
         Ok(CudaBackend {
             ctx,
             stream,
@@ -867,9 +875,7 @@ impl CudaBackend {
             waits,
             accumulate_slots,
             norm_slots,
-            fold_ffn_norm: std::env::var("MIRAGE_SPARSE_FOLD_NORM")
-                .is_ok_and(|v| v == "1" || v == "on")
-                .into(),
+            fold_ffn_norm: env_on("MIRAGE_SPARSE_FOLD_NORM").into(),
             fold_route_norm: (!env_off("MIRAGE_SPARSE_ROUTE_NORM")).into(),
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             cross_prefetch: PrefetchSites::from_env().bits().into(),
@@ -1573,9 +1579,11 @@ impl CudaBackend {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// `l` through `cuLaunchKernelEx`: in clusters, or with programmatic
-    /// stream serialization (`programmatic`), or both.
-    fn launch_extended(&self, l: &Launch, programmatic: bool) -> Result<()> {
+    /// Launches `l` now, through `cuLaunchKernelEx` (`cluster::launch_ex`):
+    /// with programmatic stream serialization when its kernel waits on its
+    /// prerequisite grid and PDL is on (never for a cooperative launch), in
+    /// its clusters, cooperatively when it is.
+    fn launch_now(&self, l: &Launch) -> Result<()> {
         let mut params: Vec<*mut std::ffi::c_void> = l
             .args
             .iter()
@@ -1588,14 +1596,16 @@ impl CudaBackend {
             .collect();
         let mode = crate::cluster::LaunchMode {
             cluster: l.cluster,
-            programmatic,
-            cooperative: false,
+            programmatic: self.waits[l.kernel] && self.pdl() && !l.cooperative,
+            cooperative: l.cooperative,
         };
         // SAFETY: `params` points at the argument values in `l.args`, which
         // outlive the call, in the order of the kernel's signature (every
-        // call site passes the kernel's argument list, pointers as u64);
-        // the function belongs to this context and the stream to it too; a
-        // clustered launch's grid is whole clusters (launch_clustered).
+        // call site passes the kernel's argument list, pointers as u64, and
+        // checks the shapes first); the function belongs to this context
+        // and the stream to it too; a clustered launch's grid is whole
+        // clusters (launch_how); a cooperative launch's caller sizes the
+        // grid to the resident blocks.
         unsafe {
             crate::cluster::launch_ex(
                 &self.functions[l.kernel],
@@ -1608,36 +1618,6 @@ impl CudaBackend {
             )
         }
         .map_err(drv)
-    }
-
-    fn launch_now(&self, l: &Launch) -> Result<()> {
-        let programmatic = self.waits[l.kernel] && self.pdl() && !l.cooperative;
-        if programmatic || l.cluster > 1 {
-            return self.launch_extended(l, programmatic);
-        }
-        let cfg = LaunchConfig {
-            grid_dim: l.grid,
-            block_dim: l.block,
-            shared_mem_bytes: l.smem,
-        };
-        let mut b = self.stream.launch_builder(&self.functions[l.kernel]);
-        for a in &l.args {
-            match a {
-                Arg::Ptr(v) => b.arg(v),
-                Arg::I32(v) => b.arg(v),
-                Arg::I64(v) => b.arg(v),
-                Arg::F32(v) => b.arg(v),
-            };
-        }
-        // SAFETY: every call site passes the argument list of the kernel's
-        // signature (pointers as u64) and checks the shapes first; a
-        // cooperative launch's caller sizes the grid to the resident blocks.
-        if l.cooperative {
-            unsafe { b.launch_cooperative(cfg) }.map_err(drv)?;
-        } else {
-            unsafe { b.launch(cfg) }.map_err(drv)?;
-        }
-        Ok(())
     }
 
     fn recording(&self) -> bool {

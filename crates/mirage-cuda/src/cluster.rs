@@ -1,7 +1,8 @@
 //! Extended kernel launches (`cuLaunchKernelEx`): thread-block clusters and
 //! programmatic stream serialization (PDL), which cudarc's launch builder
-//! does not take; the dense backend's recorder and the sparse harness both
-//! launch through [`launch_ex`]. Also the shape of the cluster-finished
+//! does not take, and cooperative launches; every launch of `CudaBackend`
+//! (and so of the sparse backend) and of the sparse harness goes through
+//! [`launch_ex`]. Also the shape of the cluster-finished
 //! fused FFN phase 2 (`superblock_ffn_q8s_c2`) on a device.
 
 use std::ffi::c_void;
@@ -89,37 +90,34 @@ fn config(
 }
 
 fn attributes(mode: LaunchMode) -> Vec<sys::CUlaunchAttribute> {
+    use sys::CUlaunchAttributeID as Id;
     let mut attrs = Vec::with_capacity(3);
-    // SAFETY (each `zeroed` below): a plain C union of integers; zero is a
-    // valid value of every member.
-    if mode.cluster > 1 {
+    let mut push = |id: Id, set: &dyn Fn(&mut sys::CUlaunchAttributeValue)| {
+        // SAFETY: a plain C union of integers; zero is a valid value of
+        // every member.
         let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        value.clusterDim.x = mode.cluster;
-        value.clusterDim.y = 1;
-        value.clusterDim.z = 1;
+        set(&mut value);
         attrs.push(sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            id,
             pad: [0; 4],
             value,
+        });
+    };
+    if mode.cluster > 1 {
+        push(Id::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, &|v| {
+            v.clusterDim.x = mode.cluster;
+            v.clusterDim.y = 1;
+            v.clusterDim.z = 1;
         });
     }
     if mode.programmatic {
-        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        value.programmaticStreamSerializationAllowed = 1;
-        attrs.push(sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value,
-        });
+        push(
+            Id::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            &|v| v.programmaticStreamSerializationAllowed = 1,
+        );
     }
     if mode.cooperative {
-        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        value.cooperative = 1;
-        attrs.push(sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
-            pad: [0; 4],
-            value,
-        });
+        push(Id::CU_LAUNCH_ATTRIBUTE_COOPERATIVE, &|v| v.cooperative = 1);
     }
     attrs
 }

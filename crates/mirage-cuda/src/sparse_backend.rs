@@ -35,8 +35,8 @@ use mirage_runtime::kv_cache::KvSpec;
 use mirage_runtime::{Result, RuntimeError};
 
 use super::{
-    bad, drv, Arg, CudaActivations, CudaBackend, CudaKvCache, CudaMatrix, CudaVector, LaunchHow,
-    MemKind, NormFoldGate, PrefetchSite,
+    bad, drv, env_on, Arg, CudaActivations, CudaBackend, CudaKvCache, CudaMatrix, CudaVector,
+    LaunchHow, MemKind, NormFoldGate, PrefetchSite,
 };
 use crate::superblock::{
     ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, q8s_t2_grid, split_q8_0_page,
@@ -978,16 +978,12 @@ impl SparseCudaBackend {
             format: Mutex::new(PageFormat::default()),
             multiprocessors,
             q8_kernel: Q8Kernel::from_env(),
-            cooperative_ffn: std::env::var("MIRAGE_SPARSE_COOP")
-                .is_ok_and(|v| v == "1" || v == "on")
-                .into(),
+            cooperative_ffn: env_on("MIRAGE_SPARSE_COOP").into(),
             atomic_ffn: std::env::var("MIRAGE_SPARSE_REDUCE")
                 .is_ok_and(|v| v == "atomic")
                 .into(),
             skip_routing: false.into(),
-            route_trunk_layers: std::env::var("MIRAGE_SPARSE_ROUTE_TRUNK")
-                .is_ok_and(|v| v == "1" || v == "on")
-                .into(),
+            route_trunk_layers: env_on("MIRAGE_SPARSE_ROUTE_TRUNK").into(),
             #[cfg(feature = "vulkan-interop")]
             vulkan: Mutex::new(None),
         })

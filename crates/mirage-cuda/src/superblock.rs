@@ -1669,10 +1669,6 @@ mod dequantize_tests {
         assert!(dequantize_parallel(GgmlType::Q8_0, &[0u8; 34], 1, 31, 2).is_err());
     }
 
-    /// The tiled down slice holds every down weight of the split layout at
-    /// its transposed place (a weight = quant times its block's scale, as
-    /// the kernels read them), leaves gate and up as they were, and rejects
-    /// bytes that are not whole pages.
     /// The cluster size follows v10's parts per chunk within the device's
     /// and the kernel's limits.
     #[test]
@@ -1691,6 +1687,10 @@ mod dequantize_tests {
         assert!(Q8_FFN_VARIANTS[15].cluster_down && !Q8_FFN_VARIANTS[15].tiled_down);
     }
 
+    /// The tiled down slice holds every down weight of the split layout at
+    /// its transposed place (a weight = quant times its block's scale, as
+    /// the kernels read them), leaves gate and up as they were, and rejects
+    /// bytes that are not whole pages.
     #[test]
     fn tiled_down_slice_is_the_split_one_transposed() {
         for d in [32usize, 96, 896] {
