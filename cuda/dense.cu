@@ -540,6 +540,18 @@ __device__ __forceinline__ int att_chunk(int n, int n_split, int chunk) {
     if (MIRAGE_ATT_MIN_KEYS <= 0) return chunk;
     return min(chunk, max(MIRAGE_ATT_MIN_KEYS, (n + n_split - 1) / n_split));
 }
+// Which (row, head, split) of a split attention a block computes, out of
+// n_split splits: its grid position in the attention kernels (the default
+// argument), or a work item of the attention block kernel (attn_block, one
+// persistent grid for Q/K/V, attention and O), which runs the same code for
+// the same items: the same bits.
+struct AttIdx {
+    int row, head, split, n_split;
+};
+__device__ __forceinline__ AttIdx att_grid_idx() {
+    return AttIdx{(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z, (int)gridDim.z};
+}
+
 // The first loads of attend_part_with for block (row, head, split): this
 // warp's first batch of keys and this thread's first batch of values of the
 // split's first tile, with the same predicates (zeros where the loop would
@@ -634,9 +646,9 @@ __device__ __forceinline__ void att_load_values(const KV* V, int t0, int jb, int
 
 template <typename KV>
 __device__ __forceinline__ void att_preload(const KV* kc, const KV* vc, int seq, int n, int kvh, int n_head_kv,
-                                            int head_dim, int n_ctx, int chunk, AttPre& p) {
-    chunk = att_chunk(n, gridDim.z, chunk);
-    const int j0 = blockIdx.z * chunk, cnt = min(ATT_TILE, min(n, j0 + chunk) - j0);
+                                            int head_dim, int n_ctx, int chunk, AttPre& p, AttIdx ix = att_grid_idx()) {
+    chunk = att_chunk(n, ix.n_split, chunk);
+    const int j0 = ix.split * chunk, cnt = min(ATT_TILE, min(n, j0 + chunk) - j0);
     const KV* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
     const KV* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
@@ -668,12 +680,12 @@ template <typename KV, typename LoadQ, bool PRE = false>
 __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const KV* __restrict__ vc,
                                  const int* __restrict__ slots, int n_head, int n_head_kv, int head_dim, int n_ctx,
                                  int chunk, float scale, const float* ksub, const float* vsub, int psub,
-                                 float* __restrict__ part, const AttPre* pre = nullptr) {
+                                 float* __restrict__ part, const AttPre* pre = nullptr, AttIdx ix = att_grid_idx()) {
     __shared__ float qs[ATT_THREADS];
     __shared__ float sc[ATT_TILE];
     __shared__ float red[ATT_THREADS];
     __shared__ float lred[ATT_THREADS / 64];
-    int row = blockIdx.x, head = blockIdx.y, split = blockIdx.z, n_split = gridDim.z;
+    int row = ix.row, head = ix.head, split = ix.split, n_split = ix.n_split;
     int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
     chunk = att_chunk(n, n_split, chunk);
     int j0 = split * chunk, j1 = min(n, j0 + chunk);
@@ -810,17 +822,24 @@ __device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ 
 // PRE (attend_rope_pre): the kernel's PDL wait is here, after the position,
 // this thread's RoPE angle and the first key and value batches (att_preload)
 // are read: none of them depends on the previous kernel.
-template <typename KV, bool PRE = false>
+// CG: q, k and v were written by other blocks of the same grid (attn_block):
+// they are read through L2 (__ldcg), never through a non-coherent cache.
+template <bool CG>
+__device__ __forceinline__ float att_in(const float* p) {
+    if constexpr (CG) return __ldcg(p);
+    return *p;
+}
+template <typename KV, bool PRE = false, bool CG = false>
 __device__ void attend_rope_part(const float* __restrict__ q, const float* __restrict__ k,
                                  const float* __restrict__ v, KV* kc, KV* vc, const int* __restrict__ slots,
                                  int n_head, int n_head_kv, int head_dim, int n_ctx, int chunk, float scale, int neox,
-                                 float freq_base, float* __restrict__ part) {
+                                 float freq_base, float* __restrict__ part, AttIdx ix = att_grid_idx()) {
     __shared__ float qr[ATT_THREADS], kr[ATT_THREADS], vr[ATT_THREADS];
-    const int row = blockIdx.x, head = blockIdx.y, half = head_dim >> 1;
+    const int row = ix.row, head = ix.head, half = head_dim >> 1;
     const int seq = slots[2 * row], pos = slots[2 * row + 1];
     const int kvh = head / (n_head / n_head_kv);
     // The split of position pos is the last one with positions.
-    const bool has_new = (int)blockIdx.z == pos / att_chunk(pos + 1, gridDim.z, chunk);
+    const bool has_new = ix.split == pos / att_chunk(pos + 1, ix.n_split, chunk);
     const bool stores = has_new && head % (n_head / n_head_kv) == 0;
     const float* qh = q + ((long)row * n_head + head) * head_dim;
     const float* kh = k + ((long)row * n_head_kv + kvh) * head_dim;
@@ -830,7 +849,7 @@ __device__ void attend_rope_part(const float* __restrict__ q, const float* __res
     float pc = 0.f, ps = 0.f;  // PRE: pair threadIdx.x's angle
     if constexpr (PRE) {
         if ((int)threadIdx.x < half) rope_angle(threadIdx.x, pos, head_dim, freq_base, &pc, &ps);
-        att_preload<KV>(kc, vc, seq, pos + 1, kvh, n_head_kv, head_dim, n_ctx, chunk, pre);
+        att_preload<KV>(kc, vc, seq, pos + 1, kvh, n_head_kv, head_dim, n_ctx, chunk, pre, ix);
         PDL_ENTRY();
     }
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -842,12 +861,12 @@ __device__ void attend_rope_part(const float* __restrict__ q, const float* __res
         } else {
             rope_angle(i, pos, head_dim, freq_base, &c, &s);
         }
-        rope_turn(qh[ia], qh[ib], c, s, &ra, &rb);
+        rope_turn(att_in<CG>(qh + ia), att_in<CG>(qh + ib), c, s, &ra, &rb);
         qr[ia] = ra;
         qr[ib] = rb;
         if (has_new) {
-            rope_turn(kh[ia], kh[ib], c, s, &ra, &rb);
-            const float va = vh[ia], vb = vh[ib];
+            rope_turn(att_in<CG>(kh + ia), att_in<CG>(kh + ib), c, s, &ra, &rb);
+            const float va = att_in<CG>(vh + ia), vb = att_in<CG>(vh + ib);
             kr[ia] = kv_round(kc, ra);
             kr[ib] = kv_round(kc, rb);
             vr[ia] = kv_round(vc, va);
@@ -865,7 +884,7 @@ __device__ void attend_rope_part(const float* __restrict__ q, const float* __res
         for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
     };
     attend_part_with<KV, decltype(load_q), PRE>(load_q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk,
-                                                scale, kr, vr, has_new ? pos : -1, part, &pre);
+                                                scale, kr, vr, has_new ? pos : -1, part, &pre, ix);
 }
 
 // Split-K attention, part 2: out[row, head, :] = sum_s e^(m_s - M) acc_s /
@@ -908,16 +927,17 @@ extern "C" __global__ void attend_combine(const float* __restrict__ part, const 
 // with attend_combine's arithmetic: the same bits as the two launches, one
 // dependent launch fewer per layer. count: rows * n_head u32, zero at first
 // use. Grid and block as attend_part. part_fn() runs the block's split
-// (attend_part, or attend_rope_part for attend_rope).
+// (attend_part, or attend_rope_part for attend_rope). Returns whether this
+// block merged (wrote out for its (row, head)); every thread gets the same.
 template <typename PartFn>
-__device__ void attend_then_merge(PartFn part_fn, const int* slots, int n_head, int head_dim, int chunk, float* part,
-                                  unsigned* count, float* out) {
+__device__ bool attend_then_merge(PartFn part_fn, const int* slots, int n_head, int head_dim, int chunk, float* part,
+                                  unsigned* count, float* out, AttIdx ix = att_grid_idx()) {
     __shared__ int last;
-    const int row = blockIdx.x, head = blockIdx.y, n_split = gridDim.z;
+    const int row = ix.row, head = ix.head, n_split = ix.n_split;
     const int n = slots[2 * row + 1] + 1;
     chunk = att_chunk(n, n_split, chunk);
     const int ns = min(n_split, (n + chunk - 1) / chunk);
-    if ((int)blockIdx.z >= ns) return;  // attend_part's empty splits
+    if (ix.split >= ns) return false;  // attend_part's empty splits
     part_fn();
     __threadfence();
     __syncthreads();
@@ -927,11 +947,12 @@ __device__ void attend_then_merge(PartFn part_fn, const int* slots, int n_head, 
         if (last) *c = 0u;  // every split of this (row, head) has arrived
     }
     __syncthreads();
-    if (!last) return;
+    if (!last) return false;
     __threadfence();
     const float* P = part + ((long)row * n_head + head) * n_split * (head_dim + 2);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
         out[((long)row * n_head + head) * head_dim + d] = attend_merge(P, ns, head_dim, d);
+    return true;
 }
 
 
@@ -2202,8 +2223,14 @@ __device__ __forceinline__ MvvRows ffn_rows(const u8* Wg, const u8* Wu, int rows
 // The U chunks of 512 elements from chunk c of NR split-Q8_0 rows: this
 // lane's 16 quants of each (w) and their block scale (sc); chunks past the
 // row end load zeros. Reads weights only, so the preload variants issue it
-// before pdl_wait().
-template <int NR, int NH, int U>
+// before pdl_wait(). GEN: the rows are in shared memory (attn_block's O
+// tiles), read by generic loads; otherwise global, through __ldg.
+template <bool GEN, typename T>
+__device__ __forceinline__ T mvv_ld(const T* p) {
+    if constexpr (GEN) return *p;
+    return __ldg(p);
+}
+template <int NR, int NH, int U, bool GEN = false>
 __device__ __forceinline__ void q8s_load16(const MvvRows& R, int cols, int lane, uint4 (&w)[U][NR], u32 (&sc)[U][NR],
                                            int c) {
 #pragma unroll
@@ -2212,8 +2239,8 @@ __device__ __forceinline__ void q8s_load16(const MvvRows& R, int cols, int lane,
         bool ok = e < cols;  // implies c + h < n_chunks
 #pragma unroll
         for (int k = 0; k < NR; k++) {
-            w[h][k] = ok ? __ldg((const uint4*)(mvv_q<NH>(R, k) + e)) : make_uint4(0u, 0u, 0u, 0u);
-            sc[h][k] = ok ? (u32)__ldg((const u16*)(mvv_m<NH>(R, k) + ((e >> 5) << 1))) : 0u;
+            w[h][k] = ok ? mvv_ld<GEN>((const uint4*)(mvv_q<NH>(R, k) + e)) : make_uint4(0u, 0u, 0u, 0u);
+            sc[h][k] = ok ? (u32)mvv_ld<GEN>((const u16*)(mvv_m<NH>(R, k) + ((e >> 5) << 1))) : 0u;
         }
     }
 }
@@ -2494,6 +2521,42 @@ __device__ __forceinline__ void mv3_variant(MV3_PARAMS) {
     mv3_store<NR, S>(acc, part, warp, lane, slice, r0, y, bias, rs, a, rows);
 }
 
+// mv3_grid's loop over the launch's row tiles, from xa (activation row a):
+// this block's i-th tile is order(i, n_tiles); after(m, bx) runs on every
+// thread after each tile's store (m the matrix, bx the tile within it).
+template <int NR, int U, int S, class Order, class After>
+__device__ __forceinline__ void mv3_tile_loop(MV3_PARAMS, const float* xa, int a, Order order, After after) {
+    const int G = 128;  // split Q8_0 granule (mv3_variant's G)
+    const int per_block = (FAST_WARPS / S) * NR;
+    const int n_tiles = (rows0 + per_block - 1) / per_block + (rows1 + per_block - 1) / per_block +
+                        (rows2 + per_block - 1) / per_block;
+    (void)row_bytes;
+    (void)x;
+    (void)nx;
+    (void)nw;
+    (void)neps;
+    (void)nout;
+    __shared__ float part[S > 1 ? FAST_WARPS : 1][NR];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slice = warp % S;
+    int c_lo, c_n;
+    mv3_slice<G, S>(cols, slice, c_lo, c_n);
+    const int qs = mvv_qrow<MVV_Q8>(cols), ms = mvv_mrow<MVV_Q8>(cols);
+    for (int i = blockIdx.x; i < n_tiles; i += gridDim.x) {
+        const int t = order(i, n_tiles);
+        MV3_MATRIX(t, per_block)
+        const int r0 = (bx * (FAST_WARPS / S) + warp / S) * NR;
+        float acc[NR];
+#pragma unroll
+        for (int k = 0; k < NR; k++) acc[k] = 0.f;
+        if (r0 < rows && c_n > 0) {
+            const MvvRows R = mv3_rows<MVV_Q8>(W, rows, r0, c_lo, qs, ms);
+            mvv_dot<MVV_Q8, NR, NR, U, false>(R, xa + c_lo, c_n, lane, acc);
+        }
+        mv3_store<NR, S>(acc, part, warp, lane, slice, r0, y, bias, rs, a, rows);
+        after(m, bx);
+    }
+}
+
 // mv3_variant on a persistent grid (instances `mv3_*_v2g*`, measured by
 // kernel-bench --variants): block b takes the row groups ("tiles") b,
 // b + gridDim.x, ... of the three matrices in mv3_variant's numbering, so a
@@ -2507,31 +2570,13 @@ __device__ __forceinline__ void mv3_variant(MV3_PARAMS) {
 // pays the norm prologue and its own start again.
 template <int NR, int U, int S>
 __device__ __forceinline__ void mv3_grid(MV3_PARAMS) {
-    const int G = 128;  // split Q8_0 granule (mv3_variant's G)
-    const int per_block = (FAST_WARPS / S) * NR;
-    const int n_tiles = (rows0 + per_block - 1) / per_block + (rows1 + per_block - 1) / per_block +
-                        (rows2 + per_block - 1) / per_block;
-    (void)row_bytes;
     PDL_ENTRY();
     FAST_INPUT
-    __shared__ float part[S > 1 ? FAST_WARPS : 1][NR];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slice = warp % S;
-    int c_lo, c_n;
-    mv3_slice<G, S>(cols, slice, c_lo, c_n);
-    const int qs = mvv_qrow<MVV_Q8>(cols), ms = mvv_mrow<MVV_Q8>(cols);
-    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-        MV3_MATRIX(t, per_block)
-        const int r0 = (bx * (FAST_WARPS / S) + warp / S) * NR;
-        float acc[NR];
-#pragma unroll
-        for (int k = 0; k < NR; k++) acc[k] = 0.f;
-        if (r0 < rows && c_n > 0) {
-            const MvvRows R = mv3_rows<MVV_Q8>(W, rows, r0, c_lo, qs, ms);
-            mvv_dot<MVV_Q8, NR, NR, U, false>(R, xa + c_lo, c_n, lane, acc);
-        }
-        mv3_store<NR, S>(acc, part, warp, lane, slice, r0, y, bias, rs, a, rows);
-        if (S > 1) __syncthreads();  // the slice-0 warps have read part
-    }
+    mv3_tile_loop<NR, U, S>(
+        MV3_ARGS, xa, a, [](int i, int) { return i; },
+        [](int, int) {
+            if (S > 1) __syncthreads();  // the slice-0 warps have read part
+        });
 }
 
 // The preload form of mv3_variant (split Q8_0 only, instances `mv3_*_v2p*`):
@@ -2716,6 +2761,250 @@ MVV_INSTANCE(q8_0s, MVV_Q8, v4, MVV4_NR, MVV4_U_Q8, false, FAST_WARPS * 32, 4)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v4, MVV4_NR, MVV4_U_Q4K, false, FAST_WARPS * 32, 3)
 MVV_INSTANCE(q8_0s, MVV_Q8, v5, MVV5_NR, MVV5_U_Q8, true, FAST_WARPS * 32, 3)
 MVV_INSTANCE(q4_ks, MVV_Q4K, v5, MVV5_NR, MVV5_U_Q4K, true, FAST_WARPS * 32, 3)
+
+// ---------------------------------------------------------------------------
+// The attention block of a one-row decode layer in ONE launch
+// (`attn_block_q8s_f16` / `_f32`; `MIRAGE_CUDA_ATTN_BLOCK=1`, CudaBackend's
+// `fuse_attention_blocks` over a recorded step). The launches
+//   mv3_q8_0s_v2[g][_kS]  Q, K, V (+ the folded RMSNorm, + biases)
+//   attend_rope_<kv>      RoPE, KV store, split attention and its merge
+//   mv3_q8_0s_v2[g][_kS]  O (+ the residual add)
+// become one persistent grid that runs the same work items with the same
+// code, so every output keeps its bits; between the items, counters in
+// device memory take the place of the kernel boundaries:
+//   1. before the PDL wait, thread 0 asks the copy engine for the block's O
+//      row tiles, whole, into dynamic shared memory: weights only, so they
+//      stream in while the previous kernel, the Q/K/V products and the
+//      attention run;
+//   2. the Q/K/V row tiles of mv3_grid (K and V tiles first: every attention
+//      item needs its KV head), each followed by +1 on the ready counter of
+//      each head it wrote rows of;
+//   3. the attention items (head, split) of attend_rope: each waits until
+//      its query head and KV head are complete, then runs attend_rope_part
+//      and attend_then_merge; the block that merges a head adds 1 to the
+//      merged-heads counter;
+//   4. the O row tiles: wait for every head, copy the attention output into
+//      shared memory (through L2), dot it with the rows from step 1 (or from
+//      global memory, tiles step 1 did not take);
+//   5. the last block to finish zeroes the counters for the next launch.
+// Why: the three kernels are latency chains (ncu, 7B: Q/K/V 13.6 us, the
+// attention ~10 us at ~20 positions, O 9.7 us, plus ~3 us a boundary), and
+// every change that kept the boundaries (PDL, L2 prefetch, preload into
+// registers) left the step where it was. Here O's 13.6 MB leave the
+// critical path and two boundaries go.
+// No deadlock: every block is resident (the host sizes the grid to the
+// resident blocks at this shared memory), each block does all its step-2
+// items (which wait on nothing) before any wait, step 3 waits on step 2
+// only and step 4 on step 3 only.
+// sync: ATTB_SYNC(n_head, n_head_kv) u32, zero before the first launch:
+// [0, n_head) the query heads' finished tiles, then the K heads', the V
+// heads', the merged heads, the finished blocks. One activation row;
+// head_dim <= ATT_THREADS; blocks of ATTB_THREADS, the mat-vecs' and the
+// attention's block size, so their code runs unchanged.
+// ---------------------------------------------------------------------------
+#define ATTB_THREADS (FAST_WARPS * 32)
+#define ATTB_SYNC(n_head, n_head_kv) ((n_head) + 2 * (n_head_kv) + 2)
+
+__device__ __forceinline__ unsigned attb_load_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Every thread of the block: returns once *p >= target (thread 0 polls).
+__device__ __forceinline__ void attb_wait(const unsigned* p, unsigned target) {
+    if (threadIdx.x == 0)
+        while (attb_load_acquire(p) < target) __nanosleep(32);
+    __syncthreads();
+}
+
+// Every thread of the block, after its stores: +1 on c[h0..=h1].
+__device__ __forceinline__ void attb_signal(unsigned* c, int h0, int h1) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int h = h0; h <= h1; h++) atomicAdd(c + h, 1u);
+}
+
+// Row tiles of T rows that hold rows of head h of a matrix of `rows` rows.
+__device__ __forceinline__ unsigned attb_tiles_of(int h, int head_dim, int rows, int T) {
+    const int r0 = h * head_dim, r1 = min(rows, (h + 1) * head_dim) - 1;
+    return (unsigned)(r1 / T - r0 / T + 1);
+}
+
+#define ATTB_PARAMS(KV)                                                                                              \
+    const u8 *W0, const u8 *W1, const u8 *W2, int rows0, int rows1, int rows2, int cols, const float *x, float *y0, \
+        float *y1, float *y2, const float *bias0, const float *bias1, const float *bias2, const float *nx,          \
+        const float *nw, float neps, float *nout, int s_qkv, KV *kc, KV *vc, const int *slots, int n_head,          \
+        int n_head_kv, int head_dim, int n_ctx, int chunk, float scale, float *part, unsigned *count, float *att,   \
+        int neox, float freq_base, int n_split, const u8 *Wo, int rows_o, int cols_o, float *yo, const float *bo,    \
+        float *res_o, int s_o, unsigned *sync, int o_pre, int vec_floats
+#define ATTB_ARGS                                                                                                    \
+    W0, W1, W2, rows0, rows1, rows2, cols, x, y0, y1, y2, bias0, bias1, bias2, nx, nw, neps, nout, s_qkv, kc, vc,   \
+        slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part, count, att, neox, freq_base, n_split, Wo,     \
+        rows_o, cols_o, yo, bo, res_o, s_o, sync, o_pre, vec_floats
+
+// Step 2: mv3_grid's tiles of Q, K and V (S warps a row group) from xa,
+// K and V first; after each, +1 on the ready counter of every head it wrote
+// rows of (the counters' barrier also frees mv3_store's part for the next).
+template <int S>
+__device__ __forceinline__ void attb_qkv(const u8* W0, const u8* W1, const u8* W2, int rows0, int rows1, int rows2,
+                                         int cols, const float* xa, float* y0, float* y1, float* y2,
+                                         const float* bias0, const float* bias1, const float* bias2, unsigned* sync,
+                                         int n_head, int n_head_kv, int head_dim) {
+    const int per_block = (FAST_WARPS / S) * MVV2_NR, tq = (rows0 + per_block - 1) / per_block;
+    const int rows[3] = {rows0, rows1, rows2}, base[3] = {0, n_head, n_head + n_head_kv};
+    mv3_tile_loop<MVV2_NR, MVV2_U_Q8, S>(
+        W0, W1, W2, rows0, rows1, rows2, 0, cols, xa, y0, y1, y2, 0.f, 0.f, 0.f, bias0, bias1, bias2, (float*)0,
+        (const float*)0, (const float*)0, 0.f, (float*)0, xa, 0, [&](int i, int n) { return (i + tq) % n; },
+        [&](int m, int bx) {
+            const int last = min(rows[m], (bx + 1) * per_block) - 1;
+            attb_signal(sync + base[m], bx * per_block / head_dim, last / head_dim);
+        });
+}
+
+// Step 4: the O tiles of this block (S warps a row group), the first o_pre
+// of them from the copies step 1 asked for (otiles, landing on bar).
+template <int S>
+__device__ __forceinline__ void attb_o(const u8* Wo, int rows_o, int cols_o, float* yo, const float* bo, float* res_o,
+                                       const float* att, float* xs, const u8* otiles, int o_pre,
+                                       unsigned long long* bar, const unsigned* merged, int n_head) {
+    const int NR = MVV2_NR, U = MVV2_U_Q8, G = 128;
+    const int per_block = (FAST_WARPS / S) * NR;
+    const int n_tiles = (rows_o + per_block - 1) / per_block;
+    if ((int)blockIdx.x >= n_tiles) return;
+    __shared__ float part[S > 1 ? FAST_WARPS : 1][NR];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slice = warp % S;
+    int c_lo, c_n;
+    mv3_slice<G, S>(cols_o, slice, c_lo, c_n);
+    const int qs = mvv_qrow<MVV_Q8>(cols_o), ms = mvv_mrow<MVV_Q8>(cols_o);
+    const long tile_bytes = (long)per_block * (qs + ms);
+    attb_wait(merged, (unsigned)n_head);
+    for (int i = threadIdx.x; i < cols_o; i += blockDim.x) xs[i] = __ldcg(att + i);
+    __syncthreads();
+    if (o_pre > 0) sb_tx_wait(bar, 0);
+    int i = 0;
+    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x, i++) {
+        const int r0 = (t * (FAST_WARPS / S) + warp / S) * NR;
+        float acc[NR];
+#pragma unroll
+        for (int k = 0; k < NR; k++) acc[k] = 0.f;
+        if (r0 < rows_o && c_n > 0) {
+            if (i < o_pre) {
+                // q8s_dot16's loop (PF off) over the rows in shared memory:
+                // the same loads' values, the same arithmetic.
+                const u8* tq = otiles + i * tile_bytes;
+                const int rr = r0 - t * per_block;
+                MvvRows R;
+                R.qa = R.qb = tq + (long)rr * qs + c_lo;
+                R.ma = R.mb = tq + (long)per_block * qs + (long)rr * ms + (c_lo >> 4);
+                R.qs = qs;
+                R.ms = ms;
+                R.last = rows_o - 1 - r0;
+                uint4 w[U][NR];
+                u32 sc[U][NR];
+                const int n_chunks = (c_n + 511) >> 9;
+                for (int c = 0; c < n_chunks; c += U) {
+                    q8s_load16<NR, NR, U, true>(R, c_n, lane, w, sc, c);
+                    q8s_compute16<NR, U>(xs + c_lo, c_n, lane, w, sc, c, acc);
+                }
+            } else {
+                const MvvRows R = mv3_rows<MVV_Q8>(Wo, rows_o, r0, c_lo, qs, ms);
+                mvv_dot<MVV_Q8, NR, NR, U, false>(R, xs + c_lo, c_n, lane, acc);
+            }
+        }
+        mv3_store<NR, S>(acc, part, warp, lane, slice, r0, yo, bo, res_o, 0, rows_o);
+        if (S > 1) __syncthreads();  // the slice-0 warps have read part
+    }
+}
+
+#define ATTB_SPLIT(S, CALL)                                                                                          \
+    switch (S) {                                                                                                     \
+        case 1: CALL(1); break;                                                                                      \
+        case 2: CALL(2); break;                                                                                      \
+        case 4: CALL(4); break;                                                                                      \
+        default: CALL(8); break;                                                                                     \
+    }
+
+template <typename KV>
+__device__ void attn_block(ATTB_PARAMS(KV)) {
+    __shared__ __align__(8) unsigned long long attb_bar;
+    // Step 1 (weights only: allowed before the wait). The host passes o_pre
+    // > 0 only when every O tile is whole (rows_o % tile rows == 0) and its
+    // two spans (quants, scales) are 16-byte multiples at 16-byte offsets.
+    // The tiles start at the first 128-byte boundary after the vector (the
+    // copy engine writes 16-byte aligned shared memory; the extern array is
+    // only float-aligned by its type; the host plans 128 bytes of slack).
+    u8* otiles = (u8*)(((unsigned long long)(fused_norm_xs + vec_floats) + 127) & ~127ull);
+    {
+        const int TO = (FAST_WARPS / s_o) * MVV2_NR, n_to = (rows_o + TO - 1) / TO;
+        const long qb = (long)TO * cols_o, mb = (long)TO * (cols_o >> 4);
+        if (o_pre > 0 && (int)blockIdx.x < n_to && threadIdx.x == 0) {
+            int nt = 0;
+            for (int t = blockIdx.x; t < n_to && nt < o_pre; t += gridDim.x) nt++;
+            sb_tx_init(&attb_bar);
+            sb_tx_init_fence();
+            sb_tx_expect(&attb_bar, (sb_u32)(nt * (qb + mb)));
+            for (int i = 0; i < nt; i++) {
+                const long t = blockIdx.x + (long)i * gridDim.x;
+                u8* d = otiles + i * (qb + mb);
+                sb_bulk_g2s(d, Wo + t * qb, (sb_u32)qb, &attb_bar);
+                sb_bulk_g2s(d + qb, Wo + (long)rows_o * cols_o + t * mb, (sb_u32)mb, &attb_bar);
+            }
+        }
+    }
+    PDL_ENTRY();
+    const float* xa = nx != 0 ? norm_prologue(nx, nw, neps, nout, cols, 0) : x;
+    // Step 2.
+#define ATTB_QKV(S)                                                                                                  \
+    attb_qkv<S>(W0, W1, W2, rows0, rows1, rows2, cols, xa, y0, y1, y2, bias0, bias1, bias2, sync, n_head,            \
+                n_head_kv, head_dim)
+    ATTB_SPLIT(s_qkv, ATTB_QKV)
+#undef ATTB_QKV
+    // Step 3.
+    {
+        const int TQ = (FAST_WARPS / s_qkv) * MVV2_NR, group = n_head / n_head_kv;
+        unsigned* merged = sync + n_head + 2 * n_head_kv;
+        for (int u = blockIdx.x; u < n_head * n_split; u += gridDim.x) {
+            const AttIdx ix{0, u / n_split, u % n_split, n_split};
+            const int kvh = ix.head / group;
+            const bool merger = attend_then_merge(
+                [&] {
+                    attb_wait(sync + ix.head, attb_tiles_of(ix.head, head_dim, rows0, TQ));
+                    attb_wait(sync + n_head + kvh, attb_tiles_of(kvh, head_dim, rows1, TQ));
+                    attb_wait(sync + n_head + n_head_kv + kvh, attb_tiles_of(kvh, head_dim, rows2, TQ));
+                    attend_rope_part<KV, false, true>(y0, y1, y2, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx,
+                                                      chunk, scale, neox, freq_base, part, ix);
+                },
+                slots, n_head, head_dim, chunk, part, count, att, ix);
+            if (merger) attb_signal(merged, 0, 0);
+        }
+    }
+    // Step 4 (the vector area of the dynamic shared memory held the norm's
+    // output, which this block's step 2 has finished reading).
+#define ATTB_O(S)                                                                                                    \
+    attb_o<S>(Wo, rows_o, cols_o, yo, bo, res_o, att, fused_norm_xs, otiles, o_pre, &attb_bar,                      \
+              sync + n_head + 2 * n_head_kv, n_head)
+    ATTB_SPLIT(s_o, ATTB_O)
+#undef ATTB_O
+    // Step 5: the last block out is past every wait of every block.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const int n_sync = ATTB_SYNC(n_head, n_head_kv);
+        if (atomicAdd(sync + n_sync - 1, 1u) == gridDim.x - 1) {
+            for (int i = 0; i < n_sync; i++) sync[i] = 0u;
+            __threadfence();
+        }
+    }
+}
+
+#define ATTB_INSTANCE(NAME, KV)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATTB_THREADS) attn_block_q8s_##NAME(ATTB_PARAMS(KV)) {             \
+        attn_block<KV>(ATTB_ARGS);                                                                                   \
+    }
+ATTB_INSTANCE(f32, float)
+ATTB_INSTANCE(f16, u16)
 
 // ---------------------------------------------------------------------------
 // The floor of one decode-graph node (kernel-bench --launch-floor): a kernel

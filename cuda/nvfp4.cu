@@ -35,6 +35,64 @@ __device__ __forceinline__ float sb_h2f(sb_u16 h) {
     return f;
 }
 
+// The copy engine's (sm_90 TMA) transaction barriers (one arrival: the issuing thread's)
+// and the bulk global -> shared copy that completes on one of them.
+__device__ __forceinline__ void sb_tx_init(unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((sb_u32)__cvta_generic_to_shared(bar)) : "memory");
+#else
+    (void)bar;
+#endif
+}
+// Once after the inits, before the barrier that lets the block use them:
+// makes them visible to the copy engine (one fence for all: each costs a
+// round trip).
+__device__ __forceinline__ void sb_tx_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// Arrives on bar and makes its current phase wait for `bytes` more bytes of
+// copies (issued next).
+__device__ __forceinline__ void sb_tx_expect(unsigned long long* bar, sb_u32 bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"((sb_u32)__cvta_generic_to_shared(bar)),
+                 "r"(bytes)
+                 : "memory");
+#else
+    (void)bar;
+    (void)bytes;
+#endif
+}
+// bytes (a multiple of 16; both addresses 16-byte aligned) from src to dst.
+__device__ __forceinline__ void sb_bulk_g2s(void* dst, const void* src, sb_u32 bytes, unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     (sb_u32)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(bytes), "r"((sb_u32)__cvta_generic_to_shared(bar))
+                 : "memory");
+#else
+    (void)bar;
+    for (sb_u32 i = 0; i < bytes / 16; i++) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+#endif
+}
+// Every thread: waits until the phase of bar with this parity has completed.
+__device__ __forceinline__ void sb_tx_wait(unsigned long long* bar, sb_u32 parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    sb_u32 done;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.b32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"((sb_u32)__cvta_generic_to_shared(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+#else
+    (void)bar;
+    (void)parity;
+    __syncthreads();
+#endif
+}
 // Byte i of u (an unsigned value v + bias) as float, minus (2^23 + bias).
 __device__ __forceinline__ float sb_byte_f32(sb_u32 u, int i, float magic_plus_bias) {
     return __uint_as_float(sb_prmt(u, SB_MAGIC, 0x7540u | (sb_u32)i)) - magic_plus_bias;

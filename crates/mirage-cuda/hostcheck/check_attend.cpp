@@ -40,23 +40,10 @@ inline float h2f(u16 h) {
     float v = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? INFINITY : std::ldexp((float)(m | 1024), (int)e - 25);
     return s ? -v : v;
 }
-inline u16 f2h(float f) {  // round to nearest (normal range only, enough for test data)
-    u32 u; memcpy(&u, &f, 4);
-    u32 s = (u >> 16) & 0x8000; int e = ((u >> 23) & 255) - 127 + 15; u32 m = u & 0x7fffff;
-    if (e <= 0) return (u16)s;
-    u32 h = s | (e << 10) | (m >> 13);
-    if ((m >> 12) & 1) h++;
-    return (u16)h;
-}
-inline float kv_load(const float* p, long i) { return p[i]; }
-inline float kv_load(const u16* p, long i) { return h2f(p[i]); }
-inline float kv_widen(float v) { return v; }
-inline float kv_widen(u16 v) { return h2f(v); }
-inline float __fmul_rn(float a, float b) { return a * b; }  // g++ -O1 does not contract across statements
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
+#include "att_emu.h"
 inline float block_sum(float, float*) { abort(); }  // rope_store's q/k norm: not used here
 #define PDL_ENTRY() do {} while (0)  // attend_rope_part<KV, true>'s wait: nothing to wait on here
+template <class T> T __ldcg(const T* p) { return *p; }  // attend_rope_part<KV, PRE, true>'s loads
 #include "attend_extract.h"
 
 template <typename KV>

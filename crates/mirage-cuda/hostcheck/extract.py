@@ -54,7 +54,7 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
     "float sb_byte_f32(", "void q6ks_dot(", "float q6ks_elem("]) + fwd + extract("void dequant_unit<TY_Q6_K>(")
     + macro("Q6S_ROW_PTRS"))
 (out / "mvv_extract.h").write_text("".join(extract(n) for n in [
-    "float sb_byte_f32(", "void sb_q8x4(", "struct MvvRows", "const u8* mvv_q(", "const u8* mvv_m(",
+    "float sb_byte_f32(", "void sb_q8x4(", "struct MvvRows", "const u8* mvv_q(", "const u8* mvv_m(", "T mvv_ld(",
     "void q8s_load16(", "void q8s_compute16(", "void q8s_dot16(", "float q4v_nib_dot(", "void q4ks_dot16(", "u32 q4k_scale_byte(", "void q4k_scale_min(",
     "float q4ks_elem(", "float q8s_elem("]).replace("int qs, ms, last;\n}", "int qs, ms, last;\n};"))
 
@@ -63,9 +63,11 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
 (out / "attend_extract.h").write_text(macro_line("ATT_THREADS") + macro_line("ATT_TILE") + macro_line("ATT_KB")
     + macro_line("ATT_HD_LANE") + macro_line("ATT_VB") + "".join(extract(n) for n in [
         "int att_chunk(", "void kv_store(float*", "void kv_store(u16*", "float kv_round(const float*", "float kv_round(const u16*",
-        "void rope_angle(", "void rope_turn(", "void rope_rotate(", "void rope_store(", "struct AttPre",
-        "void att_load_keys(", "void att_load_values(", "void att_preload(", "void attend_part_with(", "void attend_part(",
-        "void attend_rope_part("]).replace("float vx[ATT_VB];\n}", "float vx[ATT_VB];\n};"))
+        "void rope_angle(", "void rope_turn(", "void rope_rotate(", "void rope_store(", "struct AttIdx",
+        "AttIdx att_grid_idx(", "struct AttPre", "void att_load_keys(", "void att_load_values(", "void att_preload(",
+        "void attend_part_with(", "void attend_part(", "float att_in(", "void attend_rope_part("])
+    .replace("float vx[ATT_VB];\n}", "float vx[ATT_VB];\n};")
+    .replace("int row, head, split, n_split;\n}", "int row, head, split, n_split;\n};"))
 
 # Phase 1 of the fused Q8_0 FFN (superblock.cu) with the helpers it calls; the
 # L2-prefetch asm of the PFD variants becomes HOST_ASM(...) (a no-op there).
@@ -92,3 +94,45 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
     + macro_line("SB_C2_MAX_CLUSTER") + macro_line("SB_MAGIC")
     + "".join(extract(n) for n in ["float sb_byte_f32(", "void sb_q8x4(", "void nv_reduce_scatter(",
         "void sb_q8x16_axpy(", "void sb_q8s_p2_quads(", "void sb_ffn_q8s_phase2_cluster("])))
+
+
+def macro_block(name):
+    """`#define name ...` with its continuation lines (ending in a backslash)."""
+    i = src.index("#define " + name)
+    j = i
+    while True:
+        e = src.index("\n", j)
+        if not src[j:e].rstrip().endswith("\\"):
+            return src[i : e + 1]
+        j = e + 1
+
+
+# The attention block kernel (dense.cu's attn_block: Q/K/V, the decode
+# attention and O in one persistent grid) with everything it calls: the
+# split Q8_0 mat-vec helpers, the folded norm, the attention. The counter
+# load's PTX (attb_load_acquire) and the copy engine (sb_tx_*, sb_bulk_g2s)
+# are check_attn_block.cpp's stand-ins; mv3_grid comes along as the
+# reference's Q/K/V and O launches.
+(out / "attn_block_extract.h").write_text(
+    "".join(macro_line(m) for m in ["FAST_WARPS", "FAST_ROWS", "MVV_Q8", "MVV_Q4K", "MVV2_NR", "MVV2_U_Q8",
+                                    "ATT_THREADS", "ATT_TILE", "ATT_KB", "ATT_HD_LANE", "ATT_VB", "NORM_VEC",
+                                    "ATTB_THREADS", "ATTB_SYNC"])
+    + "".join(macro_block(m) for m in ["MV3_PARAMS", "MV3_ARGS", "FAST_INPUT", "MV3_MATRIX", "ATTB_PARAMS",
+                                       "ATTB_ARGS", "ATTB_SPLIT"])
+    + ("".join(extract(n) for n in [
+        "float norm_warp_sum(", "float norm_block_sum(", "void rms_norm_row_by(", "void rms_norm_row(",
+        "float warp_sum(", "float warp_max(", "float sb_byte_f32(", "void sb_q8x4(", "int pick3(", "void mv_store(",
+        "const float* norm_prologue(", "struct MvvRows", "const u8* mvv_q(", "const u8* mvv_m(", "T mvv_ld(",
+        "void q8s_load16(", "void q8s_compute16(", "void q8s_dot16(", "float q4v_nib_dot(", "void q4ks_dot16(",
+        "void mvv_dot(", "int mvv_qrow(", "int mvv_mrow(", "void mv3_store(", "void mv3_slice(",
+        "MvvRows mv3_rows(", "void mv3_tile_loop(", "void mv3_grid(",
+        "int att_chunk(", "void kv_store(float*", "void kv_store(u16*", "float kv_round(const float*",
+        "float kv_round(const u16*", "void rope_angle(", "void rope_turn(", "struct AttIdx", "AttIdx att_grid_idx(",
+        "struct AttPre", "void att_load_keys(", "void att_load_values(", "void att_preload(",
+        "void attend_part_with(", "float att_in(", "void attend_rope_part(", "float attend_merge(",
+        "bool attend_then_merge(",
+        "void attb_wait(", "void attb_signal(", "unsigned attb_tiles_of(", "void attb_qkv(", "void attb_o(",
+        "void attn_block("])
+       .replace("int qs, ms, last;\n}", "int qs, ms, last;\n};")
+       .replace("float vx[ATT_VB];\n}", "float vx[ATT_VB];\n};")
+       .replace("int row, head, split, n_split;\n}", "int row, head, split, n_split;\n};")))

@@ -169,6 +169,8 @@ const OTHER_KERNELS: &[&str] = &[
     "attend_fused_f32",
     "attend_fused_f16",
     "attend_rope_f32",
+    "attn_block_q8s_f32",
+    "attn_block_q8s_f16",
     "attend_rope_pre_f32",
     "attend_rope_pre_f16",
     "attend_rope_f16",
@@ -234,6 +236,11 @@ pub(crate) fn kernel_names() -> Vec<&'static str> {
         .collect()
 }
 
+/// u32 counters of the attention block kernel's buffer (`ATTB_SYNC` =
+/// n_head + 2 n_head_kv + 2 of them a launch; layers run one after another,
+/// so one buffer serves all).
+const ATTN_BLOCK_SYNC_WORDS: usize = 1024;
+
 /// Threads of an `l2_prefetch` block.
 const PREFETCH_THREADS: u32 = 256;
 
@@ -291,6 +298,8 @@ pub(crate) const MV3_ARGS: usize = 23;
 
 /// Arguments of an `ffn_*` launch (`FFN_PARAMS`), the last four as above.
 pub(crate) const FFN_ARGS: usize = 13;
+/// Arguments of `attn_block_q8s_*` (`ATTB_PARAMS` in dense.cu).
+pub(crate) const ATTN_BLOCK_ARGS: usize = 44;
 
 /// Widest row a norm can be folded into the next mat-vec (its normalized
 /// row sits in shared memory, under the 48 KiB a launch gets without
@@ -500,6 +509,9 @@ struct Scratch {
     /// `attend_fused`'s arrival counters, one per (row, head); zero between
     /// launches.
     attn_count: Option<CudaSlice<u32>>,
+    /// The attention block kernel's counters (`ATTN_BLOCK_SYNC_WORDS`, zero
+    /// between launches); allocated once, so recorded graphs keep it.
+    attn_sync: Option<CudaSlice<u32>>,
     /// Last uploaded token slots (seq, pos pairs) and their device copy:
     /// every layer of a step passes the same slots (ops outside a step).
     slots_host: Vec<i32>,
@@ -737,6 +749,19 @@ pub struct CudaBackend {
     /// (`attend_rope_*`, default; `MIRAGE_CUDA_ROPE_FUSE=0` at start or
     /// `set_rope_in_attention(false)` keeps `rope_store_*` as its own launch).
     rope_in_attention: std::sync::atomic::AtomicBool,
+    /// Q/K/V, the decode attention and O of a one-row recorded step as one
+    /// launch (`attn_block_q8s_*`, `fuse_attention_blocks`;
+    /// `MIRAGE_CUDA_ATTN_BLOCK=1` at start, `set_attention_block`). Off by
+    /// default until measured on a GPU.
+    attention_block: std::sync::atomic::AtomicBool,
+    /// The attention block kernel's launch plans by shape (a driver
+    /// occupancy query each; asked once).
+    attention_block_plans:
+        Mutex<HashMap<crate::attn_block::AttnBlockShape, crate::attn_block::AttnBlockPlan>>,
+    /// Largest dynamic shared memory a block may opt into.
+    max_dynamic_smem: usize,
+    /// Most blocks of an attention block launch (0: as many as fit).
+    attention_block_grid: std::sync::atomic::AtomicUsize,
     /// Whether the residual add after a sparse FFN folds into the FFN's
     /// last phase in a recorded step (`MIRAGE_SPARSE_FOLD_ADD=0` at start
     /// keeps the separate `add_inplace`).
@@ -843,6 +868,12 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
             .map_err(d)?
             .max(0) as usize;
+        let max_dynamic_smem = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(d)?
+            .max(0) as usize;
         let source = module::with_env_defines(module::DENSE_SOURCE);
         let (ptx, ptx_from_cache) = module::ptx_for("dense", &source, cc.0, cc.1)?;
         let module = ctx
@@ -887,6 +918,10 @@ impl CudaBackend {
             l2_bytes,
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
             rope_in_attention: (!env_off("MIRAGE_CUDA_ROPE_FUSE")).into(),
+            attention_block: crate::attn_block::attention_block_at_start().into(),
+            attention_block_plans: Mutex::new(HashMap::new()),
+            max_dynamic_smem,
+            attention_block_grid: 0.into(),
             fold_ffn_add: !env_off("MIRAGE_SPARSE_FOLD_ADD"),
             functions_names: names,
             kernel_index,
@@ -1427,6 +1462,30 @@ impl CudaBackend {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Runs Q/K/V, the decode attention and O of each layer of a one-row
+    /// recorded step as one launch (`attn_block_q8s_*`, the same bits) where
+    /// the step has them in the form it replaces (split Q8_0 v2 mat-vecs,
+    /// `attend_rope_*`; `fuse_attention_blocks`), or as three (`false`,
+    /// default; `MIRAGE_CUDA_ATTN_BLOCK=1` at start turns it on).
+    pub fn set_attention_block(&self, on: bool) {
+        self.attention_block
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// At most `blocks` blocks for each attention block launch (`None`: as
+    /// many as are resident): a test's way to make each block take several
+    /// tiles and attention items.
+    pub fn set_attention_block_grid(&self, blocks: Option<usize>) {
+        self.attention_block_grid
+            .store(blocks.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether `set_attention_block` is on.
+    pub fn attention_block(&self) -> bool {
+        self.attention_block
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Whether the decode attention and its combine run as one launch.
     pub fn fused_attention(&self) -> bool {
         self.fused_attention
@@ -1936,6 +1995,181 @@ impl CudaBackend {
             }
         }
         false
+    }
+
+    /// Replaces each run of three launches of a one-row recorded step that
+    /// the attention block kernel covers -- `mv3_q8_0s_v2*` over Q, K and V
+    /// (norm folded or not, biases), `attend_rope_<kv>` over their outputs,
+    /// `mv3_q8_0s_v2*` over O reading the attention output (residual folded
+    /// or not) -- with one `attn_block_q8s_<kv>` launch that runs the same
+    /// items with the same code (cuda/dense.cu; the same bits). Anything
+    /// else is left as it is.
+    fn fuse_attention_blocks(&self, launches: Vec<Launch>) -> Result<Vec<Launch>> {
+        let split_of = |l: &Launch| -> Option<usize> {
+            let name = self.functions_names.get(l.kernel)?;
+            let rest = ["mv3_q8_0s_v2g", "mv3_q8_0s_v2p", "mv3_q8_0s_v2"]
+                .iter()
+                .find_map(|p| name.strip_prefix(p))?;
+            let s = match rest {
+                "" => 1,
+                _ => rest.strip_prefix("_k")?.parse().ok()?,
+            };
+            (l.args.len() == MV3_ARGS && l.grid.1 == 1 && SPLIT_K.contains(&s)).then_some(s)
+        };
+        let int = |a: &Arg| match a {
+            Arg::I32(v) => *v as usize,
+            _ => 0,
+        };
+        let mut out = Vec::with_capacity(launches.len());
+        let mut i = 0;
+        while i < launches.len() {
+            if i + 2 < launches.len() {
+                if let Some(fused) =
+                    self.attention_block_of(&launches[i..i + 3], &split_of, &int)?
+                {
+                    out.push(fused);
+                    i += 3;
+                    continue;
+                }
+            }
+            out.push(launches[i].clone());
+            i += 1;
+        }
+        Ok(out)
+    }
+
+    /// The `attn_block_q8s_*` launch for `ls` = [Q/K/V, attention, O], or
+    /// `None` when they are not that pattern (see `fuse_attention_blocks`).
+    fn attention_block_of(
+        &self,
+        ls: &[Launch],
+        split_of: &dyn Fn(&Launch) -> Option<usize>,
+        int: &dyn Fn(&Arg) -> usize,
+    ) -> Result<Option<Launch>> {
+        let (a, b, c) = (&ls[0], &ls[1], &ls[2]);
+        let (Some(s_qkv), Some(s_o)) = (split_of(a), split_of(c)) else {
+            return Ok(None);
+        };
+        let kv = match self.functions_names.get(b.kernel) {
+            Some(&"attend_rope_f16") => "f16",
+            Some(&"attend_rope_f32") => "f32",
+            _ => return Ok(None),
+        };
+        // Q/K/V: three matrices, no residual. attend_rope (one row) reads
+        // their outputs; O: one matrix over the attention output, no norm.
+        let qkv = int(&a.args[4]) > 0 && int(&a.args[5]) > 0 && a.args[18] == Arg::Ptr(0);
+        let att = b.grid.0 == 1
+            && b.args.len() == 17
+            && b.args[0] == a.args[9]
+            && b.args[13] == a.args[10]
+            && b.args[14] == a.args[11];
+        let o = int(&c.args[4]) == 0
+            && int(&c.args[5]) == 0
+            && c.args[8] == b.args[12]
+            && c.args[19] == Arg::Ptr(0);
+        if !(qkv && att && o) {
+            return Ok(None);
+        }
+        let (n_head, n_head_kv) = (int(&b.args[4]), int(&b.args[5]));
+        let words = crate::attn_block::sync_words(n_head, n_head_kv);
+        if words > ATTN_BLOCK_SYNC_WORDS {
+            return Ok(None);
+        }
+        let shape = crate::attn_block::AttnBlockShape {
+            cols: int(&a.args[7]),
+            rows_qkv: [int(&a.args[3]), int(&a.args[4]), int(&a.args[5])],
+            s_qkv,
+            s_o,
+            rows_o: int(&c.args[3]),
+            cols_o: int(&c.args[7]),
+            att_items: n_head * b.grid.2 as usize,
+            sm_count: self.sm_count,
+            max_dynamic_smem: self.max_dynamic_smem,
+            max_grid: match self
+                .attention_block_grid
+                .load(std::sync::atomic::Ordering::Relaxed)
+            {
+                0 => None,
+                n => Some(n),
+            },
+        };
+        let kernel = format!("attn_block_q8s_{kv}");
+        let k = *self
+            .kernel_index
+            .get(kernel.as_str())
+            .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
+        let plan = {
+            let mut plans = self
+                .attention_block_plans
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            match plans.get(&shape) {
+                Some(p) => *p,
+                None => {
+                    let f = &self.functions[k];
+                    f.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        self.max_dynamic_smem as i32,
+                    )
+                    .map_err(drv)?;
+                    let p = shape
+                        .plan(|smem| {
+                            f.occupancy_max_active_blocks_per_multiprocessor(
+                                ATTEND_THREADS,
+                                smem,
+                                None,
+                            )
+                            .map(|n| n as usize)
+                            .map_err(|e| e.to_string())
+                        })
+                        .map_err(bad)?;
+                    plans.insert(shape, p);
+                    p
+                }
+            }
+        };
+        let sync = {
+            let mut s = self.scratch();
+            if s.attn_sync.is_none() {
+                s.attn_sync = Some(
+                    self.stream
+                        .alloc_zeros::<u32>(ATTN_BLOCK_SYNC_WORDS)
+                        .map_err(drv)?,
+                );
+                self.account(MemKind::Workspace, ATTN_BLOCK_SYNC_WORDS * 4);
+            }
+            self.ptr(s.attn_sync.as_ref().expect("allocated above"))
+        };
+        let mut args = Vec::with_capacity(ATTN_BLOCK_ARGS);
+        args.extend_from_slice(&a.args[0..6]); // W0..2, rows0..2
+        args.push(a.args[7]); // cols
+        args.extend_from_slice(&a.args[8..12]); // x, y0..2
+        args.extend_from_slice(&a.args[15..18]); // bias0..2
+        args.extend_from_slice(&a.args[19..23]); // nx, nw, neps, nout
+        args.push(Arg::I32(s_qkv as i32));
+        args.extend_from_slice(&b.args[1..13]); // kc .. out
+        args.extend_from_slice(&b.args[15..17]); // neox, freq_base
+        args.push(Arg::I32(b.grid.2 as i32)); // n_split
+        args.push(c.args[0]); // Wo
+        args.push(c.args[3]); // rows_o
+        args.push(c.args[7]); // cols_o
+        args.push(c.args[9]); // yo
+        args.push(c.args[15]); // bo
+        args.push(c.args[18]); // res
+        args.push(Arg::I32(s_o as i32));
+        args.push(Arg::Ptr(sync));
+        args.push(Arg::I32(plan.o_pre as i32));
+        args.push(Arg::I32(plan.vec_floats as i32));
+        debug_assert_eq!(args.len(), ATTN_BLOCK_ARGS);
+        Ok(Some(Launch {
+            kernel: k,
+            grid: (plan.grid as u32, 1, 1),
+            block: (ATTEND_THREADS, 1, 1),
+            smem: plan.smem as u32,
+            args,
+            cooperative: false,
+            cluster: 1,
+        }))
     }
 
     /// `h[a, r] = silu(gate[r] . x[a]) * (up[r] . x[a])` in one launch;
@@ -2517,6 +2751,11 @@ impl Backend for CudaBackend {
         let launches = st.recording.take();
         let out = out?;
         if let Some(launches) = launches {
+            let launches = if self.attention_block() {
+                self.fuse_attention_blocks(launches)?
+            } else {
+                launches
+            };
             self.run_recorded(&mut st, launches)?;
         }
         Ok(out)

@@ -70,6 +70,8 @@ impl CudaBackend {
     }
     /// Fused decode attention switch (no effect without CUDA).
     pub fn set_fused_attention(&self, _on: bool) {}
+    pub fn set_attention_block(&self, _on: bool) {}
+    pub fn set_attention_block_grid(&self, _blocks: Option<usize>) {}
     /// RoPE-in-attention switch (no effect without CUDA).
     pub fn set_rope_in_attention(&self, _on: bool) {}
     /// Programmatic dependent launch switch (no effect without CUDA).

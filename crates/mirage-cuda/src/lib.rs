@@ -21,6 +21,10 @@
 mod error;
 pub use error::CudaError;
 
+// Pure arithmetic (tested without a GPU); only the CUDA backend uses it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod attn_block;
+pub use attn_block::attention_block_at_start;
 #[cfg(feature = "cuda")]
 mod backend;
 /// Extended kernel launches (`cuLaunchKernelEx`: thread-block clusters,
@@ -391,6 +395,16 @@ mod nvrtc_check {
         }
         for name in names.iter().filter(|n| n.starts_with("ffn_")) {
             assert_eq!(param_count(&ptx, name), crate::backend::FFN_ARGS, "{name}");
+        }
+        // The attention block: the argument list the host builds, the copy
+        // engine's bulk copies (O rows ahead) and the counters' acquire loads.
+        for kv in ["f16", "f32"] {
+            let name = format!("attn_block_q8s_{kv}");
+            assert_eq!(param_count(&ptx, &name), crate::backend::ATTN_BLOCK_ARGS, "{name}");
+            let body = module::entry(&ptx, &name).unwrap_or_default();
+            for op in ["cp.async.bulk", "ld.acquire.gpu", "mbarrier.try_wait"] {
+                assert!(body.contains(op), "{name} without {op}");
+            }
         }
         // The cross-op prefetch: six arguments (three regions), and it waits
         // on its prerequisite grid, so the kernel after it waits on both.

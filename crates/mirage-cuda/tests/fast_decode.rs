@@ -1476,3 +1476,34 @@ fn cross_op_prefetch_keeps_bits() {
         }
     }
 }
+
+/// Q/K/V, the decode attention and O of each layer as one persistent launch
+/// (`set_attention_block`: `attn_block_q8s_*`, blocks waiting on one
+/// another's counters instead of kernel boundaries) run the same items with
+/// the same code: bit-equal greedy decodes with it on and off, f32 and f16
+/// caches, batch 1 and 2, in graphs and op by op. Where a step has the
+/// pattern (the all-Q8_0 mix, one row, recorded) each layer's three launches
+/// become one (2 layers: 4 fewer); elsewhere nothing changes. Then with the
+/// grid capped at 3 and at 8 blocks, so that blocks take several tiles and
+/// attention items each and wait on the others' (3 blocks: three O tiles a
+/// block copied in ahead; 8: one).
+#[test]
+fn attention_block_keeps_bits() {
+    let Some(probe) = cuda("attention_block_keeps_bits") else {
+        return;
+    };
+    drop(probe);
+    let kvs = [KvDtype::F32, KvDtype::F16];
+    let fused_mix = format!("{:?}", LAYER_MIXES[0]);
+    for cap in [None, Some(3), Some(8)] {
+        let label = format!("attention block (grid cap {cap:?}) vs three launches");
+        for (what, off, on) in switch_keeps_bits(&label, &kvs, |b, on| {
+            b.set_attention_block(on);
+            b.set_attention_block_grid(cap);
+        }) {
+            let fused = what.starts_with(&fused_mix) && what.ends_with("batch 1");
+            let want = if fused { off - 4 } else { off };
+            assert_eq!(on, want, "{what}: launches per graph");
+        }
+    }
+}

@@ -1773,6 +1773,44 @@ fn nvfp4_all_pages_decode_matches_dense_nvfp4() {
     );
 }
 
+/// 8 greedy steps of the sparse decode over a random half of the pages on
+/// two backends that differ only in `set(inner, false)` / `set(inner,
+/// true)`: the tokens must be equal and the logits the same bits. Returns
+/// the two graphs' launch counts (off, on).
+fn sparse_switch_keeps_bits(label: &str, set: impl Fn(&CudaBackend, bool)) -> (usize, usize) {
+    let (art, file) = nvfp4_model();
+    let load = |on: bool| {
+        let inner = CudaBackend::new(0).unwrap();
+        set(&inner, on);
+        let half = SparsePages::Random {
+            fraction: 0.5,
+            seed: 7,
+        };
+        let sb = SparseCudaBackend::new(inner, PageSource::Artifact(art.clone()), half).unwrap();
+        Model::load(file.clone(), sb).unwrap()
+    };
+    let (off, on) = (load(false), load(true));
+    let steps = 8;
+    let (lf, tf) = greedy(&off, steps, None);
+    let (ln, tn) = greedy(&on, steps, None);
+    let (lf, ln): (Vec<f32>, Vec<f32>) = (lf.concat(), ln.concat());
+    let differ = bits_differ(&lf, &ln);
+    let launches = (
+        off.backend().inner().last_graph_launches(),
+        on.backend().inner().last_graph_launches(),
+    );
+    eprintln!(
+        "sparse decode, {label}: {differ} of {} logits differ, graph launches {} vs {}",
+        lf.len(),
+        launches.0,
+        launches.1
+    );
+    assert_eq!(tf, tn, "{label}: tokens");
+    assert_eq!(differ, 0, "{label}: logits");
+    assert!(launches.0 > 0, "the decode steps were not recorded");
+    launches
+}
+
 /// The cross-op weight prefetch in the sparse backend's decode graph (the
 /// output projection's weights issued during the attention, the next
 /// layer's Q/K/V between the fused FFN's two phases) changes no bit: 8
@@ -1785,35 +1823,29 @@ fn cross_op_prefetch_keeps_the_sparse_decode_bits() {
         return;
     };
     drop(probe);
-    let (art, file) = nvfp4_model();
-    let load = |sites: PrefetchSites| {
-        let inner = CudaBackend::new(0).unwrap();
-        inner.set_cross_prefetch(sites);
-        let half = SparsePages::Random {
-            fraction: 0.5,
-            seed: 7,
-        };
-        let sb = SparseCudaBackend::new(inner, PageSource::Artifact(art.clone()), half).unwrap();
-        Model::load(file.clone(), sb).unwrap()
+    let (off, on) = sparse_switch_keeps_bits("prefetch on vs off", |b, on| {
+        b.set_cross_prefetch(if on {
+            PrefetchSites::ALL
+        } else {
+            PrefetchSites::NONE
+        })
+    });
+    assert_eq!(on, off + 2 * N_LAYER, "launches per graph");
+}
+
+/// The attention block kernel (`CudaBackend::set_attention_block`: Q/K/V,
+/// the decode attention and O of a layer in one persistent launch) inside
+/// the sparse backend's decode graph changes no bit: 8 greedy steps over a
+/// random half of the pages with it on equal it off, logits and tokens,
+/// and each layer's three launches are one (2 fewer per layer).
+#[test]
+fn attention_block_keeps_the_sparse_decode_bits() {
+    let Some(probe) = cuda("attention_block_keeps_the_sparse_decode_bits") else {
+        return;
     };
-    let (off, on) = (load(PrefetchSites::NONE), load(PrefetchSites::ALL));
-    let steps = 8;
-    let (lf, tf) = greedy(&off, steps, None);
-    let (ln, tn) = greedy(&on, steps, None);
-    let (lf, ln): (Vec<f32>, Vec<f32>) = (lf.concat(), ln.concat());
-    let differ = bits_differ(&lf, &ln);
-    let launches = (
-        off.backend().inner().last_graph_launches(),
-        on.backend().inner().last_graph_launches(),
-    );
-    eprintln!(
-        "sparse decode, prefetch on vs off: {differ} of {} logits differ, graph launches {} vs {}",
-        lf.len(),
-        launches.0,
-        launches.1
-    );
-    assert_eq!(tf, tn, "tokens");
-    assert_eq!(differ, 0, "logits");
-    assert!(launches.0 > 0, "the decode steps were not recorded");
-    assert_eq!(launches.1, launches.0 + 2 * N_LAYER, "launches per graph");
+    drop(probe);
+    let (off, on) = sparse_switch_keeps_bits("attention block on vs off", |b, on| {
+        b.set_attention_block(on)
+    });
+    assert_eq!(on + 2 * N_LAYER, off, "launches per graph");
 }

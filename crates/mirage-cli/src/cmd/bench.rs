@@ -147,6 +147,14 @@ pub struct BenchArgs {
     /// them off.
     #[arg(long)]
     pub mv_grid_ab: bool,
+    /// Sparse decode: also decode the dense model and every sparse row with
+    /// the attention block kernel in the other setting, in the same process:
+    /// `... (attention block)` rows (Q/K/V, the decode attention and O of
+    /// each layer as one persistent launch, the same bits) when it is off
+    /// (the default), `... (three attention launches)` when
+    /// MIRAGE_CUDA_ATTN_BLOCK=1 turned it on.
+    #[arg(long)]
+    pub attn_block_ab: bool,
 }
 
 /// What one bench run measured.

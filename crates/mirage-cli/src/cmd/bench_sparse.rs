@@ -560,9 +560,20 @@ impl AbSwitch {
             args.xprefetch_ab,
             args.preload_ab.is_some(),
             args.mv_grid_ab,
+            args.attn_block_ab,
         ];
         if switches.iter().filter(|&&on| on).count() > 1 {
-            bail!("--xprefetch-ab, --preload-ab and --mv-grid-ab: pick one A/B switch per run");
+            bail!(
+                "--xprefetch-ab, --preload-ab, --mv-grid-ab and --attn-block-ab: pick one A/B switch per run"
+            );
+        }
+        if args.attn_block_ab {
+            return Ok(Some(Self::toggle(
+                mirage_cuda::attention_block_at_start(),
+                (false, "three attention launches"),
+                (true, "attention block"),
+                CudaBackend::set_attention_block,
+            )));
         }
         if args.mv_grid_ab {
             return Ok(Some(Self::toggle(
