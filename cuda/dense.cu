@@ -2812,9 +2812,18 @@ __device__ __forceinline__ unsigned attb_load_acquire(const unsigned* p) {
 }
 
 // Every thread of the block: returns once *p >= target (thread 0 polls).
+// A wait past ATTB_WAIT_CYCLES (~10 s) means blocks that should be resident
+// are not (the launch broke the kernel's one assumption): trap, so that the
+// launch fails with an error instead of hanging the process.
+#define ATTB_WAIT_CYCLES (20ll * 1000 * 1000 * 1000)
 __device__ __forceinline__ void attb_wait(const unsigned* p, unsigned target) {
-    if (threadIdx.x == 0)
-        while (attb_load_acquire(p) < target) __nanosleep(32);
+    if (threadIdx.x == 0) {
+        const long long t0 = clock64();
+        while (attb_load_acquire(p) < target) {
+            __nanosleep(32);
+            if (clock64() - t0 > ATTB_WAIT_CYCLES) __trap();
+        }
+    }
     __syncthreads();
 }
 

@@ -6,8 +6,9 @@
 // here is its own process (fork) of 256 std::threads, so that __shared__
 // (a static, block_emu.h) is per block, and "global memory" is one shared
 // mapping made before the fork (counters and data through std::atomic_ref
-// and fences, as on the GPU). A block still waiting after 20 s is killed and
-// reported (a deadlock).
+// and fences, as on the GPU). A block whose wait times out traps (the
+// kernel's __trap after ATTB_WAIT_CYCLES, here nanoseconds: 20 s), and one
+// still running after 30 s is killed; either is reported (a deadlock).
 //
 // Against the launches it replaces, run block by block in this process with
 // the same extracted code: mv3_grid over Q, K, V (norm folded or not, with
@@ -66,6 +67,11 @@ template <class T> T __ldcg(const T* p) { return *(const volatile T*)p; }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
 inline void __nanosleep(int) { std::this_thread::yield(); }
+inline long long clock64() {  // nanoseconds here; the kernel's bound is in cycles (~1.5-2 per ns)
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+inline void __trap() { abort(); }
 inline unsigned attb_load_acquire(const unsigned* p) {
     return std::atomic_ref<unsigned>(*const_cast<unsigned*>(p)).load(std::memory_order_acquire);
 }
@@ -187,7 +193,7 @@ static bool attention_block(const Shape& s, const Weights& w, const State<KV>& s
     for (int b = 0; b < grid; b++) {
         pid_t pid = fork();
         if (pid == 0) {
-            alarm(20);
+            alarm(30);
             run_block(ATTB_THREADS, dim3_{(unsigned)b, 0, 0}, [&] {
                 attn_block<KV>(w.wq, w.wk, w.wv, s.d, kvw, kvw, s.d, fold ? st.nout : x, st.y0, st.y1, st.y2, w.bq,
                                w.bk, w.bv, fold ? x : nullptr, fold ? w.nw : nullptr, 1e-5f,
@@ -206,7 +212,9 @@ static bool attention_block(const Shape& s, const Weights& w, const State<KV>& s
         waitpid(kids[b], &status, 0);
         if (WIFSIGNALED(status)) {
             printf("  block %d of %d: %s\n", b, grid,
-                   WTERMSIG(status) == SIGALRM ? "still waiting after 20 s (deadlock)" : "killed by a signal");
+                   WTERMSIG(status) == SIGALRM   ? "still running after 30 s (deadlock)"
+                   : WTERMSIG(status) == SIGABRT ? "a wait timed out and trapped (deadlock)"
+                                                 : "killed by a signal");
             ok = false;
         } else if (WEXITSTATUS(status) != 0) {
             printf("  block %d of %d failed (exit %d)\n", b, grid, WEXITSTATUS(status));

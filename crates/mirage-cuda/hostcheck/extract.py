@@ -116,7 +116,7 @@ def macro_block(name):
 (out / "attn_block_extract.h").write_text(
     "".join(macro_line(m) for m in ["FAST_WARPS", "FAST_ROWS", "MVV_Q8", "MVV_Q4K", "MVV2_NR", "MVV2_U_Q8",
                                     "ATT_THREADS", "ATT_TILE", "ATT_KB", "ATT_HD_LANE", "ATT_VB", "NORM_VEC",
-                                    "ATTB_THREADS", "ATTB_SYNC"])
+                                    "ATTB_THREADS", "ATTB_SYNC", "ATTB_WAIT_CYCLES"])
     + "".join(macro_block(m) for m in ["MV3_PARAMS", "MV3_ARGS", "FAST_INPUT", "MV3_MATRIX", "ATTB_PARAMS",
                                        "ATTB_ARGS", "ATTB_SPLIT"])
     + ("".join(extract(n) for n in [
