@@ -2963,6 +2963,10 @@ __device__ void attn_block(ATTB_PARAMS(KV)) {
         }
     }
     PDL_ENTRY();
+    // The folded norm reads the residual stream, which step 4 adds O into.
+    // Safe: a block with Q/K/V tiles finishes this before its first tile,
+    // and step 4 waits (through the merged heads) for every tile; a block
+    // without tiles never uses xa, and nout is block 0's, which has tile 0.
     const float* xa = nx != 0 ? norm_prologue(nx, nw, neps, nout, cols, 0) : x;
     // Step 2.
 #define ATTB_QKV(S)                                                                                                  \
