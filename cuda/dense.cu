@@ -3030,3 +3030,44 @@ extern "C" __global__ void pdl_floor(unsigned* counter) {
     PDL_ENTRY();
     if (blockIdx.x == 0 && threadIdx.x == 0) *counter += 1u;
 }
+
+// The floor of a dependency inside a persistent grid (kernel-bench
+// --launch-floor, beside pdl_floor): `steps` rounds of a handoff through one
+// counter in global memory, the way attn_block's blocks wait on each other
+// (thread 0: a fence, an atomic add, acquire-load polls; then a block
+// barrier). chain 0: every round is grid-wide (each block adds 1, then
+// waits until all gridDim.x of the round have); chain 1: round s is block
+// s % gridDim.x's alone, after round s - 1's add (one producer, one
+// consumer). The last block out zeroes both counters (counter[1] counts
+// the blocks out), so the next launch starts from zero. Its time per round
+// beside pdl_floor's per node is a flag against a kernel boundary.
+extern "C" __global__ void flag_floor(unsigned* counter, int steps, int chain) {
+    PDL_ENTRY();
+    if (!chain) {
+        for (int s = 0; s < steps; s++) {
+            if (threadIdx.x == 0) {
+                __threadfence();
+                atomicAdd(counter, 1u);
+                const unsigned target = (unsigned)(s + 1) * gridDim.x;
+                while (attb_load_acquire(counter) < target) {
+                }
+            }
+            __syncthreads();
+        }
+    } else {
+        for (int s = blockIdx.x; s < steps; s += gridDim.x) {
+            if (threadIdx.x == 0) {
+                while (attb_load_acquire(counter) < (unsigned)s) {
+                }
+                __threadfence();
+                atomicAdd(counter, 1u);
+            }
+            __syncthreads();
+        }
+    }
+    if (threadIdx.x == 0 && atomicAdd(counter + 1, 1u) == gridDim.x - 1) {
+        counter[0] = 0u;
+        counter[1] = 0u;
+        __threadfence();
+    }
+}

@@ -406,6 +406,10 @@ mod nvrtc_check {
                 assert!(body.contains(op), "{name} without {op}");
             }
         }
+        // kernel-bench's floors (loaded by name there, not by the backend).
+        for name in ["pdl_floor", "flag_floor"] {
+            assert!(module::entry(&ptx, name).is_some(), "{name} not in the PTX");
+        }
         // The cross-op prefetch: six arguments (three regions), and it waits
         // on its prerequisite grid, so the kernel after it waits on both.
         assert_eq!(param_count(&ptx, "l2_prefetch"), 6);

@@ -33,6 +33,10 @@
 //!     3 and 8 blocks per SM of 256 threads, with and without programmatic
 //!     serialization; µs per node. What a kernel boundary costs by itself,
 //!     beside the ~3.5 µs a fused-FFN phase costs over an empty page list.
+//!     Then the same dependency inside one persistent launch: µs per round of
+//!     `flag_floor` (a grid-wide handoff through a counter, as the attention
+//!     block kernel's blocks wait on each other, and a chain of single-block
+//!     handoffs), at 1 block and 1 and 2 blocks per SM.
 //!
 //! Usage: `kernel-bench [--iters N] [--variants | --sparse | --launch-floor]
 //! [--sparse-variants 0,3,10]`. Prints a table last. `--sparse-variants`
@@ -806,6 +810,75 @@ mod bench {
         println!("| --- | --- | --- |");
         for pair in rows.chunks(2) {
             println!("| {} | {:.2} | {:.2} |", pair[0].0, pair[0].2, pair[1].2);
+        }
+        flag_floor(dev, m, timer, NODES)
+    }
+
+    /// (e, second table) µs per round of `flag_floor` (dense.cu): `rounds`
+    /// handoffs through a counter inside one launch, grid-wide and as a
+    /// chain of single blocks, at 1 block and 1 and 2 blocks per SM (every
+    /// block resident); a launch of 0 rounds is subtracted. The counters must
+    /// be zero after every launch (the kernel's reset).
+    fn flag_floor(
+        dev: &SparseDevice,
+        m: &Arc<cudarc::driver::CudaModule>,
+        timer: &mut Timer,
+        rounds: usize,
+    ) -> Res<()> {
+        use mirage_cuda::cluster::{launch_ex, LaunchMode};
+        let f = m.load_function("flag_floor")?;
+        let stream = dev.stream().clone();
+        let counter = stream.alloc_zeros::<u32>(2)?;
+        let pc: u64 = {
+            let (p, _sync) = counter.device_ptr(&stream);
+            p
+        };
+        let sms = dev.multiprocessors();
+        let mut rows = Vec::new();
+        for grid in [1, sms, 2 * sms] {
+            let mut per = [0f64; 2];
+            for chain in [0i32, 1] {
+                let mut time = |steps: i32| {
+                    graph_us(dev, timer, 1, || {
+                        let mut params = [
+                            &pc as *const u64 as *mut std::ffi::c_void,
+                            &steps as *const i32 as *mut std::ffi::c_void,
+                            &chain as *const i32 as *mut std::ffi::c_void,
+                        ];
+                        // SAFETY: flag_floor takes a pointer to two live u32
+                        // and two ints; its grid is at most 2 blocks of 256
+                        // threads an SM, all resident (it spins on them).
+                        unsafe {
+                            launch_ex(
+                                &f,
+                                &stream,
+                                (grid, 1, 1),
+                                (256, 1, 1),
+                                0,
+                                &mut params,
+                                LaunchMode::PLAIN,
+                            )
+                        }?;
+                        Ok(())
+                    })
+                };
+                let (full, empty) = (time(rounds as i32)?, time(0)?);
+                per[chain as usize] = (full - empty) / rounds as f64;
+                let left = stream.clone_dtoh(&counter)?;
+                if left != [0, 0] {
+                    return Err(
+                        format!("flag_floor left its counters at {left:?}, not zero").into(),
+                    );
+                }
+            }
+            rows.push((grid, per));
+        }
+        println!();
+        println!("flag floor: {rounds} handoffs through a counter inside one launch, 256 threads a block (counters checked zero after each launch)");
+        println!("| grid (blocks) | us per grid-wide round | us per chained handoff |");
+        println!("| --- | --- | --- |");
+        for (grid, per) in rows {
+            println!("| {grid} | {:.2} | {:.2} |", per[0], per[1]);
         }
         Ok(())
     }
