@@ -2786,7 +2786,9 @@ MVV_INSTANCE(q4_ks, MVV_Q4K, v5, MVV5_NR, MVV5_U_Q4K, true, FAST_WARPS * 32, 3)
 //   4. the O row tiles: wait for every head, copy the attention output into
 //      shared memory (through L2), dot it with the rows from step 1 (or from
 //      global memory, tiles step 1 did not take);
-//   5. the last block to finish zeroes the counters for the next launch.
+//   5. the last block to finish zeroes the counters for the next launch and,
+//      when the layer's next launch is the RMSNorm of the residual stream
+//      (the sparse FFN's, whose phase 1 does not fold it), runs that norm.
 // Why: the three kernels are latency chains (ncu, 7B: Q/K/V 13.6 us, the
 // attention ~10 us at ~20 positions, O 9.7 us, plus ~3 us a boundary), and
 // every change that kept the boundaries (PDL, L2 prefetch, preload into
@@ -2847,11 +2849,11 @@ __device__ __forceinline__ unsigned attb_tiles_of(int h, int head_dim, int rows,
         const float *nw, float neps, float *nout, int s_qkv, KV *kc, KV *vc, const int *slots, int n_head,          \
         int n_head_kv, int head_dim, int n_ctx, int chunk, float scale, float *part, unsigned *count, float *att,   \
         int neox, float freq_base, int n_split, const u8 *Wo, int rows_o, int cols_o, float *yo, const float *bo,    \
-        float *res_o, int s_o, unsigned *sync, int o_pre, int vec_floats
+        float *res_o, int s_o, const float *tw, float teps, float *tout, unsigned *sync, int o_pre, int vec_floats
 #define ATTB_ARGS                                                                                                    \
     W0, W1, W2, rows0, rows1, rows2, cols, x, y0, y1, y2, bias0, bias1, bias2, nx, nw, neps, nout, s_qkv, kc, vc,   \
         slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part, count, att, neox, freq_base, n_split, Wo,     \
-        rows_o, cols_o, yo, bo, res_o, s_o, sync, o_pre, vec_floats
+        rows_o, cols_o, yo, bo, res_o, s_o, tw, teps, tout, sync, o_pre, vec_floats
 
 // Step 2: mv3_grid's tiles of Q, K and V (S warps a row group) from xa,
 // K and V first; after each, +1 on the ready counter of every head it wrote
@@ -3000,15 +3002,31 @@ __device__ void attn_block(ATTB_PARAMS(KV)) {
               sync + n_head + 2 * n_head_kv, n_head)
     ATTB_SPLIT(s_o, ATTB_O)
 #undef ATTB_O
-    // Step 5: the last block out is past every wait of every block.
+    // Step 5: the last block out is past every wait of every block, and
+    // every O row is in the residual stream: it zeroes the counters and,
+    // when tw is set, runs the RMSNorm that follows the attention in the
+    // layer (the `rms_norm` launch it replaces: rms_norm_row at 256 threads
+    // over the same values, so the same bits) on the residual, read through
+    // L2 (other blocks wrote it; this SM's L1 may hold the lines step 2's
+    // norm read) into the vector area first.
+    __shared__ int attb_last;
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        const int n_sync = ATTB_SYNC(n_head, n_head_kv);
-        if (atomicAdd(sync + n_sync - 1, 1u) == gridDim.x - 1) {
-            for (int i = 0; i < n_sync; i++) sync[i] = 0u;
-            __threadfence();
-        }
+        attb_last = atomicAdd(sync + ATTB_SYNC(n_head, n_head_kv) - 1, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!attb_last) return;
+    if (tw != 0) {
+        __threadfence();
+        for (int i = threadIdx.x; i < rows_o; i += blockDim.x) fused_norm_xs[i] = __ldcg(res_o + i);
+        __syncthreads();
+        __shared__ float s32[32];
+        rms_norm_row(fused_norm_xs, tw, teps, rows_o, s32, [&](int i, float v) { tout[i] = v; });
+    }
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < ATTB_SYNC(n_head, n_head_kv); i++) sync[i] = 0u;
+        __threadfence();
     }
 }
 

@@ -13,9 +13,11 @@
 // Against the launches it replaces, run block by block in this process with
 // the same extracted code: mv3_grid over Q, K, V (norm folded or not, with
 // biases), attend_then_merge(attend_rope_part) per (head, split), mv3_grid
-// over O with the residual add. Every output must be the same bits: Q/K/V,
-// the folded norm's output, the attention output, the split partials, the
-// KV cache rows, O and the residual stream. Over two shapes (4 query heads
+// over O with the residual add, then (most cases) the rms_norm kernel over
+// the residual stream, which the block's last block out runs as its tail.
+// Every output must be the same bits: Q/K/V, the folded norm's output, the
+// attention output, the split partials, the KV cache rows, O, the residual
+// stream and the tail norm's output. Over two shapes (4 query heads
 // of 64 over 2 KV heads, d 256; 7 of 128 over 1, d 896), splits of Q/K/V
 // and O 1 / 2 / 4 / 8, f32 and f16 caches, neox and not, positions 0, 20
 // and 70 of 96 (6 attention splits), grids of 1 and 3 blocks and of more
@@ -101,7 +103,7 @@ struct Shape { int d, n_head, n_kv, hd; };
 // Everything one layer's launches write, and the inputs they share.
 template <typename KV>
 struct State {
-    float *y0, *y1, *y2, *att, *yo, *res, *part, *nout;
+    float *y0, *y1, *y2, *att, *yo, *res, *part, *nout, *tout;
     KV *kc, *vc;
     unsigned* count;
 };
@@ -112,6 +114,7 @@ static State<KV> new_state(const Shape& s, int n_ctx, int n_split, std::mt19937&
     const int kvw = s.n_kv * s.hd;
     st.y0 = galloc<float>(s.d); st.y1 = galloc<float>(kvw); st.y2 = galloc<float>(kvw);
     st.att = galloc<float>(s.n_head * s.hd); st.yo = galloc<float>(s.d); st.nout = galloc<float>(s.d);
+    st.tout = galloc<float>(s.d);
     st.res = randv(r, s.d, 1.f);
     st.part = galloc<float>((size_t)s.n_head * n_split * (s.hd + 2));
     st.count = galloc<unsigned>(s.n_head);
@@ -129,7 +132,7 @@ static void copy_state(const Shape& s, int n_ctx, int n_split, const State<KV>& 
     (void)n_split;
 }
 
-struct Weights { u8 *wq, *wk, *wv, *wo; float *bq, *bk, *bv, *nw; };
+struct Weights { u8 *wq, *wk, *wv, *wo; float *bq, *bk, *bv, *nw, *tw; };
 
 static int bits_differ(const void* a, const void* b, size_t bytes) {
     int n = 0;
@@ -140,7 +143,8 @@ static int bits_differ(const void* a, const void* b, size_t bytes) {
 // The three launches, block by block in this process.
 template <typename KV>
 static void reference(const Shape& s, const Weights& w, const State<KV>& st, const float* x, bool fold, int sq, int so,
-                      const int* slots, int n_ctx, int n_split, int chunk, float scale, int neox, float base) {
+                      const int* slots, int n_ctx, int n_split, int chunk, float scale, int neox, float base,
+                      bool tail) {
     const int kvw = s.n_kv * s.hd;
     auto mv3 = [&](int S, const u8* W0, const u8* W1, const u8* W2, int r0, int r1, int r2, int cols, const float* xx,
                    float* y0, float* y1, float* y2, const float* b0, const float* b1, const float* b2, float* res,
@@ -178,6 +182,13 @@ static void reference(const Shape& s, const Weights& w, const State<KV>& st, con
             });
     mv3(so, w.wo, w.wo, w.wo, s.d, 0, 0, s.n_head * s.hd, st.att, st.yo, st.yo, st.yo, nullptr, nullptr, nullptr,
         st.res, nullptr, nullptr, nullptr);
+    if (tail) {  // the rms_norm kernel of the FFN after it: one block, one row
+        gridDim = dim3_{1, 1, 1};
+        run_block(256, dim3_{0, 0, 0}, [&] {
+            static float s32[32];
+            rms_norm_row(st.res, w.tw, 1e-5f, s.d, s32, [&](int i, float v) { st.tout[i] = v; });
+        });
+    }
 }
 
 // The attention block kernel: `grid` blocks at once, one process each.
@@ -185,7 +196,7 @@ static void reference(const Shape& s, const Weights& w, const State<KV>& st, con
 template <typename KV>
 static bool attention_block(const Shape& s, const Weights& w, const State<KV>& st, const float* x, bool fold, int sq,
                             int so, const int* slots, int n_ctx, int n_split, int chunk, float scale, int neox,
-                            float base, unsigned* sync, int grid, int o_pre) {
+                            float base, unsigned* sync, int grid, int o_pre, bool tail) {
     const int kvw = s.n_kv * s.hd, vec = ((s.d > s.n_head * s.hd ? s.d : s.n_head * s.hd) + 31) / 32 * 32;
     gridDim = dim3_{(unsigned)grid, 1, 1};
     std::vector<pid_t> kids;
@@ -199,7 +210,8 @@ static bool attention_block(const Shape& s, const Weights& w, const State<KV>& s
                                w.bk, w.bv, fold ? x : nullptr, fold ? w.nw : nullptr, 1e-5f,
                                fold ? st.nout : nullptr, sq, st.kc, st.vc, slots, s.n_head, s.n_kv, s.hd, n_ctx, chunk,
                                scale, st.part, st.count, st.att, neox, base, n_split, w.wo, s.d, s.n_head * s.hd,
-                               st.yo, nullptr, st.res, so, sync, o_pre, vec);
+                               st.yo, nullptr, st.res, so, tail ? w.tw : nullptr, 1e-5f,
+                               tail ? st.tout : nullptr, sync, o_pre, vec);
             });
             fflush(stdout);
             _exit(g_bad.load() ? 3 : 0);
@@ -227,13 +239,14 @@ static bool attention_block(const Shape& s, const Weights& w, const State<KV>& s
 static int cases = 0, fails = 0;
 
 template <typename KV>
-static void check(const Shape& s, int sq, int so, bool fold, int neox, int pos, int grid, bool pre, unsigned seed) {
+static void check(const Shape& s, int sq, int so, bool fold, int neox, int pos, int grid, bool pre, unsigned seed,
+                  bool tail = true) {
     g_used = 0;
     std::mt19937 r(seed);
     const int n_ctx = 96, n_split = 6, chunk = 16, kvw = s.n_kv * s.hd;
     const float scale = 1.f / sqrtf((float)s.hd), base = 10000.f;
     Weights w{split_q8(r, s.d, s.d), split_q8(r, kvw, s.d), split_q8(r, kvw, s.d), split_q8(r, s.d, s.n_head * s.hd),
-              randv(r, s.d, 0.1f), randv(r, kvw, 0.1f), randv(r, kvw, 0.1f), randv(r, s.d, 1.f)};
+              randv(r, s.d, 0.1f), randv(r, kvw, 0.1f), randv(r, kvw, 0.1f), randv(r, s.d, 1.f), randv(r, s.d, 1.f)};
     g_wo_lo = w.wo;
     g_wo_hi = w.wo + (size_t)s.d * s.n_head * s.hd * 17 / 16;
     State<KV> a = new_state<KV>(s, n_ctx, n_split, r), b = new_state<KV>(s, n_ctx, n_split, r);
@@ -245,17 +258,18 @@ static void check(const Shape& s, int sq, int so, bool fold, int neox, int pos, 
     const int TO = (FAST_WARPS / so) * MVV2_NR, n_to = (s.d + TO - 1) / TO;
     const int o_pre = pre ? (n_to + grid - 1) / grid : 0;
     char what[200];
-    snprintf(what, sizeof what, "%s d %d heads %d/%d of %d, split %d/%d, norm %s, neox %d, pos %d, grid %d, o_pre %d",
+    snprintf(what, sizeof what,
+             "%s d %d heads %d/%d of %d, split %d/%d, norm %s, neox %d, pos %d, grid %d, o_pre %d, tail norm %d",
              sizeof(KV) == 2 ? "f16" : "f32", s.d, s.n_head, s.n_kv, s.hd, sq, so, fold ? "folded" : "apart", neox,
-             pos, grid, o_pre);
+             pos, grid, o_pre, tail);
     bool ok = true;
     for (int step = 0; step < 2 && ok; step++) {
         const float* x = randv(r, s.d, 1.f);
         slots[0] = 0;
         slots[1] = pos + step;
-        reference<KV>(s, w, a, x, fold, sq, so, slots, n_ctx, n_split, chunk, scale, neox, base);
+        reference<KV>(s, w, a, x, fold, sq, so, slots, n_ctx, n_split, chunk, scale, neox, base, tail);
         ok = attention_block<KV>(s, w, b, x, fold, sq, so, slots, n_ctx, n_split, chunk, scale, neox, base, sync, grid,
-                                 o_pre);
+                                 o_pre, tail);
         if (!ok) break;
         struct { const char* name; const void *p, *q; size_t n; } outs[] = {
             {"q", a.y0, b.y0, (size_t)s.d * 4}, {"k", a.y1, b.y1, (size_t)kvw * 4}, {"v", a.y2, b.y2, (size_t)kvw * 4},
@@ -263,7 +277,8 @@ static void check(const Shape& s, int sq, int so, bool fold, int neox, int pos, 
             {"partials", a.part, b.part, (size_t)s.n_head * n_split * (s.hd + 2) * 4},
             {"K cache", a.kc, b.kc, (size_t)kvw * n_ctx * sizeof(KV)},
             {"V cache", a.vc, b.vc, (size_t)kvw * n_ctx * sizeof(KV)}, {"O", a.yo, b.yo, (size_t)s.d * 4},
-            {"residual", a.res, b.res, (size_t)s.d * 4}, {"arrival counts", a.count, b.count, (size_t)s.n_head * 4}};
+            {"residual", a.res, b.res, (size_t)s.d * 4}, {"arrival counts", a.count, b.count, (size_t)s.n_head * 4},
+            {"tail norm", a.tout, b.tout, (size_t)s.d * 4}};
         for (auto& o : outs) {
             const int n = bits_differ(o.p, o.q, o.n);
             if (n) {
@@ -278,10 +293,10 @@ static void check(const Shape& s, int sq, int so, bool fold, int neox, int pos, 
             }
         // The output must be finite and not all zero (a launch that wrote nothing
         // would equal a reference that wrote nothing).
-        double mag = 0;
-        for (int i = 0; i < s.d; i++) mag += fabs(b.yo[i]);
-        if (!(mag > 0) || !std::isfinite(mag)) {
-            printf("  launch %d: O is %g in magnitude\n", step + 1, mag);
+        double mag = 0, tmag = 0;
+        for (int i = 0; i < s.d; i++) mag += fabs(b.yo[i]), tmag += fabs(b.tout[i]);
+        if (!(mag > 0) || !std::isfinite(mag) || (tail && !(tmag > 0 && std::isfinite(tmag)))) {
+            printf("  launch %d: O is %g, the tail norm %g in magnitude\n", step + 1, mag, tmag);
             ok = false;
         }
     }
@@ -299,7 +314,7 @@ int main() {
     const int splits[][2] = {{1, 1}, {2, 4}, {4, 4}, {8, 2}}, positions[] = {0, 20, 70, 20};
     for (int i = 0; i < 4; i++) check<float>(small, splits[i][0], splits[i][1], i % 2 == 0, i >= 2, positions[i], 24, true, seed++);
     check<u16>(small, 4, 4, true, 0, 20, 24, true, seed++);
-    check<u16>(small, 2, 8, false, 1, 70, 32, false, seed++);
+    check<u16>(small, 2, 8, false, 1, 70, 32, false, seed++, false);
     // Few blocks: every block takes several tiles and attention items and
     // waits on the others', with and without the O copies ahead.
     for (int grid : {1, 3})
@@ -308,7 +323,7 @@ int main() {
     // multiple of 512.
     check<float>(wide, 4, 4, true, 1, 70, 7, true, seed++);
     check<u16>(wide, 2, 1, true, 0, 20, 64, true, seed++);
-    check<u16>(wide, 8, 8, false, 0, 0, 3, false, seed++);
+    check<u16>(wide, 8, 8, false, 0, 0, 3, false, seed++, false);
     printf("attn_block: %d of %d cases ok (%d bad copies or barrier counts)\n", cases - fails, cases, g_bad.load());
     return fails || g_bad ? 1 : 0;
 }

@@ -298,8 +298,13 @@ pub(crate) const MV3_ARGS: usize = 23;
 
 /// Arguments of an `ffn_*` launch (`FFN_PARAMS`), the last four as above.
 pub(crate) const FFN_ARGS: usize = 13;
-/// Arguments of `attn_block_q8s_*` (`ATTB_PARAMS` in dense.cu).
-pub(crate) const ATTN_BLOCK_ARGS: usize = 44;
+/// Arguments of `attn_block_q8s_*` (`ATTB_PARAMS` in dense.cu), and the
+/// positions of O's rows, the residual stream and the tail norm's three.
+pub(crate) const ATTN_BLOCK_ARGS: usize = 47;
+const ATTB_COLS: usize = 6;
+const ATTB_ROWS_O: usize = 35;
+const ATTB_RES: usize = 39;
+const ATTB_TAIL_NORM: usize = 41;
 
 /// Widest row a norm can be folded into the next mat-vec (its normalized
 /// row sits in shared memory, under the 48 KiB a launch gets without
@@ -2024,11 +2029,22 @@ impl CudaBackend {
         let mut i = 0;
         while i < launches.len() {
             if i + 2 < launches.len() {
-                if let Some(fused) =
+                if let Some(mut fused) =
                     self.attention_block_of(&launches[i..i + 3], &split_of, &int)?
                 {
-                    out.push(fused);
                     i += 3;
+                    // The RMSNorm of the residual stream right after (the
+                    // sparse FFN's: its phase 1 does not fold it) runs in
+                    // the block's last block out.
+                    if let Some(norm) = launches.get(i).filter(|n| self.tail_norm_of(&fused, n)) {
+                        fused.args[ATTB_TAIL_NORM..ATTB_TAIL_NORM + 3].copy_from_slice(&[
+                            norm.args[1],
+                            norm.args[2],
+                            norm.args[4],
+                        ]);
+                        i += 1;
+                    }
+                    out.push(fused);
                     continue;
                 }
             }
@@ -2036,6 +2052,19 @@ impl CudaBackend {
             i += 1;
         }
         Ok(out)
+    }
+
+    /// Whether `norm` is one row of `rms_norm` over the residual stream that
+    /// the attention block `fused` writes (its O launch's residual), as wide.
+    fn tail_norm_of(&self, fused: &Launch, norm: &Launch) -> bool {
+        self.functions_names.get(norm.kernel) == Some(&"rms_norm")
+            && norm.grid == (1, 1, 1)
+            && norm.args.len() == 5
+            && fused.args[ATTB_RES] != Arg::Ptr(0)
+            && norm.args[0] == fused.args[ATTB_RES]
+            && norm.args[3] == fused.args[ATTB_ROWS_O]
+            && fused.args[ATTB_COLS] == fused.args[ATTB_ROWS_O]
+            && norm.args[4] != fused.args[ATTB_RES]
     }
 
     /// The `attn_block_q8s_*` launch for `ls` = [Q/K/V, attention, O], or
@@ -2157,6 +2186,8 @@ impl CudaBackend {
         args.push(c.args[15]); // bo
         args.push(c.args[18]); // res
         args.push(Arg::I32(s_o as i32));
+        // The tail norm (tw, teps, tout): none; fuse_attention_blocks may set it.
+        args.extend([Arg::Ptr(0), Arg::F32(0.0), Arg::Ptr(0)]);
         args.push(Arg::Ptr(sync));
         args.push(Arg::I32(plan.o_pre as i32));
         args.push(Arg::I32(plan.vec_floats as i32));
