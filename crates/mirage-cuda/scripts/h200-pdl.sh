@@ -37,7 +37,7 @@ if [ "${SKIP_FAST_DECODE:-0}" != 1 ]; then
   # The bundle carries no real model: their SmolLM2 tests skip, saying so
   # (MIRAGE_MODELS_DIR and MIRAGE_SKIP_MODEL_TESTS=0 run them when one is there).
   export MIRAGE_SKIP_MODEL_TESTS=${MIRAGE_SKIP_MODEL_TESTS:-1}
-  run fast_decode 150 "$W/fast_decode" --nocapture --test-threads 1
+  run fast_decode 240 "$W/fast_decode" --nocapture --test-threads 1
   grep -E "panicked|FAILED|PDL on|skipped" "$L/fast_decode.log" | cut -c1-160 | head -6
   # The dense kernels against the CPU backend (8 s); it went unrun from the
   # sixth to the twelfth session, and a stale check in it failed unnoticed.
