@@ -657,10 +657,15 @@ mod tests {
     /// The A/B flags are checked before any decode: one switch per run,
     /// preload parts that parse and differ from the start-up setting
     /// (MIRAGE_CUDA_PRELOAD, unset here: none); the grid's other side is
-    /// off (MIRAGE_CUDA_MV_GRID unset: auto).
+    /// off (MIRAGE_CUDA_MV_GRID unset: auto), the attention block's on
+    /// (MIRAGE_CUDA_ATTN_BLOCK unset: off).
     #[test]
     fn ab_switch_flags_are_checked() {
-        for var in ["MIRAGE_CUDA_PRELOAD", "MIRAGE_CUDA_MV_GRID"] {
+        for var in [
+            "MIRAGE_CUDA_PRELOAD",
+            "MIRAGE_CUDA_MV_GRID",
+            "MIRAGE_CUDA_ATTN_BLOCK",
+        ] {
             assert!(
                 std::env::var_os(var).is_none(),
                 "unset {var} to run this test"
@@ -685,5 +690,11 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(grid.label, "mat-vec grid off");
+        let block = AbSwitch::from_args(&args(&["--attn-block-ab"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(block.label, "attention block");
+        let two = AbSwitch::from_args(&args(&["--attn-block-ab", "--mv-grid-ab"]));
+        assert!(two.err().unwrap().to_string().contains("one A/B switch"));
     }
 }
