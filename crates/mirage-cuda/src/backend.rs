@@ -1485,6 +1485,27 @@ impl CudaBackend {
             .store(blocks.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// The attention block launches planned so far, one line each (shape and
+    /// plan: grid, O tiles copied ahead a block, shared memory), for a
+    /// bench to say what ran.
+    pub fn attention_block_plans(&self) -> Vec<String> {
+        let plans = self
+            .attention_block_plans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let mut lines: Vec<String> = plans
+            .iter()
+            .map(|(s, p)| {
+                format!(
+                    "d {} (Q/K/V rows {:?}, split {}; O {}x{}, split {}): {} blocks, {} O tiles a block ahead, {} B shared",
+                    s.cols, s.rows_qkv, s.s_qkv, s.rows_o, s.cols_o, s.s_o, p.grid, p.o_pre, p.smem
+                )
+            })
+            .collect();
+        lines.sort();
+        lines
+    }
+
     /// Whether `set_attention_block` is on.
     pub fn attention_block(&self) -> bool {
         self.attention_block

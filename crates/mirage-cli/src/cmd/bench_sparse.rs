@@ -516,6 +516,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             r.mib_per_token
         );
     }
+    // What the attention block kernel ran with, where a row used it.
+    for line in b.inner().attention_block_plans() {
+        println!("attention block: {line}");
+    }
     // Routing inside the decode graph: the routed step less the same step
     // with the router launches left out (the next row).
     if let Some(w) = rows
