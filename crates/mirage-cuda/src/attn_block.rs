@@ -58,6 +58,10 @@ pub(crate) struct AttnBlockShape {
     pub max_dynamic_smem: usize,
     /// At most this many blocks (tests: several items a block).
     pub max_grid: Option<usize>,
+    /// Whether the device has the copy engine for bulk copies (sm_90+);
+    /// without it the kernel's fallback is thread 0 copying alone, so the
+    /// plan copies nothing ahead.
+    pub bulk_copies: bool,
 }
 
 /// The launch: `grid` blocks, `smem` bytes of dynamic shared memory of
@@ -80,7 +84,7 @@ impl AttnBlockShape {
         let (q, m) = (t * self.cols_o, t * (self.cols_o / 16));
         let whole = self.rows_o % t == 0;
         let aligned = q % 16 == 0 && m % 16 == 0 && (self.rows_o * self.cols_o) % 16 == 0;
-        (whole && aligned && self.cols_o % 32 == 0).then_some(q + m)
+        (self.bulk_copies && whole && aligned && self.cols_o % 32 == 0).then_some(q + m)
     }
 
     /// Blocks that have work in some step: more would only repeat the
@@ -155,6 +159,7 @@ mod tests {
             sm_count: 132,
             max_dynamic_smem: 227 * 1024,
             max_grid: None,
+            bulk_copies: true,
         }
     }
 
@@ -206,6 +211,12 @@ mod tests {
         // Rows that leave a partial last tile.
         let s = AttnBlockShape {
             rows_o: 3580,
+            ..shape_7b()
+        };
+        assert_eq!(s.plan(sm_228k).unwrap().o_pre, 0);
+        // No copy engine (before sm_90).
+        let s = AttnBlockShape {
+            bulk_copies: false,
             ..shape_7b()
         };
         assert_eq!(s.plan(sm_228k).unwrap().o_pre, 0);

@@ -2142,6 +2142,7 @@ impl CudaBackend {
                 0 => None,
                 n => Some(n),
             },
+            bulk_copies: self.compute_capability.0 >= 9,
         };
         let kernel = format!("attn_block_q8s_{kv}");
         let k = *self
