@@ -2125,6 +2125,14 @@ impl CudaBackend {
         if words > ATTN_BLOCK_SYNC_WORDS {
             return Ok(None);
         }
+        let kernel = format!("attn_block_q8s_{kv}");
+        let k = *self
+            .kernel_index
+            .get(kernel.as_str())
+            .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
+        // Static plus dynamic shared memory may not pass the opt-in limit.
+        let static_smem = self.functions[k].shared_size_bytes().map_err(drv)?.max(0) as usize;
+        let max_dynamic = self.max_dynamic_smem.saturating_sub(static_smem);
         let shape = crate::attn_block::AttnBlockShape {
             cols: int(&a.args[7]),
             rows_qkv: [int(&a.args[3]), int(&a.args[4]), int(&a.args[5])],
@@ -2134,7 +2142,7 @@ impl CudaBackend {
             cols_o: int(&c.args[7]),
             att_items: n_head * b.grid.2 as usize,
             sm_count: self.sm_count,
-            max_dynamic_smem: self.max_dynamic_smem,
+            max_dynamic_smem: max_dynamic,
             max_grid: match self
                 .attention_block_grid
                 .load(std::sync::atomic::Ordering::Relaxed)
@@ -2144,11 +2152,7 @@ impl CudaBackend {
             },
             bulk_copies: self.compute_capability.0 >= 9,
         };
-        let kernel = format!("attn_block_q8s_{kv}");
-        let k = *self
-            .kernel_index
-            .get(kernel.as_str())
-            .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
+
         let plan = {
             let mut plans = self
                 .attention_block_plans
@@ -2160,7 +2164,7 @@ impl CudaBackend {
                     let f = &self.functions[k];
                     f.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        self.max_dynamic_smem as i32,
+                        shape.max_dynamic_smem as i32,
                     )
                     .map_err(drv)?;
                     let p = shape
