@@ -10,7 +10,12 @@
 //! norm's output, later the attention output) plus the block's O row tiles
 //! when they fit (copied in before the kernel's PDL wait). This module is
 //! the arithmetic of that choice, kept apart from the driver so that it is
-//! tested without a GPU.
+//! tested without a GPU. `MIRAGE_CUDA_ATTN_BLOCK_COPY=0` plans no copies
+//! (more resident blocks: an A/B of occupancy against copying ahead).
+//!
+//! Measured on the H200 (seventeenth session, NOTES.md): at the 7B shape the
+//! kernel is slower than the three launches it replaces (4.53-4.60 against
+//! 3.56-3.64 ms a step), so it stays off by default.
 
 /// Whether the attention block kernel is on at start:
 /// `MIRAGE_CUDA_ATTN_BLOCK=1` (or `on`); off by default.

@@ -2150,7 +2150,11 @@ impl CudaBackend {
                 0 => None,
                 n => Some(n),
             },
-            bulk_copies: self.compute_capability.0 >= 9,
+            // MIRAGE_CUDA_ATTN_BLOCK_COPY=0: no O rows copied ahead, so the
+            // plan sizes the grid to the blocks resident at the vector's
+            // shared memory alone (an A/B of occupancy against copying).
+            bulk_copies: self.compute_capability.0 >= 9
+                && std::env::var("MIRAGE_CUDA_ATTN_BLOCK_COPY").map_or(true, |v| v != "0"),
         };
 
         let plan = {
