@@ -71,13 +71,16 @@ pub(crate) struct AttnBlockShape {
 
 /// The launch: `grid` blocks, `smem` bytes of dynamic shared memory of
 /// which the first `vec_floats` floats are the vector area, `o_pre` O
-/// tiles per block copied in ahead.
+/// tiles per block copied in ahead. `refused` is the first candidate the
+/// driver did not admit, (dynamic shared memory, resident blocks an SM it
+/// gave): the bench prints it, so a table says why a grid came out smaller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct AttnBlockPlan {
     pub grid: usize,
     pub smem: usize,
     pub o_pre: usize,
     pub vec_floats: usize,
+    pub refused: Option<(usize, usize)>,
 }
 
 impl AttnBlockShape {
@@ -117,19 +120,25 @@ impl AttnBlockShape {
         let vec_bytes = vec_floats * 4;
         let useful = self.useful_blocks();
         let n_o = self.rows_o.div_ceil(tile_rows(self.s_o));
+        let mut refused = None;
         if let Some(tile) = self.o_tile_bytes() {
             for want in [2usize, 1] {
                 let grid = (want * self.sm_count).min(useful);
                 let o_pre = n_o.div_ceil(grid);
                 // (+ ALIGN_SLACK: the kernel starts the tiles at a 128-byte boundary.)
                 let smem = vec_bytes + ALIGN_SLACK + o_pre * tile;
-                if smem <= self.max_dynamic_smem && per_sm(smem)? >= want {
-                    return Ok(AttnBlockPlan {
-                        grid,
-                        smem,
-                        o_pre,
-                        vec_floats,
-                    });
+                if smem <= self.max_dynamic_smem {
+                    let per = per_sm(smem)?;
+                    if per >= want {
+                        return Ok(AttnBlockPlan {
+                            grid,
+                            smem,
+                            o_pre,
+                            vec_floats,
+                            refused,
+                        });
+                    }
+                    refused.get_or_insert((smem, per));
                 }
             }
         }
@@ -142,6 +151,7 @@ impl AttnBlockShape {
             smem: vec_bytes,
             o_pre: 0,
             vec_floats,
+            refused,
         })
     }
 }
@@ -181,6 +191,7 @@ mod tests {
         assert_eq!(p.o_pre, 2);
         assert_eq!(p.vec_floats, 3584);
         assert_eq!(p.smem, 3584 * 4 + 128 + 2 * 8 * (3584 + 224));
+        assert_eq!(p.refused, None);
     }
 
     #[test]
@@ -197,6 +208,8 @@ mod tests {
         let tight = |smem: usize| Ok(if smem <= 3584 * 4 { 2 } else { 0 });
         let p = s.plan(tight).unwrap();
         assert_eq!((p.grid, p.o_pre, p.smem), (264, 0, 3584 * 4));
+        // The first candidate refused: one 32-row tile a block at 264.
+        assert_eq!(p.refused, Some((3584 * 4 + 128 + 32 * (3584 + 224), 0)));
     }
 
     #[test]

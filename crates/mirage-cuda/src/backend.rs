@@ -1496,8 +1496,11 @@ impl CudaBackend {
         let mut lines: Vec<String> = plans
             .iter()
             .map(|(s, p)| {
+                let refused = p.refused.map_or(String::new(), |(smem, per)| {
+                    format!(" (at {smem} B the driver admitted {per} an SM)")
+                });
                 format!(
-                    "d {} (Q/K/V rows {:?}, split {}; O {}x{}, split {}): {} blocks, {} O tiles a block ahead, {} B shared",
+                    "d {} (Q/K/V rows {:?}, split {}; O {}x{}, split {}): {} blocks, {} O tiles a block ahead, {} B shared{refused}",
                     s.cols, s.rows_qkv, s.s_qkv, s.rows_o, s.cols_o, s.s_o, p.grid, p.o_pre, p.smem
                 )
             })
