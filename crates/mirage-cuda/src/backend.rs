@@ -757,8 +757,13 @@ pub struct CudaBackend {
     /// Q/K/V, the decode attention and O of a one-row recorded step as one
     /// launch (`attn_block_q8s_*`, `fuse_attention_blocks`;
     /// `MIRAGE_CUDA_ATTN_BLOCK=1` at start, `set_attention_block`). Off by
-    /// default until measured on a GPU.
+    /// default: measured slower at the 7B shape (NOTES, seventeenth session).
     attention_block: std::sync::atomic::AtomicBool,
+    /// Whether the attention block's plan may copy O rows ahead
+    /// (`MIRAGE_CUDA_ATTN_BLOCK_COPY=0` at start: no, so the grid is the
+    /// blocks resident at the vector's shared memory alone: an A/B of
+    /// occupancy against copying).
+    attention_block_copy: bool,
     /// The attention block kernel's launch plans by shape (a driver
     /// occupancy query each; asked once).
     attention_block_plans:
@@ -924,6 +929,7 @@ impl CudaBackend {
             fused_attention: (!env_off("MIRAGE_CUDA_ATTN_FUSE")).into(),
             rope_in_attention: (!env_off("MIRAGE_CUDA_ROPE_FUSE")).into(),
             attention_block: crate::attn_block::attention_block_at_start().into(),
+            attention_block_copy: !env_off("MIRAGE_CUDA_ATTN_BLOCK_COPY"),
             attention_block_plans: Mutex::new(HashMap::new()),
             max_dynamic_smem,
             attention_block_grid: 0.into(),
@@ -2133,9 +2139,8 @@ impl CudaBackend {
             .kernel_index
             .get(kernel.as_str())
             .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
-        // Static plus dynamic shared memory may not pass the opt-in limit.
-        let static_smem = self.functions[k].shared_size_bytes().map_err(drv)?.max(0) as usize;
-        let max_dynamic = self.max_dynamic_smem.saturating_sub(static_smem);
+        // The plans are keyed by the device's opt-in limit; the kernel's
+        // static shared memory comes off it when a plan is made (below).
         let shape = crate::attn_block::AttnBlockShape {
             cols: int(&a.args[7]),
             rows_qkv: [int(&a.args[3]), int(&a.args[4]), int(&a.args[5])],
@@ -2145,7 +2150,7 @@ impl CudaBackend {
             cols_o: int(&c.args[7]),
             att_items: n_head * b.grid.2 as usize,
             sm_count: self.sm_count,
-            max_dynamic_smem: max_dynamic,
+            max_dynamic_smem: self.max_dynamic_smem,
             max_grid: match self
                 .attention_block_grid
                 .load(std::sync::atomic::Ordering::Relaxed)
@@ -2153,13 +2158,8 @@ impl CudaBackend {
                 0 => None,
                 n => Some(n),
             },
-            // MIRAGE_CUDA_ATTN_BLOCK_COPY=0: no O rows copied ahead, so the
-            // plan sizes the grid to the blocks resident at the vector's
-            // shared memory alone (an A/B of occupancy against copying).
-            bulk_copies: self.compute_capability.0 >= 9
-                && std::env::var("MIRAGE_CUDA_ATTN_BLOCK_COPY").map_or(true, |v| v != "0"),
+            bulk_copies: self.compute_capability.0 >= 9 && self.attention_block_copy,
         };
-
         let plan = {
             let mut plans = self
                 .attention_block_plans
@@ -2169,12 +2169,19 @@ impl CudaBackend {
                 Some(p) => *p,
                 None => {
                     let f = &self.functions[k];
+                    // Static plus dynamic shared memory may not pass the
+                    // opt-in limit.
+                    let static_smem = f.shared_size_bytes().map_err(drv)?.max(0) as usize;
+                    let planned = crate::attn_block::AttnBlockShape {
+                        max_dynamic_smem: shape.max_dynamic_smem.saturating_sub(static_smem),
+                        ..shape
+                    };
                     f.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        shape.max_dynamic_smem as i32,
+                        planned.max_dynamic_smem as i32,
                     )
                     .map_err(drv)?;
-                    let p = shape
+                    let p = planned
                         .plan(|smem| {
                             f.occupancy_max_active_blocks_per_multiprocessor(
                                 ATTEND_THREADS,
