@@ -407,3 +407,66 @@ fn eval_long_reports_its_backend_and_refuses_bad_choices() {
     no_panic(&out);
     assert!(!out.status.success(), "an unknown selector was accepted");
 }
+
+/// `eval` on an artifact built from SmolLM2 (64 calibration tokens of
+/// Apache-2.0, evaluated on GFDL-1.3): the all-pages run stays next to dense,
+/// the oracle's recall of itself is 1, a router setting is said to meet the
+/// gates exactly when its numbers do, and the table prints "-" (never NaN)
+/// where a metric does not apply (the all-pages row's router metrics).
+#[test]
+fn eval_reports_fidelity_of_a_built_artifact() {
+    let Some(smol) = model(SMOLLM2) else { return };
+    let calib: String = std::fs::read_to_string("/usr/share/common-licenses/Apache-2.0")
+        .expect("Apache-2.0 (install base-files)")
+        .chars()
+        .take(1200)
+        .collect();
+    let opts = mirage_artifact::BuildOptions {
+        calib_name: "Apache-2.0 (first 1200 chars)".into(),
+        calib_text: calib,
+        max_calib_tokens: 64,
+        threads: 2,
+        ..Default::default()
+    };
+    let built = mirage_artifact::build(&smol, &opts, &mut |_| {}).expect("build the artifact");
+    let dir = tempfile::tempdir().unwrap();
+    let artifact = dir.path().join("smol.mirage");
+    std::fs::write(&artifact, &built.bytes).unwrap();
+    let base = [
+        "eval", "--artifact", artifact.to_str().unwrap(), "--model", smol.to_str().unwrap(),
+        "--text", "/usr/share/common-licenses/GFDL-1.3", "--max-tokens", "48", "--threads", "2",
+        "--max-fidelity-runs", "2",
+    ];
+    let j: serde_json::Value = serde_json::from_str(&ok_stdout(&[&base[..], &["--json"]].concat())).expect("JSON");
+    let f = |v: &serde_json::Value| v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"));
+    assert_eq!(j["tokens"], 48);
+    let dense_ppl = f(&j["dense_ppl"]);
+    assert!(dense_ppl.is_finite() && dense_ppl > 1.0, "dense ppl {dense_ppl}");
+    // Every page, repacked to Q8_0 from the Q4_1 source: close to dense.
+    let all = &j["all_pages"];
+    assert!(f(&all["logit_cosine"]) > 0.99, "all pages: {all}");
+    assert!((f(&all["active_fraction_measured"]) - 1.0).abs() < 1e-9, "all pages: {all}");
+    // The oracle against itself.
+    let oracle = &j["oracle"];
+    assert_eq!(f(&oracle["setting"]["recall"]), 1.0, "{oracle}");
+    let active = f(&oracle["setting"]["active_fraction"]);
+    assert!(active > 0.0 && active <= 1.0, "{oracle}");
+    // (Each layer's oracle keeps its FFN output at cosine 0.999; over 30
+    // layers and 48 tokens the logits measured 0.985.)
+    assert!(f(&oracle["fidelity"]["logit_cosine"]) > 0.95, "{oracle}");
+    for router in ["bvh", "predictor"] {
+        let p = &j[router];
+        if p.is_null() {
+            continue;
+        }
+        let (recall, cos) = (f(&p["setting"]["recall"]), f(&p["fidelity"]["logit_cosine"]));
+        assert!(recall >= 0.995, "{router} picked below the recall gate: {p}");
+        assert_eq!(p["meets_gates"], recall >= 0.995 && cos >= 0.996, "{router}: {p}");
+    }
+    let sweep_len = j["bvh_sweep"].as_array().map(|a| a.len()).unwrap_or(0);
+    assert!(sweep_len > 1, "bvh sweep: {}", j["bvh_sweep"]);
+    let table = ok_stdout(&base);
+    assert!(!table.contains("NaN"), "{table}");
+    let all_row = table.lines().find(|l| l.starts_with("all pages")).unwrap_or_else(|| panic!("{table}"));
+    assert_eq!(all_row.split_whitespace().nth(4), Some("-"), "{all_row}");
+}

@@ -765,9 +765,13 @@ pub struct CudaBackend {
     /// occupancy against copying).
     attention_block_copy: bool,
     /// The attention block kernel's launch plans by shape (a driver
-    /// occupancy query each; asked once).
-    attention_block_plans:
-        Mutex<HashMap<crate::attn_block::AttnBlockShape, crate::attn_block::AttnBlockPlan>>,
+    /// occupancy query each; asked once), with the registers a thread and
+    /// static shared memory the driver reports for the kernel it loaded
+    /// (the JIT's answer, which the occupancy follows, may differ from an
+    /// offline ptxas's).
+    attention_block_plans: Mutex<
+        HashMap<crate::attn_block::AttnBlockShape, (crate::attn_block::AttnBlockPlan, i32, usize)>,
+    >,
     /// Largest dynamic shared memory a block may opt into.
     max_dynamic_smem: usize,
     /// Most blocks of an attention block launch (0: as many as fit).
@@ -1501,12 +1505,12 @@ impl CudaBackend {
             .unwrap_or_else(|e| e.into_inner());
         let mut lines: Vec<String> = plans
             .iter()
-            .map(|(s, p)| {
+            .map(|(s, (p, regs, static_smem))| {
                 let refused = p.refused.map_or(String::new(), |(smem, per)| {
                     format!(" (at {smem} B the driver admitted {per} an SM)")
                 });
                 format!(
-                    "d {} (Q/K/V rows {:?}, split {}; O {}x{}, split {}): {} blocks, {} O tiles a block ahead, {} B shared{refused}",
+                    "d {} (Q/K/V rows {:?}, split {}; O {}x{}, split {}): {} blocks, {} O tiles a block ahead, {} B shared; kernel {regs} registers, {static_smem} B static{refused}",
                     s.cols, s.rows_qkv, s.s_qkv, s.rows_o, s.cols_o, s.s_o, p.grid, p.o_pre, p.smem
                 )
             })
@@ -2166,12 +2170,13 @@ impl CudaBackend {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
             match plans.get(&shape) {
-                Some(p) => *p,
+                Some(p) => p.0,
                 None => {
                     let f = &self.functions[k];
                     // Static plus dynamic shared memory may not pass the
                     // opt-in limit.
                     let static_smem = f.shared_size_bytes().map_err(drv)?.max(0) as usize;
+                    let regs = f.num_regs().map_err(drv)?;
                     let planned = crate::attn_block::AttnBlockShape {
                         max_dynamic_smem: shape.max_dynamic_smem.saturating_sub(static_smem),
                         ..shape
@@ -2192,7 +2197,7 @@ impl CudaBackend {
                             .map_err(|e| e.to_string())
                         })
                         .map_err(bad)?;
-                    plans.insert(shape, p);
+                    plans.insert(shape, (p, regs, static_smem));
                     p
                 }
             }

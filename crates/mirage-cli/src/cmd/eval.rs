@@ -270,8 +270,14 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let row = |name: &str, s: Option<&Sweep>, f: &Fidelity| {
         let (r, j) = s.map_or((f64::NAN, f64::NAN), |s| (s.recall, s.rejection));
         println!(
-            "{name:<28} {:>8.4} {:>9.4} {:>8.4} {:>9.5} {:>7.4} {:>8.3} {:>+9.3}",
-            r, j, f.active_fraction, f.cosine, f.top1, f.ppl, f.ppl - dense_ppl
+            "{name:<28} {:>8} {:>9} {:>8.4} {:>9.5} {:>7.4} {:>8.3} {:>+9.3}",
+            or_dash(r),
+            or_dash(j),
+            f.active_fraction,
+            f.cosine,
+            f.top1,
+            f.ppl,
+            f.ppl - dense_ppl
         );
     };
     row("all pages (Q8_0 repack)", None, &all_pages);
@@ -291,10 +297,17 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     if let Some((s, _)) = &bvh_pick {
         println!("per layer ({}): recall  rejection  active mean/p50/p99", s.label);
         for (l, (r, j, c)) in s.layers.iter().enumerate() {
-            println!("  {l:>3}  {r:.4}  {j:.4}  {:.2}/{}/{}", metrics::mean(c), metrics::quantile(c, 0.5), metrics::quantile(c, 0.99));
+            println!("  {l:>3}  {:>6}  {:>9}  {:.2}/{}/{}", or_dash(*r), or_dash(*j), metrics::mean(c), metrics::quantile(c, 0.5), metrics::quantile(c, 0.99));
         }
     }
     Ok(())
+}
+
+/// A table cell: four decimals, or "-" where the metric does not apply (a
+/// router metric of the all-pages row, the rejection of a layer with no
+/// routed pages), which the computation leaves as NaN.
+fn or_dash(v: f64) -> String {
+    if v.is_nan() { "-".into() } else { format!("{v:.4}") }
 }
 
 /// Two small SVG charts, written by hand (no plotting dependency).
