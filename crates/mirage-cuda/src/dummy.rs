@@ -70,10 +70,13 @@ impl CudaBackend {
     }
     /// Fused decode attention switch (no effect without CUDA).
     pub fn set_fused_attention(&self, _on: bool) {}
+    /// Attention block switch (no effect without CUDA).
     pub fn set_attention_block(&self, _on: bool) {}
+    /// The attention block launches planned so far (none without CUDA).
     pub fn attention_block_plans(&self) -> Vec<String> {
         Vec::new()
     }
+    /// Attention block grid cap (no effect without CUDA).
     pub fn set_attention_block_grid(&self, _blocks: Option<usize>) {}
     /// RoPE-in-attention switch (no effect without CUDA).
     pub fn set_rope_in_attention(&self, _on: bool) {}
