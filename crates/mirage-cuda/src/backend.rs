@@ -248,6 +248,16 @@ const PREFETCH_THREADS: u32 = 256;
 /// head_dim the kernel takes.
 const ATTEND_THREADS: u32 = 256;
 
+/// An attention block plan with what the driver reports for the kernel it
+/// loaded: registers a thread and static shared memory (the JIT's answer,
+/// which the occupancy follows, may differ from an offline ptxas's).
+#[derive(Debug, Clone, Copy)]
+struct AttnBlockPlanned {
+    plan: crate::attn_block::AttnBlockPlan,
+    regs: i32,
+    static_smem: usize,
+}
+
 /// Keys per attention split the host plans for at least: the splits of a
 /// cache are `n_ctx / this` (capped by `ATTEND_TARGET_BLOCKS`), and the
 /// kernels spread each row's positions over them (dense.cu's `att_chunk`,
@@ -764,14 +774,12 @@ pub struct CudaBackend {
     /// blocks resident at the vector's shared memory alone: an A/B of
     /// occupancy against copying).
     attention_block_copy: bool,
-    /// The attention block kernel's launch plans by shape (a driver
-    /// occupancy query each; asked once), with the registers a thread and
-    /// static shared memory the driver reports for the kernel it loaded
-    /// (the JIT's answer, which the occupancy follows, may differ from an
-    /// offline ptxas's).
-    attention_block_plans: Mutex<
-        HashMap<crate::attn_block::AttnBlockShape, (crate::attn_block::AttnBlockPlan, i32, usize)>,
-    >,
+    /// The attention block kernels' launch plans by kernel (index into
+    /// `functions`: the f16 and f32 cache kernels differ in registers and
+    /// static shared memory, and each needs its own dynamic shared memory
+    /// attribute set) and shape; a driver occupancy query each, asked once.
+    attention_block_plans:
+        Mutex<HashMap<(usize, crate::attn_block::AttnBlockShape), AttnBlockPlanned>>,
     /// Largest dynamic shared memory a block may opt into.
     max_dynamic_smem: usize,
     /// Most blocks of an attention block launch (0: as many as fit).
@@ -1505,13 +1513,14 @@ impl CudaBackend {
             .unwrap_or_else(|e| e.into_inner());
         let mut lines: Vec<String> = plans
             .iter()
-            .map(|(s, (p, regs, static_smem))| {
+            .map(|((k, s), planned)| {
+                let AttnBlockPlanned { plan: p, regs, static_smem } = planned;
                 let refused = p.refused.map_or(String::new(), |(smem, per)| {
                     format!(" (at {smem} B the driver admitted {per} an SM)")
                 });
                 format!(
-                    "d {} (Q/K/V rows {:?}, split {}; O {}x{}, split {}): {} blocks, {} O tiles a block ahead, {} B shared; kernel {regs} registers, {static_smem} B static{refused}",
-                    s.cols, s.rows_qkv, s.s_qkv, s.rows_o, s.cols_o, s.s_o, p.grid, p.o_pre, p.smem
+                    "{} d {} (Q/K/V rows {:?}, split {}; O {}x{}, split {}): {} blocks, {} O tiles a block ahead, {} B shared; {regs} registers, {static_smem} B static{refused}",
+                    self.functions_names[*k], s.cols, s.rows_qkv, s.s_qkv, s.rows_o, s.cols_o, s.s_o, p.grid, p.o_pre, p.smem
                 )
             })
             .collect();
@@ -2143,8 +2152,9 @@ impl CudaBackend {
             .kernel_index
             .get(kernel.as_str())
             .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
-        // The plans are keyed by the device's opt-in limit; the kernel's
-        // static shared memory comes off it when a plan is made (below).
+        // The plans are keyed by the kernel and the device's opt-in limit;
+        // the kernel's static shared memory comes off it when a plan is
+        // made (below).
         let shape = crate::attn_block::AttnBlockShape {
             cols: int(&a.args[7]),
             rows_qkv: [int(&a.args[3]), int(&a.args[4]), int(&a.args[5])],
@@ -2169,8 +2179,8 @@ impl CudaBackend {
                 .attention_block_plans
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            match plans.get(&shape) {
-                Some(p) => p.0,
+            match plans.get(&(k, shape)) {
+                Some(p) => p.plan,
                 None => {
                     let f = &self.functions[k];
                     // Static plus dynamic shared memory may not pass the
@@ -2197,7 +2207,14 @@ impl CudaBackend {
                             .map_err(|e| e.to_string())
                         })
                         .map_err(bad)?;
-                    plans.insert(shape, (p, regs, static_smem));
+                    plans.insert(
+                        (k, shape),
+                        AttnBlockPlanned {
+                            plan: p,
+                            regs,
+                            static_smem,
+                        },
+                    );
                     p
                 }
             }
