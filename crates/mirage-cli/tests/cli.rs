@@ -415,6 +415,7 @@ fn eval_long_reports_its_backend_and_refuses_bad_choices() {
 /// where a metric does not apply (the all-pages row's router metrics).
 #[test]
 fn eval_reports_fidelity_of_a_built_artifact() {
+    use mirage_artifact::metrics::{COSINE_GATE, RECALL_GATE};
     let Some(smol) = model(SMOLLM2) else { return };
     let calib: String = std::fs::read_to_string("/usr/share/common-licenses/Apache-2.0")
         .expect("Apache-2.0 (install base-files)")
@@ -460,8 +461,8 @@ fn eval_reports_fidelity_of_a_built_artifact() {
             continue;
         }
         let (recall, cos) = (f(&p["setting"]["recall"]), f(&p["fidelity"]["logit_cosine"]));
-        assert!(recall >= 0.995, "{router} picked below the recall gate: {p}");
-        assert_eq!(p["meets_gates"], recall >= 0.995 && cos >= 0.996, "{router}: {p}");
+        assert!(recall >= RECALL_GATE, "{router} picked below the recall gate: {p}");
+        assert_eq!(p["meets_gates"], recall >= RECALL_GATE && cos >= COSINE_GATE, "{router}: {p}");
     }
     let sweep_len = j["bvh_sweep"].as_array().map(|a| a.len()).unwrap_or(0);
     assert!(sweep_len > 1, "bvh sweep: {}", j["bvh_sweep"]);
