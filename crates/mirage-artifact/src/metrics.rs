@@ -4,6 +4,9 @@
 //! - oracle useful set: per token and layer, the fewest pages, taken in
 //!   decreasing order of contribution norm `||W_down,p h_p||`, whose sum
 //!   reproduces the dense FFN output to cosine >= [`ORACLE_COSINE`].
+//! - largest pages at a fixed count ([`largest_pages`]): the first `k` pages
+//!   of the same order, the set a router that knew every page's output would
+//!   keep at a fixed active fraction.
 //! - useful-page recall: `|active ∩ oracle| / |oracle|` (1 when the oracle is
 //!   empty), averaged over tokens and layers. Active = trunk ∪ candidates.
 //! - rejection: `1 - |routed candidates| / |routed pages|`.
@@ -35,6 +38,25 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
     }
 }
 
+/// Pages in decreasing order of contribution norm `||W_down,p h_p||`
+/// (ties: lower index first), with the f64 sum of all contributions.
+/// `contributions` holds one `d_model` vector per page, page-major.
+fn pages_by_norm(contributions: &[f32], d_model: usize) -> (Vec<usize>, Vec<f64>) {
+    let pages = contributions.len() / d_model;
+    let mut total = vec![0f64; d_model];
+    let mut norms = Vec::with_capacity(pages);
+    for (p, page) in contributions.chunks_exact(d_model).enumerate() {
+        let mut n = 0f64;
+        for (t, v) in total.iter_mut().zip(page) {
+            *t += *v as f64;
+            n += (*v as f64) * (*v as f64);
+        }
+        norms.push((n, p));
+    }
+    norms.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    (norms.into_iter().map(|(_, p)| p).collect(), total)
+}
+
 /// The oracle useful set of one token at one layer.
 ///
 /// `contributions` holds one `d_model` vector per page (`W_down,p h_p`),
@@ -45,26 +67,15 @@ pub fn oracle_useful_set(contributions: &[f32], d_model: usize, target: f64) -> 
     if d_model == 0 {
         return Vec::new();
     }
-    let pages = contributions.len() / d_model;
+    let (order, total) = pages_by_norm(contributions, d_model);
     let page = |p: usize| &contributions[p * d_model..(p + 1) * d_model];
-    let mut total = vec![0f64; d_model];
-    let mut norms = Vec::with_capacity(pages);
-    for p in 0..pages {
-        let mut n = 0f64;
-        for (t, v) in total.iter_mut().zip(page(p)) {
-            *t += *v as f64;
-            n += (*v as f64) * (*v as f64);
-        }
-        norms.push((n, p));
-    }
     let tt: f64 = total.iter().map(|v| v * v).sum();
     if tt == 0.0 {
         return Vec::new();
     }
-    norms.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
     let mut partial = vec![0f64; d_model];
     let mut chosen = Vec::new();
-    for &(_, p) in &norms {
+    for p in order {
         for (s, v) in partial.iter_mut().zip(page(p)) {
             *s += *v as f64;
         }
@@ -80,6 +91,53 @@ pub fn oracle_useful_set(contributions: &[f32], d_model: usize, target: f64) -> 
     }
     chosen.sort_unstable();
     chosen
+}
+
+/// The `k` pages with the largest contribution norms (the oracle's order,
+/// ties: lower index first), ascending: the set a router that knew every
+/// page's output would pick at a fixed budget of `k` pages.
+pub fn largest_pages(contributions: &[f32], d_model: usize, k: usize) -> Vec<usize> {
+    if d_model == 0 {
+        return Vec::new();
+    }
+    let (mut order, _) = pages_by_norm(contributions, d_model);
+    order.truncate(k);
+    order.sort_unstable();
+    order
+}
+
+/// For each of `counts`, the cosine against the sum of all pages of the sum
+/// of the `count` pages with the largest contribution norms (the oracle's
+/// order): how much of one token's FFN output a fixed budget of pages keeps
+/// at best. Pages as in [`oracle_useful_set`]; a zero output gives cosine 1.
+pub fn largest_pages_cosines(contributions: &[f32], d_model: usize, counts: &[usize]) -> Vec<f64> {
+    if d_model == 0 {
+        return vec![1.0; counts.len()];
+    }
+    let (order, total) = pages_by_norm(contributions, d_model);
+    let tt: f64 = total.iter().map(|v| v * v).sum();
+    let mut want: Vec<(usize, usize)> = counts.iter().copied().enumerate().map(|(i, k)| (k.min(order.len()), i)).collect();
+    want.sort_unstable();
+    let mut out = vec![1.0; counts.len()];
+    let mut partial = vec![0f64; d_model];
+    let mut taken = 0;
+    for (k, i) in want {
+        for &p in &order[taken..k] {
+            for (s, v) in partial.iter_mut().zip(&contributions[p * d_model..(p + 1) * d_model]) {
+                *s += *v as f64;
+            }
+        }
+        taken = k;
+        if tt > 0.0 {
+            let (mut pt, mut pp) = (0f64, 0f64);
+            for (s, t) in partial.iter().zip(&total) {
+                pt += s * t;
+                pp += s * s;
+            }
+            out[i] = if pp > 0.0 { pt / (pp.sqrt() * tt.sqrt()) } else { 0.0 };
+        }
+    }
+    out
 }
 
 /// Useful-page recall of one token/layer: the share of `oracle` that
@@ -150,6 +208,30 @@ mod tests {
         assert_eq!(oracle_useful_set(&c, 2, 0.999), vec![1, 2]);
         assert_eq!(oracle_useful_set(&c, 2, 0.9), vec![1]);
         assert_eq!(oracle_useful_set(&[0.0; 4], 2, 0.999), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn largest_pages_keep_the_oracle_order_at_a_fixed_count() {
+        // Norms: page 0 0.001, page 1 10, page 2 1, page 3 1 (tie with 2: lower index wins).
+        let c = [0.001, 0.0, 10.0, 0.0, 0.0, 1.0, 1.0, 0.0];
+        assert_eq!(largest_pages(&c, 2, 1), vec![1]);
+        assert_eq!(largest_pages(&c, 2, 2), vec![1, 2]);
+        assert_eq!(largest_pages(&c, 2, 3), vec![1, 2, 3]);
+        assert_eq!(largest_pages(&c, 2, 9), vec![0, 1, 2, 3]);
+        assert_eq!(largest_pages(&c, 2, 0), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn largest_pages_cosines_follow_the_kept_sum() {
+        // Pages (2-d): [3, 0], [0, 4], [0, 0]; total [3, 4].
+        let c = [3.0, 0.0, 0.0, 4.0, 0.0, 0.0];
+        let got = largest_pages_cosines(&c, 2, &[3, 0, 1, 2, 7]);
+        // 1 page keeps [0, 4]: cosine 4/5; 2 and more keep everything.
+        let want = [1.0, 0.0, 0.8, 1.0, 1.0];
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() < 1e-12, "{got:?}");
+        }
+        assert_eq!(largest_pages_cosines(&[0.0; 4], 2, &[1]), vec![1.0]);
     }
 
     #[test]

@@ -23,8 +23,8 @@ use mirage_gguf::{GgmlType, GgufFile};
 use crate::{Artifact, ArtifactError, Result, PAGE_CHANNELS};
 
 /// Pages of `n` a forced fraction keeps: `ceil(fraction * n)`, at least one
-/// (the rule every prefix mode shares: this slice, the CPU superblock
-/// backend's `Prefix(k)` as the bench builds it, the CUDA sparse backend).
+/// (the rule every fixed-fraction mode shares: this slice, the CPU superblock
+/// backend's `Prefix(k)` as the bench builds it and its `OracleTop`, the CUDA sparse backend).
 pub fn pages_for_fraction(fraction: f32, n: usize) -> usize {
     // The tolerance keeps 0.4 * 70 (28.000000298 in f32) at 28 pages.
     ((fraction.clamp(0.0, 1.0) as f64 * n as f64 - 1e-4).ceil() as usize).clamp(1, n.max(1))

@@ -24,7 +24,8 @@ use crate::error::{ArtifactError, Result};
 use crate::ffn::{axpy, silu};
 use crate::fit::predictor_scores;
 use crate::format::{Artifact, PAGE_CHANNELS};
-use crate::metrics::{oracle_useful_set, ORACLE_COSINE};
+use crate::metrics::{largest_pages, oracle_useful_set, ORACLE_COSINE};
+use crate::prefix::pages_for_fraction;
 
 /// Which pages the FFN runs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -45,6 +46,14 @@ pub enum SparseMode {
     },
     /// The oracle useful set (computes every page first).
     Oracle,
+    /// The `ceil(fraction * pages)` pages with the largest outputs, per token
+    /// and layer (computes every page first; the trunk gets no preference):
+    /// the fidelity a router that knew each page's output could reach at
+    /// this active fraction, an upper bound to compare routers with.
+    OracleTop {
+        /// Share of the layer's pages kept, in (0, 1].
+        fraction: f32,
+    },
 }
 
 /// Decides the active pages of one token at one layer (all modes but the
@@ -64,6 +73,11 @@ impl std::fmt::Debug for PageSelector {
 impl PageSelector {
     /// Builds the per-layer routers the mode needs (BVH built once here).
     pub fn new(artifact: Arc<Artifact>, mode: SparseMode) -> Result<PageSelector> {
+        if let SparseMode::OracleTop { fraction } = mode {
+            if !(fraction > 0.0 && fraction <= 1.0) {
+                return Err(ArtifactError::InvalidArgument(format!("oracle-top fraction {fraction} is not in (0, 1]")));
+            }
+        }
         let bvhs = match mode {
             SparseMode::Bvh { margin } => (0..artifact.meta().n_layer)
                 .map(|l| Ok(Mutex::new(CpuBvh::new(&artifact.router_with_margin(l, margin))?)))
@@ -79,7 +93,7 @@ impl PageSelector {
     }
 
     /// Active pages (ascending) of FFN input `x` at `layer`; `None` for the
-    /// oracle mode.
+    /// oracle modes (they need every page's output: [`PageSelector::pick_from_outputs`]).
     pub fn select(&self, layer: usize, x: &[f32]) -> Result<Option<Vec<usize>>> {
         let ld = self.artifact.layer(layer);
         let n = ld.n_pages;
@@ -102,8 +116,22 @@ impl PageSelector {
                 predictor_scores(&ld.predictor_proj, &ld.predictor_weights, rank, x.len(), x, &mut s);
                 (0..n).filter(|&p| p < ld.n_trunk || s[p] >= threshold).collect()
             }
-            SparseMode::Oracle => return Ok(None),
+            SparseMode::Oracle | SparseMode::OracleTop { .. } => return Ok(None),
         }))
+    }
+
+    /// The oracle modes' pages (ascending) from every page's output
+    /// (`contributions`: one `d_model` vector per page); `None` for the
+    /// modes [`PageSelector::select`] answers.
+    pub fn pick_from_outputs(&self, contributions: &[f32], d_model: usize) -> Option<Vec<usize>> {
+        match self.mode {
+            SparseMode::Oracle => Some(oracle_useful_set(contributions, d_model, ORACLE_COSINE)),
+            SparseMode::OracleTop { fraction } => {
+                let pages = contributions.len() / d_model.max(1);
+                Some(largest_pages(contributions, d_model, pages_for_fraction(fraction, pages)))
+            }
+            _ => None,
+        }
     }
 }
 
@@ -269,7 +297,7 @@ impl SuperblockBackend {
                 let all: Vec<usize> = (0..n).collect();
                 let parts: Vec<Vec<f32>> = all.par_iter().map(|&p| self.run_pages(f, input, d, &[p], false)).collect::<Result<_>>()?;
                 let flat: Vec<f32> = parts.concat();
-                let set = oracle_useful_set(&flat, d, ORACLE_COSINE);
+                let set = sel.pick_from_outputs(&flat, d).ok_or_else(|| ArtifactError::InvalidArgument(format!("{:?} selected no pages", sel.mode())))?;
                 let mut y = vec![0f32; d];
                 for &p in &set {
                     axpy(&mut y, 1.0, &parts[p]);

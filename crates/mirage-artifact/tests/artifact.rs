@@ -180,6 +180,21 @@ fn superblock_backend_matches_dense_and_skips_pages() {
     let counts = sparse.model().backend().take_active_counts();
     assert!(counts.iter().all(|l| l.iter().all(|&k| k == 5)));
     assert!(cosine(&last(&dl), &last(&pl)) < c, "dropping 7 of 12 pages must cost fidelity");
+    // Largest-output pages at a fixed fraction: exactly ceil(f * 12) a token,
+    // and the 7 largest outputs keep more than the 5 hottest pages (prefix).
+    sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 5.0 / 12.0 }).unwrap();
+    let tl = sparse.model().logits_all(&tokens, Default::default()).unwrap();
+    let counts = sparse.model().backend().take_active_counts();
+    assert!(counts.iter().all(|l| l.len() == n && l.iter().all(|&k| k == 5)), "{counts:?}");
+    let top_cos = cosine(&last(&dl), &last(&tl));
+    assert!(top_cos < c, "5 of 12 pages must cost fidelity ({top_cos} vs all pages {c})");
+    sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 1.0 }).unwrap();
+    let fl = sparse.model().logits_all(&tokens, Default::default()).unwrap();
+    assert!(sparse.model().backend().take_active_counts().iter().flatten().all(|&k| k == 12));
+    assert!((cosine(&last(&sl), &last(&fl)) - 1.0).abs() < 1e-6, "every page by output order vs all pages");
+    for bad in [0.0, -0.5, 1.5, f32::NAN] {
+        assert!(sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: bad }).is_err(), "fraction {bad} accepted");
+    }
     // BVH mode: trunk + candidates, never more than stored.
     let margin = artifact.meta().default_margin;
     sparse.model().backend().set_mode(SparseMode::Bvh { margin }).unwrap();

@@ -438,7 +438,7 @@ fn eval_reports_fidelity_of_a_built_artifact() {
         "--text", "/usr/share/common-licenses/GFDL-1.3", "--max-tokens", "48", "--threads", "2",
         "--max-fidelity-runs", "2",
     ];
-    let j: serde_json::Value = serde_json::from_str(&ok_stdout(&[&base[..], &["--json"]].concat())).expect("JSON");
+    let j: serde_json::Value = serde_json::from_str(&ok_stdout(&[&base[..], &["--json", "--oracle-top", "0.5"]].concat())).expect("JSON");
     let f = |v: &serde_json::Value| v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"));
     assert_eq!(j["tokens"], 48);
     let dense_ppl = f(&j["dense_ppl"]);
@@ -464,8 +464,30 @@ fn eval_reports_fidelity_of_a_built_artifact() {
         assert!(recall >= RECALL_GATE, "{router} picked below the recall gate: {p}");
         assert_eq!(p["meets_gates"], recall >= RECALL_GATE && cos >= COSINE_GATE, "{router}: {p}");
     }
+    // --oracle-top 0.5: half of each layer's pages (rounded up), the largest outputs.
+    let tops = j["oracle_top"].as_array().unwrap_or_else(|| panic!("oracle_top: {}", j["oracle_top"]));
+    assert_eq!(tops.len(), 1, "{tops:?}");
+    let half = &tops[0];
+    let pages_total = f(&j["pages_total"]);
+    let half_active = f(&half["fidelity"]["active_fraction_measured"]);
+    assert!((0.5..0.5 + 0.1).contains(&half_active), "oracle top 50%: {half}, of {pages_total} pages");
+    assert!((f(&half["setting"]["active_fraction"]) - half_active).abs() < 1e-9, "{half}");
+    assert!(f(&half["fidelity"]["logit_cosine"]) < f(&all["logit_cosine"]), "half the pages cost nothing? {half}");
+    assert_eq!(half["meets_cosine_gate"], f(&half["fidelity"]["logit_cosine"]) >= COSINE_GATE, "{half}");
+    // The per-layer bound at 1-, 8-, 32- and 128-channel groups, one fraction each.
+    let groups = j["oracle_top_layer_cosine"].as_array().unwrap_or_else(|| panic!("{}", j["oracle_top_layer_cosine"]));
+    assert_eq!(groups.iter().map(|g| g["group_channels"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 8, 32, 128]);
+    for g in groups {
+        let per = g["per_fraction"].as_array().unwrap();
+        assert_eq!(per.len(), 1, "{g}");
+        let (mean, share) = (f(&per[0]["mean_cosine"]), f(&per[0]["share_at_oracle_cosine"]));
+        assert!(mean > 0.0 && mean < 1.0 && (0.0..=1.0).contains(&share), "{g}");
+    }
     let sweep_len = j["bvh_sweep"].as_array().map(|a| a.len()).unwrap_or(0);
     assert!(sweep_len > 1, "bvh sweep: {}", j["bvh_sweep"]);
+    let out = cli(&[&base[..], &["--oracle-top", "1.5"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--oracle-top 1.5") && err.contains("(0, 1]"), "{err}");
     let table = ok_stdout(&base);
     assert!(!table.contains("NaN"), "{table}");
     let all_row = table.lines().find(|l| l.starts_with("all pages")).unwrap_or_else(|| panic!("{table}"));

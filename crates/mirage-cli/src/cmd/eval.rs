@@ -5,8 +5,9 @@
 //! low-rank predictor (threshold sweep) and the oracle; then, for the
 //! cheapest setting of each that meets the recall gate, the superblock
 //! backend runs the whole text and its logits are compared with dense
-//! (cosine, top-1 agreement, perplexity). Metric definitions:
-//! `mirage_artifact::metrics`.
+//! (cosine, top-1 agreement, perplexity). `--oracle-top` adds runs at fixed
+//! active fractions with each token's largest-output pages: the bound on
+//! any router over these pages. Metric definitions: `mirage_artifact::metrics`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use mirage_artifact::ffn::FfnF32;
 use mirage_artifact::metrics::{self, cosine, oracle_useful_set, COSINE_GATE, ORACLE_COSINE, RECALL_GATE};
 use mirage_artifact::pack::unpack_pages;
 use mirage_artifact::superblock::PageSelector;
-use mirage_artifact::{Artifact, SparseMode, SuperblockBackend, PAGE_CHANNELS};
+use mirage_artifact::{pages_for_fraction, Artifact, SparseMode, SuperblockBackend, PAGE_CHANNELS};
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::TokenSlot;
 use mirage_runtime::observe::observe_ffn_inputs;
@@ -53,6 +54,27 @@ pub struct EvalArgs {
     /// Write SVG charts (recall vs rejection, active fraction per layer) here.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Also run these fixed active fractions (comma-separated, each in (0, 1]) with each token's
+    /// largest-output pages, e.g. 0.75,0.5: the fidelity a router that knew every page's output
+    /// could reach there, the bound on what any router can do with these pages.
+    #[arg(long = "oracle-top", value_delimiter = ',')]
+    oracle_top: Vec<f32>,
+}
+
+/// Group sizes (channels) at which `--oracle-top` also measures how much of
+/// each layer's FFN output the largest-output groups keep: single channels
+/// up to whole pages, to tell a dense FFN from pages that are too coarse.
+const GROUP_CHANNELS: [usize; 4] = [1, 8, 32, PAGE_CHANNELS];
+
+/// One token's page sets at one layer, from every page's output.
+struct TokenOracle {
+    /// The oracle useful set.
+    oracle: Vec<usize>,
+    /// Per `--oracle-top` fraction, the largest-output pages.
+    tops: Vec<Vec<usize>>,
+    /// Per [`GROUP_CHANNELS`] size, per fraction: the layer's FFN output
+    /// cosine with the largest-output groups kept.
+    kept: Vec<Vec<f64>>,
 }
 
 /// Router metrics of one setting over all tokens and layers.
@@ -98,6 +120,9 @@ fn ppl(logits: &[f32], tokens: &[u32], vocab: usize) -> f64 {
 
 /// Runs `eval`.
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
+    if let Some(f) = args.oracle_top.iter().find(|f| !(**f > 0.0 && **f <= 1.0)) {
+        bail!("--oracle-top {f}: each fraction must be in (0, 1]");
+    }
     let artifact = Artifact::open(&args.artifact).with_context(|| format!("loading {}", args.artifact.display()))?;
     let meta = artifact.meta().clone();
     let model_path = args.model.clone().unwrap_or_else(|| PathBuf::from("models").join(&meta.source_name));
@@ -127,23 +152,55 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     })?;
     drop(dense);
 
-    // Oracle sets on the artifact's pages.
+    // Oracle sets on the artifact's pages, and for each --oracle-top fraction
+    // the largest-output pages.
     let mut oracle: Vec<Vec<Vec<usize>>> = Vec::with_capacity(n_layer);
+    let mut top: Vec<Vec<Vec<Vec<usize>>>> = vec![Vec::with_capacity(n_layer); args.oracle_top.len()];
+    // Per group size, per fraction: (sum of per-layer FFN output cosines, count >= ORACLE_COSINE).
+    let mut granularity = vec![vec![(0f64, 0usize); args.oracle_top.len()]; GROUP_CHANNELS.len()];
     for (l, x) in xs.iter().enumerate() {
         let ld = artifact.layer(l);
         let pages: Vec<&[u8]> = (0..ld.n_pages).map(|p| artifact.page(l, p)).collect();
         let ffn: FfnF32 = unpack_pages(&pages, ld.quant, d)?;
-        let sets: Vec<Vec<usize>> = (0..n)
+        let sets: Vec<TokenOracle> = (0..n)
             .into_par_iter()
             .map(|t| {
                 let mut h = vec![0f32; ffn.n_ff];
                 ffn.hidden(&x[t * d..(t + 1) * d], &mut h);
                 let mut c = vec![0f32; ld.n_pages * d];
                 ffn.page_contributions(&h, PAGE_CHANNELS, &mut c);
-                oracle_useful_set(&c, d, ORACLE_COSINE)
+                let tops = args.oracle_top.iter().map(|&f| metrics::largest_pages(&c, d, pages_for_fraction(f, ld.n_pages))).collect();
+                // The same bound at finer groups of channels (artifact order).
+                let kept: Vec<Vec<f64>> = if args.oracle_top.is_empty() {
+                    Vec::new()
+                } else {
+                    GROUP_CHANNELS
+                        .iter()
+                        .map(|&g| {
+                            let groups = ffn.n_ff / g;
+                            let counts: Vec<usize> = args.oracle_top.iter().map(|&f| pages_for_fraction(f, groups)).collect();
+                            if g == PAGE_CHANNELS {
+                                return metrics::largest_pages_cosines(&c, d, &counts);
+                            }
+                            let mut cg = vec![0f32; groups * d];
+                            ffn.page_contributions(&h, g, &mut cg);
+                            metrics::largest_pages_cosines(&cg, d, &counts)
+                        })
+                        .collect()
+                };
+                TokenOracle { oracle: oracle_useful_set(&c, d, ORACLE_COSINE), tops, kept }
             })
             .collect();
-        oracle.push(sets);
+        for (i, per_fraction) in top.iter_mut().enumerate() {
+            per_fraction.push(sets.iter().map(|s| s.tops[i].clone()).collect());
+        }
+        for s in &sets {
+            for (acc, cos) in granularity.iter_mut().flatten().zip(s.kept.iter().flatten()) {
+                acc.0 += cos;
+                acc.1 += (*cos >= ORACLE_COSINE) as usize;
+            }
+        }
+        oracle.push(sets.into_iter().map(|s| s.oracle).collect());
     }
     let total_pages: usize = (0..n_layer).map(|l| artifact.layer(l).n_pages).sum();
     let routed_pages: usize = (0..n_layer).map(|l| artifact.layer(l).n_pages - artifact.layer(l).n_trunk).sum();
@@ -158,9 +215,13 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             let (mut lr, mut lj) = (0f64, 0f64);
             let mut counts = Vec::with_capacity(n);
             for t in 0..n {
-                let active = match sel.select(l, &xs[l][t * d..(t + 1) * d])? {
-                    Some(a) => a,
-                    None => oracle[l][t].clone(),
+                let active = match (sel.select(l, &xs[l][t * d..(t + 1) * d])?, mode) {
+                    (Some(a), _) => a,
+                    (None, SparseMode::OracleTop { fraction }) => {
+                        let i = args.oracle_top.iter().position(|&f| f == fraction).context("an oracle-top fraction that was not asked for")?;
+                        top[i][l][t].clone()
+                    }
+                    (None, _) => oracle[l][t].clone(),
                 };
                 let mut on = vec![false; ld.n_pages];
                 active.iter().for_each(|&p| on[p] = true);
@@ -182,6 +243,11 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         Ok(Sweep { label, mode, recall: rec / tl, rejection, active_fraction: act / (n * total_pages) as f64, layers })
     };
     let oracle_sweep = sweep("oracle".into(), SparseMode::Oracle)?;
+    let top_sweeps: Vec<Sweep> = args
+        .oracle_top
+        .iter()
+        .map(|&fraction| sweep(format!("oracle top {}%", fraction * 100.0), SparseMode::OracleTop { fraction }))
+        .collect::<anyhow::Result<_>>()?;
     let bvh: Vec<Sweep> = MARGIN_GRID.iter().map(|&m| sweep(format!("bvh margin {m}"), SparseMode::Bvh { margin: m })).collect::<anyhow::Result<_>>()?;
     let pred: Vec<Sweep> =
         THRESHOLD_GRID.iter().map(|&t| sweep(format!("predictor threshold {t}"), SparseMode::Predictor { threshold: t })).collect::<anyhow::Result<_>>()?;
@@ -204,9 +270,10 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         }
         Ok(Fidelity { cosine: cs / n as f64, top1: top as f64 / n as f64, ppl: ppl(&lg, &tokens, vocab), active_fraction: active / (n * total_pages) as f64 })
     };
-    eprintln!("eval: fidelity runs (all pages, oracle, bvh, predictor)");
+    eprintln!("eval: fidelity runs (all pages, oracle{}, bvh, predictor)", if args.oracle_top.is_empty() { "" } else { ", oracle top" });
     let all_pages = fidelity(SparseMode::All)?;
     let oracle_fid = fidelity(SparseMode::Oracle)?;
+    let top_fids: Vec<Fidelity> = top_sweeps.iter().map(|s| fidelity(s.mode)).collect::<anyhow::Result<_>>()?;
     // The cheapest setting meeting recall that also meets the cosine gate:
     // bisection over the recall-passing settings sorted by active fraction
     // (cosine grows with the active set), at most `max_fidelity_runs` runs.
@@ -253,6 +320,11 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         "tokens": n, "pages_total": total_pages, "pages_routed": routed_pages, "dense_ppl": dense_ppl,
         "all_pages": fid_json(&all_pages),
         "oracle": {"setting": sweep_json(&oracle_sweep), "fidelity": fid_json(&oracle_fid)},
+        "oracle_top_layer_cosine": GROUP_CHANNELS.iter().zip(&granularity).map(|(g, per)| json!({
+            "group_channels": g,
+            "per_fraction": args.oracle_top.iter().zip(per).map(|(f, (sum, ok))| json!({"fraction": f, "mean_cosine": sum / (n * n_layer) as f64, "share_at_oracle_cosine": *ok as f64 / (n * n_layer) as f64})).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "oracle_top": top_sweeps.iter().zip(&top_fids).map(|(s, f)| json!({"setting": sweep_json(s), "fidelity": fid_json(f), "meets_cosine_gate": f.cosine >= COSINE_GATE})).collect::<Vec<_>>(),
         "bvh": pick_json(&bvh_pick), "predictor": pick_json(&pred_pick),
         "bvh_sweep": bvh.iter().map(|s| json!({"label": s.label, "recall": s.recall, "rejection": s.rejection, "active_fraction": s.active_fraction})).collect::<Vec<_>>(),
         "predictor_sweep": pred.iter().map(|s| json!({"label": s.label, "recall": s.recall, "rejection": s.rejection, "active_fraction": s.active_fraction})).collect::<Vec<_>>(),
@@ -282,6 +354,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     };
     row("all pages (Q8_0 repack)", None, &all_pages);
     row("oracle", Some(&oracle_sweep), &oracle_fid);
+    for (s, f) in top_sweeps.iter().zip(&top_fids) {
+        row(&s.label, Some(s), f);
+    }
     match &bvh_pick {
         Some((s, f)) => row(&s.label, Some(s), f),
         None => println!("bvh: no margin reaches recall {RECALL_GATE}"),
@@ -289,6 +364,25 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     match &pred_pick {
         Some((s, f)) => row(&s.label, Some(s), f),
         None => println!("predictor: no threshold reaches recall {RECALL_GATE}"),
+    }
+    if !args.oracle_top.is_empty() {
+        println!(
+            "largest-output groups kept, per layer (offline): mean FFN output cosine vs all pages [share of token-layers >= {ORACLE_COSINE}]"
+        );
+        print!("  {:<10}", "kept");
+        for g in GROUP_CHANNELS {
+            print!(" {:>20}", format!("{g}-channel groups"));
+        }
+        println!();
+        for (i, f) in args.oracle_top.iter().enumerate() {
+            print!("  {:<10}", format!("{}%", f * 100.0));
+            for per in &granularity {
+                let (sum, ok) = per[i];
+                let tl = (n * n_layer) as f64;
+                print!(" {:>20}", format!("{:.5} [{:.3}]", sum / tl, ok as f64 / tl));
+            }
+            println!();
+        }
     }
     println!("sweeps (offline, dense FFN inputs):");
     for s in bvh.iter().chain(&pred) {
