@@ -46,13 +46,19 @@ pub enum SparseMode {
     },
     /// The oracle useful set (computes every page first).
     Oracle,
-    /// The `ceil(fraction * pages)` pages with the largest outputs, per token
-    /// and layer (computes every page first; the trunk gets no preference):
-    /// the fidelity a router that knew each page's output could reach at
-    /// this active fraction, an upper bound to compare routers with.
+    /// The `ceil(fraction * groups)` groups of `group_channels` channels
+    /// (consecutive in the artifact's order) with the largest outputs, per
+    /// token and layer (computes every page first; the trunk gets no
+    /// preference). With whole pages (`group_channels` = [`PAGE_CHANNELS`])
+    /// it is the fidelity a router that knew each page's output could reach
+    /// at this active fraction, an upper bound to compare routers with;
+    /// smaller groups ask what finer pages would keep. The active count is
+    /// the pages with at least one channel kept.
     OracleTop {
-        /// Share of the layer's pages kept, in (0, 1].
+        /// Share of the layer's groups kept, in (0, 1].
         fraction: f32,
+        /// Channels a group: a divisor of [`PAGE_CHANNELS`].
+        group_channels: u16,
     },
 }
 
@@ -73,9 +79,14 @@ impl std::fmt::Debug for PageSelector {
 impl PageSelector {
     /// Builds the per-layer routers the mode needs (BVH built once here).
     pub fn new(artifact: Arc<Artifact>, mode: SparseMode) -> Result<PageSelector> {
-        if let SparseMode::OracleTop { fraction } = mode {
+        if let SparseMode::OracleTop { fraction, group_channels } = mode {
             if !(fraction > 0.0 && fraction <= 1.0) {
                 return Err(ArtifactError::InvalidArgument(format!("oracle-top fraction {fraction} is not in (0, 1]")));
+            }
+            if group_channels == 0 || PAGE_CHANNELS % group_channels as usize != 0 {
+                return Err(ArtifactError::InvalidArgument(format!(
+                    "oracle-top group of {group_channels} channels does not divide a page of {PAGE_CHANNELS}"
+                )));
             }
         }
         let bvhs = match mode {
@@ -121,14 +132,15 @@ impl PageSelector {
     }
 
     /// The oracle modes' pages (ascending) from every page's output
-    /// (`contributions`: one `d_model` vector per page); `None` for the
+    /// (`contributions`: one `d_model` vector per page, or per group of
+    /// `OracleTop`'s `group_channels`, and then the groups); `None` for the
     /// modes [`PageSelector::select`] answers.
     pub fn pick_from_outputs(&self, contributions: &[f32], d_model: usize) -> Option<Vec<usize>> {
         match self.mode {
             SparseMode::Oracle => Some(oracle_useful_set(contributions, d_model, ORACLE_COSINE)),
-            SparseMode::OracleTop { fraction } => {
-                let pages = contributions.len() / d_model.max(1);
-                Some(largest_pages(contributions, d_model, pages_for_fraction(fraction, pages)))
+            SparseMode::OracleTop { fraction, .. } => {
+                let groups = contributions.len() / d_model.max(1);
+                Some(largest_pages(contributions, d_model, pages_for_fraction(fraction, groups)))
             }
             _ => None,
         }
@@ -279,6 +291,43 @@ impl SuperblockBackend {
         Ok(y)
     }
 
+    /// `OracleTop` with groups smaller than a page: every channel's output
+    /// `h_i W_down,i`, summed into groups, the largest groups kept. Returns
+    /// the output and the pages with a kept channel.
+    fn run_largest_groups(&self, f: &SuperFfn, sel: &PageSelector, x: FfnInput<'_>, d: usize) -> Result<(Vec<f32>, usize)> {
+        let SparseMode::OracleTop { group_channels, .. } = sel.mode() else {
+            return Err(ArtifactError::InvalidArgument(format!("{:?} has no channel groups", sel.mode())));
+        };
+        let g = group_channels as usize;
+        let n = self.artifact.layer(f.layer).n_pages;
+        let per_page = PAGE_CHANNELS / g;
+        let contrib: Vec<Vec<f32>> = (0..n)
+            .into_par_iter()
+            .map(|p| {
+                let mut h = [0f32; PAGE_CHANNELS];
+                self.page_hidden(f, p, d, x, &mut h)?;
+                let page = self.artifact.page(f.layer, p);
+                let mut out = vec![0f32; per_page * d];
+                let mut row = vec![0f32; d];
+                for (i, &hi) in h.iter().enumerate() {
+                    let r = (2 * PAGE_CHANNELS + i) * f.row_bytes;
+                    quant::dequantize(f.quant, &page[r..r + f.row_bytes], &mut row)?;
+                    axpy(&mut out[(i / g) * d..(i / g + 1) * d], hi, &row);
+                }
+                Ok(out)
+            })
+            .collect::<Result<_>>()?;
+        let flat = contrib.concat();
+        let kept = sel.pick_from_outputs(&flat, d).unwrap_or_default();
+        let mut y = vec![0f32; d];
+        let mut touched = vec![false; n];
+        for &k in &kept {
+            axpy(&mut y, 1.0, &flat[k * d..(k + 1) * d]);
+            touched[k / per_page] = true;
+        }
+        Ok((y, touched.iter().filter(|&&t| t).count()))
+    }
+
     fn ffn_row(&self, f: &SuperFfn, sel: &PageSelector, x: &[f32], parallel: bool) -> Result<(Vec<f32>, usize)> {
         let d = x.len();
         let mut xq = Vec::new();
@@ -291,6 +340,9 @@ impl SuperblockBackend {
         };
         match sel.select(f.layer, x)? {
             Some(pages) => Ok((self.run_pages(f, input, d, &pages, parallel)?, pages.len())),
+            None if matches!(sel.mode(), SparseMode::OracleTop { group_channels, .. } if group_channels as usize != PAGE_CHANNELS) => {
+                self.run_largest_groups(f, sel, input, d)
+            }
             None => {
                 // Oracle: every page's contribution, then the oracle set.
                 let n = self.artifact.layer(f.layer).n_pages;

@@ -182,18 +182,43 @@ fn superblock_backend_matches_dense_and_skips_pages() {
     assert!(cosine(&last(&dl), &last(&pl)) < c, "dropping 7 of 12 pages must cost fidelity");
     // Largest-output pages at a fixed fraction: exactly ceil(f * 12) a token,
     // and the 7 largest outputs keep more than the 5 hottest pages (prefix).
-    sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 5.0 / 12.0 }).unwrap();
+    sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 5.0 / 12.0, group_channels: 128 }).unwrap();
     let tl = sparse.model().logits_all(&tokens, Default::default()).unwrap();
     let counts = sparse.model().backend().take_active_counts();
     assert!(counts.iter().all(|l| l.len() == n && l.iter().all(|&k| k == 5)), "{counts:?}");
     let top_cos = cosine(&last(&dl), &last(&tl));
     assert!(top_cos < c, "5 of 12 pages must cost fidelity ({top_cos} vs all pages {c})");
-    sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 1.0 }).unwrap();
+    sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 1.0, group_channels: 128 }).unwrap();
     let fl = sparse.model().logits_all(&tokens, Default::default()).unwrap();
     assert!(sparse.model().backend().take_active_counts().iter().flatten().all(|&k| k == 12));
     assert!((cosine(&last(&sl), &last(&fl)) - 1.0).abs() < 1e-6, "every page by output order vs all pages");
+    // Groups of channels: all of them is all pages; 5/12 of the single
+    // channels keep more than 5/12 of the pages and touch more pages.
+    {
+        // f32 activations everywhere: with Q8 activations one rounding flip
+        // in a quantized input moves the last logits by ~1e-4 (measured).
+        let inner = CpuBackend::new_f32_activations(2).unwrap();
+        let sb = SuperblockBackend::new(inner, artifact.clone(), SparseMode::All).unwrap().with_f32_activations();
+        let f32_engine = Engine::from_file(Arc::new(GgufFile::open(&path).unwrap()), sb, EngineOptions { threads: 2, n_ctx: 64, ..EngineOptions::default() }).unwrap();
+        let al = f32_engine.model().logits_all(&tokens, Default::default()).unwrap();
+        for g in [1, 32] {
+            f32_engine.model().backend().set_mode(SparseMode::OracleTop { fraction: 1.0, group_channels: g }).unwrap();
+            let gl = f32_engine.model().logits_all(&tokens, Default::default()).unwrap();
+            assert!(f32_engine.model().backend().take_active_counts().iter().flatten().all(|&k| k == 12));
+            let gc = cosine(&last(&al), &last(&gl));
+            assert!(1.0 - gc < 1e-9, "every {g}-channel group vs all pages: cosine {gc}");
+        }
+    }
+    sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 5.0 / 12.0, group_channels: 1 }).unwrap();
+    let cl = sparse.model().logits_all(&tokens, Default::default()).unwrap();
+    let counts = sparse.model().backend().take_active_counts();
+    assert!(counts.iter().flatten().all(|&k| (5..=12).contains(&k)), "{counts:?}");
+    let channel_cos = cosine(&last(&dl), &last(&cl));
+    assert!(channel_cos > top_cos, "5/12 of the channels {channel_cos} vs 5/12 of the pages {top_cos}");
+    assert!(sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 0.5, group_channels: 3 }).is_err());
+    assert!(sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 0.5, group_channels: 0 }).is_err());
     for bad in [0.0, -0.5, 1.5, f32::NAN] {
-        assert!(sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: bad }).is_err(), "fraction {bad} accepted");
+        assert!(sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: bad, group_channels: 128 }).is_err(), "fraction {bad} accepted");
     }
     // BVH mode: trunk + candidates, never more than stored.
     let margin = artifact.meta().default_margin;

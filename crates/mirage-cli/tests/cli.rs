@@ -438,7 +438,7 @@ fn eval_reports_fidelity_of_a_built_artifact() {
         "--text", "/usr/share/common-licenses/GFDL-1.3", "--max-tokens", "48", "--threads", "2",
         "--max-fidelity-runs", "2",
     ];
-    let j: serde_json::Value = serde_json::from_str(&ok_stdout(&[&base[..], &["--json", "--oracle-top", "0.5"]].concat())).expect("JSON");
+    let j: serde_json::Value = serde_json::from_str(&ok_stdout(&[&base[..], &["--json", "--oracle-top", "0.5", "--oracle-top-groups", "1"]].concat())).expect("JSON");
     let f = |v: &serde_json::Value| v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"));
     assert_eq!(j["tokens"], 48);
     let dense_ppl = f(&j["dense_ppl"]);
@@ -474,6 +474,12 @@ fn eval_reports_fidelity_of_a_built_artifact() {
     assert!((f(&half["setting"]["active_fraction"]) - half_active).abs() < 1e-9, "{half}");
     assert!(f(&half["fidelity"]["logit_cosine"]) < f(&all["logit_cosine"]), "half the pages cost nothing? {half}");
     assert_eq!(half["meets_cosine_gate"], f(&half["fidelity"]["logit_cosine"]) >= COSINE_GATE, "{half}");
+    // Half of the single channels: one full run, fidelity between half the pages and all pages.
+    let ch = &j["oracle_top_groups"][0];
+    assert_eq!((ch["group_channels"].as_u64(), f(&ch["fraction"])), (Some(1), 0.5), "{ch}");
+    let ch_cos = f(&ch["fidelity"]["logit_cosine"]);
+    assert!(ch_cos > f(&half["fidelity"]["logit_cosine"]) && ch_cos < 1.0, "{ch} vs {half}");
+    assert!(f(&ch["fidelity"]["active_fraction_measured"]) >= half_active, "pages touched: {ch}");
     // The per-layer bound at 1-, 8-, 32- and 128-channel groups, one fraction each.
     let groups = j["oracle_top_layer_cosine"].as_array().unwrap_or_else(|| panic!("{}", j["oracle_top_layer_cosine"]));
     assert_eq!(groups.iter().map(|g| g["group_channels"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 8, 32, 128]);
@@ -488,6 +494,9 @@ fn eval_reports_fidelity_of_a_built_artifact() {
     let out = cli(&[&base[..], &["--oracle-top", "1.5"]].concat());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--oracle-top 1.5") && err.contains("(0, 1]"), "{err}");
+    let out = cli(&[&base[..], &["--oracle-top", "0.5", "--oracle-top-groups", "48"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--oracle-top-groups 48"), "{err}");
     let table = ok_stdout(&base);
     assert!(!table.contains("NaN"), "{table}");
     let all_row = table.lines().find(|l| l.starts_with("all pages")).unwrap_or_else(|| panic!("{table}"));

@@ -59,6 +59,10 @@ pub struct EvalArgs {
     /// could reach there, the bound on what any router can do with these pages.
     #[arg(long = "oracle-top", value_delimiter = ',')]
     oracle_top: Vec<f32>,
+    /// Also run each --oracle-top fraction over groups of this many channels instead of whole pages
+    /// (comma-separated divisors of 128, e.g. 1,8): what finer pages would keep.
+    #[arg(long = "oracle-top-groups", value_delimiter = ',', requires = "oracle_top")]
+    oracle_top_groups: Vec<u16>,
 }
 
 /// Group sizes (channels) at which `--oracle-top` also measures how much of
@@ -122,6 +126,9 @@ fn ppl(logits: &[f32], tokens: &[u32], vocab: usize) -> f64 {
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     if let Some(f) = args.oracle_top.iter().find(|f| !(**f > 0.0 && **f <= 1.0)) {
         bail!("--oracle-top {f}: each fraction must be in (0, 1]");
+    }
+    if let Some(g) = args.oracle_top_groups.iter().find(|&&g| g == 0 || PAGE_CHANNELS % g as usize != 0) {
+        bail!("--oracle-top-groups {g}: each group must divide a page of {PAGE_CHANNELS} channels");
     }
     let artifact = Artifact::open(&args.artifact).with_context(|| format!("loading {}", args.artifact.display()))?;
     let meta = artifact.meta().clone();
@@ -217,7 +224,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             for t in 0..n {
                 let active = match (sel.select(l, &xs[l][t * d..(t + 1) * d])?, mode) {
                     (Some(a), _) => a,
-                    (None, SparseMode::OracleTop { fraction }) => {
+                    (None, SparseMode::OracleTop { fraction, .. }) => {
                         let i = args.oracle_top.iter().position(|&f| f == fraction).context("an oracle-top fraction that was not asked for")?;
                         top[i][l][t].clone()
                     }
@@ -246,7 +253,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let top_sweeps: Vec<Sweep> = args
         .oracle_top
         .iter()
-        .map(|&fraction| sweep(format!("oracle top {}%", fraction * 100.0), SparseMode::OracleTop { fraction }))
+        .map(|&fraction| sweep(format!("oracle top {}%", fraction * 100.0), SparseMode::OracleTop { fraction, group_channels: PAGE_CHANNELS as u16 }))
         .collect::<anyhow::Result<_>>()?;
     let bvh: Vec<Sweep> = MARGIN_GRID.iter().map(|&m| sweep(format!("bvh margin {m}"), SparseMode::Bvh { margin: m })).collect::<anyhow::Result<_>>()?;
     let pred: Vec<Sweep> =
@@ -274,6 +281,13 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let all_pages = fidelity(SparseMode::All)?;
     let oracle_fid = fidelity(SparseMode::Oracle)?;
     let top_fids: Vec<Fidelity> = top_sweeps.iter().map(|s| fidelity(s.mode)).collect::<anyhow::Result<_>>()?;
+    // (group channels, fraction, fidelity); the active fraction is of the pages with a kept channel.
+    let mut group_fids: Vec<(u16, f32, Fidelity)> = Vec::new();
+    for &group_channels in &args.oracle_top_groups {
+        for &fraction in &args.oracle_top {
+            group_fids.push((group_channels, fraction, fidelity(SparseMode::OracleTop { fraction, group_channels })?));
+        }
+    }
     // The cheapest setting meeting recall that also meets the cosine gate:
     // bisection over the recall-passing settings sorted by active fraction
     // (cosine grows with the active set), at most `max_fidelity_runs` runs.
@@ -324,6 +338,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             "group_channels": g,
             "per_fraction": args.oracle_top.iter().zip(per).map(|(f, (sum, ok))| json!({"fraction": f, "mean_cosine": sum / (n * n_layer) as f64, "share_at_oracle_cosine": *ok as f64 / (n * n_layer) as f64})).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
+        "oracle_top_groups": group_fids.iter().map(|(g, fr, f)| json!({"group_channels": g, "fraction": fr, "fidelity": fid_json(f), "meets_cosine_gate": f.cosine >= COSINE_GATE})).collect::<Vec<_>>(),
         "oracle_top": top_sweeps.iter().zip(&top_fids).map(|(s, f)| json!({"setting": sweep_json(s), "fidelity": fid_json(f), "meets_cosine_gate": f.cosine >= COSINE_GATE})).collect::<Vec<_>>(),
         "bvh": pick_json(&bvh_pick), "predictor": pick_json(&pred_pick),
         "bvh_sweep": bvh.iter().map(|s| json!({"label": s.label, "recall": s.recall, "rejection": s.rejection, "active_fraction": s.active_fraction})).collect::<Vec<_>>(),
@@ -356,6 +371,12 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     row("oracle", Some(&oracle_sweep), &oracle_fid);
     for (s, f) in top_sweeps.iter().zip(&top_fids) {
         row(&s.label, Some(s), f);
+    }
+    for (g, fraction, f) in &group_fids {
+        row(&format!("oracle top {}% of {g}-ch", fraction * 100.0), None, f);
+    }
+    if !group_fids.is_empty() {
+        println!("(\"of N-ch\": the fraction counts groups of N channels; active = pages with a kept channel)");
     }
     match &bvh_pick {
         Some((s, f)) => row(&s.label, Some(s), f),
