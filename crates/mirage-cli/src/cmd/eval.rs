@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 use mirage_artifact::build::{MARGIN_GRID, THRESHOLD_GRID};
 use mirage_artifact::ffn::FfnF32;
 use mirage_artifact::metrics::{self, cosine, oracle_useful_set, COSINE_GATE, ORACLE_COSINE, RECALL_GATE};
@@ -122,6 +123,15 @@ fn ppl(logits: &[f32], tokens: &[u32], vocab: usize) -> f64 {
     (s / n as f64).exp()
 }
 
+/// A progress bar for one stage of `eval` on stderr (hidden when stderr is
+/// not a terminal).
+fn stage_bar(name: &str, total: usize) -> ProgressBar {
+    let style = ProgressStyle::with_template("{prefix:>15} [{bar:40}] {pos}/{len} {elapsed} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    ProgressBar::new(total as u64).with_style(style).with_prefix(name.to_string())
+}
+
 /// Runs `eval`.
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     if let Some(f) = args.oracle_top.iter().find(|f| !(**f > 0.0 && **f <= 1.0)) {
@@ -154,9 +164,12 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     // Dense pass: FFN inputs and logits.
     let mut xs: Vec<Vec<f32>> = vec![Vec::with_capacity(n * d); n_layer];
     let mut dense_logits = Vec::with_capacity(n * vocab);
+    let bar = stage_bar("dense pass", n.div_ceil(128));
     observe_ffn_inputs(dense.model(), &tokens, 128, KvDtype::F32, &mut |l, _, x| xs[l].extend_from_slice(x), &mut |_, lg| {
-        dense_logits.extend_from_slice(lg)
+        dense_logits.extend_from_slice(lg);
+        bar.inc(1);
     })?;
+    bar.finish();
     drop(dense);
 
     // Oracle sets on the artifact's pages, and for each --oracle-top fraction
@@ -165,6 +178,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let mut top: Vec<Vec<Vec<Vec<usize>>>> = vec![Vec::with_capacity(n_layer); args.oracle_top.len()];
     // Per group size, per fraction: (sum of per-layer FFN output cosines, count >= ORACLE_COSINE).
     let mut granularity = vec![vec![(0f64, 0usize); args.oracle_top.len()]; GROUP_CHANNELS.len()];
+    let bar = stage_bar("oracle sets", n_layer);
     for (l, x) in xs.iter().enumerate() {
         let ld = artifact.layer(l);
         let pages: Vec<&[u8]> = (0..ld.n_pages).map(|p| artifact.page(l, p)).collect();
@@ -208,7 +222,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             }
         }
         oracle.push(sets.into_iter().map(|s| s.oracle).collect());
+        bar.inc(1);
     }
+    bar.finish();
     let total_pages: usize = (0..n_layer).map(|l| artifact.layer(l).n_pages).sum();
     let routed_pages: usize = (0..n_layer).map(|l| artifact.layer(l).n_pages - artifact.layer(l).n_trunk).sum();
 
@@ -263,7 +279,11 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let sb = SuperblockBackend::new(CpuBackend::new(args.threads)?, artifact.clone(), SparseMode::All)?;
     let sparse = Engine::from_file(file, sb, opts)?;
     let dense_ppl = ppl(&dense_logits, &tokens, vocab);
+    // At most: all pages, the oracle, the oracle-top runs, and each router's bisection.
+    let most_runs = 2 + args.oracle_top.len() * (1 + args.oracle_top_groups.len()) + 2 * args.max_fidelity_runs.max(1);
+    let fbar = stage_bar("fidelity runs", most_runs);
     let fidelity = |mode: SparseMode| -> anyhow::Result<Fidelity> {
+        fbar.set_message(format!("{mode:?}"));
         sparse.model().backend().set_mode(mode)?;
         sparse.model().backend().take_active_counts();
         let lg = run_logits(sparse.model(), &tokens, 128)?;
@@ -275,9 +295,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             cs += cosine(a, b);
             top += (metrics::argmax(a) == metrics::argmax(b)) as usize;
         }
+        fbar.inc(1);
         Ok(Fidelity { cosine: cs / n as f64, top1: top as f64 / n as f64, ppl: ppl(&lg, &tokens, vocab), active_fraction: active / (n * total_pages) as f64 })
     };
-    eprintln!("eval: fidelity runs (all pages, oracle{}, bvh, predictor)", if args.oracle_top.is_empty() { "" } else { ", oracle top" });
     let all_pages = fidelity(SparseMode::All)?;
     let oracle_fid = fidelity(SparseMode::Oracle)?;
     let top_fids: Vec<Fidelity> = top_sweeps.iter().map(|s| fidelity(s.mode)).collect::<anyhow::Result<_>>()?;
@@ -317,6 +337,8 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     };
     let bvh_pick = pick(&bvh)?;
     let pred_pick = pick(&pred)?;
+    fbar.set_length(fbar.position());
+    fbar.finish_with_message("done");
 
     let fid_json = |f: &Fidelity| json!({"logit_cosine": f.cosine, "top1_agreement": f.top1, "ppl": f.ppl, "ppl_delta": f.ppl - dense_ppl, "active_fraction_measured": f.active_fraction});
     let sweep_json = |s: &Sweep| {
