@@ -190,6 +190,31 @@ pub(crate) fn check_points(points: &[[f32; 3]], slices: usize) -> Result<usize, 
     Ok(points.len() / slices)
 }
 
+/// Routes `points` (`slices` a query) `chunk` queries at a time through
+/// `route_chunk(points, bits)`, which writes the chunk's rows of the
+/// candidate bitset: the loop the GPU routers share (their buffers hold
+/// `chunk` queries).
+#[cfg(any(feature = "wgpu", feature = "vulkan-rt"))]
+pub(crate) fn route_in_chunks(
+    points: &[[f32; 3]],
+    slices: usize,
+    pages: usize,
+    chunk: usize,
+    mut route_chunk: impl FnMut(&[[f32; 3]], &mut [u32]) -> Result<(), RouteError>,
+) -> Result<CandidateSet, RouteError> {
+    let queries = check_points(points, slices)?;
+    let mut out = CandidateSet::new(queries, pages);
+    let words = out.words_per_query;
+    let chunk = chunk.max(1);
+    let mut q0 = 0;
+    while q0 < queries {
+        let n = chunk.min(queries - q0);
+        route_chunk(&points[q0 * slices..(q0 + n) * slices], &mut out.bits[q0 * words..(q0 + n) * words])?;
+        q0 += n;
+    }
+    Ok(out)
+}
+
 /// The router [`best_available`] picked, and why faster paths were skipped.
 pub struct Selection {
     /// The chosen router.

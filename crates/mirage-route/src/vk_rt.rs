@@ -18,7 +18,7 @@ use ash::vk;
 
 use crate::bvh::Bvh;
 use crate::data::RouterData;
-use crate::{check_points, CandidateSet, RouteError, Router, RouterKind, Unavailable};
+use crate::{CandidateSet, RouteError, Router, RouterKind, Unavailable};
 
 // CUDA interop (exported buffers and timeline semaphores): a child module so
 // it can reach the router's private state.
@@ -871,17 +871,8 @@ impl Router for VulkanRtRouter {
     }
 
     fn route(&mut self, points: &[[f32; 3]]) -> Result<CandidateSet, RouteError> {
-        let queries = check_points(points, self.slices)?;
-        let mut out = CandidateSet::new(queries, self.pages);
-        let words = out.words_per_query;
-        let chunk = self.chunk_queries();
-        let mut q0 = 0;
-        while q0 < queries {
-            let n = chunk.min(queries - q0);
-            self.route_chunk(&points[q0 * self.slices..(q0 + n) * self.slices], &mut out.bits[q0 * words..(q0 + n) * words])?;
-            q0 += n;
-        }
-        Ok(out)
+        let (slices, pages, chunk) = (self.slices, self.pages, self.chunk_queries());
+        crate::route_in_chunks(points, slices, pages, chunk, |pts, bits| self.route_chunk(pts, bits))
     }
 }
 

@@ -9,7 +9,7 @@
 
 use crate::bvh::Bvh;
 use crate::data::RouterData;
-use crate::{check_points, CandidateSet, RouteError, Router, RouterKind, Unavailable};
+use crate::{CandidateSet, RouteError, Router, RouterKind, Unavailable};
 
 const SHADER: &str = include_str!("../../../shaders/route_traverse.wgsl");
 const WORKGROUP: u32 = 64;
@@ -318,16 +318,7 @@ impl Router for WgpuRouter {
     }
 
     fn route(&mut self, points: &[[f32; 3]]) -> Result<CandidateSet, RouteError> {
-        let queries = check_points(points, self.slices)?;
-        let mut out = CandidateSet::new(queries, self.pages);
-        let words = out.words_per_query;
-        let chunk = self.chunk_queries();
-        let mut q0 = 0;
-        while q0 < queries {
-            let n = chunk.min(queries - q0);
-            self.route_chunk(&points[q0 * self.slices..(q0 + n) * self.slices], &mut out.bits[q0 * words..(q0 + n) * words])?;
-            q0 += n;
-        }
-        Ok(out)
+        let (slices, pages, chunk) = (self.slices, self.pages, self.chunk_queries());
+        crate::route_in_chunks(points, slices, pages, chunk, |pts, bits| self.route_chunk(pts, bits))
     }
 }
