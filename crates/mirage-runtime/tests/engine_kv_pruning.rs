@@ -1,29 +1,11 @@
 //! KV pruning as an engine option: `EngineOptions::kv_pruning` reaches the
 //! caches of sessions and batchers, and the `--kv-prune` syntax parses.
 
+mod common;
+use common::model_path;
 use std::path::PathBuf;
 
 use mirage_runtime::{Engine, EngineOptions, KvPruning};
-
-fn model_path(name: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models")
-        .join(name);
-    if p.exists() {
-        return Some(p);
-    }
-    if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!(
-            "skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1",
-            p.display()
-        );
-        return None;
-    }
-    panic!(
-        "{} is missing: run `cargo xtask fetch-models` (or set MIRAGE_SKIP_MODEL_TESTS=1)",
-        p.display()
-    );
-}
 
 #[test]
 fn kv_prune_syntax() {

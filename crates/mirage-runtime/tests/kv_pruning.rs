@@ -1,6 +1,8 @@
 //! KV-page pruning: page bounds, summaries, pruned attention vs full
 //! attention on random data and on SmolLM2's logits.
 
+mod common;
+use common::{cosine, model_path};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -201,28 +203,6 @@ fn pruned_attention_is_exact_over_the_selected_positions() {
     cache.attend(0, 0, 1, n, &q, 0.3, &mut scores, &mut want);
     assert_eq!(full, want);
     assert!(cache.set_kv_pruning(Some(KvPruning { page: 16, ..cfg })).is_err(), "page size is fixed");
-}
-
-fn model_path(name: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models").join(name);
-    if p.exists() {
-        return Some(p);
-    }
-    if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1", p.display());
-        return None;
-    }
-    panic!("{} is missing: run `cargo xtask fetch-models` (or set MIRAGE_SKIP_MODEL_TESTS=1)", p.display());
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0.0f64, 0.0f64, 0.0f64);
-    for (x, y) in a.iter().zip(b) {
-        ab += *x as f64 * *y as f64;
-        aa += *x as f64 * *x as f64;
-        bb += *y as f64 * *y as f64;
-    }
-    ab / (aa.sqrt() * bb.sqrt())
 }
 
 #[test]

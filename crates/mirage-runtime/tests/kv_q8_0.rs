@@ -2,44 +2,18 @@
 //! to the f32 cache on random data, SmolLM2's logits close to the f32
 //! cache's, and the KV-page path over q8_0 equal to its full attention.
 
-use std::path::PathBuf;
+mod common;
+use common::{cosine, model_path};
 
 use half::f16;
 use mirage_runtime::kv_cache::{dequantize_q8_0, quantize_q8_0, KvCache, KvDtype, KvSpec};
 use mirage_runtime::kv_pages::KvPruning;
 use mirage_runtime::{Engine, EngineOptions};
 
-fn model_path(name: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models")
-        .join(name);
-    if p.exists() {
-        return Some(p);
-    }
-    if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!(
-            "skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1",
-            p.display()
-        );
-        return None;
-    }
-    panic!(
-        "{} is missing: run `cargo xtask fetch-models` (or set MIRAGE_SKIP_MODEL_TESTS=1)",
-        p.display()
-    );
-}
-
 fn wave(n: usize, seed: f32) -> Vec<f32> {
     (0..n)
         .map(|i| ((i as f32 * 0.731 + seed) * 1.37).sin() * (1.0 + (i % 7) as f32))
         .collect()
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    dot / (na * nb)
 }
 
 #[test]

@@ -3,6 +3,8 @@
 //! GGUF files in f32 (SmolLM2 llama-arch, Qwen2.5-Coder qwen2-arch), and a
 //! tiny random Qwen3 checkpoint converted here from safetensors.
 
+mod common;
+use common::{cosine, model_path};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -12,20 +14,6 @@ use serde_json::Value;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/reference")
-}
-
-/// The model file, or `None` (with a printed reason) when model tests are
-/// skipped on purpose. Missing without the opt-out is a failure.
-fn model_path(file: &str) -> Option<PathBuf> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models").join(file);
-    if path.exists() {
-        return Some(path);
-    }
-    if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1", path.display());
-        return None;
-    }
-    panic!("{} is missing: run `cargo xtask fetch-models` (or set MIRAGE_SKIP_MODEL_TESTS=1 to skip)", path.display());
 }
 
 fn read_json(path: &Path) -> Value {
@@ -43,16 +31,6 @@ fn f32s(v: &Value) -> Vec<f32> {
 fn read_f16(path: &Path) -> Vec<f32> {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0.0f64, 0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        ab += x as f64 * y as f64;
-        aa += x as f64 * x as f64;
-        bb += y as f64 * y as f64;
-    }
-    ab / (aa.sqrt() * bb.sqrt())
 }
 
 fn argmax(x: &[f32]) -> u32 {
