@@ -17,7 +17,10 @@ fn main() {
         .and_then(|o| String::from_utf8(o.stdout).ok())
         .and_then(|v| {
             let mut parts = v.split_whitespace().nth(1)?.split('.');
-            Some((parts.next()?.parse::<u32>().ok()?, parts.next()?.parse::<u32>().ok()?))
+            Some((
+                parts.next()?.parse::<u32>().ok()?,
+                parts.next()?.parse::<u32>().ok()?,
+            ))
         });
     if matches!(version, Some((major, minor)) if major > 1 || minor >= 89) {
         println!("cargo:rustc-cfg=mirage_avx512");

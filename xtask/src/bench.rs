@@ -84,33 +84,63 @@ fn bench_cpu(a: &CpuArgs, root: &Path) -> anyhow::Result<()> {
     if a.pp == 0 || a.tg == 0 || a.reps == 0 {
         bail!("--pp, --tg and --reps must be at least 1");
     }
-    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    let source = a.model.clone().unwrap_or_else(|| root.join("models/smollm2-135m-instruct-q4_1.gguf"));
+    let threads = a.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    let source = a
+        .model
+        .clone()
+        .unwrap_or_else(|| root.join("models/smollm2-135m-instruct-q4_1.gguf"));
     if !source.exists() {
-        bail!("{} is missing: run `cargo xtask fetch-models`", source.display());
+        bail!(
+            "{} is missing: run `cargo xtask fetch-models`",
+            source.display()
+        );
     }
     let mut models = vec![source.clone()];
     if !a.no_q8 {
         models.push(requantized_q8_0(&source, root)?);
     }
-    let llama_bench = if a.no_llamacpp { None } else { Some(llama_bench(root)?) };
+    let llama_bench = if a.no_llamacpp {
+        None
+    } else {
+        Some(llama_bench(root)?)
+    };
     let load_before = load_average();
 
     let mut rows = Vec::new();
     for model in &models {
         let label = model_label(model);
-        eprintln!("MIRAGE    {label}: pp{} / tg{}, {threads} threads, {} reps", a.pp, a.tg, a.reps);
+        eprintln!(
+            "MIRAGE    {label}: pp{} / tg{}, {threads} threads, {} reps",
+            a.pp, a.tg, a.reps
+        );
         let (pp, tg) = mirage_speeds(model, threads, a.pp, a.tg, a.reps)?;
         let (lpp, ltg) = match &llama_bench {
             Some(bin) => {
-                eprintln!("llama.cpp {label}: llama-bench -p {} -n {} -t {threads} -r {}", a.pp, a.tg, a.reps);
+                eprintln!(
+                    "llama.cpp {label}: llama-bench -p {} -n {} -t {threads} -r {}",
+                    a.pp, a.tg, a.reps
+                );
                 let (p, t) = llamacpp_speeds(bin, model, threads, a.pp, a.tg, a.reps)?;
                 (Some(p), Some(t))
             }
             None => (None, None),
         };
-        rows.push(Row { model: label.clone(), test: format!("pp{}", a.pp), mirage: pp, llamacpp: lpp });
-        rows.push(Row { model: label, test: format!("tg{}", a.tg), mirage: tg, llamacpp: ltg });
+        rows.push(Row {
+            model: label.clone(),
+            test: format!("pp{}", a.pp),
+            mirage: pp,
+            llamacpp: lpp,
+        });
+        rows.push(Row {
+            model: label,
+            test: format!("tg{}", a.tg),
+            mirage: tg,
+            llamacpp: ltg,
+        });
     }
 
     println!();
@@ -121,7 +151,10 @@ fn bench_cpu(a: &CpuArgs, root: &Path) -> anyhow::Result<()> {
             Some(l) => (format!("{l:.1}"), format!("{:.2}x", r.mirage / l)),
             None => ("-".into(), "-".into()),
         };
-        println!("| {} | {} | {:.1} | {l} | {ratio} |", r.model, r.test, r.mirage);
+        println!(
+            "| {} | {} | {:.1} | {l} | {ratio} |",
+            r.model, r.test, r.mirage
+        );
     }
     println!();
     println!(
@@ -140,12 +173,19 @@ fn bench_cpu(a: &CpuArgs, root: &Path) -> anyhow::Result<()> {
 
 /// `smollm2-135m-instruct-q4_1.gguf` -> `smollm2-135m-instruct-q4_1`.
 fn model_label(path: &Path) -> String {
-    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| path.display().to_string())
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string())
 }
 
 /// The 1-minute load average (Linux), if readable.
 fn load_average() -> Option<f64> {
-    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// target/bench/<stem>-q8_0.gguf, made once with `mirage-cli quantize`.
@@ -157,7 +197,10 @@ fn requantized_q8_0(source: &Path, root: &Path) -> anyhow::Result<PathBuf> {
         return Ok(out);
     }
     std::fs::create_dir_all(out.parent().unwrap_or(root))?;
-    eprintln!("building mirage-cli to re-quantize {} to Q8_0", source.display());
+    eprintln!(
+        "building mirage-cli to re-quantize {} to Q8_0",
+        source.display()
+    );
     let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["build", "--release", "--quiet", "-p", "mirage-cli"])
         .current_dir(root)
@@ -193,7 +236,10 @@ fn llama_bench(root: &Path) -> anyhow::Result<PathBuf> {
         .status()
         .context("running scripts/build_llamacpp.sh")?;
     if !status.success() || !bin.exists() {
-        bail!("scripts/build_llamacpp.sh did not produce {}", bin.display());
+        bail!(
+            "scripts/build_llamacpp.sh did not produce {}",
+            bin.display()
+        );
     }
     Ok(bin)
 }
@@ -209,11 +255,24 @@ fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 /// MIRAGE's (prompt tok/s, decode tok/s), medians of `reps` after a warm-up.
-fn mirage_speeds(model: &Path, threads: usize, pp: usize, tg: usize, reps: usize) -> anyhow::Result<(f64, f64)> {
-    let options = EngineOptions { threads, n_ctx: pp.max(tg) + 8, kv_dtype: KvDtype::F16, ..EngineOptions::default() };
-    let engine = Engine::load(model, options).with_context(|| format!("loading {}", model.display()))?;
+fn mirage_speeds(
+    model: &Path,
+    threads: usize,
+    pp: usize,
+    tg: usize,
+    reps: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let options = EngineOptions {
+        threads,
+        n_ctx: pp.max(tg) + 8,
+        kv_dtype: KvDtype::F16,
+        ..EngineOptions::default()
+    };
+    let engine =
+        Engine::load(model, options).with_context(|| format!("loading {}", model.display()))?;
     // Real text, repeated to length: the speed does not depend on the ids.
-    let text = "The quick brown fox jumps over the lazy dog. Benchmarks measure what they measure. ";
+    let text =
+        "The quick brown fox jumps over the lazy dog. Benchmarks measure what they measure. ";
     let mut prompt = engine.encode(&text.repeat(pp / 8 + 2), false)?;
     prompt.truncate(pp);
     if prompt.len() < pp {
@@ -246,30 +305,62 @@ fn mirage_speeds(model: &Path, threads: usize, pp: usize, tg: usize, reps: usize
 }
 
 /// llama-bench's (prompt tok/s, decode tok/s): medians of its samples.
-fn llamacpp_speeds(bin: &Path, model: &Path, threads: usize, pp: usize, tg: usize, reps: usize) -> anyhow::Result<(f64, f64)> {
+fn llamacpp_speeds(
+    bin: &Path,
+    model: &Path,
+    threads: usize,
+    pp: usize,
+    tg: usize,
+    reps: usize,
+) -> anyhow::Result<(f64, f64)> {
     let out = Command::new(bin)
         .arg("-m")
         .arg(model)
-        .args(["-p", &pp.to_string(), "-n", &tg.to_string(), "-t", &threads.to_string(), "-r", &reps.to_string(), "-o", "json"])
+        .args([
+            "-p",
+            &pp.to_string(),
+            "-n",
+            &tg.to_string(),
+            "-t",
+            &threads.to_string(),
+            "-r",
+            &reps.to_string(),
+            "-o",
+            "json",
+        ])
         .output()
         .with_context(|| format!("running {}", bin.display()))?;
     if !out.status.success() {
-        bail!("llama-bench failed: {}", String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "llama-bench failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).context("parsing llama-bench JSON")?;
-    let tests = json.as_array().context("llama-bench JSON is not an array")?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("parsing llama-bench JSON")?;
+    let tests = json
+        .as_array()
+        .context("llama-bench JSON is not an array")?;
     let speed = |prompt: bool| -> anyhow::Result<f64> {
         let t = tests
             .iter()
             .find(|t| {
-                let (np, ng) = (t["n_prompt"].as_u64().unwrap_or(0), t["n_gen"].as_u64().unwrap_or(0));
+                let (np, ng) = (
+                    t["n_prompt"].as_u64().unwrap_or(0),
+                    t["n_gen"].as_u64().unwrap_or(0),
+                );
                 if prompt {
                     np as usize == pp && ng == 0
                 } else {
                     np == 0 && ng as usize == tg
                 }
             })
-            .with_context(|| format!("llama-bench output has no {} test", if prompt { "pp" } else { "tg" }))?;
+            .with_context(|| {
+                format!(
+                    "llama-bench output has no {} test",
+                    if prompt { "pp" } else { "tg" }
+                )
+            })?;
         let samples: Vec<f64> = t["samples_ts"]
             .as_array()
             .context("llama-bench test without samples_ts")?

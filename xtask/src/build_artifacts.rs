@@ -54,8 +54,12 @@ pub fn run(args: &BuildArtifactsArgs, _root: &Path) -> anyhow::Result<()> {
         "q2_k" => GgmlType::Q2_K,
         q => anyhow::bail!("--quant {q}: expected q8_0 or q2_k"),
     };
-    let calib_text = std::fs::read_to_string(&args.calib).with_context(|| format!("reading {}", args.calib.display()))?;
-    let out = args.out.clone().unwrap_or_else(|| args.model.with_extension("mirage"));
+    let calib_text = std::fs::read_to_string(&args.calib)
+        .with_context(|| format!("reading {}", args.calib.display()))?;
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| args.model.with_extension("mirage"));
     let opts = BuildOptions {
         calib_name: args.calib.display().to_string(),
         calib_text,
@@ -68,14 +72,18 @@ pub fn run(args: &BuildArtifactsArgs, _root: &Path) -> anyhow::Result<()> {
         threads: args.threads,
         ..BuildOptions::default()
     };
-    let style = ProgressStyle::with_template("{prefix:>13} [{bar:40}] {pos}/{len} {elapsed}").expect("template").progress_chars("=> ");
+    let style = ProgressStyle::with_template("{prefix:>13} [{bar:40}] {pos}/{len} {elapsed}")
+        .expect("template")
+        .progress_chars("=> ");
     let mut bar: Option<ProgressBar> = None;
     let built = build(&args.model, &opts, &mut |ev| match ev {
         BuildEvent::Stage { name, total } => {
             if let Some(b) = bar.take() {
                 b.finish();
             }
-            let b = ProgressBar::new(total as u64).with_style(style.clone()).with_prefix(name);
+            let b = ProgressBar::new(total as u64)
+                .with_style(style.clone())
+                .with_prefix(name);
             bar = Some(b);
         }
         BuildEvent::Step => {
@@ -90,15 +98,24 @@ pub fn run(args: &BuildArtifactsArgs, _root: &Path) -> anyhow::Result<()> {
     }
     mirage_artifact::format::write_atomic(&out, &built.bytes)?;
     // Load it back: the loader validates every section.
-    let loaded = mirage_artifact::Artifact::open(&out).context("validating the written artifact")?;
+    let loaded =
+        mirage_artifact::Artifact::open(&out).context("validating the written artifact")?;
     let m = loaded.meta();
     for n in &built.notes {
         println!("note: {n}");
     }
     if let Some(plan) = &built.plan {
-        println!("budget plan ({} bytes budget, {} bytes upper bound):", plan.budget, plan.total_bytes);
+        println!(
+            "budget plan ({} bytes budget, {} bytes upper bound):",
+            plan.budget, plan.total_bytes
+        );
         for (l, p) in plan.layers.iter().enumerate() {
-            println!("  layer {l:>2}: {:>3} pages  {:<5} est. loss {:.5}", p.pages, p.quant.name(), p.est_loss);
+            println!(
+                "  layer {l:>2}: {:>3} pages  {:<5} est. loss {:.5}",
+                p.pages,
+                p.quant.name(),
+                p.est_loss
+            );
         }
     }
     println!("layer  pages  trunk  routed  quant  oracle/token  bytes");
@@ -123,7 +140,14 @@ pub fn run(args: &BuildArtifactsArgs, _root: &Path) -> anyhow::Result<()> {
         m.n_ff,
         m.n_ff / m.page_channels
     );
-    println!("calibration: {} ({} tokens, {} fit / {} validation), sha256 {}", m.calib_name, m.calib_tokens, m.fit_tokens, m.calib_tokens - m.fit_tokens, &m.calib_sha256[..16]);
+    println!(
+        "calibration: {} ({} tokens, {} fit / {} validation), sha256 {}",
+        m.calib_name,
+        m.calib_tokens,
+        m.fit_tokens,
+        m.calib_tokens - m.fit_tokens,
+        &m.calib_sha256[..16]
+    );
     println!(
         "defaults from validation tokens: BVH margin {} (recall {:.4}), predictor threshold {} (recall {:.4})",
         m.default_margin, built.validation_bvh_recall, m.default_predictor_threshold, built.validation_predictor_recall
@@ -131,6 +155,11 @@ pub fn run(args: &BuildArtifactsArgs, _root: &Path) -> anyhow::Result<()> {
     for (stage, secs) in &built.timings {
         println!("  {stage:<13} {secs:>7.1} s");
     }
-    println!("wrote {} ({:.1} MiB) in {:.1} s", out.display(), built.bytes.len() as f64 / (1024.0 * 1024.0), started.elapsed().as_secs_f64());
+    println!(
+        "wrote {} ({:.1} MiB) in {:.1} s",
+        out.display(),
+        built.bytes.len() as f64 / (1024.0 * 1024.0),
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }

@@ -73,9 +73,8 @@ fn fetch_models(only: Option<String>, dir: Option<PathBuf>) -> anyhow::Result<()
     let dir = dir.unwrap_or_else(|| workspace_root().join("models"));
     for spec in select_models(only.as_deref())? {
         let mut progress = FetchProgress::new(spec.id);
-        let (path, outcome) =
-            mirage_fetch::ensure_model(spec, &dir, &mut |ev| progress.handle(ev))
-                .with_context(|| format!("fetching {}", spec.id))?;
+        let (path, outcome) = mirage_fetch::ensure_model(spec, &dir, &mut |ev| progress.handle(ev))
+            .with_context(|| format!("fetching {}", spec.id))?;
         drop(progress);
         let what = match outcome {
             FetchOutcome::AlreadyPresent => "up to date",

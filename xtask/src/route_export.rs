@@ -59,20 +59,33 @@ const VERSION: u32 = 1;
 
 /// Runs the task.
 pub fn run(args: &RouteExportArgs, root: &Path) -> anyhow::Result<()> {
-    let artifact = Artifact::open(&args.artifact).with_context(|| format!("loading {}", args.artifact.display()))?;
+    let artifact = Artifact::open(&args.artifact)
+        .with_context(|| format!("loading {}", args.artifact.display()))?;
     let meta = artifact.meta().clone();
-    let model_path = args.model.clone().unwrap_or_else(|| root.join("models").join(&meta.source_name));
-    let file = Arc::new(GgufFile::open(&model_path).with_context(|| format!("opening {}", model_path.display()))?);
+    let model_path = args
+        .model
+        .clone()
+        .unwrap_or_else(|| root.join("models").join(&meta.source_name));
+    let file = Arc::new(
+        GgufFile::open(&model_path).with_context(|| format!("opening {}", model_path.display()))?,
+    );
     artifact.check_source_sha256(&sha256_hex(file.as_bytes()))?;
-    let text = std::fs::read_to_string(&args.text).with_context(|| format!("reading {}", args.text.display()))?;
+    let text = std::fs::read_to_string(&args.text)
+        .with_context(|| format!("reading {}", args.text.display()))?;
     if sha256_hex(text.as_bytes()) == meta.calib_sha256 {
-        bail!("{} is the calibration text; export queries from held-out text", args.text.display());
+        bail!(
+            "{} is the calibration text; export queries from held-out text",
+            args.text.display()
+        );
     }
     let margin = args.margin.unwrap_or(meta.default_margin);
     let engine = Engine::from_file(
         file.clone(),
         CpuBackend::new(args.threads)?,
-        EngineOptions { threads: args.threads, ..EngineOptions::default() },
+        EngineOptions {
+            threads: args.threads,
+            ..EngineOptions::default()
+        },
     )?;
     let mut tokens = engine.encode(&text, true)?;
     tokens.truncate(args.max_tokens.min(engine.n_ctx()));
@@ -81,7 +94,14 @@ pub fn run(args: &RouteExportArgs, root: &Path) -> anyhow::Result<()> {
     }
     let (n, d, n_layer) = (tokens.len(), meta.d_model, meta.n_layer);
     let mut xs: Vec<Vec<f32>> = vec![Vec::with_capacity(n * d); n_layer];
-    observe_ffn_inputs(engine.model(), &tokens, 128, KvDtype::F32, &mut |l, _, x| xs[l].extend_from_slice(x), &mut |_, _| {})?;
+    observe_ffn_inputs(
+        engine.model(),
+        &tokens,
+        128,
+        KvDtype::F32,
+        &mut |l, _, x| xs[l].extend_from_slice(x),
+        &mut |_, _| {},
+    )?;
     drop(engine);
 
     let provenance = serde_json::json!({

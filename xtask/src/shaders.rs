@@ -27,7 +27,11 @@ fn sources(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
         let path = entry?.path();
-        if path.extension().and_then(|e| e.to_str()).is_some_and(|e| STAGES.contains(&e)) {
+        if path
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| STAGES.contains(&e))
+        {
             out.push(path);
         }
     }
@@ -57,7 +61,11 @@ pub fn run(args: &ShadersArgs, workspace_root: &Path) -> anyhow::Result<()> {
     let dir = workspace_root.join("shaders");
     let mut stale = Vec::new();
     for src in sources(&dir)? {
-        let name = src.file_name().and_then(|n| n.to_str()).context("non-UTF-8 shader name")?.to_string();
+        let name = src
+            .file_name()
+            .and_then(|n| n.to_str())
+            .context("non-UTF-8 shader name")?
+            .to_string();
         let spv_path = dir.join(format!("{name}.spv"));
         let fresh = compile(&dir, &name)?;
         let committed = std::fs::read(&spv_path).ok();
@@ -67,12 +75,16 @@ pub fn run(args: &ShadersArgs, workspace_root: &Path) -> anyhow::Result<()> {
             println!("STALE       shaders/{name}.spv");
             stale.push(name);
         } else {
-            std::fs::write(&spv_path, &fresh).with_context(|| format!("writing {}", spv_path.display()))?;
+            std::fs::write(&spv_path, &fresh)
+                .with_context(|| format!("writing {}", spv_path.display()))?;
             println!("wrote       shaders/{name}.spv");
         }
     }
     if !stale.is_empty() {
-        bail!("stale SPIR-V for {}: run `cargo xtask shaders` and commit shaders/*.spv", stale.join(", "));
+        bail!(
+            "stale SPIR-V for {}: run `cargo xtask shaders` and commit shaders/*.spv",
+            stale.join(", ")
+        );
     }
     Ok(())
 }

@@ -73,12 +73,57 @@ pub struct Shape {
 
 /// The sizes `--like` knows.
 pub const SHAPES: [Shape; 5] = [
-    Shape { name: "qwen2.5-0.5b", n_embd: 896, n_ff: 4864, n_layer: 24, n_head: 14, n_head_kv: 2, vocab: 151936, n_ctx: 32768 },
-    Shape { name: "qwen2.5-1.5b", n_embd: 1536, n_ff: 8960, n_layer: 28, n_head: 12, n_head_kv: 2, vocab: 151936, n_ctx: 32768 },
-    Shape { name: "qwen2.5-7b", n_embd: 3584, n_ff: 18944, n_layer: 28, n_head: 28, n_head_kv: 4, vocab: 152064, n_ctx: 32768 },
-    Shape { name: "qwen2.5-14b", n_embd: 5120, n_ff: 13824, n_layer: 48, n_head: 40, n_head_kv: 8, vocab: 152064, n_ctx: 32768 },
+    Shape {
+        name: "qwen2.5-0.5b",
+        n_embd: 896,
+        n_ff: 4864,
+        n_layer: 24,
+        n_head: 14,
+        n_head_kv: 2,
+        vocab: 151936,
+        n_ctx: 32768,
+    },
+    Shape {
+        name: "qwen2.5-1.5b",
+        n_embd: 1536,
+        n_ff: 8960,
+        n_layer: 28,
+        n_head: 12,
+        n_head_kv: 2,
+        vocab: 151936,
+        n_ctx: 32768,
+    },
+    Shape {
+        name: "qwen2.5-7b",
+        n_embd: 3584,
+        n_ff: 18944,
+        n_layer: 28,
+        n_head: 28,
+        n_head_kv: 4,
+        vocab: 152064,
+        n_ctx: 32768,
+    },
+    Shape {
+        name: "qwen2.5-14b",
+        n_embd: 5120,
+        n_ff: 13824,
+        n_layer: 48,
+        n_head: 40,
+        n_head_kv: 8,
+        vocab: 152064,
+        n_ctx: 32768,
+    },
     // Not a real size: small enough for tests, with the real vocabulary so the real tokenizer fits.
-    Shape { name: "tiny", n_embd: 256, n_ff: 512, n_layer: 2, n_head: 4, n_head_kv: 2, vocab: 151936, n_ctx: 4096 },
+    Shape {
+        name: "tiny",
+        n_embd: 256,
+        n_ff: 512,
+        n_layer: 2,
+        n_head: 4,
+        n_head_kv: 2,
+        vocab: 151936,
+        n_ctx: 4096,
+    },
 ];
 
 const ROPE_BASE: f32 = 1_000_000.0;
@@ -118,14 +163,30 @@ fn plan(shape: &Shape, quant: GgmlType) -> Vec<Planned> {
     let mut out = Vec::new();
     let weight = |out: &mut Vec<Planned>, name: String, cols: usize, rows: usize| {
         out.push(Planned {
-            decl: TensorDecl { name, dims: vec![cols as u64, rows as u64], ty: weight_type(quant, cols) },
+            decl: TensorDecl {
+                name,
+                dims: vec![cols as u64, rows as u64],
+                ty: weight_type(quant, cols),
+            },
             fill: Fill::Weights(1.0 / (cols as f32).sqrt()),
         })
     };
     let vector = |out: &mut Vec<Planned>, name: String, n: usize, fill: Fill| {
-        out.push(Planned { decl: TensorDecl { name, dims: vec![n as u64], ty: GgmlType::F32 }, fill })
+        out.push(Planned {
+            decl: TensorDecl {
+                name,
+                dims: vec![n as u64],
+                ty: GgmlType::F32,
+            },
+            fill,
+        })
     };
-    weight(&mut out, "token_embd.weight".into(), shape.n_embd, shape.vocab);
+    weight(
+        &mut out,
+        "token_embd.weight".into(),
+        shape.n_embd,
+        shape.vocab,
+    );
     for l in 0..shape.n_layer {
         let b = |s: &str| format!("blk.{l}.{s}");
         vector(&mut out, b("attn_norm.weight"), shape.n_embd, Fill::NearOne);
@@ -135,24 +196,42 @@ fn plan(shape: &Shape, quant: GgmlType) -> Vec<Planned> {
         vector(&mut out, b("attn_k.bias"), kv, Fill::Small);
         weight(&mut out, b("attn_v.weight"), shape.n_embd, kv);
         vector(&mut out, b("attn_v.bias"), kv, Fill::Small);
-        weight(&mut out, b("attn_output.weight"), shape.n_embd, shape.n_embd);
+        weight(
+            &mut out,
+            b("attn_output.weight"),
+            shape.n_embd,
+            shape.n_embd,
+        );
         vector(&mut out, b("ffn_norm.weight"), shape.n_embd, Fill::NearOne);
         weight(&mut out, b("ffn_gate.weight"), shape.n_embd, shape.n_ff);
         weight(&mut out, b("ffn_up.weight"), shape.n_embd, shape.n_ff);
         weight(&mut out, b("ffn_down.weight"), shape.n_ff, shape.n_embd);
     }
-    vector(&mut out, "output_norm.weight".into(), shape.n_embd, Fill::NearOne);
+    vector(
+        &mut out,
+        "output_norm.weight".into(),
+        shape.n_embd,
+        Fill::NearOne,
+    );
     weight(&mut out, "output.weight".into(), shape.n_embd, shape.vocab);
     out
 }
 
 /// The tokenizer.* keys of `src`, with the token list (and its types)
 /// padded to `vocab` entries by unused `[PADn]` tokens.
-fn tokenizer_metadata(src: &GgufFile, vocab: Option<usize>) -> anyhow::Result<Vec<(String, Value)>> {
+fn tokenizer_metadata(
+    src: &GgufFile,
+    vocab: Option<usize>,
+) -> anyhow::Result<Vec<(String, Value)>> {
     let md = src.metadata();
-    let mut keys: Vec<(String, Value)> =
-        md.iter().filter(|(k, _)| k.starts_with("tokenizer.")).map(|(k, v)| (k.to_string(), v.clone())).collect();
-    let n_tokens = md.array_len("tokenizer.ggml.tokens").context("the file has no tokenizer.ggml.tokens")?;
+    let mut keys: Vec<(String, Value)> = md
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
+    let n_tokens = md
+        .array_len("tokenizer.ggml.tokens")
+        .context("the file has no tokenizer.ggml.tokens")?;
     let Some(vocab) = vocab else { return Ok(keys) };
     if n_tokens > vocab {
         bail!("the tokenizer has {n_tokens} tokens, more than the shape's vocabulary of {vocab}");
@@ -160,16 +239,24 @@ fn tokenizer_metadata(src: &GgufFile, vocab: Option<usize>) -> anyhow::Result<Ve
     for (k, v) in keys.iter_mut() {
         let Value::Array(a) = v else { continue };
         match k.as_str() {
-            "tokenizer.ggml.tokens" => a.values.extend((n_tokens..vocab).map(|i| Value::String(format!("[PAD{i}]")))),
+            "tokenizer.ggml.tokens" => a
+                .values
+                .extend((n_tokens..vocab).map(|i| Value::String(format!("[PAD{i}]")))),
             "tokenizer.ggml.token_type" => {
                 if a.values.len() != n_tokens {
-                    bail!("tokenizer.ggml.token_type has {} entries for {n_tokens} tokens", a.values.len());
+                    bail!(
+                        "tokenizer.ggml.token_type has {} entries for {n_tokens} tokens",
+                        a.values.len()
+                    );
                 }
                 // llama.cpp's LLAMA_TOKEN_TYPE_UNUSED.
                 let unused = match a.elem_type {
                     ValueType::I32 => Value::I32(5),
                     ValueType::U32 => Value::U32(5),
-                    t => bail!("tokenizer.ggml.token_type is an array of {}, expected i32", t.name()),
+                    t => bail!(
+                        "tokenizer.ggml.token_type is an array of {}, expected i32",
+                        t.name()
+                    ),
                 };
                 a.values.extend((n_tokens..vocab).map(|_| unused.clone()));
             }
@@ -192,7 +279,12 @@ fn parse_quant(q: &str) -> anyhow::Result<GgmlType> {
 }
 
 /// The file's metadata.
-fn metadata(shape: &Shape, quant: GgmlType, seed: u64, tokenizer: Vec<(String, Value)>) -> Metadata {
+fn metadata(
+    shape: &Shape,
+    quant: GgmlType,
+    seed: u64,
+    tokenizer: Vec<(String, Value)>,
+) -> Metadata {
     let mut md = Metadata::new();
     let s = |x: &str| Value::String(x.to_string());
     let u = |x: usize| Value::U32(x as u32);
@@ -200,7 +292,10 @@ fn metadata(shape: &Shape, quant: GgmlType, seed: u64, tokenizer: Vec<(String, V
     md.insert("general.type", s("model"));
     md.insert(
         "general.name",
-        s(&format!("synthetic {} shape, random {} weights (seed {seed}; speed only, not a model)", shape.name, quant)),
+        s(&format!(
+            "synthetic {} shape, random {} weights (seed {seed}; speed only, not a model)",
+            shape.name, quant
+        )),
     );
     md.insert("qwen2.block_count", u(shape.n_layer));
     md.insert("qwen2.context_length", u(shape.n_ctx));
@@ -209,7 +304,10 @@ fn metadata(shape: &Shape, quant: GgmlType, seed: u64, tokenizer: Vec<(String, V
     md.insert("qwen2.attention.head_count", u(shape.n_head));
     md.insert("qwen2.attention.head_count_kv", u(shape.n_head_kv));
     md.insert("qwen2.rope.freq_base", Value::F32(ROPE_BASE));
-    md.insert("qwen2.attention.layer_norm_rms_epsilon", Value::F32(RMS_EPS));
+    md.insert(
+        "qwen2.attention.layer_norm_rms_epsilon",
+        Value::F32(RMS_EPS),
+    );
     // llama_ftype: MOSTLY_Q8_0, MOSTLY_Q4_K_S, MOSTLY_Q2_K.
     let ftype = match quant {
         GgmlType::Q8_0 => 7,
@@ -251,9 +349,16 @@ fn write_tensor<W: Write>(
                 let n = (total - done).min(chunk * CHUNKS_PER_WRITE);
                 buf.resize(n, 0);
                 let first = chunk_index;
-                buf.par_chunks_mut(chunk).enumerate().try_for_each(|(i, c)| {
-                    fill_random(p.decl.ty, std, mix_seed(&[tensor_seed, first + i as u64]), c)
-                })?;
+                buf.par_chunks_mut(chunk)
+                    .enumerate()
+                    .try_for_each(|(i, c)| {
+                        fill_random(
+                            p.decl.ty,
+                            std,
+                            mix_seed(&[tensor_seed, first + i as u64]),
+                            c,
+                        )
+                    })?;
                 w.write_data(buf)?;
                 chunk_index += n.div_ceil(chunk) as u64;
                 done += n;
@@ -266,7 +371,11 @@ fn write_tensor<W: Write>(
             let values: Vec<u8> = (0..n)
                 .flat_map(|_| {
                     let u = rng.next_f32() * 2.0 - 1.0;
-                    let x = if p.fill == Fill::NearOne { 1.0 + 0.05 * u } else { 0.02 * u };
+                    let x = if p.fill == Fill::NearOne {
+                        1.0 + 0.05 * u
+                    } else {
+                        0.02 * u
+                    };
                     x.to_le_bytes()
                 })
                 .collect();
@@ -292,24 +401,35 @@ fn write_file(out: &Path, md: &Metadata, planned: &[Planned], seed: u64) -> anyh
         let total: u64 = decls.iter().map(|d| d.n_bytes()).sum::<Result<u64, _>>()?;
         let mut w = GgufStreamWriter::new(BufWriter::with_capacity(8 << 20, file), md, &decls)?;
         let bar = ProgressBar::new(total).with_style(
-            ProgressStyle::with_template("{prefix} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
-                .expect("template")
-                .progress_chars("=> "),
+            ProgressStyle::with_template(
+                "{prefix} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+            )
+            .expect("template")
+            .progress_chars("=> "),
         );
-        bar.set_prefix(out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+        bar.set_prefix(
+            out.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        );
         let mut buf = Vec::new();
         for (i, p) in planned.iter().enumerate() {
-            write_tensor(&mut w, p, i, seed, &mut buf, &bar).with_context(|| format!("writing {}", p.decl.name))?;
+            write_tensor(&mut w, p, i, seed, &mut buf, &bar)
+                .with_context(|| format!("writing {}", p.decl.name))?;
         }
         bar.finish_and_clear();
         let (buffered, n) = w.finish()?;
-        let file = buffered.into_inner().map_err(|e| e.into_error()).context("flushing")?;
+        let file = buffered
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .context("flushing")?;
         file.sync_all().context("syncing")?;
         Ok(n)
     })();
     match result {
         Ok(n) => {
-            std::fs::rename(&tmp, out).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))?;
+            std::fs::rename(&tmp, out)
+                .with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))?;
             Ok(n)
         }
         Err(e) => {
@@ -337,20 +457,35 @@ pub fn run(args: &SynthModelArgs) -> anyhow::Result<()> {
             md.insert(k, v);
         }
         let n = write_file(&args.out, &md, &[], args.seed)?;
-        println!("{}: tokenizer only, {:.1} MB", args.out.display(), n as f64 / 1e6);
+        println!(
+            "{}: tokenizer only, {:.1} MB",
+            args.out.display(),
+            n as f64 / 1e6
+        );
         return Ok(());
     }
     let like = args.like.as_deref().unwrap_or_default();
-    let shape = SHAPES.iter().find(|s| s.name.eq_ignore_ascii_case(like)).with_context(|| {
-        let names: Vec<&str> = SHAPES.iter().map(|s| s.name).collect();
-        format!("--like {like}: expected one of {}", names.join(", "))
-    })?;
+    let shape = SHAPES
+        .iter()
+        .find(|s| s.name.eq_ignore_ascii_case(like))
+        .with_context(|| {
+            let names: Vec<&str> = SHAPES.iter().map(|s| s.name).collect();
+            format!("--like {like}: expected one of {}", names.join(", "))
+        })?;
     let quant = parse_quant(&args.quant)?;
-    let md = metadata(shape, quant, args.seed, tokenizer_metadata(&src, Some(shape.vocab))?);
+    let md = metadata(
+        shape,
+        quant,
+        args.seed,
+        tokenizer_metadata(&src, Some(shape.vocab))?,
+    );
     let planned = plan(shape, quant);
     let n = write_file(&args.out, &md, &planned, args.seed)?;
     let secs = started.elapsed().as_secs_f64();
-    let params: u64 = planned.iter().map(|p| p.decl.dims.iter().product::<u64>()).sum();
+    let params: u64 = planned
+        .iter()
+        .map(|p| p.decl.dims.iter().product::<u64>())
+        .sum();
     println!(
         "{}: {} {} ({:.2} B parameters), {:.2} GB in {:.1} s ({:.0} MB/s)",
         args.out.display(),
@@ -373,20 +508,44 @@ mod tests {
         let mut md = Metadata::new();
         md.insert("general.architecture", Value::String("qwen2".into()));
         md.insert("tokenizer.ggml.model", Value::String("gpt2".into()));
-        md.insert("tokenizer.ggml.tokens", Value::string_array(["a", "b", "<|end|>"]));
-        md.insert("tokenizer.ggml.token_type", Value::array(ValueType::I32, vec![Value::I32(1), Value::I32(1), Value::I32(3)]));
+        md.insert(
+            "tokenizer.ggml.tokens",
+            Value::string_array(["a", "b", "<|end|>"]),
+        );
+        md.insert(
+            "tokenizer.ggml.token_type",
+            Value::array(
+                ValueType::I32,
+                vec![Value::I32(1), Value::I32(1), Value::I32(3)],
+            ),
+        );
         md.insert("tokenizer.ggml.merges", Value::string_array(["a b"]));
         md.insert("qwen2.block_count", Value::U32(1));
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tok.gguf");
-        mirage_gguf::GgufWriter::new(md).write_to_path(&path).unwrap();
+        mirage_gguf::GgufWriter::new(md)
+            .write_to_path(&path)
+            .unwrap();
         let src = GgufFile::open(&path).unwrap();
         let keys = tokenizer_metadata(&src, Some(5)).unwrap();
-        let get = |k: &str| keys.iter().find(|(name, _)| name == k).map(|(_, v)| v.clone()).unwrap();
-        let Value::Array(tokens) = get("tokenizer.ggml.tokens") else { panic!() };
-        let names: Vec<_> = tokens.values.iter().map(|v| v.as_str().unwrap().to_string()).collect();
+        let get = |k: &str| {
+            keys.iter()
+                .find(|(name, _)| name == k)
+                .map(|(_, v)| v.clone())
+                .unwrap()
+        };
+        let Value::Array(tokens) = get("tokenizer.ggml.tokens") else {
+            panic!()
+        };
+        let names: Vec<_> = tokens
+            .values
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect();
         assert_eq!(names, ["a", "b", "<|end|>", "[PAD3]", "[PAD4]"]);
-        let Value::Array(types) = get("tokenizer.ggml.token_type") else { panic!() };
+        let Value::Array(types) = get("tokenizer.ggml.token_type") else {
+            panic!()
+        };
         assert_eq!(types.values, [1, 1, 3, 5, 5].map(Value::I32));
         // Only tokenizer keys are copied; merges untouched.
         assert!(keys.iter().all(|(k, _)| k.starts_with("tokenizer.")));
@@ -402,12 +561,16 @@ mod tests {
         let q05 = plan(&SHAPES[0], GgmlType::Q4_K);
         // 1 embedding + 12 per layer + output norm + output.
         assert_eq!(q05.len(), 1 + 24 * 12 + 2);
-        let get = |p: &[Planned], n: &str| p.iter().find(|t| t.decl.name == n).unwrap().decl.clone();
+        let get =
+            |p: &[Planned], n: &str| p.iter().find(|t| t.decl.name == n).unwrap().decl.clone();
         let q = get(&q05, "blk.0.attn_q.weight");
         // 896 is not a multiple of 256: Q4_K falls back to Q5_0 as in llama.cpp.
         assert_eq!((q.dims.clone(), q.ty), (vec![896, 896], GgmlType::Q5_0));
         let down = get(&q05, "blk.23.ffn_down.weight");
-        assert_eq!((down.dims.clone(), down.ty), (vec![4864, 896], GgmlType::Q4_K));
+        assert_eq!(
+            (down.dims.clone(), down.ty),
+            (vec![4864, 896], GgmlType::Q4_K)
+        );
         assert_eq!(get(&q05, "blk.0.attn_k.weight").dims, vec![896, 128]);
         assert_eq!(get(&q05, "blk.0.attn_v.bias").dims, vec![128]);
         let q7 = plan(&SHAPES[2], GgmlType::Q8_0);
@@ -419,8 +582,13 @@ mod tests {
         let bytes: u64 = q7.iter().map(|p| p.decl.n_bytes().unwrap()).sum();
         assert!((8.0e9..8.2e9).contains(&(bytes as f64)), "{bytes}");
         let q14 = plan(&SHAPES[3], GgmlType::Q2_K);
-        assert!(q14.iter().all(|p| p.decl.ty == GgmlType::Q2_K || p.decl.ty == GgmlType::F32));
-        let params: u64 = q14.iter().map(|p| p.decl.dims.iter().product::<u64>()).sum();
+        assert!(q14
+            .iter()
+            .all(|p| p.decl.ty == GgmlType::Q2_K || p.decl.ty == GgmlType::F32));
+        let params: u64 = q14
+            .iter()
+            .map(|p| p.decl.dims.iter().product::<u64>())
+            .sum();
         // Qwen2.5-14B has 14.77 B parameters.
         assert!((14.7e9..14.8e9).contains(&(params as f64)), "{params}");
     }

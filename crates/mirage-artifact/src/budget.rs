@@ -50,8 +50,22 @@ fn align(n: u64) -> u64 {
 }
 
 /// Upper bound of every byte of an artifact except the packed pages.
-pub fn fixed_bytes(n_layer: usize, d: usize, n_ff: usize, pages: usize, slices: usize, rank: usize) -> u64 {
-    let (l, d, f, p, s, r) = (n_layer as u64, d as u64, n_ff as u64, pages as u64, slices as u64, rank as u64);
+pub fn fixed_bytes(
+    n_layer: usize,
+    d: usize,
+    n_ff: usize,
+    pages: usize,
+    slices: usize,
+    rank: usize,
+) -> u64 {
+    let (l, d, f, p, s, r) = (
+        n_layer as u64,
+        d as u64,
+        n_ff as u64,
+        pages as u64,
+        slices as u64,
+        rank as u64,
+    );
     let header = align(96 + 6 * 64);
     let meta = align(4096);
     let layers = align(l * (32 + 4 * f + 4 * p));
@@ -62,7 +76,14 @@ pub fn fixed_bytes(n_layer: usize, d: usize, n_ff: usize, pages: usize, slices: 
 }
 
 /// Solves for a plan that fits `budget` bytes, or says how small it can go.
-pub fn solve_budget(layers: &[BudgetLayer], d: usize, n_ff: usize, slices: usize, rank: usize, budget: u64) -> Result<BudgetPlan> {
+pub fn solve_budget(
+    layers: &[BudgetLayer],
+    d: usize,
+    n_ff: usize,
+    slices: usize,
+    rank: usize,
+    budget: u64,
+) -> Result<BudgetPlan> {
     let n_pages = layers.first().map_or(0, |l| l.page_energy.len());
     let fixed = fixed_bytes(layers.len(), d, n_ff, n_pages, slices, rank);
     let stride = |q: GgmlType| -> Result<u64> { Ok(page_stride(q, d)? as u64) };
@@ -72,7 +93,10 @@ pub fn solve_budget(layers: &[BudgetLayer], d: usize, n_ff: usize, slices: usize
         min += stride(q)?;
     }
     if budget < min {
-        return Err(ArtifactError::BudgetTooSmall { budget, min_bytes: min });
+        return Err(ArtifactError::BudgetTooSmall {
+            budget,
+            min_bytes: min,
+        });
     }
     // State: (pages kept, index on the ladder).
     let mut state: Vec<(usize, usize)> = layers.iter().map(|l| (l.page_energy.len(), 0)).collect();
@@ -105,7 +129,10 @@ pub fn solve_budget(layers: &[BudgetLayer], d: usize, n_ff: usize, slices: usize
             }
         }
         let Some((_, i, is_quant)) = best else {
-            return Err(ArtifactError::BudgetTooSmall { budget, min_bytes: min });
+            return Err(ArtifactError::BudgetTooSmall {
+                budget,
+                min_bytes: min,
+            });
         };
         if is_quant {
             state[i].1 += 1;
@@ -123,7 +150,11 @@ pub fn solve_budget(layers: &[BudgetLayer], d: usize, n_ff: usize, slices: usize
             est_loss: l.page_energy[k..].iter().sum::<f64>() + l.quant_err[qi].1,
         })
         .collect();
-    Ok(BudgetPlan { layers: plan_layers, total_bytes: size, budget })
+    Ok(BudgetPlan {
+        layers: plan_layers,
+        total_bytes: size,
+        budget,
+    })
 }
 
 /// Parses sizes like `7.2GiB`, `300MB`, `512MiB`, `1000000`.
@@ -131,7 +162,10 @@ pub fn parse_size(s: &str) -> Result<u64> {
     let s = s.trim();
     let split = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let v: f64 = num.trim().parse().map_err(|_| ArtifactError::InvalidArgument(format!("bad size {s:?}")))?;
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| ArtifactError::InvalidArgument(format!("bad size {s:?}")))?;
     let mul = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kb" => 1e3,
@@ -140,7 +174,11 @@ pub fn parse_size(s: &str) -> Result<u64> {
         "mib" => 1024.0 * 1024.0,
         "g" | "gb" => 1e9,
         "gib" => 1024.0 * 1024.0 * 1024.0,
-        u => return Err(ArtifactError::InvalidArgument(format!("unknown size unit {u:?}"))),
+        u => {
+            return Err(ArtifactError::InvalidArgument(format!(
+                "unknown size unit {u:?}"
+            )))
+        }
     };
     if v.is_nan() || v < 0.0 {
         return Err(ArtifactError::InvalidArgument(format!("bad size {s:?}")));

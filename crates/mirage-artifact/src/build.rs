@@ -116,14 +116,21 @@ pub struct BuildOutput {
 /// Margins (in std units) the builder tries on validation tokens.
 pub const MARGIN_GRID: [f32; 12] = [0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0];
 /// Predictor thresholds the builder tries, strictest first.
-pub const THRESHOLD_GRID: [f32; 12] = [0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05, 0.02, 0.0, -0.05, -0.1, -0.3];
+pub const THRESHOLD_GRID: [f32; 12] = [
+    0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05, 0.02, 0.0, -0.05, -0.1, -0.3,
+];
 
 /// Quant types the budget solver may pick, largest first.
 fn quant_ladder(d_model: usize) -> Vec<GgmlType> {
-    [GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_0, GgmlType::Q2_K]
-        .into_iter()
-        .filter(|t| d_model % t.block_size() == 0)
-        .collect()
+    [
+        GgmlType::Q8_0,
+        GgmlType::Q5_0,
+        GgmlType::Q4_0,
+        GgmlType::Q2_K,
+    ]
+    .into_iter()
+    .filter(|t| d_model % t.block_size() == 0)
+    .collect()
 }
 
 /// Relative squared error of re-quantizing some rows to `ty`.
@@ -149,9 +156,22 @@ fn quant_error(rows: &[f32], d: usize, ty: GgmlType) -> Result<f64> {
 /// Deterministic (ties: hotness order, then index).
 pub fn form_pages(activity: &[f32], n_tokens: usize, n_ff: usize) -> Vec<usize> {
     // activity: channel-major [n_ff][n_tokens].
-    let hot: Vec<f64> = (0..n_ff).map(|i| activity[i * n_tokens..(i + 1) * n_tokens].iter().map(|v| *v as f64).sum()).collect();
+    let hot: Vec<f64> = (0..n_ff)
+        .map(|i| {
+            activity[i * n_tokens..(i + 1) * n_tokens]
+                .iter()
+                .map(|v| *v as f64)
+                .sum()
+        })
+        .collect();
     let norms: Vec<f64> = (0..n_ff)
-        .map(|i| activity[i * n_tokens..(i + 1) * n_tokens].iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt())
+        .map(|i| {
+            activity[i * n_tokens..(i + 1) * n_tokens]
+                .iter()
+                .map(|v| (*v as f64).powi(2))
+                .sum::<f64>()
+                .sqrt()
+        })
         .collect();
     let mut order: Vec<usize> = (0..n_ff).collect();
     order.sort_by(|&a, &b| hot[b].total_cmp(&hot[a]).then(a.cmp(&b)));
@@ -168,7 +188,11 @@ pub fn form_pages(activity: &[f32], n_tokens: usize, n_ff: usize) -> Vec<usize> 
             .filter(|(_, &c)| !assigned[c] && c != seed)
             .map(|(rank, &c)| {
                 let a = &activity[c * n_tokens..(c + 1) * n_tokens];
-                let dotp: f64 = a.iter().zip(s).map(|(x, y)| (*x as f64) * (*y as f64)).sum();
+                let dotp: f64 = a
+                    .iter()
+                    .zip(s)
+                    .map(|(x, y)| (*x as f64) * (*y as f64))
+                    .sum();
                 let den = norms[c] * norms[seed];
                 (if den > 0.0 { dotp / den } else { 0.0 }, rank, c)
             })
@@ -204,7 +228,11 @@ struct LayerCalib {
 }
 
 /// Runs the whole pipeline on a model file.
-pub fn build(model_path: &std::path::Path, opts: &BuildOptions, progress: &mut dyn FnMut(BuildEvent)) -> Result<BuildOutput> {
+pub fn build(
+    model_path: &std::path::Path,
+    opts: &BuildOptions,
+    progress: &mut dyn FnMut(BuildEvent),
+) -> Result<BuildOutput> {
     let mut timings = Vec::new();
     let t0 = Instant::now();
     let file = Arc::new(GgufFile::open(model_path)?);
@@ -212,10 +240,14 @@ pub fn build(model_path: &std::path::Path, opts: &BuildOptions, progress: &mut d
     let hp = file.hparams()?;
     let (n_layer, d, n_ff) = (hp.n_layer, hp.n_embd, hp.n_ff);
     if n_ff % PAGE_CHANNELS != 0 {
-        return Err(ArtifactError::InvalidArgument(format!("n_ff {n_ff} is not a multiple of {PAGE_CHANNELS}")));
+        return Err(ArtifactError::InvalidArgument(format!(
+            "n_ff {n_ff} is not a multiple of {PAGE_CHANNELS}"
+        )));
     }
     if opts.slices == 0 || opts.slices > mirage_route::MAX_SLICES || opts.predictor_rank == 0 {
-        return Err(ArtifactError::InvalidArgument("slices must be 1..=32 and predictor rank > 0".into()));
+        return Err(ArtifactError::InvalidArgument(
+            "slices must be 1..=32 and predictor rank > 0".into(),
+        ));
     }
     let source_pages = n_ff / PAGE_CHANNELS;
     let mut notes = Vec::new();
@@ -232,28 +264,49 @@ pub fn build(model_path: &std::path::Path, opts: &BuildOptions, progress: &mut d
     if let Some(budget) = opts.budget_bytes {
         let ladder = quant_ladder(d);
         let smallest = *ladder.last().unwrap_or(&GgmlType::Q8_0);
-        let min = crate::budget::fixed_bytes(n_layer, d, n_ff, source_pages, opts.slices, opts.predictor_rank)
-            + n_layer as u64 * page_stride(smallest, d)? as u64;
+        let min = crate::budget::fixed_bytes(
+            n_layer,
+            d,
+            n_ff,
+            source_pages,
+            opts.slices,
+            opts.predictor_rank,
+        ) + n_layer as u64 * page_stride(smallest, d)? as u64;
         if budget < min {
-            return Err(ArtifactError::BudgetTooSmall { budget, min_bytes: min });
+            return Err(ArtifactError::BudgetTooSmall {
+                budget,
+                min_bytes: min,
+            });
         }
     }
     timings.push(("load", t0.elapsed().as_secs_f64()));
 
     // 1. Calibration forward pass.
     let t1 = Instant::now();
-    let engine = Engine::from_file(file.clone(), CpuBackend::new(opts.threads)?, EngineOptions { threads: opts.threads, ..EngineOptions::default() })?;
+    let engine = Engine::from_file(
+        file.clone(),
+        CpuBackend::new(opts.threads)?,
+        EngineOptions {
+            threads: opts.threads,
+            ..EngineOptions::default()
+        },
+    )?;
     let mut tokens = engine.encode(&opts.calib_text, true)?;
     tokens.truncate(opts.max_calib_tokens.min(engine.n_ctx()));
     let n_tok = tokens.len();
     let n_val = ((n_tok as f32 * opts.validation_fraction) as usize).min(n_tok.saturating_sub(16));
     let n_fit = n_tok - n_val;
     if n_fit < 16 {
-        return Err(ArtifactError::InvalidArgument(format!("calibration text gives {n_tok} tokens; need at least 16")));
+        return Err(ArtifactError::InvalidArgument(format!(
+            "calibration text gives {n_tok} tokens; need at least 16"
+        )));
     }
     let mut xs: Vec<Vec<f32>> = vec![Vec::with_capacity(n_tok * d); n_layer];
     let chunk = 128;
-    progress(BuildEvent::Stage { name: "calibrate", total: n_tok.div_ceil(chunk) });
+    progress(BuildEvent::Stage {
+        name: "calibrate",
+        total: n_tok.div_ceil(chunk),
+    });
     observe_ffn_inputs(
         engine.model(),
         &tokens,
@@ -267,7 +320,10 @@ pub fn build(model_path: &std::path::Path, opts: &BuildOptions, progress: &mut d
 
     // 2-4. Per layer: page formation, oracle sets, router and predictor fit.
     let t2 = Instant::now();
-    progress(BuildEvent::Stage { name: "pages+router", total: n_layer });
+    progress(BuildEvent::Stage {
+        name: "pages+router",
+        total: n_layer,
+    });
     let mut calibs = Vec::with_capacity(n_layer);
     for (l, x) in xs.iter().enumerate() {
         calibs.push(calibrate_layer(&file, l, d, n_ff, x, n_tok, n_fit, opts)?);
@@ -280,7 +336,10 @@ pub fn build(model_path: &std::path::Path, opts: &BuildOptions, progress: &mut d
     let pick = |vals: &dyn Fn(&LayerCalib) -> &Vec<(f64, usize)>, n: usize| -> (usize, f64) {
         let tot: usize = calibs.iter().map(|c| c.val_tokens).sum();
         let rec = |i: usize| calibs.iter().map(|c| vals(c)[i].0).sum::<f64>() / tot.max(1) as f64;
-        (0..n).find(|&i| rec(i) >= RECALL_GATE).map(|i| (i, rec(i))).unwrap_or((n - 1, rec(n - 1)))
+        (0..n)
+            .find(|&i| rec(i) >= RECALL_GATE)
+            .map(|i| (i, rec(i)))
+            .unwrap_or((n - 1, rec(n - 1)))
     };
     let (mi, validation_bvh_recall) = pick(&|c| &c.val_margin, MARGIN_GRID.len());
     let (ti, validation_predictor_recall) = pick(&|c| &c.val_threshold, THRESHOLD_GRID.len());
@@ -290,7 +349,10 @@ pub fn build(model_path: &std::path::Path, opts: &BuildOptions, progress: &mut d
     let plan = if let Some(budget) = opts.budget_bytes {
         let layers: Vec<BudgetLayer> = calibs
             .iter()
-            .map(|c| BudgetLayer { page_energy: c.page_energy.clone(), quant_err: c.quant_err.clone() })
+            .map(|c| BudgetLayer {
+                page_energy: c.page_energy.clone(),
+                quant_err: c.quant_err.clone(),
+            })
             .collect();
         let plan = solve_budget(&layers, d, n_ff, opts.slices, opts.predictor_rank, budget)?;
         kept = plan.layers.iter().map(|p| (p.pages, p.quant)).collect();
@@ -301,7 +363,10 @@ pub fn build(model_path: &std::path::Path, opts: &BuildOptions, progress: &mut d
 
     // 5. Packing.
     let t3 = Instant::now();
-    progress(BuildEvent::Stage { name: "pack", total: n_layer });
+    progress(BuildEvent::Stage {
+        name: "pack",
+        total: n_layer,
+    });
     let mut layer_data = Vec::with_capacity(n_layer);
     let mut pages = Vec::with_capacity(n_layer);
     let mut summaries = Vec::with_capacity(n_layer);
@@ -309,7 +374,10 @@ pub fn build(model_path: &std::path::Path, opts: &BuildOptions, progress: &mut d
         let (k, q) = kept[l];
         let perm: Vec<usize> = c.perm.iter().map(|&v| v as usize).collect();
         let ffn = FfnF32::from_gguf(&file, l, d, n_ff)?.permuted(&perm);
-        let lp: Vec<Vec<u8>> = (0..k).into_par_iter().map(|p| pack_page(&ffn, p, q)).collect::<Result<_>>()?;
+        let lp: Vec<Vec<u8>> = (0..k)
+            .into_par_iter()
+            .map(|p| pack_page(&ffn, p, q))
+            .collect::<Result<_>>()?;
         pages.push(lp);
         let n_trunk = c.n_trunk.min(k);
         let mut router = c.fitted.router.clone();
@@ -349,7 +417,10 @@ pub fn build(model_path: &std::path::Path, opts: &BuildOptions, progress: &mut d
         d_model: d,
         n_ff,
         page_channels: PAGE_CHANNELS,
-        source_name: model_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        source_name: model_path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
         source_sha256,
         calib_name: opts.calib_name.clone(),
         calib_sha256: sha256_hex(opts.calib_text.as_bytes()),
@@ -364,7 +435,16 @@ pub fn build(model_path: &std::path::Path, opts: &BuildOptions, progress: &mut d
     let t4 = Instant::now();
     let bytes = write_bytes(&meta, &layer_data, &pages)?;
     timings.push(("write", t4.elapsed().as_secs_f64()));
-    Ok(BuildOutput { bytes, meta, layers: summaries, timings, notes, plan, validation_bvh_recall, validation_predictor_recall })
+    Ok(BuildOutput {
+        bytes,
+        meta,
+        layers: summaries,
+        timings,
+        notes,
+        plan,
+        validation_bvh_recall,
+        validation_predictor_recall,
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -382,8 +462,18 @@ fn calibrate_layer(
     let ffn = FfnF32::from_gguf(file, l, d, n_ff)?;
     // Hidden activations, token-major.
     let mut h = vec![0f32; n_tok * n_ff];
-    h.par_chunks_mut(n_ff).enumerate().for_each(|(t, ht)| ffn.hidden(&x[t * d..(t + 1) * d], ht));
-    let down_norm: Vec<f32> = (0..n_ff).map(|i| ffn.down_t[i * d..(i + 1) * d].iter().map(|v| v * v).sum::<f32>().sqrt()).collect();
+    h.par_chunks_mut(n_ff)
+        .enumerate()
+        .for_each(|(t, ht)| ffn.hidden(&x[t * d..(t + 1) * d], ht));
+    let down_norm: Vec<f32> = (0..n_ff)
+        .map(|i| {
+            ffn.down_t[i * d..(i + 1) * d]
+                .iter()
+                .map(|v| v * v)
+                .sum::<f32>()
+                .sqrt()
+        })
+        .collect();
     let mut activity = vec![0f32; n_ff * n_tok];
     let mut channel_mean_abs = vec![0f32; n_ff];
     for t in 0..n_tok {
@@ -394,7 +484,9 @@ fn calibrate_layer(
         }
     }
     // Pages are formed on the fit tokens only.
-    let fit_activity: Vec<f32> = (0..n_ff).flat_map(|i| activity[i * n_tok..i * n_tok + n_fit].iter().copied()).collect();
+    let fit_activity: Vec<f32> = (0..n_ff)
+        .flat_map(|i| activity[i * n_tok..i * n_tok + n_fit].iter().copied())
+        .collect();
     let perm0 = form_pages(&fit_activity, n_fit, n_ff);
     drop(activity);
     let ffn0 = ffn.permuted(&perm0);
@@ -409,8 +501,20 @@ fn calibrate_layer(
             for p in 0..n_pages {
                 axpy(&mut y, 1.0, &contrib[p * d..(p + 1) * d]);
             }
-            let yy: f64 = y.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().max(1e-30);
-            let energy = (0..n_pages).map(|p| contrib[p * d..(p + 1) * d].iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / yy).collect();
+            let yy: f64 = y
+                .iter()
+                .map(|v| (*v as f64).powi(2))
+                .sum::<f64>()
+                .max(1e-30);
+            let energy = (0..n_pages)
+                .map(|p| {
+                    contrib[p * d..(p + 1) * d]
+                        .iter()
+                        .map(|v| (*v as f64).powi(2))
+                        .sum::<f64>()
+                        / yy
+                })
+                .collect();
             (oracle_useful_set(&contrib, d, ORACLE_COSINE), energy)
         })
         .collect();
@@ -427,12 +531,24 @@ fn calibrate_layer(
     }
     // Order pages by oracle frequency (prefix slicing), then energy.
     let mut page_order: Vec<usize> = (0..n_pages).collect();
-    page_order.sort_by(|&a, &b| freq0[b].total_cmp(&freq0[a]).then(energy0[b].total_cmp(&energy0[a])).then(a.cmp(&b)));
+    page_order.sort_by(|&a, &b| {
+        freq0[b]
+            .total_cmp(&freq0[a])
+            .then(energy0[b].total_cmp(&energy0[a]))
+            .then(a.cmp(&b))
+    });
     let mut new_index = vec![0usize; n_pages];
     for (new, &old) in page_order.iter().enumerate() {
         new_index[old] = new;
     }
-    let perm: Vec<u32> = page_order.iter().flat_map(|&p| perm0[p * PAGE_CHANNELS..(p + 1) * PAGE_CHANNELS].iter().map(|&c| c as u32)).collect();
+    let perm: Vec<u32> = page_order
+        .iter()
+        .flat_map(|&p| {
+            perm0[p * PAGE_CHANNELS..(p + 1) * PAGE_CHANNELS]
+                .iter()
+                .map(|&c| c as u32)
+        })
+        .collect();
     let useful: Vec<Vec<usize>> = per_token
         .iter()
         .map(|(s, _)| {
@@ -443,13 +559,24 @@ fn calibrate_layer(
         .collect();
     let page_freq: Vec<f32> = page_order.iter().map(|&p| freq0[p] as f32).collect();
     let page_energy: Vec<f64> = page_order.iter().map(|&p| energy0[p]).collect();
-    let n_trunk = page_freq.iter().take_while(|&&f| f >= opts.trunk_freq).count();
+    let n_trunk = page_freq
+        .iter()
+        .take_while(|&&f| f >= opts.trunk_freq)
+        .count();
     let mut channel_oracle_freq = vec![0f32; n_ff];
     for (k, &c) in perm.iter().enumerate() {
         channel_oracle_freq[c as usize] = page_freq[k / PAGE_CHANNELS];
     }
     let mean_oracle = useful[..n_fit].iter().map(|s| s.len() as f64).sum::<f64>() / n_fit as f64;
-    let fitted = fit_layer_router(&x[..n_fit * d], d, &useful[..n_fit], n_pages, n_trunk, opts.slices, opts.predictor_rank);
+    let fitted = fit_layer_router(
+        &x[..n_fit * d],
+        d,
+        &useful[..n_fit],
+        n_pages,
+        n_trunk,
+        opts.slices,
+        opts.predictor_rank,
+    );
     // Validation sweep.
     let mut val_margin = vec![(0f64, 0usize); MARGIN_GRID.len()];
     let mut val_threshold = vec![(0f64, 0usize); THRESHOLD_GRID.len()];
@@ -467,7 +594,10 @@ fn calibrate_layer(
             r
         })
         .collect();
-    let mut bvhs: Vec<mirage_route::CpuBvh> = routers.iter().map(mirage_route::CpuBvh::new).collect::<std::result::Result<_, _>>()?;
+    let mut bvhs: Vec<mirage_route::CpuBvh> = routers
+        .iter()
+        .map(mirage_route::CpuBvh::new)
+        .collect::<std::result::Result<_, _>>()?;
     let mut pts = Vec::new();
     let mut scores = Vec::new();
     for t in n_fit..n_tok {
@@ -481,7 +611,14 @@ fn calibrate_layer(
             val_margin[g].0 += r;
             val_margin[g].1 += (n_trunk..n_pages).filter(|&p| set.contains(0, p)).count();
         }
-        predictor_scores(&fitted.predictor_proj, &fitted.predictor_weights, opts.predictor_rank, d, xt, &mut scores);
+        predictor_scores(
+            &fitted.predictor_proj,
+            &fitted.predictor_weights,
+            opts.predictor_rank,
+            d,
+            xt,
+            &mut scores,
+        );
         for (g, &tau) in THRESHOLD_GRID.iter().enumerate() {
             let on = |p: usize| p < n_trunk || scores[p] >= tau;
             val_threshold[g].0 += crate::metrics::recall(&useful[t], on);
@@ -493,7 +630,10 @@ fn calibrate_layer(
     for m in [&ffn.gate, &ffn.up, &ffn.down_t] {
         rows.extend_from_slice(&m[..sample_rows * d]);
     }
-    let quant_err = quant_ladder(d).into_iter().map(|t| quant_error(&rows, d, t).map(|e| (t, e))).collect::<Result<_>>()?;
+    let quant_err = quant_ladder(d)
+        .into_iter()
+        .map(|t| quant_error(&rows, d, t).map(|e| (t, e)))
+        .collect::<Result<_>>()?;
     Ok(LayerCalib {
         perm,
         n_pages,

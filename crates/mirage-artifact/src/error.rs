@@ -91,6 +91,9 @@ pub type Result<T> = std::result::Result<T, ArtifactError>;
 
 impl ArtifactError {
     pub(crate) fn io(path: &std::path::Path, source: std::io::Error) -> Self {
-        ArtifactError::Io { path: path.display().to_string(), source }
+        ArtifactError::Io {
+            path: path.display().to_string(),
+            source,
+        }
     }
 }

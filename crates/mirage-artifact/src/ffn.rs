@@ -57,9 +57,14 @@ pub fn silu(x: f32) -> f32 {
 }
 
 fn dequant_matrix(file: &GgufFile, name: &str, cols: usize, rows: usize) -> Result<Vec<f32>> {
-    let t = file.tensor(name).ok_or_else(|| ArtifactError::Malformed(format!("model has no tensor {name}")))?;
+    let t = file
+        .tensor(name)
+        .ok_or_else(|| ArtifactError::Malformed(format!("model has no tensor {name}")))?;
     if t.dims() != [cols as u64, rows as u64] {
-        return Err(ArtifactError::Malformed(format!("{name}: dims {:?}, expected [{cols}, {rows}]", t.dims())));
+        return Err(ArtifactError::Malformed(format!(
+            "{name}: dims {:?}, expected [{cols}, {rows}]",
+            t.dims()
+        )));
     }
     let mut v = vec![0f32; cols * rows];
     quant::dequantize(t.ty(), t.data, &mut v)?;
@@ -79,7 +84,13 @@ impl FfnF32 {
                 down_t[i * d_model + j] = down[j * n_ff + i];
             }
         }
-        Ok(FfnF32 { d_model, n_ff, gate, up, down_t })
+        Ok(FfnF32 {
+            d_model,
+            n_ff,
+            gate,
+            up,
+            down_t,
+        })
     }
 
     /// Hidden activations `h = silu(W_gate x) * (W_up x)` (`n_ff` values).
@@ -99,7 +110,11 @@ impl FfnF32 {
         out.fill(0.0);
         for (i, &hi) in h.iter().enumerate().take(self.n_ff) {
             let p = i / page_channels;
-            axpy(&mut out[p * d..(p + 1) * d], hi, &self.down_t[i * d..(i + 1) * d]);
+            axpy(
+                &mut out[p * d..(p + 1) * d],
+                hi,
+                &self.down_t[i * d..(i + 1) * d],
+            );
         }
     }
 
@@ -117,7 +132,17 @@ impl FfnF32 {
     /// channel `perm[k]` (gate rows, up rows and down columns move together).
     pub fn permuted(&self, perm: &[usize]) -> FfnF32 {
         let d = self.d_model;
-        let take = |m: &[f32]| -> Vec<f32> { perm.iter().flat_map(|&i| m[i * d..(i + 1) * d].iter().copied()).collect() };
-        FfnF32 { d_model: d, n_ff: perm.len(), gate: take(&self.gate), up: take(&self.up), down_t: take(&self.down_t) }
+        let take = |m: &[f32]| -> Vec<f32> {
+            perm.iter()
+                .flat_map(|&i| m[i * d..(i + 1) * d].iter().copied())
+                .collect()
+        };
+        FfnF32 {
+            d_model: d,
+            n_ff: perm.len(),
+            gate: take(&self.gate),
+            up: take(&self.up),
+            down_t: take(&self.down_t),
+        }
     }
 }

@@ -51,7 +51,10 @@ pub fn fit_layer_router(
     for s in 0..slices {
         for a in 0..3 {
             let m = (0..n).map(|t| pts[t * slices + s][a] as f64).sum::<f64>() / n.max(1) as f64;
-            let v = (0..n).map(|t| (pts[t * slices + s][a] as f64 - m).powi(2)).sum::<f64>() / n.max(1) as f64;
+            let v = (0..n)
+                .map(|t| (pts[t * slices + s][a] as f64 - m).powi(2))
+                .sum::<f64>()
+                / n.max(1) as f64;
             margin_scale[s * 3 + a] = v.sqrt() as f32;
         }
     }
@@ -71,8 +74,16 @@ pub fn fit_layer_router(
             *b = Aabb::new([0.0; 3], [0.0; 3]);
         }
     }
-    let thresholds = (0..n_pages).map(|p| if p < n_trunk { 0 } else { slices as u32 }).collect();
-    let router = RouterData { slices, boxes, thresholds, d_model: d, projection };
+    let thresholds = (0..n_pages)
+        .map(|p| if p < n_trunk { 0 } else { slices as u32 })
+        .collect();
+    let router = RouterData {
+        slices,
+        boxes,
+        thresholds,
+        d_model: d,
+        projection,
+    };
     // Predictor: features = [V x, 1], targets = oracle membership.
     let f = rank + 1;
     let mut feats = vec![0f64; n * f];
@@ -88,12 +99,26 @@ pub fn fit_layer_router(
         }
     }
     let w = ridge_least_squares(&feats, f, &targets, n_pages, 1e-4);
-    FittedRouter { router, margin_scale, predictor_proj, predictor_weights: w.iter().map(|v| *v as f32).collect() }
+    FittedRouter {
+        router,
+        margin_scale,
+        predictor_proj,
+        predictor_weights: w.iter().map(|v| *v as f32).collect(),
+    }
 }
 
 /// Predictor scores of one FFN input (one per page).
-pub fn predictor_scores(proj: &[f32], weights: &[f32], rank: usize, d: usize, x: &[f32], out: &mut Vec<f32>) {
-    let z: Vec<f32> = (0..rank).map(|r| dot(&proj[r * d..(r + 1) * d], x)).collect();
+pub fn predictor_scores(
+    proj: &[f32],
+    weights: &[f32],
+    rank: usize,
+    d: usize,
+    x: &[f32],
+    out: &mut Vec<f32>,
+) {
+    let z: Vec<f32> = (0..rank)
+        .map(|r| dot(&proj[r * d..(r + 1) * d], x))
+        .collect();
     let pages = weights.len() / (rank + 1);
     out.clear();
     for p in 0..pages {

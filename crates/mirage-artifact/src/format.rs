@@ -98,7 +98,11 @@ pub struct LayerData {
 /// Bytes of one packed page of `d_model`-wide rows in `ty`.
 pub fn page_bytes(ty: GgmlType, d_model: usize) -> Result<usize> {
     if d_model % ty.block_size() != 0 {
-        return Err(ArtifactError::QuantUnsupported { ty, d_model, block: ty.block_size() });
+        return Err(ArtifactError::QuantUnsupported {
+            ty,
+            d_model,
+            block: ty.block_size(),
+        });
     }
     Ok(3 * PAGE_CHANNELS * quant::row_bytes(ty, d_model)?)
 }
@@ -126,28 +130,45 @@ fn put_f32s(v: &mut Vec<u8>, xs: &[f32]) {
 
 /// Serializes an artifact. `pages[l]` holds layer `l`'s packed pages, each
 /// exactly [`page_bytes`] long, in stored order.
-pub fn write_bytes(meta: &ArtifactMeta, layers: &[LayerData], pages: &[Vec<Vec<u8>>]) -> Result<Vec<u8>> {
+pub fn write_bytes(
+    meta: &ArtifactMeta,
+    layers: &[LayerData],
+    pages: &[Vec<Vec<u8>>],
+) -> Result<Vec<u8>> {
     if layers.len() != meta.n_layer || pages.len() != meta.n_layer {
-        return Err(ArtifactError::InvalidArgument("one LayerData and page list per layer".into()));
+        return Err(ArtifactError::InvalidArgument(
+            "one LayerData and page list per layer".into(),
+        ));
     }
     let source_sha: [u8; 32] = hex::decode(&meta.source_sha256)
         .ok()
         .and_then(|v| v.try_into().ok())
-        .ok_or_else(|| ArtifactError::InvalidArgument("source_sha256 is not 64 hex digits".into()))?;
-    let meta_json = serde_json::to_vec_pretty(meta).map_err(|e| ArtifactError::InvalidArgument(e.to_string()))?;
+        .ok_or_else(|| {
+            ArtifactError::InvalidArgument("source_sha256 is not 64 hex digits".into())
+        })?;
+    let meta_json = serde_json::to_vec_pretty(meta)
+        .map_err(|e| ArtifactError::InvalidArgument(e.to_string()))?;
     // WEIGHTS and LAYERS together: page offsets are relative to WEIGHTS.
     let mut weights = Vec::new();
     let mut layer_sec = Vec::new();
     for (l, (ld, lp)) in layers.iter().zip(pages).enumerate() {
         let pb = page_bytes(ld.quant, meta.d_model)?;
         let stride = page_stride(ld.quant, meta.d_model)?;
-        if lp.len() != ld.n_pages || ld.perm.len() != ld.n_pages * PAGE_CHANNELS || ld.page_freq.len() != ld.n_pages {
-            return Err(ArtifactError::InvalidArgument(format!("layer {l}: page count mismatch")));
+        if lp.len() != ld.n_pages
+            || ld.perm.len() != ld.n_pages * PAGE_CHANNELS
+            || ld.page_freq.len() != ld.n_pages
+        {
+            return Err(ArtifactError::InvalidArgument(format!(
+                "layer {l}: page count mismatch"
+            )));
         }
         let offset = weights.len();
         for p in lp {
             if p.len() != pb {
-                return Err(ArtifactError::InvalidArgument(format!("layer {l}: page of {} bytes, want {pb}", p.len())));
+                return Err(ArtifactError::InvalidArgument(format!(
+                    "layer {l}: page of {} bytes, want {pb}",
+                    p.len()
+                )));
             }
             weights.extend_from_slice(p);
             weights.resize(align(weights.len()), 0);
@@ -206,8 +227,14 @@ pub fn write_bytes(meta: &ArtifactMeta, layers: &[LayerData], pages: &[Vec<Vec<u
 /// Writes `bytes` to `path` atomically: a temporary file in the same folder,
 /// synced, then renamed over `path`.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "artifact".into());
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "artifact".into());
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let res = (|| {
         let mut f = std::fs::File::create(&tmp)?;
@@ -257,7 +284,10 @@ pub struct Artifact {
 
 impl std::fmt::Debug for Artifact {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Artifact").field("meta", &self.meta).field("bytes", &self.storage.bytes().len()).finish()
+        f.debug_struct("Artifact")
+            .field("meta", &self.meta)
+            .field("bytes", &self.storage.bytes().len())
+            .finish()
     }
 }
 
@@ -269,9 +299,16 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn take(&mut self, n: usize) -> Result<&[u8]> {
-        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or_else(|| {
-            ArtifactError::Malformed(format!("{} section ends early (needs {} more bytes at {})", self.what, n, self.at))
-        })?;
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.b.len())
+            .ok_or_else(|| {
+                ArtifactError::Malformed(format!(
+                    "{} section ends early (needs {} more bytes at {})",
+                    self.what, n, self.at
+                ))
+            })?;
         let s = &self.b[self.at..end];
         self.at = end;
         Ok(s)
@@ -283,12 +320,22 @@ impl Reader<'_> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
     }
     fn f32s(&mut self, n: usize) -> Result<Vec<f32>> {
-        let bytes = self.take(n.checked_mul(4).ok_or_else(|| ArtifactError::Malformed("size overflow".into()))?)?;
-        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect())
+        let bytes = self.take(
+            n.checked_mul(4)
+                .ok_or_else(|| ArtifactError::Malformed("size overflow".into()))?,
+        )?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4")))
+            .collect())
     }
     fn done(&self) -> Result<()> {
         if self.at != self.b.len() {
-            return Err(ArtifactError::Malformed(format!("{} section has {} trailing bytes", self.what, self.b.len() - self.at)));
+            return Err(ArtifactError::Malformed(format!(
+                "{} section has {} trailing bytes",
+                self.what,
+                self.b.len() - self.at
+            )));
         }
         Ok(())
     }
@@ -317,52 +364,88 @@ impl Artifact {
             return Err(ArtifactError::BadMagic);
         }
         if b.len() < HEADER_BYTES {
-            return Err(ArtifactError::Truncated { what: "header".into(), need: HEADER_BYTES as u64, have });
+            return Err(ArtifactError::Truncated {
+                what: "header".into(),
+                need: HEADER_BYTES as u64,
+                have,
+            });
         }
         let version = u32::from_le_bytes(b[8..12].try_into().expect("4"));
         if version != VERSION {
-            return Err(ArtifactError::UnsupportedVersion { found: version, supported: VERSION });
+            return Err(ArtifactError::UnsupportedVersion {
+                found: version,
+                supported: VERSION,
+            });
         }
         let n_sections = u32::from_le_bytes(b[12..16].try_into().expect("4")) as usize;
         if n_sections != SECTIONS.len() {
-            return Err(ArtifactError::Malformed(format!("{n_sections} sections, version {VERSION} has {}", SECTIONS.len())));
+            return Err(ArtifactError::Malformed(format!(
+                "{n_sections} sections, version {VERSION} has {}",
+                SECTIONS.len()
+            )));
         }
         let table_end = HEADER_BYTES + SECTION_ENTRY_BYTES * n_sections;
         if b.len() < table_end {
-            return Err(ArtifactError::Truncated { what: "section table".into(), need: table_end as u64, have });
+            return Err(ArtifactError::Truncated {
+                what: "section table".into(),
+                need: table_end as u64,
+                have,
+            });
         }
         let mut head = b[..table_end].to_vec();
         head[48..80].fill(0);
         if Sha256::digest(&head)[..] != b[48..80] {
-            return Err(ArtifactError::ChecksumMismatch { section: "header".into() });
+            return Err(ArtifactError::ChecksumMismatch {
+                section: "header".into(),
+            });
         }
         let mut sections: Vec<&[u8]> = Vec::new();
         for (i, want) in SECTIONS.iter().enumerate() {
             let e = HEADER_BYTES + SECTION_ENTRY_BYTES * i;
             let name = &b[e..e + 8];
-            if &name[..want.len()] != want.as_bytes() || name[want.len()..].iter().any(|&c| c != 0) {
-                return Err(ArtifactError::Malformed(format!("section {i} is not {want}")));
+            if &name[..want.len()] != want.as_bytes() || name[want.len()..].iter().any(|&c| c != 0)
+            {
+                return Err(ArtifactError::Malformed(format!(
+                    "section {i} is not {want}"
+                )));
             }
             let off = u64::from_le_bytes(b[e + 8..e + 16].try_into().expect("8"));
             let len = u64::from_le_bytes(b[e + 16..e + 24].try_into().expect("8"));
-            let end = off.checked_add(len).ok_or_else(|| ArtifactError::Malformed(format!("{want}: size overflows")))?;
+            let end = off
+                .checked_add(len)
+                .ok_or_else(|| ArtifactError::Malformed(format!("{want}: size overflows")))?;
             if end > have {
-                return Err(ArtifactError::Truncated { what: format!("section {want}"), need: end, have });
+                return Err(ArtifactError::Truncated {
+                    what: format!("section {want}"),
+                    need: end,
+                    have,
+                });
             }
             if off % PAGE_ALIGN as u64 != 0 {
-                return Err(ArtifactError::Malformed(format!("{want} is not {PAGE_ALIGN}-aligned")));
+                return Err(ArtifactError::Malformed(format!(
+                    "{want} is not {PAGE_ALIGN}-aligned"
+                )));
             }
             let body = &b[off as usize..end as usize];
             if Sha256::digest(body)[..] != b[e + 24..e + 56] {
-                return Err(ArtifactError::ChecksumMismatch { section: (*want).into() });
+                return Err(ArtifactError::ChecksumMismatch {
+                    section: (*want).into(),
+                });
             }
             sections.push(body);
         }
-        let meta: ArtifactMeta = serde_json::from_slice(sections[0]).map_err(|e| ArtifactError::Malformed(format!("META: {e}")))?;
+        let meta: ArtifactMeta = serde_json::from_slice(sections[0])
+            .map_err(|e| ArtifactError::Malformed(format!("META: {e}")))?;
         if hex::encode(&b[16..48]) != meta.source_sha256 {
-            return Err(ArtifactError::Malformed("header and META disagree on the source sha256".into()));
+            return Err(ArtifactError::Malformed(
+                "header and META disagree on the source sha256".into(),
+            ));
         }
-        if meta.page_channels != PAGE_CHANNELS || meta.n_ff % PAGE_CHANNELS != 0 || meta.d_model == 0 || meta.n_layer == 0 {
+        if meta.page_channels != PAGE_CHANNELS
+            || meta.n_ff % PAGE_CHANNELS != 0
+            || meta.d_model == 0
+            || meta.n_layer == 0
+        {
             return Err(ArtifactError::Malformed(format!(
                 "shape n_layer={} d_model={} n_ff={} page_channels={}",
                 meta.n_layer, meta.d_model, meta.n_ff, meta.page_channels
@@ -370,10 +453,26 @@ impl Artifact {
         }
         let (d, n_ff, slices) = (meta.d_model, meta.n_ff, meta.slices);
         let weights_off = (sections[2].as_ptr() as usize) - (b.as_ptr() as usize);
-        let mut lr = Reader { b: sections[1], at: 0, what: "LAYERS" };
-        let mut rr = Reader { b: sections[3], at: 0, what: "ROUTER" };
-        let mut pr = Reader { b: sections[4], at: 0, what: "PREDICT" };
-        let mut cr = Reader { b: sections[5], at: 0, what: "CALIB" };
+        let mut lr = Reader {
+            b: sections[1],
+            at: 0,
+            what: "LAYERS",
+        };
+        let mut rr = Reader {
+            b: sections[3],
+            at: 0,
+            what: "ROUTER",
+        };
+        let mut pr = Reader {
+            b: sections[4],
+            at: 0,
+            what: "PREDICT",
+        };
+        let mut cr = Reader {
+            b: sections[5],
+            at: 0,
+            what: "CALIB",
+        };
         let mut layers = Vec::with_capacity(meta.n_layer);
         let mut pages = Vec::with_capacity(meta.n_layer);
         for l in 0..meta.n_layer {
@@ -384,18 +483,28 @@ impl Artifact {
             let _reserved = lr.u32()?;
             let offset = lr.u64()? as usize;
             let stride = lr.u64()? as usize;
-            let quant = GgmlType::from_id(qid).ok_or_else(|| bad(format!("unknown quant type id {qid}")))?;
+            let quant = GgmlType::from_id(qid)
+                .ok_or_else(|| bad(format!("unknown quant type id {qid}")))?;
             if n_pages * PAGE_CHANNELS > n_ff || n_trunk > n_pages {
-                return Err(bad(format!("{n_pages} pages / {n_trunk} trunk for n_ff {n_ff}")));
+                return Err(bad(format!(
+                    "{n_pages} pages / {n_trunk} trunk for n_ff {n_ff}"
+                )));
             }
             let pb = page_bytes(quant, d)?;
             if stride != page_stride(quant, d)? || offset % PAGE_ALIGN != 0 {
-                return Err(bad(format!("page stride {stride} / offset {offset} not aligned packing of {pb}-byte pages")));
+                return Err(bad(format!(
+                    "page stride {stride} / offset {offset} not aligned packing of {pb}-byte pages"
+                )));
             }
-            if offset.checked_add(stride * n_pages).is_none_or(|e| e > sections[2].len()) {
+            if offset
+                .checked_add(stride * n_pages)
+                .is_none_or(|e| e > sections[2].len())
+            {
                 return Err(bad("pages lie outside WEIGHTS".into()));
             }
-            let perm: Vec<u32> = (0..n_pages * PAGE_CHANNELS).map(|_| lr.u32()).collect::<Result<_>>()?;
+            let perm: Vec<u32> = (0..n_pages * PAGE_CHANNELS)
+                .map(|_| lr.u32())
+                .collect::<Result<_>>()?;
             let mut seen = vec![false; n_ff];
             for &c in &perm {
                 if c as usize >= n_ff || std::mem::replace(&mut seen[c as usize], true) {
@@ -406,7 +515,12 @@ impl Artifact {
             let rlen = rr.u64()? as usize;
             let router = RouterData::from_bytes(rr.take(rlen)?)?;
             if router.pages() != n_pages || router.d_model != d || router.slices != slices {
-                return Err(bad(format!("router has {} pages/d_model {}/{} slices", router.pages(), router.d_model, router.slices)));
+                return Err(bad(format!(
+                    "router has {} pages/d_model {}/{} slices",
+                    router.pages(),
+                    router.d_model,
+                    router.slices
+                )));
             }
             let margin_scale = rr.f32s(slices * 3)?;
             let rank = pr.u32()? as usize;
@@ -431,13 +545,22 @@ impl Artifact {
                 channel_mean_abs,
                 channel_oracle_freq,
             });
-            pages.push(PageRange { offset: weights_off + offset, stride, bytes: pb });
+            pages.push(PageRange {
+                offset: weights_off + offset,
+                stride,
+                bytes: pb,
+            });
         }
         lr.done()?;
         rr.done()?;
         pr.done()?;
         cr.done()?;
-        Ok(Artifact { storage, meta, layers, pages })
+        Ok(Artifact {
+            storage,
+            meta,
+            layers,
+            pages,
+        })
     }
 
     /// The self-description.
@@ -500,7 +623,10 @@ impl Artifact {
     /// built from.
     pub fn check_source_sha256(&self, sha256_hex: &str) -> Result<()> {
         if sha256_hex != self.meta.source_sha256 {
-            return Err(ArtifactError::SourceMismatch { expected: self.meta.source_sha256.clone(), found: sha256_hex.into() });
+            return Err(ArtifactError::SourceMismatch {
+                expected: self.meta.source_sha256.clone(),
+                found: sha256_hex.into(),
+            });
         }
         Ok(())
     }

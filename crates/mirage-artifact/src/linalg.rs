@@ -4,7 +4,12 @@
 
 /// The top `k` principal directions of `x` (`n` rows of `d`), as `k` rows of
 /// `d` (unit length, orthogonal), largest variance first; and the mean.
-pub fn principal_components(x: &[f32], d: usize, k: usize, iterations: usize) -> (Vec<f32>, Vec<f32>) {
+pub fn principal_components(
+    x: &[f32],
+    d: usize,
+    k: usize,
+    iterations: usize,
+) -> (Vec<f32>, Vec<f32>) {
     let n = x.len().checked_div(d).unwrap_or(0);
     let mut mean = vec![0f64; d];
     for r in 0..n {
@@ -49,7 +54,11 @@ pub fn principal_components(x: &[f32], d: usize, k: usize, iterations: usize) ->
         for a in 0..k {
             let qa = &q[a * d..(a + 1) * d];
             for i in 0..d {
-                z[a * d + i] = cov[i * d..(i + 1) * d].iter().zip(qa).map(|(c, v)| c * v).sum();
+                z[a * d + i] = cov[i * d..(i + 1) * d]
+                    .iter()
+                    .zip(qa)
+                    .map(|(c, v)| c * v)
+                    .sum();
             }
         }
         std::mem::swap(&mut q, &mut z);
@@ -59,12 +68,24 @@ pub fn principal_components(x: &[f32], d: usize, k: usize, iterations: usize) ->
     let mut order: Vec<(f64, usize)> = (0..k)
         .map(|a| {
             let qa = &q[a * d..(a + 1) * d];
-            let var: f64 = (0..d).map(|i| qa[i] * cov[i * d..(i + 1) * d].iter().zip(qa).map(|(c, v)| c * v).sum::<f64>()).sum();
+            let var: f64 = (0..d)
+                .map(|i| {
+                    qa[i]
+                        * cov[i * d..(i + 1) * d]
+                            .iter()
+                            .zip(qa)
+                            .map(|(c, v)| c * v)
+                            .sum::<f64>()
+                })
+                .sum();
             (var, a)
         })
         .collect();
     order.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
-    let comps = order.iter().flat_map(|&(_, a)| q[a * d..(a + 1) * d].iter().map(|v| *v as f32)).collect();
+    let comps = order
+        .iter()
+        .flat_map(|&(_, a)| q[a * d..(a + 1) * d].iter().map(|v| *v as f32))
+        .collect();
     (comps, mean.iter().map(|m| *m as f32).collect())
 }
 
@@ -78,7 +99,10 @@ fn orthonormalize(q: &mut [f64], d: usize) {
                 q[a * d + i] -= dotp * q[b * d + i];
             }
         }
-        let norm: f64 = (0..d).map(|i| q[a * d + i] * q[a * d + i]).sum::<f64>().sqrt();
+        let norm: f64 = (0..d)
+            .map(|i| q[a * d + i] * q[a * d + i])
+            .sum::<f64>()
+            .sqrt();
         let inv = if norm > 0.0 { 1.0 / norm } else { 0.0 };
         for i in 0..d {
             q[a * d + i] *= inv;
@@ -88,7 +112,13 @@ fn orthonormalize(q: &mut [f64], d: usize) {
 
 /// Ridge least squares: `W` (`outputs x f`) minimising `|F W^T - Y|^2 +
 /// lambda |W|^2`, with `F` `n x f` features and `Y` `n x outputs` targets.
-pub fn ridge_least_squares(features: &[f64], f: usize, targets: &[f64], outputs: usize, lambda: f64) -> Vec<f64> {
+pub fn ridge_least_squares(
+    features: &[f64],
+    f: usize,
+    targets: &[f64],
+    outputs: usize,
+    lambda: f64,
+) -> Vec<f64> {
     let n = features.len().checked_div(f).unwrap_or(0);
     let mut a = vec![0f64; f * f];
     let mut b = vec![0f64; f * outputs];
@@ -113,7 +143,11 @@ pub fn ridge_least_squares(features: &[f64], f: usize, targets: &[f64], outputs:
     for i in 0..f {
         for j in 0..=i {
             let s: f64 = a[i * f + j] - (0..j).map(|k| l[i * f + k] * l[j * f + k]).sum::<f64>();
-            l[i * f + j] = if i == j { s.max(1e-300).sqrt() } else { s / l[j * f + j] };
+            l[i * f + j] = if i == j {
+                s.max(1e-300).sqrt()
+            } else {
+                s / l[j * f + j]
+            };
         }
     }
     let mut w = vec![0f64; outputs * f];
@@ -144,7 +178,10 @@ mod tests {
         }
         let (c, _) = principal_components(&x, 3, 1, 50);
         let s = std::f32::consts::FRAC_1_SQRT_2;
-        assert!((c[0].abs() - s).abs() < 1e-4 && (c[1].abs() - s).abs() < 1e-4 && c[2].abs() < 1e-3, "{c:?}");
+        assert!(
+            (c[0].abs() - s).abs() < 1e-4 && (c[1].abs() - s).abs() < 1e-4 && c[2].abs() < 1e-3,
+            "{c:?}"
+        );
     }
 
     #[test]
@@ -158,6 +195,9 @@ mod tests {
             y.push(2.0 * a - 3.0 * b + 0.5);
         }
         let w = ridge_least_squares(&f, 3, &y, 1, 0.0);
-        assert!((w[0] - 2.0).abs() < 1e-6 && (w[1] + 3.0).abs() < 1e-6 && (w[2] - 0.5).abs() < 1e-6, "{w:?}");
+        assert!(
+            (w[0] - 2.0).abs() < 1e-6 && (w[1] + 3.0).abs() < 1e-6 && (w[2] - 0.5).abs() < 1e-6,
+            "{w:?}"
+        );
     }
 }

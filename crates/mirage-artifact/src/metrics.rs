@@ -116,14 +116,22 @@ pub fn largest_pages_cosines(contributions: &[f32], d_model: usize, counts: &[us
     }
     let (order, total) = pages_by_norm(contributions, d_model);
     let tt: f64 = total.iter().map(|v| v * v).sum();
-    let mut want: Vec<(usize, usize)> = counts.iter().copied().enumerate().map(|(i, k)| (k.min(order.len()), i)).collect();
+    let mut want: Vec<(usize, usize)> = counts
+        .iter()
+        .copied()
+        .enumerate()
+        .map(|(i, k)| (k.min(order.len()), i))
+        .collect();
     want.sort_unstable();
     let mut out = vec![1.0; counts.len()];
     let mut partial = vec![0f64; d_model];
     let mut taken = 0;
     for (k, i) in want {
         for &p in &order[taken..k] {
-            for (s, v) in partial.iter_mut().zip(&contributions[p * d_model..(p + 1) * d_model]) {
+            for (s, v) in partial
+                .iter_mut()
+                .zip(&contributions[p * d_model..(p + 1) * d_model])
+            {
                 *s += *v as f64;
             }
         }
@@ -134,7 +142,11 @@ pub fn largest_pages_cosines(contributions: &[f32], d_model: usize, counts: &[us
                 pt += s * t;
                 pp += s * s;
             }
-            out[i] = if pp > 0.0 { pt / (pp.sqrt() * tt.sqrt()) } else { 0.0 };
+            out[i] = if pp > 0.0 {
+                pt / (pp.sqrt() * tt.sqrt())
+            } else {
+                0.0
+            };
         }
     }
     out
@@ -173,7 +185,12 @@ pub fn argmax(v: &[f32]) -> Option<usize> {
 /// Negative log-likelihood of `target` under the softmax of `logits`.
 pub fn nll(logits: &[f32], target: usize) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln() + max;
+    let lse = logits
+        .iter()
+        .map(|&x| (x as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+        + max;
     lse - logits.get(target).copied().unwrap_or(f32::NEG_INFINITY) as f64
 }
 

@@ -30,11 +30,24 @@ pub fn pack_page(ffn: &FfnF32, p: usize, ty: GgmlType) -> Result<Vec<u8>> {
 pub fn unpack_pages(pages: &[&[u8]], ty: GgmlType, d_model: usize) -> Result<FfnF32> {
     let rb = quant::row_bytes(ty, d_model)?;
     let n_ff = pages.len() * PAGE_CHANNELS;
-    let mut f = FfnF32 { d_model, n_ff, gate: vec![0.0; n_ff * d_model], up: vec![0.0; n_ff * d_model], down_t: vec![0.0; n_ff * d_model] };
+    let mut f = FfnF32 {
+        d_model,
+        n_ff,
+        gate: vec![0.0; n_ff * d_model],
+        up: vec![0.0; n_ff * d_model],
+        down_t: vec![0.0; n_ff * d_model],
+    };
     for (p, bytes) in pages.iter().enumerate() {
-        for (k, m) in [&mut f.gate, &mut f.up, &mut f.down_t].into_iter().enumerate() {
+        for (k, m) in [&mut f.gate, &mut f.up, &mut f.down_t]
+            .into_iter()
+            .enumerate()
+        {
             let src = &bytes[k * PAGE_CHANNELS * rb..(k + 1) * PAGE_CHANNELS * rb];
-            quant::dequantize(ty, src, &mut m[p * PAGE_CHANNELS * d_model..(p + 1) * PAGE_CHANNELS * d_model])?;
+            quant::dequantize(
+                ty,
+                src,
+                &mut m[p * PAGE_CHANNELS * d_model..(p + 1) * PAGE_CHANNELS * d_model],
+            )?;
         }
     }
     Ok(f)

@@ -61,20 +61,30 @@ fn invalid(msg: String) -> ArtifactError {
 /// Slices `file` to the first `pages_for_fraction(fraction, n)` pages of
 /// every layer in `order` (see the module doc). Every layer must store the
 /// same number of pages (the dense model has one FFN width).
-pub fn prefix_slice(file: &GgufFile, order: ChannelOrder<'_>, fraction: f32) -> Result<PrefixSlice> {
+pub fn prefix_slice(
+    file: &GgufFile,
+    order: ChannelOrder<'_>,
+    fraction: f32,
+) -> Result<PrefixSlice> {
     if !(fraction > 0.0 && fraction <= 1.0) {
-        return Err(invalid(format!("prefix fraction must be in (0, 1], got {fraction}")));
+        return Err(invalid(format!(
+            "prefix fraction must be in (0, 1], got {fraction}"
+        )));
     }
     let hp = file.hparams()?;
     let (d, n_ff, n_layer) = (hp.n_embd, hp.n_ff, hp.n_layer);
     let arch = hp.arch.name();
-    if file.tensors().iter().any(|t| t.name.starts_with("blk.") && t.name.contains(".ffn_") && t.name.ends_with(".bias")) {
+    if file.tensors().iter().any(|t| {
+        t.name.starts_with("blk.") && t.name.contains(".ffn_") && t.name.ends_with(".bias")
+    }) {
         return Err(invalid("prefix slicing does not handle FFN biases".into()));
     }
     let total_pages = match order {
         ChannelOrder::Source => {
             if n_ff % PAGE_CHANNELS != 0 {
-                return Err(invalid(format!("n_ff {n_ff} is not a whole number of {PAGE_CHANNELS}-channel pages")));
+                return Err(invalid(format!(
+                    "n_ff {n_ff} is not a whole number of {PAGE_CHANNELS}-channel pages"
+                )));
             }
             n_ff / PAGE_CHANNELS
         }
@@ -106,7 +116,9 @@ pub fn prefix_slice(file: &GgufFile, order: ChannelOrder<'_>, fraction: f32) -> 
                 let perm = &a.layer(l).perm;
                 let c: Vec<usize> = perm.iter().take(kept).map(|&c| c as usize).collect();
                 if c.len() != kept || c.iter().any(|&c| c >= n_ff) {
-                    return Err(invalid(format!("layer {l}: artifact channel order out of range")));
+                    return Err(invalid(format!(
+                        "layer {l}: artifact channel order out of range"
+                    )));
                 }
                 Ok(c)
             }
@@ -114,7 +126,10 @@ pub fn prefix_slice(file: &GgufFile, order: ChannelOrder<'_>, fraction: f32) -> 
     };
     let kept_channels = (0..n_layer).map(channels).collect::<Result<Vec<_>>>()?;
     let mut md = file.metadata().clone();
-    md.insert(format!("{arch}.feed_forward_length"), Value::U32(kept as u32));
+    md.insert(
+        format!("{arch}.feed_forward_length"),
+        Value::U32(kept as u32),
+    );
     let mut w = GgufWriter::new(md);
     w.set_version(file.version())?;
     let mut requantized_down = false;
@@ -138,7 +153,10 @@ pub fn prefix_slice(file: &GgufFile, order: ChannelOrder<'_>, fraction: f32) -> 
         let ty = info.ty;
         if kind == "ffn_down.weight" {
             if info.dims != [n_ff as u64, d as u64] {
-                return Err(invalid(format!("{name}: dims {:?}, expected [{n_ff}, {d}]", info.dims)));
+                return Err(invalid(format!(
+                    "{name}: dims {:?}, expected [{n_ff}, {d}]",
+                    info.dims
+                )));
             }
             let row_in = bytes_for(ty, n_ff)?;
             let identity = keep.iter().enumerate().all(|(i, &c)| i == c);
@@ -170,7 +188,10 @@ pub fn prefix_slice(file: &GgufFile, order: ChannelOrder<'_>, fraction: f32) -> 
             w.add_tensor(name, vec![kept as u64, d as u64], out_ty, data)?;
         } else {
             if info.dims != [d as u64, n_ff as u64] {
-                return Err(invalid(format!("{name}: dims {:?}, expected [{d}, {n_ff}]", info.dims)));
+                return Err(invalid(format!(
+                    "{name}: dims {:?}, expected [{d}, {n_ff}]",
+                    info.dims
+                )));
             }
             let row = bytes_for(ty, d)?;
             let mut data = Vec::with_capacity(row * kept);
@@ -182,7 +203,12 @@ pub fn prefix_slice(file: &GgufFile, order: ChannelOrder<'_>, fraction: f32) -> 
     }
     let mut bytes = Vec::new();
     w.write_to(&mut bytes)?;
-    Ok(PrefixSlice { file: GgufFile::from_bytes(bytes)?, pages, total_pages, requantized_down })
+    Ok(PrefixSlice {
+        file: GgufFile::from_bytes(bytes)?,
+        pages,
+        total_pages,
+        requantized_down,
+    })
 }
 
 fn bytes_for(ty: GgmlType, n: usize) -> Result<usize> {

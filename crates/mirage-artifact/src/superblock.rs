@@ -79,9 +79,15 @@ impl std::fmt::Debug for PageSelector {
 impl PageSelector {
     /// Builds the per-layer routers the mode needs (BVH built once here).
     pub fn new(artifact: Arc<Artifact>, mode: SparseMode) -> Result<PageSelector> {
-        if let SparseMode::OracleTop { fraction, group_channels } = mode {
+        if let SparseMode::OracleTop {
+            fraction,
+            group_channels,
+        } = mode
+        {
             if !(fraction > 0.0 && fraction <= 1.0) {
-                return Err(ArtifactError::InvalidArgument(format!("oracle-top fraction {fraction} is not in (0, 1]")));
+                return Err(ArtifactError::InvalidArgument(format!(
+                    "oracle-top fraction {fraction} is not in (0, 1]"
+                )));
             }
             if group_channels == 0 || PAGE_CHANNELS % group_channels as usize != 0 {
                 return Err(ArtifactError::InvalidArgument(format!(
@@ -91,11 +97,19 @@ impl PageSelector {
         }
         let bvhs = match mode {
             SparseMode::Bvh { margin } => (0..artifact.meta().n_layer)
-                .map(|l| Ok(Mutex::new(CpuBvh::new(&artifact.router_with_margin(l, margin))?)))
+                .map(|l| {
+                    Ok(Mutex::new(CpuBvh::new(
+                        &artifact.router_with_margin(l, margin),
+                    )?))
+                })
                 .collect::<Result<_>>()?,
             _ => Vec::new(),
         };
-        Ok(PageSelector { artifact, mode, bvhs })
+        Ok(PageSelector {
+            artifact,
+            mode,
+            bvhs,
+        })
     }
 
     /// The mode.
@@ -118,14 +132,28 @@ impl PageSelector {
             SparseMode::Bvh { .. } => {
                 let mut pts = Vec::with_capacity(ld.router.slices);
                 ld.router.project_into(x, &mut pts)?;
-                let set = self.bvhs[layer].lock().map_err(|_| ArtifactError::InvalidArgument("router lock poisoned".into()))?.route(&pts)?;
-                (0..n).filter(|&p| p < ld.n_trunk || set.contains(0, p)).collect()
+                let set = self.bvhs[layer]
+                    .lock()
+                    .map_err(|_| ArtifactError::InvalidArgument("router lock poisoned".into()))?
+                    .route(&pts)?;
+                (0..n)
+                    .filter(|&p| p < ld.n_trunk || set.contains(0, p))
+                    .collect()
             }
             SparseMode::Predictor { threshold } => {
                 let mut s = Vec::new();
                 let rank = self.artifact.meta().predictor_rank;
-                predictor_scores(&ld.predictor_proj, &ld.predictor_weights, rank, x.len(), x, &mut s);
-                (0..n).filter(|&p| p < ld.n_trunk || s[p] >= threshold).collect()
+                predictor_scores(
+                    &ld.predictor_proj,
+                    &ld.predictor_weights,
+                    rank,
+                    x.len(),
+                    x,
+                    &mut s,
+                );
+                (0..n)
+                    .filter(|&p| p < ld.n_trunk || s[p] >= threshold)
+                    .collect()
             }
             SparseMode::Oracle | SparseMode::OracleTop { .. } => return Ok(None),
         }))
@@ -140,7 +168,11 @@ impl PageSelector {
             SparseMode::Oracle => Some(oracle_useful_set(contributions, d_model, ORACLE_COSINE)),
             SparseMode::OracleTop { fraction, .. } => {
                 let groups = contributions.len() / d_model.max(1);
-                Some(largest_pages(contributions, d_model, pages_for_fraction(fraction, groups)))
+                Some(largest_pages(
+                    contributions,
+                    d_model,
+                    pages_for_fraction(fraction, groups),
+                ))
             }
             _ => None,
         }
@@ -179,7 +211,11 @@ pub struct SuperblockBackend {
 
 impl std::fmt::Debug for SuperblockBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SuperblockBackend {{ artifact: {} }}", self.artifact.meta().source_name)
+        write!(
+            f,
+            "SuperblockBackend {{ artifact: {} }}",
+            self.artifact.meta().source_name
+        )
     }
 }
 
@@ -189,10 +225,20 @@ fn rt(e: ArtifactError) -> RuntimeError {
 
 impl SuperblockBackend {
     /// A backend running `artifact`'s pages in `mode`, other ops on `inner`.
-    pub fn new(inner: CpuBackend, artifact: Arc<Artifact>, mode: SparseMode) -> Result<SuperblockBackend> {
+    pub fn new(
+        inner: CpuBackend,
+        artifact: Arc<Artifact>,
+        mode: SparseMode,
+    ) -> Result<SuperblockBackend> {
         let selector = RwLock::new(PageSelector::new(artifact.clone(), mode)?);
         let active = Mutex::new(vec![Vec::new(); artifact.meta().n_layer]);
-        Ok(SuperblockBackend { inner, artifact, selector, active, f32_activations: false })
+        Ok(SuperblockBackend {
+            inner,
+            artifact,
+            selector,
+            active,
+            f32_activations: false,
+        })
     }
 
     /// Multiplies the pages' gate and up rows with `x` in f32 (each row
@@ -209,7 +255,10 @@ impl SuperblockBackend {
     /// Switches the mode (rebuilds routers).
     pub fn set_mode(&self, mode: SparseMode) -> Result<()> {
         let s = PageSelector::new(self.artifact.clone(), mode)?;
-        *self.selector.write().map_err(|_| ArtifactError::InvalidArgument("lock poisoned".into()))? = s;
+        *self
+            .selector
+            .write()
+            .map_err(|_| ArtifactError::InvalidArgument("lock poisoned".into()))? = s;
         Ok(())
     }
 
@@ -227,7 +276,14 @@ impl SuperblockBackend {
     }
 
     /// Hidden activations of page `p` for the input `x` (`d` values).
-    fn page_hidden(&self, f: &SuperFfn, p: usize, d: usize, x: FfnInput<'_>, h: &mut [f32]) -> Result<()> {
+    fn page_hidden(
+        &self,
+        f: &SuperFfn,
+        p: usize,
+        d: usize,
+        x: FfnInput<'_>,
+        h: &mut [f32],
+    ) -> Result<()> {
         let page = self.artifact.page(f.layer, p);
         let rb = f.row_bytes;
         let xq = match x {
@@ -236,7 +292,11 @@ impl SuperblockBackend {
                 let (mut g, mut u) = (vec![0f32; d], vec![0f32; d]);
                 for (i, h) in h.iter_mut().enumerate().take(PAGE_CHANNELS) {
                     quant::dequantize(f.quant, &page[i * rb..(i + 1) * rb], &mut g)?;
-                    quant::dequantize(f.quant, &page[(PAGE_CHANNELS + i) * rb..(PAGE_CHANNELS + i + 1) * rb], &mut u)?;
+                    quant::dequantize(
+                        f.quant,
+                        &page[(PAGE_CHANNELS + i) * rb..(PAGE_CHANNELS + i + 1) * rb],
+                        &mut u,
+                    )?;
                     let dot = |w: &[f32]| w.iter().zip(x).map(|(a, b)| a * b).sum::<f32>();
                     *h = silu(dot(&g)) * dot(&u);
                 }
@@ -255,7 +315,14 @@ impl SuperblockBackend {
     }
 
     /// `y += W_down,p h`.
-    fn page_down(&self, f: &SuperFfn, p: usize, h: &[f32], y: &mut [f32], tmp: &mut [f32]) -> Result<()> {
+    fn page_down(
+        &self,
+        f: &SuperFfn,
+        p: usize,
+        h: &[f32],
+        y: &mut [f32],
+        tmp: &mut [f32],
+    ) -> Result<()> {
         let page = self.artifact.page(f.layer, p);
         let rb = f.row_bytes;
         for (i, &hi) in h.iter().enumerate().take(PAGE_CHANNELS) {
@@ -270,7 +337,14 @@ impl SuperblockBackend {
     }
 
     /// FFN output of one row over `pages`.
-    fn run_pages(&self, f: &SuperFfn, x: FfnInput<'_>, d: usize, pages: &[usize], parallel: bool) -> Result<Vec<f32>> {
+    fn run_pages(
+        &self,
+        f: &SuperFfn,
+        x: FfnInput<'_>,
+        d: usize,
+        pages: &[usize],
+        parallel: bool,
+    ) -> Result<Vec<f32>> {
         let one = |p: usize| -> Result<Vec<f32>> {
             let mut h = [0f32; PAGE_CHANNELS];
             self.page_hidden(f, p, d, x, &mut h)?;
@@ -294,9 +368,18 @@ impl SuperblockBackend {
     /// `OracleTop` with groups smaller than a page: every channel's output
     /// `h_i W_down,i`, summed into groups, the largest groups kept. Returns
     /// the output and the pages with a kept channel.
-    fn run_largest_groups(&self, f: &SuperFfn, sel: &PageSelector, x: FfnInput<'_>, d: usize) -> Result<(Vec<f32>, usize)> {
+    fn run_largest_groups(
+        &self,
+        f: &SuperFfn,
+        sel: &PageSelector,
+        x: FfnInput<'_>,
+        d: usize,
+    ) -> Result<(Vec<f32>, usize)> {
         let SparseMode::OracleTop { group_channels, .. } = sel.mode() else {
-            return Err(ArtifactError::InvalidArgument(format!("{:?} has no channel groups", sel.mode())));
+            return Err(ArtifactError::InvalidArgument(format!(
+                "{:?} has no channel groups",
+                sel.mode()
+            )));
         };
         let g = group_channels as usize;
         let n = self.artifact.layer(f.layer).n_pages;
@@ -328,7 +411,13 @@ impl SuperblockBackend {
         Ok((y, touched.iter().filter(|&&t| t).count()))
     }
 
-    fn ffn_row(&self, f: &SuperFfn, sel: &PageSelector, x: &[f32], parallel: bool) -> Result<(Vec<f32>, usize)> {
+    fn ffn_row(
+        &self,
+        f: &SuperFfn,
+        sel: &PageSelector,
+        x: &[f32],
+        parallel: bool,
+    ) -> Result<(Vec<f32>, usize)> {
         let d = x.len();
         let mut xq = Vec::new();
         let input = if self.f32_activations {
@@ -347,9 +436,14 @@ impl SuperblockBackend {
                 // Oracle: every page's contribution, then the oracle set.
                 let n = self.artifact.layer(f.layer).n_pages;
                 let all: Vec<usize> = (0..n).collect();
-                let parts: Vec<Vec<f32>> = all.par_iter().map(|&p| self.run_pages(f, input, d, &[p], false)).collect::<Result<_>>()?;
+                let parts: Vec<Vec<f32>> = all
+                    .par_iter()
+                    .map(|&p| self.run_pages(f, input, d, &[p], false))
+                    .collect::<Result<_>>()?;
                 let flat: Vec<f32> = parts.concat();
-                let set = sel.pick_from_outputs(&flat, d).ok_or_else(|| ArtifactError::InvalidArgument(format!("{:?} selected no pages", sel.mode())))?;
+                let set = sel.pick_from_outputs(&flat, d).ok_or_else(|| {
+                    ArtifactError::InvalidArgument(format!("{:?} selected no pages", sel.mode()))
+                })?;
                 let mut y = vec![0f32; d];
                 for &p in &set {
                     axpy(&mut y, 1.0, &parts[p]);
@@ -373,7 +467,12 @@ impl Backend for SuperblockBackend {
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.inner.run(f)
     }
-    fn matmul_many(&self, ws: &[&CpuMatrix], x: &CpuActivations, outs: &mut [&mut CpuActivations]) -> mirage_runtime::Result<()> {
+    fn matmul_many(
+        &self,
+        ws: &[&CpuMatrix],
+        x: &CpuActivations,
+        outs: &mut [&mut CpuActivations],
+    ) -> mirage_runtime::Result<()> {
         self.inner.matmul_many(ws, x, outs)
     }
     fn upload_matrix(&self, m: &HostMatrix) -> mirage_runtime::Result<CpuMatrix> {
@@ -382,7 +481,13 @@ impl Backend for SuperblockBackend {
     fn upload_vector(&self, v: &[f32]) -> mirage_runtime::Result<Vec<f32>> {
         self.inner.upload_vector(v)
     }
-    fn upload_ffn(&self, layer: usize, gate: &HostMatrix, _up: &HostMatrix, _down: &HostMatrix) -> mirage_runtime::Result<SuperFfn> {
+    fn upload_ffn(
+        &self,
+        layer: usize,
+        gate: &HostMatrix,
+        _up: &HostMatrix,
+        _down: &HostMatrix,
+    ) -> mirage_runtime::Result<SuperFfn> {
         let meta = self.artifact.meta();
         if layer >= meta.n_layer || gate.rows != meta.n_ff || gate.cols != meta.d_model {
             return Err(RuntimeError::InvalidArgument(format!(
@@ -391,18 +496,33 @@ impl Backend for SuperblockBackend {
             )));
         }
         let quant = self.artifact.layer(layer).quant;
-        let dot = quant::dot_fn(quant).ok_or_else(|| RuntimeError::InvalidArgument(format!("no dot kernel for {quant}")))?;
+        let dot = quant::dot_fn(quant)
+            .ok_or_else(|| RuntimeError::InvalidArgument(format!("no dot kernel for {quant}")))?;
         let row_bytes = quant::row_bytes(quant, meta.d_model).map_err(|e| rt(e.into()))?;
-        Ok(SuperFfn { layer, quant, act_ty: quant::vec_dot_type(quant), dot, row_bytes })
+        Ok(SuperFfn {
+            layer,
+            quant,
+            act_ty: quant::vec_dot_type(quant),
+            dot,
+            row_bytes,
+        })
     }
     fn new_kv_cache(&self, spec: KvSpec) -> mirage_runtime::Result<KvCache> {
         self.inner.new_kv_cache(spec)
     }
-    fn new_kv_cache_pruned(&self, spec: KvSpec, pruning: Option<mirage_runtime::KvPruning>) -> mirage_runtime::Result<KvCache> {
+    fn new_kv_cache_pruned(
+        &self,
+        spec: KvSpec,
+        pruning: Option<mirage_runtime::KvPruning>,
+    ) -> mirage_runtime::Result<KvCache> {
         // Attention is the inner CPU backend's, so is its KV-page pruning.
         self.inner.new_kv_cache_pruned(spec, pruning)
     }
-    fn kv_set_pruning(&self, cache: &mut KvCache, pruning: Option<mirage_runtime::KvPruning>) -> mirage_runtime::Result<()> {
+    fn kv_set_pruning(
+        &self,
+        cache: &mut KvCache,
+        pruning: Option<mirage_runtime::KvPruning>,
+    ) -> mirage_runtime::Result<()> {
         self.inner.kv_set_pruning(cache, pruning)
     }
     fn kv_truncate(&self, cache: &mut KvCache, seq: usize, pos: usize) {
@@ -411,13 +531,29 @@ impl Backend for SuperblockBackend {
     fn new_activations(&self) -> CpuActivations {
         self.inner.new_activations()
     }
-    fn embed(&self, table: &CpuMatrix, tokens: &[u32], out: &mut CpuActivations) -> mirage_runtime::Result<()> {
+    fn embed(
+        &self,
+        table: &CpuMatrix,
+        tokens: &[u32],
+        out: &mut CpuActivations,
+    ) -> mirage_runtime::Result<()> {
         self.inner.embed(table, tokens, out)
     }
-    fn rms_norm(&self, x: &CpuActivations, weight: &Vec<f32>, eps: f32, out: &mut CpuActivations) -> mirage_runtime::Result<()> {
+    fn rms_norm(
+        &self,
+        x: &CpuActivations,
+        weight: &Vec<f32>,
+        eps: f32,
+        out: &mut CpuActivations,
+    ) -> mirage_runtime::Result<()> {
         self.inner.rms_norm(x, weight, eps, out)
     }
-    fn matmul(&self, w: &CpuMatrix, x: &CpuActivations, out: &mut CpuActivations) -> mirage_runtime::Result<()> {
+    fn matmul(
+        &self,
+        w: &CpuMatrix,
+        x: &CpuActivations,
+        out: &mut CpuActivations,
+    ) -> mirage_runtime::Result<()> {
         self.inner.matmul(w, x, out)
     }
     fn add_bias(&self, x: &mut CpuActivations, bias: &Vec<f32>) -> mirage_runtime::Result<()> {
@@ -438,19 +574,35 @@ impl Backend for SuperblockBackend {
         cache: &mut KvCache,
         out: &mut CpuActivations,
     ) -> mirage_runtime::Result<()> {
-        self.inner.attention(layer, params, q, k, v, qk_norm, slots, cache, out)
+        self.inner
+            .attention(layer, params, q, k, v, qk_norm, slots, cache, out)
     }
-    fn ffn(&self, f: &SuperFfn, x: &CpuActivations, out: &mut CpuActivations) -> mirage_runtime::Result<()> {
+    fn ffn(
+        &self,
+        f: &SuperFfn,
+        x: &CpuActivations,
+        out: &mut CpuActivations,
+    ) -> mirage_runtime::Result<()> {
         let d = self.artifact.meta().d_model;
         if x.width() != d {
-            return Err(RuntimeError::InvalidArgument(format!("ffn input width {} != {d}", x.width())));
+            return Err(RuntimeError::InvalidArgument(format!(
+                "ffn input width {} != {d}",
+                x.width()
+            )));
         }
-        let sel = self.selector.read().map_err(|_| RuntimeError::InvalidArgument("lock poisoned".into()))?;
+        let sel = self
+            .selector
+            .read()
+            .map_err(|_| RuntimeError::InvalidArgument("lock poisoned".into()))?;
         let n = x.rows();
         let rows: Vec<(Vec<f32>, usize)> = if n == 1 {
             vec![self.ffn_row(f, &sel, x.row(0), true).map_err(rt)?]
         } else {
-            (0..n).into_par_iter().map(|r| self.ffn_row(f, &sel, x.row(r), false)).collect::<Result<_>>().map_err(rt)?
+            (0..n)
+                .into_par_iter()
+                .map(|r| self.ffn_row(f, &sel, x.row(r), false))
+                .collect::<Result<_>>()
+                .map_err(rt)?
         };
         {
             let mut a = self.active.lock().unwrap_or_else(|e| e.into_inner());
@@ -460,10 +612,19 @@ impl Backend for SuperblockBackend {
         *out = CpuActivations::from_vec(n, d, data)?;
         Ok(())
     }
-    fn select_rows(&self, x: &CpuActivations, rows: &[usize], out: &mut CpuActivations) -> mirage_runtime::Result<()> {
+    fn select_rows(
+        &self,
+        x: &CpuActivations,
+        rows: &[usize],
+        out: &mut CpuActivations,
+    ) -> mirage_runtime::Result<()> {
         self.inner.select_rows(x, rows, out)
     }
-    fn read(&self, x: &CpuActivations, out: &mut Vec<f32>) -> mirage_runtime::Result<(usize, usize)> {
+    fn read(
+        &self,
+        x: &CpuActivations,
+        out: &mut Vec<f32>,
+    ) -> mirage_runtime::Result<(usize, usize)> {
         self.inner.read(x, out)
     }
 }

@@ -9,19 +9,27 @@ use mirage_artifact::ffn::FfnF32;
 use mirage_artifact::format::{page_bytes, HEADER_BYTES, SECTIONS, SECTION_ENTRY_BYTES};
 use mirage_artifact::metrics::cosine;
 use mirage_artifact::pack::{effective_quant, pack_page, unpack_pages};
-use mirage_artifact::{build, prefix_slice, Artifact, ArtifactError, BuildOptions, ChannelOrder, SparseMode, SuperblockBackend};
+use mirage_artifact::{
+    build, prefix_slice, Artifact, ArtifactError, BuildOptions, ChannelOrder, SparseMode,
+    SuperblockBackend,
+};
 use mirage_gguf::{GgmlType, GgufFile};
 use mirage_runtime::{CpuBackend, Engine, EngineOptions};
 
 const SMOL: &str = "smollm2-135m-instruct-q4_1.gguf";
 
 fn model_path() -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models").join(SMOL);
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(SMOL);
     if p.exists() {
         return Some(p);
     }
     if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1", p.display());
+        eprintln!(
+            "skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1",
+            p.display()
+        );
         return None;
     }
     panic!("{} is missing: run `cargo xtask fetch-models`", p.display());
@@ -56,8 +64,15 @@ fn built() -> Option<&'static Vec<u8>> {
 fn rebuild_is_byte_identical_and_loads() {
     let Some(first) = built() else { return };
     let path = model_path().unwrap();
-    let second = build(&path, &options(), &mut |_| {}).expect("second build").bytes;
-    assert!(first == &second, "rebuild differs ({} vs {} bytes)", first.len(), second.len());
+    let second = build(&path, &options(), &mut |_| {})
+        .expect("second build")
+        .bytes;
+    assert!(
+        first == &second,
+        "rebuild differs ({} vs {} bytes)",
+        first.len(),
+        second.len()
+    );
     let a = Artifact::from_bytes(first.clone()).expect("valid artifact");
     let m = a.meta();
     assert_eq!((m.n_layer, m.d_model, m.n_ff), (30, 576, 1536));
@@ -67,7 +82,11 @@ fn rebuild_is_byte_identical_and_loads() {
         assert_eq!(ld.n_pages, 12);
         assert!(ld.n_trunk <= ld.n_pages);
         // Routed pages ordered by hotness (prefix slicing).
-        assert!(ld.page_freq.windows(2).all(|w| w[0] >= w[1]), "layer {l}: {:?}", ld.page_freq);
+        assert!(
+            ld.page_freq.windows(2).all(|w| w[0] >= w[1]),
+            "layer {l}: {:?}",
+            ld.page_freq
+        );
         // Aligned, page-major.
         let r = a.page_range(l);
         assert_eq!(r.offset % 4096, 0);
@@ -76,7 +95,10 @@ fn rebuild_is_byte_identical_and_loads() {
     // The recorded source hash is the model's.
     let sha = mirage_artifact::format::sha256_hex(&std::fs::read(&path).unwrap());
     a.check_source_sha256(&sha).expect("same model");
-    assert!(matches!(a.check_source_sha256(&"0".repeat(64)), Err(ArtifactError::SourceMismatch { .. })));
+    assert!(matches!(
+        a.check_source_sha256(&"0".repeat(64)),
+        Err(ArtifactError::SourceMismatch { .. })
+    ));
 }
 
 #[test]
@@ -101,28 +123,50 @@ fn corrupted_truncated_and_foreign_files_are_refused() {
     // Header (source hash) corruption.
     let mut b = bytes.clone();
     b[20] ^= 1;
-    assert!(matches!(Artifact::from_bytes(b), Err(ArtifactError::ChecksumMismatch { section }) if section == "header"));
+    assert!(
+        matches!(Artifact::from_bytes(b), Err(ArtifactError::ChecksumMismatch { section }) if section == "header")
+    );
     // Truncations anywhere.
-    for cut in [0, 7, 50, HEADER_BYTES + 10, bytes.len() / 2, bytes.len() - 1] {
+    for cut in [
+        0,
+        7,
+        50,
+        HEADER_BYTES + 10,
+        bytes.len() / 2,
+        bytes.len() - 1,
+    ] {
         let r = Artifact::from_bytes(bytes[..cut].to_vec());
         assert!(
-            matches!(r, Err(ArtifactError::Truncated { .. }) | Err(ArtifactError::BadMagic)),
+            matches!(
+                r,
+                Err(ArtifactError::Truncated { .. }) | Err(ArtifactError::BadMagic)
+            ),
             "cut at {cut}: {r:?}"
         );
     }
     let mut b = bytes.clone();
     b[0] = b'X';
-    assert!(matches!(Artifact::from_bytes(b), Err(ArtifactError::BadMagic)));
+    assert!(matches!(
+        Artifact::from_bytes(b),
+        Err(ArtifactError::BadMagic)
+    ));
     let mut b = bytes.clone();
     b[8] = 9;
-    assert!(matches!(Artifact::from_bytes(b), Err(ArtifactError::UnsupportedVersion { found: 9, .. })));
+    assert!(matches!(
+        Artifact::from_bytes(b),
+        Err(ArtifactError::UnsupportedVersion { found: 9, .. })
+    ));
     // Written atomically, loaded through mmap.
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("a.mirage");
     mirage_artifact::format::write_atomic(&p, bytes).unwrap();
     assert_eq!(std::fs::read(&p).unwrap(), *bytes);
     Artifact::open(&p).expect("mmap load");
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file left");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "no temporary file left"
+    );
 }
 
 #[test]
@@ -132,11 +176,17 @@ fn permutation_keeps_dense_ffn_output() {
     let ffn = FfnF32::from_gguf(&file, 3, 576, 1536).unwrap();
     // A scrambling permutation (and the builder's own on fake activity).
     let perm: Vec<usize> = (0..1536).map(|i| (i * 7 + 5) % 1536).collect();
-    let activity: Vec<f32> = (0..1536 * 8).map(|i| ((i * 2654435761usize) % 1000) as f32).collect();
+    let activity: Vec<f32> = (0..1536 * 8)
+        .map(|i| ((i * 2654435761usize) % 1000) as f32)
+        .collect();
     let formed = mirage_artifact::build::form_pages(&activity, 8, 1536);
     let mut sorted = formed.clone();
     sorted.sort_unstable();
-    assert_eq!(sorted, (0..1536).collect::<Vec<_>>(), "form_pages is a permutation");
+    assert_eq!(
+        sorted,
+        (0..1536).collect::<Vec<_>>(),
+        "form_pages is a permutation"
+    );
     let x: Vec<f32> = (0..576).map(|i| ((i as f32) * 0.37).sin()).collect();
     let mut h = vec![0f32; 1536];
     ffn.hidden(&x, &mut h);
@@ -146,9 +196,16 @@ fn permutation_keeps_dense_ffn_output() {
         let mut h2 = vec![0f32; 1536];
         f2.hidden(&x, &mut h2);
         let y2 = f2.output(&h2);
-        let max_err = y.iter().zip(&y2).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let max_err = y
+            .iter()
+            .zip(&y2)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
         let scale = y.iter().map(|v| v.abs()).fold(0f32, f32::max);
-        assert!(max_err <= 1e-4 * scale.max(1.0), "max err {max_err} (scale {scale})");
+        assert!(
+            max_err <= 1e-4 * scale.max(1.0),
+            "max err {max_err} (scale {scale})"
+        );
     }
 }
 
@@ -158,72 +215,224 @@ fn superblock_backend_matches_dense_and_skips_pages() {
     let path = model_path().unwrap();
     let artifact = Artifact::from_bytes(bytes.clone()).unwrap();
     let file = Arc::new(GgufFile::open(&path).unwrap());
-    let opts = EngineOptions { threads: 2, n_ctx: 64, ..EngineOptions::default() };
+    let opts = EngineOptions {
+        threads: 2,
+        n_ctx: 64,
+        ..EngineOptions::default()
+    };
     let dense = Engine::from_file(file.clone(), CpuBackend::new(2).unwrap(), opts.clone()).unwrap();
-    let sb = SuperblockBackend::new(CpuBackend::new(2).unwrap(), artifact.clone(), SparseMode::All).unwrap();
+    let sb = SuperblockBackend::new(
+        CpuBackend::new(2).unwrap(),
+        artifact.clone(),
+        SparseMode::All,
+    )
+    .unwrap();
     let sparse = Engine::from_file(file, sb, opts).unwrap();
-    let tokens = dense.encode("Permission is hereby granted, free of charge, to any person", true).unwrap();
+    let tokens = dense
+        .encode(
+            "Permission is hereby granted, free of charge, to any person",
+            true,
+        )
+        .unwrap();
     let n = tokens.len();
-    let dl = dense.model().logits_all(&tokens, Default::default()).unwrap();
-    let sl = sparse.model().logits_all(&tokens, Default::default()).unwrap();
+    let dl = dense
+        .model()
+        .logits_all(&tokens, Default::default())
+        .unwrap();
+    let sl = sparse
+        .model()
+        .logits_all(&tokens, Default::default())
+        .unwrap();
     let v = dl.len() / n;
     let last = |l: &[f32]| l[(n - 1) * v..].to_vec();
     let c = cosine(&last(&dl), &last(&sl));
     // Pages are re-quantized (Q4_1 -> f32 -> Q8_0) and h stays f32 where the
     // dense kernel quantizes it to Q8_1: close, not identical (0.9977 measured).
-    assert!(c > 0.995, "all-pages superblock vs dense last-logit cosine {c}");
+    assert!(
+        c > 0.995,
+        "all-pages superblock vs dense last-logit cosine {c}"
+    );
     let counts = sparse.model().backend().take_active_counts();
-    assert!(counts.iter().all(|l| l.len() == n && l.iter().all(|&k| k == 12)));
+    assert!(counts
+        .iter()
+        .all(|l| l.len() == n && l.iter().all(|&k| k == 12)));
     // Prefix slicing runs only the first k pages.
-    sparse.model().backend().set_mode(SparseMode::Prefix(5)).unwrap();
-    let pl = sparse.model().logits_all(&tokens, Default::default()).unwrap();
+    sparse
+        .model()
+        .backend()
+        .set_mode(SparseMode::Prefix(5))
+        .unwrap();
+    let pl = sparse
+        .model()
+        .logits_all(&tokens, Default::default())
+        .unwrap();
     let counts = sparse.model().backend().take_active_counts();
     assert!(counts.iter().all(|l| l.iter().all(|&k| k == 5)));
-    assert!(cosine(&last(&dl), &last(&pl)) < c, "dropping 7 of 12 pages must cost fidelity");
+    assert!(
+        cosine(&last(&dl), &last(&pl)) < c,
+        "dropping 7 of 12 pages must cost fidelity"
+    );
     // Largest-output pages at a fixed fraction: exactly ceil(f * 12) a token,
     // and the 7 largest outputs keep more than the 5 hottest pages (prefix).
-    sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 5.0 / 12.0, group_channels: 128 }).unwrap();
-    let tl = sparse.model().logits_all(&tokens, Default::default()).unwrap();
+    sparse
+        .model()
+        .backend()
+        .set_mode(SparseMode::OracleTop {
+            fraction: 5.0 / 12.0,
+            group_channels: 128,
+        })
+        .unwrap();
+    let tl = sparse
+        .model()
+        .logits_all(&tokens, Default::default())
+        .unwrap();
     let counts = sparse.model().backend().take_active_counts();
-    assert!(counts.iter().all(|l| l.len() == n && l.iter().all(|&k| k == 5)), "{counts:?}");
+    assert!(
+        counts
+            .iter()
+            .all(|l| l.len() == n && l.iter().all(|&k| k == 5)),
+        "{counts:?}"
+    );
     let top_cos = cosine(&last(&dl), &last(&tl));
-    assert!(top_cos < c, "5 of 12 pages must cost fidelity ({top_cos} vs all pages {c})");
-    sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 1.0, group_channels: 128 }).unwrap();
-    let fl = sparse.model().logits_all(&tokens, Default::default()).unwrap();
-    assert!(sparse.model().backend().take_active_counts().iter().flatten().all(|&k| k == 12));
-    assert!((cosine(&last(&sl), &last(&fl)) - 1.0).abs() < 1e-6, "every page by output order vs all pages");
+    assert!(
+        top_cos < c,
+        "5 of 12 pages must cost fidelity ({top_cos} vs all pages {c})"
+    );
+    sparse
+        .model()
+        .backend()
+        .set_mode(SparseMode::OracleTop {
+            fraction: 1.0,
+            group_channels: 128,
+        })
+        .unwrap();
+    let fl = sparse
+        .model()
+        .logits_all(&tokens, Default::default())
+        .unwrap();
+    assert!(sparse
+        .model()
+        .backend()
+        .take_active_counts()
+        .iter()
+        .flatten()
+        .all(|&k| k == 12));
+    assert!(
+        (cosine(&last(&sl), &last(&fl)) - 1.0).abs() < 1e-6,
+        "every page by output order vs all pages"
+    );
     // Groups of channels: all of them is all pages; 5/12 of the single
     // channels keep more than 5/12 of the pages and touch more pages.
     {
         // f32 activations everywhere: with Q8 activations one rounding flip
         // in a quantized input moves the last logits by ~1e-4 (measured).
         let inner = CpuBackend::new_f32_activations(2).unwrap();
-        let sb = SuperblockBackend::new(inner, artifact.clone(), SparseMode::All).unwrap().with_f32_activations();
-        let f32_engine = Engine::from_file(Arc::new(GgufFile::open(&path).unwrap()), sb, EngineOptions { threads: 2, n_ctx: 64, ..EngineOptions::default() }).unwrap();
-        let al = f32_engine.model().logits_all(&tokens, Default::default()).unwrap();
+        let sb = SuperblockBackend::new(inner, artifact.clone(), SparseMode::All)
+            .unwrap()
+            .with_f32_activations();
+        let f32_engine = Engine::from_file(
+            Arc::new(GgufFile::open(&path).unwrap()),
+            sb,
+            EngineOptions {
+                threads: 2,
+                n_ctx: 64,
+                ..EngineOptions::default()
+            },
+        )
+        .unwrap();
+        let al = f32_engine
+            .model()
+            .logits_all(&tokens, Default::default())
+            .unwrap();
         for g in [1, 32] {
-            f32_engine.model().backend().set_mode(SparseMode::OracleTop { fraction: 1.0, group_channels: g }).unwrap();
-            let gl = f32_engine.model().logits_all(&tokens, Default::default()).unwrap();
-            assert!(f32_engine.model().backend().take_active_counts().iter().flatten().all(|&k| k == 12));
+            f32_engine
+                .model()
+                .backend()
+                .set_mode(SparseMode::OracleTop {
+                    fraction: 1.0,
+                    group_channels: g,
+                })
+                .unwrap();
+            let gl = f32_engine
+                .model()
+                .logits_all(&tokens, Default::default())
+                .unwrap();
+            assert!(f32_engine
+                .model()
+                .backend()
+                .take_active_counts()
+                .iter()
+                .flatten()
+                .all(|&k| k == 12));
             let gc = cosine(&last(&al), &last(&gl));
-            assert!(1.0 - gc < 1e-9, "every {g}-channel group vs all pages: cosine {gc}");
+            assert!(
+                1.0 - gc < 1e-9,
+                "every {g}-channel group vs all pages: cosine {gc}"
+            );
         }
     }
-    sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 5.0 / 12.0, group_channels: 1 }).unwrap();
-    let cl = sparse.model().logits_all(&tokens, Default::default()).unwrap();
+    sparse
+        .model()
+        .backend()
+        .set_mode(SparseMode::OracleTop {
+            fraction: 5.0 / 12.0,
+            group_channels: 1,
+        })
+        .unwrap();
+    let cl = sparse
+        .model()
+        .logits_all(&tokens, Default::default())
+        .unwrap();
     let counts = sparse.model().backend().take_active_counts();
-    assert!(counts.iter().flatten().all(|&k| (5..=12).contains(&k)), "{counts:?}");
+    assert!(
+        counts.iter().flatten().all(|&k| (5..=12).contains(&k)),
+        "{counts:?}"
+    );
     let channel_cos = cosine(&last(&dl), &last(&cl));
-    assert!(channel_cos > top_cos, "5/12 of the channels {channel_cos} vs 5/12 of the pages {top_cos}");
-    assert!(sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 0.5, group_channels: 3 }).is_err());
-    assert!(sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: 0.5, group_channels: 0 }).is_err());
+    assert!(
+        channel_cos > top_cos,
+        "5/12 of the channels {channel_cos} vs 5/12 of the pages {top_cos}"
+    );
+    assert!(sparse
+        .model()
+        .backend()
+        .set_mode(SparseMode::OracleTop {
+            fraction: 0.5,
+            group_channels: 3
+        })
+        .is_err());
+    assert!(sparse
+        .model()
+        .backend()
+        .set_mode(SparseMode::OracleTop {
+            fraction: 0.5,
+            group_channels: 0
+        })
+        .is_err());
     for bad in [0.0, -0.5, 1.5, f32::NAN] {
-        assert!(sparse.model().backend().set_mode(SparseMode::OracleTop { fraction: bad, group_channels: 128 }).is_err(), "fraction {bad} accepted");
+        assert!(
+            sparse
+                .model()
+                .backend()
+                .set_mode(SparseMode::OracleTop {
+                    fraction: bad,
+                    group_channels: 128
+                })
+                .is_err(),
+            "fraction {bad} accepted"
+        );
     }
     // BVH mode: trunk + candidates, never more than stored.
     let margin = artifact.meta().default_margin;
-    sparse.model().backend().set_mode(SparseMode::Bvh { margin }).unwrap();
-    sparse.model().logits_all(&tokens, Default::default()).unwrap();
+    sparse
+        .model()
+        .backend()
+        .set_mode(SparseMode::Bvh { margin })
+        .unwrap();
+    sparse
+        .model()
+        .logits_all(&tokens, Default::default())
+        .unwrap();
     let counts = sparse.model().backend().take_active_counts();
     for (l, c) in counts.iter().enumerate() {
         let t = artifact.layer(l).n_trunk as u16;
@@ -236,39 +445,70 @@ fn q2_k_pages_need_d_model_multiple_of_256() {
     assert_eq!(effective_quant(GgmlType::Q2_K, 576), GgmlType::Q8_0);
     assert_eq!(effective_quant(GgmlType::Q2_K, 896), GgmlType::Q8_0);
     assert_eq!(effective_quant(GgmlType::Q2_K, 3584), GgmlType::Q2_K);
-    assert!(matches!(page_bytes(GgmlType::Q2_K, 576), Err(ArtifactError::QuantUnsupported { .. })));
+    assert!(matches!(
+        page_bytes(GgmlType::Q2_K, 576),
+        Err(ArtifactError::QuantUnsupported { .. })
+    ));
     // d_model 256: Q2_K pages round-trip within Q2_K's error, whole blocks per row.
     let d = 256;
     let n_ff = 128;
-    let w = |s: usize| -> Vec<f32> { (0..n_ff * d).map(|i| (((i * 31 + s) % 97) as f32 - 48.0) / 48.0).collect() };
-    let ffn = FfnF32 { d_model: d, n_ff, gate: w(1), up: w(2), down_t: w(3) };
+    let w = |s: usize| -> Vec<f32> {
+        (0..n_ff * d)
+            .map(|i| (((i * 31 + s) % 97) as f32 - 48.0) / 48.0)
+            .collect()
+    };
+    let ffn = FfnF32 {
+        d_model: d,
+        n_ff,
+        gate: w(1),
+        up: w(2),
+        down_t: w(3),
+    };
     for ty in [GgmlType::Q8_0, GgmlType::Q2_K] {
         let page = pack_page(&ffn, 0, ty).unwrap();
         assert_eq!(page.len(), 3 * 128 * (d / ty.block_size()) * ty.type_size());
         let back = unpack_pages(&[&page], ty, d).unwrap();
         let c = cosine(&ffn.gate, &back.gate);
-        assert!(c > if ty == GgmlType::Q8_0 { 0.9999 } else { 0.9 }, "{ty}: cosine {c}");
+        assert!(
+            c > if ty == GgmlType::Q8_0 { 0.9999 } else { 0.9 },
+            "{ty}: cosine {c}"
+        );
     }
 }
 
 #[test]
 fn budget_solver_fits_or_names_smallest_size() {
-    assert_eq!(parse_size("7.2GiB").unwrap(), (7.2 * 1024.0 * 1024.0 * 1024.0) as u64);
+    assert_eq!(
+        parse_size("7.2GiB").unwrap(),
+        (7.2 * 1024.0 * 1024.0 * 1024.0) as u64
+    );
     assert_eq!(parse_size("300MB").unwrap(), 300_000_000);
     assert!(parse_size("3 parsecs").is_err());
     let layer = BudgetLayer {
         page_energy: vec![0.5, 0.3, 0.1, 0.05],
-        quant_err: vec![(GgmlType::Q8_0, 1e-5), (GgmlType::Q5_0, 1e-3), (GgmlType::Q4_0, 4e-3)],
+        quant_err: vec![
+            (GgmlType::Q8_0, 1e-5),
+            (GgmlType::Q5_0, 1e-3),
+            (GgmlType::Q4_0, 4e-3),
+        ],
     };
     let layers = vec![layer; 2];
     let err = solve_budget(&layers, 512, 512, 4, 8, 1000).unwrap_err();
-    let ArtifactError::BudgetTooSmall { min_bytes, .. } = err else { panic!("{err:?}") };
+    let ArtifactError::BudgetTooSmall { min_bytes, .. } = err else {
+        panic!("{err:?}")
+    };
     // The smallest size it names is accepted, and the plan fits.
     let plan = solve_budget(&layers, 512, 512, 4, 8, min_bytes).unwrap();
     assert!(plan.total_bytes <= min_bytes);
-    assert!(plan.layers.iter().all(|l| l.pages == 1 && l.quant == GgmlType::Q4_0));
+    assert!(plan
+        .layers
+        .iter()
+        .all(|l| l.pages == 1 && l.quant == GgmlType::Q4_0));
     let roomy = solve_budget(&layers, 512, 512, 4, 8, u64::MAX).unwrap();
-    assert!(roomy.layers.iter().all(|l| l.pages == 4 && l.quant == GgmlType::Q8_0));
+    assert!(roomy
+        .layers
+        .iter()
+        .all(|l| l.pages == 4 && l.quant == GgmlType::Q8_0));
 }
 
 /// `with_f32_activations` (the CUDA fused kernel's arithmetic: gate/up rows
@@ -282,23 +522,66 @@ fn superblock_f32_activations_match_dense_f32() {
     let path = model_path().unwrap();
     let artifact = Artifact::from_bytes(bytes.clone()).unwrap();
     let file = Arc::new(GgufFile::open(&path).unwrap());
-    let opts = EngineOptions { threads: 2, n_ctx: 64, ..EngineOptions::default() };
-    let dense = Engine::from_file(file.clone(), CpuBackend::new_f32_activations(2).unwrap(), opts.clone()).unwrap();
-    let f32_sb = SuperblockBackend::new(CpuBackend::new_f32_activations(2).unwrap(), artifact.clone(), SparseMode::All).unwrap().with_f32_activations();
-    let q8_sb = SuperblockBackend::new(CpuBackend::new_f32_activations(2).unwrap(), artifact.clone(), SparseMode::All).unwrap();
+    let opts = EngineOptions {
+        threads: 2,
+        n_ctx: 64,
+        ..EngineOptions::default()
+    };
+    let dense = Engine::from_file(
+        file.clone(),
+        CpuBackend::new_f32_activations(2).unwrap(),
+        opts.clone(),
+    )
+    .unwrap();
+    let f32_sb = SuperblockBackend::new(
+        CpuBackend::new_f32_activations(2).unwrap(),
+        artifact.clone(),
+        SparseMode::All,
+    )
+    .unwrap()
+    .with_f32_activations();
+    let q8_sb = SuperblockBackend::new(
+        CpuBackend::new_f32_activations(2).unwrap(),
+        artifact.clone(),
+        SparseMode::All,
+    )
+    .unwrap();
     let f32_sparse = Engine::from_file(file.clone(), f32_sb, opts.clone()).unwrap();
     let q8_sparse = Engine::from_file(file, q8_sb, opts).unwrap();
-    let tokens = dense.encode("Permission is hereby granted, free of charge, to any person", true).unwrap();
+    let tokens = dense
+        .encode(
+            "Permission is hereby granted, free of charge, to any person",
+            true,
+        )
+        .unwrap();
     let n = tokens.len();
-    let dl = dense.model().logits_all(&tokens, Default::default()).unwrap();
-    let fl = f32_sparse.model().logits_all(&tokens, Default::default()).unwrap();
-    let ql = q8_sparse.model().logits_all(&tokens, Default::default()).unwrap();
+    let dl = dense
+        .model()
+        .logits_all(&tokens, Default::default())
+        .unwrap();
+    let fl = f32_sparse
+        .model()
+        .logits_all(&tokens, Default::default())
+        .unwrap();
+    let ql = q8_sparse
+        .model()
+        .logits_all(&tokens, Default::default())
+        .unwrap();
     let v = dl.len() / n;
     let last = |l: &[f32]| l[(n - 1) * v..].to_vec();
-    let (cf, cq) = (cosine(&last(&dl), &last(&fl)), cosine(&last(&dl), &last(&ql)));
+    let (cf, cq) = (
+        cosine(&last(&dl), &last(&fl)),
+        cosine(&last(&dl), &last(&ql)),
+    );
     eprintln!("all pages vs dense f32: f32 activations {cf:.6}, Q8_0 activations {cq:.6}");
-    assert!(cf > 0.998, "f32-activation superblock vs dense f32 cosine {cf}");
-    assert!(cf > cq, "f32 activations ({cf}) should track dense f32 closer than Q8_0 ones ({cq})");
+    assert!(
+        cf > 0.998,
+        "f32-activation superblock vs dense f32 cosine {cf}"
+    );
+    assert!(
+        cf > cq,
+        "f32 activations ({cf}) should track dense f32 closer than Q8_0 ones ({cq})"
+    );
 }
 
 /// Compares the FFN tensors of a prefix slice with the source model's
@@ -307,7 +590,11 @@ fn superblock_f32_activations_match_dense_f32() {
 /// against the source's, gathered in `order` (one list of source channels
 /// per layer, as JSON). Returns the worst absolute difference per tensor
 /// kind, and the sliced file's feed_forward_length.
-fn gguf_py_compare(source: &std::path::Path, sliced: &std::path::Path, order: &[Vec<usize>]) -> serde_json::Value {
+fn gguf_py_compare(
+    source: &std::path::Path,
+    sliced: &std::path::Path,
+    order: &[Vec<usize>],
+) -> serde_json::Value {
     let order_file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(order_file.path(), serde_json::to_vec(order).unwrap()).unwrap();
     let script = r#"
@@ -361,11 +648,25 @@ fn prefix_slice_in_source_order_is_the_leading_channels() {
     let Some(path) = model_path() else { return };
     let file = GgufFile::open(&path).unwrap();
     let cut = prefix_slice(&file, ChannelOrder::Source, 0.5).unwrap();
-    assert_eq!((cut.pages, cut.total_pages, cut.requantized_down), (6, 12, false));
+    assert_eq!(
+        (cut.pages, cut.total_pages, cut.requantized_down),
+        (6, 12, false)
+    );
     assert_eq!(cut.file.hparams().unwrap().n_ff, 768);
-    for t in file.tensors().iter().filter(|t| !t.name.contains(".ffn_gate") && !t.name.contains(".ffn_up") && !t.name.contains(".ffn_down")) {
-        let s = cut.file.tensor(&t.name).unwrap_or_else(|| panic!("{} missing", t.name));
-        assert!(s.data == file.tensor_data(t) && s.info.dims == t.dims, "{} changed", t.name);
+    for t in file.tensors().iter().filter(|t| {
+        !t.name.contains(".ffn_gate")
+            && !t.name.contains(".ffn_up")
+            && !t.name.contains(".ffn_down")
+    }) {
+        let s = cut
+            .file
+            .tensor(&t.name)
+            .unwrap_or_else(|| panic!("{} missing", t.name));
+        assert!(
+            s.data == file.tensor_data(t) && s.info.dims == t.dims,
+            "{} changed",
+            t.name
+        );
     }
     let tmp = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(tmp.path(), cut.file.as_bytes()).unwrap();
@@ -376,7 +677,11 @@ fn prefix_slice_in_source_order_is_the_leading_channels() {
     for k in ["gate", "up", "down"] {
         assert_eq!(r[k].as_f64(), Some(0.0), "{k}: {r}");
     }
-    let opts = EngineOptions { threads: 2, n_ctx: 64, ..EngineOptions::default() };
+    let opts = EngineOptions {
+        threads: 2,
+        n_ctx: 64,
+        ..EngineOptions::default()
+    };
     let e = Engine::from_file(Arc::new(cut.file), CpuBackend::new(2).unwrap(), opts).unwrap();
     let tokens = e.encode("Permission is hereby granted", true).unwrap();
     let logits = e.model().logits_all(&tokens, Default::default()).unwrap();
@@ -401,7 +706,15 @@ fn prefix_slice_in_artifact_order_matches_superblock_prefix_mode() {
     let tmp = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(tmp.path(), cut.file.as_bytes()).unwrap();
     let order: Vec<Vec<usize>> = (0..artifact.meta().n_layer)
-        .map(|l| artifact.layer(l).perm.iter().take(768).map(|&c| c as usize).collect())
+        .map(|l| {
+            artifact
+                .layer(l)
+                .perm
+                .iter()
+                .take(768)
+                .map(|&c| c as usize)
+                .collect()
+        })
         .collect();
     let r = gguf_py_compare(&path, tmp.path(), &order);
     eprintln!("artifact-order prefix slice vs gguf-py: {r}");
@@ -411,24 +724,63 @@ fn prefix_slice_in_artifact_order_matches_superblock_prefix_mode() {
     // of a block's largest magnitude) of the Q4_1 values.
     assert!(r["down_rel"].as_f64().unwrap() < 0.005, "{r}");
 
-    let opts = EngineOptions { threads: 2, n_ctx: 64, ..EngineOptions::default() };
-    let sliced = Engine::from_file(Arc::new(cut.file), CpuBackend::new_f32_activations(2).unwrap(), opts.clone()).unwrap();
-    let sb = SuperblockBackend::new(CpuBackend::new_f32_activations(2).unwrap(), artifact.clone(), SparseMode::Prefix(6))
-        .unwrap()
-        .with_f32_activations();
+    let opts = EngineOptions {
+        threads: 2,
+        n_ctx: 64,
+        ..EngineOptions::default()
+    };
+    let sliced = Engine::from_file(
+        Arc::new(cut.file),
+        CpuBackend::new_f32_activations(2).unwrap(),
+        opts.clone(),
+    )
+    .unwrap();
+    let sb = SuperblockBackend::new(
+        CpuBackend::new_f32_activations(2).unwrap(),
+        artifact.clone(),
+        SparseMode::Prefix(6),
+    )
+    .unwrap()
+    .with_f32_activations();
     let sparse = Engine::from_file(file.clone(), sb, opts.clone()).unwrap();
     let dense = Engine::from_file(file, CpuBackend::new_f32_activations(2).unwrap(), opts).unwrap();
-    let tokens = dense.encode("Permission is hereby granted, free of charge, to any person", true).unwrap();
+    let tokens = dense
+        .encode(
+            "Permission is hereby granted, free of charge, to any person",
+            true,
+        )
+        .unwrap();
     let n = tokens.len();
     let last = |l: Vec<f32>| -> Vec<f32> {
         let w = l.len() / n;
         l[(n - 1) * w..].to_vec()
     };
-    let ls = last(sliced.model().logits_all(&tokens, Default::default()).unwrap());
-    let lp = last(sparse.model().logits_all(&tokens, Default::default()).unwrap());
-    let ld = last(dense.model().logits_all(&tokens, Default::default()).unwrap());
+    let ls = last(
+        sliced
+            .model()
+            .logits_all(&tokens, Default::default())
+            .unwrap(),
+    );
+    let lp = last(
+        sparse
+            .model()
+            .logits_all(&tokens, Default::default())
+            .unwrap(),
+    );
+    let ld = last(
+        dense
+            .model()
+            .logits_all(&tokens, Default::default())
+            .unwrap(),
+    );
     let (c_prefix, c_full) = (cosine(&ls, &lp), cosine(&ls, &ld));
     eprintln!("dense on the prefix slice vs superblock Prefix(6): {c_prefix:.6}; vs the full model: {c_full:.6}");
-    assert!(c_prefix > 0.999, "prefix slice vs superblock prefix mode cosine {c_prefix}");
-    assert!(c_prefix > c_full, "the slice should track the prefix mode ({c_prefix}) closer than the full model ({c_full})");
+    assert!(
+        c_prefix > 0.999,
+        "prefix slice vs superblock prefix mode cosine {c_prefix}"
+    );
+    assert!(
+        c_prefix > c_full,
+        "the slice should track the prefix mode ({c_prefix}) closer than the full model ({c_full})"
+    );
 }

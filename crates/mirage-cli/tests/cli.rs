@@ -283,10 +283,32 @@ fn generate_reports_the_backend_it_ran_on_and_refuses_bad_choices() {
     let dir = tempfile::tempdir().unwrap();
     let stats = dir.path().join("stats.json");
     let stats_s = stats.to_str().unwrap();
-    let base = ["generate", "--model", smol, "--prompt", "The capital of France is", "--max-tokens", "4"];
-    let base = [&base[..], &["--temp", "0", "--threads", "2", "--ctx-size", "64", "--stats-json", stats_s]].concat();
+    let base = [
+        "generate",
+        "--model",
+        smol,
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "4",
+    ];
+    let base = [
+        &base[..],
+        &[
+            "--temp",
+            "0",
+            "--threads",
+            "2",
+            "--ctx-size",
+            "64",
+            "--stats-json",
+            stats_s,
+        ],
+    ]
+    .concat();
     let read_backend = || -> String {
-        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
         v["backend"].as_str().unwrap().to_string()
     };
     let cpu_text = ok_stdout(&[&base[..], &["--backend", "cpu"]].concat());
@@ -302,7 +324,8 @@ fn generate_reports_the_backend_it_ran_on_and_refuses_bad_choices() {
         assert!(!out.status.success());
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
-            err.contains("no usable GPU") || err.contains("built without the `cuda` feature; rebuild with --features cuda"),
+            err.contains("no usable GPU")
+                || err.contains("built without the `cuda` feature; rebuild with --features cuda"),
             "{err}"
         );
     }
@@ -311,7 +334,9 @@ fn generate_reports_the_backend_it_ran_on_and_refuses_bad_choices() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("unknown backend `tpu`"), "{err}");
     // --margin only means something with --artifact.
-    assert!(!cli(&[&base[..], &["--margin", "1.0"]].concat()).status.success());
+    assert!(!cli(&[&base[..], &["--margin", "1.0"]].concat())
+        .status
+        .success());
 }
 
 /// `bench --ubatch`: a prompt run in chunks fills the same KV cache as one
@@ -323,7 +348,18 @@ fn bench_prompt_in_ubatch_chunks_decodes_the_same_tokens() {
     let smol = smol.to_str().unwrap();
     let run = |ubatch: &str| -> serde_json::Value {
         let out = ok_stdout(&[
-            "bench", "--model", smol, "--prompt", "70", "--gen", "6", "--threads", "2", "--ubatch", ubatch, "--json",
+            "bench",
+            "--model",
+            smol,
+            "--prompt",
+            "70",
+            "--gen",
+            "6",
+            "--threads",
+            "2",
+            "--ubatch",
+            ubatch,
+            "--json",
         ]);
         serde_json::from_str(&out).expect("bench --json prints JSON")
     };
@@ -332,8 +368,13 @@ fn bench_prompt_in_ubatch_chunks_decodes_the_same_tokens() {
     assert_eq!(whole["prompt_ubatch"], 70);
     assert_eq!(chunked["prompt_ubatch"], 32);
     assert_eq!(chunked["prompt_tokens"], 70);
-    assert_eq!(whole["first_tokens"], chunked["first_tokens"], "chunked prefill changed the decoded tokens");
-    assert!(!cli(&["bench", "--model", smol, "--ubatch", "x"]).status.success());
+    assert_eq!(
+        whole["first_tokens"], chunked["first_tokens"],
+        "chunked prefill changed the decoded tokens"
+    );
+    assert!(!cli(&["bench", "--model", smol, "--ubatch", "x"])
+        .status
+        .success());
 }
 
 /// `bench --kv-prune`: every page selected decodes the tokens of full
@@ -344,7 +385,18 @@ fn bench_kv_prune_all_pages_decodes_the_same_tokens() {
     let Some(smol) = model(SMOLLM2) else { return };
     let smol = smol.to_str().unwrap();
     let run = |extra: &[&str]| -> serde_json::Value {
-        let mut args = vec!["bench", "--model", smol, "--prompt", "70", "--gen", "6", "--threads", "2", "--json"];
+        let mut args = vec![
+            "bench",
+            "--model",
+            smol,
+            "--prompt",
+            "70",
+            "--gen",
+            "6",
+            "--threads",
+            "2",
+            "--json",
+        ];
         args.extend_from_slice(extra);
         serde_json::from_str(&ok_stdout(&args)).expect("bench --json prints JSON")
     };
@@ -352,10 +404,18 @@ fn bench_kv_prune_all_pages_decodes_the_same_tokens() {
     let all = run(&["--kv-prune", "page=16,sinks=0,recent=0,top=1000"]);
     let pruned = run(&["--kv-prune", "page=16,sinks=1,recent=1,top=1"]);
     assert!(full["kv_prune"].is_null());
-    assert_eq!(all["first_tokens"], full["first_tokens"], "every page selected changed the decoded tokens");
-    assert_eq!(pruned["kv_prune"], "page=16,sinks=1,recent=1,top=1,top_percent=0,dense=0");
+    assert_eq!(
+        all["first_tokens"], full["first_tokens"],
+        "every page selected changed the decoded tokens"
+    );
+    assert_eq!(
+        pruned["kv_prune"],
+        "page=16,sinks=1,recent=1,top=1,top_percent=0,dense=0"
+    );
     assert_eq!(pruned["first_tokens"].as_array().map(|t| t.len()), Some(7));
-    assert!(!cli(&["bench", "--model", smol, "--kv-prune", "page=0"]).status.success());
+    assert!(!cli(&["bench", "--model", smol, "--kv-prune", "page=0"])
+        .status
+        .success());
 }
 
 /// `eval-long --backend`: `cpu` runs and names the backend and device in its
@@ -368,12 +428,49 @@ fn eval_long_reports_its_backend_and_refuses_bad_choices() {
     let smol = smol.to_str().unwrap();
     let text = models_dir().join("../README.md");
     let text = text.to_str().unwrap();
-    let base = ["eval-long", "--model", smol, "--text", text, "--ctx", "96", "--ppl-tokens", "4", "--page", "16"];
-    let base = [&base[..], &["--top-pages", "1", "--recent-pages", "1", "--no-needles", "--threads", "2", "--json"]].concat();
-    let no_panic = |out: &Output| assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"), "{}", String::from_utf8_lossy(&out.stderr));
-    let cpu: serde_json::Value = serde_json::from_str(&ok_stdout(&[&base[..], &["--backend", "cpu"]].concat())).expect("JSON");
+    let base = [
+        "eval-long",
+        "--model",
+        smol,
+        "--text",
+        text,
+        "--ctx",
+        "96",
+        "--ppl-tokens",
+        "4",
+        "--page",
+        "16",
+    ];
+    let base = [
+        &base[..],
+        &[
+            "--top-pages",
+            "1",
+            "--recent-pages",
+            "1",
+            "--no-needles",
+            "--threads",
+            "2",
+            "--json",
+        ],
+    ]
+    .concat();
+    let no_panic = |out: &Output| {
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("panicked"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    let cpu: serde_json::Value =
+        serde_json::from_str(&ok_stdout(&[&base[..], &["--backend", "cpu"]].concat()))
+            .expect("JSON");
     assert_eq!(cpu["backend"], "cpu");
-    assert!(cpu["device"].as_str().unwrap().starts_with("cpu ("), "{}", cpu["device"]);
+    assert!(
+        cpu["device"].as_str().unwrap().starts_with("cpu ("),
+        "{}",
+        cpu["device"]
+    );
     assert_eq!(cpu["threads"], 2);
     assert_eq!(cpu["results"][0]["n_ctx"], 96);
     assert!(cpu["results"][0]["final_logit_cosine"].as_f64().unwrap() > 0.5);
@@ -382,11 +479,16 @@ fn eval_long_reports_its_backend_and_refuses_bad_choices() {
     if out.status.success() {
         let cuda: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
         assert_eq!(cuda["backend"], "cuda");
-        assert!(cuda["cuda"]["graph_replays"].as_u64().unwrap() > 0, "{}", cuda["cuda"]);
+        assert!(
+            cuda["cuda"]["graph_replays"].as_u64().unwrap() > 0,
+            "{}",
+            cuda["cuda"]
+        );
     } else {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
-            err.contains("no usable GPU") || err.contains("built without the `cuda` feature; rebuild with --features cuda"),
+            err.contains("no usable GPU")
+                || err.contains("built without the `cuda` feature; rebuild with --features cuda"),
             "{err}"
         );
     }
@@ -394,15 +496,27 @@ fn eval_long_reports_its_backend_and_refuses_bad_choices() {
     no_panic(&out);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("unknown backend `bogus` (expected cpu or cuda)"), "{err}");
+    assert!(
+        err.contains("unknown backend `bogus` (expected cpu or cuda)"),
+        "{err}"
+    );
     // The BVH page selector: same results as the flat scan, its cost reported.
-    let bvh: serde_json::Value = serde_json::from_str(&ok_stdout(&[&base[..], &["--backend", "cpu", "--page-selector", "bvh"]].concat())).expect("JSON");
-    assert_eq!(bvh["results"][0]["final_logit_cosine"], cpu["results"][0]["final_logit_cosine"], "selectors chose different pages");
+    let bvh: serde_json::Value = serde_json::from_str(&ok_stdout(
+        &[&base[..], &["--backend", "cpu", "--page-selector", "bvh"]].concat(),
+    ))
+    .expect("JSON");
+    assert_eq!(
+        bvh["results"][0]["final_logit_cosine"], cpu["results"][0]["final_logit_cosine"],
+        "selectors chose different pages"
+    );
     let sel = &bvh["page_selection"];
     assert_eq!(sel["selector"], "bvh");
     assert!(sel["pruned_queries"].as_u64().unwrap() > 0, "{sel}");
     assert!(sel["bounds_flat_scan"].as_u64().unwrap() > 0, "{sel}");
-    assert_eq!(cpu["page_selection"]["bounds_evaluated"], cpu["page_selection"]["bounds_flat_scan"], "flat scan counts");
+    assert_eq!(
+        cpu["page_selection"]["bounds_evaluated"], cpu["page_selection"]["bounds_flat_scan"],
+        "flat scan counts"
+    );
     let out = cli(&[&base[..], &["--backend", "cpu", "--page-selector", "tree"]].concat());
     no_panic(&out);
     assert!(!out.status.success(), "an unknown selector was accepted");
@@ -434,19 +548,42 @@ fn eval_reports_fidelity_of_a_built_artifact() {
     let artifact = dir.path().join("smol.mirage");
     std::fs::write(&artifact, &built.bytes).unwrap();
     let base = [
-        "eval", "--artifact", artifact.to_str().unwrap(), "--model", smol.to_str().unwrap(),
-        "--text", "/usr/share/common-licenses/GFDL-1.3", "--max-tokens", "48", "--threads", "2",
-        "--max-fidelity-runs", "2",
+        "eval",
+        "--artifact",
+        artifact.to_str().unwrap(),
+        "--model",
+        smol.to_str().unwrap(),
+        "--text",
+        "/usr/share/common-licenses/GFDL-1.3",
+        "--max-tokens",
+        "48",
+        "--threads",
+        "2",
+        "--max-fidelity-runs",
+        "2",
     ];
-    let j: serde_json::Value = serde_json::from_str(&ok_stdout(&[&base[..], &["--json", "--oracle-top", "0.5", "--oracle-top-groups", "1"]].concat())).expect("JSON");
+    let j: serde_json::Value = serde_json::from_str(&ok_stdout(
+        &[
+            &base[..],
+            &["--json", "--oracle-top", "0.5", "--oracle-top-groups", "1"],
+        ]
+        .concat(),
+    ))
+    .expect("JSON");
     let f = |v: &serde_json::Value| v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"));
     assert_eq!(j["tokens"], 48);
     let dense_ppl = f(&j["dense_ppl"]);
-    assert!(dense_ppl.is_finite() && dense_ppl > 1.0, "dense ppl {dense_ppl}");
+    assert!(
+        dense_ppl.is_finite() && dense_ppl > 1.0,
+        "dense ppl {dense_ppl}"
+    );
     // Every page, repacked to Q8_0 from the Q4_1 source: close to dense.
     let all = &j["all_pages"];
     assert!(f(&all["logit_cosine"]) > 0.99, "all pages: {all}");
-    assert!((f(&all["active_fraction_measured"]) - 1.0).abs() < 1e-9, "all pages: {all}");
+    assert!(
+        (f(&all["active_fraction_measured"]) - 1.0).abs() < 1e-9,
+        "all pages: {all}"
+    );
     // The oracle against itself.
     let oracle = &j["oracle"];
     assert_eq!(f(&oracle["setting"]["recall"]), 1.0, "{oracle}");
@@ -460,45 +597,107 @@ fn eval_reports_fidelity_of_a_built_artifact() {
         if p.is_null() {
             continue;
         }
-        let (recall, cos) = (f(&p["setting"]["recall"]), f(&p["fidelity"]["logit_cosine"]));
-        assert!(recall >= RECALL_GATE, "{router} picked below the recall gate: {p}");
-        assert_eq!(p["meets_gates"], recall >= RECALL_GATE && cos >= COSINE_GATE, "{router}: {p}");
+        let (recall, cos) = (
+            f(&p["setting"]["recall"]),
+            f(&p["fidelity"]["logit_cosine"]),
+        );
+        assert!(
+            recall >= RECALL_GATE,
+            "{router} picked below the recall gate: {p}"
+        );
+        assert_eq!(
+            p["meets_gates"],
+            recall >= RECALL_GATE && cos >= COSINE_GATE,
+            "{router}: {p}"
+        );
     }
     // --oracle-top 0.5: half of each layer's pages (rounded up), the largest outputs.
-    let tops = j["oracle_top"].as_array().unwrap_or_else(|| panic!("oracle_top: {}", j["oracle_top"]));
+    let tops = j["oracle_top"]
+        .as_array()
+        .unwrap_or_else(|| panic!("oracle_top: {}", j["oracle_top"]));
     assert_eq!(tops.len(), 1, "{tops:?}");
     let half = &tops[0];
     let pages_total = f(&j["pages_total"]);
     let half_active = f(&half["fidelity"]["active_fraction_measured"]);
-    assert!((0.5..0.5 + 0.1).contains(&half_active), "oracle top 50%: {half}, of {pages_total} pages");
-    assert!((f(&half["setting"]["active_fraction"]) - half_active).abs() < 1e-9, "{half}");
-    assert!(f(&half["fidelity"]["logit_cosine"]) < f(&all["logit_cosine"]), "half the pages cost nothing? {half}");
-    assert_eq!(half["meets_cosine_gate"], f(&half["fidelity"]["logit_cosine"]) >= COSINE_GATE, "{half}");
+    assert!(
+        (0.5..0.5 + 0.1).contains(&half_active),
+        "oracle top 50%: {half}, of {pages_total} pages"
+    );
+    assert!(
+        (f(&half["setting"]["active_fraction"]) - half_active).abs() < 1e-9,
+        "{half}"
+    );
+    assert!(
+        f(&half["fidelity"]["logit_cosine"]) < f(&all["logit_cosine"]),
+        "half the pages cost nothing? {half}"
+    );
+    assert_eq!(
+        half["meets_cosine_gate"],
+        f(&half["fidelity"]["logit_cosine"]) >= COSINE_GATE,
+        "{half}"
+    );
     // Half of the single channels: one full run, fidelity between half the pages and all pages.
     let ch = &j["oracle_top_groups"][0];
-    assert_eq!((ch["group_channels"].as_u64(), f(&ch["fraction"])), (Some(1), 0.5), "{ch}");
+    assert_eq!(
+        (ch["group_channels"].as_u64(), f(&ch["fraction"])),
+        (Some(1), 0.5),
+        "{ch}"
+    );
     let ch_cos = f(&ch["fidelity"]["logit_cosine"]);
-    assert!(ch_cos > f(&half["fidelity"]["logit_cosine"]) && ch_cos < 1.0, "{ch} vs {half}");
-    assert!(f(&ch["fidelity"]["active_fraction_measured"]) >= half_active, "pages touched: {ch}");
+    assert!(
+        ch_cos > f(&half["fidelity"]["logit_cosine"]) && ch_cos < 1.0,
+        "{ch} vs {half}"
+    );
+    assert!(
+        f(&ch["fidelity"]["active_fraction_measured"]) >= half_active,
+        "pages touched: {ch}"
+    );
     // The per-layer bound at 1-, 8-, 32- and 128-channel groups, one fraction each.
-    let groups = j["oracle_top_layer_cosine"].as_array().unwrap_or_else(|| panic!("{}", j["oracle_top_layer_cosine"]));
-    assert_eq!(groups.iter().map(|g| g["group_channels"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 8, 32, 128]);
+    let groups = j["oracle_top_layer_cosine"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{}", j["oracle_top_layer_cosine"]));
+    assert_eq!(
+        groups
+            .iter()
+            .map(|g| g["group_channels"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [1, 8, 32, 128]
+    );
     for g in groups {
         let per = g["per_fraction"].as_array().unwrap();
         assert_eq!(per.len(), 1, "{g}");
-        let (mean, share) = (f(&per[0]["mean_cosine"]), f(&per[0]["share_at_oracle_cosine"]));
-        assert!(mean > 0.0 && mean < 1.0 && (0.0..=1.0).contains(&share), "{g}");
+        let (mean, share) = (
+            f(&per[0]["mean_cosine"]),
+            f(&per[0]["share_at_oracle_cosine"]),
+        );
+        assert!(
+            mean > 0.0 && mean < 1.0 && (0.0..=1.0).contains(&share),
+            "{g}"
+        );
     }
     let sweep_len = j["bvh_sweep"].as_array().map(|a| a.len()).unwrap_or(0);
     assert!(sweep_len > 1, "bvh sweep: {}", j["bvh_sweep"]);
     let out = cli(&[&base[..], &["--oracle-top", "1.5"]].concat());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--oracle-top 1.5") && err.contains("(0, 1]"), "{err}");
-    let out = cli(&[&base[..], &["--oracle-top", "0.5", "--oracle-top-groups", "48"]].concat());
+    assert!(
+        !out.status.success() && err.contains("--oracle-top 1.5") && err.contains("(0, 1]"),
+        "{err}"
+    );
+    let out = cli(&[
+        &base[..],
+        &["--oracle-top", "0.5", "--oracle-top-groups", "48"],
+    ]
+    .concat());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--oracle-top-groups 48"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("--oracle-top-groups 48"),
+        "{err}"
+    );
     let table = ok_stdout(&base);
     assert!(!table.contains("NaN"), "{table}");
-    let all_row = table.lines().find(|l| l.starts_with("all pages")).unwrap_or_else(|| panic!("{table}"));
+    let all_row = table
+        .lines()
+        .find(|l| l.starts_with("all pages"))
+        .unwrap_or_else(|| panic!("{table}"));
     assert_eq!(all_row.split_whitespace().nth(4), Some("-"), "{all_row}");
 }

@@ -400,7 +400,11 @@ mod nvrtc_check {
         // engine's bulk copies (O rows ahead) and the counters' acquire loads.
         for kv in ["f16", "f32"] {
             let name = format!("attn_block_q8s_{kv}");
-            assert_eq!(param_count(&ptx, &name), crate::backend::ATTN_BLOCK_ARGS, "{name}");
+            assert_eq!(
+                param_count(&ptx, &name),
+                crate::backend::ATTN_BLOCK_ARGS,
+                "{name}"
+            );
             let body = module::entry(&ptx, &name).unwrap_or_default();
             for op in ["cp.async.bulk", "ld.acquire.gpu", "mbarrier.try_wait"] {
                 assert!(body.contains(op), "{name} without {op}");

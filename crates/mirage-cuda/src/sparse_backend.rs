@@ -948,14 +948,25 @@ impl SparseCudaBackend {
     ) -> std::result::Result<SparseCudaBackend, CudaError> {
         let d = |e: cudarc::driver::DriverError| CudaError::Driver(e.to_string());
         let cc = inner.compute_capability;
-        let (ptx, _) = module::ptx_for("sparse-backend", &module::with_env_defines(SOURCE), cc.0, cc.1)?;
+        let (ptx, _) = module::ptx_for(
+            "sparse-backend",
+            &module::with_env_defines(SOURCE),
+            cc.0,
+            cc.1,
+        )?;
         let m = inner
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx.clone()))
             .map_err(d)?;
         for name in kernel_names() {
             let f = m.load_function(name).map_err(d)?;
-            inner.add_function(name, f, &ptx, ffn_accumulate_slots(name), ffn_norm_slots(name));
+            inner.add_function(
+                name,
+                f,
+                &ptx,
+                ffn_accumulate_slots(name),
+                ffn_norm_slots(name),
+            );
         }
         let multiprocessors = inner
             .ctx
@@ -1083,7 +1094,11 @@ impl SparseCudaBackend {
             .layers
             .get_mut(layer)
             .and_then(|r| r.as_mut())
-            .ok_or_else(|| rt(format!("layer {layer} has no Vulkan router (uploaded later?)")))?;
+            .ok_or_else(|| {
+                rt(format!(
+                    "layer {layer} has no Vulkan router (uploaded later?)"
+                ))
+            })?;
         let (ids, count) = (self.inner.ptr(&ld.ids), self.inner.ptr(&ld.count));
         // SAFETY: px is a row of d_model floats of an activation buffer on
         // this stream, ids / count the layer's list (n_pages slots, one
@@ -1468,8 +1483,7 @@ impl SparseCudaBackend {
             )));
         }
         // One atomic launch: the single-pass kernels with the atomic reduction.
-        let one_pass =
-            single_pass && self.atomic_ffn.load(std::sync::atomic::Ordering::Relaxed);
+        let one_pass = single_pass && self.atomic_ffn.load(std::sync::atomic::Ordering::Relaxed);
         // The kernels take the same arguments but for NVFP4's three tensor
         // scales after d (Q2_K's are q8s's).
         let base = |phase: i32| {

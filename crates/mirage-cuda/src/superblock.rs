@@ -319,8 +319,14 @@ pub const Q8_FFN_VARIANTS: [Q8FfnVariant; 16] = [
     q8v(5, "16 B, p1 1 x 16 B, p2 2 quads, 5 blocks/SM"),
     q8v(6, "v3 + phase 1 prefetches the down_t rows into L2"),
     q8v(7, "v4 + phase 1 prefetches the down_t rows into L2"),
-    q8v(8, "single pass (block-local partial), 4 x 16 B, 2 blocks/SM"),
-    q8v(9, "single pass (block-local partial), 2 x 16 B, 3 blocks/SM"),
+    q8v(
+        8,
+        "single pass (block-local partial), 4 x 16 B, 2 blocks/SM",
+    ),
+    q8v(
+        9,
+        "single pass (block-local partial), 2 x 16 B, 3 blocks/SM",
+    ),
     q8v(10, "v3 + balanced phase 1 (row rounds)"),
     q8v(11, "v4 + balanced phase 1 (row rounds)"),
     q8v(12, "v10 + p2 5 quads"),

@@ -31,7 +31,11 @@ fn page_sets(r: &mut impl Rng, n_pages: usize) -> [(&'static str, Vec<usize>, Ve
     ids.insert(ids.len() / 2, n_pages as u32 + 1000);
     ids.insert(0, n_pages as u32);
     let all_ids = all.iter().map(|&p| p as u32).collect();
-    [("all", all, all_ids), ("subset", subset, ids), ("empty", Vec::new(), Vec::new())]
+    [
+        ("all", all, all_ids),
+        ("subset", subset, ids),
+        ("empty", Vec::new(), Vec::new()),
+    ]
 }
 
 fn uniform(r: &mut impl Rng, n: usize, scale: f32) -> Vec<f32> {
@@ -139,7 +143,10 @@ fn check_ffn_errors(
     let eo = rel_err(ordered_acc, want_acc);
     assert!(e < 1e-5, "{tag}: ordered relative error {e}");
     assert!(ea < 1e-5, "{tag}: atomic relative error {ea}");
-    assert!(eo < 1e-5, "{tag}: ordered onto a residual: relative error {eo}");
+    assert!(
+        eo < 1e-5,
+        "{tag}: ordered onto a residual: relative error {eo}"
+    );
     [e, ea, eo]
 }
 
@@ -709,7 +716,12 @@ mod gpu {
                                 }
                             } else {
                                 let [e, ea, eo] = check_ffn_errors(
-                                    &tag, &ordered, &atomic, &ordered_acc, &want, &want_acc,
+                                    &tag,
+                                    &ordered,
+                                    &atomic,
+                                    &ordered_acc,
+                                    &want,
+                                    &want_acc,
                                 );
                                 if let Some(z) = &atomic_zeroed {
                                     check_ffn_errors(

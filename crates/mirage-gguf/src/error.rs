@@ -122,7 +122,9 @@ pub enum GgufError {
         offset: u64,
     },
     /// Tensor data that extends past the end of the file.
-    #[error("tensor {name:?}: data [{start}, {end}) lies past the end of the file ({file_len} bytes)")]
+    #[error(
+        "tensor {name:?}: data [{start}, {end}) lies past the end of the file ({file_len} bytes)"
+    )]
     TensorOutOfBounds {
         /// The tensor's name.
         name: String,

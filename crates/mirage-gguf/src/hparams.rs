@@ -134,7 +134,10 @@ impl Keys<'_> {
     }
 
     fn usize(&self, suffix: &str) -> Result<usize, GgufError> {
-        self.opt_usize(suffix)?.ok_or_else(|| GgufError::MissingKey { key: self.key(suffix) })
+        self.opt_usize(suffix)?
+            .ok_or_else(|| GgufError::MissingKey {
+                key: self.key(suffix),
+            })
     }
 
     fn opt_f32(&self, suffix: &str) -> Result<Option<f32>, GgufError> {
@@ -152,7 +155,10 @@ impl Keys<'_> {
 
 fn nonzero(key: &str, v: usize) -> Result<usize, GgufError> {
     if v == 0 {
-        Err(GgufError::BadHparam { key: key.into(), reason: "must be > 0".into() })
+        Err(GgufError::BadHparam {
+            key: key.into(),
+            reason: "must be > 0".into(),
+        })
     } else {
         Ok(v)
     }
@@ -162,12 +168,18 @@ impl ModelHparams {
     /// Reads the hyperparameters of a parsed file.
     pub fn from_gguf(file: &GgufFile) -> Result<ModelHparams, GgufError> {
         let md = file.metadata();
-        let arch_name = md.get_str("general.architecture").ok_or_else(|| GgufError::MissingKey {
-            key: "general.architecture".into(),
+        let arch_name =
+            md.get_str("general.architecture")
+                .ok_or_else(|| GgufError::MissingKey {
+                    key: "general.architecture".into(),
+                })?;
+        let arch = Arch::from_name(arch_name).ok_or_else(|| GgufError::UnsupportedArch {
+            arch: arch_name.to_owned(),
         })?;
-        let arch = Arch::from_name(arch_name)
-            .ok_or_else(|| GgufError::UnsupportedArch { arch: arch_name.to_owned() })?;
-        let k = Keys { md, prefix: arch.name() };
+        let k = Keys {
+            md,
+            prefix: arch.name(),
+        };
 
         let n_layer = nonzero("block_count", k.usize("block_count")?)?;
         let n_embd = nonzero("embedding_length", k.usize("embedding_length")?)?;
@@ -197,7 +209,9 @@ impl ModelHparams {
         let n_ctx_train = k.usize("context_length")?;
         let rms_norm_eps = k
             .opt_f32("attention.layer_norm_rms_epsilon")?
-            .ok_or_else(|| GgufError::MissingKey { key: k.key("attention.layer_norm_rms_epsilon") })?;
+            .ok_or_else(|| GgufError::MissingKey {
+                key: k.key("attention.layer_norm_rms_epsilon"),
+            })?;
         let rope_freq_base = k.opt_f32("rope.freq_base")?.unwrap_or(10_000.0);
 
         let rope_scaling = match md.get_str(&k.key("rope.scaling.type")) {
@@ -225,7 +239,9 @@ impl ModelHparams {
                 None => match embd {
                     Some(t) if t.dims.len() == 2 => t.dims[1] as usize,
                     _ => {
-                        return Err(GgufError::MissingKey { key: "tokenizer.ggml.tokens".into() })
+                        return Err(GgufError::MissingKey {
+                            key: "tokenizer.ggml.tokens".into(),
+                        })
                     }
                 },
             },

@@ -51,8 +51,8 @@ pub mod reader;
 pub mod safetensors;
 pub mod synth;
 pub mod tensor;
-pub mod writer;
 pub mod types;
+pub mod writer;
 
 pub use error::GgufError;
 pub use hparams::{Arch, ModelHparams, RopeScaling, RopeScalingType};
@@ -60,5 +60,5 @@ pub use metadata::{Array, Metadata, Value, ValueType};
 pub use reader::{GgufFile, DEFAULT_ALIGNMENT, MAX_ARRAY_DEPTH, MAX_DIMS};
 pub use safetensors::{ImportedTensor, SafetensorsFile};
 pub use tensor::{TensorInfo, TensorView};
-pub use writer::{GgufStreamWriter, GgufWriter, TensorDecl, WriterTensor};
 pub use types::{GgmlType, QK_K};
+pub use writer::{GgufStreamWriter, GgufWriter, TensorDecl, WriterTensor};

@@ -168,7 +168,10 @@ impl Value {
 
     /// Builds a string array.
     pub fn string_array<S: Into<String>>(items: impl IntoIterator<Item = S>) -> Value {
-        Value::array(ValueType::String, items.into_iter().map(|s| Value::String(s.into())).collect())
+        Value::array(
+            ValueType::String,
+            items.into_iter().map(|s| Value::String(s.into())).collect(),
+        )
     }
 
     /// Any integer type as u64; `None` for negatives and non-integers.

@@ -75,7 +75,10 @@ impl GgufFile {
     /// Memory-maps and parses a file.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
         let path = path.as_ref();
-        let io_err = |source| GgufError::Io { path: path.to_path_buf(), source };
+        let io_err = |source| GgufError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         let file = File::open(path).map_err(io_err)?;
         let len = file.metadata().map_err(io_err)?.len();
         if len == 0 {
@@ -97,8 +100,12 @@ impl GgufFile {
 
     fn parse(storage: Storage) -> Result<GgufFile, GgufError> {
         let parsed = parse_gguf(storage.bytes())?;
-        let tensor_index =
-            parsed.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        let tensor_index = parsed
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
         Ok(GgufFile {
             storage,
             version: parsed.version,
@@ -158,12 +165,18 @@ impl GgufFile {
     /// A zero-copy view of a tensor by name.
     pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
         let info = self.tensor_info(name)?;
-        Some(TensorView { info, data: self.tensor_data(info) })
+        Some(TensorView {
+            info,
+            data: self.tensor_data(info),
+        })
     }
 
     /// All tensors as views, in file order.
     pub fn tensor_views(&self) -> impl Iterator<Item = TensorView<'_>> {
-        self.tensors.iter().map(|info| TensorView { info, data: self.tensor_data(info) })
+        self.tensors.iter().map(|info| TensorView {
+            info,
+            data: self.tensor_data(info),
+        })
     }
 
     /// The data bytes of a tensor info of this file.
@@ -209,7 +222,10 @@ impl<'a> Cursor<'a> {
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], GgufError> {
         if self.buf.len() - self.pos < n {
-            return Err(GgufError::Truncated { offset: self.offset(), needed: n as u64 });
+            return Err(GgufError::Truncated {
+                offset: self.offset(),
+                needed: n as u64,
+            });
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -240,7 +256,11 @@ impl<'a> Cursor<'a> {
         let at = self.offset();
         let len = self.u64()?;
         if len > self.remaining() {
-            return Err(GgufError::StringTooLong { offset: at, len, remaining: self.remaining() });
+            return Err(GgufError::StringTooLong {
+                offset: at,
+                len,
+                remaining: self.remaining(),
+            });
         }
         let start = self.offset();
         let bytes = self.take(len as usize)?;
@@ -255,9 +275,15 @@ impl<'a> Cursor<'a> {
     fn count(&mut self, what: &'static str, min_size: u64) -> Result<u64, GgufError> {
         let at = self.offset();
         let count = self.u64()?;
-        let fits = count.checked_mul(min_size).is_some_and(|need| need <= self.remaining());
+        let fits = count
+            .checked_mul(min_size)
+            .is_some_and(|need| need <= self.remaining());
         if !fits {
-            return Err(GgufError::AbsurdCount { what, count, offset: at });
+            return Err(GgufError::AbsurdCount {
+                what,
+                count,
+                offset: at,
+            });
         }
         Ok(count)
     }
@@ -287,7 +313,10 @@ impl<'a> Cursor<'a> {
             ValueType::Array => {
                 let at = self.offset();
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(GgufError::NestingTooDeep { max: MAX_ARRAY_DEPTH, offset: at });
+                    return Err(GgufError::NestingTooDeep {
+                        max: MAX_ARRAY_DEPTH,
+                        offset: at,
+                    });
                 }
                 let elem_type = self.value_type()?;
                 let n = self.count("array element", elem_type.min_encoded_size())?;
@@ -329,7 +358,8 @@ pub(crate) fn parse_gguf(buf: &[u8]) -> Result<Parsed, GgufError> {
         1 => {
             return Err(GgufError::UnsupportedVersion {
                 version,
-                hint: " (GGUF v1 uses 32-bit counts; re-convert the model with a current llama.cpp)",
+                hint:
+                    " (GGUF v1 uses 32-bit counts; re-convert the model with a current llama.cpp)",
             })
         }
         v if v.swap_bytes() == 2 || v.swap_bytes() == 3 => {
@@ -372,7 +402,10 @@ pub(crate) fn parse_gguf(buf: &[u8]) -> Result<Parsed, GgufError> {
                 Value::U32(a) if a.is_power_of_two() => a as u64,
                 ref v => {
                     let value = v.as_u64().unwrap_or(0);
-                    return Err(GgufError::BadAlignment { value, offset: kv_at });
+                    return Err(GgufError::BadAlignment {
+                        value,
+                        offset: kv_at,
+                    });
                 }
             };
         }
@@ -402,7 +435,11 @@ pub(crate) fn parse_gguf(buf: &[u8]) -> Result<Parsed, GgufError> {
         let ty_at = c.offset();
         let ty_id = c.u32()?;
         let Some(ty) = GgmlType::from_id(ty_id) else {
-            return Err(GgufError::UnknownTensorType { name, id: ty_id, offset: ty_at });
+            return Err(GgufError::UnknownTensorType {
+                name,
+                id: ty_id,
+                offset: ty_at,
+            });
         };
         let offset_at = c.offset();
         let offset = c.u64()?;
@@ -423,15 +460,25 @@ pub(crate) fn parse_gguf(buf: &[u8]) -> Result<Parsed, GgufError> {
         }
         let row = dims.first().copied().unwrap_or(1);
         if row % ty.block_size() as u64 != 0 {
-            return Err(shape_err("row length (dims[0]) is not a multiple of the block size"));
+            return Err(shape_err(
+                "row length (dims[0]) is not a multiple of the block size",
+            ));
         }
         if ty.bytes_for(n_elements).is_none() {
             return Err(shape_err("byte size overflows u64"));
         }
         if seen.insert(name.clone(), ()).is_some() {
-            return Err(GgufError::DuplicateTensor { name, offset: info_at });
+            return Err(GgufError::DuplicateTensor {
+                name,
+                offset: info_at,
+            });
         }
-        tensors.push(TensorInfo { name, dims, ty, offset });
+        tensors.push(TensorInfo {
+            name,
+            dims,
+            ty,
+            offset,
+        });
         offset_fields.push(offset_at);
     }
 
@@ -450,16 +497,33 @@ pub(crate) fn parse_gguf(buf: &[u8]) -> Result<Parsed, GgufError> {
                 offset: field_at,
             });
         }
-        let overflow = || GgufError::OffsetOverflow { name: t.name.clone(), offset: field_at };
+        let overflow = || GgufError::OffsetOverflow {
+            name: t.name.clone(),
+            offset: field_at,
+        };
         let start = data_offset.checked_add(t.offset).ok_or_else(overflow)?;
         let end = start.checked_add(t.n_bytes()).ok_or_else(overflow)?;
         if end > file_len {
-            return Err(GgufError::TensorOutOfBounds { name: t.name.clone(), start, end, file_len });
+            return Err(GgufError::TensorOutOfBounds {
+                name: t.name.clone(),
+                start,
+                end,
+                file_len,
+            });
         }
     }
     if !tensors.is_empty() && data_offset > file_len {
-        return Err(GgufError::Truncated { offset: infos_end, needed: data_offset - infos_end });
+        return Err(GgufError::Truncated {
+            offset: infos_end,
+            needed: data_offset - infos_end,
+        });
     }
 
-    Ok(Parsed { version, alignment, data_offset, metadata, tensors })
+    Ok(Parsed {
+        version,
+        alignment,
+        data_offset,
+        metadata,
+        tensors,
+    })
 }

@@ -99,7 +99,10 @@ impl SafetensorsFile {
     /// Memory-maps and parses a file.
     pub fn open(path: impl AsRef<Path>) -> Result<SafetensorsFile, GgufError> {
         let path = path.as_ref();
-        let io_err = |source| GgufError::Io { path: path.to_path_buf(), source };
+        let io_err = |source| GgufError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         let file = File::open(path).map_err(io_err)?;
         if file.metadata().map_err(io_err)?.len() == 0 {
             return SafetensorsFile::from_bytes(Vec::new());
@@ -117,7 +120,8 @@ impl SafetensorsFile {
 
     fn parse(storage: Storage) -> Result<SafetensorsFile, GgufError> {
         let bytes = storage.bytes();
-        let st = SafeTensors::deserialize(bytes).map_err(|e| GgufError::Safetensors(e.to_string()))?;
+        let st =
+            SafeTensors::deserialize(bytes).map_err(|e| GgufError::Safetensors(e.to_string()))?;
         let (_, header) =
             SafeTensors::read_metadata(bytes).map_err(|e| GgufError::Safetensors(e.to_string()))?;
         let metadata = header.metadata().clone().unwrap_or_default();
@@ -142,13 +146,30 @@ impl SafetensorsFile {
             if dims.is_empty() {
                 dims.push(1);
             }
-            entries.push(Entry { name, shape, dims, ty, start, end });
+            entries.push(Entry {
+                name,
+                shape,
+                dims,
+                ty,
+                start,
+                end,
+            });
         }
         // File (data) order, so that imports are deterministic.
         entries.sort_by_key(|e| (e.start, e.name.clone()));
         unsupported.sort();
-        let index = entries.iter().enumerate().map(|(i, e)| (e.name.clone(), i)).collect();
-        Ok(SafetensorsFile { storage, entries, index, unsupported, metadata })
+        let index = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.name.clone(), i))
+            .collect();
+        Ok(SafetensorsFile {
+            storage,
+            entries,
+            index,
+            unsupported,
+            metadata,
+        })
     }
 
     fn view<'a>(&'a self, e: &'a Entry) -> ImportedTensor<'a> {
@@ -170,7 +191,10 @@ impl SafetensorsFile {
     /// another dtype, `Ok(None)` for an unknown name.
     pub fn tensor(&self, name: &str) -> Result<Option<ImportedTensor<'_>>, GgufError> {
         if let Some((_, dtype)) = self.unsupported.iter().find(|(n, _)| n == name) {
-            return Err(GgufError::UnsupportedDtype { name: name.into(), dtype: dtype.clone() });
+            return Err(GgufError::UnsupportedDtype {
+                name: name.into(),
+                dtype: dtype.clone(),
+            });
         }
         Ok(self.index.get(name).map(|&i| self.view(&self.entries[i])))
     }
@@ -206,7 +230,10 @@ impl SafetensorsFile {
     ) -> Result<usize, GgufError> {
         for (name, dtype) in &self.unsupported {
             if rename(name).is_some() {
-                return Err(GgufError::UnsupportedDtype { name: name.clone(), dtype: dtype.clone() });
+                return Err(GgufError::UnsupportedDtype {
+                    name: name.clone(),
+                    dtype: dtype.clone(),
+                });
             }
         }
         let mut n = 0;

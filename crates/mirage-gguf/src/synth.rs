@@ -52,8 +52,15 @@ pub fn mix_seed(words: &[u64]) -> u64 {
 }
 
 /// The types [`fill_random`] can write.
-pub const SYNTH_TYPES: [GgmlType; 7] =
-    [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q2_K];
+pub const SYNTH_TYPES: [GgmlType; 7] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q5_0,
+    GgmlType::Q4_K,
+    GgmlType::Q2_K,
+];
 
 fn half_bytes(x: f32) -> [u8; 2] {
     f16::from_f32(x).to_bits().to_le_bytes()
@@ -76,10 +83,15 @@ fn symmetric_code(r: u64, k: u32) -> i32 {
 pub fn fill_random(ty: GgmlType, std: f32, seed: u64, out: &mut [u8]) -> Result<(), GgufError> {
     let ts = ty.type_size();
     if out.len() % ts != 0 {
-        return Err(GgufError::InvalidInput(format!("{} bytes is not a whole number of {ty} blocks ({ts} bytes)", out.len())));
+        return Err(GgufError::InvalidInput(format!(
+            "{} bytes is not a whole number of {ty} blocks ({ts} bytes)",
+            out.len()
+        )));
     }
     if !(std.is_finite() && std > 0.0) {
-        return Err(GgufError::InvalidInput(format!("weight std must be positive and finite, got {std}")));
+        return Err(GgufError::InvalidInput(format!(
+            "weight std must be positive and finite, got {std}"
+        )));
     }
     let mut rng = WyRand::new(seed);
     match ty {
@@ -94,7 +106,11 @@ pub fn fill_random(ty: GgmlType, std: f32, seed: u64, out: &mut [u8]) -> Result<
                     b.copy_from_slice(&x.to_le_bytes());
                 } else {
                     let h = f16::from_f32(x);
-                    let h = if h.to_f32() == 0.0 { f16::from_f32(half_width * 0.5) } else { h };
+                    let h = if h.to_f32() == 0.0 {
+                        f16::from_f32(half_width * 0.5)
+                    } else {
+                        h
+                    };
                     b.copy_from_slice(&h.to_bits().to_le_bytes());
                 }
             }
@@ -184,7 +200,11 @@ pub fn fill_random(ty: GgmlType, std: f32, seed: u64, out: &mut [u8]) -> Result<
         other => {
             return Err(GgufError::InvalidInput(format!(
                 "random blocks of {other} are not implemented (supported: {})",
-                SYNTH_TYPES.iter().map(|t| t.name()).collect::<Vec<_>>().join(", ")
+                SYNTH_TYPES
+                    .iter()
+                    .map(|t| t.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )))
         }
     }
@@ -215,7 +235,10 @@ mod tests {
             fill_random(ty, 0.05, 7, &mut bytes).unwrap();
             let mut w = vec![0f32; n];
             crate::quant::dequantize(ty, &bytes, &mut w).unwrap();
-            assert!(w.iter().all(|x| x.is_finite() && *x != 0.0), "{ty}: a zero or non-finite weight");
+            assert!(
+                w.iter().all(|x| x.is_finite() && *x != 0.0),
+                "{ty}: a zero or non-finite weight"
+            );
             let mean = w.iter().map(|&x| x as f64).sum::<f64>() / n as f64;
             let std = (w.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n as f64).sqrt();
             assert!(mean.abs() < 0.003, "{ty}: mean {mean}");
@@ -233,6 +256,12 @@ mod tests {
     fn bad_input_is_an_error() {
         assert!(fill_random(GgmlType::Q8_0, 0.1, 0, &mut [0u8; 33]).is_err());
         assert!(fill_random(GgmlType::Q8_0, 0.0, 0, &mut [0u8; 34]).is_err());
-        assert!(fill_random(GgmlType::Q6_K, 0.1, 0, &mut vec![0u8; GgmlType::Q6_K.type_size()]).is_err());
+        assert!(fill_random(
+            GgmlType::Q6_K,
+            0.1,
+            0,
+            &mut vec![0u8; GgmlType::Q6_K.type_size()]
+        )
+        .is_err());
     }
 }

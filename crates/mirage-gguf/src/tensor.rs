@@ -22,7 +22,10 @@ impl TensorInfo {
     /// Number of elements. The reader has checked that this does not
     /// overflow for every tensor it returns; saturates otherwise.
     pub fn n_elements(&self) -> u64 {
-        self.dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).unwrap_or(u64::MAX)
+        self.dims
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .unwrap_or(u64::MAX)
     }
 
     /// Number of data bytes (whole blocks of `ty`). The reader has checked it
@@ -41,7 +44,11 @@ impl TensorInfo {
     /// Number of rows (product of `dims[1..]`; saturates like
     /// [`TensorInfo::n_elements`]).
     pub fn n_rows(&self) -> u64 {
-        self.dims.iter().skip(1).try_fold(1u64, |acc, &d| acc.checked_mul(d)).unwrap_or(u64::MAX)
+        self.dims
+            .iter()
+            .skip(1)
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .unwrap_or(u64::MAX)
     }
 
     /// Bytes per row, for types whose rows are whole blocks.
@@ -80,11 +87,17 @@ impl<'a> TensorView<'a> {
     /// [`crate::quant::dequantize`].
     pub fn to_f32(&self) -> Result<Vec<f32>, GgufError> {
         let n_elements = self.info.n_elements();
-        let n = usize::try_from(n_elements)
-            .map_err(|_| GgufError::TooLarge { name: self.info.name.clone(), n_elements })?;
+        let n = usize::try_from(n_elements).map_err(|_| GgufError::TooLarge {
+            name: self.info.name.clone(),
+            n_elements,
+        })?;
         let mut out = vec![0f32; n];
-        crate::quant::dequantize(self.info.ty, self.data, &mut out)
-            .map_err(|source| GgufError::Dequantize { name: self.info.name.clone(), source })?;
+        crate::quant::dequantize(self.info.ty, self.data, &mut out).map_err(|source| {
+            GgufError::Dequantize {
+                name: self.info.name.clone(),
+                source,
+            }
+        })?;
         Ok(out)
     }
 }

@@ -45,7 +45,12 @@ impl<'a> GgufWriter<'a> {
     /// A writer for GGUF v3 with the given metadata and no tensors. The
     /// alignment is the metadata's `general.alignment` (a u32), or 32.
     pub fn new(metadata: Metadata) -> GgufWriter<'a> {
-        GgufWriter { version: 3, metadata, tensors: Vec::new(), names: HashSet::new() }
+        GgufWriter {
+            version: 3,
+            metadata,
+            tensors: Vec::new(),
+            names: HashSet::new(),
+        }
     }
 
     /// A writer that reproduces `file` unchanged: same version, metadata
@@ -68,7 +73,9 @@ impl<'a> GgufWriter<'a> {
     /// Sets the GGUF version to write (2 or 3; both share one layout).
     pub fn set_version(&mut self, version: u32) -> Result<(), GgufError> {
         if version != 2 && version != 3 {
-            return Err(invalid(format!("can only write GGUF v2 or v3, not v{version}")));
+            return Err(invalid(format!(
+                "can only write GGUF v2 or v3, not v{version}"
+            )));
         }
         self.version = version;
         Ok(())
@@ -101,7 +108,10 @@ impl<'a> GgufWriter<'a> {
         let name = name.into();
         let data = data.into();
         if dims.len() > MAX_DIMS as usize {
-            return Err(invalid(format!("tensor {name:?}: {} dims, at most {MAX_DIMS}", dims.len())));
+            return Err(invalid(format!(
+                "tensor {name:?}: {} dims, at most {MAX_DIMS}",
+                dims.len()
+            )));
         }
         let row = dims.first().copied().unwrap_or(1);
         if row % ty.block_size() as u64 != 0 {
@@ -121,7 +131,12 @@ impl<'a> GgufWriter<'a> {
         if !self.names.insert(name.clone()) {
             return Err(invalid(format!("duplicate tensor name {name:?}")));
         }
-        self.tensors.push(WriterTensor { name, dims, ty, data });
+        self.tensors.push(WriterTensor {
+            name,
+            dims,
+            ty,
+            data,
+        });
         Ok(())
     }
 
@@ -130,16 +145,31 @@ impl<'a> GgufWriter<'a> {
         match self.metadata.get(ALIGNMENT_KEY) {
             None => Ok(DEFAULT_ALIGNMENT),
             Some(Value::U32(a)) if a.is_power_of_two() => Ok(*a as u64),
-            Some(v) => Err(invalid(format!("{ALIGNMENT_KEY} must be a power-of-two u32, got {v:?}"))),
+            Some(v) => Err(invalid(format!(
+                "{ALIGNMENT_KEY} must be a power-of-two u32, got {v:?}"
+            ))),
         }
     }
 
     /// Writes the file to a stream; returns the number of bytes written.
     pub fn write_to<W: Write>(&self, mut w: W) -> Result<u64, GgufError> {
         let alignment = self.alignment()?;
-        let mut out = CountingWriter { inner: &mut w, written: 0 };
-        let infos: Vec<(&str, &[u64], GgmlType, u64)> =
-            self.tensors.iter().map(|t| (t.name.as_str(), t.dims.as_slice(), t.ty, t.data.len() as u64)).collect();
+        let mut out = CountingWriter {
+            inner: &mut w,
+            written: 0,
+        };
+        let infos: Vec<(&str, &[u64], GgmlType, u64)> = self
+            .tensors
+            .iter()
+            .map(|t| {
+                (
+                    t.name.as_str(),
+                    t.dims.as_slice(),
+                    t.ty,
+                    t.data.len() as u64,
+                )
+            })
+            .collect();
         write_header(&mut out, self.version, &self.metadata, &infos, alignment)?;
         for t in &self.tensors {
             out.put(&t.data)?;
@@ -158,7 +188,10 @@ impl<'a> GgufWriter<'a> {
         tmp_name.push(format!(".tmp-{}", std::process::id()));
         let tmp = path.with_file_name(tmp_name);
         let result = self.write_tmp(&tmp).and_then(|n| {
-            fs::rename(&tmp, path).map_err(|source| GgufError::Io { path: path.to_path_buf(), source })?;
+            fs::rename(&tmp, path).map_err(|source| GgufError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
             Ok(n)
         });
         if result.is_err() {
@@ -166,7 +199,11 @@ impl<'a> GgufWriter<'a> {
         } else if let Some(dir) = path.parent() {
             // Persist the rename itself; best effort, not all platforms allow
             // opening a directory.
-            let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+            let dir = if dir.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                dir
+            };
             if let Ok(d) = File::open(dir) {
                 let _ = d.sync_all();
             }
@@ -175,7 +212,10 @@ impl<'a> GgufWriter<'a> {
     }
 
     fn write_tmp(&self, tmp: &PathBuf) -> Result<u64, GgufError> {
-        let io_err = |source| GgufError::Io { path: tmp.clone(), source };
+        let io_err = |source| GgufError::Io {
+            path: tmp.clone(),
+            source,
+        };
         let file = File::create(tmp).map_err(io_err)?;
         let mut buf = BufWriter::with_capacity(4 << 20, file);
         let n = self.write_to(&mut buf).map_err(|e| match e {
@@ -239,7 +279,11 @@ impl TensorDecl {
     /// Bytes of its data, checked like [`GgufWriter::add_tensor`] checks.
     pub fn n_bytes(&self) -> Result<u64, GgufError> {
         if self.dims.len() > MAX_DIMS as usize {
-            return Err(invalid(format!("tensor {:?}: {} dims, at most {MAX_DIMS}", self.name, self.dims.len())));
+            return Err(invalid(format!(
+                "tensor {:?}: {} dims, at most {MAX_DIMS}",
+                self.name,
+                self.dims.len()
+            )));
         }
         let row = self.dims.first().copied().unwrap_or(1);
         if row % self.ty.block_size() as u64 != 0 {
@@ -254,7 +298,12 @@ impl TensorDecl {
             .iter()
             .try_fold(1u64, |a, &d| a.checked_mul(d))
             .and_then(|n| self.ty.bytes_for(n))
-            .ok_or_else(|| invalid(format!("tensor {:?}: dims {:?} overflow", self.name, self.dims)))
+            .ok_or_else(|| {
+                invalid(format!(
+                    "tensor {:?}: dims {:?} overflow",
+                    self.name, self.dims
+                ))
+            })
     }
 }
 
@@ -276,14 +325,21 @@ pub struct GgufStreamWriter<W: Write> {
 
 impl<W: Write> std::fmt::Debug for GgufStreamWriter<W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GgufStreamWriter").field("written", &self.written).field("current", &self.current).finish()
+        f.debug_struct("GgufStreamWriter")
+            .field("written", &self.written)
+            .field("current", &self.current)
+            .finish()
     }
 }
 
 impl<W: Write> GgufStreamWriter<W> {
     /// Writes the header for `metadata` and `tensors` (GGUF v3; alignment
     /// from `general.alignment` or 32). Tensor names must be unique.
-    pub fn new(mut out: W, metadata: &Metadata, tensors: &[TensorDecl]) -> Result<GgufStreamWriter<W>, GgufError> {
+    pub fn new(
+        mut out: W,
+        metadata: &Metadata,
+        tensors: &[TensorDecl],
+    ) -> Result<GgufStreamWriter<W>, GgufError> {
         let alignment = GgufWriter::new(metadata.clone()).alignment()?;
         let mut names = HashSet::new();
         let mut sizes = Vec::with_capacity(tensors.len());
@@ -293,19 +349,35 @@ impl<W: Write> GgufStreamWriter<W> {
             }
             sizes.push((t.name.clone(), t.n_bytes()?));
         }
-        let infos: Vec<(&str, &[u64], GgmlType, u64)> =
-            tensors.iter().zip(&sizes).map(|(t, s)| (t.name.as_str(), t.dims.as_slice(), t.ty, s.1)).collect();
-        let mut counting = CountingWriter { inner: &mut out, written: 0 };
+        let infos: Vec<(&str, &[u64], GgmlType, u64)> = tensors
+            .iter()
+            .zip(&sizes)
+            .map(|(t, s)| (t.name.as_str(), t.dims.as_slice(), t.ty, s.1))
+            .collect();
+        let mut counting = CountingWriter {
+            inner: &mut out,
+            written: 0,
+        };
         write_header(&mut counting, 3, metadata, &infos, alignment)?;
         let written = counting.written;
-        let mut w = GgufStreamWriter { out, written, alignment, sizes, current: 0, in_current: 0 };
+        let mut w = GgufStreamWriter {
+            out,
+            written,
+            alignment,
+            sizes,
+            current: 0,
+            in_current: 0,
+        };
         w.skip_empty()?;
         Ok(w)
     }
 
     /// Bytes the current tensor still needs (0 when every tensor is complete).
     pub fn remaining_in_tensor(&self) -> u64 {
-        self.sizes.get(self.current).map(|s| s.1 - self.in_current).unwrap_or(0)
+        self.sizes
+            .get(self.current)
+            .map(|s| s.1 - self.in_current)
+            .unwrap_or(0)
     }
 
     /// Appends data; a piece may end inside a tensor or run across the end
@@ -313,7 +385,10 @@ impl<W: Write> GgufStreamWriter<W> {
     pub fn write_data(&mut self, mut data: &[u8]) -> Result<(), GgufError> {
         while !data.is_empty() {
             let Some(&(_, size)) = self.sizes.get(self.current) else {
-                return Err(invalid(format!("{} bytes past the last tensor", data.len())));
+                return Err(invalid(format!(
+                    "{} bytes past the last tensor",
+                    data.len()
+                )));
             };
             let take = ((size - self.in_current).min(data.len() as u64)) as usize;
             self.put(&data[..take])?;
@@ -328,7 +403,10 @@ impl<W: Write> GgufStreamWriter<W> {
     /// stream and the file's length.
     pub fn finish(mut self) -> Result<(W, u64), GgufError> {
         if let Some((name, size)) = self.sizes.get(self.current) {
-            return Err(invalid(format!("tensor {name:?} got {} of its {size} bytes", self.in_current)));
+            return Err(invalid(format!(
+                "tensor {name:?} got {} of its {size} bytes",
+                self.in_current
+            )));
         }
         self.out.flush()?;
         Ok((self.out, self.written))
@@ -451,13 +529,23 @@ mod tests {
         let a: Vec<u8> = (0..34 * 3).map(|i| i as u8).collect(); // 3 Q8_0 blocks
         let b: Vec<u8> = (0..4 * 5).map(|i| (i * 7) as u8).collect(); // 5 f32
         let mut w = GgufWriter::new(md.clone());
-        w.add_tensor("a", vec![32, 3], GgmlType::Q8_0, a.clone()).unwrap();
-        w.add_tensor("b", vec![5], GgmlType::F32, b.clone()).unwrap();
+        w.add_tensor("a", vec![32, 3], GgmlType::Q8_0, a.clone())
+            .unwrap();
+        w.add_tensor("b", vec![5], GgmlType::F32, b.clone())
+            .unwrap();
         let mut want = Vec::new();
         w.write_to(&mut want).unwrap();
         let decls = [
-            TensorDecl { name: "a".into(), dims: vec![32, 3], ty: GgmlType::Q8_0 },
-            TensorDecl { name: "b".into(), dims: vec![5], ty: GgmlType::F32 },
+            TensorDecl {
+                name: "a".into(),
+                dims: vec![32, 3],
+                ty: GgmlType::Q8_0,
+            },
+            TensorDecl {
+                name: "b".into(),
+                dims: vec![5],
+                ty: GgmlType::F32,
+            },
         ];
         // Pieces that end inside a tensor and run across the boundary.
         let all: Vec<u8> = a.iter().chain(&b).copied().collect();
@@ -475,7 +563,11 @@ mod tests {
         assert!(s.finish().is_err());
         let mut s = GgufStreamWriter::new(Vec::new(), &md, &decls).unwrap();
         assert!(s.write_data(&[all.clone(), vec![0]].concat()).is_err());
-        let bad = [TensorDecl { name: "a".into(), dims: vec![31], ty: GgmlType::Q8_0 }];
+        let bad = [TensorDecl {
+            name: "a".into(),
+            dims: vec![31],
+            ty: GgmlType::Q8_0,
+        }];
         assert!(GgufStreamWriter::new(Vec::new(), &md, &bad).is_err());
         let dup = [decls[1].clone(), decls[1].clone()];
         assert!(GgufStreamWriter::new(Vec::new(), &md, &dup).is_err());

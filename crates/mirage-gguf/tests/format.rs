@@ -13,7 +13,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 fn fixture_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -52,31 +54,56 @@ fn reads_file_written_by_python_gguf() {
     let inner: Vec<Vec<i64>> = nested
         .values
         .iter()
-        .map(|v| v.as_array().unwrap().values.iter().map(|x| x.as_i64().unwrap()).collect())
+        .map(|v| {
+            v.as_array()
+                .unwrap()
+                .values
+                .iter()
+                .map(|x| x.as_i64().unwrap())
+                .collect()
+        })
         .collect();
     assert_eq!(inner, vec![vec![1, 2], vec![3], vec![4, 5, 6]]);
 
     let names: Vec<&str> = f.tensors().iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["a.f32", "b.f16", "c.q8_0"]);
     let a = f.tensor("a.f32").unwrap();
-    assert_eq!((a.info.ty, a.info.dims.as_slice(), a.info.offset), (GgmlType::F32, &[4u64, 2][..], 0));
-    assert_eq!(a.data, f32_bytes(&[-3.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5]));
+    assert_eq!(
+        (a.info.ty, a.info.dims.as_slice(), a.info.offset),
+        (GgmlType::F32, &[4u64, 2][..], 0)
+    );
+    assert_eq!(
+        a.data,
+        f32_bytes(&[-3.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5])
+    );
     let b = f.tensor("b.f16").unwrap();
-    let b_vals: Vec<f32> =
-        b.data.chunks(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
+    let b_vals: Vec<f32> = b
+        .data
+        .chunks(2)
+        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect();
     assert_eq!(b_vals, [1.0, -2.0, 0.25, 1024.0]);
     let c = f.tensor("c.q8_0").unwrap();
-    assert_eq!((c.info.ty, c.info.dims.as_slice(), c.info.offset), (GgmlType::Q8_0, &[32u64, 2][..], 64));
+    assert_eq!(
+        (c.info.ty, c.info.dims.as_slice(), c.info.offset),
+        (GgmlType::Q8_0, &[32u64, 2][..], 64)
+    );
     assert_eq!(c.data.len(), 68);
     // Dequantized through crate::quant: exact for F32/F16, within half a
     // Q8_0 step (scale = max|x| / 127 = 4 / 127) of what Python quantized.
-    assert_eq!(a.to_f32().unwrap(), [-3.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5]);
+    assert_eq!(
+        a.to_f32().unwrap(),
+        [-3.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5]
+    );
     assert_eq!(b.to_f32().unwrap(), [1.0, -2.0, 0.25, 1024.0]);
     let c_vals = c.to_f32().unwrap();
     assert_eq!(c_vals.len(), 64);
     for (i, v) in c_vals.iter().enumerate() {
         let want = i as f32 / 8.0 - 4.0;
-        assert!((v - want).abs() <= 0.5 * 4.0 / 127.0 + 1e-3, "c[{i}] = {v}, want {want}");
+        assert!(
+            (v - want).abs() <= 0.5 * 4.0 / 127.0 + 1e-3,
+            "c[{i}] = {v}, want {want}"
+        );
     }
     assert!(f.tensor("missing").is_none());
 
@@ -127,9 +154,16 @@ fn small_file(alignment: Option<u32>) -> Vec<u8> {
         md.insert("general.alignment", Value::U32(a));
     }
     let mut w = GgufWriter::new(md);
-    w.add_tensor("t.aa", vec![4, 2], GgmlType::F32, f32_bytes(&[1., 2., 3., 4., 5., 6., 7., 8.])).unwrap();
+    w.add_tensor(
+        "t.aa",
+        vec![4, 2],
+        GgmlType::F32,
+        f32_bytes(&[1., 2., 3., 4., 5., 6., 7., 8.]),
+    )
+    .unwrap();
     let q8: Vec<u8> = (0..68u8).collect();
-    w.add_tensor("t.ab", vec![32, 2], GgmlType::Q8_0, q8).unwrap();
+    w.add_tensor("t.ab", vec![32, 2], GgmlType::Q8_0, q8)
+        .unwrap();
     let mut out = Vec::new();
     let n = w.write_to(&mut out).unwrap();
     assert_eq!(n as usize, out.len());
@@ -150,8 +184,14 @@ fn writer_round_trips_every_value_type() {
         assert_eq!(f.alignment(), a);
         assert_eq!(f.data_offset() % a, 0);
         assert_eq!(f.tensors()[1].offset, 32u64.div_ceil(a) * a);
-        assert_eq!(f.tensor("t.aa").unwrap().data, f32_bytes(&[1., 2., 3., 4., 5., 6., 7., 8.]));
-        assert_eq!(f.tensor("t.ab").unwrap().data, (0..68u8).collect::<Vec<_>>());
+        assert_eq!(
+            f.tensor("t.aa").unwrap().data,
+            f32_bytes(&[1., 2., 3., 4., 5., 6., 7., 8.])
+        );
+        assert_eq!(
+            f.tensor("t.ab").unwrap().data,
+            (0..68u8).collect::<Vec<_>>()
+        );
         let mut again = Vec::new();
         GgufWriter::from_gguf(&f).write_to(&mut again).unwrap();
         assert_eq!(again, bytes, "rewrite must be byte-identical");
@@ -166,17 +206,32 @@ fn writer_writes_atomically_to_a_path() {
     let f = GgufFile::from_bytes(small_file(None)).unwrap();
     GgufWriter::from_gguf(&f).write_to_path(&path).unwrap();
     assert_eq!(std::fs::read(&path).unwrap(), f.as_bytes());
-    let entries: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
-    assert_eq!(entries.len(), 1, "no temporary file may remain: {entries:?}");
+    let entries: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        entries.len(),
+        1,
+        "no temporary file may remain: {entries:?}"
+    );
     // A failing write leaves the old file and no temporary behind.
     let missing_dir = dir.path().join("nope").join("m.gguf");
-    let err = GgufWriter::from_gguf(&f).write_to_path(&missing_dir).unwrap_err();
+    let err = GgufWriter::from_gguf(&f)
+        .write_to_path(&missing_dir)
+        .unwrap_err();
     assert!(matches!(err, GgufError::Io { .. }), "{err}");
     // An empty file on disk is a truncation error, not a panic.
     let empty = dir.path().join("empty.gguf");
     std::fs::write(&empty, b"").unwrap();
-    assert!(matches!(GgufFile::open(&empty), Err(GgufError::Truncated { offset: 0, .. })));
-    assert!(matches!(GgufFile::open(dir.path().join("absent")), Err(GgufError::Io { .. })));
+    assert!(matches!(
+        GgufFile::open(&empty),
+        Err(GgufError::Truncated { offset: 0, .. })
+    ));
+    assert!(matches!(
+        GgufFile::open(dir.path().join("absent")),
+        Err(GgufError::Io { .. })
+    ));
 }
 
 #[test]
@@ -186,13 +241,26 @@ fn writer_rejects_inconsistent_input() {
     assert!(matches!(bad_len, Err(GgufError::InvalidInput(_))));
     let bad_block = w.add_tensor("x", vec![33], GgmlType::Q8_0, vec![0u8; 34]);
     assert!(matches!(bad_block, Err(GgufError::InvalidInput(_))));
-    w.add_tensor("x", vec![4], GgmlType::F32, vec![0u8; 16]).unwrap();
-    assert!(matches!(w.add_tensor("x", vec![4], GgmlType::F32, vec![0u8; 16]), Err(GgufError::InvalidInput(_))));
-    w.metadata_mut().insert("mixed", Value::array(ValueType::U8, vec![Value::U8(1), Value::I8(1)]));
-    assert!(matches!(w.write_to(Vec::new()), Err(GgufError::InvalidInput(_))));
+    w.add_tensor("x", vec![4], GgmlType::F32, vec![0u8; 16])
+        .unwrap();
+    assert!(matches!(
+        w.add_tensor("x", vec![4], GgmlType::F32, vec![0u8; 16]),
+        Err(GgufError::InvalidInput(_))
+    ));
+    w.metadata_mut().insert(
+        "mixed",
+        Value::array(ValueType::U8, vec![Value::U8(1), Value::I8(1)]),
+    );
+    assert!(matches!(
+        w.write_to(Vec::new()),
+        Err(GgufError::InvalidInput(_))
+    ));
     w.metadata_mut().remove("mixed");
     w.metadata_mut().insert("general.alignment", Value::U32(48));
-    assert!(matches!(w.write_to(Vec::new()), Err(GgufError::InvalidInput(_))));
+    assert!(matches!(
+        w.write_to(Vec::new()),
+        Err(GgufError::InvalidInput(_))
+    ));
     w.metadata_mut().insert("general.alignment", Value::U32(16));
     assert!(w.write_to(Vec::new()).is_ok());
 }
@@ -216,7 +284,12 @@ struct Layout {
 impl Layout {
     fn new() -> Layout {
         let bytes = small_file(None);
-        let find = |needle: &[u8]| bytes.windows(needle.len()).rposition(|w| w == needle).unwrap();
+        let find = |needle: &[u8]| {
+            bytes
+                .windows(needle.len())
+                .rposition(|w| w == needle)
+                .unwrap()
+        };
         let mut name = 4u64.to_le_bytes().to_vec();
         name.extend_from_slice(b"t.ab");
         let info_ab = find(&name);
@@ -225,7 +298,13 @@ impl Layout {
         let info_aa = find(&name);
         let first_kv = 24;
         let key_len = u64::from_le_bytes(bytes[24..32].try_into().unwrap()) as usize;
-        Layout { bytes, first_kv, first_kv_type: first_kv + 8 + key_len, info_ab, info_aa }
+        Layout {
+            bytes,
+            first_kv,
+            first_kv_type: first_kv + 8 + key_len,
+            info_ab,
+            info_aa,
+        }
     }
 
     // "t.ab" info: name(8+4) n_dims(4) dims(2*8) type(4) offset(8).
@@ -255,7 +334,10 @@ fn parse_err(bytes: Vec<u8>) -> GgufError {
 
 fn assert_names_offset(e: &GgufError, offset: usize) {
     let msg = e.to_string();
-    assert!(msg.contains(&format!("byte offset {offset}")), "message {msg:?} does not name byte offset {offset}");
+    assert!(
+        msg.contains(&format!("byte offset {offset}")),
+        "message {msg:?} does not name byte offset {offset}"
+    );
 }
 
 #[test]
@@ -273,14 +355,23 @@ fn every_truncation_is_an_error_not_a_panic() {
             assert!(r.is_ok(), "prefix of {len} bytes: {:?}", r.err());
         }
     }
-    assert!(matches!(parse_err(l.bytes[..10].to_vec()), GgufError::Truncated { offset: 8, needed: 8 }));
+    assert!(matches!(
+        parse_err(l.bytes[..10].to_vec()),
+        GgufError::Truncated {
+            offset: 8,
+            needed: 8
+        }
+    ));
 }
 
 #[test]
 fn bad_magic() {
     let l = Layout::new();
     let e = parse_err(l.with(0, b"GGML"));
-    assert!(matches!(e, GgufError::BadMagic { found } if &found == b"GGML"), "{e}");
+    assert!(
+        matches!(e, GgufError::BadMagic { found } if &found == b"GGML"),
+        "{e}"
+    );
     assert_names_offset(&e, 0);
 }
 
@@ -289,7 +380,10 @@ fn unsupported_versions() {
     let l = Layout::new();
     for (v, hint) in [(1u32, "v1"), (99, ""), (3u32.swap_bytes(), "big-endian")] {
         let e = parse_err(l.with(4, &v.to_le_bytes()));
-        assert!(matches!(e, GgufError::UnsupportedVersion { version, .. } if version == v), "{e}");
+        assert!(
+            matches!(e, GgufError::UnsupportedVersion { version, .. } if version == v),
+            "{e}"
+        );
         assert_names_offset(&e, 4);
         assert!(e.to_string().contains(hint), "{e}");
     }
@@ -302,23 +396,59 @@ fn unsupported_versions() {
 fn absurd_counts() {
     let l = Layout::new();
     let e = parse_err(l.with(8, &u64::MAX.to_le_bytes()));
-    assert!(matches!(e, GgufError::AbsurdCount { what: "tensor", count: u64::MAX, offset: 8 }), "{e}");
+    assert!(
+        matches!(
+            e,
+            GgufError::AbsurdCount {
+                what: "tensor",
+                count: u64::MAX,
+                offset: 8
+            }
+        ),
+        "{e}"
+    );
     assert_names_offset(&e, 8);
     let e = parse_err(l.with(16, &u64::MAX.to_le_bytes()));
-    assert!(matches!(e, GgufError::AbsurdCount { what: "metadata KV", count: u64::MAX, offset: 16 }), "{e}");
+    assert!(
+        matches!(
+            e,
+            GgufError::AbsurdCount {
+                what: "metadata KV",
+                count: u64::MAX,
+                offset: 16
+            }
+        ),
+        "{e}"
+    );
     assert_names_offset(&e, 16);
     // Plausible-looking but still too many for the bytes left.
     let e = parse_err(l.with(8, &1_000_000u64.to_le_bytes()));
-    assert!(matches!(e, GgufError::AbsurdCount { what: "tensor", .. }), "{e}");
+    assert!(
+        matches!(e, GgufError::AbsurdCount { what: "tensor", .. }),
+        "{e}"
+    );
     // An array length of u64::MAX: the "k.strs" array's count field.
     let key = b"k.strs";
     let at = l.bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 4 + 4;
     let e = parse_err(l.with(at, &u64::MAX.to_le_bytes()));
-    assert!(matches!(e, GgufError::AbsurdCount { what: "array element", offset, .. } if offset == at as u64), "{e}");
+    assert!(
+        matches!(e, GgufError::AbsurdCount { what: "array element", offset, .. } if offset == at as u64),
+        "{e}"
+    );
     assert_names_offset(&e, at);
     // Too many dims.
     let e = parse_err(l.with(l.info_ab + 12, &5u32.to_le_bytes()));
-    assert!(matches!(e, GgufError::AbsurdCount { what: "tensor dim", count: 5, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            GgufError::AbsurdCount {
+                what: "tensor dim",
+                count: 5,
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert_names_offset(&e, l.info_ab + 12);
 }
 
@@ -326,11 +456,17 @@ fn absurd_counts() {
 fn string_length_of_2_pow_60() {
     let l = Layout::new();
     let e = parse_err(l.with(l.first_kv, &(1u64 << 60).to_le_bytes()));
-    assert!(matches!(e, GgufError::StringTooLong { offset: 24, len, .. } if len == 1 << 60), "{e}");
+    assert!(
+        matches!(e, GgufError::StringTooLong { offset: 24, len, .. } if len == 1 << 60),
+        "{e}"
+    );
     assert_names_offset(&e, 24);
     // Same in a tensor name.
     let e = parse_err(l.with(l.info_ab, &(1u64 << 60).to_le_bytes()));
-    assert!(matches!(e, GgufError::StringTooLong { offset, .. } if offset == l.info_ab as u64), "{e}");
+    assert!(
+        matches!(e, GgufError::StringTooLong { offset, .. } if offset == l.info_ab as u64),
+        "{e}"
+    );
 }
 
 #[test]
@@ -364,7 +500,10 @@ fn arrays_nested_too_deep() {
     let e = parse_err(write(nested(MAX_ARRAY_DEPTH + 1)));
     // Header 24 + key (8 + 4) + type 4, then 8 levels of (elem type 4 + count 8).
     let deepest = 24 + 12 + 4 + MAX_ARRAY_DEPTH * 12;
-    assert!(matches!(e, GgufError::NestingTooDeep { offset, .. } if offset == deepest as u64), "{e}");
+    assert!(
+        matches!(e, GgufError::NestingTooDeep { offset, .. } if offset == deepest as u64),
+        "{e}"
+    );
     assert_names_offset(&e, deepest);
     // A hostile file nesting a million levels: bounded, no stack overflow.
     let mut b = Vec::new();
@@ -386,7 +525,10 @@ fn arrays_nested_too_deep() {
 fn unknown_value_type() {
     let l = Layout::new();
     let e = parse_err(l.with(l.first_kv_type, &13u32.to_le_bytes()));
-    assert!(matches!(e, GgufError::UnknownValueType { id: 13, offset } if offset == l.first_kv_type as u64), "{e}");
+    assert!(
+        matches!(e, GgufError::UnknownValueType { id: 13, offset } if offset == l.first_kv_type as u64),
+        "{e}"
+    );
     assert_names_offset(&e, l.first_kv_type);
 }
 
@@ -408,7 +550,10 @@ fn bad_shapes() {
     let mut dims = (1u64 << 40).to_le_bytes().to_vec();
     dims.extend_from_slice(&(1u64 << 40).to_le_bytes());
     let e = parse_err(l.with(l.ab_dims(), &dims));
-    assert!(matches!(&e, GgufError::ShapeMismatch { name, reason, .. } if name == "t.ab" && reason.contains("overflow")), "{e}");
+    assert!(
+        matches!(&e, GgufError::ShapeMismatch { name, reason, .. } if name == "t.ab" && reason.contains("overflow")),
+        "{e}"
+    );
     assert_names_offset(&e, l.info_ab);
     // Above i64::MAX but below u64::MAX.
     let mut dims = (1u64 << 32).to_le_bytes().to_vec();
@@ -417,7 +562,10 @@ fn bad_shapes() {
     assert!(matches!(e, GgufError::ShapeMismatch { .. }), "{e}");
     // Row length not a multiple of Q8_0's 32.
     let e = parse_err(l.with(l.ab_dims(), &33u64.to_le_bytes()));
-    assert!(matches!(&e, GgufError::ShapeMismatch { ty: GgmlType::Q8_0, reason, .. } if reason.contains("block size")), "{e}");
+    assert!(
+        matches!(&e, GgufError::ShapeMismatch { ty: GgmlType::Q8_0, reason, .. } if reason.contains("block size")),
+        "{e}"
+    );
     assert_names_offset(&e, l.info_ab);
 }
 
@@ -425,7 +573,10 @@ fn bad_shapes() {
 fn overflowing_tensor_offset() {
     let l = Layout::new();
     let e = parse_err(l.with(l.ab_offset(), &(!31u64).to_le_bytes()));
-    assert!(matches!(&e, GgufError::OffsetOverflow { name, offset } if name == "t.ab" && *offset == l.ab_offset() as u64), "{e}");
+    assert!(
+        matches!(&e, GgufError::OffsetOverflow { name, offset } if name == "t.ab" && *offset == l.ab_offset() as u64),
+        "{e}"
+    );
     assert_names_offset(&e, l.ab_offset());
 }
 
@@ -433,10 +584,16 @@ fn overflowing_tensor_offset() {
 fn tensor_data_past_the_end() {
     let l = Layout::new();
     let e = parse_err(l.with(l.ab_offset(), &(1u64 << 20).to_le_bytes()));
-    assert!(matches!(&e, GgufError::TensorOutOfBounds { name, .. } if name == "t.ab"), "{e}");
+    assert!(
+        matches!(&e, GgufError::TensorOutOfBounds { name, .. } if name == "t.ab"),
+        "{e}"
+    );
     // Overlong dims with a valid offset: data runs past the end too.
     let e = parse_err(l.with(l.ab_dims() + 8, &1000u64.to_le_bytes()));
-    assert!(matches!(&e, GgufError::TensorOutOfBounds { name, .. } if name == "t.ab"), "{e}");
+    assert!(
+        matches!(&e, GgufError::TensorOutOfBounds { name, .. } if name == "t.ab"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -455,13 +612,19 @@ fn duplicates_and_bad_alignment() {
     let l = Layout::new();
     // Rename tensor "t.ab" to "t.aa".
     let e = parse_err(l.with(l.info_ab + 8, b"t.aa"));
-    assert!(matches!(&e, GgufError::DuplicateTensor { name, offset } if name == "t.aa" && *offset == l.info_ab as u64), "{e}");
+    assert!(
+        matches!(&e, GgufError::DuplicateTensor { name, offset } if name == "t.aa" && *offset == l.info_ab as u64),
+        "{e}"
+    );
     assert_names_offset(&e, l.info_ab);
     assert!(l.info_aa < l.info_ab);
     // Rename key "k.u16" to "k.u32" (same length; "k.u32" comes later).
     let at = l.bytes.windows(5).position(|w| w == b"k.u16").unwrap();
     let e = parse_err(l.with(at, b"k.u32"));
-    assert!(matches!(&e, GgufError::DuplicateKey { key, .. } if key == "k.u32"), "{e}");
+    assert!(
+        matches!(&e, GgufError::DuplicateKey { key, .. } if key == "k.u32"),
+        "{e}"
+    );
     // general.alignment of 48 (patched in after writing a valid 64).
     let bytes = small_file(Some(64));
     let key = b"general.alignment";
@@ -469,7 +632,10 @@ fn duplicates_and_bad_alignment() {
     let mut b = bytes.clone();
     b[at + key.len() + 4..at + key.len() + 8].copy_from_slice(&48u32.to_le_bytes());
     let e = parse_err(b);
-    assert!(matches!(e, GgufError::BadAlignment { value: 48, offset } if offset == at as u64 - 8), "{e}");
+    assert!(
+        matches!(e, GgufError::BadAlignment { value: 48, offset } if offset == at as u64 - 8),
+        "{e}"
+    );
     assert_names_offset(&e, at - 8);
 }
 
@@ -502,7 +668,10 @@ fn exercise(bytes: Vec<u8>) {
             let g = GgufFile::from_bytes(once.clone()).expect("rewritten file must parse");
             assert_eq!(g.metadata().len(), f.metadata().len());
             for (a, b) in f.tensor_views().zip(g.tensor_views()) {
-                assert_eq!((&a.info.name, &a.info.dims, a.info.ty), (&b.info.name, &b.info.dims, b.info.ty));
+                assert_eq!(
+                    (&a.info.name, &a.info.dims, a.info.ty),
+                    (&b.info.name, &b.info.dims, b.info.ty)
+                );
                 assert_eq!(a.data, b.data);
             }
             let mut twice = Vec::new();
@@ -521,12 +690,19 @@ fn fuzz_corpus_replays_without_panic() {
         exercise(std::fs::read(&path).unwrap());
         n += 1;
     }
-    assert!(n >= 2, "fuzz corpus at {} has only {n} files", dir.display());
+    assert!(
+        n >= 2,
+        "fuzz corpus at {} has only {n} files",
+        dir.display()
+    );
 }
 
 #[test]
 fn random_mutations_never_panic() {
-    let seeds = [small_file(None), std::fs::read(fixture_path("tiny_py.gguf")).unwrap()];
+    let seeds = [
+        small_file(None),
+        std::fs::read(fixture_path("tiny_py.gguf")).unwrap(),
+    ];
     let mut rng = StdRng::seed_from_u64(0x4d49_5241_4745);
     let interesting: [u64; 8] = [0, 1, 31, 32, 1 << 31, 1 << 60, u64::MAX / 2, u64::MAX];
     let mut parsed = 0;
@@ -558,7 +734,10 @@ fn random_mutations_never_panic() {
         exercise(b);
     }
     // Some mutations (tensor data, string contents) keep the file valid.
-    assert!(parsed > 100, "only {parsed} mutants parsed: mutations too destructive to test anything");
+    assert!(
+        parsed > 100,
+        "only {parsed} mutants parsed: mutations too destructive to test anything"
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -567,35 +746,62 @@ fn random_mutations_never_panic() {
 #[test]
 fn imports_safetensors_written_by_python() {
     let st = SafetensorsFile::open(fixture_path("tiny.safetensors")).unwrap();
-    let want: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture_path("tiny.safetensors.json")).unwrap()).unwrap();
+    let want: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture_path("tiny.safetensors.json")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(st.len(), 3);
     assert!(st.unsupported().is_empty());
-    assert_eq!(st.header_metadata().get("note").map(String::as_str), Some("mirage-gguf test fixture"));
-    for (name, ty) in [("a.f32", GgmlType::F32), ("b.f16", GgmlType::F16), ("c.bf16", GgmlType::BF16)] {
+    assert_eq!(
+        st.header_metadata().get("note").map(String::as_str),
+        Some("mirage-gguf test fixture")
+    );
+    for (name, ty) in [
+        ("a.f32", GgmlType::F32),
+        ("b.f16", GgmlType::F16),
+        ("c.bf16", GgmlType::BF16),
+    ] {
         let t = st.tensor(name).unwrap().unwrap();
         let w = &want[name];
-        let shape: Vec<usize> = w["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
+        let shape: Vec<usize> = w["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .collect();
         assert_eq!(t.shape, shape.as_slice());
         let rev: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
         assert_eq!(t.dims, rev.as_slice(), "ggml order is the reversed shape");
         assert_eq!(t.ty, ty);
-        let vals: Vec<f32> = w["values"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        let vals: Vec<f32> = w["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
         assert_eq!(t.to_f32(), vals, "{name}");
     }
     assert!(st.tensor("nope").unwrap().is_none());
 
     // Into GGUF and back.
     let mut w = GgufWriter::new(Metadata::new());
-    let n = st.add_to_writer(&mut w, |name| Some(format!("imp.{name}"))).unwrap();
+    let n = st
+        .add_to_writer(&mut w, |name| Some(format!("imp.{name}")))
+        .unwrap();
     assert_eq!(n, 3);
     let mut out = Vec::new();
     w.write_to(&mut out).unwrap();
     let g = GgufFile::from_bytes(out).unwrap();
     let c = g.tensor("imp.c.bf16").unwrap();
-    assert_eq!((c.info.ty, c.info.dims.as_slice()), (GgmlType::BF16, &[2u64, 2, 3][..]));
+    assert_eq!(
+        (c.info.ty, c.info.dims.as_slice()),
+        (GgmlType::BF16, &[2u64, 2, 3][..])
+    );
     assert_eq!(c.data, st.tensor("c.bf16").unwrap().unwrap().data);
-    assert!(matches!(SafetensorsFile::from_bytes(vec![1, 2, 3]), Err(GgufError::Safetensors(_))));
+    assert!(matches!(
+        SafetensorsFile::from_bytes(vec![1, 2, 3]),
+        Err(GgufError::Safetensors(_))
+    ));
 }
 
 // ---------------------------------------------------------------------------
@@ -605,7 +811,8 @@ fn imports_safetensors_written_by_python() {
 fn hparams_of(md: Metadata, tensors: &[&str]) -> Result<mirage_gguf::ModelHparams, GgufError> {
     let mut w = GgufWriter::new(md);
     for name in tensors {
-        w.add_tensor(*name, vec![4], GgmlType::F32, vec![0u8; 16]).unwrap();
+        w.add_tensor(*name, vec![4], GgmlType::F32, vec![0u8; 16])
+            .unwrap();
     }
     let mut out = Vec::new();
     w.write_to(&mut out).unwrap();
@@ -634,41 +841,69 @@ fn qwen3_metadata() -> Metadata {
 
 #[test]
 fn hparams_qwen3_and_errors() {
-    let hp = hparams_of(qwen3_metadata(), &["blk.0.attn_q_norm.weight", "output.weight"]).unwrap();
+    let hp = hparams_of(
+        qwen3_metadata(),
+        &["blk.0.attn_q_norm.weight", "output.weight"],
+    )
+    .unwrap();
     assert_eq!(hp.arch, mirage_gguf::Arch::Qwen3);
     // key_length wins over n_embd / n_head (1024 / 16 = 64).
     assert_eq!((hp.head_dim, hp.q_dim(), hp.kv_dim()), (128, 2048, 1024));
-    assert_eq!(hp.vocab_size, 151_936, "from {{arch}}.vocab_size when no tokenizer array");
+    assert_eq!(
+        hp.vocab_size, 151_936,
+        "from {{arch}}.vocab_size when no tokenizer array"
+    );
     assert!(hp.attn_qk_norm && !hp.attn_qkv_bias && !hp.tied_embeddings);
     assert!(hp.rope_scaling.is_none());
 
     let mut md = qwen3_metadata();
     md.insert("qwen3.rope.scaling.type", Value::String("yarn".into()));
     md.insert("qwen3.rope.scaling.factor", Value::F32(4.0));
-    md.insert("qwen3.rope.scaling.original_context_length", Value::U32(32768));
+    md.insert(
+        "qwen3.rope.scaling.original_context_length",
+        Value::U32(32768),
+    );
     let rs = hparams_of(md, &[]).unwrap().rope_scaling.unwrap();
-    assert_eq!((rs.kind, rs.factor, rs.original_context_length), (mirage_gguf::RopeScalingType::Yarn, 4.0, Some(32768)));
+    assert_eq!(
+        (rs.kind, rs.factor, rs.original_context_length),
+        (mirage_gguf::RopeScalingType::Yarn, 4.0, Some(32768))
+    );
 
     let mut md = qwen3_metadata();
     md.remove("qwen3.block_count");
     let e = hparams_of(md, &[]).unwrap_err();
-    assert!(matches!(&e, GgufError::MissingKey { key } if key == "qwen3.block_count"), "{e}");
+    assert!(
+        matches!(&e, GgufError::MissingKey { key } if key == "qwen3.block_count"),
+        "{e}"
+    );
     assert!(e.to_string().contains("qwen3.block_count"));
 
     let mut md = qwen3_metadata();
     md.insert("qwen3.attention.head_count_kv", Value::U32(5));
-    assert!(matches!(hparams_of(md, &[]), Err(GgufError::BadHparam { .. })));
+    assert!(matches!(
+        hparams_of(md, &[]),
+        Err(GgufError::BadHparam { .. })
+    ));
 
     let mut md = qwen3_metadata();
     md.insert("qwen3.context_length", Value::String("long".into()));
-    assert!(matches!(hparams_of(md, &[]), Err(GgufError::WrongType { .. })));
+    assert!(matches!(
+        hparams_of(md, &[]),
+        Err(GgufError::WrongType { .. })
+    ));
 
     let mut md = qwen3_metadata();
     md.insert("general.architecture", Value::String("gpt2".into()));
     let e = hparams_of(md, &[]).unwrap_err();
-    assert!(matches!(&e, GgufError::UnsupportedArch { arch } if arch == "gpt2"), "{e}");
+    assert!(
+        matches!(&e, GgufError::UnsupportedArch { arch } if arch == "gpt2"),
+        "{e}"
+    );
 
     let mut md = qwen3_metadata();
     md.remove("general.architecture");
-    assert!(matches!(hparams_of(md, &[]), Err(GgufError::MissingKey { .. })));
+    assert!(matches!(
+        hparams_of(md, &[]),
+        Err(GgufError::MissingKey { .. })
+    ));
 }

@@ -14,21 +14,32 @@ const QWEN: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 /// The model's path, or `None` (after saying why) when
 /// MIRAGE_SKIP_MODEL_TESTS=1; a missing model without that is a failure.
 fn model(name: &str) -> Option<PathBuf> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models").join(name);
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(name);
     if path.exists() {
         return Some(path);
     }
     if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipping: {} missing and MIRAGE_SKIP_MODEL_TESTS=1", path.display());
+        eprintln!(
+            "skipping: {} missing and MIRAGE_SKIP_MODEL_TESTS=1",
+            path.display()
+        );
         return None;
     }
     panic!("{} missing: run `cargo xtask fetch-models`", path.display());
 }
 
 fn fixture(name: &str) -> Json {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e}; run scripts/gen_format_fixtures.py", path.display()));
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}; run scripts/gen_format_fixtures.py",
+            path.display()
+        )
+    });
     serde_json::from_str(&text).unwrap()
 }
 
@@ -63,33 +74,84 @@ fn compare_with_python(name: &str) {
     let Some(path) = model(name) else { return };
     let f = GgufFile::open(&path).unwrap();
     let want = fixture(&format!("{name}.json"));
-    assert_eq!(f.len(), want["file_len"].as_u64().unwrap(), "file length (wrong model version?)");
+    assert_eq!(
+        f.len(),
+        want["file_len"].as_u64().unwrap(),
+        "file length (wrong model version?)"
+    );
     assert_eq!(f.version() as u64, want["version"].as_u64().unwrap());
     assert_eq!(f.alignment(), want["alignment"].as_u64().unwrap());
     assert_eq!(f.data_offset(), want["data_offset"].as_u64().unwrap());
     assert_eq!(f.metadata().len() as u64, want["n_kv"].as_u64().unwrap());
-    assert_eq!(f.tensors().len() as u64, want["n_tensors"].as_u64().unwrap());
+    assert_eq!(
+        f.tensors().len() as u64,
+        want["n_tensors"].as_u64().unwrap()
+    );
 
     let order: Vec<&str> = f.metadata().iter().map(|(k, _)| k).collect();
-    let want_order: Vec<&str> =
-        want["key_order"].as_array().unwrap().iter().map(|k| k.as_str().unwrap()).collect();
+    let want_order: Vec<&str> = want["key_order"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_str().unwrap())
+        .collect();
     assert_eq!(order, want_order, "metadata key order");
 
     for (key, w) in want["scalars"].as_object().unwrap() {
-        let v = f.metadata().get(key).unwrap_or_else(|| panic!("missing {key}"));
-        assert_eq!(v.value_type().id() as u64, w["type"].as_u64().unwrap(), "{key} type");
-        assert!(scalar_matches(v, &w["value"]), "{key}: ours {v:?}, python {}", w["value"]);
+        let v = f
+            .metadata()
+            .get(key)
+            .unwrap_or_else(|| panic!("missing {key}"));
+        assert_eq!(
+            v.value_type().id() as u64,
+            w["type"].as_u64().unwrap(),
+            "{key} type"
+        );
+        assert!(
+            scalar_matches(v, &w["value"]),
+            "{key}: ours {v:?}, python {}",
+            w["value"]
+        );
     }
     for (key, w) in want["arrays"].as_object().unwrap() {
-        let a = f.metadata().get_array(key).unwrap_or_else(|| panic!("missing array {key}"));
-        assert_eq!(a.elem_type.id() as u64, w["elem_type"].as_u64().unwrap(), "{key} elem type");
-        assert_eq!(a.values.len() as u64, w["len"].as_u64().unwrap(), "{key} length");
+        let a = f
+            .metadata()
+            .get_array(key)
+            .unwrap_or_else(|| panic!("missing array {key}"));
+        assert_eq!(
+            a.elem_type.id() as u64,
+            w["elem_type"].as_u64().unwrap(),
+            "{key} elem type"
+        );
+        assert_eq!(
+            a.values.len() as u64,
+            w["len"].as_u64().unwrap(),
+            "{key} length"
+        );
         if let Some(strings) = f.metadata().get_str_array(key) {
-            let first: Vec<&str> = w["first"].as_array().unwrap().iter().map(|x| x.as_str().unwrap()).collect();
-            let last: Vec<&str> = w["last"].as_array().unwrap().iter().map(|x| x.as_str().unwrap()).collect();
+            let first: Vec<&str> = w["first"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_str().unwrap())
+                .collect();
+            let last: Vec<&str> = w["last"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_str().unwrap())
+                .collect();
             assert_eq!(&strings[..first.len()], &first[..], "{key} first entries");
-            assert_eq!(&strings[strings.len() - last.len()..], &last[..], "{key} last entries");
-            assert_eq!(strings_sha256(strings.iter().copied()), w["sha256"].as_str().unwrap(), "{key} hash");
+            assert_eq!(
+                &strings[strings.len() - last.len()..],
+                &last[..],
+                "{key} last entries"
+            );
+            assert_eq!(
+                strings_sha256(strings.iter().copied()),
+                w["sha256"].as_str().unwrap(),
+                "{key} hash"
+            );
         } else if let Some(h) = w.get("sha256") {
             let ints: Vec<i64> = a.values.iter().map(|v| v.as_i64().unwrap()).collect();
             assert_eq!(ints_sha256(ints), h.as_str().unwrap(), "{key} hash");
@@ -99,14 +161,32 @@ fn compare_with_python(name: &str) {
     let want_tensors = want["tensors"].as_array().unwrap();
     for (t, w) in f.tensors().iter().zip(want_tensors) {
         assert_eq!(t.name, w["name"].as_str().unwrap());
-        assert_eq!(t.ty.id() as u64, w["type"].as_u64().unwrap(), "{} type", t.name);
-        let dims: Vec<u64> = w["dims"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).collect();
+        assert_eq!(
+            t.ty.id() as u64,
+            w["type"].as_u64().unwrap(),
+            "{} type",
+            t.name
+        );
+        let dims: Vec<u64> = w["dims"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .collect();
         assert_eq!(t.dims, dims, "{} dims", t.name);
         assert_eq!(t.offset, w["offset"].as_u64().unwrap(), "{} offset", t.name);
-        assert_eq!(t.n_bytes(), w["n_bytes"].as_u64().unwrap(), "{} bytes", t.name);
+        assert_eq!(
+            t.n_bytes(),
+            w["n_bytes"].as_u64().unwrap(),
+            "{} bytes",
+            t.name
+        );
         let view = f.tensor(&t.name).unwrap();
         assert_eq!(view.data.len() as u64, t.n_bytes());
-        assert_eq!(view.data.as_ptr() as usize - f.as_bytes().as_ptr() as usize, (f.data_offset() + t.offset) as usize);
+        assert_eq!(
+            view.data.as_ptr() as usize - f.as_bytes().as_ptr() as usize,
+            (f.data_offset() + t.offset) as usize
+        );
     }
 }
 
@@ -127,7 +207,10 @@ fn smollm2_hparams() {
     let hp = f.hparams().unwrap();
     assert_eq!(hp.arch, Arch::Llama);
     assert_eq!((hp.n_layer, hp.n_embd, hp.n_ff), (30, 576, 1536));
-    assert_eq!((hp.n_head, hp.n_head_kv, hp.head_dim, hp.rope_dim), (9, 3, 64, 64));
+    assert_eq!(
+        (hp.n_head, hp.n_head_kv, hp.head_dim, hp.rope_dim),
+        (9, 3, 64, 64)
+    );
     assert_eq!(hp.vocab_size, 49152);
     assert_eq!(hp.n_ctx_train, 8192);
     assert_eq!(hp.rope_freq_base, 100_000.0);
@@ -159,15 +242,27 @@ fn qwen_hparams() {
     // output.weight (token_embd is Q5_0), as the Python reader confirms.
     assert!(!hp.tied_embeddings);
     assert_eq!(f.tensor("output.weight").unwrap().info.ty, GgmlType::Q8_0);
-    assert_eq!(f.tensor("token_embd.weight").unwrap().info.ty, GgmlType::Q5_0);
+    assert_eq!(
+        f.tensor("token_embd.weight").unwrap().info.ty,
+        GgmlType::Q5_0
+    );
     assert!(hp.attn_qkv_bias && !hp.attn_qk_norm);
     assert_eq!(f.tensors().len(), 291);
     // Every one of the 151,936 tokens comes back, not a truncated preview.
     let tokens = f.metadata().get_str_array("tokenizer.ggml.tokens").unwrap();
     assert_eq!(tokens.len(), 151_936);
     assert_eq!(tokens[0], "!");
-    assert_eq!(f.metadata().get_i32_array("tokenizer.ggml.token_type").unwrap().len(), 151_936);
-    assert_eq!(f.metadata().get_u64("tokenizer.ggml.eos_token_id"), Some(151_645));
+    assert_eq!(
+        f.metadata()
+            .get_i32_array("tokenizer.ggml.token_type")
+            .unwrap()
+            .len(),
+        151_936
+    );
+    assert_eq!(
+        f.metadata().get_u64("tokenizer.ggml.eos_token_id"),
+        Some(151_645)
+    );
 }
 
 /// Rewriting a model unchanged through the writer (atomically, to a path)
@@ -179,12 +274,22 @@ fn rewrite_identical(name: &str) {
     let out = dir.path().join(name);
     let n = GgufWriter::from_gguf(&f).write_to_path(&out).unwrap();
     assert_eq!(n, f.len());
-    let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
-    assert_eq!(leftovers.len(), 1, "temporary file left behind: {leftovers:?}");
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        leftovers.len(),
+        1,
+        "temporary file left behind: {leftovers:?}"
+    );
     let copy = GgufFile::open(&out).unwrap();
     let (a, b) = (f.as_bytes(), copy.as_bytes());
     assert_eq!(a.len(), b.len());
-    if let Some(i) = (0..a.len()).step_by(1 << 20).find(|&i| a[i..(i + (1 << 20)).min(a.len())] != b[i..(i + (1 << 20)).min(b.len())]) {
+    if let Some(i) = (0..a.len())
+        .step_by(1 << 20)
+        .find(|&i| a[i..(i + (1 << 20)).min(a.len())] != b[i..(i + (1 << 20)).min(b.len())])
+    {
         let j = (i..a.len()).find(|&j| a[j] != b[j]).unwrap();
         panic!("rewrite of {name} differs first at byte {j}");
     }

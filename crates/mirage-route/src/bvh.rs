@@ -112,7 +112,11 @@ impl Bvh {
             lo = lo.min(b.min[0]);
             hi = hi.max(b.max[0]);
         }
-        let stride = if data.boxes.is_empty() { 1.0 } else { (hi - lo) * 1.25 + 1.0 };
+        let stride = if data.boxes.is_empty() {
+            1.0
+        } else {
+            (hi - lo) * 1.25 + 1.0
+        };
         if !stride.is_finite() {
             return Err(RouteError::InvalidData("box x extent overflows f32".into()));
         }
@@ -125,11 +129,20 @@ impl Bvh {
                 let mut t = *b;
                 t.min[0] += off;
                 t.max[0] += off;
-                let centroid = [0.5 * (t.min[0] + t.max[0]), 0.5 * (t.min[1] + t.max[1]), 0.5 * (t.min[2] + t.max[2])];
+                let centroid = [
+                    0.5 * (t.min[0] + t.max[0]),
+                    0.5 * (t.min[1] + t.max[1]),
+                    0.5 * (t.min[2] + t.max[2]),
+                ];
                 items.push(Item {
                     bounds: t,
                     centroid,
-                    prim: BvhPrim { min: b.min, page: page as u32, max: b.max, slice: slice as u32 },
+                    prim: BvhPrim {
+                        min: b.min,
+                        page: page as u32,
+                        max: b.max,
+                        slice: slice as u32,
+                    },
                 });
             }
         }
@@ -140,12 +153,18 @@ impl Bvh {
             // (node index, start, end, depth)
             let mut work = vec![(0usize, 0usize, items.len(), 0usize)];
             while let Some((ni, start, end, depth)) = work.pop() {
-                let bounds = items[start..end].iter().fold(Aabb::empty(), |a, it| a.union(&it.bounds));
+                let bounds = items[start..end]
+                    .iter()
+                    .fold(Aabb::empty(), |a, it| a.union(&it.bounds));
                 let node = &mut nodes[ni];
                 node.min = bounds.min.map(pad_down);
                 node.max = bounds.max.map(pad_up);
                 let count = end - start;
-                let split = if count <= MAX_LEAF || depth >= MAX_DEPTH { None } else { sah_split(&mut items[start..end], &bounds) };
+                let split = if count <= MAX_LEAF || depth >= MAX_DEPTH {
+                    None
+                } else {
+                    sah_split(&mut items[start..end], &bounds)
+                };
                 match split {
                     None => {
                         node.left_or_first = start as u32;
@@ -164,7 +183,13 @@ impl Bvh {
             }
         }
         let prims = items.into_iter().map(|it| it.prim).collect();
-        Ok(Self { slices, pages, slice_offsets, nodes, prims })
+        Ok(Self {
+            slices,
+            pages,
+            slice_offsets,
+            nodes,
+            prims,
+        })
     }
 
     /// Calls `hit(page)` for every primitive of `slice` whose box contains the
@@ -180,7 +205,13 @@ impl Bvh {
         while sp > 0 {
             sp -= 1;
             let n = &self.nodes[stack[sp] as usize];
-            if !(t[0] >= n.min[0] && t[0] <= n.max[0] && t[1] >= n.min[1] && t[1] <= n.max[1] && t[2] >= n.min[2] && t[2] <= n.max[2]) {
+            if !(t[0] >= n.min[0]
+                && t[0] <= n.max[0]
+                && t[1] >= n.min[1]
+                && t[1] <= n.max[1]
+                && t[2] >= n.min[2]
+                && t[2] <= n.max[2])
+            {
                 continue;
             }
             if n.count > 0 {
@@ -200,9 +231,16 @@ impl Bvh {
 
     /// Serializes to the documented little-endian layout.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(24 + 4 * self.slices + 32 * (self.nodes.len() + self.prims.len()));
+        let mut out =
+            Vec::with_capacity(24 + 4 * self.slices + 32 * (self.nodes.len() + self.prims.len()));
         out.extend_from_slice(b"MRBV");
-        for v in [1u32, self.slices as u32, self.pages as u32, self.nodes.len() as u32, self.prims.len() as u32] {
+        for v in [
+            1u32,
+            self.slices as u32,
+            self.pages as u32,
+            self.nodes.len() as u32,
+            self.prims.len() as u32,
+        ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
         for o in &self.slice_offsets {
@@ -228,7 +266,12 @@ impl Bvh {
         if u(4) != 1 {
             return Err(bad("unknown version"));
         }
-        let (slices, pages, n_nodes, n_prims) = (u(8) as usize, u(12) as usize, u(16) as usize, u(20) as usize);
+        let (slices, pages, n_nodes, n_prims) = (
+            u(8) as usize,
+            u(12) as usize,
+            u(16) as usize,
+            u(20) as usize,
+        );
         let want = (n_nodes as u128 + n_prims as u128) * 32 + 24 + 4 * slices as u128;
         if bytes.len() as u128 != want {
             return Err(bad("length does not match header"));
@@ -236,28 +279,50 @@ impl Bvh {
         let slice_offsets = (0..slices).map(|s| f(24 + 4 * s)).collect();
         let rec = |i: usize| {
             let o = 24 + 4 * slices + 32 * i;
-            ([f(o), f(o + 4), f(o + 8)], u(o + 12), [f(o + 16), f(o + 20), f(o + 24)], u(o + 28))
+            (
+                [f(o), f(o + 4), f(o + 8)],
+                u(o + 12),
+                [f(o + 16), f(o + 20), f(o + 24)],
+                u(o + 28),
+            )
         };
         let nodes: Vec<BvhNode> = (0..n_nodes)
             .map(|i| {
                 let (min, left_or_first, max, count) = rec(i);
-                BvhNode { min, left_or_first, max, count }
+                BvhNode {
+                    min,
+                    left_or_first,
+                    max,
+                    count,
+                }
             })
             .collect();
         let prims: Vec<BvhPrim> = (0..n_prims)
             .map(|i| {
                 let (min, page, max, slice) = rec(n_nodes + i);
-                BvhPrim { min, page, max, slice }
+                BvhPrim {
+                    min,
+                    page,
+                    max,
+                    slice,
+                }
             })
             .collect();
         for n in &nodes {
             let (a, c) = (n.left_or_first as usize, n.count as usize);
-            let ok = if c == 0 { a > 0 && a + 1 < n_nodes } else { a + c <= n_prims };
+            let ok = if c == 0 {
+                a > 0 && a + 1 < n_nodes
+            } else {
+                a + c <= n_prims
+            };
             if !ok {
                 return Err(bad("node index out of range"));
             }
         }
-        if prims.iter().any(|p| p.page as usize >= pages || p.slice as usize >= slices) {
+        if prims
+            .iter()
+            .any(|p| p.page as usize >= pages || p.slice as usize >= slices)
+        {
             return Err(bad("primitive page or slice out of range"));
         }
         // A malicious file could make cycles; traversal is bounded by its stack, but
@@ -276,7 +341,13 @@ impl Bvh {
                 depth_stack.push((n.left_or_first as usize + 1, d + 1));
             }
         }
-        Ok(Self { slices, pages, slice_offsets, nodes, prims })
+        Ok(Self {
+            slices,
+            pages,
+            slice_offsets,
+            nodes,
+            prims,
+        })
     }
 }
 
@@ -294,7 +365,9 @@ fn push_record(out: &mut Vec<u8>, min: [f32; 3], a: u32, max: [f32; 3], b: u32) 
 /// Binned SAH split; reorders `items` and returns the left count, or `None`
 /// when a leaf is cheaper or no split separates the centroids.
 fn sah_split(items: &mut [Item], bounds: &Aabb) -> Option<usize> {
-    let cb = items.iter().fold(Aabb::empty(), |a, it| a.union(&Aabb::new(it.centroid, it.centroid)));
+    let cb = items.iter().fold(Aabb::empty(), |a, it| {
+        a.union(&Aabb::new(it.centroid, it.centroid))
+    });
     let mut best: Option<(f32, usize, usize)> = None; // (cost, axis, bin boundary)
     for axis in 0..3 {
         let (lo, hi) = (cb.min[axis], cb.max[axis]);

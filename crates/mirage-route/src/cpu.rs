@@ -30,7 +30,9 @@ impl Router for BruteForce {
         for q in 0..queries {
             let pts = &points[q * d.slices..][..d.slices];
             for page in 0..d.pages() {
-                let hits = (0..d.slices).filter(|&s| d.page_box(page, s).contains(pts[s])).count() as u32;
+                let hits = (0..d.slices)
+                    .filter(|&s| d.page_box(page, s).contains(pts[s]))
+                    .count() as u32;
                 if hits >= d.thresholds[page] {
                     out.insert(q, page);
                 }
@@ -67,7 +69,13 @@ impl CpuBvh {
                 always[p / 32] |= 1 << (p % 32);
             }
         }
-        Self { bvh, thresholds, always, masks: vec![0; pages], touched: Vec::new() }
+        Self {
+            bvh,
+            thresholds,
+            always,
+            masks: vec![0; pages],
+            touched: Vec::new(),
+        }
     }
 
     /// The tree this router walks.

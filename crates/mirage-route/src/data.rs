@@ -88,7 +88,10 @@ impl Aabb {
 
     /// The empty box (min = +inf, max = -inf), neutral for [`Aabb::union`].
     pub fn empty() -> Self {
-        Self { min: [f32::INFINITY; 3], max: [f32::NEG_INFINITY; 3] }
+        Self {
+            min: [f32::INFINITY; 3],
+            max: [f32::NEG_INFINITY; 3],
+        }
     }
 
     /// Smallest box holding both.
@@ -104,7 +107,11 @@ impl Aabb {
 
     /// Surface area (0 for an empty box).
     pub fn area(&self) -> f32 {
-        let d = [self.max[0] - self.min[0], self.max[1] - self.min[1], self.max[2] - self.min[2]];
+        let d = [
+            self.max[0] - self.min[0],
+            self.max[1] - self.min[1],
+            self.max[2] - self.min[2],
+        ];
         if d.iter().any(|x| x.is_nan() || *x < 0.0) {
             return 0.0;
         }
@@ -133,7 +140,13 @@ impl RouterData {
     /// Router data without a projection, with one threshold for every page.
     pub fn new(slices: usize, boxes: Vec<Aabb>, threshold: u32) -> Result<Self, RouteError> {
         let pages = boxes.len().checked_div(slices).unwrap_or(0);
-        let data = Self { slices, boxes, thresholds: vec![threshold; pages], d_model: 0, projection: Vec::new() };
+        let data = Self {
+            slices,
+            boxes,
+            thresholds: vec![threshold; pages],
+            d_model: 0,
+            projection: Vec::new(),
+        };
         data.validate()?;
         Ok(data)
     }
@@ -152,7 +165,10 @@ impl RouterData {
     /// Checks the shape and the boxes (finite, `min <= max`).
     pub fn validate(&self) -> Result<(), RouteError> {
         if self.slices == 0 || self.slices > MAX_SLICES {
-            return Err(RouteError::InvalidData(format!("slices = {} (must be 1..={MAX_SLICES})", self.slices)));
+            return Err(RouteError::InvalidData(format!(
+                "slices = {} (must be 1..={MAX_SLICES})",
+                self.slices
+            )));
         }
         if self.boxes.len() != self.thresholds.len() * self.slices {
             return Err(RouteError::InvalidData(format!(
@@ -163,7 +179,10 @@ impl RouterData {
             )));
         }
         if self.pages() > u32::MAX as usize / MAX_SLICES {
-            return Err(RouteError::InvalidData(format!("{} pages is too many", self.pages())));
+            return Err(RouteError::InvalidData(format!(
+                "{} pages is too many",
+                self.pages()
+            )));
         }
         for (i, b) in self.boxes.iter().enumerate() {
             for a in 0..3 {
@@ -214,7 +233,13 @@ impl RouterData {
             HEADER_BYTES + 4 * self.pages() + 24 * self.boxes.len() + 4 * self.projection.len(),
         );
         out.extend_from_slice(MAGIC);
-        for v in [VERSION, self.slices as u32, self.pages() as u32, self.d_model as u32, 0] {
+        for v in [
+            VERSION,
+            self.slices as u32,
+            self.pages() as u32,
+            self.d_model as u32,
+            0,
+        ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
         for t in &self.thresholds {
@@ -235,11 +260,16 @@ impl RouterData {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, RouteError> {
         let bad = |m: String| RouteError::InvalidData(m);
         if bytes.len() < HEADER_BYTES || &bytes[..4] != MAGIC {
-            return Err(bad("not MIRAGE router data (bad magic or short header)".into()));
+            return Err(bad(
+                "not MIRAGE router data (bad magic or short header)".into()
+            ));
         }
         let u = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes"));
         if u(4) != VERSION {
-            return Err(bad(format!("router data version {} (this reader knows {VERSION})", u(4))));
+            return Err(bad(format!(
+                "router data version {} (this reader knows {VERSION})",
+                u(4)
+            )));
         }
         let (slices, pages, d_model) = (u(8) as usize, u(12) as usize, u(16) as usize);
         if slices == 0 || slices > MAX_SLICES {
@@ -263,12 +293,21 @@ impl RouterData {
         let boxes = (0..pages * slices)
             .map(|i| {
                 let o = at + 24 * i;
-                Aabb::new([f(o), f(o + 4), f(o + 8)], [f(o + 12), f(o + 16), f(o + 20)])
+                Aabb::new(
+                    [f(o), f(o + 4), f(o + 8)],
+                    [f(o + 12), f(o + 16), f(o + 20)],
+                )
             })
             .collect();
         at += 24 * pages * slices;
         let projection = (0..slices * 3 * d_model).map(|i| f(at + 4 * i)).collect();
-        let data = Self { slices, boxes, thresholds, d_model, projection };
+        let data = Self {
+            slices,
+            boxes,
+            thresholds,
+            d_model,
+            projection,
+        };
         data.validate()?;
         Ok(data)
     }
@@ -303,7 +342,9 @@ mod tests {
     }
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
     }
 
@@ -316,11 +357,22 @@ mod tests {
                 let x: Vec<f32> = (0..d).map(|_| lcg(&mut seed) * 1e3).collect();
                 let got = slice_dot(&row, &x);
                 for (l, w) in warp_xor_butterfly(&row, &x).iter().enumerate() {
-                    assert_eq!(got.to_bits(), w.to_bits(), "d {d}: lane {l} of the butterfly differs");
+                    assert_eq!(
+                        got.to_bits(),
+                        w.to_bits(),
+                        "d {d}: lane {l} of the butterfly differs"
+                    );
                 }
                 let exact: f64 = row.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
-                let scale: f64 = row.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
-                assert!(((got as f64) - exact).abs() <= 1e-5 * scale.max(1e-30), "d {d}: {got} vs f64 {exact}");
+                let scale: f64 = row
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                    .sum();
+                assert!(
+                    ((got as f64) - exact).abs() <= 1e-5 * scale.max(1e-30),
+                    "d {d}: {got} vs f64 {exact}"
+                );
             }
         }
         // Signed zeros: the sum starts from +0.0, as the GPU's does.

@@ -141,7 +141,12 @@ impl CandidateSet {
     /// An empty set for `queries` queries over `pages` pages.
     pub fn new(queries: usize, pages: usize) -> Self {
         let words_per_query = pages.div_ceil(32);
-        Self { queries, pages, words_per_query, bits: vec![0; queries * words_per_query] }
+        Self {
+            queries,
+            pages,
+            words_per_query,
+            bits: vec![0; queries * words_per_query],
+        }
     }
 
     /// Marks `page` a candidate of query `q`.
@@ -209,7 +214,10 @@ pub(crate) fn route_in_chunks(
     let mut q0 = 0;
     while q0 < queries {
         let n = chunk.min(queries - q0);
-        route_chunk(&points[q0 * slices..(q0 + n) * slices], &mut out.bits[q0 * words..(q0 + n) * words])?;
+        route_chunk(
+            &points[q0 * slices..(q0 + n) * slices],
+            &mut out.bits[q0 * words..(q0 + n) * words],
+        )?;
         q0 += n;
     }
     Ok(out)
@@ -229,18 +237,36 @@ pub struct Selection {
 pub fn best_available(data: &RouterData) -> Result<Selection, RouteError> {
     let mut skipped = Vec::new();
     match VulkanRtRouter::new(data) {
-        Ok(r) => return Ok(Selection { router: Box::new(r), skipped }),
+        Ok(r) => {
+            return Ok(Selection {
+                router: Box::new(r),
+                skipped,
+            })
+        }
         Err(e @ RouteError::Unavailable { .. }) | Err(e @ RouteError::Device { .. }) => {
             skipped.push((RouterKind::VulkanRt, e))
         }
         Err(e) => return Err(e),
     }
-    match WgpuRouter::new(data, WgpuOptions { allow_software: false }) {
-        Ok(r) => return Ok(Selection { router: Box::new(r), skipped }),
+    match WgpuRouter::new(
+        data,
+        WgpuOptions {
+            allow_software: false,
+        },
+    ) {
+        Ok(r) => {
+            return Ok(Selection {
+                router: Box::new(r),
+                skipped,
+            })
+        }
         Err(e @ RouteError::Unavailable { .. }) | Err(e @ RouteError::Device { .. }) => {
             skipped.push((RouterKind::Wgpu, e))
         }
         Err(e) => return Err(e),
     }
-    Ok(Selection { router: Box::new(CpuBvh::new(data)?), skipped })
+    Ok(Selection {
+        router: Box::new(CpuBvh::new(data)?),
+        skipped,
+    })
 }

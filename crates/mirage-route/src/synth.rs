@@ -59,9 +59,18 @@ pub fn router_data(spec: &SynthSpec, seed: u64) -> RouterData {
         boxes.push(b);
     }
     let thresholds = (0..spec.pages)
-        .map(|_| spec.threshold.unwrap_or_else(|| rng.below(spec.slices as u64 + 1) as u32))
+        .map(|_| {
+            spec.threshold
+                .unwrap_or_else(|| rng.below(spec.slices as u64 + 1) as u32)
+        })
         .collect();
-    RouterData { slices: spec.slices, boxes, thresholds, d_model: 0, projection: Vec::new() }
+    RouterData {
+        slices: spec.slices,
+        boxes,
+        thresholds,
+        d_model: 0,
+        projection: Vec::new(),
+    }
 }
 
 /// `queries * slices` query points: most uniform in `[-1.2, 1.2)^3`, some
@@ -75,7 +84,13 @@ pub fn query_points(data: &RouterData, queries: usize, seed: u64) -> Vec<[f32; 3
             let p = if data.pages() > 0 && kind == 0 {
                 let b = data.page_box(rng.below(data.pages() as u64) as usize, s);
                 let corner = rng.below(8);
-                std::array::from_fn(|a| if corner >> a & 1 == 1 { b.max[a] } else { b.min[a] })
+                std::array::from_fn(|a| {
+                    if corner >> a & 1 == 1 {
+                        b.max[a]
+                    } else {
+                        b.min[a]
+                    }
+                })
             } else if data.pages() > 0 && kind <= 2 {
                 let b = data.page_box(rng.below(data.pages() as u64) as usize, s);
                 std::array::from_fn(|a| rng.range(b.min[a], b.max[a]))

@@ -45,7 +45,8 @@ pub(super) const INTEROP_EXTENSIONS: [&CStr; 4] = [
 ];
 
 const MEM_HANDLE: vk::ExternalMemoryHandleTypeFlags = vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
-const SEM_HANDLE: vk::ExternalSemaphoreHandleTypeFlags = vk::ExternalSemaphoreHandleTypeFlags::OPAQUE_FD;
+const SEM_HANDLE: vk::ExternalSemaphoreHandleTypeFlags =
+    vk::ExternalSemaphoreHandleTypeFlags::OPAQUE_FD;
 
 /// What the importing (CUDA) side asks of the Vulkan router.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -141,13 +142,20 @@ fn device_uuid(instance: &ash::Instance, pd: vk::PhysicalDevice) -> [u8; 16] {
 
 /// Whether `pd` can serve `req`: Vulkan 1.2 with timeline semaphores, and the
 /// requested UUID (extensions are checked by the caller).
-pub(super) fn device_fits(instance: &ash::Instance, pd: vk::PhysicalDevice, req: &InteropRequest) -> bool {
+pub(super) fn device_fits(
+    instance: &ash::Instance,
+    pd: vk::PhysicalDevice,
+    req: &InteropRequest,
+) -> bool {
     // SAFETY: plain queries on a live instance.
     let api = unsafe { instance.get_physical_device_properties(pd) }.api_version;
     if api < vk::API_VERSION_1_2 {
         return false;
     }
-    if req.device_uuid.is_some_and(|u| u != device_uuid(instance, pd)) {
+    if req
+        .device_uuid
+        .is_some_and(|u| u != device_uuid(instance, pd))
+    {
         return false;
     }
     let mut f12 = vk::PhysicalDeviceVulkan12Features::default();
@@ -162,9 +170,14 @@ impl VulkanRtRouter {
     /// when `None`) that CUDA can feed directly: builds the router as
     /// [`VulkanRtRouter::new`] does, then the exported buffers and semaphores
     /// (see the module docs), and returns their fds.
-    pub fn new_interop(data: &RouterData, req: &InteropRequest) -> Result<(Self, InteropExports), RouteError> {
+    pub fn new_interop(
+        data: &RouterData,
+        req: &InteropRequest,
+    ) -> Result<(Self, InteropExports), RouteError> {
         if req.max_queries == 0 {
-            return Err(RouteError::InvalidInput("interop max_queries must be at least 1".into()));
+            return Err(RouteError::InvalidInput(
+                "interop max_queries must be at least 1".into(),
+            ));
         }
         let mut r = Self::new_inner(data, Some(req))?;
         r.setup_interop(req)?;
@@ -175,11 +188,17 @@ impl VulkanRtRouter {
     /// Fresh fds of the exported buffers and semaphores (each call exports new
     /// ones; the caller owns them until CUDA imports them).
     pub fn export_interop(&self) -> Result<InteropExports, RouteError> {
-        let st = self.interop.as_ref().ok_or_else(|| no_interop("the router was not created by new_interop"))?;
+        let st = self
+            .interop
+            .as_ref()
+            .ok_or_else(|| no_interop("the router was not created by new_interop"))?;
         let mem = |b: &ExtBuf| -> Result<ExportedMemory, RouteError> {
-            let info = vk::MemoryGetFdInfoKHR::default().memory(b.memory).handle_type(MEM_HANDLE);
+            let info = vk::MemoryGetFdInfoKHR::default()
+                .memory(b.memory)
+                .handle_type(MEM_HANDLE);
             // SAFETY: the memory was allocated exportable as OPAQUE_FD.
-            let fd = unsafe { st.mem_fd.get_memory_fd(&info) }.map_err(vkerr("vkGetMemoryFdKHR"))?;
+            let fd =
+                unsafe { st.mem_fd.get_memory_fd(&info) }.map_err(vkerr("vkGetMemoryFdKHR"))?;
             if fd < 0 {
                 return Err(no_interop(format!("vkGetMemoryFdKHR returned fd {fd}")));
             }
@@ -192,9 +211,12 @@ impl VulkanRtRouter {
             })
         };
         let sem = |s: vk::Semaphore| -> Result<OwnedFd, RouteError> {
-            let info = vk::SemaphoreGetFdInfoKHR::default().semaphore(s).handle_type(SEM_HANDLE);
+            let info = vk::SemaphoreGetFdInfoKHR::default()
+                .semaphore(s)
+                .handle_type(SEM_HANDLE);
             // SAFETY: the semaphore was created exportable as OPAQUE_FD.
-            let fd = unsafe { st.sem_fd.get_semaphore_fd(&info) }.map_err(vkerr("vkGetSemaphoreFdKHR"))?;
+            let fd = unsafe { st.sem_fd.get_semaphore_fd(&info) }
+                .map_err(vkerr("vkGetSemaphoreFdKHR"))?;
             if fd < 0 {
                 return Err(no_interop(format!("vkGetSemaphoreFdKHR returned fd {fd}")));
             }
@@ -219,14 +241,24 @@ impl VulkanRtRouter {
     /// reads the points CUDA wrote, writes the bitsets and signals `done` to
     /// `signal_value` (which must exceed every value signalled before).
     /// Timeline semaphores allow this submission before CUDA's signal.
-    pub fn submit_interop(&mut self, queries: usize, wait_value: u64, signal_value: u64) -> Result<(), RouteError> {
+    pub fn submit_interop(
+        &mut self,
+        queries: usize,
+        wait_value: u64,
+        signal_value: u64,
+    ) -> Result<(), RouteError> {
         let cmd = self.interop_cmd(queries)?;
-        let st = self.interop.as_ref().ok_or_else(|| no_interop("not an interop router"))?;
+        let st = self
+            .interop
+            .as_ref()
+            .ok_or_else(|| no_interop("not an interop router"))?;
         let waits = [st.ready];
         let stages = [vk::PipelineStageFlags::ALL_COMMANDS];
         let signals = [st.done];
         let (wv, sv) = ([wait_value], [signal_value]);
-        let mut tl = vk::TimelineSemaphoreSubmitInfo::default().wait_semaphore_values(&wv).signal_semaphore_values(&sv);
+        let mut tl = vk::TimelineSemaphoreSubmitInfo::default()
+            .wait_semaphore_values(&wv)
+            .signal_semaphore_values(&sv);
         let cmds = [cmd];
         let submit = vk::SubmitInfo::default()
             .wait_semaphores(&waits)
@@ -236,14 +268,22 @@ impl VulkanRtRouter {
             .push_next(&mut tl);
         // SAFETY: &mut self serializes queue access; the command buffer was
         // recorded with SIMULTANEOUS_USE and only touches interop state.
-        unsafe { self.device.queue_submit(self.queue, &[submit], vk::Fence::null()) }
-            .map_err(vkerr("vkQueueSubmit (interop)"))
+        unsafe {
+            self.device
+                .queue_submit(self.queue, &[submit], vk::Fence::null())
+        }
+        .map_err(vkerr("vkQueueSubmit (interop)"))
     }
 
     /// Sets `ready` to `value` from the host (tests, or a host-written query).
     pub fn host_signal_ready(&self, value: u64) -> Result<(), RouteError> {
-        let st = self.interop.as_ref().ok_or_else(|| no_interop("not an interop router"))?;
-        let info = vk::SemaphoreSignalInfo::default().semaphore(st.ready).value(value);
+        let st = self
+            .interop
+            .as_ref()
+            .ok_or_else(|| no_interop("not an interop router"))?;
+        let info = vk::SemaphoreSignalInfo::default()
+            .semaphore(st.ready)
+            .value(value);
         // SAFETY: a timeline semaphore of this device.
         unsafe { self.device.signal_semaphore(&info) }.map_err(vkerr("vkSignalSemaphore"))
     }
@@ -251,10 +291,15 @@ impl VulkanRtRouter {
     /// Waits on the host until `done` reaches `value`; `Ok(false)` on timeout
     /// (a watchdog for callers: a lost signal would otherwise hang CUDA).
     pub fn host_wait_done(&self, value: u64, timeout_ns: u64) -> Result<bool, RouteError> {
-        let st = self.interop.as_ref().ok_or_else(|| no_interop("not an interop router"))?;
+        let st = self
+            .interop
+            .as_ref()
+            .ok_or_else(|| no_interop("not an interop router"))?;
         let sems = [st.done];
         let vals = [value];
-        let info = vk::SemaphoreWaitInfo::default().semaphores(&sems).values(&vals);
+        let info = vk::SemaphoreWaitInfo::default()
+            .semaphores(&sems)
+            .values(&vals);
         // SAFETY: a timeline semaphore of this device.
         match unsafe { self.device.wait_semaphores(&info, timeout_ns) } {
             Ok(()) => Ok(true),
@@ -265,13 +310,20 @@ impl VulkanRtRouter {
 
     /// Current value of `done`.
     pub fn done_value(&self) -> Result<u64, RouteError> {
-        let st = self.interop.as_ref().ok_or_else(|| no_interop("not an interop router"))?;
+        let st = self
+            .interop
+            .as_ref()
+            .ok_or_else(|| no_interop("not an interop router"))?;
         // SAFETY: a timeline semaphore of this device.
-        unsafe { self.device.get_semaphore_counter_value(st.done) }.map_err(vkerr("vkGetSemaphoreCounterValue"))
+        unsafe { self.device.get_semaphore_counter_value(st.done) }
+            .map_err(vkerr("vkGetSemaphoreCounterValue"))
     }
 
     fn interop_cmd(&mut self, queries: usize) -> Result<vk::CommandBuffer, RouteError> {
-        let st = self.interop.as_ref().ok_or_else(|| no_interop("not an interop router"))?;
+        let st = self
+            .interop
+            .as_ref()
+            .ok_or_else(|| no_interop("not an interop router"))?;
         if queries == 0 || queries > st.max_queries {
             return Err(RouteError::InvalidInput(format!(
                 "{queries} queries for an interop router of at most {}",
@@ -289,12 +341,21 @@ impl VulkanRtRouter {
         Ok(cmd)
     }
 
-    fn record_interop(&self, st: &InteropState, queries: usize) -> Result<vk::CommandBuffer, RouteError> {
+    fn record_interop(
+        &self,
+        st: &InteropState,
+        queries: usize,
+    ) -> Result<vk::CommandBuffer, RouteError> {
         let words = self.pages.div_ceil(32);
-        let push: Vec<u8> = [queries as u32, self.slices as u32, self.pages as u32, words as u32]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
+        let push: Vec<u8> = [
+            queries as u32,
+            self.slices as u32,
+            self.pages as u32,
+            words as u32,
+        ]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
         let groups = (queries * words).div_ceil(64).max(1) as u32;
         let (gx, gy) = (groups.min(65535), groups.div_ceil(65535));
         let d = &self.device;
@@ -302,12 +363,15 @@ impl VulkanRtRouter {
         unsafe {
             let cmd = d
                 .allocate_command_buffers(
-                    &vk::CommandBufferAllocateInfo::default().command_pool(st.pool).command_buffer_count(1),
+                    &vk::CommandBufferAllocateInfo::default()
+                        .command_pool(st.pool)
+                        .command_buffer_count(1),
                 )
                 .map_err(vkerr("vkAllocateCommandBuffers (interop)"))?[0];
             d.begin_command_buffer(
                 cmd,
-                &vk::CommandBufferBeginInfo::default().flags(vk::CommandBufferUsageFlags::SIMULTANEOUS_USE),
+                &vk::CommandBufferBeginInfo::default()
+                    .flags(vk::CommandBufferUsageFlags::SIMULTANEOUS_USE),
             )
             .map_err(vkerr("vkBeginCommandBuffer (interop)"))?;
             // Acquire the points CUDA wrote (ownership from the external queue family).
@@ -333,9 +397,19 @@ impl VulkanRtRouter {
                 d.cmd_fill_buffer(cmd, st.masks.buffer, 0, mask_bytes, 0);
             }
             self.barrier(cmd);
-            d.cmd_push_constants(cmd, self.pipeline_layout, vk::ShaderStageFlags::ALL, 0, &push);
+            d.cmd_push_constants(
+                cmd,
+                self.pipeline_layout,
+                vk::ShaderStageFlags::ALL,
+                0,
+                &push,
+            );
             if self.pages > 0 {
-                d.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::RAY_TRACING_KHR, self.rt_pipeline);
+                d.cmd_bind_pipeline(
+                    cmd,
+                    vk::PipelineBindPoint::RAY_TRACING_KHR,
+                    self.rt_pipeline,
+                );
                 d.cmd_bind_descriptor_sets(
                     cmd,
                     vk::PipelineBindPoint::RAY_TRACING_KHR,
@@ -345,7 +419,16 @@ impl VulkanRtRouter {
                     &[],
                 );
                 let r = &self.regions;
-                self.rt_fn.cmd_trace_rays(cmd, &r[0], &r[1], &r[2], &r[3], queries as u32, self.slices as u32, 1);
+                self.rt_fn.cmd_trace_rays(
+                    cmd,
+                    &r[0],
+                    &r[1],
+                    &r[2],
+                    &r[3],
+                    queries as u32,
+                    self.slices as u32,
+                    1,
+                );
                 self.barrier(cmd);
             }
             d.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, self.comp_pipeline);
@@ -376,14 +459,17 @@ impl VulkanRtRouter {
                 &release,
                 &[],
             );
-            d.end_command_buffer(cmd).map_err(vkerr("vkEndCommandBuffer (interop)"))?;
+            d.end_command_buffer(cmd)
+                .map_err(vkerr("vkEndCommandBuffer (interop)"))?;
             Ok(cmd)
         }
     }
 
     fn setup_interop(&mut self, req: &InteropRequest) -> Result<(), RouteError> {
         if !self.interop_enabled {
-            return Err(no_interop("the device was created without the external memory extensions"));
+            return Err(no_interop(
+                "the device was created without the external memory extensions",
+            ));
         }
         if req.max_queries > self.chunk_queries() {
             return Err(RouteError::InvalidInput(format!(
@@ -417,7 +503,12 @@ impl VulkanRtRouter {
             uuid: device_uuid(&self.instance, self.physical),
         };
         // Every step stores its handle in `st` at once, so one cleanup covers every error.
-        let res = self.fill_interop(&mut st, q, words, U::STORAGE_BUFFER | U::TRANSFER_DST | U::TRANSFER_SRC);
+        let res = self.fill_interop(
+            &mut st,
+            q,
+            words,
+            U::STORAGE_BUFFER | U::TRANSFER_DST | U::TRANSFER_SRC,
+        );
         match res {
             Ok(()) => {
                 self.interop = Some(st);
@@ -450,30 +541,49 @@ impl VulkanRtRouter {
         unsafe {
             st.pool = self
                 .device
-                .create_command_pool(&vk::CommandPoolCreateInfo::default().queue_family_index(self.queue_family), None)
+                .create_command_pool(
+                    &vk::CommandPoolCreateInfo::default().queue_family_index(self.queue_family),
+                    None,
+                )
                 .map_err(vkerr("vkCreateCommandPool (interop)"))?;
             let sizes = [
                 vk::DescriptorPoolSize::default()
                     .ty(vk::DescriptorType::ACCELERATION_STRUCTURE_KHR)
                     .descriptor_count(1),
-                vk::DescriptorPoolSize::default().ty(vk::DescriptorType::STORAGE_BUFFER).descriptor_count(6),
+                vk::DescriptorPoolSize::default()
+                    .ty(vk::DescriptorType::STORAGE_BUFFER)
+                    .descriptor_count(6),
             ];
             st.desc_pool = self
                 .device
-                .create_descriptor_pool(&vk::DescriptorPoolCreateInfo::default().max_sets(1).pool_sizes(&sizes), None)
+                .create_descriptor_pool(
+                    &vk::DescriptorPoolCreateInfo::default()
+                        .max_sets(1)
+                        .pool_sizes(&sizes),
+                    None,
+                )
                 .map_err(vkerr("vkCreateDescriptorPool (interop)"))?;
             let layouts = [self.set_layout];
             st.desc_set = self
                 .device
                 .allocate_descriptor_sets(
-                    &vk::DescriptorSetAllocateInfo::default().descriptor_pool(st.desc_pool).set_layouts(&layouts),
+                    &vk::DescriptorSetAllocateInfo::default()
+                        .descriptor_pool(st.desc_pool)
+                        .set_layouts(&layouts),
                 )
                 .map_err(vkerr("vkAllocateDescriptorSets (interop)"))?[0];
         }
         // Same bindings as the batch path, with the exported buffers for the
         // points and the bits.
         // SAFETY: the set is new and not in use.
-        unsafe { self.write_descriptors(st.desc_set, st.points.buffer, st.masks.buffer, st.bits.buffer) };
+        unsafe {
+            self.write_descriptors(
+                st.desc_set,
+                st.points.buffer,
+                st.masks.buffer,
+                st.bits.buffer,
+            )
+        };
         // Defined contents before anything reads them (no NaN ray origins
         // from uninitialized memory if a trace runs before CUDA wrote points).
         let (pb, bb) = (st.points.buffer, st.bits.buffer);
@@ -486,12 +596,21 @@ impl VulkanRtRouter {
 
     /// Fails with a typed reason when the driver cannot export timeline semaphores as opaque fds.
     fn check_semaphore_export(&self) -> Result<(), RouteError> {
-        let mut ty = vk::SemaphoreTypeCreateInfo::default().semaphore_type(vk::SemaphoreType::TIMELINE);
-        let info = vk::PhysicalDeviceExternalSemaphoreInfo::default().handle_type(SEM_HANDLE).push_next(&mut ty);
+        let mut ty =
+            vk::SemaphoreTypeCreateInfo::default().semaphore_type(vk::SemaphoreType::TIMELINE);
+        let info = vk::PhysicalDeviceExternalSemaphoreInfo::default()
+            .handle_type(SEM_HANDLE)
+            .push_next(&mut ty);
         let mut props = vk::ExternalSemaphoreProperties::default();
         // SAFETY: plain query (Vulkan 1.1 core).
-        unsafe { self.instance.get_physical_device_external_semaphore_properties(self.physical, &info, &mut props) };
-        if !props.external_semaphore_features.contains(vk::ExternalSemaphoreFeatureFlags::EXPORTABLE) {
+        unsafe {
+            self.instance
+                .get_physical_device_external_semaphore_properties(self.physical, &info, &mut props)
+        };
+        if !props
+            .external_semaphore_features
+            .contains(vk::ExternalSemaphoreFeatureFlags::EXPORTABLE)
+        {
             return Err(no_interop(format!(
                 "{}: timeline semaphores are not exportable as opaque fds ({:?})",
                 self.device_name, props.external_semaphore_features
@@ -501,22 +620,36 @@ impl VulkanRtRouter {
     }
 
     fn create_ext_semaphore(&self) -> Result<vk::Semaphore, RouteError> {
-        let mut ty =
-            vk::SemaphoreTypeCreateInfo::default().semaphore_type(vk::SemaphoreType::TIMELINE).initial_value(0);
+        let mut ty = vk::SemaphoreTypeCreateInfo::default()
+            .semaphore_type(vk::SemaphoreType::TIMELINE)
+            .initial_value(0);
         let mut export = vk::ExportSemaphoreCreateInfo::default().handle_types(SEM_HANDLE);
-        let info = vk::SemaphoreCreateInfo::default().push_next(&mut ty).push_next(&mut export);
+        let info = vk::SemaphoreCreateInfo::default()
+            .push_next(&mut ty)
+            .push_next(&mut export);
         // SAFETY: valid create info; destroyed by destroy_interop.
-        unsafe { self.device.create_semaphore(&info, None) }.map_err(vkerr("vkCreateSemaphore (exportable timeline)"))
+        unsafe { self.device.create_semaphore(&info, None) }
+            .map_err(vkerr("vkCreateSemaphore (exportable timeline)"))
     }
 
     /// An exportable device-local buffer into `slot`, which receives each
     /// handle as soon as it exists, so the caller's cleanup frees them on error.
-    fn create_ext_buf(&self, size: u64, usage: vk::BufferUsageFlags, slot: &mut ExtBuf) -> Result<(), RouteError> {
+    fn create_ext_buf(
+        &self,
+        size: u64,
+        usage: vk::BufferUsageFlags,
+        slot: &mut ExtBuf,
+    ) -> Result<(), RouteError> {
         let size = size.max(64);
         let mut props = vk::ExternalBufferProperties::default();
-        let query = vk::PhysicalDeviceExternalBufferInfo::default().usage(usage).handle_type(MEM_HANDLE);
+        let query = vk::PhysicalDeviceExternalBufferInfo::default()
+            .usage(usage)
+            .handle_type(MEM_HANDLE);
         // SAFETY: plain query (Vulkan 1.1 core).
-        unsafe { self.instance.get_physical_device_external_buffer_properties(self.physical, &query, &mut props) };
+        unsafe {
+            self.instance
+                .get_physical_device_external_buffer_properties(self.physical, &query, &mut props)
+        };
         let features = props.external_memory_properties.external_memory_features;
         if !features.contains(vk::ExternalMemoryFeatureFlags::EXPORTABLE) {
             return Err(no_interop(format!(
@@ -550,7 +683,9 @@ impl VulkanRtRouter {
             let dedicated = dedicated_only
                 || ded_req.requires_dedicated_allocation == vk::TRUE
                 || ded_req.prefers_dedicated_allocation == vk::TRUE;
-            let Some(mt) = self.memory_type(req.memory_type_bits, vk::MemoryPropertyFlags::DEVICE_LOCAL) else {
+            let Some(mt) =
+                self.memory_type(req.memory_type_bits, vk::MemoryPropertyFlags::DEVICE_LOCAL)
+            else {
                 return Err(no_interop(format!(
                     "{}: no device-local memory type for an exportable buffer",
                     self.device_name
@@ -565,7 +700,10 @@ impl VulkanRtRouter {
             if dedicated {
                 alloc = alloc.push_next(&mut ded);
             }
-            slot.memory = self.device.allocate_memory(&alloc, None).map_err(vkerr("vkAllocateMemory (exportable)"))?;
+            slot.memory = self
+                .device
+                .allocate_memory(&alloc, None)
+                .map_err(vkerr("vkAllocateMemory (exportable)"))?;
             slot.alloc_size = req.size;
             slot.dedicated = dedicated;
             self.device
@@ -597,6 +735,12 @@ impl VulkanRtRouter {
 
 impl ExtBuf {
     fn null() -> Self {
-        Self { buffer: vk::Buffer::null(), memory: vk::DeviceMemory::null(), size: 0, alloc_size: 0, dedicated: false }
+        Self {
+            buffer: vk::Buffer::null(),
+            memory: vk::DeviceMemory::null(),
+            size: 0,
+            alloc_size: 0,
+            dedicated: false,
+        }
     }
 }

@@ -38,11 +38,17 @@ const REQUIRED_EXTENSIONS: [&CStr; 3] = [
 ];
 
 fn unavailable(reason: Unavailable) -> RouteError {
-    RouteError::Unavailable { kind: RouterKind::VulkanRt, reason }
+    RouteError::Unavailable {
+        kind: RouterKind::VulkanRt,
+        reason,
+    }
 }
 
 fn vkerr(what: &str) -> impl Fn(vk::Result) -> RouteError + '_ {
-    move |e| RouteError::Device { kind: RouterKind::VulkanRt, message: format!("{what}: {e}") }
+    move |e| RouteError::Device {
+        kind: RouterKind::VulkanRt,
+        message: format!("{what}: {e}"),
+    }
 }
 
 /// A buffer with its own memory.
@@ -108,12 +114,16 @@ unsafe impl Send for VulkanRtRouter {}
 
 impl std::fmt::Debug for VulkanRtRouter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VulkanRtRouter").field("device", &self.device_name).field("pages", &self.pages).finish()
+        f.debug_struct("VulkanRtRouter")
+            .field("device", &self.device_name)
+            .field("pages", &self.pages)
+            .finish()
     }
 }
 
 fn spirv(bytes: &[u8]) -> Result<Vec<u32>, RouteError> {
-    ash::util::read_spv(&mut std::io::Cursor::new(bytes)).map_err(|e| unavailable(Unavailable::Shader(e.to_string())))
+    ash::util::read_spv(&mut std::io::Cursor::new(bytes))
+        .map_err(|e| unavailable(Unavailable::Shader(e.to_string())))
 }
 
 fn f32_bytes(v: impl IntoIterator<Item = f32>) -> Vec<u8> {
@@ -149,11 +159,17 @@ impl VulkanRtRouter {
     fn new_inner(data: &RouterData, interop: Option<&InteropRequest>) -> Result<Self, RouteError> {
         data.validate()?;
         // SAFETY: loading the system Vulkan loader; failure is reported, not fatal.
-        let entry = unsafe { ash::Entry::load() }.map_err(|e| unavailable(Unavailable::NoVulkan(e.to_string())))?;
+        let entry = unsafe { ash::Entry::load() }
+            .map_err(|e| unavailable(Unavailable::NoVulkan(e.to_string())))?;
         let app = vk::ApplicationInfo::default().api_version(vk::API_VERSION_1_2);
         // SAFETY: valid create info; the instance is destroyed in Drop (or below on error).
-        let instance = unsafe { entry.create_instance(&vk::InstanceCreateInfo::default().application_info(&app), None) }
-            .map_err(|e| unavailable(Unavailable::NoVulkan(format!("vkCreateInstance: {e}"))))?;
+        let instance = unsafe {
+            entry.create_instance(
+                &vk::InstanceCreateInfo::default().application_info(&app),
+                None,
+            )
+        }
+        .map_err(|e| unavailable(Unavailable::NoVulkan(format!("vkCreateInstance: {e}"))))?;
         // with_instance owns the instance from here: it destroys it on every error path.
         Self::with_instance(entry, instance, data, interop)
     }
@@ -182,9 +198,15 @@ impl VulkanRtRouter {
                 )
                 .map_err(vkerr("vkCreateCommandPool"))?;
             let cmd = device
-                .allocate_command_buffers(&vk::CommandBufferAllocateInfo::default().command_pool(pool).command_buffer_count(1))
+                .allocate_command_buffers(
+                    &vk::CommandBufferAllocateInfo::default()
+                        .command_pool(pool)
+                        .command_buffer_count(1),
+                )
                 .map_err(vkerr("vkAllocateCommandBuffers"))?[0];
-            let fence = device.create_fence(&vk::FenceCreateInfo::default(), None).map_err(vkerr("vkCreateFence"))?;
+            let fence = device
+                .create_fence(&vk::FenceCreateInfo::default(), None)
+                .map_err(vkerr("vkCreateFence"))?;
             Ok::<_, RouteError>((pool, cmd, fence))
         })();
         let (pool, cmd, fence) = match objects {
@@ -198,7 +220,18 @@ impl VulkanRtRouter {
                 return Err(e);
             }
         };
-        let mut r = Self::assemble(entry, instance, device, pd, qf, device_name, pool, cmd, fence, data)?;
+        let mut r = Self::assemble(
+            entry,
+            instance,
+            device,
+            pd,
+            qf,
+            device_name,
+            pool,
+            cmd,
+            fence,
+            data,
+        )?;
         r.interop_enabled = interop.is_some();
         Ok(r)
     }
@@ -208,10 +241,15 @@ impl VulkanRtRouter {
         interop: Option<&InteropRequest>,
     ) -> Result<(ash::Device, u32, String, vk::PhysicalDevice), RouteError> {
         // SAFETY: plain queries on a live instance.
-        let physicals = unsafe { instance.enumerate_physical_devices() }
-            .map_err(|e| unavailable(Unavailable::NoAdapter(format!("vkEnumeratePhysicalDevices: {e}"))))?;
+        let physicals = unsafe { instance.enumerate_physical_devices() }.map_err(|e| {
+            unavailable(Unavailable::NoAdapter(format!(
+                "vkEnumeratePhysicalDevices: {e}"
+            )))
+        })?;
         if physicals.is_empty() {
-            return Err(unavailable(Unavailable::NoAdapter("no Vulkan physical device".into())));
+            return Err(unavailable(Unavailable::NoAdapter(
+                "no Vulkan physical device".into(),
+            )));
         }
         let mut seen = Vec::new();
         let mut chosen = None;
@@ -219,17 +257,26 @@ impl VulkanRtRouter {
         for pd in physicals {
             // SAFETY: pd comes from this instance.
             let props = unsafe { instance.get_physical_device_properties(pd) };
-            let name = props.device_name_as_c_str().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
-            let exts = unsafe { instance.enumerate_device_extension_properties(pd) }.unwrap_or_default();
+            let name = props
+                .device_name_as_c_str()
+                .map(|c| c.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let exts =
+                unsafe { instance.enumerate_device_extension_properties(pd) }.unwrap_or_default();
             let has = |want: &CStr| exts.iter().any(|e| e.extension_name_as_c_str() == Ok(want));
             let qf = unsafe { instance.get_physical_device_queue_family_properties(pd) }
                 .iter()
                 .position(|q| q.queue_flags.contains(vk::QueueFlags::COMPUTE));
             let interop_ok = match interop {
                 None => true,
-                Some(req) => export::INTEROP_EXTENSIONS.iter().all(|e| has(e)) && export::device_fits(instance, pd, req),
+                Some(req) => {
+                    export::INTEROP_EXTENSIONS.iter().all(|e| has(e))
+                        && export::device_fits(instance, pd, req)
+                }
             };
-            let rt_ok = qf.is_some() && REQUIRED_EXTENSIONS.iter().all(|e| has(e)) && props.api_version >= vk::API_VERSION_1_2;
+            let rt_ok = qf.is_some()
+                && REQUIRED_EXTENSIONS.iter().all(|e| has(e))
+                && props.api_version >= vk::API_VERSION_1_2;
             if let Some(qf) = qf.filter(|_| rt_ok && interop_ok) {
                 chosen = Some((pd, name, qf as u32));
                 break;
@@ -250,16 +297,21 @@ impl VulkanRtRouter {
         };
 
         let prios = [1.0f32];
-        let queue_info = [vk::DeviceQueueCreateInfo::default().queue_family_index(qf).queue_priorities(&prios)];
-        let mut ext_names: Vec<*const c_char> = REQUIRED_EXTENSIONS.iter().map(|e| e.as_ptr()).collect();
+        let queue_info = [vk::DeviceQueueCreateInfo::default()
+            .queue_family_index(qf)
+            .queue_priorities(&prios)];
+        let mut ext_names: Vec<*const c_char> =
+            REQUIRED_EXTENSIONS.iter().map(|e| e.as_ptr()).collect();
         if interop.is_some() {
             ext_names.extend(export::INTEROP_EXTENSIONS.iter().map(|e| e.as_ptr()));
         }
         let mut f12 = vk::PhysicalDeviceVulkan12Features::default()
             .buffer_device_address(true)
             .timeline_semaphore(interop.is_some());
-        let mut f_as = vk::PhysicalDeviceAccelerationStructureFeaturesKHR::default().acceleration_structure(true);
-        let mut f_rt = vk::PhysicalDeviceRayTracingPipelineFeaturesKHR::default().ray_tracing_pipeline(true);
+        let mut f_as = vk::PhysicalDeviceAccelerationStructureFeaturesKHR::default()
+            .acceleration_structure(true);
+        let mut f_rt =
+            vk::PhysicalDeviceRayTracingPipelineFeaturesKHR::default().ray_tracing_pipeline(true);
         let info = vk::DeviceCreateInfo::default()
             .queue_create_infos(&queue_info)
             .enabled_extension_names(&ext_names)
@@ -267,8 +319,11 @@ impl VulkanRtRouter {
             .push_next(&mut f_as)
             .push_next(&mut f_rt);
         // SAFETY: extensions and features were checked above (features: the device create fails cleanly if not).
-        let device = unsafe { instance.create_device(pd, &info, None) }
-            .map_err(|e| unavailable(Unavailable::NoRayTracing(format!("{device_name}: vkCreateDevice: {e}"))))?;
+        let device = unsafe { instance.create_device(pd, &info, None) }.map_err(|e| {
+            unavailable(Unavailable::NoRayTracing(format!(
+                "{device_name}: vkCreateDevice: {e}"
+            )))
+        })?;
         Ok((device, qf, device_name, pd))
     }
 
@@ -287,7 +342,9 @@ impl VulkanRtRouter {
     ) -> Result<Self, RouteError> {
         let mut rt_props = vk::PhysicalDeviceRayTracingPipelinePropertiesKHR::default();
         let mut as_props = vk::PhysicalDeviceAccelerationStructurePropertiesKHR::default();
-        let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut rt_props).push_next(&mut as_props);
+        let mut props2 = vk::PhysicalDeviceProperties2::default()
+            .push_next(&mut rt_props)
+            .push_next(&mut as_props);
         // SAFETY: live instance and device.
         unsafe { instance.get_physical_device_properties2(pd, &mut props2) };
         let limits = props2.properties.limits;
@@ -343,23 +400,40 @@ impl VulkanRtRouter {
 
     fn memory_type(&self, bits: u32, want: vk::MemoryPropertyFlags) -> Option<u32> {
         (0..self.mem_props.memory_type_count).find(|&i| {
-            bits & (1 << i) != 0 && self.mem_props.memory_types[i as usize].property_flags.contains(want)
+            bits & (1 << i) != 0
+                && self.mem_props.memory_types[i as usize]
+                    .property_flags
+                    .contains(want)
         })
     }
 
-    fn create_buf(&self, size: u64, usage: vk::BufferUsageFlags, host: bool) -> Result<Buf, RouteError> {
+    fn create_buf(
+        &self,
+        size: u64,
+        usage: vk::BufferUsageFlags,
+        host: bool,
+    ) -> Result<Buf, RouteError> {
         self.create_buf_cached(size, usage, host, false)
     }
 
     /// `cached`: prefer host-cached memory (fast CPU reads of results).
-    fn create_buf_cached(&self, size: u64, usage: vk::BufferUsageFlags, host: bool, cached: bool) -> Result<Buf, RouteError> {
+    fn create_buf_cached(
+        &self,
+        size: u64,
+        usage: vk::BufferUsageFlags,
+        host: bool,
+        cached: bool,
+    ) -> Result<Buf, RouteError> {
         let size = size.max(64);
         let usage = usage | vk::BufferUsageFlags::SHADER_DEVICE_ADDRESS;
         // SAFETY: valid create infos; the buffer and memory are freed by destroy_buf.
         unsafe {
             let buffer = self
                 .device
-                .create_buffer(&vk::BufferCreateInfo::default().size(size).usage(usage), None)
+                .create_buffer(
+                    &vk::BufferCreateInfo::default().size(size).usage(usage),
+                    None,
+                )
                 .map_err(vkerr("vkCreateBuffer"))?;
             let req = self.device.get_buffer_memory_requirements(buffer);
             let want = if host {
@@ -367,13 +441,28 @@ impl VulkanRtRouter {
             } else {
                 vk::MemoryPropertyFlags::DEVICE_LOCAL
             };
-            let cached_type = if cached { self.memory_type(req.memory_type_bits, want | vk::MemoryPropertyFlags::HOST_CACHED) } else { None };
-            let Some(mt) = cached_type.or_else(|| self.memory_type(req.memory_type_bits, want)) else {
-                self.device.destroy_buffer(buffer, None);
-                return Err(RouteError::Device { kind: RouterKind::VulkanRt, message: format!("no memory type {want:?}") });
+            let cached_type = if cached {
+                self.memory_type(
+                    req.memory_type_bits,
+                    want | vk::MemoryPropertyFlags::HOST_CACHED,
+                )
+            } else {
+                None
             };
-            let mut flags = vk::MemoryAllocateFlagsInfo::default().flags(vk::MemoryAllocateFlags::DEVICE_ADDRESS);
-            let alloc = vk::MemoryAllocateInfo::default().allocation_size(req.size).memory_type_index(mt).push_next(&mut flags);
+            let Some(mt) = cached_type.or_else(|| self.memory_type(req.memory_type_bits, want))
+            else {
+                self.device.destroy_buffer(buffer, None);
+                return Err(RouteError::Device {
+                    kind: RouterKind::VulkanRt,
+                    message: format!("no memory type {want:?}"),
+                });
+            };
+            let mut flags = vk::MemoryAllocateFlagsInfo::default()
+                .flags(vk::MemoryAllocateFlags::DEVICE_ADDRESS);
+            let alloc = vk::MemoryAllocateInfo::default()
+                .allocation_size(req.size)
+                .memory_type_index(mt)
+                .push_next(&mut flags);
             let memory = match self.device.allocate_memory(&alloc, None) {
                 Ok(m) => m,
                 Err(e) => {
@@ -381,14 +470,22 @@ impl VulkanRtRouter {
                     return Err(vkerr("vkAllocateMemory")(e));
                 }
             };
-            self.device.bind_buffer_memory(buffer, memory, 0).map_err(vkerr("vkBindBufferMemory"))?;
+            self.device
+                .bind_buffer_memory(buffer, memory, 0)
+                .map_err(vkerr("vkBindBufferMemory"))?;
             let mapped = if host {
-                self.device.map_memory(memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty()).map_err(vkerr("vkMapMemory"))?
-                    as *mut u8
+                self.device
+                    .map_memory(memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty())
+                    .map_err(vkerr("vkMapMemory"))? as *mut u8
             } else {
                 std::ptr::null_mut()
             };
-            Ok(Buf { buffer, memory, size, mapped })
+            Ok(Buf {
+                buffer,
+                memory,
+                size,
+                mapped,
+            })
         }
     }
 
@@ -402,7 +499,10 @@ impl VulkanRtRouter {
 
     fn address(&self, b: &Buf) -> vk::DeviceAddress {
         // SAFETY: the buffer was created with SHADER_DEVICE_ADDRESS.
-        unsafe { self.device.get_buffer_device_address(&vk::BufferDeviceAddressInfo::default().buffer(b.buffer)) }
+        unsafe {
+            self.device
+                .get_buffer_device_address(&vk::BufferDeviceAddressInfo::default().buffer(b.buffer))
+        }
     }
 
     /// Records into the router's command buffer, submits and waits.
@@ -415,20 +515,31 @@ impl VulkanRtRouter {
             self.device
                 .begin_command_buffer(
                     self.cmd,
-                    &vk::CommandBufferBeginInfo::default().flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT),
+                    &vk::CommandBufferBeginInfo::default()
+                        .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT),
                 )
                 .map_err(vkerr("vkBeginCommandBuffer"))?;
             // Device writes of earlier submissions (AS builds, uploads) become
             // visible here; the fence wait alone only orders them for the host.
             self.barrier(self.cmd);
             record(self.cmd);
-            self.device.end_command_buffer(self.cmd).map_err(vkerr("vkEndCommandBuffer"))?;
+            self.device
+                .end_command_buffer(self.cmd)
+                .map_err(vkerr("vkEndCommandBuffer"))?;
             let cmds = [self.cmd];
             self.device
-                .queue_submit(self.queue, &[vk::SubmitInfo::default().command_buffers(&cmds)], self.fence)
+                .queue_submit(
+                    self.queue,
+                    &[vk::SubmitInfo::default().command_buffers(&cmds)],
+                    self.fence,
+                )
                 .map_err(vkerr("vkQueueSubmit"))?;
-            self.device.wait_for_fences(&[self.fence], true, u64::MAX).map_err(vkerr("vkWaitForFences"))?;
-            self.device.reset_fences(&[self.fence]).map_err(vkerr("vkResetFences"))?;
+            self.device
+                .wait_for_fences(&[self.fence], true, u64::MAX)
+                .map_err(vkerr("vkWaitForFences"))?;
+            self.device
+                .reset_fences(&[self.fence])
+                .map_err(vkerr("vkResetFences"))?;
         }
         Ok(())
     }
@@ -452,14 +563,28 @@ impl VulkanRtRouter {
     }
 
     /// A device-local buffer holding `bytes` (uploaded through a staging buffer).
-    fn upload(&mut self, bytes: &[u8], usage: vk::BufferUsageFlags) -> Result<vk::Buffer, RouteError> {
-        let staging = self.create_buf(bytes.len() as u64, vk::BufferUsageFlags::TRANSFER_SRC, true)?;
+    fn upload(
+        &mut self,
+        bytes: &[u8],
+        usage: vk::BufferUsageFlags,
+    ) -> Result<vk::Buffer, RouteError> {
+        let staging =
+            self.create_buf(bytes.len() as u64, vk::BufferUsageFlags::TRANSFER_SRC, true)?;
         // SAFETY: mapped host-coherent memory of at least bytes.len() bytes.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), staging.mapped, bytes.len()) };
-        let dst = self.create_buf(bytes.len() as u64, usage | vk::BufferUsageFlags::TRANSFER_DST, false)?;
+        let dst = self.create_buf(
+            bytes.len() as u64,
+            usage | vk::BufferUsageFlags::TRANSFER_DST,
+            false,
+        )?;
         let size = staging.size;
         let res = self.submit(|cmd| unsafe {
-            self.device.cmd_copy_buffer(cmd, staging.buffer, dst.buffer, &[vk::BufferCopy::default().size(size)]);
+            self.device.cmd_copy_buffer(
+                cmd,
+                staging.buffer,
+                dst.buffer,
+                &[vk::BufferCopy::default().size(size)],
+            );
         });
         self.destroy_buf(&staging);
         let handle = dst.buffer;
@@ -468,7 +593,11 @@ impl VulkanRtRouter {
     }
 
     fn static_address(&self, b: vk::Buffer) -> vk::DeviceAddress {
-        let buf = self.static_bufs.iter().find(|x| x.buffer == b).expect("static buffer");
+        let buf = self
+            .static_bufs
+            .iter()
+            .find(|x| x.buffer == b)
+            .expect("static buffer");
         self.address(buf)
     }
 
@@ -500,7 +629,11 @@ impl VulkanRtRouter {
             vk::BufferUsageFlags::ACCELERATION_STRUCTURE_STORAGE_KHR,
             false,
         )?;
-        let scratch = self.create_buf(sizes.build_scratch_size + scratch_align, vk::BufferUsageFlags::STORAGE_BUFFER, false)?;
+        let scratch = self.create_buf(
+            sizes.build_scratch_size + scratch_align,
+            vk::BufferUsageFlags::STORAGE_BUFFER,
+            false,
+        )?;
         // SAFETY: storage buffer is large enough per the size query.
         let accel = unsafe {
             self.as_fn.create_acceleration_structure(
@@ -521,10 +654,16 @@ impl VulkanRtRouter {
         };
         build = build
             .dst_acceleration_structure(accel)
-            .scratch_data(vk::DeviceOrHostAddressKHR { device_address: align_up(self.address(&scratch), scratch_align) });
+            .scratch_data(vk::DeviceOrHostAddressKHR {
+                device_address: align_up(self.address(&scratch), scratch_align),
+            });
         let range = [vk::AccelerationStructureBuildRangeInfoKHR::default().primitive_count(count)];
         let res = self.submit(|cmd| unsafe {
-            self.as_fn.cmd_build_acceleration_structures(cmd, std::slice::from_ref(&build), &[&range]);
+            self.as_fn.cmd_build_acceleration_structures(
+                cmd,
+                std::slice::from_ref(&build),
+                &[&range],
+            );
         });
         self.destroy_buf(&scratch);
         self.static_bufs.push(storage);
@@ -549,37 +688,62 @@ impl VulkanRtRouter {
                 let mut t = *b;
                 t.min[0] += off;
                 t.max[0] += off;
-                aabbs.extend(t.min.map(|v| rt_pad(v, false)).into_iter().chain(t.max.map(|v| rt_pad(v, true))));
+                aabbs.extend(
+                    t.min
+                        .map(|v| rt_pad(v, false))
+                        .into_iter()
+                        .chain(t.max.map(|v| rt_pad(v, true))),
+                );
             }
         }
         let ro = vk::BufferUsageFlags::STORAGE_BUFFER;
         self.offsets = self.upload(&f32_bytes(offsets.iter().copied()), ro)?;
         self.prim_boxes = self.upload(&f32_bytes(boxes), ro)?;
-        self.thresholds = self.upload(&data.thresholds.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>(), ro)?;
+        self.thresholds = self.upload(
+            &data
+                .thresholds
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect::<Vec<u8>>(),
+            ro,
+        )?;
 
         let scratch_align = as_props.min_acceleration_structure_scratch_offset_alignment as u64;
         let n_prims = (pages * slices) as u32;
         if n_prims > 0 {
-            let aabb_buf = self.upload(&f32_bytes(aabbs), vk::BufferUsageFlags::ACCELERATION_STRUCTURE_BUILD_INPUT_READ_ONLY_KHR)?;
+            let aabb_buf = self.upload(
+                &f32_bytes(aabbs),
+                vk::BufferUsageFlags::ACCELERATION_STRUCTURE_BUILD_INPUT_READ_ONLY_KHR,
+            )?;
             let geometry = vk::AccelerationStructureGeometryKHR::default()
                 .geometry_type(vk::GeometryTypeKHR::AABBS)
                 .flags(vk::GeometryFlagsKHR::NO_DUPLICATE_ANY_HIT_INVOCATION)
                 .geometry(vk::AccelerationStructureGeometryDataKHR {
                     aabbs: vk::AccelerationStructureGeometryAabbsDataKHR::default()
-                        .data(vk::DeviceOrHostAddressConstKHR { device_address: self.static_address(aabb_buf) })
+                        .data(vk::DeviceOrHostAddressConstKHR {
+                            device_address: self.static_address(aabb_buf),
+                        })
                         .stride(24),
                 });
-            self.blas = self.build_as(vk::AccelerationStructureTypeKHR::BOTTOM_LEVEL, geometry, n_prims, scratch_align)?;
+            self.blas = self.build_as(
+                vk::AccelerationStructureTypeKHR::BOTTOM_LEVEL,
+                geometry,
+                n_prims,
+                scratch_align,
+            )?;
         }
         // One instance, identity transform; with no pages the TLAS is empty.
         let mut instance = Vec::with_capacity(64);
         if n_prims > 0 {
             let blas_addr = unsafe {
                 self.as_fn.get_acceleration_structure_device_address(
-                    &vk::AccelerationStructureDeviceAddressInfoKHR::default().acceleration_structure(self.blas),
+                    &vk::AccelerationStructureDeviceAddressInfoKHR::default()
+                        .acceleration_structure(self.blas),
                 )
             };
-            instance.extend(f32_bytes([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]));
+            instance.extend(f32_bytes([
+                1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0,
+            ]));
             instance.extend((0xFFu32 << 24).to_le_bytes()); // custom index 0, mask 0xFF
             let flags = vk::GeometryInstanceFlagsKHR::TRIANGLE_FACING_CULL_DISABLE.as_raw();
             instance.extend((flags << 24).to_le_bytes()); // SBT offset 0
@@ -587,13 +751,18 @@ impl VulkanRtRouter {
         } else {
             instance.resize(64, 0);
         }
-        let inst_buf = self.upload(&instance, vk::BufferUsageFlags::ACCELERATION_STRUCTURE_BUILD_INPUT_READ_ONLY_KHR)?;
+        let inst_buf = self.upload(
+            &instance,
+            vk::BufferUsageFlags::ACCELERATION_STRUCTURE_BUILD_INPUT_READ_ONLY_KHR,
+        )?;
         let geometry = vk::AccelerationStructureGeometryKHR::default()
             .geometry_type(vk::GeometryTypeKHR::INSTANCES)
             .geometry(vk::AccelerationStructureGeometryDataKHR {
                 instances: vk::AccelerationStructureGeometryInstancesDataKHR::default()
                     .array_of_pointers(false)
-                    .data(vk::DeviceOrHostAddressConstKHR { device_address: self.static_address(inst_buf) }),
+                    .data(vk::DeviceOrHostAddressConstKHR {
+                        device_address: self.static_address(inst_buf),
+                    }),
             });
         self.tlas = self.build_as(
             vk::AccelerationStructureTypeKHR::TOP_LEVEL,
@@ -617,33 +786,51 @@ impl VulkanRtRouter {
                     .stage_flags(vk::ShaderStageFlags::ALL),
             );
         }
-        let push = [vk::PushConstantRange::default().stage_flags(vk::ShaderStageFlags::ALL).size(16)];
+        let push = [vk::PushConstantRange::default()
+            .stage_flags(vk::ShaderStageFlags::ALL)
+            .size(16)];
         // SAFETY: valid create infos; handles are destroyed in Drop.
         unsafe {
             self.set_layout = self
                 .device
-                .create_descriptor_set_layout(&vk::DescriptorSetLayoutCreateInfo::default().bindings(&bindings), None)
+                .create_descriptor_set_layout(
+                    &vk::DescriptorSetLayoutCreateInfo::default().bindings(&bindings),
+                    None,
+                )
                 .map_err(vkerr("vkCreateDescriptorSetLayout"))?;
             let layouts = [self.set_layout];
             self.pipeline_layout = self
                 .device
                 .create_pipeline_layout(
-                    &vk::PipelineLayoutCreateInfo::default().set_layouts(&layouts).push_constant_ranges(&push),
+                    &vk::PipelineLayoutCreateInfo::default()
+                        .set_layouts(&layouts)
+                        .push_constant_ranges(&push),
                     None,
                 )
                 .map_err(vkerr("vkCreatePipelineLayout"))?;
             let sizes = [
-                vk::DescriptorPoolSize::default().ty(vk::DescriptorType::ACCELERATION_STRUCTURE_KHR).descriptor_count(1),
-                vk::DescriptorPoolSize::default().ty(vk::DescriptorType::STORAGE_BUFFER).descriptor_count(6),
+                vk::DescriptorPoolSize::default()
+                    .ty(vk::DescriptorType::ACCELERATION_STRUCTURE_KHR)
+                    .descriptor_count(1),
+                vk::DescriptorPoolSize::default()
+                    .ty(vk::DescriptorType::STORAGE_BUFFER)
+                    .descriptor_count(6),
             ];
             self.desc_pool = self
                 .device
-                .create_descriptor_pool(&vk::DescriptorPoolCreateInfo::default().max_sets(1).pool_sizes(&sizes), None)
+                .create_descriptor_pool(
+                    &vk::DescriptorPoolCreateInfo::default()
+                        .max_sets(1)
+                        .pool_sizes(&sizes),
+                    None,
+                )
                 .map_err(vkerr("vkCreateDescriptorPool"))?;
             self.desc_set = self
                 .device
                 .allocate_descriptor_sets(
-                    &vk::DescriptorSetAllocateInfo::default().descriptor_pool(self.desc_pool).set_layouts(&layouts),
+                    &vk::DescriptorSetAllocateInfo::default()
+                        .descriptor_pool(self.desc_pool)
+                        .set_layouts(&layouts),
                 )
                 .map_err(vkerr("vkAllocateDescriptorSets"))?[0];
         }
@@ -651,16 +838,30 @@ impl VulkanRtRouter {
         let mut module = |bytes: &[u8]| -> Result<vk::ShaderModule, RouteError> {
             let code = spirv(bytes)?;
             // SAFETY: SPIR-V words from the committed shaders.
-            let m = unsafe { self.device.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&code), None) }
-                .map_err(|e| unavailable(Unavailable::Shader(format!("vkCreateShaderModule: {e}"))))?;
+            let m = unsafe {
+                self.device
+                    .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&code), None)
+            }
+            .map_err(|e| unavailable(Unavailable::Shader(format!("vkCreateShaderModule: {e}"))))?;
             self.shader_modules.push(m);
             Ok(m)
         };
-        let (rgen, rmiss, rint, comp) = (module(RGEN)?, module(RMISS)?, module(RINT)?, module(THRESHOLD)?);
+        let (rgen, rmiss, rint, comp) = (
+            module(RGEN)?,
+            module(RMISS)?,
+            module(RINT)?,
+            module(THRESHOLD)?,
+        );
         let main = c"main";
         let stages = [
-            vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::RAYGEN_KHR).module(rgen).name(main),
-            vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::MISS_KHR).module(rmiss).name(main),
+            vk::PipelineShaderStageCreateInfo::default()
+                .stage(vk::ShaderStageFlags::RAYGEN_KHR)
+                .module(rgen)
+                .name(main),
+            vk::PipelineShaderStageCreateInfo::default()
+                .stage(vk::ShaderStageFlags::MISS_KHR)
+                .module(rmiss)
+                .name(main),
             vk::PipelineShaderStageCreateInfo::default()
                 .stage(vk::ShaderStageFlags::INTERSECTION_KHR)
                 .module(rint)
@@ -699,16 +900,29 @@ impl VulkanRtRouter {
                     &[rt_info],
                     None,
                 )
-                .map_err(|(_, e)| unavailable(Unavailable::Shader(format!("vkCreateRayTracingPipelinesKHR: {e}"))))?[0];
-            let cs = vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::COMPUTE).module(comp).name(main);
+                .map_err(|(_, e)| {
+                    unavailable(Unavailable::Shader(format!(
+                        "vkCreateRayTracingPipelinesKHR: {e}"
+                    )))
+                })?[0];
+            let cs = vk::PipelineShaderStageCreateInfo::default()
+                .stage(vk::ShaderStageFlags::COMPUTE)
+                .module(comp)
+                .name(main);
             self.comp_pipeline = self
                 .device
                 .create_compute_pipelines(
                     vk::PipelineCache::null(),
-                    &[vk::ComputePipelineCreateInfo::default().stage(cs).layout(self.pipeline_layout)],
+                    &[vk::ComputePipelineCreateInfo::default()
+                        .stage(cs)
+                        .layout(self.pipeline_layout)],
                     None,
                 )
-                .map_err(|(_, e)| unavailable(Unavailable::Shader(format!("vkCreateComputePipelines: {e}"))))?[0];
+                .map_err(|(_, e)| {
+                    unavailable(Unavailable::Shader(format!(
+                        "vkCreateComputePipelines: {e}"
+                    )))
+                })?[0];
         }
 
         // Shader binding table: raygen | miss | hit, each region aligned to the base alignment.
@@ -718,7 +932,12 @@ impl VulkanRtRouter {
         let region = align_up(stride, base);
         // SAFETY: the pipeline has 3 groups.
         let handles = unsafe {
-            self.rt_fn.get_ray_tracing_shader_group_handles(self.rt_pipeline, 0, 3, 3 * handle_size as usize)
+            self.rt_fn.get_ray_tracing_shader_group_handles(
+                self.rt_pipeline,
+                0,
+                3,
+                3 * handle_size as usize,
+            )
         }
         .map_err(vkerr("vkGetRayTracingShaderGroupHandlesKHR"))?;
         let mut sbt = vec![0u8; (3 * region + base) as usize];
@@ -728,34 +947,65 @@ impl VulkanRtRouter {
         }
         // The buffer may start at any device address: leave `base` bytes of slack and
         // shift the table to an aligned start by uploading it at that offset.
-        let sbt_buf = self.create_buf(sbt.len() as u64, vk::BufferUsageFlags::SHADER_BINDING_TABLE_KHR | vk::BufferUsageFlags::TRANSFER_DST, false)?;
+        let sbt_buf = self.create_buf(
+            sbt.len() as u64,
+            vk::BufferUsageFlags::SHADER_BINDING_TABLE_KHR | vk::BufferUsageFlags::TRANSFER_DST,
+            false,
+        )?;
         let addr = self.address(&sbt_buf);
         let start = align_up(addr, base);
         let shift = (start - addr) as usize;
         let mut shifted = vec![0u8; sbt.len()];
         shifted[shift..].copy_from_slice(&sbt[..sbt.len() - shift]);
-        let staging = self.create_buf(shifted.len() as u64, vk::BufferUsageFlags::TRANSFER_SRC, true)?;
+        let staging = self.create_buf(
+            shifted.len() as u64,
+            vk::BufferUsageFlags::TRANSFER_SRC,
+            true,
+        )?;
         unsafe { std::ptr::copy_nonoverlapping(shifted.as_ptr(), staging.mapped, shifted.len()) };
         let len = shifted.len() as u64;
         let res = self.submit(|cmd| unsafe {
-            self.device.cmd_copy_buffer(cmd, staging.buffer, sbt_buf.buffer, &[vk::BufferCopy::default().size(len)]);
+            self.device.cmd_copy_buffer(
+                cmd,
+                staging.buffer,
+                sbt_buf.buffer,
+                &[vk::BufferCopy::default().size(len)],
+            );
         });
         self.destroy_buf(&staging);
         self.static_bufs.push(sbt_buf);
         res?;
         let reg = |i: u64, size: u64| {
-            vk::StridedDeviceAddressRegionKHR::default().device_address(start + i * region).stride(if i == 0 { region } else { stride }).size(size)
+            vk::StridedDeviceAddressRegionKHR::default()
+                .device_address(start + i * region)
+                .stride(if i == 0 { region } else { stride })
+                .size(size)
         };
-        self.regions = [reg(0, region), reg(1, stride), reg(2, stride), vk::StridedDeviceAddressRegionKHR::default()];
+        self.regions = [
+            reg(0, region),
+            reg(1, stride),
+            reg(2, stride),
+            vk::StridedDeviceAddressRegionKHR::default(),
+        ];
         Ok(())
     }
 
     fn ensure_batch(&mut self, queries: usize) -> Result<(), RouteError> {
-        if self.batch.as_ref().is_some_and(|b| b.capacity_queries >= queries) {
+        if self
+            .batch
+            .as_ref()
+            .is_some_and(|b| b.capacity_queries >= queries)
+        {
             return Ok(());
         }
         if let Some(old) = self.batch.take() {
-            for b in [&old.points_host, &old.points, &old.masks, &old.out_bits, &old.readback] {
+            for b in [
+                &old.points_host,
+                &old.points,
+                &old.masks,
+                &old.out_bits,
+                &old.readback,
+            ] {
                 self.destroy_buf(b);
             }
         }
@@ -767,12 +1017,23 @@ impl VulkanRtRouter {
             capacity_queries: queries,
             points_host: self.create_buf(points_bytes, U::TRANSFER_SRC, true)?,
             points: self.create_buf(points_bytes, U::STORAGE_BUFFER | U::TRANSFER_DST, false)?,
-            masks: self.create_buf(q * self.pages as u64 * 4, U::STORAGE_BUFFER | U::TRANSFER_DST, false)?,
+            masks: self.create_buf(
+                q * self.pages as u64 * 4,
+                U::STORAGE_BUFFER | U::TRANSFER_DST,
+                false,
+            )?,
             out_bits: self.create_buf(q * words * 4, U::STORAGE_BUFFER | U::TRANSFER_SRC, false)?,
             readback: self.create_buf_cached(q * words * 4, U::TRANSFER_DST, true, true)?,
         };
         // SAFETY: the set is not in use (every submit is waited for).
-        unsafe { self.write_descriptors(self.desc_set, batch.points.buffer, batch.masks.buffer, batch.out_bits.buffer) };
+        unsafe {
+            self.write_descriptors(
+                self.desc_set,
+                batch.points.buffer,
+                batch.masks.buffer,
+                batch.out_bits.buffer,
+            )
+        };
         self.batch = Some(batch);
         Ok(())
     }
@@ -783,13 +1044,31 @@ impl VulkanRtRouter {
     ///
     /// # Safety
     /// `set` must not be in use by a pending command buffer.
-    pub(crate) unsafe fn write_descriptors(&self, set: vk::DescriptorSet, points: vk::Buffer, masks: vk::Buffer, bits: vk::Buffer) {
+    pub(crate) unsafe fn write_descriptors(
+        &self,
+        set: vk::DescriptorSet,
+        points: vk::Buffer,
+        masks: vk::Buffer,
+        bits: vk::Buffer,
+    ) {
         let tlas = [self.tlas];
-        let mut as_write = vk::WriteDescriptorSetAccelerationStructureKHR::default().acceleration_structures(&tlas);
-        let infos: Vec<[vk::DescriptorBufferInfo; 1]> = [points, self.offsets, self.prim_boxes, masks, self.thresholds, bits]
-            .iter()
-            .map(|&b| [vk::DescriptorBufferInfo::default().buffer(b).range(vk::WHOLE_SIZE)])
-            .collect();
+        let mut as_write = vk::WriteDescriptorSetAccelerationStructureKHR::default()
+            .acceleration_structures(&tlas);
+        let infos: Vec<[vk::DescriptorBufferInfo; 1]> = [
+            points,
+            self.offsets,
+            self.prim_boxes,
+            masks,
+            self.thresholds,
+            bits,
+        ]
+        .iter()
+        .map(|&b| {
+            [vk::DescriptorBufferInfo::default()
+                .buffer(b)
+                .range(vk::WHOLE_SIZE)]
+        })
+        .collect();
         let mut writes = vec![vk::WriteDescriptorSet::default()
             .dst_set(set)
             .dst_binding(0)
@@ -823,38 +1102,96 @@ impl VulkanRtRouter {
         let bytes = f32_bytes(points.iter().flatten().copied());
         // SAFETY: the host buffer holds capacity_queries * slices * 12 >= bytes.len() bytes.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), b.points_host.mapped, bytes.len()) };
-        let push: Vec<u8> =
-            [queries as u32, self.slices as u32, self.pages as u32, words as u32].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let push: Vec<u8> = [
+            queries as u32,
+            self.slices as u32,
+            self.pages as u32,
+            words as u32,
+        ]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
         let out_bytes = (queries * words * 4) as u64;
         let groups = (queries * words).div_ceil(64).max(1) as u32;
         let (gx, gy) = (groups.min(65535), groups.div_ceil(65535));
         self.submit(|cmd| unsafe {
             let d = &self.device;
             if !bytes.is_empty() {
-                d.cmd_copy_buffer(cmd, b.points_host.buffer, b.points.buffer, &[vk::BufferCopy::default().size(bytes.len() as u64)]);
+                d.cmd_copy_buffer(
+                    cmd,
+                    b.points_host.buffer,
+                    b.points.buffer,
+                    &[vk::BufferCopy::default().size(bytes.len() as u64)],
+                );
             }
             d.cmd_fill_buffer(cmd, b.masks.buffer, 0, vk::WHOLE_SIZE, 0);
             self.barrier(cmd);
-            d.cmd_push_constants(cmd, self.pipeline_layout, vk::ShaderStageFlags::ALL, 0, &push);
+            d.cmd_push_constants(
+                cmd,
+                self.pipeline_layout,
+                vk::ShaderStageFlags::ALL,
+                0,
+                &push,
+            );
             if self.pages > 0 && queries > 0 {
-                d.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::RAY_TRACING_KHR, self.rt_pipeline);
-                d.cmd_bind_descriptor_sets(cmd, vk::PipelineBindPoint::RAY_TRACING_KHR, self.pipeline_layout, 0, &[self.desc_set], &[]);
+                d.cmd_bind_pipeline(
+                    cmd,
+                    vk::PipelineBindPoint::RAY_TRACING_KHR,
+                    self.rt_pipeline,
+                );
+                d.cmd_bind_descriptor_sets(
+                    cmd,
+                    vk::PipelineBindPoint::RAY_TRACING_KHR,
+                    self.pipeline_layout,
+                    0,
+                    &[self.desc_set],
+                    &[],
+                );
                 let r = &self.regions;
-                self.rt_fn.cmd_trace_rays(cmd, &r[0], &r[1], &r[2], &r[3], queries as u32, self.slices as u32, 1);
+                self.rt_fn.cmd_trace_rays(
+                    cmd,
+                    &r[0],
+                    &r[1],
+                    &r[2],
+                    &r[3],
+                    queries as u32,
+                    self.slices as u32,
+                    1,
+                );
                 self.barrier(cmd);
             }
             d.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, self.comp_pipeline);
-            d.cmd_bind_descriptor_sets(cmd, vk::PipelineBindPoint::COMPUTE, self.pipeline_layout, 0, &[self.desc_set], &[]);
+            d.cmd_bind_descriptor_sets(
+                cmd,
+                vk::PipelineBindPoint::COMPUTE,
+                self.pipeline_layout,
+                0,
+                &[self.desc_set],
+                &[],
+            );
             d.cmd_dispatch(cmd, gx, gy, 1);
             self.barrier(cmd);
             if out_bytes > 0 {
-                d.cmd_copy_buffer(cmd, b.out_bits.buffer, b.readback.buffer, &[vk::BufferCopy::default().size(out_bytes)]);
+                d.cmd_copy_buffer(
+                    cmd,
+                    b.out_bits.buffer,
+                    b.readback.buffer,
+                    &[vk::BufferCopy::default().size(out_bytes)],
+                );
             }
             // Make the transfer visible to the host read below.
             let mb = [vk::MemoryBarrier::default()
                 .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
                 .dst_access_mask(vk::AccessFlags::HOST_READ)];
-            d.cmd_pipeline_barrier(cmd, vk::PipelineStageFlags::TRANSFER, vk::PipelineStageFlags::HOST, vk::DependencyFlags::empty(), &mb, &[], &[]);
+            d.cmd_pipeline_barrier(
+                cmd,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::PipelineStageFlags::HOST,
+                vk::DependencyFlags::empty(),
+                &mb,
+                &[],
+                &[],
+            );
         })?;
         // SAFETY: host-coherent mapping, the fence was waited for.
         let view = unsafe { std::slice::from_raw_parts(b.readback.mapped, out_bytes as usize) };
@@ -872,7 +1209,9 @@ impl Router for VulkanRtRouter {
 
     fn route(&mut self, points: &[[f32; 3]]) -> Result<CandidateSet, RouteError> {
         let (slices, pages, chunk) = (self.slices, self.pages, self.chunk_queries());
-        crate::route_in_chunks(points, slices, pages, chunk, |pts, bits| self.route_chunk(pts, bits))
+        crate::route_in_chunks(points, slices, pages, chunk, |pts, bits| {
+            self.route_chunk(pts, bits)
+        })
     }
 }
 
@@ -885,7 +1224,13 @@ impl Drop for VulkanRtRouter {
                 self.destroy_interop(st);
             }
             if let Some(b) = self.batch.take() {
-                for x in [&b.points_host, &b.points, &b.masks, &b.out_bits, &b.readback] {
+                for x in [
+                    &b.points_host,
+                    &b.points,
+                    &b.masks,
+                    &b.out_bits,
+                    &b.readback,
+                ] {
                     self.destroy_buf(x);
                 }
             }
@@ -895,8 +1240,10 @@ impl Drop for VulkanRtRouter {
                 self.device.destroy_shader_module(m, None);
             }
             self.device.destroy_descriptor_pool(self.desc_pool, None);
-            self.device.destroy_pipeline_layout(self.pipeline_layout, None);
-            self.device.destroy_descriptor_set_layout(self.set_layout, None);
+            self.device
+                .destroy_pipeline_layout(self.pipeline_layout, None);
+            self.device
+                .destroy_descriptor_set_layout(self.set_layout, None);
             self.as_fn.destroy_acceleration_structure(self.tlas, None);
             self.as_fn.destroy_acceleration_structure(self.blas, None);
             for b in std::mem::take(&mut self.static_bufs) {

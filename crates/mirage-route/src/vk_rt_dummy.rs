@@ -13,7 +13,10 @@ pub struct VulkanRtRouter {
 impl VulkanRtRouter {
     /// Always fails: the crate was built without `vulkan-rt`.
     pub fn new(_data: &RouterData) -> Result<Self, RouteError> {
-        Err(RouteError::Unavailable { kind: RouterKind::VulkanRt, reason: Unavailable::NotBuilt("vulkan-rt") })
+        Err(RouteError::Unavailable {
+            kind: RouterKind::VulkanRt,
+            reason: Unavailable::NotBuilt("vulkan-rt"),
+        })
     }
 
     /// The device's name (never reached).
@@ -54,7 +57,13 @@ pub struct InteropExports {
 
 impl VulkanRtRouter {
     /// Always fails: the crate was built without `vulkan-rt`.
-    pub fn new_interop(_data: &RouterData, _req: &InteropRequest) -> Result<(Self, InteropExports), RouteError> {
-        Err(RouteError::Unavailable { kind: RouterKind::VulkanRt, reason: Unavailable::NotBuilt("vulkan-rt") })
+    pub fn new_interop(
+        _data: &RouterData,
+        _req: &InteropRequest,
+    ) -> Result<(Self, InteropExports), RouteError> {
+        Err(RouteError::Unavailable {
+            kind: RouterKind::VulkanRt,
+            reason: Unavailable::NotBuilt("vulkan-rt"),
+        })
     }
 }

@@ -20,7 +20,10 @@ pub struct WgpuRouter {
 impl WgpuRouter {
     /// Always fails: the crate was built without `wgpu`.
     pub fn new(_data: &RouterData, _options: WgpuOptions) -> Result<Self, RouteError> {
-        Err(RouteError::Unavailable { kind: RouterKind::Wgpu, reason: Unavailable::NotBuilt("wgpu") })
+        Err(RouteError::Unavailable {
+            kind: RouterKind::Wgpu,
+            reason: Unavailable::NotBuilt("wgpu"),
+        })
     }
 
     /// The adapter's name (never reached).

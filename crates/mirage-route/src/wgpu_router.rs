@@ -55,20 +55,32 @@ pub struct WgpuRouter {
 
 impl std::fmt::Debug for WgpuRouter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WgpuRouter").field("adapter", &self.adapter_name).field("pages", &self.pages).finish()
+        f.debug_struct("WgpuRouter")
+            .field("adapter", &self.adapter_name)
+            .field("pages", &self.pages)
+            .finish()
     }
 }
 
 fn unavailable(reason: Unavailable) -> RouteError {
-    RouteError::Unavailable { kind: RouterKind::Wgpu, reason }
+    RouteError::Unavailable {
+        kind: RouterKind::Wgpu,
+        reason,
+    }
 }
 
 fn device_err(message: impl std::fmt::Display) -> RouteError {
-    RouteError::Device { kind: RouterKind::Wgpu, message: message.to_string() }
+    RouteError::Device {
+        kind: RouterKind::Wgpu,
+        message: message.to_string(),
+    }
 }
 
 fn bind(binding: u32, b: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
-    wgpu::BindGroupEntry { binding, resource: b.as_entire_binding() }
+    wgpu::BindGroupEntry {
+        binding,
+        resource: b.as_entire_binding(),
+    }
 }
 
 fn u32_bytes(v: &[u32]) -> Vec<u8> {
@@ -126,7 +138,8 @@ impl WgpuRouter {
             trace: wgpu::Trace::Off,
         }))
         .map_err(|e| unavailable(Unavailable::NoAdapter(format!("{}: {e}", info.name))))?;
-        let max_binding = (limits.max_storage_buffer_binding_size as u64).min(limits.max_buffer_size);
+        let max_binding =
+            (limits.max_storage_buffer_binding_size as u64).min(limits.max_buffer_size);
 
         use wgpu::util::DeviceExt;
         let storage = |label: &str, contents: Vec<u8>| {
@@ -141,9 +154,22 @@ impl WgpuRouter {
                 usage: wgpu::BufferUsages::STORAGE,
             })
         };
-        let nodes = storage("bvh nodes", record_bytes(bvh.nodes.iter().map(|n| (n.min, n.left_or_first, n.max, n.count))));
-        let prims = storage("bvh prims", record_bytes(bvh.prims.iter().map(|p| (p.min, p.page, p.max, p.slice))));
-        let offsets = storage("slice offsets", f32_bytes(bvh.slice_offsets.iter().copied()));
+        let nodes = storage(
+            "bvh nodes",
+            record_bytes(
+                bvh.nodes
+                    .iter()
+                    .map(|n| (n.min, n.left_or_first, n.max, n.count)),
+            ),
+        );
+        let prims = storage(
+            "bvh prims",
+            record_bytes(bvh.prims.iter().map(|p| (p.min, p.page, p.max, p.slice))),
+        );
+        let offsets = storage(
+            "slice offsets",
+            f32_bytes(bvh.slice_offsets.iter().copied()),
+        );
         let thresholds = storage("thresholds", u32_bytes(&data.thresholds));
         let params = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("params"),
@@ -155,7 +181,11 @@ impl WgpuRouter {
         let entry = |binding: u32, ty: wgpu::BufferBindingType| wgpu::BindGroupLayoutEntry {
             binding,
             visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer { ty, has_dynamic_offset: false, min_binding_size: None },
+            ty: wgpu::BindingType::Buffer {
+                ty,
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
             count: None,
         };
         let ro = wgpu::BufferBindingType::Storage { read_only: true };
@@ -201,7 +231,10 @@ impl WgpuRouter {
         Ok(Self {
             device,
             queue,
-            adapter_name: format!("{} ({:?}, {})", info.name, info.device_type, info.driver_info),
+            adapter_name: format!(
+                "{} ({:?}, {})",
+                info.name, info.device_type, info.driver_info
+            ),
             slices: data.slices,
             pages: data.pages(),
             node_count: bvh.nodes.len() as u32,
@@ -230,7 +263,11 @@ impl WgpuRouter {
     }
 
     fn ensure_batch(&mut self, queries: usize) {
-        if self.batch.as_ref().is_some_and(|b| b.capacity_queries >= queries) {
+        if self
+            .batch
+            .as_ref()
+            .is_some_and(|b| b.capacity_queries >= queries)
+        {
             return;
         }
         let words = self.pages.div_ceil(32);
@@ -243,7 +280,11 @@ impl WgpuRouter {
             })
         };
         use wgpu::BufferUsages as U;
-        let points = buf("points", queries * self.slices * 12, U::STORAGE | U::COPY_DST);
+        let points = buf(
+            "points",
+            queries * self.slices * 12,
+            U::STORAGE | U::COPY_DST,
+        );
         let masks = buf("masks", queries * self.pages * 4, U::STORAGE | U::COPY_DST);
         let out_bits = buf("out bits", queries * words * 4, U::STORAGE | U::COPY_SRC);
         let readback = buf("readback", queries * words * 4, U::MAP_READ | U::COPY_DST);
@@ -261,7 +302,14 @@ impl WgpuRouter {
                 bind(7, &out_bits),
             ],
         });
-        self.batch = Some(BatchBuffers { capacity_queries: queries, points, masks, out_bits, readback, bind_group });
+        self.batch = Some(BatchBuffers {
+            capacity_queries: queries,
+            points,
+            masks,
+            out_bits,
+            readback,
+            bind_group,
+        });
     }
 
     fn route_chunk(&mut self, points: &[[f32; 3]], out: &mut [u32]) -> Result<(), RouteError> {
@@ -269,17 +317,41 @@ impl WgpuRouter {
         let words = self.pages.div_ceil(32);
         self.ensure_batch(queries);
         let b = self.batch.as_ref().expect("ensured");
-        let params = u32_bytes(&[queries as u32, self.slices as u32, self.pages as u32, words as u32, self.node_count, 0, 0, 0]);
+        let params = u32_bytes(&[
+            queries as u32,
+            self.slices as u32,
+            self.pages as u32,
+            words as u32,
+            self.node_count,
+            0,
+            0,
+            0,
+        ]);
         self.queue.write_buffer(&self.params, 0, &params);
-        self.queue.write_buffer(&b.points, 0, &f32_bytes(points.iter().flatten().copied()));
-        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("route") });
-        enc.clear_buffer(&b.masks, 0, Some(((queries * self.pages * 4).max(4) as u64).next_multiple_of(4)));
+        self.queue
+            .write_buffer(&b.points, 0, &f32_bytes(points.iter().flatten().copied()));
+        let mut enc = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("route"),
+            });
+        enc.clear_buffer(
+            &b.masks,
+            0,
+            Some(((queries * self.pages * 4).max(4) as u64).next_multiple_of(4)),
+        );
         let groups = |n: usize| {
             let g = (n as u32).div_ceil(WORKGROUP).max(1);
             (g.min(MAX_GROUPS_X), g.div_ceil(MAX_GROUPS_X))
         };
-        for (pipeline, n) in [(&self.traverse, queries * self.slices), (&self.threshold, queries * words)] {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+        for (pipeline, n) in [
+            (&self.traverse, queries * self.slices),
+            (&self.threshold, queries * words),
+        ] {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: None,
+                timestamp_writes: None,
+            });
             pass.set_pipeline(pipeline);
             pass.set_bind_group(0, &b.bind_group, &[]);
             let (x, y) = groups(n);
@@ -319,6 +391,8 @@ impl Router for WgpuRouter {
 
     fn route(&mut self, points: &[[f32; 3]]) -> Result<CandidateSet, RouteError> {
         let (slices, pages, chunk) = (self.slices, self.pages, self.chunk_queries());
-        crate::route_in_chunks(points, slices, pages, chunk, |pts, bits| self.route_chunk(pts, bits))
+        crate::route_in_chunks(points, slices, pages, chunk, |pts, bits| {
+            self.route_chunk(pts, bits)
+        })
     }
 }

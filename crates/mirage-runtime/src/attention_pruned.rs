@@ -68,9 +68,22 @@ impl KvHeadView<'_> {
 /// duplicates). `scores` needs as many elements as `S` has positions; `out`
 /// gets `q.len()`. Callers check the ranges.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_pages(view: &KvHeadView<'_>, page: usize, pages: &[usize], n: usize, q: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
+pub fn attend_pages(
+    view: &KvHeadView<'_>,
+    page: usize,
+    pages: &[usize],
+    n: usize,
+    q: &[f32],
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
     let d = q.len();
-    let spans = || pages.iter().map(move |&p| (p * page).min(n)..((p + 1) * page).min(n));
+    let spans = || {
+        pages
+            .iter()
+            .map(move |&p| (p * page).min(n)..((p + 1) * page).min(n))
+    };
     let mut m = 0;
     match view {
         KvHeadView::F32 { k, .. } => {
@@ -78,14 +91,26 @@ pub fn attend_pages(view: &KvHeadView<'_>, page: usize, pages: &[usize], n: usiz
             // key's score does not depend on the span it comes in).
             for span in spans() {
                 let len = span.len();
-                ops::attention_scores(q, &k[span.start * d..span.end * d], len, scale, &mut scores[m..m + len]);
+                ops::attention_scores(
+                    q,
+                    &k[span.start * d..span.end * d],
+                    len,
+                    scale,
+                    &mut scores[m..m + len],
+                );
                 m += len;
             }
         }
         KvHeadView::F16 { k, .. } => {
             for span in spans() {
                 let len = span.len();
-                ops::attention_scores(q, &k[span.start * d..span.end * d], len, scale, &mut scores[m..m + len]);
+                ops::attention_scores(
+                    q,
+                    &k[span.start * d..span.end * d],
+                    len,
+                    scale,
+                    &mut scores[m..m + len],
+                );
                 m += len;
             }
         }
@@ -108,12 +133,22 @@ pub fn attend_pages(view: &KvHeadView<'_>, page: usize, pages: &[usize], n: usiz
             // every page selected reproduces it bit for bit (f32 and f16).
             KvHeadView::F32 { v, .. } => {
                 let len = span.len();
-                ops::attention_weighted_sum(&scores[m..m + len], &v[span.start * d..span.end * d], len, out);
+                ops::attention_weighted_sum(
+                    &scores[m..m + len],
+                    &v[span.start * d..span.end * d],
+                    len,
+                    out,
+                );
                 m += len;
             }
             KvHeadView::F16 { v, .. } => {
                 let len = span.len();
-                ops::attention_weighted_sum(&scores[m..m + len], &v[span.start * d..span.end * d], len, out);
+                ops::attention_weighted_sum(
+                    &scores[m..m + len],
+                    &v[span.start * d..span.end * d],
+                    len,
+                    out,
+                );
                 m += len;
             }
             KvHeadView::Q8_0 { v, .. } => {

@@ -88,7 +88,10 @@ pub struct Batcher<'e, B: Backend> {
 
 impl<B: Backend> std::fmt::Debug for Batcher<'_, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Batcher").field("slots", &self.seqs.len()).field("active", &self.active()).finish()
+        f.debug_struct("Batcher")
+            .field("slots", &self.seqs.len())
+            .field("active", &self.active())
+            .finish()
     }
 }
 
@@ -98,10 +101,17 @@ impl<'e, B: Backend> Batcher<'e, B> {
     /// (decode rows always run; prompts fill what is left, at least one row).
     pub fn new(engine: &'e Engine<B>, max_seqs: usize, max_rows: usize) -> Result<Batcher<'e, B>> {
         if max_seqs == 0 {
-            return Err(RuntimeError::InvalidArgument("a batcher needs at least one sequence slot".into()));
+            return Err(RuntimeError::InvalidArgument(
+                "a batcher needs at least one sequence slot".into(),
+            ));
         }
         let o = engine.options();
-        let cache = engine.model().new_kv_cache_pruned(engine.n_ctx(), max_seqs, o.kv_dtype, o.kv_pruning)?;
+        let cache = engine.model().new_kv_cache_pruned(
+            engine.n_ctx(),
+            max_seqs,
+            o.kv_dtype,
+            o.kv_pruning,
+        )?;
         Ok(Batcher {
             engine,
             cache,
@@ -141,14 +151,18 @@ impl<'e, B: Backend> Batcher<'e, B> {
             return Err(RuntimeError::InvalidArgument("empty prompt".into()));
         }
         if prompt.len() >= self.engine.n_ctx() {
-            return Err(RuntimeError::ContextFull { n_ctx: self.engine.n_ctx() });
+            return Err(RuntimeError::ContextFull {
+                n_ctx: self.engine.n_ctx(),
+            });
         }
-        let slot = self
-            .seqs
-            .iter()
-            .position(|s| s.is_none())
-            .ok_or_else(|| RuntimeError::InvalidArgument("every sequence slot is busy".into()))?;
-        self.engine.model().backend().kv_truncate(&mut self.cache, slot, 0);
+        let slot =
+            self.seqs.iter().position(|s| s.is_none()).ok_or_else(|| {
+                RuntimeError::InvalidArgument("every sequence slot is busy".into())
+            })?;
+        self.engine
+            .model()
+            .backend()
+            .kv_truncate(&mut self.cache, slot, 0);
         self.seqs[slot] = Some(Sequence {
             prompt_len: prompt.len(),
             context: prompt,
@@ -170,7 +184,10 @@ impl<'e, B: Backend> Batcher<'e, B> {
         match self.seqs.get_mut(slot) {
             Some(s @ Some(_)) => {
                 *s = None;
-                self.engine.model().backend().kv_truncate(&mut self.cache, slot, 0);
+                self.engine
+                    .model()
+                    .backend()
+                    .kv_truncate(&mut self.cache, slot, 0);
                 true
             }
             _ => false,
@@ -210,7 +227,10 @@ impl<'e, B: Backend> Batcher<'e, B> {
             if s.fed < s.prompt_len {
                 let n = (s.prompt_len - s.fed).min(room);
                 for k in 0..n {
-                    slots.push(TokenSlot { seq: i, pos: s.fed + k });
+                    slots.push(TokenSlot {
+                        seq: i,
+                        pos: s.fed + k,
+                    });
                     tokens.push(s.context[s.fed + k]);
                 }
                 if s.fed + n == s.prompt_len {
@@ -227,7 +247,14 @@ impl<'e, B: Backend> Batcher<'e, B> {
         }
         stats.rows = tokens.len();
         let model = self.engine.model();
-        model.forward(&tokens, &slots, &logits_rows, &mut self.cache, &mut self.scratch, &mut self.logits)?;
+        model.forward(
+            &tokens,
+            &slots,
+            &logits_rows,
+            &mut self.cache,
+            &mut self.scratch,
+            &mut self.logits,
+        )?;
         // Decoders advance by their one row (before the prompt chunks, whose
         // sequences do not pass the test until their prompt is all in).
         for s in self.seqs.iter_mut().flatten() {
@@ -244,7 +271,9 @@ impl<'e, B: Backend> Batcher<'e, B> {
         let tokenizer = self.engine.tokenizer();
         for (row, &i) in sampling.iter().enumerate() {
             let logits = &self.logits[row * vocab..(row + 1) * vocab];
-            let Some(s) = self.seqs[i].as_mut() else { continue };
+            let Some(s) = self.seqs[i].as_mut() else {
+                continue;
+            };
             let token = s.sampler.sample(logits, &s.context);
             stats.sampled += 1;
             let mut finish = None;
@@ -261,7 +290,10 @@ impl<'e, B: Backend> Batcher<'e, B> {
                     }
                     StopCheck::Emit(safe) => {
                         if safe > s.emitted {
-                            events.push(SeqEvent::Text { slot: i, text: s.text[s.emitted..safe].to_string() });
+                            events.push(SeqEvent::Text {
+                                slot: i,
+                                text: s.text[s.emitted..safe].to_string(),
+                            });
                             s.emitted = safe;
                         }
                     }
@@ -284,7 +316,10 @@ impl<'e, B: Backend> Batcher<'e, B> {
                     }
                 }
                 if s.text.len() > s.emitted {
-                    events.push(SeqEvent::Text { slot: i, text: s.text[s.emitted..].to_string() });
+                    events.push(SeqEvent::Text {
+                        slot: i,
+                        text: s.text[s.emitted..].to_string(),
+                    });
                 }
                 events.push(SeqEvent::Finished {
                     slot: i,

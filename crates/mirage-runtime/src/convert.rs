@@ -60,7 +60,11 @@ pub fn metadata_from_config(config: &Json) -> Result<Metadata> {
         Some("qwen2") => "qwen2",
         other => return Err(bad(format!("model_type {other:?} is not qwen2 or qwen3"))),
     };
-    let int = |k: &str| config[k].as_u64().ok_or_else(|| bad(format!("`{k}` missing")));
+    let int = |k: &str| {
+        config[k]
+            .as_u64()
+            .ok_or_else(|| bad(format!("`{k}` missing")))
+    };
     let hidden = int("hidden_size")?;
     let heads = int("num_attention_heads")?;
     let head_dim = config["head_dim"].as_u64().unwrap_or(hidden / heads.max(1));
@@ -68,20 +72,40 @@ pub fn metadata_from_config(config: &Json) -> Result<Metadata> {
         .as_f64()
         .or_else(|| config["rope_parameters"]["rope_theta"].as_f64())
         .unwrap_or(10_000.0);
-    let eps = config["rms_norm_eps"].as_f64().ok_or_else(|| bad("`rms_norm_eps` missing".into()))?;
+    let eps = config["rms_norm_eps"]
+        .as_f64()
+        .ok_or_else(|| bad("`rms_norm_eps` missing".into()))?;
     let mut md = Metadata::new();
     md.insert("general.architecture", Value::String(arch.into()));
-    md.insert("general.name", Value::String(format!("{arch} (converted from safetensors)")));
+    md.insert(
+        "general.name",
+        Value::String(format!("{arch} (converted from safetensors)")),
+    );
     let u32v = |v: u64| Value::U32(v as u32);
-    md.insert(format!("{arch}.block_count"), u32v(int("num_hidden_layers")?));
-    md.insert(format!("{arch}.context_length"), u32v(int("max_position_embeddings")?));
+    md.insert(
+        format!("{arch}.block_count"),
+        u32v(int("num_hidden_layers")?),
+    );
+    md.insert(
+        format!("{arch}.context_length"),
+        u32v(int("max_position_embeddings")?),
+    );
     md.insert(format!("{arch}.embedding_length"), u32v(hidden));
-    md.insert(format!("{arch}.feed_forward_length"), u32v(int("intermediate_size")?));
+    md.insert(
+        format!("{arch}.feed_forward_length"),
+        u32v(int("intermediate_size")?),
+    );
     md.insert(format!("{arch}.attention.head_count"), u32v(heads));
-    md.insert(format!("{arch}.attention.head_count_kv"), u32v(config["num_key_value_heads"].as_u64().unwrap_or(heads)));
+    md.insert(
+        format!("{arch}.attention.head_count_kv"),
+        u32v(config["num_key_value_heads"].as_u64().unwrap_or(heads)),
+    );
     md.insert(format!("{arch}.attention.key_length"), u32v(head_dim));
     md.insert(format!("{arch}.attention.value_length"), u32v(head_dim));
-    md.insert(format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(eps as f32));
+    md.insert(
+        format!("{arch}.attention.layer_norm_rms_epsilon"),
+        Value::F32(eps as f32),
+    );
     md.insert(format!("{arch}.rope.freq_base"), Value::F32(theta as f32));
     md.insert(format!("{arch}.vocab_size"), u32v(int("vocab_size")?));
     Ok(md)
@@ -105,7 +129,9 @@ pub fn safetensors_to_gguf(safetensors: &Path, config: &Path, out: &Path) -> Res
         mapped
     })?;
     if !unknown.is_empty() {
-        return Err(RuntimeError::InvalidArgument(format!("tensors with no GGUF name: {unknown:?}")));
+        return Err(RuntimeError::InvalidArgument(format!(
+            "tensors with no GGUF name: {unknown:?}"
+        )));
     }
     writer.write_to_path(out)?;
     Ok(())
@@ -117,10 +143,25 @@ mod tests {
 
     #[test]
     fn names_map_like_gguf_py() {
-        assert_eq!(gguf_tensor_name("model.layers.12.self_attn.k_norm.weight").as_deref(), Some("blk.12.attn_k_norm.weight"));
-        assert_eq!(gguf_tensor_name("model.layers.0.mlp.down_proj.weight").as_deref(), Some("blk.0.ffn_down.weight"));
-        assert_eq!(gguf_tensor_name("lm_head.weight").as_deref(), Some("output.weight"));
-        assert_eq!(gguf_tensor_name("model.layers.x.mlp.down_proj.weight"), None);
-        assert_eq!(gguf_tensor_name("model.layers.0.self_attn.rotary_emb.inv_freq"), None);
+        assert_eq!(
+            gguf_tensor_name("model.layers.12.self_attn.k_norm.weight").as_deref(),
+            Some("blk.12.attn_k_norm.weight")
+        );
+        assert_eq!(
+            gguf_tensor_name("model.layers.0.mlp.down_proj.weight").as_deref(),
+            Some("blk.0.ffn_down.weight")
+        );
+        assert_eq!(
+            gguf_tensor_name("lm_head.weight").as_deref(),
+            Some("output.weight")
+        );
+        assert_eq!(
+            gguf_tensor_name("model.layers.x.mlp.down_proj.weight"),
+            None
+        );
+        assert_eq!(
+            gguf_tensor_name("model.layers.0.self_attn.rotary_emb.inv_freq"),
+            None
+        );
     }
 }

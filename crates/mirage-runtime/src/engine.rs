@@ -51,7 +51,13 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { threads: 0, n_ctx: 0, kv_dtype: KvDtype::F32, n_batch: 256, kv_pruning: None }
+        EngineOptions {
+            threads: 0,
+            n_ctx: 0,
+            kv_dtype: KvDtype::F32,
+            n_batch: 256,
+            kv_pruning: None,
+        }
     }
 }
 
@@ -68,7 +74,11 @@ pub struct GenerateParams {
 
 impl Default for GenerateParams {
     fn default() -> Self {
-        GenerateParams { max_tokens: 128, sampling: SamplingParams::default(), stop: Vec::new() }
+        GenerateParams {
+            max_tokens: 128,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+        }
     }
 }
 
@@ -108,11 +118,19 @@ pub struct GenerationStats {
 impl GenerationStats {
     /// Prompt tokens per second.
     pub fn prompt_tok_s(&self) -> f64 {
-        if self.prompt_secs > 0.0 { self.prompt_tokens as f64 / self.prompt_secs } else { 0.0 }
+        if self.prompt_secs > 0.0 {
+            self.prompt_tokens as f64 / self.prompt_secs
+        } else {
+            0.0
+        }
     }
     /// Decode steps per second.
     pub fn decode_tok_s(&self) -> f64 {
-        if self.decode_secs > 0.0 { self.decode_steps as f64 / self.decode_secs } else { 0.0 }
+        if self.decode_secs > 0.0 {
+            self.decode_steps as f64 / self.decode_secs
+        } else {
+            0.0
+        }
     }
 }
 
@@ -140,7 +158,10 @@ pub struct Engine<B: Backend = CpuBackend> {
 
 impl<B: Backend> std::fmt::Debug for Engine<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("model", &self.model).field("n_ctx", &self.n_ctx).finish()
+        f.debug_struct("Engine")
+            .field("model", &self.model)
+            .field("n_ctx", &self.n_ctx)
+            .finish()
     }
 }
 
@@ -154,7 +175,11 @@ impl Engine<CpuBackend> {
 
 impl<B: Backend> Engine<B> {
     /// Loads a GGUF model onto `backend`.
-    pub fn load_with_backend(path: impl AsRef<Path>, backend: B, options: EngineOptions) -> Result<Engine<B>> {
+    pub fn load_with_backend(
+        path: impl AsRef<Path>,
+        backend: B,
+        options: EngineOptions,
+    ) -> Result<Engine<B>> {
         let file = Arc::new(GgufFile::open(path)?);
         Engine::from_file(file, backend, options)
     }
@@ -165,8 +190,18 @@ impl<B: Backend> Engine<B> {
         let chat_template = ChatTemplate::from_gguf(&file).ok();
         let model = Model::load(file, backend)?;
         let train = model.config().n_ctx_train.max(1);
-        let n_ctx = if options.n_ctx == 0 { train.min(4096) } else { options.n_ctx };
-        Ok(Engine { model, tokenizer, chat_template, options, n_ctx })
+        let n_ctx = if options.n_ctx == 0 {
+            train.min(4096)
+        } else {
+            options.n_ctx
+        };
+        Ok(Engine {
+            model,
+            tokenizer,
+            chat_template,
+            options,
+            n_ctx,
+        })
     }
 
     /// The model.
@@ -202,13 +237,18 @@ impl<B: Backend> Engine<B> {
     /// Tokenizes `text`, parsing special tokens; `add_special` adds BOS/EOS
     /// where the model asks for them.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        self.tokenizer.encode(text, add_special, true).map_err(tok_err)
+        self.tokenizer
+            .encode(text, add_special, true)
+            .map_err(tok_err)
     }
 
     /// Renders `messages` with the chat template, ending with the assistant
     /// prompt.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
-        let t = self.chat_template.as_ref().ok_or_else(|| RuntimeError::Tokenizer("the model has no chat template".into()))?;
+        let t = self
+            .chat_template
+            .as_ref()
+            .ok_or_else(|| RuntimeError::Tokenizer("the model has no chat template".into()))?;
         t.render(messages, true).map_err(tok_err)
     }
 
@@ -216,7 +256,12 @@ impl<B: Backend> Engine<B> {
     pub fn session(&self) -> Result<Session<'_, B>> {
         Ok(Session {
             engine: self,
-            cache: self.model.new_kv_cache_pruned(self.n_ctx, 1, self.options.kv_dtype, self.options.kv_pruning)?,
+            cache: self.model.new_kv_cache_pruned(
+                self.n_ctx,
+                1,
+                self.options.kv_dtype,
+                self.options.kv_pruning,
+            )?,
             scratch: self.model.new_scratch(),
             tokens: Vec::new(),
             logits: Vec::new(),
@@ -242,7 +287,9 @@ pub struct Session<'e, B: Backend = CpuBackend> {
 
 impl<B: Backend> std::fmt::Debug for Session<'_, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Session").field("tokens", &self.tokens.len()).finish()
+        f.debug_struct("Session")
+            .field("tokens", &self.tokens.len())
+            .finish()
     }
 }
 
@@ -254,7 +301,10 @@ impl<'e, B: Backend> Session<'e, B> {
 
     /// Forgets everything.
     pub fn reset(&mut self) {
-        self.engine.model.backend().kv_truncate(&mut self.cache, 0, 0);
+        self.engine
+            .model
+            .backend()
+            .kv_truncate(&mut self.cache, 0, 0);
         self.tokens.clear();
         self.logits.clear();
     }
@@ -266,13 +316,27 @@ impl<'e, B: Backend> Session<'e, B> {
             return Err(RuntimeError::InvalidArgument("nothing to feed".into()));
         }
         if self.tokens.len() + tokens.len() > self.engine.n_ctx {
-            return Err(RuntimeError::ContextFull { n_ctx: self.engine.n_ctx });
+            return Err(RuntimeError::ContextFull {
+                n_ctx: self.engine.n_ctx,
+            });
         }
         let n_batch = self.engine.options.n_batch.max(1);
         for chunk in tokens.chunks(n_batch) {
             let start = self.tokens.len();
-            let slots: Vec<TokenSlot> = (0..chunk.len()).map(|i| TokenSlot { seq: 0, pos: start + i }).collect();
-            self.engine.model.forward(chunk, &slots, &[chunk.len() - 1], &mut self.cache, &mut self.scratch, &mut self.logits)?;
+            let slots: Vec<TokenSlot> = (0..chunk.len())
+                .map(|i| TokenSlot {
+                    seq: 0,
+                    pos: start + i,
+                })
+                .collect();
+            self.engine.model.forward(
+                chunk,
+                &slots,
+                &[chunk.len() - 1],
+                &mut self.cache,
+                &mut self.scratch,
+                &mut self.logits,
+            )?;
             self.tokens.extend_from_slice(chunk);
         }
         Ok(&self.logits)
@@ -284,10 +348,18 @@ impl<'e, B: Backend> Session<'e, B> {
         if tokens.is_empty() {
             return Err(RuntimeError::InvalidArgument("empty context".into()));
         }
-        let common = self.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        let common = self
+            .tokens
+            .iter()
+            .zip(tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
         // At least one token must run to produce logits.
         let keep = common.min(tokens.len() - 1);
-        self.engine.model.backend().kv_truncate(&mut self.cache, 0, keep);
+        self.engine
+            .model
+            .backend()
+            .kv_truncate(&mut self.cache, 0, keep);
         self.tokens.truncate(keep);
         self.feed(&tokens[keep..])
     }
@@ -295,17 +367,33 @@ impl<'e, B: Backend> Session<'e, B> {
     /// Appends `prompt` to the conversation (with BOS when the session is
     /// empty and the model wants one) and generates a continuation,
     /// streaming text to `on_text` (return `false` to stop).
-    pub fn generate(&mut self, prompt: &str, params: &GenerateParams, on_text: impl FnMut(&str) -> bool) -> Result<Generation> {
+    pub fn generate(
+        &mut self,
+        prompt: &str,
+        params: &GenerateParams,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Generation> {
         let mut context = self.tokens.clone();
         context.extend(self.engine.encode(prompt, self.tokens.is_empty())?);
         self.generate_from(&context, params, on_text)
     }
 
     /// Generates after exactly `context` (reusing the cached prefix).
-    pub fn generate_from(&mut self, context: &[u32], params: &GenerateParams, mut on_text: impl FnMut(&str) -> bool) -> Result<Generation> {
+    pub fn generate_from(
+        &mut self,
+        context: &[u32],
+        params: &GenerateParams,
+        mut on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Generation> {
         let tokenizer = &self.engine.tokenizer;
         let t0 = Instant::now();
-        let before = self.tokens.iter().zip(context).take_while(|(a, b)| a == b).count().min(context.len().saturating_sub(1));
+        let before = self
+            .tokens
+            .iter()
+            .zip(context)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(context.len().saturating_sub(1));
         self.feed_context(context)?;
         let prompt_secs = t0.elapsed().as_secs_f64();
         let prompt_tokens = context.len() - before;
@@ -376,6 +464,10 @@ impl<'e, B: Backend> Session<'e, B> {
             decode_secs: t1.elapsed().as_secs_f64(),
             stop_reason,
         };
-        Ok(Generation { text, tokens: generated, stats })
+        Ok(Generation {
+            text,
+            tokens: generated,
+            stats,
+        })
     }
 }

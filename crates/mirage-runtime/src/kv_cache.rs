@@ -30,7 +30,11 @@ pub const Q8_0_BLOCK: usize = 32;
 /// Quantizes `src` (a multiple of 32 values) into Q8_0 blocks as ggml's
 /// `quantize_row_q8_0_ref`: `d = max|x| / 127`, `q = round(x / d)`.
 pub fn quantize_q8_0(src: &[f32], q: &mut [i8], d: &mut [f16]) {
-    for ((x, qb), db) in src.chunks_exact(Q8_0_BLOCK).zip(q.chunks_exact_mut(Q8_0_BLOCK)).zip(d.iter_mut()) {
+    for ((x, qb), db) in src
+        .chunks_exact(Q8_0_BLOCK)
+        .zip(q.chunks_exact_mut(Q8_0_BLOCK))
+        .zip(d.iter_mut())
+    {
         let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let scale = amax / 127.0;
         let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
@@ -43,7 +47,11 @@ pub fn quantize_q8_0(src: &[f32], q: &mut [i8], d: &mut [f16]) {
 
 /// Widens Q8_0 blocks back to f32 (`out.len()` values, a multiple of 32).
 pub fn dequantize_q8_0(q: &[i8], d: &[f16], out: &mut [f32]) {
-    for ((o, qb), db) in out.chunks_exact_mut(Q8_0_BLOCK).zip(q.chunks_exact(Q8_0_BLOCK)).zip(d) {
+    for ((o, qb), db) in out
+        .chunks_exact_mut(Q8_0_BLOCK)
+        .zip(q.chunks_exact(Q8_0_BLOCK))
+        .zip(d)
+    {
         let s = db.to_f32();
         for (x, &v) in o.iter_mut().zip(qb) {
             *x = v as f32 * s;
@@ -94,7 +102,11 @@ impl Store {
             }
             Store::Q8_0(q, d) => {
                 let b = at / Q8_0_BLOCK;
-                quantize_q8_0(src, &mut q[at..at + src.len()], &mut d[b..b + src.len() / Q8_0_BLOCK]);
+                quantize_q8_0(
+                    src,
+                    &mut q[at..at + src.len()],
+                    &mut d[b..b + src.len() / Q8_0_BLOCK],
+                );
             }
         }
     }
@@ -121,7 +133,9 @@ impl KvCache {
             .and_then(|x| x.checked_mul(spec.head_dim))
             .ok_or_else(|| RuntimeError::InvalidArgument("KV cache size overflows".into()))?;
         if spec.head_dim == 0 || spec.n_ctx == 0 || spec.n_seq == 0 {
-            return Err(RuntimeError::InvalidArgument(format!("empty KV cache shape {spec:?}")));
+            return Err(RuntimeError::InvalidArgument(format!(
+                "empty KV cache shape {spec:?}"
+            )));
         }
         if spec.dtype == KvDtype::Q8_0 && spec.head_dim % Q8_0_BLOCK != 0 {
             return Err(RuntimeError::InvalidArgument(format!(
@@ -129,9 +143,19 @@ impl KvCache {
                 spec.head_dim
             )));
         }
-        let k = (0..spec.n_layer).map(|_| Store::new(spec.dtype, per_layer)).collect();
-        let v = (0..spec.n_layer).map(|_| Store::new(spec.dtype, per_layer)).collect();
-        Ok(KvCache { spec, k, v, lens: vec![0; spec.n_seq], paged: None })
+        let k = (0..spec.n_layer)
+            .map(|_| Store::new(spec.dtype, per_layer))
+            .collect();
+        let v = (0..spec.n_layer)
+            .map(|_| Store::new(spec.dtype, per_layer))
+            .collect();
+        Ok(KvCache {
+            spec,
+            k,
+            v,
+            lens: vec![0; spec.n_seq],
+            paged: None,
+        })
     }
 
     /// The shape it was built with.
@@ -156,7 +180,9 @@ impl KvCache {
         }
         if let Some(mut paged) = self.paged.take() {
             let hd = self.spec.head_dim;
-            paged.summaries.truncate(seq, pos, |layer, head, p, out| self.head_view(layer, seq, head).key(p, &mut out[..hd]));
+            paged.summaries.truncate(seq, pos, |layer, head, p, out| {
+                self.head_view(layer, seq, head).key(p, &mut out[..hd])
+            });
             self.paged = Some(paged);
         }
     }
@@ -178,11 +204,25 @@ impl KvCache {
 
     /// Keys and values of KV head `head` of `seq` in `layer` (all `n_ctx`
     /// rows). Callers check the ranges.
-    pub fn head_view(&self, layer: usize, seq: usize, head: usize) -> crate::attention_pruned::KvHeadView<'_> {
-        let (at, len) = (self.base(seq, head, 0), self.spec.n_ctx * self.spec.head_dim);
+    pub fn head_view(
+        &self,
+        layer: usize,
+        seq: usize,
+        head: usize,
+    ) -> crate::attention_pruned::KvHeadView<'_> {
+        let (at, len) = (
+            self.base(seq, head, 0),
+            self.spec.n_ctx * self.spec.head_dim,
+        );
         match (&self.k[layer], &self.v[layer]) {
-            (Store::F32(k), Store::F32(v)) => crate::attention_pruned::KvHeadView::F32 { k: &k[at..at + len], v: &v[at..at + len] },
-            (Store::F16(k), Store::F16(v)) => crate::attention_pruned::KvHeadView::F16 { k: &k[at..at + len], v: &v[at..at + len] },
+            (Store::F32(k), Store::F32(v)) => crate::attention_pruned::KvHeadView::F32 {
+                k: &k[at..at + len],
+                v: &v[at..at + len],
+            },
+            (Store::F16(k), Store::F16(v)) => crate::attention_pruned::KvHeadView::F16 {
+                k: &k[at..at + len],
+                v: &v[at..at + len],
+            },
             (Store::Q8_0(kq, kd), Store::Q8_0(vq, vd)) => {
                 let (b, blen) = (at / Q8_0_BLOCK, len / Q8_0_BLOCK);
                 crate::attention_pruned::KvHeadView::Q8_0 {
@@ -201,17 +241,28 @@ impl KvCache {
     /// Stores the keys and values of one token (`n_head_kv * head_dim` each,
     /// heads concatenated) at `pos` of `seq` in `layer`. The sequence length
     /// becomes at least `pos + 1` once the last layer is written.
-    pub fn write(&mut self, layer: usize, seq: usize, pos: usize, k: &[f32], v: &[f32]) -> Result<(), RuntimeError> {
+    pub fn write(
+        &mut self,
+        layer: usize,
+        seq: usize,
+        pos: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), RuntimeError> {
         let s = self.spec;
         if layer >= s.n_layer || seq >= s.n_seq {
-            return Err(RuntimeError::InvalidArgument(format!("KV slot layer {layer} seq {seq} out of range")));
+            return Err(RuntimeError::InvalidArgument(format!(
+                "KV slot layer {layer} seq {seq} out of range"
+            )));
         }
         if pos >= s.n_ctx {
             return Err(RuntimeError::ContextFull { n_ctx: s.n_ctx });
         }
         let hd = s.head_dim;
         if k.len() != s.n_head_kv * hd || v.len() != s.n_head_kv * hd {
-            return Err(RuntimeError::InvalidArgument("KV row has the wrong width".into()));
+            return Err(RuntimeError::InvalidArgument(
+                "KV row has the wrong width".into(),
+            ));
         }
         for h in 0..s.n_head_kv {
             let at = self.base(seq, h, pos);
@@ -232,7 +283,11 @@ impl KvCache {
                         // self.base, spelled out: `paged` borrows self mutably.
                         let at = ((seq * s.n_head_kv + h) * s.n_ctx + pos) * hd;
                         let b = at / Q8_0_BLOCK;
-                        dequantize_q8_0(&q[at..at + hd], &d[b..b + hd / Q8_0_BLOCK], &mut stored[h * hd..(h + 1) * hd]);
+                        dequantize_q8_0(
+                            &q[at..at + hd],
+                            &d[b..b + hd / Q8_0_BLOCK],
+                            &mut stored[h * hd..(h + 1) * hd],
+                        );
                     }
                     paged.summaries.record(layer, seq, pos, &stored)
                 }
@@ -248,17 +303,41 @@ impl KvCache {
     /// of `seq` in `layer`: `out = softmax(q.K^T * scale) V`. `scores` needs
     /// `n` elements. Callers check the ranges.
     #[allow(clippy::too_many_arguments)]
-    pub fn attend(&self, layer: usize, seq: usize, head: usize, n: usize, q: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    pub fn attend(
+        &self,
+        layer: usize,
+        seq: usize,
+        head: usize,
+        n: usize,
+        q: &[f32],
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
         let hd = self.spec.head_dim;
         let at = self.base(seq, head, 0);
         match (&self.k[layer], &self.v[layer]) {
-            (Store::F32(k), Store::F32(v)) => {
-                crate::ops::attend_f32(q, &k[at..at + n * hd], &v[at..at + n * hd], n, scale, scores, out)
-            }
+            (Store::F32(k), Store::F32(v)) => crate::ops::attend_f32(
+                q,
+                &k[at..at + n * hd],
+                &v[at..at + n * hd],
+                n,
+                scale,
+                scores,
+                out,
+            ),
             (Store::F16(k), Store::F16(v)) => {
                 // The kernels widen on load (F16C): no widened copy of the
                 // rows, which cost as much as the attention itself.
-                crate::ops::attend_f16(q, &k[at..at + n * hd], &v[at..at + n * hd], n, scale, scores, out)
+                crate::ops::attend_f16(
+                    q,
+                    &k[at..at + n * hd],
+                    &v[at..at + n * hd],
+                    n,
+                    scale,
+                    scores,
+                    out,
+                )
             }
             (Store::Q8_0(kq, kd), Store::Q8_0(vq, vd)) => {
                 // Widened per call into a per-thread buffer, then the f32
@@ -290,7 +369,15 @@ mod tests {
     #[test]
     fn f16_and_f32_caches_agree() {
         let mk = |dtype| {
-            KvCache::new(KvSpec { n_layer: 2, n_head_kv: 2, head_dim: 4, n_ctx: 8, n_seq: 2, dtype }).unwrap()
+            KvCache::new(KvSpec {
+                n_layer: 2,
+                n_head_kv: 2,
+                head_dim: 4,
+                n_ctx: 8,
+                n_seq: 2,
+                dtype,
+            })
+            .unwrap()
         };
         let (mut a, mut b) = (mk(KvDtype::F32), mk(KvDtype::F16));
         for pos in 0..5 {
@@ -310,7 +397,10 @@ mod tests {
         for i in 0..4 {
             assert!((oa[i] - ob[i]).abs() < 2e-3);
         }
-        assert!(matches!(a.write(0, 0, 8, &[0.0; 8], &[0.0; 8]), Err(RuntimeError::ContextFull { .. })));
+        assert!(matches!(
+            a.write(0, 0, 8, &[0.0; 8], &[0.0; 8]),
+            Err(RuntimeError::ContextFull { .. })
+        ));
         a.truncate(1, 2);
         assert_eq!(a.len(1), 2);
     }

@@ -45,7 +45,14 @@ pub struct KvPruning {
 
 impl Default for KvPruning {
     fn default() -> Self {
-        KvPruning { page: 64, sink_pages: 1, recent_pages: 2, top_pages: 8, top_percent: 0, dense_layers: 0 }
+        KvPruning {
+            page: 64,
+            sink_pages: 1,
+            recent_pages: 2,
+            top_pages: 8,
+            top_percent: 0,
+            dense_layers: 0,
+        }
     }
 }
 
@@ -53,16 +60,28 @@ impl KvPruning {
     /// Settings that select every page: pruned attention then computes full
     /// attention (used to check the pruned path against the full one).
     pub fn all_pages(page: usize) -> KvPruning {
-        KvPruning { page, sink_pages: 0, recent_pages: 0, top_pages: usize::MAX, top_percent: 0, dense_layers: 0 }
+        KvPruning {
+            page,
+            sink_pages: 0,
+            recent_pages: 0,
+            top_pages: usize::MAX,
+            top_percent: 0,
+            dense_layers: 0,
+        }
     }
 
     /// Rejects a zero page size and a percentage above 100.
     pub fn validate(&self) -> Result<(), RuntimeError> {
         if self.page == 0 {
-            return Err(RuntimeError::InvalidArgument("KV page size must be at least 1".into()));
+            return Err(RuntimeError::InvalidArgument(
+                "KV page size must be at least 1".into(),
+            ));
         }
         if self.top_percent > 100 {
-            return Err(RuntimeError::InvalidArgument(format!("KV top_percent {} is above 100", self.top_percent)));
+            return Err(RuntimeError::InvalidArgument(format!(
+                "KV top_percent {} is above 100",
+                self.top_percent
+            )));
         }
         Ok(())
     }
@@ -70,19 +89,24 @@ impl KvPruning {
     /// Top pages chosen by bound for a sequence of `n_pages` pages:
     /// `max(top_pages, ceil(n_pages * top_percent / 100))`.
     pub fn top_for(&self, n_pages: usize) -> usize {
-        self.top_pages.max((n_pages.saturating_mul(self.top_percent)).div_ceil(100))
+        self.top_pages
+            .max((n_pages.saturating_mul(self.top_percent)).div_ceil(100))
     }
 
     /// Most pages attended per query head of a sequence of `n_pages` pages
     /// (sinks, recent and top pages).
     pub fn max_selected_for(&self, n_pages: usize) -> usize {
-        self.sink_pages.saturating_add(self.recent_pages).saturating_add(self.top_for(n_pages))
+        self.sink_pages
+            .saturating_add(self.recent_pages)
+            .saturating_add(self.top_for(n_pages))
     }
 
     /// Most pages attended per query head with a fixed budget
     /// (`top_percent` 0; otherwise see [`KvPruning::max_selected_for`]).
     pub fn max_selected(&self) -> usize {
-        self.sink_pages.saturating_add(self.recent_pages).saturating_add(self.top_pages)
+        self.sink_pages
+            .saturating_add(self.recent_pages)
+            .saturating_add(self.top_pages)
     }
 }
 
@@ -99,8 +123,14 @@ impl std::str::FromStr for KvPruning {
             return Ok(KvPruning::all_pages(64));
         }
         let mut cfg = KvPruning::default();
-        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty() && *p != "default") {
-            let bad = || RuntimeError::InvalidArgument(format!("KV pruning: expected key=number, got `{part}` (keys: page, sinks, recent, top, top_percent, dense)"));
+        for part in s
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty() && *p != "default")
+        {
+            let bad = || {
+                RuntimeError::InvalidArgument(format!("KV pruning: expected key=number, got `{part}` (keys: page, sinks, recent, top, top_percent, dense)"))
+            };
             let (key, value) = part.split_once('=').ok_or_else(bad)?;
             let value: usize = value.trim().parse().map_err(|_| bad())?;
             match key.trim() {
@@ -135,7 +165,11 @@ pub enum PageSelector {
 /// Exact upper bound of `q·k` over every `k` inside the box `[min, max]`.
 #[inline]
 pub fn page_upper_bound(q: &[f32], min: &[f32], max: &[f32]) -> f32 {
-    q.iter().zip(min).zip(max).map(|((&q, &lo), &hi)| (q * lo).max(q * hi)).sum()
+    q.iter()
+        .zip(min)
+        .zip(max)
+        .map(|((&q, &lo), &hi)| (q * lo).max(q * hi))
+        .sum()
 }
 
 /// Per-page key boxes of a whole cache.
@@ -162,7 +196,9 @@ impl PageSummaries {
     /// Empty summaries for a cache of shape `spec` with `page` positions per page.
     pub fn new(spec: &KvSpec, page: usize) -> Result<PageSummaries, RuntimeError> {
         if page == 0 {
-            return Err(RuntimeError::InvalidArgument("KV page size must be at least 1".into()));
+            return Err(RuntimeError::InvalidArgument(
+                "KV page size must be at least 1".into(),
+            ));
         }
         let n_pages = spec.n_ctx.div_ceil(page);
         let n = spec
@@ -171,7 +207,9 @@ impl PageSummaries {
             .and_then(|x| x.checked_mul(spec.n_head_kv))
             .and_then(|x| x.checked_mul(n_pages))
             .and_then(|x| x.checked_mul(spec.head_dim))
-            .ok_or_else(|| RuntimeError::InvalidArgument("KV page summaries size overflows".into()))?;
+            .ok_or_else(|| {
+                RuntimeError::InvalidArgument("KV page summaries size overflows".into())
+            })?;
         let n_groups = n_pages.div_ceil(PAGE_GROUP);
         let ng = n / n_pages.max(1) * n_groups;
         Ok(PageSummaries {
@@ -196,7 +234,10 @@ impl PageSummaries {
 
     /// Positions summarized in `layer` of `seq`.
     pub fn len(&self, layer: usize, seq: usize) -> usize {
-        self.lens.get(layer * self.n_seq + seq).copied().unwrap_or(0)
+        self.lens
+            .get(layer * self.n_seq + seq)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Whether nothing is summarized.
@@ -217,11 +258,18 @@ impl PageSummaries {
     }
 
     fn group_at(&self, layer: usize, seq: usize, head: usize, group: usize) -> usize {
-        (((layer * self.n_seq + seq) * self.n_head_kv + head) * self.n_groups + group) * self.head_dim
+        (((layer * self.n_seq + seq) * self.n_head_kv + head) * self.n_groups + group)
+            * self.head_dim
     }
 
     /// The union box `(min, max)` of group `group` (pages `16 group ..`).
-    pub fn group_bounds(&self, layer: usize, seq: usize, head: usize, group: usize) -> (&[f32], &[f32]) {
+    pub fn group_bounds(
+        &self,
+        layer: usize,
+        seq: usize,
+        head: usize,
+        group: usize,
+    ) -> (&[f32], &[f32]) {
         let at = self.group_at(layer, seq, head, group);
         let hd = self.head_dim;
         (&self.gmin[at..at + hd], &self.gmax[at..at + hd])
@@ -256,11 +304,19 @@ impl PageSummaries {
         let at = self.at(layer, seq, head, page);
         let g = self.group_at(layer, seq, head, page / PAGE_GROUP);
         let hd = self.head_dim;
-        for ((lo, hi), &k) in self.min[at..at + hd].iter_mut().zip(&mut self.max[at..at + hd]).zip(key) {
+        for ((lo, hi), &k) in self.min[at..at + hd]
+            .iter_mut()
+            .zip(&mut self.max[at..at + hd])
+            .zip(key)
+        {
             *lo = lo.min(k);
             *hi = hi.max(k);
         }
-        for ((lo, hi), &k) in self.gmin[g..g + hd].iter_mut().zip(&mut self.gmax[g..g + hd]).zip(key) {
+        for ((lo, hi), &k) in self.gmin[g..g + hd]
+            .iter_mut()
+            .zip(&mut self.gmax[g..g + hd])
+            .zip(key)
+        {
             *lo = lo.min(k);
             *hi = hi.max(k);
         }
@@ -281,14 +337,25 @@ impl PageSummaries {
             self.lens[li] = pos + 1;
         }
         for head in 0..self.n_head_kv {
-            self.fold(layer, seq, head, pos, &keys[head * self.head_dim..(head + 1) * self.head_dim]);
+            self.fold(
+                layer,
+                seq,
+                head,
+                pos,
+                &keys[head * self.head_dim..(head + 1) * self.head_dim],
+            );
         }
     }
 
     /// Forgets positions `pos..` of `seq` and rebuilds the box of the page
     /// cut in two from the keys that remain; `key(layer, head, position, out)`
     /// reads one cached key.
-    pub fn truncate(&mut self, seq: usize, pos: usize, mut key: impl FnMut(usize, usize, usize, &mut [f32])) {
+    pub fn truncate(
+        &mut self,
+        seq: usize,
+        pos: usize,
+        mut key: impl FnMut(usize, usize, usize, &mut [f32]),
+    ) {
         if seq >= self.n_seq {
             return;
         }
@@ -316,13 +383,20 @@ impl PageSummaries {
     /// compete by bound (after the sinks, before the recent pages), or
     /// `None` when `cfg` selects every page anyway. Shared by both selectors
     /// and the selection cost count.
-    fn candidate_pages(&self, cfg: &KvPruning, n: usize) -> (usize, Option<std::ops::Range<usize>>) {
+    fn candidate_pages(
+        &self,
+        cfg: &KvPruning,
+        n: usize,
+    ) -> (usize, Option<std::ops::Range<usize>>) {
         let n_pages = n.div_ceil(self.page).min(self.n_pages);
         if n_pages <= cfg.max_selected_for(n_pages) {
             return (n_pages, None);
         }
         let sinks = cfg.sink_pages.min(n_pages);
-        (n_pages, Some(sinks..n_pages.saturating_sub(cfg.recent_pages).max(sinks)))
+        (
+            n_pages,
+            Some(sinks..n_pages.saturating_sub(cfg.recent_pages).max(sinks)),
+        )
     }
 
     /// The pages of `head` in `layer` of `seq` that a query `q` over
@@ -356,7 +430,8 @@ impl PageSummaries {
         if top < bounds.len() {
             // Highest bounds first, ties to the lower page; NaN (from a NaN
             // query) sorts as lowest.
-            let by_bound_desc = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+            let by_bound_desc =
+                |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
             if top > 0 {
                 bounds.select_nth_unstable_by(top - 1, by_bound_desc);
             }
@@ -424,7 +499,10 @@ impl PageSummaries {
             }
             for page in (g * PAGE_GROUP).max(sinks)..((g + 1) * PAGE_GROUP).min(recent_from) {
                 let (lo, hi) = self.bounds(layer, seq, head, page);
-                let cand = TopPage { bound: page_upper_bound(q, lo, hi), page };
+                let cand = TopPage {
+                    bound: page_upper_bound(q, lo, hi),
+                    page,
+                };
                 evals += 1;
                 if heap.len() < top {
                     heap.push(cand);
@@ -452,7 +530,10 @@ pub struct TopPage {
 
 impl Ord for TopPage {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        other.bound.total_cmp(&self.bound).then(self.page.cmp(&other.page))
+        other
+            .bound
+            .total_cmp(&self.bound)
+            .then(self.page.cmp(&other.page))
     }
 }
 impl PartialOrd for TopPage {
@@ -511,7 +592,11 @@ impl SelectionStats {
     /// `(queries, bounds evaluated, bounds a flat scan evaluates)` so far.
     pub fn get(&self) -> (u64, u64, u64) {
         use std::sync::atomic::Ordering::Relaxed;
-        (self.queries.load(Relaxed), self.evaluated.load(Relaxed), self.flat.load(Relaxed))
+        (
+            self.queries.load(Relaxed),
+            self.evaluated.load(Relaxed),
+            self.flat.load(Relaxed),
+        )
     }
 
     /// Starts counting again.
@@ -529,10 +614,17 @@ impl KvCache {
     pub fn enable_kv_pruning(&mut self, cfg: KvPruning) -> Result<(), RuntimeError> {
         cfg.validate()?;
         if !self.is_empty() {
-            return Err(RuntimeError::InvalidArgument("KV pruning must be enabled on an empty cache".into()));
+            return Err(RuntimeError::InvalidArgument(
+                "KV pruning must be enabled on an empty cache".into(),
+            ));
         }
         let summaries = PageSummaries::new(self.spec(), cfg.page)?;
-        *self.paged_mut() = Some(PagedKv { summaries, pruning: Some(cfg), selector: PageSelector::Flat, stats: SelectionStats::default() });
+        *self.paged_mut() = Some(PagedKv {
+            summaries,
+            pruning: Some(cfg),
+            selector: PageSelector::Flat,
+            stats: SelectionStats::default(),
+        });
         Ok(())
     }
 
@@ -540,7 +632,9 @@ impl KvCache {
     /// (`None`: full attention) on a cache that keeps page summaries.
     pub fn set_kv_pruning(&mut self, cfg: Option<KvPruning>) -> Result<(), RuntimeError> {
         let Some(paged) = self.paged_mut() else {
-            return Err(RuntimeError::InvalidArgument("this KV cache keeps no page summaries".into()));
+            return Err(RuntimeError::InvalidArgument(
+                "this KV cache keeps no page summaries".into(),
+            ));
         };
         if let Some(c) = &cfg {
             c.validate()?;
@@ -560,7 +654,9 @@ impl KvCache {
     /// two-level hierarchy. The pages are the same; only the cost differs.
     pub fn set_page_selector(&mut self, selector: PageSelector) -> Result<(), RuntimeError> {
         let Some(paged) = self.paged_mut() else {
-            return Err(RuntimeError::InvalidArgument("this KV cache keeps no page summaries".into()));
+            return Err(RuntimeError::InvalidArgument(
+                "this KV cache keeps no page summaries".into(),
+            ));
         };
         paged.selector = selector;
         Ok(())
@@ -620,13 +716,32 @@ impl KvCache {
             }
             PageSelector::Bvh => {
                 let mut heap = std::collections::BinaryHeap::new();
-                summaries.select_bvh(cfg, layer, seq, head, n, q, &mut bounds, &mut heap, &mut pages) as u64
+                summaries.select_bvh(
+                    cfg,
+                    layer,
+                    seq,
+                    head,
+                    n,
+                    q,
+                    &mut bounds,
+                    &mut heap,
+                    &mut pages,
+                ) as u64
             }
         };
         if let Some(flat) = flat {
             paged.stats.add(1, evaluated, flat);
         }
         let view = self.head_view(layer, seq, head);
-        crate::attention_pruned::attend_pages(&view, summaries.page(), &pages, n, q, scale, scores, out);
+        crate::attention_pruned::attend_pages(
+            &view,
+            summaries.page(),
+            &pages,
+            n,
+            q,
+            scale,
+            scores,
+            out,
+        );
     }
 }

@@ -22,7 +22,9 @@ pub mod sampling;
 
 pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, TokenSlot};
-pub use engine::{Engine, EngineOptions, GenerateParams, Generation, GenerationStats, Session, StopReason};
+pub use engine::{
+    Engine, EngineOptions, GenerateParams, Generation, GenerationStats, Session, StopReason,
+};
 pub use error::{Result, RuntimeError};
 pub use kv_cache::{KvCache, KvDtype};
 pub use kv_pages::KvPruning;

@@ -10,7 +10,9 @@ use std::sync::Arc;
 
 use mirage_gguf::{quant, Arch, GgmlType, GgufFile, ModelHparams};
 
-use crate::backend::{AttentionParams, Backend, ByteOwner, HostMatrix, QkNorm, SharedBytes, StepInputs, TokenSlot};
+use crate::backend::{
+    AttentionParams, Backend, ByteOwner, HostMatrix, QkNorm, SharedBytes, StepInputs, TokenSlot,
+};
 use crate::error::{Result, RuntimeError};
 use crate::kv_cache::{KvDtype, KvSpec};
 use crate::ops::RopeMode;
@@ -52,16 +54,23 @@ impl ModelConfig {
     /// does not implement (partial rotary, llama3/unknown RoPE scaling, v
     /// heads of another size).
     pub fn from_hparams(hp: &ModelHparams) -> Result<ModelConfig> {
-        let unsupported = |what: String| RuntimeError::InvalidArgument(format!("unsupported model: {what}"));
+        let unsupported =
+            |what: String| RuntimeError::InvalidArgument(format!("unsupported model: {what}"));
         if hp.rope_dim != hp.head_dim {
-            return Err(unsupported(format!("partial rotary ({} of {})", hp.rope_dim, hp.head_dim)));
+            return Err(unsupported(format!(
+                "partial rotary ({} of {})",
+                hp.rope_dim, hp.head_dim
+            )));
         }
         if hp.head_dim_v != hp.head_dim {
             return Err(unsupported("value heads of a different size".into()));
         }
         let rope_scaling = RopeScaling::from_hparams(hp)?;
         if hp.n_head_kv == 0 || hp.n_head % hp.n_head_kv != 0 {
-            return Err(unsupported(format!("{} heads over {} KV heads", hp.n_head, hp.n_head_kv)));
+            return Err(unsupported(format!(
+                "{} heads over {} KV heads",
+                hp.n_head, hp.n_head_kv
+            )));
         }
         let rope_mode = match hp.arch {
             // llama.cpp: LLM_ARCH_LLAMA -> LLAMA_ROPE_TYPE_NORM; QWEN2/QWEN3 -> NEOX.
@@ -139,7 +148,10 @@ pub struct Model<B: Backend> {
 
 impl<B: Backend> std::fmt::Debug for Model<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Model").field("config", &self.config).field("backend", &self.backend.name()).finish()
+        f.debug_struct("Model")
+            .field("config", &self.config)
+            .field("backend", &self.backend.name())
+            .finish()
     }
 }
 
@@ -150,21 +162,41 @@ struct TensorSource {
 
 impl TensorSource {
     fn matrix(&self, name: &str, cols: usize, rows: usize) -> Result<HostMatrix> {
-        let info = self.file.tensor_info(name).ok_or_else(|| RuntimeError::MissingTensor(name.into()))?;
+        let info = self
+            .file
+            .tensor_info(name)
+            .ok_or_else(|| RuntimeError::MissingTensor(name.into()))?;
         if info.dims != [cols as u64, rows as u64] {
-            return Err(RuntimeError::BadShape { name: name.into(), got: info.dims.clone(), expected: vec![cols as u64, rows as u64] });
+            return Err(RuntimeError::BadShape {
+                name: name.into(),
+                got: info.dims.clone(),
+                expected: vec![cols as u64, rows as u64],
+            });
         }
         let start = (self.file.data_offset() + info.offset) as usize;
         let owner: Arc<dyn ByteOwner> = self.file.clone();
         let data = SharedBytes::new(owner, start, info.n_bytes() as usize)
             .ok_or_else(|| RuntimeError::InvalidArgument(format!("{name}: data out of bounds")))?;
-        Ok(HostMatrix { name: name.into(), ty: info.ty, rows, cols, data })
+        Ok(HostMatrix {
+            name: name.into(),
+            ty: info.ty,
+            rows,
+            cols,
+            data,
+        })
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
-        let t = self.file.tensor(name).ok_or_else(|| RuntimeError::MissingTensor(name.into()))?;
+        let t = self
+            .file
+            .tensor(name)
+            .ok_or_else(|| RuntimeError::MissingTensor(name.into()))?;
         if t.info.n_elements() != len as u64 {
-            return Err(RuntimeError::BadShape { name: name.into(), got: t.info.dims.clone(), expected: vec![len as u64] });
+            return Err(RuntimeError::BadShape {
+                name: name.into(),
+                got: t.info.dims.clone(),
+                expected: vec![len as u64],
+            });
         }
         let mut v = vec![0.0f32; len];
         quant::dequantize(t.info.ty, t.data, &mut v)?;
@@ -182,7 +214,10 @@ impl<B: Backend> Model<B> {
         let mut config = ModelConfig::from_hparams(&file.hparams()?)?;
         // The lm head's rows are the vocabulary the logits cover (Qwen pads
         // its tensor past the tokenizer's list).
-        if let Some(t) = file.tensor_info("output.weight").or_else(|| file.tensor_info("token_embd.weight")) {
+        if let Some(t) = file
+            .tensor_info("output.weight")
+            .or_else(|| file.tensor_info("token_embd.weight"))
+        {
             if t.dims.len() == 2 {
                 config.vocab_size = t.dims[1] as usize;
             }
@@ -190,8 +225,12 @@ impl<B: Backend> Model<B> {
         let src = TensorSource { file };
         let c = &config;
         let (d, q_dim, kv_dim) = (c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
-        let n_embd_rows = src.file.tensor_info("token_embd.weight").map_or(0, |t| t.n_rows() as usize);
-        let tok_embd = backend.upload_matrix(&src.matrix("token_embd.weight", d, n_embd_rows)?)?;
+        let n_embd_rows = src
+            .file
+            .tensor_info("token_embd.weight")
+            .map_or(0, |t| t.n_rows() as usize);
+        let tok_embd =
+            backend.upload_matrix(&src.matrix("token_embd.weight", d, n_embd_rows)?)?;
         let output = if src.has("output.weight") {
             Some(backend.upload_matrix(&src.matrix("output.weight", d, c.vocab_size)?)?)
         } else {
@@ -201,15 +240,26 @@ impl<B: Backend> Model<B> {
         let mut layers = Vec::with_capacity(c.n_layer);
         for l in 0..c.n_layer {
             let n = |s: &str| format!("blk.{l}.{s}");
-            let mat = |s: &str, cols, rows| -> Result<B::Matrix> { backend.upload_matrix(&src.matrix(&n(s), cols, rows)?) };
-            let vec = |s: &str, len| -> Result<B::Vector> { backend.upload_vector(&src.vector(&n(s), len)?) };
+            let mat = |s: &str, cols, rows| -> Result<B::Matrix> {
+                backend.upload_matrix(&src.matrix(&n(s), cols, rows)?)
+            };
+            let vec = |s: &str, len| -> Result<B::Vector> {
+                backend.upload_vector(&src.vector(&n(s), len)?)
+            };
             let bias = if src.has(&n("attn_q.bias")) {
-                Some([vec("attn_q.bias", q_dim)?, vec("attn_k.bias", kv_dim)?, vec("attn_v.bias", kv_dim)?])
+                Some([
+                    vec("attn_q.bias", q_dim)?,
+                    vec("attn_k.bias", kv_dim)?,
+                    vec("attn_v.bias", kv_dim)?,
+                ])
             } else {
                 None
             };
             let qk_norm = if src.has(&n("attn_q_norm.weight")) {
-                Some([vec("attn_q_norm.weight", c.head_dim)?, vec("attn_k_norm.weight", c.head_dim)?])
+                Some([
+                    vec("attn_q_norm.weight", c.head_dim)?,
+                    vec("attn_k_norm.weight", c.head_dim)?,
+                ])
             } else if c.arch == Arch::Qwen3 {
                 return Err(RuntimeError::MissingTensor(n("attn_q_norm.weight")));
             } else {
@@ -233,7 +283,14 @@ impl<B: Backend> Model<B> {
                 ffn,
             });
         }
-        Ok(Model { config, backend, tok_embd, output, output_norm, layers })
+        Ok(Model {
+            config,
+            backend,
+            tok_embd,
+            output,
+            output_norm,
+            layers,
+        })
     }
 
     /// Logits at every position of `tokens` run as one sequence from an
@@ -241,7 +298,9 @@ impl<B: Backend> Model<B> {
     pub fn logits_all(&self, tokens: &[u32], kv_dtype: KvDtype) -> Result<Vec<f32>> {
         let mut cache = self.new_kv_cache(tokens.len().max(1), 1, kv_dtype)?;
         let mut scratch = self.new_scratch();
-        let slots: Vec<TokenSlot> = (0..tokens.len()).map(|pos| TokenSlot { seq: 0, pos }).collect();
+        let slots: Vec<TokenSlot> = (0..tokens.len())
+            .map(|pos| TokenSlot { seq: 0, pos })
+            .collect();
         let rows: Vec<usize> = (0..tokens.len()).collect();
         let mut logits = Vec::new();
         self.forward(tokens, &slots, &rows, &mut cache, &mut scratch, &mut logits)?;
@@ -261,7 +320,14 @@ impl<B: Backend> Model<B> {
     /// A KV cache for `n_seq` sequences of up to `n_ctx` positions.
     pub fn new_kv_cache(&self, n_ctx: usize, n_seq: usize, dtype: KvDtype) -> Result<B::KvCache> {
         let c = &self.config;
-        self.backend.new_kv_cache(KvSpec { n_layer: c.n_layer, n_head_kv: c.n_head_kv, head_dim: c.head_dim, n_ctx, n_seq, dtype })
+        self.backend.new_kv_cache(KvSpec {
+            n_layer: c.n_layer,
+            n_head_kv: c.n_head_kv,
+            head_dim: c.head_dim,
+            n_ctx,
+            n_seq,
+            dtype,
+        })
     }
 
     /// [`Model::new_kv_cache`] whose decode attention reads only the KV
@@ -274,7 +340,14 @@ impl<B: Backend> Model<B> {
         pruning: Option<crate::kv_pages::KvPruning>,
     ) -> Result<B::KvCache> {
         let c = &self.config;
-        let spec = KvSpec { n_layer: c.n_layer, n_head_kv: c.n_head_kv, head_dim: c.head_dim, n_ctx, n_seq, dtype };
+        let spec = KvSpec {
+            n_layer: c.n_layer,
+            n_head_kv: c.n_head_kv,
+            head_dim: c.head_dim,
+            n_ctx,
+            n_seq,
+            dtype,
+        };
         self.backend.new_kv_cache_pruned(spec, pruning)
     }
 
@@ -326,12 +399,20 @@ impl<B: Backend> Model<B> {
         observer: Option<FfnInputObserver<'_>>,
     ) -> Result<()> {
         if tokens.len() != slots.len() || tokens.is_empty() {
-            return Err(RuntimeError::InvalidArgument(format!("{} tokens for {} slots", tokens.len(), slots.len())));
+            return Err(RuntimeError::InvalidArgument(format!(
+                "{} tokens for {} slots",
+                tokens.len(),
+                slots.len()
+            )));
         }
         match observer {
             // An observer need not be Send, so it runs on the caller's thread.
-            Some(obs) => self.forward_inner(tokens, slots, logits_rows, cache, s, logits, Some(obs)),
-            None => self.backend.run(|| self.forward_inner(tokens, slots, logits_rows, cache, s, logits, None)),
+            Some(obs) => {
+                self.forward_inner(tokens, slots, logits_rows, cache, s, logits, Some(obs))
+            }
+            None => self
+                .backend
+                .run(|| self.forward_inner(tokens, slots, logits_rows, cache, s, logits, None)),
         }
     }
 
@@ -352,8 +433,14 @@ impl<B: Backend> Model<B> {
             // the pass cannot be recorded as one unit.
             Some(obs) => self.pass(tokens, slots, logits_rows, cache, s, Some(obs))?,
             None => {
-                let inputs = StepInputs { tokens, slots, logits_rows };
-                self.backend.step(&inputs, || self.pass(tokens, slots, logits_rows, cache, s, None))?
+                let inputs = StepInputs {
+                    tokens,
+                    slots,
+                    logits_rows,
+                };
+                self.backend.step(&inputs, || {
+                    self.pass(tokens, slots, logits_rows, cache, s, None)
+                })?
             }
         }
         if !logits_rows.is_empty() {
@@ -382,7 +469,11 @@ impl<B: Backend> Model<B> {
         b.embed(&self.tok_embd, tokens, &mut s.x)?;
         for (l, layer) in self.layers.iter().enumerate() {
             b.rms_norm(&s.x, &layer.attn_norm, c.rms_norm_eps, &mut s.xn)?;
-            b.matmul_many(&[&layer.wq, &layer.wk, &layer.wv], &s.xn, &mut [&mut s.q, &mut s.k, &mut s.v])?;
+            b.matmul_many(
+                &[&layer.wq, &layer.wk, &layer.wv],
+                &s.xn,
+                &mut [&mut s.q, &mut s.k, &mut s.v],
+            )?;
             if let Some([bq, bk, bv]) = &layer.bias {
                 b.add_bias(&mut s.q, bq)?;
                 b.add_bias(&mut s.k, bk)?;
@@ -390,7 +481,9 @@ impl<B: Backend> Model<B> {
             }
             let qk_norm = layer.qk_norm.as_ref().map(|[q, k]| QkNorm { q, k });
             b.prefetch(&[&layer.wo])?;
-            b.attention(l, &ap, &mut s.q, &mut s.k, &s.v, qk_norm, slots, cache, &mut s.att)?;
+            b.attention(
+                l, &ap, &mut s.q, &mut s.k, &s.v, qk_norm, slots, cache, &mut s.att,
+            )?;
             b.matmul(&layer.wo, &s.att, &mut s.proj)?;
             b.add(&mut s.x, &s.proj)?;
             b.rms_norm(&s.x, &layer.ffn_norm, c.rms_norm_eps, &mut s.xn)?;
@@ -418,5 +511,7 @@ impl<B: Backend> Model<B> {
 
 /// The GGML type of the lm head (for stats and docs).
 pub fn lm_head_type(file: &GgufFile) -> Option<GgmlType> {
-    file.tensor_info("output.weight").or_else(|| file.tensor_info("token_embd.weight")).map(|t| t.ty)
+    file.tensor_info("output.weight")
+        .or_else(|| file.tensor_info("token_embd.weight"))
+        .map(|t| t.ty)
 }

@@ -24,17 +24,32 @@ pub fn observe_ffn_inputs<B: Backend>(
     on_logits: &mut dyn FnMut(usize, &[f32]),
 ) -> Result<()> {
     if tokens.is_empty() || n_batch == 0 {
-        return Err(RuntimeError::InvalidArgument("observe_ffn_inputs needs tokens and n_batch > 0".into()));
+        return Err(RuntimeError::InvalidArgument(
+            "observe_ffn_inputs needs tokens and n_batch > 0".into(),
+        ));
     }
     let mut cache = model.new_kv_cache(tokens.len(), 1, kv_dtype)?;
     let mut scratch = model.new_scratch();
     let mut logits = Vec::new();
     for (ci, chunk) in tokens.chunks(n_batch).enumerate() {
         let first = ci * n_batch;
-        let slots: Vec<TokenSlot> = (0..chunk.len()).map(|i| TokenSlot { seq: 0, pos: first + i }).collect();
+        let slots: Vec<TokenSlot> = (0..chunk.len())
+            .map(|i| TokenSlot {
+                seq: 0,
+                pos: first + i,
+            })
+            .collect();
         let rows: Vec<usize> = (0..chunk.len()).collect();
         let mut obs = |layer: usize, x: &[f32]| on_ffn_input(layer, first, x);
-        model.forward_observed(chunk, &slots, &rows, &mut cache, &mut scratch, &mut logits, Some(&mut obs))?;
+        model.forward_observed(
+            chunk,
+            &slots,
+            &rows,
+            &mut cache,
+            &mut scratch,
+            &mut logits,
+            Some(&mut obs),
+        )?;
         on_logits(first, &logits);
     }
     Ok(())

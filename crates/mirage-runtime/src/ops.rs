@@ -155,7 +155,15 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 /// [`attention_scores`], softmax, then [`attention_weighted_sum`] into a
 /// zeroed `out`. Prefill and decode both come here, so a prompt fed at once
 /// and the same prompt fed token by token attend identically.
-pub fn attend_f32(q: &[f32], keys: &[f32], values: &[f32], n: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+pub fn attend_f32(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
     attention_scores(q, keys, n, scale, scores);
     softmax_in_place(&mut scores[..n]);
     out.fill(0.0);
@@ -163,7 +171,15 @@ pub fn attend_f32(q: &[f32], keys: &[f32], values: &[f32], n: usize, scale: f32,
 }
 
 /// [`attend_f32`] in portable loops only (the reference for the SIMD one).
-pub fn attend_f32_portable(q: &[f32], keys: &[f32], values: &[f32], n: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+pub fn attend_f32_portable(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
     let d = q.len();
     for j in 0..n {
         scores[j] = dot_f32(q, &keys[j * d..(j + 1) * d]) * scale;
@@ -247,9 +263,18 @@ impl KvElement for half::f16 {
 /// `scores[j] = (q · keys_j) * scale` for `j < n` (`d = q.len()`). Each
 /// score depends only on its own key, never on `n` or on which keys share
 /// a SIMD step, so any split of the keys into calls gives the same scores.
-pub fn attention_scores<T: KvElement>(q: &[f32], keys: &[T], n: usize, scale: f32, scores: &mut [f32]) {
+pub fn attention_scores<T: KvElement>(
+    q: &[f32],
+    keys: &[T],
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
     let d = q.len();
-    assert!(keys.len() >= n * d && scores.len() >= n, "attention_scores: short buffers");
+    assert!(
+        keys.len() >= n * d && scores.len() >= n,
+        "attention_scores: short buffers"
+    );
     #[cfg(target_arch = "x86_64")]
     if simd_attention(d) {
         // SAFETY: AVX2+FMA+F16C present, d % 8 == 0, lengths asserted above.
@@ -269,7 +294,10 @@ pub fn attention_scores<T: KvElement>(q: &[f32], keys: &[T], n: usize, scale: f3
 /// same result as one call.
 pub fn attention_weighted_sum<T: KvElement>(p: &[f32], values: &[T], n: usize, out: &mut [f32]) {
     let d = out.len();
-    assert!(values.len() >= n * d && p.len() >= n, "attention_weighted_sum: short buffers");
+    assert!(
+        values.len() >= n * d && p.len() >= n,
+        "attention_weighted_sum: short buffers"
+    );
     #[cfg(target_arch = "x86_64")]
     if simd_attention(d) {
         // SAFETY: AVX2+FMA+F16C present, d % 8 == 0, lengths asserted above.
@@ -285,7 +313,15 @@ pub fn attention_weighted_sum<T: KvElement>(p: &[f32], values: &[T], n: usize, o
 /// [`attend_f32`] over f16 keys and values, widened on load (no widened
 /// copy): the same results as widening the rows first and calling
 /// [`attend_f32`].
-pub fn attend_f16(q: &[f32], keys: &[half::f16], values: &[half::f16], n: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+pub fn attend_f16(
+    q: &[f32],
+    keys: &[half::f16],
+    values: &[half::f16],
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
     attention_scores(q, keys, n, scale, scores);
     softmax_in_place(&mut scores[..n]);
     out.fill(0.0);
@@ -310,7 +346,13 @@ mod simd {
             /// AVX2, FMA and F16C are present; `d = q.len()` is a multiple
             /// of 8; `keys` holds `n * d` values and `scores` `n`.
             #[target_feature(enable = "avx2,fma,f16c")]
-            pub(super) unsafe fn $scores(q: &[f32], keys: &[$t], n: usize, scale: f32, scores: &mut [f32]) {
+            pub(super) unsafe fn $scores(
+                q: &[f32],
+                keys: &[$t],
+                n: usize,
+                scale: f32,
+                scores: &mut [f32],
+            ) {
                 let d = q.len();
                 let (qp, kp) = (q.as_ptr(), keys.as_ptr());
                 let vscale = _mm256_set1_ps(scale);
@@ -417,7 +459,9 @@ mod tests {
     fn simd_attention_matches_the_portable_loops() {
         let mut seed = 7u64;
         let mut next = move || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         };
         // d: one and several 64-wide output blocks, a 64 + 8 tail, and
@@ -432,7 +476,12 @@ mod tests {
                 attend_f32(&q, &k, &v, n, 0.3, &mut s1, &mut o1);
                 attend_f32_portable(&q, &k, &v, n, 0.3, &mut s2, &mut o2);
                 for i in 0..d {
-                    assert!((o1[i] - o2[i]).abs() <= 1e-5, "d={d} n={n} dim {i}: {} vs {}", o1[i], o2[i]);
+                    assert!(
+                        (o1[i] - o2[i]).abs() <= 1e-5,
+                        "d={d} n={n} dim {i}: {} vs {}",
+                        o1[i],
+                        o2[i]
+                    );
                 }
                 // Split into two calls (as the KV-page path does): the
                 // same scores and output bit for bit.
@@ -450,7 +499,8 @@ mod tests {
                 let v16: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
                 let kw: Vec<f32> = k16.iter().map(|x| x.to_f32()).collect();
                 let vw: Vec<f32> = v16.iter().map(|x| x.to_f32()).collect();
-                let (mut s4, mut o4, mut s5, mut o5) = (vec![0f32; n], vec![0f32; d], vec![0f32; n], vec![0f32; d]);
+                let (mut s4, mut o4, mut s5, mut o5) =
+                    (vec![0f32; n], vec![0f32; d], vec![0f32; n], vec![0f32; d]);
                 attend_f16(&q, &k16, &v16, n, 0.3, &mut s4, &mut o4);
                 attend_f32(&q, &kw, &vw, n, 0.3, &mut s5, &mut o5);
                 assert_eq!(o4, o5, "d={d} n={n}: f16 direct vs widened");
@@ -550,6 +600,9 @@ mod tests {
         assert_eq!(o[0], 0.0);
         assert!((o[1] - 3.0 * 2.0 / (1.0 + (-2.0f32).exp())).abs() < 1e-6);
         let a: Vec<f32> = (0..19).map(|i| i as f32).collect();
-        assert_eq!(dot_f32(&a, &a), (0..19).map(|i| (i * i) as f32).sum::<f32>());
+        assert_eq!(
+            dot_f32(&a, &a),
+            (0..19).map(|i| (i * i) as f32).sum::<f32>()
+        );
     }
 }

@@ -50,7 +50,9 @@ pub fn perplexity<B: Backend>(
     mut on_chunk: impl FnMut(usize, usize, f64),
 ) -> Result<PerplexityReport> {
     if n_ctx < 4 {
-        return Err(RuntimeError::InvalidArgument(format!("context {n_ctx} is too short")));
+        return Err(RuntimeError::InvalidArgument(format!(
+            "context {n_ctx} is too short"
+        )));
     }
     let tok = engine.tokenizer();
     let add_bos = tok.add_bos();
@@ -96,8 +98,21 @@ pub fn perplexity<B: Backend>(
     let mean = nll / count as f64;
     let ppl = mean.exp();
     let var = nll2 / count as f64 - mean * mean;
-    let ppl_err = if var > 0.0 && count > 1 { (var / (count - 1) as f64).sqrt() * ppl } else { 0.0 };
-    Ok(PerplexityReport { ppl, ppl_err, mean_nll: mean, n_chunks, n_scored: count, n_tokens: tokens.len(), n_ctx, chunk_ppl })
+    let ppl_err = if var > 0.0 && count > 1 {
+        (var / (count - 1) as f64).sqrt() * ppl
+    } else {
+        0.0
+    };
+    Ok(PerplexityReport {
+        ppl,
+        ppl_err,
+        mean_nll: mean,
+        n_chunks,
+        n_scored: count,
+        n_tokens: tokens.len(),
+        n_ctx,
+        chunk_ppl,
+    })
 }
 
 #[cfg(test)]

@@ -63,7 +63,12 @@ impl Sampler {
     /// A sampler seeded from `params.seed`.
     pub fn new(params: SamplingParams) -> Sampler {
         let rng = StdRng::seed_from_u64(params.seed);
-        Sampler { params, rng, candidates: Vec::new(), counts: HashMap::new() }
+        Sampler {
+            params,
+            rng,
+            candidates: Vec::new(),
+            counts: HashMap::new(),
+        }
     }
 
     /// The parameters this sampler was built with.
@@ -79,20 +84,25 @@ impl Sampler {
         }
         let p = self.params.clone();
         self.candidates.clear();
-        self.candidates.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+        self.candidates
+            .extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
         self.apply_penalties(history);
         if p.temperature <= 0.0 {
             return arg_max(&self.candidates);
         }
         // Sort descending once; top-k, top-p and min-p are then prefixes.
-        self.candidates.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        self.candidates
+            .sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         let mut keep = self.candidates.len();
         if p.top_k > 0 {
             keep = keep.min(p.top_k);
         }
         // Probabilities at temperature 1, as llama.cpp's top-p/min-p see them.
         let max = self.candidates[0].1;
-        let probs: Vec<f32> = self.candidates[..keep].iter().map(|c| (c.1 - max).exp()).collect();
+        let probs: Vec<f32> = self.candidates[..keep]
+            .iter()
+            .map(|c| (c.1 - max).exp())
+            .collect();
         let total: f32 = probs.iter().sum();
         if p.top_p < 1.0 {
             let mut cum = 0.0;
@@ -135,9 +145,15 @@ impl Sampler {
             *self.counts.entry(t).or_insert(0) += 1;
         }
         for (&tok, &count) in &self.counts {
-            let Some(c) = self.candidates.get_mut(tok as usize) else { continue };
+            let Some(c) = self.candidates.get_mut(tok as usize) else {
+                continue;
+            };
             if p.repeat_penalty != 1.0 {
-                c.1 = if c.1 <= 0.0 { c.1 * p.repeat_penalty } else { c.1 / p.repeat_penalty };
+                c.1 = if c.1 <= 0.0 {
+                    c.1 * p.repeat_penalty
+                } else {
+                    c.1 / p.repeat_penalty
+                };
             }
             c.1 -= count as f32 * p.frequency_penalty + p.presence_penalty;
         }
@@ -184,7 +200,13 @@ pub struct StopStrings {
 impl StopStrings {
     /// Builds the matcher; empty strings are ignored.
     pub fn new<I: IntoIterator<Item = S>, S: Into<String>>(stops: I) -> StopStrings {
-        StopStrings { stops: stops.into_iter().map(Into::into).filter(|s: &String| !s.is_empty()).collect() }
+        StopStrings {
+            stops: stops
+                .into_iter()
+                .map(Into::into)
+                .filter(|s: &String| !s.is_empty())
+                .collect(),
+        }
     }
 
     /// Whether there are no stop strings.
@@ -195,7 +217,11 @@ impl StopStrings {
     /// Looks for the earliest stop string in `text`; otherwise how much of
     /// `text` cannot be the start of one.
     pub fn check(&self, text: &str) -> StopCheck {
-        let earliest = self.stops.iter().filter_map(|s| text.find(s.as_str())).min();
+        let earliest = self
+            .stops
+            .iter()
+            .filter_map(|s| text.find(s.as_str()))
+            .min();
         if let Some(at) = earliest {
             return StopCheck::Stop(at);
         }
@@ -233,33 +259,53 @@ mod tests {
 
     #[test]
     fn repetition_penalty_changes_greedy_choice() {
-        let params = SamplingParams { repeat_penalty: 1.5, ..Default::default() };
+        let params = SamplingParams {
+            repeat_penalty: 1.5,
+            ..Default::default()
+        };
         let mut s = Sampler::new(params);
         // 3.0/1.5 = 2.0 < 2.9: token 5 wins; then 2.9/1.5 < 2.5: token 2.
         assert_eq!(s.sample(&logits(), &[1]), 5);
         assert_eq!(s.sample(&logits(), &[1, 5]), 2);
         // Negative logits are multiplied, not divided.
-        let mut s = Sampler::new(SamplingParams { repeat_penalty: 2.0, ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            repeat_penalty: 2.0,
+            ..Default::default()
+        });
         assert_eq!(s.sample(&[-1.0, -1.5], &[0]), 1);
     }
 
     #[test]
     fn presence_and_frequency_penalties() {
-        let params = SamplingParams { frequency_penalty: 0.2, ..Default::default() };
+        let params = SamplingParams {
+            frequency_penalty: 0.2,
+            ..Default::default()
+        };
         let mut s = Sampler::new(params);
         // 3.0 - 0.2 = 2.8 < 2.9.
         assert_eq!(s.sample(&logits(), &[1]), 5);
-        let params = SamplingParams { presence_penalty: 0.05, ..Default::default() };
+        let params = SamplingParams {
+            presence_penalty: 0.05,
+            ..Default::default()
+        };
         let mut s = Sampler::new(params);
         assert_eq!(s.sample(&logits(), &[1, 1, 1]), 1);
-        let params = SamplingParams { frequency_penalty: 0.05, ..Default::default() };
+        let params = SamplingParams {
+            frequency_penalty: 0.05,
+            ..Default::default()
+        };
         let mut s = Sampler::new(params);
         assert_eq!(s.sample(&logits(), &[1, 1, 1]), 5);
     }
 
     #[test]
     fn top_k_one_is_greedy_even_when_hot() {
-        let params = SamplingParams { temperature: 5.0, top_k: 1, seed: 9, ..Default::default() };
+        let params = SamplingParams {
+            temperature: 5.0,
+            top_k: 1,
+            seed: 9,
+            ..Default::default()
+        };
         let mut s = Sampler::new(params);
         for _ in 0..50 {
             assert_eq!(s.sample(&logits(), &[]), 1);
@@ -269,14 +315,24 @@ mod tests {
     #[test]
     fn top_p_and_min_p_restrict_the_support() {
         // top-p 0.5: token 1 alone has p ~ 0.37 < 0.5, adding token 5 passes.
-        let params = SamplingParams { temperature: 1.0, top_p: 0.5, seed: 1, ..Default::default() };
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.5,
+            seed: 1,
+            ..Default::default()
+        };
         let mut s = Sampler::new(params);
         for _ in 0..200 {
             let t = s.sample(&logits(), &[]);
             assert!(t == 1 || t == 5, "{t}");
         }
         // min-p 0.7: exp(2.5-3) = 0.61 < 0.7, exp(-0.1) = 0.905 >= 0.7.
-        let params = SamplingParams { temperature: 1.0, min_p: 0.7, seed: 2, ..Default::default() };
+        let params = SamplingParams {
+            temperature: 1.0,
+            min_p: 0.7,
+            seed: 2,
+            ..Default::default()
+        };
         let mut s = Sampler::new(params);
         let mut seen = [0u32; 6];
         for _ in 0..400 {
@@ -288,14 +344,23 @@ mod tests {
 
     #[test]
     fn seeded_sampling_is_deterministic_and_follows_the_distribution() {
-        let params = SamplingParams { temperature: 1.0, seed: 42, ..Default::default() };
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: 42,
+            ..Default::default()
+        };
         let draw = |p: &SamplingParams| {
             let mut s = Sampler::new(p.clone());
-            (0..4000).map(|_| s.sample(&logits(), &[])).collect::<Vec<_>>()
+            (0..4000)
+                .map(|_| s.sample(&logits(), &[]))
+                .collect::<Vec<_>>()
         };
         let a = draw(&params);
         assert_eq!(a, draw(&params));
-        let b = draw(&SamplingParams { seed: 43, ..params.clone() });
+        let b = draw(&SamplingParams {
+            seed: 43,
+            ..params.clone()
+        });
         assert_ne!(a, b);
         // Empirical frequency of token 1 vs its softmax probability.
         let l = logits();
@@ -307,7 +372,11 @@ mod tests {
 
     #[test]
     fn low_temperature_concentrates() {
-        let params = SamplingParams { temperature: 0.01, seed: 5, ..Default::default() };
+        let params = SamplingParams {
+            temperature: 0.01,
+            seed: 5,
+            ..Default::default()
+        };
         let mut s = Sampler::new(params);
         for _ in 0..100 {
             assert_eq!(s.sample(&logits(), &[]), 1);

@@ -28,7 +28,10 @@ fn kv_prune_syntax() {
         }
     );
     let grows: KvPruning = "top_percent=25".parse().unwrap();
-    assert_eq!((grows.top_for(10), grows.top_for(100), grows.top_for(101)), (8, 25, 26));
+    assert_eq!(
+        (grows.top_for(10), grows.top_for(100), grows.top_for(101)),
+        (8, 25, 26)
+    );
     assert_eq!(grows.max_selected_for(512), 1 + 2 + 128);
     for bad in ["top", "top=x", "pages=3", "page=0", "top_percent=101"] {
         assert!(bad.parse::<KvPruning>().is_err(), "{bad} accepted");

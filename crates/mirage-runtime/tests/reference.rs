@@ -17,20 +17,34 @@ fn fixtures() -> PathBuf {
 }
 
 fn read_json(path: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+    serde_json::from_slice(
+        &std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .unwrap()
 }
 
 fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn f32s(v: &Value) -> Vec<f32> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
 }
 
 fn read_f16(path: &Path) -> Vec<f32> {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+    bytes
+        .chunks_exact(2)
+        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect()
 }
 
 fn argmax(x: &[f32]) -> u32 {
@@ -77,16 +91,34 @@ struct Mode {
     greedy_by_decode: bool,
 }
 
-const QUANTIZED: Mode = Mode { f32_activations: false, min_cosine: 0.995, max_logprob_diff: 2.0, tie: 2e-2, greedy_by_decode: true };
-const EXACT: Mode = Mode { f32_activations: true, min_cosine: 0.999, max_logprob_diff: 1e-3, tie: 1e-3, greedy_by_decode: false };
+const QUANTIZED: Mode = Mode {
+    f32_activations: false,
+    min_cosine: 0.995,
+    max_logprob_diff: 2.0,
+    tie: 2e-2,
+    greedy_by_decode: true,
+};
+const EXACT: Mode = Mode {
+    f32_activations: true,
+    min_cosine: 0.999,
+    max_logprob_diff: 1e-3,
+    tie: 1e-3,
+    greedy_by_decode: false,
+};
 
 fn check_real_model(dir: &str, mode: &Mode) {
     let refdir = fixtures().join(dir);
     let reference = read_json(&refdir.join("reference.json"));
-    let Some(path) = model_path(reference["model_file"].as_str().unwrap()) else { return };
-    let options = EngineOptions { n_ctx: 512, ..Default::default() };
+    let Some(path) = model_path(reference["model_file"].as_str().unwrap()) else {
+        return;
+    };
+    let options = EngineOptions {
+        n_ctx: 512,
+        ..Default::default()
+    };
     let engine = if mode.f32_activations {
-        Engine::load_with_backend(&path, CpuBackend::new_f32_activations(0).unwrap(), options).unwrap()
+        Engine::load_with_backend(&path, CpuBackend::new_f32_activations(0).unwrap(), options)
+            .unwrap()
     } else {
         Engine::load(&path, options).unwrap()
     };
@@ -103,15 +135,27 @@ fn check_real_model(dir: &str, mode: &Mode) {
         let logits = engine.logits_for(&ids).unwrap();
         assert_eq!(logits.len(), ids.len() * vocab);
         let (mut worst_lp, mut worst_at, mut ties) = (0.0f64, 0, 0);
-        for (i, (top5, top5_l)) in p["top5_ids"].as_array().unwrap().iter().zip(p["top5_logits"].as_array().unwrap()).enumerate() {
+        for (i, (top5, top5_l)) in p["top5_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(p["top5_logits"].as_array().unwrap())
+            .enumerate()
+        {
             let (top5, top5_l) = (u32s(top5), f32s(top5_l));
             let row = &logits[i * vocab..(i + 1) * vocab];
             let got = argmax(row);
             if got != top5[0] {
                 // Accept only a swap among candidates the reference itself
                 // rates within `tie` (relative) of its top-1.
-                let ok = top5.iter().zip(&top5_l).any(|(&t, &l)| t == got && near_tie(top5_l[0], l, mode.tie));
-                assert!(ok, "{dir}/{name} position {i}: top-1 {got}, reference {top5:?} {top5_l:?}");
+                let ok = top5
+                    .iter()
+                    .zip(&top5_l)
+                    .any(|(&t, &l)| t == got && near_tie(top5_l[0], l, mode.tie));
+                assert!(
+                    ok,
+                    "{dir}/{name} position {i}: top-1 {got}, reference {top5:?} {top5_l:?}"
+                );
                 ties += 1;
             }
             // Log-probabilities of the reference top-5 (shift-invariant).
@@ -128,7 +172,10 @@ fn check_real_model(dir: &str, mode: &Mode) {
         let cos = cosine(&logits[(ids.len() - 1) * vocab..], &last);
         eprintln!("{dir}/{name}: {} positions, last-logits cosine {cos:.6}, worst top-5 log-prob diff {worst_lp:.2e} at {worst_at}, near-tie flips {ties}", ids.len());
         assert!(cos >= mode.min_cosine, "{dir}/{name}: cosine {cos}");
-        assert!(worst_lp < mode.max_logprob_diff, "{dir}/{name}: log-prob diff {worst_lp}");
+        assert!(
+            worst_lp < mode.max_logprob_diff,
+            "{dir}/{name}: log-prob diff {worst_lp}"
+        );
 
         if let Some(g) = p.get("greedy").filter(|g| !g.is_null()) {
             if mode.greedy_by_decode {
@@ -142,7 +189,12 @@ fn check_real_model(dir: &str, mode: &Mode) {
 
 fn check_greedy(engine: &Engine, dir: &str, name: &str, prompt: &[u32], g: &Value, tie: f32) {
     let want = u32s(&g["ids"]);
-    let top2: Vec<Vec<f32>> = g["top2_logits"].as_array().unwrap().iter().map(f32s).collect();
+    let top2: Vec<Vec<f32>> = g["top2_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(f32s)
+        .collect();
     let mut session = engine.session().unwrap();
     let mut logits = session.feed(prompt).unwrap().to_vec();
     for (s, &w) in want.iter().enumerate() {
@@ -153,7 +205,10 @@ fn check_greedy(engine: &Engine, dir: &str, name: &str, prompt: &[u32], g: &Valu
                 "{dir}/{name}: greedy step {s} gave {got}, reference {w} (margin {:?})",
                 top2[s]
             );
-            eprintln!("{dir}/{name}: greedy diverges at step {s} at a near-tie {:?}", top2[s]);
+            eprintln!(
+                "{dir}/{name}: greedy diverges at step {s} at a near-tie {:?}",
+                top2[s]
+            );
             return;
         }
         logits = session.feed(&[got]).unwrap().to_vec();
@@ -164,9 +219,21 @@ fn check_greedy(engine: &Engine, dir: &str, name: &str, prompt: &[u32], g: &Valu
 /// Greedy check by one forward pass over prompt + the reference's 64
 /// tokens: step `s`'s logits are row `prompt.len() - 1 + s`. Up to the first
 /// divergence this is exactly greedy decoding; the check stops there.
-fn check_greedy_teacher_forced(engine: &Engine, dir: &str, name: &str, prompt: &[u32], g: &Value, tie: f32) {
+fn check_greedy_teacher_forced(
+    engine: &Engine,
+    dir: &str,
+    name: &str,
+    prompt: &[u32],
+    g: &Value,
+    tie: f32,
+) {
     let want = u32s(&g["ids"]);
-    let top2: Vec<Vec<f32>> = g["top2_logits"].as_array().unwrap().iter().map(f32s).collect();
+    let top2: Vec<Vec<f32>> = g["top2_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(f32s)
+        .collect();
     let mut seq = prompt.to_vec();
     seq.extend_from_slice(&want[..want.len() - 1]);
     let logits = engine.logits_for(&seq).unwrap();
@@ -180,7 +247,10 @@ fn check_greedy_teacher_forced(engine: &Engine, dir: &str, name: &str, prompt: &
                 "{dir}/{name}: greedy step {s} gave {got}, reference {w} (margin {:?})",
                 top2[s]
             );
-            eprintln!("{dir}/{name}: greedy diverges at step {s} at a near-tie {:?}", top2[s]);
+            eprintln!(
+                "{dir}/{name}: greedy diverges at step {s} at a near-tie {:?}",
+                top2[s]
+            );
             return;
         }
     }
@@ -216,7 +286,12 @@ fn qwen3_tiny_converted_from_safetensors_matches_transformers() {
     let reference = read_json(&dir.join("reference.json"));
     let tmp = tempfile::tempdir().unwrap();
     let gguf = tmp.path().join("qwen3_tiny.gguf");
-    mirage_runtime::convert::safetensors_to_gguf(&dir.join("model.safetensors"), &dir.join("config.json"), &gguf).unwrap();
+    mirage_runtime::convert::safetensors_to_gguf(
+        &dir.join("model.safetensors"),
+        &dir.join("config.json"),
+        &gguf,
+    )
+    .unwrap();
     let file = Arc::new(GgufFile::open(&gguf).unwrap());
     let model = Model::load(file, CpuBackend::new(2).unwrap()).unwrap();
     assert_eq!(model.config().arch, mirage_gguf::Arch::Qwen3);
@@ -231,13 +306,23 @@ fn qwen3_tiny_converted_from_safetensors_matches_transformers() {
             .collect();
         for dtype in [KvDtype::F32, KvDtype::F16] {
             let got = model.logits_all(&ids, dtype).unwrap();
-            let max_abs = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            let max_abs = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
             let tol = if dtype == KvDtype::F32 { 1e-4 } else { 5e-3 };
-            assert!(max_abs < tol, "qwen3 tiny {dtype:?}: max |dlogit| {max_abs}");
+            assert!(
+                max_abs < tol,
+                "qwen3 tiny {dtype:?}: max |dlogit| {max_abs}"
+            );
             for (i, &a) in u32s(&seq["argmax"]).iter().enumerate() {
                 assert_eq!(argmax(&got[i * vocab..(i + 1) * vocab]), a, "position {i}");
             }
-            eprintln!("qwen3 tiny, {} positions, {dtype:?} cache: max |dlogit| {max_abs:.2e}", ids.len());
+            eprintln!(
+                "qwen3 tiny, {} positions, {dtype:?} cache: max |dlogit| {max_abs:.2e}",
+                ids.len()
+            );
         }
     }
 }
@@ -249,8 +334,17 @@ fn batched_prefill_equals_token_by_token_decode() {
     let dir = fixtures().join("qwen3_tiny");
     let tmp = tempfile::tempdir().unwrap();
     let gguf = tmp.path().join("m.gguf");
-    mirage_runtime::convert::safetensors_to_gguf(&dir.join("model.safetensors"), &dir.join("config.json"), &gguf).unwrap();
-    let model = Model::load(Arc::new(GgufFile::open(&gguf).unwrap()), CpuBackend::new(2).unwrap()).unwrap();
+    mirage_runtime::convert::safetensors_to_gguf(
+        &dir.join("model.safetensors"),
+        &dir.join("config.json"),
+        &gguf,
+    )
+    .unwrap();
+    let model = Model::load(
+        Arc::new(GgufFile::open(&gguf).unwrap()),
+        CpuBackend::new(2).unwrap(),
+    )
+    .unwrap();
     let ids: Vec<u32> = (0..20).map(|i| (i * 37 + 11) % 256).collect();
     let batch = model.logits_all(&ids, KvDtype::F32).unwrap();
     let vocab = model.config().vocab_size;
@@ -260,30 +354,63 @@ fn batched_prefill_equals_token_by_token_decode() {
     for (pos, &t) in ids.iter().enumerate() {
         // Sequence 1, so slot indexing is exercised too.
         let slot = [mirage_runtime::TokenSlot { seq: 1, pos }];
-        model.forward(&[t], &slot, &[0], &mut cache, &mut scratch, &mut out).unwrap();
+        model
+            .forward(&[t], &slot, &[0], &mut cache, &mut scratch, &mut out)
+            .unwrap();
         let want = &batch[pos * vocab..(pos + 1) * vocab];
-        let d = out.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let d = out
+            .iter()
+            .zip(want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
         assert!(d < 1e-4, "position {pos}: {d}");
     }
 }
 
 #[test]
 fn session_generation_streams_stops_and_is_seeded() {
-    let Some(path) = model_path("smollm2-135m-instruct-q4_1.gguf") else { return };
-    let engine = Engine::load(&path, EngineOptions { n_ctx: 256, ..Default::default() }).unwrap();
-    let sampling = mirage_runtime::SamplingParams { temperature: 0.9, top_k: 40, top_p: 0.95, seed: 7, ..Default::default() };
-    let params = mirage_runtime::GenerateParams { max_tokens: 24, sampling, stop: vec![] };
+    let Some(path) = model_path("smollm2-135m-instruct-q4_1.gguf") else {
+        return;
+    };
+    let engine = Engine::load(
+        &path,
+        EngineOptions {
+            n_ctx: 256,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let sampling = mirage_runtime::SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 7,
+        ..Default::default()
+    };
+    let params = mirage_runtime::GenerateParams {
+        max_tokens: 24,
+        sampling,
+        stop: vec![],
+    };
     let run = |params: &mirage_runtime::GenerateParams| {
         let mut session = engine.session().unwrap();
         let mut streamed = String::new();
-        let out = session.generate("Once upon a time", params, |p| {
-            streamed.push_str(p);
-            true
-        }).unwrap();
+        let out = session
+            .generate("Once upon a time", params, |p| {
+                streamed.push_str(p);
+                true
+            })
+            .unwrap();
         assert_eq!(streamed, out.text, "streamed pieces add up to the text");
         // The last sample is not fed when a stop string or the callback ended it.
-        let unfed = matches!(out.stats.stop_reason, mirage_runtime::StopReason::StopString | mirage_runtime::StopReason::Callback) as usize;
-        assert_eq!(session.tokens().len() + unfed, engine.encode("Once upon a time", true).unwrap().len() + out.tokens.len());
+        let unfed = matches!(
+            out.stats.stop_reason,
+            mirage_runtime::StopReason::StopString | mirage_runtime::StopReason::Callback
+        ) as usize;
+        assert_eq!(
+            session.tokens().len() + unfed,
+            engine.encode("Once upon a time", true).unwrap().len() + out.tokens.len()
+        );
         out
     };
     let a = run(&params);
@@ -293,7 +420,15 @@ fn session_generation_streams_stops_and_is_seeded() {
     // Stop at a string taken from the middle of the first run's text.
     let words: Vec<&str> = a.text.split_whitespace().collect();
     let stop = words[words.len() / 2].to_string();
-    let b = run(&mirage_runtime::GenerateParams { stop: vec![stop.clone()], ..params.clone() });
+    let b = run(&mirage_runtime::GenerateParams {
+        stop: vec![stop.clone()],
+        ..params.clone()
+    });
     assert_eq!(b.stats.stop_reason, mirage_runtime::StopReason::StopString);
-    assert!(!b.text.contains(&stop) && a.text.starts_with(&b.text), "{:?} / {:?} / {stop:?}", b.text, a.text);
+    assert!(
+        !b.text.contains(&stop) && a.text.starts_with(&b.text),
+        "{:?} / {:?} / {stop:?}",
+        b.text,
+        a.text
+    );
 }

@@ -237,7 +237,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             })
             .map(device_bytes)
             .sum();
-        let ffn = f.tensors().iter().filter(|t| is_ffn(&t.name)).map(device_bytes).sum();
+        let ffn = f
+            .tensors()
+            .iter()
+            .filter(|t| is_ffn(&t.name))
+            .map(device_bytes)
+            .sum();
         (other, ffn)
     };
     let (other_bytes, ffn_bytes) = token_bytes(&file);
@@ -334,7 +339,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             let mode = format!(
                 "prefix {:.0}% dense{}",
                 f * 100.0,
-                if cut.requantized_down { " (q8 down)" } else { "" }
+                if cut.requantized_down {
+                    " (q8 down)"
+                } else {
+                    ""
+                }
             );
             let share = cut.pages as f64 / cut.total_pages.max(1) as f64;
             rows.push(Row {

@@ -43,7 +43,10 @@ fn chat_with<B: Backend>(engine: &Engine<B>, args: &ChatArgs) -> anyhow::Result<
     let params = args.sampling.params();
     let mut session = engine.session()?;
     let fresh = || -> Vec<ChatMessage> {
-        args.system.iter().map(|s| ChatMessage::new("system", s.as_str())).collect()
+        args.system
+            .iter()
+            .map(|s| ChatMessage::new("system", s.as_str()))
+            .collect()
     };
     let mut history = fresh();
     eprintln!(
@@ -77,7 +80,10 @@ fn chat_with<B: Backend>(engine: &Engine<B>, args: &ChatArgs) -> anyhow::Result<
         // cached prefix, so only the new turn runs through the model.
         let context = engine.encode(&text, true)?;
         let out = session.generate_from(&context, &params, |piece| {
-            stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()).is_ok()
+            stdout
+                .write_all(piece.as_bytes())
+                .and_then(|_| stdout.flush())
+                .is_ok()
         })?;
         println!();
         eprintln!(

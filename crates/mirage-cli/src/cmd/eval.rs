@@ -17,7 +17,9 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use mirage_artifact::build::{MARGIN_GRID, THRESHOLD_GRID};
 use mirage_artifact::ffn::FfnF32;
-use mirage_artifact::metrics::{self, cosine, oracle_useful_set, COSINE_GATE, ORACLE_COSINE, RECALL_GATE};
+use mirage_artifact::metrics::{
+    self, cosine, oracle_useful_set, COSINE_GATE, ORACLE_COSINE, RECALL_GATE,
+};
 use mirage_artifact::pack::unpack_pages;
 use mirage_artifact::superblock::PageSelector;
 use mirage_artifact::{pages_for_fraction, Artifact, SparseMode, SuperblockBackend, PAGE_CHANNELS};
@@ -62,7 +64,11 @@ pub struct EvalArgs {
     oracle_top: Vec<f32>,
     /// Also run each --oracle-top fraction over groups of this many channels instead of whole pages
     /// (comma-separated divisors of 128, e.g. 1,8): what finer pages would keep.
-    #[arg(long = "oracle-top-groups", value_delimiter = ',', requires = "oracle_top")]
+    #[arg(
+        long = "oracle-top-groups",
+        value_delimiter = ',',
+        requires = "oracle_top"
+    )]
     oracle_top_groups: Vec<u16>,
 }
 
@@ -103,13 +109,22 @@ struct Fidelity {
     active_fraction: f64,
 }
 
-fn run_logits<B: Backend>(model: &Model<B>, tokens: &[u32], n_batch: usize) -> anyhow::Result<Vec<f32>> {
+fn run_logits<B: Backend>(
+    model: &Model<B>,
+    tokens: &[u32],
+    n_batch: usize,
+) -> anyhow::Result<Vec<f32>> {
     let mut cache = model.new_kv_cache(tokens.len(), 1, KvDtype::F32)?;
     let mut scratch = model.new_scratch();
     let mut all = Vec::new();
     let mut logits = Vec::new();
     for (ci, chunk) in tokens.chunks(n_batch).enumerate() {
-        let slots: Vec<TokenSlot> = (0..chunk.len()).map(|i| TokenSlot { seq: 0, pos: ci * n_batch + i }).collect();
+        let slots: Vec<TokenSlot> = (0..chunk.len())
+            .map(|i| TokenSlot {
+                seq: 0,
+                pos: ci * n_batch + i,
+            })
+            .collect();
         let rows: Vec<usize> = (0..chunk.len()).collect();
         model.forward(chunk, &slots, &rows, &mut cache, &mut scratch, &mut logits)?;
         all.extend_from_slice(&logits);
@@ -119,7 +134,9 @@ fn run_logits<B: Backend>(model: &Model<B>, tokens: &[u32], n_batch: usize) -> a
 
 fn ppl(logits: &[f32], tokens: &[u32], vocab: usize) -> f64 {
     let n = tokens.len() - 1;
-    let s: f64 = (0..n).map(|i| metrics::nll(&logits[i * vocab..(i + 1) * vocab], tokens[i + 1] as usize)).sum();
+    let s: f64 = (0..n)
+        .map(|i| metrics::nll(&logits[i * vocab..(i + 1) * vocab], tokens[i + 1] as usize))
+        .sum();
     (s / n as f64).exp()
 }
 
@@ -129,7 +146,9 @@ fn stage_bar(name: &str, total: usize) -> ProgressBar {
     let style = ProgressStyle::with_template("{prefix:>15} [{bar:40}] {pos}/{len} {elapsed} {msg}")
         .unwrap_or_else(|_| ProgressStyle::default_bar())
         .progress_chars("=> ");
-    ProgressBar::new(total as u64).with_style(style).with_prefix(name.to_string())
+    ProgressBar::new(total as u64)
+        .with_style(style)
+        .with_prefix(name.to_string())
 }
 
 /// Runs `eval`.
@@ -137,20 +156,35 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     if let Some(f) = args.oracle_top.iter().find(|f| !(**f > 0.0 && **f <= 1.0)) {
         bail!("--oracle-top {f}: each fraction must be in (0, 1]");
     }
-    if let Some(g) = args.oracle_top_groups.iter().find(|&&g| g == 0 || PAGE_CHANNELS % g as usize != 0) {
+    if let Some(g) = args
+        .oracle_top_groups
+        .iter()
+        .find(|&&g| g == 0 || PAGE_CHANNELS % g as usize != 0)
+    {
         bail!("--oracle-top-groups {g}: each group must divide a page of {PAGE_CHANNELS} channels");
     }
-    let artifact = Artifact::open(&args.artifact).with_context(|| format!("loading {}", args.artifact.display()))?;
+    let artifact = Artifact::open(&args.artifact)
+        .with_context(|| format!("loading {}", args.artifact.display()))?;
     let meta = artifact.meta().clone();
-    let model_path = args.model.clone().unwrap_or_else(|| PathBuf::from("models").join(&meta.source_name));
+    let model_path = args
+        .model
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("models").join(&meta.source_name));
     super::generate::check_model(&model_path)?;
     let file = Arc::new(GgufFile::open(&model_path)?);
     artifact.check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))?;
-    let text = std::fs::read_to_string(&args.text).with_context(|| format!("reading {}", args.text.display()))?;
+    let text = std::fs::read_to_string(&args.text)
+        .with_context(|| format!("reading {}", args.text.display()))?;
     if mirage_artifact::format::sha256_hex(text.as_bytes()) == meta.calib_sha256 {
-        bail!("{} is the calibration text; evaluate on held-out text", args.text.display());
+        bail!(
+            "{} is the calibration text; evaluate on held-out text",
+            args.text.display()
+        );
     }
-    let opts = EngineOptions { threads: args.threads, ..EngineOptions::default() };
+    let opts = EngineOptions {
+        threads: args.threads,
+        ..EngineOptions::default()
+    };
     let dense = Engine::from_file(file.clone(), CpuBackend::new(args.threads)?, opts.clone())?;
     let mut tokens = dense.encode(&text, true)?;
     tokens.truncate(args.max_tokens.min(dense.n_ctx()));
@@ -159,23 +193,36 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     }
     let (n, d, n_layer) = (tokens.len(), meta.d_model, meta.n_layer);
     let vocab = dense.model().config().vocab_size;
-    eprintln!("eval: {} tokens of {}, {} layers", n, args.text.display(), n_layer);
+    eprintln!(
+        "eval: {} tokens of {}, {} layers",
+        n,
+        args.text.display(),
+        n_layer
+    );
 
     // Dense pass: FFN inputs and logits.
     let mut xs: Vec<Vec<f32>> = vec![Vec::with_capacity(n * d); n_layer];
     let mut dense_logits = Vec::with_capacity(n * vocab);
     let bar = stage_bar("dense pass", n.div_ceil(128));
-    observe_ffn_inputs(dense.model(), &tokens, 128, KvDtype::F32, &mut |l, _, x| xs[l].extend_from_slice(x), &mut |_, lg| {
-        dense_logits.extend_from_slice(lg);
-        bar.inc(1);
-    })?;
+    observe_ffn_inputs(
+        dense.model(),
+        &tokens,
+        128,
+        KvDtype::F32,
+        &mut |l, _, x| xs[l].extend_from_slice(x),
+        &mut |_, lg| {
+            dense_logits.extend_from_slice(lg);
+            bar.inc(1);
+        },
+    )?;
     bar.finish();
     drop(dense);
 
     // Oracle sets on the artifact's pages, and for each --oracle-top fraction
     // the largest-output pages.
     let mut oracle: Vec<Vec<Vec<usize>>> = Vec::with_capacity(n_layer);
-    let mut top: Vec<Vec<Vec<Vec<usize>>>> = vec![Vec::with_capacity(n_layer); args.oracle_top.len()];
+    let mut top: Vec<Vec<Vec<Vec<usize>>>> =
+        vec![Vec::with_capacity(n_layer); args.oracle_top.len()];
     // Per group size, per fraction: (sum of per-layer FFN output cosines, count >= ORACLE_COSINE).
     let mut granularity = vec![vec![(0f64, 0usize); args.oracle_top.len()]; GROUP_CHANNELS.len()];
     let bar = stage_bar("oracle sets", n_layer);
@@ -190,7 +237,11 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
                 ffn.hidden(&x[t * d..(t + 1) * d], &mut h);
                 let mut c = vec![0f32; ld.n_pages * d];
                 ffn.page_contributions(&h, PAGE_CHANNELS, &mut c);
-                let tops = args.oracle_top.iter().map(|&f| metrics::largest_pages(&c, d, pages_for_fraction(f, ld.n_pages))).collect();
+                let tops = args
+                    .oracle_top
+                    .iter()
+                    .map(|&f| metrics::largest_pages(&c, d, pages_for_fraction(f, ld.n_pages)))
+                    .collect();
                 // The same bound at finer groups of channels (artifact order).
                 let kept: Vec<Vec<f64>> = if args.oracle_top.is_empty() {
                     Vec::new()
@@ -199,7 +250,11 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
                         .iter()
                         .map(|&g| {
                             let groups = ffn.n_ff / g;
-                            let counts: Vec<usize> = args.oracle_top.iter().map(|&f| pages_for_fraction(f, groups)).collect();
+                            let counts: Vec<usize> = args
+                                .oracle_top
+                                .iter()
+                                .map(|&f| pages_for_fraction(f, groups))
+                                .collect();
                             if g == PAGE_CHANNELS {
                                 return metrics::largest_pages_cosines(&c, d, &counts);
                             }
@@ -209,14 +264,22 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
                         })
                         .collect()
                 };
-                TokenOracle { oracle: oracle_useful_set(&c, d, ORACLE_COSINE), tops, kept }
+                TokenOracle {
+                    oracle: oracle_useful_set(&c, d, ORACLE_COSINE),
+                    tops,
+                    kept,
+                }
             })
             .collect();
         for (i, per_fraction) in top.iter_mut().enumerate() {
             per_fraction.push(sets.iter().map(|s| s.tops[i].clone()).collect());
         }
         for s in &sets {
-            for (acc, cos) in granularity.iter_mut().flatten().zip(s.kept.iter().flatten()) {
+            for (acc, cos) in granularity
+                .iter_mut()
+                .flatten()
+                .zip(s.kept.iter().flatten())
+            {
                 acc.0 += cos;
                 acc.1 += (*cos >= ORACLE_COSINE) as usize;
             }
@@ -226,7 +289,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     }
     bar.finish();
     let total_pages: usize = (0..n_layer).map(|l| artifact.layer(l).n_pages).sum();
-    let routed_pages: usize = (0..n_layer).map(|l| artifact.layer(l).n_pages - artifact.layer(l).n_trunk).sum();
+    let routed_pages: usize = (0..n_layer)
+        .map(|l| artifact.layer(l).n_pages - artifact.layer(l).n_trunk)
+        .sum();
 
     // Sweeps.
     let sweep = |label: String, mode: SparseMode| -> anyhow::Result<Sweep> {
@@ -241,7 +306,11 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
                 let active = match (sel.select(l, &xs[l][t * d..(t + 1) * d])?, mode) {
                     (Some(a), _) => a,
                     (None, SparseMode::OracleTop { fraction, .. }) => {
-                        let i = args.oracle_top.iter().position(|&f| f == fraction).context("an oracle-top fraction that was not asked for")?;
+                        let i = args
+                            .oracle_top
+                            .iter()
+                            .position(|&f| f == fraction)
+                            .context("an oracle-top fraction that was not asked for")?;
                         top[i][l][t].clone()
                     }
                     (None, _) => oracle[l][t].clone(),
@@ -257,30 +326,65 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             }
             rec += lr;
             // Layers without routed pages have no rejection to report.
-            let lrej = if ld.n_pages > ld.n_trunk { lj / n as f64 } else { f64::NAN };
+            let lrej = if ld.n_pages > ld.n_trunk {
+                lj / n as f64
+            } else {
+                f64::NAN
+            };
             layers.push((lr / n as f64, lrej, counts));
         }
         let tl = (n * n_layer) as f64;
         // Rejection pooled over the routed pages of all layers (trunk excluded).
         let rejection = metrics::rejection(routed_cands as usize, n * routed_pages);
-        Ok(Sweep { label, mode, recall: rec / tl, rejection, active_fraction: act / (n * total_pages) as f64, layers })
+        Ok(Sweep {
+            label,
+            mode,
+            recall: rec / tl,
+            rejection,
+            active_fraction: act / (n * total_pages) as f64,
+            layers,
+        })
     };
     let oracle_sweep = sweep("oracle".into(), SparseMode::Oracle)?;
     let top_sweeps: Vec<Sweep> = args
         .oracle_top
         .iter()
-        .map(|&fraction| sweep(format!("oracle top {}%", fraction * 100.0), SparseMode::OracleTop { fraction, group_channels: PAGE_CHANNELS as u16 }))
+        .map(|&fraction| {
+            sweep(
+                format!("oracle top {}%", fraction * 100.0),
+                SparseMode::OracleTop {
+                    fraction,
+                    group_channels: PAGE_CHANNELS as u16,
+                },
+            )
+        })
         .collect::<anyhow::Result<_>>()?;
-    let bvh: Vec<Sweep> = MARGIN_GRID.iter().map(|&m| sweep(format!("bvh margin {m}"), SparseMode::Bvh { margin: m })).collect::<anyhow::Result<_>>()?;
-    let pred: Vec<Sweep> =
-        THRESHOLD_GRID.iter().map(|&t| sweep(format!("predictor threshold {t}"), SparseMode::Predictor { threshold: t })).collect::<anyhow::Result<_>>()?;
+    let bvh: Vec<Sweep> = MARGIN_GRID
+        .iter()
+        .map(|&m| sweep(format!("bvh margin {m}"), SparseMode::Bvh { margin: m }))
+        .collect::<anyhow::Result<_>>()?;
+    let pred: Vec<Sweep> = THRESHOLD_GRID
+        .iter()
+        .map(|&t| {
+            sweep(
+                format!("predictor threshold {t}"),
+                SparseMode::Predictor { threshold: t },
+            )
+        })
+        .collect::<anyhow::Result<_>>()?;
 
     // Fidelity of full sparse runs.
-    let sb = SuperblockBackend::new(CpuBackend::new(args.threads)?, artifact.clone(), SparseMode::All)?;
+    let sb = SuperblockBackend::new(
+        CpuBackend::new(args.threads)?,
+        artifact.clone(),
+        SparseMode::All,
+    )?;
     let sparse = Engine::from_file(file, sb, opts)?;
     let dense_ppl = ppl(&dense_logits, &tokens, vocab);
     // At most: all pages, the oracle, the oracle-top runs, and each router's bisection.
-    let most_runs = 2 + args.oracle_top.len() * (1 + args.oracle_top_groups.len()) + 2 * args.max_fidelity_runs.max(1);
+    let most_runs = 2
+        + args.oracle_top.len() * (1 + args.oracle_top_groups.len())
+        + 2 * args.max_fidelity_runs.max(1);
     let fbar = stage_bar("fidelity runs", most_runs);
     let fidelity = |mode: SparseMode| -> anyhow::Result<Fidelity> {
         fbar.set_message(format!("{mode:?}"));
@@ -291,21 +395,39 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         let active: f64 = counts.iter().flatten().map(|&c| c as f64).sum();
         let (mut cs, mut top) = (0f64, 0usize);
         for t in 0..n {
-            let (a, b) = (&dense_logits[t * vocab..(t + 1) * vocab], &lg[t * vocab..(t + 1) * vocab]);
+            let (a, b) = (
+                &dense_logits[t * vocab..(t + 1) * vocab],
+                &lg[t * vocab..(t + 1) * vocab],
+            );
             cs += cosine(a, b);
             top += (metrics::argmax(a) == metrics::argmax(b)) as usize;
         }
         fbar.inc(1);
-        Ok(Fidelity { cosine: cs / n as f64, top1: top as f64 / n as f64, ppl: ppl(&lg, &tokens, vocab), active_fraction: active / (n * total_pages) as f64 })
+        Ok(Fidelity {
+            cosine: cs / n as f64,
+            top1: top as f64 / n as f64,
+            ppl: ppl(&lg, &tokens, vocab),
+            active_fraction: active / (n * total_pages) as f64,
+        })
     };
     let all_pages = fidelity(SparseMode::All)?;
     let oracle_fid = fidelity(SparseMode::Oracle)?;
-    let top_fids: Vec<Fidelity> = top_sweeps.iter().map(|s| fidelity(s.mode)).collect::<anyhow::Result<_>>()?;
+    let top_fids: Vec<Fidelity> = top_sweeps
+        .iter()
+        .map(|s| fidelity(s.mode))
+        .collect::<anyhow::Result<_>>()?;
     // (group channels, fraction, fidelity); the active fraction is of the pages with a kept channel.
     let mut group_fids: Vec<(u16, f32, Fidelity)> = Vec::new();
     for &group_channels in &args.oracle_top_groups {
         for &fraction in &args.oracle_top {
-            group_fids.push((group_channels, fraction, fidelity(SparseMode::OracleTop { fraction, group_channels })?));
+            group_fids.push((
+                group_channels,
+                fraction,
+                fidelity(SparseMode::OracleTop {
+                    fraction,
+                    group_channels,
+                })?,
+            ));
         }
     }
     // The cheapest setting meeting recall that also meets the cosine gate:
@@ -314,7 +436,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let pick = |sweeps: &[Sweep]| -> anyhow::Result<Option<(Sweep, Fidelity)>> {
         let mut ok: Vec<&Sweep> = sweeps.iter().filter(|s| s.recall >= RECALL_GATE).collect();
         ok.sort_by(|a, b| a.active_fraction.total_cmp(&b.active_fraction));
-        let Some(last) = ok.last() else { return Ok(None) };
+        let Some(last) = ok.last() else {
+            return Ok(None);
+        };
         let f = fidelity(last.mode)?;
         if f.cosine < COSINE_GATE {
             return Ok(Some(((*last).clone(), f)));
@@ -348,7 +472,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         })
     };
     let pick_json = |p: &Option<(Sweep, Fidelity)>| match p {
-        Some((s, f)) => json!({"setting": sweep_json(s), "fidelity": fid_json(f), "meets_gates": s.recall >= RECALL_GATE && f.cosine >= COSINE_GATE}),
+        Some((s, f)) => {
+            json!({"setting": sweep_json(s), "fidelity": fid_json(f), "meets_gates": s.recall >= RECALL_GATE && f.cosine >= COSINE_GATE})
+        }
         None => json!(null),
     };
     let report = json!({
@@ -368,14 +494,31 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     });
     if let Some(dir) = &args.plot {
         std::fs::create_dir_all(dir)?;
-        write_plots(dir, &bvh, &pred, bvh_pick.as_ref().map(|p| &p.0), &oracle_sweep)?;
+        write_plots(
+            dir,
+            &bvh,
+            &pred,
+            bvh_pick.as_ref().map(|p| &p.0),
+            &oracle_sweep,
+        )?;
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    println!("{} on {} ({} tokens), {} pages ({} routed); dense ppl {:.3}", meta.source_name, args.text.display(), n, total_pages, routed_pages, dense_ppl);
-    println!("{:<28} {:>8} {:>9} {:>8} {:>9} {:>7} {:>8} {:>9}", "router", "recall", "rejection", "active", "cosine", "top1", "ppl", "Δppl");
+    println!(
+        "{} on {} ({} tokens), {} pages ({} routed); dense ppl {:.3}",
+        meta.source_name,
+        args.text.display(),
+        n,
+        total_pages,
+        routed_pages,
+        dense_ppl
+    );
+    println!(
+        "{:<28} {:>8} {:>9} {:>8} {:>9} {:>7} {:>8} {:>9}",
+        "router", "recall", "rejection", "active", "cosine", "top1", "ppl", "Δppl"
+    );
     let row = |name: &str, s: Option<&Sweep>, f: &Fidelity| {
         let (r, j) = s.map_or((f64::NAN, f64::NAN), |s| (s.recall, s.rejection));
         println!(
@@ -395,7 +538,11 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         row(&s.label, Some(s), f);
     }
     for (g, fraction, f) in &group_fids {
-        row(&format!("oracle top {}% of {g}-ch", fraction * 100.0), None, f);
+        row(
+            &format!("oracle top {}% of {g}-ch", fraction * 100.0),
+            None,
+            f,
+        );
     }
     if !group_fids.is_empty() {
         println!("(\"of N-ch\": the fraction counts groups of N channels; active = pages with a kept channel)");
@@ -422,19 +569,35 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             for per in &granularity {
                 let (sum, ok) = per[i];
                 let tl = (n * n_layer) as f64;
-                print!(" {:>20}", format!("{:.5} [{:.3}]", sum / tl, ok as f64 / tl));
+                print!(
+                    " {:>20}",
+                    format!("{:.5} [{:.3}]", sum / tl, ok as f64 / tl)
+                );
             }
             println!();
         }
     }
     println!("sweeps (offline, dense FFN inputs):");
     for s in bvh.iter().chain(&pred) {
-        println!("  {:<28} recall {:.4} rejection {:.4} active {:.4}", s.label, s.recall, s.rejection, s.active_fraction);
+        println!(
+            "  {:<28} recall {:.4} rejection {:.4} active {:.4}",
+            s.label, s.recall, s.rejection, s.active_fraction
+        );
     }
     if let Some((s, _)) = &bvh_pick {
-        println!("per layer ({}): recall  rejection  active mean/p50/p99", s.label);
+        println!(
+            "per layer ({}): recall  rejection  active mean/p50/p99",
+            s.label
+        );
         for (l, (r, j, c)) in s.layers.iter().enumerate() {
-            println!("  {l:>3}  {:>6}  {:>9}  {:.2}/{}/{}", or_dash(*r), or_dash(*j), metrics::mean(c), metrics::quantile(c, 0.5), metrics::quantile(c, 0.99));
+            println!(
+                "  {l:>3}  {:>6}  {:>9}  {:.2}/{}/{}",
+                or_dash(*r),
+                or_dash(*j),
+                metrics::mean(c),
+                metrics::quantile(c, 0.5),
+                metrics::quantile(c, 0.99)
+            );
         }
     }
     Ok(())
@@ -444,37 +607,71 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
 /// router metric of the all-pages row, the rejection of a layer with no
 /// routed pages), which the computation leaves as NaN.
 fn or_dash(v: f64) -> String {
-    if v.is_nan() { "-".into() } else { format!("{v:.4}") }
+    if v.is_nan() {
+        "-".into()
+    } else {
+        format!("{v:.4}")
+    }
 }
 
 /// Two small SVG charts, written by hand (no plotting dependency).
-fn write_plots(dir: &std::path::Path, bvh: &[Sweep], pred: &[Sweep], picked: Option<&Sweep>, oracle: &Sweep) -> anyhow::Result<()> {
+fn write_plots(
+    dir: &std::path::Path,
+    bvh: &[Sweep],
+    pred: &[Sweep],
+    picked: Option<&Sweep>,
+    oracle: &Sweep,
+) -> anyhow::Result<()> {
     let (w, h, m) = (640.0, 420.0, 50.0);
     let sx = |v: f64| m + v * (w - 2.0 * m);
     let sy = |v: f64, lo: f64| h - m - (v - lo) / (1.0 - lo) * (h - 2.0 * m);
-    let lo = bvh.iter().chain(pred).map(|s| s.recall).fold(1.0f64, f64::min).clamp(0.0, 0.99);
+    let lo = bvh
+        .iter()
+        .chain(pred)
+        .map(|s| s.recall)
+        .fold(1.0f64, f64::min)
+        .clamp(0.0, 0.99);
     let mut svg = format!("<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}'><rect width='100%' height='100%' fill='white'/>\n");
     svg += &format!("<text x='{}' y='20' font-size='14'>useful-page recall vs rejection (margin / threshold sweep)</text>\n", m);
     svg += &format!("<line x1='{m}' y1='{}' x2='{}' y2='{}' stroke='black'/><line x1='{m}' y1='{m}' x2='{m}' y2='{}' stroke='black'/>\n", h - m, w - m, h - m, h - m);
     svg += &format!("<text x='{}' y='{}' font-size='12'>rejection 0..1</text><text x='5' y='{}' font-size='12'>recall {lo:.3}..1</text>\n", w / 2.0, h - 15.0, m - 10.0);
     let gate = sy(RECALL_GATE, lo);
-    svg += &format!("<line x1='{m}' y1='{gate}' x2='{}' y2='{gate}' stroke='gray' stroke-dasharray='4'/>\n", w - m);
+    svg += &format!(
+        "<line x1='{m}' y1='{gate}' x2='{}' y2='{gate}' stroke='gray' stroke-dasharray='4'/>\n",
+        w - m
+    );
     for (sweeps, color) in [(bvh, "blue"), (pred, "red")] {
-        let pts: Vec<String> = sweeps.iter().map(|s| format!("{:.1},{:.1}", sx(s.rejection), sy(s.recall, lo))).collect();
-        svg += &format!("<polyline fill='none' stroke='{color}' points='{}'/>\n", pts.join(" "));
+        let pts: Vec<String> = sweeps
+            .iter()
+            .map(|s| format!("{:.1},{:.1}", sx(s.rejection), sy(s.recall, lo)))
+            .collect();
+        svg += &format!(
+            "<polyline fill='none' stroke='{color}' points='{}'/>\n",
+            pts.join(" ")
+        );
     }
     svg += "<text x='60' y='40' fill='blue' font-size='12'>BVH router</text><text x='160' y='40' fill='red' font-size='12'>low-rank predictor</text></svg>\n";
     std::fs::write(dir.join("recall_vs_rejection.svg"), svg)?;
     let sel = picked.unwrap_or(oracle);
     let n = sel.layers.len().max(1) as f64;
     let bw = (w - 2.0 * m) / n;
-    let max_pages = sel.layers.iter().flat_map(|l| l.2.iter().copied()).fold(1.0f64, f64::max);
+    let max_pages = sel
+        .layers
+        .iter()
+        .flat_map(|l| l.2.iter().copied())
+        .fold(1.0f64, f64::max);
     let mut svg = format!("<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}'><rect width='100%' height='100%' fill='white'/>\n<text x='{m}' y='20' font-size='14'>active fraction per layer ({} in blue, oracle in gray)</text>\n", sel.label);
     for (i, (a, b)) in sel.layers.iter().zip(&oracle.layers).enumerate() {
         for (k, (c, color)) in [(&a.2, "blue"), (&b.2, "gray")].into_iter().enumerate() {
             let v = metrics::mean(c) / max_pages;
             let bh = v * (h - 2.0 * m);
-            svg += &format!("<rect x='{:.1}' y='{:.1}' width='{:.1}' height='{:.1}' fill='{color}'/>\n", m + i as f64 * bw + k as f64 * bw / 2.0, h - m - bh, bw / 2.0 - 1.0, bh);
+            svg += &format!(
+                "<rect x='{:.1}' y='{:.1}' width='{:.1}' height='{:.1}' fill='{color}'/>\n",
+                m + i as f64 * bw + k as f64 * bw / 2.0,
+                h - m - bh,
+                bw / 2.0 - 1.0,
+                bh
+            );
         }
     }
     svg += "</svg>\n";

@@ -25,8 +25,8 @@ use anyhow::{bail, Context};
 use clap::Args;
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::{Backend, TokenSlot};
-use mirage_runtime::model::Scratch;
 use mirage_runtime::kv_pages::PageSelector;
+use mirage_runtime::model::Scratch;
 use mirage_runtime::{CpuBackend, KvDtype, KvPruning, Model};
 use mirage_tokenizer::Tokenizer;
 
@@ -133,8 +133,20 @@ impl<B: Backend> Runner<'_, B> {
     fn prefill(&mut self, tokens: &[u32], from: usize) -> anyhow::Result<()> {
         let mut logits = Vec::new();
         for (c, chunk) in tokens.chunks(512).enumerate() {
-            let slots: Vec<TokenSlot> = (0..chunk.len()).map(|i| TokenSlot { seq: 0, pos: from + c * 512 + i }).collect();
-            self.model.forward(chunk, &slots, &[], &mut self.cache, &mut self.scratch, &mut logits)?;
+            let slots: Vec<TokenSlot> = (0..chunk.len())
+                .map(|i| TokenSlot {
+                    seq: 0,
+                    pos: from + c * 512 + i,
+                })
+                .collect();
+            self.model.forward(
+                chunk,
+                &slots,
+                &[],
+                &mut self.cache,
+                &mut self.scratch,
+                &mut logits,
+            )?;
         }
         Ok(())
     }
@@ -146,13 +158,22 @@ impl<B: Backend> Runner<'_, B> {
     fn step(&mut self, token: u32, pos: usize) -> anyhow::Result<(Vec<f32>, f64)> {
         let mut logits = Vec::new();
         let t = Instant::now();
-        self.model.forward(&[token], &[TokenSlot { seq: 0, pos }], &[0], &mut self.cache, &mut self.scratch, &mut logits)?;
+        self.model.forward(
+            &[token],
+            &[TokenSlot { seq: 0, pos }],
+            &[0],
+            &mut self.cache,
+            &mut self.scratch,
+            &mut logits,
+        )?;
         Ok((logits, t.elapsed().as_secs_f64()))
     }
 
     /// Switches decode attention between the pruned selection and every position.
     fn set_pruned(&mut self, on: bool) -> anyhow::Result<()> {
-        self.model.backend().kv_set_pruning(&mut self.cache, if on { Some(self.pruning) } else { None })?;
+        self.model
+            .backend()
+            .kv_set_pruning(&mut self.cache, if on { Some(self.pruning) } else { None })?;
         Ok(())
     }
 
@@ -179,7 +200,10 @@ fn nll(logits: &[f32], target: u32) -> f64 {
 }
 
 fn argmax(v: &[f32]) -> u32 {
-    v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32)
+    v.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map_or(0, |(i, _)| i as u32)
 }
 
 /// Fidelity and speed over the last tokens of one context.
@@ -211,7 +235,13 @@ struct NeedleResult {
 }
 
 /// Greedy answer of up to `n` tokens after `prompt` (its last token decoded, the rest already cached).
-fn greedy<B: Backend>(r: &mut Runner<'_, B>, tok: &Tokenizer, last: u32, pos: usize, n: usize) -> anyhow::Result<String> {
+fn greedy<B: Backend>(
+    r: &mut Runner<'_, B>,
+    tok: &Tokenizer,
+    last: u32,
+    pos: usize,
+    n: usize,
+) -> anyhow::Result<String> {
     let mut out = Vec::new();
     let mut t = last;
     for i in 0..n {
@@ -225,7 +255,13 @@ fn greedy<B: Backend>(r: &mut Runner<'_, B>, tok: &Tokenizer, last: u32, pos: us
     tok.decode(&out, true).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
-fn eval_context<B: Backend>(r: &mut Runner<'_, B>, tok: &Tokenizer, text_tokens: &[u32], n: usize, args: &EvalLongArgs) -> anyhow::Result<ContextResult> {
+fn eval_context<B: Backend>(
+    r: &mut Runner<'_, B>,
+    tok: &Tokenizer,
+    text_tokens: &[u32],
+    n: usize,
+    args: &EvalLongArgs,
+) -> anyhow::Result<ContextResult> {
     let p = args.ppl_tokens.clamp(2, n / 2);
     let tokens = &text_tokens[..n];
     let head = n - p;
@@ -251,15 +287,39 @@ fn eval_context<B: Backend>(r: &mut Runner<'_, B>, tok: &Tokenizer, text_tokens:
     let (full, t_full) = run(r, false)?;
     let (pruned, t_pruned) = run(r, true)?;
     let scored = p - 1;
-    let mean = |ls: &[Vec<f32>]| (0..scored).map(|i| nll(&ls[i], tokens[head + i + 1])).sum::<f64>() / scored as f64;
+    let mean = |ls: &[Vec<f32>]| {
+        (0..scored)
+            .map(|i| nll(&ls[i], tokens[head + i + 1]))
+            .sum::<f64>()
+            / scored as f64
+    };
     let (ppl_full, ppl_pruned) = (mean(&full).exp(), mean(&pruned).exp());
-    let cos: Vec<f64> = full.iter().zip(&pruned).map(|(a, b)| cosine(a, b)).collect();
-    let same = full.iter().zip(&pruned).filter(|(a, b)| argmax(a) == argmax(b)).count();
+    let cos: Vec<f64> = full
+        .iter()
+        .zip(&pruned)
+        .map(|(a, b)| cosine(a, b))
+        .collect();
+    let same = full
+        .iter()
+        .zip(&pruned)
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count();
     let pages = n.div_ceil(args.page);
     let mut needles = Vec::new();
-    let depths: &[f64] = if args.no_needles { &[] } else { &args.needle_depths };
+    let depths: &[f64] = if args.no_needles {
+        &[]
+    } else {
+        &args.needle_depths
+    };
     for (i, &depth) in depths.iter().enumerate() {
-        needles.push(needle(r, tok, text_tokens, n, depth, 1000 + (n as u64 * 7919 + i as u64 * 104_729) % 9000)?);
+        needles.push(needle(
+            r,
+            tok,
+            text_tokens,
+            n,
+            depth,
+            1000 + (n as u64 * 7919 + i as u64 * 104_729) % 9000,
+        )?);
     }
     Ok(ContextResult {
         n_ctx: n,
@@ -278,8 +338,18 @@ fn eval_context<B: Backend>(r: &mut Runner<'_, B>, tok: &Tokenizer, text_tokens:
     })
 }
 
-fn needle<B: Backend>(r: &mut Runner<'_, B>, tok: &Tokenizer, text_tokens: &[u32], n: usize, depth: f64, code: u64) -> anyhow::Result<NeedleResult> {
-    let enc = |s: &str| tok.encode(s, false, false).map_err(|e| anyhow::anyhow!("{e}"));
+fn needle<B: Backend>(
+    r: &mut Runner<'_, B>,
+    tok: &Tokenizer,
+    text_tokens: &[u32],
+    n: usize,
+    depth: f64,
+    code: u64,
+) -> anyhow::Result<NeedleResult> {
+    let enc = |s: &str| {
+        tok.encode(s, false, false)
+            .map_err(|e| anyhow::anyhow!("{e}"))
+    };
     let needle = enc(&format!("\nThe secret code is {code}.\n"))?;
     let question = enc("\n\nQuestion: What is the secret code mentioned in the text above?\nAnswer: The secret code is")?;
     let hay = n.saturating_sub(needle.len() + question.len() + 8);
@@ -313,15 +383,26 @@ fn start_cuda(device: usize) -> anyhow::Result<mirage_cuda::CudaBackend> {
     if !mirage_cuda::COMPILED_WITH_CUDA {
         return Err(mirage::LoadError::CudaNotBuilt.into());
     }
-    mirage_cuda::CudaBackend::new(device).map_err(|e| mirage::LoadError::CudaUnavailable(Box::new(e)).into())
+    mirage_cuda::CudaBackend::new(device)
+        .map_err(|e| mirage::LoadError::CudaUnavailable(Box::new(e)).into())
 }
 
 /// Runs `eval-long`.
 pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&args.text).with_context(|| format!("reading {}", args.text.display()))?;
-    let file = Arc::new(GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?);
+    let text = std::fs::read_to_string(&args.text)
+        .with_context(|| format!("reading {}", args.text.display()))?;
+    let file = Arc::new(
+        GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
+    );
     let tok = Tokenizer::from_gguf(&file).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let pruning = KvPruning { page: args.page, sink_pages: args.sink_pages, recent_pages: args.recent_pages, top_pages: args.top_pages, top_percent: args.top_percent, dense_layers: args.dense_layers };
+    let pruning = KvPruning {
+        page: args.page,
+        sink_pages: args.sink_pages,
+        recent_pages: args.recent_pages,
+        top_pages: args.top_pages,
+        top_percent: args.top_percent,
+        dense_layers: args.dense_layers,
+    };
     pruning.validate()?;
     match args.backend {
         EvalBackend::Cpu => {
@@ -329,7 +410,11 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
             let threads = backend.threads();
             let model = Model::load(file, backend)?;
             let device = format!("cpu ({threads} threads)");
-            let selector = if args.page_selector == "bvh" { PageSelector::Bvh } else { PageSelector::Flat };
+            let selector = if args.page_selector == "bvh" {
+                PageSelector::Bvh
+            } else {
+                PageSelector::Flat
+            };
             let hooks = CacheHooks {
                 configure: |c: &mut mirage_runtime::KvCache| Ok(c.set_page_selector(selector)?),
                 stats: |c: &mirage_runtime::KvCache| {
@@ -339,7 +424,17 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
                     })
                 },
             };
-            evaluate(&args, &model, &tok, &text, pruning, &device, serde_json::json!(threads), |_| None, hooks)
+            evaluate(
+                &args,
+                &model,
+                &tok,
+                &text,
+                pruning,
+                &device,
+                serde_json::json!(threads),
+                |_| None,
+                hooks,
+            )
         }
         EvalBackend::Cuda => {
             if args.page_selector != "flat" {
@@ -347,19 +442,36 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
             }
             let backend = start_cuda(args.device)?;
             let (major, minor) = backend.compute_capability();
-            let device = format!("{} (sm_{major}{minor}, device {})", backend.device_name(), args.device);
+            let device = format!(
+                "{} (sm_{major}{minor}, device {})",
+                backend.device_name(),
+                args.device
+            );
             let model = Model::load(file, backend)?;
-            evaluate(&args, &model, &tok, &text, pruning, &device, serde_json::Value::Null, |b: &mirage_cuda::CudaBackend| {
-                let (g, m) = (b.graph_stats(), b.memory_stats());
-                Some(serde_json::json!({
-                    "graphs": b.graphs(),
-                    "graph_captures": g.captures,
-                    "graph_replays": g.replays,
-                    "eager_steps": g.eager,
-                    "kv_cache_bytes": m.kv_cache,
-                    "peak_device_bytes": m.peak,
-                }))
-            }, CacheHooks { configure: |_: &mut _| Ok(()), stats: |_: &_| None })
+            evaluate(
+                &args,
+                &model,
+                &tok,
+                &text,
+                pruning,
+                &device,
+                serde_json::Value::Null,
+                |b: &mirage_cuda::CudaBackend| {
+                    let (g, m) = (b.graph_stats(), b.memory_stats());
+                    Some(serde_json::json!({
+                        "graphs": b.graphs(),
+                        "graph_captures": g.captures,
+                        "graph_replays": g.replays,
+                        "eager_steps": g.eager,
+                        "kv_cache_bytes": m.kv_cache,
+                        "peak_device_bytes": m.peak,
+                    }))
+                },
+                CacheHooks {
+                    configure: |_: &mut _| Ok(()),
+                    stats: |_: &_| None,
+                },
+            )
         }
     }
 }
@@ -396,17 +508,32 @@ where
     if max_ctx > n_ctx_train {
         eprintln!("warning: --ctx {max_ctx} exceeds the model's trained context {n_ctx_train}");
     }
-    let mut text_tokens = tok.encode(text, tok.add_bos(), false).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut text_tokens = tok
+        .encode(text, tok.add_bos(), false)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     if text_tokens.len() < max_ctx {
-        bail!("{} has {} tokens, fewer than --ctx {max_ctx}", args.text.display(), text_tokens.len());
+        bail!(
+            "{} has {} tokens, fewer than --ctx {max_ctx}",
+            args.text.display(),
+            text_tokens.len()
+        );
     }
     text_tokens.truncate(max_ctx);
-    let dtype = if args.kv_f16 { KvDtype::F16 } else { KvDtype::F32 };
+    let dtype = if args.kv_f16 {
+        KvDtype::F16
+    } else {
+        KvDtype::F32
+    };
     // One cache keeps the page summaries; the selection is toggled per run.
     let mut cache = model.new_kv_cache_pruned(max_ctx + 16, 1, dtype, Some(pruning))?;
     (hooks.configure)(&mut cache)?;
     let scratch = model.new_scratch();
-    let mut runner = Runner { model, cache, scratch, pruning };
+    let mut runner = Runner {
+        model,
+        cache,
+        scratch,
+        pruning,
+    };
     let backend = args.backend.as_str();
     eprintln!("eval-long on {backend}: {device}");
     let mut results = Vec::new();
@@ -458,7 +585,11 @@ where
         for r in &results {
             let nf = r.needles.iter().filter(|x| x.found_full).count();
             let np = r.needles.iter().filter(|x| x.found_pruned).count();
-            let agree = r.needles.iter().filter(|x| x.answer_full == x.answer_pruned).count();
+            let agree = r
+                .needles
+                .iter()
+                .filter(|x| x.answer_full == x.answer_pruned)
+                .count();
             println!(
                 "| {} | {}/{} | {:.5} | {:.5} | {:.0}% | {:.3} | {:.3} | {:+.2}% | {nf}/{} | {np}/{} ({agree} same text) | {:.1} | {:.1} | {:.2}x |",
                 r.n_ctx,
@@ -479,7 +610,11 @@ where
         }
         if let Some(sel) = (hooks.stats)(&runner.cache) {
             let n = |k: &str| sel[k].as_u64().unwrap_or(0);
-            let (q, e, f) = (n("pruned_queries"), n("bounds_evaluated"), n("bounds_flat_scan"));
+            let (q, e, f) = (
+                n("pruned_queries"),
+                n("bounds_evaluated"),
+                n("bounds_flat_scan"),
+            );
             println!(
                 "page selection ({}): {q} pruned queries, {e} page/group bounds computed, a flat scan computes {f} ({:.2}x)",
                 args.page_selector,

@@ -64,7 +64,9 @@ impl ModelArgs {
             kv_pruning: self.kv_prune,
             ..EngineOptions::default()
         };
-        let mut spec = LoadSpec::new(&self.model).backend(self.backend).options(options);
+        let mut spec = LoadSpec::new(&self.model)
+            .backend(self.backend)
+            .options(options);
         spec.cuda_device = self.device;
         if let Some(a) = &self.artifact {
             spec = spec.artifact(a, self.margin.map(|margin| SparseMode::Bvh { margin }));
@@ -74,9 +76,13 @@ impl ModelArgs {
 
     /// Loads the engine on the chosen backend (fetching the default model
     /// when it is missing) and runs `visitor` with it.
-    pub fn with_engine<T, V: WithEngine<Out = anyhow::Result<T>>>(&self, visitor: V) -> anyhow::Result<T> {
+    pub fn with_engine<T, V: WithEngine<Out = anyhow::Result<T>>>(
+        &self,
+        visitor: V,
+    ) -> anyhow::Result<T> {
         check_model(&self.model)?;
-        mirage::load(&self.spec(), visitor).with_context(|| format!("loading {}", self.model.display()))?
+        mirage::load(&self.spec(), visitor)
+            .with_context(|| format!("loading {}", self.model.display()))?
     }
 }
 
@@ -192,7 +198,10 @@ fn generate_with<B: Backend>(engine: &Engine<B>, args: &GenerateArgs) -> anyhow:
     let mut session = engine.session()?;
     let mut stdout = std::io::stdout().lock();
     let out = session.generate(&prompt, &args.sampling.params(), |piece| {
-        stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()).is_ok()
+        stdout
+            .write_all(piece.as_bytes())
+            .and_then(|_| stdout.flush())
+            .is_ok()
     })?;
     writeln!(stdout)?;
     let s = &out.stats;

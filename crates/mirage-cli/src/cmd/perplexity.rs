@@ -29,8 +29,12 @@ pub struct PerplexityArgs {
 
 /// Runs `perplexity`.
 pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&args.text).with_context(|| format!("reading {}", args.text.display()))?;
-    args.model.with_engine(Perplexity { args: &args, text: &text })
+    let text = std::fs::read_to_string(&args.text)
+        .with_context(|| format!("reading {}", args.text.display()))?;
+    args.model.with_engine(Perplexity {
+        args: &args,
+        text: &text,
+    })
 }
 
 struct Perplexity<'a> {
@@ -45,11 +49,21 @@ impl WithEngine for Perplexity<'_> {
     }
 }
 
-fn perplexity_with<B: Backend>(engine: &Engine<B>, args: &PerplexityArgs, text: &str) -> anyhow::Result<()> {
+fn perplexity_with<B: Backend>(
+    engine: &Engine<B>,
+    args: &PerplexityArgs,
+    text: &str,
+) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
-    let r = mirage_runtime::perplexity::perplexity(engine, text, args.ctx, args.chunks, |i, n, ppl| {
-        eprintln!("[{}/{}] running PPL {:.4}", i + 1, n, ppl);
-    })?;
+    let r = mirage_runtime::perplexity::perplexity(
+        engine,
+        text,
+        args.ctx,
+        args.chunks,
+        |i, n, ppl| {
+            eprintln!("[{}/{}] running PPL {:.4}", i + 1, n, ppl);
+        },
+    )?;
     let secs = start.elapsed().as_secs_f64();
     if args.json {
         let json = serde_json::json!({

@@ -652,7 +652,10 @@ macro_rules! four_rows_blocks {
             // Q8_0 rows have no sum: their odd lanes hold quant bytes,
             // which are scaled by mw = 0 and never read.
             let halves = _mm_set_epi32(rd(3), rd(2), rd(1), rd(0));
-            let scaled = _mm256_mul_ps(_mm256_cvtph_ps(halves), _mm256_set_ps(mw, dw, mw, dw, mw, dw, mw, dw));
+            let scaled = _mm256_mul_ps(
+                _mm256_cvtph_ps(halves),
+                _mm256_set_ps(mw, dw, mw, dw, mw, dw, mw, dw),
+            );
             if $has_min {
                 mins = _mm256_add_ps(mins, scaled);
             }
@@ -672,38 +675,102 @@ macro_rules! four_rows_blocks {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot4_q8_0_q8_0(n: usize, w: &[u8], a: &[u8], stride: usize, out: &mut [f32; 4]) {
-    four_rows_blocks!(n, w, a, stride, out, wsize = 34, asize = 34, aqs = 2, mins = false,
-        mul_sum_i8_pairs, |x| (fp16(x), 0.0, load256(x.add(2))))
+    four_rows_blocks!(
+        n,
+        w,
+        a,
+        stride,
+        out,
+        wsize = 34,
+        asize = 34,
+        aqs = 2,
+        mins = false,
+        mul_sum_i8_pairs,
+        |x| (fp16(x), 0.0, load256(x.add(2)))
+    )
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot4_q4_0_q8_0(n: usize, w: &[u8], a: &[u8], stride: usize, out: &mut [f32; 4]) {
-    four_rows_blocks!(n, w, a, stride, out, wsize = 18, asize = 34, aqs = 2, mins = false,
-        mul_sum_i8_pairs, |x| (fp16(x), 0.0, _mm256_sub_epi8(nibbles_32(x.add(2)), _mm256_set1_epi8(8))))
+    four_rows_blocks!(
+        n,
+        w,
+        a,
+        stride,
+        out,
+        wsize = 18,
+        asize = 34,
+        aqs = 2,
+        mins = false,
+        mul_sum_i8_pairs,
+        |x| (
+            fp16(x),
+            0.0,
+            _mm256_sub_epi8(nibbles_32(x.add(2)), _mm256_set1_epi8(8))
+        )
+    )
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot4_q5_0_q8_0(n: usize, w: &[u8], a: &[u8], stride: usize, out: &mut [f32; 4]) {
-    four_rows_blocks!(n, w, a, stride, out, wsize = 22, asize = 34, aqs = 2, mins = false,
-        mul_sum_i8_pairs, |x| {
-            let hi = _mm256_andnot_si256(bytes_from_bits_32(x.add(2)), _mm256_set1_epi8(0xf0u8 as i8));
+    four_rows_blocks!(
+        n,
+        w,
+        a,
+        stride,
+        out,
+        wsize = 22,
+        asize = 34,
+        aqs = 2,
+        mins = false,
+        mul_sum_i8_pairs,
+        |x| {
+            let hi =
+                _mm256_andnot_si256(bytes_from_bits_32(x.add(2)), _mm256_set1_epi8(0xf0u8 as i8));
             (fp16(x), 0.0, _mm256_or_si256(nibbles_32(x.add(6)), hi))
-        })
+        }
+    )
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot4_q4_1_q8_1(n: usize, w: &[u8], a: &[u8], stride: usize, out: &mut [f32; 4]) {
-    four_rows_blocks!(n, w, a, stride, out, wsize = 20, asize = 36, aqs = 4, mins = true,
-        mul_sum_u8_i8_pairs, |x| (fp16(x), fp16(x.add(2)), nibbles_32(x.add(4))))
+    four_rows_blocks!(
+        n,
+        w,
+        a,
+        stride,
+        out,
+        wsize = 20,
+        asize = 36,
+        aqs = 4,
+        mins = true,
+        mul_sum_u8_i8_pairs,
+        |x| (fp16(x), fp16(x.add(2)), nibbles_32(x.add(4)))
+    )
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot4_q5_1_q8_1(n: usize, w: &[u8], a: &[u8], stride: usize, out: &mut [f32; 4]) {
-    four_rows_blocks!(n, w, a, stride, out, wsize = 24, asize = 36, aqs = 4, mins = true,
-        mul_sum_u8_i8_pairs, |x| {
+    four_rows_blocks!(
+        n,
+        w,
+        a,
+        stride,
+        out,
+        wsize = 24,
+        asize = 36,
+        aqs = 4,
+        mins = true,
+        mul_sum_u8_i8_pairs,
+        |x| {
             let hi = _mm256_and_si256(bytes_from_bits_32(x.add(4)), _mm256_set1_epi8(0x10));
-            (fp16(x), fp16(x.add(2)), _mm256_or_si256(nibbles_32(x.add(8)), hi))
-        })
+            (
+                fp16(x),
+                fp16(x.add(2)),
+                _mm256_or_si256(nibbles_32(x.add(8)), hi),
+            )
+        }
+    )
 }
 
 // ------------------------------------------------ activation quantization
@@ -744,14 +811,23 @@ unsafe fn quantize_block_8bit(x: *const f32, qs: *mut u8) -> (f32, i32) {
         let t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
         let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(p, t));
         let step = _mm256_or_ps(_mm256_and_ps(p, sign), one);
-        let r = _mm256_add_ps(t, _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), step));
+        let r = _mm256_add_ps(
+            t,
+            _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), step),
+        );
         let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
         let r = _mm256_and_ps(r, _mm256_cmp_ps(p, p, _CMP_ORD_Q));
         *qi = _mm256_cvtps_epi32(r);
     }
-    let sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    let sum = hsum_epi32(_mm256_add_epi32(
+        _mm256_add_epi32(q[0], q[1]),
+        _mm256_add_epi32(q[2], q[3]),
+    ));
     // packs interleave 128-bit halves; the permute restores element order.
-    let w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    let w = _mm256_packs_epi16(
+        _mm256_packs_epi32(q[0], q[1]),
+        _mm256_packs_epi32(q[2], q[3]),
+    );
     let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(qs as *mut __m256i, w);
     (d, sum)
@@ -792,10 +868,30 @@ mod tests {
     /// infinities, subnormal maxima, and plain random values.
     fn tricky_blocks() -> Vec<f32> {
         let mut x = Vec::new();
-        let halves: Vec<f32> = (0..32).map(|j| if j == 0 { 127.0 } else { (j as f32 - 16.0) + 0.5 }).collect();
+        let halves: Vec<f32> = (0..32)
+            .map(|j| {
+                if j == 0 {
+                    127.0
+                } else {
+                    (j as f32 - 16.0) + 0.5
+                }
+            })
+            .collect();
         x.extend(&halves);
-        x.extend(halves.iter().map(|v| if *v == 127.0 { -127.0 } else { f32::from_bits(v.to_bits() + 1) }));
-        x.extend(halves.iter().map(|v| if *v == 127.0 { 127.0 } else { f32::from_bits(v.to_bits() - 1) }));
+        x.extend(halves.iter().map(|v| {
+            if *v == 127.0 {
+                -127.0
+            } else {
+                f32::from_bits(v.to_bits() + 1)
+            }
+        }));
+        x.extend(halves.iter().map(|v| {
+            if *v == 127.0 {
+                127.0
+            } else {
+                f32::from_bits(v.to_bits() - 1)
+            }
+        }));
         x.extend([0.0f32; 32]);
         let mut nan = vec![1.5f32; 32];
         nan[3] = f32::NAN;
@@ -808,11 +904,15 @@ mod tests {
         let mut ninf = vec![-0.5f32; 32];
         ninf[0] = f32::NEG_INFINITY;
         x.extend(&ninf);
-        x.extend((0..32).map(|j| f32::from_bits(1 + j as u32 * 3) * if j % 2 == 0 { 1.0 } else { -1.0 }));
+        x.extend(
+            (0..32).map(|j| f32::from_bits(1 + j as u32 * 3) * if j % 2 == 0 { 1.0 } else { -1.0 }),
+        );
         x.extend((0..32).map(|j| if j == 5 { 1e-39 } else { 0.0 }));
         let mut s = 12345u64;
         for _ in 0..64 * 32 {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             x.push(((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 7.3);
         }
         x

@@ -75,16 +75,31 @@ pub fn pack_q8_0_rows(
     let ty = GgmlType::Q8_0;
     if n_tokens > 0 {
         if row_stride < rb {
-            return Err(QuantError::LengthMismatch { ty, what: "activation row stride", expected: rb, got: row_stride });
+            return Err(QuantError::LengthMismatch {
+                ty,
+                what: "activation row stride",
+                expected: rb,
+                got: row_stride,
+            });
         }
         let need = (n_tokens - 1) * row_stride + rb;
         if rows.len() < need {
-            return Err(QuantError::LengthMismatch { ty, what: "activation rows bytes", expected: need, got: rows.len() });
+            return Err(QuantError::LengthMismatch {
+                ty,
+                what: "activation rows bytes",
+                expected: need,
+                got: rows.len(),
+            });
         }
     }
     let bytes = packed_q8_0_bytes(n_tokens, cols)?;
     if dst.len() != bytes {
-        return Err(QuantError::LengthMismatch { ty, what: "packed activation bytes", expected: bytes, got: dst.len() });
+        return Err(QuantError::LengthMismatch {
+            ty,
+            what: "packed activation bytes",
+            expected: bytes,
+            got: dst.len(),
+        });
     }
     let nb = cols / QK;
     // Every byte of a full group is written below; only a last partial
@@ -97,7 +112,8 @@ pub fn pack_q8_0_rows(
         let (g, lane) = (t / Q8_0_TOKEN_GROUP, t % Q8_0_TOKEN_GROUP);
         let row = &rows[t * row_stride..t * row_stride + rb];
         for (k, b) in row.chunks_exact(Q8_0_BYTES).enumerate() {
-            let p = &mut dst[(g * nb + k) * PACKED_BLOCK_BYTES..(g * nb + k + 1) * PACKED_BLOCK_BYTES];
+            let p =
+                &mut dst[(g * nb + k) * PACKED_BLOCK_BYTES..(g * nb + k + 1) * PACKED_BLOCK_BYTES];
             let at = SCALES_AT + 4 * lane;
             p[at..at + 4].copy_from_slice(&f16_at(b, 0).to_le_bytes());
             let sum: i32 = b[2..].iter().map(|&q| q as i8 as i32).sum();
@@ -123,8 +139,14 @@ pub fn pack_q8_0_rows(
 /// written by [`pack_q8_0_rows`]; `out` holds at least `rows * n_tokens`
 /// values. The CPU supports the kernel's features (guaranteed by
 /// [`Q8_0Gemm::kernel`]).
-pub type Q8_0GemmFn =
-    unsafe fn(cols: usize, weights: &[u8], rows: usize, packed: &[u8], n_tokens: usize, out: &mut [f32]);
+pub type Q8_0GemmFn = unsafe fn(
+    cols: usize,
+    weights: &[u8],
+    rows: usize,
+    packed: &[u8],
+    n_tokens: usize,
+    out: &mut [f32],
+);
 
 /// An unchecked Q8_0 matrix-vector kernel: `(cols, weights, rows, act,
 /// out)`, writing `out[i] = weights row i . act` for `i < rows`, where `act`
@@ -135,7 +157,8 @@ pub type Q8_0GemmFn =
 /// of `cols`, `act` one, `out` at least `rows` values; activation quants
 /// lie in -127..=127. The CPU supports the kernel's features (guaranteed by
 /// [`Q8_0Gemm::matvec_kernel`]).
-pub type Q8_0MatvecFn = unsafe fn(cols: usize, weights: &[u8], rows: usize, act: &[u8], out: &mut [f32]);
+pub type Q8_0MatvecFn =
+    unsafe fn(cols: usize, weights: &[u8], rows: usize, act: &[u8], out: &mut [f32]);
 
 /// The instruction sets a Q8_0 GEMM kernel exists for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,7 +195,11 @@ impl Q8_0Gemm {
 
     /// The fastest kernel this CPU runs.
     pub fn best() -> Q8_0Gemm {
-        Q8_0Gemm::ALL.into_iter().rev().find(|k| k.available()).unwrap_or(Q8_0Gemm::Scalar)
+        Q8_0Gemm::ALL
+            .into_iter()
+            .rev()
+            .find(|k| k.available())
+            .unwrap_or(Q8_0Gemm::Scalar)
     }
 
     /// The kernel, if this CPU runs it.
@@ -212,19 +239,44 @@ impl Q8_0Gemm {
     /// Checked call: `out[i] = weights row i . act` for one Q8_0 row `act`
     /// of `cols`. `weights` must hold exactly `rows` rows and `out` `rows`
     /// values.
-    pub fn matvec(self, cols: usize, weights: &[u8], rows: usize, act: &[u8], out: &mut [f32]) -> Result<(), QuantError> {
+    pub fn matvec(
+        self,
+        cols: usize,
+        weights: &[u8],
+        rows: usize,
+        act: &[u8],
+        out: &mut [f32],
+    ) -> Result<(), QuantError> {
         let ty = GgmlType::Q8_0;
         let rb = row_bytes(ty, cols)?;
         if weights.len() != rb * rows {
-            return Err(QuantError::LengthMismatch { ty, what: "weights bytes", expected: rb * rows, got: weights.len() });
+            return Err(QuantError::LengthMismatch {
+                ty,
+                what: "weights bytes",
+                expected: rb * rows,
+                got: weights.len(),
+            });
         }
         if act.len() != rb {
-            return Err(QuantError::LengthMismatch { ty, what: "activation bytes", expected: rb, got: act.len() });
+            return Err(QuantError::LengthMismatch {
+                ty,
+                what: "activation bytes",
+                expected: rb,
+                got: act.len(),
+            });
         }
         if out.len() != rows {
-            return Err(QuantError::LengthMismatch { ty, what: "output values", expected: rows, got: out.len() });
+            return Err(QuantError::LengthMismatch {
+                ty,
+                what: "output values",
+                expected: rows,
+                got: out.len(),
+            });
         }
-        let kernel = self.matvec_kernel().ok_or(QuantError::UnsupportedType { ty, op: "q8_0 matvec on this CPU" })?;
+        let kernel = self.matvec_kernel().ok_or(QuantError::UnsupportedType {
+            ty,
+            op: "q8_0 matvec on this CPU",
+        })?;
         // SAFETY: lengths checked above; matvec_kernel() only answers for
         // kernels this CPU runs.
         unsafe { kernel(cols, weights, rows, act, out) };
@@ -247,16 +299,34 @@ impl Q8_0Gemm {
         let ty = GgmlType::Q8_0;
         let wb = row_bytes(ty, cols)? * rows;
         if weights.len() != wb {
-            return Err(QuantError::LengthMismatch { ty, what: "weights bytes", expected: wb, got: weights.len() });
+            return Err(QuantError::LengthMismatch {
+                ty,
+                what: "weights bytes",
+                expected: wb,
+                got: weights.len(),
+            });
         }
         let pb = packed_q8_0_bytes(n_tokens, cols)?;
         if packed.len() != pb {
-            return Err(QuantError::LengthMismatch { ty, what: "packed activation bytes", expected: pb, got: packed.len() });
+            return Err(QuantError::LengthMismatch {
+                ty,
+                what: "packed activation bytes",
+                expected: pb,
+                got: packed.len(),
+            });
         }
         if out.len() != rows * n_tokens {
-            return Err(QuantError::LengthMismatch { ty, what: "output values", expected: rows * n_tokens, got: out.len() });
+            return Err(QuantError::LengthMismatch {
+                ty,
+                what: "output values",
+                expected: rows * n_tokens,
+                got: out.len(),
+            });
         }
-        let kernel = self.kernel().ok_or(QuantError::UnsupportedType { ty, op: "q8_0 gemm on this CPU" })?;
+        let kernel = self.kernel().ok_or(QuantError::UnsupportedType {
+            ty,
+            op: "q8_0 gemm on this CPU",
+        })?;
         // SAFETY: every length checked above; kernel() only answers for
         // kernels this CPU runs.
         unsafe { kernel(cols, weights, rows, packed, n_tokens, out) };
@@ -269,7 +339,14 @@ impl Q8_0Gemm {
 /// # Safety
 /// [`Q8_0GemmFn`]'s contract (it indexes checked slices, so a broken
 /// contract panics instead of reading out of bounds).
-unsafe fn gemm_scalar(cols: usize, w: &[u8], rows: usize, packed: &[u8], n: usize, out: &mut [f32]) {
+unsafe fn gemm_scalar(
+    cols: usize,
+    w: &[u8],
+    rows: usize,
+    packed: &[u8],
+    n: usize,
+    out: &mut [f32],
+) {
     let nb = cols / QK;
     let wrow = nb * Q8_0_BYTES;
     for i in 0..rows {
@@ -310,7 +387,7 @@ unsafe fn matvec_scalar(cols: usize, w: &[u8], rows: usize, act: &[u8], out: &mu
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{PACKED_BLOCK_BYTES, Q8_0_BYTES, Q8_0_TOKEN_GROUP, QK, QS_AT, SCALES_AT, CORR_AT};
+    use super::{CORR_AT, PACKED_BLOCK_BYTES, Q8_0_BYTES, Q8_0_TOKEN_GROUP, QK, QS_AT, SCALES_AT};
 
     /// Weight rows per register tile.
     const RM: usize = 4;
@@ -331,7 +408,14 @@ mod x86 {
             /// # Safety
             /// [`super::Q8_0GemmFn`]'s contract.
             #[target_feature(enable = $feat)]
-            pub(crate) unsafe fn $name(cols: usize, w: &[u8], rows: usize, packed: &[u8], n: usize, out: &mut [f32]) {
+            pub(crate) unsafe fn $name(
+                cols: usize,
+                w: &[u8],
+                rows: usize,
+                packed: &[u8],
+                n: usize,
+                out: &mut [f32],
+            ) {
                 #[target_feature(enable = $feat)]
                 #[inline]
                 unsafe fn row_tile<const M: usize>(
@@ -364,9 +448,14 @@ mod x86 {
                         for m in 0..M {
                             for k in 0..kc {
                                 let src = w.add(m * wrow + (k0 + k) * Q8_0_BYTES);
-                                dw[k * RM + m] = half::f16::from_bits(u16::from_le_bytes([*src, *src.add(1)])).to_f32();
+                                dw[k * RM + m] =
+                                    half::f16::from_bits(u16::from_le_bytes([*src, *src.add(1)]))
+                                        .to_f32();
                                 let q = _mm256_loadu_si256(src.add(2) as *const __m256i);
-                                _mm256_storeu_si256(wq.as_mut_ptr().add((k * RM + m) * QK) as *mut __m256i, $prep(q));
+                                _mm256_storeu_si256(
+                                    wq.as_mut_ptr().add((k * RM + m) * QK) as *mut __m256i,
+                                    $prep(q),
+                                );
                             }
                         }
                         let mut g = 0;
@@ -415,10 +504,14 @@ mod x86 {
                         for c in 0..QK / 4 {
                             let mut av = [_mm256_setzero_si256(); N];
                             for j in 0..N {
-                                av[j] = _mm256_loadu_si256(blk[j].add(QS_AT + 32 * c) as *const __m256i);
+                                av[j] = _mm256_loadu_si256(
+                                    blk[j].add(QS_AT + 32 * c) as *const __m256i
+                                );
                             }
                             for m in 0..M {
-                                let wb = _mm256_set1_epi32((wk.add(m * QK + 4 * c) as *const i32).read_unaligned());
+                                let wb = _mm256_set1_epi32(
+                                    (wk.add(m * QK + 4 * c) as *const i32).read_unaligned(),
+                                );
                                 for j in 0..N {
                                     iacc[m][j] = $dot(iacc[m][j], wb, av[j]);
                                 }
@@ -428,7 +521,8 @@ mod x86 {
                             let da = _mm256_loadu_ps(blk[j].add(SCALES_AT) as *const f32);
                             for m in 0..M {
                                 let d = _mm256_mul_ps(_mm256_set1_ps(dw[k * RM + m]), da);
-                                facc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m][j]), d, facc[m][j]);
+                                facc[m][j] =
+                                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m][j]), d, facc[m][j]);
                             }
                         }
                     }
@@ -438,7 +532,11 @@ mod x86 {
                             let dst = out.add(m * n + t0);
                             let valid = (n - t0).min(Q8_0_TOKEN_GROUP);
                             if valid == Q8_0_TOKEN_GROUP {
-                                let v = if k0 == 0 { facc[m][j] } else { _mm256_add_ps(_mm256_loadu_ps(dst), facc[m][j]) };
+                                let v = if k0 == 0 {
+                                    facc[m][j]
+                                } else {
+                                    _mm256_add_ps(_mm256_loadu_ps(dst), facc[m][j])
+                                };
                                 _mm256_storeu_ps(dst, v);
                             } else {
                                 let mut lanes = [0f32; Q8_0_TOKEN_GROUP];
@@ -496,7 +594,14 @@ mod x86 {
         _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
     }
 
-    tiled_gemm!(gemm_avx2, "avx2,fma,f16c", rn = 1, keep, zero_init, dot_avx2);
+    tiled_gemm!(
+        gemm_avx2,
+        "avx2,fma,f16c",
+        rn = 1,
+        keep,
+        zero_init,
+        dot_avx2
+    );
 
     // ------------------------------------------------------ matrix-vector
 
@@ -504,9 +609,16 @@ mod x86 {
     ///
     /// # Safety
     /// [`super::Q8_0MatvecFn`]'s contract.
-    pub(super) unsafe fn matvec_avx2(cols: usize, w: &[u8], rows: usize, act: &[u8], out: &mut [f32]) {
+    pub(super) unsafe fn matvec_avx2(
+        cols: usize,
+        w: &[u8],
+        rows: usize,
+        act: &[u8],
+        out: &mut [f32],
+    ) {
         let rb = cols / QK * Q8_0_BYTES;
-        let dot = super::super::avx2::dot_fn(crate::GgmlType::Q8_0).expect("AVX2 has a Q8_0 kernel");
+        let dot =
+            super::super::avx2::dot_fn(crate::GgmlType::Q8_0).expect("AVX2 has a Q8_0 kernel");
         for i in 0..rows {
             out[i] = dot(cols, &w[i * rb..(i + 1) * rb], act);
         }
@@ -522,7 +634,9 @@ mod x86 {
     pub(super) mod vnni {
         use std::arch::x86_64::*;
 
-        use super::super::{CORR_AT, PACKED_BLOCK_BYTES, Q8_0_BYTES, Q8_0_TOKEN_GROUP, QK, QS_AT, SCALES_AT};
+        use super::super::{
+            CORR_AT, PACKED_BLOCK_BYTES, Q8_0_BYTES, Q8_0_TOKEN_GROUP, QK, QS_AT, SCALES_AT,
+        };
         use super::{KC, RM};
 
         // --------------------------------------------------- AVX-512 VNNI
@@ -548,7 +662,14 @@ mod x86 {
             _mm256_dpbusd_epi32(acc, w, a)
         }
 
-        tiled_gemm!(gemm_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", rn = 2, bias_128, corr_init, dot_vnni);
+        tiled_gemm!(
+            gemm_vnni,
+            "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+            rn = 2,
+            bias_128,
+            corr_init,
+            dot_vnni
+        );
 
         const MV_KC: usize = 128;
 
@@ -566,7 +687,13 @@ mod x86 {
         /// # Safety
         /// [`super::Q8_0MatvecFn`]'s contract.
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-        pub(crate) unsafe fn matvec_vnni(cols: usize, w: &[u8], rows: usize, act: &[u8], out: &mut [f32]) {
+        pub(crate) unsafe fn matvec_vnni(
+            cols: usize,
+            w: &[u8],
+            rows: usize,
+            act: &[u8],
+            out: &mut [f32],
+        ) {
             let nb = cols / QK;
             let rb = nb * Q8_0_BYTES;
             let (wp, ap) = (w.as_ptr(), act.as_ptr());
@@ -580,7 +707,11 @@ mod x86 {
                 let kc = (nb - k0).min(MV_KC);
                 for k in 0..kc {
                     let y = ap.add((k0 + k) * Q8_0_BYTES);
-                    let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), bias, _mm256_loadu_si256(y.add(2) as *const __m256i));
+                    let s = _mm256_dpbusd_epi32(
+                        _mm256_setzero_si256(),
+                        bias,
+                        _mm256_loadu_si256(y.add(2) as *const __m256i),
+                    );
                     corr[k] = -hsum_i32(s);
                     da[k] = half::f16::from_bits(u16::from_le_bytes([*y, *y.add(1)])).to_f32();
                 }
@@ -594,8 +725,14 @@ mod x86 {
                         let mut p = [_mm256_setzero_si256(); 8];
                         for (b, p) in p.iter_mut().enumerate().take(m) {
                             let q = _mm256_loadu_si256(x.add(b * Q8_0_BYTES + 2) as *const __m256i);
-                            let a = _mm256_loadu_si256(ap.add((k0 + k + b) * Q8_0_BYTES + 2) as *const __m256i);
-                            *p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(q, bias), a);
+                            let a = _mm256_loadu_si256(
+                                ap.add((k0 + k + b) * Q8_0_BYTES + 2) as *const __m256i
+                            );
+                            *p = _mm256_dpbusd_epi32(
+                                _mm256_setzero_si256(),
+                                _mm256_xor_si256(q, bias),
+                                a,
+                            );
                         }
                         let h01 = _mm256_hadd_epi32(p[0], p[1]);
                         let h23 = _mm256_hadd_epi32(p[2], p[3]);
@@ -610,18 +747,27 @@ mod x86 {
                         let (dw, sums) = if m == 8 {
                             let g = _mm256_i32gather_epi32::<1>(x as *const i32, d_offsets);
                             let corr8 = _mm256_loadu_si256(corr.as_ptr().add(k) as *const __m256i);
-                            (_mm256_cvtph_ps(_mm256_cvtepi32_epi16(g)), _mm256_add_epi32(sums, corr8))
+                            (
+                                _mm256_cvtph_ps(_mm256_cvtepi32_epi16(g)),
+                                _mm256_add_epi32(sums, corr8),
+                            )
                         } else {
                             // Tail: lanes past `m` get dw = 0 and no correction
                             // (their sums are 0), so they add nothing.
                             let mut d16 = [0u16; 8];
                             let mut c8 = [0i32; 8];
                             for b in 0..m {
-                                d16[b] = u16::from_le_bytes([*x.add(b * Q8_0_BYTES), *x.add(b * Q8_0_BYTES + 1)]);
+                                d16[b] = u16::from_le_bytes([
+                                    *x.add(b * Q8_0_BYTES),
+                                    *x.add(b * Q8_0_BYTES + 1),
+                                ]);
                                 c8[b] = corr[k + b];
                             }
                             let corr8 = _mm256_loadu_si256(c8.as_ptr() as *const __m256i);
-                            (_mm256_cvtph_ps(_mm_loadu_si128(d16.as_ptr() as *const __m128i)), _mm256_add_epi32(sums, corr8))
+                            (
+                                _mm256_cvtph_ps(_mm_loadu_si128(d16.as_ptr() as *const __m128i)),
+                                _mm256_add_epi32(sums, corr8),
+                            )
                         };
                         let d = _mm256_mul_ps(dw, _mm256_loadu_ps(da.as_ptr().add(k)));
                         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc);
@@ -666,12 +812,20 @@ mod tests {
     /// Deterministic values in about [-2, 2] with some larger outliers (an
     /// LCG; no dependency).
     fn values(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (0..n)
             .map(|i| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 let v = ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0;
-                if i % 37 == 5 { v * 9.0 } else { v }
+                if i % 37 == 5 {
+                    v * 9.0
+                } else {
+                    v
+                }
             })
             .collect()
     }
@@ -680,14 +834,22 @@ mod tests {
         let rb = row_bytes(GgmlType::Q8_0, cols).unwrap();
         let mut out = vec![0u8; rows * rb];
         for r in 0..rows {
-            quantize(GgmlType::Q8_0, &values(seed * 1000 + r as u64, cols), &mut out[r * rb..(r + 1) * rb]).unwrap();
+            quantize(
+                GgmlType::Q8_0,
+                &values(seed * 1000 + r as u64, cols),
+                &mut out[r * rb..(r + 1) * rb],
+            )
+            .unwrap();
         }
         out
     }
 
     #[test]
     fn every_kernel_equals_the_scalar_dot_on_odd_shapes() {
-        let kernels: Vec<Q8_0Gemm> = Q8_0Gemm::ALL.into_iter().filter(|k| k.available()).collect();
+        let kernels: Vec<Q8_0Gemm> = Q8_0Gemm::ALL
+            .into_iter()
+            .filter(|k| k.available())
+            .collect();
         assert!(kernels.contains(&Q8_0Gemm::Scalar));
         // Rows not a multiple of the 4-row tile, tokens 1..=19 (partial
         // groups and an odd group count), cols across the 64-block K piece.
@@ -717,14 +879,20 @@ mod tests {
                             let reference = vec_dot_scalar(GgmlType::Q8_0, cols, wr, ar).unwrap();
                             let got = out[i * n + t];
                             if k == Q8_0Gemm::Scalar {
-                                assert_eq!(got.to_bits(), reference.to_bits(), "scalar {rows}x{cols} n={n} ({i},{t})");
+                                assert_eq!(
+                                    got.to_bits(),
+                                    reference.to_bits(),
+                                    "scalar {rows}x{cols} n={n} ({i},{t})"
+                                );
                             } else {
                                 // Sum of |block terms| bounds the rounding
                                 // of any summation order.
                                 let mag: f32 = wr
                                     .chunks_exact(34)
                                     .zip(ar.chunks_exact(34))
-                                    .map(|(x, y)| vec_dot_scalar(GgmlType::Q8_0, 32, x, y).unwrap().abs())
+                                    .map(|(x, y)| {
+                                        vec_dot_scalar(GgmlType::Q8_0, 32, x, y).unwrap().abs()
+                                    })
                                     .sum();
                                 let tol = 2e-6 * mag + 1e-6;
                                 assert!(
@@ -742,7 +910,14 @@ mod tests {
     #[test]
     fn every_matvec_kernel_equals_the_scalar_dot_on_odd_shapes() {
         // Block counts around the 8-block step, cols across the 128-block piece.
-        for (rows, cols) in [(1usize, 32usize), (7, 96), (8, 64), (13, 288), (24, 4128), (17, 8224)] {
+        for (rows, cols) in [
+            (1usize, 32usize),
+            (7, 96),
+            (8, 64),
+            (13, 288),
+            (24, 4128),
+            (17, 8224),
+        ] {
             let rb = row_bytes(GgmlType::Q8_0, cols).unwrap();
             let w = q8_rows(rows as u64 * 3 + cols as u64, rows, cols);
             let a = q8_rows(5 + cols as u64, 1, cols);
@@ -757,8 +932,16 @@ mod tests {
                         .zip(a.chunks_exact(34))
                         .map(|(x, y)| vec_dot_scalar(GgmlType::Q8_0, 32, x, y).unwrap().abs())
                         .sum();
-                    let tol = if k == Q8_0Gemm::Scalar { 0.0 } else { 2e-6 * mag + 1e-6 };
-                    assert!((out[i] - reference).abs() <= tol, "{k:?} {rows}x{cols} row {i}: {} vs {reference}", out[i]);
+                    let tol = if k == Q8_0Gemm::Scalar {
+                        0.0
+                    } else {
+                        2e-6 * mag + 1e-6
+                    };
+                    assert!(
+                        (out[i] - reference).abs() <= tol,
+                        "{k:?} {rows}x{cols} row {i}: {} vs {reference}",
+                        out[i]
+                    );
                 }
             }
         }
@@ -785,7 +968,11 @@ mod tests {
             for b in row.chunks_exact_mut(34) {
                 b[..2].copy_from_slice(&half::f16::from_f32(0.25).to_bits().to_le_bytes());
                 for (j, q) in b[2..].iter_mut().enumerate() {
-                    *q = if (j + t) % 3 == 0 { (-127i8) as u8 } else { 127 };
+                    *q = if (j + t) % 3 == 0 {
+                        (-127i8) as u8
+                    } else {
+                        127
+                    };
                 }
             }
         }
@@ -794,10 +981,16 @@ mod tests {
         for k in Q8_0Gemm::ALL.into_iter().filter(|k| k.available()) {
             for t in 0..3 {
                 let mut mv = vec![0f32; 9];
-                k.matvec(cols, &w, 9, &a[t * 68..(t + 1) * 68], &mut mv).unwrap();
+                k.matvec(cols, &w, 9, &a[t * 68..(t + 1) * 68], &mut mv)
+                    .unwrap();
                 for i in 0..9 {
-                    let reference =
-                        vec_dot_scalar(GgmlType::Q8_0, cols, &w[i * 68..(i + 1) * 68], &a[t * 68..(t + 1) * 68]).unwrap();
+                    let reference = vec_dot_scalar(
+                        GgmlType::Q8_0,
+                        cols,
+                        &w[i * 68..(i + 1) * 68],
+                        &a[t * 68..(t + 1) * 68],
+                    )
+                    .unwrap();
                     assert_eq!(mv[i], reference, "{k:?} matvec ({i},{t})");
                 }
             }
@@ -805,8 +998,13 @@ mod tests {
             k.gemm(cols, &w[..2 * 68], 2, &packed, 3, &mut out).unwrap();
             for i in 0..2 {
                 for t in 0..3 {
-                    let reference =
-                        vec_dot_scalar(GgmlType::Q8_0, cols, &w[i * 68..(i + 1) * 68], &a[t * 68..(t + 1) * 68]).unwrap();
+                    let reference = vec_dot_scalar(
+                        GgmlType::Q8_0,
+                        cols,
+                        &w[i * 68..(i + 1) * 68],
+                        &a[t * 68..(t + 1) * 68],
+                    )
+                    .unwrap();
                     // Block sums are small integers times 0.125: exact in any order.
                     assert_eq!(out[i * 3 + t], reference, "{k:?} ({i},{t})");
                 }
@@ -825,7 +1023,13 @@ mod tests {
         assert!(k.gemm(64, &w, 2, &packed, 3, &mut out[1..]).is_err());
         assert!(k.gemm(48, &w, 2, &packed, 3, &mut out).is_err());
         let mut p = vec![0u8; packed.len()];
-        assert!(pack_q8_0_rows(&w, 68, 3, 64, &mut p).is_err(), "too few rows");
-        assert!(pack_q8_0_rows(&w, 60, 2, 64, &mut p).is_err(), "stride below a row");
+        assert!(
+            pack_q8_0_rows(&w, 68, 3, 64, &mut p).is_err(),
+            "too few rows"
+        );
+        assert!(
+            pack_q8_0_rows(&w, 60, 2, 64, &mut p).is_err(),
+            "stride below a row"
+        );
     }
 }

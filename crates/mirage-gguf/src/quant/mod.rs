@@ -39,10 +39,11 @@ mod avx2;
 use crate::types::GgmlType;
 
 pub use gemm_q8_0::{
-    pack_q8_0_rows, packed_q8_0_bytes, Q8_0Gemm, Q8_0GemmFn, Q8_0MatvecFn, PACKED_BLOCK_BYTES, Q8_0_TOKEN_GROUP,
+    pack_q8_0_rows, packed_q8_0_bytes, Q8_0Gemm, Q8_0GemmFn, Q8_0MatvecFn, PACKED_BLOCK_BYTES,
+    Q8_0_TOKEN_GROUP,
 };
-pub use rows::{dot_rows_fn, scalar_dot_rows_fn, DotRowsFn, DOT_ROWS};
 pub use nvfp4::{Nvfp4Error, Nvfp4Tensor, NVFP4_ARTIFACT_TAG, NVFP4_BLOCK_SIZE};
+pub use rows::{dot_rows_fn, scalar_dot_rows_fn, DotRowsFn, DOT_ROWS};
 
 /// Why a codec call was refused.
 #[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]

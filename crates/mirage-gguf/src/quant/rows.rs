@@ -22,8 +22,13 @@ pub const DOT_ROWS: usize = 4;
 /// elements of the weight type, and `act` holds `DOT_ROWS` rows of `n`
 /// elements of [`super::vec_dot_type`] of it, row `j` starting at byte
 /// `j * act_row_bytes`.
-pub type DotRowsFn =
-    unsafe fn(n: usize, weights: &[u8], act: &[u8], act_row_bytes: usize, out: &mut [f32; DOT_ROWS]);
+pub type DotRowsFn = unsafe fn(
+    n: usize,
+    weights: &[u8],
+    act: &[u8],
+    act_row_bytes: usize,
+    out: &mut [f32; DOT_ROWS],
+);
 
 /// Calls the single-row kernel of `ty` (SIMD when `SIMD`) once per row.
 ///
@@ -103,10 +108,14 @@ mod tests {
 
     /// Deterministic values in about [-2, 2] (an LCG; no dependency).
     fn values(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
             })
             .collect()
@@ -115,7 +124,9 @@ mod tests {
     #[test]
     fn multi_row_kernels_equal_single_row_dots() {
         use GgmlType::*;
-        for ty in [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K] {
+        for ty in [
+            F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+        ] {
             for n in [256usize, 512, 1536] {
                 let act_ty = vec_dot_type(ty);
                 let (wb, ab) = (row_bytes(ty, n).unwrap(), row_bytes(act_ty, n).unwrap());
@@ -129,7 +140,10 @@ mod tests {
                     let x = values(1000 + j as u64 * 7 + n as u64, n);
                     quantize(act_ty, &x, &mut act[j * stride..j * stride + ab]).unwrap();
                 }
-                for (which, kernel) in [("fastest", dot_rows_fn(ty)), ("scalar", scalar_dot_rows_fn(ty))] {
+                for (which, kernel) in [
+                    ("fastest", dot_rows_fn(ty)),
+                    ("scalar", scalar_dot_rows_fn(ty)),
+                ] {
                     let mut out = [0f32; DOT_ROWS];
                     // SAFETY: lengths built above to the contract.
                     unsafe { kernel(n, &w, &act, stride, &mut out) };

@@ -10,10 +10,15 @@ use std::time::{Duration, Instant};
 
 use mirage_route::synth::{query_points, router_data, SynthSpec};
 use mirage_route::{
-    BruteForce, CandidateSet, CpuBvh, RouteError, Router, RouterData, VulkanRtRouter, WgpuOptions, WgpuRouter,
+    BruteForce, CandidateSet, CpuBvh, RouteError, Router, RouterData, VulkanRtRouter, WgpuOptions,
+    WgpuRouter,
 };
 
-fn time_route(r: &mut dyn Router, pts: &[[f32; 3]], budget: Duration) -> Result<(f64, CandidateSet), RouteError> {
+fn time_route(
+    r: &mut dyn Router,
+    pts: &[[f32; 3]],
+    budget: Duration,
+) -> Result<(f64, CandidateSet), RouteError> {
     let first = r.route(pts)?; // warm-up (pipelines, buffers)
     let start = Instant::now();
     let mut iters = 0u32;
@@ -39,16 +44,34 @@ fn main() {
     let makers: [(&str, Make); 4] = [
         ("brute-force", |d| Ok(Box::new(BruteForce::new(d)?))),
         ("cpu-bvh", |d| Ok(Box::new(CpuBvh::new(d)?))),
-        ("wgpu", |d| Ok(Box::new(WgpuRouter::new(d, WgpuOptions { allow_software: true })?))),
+        ("wgpu", |d| {
+            Ok(Box::new(WgpuRouter::new(
+                d,
+                WgpuOptions {
+                    allow_software: true,
+                },
+            )?))
+        }),
         ("vulkan-rt", |d| Ok(Box::new(VulkanRtRouter::new(d)?))),
     ];
     let mut notes = Vec::new();
     let mut rows = Vec::new();
     for pages in [38usize, 380, 3800] {
-        let data = router_data(&SynthSpec { pages, slices: 4, half_min: 0.2, half_max: 0.6, threshold: Some(2) }, pages as u64);
+        let data = router_data(
+            &SynthSpec {
+                pages,
+                slices: 4,
+                half_min: 0.2,
+                half_max: 0.6,
+                threshold: Some(2),
+            },
+            pages as u64,
+        );
         for batch in [24usize, 24 * 256] {
             let pts = query_points(&data, batch, 7 + batch as u64);
-            let reference = CpuBvh::new(&data).and_then(|mut r| r.route(&pts)).expect("cpu-bvh routes synthetic data");
+            let reference = CpuBvh::new(&data)
+                .and_then(|mut r| r.route(&pts))
+                .expect("cpu-bvh routes synthetic data");
             let cand = reference.total() as f64 / batch as f64;
             for (name, make) in makers {
                 let t_load = Instant::now();

@@ -25,7 +25,8 @@
 use std::time::{Duration, Instant};
 
 use mirage_route::{
-    BruteForce, CandidateSet, CpuBvh, RouteError, Router, RouterData, VulkanRtRouter, WgpuOptions, WgpuRouter,
+    BruteForce, CandidateSet, CpuBvh, RouteError, Router, RouterData, VulkanRtRouter, WgpuOptions,
+    WgpuRouter,
 };
 
 /// One layer of an export file.
@@ -46,7 +47,9 @@ fn read_export(path: &str) -> Result<Export, String> {
     let b = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
     let mut at = 0usize;
     let mut take = |n: usize| -> Result<&[u8], String> {
-        let s = b.get(at..at.checked_add(n).ok_or("size overflow")?).ok_or_else(|| format!("{path}: ends early at {at}"))?;
+        let s = b
+            .get(at..at.checked_add(n).ok_or("size overflow")?)
+            .ok_or_else(|| format!("{path}: ends early at {at}"))?;
         at += n;
         Ok(s)
     };
@@ -56,7 +59,9 @@ fn read_export(path: &str) -> Result<Export, String> {
     let u32_of = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes")) as usize;
     let version = u32_of(take(4)?);
     if version != 1 {
-        return Err(format!("{path}: export version {version}, this reader knows 1"));
+        return Err(format!(
+            "{path}: export version {version}, this reader knows 1"
+        ));
     }
     let n_layer = u32_of(take(4)?);
     let json_len = u32_of(take(4)?);
@@ -64,19 +69,36 @@ fn read_export(path: &str) -> Result<Export, String> {
     let mut layers = Vec::with_capacity(n_layer);
     for l in 0..n_layer {
         let rlen = u64::from_le_bytes(take(8)?.try_into().expect("8 bytes")) as usize;
-        let data = RouterData::from_bytes(take(rlen)?).map_err(|e| format!("{path} layer {l}: {e}"))?;
+        let data =
+            RouterData::from_bytes(take(rlen)?).map_err(|e| format!("{path} layer {l}: {e}"))?;
         let queries = u32_of(take(4)?);
-        let n_f = queries.checked_mul(data.slices * 3).ok_or("size overflow")?;
+        let n_f = queries
+            .checked_mul(data.slices * 3)
+            .ok_or("size overflow")?;
         let raw = take(n_f.checked_mul(4).ok_or("size overflow")?)?;
-        let f: Vec<f32> = raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+        let f: Vec<f32> = raw
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
         let points = f.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect();
-        layers.push(Layer { data, points, queries });
+        layers.push(Layer {
+            data,
+            points,
+            queries,
+        });
     }
     if at != b.len() {
         return Err(format!("{path}: {} trailing bytes", b.len() - at));
     }
-    let name = std::path::Path::new(path).file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-    Ok(Export { name, provenance, layers })
+    let name = std::path::Path::new(path)
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Ok(Export {
+        name,
+        provenance,
+        layers,
+    })
 }
 
 /// Pages that need slice hits (threshold > 0); the others are always-on trunk pages.
@@ -89,14 +111,27 @@ type Make = fn(&RouterData) -> Result<Box<dyn Router>, RouteError>;
 const MAKERS: [(&str, Make); 4] = [
     ("brute-force", |d| Ok(Box::new(BruteForce::new(d)?))),
     ("cpu-bvh", |d| Ok(Box::new(CpuBvh::new(d)?))),
-    ("wgpu", |d| Ok(Box::new(WgpuRouter::new(d, WgpuOptions { allow_software: true })?))),
+    ("wgpu", |d| {
+        Ok(Box::new(WgpuRouter::new(
+            d,
+            WgpuOptions {
+                allow_software: true,
+            },
+        )?))
+    }),
     ("vulkan-rt", |d| Ok(Box::new(VulkanRtRouter::new(d)?))),
 ];
 
 /// Number of queries whose candidate sets differ, and the first one.
 fn diff(want: &CandidateSet, got: &CandidateSet) -> (usize, Option<String>) {
     if want.queries != got.queries || want.pages != got.pages {
-        return (want.queries.max(got.queries), Some(format!("shape {}x{} vs {}x{}", want.queries, want.pages, got.queries, got.pages)));
+        return (
+            want.queries.max(got.queries),
+            Some(format!(
+                "shape {}x{} vs {}x{}",
+                want.queries, want.pages, got.queries, got.pages
+            )),
+        );
     }
     let mut n = 0;
     let mut first = None;
@@ -111,19 +146,37 @@ fn diff(want: &CandidateSet, got: &CandidateSet) -> (usize, Option<String>) {
 }
 
 /// Routes all of a layer's queries in chunks of `batch` queries; returns the chunks' sets.
-fn route_chunks(r: &mut dyn Router, layer: &Layer, batch: usize) -> Result<Vec<CandidateSet>, RouteError> {
-    layer.points.chunks(batch * layer.data.slices).map(|c| r.route(c)).collect()
+fn route_chunks(
+    r: &mut dyn Router,
+    layer: &Layer,
+    batch: usize,
+) -> Result<Vec<CandidateSet>, RouteError> {
+    layer
+        .points
+        .chunks(batch * layer.data.slices)
+        .map(|c| r.route(c))
+        .collect()
 }
 
 /// The part of `set` for queries `from..from + n`.
 fn slice_set(set: &CandidateSet, from: usize, n: usize) -> CandidateSet {
     let w = set.words_per_query;
-    CandidateSet { queries: n, pages: set.pages, words_per_query: w, bits: set.bits[from * w..(from + n) * w].to_vec() }
+    CandidateSet {
+        queries: n,
+        pages: set.pages,
+        words_per_query: w,
+        bits: set.bits[from * w..(from + n) * w].to_vec(),
+    }
 }
 
 /// Runs one (export, GPU router) pair in a child process; passes its output
 /// through and returns (mismatching queries, load seconds, seconds per pass per batch).
-fn run_child(args: &[String], job: usize, name: &str, n_batches: usize) -> Result<(usize, f64, Vec<f64>), String> {
+fn run_child(
+    args: &[String],
+    job: usize,
+    name: &str,
+    n_batches: usize,
+) -> Result<(usize, f64, Vec<f64>), String> {
     let exe = std::env::current_exe().map_err(|e| format!("{name}: current_exe: {e}"))?;
     let out = std::process::Command::new(exe)
         .args(args)
@@ -139,16 +192,23 @@ fn run_child(args: &[String], job: usize, name: &str, n_batches: usize) -> Resul
             None => println!("{line}"),
         }
     }
-    let r = result.ok_or_else(|| format!("{name}: child exited with {} and no result", out.status))?;
+    let r =
+        result.ok_or_else(|| format!("{name}: child exited with {} and no result", out.status))?;
     if let Some(f) = r.strip_prefix("fail ") {
         return Err(f.to_string());
     }
     let v: Vec<&str> = r.split_whitespace().collect();
-    let parse = |s: &str| s.parse::<f64>().map_err(|e| format!("{name}: child result {r:?}: {e}"));
+    let parse = |s: &str| {
+        s.parse::<f64>()
+            .map_err(|e| format!("{name}: child result {r:?}: {e}"))
+    };
     if v.len() != 3 + n_batches || v[0] != "ok" {
         return Err(format!("{name}: malformed child result {r:?}"));
     }
-    let secs = v[3..].iter().map(|s| parse(s)).collect::<Result<Vec<_>, _>>()?;
+    let secs = v[3..]
+        .iter()
+        .map(|s| parse(s))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok((parse(v[1])? as usize, parse(v[2])?, secs))
 }
 
@@ -173,10 +233,15 @@ fn main() {
             "--all-routed" => all_routed = true,
             "--no-isolate" => isolate = false,
             "--child" => {
-                let j: usize = it.next().and_then(|s| s.parse().ok()).expect("--child JOB ROUTER");
+                let j: usize = it
+                    .next()
+                    .and_then(|s| s.parse().ok())
+                    .expect("--child JOB ROUTER");
                 child = Some((j, it.next().expect("--child JOB ROUTER").clone()));
             }
-            "--variant-batches" => variant_batches = it.next().expect("--variant-batches LIST").clone(),
+            "--variant-batches" => {
+                variant_batches = it.next().expect("--variant-batches LIST").clone()
+            }
             f => files.push(f.to_string()),
         }
     }
@@ -208,14 +273,29 @@ fn main() {
                         let mut data = l.data.clone();
                         let th = if t == "1" { 1 } else { data.slices as u32 };
                         data.thresholds.iter_mut().for_each(|x| *x = th);
-                        Layer { data, points: l.points.clone(), queries: l.queries }
+                        Layer {
+                            data,
+                            points: l.points.clone(),
+                            queries: l.queries,
+                        }
                     })
                     .collect();
                 let name = format!("{} all-routed t={t}", ex.name);
-                jobs.push((Export { name, provenance: ex.provenance.clone(), layers }, path.clone(), variant_batches.clone()));
+                jobs.push((
+                    Export {
+                        name,
+                        provenance: ex.provenance.clone(),
+                        layers,
+                    },
+                    path.clone(),
+                    variant_batches.clone(),
+                ));
             }
         }
-        jobs.insert(jobs.len() - if all_routed { 2 } else { 0 }, (ex, path.clone(), batch_spec.clone()));
+        jobs.insert(
+            jobs.len() - if all_routed { 2 } else { 0 },
+            (ex, path.clone(), batch_spec.clone()),
+        );
     }
     for (ji, (ex, path, batch_spec)) in jobs.iter().enumerate() {
         if child.as_ref().is_some_and(|(cj, _)| *cj != ji) {
@@ -226,29 +306,55 @@ fn main() {
         let max_q = ex.layers.iter().map(|l| l.queries).max().unwrap_or(0);
         let pages: Vec<usize> = ex.layers.iter().map(|l| l.data.pages()).collect();
         let routed: Vec<usize> = ex.layers.iter().map(|l| routed_of(&l.data)).collect();
-        let (pmin, pmax) = (pages.iter().min().copied().unwrap_or(0), pages.iter().max().copied().unwrap_or(0));
-        let (rmin, rmax) = (routed.iter().min().copied().unwrap_or(0), routed.iter().max().copied().unwrap_or(0));
-        let span = |a: usize, b: usize| if a == b { format!("{a}") } else { format!("{a}..{b}") };
+        let (pmin, pmax) = (
+            pages.iter().min().copied().unwrap_or(0),
+            pages.iter().max().copied().unwrap_or(0),
+        );
+        let (rmin, rmax) = (
+            routed.iter().min().copied().unwrap_or(0),
+            routed.iter().max().copied().unwrap_or(0),
+        );
+        let span = |a: usize, b: usize| {
+            if a == b {
+                format!("{a}")
+            } else {
+                format!("{a}..{b}")
+            }
+        };
         let pages_txt = format!("{} ({} routed)", span(pmin, pmax), span(rmin, rmax));
         if child.is_none() {
             println!("== {} ({path}): {n_layer} layers, {queries} token-layer queries, pages/layer {pages:?}, routed (threshold > 0) {routed:?}", ex.name);
-        println!("   provenance: {}", ex.provenance);
+            println!("   provenance: {}", ex.provenance);
         }
         let batches: Vec<usize> = batch_spec
             .split(',')
-            .map(|b| if b == "all" { max_q } else { b.parse().expect("batch size") })
+            .map(|b| {
+                if b == "all" {
+                    max_q
+                } else {
+                    b.parse().expect("batch size")
+                }
+            })
             .filter(|&b| b > 0)
             .collect();
         // Reference sets and candidates per query.
         let reference: Vec<CandidateSet> = ex
             .layers
             .iter()
-            .map(|l| CpuBvh::new(&l.data).and_then(|mut r| r.route(&l.points)).expect("cpu-bvh routes the export"))
+            .map(|l| {
+                CpuBvh::new(&l.data)
+                    .and_then(|mut r| r.route(&l.points))
+                    .expect("cpu-bvh routes the export")
+            })
             .collect();
         let total_cand: usize = reference.iter().map(|s| s.total()).sum();
         let cand = total_cand as f64 / queries.max(1) as f64;
         // Candidates among routed pages only (trunk pages, threshold 0, are always in).
-        let trunk_total: usize = ex.layers.iter().map(|l| l.queries * (l.data.pages() - routed_of(&l.data))).sum();
+        let trunk_total: usize = ex
+            .layers
+            .iter()
+            .map(|l| l.queries * (l.data.pages() - routed_of(&l.data)))
+            .sum();
         let routed_cand = (total_cand - trunk_total) as f64 / queries.max(1) as f64;
         let budget_per_layer = Duration::from_secs_f64(seconds / n_layer.max(1) as f64);
         for (name, make) in MAKERS {
@@ -291,14 +397,20 @@ fn main() {
                 let (n, first) = diff(&reference[l], &whole);
                 if n > 0 {
                     bad += n;
-                    println!("MISMATCH {name} {} layer {l} (whole batch): {n} of {} queries differ; {}", ex.name, layer.queries, first.unwrap_or_default());
+                    println!(
+                        "MISMATCH {name} {} layer {l} (whole batch): {n} of {} queries differ; {}",
+                        ex.name,
+                        layer.queries,
+                        first.unwrap_or_default()
+                    );
                 }
                 for (bi, &b) in batches.iter().enumerate() {
                     // Warm-up pass doubles as the chunked equality check.
                     let sets = match route_chunks(router.as_mut(), layer, b) {
                         Ok(s) => s,
                         Err(e) => {
-                            failed = Some(format!("{name} on {} layer {l} batch {b}: {e}", ex.name));
+                            failed =
+                                Some(format!("{name} on {} layer {l} batch {b}: {e}", ex.name));
                             break;
                         }
                     };
@@ -317,7 +429,8 @@ fn main() {
                         match route_chunks(router.as_mut(), layer, b) {
                             Ok(s) => drop(std::hint::black_box(s)),
                             Err(e) => {
-                                failed = Some(format!("{name} on {} layer {l} batch {b}: {e}", ex.name));
+                                failed =
+                                    Some(format!("{name} on {} layer {l} batch {b}: {e}", ex.name));
                                 break;
                             }
                         }
@@ -334,11 +447,16 @@ fn main() {
                     // Open file descriptors, to tell a leak from a missing driver.
                     Some(f) => println!(
                         "RESULT fail {f} (open fds {})",
-                        std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+                        std::fs::read_dir("/proc/self/fd")
+                            .map(|d| d.count())
+                            .unwrap_or(0)
                     ),
                     None => println!(
                         "RESULT ok {bad} {load} {}",
-                        secs.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ")
+                        secs.iter()
+                            .map(|x| x.to_string())
+                            .collect::<Vec<_>>()
+                            .join(" ")
                     ),
                 }
                 std::process::exit(0);

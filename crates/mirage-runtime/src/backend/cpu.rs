@@ -85,8 +85,18 @@ impl CpuMatrix {
     ///
     /// `bytes` is `self.data.as_slice()`, looked up once per task by the
     /// caller (it goes through a trait object).
-    fn row_dots(&self, bytes: &[u8], r: usize, act: &ActRows<'_>, out: &mut [f32], deq: &mut Vec<f32>) {
-        let (wr, cols) = (&bytes[r * self.row_bytes..(r + 1) * self.row_bytes], self.cols);
+    fn row_dots(
+        &self,
+        bytes: &[u8],
+        r: usize,
+        act: &ActRows<'_>,
+        out: &mut [f32],
+        deq: &mut Vec<f32>,
+    ) {
+        let (wr, cols) = (
+            &bytes[r * self.row_bytes..(r + 1) * self.row_bytes],
+            self.cols,
+        );
         match *act {
             ActRows::Quantized { data, row_bytes } if out.len() == 1 => {
                 // Decode: one activation row.
@@ -97,7 +107,8 @@ impl CpuMatrix {
                 let mut groups = out.chunks_exact_mut(DOT_ROWS);
                 let mut a = 0;
                 for o in &mut groups {
-                    let o: &mut [f32; DOT_ROWS] = o.try_into().expect("chunks_exact_mut yields DOT_ROWS");
+                    let o: &mut [f32; DOT_ROWS] =
+                        o.try_into().expect("chunks_exact_mut yields DOT_ROWS");
                     // SAFETY: make_matrix checked that rows hold `cols`
                     // elements of self.ty; quantize_rows wrote `cols`
                     // elements of vec_dot_type(self.ty) per activation row,
@@ -134,7 +145,15 @@ impl CpuMatrix {
     /// `out[i * n + a] = W_{r0 + i} · act_a` for `i < out.len() / n`, the
     /// `n` activation rows of `act`: one GEMM call on packed activations,
     /// else [`CpuMatrix::row_dots`] per row.
-    fn rows_dots(&self, bytes: &[u8], r0: usize, act: &ActRows<'_>, n: usize, out: &mut [f32], deq: &mut Vec<f32>) {
+    fn rows_dots(
+        &self,
+        bytes: &[u8],
+        r0: usize,
+        act: &ActRows<'_>,
+        n: usize,
+        out: &mut [f32],
+        deq: &mut Vec<f32>,
+    ) {
         let rows = out.len() / n;
         match (*act, self.gemm) {
             (ActRows::PackedQ8_0(packed), Some(gemm)) => {
@@ -211,7 +230,9 @@ impl CpuActivations {
     /// A buffer holding `data` as `rows` rows.
     pub fn from_vec(rows: usize, width: usize, data: Vec<f32>) -> Result<CpuActivations> {
         if rows.checked_mul(width) != Some(data.len()) {
-            return Err(RuntimeError::InvalidArgument("activation data does not match its shape".into()));
+            return Err(RuntimeError::InvalidArgument(
+                "activation data does not match its shape".into(),
+            ));
         }
         Ok(CpuActivations { rows, width, data })
     }
@@ -282,7 +303,9 @@ impl CpuBackend {
     /// A backend with `threads` worker threads (0: one per logical CPU).
     pub fn new(threads: usize) -> Result<CpuBackend> {
         let threads = if threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
         } else {
             threads
         };
@@ -290,8 +313,16 @@ impl CpuBackend {
             .num_threads(threads)
             .thread_name(|i| format!("mirage-cpu-{i}"))
             .build()
-            .map_err(|e| RuntimeError::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
-        Ok(CpuBackend { pool, threads, f32_activations: false, scratch: Mutex::new(Scratch::default()), kv_pruning: None })
+            .map_err(|e| {
+                RuntimeError::InvalidArgument(format!("cannot start {threads} threads: {e}"))
+            })?;
+        Ok(CpuBackend {
+            pool,
+            threads,
+            f32_activations: false,
+            scratch: Mutex::new(Scratch::default()),
+            kv_pruning: None,
+        })
     }
 
     /// A backend that keeps activations in f32 and dequantizes each weight
@@ -351,11 +382,18 @@ impl CpuBackend {
             )));
         }
         let (act_ty, dot) = if self.f32_activations {
-            (GgmlType::F32, quant::dot_fn(GgmlType::F32).ok_or_else(|| unsupported("no f32 dot kernel"))?)
+            (
+                GgmlType::F32,
+                quant::dot_fn(GgmlType::F32).ok_or_else(|| unsupported("no f32 dot kernel"))?,
+            )
         } else {
-            (quant::vec_dot_type(m.ty), quant::dot_fn(m.ty).ok_or_else(|| unsupported("no dot kernel"))?)
+            (
+                quant::vec_dot_type(m.ty),
+                quant::dot_fn(m.ty).ok_or_else(|| unsupported("no dot kernel"))?,
+            )
         };
-        quant::row_bytes(act_ty, m.cols).map_err(|_| unsupported("row length not a block multiple"))?;
+        quant::row_bytes(act_ty, m.cols)
+            .map_err(|_| unsupported("row length not a block multiple"))?;
         Ok(CpuMatrix {
             name: m.name.clone(),
             ty: m.ty,
@@ -372,7 +410,9 @@ impl CpuBackend {
             },
             // Only the VNNI one is more than the single-row kernel per row.
             matvec: match quant::Q8_0Gemm::best() {
-                best @ quant::Q8_0Gemm::Avx512Vnni if m.ty == GgmlType::Q8_0 && !self.f32_activations => {
+                best @ quant::Q8_0Gemm::Avx512Vnni
+                    if m.ty == GgmlType::Q8_0 && !self.f32_activations =>
+                {
                     best.matvec_kernel()
                 }
                 _ => None,
@@ -400,7 +440,10 @@ impl CpuBackend {
             return Ok(ActRows::PackedQ8_0(buf));
         }
         let row_bytes = quantize_rows(w.act_ty, x, n, w.cols, buf)?;
-        Ok(ActRows::Quantized { data: buf, row_bytes })
+        Ok(ActRows::Quantized {
+            data: buf,
+            row_bytes,
+        })
     }
 
     /// Whether `n` activation rows for `w` are packed for its GEMM kernel.
@@ -410,18 +453,34 @@ impl CpuBackend {
 }
 
 /// Quantizes each of `n` rows of `x` (width `cols`) into `ty`, into `dst`.
-fn quantize_rows(ty: GgmlType, x: &[f32], n: usize, cols: usize, dst: &mut Vec<u8>) -> Result<usize> {
+fn quantize_rows(
+    ty: GgmlType,
+    x: &[f32],
+    n: usize,
+    cols: usize,
+    dst: &mut Vec<u8>,
+) -> Result<usize> {
     let rb = quant::row_bytes(ty, cols)?;
     dst.resize(rb * n, 0);
     for r in 0..n {
-        quant::quantize(ty, &x[r * cols..(r + 1) * cols], &mut dst[r * rb..(r + 1) * rb])?;
+        quant::quantize(
+            ty,
+            &x[r * cols..(r + 1) * cols],
+            &mut dst[r * rb..(r + 1) * rb],
+        )?;
     }
     Ok(rb)
 }
 
 /// Quantizes `n` rows of `x` to Q8_0 (into `staging`) and packs them for the
 /// GEMM kernel into `dst`.
-fn pack_rows(x: &[f32], n: usize, cols: usize, staging: &mut Vec<u8>, dst: &mut Vec<u8>) -> Result<()> {
+fn pack_rows(
+    x: &[f32],
+    n: usize,
+    cols: usize,
+    staging: &mut Vec<u8>,
+    dst: &mut Vec<u8>,
+) -> Result<()> {
     let rb = quantize_rows(GgmlType::Q8_0, x, n, cols, staging)?;
     dst.resize(quant::packed_q8_0_bytes(n, cols)?, 0);
     quant::pack_q8_0_rows(staging, rb, n, cols, dst)?;
@@ -451,10 +510,14 @@ fn matmul_rows(
         transposed
     };
     pool.install(|| {
-        dst.par_chunks_mut(chunk * n_act).enumerate().for_each(|(ci, o)| {
-            let bytes = w.data.as_slice();
-            ROW_SCRATCH.with_borrow_mut(|(deq, _, _)| w.rows_dots(bytes, ci * chunk, act, n_act, o, deq))
-        })
+        dst.par_chunks_mut(chunk * n_act)
+            .enumerate()
+            .for_each(|(ci, o)| {
+                let bytes = w.data.as_slice();
+                ROW_SCRATCH.with_borrow_mut(|(deq, _, _)| {
+                    w.rows_dots(bytes, ci * chunk, act, n_act, o, deq)
+                })
+            })
     });
     if n_act > 1 {
         transpose_into(transposed, w.rows, n_act, out);
@@ -509,9 +572,23 @@ impl Backend for CpuBackend {
         Ok(v.to_vec())
     }
 
-    fn upload_ffn(&self, _layer: usize, gate: &HostMatrix, up: &HostMatrix, down: &HostMatrix) -> Result<CpuFfn> {
-        let (gate, up, down) = (self.make_matrix(gate)?, self.make_matrix(up)?, self.make_matrix(down)?);
-        if gate.rows != up.rows || gate.cols != up.cols || down.cols != gate.rows || down.rows != gate.cols {
+    fn upload_ffn(
+        &self,
+        _layer: usize,
+        gate: &HostMatrix,
+        up: &HostMatrix,
+        down: &HostMatrix,
+    ) -> Result<CpuFfn> {
+        let (gate, up, down) = (
+            self.make_matrix(gate)?,
+            self.make_matrix(up)?,
+            self.make_matrix(down)?,
+        );
+        if gate.rows != up.rows
+            || gate.cols != up.cols
+            || down.cols != gate.rows
+            || down.rows != gate.cols
+        {
             return Err(RuntimeError::InvalidArgument(format!(
                 "FFN shapes disagree: gate {}x{}, up {}x{}, down {}x{}",
                 gate.rows, gate.cols, up.rows, up.cols, down.rows, down.cols
@@ -528,7 +605,11 @@ impl Backend for CpuBackend {
         Ok(cache)
     }
 
-    fn new_kv_cache_pruned(&self, spec: KvSpec, pruning: Option<crate::kv_pages::KvPruning>) -> Result<KvCache> {
+    fn new_kv_cache_pruned(
+        &self,
+        spec: KvSpec,
+        pruning: Option<crate::kv_pages::KvPruning>,
+    ) -> Result<KvCache> {
         let mut cache = self.new_kv_cache(spec)?;
         if let Some(cfg) = pruning {
             cache.enable_kv_pruning(cfg)?;
@@ -536,7 +617,11 @@ impl Backend for CpuBackend {
         Ok(cache)
     }
 
-    fn kv_set_pruning(&self, cache: &mut KvCache, pruning: Option<crate::kv_pages::KvPruning>) -> Result<()> {
+    fn kv_set_pruning(
+        &self,
+        cache: &mut KvCache,
+        pruning: Option<crate::kv_pages::KvPruning>,
+    ) -> Result<()> {
         // `None` on a cache without page summaries: already full attention.
         if pruning.is_none() && cache.page_summaries().is_none() {
             return Ok(());
@@ -558,14 +643,27 @@ impl Backend for CpuBackend {
         for (r, &t) in tokens.iter().enumerate() {
             let t = t as usize;
             if t >= table.rows {
-                return Err(RuntimeError::InvalidArgument(format!("token id {t} >= vocabulary {}", table.rows)));
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "token id {t} >= vocabulary {}",
+                    table.rows
+                )));
             }
-            quant::dequantize(table.ty, table.row(t), &mut out.data[r * cols..(r + 1) * cols])?;
+            quant::dequantize(
+                table.ty,
+                table.row(t),
+                &mut out.data[r * cols..(r + 1) * cols],
+            )?;
         }
         Ok(())
     }
 
-    fn rms_norm(&self, x: &CpuActivations, weight: &Vec<f32>, eps: f32, out: &mut CpuActivations) -> Result<()> {
+    fn rms_norm(
+        &self,
+        x: &CpuActivations,
+        weight: &Vec<f32>,
+        eps: f32,
+        out: &mut CpuActivations,
+    ) -> Result<()> {
         if weight.len() != x.width {
             return Err(RuntimeError::InvalidArgument("norm weight width".into()));
         }
@@ -579,23 +677,44 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, w: &CpuMatrix, x: &CpuActivations, out: &mut CpuActivations) -> Result<()> {
         if x.width != w.cols {
-            return Err(RuntimeError::InvalidArgument(format!("{}: input width {} != {}", w.name, x.width, w.cols)));
+            return Err(RuntimeError::InvalidArgument(format!(
+                "{}: input width {} != {}",
+                w.name, x.width, w.cols
+            )));
         }
         out.reshape(x.rows, w.rows);
         let mut s = self.scratch();
         let s = &mut *s;
         let act = CpuBackend::encode(w, x.data(), x.rows, &mut s.act_q, &mut s.pack_staging)?;
         let chunk = self.chunk_rows(w.rows);
-        matmul_rows(&self.pool, chunk, w, &act, x.rows, out.data_mut(), &mut s.transposed);
+        matmul_rows(
+            &self.pool,
+            chunk,
+            w,
+            &act,
+            x.rows,
+            out.data_mut(),
+            &mut s.transposed,
+        );
         Ok(())
     }
 
-    fn matmul_many(&self, ws: &[&CpuMatrix], x: &CpuActivations, outs: &mut [&mut CpuActivations]) -> Result<()> {
+    fn matmul_many(
+        &self,
+        ws: &[&CpuMatrix],
+        x: &CpuActivations,
+        outs: &mut [&mut CpuActivations],
+    ) -> Result<()> {
         if ws.len() != outs.len() {
-            return Err(RuntimeError::InvalidArgument("matmul_many: one output per matrix".into()));
+            return Err(RuntimeError::InvalidArgument(
+                "matmul_many: one output per matrix".into(),
+            ));
         }
         if let Some(w) = ws.iter().find(|w| w.cols != x.width) {
-            return Err(RuntimeError::InvalidArgument(format!("{}: input width {} != {}", w.name, x.width, w.cols)));
+            return Err(RuntimeError::InvalidArgument(format!(
+                "{}: input width {} != {}",
+                w.name, x.width, w.cols
+            )));
         }
         let n = x.rows;
         let mut s = self.scratch();
@@ -612,7 +731,11 @@ impl Backend for CpuBackend {
                 continue;
             }
             let packed = CpuBackend::packs(w, n);
-            let idx = match s.act_by_type.iter().position(|e| e.0 == w.act_ty && e.1 == packed && e.2 != 0) {
+            let idx = match s
+                .act_by_type
+                .iter()
+                .position(|e| e.0 == w.act_ty && e.1 == packed && e.2 != 0)
+            {
                 Some(i) => i,
                 None => {
                     let slot = match s.act_by_type.iter().position(|e| e.2 == 0) {
@@ -640,7 +763,10 @@ impl Backend for CpuBackend {
             .iter()
             .map(|wh| match wh {
                 Some(i) if s.act_by_type[*i].1 => ActRows::PackedQ8_0(&s.act_by_type[*i].3),
-                Some(i) => ActRows::Quantized { data: &s.act_by_type[*i].3, row_bytes: s.act_by_type[*i].2 },
+                Some(i) => ActRows::Quantized {
+                    data: &s.act_by_type[*i].3,
+                    row_bytes: s.act_by_type[*i].2,
+                },
                 None => ActRows::F32(x.data()),
             })
             .collect();
@@ -658,24 +784,39 @@ impl Backend for CpuBackend {
         s.transposed.resize(total * n, 0.0);
         let chunk = self.chunk_rows(total);
         self.pool.install(|| {
-            s.transposed.par_chunks_mut(chunk * n).enumerate().for_each(|(ci, mut o)| {
-                ROW_SCRATCH.with_borrow_mut(|(deq, _, _)| {
-                    // The chunk's rows, split where one matrix ends.
-                    let mut g = ci * chunk;
-                    while !o.is_empty() {
-                        let m = offsets.partition_point(|&off| off <= g) - 1;
-                        let take = (offsets[m] + ws[m].rows - g).min(o.len() / n);
-                        let (head, tail) = std::mem::take(&mut o).split_at_mut(take * n);
-                        ws[m].rows_dots(ws[m].data.as_slice(), g - offsets[m], &acts[m], n, head, deq);
-                        o = tail;
-                        g += take;
-                    }
+            s.transposed
+                .par_chunks_mut(chunk * n)
+                .enumerate()
+                .for_each(|(ci, mut o)| {
+                    ROW_SCRATCH.with_borrow_mut(|(deq, _, _)| {
+                        // The chunk's rows, split where one matrix ends.
+                        let mut g = ci * chunk;
+                        while !o.is_empty() {
+                            let m = offsets.partition_point(|&off| off <= g) - 1;
+                            let take = (offsets[m] + ws[m].rows - g).min(o.len() / n);
+                            let (head, tail) = std::mem::take(&mut o).split_at_mut(take * n);
+                            ws[m].rows_dots(
+                                ws[m].data.as_slice(),
+                                g - offsets[m],
+                                &acts[m],
+                                n,
+                                head,
+                                deq,
+                            );
+                            o = tail;
+                            g += take;
+                        }
+                    })
                 })
-            })
         });
         for ((w, out), &off) in ws.iter().zip(outs.iter_mut()).zip(&offsets) {
             out.reshape(n, w.rows);
-            transpose_into(&s.transposed[off * n..(off + w.rows) * n], w.rows, n, out.data_mut());
+            transpose_into(
+                &s.transposed[off * n..(off + w.rows) * n],
+                w.rows,
+                n,
+                out.data_mut(),
+            );
         }
         Ok(())
     }
@@ -695,7 +836,9 @@ impl Backend for CpuBackend {
 
     fn add(&self, acc: &mut CpuActivations, x: &CpuActivations) -> Result<()> {
         if acc.rows != x.rows || acc.width != x.width {
-            return Err(RuntimeError::InvalidArgument("residual shapes differ".into()));
+            return Err(RuntimeError::InvalidArgument(
+                "residual shapes differ".into(),
+            ));
         }
         for (a, b) in acc.data_mut().iter_mut().zip(x.data()) {
             *a += b;
@@ -718,21 +861,36 @@ impl Backend for CpuBackend {
         let hd = p.head_dim;
         let n = slots.len();
         if p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 || hd % 2 != 0 {
-            return Err(RuntimeError::InvalidArgument(format!("bad attention shape {p:?}")));
+            return Err(RuntimeError::InvalidArgument(format!(
+                "bad attention shape {p:?}"
+            )));
         }
-        if q.rows != n || k.rows != n || v.rows != n || q.width != p.n_head * hd || k.width != p.n_head_kv * hd || v.width != k.width {
-            return Err(RuntimeError::InvalidArgument("attention inputs do not match the batch".into()));
+        if q.rows != n
+            || k.rows != n
+            || v.rows != n
+            || q.width != p.n_head * hd
+            || k.width != p.n_head_kv * hd
+            || v.width != k.width
+        {
+            return Err(RuntimeError::InvalidArgument(
+                "attention inputs do not match the batch".into(),
+            ));
         }
         let spec = *cache.spec();
         if spec.head_dim != hd || spec.n_head_kv != p.n_head_kv {
-            return Err(RuntimeError::InvalidArgument("KV cache shape does not match the layer".into()));
+            return Err(RuntimeError::InvalidArgument(
+                "KV cache shape does not match the layer".into(),
+            ));
         }
         let max_pos = slots.iter().map(|s| s.pos).max().unwrap_or(0);
         if max_pos >= spec.n_ctx {
             return Err(RuntimeError::ContextFull { n_ctx: spec.n_ctx });
         }
         if let Some(s) = slots.iter().find(|s| s.seq >= spec.n_seq) {
-            return Err(RuntimeError::InvalidArgument(format!("sequence slot {} >= {}", s.seq, spec.n_seq)));
+            return Err(RuntimeError::InvalidArgument(format!(
+                "sequence slot {} >= {}",
+                s.seq, spec.n_seq
+            )));
         }
         let mut s = self.scratch();
         let s = &mut *s;
@@ -740,8 +898,15 @@ impl Backend for CpuBackend {
         // shape changes or positions grow.
         let half = hd / 2;
         let key = (hd, p.rope_freq_base.to_bits(), 0);
-        if s.rope_key.0 != key.0 || s.rope_key.1 != key.1 || s.rope_key.2 <= max_pos || s.rope_scaling != p.rope_scaling {
-            let n_pos = (max_pos + 1).next_power_of_two().max(64).min(spec.n_ctx.max(max_pos + 1));
+        if s.rope_key.0 != key.0
+            || s.rope_key.1 != key.1
+            || s.rope_key.2 <= max_pos
+            || s.rope_scaling != p.rope_scaling
+        {
+            let n_pos = (max_pos + 1)
+                .next_power_of_two()
+                .max(64)
+                .min(spec.n_ctx.max(max_pos + 1));
             s.rope_cos.clear();
             s.rope_sin.clear();
             let inv_freqs = p.rope_scaling.inv_freqs(hd, p.rope_freq_base);
@@ -754,11 +919,18 @@ impl Backend for CpuBackend {
             s.rope_key = (hd, key.1, n_pos);
             s.rope_scaling = p.rope_scaling;
         }
-        let mut angles = ops::RopeAngles { cos: vec![0.0; half], sin: vec![0.0; half] };
+        let mut angles = ops::RopeAngles {
+            cos: vec![0.0; half],
+            sin: vec![0.0; half],
+        };
         let (qw, kw) = (q.width, k.width);
         for (i, slot) in slots.iter().enumerate() {
-            angles.cos.copy_from_slice(&s.rope_cos[slot.pos * half..(slot.pos + 1) * half]);
-            angles.sin.copy_from_slice(&s.rope_sin[slot.pos * half..(slot.pos + 1) * half]);
+            angles
+                .cos
+                .copy_from_slice(&s.rope_cos[slot.pos * half..(slot.pos + 1) * half]);
+            angles
+                .sin
+                .copy_from_slice(&s.rope_sin[slot.pos * half..(slot.pos + 1) * half]);
             for head in q.data[i * qw..(i + 1) * qw].chunks_mut(hd) {
                 if let Some(n) = &qk_norm {
                     ops::rms_norm_in_place(head, n.q, p.norm_eps);
@@ -786,7 +958,17 @@ impl Backend for CpuBackend {
                     let (row, head) = (idx / p.n_head, idx % p.n_head);
                     let slot = slots[row];
                     let qh = &q.data[row * qw + head * hd..row * qw + (head + 1) * hd];
-                    cache.attend_maybe_pruned(layer, slot.seq, head / group, slot.pos + 1, qh, scale, decode_row[row], scores, o);
+                    cache.attend_maybe_pruned(
+                        layer,
+                        slot.seq,
+                        head / group,
+                        slot.pos + 1,
+                        qh,
+                        scale,
+                        decode_row[row],
+                        scores,
+                        o,
+                    );
                 },
             )
         });
@@ -796,7 +978,10 @@ impl Backend for CpuBackend {
     fn ffn(&self, f: &CpuFfn, x: &CpuActivations, out: &mut CpuActivations) -> Result<()> {
         let n_embd = f.gate.cols;
         if x.width != n_embd {
-            return Err(RuntimeError::InvalidArgument(format!("ffn input width {} != {n_embd}", x.width)));
+            return Err(RuntimeError::InvalidArgument(format!(
+                "ffn input width {} != {n_embd}",
+                x.width
+            )));
         }
         let n = x.rows;
         let n_ff = f.gate.rows;
@@ -818,17 +1003,20 @@ impl Backend for CpuBackend {
         s.hidden.resize(n_ff * n, 0.0);
         let chunk = self.chunk_rows(n_ff);
         self.pool.install(|| {
-            s.hidden.par_chunks_mut(chunk * n).enumerate().for_each(|(ci, o)| {
-                let (gate_bytes, up_bytes) = (f.gate.data.as_slice(), f.up.data.as_slice());
-                ROW_SCRATCH.with_borrow_mut(|(deq, g, u)| {
-                    g.resize(o.len(), 0.0);
-                    u.resize(o.len(), 0.0);
-                    let r0 = ci * chunk;
-                    f.gate.rows_dots(gate_bytes, r0, &gate_act, n, g, deq);
-                    f.up.rows_dots(up_bytes, r0, &up_act, n, u, deq);
-                    ops::swiglu(g, u, o);
+            s.hidden
+                .par_chunks_mut(chunk * n)
+                .enumerate()
+                .for_each(|(ci, o)| {
+                    let (gate_bytes, up_bytes) = (f.gate.data.as_slice(), f.up.data.as_slice());
+                    ROW_SCRATCH.with_borrow_mut(|(deq, g, u)| {
+                        g.resize(o.len(), 0.0);
+                        u.resize(o.len(), 0.0);
+                        let r0 = ci * chunk;
+                        f.gate.rows_dots(gate_bytes, r0, &gate_act, n, g, deq);
+                        f.up.rows_dots(up_bytes, r0, &up_act, n, u, deq);
+                        ops::swiglu(g, u, o);
+                    })
                 })
-            })
         });
         let hidden_rows: &[f32] = if n == 1 {
             &s.hidden
@@ -838,17 +1026,39 @@ impl Backend for CpuBackend {
             &s.transposed
         };
         out.reshape(n, f.down.rows);
-        let down_act = CpuBackend::encode(&f.down, hidden_rows, n, &mut s.hidden_q, &mut s.pack_staging)?;
+        let down_act = CpuBackend::encode(
+            &f.down,
+            hidden_rows,
+            n,
+            &mut s.hidden_q,
+            &mut s.pack_staging,
+        )?;
         let chunk = self.chunk_rows(f.down.rows);
         let mut staging = std::mem::take(&mut s.down_staging);
-        matmul_rows(&self.pool, chunk, &f.down, &down_act, n, out.data_mut(), &mut staging);
+        matmul_rows(
+            &self.pool,
+            chunk,
+            &f.down,
+            &down_act,
+            n,
+            out.data_mut(),
+            &mut staging,
+        );
         s.down_staging = staging;
         Ok(())
     }
 
-    fn select_rows(&self, x: &CpuActivations, rows: &[usize], out: &mut CpuActivations) -> Result<()> {
+    fn select_rows(
+        &self,
+        x: &CpuActivations,
+        rows: &[usize],
+        out: &mut CpuActivations,
+    ) -> Result<()> {
         if let Some(&r) = rows.iter().find(|&&r| r >= x.rows) {
-            return Err(RuntimeError::InvalidArgument(format!("row {r} >= {}", x.rows)));
+            return Err(RuntimeError::InvalidArgument(format!(
+                "row {r} >= {}",
+                x.rows
+            )));
         }
         out.reshape(rows.len(), x.width);
         let w = x.width;
@@ -874,10 +1084,14 @@ mod tests {
 
     /// Deterministic values in about [-1, 1] (an LCG).
     fn values(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
             .collect()
@@ -886,7 +1100,13 @@ mod tests {
     fn q8_matrix(name: &str, seed: u64, rows: usize, cols: usize) -> HostMatrix {
         let mut data = vec![0u8; quant::row_bytes(GgmlType::Q8_0, cols).unwrap() * rows];
         quant::quantize(GgmlType::Q8_0, &values(seed, rows * cols), &mut data).unwrap();
-        HostMatrix { name: name.into(), ty: GgmlType::Q8_0, rows, cols, data: SharedBytes::from_vec(data) }
+        HostMatrix {
+            name: name.into(),
+            ty: GgmlType::Q8_0,
+            rows,
+            cols,
+            data: SharedBytes::from_vec(data),
+        }
     }
 
     fn acts(rows: usize, width: usize, seed: u64) -> CpuActivations {
@@ -921,16 +1141,27 @@ mod tests {
                     quant::quantize(GgmlType::Q8_0, x.row(t), &mut aq).unwrap();
                     let reference: Vec<f32> = (0..rows)
                         .map(|r| {
-                            quant::vec_dot_scalar(GgmlType::Q8_0, cols, &host.data.as_slice()[r * rb..(r + 1) * rb], &aq)
-                                .unwrap()
+                            quant::vec_dot_scalar(
+                                GgmlType::Q8_0,
+                                cols,
+                                &host.data.as_slice()[r * rb..(r + 1) * rb],
+                                &aq,
+                            )
+                            .unwrap()
                         })
                         .collect();
                     let e = rel_err(out.row(t), &reference);
-                    assert!(e < 1e-5, "{rows}x{cols} n={n} token {t}: batched rel err {e}");
+                    assert!(
+                        e < 1e-5,
+                        "{rows}x{cols} n={n} token {t}: batched rel err {e}"
+                    );
                     let xt = CpuActivations::from_vec(1, cols, x.row(t).to_vec()).unwrap();
                     backend.matmul(&w, &xt, &mut one).unwrap();
                     let e = rel_err(one.row(0), &reference);
-                    assert!(e < 1e-5, "{rows}x{cols} token {t}: single-token rel err {e}");
+                    assert!(
+                        e < 1e-5,
+                        "{rows}x{cols} token {t}: single-token rel err {e}"
+                    );
                 }
             }
         }
@@ -945,7 +1176,11 @@ mod tests {
         let cols = 128;
         let ws: Vec<CpuMatrix> = [(40usize, 1u64), (12, 2), (20, 3)]
             .iter()
-            .map(|&(rows, seed)| backend.upload_matrix(&q8_matrix("w", seed, rows, cols)).unwrap())
+            .map(|&(rows, seed)| {
+                backend
+                    .upload_matrix(&q8_matrix("w", seed, rows, cols))
+                    .unwrap()
+            })
             .collect();
         for n in [1usize, 5, 16] {
             let x = acts(n, cols, 7 + n as u64);
@@ -998,7 +1233,11 @@ mod tests {
             transpose_into(&src, rows, cols, &mut dst);
             for r in 0..rows {
                 for a in 0..cols {
-                    assert_eq!(dst[a * rows + r], src[r * cols + a], "{rows}x{cols} ({r},{a})");
+                    assert_eq!(
+                        dst[a * rows + r],
+                        src[r * cols + a],
+                        "{rows}x{cols} ({r},{a})"
+                    );
                 }
             }
         }
@@ -1020,19 +1259,44 @@ mod tests {
             norm_eps: 1e-6,
         };
         let n = 7;
-        let spec = KvSpec { n_layer: 1, n_head_kv: 2, head_dim: 16, n_ctx: 16, n_seq: 2, dtype: KvDtype::F16 };
+        let spec = KvSpec {
+            n_layer: 1,
+            n_head_kv: 2,
+            head_dim: 16,
+            n_ctx: 16,
+            n_seq: 2,
+            dtype: KvDtype::F16,
+        };
         let (q0, k0, v0) = (acts(n, 64, 1), acts(n, 32, 2), acts(n, 32, 3));
         // Sequence 1 of the cache, so that the per-sequence offsets matter.
         let slots: Vec<TokenSlot> = (0..n).map(|pos| TokenSlot { seq: 1, pos }).collect();
         let mut cache = backend.new_kv_cache(spec).unwrap();
         let (mut q, mut k, mut out) = (q0.clone(), k0.clone(), CpuActivations::default());
-        backend.attention(0, &p, &mut q, &mut k, &v0, None, &slots, &mut cache, &mut out).unwrap();
+        backend
+            .attention(
+                0, &p, &mut q, &mut k, &v0, None, &slots, &mut cache, &mut out,
+            )
+            .unwrap();
         let mut cache1 = backend.new_kv_cache(spec).unwrap();
         for t in 0..n {
-            let row = |a: &CpuActivations| CpuActivations::from_vec(1, a.width(), a.row(t).to_vec()).unwrap();
+            let row = |a: &CpuActivations| {
+                CpuActivations::from_vec(1, a.width(), a.row(t).to_vec()).unwrap()
+            };
             let (mut q, mut k, v) = (row(&q0), row(&k0), row(&v0));
             let mut o = CpuActivations::default();
-            backend.attention(0, &p, &mut q, &mut k, &v, None, &slots[t..t + 1], &mut cache1, &mut o).unwrap();
+            backend
+                .attention(
+                    0,
+                    &p,
+                    &mut q,
+                    &mut k,
+                    &v,
+                    None,
+                    &slots[t..t + 1],
+                    &mut cache1,
+                    &mut o,
+                )
+                .unwrap();
             assert_eq!(out.row(t), o.row(0), "token {t}");
         }
     }

@@ -99,7 +99,11 @@ impl SharedBytes {
     /// Takes ownership of a buffer.
     pub fn from_vec(v: Vec<u8>) -> SharedBytes {
         let len = v.len();
-        SharedBytes { owner: Arc::new(v), start: 0, len }
+        SharedBytes {
+            owner: Arc::new(v),
+            start: 0,
+            len,
+        }
     }
 
     /// The bytes.
@@ -202,14 +206,24 @@ pub trait Backend: Send + Sync {
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector>;
     /// Uploads the FFN of layer `layer`: `gate` and `up` are `[n_ff, n_embd]`,
     /// `down` is `[n_embd, n_ff]`.
-    fn upload_ffn(&self, layer: usize, gate: &HostMatrix, up: &HostMatrix, down: &HostMatrix) -> Result<Self::Ffn>;
+    fn upload_ffn(
+        &self,
+        layer: usize,
+        gate: &HostMatrix,
+        up: &HostMatrix,
+        down: &HostMatrix,
+    ) -> Result<Self::Ffn>;
     /// A KV cache of the given shape.
     fn new_kv_cache(&self, spec: KvSpec) -> Result<Self::KvCache>;
     /// A KV cache whose decode attention reads only the KV pages `pruning`
     /// selects (see [`crate::kv_pages`]); `None` is [`Backend::new_kv_cache`].
     /// Backends without pruned attention refuse `Some` (never a silent full
     /// attention: the caller asked for a different computation).
-    fn new_kv_cache_pruned(&self, spec: KvSpec, pruning: Option<crate::kv_pages::KvPruning>) -> Result<Self::KvCache> {
+    fn new_kv_cache_pruned(
+        &self,
+        spec: KvSpec,
+        pruning: Option<crate::kv_pages::KvPruning>,
+    ) -> Result<Self::KvCache> {
         match pruning {
             None => self.new_kv_cache(spec),
             Some(_) => Err(crate::error::RuntimeError::InvalidArgument(format!(
@@ -229,7 +243,11 @@ pub trait Backend: Send + Sync {
     /// accepted on any cache. The default (backends without pruned
     /// attention) accepts `None` and refuses `Some`, like
     /// [`Backend::new_kv_cache_pruned`].
-    fn kv_set_pruning(&self, cache: &mut Self::KvCache, pruning: Option<crate::kv_pages::KvPruning>) -> Result<()> {
+    fn kv_set_pruning(
+        &self,
+        cache: &mut Self::KvCache,
+        pruning: Option<crate::kv_pages::KvPruning>,
+    ) -> Result<()> {
         let _ = cache;
         match pruning {
             None => Ok(()),
@@ -245,15 +263,36 @@ pub trait Backend: Send + Sync {
     fn new_activations(&self) -> Self::Activations;
 
     /// `out[r] = table[tokens[r]]` (rows of the embedding matrix, as f32).
-    fn embed(&self, table: &Self::Matrix, tokens: &[u32], out: &mut Self::Activations) -> Result<()>;
+    fn embed(
+        &self,
+        table: &Self::Matrix,
+        tokens: &[u32],
+        out: &mut Self::Activations,
+    ) -> Result<()>;
     /// Row-wise RMSNorm: `out[r] = x[r] / rms(x[r]) * weight`.
-    fn rms_norm(&self, x: &Self::Activations, weight: &Self::Vector, eps: f32, out: &mut Self::Activations) -> Result<()>;
+    fn rms_norm(
+        &self,
+        x: &Self::Activations,
+        weight: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Activations,
+    ) -> Result<()>;
     /// `out[r] = W x[r]` for every row (`W` is `[rows, cols]`).
-    fn matmul(&self, w: &Self::Matrix, x: &Self::Activations, out: &mut Self::Activations) -> Result<()>;
+    fn matmul(
+        &self,
+        w: &Self::Matrix,
+        x: &Self::Activations,
+        out: &mut Self::Activations,
+    ) -> Result<()>;
     /// Several products of the same input (`outs[i][r] = ws[i] x[r]`), such
     /// as Q, K and V: a backend can quantize `x` once and run them as one
     /// launch. The default calls [`Backend::matmul`] for each.
-    fn matmul_many(&self, ws: &[&Self::Matrix], x: &Self::Activations, outs: &mut [&mut Self::Activations]) -> Result<()> {
+    fn matmul_many(
+        &self,
+        ws: &[&Self::Matrix],
+        x: &Self::Activations,
+        outs: &mut [&mut Self::Activations],
+    ) -> Result<()> {
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             self.matmul(w, x, out)?;
         }
@@ -285,7 +324,12 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Activations,
     ) -> Result<()>;
     /// The feed-forward block: `out[r] = down(silu(gate x[r]) * up x[r])`.
-    fn ffn(&self, ffn: &Self::Ffn, x: &Self::Activations, out: &mut Self::Activations) -> Result<()>;
+    fn ffn(
+        &self,
+        ffn: &Self::Ffn,
+        x: &Self::Activations,
+        out: &mut Self::Activations,
+    ) -> Result<()>;
     /// A hint, never a change in what is computed: `ws` are read by an op
     /// soon, after the next one. A backend may start loading them into a
     /// cache while the ops in between run (CUDA: into L2 during the
@@ -296,7 +340,12 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
     /// `out` = the listed rows of `x`, in that order.
-    fn select_rows(&self, x: &Self::Activations, rows: &[usize], out: &mut Self::Activations) -> Result<()>;
+    fn select_rows(
+        &self,
+        x: &Self::Activations,
+        rows: &[usize],
+        out: &mut Self::Activations,
+    ) -> Result<()>;
     /// Copies `x` to the host as `rows * width` floats; returns `(rows, width)`.
     fn read(&self, x: &Self::Activations, out: &mut Vec<f32>) -> Result<(usize, usize)>;
 }

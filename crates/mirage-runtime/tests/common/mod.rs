@@ -6,15 +6,23 @@ use std::path::PathBuf;
 /// `models/<name>` of the workspace; `None` (with a message) only when it is
 /// missing and MIRAGE_SKIP_MODEL_TESTS=1, otherwise a missing model fails.
 pub fn model_path(name: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models").join(name);
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(name);
     if p.exists() {
         return Some(p);
     }
     if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1", p.display());
+        eprintln!(
+            "skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1",
+            p.display()
+        );
         return None;
     }
-    panic!("{} is missing: run `cargo xtask fetch-models` (or set MIRAGE_SKIP_MODEL_TESTS=1)", p.display());
+    panic!(
+        "{} is missing: run `cargo xtask fetch-models` (or set MIRAGE_SKIP_MODEL_TESTS=1)",
+        p.display()
+    );
 }
 
 /// Cosine similarity in f64.
