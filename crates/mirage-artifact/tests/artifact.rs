@@ -209,231 +209,153 @@ fn permutation_keeps_dense_ffn_output() {
     }
 }
 
+/// The prompt the backend comparisons run.
+const PROMPT: &str = "Permission is hereby granted, free of charge, to any person";
+
+fn engine_options() -> EngineOptions {
+    EngineOptions {
+        threads: 2,
+        n_ctx: 64,
+        ..EngineOptions::default()
+    }
+}
+
+/// The last position's logits of `tokens`.
+fn last_logits<B: mirage_runtime::Backend>(engine: &Engine<B>, tokens: &[u32]) -> Vec<f32> {
+    let all = engine
+        .model()
+        .logits_all(tokens, Default::default())
+        .unwrap();
+    let vocab = all.len() / tokens.len();
+    all[(tokens.len() - 1) * vocab..].to_vec()
+}
+
+/// `tokens` through a superblock engine in `mode`: the last logits and,
+/// per layer, the active page count of every row.
+fn run_mode(
+    engine: &Engine<SuperblockBackend>,
+    mode: SparseMode,
+    tokens: &[u32],
+) -> (Vec<f32>, Vec<Vec<u16>>) {
+    let backend = engine.model().backend();
+    backend.set_mode(mode).unwrap();
+    backend.take_active_counts();
+    let logits = last_logits(engine, tokens);
+    (logits, backend.take_active_counts())
+}
+
+fn top(fraction: f32, group_channels: u16) -> SparseMode {
+    SparseMode::OracleTop {
+        fraction,
+        group_channels,
+    }
+}
+
 #[test]
 fn superblock_backend_matches_dense_and_skips_pages() {
     let Some(bytes) = built() else { return };
     let path = model_path().unwrap();
     let artifact = Artifact::from_bytes(bytes.clone()).unwrap();
     let file = Arc::new(GgufFile::open(&path).unwrap());
-    let opts = EngineOptions {
-        threads: 2,
-        n_ctx: 64,
-        ..EngineOptions::default()
-    };
-    let dense = Engine::from_file(file.clone(), CpuBackend::new(2).unwrap(), opts.clone()).unwrap();
+    let dense =
+        Engine::from_file(file.clone(), CpuBackend::new(2).unwrap(), engine_options()).unwrap();
     let sb = SuperblockBackend::new(
         CpuBackend::new(2).unwrap(),
         artifact.clone(),
         SparseMode::All,
     )
     .unwrap();
-    let sparse = Engine::from_file(file, sb, opts).unwrap();
-    let tokens = dense
-        .encode(
-            "Permission is hereby granted, free of charge, to any person",
-            true,
-        )
-        .unwrap();
+    let sparse = Engine::from_file(file.clone(), sb, engine_options()).unwrap();
+    let tokens = dense.encode(PROMPT, true).unwrap();
     let n = tokens.len();
-    let dl = dense
-        .model()
-        .logits_all(&tokens, Default::default())
-        .unwrap();
-    let sl = sparse
-        .model()
-        .logits_all(&tokens, Default::default())
-        .unwrap();
-    let v = dl.len() / n;
-    let last = |l: &[f32]| l[(n - 1) * v..].to_vec();
-    let c = cosine(&last(&dl), &last(&sl));
+    let dl = last_logits(&dense, &tokens);
+    let every = |counts: &[Vec<u16>], k: u16| {
+        counts
+            .iter()
+            .all(|l| l.len() == n && l.iter().all(|&c| c == k))
+    };
+
+    let (sl, counts) = run_mode(&sparse, SparseMode::All, &tokens);
+    let c = cosine(&dl, &sl);
     // Pages are re-quantized (Q4_1 -> f32 -> Q8_0) and h stays f32 where the
     // dense kernel quantizes it to Q8_1: close, not identical (0.9977 measured).
     assert!(
         c > 0.995,
         "all-pages superblock vs dense last-logit cosine {c}"
     );
-    let counts = sparse.model().backend().take_active_counts();
-    assert!(counts
-        .iter()
-        .all(|l| l.len() == n && l.iter().all(|&k| k == 12)));
+    assert!(every(&counts, 12), "{counts:?}");
+
     // Prefix slicing runs only the first k pages.
-    sparse
-        .model()
-        .backend()
-        .set_mode(SparseMode::Prefix(5))
-        .unwrap();
-    let pl = sparse
-        .model()
-        .logits_all(&tokens, Default::default())
-        .unwrap();
-    let counts = sparse.model().backend().take_active_counts();
-    assert!(counts.iter().all(|l| l.iter().all(|&k| k == 5)));
+    let (pl, counts) = run_mode(&sparse, SparseMode::Prefix(5), &tokens);
+    assert!(every(&counts, 5), "{counts:?}");
     assert!(
-        cosine(&last(&dl), &last(&pl)) < c,
+        cosine(&dl, &pl) < c,
         "dropping 7 of 12 pages must cost fidelity"
     );
-    // Largest-output pages at a fixed fraction: exactly ceil(f * 12) a token,
-    // and the 7 largest outputs keep more than the 5 hottest pages (prefix).
-    sparse
-        .model()
-        .backend()
-        .set_mode(SparseMode::OracleTop {
-            fraction: 5.0 / 12.0,
-            group_channels: 128,
-        })
-        .unwrap();
-    let tl = sparse
-        .model()
-        .logits_all(&tokens, Default::default())
-        .unwrap();
-    let counts = sparse.model().backend().take_active_counts();
-    assert!(
-        counts
-            .iter()
-            .all(|l| l.len() == n && l.iter().all(|&k| k == 5)),
-        "{counts:?}"
-    );
-    let top_cos = cosine(&last(&dl), &last(&tl));
+
+    // Largest-output pages at a fixed fraction: exactly ceil(f * 12) a token.
+    let (tl, counts) = run_mode(&sparse, top(5.0 / 12.0, 128), &tokens);
+    assert!(every(&counts, 5), "{counts:?}");
+    let top_cos = cosine(&dl, &tl);
     assert!(
         top_cos < c,
         "5 of 12 pages must cost fidelity ({top_cos} vs all pages {c})"
     );
-    sparse
-        .model()
-        .backend()
-        .set_mode(SparseMode::OracleTop {
-            fraction: 1.0,
-            group_channels: 128,
-        })
-        .unwrap();
-    let fl = sparse
-        .model()
-        .logits_all(&tokens, Default::default())
-        .unwrap();
-    assert!(sparse
-        .model()
-        .backend()
-        .take_active_counts()
-        .iter()
-        .flatten()
-        .all(|&k| k == 12));
+    let (fl, counts) = run_mode(&sparse, top(1.0, 128), &tokens);
+    assert!(every(&counts, 12), "{counts:?}");
     assert!(
-        (cosine(&last(&sl), &last(&fl)) - 1.0).abs() < 1e-6,
+        (cosine(&sl, &fl) - 1.0).abs() < 1e-6,
         "every page by output order vs all pages"
     );
-    // Groups of channels: all of them is all pages; 5/12 of the single
-    // channels keep more than 5/12 of the pages and touch more pages.
-    {
-        // f32 activations everywhere: with Q8 activations one rounding flip
-        // in a quantized input moves the last logits by ~1e-4 (measured).
-        let inner = CpuBackend::new_f32_activations(2).unwrap();
-        let sb = SuperblockBackend::new(inner, artifact.clone(), SparseMode::All)
-            .unwrap()
-            .with_f32_activations();
-        let f32_engine = Engine::from_file(
-            Arc::new(GgufFile::open(&path).unwrap()),
-            sb,
-            EngineOptions {
-                threads: 2,
-                n_ctx: 64,
-                ..EngineOptions::default()
-            },
-        )
-        .unwrap();
-        let al = f32_engine
-            .model()
-            .logits_all(&tokens, Default::default())
-            .unwrap();
-        for g in [1, 32] {
-            f32_engine
-                .model()
-                .backend()
-                .set_mode(SparseMode::OracleTop {
-                    fraction: 1.0,
-                    group_channels: g,
-                })
-                .unwrap();
-            let gl = f32_engine
-                .model()
-                .logits_all(&tokens, Default::default())
-                .unwrap();
-            assert!(f32_engine
-                .model()
-                .backend()
-                .take_active_counts()
-                .iter()
-                .flatten()
-                .all(|&k| k == 12));
-            let gc = cosine(&last(&al), &last(&gl));
-            assert!(
-                1.0 - gc < 1e-9,
-                "every {g}-channel group vs all pages: cosine {gc}"
-            );
-        }
+
+    // Groups of channels: all of them is all pages. In f32 activations
+    // everywhere: with Q8 activations one rounding flip in a quantized input
+    // moves the last logits by ~1e-4 (measured).
+    let inner = CpuBackend::new_f32_activations(2).unwrap();
+    let sb = SuperblockBackend::new(inner, artifact.clone(), SparseMode::All)
+        .unwrap()
+        .with_f32_activations();
+    let f32_engine = Engine::from_file(file, sb, engine_options()).unwrap();
+    let (al, _) = run_mode(&f32_engine, SparseMode::All, &tokens);
+    for g in [1, 32] {
+        let (gl, counts) = run_mode(&f32_engine, top(1.0, g), &tokens);
+        assert!(every(&counts, 12), "{counts:?}");
+        let gc = cosine(&al, &gl);
+        assert!(
+            1.0 - gc < 1e-9,
+            "every {g}-channel group vs all pages: cosine {gc}"
+        );
     }
-    sparse
-        .model()
-        .backend()
-        .set_mode(SparseMode::OracleTop {
-            fraction: 5.0 / 12.0,
-            group_channels: 1,
-        })
-        .unwrap();
-    let cl = sparse
-        .model()
-        .logits_all(&tokens, Default::default())
-        .unwrap();
-    let counts = sparse.model().backend().take_active_counts();
+    // 5/12 of the single channels keep more than 5/12 of the pages, over more pages.
+    let (cl, counts) = run_mode(&sparse, top(5.0 / 12.0, 1), &tokens);
     assert!(
         counts.iter().flatten().all(|&k| (5..=12).contains(&k)),
         "{counts:?}"
     );
-    let channel_cos = cosine(&last(&dl), &last(&cl));
+    let channel_cos = cosine(&dl, &cl);
     assert!(
         channel_cos > top_cos,
         "5/12 of the channels {channel_cos} vs 5/12 of the pages {top_cos}"
     );
-    assert!(sparse
-        .model()
-        .backend()
-        .set_mode(SparseMode::OracleTop {
-            fraction: 0.5,
-            group_channels: 3
-        })
-        .is_err());
-    assert!(sparse
-        .model()
-        .backend()
-        .set_mode(SparseMode::OracleTop {
-            fraction: 0.5,
-            group_channels: 0
-        })
-        .is_err());
-    for bad in [0.0, -0.5, 1.5, f32::NAN] {
-        assert!(
-            sparse
-                .model()
-                .backend()
-                .set_mode(SparseMode::OracleTop {
-                    fraction: bad,
-                    group_channels: 128
-                })
-                .is_err(),
-            "fraction {bad} accepted"
-        );
+    for (fraction, group) in [
+        (0.5, 3),
+        (0.5, 0),
+        (0.0, 128),
+        (-0.5, 128),
+        (1.5, 128),
+        (f32::NAN, 128),
+    ] {
+        let refused = sparse
+            .model()
+            .backend()
+            .set_mode(top(fraction, group))
+            .is_err();
+        assert!(refused, "fraction {fraction}, group {group} accepted");
     }
+
     // BVH mode: trunk + candidates, never more than stored.
     let margin = artifact.meta().default_margin;
-    sparse
-        .model()
-        .backend()
-        .set_mode(SparseMode::Bvh { margin })
-        .unwrap();
-    sparse
-        .model()
-        .logits_all(&tokens, Default::default())
-        .unwrap();
-    let counts = sparse.model().backend().take_active_counts();
+    let (_, counts) = run_mode(&sparse, SparseMode::Bvh { margin }, &tokens);
     for (l, c) in counts.iter().enumerate() {
         let t = artifact.layer(l).n_trunk as u16;
         assert!(c.iter().all(|&k| (t..=12).contains(&k)), "layer {l}: {c:?}");
@@ -522,11 +444,7 @@ fn superblock_f32_activations_match_dense_f32() {
     let path = model_path().unwrap();
     let artifact = Artifact::from_bytes(bytes.clone()).unwrap();
     let file = Arc::new(GgufFile::open(&path).unwrap());
-    let opts = EngineOptions {
-        threads: 2,
-        n_ctx: 64,
-        ..EngineOptions::default()
-    };
+    let opts = engine_options();
     let dense = Engine::from_file(
         file.clone(),
         CpuBackend::new_f32_activations(2).unwrap(),
@@ -548,30 +466,11 @@ fn superblock_f32_activations_match_dense_f32() {
     .unwrap();
     let f32_sparse = Engine::from_file(file.clone(), f32_sb, opts.clone()).unwrap();
     let q8_sparse = Engine::from_file(file, q8_sb, opts).unwrap();
-    let tokens = dense
-        .encode(
-            "Permission is hereby granted, free of charge, to any person",
-            true,
-        )
-        .unwrap();
-    let n = tokens.len();
-    let dl = dense
-        .model()
-        .logits_all(&tokens, Default::default())
-        .unwrap();
-    let fl = f32_sparse
-        .model()
-        .logits_all(&tokens, Default::default())
-        .unwrap();
-    let ql = q8_sparse
-        .model()
-        .logits_all(&tokens, Default::default())
-        .unwrap();
-    let v = dl.len() / n;
-    let last = |l: &[f32]| l[(n - 1) * v..].to_vec();
+    let tokens = dense.encode(PROMPT, true).unwrap();
+    let dl = last_logits(&dense, &tokens);
     let (cf, cq) = (
-        cosine(&last(&dl), &last(&fl)),
-        cosine(&last(&dl), &last(&ql)),
+        cosine(&dl, &last_logits(&f32_sparse, &tokens)),
+        cosine(&dl, &last_logits(&q8_sparse, &tokens)),
     );
     eprintln!("all pages vs dense f32: f32 activations {cf:.6}, Q8_0 activations {cq:.6}");
     assert!(
@@ -677,11 +576,7 @@ fn prefix_slice_in_source_order_is_the_leading_channels() {
     for k in ["gate", "up", "down"] {
         assert_eq!(r[k].as_f64(), Some(0.0), "{k}: {r}");
     }
-    let opts = EngineOptions {
-        threads: 2,
-        n_ctx: 64,
-        ..EngineOptions::default()
-    };
+    let opts = engine_options();
     let e = Engine::from_file(Arc::new(cut.file), CpuBackend::new(2).unwrap(), opts).unwrap();
     let tokens = e.encode("Permission is hereby granted", true).unwrap();
     let logits = e.model().logits_all(&tokens, Default::default()).unwrap();
@@ -724,11 +619,7 @@ fn prefix_slice_in_artifact_order_matches_superblock_prefix_mode() {
     // of a block's largest magnitude) of the Q4_1 values.
     assert!(r["down_rel"].as_f64().unwrap() < 0.005, "{r}");
 
-    let opts = EngineOptions {
-        threads: 2,
-        n_ctx: 64,
-        ..EngineOptions::default()
-    };
+    let opts = engine_options();
     let sliced = Engine::from_file(
         Arc::new(cut.file),
         CpuBackend::new_f32_activations(2).unwrap(),
@@ -744,35 +635,10 @@ fn prefix_slice_in_artifact_order_matches_superblock_prefix_mode() {
     .with_f32_activations();
     let sparse = Engine::from_file(file.clone(), sb, opts.clone()).unwrap();
     let dense = Engine::from_file(file, CpuBackend::new_f32_activations(2).unwrap(), opts).unwrap();
-    let tokens = dense
-        .encode(
-            "Permission is hereby granted, free of charge, to any person",
-            true,
-        )
-        .unwrap();
-    let n = tokens.len();
-    let last = |l: Vec<f32>| -> Vec<f32> {
-        let w = l.len() / n;
-        l[(n - 1) * w..].to_vec()
-    };
-    let ls = last(
-        sliced
-            .model()
-            .logits_all(&tokens, Default::default())
-            .unwrap(),
-    );
-    let lp = last(
-        sparse
-            .model()
-            .logits_all(&tokens, Default::default())
-            .unwrap(),
-    );
-    let ld = last(
-        dense
-            .model()
-            .logits_all(&tokens, Default::default())
-            .unwrap(),
-    );
+    let tokens = dense.encode(PROMPT, true).unwrap();
+    let ls = last_logits(&sliced, &tokens);
+    let lp = last_logits(&sparse, &tokens);
+    let ld = last_logits(&dense, &tokens);
     let (c_prefix, c_full) = (cosine(&ls, &lp), cosine(&ls, &ld));
     eprintln!("dense on the prefix slice vs superblock Prefix(6): {c_prefix:.6}; vs the full model: {c_full:.6}");
     assert!(
