@@ -179,11 +179,12 @@ table)
   grep -iE 'margin|recall|trunk|routed' "$L/artifact.log" | tail -4 | cut -c1-200
   RACTIVE=${RACTIVE:-1.0,0.75,0.5,0.35,0.25} sparse_part
   echo "== routed, defaults"; grep -vE '^\s*$|INFO|WARN' "$L/routed.txt" | tail -9
-  # TABLE_CFGS: ";"-separated env settings, one more routed bench each.
+  # TABLE_CFGS: ";"-separated env settings ("D" = the defaults), one more routed bench each.
   IFS=';' read -r -a TCFG <<< "${TABLE_CFGS:-}"
   i=0
   for cfg in "${TCFG[@]}"; do
     i=$((i + 1))
+    [ "$cfg" = D ] && cfg=MIRAGE_DEFAULTS=1  # the defaults (env needs a setting), as in h200-pdl.sh
     timeout 120 env $cfg "$W/mirage-cli" bench --backend cuda --model "$Q" --artifact "$W/qwen.mirage" --routed \
       --active "${RACTIVE:-1.0,0.75,0.5,0.35,0.25}" --prompt 16 --gen 130 ${BENCH_EXTRA:-} > "$L/routed_$i.txt" 2>&1
     echo "== routed, $cfg (rc=$?)"; grep -vE '^\s*$|INFO|WARN' "$L/routed_$i.txt" | tail -9; el
