@@ -57,6 +57,17 @@ fn pages_by_norm(contributions: &[f32], d_model: usize) -> (Vec<usize>, Vec<f64>
     (norms.into_iter().map(|(_, p)| p).collect(), total)
 }
 
+/// Cosine of `partial` against `total` (whose squared norm is `tt` > 0);
+/// `None` for a zero `partial`.
+fn cosine_to_total(partial: &[f64], total: &[f64], tt: f64) -> Option<f64> {
+    let (mut pt, mut pp) = (0f64, 0f64);
+    for (s, t) in partial.iter().zip(total) {
+        pt += s * t;
+        pp += s * s;
+    }
+    (pp > 0.0).then(|| pt / (pp.sqrt() * tt.sqrt()))
+}
+
 /// The oracle useful set of one token at one layer.
 ///
 /// `contributions` holds one `d_model` vector per page (`W_down,p h_p`),
@@ -80,12 +91,7 @@ pub fn oracle_useful_set(contributions: &[f32], d_model: usize, target: f64) -> 
             *s += *v as f64;
         }
         chosen.push(p);
-        let (mut pt, mut pp) = (0f64, 0f64);
-        for (s, t) in partial.iter().zip(&total) {
-            pt += s * t;
-            pp += s * s;
-        }
-        if pp > 0.0 && pt / (pp.sqrt() * tt.sqrt()) >= target {
+        if cosine_to_total(&partial, &total, tt).is_some_and(|c| c >= target) {
             break;
         }
     }
@@ -137,16 +143,7 @@ pub fn largest_pages_cosines(contributions: &[f32], d_model: usize, counts: &[us
         }
         taken = k;
         if tt > 0.0 {
-            let (mut pt, mut pp) = (0f64, 0f64);
-            for (s, t) in partial.iter().zip(&total) {
-                pt += s * t;
-                pp += s * s;
-            }
-            out[i] = if pp > 0.0 {
-                pt / (pp.sqrt() * tt.sqrt())
-            } else {
-                0.0
-            };
+            out[i] = cosine_to_total(&partial, &total, tt).unwrap_or(0.0);
         }
     }
     out

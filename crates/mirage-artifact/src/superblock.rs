@@ -314,18 +314,20 @@ impl SuperblockBackend {
         Ok(())
     }
 
-    /// `y += W_down,p h`.
+    /// `y += W_down,p h` over the page's `channels` (down rows with `h` = 0 skipped).
     fn page_down(
         &self,
         f: &SuperFfn,
         p: usize,
+        channels: std::ops::Range<usize>,
         h: &[f32],
         y: &mut [f32],
         tmp: &mut [f32],
     ) -> Result<()> {
         let page = self.artifact.page(f.layer, p);
         let rb = f.row_bytes;
-        for (i, &hi) in h.iter().enumerate().take(PAGE_CHANNELS) {
+        for i in channels {
+            let hi = h[i];
             if hi == 0.0 {
                 continue;
             }
@@ -350,7 +352,7 @@ impl SuperblockBackend {
             self.page_hidden(f, p, d, x, &mut h)?;
             let mut y = vec![0f32; d];
             let mut tmp = vec![0f32; d];
-            self.page_down(f, p, &h, &mut y, &mut tmp)?;
+            self.page_down(f, p, 0..PAGE_CHANNELS, &h, &mut y, &mut tmp)?;
             Ok(y)
         };
         let parts: Vec<Vec<f32>> = if parallel {
@@ -365,23 +367,21 @@ impl SuperblockBackend {
         Ok(y)
     }
 
-    /// `OracleTop` with groups smaller than a page: every channel's output
-    /// `h_i W_down,i`, summed into groups, the largest groups kept. Returns
-    /// the output and the pages with a kept channel.
-    fn run_largest_groups(
+    /// The oracle modes: every page's output, split into groups of the
+    /// mode's channels (whole pages for `Oracle`), the selector's groups kept
+    /// and summed in index order. Returns the output and the pages with a
+    /// kept channel.
+    fn run_from_outputs(
         &self,
         f: &SuperFfn,
         sel: &PageSelector,
         x: FfnInput<'_>,
         d: usize,
     ) -> Result<(Vec<f32>, usize)> {
-        let SparseMode::OracleTop { group_channels, .. } = sel.mode() else {
-            return Err(ArtifactError::InvalidArgument(format!(
-                "{:?} has no channel groups",
-                sel.mode()
-            )));
+        let g = match sel.mode() {
+            SparseMode::OracleTop { group_channels, .. } => group_channels as usize,
+            _ => PAGE_CHANNELS,
         };
-        let g = group_channels as usize;
         let n = self.artifact.layer(f.layer).n_pages;
         let per_page = PAGE_CHANNELS / g;
         let contrib: Vec<Vec<f32>> = (0..n)
@@ -389,19 +389,18 @@ impl SuperblockBackend {
             .map(|p| {
                 let mut h = [0f32; PAGE_CHANNELS];
                 self.page_hidden(f, p, d, x, &mut h)?;
-                let page = self.artifact.page(f.layer, p);
                 let mut out = vec![0f32; per_page * d];
-                let mut row = vec![0f32; d];
-                for (i, &hi) in h.iter().enumerate() {
-                    let r = (2 * PAGE_CHANNELS + i) * f.row_bytes;
-                    quant::dequantize(f.quant, &page[r..r + f.row_bytes], &mut row)?;
-                    axpy(&mut out[(i / g) * d..(i / g + 1) * d], hi, &row);
+                let mut tmp = vec![0f32; d];
+                for (k, y) in out.chunks_exact_mut(d).enumerate() {
+                    self.page_down(f, p, k * g..(k + 1) * g, &h, y, &mut tmp)?;
                 }
                 Ok(out)
             })
             .collect::<Result<_>>()?;
         let flat = contrib.concat();
-        let kept = sel.pick_from_outputs(&flat, d).unwrap_or_default();
+        let kept = sel.pick_from_outputs(&flat, d).ok_or_else(|| {
+            ArtifactError::InvalidArgument(format!("{:?} selected no pages", sel.mode()))
+        })?;
         let mut y = vec![0f32; d];
         let mut touched = vec![false; n];
         for &k in &kept {
@@ -429,27 +428,7 @@ impl SuperblockBackend {
         };
         match sel.select(f.layer, x)? {
             Some(pages) => Ok((self.run_pages(f, input, d, &pages, parallel)?, pages.len())),
-            None if matches!(sel.mode(), SparseMode::OracleTop { group_channels, .. } if group_channels as usize != PAGE_CHANNELS) => {
-                self.run_largest_groups(f, sel, input, d)
-            }
-            None => {
-                // Oracle: every page's contribution, then the oracle set.
-                let n = self.artifact.layer(f.layer).n_pages;
-                let all: Vec<usize> = (0..n).collect();
-                let parts: Vec<Vec<f32>> = all
-                    .par_iter()
-                    .map(|&p| self.run_pages(f, input, d, &[p], false))
-                    .collect::<Result<_>>()?;
-                let flat: Vec<f32> = parts.concat();
-                let set = sel.pick_from_outputs(&flat, d).ok_or_else(|| {
-                    ArtifactError::InvalidArgument(format!("{:?} selected no pages", sel.mode()))
-                })?;
-                let mut y = vec![0f32; d];
-                for &p in &set {
-                    axpy(&mut y, 1.0, &parts[p]);
-                }
-                Ok((y, set.len()))
-            }
+            None => self.run_from_outputs(f, sel, input, d),
         }
     }
 }
