@@ -17,9 +17,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use mirage_artifact::build::{MARGIN_GRID, THRESHOLD_GRID};
 use mirage_artifact::ffn::FfnF32;
-use mirage_artifact::metrics::{
-    self, cosine, oracle_useful_set, COSINE_GATE, ORACLE_COSINE, RECALL_GATE,
-};
+use mirage_artifact::metrics::{self, cosine, COSINE_GATE, ORACLE_COSINE, RECALL_GATE};
 use mirage_artifact::pack::unpack_pages;
 use mirage_artifact::superblock::PageSelector;
 use mirage_artifact::{pages_for_fraction, Artifact, SparseMode, SuperblockBackend, PAGE_CHANNELS};
@@ -79,10 +77,8 @@ const GROUP_CHANNELS: [usize; 4] = [1, 8, 32, PAGE_CHANNELS];
 
 /// One token's page sets at one layer, from every page's output.
 struct TokenOracle {
-    /// The oracle useful set.
-    oracle: Vec<usize>,
-    /// Per `--oracle-top` fraction, the largest-output pages.
-    tops: Vec<Vec<usize>>,
+    /// Per oracle mode (the oracle, then each `--oracle-top` fraction), its pages.
+    picked: Vec<Vec<usize>>,
     /// Per [`GROUP_CHANNELS`] size, per fraction: the layer's FFN output
     /// cosine with the largest-output groups kept.
     kept: Vec<Vec<f64>>,
@@ -218,11 +214,25 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     bar.finish();
     drop(dense);
 
-    // Oracle sets on the artifact's pages, and for each --oracle-top fraction
-    // the largest-output pages.
-    let mut oracle: Vec<Vec<Vec<usize>>> = Vec::with_capacity(n_layer);
-    let mut top: Vec<Vec<Vec<Vec<usize>>>> =
-        vec![Vec::with_capacity(n_layer); args.oracle_top.len()];
+    // The modes that pick from every page's output: the oracle, then each
+    // --oracle-top fraction over whole pages. Their sets, per mode, layer
+    // and token, come from the selector the backend uses.
+    let oracle_modes: Vec<SparseMode> = std::iter::once(SparseMode::Oracle)
+        .chain(
+            args.oracle_top
+                .iter()
+                .map(|&fraction| SparseMode::OracleTop {
+                    fraction,
+                    group_channels: PAGE_CHANNELS as u16,
+                }),
+        )
+        .collect();
+    let oracle_selectors: Vec<PageSelector> = oracle_modes
+        .iter()
+        .map(|&m| PageSelector::new(artifact.clone(), m))
+        .collect::<Result<_, _>>()?;
+    let mut picked: Vec<Vec<Vec<Vec<usize>>>> =
+        vec![Vec::with_capacity(n_layer); oracle_modes.len()];
     // Per group size, per fraction: (sum of per-layer FFN output cosines, count >= ORACLE_COSINE).
     let mut granularity = vec![vec![(0f64, 0usize); args.oracle_top.len()]; GROUP_CHANNELS.len()];
     let bar = stage_bar("oracle sets", n_layer);
@@ -237,10 +247,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
                 ffn.hidden(&x[t * d..(t + 1) * d], &mut h);
                 let mut c = vec![0f32; ld.n_pages * d];
                 ffn.page_contributions(&h, PAGE_CHANNELS, &mut c);
-                let tops = args
-                    .oracle_top
+                let picked = oracle_selectors
                     .iter()
-                    .map(|&f| metrics::largest_pages(&c, d, pages_for_fraction(f, ld.n_pages)))
+                    .map(|sel| sel.pick_from_outputs(&c, d).unwrap_or_default())
                     .collect();
                 // The same bound at finer groups of channels (artifact order).
                 let kept: Vec<Vec<f64>> = if args.oracle_top.is_empty() {
@@ -264,15 +273,11 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
                         })
                         .collect()
                 };
-                TokenOracle {
-                    oracle: oracle_useful_set(&c, d, ORACLE_COSINE),
-                    tops,
-                    kept,
-                }
+                TokenOracle { picked, kept }
             })
             .collect();
-        for (i, per_fraction) in top.iter_mut().enumerate() {
-            per_fraction.push(sets.iter().map(|s| s.tops[i].clone()).collect());
+        for (i, per_mode) in picked.iter_mut().enumerate() {
+            per_mode.push(sets.iter().map(|s| s.picked[i].clone()).collect());
         }
         for s in &sets {
             for (acc, cos) in granularity
@@ -284,7 +289,6 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
                 acc.1 += (*cos >= ORACLE_COSINE) as usize;
             }
         }
-        oracle.push(sets.into_iter().map(|s| s.oracle).collect());
         bar.inc(1);
     }
     bar.finish();
@@ -294,7 +298,13 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         .sum();
 
     // Sweeps.
-    let sweep = |label: String, mode: SparseMode| -> anyhow::Result<Sweep> {
+    let oracle = &picked[0];
+    // `sets`: the mode's pages per layer and token when its selector needs
+    // every page's output (the oracle modes).
+    let sweep = |label: String,
+                 mode: SparseMode,
+                 sets: Option<&Vec<Vec<Vec<usize>>>>|
+     -> anyhow::Result<Sweep> {
         let sel = PageSelector::new(artifact.clone(), mode)?;
         let mut layers = Vec::with_capacity(n_layer);
         let (mut rec, mut routed_cands, mut act) = (0f64, 0f64, 0f64);
@@ -303,17 +313,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             let (mut lr, mut lj) = (0f64, 0f64);
             let mut counts = Vec::with_capacity(n);
             for t in 0..n {
-                let active = match (sel.select(l, &xs[l][t * d..(t + 1) * d])?, mode) {
-                    (Some(a), _) => a,
-                    (None, SparseMode::OracleTop { fraction, .. }) => {
-                        let i = args
-                            .oracle_top
-                            .iter()
-                            .position(|&f| f == fraction)
-                            .context("an oracle-top fraction that was not asked for")?;
-                        top[i][l][t].clone()
-                    }
-                    (None, _) => oracle[l][t].clone(),
+                let active = match sel.select(l, &xs[l][t * d..(t + 1) * d])? {
+                    Some(a) => a,
+                    None => sets.context("an oracle mode without its sets")?[l][t].clone(),
                 };
                 let mut on = vec![false; ld.n_pages];
                 active.iter().for_each(|&p| on[p] = true);
@@ -345,23 +347,28 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             layers,
         })
     };
-    let oracle_sweep = sweep("oracle".into(), SparseMode::Oracle)?;
+    let oracle_sweep = sweep("oracle".into(), SparseMode::Oracle, Some(oracle))?;
     let top_sweeps: Vec<Sweep> = args
         .oracle_top
         .iter()
-        .map(|&fraction| {
+        .enumerate()
+        .map(|(i, &fraction)| {
             sweep(
                 format!("oracle top {}%", fraction * 100.0),
-                SparseMode::OracleTop {
-                    fraction,
-                    group_channels: PAGE_CHANNELS as u16,
-                },
+                oracle_modes[i + 1],
+                Some(&picked[i + 1]),
             )
         })
         .collect::<anyhow::Result<_>>()?;
     let bvh: Vec<Sweep> = MARGIN_GRID
         .iter()
-        .map(|&m| sweep(format!("bvh margin {m}"), SparseMode::Bvh { margin: m }))
+        .map(|&m| {
+            sweep(
+                format!("bvh margin {m}"),
+                SparseMode::Bvh { margin: m },
+                None,
+            )
+        })
         .collect::<anyhow::Result<_>>()?;
     let pred: Vec<Sweep> = THRESHOLD_GRID
         .iter()
@@ -369,6 +376,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             sweep(
                 format!("predictor threshold {t}"),
                 SparseMode::Predictor { threshold: t },
+                None,
             )
         })
         .collect::<anyhow::Result<_>>()?;
