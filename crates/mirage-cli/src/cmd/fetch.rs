@@ -11,7 +11,8 @@ use mirage_fetch::{FetchOutcome, ModelSpec, MODELS};
 /// Arguments of `mirage-cli fetch-models`.
 #[derive(Debug, clap::Args)]
 pub struct FetchArgs {
-    /// Fetch only this model: smollm2 or qwen2.5-coder.
+    /// Fetch only these models (comma-separated ids, or `all`); without it the
+    /// default set: smollm2 and qwen2.5-coder.
     #[arg(long)]
     pub only: Option<String>,
     /// Folder the models are cached in (default: $MIRAGE_MODELS_DIR or ./models).
@@ -58,14 +59,7 @@ pub fn fetch_if_known_and_missing(path: &Path) -> anyhow::Result<bool> {
 /// Runs `fetch-models`.
 pub fn run(args: FetchArgs) -> anyhow::Result<()> {
     let dir = args.dir.unwrap_or_else(mirage_fetch::default_models_dir);
-    let specs: Vec<&ModelSpec> = match args.only.as_deref() {
-        None => MODELS.iter().collect(),
-        Some(id) => vec![mirage_fetch::find_model(id).with_context(|| {
-            let ids: Vec<&str> = MODELS.iter().map(|m| m.id).collect();
-            format!("unknown model {id:?}; known: {}", ids.join(", "))
-        })?],
-    };
-    for spec in specs {
+    for spec in mirage_fetch::select_models(args.only.as_deref())? {
         let (path, outcome) = ensure(spec, &dir)?;
         let what = match outcome {
             FetchOutcome::AlreadyPresent => "up to date",
