@@ -265,7 +265,6 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-
 /// Format version of activation-sparsity artifacts (channel-major
 /// projections, thresholds, allocation plans; `activation::format`).
 pub const ACTIVATION_VERSION: u32 = 2;
@@ -354,7 +353,9 @@ pub(crate) fn read_container<'a>(b: &'a [u8], want: u32, names: &[&str]) -> Resu
         let e = HEADER_BYTES + SECTION_ENTRY_BYTES * i;
         let name = &b[e..e + 8];
         if &name[..want.len()] != want.as_bytes() || name[want.len()..].iter().any(|&c| c != 0) {
-            return Err(ArtifactError::Malformed(format!("section {i} is not {want}")));
+            return Err(ArtifactError::Malformed(format!(
+                "section {i} is not {want}"
+            )));
         }
         let off = u64::from_le_bytes(b[e + 8..e + 16].try_into().expect("8"));
         let len = u64::from_le_bytes(b[e + 16..e + 24].try_into().expect("8"));
@@ -369,7 +370,9 @@ pub(crate) fn read_container<'a>(b: &'a [u8], want: u32, names: &[&str]) -> Resu
             });
         }
         if off % PAGE_ALIGN as u64 != 0 {
-            return Err(ArtifactError::Malformed(format!("{want} is not {PAGE_ALIGN}-aligned")));
+            return Err(ArtifactError::Malformed(format!(
+                "{want} is not {PAGE_ALIGN}-aligned"
+            )));
         }
         let body = &b[off as usize..end as usize];
         if Sha256::digest(body)[..] != b[e + 24..e + 56] {

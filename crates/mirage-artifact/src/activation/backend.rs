@@ -282,7 +282,11 @@ impl ActivationBackend {
     /// `outs[m] = W_m x_m` for one input row per job, by the channel-major
     /// kernels over each job's active channels; one parallel loop over all
     /// jobs' tiles.
-    fn sparse_products(&self, jobs: &[(&ActMatrix, &[f32])], outs: &mut [Vec<f32>]) -> RtResult<()> {
+    fn sparse_products(
+        &self,
+        jobs: &[(&ActMatrix, &[f32])],
+        outs: &mut [Vec<f32>],
+    ) -> RtResult<()> {
         let artifact = self
             .artifact
             .as_ref()
@@ -296,7 +300,9 @@ impl ActivationBackend {
         let mut kernel_bytes = 0u64;
         let mut counts = Vec::with_capacity(jobs.len());
         for (j, (w, x)) in jobs.iter().enumerate() {
-            let cm = w.cm.as_ref().ok_or_else(|| invalid("no channel-major copy".into()))?;
+            let cm =
+                w.cm.as_ref()
+                    .ok_or_else(|| invalid("no channel-major copy".into()))?;
             let group = cm.layout.group();
             match self.threshold_of(w) {
                 Some(thr) => s.active[j].fill(x, group, |i, v| v.abs() >= thr[i]),
@@ -502,7 +508,11 @@ impl Backend for ActivationBackend {
         }
         if self.one_row_sparse(&[w], x) {
             if x.width() != w.dense.cols() {
-                return Err(invalid(format!("input width {} != {}", x.width(), w.dense.cols())));
+                return Err(invalid(format!(
+                    "input width {} != {}",
+                    x.width(),
+                    w.dense.cols()
+                )));
             }
             self.record(w, x.data());
             let mut o = vec![Vec::new()];
@@ -528,7 +538,11 @@ impl Backend for ActivationBackend {
         }
         if self.one_row_sparse(ws, x) {
             if let Some(w) = ws.iter().find(|w| w.dense.cols() != x.width()) {
-                return Err(invalid(format!("input width {} != {}", x.width(), w.dense.cols())));
+                return Err(invalid(format!(
+                    "input width {} != {}",
+                    x.width(),
+                    w.dense.cols()
+                )));
             }
             for w in ws {
                 self.record(w, x.data());
@@ -570,9 +584,7 @@ impl Backend for ActivationBackend {
     }
     fn ffn(&self, f: &ActFfn, x: &CpuActivations, out: &mut CpuActivations) -> RtResult<()> {
         let n = x.rows();
-        let any = [&f.gate, &f.up, &f.down]
-            .iter()
-            .any(|w| self.touched(w, n));
+        let any = [&f.gate, &f.up, &f.down].iter().any(|w| self.touched(w, n));
         if !any {
             return self.inner.ffn(&f.dense, x, out);
         }

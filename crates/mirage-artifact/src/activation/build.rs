@@ -19,8 +19,8 @@ use rayon::prelude::*;
 
 use super::backend::ActivationBackend;
 use super::fit::{
-    block_greedy, block_greedy_rows, mean_kl, mean_nll, path_at, sensitivity_rows,
-    thresholds_row, uniform_rows, GreedyOptions, PathPoint,
+    block_greedy, block_greedy_rows, mean_kl, mean_nll, path_at, sensitivity_rows, thresholds_row,
+    uniform_rows, GreedyOptions, PathPoint,
 };
 use super::format::{
     write_bytes, ActivationContents, ActivationMeta, Allocation, PlanMeta, PlanTable,

@@ -290,11 +290,7 @@ pub fn sensitivity_rows(paths: &[Vec<PathPoint>], kappa: &[f64], targets: &[f32]
                 None => break,
             }
         }
-        rows.push(
-            (0..n)
-                .flat_map(|l| path_at(&paths[l], s[l]).sp)
-                .collect(),
-        );
+        rows.push((0..n).flat_map(|l| path_at(&paths[l], s[l]).sp).collect());
     }
     rows
 }
@@ -313,7 +309,10 @@ pub fn mean_kl(dense: &[f32], sparse: &[f32], vocab: usize) -> f64 {
     let rows = dense.len() / vocab;
     let mut tot = 0f64;
     for r in 0..rows {
-        let (a, b) = (&dense[r * vocab..(r + 1) * vocab], &sparse[r * vocab..(r + 1) * vocab]);
+        let (a, b) = (
+            &dense[r * vocab..(r + 1) * vocab],
+            &sparse[r * vocab..(r + 1) * vocab],
+        );
         let lse = |v: &[f32]| {
             let m = v.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x)) as f64;
             m + v.iter().map(|x| (*x as f64 - m).exp()).sum::<f64>().ln()

@@ -184,7 +184,9 @@ pub fn write_bytes(
         put_f32s(&mut scores, &s.col_norms);
         for q in &s.quantiles {
             if q.len() != QUANTILE_LEVELS + 1 {
-                return Err(ArtifactError::InvalidArgument("quantile table length".into()));
+                return Err(ArtifactError::InvalidArgument(
+                    "quantile table length".into(),
+                ));
             }
             put_f32s(&mut scores, q);
         }
@@ -233,9 +235,7 @@ impl Cursor<'_> {
             .at
             .checked_add(n)
             .filter(|&e| e <= self.b.len())
-            .ok_or_else(|| {
-                ArtifactError::Malformed(format!("{} section ends early", self.what))
-            })?;
+            .ok_or_else(|| ArtifactError::Malformed(format!("{} section ends early", self.what)))?;
         let s = &self.b[self.at..end];
         self.at = end;
         Ok(s)
@@ -323,7 +323,10 @@ impl ActivationArtifact {
         let meta: ActivationMeta = serde_json::from_slice(sec[0])
             .map_err(|e| ArtifactError::Malformed(format!("META: {e}")))?;
         if meta.kind != "activation" {
-            return Err(ArtifactError::Malformed(format!("META kind `{}`", meta.kind)));
+            return Err(ArtifactError::Malformed(format!(
+                "META kind `{}`",
+                meta.kind
+            )));
         }
         if hex::encode(&b[16..48]) != meta.source_sha256 {
             return Err(ArtifactError::Malformed(
@@ -343,7 +346,8 @@ impl ActivationArtifact {
         let mut matrices = Vec::with_capacity(n);
         for m in 0..n {
             let bad = |s: String| ArtifactError::Malformed(format!("matrix {m}: {s}"));
-            let (ty, rows, cols, _) = (mc.u32()?, mc.u32()? as usize, mc.u32()? as usize, mc.u32()?);
+            let (ty, rows, cols, _) =
+                (mc.u32()?, mc.u32()? as usize, mc.u32()? as usize, mc.u32()?);
             let (off, len) = (mc.u64()? as usize, mc.u64()? as usize);
             let ty = GgmlType::from_id(ty).ok_or_else(|| bad(format!("unknown type id {ty}")))?;
             let layout = ChannelMajorLayout::new(ty, rows, cols).map_err(|e| bad(e.to_string()))?;
@@ -351,7 +355,9 @@ impl ActivationArtifact {
                 || off % PAGE_ALIGN != 0
                 || off.checked_add(len).is_none_or(|e| e > sec[2].len())
             {
-                return Err(bad(format!("{len} bytes at {off} do not fit WEIGHTS or the layout")));
+                return Err(bad(format!(
+                    "{len} bytes at {off} do not fit WEIGHTS or the layout"
+                )));
             }
             matrices.push(MatrixEntry {
                 layout,

@@ -124,7 +124,9 @@ impl<B: Backend> Graph<B> {
             .map_or(0, |t| t.n_rows() as usize);
         let tok_embd = backend.upload_matrix(&host(file, "token_embd.weight", d, n_embd_rows)?)?;
         let output = match file.tensor_info("output.weight") {
-            Some(_) => Some(backend.upload_matrix(&host(file, "output.weight", d, c.vocab_size)?)?),
+            Some(_) => {
+                Some(backend.upload_matrix(&host(file, "output.weight", d, c.vocab_size)?)?)
+            }
             None => None,
         };
         let output_norm = backend.upload_vector(&vector(file, "output_norm.weight", d)?)?;
@@ -261,10 +263,19 @@ impl<B: Backend> Graph<B> {
     }
 
     /// Logits of every row of the final residual stream `x`.
-    pub fn logits(&self, x: &B::Activations, s: &mut GraphScratch<B>, out: &mut Vec<f32>) -> Result<()> {
+    pub fn logits(
+        &self,
+        x: &B::Activations,
+        s: &mut GraphScratch<B>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let b = &self.backend;
         b.rms_norm(x, &self.output_norm, self.config.rms_norm_eps, &mut s.xn)?;
-        b.matmul(self.output.as_ref().unwrap_or(&self.tok_embd), &s.xn, &mut s.logits)?;
+        b.matmul(
+            self.output.as_ref().unwrap_or(&self.tok_embd),
+            &s.xn,
+            &mut s.logits,
+        )?;
         b.read(&s.logits, out)?;
         Ok(())
     }

@@ -102,7 +102,10 @@ impl Proj {
         let rest = name.strip_prefix("blk.")?;
         let (l, _) = rest.split_once('.')?;
         let l: usize = l.parse().ok()?;
-        Proj::ALL.into_iter().find(|p| p.tensor(l) == name).map(|p| (l, p))
+        Proj::ALL
+            .into_iter()
+            .find(|p| p.tensor(l) == name)
+            .map(|p| (l, p))
     }
 }
 
@@ -146,7 +149,9 @@ impl FromStr for Criterion {
         match s.trim().to_ascii_lowercase().as_str() {
             "teal" => Ok(Criterion::Teal),
             "wina" => Ok(Criterion::Wina),
-            other => Err(format!("unknown criterion `{other}` (expected teal or wina)")),
+            other => Err(format!(
+                "unknown criterion `{other}` (expected teal or wina)"
+            )),
         }
     }
 }
@@ -166,16 +171,16 @@ impl SparsityTarget {
     /// Checks the numbers: a fixed sparsity in `[0, 1)`, a budget `>= 0`.
     pub fn validate(self) -> crate::Result<SparsityTarget> {
         match self {
-            SparsityTarget::Fixed(s) if !(0.0..1.0).contains(&s) => Err(
-                crate::ArtifactError::InvalidArgument(format!(
+            SparsityTarget::Fixed(s) if !(0.0..1.0).contains(&s) => {
+                Err(crate::ArtifactError::InvalidArgument(format!(
                     "sparsity {s} is outside [0, 1): it is the share of weights skipped"
-                )),
-            ),
-            SparsityTarget::MaxPplIncrease(b) if !(b >= 0.0 && b.is_finite()) => Err(
-                crate::ArtifactError::InvalidArgument(format!(
+                )))
+            }
+            SparsityTarget::MaxPplIncrease(b) if !(b >= 0.0 && b.is_finite()) => {
+                Err(crate::ArtifactError::InvalidArgument(format!(
                     "perplexity budget {b} must be a finite increase >= 0 (0.01 = 1 %)"
-                )),
-            ),
+                )))
+            }
             t => Ok(t),
         }
     }
@@ -202,7 +207,10 @@ mod tests {
         assert!(SparsityTarget::Fixed(0.0).validate().is_ok());
         assert!(SparsityTarget::Fixed(0.99).validate().is_ok());
         for bad in [1.0f32, -0.1, f32::NAN, 1.5] {
-            let e = SparsityTarget::Fixed(bad).validate().unwrap_err().to_string();
+            let e = SparsityTarget::Fixed(bad)
+                .validate()
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("outside [0, 1)"), "{e}");
         }
         assert!(SparsityTarget::MaxPplIncrease(-0.01).validate().is_err());
