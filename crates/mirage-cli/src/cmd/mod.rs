@@ -7,6 +7,7 @@ pub mod bench;
 pub mod bench_sparse;
 pub mod chat;
 pub mod eval;
+pub mod eval_activation;
 pub mod eval_long;
 pub mod fetch;
 pub mod generate;
