@@ -27,7 +27,9 @@ fn main() {
     let mut s = 1u64;
     let vals: Vec<f32> = (0..rows * cols)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect();
@@ -68,7 +70,11 @@ fn main() {
             let bytes = layout.bytes_read(&act);
             let mut out = vec![0f32; layout.tile()];
             let t = Instant::now();
-            let it2 = if fam == ChannelMajorKernel::Scalar { 1 } else { iters };
+            let it2 = if fam == ChannelMajorKernel::Scalar {
+                1
+            } else {
+                iters
+            };
             for it in 0..it2 {
                 let w = &cms[it % copies];
                 for tt in 0..layout.n_tiles() {

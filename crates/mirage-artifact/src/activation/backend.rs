@@ -21,7 +21,7 @@
 use std::sync::{Arc, Mutex, RwLock};
 
 use mirage_gguf::quant::channel_major::{
-    ActiveChannels, ChannelMajorKernel, ChannelMajorLayout, TileKernel,
+    self, ActiveChannels, ChannelMajorKernel, ChannelMajorLayout, TileKernel,
 };
 use mirage_runtime::backend::cpu::{CpuActivations, CpuFfn, CpuMatrix};
 use mirage_runtime::backend::{AttentionParams, HostMatrix, QkNorm, TokenSlot};
@@ -331,7 +331,7 @@ impl ActivationBackend {
                 }
             }
         }
-        const STRIDE: usize = 128;
+        const STRIDE: usize = channel_major::MAX_TILE;
         s.parts.resize(tasks.len() * STRIDE, 0.0);
         let active = &s.active;
         s.parts

@@ -164,11 +164,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                         bytes[c] = weight_bytes as f64 - proj_bytes as f64 + per_tok;
                         let (mut kept, mut tot) = (0f64, 0f64);
                         for (m, (act, n)) in st.active.iter().enumerate() {
-                            if let (true, Some(e)) = (
-                                *n > 0,
-                                artifact.matrix(m / 7, Proj::ALL[m % 7]),
-                            ) {
-                                kept += w[m % 7] * (*act as f64 / *n as f64) / e.layout.cols() as f64;
+                            if let (true, Some(e)) =
+                                (*n > 0, artifact.matrix(m / 7, Proj::ALL[m % 7]))
+                            {
+                                kept +=
+                                    w[m % 7] * (*act as f64 / *n as f64) / e.layout.cols() as f64;
                                 tot += w[m % 7];
                             }
                         }

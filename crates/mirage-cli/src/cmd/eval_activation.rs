@@ -58,7 +58,10 @@ fn score(logits: &[f32], dense: &[f32], tokens: &[u32], vocab: usize) -> Scored 
     let n = tokens.len();
     let (mut cs, mut agree, mut nl) = (0f64, 0usize, 0f64);
     for i in 0..n {
-        let (a, b) = (&logits[i * vocab..(i + 1) * vocab], &dense[i * vocab..(i + 1) * vocab]);
+        let (a, b) = (
+            &logits[i * vocab..(i + 1) * vocab],
+            &dense[i * vocab..(i + 1) * vocab],
+        );
         cs += cosine(a, b);
         agree += (argmax(a) == argmax(b)) as usize;
         if i + 1 < n {
@@ -77,7 +80,14 @@ fn decode_logits<B: Backend>(model: &Model<B>, tokens: &[u32]) -> anyhow::Result
     let mut s = model.new_scratch();
     let (mut all, mut out) = (Vec::new(), Vec::new());
     for (pos, &t) in tokens.iter().enumerate() {
-        model.forward(&[t], &[TokenSlot { seq: 0, pos }], &[0], &mut cache, &mut s, &mut out)?;
+        model.forward(
+            &[t],
+            &[TokenSlot { seq: 0, pos }],
+            &[0],
+            &mut cache,
+            &mut s,
+            &mut out,
+        )?;
         all.extend_from_slice(&out);
     }
     Ok(all)
@@ -107,7 +117,10 @@ pub fn run(
     let text = std::fs::read_to_string(text_path)
         .with_context(|| format!("reading {}", text_path.display()))?;
     if mirage_artifact::format::sha256_hex(text.as_bytes()) == meta.calib_sha256 {
-        bail!("{} is the calibration text; evaluate on held-out text", text_path.display());
+        bail!(
+            "{} is the calibration text; evaluate on held-out text",
+            text_path.display()
+        );
     }
     let opts = EngineOptions {
         threads,
@@ -163,7 +176,11 @@ pub fn run(
     if plans.is_empty() {
         bail!(
             "no plan matches (the artifact has {})",
-            meta.plans.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
+            meta.plans
+                .iter()
+                .map(|p| p.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     let mut rows = Vec::new();
@@ -194,7 +211,9 @@ pub fn run(
             rows.push((name.clone(), s, achieved, sc));
         }
     }
-    sparse.backend().set_thresholds(vec![None; n_layer * Proj::ALL.len()])?;
+    sparse
+        .backend()
+        .set_thresholds(vec![None; n_layer * Proj::ALL.len()])?;
 
     if as_json {
         let out = json!({

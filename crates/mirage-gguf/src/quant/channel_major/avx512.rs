@@ -106,7 +106,7 @@ macro_rules! tile_kernel {
             y: &mut [f32],
         ) {
             match layout.tile() {
-                128 => $inner::<8>(layout, data, t, groups, active, y),
+                t128 if t128 % 128 == 0 => $inner::<8>(layout, data, t, groups, active, y),
                 64 => $inner::<4>(layout, data, t, groups, active, y),
                 // 32-output tiles: the AVX2 kernel (same arithmetic).
                 _ => {
@@ -117,6 +117,8 @@ macro_rules! tile_kernel {
             }
         }
 
+        /// Sub-strips of `16 V` outputs; every active channel's codes of the
+        /// tile are prefetched when its group starts.
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
         unsafe fn $inner<const V: usize>(
             layout: &ChannelMajorLayout,
@@ -126,7 +128,7 @@ macro_rules! tile_kernel {
             active: &ActiveChannels,
             y: &mut [f32],
         ) {
-            let tile = V * 16;
+            let tile = layout.tile();
             let base = data.as_ptr();
             let (gsize, cb, rb) = (
                 layout.group(),
@@ -134,10 +136,11 @@ macro_rules! tile_kernel {
                 layout.record_bytes(),
             );
             let yp = y.as_mut_ptr();
-            for v in 0..V {
+            for v in 0..tile / 16 {
                 _mm512_storeu_ps(yp.add(16 * v), _mm512_setzero_ps());
             }
             let per_sb = layout.superblock() / gsize;
+            let strips = tile / (16 * V);
             for g in groups {
                 let r = active.range(g);
                 if r.is_empty() {
@@ -145,23 +148,38 @@ macro_rules! tile_kernel {
                 }
                 let rec = base.add(layout.record_offset(t, g));
                 let chans = rec.add(rb);
-                let mut acc = [_mm512_setzero_ps(); V];
-                for k in r.clone() {
-                    let i = *active.idx.get_unchecked(k) as usize;
-                    let x = _mm512_set1_ps(*active.vals.get_unchecked(k));
-                    let ch = chans.add((i - g * gsize) * cb);
-                    for c in 0..V / 2 {
-                        let (lo, hi) = codes!($bits, ch, tile, c);
-                        acc[2 * c] = _mm512_fmadd_ps(x, _mm512_cvtepi32_ps(lo), acc[2 * c]);
-                        acc[2 * c + 1] = _mm512_fmadd_ps(x, _mm512_cvtepi32_ps(hi), acc[2 * c + 1]);
+                if strips > 1 {
+                    for k in r.clone() {
+                        let i = *active.idx.get_unchecked(k) as usize;
+                        let ch = chans.add((i - g * gsize) * cb);
+                        let mut off = 0;
+                        while off < cb {
+                            _mm_prefetch(ch.add(off) as *const i8, _MM_HINT_T0);
+                            off += 64;
+                        }
                     }
                 }
                 let sum = *active.sums.get_unchecked(g);
                 let hdr = base.add(layout.header_offset(t, g / per_sb));
-                for v in 0..V {
-                    let yv = _mm512_loadu_ps(yp.add(16 * v));
-                    let out = ($epi)(rec, hdr, tile, 16 * v, acc[v], sum, yv);
-                    _mm512_storeu_ps(yp.add(16 * v), out);
+                for strip in 0..strips {
+                    let mut acc = [_mm512_setzero_ps(); V];
+                    for k in r.clone() {
+                        let i = *active.idx.get_unchecked(k) as usize;
+                        let x = _mm512_set1_ps(*active.vals.get_unchecked(k));
+                        let ch = chans.add((i - g * gsize) * cb);
+                        for c in 0..V / 2 {
+                            let (lo, hi) = codes!($bits, ch, tile, strip * (V / 2) + c);
+                            acc[2 * c] = _mm512_fmadd_ps(x, _mm512_cvtepi32_ps(lo), acc[2 * c]);
+                            acc[2 * c + 1] =
+                                _mm512_fmadd_ps(x, _mm512_cvtepi32_ps(hi), acc[2 * c + 1]);
+                        }
+                    }
+                    for v in 0..V {
+                        let p = strip * 16 * V + 16 * v;
+                        let yv = _mm512_loadu_ps(yp.add(p));
+                        let out = ($epi)(rec, hdr, tile, p, acc[v], sum, yv);
+                        _mm512_storeu_ps(yp.add(p), out);
+                    }
                 }
             }
         }

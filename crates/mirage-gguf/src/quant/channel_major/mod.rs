@@ -15,7 +15,8 @@
 //! orders them as:
 //!
 //! ```text
-//! for tile t (TILE outputs: 128, else 64, else 32 — the largest dividing `rows`)
+//! for tile t (TILE outputs: the largest multiple of 128 — else 64, else 32 —
+//!             up to MAX_TILE that divides `rows`)
 //!   for super-block s (256 channels for K-quants, one group otherwise)
 //!     [K-quants only] header: per output of the tile, d (and dmin) as f16
 //!     for group g of s
@@ -65,6 +66,9 @@ use crate::types::GgmlType;
 
 /// Outputs per code chunk (the nibble interleave unit).
 pub const CHUNK: usize = 32;
+
+/// Most outputs of a tile.
+pub const MAX_TILE: usize = 1024;
 
 /// How a source type's blocks map to the channel-major layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,7 +139,7 @@ impl ChannelMajorLayout {
                 block_size: s.superblock,
             });
         }
-        let tile = [128, 64, 32]
+        let unit = [128, 64, 32]
             .into_iter()
             .find(|t| rows % t == 0 && rows > 0)
             .ok_or(QuantError::NotBlockMultiple {
@@ -143,6 +147,16 @@ impl ChannelMajorLayout {
                 n: rows,
                 block_size: CHUNK,
             })?;
+        // The fewest tiles of at most MAX_TILE outputs: a channel's codes in
+        // a tile are one contiguous run, and a skipped channel skips the
+        // whole run (runs of a single cache line are fetched anyway by the
+        // hardware prefetchers when their neighbours are read).
+        let units = rows / unit;
+        let per_tile = (1..=units)
+            .rev()
+            .find(|&k| units % k == 0 && k * unit <= MAX_TILE)
+            .unwrap_or(1);
+        let tile = per_tile * unit;
         Ok(ChannelMajorLayout {
             ty,
             rows,
@@ -875,7 +889,13 @@ mod kernel_tests {
             GgmlType::Q6_K,
         ];
         for ty in types {
-            for (rows, cols) in [(128usize, 512usize), (64, 256), (96, 256)] {
+            for (rows, cols) in [
+                (128usize, 512usize),
+                (64, 256),
+                (96, 256),
+                (768, 256),
+                (1280, 256),
+            ] {
                 let rb = super::super::row_bytes(ty, cols).unwrap();
                 let mut src = vec![0u8; rb * rows];
                 super::super::quantize(ty, &lcg(7 + rows as u64, rows * cols), &mut src).unwrap();
