@@ -465,8 +465,9 @@ impl ActivationArtifact {
     /// The per-matrix sparsities of `plan` (default: the artifact's) for
     /// `target`: a fixed model-wide sparsity (rows interpolated linearly;
     /// above the highest stored target is refused), or the highest stored
-    /// target whose calibration perplexity stays within the budget (refused
-    /// when not even the smallest non-zero target does).
+    /// target such that it and every smaller one keep the calibration
+    /// perplexity within the budget (refused when not even the smallest
+    /// non-zero target does).
     pub fn resolve(&self, plan: Option<&str>, target: SparsityTarget) -> Result<ResolvedSparsity> {
         let target = target.validate()?;
         let name = plan.unwrap_or(&self.meta.default_plan);
@@ -507,9 +508,11 @@ impl ActivationArtifact {
             }
             SparsityTarget::MaxPplIncrease(budget) => {
                 let limit = dense * (1.0 + budget as f64);
+                // The targets up to the first one over the budget (a noisy
+                // dip of the measured perplexity further up is not trusted).
                 let best = (1..pm.targets.len())
-                    .filter(|&r| (t.ppl[r] as f64) <= limit)
-                    .next_back();
+                    .take_while(|&r| (t.ppl[r] as f64) <= limit)
+                    .last();
                 match best {
                     Some(r) => (pm.targets[r], t.rows[r].clone(), t.ppl[r] as f64),
                     None => {
