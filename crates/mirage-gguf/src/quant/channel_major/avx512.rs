@@ -107,7 +107,7 @@ macro_rules! tile_kernel {
         ) {
             match layout.tile() {
                 t128 if t128 % 128 == 0 => $inner::<8>(layout, data, t, groups, active, y),
-                64 => $inner::<4>(layout, data, t, groups, active, y),
+                t64 if t64 % 64 == 0 => $inner::<4>(layout, data, t, groups, active, y),
                 // 32-output tiles: the AVX2 kernel (same arithmetic).
                 _ => {
                     if let Some(k) = super::avx2::kernel(layout.ty()) {
