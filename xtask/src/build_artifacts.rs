@@ -16,13 +16,13 @@ use mirage_gguf::GgmlType;
 pub struct BuildArtifactsArgs {
     /// The source GGUF model.
     #[arg(long)]
-    model: PathBuf,
+    pub(crate) model: PathBuf,
     /// Calibration text (default: /usr/share/common-licenses/GPL-3; keep evaluation text disjoint).
     #[arg(long, default_value = "/usr/share/common-licenses/GPL-3")]
-    calib: PathBuf,
+    pub(crate) calib: PathBuf,
     /// Output file (default: next to the model, `<stem>.mirage`).
     #[arg(long)]
-    out: Option<PathBuf>,
+    pub(crate) out: Option<PathBuf>,
     /// Page quantization: q8_0 or q2_k (q2_k falls back to q8_0 where d_model % 256 != 0).
     #[arg(long, default_value = "q8_0")]
     quant: String,
@@ -31,7 +31,7 @@ pub struct BuildArtifactsArgs {
     budget: Option<String>,
     /// Most calibration tokens.
     #[arg(long, default_value_t = 2048)]
-    max_tokens: usize,
+    pub(crate) max_tokens: usize,
     /// Router slices (3-D points per token).
     #[arg(long, default_value_t = 4)]
     slices: usize,
@@ -43,11 +43,30 @@ pub struct BuildArtifactsArgs {
     trunk_freq: f32,
     /// CPU threads (0: all).
     #[arg(long, default_value_t = 0)]
-    threads: usize,
+    pub(crate) threads: usize,
+    /// `pages` (page-major FFN pages and router) or `activation` (every projection channel-major, with
+    /// thresholds and allocation plans for `--sparsity`).
+    #[arg(long, default_value = "pages", value_parser = ["pages", "activation"])]
+    mode: String,
+    /// Activation mode: calibration tokens whose projection inputs give the thresholds.
+    #[arg(long, default_value_t = 512)]
+    pub(crate) calib_tokens: usize,
+    /// Activation mode: positions each layer's greedy search runs on.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) greedy_tokens: usize,
+    /// Activation mode: calibration tokens the sensitivities and perplexities are measured on.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) ppl_tokens: usize,
+    /// Activation mode: layer sparsity one greedy step adds.
+    #[arg(long, default_value_t = 0.025)]
+    pub(crate) greedy_step: f32,
 }
 
 /// Runs the task.
 pub fn run(args: &BuildArtifactsArgs, _root: &Path) -> anyhow::Result<()> {
+    if args.mode == "activation" {
+        return crate::build_activation::run(args);
+    }
     let started = Instant::now();
     let quant = match args.quant.to_ascii_lowercase().as_str() {
         "q8_0" => GgmlType::Q8_0,

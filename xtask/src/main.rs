@@ -14,6 +14,7 @@ use mirage_fetch::progress::FetchProgress;
 use mirage_fetch::FetchOutcome;
 
 mod bench;
+mod build_activation;
 mod build_artifacts;
 mod route_export;
 mod shaders;
@@ -40,7 +41,7 @@ enum Task {
     },
     /// Compile shaders/*.{rgen,rint,rmiss,comp} to the committed SPIR-V (`--check`: fail if stale).
     Shaders(shaders::ShadersArgs),
-    /// Build a page-major MIRAGE artifact (calibration, pages, router, packing) from a GGUF model.
+    /// Build a MIRAGE artifact from a GGUF model: page-major FFN pages and router (`--mode pages`), or channel-major projections with activation-sparsity thresholds (`--mode activation`).
     BuildArtifacts(build_artifacts::BuildArtifactsArgs),
     /// Benchmark MIRAGE against llama.cpp (`bench cpu`: llama-bench on the same GGUF, same threads).
     Bench(bench::BenchArgs),

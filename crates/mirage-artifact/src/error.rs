@@ -24,6 +24,14 @@ pub enum ArtifactError {
         /// Version this code reads.
         supported: u32,
     },
+    /// The file is an artifact of the other kind.
+    #[error("this is {found}, but {expected} was expected")]
+    WrongKind {
+        /// What the file is.
+        found: &'static str,
+        /// What the caller needs.
+        expected: &'static str,
+    },
     /// The file is shorter than its header or section table says.
     #[error("artifact truncated: {what} needs {need} bytes, the file has {have}")]
     Truncated {

@@ -112,7 +112,7 @@ pub fn page_stride(ty: GgmlType, d_model: usize) -> Result<usize> {
     Ok(page_bytes(ty, d_model)?.div_ceil(PAGE_ALIGN) * PAGE_ALIGN)
 }
 
-fn align(n: usize) -> usize {
+pub(crate) fn align(n: usize) -> usize {
     n.div_ceil(PAGE_ALIGN) * PAGE_ALIGN
 }
 
@@ -200,18 +200,34 @@ pub fn write_bytes(
         put_f32s(&mut calib, &ld.channel_mean_abs);
         put_f32s(&mut calib, &ld.channel_oracle_freq);
     }
-    let bodies = [meta_json, layer_sec, weights, router, predict, calib];
+    write_container(
+        VERSION,
+        &source_sha,
+        &SECTIONS,
+        &[meta_json, layer_sec, weights, router, predict, calib],
+    )
+}
+
+/// Serializes a container: the header (magic, `version`, section count,
+/// `source_sha`, header checksum), the section table and the sections,
+/// each [`PAGE_ALIGN`]-aligned with its sha256. Every artifact kind uses it.
+pub(crate) fn write_container(
+    version: u32,
+    source_sha: &[u8; 32],
+    names: &[&str],
+    bodies: &[Vec<u8>],
+) -> Result<Vec<u8>> {
     let table_end = HEADER_BYTES + SECTION_ENTRY_BYTES * bodies.len();
     let mut out = vec![0u8; table_end];
     out[..8].copy_from_slice(MAGIC);
-    out[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    out[8..12].copy_from_slice(&version.to_le_bytes());
     out[12..16].copy_from_slice(&(bodies.len() as u32).to_le_bytes());
-    out[16..48].copy_from_slice(&source_sha);
+    out[16..48].copy_from_slice(source_sha);
     for (i, body) in bodies.iter().enumerate() {
         out.resize(align(out.len()), 0);
         let e = HEADER_BYTES + SECTION_ENTRY_BYTES * i;
         let mut name = [0u8; 8];
-        name[..SECTIONS[i].len()].copy_from_slice(SECTIONS[i].as_bytes());
+        name[..names[i].len()].copy_from_slice(names[i].as_bytes());
         out[e..e + 8].copy_from_slice(&name);
         let at = out.len() as u64;
         out[e + 8..e + 16].copy_from_slice(&at.to_le_bytes());
@@ -249,13 +265,136 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-enum Storage {
+/// Format version of activation-sparsity artifacts (channel-major
+/// projections, thresholds, allocation plans; `activation::format`).
+pub const ACTIVATION_VERSION: u32 = 2;
+
+/// The kind of artifact a version number names.
+pub(crate) fn kind_of_version(v: u32) -> &'static str {
+    match v {
+        VERSION => "a page-major artifact (sparse FFN pages, `--artifact` with the page router)",
+        ACTIVATION_VERSION => "an activation-sparsity artifact (`--sparsity`)",
+        _ => "an artifact of an unknown kind",
+    }
+}
+
+/// The format version in the header of the artifact file at `path` (to
+/// tell the two kinds apart before loading one).
+pub fn peek_version(path: &Path) -> Result<u32> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| ArtifactError::io(path, e))?;
+    let mut head = [0u8; 12];
+    let n = f.read(&mut head).map_err(|e| ArtifactError::io(path, e))?;
+    if n < 8 || &head[..8] != MAGIC {
+        return Err(ArtifactError::BadMagic);
+    }
+    if n < 12 {
+        return Err(ArtifactError::Truncated {
+            what: "header".into(),
+            need: HEADER_BYTES as u64,
+            have: n as u64,
+        });
+    }
+    Ok(u32::from_le_bytes(head[8..12].try_into().expect("4")))
+}
+
+/// Validates a container written by [`write_container`] and returns its
+/// sections' bytes: magic, version (`want`; the other kind is named in the
+/// error), section names and count, bounds, alignment, every checksum.
+pub(crate) fn read_container<'a>(b: &'a [u8], want: u32, names: &[&str]) -> Result<Vec<&'a [u8]>> {
+    let have = b.len() as u64;
+    if b.len() < 8 || &b[..8] != MAGIC {
+        return Err(ArtifactError::BadMagic);
+    }
+    if b.len() < HEADER_BYTES {
+        return Err(ArtifactError::Truncated {
+            what: "header".into(),
+            need: HEADER_BYTES as u64,
+            have,
+        });
+    }
+    let version = u32::from_le_bytes(b[8..12].try_into().expect("4"));
+    if version != want {
+        if version == VERSION || version == ACTIVATION_VERSION {
+            return Err(ArtifactError::WrongKind {
+                found: kind_of_version(version),
+                expected: kind_of_version(want),
+            });
+        }
+        return Err(ArtifactError::UnsupportedVersion {
+            found: version,
+            supported: want,
+        });
+    }
+    let n_sections = u32::from_le_bytes(b[12..16].try_into().expect("4")) as usize;
+    if n_sections != names.len() {
+        return Err(ArtifactError::Malformed(format!(
+            "{n_sections} sections, version {want} has {}",
+            names.len()
+        )));
+    }
+    let table_end = HEADER_BYTES + SECTION_ENTRY_BYTES * n_sections;
+    if b.len() < table_end {
+        return Err(ArtifactError::Truncated {
+            what: "section table".into(),
+            need: table_end as u64,
+            have,
+        });
+    }
+    let mut head = b[..table_end].to_vec();
+    head[48..80].fill(0);
+    if Sha256::digest(&head)[..] != b[48..80] {
+        return Err(ArtifactError::ChecksumMismatch {
+            section: "header".into(),
+        });
+    }
+    let mut sections: Vec<&[u8]> = Vec::new();
+    for (i, want) in names.iter().enumerate() {
+        let e = HEADER_BYTES + SECTION_ENTRY_BYTES * i;
+        let name = &b[e..e + 8];
+        if &name[..want.len()] != want.as_bytes() || name[want.len()..].iter().any(|&c| c != 0) {
+            return Err(ArtifactError::Malformed(format!(
+                "section {i} is not {want}"
+            )));
+        }
+        let off = u64::from_le_bytes(b[e + 8..e + 16].try_into().expect("8"));
+        let len = u64::from_le_bytes(b[e + 16..e + 24].try_into().expect("8"));
+        let end = off
+            .checked_add(len)
+            .ok_or_else(|| ArtifactError::Malformed(format!("{want}: size overflows")))?;
+        if end > have {
+            return Err(ArtifactError::Truncated {
+                what: format!("section {want}"),
+                need: end,
+                have,
+            });
+        }
+        if off % PAGE_ALIGN as u64 != 0 {
+            return Err(ArtifactError::Malformed(format!(
+                "{want} is not {PAGE_ALIGN}-aligned"
+            )));
+        }
+        let body = &b[off as usize..end as usize];
+        if Sha256::digest(body)[..] != b[e + 24..e + 56] {
+            return Err(ArtifactError::ChecksumMismatch {
+                section: (*want).into(),
+            });
+        }
+        sections.push(body);
+    }
+    Ok(sections)
+}
+
+/// Where an artifact's bytes live.
+pub(crate) enum Storage {
+    /// A read-only memory map.
     Mapped(memmap2::Mmap),
+    /// Bytes in memory.
     Owned(Vec<u8>),
 }
 
 impl Storage {
-    fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             Storage::Mapped(m) => m,
             Storage::Owned(v) => v,
@@ -359,81 +498,7 @@ impl Artifact {
 
     fn parse(storage: Storage) -> Result<Artifact> {
         let b = storage.bytes();
-        let have = b.len() as u64;
-        if b.len() < 8 || &b[..8] != MAGIC {
-            return Err(ArtifactError::BadMagic);
-        }
-        if b.len() < HEADER_BYTES {
-            return Err(ArtifactError::Truncated {
-                what: "header".into(),
-                need: HEADER_BYTES as u64,
-                have,
-            });
-        }
-        let version = u32::from_le_bytes(b[8..12].try_into().expect("4"));
-        if version != VERSION {
-            return Err(ArtifactError::UnsupportedVersion {
-                found: version,
-                supported: VERSION,
-            });
-        }
-        let n_sections = u32::from_le_bytes(b[12..16].try_into().expect("4")) as usize;
-        if n_sections != SECTIONS.len() {
-            return Err(ArtifactError::Malformed(format!(
-                "{n_sections} sections, version {VERSION} has {}",
-                SECTIONS.len()
-            )));
-        }
-        let table_end = HEADER_BYTES + SECTION_ENTRY_BYTES * n_sections;
-        if b.len() < table_end {
-            return Err(ArtifactError::Truncated {
-                what: "section table".into(),
-                need: table_end as u64,
-                have,
-            });
-        }
-        let mut head = b[..table_end].to_vec();
-        head[48..80].fill(0);
-        if Sha256::digest(&head)[..] != b[48..80] {
-            return Err(ArtifactError::ChecksumMismatch {
-                section: "header".into(),
-            });
-        }
-        let mut sections: Vec<&[u8]> = Vec::new();
-        for (i, want) in SECTIONS.iter().enumerate() {
-            let e = HEADER_BYTES + SECTION_ENTRY_BYTES * i;
-            let name = &b[e..e + 8];
-            if &name[..want.len()] != want.as_bytes() || name[want.len()..].iter().any(|&c| c != 0)
-            {
-                return Err(ArtifactError::Malformed(format!(
-                    "section {i} is not {want}"
-                )));
-            }
-            let off = u64::from_le_bytes(b[e + 8..e + 16].try_into().expect("8"));
-            let len = u64::from_le_bytes(b[e + 16..e + 24].try_into().expect("8"));
-            let end = off
-                .checked_add(len)
-                .ok_or_else(|| ArtifactError::Malformed(format!("{want}: size overflows")))?;
-            if end > have {
-                return Err(ArtifactError::Truncated {
-                    what: format!("section {want}"),
-                    need: end,
-                    have,
-                });
-            }
-            if off % PAGE_ALIGN as u64 != 0 {
-                return Err(ArtifactError::Malformed(format!(
-                    "{want} is not {PAGE_ALIGN}-aligned"
-                )));
-            }
-            let body = &b[off as usize..end as usize];
-            if Sha256::digest(body)[..] != b[e + 24..e + 56] {
-                return Err(ArtifactError::ChecksumMismatch {
-                    section: (*want).into(),
-                });
-            }
-            sections.push(body);
-        }
+        let sections = read_container(b, VERSION, &SECTIONS)?;
         let meta: ArtifactMeta = serde_json::from_slice(sections[0])
             .map_err(|e| ArtifactError::Malformed(format!("META: {e}")))?;
         if hex::encode(&b[16..48]) != meta.source_sha256 {

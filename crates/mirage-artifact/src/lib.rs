@@ -14,6 +14,7 @@
 //! Libraries never print; progress goes through [`build::BuildEvent`].
 #![deny(missing_docs)]
 
+pub mod activation;
 pub mod budget;
 pub mod build;
 pub mod error;

@@ -42,6 +42,13 @@ struct Args {
     /// With --artifact: BVH router margin in std units (default: the artifact's).
     #[arg(long, requires = "artifact")]
     margin: Option<f32>,
+    /// Activation sparsity (CPU): skip this share of the projections' weights per token (e.g. 0.4), or
+    /// `auto` with --max-ppl-increase; reads `<model>.activation.mirage` unless --artifact names it.
+    #[arg(long, conflicts_with = "margin")]
+    sparsity: Option<String>,
+    /// With --sparsity auto: the highest sparsity whose calibration perplexity rises at most this much (1%).
+    #[arg(long, requires = "sparsity")]
+    max_ppl_increase: Option<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -130,6 +137,12 @@ fn serve(args: Args) -> anyhow::Result<()> {
     load.cuda_device = args.device;
     if let Some(a) = &args.artifact {
         load = load.artifact(a, args.margin.map(|margin| SparseMode::Bvh { margin }));
+    }
+    if let Some(s) = &args.sparsity {
+        load = load.sparsity(
+            mirage::SparsitySpec::parse(s, args.max_ppl_increase.as_deref())
+                .map_err(anyhow::Error::msg)?,
+        );
     }
     let cfg = SchedulerConfig {
         load,

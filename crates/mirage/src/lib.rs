@@ -40,6 +40,7 @@ pub use mirage_gguf as gguf;
 pub use mirage_runtime as runtime;
 pub use mirage_tokenizer as tokenizer;
 
+pub use mirage_artifact::activation::{Criterion, SparsityTarget};
 pub use mirage_artifact::SparseMode;
 pub use mirage_runtime::{
     Backend, CpuBackend, Engine, EngineOptions, GenerateParams, Generation, GenerationStats,
@@ -105,6 +106,60 @@ pub struct ArtifactSpec {
     pub mode: Option<SparseMode>,
 }
 
+/// Activation sparsity: skip each projection's input channels below its
+/// calibrated threshold, at a model-wide sparsity or within a perplexity
+/// budget, from an activation artifact (`cargo xtask build-artifacts --mode
+/// activation`). CPU only for now.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparsitySpec {
+    /// A fixed sparsity in `[0, 1)` or a calibration-perplexity budget.
+    pub target: SparsityTarget,
+    /// The artifact's plan (criterion/allocation); `None`: its default.
+    pub plan: Option<String>,
+    /// The activation artifact; `None`: [`LoadSpec::artifact`]'s path, else
+    /// `<model>.activation.mirage` beside the model.
+    pub artifact: Option<PathBuf>,
+}
+
+impl SparsitySpec {
+    /// `target` from the artifact beside the model, default plan.
+    pub fn new(target: SparsityTarget) -> SparsitySpec {
+        SparsitySpec {
+            target,
+            plan: None,
+            artifact: None,
+        }
+    }
+
+    /// Parses what a user types: `--sparsity 0.4`, or `--sparsity auto`
+    /// with `--max-ppl-increase 1%` (a percentage, or a fraction without
+    /// `%`).
+    pub fn parse(sparsity: &str, max_ppl_increase: Option<&str>) -> Result<SparsitySpec, String> {
+        let target = match (sparsity.trim(), max_ppl_increase) {
+            ("auto", Some(b)) => {
+                let b = b.trim();
+                let v = match b.strip_suffix('%') {
+                    Some(p) => p.trim().parse::<f32>().map(|x| x / 100.0),
+                    None => b.parse::<f32>(),
+                }
+                .map_err(|_| format!("--max-ppl-increase `{b}`: expected a percentage like 1% or a fraction like 0.01"))?;
+                SparsityTarget::MaxPplIncrease(v)
+            }
+            ("auto", None) => {
+                return Err("--sparsity auto needs --max-ppl-increase (e.g. 1%)".into())
+            }
+            (s, None) => {
+                SparsityTarget::Fixed(s.parse::<f32>().map_err(|_| {
+                    format!("--sparsity `{s}`: expected a number in [0, 1) or `auto`")
+                })?)
+            }
+            (_, Some(_)) => return Err("--max-ppl-increase goes with --sparsity auto".into()),
+        };
+        target.validate().map_err(|e| e.to_string())?;
+        Ok(SparsitySpec::new(target))
+    }
+}
+
 /// Everything [`load`] needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadSpec {
@@ -118,6 +173,8 @@ pub struct LoadSpec {
     pub cuda_device: usize,
     /// Threads, context, KV type, prompt chunk.
     pub options: EngineOptions,
+    /// Run every projection under activation sparsity.
+    pub sparsity: Option<SparsitySpec>,
 }
 
 impl LoadSpec {
@@ -129,7 +186,14 @@ impl LoadSpec {
             backend: BackendChoice::Auto,
             cuda_device: 0,
             options: EngineOptions::default(),
+            sparsity: None,
         }
+    }
+
+    /// With activation sparsity.
+    pub fn sparsity(mut self, sparsity: SparsitySpec) -> LoadSpec {
+        self.sparsity = Some(sparsity);
+        self
     }
 
     /// With this backend choice.
@@ -201,6 +265,15 @@ pub enum LoadError {
         path: PathBuf,
         /// What is wrong.
         error: Box<mirage_gguf::GgufError>,
+    },
+    /// Activation sparsity cannot be had as asked (a target above the
+    /// artifact's, a budget no stored sparsity meets, another backend).
+    #[error("activation sparsity from {artifact}: {reason}")]
+    Sparsity {
+        /// The activation artifact.
+        artifact: PathBuf,
+        /// Why.
+        reason: String,
     },
     /// Building the engine failed (unsupported architecture, device memory, ...).
     #[error("loading {path} on backend {backend}: {error}")]
@@ -285,6 +358,9 @@ fn resolve(
 /// is picked, with `cuda` it is [`LoadError::ArtifactBackend`]. The artifact
 /// must have been built from this very model file (its sha256 is checked).
 pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadError> {
+    if let Some(sp) = &spec.sparsity {
+        return load_sparse(spec, sp, visitor);
+    }
     let engine_err = |backend: &str| {
         let path = spec.model.clone();
         let backend = backend.to_string();
@@ -358,9 +434,112 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
     }
 }
 
+/// The activation artifact [`load`] reads for `spec`.
+pub fn activation_artifact_path(spec: &LoadSpec) -> PathBuf {
+    spec.sparsity
+        .as_ref()
+        .and_then(|s| s.artifact.clone())
+        .or_else(|| spec.artifact.as_ref().map(|a| a.path.clone()))
+        .unwrap_or_else(|| spec.model.with_extension("activation.mirage"))
+}
+
+fn load_sparse<V: WithEngine>(
+    spec: &LoadSpec,
+    sp: &SparsitySpec,
+    visitor: V,
+) -> Result<V::Out, LoadError> {
+    use mirage_artifact::activation::backend::ActivationBackend;
+    use mirage_artifact::activation::format::ActivationArtifact;
+    let path = activation_artifact_path(spec);
+    let refuse = |reason: String| LoadError::Sparsity {
+        artifact: path.clone(),
+        reason,
+    };
+    if spec.backend == BackendChoice::Cuda {
+        return Err(refuse(
+            "activation sparsity runs on the CPU backend for now; use --backend cpu or auto".into(),
+        ));
+    }
+    let artifact = ActivationArtifact::open(&path).map_err(|error| LoadError::Artifact {
+        path: path.clone(),
+        error: Box::new(error),
+    })?;
+    let file = mirage_gguf::GgufFile::open(&spec.model)
+        .map(Arc::new)
+        .map_err(|error| LoadError::Model {
+            path: spec.model.clone(),
+            error: Box::new(error),
+        })?;
+    artifact
+        .check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))
+        .map_err(|error| LoadError::ArtifactMismatch {
+            artifact: path.clone(),
+            model: spec.model.clone(),
+            error: Box::new(error),
+        })?;
+    let r = artifact
+        .resolve(sp.plan.as_deref(), sp.target)
+        .map_err(|e| refuse(e.to_string()))?;
+    let criterion = artifact
+        .plan(&r.plan)
+        .map(|(m, _)| m.criterion)
+        .ok_or_else(|| refuse(format!("no plan `{}`", r.plan)))?;
+    tracing::info!(
+        plan = %r.plan,
+        sparsity = r.sparsity,
+        calib_ppl_increase_percent = 100.0 * (r.calib_ppl / r.dense_calib_ppl - 1.0),
+        "activation sparsity: {:.2} of the projections' weights skipped per token (plan {}; calibration perplexity {:+.2} %)",
+        r.sparsity,
+        r.plan,
+        100.0 * (r.calib_ppl / r.dense_calib_ppl - 1.0)
+    );
+    let engine_err = |error| LoadError::Engine {
+        path: spec.model.clone(),
+        backend: "activation-sparse-cpu".into(),
+        error: Box::new(error),
+    };
+    let cpu = CpuBackend::new(spec.options.threads).map_err(engine_err)?;
+    let n_layer = artifact.meta().n_layer;
+    let thresholds = artifact.thresholds(criterion, &r.per_matrix);
+    let backend = ActivationBackend::new(cpu, Some(artifact), n_layer);
+    backend
+        .set_thresholds(thresholds)
+        .map_err(|e| refuse(e.to_string()))?;
+    let engine = Engine::from_file(file, backend, spec.options.clone()).map_err(engine_err)?;
+    Ok(visitor.run(engine))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sparsity_options_parse_with_clear_errors() {
+        assert_eq!(
+            SparsitySpec::parse("0.4", None).unwrap().target,
+            SparsityTarget::Fixed(0.4)
+        );
+        assert_eq!(
+            SparsitySpec::parse("auto", Some("1%")).unwrap().target,
+            SparsityTarget::MaxPplIncrease(0.01)
+        );
+        assert_eq!(
+            SparsitySpec::parse("auto", Some("0.03")).unwrap().target,
+            SparsityTarget::MaxPplIncrease(0.03)
+        );
+        for (s, b, want) in [
+            ("1.0", None, "outside [0, 1)"),
+            ("-0.2", None, "outside [0, 1)"),
+            ("lots", None, "expected a number in [0, 1) or `auto`"),
+            ("auto", None, "needs --max-ppl-increase"),
+            ("auto", Some("x%"), "expected a percentage"),
+            ("auto", Some("-1%"), "finite increase >= 0"),
+            ("0.3", Some("1%"), "goes with --sparsity auto"),
+        ] {
+            let e = SparsitySpec::parse(s, b).unwrap_err();
+            assert!(e.contains(want), "{s} {b:?}: {e}");
+        }
+    }
 
     #[test]
     fn backend_names_parse_and_print() {

@@ -155,6 +155,17 @@ pub struct BenchArgs {
     /// MIRAGE_CUDA_ATTN_BLOCK=1 turned it on.
     #[arg(long)]
     pub attn_block_ab: bool,
+    /// Activation sparsity (CPU): decode at these model-wide sparsities (comma-separated) beside the
+    /// dense path in the same process, from the activation artifact (--artifact, default
+    /// `<model>.activation.mirage`).
+    #[arg(long, value_delimiter = ',')]
+    pub sparsity: Vec<f32>,
+    /// Activation sparsity: the artifact's plan (default: its default plan).
+    #[arg(long)]
+    pub sparsity_plan: Option<String>,
+    /// Activation sparsity: rounds of dense + every sparsity, alternating.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
 }
 
 /// What one bench run measured.
@@ -203,6 +214,9 @@ pub(crate) fn on_off(what: &str, v: &str) -> anyhow::Result<bool> {
 
 /// Runs `mirage-cli bench`.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if !args.sparsity.is_empty() {
+        return super::bench_activation::run(&args);
+    }
     if args.page_format.is_some() && args.artifact.is_none() && !args.synthetic_pages {
         bail!("--page-format selects the sparse FFN's page encoding: pass --artifact FILE or --synthetic-pages with it");
     }
@@ -293,7 +307,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn weight_bytes_per_token(file: &GgufFile) -> u64 {
+pub(crate) fn weight_bytes_per_token(file: &GgufFile) -> u64 {
     let has_output = file.tensor_info("output.weight").is_some();
     file.tensors()
         .iter()

@@ -31,7 +31,7 @@ use serde_json::json;
 /// Arguments of `eval`.
 #[derive(Debug, Args)]
 pub struct EvalArgs {
-    /// The artifact (from `cargo xtask build-artifacts`).
+    /// The artifact (from `cargo xtask build-artifacts`; with --sparsity, an activation artifact).
     #[arg(long)]
     artifact: PathBuf,
     /// Held-out text (must not overlap the calibration text).
@@ -68,6 +68,8 @@ pub struct EvalArgs {
         requires = "oracle_top"
     )]
     oracle_top_groups: Vec<u16>,
+    #[command(flatten)]
+    activation: super::eval_activation::ActivationEvalArgs,
 }
 
 /// Group sizes (channels) at which `--oracle-top` also measures how much of
@@ -149,6 +151,17 @@ fn stage_bar(name: &str, total: usize) -> ProgressBar {
 
 /// Runs `eval`.
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
+    if !args.activation.sparsity.is_empty() {
+        return super::eval_activation::run(
+            &args.artifact,
+            &args.text,
+            args.model.clone(),
+            args.max_tokens,
+            args.threads,
+            args.json,
+            &args.activation,
+        );
+    }
     if let Some(f) = args.oracle_top.iter().find(|f| !(**f > 0.0 && **f <= 1.0)) {
         bail!("--oracle-top {f}: each fraction must be in (0, 1]");
     }

@@ -48,6 +48,17 @@ pub struct ModelArgs {
     /// context), e.g. `--kv-prune page=16,sinks=4,recent=8,top=32,top_percent=20`. CPU and CUDA backends.
     #[arg(long)]
     pub kv_prune: Option<KvPruning>,
+    /// Activation sparsity (CPU): skip this share of the projections' weights per token (e.g. 0.4), or
+    /// `auto` with --max-ppl-increase; reads `<model>.activation.mirage` unless --artifact names the
+    /// activation artifact (`cargo xtask build-artifacts --mode activation`).
+    #[arg(long, conflicts_with = "margin")]
+    pub sparsity: Option<String>,
+    /// With --sparsity auto: the highest sparsity whose calibration perplexity rises at most this much (1%).
+    #[arg(long, requires = "sparsity")]
+    pub max_ppl_increase: Option<String>,
+    /// With --sparsity: the artifact's plan (criterion/allocation), default its own.
+    #[arg(long, requires = "sparsity")]
+    pub sparsity_plan: Option<String>,
 }
 
 impl ModelArgs {
@@ -74,6 +85,18 @@ impl ModelArgs {
         spec
     }
 
+    /// [`ModelArgs::spec`] with `--sparsity` applied (a clear error for bad values).
+    pub fn load_spec(&self) -> anyhow::Result<LoadSpec> {
+        let mut spec = self.spec();
+        if let Some(s) = &self.sparsity {
+            let mut sp = mirage::SparsitySpec::parse(s, self.max_ppl_increase.as_deref())
+                .map_err(anyhow::Error::msg)?;
+            sp.plan = self.sparsity_plan.clone();
+            spec = spec.sparsity(sp);
+        }
+        Ok(spec)
+    }
+
     /// Loads the engine on the chosen backend (fetching the default model
     /// when it is missing) and runs `visitor` with it.
     pub fn with_engine<T, V: WithEngine<Out = anyhow::Result<T>>>(
@@ -81,7 +104,7 @@ impl ModelArgs {
         visitor: V,
     ) -> anyhow::Result<T> {
         check_model(&self.model)?;
-        mirage::load(&self.spec(), visitor)
+        mirage::load(&self.load_spec()?, visitor)
             .with_context(|| format!("loading {}", self.model.display()))?
     }
 }

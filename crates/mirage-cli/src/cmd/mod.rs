@@ -3,10 +3,12 @@
 //! Small helpers several commands share live here.
 
 pub mod bench;
+pub mod bench_activation;
 #[cfg(feature = "cuda")]
 pub mod bench_sparse;
 pub mod chat;
 pub mod eval;
+pub mod eval_activation;
 pub mod eval_long;
 pub mod fetch;
 pub mod generate;

@@ -25,6 +25,7 @@
 // e/16, ...); iterator rewrites would hide the correspondence.
 #![allow(clippy::needless_range_loop)]
 
+pub mod channel_major;
 mod float;
 mod gemm_q8_0;
 mod kquants;

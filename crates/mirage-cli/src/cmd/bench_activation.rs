@@ -1,0 +1,214 @@
+//! `mirage-cli bench --sparsity 0.4,0.5`: CPU decode speed under activation
+//! sparsity against MIRAGE's own dense path on the original GGUF, in one
+//! process: every round decodes the same prompt densely and at each
+//! sparsity, one after the other, so that machine load hits them alike;
+//! the table shows per configuration the median over rounds of decode tok/s,
+//! its ratio to dense in the same round (median of the per-round ratios),
+//! and the weight bytes one decode token reads.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use mirage_artifact::activation::backend::ActivationBackend;
+use mirage_artifact::activation::format::ActivationArtifact;
+use mirage_artifact::activation::{Proj, SparsityTarget};
+use mirage_gguf::GgufFile;
+use mirage_runtime::backend::Backend;
+use mirage_runtime::{CpuBackend, KvDtype, Model, TokenSlot};
+
+use super::bench::BenchArgs;
+
+/// The default activation artifact of a model: `<model>.activation.mirage`.
+pub fn default_artifact(model: &std::path::Path) -> std::path::PathBuf {
+    model.with_extension("activation.mirage")
+}
+
+fn load_avg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+fn prompt(n: usize, vocab: usize) -> Vec<u32> {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % (vocab.min(32000) as u64 - 1) + 1) as u32
+        })
+        .collect()
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut b = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[b] {
+            b = i;
+        }
+    }
+    b as u32
+}
+
+/// Prefills `prompt`, then decodes `gen` tokens greedily; returns decode tok/s.
+fn decode<B: Backend>(model: &Model<B>, prompt: &[u32], gen: usize) -> anyhow::Result<f64> {
+    let n = prompt.len();
+    let mut cache = model.new_kv_cache(n + gen + 1, 1, KvDtype::F32)?;
+    let mut s = model.new_scratch();
+    let mut logits = Vec::new();
+    let slots: Vec<TokenSlot> = (0..n).map(|pos| TokenSlot { seq: 0, pos }).collect();
+    model.forward(prompt, &slots, &[n - 1], &mut cache, &mut s, &mut logits)?;
+    let mut tok = argmax(&logits);
+    let t = Instant::now();
+    for i in 0..gen {
+        let slot = TokenSlot { seq: 0, pos: n + i };
+        model.forward(&[tok], &[slot], &[0], &mut cache, &mut s, &mut logits)?;
+        tok = argmax(&logits);
+    }
+    Ok(gen as f64 / t.elapsed().as_secs_f64())
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Runs the activation-sparsity bench.
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    if args.backend != "cpu" {
+        bail!("--sparsity benches the CPU kernels: use --backend cpu");
+    }
+    for &s in &args.sparsity {
+        SparsityTarget::Fixed(s).validate()?;
+    }
+    super::generate::check_model(&args.model)?;
+    let path = args
+        .artifact
+        .clone()
+        .unwrap_or_else(|| default_artifact(&args.model));
+    let artifact = ActivationArtifact::open(&path).with_context(|| {
+        format!(
+            "loading the activation artifact {} (build it with `cargo xtask build-artifacts --mode activation --model {}`)",
+            path.display(),
+            args.model.display()
+        )
+    })?;
+    let file = Arc::new(
+        GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
+    );
+    artifact.check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))?;
+    let n_layer = artifact.meta().n_layer;
+    let dense = Model::load(file.clone(), CpuBackend::new(args.threads)?)?;
+    let sparse_backend = ActivationBackend::new(
+        CpuBackend::new(args.threads)?,
+        Some(artifact.clone()),
+        n_layer,
+    );
+    let threads = sparse_backend.inner().threads();
+    let kernels = sparse_backend.name();
+    let sparse = Model::load(file.clone(), sparse_backend)?;
+    let weight_bytes = super::bench::weight_bytes_per_token(&file);
+    let proj_bytes: u64 = (0..n_layer)
+        .flat_map(|l| Proj::ALL.into_iter().map(move |p| p.tensor(l)))
+        .filter_map(|n| file.tensor_info(&n).map(|t| t.n_bytes()))
+        .sum();
+    let toks = prompt(args.prompt.max(1), dense.config().vocab_size.max(2));
+    let gen = args.gen.max(1);
+    let plan = args.sparsity_plan.as_deref();
+    // Configurations: dense, then each sparsity (thresholds and the plan's
+    // resolved per-matrix sparsities).
+    let mut configs: Vec<(String, Option<Vec<Option<Vec<f32>>>>)> = vec![("dense".into(), None)];
+    let crit = |name: &str| {
+        artifact
+            .plan(name)
+            .map(|(m, _)| m.criterion)
+            .ok_or_else(|| anyhow::anyhow!("no plan `{name}` in the artifact"))
+    };
+    for &s in &args.sparsity {
+        let r = artifact.resolve(plan, SparsityTarget::Fixed(s))?;
+        let thr = artifact.thresholds(crit(&r.plan)?, &r.per_matrix);
+        configs.push((format!("{} @ {s:.2}", r.plan), Some(thr)));
+    }
+    let load0 = load_avg();
+    eprintln!(
+        "bench: {} | {} prompt + {} decode tokens | {} rounds | {} threads | load {}",
+        args.model.display(),
+        toks.len(),
+        gen,
+        args.rounds,
+        threads,
+        load0
+    );
+    // Warm-up: one short decode each (page in the weights).
+    decode(&dense, &toks[..toks.len().min(8)], 2)?;
+    decode(&sparse, &toks[..toks.len().min(8)], 2)?;
+    let mut speed: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
+    let mut ratio: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
+    let mut bytes: Vec<f64> = vec![weight_bytes as f64; configs.len()];
+    let mut achieved: Vec<f64> = vec![0.0; configs.len()];
+    let w = mirage_artifact::activation::fit::param_counts(sparse.config());
+    for _round in 0..args.rounds.max(1) {
+        let mut dense_tps = f64::NAN;
+        for (c, (_, thr)) in configs.iter().enumerate() {
+            let tps = match thr {
+                None => decode(&dense, &toks, gen)?,
+                Some(t) => {
+                    sparse.backend().set_thresholds(t.clone())?;
+                    sparse.backend().take_stats();
+                    let tps = decode(&sparse, &toks, gen)?;
+                    let st = sparse.backend().take_stats();
+                    if st.kernel_rows > 0 {
+                        let per_tok = st.kernel_bytes as f64 / gen as f64;
+                        bytes[c] = weight_bytes as f64 - proj_bytes as f64 + per_tok;
+                        let (mut kept, mut tot) = (0f64, 0f64);
+                        for (m, (act, n)) in st.active.iter().enumerate() {
+                            if let (true, Some(e)) =
+                                (*n > 0, artifact.matrix(m / 7, Proj::ALL[m % 7]))
+                            {
+                                kept +=
+                                    w[m % 7] * (*act as f64 / *n as f64) / e.layout.cols() as f64;
+                                tot += w[m % 7];
+                            }
+                        }
+                        achieved[c] = 1.0 - kept / tot.max(1.0);
+                    }
+                    tps
+                }
+            };
+            if c == 0 {
+                dense_tps = tps;
+            }
+            speed[c].push(tps);
+            ratio[c].push(tps / dense_tps);
+        }
+    }
+    let load1 = load_avg();
+    println!(
+        "model {} | cpu, {} threads, {} | prompt {} + decode {} tokens, {} rounds | load before {} after {}",
+        args.model.display(),
+        threads,
+        kernels,
+        toks.len(),
+        gen,
+        args.rounds.max(1),
+        load0,
+        load1
+    );
+    println!(
+        "{:<32} {:>9} {:>8} {:>12} {:>9}",
+        "config", "tok/s", "x dense", "MiB/token", "achieved"
+    );
+    for (c, (name, _)) in configs.iter().enumerate() {
+        println!(
+            "{:<32} {:>9.2} {:>8.3} {:>12.1} {:>9.3}",
+            name,
+            median(&mut speed[c]),
+            median(&mut ratio[c]),
+            bytes[c] / (1 << 20) as f64,
+            achieved[c]
+        );
+    }
+    Ok(())
+}

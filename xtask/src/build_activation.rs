@@ -1,0 +1,128 @@
+//! `cargo xtask build-artifacts --mode activation`: the activation-sparsity
+//! artifact (channel-major projections, thresholds, allocation plans) with
+//! progress bars and a summary.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use mirage_artifact::activation::build::{build_activation, ActivationBuildOptions};
+use mirage_artifact::activation::fit::GreedyOptions;
+use mirage_artifact::activation::format::ActivationArtifact;
+use mirage_artifact::activation::SparsityTarget;
+use mirage_artifact::BuildEvent;
+
+use crate::build_artifacts::BuildArtifactsArgs;
+
+/// Where the activation artifact of `model` goes by default.
+pub fn default_path(model: &std::path::Path) -> std::path::PathBuf {
+    model.with_extension("activation.mirage")
+}
+
+/// Runs the activation build.
+pub fn run(args: &BuildArtifactsArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let calib_text = std::fs::read_to_string(&args.calib)
+        .with_context(|| format!("reading {}", args.calib.display()))?;
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| default_path(&args.model));
+    let opts = ActivationBuildOptions {
+        calib_name: args.calib.display().to_string(),
+        calib_text,
+        calib_tokens: args.calib_tokens,
+        greedy_tokens: args.greedy_tokens,
+        ppl_tokens: args.ppl_tokens,
+        greedy: GreedyOptions {
+            step: args.greedy_step,
+            ..GreedyOptions::default()
+        },
+        threads: args.threads,
+        ..ActivationBuildOptions::default()
+    };
+    let style = ProgressStyle::with_template("{prefix:>13} [{bar:40}] {pos}/{len} {elapsed}")
+        .expect("template")
+        .progress_chars("=> ");
+    let mut bar: Option<ProgressBar> = None;
+    let built = build_activation(&args.model, &opts, &mut |ev| match ev {
+        BuildEvent::Stage { name, total } => {
+            if let Some(b) = bar.take() {
+                b.finish();
+            }
+            bar = Some(
+                ProgressBar::new(total as u64)
+                    .with_style(style.clone())
+                    .with_prefix(name),
+            );
+        }
+        BuildEvent::Step => {
+            if let Some(b) = &bar {
+                b.inc(1);
+            }
+        }
+    })
+    .with_context(|| {
+        format!(
+            "building an activation artifact from {}",
+            args.model.display()
+        )
+    })?;
+    if let Some(b) = bar.take() {
+        b.finish();
+    }
+    mirage_artifact::format::write_atomic(&out, &built.bytes)?;
+    let loaded = ActivationArtifact::open(&out).context("validating the written artifact")?;
+    let m = loaded.meta();
+    println!(
+        "model {} ({}), {} layers; projections {:.1} MiB in the source, {:.1} MiB channel-major ({:+.2} %)",
+        m.source_name,
+        m.arch,
+        m.n_layer,
+        built.source_projection_bytes as f64 / (1 << 20) as f64,
+        built.repacked_bytes as f64 / (1 << 20) as f64,
+        100.0 * (built.repacked_bytes as f64 / built.source_projection_bytes as f64 - 1.0)
+    );
+    println!(
+        "calibration: {} ({} tokens for thresholds, {} for perplexity), dense calibration ppl {:.4}",
+        m.calib_name, m.calib_tokens, m.ppl_tokens, m.dense_calib_ppl
+    );
+    println!("layer  kappa      wina greedy error at 0.25 / 0.5");
+    for (l, k) in built.kappa.iter().enumerate() {
+        let p = &built.paths[l][1];
+        let at = |s| mirage_artifact::activation::fit::path_at(p, s).err;
+        println!("{l:>5}  {k:<9.3e}  {:.4} / {:.4}", at(0.25), at(0.5));
+    }
+    if let Some((pm, t)) = loaded.plan(&m.default_plan) {
+        println!(
+            "default plan {}: calibration perplexity per target",
+            pm.name
+        );
+        for (s, p) in pm.targets.iter().zip(&t.ppl) {
+            println!(
+                "  {s:.2}  {p:.4} ({:+.2} %)",
+                100.0 * (*p as f64 / m.dense_calib_ppl - 1.0)
+            );
+        }
+        for budget in [0.01f32, 0.03] {
+            match loaded.resolve(None, SparsityTarget::MaxPplIncrease(budget)) {
+                Ok(r) => println!(
+                    "  --sparsity auto --max-ppl-increase {}% picks {:.2}",
+                    100.0 * budget,
+                    r.sparsity
+                ),
+                Err(e) => println!("  --max-ppl-increase {}%: {e}", 100.0 * budget),
+            }
+        }
+    }
+    for (stage, secs) in &built.timings {
+        println!("  {stage:<13} {secs:>7.1} s");
+    }
+    println!(
+        "wrote {} ({:.1} MiB) in {:.1} s",
+        out.display(),
+        built.bytes.len() as f64 / (1024.0 * 1024.0),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
