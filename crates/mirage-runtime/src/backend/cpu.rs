@@ -33,7 +33,10 @@ use mirage_gguf::quant::{self, DotFn, DotRowsFn, Q8_0GemmFn, Q8_0MatvecFn, DOT_R
 use mirage_gguf::GgmlType;
 use rayon::prelude::*;
 
-use super::{AttentionParams, Backend, HostMatrix, QkNorm, SharedBytes, TokenSlot};
+use super::{
+    AttentionOptions, AttentionParams, Backend, FfnActivation, HostMatrix, QkNorm, SharedBytes,
+    TokenSlot,
+};
 use crate::error::{Result, RuntimeError};
 use crate::kv_cache::{KvCache, KvSpec};
 use crate::ops;
@@ -216,6 +219,7 @@ pub struct CpuFfn {
     gate: CpuMatrix,
     up: CpuMatrix,
     down: CpuMatrix,
+    activation: FfnActivation,
 }
 
 /// A row-major `[rows, width]` f32 buffer whose allocation is reused.
@@ -271,15 +275,72 @@ struct Scratch {
     hidden: Vec<f32>,
     hidden_q: Vec<u8>,
     transposed: Vec<f32>,
-    rope_cos: Vec<f32>,
-    rope_sin: Vec<f32>,
-    rope_key: (usize, u32, usize),
-    rope_scaling: crate::rope::RopeScaling,
+    rope_tables: Vec<RopeTable>,
     /// Encodings of one input for `matmul_many`: (type, packed for the
     /// GEMM kernel, row bytes or 0 when free, bytes).
     act_by_type: Vec<(GgmlType, bool, usize, Vec<u8>)>,
     /// Staging of the FFN's down product (`hidden`/`transposed` hold its input).
     down_staging: Vec<f32>,
+}
+
+/// cos/sin of every rotary pair for positions `0..n_pos` of one RoPE
+/// configuration.
+struct RopeTable {
+    head_dim: usize,
+    base_bits: u32,
+    scaling: crate::rope::RopeScaling,
+    n_pos: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+/// The table of `p`'s RoPE configuration covering `0..=max_pos`, built (or
+/// grown) on demand; at most a few configurations are kept.
+fn rope_table<'a>(
+    tables: &'a mut Vec<RopeTable>,
+    p: &AttentionParams,
+    n_ctx: usize,
+    max_pos: usize,
+) -> &'a RopeTable {
+    const KEPT: usize = 4;
+    let hd = p.head_dim;
+    let found = tables.iter().position(|t| {
+        t.head_dim == hd && t.base_bits == p.rope_freq_base.to_bits() && t.scaling == p.rope_scaling
+    });
+    let i = match found {
+        Some(i) if tables[i].n_pos > max_pos => return &tables[i],
+        Some(i) => i,
+        None => {
+            if tables.len() == KEPT {
+                tables.remove(0);
+            }
+            tables.push(RopeTable {
+                head_dim: hd,
+                base_bits: p.rope_freq_base.to_bits(),
+                scaling: p.rope_scaling,
+                n_pos: 0,
+                cos: Vec::new(),
+                sin: Vec::new(),
+            });
+            tables.len() - 1
+        }
+    };
+    let n_pos = (max_pos + 1)
+        .next_power_of_two()
+        .max(64)
+        .min(n_ctx.max(max_pos + 1));
+    let t = &mut tables[i];
+    t.cos.clear();
+    t.sin.clear();
+    let inv_freqs = p.rope_scaling.inv_freqs(hd, p.rope_freq_base);
+    let mscale = p.rope_scaling.mscale();
+    for pos in 0..n_pos {
+        let a = crate::rope::angles(pos, &inv_freqs, mscale);
+        t.cos.extend_from_slice(&a.cos);
+        t.sin.extend_from_slice(&a.sin);
+    }
+    t.n_pos = n_pos;
+    t
 }
 
 /// The CPU backend. Holds its own rayon pool so that `--threads` is honoured
@@ -574,7 +635,18 @@ impl Backend for CpuBackend {
 
     fn upload_ffn(
         &self,
+        layer: usize,
+        gate: &HostMatrix,
+        up: &HostMatrix,
+        down: &HostMatrix,
+    ) -> Result<CpuFfn> {
+        self.upload_ffn_with(layer, FfnActivation::Silu, gate, up, down)
+    }
+
+    fn upload_ffn_with(
+        &self,
         _layer: usize,
+        activation: FfnActivation,
         gate: &HostMatrix,
         up: &HostMatrix,
         down: &HostMatrix,
@@ -594,7 +666,12 @@ impl Backend for CpuBackend {
                 gate.rows, gate.cols, up.rows, up.cols, down.rows, down.cols
             )));
         }
-        Ok(CpuFfn { gate, up, down })
+        Ok(CpuFfn {
+            gate,
+            up,
+            down,
+            activation,
+        })
     }
 
     fn new_kv_cache(&self, spec: KvSpec) -> Result<KvCache> {
@@ -858,7 +935,29 @@ impl Backend for CpuBackend {
         cache: &mut KvCache,
         out: &mut CpuActivations,
     ) -> Result<()> {
+        let defaults = AttentionOptions::default();
+        self.attention_with(layer, p, &defaults, q, k, v, qk_norm, slots, cache, out)
+    }
+
+    fn attention_with(
+        &self,
+        layer: usize,
+        p: &AttentionParams,
+        options: &AttentionOptions,
+        q: &mut CpuActivations,
+        k: &mut CpuActivations,
+        v: &CpuActivations,
+        qk_norm: Option<QkNorm<'_, Vec<f32>>>,
+        slots: &[TokenSlot],
+        cache: &mut KvCache,
+        out: &mut CpuActivations,
+    ) -> Result<()> {
         let hd = p.head_dim;
+        if options.sliding_window == Some(0) {
+            return Err(RuntimeError::InvalidArgument(
+                "a sliding window of 0 positions".into(),
+            ));
+        }
         let n = slots.len();
         if p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 || hd % 2 != 0 {
             return Err(RuntimeError::InvalidArgument(format!(
@@ -894,31 +993,10 @@ impl Backend for CpuBackend {
         }
         let mut s = self.scratch();
         let s = &mut *s;
-        // Rotary tables for positions 0..=max_pos, rebuilt only when the
-        // shape changes or positions grow.
+        // Rotary tables for positions 0..=max_pos, one per (head size, base,
+        // scaling): models whose layers use two bases (gemma) keep both.
         let half = hd / 2;
-        let key = (hd, p.rope_freq_base.to_bits(), 0);
-        if s.rope_key.0 != key.0
-            || s.rope_key.1 != key.1
-            || s.rope_key.2 <= max_pos
-            || s.rope_scaling != p.rope_scaling
-        {
-            let n_pos = (max_pos + 1)
-                .next_power_of_two()
-                .max(64)
-                .min(spec.n_ctx.max(max_pos + 1));
-            s.rope_cos.clear();
-            s.rope_sin.clear();
-            let inv_freqs = p.rope_scaling.inv_freqs(hd, p.rope_freq_base);
-            let mscale = p.rope_scaling.mscale();
-            for pos in 0..n_pos {
-                let a = crate::rope::angles(pos, &inv_freqs, mscale);
-                s.rope_cos.extend_from_slice(&a.cos);
-                s.rope_sin.extend_from_slice(&a.sin);
-            }
-            s.rope_key = (hd, key.1, n_pos);
-            s.rope_scaling = p.rope_scaling;
-        }
+        let table = rope_table(&mut s.rope_tables, p, spec.n_ctx, max_pos);
         let mut angles = ops::RopeAngles {
             cos: vec![0.0; half],
             sin: vec![0.0; half],
@@ -927,10 +1005,10 @@ impl Backend for CpuBackend {
         for (i, slot) in slots.iter().enumerate() {
             angles
                 .cos
-                .copy_from_slice(&s.rope_cos[slot.pos * half..(slot.pos + 1) * half]);
+                .copy_from_slice(&table.cos[slot.pos * half..(slot.pos + 1) * half]);
             angles
                 .sin
-                .copy_from_slice(&s.rope_sin[slot.pos * half..(slot.pos + 1) * half]);
+                .copy_from_slice(&table.sin[slot.pos * half..(slot.pos + 1) * half]);
             for head in q.data[i * qw..(i + 1) * qw].chunks_mut(hd) {
                 if let Some(n) = &qk_norm {
                     ops::rms_norm_in_place(head, n.q, p.norm_eps);
@@ -947,7 +1025,8 @@ impl Backend for CpuBackend {
         }
         out.reshape(n, p.n_head * hd);
         let group = p.n_head / p.n_head_kv;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = options.scale.unwrap_or(1.0 / (hd as f32).sqrt());
+        let window = options.sliding_window;
         let cache = &*cache;
         let q = &*q;
         let decode_row = crate::attention_pruned::decode_rows(slots);
@@ -958,6 +1037,21 @@ impl Backend for CpuBackend {
                     let (row, head) = (idx / p.n_head, idx % p.n_head);
                     let slot = slots[row];
                     let qh = &q.data[row * qw + head * hd..row * qw + (head + 1) * hd];
+                    if let Some(w) = window {
+                        // A sliding-window layer reads only its window (never pruned).
+                        let start = (slot.pos + 1).saturating_sub(w);
+                        cache.attend_span(
+                            layer,
+                            slot.seq,
+                            head / group,
+                            start..slot.pos + 1,
+                            qh,
+                            scale,
+                            scores,
+                            o,
+                        );
+                        return;
+                    }
                     cache.attend_maybe_pruned(
                         layer,
                         slot.seq,
@@ -1014,7 +1108,10 @@ impl Backend for CpuBackend {
                         let r0 = ci * chunk;
                         f.gate.rows_dots(gate_bytes, r0, &gate_act, n, g, deq);
                         f.up.rows_dots(up_bytes, r0, &up_act, n, u, deq);
-                        ops::swiglu(g, u, o);
+                        match f.activation {
+                            FfnActivation::Silu => ops::swiglu(g, u, o),
+                            FfnActivation::GeluTanh => ops::geglu_tanh(g, u, o),
+                        }
                     })
                 })
         });
@@ -1045,6 +1142,25 @@ impl Backend for CpuBackend {
             &mut staging,
         );
         s.down_staging = staging;
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut CpuActivations, factor: f32) -> Result<()> {
+        for v in x.data_mut() {
+            *v *= factor;
+        }
+        Ok(())
+    }
+
+    fn softcap(&self, x: &mut CpuActivations, cap: f32) -> Result<()> {
+        if !(cap.is_finite() && cap > 0.0) {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "soft-cap {cap} is not a positive number"
+            )));
+        }
+        for v in x.data_mut() {
+            *v = cap * (*v / cap).tanh();
+        }
         Ok(())
     }
 
