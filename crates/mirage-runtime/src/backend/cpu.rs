@@ -1416,4 +1416,137 @@ mod tests {
             assert_eq!(out.row(t), o.row(0), "token {t}");
         }
     }
+
+    /// Sliding-window attention with a custom scale equals a softmax over
+    /// exactly the window, computed by hand from the rotated q and k the
+    /// call leaves behind; decoding token by token gives the same rows.
+    #[test]
+    fn sliding_window_attention_is_a_softmax_over_the_window() {
+        let backend = CpuBackend::new(2).unwrap();
+        let (hd, n, window, scale) = (16, 9, 3, 0.3f32);
+        let p = AttentionParams {
+            n_head: 2,
+            n_head_kv: 1,
+            head_dim: hd,
+            rope_mode: RopeMode::Neox,
+            rope_freq_base: 10000.0,
+            rope_scaling: Default::default(),
+            norm_eps: 1e-6,
+        };
+        let options = AttentionOptions {
+            scale: Some(scale),
+            sliding_window: Some(window),
+        };
+        let spec = KvSpec {
+            n_layer: 1,
+            n_head_kv: 1,
+            head_dim: hd,
+            n_ctx: 16,
+            n_seq: 1,
+            dtype: KvDtype::F32,
+        };
+        let (q0, k0, v) = (acts(n, 2 * hd, 4), acts(n, hd, 5), acts(n, hd, 6));
+        let slots: Vec<TokenSlot> = (0..n).map(|pos| TokenSlot { seq: 0, pos }).collect();
+        let mut cache = backend.new_kv_cache(spec).unwrap();
+        let (mut q, mut k, mut out) = (q0.clone(), k0.clone(), CpuActivations::default());
+        backend
+            .attention_with(
+                0, &p, &options, &mut q, &mut k, &v, None, &slots, &mut cache, &mut out,
+            )
+            .unwrap();
+        for t in 0..n {
+            for head in 0..2 {
+                let qh = &q.row(t)[head * hd..(head + 1) * hd];
+                let span = (t + 1).saturating_sub(window)..t + 1;
+                let scores: Vec<f32> = span
+                    .clone()
+                    .map(|j| scale * ops::dot_f32(qh, k.row(j)))
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let weights: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f32 = weights.iter().sum();
+                let mut want = vec![0.0f32; hd];
+                for (w, j) in weights.iter().zip(span) {
+                    for (o, x) in want.iter_mut().zip(v.row(j)) {
+                        *o += w / total * x;
+                    }
+                }
+                let got = &out.row(t)[head * hd..(head + 1) * hd];
+                assert!(rel_err(got, &want) < 1e-5, "token {t} head {head}");
+            }
+        }
+        let mut cache1 = backend.new_kv_cache(spec).unwrap();
+        for t in 0..n {
+            let row = |a: &CpuActivations| {
+                CpuActivations::from_vec(1, a.width(), a.row(t).to_vec()).unwrap()
+            };
+            let (mut q, mut k, v) = (row(&q0), row(&k0), row(&v));
+            let mut o = CpuActivations::default();
+            backend
+                .attention_with(
+                    0,
+                    &p,
+                    &options,
+                    &mut q,
+                    &mut k,
+                    &v,
+                    None,
+                    &slots[t..t + 1],
+                    &mut cache1,
+                    &mut o,
+                )
+                .unwrap();
+            assert_eq!(out.row(t), o.row(0), "token {t}");
+        }
+    }
+
+    #[test]
+    fn geglu_ffn_and_softcap() {
+        let backend = CpuBackend::new(2).unwrap();
+        let (gate, up, down) = (
+            q8_matrix("gate", 1, 64, 32),
+            q8_matrix("up", 2, 64, 32),
+            q8_matrix("down", 3, 32, 64),
+        );
+        let silu = backend.upload_ffn(0, &gate, &up, &down).unwrap();
+        let gelu = backend
+            .upload_ffn_with(0, FfnActivation::GeluTanh, &gate, &up, &down)
+            .unwrap();
+        let x = acts(3, 32, 7);
+        let (mut a, mut b) = (CpuActivations::default(), CpuActivations::default());
+        backend.ffn(&silu, &x, &mut a).unwrap();
+        backend.ffn(&gelu, &x, &mut b).unwrap();
+        assert!(rel_err(a.data(), b.data()) > 1e-3, "activation ignored");
+        // The GELU FFN by hand: dequantized weights, f32 products.
+        let deq = |m: &HostMatrix| {
+            let mut w = vec![0.0f32; m.rows * m.cols];
+            quant::dequantize(m.ty, m.data.as_slice(), &mut w).unwrap();
+            w
+        };
+        let (wg, wu, wd) = (deq(&gate), deq(&up), deq(&down));
+        for r in 0..3 {
+            let xr = x.row(r);
+            let h: Vec<f32> = (0..64)
+                .map(|i| {
+                    let g = ops::dot_f32(&wg[i * 32..(i + 1) * 32], xr);
+                    let u = ops::dot_f32(&wu[i * 32..(i + 1) * 32], xr);
+                    ops::gelu_tanh(g) * u
+                })
+                .collect();
+            let want: Vec<f32> = (0..32)
+                .map(|o| ops::dot_f32(&wd[o * 64..(o + 1) * 64], &h))
+                .collect();
+            // Q8_0 activations on the way: a quantization-sized tolerance.
+            assert!(rel_err(b.row(r), &want) < 0.03, "row {r}");
+        }
+        let mut logits = CpuActivations::from_vec(1, 3, vec![-100.0, 0.5, 100.0]).unwrap();
+        backend.softcap(&mut logits, 30.0).unwrap();
+        let want = [
+            -30.0 * (100.0f32 / 30.0).tanh(),
+            30.0 * (0.5f32 / 30.0).tanh(),
+            30.0 * (100.0f32 / 30.0).tanh(),
+        ];
+        assert!(rel_err(logits.data(), &want) < 1e-6);
+        assert!(backend.softcap(&mut logits, 0.0).is_err());
+    }
 }
