@@ -1,5 +1,5 @@
 //! Typed model hyperparameters for the architectures MIRAGE runs (llama,
-//! qwen2, qwen3), read from `{arch}.*` metadata keys.
+//! qwen2, qwen3, gemma3), read from `{arch}.*` metadata keys.
 
 use crate::error::GgufError;
 use crate::metadata::{Metadata, Value};
@@ -14,6 +14,9 @@ pub enum Arch {
     Qwen2,
     /// qwen3: llama plus per-head RMS norm of q and k (QK-norm), no biases.
     Qwen3,
+    /// gemma3: GeGLU FFN, QK-norm, norms after attention and FFN too, scaled embeddings, and
+    /// sliding-window attention in five of every six layers.
+    Gemma3,
 }
 
 impl Arch {
@@ -23,6 +26,7 @@ impl Arch {
             "llama" => Some(Arch::Llama),
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
+            "gemma3" => Some(Arch::Gemma3),
             _ => None,
         }
     }
@@ -33,6 +37,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
         }
     }
 }
@@ -102,6 +107,11 @@ pub struct ModelHparams {
     pub attn_qkv_bias: bool,
     /// Whether q and k get a per-head RMS norm (qwen3).
     pub attn_qk_norm: bool,
+    /// Positions a sliding-window attention layer sees, itself included
+    /// (`attention.sliding_window`; gemma3).
+    pub sliding_window: Option<usize>,
+    /// Final logits become `cap * tanh(logits / cap)` (`final_logit_softcapping`).
+    pub final_logit_softcapping: Option<f32>,
 }
 
 fn type_name(v: &Value) -> &'static str {
@@ -266,6 +276,19 @@ impl ModelHparams {
             tied_embeddings: file.tensor_info("output.weight").is_none(),
             attn_qkv_bias: file.tensor_info("blk.0.attn_q.bias").is_some(),
             attn_qk_norm: file.tensor_info("blk.0.attn_q_norm.weight").is_some(),
+            sliding_window: match k.opt_usize("attention.sliding_window")? {
+                Some(w) => Some(nonzero("attention.sliding_window", w)?),
+                None => None,
+            },
+            final_logit_softcapping: match k.opt_f32("final_logit_softcapping")? {
+                Some(c) if !(c.is_finite() && c > 0.0) => {
+                    return Err(GgufError::BadHparam {
+                        key: k.key("final_logit_softcapping"),
+                        reason: format!("{c} is not a positive number"),
+                    })
+                }
+                c => c,
+            },
         })
     }
 

@@ -37,6 +37,14 @@ pub enum RuntimeError {
         /// Which tensor or operation.
         what: String,
     },
+    /// The backend does not implement an operation the model's graph needs.
+    #[error("backend `{backend}` does not implement {what}")]
+    Unsupported {
+        /// Backend name.
+        backend: String,
+        /// The operation (and the architecture that needs it).
+        what: String,
+    },
     /// The sequence does not fit in the KV cache.
     #[error("context is full ({n_ctx} positions)")]
     ContextFull {

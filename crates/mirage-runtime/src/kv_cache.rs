@@ -314,8 +314,27 @@ impl KvCache {
         scores: &mut [f32],
         out: &mut [f32],
     ) {
+        self.attend_span(layer, seq, head, 0..n, q, scale, scores, out)
+    }
+
+    /// [`KvCache::attend`] over positions `span` only (a sliding window):
+    /// the softmax runs over exactly those positions. `scores` needs
+    /// `span.len()` elements. Callers check the ranges.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_span(
+        &self,
+        layer: usize,
+        seq: usize,
+        head: usize,
+        span: std::ops::Range<usize>,
+        q: &[f32],
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
         let hd = self.spec.head_dim;
-        let at = self.base(seq, head, 0);
+        let n = span.len();
+        let at = self.base(seq, head, span.start);
         match (&self.k[layer], &self.v[layer]) {
             (Store::F32(k), Store::F32(v)) => crate::ops::attend_f32(
                 q,

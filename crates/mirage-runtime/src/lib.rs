@@ -1,5 +1,5 @@
-//! The runtime: the [`Backend`] trait, the CPU backend, the model graph
-//! (llama, qwen2, qwen3), the KV cache and sampling, and the high-level
+//! The runtime: the [`Backend`] trait, the CPU backend, the model graphs
+//! (llama, qwen2, qwen3; gemma3), the KV cache and sampling, and the high-level
 //! [`Engine`]/[`Session`] API that frontends use.
 //!
 //! Libraries never print; errors are [`RuntimeError`].
@@ -11,6 +11,7 @@ pub mod batch;
 pub mod convert;
 pub mod engine;
 pub mod error;
+pub mod gemma3;
 pub mod kv_cache;
 pub mod kv_pages;
 pub mod model;

@@ -1,5 +1,6 @@
 //! The transformer graph of the llama family (llama, qwen2, qwen3), generic
-//! over a [`Backend`].
+//! over a [`Backend`], and the [`Model`] that also holds the other
+//! architectures' graphs ([`crate::gemma3`]), one pass each.
 //!
 //! One block per layer:
 //! `h = x + Wo attn(rope(norm_qk(Wq n(x) + bq)), rope(norm_qk(Wk n(x) + bk)), Wv n(x) + bv)`,
@@ -75,7 +76,7 @@ impl ModelConfig {
         let rope_mode = match hp.arch {
             // llama.cpp: LLM_ARCH_LLAMA -> LLAMA_ROPE_TYPE_NORM; QWEN2/QWEN3 -> NEOX.
             Arch::Llama => RopeMode::Normal,
-            Arch::Qwen2 | Arch::Qwen3 => RopeMode::Neox,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeMode::Neox,
         };
         Ok(ModelConfig {
             arch: hp.arch,
@@ -125,15 +126,23 @@ pub type FfnInputObserver<'a> = &'a mut dyn FnMut(usize, &[f32]);
 
 /// Reusable activation buffers of a forward pass (one set per session).
 pub struct Scratch<B: Backend> {
-    x: B::Activations,
-    xn: B::Activations,
-    q: B::Activations,
-    k: B::Activations,
-    v: B::Activations,
-    att: B::Activations,
-    proj: B::Activations,
-    picked: B::Activations,
-    logits: B::Activations,
+    pub(crate) x: B::Activations,
+    pub(crate) xn: B::Activations,
+    pub(crate) q: B::Activations,
+    pub(crate) k: B::Activations,
+    pub(crate) v: B::Activations,
+    pub(crate) att: B::Activations,
+    pub(crate) proj: B::Activations,
+    pub(crate) picked: B::Activations,
+    pub(crate) logits: B::Activations,
+}
+
+/// The blocks of a model, in the layout of its architecture's graph.
+enum Blocks<B: Backend> {
+    /// llama, qwen2, qwen3: [`Model::pass`].
+    Llama(Vec<Layer<B>>),
+    /// gemma3: [`crate::gemma3::pass`].
+    Gemma3(crate::gemma3::Gemma3Config, Vec<crate::gemma3::Layer<B>>),
 }
 
 /// A loaded model: weights uploaded to a backend, plus the graph.
@@ -143,7 +152,7 @@ pub struct Model<B: Backend> {
     tok_embd: B::Matrix,
     output: Option<B::Matrix>,
     output_norm: B::Vector,
-    layers: Vec<Layer<B>>,
+    blocks: Blocks<B>,
 }
 
 impl<B: Backend> std::fmt::Debug for Model<B> {
@@ -156,12 +165,12 @@ impl<B: Backend> std::fmt::Debug for Model<B> {
 }
 
 /// Reads tensors of a GGUF file as [`HostMatrix`] views and f32 vectors.
-struct TensorSource {
+pub(crate) struct TensorSource {
     file: Arc<GgufFile>,
 }
 
 impl TensorSource {
-    fn matrix(&self, name: &str, cols: usize, rows: usize) -> Result<HostMatrix> {
+    pub(crate) fn matrix(&self, name: &str, cols: usize, rows: usize) -> Result<HostMatrix> {
         let info = self
             .file
             .tensor_info(name)
@@ -186,7 +195,7 @@ impl TensorSource {
         })
     }
 
-    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+    pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         let t = self
             .file
             .tensor(name)
@@ -211,7 +220,8 @@ impl TensorSource {
 impl<B: Backend> Model<B> {
     /// Uploads every weight of `file` to `backend` (zero-copy on the CPU).
     pub fn load(file: Arc<GgufFile>, backend: B) -> Result<Model<B>> {
-        let mut config = ModelConfig::from_hparams(&file.hparams()?)?;
+        let hparams = file.hparams()?;
+        let mut config = ModelConfig::from_hparams(&hparams)?;
         // The lm head's rows are the vocabulary the logits cover (Qwen pads
         // its tensor past the tokenizer's list).
         if let Some(t) = file
@@ -237,6 +247,18 @@ impl<B: Backend> Model<B> {
             None
         };
         let output_norm = backend.upload_vector(&src.vector("output_norm.weight", d)?)?;
+        if c.arch == Arch::Gemma3 {
+            let gemma = crate::gemma3::Gemma3Config::from_file(&src.file, &hparams)?;
+            let layers = crate::gemma3::load_layers(&src, &backend, c)?;
+            return Ok(Model {
+                config,
+                backend,
+                tok_embd,
+                output,
+                output_norm,
+                blocks: Blocks::Gemma3(gemma, layers),
+            });
+        }
         let mut layers = Vec::with_capacity(c.n_layer);
         for l in 0..c.n_layer {
             let n = |s: &str| format!("blk.{l}.{s}");
@@ -289,7 +311,7 @@ impl<B: Backend> Model<B> {
             tok_embd,
             output,
             output_norm,
-            layers,
+            blocks: Blocks::Llama(layers),
         })
     }
 
@@ -450,10 +472,49 @@ impl<B: Backend> Model<B> {
     }
 
     /// Every op of a forward pass up to the lm head (its output stays in
-    /// `s.logits`).
+    /// `s.logits`), through the graph of the model's architecture.
     #[allow(clippy::too_many_arguments)]
     fn pass(
         &self,
+        tokens: &[u32],
+        slots: &[TokenSlot],
+        logits_rows: &[usize],
+        cache: &mut B::KvCache,
+        s: &mut Scratch<B>,
+        observer: Option<FfnInputObserver<'_>>,
+    ) -> Result<()> {
+        match &self.blocks {
+            Blocks::Llama(layers) => {
+                self.llama_pass(layers, tokens, slots, logits_rows, cache, s, observer)
+            }
+            Blocks::Gemma3(config, layers) => {
+                let head = crate::gemma3::Head {
+                    tok_embd: &self.tok_embd,
+                    output_norm: &self.output_norm,
+                    lm_head: self.output.as_ref().unwrap_or(&self.tok_embd),
+                };
+                crate::gemma3::pass(
+                    &self.backend,
+                    &self.config,
+                    config,
+                    &head,
+                    layers,
+                    tokens,
+                    slots,
+                    logits_rows,
+                    cache,
+                    s,
+                    observer,
+                )
+            }
+        }
+    }
+
+    /// The llama-family pass.
+    #[allow(clippy::too_many_arguments)]
+    fn llama_pass(
+        &self,
+        layers: &[Layer<B>],
         tokens: &[u32],
         slots: &[TokenSlot],
         logits_rows: &[usize],
@@ -467,7 +528,7 @@ impl<B: Backend> Model<B> {
         let ap = c.attention_params();
         let lm_head = self.output.as_ref().unwrap_or(&self.tok_embd);
         b.embed(&self.tok_embd, tokens, &mut s.x)?;
-        for (l, layer) in self.layers.iter().enumerate() {
+        for (l, layer) in layers.iter().enumerate() {
             b.rms_norm(&s.x, &layer.attn_norm, c.rms_norm_eps, &mut s.xn)?;
             b.matmul_many(
                 &[&layer.wq, &layer.wk, &layer.wv],
@@ -492,7 +553,7 @@ impl<B: Backend> Model<B> {
                 obs(l, &observed);
             }
             // What the next layer (or the lm head) reads first.
-            match self.layers.get(l + 1) {
+            match layers.get(l + 1) {
                 Some(next) => b.prefetch(&[&next.wq, &next.wk, &next.wv])?,
                 None => b.prefetch(&[lm_head])?,
             }

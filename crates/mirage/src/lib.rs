@@ -391,9 +391,21 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
             Ok(visitor.run(engine))
         }
         (Resolved::Cuda(backend), None) => {
-            let engine = Engine::from_file(open_model()?, *backend, spec.options.clone())
-                .map_err(engine_err("cuda"))?;
-            Ok(visitor.run(engine))
+            match Engine::from_file(open_model()?, *backend, spec.options.clone()) {
+                Ok(engine) => Ok(visitor.run(engine)),
+                // `auto` falls back to the CPU for a graph the CUDA backend lacks (gemma3).
+                Err(mirage_runtime::RuntimeError::Unsupported { what, .. })
+                    if spec.backend == BackendChoice::Auto =>
+                {
+                    tracing::info!(backend = "cpu", reason = %what, "backend auto: cpu (the cuda backend does not run this model)");
+                    let backend =
+                        CpuBackend::new(spec.options.threads).map_err(engine_err("cpu"))?;
+                    let engine = Engine::from_file(open_model()?, backend, spec.options.clone())
+                        .map_err(engine_err("cpu"))?;
+                    Ok(visitor.run(engine))
+                }
+                Err(e) => Err(engine_err("cuda")(e)),
+            }
         }
         (Resolved::Cpu, Some(a)) => {
             use mirage_artifact::{Artifact, SuperblockBackend};

@@ -147,6 +147,28 @@ pub struct AttentionParams {
     pub norm_eps: f32,
 }
 
+/// The activation of a gated FFN: `down(act(gate x) * up x)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FfnActivation {
+    /// SiLU (SwiGLU: llama, qwen).
+    #[default]
+    Silu,
+    /// GELU with the tanh approximation (GeGLU: gemma).
+    GeluTanh,
+}
+
+/// What a layer's attention computes beyond [`Backend::attention`]'s default
+/// (gemma's sliding windows and query scaling). The default value is that
+/// default attention.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct AttentionOptions {
+    /// The factor on `q·k` (default `1/sqrt(head_dim)`).
+    pub scale: Option<f32>,
+    /// Each query attends only to the last `window` positions of its
+    /// sequence, itself included (`None`: every position).
+    pub sliding_window: Option<usize>,
+}
+
 /// Per-head RMSNorm weights of q and k applied before RoPE (qwen3's QK-norm).
 #[derive(Debug, Clone, Copy)]
 pub struct QkNorm<'a, V> {
@@ -213,6 +235,23 @@ pub trait Backend: Send + Sync {
         up: &HostMatrix,
         down: &HostMatrix,
     ) -> Result<Self::Ffn>;
+    /// [`Backend::upload_ffn`] for an FFN with the given activation. The
+    /// default uploads a SiLU FFN and refuses any other activation with
+    /// [`crate::RuntimeError::Unsupported`], so a model that needs one fails at
+    /// load time on backends that do not implement it.
+    fn upload_ffn_with(
+        &self,
+        layer: usize,
+        activation: FfnActivation,
+        gate: &HostMatrix,
+        up: &HostMatrix,
+        down: &HostMatrix,
+    ) -> Result<Self::Ffn> {
+        match activation {
+            FfnActivation::Silu => self.upload_ffn(layer, gate, up, down),
+            FfnActivation::GeluTanh => Err(self.unsupported("the GELU (tanh) FFN of gemma models")),
+        }
+    }
     /// A KV cache of the given shape.
     fn new_kv_cache(&self, spec: KvSpec) -> Result<Self::KvCache>;
     /// A KV cache whose decode attention reads only the KV pages `pruning`
@@ -323,7 +362,50 @@ pub trait Backend: Send + Sync {
         cache: &mut Self::KvCache,
         out: &mut Self::Activations,
     ) -> Result<()>;
-    /// The feed-forward block: `out[r] = down(silu(gate x[r]) * up x[r])`.
+    /// [`Backend::attention`] with [`AttentionOptions`]. The default runs
+    /// [`Backend::attention`] for the default options and refuses any other
+    /// with [`crate::RuntimeError::Unsupported`].
+    #[allow(clippy::too_many_arguments)]
+    fn attention_with(
+        &self,
+        layer: usize,
+        params: &AttentionParams,
+        options: &AttentionOptions,
+        q: &mut Self::Activations,
+        k: &mut Self::Activations,
+        v: &Self::Activations,
+        qk_norm: Option<QkNorm<'_, Self::Vector>>,
+        slots: &[TokenSlot],
+        cache: &mut Self::KvCache,
+        out: &mut Self::Activations,
+    ) -> Result<()> {
+        if *options != AttentionOptions::default() {
+            return Err(self.unsupported("sliding-window or rescaled attention (gemma models)"));
+        }
+        self.attention(layer, params, q, k, v, qk_norm, slots, cache, out)
+    }
+    /// `x *= factor` (gemma scales its embeddings). The default refuses.
+    fn scale(&self, x: &mut Self::Activations, factor: f32) -> Result<()> {
+        let _ = (x, factor);
+        Err(self.unsupported("scaling activations (gemma models)"))
+    }
+    /// `x = cap * tanh(x / cap)` elementwise (logit soft-capping). The default
+    /// refuses.
+    fn softcap(&self, x: &mut Self::Activations, cap: f32) -> Result<()> {
+        let _ = (x, cap);
+        Err(self.unsupported("logit soft-capping"))
+    }
+    /// The error a default implementation returns for an op this backend
+    /// lacks.
+    fn unsupported(&self, what: &str) -> crate::error::RuntimeError {
+        crate::error::RuntimeError::Unsupported {
+            backend: self.name(),
+            what: what.into(),
+        }
+    }
+    /// The feed-forward block: `out[r] = down(act(gate x[r]) * up x[r])`, the
+    /// activation chosen at upload (SiLU unless [`Backend::upload_ffn_with`]
+    /// said otherwise).
     fn ffn(
         &self,
         ffn: &Self::Ffn,
