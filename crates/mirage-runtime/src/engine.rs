@@ -23,10 +23,13 @@ use mirage_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, TokenSlot};
+use crate::constraint::{Constraint, ConstraintState, TokenMask};
 use crate::error::{Result, RuntimeError};
 use crate::kv_cache::KvDtype;
 use crate::model::{Model, Scratch};
-use crate::sampling::{Sampler, SamplingParams, StopCheck, StopStrings};
+use crate::sampling::{
+    token_logprob, Sampler, SamplingParams, StopCheck, StopStrings, TokenLogprob,
+};
 
 fn tok_err(e: mirage_tokenizer::TokenizerError) -> RuntimeError {
     RuntimeError::Tokenizer(e.to_string())
@@ -62,7 +65,7 @@ impl Default for EngineOptions {
 }
 
 /// What to generate.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct GenerateParams {
     /// Most new tokens.
     pub max_tokens: usize,
@@ -70,6 +73,12 @@ pub struct GenerateParams {
     pub sampling: SamplingParams,
     /// Generation stops before the first occurrence of any of these.
     pub stop: Vec<String>,
+    /// Only tokens this allows are sampled (a grammar or JSON schema from
+    /// `mirage-grammar`); end-of-generation only where it may end.
+    pub constraint: Option<Arc<dyn Constraint>>,
+    /// Report each generated token's log-probability with this many most
+    /// likely alternatives (0..=20; see [`token_logprob`]); `None`: none.
+    pub logprobs: Option<usize>,
 }
 
 impl Default for GenerateParams {
@@ -78,6 +87,76 @@ impl Default for GenerateParams {
             max_tokens: 128,
             sampling: SamplingParams::default(),
             stop: Vec::new(),
+            constraint: None,
+            logprobs: None,
+        }
+    }
+}
+
+impl PartialEq for GenerateParams {
+    /// Constraints compare by identity (the same compiled grammar).
+    fn eq(&self, other: &Self) -> bool {
+        self.max_tokens == other.max_tokens
+            && self.sampling == other.sampling
+            && self.stop == other.stop
+            && self.logprobs == other.logprobs
+            && match (&self.constraint, &other.constraint) {
+                (None, None) => true,
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                _ => false,
+            }
+    }
+}
+
+/// A constraint's per-generation state and the mask it fills each step.
+pub(crate) struct ActiveConstraint {
+    state: Box<dyn ConstraintState>,
+    mask: TokenMask,
+}
+
+impl ActiveConstraint {
+    /// Starts `params`' constraint, if any, for logits of `vocab` tokens.
+    pub(crate) fn start(params: &GenerateParams, vocab: usize) -> Result<Option<ActiveConstraint>> {
+        params
+            .constraint
+            .as_ref()
+            .map(|c| {
+                Ok(ActiveConstraint {
+                    state: c.start().map_err(RuntimeError::Constraint)?,
+                    mask: TokenMask::new(vocab),
+                })
+            })
+            .transpose()
+    }
+
+    /// The mask for the next sample.
+    pub(crate) fn mask(&mut self) -> Result<&TokenMask> {
+        self.mask.clear();
+        self.state
+            .fill_mask(&mut self.mask)
+            .map_err(RuntimeError::Constraint)?;
+        Ok(&self.mask)
+    }
+
+    /// Advances past a sampled token that is not end-of-generation.
+    pub(crate) fn accept(&mut self, token: u32) -> Result<()> {
+        self.state.accept(token).map_err(RuntimeError::Constraint)
+    }
+}
+
+/// Samples the next token under an optional constraint: `None` when the
+/// constraint allows nothing (the generation must end).
+pub(crate) fn sample_next(
+    sampler: &mut Sampler,
+    logits: &[f32],
+    history: &[u32],
+    constraint: Option<&mut ActiveConstraint>,
+) -> Result<Option<u32>> {
+    match constraint {
+        None => Ok(Some(sampler.sample(logits, history))),
+        Some(c) => {
+            let mask = c.mask()?;
+            Ok(sampler.sample_masked(logits, history, Some(mask)))
         }
     }
 }
@@ -145,6 +224,9 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     /// Counts and timings.
     pub stats: GenerationStats,
+    /// One entry per token of `tokens` when [`GenerateParams::logprobs`]
+    /// asked for them, else empty.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 /// A loaded model with its tokenizer, ready to open sessions.
@@ -266,6 +348,82 @@ impl<B: Backend> Engine<B> {
             tokens: Vec::new(),
             logits: Vec::new(),
         })
+    }
+
+    /// One embedding per input text: the final hidden state (after the
+    /// output norm) mean-pooled over the text's tokens and scaled to unit
+    /// L2 norm, as llama-server computes it with `--embedding` (mean
+    /// pooling, Euclidean normalisation). Texts are tokenized with the
+    /// model's BOS/EOS settings and run together, several sequences per
+    /// forward pass.
+    pub fn embed<S: AsRef<str>>(&self, inputs: &[S]) -> Result<Vec<Vec<f32>>> {
+        let tokens = inputs
+            .iter()
+            .map(|t| self.encode(t.as_ref(), true))
+            .collect::<Result<Vec<_>>>()?;
+        self.embed_tokens(&tokens)
+    }
+
+    /// [`Engine::embed`] of already tokenized inputs.
+    pub fn embed_tokens(&self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        /// Sequences that share one cache and its forward passes.
+        const GROUP: usize = 16;
+        for (i, t) in inputs.iter().enumerate() {
+            if t.is_empty() {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "input {i} has no tokens to embed"
+                )));
+            }
+            if t.len() > self.n_ctx {
+                return Err(RuntimeError::ContextFull { n_ctx: self.n_ctx });
+            }
+        }
+        let d = self.model.config().n_embd;
+        let n_batch = self.options.n_batch.max(1);
+        let mut out = Vec::with_capacity(inputs.len());
+        let mut scratch = self.model.new_scratch();
+        let mut hidden = Vec::new();
+        for group in inputs.chunks(GROUP) {
+            let longest = group.iter().map(Vec::len).max().unwrap_or(1);
+            let mut cache = self
+                .model
+                .new_kv_cache(longest, group.len(), self.options.kv_dtype)?;
+            let rows: Vec<(u32, TokenSlot)> = group
+                .iter()
+                .enumerate()
+                .flat_map(|(seq, t)| {
+                    t.iter()
+                        .enumerate()
+                        .map(move |(pos, &tok)| (tok, TokenSlot { seq, pos }))
+                })
+                .collect();
+            let mut sums = vec![vec![0.0f64; d]; group.len()];
+            for chunk in rows.chunks(n_batch) {
+                let tokens: Vec<u32> = chunk.iter().map(|r| r.0).collect();
+                let slots: Vec<TokenSlot> = chunk.iter().map(|r| r.1).collect();
+                self.model
+                    .hidden_states(&tokens, &slots, &mut cache, &mut scratch, &mut hidden)?;
+                if hidden.len() != chunk.len() * d {
+                    return Err(RuntimeError::InvalidArgument(format!(
+                        "backend returned {} hidden values for {} rows of {d}",
+                        hidden.len(),
+                        chunk.len()
+                    )));
+                }
+                for (slot, row) in slots.iter().zip(hidden.chunks_exact(d)) {
+                    for (acc, &h) in sums[slot.seq].iter_mut().zip(row) {
+                        *acc += h as f64;
+                    }
+                }
+            }
+            for (sum, t) in sums.into_iter().zip(group) {
+                let mean: Vec<f64> = sum.into_iter().map(|x| x / t.len() as f64).collect();
+                let norm = mean.iter().map(|x| x * x).sum::<f64>().sqrt();
+                let scale = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+                out.push(mean.into_iter().map(|x| (x * scale) as f32).collect());
+            }
+        }
+        Ok(out)
     }
 
     /// Logits at every position of `tokens` (`tokens.len() * vocab` floats,
@@ -406,11 +564,33 @@ impl<'e, B: Backend> Session<'e, B> {
         let mut decode_steps = 0;
         let mut stop_reason = StopReason::MaxTokens;
         let mut logits = std::mem::take(&mut self.logits);
+        let mut constraint = ActiveConstraint::start(params, logits.len())?;
+        let mut logprobs = Vec::new();
         while generated.len() < params.max_tokens {
-            let token = sampler.sample(&logits, &self.tokens);
+            let sampled = sample_next(&mut sampler, &logits, &self.tokens, constraint.as_mut());
+            let token = match sampled {
+                Ok(Some(t)) => t,
+                Ok(None) => {
+                    stop_reason = StopReason::EndOfGeneration;
+                    break;
+                }
+                Err(e) => {
+                    self.logits = logits;
+                    return Err(e);
+                }
+            };
             if tokenizer.is_eog(token) {
                 stop_reason = StopReason::EndOfGeneration;
                 break;
+            }
+            if let Some(c) = constraint.as_mut() {
+                if let Err(e) = c.accept(token) {
+                    self.logits = logits;
+                    return Err(e);
+                }
+            }
+            if let Some(n) = params.logprobs {
+                logprobs.push(token_logprob(&logits, token, n));
             }
             generated.push(token);
             text.push_str(&decoder.push_token(tokenizer, token));
@@ -468,6 +648,7 @@ impl<'e, B: Backend> Session<'e, B> {
             text,
             tokens: generated,
             stats,
+            logprobs,
         })
     }
 }
