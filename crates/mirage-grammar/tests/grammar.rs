@@ -232,3 +232,90 @@ fn greedy_generation_under_a_json_schema_is_valid_json() {
         );
     }
 }
+
+#[test]
+fn batched_sequences_keep_their_own_grammar_and_logprobs() {
+    use mirage_runtime::batch::{Batcher, SeqEvent};
+    let Some(path) = model_path(SMOLLM2) else {
+        return;
+    };
+    let engine = Engine::load(
+        path,
+        EngineOptions {
+            n_ctx: 512,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let compiler =
+        GrammarCompiler::new(engine.tokenizer(), engine.model().config().vocab_size).unwrap();
+    let grammar = compiler
+        .compile(&GrammarSpec::Gbnf(
+            r#"root ::= "The answer is " ("yes" | "no") "." "#.into(),
+        ))
+        .unwrap();
+    let prompt = engine
+        .render_chat(&[mirage_tokenizer::ChatMessage::new(
+            "user",
+            "Is the sky blue?",
+        )])
+        .unwrap();
+    let ids = engine.encode(&prompt, true).unwrap();
+    let constrained = GenerateParams {
+        max_tokens: 32,
+        constraint: Some(grammar),
+        logprobs: Some(2),
+        ..Default::default()
+    };
+    let free = GenerateParams {
+        max_tokens: 8,
+        ..Default::default()
+    };
+    // Alone, through a session.
+    let alone = engine
+        .session()
+        .unwrap()
+        .generate_from(&ids, &constrained, |_| true)
+        .unwrap();
+    assert!(
+        alone.text == "The answer is yes." || alone.text == "The answer is no.",
+        "{}",
+        alone.text
+    );
+    // In a batch beside a free sequence.
+    let mut batcher = Batcher::new(&engine, 2, 64).unwrap();
+    let a = batcher.add(ids.clone(), &constrained).unwrap();
+    let b = batcher.add(ids.clone(), &free).unwrap();
+    let (mut texts, mut lps, mut done) = (vec![String::new(); 2], vec![Vec::new(); 2], 0);
+    let mut events = Vec::new();
+    while done < 2 {
+        batcher.step(&mut events).unwrap();
+        for ev in events.drain(..) {
+            match ev {
+                SeqEvent::Text { slot, text } => texts[slot].push_str(&text),
+                SeqEvent::Logprob { slot, logprob } => lps[slot].push(logprob),
+                SeqEvent::Finished {
+                    slot,
+                    reason,
+                    completion_tokens,
+                    ..
+                } => {
+                    done += 1;
+                    if slot == a {
+                        assert_eq!(reason, StopReason::EndOfGeneration);
+                        assert_eq!(completion_tokens, lps[a].len());
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(texts[a], alone.text);
+    // Same tokens; the values agree up to the batch's other summation order.
+    assert_eq!(lps[a].len(), alone.logprobs.len());
+    for (x, y) in lps[a].iter().zip(&alone.logprobs) {
+        assert_eq!((x.token, x.top.len()), (y.token, 2));
+        assert!((x.logprob - y.logprob).abs() < 0.2, "{x:?} vs {y:?}");
+    }
+    assert!(lps[b].is_empty(), "not asked for");
+    assert!(!texts[b].is_empty());
+}

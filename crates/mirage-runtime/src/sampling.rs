@@ -465,6 +465,54 @@ mod tests {
     }
 
     #[test]
+    fn logprobs_are_the_log_softmax_with_sorted_alternatives() {
+        let l = logits();
+        let z: f64 = l.iter().map(|&x| (x as f64).exp()).sum();
+        let lp = token_logprob(&l, 2, 3);
+        assert_eq!(lp.token, 2);
+        assert!((lp.logprob as f64 - (2.5f64 - z.ln())).abs() < 1e-6);
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 5, 2]);
+        for &(t, v) in &lp.top {
+            assert!((v as f64 - (l[t as usize] as f64 - z.ln())).abs() < 1e-6);
+        }
+        // Probabilities over the whole vocabulary sum to one.
+        let all = token_logprob(&l, 0, 99);
+        assert_eq!(all.top.len(), l.len());
+        let total: f64 = all.top.iter().map(|t| (t.1 as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        // Ties keep the lower id first; none asked, none given.
+        let tie = token_logprob(&[1.0, 3.0, 3.0, 0.0], 2, 2);
+        assert_eq!(tie.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert!(token_logprob(&l, 1, 0).top.is_empty());
+        // At most MAX_TOP_LOGPROBS alternatives.
+        let wide: Vec<f32> = (0..100).map(|i| i as f32 * 0.01).collect();
+        assert_eq!(token_logprob(&wide, 0, 50).top.len(), MAX_TOP_LOGPROBS);
+    }
+
+    #[test]
+    fn a_mask_limits_every_sampling_mode() {
+        let mut mask = crate::constraint::TokenMask::new(6);
+        mask.allow(0);
+        mask.allow(4);
+        // Greedy picks the best allowed token, not the best token.
+        let mut s = Sampler::new(SamplingParams::default());
+        assert_eq!(s.sample_masked(&logits(), &[], Some(&mask)), Some(0));
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.5,
+            top_k: 3,
+            seed: 3,
+            ..Default::default()
+        });
+        for _ in 0..200 {
+            let t = s.sample_masked(&logits(), &[], Some(&mask)).unwrap();
+            assert!(t == 0 || t == 4, "{t}");
+        }
+        mask.clear();
+        assert_eq!(s.sample_masked(&logits(), &[], Some(&mask)), None);
+    }
+
+    #[test]
     fn stop_strings_find_and_hold_back() {
         let s = StopStrings::new(["</s>", "\nUser:"]);
         assert_eq!(s.check("hello"), StopCheck::Emit(5));

@@ -105,7 +105,7 @@ pub fn run(args: BenchGrammarArgs) -> anyhow::Result<()> {
     // (steps, seconds) per mode.
     let (mut free_run, mut json_run) = ((0usize, 0.0f64), (0usize, 0.0f64));
     let mut outputs = Vec::new();
-    let mut valid = 0usize;
+    let (mut valid, mut cut) = (0usize, 0usize);
     for _ in 0..args.rounds.max(1) {
         for prompt in &prompts {
             for (params, acc) in [(&free, &mut free_run), (&constrained, &mut json_run)] {
@@ -115,6 +115,8 @@ pub fn run(args: BenchGrammarArgs) -> anyhow::Result<()> {
                 acc.1 += out.stats.decode_secs;
                 if params.constraint.is_some() {
                     valid += serde_json::from_str::<serde_json::Value>(&out.text).is_ok() as usize;
+                    cut +=
+                        (out.stats.stop_reason == mirage_runtime::StopReason::MaxTokens) as usize;
                     outputs.push(out.tokens);
                 }
             }
@@ -163,6 +165,7 @@ pub fn run(args: BenchGrammarArgs) -> anyhow::Result<()> {
             "json_steps": json_run.0,
             "json_outputs": outputs.len(),
             "json_outputs_valid": valid,
+            "json_outputs_cut_at_max_tokens": cut,
             "mask_us_mean": mask_mean_us,
             "mask_us_max": mask_max * 1e6,
             "vocab_index_ms": index_ms,
@@ -180,7 +183,10 @@ pub fn run(args: BenchGrammarArgs) -> anyhow::Result<()> {
         println!("| unconstrained | {free_tok_s:.1} | {} |", free_run.0);
         println!("| JSON schema | {json_tok_s:.1} | {} |", json_run.0);
         println!("ratio (schema / unconstrained): {ratio:.3}");
-        println!("valid JSON outputs: {valid} of {}", outputs.len());
+        println!(
+            "valid JSON outputs: {valid} of {} ({cut} cut off at --max-tokens)",
+            outputs.len()
+        );
         println!(
             "mask: {mask_mean_us:.0} us mean, {:.0} us max over {masks} tokens; vocabulary index {index_ms:.0} ms, schema compile {compile_ms:.1} ms",
             mask_max * 1e6
