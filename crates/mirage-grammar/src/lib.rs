@@ -27,6 +27,7 @@
 #![deny(missing_docs)]
 
 pub mod gbnf;
+pub mod tools;
 
 use std::sync::Arc;
 
@@ -37,6 +38,9 @@ use mirage_tokenizer::{TokenType, Tokenizer};
 use toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie};
 
 pub use gbnf::{gbnf_to_lark, GbnfError};
+pub use tools::{
+    parse_tool_calls, tool_call_grammar, ToolCall, ToolCallStream, ToolChoice, ToolStreamEvent,
+};
 
 /// A grammar source.
 #[derive(Debug, Clone, PartialEq)]

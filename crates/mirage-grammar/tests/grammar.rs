@@ -319,3 +319,68 @@ fn batched_sequences_keep_their_own_grammar_and_logprobs() {
     assert!(lps[b].is_empty(), "not asked for");
     assert!(!texts[b].is_empty());
 }
+
+#[test]
+fn required_tool_choice_yields_a_parsable_call() {
+    use mirage_grammar::{parse_tool_calls, tool_call_grammar, ToolChoice};
+    let Some(path) = model_path(SMOLLM2) else {
+        return;
+    };
+    let engine = Engine::load(
+        path,
+        EngineOptions {
+            n_ctx: 1024,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let compiler =
+        GrammarCompiler::new(engine.tokenizer(), engine.model().config().vocab_size).unwrap();
+    let tools = serde_json::json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                        "required": ["city"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "get_time", "description": "Time in a city",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                        "required": ["city"], "additionalProperties": false}}}
+    ]);
+    let messages =
+        serde_json::json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let prompt = engine
+        .chat_template()
+        .unwrap()
+        .render_json(&messages, Some(&tools), true)
+        .unwrap();
+    for (choice, parallel) in [
+        (ToolChoice::Required, false),
+        (ToolChoice::Named("get_time".into()), true),
+    ] {
+        let spec = tool_call_grammar(&tools, &choice, parallel)
+            .unwrap()
+            .unwrap();
+        let params = GenerateParams {
+            max_tokens: 80,
+            constraint: Some(compiler.compile(&spec).unwrap()),
+            ..Default::default()
+        };
+        let out = engine
+            .session()
+            .unwrap()
+            .generate(&prompt, &params, |_| true)
+            .unwrap();
+        let (content, calls) = parse_tool_calls(&out.text);
+        assert!(content.is_empty(), "{choice:?}: {:?}", out.text);
+        assert!(!calls.is_empty(), "{choice:?}: {:?}", out.text);
+        if !parallel {
+            assert_eq!(calls.len(), 1, "{:?}", out.text);
+        }
+        for c in &calls {
+            if let ToolChoice::Named(n) = &choice {
+                assert_eq!(&c.name, n);
+            }
+            assert!(c.name == "get_weather" || c.name == "get_time", "{c:?}");
+            let args: serde_json::Value = serde_json::from_str(&c.arguments).unwrap();
+            assert!(args["city"].is_string(), "{c:?}");
+        }
+    }
+}
