@@ -16,10 +16,9 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
 use mirage_gguf::GgufFile;
-use mirage_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
+use mirage_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, TokenSlot};
@@ -27,9 +26,7 @@ use crate::constraint::{Constraint, ConstraintState, TokenMask};
 use crate::error::{Result, RuntimeError};
 use crate::kv_cache::KvDtype;
 use crate::model::{Model, Scratch};
-use crate::sampling::{
-    token_logprob, Sampler, SamplingParams, StopCheck, StopStrings, TokenLogprob,
-};
+use crate::sampling::{Sampler, SamplingParams, TokenLogprob};
 
 fn tok_err(e: mirage_tokenizer::TokenizerError) -> RuntimeError {
     RuntimeError::Tokenizer(e.to_string())
@@ -336,8 +333,21 @@ impl<B: Backend> Engine<B> {
 
     /// A new session with an empty KV cache of [`Engine::n_ctx`] positions.
     pub fn session(&self) -> Result<Session<'_, B>> {
+        self.session_with(EngineRef::Borrowed(self))
+    }
+
+    /// A session that shares `engine` instead of borrowing it: it owns
+    /// what it needs, so it can move into another thread or an async task
+    /// (`std::thread::spawn(move || session.generate(..))`).
+    pub fn shared_session(engine: &Arc<Engine<B>>) -> Result<Session<'static, B>>
+    where
+        B: 'static,
+    {
+        engine.session_with(EngineRef::Shared(engine.clone()))
+    }
+
+    fn session_with<'e>(&self, engine: EngineRef<'e, B>) -> Result<Session<'e, B>> {
         Ok(Session {
-            engine: self,
             cache: self.model.new_kv_cache_pruned(
                 self.n_ctx,
                 1,
@@ -347,6 +357,7 @@ impl<B: Backend> Engine<B> {
             scratch: self.model.new_scratch(),
             tokens: Vec::new(),
             logits: Vec::new(),
+            engine,
         })
     }
 
@@ -434,13 +445,31 @@ impl<B: Backend> Engine<B> {
     }
 }
 
+/// How a [`Session`] holds its engine: borrowed, or shared through an
+/// `Arc` so that the session owns what it needs (`Session<'static, B>`,
+/// which moves into threads and async tasks).
+pub(crate) enum EngineRef<'e, B: Backend> {
+    Borrowed(&'e Engine<B>),
+    Shared(Arc<Engine<B>>),
+}
+
+impl<B: Backend> std::ops::Deref for EngineRef<'_, B> {
+    type Target = Engine<B>;
+    fn deref(&self) -> &Engine<B> {
+        match self {
+            EngineRef::Borrowed(e) => e,
+            EngineRef::Shared(e) => e,
+        }
+    }
+}
+
 /// One conversation: a KV cache, buffers and the tokens it holds.
 pub struct Session<'e, B: Backend = CpuBackend> {
-    engine: &'e Engine<B>,
-    cache: B::KvCache,
-    scratch: Scratch<B>,
-    tokens: Vec<u32>,
-    logits: Vec<f32>,
+    pub(crate) engine: EngineRef<'e, B>,
+    pub(crate) cache: B::KvCache,
+    pub(crate) scratch: Scratch<B>,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) logits: Vec<f32>,
 }
 
 impl<B: Backend> std::fmt::Debug for Session<'_, B> {
@@ -536,119 +565,21 @@ impl<'e, B: Backend> Session<'e, B> {
         self.generate_from(&context, params, on_text)
     }
 
-    /// Generates after exactly `context` (reusing the cached prefix).
+    /// Generates after exactly `context` (reusing the cached prefix),
+    /// streaming text to `on_text` (return `false` to stop).
     pub fn generate_from(
         &mut self,
         context: &[u32],
         params: &GenerateParams,
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<Generation> {
-        let tokenizer = &self.engine.tokenizer;
-        let t0 = Instant::now();
-        let before = self
-            .tokens
-            .iter()
-            .zip(context)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(context.len().saturating_sub(1));
-        self.feed_context(context)?;
-        let prompt_secs = t0.elapsed().as_secs_f64();
-        let prompt_tokens = context.len() - before;
-        let t1 = Instant::now();
-        let mut sampler = Sampler::new(params.sampling.clone());
-        let stops = StopStrings::new(params.stop.iter().cloned());
-        let mut decoder = StreamDecoder::new();
-        let (mut text, mut emitted) = (String::new(), 0usize);
-        let mut generated = Vec::new();
-        let mut decode_steps = 0;
-        let mut stop_reason = StopReason::MaxTokens;
-        let mut logits = std::mem::take(&mut self.logits);
-        let mut constraint = ActiveConstraint::start(params, logits.len())?;
-        let mut logprobs = Vec::new();
-        while generated.len() < params.max_tokens {
-            let sampled = sample_next(&mut sampler, &logits, &self.tokens, constraint.as_mut());
-            let token = match sampled {
-                Ok(Some(t)) => t,
-                Ok(None) => {
-                    stop_reason = StopReason::EndOfGeneration;
-                    break;
-                }
-                Err(e) => {
-                    self.logits = logits;
-                    return Err(e);
-                }
-            };
-            if tokenizer.is_eog(token) {
-                stop_reason = StopReason::EndOfGeneration;
+        let mut state = self.start_generation(context, params)?;
+        while let Some(piece) = self.next_piece(&mut state)? {
+            if !piece.text.is_empty() && !on_text(&piece.text) && piece.token.is_some() {
+                state.stop_early(StopReason::Callback);
                 break;
             }
-            if let Some(c) = constraint.as_mut() {
-                if let Err(e) = c.accept(token) {
-                    self.logits = logits;
-                    return Err(e);
-                }
-            }
-            if let Some(n) = params.logprobs {
-                logprobs.push(token_logprob(&logits, token, n));
-            }
-            generated.push(token);
-            text.push_str(&decoder.push_token(tokenizer, token));
-            match stops.check(&text) {
-                StopCheck::Stop(at) => {
-                    text.truncate(at);
-                    if at > emitted {
-                        on_text(&text[emitted..]);
-                    }
-                    emitted = text.len();
-                    stop_reason = StopReason::StopString;
-                    break;
-                }
-                StopCheck::Emit(safe) => {
-                    if safe > emitted {
-                        let go_on = on_text(&text[emitted..safe]);
-                        emitted = safe;
-                        if !go_on {
-                            stop_reason = StopReason::Callback;
-                            break;
-                        }
-                    }
-                }
-            }
-            // The sample is fed even after the last one, so that the cache
-            // holds the whole reply and a chat can continue after it.
-            self.logits = logits;
-            match self.feed(&[token]) {
-                Ok(_) => decode_steps += 1,
-                Err(RuntimeError::ContextFull { .. }) => {
-                    logits = std::mem::take(&mut self.logits);
-                    stop_reason = StopReason::ContextFull;
-                    break;
-                }
-                Err(e) => return Err(e),
-            }
-            logits = std::mem::take(&mut self.logits);
         }
-        self.logits = logits;
-        if stop_reason != StopReason::StopString {
-            text.push_str(&decoder.finish());
-            if text.len() > emitted {
-                on_text(&text[emitted..]);
-            }
-        }
-        let stats = GenerationStats {
-            prompt_tokens,
-            generated_tokens: generated.len(),
-            decode_steps,
-            prompt_secs,
-            decode_secs: t1.elapsed().as_secs_f64(),
-            stop_reason,
-        };
-        Ok(Generation {
-            text,
-            tokens: generated,
-            stats,
-            logprobs,
-        })
+        Ok(state.finish())
     }
 }

@@ -12,6 +12,7 @@ pub mod constraint;
 pub mod convert;
 pub mod engine;
 pub mod error;
+pub mod generate;
 pub mod kv_cache;
 pub mod kv_pages;
 pub mod model;
@@ -28,6 +29,7 @@ pub use engine::{
     Engine, EngineOptions, GenerateParams, Generation, GenerationStats, Session, StopReason,
 };
 pub use error::{Result, RuntimeError};
+pub use generate::{TokenPiece, TokenStream};
 pub use kv_cache::{KvCache, KvDtype};
 pub use kv_pages::KvPruning;
 pub use model::{Model, ModelConfig};

@@ -516,3 +516,76 @@ fn embeddings_pool_the_hidden_state_the_reference_logits_come_from() {
     assert!(cosine(&from_text[1], &batched[1]) > 0.9999);
     assert!(engine.embed(&[""]).is_err());
 }
+
+/// The token stream yields what `generate` returns, piece by piece; a
+/// shared session owns its engine and runs in another thread; a stream
+/// dropped early leaves the session as a callback returning `false` does.
+#[test]
+fn token_streams_and_shared_sessions_generate_what_generate_does() {
+    let Some(path) = model_path("smollm2-135m-instruct-q4_1.gguf") else {
+        return;
+    };
+    let engine = Arc::new(
+        Engine::load(
+            &path,
+            EngineOptions {
+                n_ctx: 256,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let params = mirage_runtime::GenerateParams {
+        max_tokens: 20,
+        stop: vec!["\n\n".into()],
+        logprobs: Some(1),
+        ..Default::default()
+    };
+    let whole = engine
+        .session()
+        .unwrap()
+        .generate("The three primary colors are", &params, |_| true)
+        .unwrap();
+    let shared = Engine::shared_session(&engine).unwrap();
+    let p = params.clone();
+    let (pieces, generation, session_tokens) = std::thread::spawn(move || {
+        let mut stream = shared.stream("The three primary colors are", &p).unwrap();
+        let pieces: Vec<_> = stream.by_ref().map(|p| p.unwrap()).collect();
+        let (session, generation) = stream.finish();
+        (pieces, generation, session.tokens().len())
+    })
+    .join()
+    .unwrap();
+    let text: String = pieces.iter().map(|p| p.text.as_str()).collect();
+    let tokens: Vec<u32> = pieces.iter().filter_map(|p| p.token).collect();
+    assert_eq!(text, whole.text);
+    assert_eq!(tokens, whole.tokens);
+    assert_eq!(generation.text, whole.text);
+    assert_eq!(generation.stats.stop_reason, whole.stats.stop_reason);
+    assert_eq!(generation.logprobs, whole.logprobs);
+    assert!(pieces
+        .iter()
+        .filter(|p| p.token.is_some())
+        .all(|p| p.logprob.is_some()));
+    let prompt_len = engine
+        .encode("The three primary colors are", true)
+        .unwrap()
+        .len();
+    let unfed = (whole.stats.stop_reason == mirage_runtime::StopReason::StopString) as usize;
+    assert_eq!(session_tokens + unfed, prompt_len + whole.tokens.len());
+    // Three pieces, then drop: the third token is sampled but never fed.
+    let mut stream = engine.session().unwrap().stream("Hello", &params).unwrap();
+    for _ in 0..3 {
+        stream.next().unwrap().unwrap();
+    }
+    let (session, early) = stream.finish();
+    assert_eq!(
+        early.stats.stop_reason,
+        mirage_runtime::StopReason::Callback
+    );
+    assert_eq!(early.tokens.len(), 3);
+    assert_eq!(
+        session.tokens().len(),
+        engine.encode("Hello", true).unwrap().len() + 2
+    );
+}
