@@ -7,9 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use mirage_grammar::{GrammarCompiler, GrammarSpec};
-use mirage_runtime::{
-    Constraint, ConstraintState, Engine, EngineOptions, GenerateParams, StopReason, TokenMask,
-};
+use mirage_runtime::{Constraint, Engine, EngineOptions, GenerateParams, StopReason, TokenMask};
 use mirage_tokenizer::{TokenType, Tokenizer};
 
 fn model_path(name: &str) -> Option<PathBuf> {

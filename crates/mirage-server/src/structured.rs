@@ -64,12 +64,14 @@ pub fn chat_structure(body: &Value) -> Result<ChatStructure, ApiError> {
                     None => Some(GrammarSpec::JsonSchema(json!({}))),
                 }
             }
-            other => return Err(invalid(
-                format!(
+            other => {
+                return Err(invalid(
+                    format!(
                     "response_format type {other:?} is not one of text, json_object, json_schema"
                 ),
-                "response_format.type",
-            )),
+                    "response_format.type",
+                ))
+            }
         },
     };
     let tools = match body.get("tools") {
