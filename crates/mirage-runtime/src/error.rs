@@ -62,6 +62,10 @@ pub enum RuntimeError {
         /// What the device layer reported.
         message: String,
     },
+    /// A generation constraint (grammar, JSON schema) failed to start or
+    /// refused a token.
+    #[error("constraint: {0}")]
+    Constraint(#[from] crate::constraint::ConstraintError),
     /// File-system error.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),

@@ -183,7 +183,8 @@ pub(crate) struct Head<'a, B: Backend> {
 }
 
 /// Every op of a gemma3 forward pass up to the lm head (its output stays in
-/// `s.logits`).
+/// `s.logits`), or with `hidden_out` up to the output norm of every row (in
+/// `s.xn`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn pass<B: Backend>(
     b: &B,
@@ -197,6 +198,7 @@ pub(crate) fn pass<B: Backend>(
     cache: &mut B::KvCache,
     s: &mut Scratch<B>,
     mut observer: Option<FfnInputObserver<'_>>,
+    hidden_out: bool,
 ) -> Result<()> {
     let mut observed = Vec::new();
     let eps = c.rms_norm_eps;
@@ -237,6 +239,11 @@ pub(crate) fn pass<B: Backend>(
         b.ffn(&layer.ffn, &s.xn, &mut s.proj)?;
         b.rms_norm(&s.proj, &layer.post_ffn_norm, eps, &mut s.xn)?;
         b.add(&mut s.x, &s.xn)?;
+    }
+    if hidden_out {
+        // Every row's final-normed hidden state, no lm head.
+        b.rms_norm(&s.x, head.output_norm, eps, &mut s.xn)?;
+        return Ok(());
     }
     if logits_rows.is_empty() {
         return Ok(());

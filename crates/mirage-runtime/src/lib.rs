@@ -8,10 +8,12 @@
 pub mod attention_pruned;
 pub mod backend;
 pub mod batch;
+pub mod constraint;
 pub mod convert;
 pub mod engine;
 pub mod error;
 pub mod gemma3;
+pub mod generate;
 pub mod kv_cache;
 pub mod kv_pages;
 pub mod model;
@@ -23,11 +25,15 @@ pub mod sampling;
 
 pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, TokenSlot};
+pub use constraint::{Constraint, ConstraintError, ConstraintState, TokenMask};
 pub use engine::{
     Engine, EngineOptions, GenerateParams, Generation, GenerationStats, Session, StopReason,
 };
 pub use error::{Result, RuntimeError};
+pub use generate::{TokenPiece, TokenStream};
 pub use kv_cache::{KvCache, KvDtype};
 pub use kv_pages::KvPruning;
 pub use model::{Model, ModelConfig};
-pub use sampling::{Sampler, SamplingParams, StopStrings};
+pub use sampling::{
+    token_logprob, Sampler, SamplingParams, StopStrings, TokenLogprob, MAX_TOP_LOGPROBS,
+};

@@ -453,7 +453,7 @@ impl<B: Backend> Model<B> {
         match observer {
             // The observer reads activations in the middle of the pass, so
             // the pass cannot be recorded as one unit.
-            Some(obs) => self.pass(tokens, slots, logits_rows, cache, s, Some(obs))?,
+            Some(obs) => self.pass(tokens, slots, logits_rows, cache, s, Some(obs), false)?,
             None => {
                 let inputs = StepInputs {
                     tokens,
@@ -461,7 +461,7 @@ impl<B: Backend> Model<B> {
                     logits_rows,
                 };
                 self.backend.step(&inputs, || {
-                    self.pass(tokens, slots, logits_rows, cache, s, None)
+                    self.pass(tokens, slots, logits_rows, cache, s, None, false)
                 })?
             }
         }
@@ -471,8 +471,41 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// The final hidden state of every row of `tokens` (after the output
+    /// norm, before the lm head: `tokens.len() * n_embd` floats, row-major)
+    /// into `hidden`; the keys and values go into `cache` at `slots` as in
+    /// [`Model::forward`]. What embeddings are pooled from.
+    pub fn hidden_states(
+        &self,
+        tokens: &[u32],
+        slots: &[TokenSlot],
+        cache: &mut B::KvCache,
+        s: &mut Scratch<B>,
+        hidden: &mut Vec<f32>,
+    ) -> Result<()> {
+        if tokens.len() != slots.len() || tokens.is_empty() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "{} tokens for {} slots",
+                tokens.len(),
+                slots.len()
+            )));
+        }
+        self.backend.run(|| {
+            let inputs = StepInputs {
+                tokens,
+                slots,
+                logits_rows: &[],
+            };
+            self.backend.step(&inputs, || {
+                self.pass(tokens, slots, &[], cache, s, None, true)
+            })?;
+            self.backend.read(&s.xn, hidden).map(|_| ())
+        })
+    }
+
     /// Every op of a forward pass up to the lm head (its output stays in
-    /// `s.logits`), through the graph of the model's architecture.
+    /// `s.logits`), or with `hidden_out` up to the output norm of every row
+    /// (in `s.xn`), through the graph of the model's architecture.
     #[allow(clippy::too_many_arguments)]
     fn pass(
         &self,
@@ -482,11 +515,19 @@ impl<B: Backend> Model<B> {
         cache: &mut B::KvCache,
         s: &mut Scratch<B>,
         observer: Option<FfnInputObserver<'_>>,
+        hidden_out: bool,
     ) -> Result<()> {
         match &self.blocks {
-            Blocks::Llama(layers) => {
-                self.llama_pass(layers, tokens, slots, logits_rows, cache, s, observer)
-            }
+            Blocks::Llama(layers) => self.llama_pass(
+                layers,
+                tokens,
+                slots,
+                logits_rows,
+                cache,
+                s,
+                observer,
+                hidden_out,
+            ),
             Blocks::Gemma3(config, layers) => {
                 let head = crate::gemma3::Head {
                     tok_embd: &self.tok_embd,
@@ -505,6 +546,7 @@ impl<B: Backend> Model<B> {
                     cache,
                     s,
                     observer,
+                    hidden_out,
                 )
             }
         }
@@ -521,6 +563,7 @@ impl<B: Backend> Model<B> {
         cache: &mut B::KvCache,
         s: &mut Scratch<B>,
         mut observer: Option<FfnInputObserver<'_>>,
+        hidden_out: bool,
     ) -> Result<()> {
         let mut observed = Vec::new();
         let b = &self.backend;
@@ -559,6 +602,11 @@ impl<B: Backend> Model<B> {
             }
             b.ffn(&layer.ffn, &s.xn, &mut s.proj)?;
             b.add(&mut s.x, &s.proj)?;
+        }
+        if hidden_out {
+            // Every row's final-normed hidden state, no lm head.
+            b.rms_norm(&s.x, &self.output_norm, c.rms_norm_eps, &mut s.xn)?;
+            return Ok(());
         }
         if logits_rows.is_empty() {
             return Ok(());

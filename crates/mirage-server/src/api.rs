@@ -306,6 +306,7 @@ pub fn check_knobs(
             max_tokens,
             sampling,
             stop,
+            ..GenerateParams::default()
         },
         stream,
         include_usage,

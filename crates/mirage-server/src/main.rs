@@ -6,6 +6,7 @@ mod error;
 mod metrics;
 mod routes;
 mod scheduler;
+mod structured;
 
 use std::io::Write;
 use std::path::PathBuf;

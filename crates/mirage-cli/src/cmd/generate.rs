@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::Args;
 use mirage::{Backend, BackendChoice, Engine, EngineOptions, LoadSpec, SparseMode, WithEngine};
+use mirage_grammar::{GrammarCompiler, GrammarSpec};
 use mirage_runtime::{GenerateParams, KvDtype, KvPruning, SamplingParams};
 use mirage_tokenizer::ChatMessage;
 
@@ -176,7 +177,63 @@ impl SamplingArgs {
                 ..SamplingParams::default()
             },
             stop: self.stop.clone(),
+            ..GenerateParams::default()
         }
+    }
+}
+
+/// Grammar options shared by generate and bench-grammar.
+#[derive(Debug, Args)]
+pub struct GrammarArgs {
+    /// Constrain the output to this grammar: GBNF (llama.cpp's format, start
+    /// rule `root`), or llguidance's Lark syntax when the file name ends in
+    /// `.lark` (start rule `start`).
+    #[arg(long, value_name = "FILE", conflicts_with = "json_schema")]
+    pub grammar: Option<PathBuf>,
+    /// Constrain the output to JSON matching this JSON schema (compact
+    /// JSON: `", "` and `": "` separators, no other whitespace).
+    #[arg(long = "json-schema", value_name = "FILE")]
+    pub json_schema: Option<PathBuf>,
+}
+
+impl GrammarArgs {
+    /// The grammar the files describe, if any.
+    pub fn spec(&self) -> anyhow::Result<Option<GrammarSpec>> {
+        let read = |p: &PathBuf| {
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+        };
+        if let Some(p) = &self.grammar {
+            let text = read(p)?;
+            return Ok(Some(if p.extension().is_some_and(|e| e == "lark") {
+                GrammarSpec::Lark(text)
+            } else {
+                GrammarSpec::Gbnf(text)
+            }));
+        }
+        if let Some(p) = &self.json_schema {
+            let schema = serde_json::from_str(&read(p)?)
+                .with_context(|| format!("{} is not JSON", p.display()))?;
+            return Ok(Some(GrammarSpec::JsonSchema(schema)));
+        }
+        Ok(None)
+    }
+
+    /// Compiles the grammar for `engine`'s vocabulary into `params`.
+    pub fn apply<B: Backend>(
+        &self,
+        engine: &Engine<B>,
+        params: &mut GenerateParams,
+    ) -> anyhow::Result<()> {
+        if let Some(spec) = self.spec()? {
+            let compiler =
+                GrammarCompiler::new(engine.tokenizer(), engine.model().config().vocab_size)?;
+            let what = match (&self.grammar, &self.json_schema) {
+                (Some(p), _) | (_, Some(p)) => p.display().to_string(),
+                _ => String::new(),
+            };
+            params.constraint = Some(compiler.compile(&spec).with_context(|| what)?);
+        }
+        Ok(())
     }
 }
 
@@ -190,6 +247,8 @@ pub struct GenerateArgs {
     prompt: String,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    grammar: GrammarArgs,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     chat: bool,
@@ -218,9 +277,11 @@ fn generate_with<B: Backend>(engine: &Engine<B>, args: &GenerateArgs) -> anyhow:
     } else {
         args.prompt.clone()
     };
+    let mut params = args.sampling.params();
+    args.grammar.apply(engine, &mut params)?;
     let mut session = engine.session()?;
     let mut stdout = std::io::stdout().lock();
-    let out = session.generate(&prompt, &args.sampling.params(), |piece| {
+    let out = session.generate(&prompt, &params, |piece| {
         stdout
             .write_all(piece.as_bytes())
             .and_then(|_| stdout.flush())
