@@ -37,6 +37,15 @@ pub enum RuntimeError {
         /// Which tensor or operation.
         what: String,
     },
+    /// The backend cannot do what the options ask for (a mode it does not
+    /// implement); never silently ignored.
+    #[error("backend `{backend}` does not support {feature}")]
+    Unsupported {
+        /// Backend name.
+        backend: String,
+        /// What was asked for.
+        feature: &'static str,
+    },
     /// The sequence does not fit in the KV cache.
     #[error("context is full ({n_ctx} positions)")]
     ContextFull {
