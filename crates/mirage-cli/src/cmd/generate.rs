@@ -48,6 +48,10 @@ pub struct ModelArgs {
     /// context), e.g. `--kv-prune page=16,sinks=4,recent=8,top=32,top_percent=20`. CPU and CUDA backends.
     #[arg(long)]
     pub kv_prune: Option<KvPruning>,
+    /// Batch-invariant arithmetic: the same logits bits as `mirage-server --deterministic` gives this prompt,
+    /// alone or batched (slower; CPU backend, which `auto` then picks).
+    #[arg(long)]
+    pub deterministic: bool,
 }
 
 impl ModelArgs {
@@ -62,6 +66,7 @@ impl ModelArgs {
                 _ => KvDtype::F32,
             },
             kv_pruning: self.kv_prune,
+            deterministic: self.deterministic,
             ..EngineOptions::default()
         };
         let mut spec = LoadSpec::new(&self.model)

@@ -36,8 +36,7 @@ use crate::ops::RopeMode;
 use mirage_gguf::GgmlType;
 
 /// How [`crate::RuntimeError::Unsupported`] names the deterministic mode.
-pub const DETERMINISTIC_FEATURE: &str =
-    "deterministic (batch-invariant) mode; run it on the CPU backend (--backend cpu)";
+pub const DETERMINISTIC_FEATURE: &str = "deterministic (batch-invariant) mode";
 
 /// Which sequence and position a row of a batch belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
