@@ -522,14 +522,13 @@ def run_load(args, base, proc):
                   "stream_errors": (streaming["errors"] + killed["errors"])[:10]}
 
 
-def chat_once(base, prompt, max_tokens):
-    """One greedy non-streaming chat request: (text, completion tokens)."""
-    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(base + "/v1/chat/completions", data=body,
+def complete_once(base, prompt, max_tokens):
+    """One greedy non-streaming completion: (text, completion tokens)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(base + "/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     j = json.loads(urllib.request.urlopen(req, timeout=600).read())
-    return j["choices"][0]["message"]["content"], j["usage"]["completion_tokens"]
+    return j["choices"][0]["text"], j["usage"]["completion_tokens"]
 
 
 def run_determinism(args):
@@ -539,9 +538,12 @@ def run_determinism(args):
     between them, so both see the same machine load. Prints tok/s per
     setting and whether each prompt's text was the same in every round."""
     import concurrent.futures as cf
-    prompts = ["Write a haiku about the sea.", "What is the capital of France?", "List three prime numbers.",
-               "Explain what a CPU does.", "Name three colors.", "Describe a cat in two sentences.",
-               "Tell me about the moon.", "What is 12 times 7?"]
+    # Plain completions that run to max_tokens (so both settings generate
+    # about as many tokens).
+    prompts = ["Once upon a time, in a land far away, there lived a", "The history of the Roman Empire begins",
+               "Here is a long list of fruits: apple, banana,", "def fibonacci(n):\n",
+               "The following is a detailed description of a cat:", "Chapter 1\n\nIt was a dark and stormy night",
+               "Dear diary, today I", "The ten largest cities in the world are"]
     extra = args.server_args.split()
     servers = {name: start_server(args.binary, args.model, extra + flags)
                for name, flags in (("default", []), ("deterministic", ["--deterministic"]))}
@@ -554,7 +556,7 @@ def run_determinism(args):
                     todo = prompts if clients == 8 else prompts[:2]
                     t0 = time.monotonic()
                     with cf.ThreadPoolExecutor(clients) as pool:
-                        out = list(pool.map(lambda p: (p, *chat_once(base, p, args.max_tokens)), todo))
+                        out = list(pool.map(lambda p: (p, *complete_once(base, p, args.max_tokens)), todo))
                     wall = time.monotonic() - t0
                     for p, text, n in out:
                         texts[name][p].add(text)
@@ -562,12 +564,11 @@ def run_determinism(args):
                     tok[(name, clients)][1] += wall
     finally:
         codes = {name: stop_server(proc) for name, (proc, _) in servers.items()}
-    print("| clients | default tok/s | deterministic tok/s | deterministic / default |")
+    print("| clients | default tok/s (tokens, s) | deterministic tok/s (tokens, s) | deterministic / default |")
     print("|---|---|---|---|")
     for c in (1, 8):
-        a = tok[("default", c)][0] / tok[("default", c)][1]
-        b = tok[("deterministic", c)][0] / tok[("deterministic", c)][1]
-        print(f"| {c} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+        (na, sa), (nb, sb) = tok[("default", c)], tok[("deterministic", c)]
+        print(f"| {c} | {na / sa:.1f} ({na}, {sa:.1f}) | {nb / sb:.1f} ({nb}, {sb:.1f}) | {(nb / sb) / (na / sa):.2f}x |")
     same = {n: sum(len(v) == 1 for v in texts[n].values()) for n in servers}
     print(f"prompts whose greedy text was the same alone and in every 8-client round: "
           f"default {same['default']}/{len(prompts)}, deterministic {same['deterministic']}/{len(prompts)} "
