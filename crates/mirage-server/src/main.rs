@@ -43,13 +43,13 @@ struct Args {
     /// With --artifact: BVH router margin in std units (default: the artifact's).
     #[arg(long, requires = "artifact")]
     margin: Option<f32>,
-    /// Address to listen on.
+    /// Address to listen on (an IP address, or a name: its first address, and a `Host` it answers to).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// Port to listen on (0: any free port; the chosen one is printed).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1/* (also read from MIRAGE_API_KEY).
+    /// Require `Authorization: Bearer KEY` on /v1/* and /metrics (also read from MIRAGE_API_KEY).
     #[arg(long, env = "MIRAGE_API_KEY")]
     api_key: Option<String>,
     /// Sequences decoded together (KV cache slots).
