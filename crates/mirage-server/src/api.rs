@@ -106,8 +106,9 @@ pub struct Knobs {
     pub n: Option<u64>,
 }
 
-/// `POST /v1/chat/completions` (`model` and other unknown fields are
-/// ignored: the server holds one model).
+/// `POST /v1/chat/completions` (which other fields are accepted, ignored
+/// or refused: [`crate::unsupported`]; `model` is ignored, the server holds
+/// one model).
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
     /// The conversation.

@@ -156,6 +156,12 @@ impl Shared {
             .len()
     }
 
+    /// Takes back an eviction (the connection became busy first).
+    fn spare(&self, id: u64) {
+        let mut r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        r.closing.remove(&id);
+    }
+
     fn remove(&self, id: u64) {
         let mut r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
         r.conns.remove(&id);
@@ -427,15 +433,26 @@ pub async fn serve(
         let connection = graceful.watch(http.serve_connection(io, service));
         let shared = shared.clone();
         tokio::spawn(async move {
-            let closed = tokio::select! {
-                r = connection => {
-                    if let Err(e) = r {
-                        tracing::debug!("connection ended: {e}");
+            tokio::pin!(connection);
+            let closed = loop {
+                tokio::select! {
+                    r = &mut connection => {
+                        if let Err(e) = r {
+                            tracing::debug!("connection ended: {e}");
+                        }
+                        break None;
                     }
-                    None
+                    reason = watchdog(&conn, &shared) => break Some(reason),
+                    _ = conn.close.notified() => {
+                        // A request may have reached the application since
+                        // this connection was picked: it stays.
+                        if conn.phase.load(Ordering::Acquire) == BUSY {
+                            shared.spare(conn.id);
+                            continue;
+                        }
+                        break Some(Closed::Evicted);
+                    }
                 }
-                reason = watchdog(&conn, &shared) => Some(reason),
-                _ = conn.close.notified() => Some(Closed::Evicted),
             };
             let c = &shared.metrics.connections_closed;
             match closed {

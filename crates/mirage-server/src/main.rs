@@ -95,8 +95,8 @@ struct Args {
     #[arg(long, default_value_t = 16 * 1024, value_parser = clap::value_parser!(u64).range(1024..=1 << 20))]
     max_header_bytes: u64,
     /// Also answer requests whose `Host` is this name (repeatable; `*`: any). Without it the server answers to
-    /// the address it is bound to, to `localhost` when bound to loopback, and to any IP literal when bound to
-    /// 0.0.0.0 or ::; other names get 403 (a DNS-rebinding page sends its own name).
+    /// the address it is bound to and, bound to loopback or to 0.0.0.0/::, to `localhost` (on 0.0.0.0/:: also
+    /// to any IP literal); other names get 403 (a DNS-rebinding page sends its own name).
     #[arg(long = "allowed-host", value_name = "HOST")]
     allowed_hosts: Vec<String>,
     /// Let web pages from this origin call the API (repeatable, e.g. `--cors https://app.example`; `*`: any).

@@ -60,6 +60,7 @@ const fn concat_fields<const N: usize>(
     a: &[&'static str],
     b: &[&'static str],
 ) -> [&'static str; N] {
+    assert!(a.len() + b.len() == N, "field list length");
     let mut out = [""; N];
     let mut i = 0;
     while i < a.len() {
