@@ -97,14 +97,14 @@ impl Rng {
     pub fn new(seed: u64) -> Rng {
         Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
+        (self.next_u64() % n.max(1) as u64) as usize
     }
 }
 
@@ -113,9 +113,9 @@ fn random_value(rng: &mut Rng, depth: usize) -> serde_json::Value {
     match rng.below(if depth > 3 { 6 } else { 9 }) {
         0 => Value::Null,
         1 => Value::Bool(rng.below(2) == 0),
-        2 => json!(rng.next() as i64),
+        2 => json!(rng.next_u64() as i64),
         3 => json!(
-            (rng.next() as f64 / u64::MAX as f64 - 0.5) * 10f64.powi(rng.below(12) as i32 - 4)
+            (rng.next_u64() as f64 / u64::MAX as f64 - 0.5) * 10f64.powi(rng.below(12) as i32 - 4)
         ),
         4 => json!("x".repeat(rng.below(300))),
         5 => json!(
@@ -234,7 +234,7 @@ pub fn mutate(input: &[u8], corpus: &[Vec<u8>], rng: &mut Rng) -> Vec<u8> {
             }
             1 if !out.is_empty() => {
                 let i = rng.below(out.len());
-                out[i] = rng.next() as u8;
+                out[i] = rng.next_u64() as u8;
             }
             2 if !out.is_empty() => {
                 let i = rng.below(out.len());
