@@ -47,6 +47,16 @@ pub struct EngineOptions {
     /// [`crate::kv_pages`]); `None`: every position. Prefill always attends
     /// every position. Backends without pruned attention refuse it.
     pub kv_pruning: Option<crate::kv_pages::KvPruning>,
+    /// Batch-invariant (deterministic) arithmetic: every row of a forward
+    /// pass goes through the same kernels in the same order whatever else
+    /// is in the batch and however a prompt is split into chunks, so a
+    /// sequence's logits are the same bits alone, in a session, or batched
+    /// with other requests (its greedy or seeded tokens follow). It costs
+    /// speed (no multi-row kernels). The backend must honour it: one that
+    /// cannot refuses it at load ([`RuntimeError::Unsupported`]); it does
+    /// not combine with `kv_pruning` (a one-row prompt chunk is pruned like
+    /// a decode step, so chunking would change the result).
+    pub deterministic: bool,
 }
 
 impl Default for EngineOptions {
@@ -57,6 +67,7 @@ impl Default for EngineOptions {
             kv_dtype: KvDtype::F32,
             n_batch: 256,
             kv_pruning: None,
+            deterministic: false,
         }
     }
 }
@@ -264,7 +275,20 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Builds an engine from an opened GGUF file.
-    pub fn from_file(file: Arc<GgufFile>, backend: B, options: EngineOptions) -> Result<Engine<B>> {
+    pub fn from_file(
+        file: Arc<GgufFile>,
+        mut backend: B,
+        options: EngineOptions,
+    ) -> Result<Engine<B>> {
+        if options.deterministic && options.kv_pruning.is_some() {
+            return Err(RuntimeError::InvalidArgument(
+                "deterministic mode does not combine with KV-page pruning (a one-row prompt \
+                 chunk is pruned like a decode step, so results would depend on the batch)"
+                    .into(),
+            ));
+        }
+        // Before any upload: the backend picks its kernels per matrix.
+        backend.set_deterministic(options.deterministic)?;
         let tokenizer = Tokenizer::from_gguf(&file).map_err(tok_err)?;
         let chat_template = ChatTemplate::from_gguf(&file).ok();
         let model = Model::load(file, backend)?;

@@ -37,12 +37,13 @@ pub enum RuntimeError {
         /// Which tensor or operation.
         what: String,
     },
-    /// The backend does not implement an operation the model's graph needs.
+    /// The backend cannot do what the model or the options need (an operation of
+    /// the model's graph, a mode it does not implement); never silently ignored.
     #[error("backend `{backend}` does not implement {what}")]
     Unsupported {
         /// Backend name.
         backend: String,
-        /// The operation (and the architecture that needs it).
+        /// The operation or mode (and what needs it).
         what: String,
     },
     /// The sequence does not fit in the KV cache.

@@ -322,8 +322,16 @@ fn resolve(
     choice: BackendChoice,
     artifact: Option<&Path>,
     device: usize,
+    deterministic: bool,
 ) -> Result<Resolved, LoadError> {
     match (choice, artifact) {
+        (BackendChoice::Auto, None) if deterministic => {
+            tracing::info!(
+                backend = "cpu",
+                "backend auto: cpu (deterministic mode runs on the CPU backend)"
+            );
+            Ok(Resolved::Cpu)
+        }
         (BackendChoice::Cpu, _) => Ok(Resolved::Cpu),
         (BackendChoice::Cuda, Some(a)) => Err(LoadError::ArtifactBackend {
             artifact: a.to_path_buf(),
@@ -355,7 +363,10 @@ fn resolve(
 /// `spec.backend` resolves to, and runs `visitor` with the engine.
 ///
 /// An artifact runs on the CPU superblock backend: with `auto` that is what
-/// is picked, with `cuda` it is [`LoadError::ArtifactBackend`]. The artifact
+/// is picked, with `cuda` it is [`LoadError::ArtifactBackend`]. With
+/// [`EngineOptions::deterministic`], `auto` picks the CPU backend (the one
+/// that honours it); a backend that cannot honour it refuses to load
+/// ([`RuntimeError::Unsupported`] inside [`LoadError::Engine`]). The artifact
 /// must have been built from this very model file (its sha256 is checked).
 pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadError> {
     if let Some(sp) = &spec.sparsity {
@@ -374,6 +385,7 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
         spec.backend,
         spec.artifact.as_ref().map(|a| a.path.as_path()),
         spec.cuda_device,
+        spec.options.deterministic,
     )?;
     let open_model = || {
         mirage_gguf::GgufFile::open(&spec.model)
@@ -575,7 +587,7 @@ mod tests {
 
     #[test]
     fn cuda_with_an_artifact_is_refused_naming_both() {
-        let r = resolve(BackendChoice::Cuda, Some(Path::new("x.mirage")), 0);
+        let r = resolve(BackendChoice::Cuda, Some(Path::new("x.mirage")), 0, false);
         let Err(e) = r else {
             panic!("cuda + artifact resolved")
         };
@@ -586,7 +598,15 @@ mod tests {
         );
         // auto with an artifact is the CPU, whatever the machine has.
         assert!(matches!(
-            resolve(BackendChoice::Auto, Some(Path::new("x.mirage")), 0),
+            resolve(BackendChoice::Auto, Some(Path::new("x.mirage")), 0, false),
+            Ok(Resolved::Cpu)
+        ));
+    }
+
+    #[test]
+    fn auto_with_deterministic_mode_is_the_cpu() {
+        assert!(matches!(
+            resolve(BackendChoice::Auto, None, 0, true),
             Ok(Resolved::Cpu)
         ));
     }
@@ -610,10 +630,10 @@ mod tests {
                     );
                 }
                 assert!(matches!(
-                    resolve(BackendChoice::Auto, None, 0),
+                    resolve(BackendChoice::Auto, None, 0, false),
                     Ok(Resolved::Cpu)
                 ));
-                assert!(resolve(BackendChoice::Cuda, None, 0).is_err());
+                assert!(resolve(BackendChoice::Cuda, None, 0, false).is_err());
             }
         }
     }

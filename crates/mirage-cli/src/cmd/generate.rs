@@ -60,6 +60,10 @@ pub struct ModelArgs {
     /// With --sparsity: the artifact's plan (criterion/allocation), default its own.
     #[arg(long, requires = "sparsity")]
     pub sparsity_plan: Option<String>,
+    /// Batch-invariant arithmetic: the same logits bits as `mirage-server --deterministic` gives this prompt,
+    /// alone or batched (slower; CPU backend, which `auto` then picks).
+    #[arg(long)]
+    pub deterministic: bool,
 }
 
 impl ModelArgs {
@@ -74,6 +78,7 @@ impl ModelArgs {
                 _ => KvDtype::F32,
             },
             kv_pruning: self.kv_prune,
+            deterministic: self.deterministic,
             ..EngineOptions::default()
         };
         let mut spec = LoadSpec::new(&self.model)

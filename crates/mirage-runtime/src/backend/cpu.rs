@@ -23,6 +23,11 @@
 //! every token row in f32: what HF transformers computes on the dequantized
 //! GGUF, at prefill cost close to the quantized path's.
 //!
+//! Deterministic mode ([`Backend::set_deterministic`]) computes every
+//! (weight row, activation row) pair with the one-row kernel, so a row's
+//! result is the same bits whatever else is in the batch; activations,
+//! attention and norms are per row anyway.
+//!
 //! Scratch buffers live in the backend, in per-worker thread locals and in
 //! [`CpuActivations`], and are reused between steps, so a decode step
 //! allocates (almost) nothing.
@@ -59,6 +64,9 @@ pub struct CpuMatrix {
     matvec: Option<Q8_0MatvecFn>,
     /// Exact mode: dequantize each row once per call and dot it in f32.
     f32_activations: bool,
+    /// Deterministic mode: every (weight row, activation row) pair by the
+    /// one-row kernel `dot`, whatever the batch (see [`CpuMatrix::rows_dots`]).
+    deterministic: bool,
     data: SharedBytes,
 }
 
@@ -158,6 +166,26 @@ impl CpuMatrix {
         deq: &mut Vec<f32>,
     ) {
         let rows = out.len() / n;
+        if self.deterministic {
+            if let ActRows::Quantized { data, row_bytes } = *act {
+                // Deterministic mode: every pair by the one-row kernel, so a
+                // row's result does not depend on the batch (the multi-row,
+                // GEMM and matrix-vector kernels sum in other orders). The
+                // weight row stays in L1 across the activation rows.
+                for (i, o) in out.chunks_exact_mut(n).enumerate() {
+                    let r = r0 + i;
+                    let wr = &bytes[r * self.row_bytes..(r + 1) * self.row_bytes];
+                    for (a, o) in o.iter_mut().enumerate() {
+                        // SAFETY: as in row_dots.
+                        *o = unsafe {
+                            (self.dot)(self.cols, wr, &data[a * row_bytes..(a + 1) * row_bytes])
+                        };
+                    }
+                }
+                return;
+            }
+            // Exact mode (f32 rows) is one dot per pair already.
+        }
         match (*act, self.gemm) {
             (ActRows::PackedQ8_0(packed), Some(gemm)) => {
                 let w = &bytes[r0 * self.row_bytes..(r0 + rows) * self.row_bytes];
@@ -349,6 +377,7 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     threads: usize,
     f32_activations: bool,
+    deterministic: bool,
     scratch: Mutex<Scratch>,
     /// KV-page pruning of decode attention (off when `None`).
     kv_pruning: Option<crate::kv_pages::KvPruning>,
@@ -381,6 +410,7 @@ impl CpuBackend {
             pool,
             threads,
             f32_activations: false,
+            deterministic: false,
             scratch: Mutex::new(Scratch::default()),
             kv_pruning: None,
         })
@@ -479,6 +509,7 @@ impl CpuBackend {
                 _ => None,
             },
             f32_activations: self.f32_activations,
+            deterministic: self.deterministic,
             data: m.data.clone(),
         })
     }
@@ -509,7 +540,7 @@ impl CpuBackend {
 
     /// Whether `n` activation rows for `w` are packed for its GEMM kernel.
     fn packs(w: &CpuMatrix, n: usize) -> bool {
-        w.gemm.is_some() && n >= GEMM_MIN_TOKENS
+        w.gemm.is_some() && !w.deterministic && n >= GEMM_MIN_TOKENS
     }
 }
 
@@ -623,6 +654,11 @@ impl Backend for CpuBackend {
 
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+
+    fn set_deterministic(&mut self, on: bool) -> Result<()> {
+        self.deterministic = on;
+        Ok(())
     }
 
     fn upload_matrix(&self, m: &HostMatrix) -> Result<CpuMatrix> {

@@ -35,6 +35,9 @@ use crate::kv_cache::KvSpec;
 use crate::ops::RopeMode;
 use mirage_gguf::GgmlType;
 
+/// How [`crate::RuntimeError::Unsupported`] names the deterministic mode.
+pub const DETERMINISTIC_FEATURE: &str = "deterministic (batch-invariant) mode";
+
 /// Which sequence and position a row of a batch belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenSlot {
@@ -222,6 +225,23 @@ pub trait Backend: Send + Sync {
         pass()
     }
 
+    /// Turns batch-invariant arithmetic on or off (see
+    /// [`crate::EngineOptions::deterministic`]): with `on`, every row of a
+    /// forward pass must come out the same bits whatever the other rows of
+    /// the batch are and however a sequence's tokens are split into passes.
+    /// Called once, before any upload. The default accepts `false` and
+    /// refuses `true` with [`crate::RuntimeError::Unsupported`]: a backend
+    /// honours the mode only by implementing this.
+    fn set_deterministic(&mut self, on: bool) -> Result<()> {
+        if on {
+            Err(crate::error::RuntimeError::Unsupported {
+                backend: self.name(),
+                what: DETERMINISTIC_FEATURE.to_string(),
+            })
+        } else {
+            Ok(())
+        }
+    }
     /// Uploads a weight matrix once, keeping its quantization.
     fn upload_matrix(&self, m: &HostMatrix) -> Result<Self::Matrix>;
     /// Uploads an f32 vector.
