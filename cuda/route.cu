@@ -277,13 +277,3 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
     __syncthreads();
     rt_compact(n_pages, RtMaskRule{rt_mask, thresholds, n_trunk, router_pages}, ids, count);
 }
-
-// Fills a layer's active list with the first n ids of `order` (prefix-slice
-// mode: order = 0, 1, 2, ...; forced random subsets: a sorted random list),
-// count on the device. Used once at set-up; a graph can replay it too.
-extern "C" __global__ void set_active_prefix(const unsigned* __restrict__ order, int n, unsigned* __restrict__ ids,
-                                             int* __restrict__ count) {
-    PDL_ENTRY();
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) ids[i] = order[i];
-    if (blockIdx.x == 0 && threadIdx.x == 0) *count = n;
-}

@@ -1,8 +1,8 @@
 """Cuts the device functions the host checks need out of cuda/norm.cu +
-cuda/nvfp4.cu + cuda/dense.cu (brace matching), so the checks always compile the current
-kernel source. Writes kernels_extract.h, q4k_extract.h, q5_extract.h, q6k_extract.h,
-mvv_extract.h, norm_extract.h, attend_extract.h, ffn_p1_extract.h, ffn_p2t_extract.h and
-ffn_p2c_extract.h."""
+cuda/nvfp4.cu + cuda/dense.cu + cuda/superblock.cu (brace matching), so the checks always
+compile the current kernel source. Writes kernels_extract.h, q4k_extract.h, q5_extract.h,
+q6k_extract.h, mvv_extract.h, norm_extract.h, attend_extract.h, ffn_p1_extract.h,
+ffn_p2_extract.h and attn_block_extract.h."""
 import pathlib, sys
 
 root = pathlib.Path(__file__).resolve().parents[3]
@@ -69,31 +69,21 @@ fwd = "template <int T> void dequant_unit(const u8* row, int u, float* w);\n"
     .replace("float vx[ATT_VB];\n}", "float vx[ATT_VB];\n};")
     .replace("int row, head, split, n_split;\n}", "int row, head, split, n_split;\n};"))
 
-# Phase 1 of the fused Q8_0 FFN (superblock.cu) with the helpers it calls; the
-# L2-prefetch asm of the PFD variants becomes HOST_ASM(...) (a no-op there).
+# Phase 1 of the fused Q8_0 FFN (superblock.cu) with the helpers it calls.
 (out / "ffn_p1_extract.h").write_text((macro_line("SB_WARPS") + macro_line("SB_THREADS") + macro_line("SB_PAGE_CH")
-    + macro_line("SB_P1B_UNITS") + macro_line("SB_MAGIC") + macro_line("NORM_VEC") + "".join(extract(n) for n in [
-        "float sb_warp_sum(", "float sb_byte_f32(", "void sb_q8x4(", "float sb_q8_dot4(", "void sb_dot_rows_q8s(",
+    + macro_line("SB_P1_VECS") + macro_line("SB_P1B_UNITS") + macro_line("SB_MAGIC") + macro_line("NORM_VEC")
+    + "".join(extract(n) for n in [
+        "float sb_warp_sum(", "float sb_byte_f32(", "void sb_q8x4(", "float sb_q8_dot4(",
         "float norm_warp_sum(", "float norm_block_sum(", "void rms_norm_row_by(", "void rms_norm_row(", "void sb_stage_x(",
-        "struct SbQ8sRows", "SbQ8sRows sb_q8s_rows(", "void sb_q8s_round(", "float sb_q8s_channel(",
-        "void sb_ffn_q8s_phase1("])).replace("asm volatile(", "HOST_ASM(").replace("bool on;\n}", "bool on;\n};"))
+        "struct SbQ8sRows", "SbQ8sRows sb_q8s_rows(", "void sb_q8s_round(", "void sb_ffn_q8s_phase1("]))
+    .replace("bool on;\n}", "bool on;\n};"))
 
-# Phase 2 over the tiled down slice (superblock.cu, v14) with the helpers it
-# calls; the copy engine's barriers and bulk copies (sb_tx_*, sb_bulk_g2s)
-# are check_ffn_p2t.cpp's stand-ins.
-(out / "ffn_p2t_extract.h").write_text((macro_line("SB_WARPS") + macro_line("SB_THREADS") + macro_line("SB_PAGE_CH")
-    + macro_line("SB_T2_PAGES") + macro_line("SB_T2_MAX_BATCHES") + macro_line("SB_T2_MIN_BLOCKS")
-    + macro_line("SB_T2_BATCH_BYTES") + macro_line("SB_T2_THREADS") + macro_line("SB_T2_IDS") + macro_line("MIRAGE_T2_PROBE") + macro_line("SB_MAGIC")
-    + "".join(extract(n) for n in ["float sb_warp_sum(", "float sb_byte_f32(", "void sb_q8x4(",
-        "void sb_ffn_q8s_phase2_tiled("])))
-
-# Phase 2 with the cluster finish (superblock.cu, v15) with the helpers it
-# calls; the cluster registers, barrier and distributed shared memory
-# (sb_cluster_*, sb_dsmem_load) are check_ffn_p2c.cpp's stand-ins.
-(out / "ffn_p2c_extract.h").write_text((macro_line("SB_WARPS") + macro_line("SB_THREADS") + macro_line("SB_PAGE_CH")
-    + macro_line("SB_C2_MAX_CLUSTER") + macro_line("SB_MAGIC")
+# Phase 2 of the fused Q8_0 FFN (superblock.cu) with the helpers it calls.
+(out / "ffn_p2_extract.h").write_text(macro_line("SB_WARPS") + macro_line("SB_THREADS") + macro_line("SB_PAGE_CH")
+    + macro_line("SB_P2_QUADS") + macro_line("SB_MAGIC")
     + "".join(extract(n) for n in ["float sb_byte_f32(", "void sb_q8x4(", "void nv_reduce_scatter(",
-        "void sb_q8x16_axpy(", "void sb_q8s_p2_quads(", "void sb_ffn_q8s_phase2_cluster("])))
+        "void sb_q8x16_axpy(", "void sb_q8s_p2_quads(", "void sb_sum_chunk_parts(", "void sb_finish_item(",
+        "void sb_ffn_q8s_phase2("]))
 
 
 def macro_block(name):

@@ -21,12 +21,6 @@ use crate::{
     WeightFormat,
 };
 
-/// Whether switch `key` is set to `1` / `on` (a start-up setting that is
-/// off unless asked for).
-fn env_on(key: &str) -> bool {
-    std::env::var(key).is_ok_and(|v| v == "1" || v == "on")
-}
-
 /// Whether switch `key` is set to `0` / `off` (a start-up setting that is
 /// on unless turned off).
 fn env_off(key: &str) -> bool {
@@ -546,7 +540,7 @@ struct Scratch {
 /// One kernel argument, kept by value so that a recorded step can be
 /// compared with the next one and launched later.
 #[derive(Debug, Clone, Copy)]
-enum Arg {
+pub(crate) enum Arg {
     Ptr(u64),
     I32(i32),
     I64(i64),
@@ -574,25 +568,6 @@ struct Launch {
     block: (u32, u32, u32),
     smem: u32,
     args: Vec<Arg>,
-    /// A cooperative launch (the cooperative launch attribute: every block
-    /// resident, so the kernel may have a grid barrier); never programmatic.
-    cooperative: bool,
-    /// Blocks per thread-block cluster along x (1: no cluster launch).
-    cluster: u32,
-}
-
-/// How [`CudaBackend::launch_how`] launches beyond grid, block and
-/// arguments (the default: an ordinary launch).
-#[derive(Debug, Clone, Copy, Default)]
-struct LaunchHow {
-    /// Cooperatively (every block resident).
-    cooperative: bool,
-    /// Blocks per thread-block cluster along x (0 or 1: none).
-    cluster: u32,
-    /// Whose fold setting lets a pending RMSNorm fold into this launch
-    /// (`None`: the kernel's own; e.g. the router's for a routed FFN whose
-    /// router is skipped).
-    fold: Option<NormFoldGate>,
 }
 
 /// A captured step and the launches it replays.
@@ -646,23 +621,12 @@ pub(crate) enum PrefetchSite {
 /// (`add_function`): `x` its input (replaced by the norm's input), `width`
 /// the row width (an `I32` that must equal the norm's), `nw` the first of
 /// three arguments `(weights, eps, out)` that are null/0 when not folded.
-/// Such a kernel takes one row. `gate`: the switch that allows the fold.
+/// Such a kernel takes one row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct NormSlots {
     pub(crate) x: usize,
     pub(crate) width: usize,
     pub(crate) nw: usize,
-    pub(crate) gate: NormFoldGate,
-}
-
-/// Which switch allows folding the RMSNorm into a kernel with `NormSlots`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum NormFoldGate {
-    /// The fused sparse FFN (`MIRAGE_SPARSE_FOLD_NORM=1`, off by default).
-    SparseFfn,
-    /// The router before a routed sparse FFN (`MIRAGE_SPARSE_ROUTE_NORM=0`
-    /// turns it off; on by default).
-    Router,
 }
 
 /// `out = rms_norm(x) * w` over `rows` rows of `width`, not yet launched.
@@ -683,8 +647,6 @@ impl PendingNorm {
             grid: (self.rows as u32, 1, 1),
             block: (256, 1, 1),
             smem: 0,
-            cooperative: false,
-            cluster: 1,
             args: vec![
                 Arg::Ptr(self.x),
                 Arg::Ptr(self.w),
@@ -745,17 +707,10 @@ pub struct CudaBackend {
     /// own `res` argument).
     accumulate_slots: Vec<Option<(usize, usize)>>,
     /// Per entry of `functions`: where a kernel added after start takes a
-    /// folded RMSNorm (`NormSlots`; the sparse backend's fused Q8_0 FFN
-    /// variants), for `fold_norm`; `None` for the others (the dense module's
+    /// folded RMSNorm (`NormSlots`; the sparse backend's router and fused
+    /// Q8_0 FFN), for `fold_norm`; `None` for the others (the dense module's
     /// mat-vecs are known by name).
     norm_slots: Vec<Option<NormSlots>>,
-    /// Fold the RMSNorm before a sparse FFN into its phase 1
-    /// (`MIRAGE_SPARSE_FOLD_NORM=1` at start; off by default until measured
-    /// on a GPU).
-    fold_ffn_norm: std::sync::atomic::AtomicBool,
-    /// Fold the RMSNorm before a routed sparse FFN into the router's launch
-    /// (`route_bvh`; `MIRAGE_SPARSE_ROUTE_NORM=0` at start turns it off).
-    fold_route_norm: std::sync::atomic::AtomicBool,
     /// Decode attention as one launch (`attend_fused_*`, default;
     /// `MIRAGE_CUDA_ATTN_FUSE=0` turns it off at start, `set_fused_attention`)
     /// or as `attend_part_*` + `attend_combine`.
@@ -784,10 +739,6 @@ pub struct CudaBackend {
     max_dynamic_smem: usize,
     /// Most blocks of an attention block launch (0: as many as fit).
     attention_block_grid: std::sync::atomic::AtomicUsize,
-    /// Whether the residual add after a sparse FFN folds into the FFN's
-    /// last phase in a recorded step (`MIRAGE_SPARSE_FOLD_ADD=0` at start
-    /// keeps the separate `add_inplace`).
-    fold_ffn_add: bool,
     /// Programmatic dependent launch on (sm_90+, default; `MIRAGE_CUDA_PDL=0`
     /// turns it off at start, `set_pdl`).
     pdl: std::sync::atomic::AtomicBool,
@@ -928,8 +879,6 @@ impl CudaBackend {
             waits,
             accumulate_slots,
             norm_slots,
-            fold_ffn_norm: env_on("MIRAGE_SPARSE_FOLD_NORM").into(),
-            fold_route_norm: (!env_off("MIRAGE_SPARSE_ROUTE_NORM")).into(),
             pdl: (cc.0 >= 9 && !env_off("MIRAGE_CUDA_PDL")).into(),
             cross_prefetch: PrefetchSites::from_env().bits().into(),
             preload: PreloadParts::from_env()
@@ -945,7 +894,6 @@ impl CudaBackend {
             attention_block_plans: Mutex::new(HashMap::new()),
             max_dynamic_smem,
             attention_block_grid: 0.into(),
-            fold_ffn_add: !env_off("MIRAGE_SPARSE_FOLD_ADD"),
             functions_names: names,
             kernel_index,
             gemm_enabled: (!env_off("MIRAGE_CUDA_GEMM") && blas.is_some()).into(),
@@ -1347,7 +1295,7 @@ impl CudaBackend {
     }
 
     /// Launches `kernel`, or appends the launch to the step being recorded.
-    fn launch(
+    pub(crate) fn launch(
         &self,
         kernel: &str,
         grid: (u32, u32, u32),
@@ -1355,55 +1303,43 @@ impl CudaBackend {
         smem: u32,
         args: Vec<Arg>,
     ) -> Result<()> {
-        self.launch_how(kernel, grid, block, smem, args, LaunchHow::default())
+        self.launch_folding_norm(kernel, grid, block, smem, args, false)
     }
 
-    /// `launch` as `how` says: cooperatively (the grid must fit the device
-    /// at once; a recorded step captures it as a cooperative node), in
-    /// thread-block clusters (`grid.0` a multiple of the cluster), or with a
-    /// pending RMSNorm folding in under another kernel's fold setting.
-    fn launch_how(
+    /// `launch`, where a kernel with `NormSlots` takes a pending RMSNorm
+    /// when `takes_norm` (the dense mat-vecs take it by their kind).
+    pub(crate) fn launch_folding_norm(
         &self,
         kernel: &str,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         smem: u32,
         args: Vec<Arg>,
-        how: LaunchHow,
+        takes_norm: bool,
     ) -> Result<()> {
         let kernel = *self
             .kernel_index
             .get(kernel)
             .ok_or_else(|| bad(format!("no kernel `{kernel}`")))?;
-        let cluster = how.cluster.max(1);
-        if grid.0 % cluster != 0 {
-            return Err(bad(format!(
-                "a grid of {} blocks is not whole clusters of {cluster}",
-                grid.0
-            )));
-        }
         let l = Launch {
             kernel,
             grid,
             block,
             smem,
             args,
-            cooperative: how.cooperative,
-            cluster,
         };
-        self.push_launch(l, how.fold)
+        self.push_launch(l, takes_norm)
     }
 
     /// Runs `l`, or appends it to the step being recorded (folding a
-    /// pending norm into it where it can; `gate`: whose fold setting
-    /// decides, `None` for the kernel's own).
-    fn push_launch(&self, l: Launch, gate: Option<NormFoldGate>) -> Result<()> {
+    /// pending norm into it where it can).
+    fn push_launch(&self, l: Launch, takes_norm: bool) -> Result<()> {
         let mut st = self.step_state();
         let st = &mut *st;
         if let Some(rec) = st.recording.as_mut() {
             let mut l = l;
             if let Some(pn) = st.pending_norm.take() {
-                if !self.fold_norm(&pn, &mut l, gate) {
+                if !self.fold_norm(&pn, &mut l, takes_norm) {
                     rec.push(pn.launch(self.kernel_index["rms_norm"]));
                 }
             }
@@ -1415,16 +1351,10 @@ impl CudaBackend {
 
     /// Folds `pn` into `l` when `l` is a fast mat-vec (`mv3_*`, `ffn_*`)
     /// over exactly the norm's output rows with no norm folded yet, or a
-    /// sparse kernel with norm slots whose fold setting (`gate`, else its
-    /// own) is on.
-    fn fold_norm(&self, pn: &PendingNorm, l: &mut Launch, gate: Option<NormFoldGate>) -> bool {
+    /// sparse kernel with norm slots launched to take it (`takes_norm`).
+    fn fold_norm(&self, pn: &PendingNorm, l: &mut Launch, takes_norm: bool) -> bool {
         if let Some(Some(slots)) = self.norm_slots.get(l.kernel) {
-            let allowed = match gate.unwrap_or(slots.gate) {
-                NormFoldGate::SparseFfn => &self.fold_ffn_norm,
-                NormFoldGate::Router => &self.fold_route_norm,
-            };
-            return allowed.load(std::sync::atomic::Ordering::Relaxed)
-                && fold_norm_at(*slots, pn, l);
+            return takes_norm && fold_norm_at(*slots, pn, l);
         }
         let Some(name) = self.functions_names.get(l.kernel) else {
             return false;
@@ -1637,8 +1567,6 @@ impl CudaBackend {
             block: (PREFETCH_THREADS, 1, 1),
             smem: 0,
             args,
-            cooperative: false,
-            cluster: 1,
         });
     }
 
@@ -1662,34 +1590,9 @@ impl CudaBackend {
         self.norm_slots.push(norm);
     }
 
-    /// Turns folding the RMSNorm before a sparse FFN into the FFN's phase 1
-    /// on or off (`MIRAGE_SPARSE_FOLD_NORM=1` turns it on at start; off by
-    /// default). Takes effect for steps recorded afterwards; needs
-    /// [`fuse_norm`](Self::fuse_norm) on as well.
-    pub fn set_fold_ffn_norm(&self, on: bool) {
-        self.fold_ffn_norm
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Turns folding the RMSNorm before a routed sparse FFN into the
-    /// router's launch on or off (on by default; `MIRAGE_SPARSE_ROUTE_NORM=0`
-    /// turns it off at start). Takes effect for steps recorded afterwards;
-    /// needs [`fuse_norm`](Self::fuse_norm) on as well.
-    pub fn set_fold_route_norm(&self, on: bool) {
-        self.fold_route_norm
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether the RMSNorm before a routed sparse FFN folds into the router.
-    pub fn fold_route_norm(&self) -> bool {
-        self.fold_route_norm
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// Launches `l` now, through `cuLaunchKernelEx` (`cluster::launch_ex`):
     /// with programmatic stream serialization when its kernel waits on its
-    /// prerequisite grid and PDL is on (never for a cooperative launch), in
-    /// its clusters, cooperatively when it is.
+    /// prerequisite grid and PDL is on.
     fn launch_now(&self, l: &Launch) -> Result<()> {
         let mut params: Vec<*mut std::ffi::c_void> = l
             .args
@@ -1701,18 +1604,12 @@ impl CudaBackend {
                 Arg::F32(v) => v as *const f32 as *mut std::ffi::c_void,
             })
             .collect();
-        let mode = crate::cluster::LaunchMode {
-            cluster: l.cluster,
-            programmatic: self.waits[l.kernel] && self.pdl() && !l.cooperative,
-            cooperative: l.cooperative,
-        };
+        let programmatic = self.waits[l.kernel] && self.pdl();
         // SAFETY: `params` points at the argument values in `l.args`, which
         // outlive the call, in the order of the kernel's signature (every
         // call site passes the kernel's argument list, pointers as u64, and
         // checks the shapes first); the function belongs to this context
-        // and the stream to it too; a clustered launch's grid is whole
-        // clusters (launch_how); a cooperative launch's caller sizes the
-        // grid to the resident blocks.
+        // and the stream to it too.
         unsafe {
             crate::cluster::launch_ex(
                 &self.functions[l.kernel],
@@ -1721,7 +1618,7 @@ impl CudaBackend {
                 l.block,
                 l.smem,
                 &mut params,
-                mode,
+                programmatic,
             )
         }
         .map_err(drv)
@@ -2003,7 +1900,6 @@ impl CudaBackend {
                 let (acc_at, y_at) = (*acc_at, *y_at);
                 if res
                     && n_rows == 1
-                    && self.fold_ffn_add
                     && l.args.get(y_at) == Some(&Arg::Ptr(target))
                     && l.args.get(acc_at) == Some(&Arg::I32(0))
                     && !l.args[..y_at].contains(&Arg::Ptr(extra))
@@ -2260,8 +2156,6 @@ impl CudaBackend {
             block: (ATTEND_THREADS, 1, 1),
             smem: plan.smem as u32,
             args,
-            cooperative: false,
-            cluster: 1,
         }))
     }
 

@@ -14,11 +14,9 @@
 //! `CudaBackend`'s API: the sparse kernels are loaded into the same function
 //! table at construction.
 //!
-//! The fused kernel has a grid barrier between its gate/up/SwiGLU phase and
-//! its down phase, which needs a cooperative launch; the graph recorder
-//! launches ordinary kernels, so here the two phases are two launches of the
-//! same kernel (`phases` 1 then 2, same grid): the kernel boundary is the
-//! barrier. It costs one more launch per layer inside the graph.
+//! The fused kernel's gate/up/SwiGLU phase and its down phase are two
+//! launches of the same kernel (`phases` 1 then 2, same grid): the kernel
+//! boundary is the barrier between them.
 
 use std::sync::{Arc, Mutex};
 
@@ -35,13 +33,12 @@ use mirage_runtime::kv_cache::KvSpec;
 use mirage_runtime::{Result, RuntimeError};
 
 use super::{
-    bad, drv, env_on, Arg, CudaActivations, CudaBackend, CudaKvCache, CudaMatrix, CudaVector,
-    LaunchHow, MemKind, NormFoldGate, PrefetchSite,
+    bad, drv, Arg, CudaActivations, CudaBackend, CudaKvCache, CudaMatrix, CudaVector, MemKind,
+    PrefetchSite,
 };
 use crate::superblock::{
-    ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, q8s_t2_grid, split_q8_0_page,
-    tile_q8s_down, Nvfp4Pages, SparseError, PAGE_CHANNELS, Q8S_C2_KERNEL, Q8S_T2_KERNEL,
-    Q8S_T2_SMEM, Q8S_T2_THREADS, Q8_FFN_VARIANTS, SINGLE_PASS_MAX_D,
+    ffn_partials_len, nvfp4_page_bytes, q8_0_page_bytes, split_q8_0_page, Nvfp4Pages, SparseError,
+    PAGE_CHANNELS,
 };
 use crate::superblock_q2k::{join_q2k_rows, q2k_page_bytes, Q2kPages, Q2K_BLOCK, Q2K_MAX_D};
 use crate::{module, CudaError};
@@ -61,74 +58,46 @@ pub(crate) const SOURCE: &str = concat!(
     "\n",
     include_str!("../../../cuda/route.cu")
 );
-const KERNELS: &[&str] = &[
+/// Every kernel of [`SOURCE`] the backend loads.
+pub(crate) const KERNELS: &[&str] = &[
     "superblock_ffn_q8s",
     "superblock_ffn_nvfp4",
     "superblock_ffn_q2k",
     "route_bvh",
-    "set_active_prefix",
-    Q8S_T2_KERNEL,
-    Q8S_C2_KERNEL,
 ];
-/// Every kernel of [`SOURCE`] the backend loads.
-pub(crate) fn kernel_names() -> impl Iterator<Item = &'static str> {
-    KERNELS
-        .iter()
-        .copied()
-        .chain(Q8_FFN_VARIANTS.iter().map(|v| v.kernel))
-}
 
-/// Arguments of the fused Q8_0 FFN variants as `launch_ffn` passes them
+/// Arguments of the fused Q8_0 FFN as `launch_ffn` passes them
 /// (`SB_Q8S_PARAMS`, `part_ch`, the folded norm's three); the crate's
-/// `nvrtc_check` test holds the kernels' PTX parameter lists to it.
-pub(crate) const Q8_VARIANT_ARGS: usize = 19;
+/// `nvrtc_check` test holds the kernel's PTX parameter list to it.
+pub(crate) const Q8_FFN_ARGS: usize = 18;
 /// Arguments of `route_bvh` as `launch_route` passes them (the router's 16,
 /// then the folded norm's weights, eps and output); `nvrtc_check` holds the
 /// kernel's PTX parameter list to it, `launch_route` its argument list.
 pub(crate) const ROUTE_ARGS: usize = 19;
-/// Arguments of the other fused FFN kernels: `SB_Q8S_PARAMS` (15; Q2_K's
+/// Arguments of the other fused FFN kernels: `SB_Q8S_PARAMS` (14; Q2_K's
 /// are the same) and NVFP4's three tensor scales on top.
-pub(crate) const FFN_KERNEL_ARGS: usize = 15;
-
-/// `MIRAGE_SPARSE_BLOCKS_PER_SM=n` at start: the fused FFN's grid takes at
-/// most n blocks per SM instead of every block its occupancy allows, so
-/// that the next launch's blocks find room on the SMs while its phases
-/// drain (programmatic dependent launch). Unset: no cap.
-fn blocks_per_sm_cap() -> u32 {
-    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("MIRAGE_SPARSE_BLOCKS_PER_SM")
-            .ok()
-            .and_then(|v| v.parse::<u32>().ok())
-            .filter(|&n| n > 0)
-            .unwrap_or(u32::MAX)
-    })
-}
+pub(crate) const FFN_KERNEL_ARGS: usize = 14;
 
 /// Where a kernel takes the RMSNorm before it (`CudaBackend::fold_norm`):
-/// the fused Q8_0 FFN variants (`superblock_ffn_q8s_v<n>`: x at 4, d at 3,
-/// then after `part_ch` (15) the folded norm's weights, eps and output;
-/// `MIRAGE_SPARSE_FOLD_NORM=1`) and the router (`route_bvh`: x at 0, d at 1,
-/// the norm's three after `count` (15); on unless
-/// `MIRAGE_SPARSE_ROUTE_NORM=0`); `None` for the other kernels.
+/// the fused Q8_0 FFN (`superblock_ffn_q8s`: x at 4, d at 3, then after
+/// `part_ch` (14) the folded norm's weights, eps and output) and the router
+/// (`route_bvh`: x at 0, d at 1, the norm's three after `count` (15));
+/// `None` for the other kernels.
 fn ffn_norm_slots(kernel: &str) -> Option<crate::backend::NormSlots> {
-    use crate::backend::{NormFoldGate, NormSlots};
-    if kernel == "route_bvh" {
-        return Some(NormSlots {
+    use crate::backend::NormSlots;
+    match kernel {
+        "route_bvh" => Some(NormSlots {
             x: 0,
             width: 1,
             nw: 16,
-            gate: NormFoldGate::Router,
-        });
-    }
-    kernel
-        .starts_with("superblock_ffn_q8s_v")
-        .then_some(NormSlots {
+        }),
+        "superblock_ffn_q8s" => Some(NormSlots {
             x: 4,
             width: 3,
-            nw: 16,
-            gate: NormFoldGate::SparseFfn,
-        })
+            nw: 15,
+        }),
+        _ => None,
+    }
 }
 
 /// `(accumulate, y)` argument positions of the fused FFN kernels as
@@ -138,9 +107,9 @@ fn ffn_norm_slots(kernel: &str) -> Option<crate::backend::NormSlots> {
 /// router kernels.
 fn ffn_accumulate_slots(kernel: &str) -> Option<(usize, usize)> {
     if kernel == "superblock_ffn_nvfp4" {
-        Some((12, 16))
+        Some((11, 15))
     } else if kernel.starts_with("superblock_ffn_") {
-        Some((9, 13))
+        Some((8, 12))
     } else {
         None
     }
@@ -179,52 +148,14 @@ impl RouteTraversal {
     }
 }
 
-/// The fused Q8_0 kernel the backend runs. Default: variant 10 of
-/// `superblock::Q8_FFN_VARIANTS` (variant 3 -- 16-byte loads, 4 in flight
-/// per lane and row, 3 blocks per SM, the fastest of v0-v9 on the H200 at
-/// 7B -- with the balanced phase 1: `kernel-bench --sparse`, 2026-12-04,
-/// 7B 100 / 40 / 25 % of the pages 71.3 / 36.3 / 26.2 us per layer vs v3's
-/// 70.7 / 37.4 / 28.4, 0.5B within 0.2 us), with at least 128 channels per
-/// phase-2 part at widths up to 1024 (it helped at d 896) and the grid's
-/// own split above. `MIRAGE_SPARSE_Q8_KERNEL=first` runs the first version,
-/// `=N` variant N (for comparisons in `mirage-cli bench`).
-#[derive(Debug, Clone, Copy)]
-enum Q8Kernel {
-    /// `superblock_ffn_q8s`.
-    First,
-    /// `superblock_ffn_q8s_v<index>` with `part_ch(d)` channels per part.
-    Variant {
-        index: usize,
-        part_ch: fn(usize) -> usize,
-    },
-}
-
-fn default_part_ch(d_model: usize) -> usize {
+/// Channels per phase-2 part of the fused Q8_0 FFN at least (its `part_ch`
+/// argument): 128 at widths up to 1024, where few parts per output chunk
+/// leave the last block of a chunk fewer partials to add; no floor above.
+fn q8_part_ch(d_model: usize) -> usize {
     if d_model <= 1024 {
         128
     } else {
         0
-    }
-}
-
-impl Q8Kernel {
-    const DEFAULT: Q8Kernel = Q8Kernel::Variant {
-        index: 10,
-        part_ch: default_part_ch,
-    };
-
-    fn from_env() -> Q8Kernel {
-        match std::env::var("MIRAGE_SPARSE_Q8_KERNEL").as_deref() {
-            Ok("first") => Q8Kernel::First,
-            Ok(n) => match n.parse::<usize>() {
-                Ok(index) if index < Q8_FFN_VARIANTS.len() => Q8Kernel::Variant {
-                    index,
-                    part_ch: default_part_ch,
-                },
-                _ => Q8Kernel::DEFAULT,
-            },
-            Err(_) => Q8Kernel::DEFAULT,
-        }
     }
 }
 
@@ -426,9 +357,6 @@ struct LayerDev {
     /// Grid of both phase launches of `format`'s kernel: its resident
     /// blocks (occupancy at `d_model * 4` bytes of shared memory).
     grid: u32,
-    /// Grid and cluster size of phase 2 ([`Q8S_C2_KERNEL`]) when the
-    /// pages run a cluster-finished variant.
-    c2_shape: Option<(u32, u32)>,
     ids: CudaSlice<u32>,
     count: CudaSlice<i32>,
     router: Option<DeviceRouter>,
@@ -469,26 +397,6 @@ pub struct SparseCudaBackend {
     scratch: Mutex<FfnScratch>,
     format: Mutex<PageFormat>,
     multiprocessors: u32,
-    /// Which `superblock_ffn_q8s` kernel Q8_0 pages run (see [`Q8Kernel`]).
-    q8_kernel: Q8Kernel,
-    /// The fused FFN as one cooperative launch (both phases, the kernel's
-    /// grid barrier between them; a recorded step captures it as one
-    /// cooperative node) instead of the two phase launches.
-    /// `MIRAGE_SPARSE_COOP=1` at start, or [`Self::set_cooperative_ffn`].
-    cooperative_ffn: std::sync::atomic::AtomicBool,
-    /// The atomic reduction for the single-pass Q8_0 variants (one launch a
-    /// layer, the float order varies run to run) instead of the ordered one
-    /// (two launches, bit-reproducible). `MIRAGE_SPARSE_REDUCE=atomic` at
-    /// start, or [`Self::set_atomic_reduction`]; the other kernels stay
-    /// ordered.
-    atomic_ffn: std::sync::atomic::AtomicBool,
-    /// Routed mode with the routing left out (timing only: the FFN runs the
-    /// lists the last routing left; [`Self::set_skip_routing`]).
-    skip_routing: std::sync::atomic::AtomicBool,
-    /// Route layers whose pages are all trunk too (the router can only
-    /// return every page there); off by default, `MIRAGE_SPARSE_ROUTE_TRUNK=1`
-    /// at start or [`Self::set_route_trunk_layers`].
-    route_trunk_layers: std::sync::atomic::AtomicBool,
     /// Routed mode through the Vulkan ray-tracing router instead of
     /// route.cu (feature `vulkan-interop`; [`Self::set_vulkan_router`]).
     #[cfg(feature = "vulkan-interop")]
@@ -948,17 +856,12 @@ impl SparseCudaBackend {
     ) -> std::result::Result<SparseCudaBackend, CudaError> {
         let d = |e: cudarc::driver::DriverError| CudaError::Driver(e.to_string());
         let cc = inner.compute_capability;
-        let (ptx, _) = module::ptx_for(
-            "sparse-backend",
-            &module::with_env_defines(SOURCE),
-            cc.0,
-            cc.1,
-        )?;
+        let (ptx, _) = module::ptx_for("sparse-backend", SOURCE, cc.0, cc.1)?;
         let m = inner
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx.clone()))
             .map_err(d)?;
-        for name in kernel_names() {
+        for &name in KERNELS {
             let f = m.load_function(name).map_err(d)?;
             inner.add_function(
                 name,
@@ -988,13 +891,6 @@ impl SparseCudaBackend {
             scratch: Mutex::new(FfnScratch::default()),
             format: Mutex::new(PageFormat::default()),
             multiprocessors,
-            q8_kernel: Q8Kernel::from_env(),
-            cooperative_ffn: env_on("MIRAGE_SPARSE_COOP").into(),
-            atomic_ffn: std::env::var("MIRAGE_SPARSE_REDUCE")
-                .is_ok_and(|v| v == "atomic")
-                .into(),
-            skip_routing: false.into(),
-            route_trunk_layers: env_on("MIRAGE_SPARSE_ROUTE_TRUNK").into(),
             #[cfg(feature = "vulkan-interop")]
             vulkan: Mutex::new(None),
         })
@@ -1113,66 +1009,14 @@ impl SparseCudaBackend {
         Ok(false)
     }
 
-    /// Runs variant `index` of [`Q8_FFN_VARIANTS`] for Q8_0 pages (what
-    /// `MIRAGE_SPARSE_Q8_KERNEL=N` does at start). Before any layer is
-    /// uploaded: a layer's grid is its kernel's occupancy.
-    pub fn with_q8_variant(mut self, index: usize) -> Result<Self> {
-        if index >= Q8_FFN_VARIANTS.len() {
-            return Err(rt(format!(
-                "fused Q8_0 FFN variant {index} does not exist (0..{})",
-                Q8_FFN_VARIANTS.len()
-            )));
-        }
-        if self.layers().iter().any(|l| l.is_some()) {
-            return Err(rt("the FFN kernel cannot change after layers are uploaded"));
-        }
-        self.q8_kernel = Q8Kernel::Variant {
-            index,
-            part_ch: default_part_ch,
-        };
-        Ok(self)
-    }
-
-    /// Reduces the single-pass Q8_0 FFN variants' block partials with
-    /// atomics in their one launch (`true`) or in block order over two
-    /// launches (`false`, the default: the same bits every run). No effect
-    /// on the other kernels.
-    pub fn set_atomic_reduction(&self, on: bool) {
-        self.atomic_ffn
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// For timing the routing inside a decode step: with `true`, the routed
-    /// mode launches no router and the FFN runs whatever lists the last
-    /// routing left on the device (the outputs are then NOT the routed
-    /// model's). The difference between a routed step and the same step
-    /// with this on is what the routing costs in the graph (the RMSNorm it
-    /// folds goes back to a launch of its own). Off by default.
-    pub fn set_skip_routing(&self, on: bool) {
-        self.skip_routing
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// In the routed mode a layer whose pages are all trunk (the artifact
-    /// routes none of them: most layers of a small model at the fidelity
-    /// gates) launches no router: its active list is every page, written
-    /// once, the list the router would return, and the RMSNorm before its
-    /// FFN folds into the FFN's phase 1 as it would have into the router
-    /// (the router's fold setting). With `true` such layers are routed
-    /// anyway (the same lists and bits; for A/B timing). Takes effect for
-    /// steps recorded afterwards.
-    pub fn set_route_trunk_layers(&self, on: bool) {
-        self.route_trunk_layers
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
     /// Whether the routed mode launches `ld`'s router: some of its pages
-    /// are routed (not trunk), or [`Self::set_route_trunk_layers`].
+    /// are routed (not trunk). A layer whose pages are all trunk (most
+    /// layers of a small model at the fidelity gates) launches none: its
+    /// active list is every page, written once, the list the router would
+    /// return, and the RMSNorm before its FFN folds into the FFN's phase 1
+    /// as it would have into the router.
     fn routes(&self, ld: &LayerDev) -> bool {
         ld.n_trunk < ld.n_pages
-            || self
-                .route_trunk_layers
-                .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Routes `layer`'s FFN input at `px` (one row) when `ld` has pages to
@@ -1195,65 +1039,11 @@ impl SparseCudaBackend {
     }
 
     /// The routing an FFN launches before its pages: the routed mode's
-    /// traversal and margin, `None` in the other modes or while routing is
-    /// skipped ([`Self::set_skip_routing`]).
+    /// traversal and margin, `None` in the other modes.
     fn routing(&self) -> Option<(RouteTraversal, f32)> {
         match self.mode() {
-            SparsePages::Routed { traversal, margin }
-                if !self.skip_routing.load(std::sync::atomic::Ordering::Relaxed) =>
-            {
-                Some((traversal, margin))
-            }
+            SparsePages::Routed { traversal, margin } => Some((traversal, margin)),
             _ => None,
-        }
-    }
-
-    /// Whether `format`'s pages run a single-pass kernel.
-    fn single_pass(&self, format: PageFormat) -> bool {
-        matches!(
-            (format, self.q8_kernel),
-            (PageFormat::Q8_0, Q8Kernel::Variant { index, .. }) if Q8_FFN_VARIANTS[index].single_pass
-        )
-    }
-
-    /// Whether `format`'s pages run a variant that reads a tiled down slice
-    /// (uploaded tiled; phase 2 is [`Q8S_T2_KERNEL`]'s launch).
-    fn tiled_down(&self, format: PageFormat) -> bool {
-        matches!(
-            (format, self.q8_kernel),
-            (PageFormat::Q8_0, Q8Kernel::Variant { index, .. }) if Q8_FFN_VARIANTS[index].tiled_down
-        )
-    }
-
-    /// Whether `format`'s pages run a variant whose phase 2 is
-    /// [`Q8S_C2_KERNEL`]'s clustered launch.
-    fn cluster_down(&self, format: PageFormat) -> bool {
-        matches!(
-            (format, self.q8_kernel),
-            (PageFormat::Q8_0, Q8Kernel::Variant { index, .. }) if Q8_FFN_VARIANTS[index].cluster_down
-        )
-    }
-
-    /// Whether the Q8_0 pages' fused FFN kernel can run as one cooperative
-    /// launch ([`Self::set_cooperative_ffn`]): not the variants whose phase
-    /// 2 is a kernel of its own (a tiled down slice, the cluster finish).
-    pub fn ffn_can_run_cooperatively(&self) -> bool {
-        !self.tiled_down(PageFormat::Q8_0) && !self.cluster_down(PageFormat::Q8_0)
-    }
-
-    /// Runs each fused FFN as one cooperative launch (`true`) or as its two
-    /// phase launches (`false`); the same grid and the same order of sums,
-    /// so the same bits either way.
-    pub fn set_cooperative_ffn(&self, on: bool) {
-        self.cooperative_ffn
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// The fused FFN kernel pages of `format` run on this backend.
-    fn kernel_for(&self, format: PageFormat) -> &'static str {
-        match (format, self.q8_kernel) {
-            (PageFormat::Q8_0, Q8Kernel::Variant { index, .. }) => Q8_FFN_VARIANTS[index].kernel,
-            (f, _) => f.kernel(),
         }
     }
 
@@ -1457,36 +1247,30 @@ impl SparseCudaBackend {
             Arg::Ptr(0),
         ];
         debug_assert_eq!(args.len(), ROUTE_ARGS);
-        self.inner.launch(
+        self.inner.launch_folding_norm(
             "route_bvh",
             (1, 1, 1),
             (ROUTE_THREADS, 1, 1),
             route_smem_bytes(ld.n_pages, ld.d_model, if scan { 0 } else { r.n_nodes }),
             args,
+            true,
         )
     }
 
-    /// Launches `ld`'s fused FFN on the row at `px` into `py`; with
-    /// `norm_as_router` a pending RMSNorm folds into its first launch under
-    /// the router's fold setting (a routed layer that launched no router).
+    /// Launches `ld`'s fused FFN on the row at `px` into `py` (phase 1,
+    /// then phase 2); with `norm_as_router` a pending RMSNorm folds into
+    /// phase 1 as it would have into the router (a routed layer that
+    /// launched no router).
     fn launch_ffn(&self, ld: &LayerDev, px: u64, py: u64, norm_as_router: bool) -> Result<()> {
         let sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let (Some(h), Some(pa), Some(c)) = (&sc.hbuf, &sc.partials, &sc.counters) else {
             return Err(rt("FFN scratch not allocated"));
         };
         let d = ld.d_model;
-        let single_pass = self.single_pass(ld.format);
-        if single_pass && d > SINGLE_PASS_MAX_D {
-            return Err(rt(format!(
-                "the single-pass FFN kernels take d_model up to {SINGLE_PASS_MAX_D}, not {d}; \
-                 choose another MIRAGE_SPARSE_Q8_KERNEL"
-            )));
-        }
-        // One atomic launch: the single-pass kernels with the atomic reduction.
-        let one_pass = single_pass && self.atomic_ffn.load(std::sync::atomic::Ordering::Relaxed);
         // The kernels take the same arguments but for NVFP4's three tensor
-        // scales after d (Q2_K's are q8s's).
-        let base = |phase: i32| {
+        // scales after d (Q2_K's are q8s's) and q8s's part_ch and folded
+        // norm at the end.
+        let args = |phase: i32| {
             let mut a = vec![
                 Arg::Ptr(self.inner.ptr(&ld.pages)),
                 Arg::I64(ld.page_bytes as i64),
@@ -1501,9 +1285,8 @@ impl SparseCudaBackend {
                 Arg::Ptr(self.inner.ptr(&ld.ids)),
                 Arg::Ptr(self.inner.ptr(&ld.count)),
                 Arg::I32(ld.n_pages as i32),
-                // Ordered reduction: deterministic, y = FFN(x); the atomic
-                // one of the single-pass kernels zeroes y itself.
-                Arg::I32(if one_pass { 0 } else { 1 }),
+                // accumulate: y = FFN(x); a recorded step may fold the
+                // residual add in (y = FFN(x) + y).
                 Arg::I32(0),
                 Arg::Ptr(self.inner.ptr(h)),
                 Arg::Ptr(self.inner.ptr(pa)),
@@ -1511,13 +1294,11 @@ impl SparseCudaBackend {
                 Arg::Ptr(py),
                 Arg::I32(phase),
             ]);
-            if let (PageFormat::Q8_0, Q8Kernel::Variant { part_ch, .. }) =
-                (ld.format, self.q8_kernel)
-            {
+            if ld.format == PageFormat::Q8_0 {
                 // part_ch, then the folded norm (weights, eps, out): none
                 // unless a recorded step folds the norm before it in.
                 a.extend([
-                    Arg::I32(part_ch(d) as i32),
+                    Arg::I32(q8_part_ch(d) as i32),
                     Arg::Ptr(0),
                     Arg::F32(0.0),
                     Arg::Ptr(0),
@@ -1528,19 +1309,16 @@ impl SparseCudaBackend {
         // Phase 2 reads no x: no dynamic shared memory. Same grid for both
         // (phase 2's split of the channels depends on it).
         let (k, g, b) = (
-            self.kernel_for(ld.format),
+            ld.format.kernel(),
             (ld.grid.max(1), 1, 1),
             (FFN_THREADS, 1, 1),
         );
-        let want = match (ld.format, self.q8_kernel) {
-            (PageFormat::Q8_0, Q8Kernel::Variant { .. }) => Q8_VARIANT_ARGS,
-            (PageFormat::Nvfp4, _) => FFN_KERNEL_ARGS + 3,
-            _ => FFN_KERNEL_ARGS,
+        let want = match ld.format {
+            PageFormat::Q8_0 => Q8_FFN_ARGS,
+            PageFormat::Nvfp4 => FFN_KERNEL_ARGS + 3,
+            PageFormat::Q2K => FFN_KERNEL_ARGS,
         };
-        let (phase1, phase2) = (base(1), base(2));
-        let cooperative = self
-            .cooperative_ffn
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let (phase1, phase2) = (args(1), args(2));
         if phase1.len() != want {
             return Err(rt(format!(
                 "{k}: {} launch arguments, the kernel takes {want}",
@@ -1555,64 +1333,11 @@ impl SparseCudaBackend {
                 )));
             }
         }
-        // The first launch takes the pending norm as the router would have.
-        let first = LaunchHow {
-            fold: norm_as_router.then_some(NormFoldGate::Router),
-            ..LaunchHow::default()
-        };
-        // The weights the runtime hinted (the next layer's Q/K/V) go into
-        // L2 while phase 2 reads the active pages' down rows, a few blocks
-        // per page: DRAM has room then. Before the launch when the phases
-        // are one launch.
-        if one_pass {
-            // Everything in phase 1 (its phase 2 would return at once).
-            self.inner.emit_prefetch(PrefetchSite::Ffn);
-            return self
-                .inner
-                .launch_how(k, g, b, (d * 4) as u32, phase1, first);
-        }
-        let tiled = self.tiled_down(ld.format);
-        if cooperative && (tiled || ld.c2_shape.is_some()) {
-            let p2 = if tiled { Q8S_T2_KERNEL } else { Q8S_C2_KERNEL };
-            return Err(rt(format!(
-                "{k}'s phase 2 is a kernel of its own ({p2}): it cannot run as one cooperative launch"
-            )));
-        }
-        if cooperative {
-            // Both phases (3), the grid barrier between them.
-            self.inner.emit_prefetch(PrefetchSite::Ffn);
-            let how = LaunchHow {
-                cooperative: true,
-                ..first
-            };
-            return self.inner.launch_how(k, g, b, (d * 4) as u32, base(3), how);
-        }
         self.inner
-            .launch_how(k, g, b, (d * 4) as u32, phase1, first)?;
+            .launch_folding_norm(k, g, b, (d * 4) as u32, phase1, norm_as_router)?;
+        // The weights the runtime hinted (the next layer's Q/K/V) go into
+        // L2 while phase 2 reads the active pages' down rows.
         self.inner.emit_prefetch(PrefetchSite::Ffn);
-        if let Some((grid, cluster)) = ld.c2_shape {
-            let how = LaunchHow {
-                cluster,
-                ..LaunchHow::default()
-            };
-            return self.inner.launch_how(
-                Q8S_C2_KERNEL,
-                (grid, 1, 1),
-                (FFN_THREADS, 1, 1),
-                0,
-                phase2,
-                how,
-            );
-        }
-        if tiled {
-            return self.inner.launch(
-                Q8S_T2_KERNEL,
-                (q8s_t2_grid(d), 1, 1),
-                (Q8S_T2_THREADS, 1, 1),
-                Q8S_T2_SMEM as u32,
-                phase2,
-            );
-        }
         self.inner.launch(k, g, b, 0, phase2)
     }
 
@@ -1740,9 +1465,6 @@ impl Backend for SparseCudaBackend {
                 for p in &pages {
                     flat.extend_from_slice(&split_q8_0_page(p, d).map_err(rt)?);
                 }
-                if self.tiled_down(format) {
-                    tile_q8s_down(&mut flat, d).map_err(rt)?;
-                }
                 q8_flat = flat;
                 (&q8_flat, pages.len(), [0.0; 3])
             }
@@ -1783,24 +1505,15 @@ impl Backend for SparseCudaBackend {
                 .occupancy_max_active_blocks_per_multiprocessor(FFN_THREADS, d * 4, None)
                 .map_err(drv)?
                 .max(1);
-            Ok(per_sm.min(blocks_per_sm_cap()) * self.multiprocessors)
+            Ok(per_sm * self.multiprocessors)
         };
-        if self.tiled_down(format) {
-            // The tiled variants' phase 2 takes its copy ring.
-            self.inner.functions[self.inner.kernel_index[Q8S_T2_KERNEL]]
-                .set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    Q8S_T2_SMEM as i32,
-                )
-                .map_err(drv)?;
-        }
         let mut grids = [0u32; PageFormat::ALL.len()];
         let mut grid = 0;
         for (g, f) in grids.iter_mut().zip(PageFormat::ALL) {
             if f.check_d_model(d).is_err() {
                 continue;
             }
-            *g = grid_of(self.kernel_for(f))?;
+            *g = grid_of(f.kernel())?;
             if f == format {
                 grid = *g;
             }
@@ -1817,20 +1530,6 @@ impl Backend for SparseCudaBackend {
             page_bytes,
             tensor_scales,
             grid,
-            c2_shape: if self.cluster_down(format) {
-                Some(
-                    crate::cluster::q8s_c2_shape(
-                        &self.inner.functions[self.inner.kernel_index[Q8S_C2_KERNEL]],
-                        &self.inner.stream,
-                        d,
-                        FFN_THREADS,
-                        self.multiprocessors,
-                    )
-                    .map_err(drv)?,
-                )
-            } else {
-                None
-            },
             ids: s.alloc_zeros::<u32>(n_pages).map_err(drv)?,
             count: s.alloc_zeros::<i32>(1).map_err(drv)?,
             router: None,
@@ -1853,8 +1552,8 @@ impl Backend for SparseCudaBackend {
             };
             grow(&mut sc.hbuf, n_pages * PAGE_CHANNELS)?;
             grow(&mut sc.partials, partials)?;
-            if sc.counters.as_ref().is_none_or(|b| b.len() < 2 + n_chunks) {
-                sc.counters = Some(s.alloc_zeros::<u32>(2 + n_chunks).map_err(drv)?);
+            if sc.counters.as_ref().is_none_or(|b| b.len() < n_chunks) {
+                sc.counters = Some(s.alloc_zeros::<u32>(n_chunks).map_err(drv)?);
             }
         }
         let mut layers = self.layers();

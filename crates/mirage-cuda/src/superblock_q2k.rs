@@ -1,8 +1,6 @@
-//! Q2_K pages for the fused superblock FFN (issue #7 item 1: "Q8_0 first,
-//! then Q2_K and the NVFP4 weight-only format"): the host packer
-//! [`Q2kPages`] and, with the `cuda` feature, [`SparseDevice::upload_q2k_pages`]
-//! and [`SparseDevice::ffn_q2k`], which run `superblock_ffn_q2k`
-//! (`cuda/superblock_q2k.cu`) with the contract of the Q8_0 and NVFP4 kernels.
+//! Q2_K pages for the fused superblock FFN: the host packer [`Q2kPages`] of
+//! the pages `superblock_ffn_q2k` (`cuda/superblock_q2k.cu`) reads, with the
+//! contract of the Q8_0 and NVFP4 kernels.
 //!
 //! Device layout ("split Q2_K", documented at the top of
 //! `cuda/superblock_q2k.cu`): a matrix of `R` rows by `d` (`d % 256 == 0`)
@@ -19,9 +17,6 @@
 //! of `W_down` as row `c`) has its blocks along `d_model`, so `W_down` is
 //! dequantized, transposed and quantized to Q2_K with mirage-gguf's
 //! quantizer (ggml's `quantize_row_q2_K_ref`).
-//!
-//! [`SparseDevice::upload_q2k_pages`]: crate::superblock::SparseDevice::upload_q2k_pages
-//! [`SparseDevice::ffn_q2k`]: crate::superblock::SparseDevice::ffn_q2k
 
 use mirage_gguf::quant;
 use mirage_gguf::tensor::TensorView;
@@ -341,108 +336,5 @@ impl Q2kPages {
             quant::dequantize(GgmlType::Q2_K, &rows, dst)?;
         }
         Ok(out)
-    }
-}
-
-#[cfg(feature = "cuda")]
-pub use device::DeviceQ2kPages;
-
-#[cfg(feature = "cuda")]
-mod device {
-    use cudarc::driver::CudaSlice;
-
-    use super::{check_d, invalid, q2k_page_bytes, Q2kPages};
-    use crate::superblock::{
-        drv, ActivePages, FfnLaunch, FfnScratch, FfnTarget, Reduction, SparseDevice, SparseError,
-    };
-
-    /// One layer's FFN as page-major split-Q2_K pages on the device
-    /// ([`Q2kPages`]' layout).
-    #[derive(Debug)]
-    pub struct DeviceQ2kPages {
-        d_model: usize,
-        n_pages: usize,
-        page_bytes: usize,
-        grid: u32,
-        data: CudaSlice<u8>,
-    }
-
-    impl DeviceQ2kPages {
-        /// Model width.
-        pub fn d_model(&self) -> usize {
-            self.d_model
-        }
-        /// Pages stored.
-        pub fn n_pages(&self) -> usize {
-            self.n_pages
-        }
-        /// Bytes per page (what the kernel reads for each active page).
-        pub fn page_bytes(&self) -> usize {
-            self.page_bytes
-        }
-        /// Grid of the fused kernel: every block resident.
-        pub fn grid(&self) -> u32 {
-            self.grid
-        }
-    }
-
-    impl SparseDevice {
-        /// Uploads one layer's Q2_K pages (see [`Q2kPages`]).
-        pub fn upload_q2k_pages(&self, pages: &Q2kPages) -> Result<DeviceQ2kPages, SparseError> {
-            let d_model = pages.d_model();
-            check_d(d_model)?;
-            let page_bytes = q2k_page_bytes(d_model);
-            if pages.n_pages() == 0 || pages.bytes().len() != pages.n_pages() * page_bytes {
-                return Err(invalid(format!(
-                    "{} Q2_K pages of {page_bytes} bytes expected, got {} bytes",
-                    pages.n_pages(),
-                    pages.bytes().len()
-                )));
-            }
-            let grid = self.ffn_grid(&self.ffn_q2k, d_model)?;
-            let data = self.stream().clone_htod(pages.bytes()).map_err(drv)?;
-            Ok(DeviceQ2kPages {
-                d_model,
-                n_pages: pages.n_pages(),
-                page_bytes,
-                grid,
-                data,
-            })
-        }
-
-        /// The fused sparse FFN over Q2_K pages (`superblock_ffn_q2k`): the
-        /// contract of [`SparseDevice::ffn_q8`] (`y += FFN(x)` with the
-        /// atomic reduction, `y = FFN(x)` / `y += FFN(x)` ordered; ids at or
-        /// past `n_pages` contribute nothing), launched as one cooperative
-        /// launch or as the two phase launches a CUDA graph records.
-        #[allow(clippy::too_many_arguments)]
-        pub fn ffn_q2k(
-            &self,
-            pages: &DeviceQ2kPages,
-            x: &CudaSlice<f32>,
-            active: &ActivePages,
-            reduction: Reduction,
-            accumulate: bool,
-            launch: FfnLaunch,
-            scratch: &mut FfnScratch,
-            y: &mut CudaSlice<f32>,
-        ) -> Result<(), SparseError> {
-            let target = FfnTarget {
-                func: &self.ffn_q2k,
-                name: "ffn_q2k",
-                data: &pages.data,
-                page_bytes: pages.page_bytes,
-                n_pages: pages.n_pages,
-                d: pages.d_model,
-                grid: pages.grid,
-                tensor_scales: None,
-                part_ch: None,
-                single_pass: false,
-                phase2: None,
-            };
-            self.launch_ffn(
-                &target, x, active, reduction, accumulate, launch, scratch, y,
-            )
-        }
     }
 }

@@ -504,184 +504,67 @@ fn routed_ffn_replays_from_a_cuda_graph() {
 /// inside a recorded step (`y = FFN(x) + residual` in the ordered finish),
 /// equals the FFN then `add_inplace` op by op (two phase launches) bit for
 /// bit, forced and routed, and the graph holds no add launch (phase 1 +
-/// phase 2, + the router). Then the same with the FFN as one cooperative
-/// launch (`set_cooperative_ffn(true)`, `MIRAGE_SPARSE_COOP=1`: both phases
-/// and the kernel's grid barrier, captured as a cooperative graph node):
-/// the same bits (same grid, same order of sums), one launch fewer, and the
-/// graph captured once and replayed.
+/// phase 2, + the router), captured once and replayed.
 #[test]
 fn residual_add_folds_into_the_sparse_ffn() {
     let fx = fixture();
     let routed = routed_mode(&fx);
-    for cooperative in [false, true] {
-        for (mode, two_phase_launches) in [(SparsePages::Fraction(0.5), 2usize), (routed, 3)] {
-            let Some((sb, ffns)) = sparse("residual_add_folds_into_the_sparse_ffn", &fx, mode)
-            else {
-                return;
-            };
-            if cooperative && !sb.ffn_can_run_cooperatively() {
-                eprintln!(
-                    "{mode:?}: the FFN kernel in use cannot run cooperatively; that leg is skipped"
-                );
-                continue;
-            }
-            let inputs = xs(7, 4);
-            let residuals = xs(8, 4);
-            let mut x = sb.new_activations();
-            let mut res = sb.new_activations();
-            let mut h = sb.new_activations();
-            let step = one_token_step();
-            for (xi, ri) in inputs.iter().zip(&residuals) {
-                // Op by op, two phase launches: ffn, then add_inplace.
-                sb.set_cooperative_ffn(false);
-                sb.write_activations(&mut x, 1, D, xi).unwrap();
-                sb.write_activations(&mut res, 1, D, ri).unwrap();
-                sb.ffn(&ffns[0], &x, &mut h).unwrap();
-                sb.add(&mut res, &h).unwrap();
-                let mut want = Vec::new();
-                sb.read(&res, &mut want).unwrap();
-                // Recorded: the add folds into the FFN's (last) launch.
-                sb.set_cooperative_ffn(cooperative);
-                sb.write_activations(&mut res, 1, D, ri).unwrap();
-                sb.step(&step, || {
-                    sb.ffn(&ffns[0], &x, &mut h)?;
-                    sb.add(&mut res, &h)
-                })
-                .unwrap();
-                let mut got = Vec::new();
-                sb.read(&res, &mut got).unwrap();
-                let what = format!("{mode:?}, cooperative {cooperative}");
-                assert_eq!(
-                    bits_differ(&got, &want),
-                    0,
-                    "{what}: folded add vs ffn + add_inplace"
-                );
-            }
-            let n = sb.inner().last_graph_launches();
-            let st = sb.inner().graph_stats();
-            eprintln!("{mode:?}, cooperative {cooperative}: recorded step of {n} launches, folded add == op by op; {st:?}");
-            let launches = two_phase_launches - cooperative as usize;
-            assert_eq!(
-                n, launches,
-                "{mode:?}, cooperative {cooperative}: launches in the recorded step"
-            );
-            assert_eq!(
-                st.captures, 1,
-                "{mode:?}, cooperative {cooperative}: one graph, replayed: {st:?}"
-            );
-        }
-    }
-}
-
-/// The single-pass Q8_0 FFN kernels (variants 8 and 9: each block reduces
-/// its own channels' down products) in the backend, against the default
-/// two-phase kernel on the same pages: ordered (two launches, the same bits
-/// every run), atomic (one launch, y zeroed by the kernel), and atomic with
-/// the residual add folded into that one launch in a recorded step (y
-/// starts as the residual). Sums run in other orders, so the check is a
-/// relative error; the recorded step's launch count shows the single launch.
-#[test]
-fn single_pass_ffn_matches_the_two_phase_kernel() {
-    let fx = fixture();
-    let routed = routed_mode(&fx);
-    for variant in [8usize, 9] {
-        for (mode, step_launches) in [(SparsePages::Fraction(0.5), 1usize), (routed, 2)] {
-            let test = "single_pass_ffn_matches_the_two_phase_kernel";
-            let Some((two_phase, ffns2)) = sparse(test, &fx, mode) else {
-                return;
-            };
-            let gpu = cuda(test).unwrap();
-            let sb = SparseCudaBackend::new(gpu, PageSource::Artifact(fx.artifact.clone()), mode)
-                .unwrap()
-                .with_q8_variant(variant)
-                .unwrap();
-            let ffns = fx.upload(&sb);
-            let what = format!("v{variant} {mode:?}");
-            for (l, (f, f2)) in ffns.iter().zip(&ffns2).enumerate() {
-                for (i, xi) in xs(20 + l as u64, 3).iter().enumerate() {
-                    let want = run_ffn(&two_phase, f2, std::slice::from_ref(xi));
-                    for atomic in [false, true] {
-                        sb.set_atomic_reduction(atomic);
-                        let got = run_ffn(&sb, f, std::slice::from_ref(xi));
-                        let e = rel_err(&got, &want);
-                        assert!(
-                            e < 1e-5,
-                            "{what} layer {l} row {i} atomic {atomic}: rel err {e}"
-                        );
-                        if atomic {
-                            continue;
-                        }
-                        let again = run_ffn(&sb, f, std::slice::from_ref(xi));
-                        assert_eq!(bits_differ(&again, &got), 0, "{what}: ordered, run to run");
-                    }
-                }
-            }
-            // Recorded, atomic: FFN + residual add as one launch.
-            sb.set_atomic_reduction(true);
-            let (inputs, residuals) = (xs(30, 3), xs(31, 3));
-            let (mut x, mut res, mut h) = (
-                sb.new_activations(),
-                sb.new_activations(),
-                sb.new_activations(),
-            );
-            let step = one_token_step();
-            for (xi, ri) in inputs.iter().zip(&residuals) {
-                let ffn = run_ffn(&two_phase, &ffns2[0], std::slice::from_ref(xi));
-                let want: Vec<f32> = ffn.iter().zip(ri).map(|(a, b)| a + b).collect();
-                sb.write_activations(&mut x, 1, D, xi).unwrap();
-                sb.write_activations(&mut res, 1, D, ri).unwrap();
-                sb.step(&step, || {
-                    sb.ffn(&ffns[0], &x, &mut h)?;
-                    sb.add(&mut res, &h)
-                })
-                .unwrap();
-                let mut got = Vec::new();
-                sb.read(&res, &mut got).unwrap();
-                let e = rel_err(&got, &want);
-                assert!(
-                    e < 1e-5,
-                    "{what}: recorded atomic FFN + residual: rel err {e}"
-                );
-            }
-            let n = sb.inner().last_graph_launches();
-            eprintln!("{what}: single pass == two-phase (ordered and atomic); recorded step of {n} launches");
-            assert_eq!(n, step_launches, "{what}: launches in the recorded step");
-        }
-    }
-}
-
-/// In a recorded step the RMSNorm before a forced-mode sparse FFN folds into
-/// the fused Q8_0 FFN's phase 1 when `set_fold_ffn_norm(true)`
-/// (`MIRAGE_SPARSE_FOLD_NORM=1`): the same bits as the separate `rms_norm`
-/// launch (norm.cu's one row function at 256 threads both), the norm's
-/// output buffer still written, and one launch fewer (2 instead of 3).
-/// Routed mode: the norm folds into the router instead (it reads the norm's
-/// output first; `set_fold_route_norm`, on by default), 3 launches instead
-/// of 4, the same bits and the same active lists.
-#[test]
-fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
-    let fx = fixture();
-    let routed = routed_mode(&fx);
-    // (mode, fold into the FFN, fold into the router, launches recorded):
-    // forced, the norm goes into phase 1; routed, into the router (the
-    // router reads the norm's output, so it comes first), or, with that
-    // fold off, it stays a launch of its own.
-    for (mode, into_ffn, into_router, launches) in [
-        (SparsePages::Fraction(0.5), true, true, 2usize),
-        (routed, false, true, 3),
-        (routed, true, true, 3),
-        (routed, true, false, 4),
-    ] {
-        let Some((sb, ffns)) = sparse(
-            "ffn_norm_folds_into_the_sparse_ffn_or_the_router",
-            &fx,
-            mode,
-        ) else {
+    for (mode, launches) in [(SparsePages::Fraction(0.5), 2usize), (routed, 3)] {
+        let Some((sb, ffns)) = sparse("residual_add_folds_into_the_sparse_ffn", &fx, mode) else {
             return;
         };
-        sb.inner().set_fold_ffn_norm(into_ffn);
-        sb.inner().set_fold_route_norm(into_router);
-        let case = format!("{mode:?}, into the FFN {into_ffn}, into the router {into_router}");
+        let inputs = xs(7, 4);
+        let residuals = xs(8, 4);
+        let mut x = sb.new_activations();
+        let mut res = sb.new_activations();
+        let mut h = sb.new_activations();
+        let step = one_token_step();
+        for (xi, ri) in inputs.iter().zip(&residuals) {
+            // Op by op: ffn, then add_inplace.
+            sb.write_activations(&mut x, 1, D, xi).unwrap();
+            sb.write_activations(&mut res, 1, D, ri).unwrap();
+            sb.ffn(&ffns[0], &x, &mut h).unwrap();
+            sb.add(&mut res, &h).unwrap();
+            let mut want = Vec::new();
+            sb.read(&res, &mut want).unwrap();
+            // Recorded: the add folds into the FFN's last launch.
+            sb.write_activations(&mut res, 1, D, ri).unwrap();
+            sb.step(&step, || {
+                sb.ffn(&ffns[0], &x, &mut h)?;
+                sb.add(&mut res, &h)
+            })
+            .unwrap();
+            let mut got = Vec::new();
+            sb.read(&res, &mut got).unwrap();
+            assert_eq!(
+                bits_differ(&got, &want),
+                0,
+                "{mode:?}: folded add vs ffn + add_inplace"
+            );
+        }
+        let n = sb.inner().last_graph_launches();
+        let st = sb.inner().graph_stats();
+        eprintln!("{mode:?}: recorded step of {n} launches, folded add == op by op; {st:?}");
+        assert_eq!(n, launches, "{mode:?}: launches in the recorded step");
+        assert_eq!(st.captures, 1, "{mode:?}: one graph, replayed: {st:?}");
+    }
+}
+
+/// In a recorded step the RMSNorm before a routed sparse FFN folds into the
+/// router (it reads the norm's output first): the same bits as the separate
+/// `rms_norm` launch (norm.cu's one row function at 256 threads both), the
+/// norm's output buffer still written, the same active lists, 3 launches
+/// (router, phase 1, phase 2). Before a forced-mode FFN it stays a launch of
+/// its own (3: norm, phase 1, phase 2), the same bits.
+#[test]
+fn ffn_norm_folds_into_the_router() {
+    let fx = fixture();
+    let routed = routed_mode(&fx);
+    for (mode, launches) in [(SparsePages::Fraction(0.5), 3usize), (routed, 3)] {
+        let Some((sb, ffns)) = sparse("ffn_norm_folds_into_the_router", &fx, mode) else {
+            return;
+        };
+        let case = format!("{mode:?}");
         let norm_w = sb.upload_vector(&xs(9, 1)[0]).unwrap();
         let inputs = xs(10, 4);
         let mut x = sb.new_activations();
@@ -697,7 +580,7 @@ fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
             sb.read(&h, &mut want).unwrap();
             sb.read(&xn, &mut want_n).unwrap();
             let want_pages = sb.active_pages(0).unwrap();
-            // Recorded: the norm folds into phase 1 or the router.
+            // Recorded: the norm folds into the router.
             sb.write_activations(&mut xn, 1, D, &vec![0.0; D]).unwrap();
             sb.step(&step, || {
                 sb.rms_norm(&x, &norm_w, 1e-6, &mut xn)?;
@@ -710,7 +593,7 @@ fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
             assert_eq!(
                 bits_differ(&got, &want),
                 0,
-                "{case}: folded norm FFN vs rms_norm + FFN"
+                "{case}: recorded norm + FFN vs rms_norm + FFN"
             );
             assert_eq!(
                 bits_differ(&got_n, &want_n),
@@ -724,7 +607,7 @@ fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
             );
         }
         let n = sb.inner().last_graph_launches();
-        eprintln!("{case}: recorded step of {n} launches, folded norm == op by op");
+        eprintln!("{case}: recorded step of {n} launches, == op by op");
         assert_eq!(n, launches, "{case}: launches in the recorded step");
     }
 }
@@ -732,10 +615,9 @@ fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
 /// Routed mode over an artifact whose layer 0 is all trunk (the router can
 /// only return every page) and whose layer 1 routes: layer 0 launches no
 /// router, its list is every page, and the RMSNorm before it folds into the
-/// FFN's phase 1 under the router's fold setting (2 launches in a recorded
-/// step instead of 3); `set_route_trunk_layers(true)` routes it anyway (3).
-/// Both give the bits of rms_norm + FFN op by op, the same lists, and layer
-/// 1 is routed (3 launches) either way.
+/// FFN's phase 1 as it would have into the router (2 launches in a recorded
+/// step); layer 1 is routed (3 launches). Both give the bits of rms_norm +
+/// FFN op by op and the same lists.
 #[test]
 fn all_trunk_layers_launch_no_router() {
     let base = fixture();
@@ -755,52 +637,41 @@ fn all_trunk_layers_launch_no_router() {
     let mut x = sb.new_activations();
     let mut xn = sb.new_activations();
     let mut h = sb.new_activations();
-    let mut bits: Vec<Vec<u32>> = Vec::new();
-    for route_trunk in [false, true] {
-        sb.set_route_trunk_layers(route_trunk);
-        for (layer, launches) in [(0usize, if route_trunk { 3 } else { 2 }), (1, 3)] {
-            let case = format!("layer {layer}, route trunk layers {route_trunk}");
-            for (i, xi) in xs(20 + layer as u64, 3).iter().enumerate() {
-                sb.write_activations(&mut x, 1, D, xi).unwrap();
-                sb.rms_norm(&x, &norm_w, 1e-6, &mut xn).unwrap();
-                sb.ffn(&ffns[layer], &xn, &mut h).unwrap();
-                let mut want = Vec::new();
-                sb.read(&h, &mut want).unwrap();
-                let want_pages = sb.active_pages(layer).unwrap();
-                if layer == 0 {
-                    assert_eq!(
-                        want_pages,
-                        (0..N_PAGES as u32).collect::<Vec<_>>(),
-                        "{case}: every page"
-                    );
-                }
-                sb.write_activations(&mut xn, 1, D, &vec![0.0; D]).unwrap();
-                sb.step(&step, || {
-                    sb.rms_norm(&x, &norm_w, 1e-6, &mut xn)?;
-                    sb.ffn(&ffns[layer], &xn, &mut h)
-                })
-                .unwrap();
-                let mut got = Vec::new();
-                sb.read(&h, &mut got).unwrap();
-                assert_eq!(bits_differ(&got, &want), 0, "{case}: recorded vs op by op");
+    for (layer, launches) in [(0usize, 2), (1, 3)] {
+        let case = format!("layer {layer}");
+        for xi in &xs(20 + layer as u64, 3) {
+            sb.write_activations(&mut x, 1, D, xi).unwrap();
+            sb.rms_norm(&x, &norm_w, 1e-6, &mut xn).unwrap();
+            sb.ffn(&ffns[layer], &xn, &mut h).unwrap();
+            let mut want = Vec::new();
+            sb.read(&h, &mut want).unwrap();
+            let want_pages = sb.active_pages(layer).unwrap();
+            if layer == 0 {
                 assert_eq!(
-                    sb.active_pages(layer).unwrap(),
                     want_pages,
-                    "{case}: active pages"
+                    (0..N_PAGES as u32).collect::<Vec<_>>(),
+                    "{case}: every page"
                 );
-                if layer == 0 && i == 0 {
-                    bits.push(got.iter().map(|v| v.to_bits()).collect());
-                }
             }
-            let n = sb.inner().last_graph_launches();
-            eprintln!("{case}: recorded step of {n} launches");
-            assert_eq!(n, launches, "{case}: launches in the recorded step");
+            sb.write_activations(&mut xn, 1, D, &vec![0.0; D]).unwrap();
+            sb.step(&step, || {
+                sb.rms_norm(&x, &norm_w, 1e-6, &mut xn)?;
+                sb.ffn(&ffns[layer], &xn, &mut h)
+            })
+            .unwrap();
+            let mut got = Vec::new();
+            sb.read(&h, &mut got).unwrap();
+            assert_eq!(bits_differ(&got, &want), 0, "{case}: recorded vs op by op");
+            assert_eq!(
+                sb.active_pages(layer).unwrap(),
+                want_pages,
+                "{case}: active pages"
+            );
         }
+        let n = sb.inner().last_graph_launches();
+        eprintln!("{case}: recorded step of {n} launches");
+        assert_eq!(n, launches, "{case}: launches in the recorded step");
     }
-    assert_eq!(
-        bits[0], bits[1],
-        "layer 0: skipping its router changed the output"
-    );
 }
 
 /// One row, sequence 0, position 0: the step inputs of the tests that

@@ -392,8 +392,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     #[derive(Clone, Copy, PartialEq)]
     enum Router {
         Cuda,
-        /// route.cu's launches left out of the graph (timing only).
-        Skipped,
         CudaEager,
         Vulkan,
     }
@@ -409,11 +407,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         };
         modes.push((format!("routed (margin {margin})"), routed));
         routers.push(Router::Cuda);
-        // The same step with the router launches left out, right after
-        // the routed row (the FFN runs the lists the last routed token
-        // left): the difference is what routing costs inside the graph.
-        modes.push(("routed, router skipped".into(), routed));
-        routers.push(Router::Skipped);
         if args.vulkan_router {
             modes.push((format!("routed, no graphs (margin {margin})"), routed));
             routers.push(Router::CudaEager);
@@ -438,17 +431,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         if let Some(ab) = &ab {
             ab.set(b.inner(), other);
         }
-        // A skipped router keeps the lists of the routed row before it.
-        if router != Router::Skipped {
-            b.set_mode(mode)?;
-        }
-        b.set_skip_routing(router == Router::Skipped);
-        b.inner()
-            .set_graphs(graphs && matches!(router, Router::Cuda | Router::Skipped));
+        b.set_mode(mode)?;
+        b.inner().set_graphs(graphs && router == Router::Cuda);
         #[cfg(feature = "vulkan-interop")]
         b.set_vulkan_router(router == Router::Vulkan)
             .context("the Vulkan RT router")?;
-        let routed = matches!(mode, SparsePages::Routed { .. }) && router != Router::Skipped;
+        let routed = matches!(mode, SparsePages::Routed { .. });
         let d = decode(&model, n_prompt, n_gen, || {
             if routed {
                 Ok(Some(b.active_counts()?.iter().sum()))
@@ -480,7 +468,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             mib_per_token: mib(other_bytes as f64 + ffn_bytes_tok),
         });
     }
-    b.set_skip_routing(false);
     if let Some(ab) = &ab {
         ab.set(b.inner(), false);
     }
@@ -528,29 +515,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     // What the attention block kernel ran with, where a row used it.
     for line in b.inner().attention_block_plans() {
         println!("attention block: {line}");
-    }
-    // Routing inside the decode graph: the routed step less the same step
-    // with the router launches left out (the next row).
-    if let Some(w) = rows
-        .windows(2)
-        .find(|w| w[0].mode.starts_with("routed (") && w[1].mode == "routed, router skipped")
-    {
-        let diff_ms = w[0].step_ms - w[1].step_ms;
-        println!(
-            "routing in the decode graph: {:.1} us/layer, {:.1}% of the routed step (routed step {:.3} ms - the same step with the router launches left out {:.3} ms, norm folded into the router: {})",
-            diff_ms * 1e3 / n_layer.max(1) as f64,
-            100.0 * diff_ms / w[0].step_ms,
-            w[0].step_ms,
-            w[1].step_ms,
-            if b.inner().fold_route_norm() { "yes" } else { "no" },
-        );
-        if diff_ms < 0.0 {
-            // Seen on the H200: the two steps are separate timed decodes,
-            // and their spread between runs exceeds what the router costs.
-            println!(
-                "  (negative: the router's cost is below this run's timing noise; the \"route us\" column times it alone)"
-            );
-        }
     }
     Ok(())
 }
