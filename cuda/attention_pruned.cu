@@ -21,7 +21,7 @@
 //                      ties by the lower page index);
 //   attend_pages_part_* / attend_pages_combine
 //                      split-K over the selected pages (online softmax per
-//                      split, combined as dense.cu's attend_combine does).
+//                      split, combined as dense.cu's attend_merge does).
 //
 // Row r of a launch is batch row row_base + r (slots, q, out); the scratch
 // (keys, sel, nsel, part) is indexed by the launch's own row r, so a host

@@ -193,15 +193,15 @@ mod device {
             );
             let mut full = dev.upload_f32(&vec![0.0; q.len()]).unwrap();
             let mut pruned = dev.upload_f32(&vec![0.0; q.len()]).unwrap();
-            dev.attend_full(&kv, &dq, &ds, ROWS.len(), N_HEAD, &mut full)
+            dev.attend(&mut kv, &dq, &ds, ROWS.len(), N_HEAD, None, &mut full)
                 .unwrap();
-            dev.attend_pruned(
-                &kv,
+            dev.attend(
+                &mut kv,
                 &dq,
                 &ds,
                 ROWS.len(),
                 N_HEAD,
-                &KvPruning::all_pages(PAGE),
+                Some(&KvPruning::all_pages(PAGE)),
                 &mut pruned,
             )
             .unwrap();
@@ -263,9 +263,9 @@ mod device {
             );
             let mut out = dev.upload_f32(&vec![0.0; q.len()]).unwrap();
             let mut full = dev.upload_f32(&vec![0.0; q.len()]).unwrap();
-            dev.attend_pruned(&kv, &dq, &ds, ROWS.len(), N_HEAD, &cfg, &mut out)
+            dev.attend(&mut kv, &dq, &ds, ROWS.len(), N_HEAD, Some(&cfg), &mut out)
                 .unwrap();
-            dev.attend_full(&kv, &dq, &ds, ROWS.len(), N_HEAD, &mut full)
+            dev.attend(&mut kv, &dq, &ds, ROWS.len(), N_HEAD, None, &mut full)
                 .unwrap();
             let (out, full) = (
                 dev.download_f32(&out).unwrap(),

@@ -27,18 +27,16 @@ use mirage_runtime::backend::{Backend, HostMatrix, SharedBytes, StepInputs, Toke
 use mirage_runtime::CpuBackend;
 use rand::Rng;
 // NVFP4 pages.
-use mirage_cuda::superblock::{nvfp4_page_bytes, Nvfp4Pages};
-use mirage_cuda::{nvfp4_layer_pages, CudaBackend, PageFormat, PrefetchSites, WeightFormat};
+use mirage_cuda::{layer_pages, CudaBackend, CudaOptions, PageFormat, Pages, WeightFormat};
 use mirage_gguf::quant::Nvfp4Tensor;
 use mirage_gguf::{GgufFile, GgufWriter, Metadata, Value};
 use mirage_runtime::kv_cache::KvDtype;
 use mirage_runtime::{Model, RuntimeError};
 // Q2_K pages.
-use mirage_cuda::q2k_layer_pages;
-use mirage_cuda::superblock_q2k::{q2k_page_bytes, quantize_q2k_rows, split_q2k_rows, Q2kPages};
+use mirage_cuda::sparse::pages::{quantize_rows, split_q2k_rows};
 
 mod common;
-use common::{bits_differ, cuda, rng};
+use common::{bits_differ, cuda, cuda_with, rel_err, rng};
 
 const PAGE: usize = 128;
 const D: usize = 256;
@@ -479,7 +477,7 @@ fn routed_ffn_replays_from_a_cuda_graph() {
         // Eager reference.
         let want = run_ffn(&sb, &ffns[1], &[sb_layer0(&sb, &ffns[0], xi)]);
         // Two chained layers inside one recorded step.
-        sb.write_activations(&mut x, 1, D, xi).unwrap();
+        sb.inner().write_activations(&mut x, 1, D, xi).unwrap();
         sb.step(&step, || {
             sb.ffn(&ffns[0], &x, &mut h)?;
             sb.ffn(&ffns[1], &h, &mut y)
@@ -521,14 +519,14 @@ fn residual_add_folds_into_the_sparse_ffn() {
         let step = one_token_step();
         for (xi, ri) in inputs.iter().zip(&residuals) {
             // Op by op: ffn, then add_inplace.
-            sb.write_activations(&mut x, 1, D, xi).unwrap();
-            sb.write_activations(&mut res, 1, D, ri).unwrap();
+            sb.inner().write_activations(&mut x, 1, D, xi).unwrap();
+            sb.inner().write_activations(&mut res, 1, D, ri).unwrap();
             sb.ffn(&ffns[0], &x, &mut h).unwrap();
             sb.add(&mut res, &h).unwrap();
             let mut want = Vec::new();
             sb.read(&res, &mut want).unwrap();
             // Recorded: the add folds into the FFN's last launch.
-            sb.write_activations(&mut res, 1, D, ri).unwrap();
+            sb.inner().write_activations(&mut res, 1, D, ri).unwrap();
             sb.step(&step, || {
                 sb.ffn(&ffns[0], &x, &mut h)?;
                 sb.add(&mut res, &h)
@@ -573,7 +571,7 @@ fn ffn_norm_folds_into_the_router() {
         let step = one_token_step();
         for xi in &inputs {
             // Op by op: rms_norm, then the FFN.
-            sb.write_activations(&mut x, 1, D, xi).unwrap();
+            sb.inner().write_activations(&mut x, 1, D, xi).unwrap();
             sb.rms_norm(&x, &norm_w, 1e-6, &mut xn).unwrap();
             sb.ffn(&ffns[0], &xn, &mut h).unwrap();
             let (mut want, mut want_n) = (Vec::new(), Vec::new());
@@ -581,7 +579,9 @@ fn ffn_norm_folds_into_the_router() {
             sb.read(&xn, &mut want_n).unwrap();
             let want_pages = sb.active_pages(0).unwrap();
             // Recorded: the norm folds into the router.
-            sb.write_activations(&mut xn, 1, D, &vec![0.0; D]).unwrap();
+            sb.inner()
+                .write_activations(&mut xn, 1, D, &vec![0.0; D])
+                .unwrap();
             sb.step(&step, || {
                 sb.rms_norm(&x, &norm_w, 1e-6, &mut xn)?;
                 sb.ffn(&ffns[0], &xn, &mut h)
@@ -640,7 +640,7 @@ fn all_trunk_layers_launch_no_router() {
     for (layer, launches) in [(0usize, 2), (1, 3)] {
         let case = format!("layer {layer}");
         for xi in &xs(20 + layer as u64, 3) {
-            sb.write_activations(&mut x, 1, D, xi).unwrap();
+            sb.inner().write_activations(&mut x, 1, D, xi).unwrap();
             sb.rms_norm(&x, &norm_w, 1e-6, &mut xn).unwrap();
             sb.ffn(&ffns[layer], &xn, &mut h).unwrap();
             let mut want = Vec::new();
@@ -653,7 +653,9 @@ fn all_trunk_layers_launch_no_router() {
                     "{case}: every page"
                 );
             }
-            sb.write_activations(&mut xn, 1, D, &vec![0.0; D]).unwrap();
+            sb.inner()
+                .write_activations(&mut xn, 1, D, &vec![0.0; D])
+                .unwrap();
             sb.step(&step, || {
                 sb.rms_norm(&x, &norm_w, 1e-6, &mut xn)?;
                 sb.ffn(&ffns[layer], &xn, &mut h)
@@ -877,51 +879,6 @@ fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     t
 }
 
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| ((*a - *b) as f64).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
-}
-
-/// Host pages of a format the sparse backend uploads (NVFP4, Q2_K), decoded
-/// by their packer: what the f64 references run on.
-trait DecodedPages {
-    fn d_model(&self) -> usize;
-    fn n_pages(&self) -> usize;
-    /// Gate, up and down_t of page `p`, `128 x d_model` f32 each.
-    fn decode(&self, p: usize) -> [Vec<f32>; 3];
-}
-
-impl DecodedPages for Nvfp4Pages {
-    fn d_model(&self) -> usize {
-        Nvfp4Pages::d_model(self)
-    }
-    fn n_pages(&self) -> usize {
-        Nvfp4Pages::n_pages(self)
-    }
-    fn decode(&self, p: usize) -> [Vec<f32>; 3] {
-        self.dequantize_page(p).unwrap()
-    }
-}
-
-impl DecodedPages for Q2kPages {
-    fn d_model(&self) -> usize {
-        Q2kPages::d_model(self)
-    }
-    fn n_pages(&self) -> usize {
-        Q2kPages::n_pages(self)
-    }
-    fn decode(&self, p: usize) -> [Vec<f32>; 3] {
-        self.dequantize_page(p).unwrap()
-    }
-}
-
 /// f64 FFN of channel `ch` of a decoded page, added into `y`.
 fn add_channel_f64(page: &[Vec<f32>; 3], ch: usize, x: &[f32], y: &mut [f64]) {
     let d = x.len();
@@ -942,13 +899,13 @@ fn add_channel_f64(page: &[Vec<f32>; 3], ch: usize, x: &[f32], y: &mut [f64]) {
 
 /// f64 FFN over the `active` pages (ids past the last page skipped, as the
 /// kernel does) of host pages, on the packer's decode of their bytes.
-fn pages_reference<P: DecodedPages>(p: &P, x: &[f32], active: &[u32]) -> Vec<f32> {
+fn pages_reference(p: &Pages, x: &[f32], active: &[u32]) -> Vec<f32> {
     let mut y = vec![0f64; p.d_model()];
     for &pg in active {
         if pg as usize >= p.n_pages() {
             continue;
         }
-        let page = p.decode(pg as usize);
+        let page = p.dequantize_page(pg as usize).unwrap();
         for c in 0..PAGE {
             add_channel_f64(&page, c, x, &mut y);
         }
@@ -959,9 +916,9 @@ fn pages_reference<P: DecodedPages>(p: &P, x: &[f32], active: &[u32]) -> Vec<f32
 /// The f64 FFN over all of `pages` (an artifact layer's, stored channel `k`
 /// = source channel `perm[k]`, `kept` pages) equals the FFN over those
 /// source channels of `direct` (the same format's unpermuted pages).
-fn assert_permuted_ffn_matches<P: DecodedPages>(
-    pages: &P,
-    direct: &P,
+fn assert_permuted_ffn_matches(
+    pages: &Pages,
+    direct: &Pages,
     perm: &[u32],
     kept: usize,
     layer: usize,
@@ -970,7 +927,7 @@ fn assert_permuted_ffn_matches<P: DecodedPages>(
     let got = pages_reference(pages, x, &(0..kept as u32).collect::<Vec<_>>());
     let mut want = vec![0f64; D];
     for &c in &perm[..kept * PAGE] {
-        let page = direct.decode(c as usize / PAGE);
+        let page = direct.dequantize_page(c as usize / PAGE).unwrap();
         add_channel_f64(&page, c as usize % PAGE, x, &mut want);
     }
     let want: Vec<f32> = want.into_iter().map(|v| v as f32).collect();
@@ -1000,9 +957,9 @@ fn nvfp4_pages_follow_the_artifact_permutation() {
     let (mat, smat) = (PAGE * rc, PAGE * rs);
     for (l, w) in fx.layers.iter().enumerate() {
         let (g, u, d) = w.host();
-        let pages = nvfp4_layer_pages(&src, l, &g, &u, &d).unwrap();
+        let pages = layer_pages(PageFormat::Nvfp4, &src, l, &g, &u, &d).unwrap();
         assert_eq!((pages.d_model(), pages.n_pages()), (D, kept));
-        assert_eq!(pages.bytes().len(), kept * nvfp4_page_bytes(D));
+        assert_eq!(pages.bytes().len(), kept * PageFormat::Nvfp4.page_bytes(D));
         let gt = Nvfp4Tensor::requantize(GgmlType::Q8_0, g.data.as_slice(), &dims).unwrap();
         let ut = Nvfp4Tensor::requantize(GgmlType::Q8_0, u.data.as_slice(), &dims).unwrap();
         let mut down_f = vec![0f32; D * N_FF];
@@ -1035,13 +992,14 @@ fn nvfp4_pages_follow_the_artifact_permutation() {
         }
         // The f64 FFN over all stored pages = the FFN over the kept source
         // channels of the unpermuted pages.
-        let direct = nvfp4_layer_pages(&PageSource::Synthetic, l, &g, &u, &d).unwrap();
+        let direct = layer_pages(PageFormat::Nvfp4, &PageSource::Synthetic, l, &g, &u, &d).unwrap();
         assert_permuted_ffn_matches(&pages, &direct, &perms[l], kept, l);
     }
     // Synthetic: identity order, exactly the packer's pages.
     let (g, u, d) = fx.layers[0].host();
-    let syn = nvfp4_layer_pages(&PageSource::Synthetic, 0, &g, &u, &d).unwrap();
-    let direct = Nvfp4Pages::from_gguf_parts(
+    let syn = layer_pages(PageFormat::Nvfp4, &PageSource::Synthetic, 0, &g, &u, &d).unwrap();
+    let direct = Pages::from_gguf_parts(
+        PageFormat::Nvfp4,
         D,
         N_FF,
         (g.ty, g.data.as_slice()),
@@ -1053,7 +1011,7 @@ fn nvfp4_pages_follow_the_artifact_permutation() {
     assert_eq!(syn.n_pages(), N_PAGES);
     assert!(syn == direct, "synthetic NVFP4 pages != the packer's");
     // A layer the artifact does not have is refused.
-    assert!(nvfp4_layer_pages(&src, N_LAYER, &g, &u, &d).is_err());
+    assert!(layer_pages(PageFormat::Nvfp4, &src, N_LAYER, &g, &u, &d).is_err());
 }
 
 /// The premise of `nvfp4_all_pages_decode_matches_dense_nvfp4`: weights from
@@ -1088,7 +1046,8 @@ fn exact_nvfp4_weights_decode_the_same_both_ways() {
         cols,
         data: SharedBytes::from_vec(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
     };
-    let pages = nvfp4_layer_pages(
+    let pages = layer_pages(
+        PageFormat::Nvfp4,
         &PageSource::Synthetic,
         0,
         &f32_host("gate", N_FF, D, &w.gate),
@@ -1113,7 +1072,7 @@ fn q2k_host(name: &str, rows: usize, cols: usize, values: &[f32]) -> HostMatrix 
         ty: GgmlType::Q2_K,
         rows,
         cols,
-        data: SharedBytes::from_vec(quantize_q2k_rows(values, cols, 2).unwrap()),
+        data: SharedBytes::from_vec(quantize_rows(GgmlType::Q2_K, values, cols, 2).unwrap()),
     }
 }
 
@@ -1125,7 +1084,7 @@ fn q2k_rows_of(m: &HostMatrix) -> Vec<u8> {
     }
     let mut f = vec![0f32; m.rows * m.cols];
     quant::dequantize(m.ty, m.data.as_slice(), &mut f).unwrap();
-    quantize_q2k_rows(&f, m.cols, 2).unwrap()
+    quantize_rows(GgmlType::Q2_K, &f, m.cols, 2).unwrap()
 }
 
 /// Channel `ch`'s row of matrix `m` (gate, up, down_t) in a Q2_K page of
@@ -1162,16 +1121,16 @@ fn q2k_pages_follow_the_artifact_permutation() {
             g = q2k_host("gate", N_FF, D, &w.gate);
             u = q2k_host("up", N_FF, D, &w.up);
         }
-        let pages = q2k_layer_pages(&src, l, &g, &u, &d).unwrap();
+        let pages = layer_pages(PageFormat::Q2K, &src, l, &g, &u, &d).unwrap();
         assert_eq!((pages.d_model(), pages.n_pages()), (D, kept));
-        assert_eq!(pages.bytes().len(), kept * q2k_page_bytes(D));
-        let direct = q2k_layer_pages(&PageSource::Synthetic, l, &g, &u, &d).unwrap();
+        assert_eq!(pages.bytes().len(), kept * PageFormat::Q2K.page_bytes(D));
+        let direct = layer_pages(PageFormat::Q2K, &PageSource::Synthetic, l, &g, &u, &d).unwrap();
         let mut down_f = vec![0f32; D * N_FF];
         quant::dequantize(d.ty, d.data.as_slice(), &mut down_f).unwrap();
         let ggml = [
             q2k_rows_of(&g),
             q2k_rows_of(&u),
-            quantize_q2k_rows(&transpose(&down_f, D, N_FF), D, 2).unwrap(),
+            quantize_rows(GgmlType::Q2_K, &transpose(&down_f, D, N_FF), D, 2).unwrap(),
         ];
         for (k, &c) in perms[l][..kept * PAGE].iter().enumerate() {
             let c = c as usize;
@@ -1192,8 +1151,9 @@ fn q2k_pages_follow_the_artifact_permutation() {
     }
     // Synthetic: identity order, exactly the packer's pages.
     let (g, u, d) = fx.layers[0].host();
-    let syn = q2k_layer_pages(&PageSource::Synthetic, 0, &g, &u, &d).unwrap();
-    let direct = Q2kPages::from_gguf_parts(
+    let syn = layer_pages(PageFormat::Q2K, &PageSource::Synthetic, 0, &g, &u, &d).unwrap();
+    let direct = Pages::from_gguf_parts(
+        PageFormat::Q2K,
         D,
         N_FF,
         (g.ty, g.data.as_slice()),
@@ -1205,7 +1165,7 @@ fn q2k_pages_follow_the_artifact_permutation() {
     assert_eq!(syn.n_pages(), N_PAGES);
     assert!(syn == direct, "synthetic Q2_K pages != the packer's");
     // A layer the artifact does not have is refused.
-    assert!(q2k_layer_pages(&src, N_LAYER, &g, &u, &d).is_err());
+    assert!(layer_pages(PageFormat::Q2K, &src, N_LAYER, &g, &u, &d).is_err());
 }
 
 /// Random Q8_0 FFN matrices `d` wide with one page of channels.
@@ -1219,19 +1179,28 @@ fn narrow_ffn(d: usize) -> (HostMatrix, HostMatrix, HostMatrix) {
     )
 }
 
+/// `e` names width `d` and the Q2_K super-block.
+fn assert_q2k_width_message(e: &dyn std::fmt::Display, d: usize) {
+    let what = e.to_string();
+    assert!(
+        what.contains(&format!("d_model {d} ")) && what.contains("256"),
+        "d_model {d}: {what}"
+    );
+}
+
 /// `e` is the typed error of Q2_K pages refusing width `d`.
 fn assert_q2k_width_error(e: &RuntimeError, d: usize) {
-    match e {
-        RuntimeError::UnsupportedType {
-            ty: GgmlType::Q2_K,
-            what,
-            ..
-        } => assert!(
-            what.contains(&format!("d_model {d} ")) && what.contains("256"),
-            "d_model {d}: {e}"
+    assert!(
+        matches!(
+            e,
+            RuntimeError::UnsupportedType {
+                ty: GgmlType::Q2_K,
+                ..
+            }
         ),
-        other => panic!("d_model {d}: expected the Q2_K width error, got {other}"),
-    }
+        "d_model {d}: expected the Q2_K width error, got {e}"
+    );
+    assert_q2k_width_message(e, d);
 }
 
 /// Q2_K pages need d_model a positive multiple of 256 up to 16384 (the
@@ -1242,7 +1211,7 @@ fn assert_q2k_width_error(e: &RuntimeError, d: usize) {
 #[test]
 fn q2k_pages_refuse_widths_that_are_not_whole_super_blocks() {
     for d in [896, 0, 100, 16384 + 256] {
-        assert_q2k_width_error(&PageFormat::Q2K.check_d_model(d).unwrap_err(), d);
+        assert_q2k_width_message(&PageFormat::Q2K.check_d_model(d).unwrap_err(), d);
     }
     for d in [256, 3584, 16384] {
         PageFormat::Q2K.check_d_model(d).unwrap();
@@ -1251,15 +1220,15 @@ fn q2k_pages_refuse_widths_that_are_not_whole_super_blocks() {
     PageFormat::Nvfp4.check_d_model(896).unwrap();
     assert!(PageFormat::Q8_0.check_d_model(100).is_err());
     let (g, u, d) = narrow_ffn(896);
-    let e = q2k_layer_pages(&PageSource::Synthetic, 0, &g, &u, &d).unwrap_err();
+    let e = layer_pages(PageFormat::Q2K, &PageSource::Synthetic, 0, &g, &u, &d).unwrap_err();
     assert_q2k_width_error(&e, 896);
     eprintln!("896-wide Q2_K pages: {e}");
     // The width is checked before the artifact's shape (which is 256 wide).
     let art = fixture().artifact;
-    let e = q2k_layer_pages(&PageSource::Artifact(art), 0, &g, &u, &d).unwrap_err();
+    let e = layer_pages(PageFormat::Q2K, &PageSource::Artifact(art), 0, &g, &u, &d).unwrap_err();
     assert_q2k_width_error(&e, 896);
     assert_eq!(
-        nvfp4_layer_pages(&PageSource::Synthetic, 0, &g, &u, &d)
+        layer_pages(PageFormat::Nvfp4, &PageSource::Synthetic, 0, &g, &u, &d)
             .unwrap()
             .n_pages(),
         1
@@ -1271,22 +1240,13 @@ fn q2k_pages_refuse_widths_that_are_not_whole_super_blocks() {
     assert_eq!(PageFormat::Q2K.page_bytes(3584), 126 * 3584);
 }
 
-/// Builds one layer's host pages of a format (`nvfp4_layer_pages`,
-/// `q2k_layer_pages`): what the backend uploads for it.
-type LayerPagesFn<P> =
-    fn(&PageSource, usize, &HostMatrix, &HostMatrix, &HostMatrix) -> mirage_runtime::Result<P>;
-
 /// Pages of `format` on the GPU, every page-selecting mode (all, prefix,
 /// fraction, random, routed on the device): the active list is the mode's
 /// (the same as with Q8_0 pages) and the FFN equals the f64 FFN on the
-/// packer's decode of the same pages (`build`'s) over that list (rel err <
+/// packer's decode of the same pages (`layer_pages`) over that list (rel err <
 /// 1e-5), one row and three rows a call. The artifact has a random channel
 /// order and keeps 5 of 6 pages.
-fn modes_match_f64_on_the_dequantized_pages<P: DecodedPages>(
-    gpu: CudaBackend,
-    format: PageFormat,
-    build: LayerPagesFn<P>,
-) {
+fn modes_match_f64_on_the_dequantized_pages(gpu: CudaBackend, format: PageFormat) {
     let fx = fixture();
     let mut r = rng(13);
     let perms: Vec<Vec<u32>> = (0..N_LAYER).map(|_| random_perm(&mut r, N_FF)).collect();
@@ -1300,7 +1260,7 @@ fn modes_match_f64_on_the_dequantized_pages<P: DecodedPages>(
     for (l, w) in fx.layers.iter().enumerate() {
         let (g, u, d) = w.host();
         ffns.push(sb.upload_ffn(l, &g, &u, &d).unwrap());
-        pages.push(build(&src, l, &g, &u, &d).unwrap());
+        pages.push(layer_pages(format, &src, l, &g, &u, &d).unwrap());
     }
     assert_eq!(sb.page_shape(), vec![(kept, format.page_bytes(D)); N_LAYER]);
     assert!(
@@ -1380,7 +1340,7 @@ fn nvfp4_modes_match_f64_on_the_dequantized_pages() {
     let Some(gpu) = cuda("nvfp4_modes_match_f64_on_the_dequantized_pages") else {
         return;
     };
-    modes_match_f64_on_the_dequantized_pages(gpu, PageFormat::Nvfp4, nvfp4_layer_pages);
+    modes_match_f64_on_the_dequantized_pages(gpu, PageFormat::Nvfp4);
 }
 
 /// Q2_K pages (`superblock_ffn_q2k`): see
@@ -1392,7 +1352,7 @@ fn q2k_modes_match_f64_on_the_dequantized_pages() {
     let Some(gpu) = cuda(test) else {
         return;
     };
-    modes_match_f64_on_the_dequantized_pages(gpu, PageFormat::Q2K, q2k_layer_pages);
+    modes_match_f64_on_the_dequantized_pages(gpu, PageFormat::Q2K);
     let gpu = cuda(test).expect("the device is still there");
     let sb = SparseCudaBackend::new(gpu, PageSource::Synthetic, SparsePages::All).unwrap();
     sb.set_page_format(PageFormat::Q2K).unwrap();
@@ -1606,14 +1566,16 @@ fn nvfp4_test_model_decodes_on_the_cpu() {
 /// steps replay a CUDA graph.
 #[test]
 fn nvfp4_all_pages_decode_matches_dense_nvfp4() {
-    let Some(dense_b) = cuda("nvfp4_all_pages_decode_matches_dense_nvfp4") else {
+    let nvfp4 = CudaOptions {
+        weights: WeightFormat::Nvfp4,
+        ..CudaOptions::default()
+    };
+    let Some(dense_b) = cuda_with("nvfp4_all_pages_decode_matches_dense_nvfp4", &nvfp4) else {
         return;
     };
     let (art, file) = nvfp4_model();
-    dense_b.set_weight_format(WeightFormat::Nvfp4);
     let dense = Model::load(file.clone(), dense_b).unwrap();
-    let inner = CudaBackend::new(0).unwrap();
-    inner.set_weight_format(WeightFormat::Nvfp4);
+    let inner = CudaBackend::with_options(0, &nvfp4).unwrap();
     let sb = SparseCudaBackend::new(inner, PageSource::Artifact(art), SparsePages::All).unwrap();
     sb.set_page_format(PageFormat::Nvfp4).unwrap();
     let sparse = Model::load(file, sb).unwrap();
@@ -1621,7 +1583,7 @@ fn nvfp4_all_pages_decode_matches_dense_nvfp4() {
     assert_eq!(b.page_format(), PageFormat::Nvfp4);
     assert_eq!(
         b.page_shape(),
-        vec![(N_PAGES, nvfp4_page_bytes(D)); N_LAYER]
+        vec![(N_PAGES, PageFormat::Nvfp4.page_bytes(D)); N_LAYER]
     );
     let steps = 8;
     let (ld, td) = greedy(&dense, steps, None);
@@ -1642,82 +1604,4 @@ fn nvfp4_all_pages_decode_matches_dense_nvfp4() {
         after.replays - before.replays >= steps as u64 - 2,
         "decode steps did not replay a graph: {before:?} -> {after:?}"
     );
-}
-
-/// 8 greedy steps of the sparse decode over a random half of the pages on
-/// two backends that differ only in `set(inner, false)` / `set(inner,
-/// true)`: the tokens must be equal and the logits the same bits. Returns
-/// the two graphs' launch counts (off, on).
-fn sparse_switch_keeps_bits(label: &str, set: impl Fn(&CudaBackend, bool)) -> (usize, usize) {
-    let (art, file) = nvfp4_model();
-    let load = |on: bool| {
-        let inner = CudaBackend::new(0).unwrap();
-        set(&inner, on);
-        let half = SparsePages::Random {
-            fraction: 0.5,
-            seed: 7,
-        };
-        let sb = SparseCudaBackend::new(inner, PageSource::Artifact(art.clone()), half).unwrap();
-        Model::load(file.clone(), sb).unwrap()
-    };
-    let (off, on) = (load(false), load(true));
-    let steps = 8;
-    let (lf, tf) = greedy(&off, steps, None);
-    let (ln, tn) = greedy(&on, steps, None);
-    let (lf, ln): (Vec<f32>, Vec<f32>) = (lf.concat(), ln.concat());
-    let differ = bits_differ(&lf, &ln);
-    let launches = (
-        off.backend().inner().last_graph_launches(),
-        on.backend().inner().last_graph_launches(),
-    );
-    eprintln!(
-        "sparse decode, {label}: {differ} of {} logits differ, graph launches {} vs {}",
-        lf.len(),
-        launches.0,
-        launches.1
-    );
-    assert_eq!(tf, tn, "{label}: tokens");
-    assert_eq!(differ, 0, "{label}: logits");
-    assert!(launches.0 > 0, "the decode steps were not recorded");
-    launches
-}
-
-/// The cross-op weight prefetch in the sparse backend's decode graph (the
-/// output projection's weights issued during the attention, the next
-/// layer's Q/K/V between the fused FFN's two phases) changes no bit: 8
-/// greedy steps over a random half of the pages with it on equal it off,
-/// logits and tokens, and the graph holds one `l2_prefetch` launch more per
-/// site and layer.
-#[test]
-fn cross_op_prefetch_keeps_the_sparse_decode_bits() {
-    let Some(probe) = cuda("cross_op_prefetch_keeps_the_sparse_decode_bits") else {
-        return;
-    };
-    drop(probe);
-    let (off, on) = sparse_switch_keeps_bits("prefetch on vs off", |b, on| {
-        b.set_cross_prefetch(if on {
-            PrefetchSites::ALL
-        } else {
-            PrefetchSites::NONE
-        })
-    });
-    assert_eq!(on, off + 2 * N_LAYER, "launches per graph");
-}
-
-/// The attention block kernel (`CudaBackend::set_attention_block`: Q/K/V,
-/// the decode attention and O of a layer in one persistent launch, and the
-/// FFN's RMSNorm after them in its last block) inside the sparse backend's
-/// decode graph changes no bit: 8 greedy steps over a random half of the
-/// pages with it on equal it off, logits and tokens, and each layer's four
-/// launches (Q/K/V, attention, O, norm) are one (3 fewer per layer).
-#[test]
-fn attention_block_keeps_the_sparse_decode_bits() {
-    let Some(probe) = cuda("attention_block_keeps_the_sparse_decode_bits") else {
-        return;
-    };
-    drop(probe);
-    let (off, on) = sparse_switch_keeps_bits("attention block on vs off", |b, on| {
-        b.set_attention_block(on)
-    });
-    assert_eq!(on + 3 * N_LAYER, off, "launches per graph");
 }

@@ -4,7 +4,10 @@
 //! the CPU against an f64 reference. The kernels themselves run in
 //! tests/sparse_backend.rs.
 
-use mirage_cuda::superblock::{nvfp4_page_bytes, split_q8_0_page, Nvfp4Pages, PAGE_CHANNELS};
+use mirage_cuda::sparse::pages::{
+    join_q2k_rows, q2k_scale_slot, quantize_rows, split_q2k_rows, PAGE_CHANNELS,
+};
+use mirage_cuda::{PageFormat, Pages};
 use mirage_gguf::quant::nvfp4::{e2m1_to_f32, e4m3_to_f32};
 use mirage_gguf::quant::Nvfp4Tensor;
 use mirage_gguf::{quant, GgmlType};
@@ -41,12 +44,12 @@ fn dequant_q8(bytes: &[u8], n: usize) -> Vec<f32> {
     out
 }
 
-/// One FFN as artifact pages (`pack_page` layout, Q8_0) plus its
-/// dequantized weights: gate and up `[n_ff][d]`, down_t `[n_ff][d]`
-/// (row c = column c of W_down).
+/// One FFN as Q8_0 rows (gate, up, down_t: the matrices an artifact's
+/// pages hold) plus its dequantized weights: gate and up `[n_ff][d]`,
+/// down_t `[n_ff][d]` (row c = column c of W_down).
 struct PagedFfn {
     d: usize,
-    pages: Vec<Vec<u8>>,
+    q8: Vec<Vec<u8>>,
     gate: Vec<f32>,
     up: Vec<f32>,
     down_t: Vec<f32>,
@@ -58,24 +61,12 @@ fn paged_ffn(r: &mut impl Rng, d: usize, n_pages: usize) -> PagedFfn {
     let mats: Vec<Vec<u8>> = (0..3)
         .map(|_| q8_rows(&uniform(r, n_ff * d, 2.0 * s), d))
         .collect();
-    let rb = quant::row_bytes(GgmlType::Q8_0, d).unwrap();
-    let pages = (0..n_pages)
-        .map(|p| {
-            let span = p * PAGE_CHANNELS * rb..(p + 1) * PAGE_CHANNELS * rb;
-            [
-                &mats[0][span.clone()],
-                &mats[1][span.clone()],
-                &mats[2][span],
-            ]
-            .concat()
-        })
-        .collect();
     PagedFfn {
         d,
-        pages,
         gate: dequant_q8(&mats[0], n_ff * d),
         up: dequant_q8(&mats[1], n_ff * d),
         down_t: dequant_q8(&mats[2], n_ff * d),
+        q8: mats,
     }
 }
 
@@ -114,29 +105,54 @@ fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     (num / den.max(1e-300)).sqrt()
 }
 
+/// Q8_0 pages keep every weight of the Q8_0 rows they are packed from, in
+/// the layout cuda/superblock.cu documents: per page the quants of gate,
+/// up and down_t (128 rows of d bytes each), then their f16 block scales.
 #[test]
-fn split_q8_0_page_keeps_every_weight() {
+fn q8_0_pages_keep_every_weight() {
     let mut r = rng(11);
     let d = 96;
     let f = paged_ffn(&mut r, d, 2);
+    let n_ff = 2 * PAGE_CHANNELS;
+    let split: Vec<(Vec<u8>, f32)> =
+        f.q8.iter()
+            .map(|m| {
+                PageFormat::Q8_0
+                    .encode_rows(GgmlType::Q8_0, m, n_ff, d, 2)
+                    .unwrap()
+            })
+            .collect();
+    let pages = Pages::from_split(
+        PageFormat::Q8_0,
+        d,
+        n_ff,
+        [(&split[0].0, 0.0), (&split[1].0, 0.0), (&split[2].0, 0.0)],
+    )
+    .unwrap();
     let q = PAGE_CHANNELS * d;
     let s = PAGE_CHANNELS * d / 32 * 2;
-    for (p, page) in f.pages.iter().enumerate() {
-        let split = split_q8_0_page(page, d).unwrap();
-        assert_eq!(split.len(), page.len());
+    assert_eq!(PageFormat::Q8_0.page_bytes(d), 3 * (q + s));
+    for p in 0..pages.n_pages() {
+        let page = pages.page(p);
         for (k, m) in [&f.gate, &f.up, &f.down_t].into_iter().enumerate() {
             for i in 0..q {
-                let quant = split[k * q + i] as i8 as f32;
-                let b = i / 32;
-                let at = 3 * q + k * s + 2 * b;
-                let scale = half::f16::from_le_bytes([split[at], split[at + 1]]).to_f32();
-                let want = m[p * q + i];
-                assert_eq!(quant * scale, want, "page {p} matrix {k} weight {i}");
+                let quant = page[k * q + i] as i8 as f32;
+                let at = 3 * q + k * s + 2 * (i / 32);
+                let scale = half::f16::from_le_bytes([page[at], page[at + 1]]).to_f32();
+                assert_eq!(
+                    quant * scale,
+                    m[p * q + i],
+                    "page {p} matrix {k} weight {i}"
+                );
             }
         }
     }
-    assert!(split_q8_0_page(&f.pages[0][1..], d).is_err());
-    assert!(split_q8_0_page(&f.pages[0], d + 32).is_err());
+    assert!(PageFormat::Q8_0
+        .encode_rows(GgmlType::Q8_0, &f.q8[0][1..], n_ff, d, 2)
+        .is_err());
+    assert!(PageFormat::Q8_0
+        .encode_rows(GgmlType::Q8_0, &f.q8[0], n_ff, d + 32, 2)
+        .is_err());
 }
 
 /// `n` values in (-1, 1) * scale, each 16-element block further scaled by
@@ -184,7 +200,8 @@ fn nvfp4_pages_dequantize_to_the_codecs_rows() {
     let gate_q8 = q8_rows(&gate, d);
     let down_q8 = q8_rows(&down, n_ff);
     let up_bytes: Vec<u8> = up.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let pages = Nvfp4Pages::from_gguf_parts(
+    let pages = Pages::from_gguf_parts(
+        PageFormat::Nvfp4,
         d,
         n_ff,
         (GgmlType::Q8_0, &gate_q8),
@@ -194,8 +211,8 @@ fn nvfp4_pages_dequantize_to_the_codecs_rows() {
     )
     .unwrap();
     assert_eq!(pages.n_pages(), 3);
-    assert_eq!(pages.bytes().len(), 3 * nvfp4_page_bytes(d));
-    assert_eq!(nvfp4_page_bytes(d), 216 * d);
+    assert_eq!(pages.bytes().len(), 3 * PageFormat::Nvfp4.page_bytes(d));
+    assert_eq!(PageFormat::Nvfp4.page_bytes(d), 216 * d);
 
     // What the codec gives for the same matrices: gate and up requantized
     // as they are, down dequantized, transposed and quantized.
@@ -238,8 +255,8 @@ fn nvfp4_pages_dequantize_to_the_codecs_rows() {
         }
     }
     // From f32: the same as quantizing the three matrices with the codec.
-    let from_f32 = Nvfp4Pages::from_f32(d, &gate, &up, &down_t).unwrap();
-    let again = Nvfp4Pages::from_tensors(
+    let from_f32 = Pages::from_f32(PageFormat::Nvfp4, d, &gate, &up, &down_t).unwrap();
+    let again = Pages::from_nvfp4(
         &Nvfp4Tensor::quantize(&gate, &dims).unwrap(),
         &Nvfp4Tensor::quantize(&up, &dims).unwrap(),
         &Nvfp4Tensor::quantize(&down_t, &dims).unwrap(),
@@ -248,8 +265,8 @@ fn nvfp4_pages_dequantize_to_the_codecs_rows() {
     assert_eq!(from_f32, again);
     // Row lengths the kernel cannot take, and mismatched shapes.
     let g48 = blocky(&mut r, 128 * 48, 1.0);
-    assert!(Nvfp4Pages::from_f32(48, &g48, &g48, &g48).is_err());
-    assert!(Nvfp4Pages::from_f32(d, &gate, &up, &down_t[d..]).is_err());
+    assert!(Pages::from_f32(PageFormat::Nvfp4, 48, &g48, &g48, &g48).is_err());
+    assert!(Pages::from_f32(PageFormat::Nvfp4, d, &gate, &up, &down_t[d..]).is_err());
 }
 
 // ---------------------------------------------------------------------------
@@ -301,9 +318,6 @@ fn dequant(ty: GgmlType, bytes: &[u8], n: usize) -> Vec<f32> {
 
 #[test]
 fn q2k_pages_dequantize_to_ggml_rows() {
-    use mirage_cuda::superblock_q2k::{
-        join_q2k_rows, q2k_page_bytes, q2k_scale_slot, quantize_q2k_rows, split_q2k_rows, Q2kPages,
-    };
     let mut r = rng(71);
     // n_ff not a multiple of 128 (the last page is padded), a multiple of
     // 32 so W_down can be Q8_0.
@@ -312,10 +326,11 @@ fn q2k_pages_dequantize_to_ggml_rows() {
     let gate = blocky(&mut r, n_ff * d, s);
     let up = blocky(&mut r, n_ff * d, s);
     let down = blocky(&mut r, d * n_ff, s); // W_down: d rows of n_ff
-    let gate_q2k = quantize_q2k_rows(&gate, d, 3).unwrap();
+    let gate_q2k = quantize_rows(GgmlType::Q2_K, &gate, d, 3).unwrap();
     let up_bytes: Vec<u8> = up.iter().flat_map(|v| v.to_le_bytes()).collect();
     let down_q8 = q8_rows(&down, n_ff);
-    let pages = Q2kPages::from_gguf_parts(
+    let pages = Pages::from_gguf_parts(
+        PageFormat::Q2K,
         d,
         n_ff,
         (GgmlType::Q2_K, &gate_q2k),
@@ -325,8 +340,8 @@ fn q2k_pages_dequantize_to_ggml_rows() {
     )
     .unwrap();
     assert_eq!(pages.n_pages(), 3);
-    assert_eq!(q2k_page_bytes(d), 126 * d);
-    assert_eq!(pages.bytes().len(), 3 * q2k_page_bytes(d));
+    assert_eq!(PageFormat::Q2K.page_bytes(d), 126 * d);
+    assert_eq!(pages.bytes().len(), 3 * PageFormat::Q2K.page_bytes(d));
 
     // mirage-gguf's own Q2_K: gate verbatim, up quantized in one call, down
     // dequantized, transposed and quantized.
@@ -362,9 +377,13 @@ fn q2k_pages_dequantize_to_ggml_rows() {
         }
     }
     // From f32: the same as packing mirage-gguf's Q2_K rows.
-    let from_f32 = Q2kPages::from_f32(d, &gate, &up, &down_t).unwrap();
-    let again =
-        Q2kPages::from_q2k_rows(d, n_ff, &gate_q2k, &one_call(&up), &one_call(&down_t)).unwrap();
+    let from_f32 = Pages::from_f32(PageFormat::Q2K, d, &gate, &up, &down_t).unwrap();
+    let q2k_pages = |g: &[u8], u: &[u8], dt: &[u8]| {
+        let [g, u, dt] = [g, u, dt].map(|m| split_q2k_rows(m, m.len() / (d / 256 * 84), d));
+        let (g, u, dt) = (g?, u?, dt?);
+        Pages::from_split(PageFormat::Q2K, d, n_ff, [(&g, 0.0), (&u, 0.0), (&dt, 0.0)])
+    };
+    let again = q2k_pages(&gate_q2k, &one_call(&up), &one_call(&down_t)).unwrap();
     assert_eq!(from_f32, again);
     // The scale permutation is one, and split/join are inverses.
     let mut slots: Vec<usize> = (0..16).map(q2k_scale_slot).collect();
@@ -374,24 +393,20 @@ fn q2k_pages_dequantize_to_ggml_rows() {
     assert_eq!(join_q2k_rows(&split, n_ff, d).unwrap(), gate_q2k);
     // Widths the kernel cannot take, and mismatched shapes.
     let g384 = blocky(&mut r, 128 * 384, 1.0);
-    assert!(Q2kPages::from_f32(384, &g384, &g384, &g384).is_err());
-    assert!(Q2kPages::from_f32(d, &gate, &up, &down_t[d..]).is_err());
-    assert!(Q2kPages::from_q2k_rows(d, n_ff, &gate_q2k[1..], &gate_q2k, &gate_q2k).is_err());
+    assert!(Pages::from_f32(PageFormat::Q2K, 384, &g384, &g384, &g384).is_err());
+    assert!(Pages::from_f32(PageFormat::Q2K, d, &gate, &up, &down_t[d..]).is_err());
+    assert!(q2k_pages(&gate_q2k[84..], &gate_q2k, &gate_q2k).is_err());
 }
 
 /// Q2_K pages of random weights (`n_ff` rows, the last page padded) and
 /// their dequantized weights as a [`PagedFfn`] for [`reference_ffn`].
-fn q2k_ffn(
-    r: &mut impl Rng,
-    d: usize,
-    n_ff: usize,
-) -> (mirage_cuda::superblock_q2k::Q2kPages, PagedFfn) {
+fn q2k_ffn(r: &mut impl Rng, d: usize, n_ff: usize) -> (Pages, PagedFfn) {
     let s = 1.0 / (d as f32).sqrt();
     let m: Vec<Vec<f32>> = (0..3).map(|_| blocky(r, n_ff * d, 2.0 * s)).collect();
-    let pages = mirage_cuda::superblock_q2k::Q2kPages::from_f32(d, &m[0], &m[1], &m[2]).unwrap();
+    let pages = Pages::from_f32(PageFormat::Q2K, d, &m[0], &m[1], &m[2]).unwrap();
     let mut f = PagedFfn {
         d,
-        pages: Vec::new(),
+        q8: Vec::new(),
         gate: Vec::new(),
         up: Vec::new(),
         down_t: Vec::new(),
