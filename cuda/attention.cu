@@ -166,6 +166,44 @@ __device__ __forceinline__ void att_load_values(const KV* V, int t0, int jb, int
     for (int u = 0; u < ATT_VB; u++) vx[u] = jb + u * groups < cnt ? kv_widen(raw[u]) : 0.f;
 }
 
+// The online softmax's step to a tile whose running max is nm: its cnt
+// scores in sc become exp(s - nm) and the running max m, weight sum l and V
+// sum acc are rescaled by exp(m - nm) (0 on the first tile, m = -inf).
+// Every thread of the block calls it, after reading the raw scores.
+__device__ __forceinline__ void att_rescale(float* sc, int cnt, float nm, float& m, float& l, float& acc) {
+    const float f = expf(m - nm);
+    __syncthreads();  // every thread has read the raw scores
+    if (threadIdx.x < cnt) sc[threadIdx.x] = expf(sc[threadIdx.x] - nm);
+    __syncthreads();
+    acc *= f;
+    l *= f;
+    m = nm;
+}
+
+// The end of a split's attention: group g's V sum `acc` (element d) and
+// weight sum `l` added over the groups, in group order, into the split's
+// partial P = (m, l, V sum[head_dim]). red: groups * head_dim floats and
+// lred: groups floats of shared memory; every thread of the block calls it.
+__device__ __forceinline__ void att_store_partial(float acc, float l, float m, int g, int groups, int d,
+                                                  int head_dim, float* red, float* lred, float* P) {
+    if (g < groups) {
+        red[g * head_dim + d] = acc;
+        if (d == 0) lred[g] = l;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
+        float a = 0.f;
+        for (int k = 0; k < groups; k++) a += red[k * head_dim + e];
+        P[2 + e] = a;
+    }
+    if (threadIdx.x == 0) {
+        float ls = 0.f;
+        for (int k = 0; k < groups; k++) ls += lred[k];
+        P[0] = m;
+        P[1] = ls;
+    }
+}
+
 // attend_part_with: the same, with the query head staged by load_q(qs) (a
 // copy from q, or attend_rope's rotated copy) and, when psub >= 0, the key
 // and value of position psub taken from ksub / vsub (shared memory, as the
@@ -227,14 +265,7 @@ __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const 
         float tm = -MIRAGE_INF;
         for (int jj = lane; jj < cnt; jj += 32) tm = fmaxf(tm, sc[jj]);
         tm = warp_max(tm);
-        float nm = fmaxf(m, tm);
-        float f = expf(m - nm);  // 0 on the first tile (m = -inf)
-        __syncthreads();         // every thread has read the raw scores
-        if (threadIdx.x < cnt) sc[threadIdx.x] = expf(sc[threadIdx.x] - nm);
-        __syncthreads();
-        acc *= f;
-        l *= f;
-        m = nm;
+        att_rescale(sc, cnt, fmaxf(m, tm), m, l, acc);
         if (g < groups) {
             // Keys g, g + groups, ... in batches of ATT_VB loads (as the
             // scores above; same order of the sums).
@@ -257,23 +288,8 @@ __device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const 
         }
         __syncthreads();  // before the next tile overwrites sc
     }
-    if (g < groups) {
-        red[g * head_dim + d] = acc;
-        if (d == 0) lred[g] = l;
-    }
-    __syncthreads();
-    float* P = part + (((long)row * n_head + head) * n_split + split) * (head_dim + 2);
-    for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
-        float a = 0.f;
-        for (int k = 0; k < groups; k++) a += red[k * head_dim + e];
-        P[2 + e] = a;
-    }
-    if (threadIdx.x == 0) {
-        float ls = 0.f;
-        for (int k = 0; k < groups; k++) ls += lred[k];
-        P[0] = m;
-        P[1] = ls;
-    }
+    att_store_partial(acc, l, m, g, groups, d, head_dim, red, lred,
+                      part + (((long)row * n_head + head) * n_split + split) * (head_dim + 2));
 }
 
 template <typename KV>

@@ -270,34 +270,34 @@ template <> __device__ __forceinline__ void dequant_unit<TY_Q6_K>(const u8* row,
     }
 }
 
+// Row `row` of type T dequantized by the block's threads (unit u by
+// thread u mod blockDim.x): store(i, w) gets element i.
+template <int T, class Store>
+__device__ __forceinline__ void dequant_row(const u8* row, int cols, Store store) {
+    for (int u = threadIdx.x; u < (cols >> 5); u += blockDim.x) {
+        float w[32];
+        dequant_unit<T>(row, u, w);
+#pragma unroll
+        for (int i = 0; i < 32; i++) store(u * 32 + i, w[i]);
+    }
+}
+
 // out[i, :] = dequant(table[tokens[i], :]); grid (n_tokens), block 32 * k.
 template <int T>
 __device__ void embed(const u8* __restrict__ table, long row_bytes, int n_rows, int cols, const u32* __restrict__ tokens,
                       float* __restrict__ out) {
     u32 t = tokens[blockIdx.x];
     if (t >= (u32)n_rows) return;  // checked on the host
-    const u8* row = table + (long)t * row_bytes;
     float* o = out + (long)blockIdx.x * cols;
-    for (int u = threadIdx.x; u < (cols >> 5); u += blockDim.x) {
-        float w[32];
-        dequant_unit<T>(row, u, w);
-#pragma unroll
-        for (int i = 0; i < 32; i++) o[u * 32 + i] = w[i];
-    }
+    dequant_row<T>(table + (long)t * row_bytes, cols, [&](int i, float w) { o[i] = w; });
 }
 
 // wh[r - r0, :] = f16(dequant(W[r, :])) for r in [r0, r0 + gridDim.x): the
 // weight tile a tensor-core GEMM multiplies. Block 128.
 template <int T>
 __device__ void dequant_f16(const u8* __restrict__ W, long row_bytes, int cols, int r0, u16* __restrict__ wh) {
-    const u8* row = W + (long)(r0 + blockIdx.x) * row_bytes;
     u16* o = wh + (long)blockIdx.x * cols;
-    for (int u = threadIdx.x; u < (cols >> 5); u += blockDim.x) {
-        float w[32];
-        dequant_unit<T>(row, u, w);
-#pragma unroll
-        for (int i = 0; i < 32; i++) o[u * 32 + i] = f2h(w[i]);
-    }
+    dequant_row<T>(W + (long)(r0 + blockIdx.x) * row_bytes, cols, [&](int i, float w) { o[i] = f2h(w); });
 }
 
 // The ggml-layout kernels of every type: embedding rows, GEMM weight tiles.

@@ -1,5 +1,5 @@
 // MIRAGE CUDA kernels: the RMSNorm of one row, shared by the dense module
-// (dense.cu) and the sparse one (superblock.cu); self-contained (its own
+// (elementwise.cu) and the sparse one (superblock.cu); self-contained (its own
 // reductions), included right after pdl.cu in both.
 
 __device__ __forceinline__ float norm_warp_sum(float v) {
@@ -23,7 +23,7 @@ __device__ __forceinline__ float norm_block_sum(float v, float* shared32) {
 // RMSNorm of one row xr[0..cols) with weights w by every thread of the
 // block (a block-wide reduction: all threads must call it); emit(i, v) gets
 // each output element once. The one definition of the norm's arithmetic,
-// shared by dense.cu's `rms_norm` kernel, its prologue that folds the norm
+// shared by elementwise.cu's `rms_norm` kernel, its prologue that folds the norm
 // into a mat-vec (norm_prologue) and the sparse FFN's phase 1 with the norm
 // folded in (superblock.cu), so all of them give the same bits at the same
 // block size.

@@ -177,6 +177,19 @@ __device__ __forceinline__ void sb_finish_item(float (*red)[128], int* last_flag
         const sb_u32 *__restrict__ active, const int *__restrict__ n_active, int max_active, int accumulate, \
         float *hbuf, float *partials, sb_u32 *counters, float *y, int phases
 
+// The start of the NVFP4 and Q2_K kernels: the dynamic shared x tile XS,
+// the reduction tile and the last-block flag of phase 2, the active count
+// (clamped to the list's capacity) and its channels, this thread's warp and
+// lane.
+#define SB_PROLOGUE(XS)                                                                                    \
+    PDL_ENTRY();                                                                                           \
+    extern __shared__ float4 XS[];                                                                         \
+    __shared__ float red[SB_WARPS][128];                                                                   \
+    __shared__ int last_flag;                                                                              \
+    const int n_act = max(min(*n_active, max_active), 0);                                                  \
+    const int n_ch = n_act * SB_PAGE_CH;                                                                   \
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
 __device__ __forceinline__ float sb_q8_dot4(sb_u32 w, float4 xv) {
     float f[4];
     sb_q8x4(w, f);
@@ -510,13 +523,7 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS, 2)
                          float ts_up, float ts_down, const float* __restrict__ x, const sb_u32* __restrict__ active,
                          const int* __restrict__ n_active, int max_active, int accumulate, float* hbuf,
                          float* partials, sb_u32* counters, float* y, int phases) {
-    PDL_ENTRY();
-    extern __shared__ float4 nvsb_xs[];
-    __shared__ float red[SB_WARPS][128];
-    __shared__ int last_flag;
-    const int n_act = max(min(*n_active, max_active), 0);
-    const int n_ch = n_act * SB_PAGE_CH;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    SB_PROLOGUE(nvsb_xs)
     const int G = d >> 5;                           // 32-element groups per row
     const long mat = (long)SB_PAGE_CH * (d >> 1);   // packed bytes of one matrix in a page
     const long smat = (long)SB_PAGE_CH * (d >> 4);  // scale bytes of one matrix

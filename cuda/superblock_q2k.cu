@@ -172,18 +172,8 @@ __device__ __forceinline__ void q2_down_pair(sb_u32 w0, sb_u32 w1, float sf, flo
 
 // At most 128 registers (2 blocks of 256 threads per SM): ptxas takes 128
 // with the unroll factors above anyway.
-extern "C" __global__ void __launch_bounds__(SB_THREADS, 2)
-    superblock_ffn_q2k(const sb_u8* __restrict__ pages, long page_bytes, int n_pages, int d,
-                       const float* __restrict__ x, const sb_u32* __restrict__ active,
-                       const int* __restrict__ n_active, int max_active, int accumulate, float* hbuf,
-                       float* partials, sb_u32* counters, float* y, int phases) {
-    PDL_ENTRY();
-    extern __shared__ float4 q2_xs[];
-    __shared__ float red[SB_WARPS][128];
-    __shared__ int last_flag;
-    const int n_act = max(min(*n_active, max_active), 0);
-    const int n_ch = n_act * SB_PAGE_CH;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+extern "C" __global__ void __launch_bounds__(SB_THREADS, 2) superblock_ffn_q2k(SB_Q8S_PARAMS) {
+    SB_PROLOGUE(q2_xs)
     const int Q = d >> 6;                            // quarters (64 weights) per row
     const long mat = (long)SB_PAGE_CH * (d >> 2);    // quant bytes of one matrix in a page
     const long smat = (long)SB_PAGE_CH * (d >> 4);   // scale bytes of one matrix

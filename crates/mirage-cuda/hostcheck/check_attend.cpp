@@ -67,14 +67,7 @@ __device__ void attend_part_plain(const float* __restrict__ q, const KV* __restr
         __syncthreads();
         float tm = -MIRAGE_INF;
         for (int jj = 0; jj < cnt; jj++) tm = fmaxf(tm, sc[jj]);
-        float nm = fmaxf(m, tm);
-        float f = expf(m - nm);  // 0 on the first tile (m = -inf)
-        __syncthreads();         // every thread has read the raw scores
-        if (threadIdx.x < cnt) sc[threadIdx.x] = expf(sc[threadIdx.x] - nm);
-        __syncthreads();
-        acc *= f;
-        l *= f;
-        m = nm;
+        att_rescale(sc, cnt, fmaxf(m, tm), m, l, acc);
         if (g < groups) {
             for (int jj = g; jj < cnt; jj += groups) {
                 float p = sc[jj];
@@ -84,23 +77,8 @@ __device__ void attend_part_plain(const float* __restrict__ q, const KV* __restr
         }
         __syncthreads();  // before the next tile overwrites sc
     }
-    if (g < groups) {
-        red[g * head_dim + d] = acc;
-        if (d == 0) lred[g] = l;
-    }
-    __syncthreads();
-    float* P = part + (((long)row * n_head + head) * n_split + split) * (head_dim + 2);
-    for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
-        float a = 0.f;
-        for (int k = 0; k < groups; k++) a += red[k * head_dim + e];
-        P[2 + e] = a;
-    }
-    if (threadIdx.x == 0) {
-        float ls = 0.f;
-        for (int k = 0; k < groups; k++) ls += lred[k];
-        P[0] = m;
-        P[1] = ls;
-    }
+    att_store_partial(acc, l, m, g, groups, d, head_dim, red, lred,
+                      part + (((long)row * n_head + head) * n_split + split) * (head_dim + 2));
 }
 
 // Runs every block of the grid (rows, n_head, n_split) of f, 256 threads.

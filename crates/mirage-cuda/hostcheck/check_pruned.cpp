@@ -42,6 +42,7 @@ inline float kv_load(const u16* p, long i) {
     return s ? -v : v;
 }
 
+#include "att_partial_extract.h"
 #include "attention_pruned.cu"
 
 // Runs `f` over the grid, one block at a time, `threads` threads each.

@@ -75,7 +75,11 @@ norm = ["#define NORM_VEC", "float norm_warp_sum(", "float norm_block_sum(", "vo
     "#define ATT_MIN_KEYS", "int att_chunk(", "void kv_store(float*", "void kv_store(u16*",
     "float kv_round(const float*", "float kv_round(const u16*", "void rope_angle(", "void rope_turn(",
     "void rope_rotate(", "void rope_store(", "void att_load_keys(", "void att_load_values(",
-    "void attend_part_with(", "void attend_part(", "void attend_rope_part("))
+    "void att_rescale(", "void att_store_partial(", "void attend_part_with(", "void attend_part(", "void attend_rope_part("))
+
+# The attention's partial store, for the pruned attention (check_pruned.cpp
+# includes attention_pruned.cu whole).
+(out / "att_partial_extract.h").write_text(cut("void att_rescale(", "void att_store_partial("))
 
 # Phase 1 of the fused Q8_0 FFN (superblock.cu) with the helpers it calls.
 (out / "ffn_p1_extract.h").write_text(cut(

@@ -101,6 +101,18 @@ pub(crate) struct CacheAttention {
 }
 
 impl CacheAttention {
+    /// The query, the layer's K and V caches and the token slots: the
+    /// first arguments of every attention kernel over the cache.
+    fn cache_args(&self) -> Vec<Arg> {
+        vec![
+            Arg::Ptr(self.q),
+            Arg::Ptr(self.kc),
+            Arg::Ptr(self.vc),
+            Arg::Ptr(self.slots),
+        ]
+    }
+
+    /// Heads, KV heads, head size and cache positions.
     fn heads(&self) -> [Arg; 4] {
         [
             Arg::I32(self.n_head as i32),
@@ -431,19 +443,15 @@ impl CudaBackend {
                 &format!("attend_prefill_{kv}"),
                 (n.div_ceil(PREFILL_ROWS) as u32, p.n_head as u32, 1),
                 (PREFILL_THREADS, 1, 1),
-                vec![
-                    Arg::Ptr(pq),
-                    Arg::Ptr(pkc),
-                    Arg::Ptr(pvc),
-                    Arg::Ptr(pslots),
-                    Arg::I32(n as i32),
-                    Arg::I32(nh),
-                    Arg::I32(nkv),
-                    Arg::I32(hdi),
-                    Arg::I32(n_ctx),
-                    Arg::F32(scale),
-                    Arg::Ptr(po),
-                ],
+                [
+                    at.cache_args(),
+                    vec![Arg::I32(n as i32)],
+                    at.heads().to_vec(),
+                ]
+                .concat()
+                .into_iter()
+                .chain([Arg::F32(scale), Arg::Ptr(po)])
+                .collect(),
             )?;
         } else if pruned != Some(false) {
             let rope = rope_in_attention.then_some(RopeIn {
@@ -492,12 +500,7 @@ impl CudaBackend {
                 self.grow_scratch(&mut s.attn_count, n * at.n_head)?,
             )
         };
-        let mut args = vec![
-            Arg::Ptr(at.q),
-            Arg::Ptr(at.kc),
-            Arg::Ptr(at.vc),
-            Arg::Ptr(at.slots),
-        ];
+        let mut args = at.cache_args();
         args.extend(at.heads());
         args.extend([
             Arg::I32(chunk as i32),
@@ -641,11 +644,10 @@ impl CudaBackend {
         };
         let clamp = |x: usize| x.min(i32::MAX as usize) as i32;
         let (pmin, pmax) = (self.ptr(&pages.kmin[layer]), self.ptr(&pages.kmax[layer]));
-        let (nh, nkv, hdi, n_ctx, page, maxp) = (
+        let (nh, nkv, hdi, page, maxp) = (
             at.n_head as i32,
             at.n_head_kv as i32,
             hd as i32,
-            at.n_ctx as i32,
             cfg.page.min(at.n_ctx) as i32,
             max_pages as i32,
         );
@@ -704,17 +706,14 @@ impl CudaBackend {
             &format!("attend_pages_part_{kv}"),
             (rows as u32, at.n_head as u32, n_split as u32),
             (ATTEND_THREADS, 1, 1),
-            vec![
-                Arg::Ptr(at.q),
-                Arg::Ptr(at.kc),
-                Arg::Ptr(at.vc),
-                Arg::Ptr(at.slots),
-                Arg::Ptr(psel),
-                Arg::Ptr(pnsel),
-                Arg::I32(nh),
-                Arg::I32(nkv),
-                Arg::I32(hdi),
-                Arg::I32(n_ctx),
+            [
+                at.cache_args(),
+                vec![Arg::Ptr(psel), Arg::Ptr(pnsel)],
+                at.heads().to_vec(),
+            ]
+            .concat()
+            .into_iter()
+            .chain([
                 Arg::I32(page),
                 Arg::I32(max_sel as i32),
                 Arg::I32(od),
@@ -722,7 +721,8 @@ impl CudaBackend {
                 Arg::I32(rb),
                 Arg::F32(1.0 / (hd as f32).sqrt()),
                 Arg::Ptr(ppart),
-            ],
+            ])
+            .collect(),
         )?;
         self.plain(
             "attend_pages_combine",

@@ -113,6 +113,27 @@ fn three_and_one(
     ]
 }
 
+/// The f64 FFN `down (silu(gate x) * (up x))` of `n_act` rows of `x`
+/// (`d` wide; gate and up `ff x d`, down `d x ff`).
+fn ffn_reference(
+    [g, u, dn]: [&[f32]; 3],
+    x: &[f32],
+    d: usize,
+    ff: usize,
+    n_act: usize,
+) -> Vec<f32> {
+    let (hg, hu) = (
+        matvec_reference(g, x, ff, d, n_act),
+        matvec_reference(u, x, ff, d, n_act),
+    );
+    let h: Vec<f32> = hg
+        .iter()
+        .zip(&hu)
+        .map(|(&a, &b)| (a as f64 / (1.0 + (-a as f64).exp()) * b as f64) as f32)
+        .collect();
+    matvec_reference(dn, &h, d, ff, n_act)
+}
+
 /// Q, K, V as one launch equal three separate mat-vecs and the f64
 /// reference, for sets of one layout and mixed sets (which run per layout).
 #[test]
@@ -173,16 +194,7 @@ fn fused_ffn_matches_f64() {
             let dx = gpu.upload_activations(n_act, d, &x).unwrap();
             let mut y = gpu.new_activations();
             gpu.ffn(&f, &dx, &mut y).unwrap();
-            let (hg, hu) = (
-                matvec_reference(&wg, &x, ff, d, n_act),
-                matvec_reference(&wu, &x, ff, d, n_act),
-            );
-            let h: Vec<f32> = hg
-                .iter()
-                .zip(&hu)
-                .map(|(&a, &b)| (a as f64 / (1.0 + (-a as f64).exp()) * b as f64) as f32)
-                .collect();
-            let want = matvec_reference(&wd, &h, d, ff, n_act);
+            let want = ffn_reference([&wg, &wu, &wd], &x, d, ff, n_act);
             let e = rel_err(&read(&gpu, &y), &want);
             eprintln!("ffn {tg}/{td} n_act {n_act}: vs f64 rel err {e:.2e}");
             assert!(e < 1e-5, "ffn {tg}/{td} n_act {n_act}: rel err {e}");
@@ -271,18 +283,10 @@ fn nvfp4_matvec_ffn_embed_gemm_match_cpu_codec() {
     let dx = gpu.upload_activations(2, d, &x).unwrap();
     let mut y = gpu.new_activations();
     gpu.ffn(&f, &dx, &mut y).unwrap();
-    let (hg, hu) = (
-        matvec_reference(&nvfp4(&mats[0]), &x, ff, d, 2),
-        matvec_reference(&nvfp4(&mats[1]), &x, ff, d, 2),
-    );
-    let h: Vec<f32> = hg
-        .iter()
-        .zip(&hu)
-        .map(|(&a, &b)| (a as f64 / (1.0 + (-a as f64).exp()) * b as f64) as f32)
-        .collect();
+    let w = [nvfp4(&mats[0]), nvfp4(&mats[1]), nvfp4(&mats[2])];
     let e = rel_err(
         &read(&gpu, &y),
-        &matvec_reference(&nvfp4(&mats[2]), &h, d, ff, 2),
+        &ffn_reference([&w[0], &w[1], &w[2]], &x, d, ff, 2),
     );
     assert!(e < 1e-5, "nvfp4 ffn vs f64 rel err {e}");
     // The GEMM prefill on the repacked layouts against the mat-vec.

@@ -16,8 +16,8 @@ use mirage_runtime::{CpuBackend, Model};
 
 mod common;
 use common::{
-    cosine, cuda, cuda_with, dequantized, randn, rel_err, require_cuda_tests, rng, worst_cosine,
-    Tiny,
+    cosine, cuda, cuda_with, dequantized, matvec_reference, randn, rel_err, require_cuda_tests,
+    rng, worst_cosine, Tiny,
 };
 
 /// A matrix of the kernel tests.
@@ -43,21 +43,13 @@ fn tiny_model() -> Arc<GgufFile> {
     .build(21)
 }
 
-const TYPES: &[GgmlType] = &[
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-];
+/// Every weight type of the file format (all of ggml's but the activation
+/// types Q8_1 and Q8_K).
+fn types() -> impl Iterator<Item = GgmlType> {
+    GgmlType::ALL
+        .into_iter()
+        .filter(|t| !matches!(t, GgmlType::Q8_1 | GgmlType::Q8_K))
+}
 
 #[test]
 fn matvec_and_embed_every_type_match_f64_reference() {
@@ -68,20 +60,12 @@ fn matvec_and_embed_every_type_match_f64_reference() {
     // 1280 columns: five K-quant super-blocks, forty legacy blocks; 77 rows
     // leaves a partly filled last thread block.
     let (rows, cols, n_act) = (77usize, 1280usize, 3usize);
-    for &ty in TYPES {
+    for ty in types() {
         let values = randn(&mut r, rows * cols);
         let hm = host_matrix(ty, rows, cols, &values);
         let w = dequantized(&hm);
         let x = randn(&mut r, n_act * cols);
-        let mut want = vec![0.0f32; n_act * rows];
-        for a in 0..n_act {
-            for o in 0..rows {
-                let s: f64 = (0..cols)
-                    .map(|i| w[o * cols + i] as f64 * x[a * cols + i] as f64)
-                    .sum();
-                want[a * rows + o] = s as f32;
-            }
-        }
+        let want = matvec_reference(&w, &x, rows, cols, n_act);
         let dm = gpu.upload_matrix(&hm).unwrap();
         let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
         let mut dy = gpu.new_activations();
@@ -232,37 +216,66 @@ fn attention_prefill_then_decode_matches_cpu() {
         ];
         for slots in &steps {
             let n = slots.len();
-            let q = randn(&mut r, n * n_head * hd);
-            let k = randn(&mut r, n * n_head_kv * hd);
-            let v = randn(&mut r, n * n_head_kv * hd);
-            let mut cq = CpuActivations::from_vec(n, n_head * hd, q.clone()).unwrap();
-            let mut ck = CpuActivations::from_vec(n, n_head_kv * hd, k.clone()).unwrap();
-            let cv = CpuActivations::from_vec(n, n_head_kv * hd, v.clone()).unwrap();
-            let mut gq = gpu.upload_activations(n, n_head * hd, &q).unwrap();
-            let mut gk = gpu.upload_activations(n, n_head_kv * hd, &k).unwrap();
-            let gv = gpu.upload_activations(n, n_head_kv * hd, &v).unwrap();
-            let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
             let cn = with_norm.then_some(QkNorm { q: &cqn, k: &ckn });
             let gn = with_norm.then_some(QkNorm { q: &gqn, k: &gkn });
-            cpu.attention(1, &p, &mut cq, &mut ck, &cv, cn, slots, &mut cc, &mut co)
-                .unwrap();
-            gpu.attention(1, &p, &mut gq, &mut gk, &gv, gn, slots, &mut gc, &mut go)
-                .unwrap();
-            let (mut a, mut b) = (Vec::new(), Vec::new());
-            cpu.read(&co, &mut a).unwrap();
-            gpu.read(&go, &mut b).unwrap();
+            let [a, b, cq, gq] = attend_both(
+                (&cpu, &mut cc, cn),
+                (&gpu, &mut gc, gn),
+                &mut r,
+                1,
+                &p,
+                slots,
+            );
             let e = rel_err(&b, &a);
             assert!(
                 e < 1e-5,
                 "{mode:?} norm={with_norm} heads {n_head}/{n_head_kv} rows {n}: attention rel err {e}"
             );
             if with_norm {
-                cpu.read(&cq, &mut a).unwrap();
-                gpu.read(&gq, &mut b).unwrap();
-                assert!(rel_err(&b, &a) < 1e-5, "rotated q differs");
+                assert!(rel_err(&gq, &cq) < 1e-5, "rotated q differs");
             }
         }
     }
+}
+
+/// One backend's side of [`attend_both`]: the backend, its cache, its
+/// per-head q/k norm.
+type Side<'a, B> = (
+    &'a B,
+    &'a mut <B as Backend>::KvCache,
+    Option<QkNorm<'a, <B as Backend>::Vector>>,
+);
+
+/// One attention call of `layer` on the CPU and the GPU with the same random
+/// q, k and v for `slots`: the CPU's and the GPU's output, then their q
+/// after the call (rotated in place where RoPE runs on its own).
+fn attend_both(
+    (cpu, cc, cn): Side<'_, CpuBackend>,
+    (gpu, gc, gn): Side<'_, CudaBackend>,
+    r: &mut rand::rngs::StdRng,
+    layer: usize,
+    p: &AttentionParams,
+    slots: &[TokenSlot],
+) -> [Vec<f32>; 4] {
+    let (n, hq, hkv) = (slots.len(), p.n_head * p.head_dim, p.n_head_kv * p.head_dim);
+    let (q, k, v) = (randn(r, n * hq), randn(r, n * hkv), randn(r, n * hkv));
+    let mut cq = CpuActivations::from_vec(n, hq, q.clone()).unwrap();
+    let mut ck = CpuActivations::from_vec(n, hkv, k.clone()).unwrap();
+    let cv = CpuActivations::from_vec(n, hkv, v.clone()).unwrap();
+    let mut gq = gpu.upload_activations(n, hq, &q).unwrap();
+    let mut gk = gpu.upload_activations(n, hkv, &k).unwrap();
+    let gv = gpu.upload_activations(n, hkv, &v).unwrap();
+    let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
+    cpu.attention(layer, p, &mut cq, &mut ck, &cv, cn, slots, cc, &mut co)
+        .unwrap();
+    gpu.attention(layer, p, &mut gq, &mut gk, &gv, gn, slots, gc, &mut go)
+        .unwrap();
+    let mut out: [Vec<f32>; 4] = Default::default();
+    cpu.read(&co, &mut out[0]).unwrap();
+    gpu.read(&go, &mut out[1]).unwrap();
+    cpu.read(&cq, &mut out[2]).unwrap();
+    gpu.read(&gq, &mut out[3]).unwrap();
+    out
 }
 
 #[test]
@@ -330,13 +343,7 @@ fn smollm2_logits_match_cpu() {
             .unwrap()
             .logits_all(&tokens, KvDtype::F32)
             .unwrap();
-        let mut worst = 1.0f64;
-        for t in 0..tokens.len() {
-            worst = worst.min(cosine(
-                &g[t * vocab..(t + 1) * vocab],
-                &c[t * vocab..(t + 1) * vocab],
-            ));
-        }
+        let worst = worst_cosine(&g, &c, vocab);
         let last = cosine(&g[g.len() - vocab..], &c[c.len() - vocab..]);
         eprintln!(
             "smollm2 cuda vs cpu {label}: final-logit cosine {last:.7}, worst position {worst:.7}"
@@ -399,23 +406,14 @@ fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
                 }
                 for slots in &steps {
                     let n = slots.len();
-                    let q = randn(&mut r, n * n_head * hd);
-                    let k = randn(&mut r, n * n_head_kv * hd);
-                    let v = randn(&mut r, n * n_head_kv * hd);
-                    let mut cq = CpuActivations::from_vec(n, n_head * hd, q.clone()).unwrap();
-                    let mut ck = CpuActivations::from_vec(n, n_head_kv * hd, k.clone()).unwrap();
-                    let cv = CpuActivations::from_vec(n, n_head_kv * hd, v.clone()).unwrap();
-                    let mut gq = gpu.upload_activations(n, n_head * hd, &q).unwrap();
-                    let mut gk = gpu.upload_activations(n, n_head_kv * hd, &k).unwrap();
-                    let gv = gpu.upload_activations(n, n_head_kv * hd, &v).unwrap();
-                    let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
-                    cpu.attention(0, &p, &mut cq, &mut ck, &cv, None, slots, &mut cc, &mut co)
-                        .unwrap();
-                    gpu.attention(0, &p, &mut gq, &mut gk, &gv, None, slots, &mut gc, &mut go)
-                        .unwrap();
-                    let (mut a, mut b) = (Vec::new(), Vec::new());
-                    cpu.read(&co, &mut a).unwrap();
-                    gpu.read(&go, &mut b).unwrap();
+                    let [a, b, _, _] = attend_both(
+                        (&cpu, &mut cc, None),
+                        (&gpu, &mut gc, None),
+                        &mut r,
+                        0,
+                        &p,
+                        slots,
+                    );
                     let e = rel_err(&b, &a);
                     eprintln!(
                         "long attention hd {hd} {dtype:?} rows {n} from pos {}: rel err {e:.2e}",
@@ -521,7 +519,7 @@ fn prefill_gemm_every_type_matches_matvec() {
         return;
     }
     let mut r = rng(31);
-    for &ty in TYPES {
+    for ty in types() {
         let hm = host_matrix(ty, rows, cols, &randn(&mut r, rows * cols));
         let x = randn(&mut r, n_act * cols);
         let run = |b: &CudaBackend| {

@@ -21,7 +21,7 @@ use mirage_runtime::kv_cache::KvDtype;
 use mirage_runtime::{CpuBackend, KvPruning, Model};
 
 mod common;
-use common::{argmax, cosine, cuda, prompt, rel_err, Greedy, Tiny};
+use common::{argmax, cosine, cuda, prompt, rel_err, worst_cosine, Greedy, Tiny};
 
 /// The model of these tests: Q8_0 weights, Q/K/V biases (qwen2).
 fn tiny_model() -> Arc<GgufFile> {
@@ -187,12 +187,7 @@ fn pruned_cuda_decode_equals_pruned_cpu_decode() {
                 steps,
                 Some(&toks),
             );
-            let worst = |a: &[f32], b: &[f32]| {
-                a.chunks(vocab)
-                    .zip(b.chunks(vocab))
-                    .map(|(x, y)| cosine(x, y))
-                    .fold(1.0f64, f64::min)
-            };
+            let worst = |a: &[f32], b: &[f32]| worst_cosine(a, b, vocab);
             let (vs_cpu, vs_full, vs_eager) =
                 (worst(&got, &want), worst(&got, &full), worst(&got, &op));
             let agree =
@@ -356,12 +351,7 @@ fn fixture_prunes_on_cpu() {
         4,
         Some(&toks),
     );
-    let worst = |a: &[f32], b: &[f32]| {
-        a.chunks(vocab)
-            .zip(b.chunks(vocab))
-            .map(|(x, y)| cosine(x, y))
-            .fold(1.0f64, f64::min)
-    };
+    let worst = |a: &[f32], b: &[f32]| worst_cosine(a, b, vocab);
     let (p, a) = (worst(&full, &pruned), worst(&full, &all));
     eprintln!("cpu: pruned vs full worst cosine {p:.6}, every page vs full {a:.9}");
     assert!(p < 0.99999, "the budget prunes nothing ({p})");
@@ -449,12 +439,7 @@ fn pruning_toggled_on_one_cache_equals_dedicated_caches() {
             all
         };
         let (off1, on, off2) = (phase(false), phase(true), phase(false));
-        let worst = |a: &[f32], b: &[f32]| {
-            a.chunks(vocab)
-                .zip(b.chunks(vocab))
-                .map(|(x, y)| cosine(x, y))
-                .fold(1.0f64, f64::min)
-        };
+        let worst = |a: &[f32], b: &[f32]| worst_cosine(a, b, vocab);
         let (c_off1, c_on, c_off2, c_prunes) = (
             worst(&off1, &full),
             worst(&on, &pruned),

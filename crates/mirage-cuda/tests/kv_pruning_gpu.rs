@@ -1,5 +1,5 @@
 //! Pruned decode attention on the GPU (`mirage_cuda::kv_pruning`): device
-//! page boxes equal the host min/max, every page selected equals dense.cu's
+//! page boxes equal the host min/max, every page selected equals attention.cu's
 //! full split-K attention, and a real selection equals an f64 host reference
 //! of the CPU path's rule. Without a GPU each test prints why it skips; with
 //! MIRAGE_REQUIRE_CUDA_TESTS=1 a missing GPU fails them.

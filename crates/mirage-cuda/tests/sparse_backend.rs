@@ -65,18 +65,7 @@ fn exact_q8_weights(r: &mut impl Rng, rows: usize, cols: usize) -> Vec<f32> {
 }
 
 fn q8(values: &[f32], cols: usize) -> Vec<u8> {
-    let rb = quant::row_bytes(GgmlType::Q8_0, cols).unwrap();
-    let rows = values.len() / cols;
-    let mut out = vec![0u8; rows * rb];
-    for r in 0..rows {
-        quant::quantize(
-            GgmlType::Q8_0,
-            &values[r * cols..(r + 1) * cols],
-            &mut out[r * rb..(r + 1) * rb],
-        )
-        .unwrap();
-    }
-    out
+    quantize_rows(GgmlType::Q8_0, values, cols, 2).unwrap()
 }
 
 fn host(name: &str, rows: usize, cols: usize, values: &[f32]) -> HostMatrix {
@@ -938,6 +927,37 @@ fn assert_permuted_ffn_matches(
     );
 }
 
+/// The fixture, a random channel order per layer and an artifact over it
+/// keeping all pages but the last (`kept` of them).
+fn permuted_fixture(seed: u64) -> (Fixture, Vec<Vec<u32>>, usize, PageSource) {
+    let fx = fixture();
+    let mut r = rng(seed);
+    let perms: Vec<Vec<u32>> = (0..N_LAYER).map(|_| random_perm(&mut r, N_FF)).collect();
+    let kept = N_PAGES - 1;
+    let art = artifact_from(&fx.layers, &perms, kept, &mut r);
+    (fx, perms, kept, PageSource::Artifact(art))
+}
+
+/// Synthetic pages of `format` are the packer's, in the identity order, and
+/// `src` refuses a layer its artifact does not have.
+fn assert_synthetic_pages_are_the_packers(format: PageFormat, fx: &Fixture, src: &PageSource) {
+    let (g, u, d) = fx.layers[0].host();
+    let syn = layer_pages(format, &PageSource::Synthetic, 0, &g, &u, &d).unwrap();
+    let direct = Pages::from_gguf_parts(
+        format,
+        D,
+        N_FF,
+        (g.ty, g.data.as_slice()),
+        (u.ty, u.data.as_slice()),
+        (d.ty, d.data.as_slice()),
+        2,
+    )
+    .unwrap();
+    assert_eq!(syn.n_pages(), N_PAGES);
+    assert!(syn == direct, "synthetic {format} pages != the packer's");
+    assert!(layer_pages(format, src, N_LAYER, &g, &u, &d).is_err());
+}
+
 /// The NVFP4 pages built for an artifact follow its channel order (stored
 /// channel k = source channel perm[k], only the kept pages): every row's
 /// codes and block scales are those of the whole-matrix requantization of
@@ -946,12 +966,7 @@ fn assert_permuted_ffn_matches(
 /// Synthetic pages are the packer's own. No GPU needed.
 #[test]
 fn nvfp4_pages_follow_the_artifact_permutation() {
-    let fx = fixture();
-    let mut r = rng(11);
-    let perms: Vec<Vec<u32>> = (0..N_LAYER).map(|_| random_perm(&mut r, N_FF)).collect();
-    let kept = N_PAGES - 1;
-    let art = artifact_from(&fx.layers, &perms, kept, &mut r);
-    let src = PageSource::Artifact(art.clone());
+    let (fx, perms, kept, src) = permuted_fixture(11);
     let dims = [D as u64, N_FF as u64];
     let (rc, rs) = (D / 2, D / 16);
     let (mat, smat) = (PAGE * rc, PAGE * rs);
@@ -995,23 +1010,7 @@ fn nvfp4_pages_follow_the_artifact_permutation() {
         let direct = layer_pages(PageFormat::Nvfp4, &PageSource::Synthetic, l, &g, &u, &d).unwrap();
         assert_permuted_ffn_matches(&pages, &direct, &perms[l], kept, l);
     }
-    // Synthetic: identity order, exactly the packer's pages.
-    let (g, u, d) = fx.layers[0].host();
-    let syn = layer_pages(PageFormat::Nvfp4, &PageSource::Synthetic, 0, &g, &u, &d).unwrap();
-    let direct = Pages::from_gguf_parts(
-        PageFormat::Nvfp4,
-        D,
-        N_FF,
-        (g.ty, g.data.as_slice()),
-        (u.ty, u.data.as_slice()),
-        (d.ty, d.data.as_slice()),
-        2,
-    )
-    .unwrap();
-    assert_eq!(syn.n_pages(), N_PAGES);
-    assert!(syn == direct, "synthetic NVFP4 pages != the packer's");
-    // A layer the artifact does not have is refused.
-    assert!(layer_pages(PageFormat::Nvfp4, &src, N_LAYER, &g, &u, &d).is_err());
+    assert_synthetic_pages_are_the_packers(PageFormat::Nvfp4, &fx, &src);
 }
 
 /// The premise of `nvfp4_all_pages_decode_matches_dense_nvfp4`: weights from
@@ -1108,12 +1107,7 @@ fn q2k_page_row(page: &[u8], m: usize, ch: usize) -> Vec<u8> {
 /// No GPU needed.
 #[test]
 fn q2k_pages_follow_the_artifact_permutation() {
-    let fx = fixture();
-    let mut r = rng(17);
-    let perms: Vec<Vec<u32>> = (0..N_LAYER).map(|_| random_perm(&mut r, N_FF)).collect();
-    let kept = N_PAGES - 1;
-    let art = artifact_from(&fx.layers, &perms, kept, &mut r);
-    let src = PageSource::Artifact(art.clone());
+    let (fx, perms, kept, src) = permuted_fixture(17);
     let rb = quant::row_bytes(GgmlType::Q2_K, D).unwrap();
     for (l, w) in fx.layers.iter().enumerate() {
         let (mut g, mut u, d) = w.host();
@@ -1149,23 +1143,7 @@ fn q2k_pages_follow_the_artifact_permutation() {
         }
         assert_permuted_ffn_matches(&pages, &direct, &perms[l], kept, l);
     }
-    // Synthetic: identity order, exactly the packer's pages.
-    let (g, u, d) = fx.layers[0].host();
-    let syn = layer_pages(PageFormat::Q2K, &PageSource::Synthetic, 0, &g, &u, &d).unwrap();
-    let direct = Pages::from_gguf_parts(
-        PageFormat::Q2K,
-        D,
-        N_FF,
-        (g.ty, g.data.as_slice()),
-        (u.ty, u.data.as_slice()),
-        (d.ty, d.data.as_slice()),
-        2,
-    )
-    .unwrap();
-    assert_eq!(syn.n_pages(), N_PAGES);
-    assert!(syn == direct, "synthetic Q2_K pages != the packer's");
-    // A layer the artifact does not have is refused.
-    assert!(layer_pages(PageFormat::Q2K, &src, N_LAYER, &g, &u, &d).is_err());
+    assert_synthetic_pages_are_the_packers(PageFormat::Q2K, &fx, &src);
 }
 
 /// Random Q8_0 FFN matrices `d` wide with one page of channels.

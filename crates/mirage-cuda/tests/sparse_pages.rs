@@ -24,18 +24,7 @@ fn uniform(r: &mut impl Rng, n: usize, scale: f32) -> Vec<f32> {
 }
 
 fn q8_rows(values: &[f32], cols: usize) -> Vec<u8> {
-    let rb = quant::row_bytes(GgmlType::Q8_0, cols).unwrap();
-    let rows = values.len() / cols;
-    let mut out = vec![0u8; rows * rb];
-    for r in 0..rows {
-        quant::quantize(
-            GgmlType::Q8_0,
-            &values[r * cols..(r + 1) * cols],
-            &mut out[r * rb..(r + 1) * rb],
-        )
-        .unwrap();
-    }
-    out
+    quantize_rows(GgmlType::Q8_0, values, cols, 2).unwrap()
 }
 
 fn dequant_q8(bytes: &[u8], n: usize) -> Vec<f32> {
@@ -187,6 +176,38 @@ fn nvfp4_page_weight(page: &[u8], d: usize, ts: [f32; 3], k: usize, row: usize, 
     e2m1_to_f32(code) * (e4m3_to_f32(scale) * ts[k])
 }
 
+/// Every weight of `pages`, read from the page bytes by `weight(page,
+/// matrix, row, i)` and decoded by the packer, is bit for bit `want`'s
+/// (gate, up, down_t: `n_ff` rows each; the padding rows of the last page
+/// zero).
+fn assert_pages_hold(
+    pages: &Pages,
+    want: &[Vec<f32>; 3],
+    n_ff: usize,
+    weight: impl Fn(&[u8], usize, usize, usize) -> f32,
+) {
+    let d = pages.d_model();
+    for p in 0..pages.n_pages() {
+        let page = pages.page(p);
+        let decoded = pages.dequantize_page(p).unwrap();
+        for (k, w) in want.iter().enumerate() {
+            for row in 0..PAGE_CHANNELS {
+                let c = p * PAGE_CHANNELS + row;
+                for i in 0..d {
+                    let exp = if c < n_ff { w[c * d + i] } else { 0.0 };
+                    let got = weight(page, k, row, i);
+                    assert_eq!(
+                        got.to_bits(),
+                        exp.to_bits(),
+                        "page {p} matrix {k} row {row} weight {i}"
+                    );
+                    assert_eq!(decoded[k][row * d + i].to_bits(), exp.to_bits());
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn nvfp4_pages_dequantize_to_the_codecs_rows() {
     let mut r = rng(13);
@@ -235,25 +256,9 @@ fn nvfp4_pages_dequantize_to_the_codecs_rows() {
         tu.dequantize().unwrap(),
         td.dequantize().unwrap(),
     ];
-    for p in 0..pages.n_pages() {
-        let page = pages.page(p);
-        let decoded = pages.dequantize_page(p).unwrap();
-        for (k, w) in want.iter().enumerate() {
-            for row in 0..PAGE_CHANNELS {
-                let c = p * PAGE_CHANNELS + row;
-                for i in 0..d {
-                    let got = nvfp4_page_weight(page, d, ts, k, row, i);
-                    let exp = if c < n_ff { w[c * d + i] } else { 0.0 };
-                    assert_eq!(
-                        got.to_bits(),
-                        exp.to_bits(),
-                        "page {p} matrix {k} row {row} weight {i}"
-                    );
-                    assert_eq!(decoded[k][row * d + i].to_bits(), exp.to_bits());
-                }
-            }
-        }
-    }
+    assert_pages_hold(&pages, &want, n_ff, |page, k, row, i| {
+        nvfp4_page_weight(page, d, ts, k, row, i)
+    });
     // From f32: the same as quantizing the three matrices with the codec.
     let from_f32 = Pages::from_f32(PageFormat::Nvfp4, d, &gate, &up, &down_t).unwrap();
     let again = Pages::from_nvfp4(
@@ -357,25 +362,9 @@ fn q2k_pages_dequantize_to_ggml_rows() {
         dequant(GgmlType::Q2_K, &one_call(&up), n_ff * d),
         dequant(GgmlType::Q2_K, &one_call(&down_t), n_ff * d),
     ];
-    for p in 0..pages.n_pages() {
-        let page = pages.page(p);
-        let decoded = pages.dequantize_page(p).unwrap();
-        for (k, w) in want.iter().enumerate() {
-            for row in 0..PAGE_CHANNELS {
-                let c = p * PAGE_CHANNELS + row;
-                for i in 0..d {
-                    let got = q2k_page_weight(page, d, k, row, i);
-                    let exp = if c < n_ff { w[c * d + i] } else { 0.0 };
-                    assert_eq!(
-                        got.to_bits(),
-                        exp.to_bits(),
-                        "page {p} matrix {k} row {row} weight {i}"
-                    );
-                    assert_eq!(decoded[k][row * d + i].to_bits(), exp.to_bits());
-                }
-            }
-        }
-    }
+    assert_pages_hold(&pages, &want, n_ff, |page, k, row, i| {
+        q2k_page_weight(page, d, k, row, i)
+    });
     // From f32: the same as packing mirage-gguf's Q2_K rows.
     let from_f32 = Pages::from_f32(PageFormat::Q2K, d, &gate, &up, &down_t).unwrap();
     let q2k_pages = |g: &[u8], u: &[u8], dt: &[u8]| {

@@ -618,18 +618,32 @@ pub fn quantize_rows(
     let rb = quant::row_bytes(ty, d)?;
     let mut out = vec![0u8; rows * rb];
     let per = rows.div_ceil(threads.clamp(1, rows.max(1))).max(1);
-    std::thread::scope(|s| -> Result<(), PageError> {
-        let jobs: Vec<_> = values
-            .chunks(per * d)
-            .zip(out.chunks_mut(per * rb))
-            .map(|(src, dst)| s.spawn(move || quant::quantize(ty, src, dst)))
-            .collect();
-        for j in jobs {
-            j.join().unwrap_or_else(|e| std::panic::resume_unwind(e))?;
-        }
-        Ok(())
+    in_bands(values, per * d, &mut out, per * rb, |src, dst| {
+        quant::quantize(ty, src, dst)
     })?;
     Ok(out)
+}
+
+/// `f(src band, dst band)` over matching bands of `src` (`src_band` items
+/// each) and `dst` (`dst_band` each), one scoped thread a band; the first
+/// error, or a thread's panic, is the caller's.
+fn in_bands<S: Sync, D: Send, E: Send>(
+    src: &[S],
+    src_band: usize,
+    dst: &mut [D],
+    dst_band: usize,
+    f: impl Fn(&[S], &mut [D]) -> Result<(), E> + Sync,
+) -> Result<(), E> {
+    std::thread::scope(|sc| {
+        let f = &f;
+        let jobs: Vec<_> = src
+            .chunks(src_band)
+            .zip(dst.chunks_mut(dst_band))
+            .map(|(a, b)| sc.spawn(move || f(a, b)))
+            .collect();
+        jobs.into_iter()
+            .try_for_each(|j| j.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+    })
 }
 
 /// A `rows x cols` ggml matrix dequantized to f32 on up to `threads`
@@ -648,16 +662,8 @@ pub(crate) fn dequantize_parallel(
     if w.is_empty() {
         return Ok(w);
     }
-    std::thread::scope(|sc| -> Result<(), PageError> {
-        let jobs: Vec<_> = data
-            .chunks(band * row_bytes)
-            .zip(w.chunks_mut(band * cols))
-            .map(|(src, dst)| sc.spawn(move || quant::dequantize(ty, src, dst)))
-            .collect();
-        for j in jobs {
-            j.join().unwrap_or_else(|e| std::panic::resume_unwind(e))?;
-        }
-        Ok(())
+    in_bands(data, band * row_bytes, &mut w, band * cols, |src, dst| {
+        quant::dequantize(ty, src, dst)
     })?;
     Ok(w)
 }
