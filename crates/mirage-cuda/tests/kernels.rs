@@ -329,20 +329,14 @@ fn smollm2_logits_match_cpu() {
         return;
     };
     let file = Arc::new(GgufFile::open(&path).unwrap());
-    let tokens: Vec<u32> = vec![1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 3458, 5248];
-    let g = Model::load(file.clone(), gpu)
-        .unwrap()
-        .logits_all(&tokens, KvDtype::F32)
-        .unwrap();
+    let tokens = common::SMOLLM2_PROMPT;
+    let g = common::logits(file.clone(), gpu, &tokens);
     let vocab = g.len() / tokens.len();
     for (label, cpu) in [
         ("f32-act", CpuBackend::new_f32_activations(0).unwrap()),
         ("q8-act", CpuBackend::new(0).unwrap()),
     ] {
-        let c = Model::load(file.clone(), cpu)
-            .unwrap()
-            .logits_all(&tokens, KvDtype::F32)
-            .unwrap();
+        let c = common::logits(file.clone(), cpu, &tokens);
         let worst = worst_cosine(&g, &c, vocab);
         let last = cosine(&g[g.len() - vocab..], &c[c.len() - vocab..]);
         eprintln!(

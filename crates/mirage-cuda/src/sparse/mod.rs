@@ -549,16 +549,43 @@ impl SparseCudaBackend {
             .median_us(iters, || self.launch_ffn(ld, px, py, false))?;
         Ok(OpTimes { route_us, ffn_us })
     }
+}
 
-    /// Builds and uploads `layer`'s pages, its list (in the current mode)
-    /// and the shared scratch: `Backend::upload_ffn`.
-    fn upload_layer(
+fn layer_dev(layers: &[Option<LayerDev>], layer: usize) -> Result<&LayerDev> {
+    layers
+        .get(layer)
+        .and_then(|l| l.as_ref())
+        .ok_or_else(|| rt(format!("layer {layer} has no FFN uploaded")))
+}
+
+impl Backend for SparseCudaBackend {
+    type Matrix = CudaMatrix;
+    type Vector = CudaVector;
+    type Ffn = SparseFfn;
+    type Activations = CudaActivations;
+    type KvCache = CudaKvCache;
+
+    fn name(&self) -> String {
+        "superblock-cuda".into()
+    }
+    fn step<R>(&self, inputs: &StepInputs<'_>, pass: impl FnOnce() -> Result<R>) -> Result<R> {
+        self.inner.step(inputs, pass)
+    }
+    fn upload_matrix(&self, m: &HostMatrix) -> Result<CudaMatrix> {
+        self.inner.upload_matrix(m)
+    }
+    fn upload_vector(&self, v: &[f32]) -> Result<CudaVector> {
+        self.inner.upload_vector(v)
+    }
+    fn upload_ffn(
         &self,
         layer: usize,
         gate: &HostMatrix,
         up: &HostMatrix,
         down: &HostMatrix,
     ) -> Result<SparseFfn> {
+        // The layer's pages, its list (in the current mode) and the shared
+        // scratch.
         let d = gate.cols;
         let format = self.page_format();
         let pages = layer_pages(format, &self.source, layer, gate, up, down)?;
@@ -641,43 +668,6 @@ impl SparseCudaBackend {
         }
         layers[layer] = Some(ld);
         Ok(SparseFfn { layer })
-    }
-}
-
-fn layer_dev(layers: &[Option<LayerDev>], layer: usize) -> Result<&LayerDev> {
-    layers
-        .get(layer)
-        .and_then(|l| l.as_ref())
-        .ok_or_else(|| rt(format!("layer {layer} has no FFN uploaded")))
-}
-
-impl Backend for SparseCudaBackend {
-    type Matrix = CudaMatrix;
-    type Vector = CudaVector;
-    type Ffn = SparseFfn;
-    type Activations = CudaActivations;
-    type KvCache = CudaKvCache;
-
-    fn name(&self) -> String {
-        "superblock-cuda".into()
-    }
-    fn step<R>(&self, inputs: &StepInputs<'_>, pass: impl FnOnce() -> Result<R>) -> Result<R> {
-        self.inner.step(inputs, pass)
-    }
-    fn upload_matrix(&self, m: &HostMatrix) -> Result<CudaMatrix> {
-        self.inner.upload_matrix(m)
-    }
-    fn upload_vector(&self, v: &[f32]) -> Result<CudaVector> {
-        self.inner.upload_vector(v)
-    }
-    fn upload_ffn(
-        &self,
-        layer: usize,
-        gate: &HostMatrix,
-        up: &HostMatrix,
-        down: &HostMatrix,
-    ) -> Result<SparseFfn> {
-        self.upload_layer(layer, gate, up, down)
     }
     fn new_kv_cache(&self, spec: KvSpec) -> Result<CudaKvCache> {
         self.inner.new_kv_cache(spec)

@@ -156,6 +156,17 @@ pub fn host_matrix(
     }
 }
 
+/// A `rows x cols` matrix of [`randn`] values quantized to `ty`.
+pub fn random_matrix(
+    name: &str,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    r: &mut impl Rng,
+) -> HostMatrix {
+    host_matrix(name, ty, rows, cols, &randn(r, rows * cols))
+}
+
 /// The values `m` holds.
 pub fn dequantized(m: &HostMatrix) -> Vec<f32> {
     let mut out = vec![0.0f32; m.rows * m.cols];
@@ -340,6 +351,18 @@ impl Tiny {
         w.write_to(&mut out).unwrap();
         Arc::new(GgufFile::from_bytes(out).unwrap())
     }
+}
+
+/// The prompt of the real-model logit tests (SmolLM2's tokenizer).
+pub const SMOLLM2_PROMPT: [u32; 12] =
+    [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 3458, 5248];
+
+/// The logits of every position of `tokens` on `backend` (f32 KV cache).
+pub fn logits<B: Backend>(file: Arc<GgufFile>, backend: B, tokens: &[u32]) -> Vec<f32> {
+    Model::load(file, backend)
+        .unwrap()
+        .logits_all(tokens, KvDtype::F32)
+        .unwrap()
 }
 
 /// The prompt of sequence `seq`.
