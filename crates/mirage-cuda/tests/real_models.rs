@@ -1,4 +1,4 @@
-//! The shipped models on the GPU against the CPU reference (issue #6 item 7):
+//! The shipped models on the GPU against the CPU reference:
 //! final logits at every position of a prompt (cosine >= 0.9999 against the
 //! CPU's f32-activation mode, which does the same arithmetic), and a greedy
 //! continuation generated on the GPU, teacher-forced through the CPU: at
@@ -14,21 +14,11 @@ use mirage_gguf::GgufFile;
 use mirage_runtime::{CpuBackend, Engine, EngineOptions, GenerateParams};
 
 mod common;
-use common::cuda;
+use common::{cosine, cuda};
 
 fn model(test: &str, name: &str) -> Option<Arc<GgufFile>> {
     let path = common::model_file(test, name)?;
     Some(Arc::new(GgufFile::open(&path).unwrap()))
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        ab += x as f64 * y as f64;
-        aa += x as f64 * x as f64;
-        bb += y as f64 * y as f64;
-    }
-    ab / (aa.sqrt() * bb.sqrt()).max(1e-30)
 }
 
 const PROMPTS: [&str; 3] = [
@@ -53,14 +43,7 @@ fn check(test: &str, name: &str) {
         let gl = g.logits_for(&tokens).unwrap();
         let cl = c.logits_for(&tokens).unwrap();
         let vocab = gl.len() / tokens.len();
-        let worst = (0..tokens.len())
-            .map(|t| {
-                cosine(
-                    &gl[t * vocab..(t + 1) * vocab],
-                    &cl[t * vocab..(t + 1) * vocab],
-                )
-            })
-            .fold(1.0f64, f64::min);
+        let worst = common::worst_cosine(&gl, &cl, vocab);
         eprintln!(
             "{name}: {prompt:?}: {} tokens, worst-position logit cosine cuda vs cpu {worst:.7}",
             tokens.len()

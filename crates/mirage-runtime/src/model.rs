@@ -584,7 +584,6 @@ impl<B: Backend> Model<B> {
                 b.add_bias(&mut s.v, bv)?;
             }
             let qk_norm = layer.qk_norm.as_ref().map(|[q, k]| QkNorm { q, k });
-            b.prefetch(&[&layer.wo])?;
             b.attention(
                 l, &ap, &mut s.q, &mut s.k, &s.v, qk_norm, slots, cache, &mut s.att,
             )?;
@@ -594,11 +593,6 @@ impl<B: Backend> Model<B> {
             if let Some(obs) = observer.as_mut() {
                 b.read(&s.xn, &mut observed)?;
                 obs(l, &observed);
-            }
-            // What the next layer (or the lm head) reads first.
-            match layers.get(l + 1) {
-                Some(next) => b.prefetch(&[&next.wq, &next.wk, &next.wv])?,
-                None => b.prefetch(&[lm_head])?,
             }
             b.ffn(&layer.ffn, &s.xn, &mut s.proj)?;
             b.add(&mut s.x, &s.proj)?;

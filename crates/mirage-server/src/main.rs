@@ -37,7 +37,8 @@ struct Args {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
-    /// Run the FFN sparsely from this page-major artifact (built from --model; CPU superblock backend).
+    /// Run the FFN sparsely from this page-major artifact (built from --model; the CPU superblock backend,
+    /// or the sparse CUDA backend with --backend cuda).
     #[arg(long)]
     artifact: Option<PathBuf>,
     /// With --artifact: BVH router margin in std units (default: the artifact's).

@@ -25,7 +25,8 @@ pub struct ModelArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
-    /// Run the FFN sparsely from this page-major artifact (CPU superblock backend; BVH router at its default margin).
+    /// Run the FFN sparsely from this page-major artifact (the CPU superblock backend, or the sparse CUDA
+    /// backend with --backend cuda; BVH router at its default margin).
     #[arg(long)]
     pub artifact: Option<PathBuf>,
     /// With --artifact: BVH router margin in std units (default: the artifact's; `mirage-cli eval` finds

@@ -432,15 +432,6 @@ pub trait Backend: Send + Sync {
         x: &Self::Activations,
         out: &mut Self::Activations,
     ) -> Result<()>;
-    /// A hint, never a change in what is computed: `ws` are read by an op
-    /// soon, after the next one. A backend may start loading them into a
-    /// cache while the ops in between run (CUDA: into L2 during the
-    /// attention, or between the FFN's halves, where DRAM is idle). The
-    /// default ignores it.
-    fn prefetch(&self, ws: &[&Self::Matrix]) -> Result<()> {
-        let _ = ws;
-        Ok(())
-    }
     /// `out` = the listed rows of `x`, in that order.
     fn select_rows(
         &self,
