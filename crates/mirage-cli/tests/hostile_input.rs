@@ -1,0 +1,82 @@
+//! Hostile and careless input to `mirage-cli`: each case exits with status 1
+//! and a one-line `error:` that names the problem (never a signal, never an
+//! abort from a huge allocation). Models are tiny synthetic GGUFs written
+//! here (`mirage_gguf::synth::TinyModel`), so no download is needed.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use mirage_gguf::synth::TinyModel;
+use mirage_gguf::{Metadata, Value};
+
+fn cli(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mirage-cli"))
+        .args(args)
+        .output()
+        .expect("run mirage-cli")
+}
+
+fn write_tiny(dir: &Path, name: &str, edit: impl FnOnce(&mut Metadata)) -> PathBuf {
+    let mut w = TinyModel::default().writer().unwrap();
+    edit(w.metadata_mut());
+    let path = dir.join(name);
+    w.write_to_path(&path).unwrap();
+    path
+}
+
+/// The run failed with exit status 1 and one `error:` line on stderr
+/// containing every one of `needles`.
+fn assert_clean_error(out: &Output, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "expected exit status 1, got {} (stderr: {stderr})",
+        out.status
+    );
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("error:"))
+        .unwrap_or_else(|| panic!("no error line in {stderr}"));
+    for n in needles {
+        assert!(line.contains(n), "{n:?} missing from {line:?}");
+    }
+}
+
+#[test]
+fn a_huge_block_count_is_reported_by_inspect_and_refused_by_generate() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write_tiny(dir.path(), "blocks.gguf", |md| {
+        md.insert("llama.block_count", Value::U32(u32::MAX));
+    });
+    let bad = bad.to_str().unwrap();
+    let out = cli(&["inspect", "--json", bad]);
+    assert!(out.status.success());
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["block_count"], u32::MAX as u64);
+    let m = r["tensor_mismatches"]
+        .as_array()
+        .expect("tensor_mismatches");
+    assert_eq!(m.len(), 1, "{m:?}");
+    assert!(m[0].as_str().unwrap().contains("blk.2"), "{m:?}");
+    let text = String::from_utf8(cli(&["inspect", bad]).stdout).unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l.contains("tensor mismatch:") && l.contains("llama.block_count")),
+        "{text}"
+    );
+
+    for cmd in ["generate", "chat"] {
+        let mut args = vec![cmd, "--model", bad, "--backend", "cpu"];
+        if cmd == "generate" {
+            args.extend(["--prompt", "hi", "--max-tokens", "2"]);
+        }
+        assert_clean_error(&cli(&args), &["llama.block_count", "4294967295"]);
+    }
+
+    // A consistent file reports no mismatch.
+    let good = write_tiny(dir.path(), "good.gguf", |_| {});
+    let out = cli(&["inspect", "--json", good.to_str().unwrap()]);
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["tensor_mismatches"], serde_json::json!([]));
+}
