@@ -283,7 +283,7 @@ fn resolve(
 ///
 /// An artifact runs on the CPU superblock backend: with `auto` that is what
 /// is picked, with `cuda` it is [`LoadError::ArtifactBackend`]. The artifact
-/// must have been built from this very model file (its sha256 is checked).
+/// must have been built from this very model file (its sha256 and its META shape are checked).
 pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadError> {
     let engine_err = |backend: &str| {
         let path = spec.model.clone();
@@ -327,7 +327,7 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
             })?;
             let file = open_model()?;
             artifact
-                .check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))
+                .check_source(&file)
                 .map_err(|error| LoadError::ArtifactMismatch {
                     artifact: a.path.clone(),
                     model: spec.model.clone(),
