@@ -80,3 +80,32 @@ fn a_huge_block_count_is_reported_by_inspect_and_refused_by_generate() {
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(r["tensor_mismatches"], serde_json::json!([]));
 }
+
+#[test]
+fn a_context_beyond_the_trained_one_is_refused_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write_tiny(dir.path(), "tiny.gguf", |_| {});
+    let m = m.to_str().unwrap();
+    let args = [
+        "generate",
+        "--model",
+        m,
+        "--backend",
+        "cpu",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+    ];
+    let mut big = args.to_vec();
+    big.extend(["--ctx-size", "1000000000"]);
+    assert_clean_error(&cli(&big), &["1000000000", "256", "context_length"]);
+    let mut fits = args.to_vec();
+    fits.extend(["--ctx-size", "256"]);
+    let out = cli(&fits);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -37,7 +37,10 @@ fn tok_err(e: mirage_tokenizer::TokenizerError) -> RuntimeError {
 pub struct EngineOptions {
     /// CPU worker threads (0: one per logical CPU).
     pub threads: usize,
-    /// Positions per session (0: the training context, capped at 4096).
+    /// Positions per session (0: the training context, capped at 4096). At
+    /// most the training context, or the context the file's RoPE scaling
+    /// extends it to ([`crate::ModelConfig::max_context`]); a session's KV
+    /// cache must also fit the memory available ([`crate::memory`]).
     pub n_ctx: usize,
     /// KV cache element type.
     pub kv_dtype: KvDtype,
@@ -195,6 +198,8 @@ impl<B: Backend> Engine<B> {
         } else {
             options.n_ctx
         };
+        // Before any cache is sized by it.
+        model.config().check_context(n_ctx)?;
         Ok(Engine {
             model,
             tokenizer,

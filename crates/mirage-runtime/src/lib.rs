@@ -13,6 +13,7 @@ pub mod engine;
 pub mod error;
 pub mod kv_cache;
 pub mod kv_pages;
+pub mod memory;
 pub mod model;
 pub mod observe;
 pub mod ops;

@@ -34,7 +34,8 @@ pub struct ModelArgs {
     /// Worker threads (0: one per CPU).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// KV-cache positions (0: the model's training context, at most 4096).
+    /// KV-cache positions (0: the model's training context, at most 4096). At most the training
+    /// context (or what the file's RoPE scaling extends it to), and the cache must fit the memory available.
     #[arg(long = "ctx-size", default_value_t = 0)]
     pub ctx_size: usize,
     /// Store the KV cache as f16 instead of f32.
