@@ -109,3 +109,66 @@ fn a_context_beyond_the_trained_one_is_refused_naming_both() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn sampling_and_thread_counts_out_of_range_are_usage_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write_tiny(dir.path(), "tiny.gguf", |_| {});
+    let m = m.to_str().unwrap();
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    let too_many = (cpus + 1).to_string();
+    for (flag, value, needle) in [
+        ("--temp", "nan", "temperature"),
+        ("--temp=-1", "", "temperature"),
+        ("--temp", "inf", "temperature"),
+        ("--top-p", "5", "top_p"),
+        ("--top-p", "0", "top_p"),
+        ("--min-p", "2", "min_p"),
+        ("--repeat-penalty", "0", "repeat_penalty"),
+        ("--presence-penalty", "nan", "presence_penalty"),
+        ("--threads", too_many.as_str(), "CPUs"),
+    ] {
+        let mut args = vec![
+            "generate",
+            "--model",
+            m,
+            "--backend",
+            "cpu",
+            "--prompt",
+            "hi",
+            flag,
+        ];
+        if !value.is_empty() {
+            args.push(value);
+        }
+        let out = cli(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {stderr}");
+        assert!(
+            stderr.contains("error: invalid value") && stderr.contains(needle),
+            "{flag} {value}: {stderr}"
+        );
+    }
+    let out = cli(&[
+        "generate",
+        "--model",
+        m,
+        "--backend",
+        "cpu",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+        "--temp",
+        "0",
+        "--top-p",
+        "1",
+        "--threads",
+        "1",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -75,6 +75,13 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
 }
 
+impl GenerateParams {
+    /// Refuses sampling parameters out of range ([`SamplingParams::validate`]).
+    pub fn validate(&self) -> Result<()> {
+        self.sampling.validate()
+    }
+}
+
 impl Default for GenerateParams {
     fn default() -> Self {
         GenerateParams {
@@ -390,6 +397,7 @@ impl<'e, B: Backend> Session<'e, B> {
         params: &GenerateParams,
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<Generation> {
+        params.validate()?;
         let tokenizer = &self.engine.tokenizer;
         let t0 = Instant::now();
         let before = self

@@ -128,3 +128,80 @@ fn a_kv_cache_larger_than_memory_is_refused_naming_the_sizes() {
         Err(mirage_runtime::RuntimeError::OutOfMemory { .. })
     ));
 }
+
+fn sampling(
+    edit: impl FnOnce(&mut mirage_runtime::SamplingParams),
+) -> mirage_runtime::SamplingParams {
+    let mut p = mirage_runtime::SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        min_p: 0.05,
+        ..mirage_runtime::SamplingParams::default()
+    };
+    edit(&mut p);
+    p
+}
+
+#[test]
+fn sampling_parameters_out_of_range_are_refused_naming_the_field() {
+    use mirage_runtime::SamplingParams as S;
+    assert!(S::default().validate().is_ok());
+    assert!(sampling(|_| {}).validate().is_ok());
+    assert!(sampling(|p| p.temperature = 0.0).validate().is_ok());
+    assert!(sampling(|p| p.top_p = 1.0).validate().is_ok());
+    type Edit = fn(&mut S);
+    let cases: [(&str, Edit); 14] = [
+        ("temperature", |p| p.temperature = f32::NAN),
+        ("temperature", |p| p.temperature = -1.0),
+        ("temperature", |p| p.temperature = f32::INFINITY),
+        ("top_p", |p| p.top_p = 5.0),
+        ("top_p", |p| p.top_p = 0.0),
+        ("top_p", |p| p.top_p = f32::NAN),
+        ("min_p", |p| p.min_p = -0.1),
+        ("min_p", |p| p.min_p = 1.5),
+        ("repeat_penalty", |p| p.repeat_penalty = 0.0),
+        ("repeat_penalty", |p| p.repeat_penalty = f32::NAN),
+        ("presence_penalty", |p| p.presence_penalty = f32::INFINITY),
+        ("frequency_penalty", |p| p.frequency_penalty = f32::NAN),
+        ("presence_penalty", |p| p.presence_penalty = -1e9),
+        ("frequency_penalty", |p| p.frequency_penalty = 1e9),
+    ];
+    for (field, edit) in cases {
+        let p = sampling(edit);
+        let msg = p
+            .validate()
+            .expect_err(&format!("{p:?} accepted"))
+            .to_string();
+        assert!(msg.contains(field), "{field}: {msg}");
+    }
+}
+
+#[test]
+fn generation_and_batching_refuse_bad_sampling_parameters() {
+    let engine = Engine::from_file(tiny(|_| {}), cpu(), options(256)).unwrap();
+    let params = mirage_runtime::GenerateParams {
+        sampling: sampling(|p| p.temperature = f32::NAN),
+        ..mirage_runtime::GenerateParams::default()
+    };
+    let mut s = engine.session().unwrap();
+    let e = s.generate("hi", &params, |_| true).unwrap_err().to_string();
+    assert!(e.contains("temperature"), "{e}");
+    assert!(s.tokens().is_empty(), "nothing ran");
+    let mut b = mirage_runtime::batch::Batcher::new(&engine, 2, 64).unwrap();
+    let e = b.add(vec![1, 2, 3], &params).unwrap_err().to_string();
+    assert!(e.contains("temperature"), "{e}");
+    assert_eq!(b.active(), 0);
+}
+
+#[test]
+fn more_threads_than_cpus_are_refused_naming_both() {
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    let e = CpuBackend::new(cpus + 1).unwrap_err().to_string();
+    assert!(
+        e.contains(&(cpus + 1).to_string()) && e.contains(&cpus.to_string()),
+        "{e}"
+    );
+    assert_eq!(CpuBackend::new(cpus).unwrap().threads(), cpus);
+    assert_eq!(CpuBackend::new(0).unwrap().threads(), cpus);
+}
