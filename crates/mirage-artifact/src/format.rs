@@ -256,29 +256,14 @@ pub fn sections(bytes: &[u8]) -> Option<([u8; 32], [&[u8]; 6])> {
     Some((sha, out))
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same folder,
-/// synced, then renamed over `path`.
+/// Writes `bytes` to `path` atomically ([`mirage_gguf::atomic::AtomicFile`]:
+/// a locked temporary in the same folder, synced, then renamed over
+/// `path`; a temporary left by a killed writer goes on the next write).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "artifact".into());
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let res = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = res {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(ArtifactError::io(path, e));
-    }
-    Ok(())
+    let io = |e| ArtifactError::io(path, e);
+    let mut out = mirage_gguf::atomic::AtomicFile::create(path).map_err(io)?;
+    out.file().write_all(bytes).map_err(io)?;
+    out.commit().map_err(io)
 }
 
 enum Storage {

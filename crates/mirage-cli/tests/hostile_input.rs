@@ -172,3 +172,88 @@ fn sampling_and_thread_counts_out_of_range_are_usage_errors() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The real SmolLM2 model, or `None` (saying why) when model tests are skipped.
+fn smollm2() -> Option<PathBuf> {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/smollm2-135m-instruct-q4_1.gguf");
+    if path.is_file() {
+        return Some(path);
+    }
+    if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!(
+            "skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1",
+            path.display()
+        );
+        return None;
+    }
+    panic!(
+        "{} is missing: run `cargo xtask fetch-models`",
+        path.display()
+    );
+}
+
+#[cfg(unix)]
+#[test]
+fn a_quantize_killed_midway_leaves_a_temporary_the_next_run_removes() {
+    let Some(model) = smollm2() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("q8.gguf");
+    let args = [
+        "quantize",
+        model.to_str().unwrap(),
+        out.to_str().unwrap(),
+        "--type",
+        "q8_0",
+    ];
+    let temporaries = || -> Vec<PathBuf> {
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with(".q8.gguf.tmp-")
+            })
+            .collect()
+    };
+    // SIGKILL while the output is being written (retried if a run finishes
+    // between two polls).
+    let mut killed_midway = false;
+    for _ in 0..10 {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_mirage-cli"))
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut seen = false;
+        while child.try_wait().unwrap().is_none() {
+            if !temporaries().is_empty() {
+                seen = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let _ = child.kill();
+        child.wait().unwrap();
+        if seen && !out.exists() && !temporaries().is_empty() {
+            killed_midway = true;
+            break;
+        }
+        let _ = std::fs::remove_file(&out);
+    }
+    assert!(killed_midway, "never caught quantize while it wrote");
+    let stale = temporaries();
+    assert_eq!(stale.len(), 1, "{stale:?}");
+    // The next run removes it and writes the output.
+    let again = cli(&args);
+    assert!(
+        again.status.success(),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert!(temporaries().is_empty(), "left: {:?}", temporaries());
+    assert!(out.is_file());
+}
