@@ -257,3 +257,29 @@ fn a_quantize_killed_midway_leaves_a_temporary_the_next_run_removes() {
     assert!(temporaries().is_empty(), "left: {:?}", temporaries());
     assert!(out.is_file());
 }
+
+#[test]
+fn a_broken_or_hostile_chat_template_is_a_template_error() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, template, needles) in [
+        (
+            "broken.gguf",
+            "{% for m in messages %}{{ m.content }",
+            &["chat template error", "syntax error"][..],
+        ),
+        (
+            "doubling.gguf",
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+            &["chat template error", "limit"][..],
+        ),
+    ] {
+        let m = write_tiny(dir.path(), name, |md| {
+            md.insert("tokenizer.chat_template", Value::String(template.into()));
+        });
+        let out = cli(&[
+            "generate", "--model", m.to_str().unwrap(), "--backend", "cpu", "--prompt", "hi",
+            "--chat", "--max-tokens", "2",
+        ]);
+        assert_clean_error(&out, needles);
+    }
+}

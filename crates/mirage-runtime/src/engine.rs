@@ -161,7 +161,9 @@ pub struct Generation {
 pub struct Engine<B: Backend = CpuBackend> {
     model: Model<B>,
     tokenizer: Tokenizer,
-    chat_template: Option<ChatTemplate>,
+    /// The compiled template, or why there is none (missing from the file,
+    /// or present and broken: said as such when a chat is rendered).
+    chat_template: std::result::Result<ChatTemplate, String>,
     options: EngineOptions,
     n_ctx: usize,
 }
@@ -197,7 +199,12 @@ impl<B: Backend> Engine<B> {
     /// Builds an engine from an opened GGUF file.
     pub fn from_file(file: Arc<GgufFile>, backend: B, options: EngineOptions) -> Result<Engine<B>> {
         let tokenizer = Tokenizer::from_gguf(&file).map_err(tok_err)?;
-        let chat_template = ChatTemplate::from_gguf(&file).ok();
+        let chat_template = ChatTemplate::from_gguf(&file).map_err(|e| match e {
+            mirage_tokenizer::TokenizerError::MissingKey(_) => {
+                "the model has no chat template".to_string()
+            }
+            e => e.to_string(),
+        });
         let model = Model::load(file, backend)?;
         let train = model.config().n_ctx_train.max(1);
         let n_ctx = if options.n_ctx == 0 {
@@ -228,7 +235,13 @@ impl<B: Backend> Engine<B> {
 
     /// The chat template, when the file has one that compiles.
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
-        self.chat_template.as_ref()
+        self.chat_template.as_ref().ok()
+    }
+
+    /// Why there is no chat template: missing from the file, or present but
+    /// not compiling (the template error).
+    pub fn chat_template_error(&self) -> Option<&str> {
+        self.chat_template.as_ref().err().map(String::as_str)
     }
 
     /// Positions per session.
@@ -260,7 +273,7 @@ impl<B: Backend> Engine<B> {
         let t = self
             .chat_template
             .as_ref()
-            .ok_or_else(|| RuntimeError::Tokenizer("the model has no chat template".into()))?;
+            .map_err(|why| RuntimeError::Tokenizer(why.clone()))?;
         t.render(messages, true).map_err(tok_err)
     }
 

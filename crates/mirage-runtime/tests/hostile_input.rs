@@ -205,3 +205,40 @@ fn more_threads_than_cpus_are_refused_naming_both() {
     assert_eq!(CpuBackend::new(cpus).unwrap().threads(), cpus);
     assert_eq!(CpuBackend::new(0).unwrap().threads(), cpus);
 }
+
+#[test]
+fn a_broken_chat_template_is_reported_as_broken_not_as_missing() {
+    let chat = [mirage_tokenizer::ChatMessage::new("user", "hi")];
+    let broken = TinyModel {
+        chat_template: Some("{% for m in messages %}{{ m.content }".into()),
+        ..TinyModel::default()
+    };
+    let engine = Engine::from_file(tiny_with(&broken, |_| {}), cpu(), options(256)).unwrap();
+    assert!(engine.chat_template().is_none());
+    let e = engine.render_chat(&chat).unwrap_err().to_string();
+    assert!(
+        e.contains("chat template error") && e.contains("syntax error"),
+        "{e}"
+    );
+    assert!(!e.contains("no chat template"), "{e}");
+
+    let none = TinyModel {
+        chat_template: None,
+        ..TinyModel::default()
+    };
+    let engine = Engine::from_file(tiny_with(&none, |_| {}), cpu(), options(256)).unwrap();
+    let e = engine.render_chat(&chat).unwrap_err().to_string();
+    assert!(e.contains("no chat template"), "{e}");
+
+    // A template in the file that doubles a string forty times.
+    let doubling = TinyModel {
+        chat_template: Some("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}".into()),
+        ..TinyModel::default()
+    };
+    let engine = Engine::from_file(tiny_with(&doubling, |_| {}), cpu(), options(256)).unwrap();
+    let e = engine.render_chat(&chat).unwrap_err().to_string();
+    assert!(
+        e.contains("chat template error") && e.contains("limit"),
+        "{e}"
+    );
+}

@@ -3,8 +3,16 @@
 //! Hugging Face renders these Jinja templates with `trim_blocks` and `lstrip_blocks` on and adds
 //! `raise_exception`; the templates call Python string methods (`.strip()`, `.startswith()`, ...),
 //! which minijinja-contrib's `pycompat` callback supplies. `tools` is left undefined (no tool use).
+//!
+//! A template comes from the model file and is untrusted: what one render may compute is bounded
+//! (fuel, recursion, and the size of every string, list and output it builds: see
+//! [`crate::chat_limits`]), and a template that does not parse, or a render over those bounds, is a
+//! [`TokenizerError::Template`] naming the problem.
 
+use minijinja::machinery::WhitespaceConfig;
 use minijinja::{Environment, ErrorKind, Value};
+
+use crate::chat_limits;
 use serde::Serialize;
 
 use crate::TokenizerError;
@@ -57,17 +65,39 @@ impl ChatTemplate {
         bos_token: &str,
         eos_token: &str,
     ) -> Result<ChatTemplate, TokenizerError> {
+        if source.len() > chat_limits::MAX_SOURCE_BYTES {
+            return Err(TokenizerError::Template(format!(
+                "the template has {} bytes, more than the {} accepted",
+                source.len(),
+                chat_limits::MAX_SOURCE_BYTES
+            )));
+        }
+        let ws = WhitespaceConfig {
+            keep_trailing_newline: false,
+            lstrip_blocks: true,
+            trim_blocks: true,
+        };
+        let (checked_source, longest_text) =
+            chat_limits::rewrite_operators(source, ws).map_err(template_error)?;
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(chat_limits::method);
+        env.set_formatter(chat_limits::formatter);
+        env.set_recursion_limit(chat_limits::RECURSION_LIMIT);
+        // Each emit of literal text costs one unit of fuel: this bounds the
+        // text a loop can emit into a macro's or block's output.
+        let fuel =
+            (chat_limits::RAW_TEXT_BUDGET / longest_text.max(1) as u64).min(chat_limits::MAX_FUEL);
+        env.set_fuel(Some(fuel));
+        chat_limits::install(&mut env);
         env.add_function(
             "raise_exception",
             |message: String| -> Result<Value, minijinja::Error> {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
             },
         );
-        env.add_template_owned(TEMPLATE_NAME, source.to_owned())
+        env.add_template_owned(TEMPLATE_NAME, checked_source)
             .map_err(template_error)?;
         Ok(ChatTemplate {
             env,
@@ -102,14 +132,38 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(template_error)?;
-        template
-            .render(minijinja::context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => &self.bos_token,
-                eos_token => &self.eos_token,
-            })
-            .map_err(template_error)
+        let input: u64 = messages
+            .iter()
+            .map(|m| (m.role.len() + m.content.len() + 16) as u64)
+            .sum::<u64>()
+            + (self.bos_token.len() + self.eos_token.len()) as u64;
+        let limit = chat_limits::BASE_LIMIT
+            .saturating_add(input.saturating_mul(chat_limits::LIMIT_PER_INPUT_BYTE));
+        let mut out = chat_limits::CappedString {
+            text: String::new(),
+            cap: usize::try_from(limit).unwrap_or(usize::MAX),
+            overflowed: false,
+        };
+        let rendered = chat_limits::with_limit(limit, || {
+            template
+                .render_captured_to(
+                    minijinja::context! {
+                        messages => messages,
+                        add_generation_prompt => add_generation_prompt,
+                        bos_token => &self.bos_token,
+                        eos_token => &self.eos_token,
+                    },
+                    &mut out,
+                )
+                .map(|_| ())
+        });
+        if out.overflowed {
+            return Err(TokenizerError::Template(format!(
+                "the output would exceed this render's limit of {limit} bytes"
+            )));
+        }
+        rendered.map_err(template_error)?;
+        Ok(out.text)
     }
 }
 

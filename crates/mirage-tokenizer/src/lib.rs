@@ -32,6 +32,7 @@
 mod bpe;
 mod byte_level;
 mod chat;
+mod chat_limits;
 mod gguf;
 mod pretokenize;
 mod special;
