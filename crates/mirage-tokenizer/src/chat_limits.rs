@@ -18,6 +18,11 @@
 //!   `pprint`, `list`, `split`, `lines`, and the Python string methods
 //!   `replace`, `format`, `join`, `split`, `splitlines`) are wrapped with the
 //!   same check; the others produce at most a small multiple of their input.
+//! - **Namespaces** are the one mutable value: `{% set ns.a = ns %}` would
+//!   make a value that contains itself, which printing, comparing or
+//!   sizing recurses into without end (a stack overflow). The value of every
+//!   `{% set X.Y = ... %}` is checked to be nested at most [`MAX_DEPTH`]
+//!   levels deep (a cycle is infinitely deep) before it is stored.
 //! - **Output.** Every `{{ ... }}`, in the result or inside a macro or
 //!   `{% set %}` block, is counted against the limit; the result is written
 //!   through a writer that stops at it.
@@ -47,6 +52,8 @@ pub const RAW_TEXT_BUDGET: u64 = 256 << 20;
 pub const MAX_FUEL: u64 = 5_000_000;
 /// Nesting of calls and blocks: low enough for a 2 MiB thread stack.
 pub const RECURSION_LIMIT: usize = 100;
+/// Deepest nesting of lists, maps and namespaces a namespace may store.
+pub const MAX_DEPTH: usize = 32;
 /// Longest template source accepted.
 pub const MAX_SOURCE_BYTES: usize = 1 << 20;
 
@@ -101,8 +108,14 @@ fn check_items(what: &str, n: u64) -> Result<(), Error> {
 /// Stops walking as soon as the bound passes `cap`, so the cost is at most
 /// about `cap / 2` items.
 pub(crate) fn rendered_size(v: &Value, cap: u64) -> u64 {
-    fn walk(v: &Value, quoted: bool, cap: u64, acc: &mut u64) {
+    fn walk(v: &Value, quoted: bool, depth: usize, cap: u64, acc: &mut u64) {
         if *acc > cap {
+            return;
+        }
+        if depth > 2 * MAX_DEPTH {
+            // Deeper than anything a namespace may store: a value that
+            // contains itself, or one built to be walked forever.
+            *acc = u64::MAX;
             return;
         }
         match v.kind() {
@@ -122,11 +135,11 @@ pub(crate) fn rendered_size(v: &Value, cap: u64) -> u64 {
                 let is_map = v.kind() == ValueKind::Map;
                 for item in items {
                     *acc += 2;
-                    walk(&item, true, cap, acc);
+                    walk(&item, true, depth + 1, cap, acc);
                     if is_map {
                         *acc += 2;
                         if let Ok(value) = v.get_item(&item) {
-                            walk(&value, true, cap, acc);
+                            walk(&value, true, depth + 1, cap, acc);
                         }
                     }
                     if *acc > cap {
@@ -140,8 +153,60 @@ pub(crate) fn rendered_size(v: &Value, cap: u64) -> u64 {
         }
     }
     let mut acc = 0;
-    walk(v, false, cap, &mut acc);
+    walk(v, false, 0, cap, &mut acc);
     acc
+}
+
+/// Whether `v` is nested deeper than `limit` levels of lists, maps and
+/// namespaces, contains `target` (by identity), or takes more than
+/// `budget` items to find out.
+fn too_deep_or_contains(v: &Value, target: &Value, limit: usize, budget: &mut u64) -> bool {
+    if v.as_object().is_some() && minijinja::tests::is_sameas(v, target) {
+        return true;
+    }
+    if !matches!(
+        v.kind(),
+        ValueKind::Seq | ValueKind::Iterable | ValueKind::Map
+    ) {
+        return false;
+    }
+    if limit == 0 {
+        return true;
+    }
+    let Ok(items) = v.try_iter() else {
+        return false;
+    };
+    let is_map = v.kind() == ValueKind::Map;
+    for item in items {
+        if *budget == 0 {
+            return true;
+        }
+        *budget -= 1;
+        let child = if is_map {
+            v.get_item(&item).unwrap_or_default()
+        } else {
+            item
+        };
+        if too_deep_or_contains(&child, target, limit - 1, budget) {
+            return true;
+        }
+    }
+    false
+}
+
+/// What `{% set ns.attr = value %}` stores: `value`, if it neither contains
+/// `ns` nor nests deeper than [`MAX_DEPTH`] (see the module doc).
+fn store(value: Value, namespace: Value) -> Result<Value, Error> {
+    let mut budget = limit() / 2;
+    if too_deep_or_contains(&value, &namespace, MAX_DEPTH, &mut budget) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "a namespace may not store itself, or a value nested more than {MAX_DEPTH} levels deep"
+            ),
+        ));
+    }
+    Ok(value)
 }
 
 fn size(v: &Value) -> u64 {
@@ -180,7 +245,7 @@ struct Edit {
     /// then opening calls of longer spans before shorter ones.
     order: (u8, std::cmp::Reverse<usize>),
     remove: usize,
-    text: &'static str,
+    text: std::borrow::Cow<'static, str>,
 }
 
 /// The source with every `+`, `~` and `*` rewritten into a checking call,
@@ -189,12 +254,7 @@ pub(crate) fn rewrite_operators(
     source: &str,
     ws: WhitespaceConfig,
 ) -> Result<(String, usize), Error> {
-    let ast = minijinja::machinery::parse(
-        source,
-        "chat",
-        minijinja::syntax::SyntaxConfig,
-        ws,
-    )?;
+    let ast = minijinja::machinery::parse(source, "chat", minijinja::syntax::SyntaxConfig, ws)?;
     let mut w = Walker {
         source: source.as_bytes(),
         edits: Vec::new(),
@@ -210,8 +270,14 @@ pub(crate) fn rewrite_operators(
     let mut out = String::with_capacity(source.len() + edits.len() * 16);
     let mut pos = 0;
     for e in &edits {
+        if e.at < pos {
+            return Err(Error::new(
+                ErrorKind::SyntaxError,
+                format!("overlapping expressions at byte {}", e.at),
+            ));
+        }
         out.push_str(&source[pos..e.at]);
-        out.push_str(e.text);
+        out.push_str(&e.text);
         pos = e.at + e.remove;
     }
     out.push_str(&source[pos..]);
@@ -261,6 +327,9 @@ impl Walker<'_> {
             }
             S::Set(s) => {
                 self.expr(&s.target);
+                if matches!(s.target, ast::Expr::GetAttr(_)) {
+                    self.namespace_store(&s.target, &s.expr);
+                }
                 self.expr(&s.expr);
             }
             S::SetBlock(s) => {
@@ -385,6 +454,54 @@ impl Walker<'_> {
         }
     }
 
+    /// `{% set NS.Y = VALUE %}` becomes
+    /// `{% set NS.Y = __mirage_store(VALUE, NS) %}`. VALUE starts after the
+    /// `=` that follows the target (its own span may start later, at a
+    /// filter's name) and ends where its span ends.
+    fn namespace_store(&mut self, target: &ast::Expr<'_>, value: &ast::Expr<'_>) {
+        let ast::Expr::GetAttr(attr) = target else {
+            return;
+        };
+        let ast::Expr::Var(ns) = &attr.expr else {
+            self.error = Some(Error::new(
+                ErrorKind::SyntaxError,
+                "only `{% set name.attr = ... %}` assigns to a namespace",
+            ));
+            return;
+        };
+        let end = value.span().end_offset as usize;
+        let mut at = target.span().end_offset as usize;
+        while at < end && self.source[at].is_ascii_whitespace() {
+            at += 1;
+        }
+        if at >= end || self.source[at] != b'=' {
+            self.error = Some(Error::new(
+                ErrorKind::SyntaxError,
+                format!("cannot locate the value of the assignment at byte {at}"),
+            ));
+            return;
+        }
+        at += 1;
+        while at < end && self.source[at].is_ascii_whitespace() {
+            at += 1;
+        }
+        // One longer than the span, so that an operator spanning the whole
+        // value opens inside this call and closes before it.
+        let len = end - at + 1;
+        self.edits.push(Edit {
+            at,
+            order: (1, std::cmp::Reverse(len)),
+            remove: 0,
+            text: "__mirage_store(".into(),
+        });
+        self.edits.push(Edit {
+            at: end,
+            order: (0, std::cmp::Reverse(usize::MAX - len)),
+            remove: 0,
+            text: format!(", {})", ns.id).into(),
+        });
+    }
+
     /// `LEFT op RIGHT` becomes `__fn(LEFT , RIGHT)`. The operator is the
     /// first byte after the left operand's end that is neither space nor
     /// the `)` of a parenthesized left operand.
@@ -415,20 +532,20 @@ impl Walker<'_> {
             at: start,
             order: (1, std::cmp::Reverse(len)),
             remove: 0,
-            text: open,
+            text: open.into(),
         });
         self.edits.push(Edit {
             at,
             order: (1, std::cmp::Reverse(0)),
             remove: 1,
-            text: ",",
+            text: ",".into(),
         });
         // Closing: shorter (inner) spans first.
         self.edits.push(Edit {
             at: end,
             order: (0, std::cmp::Reverse(usize::MAX - len)),
             remove: 0,
-            text: ")",
+            text: ")".into(),
         });
     }
 }
@@ -546,6 +663,11 @@ pub(crate) fn install(env: &mut Environment<'_>) {
     env.add_function("__mirage_add", add);
     env.add_function("__mirage_concat", concat);
     env.add_function("__mirage_mul", mul);
+    env.add_function("__mirage_store", store);
+    env.add_filter("string", |state: &State, v: &Value| {
+        check("`string`", size(v))?;
+        minijinja::filters::string(state, v)
+    });
     env.add_filter(
         "replace",
         |state: &State, v: StringInput<'_>, from: StringInput<'_>, to: StringInput<'_>| {
@@ -747,6 +869,12 @@ mod tests {
              {{ __mirage_add(x , __mirage_mul(-y , 2)) }}{% set s = __mirage_add([1] , [2]) %}BB"
         );
         assert_eq!(raw, 2);
+        let (out, _) =
+            rewrite_operators("{% set ns.s = ns.s ~ x|trim %}{% set y = 1 + 2 %}", ws()).unwrap();
+        assert_eq!(
+            out,
+            "{% set ns.s = __mirage_store(__mirage_concat(ns.s , x|trim), ns) %}{% set y = __mirage_add(1 , 2) %}"
+        );
     }
 
     #[test]

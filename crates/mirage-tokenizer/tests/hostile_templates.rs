@@ -146,3 +146,28 @@ fn long_real_conversations_still_render() {
     let per = |role: usize| 12 + role + 1 + 1000 + 10 + 1;
     assert_eq!(out.len(), 1000 * per(4) + 1000 * per(9) + 22);
 }
+
+/// Found by the fuzzer: a namespace stored into itself made every later
+/// walk of it (printing, `~`, comparing) recurse until the stack overflowed.
+#[test]
+fn a_namespace_holding_itself_or_nested_without_end_is_refused() {
+    let h = std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(|| {
+            for source in [
+                "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+                "{% set ns = namespace(s=1) %}{% set ns.s = ns %}{{ ns }}",
+                "{% set ns = namespace(s=1) %}{% set ns.s = [1, {'a': ns}] %}{{ ns == ns }}",
+                "{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = [ns.l] %}{% endfor %}{{ ns.l }}",
+            ] {
+                match render(source) {
+                    Err(TokenizerError::Template(m)) => {
+                        assert!(m.contains("namespace may not store"), "{source}\n  -> {m}")
+                    }
+                    other => panic!("{source}: {other:?}"),
+                }
+            }
+        })
+        .unwrap();
+    h.join().expect("no stack overflow");
+}
