@@ -58,6 +58,24 @@ fn template_error(e: minijinja::Error) -> TokenizerError {
     TokenizerError::Template(message)
 }
 
+/// Runs a call into minijinja, turning a panic inside it into an error:
+/// minijinja 2.24 panics on some templates (reversing an empty string or
+/// list, `''[::-1]`), and a template from a model file must not take the
+/// process down.
+fn engine_call<T>(f: impl FnOnce() -> Result<T, minijinja::Error>) -> Result<T, minijinja::Error> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let what = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("a panic");
+        Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("the template engine failed: {what}"),
+        ))
+    })
+}
+
 impl ChatTemplate {
     /// Compile `source`; `bos_token` / `eos_token` are the texts the template sees under those names.
     pub fn new(
@@ -78,7 +96,7 @@ impl ChatTemplate {
             trim_blocks: true,
         };
         let (checked_source, longest_text) =
-            chat_limits::rewrite_operators(source, ws).map_err(template_error)?;
+            engine_call(|| chat_limits::rewrite_operators(source, ws)).map_err(template_error)?;
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -97,7 +115,7 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
             },
         );
-        env.add_template_owned(TEMPLATE_NAME, checked_source)
+        engine_call(|| env.add_template_owned(TEMPLATE_NAME, checked_source))
             .map_err(template_error)?;
         Ok(ChatTemplate {
             env,
@@ -145,8 +163,8 @@ impl ChatTemplate {
             overflowed: false,
         };
         let rendered = chat_limits::with_limit(limit, || {
-            template
-                .render_captured_to(
+            engine_call(|| {
+                template.render_captured_to(
                     minijinja::context! {
                         messages => messages,
                         add_generation_prompt => add_generation_prompt,
@@ -155,7 +173,8 @@ impl ChatTemplate {
                     },
                     &mut out,
                 )
-                .map(|_| ())
+            })
+            .map(|_| ())
         });
         if out.overflowed {
             return Err(TokenizerError::Template(format!(

@@ -171,3 +171,22 @@ fn a_namespace_holding_itself_or_nested_without_end_is_refused() {
         .unwrap();
     h.join().expect("no stack overflow");
 }
+
+/// Found by the fuzzer: minijinja 2.24 panics reversing an empty string or
+/// list (`''[::-1]`, index out of bounds). A panic inside the template
+/// engine is a template error, like any other failure of the template.
+#[test]
+fn a_panic_inside_the_template_engine_is_a_template_error() {
+    for source in [
+        "{{ ''[::-1] }}",
+        "{{ messages[5:][::-1] }}",
+        "{{ 'abc'[9:][::-1] }}",
+    ] {
+        match render(source) {
+            Err(TokenizerError::Template(m)) => assert!(m.contains("index out of bounds"), "{m}"),
+            other => panic!("{source}: {other:?}"),
+        }
+    }
+    // Reversing what is not empty works.
+    assert_eq!(render("{{ 'abc'[::-1] }}").unwrap(), "cba");
+}
