@@ -28,6 +28,10 @@
 //!   through a writer that stops at it.
 //! - **Literal text** in a loop is bounded by fuel: each emit costs one unit,
 //!   so fuel is at most [`RAW_TEXT_BUDGET`] over the longest literal segment.
+//! - **Work.** Fuel counts instructions, but one `~` may copy a megabyte: a
+//!   loop appending to a growing string costs the square of its length. So
+//!   the bytes each checked operation builds or walks are added up, and a
+//!   render stops at [`WORK_PER_LIMIT`] times its limit.
 //!
 //! The limit of one render is [`BASE_LIMIT`] plus [`LIMIT_PER_INPUT_BYTE`]
 //! per byte of the conversation (roles, contents, BOS/EOS): room for any
@@ -52,26 +56,73 @@ pub const RAW_TEXT_BUDGET: u64 = 256 << 20;
 pub const MAX_FUEL: u64 = 5_000_000;
 /// Nesting of calls and blocks: low enough for a 2 MiB thread stack.
 pub const RECURSION_LIMIT: usize = 100;
+/// Bytes a render may build or walk in checked operations, per byte of its
+/// limit.
+pub const WORK_PER_LIMIT: u64 = 64;
+/// Work charged for visiting one item of a list or map (what walking it
+/// costs, in bytes copied).
+const ITEM_WORK: u64 = 64;
 /// Deepest nesting of lists, maps and namespaces a namespace may store.
 pub const MAX_DEPTH: usize = 32;
 /// Longest template source accepted.
 pub const MAX_SOURCE_BYTES: usize = 1 << 20;
 
+/// What the render running on this thread may still do.
+#[derive(Debug, Clone, Copy)]
+struct Budget {
+    /// Largest value or output, in bytes.
+    limit: u64,
+    /// Bytes emitted so far.
+    emitted: u64,
+    /// Bytes built or walked so far by checked operations.
+    work: u64,
+}
+
 thread_local! {
-    /// (limit, bytes emitted so far) of the render running on this thread.
-    static BUDGET: Cell<(u64, u64)> = const { Cell::new((u64::MAX, 0)) };
+    static BUDGET: Cell<Budget> = const {
+        Cell::new(Budget { limit: u64::MAX, emitted: 0, work: 0 })
+    };
 }
 
 /// Runs `f` with `limit` as this thread's render limit.
 pub(crate) fn with_limit<T>(limit: u64, f: impl FnOnce() -> T) -> T {
-    let saved = BUDGET.with(|b| b.replace((limit, 0)));
+    let fresh = Budget {
+        limit,
+        emitted: 0,
+        work: 0,
+    };
+    let saved = BUDGET.with(|b| b.replace(fresh));
     let out = f();
     BUDGET.with(|b| b.set(saved));
     out
 }
 
 fn limit() -> u64 {
-    BUDGET.with(|b| b.get().0)
+    BUDGET.with(|b| b.get().limit)
+}
+
+/// Adds `bytes` to the render's work (checked by the next [`check`]).
+fn charge(bytes: u64) {
+    BUDGET.with(|b| {
+        let mut v = b.get();
+        v.work = v.work.saturating_add(bytes);
+        b.set(v);
+    });
+}
+
+fn check_work() -> Result<(), Error> {
+    let b = BUDGET.with(|b| b.get());
+    let max = b.limit.saturating_mul(WORK_PER_LIMIT);
+    if b.work > max {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "the template does too much work: its operations built or walked {} bytes, over the limit of {max}",
+                b.work
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn too_large(what: &str, size: u64) -> Error {
@@ -84,12 +135,13 @@ fn too_large(what: &str, size: u64) -> Error {
     )
 }
 
+/// Refuses a result of `size` bytes over the limit; charges it as work.
 fn check(what: &str, size: u64) -> Result<(), Error> {
     if size > limit() {
-        Err(too_large(what, size))
-    } else {
-        Ok(())
+        return Err(too_large(what, size));
     }
+    charge(size);
+    check_work()
 }
 
 fn check_items(what: &str, n: u64) -> Result<(), Error> {
@@ -99,7 +151,8 @@ fn check_items(what: &str, n: u64) -> Result<(), Error> {
             format!("{what} would hold {n} items, over the limit of {MAX_ITEMS}"),
         ))
     } else {
-        Ok(())
+        charge(n.saturating_mul(ITEM_WORK));
+        check_work()
     }
 }
 
@@ -197,8 +250,12 @@ fn too_deep_or_contains(v: &Value, target: &Value, limit: usize, budget: &mut u6
 /// What `{% set ns.attr = value %}` stores: `value`, if it neither contains
 /// `ns` nor nests deeper than [`MAX_DEPTH`] (see the module doc).
 fn store(value: Value, namespace: Value) -> Result<Value, Error> {
-    let mut budget = limit() / 2;
-    if too_deep_or_contains(&value, &namespace, MAX_DEPTH, &mut budget) {
+    let start = limit() / 2;
+    let mut budget = start;
+    let refused = too_deep_or_contains(&value, &namespace, MAX_DEPTH, &mut budget);
+    charge((start - budget).saturating_mul(ITEM_WORK));
+    check_work()?;
+    if refused {
         return Err(Error::new(
             ErrorKind::InvalidOperation,
             format!(
@@ -209,8 +266,12 @@ fn store(value: Value, namespace: Value) -> Result<Value, Error> {
     Ok(value)
 }
 
+/// [`rendered_size`] at the render's limit, charged as work (walking a
+/// value costs about its size).
 fn size(v: &Value) -> u64 {
-    rendered_size(v, limit())
+    let s = rendered_size(v, limit());
+    charge(s.min(limit()));
+    s
 }
 
 fn str_len(v: &Value) -> u64 {
@@ -808,12 +869,13 @@ pub(crate) fn method(
 /// output) against the render's limit, then writes it as minijinja would.
 pub(crate) fn formatter(out: &mut Output, state: &State, value: &Value) -> Result<(), Error> {
     let n = size(value);
-    let (lim, used) = BUDGET.with(|b| b.get());
-    let used = used.saturating_add(n);
-    if used > lim {
-        return Err(too_large("the template's output", used));
+    check_work()?;
+    let mut b = BUDGET.with(|b| b.get());
+    b.emitted = b.emitted.saturating_add(n);
+    if b.emitted > b.limit {
+        return Err(too_large("the template's output", b.emitted));
     }
-    BUDGET.with(|b| b.set((lim, used)));
+    BUDGET.with(|c| c.set(b));
     minijinja::escape_formatter(out, state, value)
 }
 
