@@ -661,15 +661,14 @@ fn concat(a: Value, b: Value) -> Result<Value, Error> {
 fn mul(a: Value, b: Value) -> Result<Value, Error> {
     let (item, times) = if a.is_number() { (&b, &a) } else { (&a, &b) };
     if item.kind() == ValueKind::String || is_seq(item) {
-        if let Ok(n) = i64::try_from(times.clone()) {
-            let n = n.max(0) as u64;
-            check("the result of `*`", size(item).saturating_mul(n))?;
+        // Not a count (negative, fractional): minijinja's error.
+        if let Ok(n) = u64::try_from(times.clone()) {
             if is_seq(item) {
-                check_items(
-                    "the result of `*`",
-                    (item.len().unwrap_or(0) as u64).saturating_mul(n),
-                )?;
+                // Repeating is lazy: even `[] * n` takes n steps to walk.
+                let len = item.len().unwrap_or(0).max(1) as u64;
+                check_items("the result of `*`", len.saturating_mul(n))?;
             }
+            check("the result of `*`", size(item).saturating_mul(n))?;
         }
     }
     apply("*", a, b)

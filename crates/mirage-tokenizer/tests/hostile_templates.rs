@@ -61,7 +61,7 @@ fn doubling_through_captured_output_is_refused() {
 #[test]
 fn one_step_amplifiers_are_refused() {
     refused("{{ 'x' * 100000000 }}", "limit");
-    refused("{{ ([1] * 1000000000)|length }}", "limit");
+    refused("{{ ([1] * 1000000000)|length }}", "items");
     refused("{{ 'a\nb'|indent(1000000000000) }}", "limit");
     refused("{{ '%999999999999d'|format(1) }}", "limit");
     refused("{{ '{:>999999999999}'.format(1) }}", "limit");
@@ -204,5 +204,23 @@ fn quadratic_string_building_is_refused_fast() {
     refused(
         "{% set ns = namespace(l=[]) %}{% set big = range(50000)|list %}{% for i in range(100000) %}{% set ns.l = big %}{% endfor %}",
         "work",
+    );
+}
+
+/// Found by the fuzzer: `[] * n` is a lazy sequence that yields nothing but
+/// takes n steps to find that out, so any walk of it with a huge n hangs.
+#[test]
+fn repeating_a_sequence_a_huge_number_of_times_is_refused() {
+    for source in [
+        "{% for x in [] * 1000000000000 %}{% endfor %}",
+        "{{ ([] * 1000000000000) ~ 'x' }}",
+        "{{ ([1] * 1000000000000)|length }}",
+    ] {
+        refused(source, "items");
+    }
+    refused("{{ [] * 18446744073709551615 }}", "items");
+    assert_eq!(
+        render("{{ ([1, 2] * 3)|join(',') }}").unwrap(),
+        "1,2,1,2,1,2"
     );
 }
