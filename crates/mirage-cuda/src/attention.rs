@@ -173,6 +173,17 @@ impl CudaBackend {
             .and_then(|x| x.checked_mul(spec.head_dim))
             .and_then(|x| x.checked_mul(elem))
             .ok_or_else(|| bad("KV cache size overflows"))?;
+        // Refused with both sizes named, before the first of 2 x n_layer
+        // allocations (a failed one would say only "out of memory").
+        let needed = (per_layer as u64).saturating_mul(2 * spec.n_layer as u64);
+        let (free, _) = self.device_memory()?;
+        if needed > free as u64 {
+            return Err(mirage_runtime::RuntimeError::OutOfMemory {
+                what: format!("{} on the GPU", spec.describe()),
+                needed,
+                available: free as u64,
+            });
+        }
         let mut k = Vec::with_capacity(spec.n_layer);
         let mut v = Vec::with_capacity(spec.n_layer);
         for _ in 0..spec.n_layer {

@@ -159,6 +159,7 @@ impl<'e, B: Backend> Batcher<'e, B> {
     /// room for a token, and with [`RuntimeError::InvalidArgument`] for an
     /// empty prompt or when every slot is taken.
     pub fn add(&mut self, prompt: Vec<u32>, params: &GenerateParams) -> Result<usize> {
+        params.validate()?;
         if prompt.is_empty() {
             return Err(RuntimeError::InvalidArgument("empty prompt".into()));
         }

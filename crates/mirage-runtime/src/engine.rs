@@ -37,7 +37,10 @@ fn tok_err(e: mirage_tokenizer::TokenizerError) -> RuntimeError {
 pub struct EngineOptions {
     /// CPU worker threads (0: one per logical CPU).
     pub threads: usize,
-    /// Positions per session (0: the training context, capped at 4096).
+    /// Positions per session (0: the training context, capped at 4096). At
+    /// most the training context, or the context the file's RoPE scaling
+    /// extends it to ([`crate::ModelConfig::max_context`]); a session's KV
+    /// cache must also fit the memory available ([`crate::memory`]).
     pub n_ctx: usize,
     /// KV cache element type.
     pub kv_dtype: KvDtype,
@@ -87,6 +90,13 @@ pub struct GenerateParams {
     /// Report each generated token's log-probability with this many most
     /// likely alternatives (0..=20; see [`token_logprob`]); `None`: none.
     pub logprobs: Option<usize>,
+}
+
+impl GenerateParams {
+    /// Refuses sampling parameters out of range ([`SamplingParams::validate`]).
+    pub fn validate(&self) -> Result<()> {
+        self.sampling.validate()
+    }
 }
 
 impl Default for GenerateParams {
@@ -241,7 +251,9 @@ pub struct Generation {
 pub struct Engine<B: Backend = CpuBackend> {
     model: Model<B>,
     tokenizer: Tokenizer,
-    chat_template: Option<ChatTemplate>,
+    /// The compiled template, or why there is none (missing from the file,
+    /// or present and broken: said as such when a chat is rendered).
+    chat_template: std::result::Result<ChatTemplate, String>,
     options: EngineOptions,
     n_ctx: usize,
 }
@@ -290,7 +302,12 @@ impl<B: Backend> Engine<B> {
         // Before any upload: the backend picks its kernels per matrix.
         backend.set_deterministic(options.deterministic)?;
         let tokenizer = Tokenizer::from_gguf(&file).map_err(tok_err)?;
-        let chat_template = ChatTemplate::from_gguf(&file).ok();
+        let chat_template = ChatTemplate::from_gguf(&file).map_err(|e| match e {
+            mirage_tokenizer::TokenizerError::MissingKey(_) => {
+                "the model has no chat template".to_string()
+            }
+            e => e.to_string(),
+        });
         let model = Model::load(file, backend)?;
         let train = model.config().n_ctx_train.max(1);
         let n_ctx = if options.n_ctx == 0 {
@@ -298,6 +315,8 @@ impl<B: Backend> Engine<B> {
         } else {
             options.n_ctx
         };
+        // Before any cache is sized by it.
+        model.config().check_context(n_ctx)?;
         Ok(Engine {
             model,
             tokenizer,
@@ -319,7 +338,13 @@ impl<B: Backend> Engine<B> {
 
     /// The chat template, when the file has one that compiles.
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
-        self.chat_template.as_ref()
+        self.chat_template.as_ref().ok()
+    }
+
+    /// Why there is no chat template: missing from the file, or present but
+    /// not compiling (the template error).
+    pub fn chat_template_error(&self) -> Option<&str> {
+        self.chat_template.as_ref().err().map(String::as_str)
     }
 
     /// Positions per session.
@@ -351,7 +376,7 @@ impl<B: Backend> Engine<B> {
         let t = self
             .chat_template
             .as_ref()
-            .ok_or_else(|| RuntimeError::Tokenizer("the model has no chat template".into()))?;
+            .map_err(|why| RuntimeError::Tokenizer(why.clone()))?;
         t.render(messages, true).map_err(tok_err)
     }
 

@@ -52,6 +52,27 @@ pub enum RuntimeError {
         /// Positions per sequence in the cache.
         n_ctx: usize,
     },
+    /// A context longer than the model was trained on (and its RoPE scaling
+    /// extends it to).
+    #[error("context of {n_ctx} positions exceeds {limit}: {why}")]
+    ContextTooLarge {
+        /// Positions asked for.
+        n_ctx: usize,
+        /// The most the model allows.
+        limit: usize,
+        /// Where the limit comes from.
+        why: String,
+    },
+    /// A buffer larger than the memory available (see [`crate::memory`]).
+    #[error("{what} needs {}, but only {} of memory is available", crate::memory::human_bytes(*needed), crate::memory::human_bytes(*available))]
+    OutOfMemory {
+        /// What the buffer is, with its shape.
+        what: String,
+        /// Bytes it needs.
+        needed: u64,
+        /// Bytes available (0 when the allocator refused without the system saying).
+        available: u64,
+    },
     /// A caller passed something out of range or inconsistent.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -101,6 +101,7 @@ impl<'e, B: Backend> Session<'e, B> {
         context: &[u32],
         params: &GenerateParams,
     ) -> Result<GenState> {
+        params.validate()?;
         let t0 = Instant::now();
         let before = self
             .tokens

@@ -16,6 +16,7 @@ pub mod gemma3;
 pub mod generate;
 pub mod kv_cache;
 pub mod kv_pages;
+pub mod memory;
 pub mod model;
 pub mod observe;
 pub mod ops;

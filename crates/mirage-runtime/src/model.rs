@@ -95,6 +95,47 @@ impl ModelConfig {
         })
     }
 
+    /// The longest context this model may run: its training context, or,
+    /// when the file declares RoPE scaling, the context the scaling
+    /// extends to (`factor` times the original context, itself the training
+    /// context unless the file names another), whichever is longer.
+    pub fn max_context(&self) -> usize {
+        let r = &self.rope_scaling;
+        if r.kind == crate::rope::RopeScalingKind::None {
+            return self.n_ctx_train;
+        }
+        let base = if r.original_context_length > 0 {
+            r.original_context_length
+        } else {
+            self.n_ctx_train
+        };
+        let scaled = (base as f64 * r.factor as f64).min(usize::MAX as f64) as usize;
+        self.n_ctx_train.max(scaled)
+    }
+
+    /// Refuses a context longer than [`ModelConfig::max_context`], naming
+    /// both and where the limit comes from.
+    pub fn check_context(&self, n_ctx: usize) -> Result<()> {
+        let limit = self.max_context();
+        if n_ctx <= limit {
+            return Ok(());
+        }
+        let r = &self.rope_scaling;
+        let why = if r.kind == crate::rope::RopeScalingKind::None {
+            format!(
+                "the model was trained on {} positions ({}.context_length) and declares no RoPE scaling",
+                self.n_ctx_train,
+                self.arch.name()
+            )
+        } else {
+            format!(
+                "the model was trained on {} positions and its {:?} RoPE scaling by {} extends that to {limit}",
+                self.n_ctx_train, r.kind, r.factor
+            )
+        };
+        Err(RuntimeError::ContextTooLarge { n_ctx, limit, why })
+    }
+
     /// The attention parameters every layer shares.
     pub fn attention_params(&self) -> AttentionParams {
         AttentionParams {

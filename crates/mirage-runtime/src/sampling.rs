@@ -4,7 +4,9 @@
 //!
 //! The order of the transforms follows llama.cpp's default sampler chain:
 //! penalties, then top-k, top-p, min-p, then temperature and the draw. A
-//! temperature of zero (or below) means greedy after the penalties.
+//! temperature of zero means greedy after the penalties.
+//! [`SamplingParams::validate`] is the one range check every frontend
+//! shares.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -13,7 +15,8 @@ use std::collections::HashMap;
 /// Sampling knobs. [`SamplingParams::default`] is greedy with no penalties.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
-    /// Softmax temperature; `<= 0` selects the arg-max (greedy).
+    /// Softmax temperature; 0 selects the arg-max (greedy). Negative,
+    /// infinite and NaN values are refused ([`SamplingParams::validate`]).
     pub temperature: f32,
     /// Keep only the `top_k` most likely tokens; 0 disables.
     pub top_k: usize,
@@ -46,6 +49,46 @@ impl Default for SamplingParams {
             penalty_last_n: 64,
             seed: 0,
         }
+    }
+}
+
+impl SamplingParams {
+    /// Refuses values that are out of range or not numbers, naming the
+    /// field: `temperature` finite and >= 0 (0: greedy), `top_p` in (0, 1],
+    /// `min_p` in [0, 1], `repeat_penalty` finite and > 0, the presence and
+    /// frequency penalties within ±1e6 (OpenAI allows ±2; larger values only
+    /// ever mean "never repeat", and a huge one turns logits into
+    /// infinities). Generation calls it first; frontends may check narrower
+    /// ranges of their own on top.
+    pub fn validate(&self) -> Result<(), crate::RuntimeError> {
+        let bad = |field: &str, value: f32, want: &str| {
+            Err(crate::RuntimeError::InvalidArgument(format!(
+                "sampling parameter {field} is {value}, expected {want}"
+            )))
+        };
+        let t = self.temperature;
+        if !(t.is_finite() && t >= 0.0) {
+            return bad("temperature", t, "a finite number >= 0 (0: greedy)");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", self.top_p, "a number in (0, 1] (1: off)");
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return bad("min_p", self.min_p, "a number in [0, 1] (0: off)");
+        }
+        let r = self.repeat_penalty;
+        if !(r.is_finite() && r > 0.0) {
+            return bad("repeat_penalty", r, "a finite number > 0 (1: off)");
+        }
+        for (field, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if v.is_nan() || v.abs() > 1e6 {
+                return bad(field, v, "a number within ±1e6 (0: off)");
+            }
+        }
+        Ok(())
     }
 }
 

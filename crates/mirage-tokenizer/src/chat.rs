@@ -11,8 +11,16 @@
 //! [`ChatTemplate::supports_tools`] is false and [`ChatTemplate::render_json`] writes the tools into
 //! the system message in the same `<tools>` / `<tool_call>` format (Hermes style, as Qwen2.5's
 //! template does), and tool calls and results into assistant and user text.
+//!
+//! A template comes from the model file and is untrusted: what one render may compute is bounded
+//! (fuel, recursion, and the size of every string, list and output it builds: see
+//! [`crate::chat_limits`]), and a template that does not parse, or a render over those bounds, is a
+//! [`TokenizerError::Template`] naming the problem.
 
+use minijinja::machinery::WhitespaceConfig;
 use minijinja::{Environment, ErrorKind, Value};
+
+use crate::chat_limits;
 use serde::Serialize;
 
 use crate::TokenizerError;
@@ -166,6 +174,24 @@ fn template_error(e: minijinja::Error) -> TokenizerError {
     TokenizerError::Template(message)
 }
 
+/// Runs a call into minijinja, turning a panic inside it into an error:
+/// minijinja 2.24 panics on some templates (reversing an empty string or
+/// list, `''[::-1]`), and a template from a model file must not take the
+/// process down.
+fn engine_call<T>(f: impl FnOnce() -> Result<T, minijinja::Error>) -> Result<T, minijinja::Error> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let what = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("a panic");
+        Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("the template engine failed: {what}"),
+        ))
+    })
+}
+
 impl ChatTemplate {
     /// Compile `source`; `bos_token` / `eos_token` are the texts the template sees under those names.
     pub fn new(
@@ -173,28 +199,39 @@ impl ChatTemplate {
         bos_token: &str,
         eos_token: &str,
     ) -> Result<ChatTemplate, TokenizerError> {
+        if source.len() > chat_limits::MAX_SOURCE_BYTES {
+            return Err(TokenizerError::Template(format!(
+                "the template has {} bytes, more than the {} accepted",
+                source.len(),
+                chat_limits::MAX_SOURCE_BYTES
+            )));
+        }
+        let ws = WhitespaceConfig {
+            keep_trailing_newline: false,
+            lstrip_blocks: true,
+            trim_blocks: true,
+        };
+        let (checked_source, longest_text) =
+            engine_call(|| chat_limits::rewrite_operators(source, ws)).map_err(template_error)?;
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(chat_limits::method);
+        env.set_formatter(chat_limits::formatter);
+        env.set_recursion_limit(chat_limits::RECURSION_LIMIT);
+        // Each emit of literal text costs one unit of fuel: this bounds the
+        // text a loop can emit into a macro's or block's output.
+        let fuel =
+            (chat_limits::RAW_TEXT_BUDGET / longest_text.max(1) as u64).min(chat_limits::MAX_FUEL);
+        env.set_fuel(Some(fuel));
+        chat_limits::install(&mut env);
         env.add_function(
             "raise_exception",
             |message: String| -> Result<Value, minijinja::Error> {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
             },
         );
-        env.add_filter(
-            "tojson",
-            |value: Value, kwargs: minijinja::value::Kwargs| -> Result<Value, minijinja::Error> {
-                let indent: Option<usize> = kwargs.get("indent")?;
-                kwargs.assert_all_used()?;
-                let json = serde_json::to_value(&value).map_err(|e| {
-                    minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string())
-                })?;
-                Ok(Value::from_safe_string(python_json(&json, indent)))
-            },
-        );
-        env.add_template_owned(TEMPLATE_NAME, source.to_owned())
+        engine_call(|| env.add_template_owned(TEMPLATE_NAME, checked_source))
             .map_err(template_error)?;
         // A template renders tools when it reads the `tools` variable.
         let supports_tools = env
@@ -235,14 +272,39 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(template_error)?;
-        template
-            .render(minijinja::context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => &self.bos_token,
-                eos_token => &self.eos_token,
+        let input: u64 = messages
+            .iter()
+            .map(|m| (m.role.len() + m.content.len() + 16) as u64)
+            .sum::<u64>()
+            + (self.bos_token.len() + self.eos_token.len()) as u64;
+        let limit = chat_limits::BASE_LIMIT
+            .saturating_add(input.saturating_mul(chat_limits::LIMIT_PER_INPUT_BYTE));
+        let mut out = chat_limits::CappedString {
+            text: String::new(),
+            cap: usize::try_from(limit).unwrap_or(usize::MAX),
+            overflowed: false,
+        };
+        let rendered = chat_limits::with_limit(limit, || {
+            engine_call(|| {
+                template.render_captured_to(
+                    minijinja::context! {
+                        messages => messages,
+                        add_generation_prompt => add_generation_prompt,
+                        bos_token => &self.bos_token,
+                        eos_token => &self.eos_token,
+                    },
+                    &mut out,
+                )
             })
-            .map_err(template_error)
+            .map(|_| ())
+        });
+        if out.overflowed {
+            return Err(TokenizerError::Template(format!(
+                "the output would exceed this render's limit of {limit} bytes"
+            )));
+        }
+        rendered.map_err(template_error)?;
+        Ok(out.text)
     }
 }
 

@@ -35,6 +35,7 @@ mod bpe;
 mod byte_level;
 mod charsmap;
 mod chat;
+mod chat_limits;
 mod gguf;
 mod pretokenize;
 mod special;

@@ -477,7 +477,7 @@ fn open_artifact(spec: &LoadSpec, file: &GgufFile) -> Result<Option<Arc<Artifact
         error: Box::new(error),
     })?;
     artifact
-        .check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))
+        .check_source(file)
         .map_err(|error| LoadError::ArtifactMismatch {
             artifact: a.path.clone(),
             model: spec.model.clone(),
@@ -584,7 +584,7 @@ fn open_model(spec: &LoadSpec) -> Result<Arc<GgufFile>, LoadError> {
 /// documentation), and runs `visitor` with the engine.
 ///
 /// An artifact must have been built from this very model file (its sha256
-/// is checked).
+/// and its shape are checked).
 pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadError> {
     if let Some(sp) = &spec.sparsity {
         return load_sparse(spec, sp, visitor);

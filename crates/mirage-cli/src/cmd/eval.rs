@@ -181,7 +181,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| PathBuf::from("models").join(&meta.source_name));
     super::generate::check_model(&model_path)?;
     let file = Arc::new(GgufFile::open(&model_path)?);
-    artifact.check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))?;
+    artifact.check_source(&file)?;
     let text = std::fs::read_to_string(&args.text)
         .with_context(|| format!("reading {}", args.text.display()))?;
     if mirage_artifact::format::sha256_hex(text.as_bytes()) == meta.calib_sha256 {

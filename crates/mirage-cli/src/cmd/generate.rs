@@ -33,10 +33,11 @@ pub struct ModelArgs {
     /// the smallest that meets the fidelity gates).
     #[arg(long, requires = "artifact")]
     pub margin: Option<f32>,
-    /// Worker threads (0: one per CPU).
-    #[arg(long, default_value_t = 0)]
+    /// Worker threads (0: one per CPU; more than the CPUs this process may use is refused).
+    #[arg(long, default_value_t = 0, value_parser = parse_threads)]
     pub threads: usize,
-    /// KV-cache positions (0: the model's training context, at most 4096).
+    /// KV-cache positions (0: the model's training context, at most 4096). At most the training
+    /// context (or what the file's RoPE scaling extends it to), and the cache must fit the memory available.
     #[arg(long = "ctx-size", default_value_t = 0)]
     pub ctx_size: usize,
     /// Store the KV cache as f16 instead of f32.
@@ -137,26 +138,26 @@ pub struct SamplingArgs {
     /// Most new tokens.
     #[arg(long = "max-tokens", default_value_t = 128)]
     pub max_tokens: usize,
-    /// Temperature (0: greedy).
-    #[arg(long, default_value_t = 0.8)]
+    /// Temperature (0: greedy; finite, >= 0).
+    #[arg(long, default_value_t = 0.8, value_parser = sampling_parser(|p, v| p.temperature = v))]
     pub temp: f32,
     /// Top-k (0: off).
     #[arg(long = "top-k", default_value_t = 40)]
     pub top_k: usize,
-    /// Top-p (1: off).
-    #[arg(long = "top-p", default_value_t = 0.95)]
+    /// Top-p (1: off; in (0, 1]).
+    #[arg(long = "top-p", default_value_t = 0.95, value_parser = sampling_parser(|p, v| p.top_p = v))]
     pub top_p: f32,
-    /// Min-p (0: off).
-    #[arg(long = "min-p", default_value_t = 0.05)]
+    /// Min-p (0: off; in [0, 1]).
+    #[arg(long = "min-p", default_value_t = 0.05, value_parser = sampling_parser(|p, v| p.min_p = v))]
     pub min_p: f32,
-    /// Repetition penalty (1: off).
-    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    /// Repetition penalty (1: off; > 0).
+    #[arg(long = "repeat-penalty", default_value_t = 1.0, value_parser = sampling_parser(|p, v| p.repeat_penalty = v))]
     pub repeat_penalty: f32,
     /// Presence penalty (0: off).
-    #[arg(long = "presence-penalty", default_value_t = 0.0)]
+    #[arg(long = "presence-penalty", default_value_t = 0.0, value_parser = sampling_parser(|p, v| p.presence_penalty = v))]
     pub presence_penalty: f32,
     /// Frequency penalty (0: off).
-    #[arg(long = "frequency-penalty", default_value_t = 0.0)]
+    #[arg(long = "frequency-penalty", default_value_t = 0.0, value_parser = sampling_parser(|p, v| p.frequency_penalty = v))]
     pub frequency_penalty: f32,
     /// Random seed.
     #[arg(long, default_value_t = 42)]
@@ -164,6 +165,39 @@ pub struct SamplingArgs {
     /// Stop before this string (repeatable).
     #[arg(long = "stop")]
     pub stop: Vec<String>,
+}
+
+/// A clap parser for one sampling field that applies the library's own
+/// range check ([`SamplingParams::validate`]), so the CLI and the library
+/// refuse the same values with the same words.
+fn sampling_parser(
+    set: fn(&mut SamplingParams, f32),
+) -> impl Fn(&str) -> Result<f32, String> + Clone + Send + Sync + 'static {
+    move |s: &str| {
+        let v: f32 = s.trim().parse().map_err(|e| format!("{e}"))?;
+        let mut p = SamplingParams::default();
+        set(&mut p, v);
+        match p.validate() {
+            Ok(()) => Ok(v),
+            Err(mirage_runtime::RuntimeError::InvalidArgument(m)) => Err(m),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+/// `--threads`: at most the CPUs this process may use (the CPU backend
+/// refuses more; checked here so the mistake is a usage error).
+pub fn parse_threads(s: &str) -> Result<usize, String> {
+    let n: usize = s.trim().parse().map_err(|e| format!("{e}"))?;
+    let cpus = std::thread::available_parallelism()
+        .map(|c| c.get())
+        .unwrap_or(1);
+    if n > cpus {
+        return Err(format!(
+            "{n} threads, but this process may use {cpus} CPUs (0: one thread per CPU)"
+        ));
+    }
+    Ok(n)
 }
 
 impl SamplingArgs {

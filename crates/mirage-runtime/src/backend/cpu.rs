@@ -390,15 +390,20 @@ impl std::fmt::Debug for CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend with `threads` worker threads (0: one per logical CPU).
+    /// A backend with `threads` worker threads (0: one per CPU this process
+    /// may use, `std::thread::available_parallelism`); more than that is refused.
     pub fn new(threads: usize) -> Result<CpuBackend> {
-        let threads = if threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        } else {
-            threads
-        };
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        // More workers than CPUs only take turns: refused rather than
+        // silently slower (llama.cpp would run them).
+        if threads > cpus {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "{threads} threads asked for, but this process may use {cpus} CPUs (0: one thread per CPU)"
+            )));
+        }
+        let threads = if threads == 0 { cpus } else { threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("mirage-cpu-{i}"))
