@@ -92,7 +92,7 @@ unsafe fn load256(p: *const u8) -> __m256i {
 /// 32 nibbles of 16 bytes: low nibbles in bytes 0..16, high in 16..32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles_32(p: *const u8) -> __m256i {
+pub(crate) unsafe fn nibbles_32(p: *const u8) -> __m256i {
     let tmp = _mm_loadu_si128(p as *const __m128i);
     let both = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
@@ -101,7 +101,7 @@ unsafe fn nibbles_32(p: *const u8) -> __m256i {
 /// Byte i = 0xff where bit i of the little-endian u32 at `p` is set.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
+pub(crate) unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
     let x32 = (p as *const u32).read_unaligned();
     let shuf = _mm256_set_epi64x(
         0x0303030303030303,
@@ -346,7 +346,7 @@ const Q8K: usize = 292;
 /// scales in bytes 0..8, the eight 6-bit mins in bytes 8..16.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scales_mins_k4(p: *const u8) -> [u32; 4] {
+pub(crate) unsafe fn scales_mins_k4(p: *const u8) -> [u32; 4] {
     const KMASK1: u32 = 0x3f3f_3f3f;
     const KMASK2: u32 = 0x0f0f_0f0f;
     const KMASK3: u32 = 0x0303_0303;

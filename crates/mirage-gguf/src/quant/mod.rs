@@ -26,7 +26,13 @@
 #![allow(clippy::needless_range_loop)]
 
 mod float;
+mod gemm;
 mod gemm_q8_0;
+#[cfg(target_arch = "x86_64")]
+mod gemm_q8_0_x86;
+mod gemm_q8_k;
+#[cfg(target_arch = "x86_64")]
+mod gemm_q8_k_x86;
 mod kquants;
 mod legacy;
 pub mod nvfp4;
@@ -38,10 +44,9 @@ mod avx2;
 
 use crate::types::GgmlType;
 
-pub use gemm_q8_0::{
-    pack_q8_0_rows, packed_q8_0_bytes, Q8_0Gemm, Q8_0GemmFn, Q8_0MatvecFn, PACKED_BLOCK_BYTES,
-    Q8_0_TOKEN_GROUP,
-};
+pub use gemm::{gemm_input_type, pack_rows, packed_bytes, GemmFn, GemmIsa, MatvecFn};
+pub use gemm_q8_0::{pack_q8_0_rows, packed_q8_0_bytes, PACKED_BLOCK_BYTES, Q8_0_TOKEN_GROUP};
+pub use gemm_q8_k::{pack_q8_k_rows, packed_q8_k_bytes, K_TOKEN_GROUP, PACKED_SB_BYTES};
 pub use nvfp4::{Nvfp4Error, Nvfp4Tensor, NVFP4_ARTIFACT_TAG, NVFP4_BLOCK_SIZE};
 pub use rows::{dot_rows_fn, scalar_dot_rows_fn, DotRowsFn, DOT_ROWS};
 
