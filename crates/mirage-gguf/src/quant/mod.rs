@@ -41,6 +41,8 @@ mod util;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod quantize_x86;
 
 use crate::types::GgmlType;
 
@@ -165,11 +167,13 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
         Q4_1 => legacy::quantize_q4_1(src, dst),
         Q5_0 => legacy::quantize_q5_0(src, dst),
         Q5_1 => legacy::quantize_q5_1(src, dst),
-        // SAFETY (both): available() checked; lengths checked above.
+        // SAFETY (all three): available() checked; lengths checked above.
         #[cfg(target_arch = "x86_64")]
-        Q8_0 if avx2::available() => unsafe { avx2::quantize_q8_0(src, dst) },
+        Q8_0 if avx2::available() => unsafe { quantize_x86::quantize_q8_0(src, dst) },
         #[cfg(target_arch = "x86_64")]
-        Q8_1 if avx2::available() => unsafe { avx2::quantize_q8_1(src, dst) },
+        Q8_1 if avx2::available() => unsafe { quantize_x86::quantize_q8_1(src, dst) },
+        #[cfg(target_arch = "x86_64")]
+        Q8_K if avx2::available() => unsafe { quantize_x86::quantize_q8_k(src, dst) },
         Q8_0 => legacy::quantize_q8_0(src, dst),
         Q8_1 => legacy::quantize_q8_1(src, dst),
         Q2_K => kquants::quantize_q2_k(src, dst),
