@@ -79,6 +79,21 @@ pub struct BenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// CPU: compare with llama.cpp in the same run: this `llama-bench`
+    /// binary (default, when the flag has no value:
+    /// target/llamacpp/build/bin/llama-bench, built by
+    /// scripts/build_llamacpp.sh) and MIRAGE alternate on llama-bench's
+    /// tests (`--pp` sizes, `--gen` decode steps, f16 KV cache), `--reps`
+    /// times; prints tok/s of both, their ratio and decode's share of the
+    /// copy bandwidth.
+    #[arg(long, value_name = "LLAMA_BENCH", num_args = 0..=1, default_missing_value = "target/llamacpp/build/bin/llama-bench")]
+    pub llamacpp: Option<PathBuf>,
+    /// With --llamacpp: prompt sizes of the prefill tests, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    pub pp: Vec<usize>,
+    /// With --llamacpp: alternating repetitions (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
     /// Sparse decode (CUDA): the model's `.mirage` artifact; runs dense vs
     /// sparse in one process (see `bench_sparse`).
     #[arg(long)]
@@ -213,6 +228,25 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         bail!("the sparse bench needs the CUDA backend: build mirage-cli with --features cuda");
     }
     super::generate::check_model(&args.model)?;
+    if let Some(bin) = &args.llamacpp {
+        if args.backend != "cpu" {
+            bail!("--llamacpp compares the CPU backend: pass --backend cpu");
+        }
+        let report = super::bench_peer::compare(&super::bench_peer::PeerArgs {
+            model: &args.model,
+            llama_bench: bin,
+            threads: args.threads,
+            pp: &args.pp,
+            tg: args.gen,
+            reps: args.reps,
+        })?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            super::bench_peer::print_report(&report);
+        }
+        return Ok(());
+    }
     let file = Arc::new(
         GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
     );
@@ -293,7 +327,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn weight_bytes_per_token(file: &GgufFile) -> u64 {
+pub(crate) fn weight_bytes_per_token(file: &GgufFile) -> u64 {
     let has_output = file.tensor_info("output.weight").is_some();
     file.tensors()
         .iter()
@@ -323,7 +357,7 @@ fn host_copy_bandwidth(bytes: usize, iters: usize) -> f64 {
     2.0 * bytes as f64 / times[times.len() / 2]
 }
 
-fn argmax(v: &[f32]) -> u32 {
+pub(crate) fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
     for (i, x) in v.iter().enumerate() {
         if *x > v[best] {

@@ -3,6 +3,7 @@
 //! Small helpers several commands share live here.
 
 pub mod bench;
+pub mod bench_peer;
 #[cfg(feature = "cuda")]
 pub mod bench_sparse;
 pub mod chat;
