@@ -1,7 +1,11 @@
-//! Prefill matrix products on one thread, at the shapes of the real models'
-//! matrices: each GEMM kernel this CPU runs (on activations packed once)
-//! against the single-row dot kernel once per (row, token), in GMAC/s
+//! Matrix products on one thread, at the shapes of the real models'
+//! matrices. Prefill: each GEMM kernel this CPU runs (on activations packed
+//! once) against the single-row dot kernel once per (row, token), in GMAC/s
 //! (multiply-accumulates per second), plus the activation packing cost.
+//! Decode: the single-row dot kernel per row against the type's
+//! matrix-vector kernel on L2-resident rows, in GB/s of weights (the rate
+//! one core can unpack them at; decode is memory-bound only while this is
+//! well above the machine's memory bandwidth per core).
 //!
 //! `cargo bench -p mirage-gguf --bench gemm [-- --tokens 128]` prints one
 //! table (median of 5 runs each, timed in thread CPU time so that other
@@ -87,8 +91,8 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(128usize);
     println!("one thread, {n} tokens; GMAC/s of thread CPU time");
-    println!("| matrix | type | rows x cols | single-row dot | scalar gemm | avx2 gemm | vnni gemm | pack ms |");
-    println!("|---|---|---|---:|---:|---:|---:|---:|");
+    println!("| matrix | type | rows x cols | single-row dot | scalar gemm | avx2 gemm | vnni gemm | pack ms | decode GB/s: row dot | matvec |");
+    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
     for (ty, rows, cols, what) in SHAPES {
         let w = quantized(ty, rows, cols, 1);
         let act_ty = gemm_input_type(ty).unwrap();
@@ -128,10 +132,37 @@ fn main() {
             });
             cells.push(format!("{:.1}", macs / s / 1e9));
         }
+        // Decode: one activation row against the first rows of the
+        // matrix, at most 256 KiB of them (L2-resident, repeated), so that
+        // the rate is the kernel's, not the memory's.
+        let a1 = &act[..ab];
+        let mrows = (24 * 1024 / wb).clamp(1, rows);
+        let wm = &w[..mrows * wb];
+        const REPEAT: usize = 20;
+        let row_dot = median_secs(|| {
+            for _ in 0..REPEAT {
+                for r in 0..mrows {
+                    // SAFETY: lengths built above.
+                    out[r] = unsafe { dot(cols, &wm[r * wb..(r + 1) * wb], black_box(a1)) };
+                }
+            }
+        });
+        let gbs = |s: f64| format!("{:.1}", (REPEAT * wm.len()) as f64 / s / 1e9);
+        let matvec = match GemmIsa::best().matvec_kernel(ty) {
+            Some(_) => gbs(median_secs(|| {
+                for _ in 0..REPEAT {
+                    GemmIsa::best()
+                        .matvec(ty, cols, black_box(wm), mrows, a1, &mut out[..mrows])
+                        .unwrap()
+                }
+            })),
+            None => "-".into(),
+        };
         println!(
-            "| {what} | {ty} | {rows} x {cols} | {} | {:.2} |",
+            "| {what} | {ty} | {rows} x {cols} | {} | {:.2} | {} | {matvec} |",
             cells.join(" | "),
-            pack * 1e3
+            pack * 1e3,
+            gbs(row_dot)
         );
     }
 }

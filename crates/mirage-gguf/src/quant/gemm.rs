@@ -118,8 +118,15 @@ impl GemmIsa {
         if !self.available() {
             return None;
         }
-        match ty {
-            GgmlType::Q8_0 => super::gemm_q8_0::matvec_kernel(self),
+        use GgmlType::*;
+        match (self, ty) {
+            (_, Q8_0 | Q5_0 | Q4_0) => super::gemm_q8_0::matvec_kernel(self, ty),
+            #[cfg(all(target_arch = "x86_64", mirage_avx512))]
+            (GemmIsa::Avx512Vnni, Q4_K) => Some(super::matvec_kquant_x86::matvec_q45_k::<false>),
+            #[cfg(all(target_arch = "x86_64", mirage_avx512))]
+            (GemmIsa::Avx512Vnni, Q5_K) => Some(super::matvec_kquant_x86::matvec_q45_k::<true>),
+            #[cfg(all(target_arch = "x86_64", mirage_avx512))]
+            (GemmIsa::Avx512Vnni, Q6_K) => Some(super::matvec_kquant_x86::matvec_q6_k),
             _ => None,
         }
     }

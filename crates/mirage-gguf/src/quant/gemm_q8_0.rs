@@ -192,19 +192,24 @@ pub(crate) fn kernel(isa: GemmIsa, ty: GgmlType) -> Option<GemmFn> {
     })
 }
 
-/// The Q8_0 matrix-vector kernel of `isa` (the scalar and AVX2 ones call
-/// the single-row `vec_dot` kernels per row). The caller checked that the
-/// CPU runs `isa`.
-pub(crate) fn matvec_kernel(isa: GemmIsa) -> Option<MatvecFn> {
+/// The matrix-vector kernel of `isa` for weight type `ty` (Q8_0, Q5_0 or
+/// Q4_0; the scalar and AVX2 Q8_0 ones call the single-row `vec_dot`
+/// kernels per row, the other types have only the VNNI one). The caller
+/// checked that the CPU runs `isa`.
+pub(crate) fn matvec_kernel(isa: GemmIsa, ty: GgmlType) -> Option<MatvecFn> {
     #[cfg(target_arch = "x86_64")]
     use super::gemm_q8_0_x86 as x86;
-    Some(match isa {
-        GemmIsa::Scalar => matvec_scalar,
+    use GgmlType::*;
+    Some(match (isa, ty) {
+        (GemmIsa::Scalar, Q8_0) => matvec_scalar,
         #[cfg(target_arch = "x86_64")]
-        GemmIsa::Avx2 => x86::matvec_avx2,
+        (GemmIsa::Avx2, Q8_0) => x86::matvec_avx2,
         #[cfg(all(target_arch = "x86_64", mirage_avx512))]
-        GemmIsa::Avx512Vnni => x86::vnni::matvec_vnni,
-        #[allow(unreachable_patterns)] // every arm is there on x86_64 with mirage_avx512
+        (GemmIsa::Avx512Vnni, Q8_0) => x86::vnni::matvec_vnni::<{ Q8_0 as u32 }>,
+        #[cfg(all(target_arch = "x86_64", mirage_avx512))]
+        (GemmIsa::Avx512Vnni, Q5_0) => x86::vnni::matvec_vnni::<{ Q5_0 as u32 }>,
+        #[cfg(all(target_arch = "x86_64", mirage_avx512))]
+        (GemmIsa::Avx512Vnni, Q4_0) => x86::vnni::matvec_vnni::<{ Q4_0 as u32 }>,
         _ => return None,
     })
 }
@@ -317,40 +322,45 @@ mod tests {
 
     #[test]
     fn every_matvec_kernel_equals_the_scalar_dot_on_odd_shapes() {
-        // Block counts around the 8-block step, cols across the 128-block piece.
-        for (rows, cols) in [
-            (1usize, 32usize),
-            (7, 96),
-            (8, 64),
-            (13, 288),
-            (24, 4128),
-            (17, 8224),
-        ] {
-            let rb = row_bytes(GgmlType::Q8_0, cols).unwrap();
-            let w = q8_rows(rows as u64 * 3 + cols as u64, rows, cols);
-            let a = q8_rows(5 + cols as u64, 1, cols);
-            for k in GemmIsa::ALL.into_iter().filter(|k| k.available()) {
-                let mut out = vec![f32::NAN; rows];
-                k.matvec(GgmlType::Q8_0, cols, &w, rows, &a, &mut out)
-                    .unwrap();
-                for i in 0..rows {
-                    let wr = &w[i * rb..(i + 1) * rb];
-                    let reference = vec_dot_scalar(GgmlType::Q8_0, cols, wr, &a).unwrap();
-                    let mag: f32 = wr
-                        .chunks_exact(34)
-                        .zip(a.chunks_exact(34))
-                        .map(|(x, y)| vec_dot_scalar(GgmlType::Q8_0, 32, x, y).unwrap().abs())
-                        .sum();
-                    let tol = if k == GemmIsa::Scalar {
-                        0.0
-                    } else {
-                        2e-6 * mag + 1e-6
-                    };
-                    assert!(
-                        (out[i] - reference).abs() <= tol,
-                        "{k:?} {rows}x{cols} row {i}: {} vs {reference}",
-                        out[i]
-                    );
+        for ty in [GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_0] {
+            let bs = ty.type_size();
+            // Block counts around the 8-block step, cols across the 128-block piece.
+            for (rows, cols) in [
+                (1usize, 32usize),
+                (7, 96),
+                (8, 64),
+                (13, 288),
+                (24, 4128),
+                (17, 8224),
+            ] {
+                let rb = row_bytes(ty, cols).unwrap();
+                let w = weight_rows(ty, rows as u64 * 3 + cols as u64, rows, cols);
+                let a = q8_rows(5 + cols as u64, 1, cols);
+                for k in GemmIsa::ALL.into_iter().filter(|k| k.available()) {
+                    if k.matvec_kernel(ty).is_none() {
+                        continue;
+                    }
+                    let mut out = vec![f32::NAN; rows];
+                    k.matvec(ty, cols, &w, rows, &a, &mut out).unwrap();
+                    for i in 0..rows {
+                        let wr = &w[i * rb..(i + 1) * rb];
+                        let reference = vec_dot_scalar(ty, cols, wr, &a).unwrap();
+                        let mag: f32 = wr
+                            .chunks_exact(bs)
+                            .zip(a.chunks_exact(34))
+                            .map(|(x, y)| vec_dot_scalar(ty, 32, x, y).unwrap().abs())
+                            .sum();
+                        let tol = if k == GemmIsa::Scalar {
+                            0.0
+                        } else {
+                            2e-6 * mag + 1e-6
+                        };
+                        assert!(
+                            (out[i] - reference).abs() <= tol,
+                            "{k:?} {ty} {rows}x{cols} row {i}: {} vs {reference}",
+                            out[i]
+                        );
+                    }
                 }
             }
         }

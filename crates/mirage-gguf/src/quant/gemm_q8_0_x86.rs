@@ -328,7 +328,7 @@ pub(crate) mod vnni {
     /// # Safety
     /// [`super::super::MatvecFn`]'s contract.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub(crate) unsafe fn matvec_vnni(
+    pub(crate) unsafe fn matvec_vnni<const T: u32>(
         cols: usize,
         w: &[u8],
         rows: usize,
@@ -336,11 +336,15 @@ pub(crate) mod vnni {
         out: &mut [f32],
     ) {
         let nb = cols / QK;
-        let rb = nb * Q8_0_BYTES;
+        let bs = block_bytes(T);
+        let rb = nb * bs;
         let (wp, ap) = (w.as_ptr(), act.as_ptr());
         let bias = _mm256_set1_epi8(0x80u8 as i8);
-        // Lane b of a gather: the f16 `d` of block b, 34 bytes apart.
-        let d_offsets = _mm256_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238);
+        // Lane b of a gather: the f16 `d` of block b, `bs` bytes apart.
+        let d_offsets = _mm256_mullo_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(bs as i32),
+        );
         let mut corr = [0i32; MV_KC];
         let mut da = [0f32; MV_KC];
         let mut k0 = 0;
@@ -357,15 +361,15 @@ pub(crate) mod vnni {
                 da[k] = half::f16::from_bits(u16::from_le_bytes([*y, *y.add(1)])).to_f32();
             }
             for r in 0..rows {
-                let x0 = wp.add(r * rb + k0 * Q8_0_BYTES);
+                let x0 = wp.add(r * rb + k0 * bs);
                 let mut acc = _mm256_setzero_ps();
                 let mut k = 0;
                 while k < kc {
                     let m = (kc - k).min(8);
-                    let x = x0.add(k * Q8_0_BYTES);
+                    let x = x0.add(k * bs);
                     let mut p = [_mm256_setzero_si256(); 8];
                     for (b, p) in p.iter_mut().enumerate().take(m) {
-                        let q = _mm256_loadu_si256(x.add(b * Q8_0_BYTES + 2) as *const __m256i);
+                        let q = decode::<T>(x.add(b * bs));
                         let a = _mm256_loadu_si256(
                             ap.add((k0 + k + b) * Q8_0_BYTES + 2) as *const __m256i
                         );
@@ -398,10 +402,7 @@ pub(crate) mod vnni {
                         let mut d16 = [0u16; 8];
                         let mut c8 = [0i32; 8];
                         for b in 0..m {
-                            d16[b] = u16::from_le_bytes([
-                                *x.add(b * Q8_0_BYTES),
-                                *x.add(b * Q8_0_BYTES + 1),
-                            ]);
+                            d16[b] = u16::from_le_bytes([*x.add(b * bs), *x.add(b * bs + 1)]);
                             c8[b] = corr[k + b];
                         }
                         let corr8 = _mm256_loadu_si256(c8.as_ptr() as *const __m256i);

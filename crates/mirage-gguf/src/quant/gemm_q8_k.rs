@@ -327,6 +327,53 @@ mod tests {
     }
 
     #[test]
+    fn every_matvec_kernel_equals_the_scalar_dot_bit_for_bit() {
+        use GgmlType::*;
+        for ty in [Q4_K, Q5_K, Q6_K] {
+            // Super-block counts around the 8-block batch and across the
+            // 64-block piece.
+            for (rows, cols) in [
+                (1usize, 256usize),
+                (5, 1792),
+                (3, 2304),
+                (7, 4864),
+                (2, 17408),
+            ] {
+                let rb = row_bytes(ty, cols).unwrap();
+                for (which, w) in [
+                    (
+                        "quantized",
+                        rows_of(ty, rows as u64 + cols as u64, rows, cols),
+                    ),
+                    (
+                        "random",
+                        random_blocks(ty, rows as u64 * 3 + cols as u64, rows, cols),
+                    ),
+                ] {
+                    let a = rows_of(Q8_K, 5 + cols as u64, 1, cols);
+                    for isa in GemmIsa::ALL.into_iter().filter(|k| k.available()) {
+                        if isa.matvec_kernel(ty).is_none() {
+                            continue;
+                        }
+                        let mut out = vec![f32::NAN; rows];
+                        isa.matvec(ty, cols, &w, rows, &a, &mut out).unwrap();
+                        for i in 0..rows {
+                            let reference =
+                                vec_dot_scalar(ty, cols, &w[i * rb..(i + 1) * rb], &a).unwrap();
+                            assert_eq!(
+                                out[i].to_bits(),
+                                reference.to_bits(),
+                                "{isa:?} {ty} {which} {rows}x{cols} row {i}: {} vs {reference}",
+                                out[i]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn extreme_activations_stay_exact() {
         // Activation quants at -128 and 127 in every position (a Q8_K row
         // from a file, not our quantizer) against the largest codes.
@@ -364,6 +411,27 @@ mod tests {
             let mut packed = vec![0u8; packed_q8_k_bytes(n, cols).unwrap()];
             pack_q8_k_rows(&a, ab, n, cols, &mut packed).unwrap();
             for isa in GemmIsa::ALL.into_iter().filter(|k| k.available()) {
+                if isa.matvec_kernel(ty).is_some() {
+                    for t in 0..n {
+                        let mut mv = vec![0f32; 5];
+                        isa.matvec(ty, cols, &w, 5, &a[t * ab..(t + 1) * ab], &mut mv)
+                            .unwrap();
+                        for i in 0..5 {
+                            let reference = vec_dot_scalar(
+                                ty,
+                                cols,
+                                &w[i * rb..(i + 1) * rb],
+                                &a[t * ab..(t + 1) * ab],
+                            )
+                            .unwrap();
+                            assert_eq!(
+                                mv[i].to_bits(),
+                                reference.to_bits(),
+                                "{isa:?} {ty} matvec ({i},{t})"
+                            );
+                        }
+                    }
+                }
                 let mut out = vec![0f32; 5 * n];
                 isa.gemm(ty, cols, &w, 5, &packed, n, &mut out).unwrap();
                 for i in 0..5 {

@@ -308,7 +308,9 @@ macro_rules! kquant_gemm {
                     }
                     let mut g = 0;
                     while g < groups {
-                        let ng = (groups - g).min($rn);
+                        // Whole register tiles of token groups, then one
+                        // group at a time.
+                        let ng = if groups - g >= $rn { $rn } else { 1 };
                         let blk0 = pp.add(g * gstride + k0 * PACKED_SB_BYTES);
                         let t0 = g * K_TOKEN_GROUP;
                         let mut m0 = 0;
@@ -318,20 +320,19 @@ macro_rules! kquant_gemm {
                             let o = op.add((r0 + m0) * n);
                             let f = k0 == 0;
                             macro_rules! go {
-                                ($m:literal, $n:literal) => {
-                                    tile::<$m, $n, KIND>(ub, kc, blk0, gstride, f, o, n, t0)
+                                ($m:expr, $n:expr) => {
+                                    tile::<{ $m }, { $n }, KIND>(ub, kc, blk0, gstride, f, o, n, t0)
                                 };
                             }
-                            match (mm, ng) {
-                                ($rm, $rn) => go!($rm, $rn),
-                                (1, 1) => go!(1, 1),
-                                (2, 1) => go!(2, 1),
-                                (3, 1) => go!(3, 1),
-                                (4, 1) => go!(4, 1),
-                                (1, _) => go!(1, $rn),
-                                (2, _) => go!(2, $rn),
-                                (3, _) => go!(3, $rn),
-                                _ => go!($rm, 1),
+                            match (mm, ng == 1) {
+                                (1, true) => go!(1, 1),
+                                (2, true) => go!(2, 1),
+                                (3, true) => go!(3, 1),
+                                (_, true) => go!($rm, 1),
+                                (1, false) => go!(1, $rn),
+                                (2, false) => go!(2, $rn),
+                                (3, false) => go!(3, $rn),
+                                (_, false) => go!($rm, $rn),
                             }
                             m0 += $rm;
                         }
@@ -389,7 +390,7 @@ pub(crate) mod vnni {
     kquant_gemm!(
         "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
         rm = 4,
-        rn = 2,
+        rn = 3,
         dot4,
         dot2
     );
