@@ -8,8 +8,8 @@
 //! well above the machine's memory bandwidth per core).
 //!
 //! `cargo bench -p mirage-gguf --bench gemm [-- --tokens 128]` prints one
-//! table (median of 5 runs each, timed in thread CPU time so that other
-//! processes on a shared machine count less).
+//! table (median of 5 samples of at least 0.1 s each, timed in thread CPU
+//! time so that other processes on a shared machine count less).
 
 use std::hint::black_box;
 
@@ -68,14 +68,28 @@ fn thread_cpu_secs() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
-/// Median of 5 runs after a warm-up, in thread CPU seconds.
+/// Thread CPU seconds per call of `f`: the median of 5 samples, each
+/// calling `f` until at least 0.1 s have passed (the thread clock of a
+/// virtual machine may advance only at scheduler ticks), after a warm-up.
 fn median_secs(mut f: impl FnMut()) -> f64 {
     f();
     let mut t: Vec<f64> = (0..5)
         .map(|_| {
+            // Doubling batches between clock reads: reading the thread
+            // clock is a system call, too slow to do per short call.
             let s = thread_cpu_secs();
-            f();
-            thread_cpu_secs() - s
+            let (mut calls, mut batch) = (0u64, 1u64);
+            loop {
+                for _ in 0..batch {
+                    f();
+                }
+                calls += batch;
+                batch *= 2;
+                let dt = thread_cpu_secs() - s;
+                if dt >= 0.1 {
+                    return dt / calls as f64;
+                }
+            }
         })
         .collect();
     t.sort_by(f64::total_cmp);
@@ -107,7 +121,7 @@ fn main() {
         let wb = row_bytes(ty, cols).unwrap();
         let dot = dot_fn(ty).unwrap();
         // The single-row path on a slice of the rows (it is slow).
-        let rows_dot = rows.min(256);
+        let rows_dot = rows.min(64);
         let single = median_secs(|| {
             for r in 0..rows_dot {
                 for t in 0..n {
@@ -136,25 +150,20 @@ fn main() {
         // matrix, at most 256 KiB of them (L2-resident, repeated), so that
         // the rate is the kernel's, not the memory's.
         let a1 = &act[..ab];
-        let mrows = (24 * 1024 / wb).clamp(1, rows);
+        let mrows = (16 * 1024 / wb).clamp(1, rows);
         let wm = &w[..mrows * wb];
-        const REPEAT: usize = 20;
         let row_dot = median_secs(|| {
-            for _ in 0..REPEAT {
-                for r in 0..mrows {
-                    // SAFETY: lengths built above.
-                    out[r] = unsafe { dot(cols, &wm[r * wb..(r + 1) * wb], black_box(a1)) };
-                }
+            for r in 0..mrows {
+                // SAFETY: lengths built above.
+                out[r] = unsafe { dot(cols, &wm[r * wb..(r + 1) * wb], black_box(a1)) };
             }
         });
-        let gbs = |s: f64| format!("{:.1}", (REPEAT * wm.len()) as f64 / s / 1e9);
+        let gbs = |s: f64| format!("{:.1}", wm.len() as f64 / s / 1e9);
         let matvec = match GemmIsa::best().matvec_kernel(ty) {
             Some(_) => gbs(median_secs(|| {
-                for _ in 0..REPEAT {
-                    GemmIsa::best()
-                        .matvec(ty, cols, black_box(wm), mrows, a1, &mut out[..mrows])
-                        .unwrap()
-                }
+                GemmIsa::best()
+                    .matvec(ty, cols, black_box(wm), mrows, a1, &mut out[..mrows])
+                    .unwrap()
             })),
             None => "-".into(),
         };

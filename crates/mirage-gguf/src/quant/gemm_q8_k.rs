@@ -6,14 +6,18 @@
 //! weight super-block (nibbles, 6-bit scales and mins) and reducing its
 //! products horizontally, once per (super-block, token). Here a panel of
 //! weight rows is unpacked once per batch into plain bytes
-//! ([`UnpackedSb`]: 256 unsigned codes, the integer sub-block scales and the
-//! min pairs, `d`, `dmin`), and the activations are repacked so that one
+//! ([`UnpackedSb`]: 256 codes, the integer sub-block scales and the min
+//! pairs, `d`, `dmin`), and the activations are repacked so that one
 //! 256-bit vector holds the same 4 consecutive quants of
-//! [`K_TOKEN_GROUP`] (8) tokens. A broadcast 4-byte chunk of codes times that
-//! vector adds a 4-element partial sum to each of 8 tokens' lanes
-//! (`vpdpbusd`, or `maddubs` + `madd` on AVX2): the codes are unsigned
-//! (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 before its -32), which is what the
-//! unsigned operand of both instructions wants, so no bias is needed.
+//! [`K_TOKEN_GROUP`] (8) tokens, biased to `q + 128` (unsigned). A
+//! broadcast 4-byte chunk of codes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63
+//! before its -32: small non-negative, so valid as the signed operand)
+//! times that vector adds a 4-element partial sum to each of 8 tokens'
+//! lanes in one `vpdpbusd` whose broadcast is folded into the instruction
+//! (or `maddubs` + `madd` on AVX2, whose pair sums, at most 2 * 255 * 63,
+//! do not saturate). Each sub-block's accumulator starts at
+//! `-128 * sum(codes)` (per row, from the unpacking), which removes the
+//! bias exactly: `sum((q + 128) c) - 128 sum(c) = sum(q c)`.
 //!
 //! Exactness: per (row, token, super-block) the kernels form the same
 //! integers as the scalar `vec_dot` — `isum = sum_j sc_j * S_j` with `S_j`
@@ -30,8 +34,8 @@
 //! lane `t` = token t's (bsum32 of sub-block 2q, bsum32 of 2q+1) as two i16
 //! (the 32-element sums Q4_K/Q5_K's mins multiply); 160..416 eight vectors,
 //! vector `p` lane `t` = (bsum16 2p, bsum16 2p+1) (Q6_K's 16-element
-//! groups); 416..2464 the quants, chunk `c` (elements `4c..4c+4`) of token
-//! `t` at `416 + 32c + 4t`. Group `g` holds its `cols / 256` super-blocks
+//! groups); 416..2464 the quants plus 128, chunk `c` (elements `4c..4c+4`)
+//! of token `t` at `416 + 32c + 4t`. Group `g` holds its `cols / 256` super-blocks
 //! contiguously; lanes past the last token are zero.
 
 use super::{row_bytes, QuantError};
@@ -96,7 +100,9 @@ pub fn pack_q8_k_rows(
             }
             for c in 0..QK_K / 4 {
                 let at = QS_AT + 32 * c + 4 * lane;
-                p[at..at + 4].copy_from_slice(&b[4 + 4 * c..8 + 4 * c]);
+                for e in 0..4 {
+                    p[at + e] = b[4 + 4 * c + e] ^ 0x80;
+                }
             }
         }
     }
@@ -113,7 +119,9 @@ fn unpack_token(packed: &[u8], nsb: usize, t: usize, row: &mut [u8]) {
         b[0..4].copy_from_slice(&p[D_AT + 4 * lane..D_AT + 4 * lane + 4]);
         for c in 0..QK_K / 4 {
             let at = QS_AT + 32 * c + 4 * lane;
-            b[4 + 4 * c..8 + 4 * c].copy_from_slice(&p[at..at + 4]);
+            for e in 0..4 {
+                b[4 + 4 * c + e] = p[at + e] ^ 0x80;
+            }
         }
         for pr in 0..8 {
             let at = B16_AT + 32 * pr + 4 * lane;
@@ -155,19 +163,22 @@ pub(crate) unsafe fn gemm_scalar<const T: u32>(
     }
 }
 
-/// One weight super-block unpacked for the SIMD kernels: unsigned codes in
-/// element order, the integer sub-block scales, the i16 pairs the
-/// activation block sums are multiplied by, and the two float factors.
+/// One weight super-block unpacked for the SIMD kernels: codes in element
+/// order, the integer sub-block scales, the bias corrections, the i16 pairs
+/// the activation block sums are multiplied by, and the two float factors.
 ///
 /// - Q4_K/Q5_K: `scales[j]` (j < 8) the 6-bit scale of elements
-///   `32j..32j+32`; `mins[q]` (q < 4) = (m of 2q, m of 2q+1).
-/// - Q6_K: `scales[j]` (j < 16) the i8 scale of elements `16j..16j+16`;
-///   `mins[p]` (p < 8) = (scale 2p, scale 2p+1), for the `-32` offset.
+///   `32j..32j+32`, `corr[j]` `-128 *` their codes' sum; `mins[q]` (q < 4)
+///   = (m of 2q, m of 2q+1).
+/// - Q6_K: `scales[j]` (j < 16) the i8 scale of elements `16j..16j+16`,
+///   `corr[j]` likewise; `mins[p]` (p < 8) = (scale 2p, scale 2p+1), for
+///   the `-32` offset.
 #[repr(C, align(32))]
 #[derive(Clone, Copy)]
 pub(crate) struct UnpackedSb {
     pub codes: [u8; QK_K],
     pub scales: [i32; 16],
+    pub corr: [i32; 16],
     pub mins: [i32; 8],
     pub d: f32,
     pub dmin: f32,
@@ -178,6 +189,7 @@ impl UnpackedSb {
     pub const ZERO: UnpackedSb = UnpackedSb {
         codes: [0; QK_K],
         scales: [0; 16],
+        corr: [0; 16],
         mins: [0; 8],
         d: 0.0,
         dmin: 0.0,

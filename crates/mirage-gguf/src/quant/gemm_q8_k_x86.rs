@@ -4,10 +4,12 @@
 //! Loop nest of one call (one task's contiguous weight rows):
 //! - row panels of [`MB`] rows, and in each K pieces of [`KC`]
 //!   super-blocks: the panel's piece is unpacked once into a stack scratch
-//!   of [`UnpackedSb`] (48 KiB, L2-resident);
+//!   of [`UnpackedSb`] (56 KiB, L2-resident);
 //! - then for every pair of token groups (16 tokens; their packed piece,
 //!   20 KiB, stays in L1) every register tile of 4 rows runs over the
 //!   piece, adding to `out` (loaded back when the piece is not the first).
+//!   The weight chunk is the broadcast operand, so `vpdpbusd` takes it
+//!   straight from memory (`{1to8}`).
 //!
 //! So the weights are read from memory and unpacked once per batch, the
 //! activations once per row panel, and each broadcast weight chunk and
@@ -56,6 +58,18 @@ unsafe fn srl16(v: __m256i, count: i32) -> __m256i {
     _mm256_srl_epi16(v, _mm_cvtsi32_si128(count))
 }
 
+/// The sum of the unsigned bytes of 64-bit quarters `first..first + n` of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn byte_sum(v: __m256i, first: usize, n: usize) -> i32 {
+    let mut q = [0u64; 4];
+    _mm256_storeu_si256(
+        q.as_mut_ptr() as *mut __m256i,
+        _mm256_sad_epu8(v, _mm256_setzero_si256()),
+    );
+    q[first..first + n].iter().sum::<u64>() as i32
+}
+
 /// Unpacks one Q4_K (`FIVE` false) or Q5_K super-block at `x` into `u`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -80,6 +94,8 @@ unsafe fn unpack_q45_k<const FIVE: bool>(x: *const u8, u: *mut UnpackedSb) {
         }
         _mm256_storeu_si256(codes.add(64 * c) as *mut __m256i, lo);
         _mm256_storeu_si256(codes.add(64 * c + 32) as *mut __m256i, hi);
+        (*u).corr[2 * c] = -128 * byte_sum(lo, 0, 4);
+        (*u).corr[2 * c + 1] = -128 * byte_sum(hi, 0, 4);
     }
     // ggml's utmp shuffle: bytes 0..8 the 6-bit scales, 8..16 the mins.
     let sm: [u8; 16] = std::mem::transmute(super::avx2::scales_mins_k4(x.add(4)));
@@ -114,6 +130,9 @@ unsafe fn unpack_q6_k(x: *const u8, u: *mut UnpackedSb) {
             let high = _mm256_and_si256(srl16(hb, 2 * k as i32), m3);
             let q = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
             _mm256_storeu_si256(codes.add(128 * h + 32 * k) as *mut __m256i, q);
+            let j = 8 * h + 2 * k;
+            (*u).corr[j] = -128 * byte_sum(q, 0, 2);
+            (*u).corr[j + 1] = -128 * byte_sum(q, 2, 2);
         }
     }
     let sc = |j: usize| *x.add(192 + j) as i8 as i32;
@@ -137,8 +156,8 @@ unsafe fn unpack<const KIND: u8>(x: *const u8, u: *mut UnpackedSb) {
     }
 }
 
-/// Generates one ISA's kernels: `$dot4(acc, w, a)` adds, per i32 lane, the
-/// products of 4 unsigned code bytes `w` and 4 signed quants `a`;
+/// Generates one ISA's kernels: `$dot4(acc, a, w)` adds, per i32 lane, the
+/// products of 4 biased (unsigned) quants `a` and 4 code bytes `w`;
 /// `$dot2(acc, x, y)` the products of two i16 pairs. `$rm` x `$rn` is the
 /// register tile (rows x token groups), bounded by the vector registers.
 macro_rules! kquant_gemm {
@@ -199,6 +218,12 @@ macro_rules! kquant_gemm {
                 let mut isum = [[_mm256_setzero_si256(); N]; M];
                 for s in 0..subs {
                     let mut iacc = [[_mm256_setzero_si256(); N]; M];
+                    for m in 0..M {
+                        let c0 = _mm256_set1_epi32((*w[m]).corr[s]);
+                        for j in 0..N {
+                            iacc[m][j] = c0;
+                        }
+                    }
                     for c in 0..chunks {
                         let cc = s * chunks + c;
                         let mut av = [_mm256_setzero_si256(); N];
@@ -210,7 +235,7 @@ macro_rules! kquant_gemm {
                                 ((*w[m]).codes.as_ptr().add(4 * cc) as *const i32).read_unaligned(),
                             );
                             for j in 0..N {
-                                iacc[m][j] = $dot4(iacc[m][j], wb, av[j]);
+                                iacc[m][j] = $dot4(iacc[m][j], av[j], wb);
                             }
                         }
                     }
@@ -347,15 +372,15 @@ macro_rules! kquant_gemm {
 }
 
 /// The AVX2 kernels: `maddubs` (the codes are at most 63, so the i16 pair
-/// sums of codes times quants, at most 2 * 63 * 128, never saturate) and
-/// `madd` by 1.
+/// sums of biased quants times codes, at most 2 * 255 * 63, never
+/// saturate) and `madd` by 1.
 pub(crate) mod avx2 {
     use super::*;
 
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn dot4(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
-        let p = _mm256_maddubs_epi16(w, a);
+    unsafe fn dot4(acc: __m256i, a: __m256i, w: __m256i) -> __m256i {
+        let p = _mm256_maddubs_epi16(a, w);
         _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
     }
 
@@ -377,8 +402,8 @@ pub(crate) mod vnni {
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn dot4(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(acc, w, a)
+    unsafe fn dot4(acc: __m256i, a: __m256i, w: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, a, w)
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]

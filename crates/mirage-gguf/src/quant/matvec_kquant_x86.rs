@@ -66,6 +66,23 @@ unsafe fn add_lanes(sum: f32, t: __m256, m: usize) -> f32 {
     s
 }
 
+/// `SPREAD[j]` (for `_mm256_shuffle_epi8`) copies i16 lane `j` of each
+/// 128-bit half into all eight lanes of that half.
+const SPREAD: [__m256i; 8] = {
+    let mut t = [[0u8; 32]; 8];
+    let mut j = 0;
+    while j < 8 {
+        let mut i = 0;
+        while i < 32 {
+            t[j][i] = (2 * j + i % 2) as u8;
+            i += 1;
+        }
+        j += 1;
+    }
+    // SAFETY: [u8; 32] and __m256i have the same size, any bits are valid.
+    unsafe { std::mem::transmute::<[[u8; 32]; 8], [__m256i; 8]>(t) }
+};
+
 /// Q4_K (`FIVE` false) or Q5_K weights; see the module docs.
 ///
 /// # Safety
@@ -116,18 +133,21 @@ pub(crate) unsafe fn matvec_q45_k<const FIVE: bool>(
                     let mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(
                         (sm[2] as u64 | (sm[3] as u64) << 32) as i64,
                     ));
-                    let msum =
-                        _mm_madd_epi16(mins, _mm_loadu_si128(b32[k + b].as_ptr() as *const __m128i));
+                    let msum = _mm_madd_epi16(
+                        mins,
+                        _mm_loadu_si128(b32[k + b].as_ptr() as *const __m128i),
+                    );
                     dd[b] = (x as *const i32).read_unaligned();
-                    let sc = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(
+                    // The eight scales as i16 in both 128-bit halves.
+                    let sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(
                         (sm[0] as u64 | (sm[1] as u64) << 32) as i64,
-                    ));
+                    )));
                     let hbits = if FIVE {
                         load(x.add(16))
                     } else {
                         _mm256_setzero_si256()
                     };
-                    let mut runs = [_mm256_setzero_si256(); 8];
+                    let mut acc = _mm256_setzero_si256();
                     for c in 0..4 {
                         let bits = load(x.add(qs_at + 32 * c));
                         let mut lo = _mm256_and_si256(bits, m4);
@@ -142,27 +162,29 @@ pub(crate) unsafe fn matvec_q45_k<const FIVE: bool>(
                             lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
                             hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
                         }
-                        let z = _mm256_setzero_si256();
-                        runs[2 * c] = _mm256_dpbusd_epi32(z, lo, load(y.add(4 + 64 * c)));
-                        runs[2 * c + 1] = _mm256_dpbusd_epi32(z, hi, load(y.add(36 + 64 * c)));
+                        // Pair sums of codes times quants (at most 2 * 31 *
+                        // 128, exact in i16), times the sub-block's scale.
+                        let pl = _mm256_maddubs_epi16(lo, load(y.add(4 + 64 * c)));
+                        let ph = _mm256_maddubs_epi16(hi, load(y.add(36 + 64 * c)));
+                        acc = _mm256_dpwssd_epi32(acc, pl, _mm256_shuffle_epi8(sc, SPREAD[2 * c]));
+                        acc = _mm256_dpwssd_epi32(
+                            acc,
+                            ph,
+                            _mm256_shuffle_epi8(sc, SPREAD[2 * c + 1]),
+                        );
                     }
-                    let scaled = _mm256_mullo_epi32(reduce8(&runs), sc);
                     let isum4 = _mm_add_epi32(
-                        _mm256_castsi256_si128(scaled),
-                        _mm256_extracti128_si256(scaled, 1),
+                        _mm256_castsi256_si128(acc),
+                        _mm256_extracti128_si256(acc, 1),
                     );
                     p[b] = _mm256_set_m128i(msum, isum4);
                 }
                 // Two hadd levels leave [isum 0..4 | summs 0..4] and
                 // [isum 4..8 | summs 4..8].
-                let lo = _mm256_hadd_epi32(
-                    _mm256_hadd_epi32(p[0], p[1]),
-                    _mm256_hadd_epi32(p[2], p[3]),
-                );
-                let hi = _mm256_hadd_epi32(
-                    _mm256_hadd_epi32(p[4], p[5]),
-                    _mm256_hadd_epi32(p[6], p[7]),
-                );
+                let lo =
+                    _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+                let hi =
+                    _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
                 let isum = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x20));
                 let msum = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x31));
                 let g = _mm256_loadu_si256(dd.as_ptr() as *const __m256i);
