@@ -150,7 +150,7 @@ fn main() {
         // matrix, at most 256 KiB of them (L2-resident, repeated), so that
         // the rate is the kernel's, not the memory's.
         let a1 = &act[..ab];
-        let mrows = (16 * 1024 / wb).clamp(1, rows);
+        let mrows = (256 * 1024 / wb).clamp(1, rows);
         let wm = &w[..mrows * wb];
         let row_dot = median_secs(|| {
             for r in 0..mrows {
