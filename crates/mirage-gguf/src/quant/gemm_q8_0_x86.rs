@@ -209,6 +209,10 @@ macro_rules! tiled_gemm {
             }
 
             let nb = cols / QK;
+            if nb == 0 {
+                out[..rows * n].fill(0.0);
+                return;
+            }
             let wrow = nb * block_bytes(T);
             let (wp, pp, op) = (w.as_ptr(), packed.as_ptr(), out.as_mut_ptr());
             let mut r = 0;
@@ -336,6 +340,10 @@ pub(crate) mod vnni {
         out: &mut [f32],
     ) {
         let nb = cols / QK;
+        if nb == 0 {
+            out[..rows].fill(0.0);
+            return;
+        }
         let bs = block_bytes(T);
         let rb = nb * bs;
         let (wp, ap) = (w.as_ptr(), act.as_ptr());

@@ -467,6 +467,27 @@ mod tests {
     }
 
     #[test]
+    fn empty_rows_give_zeros() {
+        for ty in [
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+        ] {
+            for isa in GemmIsa::ALL.into_iter().filter(|k| k.available()) {
+                let mut out = vec![f32::NAN; 6];
+                isa.gemm(ty, 0, &[], 2, &[], 3, &mut out).unwrap();
+                assert_eq!(out, vec![0.0; 6], "{isa:?} {ty} gemm");
+                if isa.matvec_kernel(ty).is_some() {
+                    let mut out = vec![f32::NAN; 2];
+                    isa.matvec(ty, 0, &[], 2, &[], &mut out).unwrap();
+                    assert_eq!(out, vec![0.0; 2], "{isa:?} {ty} matvec");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn bad_lengths_are_errors() {
         let ty = GgmlType::Q4_K;
         let w = rows_of(ty, 1, 2, 256);

@@ -312,6 +312,10 @@ macro_rules! kquant_gemm {
         ) {
             let bs = block_bytes(KIND);
             let nsb = cols / QK_K;
+            if nsb == 0 {
+                out[..rows * n].fill(0.0);
+                return;
+            }
             let wrow = nsb * bs;
             let groups = n.div_ceil(K_TOKEN_GROUP);
             let gstride = nsb * PACKED_SB_BYTES;

@@ -97,6 +97,10 @@ pub(crate) unsafe fn matvec_q45_k<const FIVE: bool>(
 ) {
     let (bs, qs_at) = if FIVE { (176, 48) } else { (144, 16) };
     let nsb = cols / 256;
+    if nsb == 0 {
+        out[..rows].fill(0.0);
+        return;
+    }
     let rb = nsb * bs;
     let (wp, ap) = (w.as_ptr(), act.as_ptr());
     let (m4, m1) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(1));
@@ -221,6 +225,10 @@ const Q6_SCALE_ORDER: [u8; 16] = [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 
 pub(crate) unsafe fn matvec_q6_k(cols: usize, w: &[u8], rows: usize, act: &[u8], out: &mut [f32]) {
     const BS: usize = 210;
     let nsb = cols / 256;
+    if nsb == 0 {
+        out[..rows].fill(0.0);
+        return;
+    }
     let rb = nsb * BS;
     let (wp, ap) = (w.as_ptr(), act.as_ptr());
     let m4 = _mm256_set1_epi8(0x0f);
