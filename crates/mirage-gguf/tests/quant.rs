@@ -356,11 +356,10 @@ fn models_dir() -> PathBuf {
 
 /// The batched (GEMM) and single-token (matrix-vector) kernels on the
 /// first rows of a real tensor, against several activation rows: every
-/// result equals the scalar dot of that row and token (bit for bit for the
-/// K-quants; for the Q8_0-activation types, whose SIMD kernels add the
-/// block terms in another order, within 1e-5 of the terms' magnitude), and
-/// the f64 dot of the rows `gguf` dequantized (`deq`) within 2e-6 of it
-/// (1.2e-5 for those types).
+/// result equals the scalar dot of that row and token (the K-quant GEMMs
+/// bit for bit; the kernels that add block terms in another order within
+/// 1e-5 of the terms' magnitude), and the f64 dot of the rows `gguf`
+/// dequantized (`deq`) within 2e-6 of it (1.2e-5 for the reordered ones).
 fn real_rows_through_gemm_and_matvec(
     model: &str,
     name: &str,
@@ -416,7 +415,7 @@ fn real_rows_through_gemm_and_matvec(
                     if got.is_nan() && what == "matvec" {
                         continue; // no matrix-vector kernel for this type here
                     }
-                    if exact {
+                    if exact && what == "gemm" {
                         assert_eq!(
                             got.to_bits(),
                             scalar.to_bits(),
@@ -428,7 +427,12 @@ fn real_rows_through_gemm_and_matvec(
                             "{model} {name} {isa:?} {what} ({r},{t}): {got} vs scalar {scalar}"
                         );
                     }
-                    let tol = if exact { 2e-6 } else { 1.2e-5 } * abs + 1e-6;
+                    let tol = if exact && what == "gemm" {
+                        2e-6
+                    } else {
+                        1.2e-5
+                    } * abs
+                        + 1e-6;
                     assert!(
                         (got as f64 - want).abs() <= tol,
                         "{model} {name} {isa:?} {what} ({r},{t}): {got} vs gguf-dequantized f64 {want}"

@@ -1,43 +1,30 @@
 //! AVX-512 VNNI matrix-vector kernels (decode) for Q4_K, Q5_K and Q6_K
-//! weights against one Q8_K activation row, bit-identical to the scalar
-//! `vec_dot` of every row.
+//! weights against one Q8_K activation row.
 //!
 //! Decode reads every weight byte once per token, so it runs at memory
-//! bandwidth only if unpacking a super-block costs less than fetching it.
-//! The single-row AVX2 kernels spend about 90 vector instructions per
-//! Q4_K super-block (pair sums through `maddubs`/`madd`, scales shuffled
-//! into place, a horizontal sum and the float expression per block); these
-//! spend about 40: each 32-code run of unsigned codes meets its 32 quants
-//! in one `vpdpbusd`, the eight runs' lanes are reduced by a `hadd` tree
-//! into one vector (lane j = sub-block j's sum), one `vpmulld` applies the
-//! eight scales, and eight super-blocks' vectors (four lanes of scaled
-//! sums beside four of mins times quant sums, one `madd`) are reduced the
-//! same way so that the float expression runs once per 8 super-blocks, in
-//! lanes. Each row's per-super-block terms are then added to its sum in
-//! super-block order, as the scalar kernel does, so results are exact.
-//! Rows are read front to back (the hardware prefetchers follow that).
+//! bandwidth only if unpacking a super-block costs well under fetching it.
+//! The single-row AVX2 kernels reduce each super-block's integer sum
+//! horizontally and combine it with the scales in scalar code, about 90
+//! instructions per Q4_K block, about 16 GB/s on one Zen 4 core; these
+//! keep everything in lanes: per 32-code run one `maddubs` (codes times
+//! quants, i16 pair sums, exact) and one `vpdpwssd` by the run's scale
+//! spread over the lanes (one `vpshufb`); the scales and mins come out of
+//! their 12 packed bytes in a few vector operations; and each super-block
+//! adds its integer sums times `d * dy` (and the mins term times `dmin *
+//! dy`) to float lanes with one FMA each, reduced once per row. About 25
+//! GB/s per core on Q4_K.
+//!
+//! Each block's integer sums are exact; the float accumulation in 8 lanes
+//! differs from the scalar kernel's order, so results agree with it to
+//! float rounding (about 2e-7 relative), like the 32-element block types'
+//! kernels. Rows are read front to back (the hardware prefetchers follow
+//! that).
 
 use std::arch::x86_64::*;
 
 /// Super-blocks whose activation terms are computed per piece (stack
-/// arrays); longer rows go in pieces, each continuing the row's sum.
+/// arrays); longer rows go in pieces.
 const MVK: usize = 64;
-
-/// Lane `b` of the result: the sum of `v[b]`'s eight lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-unsafe fn reduce8(v: &[__m256i; 8]) -> __m256i {
-    let h01 = _mm256_hadd_epi32(v[0], v[1]);
-    let h23 = _mm256_hadd_epi32(v[2], v[3]);
-    let h45 = _mm256_hadd_epi32(v[4], v[5]);
-    let h67 = _mm256_hadd_epi32(v[6], v[7]);
-    let h0123 = _mm256_hadd_epi32(h01, h23);
-    let h4567 = _mm256_hadd_epi32(h45, h67);
-    _mm256_add_epi32(
-        _mm256_permute2x128_si256(h0123, h4567, 0x20),
-        _mm256_permute2x128_si256(h0123, h4567, 0x31),
-    )
-}
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
@@ -45,25 +32,14 @@ unsafe fn load(p: *const u8) -> __m256i {
     _mm256_loadu_si256(p as *const __m256i)
 }
 
-/// The f32 values of eight f16 bit patterns held in the low halves of `v`'s
-/// i32 lanes.
+/// The sum of `v`'s eight lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-unsafe fn f16_lanes(v: __m256i) -> __m256 {
-    _mm256_cvtph_ps(_mm256_cvtepi32_epi16(v))
-}
-
-/// Adds `t[0..m]` to `sum` in order (the scalar kernel's summation).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-unsafe fn add_lanes(sum: f32, t: __m256, m: usize) -> f32 {
-    let mut lanes = [0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), t);
-    let mut s = sum;
-    for &v in &lanes[..m] {
-        s += v;
-    }
-    s
+unsafe fn hsum_ps(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
 }
 
 /// `SPREAD[j]` (for `_mm256_shuffle_epi8`) copies i16 lane `j` of each
@@ -82,6 +58,61 @@ const SPREAD: [__m256i; 8] = {
     // SAFETY: [u8; 32] and __m256i have the same size, any bits are valid.
     unsafe { std::mem::transmute::<[[u8; 32]; 8], [__m256i; 8]>(t) }
 };
+
+/// `SPREAD_PAIRS[k]` (for `_mm256_shuffle_epi8` on a vector whose two
+/// 128-bit halves hold the same eight i16 scales): i16 lane `2k` into the
+/// low half's lanes, lane `2k + 1` into the high half's (a Q6_K run's two
+/// 16-element sub-blocks).
+const SPREAD_PAIRS: [__m256i; 4] = {
+    let mut t = [[0u8; 32]; 4];
+    let mut k = 0;
+    while k < 4 {
+        let mut i = 0;
+        while i < 16 {
+            t[k][i] = (4 * k + i % 2) as u8;
+            t[k][16 + i] = (4 * k + 2 + i % 2) as u8;
+            i += 1;
+        }
+        k += 1;
+    }
+    // SAFETY: [u8; 32] and __m256i have the same size, any bits are valid.
+    unsafe { std::mem::transmute::<[[u8; 32]; 4], [__m256i; 4]>(t) }
+};
+
+/// The eight 6-bit scales (bytes 0..8) and mins (bytes 8..16) of the
+/// Q4_K/Q5_K block at `x` (ggml's `get_scale_min_k4` for every sub-block),
+/// unpacked from its 12 scale bytes with a few vector operations instead of
+/// ggml's scalar `utmp` shuffle.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn scales_mins(x: *const u8) -> __m128i {
+    // Bytes 4..20 of the block: the 12 scale bytes q[0..12], then codes.
+    let v = _mm_loadu_si128(x.add(4) as *const __m128i);
+    // Scales j < 4: q[j] & 63, j >= 4: q[j + 4] & 15 | (q[j - 4] >> 6) << 4;
+    // mins j < 4: q[j + 4] & 63, j >= 4: q[j + 4] >> 4 | (q[j] >> 6) << 4.
+    let a = _mm_shuffle_epi8(
+        v,
+        _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11),
+    );
+    let low = _mm_or_si128(
+        _mm_and_si128(
+            a,
+            _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0),
+        ),
+        _mm_and_si128(
+            _mm_srli_epi16(a, 4),
+            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15),
+        ),
+    );
+    let top = _mm_shuffle_epi8(
+        v,
+        _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7),
+    );
+    // (byte & 0xc0) >> 2 within each byte: the 16-bit shift moves no set
+    // bit across a byte boundary.
+    let high = _mm_srli_epi16(_mm_and_si128(top, _mm_set1_epi8(0xc0u8 as i8)), 2);
+    _mm_or_si128(low, high)
+}
 
 /// Q4_K (`FIVE` false) or Q5_K weights; see the module docs.
 ///
@@ -104,6 +135,9 @@ pub(crate) unsafe fn matvec_q45_k<const FIVE: bool>(
     let rb = nsb * bs;
     let (wp, ap) = (w.as_ptr(), act.as_ptr());
     let (m4, m1) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(1));
+    // Opaque to the compiler, so that each spread stays one `vpshufb`
+    // (it would rewrite a known constant mask as two shuffles).
+    let spread = std::hint::black_box(SPREAD);
     let mut dy = [0f32; MVK];
     // Per super-block the eight 32-element quant sums (the mins' partners),
     // as i16 (at most 32 * 128 in magnitude).
@@ -121,103 +155,75 @@ pub(crate) unsafe fn matvec_q45_k<const FIVE: bool>(
         }
         for (r, o) in out.iter_mut().enumerate().take(rows) {
             let x0 = wp.add(r * rb + k0 * bs);
-            let mut sum = if k0 == 0 { 0.0 } else { *o };
-            let mut k = 0;
-            while k < kc {
-                let m = (kc - k).min(8);
-                // Per super-block b: lanes 0..4 sum to its isum (the
-                // scaled code-times-quant sums), lanes 4..8 to its summs
-                // (the mins times the quant sums).
-                let mut p = [_mm256_setzero_si256(); 8];
-                let mut dd = [0i32; 8];
-                for b in 0..m {
-                    let x = x0.add((k + b) * bs);
-                    let y = ap.add((k0 + k + b) * 292);
-                    let sm = super::avx2::scales_mins_k4(x.add(4));
-                    let mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(
-                        (sm[2] as u64 | (sm[3] as u64) << 32) as i64,
-                    ));
-                    let msum = _mm_madd_epi16(
-                        mins,
-                        _mm_loadu_si128(b32[k + b].as_ptr() as *const __m128i),
-                    );
-                    dd[b] = (x as *const i32).read_unaligned();
-                    // The eight scales as i16 in both 128-bit halves.
-                    let sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(
-                        (sm[0] as u64 | (sm[1] as u64) << 32) as i64,
-                    )));
-                    let hbits = if FIVE {
-                        load(x.add(16))
-                    } else {
-                        _mm256_setzero_si256()
-                    };
-                    let mut acc = _mm256_setzero_si256();
-                    for c in 0..4 {
-                        let bits = load(x.add(qs_at + 32 * c));
-                        let mut lo = _mm256_and_si256(bits, m4);
-                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-                        if FIVE {
-                            let sh = _mm_cvtsi32_si128(2 * c as i32);
-                            let b0 = _mm256_and_si256(_mm256_srl_epi16(hbits, sh), m1);
-                            let b1 = _mm256_and_si256(
-                                _mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32 + 1)),
-                                m1,
-                            );
-                            lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
-                            hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
-                        }
-                        // Pair sums of codes times quants (at most 2 * 31 *
-                        // 128, exact in i16), times the sub-block's scale.
-                        let pl = _mm256_maddubs_epi16(lo, load(y.add(4 + 64 * c)));
-                        let ph = _mm256_maddubs_epi16(hi, load(y.add(36 + 64 * c)));
-                        acc = _mm256_dpwssd_epi32(acc, pl, _mm256_shuffle_epi8(sc, SPREAD[2 * c]));
-                        acc = _mm256_dpwssd_epi32(
-                            acc,
-                            ph,
-                            _mm256_shuffle_epi8(sc, SPREAD[2 * c + 1]),
+            // Lanes of `sum d dy isum` and of `sum dmin dy summs`.
+            let mut facc = _mm256_setzero_ps();
+            let mut macc = _mm_setzero_ps();
+            for k in 0..kc {
+                let x = x0.add(k * bs);
+                let y = ap.add((k0 + k) * 292);
+                let sm = scales_mins(x);
+                // The eight scales as i16 in both 128-bit halves.
+                let sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+                let mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+                let msum = _mm_madd_epi16(mins, _mm_loadu_si128(b32[k].as_ptr() as *const __m128i));
+                let hbits = if FIVE {
+                    load(x.add(16))
+                } else {
+                    _mm256_setzero_si256()
+                };
+                let (mut acc, mut acc1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for c in 0..4 {
+                    let bits = load(x.add(qs_at + 32 * c));
+                    let mut lo = _mm256_and_si256(bits, m4);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+                    if FIVE {
+                        let b0 = _mm256_and_si256(
+                            _mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32)),
+                            m1,
                         );
+                        let b1 = _mm256_and_si256(
+                            _mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * c as i32 + 1)),
+                            m1,
+                        );
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
                     }
-                    let isum4 = _mm_add_epi32(
-                        _mm256_castsi256_si128(acc),
-                        _mm256_extracti128_si256(acc, 1),
-                    );
-                    p[b] = _mm256_set_m128i(msum, isum4);
+                    // Pair sums of codes times quants (at most 2 * 31 *
+                    // 128, exact in i16), times the sub-block's scale.
+                    let pl = _mm256_maddubs_epi16(lo, load(y.add(4 + 64 * c)));
+                    let ph = _mm256_maddubs_epi16(hi, load(y.add(36 + 64 * c)));
+                    acc = _mm256_dpwssd_epi32(acc, pl, _mm256_shuffle_epi8(sc, spread[2 * c]));
+                    acc1 =
+                        _mm256_dpwssd_epi32(acc1, ph, _mm256_shuffle_epi8(sc, spread[2 * c + 1]));
                 }
-                // Two hadd levels leave [isum 0..4 | summs 0..4] and
-                // [isum 4..8 | summs 4..8].
-                let lo =
-                    _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-                let hi =
-                    _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-                let isum = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x20));
-                let msum = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x31));
-                let g = _mm256_loadu_si256(dd.as_ptr() as *const __m256i);
-                let d = f16_lanes(_mm256_and_si256(g, _mm256_set1_epi32(0xffff)));
-                let dmin = f16_lanes(_mm256_srli_epi32(g, 16));
-                let dyv = _mm256_loadu_ps(dy.as_ptr().add(k));
-                // The scalar kernel's expression, lane by lane (no FMA).
-                let t = _mm256_sub_ps(
-                    _mm256_mul_ps(_mm256_mul_ps(dyv, d), isum),
-                    _mm256_mul_ps(_mm256_mul_ps(dyv, dmin), msum),
+                // (d, dmin) times dy, then both terms into their lanes.
+                let dd = _mm_mul_ps(
+                    _mm_cvtph_ps(_mm_cvtsi32_si128((x as *const i32).read_unaligned())),
+                    _mm_set1_ps(dy[k]),
                 );
-                sum = add_lanes(sum, t, m);
-                k += m;
+                facc = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_add_epi32(acc, acc1)),
+                    _mm256_broadcastss_ps(dd),
+                    facc,
+                );
+                macc = _mm_fmadd_ps(
+                    _mm_cvtepi32_ps(msum),
+                    _mm_permute_ps(dd, 0b01_01_01_01),
+                    macc,
+                );
             }
-            *o = sum;
+            let m = _mm_add_ps(macc, _mm_movehl_ps(macc, macc));
+            let v = hsum_ps(facc) - _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+            *o = if k0 == 0 { v } else { *o + v };
         }
         k0 += kc;
     }
 }
 
-/// Byte order that puts Q6_K's scales as `[0 2 4 6 1 3 5 7]` then
-/// `[8 10 12 14 9 11 13 15]`, the order of the sub-block sums after the
-/// `hadd` tree.
-const Q6_SCALE_ORDER: [u8; 16] = [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15];
-
-/// Q6_K weights; see the module docs. Per super-block the 16 sub-block
-/// sums (16 elements each) come out of two `hadd` levels in the order of
-/// [`Q6_SCALE_ORDER`], meet their scales in two `vpmulld`, and the `-32`
-/// offset is `-32 * sum_j sc_j * bsum_j` through one `madd`.
+/// Q6_K weights; see the module docs. Per 32-code run the i16 pair sums
+/// cover two 16-element sub-blocks (lanes 0..8 and 8..16), which meet their
+/// two scales in one `vpdpwssd` (the scale pair spread by one `vpshufb`);
+/// the `-32` offset is `-32 * sum_j sc_j * bsum_j` through one `madd`.
 ///
 /// # Safety
 /// [`super::MatvecFn`]'s contract for Q6_K weights.
@@ -233,83 +239,56 @@ pub(crate) unsafe fn matvec_q6_k(cols: usize, w: &[u8], rows: usize, act: &[u8],
     let (wp, ap) = (w.as_ptr(), act.as_ptr());
     let m4 = _mm256_set1_epi8(0x0f);
     let m30 = _mm256_set1_epi8(0x30);
-    let order = _mm_loadu_si128(Q6_SCALE_ORDER.as_ptr() as *const __m128i);
-    let mut dy = [0f32; MVK];
-    let mut k0 = 0;
-    while k0 < nsb {
-        let kc = (nsb - k0).min(MVK);
-        for k in 0..kc {
-            dy[k] = (ap.add((k0 + k) * 292) as *const f32).read_unaligned();
-        }
-        for (r, o) in out.iter_mut().enumerate().take(rows) {
-            let x0 = wp.add(r * rb + k0 * BS);
-            let mut sum = if k0 == 0 { 0.0 } else { *o };
-            let mut k = 0;
-            while k < kc {
-                let m = (kc - k).min(8);
-                let mut p = [_mm256_setzero_si256(); 8];
-                let mut dd = [0i32; 8];
-                for b in 0..m {
-                    let x = x0.add((k + b) * BS);
-                    let y = ap.add((k0 + k + b) * 292);
-                    dd[b] = (x.add(208) as *const u16).read_unaligned() as i32;
-                    let z = _mm256_setzero_si256();
-                    let mut runs = [z; 8];
-                    for h in 0..2 {
-                        let b1 = load(x.add(64 * h));
-                        let b2 = load(x.add(64 * h + 32));
-                        let hb = load(x.add(128 + 32 * h));
-                        // Code = low nibble | the 2-bit plane k in bits 4..6.
-                        let q = [
-                            _mm256_or_si256(
-                                _mm256_and_si256(b1, m4),
-                                _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(b2, m4),
-                                _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(b1, 4), m4),
-                                _mm256_and_si256(hb, m30),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(b2, 4), m4),
-                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30),
-                            ),
-                        ];
-                        for (kk, q) in q.into_iter().enumerate() {
-                            let at = 4 + 128 * h + 32 * kk;
-                            runs[4 * h + kk] = _mm256_dpbusd_epi32(z, q, load(y.add(at)));
-                        }
-                    }
-                    let a = _mm256_hadd_epi32(
-                        _mm256_hadd_epi32(runs[0], runs[1]),
-                        _mm256_hadd_epi32(runs[2], runs[3]),
-                    );
-                    let bb = _mm256_hadd_epi32(
-                        _mm256_hadd_epi32(runs[4], runs[5]),
-                        _mm256_hadd_epi32(runs[6], runs[7]),
-                    );
-                    let sc8 = _mm_loadu_si128(x.add(192) as *const __m128i);
-                    let sco = _mm_shuffle_epi8(sc8, order);
-                    let sa = _mm256_cvtepi8_epi32(sco);
-                    let sb = _mm256_cvtepi8_epi32(_mm_srli_si128(sco, 8));
-                    let off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), load(y.add(260)));
-                    p[b] = _mm256_sub_epi32(
-                        _mm256_add_epi32(_mm256_mullo_epi32(a, sa), _mm256_mullo_epi32(bb, sb)),
-                        _mm256_slli_epi32(off, 5),
-                    );
+    let pairs = std::hint::black_box(SPREAD_PAIRS);
+    for r in 0..rows {
+        let x0 = wp.add(r * rb);
+        let mut facc = _mm256_setzero_ps();
+        for k in 0..nsb {
+            let x = x0.add(k * BS);
+            let y = ap.add(k * 292);
+            let sc8 = _mm_loadu_si128(x.add(192) as *const __m128i);
+            let sc16 = _mm256_cvtepi8_epi16(sc8);
+            // Scales 0..8 and 8..16 as i16, each in both 128-bit halves.
+            let sc_lo = _mm256_permute2x128_si256(sc16, sc16, 0x00);
+            let sc_hi = _mm256_permute2x128_si256(sc16, sc16, 0x11);
+            let off = _mm256_madd_epi16(sc16, load(y.add(260)));
+            let mut acc = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), off), 5);
+            for h in 0..2 {
+                let b1 = load(x.add(64 * h));
+                let b2 = load(x.add(64 * h + 32));
+                let hb = load(x.add(128 + 32 * h));
+                // Code = low nibble | the 2-bit plane k in bits 4..6.
+                let q = [
+                    _mm256_or_si256(
+                        _mm256_and_si256(b1, m4),
+                        _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(b2, m4),
+                        _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(b1, 4), m4),
+                        _mm256_and_si256(hb, m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(b2, 4), m4),
+                        _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30),
+                    ),
+                ];
+                let src = if h == 0 { sc_lo } else { sc_hi };
+                for (kk, q) in q.into_iter().enumerate() {
+                    // Codes at most 63: pair sums at most 2 * 63 * 128.
+                    let p = _mm256_maddubs_epi16(q, load(y.add(4 + 128 * h + 32 * kk)));
+                    acc = _mm256_dpwssd_epi32(acc, p, _mm256_shuffle_epi8(src, pairs[kk]));
                 }
-                let isum = _mm256_cvtepi32_ps(reduce8(&p));
-                let d = f16_lanes(_mm256_loadu_si256(dd.as_ptr() as *const __m256i));
-                let dyv = _mm256_loadu_ps(dy.as_ptr().add(k));
-                let t = _mm256_mul_ps(_mm256_mul_ps(dyv, d), isum);
-                sum = add_lanes(sum, t, m);
-                k += m;
             }
-            *o = sum;
+            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(
+                (x.add(208) as *const u16).read_unaligned() as i32,
+            ));
+            let dd = _mm_mul_ss(dd, _mm_set_ss((y as *const f32).read_unaligned()));
+            facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_broadcastss_ps(dd), facc);
         }
-        k0 += kc;
+        out[r] = hsum_ps(facc);
     }
 }

@@ -1172,9 +1172,10 @@ mod tests {
     /// Batched products (the GEMM kernels on packed activations) of every
     /// type of the llama.cpp Q4_K_M / Q5_K_M mixes equal the scalar
     /// reference dot of every (row, token) — bit for bit for the K-quants,
-    /// to float rounding for the Q8_0-activation types — and so do the
-    /// single-token products; row counts are not multiples of the tiles,
-    /// token counts not of the 8-token groups.
+    /// to float rounding for the Q8_0-activation types — and the
+    /// single-token products (matrix-vector kernels) equal it to float
+    /// rounding; row counts are not multiples of the tiles, token counts
+    /// not of the 8-token groups.
     #[test]
     fn batched_and_single_token_products_match_the_scalar_dot() {
         use GgmlType::*;
@@ -1214,16 +1215,16 @@ mod tests {
                         .collect();
                     let xt = CpuActivations::from_vec(1, cols, x.row(t).to_vec()).unwrap();
                     backend.matmul(&w, &xt, &mut one).unwrap();
-                    if exact {
+                    if exact && n > 1 {
                         assert_eq!(
                             out.row(t),
                             &reference[..],
                             "{ty} {rows}x{cols} n={n} token {t}: batched"
                         );
-                        assert_eq!(
-                            one.row(0),
-                            &reference[..],
-                            "{ty} {rows}x{cols} token {t}: single"
+                        let e = rel_err(one.row(0), &reference);
+                        assert!(
+                            e < 1e-5,
+                            "{ty} {rows}x{cols} token {t}: single-token rel err {e}"
                         );
                     } else {
                         let e = rel_err(out.row(t), &reference);
