@@ -563,7 +563,7 @@ fn matmul_rows(
             })
     });
     if n_act > 1 {
-        transpose_into(transposed, w.rows, n_act, out);
+        transpose_par(pool, transposed, w.rows, n_act, out);
     }
 }
 
@@ -574,11 +574,18 @@ fn matmul_rows(
 /// different cache line (`rows` apart) and was ~5% of a Q8_0 prefill; this
 /// is 2-5x faster on the prefill shapes.
 fn transpose_into(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    transpose_rows_of(src, rows, cols, 0, &mut dst[..rows * cols]);
+}
+
+/// Destination rows `a0..a0 + dst.len() / rows` of [`transpose_into`]
+/// (`dst` holds just those rows).
+fn transpose_rows_of(src: &[f32], rows: usize, cols: usize, a0: usize, dst: &mut [f32]) {
+    let a1 = a0 + dst.len() / rows;
     let mut r0 = 0;
     while r0 + 8 <= rows {
         let s = &src[r0 * cols..(r0 + 8) * cols];
-        for a in 0..cols {
-            let d = &mut dst[a * rows + r0..a * rows + r0 + 8];
+        for a in a0..a1 {
+            let d = &mut dst[(a - a0) * rows + r0..(a - a0) * rows + r0 + 8];
             for (i, d) in d.iter_mut().enumerate() {
                 *d = s[i * cols + a];
             }
@@ -586,11 +593,30 @@ fn transpose_into(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
         r0 += 8;
     }
     for r in r0..rows {
-        for a in 0..cols {
-            dst[a * rows + r] = src[r * cols + a];
+        for a in a0..a1 {
+            dst[(a - a0) * rows + r] = src[r * cols + a];
         }
     }
 }
+
+/// [`transpose_into`] on the pool, [`TRANSPOSE_TASK`] destination rows per
+/// task (a prefill's products and FFN hidden state are transposed after
+/// every parallel pass; done on one thread they were a serial few percent).
+fn transpose_par(pool: &rayon::ThreadPool, src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    if cols < 2 * TRANSPOSE_TASK || rows == 0 {
+        transpose_into(src, rows, cols, dst);
+        return;
+    }
+    pool.install(|| {
+        dst[..rows * cols]
+            .par_chunks_mut(TRANSPOSE_TASK * rows)
+            .enumerate()
+            .for_each(|(i, d)| transpose_rows_of(src, rows, cols, i * TRANSPOSE_TASK, d))
+    });
+}
+
+/// Destination rows (tokens) per task of [`transpose_par`].
+const TRANSPOSE_TASK: usize = 16;
 
 impl Backend for CpuBackend {
     type Matrix = CpuMatrix;
@@ -854,7 +880,8 @@ impl Backend for CpuBackend {
         });
         for ((w, out), &off) in ws.iter().zip(outs.iter_mut()).zip(&offsets) {
             out.reshape(n, w.rows);
-            transpose_into(
+            transpose_par(
+                &self.pool,
                 &s.transposed[off * n..(off + w.rows) * n],
                 w.rows,
                 n,
@@ -1065,7 +1092,7 @@ impl Backend for CpuBackend {
             &s.hidden
         } else {
             s.transposed.resize(n_ff * n, 0.0);
-            transpose_into(&s.hidden, n_ff, n, &mut s.transposed);
+            transpose_par(&self.pool, &s.hidden, n_ff, n, &mut s.transposed);
             &s.transposed
         };
         out.reshape(n, f.down.rows);
@@ -1303,10 +1330,17 @@ mod tests {
 
     #[test]
     fn tiled_transpose_is_a_transpose() {
-        for (rows, cols) in [(1usize, 1usize), (17, 33), (40, 5), (3, 100)] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for (rows, cols) in [(1usize, 1usize), (17, 33), (40, 5), (3, 100), (19, 71)] {
             let src: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
             let mut dst = vec![f32::NAN; rows * cols];
             transpose_into(&src, rows, cols, &mut dst);
+            let mut par = vec![f32::NAN; rows * cols];
+            transpose_par(&pool, &src, rows, cols, &mut par);
+            assert_eq!(dst, par, "{rows}x{cols}: parallel");
             for r in 0..rows {
                 for a in 0..cols {
                     assert_eq!(
