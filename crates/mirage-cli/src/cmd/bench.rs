@@ -6,8 +6,8 @@
 //! next to the weight bytes one token reads (every `blk.*` tensor, the final
 //! norm and the lm head; one embedding row is negligible) and the achieved
 //! weight-read bandwidth as a share of a device-to-device copy (CUDA) or a
-//! memcpy (CPU) measured by the same process, counting the copy's bytes read
-//! plus written.
+//! memcpy with the engine's thread count (CPU) measured by the same process,
+//! counting the copy's bytes read plus written.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -269,7 +269,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         "cpu" => {
             let backend = CpuBackend::new(args.threads)?;
             let device = format!("cpu ({} threads)", backend.threads());
-            let copy = host_copy_bandwidth(256 << 20, 5);
+            // The machine's copy rate with the engine's thread count.
+            let copy = super::bench_peer::threaded_copy_bandwidth(256 << 20, 5, backend.threads());
             let model = Model::load(file.clone(), backend)?;
             let mut r = measure(&model, &args, kv, weight_bytes, copy, device)?;
             r.backend = "cpu".into();
@@ -339,22 +340,6 @@ pub(crate) fn weight_bytes_per_token(file: &GgufFile) -> u64 {
         })
         .map(|t| t.n_bytes())
         .sum()
-}
-
-/// memcpy bandwidth (read + written bytes per second), median of `iters`.
-fn host_copy_bandwidth(bytes: usize, iters: usize) -> f64 {
-    let src: Vec<u8> = (0..bytes).map(|i| (i * 31 + 7) as u8).collect();
-    let mut dst = vec![0u8; bytes];
-    let mut times = Vec::new();
-    for _ in 0..iters + 1 {
-        let t = Instant::now();
-        dst.copy_from_slice(&src);
-        std::hint::black_box(&mut dst);
-        times.push(t.elapsed().as_secs_f64());
-    }
-    times.remove(0);
-    times.sort_by(|a, b| a.total_cmp(b));
-    2.0 * bytes as f64 / times[times.len() / 2]
 }
 
 pub(crate) fn argmax(v: &[f32]) -> u32 {
