@@ -54,7 +54,8 @@ pub enum GemmIsa {
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
-    /// AVX-512 VNNI on 256-bit vectors (AVX512F + AVX512VL + AVX512_VNNI).
+    /// AVX-512 VNNI on 256-bit vectors (AVX512F + AVX512VL + AVX512BW +
+    /// AVX512_VNNI).
     Avx512Vnni,
 }
 
@@ -84,6 +85,7 @@ impl GemmIsa {
                 super::avx2::available()
                     && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vnni")
             }
             #[allow(unreachable_patterns)] // every arm is there on x86_64 with mirage_avx512
@@ -120,13 +122,17 @@ impl GemmIsa {
         }
         use GgmlType::*;
         match (self, ty) {
+            #[cfg(all(target_arch = "x86_64", mirage_avx512))]
+            (GemmIsa::Avx512Vnni, Q5_0) => Some(super::matvec_x86::matvec_q5_0::<true>),
+            #[cfg(all(target_arch = "x86_64", mirage_avx512))]
+            (GemmIsa::Avx512Vnni, Q4_0) => Some(super::matvec_x86::matvec_q5_0::<false>),
             (_, Q8_0 | Q5_0 | Q4_0) => super::gemm_q8_0::matvec_kernel(self, ty),
             #[cfg(all(target_arch = "x86_64", mirage_avx512))]
-            (GemmIsa::Avx512Vnni, Q4_K) => Some(super::matvec_kquant_x86::matvec_q45_k::<false>),
+            (GemmIsa::Avx512Vnni, Q4_K) => Some(super::matvec_x86::matvec_q45_k::<false>),
             #[cfg(all(target_arch = "x86_64", mirage_avx512))]
-            (GemmIsa::Avx512Vnni, Q5_K) => Some(super::matvec_kquant_x86::matvec_q45_k::<true>),
+            (GemmIsa::Avx512Vnni, Q5_K) => Some(super::matvec_x86::matvec_q45_k::<true>),
             #[cfg(all(target_arch = "x86_64", mirage_avx512))]
-            (GemmIsa::Avx512Vnni, Q6_K) => Some(super::matvec_kquant_x86::matvec_q6_k),
+            (GemmIsa::Avx512Vnni, Q6_K) => Some(super::matvec_x86::matvec_q6_k),
             _ => None,
         }
     }

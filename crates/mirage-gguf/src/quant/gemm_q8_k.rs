@@ -28,7 +28,7 @@
 //! each token's running sum in super-block order. So every result equals
 //! the scalar `vec_dot` of that row and token bit for bit, whatever the
 //! batch size and tile (the single-token kernels of
-//! [`super::matvec_kquant_x86`] add in float lanes instead, for speed).
+//! [`super::matvec_x86`] add in float lanes instead, for speed).
 //!
 //! Packed super-block of a group of 8 tokens ([`PACKED_SB_BYTES`]):
 //! bytes 0..32 the 8 tokens' `d` (f32); 32..160 four vectors, vector `q`

@@ -37,7 +37,7 @@ mod kquants;
 mod legacy;
 #[cfg(all(target_arch = "x86_64", mirage_avx512))]
 #[allow(clippy::incompatible_msrv)] // gated on the compiler version (build.rs)
-mod matvec_kquant_x86;
+mod matvec_x86;
 pub mod nvfp4;
 mod rows;
 mod util;

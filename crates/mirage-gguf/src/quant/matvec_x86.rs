@@ -1,5 +1,6 @@
 //! AVX-512 VNNI matrix-vector kernels (decode) for Q4_K, Q5_K and Q6_K
-//! weights against one Q8_K activation row.
+//! weights against one Q8_K activation row, and for Q5_0 and Q4_0 weights
+//! against one Q8_0 row.
 //!
 //! Decode reads every weight byte once per token, so it runs at memory
 //! bandwidth only if unpacking a super-block costs well under fetching it.
@@ -290,5 +291,82 @@ pub(crate) unsafe fn matvec_q6_k(cols: usize, w: &[u8], rows: usize, act: &[u8],
             facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_broadcastss_ps(dd), facc);
         }
         out[r] = hsum_ps(facc);
+    }
+}
+
+/// Q5_0 (`FIVE`) or Q4_0 weights against one Q8_0 row. Codes stay
+/// unsigned (Q5_0: the nibble plus 16 where the fifth bit is set, that bit
+/// spread to bytes by `vpmovm2b`; Q4_0: the nibble) and meet the quants in
+/// one `vpdpbusd` whose accumulator starts at the lanes' `-16` (`-8`) times
+/// their quant sums (per activation block, computed once per call), so
+/// each lane ends at its exact 4-element sum of `(q - 16) y`; then one FMA
+/// per block by `dw * da` into float lanes. Equal to the scalar dot to
+/// float rounding.
+///
+/// # Safety
+/// [`super::MatvecFn`]'s contract for Q5_0/Q4_0 weights; the CPU has
+/// AVX512BW (checked with the rest by `GemmIsa::available`).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni,avx512bw")]
+pub(crate) unsafe fn matvec_q5_0<const FIVE: bool>(
+    cols: usize,
+    w: &[u8],
+    rows: usize,
+    act: &[u8],
+    out: &mut [f32],
+) {
+    const MVB: usize = 256;
+    let bs = if FIVE { 22 } else { 18 };
+    let qs_at = if FIVE { 6 } else { 2 };
+    let nb = cols / 32;
+    if nb == 0 {
+        out[..rows].fill(0.0);
+        return;
+    }
+    let rb = nb * bs;
+    let (wp, ap) = (w.as_ptr(), act.as_ptr());
+    let m4 = _mm_set1_epi8(0x0f);
+    let bit4 = _mm256_set1_epi8(0x10);
+    let offset = _mm256_set1_epi8(if FIVE { 16 } else { 8 });
+    // Per activation block: the lanes' -offset * quant sums and the scale.
+    let mut corr = [_mm256_setzero_si256(); MVB];
+    let mut da = [0f32; MVB];
+    let mut k0 = 0;
+    while k0 < nb {
+        let kc = (nb - k0).min(MVB);
+        for k in 0..kc {
+            let y = ap.add((k0 + k) * 34);
+            let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), offset, load(y.add(2)));
+            corr[k] = _mm256_sub_epi32(_mm256_setzero_si256(), s);
+            da[k] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                (y as *const u16).read_unaligned() as i32,
+            )));
+        }
+        for (r, o) in out.iter_mut().enumerate().take(rows) {
+            let x0 = wp.add(r * rb + k0 * bs);
+            let mut facc = _mm256_setzero_ps();
+            for k in 0..kc {
+                let x = x0.add(k * bs);
+                let y = ap.add((k0 + k) * 34);
+                let packed = _mm_loadu_si128(x.add(qs_at) as *const __m128i);
+                let nib = _mm256_set_m128i(
+                    _mm_and_si128(_mm_srli_epi16(packed, 4), m4),
+                    _mm_and_si128(packed, m4),
+                );
+                let q = if FIVE {
+                    let qh = (x.add(2) as *const u32).read_unaligned();
+                    _mm256_or_si256(nib, _mm256_and_si256(_mm256_movm_epi8(qh), bit4))
+                } else {
+                    nib
+                };
+                let p = _mm256_dpbusd_epi32(corr[k], q, load(y.add(2)));
+                let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                    (x as *const u16).read_unaligned() as i32,
+                ))) * da[k];
+                facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d), facc);
+            }
+            let v = hsum_ps(facc);
+            *o = if k0 == 0 { v } else { *o + v };
+        }
+        k0 += kc;
     }
 }
