@@ -1,30 +1,28 @@
 //! `cargo xtask bench cpu`: MIRAGE's CPU engine against llama.cpp's
-//! `llama-bench` on the same GGUF files, the same thread count and the same
-//! test shapes, in one run.
+//! `llama-bench` on the real models, one table from one run.
 //!
-//! - Models: the given GGUF (default SmolLM2-135M Q4_1 as shipped) and a
-//!   Q8_0 re-quantization of it made with `mirage-cli quantize` (cached under
-//!   target/bench/).
+//! - Models: the given GGUF files, or by default every one of SmolLM2-135M
+//!   (Q4_1), Qwen2.5-Coder-0.5B and -1.5B (Q4_K_M) present in models/ (a
+//!   missing one is named, with the fetch command).
 //! - llama.cpp: `scripts/build_llamacpp.sh` builds `llama-bench` under
-//!   target/llamacpp/ (once); it runs as `llama-bench -m FILE -p PP -n TG
-//!   -t N -r REPS -o json`, and the median of its `samples_ts` is taken.
-//! - MIRAGE runs in this process (xtask is built in release): `pp`: one
-//!   prefill of PP prompt tokens into an empty f16 KV cache (llama-bench's
-//!   default cache type), logits of the last token only; `tg`: TG single-token
-//!   decode steps from an empty cache, each feeding the previous argmax. One
-//!   warm-up run, then the median of REPS timed runs, as llama-bench does.
+//!   target/llamacpp/ (once).
+//! - Each model is measured by `mirage-cli bench --backend cpu --llamacpp
+//!   BIN --json` (built here in release): the two engines alternate on
+//!   llama-bench's tests — `ppN` prefills into an empty f16 KV cache, `tgN`
+//!   decode steps from an empty cache — `--reps` times, and the medians,
+//!   their ratio and decode's share of the machine's copy bandwidth (a
+//!   memcpy with the same thread count, measured in that process) are
+//!   reported with the load average around every repetition.
 //!
-//! The two engines share the machine in turn, never at once. A loaded
-//! machine (load average above the core count) makes both numbers noise, so
-//! the load is printed with the table.
+//! A loaded machine (load average above the thread count) makes both
+//! numbers noise, llama.cpp's (spinning worker threads) more than ours; the
+//! table says so when it happens.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
-use mirage_runtime::{Engine, EngineOptions, KvDtype};
 
 /// Arguments of `cargo xtask bench`.
 #[derive(Debug, Args)]
@@ -39,38 +37,34 @@ enum BenchTarget {
     Cpu(CpuArgs),
 }
 
+/// The default models (file names in models/ and the fetch ids).
+const DEFAULT_MODELS: [(&str, &str); 3] = [
+    ("smollm2-135m-instruct-q4_1.gguf", "smollm2"),
+    ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen2.5-coder"),
+    (
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        "qwen2.5-coder-1.5b",
+    ),
+];
+
 #[derive(Debug, Args)]
 struct CpuArgs {
-    /// GGUF model (default: models/smollm2-135m-instruct-q4_1.gguf). A Q8_0
-    /// re-quantization of it is benchmarked too unless --no-q8.
+    /// GGUF models (repeatable; default: SmolLM2, Qwen2.5-Coder-0.5B and
+    /// -1.5B from models/).
     #[arg(long)]
-    model: Option<PathBuf>,
+    model: Vec<PathBuf>,
     /// Threads for both engines (default: one per logical CPU).
     #[arg(long)]
     threads: Option<usize>,
-    /// Prompt tokens of the prefill test.
-    #[arg(long, default_value_t = 128)]
-    pp: usize,
-    /// Generated tokens of the decode test.
-    #[arg(long, default_value_t = 128)]
+    /// Prompt sizes of the prefill tests, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    pp: Vec<usize>,
+    /// Decode steps of the decode test.
+    #[arg(long, default_value_t = 64)]
     tg: usize,
-    /// Timed repetitions per test (the median is reported).
+    /// Alternating repetitions per model (the median is reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
-    /// Skip the Q8_0 re-quantized model.
-    #[arg(long)]
-    no_q8: bool,
-    /// Run MIRAGE only (no llama.cpp build or run).
-    #[arg(long)]
-    no_llamacpp: bool,
-}
-
-/// One (model, test) measurement.
-struct Row {
-    model: String,
-    test: String,
-    mirage: f64,
-    llamacpp: Option<f64>,
 }
 
 /// Runs `cargo xtask bench ...`.
@@ -81,91 +75,140 @@ pub fn run(args: &BenchArgs, root: &Path) -> anyhow::Result<()> {
 }
 
 fn bench_cpu(a: &CpuArgs, root: &Path) -> anyhow::Result<()> {
-    if a.pp == 0 || a.tg == 0 || a.reps == 0 {
-        bail!("--pp, --tg and --reps must be at least 1");
+    if a.pp.is_empty() || a.pp.contains(&0) || a.tg == 0 || a.reps == 0 {
+        bail!("--pp sizes, --tg and --reps must be at least 1");
     }
     let threads = a.threads.unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1)
     });
-    let source = a
-        .model
-        .clone()
-        .unwrap_or_else(|| root.join("models/smollm2-135m-instruct-q4_1.gguf"));
-    if !source.exists() {
-        bail!(
-            "{} is missing: run `cargo xtask fetch-models`",
-            source.display()
-        );
-    }
-    let mut models = vec![source.clone()];
-    if !a.no_q8 {
-        models.push(requantized_q8_0(&source, root)?);
-    }
-    let llama_bench = if a.no_llamacpp {
-        None
-    } else {
-        Some(llama_bench(root)?)
-    };
-    let load_before = load_average();
-
-    let mut rows = Vec::new();
-    for model in &models {
-        let label = model_label(model);
-        eprintln!(
-            "MIRAGE    {label}: pp{} / tg{}, {threads} threads, {} reps",
-            a.pp, a.tg, a.reps
-        );
-        let (pp, tg) = mirage_speeds(model, threads, a.pp, a.tg, a.reps)?;
-        let (lpp, ltg) = match &llama_bench {
-            Some(bin) => {
-                eprintln!(
-                    "llama.cpp {label}: llama-bench -p {} -n {} -t {threads} -r {}",
-                    a.pp, a.tg, a.reps
-                );
-                let (p, t) = llamacpp_speeds(bin, model, threads, a.pp, a.tg, a.reps)?;
-                (Some(p), Some(t))
+    let models: Vec<PathBuf> = if a.model.is_empty() {
+        let mut found = Vec::new();
+        for (file, id) in DEFAULT_MODELS {
+            let p = root.join("models").join(file);
+            if p.exists() {
+                found.push(p);
+            } else {
+                eprintln!("skipping {file}: missing (cargo xtask fetch-models --only {id})");
             }
-            None => (None, None),
-        };
-        rows.push(Row {
-            model: label.clone(),
-            test: format!("pp{}", a.pp),
-            mirage: pp,
-            llamacpp: lpp,
-        });
-        rows.push(Row {
-            model: label,
-            test: format!("tg{}", a.tg),
-            mirage: tg,
-            llamacpp: ltg,
-        });
+        }
+        found
+    } else {
+        a.model.clone()
+    };
+    if models.is_empty() {
+        bail!("no model to benchmark: run `cargo xtask fetch-models`");
+    }
+    for m in &models {
+        if !m.exists() {
+            bail!("{} is missing", m.display());
+        }
+    }
+    let llama_bench = llama_bench(root)?;
+    let cli = mirage_cli(root)?;
+    let pp =
+        a.pp.iter()
+            .map(|p| p.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+
+    let mut reports = Vec::new();
+    for model in &models {
+        eprintln!(
+            "{}: MIRAGE and llama-bench alternating, pp {pp} / tg {}, {threads} threads, {} reps",
+            model_label(model),
+            a.tg,
+            a.reps
+        );
+        let out = Command::new(&cli)
+            .args(["bench", "--backend", "cpu", "--json", "--llamacpp"])
+            .arg(&llama_bench)
+            .arg("--model")
+            .arg(model)
+            .args([
+                "--threads",
+                &threads.to_string(),
+                "--pp",
+                &pp,
+                "--gen",
+                &a.tg.to_string(),
+                "--reps",
+                &a.reps.to_string(),
+            ])
+            .current_dir(root)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .context("running mirage-cli bench")?;
+        if !out.status.success() {
+            bail!("mirage-cli bench --llamacpp failed on {}", model.display());
+        }
+        let report: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("parsing mirage-cli bench --json")?;
+        reports.push((model_label(model), report));
     }
 
-    println!();
-    println!("| model | test | MIRAGE tok/s | llama.cpp tok/s | MIRAGE / llama.cpp |");
-    println!("|---|---|---:|---:|---:|");
-    for r in &rows {
-        let (l, ratio) = match r.llamacpp {
-            Some(l) => (format!("{l:.1}"), format!("{:.2}x", r.mirage / l)),
-            None => ("-".into(), "-".into()),
-        };
-        println!(
-            "| {} | {} | {:.1} | {l} | {ratio} |",
-            r.model, r.test, r.mirage
-        );
-    }
     println!();
     println!(
-        "threads {threads}, median of {} runs each; load average before {} / after {} on {} logical CPUs{}",
-        a.reps,
-        load_before.map_or("?".into(), |l| format!("{l:.2}")),
-        load_average().map_or("?".into(), |l| format!("{l:.2}")),
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-        match load_before {
-            Some(l) if l > threads as f64 => " (LOADED: numbers are not reliable)",
-            _ => "",
+        "| model | test | MIRAGE tok/s | llama.cpp tok/s | MIRAGE / llama.cpp | decode share of copy (MIRAGE / llama.cpp) |"
+    );
+    println!("|---|---|---:|---:|---:|---:|");
+    let mut loads = Vec::new();
+    for (label, r) in &reports {
+        let copy = r["copy_gb_s"].as_f64().unwrap_or(f64::NAN) * 1e9;
+        let bytes = r["weight_bytes_per_token"].as_f64().unwrap_or(f64::NAN);
+        for row in r["rows"].as_array().into_iter().flatten() {
+            let test = row["test"].as_str().unwrap_or("?");
+            let (m, l) = (
+                row["mirage"].as_f64().unwrap_or(f64::NAN),
+                row["llamacpp"].as_f64().unwrap_or(f64::NAN),
+            );
+            let share = if test.starts_with("tg") {
+                format!(
+                    "{:.0}% / {:.0}%",
+                    100.0 * bytes * m / copy,
+                    100.0 * bytes * l / copy
+                )
+            } else {
+                "-".into()
+            };
+            println!(
+                "| {label} | {test} | {m:.1} | {l:.1} | {:.2}x | {share} |",
+                m / l
+            );
+        }
+        loads.extend(
+            r["load"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|v| v.as_f64()),
+        );
+    }
+    println!();
+    if let Some((_, r)) = reports.first() {
+        println!(
+            "threads {threads}, median of {} alternating runs per model; llama.cpp {} (llama-cpp-python sdist); copy bandwidth {:.1} GB/s (memcpy, {threads} threads, read + written)",
+            a.reps,
+            r["llamacpp_commit"].as_str().unwrap_or("?"),
+            r["copy_gb_s"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
+    let max = loads.iter().copied().fold(f64::NAN, f64::max);
+    println!(
+        "load average (1 min) around the runs: {} on {} logical CPUs{}",
+        loads
+            .iter()
+            .map(|l| format!("{l:.2}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        if max > threads as f64 {
+            " (LOADED: numbers are not reliable)"
+        } else {
+            ""
         }
     );
     Ok(())
@@ -178,29 +221,9 @@ fn model_label(path: &Path) -> String {
         .unwrap_or_else(|| path.display().to_string())
 }
 
-/// The 1-minute load average (Linux), if readable.
-fn load_average() -> Option<f64> {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
-}
-
-/// target/bench/<stem>-q8_0.gguf, made once with `mirage-cli quantize`.
-fn requantized_q8_0(source: &Path, root: &Path) -> anyhow::Result<PathBuf> {
-    let stem = model_label(source);
-    let base = stem.rsplit_once('-').map_or(stem.as_str(), |(b, _)| b);
-    let out = root.join("target/bench").join(format!("{base}-q8_0.gguf"));
-    if out.exists() {
-        return Ok(out);
-    }
-    std::fs::create_dir_all(out.parent().unwrap_or(root))?;
-    eprintln!(
-        "building mirage-cli to re-quantize {} to Q8_0",
-        source.display()
-    );
+/// target/release/mirage-cli, built (release) here.
+fn mirage_cli(root: &Path) -> anyhow::Result<PathBuf> {
+    eprintln!("building mirage-cli (release)");
     let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["build", "--release", "--quiet", "-p", "mirage-cli"])
         .current_dir(root)
@@ -209,17 +232,7 @@ fn requantized_q8_0(source: &Path, root: &Path) -> anyhow::Result<PathBuf> {
     if !status.success() {
         bail!("cargo build -p mirage-cli failed");
     }
-    let status = Command::new(root.join("target/release/mirage-cli"))
-        .arg("quantize")
-        .arg(source)
-        .arg(&out)
-        .args(["--type", "q8_0"])
-        .status()
-        .context("running mirage-cli quantize")?;
-    if !status.success() {
-        bail!("mirage-cli quantize {} failed", source.display());
-    }
-    Ok(out)
+    Ok(root.join("target/release/mirage-cli"))
 }
 
 /// target/llamacpp/build/bin/llama-bench, built by scripts/build_llamacpp.sh
@@ -242,135 +255,4 @@ fn llama_bench(root: &Path) -> anyhow::Result<PathBuf> {
         );
     }
     Ok(bin)
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    let n = xs.len();
-    if n % 2 == 1 {
-        xs[n / 2]
-    } else {
-        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
-    }
-}
-
-/// MIRAGE's (prompt tok/s, decode tok/s), medians of `reps` after a warm-up.
-fn mirage_speeds(
-    model: &Path,
-    threads: usize,
-    pp: usize,
-    tg: usize,
-    reps: usize,
-) -> anyhow::Result<(f64, f64)> {
-    let options = EngineOptions {
-        threads,
-        n_ctx: pp.max(tg) + 8,
-        kv_dtype: KvDtype::F16,
-        ..EngineOptions::default()
-    };
-    let engine =
-        Engine::load(model, options).with_context(|| format!("loading {}", model.display()))?;
-    // Real text, repeated to length: the speed does not depend on the ids.
-    let text =
-        "The quick brown fox jumps over the lazy dog. Benchmarks measure what they measure. ";
-    let mut prompt = engine.encode(&text.repeat(pp / 8 + 2), false)?;
-    prompt.truncate(pp);
-    if prompt.len() < pp {
-        bail!("could not build a {pp}-token prompt");
-    }
-    let mut session = engine.session()?;
-    let mut pp_speeds = Vec::new();
-    for rep in 0..=reps {
-        session.reset();
-        let t = Instant::now();
-        session.feed(&prompt)?;
-        if rep > 0 {
-            pp_speeds.push(pp as f64 / t.elapsed().as_secs_f64());
-        }
-    }
-    let mut tg_speeds = Vec::new();
-    for rep in 0..=reps {
-        session.reset();
-        let mut token = prompt[0];
-        let t = Instant::now();
-        for _ in 0..tg {
-            let logits = session.feed(&[token])?;
-            token = mirage_runtime::sampling::greedy(logits);
-        }
-        if rep > 0 {
-            tg_speeds.push(tg as f64 / t.elapsed().as_secs_f64());
-        }
-    }
-    Ok((median(pp_speeds), median(tg_speeds)))
-}
-
-/// llama-bench's (prompt tok/s, decode tok/s): medians of its samples.
-fn llamacpp_speeds(
-    bin: &Path,
-    model: &Path,
-    threads: usize,
-    pp: usize,
-    tg: usize,
-    reps: usize,
-) -> anyhow::Result<(f64, f64)> {
-    let out = Command::new(bin)
-        .arg("-m")
-        .arg(model)
-        .args([
-            "-p",
-            &pp.to_string(),
-            "-n",
-            &tg.to_string(),
-            "-t",
-            &threads.to_string(),
-            "-r",
-            &reps.to_string(),
-            "-o",
-            "json",
-        ])
-        .output()
-        .with_context(|| format!("running {}", bin.display()))?;
-    if !out.status.success() {
-        bail!(
-            "llama-bench failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let json: serde_json::Value =
-        serde_json::from_slice(&out.stdout).context("parsing llama-bench JSON")?;
-    let tests = json
-        .as_array()
-        .context("llama-bench JSON is not an array")?;
-    let speed = |prompt: bool| -> anyhow::Result<f64> {
-        let t = tests
-            .iter()
-            .find(|t| {
-                let (np, ng) = (
-                    t["n_prompt"].as_u64().unwrap_or(0),
-                    t["n_gen"].as_u64().unwrap_or(0),
-                );
-                if prompt {
-                    np as usize == pp && ng == 0
-                } else {
-                    np == 0 && ng as usize == tg
-                }
-            })
-            .with_context(|| {
-                format!(
-                    "llama-bench output has no {} test",
-                    if prompt { "pp" } else { "tg" }
-                )
-            })?;
-        let samples: Vec<f64> = t["samples_ts"]
-            .as_array()
-            .context("llama-bench test without samples_ts")?
-            .iter()
-            .filter_map(|v| v.as_f64())
-            .collect();
-        if samples.is_empty() {
-            bail!("llama-bench test with empty samples_ts");
-        }
-        Ok(median(samples))
-    };
-    Ok((speed(true)?, speed(false)?))
 }

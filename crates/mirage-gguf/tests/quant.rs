@@ -354,6 +354,95 @@ fn models_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models")
 }
 
+/// The batched (GEMM) and single-token (matrix-vector) kernels on the
+/// first rows of a real tensor, against several activation rows: every
+/// result equals the scalar dot of that row and token (the K-quant GEMMs
+/// bit for bit; the kernels that add block terms in another order within
+/// 1e-5 of the terms' magnitude), and the f64 dot of the rows `gguf`
+/// dequantized (`deq`) within 2e-6 of it (1.2e-5 for the reordered ones).
+fn real_rows_through_gemm_and_matvec(
+    model: &str,
+    name: &str,
+    ty: GgmlType,
+    raw: &[u8],
+    row_len: usize,
+    deq: &[f32],
+) {
+    let Some(act_ty) = quant::gemm_input_type(ty) else {
+        return;
+    };
+    let (rows, n) = (
+        13usize.min(raw.len() / quant::row_bytes(ty, row_len).unwrap()),
+        9usize,
+    );
+    let wb = quant::row_bytes(ty, row_len).unwrap();
+    let w = &raw[..rows * wb];
+    let ab = quant::row_bytes(act_ty, row_len).unwrap();
+    let mut act = vec![0u8; n * ab];
+    let mut act_deq = Vec::new();
+    for t in 0..n {
+        let x = Rng(row_len as u64 * 31 + t as u64).normals(row_len, 1.0);
+        quantize(act_ty, &x, &mut act[t * ab..(t + 1) * ab]).unwrap();
+        act_deq.extend(dequantized(act_ty, &act[t * ab..(t + 1) * ab], row_len));
+    }
+    let mut packed = vec![0u8; quant::packed_bytes(ty, n, row_len).unwrap()];
+    quant::pack_rows(ty, &act, ab, n, row_len, &mut packed).unwrap();
+    let exact = matches!(ty, Q4_K | Q5_K | Q6_K);
+    for isa in quant::GemmIsa::ALL.into_iter().filter(|k| k.available()) {
+        let mut out = vec![f32::NAN; rows * n];
+        isa.gemm(ty, row_len, w, rows, &packed, n, &mut out)
+            .unwrap();
+        let mut mv = vec![f32::NAN; rows * n];
+        if isa.matvec_kernel(ty).is_some() {
+            for t in 0..n {
+                let mut o = vec![0f32; rows];
+                isa.matvec(ty, row_len, w, rows, &act[t * ab..(t + 1) * ab], &mut o)
+                    .unwrap();
+                for r in 0..rows {
+                    mv[r * n + t] = o[r];
+                }
+            }
+        }
+        for r in 0..rows {
+            for t in 0..n {
+                let a = &act[t * ab..(t + 1) * ab];
+                let scalar = vec_dot_scalar(ty, row_len, &w[r * wb..(r + 1) * wb], a).unwrap();
+                let (want, abs) = dot_f64(
+                    &deq[r * row_len..(r + 1) * row_len],
+                    &act_deq[t * row_len..(t + 1) * row_len],
+                );
+                for (what, got) in [("gemm", out[r * n + t]), ("matvec", mv[r * n + t])] {
+                    if got.is_nan() && what == "matvec" {
+                        continue; // no matrix-vector kernel for this type here
+                    }
+                    if exact && what == "gemm" {
+                        assert_eq!(
+                            got.to_bits(),
+                            scalar.to_bits(),
+                            "{model} {name} {isa:?} {what} ({r},{t}): {got} vs scalar {scalar}"
+                        );
+                    } else {
+                        assert!(
+                            (got - scalar).abs() as f64 <= 1e-5 * abs + 1e-6,
+                            "{model} {name} {isa:?} {what} ({r},{t}): {got} vs scalar {scalar}"
+                        );
+                    }
+                    let tol = if exact && what == "gemm" {
+                        2e-6
+                    } else {
+                        1.2e-5
+                    } * abs
+                        + 1e-6;
+                    assert!(
+                        (got as f64 - want).abs() <= tol,
+                        "{model} {name} {isa:?} {what} ({r},{t}): {got} vs gguf-dequantized f64 {want}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn real_tensors_dequantize_like_gguf() {
     let json: serde_json::Value =
@@ -430,6 +519,7 @@ fn real_tensors_dequantize_like_gguf() {
                 "{model} {name} row {r}: {got} vs {want}"
             );
         }
+        real_rows_through_gemm_and_matvec(model, name, ty, raw, row_len, &y);
         types_seen.insert(ty);
     }
     if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() != Ok("1") {

@@ -6,8 +6,8 @@
 //! next to the weight bytes one token reads (every `blk.*` tensor, the final
 //! norm and the lm head; one embedding row is negligible) and the achieved
 //! weight-read bandwidth as a share of a device-to-device copy (CUDA) or a
-//! memcpy (CPU) measured by the same process, counting the copy's bytes read
-//! plus written.
+//! memcpy with the engine's thread count (CPU) measured by the same process,
+//! counting the copy's bytes read plus written.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -70,6 +70,21 @@ pub struct BenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// CPU: compare with llama.cpp in the same run: this `llama-bench`
+    /// binary (default, when the flag has no value:
+    /// target/llamacpp/build/bin/llama-bench, built by
+    /// scripts/build_llamacpp.sh) and MIRAGE alternate on llama-bench's
+    /// tests (`--pp` sizes, `--gen` decode steps, f16 KV cache), `--reps`
+    /// times; prints tok/s of both, their ratio and decode's share of the
+    /// copy bandwidth.
+    #[arg(long, value_name = "LLAMA_BENCH", num_args = 0..=1, default_missing_value = "target/llamacpp/build/bin/llama-bench")]
+    pub llamacpp: Option<PathBuf>,
+    /// With --llamacpp: prompt sizes of the prefill tests, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    pub pp: Vec<usize>,
+    /// With --llamacpp: alternating repetitions (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
     /// Sparse decode (CUDA): the model's `.mirage` artifact; runs dense vs
     /// sparse in one process (see `bench_sparse`).
     #[arg(long)]
@@ -190,6 +205,25 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         bail!("the sparse bench needs the CUDA backend: build mirage-cli with --features cuda");
     }
     super::generate::check_model(&args.model)?;
+    if let Some(bin) = &args.llamacpp {
+        if args.backend != "cpu" {
+            bail!("--llamacpp compares the CPU backend: pass --backend cpu");
+        }
+        let report = super::bench_peer::compare(&super::bench_peer::PeerArgs {
+            model: &args.model,
+            llama_bench: bin,
+            threads: args.threads,
+            pp: &args.pp,
+            tg: args.gen,
+            reps: args.reps,
+        })?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            super::bench_peer::print_report(&report);
+        }
+        return Ok(());
+    }
     let file = Arc::new(
         GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
     );
@@ -202,7 +236,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let report = match mirage::load_model(&spec(&args)?, Some(file))? {
         LoadedModel::Cpu(model) => {
             let device = format!("cpu ({} threads)", model.backend().threads());
-            let copy = host_copy_bandwidth(256 << 20, 5);
+            // The machine's copy rate with the engine's thread count.
+            let copy =
+                super::bench_peer::threaded_copy_bandwidth(256 << 20, 5, model.backend().threads());
             let mut r = measure(&model, &args, kv, weight_bytes, copy, device)?;
             r.backend = "cpu".into();
             r
@@ -251,22 +287,6 @@ pub(crate) fn weight_bytes_per_token(file: &GgufFile) -> u64 {
         })
         .map(|t| t.n_bytes())
         .sum()
-}
-
-/// memcpy bandwidth (read + written bytes per second), median of `iters`.
-fn host_copy_bandwidth(bytes: usize, iters: usize) -> f64 {
-    let src: Vec<u8> = (0..bytes).map(|i| (i * 31 + 7) as u8).collect();
-    let mut dst = vec![0u8; bytes];
-    let mut times = Vec::new();
-    for _ in 0..iters + 1 {
-        let t = Instant::now();
-        dst.copy_from_slice(&src);
-        std::hint::black_box(&mut dst);
-        times.push(t.elapsed().as_secs_f64());
-    }
-    times.remove(0);
-    times.sort_by(|a, b| a.total_cmp(b));
-    2.0 * bytes as f64 / times[times.len() / 2]
 }
 
 /// Index of the first largest value.

@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod bench_activation;
 pub mod bench_grammar;
+pub mod bench_peer;
 #[cfg(feature = "cuda")]
 pub mod bench_sparse;
 pub mod chat;

@@ -92,7 +92,7 @@ unsafe fn load256(p: *const u8) -> __m256i {
 /// 32 nibbles of 16 bytes: low nibbles in bytes 0..16, high in 16..32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles_32(p: *const u8) -> __m256i {
+pub(crate) unsafe fn nibbles_32(p: *const u8) -> __m256i {
     let tmp = _mm_loadu_si128(p as *const __m128i);
     let both = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
@@ -101,7 +101,7 @@ unsafe fn nibbles_32(p: *const u8) -> __m256i {
 /// Byte i = 0xff where bit i of the little-endian u32 at `p` is set.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
+pub(crate) unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
     let x32 = (p as *const u32).read_unaligned();
     let shuf = _mm256_set_epi64x(
         0x0303030303030303,
@@ -346,7 +346,7 @@ const Q8K: usize = 292;
 /// scales in bytes 0..8, the eight 6-bit mins in bytes 8..16.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scales_mins_k4(p: *const u8) -> [u32; 4] {
+pub(crate) unsafe fn scales_mins_k4(p: *const u8) -> [u32; 4] {
     const KMASK1: u32 = 0x3f3f_3f3f;
     const KMASK2: u32 = 0x0f0f_0f0f;
     const KMASK3: u32 = 0x0303_0303;
@@ -771,174 +771,4 @@ unsafe fn dot4_q5_1_q8_1(n: usize, w: &[u8], a: &[u8], stride: usize, out: &mut 
             )
         }
     )
-}
-
-// ------------------------------------------------ activation quantization
-
-/// The codes of one 32-value Q8_0/Q8_1 block at `x` into `qs`, and `(d,
-/// sum of codes)`: bit-identical to the scalar `quantize_8bit` (ggml's
-/// `quantize_row_q8_0_ref`). `roundf` (half away from zero) is emulated
-/// exactly: truncate, then step one away from zero where the dropped
-/// fraction (exact for these magnitudes) is at least one half. NaN codes
-/// become 0 and out-of-range ones saturate, as Rust's `as i8` does.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_block_8bit(x: *const f32, qs: *mut u8) -> (f32, i32) {
-    let sign = _mm256_set1_ps(-0.0);
-    let v = [
-        _mm256_loadu_ps(x),
-        _mm256_loadu_ps(x.add(8)),
-        _mm256_loadu_ps(x.add(16)),
-        _mm256_loadu_ps(x.add(24)),
-    ];
-    // max_ps returns its second operand when either is NaN: NaN inputs are
-    // skipped, as f32::max skips them in the scalar fold.
-    let mut m = _mm256_setzero_ps();
-    for vi in v {
-        m = _mm256_max_ps(_mm256_andnot_ps(sign, vi), m);
-    }
-    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
-    let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    let vid = _mm256_set1_ps(id);
-    let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
-    let (lo, hi) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(127.0));
-    let mut q = [_mm256_setzero_si256(); 4];
-    for (qi, vi) in q.iter_mut().zip(v) {
-        let p = _mm256_mul_ps(vi, vid);
-        let t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(p, t));
-        let step = _mm256_or_ps(_mm256_and_ps(p, sign), one);
-        let r = _mm256_add_ps(
-            t,
-            _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), step),
-        );
-        let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
-        let r = _mm256_and_ps(r, _mm256_cmp_ps(p, p, _CMP_ORD_Q));
-        *qi = _mm256_cvtps_epi32(r);
-    }
-    let sum = hsum_epi32(_mm256_add_epi32(
-        _mm256_add_epi32(q[0], q[1]),
-        _mm256_add_epi32(q[2], q[3]),
-    ));
-    // packs interleave 128-bit halves; the permute restores element order.
-    let w = _mm256_packs_epi16(
-        _mm256_packs_epi32(q[0], q[1]),
-        _mm256_packs_epi32(q[2], q[3]),
-    );
-    let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(qs as *mut __m256i, w);
-    (d, sum)
-}
-
-/// AVX2 `quantize_q8_0`, bit-identical to the scalar one. Lengths as
-/// [`super::quantize`] checks them.
-///
-/// # Safety
-/// [`available`] must hold.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn quantize_q8_0(src: &[f32], dst: &mut [u8]) {
-    for (x, b) in src.chunks_exact(32).zip(dst.chunks_exact_mut(34)) {
-        let (d, _) = quantize_block_8bit(x.as_ptr(), b.as_mut_ptr().add(2));
-        b[..2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
-    }
-}
-
-/// AVX2 `quantize_q8_1`, bit-identical to the scalar one.
-///
-/// # Safety
-/// [`available`] must hold.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn quantize_q8_1(src: &[f32], dst: &mut [u8]) {
-    for (x, b) in src.chunks_exact(32).zip(dst.chunks_exact_mut(36)) {
-        let (d, sum) = quantize_block_8bit(x.as_ptr(), b.as_mut_ptr().add(4));
-        b[..2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
-        b[2..4].copy_from_slice(&half::f16::from_f32(sum as f32 * d).to_bits().to_le_bytes());
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Blocks that hit every rounding edge: exact halves (amax 127 makes
-    /// x * id == x), values a hair on either side of them, zeros, NaN,
-    /// infinities, subnormal maxima, and plain random values.
-    fn tricky_blocks() -> Vec<f32> {
-        let mut x = Vec::new();
-        let halves: Vec<f32> = (0..32)
-            .map(|j| {
-                if j == 0 {
-                    127.0
-                } else {
-                    (j as f32 - 16.0) + 0.5
-                }
-            })
-            .collect();
-        x.extend(&halves);
-        x.extend(halves.iter().map(|v| {
-            if *v == 127.0 {
-                -127.0
-            } else {
-                f32::from_bits(v.to_bits() + 1)
-            }
-        }));
-        x.extend(halves.iter().map(|v| {
-            if *v == 127.0 {
-                127.0
-            } else {
-                f32::from_bits(v.to_bits() - 1)
-            }
-        }));
-        x.extend([0.0f32; 32]);
-        let mut nan = vec![1.5f32; 32];
-        nan[3] = f32::NAN;
-        nan[7] = -3.0;
-        x.extend(&nan);
-        let mut inf = vec![0.25f32; 32];
-        inf[9] = f32::INFINITY;
-        inf[10] = -1.0;
-        x.extend(&inf);
-        let mut ninf = vec![-0.5f32; 32];
-        ninf[0] = f32::NEG_INFINITY;
-        x.extend(&ninf);
-        x.extend(
-            (0..32).map(|j| f32::from_bits(1 + j as u32 * 3) * if j % 2 == 0 { 1.0 } else { -1.0 }),
-        );
-        x.extend((0..32).map(|j| if j == 5 { 1e-39 } else { 0.0 }));
-        let mut s = 12345u64;
-        for _ in 0..64 * 32 {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            x.push(((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 7.3);
-        }
-        x
-    }
-
-    #[test]
-    fn simd_activation_quantizers_are_bit_identical() {
-        if !available() {
-            eprintln!("skipping: this CPU has no AVX2+FMA+F16C");
-            return;
-        }
-        let x = tricky_blocks();
-        let nb = x.len() / 32;
-        let (mut a, mut b) = (vec![0u8; nb * 34], vec![0u8; nb * 34]);
-        super::super::legacy::quantize_q8_0(&x, &mut a);
-        // SAFETY: available() checked above; lengths match.
-        unsafe { quantize_q8_0(&x, &mut b) };
-        for (i, (ba, bb)) in a.chunks(34).zip(b.chunks(34)).enumerate() {
-            assert_eq!(ba, bb, "q8_0 block {i}");
-        }
-        let (mut a, mut b) = (vec![0u8; nb * 36], vec![0u8; nb * 36]);
-        super::super::legacy::quantize_q8_1(&x, &mut a);
-        // SAFETY: as above.
-        unsafe { quantize_q8_1(&x, &mut b) };
-        for (i, (ba, bb)) in a.chunks(36).zip(b.chunks(36)).enumerate() {
-            assert_eq!(ba, bb, "q8_1 block {i}");
-        }
-    }
 }

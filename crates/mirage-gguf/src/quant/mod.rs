@@ -27,22 +27,32 @@
 
 pub mod channel_major;
 mod float;
+mod gemm;
 mod gemm_q8_0;
+#[cfg(target_arch = "x86_64")]
+mod gemm_q8_0_x86;
+mod gemm_q8_k;
+#[cfg(target_arch = "x86_64")]
+mod gemm_q8_k_x86;
 mod kquants;
 mod legacy;
+#[cfg(all(target_arch = "x86_64", mirage_avx512))]
+#[allow(clippy::incompatible_msrv)] // gated on the compiler version (build.rs)
+mod matvec_x86;
 pub mod nvfp4;
 mod rows;
 mod util;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod quantize_x86;
 
 use crate::types::GgmlType;
 
-pub use gemm_q8_0::{
-    pack_q8_0_rows, packed_q8_0_bytes, Q8_0Gemm, Q8_0GemmFn, Q8_0MatvecFn, PACKED_BLOCK_BYTES,
-    Q8_0_TOKEN_GROUP,
-};
+pub use gemm::{gemm_input_type, pack_rows, packed_bytes, GemmFn, GemmIsa, MatvecFn};
+pub use gemm_q8_0::{pack_q8_0_rows, packed_q8_0_bytes, PACKED_BLOCK_BYTES, Q8_0_TOKEN_GROUP};
+pub use gemm_q8_k::{pack_q8_k_rows, packed_q8_k_bytes, K_TOKEN_GROUP, PACKED_SB_BYTES};
 pub use nvfp4::{Nvfp4Error, Nvfp4Tensor, NVFP4_ARTIFACT_TAG, NVFP4_BLOCK_SIZE};
 pub use rows::{dot_rows_fn, scalar_dot_rows_fn, DotRowsFn, DOT_ROWS};
 
@@ -161,11 +171,13 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
         Q4_1 => legacy::quantize_q4_1(src, dst),
         Q5_0 => legacy::quantize_q5_0(src, dst),
         Q5_1 => legacy::quantize_q5_1(src, dst),
-        // SAFETY (both): available() checked; lengths checked above.
+        // SAFETY (all three): available() checked; lengths checked above.
         #[cfg(target_arch = "x86_64")]
-        Q8_0 if avx2::available() => unsafe { avx2::quantize_q8_0(src, dst) },
+        Q8_0 if avx2::available() => unsafe { quantize_x86::quantize_q8_0(src, dst) },
         #[cfg(target_arch = "x86_64")]
-        Q8_1 if avx2::available() => unsafe { avx2::quantize_q8_1(src, dst) },
+        Q8_1 if avx2::available() => unsafe { quantize_x86::quantize_q8_1(src, dst) },
+        #[cfg(target_arch = "x86_64")]
+        Q8_K if avx2::available() => unsafe { quantize_x86::quantize_q8_k(src, dst) },
         Q8_0 => legacy::quantize_q8_0(src, dst),
         Q8_1 => legacy::quantize_q8_1(src, dst),
         Q2_K => kquants::quantize_q2_k(src, dst),

@@ -8,13 +8,15 @@
 //! activation rows per call of the multi-row kernel
 //! ([`mirage_gguf::quant::dot_rows_fn`]), which unpacks each weight block
 //! once per 4 tokens; the row stays in L1 across the groups, so weights are
-//! read from memory once per batch, not once per token. Q8_0 weights go
+//! read from memory once per batch, not once per token. The types of the
+//! llama.cpp Q4_K_M / Q5_K_M mixes (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0) go
 //! further (when the CPU has AVX2, best with AVX-512 VNNI): a batch's
-//! activations are quantized and packed once per product
-//! ([`mirage_gguf::quant::pack_q8_0_rows`]) and each task runs the tiled
-//! GEMM kernel ([`mirage_gguf::quant::Q8_0Gemm`]) over its contiguous rows;
-//! a single token goes through the VNNI matrix-vector kernel. Row chunks
-//! are multiples of 8 (the kernels' row tiles). Gate and up of the
+//! activations are quantized (Q8_K or Q8_0) and packed once per product,
+//! 8 tokens per pool task ([`mirage_gguf::quant::pack_rows`]), and each
+//! task runs the tiled GEMM kernel ([`mirage_gguf::quant::GemmIsa`]) over
+//! its contiguous weight rows; a single token goes through the type's
+//! matrix-vector kernel where there is one. Row chunks are multiples of 8
+//! (the kernels' row tiles). Gate and up of the
 //! FFN are computed in one pass (same rows, same quantized input) with
 //! SwiGLU fused in.
 //!
@@ -34,7 +36,7 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use mirage_gguf::quant::{self, DotFn, DotRowsFn, Q8_0GemmFn, Q8_0MatvecFn, DOT_ROWS};
+use mirage_gguf::quant::{self, DotFn, DotRowsFn, GemmFn, MatvecFn, DOT_ROWS};
 use mirage_gguf::GgmlType;
 use rayon::prelude::*;
 
@@ -57,11 +59,11 @@ pub struct CpuMatrix {
     act_ty: GgmlType,
     dot: DotFn,
     dot_rows: DotRowsFn,
-    /// Q8_0 weights with a SIMD GEMM kernel: batches of
-    /// [`GEMM_MIN_TOKENS`] or more rows go through it on packed activations.
-    gemm: Option<Q8_0GemmFn>,
-    /// Q8_0 weights with a multi-row SIMD matrix-vector kernel (decode).
-    matvec: Option<Q8_0MatvecFn>,
+    /// Weights with a SIMD GEMM kernel: batches of [`GEMM_MIN_TOKENS`] or
+    /// more rows go through it on packed activations.
+    gemm: Option<GemmFn>,
+    /// Weights with a SIMD matrix-vector kernel (decode).
+    matvec: Option<MatvecFn>,
     /// Exact mode: dequantize each row once per call and dot it in f32.
     f32_activations: bool,
     /// Deterministic mode: every (weight row, activation row) pair by the
@@ -133,7 +135,7 @@ impl CpuMatrix {
                     a += 1;
                 }
             }
-            ActRows::PackedQ8_0(_) => out.fill(f32::NAN), // unreachable: rows_dots takes this case
+            ActRows::Packed(_) => out.fill(f32::NAN), // unreachable: rows_dots takes this case
             ActRows::F32(x) => {
                 deq.resize(cols, 0.0);
                 if quant::dequantize(self.ty, wr, deq).is_err() {
@@ -187,19 +189,20 @@ impl CpuMatrix {
             // Exact mode (f32 rows) is one dot per pair already.
         }
         match (*act, self.gemm) {
-            (ActRows::PackedQ8_0(packed), Some(gemm)) => {
+            (ActRows::Packed(packed), Some(gemm)) => {
                 let w = &bytes[r0 * self.row_bytes..(r0 + rows) * self.row_bytes];
-                // SAFETY: make_matrix checked that rows hold `cols` Q8_0
-                // elements and set `gemm` only for Q8_0; encode packed `n`
-                // rows of `cols` with pack_q8_0_rows; `out` holds rows * n.
+                // SAFETY: make_matrix checked that rows hold `cols`
+                // elements of self.ty and took `gemm` for self.ty; encode
+                // packed `n` rows of `cols` for self.ty with pack_rows;
+                // `out` holds rows * n.
                 unsafe { gemm(self.cols, w, rows, packed, n, out) };
             }
-            (ActRows::PackedQ8_0(_), None) => out.fill(f32::NAN), // unreachable: encode packs only for gemm
+            (ActRows::Packed(_), None) => out.fill(f32::NAN), // unreachable: encode packs only for gemm
             (ActRows::Quantized { data, row_bytes }, _) if n == 1 && self.matvec.is_some() => {
                 let w = &bytes[r0 * self.row_bytes..(r0 + rows) * self.row_bytes];
                 if let Some(matvec) = self.matvec {
-                    // SAFETY: as for gemm; `data` holds one Q8_0 row of
-                    // `cols` written by quantize_rows.
+                    // SAFETY: as for gemm; `data` holds one row of `cols`
+                    // in vec_dot_type(self.ty) written by quantize_rows.
                     unsafe { matvec(self.cols, w, rows, &data[..row_bytes], out) };
                 }
             }
@@ -212,8 +215,8 @@ impl CpuMatrix {
     }
 }
 
-/// Batches of at least this many activation rows use the Q8_0 GEMM kernel
-/// (it pads to groups of 8 tokens; below 2 the matrix-vector kernel wins).
+/// Batches of at least this many activation rows use the GEMM kernels
+/// (they pad to groups of 8 tokens; below 2 the matrix-vector kernel wins).
 const GEMM_MIN_TOKENS: usize = 2;
 
 /// Activation rows as a matrix product consumes them.
@@ -221,8 +224,9 @@ const GEMM_MIN_TOKENS: usize = 2;
 enum ActRows<'a> {
     /// Rows quantized into the weight's `vec_dot_type`, `row_bytes` apart.
     Quantized { data: &'a [u8], row_bytes: usize },
-    /// Q8_0 rows repacked for the GEMM kernel ([`quant::pack_q8_0_rows`]).
-    PackedQ8_0(&'a [u8]),
+    /// Rows quantized and repacked for the matrix's GEMM kernel
+    /// ([`quant::pack_rows`]).
+    Packed(&'a [u8]),
     /// Plain f32 rows of `cols` (exact mode).
     F32(&'a [f32]),
 }
@@ -239,6 +243,10 @@ thread_local! {
     /// that the parallel loops allocate nothing per task.
     static ROW_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    /// Per-worker staging of [`pack_rows`]: one token group quantized
+    /// before it is packed.
+    static PACK_STAGING: std::cell::RefCell<Vec<u8>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// One layer's FFN on the CPU.
@@ -298,8 +306,6 @@ impl CpuActivations {
 #[derive(Default)]
 struct Scratch {
     act_q: Vec<u8>,
-    /// Standard Q8_0 rows on their way to being packed for the GEMM kernel.
-    pack_staging: Vec<u8>,
     hidden: Vec<f32>,
     hidden_q: Vec<u8>,
     transposed: Vec<f32>,
@@ -499,19 +505,15 @@ impl CpuBackend {
             act_ty,
             dot,
             dot_rows: quant::dot_rows_fn(m.ty),
-            gemm: match quant::Q8_0Gemm::best() {
-                quant::Q8_0Gemm::Scalar => None,
-                best if m.ty == GgmlType::Q8_0 && !self.f32_activations => best.kernel(),
-                _ => None,
+            gemm: match quant::GemmIsa::best() {
+                quant::GemmIsa::Scalar => None,
+                _ if self.f32_activations => None,
+                best => best.gemm_kernel(m.ty),
             },
-            // Only the VNNI one is more than the single-row kernel per row.
-            matvec: match quant::Q8_0Gemm::best() {
-                best @ quant::Q8_0Gemm::Avx512Vnni
-                    if m.ty == GgmlType::Q8_0 && !self.f32_activations =>
-                {
-                    best.matvec_kernel()
-                }
-                _ => None,
+            matvec: match quant::GemmIsa::best() {
+                quant::GemmIsa::Scalar => None,
+                _ if self.f32_activations => None,
+                best => best.matvec_kernel(m.ty),
             },
             f32_activations: self.f32_activations,
             deterministic: self.deterministic,
@@ -520,23 +522,23 @@ impl CpuBackend {
     }
 
     /// The activation rows `x` (`n` rows of `cols`) as `w` consumes them,
-    /// quantized into `buf` unless `w` runs in exact mode (`staging` holds
-    /// the plain Q8_0 rows when they are packed for the GEMM kernel).
+    /// quantized (and packed for its GEMM kernel) into `buf` on the pool
+    /// unless `w` runs in exact mode.
     fn encode<'a>(
+        pool: &rayon::ThreadPool,
         w: &CpuMatrix,
         x: &'a [f32],
         n: usize,
         buf: &'a mut Vec<u8>,
-        staging: &mut Vec<u8>,
     ) -> Result<ActRows<'a>> {
         if w.f32_activations {
             return Ok(ActRows::F32(x));
         }
         if CpuBackend::packs(w, n) {
-            pack_rows(x, n, w.cols, staging, buf)?;
-            return Ok(ActRows::PackedQ8_0(buf));
+            pack_rows(pool, w.ty, x, n, w.cols, buf)?;
+            return Ok(ActRows::Packed(buf));
         }
-        let row_bytes = quantize_rows(w.act_ty, x, n, w.cols, buf)?;
+        let row_bytes = quantize_rows(pool, w.act_ty, x, n, w.cols, buf)?;
         Ok(ActRows::Quantized {
             data: buf,
             row_bytes,
@@ -549,8 +551,14 @@ impl CpuBackend {
     }
 }
 
-/// Quantizes each of `n` rows of `x` (width `cols`) into `ty`, into `dst`.
+/// Rows per parallel task of [`quantize_rows`]; fewer rows are quantized
+/// on the calling thread (a decode step's one row costs less than a task).
+const QUANTIZE_TASK_ROWS: usize = 8;
+
+/// Quantizes each of `n` rows of `x` (width `cols`) into `ty`, into `dst`,
+/// [`QUANTIZE_TASK_ROWS`] rows per pool task.
 fn quantize_rows(
+    pool: &rayon::ThreadPool,
     ty: GgmlType,
     x: &[f32],
     n: usize,
@@ -559,29 +567,64 @@ fn quantize_rows(
 ) -> Result<usize> {
     let rb = quant::row_bytes(ty, cols)?;
     dst.resize(rb * n, 0);
-    for r in 0..n {
-        quant::quantize(
-            ty,
-            &x[r * cols..(r + 1) * cols],
-            &mut dst[r * rb..(r + 1) * rb],
-        )?;
+    let quantize = |x: &[f32], dst: &mut [u8]| -> Result<()> {
+        for (xr, dr) in x.chunks_exact(cols).zip(dst.chunks_exact_mut(rb)) {
+            quant::quantize(ty, xr, dr)?;
+        }
+        Ok(())
+    };
+    if n <= QUANTIZE_TASK_ROWS {
+        quantize(&x[..n * cols], dst)?;
+    } else {
+        pool.install(|| {
+            dst.par_chunks_mut(QUANTIZE_TASK_ROWS * rb)
+                .zip(x[..n * cols].par_chunks(QUANTIZE_TASK_ROWS * cols))
+                .try_for_each(|(d, x)| quantize(x, d))
+        })?;
     }
     Ok(rb)
 }
 
-/// Quantizes `n` rows of `x` to Q8_0 (into `staging`) and packs them for the
-/// GEMM kernel into `dst`.
+/// Quantizes `n` rows of `x` into the GEMM input type of weight type `ty`
+/// and packs them for its GEMM kernel into `dst`: one pool task per packed
+/// token group (each group's bytes are contiguous), staged per worker.
 fn pack_rows(
+    pool: &rayon::ThreadPool,
+    ty: GgmlType,
     x: &[f32],
     n: usize,
     cols: usize,
-    staging: &mut Vec<u8>,
     dst: &mut Vec<u8>,
 ) -> Result<()> {
-    let rb = quantize_rows(GgmlType::Q8_0, x, n, cols, staging)?;
-    dst.resize(quant::packed_q8_0_bytes(n, cols)?, 0);
-    quant::pack_q8_0_rows(staging, rb, n, cols, dst)?;
-    Ok(())
+    let act_ty = quant::gemm_input_type(ty).ok_or(RuntimeError::UnsupportedType {
+        backend: "cpu".into(),
+        ty,
+        what: "no GEMM kernel".into(),
+    })?;
+    let rb = quant::row_bytes(act_ty, cols)?;
+    let group = quant::K_TOKEN_GROUP;
+    dst.resize(quant::packed_bytes(ty, n, cols)?, 0);
+    let group_bytes = quant::packed_bytes(ty, group, cols)?;
+    if group_bytes == 0 {
+        return Ok(());
+    }
+    let pack_group = |g: usize, out: &mut [u8]| -> Result<()> {
+        let rows = &x[g * group * cols..((g + 1) * group).min(n) * cols];
+        let m = rows.len() / cols;
+        PACK_STAGING.with_borrow_mut(|staging| -> Result<()> {
+            staging.resize(rb * m, 0);
+            for (xr, dr) in rows.chunks_exact(cols).zip(staging.chunks_exact_mut(rb)) {
+                quant::quantize(act_ty, xr, dr)?;
+            }
+            quant::pack_rows(ty, staging, rb, m, cols, out)?;
+            Ok(())
+        })
+    };
+    pool.install(|| {
+        dst.par_chunks_mut(group_bytes)
+            .enumerate()
+            .try_for_each(|(g, out)| pack_group(g, out))
+    })
 }
 
 /// `out[a * w.rows + r] = w_r · act_a` for `n_act` activation rows.
@@ -617,7 +660,7 @@ fn matmul_rows(
             })
     });
     if n_act > 1 {
-        transpose_into(transposed, w.rows, n_act, out);
+        transpose_par(pool, transposed, w.rows, n_act, out);
     }
 }
 
@@ -628,11 +671,18 @@ fn matmul_rows(
 /// different cache line (`rows` apart) and was ~5% of a Q8_0 prefill; this
 /// is 2-5x faster on the prefill shapes.
 fn transpose_into(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    transpose_rows_of(src, rows, cols, 0, &mut dst[..rows * cols]);
+}
+
+/// Destination rows `a0..a0 + dst.len() / rows` of [`transpose_into`]
+/// (`dst` holds just those rows).
+fn transpose_rows_of(src: &[f32], rows: usize, cols: usize, a0: usize, dst: &mut [f32]) {
+    let a1 = a0 + dst.len() / rows;
     let mut r0 = 0;
     while r0 + 8 <= rows {
         let s = &src[r0 * cols..(r0 + 8) * cols];
-        for a in 0..cols {
-            let d = &mut dst[a * rows + r0..a * rows + r0 + 8];
+        for a in a0..a1 {
+            let d = &mut dst[(a - a0) * rows + r0..(a - a0) * rows + r0 + 8];
             for (i, d) in d.iter_mut().enumerate() {
                 *d = s[i * cols + a];
             }
@@ -640,11 +690,30 @@ fn transpose_into(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
         r0 += 8;
     }
     for r in r0..rows {
-        for a in 0..cols {
-            dst[a * rows + r] = src[r * cols + a];
+        for a in a0..a1 {
+            dst[(a - a0) * rows + r] = src[r * cols + a];
         }
     }
 }
+
+/// [`transpose_into`] on the pool, [`TRANSPOSE_TASK`] destination rows per
+/// task (a prefill's products and FFN hidden state are transposed after
+/// every parallel pass; done on one thread they were a serial few percent).
+fn transpose_par(pool: &rayon::ThreadPool, src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    if cols < 2 * TRANSPOSE_TASK || rows == 0 {
+        transpose_into(src, rows, cols, dst);
+        return;
+    }
+    pool.install(|| {
+        dst[..rows * cols]
+            .par_chunks_mut(TRANSPOSE_TASK * rows)
+            .enumerate()
+            .for_each(|(i, d)| transpose_rows_of(src, rows, cols, i * TRANSPOSE_TASK, d))
+    });
+}
+
+/// Destination rows (tokens) per task of [`transpose_par`].
+const TRANSPOSE_TASK: usize = 16;
 
 impl Backend for CpuBackend {
     type Matrix = CpuMatrix;
@@ -803,7 +872,7 @@ impl Backend for CpuBackend {
         out.reshape(x.rows, w.rows);
         let mut s = self.scratch();
         let s = &mut *s;
-        let act = CpuBackend::encode(w, x.data(), x.rows, &mut s.act_q, &mut s.pack_staging)?;
+        let act = CpuBackend::encode(&self.pool, w, x.data(), x.rows, &mut s.act_q)?;
         let chunk = self.chunk_rows(w.rows);
         matmul_rows(
             &self.pool,
@@ -867,10 +936,10 @@ impl Backend for CpuBackend {
                     e.0 = w.act_ty;
                     e.1 = packed;
                     e.2 = if packed {
-                        pack_rows(x.data(), n, w.cols, &mut s.pack_staging, &mut e.3)?;
+                        pack_rows(&self.pool, w.ty, x.data(), n, w.cols, &mut e.3)?;
                         usize::MAX // in use; packed data has no row stride
                     } else {
-                        quantize_rows(w.act_ty, x.data(), n, w.cols, &mut e.3)?
+                        quantize_rows(&self.pool, w.act_ty, x.data(), n, w.cols, &mut e.3)?
                     };
                     slot
                 }
@@ -880,7 +949,7 @@ impl Backend for CpuBackend {
         let acts: Vec<ActRows<'_>> = which
             .iter()
             .map(|wh| match wh {
-                Some(i) if s.act_by_type[*i].1 => ActRows::PackedQ8_0(&s.act_by_type[*i].3),
+                Some(i) if s.act_by_type[*i].1 => ActRows::Packed(&s.act_by_type[*i].3),
                 Some(i) => ActRows::Quantized {
                     data: &s.act_by_type[*i].3,
                     row_bytes: s.act_by_type[*i].2,
@@ -929,7 +998,8 @@ impl Backend for CpuBackend {
         });
         for ((w, out), &off) in ws.iter().zip(outs.iter_mut()).zip(&offsets) {
             out.reshape(n, w.rows);
-            transpose_into(
+            transpose_par(
+                &self.pool,
                 &s.transposed[off * n..(off + w.rows) * n],
                 w.rows,
                 n,
@@ -1125,13 +1195,13 @@ impl Backend for CpuBackend {
         // Gate and up share their input; quantize it once when they share
         // the activation encoding (they do in every llama.cpp mix).
         let mut up_q = Vec::new();
-        let gate_act = CpuBackend::encode(&f.gate, x.data(), n, &mut s.act_q, &mut s.pack_staging)?;
+        let gate_act = CpuBackend::encode(&self.pool, &f.gate, x.data(), n, &mut s.act_q)?;
         let same_encoding = f.up.act_ty == f.gate.act_ty
             && !f.up.f32_activations
             && CpuBackend::packs(&f.up, n) == CpuBackend::packs(&f.gate, n);
         let up_act = match gate_act {
-            ActRows::Quantized { .. } | ActRows::PackedQ8_0(_) if same_encoding => gate_act,
-            _ => CpuBackend::encode(&f.up, x.data(), n, &mut up_q, &mut s.pack_staging)?,
+            ActRows::Quantized { .. } | ActRows::Packed(_) if same_encoding => gate_act,
+            _ => CpuBackend::encode(&self.pool, &f.up, x.data(), n, &mut up_q)?,
         };
         // hidden is [n_ff, n] (weight-row major) so that each task owns a
         // contiguous block; transposed below when n > 1.
@@ -1160,17 +1230,11 @@ impl Backend for CpuBackend {
             &s.hidden
         } else {
             s.transposed.resize(n_ff * n, 0.0);
-            transpose_into(&s.hidden, n_ff, n, &mut s.transposed);
+            transpose_par(&self.pool, &s.hidden, n_ff, n, &mut s.transposed);
             &s.transposed
         };
         out.reshape(n, f.down.rows);
-        let down_act = CpuBackend::encode(
-            &f.down,
-            hidden_rows,
-            n,
-            &mut s.hidden_q,
-            &mut s.pack_staging,
-        )?;
+        let down_act = CpuBackend::encode(&self.pool, &f.down, hidden_rows, n, &mut s.hidden_q)?;
         let chunk = self.chunk_rows(f.down.rows);
         let mut staging = std::mem::take(&mut s.down_staging);
         matmul_rows(
@@ -1277,29 +1341,55 @@ mod tests {
         a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
     }
 
-    /// Batched Q8_0 products (the GEMM kernel on packed activations) equal
-    /// the scalar reference dot of every (row, token), and so do the
-    /// single-token products (the matrix-vector kernel); row counts are
-    /// not multiples of the tiles and column counts not of 8 blocks.
+    fn quantized_matrix(ty: GgmlType, seed: u64, rows: usize, cols: usize) -> HostMatrix {
+        let mut data = vec![0u8; quant::row_bytes(ty, cols).unwrap() * rows];
+        quant::quantize(ty, &values(seed, rows * cols), &mut data).unwrap();
+        HostMatrix {
+            name: format!("w {ty}"),
+            ty,
+            rows,
+            cols,
+            data: SharedBytes::from_vec(data),
+        }
+    }
+
+    /// Batched products (the GEMM kernels on packed activations) of every
+    /// type of the llama.cpp Q4_K_M / Q5_K_M mixes equal the scalar
+    /// reference dot of every (row, token) — bit for bit for the K-quants,
+    /// to float rounding for the Q8_0-activation types — and the
+    /// single-token products (matrix-vector kernels) equal it to float
+    /// rounding; row counts are not multiples of the tiles, token counts
+    /// not of the 8-token groups.
     #[test]
-    fn q8_0_batched_and_single_token_products_match_the_scalar_dot() {
+    fn batched_and_single_token_products_match_the_scalar_dot() {
+        use GgmlType::*;
         let backend = CpuBackend::new(2).unwrap();
-        for (rows, cols) in [(44usize, 96usize), (37, 320)] {
-            let host = q8_matrix("w", rows as u64, rows, cols);
+        for (ty, rows, cols) in [
+            (Q8_0, 44usize, 96usize),
+            (Q8_0, 37, 320),
+            (Q5_0, 37, 320),
+            (Q4_0, 19, 64),
+            (Q4_K, 45, 512),
+            (Q5_K, 33, 256),
+            (Q6_K, 41, 768),
+        ] {
+            let host = quantized_matrix(ty, rows as u64, rows, cols);
             let w = backend.upload_matrix(&host).unwrap();
-            let rb = quant::row_bytes(GgmlType::Q8_0, cols).unwrap();
+            let rb = quant::row_bytes(ty, cols).unwrap();
+            let act_ty = quant::vec_dot_type(ty);
+            let exact = matches!(ty, Q4_K | Q5_K | Q6_K);
             for n in [1usize, 2, 3, 8, 9, 17] {
                 let x = acts(n, cols, 100 + n as u64);
                 let mut out = CpuActivations::default();
                 backend.matmul(&w, &x, &mut out).unwrap();
                 let mut one = CpuActivations::default();
-                let mut aq = vec![0u8; rb];
+                let mut aq = vec![0u8; quant::row_bytes(act_ty, cols).unwrap()];
                 for t in 0..n {
-                    quant::quantize(GgmlType::Q8_0, x.row(t), &mut aq).unwrap();
+                    quant::quantize(act_ty, x.row(t), &mut aq).unwrap();
                     let reference: Vec<f32> = (0..rows)
                         .map(|r| {
                             quant::vec_dot_scalar(
-                                GgmlType::Q8_0,
+                                ty,
                                 cols,
                                 &host.data.as_slice()[r * rb..(r + 1) * rb],
                                 &aq,
@@ -1307,18 +1397,31 @@ mod tests {
                             .unwrap()
                         })
                         .collect();
-                    let e = rel_err(out.row(t), &reference);
-                    assert!(
-                        e < 1e-5,
-                        "{rows}x{cols} n={n} token {t}: batched rel err {e}"
-                    );
                     let xt = CpuActivations::from_vec(1, cols, x.row(t).to_vec()).unwrap();
                     backend.matmul(&w, &xt, &mut one).unwrap();
-                    let e = rel_err(one.row(0), &reference);
-                    assert!(
-                        e < 1e-5,
-                        "{rows}x{cols} token {t}: single-token rel err {e}"
-                    );
+                    if exact && n > 1 {
+                        assert_eq!(
+                            out.row(t),
+                            &reference[..],
+                            "{ty} {rows}x{cols} n={n} token {t}: batched"
+                        );
+                        let e = rel_err(one.row(0), &reference);
+                        assert!(
+                            e < 1e-5,
+                            "{ty} {rows}x{cols} token {t}: single-token rel err {e}"
+                        );
+                    } else {
+                        let e = rel_err(out.row(t), &reference);
+                        assert!(
+                            e < 1e-5,
+                            "{ty} {rows}x{cols} n={n} token {t}: batched rel err {e}"
+                        );
+                        let e = rel_err(one.row(0), &reference);
+                        assert!(
+                            e < 1e-5,
+                            "{ty} {rows}x{cols} token {t}: single-token rel err {e}"
+                        );
+                    }
                 }
             }
         }
@@ -1384,10 +1487,17 @@ mod tests {
 
     #[test]
     fn tiled_transpose_is_a_transpose() {
-        for (rows, cols) in [(1usize, 1usize), (17, 33), (40, 5), (3, 100)] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for (rows, cols) in [(1usize, 1usize), (17, 33), (40, 5), (3, 100), (19, 71)] {
             let src: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
             let mut dst = vec![f32::NAN; rows * cols];
             transpose_into(&src, rows, cols, &mut dst);
+            let mut par = vec![f32::NAN; rows * cols];
+            transpose_par(&pool, &src, rows, cols, &mut par);
+            assert_eq!(dst, par, "{rows}x{cols}: parallel");
             for r in 0..rows {
                 for a in 0..cols {
                     assert_eq!(
