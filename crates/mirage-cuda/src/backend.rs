@@ -54,6 +54,8 @@ pub(crate) struct Kernels {
     /// (`module::waits_on_prerequisite`): only those are launched with
     /// programmatic stream serialization.
     pub waits: Vec<bool>,
+    /// Each function's kernel name.
+    pub names: Vec<String>,
     index: HashMap<String, usize>,
 }
 
@@ -72,6 +74,7 @@ impl Kernels {
             self.index.insert(name.clone(), self.functions.len());
             self.functions.push(f);
             self.waits.push(module::waits_on_prerequisite(ptx, name));
+            self.names.push(name.clone());
         }
         Ok(())
     }
@@ -268,6 +271,7 @@ impl CudaBackend {
         let mut kernels = Kernels {
             functions: Vec::new(),
             waits: Vec::new(),
+            names: Vec::new(),
             index: HashMap::new(),
         };
         kernels.load(&module, &ptx, &kernel_names())?;
