@@ -107,14 +107,17 @@ pub(crate) fn kernel_names() -> Vec<String> {
     for kv in ["f32", "f16"] {
         for k in [
             "rope_store",
-            "attend_fused",
-            "attend_rope",
             "attend_prefill",
             "page_bounds",
             "page_bounds_rows",
             "attend_pages_part",
         ] {
             names.push(format!("{k}_{kv}"));
+        }
+        for hd in crate::attention::SPLIT_HEAD_DIMS {
+            for k in ["attend_split", "attend_split_rope"] {
+                names.push(format!("{k}_{kv}_d{hd}"));
+            }
         }
     }
     for k in [
@@ -127,7 +130,7 @@ pub(crate) fn kernel_names() -> Vec<String> {
         "f32_to_f16",
         "page_keys",
         "select_pages",
-        "attend_pages_combine",
+        "attend_combine",
     ] {
         names.push(k.into());
     }
@@ -162,9 +165,6 @@ pub(crate) struct Scratch {
     pub hidden: CudaActivations,
     /// Attention split partials `[rows, n_head, n_split, head_dim + 2]`.
     pub attn_part: CudaActivations,
-    /// The decode attention's arrival counters, one per (row, head); zero
-    /// between launches.
-    pub attn_count: Option<CudaSlice<u32>>,
     /// Last uploaded token slots (seq, pos pairs) and their device copy:
     /// every layer of a step passes the same slots (ops outside a step).
     pub slots_host: Vec<i32>,
