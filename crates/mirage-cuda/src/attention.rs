@@ -545,7 +545,11 @@ impl CudaBackend {
         };
         debug_assert_eq!(
             args.len(),
-            if rope_args { SPLIT_ROPE_ARGS } else { SPLIT_ARGS }
+            if rope_args {
+                SPLIT_ROPE_ARGS
+            } else {
+                SPLIT_ARGS
+            }
         );
         self.plain(
             &kernel,
