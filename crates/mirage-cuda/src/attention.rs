@@ -572,22 +572,24 @@ impl CudaBackend {
         pruned: Option<(bool, usize, usize)>,
     ) -> Result<()> {
         let (only_decode, row_base, rows) = pruned.unwrap_or((false, 0, at.rows));
+        let args = vec![
+            Arg::Ptr(ppart),
+            Arg::Ptr(at.slots),
+            Arg::I32(at.n_head as i32),
+            Arg::I32(at.head_dim as i32),
+            Arg::I32(n_split as i32),
+            Arg::I32(chunk as i32),
+            Arg::I32(only_decode as i32),
+            Arg::I32(at.rows as i32),
+            Arg::I32(row_base as i32),
+            Arg::Ptr(at.out),
+        ];
+        debug_assert_eq!(args.len(), COMBINE_ARGS);
         self.plain(
             "attend_combine",
             (rows as u32, at.n_head as u32, 1),
             (at.head_dim as u32, 1, 1),
-            vec![
-                Arg::Ptr(ppart),
-                Arg::Ptr(at.slots),
-                Arg::I32(at.n_head as i32),
-                Arg::I32(at.head_dim as i32),
-                Arg::I32(n_split as i32),
-                Arg::I32(chunk as i32),
-                Arg::I32(only_decode as i32),
-                Arg::I32(at.rows as i32),
-                Arg::I32(row_base as i32),
-                Arg::Ptr(at.out),
-            ],
+            args,
         )
     }
 
