@@ -1,16 +1,13 @@
 // Decode and prefill attention of the dense module over the KV cache:
-// RoPE and the cache store, the split-K decode attention with its merge in
-// the same launch, and the tiled prefill attention.
+// RoPE and the cache store, the split-K decode attention (the query heads
+// of a KV group together, RoPE and the store folded in where it can) with
+// its combine, and the tiled prefill attention.
 
 // KV-cache element access: f32 or f16 (stored as raw u16 bits).
 __device__ __forceinline__ float kv_load(const float* p, long i) { return p[i]; }
 __device__ __forceinline__ float kv_load(const u16* p, long i) { return h2f(p[i]); }
 __device__ __forceinline__ void kv_store(float* p, long i, float v) { p[i] = v; }
 __device__ __forceinline__ void kv_store(u16* p, long i, float v) { p[i] = f2h(v); }
-// kv_load in two steps, for loads that must all be in flight before the
-// first value is used (att_load_keys): the element as stored, then as f32.
-__device__ __forceinline__ float kv_widen(float v) { return v; }
-__device__ __forceinline__ float kv_widen(u16 v) { return h2f(v); }
 // What kv_load returns after kv_store(p, i, v): v as the cache holds it.
 __device__ __forceinline__ float kv_round(const float*, float v) { return v; }
 __device__ __forceinline__ float kv_round(const u16*, float v) { return h2f(f2h(v)); }
@@ -79,91 +76,36 @@ __device__ void rope_store(float* q, float* k, const float* __restrict__ v, cons
     }
 }
 
-// Split-K ("flash-decoding") causal attention, part 1. Grid (rows, n_head,
-// n_split), block ATT_THREADS. Block (row, head, s) attends the query head
-// over positions [s * c, min((s + 1) * c, pos + 1)) of the row's
-// sequence, c = att_chunk(pos + 1, n_split, chunk) (below), with an online softmax in tiles of ATT_TILE keys, and writes its
-// running max m, its sum l and its unnormalised V sum to
-// part[((row * n_head + head) * n_split + s) * (head_dim + 2) + {0, 1, 2..}].
-// The grid depends only on the batch and the cache size, never on the
-// position (read from device memory): a recorded step replays at any length.
-// Scores: one warp per key. V sum: blockDim / head_dim groups of head_dim
-// threads take every G-th key of a tile; groups are added at the end.
+// Decode attention: split-K ("flash-decoding") over the cache, in two
+// launches. attend_split_* (grid (rows, n_head_kv * hg, n_split), block
+// AS_THREADS): block (row, y, s) takes the query heads h0 .. h0 + gb of KV
+// head kvh = y / hg (the heads of a GQA group, at most AS_MAX_G per block:
+// hg = ceil(G / AS_MAX_G) blocks per group, G = n_head / n_head_kv), so
+// every key and value of the split is read once for all of them, over
+// positions [s * c, min((s + 1) * c, n)) of the row's sequence (n = pos + 1,
+// c = att_chunk(n, n_split, chunk)), with an online softmax in tiles of
+// AS_TILE keys, and writes each head's running max m, sum l and
+// unnormalised V sum to part[((row * n_head + head) * n_split + s) *
+// (head_dim + 2) + {0, 1, 2..}]. attend_combine (one block per (row, head))
+// merges the splits. The grids depend only on the batch and the cache size,
+// never on the position (read from device memory): a recorded step replays
+// at any length, and the host sizes n_split so that a long context fills
+// the device (several blocks per SM) while a short one still takes one
+// split per ATT_MIN_KEYS keys.
+// Pruned attention (attention_pruned.cu) uses ATT_THREADS / ATT_TILE and the
+// partial helpers below, and the same combine.
 #define ATT_THREADS 256
 #define ATT_TILE 64
-// Keys per warp batch of the scores, elements of a key per lane (head_dim
-// <= ATT_THREADS), V rows per batch of the weighted sum (attend_part).
-#define ATT_KB 4
-#define ATT_HD_LANE (ATT_THREADS / 32)
-#define ATT_VB 8
 // Keys of a row's split blocks, chosen on the device from the row's length
 // n (the grid is fixed for graph replay; n comes from `slots`): the least
 // chunk that covers n with the launch's n_split blocks, at least
-// ATT_MIN_KEYS and at most the host's chunk = ceil(n_ctx / n_split).
-// Why: with the host's chunk alone, a short sequence (a decode at position
-// 80 of a 4096-position cache: chunk 114) is ONE block per head walking every
-// key in dependent load batches (the 7B ncu table: 13.5 us a layer for ~80
-// positions); at 16 keys a block every split block does one batch of keys
-// and one of values, in parallel. Long sequences spread evenly over all the
-// splits instead of filling the first ones. Every
-// decode-attention kernel (attend_part, attend_rope, attend_merge, the
-// fused merge) uses this one function, so they agree on the split of each
-// row and stay bit-equal to one another.
+// ATT_MIN_KEYS and at most the host's chunk = ceil(n_ctx / n_split). A short
+// sequence spreads over many small splits (each one batch of loads) and a
+// long one evenly over all of them. attend_split and attend_combine both use
+// this one function, so they agree on the splits of each row.
 #define ATT_MIN_KEYS 16
 __device__ __forceinline__ int att_chunk(int n, int n_split, int chunk) {
     return min(chunk, max(ATT_MIN_KEYS, (n + n_split - 1) / n_split));
-}
-// This lane's ATT_HD_LANE elements of the ATT_KB keys of warp batch jb of
-// the tile at t0 (tile rows jb, jb + nw, ...; zeros past the tile's cnt
-// rows or the head), every load issued before any product. cnt >= 1; every
-// lane of the warp calls it with the same jb (the key loop is warp-uniform).
-// How the loads stay in flight together (SASS read with nvdisasm, sm_90):
-// written as `jj < cnt && e < head_dim ? kv_load(..) : 0`, ptxas issued
-// them one to three at a time, each f16 key's conversion (and the reuse of
-// its register) waiting for the load before the next went out: a chain of
-// round trips per batch. So the raw elements are loaded unconditionally at
-// clamped (in-range, already-read) addresses (only a warp-uniform test skips
-// the elements past a short head), a __syncwarp separates them from their
-// uses, and the conversion and the zeroing follow: the same values (host
-// check: hostcheck/check_attend.cpp). In the SASS of that form 29-31 key
-// loads go out before the first conversion; the fence steers ptxas, it does
-// not bind it (a version with per-lane predicates left 15 loads after it),
-// so read the SASS again after changing this code (on the H200 this form
-// took attend_rope_f16 of the 7B shape from 11.9 to 10.1 us against the
-// predicated loads).
-template <typename KV>
-__device__ __forceinline__ void att_load_keys(const KV* K, int t0, int jb, int cnt, int nw, int lane, int head_dim,
-                                              float (&kx)[ATT_KB][ATT_HD_LANE]) {
-    KV raw[ATT_KB][ATT_HD_LANE];
-#pragma unroll
-    for (int u = 0; u < ATT_KB; u++) {
-        const long kr = (long)(t0 + min(jb + u * nw, cnt - 1)) * head_dim;
-#pragma unroll
-        for (int t = 0; t < ATT_HD_LANE; t++)  // (a warp-uniform test: no loads past a short head)
-            raw[u][t] = 32 * t < head_dim ? K[kr + min(lane + 32 * t, head_dim - 1)] : KV(0);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int u = 0; u < ATT_KB; u++)
-#pragma unroll
-        for (int t = 0; t < ATT_HD_LANE; t++)
-            kx[u][t] = jb + u * nw < cnt && lane + 32 * t < head_dim ? kv_widen(raw[u][t]) : 0.f;
-}
-
-// This thread's element d of the ATT_VB values of batch jb of the tile at
-// t0 (tile rows jb, jb + groups, ...; zeros past cnt), as att_load_keys
-// (cnt >= 1). The warp fence only where every warp lies in one group of
-// head_dim threads (head_dim % 32 == 0: then the warp's lanes share jb and
-// the loop's trip count); otherwise the loads are left to ptxas.
-template <typename KV>
-__device__ __forceinline__ void att_load_values(const KV* V, int t0, int jb, int cnt, int groups, int d, int head_dim,
-                                                float (&vx)[ATT_VB]) {
-    KV raw[ATT_VB];
-#pragma unroll
-    for (int u = 0; u < ATT_VB; u++) raw[u] = V[(long)(t0 + min(jb + u * groups, cnt - 1)) * head_dim + d];
-    if (head_dim % 32 == 0) __syncwarp();
-#pragma unroll
-    for (int u = 0; u < ATT_VB; u++) vx[u] = jb + u * groups < cnt ? kv_widen(raw[u]) : 0.f;
 }
 
 // The online softmax's step to a tile whose running max is nm: its cnt
@@ -204,143 +146,300 @@ __device__ __forceinline__ void att_store_partial(float acc, float l, float m, i
     }
 }
 
-// attend_part_with: the same, with the query head staged by load_q(qs) (a
-// copy from q, or attend_rope's rotated copy) and, when psub >= 0, the key
-// and value of position psub taken from ksub / vsub (shared memory, as the
-// cache will hold them) instead of the cache, which the same launch writes.
-template <typename KV, typename LoadQ>
-__device__ void attend_part_with(LoadQ load_q, const KV* __restrict__ kc, const KV* __restrict__ vc,
-                                 const int* __restrict__ slots, int n_head, int n_head_kv, int head_dim, int n_ctx,
-                                 int chunk, float scale, const float* ksub, const float* vsub, int psub,
-                                 float* __restrict__ part) {
-    __shared__ float qs[ATT_THREADS];
-    __shared__ float sc[ATT_TILE];
-    __shared__ float red[ATT_THREADS];
-    __shared__ float lred[ATT_THREADS / 64];
-    int row = blockIdx.x, head = blockIdx.y, split = blockIdx.z, n_split = gridDim.z;
-    int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
+// attend_split: threads per block, keys per tile, query heads per block,
+// lanes that share one key's scores (each loads 16-byte units of the key:
+// 8 lanes read 128 contiguous bytes), and the largest number of splits.
+#define AS_THREADS 128
+#define AS_TILE 128
+#define AS_MAX_G 8
+#define AS_LPK 8
+#define AS_MAX_SPLITS 1024
+
+// The elements of a 16-byte unit of the cache as f32.
+__device__ __forceinline__ void kv_unpack(uint4 r, const float*, float* x) {
+    x[0] = __uint_as_float(r.x);
+    x[1] = __uint_as_float(r.y);
+    x[2] = __uint_as_float(r.z);
+    x[3] = __uint_as_float(r.w);
+}
+__device__ __forceinline__ void kv_unpack(uint4 r, const u16*, float* x) {
+    const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x[2 * i] = h2f((u16)(w[i] & 0xffffu));
+        x[2 * i + 1] = h2f((u16)(w[i] >> 16));
+    }
+}
+// N consecutive elements at p (N * sizeof(KV) bytes, aligned to that) as f32.
+template <int N>
+__device__ __forceinline__ void kv_load_n(const float* p, float* x) {
+    if constexpr (N == 2) {
+        const float2 r = *(const float2*)p;
+        x[0] = r.x;
+        x[1] = r.y;
+    } else {
+        static_assert(N == 4, "2 or 4 elements");
+        const float4 r = *(const float4*)p;
+        x[0] = r.x;
+        x[1] = r.y;
+        x[2] = r.z;
+        x[3] = r.w;
+    }
+}
+template <int N>
+__device__ __forceinline__ void kv_load_n(const u16* p, float* x) {
+    if constexpr (N == 2) {
+        const unsigned r = *(const unsigned*)p;
+        x[0] = h2f((u16)(r & 0xffffu));
+        x[1] = h2f((u16)(r >> 16));
+    } else {
+        static_assert(N == 4, "2 or 4 elements");
+        const uint2 r = *(const uint2*)p;
+        x[0] = h2f((u16)(r.x & 0xffffu));
+        x[1] = h2f((u16)(r.x >> 16));
+        x[2] = h2f((u16)(r.y & 0xffffu));
+        x[3] = h2f((u16)(r.y >> 16));
+    }
+}
+
+// The query heads of block (row, y) of attend_split: the first head h0 and
+// how many (gb), the KV head and whether this block is the group's first.
+struct SplitHeads {
+    int kvh, h0, gb;
+    bool first;
+};
+__device__ __forceinline__ SplitHeads split_heads(int n_head, int n_head_kv) {
+    const int G = n_head / n_head_kv, hg = (G + AS_MAX_G - 1) / AS_MAX_G;
+    const int kvh = blockIdx.y / hg, sub = blockIdx.y % hg;
+    const int h0 = kvh * G + sub * AS_MAX_G;
+    return SplitHeads{kvh, h0, min(AS_MAX_G, kvh * G + G - h0), sub == 0};
+}
+
+// attend_split's body for head size HD (64, 128 or 256): the query heads
+// staged by load_q(qs) (a copy from q, or attend_split_rope's rotated copy)
+// and, when psub >= 0, the key and value of position psub taken from ksub /
+// vsub (shared memory, as the cache will hold them) instead of the cache,
+// which the same launch writes.
+// Scores: AS_LPK lanes per key, each multiplying its 16-byte units of the
+// key with every query head (a shuffle sum over the AS_LPK lanes per head);
+// the loads of AS_U keys per lane are issued before the first product.
+// Weighted V sum: thread t owns DPT consecutive output elements of every
+// head and takes every NGRP-th key of the tile (NGRP groups of HD / DPT
+// threads, added in group order at the end).
+template <typename KV, int HD, typename LoadQ>
+__device__ void attend_split_with(LoadQ load_q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+                                  const int* __restrict__ slots, int n_head, int n_head_kv, int n_ctx, int chunk,
+                                  float scale, const float* ksub, const float* vsub, int psub,
+                                  float* __restrict__ part) {
+    constexpr int EPU = 16 / (int)sizeof(KV);       // elements per 16-byte unit
+    constexpr int UPL = HD / EPU / AS_LPK;          // units per lane of one key
+    constexpr int AS_U = UPL >= 8 ? 1 : UPL >= 4 ? 2 : 4;  // keys per lane in flight
+    constexpr int KPW = 32 / AS_LPK;                // keys per warp and step
+    constexpr int NW = AS_THREADS / 32;
+    constexpr int DPT = HD >= 256 ? 4 : 2;          // V elements per thread
+    constexpr int TPK = HD / DPT;                   // threads per value row
+    constexpr int NGRP = AS_THREADS / TPK;          // key groups of the V sum
+    constexpr int VU = 8;                           // value rows per thread in flight
+    static_assert(UPL >= 1 && TPK <= AS_THREADS && AS_THREADS % TPK == 0, "head size");
+    __shared__ float qs[AS_MAX_G][HD];
+    __shared__ float sc[AS_MAX_G][AS_TILE];
+    __shared__ float red[AS_MAX_G * HD];
+    __shared__ float ms[AS_MAX_G], ls[AS_MAX_G], fs[AS_MAX_G];
+    const int row = blockIdx.x, split = blockIdx.z, n_split = gridDim.z;
+    const SplitHeads sh = split_heads(n_head, n_head_kv);
+    const int gb = sh.gb;
+    const int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
     chunk = att_chunk(n, n_split, chunk);
-    int j0 = split * chunk, j1 = min(n, j0 + chunk);
-    if (j0 >= j1) return;  // the combine step skips splits past the position
-    int kvh = head / (n_head / n_head_kv);
-    load_q(qs);
-    const KV* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
-    const KV* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    int groups = blockDim.x / head_dim, g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
-    float m = -MIRAGE_INF, l = 0.f, acc = 0.f;
+    const int j0 = split * chunk, j1 = min(n, j0 + chunk);
+    if (j0 >= j1) return;  // attend_combine skips splits past the position
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    load_q(qs, sh.h0, gb);
+    if (tid < AS_MAX_G) {
+        ms[tid] = -MIRAGE_INF;
+        ls[tid] = 0.f;
+    }
+    const KV* K = kc + ((long)seq * n_head_kv + sh.kvh) * n_ctx * HD;
+    const KV* V = vc + ((long)seq * n_head_kv + sh.kvh) * n_ctx * HD;
+    const int kl = lane % AS_LPK, kw = lane / AS_LPK;
+    const int grp = tid / TPK, d0 = (tid % TPK) * DPT;
+    float acc[AS_MAX_G][DPT];
+#pragma unroll
+    for (int g = 0; g < AS_MAX_G; g++)
+#pragma unroll
+        for (int e = 0; e < DPT; e++) acc[g][e] = 0.f;
     __syncthreads();
-    for (int t0 = j0; t0 < j1; t0 += ATT_TILE) {
-        int cnt = min(ATT_TILE, j1 - t0);
-        // Warp w scores keys w, w + nw, ... as before, ATT_KB of them per
-        // batch with every load of the batch issued before the first
-        // product: one memory round trip per ATT_KB keys, not per key (a
-        // decode step's attention is a chain of such round trips). Same
-        // products and sums per key, in the same order: the same bits.
-        for (int jb = warp; jb < cnt; jb += ATT_KB * nw) {
-            float kx[ATT_KB][ATT_HD_LANE];
-            att_load_keys(K, t0, jb, cnt, nw, lane, head_dim, kx);
+    for (int t0 = j0; t0 < j1; t0 += AS_TILE) {
+        const int cnt = min(AS_TILE, j1 - t0);
+        // Scores of the tile's keys (warp-uniform loop: every lane of the
+        // warp takes part in the shuffles).
+        for (int sb = warp * KPW; sb < cnt; sb += NW * KPW * AS_U) {
+            uint4 raw[AS_U][UPL];
 #pragma unroll
-            for (int u = 0; u < ATT_KB; u++)
+            for (int u = 0; u < AS_U; u++) {
+                const int kk = min(sb + u * NW * KPW + kw, cnt - 1);  // clamped: an in-range, read row
+                const uint4* kr = (const uint4*)(K + (long)(t0 + kk) * HD);
 #pragma unroll
-                for (int t = 0; t < ATT_HD_LANE; t++)
-                    if (t0 + jb + u * nw == psub && lane + 32 * t < head_dim) kx[u][t] = ksub[lane + 32 * t];
+                for (int i = 0; i < UPL; i++) raw[u][i] = kr[kl + AS_LPK * i];
+            }
 #pragma unroll
-            for (int u = 0; u < ATT_KB; u++) {
-                const int jj = jb + u * nw;
-                float s = 0.f;
+            for (int u = 0; u < AS_U; u++) {
+                const int kk = sb + u * NW * KPW + kw;
+                float s[AS_MAX_G];
 #pragma unroll
-                for (int t = 0; t < ATT_HD_LANE; t++) {
-                    const int e = lane + 32 * t;
-                    if (e < head_dim) s += qs[e] * kx[u][t];
+                for (int g = 0; g < AS_MAX_G; g++) s[g] = 0.f;
+#pragma unroll
+                for (int i = 0; i < UPL; i++) {
+                    const int e0 = (kl + AS_LPK * i) * EPU;
+                    float x[EPU];
+                    kv_unpack(raw[u][i], K, x);
+                    if (t0 + kk == psub)
+#pragma unroll
+                        for (int e = 0; e < EPU; e++) x[e] = ksub[e0 + e];
+#pragma unroll
+                    for (int g = 0; g < AS_MAX_G; g++)
+                        if (g < gb)
+#pragma unroll
+                            for (int e = 0; e < EPU; e++) s[g] += qs[g][e0 + e] * x[e];
                 }
-                s = warp_sum(s);
-                if (lane == 0 && jj < cnt) sc[jj] = s * scale;
+#pragma unroll
+                for (int g = 0; g < AS_MAX_G; g++) {
+                    if (g < gb) {
+#pragma unroll
+                        for (int o = AS_LPK / 2; o > 0; o >>= 1) s[g] += __shfl_xor_sync(0xffffffffu, s[g], o);
+                        if (kl == 0 && kk < cnt) sc[g][kk] = s[g] * scale;
+                    }
+                }
             }
         }
         __syncthreads();
-        // The tile's max by every warp at once (lanes, then shuffles), not
-        // one thread reading every score in turn: the same value (max does
-        // not depend on the order).
-        float tm = -MIRAGE_INF;
-        for (int jj = lane; jj < cnt; jj += 32) tm = fmaxf(tm, sc[jj]);
-        tm = warp_max(tm);
-        att_rescale(sc, cnt, fmaxf(m, tm), m, l, acc);
-        if (g < groups) {
-            // Keys g, g + groups, ... in batches of ATT_VB loads (as the
-            // scores above; same order of the sums).
-            for (int jb = g; jb < cnt; jb += ATT_VB * groups) {
-                float vx[ATT_VB];
-                att_load_values(V, t0, jb, cnt, groups, d, head_dim, vx);
+        // Per head: the tile's max, the weights exp(s - max) and the
+        // running max and sum (warp w takes heads w, w + NW, ...).
+        for (int g = warp; g < gb; g += NW) {
+            float tm = -MIRAGE_INF;
+            for (int jj = lane; jj < cnt; jj += 32) tm = fmaxf(tm, sc[g][jj]);
+            tm = warp_max(tm);
+            const float m = ms[g], nm = fmaxf(m, tm);
+            float sum = 0.f;
+            for (int jj = lane; jj < cnt; jj += 32) {
+                const float p = expf(sc[g][jj] - nm);
+                sc[g][jj] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float f = expf(m - nm);  // 0 on the first tile (m = -inf)
+                ms[g] = nm;
+                ls[g] = ls[g] * f + sum;
+                fs[g] = f;
+            }
+        }
+        __syncthreads();
 #pragma unroll
-                for (int u = 0; u < ATT_VB; u++)
-                    if (t0 + jb + u * groups == psub) vx[u] = vsub[d];
+        for (int g = 0; g < AS_MAX_G; g++)
+            if (g < gb)
 #pragma unroll
-                for (int u = 0; u < ATT_VB; u++) {
-                    const int jj = jb + u * groups;
-                    if (jj < cnt) {
-                        const float p = sc[jj];
-                        acc += p * vx[u];
-                        l += p;
-                    }
+                for (int e = 0; e < DPT; e++) acc[g][e] *= fs[g];
+        for (int jb = grp; jb < cnt; jb += NGRP * VU) {
+            float vx[VU][DPT];
+#pragma unroll
+            for (int u = 0; u < VU; u++) kv_load_n<DPT>(V + (long)(t0 + min(jb + u * NGRP, cnt - 1)) * HD + d0, vx[u]);
+#pragma unroll
+            for (int u = 0; u < VU; u++) {
+                const int jj = jb + u * NGRP;
+                if (jj < cnt) {
+                    if (t0 + jj == psub)
+#pragma unroll
+                        for (int e = 0; e < DPT; e++) vx[u][e] = vsub[d0 + e];
+#pragma unroll
+                    for (int g = 0; g < AS_MAX_G; g++)
+                        if (g < gb) {
+                            const float p = sc[g][jj];
+#pragma unroll
+                            for (int e = 0; e < DPT; e++) acc[g][e] += p * vx[u][e];
+                        }
                 }
             }
         }
         __syncthreads();  // before the next tile overwrites sc
     }
-    att_store_partial(acc, l, m, g, groups, d, head_dim, red, lred,
-                      part + (((long)row * n_head + head) * n_split + split) * (head_dim + 2));
+    // The key groups' sums, added in group order: red = group 1, + group 2,
+    // ..., then group 0 adds red.
+    for (int k = 1; k < NGRP; k++) {
+        if (grp == k)
+#pragma unroll
+            for (int g = 0; g < AS_MAX_G; g++)
+                if (g < gb)
+#pragma unroll
+                    for (int e = 0; e < DPT; e++) {
+                        float* r = &red[g * HD + d0 + e];
+                        *r = k == 1 ? acc[g][e] : *r + acc[g][e];
+                    }
+        __syncthreads();
+    }
+    if (grp == 0) {
+#pragma unroll
+        for (int g = 0; g < AS_MAX_G; g++)
+            if (g < gb) {
+                float* P = part + (((long)row * n_head + sh.h0 + g) * n_split + split) * (HD + 2);
+#pragma unroll
+                for (int e = 0; e < DPT; e++) P[2 + d0 + e] = NGRP > 1 ? acc[g][e] + red[g * HD + d0 + e] : acc[g][e];
+                if (d0 == 0) {
+                    P[0] = ms[g];
+                    P[1] = ls[g];
+                }
+            }
+    }
 }
 
-template <typename KV>
-__device__ void attend_part(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
-                            const int* __restrict__ slots, int n_head, int n_head_kv, int head_dim, int n_ctx,
-                            int chunk, float scale, float* __restrict__ part) {
-    const float* qh = q + ((long)blockIdx.x * n_head + blockIdx.y) * head_dim;
-    attend_part_with<KV>(
-        [&](float* qs) {
-            for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d];
-        },
-        kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, (const float*)0, (const float*)0, -1, part);
+// The query heads h0 .. h0 + gb of the row as they are.
+template <int HD>
+__device__ __forceinline__ void split_copy_q(const float* __restrict__ q, int n_head, float (*qs)[HD], int h0, int gb) {
+    const float* qh = q + ((long)blockIdx.x * n_head + h0) * HD;
+    for (int i = threadIdx.x; i < gb * HD; i += blockDim.x) qs[i / HD][i % HD] = qh[i];
+}
+
+template <typename KV, int HD>
+__device__ void attend_split(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+                             const int* __restrict__ slots, int n_head, int n_head_kv, int n_ctx, int chunk,
+                             float scale, float* __restrict__ part) {
+    attend_split_with<KV, HD>(
+        [&](float (*qs)[HD], int h0, int gb) { split_copy_q<HD>(q, n_head, qs, h0, gb); }, kc, vc, slots, n_head,
+        n_head_kv, n_ctx, chunk, scale, (const float*)0, (const float*)0, -1, part);
 }
 
 // Decode rows' RoPE and KV store folded into the split attention (one
 // launch fewer per layer than rope_store, which prefill keeps): block
-// (row, head, split) rotates its query head itself, and the block of the
-// last split (the one holding position pos, the row's new key) rotates the
-// row's key head and stages it and the value head, rounded as the cache
-// stores them, in shared memory; it attends position pos from there, since
-// the cache slot is written in the same launch (by the block of the first
-// query head of the KV group). Everything else is attend_part's. The same
-// bits as rope_store then attend_part: the same rotation (rope_rotate) and
-// the same values per key. Only for batches whose rows are in different
-// sequences (a row never attends another row's new key) and without the
-// per-head q/k norm (the host checks both). Grid and block as attend_part;
-// head_dim <= ATT_THREADS.
-template <typename KV>
-__device__ void attend_rope_part(const float* __restrict__ q, const float* __restrict__ k,
-                                 const float* __restrict__ v, KV* kc, KV* vc, const int* __restrict__ slots,
-                                 int n_head, int n_head_kv, int head_dim, int n_ctx, int chunk, float scale, int neox,
-                                 float freq_base, float* __restrict__ part) {
-    __shared__ float qr[ATT_THREADS], kr[ATT_THREADS], vr[ATT_THREADS];
-    const int row = blockIdx.x, head = blockIdx.y, half = head_dim >> 1;
+// (row, y, split) rotates its query heads itself, and the blocks of the
+// split holding position pos (the row's new key) rotate the row's key head
+// and stage it and the value head, rounded as the cache stores them, in
+// shared memory; they attend position pos from there, since the cache slot
+// is written in the same launch (by the group's first block of that
+// split). Everything else is attend_split's. The same bits as rope_store
+// then attend_split: the same rotation (rope_angle, rope_turn) and the same
+// values per key. Only for batches whose rows are in different sequences (a
+// row never attends another row's new key) and without the per-head q/k
+// norm (the host checks both).
+template <typename KV, int HD>
+__device__ void attend_split_rope(const float* __restrict__ q, const float* __restrict__ k,
+                                  const float* __restrict__ v, KV* kc, KV* vc, const int* __restrict__ slots,
+                                  int n_head, int n_head_kv, int n_ctx, int chunk, float scale, int neox,
+                                  float freq_base, float* __restrict__ part) {
+    __shared__ float kr[HD], vr[HD];
+    constexpr int half = HD / 2;
+    const int row = blockIdx.x;
     const int seq = slots[2 * row], pos = slots[2 * row + 1];
-    const int kvh = head / (n_head / n_head_kv);
+    const SplitHeads sh = split_heads(n_head, n_head_kv);
     // The split of position pos is the last one with positions.
     const bool has_new = (int)blockIdx.z == pos / att_chunk(pos + 1, gridDim.z, chunk);
-    const bool stores = has_new && head % (n_head / n_head_kv) == 0;
-    const float* qh = q + ((long)row * n_head + head) * head_dim;
-    const float* kh = k + ((long)row * n_head_kv + kvh) * head_dim;
-    const float* vh = v + ((long)row * n_head_kv + kvh) * head_dim;
-    const long at = (((long)seq * n_head_kv + kvh) * n_ctx + pos) * head_dim;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-        float c, s, ra, rb;
-        rope_angle(i, pos, head_dim, freq_base, &c, &s);
-        rope_turn(qh[ia], qh[ib], c, s, &ra, &rb);
-        qr[ia] = ra;
-        qr[ib] = rb;
-        if (has_new) {
+    const bool stores = has_new && sh.first;
+    const float* kh = k + ((long)row * n_head_kv + sh.kvh) * HD;
+    const float* vh = v + ((long)row * n_head_kv + sh.kvh) * HD;
+    const long at = (((long)seq * n_head_kv + sh.kvh) * n_ctx + pos) * HD;
+    if (has_new) {
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+            float c, s, ra, rb;
+            rope_angle(i, pos, HD, freq_base, &c, &s);
             rope_turn(kh[ia], kh[ib], c, s, &ra, &rb);
             const float va = vh[ia], vb = vh[ib];
             kr[ia] = kv_round(kc, ra);
@@ -355,70 +454,77 @@ __device__ void attend_rope_part(const float* __restrict__ q, const float* __res
             }
         }
     }
-    __syncthreads();
-    auto load_q = [&](float* qs) {
-        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qr[d];
+    auto load_q = [&](float (*qs)[HD], int h0, int gb) {
+        const float* qh = q + ((long)row * n_head + h0) * HD;
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+            float c, s;
+            rope_angle(i, pos, HD, freq_base, &c, &s);
+            for (int g = 0; g < gb; g++) {
+                float ra, rb;
+                rope_turn(qh[g * HD + ia], qh[g * HD + ib], c, s, &ra, &rb);
+                qs[g][ia] = ra;
+                qs[g][ib] = rb;
+            }
+        }
     };
-    attend_part_with<KV>(load_q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, kr, vr,
-                         has_new ? pos : -1, part);
+    attend_split_with<KV, HD>(load_q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, kr, vr,
+                              has_new ? pos : -1, part);
 }
 
-// Split-K attention, part 2: out[row, head, :] = sum_s e^(m_s - M) acc_s /
-// sum_s e^(m_s - M) l_s over the splits that hold positions of the row.
-// Grid (rows, n_head), block head_dim.
-// Output element d of (row, head) from the ns splits' partials P (__ldcg:
-// other blocks of the same grid wrote P).
-// The loops are unrolled so that their independent loads go out together
-// (a decode merges up to n_split partials); the sums keep their order.
-__device__ __forceinline__ float attend_merge(const float* P, int ns, int head_dim, int d) {
-    float M = -MIRAGE_INF;
-#pragma unroll 8
-    for (int s = 0; s < ns; s++) M = fmaxf(M, __ldcg(P + s * (head_dim + 2)));
-    float L = 0.f, a = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < ns; s++) {
-        const float* ps = P + s * (head_dim + 2);
-        float w = expf(__ldcg(ps) - M);
-        L += w * __ldcg(ps + 1);
-        a += w * __ldcg(ps + 2 + d);
-    }
-    return a / L;
-}
-
-// attend_part, then the combine in the same launch: the last of the ns
-// splits of (row, head) to finish (per-(row, head) arrival counter, reset by
-// that block, so it is zero again for the next launch) merges the partials
-// (attend_merge): one dependent launch fewer per layer than a separate
-// combine. count: rows * n_head u32, zero at first
-// use. Grid and block as attend_part. part_fn() runs the block's split
-// (attend_part, or attend_rope_part for attend_rope). Returns whether this
-// block merged (wrote out for its (row, head)); every thread gets the same.
-template <typename PartFn>
-__device__ bool attend_then_merge(PartFn part_fn, const int* slots, int n_head, int head_dim, int chunk, float* part,
-                                  unsigned* count, float* out) {
-    __shared__ int last;
-    const int row = blockIdx.x, head = blockIdx.y, n_split = gridDim.z;
-    const int n = slots[2 * row + 1] + 1;
-    chunk = att_chunk(n, n_split, chunk);
-    const int ns = min(n_split, (n + chunk - 1) / chunk);
-    if ((int)blockIdx.z >= ns) return false;  // attend_part's empty splits
-    part_fn();
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned* c = count + (long)row * n_head + head;
-        last = atomicAdd(c, 1u) == (unsigned)ns - 1;
-        if (last) *c = 0u;  // every split of this (row, head) has arrived
-    }
-    __syncthreads();
-    if (!last) return false;
-    __threadfence();
-    const float* P = part + ((long)row * n_head + head) * n_split * (head_dim + 2);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
-        out[((long)row * n_head + head) * head_dim + d] = attend_merge(P, ns, head_dim, d);
+// Whether row `row` is the only row of its sequence among `n_rows` (always,
+// unless only_decode: see attention_pruned.cu).
+__device__ __forceinline__ bool pruned_row(const int* __restrict__ slots, int row, int n_rows, int only_decode) {
+    if (!only_decode) return true;
+    int seq = slots[2 * row];
+    for (int r = 0; r < n_rows; r++)
+        if (r != row && slots[2 * r] == seq) return false;
     return true;
 }
 
+// Split-K attention, part 2: out[row, head, :] = sum_s e^(m_s - M) acc_s /
+// sum_s e^(m_s - M) l_s over the splits (0 when no split saw a position).
+// Grid (rows, n_head), block head_dim. With chunk > 0 (attend_split's
+// partials) the splits are those att_chunk gives the row's length; with
+// chunk = 0 (the pruned attention's) all n_split, those that saw nothing
+// holding m = -inf. Row r of the launch is batch row row_base + r (slots,
+// out); rows skipped by only_decode are left as they are. The weights of
+// the splits are computed once into shared memory; every sum runs in split
+// order (unrolled, so that the independent loads go out together).
+__device__ void attend_combine_body(const float* __restrict__ part, const int* __restrict__ slots, int n_head,
+                                    int head_dim, int n_split, int chunk, int only_decode, int n_rows, int row_base,
+                                    float* __restrict__ out) {
+    __shared__ float w[AS_MAX_SPLITS];
+    __shared__ float s32[32];
+    const int row = row_base + blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+    if (!pruned_row(slots, row, n_rows, only_decode)) return;
+    int ns = min(n_split, AS_MAX_SPLITS);
+    if (chunk > 0) {
+        const int n = slots[2 * row + 1] + 1, c = att_chunk(n, n_split, chunk);
+        ns = min(ns, (n + c - 1) / c);
+    }
+    const float* P = part + ((long)blockIdx.x * n_head + head) * n_split * (head_dim + 2);
+    float M = -MIRAGE_INF;
+    for (int s = d; s < ns; s += blockDim.x) M = fmaxf(M, P[(long)s * (head_dim + 2)]);
+    M = warp_max(M);
+    if ((d & 31) == 0) s32[d >> 5] = M;
+    __syncthreads();
+    M = -MIRAGE_INF;
+    for (int i = 0; i < (int)(blockDim.x + 31) / 32; i++) M = fmaxf(M, s32[i]);
+    for (int s = d; s < ns; s += blockDim.x) {
+        const float m = P[(long)s * (head_dim + 2)];
+        w[s] = m == -MIRAGE_INF ? 0.f : expf(m - M);
+    }
+    __syncthreads();
+    float L = 0.f, a = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < ns; s++) {
+        const float* ps = P + (long)s * (head_dim + 2);
+        L += w[s] * ps[1];
+        a += w[s] * ps[2 + d];
+    }
+    if (d < head_dim) out[((long)row * n_head + head) * head_dim + d] = L > 0.f ? a / L : 0.f;
+}
 
 // Tiled causal attention for a prefill batch: the batch rows are consecutive
 // positions of one sequence (the host checks), so a block takes PF_ROWS of
@@ -527,27 +633,6 @@ __device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict
         rope_store<KV>(q, k, v, slots, n_head, n_head_kv, head_dim, neox, freq_base, qn, kn, norm_eps, kc, vc,     \
                        n_ctx);                                                                                      \
     }                                                                                                               \
-    extern "C" __global__ void attend_fused_##NAME(const float* q, const KV* kc, const KV* vc, const int* slots,    \
-                                                   int n_head, int n_head_kv, int head_dim, int n_ctx, int chunk,   \
-                                                   float scale, float* part, unsigned* count, float* out) {         \
-        PDL_ENTRY();                                                                                                \
-        attend_then_merge(                                                                                          \
-            [&] { attend_part<KV>(q, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, part); },      \
-            slots, n_head, head_dim, chunk, part, count, out);                                                      \
-    }                                                                                                               \
-    /* attend_fused's arguments, then the rows' unrotated k and v and the RoPE's mode and base. */             \
-    extern "C" __global__ void attend_rope_##NAME(const float* q, KV* kc, KV* vc, const int* slots, int n_head,     \
-                                                  int n_head_kv, int head_dim, int n_ctx, int chunk, float scale,   \
-                                                  float* part, unsigned* count, float* out, const float* k,         \
-                                                  const float* v, int neox, float freq_base) {                      \
-        PDL_ENTRY();                                                                                                \
-        attend_then_merge(                                                                                          \
-            [&] {                                                                                                   \
-                attend_rope_part<KV>(q, k, v, kc, vc, slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale,     \
-                                     neox, freq_base, part);                                                        \
-            },                                                                                                      \
-            slots, n_head, head_dim, chunk, part, count, out);                                                      \
-    }                                                                                                               \
     extern "C" __global__ void attend_prefill_##NAME(const float* q, const KV* kc, const KV* vc, const int* slots,  \
                                                      int n, int n_head, int n_head_kv, int head_dim, int n_ctx,     \
                                                      float scale, float* out) { PDL_ENTRY();                         \
@@ -556,3 +641,34 @@ __device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict
 
 KV_INSTANCE(f32, float)
 KV_INSTANCE(f16, u16)
+
+// attend_split and attend_split_rope per cache type and head size (one
+// kernel per head size: the shared arrays are sized by it).
+#define SPLIT_INSTANCE(NAME, KV, HD)                                                                                \
+    extern "C" __global__ void __launch_bounds__(AS_THREADS)                                                       \
+        attend_split_##NAME##_d##HD(const float* q, const KV* kc, const KV* vc, const int* slots, int n_head,      \
+                                    int n_head_kv, int n_ctx, int chunk, float scale, float* part) {               \
+        PDL_ENTRY();                                                                                                \
+        attend_split<KV, HD>(q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, part);                       \
+    }                                                                                                               \
+    /* attend_split's arguments, then the rows' unrotated k and v and the RoPE's mode and base. */             \
+    extern "C" __global__ void __launch_bounds__(AS_THREADS)                                                       \
+        attend_split_rope_##NAME##_d##HD(const float* q, KV* kc, KV* vc, const int* slots, int n_head,             \
+                                         int n_head_kv, int n_ctx, int chunk, float scale, float* part,            \
+                                         const float* k, const float* v, int neox, float freq_base) {              \
+        PDL_ENTRY();                                                                                                \
+        attend_split_rope<KV, HD>(q, k, v, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, neox, freq_base, \
+                                  part);                                                                            \
+    }
+SPLIT_INSTANCE(f32, float, 64)
+SPLIT_INSTANCE(f32, float, 128)
+SPLIT_INSTANCE(f32, float, 256)
+SPLIT_INSTANCE(f16, u16, 64)
+SPLIT_INSTANCE(f16, u16, 128)
+SPLIT_INSTANCE(f16, u16, 256)
+
+extern "C" __global__ void attend_combine(const float* part, const int* slots, int n_head, int head_dim, int n_split,
+                                          int chunk, int only_decode, int n_rows, int row_base, float* out) {
+    PDL_ENTRY();
+    attend_combine_body(part, slots, n_head, head_dim, n_split, chunk, only_decode, n_rows, row_base, out);
+}

@@ -19,9 +19,10 @@
 //                      largest key, then the chosen pages in increasing
 //                      order (sinks, recent window, top pages by bound;
 //                      ties by the lower page index);
-//   attend_pages_part_* / attend_pages_combine
+//   attend_pages_part_* / attend_combine
 //                      split-K over the selected pages (online softmax per
-//                      split, combined as attention.cu's attend_merge does).
+//                      split), combined by attention.cu's attend_combine
+//                      (chunk 0: every split, the empty ones skipped).
 //
 // Row r of a launch is batch row row_base + r (slots, q, out); the scratch
 // (keys, sel, nsel, part) is indexed by the launch's own row r, so a host
@@ -31,15 +32,6 @@
 // sequence with another row of the batch (prefill) are skipped by the
 // selection and attention kernels; they attend every position through
 // attention.cu's kernels instead, as the CPU path does (attention_pruned::decode_rows).
-
-// Whether row `row` is the only row of its sequence among `n_rows`.
-__device__ __forceinline__ bool pruned_row(const int* __restrict__ slots, int row, int n_rows, int only_decode) {
-    if (!only_decode) return true;
-    int seq = slots[2 * row];
-    for (int r = 0; r < n_rows; r++)
-        if (r != row && slots[2 * r] == seq) return false;
-    return true;
-}
 
 // Box of page p of KV head kvh of `seq` over positions [p * page, min(n,
 // (p + 1) * page)); block head_dim threads. An empty page gets the empty box
@@ -355,28 +347,6 @@ __device__ void attend_pages_part(const float* __restrict__ q, const KV* __restr
                       part + ((long)at * n_split + split) * (head_dim + 2));
 }
 
-// Part 2: out[row, head, :] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
-// over the splits that saw a page (0 when no page was chosen). Grid (rows,
-// n_head), block head_dim. Rows skipped by `only_decode` are left as they are.
-extern "C" __global__ void attend_pages_combine(const float* __restrict__ part, const int* __restrict__ slots,
-                                                int n_head, int head_dim, int n_split, int only_decode, int n_rows,
-                                                int row_base, float* __restrict__ out) {
-    PDL_ENTRY();
-    int row = row_base + blockIdx.x, head = blockIdx.y, d = threadIdx.x;
-    if (!pruned_row(slots, row, n_rows, only_decode)) return;
-    const float* P = part + ((long)blockIdx.x * n_head + head) * n_split * (head_dim + 2);
-    float M = -MIRAGE_INF;
-    for (int s = 0; s < n_split; s++) M = fmaxf(M, P[s * (head_dim + 2)]);
-    float L = 0.f, a = 0.f;
-    for (int s = 0; s < n_split; s++) {
-        const float* ps = P + s * (head_dim + 2);
-        if (ps[0] == -MIRAGE_INF) continue;
-        float w = expf(ps[0] - M);
-        L += w * ps[1];
-        a += w * ps[2 + d];
-    }
-    out[((long)row * n_head + head) * head_dim + d] = L > 0.f ? a / L : 0.f;
-}
 
 #define PRUNED_INSTANCE(NAME, KV)                                                                                  \
     extern "C" __global__ void page_bounds_##NAME(const KV* kc, int seq, int n_head_kv, int head_dim, int n_ctx,   \

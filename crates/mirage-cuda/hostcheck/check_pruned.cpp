@@ -5,7 +5,7 @@
 //      a stable sort by bound) on random boxes, with forced duplicates of
 //      bounds (ties), NaN queries, every K from 0 to all pages, page counts
 //      on both sides of the shared-memory key limit, only_decode/row_base;
-//   2. attend_pages_part + attend_pages_combine over a chosen list equal an
+//   2. attend_pages_part + attend_combine (attention.cu) over a chosen list equal an
 //      f64 softmax over the same positions (partial last page, empty splits,
 //      an empty list).
 // Build and run: hostcheck/run.sh.
@@ -32,6 +32,10 @@ inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_R
 
 inline float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+inline float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 inline float kv_load(const float* p, long i) { return p[i]; }
@@ -198,7 +202,7 @@ static void check_attention(std::mt19937& rng, int n_split, int count_pages, int
                                  n_head_kv, head_dim, n_ctx, page, max_sel, 1, n_rows, 0, scale, part.data());
     });
     launch({(unsigned)n_rows, (unsigned)n_head, 1}, head_dim, [&] {
-        attend_pages_combine(part.data(), slots.data(), n_head, head_dim, n_split, 1, n_rows, 0, out.data());
+        attend_combine_body(part.data(), slots.data(), n_head, head_dim, n_split, 0, 1, n_rows, 0, out.data());
     });
     double worst = 0;
     for (int h = 0; h < n_head; h++) {

@@ -1,7 +1,7 @@
 """Cuts the device code the host checks run out of the kernel sources in
 cuda/ (brace matching), so the checks always compile the current kernels.
-Writes matvec_extract.h, norm_extract.h, attend_extract.h, ffn_p1_extract.h
-and ffn_p2_extract.h into the folder given (default: here)."""
+Writes matvec_extract.h, norm_extract.h, split_extract.h, att_partial_extract.h,
+ffn_p1_extract.h and ffn_p2_extract.h into the folder given (default: here)."""
 import pathlib
 import sys
 
@@ -70,16 +70,19 @@ norm = ["#define NORM_VEC", "float norm_warp_sum(", "float norm_block_sum(", "vo
 
 (out / "norm_extract.h").write_text(cut(*norm, "void sb_stage_x("))
 
-(out / "attend_extract.h").write_text(cut(
-    "#define ATT_THREADS", "#define ATT_TILE", "#define ATT_KB", "#define ATT_HD_LANE", "#define ATT_VB",
-    "#define ATT_MIN_KEYS", "int att_chunk(", "void kv_store(float*", "void kv_store(u16*",
-    "float kv_round(const float*", "float kv_round(const u16*", "void rope_angle(", "void rope_turn(",
-    "void rope_rotate(", "void rope_store(", "void att_load_keys(", "void att_load_values(",
-    "void att_rescale(", "void att_store_partial(", "void attend_part_with(", "void attend_part(", "void attend_rope_part("))
+# The split decode attention and its combine, with RoPE and the KV store.
+split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#define AS_TILE", "#define AS_MAX_G",
+         "#define AS_LPK", "#define AS_MAX_SPLITS", "bool pruned_row(", "void attend_combine_body("]
+(out / "split_extract.h").write_text(cut(
+    "void kv_store(float*", "void kv_store(u16*", "float kv_round(const float*", "float kv_round(const u16*",
+    "void rope_angle(", "void rope_turn(", "void rope_rotate(", "void rope_store(", *split,
+    "void kv_unpack(uint4 r, const float*", "void kv_unpack(uint4 r, const u16*", "void kv_load_n(const float*",
+    "void kv_load_n(const u16*", "struct SplitHeads", "SplitHeads split_heads(", "void attend_split_with(",
+    "void split_copy_q(", "void attend_split(", "void attend_split_rope("))
 
-# The attention's partial store, for the pruned attention (check_pruned.cpp
-# includes attention_pruned.cu whole).
-(out / "att_partial_extract.h").write_text(cut("void att_rescale(", "void att_store_partial("))
+# The attention's partial store and the combine, for the pruned attention
+# (check_pruned.cpp includes attention_pruned.cu whole).
+(out / "att_partial_extract.h").write_text(cut("void att_rescale(", "void att_store_partial(", *split))
 
 # Phase 1 of the fused Q8_0 FFN (superblock.cu) with the helpers it calls.
 (out / "ffn_p1_extract.h").write_text(cut(

@@ -1,8 +1,11 @@
 //! The KV cache on the device and attention over it: RoPE and the KV store,
-//! the split-K decode attention (one launch, RoPE folded in where it can),
-//! the tiled prefill attention, and decode attention over selected KV pages
-//! (page boxes kept on the device, chosen per head by
-//! `cuda/attention_pruned.cu`).
+//! the split-K decode attention (`attend_split_*`: the query heads of a GQA
+//! group in one block, so the cache is read once per KV head, split over the
+//! context so that every length fills the device; RoPE and the KV store
+//! folded in where it can; `attend_combine` merges the splits), the tiled
+//! prefill attention, and decode attention over selected KV pages (page
+//! boxes kept on the device, chosen per head by `cuda/attention_pruned.cu`,
+//! merged by the same `attend_combine`).
 
 use cudarc::driver::CudaSlice;
 use mirage_runtime::backend::{AttentionParams, QkNorm, TokenSlot};
@@ -16,19 +19,37 @@ use crate::graph::GRAPH_MAX_ROWS;
 use crate::launch::{Arg, Launch, Work};
 use crate::weights::CudaVector;
 
-/// Threads of an attention block (`ATT_THREADS` in cuda/attention.cu): the
-/// largest head_dim the kernels take.
+/// Threads of a pruned-attention block (`ATT_THREADS` in cuda/attention.cu):
+/// the largest head_dim its kernels take.
 pub(crate) const ATTEND_THREADS: u32 = 256;
 
+/// Head sizes the split decode attention is compiled for (`attend_split_*_dN`).
+pub(crate) const SPLIT_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Threads of an `attend_split` block and query heads it takes at most
+/// (`AS_THREADS`, `AS_MAX_G`), and the most splits `attend_combine` merges
+/// (`AS_MAX_SPLITS`), in cuda/attention.cu.
+const SPLIT_THREADS: u32 = 128;
+/// Parameters of `attend_split_*`, `attend_split_rope_*` and
+/// `attend_combine` (checked against the PTX by `checks::nvrtc_check`).
+pub(crate) const SPLIT_ARGS: usize = 10;
+pub(crate) const SPLIT_ROPE_ARGS: usize = 14;
+pub(crate) const COMBINE_ARGS: usize = 10;
+const SPLIT_MAX_HEADS: usize = 8;
+const SPLIT_MAX: usize = 1024;
+
 /// Keys per attention split the host plans for at least: the splits of a
-/// cache are `n_ctx / this` (capped by `ATTEND_TARGET_BLOCKS`), and the
-/// kernels spread each row's positions over them (`att_chunk`, whose floor
-/// `ATT_MIN_KEYS` is the same number).
+/// cache are at most `n_ctx / this`, and the kernels spread each row's
+/// positions over them (`att_chunk`, whose floor `ATT_MIN_KEYS` is the same
+/// number).
 const ATTEND_MIN_CHUNK: usize = 16;
 
-/// Attention splits are added while the grid has fewer blocks than this (so
-/// that a decode step of a few heads still fills the device); a prefill of
-/// many rows gets one split per (row, head).
+/// Split blocks per SM the decode attention's grid is sized for at long
+/// context: enough loads in flight to read the cache at the copy rate.
+const SPLIT_BLOCKS_PER_SM: usize = 4;
+
+/// Attention splits of the pruned attention are added while its grid has
+/// fewer blocks than this.
 const ATTEND_TARGET_BLOCKS: usize = 1024;
 
 /// Query rows per block of the tiled prefill attention (`PF_ROWS`), its
@@ -313,13 +334,9 @@ impl CudaBackend {
     ) -> Result<()> {
         let hd = p.head_dim;
         let n = slots.len();
-        if p.n_head_kv == 0
-            || p.n_head % p.n_head_kv != 0
-            || hd % 64 != 0
-            || hd > ATTEND_THREADS as usize
-        {
+        if p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 || !SPLIT_HEAD_DIMS.contains(&hd) {
             return Err(bad(format!(
-                "attention shape {p:?} (the cuda kernels need head_dim a multiple of 64, at most {ATTEND_THREADS})"
+                "attention shape {p:?} (the cuda kernels take head_dim {SPLIT_HEAD_DIMS:?})"
             )));
         }
         if q.rows != n
@@ -490,38 +507,42 @@ impl CudaBackend {
     }
 
     /// Every row of `at` over positions `0..=pos` of its sequence: the split
-    /// attention and the merge of its splits in one launch (the last split
-    /// of each (row, head) to finish merges them), with the rows' RoPE and
-    /// KV store folded in when `rope` is given. The split count depends on
-    /// the batch and the cache size only, so a recorded decode step replays
-    /// at every position.
+    /// attention (`attend_split_*`, with the rows' RoPE and KV store folded
+    /// in when `rope` is given) and the combine of its splits. The split
+    /// count depends on the batch, the cache size and the device only, so a
+    /// recorded decode step replays at every position: enough splits that
+    /// the grid has `SPLIT_BLOCKS_PER_SM` blocks per SM, at most one per
+    /// `ATTEND_MIN_CHUNK` positions of the cache.
     pub(crate) fn attend_cache(&self, at: &CacheAttention, rope: Option<RopeIn>) -> Result<()> {
         let (n, hd) = (at.rows, at.head_dim);
-        let n_split = at
-            .n_ctx
-            .div_ceil(ATTEND_MIN_CHUNK)
-            .min((ATTEND_TARGET_BLOCKS / (n * at.n_head)).max(1))
-            .max(1);
+        if !SPLIT_HEAD_DIMS.contains(&hd) {
+            return Err(bad(format!(
+                "decode attention takes head_dim {SPLIT_HEAD_DIMS:?}, not {hd}"
+            )));
+        }
+        let group = at.n_head / at.n_head_kv;
+        let head_blocks = at.n_head_kv * group.div_ceil(SPLIT_MAX_HEADS);
+        let n_split = (SPLIT_BLOCKS_PER_SM * self.sm_count)
+            .div_ceil(n * head_blocks)
+            .min(at.n_ctx.div_ceil(ATTEND_MIN_CHUNK))
+            .clamp(1, SPLIT_MAX);
         let chunk = at.n_ctx.div_ceil(n_split);
-        let (ppart, pcount) = {
+        let ppart = {
             let mut s = self.scratch();
-            let s = &mut *s;
-            (
-                self.reshape(&mut s.attn_part, n * at.n_head * n_split, hd + 2)?,
-                self.grow_scratch(&mut s.attn_count, n * at.n_head)?,
-            )
+            self.reshape(&mut s.attn_part, n * at.n_head * n_split, hd + 2)?
         };
         let mut args = at.cache_args();
-        args.extend(at.heads());
         args.extend([
+            Arg::I32(at.n_head as i32),
+            Arg::I32(at.n_head_kv as i32),
+            Arg::I32(at.n_ctx as i32),
             Arg::I32(chunk as i32),
             Arg::F32(1.0 / (hd as f32).sqrt()),
             Arg::Ptr(ppart),
-            Arg::Ptr(pcount),
-            Arg::Ptr(at.out),
         ]);
+        let rope_args = rope.is_some();
         let kernel = match rope {
-            // attend_rope: then the unrotated k and v, mode and base.
+            // attend_split_rope: then the unrotated k and v, mode and base.
             Some(r) => {
                 args.extend([
                     Arg::Ptr(r.k),
@@ -529,14 +550,56 @@ impl CudaBackend {
                     Arg::I32(r.neox as i32),
                     Arg::F32(r.freq_base),
                 ]);
-                format!("attend_rope_{}", at.kv)
+                format!("attend_split_rope_{}_d{hd}", at.kv)
             }
-            None => format!("attend_fused_{}", at.kv),
+            None => format!("attend_split_{}_d{hd}", at.kv),
         };
+        debug_assert_eq!(
+            args.len(),
+            if rope_args {
+                SPLIT_ROPE_ARGS
+            } else {
+                SPLIT_ARGS
+            }
+        );
         self.plain(
             &kernel,
-            (n as u32, at.n_head as u32, n_split as u32),
-            (ATTEND_THREADS, 1, 1),
+            (n as u32, head_blocks as u32, n_split as u32),
+            (SPLIT_THREADS, 1, 1),
+            args,
+        )?;
+        self.combine(at, ppart, n_split, chunk, None)
+    }
+
+    /// `attend_combine`: rows `at` (or, with `pruned = Some((only_decode,
+    /// row_base, rows))`, the launch's rows of the pruned attention) from
+    /// their `n_split` partials at `ppart`; `chunk` 0 merges every split.
+    fn combine(
+        &self,
+        at: &CacheAttention,
+        ppart: u64,
+        n_split: usize,
+        chunk: usize,
+        pruned: Option<(bool, usize, usize)>,
+    ) -> Result<()> {
+        let (only_decode, row_base, rows) = pruned.unwrap_or((false, 0, at.rows));
+        let args = vec![
+            Arg::Ptr(ppart),
+            Arg::Ptr(at.slots),
+            Arg::I32(at.n_head as i32),
+            Arg::I32(at.head_dim as i32),
+            Arg::I32(n_split as i32),
+            Arg::I32(chunk as i32),
+            Arg::I32(only_decode as i32),
+            Arg::I32(at.rows as i32),
+            Arg::I32(row_base as i32),
+            Arg::Ptr(at.out),
+        ];
+        debug_assert_eq!(args.len(), COMBINE_ARGS);
+        self.plain(
+            "attend_combine",
+            (rows as u32, at.n_head as u32, 1),
+            (at.head_dim as u32, 1, 1),
             args,
         )
     }
@@ -735,21 +798,6 @@ impl CudaBackend {
             ])
             .collect(),
         )?;
-        self.plain(
-            "attend_pages_combine",
-            (rows as u32, at.n_head as u32, 1),
-            (hd as u32, 1, 1),
-            vec![
-                Arg::Ptr(ppart),
-                Arg::Ptr(at.slots),
-                Arg::I32(nh),
-                Arg::I32(hdi),
-                Arg::I32(n_split as i32),
-                Arg::I32(od),
-                Arg::I32(nr),
-                Arg::I32(rb),
-                Arg::Ptr(at.out),
-            ],
-        )
+        self.combine(at, ppart, n_split, 0, Some((only_decode, row_base, rows)))
     }
 }

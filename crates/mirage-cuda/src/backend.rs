@@ -54,6 +54,8 @@ pub(crate) struct Kernels {
     /// (`module::waits_on_prerequisite`): only those are launched with
     /// programmatic stream serialization.
     pub waits: Vec<bool>,
+    /// Each function's kernel name.
+    pub names: Vec<String>,
     index: HashMap<String, usize>,
 }
 
@@ -72,6 +74,7 @@ impl Kernels {
             self.index.insert(name.clone(), self.functions.len());
             self.functions.push(f);
             self.waits.push(module::waits_on_prerequisite(ptx, name));
+            self.names.push(name.clone());
         }
         Ok(())
     }
@@ -104,14 +107,17 @@ pub(crate) fn kernel_names() -> Vec<String> {
     for kv in ["f32", "f16"] {
         for k in [
             "rope_store",
-            "attend_fused",
-            "attend_rope",
             "attend_prefill",
             "page_bounds",
             "page_bounds_rows",
             "attend_pages_part",
         ] {
             names.push(format!("{k}_{kv}"));
+        }
+        for hd in crate::attention::SPLIT_HEAD_DIMS {
+            for k in ["attend_split", "attend_split_rope"] {
+                names.push(format!("{k}_{kv}_d{hd}"));
+            }
         }
     }
     for k in [
@@ -124,7 +130,7 @@ pub(crate) fn kernel_names() -> Vec<String> {
         "f32_to_f16",
         "page_keys",
         "select_pages",
-        "attend_pages_combine",
+        "attend_combine",
     ] {
         names.push(k.into());
     }
@@ -159,9 +165,6 @@ pub(crate) struct Scratch {
     pub hidden: CudaActivations,
     /// Attention split partials `[rows, n_head, n_split, head_dim + 2]`.
     pub attn_part: CudaActivations,
-    /// The decode attention's arrival counters, one per (row, head); zero
-    /// between launches.
-    pub attn_count: Option<CudaSlice<u32>>,
     /// Last uploaded token slots (seq, pos pairs) and their device copy:
     /// every layer of a step passes the same slots (ops outside a step).
     pub slots_host: Vec<i32>,
@@ -268,6 +271,7 @@ impl CudaBackend {
         let mut kernels = Kernels {
             functions: Vec::new(),
             waits: Vec::new(),
+            names: Vec::new(),
             index: HashMap::new(),
         };
         kernels.load(&module, &ptx, &kernel_names())?;

@@ -92,6 +92,12 @@ mod nvrtc_check {
                 crate::matvec::MV3_ARGS
             } else if name.starts_with("ffn_") {
                 crate::matvec::FFN_ARGS
+            } else if name.starts_with("attend_split_rope_") {
+                crate::attention::SPLIT_ROPE_ARGS
+            } else if name.starts_with("attend_split_") {
+                crate::attention::SPLIT_ARGS
+            } else if name == "attend_combine" {
+                crate::attention::COMBINE_ARGS
             } else {
                 continue;
             };

@@ -18,7 +18,7 @@ use mirage_runtime::Result;
 use crate::backend::{bad, drv, CudaBackend, MemKind};
 use crate::fusion::{fold_epilogue, fold_norm, PendingNorm};
 use crate::launch::{launch_ex, Launch};
-use crate::GraphStats;
+use crate::{op_class, GraphStats, OpClass, StepProfile};
 
 /// Batches of at most this many rows are recorded and replayed as a CUDA
 /// graph (decode steps); larger ones (prefill) launch op by op.
@@ -61,6 +61,10 @@ pub(crate) struct StepState {
     /// next launch takes it in when it can (`fusion::fold_norm`), else it is
     /// launched first.
     pub pending_norm: Option<PendingNorm>,
+    /// The next recorded step is launched op by op with events
+    /// (`profile_next_step`), its times kept in `profile`.
+    profile_next: bool,
+    profile: Option<StepProfile>,
 }
 
 impl CudaBackend {
@@ -190,7 +194,7 @@ impl CudaBackend {
                 rows: inputs.logits_rows.to_vec(),
                 base,
             });
-            if self.graphs() && n <= GRAPH_MAX_ROWS {
+            if (self.graphs() || st.profile_next) && n <= GRAPH_MAX_ROWS {
                 let hint = st.graphs.first().map_or(0, |g| g.launches.len());
                 st.recording = Some(Vec::with_capacity(hint));
             } else {
@@ -230,8 +234,14 @@ impl CudaBackend {
         }
     }
 
-    /// Replays the graph recorded with exactly `launches`, or captures one.
+    /// Replays the graph recorded with exactly `launches`, or captures one
+    /// (or, for a profiled step, launches them one by one between events).
     fn run_recorded(&self, st: &mut StepState, launches: Vec<Launch>) -> Result<()> {
+        if std::mem::take(&mut st.profile_next) {
+            st.profile = Some(self.profile_launches(&launches)?);
+            st.stats.eager += 1;
+            return Ok(());
+        }
         if let Some(i) = st.graphs.iter().position(|g| g.launches == launches) {
             st.graphs[i].graph.launch().map_err(drv)?;
             let g = st.graphs.remove(i);
@@ -264,6 +274,47 @@ impl CudaBackend {
         st.stats.captures += 1;
         st.graphs.insert(0, RecordedGraph { launches, graph });
         Ok(())
+    }
+
+    /// The launches of one step, each between two events on the stream:
+    /// their device times summed by op class (waits for the device).
+    fn profile_launches(&self, launches: &[Launch]) -> Result<StepProfile> {
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let events = (0..=launches.len())
+            .map(|_| self.ctx.new_event(flags).map_err(drv))
+            .collect::<Result<Vec<_>>>()?;
+        events[0].record(&self.stream).map_err(drv)?;
+        for (l, e) in launches.iter().zip(&events[1..]) {
+            self.launch_now(l)?;
+            e.record(&self.stream).map_err(drv)?;
+        }
+        events[launches.len()].synchronize().map_err(drv)?;
+        let mut p = StepProfile {
+            launches: launches.len(),
+            ..StepProfile::default()
+        };
+        for (l, w) in launches.iter().zip(events.windows(2)) {
+            let us = w[0].elapsed_ms(&w[1]).map_err(drv)? as f64 * 1e3;
+            match op_class(&self.kernels.names[l.kernel]) {
+                OpClass::MatVec => p.matvec_us += us,
+                OpClass::Attention => p.attention_us += us,
+                OpClass::Other => p.other_us += us,
+            }
+        }
+        Ok(p)
+    }
+
+    /// Profiles the next decode step (a forward pass of at most
+    /// [`GRAPH_MAX_ROWS`] rows): its launches, fused as a recorded step's
+    /// are, run one by one between events instead of as a graph (the same
+    /// results); [`CudaBackend::take_step_profile`] then returns the times.
+    pub fn profile_next_step(&self) {
+        self.step_state().profile_next = true;
+    }
+
+    /// The times of the step profiled since the last call, if one ran.
+    pub fn take_step_profile(&self) -> Option<StepProfile> {
+        self.step_state().profile.take()
     }
 
     /// How steps ran so far (captured, replayed, op by op).

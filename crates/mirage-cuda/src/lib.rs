@@ -69,8 +69,8 @@ pub use weights::{CudaFfn, CudaMatrix, CudaVector};
 
 pub mod options;
 pub use options::{
-    CudaOptions, GraphStats, MemoryStats, PageFormat, RouteTraversal, SparsePages, WeightFormat,
-    ROUTE_SCAN_MAX_PRIMS,
+    op_class, CudaOptions, GraphStats, MemoryStats, OpClass, PageFormat, RouteTraversal,
+    SparsePages, StepProfile, WeightFormat, ROUTE_SCAN_MAX_PRIMS,
 };
 
 /// Threads of an `rms_norm` block (norm.cu's row function gives the same

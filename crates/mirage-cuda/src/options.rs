@@ -89,6 +89,56 @@ pub struct GraphStats {
     pub eager: u64,
 }
 
+/// Device time of one decode step by op class (`CudaBackend::profile_next_step`):
+/// the step's launches as its graph would replay them (fusions applied), but
+/// launched one by one with an event before and after each, so every time
+/// includes its kernel's launch latency and none overlaps the next kernel
+/// (no graph, no programmatic dependent launch across the events).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepProfile {
+    /// Mat-vecs and FFNs (the weight reads), microseconds.
+    pub matvec_us: f64,
+    /// Attention over the KV cache (with the RoPE and KV store folded into
+    /// it, page selection), microseconds.
+    pub attention_us: f64,
+    /// Everything else: norms, a separate RoPE and KV store, residual adds,
+    /// embedding, arg-max, microseconds.
+    pub other_us: f64,
+    /// Kernel launches of the step.
+    pub launches: usize,
+}
+
+impl StepProfile {
+    /// The sum of the three classes, microseconds.
+    pub fn total_us(&self) -> f64 {
+        self.matvec_us + self.attention_us + self.other_us
+    }
+}
+
+/// The op class a kernel's time counts in ([`StepProfile`]), by its name.
+pub fn op_class(kernel: &str) -> OpClass {
+    const MATVEC: [&str; 4] = ["mv3_", "ffn_", "dequant_", "superblock_"];
+    const ATTENTION: [&str; 4] = ["attend_", "page_keys", "page_bounds", "select_pages"];
+    if MATVEC.iter().any(|p| kernel.starts_with(p)) {
+        OpClass::MatVec
+    } else if ATTENTION.iter().any(|p| kernel.starts_with(p)) {
+        OpClass::Attention
+    } else {
+        OpClass::Other
+    }
+}
+
+/// The classes of [`StepProfile`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpClass {
+    /// Mat-vecs and FFNs.
+    MatVec,
+    /// Attention over the KV cache.
+    Attention,
+    /// Norms, RoPE, elementwise, embedding, arg-max.
+    Other,
+}
+
 /// How the pages are encoded on the device (and so which fused kernel runs
 /// the FFN). Chosen before the layers are uploaded; the active lists,
 /// routing and modes do not depend on it.

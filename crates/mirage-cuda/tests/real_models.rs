@@ -168,3 +168,96 @@ fn smollm2_cuda_embeddings_and_constrained_decoding_match_cpu() {
         .unwrap();
     eprintln!("cpu constrained output:  {:?}", cpu.text);
 }
+
+/// Decode at depth: a context of 700 positions (the prompts' tokens
+/// repeated), prefilled on each backend, then 64 greedy steps on the GPU,
+/// each token teacher-forced through the CPU (f32 activations, the same KV
+/// cache type): at every step the logits' cosine >= 0.99999 and the GPU's
+/// token is the CPU's arg-max (or within a near-tie of it, 1e-3 of the logit
+/// range). The decode steps run the split decode attention over many splits
+/// (the cache is 1024 positions) with RoPE and the KV store folded in.
+fn check_depth(test: &str, name: &str, kv: mirage_runtime::KvDtype) {
+    let Some(gpu) = cuda(test) else { return };
+    let Some(file) = model(test, name) else {
+        return;
+    };
+    let opts = EngineOptions::default();
+    let g = Engine::from_file(file.clone(), gpu, opts.clone()).unwrap();
+    let c = Engine::from_file(file, CpuBackend::new_f32_activations(0).unwrap(), opts).unwrap();
+    let (n0, steps, n_ctx) = (700, 64, 1024);
+    let mut ctx = Vec::new();
+    while ctx.len() < n0 {
+        for p in PROMPTS {
+            ctx.extend(g.encode(p, false).unwrap());
+        }
+    }
+    ctx.truncate(n0);
+    let slot = |pos| mirage_runtime::TokenSlot { seq: 0, pos };
+    let (gm, cm) = (g.model(), c.model());
+    let (mut gc, mut cc) = (
+        gm.new_kv_cache(n_ctx, 1, kv).unwrap(),
+        cm.new_kv_cache(n_ctx, 1, kv).unwrap(),
+    );
+    let (mut gs, mut cs) = (gm.new_scratch(), cm.new_scratch());
+    let (mut gl, mut cl) = (Vec::new(), Vec::new());
+    for start in (0..n0).step_by(256) {
+        let end = (start + 256).min(n0);
+        let slots: Vec<_> = (start..end).map(slot).collect();
+        let last = [end - start - 1];
+        gm.forward(&ctx[start..end], &slots, &last, &mut gc, &mut gs, &mut gl)
+            .unwrap();
+        cm.forward(&ctx[start..end], &slots, &last, &mut cc, &mut cs, &mut cl)
+            .unwrap();
+    }
+    let (mut worst, mut ties, mut tokens) = (1.0f64, 0, Vec::new());
+    for i in 0..steps {
+        let tok = common::argmax(&gl);
+        let (best, gap, range) = {
+            let best = common::argmax(&cl) as usize;
+            let max = cl[best];
+            let min = cl.iter().copied().fold(f32::MAX, f32::min);
+            (best, max - cl[tok as usize], max - min)
+        };
+        if best as u32 != tok {
+            assert!(
+                gap <= 1e-3 * range,
+                "{name} {kv:?}: step {i} at depth {}: GPU chose {tok}, CPU arg-max {best} by {gap} (not a near-tie)",
+                n0 + i
+            );
+            ties += 1;
+        }
+        tokens.push(tok);
+        let pos = n0 + i;
+        gm.forward(&[tok], &[slot(pos)], &[0], &mut gc, &mut gs, &mut gl)
+            .unwrap();
+        cm.forward(&[tok], &[slot(pos)], &[0], &mut cc, &mut cs, &mut cl)
+            .unwrap();
+        let cos = cosine(&gl, &cl);
+        worst = worst.min(cos);
+        assert!(
+            cos >= 0.99999,
+            "{name} {kv:?}: decode step {i} at depth {pos}: logit cosine cuda vs cpu {cos} < 0.99999"
+        );
+    }
+    eprintln!(
+        "{name} {kv:?}: {steps} decode steps after {n0} positions: worst logit cosine cuda vs cpu {worst:.7}, \
+         greedy tokens equal but {ties} near-ties: {tokens:?}"
+    );
+}
+
+#[test]
+fn qwen_coder_decode_at_depth_matches_cpu() {
+    let test = "qwen_coder_decode_at_depth_matches_cpu";
+    for kv in [mirage_runtime::KvDtype::F16, mirage_runtime::KvDtype::F32] {
+        check_depth(test, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", kv);
+    }
+}
+
+#[test]
+fn smollm2_decode_at_depth_matches_cpu() {
+    check_depth(
+        "smollm2_decode_at_depth_matches_cpu",
+        "smollm2-135m-instruct-q4_1.gguf",
+        mirage_runtime::KvDtype::F16,
+    );
+}

@@ -3,11 +3,21 @@
 //!
 //! Prompt tokens are pseudo-random ids (speed does not depend on the text);
 //! decoding is greedy from the prompt's last logits. Decode speed is reported
-//! next to the weight bytes one token reads (every `blk.*` tensor, the final
-//! norm and the lm head; one embedding row is negligible) and the achieved
-//! weight-read bandwidth as a share of a device-to-device copy (CUDA) or a
-//! memcpy with the engine's thread count (CPU) measured by the same process,
-//! counting the copy's bytes read plus written.
+//! next to the bytes one token reads — the weights (every `blk.*` tensor, the
+//! final norm and the lm head; one embedding row is negligible) and the KV
+//! cache rows its attention reads (every position, every layer; fewer with
+//! `--kv-prune`, which this does not count) — and the achieved read
+//! bandwidth as a share of a device-to-device copy (CUDA) or a memcpy with the engine's thread count (CPU)
+//! measured by the same process, counting the copy's bytes read plus
+//! written.
+//!
+//! `--depth D1,D2,..` (llama-bench's `-d`): decode after a context of D
+//! tokens instead of after the prompt, one row per depth. One cache serves
+//! every depth: each depth's context is the prefill of the positions from
+//! the previous depth on (in `--ubatch` chunks, timed as "fill"), then
+//! `--gen` decode steps are timed. On CUDA one more decode step is then run
+//! op by op between events (`CudaBackend::profile_next_step`) for the time
+//! per op class: mat-vec, attention, the rest.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -15,6 +25,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use mirage::cuda::StepProfile;
 use mirage::{BackendChoice, CudaOptions, LoadSpec, LoadedModel};
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::Backend;
@@ -40,6 +51,10 @@ pub struct BenchArgs {
     /// Tokens to decode after the prompt.
     #[arg(long, default_value_t = 128)]
     pub gen: usize,
+    /// Decode after a context of this many tokens (comma-separated, one
+    /// row each; llama-bench's `-d`), instead of after `--prompt` tokens.
+    #[arg(short = 'd', long, value_delimiter = ',')]
+    pub depth: Vec<usize>,
     /// CPU worker threads (0: one per CPU).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -163,6 +178,65 @@ struct BenchReport {
     graph_replays: Option<u64>,
     eager_steps: Option<u64>,
     first_tokens: Vec<u32>,
+    /// Bytes of KV cache one decode step reads, averaged over the steps.
+    kv_bytes_per_token: u64,
+    /// Device time per op class of one decode step (CUDA).
+    profile: Option<ProfileReport>,
+    /// One row per decode context (`--depth`; without it, the prompt
+    /// length): the fields above repeat the first row.
+    runs: Vec<DepthRun>,
+}
+
+/// Decode after a context of `depth` tokens.
+#[derive(Debug, Clone, serde::Serialize)]
+struct DepthRun {
+    depth: usize,
+    /// Positions prefilled for this row (from the previous row's depth on)
+    /// and their speed.
+    fill_tokens: usize,
+    fill_tok_s: f64,
+    gen_tokens: usize,
+    decode_tok_s: f64,
+    decode_ms_median: f64,
+    weight_bytes_per_token: u64,
+    kv_bytes_per_token: u64,
+    achieved_gb_s: f64,
+    share_of_copy: f64,
+    profile: Option<ProfileReport>,
+    first_tokens: Vec<u32>,
+}
+
+/// `StepProfile` of one decode step, in microseconds and shares.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct ProfileReport {
+    matvec_us: f64,
+    attention_us: f64,
+    other_us: f64,
+    launches: usize,
+    matvec_share: f64,
+    attention_share: f64,
+    other_share: f64,
+}
+
+impl From<StepProfile> for ProfileReport {
+    fn from(p: StepProfile) -> ProfileReport {
+        let t = p.total_us().max(f64::MIN_POSITIVE);
+        ProfileReport {
+            matvec_us: p.matvec_us,
+            attention_us: p.attention_us,
+            other_us: p.other_us,
+            launches: p.launches,
+            matvec_share: p.matvec_us / t,
+            attention_share: p.attention_us / t,
+            other_share: p.other_us / t,
+        }
+    }
+}
+
+/// Arms and reads the backend's per-op-class profile of one decode step.
+struct Profiler<'a> {
+    arm: &'a dyn Fn(),
+    take: &'a dyn Fn() -> Option<StepProfile>,
 }
 
 pub(crate) fn on_off(what: &str, v: &str) -> anyhow::Result<bool> {
@@ -239,7 +313,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             // The machine's copy rate with the engine's thread count.
             let copy =
                 super::bench_peer::threaded_copy_bandwidth(256 << 20, 5, model.backend().threads());
-            let mut r = measure(&model, &args, kv, weight_bytes, copy, device)?;
+            let mut r = measure(&model, &args, kv, weight_bytes, copy, device, None)?;
             r.backend = "cpu".into();
             r
         }
@@ -249,7 +323,20 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             let (major, minor) = b.compute_capability();
             let device = format!("{} (sm_{major}{minor})", b.device_name());
             let copy = b.copy_bandwidth(1 << 30, 10)?;
-            let mut r = measure(&model, &args, kv, weight_bytes, copy, device)?;
+            let (arm, take) = (|| b.profile_next_step(), || b.take_step_profile());
+            let profiler = Profiler {
+                arm: &arm,
+                take: &take,
+            };
+            let mut r = measure(
+                &model,
+                &args,
+                kv,
+                weight_bytes,
+                copy,
+                device,
+                Some(profiler),
+            )?;
             let (m, g) = (b.memory_stats(), b.graph_stats());
             r.backend = "cuda".into();
             r.cuda_graphs = Some(b.graphs());
@@ -314,6 +401,14 @@ pub(crate) fn bench_prompt(vocab: usize, n: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Bytes of KV cache a decode step at position `pos` reads: keys and
+/// values of positions `0..=pos` in every layer.
+fn kv_bytes_at(model_cfg: &mirage_runtime::ModelConfig, kv: KvDtype, pos: usize) -> u64 {
+    let elem = if kv == KvDtype::F32 { 4 } else { 2 };
+    (2 * model_cfg.n_layer * model_cfg.n_head_kv * model_cfg.head_dim * elem) as u64
+        * (pos as u64 + 1)
+}
+
 fn measure<B: Backend>(
     model: &Model<B>,
     args: &BenchArgs,
@@ -321,17 +416,27 @@ fn measure<B: Backend>(
     weight_bytes: u64,
     copy_bytes_s: f64,
     device: String,
+    profiler: Option<Profiler<'_>>,
 ) -> anyhow::Result<BenchReport> {
-    let n_prompt = args.prompt.max(1);
-    let prompt = bench_prompt(model.config().vocab_size, n_prompt);
-    let n_ctx = n_prompt + args.gen + 1;
+    let depths = if args.depth.is_empty() {
+        vec![args.prompt.max(1)]
+    } else {
+        args.depth.clone()
+    };
+    if depths.windows(2).any(|w| w[1] <= w[0]) {
+        bail!("--depth takes increasing depths, not {depths:?}");
+    }
+    let max_depth = *depths.last().expect("at least one depth");
+    let prompt = bench_prompt(model.config().vocab_size, max_depth.max(1));
+    // The last depth's decode steps and the profiled step.
+    let n_ctx = max_depth + args.gen + 2;
     let mut logits = Vec::new();
     let mut scratch = model.new_scratch();
     // Warm-up in a throw-away cache: a prefill of 32 rows (large enough to
     // take the CUDA backend's GEMM path, so cuBLAS's one-time set-up is not
     // timed) and two decode steps.
     {
-        let n_warm = 32.min(n_prompt);
+        let n_warm = 32.min(prompt.len());
         let mut cache = model.new_kv_cache_pruned(n_warm + 2, 1, kv, args.kv_prune)?;
         let slots: Vec<TokenSlot> = (0..n_warm).map(|pos| TokenSlot { seq: 0, pos }).collect();
         model.forward(
@@ -354,70 +459,117 @@ fn measure<B: Backend>(
         }
     }
     let mut cache = model.new_kv_cache_pruned(n_ctx, 1, kv, args.kv_prune)?;
-    let slots: Vec<TokenSlot> = (0..n_prompt).map(|pos| TokenSlot { seq: 0, pos }).collect();
     let ubatch = if args.ubatch == 0 {
-        n_prompt
+        max_depth.max(1)
     } else {
-        args.ubatch.min(n_prompt)
+        args.ubatch
     };
-    let t = Instant::now();
-    // `forward` reads the logits back, so the clock stops after the device is done.
-    for (chunk, chunk_slots) in prompt.chunks(ubatch).zip(slots.chunks(ubatch)) {
-        model.forward(
-            chunk,
-            chunk_slots,
-            &[chunk.len() - 1],
-            &mut cache,
-            &mut scratch,
-            &mut logits,
-        )?;
-    }
-    let prompt_s = t.elapsed().as_secs_f64();
-    let mut tok = argmax(&logits);
-    let mut first_tokens = vec![tok];
-    let mut step_times = Vec::with_capacity(args.gen);
-    let t_all = Instant::now();
-    for i in 0..args.gen {
-        let t = Instant::now();
+    let step = |tok: u32, pos: usize, cache: &mut _, scratch: &mut _, logits: &mut Vec<f32>| {
         model.forward(
             &[tok],
-            &[TokenSlot {
-                seq: 0,
-                pos: n_prompt + i,
-            }],
+            &[TokenSlot { seq: 0, pos }],
             &[0],
-            &mut cache,
-            &mut scratch,
-            &mut logits,
-        )?;
-        tok = argmax(&logits);
-        step_times.push(t.elapsed().as_secs_f64());
-        if first_tokens.len() < 16 {
-            first_tokens.push(tok);
+            cache,
+            scratch,
+            logits,
+        )
+    };
+    let mut runs = Vec::with_capacity(depths.len());
+    let mut filled = 0;
+    for &depth in &depths {
+        // The context: positions filled..depth (the previous row's decode
+        // steps are overwritten).
+        let t = Instant::now();
+        let mut start = filled;
+        while start < depth {
+            let end = (start + ubatch).min(depth);
+            let slots: Vec<TokenSlot> = (start..end).map(|pos| TokenSlot { seq: 0, pos }).collect();
+            // `forward` reads the logits back, so the clock stops after the
+            // device is done.
+            model.forward(
+                &prompt[start..end],
+                &slots,
+                &[end - start - 1],
+                &mut cache,
+                &mut scratch,
+                &mut logits,
+            )?;
+            start = end;
         }
+        let fill_s = t.elapsed().as_secs_f64();
+        let fill_tokens = depth - filled.min(depth);
+        filled = depth;
+        let mut tok = if depth == 0 {
+            prompt[0]
+        } else {
+            argmax(&logits)
+        };
+        let mut first_tokens = vec![tok];
+        let mut step_times = Vec::with_capacity(args.gen);
+        let t_all = Instant::now();
+        for i in 0..args.gen {
+            let t = Instant::now();
+            step(tok, depth + i, &mut cache, &mut scratch, &mut logits)?;
+            tok = argmax(&logits);
+            step_times.push(t.elapsed().as_secs_f64());
+            if first_tokens.len() < 16 {
+                first_tokens.push(tok);
+            }
+        }
+        let decode_s = t_all.elapsed().as_secs_f64();
+        let profile = match &profiler {
+            Some(p) => {
+                (p.arm)();
+                step(tok, depth + args.gen, &mut cache, &mut scratch, &mut logits)?;
+                (p.take)().map(ProfileReport::from)
+            }
+            None => None,
+        };
+        step_times.sort_by(|a, b| a.total_cmp(b));
+        let median = step_times
+            .get(step_times.len() / 2)
+            .copied()
+            .unwrap_or(f64::NAN);
+        let decode_tok_s = args.gen as f64 / decode_s;
+        let kv_bytes = (0..args.gen)
+            .map(|i| kv_bytes_at(model.config(), kv, depth + i))
+            .sum::<u64>()
+            / args.gen.max(1) as u64;
+        let achieved = (weight_bytes + kv_bytes) as f64 * decode_tok_s;
+        runs.push(DepthRun {
+            depth,
+            fill_tokens,
+            fill_tok_s: if fill_tokens == 0 {
+                0.0
+            } else {
+                fill_tokens as f64 / fill_s
+            },
+            gen_tokens: args.gen,
+            decode_tok_s,
+            decode_ms_median: median * 1e3,
+            weight_bytes_per_token: weight_bytes,
+            kv_bytes_per_token: kv_bytes,
+            achieved_gb_s: achieved / 1e9,
+            share_of_copy: achieved / copy_bytes_s,
+            profile,
+            first_tokens,
+        });
     }
-    let decode_s = t_all.elapsed().as_secs_f64();
-    step_times.sort_by(|a, b| a.total_cmp(b));
-    let median = step_times
-        .get(step_times.len() / 2)
-        .copied()
-        .unwrap_or(f64::NAN);
-    let decode_tok_s = args.gen as f64 / decode_s;
-    let achieved = weight_bytes as f64 * decode_tok_s;
+    let first = runs[0].clone();
     Ok(BenchReport {
         model: args.model.display().to_string(),
         backend: String::new(),
         device,
-        prompt_tokens: n_prompt,
-        prompt_ubatch: ubatch,
+        prompt_tokens: first.fill_tokens,
+        prompt_ubatch: ubatch.min(max_depth.max(1)),
         gen_tokens: args.gen,
-        prompt_tok_s: n_prompt as f64 / prompt_s,
-        decode_tok_s,
-        decode_ms_median: median * 1e3,
+        prompt_tok_s: first.fill_tok_s,
+        decode_tok_s: first.decode_tok_s,
+        decode_ms_median: first.decode_ms_median,
         weight_bytes_per_token: weight_bytes,
-        achieved_gb_s: achieved / 1e9,
+        achieved_gb_s: first.achieved_gb_s,
         copy_gb_s: copy_bytes_s / 1e9,
-        share_of_copy: achieved / copy_bytes_s,
+        share_of_copy: first.share_of_copy,
         peak_device_bytes: None,
         weights_bytes: None,
         kv_cache_bytes: None,
@@ -431,7 +583,10 @@ fn measure<B: Backend>(
         graph_captures: None,
         graph_replays: None,
         eager_steps: None,
-        first_tokens,
+        first_tokens: first.first_tokens,
+        kv_bytes_per_token: first.kv_bytes_per_token,
+        profile: first.profile,
+        runs,
     })
 }
 
@@ -440,6 +595,20 @@ fn prune_spec(p: &KvPruning) -> String {
     format!(
         "page={},sinks={},recent={},top={},top_percent={},dense={}",
         p.page, p.sink_pages, p.recent_pages, p.top_pages, p.top_percent, p.dense_layers
+    )
+}
+
+/// "mat-vec A us (a%), attention B us (b%), other C us (c%), N launches".
+fn profile_line(p: &ProfileReport) -> String {
+    format!(
+        "mat-vec {:.0} us ({:.0}%), attention {:.0} us ({:.0}%), other {:.0} us ({:.0}%), {} launches",
+        p.matvec_us,
+        100.0 * p.matvec_share,
+        p.attention_us,
+        100.0 * p.attention_share,
+        p.other_us,
+        100.0 * p.other_share,
+        p.launches
     )
 }
 
@@ -460,8 +629,9 @@ fn print_table(r: &BenchReport) {
         r.gen_tokens, r.decode_tok_s, r.decode_ms_median
     );
     println!(
-        "weights / token  {:.1} MiB",
-        r.weight_bytes_per_token as f64 / (1 << 20) as f64
+        "read / token     {:.1} MiB weights + {:.1} MiB KV",
+        r.weight_bytes_per_token as f64 / (1 << 20) as f64,
+        r.kv_bytes_per_token as f64 / (1 << 20) as f64
     );
     println!(
         "achieved         {:.1} GB/s = {:.1}% of copy {:.1} GB/s",
@@ -469,6 +639,26 @@ fn print_table(r: &BenchReport) {
         100.0 * r.share_of_copy,
         r.copy_gb_s
     );
+    if let Some(p) = &r.profile {
+        println!("step by op class {}", profile_line(p));
+    }
+    if r.runs.len() > 1 || r.runs.first().is_some_and(|x| x.depth != r.prompt_tokens) {
+        println!(
+            "{:>8} {:>10} {:>10} {:>9} {:>8}  op classes (one step op by op)",
+            "depth", "fill tok/s", "decode t/s", "KV MiB/t", "of copy"
+        );
+        for x in &r.runs {
+            println!(
+                "{:>8} {:>10.1} {:>10.1} {:>9.1} {:>7.1}%  {}",
+                x.depth,
+                x.fill_tok_s,
+                x.decode_tok_s,
+                x.kv_bytes_per_token as f64 / (1 << 20) as f64,
+                100.0 * x.share_of_copy,
+                x.profile.as_ref().map_or("-".into(), profile_line)
+            );
+        }
+    }
     println!(
         "device memory    peak {} (weights {}, KV {}, workspace {})",
         mib(r.peak_device_bytes),

@@ -1,0 +1,202 @@
+// Host check of attention.cu's split decode attention (no GPU): the kernel
+// bodies cut out of the source (extract.py -> split_extract.h), run block by
+// block (block_emu.h).
+//   1. attend_split + attend_combine against an f64 softmax attention over
+//      the cache as stored: f32 and f16 caches, head sizes 64, 128 and 256,
+//      GQA groups of 1, 7 and 12 query heads (12: two blocks per group),
+//      lengths 1 to 300 (not multiples of the split or the tile), one split
+//      (several tiles per block) to many;
+//   2. attend_split_rope (RoPE and KV store folded in) against rope_store
+//      then attend_split: the same partials and the same cache bits, with the
+//      new position's cache slots poisoned and the blocks run in reverse
+//      order (a block that read the slot instead of its staged copy, or a
+//      store by the wrong block, would show).
+// Build and run: hostcheck/run.sh.
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include "block_emu.h"
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+#define MIRAGE_INF INFINITY
+struct uint4 { u32 x, y, z, w; };
+struct uint2 { u32 x, y; };
+struct float2 { float x, y; };
+inline float __uint_as_float(u32 u) { float f; memcpy(&f, &u, 4); return f; }
+inline float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+inline float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+using std::max;
+inline float h2f(u16 h) {
+    u32 s = (h >> 15) & 1, e = (h >> 10) & 31, m = h & 1023;
+    float v = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? INFINITY : std::ldexp((float)(m | 1024), (int)e - 25);
+    return s ? -v : v;
+}
+#include "att_emu.h"
+inline float block_sum(float, float*) { abort(); }  // rope_store's q/k norm: not used here
+#include "split_extract.h"
+
+static float keep(float f) { return f; }
+static float widen(float f) { return f; }
+static float widen(u16 h) { return h2f(h); }
+
+// Every block of attend_split's grid (rows, n_head_kv * hg, n_split) running
+// f, in reverse order when `reverse`.
+template <class F>
+static void run_split_grid(int rows, int head_blocks, int n_split, bool reverse, F f) {
+    gridDim = dim3_{(unsigned)rows, (unsigned)head_blocks, (unsigned)n_split};
+    const int total = rows * head_blocks * n_split;
+    for (int i = 0; i < total; i++) {
+        const int b = reverse ? total - 1 - i : i;
+        const int r = b / (head_blocks * n_split), y = b / n_split % head_blocks, s = b % n_split;
+        run_block(AS_THREADS, dim3_{(unsigned)r, (unsigned)y, (unsigned)s}, f);
+    }
+}
+
+static int head_blocks(int n_head, int n_head_kv) {
+    const int G = n_head / n_head_kv;
+    return n_head_kv * ((G + AS_MAX_G - 1) / AS_MAX_G);
+}
+
+template <class KV, int HD>
+static int check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int len0, int len1, const char* ty,
+                 KV (*conv)(float)) {
+    const int rows = 2, n_ctx = 320, n_seq = 2;
+    const int chunk = (n_ctx + n_split - 1) / n_split;
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> q((size_t)rows * n_head * HD);
+    for (auto& v : q) v = 1.5f * nd(rng);
+    std::vector<KV> kc((size_t)n_seq * n_head_kv * n_ctx * HD), vc(kc.size());
+    for (auto& v : kc) v = conv(nd(rng));
+    for (auto& v : vc) v = conv(nd(rng));
+    int slots[4] = {1, len0 - 1, 0, len1 - 1};
+    std::vector<float> part((size_t)rows * n_head * n_split * (HD + 2), NAN), out((size_t)rows * n_head * HD, -99.f);
+    const float scale = 1.f / std::sqrt((float)HD);
+    run_split_grid(rows, head_blocks(n_head, n_head_kv), n_split, false, [&] {
+        attend_split<KV, HD>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, n_ctx, chunk, scale,
+                             part.data());
+    });
+    gridDim = dim3_{(unsigned)rows, (unsigned)n_head, 1};
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < n_head; h++)
+            run_block(HD, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
+                attend_combine_body(part.data(), slots, n_head, HD, n_split, chunk, 0, rows, 0, out.data());
+            });
+    double worst = 0;
+    for (int r = 0; r < rows; r++) {
+        const int seq = slots[2 * r], n = slots[2 * r + 1] + 1;
+        for (int h = 0; h < n_head; h++) {
+            const int kvh = h / (n_head / n_head_kv);
+            const float* qh = &q[((size_t)r * n_head + h) * HD];
+            const KV* K = &kc[((size_t)seq * n_head_kv + kvh) * n_ctx * HD];
+            const KV* V = &vc[((size_t)seq * n_head_kv + kvh) * n_ctx * HD];
+            std::vector<double> s(n);
+            double m = -INFINITY, l = 0;
+            for (int j = 0; j < n; j++) {
+                double a = 0;
+                for (int d = 0; d < HD; d++) a += (double)qh[d] * widen(K[(size_t)j * HD + d]);
+                s[j] = a * scale;
+                m = std::max(m, s[j]);
+            }
+            for (auto& x : s) l += (x = std::exp(x - m));
+            for (int d = 0; d < HD; d++) {
+                double a = 0;
+                for (int j = 0; j < n; j++) a += s[j] * widen(V[(size_t)j * HD + d]);
+                worst = std::max(worst, std::fabs(a / l - out[((size_t)r * n_head + h) * HD + d]));
+            }
+        }
+    }
+    const bool bad = !(worst < 2e-5);
+    printf("attend_split %s head_dim %3d heads %2d/%d splits %2d lengths %3d/%3d: %s (max abs err %.2e)\n", ty, HD,
+           n_head, n_head_kv, n_split, len0, len1, bad ? "FAIL" : "ok", worst);
+    return bad;
+}
+
+template <class KV, int HD>
+static int check_rope(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int neox, int len0, int len1,
+                      const char* ty, KV (*conv)(float)) {
+    const int rows = 2, n_ctx = 160, n_seq = 2;
+    const int chunk = (n_ctx + n_split - 1) / n_split;
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> q((size_t)rows * n_head * HD), k((size_t)rows * n_head_kv * HD), v(k.size());
+    for (auto* x : {&q, &k, &v})
+        for (auto& e : *x) e = nd(rng);
+    std::vector<KV> kc((size_t)n_seq * n_head_kv * n_ctx * HD), vc(kc.size());
+    for (auto& e : kc) e = conv(nd(rng));
+    for (auto& e : vc) e = conv(nd(rng));
+    int slots[4] = {1, len0 - 1, 0, len1 - 1};
+    std::vector<KV> kc2 = kc, vc2 = vc;
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < n_head_kv; h++)
+            for (int d = 0; d < HD; d++) {
+                long at = (((long)slots[2 * r] * n_head_kv + h) * n_ctx + slots[2 * r + 1]) * HD + d;
+                kc2[at] = conv(300.f);
+                vc2[at] = conv(-300.f);
+            }
+    const size_t np = (size_t)rows * n_head * n_split * (HD + 2);
+    std::vector<float> a(np, 7.f), b(np, 7.f);
+    const float scale = 1.f / std::sqrt((float)HD), base = 10000.f;
+    std::vector<float> q1 = q, k1 = k;
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < n_head + n_head_kv; h++)
+            run_block(HD / 2, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
+                rope_store<KV>(q1.data(), k1.data(), v.data(), slots, n_head, n_head_kv, HD, neox, base,
+                               (const float*)0, (const float*)0, 1e-6f, kc.data(), vc.data(), n_ctx);
+            });
+    const int hb = head_blocks(n_head, n_head_kv);
+    run_split_grid(rows, hb, n_split, false, [&] {
+        attend_split<KV, HD>(q1.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, n_ctx, chunk, scale, a.data());
+    });
+    run_split_grid(rows, hb, n_split, true, [&] {
+        attend_split_rope<KV, HD>(q.data(), k.data(), v.data(), kc2.data(), vc2.data(), slots, n_head, n_head_kv,
+                                  n_ctx, chunk, scale, neox, base, b.data());
+    });
+    int differ = 0, cache_differ = 0;
+    for (size_t i = 0; i < np; i++) differ += memcmp(&a[i], &b[i], 4) != 0;
+    for (size_t i = 0; i < kc.size(); i++)
+        cache_differ += memcmp(&kc[i], &kc2[i], sizeof(KV)) != 0 || memcmp(&vc[i], &vc2[i], sizeof(KV)) != 0;
+    const bool bad = differ || cache_differ;
+    printf("attend_split_rope %s head_dim %3d heads %2d/%d splits %2d neox %d lengths %3d/%3d: %s (%d of %zu partial "
+           "floats, %d cache entries differ)\n", ty, HD, n_head, n_head_kv, n_split, neox, len0, len1,
+           bad ? "FAIL" : "ok", differ, np, cache_differ);
+    return bad;
+}
+
+template <int HD>
+static void check_head_dim(std::mt19937& rng, int& fails, int& cases) {
+    const int heads[3][2] = {{14, 2}, {12, 1}, {4, 4}};
+    // One split of several tiles; many splits, one of them of one key (length
+    // 1) or a partial last one (300 = 18 * 16 + 12); a split count between.
+    const int splits[3][3] = {{1, 17, 300}, {20, 1, 300}, {5, 129, 77}};
+    for (auto& hk : heads)
+        for (auto& sp : splits) {
+            fails += check<float, HD>(rng, hk[0], hk[1], sp[0], sp[1], sp[2], "f32", keep);
+            fails += check<u16, HD>(rng, hk[0], hk[1], sp[0], sp[1], sp[2], "f16", f2h);
+            cases += 2;
+        }
+}
+
+int main() {
+    std::mt19937 rng(11);
+    int fails = 0, cases = 0;
+    check_head_dim<64>(rng, fails, cases);
+    check_head_dim<128>(rng, fails, cases);
+    check_head_dim<256>(rng, fails, cases);
+    for (auto [nh, nkv] : {std::pair{14, 2}, std::pair{12, 1}})
+        for (int n_split : {1, 7})
+            for (int neox = 0; neox < 2; neox++) {
+                if ((n_split == 1) != (neox == 0)) continue;  // both splits, both pairings, fewer runs
+                fails += check_rope<float, 64>(rng, nh, nkv, n_split, neox, 37, 150, "f32", keep);
+                fails += check_rope<u16, 128>(rng, nh, nkv, n_split, neox, 64, 129, "f16", f2h);
+                cases += 2;
+            }
+    printf("attend_split / attend_combine / attend_split_rope: %d of %d cases ok\n", cases - fails, cases);
+    return fails ? 1 : 0;
+}
