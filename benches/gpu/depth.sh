@@ -21,7 +21,8 @@
 #      bench's --kv f16), fewer repetitions at the deepest depth;
 # then one table. Environment: WORK (default /tmp/mirage-depth), DEPTHS
 # (default 0,4096,32768), GEN (decode steps per depth, default 64), BUDGET
-# (default 500), MIRAGE_MODELS_DIR.
+# (default 500), MIRAGE_MODELS_DIR, LLAMA_BUILD_PID (a llama-bench build
+# running beside this script: the peer rows wait for it).
 set -uo pipefail
 BUNDLE=$(cd "${1:?usage: depth.sh BUNDLE_DIR [LLAMA_BENCH]}" && pwd)
 LB=${2:-}
@@ -39,7 +40,6 @@ T0=$SECONDS
 gpu_unpack "$BUNDLE" "$W" || exit 1
 gpu_env "$W"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
-if [ -n "$LB" ] && [ ! -x "$LB" ]; then echo "no llama-bench at $LB: the peer columns stay empty"; LB=; fi
 
 MODELS="qwen2.5-0.5b:q8_0 qwen2.5-7b:q8_0 qwen2.5-7b:q4_k"
 # The files, one after another in the background (the CPU writes them while
@@ -74,19 +74,28 @@ wait_file() {
 deepest=${DEPTHS##*,}
 shallow=${DEPTHS%,*}
 [ "$shallow" = "$DEPTHS" ] && shallow=
+# MIRAGE's rows first, then the peer's: a llama-bench still building beside
+# this run (benches/gpu_peer.sh build) has the longest to finish.
 for m in $MODELS; do
   shape=${m%:*} q=${m#*:} f=$WORK/${m%:*}-${m#*:}.gguf tag=$shape-$q
   budget_left "$tag" || break
   wait_file "$f" || { echo "no $f (see $LOG/synth-$tag.log)"; continue; }
   step "mirage-$tag" 240 "$W/mirage-cli" bench --backend cuda --model "$f" --kv f16 -d "$DEPTHS" --gen "$GEN" --json
-  if [ -n "$LB" ] && budget_left "llama-bench $tag"; then
-    if [ -n "$shallow" ]; then
-      step "llama-$tag" 150 "$LB" -m "$f" -ngl 99 -p 0 -n "$GEN" -d "$shallow" -r 3 -o json
-    fi
-    budget_left "llama-bench $tag at $deepest" &&
-      step "llama-deep-$tag" 150 "$LB" -m "$f" -ngl 99 -p 0 -n "$GEN" -d "$deepest" -r 1 -o json
+done
+# Waits for LLAMA_BENCH while its build (process LLAMA_BUILD_PID) runs.
+while [ -n "$LB" ] && [ ! -x "$LB" ] && kill -0 "${LLAMA_BUILD_PID:-0}" 2>/dev/null && budget_left "llama-bench build"; do
+  sleep 5
+done
+if [ -n "$LB" ] && [ ! -x "$LB" ]; then echo "no llama-bench at $LB: the peer columns stay empty"; LB=; fi
+for m in $MODELS; do
+  [ -n "$LB" ] || break
+  shape=${m%:*} q=${m#*:} f=$WORK/${m%:*}-${m#*:}.gguf tag=$shape-$q
+  [ -f "$f" ] || continue
+  if [ -n "$shallow" ] && budget_left "llama-bench $tag"; then
+    step "llama-$tag" 150 "$LB" -m "$f" -ngl 99 -p 0 -n "$GEN" -d "$shallow" -r 3 -o json
   fi
-  rm -f "$f"
+  budget_left "llama-bench $tag at $deepest" &&
+    step "llama-deep-$tag" 150 "$LB" -m "$f" -ngl 99 -p 0 -n "$GEN" -d "$deepest" -r 1 -o json
 done
 kill "$SYNTH" 2>/dev/null
 wait 2>/dev/null
