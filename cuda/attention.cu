@@ -100,10 +100,11 @@ __device__ void rope_store(float* q, float* k, const float* __restrict__ v, cons
 // n (the grid is fixed for graph replay; n comes from `slots`): the least
 // chunk that covers n with the launch's n_split blocks, at least
 // ATT_MIN_KEYS and at most the host's chunk = ceil(n_ctx / n_split). A short
-// sequence spreads over many small splits (each one batch of loads) and a
-// long one evenly over all of them. attend_split and attend_combine both use
+// sequence takes few splits of at least ATT_MIN_KEYS keys (smaller ones cost
+// more in launches' idle blocks and in the combine than they add in loads in
+// flight) and a long one spreads evenly over all of them. attend_split and attend_combine both use
 // this one function, so they agree on the splits of each row.
-#define ATT_MIN_KEYS 16
+#define ATT_MIN_KEYS 64
 __device__ __forceinline__ int att_chunk(int n, int n_split, int chunk) {
     return min(chunk, max(ATT_MIN_KEYS, (n + n_split - 1) / n_split));
 }

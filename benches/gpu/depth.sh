@@ -21,7 +21,8 @@
 #      bench's --kv f16), fewer repetitions at the deepest depth;
 # then one table. Environment: WORK (default /tmp/mirage-depth), DEPTHS
 # (default 0,4096,32768), GEN (decode steps per depth, default 64), BUDGET
-# (default 500), MIRAGE_MODELS_DIR, LLAMA_BUILD_PID (a llama-bench build
+# (default 500), MODELS (shape:quant list), SUITES (test binaries; empty for
+# none), MIRAGE_MODELS_DIR, LLAMA_BUILD_PID (a llama-bench build
 # running beside this script: the peer rows wait for it).
 set -uo pipefail
 BUNDLE=$(cd "${1:?usage: depth.sh BUNDLE_DIR [LLAMA_BENCH]}" && pwd)
@@ -41,7 +42,7 @@ gpu_unpack "$BUNDLE" "$W" || exit 1
 gpu_env "$W"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 
-MODELS="qwen2.5-0.5b:q8_0 qwen2.5-7b:q8_0 qwen2.5-7b:q4_k"
+MODELS=${MODELS:-qwen2.5-0.5b:q8_0 qwen2.5-7b:q8_0 qwen2.5-7b:q4_k}
 # The files, one after another in the background (the CPU writes them while
 # the GPU runs the suites).
 (
@@ -60,7 +61,7 @@ if [ -n "${MIRAGE_MODELS_DIR:-}" ] && [ -d "$MIRAGE_MODELS_DIR" ]; then
 else
   echo "MIRAGE_MODELS_DIR not set: the real-model tests skip"
 fi
-for s in kernels fast_decode kv_pruning_gpu kv_pruning_backend real_models; do
+for s in ${SUITES-kernels fast_decode kv_pruning_gpu kv_pruning_backend real_models}; do
   # suite() sets MIRAGE_SKIP_MODEL_TESTS=1: a model file that is there runs.
   budget_left "suite $s" && SUITE_LIMIT=150 suite run "$W" "$s"
 done

@@ -42,7 +42,7 @@ const SPLIT_MAX: usize = 1024;
 /// cache are at most `n_ctx / this`, and the kernels spread each row's
 /// positions over them (`att_chunk`, whose floor `ATT_MIN_KEYS` is the same
 /// number).
-const ATTEND_MIN_CHUNK: usize = 16;
+const ATTEND_MIN_CHUNK: usize = 64;
 
 /// Split blocks per SM the decode attention's grid is sized for at long
 /// context: enough loads in flight to read the cache at the copy rate.
