@@ -37,6 +37,9 @@ pub struct QuantizeArgs {
     /// The same as TYPE, as a flag.
     #[arg(long = "type", value_name = "TYPE", conflicts_with = "type_pos")]
     pub ty: Option<String>,
+    /// Print the type each tensor would get (`name: FROM -> TO`) and write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
     /// Worker threads (0: one per CPU).
     #[arg(short = 't', long, default_value_t = 0, value_parser = super::generate::parse_threads)]
     pub threads: usize,
@@ -135,6 +138,17 @@ fn quantize_file(args: &QuantizeArgs, target: Target) -> anyhow::Result<()> {
         .and_then(|arch| input.metadata().get_u64(&format!("{arch}.block_count")))
         .unwrap_or(0) as usize;
     let plans = plan_model(input.tensors(), n_layer, target);
+    if args.dry_run {
+        for (info, (plan, note)) in input.tensors().iter().zip(&plans) {
+            let to = match plan {
+                Plan::Keep => info.ty,
+                Plan::Convert(to) => *to,
+            };
+            let note = note.as_deref().map_or(String::new(), |n| format!(" ({n})"));
+            println!("{}: {} -> {to}{note}", info.name, info.ty);
+        }
+        return Ok(());
+    }
     let total: u64 = input
         .tensors()
         .iter()
