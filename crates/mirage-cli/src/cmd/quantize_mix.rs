@@ -102,11 +102,11 @@ impl Target {
         if let Some(p) = Preset::ALL.iter().find(|p| p.name() == lower) {
             return Ok(Target::Preset(*p));
         }
-        if let Some(ty) = GgmlType::from_name(&lower) {
-            if super::file_type_of(ty).is_some() {
-                return Ok(Target::Single(ty));
-            }
-        }
+        let activation_only = match GgmlType::from_name(&lower) {
+            Some(ty) if super::file_type_of(ty).is_some() => return Ok(Target::Single(ty)),
+            Some(ty) => format!(" ({ty} is an activation format, not a weight type)"),
+            None => String::new(),
+        };
         let presets: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
         let singles: Vec<_> = GgmlType::ALL
             .iter()
@@ -115,7 +115,7 @@ impl Target {
             .map(|t| t.name())
             .collect();
         bail!(
-            "unknown type {s:?}: presets (llama.cpp's mixes) {}; single types {}",
+            "unknown type {s:?}{activation_only}: presets (llama.cpp's mixes) {}; single types {}",
             presets.join(", "),
             singles.join(", ")
         )
