@@ -41,9 +41,10 @@ pub fn run(args: &BuildArtifactsArgs) -> anyhow::Result<()> {
         threads: args.threads,
         ..ActivationBuildOptions::default()
     };
-    let style = ProgressStyle::with_template("{prefix:>13} [{bar:40}] {pos}/{len} {elapsed}")
-        .expect("template")
-        .progress_chars("=> ");
+    let style =
+        ProgressStyle::with_template("{prefix:>13} [{bar:40}] {pos}/{len} {elapsed} eta {eta}")
+            .expect("template")
+            .progress_chars("=> ");
     let mut bar: Option<ProgressBar> = None;
     let built = build_activation(&args.model, &opts, &mut |ev| match ev {
         BuildEvent::Stage { name, total } => {

@@ -15,7 +15,7 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "mirage-cli", version, about, long_about = None)]
 struct Cli {
-    /// More log output (-v: debug, -vv: trace). RUST_LOG, when set, wins.
+    /// More log output: warnings only by default, -v info, -vv debug, -vvv trace. RUST_LOG, when set, wins.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
 
@@ -32,6 +32,8 @@ enum Command {
     Quantize(cmd::quantize::QuantizeArgs),
     /// Download, verify (sha256) and cache the known models under models/.
     FetchModels(cmd::fetch::FetchArgs),
+    /// The models fetch-models knows: size, and whether and where each is on disk.
+    ListModels(cmd::fetch::ListArgs),
     /// Generate a continuation of a prompt (streams to stdout).
     Generate(cmd::generate::GenerateArgs),
     /// Interactive chat with the model's chat template.
@@ -54,6 +56,7 @@ impl Command {
             Command::Inspect(args) => cmd::inspect::run(args),
             Command::Quantize(args) => cmd::quantize::run(args),
             Command::FetchModels(args) => cmd::fetch::run(args),
+            Command::ListModels(args) => cmd::fetch::list(args),
             Command::Generate(args) => cmd::generate::run(args),
             Command::Chat(args) => cmd::chat::run(args),
             Command::Perplexity(args) => cmd::perplexity::run(args),
@@ -66,11 +69,14 @@ impl Command {
 }
 
 /// Logs go to stderr so that stdout stays clean for generated text and JSON.
+/// Quiet by default (warnings and errors); colours only when stderr is a
+/// terminal and `NO_COLOR` is unset or empty (<https://no-color.org>).
 fn init_tracing(verbose: u8) {
     use tracing_subscriber::EnvFilter;
     let default = match verbose {
-        0 => "warn,mirage=info",
-        1 => "debug",
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
         _ => "trace",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
@@ -78,6 +84,7 @@ fn init_tracing(verbose: u8) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(cmd::progress::stderr_colours())
         .with_target(false)
         .try_init();
 }

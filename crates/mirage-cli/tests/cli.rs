@@ -226,7 +226,6 @@ fn quantize_to_q4_k_falls_back_where_rows_do_not_fit() {
         "quantize",
         src.to_str().unwrap(),
         out.to_str().unwrap(),
-        "-t",
         "q4_k",
     ]);
     assert!(
@@ -259,12 +258,11 @@ fn quantize_refuses_activation_only_types() {
         "quantize",
         "in.gguf",
         dir.path().join("o").to_str().unwrap(),
-        "-t",
         "q8_k",
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("activation format"));
-    let out = cli(&["quantize", "in.gguf", "o.gguf", "-t", "q9_9"]);
+    let out = cli(&["quantize", "in.gguf", "o.gguf", "--type", "q9_9"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown type"));
 }
 

@@ -29,7 +29,11 @@ gives the same tokens whatever else the server runs, for the same model file, bi
 )]
 struct Args {
     /// The GGUF model file.
-    #[arg(long, default_value = "models/smollm2-135m-instruct-q4_1.gguf")]
+    #[arg(
+        short = 'm',
+        long,
+        default_value = "models/smollm2-135m-instruct-q4_1.gguf"
+    )]
     model: PathBuf,
     /// Backend: cpu, cuda, or auto (CUDA when built in and a GPU answers, else CPU; CPU with --artifact).
     #[arg(long, default_value = "auto")]
@@ -63,8 +67,8 @@ struct Args {
     /// Sequences decoded together (KV cache slots).
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
-    /// Positions per sequence (0: the model's training context, capped at 4096).
-    #[arg(long, default_value_t = 2048)]
+    /// Context size: positions per sequence (0: the model's training context, capped at 4096).
+    #[arg(short = 'c', long = "ctx-size", alias = "ctx", default_value_t = 2048)]
     ctx: usize,
     /// Requests that may wait for a slot before new ones get 429.
     #[arg(long, default_value_t = 64)]
@@ -73,7 +77,7 @@ struct Args {
     #[arg(long, default_value_t = 256)]
     batch_rows: usize,
     /// CPU threads (0: one per logical CPU).
-    #[arg(long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
     /// Largest request body in bytes (413 above it).
     #[arg(long, default_value_t = 1 << 20)]

@@ -35,28 +35,28 @@ use mirage_runtime::{KvDtype, KvPruning, Model, TokenSlot};
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     /// GGUF model file.
-    #[arg(long)]
+    #[arg(short = 'm', long)]
     pub model: PathBuf,
     /// `cpu` or `cuda`.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
-    /// Prompt tokens.
-    #[arg(long, default_value_t = 512)]
+    /// Prompt tokens (llama-bench's -p).
+    #[arg(short = 'p', long, default_value_t = 512)]
     pub prompt: usize,
     /// Prompt tokens per forward pass (llama.cpp's `n_ubatch`, also 512 by
     /// default): a longer prompt runs in chunks, which bounds the
     /// activation workspace; 0 = the whole prompt as one batch.
     #[arg(long, default_value_t = 512)]
     pub ubatch: usize,
-    /// Tokens to decode after the prompt.
-    #[arg(long, default_value_t = 128)]
+    /// Tokens to decode after the prompt (llama-bench's -n).
+    #[arg(short = 'n', long, default_value_t = 128)]
     pub gen: usize,
     /// Decode after a context of this many tokens (comma-separated, one
     /// row each; llama-bench's `-d`), instead of after `--prompt` tokens.
     #[arg(short = 'd', long, value_delimiter = ',')]
     pub depth: Vec<usize>,
     /// CPU worker threads (0: one per CPU).
-    #[arg(long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
@@ -97,9 +97,10 @@ pub struct BenchArgs {
     /// With --llamacpp: prompt sizes of the prefill tests, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "128,512")]
     pub pp: Vec<usize>,
-    /// With --llamacpp: alternating repetitions (medians are reported).
-    #[arg(long, default_value_t = 3)]
-    pub reps: usize,
+    /// Repetitions: the speeds are reported as mean ± sample standard deviation (default 1; with
+    /// --llamacpp, alternating repetitions whose medians are reported, default 3).
+    #[arg(short = 'r', long, alias = "repetitions")]
+    pub reps: Option<usize>,
     /// Sparse decode (CUDA): the model's `.mirage` artifact; runs dense vs
     /// sparse in one process (see `bench_sparse`).
     #[arg(long)]
@@ -159,6 +160,11 @@ struct BenchReport {
     gen_tokens: usize,
     prompt_tok_s: f64,
     decode_tok_s: f64,
+    /// Runs the speeds are the mean of.
+    repetitions: usize,
+    /// Sample standard deviations of the speeds (more than one run).
+    prompt_tok_s_sd: Option<f64>,
+    decode_tok_s_sd: Option<f64>,
     decode_ms_median: f64,
     weight_bytes_per_token: u64,
     achieved_gb_s: f64,
@@ -289,7 +295,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             threads: args.threads,
             pp: &args.pp,
             tg: args.gen,
-            reps: args.reps,
+            reps: args.reps.unwrap_or(3),
         })?;
         if args.json {
             println!("{}", serde_json::to_string(&report)?);
@@ -307,13 +313,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         "f16" => KvDtype::F16,
         other => bail!("--kv takes `f32` or `f16`, not `{other}`"),
     };
-    let report = match mirage::load_model(&spec(&args)?, Some(file))? {
+    let spec = spec(&args)?;
+    let loading = format!("loading {}", args.model.display());
+    let loaded = super::progress::during(loading, || mirage::load_model(&spec, Some(file)))?;
+    let report = match loaded {
         LoadedModel::Cpu(model) => {
             let device = format!("cpu ({} threads)", model.backend().threads());
             // The machine's copy rate with the engine's thread count.
             let copy =
                 super::bench_peer::threaded_copy_bandwidth(256 << 20, 5, model.backend().threads());
-            let mut r = measure(&model, &args, kv, weight_bytes, copy, device, None)?;
+            let mut r = measure_repeated(&model, &args, kv, weight_bytes, copy, device, None)?;
             r.backend = "cpu".into();
             r
         }
@@ -328,7 +337,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 arm: &arm,
                 take: &take,
             };
-            let mut r = measure(
+            let mut r = measure_repeated(
                 &model,
                 &args,
                 kv,
@@ -407,6 +416,84 @@ fn kv_bytes_at(model_cfg: &mirage_runtime::ModelConfig, kv: KvDtype, pos: usize)
     let elem = if kv == KvDtype::F32 { 4 } else { 2 };
     (2 * model_cfg.n_layer * model_cfg.n_head_kv * model_cfg.head_dim * elem) as u64
         * (pos as u64 + 1)
+}
+
+/// Mean and sample standard deviation (n - 1 in the denominator, as
+/// llama-bench reports it); no deviation for a single value.
+pub(crate) fn mean_sd(xs: &[f64]) -> (f64, Option<f64>) {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    if xs.len() < 2 {
+        return (mean, None);
+    }
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, Some(var.sqrt()))
+}
+
+/// [`measure`] `--reps` times on the same model; the speeds are the means,
+/// with their standard deviations, the rest is the last run's.
+fn measure_repeated<B: Backend>(
+    model: &Model<B>,
+    args: &BenchArgs,
+    kv: KvDtype,
+    weight_bytes: u64,
+    copy_bytes_s: f64,
+    device: String,
+    profiler: Option<Profiler<'_>>,
+) -> anyhow::Result<BenchReport> {
+    let reps = args.reps.unwrap_or(1);
+    if reps == 0 {
+        bail!("--reps must be at least 1");
+    }
+    let mut runs = Vec::with_capacity(reps);
+    for rep in 0..reps {
+        // The op-class profile is taken once, in the last repetition.
+        let last = rep + 1 == reps;
+        let profile = profiler.as_ref().filter(|_| last).map(|p| Profiler {
+            arm: p.arm,
+            take: p.take,
+        });
+        runs.push(measure(
+            model,
+            args,
+            kv,
+            weight_bytes,
+            copy_bytes_s,
+            device.clone(),
+            profile,
+        )?);
+    }
+    // Every depth's decode speed is the mean over the repetitions too.
+    let depth_decode: Vec<f64> = (0..runs[0].runs.len())
+        .map(|j| {
+            mean_sd(
+                &runs
+                    .iter()
+                    .map(|r| r.runs[j].decode_tok_s)
+                    .collect::<Vec<_>>(),
+            )
+            .0
+        })
+        .collect();
+    let speeds = |f: fn(&BenchReport) -> f64| mean_sd(&runs.iter().map(f).collect::<Vec<_>>());
+    let (prompt, prompt_sd) = speeds(|r| r.prompt_tok_s);
+    let (decode, decode_sd) = speeds(|r| r.decode_tok_s);
+    let mut r = runs.pop().expect("at least one run");
+    for (run, &tok_s) in r.runs.iter_mut().zip(&depth_decode) {
+        let achieved = (run.weight_bytes_per_token + run.kv_bytes_per_token) as f64 * tok_s;
+        run.decode_tok_s = tok_s;
+        run.achieved_gb_s = achieved / 1e9;
+        run.share_of_copy = achieved / copy_bytes_s;
+    }
+    let achieved = (weight_bytes + r.kv_bytes_per_token) as f64 * decode;
+    r.prompt_tok_s = prompt;
+    r.decode_tok_s = decode;
+    r.achieved_gb_s = achieved / 1e9;
+    r.share_of_copy = achieved / copy_bytes_s;
+    r.repetitions = reps;
+    r.prompt_tok_s_sd = prompt_sd;
+    r.decode_tok_s_sd = decode_sd;
+    Ok(r)
 }
 
 fn measure<B: Backend>(
@@ -566,6 +653,9 @@ fn measure<B: Backend>(
         prompt_tok_s: first.fill_tok_s,
         decode_tok_s: first.decode_tok_s,
         decode_ms_median: first.decode_ms_median,
+        repetitions: 1,
+        prompt_tok_s_sd: None,
+        decode_tok_s_sd: None,
         weight_bytes_per_token: weight_bytes,
         achieved_gb_s: first.achieved_gb_s,
         copy_gb_s: copy_bytes_s / 1e9,
@@ -620,13 +710,21 @@ fn print_table(r: &BenchReport) {
     };
     println!("model            {}", r.model);
     println!("backend          {} on {}", r.backend, r.device);
+    // "12.3 ± 0.4 tok/s (5 runs)" with repetitions, "12.3 tok/s" without.
+    let speed = |mean: f64, sd: Option<f64>| match sd {
+        Some(sd) => format!("{mean:.1} ± {sd:.1} tok/s ({} runs)", r.repetitions),
+        None => format!("{mean:.1} tok/s"),
+    };
     println!(
-        "prompt           {} tokens, {:.1} tok/s",
-        r.prompt_tokens, r.prompt_tok_s
+        "prompt           {} tokens, {}",
+        r.prompt_tokens,
+        speed(r.prompt_tok_s, r.prompt_tok_s_sd)
     );
     println!(
-        "decode           {} tokens, {:.1} tok/s (median step {:.3} ms)",
-        r.gen_tokens, r.decode_tok_s, r.decode_ms_median
+        "decode           {} tokens, {} (median step {:.3} ms)",
+        r.gen_tokens,
+        speed(r.decode_tok_s, r.decode_tok_s_sd),
+        r.decode_ms_median
     );
     println!(
         "read / token     {:.1} MiB weights + {:.1} MiB KV",

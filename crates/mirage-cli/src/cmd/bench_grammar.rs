@@ -22,7 +22,7 @@ use mirage_tokenizer::ChatMessage;
 #[derive(Debug, Args)]
 pub struct BenchGrammarArgs {
     /// GGUF model file.
-    #[arg(long, default_value = super::generate::DEFAULT_MODEL)]
+    #[arg(short = 'm', long, default_value = super::generate::DEFAULT_MODEL)]
     pub model: PathBuf,
     /// JSON schema file (default: a record with strings, an integer, an
     /// enum and an array).
@@ -32,10 +32,15 @@ pub struct BenchGrammarArgs {
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
     /// Most tokens per generation.
-    #[arg(long = "max-tokens", default_value_t = 96)]
+    #[arg(
+        short = 'n',
+        long = "max-tokens",
+        alias = "n-predict",
+        default_value_t = 96
+    )]
     pub max_tokens: usize,
     /// CPU worker threads (0: one per CPU).
-    #[arg(long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]

@@ -35,16 +35,16 @@ pub struct EvalArgs {
     #[arg(long)]
     artifact: PathBuf,
     /// Held-out text (must not overlap the calibration text).
-    #[arg(long)]
+    #[arg(short = 'f', long, alias = "file")]
     text: PathBuf,
     /// The source GGUF (default: models/<name recorded in the artifact>).
-    #[arg(long)]
+    #[arg(short = 'm', long)]
     model: Option<PathBuf>,
     /// Most tokens of the text to evaluate.
     #[arg(long = "max-tokens", default_value_t = 512)]
     max_tokens: usize,
     /// Worker threads (0: all).
-    #[arg(long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
     /// Print JSON instead of tables.
     #[arg(long)]
@@ -141,9 +141,11 @@ fn ppl(logits: &[f32], tokens: &[u32], vocab: usize) -> f64 {
 /// A progress bar for one stage of `eval` on stderr (hidden when stderr is
 /// not a terminal).
 fn stage_bar(name: &str, total: usize) -> ProgressBar {
-    let style = ProgressStyle::with_template("{prefix:>15} [{bar:40}] {pos}/{len} {elapsed} {msg}")
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> ");
+    let style = ProgressStyle::with_template(
+        "{prefix:>15} [{bar:40}] {pos}/{len} {elapsed} eta {eta} {msg}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("=> ");
     ProgressBar::new(total as u64)
         .with_style(style)
         .with_prefix(name.to_string())

@@ -63,7 +63,7 @@ impl FromStr for EvalBackend {
 #[derive(Debug, Args)]
 pub struct EvalLongArgs {
     /// GGUF model file.
-    #[arg(long)]
+    #[arg(short = 'm', long)]
     model: PathBuf,
     /// Backend: `cpu` or `cuda` (a build with the `cuda` feature and a GPU).
     #[arg(long, default_value = "cpu")]
@@ -71,11 +71,17 @@ pub struct EvalLongArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
-    /// Long text file (tokenized once; needs at least the largest `--ctx` tokens).
-    #[arg(long)]
+    /// Long text file (tokenized once; needs at least the largest `--ctx-size` tokens).
+    #[arg(short = 'f', long, alias = "file")]
     text: PathBuf,
     /// Context lengths in tokens, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "2048")]
+    #[arg(
+        short = 'c',
+        long = "ctx-size",
+        alias = "ctx",
+        value_delimiter = ',',
+        default_value = "2048"
+    )]
     ctx: Vec<usize>,
     /// Pages chosen by their q·k upper bound, besides sinks and recent pages.
     #[arg(long, default_value_t = 8)]
@@ -114,7 +120,7 @@ pub struct EvalLongArgs {
     #[arg(long, default_value = "flat", value_parser = ["flat", "bvh"])]
     page_selector: String,
     /// CPU worker threads (0: one per CPU).
-    #[arg(long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
     /// Print the result as JSON on stdout.
     #[arg(long)]
@@ -500,17 +506,19 @@ where
     let n_ctx_train = model.config().n_ctx_train;
     let max_ctx = args.ctx.iter().copied().max().unwrap_or(0);
     if max_ctx < 64 {
-        bail!("--ctx needs lengths of at least 64 tokens");
+        bail!("--ctx-size needs lengths of at least 64 tokens");
     }
     if max_ctx > n_ctx_train {
-        eprintln!("warning: --ctx {max_ctx} exceeds the model's trained context {n_ctx_train}");
+        eprintln!(
+            "warning: --ctx-size {max_ctx} exceeds the model's trained context {n_ctx_train}"
+        );
     }
     let mut text_tokens = tok
         .encode(text, tok.add_bos(), false)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     if text_tokens.len() < max_ctx {
         bail!(
-            "{} has {} tokens, fewer than --ctx {max_ctx}",
+            "{} has {} tokens, fewer than --ctx-size {max_ctx}",
             args.text.display(),
             text_tokens.len()
         );

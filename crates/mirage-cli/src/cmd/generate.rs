@@ -17,7 +17,7 @@ pub const DEFAULT_MODEL: &str = "models/smollm2-135m-instruct-q4_1.gguf";
 #[derive(Debug, Args)]
 pub struct ModelArgs {
     /// GGUF model file.
-    #[arg(long, default_value = DEFAULT_MODEL)]
+    #[arg(short = 'm', long, default_value = DEFAULT_MODEL)]
     pub model: PathBuf,
     /// Backend: cpu, cuda, or auto (CUDA when built in and a GPU answers, else CPU; CPU with --artifact).
     #[arg(long, default_value = "auto")]
@@ -34,11 +34,12 @@ pub struct ModelArgs {
     #[arg(long, requires = "artifact")]
     pub margin: Option<f32>,
     /// Worker threads (0: one per CPU; more than the CPUs this process may use is refused).
-    #[arg(long, default_value_t = 0, value_parser = parse_threads)]
+    #[arg(short = 't', long, default_value_t = 0, value_parser = parse_threads)]
     pub threads: usize,
-    /// KV-cache positions (0: the model's training context, at most 4096). At most the training
-    /// context (or what the file's RoPE scaling extends it to), and the cache must fit the memory available.
-    #[arg(long = "ctx-size", default_value_t = 0)]
+    /// Context size in tokens: KV-cache positions (0: the model's training context, at most 4096; for
+    /// perplexity the window length, default 512). At most the training context (or what the file's
+    /// RoPE scaling extends it to), and the cache must fit the memory available.
+    #[arg(short = 'c', long = "ctx-size", alias = "ctx", default_value_t = 0)]
     pub ctx_size: usize,
     /// Store the KV cache as f16 instead of f32.
     #[arg(long)]
@@ -112,8 +113,38 @@ impl ModelArgs {
         visitor: V,
     ) -> anyhow::Result<T> {
         check_model(&self.model)?;
-        mirage::load(&self.load_spec()?, visitor)
-            .with_context(|| format!("loading {}", self.model.display()))?
+        let spinner = super::progress::spinner(format!("loading {}", self.model.display()));
+        let started = std::time::Instant::now();
+        let loaded = Loaded {
+            inner: visitor,
+            spinner: &spinner,
+            started,
+        };
+        let out = mirage::load(&self.load_spec()?, loaded)
+            .with_context(|| format!("loading {}", self.model.display()));
+        spinner.finish_and_clear();
+        out?
+    }
+}
+
+/// A visitor that stops the loading spinner once the engine is ready and
+/// then runs the command's own visitor.
+struct Loaded<'a, V> {
+    inner: V,
+    spinner: &'a indicatif::ProgressBar,
+    started: std::time::Instant,
+}
+
+impl<V: WithEngine> WithEngine for Loaded<'_, V> {
+    type Out = V::Out;
+    fn run<B: Backend>(self, engine: Engine<B>) -> V::Out {
+        self.spinner.finish_and_clear();
+        tracing::info!(
+            "loaded on {} in {:.1} s",
+            engine.backend_name(),
+            self.started.elapsed().as_secs_f64()
+        );
+        self.inner.run(engine)
     }
 }
 
@@ -135,8 +166,13 @@ pub fn check_model(path: &Path) -> anyhow::Result<()> {
 /// Sampling options shared by generate and chat.
 #[derive(Debug, Args)]
 pub struct SamplingArgs {
-    /// Most new tokens.
-    #[arg(long = "max-tokens", default_value_t = 128)]
+    /// Most new tokens (llama.cpp: -n, --n-predict).
+    #[arg(
+        short = 'n',
+        long = "max-tokens",
+        alias = "n-predict",
+        default_value_t = 128
+    )]
     pub max_tokens: usize,
     /// Temperature (0: greedy; finite, >= 0).
     #[arg(long, default_value_t = 0.8, value_parser = sampling_parser(|p, v| p.temperature = v))]
@@ -160,7 +196,7 @@ pub struct SamplingArgs {
     #[arg(long = "frequency-penalty", default_value_t = 0.0, value_parser = sampling_parser(|p, v| p.frequency_penalty = v))]
     pub frequency_penalty: f32,
     /// Random seed.
-    #[arg(long, default_value_t = 42)]
+    #[arg(short = 's', long, default_value_t = 42)]
     pub seed: u64,
     /// Stop before this string (repeatable).
     #[arg(long = "stop")]
@@ -277,14 +313,43 @@ impl GrammarArgs {
     }
 }
 
+/// Where the prompt comes from: `-p TEXT`, `-p -` (stdin) or `-f FILE`.
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+pub struct PromptArgs {
+    /// The prompt; `-` reads it from stdin.
+    #[arg(short = 'p', long)]
+    pub prompt: Option<String>,
+    /// Read the prompt from this file.
+    #[arg(short = 'f', long = "file", value_name = "FILE")]
+    pub prompt_file: Option<PathBuf>,
+}
+
+impl PromptArgs {
+    /// The prompt text, read from stdin or the file when asked to.
+    pub fn read(&self) -> anyhow::Result<String> {
+        match (&self.prompt, &self.prompt_file) {
+            (Some(p), _) if p == "-" => {
+                let mut text = String::new();
+                std::io::Read::read_to_string(&mut std::io::stdin().lock(), &mut text)
+                    .context("reading the prompt from stdin")?;
+                Ok(text)
+            }
+            (Some(p), _) => Ok(p.clone()),
+            (None, Some(path)) => std::fs::read_to_string(path)
+                .with_context(|| format!("reading the prompt from {}", path.display())),
+            (None, None) => bail!("no prompt: pass -p TEXT, -p - (stdin) or -f FILE"),
+        }
+    }
+}
+
 /// Arguments of `generate`.
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// The prompt.
-    #[arg(long)]
-    prompt: String,
+    #[command(flatten)]
+    prompt: PromptArgs,
     #[command(flatten)]
     sampling: SamplingArgs,
     #[command(flatten)]
@@ -299,23 +364,29 @@ pub struct GenerateArgs {
 
 /// Runs `generate`.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    args.model.with_engine(Generate(&args))
+    // Read the prompt first: a missing file is reported before a model loads.
+    let prompt = args.prompt.read()?;
+    args.model.with_engine(Generate(&args, &prompt))
 }
 
-struct Generate<'a>(&'a GenerateArgs);
+struct Generate<'a>(&'a GenerateArgs, &'a str);
 
 impl WithEngine for Generate<'_> {
     type Out = anyhow::Result<()>;
     fn run<B: Backend>(self, engine: Engine<B>) -> anyhow::Result<()> {
-        generate_with(&engine, self.0)
+        generate_with(&engine, self.0, self.1)
     }
 }
 
-fn generate_with<B: Backend>(engine: &Engine<B>, args: &GenerateArgs) -> anyhow::Result<()> {
+fn generate_with<B: Backend>(
+    engine: &Engine<B>,
+    args: &GenerateArgs,
+    prompt: &str,
+) -> anyhow::Result<()> {
     let prompt = if args.chat {
-        engine.render_chat(&[ChatMessage::new("user", args.prompt.as_str())])?
+        engine.render_chat(&[ChatMessage::new("user", prompt)])?
     } else {
-        args.prompt.clone()
+        prompt.to_string()
     };
     let mut params = args.sampling.params();
     args.grammar.apply(engine, &mut params)?;

@@ -16,7 +16,9 @@ pub mod fetch;
 pub mod generate;
 pub mod inspect;
 pub mod perplexity;
+pub mod progress;
 pub mod quantize;
+pub mod quantize_mix;
 
 use mirage_gguf::GgmlType;
 

@@ -13,12 +13,9 @@ use super::generate::ModelArgs;
 pub struct PerplexityArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Text file to score.
-    #[arg(long)]
+    /// Text file to score (llama-perplexity's -f).
+    #[arg(short = 'f', long, alias = "file")]
     text: PathBuf,
-    /// Window length in tokens (the second half of each window is scored).
-    #[arg(long, default_value_t = 512)]
-    ctx: usize,
     /// Evaluate at most this many windows (0: all).
     #[arg(long, default_value_t = 0)]
     chunks: usize,
@@ -27,8 +24,15 @@ pub struct PerplexityArgs {
     json: bool,
 }
 
-/// Runs `perplexity`.
-pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
+/// The window when `--ctx-size` is not given (llama-perplexity's habit).
+const DEFAULT_WINDOW: usize = 512;
+
+/// Runs `perplexity`: windows of `--ctx-size` tokens (default 512), the
+/// second half of each scored.
+pub fn run(mut args: PerplexityArgs) -> anyhow::Result<()> {
+    if args.model.ctx_size == 0 {
+        args.model.ctx_size = DEFAULT_WINDOW;
+    }
     let text = std::fs::read_to_string(&args.text)
         .with_context(|| format!("reading {}", args.text.display()))?;
     args.model.with_engine(Perplexity {
@@ -55,15 +59,23 @@ fn perplexity_with<B: Backend>(
     text: &str,
 ) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
+    let bar = super::progress::bar("perplexity", 0);
     let r = mirage_runtime::perplexity::perplexity(
         engine,
         text,
-        args.ctx,
+        args.model.ctx_size,
         args.chunks,
         |i, n, ppl| {
-            eprintln!("[{}/{}] running PPL {:.4}", i + 1, n, ppl);
+            bar.set_length(n as u64);
+            bar.set_position(i as u64 + 1);
+            bar.set_message(format!("PPL {ppl:.4}"));
+            if bar.is_hidden() {
+                tracing::info!("[{}/{}] running PPL {:.4}", i + 1, n, ppl);
+            }
         },
-    )?;
+    );
+    bar.finish_and_clear();
+    let r = r?;
     let secs = start.elapsed().as_secs_f64();
     if args.json {
         let json = serde_json::json!({

@@ -1,93 +1,76 @@
-//! `mirage-cli quantize IN OUT --type TYPE`: re-quantizes a GGUF file's
-//! weight matrices (dequantize, then quantize with ggml's reference
-//! quantizer), the way `llama-quantize` does for a pure type.
-//!
-//! Which tensors change: 2-D `*.weight` tensors that are not norms. Norms,
-//! biases and every 1-D tensor are copied unchanged (they stay F32). A tensor
-//! already of the target type is copied byte for byte. Where a row length is
-//! not a multiple of the target's block size (K-quants need 256; 576 and 896
-//! are not), the tensor falls back the way llama.cpp's `llama_tensor_get_type`
-//! does: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and Q2_K/Q3_K -> Q5_0
-//! (llama.cpp picks IQ4_NL there, which MIRAGE does not implement; Q5_0 is
-//! the nearest legacy type that is at least as accurate).
+//! `mirage-cli quantize IN OUT TYPE`: re-quantizes a GGUF file's weight
+//! matrices (dequantize, then quantize with ggml's reference quantizer) the
+//! way `llama-quantize` does: TYPE is one of llama.cpp's mixes (`q4_k_m`,
+//! `q5_k_m`, `q6_k`, `q8_0`) or a single ggml type for every weight matrix
+//! (`q4_0`, `q4_k`, `f16`, ...). Which tensor gets which type is
+//! [`super::quantize_mix`]'s business; this module reads, converts and
+//! writes (to a temporary name, then renamed), and refuses to write over
+//! its input.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use mirage_gguf::quant::{dequantize, quantize};
 use mirage_gguf::{GgmlType, GgufFile, GgufWriter, TensorInfo, Value};
 use rayon::prelude::*;
 
+use super::quantize_mix::{plan_model, Plan, Target};
+
 /// Arguments of `mirage-cli quantize`.
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["type_pos", "ty"])))]
 pub struct QuantizeArgs {
     /// The source GGUF file.
     pub input: PathBuf,
     /// Where to write the re-quantized GGUF file (written to a temporary
-    /// name beside it, then renamed).
+    /// name beside it, then renamed; never the input file).
     pub output: PathBuf,
-    /// Target type of the weight matrices: q8_0, q4_0, q4_1, q5_0, q5_1,
-    /// q2_k, q3_k, q4_k, q5_k, q6_k, f16, bf16 or f32.
-    #[arg(long = "type", short = 't')]
-    pub ty: String,
+    /// Target, as llama-quantize takes it: a preset mixing types per tensor as llama.cpp does
+    /// (q4_k_m, q5_k_m, q6_k, q8_0) or one type for every weight matrix (q4_0, q4_1, q5_0,
+    /// q5_1, q2_k, q3_k, q4_k, q5_k, f16, bf16, f32).
+    #[arg(value_name = "TYPE")]
+    pub type_pos: Option<String>,
+    /// The same as TYPE, as a flag.
+    #[arg(long = "type", value_name = "TYPE", conflicts_with = "type_pos")]
+    pub ty: Option<String>,
+    /// Print the type each tensor would get (`name: FROM -> TO`) and write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Worker threads (0: one per CPU).
+    #[arg(short = 't', long, default_value_t = 0, value_parser = super::generate::parse_threads)]
+    pub threads: usize,
 }
 
-/// What happens to one tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Plan {
-    /// Copied unchanged (not a weight matrix, or already the target type).
-    Keep,
-    /// Re-quantized to this type.
-    Convert(GgmlType),
-}
-
-/// The type llama.cpp falls back to when a row does not fit `target`'s block.
-fn fallback(target: GgmlType) -> Option<GgmlType> {
-    use GgmlType::*;
-    match target {
-        Q2_K | Q3_K | Q4_K => Some(Q5_0),
-        Q5_K => Some(Q5_1),
-        Q6_K => Some(Q8_0),
-        _ => None,
-    }
-}
-
-/// Whether a tensor is a weight matrix that quantization applies to.
-fn is_weight_matrix(info: &TensorInfo) -> bool {
-    info.dims.len() == 2 && info.name.ends_with(".weight") && !info.name.contains("norm")
-}
-
-/// Decides a tensor's fate; the second value says why a fallback was taken.
-fn plan(info: &TensorInfo, target: GgmlType) -> (Plan, Option<String>) {
-    if !is_weight_matrix(info) {
-        return (Plan::Keep, None);
-    }
-    let row = info.row_len();
-    let fits = |ty: GgmlType| row % ty.block_size() as u64 == 0;
-    let (ty, note) = if fits(target) {
-        (target, None)
-    } else if let Some(fb) = fallback(target).filter(|fb| fits(*fb)) {
-        let why = format!(
-            "row length {row} is not a multiple of {target}'s block of {}: {fb} instead",
-            target.block_size()
-        );
-        (fb, Some(why))
-    } else {
-        let why = format!(
-            "row length {row} fits no block of {target}: kept as {}",
-            info.ty
-        );
-        return (Plan::Keep, Some(why));
+/// Fails when `output` names the same file as `input` (the same path, a
+/// symlink to it or a hard link): the output is renamed over its path, and
+/// losing the source to a typo is not recoverable.
+fn refuse_same_file(input: &Path, output: &Path) -> anyhow::Result<()> {
+    let (Ok(a), Ok(b)) = (std::fs::metadata(input), std::fs::metadata(output)) else {
+        // No output file yet (or no input, reported when it is opened).
+        return Ok(());
     };
-    if ty == info.ty {
-        (Plan::Keep, note)
-    } else {
-        (Plan::Convert(ty), note)
+    #[cfg(unix)]
+    let same = {
+        use std::os::unix::fs::MetadataExt;
+        a.dev() == b.dev() && a.ino() == b.ino()
+    };
+    #[cfg(not(unix))]
+    let same = {
+        let _ = (a, b);
+        std::fs::canonicalize(input)? == std::fs::canonicalize(output)?
+    };
+    if same {
+        bail!(
+            "refusing to overwrite the input: {} is the same file as {}; choose another output path",
+            output.display(),
+            input.display()
+        );
     }
+    Ok(())
 }
 
 /// Rows converted per parallel task: big enough to amortise the scratch
@@ -130,16 +113,42 @@ fn requantize(
 
 /// Runs `quantize`.
 pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
-    let target =
-        GgmlType::from_name(&args.ty).with_context(|| format!("unknown type {:?}", args.ty))?;
-    let file_type = super::file_type_of(target)
-        .with_context(|| format!("{target} is an activation format, not a weight type"))?;
+    let asked = args
+        .type_pos
+        .as_deref()
+        .or(args.ty.as_deref())
+        .unwrap_or_default();
+    let target = Target::parse(asked)?;
+    refuse_same_file(&args.input, &args.output)?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(args.threads)
+        .build()
+        .context("starting the worker threads")?;
+    pool.install(|| quantize_file(&args, target))
+}
+
+fn quantize_file(args: &QuantizeArgs, target: Target) -> anyhow::Result<()> {
+    let file_type = target.file_type();
     let started = Instant::now();
     let input =
         GgufFile::open(&args.input).with_context(|| format!("reading {}", args.input.display()))?;
-
-    let plans: Vec<(Plan, Option<String>)> =
-        input.tensors().iter().map(|t| plan(t, target)).collect();
+    let n_layer = input
+        .metadata()
+        .get_str("general.architecture")
+        .and_then(|arch| input.metadata().get_u64(&format!("{arch}.block_count")))
+        .unwrap_or(0) as usize;
+    let plans = plan_model(input.tensors(), n_layer, target);
+    if args.dry_run {
+        for (info, (plan, note)) in input.tensors().iter().zip(&plans) {
+            let to = match plan {
+                Plan::Keep => info.ty,
+                Plan::Convert(to) => *to,
+            };
+            let note = note.as_deref().map_or(String::new(), |n| format!(" ({n})"));
+            println!("{}: {} -> {to}{note}", info.name, info.ty);
+        }
+        return Ok(());
+    }
     let total: u64 = input
         .tensors()
         .iter()
@@ -147,12 +156,7 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
         .filter(|(_, (p, _))| matches!(p, Plan::Convert(_)))
         .map(|(t, _)| t.n_elements())
         .sum();
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template("{msg:<32} [{bar:30}] {percent:>3}% eta {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
+    let bar = super::progress::bar("quantize", total);
 
     let mut metadata = input.metadata().clone();
     metadata.insert("general.file_type", Value::U32(file_type));
@@ -161,6 +165,8 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
 
     // (from, to) -> tensor count, for the summary.
     let mut counts: BTreeMap<(String, String), usize> = BTreeMap::new();
+    // (tensor kind, type) -> layers, to say which tensors got which type.
+    let mut kinds: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
     let mut notes: BTreeMap<String, usize> = BTreeMap::new();
     for (view, (plan, note)) in input.tensor_views().zip(plans) {
         let info = view.info;
@@ -178,6 +184,13 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
         *counts
             .entry((info.ty.to_string(), to.to_string()))
             .or_default() += 1;
+        if super::quantize_mix::is_weight_matrix(info) {
+            let (layer, kind) = split_layer(&info.name);
+            kinds
+                .entry((kind.to_string(), to.to_string()))
+                .or_default()
+                .push(layer.to_string());
+        }
         if let Some(note) = note {
             *notes.entry(note).or_default() += 1;
         }
@@ -191,15 +204,25 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
         .write_to_path(&args.output)
         .with_context(|| format!("writing {}", args.output.display()))?;
     println!(
-        "wrote {} ({:.2} MiB, {} tensors, general.file_type {file_type}) in {:.1}s",
+        "wrote {} ({:.2} MiB, {} tensors, {}, general.file_type {file_type}) in {:.1}s",
         args.output.display(),
         written as f64 / (1024.0 * 1024.0),
         input.tensors().len(),
+        target.name(),
         started.elapsed().as_secs_f64()
     );
     for ((from, to), n) in &counts {
         let verb = if from == to { "kept" } else { "converted" };
         println!("  {n:>4} tensors {verb:<9} {from} -> {to}");
+    }
+    println!("  weight matrices by type:");
+    for ((kind, to), layers) in &kinds {
+        let which = if layers.iter().all(|l| l.is_empty()) {
+            String::new()
+        } else {
+            format!(" (layers {})", layers.join(","))
+        };
+        println!("    {kind:<28} {to:<5} {:>4}{which}", layers.len());
     }
     for (note, n) in &notes {
         println!("  note: {n} tensors: {note}");
@@ -207,48 +230,9 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn info(name: &str, dims: &[u64], ty: GgmlType) -> TensorInfo {
-        TensorInfo {
-            name: name.into(),
-            dims: dims.to_vec(),
-            ty,
-            offset: 0,
-        }
-    }
-
-    #[test]
-    fn plans_follow_llama_cpp() {
-        use GgmlType::*;
-        let w = info("blk.0.ffn_up.weight", &[576, 1536], Q4_1);
-        assert_eq!(plan(&w, Q8_0).0, Plan::Convert(Q8_0));
-        // 576 is not a multiple of 256: Q4_K falls back to Q5_0, Q6_K to Q8_0.
-        let (p, note) = plan(&w, Q4_K);
-        assert_eq!(p, Plan::Convert(Q5_0));
-        assert!(note.unwrap().contains("576"));
-        assert_eq!(plan(&w, Q6_K).0, Plan::Convert(Q8_0));
-        // 1536 is: ffn_down takes the K-quant.
-        let down = info("blk.0.ffn_down.weight", &[1536, 576], Q4_1);
-        assert_eq!(plan(&down, Q4_K), (Plan::Convert(Q4_K), None));
-        // Norms and 1-D tensors stay as they are.
-        assert_eq!(
-            plan(&info("blk.0.attn_norm.weight", &[576], F32), Q8_0).0,
-            Plan::Keep
-        );
-        assert_eq!(
-            plan(&info("blk.0.attn_q.bias", &[896], F32), Q8_0).0,
-            Plan::Keep
-        );
-        // Already the target type: copied verbatim.
-        assert_eq!(
-            plan(&info("token_embd.weight", &[576, 49152], Q8_0), Q8_0).0,
-            Plan::Keep
-        );
-        // A row that fits no block at all is kept.
-        let odd = info("odd.weight", &[100, 4], F32);
-        assert_eq!(plan(&odd, Q4_0).0, Plan::Keep);
-    }
+/// `blk.12.ffn_down.weight` -> ("12", "ffn_down.weight"); other names have no layer.
+fn split_layer(name: &str) -> (&str, &str) {
+    name.strip_prefix("blk.")
+        .and_then(|rest| rest.split_once('.'))
+        .unwrap_or(("", name))
 }
