@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The llama.cpp GPU peer for issue #6: build llama.cpp's llama-bench with CUDA on the GPU machine and run it
+# The llama.cpp GPU peer: build llama.cpp's llama-bench with CUDA on the GPU machine and run it
 # beside `mirage-cli bench --backend cuda` on the same GGUF files, in one run, printing one table.
 #
 # The GPU machine has no network and no Rust, so this works in two steps:

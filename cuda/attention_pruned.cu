@@ -1,8 +1,8 @@
-// Decode attention over selected KV pages only (issue 10), appended to
-// dense.cu's source (module::DENSE_SOURCE; it uses warp_sum, kv_load,
-// MIRAGE_INF and the ATT_THREADS / ATT_TILE constants from there).
+// Decode attention over selected KV pages only, the last file of the dense
+// module (module::DENSE_SOURCE; it uses warp_sum, kv_load, MIRAGE_INF and
+// the ATT_THREADS / ATT_TILE constants of ggml.cu and attention.cu).
 //
-// KV cache layout per layer as dense.cu: [n_seq, n_head_kv, n_ctx, head_dim].
+// KV cache layout per layer as attention.cu: [n_seq, n_head_kv, n_ctx, head_dim].
 // Page summaries per layer: kmin / kmax [n_seq, n_head_kv, max_pages,
 // head_dim] f32, the per-dimension min and max of the keys of each page of
 // `page` positions (an axis-aligned box). For a query q the exact upper bound
@@ -21,7 +21,7 @@
 //                      ties by the lower page index);
 //   attend_pages_part_* / attend_pages_combine
 //                      split-K over the selected pages (online softmax per
-//                      split, combined as dense.cu's attend_combine does).
+//                      split, combined as attention.cu's attend_merge does).
 //
 // Row r of a launch is batch row row_base + r (slots, q, out); the scratch
 // (keys, sel, nsel, part) is indexed by the launch's own row r, so a host
@@ -30,7 +30,7 @@
 // `only_decode` (the backend's mixed batches): rows that share their
 // sequence with another row of the batch (prefill) are skipped by the
 // selection and attention kernels; they attend every position through
-// dense.cu's kernels instead, as the CPU path does (attention_pruned::decode_rows).
+// attention.cu's kernels instead, as the CPU path does (attention_pruned::decode_rows).
 
 // Whether row `row` is the only row of its sequence among `n_rows`.
 __device__ __forceinline__ bool pruned_row(const int* __restrict__ slots, int row, int n_rows, int only_decode) {
@@ -281,7 +281,7 @@ extern "C" __global__ void select_pages(const unsigned int* __restrict__ keys, c
 // n_split runs of ceil(count / n_split) pages (in the kernel: the grid does
 // not depend on the count); split s walks its run's positions as one
 // stream in tiles of ATT_TILE (positions >= n of the partial last page are
-// masked) and writes (m, l, unnormalised V sum) to part as dense.cu's
+// masked) and writes (m, l, unnormalised V sum) to part as attention.cu's
 // attend_part does; a split with no page writes (-inf, 0, 0).
 template <typename KV>
 __device__ void attend_pages_part(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
@@ -339,13 +339,7 @@ __device__ void attend_pages_part(const float* __restrict__ q, const KV* __restr
             __syncthreads();
             continue;
         }
-        float f = expf(m - nm);  // 0 while m = -inf
-        __syncthreads();         // every thread has read the raw scores
-        if (threadIdx.x < cnt) sc[threadIdx.x] = expf(sc[threadIdx.x] - nm);
-        __syncthreads();
-        acc *= f;
-        l *= f;
-        m = nm;
+        att_rescale(sc, cnt, nm, m, l, acc);
         if (g < groups) {
             for (int jj = g; jj < cnt; jj += groups) {
                 int j = spos[jj];
@@ -357,23 +351,8 @@ __device__ void attend_pages_part(const float* __restrict__ q, const KV* __restr
         }
         __syncthreads();  // before the next tile overwrites sc / spos
     }
-    if (g < groups) {
-        red[g * head_dim + d] = acc;
-        if (d == 0) lred[g] = l;
-    }
-    __syncthreads();
-    float* P = part + ((long)at * n_split + split) * (head_dim + 2);
-    for (int x = threadIdx.x; x < head_dim; x += blockDim.x) {
-        float a = 0.f;
-        for (int k = 0; k < groups; k++) a += red[k * head_dim + x];
-        P[2 + x] = a;
-    }
-    if (threadIdx.x == 0) {
-        float ls = 0.f;
-        for (int k = 0; k < groups; k++) ls += lred[k];
-        P[0] = m;
-        P[1] = ls;
-    }
+    att_store_partial(acc, l, m, g, groups, d, head_dim, red, lred,
+                      part + ((long)at * n_split + split) * (head_dim + 2));
 }
 
 // Part 2: out[row, head, :] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s

@@ -1,5 +1,5 @@
 // MIRAGE CUDA kernels: the RMSNorm of one row, shared by the dense module
-// (dense.cu) and the sparse one (superblock.cu); self-contained (its own
+// (elementwise.cu) and the sparse one (superblock.cu); self-contained (its own
 // reductions), included right after pdl.cu in both.
 
 __device__ __forceinline__ float norm_warp_sum(float v) {
@@ -23,20 +23,19 @@ __device__ __forceinline__ float norm_block_sum(float v, float* shared32) {
 // RMSNorm of one row xr[0..cols) with weights w by every thread of the
 // block (a block-wide reduction: all threads must call it); emit(i, v) gets
 // each output element once. The one definition of the norm's arithmetic,
-// shared by dense.cu's `rms_norm` kernel, its prologue that folds the norm
+// shared by elementwise.cu's `rms_norm` kernel, its prologue that folds the norm
 // into a mat-vec (norm_prologue) and the sparse FFN's phase 1 with the norm
 // folded in (superblock.cu), so all of them give the same bits at the same
 // block size.
 //
 // Latency, not bandwidth, is what a norm costs in a decode step (one row of
-// a few thousand floats; the H200 run of 2026-12-03 measured the scalar
-// loop below at ~10 us a launch for 3584 wide, and the same again inside
-// every block of a folded mat-vec). The vector path issues all of a
+// a few thousand floats; a scalar loop measured ~10 us a launch for 3584
+// wide on the H200, and the same again inside every block of a folded
+// mat-vec). The vector path issues all of a
 // thread's 16-byte loads of x (up to NORM_VEC per round) before using any,
 // and loads the weights together with x's second read, so a row costs two
 // memory round trips and one block reduction. Rows not made of 16-byte
-// aligned float4s take the scalar loop, as does MIRAGE_NORM_SCALAR (the
-// previous arithmetic, `MIRAGE_CUDA_NORM=scalar`, for A/B runs).
+// aligned float4s take the scalar loop.
 //
 // rms_norm_row_by(T, ...): the same with only threads 0..T-1 of a larger
 // block taking part (the others load nothing, emit nothing, and add zeros
@@ -49,10 +48,7 @@ __device__ __forceinline__ void rms_norm_row_by(int T, const float* __restrict__
     const int t = threadIdx.x;
     const bool on = t < T;
     const int n4 = on ? cols >> 2 : 0;
-    bool vec = (cols & 3) == 0 && ((((unsigned long long)xr) | ((unsigned long long)w)) & 15) == 0;
-#ifdef MIRAGE_NORM_SCALAR
-    vec = false;
-#endif
+    const bool vec = (cols & 3) == 0 && ((((unsigned long long)xr) | ((unsigned long long)w)) & 15) == 0;
     if (vec) {
         const float4* x4 = reinterpret_cast<const float4*>(xr);
         const float4* w4 = reinterpret_cast<const float4*>(w);

@@ -1,7 +1,6 @@
-// MIRAGE sparse-path CUDA kernels, part 1: shared decode helpers and the
-// NVFP4 weight-only mat-vec. Compiled by NVRTC together with superblock.cu
-// (this file first; see crates/mirage-cuda/src/superblock.rs). No headers, so
-// NVRTC needs no include path.
+// MIRAGE CUDA kernels: the weight decode helpers the dense mat-vecs and the
+// sparse FFN kernels share (both modules include this file before their
+// kernels; no headers, so NVRTC needs no include path).
 //
 // Decoding avoids the I2F conversion unit (16 results per clock per SM on
 // Hopper, below what a bandwidth-bound mat-vec needs): a small integer u in a
@@ -126,93 +125,4 @@ __device__ __forceinline__ void sb_e2m1x4_doubled(sb_u32 v, float f[4]) {
 // both formats' subnormals line up), so one exact multiply restores it.
 __device__ __forceinline__ float sb_e4m3(sb_u32 b) {
     return __uint_as_float((b & 0x7fu) << 20) * 1.329227995784916e36f;  // 2^120
-}
-
-// ---------------------------------------------------------------------------
-// NVFP4 mat-vec: y[r] = sum_k W[r, k] x[k].
-// W as the CPU codec stores it (mirage_gguf::quant::nvfp4): packed codes
-// [rows][cols/2] (element 2j low nibble of byte j), E4M3 block scales
-// [rows][cols/16], one f32 tensor scale; cols % 16 == 0.
-//
-// A warp takes NV_ROWS rows at once (they share the x reads); lane l reads
-// the 32-bit word l of each 128-byte chunk (elements 8l..8l+7 of a 256-element
-// chunk), so a warp load is one coalesced 128-byte line per row. x sits in
-// shared memory as two planes (elements 8m..8m+3 in plane A at float4 m,
-// 8m+4..8m+7 in plane B) so that the per-lane float4 reads hit 32 distinct
-// banks. Blocks loop over row groups (x is staged once per block).
-// Grid: any; block NV_WARPS * 32; dynamic shared memory cols * 4 bytes.
-
-#define NV_ROWS 4
-#define NV_WARPS 8
-
-extern "C" __global__ void __launch_bounds__(NV_WARPS * 32)
-    matvec_nvfp4(const sb_u8* __restrict__ packed, const sb_u8* __restrict__ scales, float tensor_scale, int rows,
-                 int cols, const float* __restrict__ x, float* __restrict__ y) {
-    PDL_ENTRY();
-    extern __shared__ float4 nv_xs[];
-    const int n8 = cols >> 3;  // float4 pairs
-    float4* plane_a = nv_xs;
-    float4* plane_b = nv_xs + n8;
-    const float4* x4 = (const float4*)x;
-    for (int m = threadIdx.x; m < n8; m += blockDim.x) {
-        plane_a[m] = x4[2 * m];
-        plane_b[m] = x4[2 * m + 1];
-    }
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const long row_bytes = cols >> 1;
-    const int scale_row = cols >> 4;
-    const int n_chunks = (cols + 255) >> 8;
-    // Block scales fold in the tensor scale and the 1/2 of the doubled codes.
-    const float ts_half = 0.5f * tensor_scale;
-    const int groups = (rows + NV_ROWS - 1) / NV_ROWS;
-    for (int grp = blockIdx.x * NV_WARPS + warp; grp < groups; grp += gridDim.x * NV_WARPS) {
-        int r0 = grp * NV_ROWS;
-        const sb_u32* q[NV_ROWS];
-        const sb_u8* s[NV_ROWS];
-#pragma unroll
-        for (int k = 0; k < NV_ROWS; k++) {
-            int r = min(r0 + k, rows - 1);  // duplicate the last row; not stored
-            q[k] = (const sb_u32*)(packed + (long)r * row_bytes);
-            s[k] = scales + (long)r * scale_row;
-        }
-        float acc[NV_ROWS];
-#pragma unroll
-        for (int k = 0; k < NV_ROWS; k++) acc[k] = 0.f;
-        for (int c = 0; c < n_chunks; c += 2) {
-            sb_u32 w[2][NV_ROWS];
-            sb_u32 sc[2][NV_ROWS];
-            bool ok[2];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                int e = ((c + h) << 8) + (lane << 3);  // first element of this lane
-                ok[h] = (c + h < n_chunks) && (e < cols);
-#pragma unroll
-                for (int k = 0; k < NV_ROWS; k++) {
-                    w[h][k] = ok[h] ? __ldg(q[k] + (e >> 3)) : 0u;
-                    sc[h][k] = ok[h] ? (sb_u32)__ldg(s[k] + (e >> 4)) : 0u;
-                }
-            }
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                if (!ok[h]) continue;
-                int m = ((c + h) << 5) + lane;
-                float4 xa = plane_a[m], xb = plane_b[m];
-#pragma unroll
-                for (int k = 0; k < NV_ROWS; k++) {
-                    float lo[4], hi[4];
-                    sb_e2m1x4_doubled(w[h][k], lo);
-                    sb_e2m1x4_doubled(w[h][k] >> 16, hi);
-                    float d = lo[0] * xa.x + lo[1] * xa.y + lo[2] * xa.z + lo[3] * xa.w + hi[0] * xb.x +
-                              hi[1] * xb.y + hi[2] * xb.z + hi[3] * xb.w;
-                    acc[k] += d * (sb_e4m3(sc[h][k]) * ts_half);
-                }
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < NV_ROWS; k++) {
-            float v = sb_warp_sum(acc[k]);
-            if (lane == 0 && r0 + k < rows) y[r0 + k] = v;
-        }
-    }
 }

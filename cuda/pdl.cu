@@ -6,7 +6,7 @@
 // next grid's launch and ramp while the previous one drains) is a large
 // share of the step. On sm_90+ the backend launches a kernel whose PTX
 // waits on its prerequisite grid (`griddepcontrol.wait`, found by name in
-// the module's PTX: crates/mirage-cuda/src/module.rs) with programmatic
+// the module's PTX, crates/mirage-cuda/src/module.rs) with programmatic
 // stream serialization, so its blocks may start before the previous kernel
 // has finished. Every kernel therefore begins with PDL_ENTRY():
 //   pdl_wait()    blocks until the previous grid has completed and its
@@ -19,9 +19,6 @@
 //                 this grid has passed here. Called after the wait, so at
 //                 most two grids overlap: one computing, the next one
 //                 staged behind its own wait.
-// Kernels that are launched cooperatively (a grid barrier needs every block
-// resident) are launched without the attribute; their PDL_ENTRY is then a
-// plain no-op wait.
 
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -45,17 +42,12 @@ __device__ __forceinline__ void pdl_trigger() {
 // thread's share of a block-wide prefetch: thread t of the block takes lines
 // t, t + blockDim.x, ... Issued before pdl_wait() on weights only, so the
 // lines stream in while the previous kernel still runs. No-op for n <= 0
-// at an aligned p. EvictLast: the lines get the evict-last priority.
-template <bool EvictLast = false>
+// at an aligned p.
 __device__ __forceinline__ void l2_prefetch_block(const void* p, long n) {
     const char* a = (const char*)((unsigned long long)p & ~127ull);
     const long span = (const char*)p + n - a;
-    for (long o = (long)threadIdx.x * 128; o < span; o += (long)blockDim.x * 128) {
-        if constexpr (EvictLast)
-            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a + o));
-        else
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
-    }
+    for (long o = (long)threadIdx.x * 128; o < span; o += (long)blockDim.x * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
 }
 
 // The first `per_row` bytes (whole lines) of each of `n` rows that start at
@@ -72,9 +64,5 @@ __device__ __forceinline__ void l2_prefetch_rows(const void* p, long stride, int
     }
 }
 
-// Bytes of each weight row the mat-vec variants prefetch before pdl_wait()
-// (crates/mirage-cuda/src/backend.rs sets MIRAGE_PREFETCH_ROW from
-// MIRAGE_CUDA_PREFETCH when it compiles the module; 0 turns it off).
-#ifndef MIRAGE_PREFETCH_ROW
-#define MIRAGE_PREFETCH_ROW 2048
-#endif
+// Bytes of each weight row the split mat-vecs ask L2 for before pdl_wait().
+#define L2_PREFETCH_ROW 2048

@@ -51,7 +51,7 @@ struct RtPrim {
 
 // Strides of 32 elements whose projection loads a lane issues at once: 28
 // covers a 896-wide row (the 0.5B models) in one round trip and a 3584-wide
-// one in four (16, the eighth session's value, took two and seven).
+// one in four (16 took two and seven).
 #define RT_DOT_BATCH 28
 // Leaf primitives a thread of the scan loads before it tests any of them.
 #define RT_SCAN_BATCH 4
@@ -187,14 +187,12 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
     // before waiting on the previous kernel (pdl.cu), so that the
     // projection's loads after the wait hit L2 (the FFN weights streamed
     // through since the last token have evicted them).
-    if (MIRAGE_PREFETCH_ROW > 0) {
-        l2_prefetch_block(proj, 12L * slices * d);
-        if (scan)
-            l2_prefetch_block(prims, 32L * n_prims);
-        else
-            l2_prefetch_block(nodes, 32L * n_nodes);
-        l2_prefetch_block(thresholds, 4L * router_pages);
-    }
+    l2_prefetch_block(proj, 12L * slices * d);
+    if (scan)
+        l2_prefetch_block(prims, 32L * n_prims);
+    else
+        l2_prefetch_block(nodes, 32L * n_nodes);
+    l2_prefetch_block(thresholds, 4L * router_pages);
     PDL_ENTRY();
     extern __shared__ __align__(16) unsigned char rt_smem[];
     unsigned* rt_mask = (unsigned*)rt_smem;
@@ -276,14 +274,4 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
     }
     __syncthreads();
     rt_compact(n_pages, RtMaskRule{rt_mask, thresholds, n_trunk, router_pages}, ids, count);
-}
-
-// Fills a layer's active list with the first n ids of `order` (prefix-slice
-// mode: order = 0, 1, 2, ...; forced random subsets: a sorted random list),
-// count on the device. Used once at set-up; a graph can replay it too.
-extern "C" __global__ void set_active_prefix(const unsigned* __restrict__ order, int n, unsigned* __restrict__ ids,
-                                             int* __restrict__ count) {
-    PDL_ENTRY();
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) ids[i] = order[i];
-    if (blockIdx.x == 0 && threadIdx.x == 0) *count = n;
 }

@@ -1,7 +1,6 @@
-// MIRAGE sparse-path CUDA kernels, part 3: the fused superblock FFN over
-// page-major Q2_K pages. Compiled after nvfp4.cu and superblock.cu (one NVRTC
-// unit, crates/mirage-cuda/src/superblock.rs): uses their sb_* helpers,
-// nv_reduce_scatter, sb_grid_barrier and sb_finish_item.
+// MIRAGE sparse FFN kernel over page-major Q2_K pages. Compiled after
+// decode.cu and superblock.cu (one NVRTC unit): uses their sb_* helpers,
+// nv_reduce_scatter and sb_finish_item.
 //
 // Split Q2_K ("q2ks"): a ggml Q2_K matrix of R rows x d (d % 256 == 0; a
 // block_q2_K is scales[16] @0, qs[64] @16, d:f16 @80, dmin:f16 @82, 84 bytes
@@ -37,7 +36,7 @@
 // 3.25 integer/FP ops a weight, FMA included). Scale and min nibbles the same
 // way with 2^23.
 //
-// Phase 1 (gate/up/SwiGLU): one warp per channel as in q8s; lane l takes
+// Phase 1 (gate/up/SwiGLU): one warp per channel (grid-stride); lane l takes
 // quarters l, l + 32, ... of the gate and up rows (a warp load is 512
 // contiguous bytes of quants and 128 of scales per row), Q2_FFN_U1 quarters
 // in flight. The min term is folded per 16 weights with the sum of their x:
@@ -60,8 +59,8 @@
 // sums a[4 s .. 4 s + 3] = outputs 32 (s >> 1) + 8 t + 4 (s & 1) .. + 3,
 // written to red[] for sb_finish_item.
 // Contract, grid, block, shared memory: as superblock_ffn_q8s (active ids and
-// count in device memory, ids >= n_pages skipped, phases 1/2/3, modes 0/1,
-// the same scratch; dynamic shared memory d * 4 bytes, phase 2 alone none).
+// count in device memory, ids >= n_pages skipped, phases 1 and 2, the same
+// scratch; dynamic shared memory d * 4 bytes, phase 2 alone none).
 
 #define Q2_FFN_U1 2      // quarters (64 weights) per lane and row in flight in phase 1
 #define Q2_FFN_U2 4      // 8-channel groups per warp in flight in phase 2
@@ -172,19 +171,9 @@ __device__ __forceinline__ void q2_down_pair(sb_u32 w0, sb_u32 w1, float sf, flo
 }
 
 // At most 128 registers (2 blocks of 256 threads per SM): ptxas takes 128
-// with the unroll factors above anyway (see crates/mirage-cuda/NOTES.md).
-extern "C" __global__ void __launch_bounds__(SB_THREADS, 2)
-    superblock_ffn_q2k(const sb_u8* __restrict__ pages, long page_bytes, int n_pages, int d,
-                       const float* __restrict__ x, const sb_u32* __restrict__ active,
-                       const int* __restrict__ n_active, int max_active, int mode, int accumulate, float* hbuf,
-                       float* partials, sb_u32* counters, float* y, int phases) {
-    PDL_ENTRY();
-    extern __shared__ float4 q2_xs[];
-    __shared__ float red[SB_WARPS][128];
-    __shared__ int last_flag;
-    const int n_act = max(min(*n_active, max_active), 0);
-    const int n_ch = n_act * SB_PAGE_CH;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+// with the unroll factors above anyway.
+extern "C" __global__ void __launch_bounds__(SB_THREADS, 2) superblock_ffn_q2k(SB_Q8S_PARAMS) {
+    SB_PROLOGUE(q2_xs)
     const int Q = d >> 6;                            // quarters (64 weights) per row
     const long mat = (long)SB_PAGE_CH * (d >> 2);    // quant bytes of one matrix in a page
     const long smat = (long)SB_PAGE_CH * (d >> 4);   // scale bytes of one matrix
@@ -235,9 +224,6 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS, 2)
             if (lane == 0) hbuf[c] = hv;
         }
     }
-    // The barrier starts with __syncthreads: xsum (in red[]) is read before
-    // phase 2 rewrites red[].
-    if (phases == 3) sb_grid_barrier(counters);
     if (!(phases & 2)) return;
 
     // Phase 2.
@@ -305,6 +291,6 @@ extern "C" __global__ void __launch_bounds__(SB_THREADS, 2)
 #pragma unroll
         for (int i = 0; i < 4; i++) red[warp][32 * (sub >> 1) + 8 * t8 + 4 * (sub & 1) + i] = a[i];
         __syncthreads();
-        sb_finish_item(red, &last_flag, chunk, k, K, d, mode, accumulate, partials, counters, y);
+        sb_finish_item(red, &last_flag, chunk, k, K, d, accumulate, partials, counters, y);
     }
 }

@@ -11,7 +11,7 @@ Outputs, all small:
   crates/mirage-gguf/tests/fixtures/tiny.safetensors
   crates/mirage-gguf/tests/fixtures/tiny.safetensors.json
   crates/mirage-gguf/tests/fixtures/tiny_py.gguf   (written by gguf.GGUFWriter;
-      also the seed of the fuzz corpus, crates/mirage-gguf/fuzz/corpus/parse/)
+      also the seed of the fuzz corpus, fuzz/corpus/gguf_parse/)
 """
 import hashlib
 import json
@@ -161,7 +161,7 @@ def tiny_gguf():
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    corpus = ROOT / "crates" / "mirage-gguf" / "fuzz" / "corpus" / "parse"
+    corpus = ROOT / "fuzz" / "corpus" / "gguf_parse"
     corpus.mkdir(parents=True, exist_ok=True)
     shutil.copy(path, corpus / "seed-tiny_py.gguf")
     # A second seed: metadata only, alignment 64, nested string arrays.

@@ -9,7 +9,7 @@ fn main() {
     println!("cargo:rustc-check-cfg=cfg(mirage_avx512)");
     println!("cargo:rerun-if-env-changed=RUSTC");
     let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
-    // "rustc 1.95.0 (59807616e 2026-04-14)" -> (1, 95)
+    // "rustc 1.95.0 (<commit> <date>)" -> (1, 95)
     let version = Command::new(rustc)
         .arg("--version")
         .output()

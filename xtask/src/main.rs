@@ -16,6 +16,7 @@ use mirage_fetch::FetchOutcome;
 mod bench;
 mod build_activation;
 mod build_artifacts;
+mod fuzz;
 mod route_export;
 mod shaders;
 mod synth_model;
@@ -47,6 +48,8 @@ enum Task {
     Bench(bench::BenchArgs),
     /// Write a shape-true Qwen2.5 GGUF (0.5b/1.5b/7b/14b or tiny) with random quantized weights and the real tokenizer, for speed tests.
     SynthModel(synth_model::SynthModelArgs),
+    /// Fuzz the input parsers with coverage feedback (builds fuzz/ instrumented; stable Rust).
+    Fuzz(fuzz::FuzzArgs),
     /// Export an artifact's per-layer router data and real query points (dense pass over held-out text) for `route-real`.
     RouteExport(route_export::RouteExportArgs),
 }
@@ -82,6 +85,7 @@ fn main() -> ExitCode {
         Task::BuildArtifacts(args) => build_artifacts::run(&args, &workspace_root()),
         Task::Bench(args) => bench::run(&args, &workspace_root()),
         Task::RouteExport(args) => route_export::run(&args, &workspace_root()),
+        Task::Fuzz(args) => fuzz::run(&args, &workspace_root()),
         Task::SynthModel(args) => synth_model::run(&args),
     };
     match result {

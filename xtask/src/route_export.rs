@@ -69,7 +69,7 @@ pub fn run(args: &RouteExportArgs, root: &Path) -> anyhow::Result<()> {
     let file = Arc::new(
         GgufFile::open(&model_path).with_context(|| format!("opening {}", model_path.display()))?,
     );
-    artifact.check_source_sha256(&sha256_hex(file.as_bytes()))?;
+    artifact.check_source(&file)?;
     let text = std::fs::read_to_string(&args.text)
         .with_context(|| format!("reading {}", args.text.display()))?;
     if sha256_hex(text.as_bytes()) == meta.calib_sha256 {

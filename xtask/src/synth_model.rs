@@ -14,7 +14,6 @@
 //!
 //! The weights mean nothing: use these files for speed, never for fidelity.
 
-use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -386,17 +385,13 @@ fn write_tensor<W: Write>(
     Ok(())
 }
 
-/// The temporary name a file is written under before the rename.
-fn temp_name(out: &Path) -> PathBuf {
-    let mut name = out.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".tmp-{}", std::process::id()));
-    out.with_file_name(name)
-}
-
 fn write_file(out: &Path, md: &Metadata, planned: &[Planned], seed: u64) -> anyhow::Result<u64> {
-    let tmp = temp_name(out);
-    let result = (|| -> anyhow::Result<u64> {
-        let file = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    // A locked temporary renamed into place; a killed run's temporary is
+    // removed by the next write of the same file.
+    let mut atomic = mirage_gguf::atomic::AtomicFile::create(out)
+        .with_context(|| format!("creating a temporary for {}", out.display()))?;
+    let n = {
+        let file = atomic.file();
         let decls: Vec<TensorDecl> = planned.iter().map(|p| p.decl.clone()).collect();
         let total: u64 = decls.iter().map(|d| d.n_bytes()).sum::<Result<u64, _>>()?;
         let mut w = GgufStreamWriter::new(BufWriter::with_capacity(8 << 20, file), md, &decls)?;
@@ -418,25 +413,14 @@ fn write_file(out: &Path, md: &Metadata, planned: &[Planned], seed: u64) -> anyh
                 .with_context(|| format!("writing {}", p.decl.name))?;
         }
         bar.finish_and_clear();
-        let (buffered, n) = w.finish()?;
-        let file = buffered
-            .into_inner()
-            .map_err(|e| e.into_error())
-            .context("flushing")?;
-        file.sync_all().context("syncing")?;
-        Ok(n)
-    })();
-    match result {
-        Ok(n) => {
-            std::fs::rename(&tmp, out)
-                .with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))?;
-            Ok(n)
-        }
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            Err(e)
-        }
-    }
+        let (mut buffered, n) = w.finish()?;
+        buffered.flush().context("flushing")?;
+        n
+    };
+    atomic
+        .commit()
+        .with_context(|| format!("renaming into place as {}", out.display()))?;
+    Ok(n)
 }
 
 /// Runs the task.

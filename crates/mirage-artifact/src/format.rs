@@ -200,12 +200,20 @@ pub fn write_bytes(
         put_f32s(&mut calib, &ld.channel_mean_abs);
         put_f32s(&mut calib, &ld.channel_oracle_freq);
     }
-    write_container(
+    Ok(write_container(
         VERSION,
         &source_sha,
         &SECTIONS,
-        &[meta_json, layer_sec, weights, router, predict, calib],
-    )
+        &[&meta_json, &layer_sec, &weights, &router, &predict, &calib],
+    ))
+}
+
+/// Lays out serialized section bodies (in [`SECTIONS`] order) as a
+/// page-major artifact file ([`write_container`]). [`write_bytes`]
+/// serializes the sections and calls this; tests and the fuzzer call it to
+/// build files whose checksums pass around contents that do not.
+pub fn assemble(source_sha256: &[u8; 32], bodies: [&[u8]; 6]) -> Vec<u8> {
+    write_container(VERSION, source_sha256, &SECTIONS, &bodies)
 }
 
 /// Serializes a container: the header (magic, `version`, section count,
@@ -215,8 +223,8 @@ pub(crate) fn write_container(
     version: u32,
     source_sha: &[u8; 32],
     names: &[&str],
-    bodies: &[Vec<u8>],
-) -> Result<Vec<u8>> {
+    bodies: &[&[u8]],
+) -> Vec<u8> {
     let table_end = HEADER_BYTES + SECTION_ENTRY_BYTES * bodies.len();
     let mut out = vec![0u8; table_end];
     out[..8].copy_from_slice(MAGIC);
@@ -237,32 +245,38 @@ pub(crate) fn write_container(
     }
     let h = Sha256::digest(&out[..table_end]);
     out[48..80].copy_from_slice(&h);
-    Ok(out)
+    out
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same folder,
-/// synced, then renamed over `path`.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "artifact".into());
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let res = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = res {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(ArtifactError::io(path, e));
+/// The source sha256 and the section bodies of an artifact's bytes, as
+/// the section table places them, without checking checksums or contents
+/// (`None` when the header or table does not fit): the inverse of
+/// [`assemble`], for tests and the fuzzer.
+pub fn sections(bytes: &[u8]) -> Option<([u8; 32], [&[u8]; 6])> {
+    let table_end = HEADER_BYTES + SECTION_ENTRY_BYTES * SECTIONS.len();
+    if bytes.len() < table_end {
+        return None;
     }
-    Ok(())
+    let sha: [u8; 32] = bytes[16..48].try_into().ok()?;
+    let mut out = [&bytes[..0]; 6];
+    for (i, slot) in out.iter_mut().enumerate() {
+        let e = HEADER_BYTES + SECTION_ENTRY_BYTES * i;
+        let off = u64::from_le_bytes(bytes[e + 8..e + 16].try_into().ok()?);
+        let len = u64::from_le_bytes(bytes[e + 16..e + 24].try_into().ok()?);
+        let end = off.checked_add(len)?;
+        *slot = bytes.get(usize::try_from(off).ok()?..usize::try_from(end).ok()?)?;
+    }
+    Some((sha, out))
+}
+
+/// Writes `bytes` to `path` atomically ([`mirage_gguf::atomic::AtomicFile`]:
+/// a locked temporary in the same folder, synced, then renamed over
+/// `path`; a temporary left by a killed writer goes on the next write).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let io = |e| ArtifactError::io(path, e);
+    let mut out = mirage_gguf::atomic::AtomicFile::create(path).map_err(io)?;
+    out.file().write_all(bytes).map_err(io)?;
+    out.commit().map_err(io)
 }
 
 /// Format version of activation-sparsity artifacts (channel-major
@@ -459,10 +473,9 @@ impl Reader<'_> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
     }
     fn f32s(&mut self, n: usize) -> Result<Vec<f32>> {
-        let bytes = self.take(
-            n.checked_mul(4)
-                .ok_or_else(|| ArtifactError::Malformed("size overflow".into()))?,
-        )?;
+        // A saturated count (a hostile META) fails `take` like any count
+        // larger than the section.
+        let bytes = self.take(n.saturating_mul(4))?;
         Ok(bytes
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().expect("4")))
@@ -478,6 +491,73 @@ impl Reader<'_> {
         }
         Ok(())
     }
+}
+
+/// The META values are untrusted until they agree with the section sizes;
+/// everything the loader sizes by them is bounded here first. Each layer
+/// takes at least 32 bytes of LAYERS; CALIB holds exactly `2 * n_ff` f32 per
+/// layer; each layer's router projection holds `slices * 3 * d_model` f32
+/// and its predictor `predictor_rank * d_model`.
+fn check_meta_against_sections(meta: &ArtifactMeta, sections: &[&[u8]]) -> Result<()> {
+    let bad = |m: String| Err(ArtifactError::Malformed(m));
+    let (layers, router, predict, calib) = (
+        sections[1].len(),
+        sections[3].len(),
+        sections[4].len(),
+        sections[5].len(),
+    );
+    if meta.page_channels != PAGE_CHANNELS {
+        return bad(format!(
+            "META page_channels {} (this reader knows {PAGE_CHANNELS})",
+            meta.page_channels
+        ));
+    }
+    if meta.n_layer == 0 || meta.n_layer > layers / 32 {
+        return bad(format!(
+            "META n_layer {} does not fit the LAYERS section ({layers} bytes, at least 32 a layer)",
+            meta.n_layer
+        ));
+    }
+    if meta.n_ff == 0 || meta.n_ff % PAGE_CHANNELS != 0 {
+        return bad(format!(
+            "META n_ff {} is not a positive multiple of {PAGE_CHANNELS}",
+            meta.n_ff
+        ));
+    }
+    let calib_want = meta
+        .n_ff
+        .checked_mul(8)
+        .and_then(|x| x.checked_mul(meta.n_layer));
+    if calib_want != Some(calib) {
+        return bad(format!(
+            "META n_ff {} x n_layer {} does not match the CALIB section ({calib} bytes, 8 a channel)",
+            meta.n_ff, meta.n_layer
+        ));
+    }
+    if meta.slices == 0 || meta.slices > router / 12 {
+        return bad(format!(
+            "META slices {} does not fit the ROUTER section ({router} bytes)",
+            meta.slices
+        ));
+    }
+    let per_layer_router = meta.slices * 12 * meta.n_layer;
+    if meta.d_model == 0 || meta.d_model > router / per_layer_router {
+        return bad(format!(
+            "META d_model {} does not fit the ROUTER section ({router} bytes for {} layers of {} slices)",
+            meta.d_model, meta.n_layer, meta.slices
+        ));
+    }
+    let predict_want = meta
+        .predictor_rank
+        .checked_mul(meta.d_model)
+        .and_then(|x| x.checked_mul(4 * meta.n_layer));
+    if predict_want.is_none_or(|w| w > predict) {
+        return bad(format!(
+            "META predictor_rank {} x d_model {} does not fit the PREDICT section ({predict} bytes)",
+            meta.predictor_rank, meta.d_model
+        ));
+    }
+    Ok(())
 }
 
 impl Artifact {
@@ -506,16 +586,7 @@ impl Artifact {
                 "header and META disagree on the source sha256".into(),
             ));
         }
-        if meta.page_channels != PAGE_CHANNELS
-            || meta.n_ff % PAGE_CHANNELS != 0
-            || meta.d_model == 0
-            || meta.n_layer == 0
-        {
-            return Err(ArtifactError::Malformed(format!(
-                "shape n_layer={} d_model={} n_ff={} page_channels={}",
-                meta.n_layer, meta.d_model, meta.n_ff, meta.page_channels
-            )));
-        }
+        check_meta_against_sections(&meta, &sections)?;
         let (d, n_ff, slices) = (meta.d_model, meta.n_ff, meta.slices);
         let weights_off = (sections[2].as_ptr() as usize) - (b.as_ptr() as usize);
         let mut lr = Reader {
@@ -550,7 +621,7 @@ impl Artifact {
             let stride = lr.u64()? as usize;
             let quant = GgmlType::from_id(qid)
                 .ok_or_else(|| bad(format!("unknown quant type id {qid}")))?;
-            if n_pages * PAGE_CHANNELS > n_ff || n_trunk > n_pages {
+            if n_pages.saturating_mul(PAGE_CHANNELS) > n_ff || n_trunk > n_pages {
                 return Err(bad(format!(
                     "{n_pages} pages / {n_trunk} trunk for n_ff {n_ff}"
                 )));
@@ -561,15 +632,18 @@ impl Artifact {
                     "page stride {stride} / offset {offset} not aligned packing of {pb}-byte pages"
                 )));
             }
-            if offset
-                .checked_add(stride * n_pages)
+            if stride
+                .checked_mul(n_pages)
+                .and_then(|b| offset.checked_add(b))
                 .is_none_or(|e| e > sections[2].len())
             {
                 return Err(bad("pages lie outside WEIGHTS".into()));
             }
-            let perm: Vec<u32> = (0..n_pages * PAGE_CHANNELS)
-                .map(|_| lr.u32())
-                .collect::<Result<_>>()?;
+            let perm: Vec<u32> = lr
+                .take(n_pages * PAGE_CHANNELS * 4)?
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().expect("4")))
+                .collect();
             let mut seen = vec![false; n_ff];
             for &c in &perm {
                 if c as usize >= n_ff || std::mem::replace(&mut seen[c as usize], true) {
@@ -587,14 +661,14 @@ impl Artifact {
                     router.slices
                 )));
             }
-            let margin_scale = rr.f32s(slices * 3)?;
+            let margin_scale = rr.f32s(slices.saturating_mul(3))?;
             let rank = pr.u32()? as usize;
             let pp = pr.u32()? as usize;
             if rank != meta.predictor_rank || pp != n_pages {
                 return Err(bad(format!("predictor rank {rank} / pages {pp}")));
             }
-            let predictor_proj = pr.f32s(rank * d)?;
-            let predictor_weights = pr.f32s(n_pages * (rank + 1))?;
+            let predictor_proj = pr.f32s(rank.saturating_mul(d))?;
+            let predictor_weights = pr.f32s(n_pages.saturating_mul(rank.saturating_add(1)))?;
             let channel_mean_abs = cr.f32s(n_ff)?;
             let channel_oracle_freq = cr.f32s(n_ff)?;
             layers.push(LayerData {
@@ -682,6 +756,25 @@ impl Artifact {
             }
         }
         r
+    }
+
+    /// Refuses a model other than the one the artifact was built from: its
+    /// sha256 must be the recorded one, and its hyperparameters (checked
+    /// against its tensors) must have the META's architecture, layer count
+    /// and widths. The hash alone is not enough: a file's META is as
+    /// untrusted as its pages.
+    pub fn check_source(&self, model: &mirage_gguf::GgufFile) -> Result<()> {
+        self.check_source_sha256(&sha256_hex(model.as_bytes()))?;
+        let hp = model.hparams()?;
+        let m = &self.meta;
+        let theirs = (hp.arch.name(), hp.n_layer, hp.n_embd, hp.n_ff);
+        if (m.arch.as_str(), m.n_layer, m.d_model, m.n_ff) != theirs {
+            return Err(ArtifactError::Malformed(format!(
+                "META says {} with n_layer {}, d_model {}, n_ff {}; the model is {} with n_layer {}, d_model {}, n_ff {}",
+                m.arch, m.n_layer, m.d_model, m.n_ff, theirs.0, theirs.1, theirs.2, theirs.3
+            )));
+        }
+        Ok(())
     }
 
     /// Refuses a model whose sha256 differs from the one the artifact was

@@ -40,6 +40,8 @@ enum Command {
     Perplexity(cmd::perplexity::PerplexityArgs),
     /// Prompt and decode speed on a backend, against a copy-bandwidth ceiling.
     Bench(cmd::bench::BenchArgs),
+    /// Decode speed under a JSON schema against unconstrained decoding (CPU, same run), and the mask cost.
+    BenchGrammar(cmd::bench_grammar::BenchGrammarArgs),
     /// Fidelity of an artifact's sparse FFN (BVH router, predictor, oracle) on held-out text.
     Eval(cmd::eval::EvalArgs),
     /// Long-context fidelity and speed of KV-page pruning (pruned vs full attention).
@@ -56,6 +58,7 @@ impl Command {
             Command::Chat(args) => cmd::chat::run(args),
             Command::Perplexity(args) => cmd::perplexity::run(args),
             Command::Bench(args) => cmd::bench::run(args),
+            Command::BenchGrammar(args) => cmd::bench_grammar::run(args),
             Command::Eval(args) => cmd::eval::run(args),
             Command::EvalLong(args) => cmd::eval_long::run(args),
         }

@@ -1,5 +1,5 @@
 // Host stand-ins for the decode attention's cache and rounding helpers
-// (dense.cu's f2h, kv_load, kv_widen, __fmul_rn, ...), shared by the checks
+// (attention.cu's f2h, kv_load, kv_widen, __fmul_rn, ...), shared by the checks
 // that run the attention code (check_attend.cpp, check_attn_block.cpp).
 // Needs u16, u32 and h2f declared first.
 #pragma once

@@ -1,12 +1,11 @@
-// Host check of dense.cu's attend_part (no GPU): the kernel body cut out of
-// the source (extract.py -> attend_extract.h) and the version before its
-// loads were batched (attend_part_v1 below, verbatim but for the name), both
-// run block by block with every CUDA thread an std::thread (as
-// check_pruned.cpp), f32 and f16 caches, head_dim 64, 96, 128 and 256, GQA, several
-// split sizes and positions: the partials (max, sum, V sums) must be the same
-// bits, since the batching only reorders loads, not arithmetic. Then
-// attend_rope_part, and its preload form attend_rope_part<KV, true>, against
-// rope_store + attend_part (check_rope below).
+// Host check of attention.cu's attend_part (no GPU): the kernel body cut out
+// of the source (extract.py -> attend_extract.h) and a plain form that
+// loads each key and value as it uses it (attend_part_plain below), both
+// run block by block (block_emu.h), f32 and f16 caches, head_dim 64 to 256,
+// GQA, several split sizes and positions: the partials (max, sum, V sums)
+// must be the same bits, since the kernel's batched loads only reorder
+// loads, not arithmetic. Then attend_rope_part against rope_store +
+// attend_part (check_rope below).
 // Build and run: hostcheck/run.sh.
 #include <cstdint>
 #include <cstdio>
@@ -26,15 +25,6 @@ inline float warp_max(float v) {
     return v;
 }
 using std::max;
-// att_chunk's floor as a variable, so that one build checks both schedules:
-// 0 = the host's chunk (the previous kernels), 16 = the default.
-static int g_att_min_keys = 0;
-#define MIRAGE_ATT_MIN_KEYS g_att_min_keys
-// The key/value loads' two forms (dense.cu, att_load_keys): 0 = predicated
-// (MIRAGE_CUDA_ATT_LOADS=serial), 1 = clamped loads, warp fence, then the
-// conversions (the default). Both must give attend_part_v1's bits.
-static int g_att_loads_batch = 0;
-#define MIRAGE_ATT_LOADS_BATCH g_att_loads_batch
 inline float h2f(u16 h) {
     u32 s = (h >> 15) & 1, e = (h >> 10) & 31, m = h & 1023;
     float v = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? INFINITY : std::ldexp((float)(m | 1024), (int)e - 25);
@@ -42,12 +32,10 @@ inline float h2f(u16 h) {
 }
 #include "att_emu.h"
 inline float block_sum(float, float*) { abort(); }  // rope_store's q/k norm: not used here
-#define PDL_ENTRY() do {} while (0)  // attend_rope_part<KV, true>'s wait: nothing to wait on here
-template <class T> T __ldcg(const T* p) { return *p; }  // attend_rope_part<KV, PRE, true>'s loads
 #include "attend_extract.h"
 
 template <typename KV>
-__device__ void attend_part_v1(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+__device__ void attend_part_plain(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
                             const int* __restrict__ slots, int n_head, int n_head_kv, int head_dim, int n_ctx,
                             int chunk, float scale, float* __restrict__ part) {
     __shared__ float qs[ATT_THREADS];
@@ -79,14 +67,7 @@ __device__ void attend_part_v1(const float* __restrict__ q, const KV* __restrict
         __syncthreads();
         float tm = -MIRAGE_INF;
         for (int jj = 0; jj < cnt; jj++) tm = fmaxf(tm, sc[jj]);
-        float nm = fmaxf(m, tm);
-        float f = expf(m - nm);  // 0 on the first tile (m = -inf)
-        __syncthreads();         // every thread has read the raw scores
-        if (threadIdx.x < cnt) sc[threadIdx.x] = expf(sc[threadIdx.x] - nm);
-        __syncthreads();
-        acc *= f;
-        l *= f;
-        m = nm;
+        att_rescale(sc, cnt, fmaxf(m, tm), m, l, acc);
         if (g < groups) {
             for (int jj = g; jj < cnt; jj += groups) {
                 float p = sc[jj];
@@ -96,23 +77,8 @@ __device__ void attend_part_v1(const float* __restrict__ q, const KV* __restrict
         }
         __syncthreads();  // before the next tile overwrites sc
     }
-    if (g < groups) {
-        red[g * head_dim + d] = acc;
-        if (d == 0) lred[g] = l;
-    }
-    __syncthreads();
-    float* P = part + (((long)row * n_head + head) * n_split + split) * (head_dim + 2);
-    for (int e = threadIdx.x; e < head_dim; e += blockDim.x) {
-        float a = 0.f;
-        for (int k = 0; k < groups; k++) a += red[k * head_dim + e];
-        P[2 + e] = a;
-    }
-    if (threadIdx.x == 0) {
-        float ls = 0.f;
-        for (int k = 0; k < groups; k++) ls += lred[k];
-        P[0] = m;
-        P[1] = ls;
-    }
+    att_store_partial(acc, l, m, g, groups, d, head_dim, red, lred,
+                      part + (((long)row * n_head + head) * n_split + split) * (head_dim + 2));
 }
 
 // Runs every block of the grid (rows, n_head, n_split) of f, 256 threads.
@@ -142,22 +108,22 @@ static int check(std::mt19937& rng, int head_dim, int chunk, int n_pos0, int n_p
     run_grid(rows, n_head, n_split, [&] {
         attend_part<KV>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, head_dim, n_ctx, chunk, scale, a.data());
     });
-    // v1 knows only a fixed chunk: each row's blocks run with the chunk
-    // att_chunk gives that row (the host's chunk when the floor is 0).
+    // The plain form takes a fixed chunk: each row's blocks run with the
+    // chunk att_chunk gives that row.
     gridDim.z = n_split;
     for (int r = 0; r < rows; r++) {
         const int row_chunk = att_chunk(slots[2 * r + 1] + 1, n_split, chunk);
         for (int h = 0; h < n_head; h++)
             for (int s = 0; s < n_split; s++)
                 run_block(256, dim3_{(unsigned)r, (unsigned)h, (unsigned)s}, [&] {
-                    attend_part_v1<KV>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, head_dim, n_ctx,
+                    attend_part_plain<KV>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, head_dim, n_ctx,
                                        row_chunk, scale, b.data());
                 });
     }
     int differ = 0;
     for (size_t i = 0; i < np; i++) differ += memcmp(&a[i], &b[i], 4) != 0;
-    printf("attend_part %s head_dim %3d chunk %3d min keys %2d positions %3d/%3d: %s (%d of %zu partial floats differ)\n",
-           ty, head_dim, chunk, g_att_min_keys, n_pos0, n_pos1, differ ? "FAIL" : "ok", differ, np);
+    printf("attend_part %s head_dim %3d chunk %3d positions %3d/%3d: %s (%d of %zu partial floats differ)\n", ty,
+           head_dim, chunk, n_pos0, n_pos1, differ ? "FAIL" : "ok", differ, np);
     return differ != 0;
 }
 
@@ -215,47 +181,20 @@ static int check_rope(std::mt19937& rng, int head_dim, int chunk, int neox, int 
                                          n_head_kv, head_dim, n_ctx, chunk, scale, neox, base, b.data());
                 });
             }
-    // The preload form (attend_rope_pre): position, angle and first K/V
-    // batches read before its wait, here from the same poisoned cache.
-    std::vector<KV> kc3 = kc2, vc3 = vc2;
-    for (int r = 0; r < rows; r++)
-        for (int h = 0; h < n_head_kv; h++)
-            for (int d = 0; d < head_dim; d++) {
-                long at = (((long)slots[2 * r] * n_head_kv + h) * n_ctx + slots[2 * r + 1]) * head_dim + d;
-                kc3[at] = conv(300.f);
-                vc3[at] = conv(-300.f);
-            }
-    std::vector<float> c(np, 7.f);
-    for (int r = rows - 1; r >= 0; r--)
-        for (int h = n_head - 1; h >= 0; h--)
-            for (int sp = n_split - 1; sp >= 0; sp--) {
-                const int n = slots[2 * r + 1] + 1;
-                if (sp * att_chunk(n, n_split, chunk) >= n) continue;
-                run_block(256, dim3_{(unsigned)r, (unsigned)h, (unsigned)sp}, [&] {
-                    attend_rope_part<KV, true>(q.data(), k.data(), v.data(), kc3.data(), vc3.data(), slots, n_head,
-                                               n_head_kv, head_dim, n_ctx, chunk, scale, neox, base, c.data());
-                });
-            }
     int differ = 0, cache_differ = 0;
-    for (size_t i = 0; i < np; i++) differ += memcmp(&a[i], &b[i], 4) != 0 || memcmp(&a[i], &c[i], 4) != 0;
-    for (size_t i = 0; i < kc.size(); i++)
-        cache_differ += memcmp(&kc[i], &kc3[i], sizeof(KV)) != 0 || memcmp(&vc[i], &vc3[i], sizeof(KV)) != 0;
+    for (size_t i = 0; i < np; i++) differ += memcmp(&a[i], &b[i], 4) != 0;
     for (size_t i = 0; i < kc.size(); i++)
         cache_differ += memcmp(&kc[i], &kc2[i], sizeof(KV)) != 0 || memcmp(&vc[i], &vc2[i], sizeof(KV)) != 0;
     const bool bad = differ || cache_differ;
-    printf("attend_rope_part %s head_dim %3d chunk %3d min keys %2d neox %d positions %3d/%3d: %s (%d of %zu partial "
-           "floats, %d cache entries differ)\n", ty, head_dim, chunk, g_att_min_keys, neox, n_pos0, n_pos1,
-           bad ? "FAIL" : "ok", differ, np, cache_differ);
+    printf("attend_rope_part %s head_dim %3d chunk %3d neox %d positions %3d/%3d: %s (%d of %zu partial floats, %d "
+           "cache entries differ)\n", ty, head_dim, chunk, neox, n_pos0, n_pos1, bad ? "FAIL" : "ok", differ, np,
+           cache_differ);
     return bad;
 }
 
 int main() {
     std::mt19937 rng(11);
     int fails = 0, cases = 0;
-    for (int batch : {0, 1})
-    for (int min_keys : {0, 16}) {
-    g_att_min_keys = min_keys;
-    g_att_loads_batch = batch;
     for (int hd : {64, 80, 96, 128, 256})
         for (int chunk : {64, 160})
             for (auto [p0, p1] : {std::pair{37, 150}}) {
@@ -270,7 +209,6 @@ int main() {
                 fails += check_rope<u16>(rng, hd, chunk, neox, 64, 129, "f16", f2h);
                 cases += 2;
             }
-    }
     printf("attend_part / attend_rope_part: %d of %d cases ok\n", cases - fails, cases);
     return fails ? 1 : 0;
 }

@@ -1,10 +1,9 @@
 // Host check of phase 1 of the fused Q8_0 FFN (superblock.cu's
 // sb_ffn_q8s_phase1, cut out by extract.py -> ffn_p1_extract.h; no GPU):
 // every block of a grid run in turn, each an emulated block of 256 threads
-// (block_emu.h), for the per-warp channel shares (P1B 0: v3, v4) and the
-// balanced row rounds (P1B 1: v10, v11) at P1V 2 and 4, over d 96 / 896 /
-// 3584 / 4096, with every page active, a subset with a repeated page and ids
-// past n_pages, and an empty list, on grids of 1 and 13 blocks:
+// (block_emu.h), over d 96 / 896 / 3584 / 4096, with every page active, a
+// subset with a repeated page and ids past n_pages, and an empty list, on
+// grids of 1 and 13 blocks:
 //   - every active channel's hbuf entry is written, and equals an f64
 //     silu(gate . x) * (up . x) of the same page bytes (0 for an id past
 //     n_pages) to 2e-5 of the terms' magnitude;
@@ -23,7 +22,6 @@
 
 struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
-#define HOST_ASM(...) ((void)0)
 #include "ffn_p1_extract.h"
 
 struct Pages {
@@ -52,7 +50,6 @@ static Pages make_pages(std::mt19937& g, int d, int n) {
 }
 
 // hbuf after running phase 1 on a grid of `grid` blocks, one after another.
-template <int P1V, int P1B>
 static std::vector<float> run_phase1(const Pages& p, const std::vector<float>& x, const std::vector<sb_u32>& active,
                                      int grid, const float* nw, std::vector<float>* nout) {
     const int n_ch = (int)active.size() * SB_PAGE_CH;
@@ -61,8 +58,8 @@ static std::vector<float> run_phase1(const Pages& p, const std::vector<float>& x
     gridDim.x = grid;
     for (int b = 0; b < grid; b++) {
         run_block(SB_THREADS, dim3_{(unsigned)b, 0, 0}, [&] {
-            sb_ffn_q8s_phase1<P1V, 0, P1B>(p.bytes.data(), p.page_bytes, p.n, p.d, x.data(), active.data(), n_ch,
-                                           hbuf.data(), xs.data(), nw, 1e-6f, nout ? nout->data() : nullptr);
+            sb_ffn_q8s_phase1(p.bytes.data(), p.page_bytes, p.n, p.d, x.data(), active.data(), n_ch, hbuf.data(),
+                              xs.data(), nw, 1e-6f, nout ? nout->data() : nullptr);
         });
     }
     return hbuf;
@@ -71,7 +68,6 @@ static std::vector<float> run_phase1(const Pages& p, const std::vector<float>& x
 static int failures = 0;
 static double worst = 0;
 
-template <int P1V, int P1B>
 static void check_case(const Pages& p, const std::vector<float>& x, const std::vector<sb_u32>& active,
                        const char* list, const float* nw) {
     const int d = p.d, n_ch = (int)active.size() * SB_PAGE_CH;
@@ -86,8 +82,7 @@ static void check_case(const Pages& p, const std::vector<float>& x, const std::v
     std::vector<float> first;
     for (int grid : {1, 13}) {
         std::vector<float> nout(d, NAN);
-        const std::vector<float> h = run_phase1<P1V, P1B>(p, x, active, grid, nw, &nout);
-        const char* tag = P1B ? "balanced" : "per-warp";
+        const std::vector<float> h = run_phase1(p, x, active, grid, nw, &nout);
         bool ok = std::isnan(h[n_ch]);  // nothing written past the channels
         for (int c = 0; c < n_ch && ok; c++) {
             const sb_u32 page = active[c / SB_PAGE_CH];
@@ -122,13 +117,11 @@ static void check_case(const Pages& p, const std::vector<float>& x, const std::v
                     printf("  grid %d: channel %d bits differ from grid 1 (%g vs %g)\n", grid, c, h[c], first[c]);
                     ok = false;
                 }
-        printf("phase 1 %-8s P1V %d d %4d %-6s%s grid %2d: %s\n", tag, P1V, d, list, nw ? " +norm" : "", grid,
-               ok ? "ok" : "FAILED");
+        printf("phase 1 d %4d %-6s%s grid %2d: %s\n", d, list, nw ? " +norm" : "", grid, ok ? "ok" : "FAILED");
         if (!ok) failures++;
     }
 }
 
-template <int P1V, int P1B>
 static void check_all(std::mt19937& g) {
     std::uniform_real_distribution<float> U(-1, 1);
     for (int d : {96, 896, 3584, 4096}) {
@@ -139,19 +132,16 @@ static void check_all(std::mt19937& g) {
         for (auto& v : nw) v = 0.5f + 0.5f * U(g);
         std::vector<sb_u32> all(n), subset = {(sb_u32)(n - 1), (sb_u32)n, 0u, (sb_u32)(n + 1000), 0u}, none;
         for (int i = 0; i < n; i++) all[i] = i;
-        check_case<P1V, P1B>(p, x, all, "all", nullptr);
-        check_case<P1V, P1B>(p, x, subset, "subset", nullptr);
-        check_case<P1V, P1B>(p, x, none, "empty", nullptr);
-        if (d == 896) check_case<P1V, P1B>(p, x, all, "all", nw.data());
+        check_case(p, x, all, "all", nullptr);
+        check_case(p, x, subset, "subset", nullptr);
+        check_case(p, x, none, "empty", nullptr);
+        if (d == 896) check_case(p, x, all, "all", nw.data());
     }
 }
 
 int main() {
     std::mt19937 g(11);
-    check_all<4, 0>(g);
-    check_all<4, 1>(g);
-    check_all<2, 0>(g);
-    check_all<2, 1>(g);
+    check_all(g);
     printf("fused FFN phase 1: worst error %.3g of the terms' magnitude; %s\n", worst,
            failures ? "FAILED" : "all cases ok");
     return failures ? 1 : 0;

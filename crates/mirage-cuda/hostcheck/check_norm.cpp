@@ -1,8 +1,6 @@
 // Host check of norm.cu's rms_norm_row (no GPU): the function cut out of the
-// kernel source (extract.py -> norm_extract.h) and run as one block, every
-// CUDA thread an std::thread (shared memory = a static array, __syncthreads
-// = a block barrier, warp shuffles = a 32-thread exchange with barriers, as
-// check_pruned.cpp). For row widths that take the vector path in one round,
+// kernel source (extract.py -> norm_extract.h) and run as one emulated
+// block (block_emu.h). For row widths that take the vector path in one round,
 // in several rounds and with a partial last round, and widths / misaligned
 // rows that take the scalar loop, at 256 threads (the backend's launch):
 // every element is emitted exactly once, the values equal an f64 RMSNorm to
@@ -10,7 +8,7 @@
 // to the same bound (they sum in different orders). Then superblock.cu's
 // sb_stage_x, phase 1 of the sparse FFN with the norm folded in: the
 // shared-memory x it stages holds rms_norm_row's values in the layout of
-// the unfolded staging (interleaved for P1V > 0, plain for P1V = 0), bit
+// the unfolded staging (interleaved), bit
 // for bit, and block 0 writes the norm's output row.
 // Build and run: hostcheck/run.sh.
 #include <cstdio>
@@ -89,7 +87,7 @@ int main() {
     }
     printf("rms_norm_row: %d of %d cases ok\n", cases - fails, cases);
     for (int d : {256, 896, 3584, 5120}) {
-        for (int layout = 0; layout < 2; layout++) {
+        {
             std::vector<float4> xs(d / 4), ws(d / 4), staged(d / 4), plain(d / 4);
             float* x = reinterpret_cast<float*>(xs.data());
             float* w = reinterpret_cast<float*>(ws.data());
@@ -97,25 +95,21 @@ int main() {
             std::vector<float> ref, nout(d, NAN);
             std::vector<int> hits;
             norm_block(x, w, d, 256, ref, hits);
-            // Unfolded staging of the normalized row, as phase 1 did before.
+            // The unfolded staging of the normalized row (interleaved).
             std::vector<float4> want(d / 4);
             const int nv = d >> 4;
             for (int t = 0; t < d / 4; t++) {
                 float4 v{ref[4 * t], ref[4 * t + 1], ref[4 * t + 2], ref[4 * t + 3]};
-                want[layout ? (t & 3) * nv + (t >> 2) : t] = v;
+                want[(t & 3) * nv + (t >> 2)] = v;
             }
-            run_block(256, dim3_{0, 0, 0}, [&] {
-                if (layout) sb_stage_x<4>(staged.data(), x, d, w, 1e-6f, nout.data());
-                else sb_stage_x<0>(staged.data(), x, d, w, 1e-6f, nout.data());
-            });
+            run_block(256, dim3_{0, 0, 0}, [&] { sb_stage_x(staged.data(), x, d, w, 1e-6f, nout.data()); });
             int differ = 0;
             for (int t = 0; t < d / 4; t++)
                 differ += memcmp(&staged[t], &want[t], sizeof(float4)) != 0;
             for (int i = 0; i < d; i++) differ += memcmp(&nout[i], &ref[i], 4) != 0;
             cases++;
             fails += differ != 0;
-            printf("sb_stage_x d %4d %s: %s (%d float4s or outputs differ)\n", d, layout ? "interleaved" : "plain",
-                   differ ? "FAIL" : "ok", differ);
+            printf("sb_stage_x d %4d: %s (%d float4s or outputs differ)\n", d, differ ? "FAIL" : "ok", differ);
         }
     }
     printf("norm checks: %d of %d cases ok\n", cases - fails, cases);

@@ -1,7 +1,5 @@
 // Host check of cuda/attention_pruned.cu (no GPU): the kernels compiled as
-// C++ and run block by block, every CUDA thread an std::thread (shared
-// memory = function statics, __syncthreads = a block barrier, warp shuffles
-// = a 32-thread exchange with barriers, shared atomics = host atomics).
+// C++ and run block by block (block_emu.h; shared atomics = plain adds).
 //   1. page_keys + select_pages choose exactly the pages of the CPU rule
 //      (kv_pages::PageSummaries::select with ties to the lower page index:
 //      a stable sort by bound) on random boxes, with forced duplicates of
@@ -10,70 +8,27 @@
 //   2. attend_pages_part + attend_pages_combine over a chosen list equal an
 //      f64 softmax over the same positions (partial last page, empty splits,
 //      an empty list).
-// Build and run: hostcheck/run_pruned.sh.
-#include <atomic>
-#include <barrier>
-#include <cmath>
-#include <math.h>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
-#include <memory>
-#include <random>
-#include <thread>
-#include <vector>
+// Build and run: hostcheck/run.sh.
 #include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include "block_emu.h"
 
 typedef unsigned short u16;
 typedef unsigned int u32;
-struct dim3_ { unsigned x = 1, y = 1, z = 1; };
-thread_local dim3_ threadIdx, blockIdx;
-dim3_ blockDim, gridDim;
-static std::barrier<>* g_block = nullptr;
-static std::vector<std::unique_ptr<std::barrier<>>> g_warps;
-static std::vector<unsigned long long> g_slots;  // one per thread, for shuffles
-
-#define __device__
 #define __global__
-#define __forceinline__ inline
-#define __restrict__
-#define __shared__ static
 #define MIRAGE_INF INFINITY
 #define ATT_THREADS 256
 #define ATT_TILE 64
 // Programmatic dependent launch (cuda/pdl.cu) orders kernels on the device;
 // here kernels run one after another anyway.
 #define PDL_ENTRY()
-
-inline void __syncthreads() { g_block->arrive_and_wait(); }
 inline float __uint_as_float(u32 u) { float f; memcpy(&f, &u, 4); return f; }
 inline u32 __float_as_uint(float f) { u32 u; memcpy(&u, &f, 4); return u; }
-inline int min(int a, int b) { return a < b ? a : b; }
-inline int max(int a, int b) { return a > b ? a : b; }
 inline long min(long a, long b) { return a < b ? a : b; }
 inline u32 min(u32 a, u32 b) { return a < b ? a : b; }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
-
-template <class T> T shfl(T v, int src_of_lane(int, int), int o) {
-    int t = threadIdx.x, lane = t & 31, w = t >> 5;
-    unsigned long long bits = 0;
-    memcpy(&bits, &v, sizeof(T));
-    g_slots[t] = bits;
-    g_warps[w]->arrive_and_wait();
-    int s = src_of_lane(lane, o);
-    T r = v;
-    if (s >= 0 && s < 32) memcpy(&r, &g_slots[w * 32 + s], sizeof(T));
-    g_warps[w]->arrive_and_wait();
-    return r;
-}
-inline int up_src(int lane, int o) { return lane >= o ? lane - o : -1; }
-inline int down_src(int lane, int o) { return lane + o < 32 ? lane + o : -1; }
-inline int xor_src(int lane, int o) { return lane ^ o; }
-template <class T> T __shfl_up_sync(unsigned, T v, int o) { return shfl<T>(v, up_src, o); }
-template <class T> T __shfl_down_sync(unsigned, T v, int o) { return shfl<T>(v, down_src, o); }
-template <class T> T __shfl_xor_sync(unsigned, T v, int o) { return shfl<T>(v, xor_src, o); }
 
 inline float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -87,32 +42,15 @@ inline float kv_load(const u16* p, long i) {
     return s ? -v : v;
 }
 
+#include "att_partial_extract.h"
 #include "attention_pruned.cu"
 
-// Runs `f` over the grid, one block at a time, blockDim.x threads each.
+// Runs `f` over the grid, one block at a time, `threads` threads each.
 static void launch(dim3_ grid, unsigned threads, const std::function<void()>& f) {
     gridDim = grid;
-    blockDim = dim3_{threads, 1, 1};
-    g_slots.assign(threads, 0);
     for (unsigned z = 0; z < grid.z; z++)
         for (unsigned y = 0; y < grid.y; y++)
-            for (unsigned x = 0; x < grid.x; x++) {
-                std::barrier<> block(threads);
-                g_block = &block;
-                g_warps.clear();
-                for (unsigned w = 0; w < (threads + 31) / 32; w++)
-                    g_warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w)));
-                std::vector<std::thread> ts;
-                for (unsigned t = 0; t < threads; t++)
-                    ts.emplace_back([&, t] {
-                        threadIdx = dim3_{t, 0, 0};
-                        blockIdx = dim3_{x, y, z};
-                        f();
-                        g_warps[t >> 5]->arrive_and_drop();
-                        block.arrive_and_drop();
-                    });
-                for (auto& th : ts) th.join();
-            }
+            for (unsigned x = 0; x < grid.x; x++) run_block(threads, dim3_{x, y, z}, f);
 }
 
 static int failures = 0;

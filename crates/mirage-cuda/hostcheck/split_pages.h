@@ -1,6 +1,6 @@
 // Random split-Q8_0 FFN pages and the f64 reference of phase 2 (the down
 // products) over them, for the host checks of the fused Q8_0 FFN's phase 2
-// (check_ffn_p2t.cpp, check_ffn_p2c.cpp). Include after the extracted
+// (check_ffn_p2.cpp). Include after the extracted
 // kernel header (SB_PAGE_CH) and ptx_emu.h (h2f).
 #pragma once
 #include <cmath>

@@ -13,98 +13,43 @@ use std::path::PathBuf;
 
 use crate::CudaError;
 
-/// The dense kernels (`cuda/dense.cu`), after `cuda/pdl.cu` (the
-/// programmatic-dependent-launch helpers every module starts with),
-/// `cuda/norm.cu` (the RMSNorm row both the dense and the sparse module
-/// run) and `cuda/nvfp4.cu`, whose `sb_*` decode helpers the fast decode kernels
-/// (split Q8_0, NVFP4) share with the sparse path, then the pruned decode
-/// attention (`cuda/attention_pruned.cu`, which uses dense.cu's helpers).
+/// The dense module: `cuda/pdl.cu` (the programmatic-dependent-launch
+/// helpers every module starts with), `cuda/norm.cu` (the RMSNorm row both
+/// modules run), `cuda/nvfp4.cu` (the weight decode helpers both modules
+/// share), then the dense kernels by concern: ggml block decoding
+/// (`cuda/ggml.cu`, whose helpers the later files use), element-wise and row
+/// kernels (`cuda/elementwise.cu`), attention (`cuda/attention.cu`), the
+/// mat-vecs (`cuda/matvec.cu`, `cuda/matvec_lanes.cu`,
+/// `cuda/matvec_split.cu`) and the pruned decode attention
+/// (`cuda/attention_pruned.cu`).
 pub const DENSE_SOURCE: &str = concat!(
     include_str!("../../../cuda/pdl.cu"),
     include_str!("../../../cuda/norm.cu"),
     include_str!("../../../cuda/nvfp4.cu"),
-    include_str!("../../../cuda/dense.cu"),
+    include_str!("../../../cuda/ggml.cu"),
+    include_str!("../../../cuda/elementwise.cu"),
+    include_str!("../../../cuda/attention.cu"),
+    include_str!("../../../cuda/matvec.cu"),
+    include_str!("../../../cuda/matvec_lanes.cu"),
+    include_str!("../../../cuda/matvec_split.cu"),
     include_str!("../../../cuda/attention_pruned.cu")
+);
+
+/// The sparse module: the same first three, the fused FFN kernels over
+/// pages (`cuda/superblock.cu`, `cuda/superblock_q2k.cu`) and the router
+/// (`cuda/route.cu`).
+pub const SPARSE_SOURCE: &str = concat!(
+    include_str!("../../../cuda/pdl.cu"),
+    include_str!("../../../cuda/norm.cu"),
+    include_str!("../../../cuda/nvfp4.cu"),
+    include_str!("../../../cuda/superblock.cu"),
+    include_str!("../../../cuda/superblock_q2k.cu"),
+    include_str!("../../../cuda/route.cu")
 );
 
 /// NVRTC options besides the architecture. Precise `expf`/division: the
 /// backend is checked against the CPU reference to cosine 0.9999.
 const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
-
-/// `MIRAGE_CUDA_ATT_KEYS` when it is a number: the least keys per split
-/// block of the decode attention, read by the kernels (`with_env_defines`)
-/// and by the host's split plan (`backend::attend_min_chunk`) alike.
-pub(crate) fn attention_min_keys_setting() -> Option<usize> {
-    env_number("MIRAGE_CUDA_ATT_KEYS")
-}
-
-/// Environment variable `key` when it parses as a `T`.
-fn env_number<T: std::str::FromStr>(key: &str) -> Option<T> {
-    std::env::var(key).ok().and_then(|v| v.parse().ok())
-}
-
-/// Whether environment variable `key` is `value` (any case).
-fn env_is(key: &str, value: &str) -> bool {
-    std::env::var(key).is_ok_and(|v| v.eq_ignore_ascii_case(value))
-}
-
-/// `source` with the compile-time switches the environment asks for put in
-/// front: `MIRAGE_PREFETCH_ROW` from `MIRAGE_CUDA_PREFETCH` (bytes of each
-/// weight row the mat-vec variants ask L2 for before waiting on the previous
-/// kernel, `cuda/pdl.cu`; `0` turns the prefetch off) when that variable is
-/// a number, `MIRAGE_ATT_MIN_KEYS` from `MIRAGE_CUDA_ATT_KEYS` (the least
-/// keys per split block of the decode attention, dense.cu's `att_chunk`;
-/// `0` keeps the host's fixed chunk) when that is a number, and
-/// `MIRAGE_NORM_SCALAR` when `MIRAGE_CUDA_NORM=scalar` (the RMSNorm's
-/// previous scalar loop instead of its vector path, norm.cu's
-/// `rms_norm_row`), `MIRAGE_MV2_MIN_BLOCKS` from `MIRAGE_CUDA_MV2_BLOCKS`
-/// (1 to 8: the least resident blocks per SM the split Q8_0 v2 mat-vecs are
-/// compiled for, dense.cu), and `MIRAGE_XPF_EVICT_LAST` when
-/// `MIRAGE_CUDA_XPREFETCH_EVICT=last` (the cross-op weight prefetch,
-/// dense.cu's `l2_prefetch`, asks for the evict-last priority),
-/// `MIRAGE_ATT_LOADS_BATCH 0` when `MIRAGE_CUDA_ATT_LOADS=serial` (the
-/// decode attention's previous predicated loads, which ptxas issued one at
-/// a time, instead of the default batch of key and value loads in flight
-/// before any is converted, dense.cu's `att_load_keys`), `MIRAGE_T2_PROBE`
-/// 1 / 2 when `MIRAGE_CUDA_T2_PROBE=copy` / `math` (superblock.cu: the tiled
-/// fused-FFN phase 2's copies alone / arithmetic alone, wrong outputs, for
-/// kernel-bench timing only); `source` as it is when none is set.
-pub fn with_env_defines(source: &str) -> std::borrow::Cow<'_, str> {
-    let mut defines = String::new();
-    if let Some(n) = env_number::<u32>("MIRAGE_CUDA_PREFETCH") {
-        defines.push_str(&format!("#define MIRAGE_PREFETCH_ROW {n}\n"));
-    }
-    if let Some(n) = attention_min_keys_setting() {
-        defines.push_str(&format!("#define MIRAGE_ATT_MIN_KEYS {n}\n"));
-    }
-    if env_is("MIRAGE_CUDA_NORM", "scalar") {
-        defines.push_str("#define MIRAGE_NORM_SCALAR 1\n");
-    }
-    if let Some(n) = env_number::<u32>("MIRAGE_CUDA_MV2_BLOCKS").filter(|n| (1..=8).contains(n)) {
-        defines.push_str(&format!("#define MIRAGE_MV2_MIN_BLOCKS {n}\n"));
-    }
-    if env_is("MIRAGE_CUDA_ATT_LOADS", "serial") {
-        // The decode attention's key/value loads back in their predicated
-        // form (dense.cu, att_load_keys), for A/Bs against the batched default.
-        defines.push_str("#define MIRAGE_ATT_LOADS_BATCH 0\n");
-    }
-    if env_is("MIRAGE_CUDA_XPREFETCH_EVICT", "last") {
-        defines.push_str("#define MIRAGE_XPF_EVICT_LAST 1\n");
-    }
-    // Timing probes of the tiled fused-FFN phase 2 (superblock.cu,
-    // MIRAGE_T2_PROBE): its copies alone or its arithmetic alone. Wrong
-    // outputs: for kernel-bench rows only.
-    if env_is("MIRAGE_CUDA_T2_PROBE", "copy") {
-        defines.push_str("#define MIRAGE_T2_PROBE 1\n");
-    } else if env_is("MIRAGE_CUDA_T2_PROBE", "math") {
-        defines.push_str("#define MIRAGE_T2_PROBE 2\n");
-    }
-    if defines.is_empty() {
-        source.into()
-    } else {
-        format!("{defines}{source}").into()
-    }
-}
 
 /// Whether kernel `name` of `ptx` waits on its prerequisite grid
 /// (`griddepcontrol.wait`, `cuda/pdl.cu`): only such a kernel may be
@@ -244,41 +189,5 @@ mod tests {
         assert!(!waits_on_prerequisite(PTX, "add_one_plain"));
         assert!(!waits_on_prerequisite(PTX, "add"));
         assert!(!waits_on_prerequisite(PTX, "missing"));
-    }
-
-    /// Every kernel of the shipped sources starts with PDL_ENTRY() (pdl.cu);
-    /// a kernel without it would only lose the overlap, but the rule is that
-    /// all of them have it.
-    #[test]
-    fn every_shipped_kernel_calls_pdl_entry() {
-        let files = [
-            include_str!("../../../cuda/dense.cu"),
-            include_str!("../../../cuda/attention_pruned.cu"),
-            include_str!("../../../cuda/nvfp4.cu"),
-            include_str!("../../../cuda/superblock.cu"),
-            include_str!("../../../cuda/superblock_q2k.cu"),
-            include_str!("../../../cuda/route.cu"),
-            include_str!("../../../cuda/vk_interop.cu"),
-        ];
-        for src in files {
-            let kernels = src.matches("__global__").count();
-            // The split mat-vec variants wait inside mv3_variant/ffn_variant
-            // (after their weight prefetch) or mv3_preload/ffn_preload, one
-            // call for the 5 kernels of each MVV_INSTANCE / MVV_PRE_INSTANCE (mv3_grid: the 4 of its
-            // MV3_SPLIT_KERNELS); l2_prefetch triggers first and waits last
-            // (`pdl_wait();` of its own).
-            let entries = src.matches("PDL_ENTRY();").count() + src.matches("pdl_wait();").count();
-            // (each macro's count less its #define line).
-            // MV3_SPLIT_KERNELS: 4 kernels per use (one of them inside
-            // MVV_PRE_INSTANCE's body, which adds its FFN kernel).
-            let uses = |m: &str| src.matches(m).count().saturating_sub(1);
-            let variant_kernels = uses("MVV_INSTANCE(") * 5
-                + uses("MV3_SPLIT_KERNELS(") * 4
-                + uses("MVV_PRE_INSTANCE(");
-            assert!(
-                entries + variant_kernels >= kernels,
-                "{kernels} kernels, {entries} PDL_ENTRY calls, {variant_kernels} variant kernels"
-            );
-        }
     }
 }

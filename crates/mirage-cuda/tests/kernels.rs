@@ -6,80 +6,50 @@
 
 use std::sync::Arc;
 
-use mirage_cuda::CudaBackend;
-use mirage_gguf::{quant, GgmlType, GgufFile};
+use mirage_cuda::{CudaBackend, CudaOptions};
+use mirage_gguf::{GgmlType, GgufFile};
 use mirage_runtime::backend::cpu::CpuActivations;
-use mirage_runtime::backend::{
-    AttentionParams, Backend, HostMatrix, QkNorm, SharedBytes, TokenSlot,
-};
+use mirage_runtime::backend::{AttentionParams, Backend, HostMatrix, QkNorm, TokenSlot};
 use mirage_runtime::kv_cache::{KvDtype, KvSpec};
 use mirage_runtime::ops::RopeMode;
 use mirage_runtime::{CpuBackend, Model};
-use rand::Rng;
 
 mod common;
-use common::{cuda, randn, require_cuda_tests, rng};
+use common::{
+    cosine, cuda, cuda_with, dequantized, matvec_reference, randn, rel_err, require_cuda_tests,
+    rng, worst_cosine, Tiny,
+};
 
+/// A matrix of the kernel tests.
 fn host_matrix(ty: GgmlType, rows: usize, cols: usize, values: &[f32]) -> HostMatrix {
-    let rb = quant::row_bytes(ty, cols).unwrap();
-    let mut data = vec![0u8; rb * rows];
-    for r in 0..rows {
-        quant::quantize(
-            ty,
-            &values[r * cols..(r + 1) * cols],
-            &mut data[r * rb..(r + 1) * rb],
-        )
-        .unwrap();
+    common::host_matrix(&format!("test.{ty}"), ty, rows, cols, values)
+}
+
+/// The model of the whole-model tests: mixed weight types, no biases.
+fn tiny_model() -> Arc<GgufFile> {
+    Tiny {
+        arch: "llama",
+        embd: GgmlType::F16,
+        types: [
+            GgmlType::Q8_0,
+            GgmlType::Q8_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_K,
+            GgmlType::Q4_K,
+            GgmlType::Q2_K,
+        ],
+        bias: false,
     }
-    HostMatrix {
-        name: format!("test.{ty}"),
-        ty,
-        rows,
-        cols,
-        data: SharedBytes::from_vec(data),
-    }
+    .build(21)
 }
 
-fn dequantized(m: &HostMatrix) -> Vec<f32> {
-    let mut out = vec![0.0f32; m.rows * m.cols];
-    quant::dequantize(m.ty, m.data.as_slice(), &mut out).unwrap();
-    out
+/// Every weight type of the file format (all of ggml's but the activation
+/// types Q8_1 and Q8_K).
+fn types() -> impl Iterator<Item = GgmlType> {
+    GgmlType::ALL
+        .into_iter()
+        .filter(|t| !matches!(t, GgmlType::Q8_1 | GgmlType::Q8_K))
 }
-
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| ((*a - *b) as f64).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    dot / (na * nb)
-}
-
-const TYPES: &[GgmlType] = &[
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-];
 
 #[test]
 fn matvec_and_embed_every_type_match_f64_reference() {
@@ -90,20 +60,12 @@ fn matvec_and_embed_every_type_match_f64_reference() {
     // 1280 columns: five K-quant super-blocks, forty legacy blocks; 77 rows
     // leaves a partly filled last thread block.
     let (rows, cols, n_act) = (77usize, 1280usize, 3usize);
-    for &ty in TYPES {
+    for ty in types() {
         let values = randn(&mut r, rows * cols);
         let hm = host_matrix(ty, rows, cols, &values);
         let w = dequantized(&hm);
         let x = randn(&mut r, n_act * cols);
-        let mut want = vec![0.0f32; n_act * rows];
-        for a in 0..n_act {
-            for o in 0..rows {
-                let s: f64 = (0..cols)
-                    .map(|i| w[o * cols + i] as f64 * x[a * cols + i] as f64)
-                    .sum();
-                want[a * rows + o] = s as f32;
-            }
-        }
+        let want = matvec_reference(&w, &x, rows, cols, n_act);
         let dm = gpu.upload_matrix(&hm).unwrap();
         let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
         let mut dy = gpu.new_activations();
@@ -204,20 +166,15 @@ fn attention_prefill_then_decode_matches_cpu() {
     let cpu = CpuBackend::new(1).unwrap();
     let mut r = rng(3);
     // Both decode paths: RoPE and the KV store inside the attention launch
-    // (the default; q is rotated on chip and its buffer left as it was,
-    // which the Backend contract allows) and the separate rope_store launch
-    // (which rotates q in place, checked below).
-    for (rope_in_attention, (mode, with_norm, n_head, n_head_kv, hd)) in
-        [true, false].into_iter().flat_map(|f| {
-            [
-                (RopeMode::Normal, false, 9, 3, 64),
-                (RopeMode::Neox, true, 14, 2, 64),
-                (RopeMode::Neox, false, 4, 4, 128),
-            ]
-            .map(|c| (f, c))
-        })
-    {
-        gpu.set_rope_in_attention(rope_in_attention);
+    // (decode rows without the per-head norm; q is rotated on chip and its
+    // buffer left as it was, which the Backend contract allows) and the
+    // separate rope_store launch (with the norm, and prefill rows; it
+    // rotates q in place, checked below).
+    for (mode, with_norm, n_head, n_head_kv, hd) in [
+        (RopeMode::Normal, false, 9, 3, 64),
+        (RopeMode::Neox, true, 14, 2, 64),
+        (RopeMode::Neox, false, 4, 4, 128),
+    ] {
         let p = AttentionParams {
             n_head,
             n_head_kv,
@@ -259,38 +216,66 @@ fn attention_prefill_then_decode_matches_cpu() {
         ];
         for slots in &steps {
             let n = slots.len();
-            let q = randn(&mut r, n * n_head * hd);
-            let k = randn(&mut r, n * n_head_kv * hd);
-            let v = randn(&mut r, n * n_head_kv * hd);
-            let mut cq = CpuActivations::from_vec(n, n_head * hd, q.clone()).unwrap();
-            let mut ck = CpuActivations::from_vec(n, n_head_kv * hd, k.clone()).unwrap();
-            let cv = CpuActivations::from_vec(n, n_head_kv * hd, v.clone()).unwrap();
-            let mut gq = gpu.upload_activations(n, n_head * hd, &q).unwrap();
-            let mut gk = gpu.upload_activations(n, n_head_kv * hd, &k).unwrap();
-            let gv = gpu.upload_activations(n, n_head_kv * hd, &v).unwrap();
-            let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
             let cn = with_norm.then_some(QkNorm { q: &cqn, k: &ckn });
             let gn = with_norm.then_some(QkNorm { q: &gqn, k: &gkn });
-            cpu.attention(1, &p, &mut cq, &mut ck, &cv, cn, slots, &mut cc, &mut co)
-                .unwrap();
-            gpu.attention(1, &p, &mut gq, &mut gk, &gv, gn, slots, &mut gc, &mut go)
-                .unwrap();
-            let (mut a, mut b) = (Vec::new(), Vec::new());
-            cpu.read(&co, &mut a).unwrap();
-            gpu.read(&go, &mut b).unwrap();
+            let [a, b, cq, gq] = attend_both(
+                (&cpu, &mut cc, cn),
+                (&gpu, &mut gc, gn),
+                &mut r,
+                1,
+                &p,
+                slots,
+            );
             let e = rel_err(&b, &a);
             assert!(
                 e < 1e-5,
-                "{mode:?} norm={with_norm} heads {n_head}/{n_head_kv} rows {n} rope in attention {rope_in_attention}: \
-                 attention rel err {e}"
+                "{mode:?} norm={with_norm} heads {n_head}/{n_head_kv} rows {n}: attention rel err {e}"
             );
-            if !rope_in_attention {
-                cpu.read(&cq, &mut a).unwrap();
-                gpu.read(&gq, &mut b).unwrap();
-                assert!(rel_err(&b, &a) < 1e-5, "rotated q differs");
+            if with_norm {
+                assert!(rel_err(&gq, &cq) < 1e-5, "rotated q differs");
             }
         }
     }
+}
+
+/// One backend's side of [`attend_both`]: the backend, its cache, its
+/// per-head q/k norm.
+type Side<'a, B> = (
+    &'a B,
+    &'a mut <B as Backend>::KvCache,
+    Option<QkNorm<'a, <B as Backend>::Vector>>,
+);
+
+/// One attention call of `layer` on the CPU and the GPU with the same random
+/// q, k and v for `slots`: the CPU's and the GPU's output, then their q
+/// after the call (rotated in place where RoPE runs on its own).
+fn attend_both(
+    (cpu, cc, cn): Side<'_, CpuBackend>,
+    (gpu, gc, gn): Side<'_, CudaBackend>,
+    r: &mut rand::rngs::StdRng,
+    layer: usize,
+    p: &AttentionParams,
+    slots: &[TokenSlot],
+) -> [Vec<f32>; 4] {
+    let (n, hq, hkv) = (slots.len(), p.n_head * p.head_dim, p.n_head_kv * p.head_dim);
+    let (q, k, v) = (randn(r, n * hq), randn(r, n * hkv), randn(r, n * hkv));
+    let mut cq = CpuActivations::from_vec(n, hq, q.clone()).unwrap();
+    let mut ck = CpuActivations::from_vec(n, hkv, k.clone()).unwrap();
+    let cv = CpuActivations::from_vec(n, hkv, v.clone()).unwrap();
+    let mut gq = gpu.upload_activations(n, hq, &q).unwrap();
+    let mut gk = gpu.upload_activations(n, hkv, &k).unwrap();
+    let gv = gpu.upload_activations(n, hkv, &v).unwrap();
+    let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
+    cpu.attention(layer, p, &mut cq, &mut ck, &cv, cn, slots, cc, &mut co)
+        .unwrap();
+    gpu.attention(layer, p, &mut gq, &mut gk, &gv, gn, slots, gc, &mut go)
+        .unwrap();
+    let mut out: [Vec<f32>; 4] = Default::default();
+    cpu.read(&co, &mut out[0]).unwrap();
+    gpu.read(&go, &mut out[1]).unwrap();
+    cpu.read(&cq, &mut out[2]).unwrap();
+    gpu.read(&gq, &mut out[3]).unwrap();
+    out
 }
 
 #[test]
@@ -344,27 +329,15 @@ fn smollm2_logits_match_cpu() {
         return;
     };
     let file = Arc::new(GgufFile::open(&path).unwrap());
-    let tokens: Vec<u32> = vec![1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 3458, 5248];
-    let g = Model::load(file.clone(), gpu)
-        .unwrap()
-        .logits_all(&tokens, KvDtype::F32)
-        .unwrap();
+    let tokens = common::SMOLLM2_PROMPT;
+    let g = common::logits(file.clone(), gpu, &tokens);
     let vocab = g.len() / tokens.len();
     for (label, cpu) in [
         ("f32-act", CpuBackend::new_f32_activations(0).unwrap()),
         ("q8-act", CpuBackend::new(0).unwrap()),
     ] {
-        let c = Model::load(file.clone(), cpu)
-            .unwrap()
-            .logits_all(&tokens, KvDtype::F32)
-            .unwrap();
-        let mut worst = 1.0f64;
-        for t in 0..tokens.len() {
-            worst = worst.min(cosine(
-                &g[t * vocab..(t + 1) * vocab],
-                &c[t * vocab..(t + 1) * vocab],
-            ));
-        }
+        let c = common::logits(file.clone(), cpu, &tokens);
+        let worst = worst_cosine(&g, &c, vocab);
         let last = cosine(&g[g.len() - vocab..], &c[c.len() - vocab..]);
         eprintln!(
             "smollm2 cuda vs cpu {label}: final-logit cosine {last:.7}, worst position {worst:.7}"
@@ -403,8 +376,7 @@ fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
             norm_eps: 1e-6,
         };
         for dtype in [KvDtype::F32, KvDtype::F16] {
-            for tiled in [true, false] {
-                gpu.set_tiled_prefill_attention(tiled);
+            {
                 let spec = KvSpec {
                     n_layer: 1,
                     n_head_kv,
@@ -428,277 +400,27 @@ fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
                 }
                 for slots in &steps {
                     let n = slots.len();
-                    let q = randn(&mut r, n * n_head * hd);
-                    let k = randn(&mut r, n * n_head_kv * hd);
-                    let v = randn(&mut r, n * n_head_kv * hd);
-                    let mut cq = CpuActivations::from_vec(n, n_head * hd, q.clone()).unwrap();
-                    let mut ck = CpuActivations::from_vec(n, n_head_kv * hd, k.clone()).unwrap();
-                    let cv = CpuActivations::from_vec(n, n_head_kv * hd, v.clone()).unwrap();
-                    let mut gq = gpu.upload_activations(n, n_head * hd, &q).unwrap();
-                    let mut gk = gpu.upload_activations(n, n_head_kv * hd, &k).unwrap();
-                    let gv = gpu.upload_activations(n, n_head_kv * hd, &v).unwrap();
-                    let (mut co, mut go) = (cpu.new_activations(), gpu.new_activations());
-                    cpu.attention(0, &p, &mut cq, &mut ck, &cv, None, slots, &mut cc, &mut co)
-                        .unwrap();
-                    gpu.attention(0, &p, &mut gq, &mut gk, &gv, None, slots, &mut gc, &mut go)
-                        .unwrap();
-                    let (mut a, mut b) = (Vec::new(), Vec::new());
-                    cpu.read(&co, &mut a).unwrap();
-                    gpu.read(&go, &mut b).unwrap();
+                    let [a, b, _, _] = attend_both(
+                        (&cpu, &mut cc, None),
+                        (&gpu, &mut gc, None),
+                        &mut r,
+                        0,
+                        &p,
+                        slots,
+                    );
                     let e = rel_err(&b, &a);
                     eprintln!(
-                        "long attention hd {hd} {dtype:?} tiled={tiled} rows {n} from pos {}: rel err {e:.2e}",
+                        "long attention hd {hd} {dtype:?} rows {n} from pos {}: rel err {e:.2e}",
                         slots[0].pos
                     );
                     assert!(
                         e < 1e-4,
-                        "hd {hd} {dtype:?} tiled={tiled} rows {n} at {}: attention rel err {e}",
+                        "hd {hd} {dtype:?} rows {n} at {}: attention rel err {e}",
                         slots[0].pos
                     );
                 }
             }
         }
-    }
-    gpu.set_tiled_prefill_attention(true);
-}
-
-/// A random llama-shaped model (2 layers, GQA 4/2, head_dim 64, mixed weight
-/// types) written as GGUF in memory.
-fn tiny_model() -> Arc<GgufFile> {
-    use mirage_gguf::{GgufWriter, Metadata, Value};
-    let (d, ff, vocab, n_layer) = (256usize, 512usize, 384usize, 2usize);
-    let (n_head, n_head_kv, hd) = (4usize, 2usize, 64usize);
-    let mut md = Metadata::new();
-    md.insert("general.architecture", Value::String("llama".into()));
-    md.insert("llama.block_count", Value::U32(n_layer as u32));
-    md.insert("llama.context_length", Value::U32(4096));
-    md.insert("llama.embedding_length", Value::U32(d as u32));
-    md.insert("llama.feed_forward_length", Value::U32(ff as u32));
-    md.insert("llama.attention.head_count", Value::U32(n_head as u32));
-    md.insert(
-        "llama.attention.head_count_kv",
-        Value::U32(n_head_kv as u32),
-    );
-    md.insert("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5));
-    md.insert("llama.rope.freq_base", Value::F32(10000.0));
-    md.insert("llama.vocab_size", Value::U32(vocab as u32));
-    let mut r = rng(21);
-    let mut tensors: Vec<(String, Vec<u64>, GgmlType, Vec<u8>)> = Vec::new();
-    let mut mat = |name: String,
-                   ty: GgmlType,
-                   rows: usize,
-                   cols: usize,
-                   scale: f32,
-                   r: &mut rand::rngs::StdRng| {
-        let v: Vec<f32> = randn(r, rows * cols).iter().map(|x| x * scale).collect();
-        let m = host_matrix(ty, rows, cols, &v);
-        tensors.push((
-            name,
-            vec![cols as u64, rows as u64],
-            ty,
-            m.data.as_slice().to_vec(),
-        ));
-    };
-    mat(
-        "token_embd.weight".into(),
-        GgmlType::F16,
-        vocab,
-        d,
-        1.0,
-        &mut r,
-    );
-    mat(
-        "output.weight".into(),
-        GgmlType::Q6_K,
-        vocab,
-        d,
-        0.1,
-        &mut r,
-    );
-    let (q_dim, kv_dim) = (n_head * hd, n_head_kv * hd);
-    for l in 0..n_layer {
-        let s = 1.0 / (d as f32).sqrt();
-        mat(
-            format!("blk.{l}.attn_q.weight"),
-            GgmlType::Q8_0,
-            q_dim,
-            d,
-            3.0 * s,
-            &mut r,
-        );
-        mat(
-            format!("blk.{l}.attn_k.weight"),
-            GgmlType::Q8_0,
-            kv_dim,
-            d,
-            3.0 * s,
-            &mut r,
-        );
-        mat(
-            format!("blk.{l}.attn_v.weight"),
-            GgmlType::Q4_1,
-            kv_dim,
-            d,
-            s,
-            &mut r,
-        );
-        mat(
-            format!("blk.{l}.attn_output.weight"),
-            GgmlType::Q5_K,
-            d,
-            q_dim,
-            s,
-            &mut r,
-        );
-        mat(
-            format!("blk.{l}.ffn_gate.weight"),
-            GgmlType::Q4_K,
-            ff,
-            d,
-            s,
-            &mut r,
-        );
-        mat(
-            format!("blk.{l}.ffn_up.weight"),
-            GgmlType::Q4_K,
-            ff,
-            d,
-            s,
-            &mut r,
-        );
-        mat(
-            format!("blk.{l}.ffn_down.weight"),
-            GgmlType::Q2_K,
-            d,
-            ff,
-            1.0 / (ff as f32).sqrt(),
-            &mut r,
-        );
-    }
-    let mut vecs: Vec<(String, Vec<f32>)> = vec![("output_norm.weight".into(), vec![1.0; d])];
-    for l in 0..n_layer {
-        for nm in ["attn_norm", "ffn_norm"] {
-            let w: Vec<f32> = (0..d)
-                .map(|_| 1.0 + 0.2 * r.random_range(-1.0f32..1.0))
-                .collect();
-            vecs.push((format!("blk.{l}.{nm}.weight"), w));
-        }
-    }
-    let mut w = GgufWriter::new(md);
-    for (name, dims, ty, data) in tensors {
-        w.add_tensor(name, dims, ty, data).unwrap();
-    }
-    for (name, v) in vecs {
-        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        w.add_tensor(name, vec![v.len() as u64], GgmlType::F32, bytes)
-            .unwrap();
-    }
-    let mut out = Vec::new();
-    w.write_to(&mut out).unwrap();
-    Arc::new(GgufFile::from_bytes(out).unwrap())
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// Greedy decode of `steps` tokens after a 20-token prompt, as one sequence
-/// (or, with `batch` 2, two sequences decoded in one batch, the second
-/// starting from another prompt): the logits of every step, concatenated.
-fn greedy_run(
-    model: &Model<CudaBackend>,
-    kv: KvDtype,
-    batch: usize,
-    steps: usize,
-) -> (Vec<f32>, Vec<u32>) {
-    let vocab = model.config().vocab_size;
-    let prompt_len = 20;
-    let mut cache = model
-        .new_kv_cache(prompt_len + steps + 1, batch, kv)
-        .unwrap();
-    let mut scratch = model.new_scratch();
-    let mut logits = Vec::new();
-    let mut last = Vec::new();
-    for seq in 0..batch {
-        let prompt: Vec<u32> = (0..prompt_len)
-            .map(|i| ((i * 37 + 5 + seq * 101) % vocab) as u32)
-            .collect();
-        let slots: Vec<TokenSlot> = (0..prompt_len).map(|pos| TokenSlot { seq, pos }).collect();
-        model
-            .forward(
-                &prompt,
-                &slots,
-                &[prompt_len - 1],
-                &mut cache,
-                &mut scratch,
-                &mut logits,
-            )
-            .unwrap();
-        last.push(argmax(&logits));
-    }
-    let (mut all, mut toks) = (Vec::new(), Vec::new());
-    for i in 0..steps {
-        let slots: Vec<TokenSlot> = (0..batch)
-            .map(|seq| TokenSlot {
-                seq,
-                pos: prompt_len + i,
-            })
-            .collect();
-        let rows: Vec<usize> = (0..batch).collect();
-        model
-            .forward(&last, &slots, &rows, &mut cache, &mut scratch, &mut logits)
-            .unwrap();
-        for (b, t) in last.iter_mut().enumerate() {
-            *t = argmax(&logits[b * vocab..(b + 1) * vocab]);
-            toks.push(*t);
-        }
-        all.extend_from_slice(&logits);
-    }
-    (all, toks)
-}
-
-/// Decode steps replayed as one CUDA graph give the logits of op-by-op
-/// launches (every step, same greedy tokens over 32 steps), at batch 1 and
-/// 2, and the graph is really replayed.
-#[test]
-fn graph_decode_equals_eager_decode() {
-    let Some(gpu) = cuda("graph_decode_equals_eager_decode") else {
-        return;
-    };
-    let model = Model::load(tiny_model(), gpu).unwrap();
-    let vocab = model.config().vocab_size;
-    for batch in [1, 2] {
-        model.backend().set_graphs(false);
-        let (eager, eager_toks) = greedy_run(&model, KvDtype::F32, batch, 32);
-        model.backend().set_graphs(true);
-        let before = model.backend().graph_stats();
-        let (graph, graph_toks) = greedy_run(&model, KvDtype::F32, batch, 32);
-        let after = model.backend().graph_stats();
-        let mut worst = 1.0f64;
-        for (a, b) in eager.chunks(vocab).zip(graph.chunks(vocab)) {
-            worst = worst.min(cosine(a, b));
-        }
-        eprintln!(
-            "batch {batch}: graph vs eager worst step cosine {worst:.9}; captures {}, replays {}; tokens {:?}",
-            after.captures - before.captures,
-            after.replays - before.replays,
-            &graph_toks[..8.min(graph_toks.len())]
-        );
-        assert_eq!(
-            eager_toks, graph_toks,
-            "batch {batch}: greedy tokens differ"
-        );
-        assert!(worst >= 0.9999, "batch {batch}: cosine {worst}");
-        assert!(
-            after.replays - before.replays >= 30,
-            "graph not replayed: {before:?} -> {after:?}"
-        );
     }
 }
 
@@ -707,27 +429,29 @@ fn graph_decode_equals_eager_decode() {
 /// mat-vec path; an f16 KV cache against f32.
 #[test]
 fn tiny_model_prefill_gemm_and_f16_cache_match() {
-    let Some(gpu) = cuda("tiny_model_prefill_gemm_and_f16_cache_match") else {
+    let test = "tiny_model_prefill_gemm_and_f16_cache_match";
+    let no_gemm = CudaOptions {
+        prefill_gemm: false,
+        ..CudaOptions::default()
+    };
+    let (Some(gemm), Some(plain)) = (cuda(test), cuda_with(test, &no_gemm)) else {
         return;
     };
     let file = tiny_model();
-    let model = Model::load(file.clone(), gpu).unwrap();
+    let (model, plain) = (
+        Model::load(file.clone(), gemm).unwrap(),
+        Model::load(file.clone(), plain).unwrap(),
+    );
     let vocab = model.config().vocab_size;
     let tokens: Vec<u32> = (0..40).map(|i| ((i * 53 + 7) % vocab) as u32).collect();
-    let worst = |a: &[f32], b: &[f32]| {
-        a.chunks(vocab)
-            .zip(b.chunks(vocab))
-            .map(|(x, y)| cosine(x, y))
-            .fold(1.0f64, f64::min)
-    };
+    let worst = |a: &[f32], b: &[f32]| worst_cosine(a, b, vocab);
     let cpu = Model::load(file.clone(), CpuBackend::new_f32_activations(0).unwrap()).unwrap();
     let reference = cpu.logits_all(&tokens, KvDtype::F32).unwrap();
-    model.backend().set_prefill_gemm(false);
-    let matvec = model.logits_all(&tokens, KvDtype::F32).unwrap();
+    let matvec = plain.logits_all(&tokens, KvDtype::F32).unwrap();
     let c = worst(&matvec, &reference);
     eprintln!("tiny model cuda mat-vec vs cpu f32-act: worst position cosine {c:.7}");
     assert!(c >= 0.9999, "cuda vs cpu cosine {c}");
-    if model.backend().set_prefill_gemm(true) {
+    if model.backend().prefill_gemm() {
         let gemm = model.logits_all(&tokens, KvDtype::F32).unwrap();
         let c = worst(&gemm, &matvec);
         eprintln!("tiny model prefill cuBLAS f16 GEMM vs mat-vec: worst position cosine {c:.7}");
@@ -769,39 +493,44 @@ fn tiny_model_fixture_runs_on_cpu() {
 /// one partial).
 #[test]
 fn prefill_gemm_every_type_matches_matvec() {
-    let Some(gpu) = cuda("prefill_gemm_every_type_matches_matvec") else {
+    let test = "prefill_gemm_every_type_matches_matvec";
+    let (rows, cols, n_act) = (300usize, 512usize, 40usize);
+    let with = |prefill_gemm: bool, gemm_tile_bytes: usize| CudaOptions {
+        prefill_gemm,
+        gemm_tile_bytes,
+        ..CudaOptions::default()
+    };
+    let (Some(plain), Some(one_tile), Some(tiles)) = (
+        cuda_with(test, &with(false, 32 << 20)),
+        cuda_with(test, &with(true, 32 << 20)),
+        cuda_with(test, &with(true, 48 * 2 * cols)),
+    ) else {
         return;
     };
-    if !gpu.set_prefill_gemm(true) {
+    if !one_tile.prefill_gemm() {
         assert!(!require_cuda_tests(), "cuBLAS did not load");
-        eprintln!("prefill_gemm_every_type_matches_matvec: skipped, cuBLAS did not load");
+        eprintln!("{test}: skipped, cuBLAS did not load");
         return;
     }
     let mut r = rng(31);
-    let (rows, cols, n_act) = (300usize, 512usize, 40usize);
-    for &ty in TYPES {
-        let values = randn(&mut r, rows * cols);
-        let hm = host_matrix(ty, rows, cols, &values);
-        let dm = gpu.upload_matrix(&hm).unwrap();
+    for ty in types() {
+        let hm = host_matrix(ty, rows, cols, &randn(&mut r, rows * cols));
         let x = randn(&mut r, n_act * cols);
-        let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
-        let mut ym = gpu.new_activations();
-        gpu.set_prefill_gemm(false);
-        gpu.matmul(&dm, &dx, &mut ym).unwrap();
-        let mut b = Vec::new();
-        gpu.read(&ym, &mut b).unwrap();
-        for tile in [32 << 20, 48 * 2 * cols] {
-            gpu.set_prefill_gemm(true);
-            gpu.set_gemm_tile_bytes(tile);
-            let mut yg = gpu.new_activations();
-            gpu.matmul(&dm, &dx, &mut yg).unwrap();
-            let mut a = Vec::new();
-            gpu.read(&yg, &mut a).unwrap();
+        let run = |b: &CudaBackend| {
+            let dm = b.upload_matrix(&hm).unwrap();
+            let dx = b.upload_activations(n_act, cols, &x).unwrap();
+            let mut y = b.new_activations();
+            b.matmul(&dm, &dx, &mut y).unwrap();
+            let mut out = Vec::new();
+            b.read(&y, &mut out).unwrap();
+            out
+        };
+        let want = run(&plain);
+        for (what, b) in [("one tile", &one_tile), ("tiles of 48 rows", &tiles)] {
             // f16 activations (and f16 copies of F32/BF16 weights): ~1e-3.
-            let e = rel_err(&a, &b);
-            eprintln!("{ty}: prefill GEMM (tile {tile} B) vs mat-vec rel err {e:.2e}");
-            assert!(e < 5e-3, "{ty} tile {tile}: GEMM rel err {e}");
+            let e = rel_err(&run(b), &want);
+            eprintln!("{ty}: prefill GEMM ({what}) vs mat-vec rel err {e:.2e}");
+            assert!(e < 5e-3, "{ty} {what}: GEMM rel err {e}");
         }
-        gpu.set_gemm_tile_bytes(32 << 20);
     }
 }

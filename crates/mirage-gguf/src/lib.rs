@@ -43,6 +43,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod atomic;
 pub mod error;
 pub mod hparams;
 pub mod metadata;

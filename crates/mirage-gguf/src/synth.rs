@@ -223,6 +223,148 @@ fn pack_q4k_scales(sc: &[u8; 8], m: &[u8; 8]) -> [u8; 12] {
     s
 }
 
+/// The shape and tokenizer of a tiny, complete llama-architecture model
+/// ([`TinyModel::writer`]): every tensor the graph needs, F32 weights drawn
+/// from a seed, a byte-level BPE vocabulary (the 256 GPT-2 byte tokens plus
+/// `<|im_start|>` and `<|im_end|>`) and optionally a chat template. For
+/// tests and fuzz seeds that need a model file that loads in milliseconds;
+/// the weights mean nothing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TinyModel {
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Model width.
+    pub n_embd: usize,
+    /// FFN width.
+    pub n_ff: usize,
+    /// Query heads.
+    pub n_head: usize,
+    /// Key/value heads.
+    pub n_head_kv: usize,
+    /// `{arch}.context_length`.
+    pub n_ctx_train: usize,
+    /// `tokenizer.chat_template`, if any.
+    pub chat_template: Option<String>,
+    /// Seed of the weights.
+    pub seed: u64,
+}
+
+impl Default for TinyModel {
+    fn default() -> Self {
+        TinyModel {
+            n_layer: 2,
+            n_embd: 32,
+            n_ff: 64,
+            n_head: 4,
+            n_head_kv: 2,
+            n_ctx_train: 256,
+            chat_template: Some(TINY_CHAT_TEMPLATE.to_owned()),
+            seed: 1,
+        }
+    }
+}
+
+/// The ChatML template [`TinyModel::default`] carries.
+pub const TINY_CHAT_TEMPLATE: &str = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// GPT-2's byte-level alphabet: the printable character that stands for
+/// byte `b` in a token's text.
+fn byte_char(b: u8) -> char {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+    if printable(b) {
+        return char::from(b);
+    }
+    let shifted = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + shifted).expect("valid code point")
+}
+
+impl TinyModel {
+    /// Tokens of the vocabulary (256 byte tokens, then the two specials).
+    pub fn vocab_size(&self) -> usize {
+        258
+    }
+
+    /// Metadata and tensors of the model, ready to edit or write.
+    pub fn writer(&self) -> Result<crate::GgufWriter<'static>, GgufError> {
+        use crate::{Metadata, Value, ValueType};
+        let head_dim = self.n_embd / self.n_head.max(1);
+        let mut md = Metadata::new();
+        md.insert("general.architecture", Value::String("llama".into()));
+        md.insert("general.name", Value::String("tiny".into()));
+        let u32v = |x: usize| Value::U32(x as u32);
+        md.insert("llama.block_count", u32v(self.n_layer));
+        md.insert("llama.embedding_length", u32v(self.n_embd));
+        md.insert("llama.feed_forward_length", u32v(self.n_ff));
+        md.insert("llama.attention.head_count", u32v(self.n_head));
+        md.insert("llama.attention.head_count_kv", u32v(self.n_head_kv));
+        md.insert("llama.context_length", u32v(self.n_ctx_train));
+        md.insert("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5));
+        md.insert("llama.rope.freq_base", Value::F32(10_000.0));
+        md.insert("tokenizer.ggml.model", Value::String("gpt2".into()));
+        md.insert("tokenizer.ggml.pre", Value::String("gpt2".into()));
+        let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_char(b).to_string()).collect();
+        tokens.push("<|im_start|>".into());
+        tokens.push("<|im_end|>".into());
+        let mut types = vec![Value::I32(1); 256];
+        types.extend([Value::I32(3), Value::I32(3)]);
+        md.insert("tokenizer.ggml.tokens", Value::string_array(tokens));
+        md.insert(
+            "tokenizer.ggml.token_type",
+            Value::array(ValueType::I32, types),
+        );
+        md.insert(
+            "tokenizer.ggml.merges",
+            Value::array(ValueType::String, Vec::new()),
+        );
+        md.insert("tokenizer.ggml.bos_token_id", Value::U32(256));
+        md.insert("tokenizer.ggml.eos_token_id", Value::U32(257));
+        md.insert("tokenizer.ggml.add_bos_token", Value::Bool(false));
+        if let Some(t) = &self.chat_template {
+            md.insert("tokenizer.chat_template", Value::String(t.clone()));
+        }
+        let mut w = crate::GgufWriter::new(md);
+        let mut seed = self.seed;
+        let mut add =
+            |w: &mut crate::GgufWriter<'static>, name: String, dims: Vec<u64>, std: f32| {
+                let n: u64 = dims.iter().product();
+                let mut data = vec![0u8; n as usize * 4];
+                seed = mix_seed(&[seed, n]);
+                fill_random(GgmlType::F32, std, seed, &mut data)?;
+                w.add_tensor(name, dims, GgmlType::F32, data)
+            };
+        let (d, ff, v) = (
+            self.n_embd as u64,
+            self.n_ff as u64,
+            self.vocab_size() as u64,
+        );
+        let q = (self.n_head * head_dim) as u64;
+        let kv = (self.n_head_kv * head_dim) as u64;
+        let std = 1.0 / (self.n_embd.max(1) as f32).sqrt();
+        add(&mut w, "token_embd.weight".into(), vec![d, v], 1.0)?;
+        for l in 0..self.n_layer {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            add(&mut w, n("attn_norm.weight"), vec![d], 1.0)?;
+            add(&mut w, n("attn_q.weight"), vec![d, q], std)?;
+            add(&mut w, n("attn_k.weight"), vec![d, kv], std)?;
+            add(&mut w, n("attn_v.weight"), vec![d, kv], std)?;
+            add(&mut w, n("attn_output.weight"), vec![q, d], std)?;
+            add(&mut w, n("ffn_norm.weight"), vec![d], 1.0)?;
+            add(&mut w, n("ffn_gate.weight"), vec![d, ff], std)?;
+            add(&mut w, n("ffn_up.weight"), vec![d, ff], std)?;
+            add(&mut w, n("ffn_down.weight"), vec![ff, d], std)?;
+        }
+        add(&mut w, "output_norm.weight".into(), vec![d], 1.0)?;
+        Ok(w)
+    }
+
+    /// The model as GGUF bytes.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, GgufError> {
+        let mut out = Vec::new();
+        self.writer()?.write_to(&mut out)?;
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

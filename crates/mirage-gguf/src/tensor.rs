@@ -91,7 +91,15 @@ impl<'a> TensorView<'a> {
             name: self.info.name.clone(),
             n_elements,
         })?;
-        let mut out = vec![0f32; n];
+        // Up to 16x the tensor's bytes (F32 from 2-bit blocks): a refused
+        // allocation is an error, not an abort.
+        let too_large = || GgufError::TooLarge {
+            name: self.info.name.clone(),
+            n_elements,
+        };
+        let mut out = Vec::new();
+        out.try_reserve_exact(n).map_err(|_| too_large())?;
+        out.resize(n, 0f32);
         crate::quant::dequantize(self.info.ty, self.data, &mut out).map_err(|source| {
             GgufError::Dequantize {
                 name: self.info.name.clone(),

@@ -5,9 +5,9 @@
 
 use std::borrow::Cow;
 use std::collections::HashSet;
-use std::fs::{self, File};
+
 use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::error::GgufError;
 use crate::metadata::{Metadata, Value, ValueType};
@@ -179,51 +179,28 @@ impl<'a> GgufWriter<'a> {
         Ok(out.written)
     }
 
-    /// Writes the file to `path` atomically: to `PATH.tmp-<pid>` first,
-    /// fsynced, then renamed over `path`, so a reader (or a crash) never sees
-    /// a half-written model. Returns the number of bytes written.
+    /// Writes the file to `path` atomically through
+    /// [`crate::atomic::AtomicFile`]: to `.NAME.tmp-<pid>` first (locked,
+    /// fsynced), then renamed over `path`, so a reader (or a crash) never
+    /// sees a half-written model, and a temporary left by a killed writer is
+    /// removed by the next write to `path`. Returns the number of bytes
+    /// written.
     pub fn write_to_path(&self, path: impl AsRef<Path>) -> Result<u64, GgufError> {
         let path = path.as_ref();
-        let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
-        tmp_name.push(format!(".tmp-{}", std::process::id()));
-        let tmp = path.with_file_name(tmp_name);
-        let result = self.write_tmp(&tmp).and_then(|n| {
-            fs::rename(&tmp, path).map_err(|source| GgufError::Io {
-                path: path.to_path_buf(),
-                source,
-            })?;
-            Ok(n)
-        });
-        if result.is_err() {
-            let _ = fs::remove_file(&tmp);
-        } else if let Some(dir) = path.parent() {
-            // Persist the rename itself; best effort, not all platforms allow
-            // opening a directory.
-            let dir = if dir.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                dir
-            };
-            if let Ok(d) = File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
-        result
-    }
-
-    fn write_tmp(&self, tmp: &PathBuf) -> Result<u64, GgufError> {
-        let io_err = |source| GgufError::Io {
-            path: tmp.clone(),
-            source,
+        let io_err = |p: &Path| {
+            let p = p.to_path_buf();
+            move |source| GgufError::Io { path: p, source }
         };
-        let file = File::create(tmp).map_err(io_err)?;
-        let mut buf = BufWriter::with_capacity(4 << 20, file);
+        let mut out = crate::atomic::AtomicFile::create(path).map_err(io_err(path))?;
+        let tmp = out.temp_path().to_path_buf();
+        let mut buf = BufWriter::with_capacity(4 << 20, out.file());
         let n = self.write_to(&mut buf).map_err(|e| match e {
-            GgufError::Write { source } => io_err(source),
+            GgufError::Write { source } => io_err(&tmp)(source),
             e => e,
         })?;
-        let file = buf.into_inner().map_err(|e| io_err(e.into_error()))?;
-        file.sync_all().map_err(io_err)?;
+        buf.flush().map_err(io_err(&tmp))?;
+        drop(buf);
+        out.commit().map_err(io_err(path))?;
         Ok(n)
     }
 }

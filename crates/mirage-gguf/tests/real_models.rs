@@ -304,3 +304,26 @@ fn smollm2_rewrite_is_byte_identical() {
 fn qwen_rewrite_is_byte_identical() {
     rewrite_identical(QWEN);
 }
+
+#[test]
+fn gemma3_hparams() {
+    let Some(path) = model("gemma-3-270m-q4_k_m.gguf") else {
+        return;
+    };
+    let f = GgufFile::open(path).unwrap();
+    let hp = f.hparams().unwrap();
+    assert_eq!(hp.arch, Arch::Gemma3);
+    assert_eq!((hp.n_layer, hp.n_embd, hp.n_ff), (18, 640, 2048));
+    // Heads wider than n_embd / n_head: key_length is read, not derived.
+    assert_eq!(
+        (hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v),
+        (4, 1, 256, 256)
+    );
+    assert_eq!(hp.vocab_size, 262_144);
+    assert_eq!(hp.n_ctx_train, 32768);
+    assert_eq!(hp.rope_freq_base, 1_000_000.0);
+    assert_eq!(hp.sliding_window, Some(512));
+    assert_eq!(hp.final_logit_softcapping, None);
+    assert!(hp.tied_embeddings && hp.attn_qk_norm && !hp.attn_qkv_bias);
+    assert!(f.tensor("blk.0.post_ffw_norm.weight").is_some());
+}

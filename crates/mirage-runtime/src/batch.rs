@@ -18,10 +18,10 @@ use std::time::Instant;
 use mirage_tokenizer::StreamDecoder;
 
 use crate::backend::{Backend, TokenSlot};
-use crate::engine::{Engine, GenerateParams, StopReason};
+use crate::engine::{sample_next, ActiveConstraint, Engine, GenerateParams, StopReason};
 use crate::error::{Result, RuntimeError};
 use crate::model::Scratch;
-use crate::sampling::{Sampler, StopCheck, StopStrings};
+use crate::sampling::{token_logprob, Sampler, StopCheck, StopStrings, TokenLogprob};
 
 /// What one [`Batcher::step`] produced for one sequence slot.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,6 +33,16 @@ pub enum SeqEvent {
         slot: usize,
         /// The text piece.
         text: String,
+    },
+    /// The log-probability of the token the sequence in `slot` just
+    /// sampled (only when its [`GenerateParams::logprobs`] asked), sent
+    /// before the text that token completes; one per generated token, in
+    /// order.
+    Logprob {
+        /// The sequence slot.
+        slot: usize,
+        /// The token, its log-probability and the top alternatives.
+        logprob: TokenLogprob,
     },
     /// The sequence in `slot` ended and its slot is free again.
     Finished {
@@ -69,6 +79,8 @@ struct Sequence {
     prompt_len: usize,
     max_tokens: usize,
     sampler: Sampler,
+    constraint: Option<ActiveConstraint>,
+    logprobs: Option<usize>,
     stops: StopStrings,
     decoder: StreamDecoder,
     text: String,
@@ -147,6 +159,7 @@ impl<'e, B: Backend> Batcher<'e, B> {
     /// room for a token, and with [`RuntimeError::InvalidArgument`] for an
     /// empty prompt or when every slot is taken.
     pub fn add(&mut self, prompt: Vec<u32>, params: &GenerateParams) -> Result<usize> {
+        params.validate()?;
         if prompt.is_empty() {
             return Err(RuntimeError::InvalidArgument("empty prompt".into()));
         }
@@ -159,6 +172,8 @@ impl<'e, B: Backend> Batcher<'e, B> {
             self.seqs.iter().position(|s| s.is_none()).ok_or_else(|| {
                 RuntimeError::InvalidArgument("every sequence slot is busy".into())
             })?;
+        let vocab = self.engine.model().config().vocab_size;
+        let constraint = ActiveConstraint::start(params, vocab)?;
         self.engine
             .model()
             .backend()
@@ -169,6 +184,8 @@ impl<'e, B: Backend> Batcher<'e, B> {
             fed: 0,
             max_tokens: params.max_tokens,
             sampler: Sampler::new(params.sampling.clone()),
+            constraint,
+            logprobs: params.logprobs,
             stops: StopStrings::new(params.stop.iter().cloned()),
             decoder: StreamDecoder::new(),
             text: String::new(),
@@ -274,10 +291,26 @@ impl<'e, B: Backend> Batcher<'e, B> {
             let Some(s) = self.seqs[i].as_mut() else {
                 continue;
             };
-            let token = s.sampler.sample(logits, &s.context);
+            // A constraint that fails (or refuses its own pick) ends only
+            // its sequence, as end of generation; the others go on.
+            let sampled = sample_next(&mut s.sampler, logits, &s.context, s.constraint.as_mut())
+                .ok()
+                .flatten()
+                .filter(|&t| {
+                    tokenizer.is_eog(t) || s.constraint.as_mut().is_none_or(|c| c.accept(t).is_ok())
+                });
             stats.sampled += 1;
             let mut finish = None;
-            if tokenizer.is_eog(token) {
+            if let (Some(token), Some(n)) = (sampled, s.logprobs) {
+                if !tokenizer.is_eog(token) {
+                    events.push(SeqEvent::Logprob {
+                        slot: i,
+                        logprob: token_logprob(logits, token, n),
+                    });
+                }
+            }
+            let token = sampled.unwrap_or(0);
+            if sampled.is_none_or(|t| tokenizer.is_eog(t)) {
                 finish = Some(StopReason::EndOfGeneration);
             } else {
                 s.generated += 1;

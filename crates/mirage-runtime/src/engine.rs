@@ -16,17 +16,17 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
 use mirage_gguf::GgufFile;
-use mirage_tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
+use mirage_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, TokenSlot};
+use crate::constraint::{Constraint, ConstraintState, TokenMask};
 use crate::error::{Result, RuntimeError};
 use crate::kv_cache::KvDtype;
 use crate::model::{Model, Scratch};
-use crate::sampling::{Sampler, SamplingParams, StopCheck, StopStrings};
+use crate::sampling::{Sampler, SamplingParams, TokenLogprob};
 
 fn tok_err(e: mirage_tokenizer::TokenizerError) -> RuntimeError {
     RuntimeError::Tokenizer(e.to_string())
@@ -37,7 +37,10 @@ fn tok_err(e: mirage_tokenizer::TokenizerError) -> RuntimeError {
 pub struct EngineOptions {
     /// CPU worker threads (0: one per logical CPU).
     pub threads: usize,
-    /// Positions per session (0: the training context, capped at 4096).
+    /// Positions per session (0: the training context, capped at 4096). At
+    /// most the training context, or the context the file's RoPE scaling
+    /// extends it to ([`crate::ModelConfig::max_context`]); a session's KV
+    /// cache must also fit the memory available ([`crate::memory`]).
     pub n_ctx: usize,
     /// KV cache element type.
     pub kv_dtype: KvDtype,
@@ -47,6 +50,16 @@ pub struct EngineOptions {
     /// [`crate::kv_pages`]); `None`: every position. Prefill always attends
     /// every position. Backends without pruned attention refuse it.
     pub kv_pruning: Option<crate::kv_pages::KvPruning>,
+    /// Batch-invariant (deterministic) arithmetic: every row of a forward
+    /// pass goes through the same kernels in the same order whatever else
+    /// is in the batch and however a prompt is split into chunks, so a
+    /// sequence's logits are the same bits alone, in a session, or batched
+    /// with other requests (its greedy or seeded tokens follow). It costs
+    /// speed (no multi-row kernels). The backend must honour it: one that
+    /// cannot refuses it at load ([`RuntimeError::Unsupported`]); it does
+    /// not combine with `kv_pruning` (a one-row prompt chunk is pruned like
+    /// a decode step, so chunking would change the result).
+    pub deterministic: bool,
 }
 
 impl Default for EngineOptions {
@@ -57,12 +70,13 @@ impl Default for EngineOptions {
             kv_dtype: KvDtype::F32,
             n_batch: 256,
             kv_pruning: None,
+            deterministic: false,
         }
     }
 }
 
 /// What to generate.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct GenerateParams {
     /// Most new tokens.
     pub max_tokens: usize,
@@ -70,6 +84,19 @@ pub struct GenerateParams {
     pub sampling: SamplingParams,
     /// Generation stops before the first occurrence of any of these.
     pub stop: Vec<String>,
+    /// Only tokens this allows are sampled (a grammar or JSON schema from
+    /// `mirage-grammar`); end-of-generation only where it may end.
+    pub constraint: Option<Arc<dyn Constraint>>,
+    /// Report each generated token's log-probability with this many most
+    /// likely alternatives (0..=20; see [`token_logprob`]); `None`: none.
+    pub logprobs: Option<usize>,
+}
+
+impl GenerateParams {
+    /// Refuses sampling parameters out of range ([`SamplingParams::validate`]).
+    pub fn validate(&self) -> Result<()> {
+        self.sampling.validate()
+    }
 }
 
 impl Default for GenerateParams {
@@ -78,6 +105,76 @@ impl Default for GenerateParams {
             max_tokens: 128,
             sampling: SamplingParams::default(),
             stop: Vec::new(),
+            constraint: None,
+            logprobs: None,
+        }
+    }
+}
+
+impl PartialEq for GenerateParams {
+    /// Constraints compare by identity (the same compiled grammar).
+    fn eq(&self, other: &Self) -> bool {
+        self.max_tokens == other.max_tokens
+            && self.sampling == other.sampling
+            && self.stop == other.stop
+            && self.logprobs == other.logprobs
+            && match (&self.constraint, &other.constraint) {
+                (None, None) => true,
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                _ => false,
+            }
+    }
+}
+
+/// A constraint's per-generation state and the mask it fills each step.
+pub(crate) struct ActiveConstraint {
+    state: Box<dyn ConstraintState>,
+    mask: TokenMask,
+}
+
+impl ActiveConstraint {
+    /// Starts `params`' constraint, if any, for logits of `vocab` tokens.
+    pub(crate) fn start(params: &GenerateParams, vocab: usize) -> Result<Option<ActiveConstraint>> {
+        params
+            .constraint
+            .as_ref()
+            .map(|c| {
+                Ok(ActiveConstraint {
+                    state: c.start().map_err(RuntimeError::Constraint)?,
+                    mask: TokenMask::new(vocab),
+                })
+            })
+            .transpose()
+    }
+
+    /// The mask for the next sample.
+    pub(crate) fn mask(&mut self) -> Result<&TokenMask> {
+        self.mask.clear();
+        self.state
+            .fill_mask(&mut self.mask)
+            .map_err(RuntimeError::Constraint)?;
+        Ok(&self.mask)
+    }
+
+    /// Advances past a sampled token that is not end-of-generation.
+    pub(crate) fn accept(&mut self, token: u32) -> Result<()> {
+        self.state.accept(token).map_err(RuntimeError::Constraint)
+    }
+}
+
+/// Samples the next token under an optional constraint: `None` when the
+/// constraint allows nothing (the generation must end).
+pub(crate) fn sample_next(
+    sampler: &mut Sampler,
+    logits: &[f32],
+    history: &[u32],
+    constraint: Option<&mut ActiveConstraint>,
+) -> Result<Option<u32>> {
+    match constraint {
+        None => Ok(Some(sampler.sample(logits, history))),
+        Some(c) => {
+            let mask = c.mask()?;
+            Ok(sampler.sample_masked(logits, history, Some(mask)))
         }
     }
 }
@@ -145,13 +242,18 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     /// Counts and timings.
     pub stats: GenerationStats,
+    /// One entry per token of `tokens` when [`GenerateParams::logprobs`]
+    /// asked for them, else empty.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 /// A loaded model with its tokenizer, ready to open sessions.
 pub struct Engine<B: Backend = CpuBackend> {
     model: Model<B>,
     tokenizer: Tokenizer,
-    chat_template: Option<ChatTemplate>,
+    /// The compiled template, or why there is none (missing from the file,
+    /// or present and broken: said as such when a chat is rendered).
+    chat_template: std::result::Result<ChatTemplate, String>,
     options: EngineOptions,
     n_ctx: usize,
 }
@@ -185,9 +287,27 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Builds an engine from an opened GGUF file.
-    pub fn from_file(file: Arc<GgufFile>, backend: B, options: EngineOptions) -> Result<Engine<B>> {
+    pub fn from_file(
+        file: Arc<GgufFile>,
+        mut backend: B,
+        options: EngineOptions,
+    ) -> Result<Engine<B>> {
+        if options.deterministic && options.kv_pruning.is_some() {
+            return Err(RuntimeError::InvalidArgument(
+                "deterministic mode does not combine with KV-page pruning (a one-row prompt \
+                 chunk is pruned like a decode step, so results would depend on the batch)"
+                    .into(),
+            ));
+        }
+        // Before any upload: the backend picks its kernels per matrix.
+        backend.set_deterministic(options.deterministic)?;
         let tokenizer = Tokenizer::from_gguf(&file).map_err(tok_err)?;
-        let chat_template = ChatTemplate::from_gguf(&file).ok();
+        let chat_template = ChatTemplate::from_gguf(&file).map_err(|e| match e {
+            mirage_tokenizer::TokenizerError::MissingKey(_) => {
+                "the model has no chat template".to_string()
+            }
+            e => e.to_string(),
+        });
         let model = Model::load(file, backend)?;
         let train = model.config().n_ctx_train.max(1);
         let n_ctx = if options.n_ctx == 0 {
@@ -195,6 +315,8 @@ impl<B: Backend> Engine<B> {
         } else {
             options.n_ctx
         };
+        // Before any cache is sized by it.
+        model.config().check_context(n_ctx)?;
         Ok(Engine {
             model,
             tokenizer,
@@ -216,7 +338,13 @@ impl<B: Backend> Engine<B> {
 
     /// The chat template, when the file has one that compiles.
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
-        self.chat_template.as_ref()
+        self.chat_template.as_ref().ok()
+    }
+
+    /// Why there is no chat template: missing from the file, or present but
+    /// not compiling (the template error).
+    pub fn chat_template_error(&self) -> Option<&str> {
+        self.chat_template.as_ref().err().map(String::as_str)
     }
 
     /// Positions per session.
@@ -248,14 +376,27 @@ impl<B: Backend> Engine<B> {
         let t = self
             .chat_template
             .as_ref()
-            .ok_or_else(|| RuntimeError::Tokenizer("the model has no chat template".into()))?;
+            .map_err(|why| RuntimeError::Tokenizer(why.clone()))?;
         t.render(messages, true).map_err(tok_err)
     }
 
     /// A new session with an empty KV cache of [`Engine::n_ctx`] positions.
     pub fn session(&self) -> Result<Session<'_, B>> {
+        self.session_with(EngineRef::Borrowed(self))
+    }
+
+    /// A session that shares `engine` instead of borrowing it: it owns
+    /// what it needs, so it can move into another thread or an async task
+    /// (`std::thread::spawn(move || session.generate(..))`).
+    pub fn shared_session(engine: &Arc<Engine<B>>) -> Result<Session<'static, B>>
+    where
+        B: 'static,
+    {
+        engine.session_with(EngineRef::Shared(engine.clone()))
+    }
+
+    fn session_with<'e>(&self, engine: EngineRef<'e, B>) -> Result<Session<'e, B>> {
         Ok(Session {
-            engine: self,
             cache: self.model.new_kv_cache_pruned(
                 self.n_ctx,
                 1,
@@ -265,7 +406,84 @@ impl<B: Backend> Engine<B> {
             scratch: self.model.new_scratch(),
             tokens: Vec::new(),
             logits: Vec::new(),
+            engine,
         })
+    }
+
+    /// One embedding per input text: the final hidden state (after the
+    /// output norm) mean-pooled over the text's tokens and scaled to unit
+    /// L2 norm, as llama-server computes it with `--embedding` (mean
+    /// pooling, Euclidean normalisation). Texts are tokenized with the
+    /// model's BOS/EOS settings and run together, several sequences per
+    /// forward pass.
+    pub fn embed<S: AsRef<str>>(&self, inputs: &[S]) -> Result<Vec<Vec<f32>>> {
+        let tokens = inputs
+            .iter()
+            .map(|t| self.encode(t.as_ref(), true))
+            .collect::<Result<Vec<_>>>()?;
+        self.embed_tokens(&tokens)
+    }
+
+    /// [`Engine::embed`] of already tokenized inputs.
+    pub fn embed_tokens(&self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        /// Sequences that share one cache and its forward passes.
+        const GROUP: usize = 16;
+        for (i, t) in inputs.iter().enumerate() {
+            if t.is_empty() {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "input {i} has no tokens to embed"
+                )));
+            }
+            if t.len() > self.n_ctx {
+                return Err(RuntimeError::ContextFull { n_ctx: self.n_ctx });
+            }
+        }
+        let d = self.model.config().n_embd;
+        let n_batch = self.options.n_batch.max(1);
+        let mut out = Vec::with_capacity(inputs.len());
+        let mut scratch = self.model.new_scratch();
+        let mut hidden = Vec::new();
+        for group in inputs.chunks(GROUP) {
+            let longest = group.iter().map(Vec::len).max().unwrap_or(1);
+            let mut cache = self
+                .model
+                .new_kv_cache(longest, group.len(), self.options.kv_dtype)?;
+            let rows: Vec<(u32, TokenSlot)> = group
+                .iter()
+                .enumerate()
+                .flat_map(|(seq, t)| {
+                    t.iter()
+                        .enumerate()
+                        .map(move |(pos, &tok)| (tok, TokenSlot { seq, pos }))
+                })
+                .collect();
+            let mut sums = vec![vec![0.0f64; d]; group.len()];
+            for chunk in rows.chunks(n_batch) {
+                let tokens: Vec<u32> = chunk.iter().map(|r| r.0).collect();
+                let slots: Vec<TokenSlot> = chunk.iter().map(|r| r.1).collect();
+                self.model
+                    .hidden_states(&tokens, &slots, &mut cache, &mut scratch, &mut hidden)?;
+                if hidden.len() != chunk.len() * d {
+                    return Err(RuntimeError::InvalidArgument(format!(
+                        "backend returned {} hidden values for {} rows of {d}",
+                        hidden.len(),
+                        chunk.len()
+                    )));
+                }
+                for (slot, row) in slots.iter().zip(hidden.chunks_exact(d)) {
+                    for (acc, &h) in sums[slot.seq].iter_mut().zip(row) {
+                        *acc += h as f64;
+                    }
+                }
+            }
+            for (sum, t) in sums.into_iter().zip(group) {
+                let mean: Vec<f64> = sum.into_iter().map(|x| x / t.len() as f64).collect();
+                let norm = mean.iter().map(|x| x * x).sum::<f64>().sqrt();
+                let scale = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+                out.push(mean.into_iter().map(|x| (x * scale) as f32).collect());
+            }
+        }
+        Ok(out)
     }
 
     /// Logits at every position of `tokens` (`tokens.len() * vocab` floats,
@@ -276,13 +494,31 @@ impl<B: Backend> Engine<B> {
     }
 }
 
+/// How a [`Session`] holds its engine: borrowed, or shared through an
+/// `Arc` so that the session owns what it needs (`Session<'static, B>`,
+/// which moves into threads and async tasks).
+pub(crate) enum EngineRef<'e, B: Backend> {
+    Borrowed(&'e Engine<B>),
+    Shared(Arc<Engine<B>>),
+}
+
+impl<B: Backend> std::ops::Deref for EngineRef<'_, B> {
+    type Target = Engine<B>;
+    fn deref(&self) -> &Engine<B> {
+        match self {
+            EngineRef::Borrowed(e) => e,
+            EngineRef::Shared(e) => e,
+        }
+    }
+}
+
 /// One conversation: a KV cache, buffers and the tokens it holds.
 pub struct Session<'e, B: Backend = CpuBackend> {
-    engine: &'e Engine<B>,
-    cache: B::KvCache,
-    scratch: Scratch<B>,
-    tokens: Vec<u32>,
-    logits: Vec<f32>,
+    pub(crate) engine: EngineRef<'e, B>,
+    pub(crate) cache: B::KvCache,
+    pub(crate) scratch: Scratch<B>,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) logits: Vec<f32>,
 }
 
 impl<B: Backend> std::fmt::Debug for Session<'_, B> {
@@ -378,96 +614,21 @@ impl<'e, B: Backend> Session<'e, B> {
         self.generate_from(&context, params, on_text)
     }
 
-    /// Generates after exactly `context` (reusing the cached prefix).
+    /// Generates after exactly `context` (reusing the cached prefix),
+    /// streaming text to `on_text` (return `false` to stop).
     pub fn generate_from(
         &mut self,
         context: &[u32],
         params: &GenerateParams,
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<Generation> {
-        let tokenizer = &self.engine.tokenizer;
-        let t0 = Instant::now();
-        let before = self
-            .tokens
-            .iter()
-            .zip(context)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(context.len().saturating_sub(1));
-        self.feed_context(context)?;
-        let prompt_secs = t0.elapsed().as_secs_f64();
-        let prompt_tokens = context.len() - before;
-        let t1 = Instant::now();
-        let mut sampler = Sampler::new(params.sampling.clone());
-        let stops = StopStrings::new(params.stop.iter().cloned());
-        let mut decoder = StreamDecoder::new();
-        let (mut text, mut emitted) = (String::new(), 0usize);
-        let mut generated = Vec::new();
-        let mut decode_steps = 0;
-        let mut stop_reason = StopReason::MaxTokens;
-        let mut logits = std::mem::take(&mut self.logits);
-        while generated.len() < params.max_tokens {
-            let token = sampler.sample(&logits, &self.tokens);
-            if tokenizer.is_eog(token) {
-                stop_reason = StopReason::EndOfGeneration;
+        let mut state = self.start_generation(context, params)?;
+        while let Some(piece) = self.next_piece(&mut state)? {
+            if !piece.text.is_empty() && !on_text(&piece.text) && piece.token.is_some() {
+                state.stop_early(StopReason::Callback);
                 break;
             }
-            generated.push(token);
-            text.push_str(&decoder.push_token(tokenizer, token));
-            match stops.check(&text) {
-                StopCheck::Stop(at) => {
-                    text.truncate(at);
-                    if at > emitted {
-                        on_text(&text[emitted..]);
-                    }
-                    emitted = text.len();
-                    stop_reason = StopReason::StopString;
-                    break;
-                }
-                StopCheck::Emit(safe) => {
-                    if safe > emitted {
-                        let go_on = on_text(&text[emitted..safe]);
-                        emitted = safe;
-                        if !go_on {
-                            stop_reason = StopReason::Callback;
-                            break;
-                        }
-                    }
-                }
-            }
-            // The sample is fed even after the last one, so that the cache
-            // holds the whole reply and a chat can continue after it.
-            self.logits = logits;
-            match self.feed(&[token]) {
-                Ok(_) => decode_steps += 1,
-                Err(RuntimeError::ContextFull { .. }) => {
-                    logits = std::mem::take(&mut self.logits);
-                    stop_reason = StopReason::ContextFull;
-                    break;
-                }
-                Err(e) => return Err(e),
-            }
-            logits = std::mem::take(&mut self.logits);
         }
-        self.logits = logits;
-        if stop_reason != StopReason::StopString {
-            text.push_str(&decoder.finish());
-            if text.len() > emitted {
-                on_text(&text[emitted..]);
-            }
-        }
-        let stats = GenerationStats {
-            prompt_tokens,
-            generated_tokens: generated.len(),
-            decode_steps,
-            prompt_secs,
-            decode_secs: t1.elapsed().as_secs_f64(),
-            stop_reason,
-        };
-        Ok(Generation {
-            text,
-            tokens: generated,
-            stats,
-        })
+        Ok(state.finish())
     }
 }

@@ -76,6 +76,69 @@ pub struct KvSpec {
     pub dtype: KvDtype,
 }
 
+impl KvDtype {
+    /// Bytes of `n` stored values (Q8_0: 34 bytes a block of 32).
+    pub fn bytes_for(self, n: u64) -> Option<u64> {
+        match self {
+            KvDtype::F32 => n.checked_mul(4),
+            KvDtype::F16 => n.checked_mul(2),
+            KvDtype::Q8_0 => (n / Q8_0_BLOCK as u64).checked_mul(Q8_0_BLOCK as u64 + 2),
+        }
+    }
+
+    /// The name users type (`f32`, `f16`, `q8_0`).
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Q8_0 => "q8_0",
+        }
+    }
+}
+
+impl KvSpec {
+    /// Values stored for keys and values together, when it fits a u64.
+    pub fn values(&self) -> Option<u64> {
+        [
+            self.n_seq,
+            self.n_head_kv,
+            self.n_ctx,
+            self.head_dim,
+            self.n_layer,
+        ]
+        .iter()
+        .try_fold(2u64, |acc, &x| acc.checked_mul(x as u64))
+    }
+
+    /// Bytes of keys and values together, when it fits a u64.
+    pub fn bytes(&self) -> Option<u64> {
+        self.dtype.bytes_for(self.values()?)
+    }
+
+    /// `KV cache of 30 layers x 1 sequence x 4096 positions (f32)`, for messages.
+    pub fn describe(&self) -> String {
+        format!(
+            "KV cache of {} layers x {} sequence{} x {} positions ({})",
+            self.n_layer,
+            self.n_seq,
+            if self.n_seq == 1 { "" } else { "s" },
+            self.n_ctx,
+            self.dtype.name()
+        )
+    }
+
+    /// Refuses a cache larger than the memory available
+    /// ([`crate::memory::available_bytes`]) or whose size overflows.
+    pub fn check_fits_memory(&self) -> Result<(), RuntimeError> {
+        let needed = self.bytes().ok_or_else(|| RuntimeError::OutOfMemory {
+            what: self.describe(),
+            needed: u64::MAX,
+            available: crate::memory::available_bytes().unwrap_or(0),
+        })?;
+        crate::memory::check_fits(|| self.describe(), needed)
+    }
+}
+
 #[derive(Debug)]
 enum Store {
     F32(Vec<f32>),
@@ -85,12 +148,17 @@ enum Store {
 }
 
 impl Store {
-    fn new(dtype: KvDtype, n: usize) -> Store {
-        match dtype {
-            KvDtype::F32 => Store::F32(vec![0.0; n]),
-            KvDtype::F16 => Store::F16(vec![f16::ZERO; n]),
-            KvDtype::Q8_0 => Store::Q8_0(vec![0; n], vec![f16::ZERO; n / Q8_0_BLOCK]),
-        }
+    /// `n` zeroed values; an allocation the system refuses is an error.
+    fn new(dtype: KvDtype, n: usize, what: &str) -> Result<Store, RuntimeError> {
+        use crate::memory::try_zeroed_vec;
+        Ok(match dtype {
+            KvDtype::F32 => Store::F32(try_zeroed_vec(n, what)?),
+            KvDtype::F16 => Store::F16(try_zeroed_vec(n, what)?),
+            KvDtype::Q8_0 => Store::Q8_0(
+                try_zeroed_vec(n, what)?,
+                try_zeroed_vec(n / Q8_0_BLOCK, what)?,
+            ),
+        })
     }
     fn write(&mut self, at: usize, src: &[f32]) {
         match self {
@@ -124,7 +192,8 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Allocates a zeroed cache.
+    /// Allocates a zeroed cache; refuses one larger than the memory
+    /// available, naming both sizes.
     pub fn new(spec: KvSpec) -> Result<KvCache, RuntimeError> {
         let per_layer = spec
             .n_seq
@@ -143,17 +212,19 @@ impl KvCache {
                 spec.head_dim
             )));
         }
-        let k = (0..spec.n_layer)
-            .map(|_| Store::new(spec.dtype, per_layer))
-            .collect();
-        let v = (0..spec.n_layer)
-            .map(|_| Store::new(spec.dtype, per_layer))
-            .collect();
+        spec.check_fits_memory()?;
+        let what = spec.describe();
+        let stores = || -> Result<Vec<Store>, RuntimeError> {
+            (0..spec.n_layer)
+                .map(|_| Store::new(spec.dtype, per_layer, &what))
+                .collect()
+        };
+        let (k, v) = (stores()?, stores()?);
         Ok(KvCache {
             spec,
             k,
             v,
-            lens: vec![0; spec.n_seq],
+            lens: crate::memory::try_zeroed_vec(spec.n_seq, &what)?,
             paged: None,
         })
     }
@@ -314,8 +385,27 @@ impl KvCache {
         scores: &mut [f32],
         out: &mut [f32],
     ) {
+        self.attend_span(layer, seq, head, 0..n, q, scale, scores, out)
+    }
+
+    /// [`KvCache::attend`] over positions `span` only (a sliding window):
+    /// the softmax runs over exactly those positions. `scores` needs
+    /// `span.len()` elements. Callers check the ranges.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_span(
+        &self,
+        layer: usize,
+        seq: usize,
+        head: usize,
+        span: std::ops::Range<usize>,
+        q: &[f32],
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
         let hd = self.spec.head_dim;
-        let at = self.base(seq, head, 0);
+        let n = span.len();
+        let at = self.base(seq, head, span.start);
         match (&self.k[layer], &self.v[layer]) {
             (Store::F32(k), Store::F32(v)) => crate::ops::attend_f32(
                 q,

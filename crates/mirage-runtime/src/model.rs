@@ -1,5 +1,6 @@
 //! The transformer graph of the llama family (llama, qwen2, qwen3), generic
-//! over a [`Backend`].
+//! over a [`Backend`], and the [`Model`] that also holds the other
+//! architectures' graphs ([`crate::gemma3`]), one pass each.
 //!
 //! One block per layer:
 //! `h = x + Wo attn(rope(norm_qk(Wq n(x) + bq)), rope(norm_qk(Wk n(x) + bk)), Wv n(x) + bv)`,
@@ -75,7 +76,7 @@ impl ModelConfig {
         let rope_mode = match hp.arch {
             // llama.cpp: LLM_ARCH_LLAMA -> LLAMA_ROPE_TYPE_NORM; QWEN2/QWEN3 -> NEOX.
             Arch::Llama => RopeMode::Normal,
-            Arch::Qwen2 | Arch::Qwen3 => RopeMode::Neox,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeMode::Neox,
         };
         Ok(ModelConfig {
             arch: hp.arch,
@@ -92,6 +93,47 @@ impl ModelConfig {
             rope_scaling,
             rms_norm_eps: hp.rms_norm_eps,
         })
+    }
+
+    /// The longest context this model may run: its training context, or,
+    /// when the file declares RoPE scaling, the context the scaling
+    /// extends to (`factor` times the original context, itself the training
+    /// context unless the file names another), whichever is longer.
+    pub fn max_context(&self) -> usize {
+        let r = &self.rope_scaling;
+        if r.kind == crate::rope::RopeScalingKind::None {
+            return self.n_ctx_train;
+        }
+        let base = if r.original_context_length > 0 {
+            r.original_context_length
+        } else {
+            self.n_ctx_train
+        };
+        let scaled = (base as f64 * r.factor as f64).min(usize::MAX as f64) as usize;
+        self.n_ctx_train.max(scaled)
+    }
+
+    /// Refuses a context longer than [`ModelConfig::max_context`], naming
+    /// both and where the limit comes from.
+    pub fn check_context(&self, n_ctx: usize) -> Result<()> {
+        let limit = self.max_context();
+        if n_ctx <= limit {
+            return Ok(());
+        }
+        let r = &self.rope_scaling;
+        let why = if r.kind == crate::rope::RopeScalingKind::None {
+            format!(
+                "the model was trained on {} positions ({}.context_length) and declares no RoPE scaling",
+                self.n_ctx_train,
+                self.arch.name()
+            )
+        } else {
+            format!(
+                "the model was trained on {} positions and its {:?} RoPE scaling by {} extends that to {limit}",
+                self.n_ctx_train, r.kind, r.factor
+            )
+        };
+        Err(RuntimeError::ContextTooLarge { n_ctx, limit, why })
     }
 
     /// The attention parameters every layer shares.
@@ -125,15 +167,23 @@ pub type FfnInputObserver<'a> = &'a mut dyn FnMut(usize, &[f32]);
 
 /// Reusable activation buffers of a forward pass (one set per session).
 pub struct Scratch<B: Backend> {
-    x: B::Activations,
-    xn: B::Activations,
-    q: B::Activations,
-    k: B::Activations,
-    v: B::Activations,
-    att: B::Activations,
-    proj: B::Activations,
-    picked: B::Activations,
-    logits: B::Activations,
+    pub(crate) x: B::Activations,
+    pub(crate) xn: B::Activations,
+    pub(crate) q: B::Activations,
+    pub(crate) k: B::Activations,
+    pub(crate) v: B::Activations,
+    pub(crate) att: B::Activations,
+    pub(crate) proj: B::Activations,
+    pub(crate) picked: B::Activations,
+    pub(crate) logits: B::Activations,
+}
+
+/// The blocks of a model, in the layout of its architecture's graph.
+enum Blocks<B: Backend> {
+    /// llama, qwen2, qwen3: [`Model::pass`].
+    Llama(Vec<Layer<B>>),
+    /// gemma3: [`crate::gemma3::pass`].
+    Gemma3(crate::gemma3::Gemma3Config, Vec<crate::gemma3::Layer<B>>),
 }
 
 /// A loaded model: weights uploaded to a backend, plus the graph.
@@ -143,7 +193,7 @@ pub struct Model<B: Backend> {
     tok_embd: B::Matrix,
     output: Option<B::Matrix>,
     output_norm: B::Vector,
-    layers: Vec<Layer<B>>,
+    blocks: Blocks<B>,
 }
 
 impl<B: Backend> std::fmt::Debug for Model<B> {
@@ -156,12 +206,12 @@ impl<B: Backend> std::fmt::Debug for Model<B> {
 }
 
 /// Reads tensors of a GGUF file as [`HostMatrix`] views and f32 vectors.
-struct TensorSource {
+pub(crate) struct TensorSource {
     file: Arc<GgufFile>,
 }
 
 impl TensorSource {
-    fn matrix(&self, name: &str, cols: usize, rows: usize) -> Result<HostMatrix> {
+    pub(crate) fn matrix(&self, name: &str, cols: usize, rows: usize) -> Result<HostMatrix> {
         let info = self
             .file
             .tensor_info(name)
@@ -186,7 +236,7 @@ impl TensorSource {
         })
     }
 
-    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+    pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         let t = self
             .file
             .tensor(name)
@@ -211,7 +261,8 @@ impl TensorSource {
 impl<B: Backend> Model<B> {
     /// Uploads every weight of `file` to `backend` (zero-copy on the CPU).
     pub fn load(file: Arc<GgufFile>, backend: B) -> Result<Model<B>> {
-        let mut config = ModelConfig::from_hparams(&file.hparams()?)?;
+        let hparams = file.hparams()?;
+        let mut config = ModelConfig::from_hparams(&hparams)?;
         // The lm head's rows are the vocabulary the logits cover (Qwen pads
         // its tensor past the tokenizer's list).
         if let Some(t) = file
@@ -237,6 +288,18 @@ impl<B: Backend> Model<B> {
             None
         };
         let output_norm = backend.upload_vector(&src.vector("output_norm.weight", d)?)?;
+        if c.arch == Arch::Gemma3 {
+            let gemma = crate::gemma3::Gemma3Config::from_file(&src.file, &hparams)?;
+            let layers = crate::gemma3::load_layers(&src, &backend, c)?;
+            return Ok(Model {
+                config,
+                backend,
+                tok_embd,
+                output,
+                output_norm,
+                blocks: Blocks::Gemma3(gemma, layers),
+            });
+        }
         let mut layers = Vec::with_capacity(c.n_layer);
         for l in 0..c.n_layer {
             let n = |s: &str| format!("blk.{l}.{s}");
@@ -289,7 +352,7 @@ impl<B: Backend> Model<B> {
             tok_embd,
             output,
             output_norm,
-            layers,
+            blocks: Blocks::Llama(layers),
         })
     }
 
@@ -431,7 +494,7 @@ impl<B: Backend> Model<B> {
         match observer {
             // The observer reads activations in the middle of the pass, so
             // the pass cannot be recorded as one unit.
-            Some(obs) => self.pass(tokens, slots, logits_rows, cache, s, Some(obs))?,
+            Some(obs) => self.pass(tokens, slots, logits_rows, cache, s, Some(obs), false)?,
             None => {
                 let inputs = StepInputs {
                     tokens,
@@ -439,7 +502,7 @@ impl<B: Backend> Model<B> {
                     logits_rows,
                 };
                 self.backend.step(&inputs, || {
-                    self.pass(tokens, slots, logits_rows, cache, s, None)
+                    self.pass(tokens, slots, logits_rows, cache, s, None, false)
                 })?
             }
         }
@@ -449,8 +512,41 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// The final hidden state of every row of `tokens` (after the output
+    /// norm, before the lm head: `tokens.len() * n_embd` floats, row-major)
+    /// into `hidden`; the keys and values go into `cache` at `slots` as in
+    /// [`Model::forward`]. What embeddings are pooled from.
+    pub fn hidden_states(
+        &self,
+        tokens: &[u32],
+        slots: &[TokenSlot],
+        cache: &mut B::KvCache,
+        s: &mut Scratch<B>,
+        hidden: &mut Vec<f32>,
+    ) -> Result<()> {
+        if tokens.len() != slots.len() || tokens.is_empty() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "{} tokens for {} slots",
+                tokens.len(),
+                slots.len()
+            )));
+        }
+        self.backend.run(|| {
+            let inputs = StepInputs {
+                tokens,
+                slots,
+                logits_rows: &[],
+            };
+            self.backend.step(&inputs, || {
+                self.pass(tokens, slots, &[], cache, s, None, true)
+            })?;
+            self.backend.read(&s.xn, hidden).map(|_| ())
+        })
+    }
+
     /// Every op of a forward pass up to the lm head (its output stays in
-    /// `s.logits`).
+    /// `s.logits`), or with `hidden_out` up to the output norm of every row
+    /// (in `s.xn`), through the graph of the model's architecture.
     #[allow(clippy::too_many_arguments)]
     fn pass(
         &self,
@@ -459,7 +555,56 @@ impl<B: Backend> Model<B> {
         logits_rows: &[usize],
         cache: &mut B::KvCache,
         s: &mut Scratch<B>,
+        observer: Option<FfnInputObserver<'_>>,
+        hidden_out: bool,
+    ) -> Result<()> {
+        match &self.blocks {
+            Blocks::Llama(layers) => self.llama_pass(
+                layers,
+                tokens,
+                slots,
+                logits_rows,
+                cache,
+                s,
+                observer,
+                hidden_out,
+            ),
+            Blocks::Gemma3(config, layers) => {
+                let head = crate::gemma3::Head {
+                    tok_embd: &self.tok_embd,
+                    output_norm: &self.output_norm,
+                    lm_head: self.output.as_ref().unwrap_or(&self.tok_embd),
+                };
+                crate::gemma3::pass(
+                    &self.backend,
+                    &self.config,
+                    config,
+                    &head,
+                    layers,
+                    tokens,
+                    slots,
+                    logits_rows,
+                    cache,
+                    s,
+                    observer,
+                    hidden_out,
+                )
+            }
+        }
+    }
+
+    /// The llama-family pass.
+    #[allow(clippy::too_many_arguments)]
+    fn llama_pass(
+        &self,
+        layers: &[Layer<B>],
+        tokens: &[u32],
+        slots: &[TokenSlot],
+        logits_rows: &[usize],
+        cache: &mut B::KvCache,
+        s: &mut Scratch<B>,
         mut observer: Option<FfnInputObserver<'_>>,
+        hidden_out: bool,
     ) -> Result<()> {
         let mut observed = Vec::new();
         let b = &self.backend;
@@ -467,7 +612,7 @@ impl<B: Backend> Model<B> {
         let ap = c.attention_params();
         let lm_head = self.output.as_ref().unwrap_or(&self.tok_embd);
         b.embed(&self.tok_embd, tokens, &mut s.x)?;
-        for (l, layer) in self.layers.iter().enumerate() {
+        for (l, layer) in layers.iter().enumerate() {
             b.rms_norm(&s.x, &layer.attn_norm, c.rms_norm_eps, &mut s.xn)?;
             b.matmul_many(
                 &[&layer.wq, &layer.wk, &layer.wv],
@@ -480,7 +625,6 @@ impl<B: Backend> Model<B> {
                 b.add_bias(&mut s.v, bv)?;
             }
             let qk_norm = layer.qk_norm.as_ref().map(|[q, k]| QkNorm { q, k });
-            b.prefetch(&[&layer.wo])?;
             b.attention(
                 l, &ap, &mut s.q, &mut s.k, &s.v, qk_norm, slots, cache, &mut s.att,
             )?;
@@ -491,13 +635,13 @@ impl<B: Backend> Model<B> {
                 b.read(&s.xn, &mut observed)?;
                 obs(l, &observed);
             }
-            // What the next layer (or the lm head) reads first.
-            match self.layers.get(l + 1) {
-                Some(next) => b.prefetch(&[&next.wq, &next.wk, &next.wv])?,
-                None => b.prefetch(&[lm_head])?,
-            }
             b.ffn(&layer.ffn, &s.xn, &mut s.proj)?;
             b.add(&mut s.x, &s.proj)?;
+        }
+        if hidden_out {
+            // Every row's final-normed hidden state, no lm head.
+            b.rms_norm(&s.x, &self.output_norm, c.rms_norm_eps, &mut s.xn)?;
+            return Ok(());
         }
         if logits_rows.is_empty() {
             return Ok(());

@@ -122,6 +122,21 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// GELU with the tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`
+/// (PyTorch's `gelu(approximate="tanh")`, ggml's `gelu`).
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).tanh())
+}
+
+/// `out = gelu_tanh(gate) * up` elementwise (GeGLU).
+pub fn geglu_tanh(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = gelu_tanh(g) * u;
+    }
+}
+
 /// Dot product of two f32 slices (auto-vectorised: eight independent sums).
 #[inline]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -591,6 +606,27 @@ mod tests {
         attend_f32(&q, &k2, &v2, 2, 1.0, &mut s2, &mut out);
         let e = (2.0f32 - 1.0).exp();
         assert!((out[1] - e / (1.0 + e)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gelu_tanh_matches_its_definition() {
+        // The tanh-approximation formula evaluated in f64.
+        for (x, want) in [
+            (-3.0f32, -0.003_637_392),
+            (-1.0, -0.158_808),
+            (0.0, 0.0),
+            (0.5, 0.345_714),
+            (2.0, 1.954_598),
+        ] {
+            assert!(
+                (gelu_tanh(x) - want).abs() < 1e-5,
+                "gelu({x}) = {}",
+                gelu_tanh(x)
+            );
+        }
+        let mut o = [0.0f32; 2];
+        geglu_tanh(&[2.0, -1.0], &[3.0, 2.0], &mut o);
+        assert!((o[0] - 3.0 * 1.954_598).abs() < 1e-4 && (o[1] + 2.0 * 0.158_808).abs() < 1e-5);
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //!
 //! The order of the transforms follows llama.cpp's default sampler chain:
 //! penalties, then top-k, top-p, min-p, then temperature and the draw. A
-//! temperature of zero (or below) means greedy after the penalties.
+//! temperature of zero means greedy after the penalties.
+//! [`SamplingParams::validate`] is the one range check every frontend
+//! shares.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -13,7 +15,8 @@ use std::collections::HashMap;
 /// Sampling knobs. [`SamplingParams::default`] is greedy with no penalties.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
-    /// Softmax temperature; `<= 0` selects the arg-max (greedy).
+    /// Softmax temperature; 0 selects the arg-max (greedy). Negative,
+    /// infinite and NaN values are refused ([`SamplingParams::validate`]).
     pub temperature: f32,
     /// Keep only the `top_k` most likely tokens; 0 disables.
     pub top_k: usize,
@@ -49,6 +52,46 @@ impl Default for SamplingParams {
     }
 }
 
+impl SamplingParams {
+    /// Refuses values that are out of range or not numbers, naming the
+    /// field: `temperature` finite and >= 0 (0: greedy), `top_p` in (0, 1],
+    /// `min_p` in [0, 1], `repeat_penalty` finite and > 0, the presence and
+    /// frequency penalties within ±1e6 (OpenAI allows ±2; larger values only
+    /// ever mean "never repeat", and a huge one turns logits into
+    /// infinities). Generation calls it first; frontends may check narrower
+    /// ranges of their own on top.
+    pub fn validate(&self) -> Result<(), crate::RuntimeError> {
+        let bad = |field: &str, value: f32, want: &str| {
+            Err(crate::RuntimeError::InvalidArgument(format!(
+                "sampling parameter {field} is {value}, expected {want}"
+            )))
+        };
+        let t = self.temperature;
+        if !(t.is_finite() && t >= 0.0) {
+            return bad("temperature", t, "a finite number >= 0 (0: greedy)");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", self.top_p, "a number in (0, 1] (1: off)");
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return bad("min_p", self.min_p, "a number in [0, 1] (0: off)");
+        }
+        let r = self.repeat_penalty;
+        if !(r.is_finite() && r > 0.0) {
+            return bad("repeat_penalty", r, "a finite number > 0 (1: off)");
+        }
+        for (field, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if v.is_nan() || v.abs() > 1e6 {
+                return bad(field, v, "a number within ±1e6 (0: off)");
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A stateful sampler: owns its random generator and scratch buffers so that
 /// a decode step does not allocate.
 #[derive(Debug)]
@@ -79,16 +122,43 @@ impl Sampler {
     /// Picks the next token from `logits` given the tokens seen so far
     /// (prompt and generated, oldest first). Returns 0 for empty logits.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        self.sample_masked(logits, history, None)
+            .expect("an absent mask allows every token")
+    }
+
+    /// [`Sampler::sample`] among the tokens `mask` allows (every token when
+    /// `None`); `None` when the mask allows no token of `logits`.
+    /// Disallowed tokens get a logit of minus infinity before the
+    /// penalties, so the rest of the chain sees only allowed tokens.
+    pub fn sample_masked(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        mask: Option<&crate::constraint::TokenMask>,
+    ) -> Option<u32> {
         if logits.is_empty() {
-            return 0;
+            return mask.is_none().then_some(0);
         }
         let p = self.params.clone();
         self.candidates.clear();
         self.candidates
             .extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+        if let Some(mask) = mask {
+            let mut any = false;
+            for c in &mut self.candidates {
+                if mask.is_allowed(c.0) {
+                    any = true;
+                } else {
+                    c.1 = f32::NEG_INFINITY;
+                }
+            }
+            if !any {
+                return None;
+            }
+        }
         self.apply_penalties(history);
         if p.temperature <= 0.0 {
-            return arg_max(&self.candidates);
+            return Some(arg_max(&self.candidates));
         }
         // Sort descending once; top-k, top-p and min-p are then prefixes.
         self.candidates
@@ -127,11 +197,11 @@ impl Sampler {
         let mut r = self.rng.random::<f32>() * sum;
         for (c, w) in cands.iter().zip(&weights) {
             if r < *w {
-                return c.0;
+                return Some(c.0);
             }
             r -= w;
         }
-        cands[keep - 1].0
+        Some(cands[keep - 1].0)
     }
 
     fn apply_penalties(&mut self, history: &[u32]) {
@@ -168,6 +238,60 @@ fn arg_max(c: &[(u32, f32)]) -> u32 {
         }
     }
     best.0
+}
+
+/// The log-probability of one token and, when asked, of the most likely
+/// tokens at the same step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The sampled token.
+    pub token: u32,
+    /// Its natural-log probability.
+    pub logprob: f32,
+    /// The `top_logprobs` most likely tokens with their log-probabilities,
+    /// most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Most alternatives [`token_logprob`] reports per token (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Log-softmax of the model's raw `logits` at `token`, and the `top_n`
+/// (at most [`MAX_TOP_LOGPROBS`]) most likely tokens.
+///
+/// Raw means before penalties, temperature, top-k/p and any grammar mask:
+/// the model's own distribution, as OpenAI reports it and as vLLM does by
+/// default. A grammar may therefore sample a token that is not the most
+/// likely one; with greedy sampling and nothing else in the way the
+/// sampled token is the first of `top`.
+pub fn token_logprob(logits: &[f32], token: u32, top_n: usize) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    // Sum in f64: 151,936 terms in f32 lose about three digits.
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let log_z = max as f64 + sum.ln();
+    let lp = |l: f32| (l as f64 - log_z) as f32;
+    let logprob = logits
+        .get(token as usize)
+        .map_or(f32::NEG_INFINITY, |&l| lp(l));
+    let n = top_n.min(MAX_TOP_LOGPROBS).min(logits.len());
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    if n > 0 {
+        // Keep the n best seen so far, sorted descending; most logits are
+        // below the current n-th and cost one compare.
+        for (i, &l) in logits.iter().enumerate() {
+            if top.len() == n && l <= top[n - 1].1 {
+                continue;
+            }
+            let at = top.partition_point(|&(_, v)| v >= l);
+            top.insert(at, (i as u32, l));
+            top.truncate(n);
+        }
+    }
+    TokenLogprob {
+        token,
+        logprob,
+        top: top.into_iter().map(|(t, l)| (t, lp(l))).collect(),
+    }
 }
 
 /// Index of the largest logit (first on ties); 0 for an empty slice.
@@ -381,6 +505,54 @@ mod tests {
         for _ in 0..100 {
             assert_eq!(s.sample(&logits(), &[]), 1);
         }
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_with_sorted_alternatives() {
+        let l = logits();
+        let z: f64 = l.iter().map(|&x| (x as f64).exp()).sum();
+        let lp = token_logprob(&l, 2, 3);
+        assert_eq!(lp.token, 2);
+        assert!((lp.logprob as f64 - (2.5f64 - z.ln())).abs() < 1e-6);
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 5, 2]);
+        for &(t, v) in &lp.top {
+            assert!((v as f64 - (l[t as usize] as f64 - z.ln())).abs() < 1e-6);
+        }
+        // Probabilities over the whole vocabulary sum to one.
+        let all = token_logprob(&l, 0, 99);
+        assert_eq!(all.top.len(), l.len());
+        let total: f64 = all.top.iter().map(|t| (t.1 as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        // Ties keep the lower id first; none asked, none given.
+        let tie = token_logprob(&[1.0, 3.0, 3.0, 0.0], 2, 2);
+        assert_eq!(tie.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert!(token_logprob(&l, 1, 0).top.is_empty());
+        // At most MAX_TOP_LOGPROBS alternatives.
+        let wide: Vec<f32> = (0..100).map(|i| i as f32 * 0.01).collect();
+        assert_eq!(token_logprob(&wide, 0, 50).top.len(), MAX_TOP_LOGPROBS);
+    }
+
+    #[test]
+    fn a_mask_limits_every_sampling_mode() {
+        let mut mask = crate::constraint::TokenMask::new(6);
+        mask.allow(0);
+        mask.allow(4);
+        // Greedy picks the best allowed token, not the best token.
+        let mut s = Sampler::new(SamplingParams::default());
+        assert_eq!(s.sample_masked(&logits(), &[], Some(&mask)), Some(0));
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.5,
+            top_k: 3,
+            seed: 3,
+            ..Default::default()
+        });
+        for _ in 0..200 {
+            let t = s.sample_masked(&logits(), &[], Some(&mask)).unwrap();
+            assert!(t == 0 || t == 4, "{t}");
+        }
+        mask.clear();
+        assert_eq!(s.sample_masked(&logits(), &[], Some(&mask)), None);
     }
 
     #[test]

@@ -391,6 +391,7 @@ fn session_generation_streams_stops_and_is_seeded() {
         max_tokens: 24,
         sampling,
         stop: vec![],
+        ..Default::default()
     };
     let run = |params: &mirage_runtime::GenerateParams| {
         let mut session = engine.session().unwrap();
@@ -430,5 +431,161 @@ fn session_generation_streams_stops_and_is_seeded() {
         "{:?} / {:?} / {stop:?}",
         b.text,
         a.text
+    );
+}
+
+/// Embeddings: the final hidden state `Model::hidden_states` returns is the
+/// one the reference's logits come from (lm head times our hidden state
+/// against transformers' last logits, SmolLM2's head being its Q8_0
+/// embedding matrix), `Engine::embed_tokens` is its L2-normalised mean over
+/// the tokens, and batching several inputs into one pass changes nothing.
+#[test]
+fn embeddings_pool_the_hidden_state_the_reference_logits_come_from() {
+    let refdir = fixtures().join("smollm2");
+    let reference = read_json(&refdir.join("reference.json"));
+    let Some(path) = model_path(reference["model_file"].as_str().unwrap()) else {
+        return;
+    };
+    assert!(reference["lm_head_is_token_embd"].as_bool().unwrap());
+    let engine = Engine::load(
+        &path,
+        EngineOptions {
+            n_ctx: 512,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let model = engine.model();
+    let (d, vocab) = (model.config().n_embd, model.config().vocab_size);
+    let file = GgufFile::open(&path).unwrap();
+    let head = file.tensor("token_embd.weight").unwrap();
+    let row_bytes = head.data.len() / vocab;
+    let mut w = vec![0.0f32; d];
+    let prompts = reference["prompts"].as_array().unwrap();
+    let inputs: Vec<Vec<u32>> = prompts.iter().map(|p| u32s(&p["token_ids"])).collect();
+    let mut expected = Vec::new();
+    for (p, ids) in prompts.iter().zip(&inputs) {
+        let mut cache = model.new_kv_cache(ids.len(), 1, KvDtype::F32).unwrap();
+        let mut scratch = model.new_scratch();
+        let slots: Vec<_> = (0..ids.len())
+            .map(|pos| mirage_runtime::TokenSlot { seq: 0, pos })
+            .collect();
+        let mut hidden = Vec::new();
+        model
+            .hidden_states(ids, &slots, &mut cache, &mut scratch, &mut hidden)
+            .unwrap();
+        assert_eq!(hidden.len(), ids.len() * d);
+        let last = &hidden[(ids.len() - 1) * d..];
+        let logits: Vec<f32> = (0..vocab)
+            .map(|r| {
+                mirage_gguf::quant::dequantize(
+                    head.info.ty,
+                    &head.data[r * row_bytes..(r + 1) * row_bytes],
+                    &mut w,
+                )
+                .unwrap();
+                w.iter().zip(last).map(|(a, b)| a * b).sum()
+            })
+            .collect();
+        let refl = read_f16(&refdir.join(p["last_logits_file"].as_str().unwrap()));
+        let cos = cosine(&logits, &refl);
+        assert!(cos >= 0.995, "{}: head(hidden) cosine {cos}", p["name"]);
+        let mut mean = vec![0.0f64; d];
+        for row in hidden.chunks_exact(d) {
+            for (m, &h) in mean.iter_mut().zip(row) {
+                *m += h as f64 / ids.len() as f64;
+            }
+        }
+        let norm = mean.iter().map(|x| x * x).sum::<f64>().sqrt();
+        expected.push(mean.iter().map(|x| (x / norm) as f32).collect::<Vec<f32>>());
+    }
+    let batched = engine.embed_tokens(&inputs).unwrap();
+    assert_eq!(batched.len(), inputs.len());
+    for (i, (got, want)) in batched.iter().zip(&expected).enumerate() {
+        let n2: f32 = got.iter().map(|x| x * x).sum();
+        assert!((n2 - 1.0).abs() < 1e-4, "input {i}: |e|^2 = {n2}");
+        let cos = cosine(got, want);
+        assert!(cos > 0.9999, "input {i}: batched vs alone cosine {cos}");
+    }
+    // Text in, the same vectors out; empty input is refused.
+    let texts: Vec<&str> = prompts
+        .iter()
+        .map(|p| p["text"].as_str().unwrap())
+        .collect();
+    let from_text = engine.embed(&texts[..2]).unwrap();
+    assert!(cosine(&from_text[1], &batched[1]) > 0.9999);
+    assert!(engine.embed(&[""]).is_err());
+}
+
+/// The token stream yields what `generate` returns, piece by piece; a
+/// shared session owns its engine and runs in another thread; a stream
+/// dropped early leaves the session as a callback returning `false` does.
+#[test]
+fn token_streams_and_shared_sessions_generate_what_generate_does() {
+    let Some(path) = model_path("smollm2-135m-instruct-q4_1.gguf") else {
+        return;
+    };
+    let engine = Arc::new(
+        Engine::load(
+            &path,
+            EngineOptions {
+                n_ctx: 256,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let params = mirage_runtime::GenerateParams {
+        max_tokens: 20,
+        stop: vec!["\n\n".into()],
+        logprobs: Some(1),
+        ..Default::default()
+    };
+    let whole = engine
+        .session()
+        .unwrap()
+        .generate("The three primary colors are", &params, |_| true)
+        .unwrap();
+    let shared = Engine::shared_session(&engine).unwrap();
+    let p = params.clone();
+    let (pieces, generation, session_tokens) = std::thread::spawn(move || {
+        let mut stream = shared.stream("The three primary colors are", &p).unwrap();
+        let pieces: Vec<_> = stream.by_ref().map(|p| p.unwrap()).collect();
+        let (session, generation) = stream.finish();
+        (pieces, generation, session.tokens().len())
+    })
+    .join()
+    .unwrap();
+    let text: String = pieces.iter().map(|p| p.text.as_str()).collect();
+    let tokens: Vec<u32> = pieces.iter().filter_map(|p| p.token).collect();
+    assert_eq!(text, whole.text);
+    assert_eq!(tokens, whole.tokens);
+    assert_eq!(generation.text, whole.text);
+    assert_eq!(generation.stats.stop_reason, whole.stats.stop_reason);
+    assert_eq!(generation.logprobs, whole.logprobs);
+    assert!(pieces
+        .iter()
+        .filter(|p| p.token.is_some())
+        .all(|p| p.logprob.is_some()));
+    let prompt_len = engine
+        .encode("The three primary colors are", true)
+        .unwrap()
+        .len();
+    let unfed = (whole.stats.stop_reason == mirage_runtime::StopReason::StopString) as usize;
+    assert_eq!(session_tokens + unfed, prompt_len + whole.tokens.len());
+    // Three pieces, then drop: the third token is sampled but never fed.
+    let mut stream = engine.session().unwrap().stream("Hello", &params).unwrap();
+    for _ in 0..3 {
+        stream.next().unwrap().unwrap();
+    }
+    let (session, early) = stream.finish();
+    assert_eq!(
+        early.stats.stop_reason,
+        mirage_runtime::StopReason::Callback
+    );
+    assert_eq!(early.tokens.len(), 3);
+    assert_eq!(
+        session.tokens().len(),
+        engine.encode("Hello", true).unwrap().len() + 2
     );
 }

@@ -6,6 +6,7 @@ use mirage_tokenizer::ChatMessage;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
+use crate::unsupported::{self, Endpoint};
 
 /// `stop`: one string or a list of them.
 #[derive(Debug, Clone, Deserialize)]
@@ -105,8 +106,9 @@ pub struct Knobs {
     pub n: Option<u64>,
 }
 
-/// `POST /v1/chat/completions` (`model` and other unknown fields are
-/// ignored: the server holds one model).
+/// `POST /v1/chat/completions` (which other fields are accepted, ignored
+/// or refused: [`crate::unsupported`]; `model` is ignored, the server holds
+/// one model).
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
     /// The conversation.
@@ -167,25 +169,31 @@ fn from_value<T: for<'de> Deserialize<'de>>(value: serde_json::Value) -> Result<
 
 /// A request with its shared sampling fields.
 pub trait WithKnobs: for<'de> Deserialize<'de> {
+    /// Which endpoint's fields it has.
+    const ENDPOINT: Endpoint;
     /// Where the sampling fields go.
     fn knobs_mut(&mut self) -> &mut Knobs;
 }
 
 impl WithKnobs for ChatRequest {
+    const ENDPOINT: Endpoint = Endpoint::Chat;
     fn knobs_mut(&mut self) -> &mut Knobs {
         &mut self.knobs
     }
 }
 
 impl WithKnobs for CompletionRequest {
+    const ENDPOINT: Endpoint = Endpoint::Completion;
     fn knobs_mut(&mut self) -> &mut Knobs {
         &mut self.knobs
     }
 }
 
-/// Parses a request body: its own fields, then the sampling fields from
-/// the same object (two passes instead of `#[serde(flatten)]`, which would
-/// hide the name of a field of the wrong type).
+/// Parses a request body: refuses fields the server does not implement
+/// (see [`crate::unsupported`]), then reads its own fields, then the
+/// sampling fields from the same object (two passes instead of
+/// `#[serde(flatten)]`, which would hide the name of a field of the wrong
+/// type).
 pub fn parse_request<T: WithKnobs>(body: &[u8]) -> Result<T, ApiError> {
     let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::invalid(
@@ -194,12 +202,13 @@ pub fn parse_request<T: WithKnobs>(body: &[u8]) -> Result<T, ApiError> {
         )
         .with_code("invalid_json")
     })?;
-    if !value.is_object() {
+    let Some(object) = value.as_object() else {
         return Err(
             ApiError::invalid("The request body must be a JSON object.", None)
                 .with_code("invalid_type"),
         );
-    }
+    };
+    unsupported::check_request(object, T::ENDPOINT)?;
     let knobs: Knobs = from_value(value.clone())?;
     let mut req: T = from_value(value)?;
     *req.knobs_mut() = knobs;
@@ -306,6 +315,7 @@ pub fn check_knobs(
             max_tokens,
             sampling,
             stop,
+            ..GenerateParams::default()
         },
         stream,
         include_usage,
@@ -396,6 +406,65 @@ pub fn completion_prompt(p: &PromptField) -> Result<Prompt, ApiError> {
         .with_code("invalid_value")),
         _ => Ok(prompt),
     }
+}
+
+/// A chat request, parsed and checked (everything but what needs the
+/// model: the chat template and the tokenizer).
+#[derive(Debug, Clone)]
+pub struct ValidChat {
+    /// The conversation.
+    pub messages: Vec<ChatMessage>,
+    /// Sampling, stop strings, token limit, streaming.
+    pub checked: Checked,
+}
+
+/// Parses and checks the body of `POST /v1/chat/completions` for a
+/// context of `n_ctx` positions; `fresh_seed` is the seed when the request
+/// has none.
+pub fn validate_chat(body: &[u8], n_ctx: usize, fresh_seed: u64) -> Result<ValidChat, ApiError> {
+    let req: ChatRequest = parse_request(body)?;
+    let messages = chat_messages(&req.messages)?;
+    let checked = check_knobs(&req.knobs, n_ctx, None, fresh_seed)?;
+    Ok(ValidChat { messages, checked })
+}
+
+/// A completion request, parsed and checked.
+#[derive(Debug, Clone)]
+pub struct ValidCompletion {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// The prompt text to send back before the completion (`echo`).
+    pub echo: Option<String>,
+    /// Sampling, stop strings, token limit, streaming.
+    pub checked: Checked,
+}
+
+/// Parses and checks the body of `POST /v1/completions` (see
+/// [`validate_chat`]).
+pub fn validate_completion(
+    body: &[u8],
+    n_ctx: usize,
+    fresh_seed: u64,
+) -> Result<ValidCompletion, ApiError> {
+    let req: CompletionRequest = parse_request(body)?;
+    let prompt = completion_prompt(&req.prompt)?;
+    // OpenAI's legacy default is 16 new tokens.
+    let checked = check_knobs(&req.knobs, n_ctx, Some(16), fresh_seed)?;
+    let echo = match (&prompt, req.echo.unwrap_or(false)) {
+        (Prompt::Text(t), true) => Some(t.clone()),
+        (Prompt::Tokens(_), true) => {
+            return Err(ApiError::invalid(
+                "`echo` is supported for text prompts only.",
+                Some("echo"),
+            ))
+        }
+        _ => None,
+    };
+    Ok(ValidCompletion {
+        prompt,
+        echo,
+        checked,
+    })
 }
 
 /// OpenAI's `finish_reason` for a stop reason.

@@ -62,6 +62,19 @@ impl Histogram {
     }
 }
 
+/// Connections the server closed, by reason.
+#[derive(Debug, Default)]
+pub struct ClosedConnections {
+    /// A request head did not arrive within the header timeout.
+    pub header_timeout: AtomicU64,
+    /// No new request within the idle timeout.
+    pub idle_timeout: AtomicU64,
+    /// Closed to make room for a new connection at the limit.
+    pub evicted: AtomicU64,
+    /// Refused (503) at the limit: every connection had a request in progress.
+    pub refused: AtomicU64,
+}
+
 /// Everything /metrics reports; shared by the HTTP handlers and the scheduler.
 #[derive(Debug)]
 pub struct Metrics {
@@ -91,6 +104,14 @@ pub struct Metrics {
     pub queue_wait: Histogram,
     /// One forward pass with sampling.
     pub step_latency: Histogram,
+    /// Open TCP connections.
+    pub open_connections: AtomicI64,
+    /// Connections accepted.
+    pub connections_accepted: AtomicU64,
+    /// Connections the server closed, by reason.
+    pub connections_closed: ClosedConnections,
+    /// Requests hyper could not parse (answered 400, 414 or 431).
+    pub protocol_errors: AtomicU64,
     /// Sequence slots in all.
     pub max_batch: usize,
     /// The backend serving the model (set once it is loaded).
@@ -114,6 +135,10 @@ impl Metrics {
             time_to_first_token: Histogram::new(LATENCY_BOUNDS),
             queue_wait: Histogram::new(LATENCY_BOUNDS),
             step_latency: Histogram::new(LATENCY_BOUNDS),
+            open_connections: AtomicI64::new(0),
+            connections_accepted: AtomicU64::new(0),
+            connections_closed: ClosedConnections::default(),
+            protocol_errors: AtomicU64::new(0),
             max_batch,
             backend: std::sync::OnceLock::new(),
         }
@@ -189,6 +214,38 @@ impl Metrics {
             "mirage_active_sequences",
             "Sequences holding a KV cache slot.",
             self.active_sequences.load(Ordering::Relaxed).to_string(),
+        );
+        gauge(
+            &mut out,
+            "mirage_open_connections",
+            "Open TCP connections.",
+            self.open_connections.load(Ordering::Relaxed).to_string(),
+        );
+        counter(
+            &mut out,
+            "mirage_connections_accepted_total",
+            "TCP connections accepted.",
+            ld(&self.connections_accepted),
+        );
+        let c = &self.connections_closed;
+        let _ = writeln!(out, "# HELP mirage_connections_closed_total Connections the server closed, by reason.\n# TYPE mirage_connections_closed_total counter");
+        for (reason, v) in [
+            ("header_timeout", &c.header_timeout),
+            ("idle_timeout", &c.idle_timeout),
+            ("evicted", &c.evicted),
+            ("refused", &c.refused),
+        ] {
+            let _ = writeln!(
+                out,
+                "mirage_connections_closed_total{{reason=\"{reason}\"}} {}",
+                ld(v)
+            );
+        }
+        counter(
+            &mut out,
+            "mirage_protocol_errors_total",
+            "Requests that were not valid HTTP (answered 400, 414 or 431).",
+            ld(&self.protocol_errors),
         );
         gauge(
             &mut out,

@@ -6,9 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
+use axum::body::Body;
+use axum::extract::{MatchedPath, Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -18,7 +17,9 @@ use axum::{Json, Router};
 use serde_json::json;
 use tokio::sync::mpsc;
 
+use crate::access::{self, HostPolicy, OriginPolicy};
 use crate::api::{self, Checked, Prompt, Usage};
+use crate::body::{ApiBody, BodyLimits};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::scheduler::{Job, JobEvent, ModelInfo};
@@ -35,35 +36,49 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Set on the first shutdown signal: new work is refused.
     pub shutting_down: AtomicBool,
-    /// Largest accepted body.
-    pub body_limit: usize,
+    /// Size and time limits of request bodies.
+    pub body_limits: BodyLimits,
+    /// `Host` names the server answers to.
+    pub hosts: HostPolicy,
+    /// Browser origins that may call the server (`--cors`).
+    pub origins: OriginPolicy,
+    /// The CORS layer when `--cors` lists origins.
+    pub cors: Option<tower_http::cors::CorsLayer>,
     /// Request counter (ids, default seeds).
     pub counter: AtomicU64,
 }
 
 const CHAT_PAGE: &str = include_str!("../static/index.html");
 
-/// The application router.
+/// The application router. Checks run in this order: `Host` and `Origin`
+/// ([`access`]), CORS when on, the API key (on `/v1/*` and `/metrics`),
+/// then the handler, which reads the body ([`crate::body`]).
 pub fn router(state: Arc<AppState>) -> Router {
-    let v1 = Router::new()
+    let keyed = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
+        .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
-    Router::new()
-        .merge(v1)
+    let mut app = Router::new()
+        .merge(keyed)
         .route("/", get(|| async { Html(CHAT_PAGE) }))
         .route("/health", get(health))
-        .route("/metrics", get(metrics))
         .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
-        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
-        .layer(middleware::from_fn_with_state(
-            state.clone(),
-            count_requests,
-        ))
-        .layer(DefaultBodyLimit::max(state.body_limit))
-        .with_state(state)
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() });
+    if let Some(cors) = state.cors.clone() {
+        app = app.layer(cors);
+    }
+    app.layer(middleware::from_fn_with_state(
+        state.clone(),
+        access::check_host_and_origin,
+    ))
+    .layer(middleware::from_fn_with_state(
+        state.clone(),
+        count_requests,
+    ))
+    .with_state(state)
 }
 
 async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
@@ -97,16 +112,6 @@ async fn require_key(State(st): State<Arc<AppState>>, req: Request, next: Next) 
         }
     }
     next.run(req).await
-}
-
-fn body_bytes(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
-    body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::too_large(limit)
-        } else {
-            ApiError::invalid(format!("Could not read the request body: {e}"), None)
-        }
-    })
 }
 
 fn now_secs() -> u64 {
@@ -252,18 +257,16 @@ fn sse_stream(
 
 async fn chat_completions(
     State(st): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
+    ApiBody(body): ApiBody,
 ) -> Result<Response, ApiError> {
-    let body = body_bytes(body, st.body_limit)?;
-    let req: api::ChatRequest = api::parse_request(&body)?;
-    let messages = api::chat_messages(&req.messages)?;
+    let api::ValidChat { messages, checked } =
+        api::validate_chat(&body, st.info.n_ctx, st.fresh_seed())?;
     if !st.info.has_chat_template {
         return Err(ApiError::invalid(
             "This model has no chat template; use /v1/completions.",
             Some("messages"),
         ));
     }
-    let checked = api::check_knobs(&req.knobs, st.info.n_ctx, None, st.fresh_seed())?;
     let (rx, prompt_tokens) = st.submit(Prompt::Chat(messages), &checked).await?;
     let id = format!("chatcmpl-{}", st.next_id());
     let created = now_secs();
@@ -313,23 +316,13 @@ async fn chat_completions(
 
 async fn completions(
     State(st): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
+    ApiBody(body): ApiBody,
 ) -> Result<Response, ApiError> {
-    let body = body_bytes(body, st.body_limit)?;
-    let req: api::CompletionRequest = api::parse_request(&body)?;
-    let prompt = api::completion_prompt(&req.prompt)?;
-    // OpenAI's legacy default is 16 new tokens.
-    let checked = api::check_knobs(&req.knobs, st.info.n_ctx, Some(16), st.fresh_seed())?;
-    let echo = match (&prompt, req.echo.unwrap_or(false)) {
-        (Prompt::Text(t), true) => Some(t.clone()),
-        (Prompt::Tokens(_), true) => {
-            return Err(ApiError::invalid(
-                "`echo` is supported for text prompts only.",
-                Some("echo"),
-            ))
-        }
-        _ => None,
-    };
+    let api::ValidCompletion {
+        prompt,
+        echo,
+        checked,
+    } = api::validate_completion(&body, st.info.n_ctx, st.fresh_seed())?;
     let (rx, prompt_tokens) = st.submit(prompt, &checked).await?;
     let id = format!("cmpl-{}", st.next_id());
     let created = now_secs();

@@ -398,6 +398,8 @@ fn run<B: Backend>(
                         m.cancelled.fetch_add(1, Ordering::Relaxed);
                     }
                 }
+                // Requests do not ask for log-probabilities yet.
+                SeqEvent::Logprob { .. } => {}
                 SeqEvent::Finished {
                     slot,
                     reason,

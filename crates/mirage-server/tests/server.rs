@@ -37,11 +37,31 @@ fn model() -> Option<PathBuf> {
 struct Server {
     child: Child,
     addr: String,
+    /// The API key, sent with /metrics requests.
+    key: Option<String>,
 }
 
 impl Server {
     fn start(model: &std::path::Path, extra: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_mirage-server"))
+        Server::start_with_files(model, extra, None)
+    }
+
+    /// Starts the server; with `files`, under that open-file limit (soft
+    /// and hard, so that the server cannot raise it).
+    fn start_with_files(model: &std::path::Path, extra: &[&str], files: Option<u32>) -> Server {
+        let mut cmd = match files {
+            Some(n) => {
+                let mut c = Command::new("sh");
+                c.args([
+                    "-c",
+                    &format!("ulimit -n {n} && exec \"$0\" \"$@\""),
+                    env!("CARGO_BIN_EXE_mirage-server"),
+                ]);
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_mirage-server")),
+        };
+        let mut child = cmd
             .arg("--model")
             .arg(model)
             .args(["--port", "0", "--ctx", "1024", "--threads", "2"])
@@ -60,19 +80,31 @@ impl Server {
         let line = lines.next().expect("server printed nothing").unwrap();
         let addr = line.rsplit("http://").next().unwrap().trim().to_string();
         assert!(line.contains("listening on"), "{line}");
-        Server { child, addr }
+        let key = extra
+            .iter()
+            .position(|a| *a == "--api-key")
+            .map(|i| extra[i + 1].to_string());
+        Server { child, addr, key }
     }
 
     fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Response {
+        Response::parse(&self.raw(
+            request_head(&self.addr, method, path, headers, body.len()).as_bytes(),
+            body,
+            Duration::from_secs(300),
+        ))
+    }
+
+    /// Sends `head` then `body` on a new connection and reads until the
+    /// server closes it (or the read times out, or the connection is reset
+    /// after an early answer such as 413): what came back.
+    fn raw(&self, head: &[u8], body: &[u8], timeout: Duration) -> Vec<u8> {
         let mut s = TcpStream::connect(&self.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-        s.write_all(request_head(&self.addr, method, path, headers, body.len()).as_bytes())
-            .unwrap();
+        s.set_read_timeout(Some(timeout)).unwrap();
+        s.write_all(head).unwrap();
         // A server may answer (413) before the whole body is sent.
         let _ = s.write_all(body);
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).unwrap();
-        Response::parse(&raw)
+        read_all(&mut s)
     }
 
     fn post(&self, path: &str, body: &Value) -> Response {
@@ -85,7 +117,10 @@ impl Server {
     }
 
     fn metric(&self, name: &str) -> f64 {
-        let text = self.request("GET", "/metrics", &[], b"").body;
+        let auth = self.key.as_ref().map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> =
+            auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+        let text = self.request("GET", "/metrics", &headers, b"").body;
         text.lines()
             .find_map(|l| {
                 l.strip_prefix(name)
@@ -128,6 +163,18 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Reads until EOF, a timeout or a reset, keeping what arrived.
+fn read_all(s: &mut TcpStream) -> Vec<u8> {
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 65536];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return raw,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+        }
     }
 }
 
@@ -669,8 +716,12 @@ fn api_key_queue_limit_and_graceful_shutdown() {
         401
     );
     assert_eq!(srv.request("GET", "/v1/models", &[auth], b"").status, 200);
-    // Health and metrics stay open for probes.
+    // Health stays open for probes; metrics need the key.
     assert_eq!(srv.request("GET", "/health", &[], b"").status, 200);
+    let r = srv.request("GET", "/metrics", &[], b"");
+    assert_eq!(r.status, 401);
+    assert_eq!(r.error()["code"], "invalid_api_key");
+    assert_eq!(srv.request("GET", "/metrics", &[auth], b"").status, 200);
 
     // One request holds the only slot, one waits in the queue of one, the
     // third is turned away with 429 and Retry-After.
@@ -869,7 +920,7 @@ fn serves_from_an_artifact_and_refuses_bad_ones_at_startup() {
     assert!(srv.terminate().success());
 
     // A missing file, a file that is not an artifact, an artifact of another
-    // model, an artifact on CUDA: each refused at startup, saying why.
+    // model: each refused at startup, saying why.
     let missing = dir.path().join("missing.mirage");
     let err = start_fails(&model, &["--artifact", missing.to_str().unwrap()]);
     assert!(
@@ -889,11 +940,378 @@ fn serves_from_an_artifact_and_refuses_bad_ones_at_startup() {
             && err.contains("other.gguf"),
         "{err}"
     );
-    let err = start_fails(&model, &["--artifact", art_s, "--backend", "cuda"]);
+    // An artifact on CUDA runs on the sparse CUDA backend: where no GPU
+    // answers, startup says so, naming the backend.
+    if !gpu_answers() {
+        let err = start_fails(&model, &["--artifact", art_s, "--backend", "cuda"]);
+        assert!(err.contains("`cuda`"), "{err}");
+    }
+    // Deterministic mode is a promise the superblock backend cannot keep.
+    let err = start_fails(&model, &["--artifact", art_s, "--deterministic"]);
     assert!(
-        err.contains("smol.mirage") && err.contains("`cuda`") && err.contains("CPU"),
+        err.contains("superblock-cpu") && err.contains("does not implement deterministic"),
         "{err}"
     );
     let err = start_fails(&model, &["--backend", "tpu"]);
     assert!(err.contains("unknown backend `tpu`"), "{err}");
+}
+
+/// Whether a CUDA device answers in this build.
+fn gpu_answers() -> bool {
+    #[cfg(feature = "cuda")]
+    return mirage::cuda::CudaBackend::new(0).is_ok();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
+/// The JSON error of a raw response, checking its status.
+fn raw_error(raw: &[u8], status: u16) -> Value {
+    let r = Response::parse(raw);
+    assert_eq!(r.status, status, "{}", String::from_utf8_lossy(raw));
+    assert!(
+        r.header("content-type")
+            .is_some_and(|c| c.starts_with("application/json")),
+        "{}",
+        String::from_utf8_lossy(raw)
+    );
+    r.error()
+}
+
+/// Slow and silent clients: hundreds of half-open connections (silent, a
+/// partial head, a whole head with a partial body) against a server whose
+/// open-file limit is 256 do not keep `/health` from answering at once;
+/// heads and bodies that do not arrive in time are cut off (the body with a
+/// JSON 408); requests hyper cannot parse get the API's JSON errors.
+#[test]
+fn half_open_connections_do_not_lock_out_other_clients() {
+    let Some(model) = model() else { return };
+    let srv = Server::start_with_files(
+        &model,
+        &[
+            "--header-timeout",
+            "2",
+            "--body-timeout",
+            "1",
+            "--idle-timeout",
+            "3",
+        ],
+        Some(256),
+    );
+    let host = srv.addr.clone();
+    let head = |len: usize| {
+        format!("POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n")
+    };
+    let mut held = Vec::new();
+    for i in 0..400 {
+        let mut s = TcpStream::connect(&srv.addr).unwrap();
+        match i % 3 {
+            0 => {}
+            1 => s
+                .write_all(
+                    format!("POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nX-Slow: ").as_bytes(),
+                )
+                .unwrap(),
+            _ => s
+                .write_all(format!("{}{{\"prompt\": \"Once", head(100)).as_bytes())
+                .unwrap(),
+        }
+        held.push(s);
+    }
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let raw = srv.raw(
+            request_head(&srv.addr, "GET", "/health", &[], 0).as_bytes(),
+            b"",
+            Duration::from_secs(2),
+        );
+        let took = t0.elapsed();
+        assert!(!raw.is_empty(), "/health did not answer in 2 s");
+        assert_eq!(Response::parse(&raw).status, 200);
+        assert!(took < Duration::from_secs(1), "/health took {took:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(srv.metric("mirage_connections_closed_total{reason=\"evicted\"}") > 0.0);
+
+    // A body that stops coming: 408 with a JSON body after the body timeout.
+    let mut slow_body = TcpStream::connect(&srv.addr).unwrap();
+    slow_body
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    slow_body
+        .write_all(format!("{}{{\"prompt\":", head(100)).as_bytes())
+        .unwrap();
+    // A head that stops coming: the connection is closed after the header timeout.
+    let mut slow_head = TcpStream::connect(&srv.addr).unwrap();
+    slow_head
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    slow_head.write_all(b"GET /health HTTP/1.1\r\n").unwrap();
+    let t0 = Instant::now();
+    let e = raw_error(&read_all(&mut slow_body), 408);
+    assert_eq!(e["code"], "request_timeout");
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    assert!(read_all(&mut slow_head).is_empty());
+    let waited = t0.elapsed();
+    assert!(
+        waited > Duration::from_millis(1500) && waited < Duration::from_secs(5),
+        "header timeout after {waited:?}"
+    );
+    assert!(srv.metric("mirage_connections_closed_total{reason=\"header_timeout\"}") > 0.0);
+    drop(held);
+
+    // What hyper cannot parse gets the API's JSON errors.
+    let timeout = Duration::from_secs(5);
+    let e = raw_error(&srv.raw(b"NOT HTTP AT ALL\r\n\r\n", b"", timeout), 400);
+    assert_eq!(e["code"], "malformed_request");
+    let bad_length = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: 12abc\r\n\r\n",
+        srv.addr
+    );
+    raw_error(&srv.raw(bad_length.as_bytes(), b"{}", timeout), 400);
+    let two_lengths = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n",
+        srv.addr
+    );
+    raw_error(&srv.raw(two_lengths.as_bytes(), b"{}", timeout), 400);
+    let huge = format!(
+        "GET /health HTTP/1.1\r\nHost: {}\r\nX-Big: {}\r\n\r\n",
+        srv.addr,
+        "a".repeat(40_000)
+    );
+    let e = raw_error(&srv.raw(huge.as_bytes(), b"", timeout), 431);
+    assert_eq!(e["code"], "headers_too_large");
+    let declared = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: 99999999999\r\n\r\n",
+        srv.addr
+    );
+    raw_error(&srv.raw(declared.as_bytes(), b"{}", timeout), 413);
+    // A keep-alive connection: a good request, then garbage (the good
+    // answer is untouched, the garbage gets the JSON 400).
+    let both = format!(
+        "GET /health HTTP/1.1\r\nHost: {}\r\n\r\nGET / HTTP/9\r\n\r\n",
+        srv.addr
+    );
+    let raw = String::from_utf8(srv.raw(both.as_bytes(), b"", timeout)).unwrap();
+    let second = raw.find("HTTP/1.1 400").expect(&raw);
+    assert!(raw.starts_with("HTTP/1.1 200") && raw[..second].contains("\"status\":\"ok\""));
+    raw_error(&raw.as_bytes()[second..], 400);
+    assert!(srv.metric("mirage_protocol_errors_total") >= 5.0);
+    assert_eq!(srv.request("GET", "/health", &[], b"").status, 200);
+    assert!(srv.terminate().success());
+}
+
+/// What a web page could do to a server on localhost without an API key:
+/// a text/plain or form POST (no preflight), a DNS-rebound `Host`, a
+/// cross-origin `Origin`. Each is refused; same-origin requests (the chat
+/// page), listed hosts and `--cors` origins pass.
+#[test]
+fn web_pages_cannot_use_the_api() {
+    let Some(model) = model() else { return };
+    let srv = Server::start(
+        &model,
+        &["--allowed-host", "my.box", "--cors", "http://app.example"],
+    );
+    let port = srv.addr.rsplit(':').next().unwrap().to_string();
+    let body = json!({"prompt": "Hi", "max_tokens": 1, "temperature": 0}).to_string();
+    for ct in [
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        Some("multipart/form-data; boundary=x"),
+        None,
+    ] {
+        let headers: Vec<(&str, &str)> = ct.iter().map(|c| ("Content-Type", *c)).collect();
+        let r = srv.request("POST", "/v1/completions", &headers, body.as_bytes());
+        assert_eq!(r.status, 415, "{ct:?}: {}", r.body);
+        assert_eq!(r.error()["code"], "unsupported_media_type");
+    }
+    let r = srv.request(
+        "POST",
+        "/v1/completions",
+        &[("Content-Type", "application/json; charset=utf-8")],
+        body.as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // Host: only the names the server answers to.
+    let with_host = |host: &str, path: &str, extra: &[(&str, &str)]| {
+        let mut head = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
+        for (k, v) in extra {
+            head.push_str(&format!("{k}: {v}\r\n"));
+        }
+        head.push_str("\r\n");
+        Response::parse(&srv.raw(head.as_bytes(), b"", Duration::from_secs(30)))
+    };
+    for path in ["/v1/models", "/health", "/"] {
+        let r = with_host(&format!("evil.example:{port}"), path, &[]);
+        assert_eq!(r.status, 403, "{path}: {}", r.body);
+        assert_eq!(r.error()["code"], "host_not_allowed");
+        assert!(r.error()["message"]
+            .as_str()
+            .unwrap()
+            .contains("--allowed-host evil.example"));
+    }
+    for host in [
+        format!("localhost:{port}"),
+        format!("my.box:{port}"),
+        srv.addr.clone(),
+    ] {
+        assert_eq!(with_host(&host, "/v1/models", &[]).status, 200, "{host}");
+    }
+
+    // Origin: same-origin and listed origins only; CORS headers for listed ones.
+    let r = with_host(
+        &srv.addr,
+        "/v1/models",
+        &[("Origin", "http://evil.example")],
+    );
+    assert_eq!(r.status, 403);
+    assert_eq!(r.error()["code"], "origin_not_allowed");
+    assert!(r.header("access-control-allow-origin").is_none());
+    let same = format!("http://{}", srv.addr);
+    let r = with_host(&srv.addr, "/v1/models", &[("Origin", &same)]);
+    assert_eq!(r.status, 200);
+    let r = with_host(&srv.addr, "/v1/models", &[("Origin", "http://app.example")]);
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://app.example")
+    );
+    let preflight = format!(
+        "OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: {}\r\nOrigin: http://app.example\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: content-type\r\nConnection: close\r\n\r\n",
+        srv.addr
+    );
+    let r = Response::parse(&srv.raw(preflight.as_bytes(), b"", Duration::from_secs(30)));
+    assert!(r.status < 300, "{} {}", r.status, r.body);
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://app.example")
+    );
+    assert!(r
+        .header("access-control-allow-methods")
+        .is_some_and(|m| m.contains("POST")));
+    let evil_preflight = preflight.replace("http://app.example", "http://evil.example");
+    let r = Response::parse(&srv.raw(evil_preflight.as_bytes(), b"", Duration::from_secs(30)));
+    assert_eq!(r.status, 403);
+    assert!(r.header("access-control-allow-origin").is_none());
+    assert!(srv.terminate().success());
+}
+
+/// Fields of the OpenAI API the server does not implement are refused with
+/// `unsupported_parameter` naming them (never answered as if honoured);
+/// fields outside the API with `unknown_parameter`; `n` > 1 stays a 400.
+#[test]
+fn unimplemented_openai_fields_are_refused() {
+    let Some(model) = model() else { return };
+    let srv = Server::start(&model, &[]);
+    let chat = |extra: Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        srv.post("/v1/chat/completions", &b)
+    };
+    let cases = [
+        (
+            "tools",
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+        ),
+        ("tool_choice", json!({"tool_choice": "required"})),
+        (
+            "response_format",
+            json!({"response_format": {"type": "json_object"}}),
+        ),
+        ("logprobs", json!({"logprobs": true})),
+        ("top_logprobs", json!({"top_logprobs": 5})),
+        ("logit_bias", json!({"logit_bias": {"42": 10}})),
+        (
+            "messages[0].name",
+            json!({"messages": [{"role": "user", "content": "Hi", "name": "bob"}]}),
+        ),
+    ];
+    for (param, extra) in cases {
+        let r = chat(extra);
+        assert_eq!(r.status, 400, "{param}: {}", r.body);
+        let e = r.error();
+        assert_eq!(e["type"], "invalid_request_error");
+        assert_eq!(e["code"], "unsupported_parameter", "{param}");
+        assert_eq!(e["param"], param);
+    }
+    let r = srv.post(
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 2, "logprobs": 3}),
+    );
+    assert_eq!(r.status, 400);
+    assert_eq!(r.error()["param"], "logprobs");
+    assert_eq!(r.error()["code"], "unsupported_parameter");
+    let r = chat(json!({"n": 2}));
+    assert_eq!(r.status, 400);
+    assert_eq!(r.error()["param"], "n");
+    let r = chat(json!({"mirostat": 2}));
+    assert_eq!(r.status, 400);
+    assert_eq!(r.error()["code"], "unknown_parameter");
+    // Their "off" values ask for what the server does anyway.
+    let r = chat(
+        json!({"tools": [], "tool_choice": "none", "logprobs": false,
+                        "response_format": {"type": "text"}, "n": 1, "user": "u"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Without --cors, a cross-origin preflight gets no CORS headers.
+    let preflight = format!(
+        "OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: {}\r\nOrigin: http://app.example\r\nAccess-Control-Request-Method: POST\r\nConnection: close\r\n\r\n",
+        srv.addr
+    );
+    let r = Response::parse(&srv.raw(preflight.as_bytes(), b"", Duration::from_secs(30)));
+    assert!(r.status >= 400);
+    assert!(r.header("access-control-allow-origin").is_none());
+    assert!(srv.terminate().success());
+}
+
+/// `--deterministic`: a greedy request gives the same text alone and while
+/// three other requests stream beside it (prompt chunks and decode rows of
+/// others in the same passes).
+#[test]
+fn deterministic_mode_gives_the_same_text_alone_and_batched() {
+    let Some(model) = model() else { return };
+    let srv = Server::start(
+        &model,
+        &["--deterministic", "--max-batch", "4", "--batch-rows", "8"],
+    );
+    let target = chat_body("Write a haiku about the sea.", 24, false);
+    let r = srv.post("/v1/chat/completions", &target);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let alone = r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let others = [
+        "Tell me a long story about a dragon.",
+        "List the planets of the solar system with one fact each.",
+        "Explain how a CPU works in detail.",
+    ];
+    let together = std::thread::scope(|s| {
+        let streams: Vec<_> = others
+            .iter()
+            .map(|p| {
+                let srv = &srv;
+                s.spawn(move || srv.post("/v1/chat/completions", &chat_body(p, 60, true)))
+            })
+            .collect();
+        assert_eq!(
+            srv.wait_metric("mirage_active_sequences", 30, |v| v >= 3.0),
+            3.0
+        );
+        let r = srv.post("/v1/chat/completions", &target);
+        for h in streams {
+            assert_eq!(h.join().unwrap().status, 200);
+        }
+        r
+    });
+    assert_eq!(together.status, 200, "{}", together.body);
+    let batched = together.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(!alone.is_empty());
+    assert_eq!(alone, batched, "deterministic mode: alone vs with 3 others");
+    assert!(srv.terminate().success());
 }

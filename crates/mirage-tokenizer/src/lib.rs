@@ -1,8 +1,10 @@
 //! Tokenizer and chat templates from GGUF metadata.
 //!
-//! The tokenizer is a GPT-2 style byte-level BPE built from the `tokenizer.ggml.*` keys of a GGUF file
-//! (tokens, merges, token types, the pre-tokenizer name and the special token ids); it never reads a
-//! `tokenizer.json`. Chat templates (`tokenizer.chat_template`) are rendered with minijinja plus the
+//! The tokenizer is built from the `tokenizer.ggml.*` keys of a GGUF file (tokens, merges or scores,
+//! token types, the pre-tokenizer name, the special token ids and flags); it never reads a
+//! `tokenizer.json`. Three segmentation models: GPT-2 style byte-level BPE (`gpt2`: Qwen, SmolLM,
+//! Llama 3), SentencePiece BPE with byte fallback (`llama`: Llama 2, Mistral, Gemma) and
+//! SentencePiece Unigram (`t5`). Chat templates (`tokenizer.chat_template`) are rendered with minijinja plus the
 //! Python-compatible string methods of minijinja-contrib, with the same whitespace rules
 //! (`trim_blocks`, `lstrip_blocks`) that Hugging Face transformers uses.
 //!
@@ -31,17 +33,21 @@
 
 mod bpe;
 mod byte_level;
+mod charsmap;
 mod chat;
+mod chat_limits;
 mod gguf;
 mod pretokenize;
 mod special;
+mod spm;
 mod stream;
 mod tokenizer;
+mod unigram;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use pretokenize::PreTokenizerKind;
 pub use stream::StreamDecoder;
-pub use tokenizer::{TokenType, Tokenizer, TokenizerParts};
+pub use tokenizer::{TokenType, Tokenizer, TokenizerModel, TokenizerParts};
 
 /// Everything that can go wrong while building or using a tokenizer or chat template.
 #[derive(Debug, thiserror::Error)]
@@ -57,8 +63,10 @@ pub enum TokenizerError {
         /// What was wrong with it.
         reason: String,
     },
-    /// The tokenizer model (`tokenizer.ggml.model`) is not a byte-level BPE this crate implements.
-    #[error("unsupported tokenizer model `{0}` (only byte-level BPE `gpt2` is implemented)")]
+    /// The tokenizer model (`tokenizer.ggml.model`) is not one this crate implements.
+    #[error(
+        "unsupported tokenizer model `{0}` (implemented: `gpt2` byte-level BPE, `llama` SentencePiece BPE, `t5` SentencePiece Unigram)"
+    )]
     UnsupportedModel(String),
     /// The parts given to [`Tokenizer::from_parts`] are inconsistent.
     #[error("invalid tokenizer configuration: {0}")]

@@ -64,12 +64,28 @@ pub(crate) struct PreTokenizer {
     regexes: Vec<Regex>,
 }
 
+/// `pattern` compiled, once per process: compiling the GPT-2 pattern takes
+/// milliseconds, far more than building the rest of a tokenizer.
+fn compiled(pattern: &'static str) -> Result<Regex, TokenizerError> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static CACHE: Mutex<Option<HashMap<&'static str, Regex>>> = Mutex::new(None);
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    let cache = cache.get_or_insert_with(HashMap::new);
+    if let Some(r) = cache.get(pattern) {
+        return Ok(r.clone());
+    }
+    let r = Regex::new(pattern).map_err(|e| TokenizerError::Regex(e.to_string()))?;
+    cache.insert(pattern, r.clone());
+    Ok(r)
+}
+
 impl PreTokenizer {
     pub(crate) fn new(kind: PreTokenizerKind) -> Result<PreTokenizer, TokenizerError> {
         let regexes = kind
             .patterns()
             .iter()
-            .map(|p| Regex::new(p).map_err(|e| TokenizerError::Regex(e.to_string())))
+            .map(|p| compiled(p))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(PreTokenizer { regexes })
     }

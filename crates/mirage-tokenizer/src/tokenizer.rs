@@ -4,8 +4,11 @@ use std::collections::HashMap;
 
 use crate::bpe::Bpe;
 use crate::byte_level::{byte_token_text, token_text_to_bytes};
+use crate::charsmap::CharsMap;
 use crate::pretokenize::{PreTokenizer, PreTokenizerKind};
 use crate::special::{Segment, SpecialMatcher};
+use crate::spm::SpmBpe;
+use crate::unigram::{Unigram, UnigramOptions};
 use crate::TokenizerError;
 
 /// A token's type, as stored in `tokenizer.ggml.token_type` (llama.cpp's `llama_token_type`).
@@ -57,18 +60,48 @@ const END_OF_GENERATION_TEXTS: &[&str] = &[
     "<|call|>",
 ];
 
+/// How a vocabulary turns text into ids (`tokenizer.ggml.model`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenizerModel {
+    /// GPT-2 style byte-level BPE (`gpt2`): a regex pre-tokenizer, then merges by rank over
+    /// byte-level token strings.
+    ByteLevelBpe {
+        /// Merges in rank order, each `"left right"` over byte-level token strings.
+        merges: Vec<String>,
+        /// The pre-tokenizer.
+        pre_tokenizer: PreTokenizerKind,
+    },
+    /// SentencePiece BPE (`llama`: Llama 2, Mistral, Gemma): spaces become `▁`, merges by token
+    /// score, characters outside the vocabulary fall back to `<0xNN>` byte tokens.
+    SentencePieceBpe {
+        /// Prepend a space to text that starts the input or follows a special token.
+        add_space_prefix: bool,
+    },
+    /// SentencePiece Unigram (`t5`): the segmentation with the highest total score after the
+    /// vocabulary's normalization.
+    Unigram {
+        /// Prepend `▁` to each run of text (SentencePiece `add_dummy_prefix`).
+        add_space_prefix: bool,
+        /// Trim whitespace at the ends and collapse inner runs.
+        remove_extra_whitespaces: bool,
+        /// SentencePiece's precompiled normalization map (may be empty).
+        precompiled_charsmap: Vec<u8>,
+    },
+}
+
 /// Everything a tokenizer is built from, as plain vectors: what the GGUF keys hold, or what a test or
 /// another model format provides.
 #[derive(Debug, Clone)]
 pub struct TokenizerParts {
-    /// Token strings (byte-level encoded for normal tokens), indexed by id.
+    /// Token strings (byte-level encoded for GPT-2 BPE tokens, `▁` for spaces in SentencePiece
+    /// vocabularies), indexed by id.
     pub tokens: Vec<String>,
     /// Token types, same length as `tokens`; empty means all normal.
     pub token_types: Vec<TokenType>,
-    /// Merges in rank order, each `"left right"` over byte-level token strings.
-    pub merges: Vec<String>,
-    /// The pre-tokenizer.
-    pub pre_tokenizer: PreTokenizerKind,
+    /// Token scores, same length as `tokens` (SentencePiece vocabularies; empty for byte-level BPE).
+    pub scores: Vec<f32>,
+    /// The segmentation algorithm and its settings.
+    pub model: TokenizerModel,
     /// Beginning-of-sequence token.
     pub bos_id: Option<u32>,
     /// End-of-sequence token.
@@ -85,15 +118,31 @@ pub struct TokenizerParts {
     pub add_eos: bool,
 }
 
-/// A byte-level BPE tokenizer.
+/// The segmentation state of a [`Tokenizer`].
+#[derive(Debug)]
+enum Encoder {
+    ByteLevel {
+        bpe: Bpe,
+        pre_tokenizer: PreTokenizer,
+    },
+    SentencePiece {
+        bpe: SpmBpe,
+        add_space_prefix: bool,
+    },
+    Unigram(Unigram),
+}
+
+/// A tokenizer: byte-level BPE, SentencePiece BPE or Unigram, with special tokens.
 #[derive(Debug)]
 pub struct Tokenizer {
     tokens: Vec<String>,
     token_types: Vec<TokenType>,
-    /// Raw bytes of each token (byte-level decoded for BPE tokens, verbatim for control/user tokens).
+    /// Raw bytes of each token (byte-level decoded for BPE tokens, `▁` as space and `<0xNN>` as
+    /// its byte for SentencePiece tokens, verbatim for control/user tokens).
     pieces: Vec<Vec<u8>>,
-    bpe: Bpe,
-    pre_tokenizer: PreTokenizer,
+    encoder: Encoder,
+    /// Decoding drops one leading space of the first normal token (SentencePiece's dummy prefix).
+    strip_space_prefix: bool,
     specials: SpecialMatcher,
     bos_id: Option<u32>,
     eos_id: Option<u32>,
@@ -105,7 +154,7 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     /// Build a tokenizer from plain parts.
-    pub fn from_parts(parts: TokenizerParts) -> Result<Tokenizer, TokenizerError> {
+    pub fn from_parts(mut parts: TokenizerParts) -> Result<Tokenizer, TokenizerError> {
         let n = parts.tokens.len();
         if n == 0 {
             return Err(TokenizerError::InvalidConfig("empty vocabulary".into()));
@@ -118,7 +167,7 @@ impl Tokenizer {
         let token_types = if parts.token_types.is_empty() {
             vec![TokenType::Normal; n]
         } else if parts.token_types.len() == n {
-            parts.token_types
+            std::mem::take(&mut parts.token_types)
         } else {
             return Err(TokenizerError::InvalidConfig(format!(
                 "{} token types for {} tokens",
@@ -141,53 +190,76 @@ impl Tokenizer {
             }
         }
 
-        let is_bpe_text =
-            |t: TokenType| matches!(t, TokenType::Normal | TokenType::Unused | TokenType::Byte);
-        let pieces: Vec<Vec<u8>> = parts
-            .tokens
-            .iter()
-            .zip(&token_types)
-            .map(|(text, &ty)| {
-                if is_bpe_text(ty) {
-                    token_text_to_bytes(text)
-                } else {
-                    text.as_bytes().to_vec()
-                }
-            })
-            .collect();
-
-        // Lookups by byte-level string; only BPE-produced tokens take part in merging.
-        let mut by_text: HashMap<&str, u32> = HashMap::with_capacity(n);
-        for (id, (text, &ty)) in parts.tokens.iter().zip(&token_types).enumerate() {
-            if matches!(ty, TokenType::Normal | TokenType::Byte | TokenType::Unused) {
-                by_text.entry(text.as_str()).or_insert(id as u32);
+        if !parts.scores.is_empty() && parts.scores.len() != n {
+            return Err(TokenizerError::InvalidConfig(format!(
+                "{} scores for {} tokens",
+                parts.scores.len(),
+                n
+            )));
+        }
+        let (pieces, encoder, strip_space_prefix) = match &parts.model {
+            TokenizerModel::ByteLevelBpe {
+                merges,
+                pre_tokenizer,
+            } => {
+                let (pieces, encoder) =
+                    byte_level_encoder(&parts, &token_types, merges, *pre_tokenizer)?;
+                (pieces, encoder, false)
             }
-        }
-        let mut byte_ids = [None; 256];
-        for (b, slot) in byte_ids.iter_mut().enumerate() {
-            *slot = by_text.get(byte_token_text(b as u8).as_str()).copied();
-        }
-        let mut merges = Vec::with_capacity(parts.merges.len());
-        let mut merged_text = String::new();
-        for (rank, line) in parts.merges.iter().enumerate() {
-            let (left, right) = line.split_once(' ').ok_or_else(|| {
-                TokenizerError::InvalidConfig(format!(
-                    "merge {rank} `{line}` has no space separator"
-                ))
-            })?;
-            merged_text.clear();
-            merged_text.push_str(left);
-            merged_text.push_str(right);
-            // A merge whose parts or result are not in the vocabulary can never fire usefully; skip
-            // it (llama.cpp and Hugging Face reject such vocabularies or ignore the merge).
-            if let (Some(&l), Some(&r), Some(&m)) = (
-                by_text.get(left),
-                by_text.get(right),
-                by_text.get(merged_text.as_str()),
-            ) {
-                merges.push((l, r, m));
+            TokenizerModel::SentencePieceBpe { add_space_prefix } => {
+                let encoder = Encoder::SentencePiece {
+                    bpe: SpmBpe::new(
+                        mergeable(&parts, &token_types),
+                        sentencepiece_byte_ids(&parts.tokens, &token_types),
+                        parts.unknown_id,
+                    ),
+                    add_space_prefix: *add_space_prefix,
+                };
+                (
+                    sentencepiece_pieces(&parts.tokens, &token_types),
+                    encoder,
+                    *add_space_prefix,
+                )
             }
-        }
+            TokenizerModel::Unigram {
+                add_space_prefix,
+                remove_extra_whitespaces,
+                precompiled_charsmap,
+            } => {
+                let unknown_id = parts.unknown_id.ok_or_else(|| {
+                    TokenizerError::InvalidConfig(
+                        "a Unigram vocabulary needs an unknown token".into(),
+                    )
+                })?;
+                let normal_scores = token_types
+                    .iter()
+                    .zip(scores_or_zero(&parts.scores, n))
+                    .filter(|(&ty, _)| ty == TokenType::Normal)
+                    .map(|(_, s)| s);
+                let candidates =
+                    mergeable(&parts, &token_types)
+                        .into_iter()
+                        .map(|(text, id, score)| {
+                            let user = token_types[id as usize] == TokenType::UserDefined;
+                            (text, id, score, user)
+                        });
+                let unigram = Unigram::new(
+                    candidates,
+                    normal_scores,
+                    unknown_id,
+                    CharsMap::parse(precompiled_charsmap)?,
+                    UnigramOptions {
+                        add_space_prefix: *add_space_prefix,
+                        remove_extra_whitespaces: *remove_extra_whitespaces,
+                    },
+                );
+                (
+                    sentencepiece_pieces(&parts.tokens, &token_types),
+                    Encoder::Unigram(unigram),
+                    *add_space_prefix,
+                )
+            }
+        };
 
         let specials = SpecialMatcher::new(
             parts
@@ -218,8 +290,8 @@ impl Tokenizer {
         end_of_generation.dedup();
 
         Ok(Tokenizer {
-            bpe: Bpe::new(merges, byte_ids, parts.unknown_id),
-            pre_tokenizer: PreTokenizer::new(parts.pre_tokenizer)?,
+            encoder,
+            strip_space_prefix,
             tokens: parts.tokens,
             token_types,
             pieces,
@@ -254,14 +326,38 @@ impl Tokenizer {
             TokenType::UserDefined => true,
             _ => parse_special,
         };
+        // SentencePiece BPE prefixes a space to text at the start or right after a special token.
+        let mut after_special = true;
+        let mut escaped = String::new();
         for segment in self.specials.split(text, allow) {
             match segment {
-                Segment::Special(id) => ids.push(id),
+                Segment::Special(id) => {
+                    ids.push(id);
+                    after_special = true;
+                }
                 Segment::Text(t) => {
-                    let bpe = &self.bpe;
-                    let ids_ref = &mut ids;
-                    self.pre_tokenizer
-                        .split(t, &mut |piece| bpe.encode_piece(piece.as_bytes(), ids_ref))?;
+                    match &self.encoder {
+                        Encoder::ByteLevel { bpe, pre_tokenizer } => {
+                            let ids_ref = &mut ids;
+                            pre_tokenizer.split(t, &mut |piece| {
+                                bpe.encode_piece(piece.as_bytes(), ids_ref)
+                            })?;
+                        }
+                        Encoder::SentencePiece {
+                            bpe,
+                            add_space_prefix,
+                        } => {
+                            escaped.clear();
+                            if *add_space_prefix && after_special {
+                                escaped.push(SPACE_MARK);
+                            }
+                            escaped
+                                .extend(t.chars().map(|c| if c == ' ' { SPACE_MARK } else { c }));
+                            bpe.encode(&escaped, &mut ids)?;
+                        }
+                        Encoder::Unigram(unigram) => unigram.encode(t, &mut ids)?,
+                    }
+                    after_special = false;
                 }
             }
         }
@@ -274,9 +370,11 @@ impl Tokenizer {
     }
 
     /// Decode ids to text. Invalid UTF-8 (e.g. a multi-byte character cut in half) becomes U+FFFD.
-    /// With `skip_special`, control tokens are left out.
+    /// With `skip_special`, control and unknown tokens are left out. A SentencePiece vocabulary
+    /// that adds a space prefix loses it again: the first normal token's leading space is dropped.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
         let mut bytes = Vec::with_capacity(ids.len() * 4);
+        let mut strip_space = self.strip_space_prefix;
         for &id in ids {
             let ty = *self
                 .token_types
@@ -285,10 +383,19 @@ impl Tokenizer {
                     id,
                     vocab_size: self.tokens.len(),
                 })?;
-            if skip_special && ty == TokenType::Control {
+            if skip_special && matches!(ty, TokenType::Control | TokenType::Unknown) {
                 continue;
             }
-            bytes.extend_from_slice(&self.pieces[id as usize]);
+            let mut piece = &self.pieces[id as usize][..];
+            if strip_space && ty != TokenType::Control {
+                // SentencePiece's dummy prefix: the space the encoder added before the first word
+                // (a piece that was only that space leaves the next one to lose its own).
+                if ty == TokenType::Normal {
+                    piece = piece.strip_prefix(b" ").unwrap_or(piece);
+                }
+                strip_space = piece.is_empty();
+            }
+            bytes.extend_from_slice(piece);
         }
         Ok(match String::from_utf8(bytes) {
             Ok(s) => s,
@@ -355,13 +462,135 @@ impl Tokenizer {
 
     /// Empty the BPE piece cache (for timing cold encodes; encoding results never depend on it).
     pub fn clear_cache(&self) {
-        self.bpe.clear_cache();
+        if let Encoder::ByteLevel { bpe, .. } = &self.encoder {
+            bpe.clear_cache();
+        }
     }
 
     /// Number of tokens in the vocabulary.
     pub fn vocab_size(&self) -> usize {
         self.tokens.len()
     }
+}
+
+/// SentencePiece's visible space, `▁` (U+2581).
+const SPACE_MARK: char = '\u{2581}';
+
+fn scores_or_zero(scores: &[f32], n: usize) -> impl Iterator<Item = f32> + '_ {
+    (0..n).map(move |i| scores.get(i).copied().unwrap_or(0.0))
+}
+
+/// (text, id, score) of the tokens SentencePiece segmentation may produce: normal, user-defined and
+/// unused ones (control, unknown and byte tokens only enter as specials or byte fallback).
+fn mergeable(parts: &TokenizerParts, token_types: &[TokenType]) -> Vec<(String, u32, f32)> {
+    parts
+        .tokens
+        .iter()
+        .zip(token_types)
+        .zip(scores_or_zero(&parts.scores, parts.tokens.len()))
+        .enumerate()
+        .filter(|(_, ((_, &ty), _))| {
+            matches!(
+                ty,
+                TokenType::Normal | TokenType::UserDefined | TokenType::Unused
+            )
+        })
+        .map(|(id, ((text, _), score))| (text.clone(), id as u32, score))
+        .collect()
+}
+
+/// The byte a SentencePiece byte token `<0xNN>` stands for.
+fn byte_token_value(text: &str) -> Option<u8> {
+    let hex = text.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok())?
+}
+
+fn sentencepiece_byte_ids(tokens: &[String], token_types: &[TokenType]) -> [Option<u32>; 256] {
+    let mut ids = [None; 256];
+    for (id, (text, &ty)) in tokens.iter().zip(token_types).enumerate() {
+        if ty == TokenType::Byte {
+            if let Some(b) = byte_token_value(text) {
+                ids[b as usize].get_or_insert(id as u32);
+            }
+        }
+    }
+    ids
+}
+
+/// What each SentencePiece token decodes to: `▁` as a space for normal tokens, the byte for
+/// `<0xNN>` tokens, the text itself for control and user-defined ones.
+fn sentencepiece_pieces(tokens: &[String], token_types: &[TokenType]) -> Vec<Vec<u8>> {
+    tokens
+        .iter()
+        .zip(token_types)
+        .map(|(text, &ty)| match ty {
+            TokenType::Normal | TokenType::Unused => text.replace(SPACE_MARK, " ").into_bytes(),
+            TokenType::Byte => match byte_token_value(text) {
+                Some(b) => vec![b],
+                None => text.as_bytes().to_vec(),
+            },
+            _ => text.as_bytes().to_vec(),
+        })
+        .collect()
+}
+
+/// Pieces and encoder of a GPT-2 byte-level BPE vocabulary.
+fn byte_level_encoder(
+    parts: &TokenizerParts,
+    token_types: &[TokenType],
+    merge_lines: &[String],
+    pre_tokenizer: PreTokenizerKind,
+) -> Result<(Vec<Vec<u8>>, Encoder), TokenizerError> {
+    let is_bpe_text =
+        |t: TokenType| matches!(t, TokenType::Normal | TokenType::Unused | TokenType::Byte);
+    let pieces: Vec<Vec<u8>> = parts
+        .tokens
+        .iter()
+        .zip(token_types)
+        .map(|(text, &ty)| {
+            if is_bpe_text(ty) {
+                token_text_to_bytes(text)
+            } else {
+                text.as_bytes().to_vec()
+            }
+        })
+        .collect();
+
+    // Lookups by byte-level string; only BPE-produced tokens take part in merging.
+    let mut by_text: HashMap<&str, u32> = HashMap::with_capacity(parts.tokens.len());
+    for (id, (text, &ty)) in parts.tokens.iter().zip(token_types).enumerate() {
+        if is_bpe_text(ty) {
+            by_text.entry(text.as_str()).or_insert(id as u32);
+        }
+    }
+    let mut byte_ids = [None; 256];
+    for (b, slot) in byte_ids.iter_mut().enumerate() {
+        *slot = by_text.get(byte_token_text(b as u8).as_str()).copied();
+    }
+    let mut merges = Vec::with_capacity(merge_lines.len());
+    let mut merged_text = String::new();
+    for (rank, line) in merge_lines.iter().enumerate() {
+        let (left, right) = line.split_once(' ').ok_or_else(|| {
+            TokenizerError::InvalidConfig(format!("merge {rank} `{line}` has no space separator"))
+        })?;
+        merged_text.clear();
+        merged_text.push_str(left);
+        merged_text.push_str(right);
+        // A merge whose parts or result are not in the vocabulary can never fire usefully; skip
+        // it (llama.cpp and Hugging Face reject such vocabularies or ignore the merge).
+        if let (Some(&l), Some(&r), Some(&m)) = (
+            by_text.get(left),
+            by_text.get(right),
+            by_text.get(merged_text.as_str()),
+        ) {
+            merges.push((l, r, m));
+        }
+    }
+    let encoder = Encoder::ByteLevel {
+        bpe: Bpe::new(merges, byte_ids, parts.unknown_id),
+        pre_tokenizer: PreTokenizer::new(pre_tokenizer)?,
+    };
+    Ok((pieces, encoder))
 }
 
 #[cfg(test)]
@@ -380,8 +609,11 @@ mod tests {
         Tokenizer::from_parts(TokenizerParts {
             tokens,
             token_types,
-            merges: vec!["h e".into(), "l l".into(), "he ll".into(), "hell o".into()],
-            pre_tokenizer: PreTokenizerKind::Gpt2,
+            scores: Vec::new(),
+            model: TokenizerModel::ByteLevelBpe {
+                merges: vec!["h e".into(), "l l".into(), "he ll".into(), "hell o".into()],
+                pre_tokenizer: PreTokenizerKind::Gpt2,
+            },
             bos_id: Some(260),
             eos_id: Some(260),
             eot_id: None,

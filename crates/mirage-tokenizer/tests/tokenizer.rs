@@ -291,6 +291,54 @@ fn chat_templates_match_transformers() {
     }
 }
 
+/// Tools, assistant tool calls and tool results through templates that render tools (Qwen2.5's),
+/// against Python jinja2 in transformers' environment (scripts/gen_tool_chat_fixtures.py); and the
+/// Hermes-style fallback for a template that does not (SmolLM2's).
+#[test]
+fn chat_templates_render_tools_like_transformers() {
+    let fx = fixture("chat_tools.json");
+    let tools = &fx["tools"];
+    for (key, case) in fx["models"].as_object().unwrap() {
+        let Some(file) = open_model(key) else {
+            continue;
+        };
+        let template = ChatTemplate::from_gguf(&file).expect("chat template");
+        assert!(template.supports_tools(), "{key}");
+        for r in case["renderings"].as_array().unwrap() {
+            let got = template
+                .render_json(&r["messages"], Some(tools), true)
+                .unwrap();
+            assert_eq!(got, r["text"].as_str().unwrap(), "{key} {}", r["name"]);
+        }
+    }
+    let Some(file) = open_model("smollm2") else {
+        return;
+    };
+    let template = ChatTemplate::from_gguf(&file).expect("chat template");
+    assert!(!template.supports_tools());
+    // The Qwen fixture's round trip, rendered by SmolLM2's template: the same tool text, carried in
+    // plain system/assistant/user turns.
+    let round_trip = &fx["models"]["qwen2.5-coder"]["renderings"][1];
+    let got = template
+        .render_json(&round_trip["messages"], Some(tools), true)
+        .unwrap();
+    let qwen = round_trip["text"].as_str().unwrap();
+    assert_eq!(got, qwen, "same ChatML turns, same tool format");
+    let plain = template
+        .render_json(
+            &serde_json::json!([{"role": "user", "content": "hi"}]),
+            None,
+            true,
+        )
+        .unwrap();
+    assert_eq!(
+        plain,
+        template
+            .render(&[ChatMessage::new("user", "hi")], true)
+            .unwrap()
+    );
+}
+
 /// Throughput on the whole GPL-3 text, cold and warm cache. Prints tokens/s (run with
 /// `--release -- --nocapture` for the number worth quoting); asserts a generous bound so a
 /// pathological slowdown fails even in the dev profile.

@@ -1,9 +1,20 @@
 //! MIRAGE for Rust programs: one dependency that re-exports the runtime, the
 //! GGUF reader and the tokenizer, and **the** place where a user's choices
-//! (model file, optional page-major artifact, backend, engine options) turn
-//! into a running [`Engine`]. `mirage-cli`, `mirage-server` and any other
-//! frontend load through [`load`], so `--backend cpu|cuda|auto` and
-//! `--artifact` mean the same everywhere.
+//! (model file, optional page-major artifact or CUDA pages, backend, backend
+//! and engine options) turn into a running backend: an [`Engine`] through
+//! [`load`], or a bare [`Model`] through [`load_model`] for code that drives
+//! forward passes itself (benchmarks, evaluations). `mirage-cli`,
+//! `mirage-server` and any other frontend load through them, so
+//! `--backend cpu|cuda|auto` and `--artifact` mean the same everywhere.
+//!
+//! Which backend a [`LoadSpec`] gets:
+//!
+//! | backend | artifact | CUDA pages | backend type |
+//! | --- | --- | --- | --- |
+//! | cpu | - | - | [`CpuBackend`] |
+//! | cpu, auto | yes | - | the CPU superblock backend ([`artifact::SuperblockBackend`]) |
+//! | cuda, auto | - | - | [`cuda::CudaBackend`] (auto: when a GPU answers, else the CPU) |
+//! | cuda | yes or no | yes, or an artifact | [`cuda::SparseCudaBackend`] (pages from the artifact, or synthetic pages from the model's own FFN) |
 //!
 //! The engine's backend is a type parameter (`Engine<B>`), chosen at run
 //! time. [`load`] hands the engine to a [`WithEngine`] visitor whose `run`
@@ -42,10 +53,16 @@ pub use mirage_tokenizer as tokenizer;
 
 pub use mirage_artifact::activation::{Criterion, SparsityTarget};
 pub use mirage_artifact::SparseMode;
+pub use mirage_cuda::{CudaOptions, PageFormat, SparsePages, WeightFormat};
 pub use mirage_runtime::{
     Backend, CpuBackend, Engine, EngineOptions, GenerateParams, Generation, GenerationStats,
-    KvDtype, RuntimeError, SamplingParams, Session, StopReason,
+    KvDtype, Model, RuntimeError, SamplingParams, Session, StopReason,
 };
+
+use mirage_artifact::{Artifact, SuperblockBackend};
+#[cfg(feature = "cuda")]
+use mirage_cuda::{CudaBackend, PageSource, RouteTraversal, SparseCudaBackend};
+use mirage_gguf::GgufFile;
 
 /// Whether this build has the CUDA backend compiled in (the `cuda` feature).
 pub const COMPILED_WITH_CUDA: bool = mirage_cuda::COMPILED_WITH_CUDA;
@@ -160,6 +177,17 @@ impl SparsitySpec {
     }
 }
 
+/// The FFN of a CUDA run from page-major pages ([`cuda::SparseCudaBackend`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CudaPages {
+    /// How the pages are encoded on the device.
+    pub format: PageFormat,
+    /// Which pages run. `None`: the artifact's mode ([`ArtifactSpec::mode`],
+    /// by default its BVH router at the calibrated margin); synthetic pages
+    /// need one of the forced modes (they have no router).
+    pub mode: Option<SparsePages>,
+}
+
 /// Everything [`load`] needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadSpec {
@@ -171,6 +199,14 @@ pub struct LoadSpec {
     pub backend: BackendChoice,
     /// CUDA device ordinal.
     pub cuda_device: usize,
+    /// What the CUDA backend may be told (graphs, weight encoding, prefill
+    /// GEMM); ignored on the CPU.
+    pub cuda: CudaOptions,
+    /// Run the FFN on CUDA from pages: the artifact's when one is given,
+    /// else synthetic pages built from the model's own FFN matrices (128
+    /// consecutive channels each). Needs the `cuda` backend; an artifact on
+    /// the `cuda` backend takes the default ([`CudaPages::default`]).
+    pub cuda_pages: Option<CudaPages>,
     /// Threads, context, KV type, prompt chunk.
     pub options: EngineOptions,
     /// Run every projection under activation sparsity.
@@ -185,6 +221,8 @@ impl LoadSpec {
             artifact: None,
             backend: BackendChoice::Auto,
             cuda_device: 0,
+            cuda: CudaOptions::default(),
+            cuda_pages: None,
             options: EngineOptions::default(),
             sparsity: None,
         }
@@ -216,6 +254,18 @@ impl LoadSpec {
         self.options = options;
         self
     }
+
+    /// With these CUDA backend options.
+    pub fn cuda(mut self, cuda: CudaOptions) -> LoadSpec {
+        self.cuda = cuda;
+        self
+    }
+
+    /// With the FFN on CUDA from pages (see [`LoadSpec::cuda_pages`]).
+    pub fn cuda_pages(mut self, pages: CudaPages) -> LoadSpec {
+        self.cuda_pages = Some(pages);
+        self
+    }
 }
 
 /// Why [`load`] could not produce an engine.
@@ -227,17 +277,13 @@ pub enum LoadError {
     /// The CUDA backend is built but could not start (no driver, no device, ...).
     #[error("backend `cuda`: no usable GPU: {0}")]
     CudaUnavailable(Box<mirage_cuda::CudaError>),
-    /// An artifact was asked for on a backend that cannot run it.
-    #[error(
-        "artifact {artifact} needs the CPU superblock backend, but backend `{backend}` was asked for \
-         (artifacts run on the CPU only; use --backend cpu or auto)"
-    )]
-    ArtifactBackend {
-        /// The artifact file.
-        artifact: PathBuf,
-        /// The backend asked for.
-        backend: BackendChoice,
-    },
+    /// CUDA pages were asked for on another backend.
+    #[error("the FFN from CUDA pages needs backend `cuda`, but backend `{0}` was asked for")]
+    PagesBackend(BackendChoice),
+    /// A sparse mode the CUDA pages cannot run (they have no predictor or
+    /// oracle; synthetic pages no router either).
+    #[error("CUDA pages: {0}")]
+    PagesMode(String),
     // The wrapped errors below are part of the message, not `source()`, so a
     // frontend printing the whole chain does not repeat them.
     /// The artifact file could not be read or is not a valid artifact.
@@ -304,37 +350,104 @@ pub trait WithEngine {
     fn run<B: Backend>(self, engine: Engine<B>) -> Self::Out;
 }
 
+/// Code that runs with a bare model of whichever backend [`load_model`]
+/// picked (see [`LoadedModel::run`]).
+pub trait WithModel {
+    /// What `run` returns.
+    type Out;
+    /// Runs with the loaded model.
+    fn run<B: Backend>(self, model: Model<B>) -> Self::Out;
+}
+
+/// A model on the backend a [`LoadSpec`] resolved to, for code that drives
+/// its forward passes itself (no tokenizer needed: synthetic shapes load
+/// too). The variant names the backend, so a caller can reach what only
+/// that backend has (device name, graph and memory statistics, page modes).
+pub enum LoadedModel {
+    /// The CPU backend.
+    Cpu(Model<CpuBackend>),
+    /// The CPU superblock backend over an artifact.
+    SuperblockCpu(Model<SuperblockBackend>),
+    /// The CUDA backend.
+    #[cfg(feature = "cuda")]
+    Cuda(Model<CudaBackend>),
+    /// The sparse CUDA backend over pages.
+    #[cfg(feature = "cuda")]
+    SparseCuda(Model<SparseCudaBackend>),
+}
+
+impl LoadedModel {
+    /// Runs `visitor` with the model, whatever its backend.
+    pub fn run<V: WithModel>(self, visitor: V) -> V::Out {
+        match self {
+            LoadedModel::Cpu(m) => visitor.run(m),
+            LoadedModel::SuperblockCpu(m) => visitor.run(m),
+            #[cfg(feature = "cuda")]
+            LoadedModel::Cuda(m) => visitor.run(m),
+            #[cfg(feature = "cuda")]
+            LoadedModel::SparseCuda(m) => visitor.run(m),
+        }
+    }
+}
+
+/// The backend a spec resolved to, started, before the model is loaded.
+enum Started {
+    Cpu(CpuBackend),
+    SuperblockCpu(Box<SuperblockBackend>),
+    #[cfg(feature = "cuda")]
+    Cuda(Box<CudaBackend>),
+    #[cfg(feature = "cuda")]
+    SparseCuda(Box<SparseCudaBackend>),
+}
+
 /// The backend [`BackendChoice`] resolves to on this machine, before the
 /// model is loaded.
 enum Resolved {
     Cpu,
-    Cuda(Box<mirage_cuda::CudaBackend>),
+    #[cfg(feature = "cuda")]
+    Cuda(Box<CudaBackend>),
 }
 
-fn start_cuda(device: usize) -> Result<mirage_cuda::CudaBackend, LoadError> {
-    if !COMPILED_WITH_CUDA {
-        return Err(LoadError::CudaNotBuilt);
-    }
-    mirage_cuda::CudaBackend::new(device).map_err(|e| LoadError::CudaUnavailable(Box::new(e)))
+#[cfg(feature = "cuda")]
+fn start_cuda(device: usize, options: &CudaOptions) -> Result<CudaBackend, LoadError> {
+    CudaBackend::with_options(device, options).map_err(|e| LoadError::CudaUnavailable(Box::new(e)))
 }
 
-fn resolve(
-    choice: BackendChoice,
-    artifact: Option<&Path>,
-    device: usize,
-) -> Result<Resolved, LoadError> {
-    match (choice, artifact) {
-        (BackendChoice::Cpu, _) => Ok(Resolved::Cpu),
-        (BackendChoice::Cuda, Some(a)) => Err(LoadError::ArtifactBackend {
-            artifact: a.to_path_buf(),
-            backend: BackendChoice::Cuda,
-        }),
-        (BackendChoice::Cuda, None) => start_cuda(device).map(|b| Resolved::Cuda(Box::new(b))),
-        (BackendChoice::Auto, Some(a)) => {
-            tracing::info!(backend = "cpu", artifact = %a.display(), "backend auto: cpu (the artifact's superblock backend runs on the CPU)");
+#[cfg(not(feature = "cuda"))]
+fn start_cuda(
+    _device: usize,
+    _options: &CudaOptions,
+) -> Result<std::convert::Infallible, LoadError> {
+    Err(LoadError::CudaNotBuilt)
+}
+
+fn resolve(spec: &LoadSpec) -> Result<Resolved, LoadError> {
+    let artifact = spec.artifact.as_ref().map(|a| a.path.as_path());
+    let pages = spec.cuda_pages.is_some();
+    match (spec.backend, artifact) {
+        (BackendChoice::Cpu, _) if pages => Err(LoadError::PagesBackend(BackendChoice::Cpu)),
+        (BackendChoice::Auto, None) if spec.options.deterministic && !pages => {
+            tracing::info!(
+                backend = "cpu",
+                "backend auto: cpu (deterministic mode runs on the CPU backend)"
+            );
             Ok(Resolved::Cpu)
         }
-        (BackendChoice::Auto, None) => match start_cuda(device) {
+        (BackendChoice::Cpu, _) => Ok(Resolved::Cpu),
+        (BackendChoice::Cuda, _) => {
+            #[allow(clippy::useless_conversion, unreachable_code)]
+            let b = start_cuda(spec.cuda_device, &spec.cuda)?;
+            #[cfg(feature = "cuda")]
+            return Ok(Resolved::Cuda(Box::new(b)));
+            #[cfg(not(feature = "cuda"))]
+            match b {}
+        }
+        (BackendChoice::Auto, Some(a)) if !pages => {
+            tracing::info!(backend = "cpu", artifact = %a.display(), "backend auto: cpu (an artifact runs on the CPU superblock backend unless CUDA pages are asked for)");
+            Ok(Resolved::Cpu)
+        }
+        (BackendChoice::Auto, _) => match start_cuda(spec.cuda_device, &spec.cuda) {
+            #[cfg(feature = "cuda")]
             Ok(b) => {
                 tracing::info!(
                     backend = "cuda",
@@ -343,6 +456,9 @@ fn resolve(
                 );
                 Ok(Resolved::Cuda(Box::new(b)))
             }
+            #[cfg(not(feature = "cuda"))]
+            Ok(b) => match b {},
+            Err(_) if pages => Err(LoadError::PagesBackend(BackendChoice::Auto)),
             Err(e) => {
                 tracing::info!(backend = "cpu", reason = %e, "backend auto: cpu");
                 Ok(Resolved::Cpu)
@@ -351,16 +467,58 @@ fn resolve(
     }
 }
 
-/// Loads `spec.model` (with `spec.artifact` when given) on the backend
-/// `spec.backend` resolves to, and runs `visitor` with the engine.
-///
-/// An artifact runs on the CPU superblock backend: with `auto` that is what
-/// is picked, with `cuda` it is [`LoadError::ArtifactBackend`]. The artifact
-/// must have been built from this very model file (its sha256 is checked).
-pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadError> {
-    if let Some(sp) = &spec.sparsity {
-        return load_sparse(spec, sp, visitor);
+/// Opens the artifact of `spec` (if any) and checks it belongs to `file`.
+fn open_artifact(spec: &LoadSpec, file: &GgufFile) -> Result<Option<Arc<Artifact>>, LoadError> {
+    let Some(a) = &spec.artifact else {
+        return Ok(None);
+    };
+    let artifact = Artifact::open(&a.path).map_err(|error| LoadError::Artifact {
+        path: a.path.clone(),
+        error: Box::new(error),
+    })?;
+    artifact
+        .check_source(file)
+        .map_err(|error| LoadError::ArtifactMismatch {
+            artifact: a.path.clone(),
+            model: spec.model.clone(),
+            error: Box::new(error),
+        })?;
+    Ok(Some(artifact))
+}
+
+/// The CUDA pages' mode: `pages.mode`, else the artifact's (its BVH router
+/// at `mode`'s margin or the calibrated one).
+#[cfg(feature = "cuda")]
+fn pages_mode(
+    pages: &CudaPages,
+    artifact: Option<&Artifact>,
+    mode: Option<SparseMode>,
+) -> Result<SparsePages, LoadError> {
+    if let Some(m) = pages.mode {
+        return Ok(m);
     }
+    let Some(a) = artifact else {
+        return Err(LoadError::PagesMode(
+            "synthetic pages have no router: pass a mode (all, a prefix or a fraction)".into(),
+        ));
+    };
+    match mode.unwrap_or(SparseMode::Bvh {
+        margin: a.meta().default_margin,
+    }) {
+        SparseMode::All => Ok(SparsePages::All),
+        SparseMode::Prefix(k) => Ok(SparsePages::Prefix(k)),
+        SparseMode::Bvh { margin } => Ok(SparsePages::Routed {
+            margin,
+            traversal: RouteTraversal::Auto,
+        }),
+        other => Err(LoadError::PagesMode(format!(
+            "mode {other:?} runs on the CPU superblock backend only"
+        ))),
+    }
+}
+
+/// Starts the backend `spec` resolves to for `file`.
+fn start(spec: &LoadSpec, file: &GgufFile) -> Result<Started, LoadError> {
     let engine_err = |backend: &str| {
         let path = spec.model.clone();
         let backend = backend.to_string();
@@ -370,68 +528,96 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
             error: Box::new(error),
         }
     };
-    let resolved = resolve(
-        spec.backend,
-        spec.artifact.as_ref().map(|a| a.path.as_path()),
-        spec.cuda_device,
-    )?;
-    let open_model = || {
-        mirage_gguf::GgufFile::open(&spec.model)
-            .map(Arc::new)
-            .map_err(|error| LoadError::Model {
-                path: spec.model.clone(),
-                error: Box::new(error),
-            })
-    };
-    match (resolved, &spec.artifact) {
-        (Resolved::Cpu, None) => {
-            let backend = CpuBackend::new(spec.options.threads).map_err(engine_err("cpu"))?;
-            let engine = Engine::from_file(open_model()?, backend, spec.options.clone())
-                .map_err(engine_err("cpu"))?;
-            Ok(visitor.run(engine))
-        }
-        (Resolved::Cuda(backend), None) => {
-            let engine = Engine::from_file(open_model()?, *backend, spec.options.clone())
-                .map_err(engine_err("cuda"))?;
-            Ok(visitor.run(engine))
-        }
-        (Resolved::Cpu, Some(a)) => {
-            use mirage_artifact::{Artifact, SuperblockBackend};
-            let artifact = Artifact::open(&a.path).map_err(|error| LoadError::Artifact {
-                path: a.path.clone(),
-                error: Box::new(error),
-            })?;
-            let file = open_model()?;
-            artifact
-                .check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))
-                .map_err(|error| LoadError::ArtifactMismatch {
-                    artifact: a.path.clone(),
-                    model: spec.model.clone(),
-                    error: Box::new(error),
-                })?;
+    let artifact = open_artifact(spec, file)?;
+    match resolve(spec)? {
+        Resolved::Cpu => {
+            let cpu = CpuBackend::new(spec.options.threads).map_err(engine_err("cpu"))?;
+            let Some(artifact) = artifact else {
+                return Ok(Started::Cpu(cpu));
+            };
+            let a = spec.artifact.as_ref().expect("opened above");
             let mode = a.mode.unwrap_or(SparseMode::Bvh {
                 margin: artifact.meta().default_margin,
             });
-            let cpu =
-                CpuBackend::new(spec.options.threads).map_err(engine_err("superblock-cpu"))?;
-            let backend = SuperblockBackend::new(cpu, artifact, mode).map_err(|error| {
+            let b = SuperblockBackend::new(cpu, artifact, mode).map_err(|error| {
                 LoadError::Artifact {
                     path: a.path.clone(),
                     error: Box::new(error),
                 }
             })?;
-            let engine = Engine::from_file(file, backend, spec.options.clone())
-                .map_err(engine_err("superblock-cpu"))?;
-            Ok(visitor.run(engine))
+            Ok(Started::SuperblockCpu(Box::new(b)))
         }
-        (Resolved::Cuda(_), Some(a)) => {
-            // `resolve` never pairs an artifact with CUDA; kept as an error, not a panic.
-            Err(LoadError::ArtifactBackend {
-                artifact: a.path.clone(),
-                backend: spec.backend,
-            })
+        #[cfg(feature = "cuda")]
+        Resolved::Cuda(b) => {
+            let pages = match (spec.cuda_pages, &artifact) {
+                (Some(p), _) => p,
+                (None, Some(_)) => CudaPages::default(),
+                (None, None) => return Ok(Started::Cuda(b)),
+            };
+            let mode = pages_mode(
+                &pages,
+                artifact.as_deref(),
+                spec.artifact.as_ref().and_then(|a| a.mode),
+            )?;
+            let source = artifact.map_or(PageSource::Synthetic, PageSource::Artifact);
+            let sb = SparseCudaBackend::new(*b, source, mode)
+                .map_err(|e| LoadError::PagesMode(e.to_string()))?;
+            sb.set_page_format(pages.format)
+                .map_err(|e| LoadError::PagesMode(e.to_string()))?;
+            Ok(Started::SparseCuda(Box::new(sb)))
         }
     }
+}
+
+/// `spec.model`, opened.
+fn open_model(spec: &LoadSpec) -> Result<Arc<GgufFile>, LoadError> {
+    GgufFile::open(&spec.model)
+        .map(Arc::new)
+        .map_err(|error| LoadError::Model {
+            path: spec.model.clone(),
+            error: Box::new(error),
+        })
+}
+
+/// Loads `spec.model` (with `spec.artifact` or `spec.cuda_pages` when given)
+/// on the backend `spec.backend` resolves to (the table in the crate
+/// documentation), and runs `visitor` with the engine.
+///
+/// An artifact must have been built from this very model file (its sha256
+/// and its shape are checked).
+pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadError> {
+    if let Some(sp) = &spec.sparsity {
+        return load_sparse(spec, sp, visitor);
+    }
+    let file = open_model(spec)?;
+    let engine = |backend: &str, e: RuntimeError| LoadError::Engine {
+        path: spec.model.clone(),
+        backend: backend.to_string(),
+        error: Box::new(e),
+    };
+    let opts = spec.options.clone();
+    Ok(match start(spec, &file)? {
+        Started::Cpu(b) => {
+            visitor.run(Engine::from_file(file, b, opts).map_err(|e| engine("cpu", e))?)
+        }
+        Started::SuperblockCpu(b) => {
+            visitor.run(Engine::from_file(file, *b, opts).map_err(|e| engine("superblock-cpu", e))?)
+        }
+        #[cfg(feature = "cuda")]
+        Started::Cuda(b) => match Engine::from_file(file.clone(), *b, opts.clone()) {
+            Ok(e) => visitor.run(e),
+            // `auto` falls back to the CPU for a graph the CUDA backend lacks (gemma3).
+            Err(RuntimeError::Unsupported { what, .. }) if spec.backend == BackendChoice::Auto => {
+                tracing::info!(backend = "cpu", reason = %what, "backend auto: cpu (the cuda backend does not run this model)");
+                let cpu = CpuBackend::new(spec.options.threads).map_err(|e| engine("cpu", e))?;
+                visitor.run(Engine::from_file(file, cpu, opts).map_err(|e| engine("cpu", e))?)
+            }
+            Err(e) => return Err(engine("cuda", e)),
+        },
+        #[cfg(feature = "cuda")]
+        Started::SparseCuda(b) => visitor
+            .run(Engine::from_file(file, *b, opts).map_err(|e| engine("superblock-cuda", e))?),
+    })
 }
 
 /// The activation artifact [`load`] reads for `spec`.
@@ -464,12 +650,7 @@ fn load_sparse<V: WithEngine>(
         path: path.clone(),
         error: Box::new(error),
     })?;
-    let file = mirage_gguf::GgufFile::open(&spec.model)
-        .map(Arc::new)
-        .map_err(|error| LoadError::Model {
-            path: spec.model.clone(),
-            error: Box::new(error),
-        })?;
+    let file = open_model(spec)?;
     artifact
         .check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))
         .map_err(|error| LoadError::ArtifactMismatch {
@@ -507,6 +688,39 @@ fn load_sparse<V: WithEngine>(
         .map_err(|e| refuse(e.to_string()))?;
     let engine = Engine::from_file(file, backend, spec.options.clone()).map_err(engine_err)?;
     Ok(visitor.run(engine))
+}
+
+/// Loads a model as [`load`] does, as a bare [`Model`] (no tokenizer
+/// needed): `file` when given (a model already in memory, such as a cut
+/// of `spec.model`), else `spec.model`.
+pub fn load_model(spec: &LoadSpec, file: Option<Arc<GgufFile>>) -> Result<LoadedModel, LoadError> {
+    if spec.sparsity.is_some() {
+        return Err(LoadError::Sparsity {
+            artifact: activation_artifact_path(spec),
+            reason: "a bare model does not run activation sparsity; load an engine (`load`)".into(),
+        });
+    }
+    let file = match file {
+        Some(f) => f,
+        None => open_model(spec)?,
+    };
+    let model = |backend: &str, e: RuntimeError| LoadError::Engine {
+        path: spec.model.clone(),
+        backend: backend.to_string(),
+        error: Box::new(e),
+    };
+    Ok(match start(spec, &file)? {
+        Started::Cpu(b) => LoadedModel::Cpu(Model::load(file, b).map_err(|e| model("cpu", e))?),
+        Started::SuperblockCpu(b) => LoadedModel::SuperblockCpu(
+            Model::load(file, *b).map_err(|e| model("superblock-cpu", e))?,
+        ),
+        #[cfg(feature = "cuda")]
+        Started::Cuda(b) => LoadedModel::Cuda(Model::load(file, *b).map_err(|e| model("cuda", e))?),
+        #[cfg(feature = "cuda")]
+        Started::SparseCuda(b) => {
+            LoadedModel::SparseCuda(Model::load(file, *b).map_err(|e| model("superblock-cuda", e))?)
+        }
+    })
 }
 
 #[cfg(test)]
@@ -562,26 +776,29 @@ mod tests {
     }
 
     #[test]
-    fn cuda_with_an_artifact_is_refused_naming_both() {
-        let r = resolve(BackendChoice::Cuda, Some(Path::new("x.mirage")), 0);
-        let Err(e) = r else {
-            panic!("cuda + artifact resolved")
+    fn cuda_pages_need_the_cuda_backend() {
+        let spec = LoadSpec::new("m.gguf")
+            .backend(BackendChoice::Cpu)
+            .cuda_pages(CudaPages::default());
+        let Err(e) = resolve(&spec) else {
+            panic!("cpu + CUDA pages resolved")
         };
-        let msg = e.to_string();
-        assert!(
-            msg.contains("x.mirage") && msg.contains("`cuda`") && msg.contains("CPU"),
-            "{msg}"
-        );
+        assert!(e.to_string().contains("needs backend `cuda`"), "{e}");
         // auto with an artifact is the CPU, whatever the machine has.
-        assert!(matches!(
-            resolve(BackendChoice::Auto, Some(Path::new("x.mirage")), 0),
-            Ok(Resolved::Cpu)
-        ));
+        let spec = LoadSpec::new("m.gguf").artifact("x.mirage", None);
+        assert!(matches!(resolve(&spec), Ok(Resolved::Cpu)));
+    }
+
+    #[test]
+    fn auto_with_deterministic_mode_is_the_cpu() {
+        let mut spec = LoadSpec::new("m.gguf");
+        spec.options.deterministic = true;
+        assert!(matches!(resolve(&spec), Ok(Resolved::Cpu)));
     }
 
     #[test]
     fn cuda_without_a_gpu_is_a_clear_error_and_auto_falls_back() {
-        match start_cuda(0) {
+        match start_cuda(0, &CudaOptions::default()) {
             Ok(_) => eprintln!("a GPU answered: the no-GPU error path cannot be checked here"),
             Err(e) => {
                 let msg = e.to_string();
@@ -598,10 +815,10 @@ mod tests {
                     );
                 }
                 assert!(matches!(
-                    resolve(BackendChoice::Auto, None, 0),
+                    resolve(&LoadSpec::new("m.gguf")),
                     Ok(Resolved::Cpu)
                 ));
-                assert!(resolve(BackendChoice::Cuda, None, 0).is_err());
+                assert!(resolve(&LoadSpec::new("m.gguf").backend(BackendChoice::Cuda)).is_err());
             }
         }
     }

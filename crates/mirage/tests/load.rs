@@ -38,6 +38,14 @@ impl WithEngine for Probe {
     }
 }
 
+/// Whether a CUDA device answers in this build.
+fn gpu_here() -> bool {
+    #[cfg(feature = "cuda")]
+    return mirage::cuda::CudaBackend::new(0).is_ok();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
 fn options() -> EngineOptions {
     EngineOptions {
         threads: 2,
@@ -69,8 +77,7 @@ fn cpu_auto_and_artifact_backends_load_and_agree() {
 
     // auto: CUDA where it is built and a GPU answers, else the CPU.
     let (auto_name, auto) = mirage::load(&LoadSpec::new(&model).options(options()), Probe).unwrap();
-    let gpu_here = mirage::COMPILED_WITH_CUDA && mirage::cuda::CudaBackend::new(0).is_ok();
-    assert_eq!(auto_name, if gpu_here { "cuda" } else { "cpu" });
+    assert_eq!(auto_name, if gpu_here() { "cuda" } else { "cpu" });
     assert_eq!(argmax(&auto), argmax(&cpu));
 
     // An artifact built from this model runs on the superblock backend; with
@@ -109,16 +116,27 @@ fn cpu_auto_and_artifact_backends_load_and_agree() {
     .unwrap();
     assert_eq!(name, "superblock-cpu");
 
-    // cuda + artifact: refused before anything is loaded, naming both.
+    // cuda + artifact: the sparse CUDA backend over the artifact's pages
+    // where a GPU answers (every page: the dense model's next token), else
+    // the CUDA error.
     let spec = LoadSpec::new(&model)
         .backend(BackendChoice::Cuda)
-        .artifact(&art, None);
-    let e = mirage::load(&spec, Probe).unwrap_err();
-    assert!(matches!(e, LoadError::ArtifactBackend { .. }), "{e:?}");
-    assert!(
-        e.to_string().contains("smol.mirage") && e.to_string().contains("`cuda`"),
-        "{e}"
-    );
+        .artifact(&art, Some(SparseMode::All))
+        .options(options());
+    match mirage::load(&spec, Probe) {
+        Ok((name, logits)) => {
+            assert!(gpu_here(), "loaded on CUDA without a GPU");
+            assert!(name.contains("cuda"), "{name}");
+            assert_eq!(argmax(&logits), argmax(&cpu));
+        }
+        Err(e) => {
+            assert!(!gpu_here(), "a GPU answered but: {e}");
+            assert!(
+                matches!(e, LoadError::CudaNotBuilt | LoadError::CudaUnavailable(_)),
+                "{e:?}"
+            );
+        }
+    }
 
     // A missing artifact names the file.
     let missing = dir.path().join("missing.mirage");

@@ -215,12 +215,12 @@ pub fn write_bytes(
         }
         put_f32s(&mut plans, &t.ppl);
     }
-    write_container(
+    Ok(write_container(
         ACTIVATION_VERSION,
         &source_sha,
         &SECTIONS,
-        &[meta, table, weights, scores, plans],
-    )
+        &[&meta, &table, &weights, &scores, &plans],
+    ))
 }
 
 fn put_f32s(v: &mut Vec<u8>, xs: &[f32]) {

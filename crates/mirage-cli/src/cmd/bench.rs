@@ -15,9 +15,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use mirage::{BackendChoice, CudaOptions, LoadSpec, LoadedModel};
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::Backend;
-use mirage_runtime::{CpuBackend, KvDtype, KvPruning, Model, TokenSlot};
+use mirage_runtime::{KvDtype, KvPruning, Model, TokenSlot};
 
 /// Arguments of `mirage-cli bench`.
 #[derive(Debug, Args)]
@@ -55,27 +56,17 @@ pub struct BenchArgs {
     #[arg(long)]
     pub kv_prune: Option<KvPruning>,
     /// CUDA: record decode steps as CUDA graphs (`on`) or launch op by op
-    /// (`off`).
+    /// (`off`, for debugging: the same results).
     #[arg(long, default_value = "on")]
     pub cuda_graphs: String,
     /// CUDA: multiply prompt batches through cuBLAS on tensor cores (`on`)
-    /// or with the mat-vec kernel (`off`).
+    /// or with the mat-vec kernels (`off`).
     #[arg(long, default_value = "on")]
     pub cuda_gemm: String,
-    /// CUDA: fast decode path (`on`: split-Q8_0 repacking, Q/K/V in one
-    /// launch, fused gate/up/SwiGLU) or the first version's kernels (`off`).
-    #[arg(long, default_value = "on")]
-    pub cuda_fast: String,
-    /// CUDA: programmatic dependent launch (`on`, sm_90 and up: each kernel
-    /// starts behind the previous one and prefetches its weight rows into
-    /// L2 while waiting) or strict kernel-after-kernel order (`off`). Same
-    /// results either way.
-    #[arg(long, default_value = "on")]
-    pub cuda_pdl: String,
     /// CUDA: weight encoding on the device, `native` (the file's) or
     /// `nvfp4` (attention and FFN matrices requantized at upload).
     #[arg(long, default_value = "native")]
-    pub weights: String,
+    pub weights: mirage::WeightFormat,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -106,55 +97,14 @@ pub struct BenchArgs {
     /// load; d_model must be a multiple of 256), fused kernel
     /// `superblock_ffn_q2k`. MiB/tok counts the chosen format's page bytes.
     /// Only with --artifact or --synthetic-pages.
-    #[arg(long, value_parser = ["q8_0", "nvfp4", "q2_k"])]
-    pub page_format: Option<String>,
+    #[arg(long)]
+    pub page_format: Option<mirage::PageFormat>,
     /// Sparse decode: also decode each forced fraction below 1 as a dense
     /// model cut to those pages (`prefix X% dense` rows: the prefix slice
     /// through the dense kernels, the second baseline; gate/up rows copied,
     /// down columns copied or, in an artifact's order, re-encoded in Q8_0).
     #[arg(long, default_value = "on")]
     pub prefix_dense: String,
-    /// Sparse decode, with --routed: also decode routed with the Vulkan
-    /// ray-tracing router (CUDA–Vulkan interop, one host submission per
-    /// layer, so no CUDA graph), beside route.cu without graphs. Needs a
-    /// build with the `vulkan-interop` feature and a Vulkan RT device.
-    #[arg(long)]
-    pub vulkan_router: bool,
-    /// Sparse decode: also decode the dense model and every sparse row with
-    /// the other cross-op weight prefetch setting, in the same process:
-    /// `... (cross-op prefetch)` rows when it is off (the default; the
-    /// output projection's and the next layer's Q/K/V weights then go into
-    /// L2 ahead of their mat-vecs), `... (no cross-op prefetch)` when
-    /// MIRAGE_CUDA_XPREFETCH turned it on.
-    #[arg(long)]
-    pub xprefetch_ab: bool,
-    /// Sparse decode: also decode the dense model and every sparse row with
-    /// the preload set to PARTS, in the same process (`... (preload PARTS)`
-    /// rows beside the start-up setting, MIRAGE_CUDA_PRELOAD, default none).
-    /// PARTS: `all` (the default when the flag has no value), `none`, or a
-    /// comma list of `matvec` (the split Q8_0 mat-vecs load their first
-    /// weights before waiting on the previous kernel), `ffn` (the dense
-    /// FFN's gate/up does) and `attn` (the decode attention its first keys
-    /// and values).
-    #[arg(long, value_name = "PARTS", num_args = 0..=1, default_missing_value = "all")]
-    pub preload_ab: Option<String>,
-    /// Sparse decode: also decode the dense model and every sparse row with
-    /// the persistent-grid mat-vecs off, in the same process (`... (mat-vec
-    /// grid off)` rows; by default the v2 split Q8_0 mat-vecs with rows of at
-    /// least 2048 columns and more row groups than resident blocks run on at
-    /// most the resident blocks, each taking several row groups), or by their
-    /// rule (`... (mat-vec grid auto)`) when MIRAGE_CUDA_MV_GRID=0 turned
-    /// them off.
-    #[arg(long)]
-    pub mv_grid_ab: bool,
-    /// Sparse decode: also decode the dense model and every sparse row with
-    /// the attention block kernel in the other setting, in the same process:
-    /// `... (attention block)` rows (Q/K/V, the decode attention and O of
-    /// each layer as one persistent launch, the same bits) when it is off
-    /// (the default), `... (three attention launches)` when
-    /// MIRAGE_CUDA_ATTN_BLOCK=1 turned it on.
-    #[arg(long)]
-    pub attn_block_ab: bool,
     /// Activation sparsity (CPU): decode at these model-wide sparsities (comma-separated) beside the
     /// dense path in the same process, from the activation artifact (--artifact, default
     /// `<model>.activation.mirage`).
@@ -193,15 +143,11 @@ struct BenchReport {
     weights_bytes: Option<usize>,
     kv_cache_bytes: Option<usize>,
     workspace_bytes: Option<usize>,
-    device_used_bytes: Option<usize>,
     kv_dtype: String,
     kv_prune: Option<String>,
     cuda_graphs: Option<bool>,
     cuda_gemm: Option<bool>,
-    cuda_fast: Option<bool>,
     cuda_pdl: Option<bool>,
-    /// Mat-vec kernel variant of the split Q8_0 / Q4_K layouts (`MIRAGE_CUDA_MV`).
-    matvec_variant: Option<usize>,
     weight_format: Option<String>,
     graph_captures: Option<u64>,
     graph_replays: Option<u64>,
@@ -215,6 +161,23 @@ pub(crate) fn on_off(what: &str, v: &str) -> anyhow::Result<bool> {
         "off" => Ok(false),
         other => bail!("--{what} takes `on` or `off`, not `{other}`"),
     }
+}
+
+/// What the shared loader (`mirage::load_model`) needs for `args`' dense
+/// run: backend, device and the CUDA options the flags set.
+pub(crate) fn spec(args: &BenchArgs) -> anyhow::Result<LoadSpec> {
+    let backend: BackendChoice = args.backend.parse()?;
+    let mut spec = LoadSpec::new(&args.model)
+        .backend(backend)
+        .cuda(CudaOptions {
+            graphs: on_off("cuda-graphs", &args.cuda_graphs)?,
+            prefill_gemm: on_off("cuda-gemm", &args.cuda_gemm)?,
+            weights: args.weights,
+            ..CudaOptions::default()
+        });
+    spec.cuda_device = args.device;
+    spec.options.threads = args.threads;
+    Ok(spec)
 }
 
 /// Runs `mirage-cli bench`.
@@ -241,68 +204,37 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         "f16" => KvDtype::F16,
         other => bail!("--kv takes `f32` or `f16`, not `{other}`"),
     };
-    let graphs = on_off("cuda-graphs", &args.cuda_graphs)?;
-    let gemm = on_off("cuda-gemm", &args.cuda_gemm)?;
-    let fast = on_off("cuda-fast", &args.cuda_fast)?;
-    let pdl = on_off("cuda-pdl", &args.cuda_pdl)?;
-    let weights = match args.weights.as_str() {
-        "native" => mirage_cuda::WeightFormat::Native,
-        "nvfp4" => mirage_cuda::WeightFormat::Nvfp4,
-        other => bail!("--weights takes `native` or `nvfp4`, not `{other}`"),
-    };
-    let report = match args.backend.as_str() {
-        "cpu" => {
-            let backend = CpuBackend::new(args.threads)?;
-            let device = format!("cpu ({} threads)", backend.threads());
+    let report = match mirage::load_model(&spec(&args)?, Some(file))? {
+        LoadedModel::Cpu(model) => {
+            let device = format!("cpu ({} threads)", model.backend().threads());
             let copy = host_copy_bandwidth(256 << 20, 5);
-            let model = Model::load(file.clone(), backend)?;
             let mut r = measure(&model, &args, kv, weight_bytes, copy, device)?;
             r.backend = "cpu".into();
             r
         }
-        "cuda" => {
-            let backend =
-                mirage_cuda::CudaBackend::new(args.device).context("starting the CUDA backend")?;
-            let device = format!(
-                "{} (sm_{}{})",
-                backend.device_name(),
-                backend.compute_capability().0,
-                backend.compute_capability().1
-            );
-            backend.set_graphs(graphs);
-            let gemm_on = backend.set_prefill_gemm(gemm);
-            backend.set_fast_decode(fast);
-            backend.set_pdl(pdl);
-            backend.set_weight_format(weights);
-            let (free0, _) = backend.device_memory()?;
-            let copy = backend.copy_bandwidth(1 << 30, 10)?;
-            let model = Model::load(file.clone(), backend)?;
-            let mut r = measure(&model, &args, kv, weight_bytes, copy, device)?;
+        #[cfg(feature = "cuda")]
+        LoadedModel::Cuda(model) => {
             let b = model.backend();
-            let m = b.memory_stats();
-            let g = b.graph_stats();
+            let (major, minor) = b.compute_capability();
+            let device = format!("{} (sm_{major}{minor})", b.device_name());
+            let copy = b.copy_bandwidth(1 << 30, 10)?;
+            let mut r = measure(&model, &args, kv, weight_bytes, copy, device)?;
+            let (m, g) = (b.memory_stats(), b.graph_stats());
+            r.backend = "cuda".into();
             r.cuda_graphs = Some(b.graphs());
-            r.cuda_gemm = Some(gemm_on);
-            r.cuda_fast = Some(b.fast_decode());
+            r.cuda_gemm = Some(b.prefill_gemm());
             r.cuda_pdl = Some(b.pdl());
-            r.matvec_variant = Some(b.matvec_variant());
-            r.weight_format = Some(match b.weight_format() {
-                mirage_cuda::WeightFormat::Native => "native".into(),
-                mirage_cuda::WeightFormat::Nvfp4 => "nvfp4".into(),
-            });
+            r.weight_format = Some(b.weight_format().to_string());
             r.graph_captures = Some(g.captures);
             r.graph_replays = Some(g.replays);
             r.eager_steps = Some(g.eager);
-            let (free1, _) = b.device_memory()?;
-            r.backend = "cuda".into();
             r.peak_device_bytes = Some(m.peak);
             r.weights_bytes = Some(m.weights);
             r.kv_cache_bytes = Some(m.kv_cache);
             r.workspace_bytes = Some(m.workspace);
-            r.device_used_bytes = Some(free0.saturating_sub(free1));
             r
         }
-        other => bail!("unknown backend `{other}` (cpu or cuda)"),
+        _ => unreachable!("a dense spec loads a dense backend"),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -342,7 +274,8 @@ fn host_copy_bandwidth(bytes: usize, iters: usize) -> f64 {
     2.0 * bytes as f64 / times[times.len() / 2]
 }
 
-fn argmax(v: &[f32]) -> u32 {
+/// Index of the first largest value.
+pub(crate) fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
     for (i, x) in v.iter().enumerate() {
         if *x > v[best] {
@@ -350,6 +283,20 @@ fn argmax(v: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// The benchmark prompt: `n` pseudo-random token ids below `vocab` (a
+/// fixed LCG, so every backend and run decodes the same tokens).
+pub(crate) fn bench_prompt(vocab: usize, n: usize) -> Vec<u32> {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % (vocab.max(2).min(32000) as u64 - 1) + 1) as u32
+        })
+        .collect()
 }
 
 fn measure<B: Backend>(
@@ -360,18 +307,8 @@ fn measure<B: Backend>(
     copy_bytes_s: f64,
     device: String,
 ) -> anyhow::Result<BenchReport> {
-    let vocab = model.config().vocab_size.max(2);
     let n_prompt = args.prompt.max(1);
-    // A fixed LCG: the same prompt on every backend.
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let prompt: Vec<u32> = (0..n_prompt)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 33) % (vocab.min(32000) as u64 - 1) + 1) as u32
-        })
-        .collect();
+    let prompt = bench_prompt(model.config().vocab_size, n_prompt);
     let n_ctx = n_prompt + args.gen + 1;
     let mut logits = Vec::new();
     let mut scratch = model.new_scratch();
@@ -470,14 +407,11 @@ fn measure<B: Backend>(
         weights_bytes: None,
         kv_cache_bytes: None,
         workspace_bytes: None,
-        device_used_bytes: None,
         kv_dtype: args.kv.clone(),
         kv_prune: args.kv_prune.as_ref().map(prune_spec),
         cuda_graphs: None,
         cuda_gemm: None,
-        cuda_fast: None,
         cuda_pdl: None,
-        matvec_variant: None,
         weight_format: None,
         graph_captures: None,
         graph_replays: None,
@@ -521,12 +455,11 @@ fn print_table(r: &BenchReport) {
         r.copy_gb_s
     );
     println!(
-        "device memory    peak {} (weights {}, KV {}, workspace {}); driver-reported use {}",
+        "device memory    peak {} (weights {}, KV {}, workspace {})",
         mib(r.peak_device_bytes),
         mib(r.weights_bytes),
         mib(r.kv_cache_bytes),
-        mib(r.workspace_bytes),
-        mib(r.device_used_bytes)
+        mib(r.workspace_bytes)
     );
     println!(
         "kv cache         {}, decode attention {}",
@@ -547,12 +480,14 @@ fn print_table(r: &BenchReport) {
             if gm { "on (cuBLAS)" } else { "off (mat-vec)" }
         );
     }
-    if let (Some(f), Some(w)) = (r.cuda_fast, &r.weight_format) {
+    if let Some(w) = &r.weight_format {
         println!(
-            "cuda weights     {w}, fast decode path {}, mat-vec variant v{}, programmatic dependent launch {}",
-            if f { "on" } else { "off" },
-            r.matvec_variant.unwrap_or(0),
-            if r.cuda_pdl == Some(true) { "on" } else { "off" }
+            "cuda weights     {w}, programmatic dependent launch {}",
+            if r.cuda_pdl == Some(true) {
+                "on"
+            } else {
+                "off"
+            }
         );
     }
     println!("first tokens     {:?}", r.first_tokens);

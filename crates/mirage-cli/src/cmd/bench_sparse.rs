@@ -1,17 +1,15 @@
 //! `mirage-cli bench --artifact FILE | --synthetic-pages`: dense vs sparse
 //! (superblock) decode on CUDA in one run.
 //!
-//! The dense CUDA backend decodes first, twice (norms folded into the next
-//! mat-vec, the default, and as their own launches); "x dense" is against
-//! the faster of the two. Then the sparse backend
-//! ([`mirage_cuda::SparseCudaBackend`]) decodes the same prompt once per
+//! The dense CUDA backend decodes first. Then the sparse backend
+//! ([`mirage::cuda::SparseCudaBackend`]) decodes the same prompt once per
 //! forced page fraction (`--active`, the first pages by hotness: prefix
 //! slicing through the fused page kernel) and, with `--routed`, with the
 //! artifact's BVH router on the device. Per mode: decode tok/s and the
 //! speed-up over dense, the median step, one layer's routing and FFN device
 //! time (event-timed outside the graph, on a random input) and what is left
 //! for the rest of the step, and the weight bytes a token reads (non-FFN
-//! tensors + active pages).
+//! tensors + active pages). Every backend comes from `mirage::load_model`.
 //!
 //! With `--prefix-dense on` (default) each forced fraction below 1 is also
 //! decoded as a dense model cut to its first pages
@@ -40,15 +38,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use mirage_cuda::{
-    CudaBackend, MatvecGrid, PageFormat, PageSource, PrefetchSites, PreloadParts, RouteTraversal,
-    SparseCudaBackend, SparsePages, WeightFormat,
-};
+use mirage::cuda::{RouteTraversal, SparsePages};
+use mirage::{CudaPages, LoadedModel, PageFormat, WeightFormat};
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::Backend;
 use mirage_runtime::{KvDtype, Model, TokenSlot};
 
-use super::bench::BenchArgs;
+use super::bench::{argmax, bench_prompt, BenchArgs};
 
 /// One row of the table.
 #[derive(Debug, serde::Serialize)]
@@ -81,16 +77,7 @@ fn decode<B: Backend>(
     n_gen: usize,
     mut after_step: impl FnMut() -> anyhow::Result<Option<usize>>,
 ) -> anyhow::Result<Decode> {
-    let vocab = model.config().vocab_size.max(2);
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let prompt: Vec<u32> = (0..n_prompt)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 33) % (vocab.min(32000) as u64 - 1) + 1) as u32
-        })
-        .collect();
+    let prompt = bench_prompt(model.config().vocab_size, n_prompt);
     let kv = KvDtype::F16;
     let mut cache = model.new_kv_cache(n_prompt + n_gen + 4, 1, kv)?;
     let mut scratch = model.new_scratch();
@@ -104,12 +91,6 @@ fn decode<B: Backend>(
         &mut scratch,
         &mut logits,
     )?;
-    let argmax = |v: &[f32]| {
-        v.iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .map_or(0, |m| m.0 as u32)
-    };
     let mut tok = argmax(&logits);
     // Two warm-up steps (graph capture) at the next positions, then timed.
     let mut pos = n_prompt;
@@ -159,6 +140,17 @@ fn decode<B: Backend>(
     })
 }
 
+/// The dense model of `spec` (optionally cut to `file`), or why not.
+fn dense_model(
+    spec: &mirage::LoadSpec,
+    file: Arc<GgufFile>,
+) -> anyhow::Result<Model<mirage::cuda::CudaBackend>> {
+    match mirage::load_model(spec, Some(file))? {
+        LoadedModel::Cuda(m) => Ok(m),
+        _ => bail!("--artifact / --synthetic-pages bench the CUDA backends: pass --backend cuda"),
+    }
+}
+
 /// Runs the sparse bench (see the module doc).
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     if args.backend != "cuda" {
@@ -170,23 +162,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     if args.routed && args.synthetic_pages {
         bail!("--routed needs an artifact (synthetic pages have no router)");
     }
-    if args.vulkan_router && !args.routed {
-        bail!("--vulkan-router is a router for --routed");
-    }
-    if args.vulkan_router && !cfg!(feature = "vulkan-interop") {
-        bail!("--vulkan-router: this mirage-cli was built without the `vulkan-interop` feature");
-    }
-    let format: PageFormat = args
-        .page_format
-        .as_deref()
-        .unwrap_or("q8_0")
-        .parse()
-        .map_err(anyhow::Error::msg)?;
-    let weights = match args.weights.as_str() {
-        "native" => WeightFormat::Native,
-        "nvfp4" => WeightFormat::Nvfp4,
-        other => bail!("--weights takes `native` or `nvfp4`, not `{other}`"),
-    };
+    let format = args.page_format.unwrap_or_default();
+    let weights = args.weights;
     let fractions = if args.active.is_empty() {
         vec![1.0, 0.75, 0.5, 0.35, 0.25]
     } else {
@@ -246,29 +223,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         (other, ffn)
     };
     let (other_bytes, ffn_bytes) = token_bytes(&file);
-    let pdl = super::bench::on_off("cuda-pdl", &args.cuda_pdl)?;
     let prefix_dense = super::bench::on_off("prefix-dense", &args.prefix_dense)?;
     let n_prompt = args.prompt.max(1);
     let n_gen = args.gen.max(4);
     let mib = |b: f64| b / (1u64 << 20) as f64;
     let mut rows = Vec::new();
-
-    // Dense, twice: the RMSNorms folded into the next mat-vec (the default)
-    // and as their own launches (which the H200 measured 8.7 % faster on
-    // the 7B shape); speed-ups are against the faster of the two, so a
-    // sparse row never beats a dense configuration that is not the best.
-    // Every backend of the run: same device, weight encoding and PDL.
-    let new_backend = || -> anyhow::Result<CudaBackend> {
-        let b = CudaBackend::new(args.device).context("starting the CUDA backend")?;
-        b.set_weight_format(weights);
-        b.set_pdl(pdl);
-        Ok(b)
-    };
-    // A row of a dense decode (`speedup` filled in once the best dense is known).
+    let dense_spec = super::bench::spec(args)?;
+    // A row of a dense decode (`speedup` filled in once dense is known).
     let dense_row = |mode: String, active_share: f64, d: &Decode, bytes: u64| Row {
         mode,
         page_format: None,
-        weights: args.weights.clone(),
+        weights: weights.to_string(),
         active_share,
         decode_tok_s: d.tok_s,
         speedup: f64::NAN,
@@ -278,63 +243,35 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         rest_ms: f64::NAN,
         mib_per_token: mib(bytes as f64),
     };
-    let mut device = String::new();
-    let mut dense_tok_s = 0.0f64;
-    let mut best_fold = true;
-    // --xprefetch-ab / --preload-ab: one more dense row and each sparse
-    // row again with the other setting of that switch.
-    let ab = AbSwitch::from_args(args)?;
-    // (norms folded, the A/B switch's other setting) of each dense row.
-    let mut dense_cfgs = vec![(true, false), (false, false)];
-    if ab.is_some() {
-        dense_cfgs.push((true, true));
-    }
-    for (fold, other) in dense_cfgs {
-        let b = new_backend()?;
-        device = b.device_name().to_string();
-        b.set_fuse_norm(fold);
-        if let (true, Some(ab)) = (other, &ab) {
-            ab.set(&b, true);
-        }
-        let model = Model::load(file.clone(), b)?;
+    let (device, dense_tok_s) = {
+        let model = dense_model(&dense_spec, file.clone())?;
         let d = decode(&model, n_prompt, n_gen, || Ok(None))?;
-        if d.tok_s > dense_tok_s {
-            (dense_tok_s, best_fold) = (d.tok_s, fold);
-        }
-        let mode = match (fold, other) {
-            (true, false) => "dense".to_string(),
-            (false, _) => "dense (norms unfolded)".to_string(),
-            (true, true) => format!("dense ({})", ab.as_ref().map_or("", |a| a.label.as_str())),
-        };
-        rows.push(dense_row(mode, 1.0, &d, other_bytes + ffn_bytes));
-    }
-    for r in rows.iter_mut() {
-        r.speedup = r.decode_tok_s / dense_tok_s;
-    }
-
-    let source = match &args.artifact {
-        Some(p) => PageSource::Artifact(
-            mirage_artifact::Artifact::open(p)
+        rows.push(Row {
+            speedup: 1.0,
+            ..dense_row("dense".into(), 1.0, &d, other_bytes + ffn_bytes)
+        });
+        (model.backend().device_name().to_string(), d.tok_s)
+    };
+    let artifact = match &args.artifact {
+        Some(p) => Some(
+            mirage::artifact::Artifact::open(p)
                 .with_context(|| format!("opening {}", p.display()))?,
         ),
-        None => PageSource::Synthetic,
+        None => None,
     };
 
     // Prefix slices through the dense kernels: one model per fraction,
     // loaded after the previous one is dropped.
     if prefix_dense {
         for &f in fractions.iter().filter(|&&f| f < 1.0) {
-            let order = match &source {
-                PageSource::Artifact(a) => mirage_artifact::ChannelOrder::Artifact(a),
-                _ => mirage_artifact::ChannelOrder::Source,
+            let order = match &artifact {
+                Some(a) => mirage::artifact::ChannelOrder::Artifact(a),
+                None => mirage::artifact::ChannelOrder::Source,
             };
-            let cut = mirage_artifact::prefix_slice(&file, order, f)
+            let cut = mirage::artifact::prefix_slice(&file, order, f)
                 .with_context(|| format!("cutting the {:.0}% prefix slice", f * 100.0))?;
             let (other, ffn) = token_bytes(&cut.file);
-            let b = new_backend()?;
-            // The faster of the two dense norm settings.
-            b.set_fuse_norm(best_fold);
-            let model = Model::load(Arc::new(cut.file), b)?;
+            let model = dense_model(&dense_spec, Arc::new(cut.file))?;
             let d = decode(&model, n_prompt, n_gen, || Ok(None))?;
             let mode = format!(
                 "prefix {:.0}% dense{}",
@@ -354,12 +291,19 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
 
     // Sparse.
-    let inner = new_backend()?;
-    let sb = SparseCudaBackend::new(inner, source.clone(), SparsePages::All)
-        .context("starting the sparse backend")?;
-    sb.set_page_format(format)?;
+    let mut sparse_spec = dense_spec.clone().cuda_pages(CudaPages {
+        format,
+        mode: Some(SparsePages::All),
+    });
+    if let Some(p) = &args.artifact {
+        sparse_spec = sparse_spec.artifact(p, None);
+    }
     let t_load = Instant::now();
-    let model = Model::load(file.clone(), sb)?;
+    let LoadedModel::SparseCuda(model) = mirage::load_model(&sparse_spec, Some(file.clone()))
+        .context("starting the sparse backend")?
+    else {
+        bail!("the sparse spec did not load the sparse CUDA backend");
+    };
     let load_s = t_load.elapsed().as_secs_f64();
     let b = model.backend();
     let shape = b.page_shape();
@@ -387,68 +331,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             )
         })
         .collect();
-    // The routed rows: route.cu in graphs; with --vulkan-router also
-    // route.cu without graphs and the Vulkan RT router (no graphs either).
-    #[derive(Clone, Copy, PartialEq)]
-    enum Router {
-        Cuda,
-        /// route.cu's launches left out of the graph (timing only).
-        Skipped,
-        CudaEager,
-        Vulkan,
-    }
-    let mut routers = vec![Router::Cuda; modes.len()];
-    if args.routed {
-        let PageSource::Artifact(a) = &source else {
-            unreachable!("checked above")
-        };
+    if let (true, Some(a)) = (args.routed, &artifact) {
         let margin = a.meta().default_margin;
         let routed = SparsePages::Routed {
             margin,
             traversal: RouteTraversal::Auto,
         };
         modes.push((format!("routed (margin {margin})"), routed));
-        routers.push(Router::Cuda);
-        // The same step with the router launches left out, right after
-        // the routed row (the FFN runs the lists the last routed token
-        // left): the difference is what routing costs inside the graph.
-        modes.push(("routed, router skipped".into(), routed));
-        routers.push(Router::Skipped);
-        if args.vulkan_router {
-            modes.push((format!("routed, no graphs (margin {margin})"), routed));
-            routers.push(Router::CudaEager);
-            modes.push((format!("routed, Vulkan RT (margin {margin})"), routed));
-            routers.push(Router::Vulkan);
-        }
     }
-    // With an A/B switch, each row again with its other setting.
-    let mut other_xpf = vec![false; modes.len()];
-    if let Some(ab) = &ab {
-        let n = modes.len();
-        for i in 0..n {
-            if routers[i] == Router::Cuda {
-                modes.push((format!("{} ({})", modes[i].0, ab.label), modes[i].1));
-                routers.push(Router::Cuda);
-                other_xpf.push(true);
-            }
-        }
-    }
-    let graphs = b.inner().graphs();
-    for (((name, mode), router), other) in modes.into_iter().zip(routers).zip(other_xpf) {
-        if let Some(ab) = &ab {
-            ab.set(b.inner(), other);
-        }
-        // A skipped router keeps the lists of the routed row before it.
-        if router != Router::Skipped {
-            b.set_mode(mode)?;
-        }
-        b.set_skip_routing(router == Router::Skipped);
-        b.inner()
-            .set_graphs(graphs && matches!(router, Router::Cuda | Router::Skipped));
-        #[cfg(feature = "vulkan-interop")]
-        b.set_vulkan_router(router == Router::Vulkan)
-            .context("the Vulkan RT router")?;
-        let routed = matches!(mode, SparsePages::Routed { .. }) && router != Router::Skipped;
+    for (name, mode) in modes {
+        b.set_mode(mode)?;
+        let routed = matches!(mode, SparsePages::Routed { .. });
         let d = decode(&model, n_prompt, n_gen, || {
             if routed {
                 Ok(Some(b.active_counts()?.iter().sum()))
@@ -469,7 +362,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         rows.push(Row {
             mode: name,
             page_format: Some(format.name().into()),
-            weights: args.weights.clone(),
+            weights: weights.to_string(),
             active_share: active_pages / total_pages.max(1) as f64,
             decode_tok_s: d.tok_s,
             speedup: d.tok_s / dense_tok_s,
@@ -480,10 +373,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             mib_per_token: mib(other_bytes as f64 + ffn_bytes_tok),
         });
     }
-    b.set_skip_routing(false);
-    if let Some(ab) = &ab {
-        ab.set(b.inner(), false);
-    }
     let g = b.inner().graph_stats();
     if args.json {
         for r in &rows {
@@ -491,7 +380,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "model {} | {device} | {n_layer} layers, {} pages/layer of {:.2} MiB ({}) | weights {} | PDL {} | prompt {n_prompt}, decode {} timed steps | sparse load {load_s:.1} s | graphs: {} captured, {} replayed, {} eager",
+        "model {} | {device} | {n_layer} layers, {} pages/layer of {:.2} MiB ({}) | weights {weights} | PDL {} | prompt {n_prompt}, decode {} timed steps | sparse load {load_s:.1} s | graphs: {} captured, {} replayed, {} eager",
         args.model.display(),
         total_pages / n_layer.max(1),
         mib(page_bytes as f64),
@@ -500,7 +389,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             PageFormat::Nvfp4 => "page format nvfp4: weight-only NVFP4, superblock_ffn_nvfp4",
             PageFormat::Q2K => "page format q2_k: split Q2_K, superblock_ffn_q2k",
         },
-        args.weights,
         if b.inner().pdl() { "on" } else { "off" },
         n_gen.saturating_sub(2),
         g.captures,
@@ -525,189 +413,5 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             r.mib_per_token
         );
     }
-    // What the attention block kernel ran with, where a row used it.
-    for line in b.inner().attention_block_plans() {
-        println!("attention block: {line}");
-    }
-    // Routing inside the decode graph: the routed step less the same step
-    // with the router launches left out (the next row).
-    if let Some(w) = rows
-        .windows(2)
-        .find(|w| w[0].mode.starts_with("routed (") && w[1].mode == "routed, router skipped")
-    {
-        let diff_ms = w[0].step_ms - w[1].step_ms;
-        println!(
-            "routing in the decode graph: {:.1} us/layer, {:.1}% of the routed step (routed step {:.3} ms - the same step with the router launches left out {:.3} ms, norm folded into the router: {})",
-            diff_ms * 1e3 / n_layer.max(1) as f64,
-            100.0 * diff_ms / w[0].step_ms,
-            w[0].step_ms,
-            w[1].step_ms,
-            if b.inner().fold_route_norm() { "yes" } else { "no" },
-        );
-        if diff_ms < 0.0 {
-            // Seen on the H200: the two steps are separate timed decodes,
-            // and their spread between runs exceeds what the router costs.
-            println!(
-                "  (negative: the router's cost is below this run's timing noise; the \"route us\" column times it alone)"
-            );
-        }
-    }
     Ok(())
-}
-
-/// A backend switch the sparse bench measures both ways in one process
-/// (`--xprefetch-ab`, `--preload-ab`, `--mv-grid-ab`): `set(b, true)` applies the setting
-/// the start-up environment did not pick, `set(b, false)` restores it.
-struct AbSwitch {
-    /// Row-label suffix of the other setting.
-    label: String,
-    apply: ApplySetting,
-}
-
-/// Applies the start-up setting (`false`) or the other one (`true`).
-type ApplySetting = Box<dyn Fn(&CudaBackend, bool)>;
-
-impl AbSwitch {
-    fn from_args(args: &BenchArgs) -> anyhow::Result<Option<Self>> {
-        let switches = [
-            args.xprefetch_ab,
-            args.preload_ab.is_some(),
-            args.mv_grid_ab,
-            args.attn_block_ab,
-        ];
-        if switches.iter().filter(|&&on| on).count() > 1 {
-            bail!(
-                "--xprefetch-ab, --preload-ab, --mv-grid-ab and --attn-block-ab: pick one A/B switch per run"
-            );
-        }
-        if args.attn_block_ab {
-            return Ok(Some(Self::toggle(
-                mirage_cuda::attention_block_at_start(),
-                (false, "three attention launches"),
-                (true, "attention block"),
-                CudaBackend::set_attention_block,
-            )));
-        }
-        if args.mv_grid_ab {
-            return Ok(Some(Self::toggle(
-                MatvecGrid::from_env(),
-                (MatvecGrid::Off, "mat-vec grid off"),
-                (MatvecGrid::Auto, "mat-vec grid auto"),
-                CudaBackend::set_matvec_grid,
-            )));
-        }
-        if args.xprefetch_ab {
-            return Ok(Some(Self::toggle(
-                PrefetchSites::from_env(),
-                (PrefetchSites::NONE, "no cross-op prefetch"),
-                (PrefetchSites::ALL, "cross-op prefetch"),
-                CudaBackend::set_cross_prefetch,
-            )));
-        }
-        if let Some(parts) = &args.preload_ab {
-            let other = PreloadParts::parse(parts).with_context(|| {
-                format!("--preload-ab {parts:?}: want {}", PreloadParts::EXPECTED)
-            })?;
-            let start = PreloadParts::from_env()?;
-            if other == start {
-                bail!("--preload-ab {other}: that is already the start-up setting (MIRAGE_CUDA_PRELOAD)");
-            }
-            let label = format!("preload {other}");
-            let set = CudaBackend::set_preload;
-            return Ok(Some(Self::between(start, other, label, set)));
-        }
-        Ok(None)
-    }
-
-    /// The start-up setting `start` against `other` (rows labelled `label`),
-    /// applied with `set`.
-    fn between<T: Copy + 'static>(
-        start: T,
-        other: T,
-        label: String,
-        set: fn(&CudaBackend, T),
-    ) -> Self {
-        Self {
-            label,
-            apply: Box::new(move |b, o| set(b, if o { other } else { start })),
-        }
-    }
-
-    /// The start-up setting against `on` when it is `off`, else against
-    /// `off`; each pair is (setting, row label).
-    fn toggle<T: Copy + PartialEq + 'static>(
-        start: T,
-        off: (T, &str),
-        on: (T, &str),
-        set: fn(&CudaBackend, T),
-    ) -> Self {
-        let (other, label) = if start == off.0 { on } else { off };
-        Self::between(start, other, label.to_string(), set)
-    }
-
-    fn set(&self, b: &CudaBackend, other: bool) {
-        (self.apply)(b, other)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::AbSwitch;
-    use crate::cmd::bench::BenchArgs;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: BenchArgs,
-    }
-
-    fn args(extra: &[&str]) -> BenchArgs {
-        let argv = ["bench", "--model", "m.gguf"].iter().chain(extra);
-        Cli::try_parse_from(argv).expect("flags parse").args
-    }
-
-    /// The A/B flags are checked before any decode: one switch per run,
-    /// preload parts that parse and differ from the start-up setting
-    /// (MIRAGE_CUDA_PRELOAD, unset here: none); the grid's other side is
-    /// off (MIRAGE_CUDA_MV_GRID unset: auto), the attention block's on
-    /// (MIRAGE_CUDA_ATTN_BLOCK unset: off).
-    #[test]
-    fn ab_switch_flags_are_checked() {
-        for var in [
-            "MIRAGE_CUDA_PRELOAD",
-            "MIRAGE_CUDA_MV_GRID",
-            "MIRAGE_CUDA_ATTN_BLOCK",
-        ] {
-            assert!(
-                std::env::var_os(var).is_none(),
-                "unset {var} to run this test"
-            );
-        }
-        assert!(AbSwitch::from_args(&args(&[])).unwrap().is_none());
-        let two = AbSwitch::from_args(&args(&["--preload-ab", "--mv-grid-ab"]));
-        assert!(two.err().unwrap().to_string().contains("one A/B switch"));
-        let bad = AbSwitch::from_args(&args(&["--preload-ab=matvec,bogus"]));
-        assert!(bad.err().unwrap().to_string().contains("matvec,bogus"));
-        let same = AbSwitch::from_args(&args(&["--preload-ab=none"]));
-        assert!(same.err().unwrap().to_string().contains("start-up setting"));
-        let parts = AbSwitch::from_args(&args(&["--preload-ab=attn,matvec"]))
-            .unwrap()
-            .unwrap();
-        assert_eq!(parts.label, "preload matvec,attn");
-        let all = AbSwitch::from_args(&args(&["--preload-ab"]))
-            .unwrap()
-            .unwrap();
-        assert_eq!(all.label, "preload all");
-        let grid = AbSwitch::from_args(&args(&["--mv-grid-ab"]))
-            .unwrap()
-            .unwrap();
-        assert_eq!(grid.label, "mat-vec grid off");
-        let block = AbSwitch::from_args(&args(&["--attn-block-ab"]))
-            .unwrap()
-            .unwrap();
-        assert_eq!(block.label, "attention block");
-        let two = AbSwitch::from_args(&args(&["--attn-block-ab", "--mv-grid-ab"]));
-        assert!(two.err().unwrap().to_string().contains("one A/B switch"));
-    }
 }

@@ -37,8 +37,8 @@ impl WithEngine for Chat<'_> {
 }
 
 fn chat_with<B: Backend>(engine: &Engine<B>, args: &ChatArgs) -> anyhow::Result<()> {
-    if engine.chat_template().is_none() {
-        anyhow::bail!("{} has no chat template", args.model.model.display());
+    if let Some(why) = engine.chat_template_error() {
+        anyhow::bail!("{}: {why}", args.model.model.display());
     }
     let params = args.sampling.params();
     let mut session = engine.session()?;

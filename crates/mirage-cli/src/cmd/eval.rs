@@ -20,11 +20,11 @@ use mirage_artifact::ffn::FfnF32;
 use mirage_artifact::metrics::{self, cosine, COSINE_GATE, ORACLE_COSINE, RECALL_GATE};
 use mirage_artifact::pack::unpack_pages;
 use mirage_artifact::superblock::PageSelector;
-use mirage_artifact::{pages_for_fraction, Artifact, SparseMode, SuperblockBackend, PAGE_CHANNELS};
+use mirage_artifact::{pages_for_fraction, Artifact, SparseMode, PAGE_CHANNELS};
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::TokenSlot;
 use mirage_runtime::observe::observe_ffn_inputs;
-use mirage_runtime::{Backend, CpuBackend, Engine, EngineOptions, KvDtype, Model};
+use mirage_runtime::{Backend, KvDtype, Model};
 use rayon::prelude::*;
 use serde_json::json;
 
@@ -181,7 +181,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| PathBuf::from("models").join(&meta.source_name));
     super::generate::check_model(&model_path)?;
     let file = Arc::new(GgufFile::open(&model_path)?);
-    artifact.check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))?;
+    artifact.check_source(&file)?;
     let text = std::fs::read_to_string(&args.text)
         .with_context(|| format!("reading {}", args.text.display()))?;
     if mirage_artifact::format::sha256_hex(text.as_bytes()) == meta.calib_sha256 {
@@ -190,18 +190,25 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             args.text.display()
         );
     }
-    let opts = EngineOptions {
-        threads: args.threads,
-        ..EngineOptions::default()
+    let mut spec = mirage::LoadSpec::new(&model_path).backend(mirage::BackendChoice::Cpu);
+    spec.options.threads = args.threads;
+    let mirage::LoadedModel::Cpu(dense) = mirage::load_model(&spec, Some(file.clone()))? else {
+        unreachable!("backend cpu without an artifact loads the CPU backend")
     };
-    let dense = Engine::from_file(file.clone(), CpuBackend::new(args.threads)?, opts.clone())?;
-    let mut tokens = dense.encode(&text, true)?;
-    tokens.truncate(args.max_tokens.min(dense.n_ctx()));
+    let tok = mirage_tokenizer::Tokenizer::from_gguf(&file).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut tokens = tok
+        .encode(&text, true, true)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    // The engine's default context: the training context, at most 4096.
+    tokens.truncate(
+        args.max_tokens
+            .min(dense.config().n_ctx_train.clamp(1, 4096)),
+    );
     if tokens.len() < 2 {
         bail!("the text gives fewer than 2 tokens");
     }
     let (n, d, n_layer) = (tokens.len(), meta.d_model, meta.n_layer);
-    let vocab = dense.model().config().vocab_size;
+    let vocab = dense.config().vocab_size;
     eprintln!(
         "eval: {} tokens of {}, {} layers",
         n,
@@ -214,7 +221,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let mut dense_logits = Vec::with_capacity(n * vocab);
     let bar = stage_bar("dense pass", n.div_ceil(128));
     observe_ffn_inputs(
-        dense.model(),
+        &dense,
         &tokens,
         128,
         KvDtype::F32,
@@ -395,12 +402,13 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
 
     // Fidelity of full sparse runs.
-    let sb = SuperblockBackend::new(
-        CpuBackend::new(args.threads)?,
-        artifact.clone(),
-        SparseMode::All,
-    )?;
-    let sparse = Engine::from_file(file, sb, opts)?;
+    let mirage::LoadedModel::SuperblockCpu(sparse) = mirage::load_model(
+        &spec.artifact(&args.artifact, Some(SparseMode::All)),
+        Some(file),
+    )?
+    else {
+        unreachable!("backend cpu with an artifact loads the superblock backend")
+    };
     let dense_ppl = ppl(&dense_logits, &tokens, vocab);
     // At most: all pages, the oracle, the oracle-top runs, and each router's bisection.
     let most_runs = 2
@@ -409,10 +417,10 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let fbar = stage_bar("fidelity runs", most_runs);
     let fidelity = |mode: SparseMode| -> anyhow::Result<Fidelity> {
         fbar.set_message(format!("{mode:?}"));
-        sparse.model().backend().set_mode(mode)?;
-        sparse.model().backend().take_active_counts();
-        let lg = run_logits(sparse.model(), &tokens, 128)?;
-        let counts = sparse.model().backend().take_active_counts();
+        sparse.backend().set_mode(mode)?;
+        sparse.backend().take_active_counts();
+        let lg = run_logits(&sparse, &tokens, 128)?;
+        let counts = sparse.backend().take_active_counts();
         let active: f64 = counts.iter().flatten().map(|&c| c as f64).sum();
         let (mut cs, mut top) = (0f64, 0usize);
         for t in 0..n {

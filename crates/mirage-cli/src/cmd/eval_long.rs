@@ -27,7 +27,7 @@ use mirage_gguf::GgufFile;
 use mirage_runtime::backend::{Backend, TokenSlot};
 use mirage_runtime::kv_pages::PageSelector;
 use mirage_runtime::model::Scratch;
-use mirage_runtime::{CpuBackend, KvDtype, KvPruning, Model};
+use mirage_runtime::{KvDtype, KvPruning, Model};
 use mirage_tokenizer::Tokenizer;
 
 /// The backend `eval-long` runs on.
@@ -378,15 +378,6 @@ fn needle<B: Backend>(
     })
 }
 
-/// The CUDA backend on `device`, or why not (the messages of `generate --backend cuda`).
-fn start_cuda(device: usize) -> anyhow::Result<mirage_cuda::CudaBackend> {
-    if !mirage_cuda::COMPILED_WITH_CUDA {
-        return Err(mirage::LoadError::CudaNotBuilt.into());
-    }
-    mirage_cuda::CudaBackend::new(device)
-        .map_err(|e| mirage::LoadError::CudaUnavailable(Box::new(e)).into())
-}
-
 /// Runs `eval-long`.
 pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&args.text)
@@ -404,11 +395,19 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
         dense_layers: args.dense_layers,
     };
     pruning.validate()?;
-    match args.backend {
-        EvalBackend::Cpu => {
-            let backend = CpuBackend::new(args.threads)?;
-            let threads = backend.threads();
-            let model = Model::load(file, backend)?;
+    let backend = match args.backend {
+        EvalBackend::Cpu => mirage::BackendChoice::Cpu,
+        EvalBackend::Cuda => mirage::BackendChoice::Cuda,
+    };
+    let mut spec = mirage::LoadSpec::new(&args.model).backend(backend);
+    spec.cuda_device = args.device;
+    spec.options.threads = args.threads;
+    if args.backend == EvalBackend::Cuda && args.page_selector != "flat" {
+        bail!("--page-selector {}: the CUDA backend chooses pages with a flat scan (one pass over every page's bound, then a radix select)", args.page_selector);
+    }
+    match mirage::load_model(&spec, Some(file))? {
+        mirage::LoadedModel::Cpu(model) => {
+            let threads = model.backend().threads();
             let device = format!("cpu ({threads} threads)");
             let selector = if args.page_selector == "bvh" {
                 PageSelector::Bvh
@@ -436,18 +435,15 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
                 hooks,
             )
         }
-        EvalBackend::Cuda => {
-            if args.page_selector != "flat" {
-                bail!("--page-selector {}: the CUDA backend chooses pages with a flat scan (one pass over every page's bound, then a radix select)", args.page_selector);
-            }
-            let backend = start_cuda(args.device)?;
-            let (major, minor) = backend.compute_capability();
+        #[cfg(feature = "cuda")]
+        mirage::LoadedModel::Cuda(model) => {
+            let b = model.backend();
+            let (major, minor) = b.compute_capability();
             let device = format!(
                 "{} (sm_{major}{minor}, device {})",
-                backend.device_name(),
+                b.device_name(),
                 args.device
             );
-            let model = Model::load(file, backend)?;
             evaluate(
                 &args,
                 &model,
@@ -456,7 +452,7 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
                 pruning,
                 &device,
                 serde_json::Value::Null,
-                |b: &mirage_cuda::CudaBackend| {
+                |b: &mirage::cuda::CudaBackend| {
                     let (g, m) = (b.graph_stats(), b.memory_stats());
                     Some(serde_json::json!({
                         "graphs": b.graphs(),
@@ -473,6 +469,7 @@ pub fn run(args: EvalLongArgs) -> anyhow::Result<()> {
                 },
             )
         }
+        _ => unreachable!("a dense spec loads a dense backend"),
     }
 }
 

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::Args;
 use mirage::{Backend, BackendChoice, Engine, EngineOptions, LoadSpec, SparseMode, WithEngine};
+use mirage_grammar::{GrammarCompiler, GrammarSpec};
 use mirage_runtime::{GenerateParams, KvDtype, KvPruning, SamplingParams};
 use mirage_tokenizer::ChatMessage;
 
@@ -24,17 +25,19 @@ pub struct ModelArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
-    /// Run the FFN sparsely from this page-major artifact (CPU superblock backend; BVH router at its default margin).
+    /// Run the FFN sparsely from this page-major artifact (the CPU superblock backend, or the sparse CUDA
+    /// backend with --backend cuda; BVH router at its default margin).
     #[arg(long)]
     pub artifact: Option<PathBuf>,
     /// With --artifact: BVH router margin in std units (default: the artifact's; `mirage-cli eval` finds
     /// the smallest that meets the fidelity gates).
     #[arg(long, requires = "artifact")]
     pub margin: Option<f32>,
-    /// Worker threads (0: one per CPU).
-    #[arg(long, default_value_t = 0)]
+    /// Worker threads (0: one per CPU; more than the CPUs this process may use is refused).
+    #[arg(long, default_value_t = 0, value_parser = parse_threads)]
     pub threads: usize,
-    /// KV-cache positions (0: the model's training context, at most 4096).
+    /// KV-cache positions (0: the model's training context, at most 4096). At most the training
+    /// context (or what the file's RoPE scaling extends it to), and the cache must fit the memory available.
     #[arg(long = "ctx-size", default_value_t = 0)]
     pub ctx_size: usize,
     /// Store the KV cache as f16 instead of f32.
@@ -59,6 +62,10 @@ pub struct ModelArgs {
     /// With --sparsity: the artifact's plan (criterion/allocation), default its own.
     #[arg(long, requires = "sparsity")]
     pub sparsity_plan: Option<String>,
+    /// Batch-invariant arithmetic: the same logits bits as `mirage-server --deterministic` gives this prompt,
+    /// alone or batched (slower; CPU backend, which `auto` then picks).
+    #[arg(long)]
+    pub deterministic: bool,
 }
 
 impl ModelArgs {
@@ -73,6 +80,7 @@ impl ModelArgs {
                 _ => KvDtype::F32,
             },
             kv_pruning: self.kv_prune,
+            deterministic: self.deterministic,
             ..EngineOptions::default()
         };
         let mut spec = LoadSpec::new(&self.model)
@@ -130,26 +138,26 @@ pub struct SamplingArgs {
     /// Most new tokens.
     #[arg(long = "max-tokens", default_value_t = 128)]
     pub max_tokens: usize,
-    /// Temperature (0: greedy).
-    #[arg(long, default_value_t = 0.8)]
+    /// Temperature (0: greedy; finite, >= 0).
+    #[arg(long, default_value_t = 0.8, value_parser = sampling_parser(|p, v| p.temperature = v))]
     pub temp: f32,
     /// Top-k (0: off).
     #[arg(long = "top-k", default_value_t = 40)]
     pub top_k: usize,
-    /// Top-p (1: off).
-    #[arg(long = "top-p", default_value_t = 0.95)]
+    /// Top-p (1: off; in (0, 1]).
+    #[arg(long = "top-p", default_value_t = 0.95, value_parser = sampling_parser(|p, v| p.top_p = v))]
     pub top_p: f32,
-    /// Min-p (0: off).
-    #[arg(long = "min-p", default_value_t = 0.05)]
+    /// Min-p (0: off; in [0, 1]).
+    #[arg(long = "min-p", default_value_t = 0.05, value_parser = sampling_parser(|p, v| p.min_p = v))]
     pub min_p: f32,
-    /// Repetition penalty (1: off).
-    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    /// Repetition penalty (1: off; > 0).
+    #[arg(long = "repeat-penalty", default_value_t = 1.0, value_parser = sampling_parser(|p, v| p.repeat_penalty = v))]
     pub repeat_penalty: f32,
     /// Presence penalty (0: off).
-    #[arg(long = "presence-penalty", default_value_t = 0.0)]
+    #[arg(long = "presence-penalty", default_value_t = 0.0, value_parser = sampling_parser(|p, v| p.presence_penalty = v))]
     pub presence_penalty: f32,
     /// Frequency penalty (0: off).
-    #[arg(long = "frequency-penalty", default_value_t = 0.0)]
+    #[arg(long = "frequency-penalty", default_value_t = 0.0, value_parser = sampling_parser(|p, v| p.frequency_penalty = v))]
     pub frequency_penalty: f32,
     /// Random seed.
     #[arg(long, default_value_t = 42)]
@@ -157,6 +165,39 @@ pub struct SamplingArgs {
     /// Stop before this string (repeatable).
     #[arg(long = "stop")]
     pub stop: Vec<String>,
+}
+
+/// A clap parser for one sampling field that applies the library's own
+/// range check ([`SamplingParams::validate`]), so the CLI and the library
+/// refuse the same values with the same words.
+fn sampling_parser(
+    set: fn(&mut SamplingParams, f32),
+) -> impl Fn(&str) -> Result<f32, String> + Clone + Send + Sync + 'static {
+    move |s: &str| {
+        let v: f32 = s.trim().parse().map_err(|e| format!("{e}"))?;
+        let mut p = SamplingParams::default();
+        set(&mut p, v);
+        match p.validate() {
+            Ok(()) => Ok(v),
+            Err(mirage_runtime::RuntimeError::InvalidArgument(m)) => Err(m),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+/// `--threads`: at most the CPUs this process may use (the CPU backend
+/// refuses more; checked here so the mistake is a usage error).
+pub fn parse_threads(s: &str) -> Result<usize, String> {
+    let n: usize = s.trim().parse().map_err(|e| format!("{e}"))?;
+    let cpus = std::thread::available_parallelism()
+        .map(|c| c.get())
+        .unwrap_or(1);
+    if n > cpus {
+        return Err(format!(
+            "{n} threads, but this process may use {cpus} CPUs (0: one thread per CPU)"
+        ));
+    }
+    Ok(n)
 }
 
 impl SamplingArgs {
@@ -176,7 +217,63 @@ impl SamplingArgs {
                 ..SamplingParams::default()
             },
             stop: self.stop.clone(),
+            ..GenerateParams::default()
         }
+    }
+}
+
+/// Grammar options shared by generate and bench-grammar.
+#[derive(Debug, Args)]
+pub struct GrammarArgs {
+    /// Constrain the output to this grammar: GBNF (llama.cpp's format, start
+    /// rule `root`), or llguidance's Lark syntax when the file name ends in
+    /// `.lark` (start rule `start`).
+    #[arg(long, value_name = "FILE", conflicts_with = "json_schema")]
+    pub grammar: Option<PathBuf>,
+    /// Constrain the output to JSON matching this JSON schema (compact
+    /// JSON: `", "` and `": "` separators, no other whitespace).
+    #[arg(long = "json-schema", value_name = "FILE")]
+    pub json_schema: Option<PathBuf>,
+}
+
+impl GrammarArgs {
+    /// The grammar the files describe, if any.
+    pub fn spec(&self) -> anyhow::Result<Option<GrammarSpec>> {
+        let read = |p: &PathBuf| {
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+        };
+        if let Some(p) = &self.grammar {
+            let text = read(p)?;
+            return Ok(Some(if p.extension().is_some_and(|e| e == "lark") {
+                GrammarSpec::Lark(text)
+            } else {
+                GrammarSpec::Gbnf(text)
+            }));
+        }
+        if let Some(p) = &self.json_schema {
+            let schema = serde_json::from_str(&read(p)?)
+                .with_context(|| format!("{} is not JSON", p.display()))?;
+            return Ok(Some(GrammarSpec::JsonSchema(schema)));
+        }
+        Ok(None)
+    }
+
+    /// Compiles the grammar for `engine`'s vocabulary into `params`.
+    pub fn apply<B: Backend>(
+        &self,
+        engine: &Engine<B>,
+        params: &mut GenerateParams,
+    ) -> anyhow::Result<()> {
+        if let Some(spec) = self.spec()? {
+            let compiler =
+                GrammarCompiler::new(engine.tokenizer(), engine.model().config().vocab_size)?;
+            let what = match (&self.grammar, &self.json_schema) {
+                (Some(p), _) | (_, Some(p)) => p.display().to_string(),
+                _ => String::new(),
+            };
+            params.constraint = Some(compiler.compile(&spec).with_context(|| what)?);
+        }
+        Ok(())
     }
 }
 
@@ -190,6 +287,8 @@ pub struct GenerateArgs {
     prompt: String,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    grammar: GrammarArgs,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     chat: bool,
@@ -218,9 +317,11 @@ fn generate_with<B: Backend>(engine: &Engine<B>, args: &GenerateArgs) -> anyhow:
     } else {
         args.prompt.clone()
     };
+    let mut params = args.sampling.params();
+    args.grammar.apply(engine, &mut params)?;
     let mut session = engine.session()?;
     let mut stdout = std::io::stdout().lock();
-    let out = session.generate(&prompt, &args.sampling.params(), |piece| {
+    let out = session.generate(&prompt, &params, |piece| {
         stdout
             .write_all(piece.as_bytes())
             .and_then(|_| stdout.flush())

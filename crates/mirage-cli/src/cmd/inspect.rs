@@ -48,6 +48,9 @@ pub struct Report {
     attn_qk_norm: Option<bool>,
     /// Why typed hyperparameters could not be derived, if they could not.
     hparams_error: Option<String>,
+    /// Where the hyperparameters and the tensor table disagree (missing
+    /// blocks, wrong widths); empty when they agree. Such a file does not load.
+    tensor_mismatches: Vec<String>,
     vocab_size: Option<u64>,
     tokenizer: TokenizerSummary,
     tensor_count: usize,
@@ -106,7 +109,9 @@ pub fn report(path: &std::path::Path, file: &GgufFile) -> Report {
         arch.as_ref()
             .and_then(|a| md.get_u64(&format!("{a}.{suffix}")))
     };
-    let hparams = file.hparams();
+    // The keys as written, even when the tensors contradict them: the
+    // contradictions are listed, not hidden behind an error.
+    let hparams = mirage_gguf::ModelHparams::from_metadata(file);
 
     let tokens_len = md.array_len("tokenizer.ggml.tokens").map(|n| n as u64);
     let bos = md.get_u64("tokenizer.ggml.bos_token_id");
@@ -164,6 +169,7 @@ pub fn report(path: &std::path::Path, file: &GgufFile) -> Report {
         attn_qkv_bias: hp.map(|h| h.attn_qkv_bias),
         attn_qk_norm: hp.map(|h| h.attn_qk_norm),
         hparams_error: hparams.as_ref().err().map(|e| e.to_string()),
+        tensor_mismatches: hp.map(|h| h.tensor_mismatches(file)).unwrap_or_default(),
         vocab_size: hp.map(|h| h.vocab_size as u64).or(tokens_len),
         tokenizer,
         tensor_count: file.tensors().len(),
@@ -217,6 +223,9 @@ fn print_text(r: &Report, file: &GgufFile, show_metadata: bool) {
     );
     if let Some(err) = &r.hparams_error {
         println!("  (typed hyperparameters unavailable: {err})");
+    }
+    for m in &r.tensor_mismatches {
+        println!("  tensor mismatch: {m}");
     }
     let t = &r.tokenizer;
     println!();

@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod bench_activation;
+pub mod bench_grammar;
 #[cfg(feature = "cuda")]
 pub mod bench_sparse;
 pub mod chat;

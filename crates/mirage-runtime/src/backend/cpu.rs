@@ -23,6 +23,11 @@
 //! every token row in f32: what HF transformers computes on the dequantized
 //! GGUF, at prefill cost close to the quantized path's.
 //!
+//! Deterministic mode ([`Backend::set_deterministic`]) computes every
+//! (weight row, activation row) pair with the one-row kernel, so a row's
+//! result is the same bits whatever else is in the batch; activations,
+//! attention and norms are per row anyway.
+//!
 //! Scratch buffers live in the backend, in per-worker thread locals and in
 //! [`CpuActivations`], and are reused between steps, so a decode step
 //! allocates (almost) nothing.
@@ -33,7 +38,10 @@ use mirage_gguf::quant::{self, DotFn, DotRowsFn, Q8_0GemmFn, Q8_0MatvecFn, DOT_R
 use mirage_gguf::GgmlType;
 use rayon::prelude::*;
 
-use super::{AttentionParams, Backend, HostMatrix, QkNorm, SharedBytes, TokenSlot};
+use super::{
+    AttentionOptions, AttentionParams, Backend, FfnActivation, HostMatrix, QkNorm, SharedBytes,
+    TokenSlot,
+};
 use crate::error::{Result, RuntimeError};
 use crate::kv_cache::{KvCache, KvSpec};
 use crate::ops;
@@ -56,6 +64,9 @@ pub struct CpuMatrix {
     matvec: Option<Q8_0MatvecFn>,
     /// Exact mode: dequantize each row once per call and dot it in f32.
     f32_activations: bool,
+    /// Deterministic mode: every (weight row, activation row) pair by the
+    /// one-row kernel `dot`, whatever the batch (see [`CpuMatrix::rows_dots`]).
+    deterministic: bool,
     data: SharedBytes,
 }
 
@@ -155,6 +166,26 @@ impl CpuMatrix {
         deq: &mut Vec<f32>,
     ) {
         let rows = out.len() / n;
+        if self.deterministic {
+            if let ActRows::Quantized { data, row_bytes } = *act {
+                // Deterministic mode: every pair by the one-row kernel, so a
+                // row's result does not depend on the batch (the multi-row,
+                // GEMM and matrix-vector kernels sum in other orders). The
+                // weight row stays in L1 across the activation rows.
+                for (i, o) in out.chunks_exact_mut(n).enumerate() {
+                    let r = r0 + i;
+                    let wr = &bytes[r * self.row_bytes..(r + 1) * self.row_bytes];
+                    for (a, o) in o.iter_mut().enumerate() {
+                        // SAFETY: as in row_dots.
+                        *o = unsafe {
+                            (self.dot)(self.cols, wr, &data[a * row_bytes..(a + 1) * row_bytes])
+                        };
+                    }
+                }
+                return;
+            }
+            // Exact mode (f32 rows) is one dot per pair already.
+        }
         match (*act, self.gemm) {
             (ActRows::PackedQ8_0(packed), Some(gemm)) => {
                 let w = &bytes[r0 * self.row_bytes..(r0 + rows) * self.row_bytes];
@@ -216,6 +247,7 @@ pub struct CpuFfn {
     gate: CpuMatrix,
     up: CpuMatrix,
     down: CpuMatrix,
+    activation: FfnActivation,
 }
 
 /// A row-major `[rows, width]` f32 buffer whose allocation is reused.
@@ -274,15 +306,72 @@ struct Scratch {
     hidden: Vec<f32>,
     hidden_q: Vec<u8>,
     transposed: Vec<f32>,
-    rope_cos: Vec<f32>,
-    rope_sin: Vec<f32>,
-    rope_key: (usize, u32, usize),
-    rope_scaling: crate::rope::RopeScaling,
+    rope_tables: Vec<RopeTable>,
     /// Encodings of one input for `matmul_many`: (type, packed for the
     /// GEMM kernel, row bytes or 0 when free, bytes).
     act_by_type: Vec<(GgmlType, bool, usize, Vec<u8>)>,
     /// Staging of the FFN's down product (`hidden`/`transposed` hold its input).
     down_staging: Vec<f32>,
+}
+
+/// cos/sin of every rotary pair for positions `0..n_pos` of one RoPE
+/// configuration.
+struct RopeTable {
+    head_dim: usize,
+    base_bits: u32,
+    scaling: crate::rope::RopeScaling,
+    n_pos: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+/// The table of `p`'s RoPE configuration covering `0..=max_pos`, built (or
+/// grown) on demand; at most a few configurations are kept.
+fn rope_table<'a>(
+    tables: &'a mut Vec<RopeTable>,
+    p: &AttentionParams,
+    n_ctx: usize,
+    max_pos: usize,
+) -> &'a RopeTable {
+    const KEPT: usize = 4;
+    let hd = p.head_dim;
+    let found = tables.iter().position(|t| {
+        t.head_dim == hd && t.base_bits == p.rope_freq_base.to_bits() && t.scaling == p.rope_scaling
+    });
+    let i = match found {
+        Some(i) if tables[i].n_pos > max_pos => return &tables[i],
+        Some(i) => i,
+        None => {
+            if tables.len() == KEPT {
+                tables.remove(0);
+            }
+            tables.push(RopeTable {
+                head_dim: hd,
+                base_bits: p.rope_freq_base.to_bits(),
+                scaling: p.rope_scaling,
+                n_pos: 0,
+                cos: Vec::new(),
+                sin: Vec::new(),
+            });
+            tables.len() - 1
+        }
+    };
+    let n_pos = (max_pos + 1)
+        .next_power_of_two()
+        .max(64)
+        .min(n_ctx.max(max_pos + 1));
+    let t = &mut tables[i];
+    t.cos.clear();
+    t.sin.clear();
+    let inv_freqs = p.rope_scaling.inv_freqs(hd, p.rope_freq_base);
+    let mscale = p.rope_scaling.mscale();
+    for pos in 0..n_pos {
+        let a = crate::rope::angles(pos, &inv_freqs, mscale);
+        t.cos.extend_from_slice(&a.cos);
+        t.sin.extend_from_slice(&a.sin);
+    }
+    t.n_pos = n_pos;
+    t
 }
 
 /// The CPU backend. Holds its own rayon pool so that `--threads` is honoured
@@ -291,6 +380,7 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     threads: usize,
     f32_activations: bool,
+    deterministic: bool,
     scratch: Mutex<Scratch>,
     /// KV-page pruning of decode attention (off when `None`).
     kv_pruning: Option<crate::kv_pages::KvPruning>,
@@ -303,15 +393,20 @@ impl std::fmt::Debug for CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend with `threads` worker threads (0: one per logical CPU).
+    /// A backend with `threads` worker threads (0: one per CPU this process
+    /// may use, `std::thread::available_parallelism`); more than that is refused.
     pub fn new(threads: usize) -> Result<CpuBackend> {
-        let threads = if threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        } else {
-            threads
-        };
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        // More workers than CPUs only take turns: refused rather than
+        // silently slower (llama.cpp would run them).
+        if threads > cpus {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "{threads} threads asked for, but this process may use {cpus} CPUs (0: one thread per CPU)"
+            )));
+        }
+        let threads = if threads == 0 { cpus } else { threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("mirage-cpu-{i}"))
@@ -323,6 +418,7 @@ impl CpuBackend {
             pool,
             threads,
             f32_activations: false,
+            deterministic: false,
             scratch: Mutex::new(Scratch::default()),
             kv_pruning: None,
         })
@@ -421,6 +517,7 @@ impl CpuBackend {
                 _ => None,
             },
             f32_activations: self.f32_activations,
+            deterministic: self.deterministic,
             data: m.data.clone(),
         })
     }
@@ -451,7 +548,7 @@ impl CpuBackend {
 
     /// Whether `n` activation rows for `w` are packed for its GEMM kernel.
     fn packs(w: &CpuMatrix, n: usize) -> bool {
-        w.gemm.is_some() && n >= GEMM_MIN_TOKENS
+        w.gemm.is_some() && !w.deterministic && n >= GEMM_MIN_TOKENS
     }
 }
 
@@ -567,6 +664,11 @@ impl Backend for CpuBackend {
         self.pool.install(f)
     }
 
+    fn set_deterministic(&mut self, on: bool) -> Result<()> {
+        self.deterministic = on;
+        Ok(())
+    }
+
     fn upload_matrix(&self, m: &HostMatrix) -> Result<CpuMatrix> {
         self.make_matrix(m)
     }
@@ -577,7 +679,18 @@ impl Backend for CpuBackend {
 
     fn upload_ffn(
         &self,
+        layer: usize,
+        gate: &HostMatrix,
+        up: &HostMatrix,
+        down: &HostMatrix,
+    ) -> Result<CpuFfn> {
+        self.upload_ffn_with(layer, FfnActivation::Silu, gate, up, down)
+    }
+
+    fn upload_ffn_with(
+        &self,
         _layer: usize,
+        activation: FfnActivation,
         gate: &HostMatrix,
         up: &HostMatrix,
         down: &HostMatrix,
@@ -597,7 +710,12 @@ impl Backend for CpuBackend {
                 gate.rows, gate.cols, up.rows, up.cols, down.rows, down.cols
             )));
         }
-        Ok(CpuFfn { gate, up, down })
+        Ok(CpuFfn {
+            gate,
+            up,
+            down,
+            activation,
+        })
     }
 
     fn new_kv_cache(&self, spec: KvSpec) -> Result<KvCache> {
@@ -861,7 +979,29 @@ impl Backend for CpuBackend {
         cache: &mut KvCache,
         out: &mut CpuActivations,
     ) -> Result<()> {
+        let defaults = AttentionOptions::default();
+        self.attention_with(layer, p, &defaults, q, k, v, qk_norm, slots, cache, out)
+    }
+
+    fn attention_with(
+        &self,
+        layer: usize,
+        p: &AttentionParams,
+        options: &AttentionOptions,
+        q: &mut CpuActivations,
+        k: &mut CpuActivations,
+        v: &CpuActivations,
+        qk_norm: Option<QkNorm<'_, Vec<f32>>>,
+        slots: &[TokenSlot],
+        cache: &mut KvCache,
+        out: &mut CpuActivations,
+    ) -> Result<()> {
         let hd = p.head_dim;
+        if options.sliding_window == Some(0) {
+            return Err(RuntimeError::InvalidArgument(
+                "a sliding window of 0 positions".into(),
+            ));
+        }
         let n = slots.len();
         if p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 || hd % 2 != 0 {
             return Err(RuntimeError::InvalidArgument(format!(
@@ -897,31 +1037,10 @@ impl Backend for CpuBackend {
         }
         let mut s = self.scratch();
         let s = &mut *s;
-        // Rotary tables for positions 0..=max_pos, rebuilt only when the
-        // shape changes or positions grow.
+        // Rotary tables for positions 0..=max_pos, one per (head size, base,
+        // scaling): models whose layers use two bases (gemma) keep both.
         let half = hd / 2;
-        let key = (hd, p.rope_freq_base.to_bits(), 0);
-        if s.rope_key.0 != key.0
-            || s.rope_key.1 != key.1
-            || s.rope_key.2 <= max_pos
-            || s.rope_scaling != p.rope_scaling
-        {
-            let n_pos = (max_pos + 1)
-                .next_power_of_two()
-                .max(64)
-                .min(spec.n_ctx.max(max_pos + 1));
-            s.rope_cos.clear();
-            s.rope_sin.clear();
-            let inv_freqs = p.rope_scaling.inv_freqs(hd, p.rope_freq_base);
-            let mscale = p.rope_scaling.mscale();
-            for pos in 0..n_pos {
-                let a = crate::rope::angles(pos, &inv_freqs, mscale);
-                s.rope_cos.extend_from_slice(&a.cos);
-                s.rope_sin.extend_from_slice(&a.sin);
-            }
-            s.rope_key = (hd, key.1, n_pos);
-            s.rope_scaling = p.rope_scaling;
-        }
+        let table = rope_table(&mut s.rope_tables, p, spec.n_ctx, max_pos);
         let mut angles = ops::RopeAngles {
             cos: vec![0.0; half],
             sin: vec![0.0; half],
@@ -930,10 +1049,10 @@ impl Backend for CpuBackend {
         for (i, slot) in slots.iter().enumerate() {
             angles
                 .cos
-                .copy_from_slice(&s.rope_cos[slot.pos * half..(slot.pos + 1) * half]);
+                .copy_from_slice(&table.cos[slot.pos * half..(slot.pos + 1) * half]);
             angles
                 .sin
-                .copy_from_slice(&s.rope_sin[slot.pos * half..(slot.pos + 1) * half]);
+                .copy_from_slice(&table.sin[slot.pos * half..(slot.pos + 1) * half]);
             for head in q.data[i * qw..(i + 1) * qw].chunks_mut(hd) {
                 if let Some(n) = &qk_norm {
                     ops::rms_norm_in_place(head, n.q, p.norm_eps);
@@ -950,7 +1069,8 @@ impl Backend for CpuBackend {
         }
         out.reshape(n, p.n_head * hd);
         let group = p.n_head / p.n_head_kv;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = options.scale.unwrap_or(1.0 / (hd as f32).sqrt());
+        let window = options.sliding_window;
         let cache = &*cache;
         let q = &*q;
         let decode_row = crate::attention_pruned::decode_rows(slots);
@@ -961,6 +1081,21 @@ impl Backend for CpuBackend {
                     let (row, head) = (idx / p.n_head, idx % p.n_head);
                     let slot = slots[row];
                     let qh = &q.data[row * qw + head * hd..row * qw + (head + 1) * hd];
+                    if let Some(w) = window {
+                        // A sliding-window layer reads only its window (never pruned).
+                        let start = (slot.pos + 1).saturating_sub(w);
+                        cache.attend_span(
+                            layer,
+                            slot.seq,
+                            head / group,
+                            start..slot.pos + 1,
+                            qh,
+                            scale,
+                            scores,
+                            o,
+                        );
+                        return;
+                    }
                     cache.attend_maybe_pruned(
                         layer,
                         slot.seq,
@@ -1017,7 +1152,10 @@ impl Backend for CpuBackend {
                         let r0 = ci * chunk;
                         f.gate.rows_dots(gate_bytes, r0, &gate_act, n, g, deq);
                         f.up.rows_dots(up_bytes, r0, &up_act, n, u, deq);
-                        ops::swiglu(g, u, o);
+                        match f.activation {
+                            FfnActivation::Silu => ops::swiglu(g, u, o),
+                            FfnActivation::GeluTanh => ops::geglu_tanh(g, u, o),
+                        }
                     })
                 })
         });
@@ -1048,6 +1186,25 @@ impl Backend for CpuBackend {
             &mut staging,
         );
         s.down_staging = staging;
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut CpuActivations, factor: f32) -> Result<()> {
+        for v in x.data_mut() {
+            *v *= factor;
+        }
+        Ok(())
+    }
+
+    fn softcap(&self, x: &mut CpuActivations, cap: f32) -> Result<()> {
+        if !(cap.is_finite() && cap > 0.0) {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "soft-cap {cap} is not a positive number"
+            )));
+        }
+        for v in x.data_mut() {
+            *v = cap * (*v / cap).tanh();
+        }
         Ok(())
     }
 
@@ -1302,5 +1459,138 @@ mod tests {
                 .unwrap();
             assert_eq!(out.row(t), o.row(0), "token {t}");
         }
+    }
+
+    /// Sliding-window attention with a custom scale equals a softmax over
+    /// exactly the window, computed by hand from the rotated q and k the
+    /// call leaves behind; decoding token by token gives the same rows.
+    #[test]
+    fn sliding_window_attention_is_a_softmax_over_the_window() {
+        let backend = CpuBackend::new(2).unwrap();
+        let (hd, n, window, scale) = (16, 9, 3, 0.3f32);
+        let p = AttentionParams {
+            n_head: 2,
+            n_head_kv: 1,
+            head_dim: hd,
+            rope_mode: RopeMode::Neox,
+            rope_freq_base: 10000.0,
+            rope_scaling: Default::default(),
+            norm_eps: 1e-6,
+        };
+        let options = AttentionOptions {
+            scale: Some(scale),
+            sliding_window: Some(window),
+        };
+        let spec = KvSpec {
+            n_layer: 1,
+            n_head_kv: 1,
+            head_dim: hd,
+            n_ctx: 16,
+            n_seq: 1,
+            dtype: KvDtype::F32,
+        };
+        let (q0, k0, v) = (acts(n, 2 * hd, 4), acts(n, hd, 5), acts(n, hd, 6));
+        let slots: Vec<TokenSlot> = (0..n).map(|pos| TokenSlot { seq: 0, pos }).collect();
+        let mut cache = backend.new_kv_cache(spec).unwrap();
+        let (mut q, mut k, mut out) = (q0.clone(), k0.clone(), CpuActivations::default());
+        backend
+            .attention_with(
+                0, &p, &options, &mut q, &mut k, &v, None, &slots, &mut cache, &mut out,
+            )
+            .unwrap();
+        for t in 0..n {
+            for head in 0..2 {
+                let qh = &q.row(t)[head * hd..(head + 1) * hd];
+                let span = (t + 1).saturating_sub(window)..t + 1;
+                let scores: Vec<f32> = span
+                    .clone()
+                    .map(|j| scale * ops::dot_f32(qh, k.row(j)))
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let weights: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f32 = weights.iter().sum();
+                let mut want = vec![0.0f32; hd];
+                for (w, j) in weights.iter().zip(span) {
+                    for (o, x) in want.iter_mut().zip(v.row(j)) {
+                        *o += w / total * x;
+                    }
+                }
+                let got = &out.row(t)[head * hd..(head + 1) * hd];
+                assert!(rel_err(got, &want) < 1e-5, "token {t} head {head}");
+            }
+        }
+        let mut cache1 = backend.new_kv_cache(spec).unwrap();
+        for t in 0..n {
+            let row = |a: &CpuActivations| {
+                CpuActivations::from_vec(1, a.width(), a.row(t).to_vec()).unwrap()
+            };
+            let (mut q, mut k, v) = (row(&q0), row(&k0), row(&v));
+            let mut o = CpuActivations::default();
+            backend
+                .attention_with(
+                    0,
+                    &p,
+                    &options,
+                    &mut q,
+                    &mut k,
+                    &v,
+                    None,
+                    &slots[t..t + 1],
+                    &mut cache1,
+                    &mut o,
+                )
+                .unwrap();
+            assert_eq!(out.row(t), o.row(0), "token {t}");
+        }
+    }
+
+    #[test]
+    fn geglu_ffn_and_softcap() {
+        let backend = CpuBackend::new(2).unwrap();
+        let (gate, up, down) = (
+            q8_matrix("gate", 1, 64, 32),
+            q8_matrix("up", 2, 64, 32),
+            q8_matrix("down", 3, 32, 64),
+        );
+        let silu = backend.upload_ffn(0, &gate, &up, &down).unwrap();
+        let gelu = backend
+            .upload_ffn_with(0, FfnActivation::GeluTanh, &gate, &up, &down)
+            .unwrap();
+        let x = acts(3, 32, 7);
+        let (mut a, mut b) = (CpuActivations::default(), CpuActivations::default());
+        backend.ffn(&silu, &x, &mut a).unwrap();
+        backend.ffn(&gelu, &x, &mut b).unwrap();
+        assert!(rel_err(a.data(), b.data()) > 1e-3, "activation ignored");
+        // The GELU FFN by hand: dequantized weights, f32 products.
+        let deq = |m: &HostMatrix| {
+            let mut w = vec![0.0f32; m.rows * m.cols];
+            quant::dequantize(m.ty, m.data.as_slice(), &mut w).unwrap();
+            w
+        };
+        let (wg, wu, wd) = (deq(&gate), deq(&up), deq(&down));
+        for r in 0..3 {
+            let xr = x.row(r);
+            let h: Vec<f32> = (0..64)
+                .map(|i| {
+                    let g = ops::dot_f32(&wg[i * 32..(i + 1) * 32], xr);
+                    let u = ops::dot_f32(&wu[i * 32..(i + 1) * 32], xr);
+                    ops::gelu_tanh(g) * u
+                })
+                .collect();
+            let want: Vec<f32> = (0..32)
+                .map(|o| ops::dot_f32(&wd[o * 64..(o + 1) * 64], &h))
+                .collect();
+            // Q8_0 activations on the way: a quantization-sized tolerance.
+            assert!(rel_err(b.row(r), &want) < 0.03, "row {r}");
+        }
+        let mut logits = CpuActivations::from_vec(1, 3, vec![-100.0, 0.5, 100.0]).unwrap();
+        backend.softcap(&mut logits, 30.0).unwrap();
+        let want = [
+            -30.0 * (100.0f32 / 30.0).tanh(),
+            30.0 * (0.5f32 / 30.0).tanh(),
+            30.0 * (100.0f32 / 30.0).tanh(),
+        ];
+        assert!(rel_err(logits.data(), &want) < 1e-6);
+        assert!(backend.softcap(&mut logits, 0.0).is_err());
     }
 }

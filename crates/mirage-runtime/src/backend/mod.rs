@@ -35,6 +35,9 @@ use crate::kv_cache::KvSpec;
 use crate::ops::RopeMode;
 use mirage_gguf::GgmlType;
 
+/// How [`crate::RuntimeError::Unsupported`] names the deterministic mode.
+pub const DETERMINISTIC_FEATURE: &str = "deterministic (batch-invariant) mode";
+
 /// Which sequence and position a row of a batch belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenSlot {
@@ -147,6 +150,28 @@ pub struct AttentionParams {
     pub norm_eps: f32,
 }
 
+/// The activation of a gated FFN: `down(act(gate x) * up x)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FfnActivation {
+    /// SiLU (SwiGLU: llama, qwen).
+    #[default]
+    Silu,
+    /// GELU with the tanh approximation (GeGLU: gemma).
+    GeluTanh,
+}
+
+/// What a layer's attention computes beyond [`Backend::attention`]'s default
+/// (gemma's sliding windows and query scaling). The default value is that
+/// default attention.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct AttentionOptions {
+    /// The factor on `q·k` (default `1/sqrt(head_dim)`).
+    pub scale: Option<f32>,
+    /// Each query attends only to the last `window` positions of its
+    /// sequence, itself included (`None`: every position).
+    pub sliding_window: Option<usize>,
+}
+
 /// Per-head RMSNorm weights of q and k applied before RoPE (qwen3's QK-norm).
 #[derive(Debug, Clone, Copy)]
 pub struct QkNorm<'a, V> {
@@ -200,6 +225,23 @@ pub trait Backend: Send + Sync {
         pass()
     }
 
+    /// Turns batch-invariant arithmetic on or off (see
+    /// [`crate::EngineOptions::deterministic`]): with `on`, every row of a
+    /// forward pass must come out the same bits whatever the other rows of
+    /// the batch are and however a sequence's tokens are split into passes.
+    /// Called once, before any upload. The default accepts `false` and
+    /// refuses `true` with [`crate::RuntimeError::Unsupported`]: a backend
+    /// honours the mode only by implementing this.
+    fn set_deterministic(&mut self, on: bool) -> Result<()> {
+        if on {
+            Err(crate::error::RuntimeError::Unsupported {
+                backend: self.name(),
+                what: DETERMINISTIC_FEATURE.to_string(),
+            })
+        } else {
+            Ok(())
+        }
+    }
     /// Uploads a weight matrix once, keeping its quantization.
     fn upload_matrix(&self, m: &HostMatrix) -> Result<Self::Matrix>;
     /// Uploads an f32 vector.
@@ -213,6 +255,23 @@ pub trait Backend: Send + Sync {
         up: &HostMatrix,
         down: &HostMatrix,
     ) -> Result<Self::Ffn>;
+    /// [`Backend::upload_ffn`] for an FFN with the given activation. The
+    /// default uploads a SiLU FFN and refuses any other activation with
+    /// [`crate::RuntimeError::Unsupported`], so a model that needs one fails at
+    /// load time on backends that do not implement it.
+    fn upload_ffn_with(
+        &self,
+        layer: usize,
+        activation: FfnActivation,
+        gate: &HostMatrix,
+        up: &HostMatrix,
+        down: &HostMatrix,
+    ) -> Result<Self::Ffn> {
+        match activation {
+            FfnActivation::Silu => self.upload_ffn(layer, gate, up, down),
+            FfnActivation::GeluTanh => Err(self.unsupported("the GELU (tanh) FFN of gemma models")),
+        }
+    }
     /// A KV cache of the given shape.
     fn new_kv_cache(&self, spec: KvSpec) -> Result<Self::KvCache>;
     /// A KV cache whose decode attention reads only the KV pages `pruning`
@@ -323,22 +382,56 @@ pub trait Backend: Send + Sync {
         cache: &mut Self::KvCache,
         out: &mut Self::Activations,
     ) -> Result<()>;
-    /// The feed-forward block: `out[r] = down(silu(gate x[r]) * up x[r])`.
+    /// [`Backend::attention`] with [`AttentionOptions`]. The default runs
+    /// [`Backend::attention`] for the default options and refuses any other
+    /// with [`crate::RuntimeError::Unsupported`].
+    #[allow(clippy::too_many_arguments)]
+    fn attention_with(
+        &self,
+        layer: usize,
+        params: &AttentionParams,
+        options: &AttentionOptions,
+        q: &mut Self::Activations,
+        k: &mut Self::Activations,
+        v: &Self::Activations,
+        qk_norm: Option<QkNorm<'_, Self::Vector>>,
+        slots: &[TokenSlot],
+        cache: &mut Self::KvCache,
+        out: &mut Self::Activations,
+    ) -> Result<()> {
+        if *options != AttentionOptions::default() {
+            return Err(self.unsupported("sliding-window or rescaled attention (gemma models)"));
+        }
+        self.attention(layer, params, q, k, v, qk_norm, slots, cache, out)
+    }
+    /// `x *= factor` (gemma scales its embeddings). The default refuses.
+    fn scale(&self, x: &mut Self::Activations, factor: f32) -> Result<()> {
+        let _ = (x, factor);
+        Err(self.unsupported("scaling activations (gemma models)"))
+    }
+    /// `x = cap * tanh(x / cap)` elementwise (logit soft-capping). The default
+    /// refuses.
+    fn softcap(&self, x: &mut Self::Activations, cap: f32) -> Result<()> {
+        let _ = (x, cap);
+        Err(self.unsupported("logit soft-capping"))
+    }
+    /// The error a default implementation returns for an op this backend
+    /// lacks.
+    fn unsupported(&self, what: &str) -> crate::error::RuntimeError {
+        crate::error::RuntimeError::Unsupported {
+            backend: self.name(),
+            what: what.into(),
+        }
+    }
+    /// The feed-forward block: `out[r] = down(act(gate x[r]) * up x[r])`, the
+    /// activation chosen at upload (SiLU unless [`Backend::upload_ffn_with`]
+    /// said otherwise).
     fn ffn(
         &self,
         ffn: &Self::Ffn,
         x: &Self::Activations,
         out: &mut Self::Activations,
     ) -> Result<()>;
-    /// A hint, never a change in what is computed: `ws` are read by an op
-    /// soon, after the next one. A backend may start loading them into a
-    /// cache while the ops in between run (CUDA: into L2 during the
-    /// attention, or between the FFN's halves, where DRAM is idle). The
-    /// default ignores it.
-    fn prefetch(&self, ws: &[&Self::Matrix]) -> Result<()> {
-        let _ = ws;
-        Ok(())
-    }
     /// `out` = the listed rows of `x`, in that order.
     fn select_rows(
         &self,

@@ -1,0 +1,755 @@
+//! The KV cache on the device and attention over it: RoPE and the KV store,
+//! the split-K decode attention (one launch, RoPE folded in where it can),
+//! the tiled prefill attention, and decode attention over selected KV pages
+//! (page boxes kept on the device, chosen per head by
+//! `cuda/attention_pruned.cu`).
+
+use cudarc::driver::CudaSlice;
+use mirage_runtime::backend::{AttentionParams, QkNorm, TokenSlot};
+use mirage_runtime::kv_cache::{KvDtype, KvSpec};
+use mirage_runtime::kv_pages::KvPruning;
+use mirage_runtime::ops::RopeMode;
+use mirage_runtime::{Result, RuntimeError};
+
+use crate::backend::{bad, drv, CudaActivations, CudaBackend, MemKind, Scratch};
+use crate::graph::GRAPH_MAX_ROWS;
+use crate::launch::{Arg, Launch, Work};
+use crate::weights::CudaVector;
+
+/// Threads of an attention block (`ATT_THREADS` in cuda/attention.cu): the
+/// largest head_dim the kernels take.
+pub(crate) const ATTEND_THREADS: u32 = 256;
+
+/// Keys per attention split the host plans for at least: the splits of a
+/// cache are `n_ctx / this` (capped by `ATTEND_TARGET_BLOCKS`), and the
+/// kernels spread each row's positions over them (`att_chunk`, whose floor
+/// `ATT_MIN_KEYS` is the same number).
+const ATTEND_MIN_CHUNK: usize = 16;
+
+/// Attention splits are added while the grid has fewer blocks than this (so
+/// that a decode step of a few heads still fills the device); a prefill of
+/// many rows gets one split per (row, head).
+const ATTEND_TARGET_BLOCKS: usize = 1024;
+
+/// Query rows per block of the tiled prefill attention (`PF_ROWS`), its
+/// threads per block (`PF_THREADS`) and the largest head size it takes
+/// (`PF_MAX_HD`; a multiple of 16), in cuda/attention.cu.
+const PREFILL_ROWS: usize = 16;
+const PREFILL_THREADS: u32 = 256;
+const PREFILL_MAX_HEAD_DIM: usize = 128;
+
+/// Threads of `page_keys` and `select_pages` (`KEY_THREADS`, `SEL_THREADS` in
+/// cuda/attention_pruned.cu).
+pub(crate) const KEY_THREADS: u32 = 128;
+pub(crate) const SEL_THREADS: u32 = 512;
+
+/// The KV cache on the device: per layer, `[n_seq, n_head_kv, n_ctx,
+/// head_dim]` keys and values, f32 or f16 (`spec.dtype`), and, for a cache
+/// made by `new_kv_cache_pruned(spec, Some(..))`, the page key boxes its
+/// decode attention chooses pages by.
+#[derive(Debug)]
+pub struct CudaKvCache {
+    pub(crate) spec: KvSpec,
+    pub(crate) k: Vec<CudaSlice<u8>>,
+    pub(crate) v: Vec<CudaSlice<u8>>,
+    pub(crate) pages: Option<KvPageBoxes>,
+}
+
+impl CudaKvCache {
+    /// The page selection its decode attention uses, if any (`None` also
+    /// while `Backend::kv_set_pruning` has switched it off).
+    pub fn kv_pruning(&self) -> Option<&KvPruning> {
+        self.pages.as_ref().filter(|p| p.active).map(|p| &p.cfg)
+    }
+}
+
+/// Per-layer page boxes of a pruned cache: kmin / kmax `[n_seq, n_head_kv,
+/// max_pages, head_dim]` f32 (attention_pruned.cu). A box is rewritten from
+/// the cached keys every time a step writes a position of its page, so it
+/// always covers exactly the positions `0..=pos` of the row that reads it
+/// (the CPU's `PageSummaries` after the same writes and truncations).
+/// Boxes are refreshed whether or not the selection is `active`, so
+/// switching it back on (`Backend::kv_set_pruning`) is exact.
+#[derive(Debug)]
+pub(crate) struct KvPageBoxes {
+    pub(crate) cfg: KvPruning,
+    /// Whether decode rows attend the selected pages (`false`: every
+    /// position, boxes still maintained).
+    active: bool,
+    pub(crate) max_pages: usize,
+    pub(crate) kmin: Vec<CudaSlice<f32>>,
+    pub(crate) kmax: Vec<CudaSlice<f32>>,
+}
+
+/// One layer's attention over the cache as the kernels see it: device
+/// addresses of the queries, the cache, the rows' (seq, pos) slots and the
+/// output, and the shape.
+pub(crate) struct CacheAttention {
+    pub q: u64,
+    pub kc: u64,
+    pub vc: u64,
+    pub slots: u64,
+    pub out: u64,
+    /// Query rows.
+    pub rows: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub n_ctx: usize,
+    /// `f32` or `f16`: the cache's element type in kernel names.
+    pub kv: &'static str,
+}
+
+impl CacheAttention {
+    /// The query, the layer's K and V caches and the token slots: the
+    /// first arguments of every attention kernel over the cache.
+    fn cache_args(&self) -> Vec<Arg> {
+        vec![
+            Arg::Ptr(self.q),
+            Arg::Ptr(self.kc),
+            Arg::Ptr(self.vc),
+            Arg::Ptr(self.slots),
+        ]
+    }
+
+    /// Heads, KV heads, head size and cache positions.
+    fn heads(&self) -> [Arg; 4] {
+        [
+            Arg::I32(self.n_head as i32),
+            Arg::I32(self.n_head_kv as i32),
+            Arg::I32(self.head_dim as i32),
+            Arg::I32(self.n_ctx as i32),
+        ]
+    }
+}
+
+/// The RoPE a decode attention applies to its rows' q and k itself (and
+/// stores k and v): the unrotated k and v, the pairing and the base.
+pub(crate) struct RopeIn {
+    pub k: u64,
+    pub v: u64,
+    pub neox: bool,
+    pub freq_base: f32,
+}
+
+pub(crate) fn kv_name(dtype: KvDtype) -> &'static str {
+    match dtype {
+        KvDtype::F32 => "f32",
+        // new_kv_cache refuses q8_0.
+        KvDtype::F16 | KvDtype::Q8_0 => "f16",
+    }
+}
+
+impl CudaBackend {
+    /// A launch no fusion changes.
+    fn plain(
+        &self,
+        kernel: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: Vec<Arg>,
+    ) -> Result<()> {
+        self.push_launch(Launch {
+            kernel: self.kernels.index(kernel)?,
+            grid,
+            block,
+            smem: 0,
+            work: Work::Plain(args),
+        })
+    }
+
+    pub(crate) fn new_cache(&self, spec: KvSpec) -> Result<CudaKvCache> {
+        if spec.head_dim == 0 || spec.n_ctx == 0 || spec.n_seq == 0 {
+            return Err(bad(format!("empty KV cache shape {spec:?}")));
+        }
+        if spec.dtype == KvDtype::Q8_0 {
+            return Err(bad("a q8_0 KV cache has no CUDA kernels (use f16)"));
+        }
+        let elem = if spec.dtype == KvDtype::F32 { 4 } else { 2 };
+        let per_layer = spec
+            .n_seq
+            .checked_mul(spec.n_head_kv)
+            .and_then(|x| x.checked_mul(spec.n_ctx))
+            .and_then(|x| x.checked_mul(spec.head_dim))
+            .and_then(|x| x.checked_mul(elem))
+            .ok_or_else(|| bad("KV cache size overflows"))?;
+        // Refused with both sizes named, before the first of 2 x n_layer
+        // allocations (a failed one would say only "out of memory").
+        let needed = (per_layer as u64).saturating_mul(2 * spec.n_layer as u64);
+        let (free, _) = self.device_memory()?;
+        if needed > free as u64 {
+            return Err(mirage_runtime::RuntimeError::OutOfMemory {
+                what: format!("{} on the GPU", spec.describe()),
+                needed,
+                available: free as u64,
+            });
+        }
+        let mut k = Vec::with_capacity(spec.n_layer);
+        let mut v = Vec::with_capacity(spec.n_layer);
+        for _ in 0..spec.n_layer {
+            k.push(self.stream.alloc_zeros::<u8>(per_layer).map_err(drv)?);
+            v.push(self.stream.alloc_zeros::<u8>(per_layer).map_err(drv)?);
+        }
+        self.account(MemKind::Kv, 2 * spec.n_layer * per_layer);
+        Ok(CudaKvCache {
+            spec,
+            k,
+            v,
+            pages: None,
+        })
+    }
+
+    pub(crate) fn new_cache_pruned(
+        &self,
+        spec: KvSpec,
+        pruning: Option<KvPruning>,
+    ) -> Result<CudaKvCache> {
+        let mut cache = self.new_cache(spec)?;
+        let Some(cfg) = pruning else {
+            return Ok(cache);
+        };
+        cfg.validate()?;
+        let max_pages = spec.n_ctx.div_ceil(cfg.page);
+        let per_layer = spec
+            .n_seq
+            .checked_mul(spec.n_head_kv)
+            .and_then(|x| x.checked_mul(max_pages))
+            .and_then(|x| x.checked_mul(spec.head_dim))
+            .filter(|&x| x <= i32::MAX as usize)
+            .ok_or_else(|| bad("KV page boxes size overflows"))?;
+        let (mut kmin, mut kmax) = (Vec::new(), Vec::new());
+        for _ in 0..spec.n_layer {
+            let alloc = || {
+                self.stream
+                    .alloc_zeros::<f32>(per_layer.max(1))
+                    .map_err(drv)
+            };
+            kmin.push(alloc()?);
+            kmax.push(alloc()?);
+        }
+        self.account(MemKind::Kv, 2 * spec.n_layer * per_layer * 4);
+        cache.pages = Some(KvPageBoxes {
+            cfg,
+            active: true,
+            max_pages,
+            kmin,
+            kmax,
+        });
+        Ok(cache)
+    }
+
+    pub(crate) fn set_cache_pruning(
+        &self,
+        cache: &mut CudaKvCache,
+        pruning: Option<KvPruning>,
+    ) -> Result<()> {
+        let Some(cfg) = pruning else {
+            // Full attention from the next step; the boxes keep being
+            // refreshed on every write.
+            if let Some(pages) = &mut cache.pages {
+                pages.active = false;
+            }
+            return Ok(());
+        };
+        cfg.validate()?;
+        let Some(pages) = &mut cache.pages else {
+            return Err(bad(
+                "this CUDA KV cache keeps no page boxes: make it with new_kv_cache_pruned(spec, Some(..)) to switch pruning on",
+            ));
+        };
+        if cfg.page != pages.cfg.page {
+            return Err(bad(format!(
+                "KV page size {} differs from the {} the cache's page boxes were made with",
+                cfg.page, pages.cfg.page
+            )));
+        }
+        // Same page size, so the same boxes and max_pages. The other fields
+        // only enter the selection kernels' arguments and the scratch sizes,
+        // both computed from `cfg` at every launch; a changed launch list
+        // is recorded as another graph.
+        pages.cfg = cfg;
+        pages.active = true;
+        Ok(())
+    }
+
+    /// The device address of the batch's (seq, pos) slots: the step's
+    /// staged copy, or one uploaded now.
+    pub(crate) fn slots_ptr(&self, s: &mut Scratch, slots: &[TokenSlot]) -> Result<u64> {
+        let host: Vec<i32> = slots
+            .iter()
+            .flat_map(|t| [t.seq as i32, t.pos as i32])
+            .collect();
+        let reuse = s.slots_dev.is_some() && s.slots_host == host;
+        if !reuse {
+            if s.slots_dev.as_ref().is_none_or(|d| d.len() < host.len()) {
+                s.slots_dev = Some(
+                    self.stream
+                        .alloc_zeros::<i32>(host.len().next_power_of_two())
+                        .map_err(drv)?,
+                );
+            }
+            let d = s.slots_dev.as_mut().expect("allocated above");
+            self.stream
+                .memcpy_htod(&host, &mut d.slice_mut(0..host.len()))
+                .map_err(drv)?;
+            s.slots_host = host;
+        }
+        Ok(self.ptr(s.slots_dev.as_ref().expect("set above")))
+    }
+
+    /// `Backend::attention` (see the module doc).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attend(
+        &self,
+        layer: usize,
+        p: &AttentionParams,
+        q: &CudaActivations,
+        k: &CudaActivations,
+        v: &CudaActivations,
+        qk_norm: Option<QkNorm<'_, CudaVector>>,
+        slots: &[TokenSlot],
+        cache: &mut CudaKvCache,
+        out: &mut CudaActivations,
+    ) -> Result<()> {
+        let hd = p.head_dim;
+        let n = slots.len();
+        if p.n_head_kv == 0
+            || p.n_head % p.n_head_kv != 0
+            || hd % 64 != 0
+            || hd > ATTEND_THREADS as usize
+        {
+            return Err(bad(format!(
+                "attention shape {p:?} (the cuda kernels need head_dim a multiple of 64, at most {ATTEND_THREADS})"
+            )));
+        }
+        if q.rows != n
+            || k.rows != n
+            || v.rows != n
+            || q.width != p.n_head * hd
+            || k.width != p.n_head_kv * hd
+            || v.width != k.width
+        {
+            return Err(bad("attention inputs do not match the batch"));
+        }
+        let spec = cache.spec;
+        if spec.head_dim != hd || spec.n_head_kv != p.n_head_kv || layer >= spec.n_layer {
+            return Err(bad("KV cache shape does not match the layer"));
+        }
+        let max_pos = slots.iter().map(|s| s.pos).max().unwrap_or(0);
+        if max_pos >= spec.n_ctx {
+            return Err(RuntimeError::ContextFull { n_ctx: spec.n_ctx });
+        }
+        if let Some(s) = slots.iter().find(|s| s.seq >= spec.n_seq) {
+            return Err(bad(format!("sequence slot {} >= {}", s.seq, spec.n_seq)));
+        }
+        if !p.rope_scaling.is_none() {
+            // rope_store computes the unscaled angles on the device.
+            return Err(bad(format!(
+                "RoPE scaling {:?} is not implemented on CUDA",
+                p.rope_scaling.kind
+            )));
+        }
+        let pslots = match self
+            .staged(|s| (s.slots == slots).then_some(s.base + 4 * s.tokens.len() as u64))?
+        {
+            Some(p) => p,
+            None => {
+                let mut s = self.scratch();
+                self.slots_ptr(&mut s, slots)?
+            }
+        };
+        let (pq, pk, pv) = (self.act_ptr(q)?, self.act_ptr(k)?, self.act_ptr(v)?);
+        let (pqn, pkn) = match &qk_norm {
+            Some(nm) => (self.ptr(&nm.q.data), self.ptr(&nm.k.data)),
+            None => (0u64, 0u64),
+        };
+        let (pkc, pvc) = (self.ptr(&cache.k[layer]), self.ptr(&cache.v[layer]));
+        let kv = kv_name(spec.dtype);
+        let (nh, nkv, hdi, n_ctx) = (
+            p.n_head as i32,
+            p.n_head_kv as i32,
+            hd as i32,
+            spec.n_ctx as i32,
+        );
+        let po = self.reshape(out, n, p.n_head * hd)?;
+        let at = CacheAttention {
+            q: pq,
+            kc: pkc,
+            vc: pvc,
+            slots: pslots,
+            out: po,
+            rows: n,
+            n_head: p.n_head,
+            n_head_kv: p.n_head_kv,
+            head_dim: hd,
+            n_ctx: spec.n_ctx,
+            kv,
+        };
+        // The RoPE and KV store fold into the decode attention (the same
+        // bits) when nothing else reads the cache in between (no page
+        // boxes), there is no per-head q/k norm and no row attends another
+        // row's new key (each row in its own sequence).
+        let rope_in_attention = qk_norm.is_none()
+            && cache.pages.is_none()
+            && slots
+                .iter()
+                .enumerate()
+                .all(|(i, a)| slots[..i].iter().all(|b| b.seq != a.seq));
+        let neox = (p.rope_mode == RopeMode::Neox) as i32;
+        if !rope_in_attention {
+            self.plain(
+                &format!("rope_store_{kv}"),
+                (n as u32, (p.n_head + p.n_head_kv) as u32, 1),
+                ((hd / 2) as u32, 1, 1),
+                vec![
+                    Arg::Ptr(pq),
+                    Arg::Ptr(pk),
+                    Arg::Ptr(pv),
+                    Arg::Ptr(pslots),
+                    Arg::I32(nh),
+                    Arg::I32(nkv),
+                    Arg::I32(hdi),
+                    Arg::I32(neox),
+                    Arg::F32(p.rope_freq_base),
+                    Arg::Ptr(pqn),
+                    Arg::Ptr(pkn),
+                    Arg::F32(p.norm_eps),
+                    Arg::Ptr(pkc),
+                    Arg::Ptr(pvc),
+                    Arg::I32(n_ctx),
+                ],
+            )?;
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        // KV-page pruning: the boxes of the pages this batch wrote, then
+        // which rows attend selected pages only — decode rows, the only row
+        // of their sequence, as on the CPU (attention_pruned::decode_rows).
+        // `Some(false)`: every row; `Some(true)`: a mixed batch, the kernels
+        // skip rows that share their sequence; those attend every position.
+        let mut pruned = None;
+        if let Some(pages) = &cache.pages {
+            // Refreshed even while the selection is off, so that switching
+            // it back on finds exact boxes.
+            self.refresh_page_boxes(pages, layer, slots, pslots, pkc, kv, &spec)?;
+            if pages.active && layer >= pages.cfg.dense_layers {
+                let decode = mirage_runtime::attention_pruned::decode_rows(slots);
+                if decode.iter().all(|&d| d) {
+                    pruned = Some(false);
+                } else if decode.iter().any(|&d| d) {
+                    pruned = Some(true);
+                }
+            }
+        }
+        // A prefill batch of one sequence's consecutive positions: the tiled
+        // kernel reads each key once per 16 query rows, not once per row.
+        let tiled = pruned != Some(false)
+            && n >= PREFILL_ROWS
+            && hd <= PREFILL_MAX_HEAD_DIM
+            && hd % 16 == 0
+            && slots
+                .windows(2)
+                .all(|w| w[1].seq == w[0].seq && w[1].pos == w[0].pos + 1);
+        if tiled {
+            self.plain(
+                &format!("attend_prefill_{kv}"),
+                (n.div_ceil(PREFILL_ROWS) as u32, p.n_head as u32, 1),
+                (PREFILL_THREADS, 1, 1),
+                [
+                    at.cache_args(),
+                    vec![Arg::I32(n as i32)],
+                    at.heads().to_vec(),
+                ]
+                .concat()
+                .into_iter()
+                .chain([Arg::F32(scale), Arg::Ptr(po)])
+                .collect(),
+            )?;
+        } else if pruned != Some(false) {
+            let rope = rope_in_attention.then_some(RopeIn {
+                k: pk,
+                v: pv,
+                neox: neox == 1,
+                freq_base: p.rope_freq_base,
+            });
+            self.attend_cache(&at, rope)?;
+        }
+        if let (Some(only_decode), Some(pages)) = (pruned, &cache.pages) {
+            if only_decode && n > GRAPH_MAX_ROWS {
+                // A large mixed batch (never recorded): one launch per decode
+                // row, so that the scratch is sized for one row, not the
+                // whole prefill.
+                let decode = mirage_runtime::attention_pruned::decode_rows(slots);
+                for (row, _) in decode.iter().enumerate().filter(|(_, &d)| d) {
+                    self.attend_pages(pages, layer, &at, row, 1, false)?;
+                }
+            } else {
+                self.attend_pages(pages, layer, &at, 0, n, only_decode)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every row of `at` over positions `0..=pos` of its sequence: the split
+    /// attention and the merge of its splits in one launch (the last split
+    /// of each (row, head) to finish merges them), with the rows' RoPE and
+    /// KV store folded in when `rope` is given. The split count depends on
+    /// the batch and the cache size only, so a recorded decode step replays
+    /// at every position.
+    pub(crate) fn attend_cache(&self, at: &CacheAttention, rope: Option<RopeIn>) -> Result<()> {
+        let (n, hd) = (at.rows, at.head_dim);
+        let n_split = at
+            .n_ctx
+            .div_ceil(ATTEND_MIN_CHUNK)
+            .min((ATTEND_TARGET_BLOCKS / (n * at.n_head)).max(1))
+            .max(1);
+        let chunk = at.n_ctx.div_ceil(n_split);
+        let (ppart, pcount) = {
+            let mut s = self.scratch();
+            let s = &mut *s;
+            (
+                self.reshape(&mut s.attn_part, n * at.n_head * n_split, hd + 2)?,
+                self.grow_scratch(&mut s.attn_count, n * at.n_head)?,
+            )
+        };
+        let mut args = at.cache_args();
+        args.extend(at.heads());
+        args.extend([
+            Arg::I32(chunk as i32),
+            Arg::F32(1.0 / (hd as f32).sqrt()),
+            Arg::Ptr(ppart),
+            Arg::Ptr(pcount),
+            Arg::Ptr(at.out),
+        ]);
+        let kernel = match rope {
+            // attend_rope: then the unrotated k and v, mode and base.
+            Some(r) => {
+                args.extend([
+                    Arg::Ptr(r.k),
+                    Arg::Ptr(r.v),
+                    Arg::I32(r.neox as i32),
+                    Arg::F32(r.freq_base),
+                ]);
+                format!("attend_rope_{}", at.kv)
+            }
+            None => format!("attend_fused_{}", at.kv),
+        };
+        self.plain(
+            &kernel,
+            (n as u32, at.n_head as u32, n_split as u32),
+            (ATTEND_THREADS, 1, 1),
+            args,
+        )
+    }
+
+    /// Rewrites the boxes of the pages the batch `slots` wrote in `layer`
+    /// (after rope_store). Inside a recorded step (and for small batches)
+    /// one launch reads the positions from device memory; a large eager
+    /// batch (prefill) launches per sequence over its range of pages.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn refresh_page_boxes(
+        &self,
+        pages: &KvPageBoxes,
+        layer: usize,
+        slots: &[TokenSlot],
+        pslots: u64,
+        pkc: u64,
+        kv: &str,
+        spec: &KvSpec,
+    ) -> Result<()> {
+        let (pmin, pmax) = (self.ptr(&pages.kmin[layer]), self.ptr(&pages.kmax[layer]));
+        let page = pages.cfg.page.min(spec.n_ctx) as i32;
+        let (nkv, hd, n_ctx, maxp) = (
+            spec.n_head_kv as i32,
+            spec.head_dim as i32,
+            spec.n_ctx as i32,
+            pages.max_pages as i32,
+        );
+        let n = slots.len();
+        if n == 0 {
+            return Ok(());
+        }
+        if n <= GRAPH_MAX_ROWS || self.recording() {
+            return self.plain(
+                &format!("page_bounds_rows_{kv}"),
+                (n as u32, spec.n_head_kv as u32, 1),
+                (spec.head_dim as u32, 1, 1),
+                vec![
+                    Arg::Ptr(pkc),
+                    Arg::Ptr(pslots),
+                    Arg::I32(n as i32),
+                    Arg::I32(nkv),
+                    Arg::I32(hd),
+                    Arg::I32(n_ctx),
+                    Arg::I32(page),
+                    Arg::I32(maxp),
+                    Arg::Ptr(pmin),
+                    Arg::Ptr(pmax),
+                ],
+            );
+        }
+        let mut ranges: std::collections::BTreeMap<usize, (usize, usize)> = Default::default();
+        for s in slots {
+            let r = ranges.entry(s.seq).or_insert((s.pos, s.pos));
+            r.0 = r.0.min(s.pos);
+            r.1 = r.1.max(s.pos);
+        }
+        let page = page as usize;
+        for (seq, (lo, hi)) in ranges {
+            let (p0, last) = (lo / page, hi / page);
+            self.plain(
+                &format!("page_bounds_{kv}"),
+                ((last - p0 + 1) as u32, spec.n_head_kv as u32, 1),
+                (spec.head_dim as u32, 1, 1),
+                vec![
+                    Arg::Ptr(pkc),
+                    Arg::I32(seq as i32),
+                    Arg::I32(nkv),
+                    Arg::I32(hd),
+                    Arg::I32(n_ctx),
+                    Arg::I32(page as i32),
+                    Arg::I32(p0 as i32),
+                    Arg::I32(hi as i32 + 1),
+                    Arg::I32(maxp),
+                    Arg::Ptr(pmin),
+                    Arg::Ptr(pmax),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Attention of rows `row_base .. row_base + rows` of `at` over the
+    /// pages the cache's rule selects: page keys, radix select, split-K over
+    /// the chosen pages, combine (attention_pruned.cu). With
+    /// `only_decode`, rows that share their sequence with another row of the
+    /// batch are skipped (they attend every position). Every grid depends on
+    /// the batch and the cache size only; the positions are read from
+    /// `at.slots` on the device.
+    pub(crate) fn attend_pages(
+        &self,
+        pages: &KvPageBoxes,
+        layer: usize,
+        at: &CacheAttention,
+        row_base: usize,
+        rows: usize,
+        only_decode: bool,
+    ) -> Result<()> {
+        let cfg = &pages.cfg;
+        let hd = at.head_dim;
+        let n_rows = at.rows;
+        let max_pages = pages.max_pages;
+        let max_sel = cfg.max_selected_for(max_pages).min(max_pages).max(1);
+        let n_split = max_sel
+            .min((ATTEND_TARGET_BLOCKS / (rows * at.n_head)).max(1))
+            .max(1);
+        let heads = rows * at.n_head;
+        let (pkeys, psel, pnsel, ppart) = {
+            let mut s = self.scratch();
+            let s = &mut *s;
+            (
+                self.grow_scratch(&mut s.prune_keys, heads * max_pages)?,
+                self.grow_scratch(&mut s.prune_sel, heads * max_sel)?,
+                self.grow_scratch(&mut s.prune_nsel, heads)?,
+                self.grow_scratch(&mut s.prune_part, heads * n_split * (hd + 2))?,
+            )
+        };
+        let clamp = |x: usize| x.min(i32::MAX as usize) as i32;
+        let (pmin, pmax) = (self.ptr(&pages.kmin[layer]), self.ptr(&pages.kmax[layer]));
+        let (nh, nkv, hdi, page, maxp) = (
+            at.n_head as i32,
+            at.n_head_kv as i32,
+            hd as i32,
+            cfg.page.min(at.n_ctx) as i32,
+            max_pages as i32,
+        );
+        let (sinks, recent) = (clamp(cfg.sink_pages), clamp(cfg.recent_pages));
+        let kv = at.kv;
+        let (od, nr, rb) = (only_decode as i32, n_rows as i32, row_base as i32);
+        self.plain(
+            "page_keys",
+            (
+                rows as u32,
+                at.n_head as u32,
+                max_pages.div_ceil(KEY_THREADS as usize) as u32,
+            ),
+            (KEY_THREADS, 1, 1),
+            vec![
+                Arg::Ptr(at.q),
+                Arg::Ptr(at.slots),
+                Arg::Ptr(pmin),
+                Arg::Ptr(pmax),
+                Arg::I32(nh),
+                Arg::I32(nkv),
+                Arg::I32(hdi),
+                Arg::I32(page),
+                Arg::I32(maxp),
+                Arg::I32(sinks),
+                Arg::I32(recent),
+                Arg::I32(od),
+                Arg::I32(nr),
+                Arg::I32(rb),
+                Arg::Ptr(pkeys),
+            ],
+        )?;
+        self.plain(
+            "select_pages",
+            (rows as u32, at.n_head as u32, 1),
+            (SEL_THREADS, 1, 1),
+            vec![
+                Arg::Ptr(pkeys),
+                Arg::Ptr(at.slots),
+                Arg::I32(nh),
+                Arg::I32(page),
+                Arg::I32(maxp),
+                Arg::I32(sinks),
+                Arg::I32(recent),
+                Arg::I32(clamp(cfg.top_pages)),
+                Arg::I32(clamp(cfg.top_percent)),
+                Arg::I32(max_sel as i32),
+                Arg::I32(od),
+                Arg::I32(nr),
+                Arg::I32(rb),
+                Arg::Ptr(psel),
+                Arg::Ptr(pnsel),
+            ],
+        )?;
+        self.plain(
+            &format!("attend_pages_part_{kv}"),
+            (rows as u32, at.n_head as u32, n_split as u32),
+            (ATTEND_THREADS, 1, 1),
+            [
+                at.cache_args(),
+                vec![Arg::Ptr(psel), Arg::Ptr(pnsel)],
+                at.heads().to_vec(),
+            ]
+            .concat()
+            .into_iter()
+            .chain([
+                Arg::I32(page),
+                Arg::I32(max_sel as i32),
+                Arg::I32(od),
+                Arg::I32(nr),
+                Arg::I32(rb),
+                Arg::F32(1.0 / (hd as f32).sqrt()),
+                Arg::Ptr(ppart),
+            ])
+            .collect(),
+        )?;
+        self.plain(
+            "attend_pages_combine",
+            (rows as u32, at.n_head as u32, 1),
+            (hd as u32, 1, 1),
+            vec![
+                Arg::Ptr(ppart),
+                Arg::Ptr(at.slots),
+                Arg::I32(nh),
+                Arg::I32(hdi),
+                Arg::I32(n_split as i32),
+                Arg::I32(od),
+                Arg::I32(nr),
+                Arg::I32(rb),
+                Arg::Ptr(at.out),
+            ],
+        )
+    }
+}

@@ -1,0 +1,202 @@
+//! Checks of the device code that need no GPU.
+//!
+//! `nvrtc_check`: every CUDA module compiles (NVRTC, for the H100/H200's
+//! sm_90), every kernel a backend loads is in its PTX with the argument
+//! count its launches pass, and every one of them waits on its prerequisite
+//! grid (the programmatic-dependent-launch rule, cuda/pdl.cu). Needs only
+//! `libnvrtc` (`pip install nvidia-cuda-nvrtc`, which `.ci/run` does), no
+//! driver and no GPU: a kernel that would not compile on the device fails
+//! here first. Without the library it prints why and passes, unless
+//! `MIRAGE_REQUIRE_NVRTC=1` (set by `.ci/run`).
+//!
+//! `ggml_types`: the block table the kernels decode by (`GGML_TYPES` in
+//! cuda/ggml.cu) is mirage-gguf's (crates/mirage-gguf/src/types.rs): ids,
+//! block bytes and elements, names.
+//!
+//! `hostcheck`: the kernels' device functions compiled as C++ and run on the
+//! CPU (`hostcheck/run.sh`: the mat-vecs' dot helpers and element
+//! accessors, the RMSNorm row, the decode attention, the fused Q8_0 FFN's
+//! two phases and the pruned attention against f64 references or the plain
+//! forms), each emulated block's threads as fibers on one OS thread. Needs
+//! g++ (C++20) and python3; without them it prints why and passes.
+
+mod nvrtc_check {
+    use crate::module;
+
+    fn nvrtc_present() -> bool {
+        // SAFETY: only probes whether the shared library can be opened.
+        let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+        if !present {
+            assert!(
+                std::env::var("MIRAGE_REQUIRE_NVRTC").as_deref() != Ok("1"),
+                "MIRAGE_REQUIRE_NVRTC=1 but libnvrtc was not found (LD_LIBRARY_PATH)"
+            );
+            eprintln!("nvrtc_check: skipped, libnvrtc not found (pip install nvidia-cuda-nvrtc and put its lib/ on LD_LIBRARY_PATH)");
+        }
+        present
+    }
+
+    /// Parameters of kernel `name` in `ptx` (its `.entry` line's list).
+    fn param_count(ptx: &str, name: &str) -> usize {
+        let e = module::entry(ptx, name).unwrap_or_else(|| panic!("{name} not in the PTX"));
+        e[..e.find(')').unwrap()].matches(".param").count()
+    }
+
+    fn check(module_name: &str, source: &str, kernels: &[String]) -> String {
+        let ptx = module::compile(module_name, source, 9, 0)
+            .unwrap_or_else(|e| panic!("{module_name}: {e}"));
+        let missing: Vec<_> = kernels
+            .iter()
+            .filter(|k| module::entry(&ptx, k).is_none())
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "{module_name}: kernels not in the PTX: {missing:?}"
+        );
+        let no_wait: Vec<_> = kernels
+            .iter()
+            .filter(|k| !module::waits_on_prerequisite(&ptx, k))
+            .collect();
+        assert!(
+            no_wait.is_empty(),
+            "{module_name}: kernels without griddepcontrol.wait: {no_wait:?}"
+        );
+        // Nothing in the PTX that no backend loads.
+        let loaded: Vec<&str> = kernels.iter().map(String::as_str).collect();
+        let unused: Vec<&str> = ptx
+            .match_indices(".entry ")
+            .map(|(i, _)| {
+                let name = &ptx[i + 7..];
+                &name[..name.find('(').unwrap_or(0)]
+            })
+            .filter(|n| !loaded.contains(n))
+            .collect();
+        assert!(
+            unused.is_empty(),
+            "{module_name}: kernels no backend loads: {unused:?}"
+        );
+        eprintln!("{module_name}: {} kernels compile for sm_90", kernels.len());
+        ptx
+    }
+
+    #[test]
+    fn dense_module_compiles_and_its_launches_fit_the_kernels() {
+        if !nvrtc_present() {
+            return;
+        }
+        let names = crate::backend::kernel_names();
+        let ptx = check("dense", module::DENSE_SOURCE, &names);
+        // The typed launches write these argument lists (launch.rs).
+        for name in &names {
+            let want = if name.starts_with("mv3_") {
+                crate::matvec::MV3_ARGS
+            } else if name.starts_with("ffn_") {
+                crate::matvec::FFN_ARGS
+            } else {
+                continue;
+            };
+            assert_eq!(param_count(&ptx, name), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn sparse_module_compiles_and_its_launches_fit_the_kernels() {
+        if !nvrtc_present() {
+            return;
+        }
+        use crate::sparse::{FFN_KERNEL_ARGS, KERNELS, Q8_FFN_ARGS, ROUTE_ARGS};
+        let names: Vec<String> = KERNELS.iter().map(|k| k.to_string()).collect();
+        let ptx = check("sparse", module::SPARSE_SOURCE, &names);
+        for (name, want) in [
+            ("route_bvh", ROUTE_ARGS),
+            ("superblock_ffn_q8s", Q8_FFN_ARGS),
+            ("superblock_ffn_nvfp4", FFN_KERNEL_ARGS + 3),
+            ("superblock_ffn_q2k", FFN_KERNEL_ARGS),
+        ] {
+            assert_eq!(param_count(&ptx, name), want, "{name}");
+        }
+    }
+}
+
+mod ggml_types {
+    use mirage_gguf::GgmlType;
+
+    /// Every `X(TYPE, suffix, id, bytes, elements)` row of `GGML_TYPES`.
+    fn table() -> Vec<(String, u32, usize, usize)> {
+        let src = include_str!("../../../cuda/ggml.cu");
+        let start = src
+            .find("#define GGML_TYPES(X)")
+            .expect("GGML_TYPES in ggml.cu");
+        let end = start + src[start..].find("\n\n").expect("the table's end");
+        src[start..end]
+            .lines()
+            .skip(1)
+            .map(|l| {
+                let row = l.trim().trim_end_matches('\\').trim();
+                let f: Vec<&str> = row
+                    .strip_prefix("X(")
+                    .and_then(|r| r.strip_suffix(')'))
+                    .unwrap_or_else(|| panic!("not a row: {l}"))
+                    .split(',')
+                    .map(str::trim)
+                    .collect();
+                let n = |i: usize| f[i].parse::<usize>().unwrap();
+                (f[1].to_string(), n(2) as u32, n(3), n(4))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_kernels_block_table_is_mirage_gguf_s() {
+        let rows = table();
+        for (suffix, id, bytes, elems) in &rows {
+            let ty =
+                GgmlType::from_id(*id).unwrap_or_else(|| panic!("{suffix}: no ggml type {id}"));
+            assert_eq!(ty.name(), suffix, "type {id}");
+            assert_eq!(ty.type_size(), *bytes, "{suffix}: bytes per block");
+            assert_eq!(ty.block_size(), *elems, "{suffix}: elements per block");
+        }
+        let ids: Vec<u32> = rows.iter().map(|r| r.1).collect();
+        let rust: Vec<u32> = crate::weights::GGML_TYPES.iter().map(|t| t.id()).collect();
+        assert_eq!(ids, rust, "GGML_TYPES (ggml.cu) vs weights::GGML_TYPES");
+    }
+}
+
+mod hostcheck {
+    fn run(script: &str) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("hostcheck");
+        let out = std::process::Command::new("bash")
+            .arg(dir.join(script))
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run bash {script}: {e}"));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "hostcheck/{script} failed ({}):\n{text}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        eprintln!("hostcheck/{script}: {}", text.lines().last().unwrap_or(""));
+    }
+
+    fn tools_present() -> bool {
+        let ok = |cmd: &str| {
+            std::process::Command::new(cmd)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        };
+        let present = ok("g++") && ok("python3");
+        if !present {
+            eprintln!("hostcheck: skipped, g++ or python3 not found");
+        }
+        present
+    }
+
+    #[test]
+    fn device_code_passes_the_host_checks() {
+        if tools_present() {
+            run("run.sh");
+        }
+    }
+}

@@ -1,0 +1,312 @@
+//! Products with the weight matrices: the decode mat-vecs (`mv3_*`: up to
+//! three matrices of one input in one launch; `ffn_*`: gate, up and SwiGLU
+//! in one launch), their launch shape (column split, persistent grid), and
+//! the prefill GEMM through cuBLAS on tensor cores.
+
+use mirage_runtime::{Result, RuntimeError};
+
+use crate::backend::{bad, drv, CudaBackend};
+use crate::launch::{Arg, GateUp, Launch, MatVec, Work, F32};
+use crate::weights::{CudaFfn, CudaMatrix, Layout};
+use crate::CudaError;
+
+/// Arguments of an `mv3_*` launch (`MV3_PARAMS` in cuda/matvec.cu).
+#[cfg(test)]
+pub(crate) const MV3_ARGS: usize = 23;
+/// Arguments of an `ffn_*` launch (`FFN_PARAMS`).
+#[cfg(test)]
+pub(crate) const FFN_ARGS: usize = 13;
+
+/// Warps per block of the mat-vec kernels (`FAST_WARPS` in cuda/matvec.cu).
+const WARPS: usize = 8;
+
+/// Weight rows per warp of the split-layout and NVFP4 mat-vecs (`FAST_ROWS`,
+/// `MV_NR`); the ggml-layout kernels take one row per warp.
+const ROWS_PER_WARP: usize = 4;
+
+/// Column splits of the split-layout mat-vecs (`mv3_<suffix>_k<S>`; 1 is
+/// one warp per row group).
+pub(crate) const SPLIT_K: [usize; 4] = [1, 2, 4, 8];
+
+/// The split-K rule picks the smallest split whose grid has at least this
+/// many blocks per SM (a single block of 8 warps per SM leaves too few
+/// loads in flight to stream a matrix at the copy rate).
+const SPLIT_K_BLOCKS_PER_SM: usize = 3;
+
+/// Shortest column slice (elements) a split-K warp is given.
+const SPLIT_K_MIN_SLICE: usize = 128;
+
+/// Shortest rows that take the persistent-grid split Q8_0 mat-vecs
+/// (`mv3_q8_0s_grid*`: at most the device's resident blocks, each taking
+/// several row groups and reading the input and the folded norm once), when
+/// the launch has more row groups than resident blocks: the 7B shape's
+/// Q/K/V, output projection, down and head (2-4 % faster steps there); the
+/// 0.5B shape's stay one block per row group.
+const GRID_MIN_COLS: usize = 2048;
+
+/// Batches of more rows than this multiply through cuBLAS on tensor cores
+/// (weights dequantized to f16 tile by tile); smaller ones use the mat-vec.
+const GEMM_MIN_ROWS: usize = 17;
+
+impl CudaBackend {
+    /// Blocks of `kernel` (a block of `threads`, no dynamic shared memory)
+    /// resident on the whole device at once. Asked of the driver once per
+    /// kernel and kept: the decode path runs on the host every step (the
+    /// step is recorded, then its graph replayed), and a driver query per
+    /// mat-vec launch would cost the host more than the grid saves.
+    fn resident_blocks(&self, kernel: usize, threads: u32) -> Result<usize> {
+        let mut known = self.resident.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&n) = known.get(&(kernel, threads)) {
+            return Ok(n);
+        }
+        let per_sm = self.kernels.functions[kernel]
+            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+            .map_err(drv)?;
+        let n = per_sm.max(1) as usize * self.sm_count;
+        known.insert((kernel, threads), n);
+        Ok(n)
+    }
+
+    /// Column split for a split-layout mat-vec over matrices of these row
+    /// counts and `cols` columns: the smallest split giving at least
+    /// `SPLIT_K_BLOCKS_PER_SM` blocks per SM with column slices of at least
+    /// `SPLIT_K_MIN_SLICE` elements.
+    fn split_k_for(&self, rows: &[usize], cols: usize) -> usize {
+        let blocks = |k: usize| -> usize {
+            let per_block = WARPS / k * ROWS_PER_WARP;
+            rows.iter().map(|r| r.div_ceil(per_block)).sum()
+        };
+        let target = SPLIT_K_BLOCKS_PER_SM * self.sm_count;
+        let mut best = 1;
+        for &k in &SPLIT_K {
+            if k > 1 && cols / k < SPLIT_K_MIN_SLICE {
+                break;
+            }
+            best = k;
+            if blocks(k) >= target {
+                break;
+            }
+        }
+        best
+    }
+
+    /// Whether a product over `n_act` activation rows goes through cuBLAS.
+    pub(crate) fn use_gemm(&self, n_act: usize) -> bool {
+        n_act >= GEMM_MIN_ROWS && self.blas.is_some() && !self.recording()
+    }
+
+    /// `y[a, :] = W x[a, :]` for `n_act` rows.
+    pub(crate) fn matvec(&self, w: &CudaMatrix, x: u64, n_act: usize, y: u64) -> Result<()> {
+        if self.use_gemm(n_act) {
+            return self.gemm(w, x, n_act, y);
+        }
+        self.mv3(&[w], x, n_act, &[y])
+    }
+
+    /// `ys[i][a, :] = ws[i] x[a, :]` for 1 to 3 matrices of one layout and
+    /// row length, in one launch of `mv3_*` (its blocks are cut between the
+    /// matrices by their row counts).
+    pub(crate) fn mv3(&self, ws: &[&CudaMatrix], x: u64, n_act: usize, ys: &[u64]) -> Result<()> {
+        if ws.is_empty() || ws.len() > 3 || ws.len() != ys.len() {
+            return Err(bad("mv3 takes 1 to 3 matrices with one output each"));
+        }
+        let w0 = ws[0];
+        let suffix = w0.suffix();
+        if ws.iter().any(|w| w.suffix() != suffix || w.cols != w0.cols) {
+            return Err(bad("mv3 matrices differ in layout or row length"));
+        }
+        let (split, per_block) = if w0.layout == Layout::Ggml {
+            (1, WARPS)
+        } else {
+            let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
+            let split = self.split_k_for(&rows, w0.cols);
+            (split, WARPS * ROWS_PER_WARP / split)
+        };
+        let mut m = MatVec {
+            w: [self.ptr(&w0.data); 3],
+            rows: [0; 3],
+            row_bytes: w0.row_bytes as i64,
+            cols: w0.cols as i32,
+            x,
+            y: [ys[0]; 3],
+            tensor_scale: [F32(0.0); 3],
+            bias: [0; 3],
+            res: 0,
+            norm: None,
+        };
+        let mut blocks = 0usize;
+        for (i, (w, &y)) in ws.iter().zip(ys).enumerate() {
+            m.w[i] = self.ptr(&w.data);
+            m.rows[i] = w.rows as i32;
+            m.y[i] = y;
+            m.tensor_scale[i] = F32(w.tensor_scale());
+            blocks += w.rows.div_ceil(per_block);
+        }
+        let k = if split == 1 {
+            String::new()
+        } else {
+            format!("_k{split}")
+        };
+        let mut kernel = self.kernels.index(&format!("mv3_{suffix}{k}"))?;
+        if w0.layout == Layout::Q8Split && w0.cols >= GRID_MIN_COLS {
+            let grid = self.kernels.index(&format!("mv3_q8_0s_grid{k}"))?;
+            let resident = self.resident_blocks(grid, (32 * WARPS) as u32)?;
+            if blocks > resident {
+                // Grid-stride over the same row groups: no more blocks than fit.
+                kernel = grid;
+                blocks = resident;
+            }
+        }
+        self.push_launch(Launch {
+            kernel,
+            grid: (blocks as u32, n_act as u32, 1),
+            block: ((32 * WARPS) as u32, 1, 1),
+            smem: 0,
+            work: Work::MatVec(m),
+        })
+    }
+
+    /// `h[a, r] = silu(gate[r] . x[a]) * (up[r] . x[a])` in one launch;
+    /// `false` (nothing launched) when gate and up are read by different
+    /// kernels.
+    pub(crate) fn ffn_gate_up(&self, f: &CudaFfn, x: u64, n_act: usize, h: u64) -> Result<bool> {
+        let (g, u) = (&f.gate, &f.up);
+        if g.suffix() != u.suffix() || g.row_bytes != u.row_bytes {
+            return Ok(false);
+        }
+        let per_block = match g.layout {
+            Layout::Ggml => WARPS,
+            _ => WARPS * ROWS_PER_WARP / 2,
+        };
+        self.push_launch(Launch {
+            kernel: self.kernels.index(&format!("ffn_{}", g.suffix()))?,
+            grid: (g.rows.div_ceil(per_block) as u32, n_act as u32, 1),
+            block: ((32 * WARPS) as u32, 1, 1),
+            smem: 0,
+            work: Work::GateUp(GateUp {
+                gate: self.ptr(&g.data),
+                up: self.ptr(&u.data),
+                rows: g.rows as i32,
+                row_bytes: g.row_bytes as i64,
+                cols: g.cols as i32,
+                x,
+                h,
+                tensor_scale: [F32(g.tensor_scale()), F32(u.tensor_scale())],
+                norm: None,
+            }),
+        })?;
+        Ok(true)
+    }
+
+    /// `y[a, r] = W[r, :] . x[a, :]` on tensor cores: the activations go to
+    /// f16 once, the weight is dequantized to f16 in tiles of rows that fit
+    /// the options' `gemm_tile_bytes`, and each tile is one cuBLAS GemmEx
+    /// (f16 inputs, f32 accumulation and output) writing its columns of `y`.
+    fn gemm(&self, w: &CudaMatrix, x: u64, n_act: usize, y: u64) -> Result<()> {
+        let blas = self
+            .blas
+            .as_ref()
+            .ok_or_else(|| bad("cuBLAS is not loaded"))?;
+        let (rows, cols) = (w.rows, w.cols);
+        let tile_rows = (self.gemm_tile_bytes / (2 * cols)).max(16) / 16 * 16;
+        let tile_rows = tile_rows.min(rows);
+        let (px, pw) = {
+            let mut s = self.scratch();
+            let s = &mut *s;
+            (
+                self.grow_scratch(&mut s.gemm_x, n_act * cols)?,
+                self.grow_scratch(&mut s.gemm_w, tile_rows * cols)?,
+            )
+        };
+        let n = (n_act * cols) as i64;
+        self.push_launch(Launch {
+            kernel: self.kernels.index("f32_to_f16")?,
+            grid: ((n as u64).div_ceil(256) as u32, 1, 1),
+            block: (256, 1, 1),
+            smem: 0,
+            work: Work::Plain(vec![Arg::Ptr(x), Arg::Ptr(px), Arg::I64(n)]),
+        })?;
+        let dq = self.kernels.index(&format!("dequant_f16_{}", w.suffix()))?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let mut r0 = 0;
+        while r0 < rows {
+            let rc = tile_rows.min(rows - r0);
+            let mut args = vec![Arg::Ptr(self.ptr(&w.data))];
+            match w.layout {
+                Layout::Ggml => args.extend([Arg::I64(w.row_bytes as i64), Arg::I32(cols as i32)]),
+                Layout::Nvfp4 { tensor_scale } => args.extend([
+                    Arg::I32(rows as i32),
+                    Arg::I32(cols as i32),
+                    Arg::F32(tensor_scale),
+                ]),
+                _ => args.extend([Arg::I32(rows as i32), Arg::I32(cols as i32)]),
+            }
+            args.extend([Arg::I32(r0 as i32), Arg::Ptr(pw)]);
+            self.push_launch(Launch {
+                kernel: dq,
+                grid: (rc as u32, 1, 1),
+                block: (128, 1, 1),
+                smem: 0,
+                work: Work::Plain(args),
+            })?;
+            // Column-major view: Y^T (rows x n_act, ld rows) = W_tile (cols x
+            // rc, transposed) times X^T (cols x n_act).
+            use cudarc::cublas::sys::{
+                cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
+            };
+            // SAFETY: the pointers hold rc * cols and n_act * cols halves and
+            // n_act * rows floats; the handle runs on self.stream.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    rc as i32,
+                    n_act as i32,
+                    cols as i32,
+                    (&alpha) as *const f32 as *const _,
+                    pw as *const _,
+                    cudaDataType::CUDA_R_16F,
+                    cols as i32,
+                    px as *const _,
+                    cudaDataType::CUDA_R_16F,
+                    cols as i32,
+                    (&beta) as *const f32 as *const _,
+                    (y + 4 * r0 as u64) as *mut _,
+                    cudaDataType::CUDA_R_32F,
+                    rows as i32,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| RuntimeError::from(CudaError::Driver(format!("cuBLAS GemmEx: {e:?}"))))?;
+            r0 += rc;
+        }
+        Ok(())
+    }
+
+    /// The FFN of `n` rows at `px` into `po`: gate/up/SwiGLU in one launch
+    /// (or, for a prefill through cuBLAS or gate and up of different
+    /// layouts, two products and `swiglu`), then the down product.
+    pub(crate) fn ffn_rows(&self, f: &CudaFfn, px: u64, n: usize, po: u64) -> Result<()> {
+        let n_ff = f.gate.rows;
+        // The scratch lock is released before the products: the GEMM path
+        // takes it again for its f16 buffers.
+        let (pg, pu, ph) = {
+            let mut s = self.scratch();
+            let s = &mut *s;
+            (
+                self.reshape(&mut s.gate, n, n_ff)?,
+                self.reshape(&mut s.up, n, n_ff)?,
+                self.reshape(&mut s.hidden, n, n_ff)?,
+            )
+        };
+        let fused = !self.use_gemm(n) && self.ffn_gate_up(f, px, n, ph)?;
+        if !fused {
+            self.matvec(&f.gate, px, n, pg)?;
+            self.matvec(&f.up, px, n, pu)?;
+            self.elementwise("swiglu", n * n_ff, &[pg, pu, ph], None)?;
+        }
+        self.matvec(&f.down, ph, n, po)
+    }
+}
