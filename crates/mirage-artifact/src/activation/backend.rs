@@ -728,7 +728,10 @@ impl Backend for ActivationBackend {
         self.record_input(w, x.data());
         let st = self.settings();
         let thr = self.threshold(&st, w);
-        if self.decodes(&[w], x) {
+        // A matrix without thresholds reads every channel: the row-major
+        // kernels over the source do that faster than the channel-major
+        // ones (and round the activations as the dense path does).
+        if thr.is_some() && self.decodes(&[w], x) {
             out.reshape(1, w.dense.rows());
             let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
             return self.sparse_products(&[(w, x.row(0), thr)], &mut [out.data_mut()], &mut s);
@@ -760,7 +763,8 @@ impl Backend for ActivationBackend {
             self.record_input(w, x.data());
         }
         let st = self.settings();
-        if self.decodes(ws, x) {
+        let any_thr = ws.iter().any(|w| self.threshold(&st, w).is_some());
+        if any_thr && self.decodes(ws, x) {
             let jobs: Vec<(&ActMatrix, &[f32], Option<&[f32]>)> = ws
                 .iter()
                 .map(|w| (*w, x.row(0), self.threshold(&st, w)))
@@ -776,7 +780,7 @@ impl Backend for ActivationBackend {
             let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
             return self.sparse_products(&jobs, &mut slices, &mut s);
         }
-        if ws.iter().all(|w| self.threshold(&st, w).is_none()) && !self.recording() {
+        if !any_thr && !self.recording() {
             let dense: Vec<&CpuMatrix> = ws.iter().map(|w| &w.dense).collect();
             for w in ws {
                 if let Some(m) = w.index() {
@@ -830,7 +834,7 @@ impl Backend for ActivationBackend {
         let decode = self.decodes(&[&f.gate, &f.up, &f.down], x);
         let n = x.rows();
         let n_ff = f.gate.dense.rows();
-        if !decode && !self.recording() && tg.is_none() && tu.is_none() && td.is_none() {
+        if !self.recording() && tg.is_none() && tu.is_none() && td.is_none() {
             if let Some(m) = f.gate.index() {
                 let nn = n as u64;
                 self.add_active(

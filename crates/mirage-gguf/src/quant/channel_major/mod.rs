@@ -632,6 +632,16 @@ pub fn dequantize(
     Ok(())
 }
 
+/// `q` (|q| <= 127) rounded to the nearest integer, ties to even: the
+/// float add of 1.5 * 2^23 leaves the rounded value in the low mantissa
+/// bits (no call into libm's `roundf`, which the baseline x86-64 target
+/// does not inline).
+#[inline]
+fn round_i8(q: f32) -> i8 {
+    let r = (q + 12_582_912.0f32).to_bits() as i32 - 0x4B40_0000;
+    r.clamp(-127, 127) as i8
+}
+
 /// The active input channels of one input vector, grouped by scale group
 /// and quantized to int8 with one scale per group: per group, sets of 4
 /// channels (their positions in the group and their 4 codes packed in one
@@ -668,14 +678,15 @@ impl ActiveChannels {
         let mut val = [0f32; 32];
         for (g, xs) in x.chunks(group).enumerate() {
             self.set_start.push(self.set_idx.len() as u32);
+            // Branch-free compaction: which channels pass is data, and at
+            // the sparsities used about every other test would mispredict.
             let (mut k, mut amax) = (0usize, 0f32);
             for (j, &v) in xs.iter().enumerate() {
-                if keep(g * group + j, v) {
-                    idx[k] = j as u8;
-                    val[k] = v;
-                    amax = amax.max(v.abs());
-                    k += 1;
-                }
+                let on = keep(g * group + j, v);
+                idx[k] = j as u8;
+                val[k] = v;
+                amax = amax.max(if on { v.abs() } else { 0.0 });
+                k += on as usize;
             }
             let dx = amax / 127.0;
             let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
@@ -684,7 +695,7 @@ impl ActiveChannels {
                 let (mut ids, mut codes) = ([idx[k - 1]; 4], [0i8; 4]);
                 for c in 0..4.min(k - s) {
                     ids[c] = idx[s + c];
-                    codes[c] = ((val[s + c] * id).round() as i32).clamp(-127, 127) as i8;
+                    codes[c] = round_i8(val[s + c] * id);
                     sum += codes[c] as i32;
                 }
                 self.set_idx.push(ids);
