@@ -185,7 +185,19 @@ pub fn run(
     let k = a.repack_tokens.clamp(2, tokens.len());
     let head = &tokens[..k];
     let t0 = Instant::now();
+    // Thresholds of 0 keep every channel but run the channel-major kernels
+    // (a matrix without thresholds takes the row-major dense path).
+    sparse.backend().set_thresholds(
+        artifact
+            .matrices()
+            .iter()
+            .map(|e| Some(vec![0.0; e.layout.cols()]))
+            .collect(),
+    )?;
     let repacked = decode_logits(&sparse, head)?;
+    sparse
+        .backend()
+        .set_thresholds(vec![None; artifact.matrices().len()])?;
     let dense_head = decode_logits(&dense, head)?;
     let r_vs_dense = score(&repacked, &dense_head, head, vocab);
     let d_head = score(&dense_head, &dense_head, head, vocab);
