@@ -10,7 +10,7 @@ use mirage_artifact::activation::backend::ActivationBackend;
 use mirage_artifact::activation::build::{build_activation, ActivationBuildOptions};
 use mirage_artifact::activation::fit::GreedyOptions;
 use mirage_artifact::activation::format::ActivationArtifact;
-use mirage_artifact::activation::graph::projection;
+use mirage_artifact::activation::graph::{head_matrix, projection};
 use mirage_artifact::activation::{Criterion, Proj, SparsityTarget};
 use mirage_artifact::metrics::cosine;
 use mirage_artifact::{Artifact, ArtifactError};
@@ -76,7 +76,7 @@ fn config(file: &GgufFile) -> ModelConfig {
 }
 
 #[test]
-fn repack_of_every_projection_is_lossless() {
+fn repack_of_every_projection_and_the_head_is_lossless() {
     let Some((file, a)) = built() else { return };
     let c = config(&file);
     for l in 0..c.n_layer {
@@ -96,6 +96,23 @@ fn repack_of_every_projection_is_lossless() {
             );
         }
     }
+    let h = head_matrix(&file, &c).unwrap();
+    let e = a.head();
+    let mut want = vec![0f32; h.rows * h.cols];
+    quant::dequantize(h.ty, h.data.as_slice(), &mut want).unwrap();
+    let mut got = vec![0f32; h.rows * h.cols];
+    channel_major::dequantize(
+        &e.layout,
+        &a.bytes()[e.offset..][..e.layout.bytes()],
+        &mut got,
+    )
+    .unwrap();
+    assert!(
+        got.iter()
+            .zip(&want)
+            .all(|(x, y)| x.to_bits() == y.to_bits()),
+        "the head's channel-major form differs from the source"
+    );
 }
 
 fn decode_all<B: Backend>(model: &Model<B>, tokens: &[u32]) -> Vec<f32> {
@@ -247,30 +264,39 @@ fn sparse_decode_matches_the_masked_batch_path() {
     assert!(mean >= 0.998, "mean decode vs batch cosine {mean}");
 }
 
-/// Every kernel family equals an f64 reference on real projections with a
-/// real input and half the channels active.
+/// Every kernel family equals an f64 reference on real projections and the
+/// head with a synthetic input and two thirds of the channels active.
+
 #[test]
 fn kernels_equal_a_scalar_reference_on_real_weights() {
     let Some((file, a)) = built() else { return };
     let c = config(&file);
-    for (l, p) in [
+    let mut cases: Vec<_> = [
         (0, Proj::Q),
         (3, Proj::K),
         (7, Proj::Down),
         (29, Proj::Gate),
-    ] {
-        let h = projection(&file, &c, l, p).unwrap();
+    ]
+    .into_iter()
+    .map(|(l, p)| {
+        let e = a.matrix(l, p).unwrap();
+        (projection(&file, &c, l, p).unwrap(), e)
+    })
+    .collect();
+    cases.push((head_matrix(&file, &c).unwrap(), a.head()));
+    for (h, e) in cases {
+        let data = &a.bytes()[e.offset..][..e.layout.bytes()];
         let mut w = vec![0f32; h.rows * h.cols];
         quant::dequantize(h.ty, h.data.as_slice(), &mut w).unwrap();
         let x: Vec<f32> = (0..h.cols)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
             .collect();
-        let e = a.matrix(l, p).unwrap();
         let mut act = channel_major::ActiveChannels::default();
         act.fill(&x, e.layout.group(), |i, _| i % 3 != 1);
         // The kernels' input: the active channels' int8 codes times their
         // group's scale.
         let xq = act.values(h.cols);
+        let on = act.channels();
         for fam in channel_major::ChannelMajorKernel::available() {
             let tile = e.layout.tile();
             for t in 0..e.layout.n_tiles() {
@@ -278,7 +304,7 @@ fn kernels_equal_a_scalar_reference_on_real_weights() {
                 channel_major::tile_checked(
                     fam,
                     &e.layout,
-                    a.matrix_bytes(l, p).unwrap(),
+                    data,
                     t,
                     0..e.layout.n_groups(),
                     &act,
@@ -287,8 +313,7 @@ fn kernels_equal_a_scalar_reference_on_real_weights() {
                 .unwrap();
                 for (k, v) in y.iter().enumerate() {
                     let j = t * tile + k;
-                    let want: f64 = act
-                        .channels()
+                    let want: f64 = on
                         .iter()
                         .map(|&i| w[j * h.cols + i as usize] as f64 * xq[i as usize] as f64)
                         .sum();
