@@ -76,44 +76,61 @@ pub fn run(args: &BuildArtifactsArgs) -> anyhow::Result<()> {
     let loaded = ActivationArtifact::open(&out).context("validating the written artifact")?;
     let m = loaded.meta();
     println!(
-        "model {} ({}), {} layers; projections {:.1} MiB in the source, {:.1} MiB channel-major ({:+.2} %)",
+        "model {} ({}), {} layers; projections and head {:.1} MiB in the source, {:.1} MiB channel-major ({:+.2} %)",
         m.source_name,
         m.arch,
         m.n_layer,
-        built.source_projection_bytes as f64 / (1 << 20) as f64,
+        built.source_bytes as f64 / (1 << 20) as f64,
         built.repacked_bytes as f64 / (1 << 20) as f64,
-        100.0 * (built.repacked_bytes as f64 / built.source_projection_bytes as f64 - 1.0)
+        100.0 * (built.repacked_bytes as f64 / built.source_bytes as f64 - 1.0)
     );
     println!(
-        "calibration: {} ({} tokens for thresholds, {} for perplexity), dense calibration ppl {:.4}",
+        "calibration: {} ({} tokens for the statistics, {} for sensitivities and perplexity), dense calibration ppl {:.4}",
         m.calib_name, m.calib_tokens, m.ppl_tokens, m.dense_calib_ppl
     );
-    println!("layer  kappa      wina greedy error at 0.25 / 0.5");
-    for (l, k) in built.kappa.iter().enumerate() {
-        let p = &built.paths[l][1];
-        let at = |s| mirage_artifact::activation::fit::path_at(p, s).err;
-        println!("{l:>5}  {k:<9.3e}  {:.4} / {:.4}", at(0.25), at(0.5));
-    }
-    if let Some((pm, t)) = loaded.plan(&m.default_plan) {
+    let n = built.kappa.len();
+    println!(
+        "sensitivity (KL per unit of error energy) per layer: q k v o gate up down; head {:.3e}",
+        built.kappa[n - 1]
+    );
+    for l in 0..m.n_layer {
+        let k = &built.kappa[l * 7..l * 7 + 7];
         println!(
-            "default plan {}: calibration perplexity per target",
-            pm.name
+            "  layer {l:>2}: {}",
+            k.iter()
+                .map(|v| format!("{v:.2e}"))
+                .collect::<Vec<_>>()
+                .join(" ")
         );
-        for (s, p) in pm.targets.iter().zip(&t.ppl) {
+    }
+    for (name, ppl) in &built.plan_ppl {
+        if ppl.iter().skip(1).all(|p| p.is_nan()) {
+            continue;
+        }
+        let (pm, _) = loaded.plan(name).expect("built plan");
+        println!(
+            "plan {name}{}: calibration perplexity per target",
+            if *name == m.default_plan {
+                " (default)"
+            } else {
+                ""
+            }
+        );
+        for (s, p) in pm.targets.iter().zip(ppl) {
             println!(
                 "  {s:.2}  {p:.4} ({:+.2} %)",
                 100.0 * (*p as f64 / m.dense_calib_ppl - 1.0)
             );
         }
-        for budget in [0.01f32, 0.03] {
-            match loaded.resolve(None, SparsityTarget::MaxPplIncrease(budget)) {
-                Ok(r) => println!(
-                    "  --sparsity auto --max-ppl-increase {}% picks {:.2}",
-                    100.0 * budget,
-                    r.sparsity
-                ),
-                Err(e) => println!("  --max-ppl-increase {}%: {e}", 100.0 * budget),
-            }
+    }
+    for budget in [0.01f32, 0.03] {
+        match loaded.resolve(None, SparsityTarget::MaxPplIncrease(budget)) {
+            Ok(r) => println!(
+                "  --sparsity auto --max-ppl-increase {}% picks {:.2}",
+                100.0 * budget,
+                r.sparsity
+            ),
+            Err(e) => println!("  --max-ppl-increase {}%: {e}", 100.0 * budget),
         }
     }
     for (stage, secs) in &built.timings {

@@ -57,8 +57,8 @@ pub struct BuildArtifactsArgs {
     /// Activation mode: calibration tokens the sensitivities and perplexities are measured on.
     #[arg(long, default_value_t = 256)]
     pub(crate) ppl_tokens: usize,
-    /// Activation mode: layer sparsity one greedy step adds.
-    #[arg(long, default_value_t = 0.025)]
+    /// Activation mode: layer sparsity one step of TEAL's greedy search (the baseline plan) adds.
+    #[arg(long, default_value_t = 0.05)]
     pub(crate) greedy_step: f32,
 }
 

@@ -281,7 +281,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Format version of activation-sparsity artifacts (channel-major
 /// projections, thresholds, allocation plans; `activation::format`).
-pub const ACTIVATION_VERSION: u32 = 2;
+pub const ACTIVATION_VERSION: u32 = 3;
 
 /// The kind of artifact a version number names.
 pub(crate) fn kind_of_version(v: u32) -> &'static str {

@@ -1,6 +1,10 @@
 //! Single-thread speed of the channel-major tile kernels against the dense
-//! row-major dot kernels on one matrix (random weights, out of cache):
-//! `cargo run --release -p mirage-gguf --example channel_major_bench [TYPE ROWS COLS]`.
+//! row-major dot kernels on one matrix (random weights, out of cache),
+//! alternating in rounds so that machine load hits them alike; prints per
+//! configuration the best round and the median over rounds of its speed-up
+//! against the dense pass of the same round:
+//! `cargo run --release -p mirage-gguf --example channel_major_bench [TYPE ROWS COLS [TILE [ROUNDS [COPIES]]]]`
+//! (one copy of a small matrix: the kernels' speed in cache).
 
 use std::time::Instant;
 
@@ -14,15 +18,23 @@ fn main() {
         "q4_0" => GgmlType::Q4_0,
         "q4_1" => GgmlType::Q4_1,
         "q5_0" => GgmlType::Q5_0,
+        "q5_k" => GgmlType::Q5_K,
         "q8_0" => GgmlType::Q8_0,
         "q6_k" => GgmlType::Q6_K,
         _ => GgmlType::Q4_K,
     };
     let rows: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(8960);
     let cols: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1536);
+    let layout = match args.get(4).and_then(|s| s.parse().ok()).filter(|&t| t > 0) {
+        Some(tile) => ChannelMajorLayout::with_tile(ty, rows, cols, tile).unwrap(),
+        None => ChannelMajorLayout::new(ty, rows, cols).unwrap(),
+    };
+    let rounds: usize = args.get(5).and_then(|s| s.parse().ok()).unwrap_or(5);
     // Several copies so that the working set is far beyond the caches.
-    let copies = (512usize << 20) / (rows * cols / 2).max(1);
-    let copies = copies.clamp(2, 64);
+    let copies = args
+        .get(6)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(((256usize << 20) / (rows * cols / 2).max(1)).clamp(2, 64));
     let rb = quant::row_bytes(ty, cols).unwrap();
     let mut s = 1u64;
     let vals: Vec<f32> = (0..rows * cols)
@@ -35,7 +47,6 @@ fn main() {
         .collect();
     let mut src = vec![0u8; rb * rows];
     quant::quantize(ty, &vals, &mut src).unwrap();
-    let layout = ChannelMajorLayout::new(ty, rows, cols).unwrap();
     let mut cm = vec![0u8; layout.bytes()];
     quant::channel_major::repack(&layout, &src, &mut cm).unwrap();
     let dense: Vec<Vec<u8>> = (0..copies).map(|_| src.clone()).collect();
@@ -45,49 +56,78 @@ fn main() {
     let mut xq = vec![0u8; quant::row_bytes(at, cols).unwrap()];
     quant::quantize(at, &x, &mut xq).unwrap();
     let dot = quant::dot_fn(ty).unwrap();
-    let mut y = vec![0f32; rows];
-    let iters = 3 * copies;
-    let t = Instant::now();
-    for it in 0..iters {
-        let w = &dense[it % copies];
-        for r in 0..rows {
-            y[r] = unsafe { dot(cols, &w[r * rb..(r + 1) * rb], &xq) };
-        }
-    }
-    let dt = t.elapsed().as_secs_f64() / iters as f64;
-    println!(
-        "{ty} {rows}x{cols}: dense row dot {:.3} ms, {:.1} GB/s",
-        dt * 1e3,
-        src.len() as f64 / dt / 1e9
-    );
-    for fam in ChannelMajorKernel::available() {
-        let k = fam.kernel(ty).unwrap();
-        for keep in [1.0f32, 0.5, 0.25] {
+    let fam = ChannelMajorKernel::best();
+    let k = fam.kernel(ty).unwrap();
+    let keeps = [1.0f32, 0.6, 0.5, 0.25];
+    let acts: Vec<ActiveChannels> = keeps
+        .iter()
+        .map(|&keep| {
             let mut act = ActiveChannels::default();
             act.fill(&x, layout.group(), |i, _| {
                 ((i.wrapping_mul(2654435761)) % 1000) as f32 / 1000.0 < keep
             });
-            let bytes = layout.bytes_read(&act);
-            let mut out = vec![0f32; layout.tile()];
+            act
+        })
+        .collect();
+    let mut y = vec![0f32; rows];
+    let mut out = vec![0f32; layout.tile().min(rows)];
+    let iters = (2 * copies).max(64);
+    let mut best = vec![f64::INFINITY; 1 + keeps.len()];
+    let mut ratios = vec![Vec::new(); keeps.len()];
+    for _ in 0..rounds {
+        let mut dense_t = 0f64;
+        let t = Instant::now();
+        for it in 0..iters {
+            let w = &dense[it % copies];
+            for r in 0..rows {
+                // SAFETY: rows of `cols` elements of `ty`; `xq` its vec_dot_type.
+                y[r] = unsafe { dot(cols, &w[r * rb..(r + 1) * rb], &xq) };
+            }
+        }
+        dense_t = t.elapsed().as_secs_f64() / iters as f64;
+        best[0] = best[0].min(dense_t);
+        for (c, act) in acts.iter().enumerate() {
             let t = Instant::now();
-            let it2 = if fam == ChannelMajorKernel::Scalar {
-                1
-            } else {
-                iters
-            };
-            for it in 0..it2 {
+            for it in 0..iters {
                 let w = &cms[it % copies];
                 for tt in 0..layout.n_tiles() {
-                    unsafe { k(&layout, w, tt, 0..layout.n_groups(), &act, &mut out) };
+                    let r = layout.tile_rows(tt);
+                    // SAFETY: the layout's bytes, tile and groups in range,
+                    // `act` built over `cols` with the layout's group.
+                    unsafe { k(&layout, w, tt, 0..layout.n_groups(), act, &mut out[..r]) };
                 }
             }
-            let dt = t.elapsed().as_secs_f64() / it2 as f64;
-            println!(
-                "  {:<7} keep {keep:.2}: {:.3} ms, {:.1} GB/s of bytes read",
-                fam.name(),
-                dt * 1e3,
-                bytes as f64 / dt / 1e9
-            );
+            let el = t.elapsed().as_secs_f64() / iters as f64;
+            best[c + 1] = best[c + 1].min(el);
+            ratios[c].push(dense_t / el);
         }
+    }
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "{ty} {rows}x{cols} (tile {}), best of {rounds} rounds, load {}",
+        layout.tile(),
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    println!(
+        "  dense row dot       {:.3} ms, {:.1} GB/s",
+        best[0] * 1e3,
+        src.len() as f64 / best[0] / 1e9
+    );
+    for (c, keep) in keeps.iter().enumerate() {
+        let bytes = layout.bytes_read(&acts[c]);
+        println!(
+            "  {} keep {keep:.2}: {:.3} ms, {:.1} GB/s of bytes read, {:.2}x dense (median of per-round ratios)",
+            fam.name(),
+            best[c + 1] * 1e3,
+            bytes as f64 / best[c + 1] / 1e9,
+            {
+                let r = &mut ratios[c];
+                r.sort_by(|a, b| a.total_cmp(b));
+                r[r.len() / 2]
+            }
+        );
     }
 }

@@ -4,24 +4,27 @@
 //!
 //! Per product and input row, the active channels are those with
 //! `|x_i| >= thr_i` (the matrix's per-channel thresholds; none set: every
-//! channel). Then:
+//! channel; gate and up read the FFN input, down the SwiGLU output). The
+//! lm head counts as one more matrix (its input: the final norm's output).
+//! Then:
 //! - one row (decode) with the matrix in an activation artifact: the
-//!   channel-major tile kernels over the active channels only, tiles (and
-//!   for matrices with few tiles, group ranges) spread over the pool; the
-//!   bytes of skipped channels are never touched;
+//!   channel-major integer kernels over the active channels only, tiles
+//!   (and, for matrices with few tiles, group ranges) spread over the pool;
+//!   the bytes of skipped channels are never touched;
 //! - otherwise (a prompt batch, or no artifact, as during calibration): the
 //!   dense kernels of the source matrix on the input with the inactive
-//!   channels zeroed — the same product up to the dense path's activation
-//!   rounding.
+//!   channels zeroed — the same product up to the activation rounding
+//!   (exactly it with an exact-f32 inner backend).
 //!
-//! It also records the (unmasked) input of every projection when asked
-//! ([`ActivationBackend::start_recording`]): calibration reads its inputs
-//! this way, through the same graph that runs it.
+//! It also records the (unmasked) inputs of the projections and the head
+//! when asked ([`ActivationBackend::start_recording`]): calibration
+//! reads them this way, through the same graph that runs it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use mirage_gguf::quant::channel_major::{
-    self, ActiveChannels, ChannelMajorKernel, ChannelMajorLayout, TileKernel,
+    ActiveChannels, ChannelMajorKernel, ChannelMajorLayout, TileKernel,
 };
 use mirage_runtime::backend::cpu::{CpuActivations, CpuFfn, CpuMatrix};
 use mirage_runtime::backend::{AttentionParams, HostMatrix, QkNorm, TokenSlot};
@@ -34,6 +37,45 @@ use super::{matrix_index, Proj};
 
 type RtResult<T> = mirage_runtime::Result<T>;
 
+/// What [`ActivationBackend::start_recording`] keeps per layer, in
+/// [`Slot::ALL`] order: the distinct inputs of the projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    /// Input of Q, K and V (the attention norm's output).
+    AttnIn,
+    /// Input of O (the attention output).
+    AttnOut,
+    /// Input of gate and up (the FFN norm's output).
+    FfnIn,
+    /// Input of down (the SwiGLU output).
+    FfnHidden,
+}
+
+impl Slot {
+    /// All, in recording order.
+    pub const ALL: [Slot; 4] = [Slot::AttnIn, Slot::AttnOut, Slot::FfnIn, Slot::FfnHidden];
+    /// The slot holding projection `p`'s input.
+    pub fn input_of(p: Proj) -> Slot {
+        match p {
+            Proj::Q | Proj::K | Proj::V => Slot::AttnIn,
+            Proj::O => Slot::AttnOut,
+            Proj::Gate | Proj::Up => Slot::FfnIn,
+            Proj::Down => Slot::FfnHidden,
+        }
+    }
+    /// Index in recordings: `layer * 4 + slot`.
+    pub fn index(self, layer: usize) -> usize {
+        layer * Slot::ALL.len() + self as usize
+    }
+    /// Index in recordings of the lm head's input (after every layer's).
+    pub fn head_index(n_layer: usize) -> usize {
+        n_layer * Slot::ALL.len()
+    }
+}
+
+/// Recorded rows per [`Slot::index`] (the head's input last).
+pub type Recording = Vec<Vec<f32>>;
+
 /// A projection's channel-major copy in the artifact.
 #[derive(Debug, Clone, Copy)]
 struct ChannelMajor {
@@ -42,20 +84,39 @@ struct ChannelMajor {
     kernel: TileKernel,
 }
 
+/// Which sparsified matrix a weight is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MatrixId {
+    /// Projection `p` of layer `l`.
+    Proj(usize, Proj),
+    /// The lm head.
+    Head,
+}
+
 /// A weight matrix: the source's dense form (prompt batches, and the
-/// matrices activation sparsity does not touch) and, for projections, its
-/// index and channel-major copy.
+/// matrices activation sparsity does not touch) and, for the projections
+/// and the head, its identity and channel-major copy.
 #[derive(Debug)]
 pub struct ActMatrix {
     dense: CpuMatrix,
-    id: Option<usize>,
+    host: HostMatrix,
+    id: Option<MatrixId>,
+    /// Matrix index (`layer * 7 + proj`; the head after the projections).
+    index: Option<usize>,
     cm: Option<ChannelMajor>,
+}
+
+impl ActMatrix {
+    fn index(&self) -> Option<usize> {
+        self.index
+    }
 }
 
 /// One layer's FFN: the dense op for unmasked batches, and the three
 /// projections.
 #[derive(Debug)]
 pub struct ActFfn {
+    layer: usize,
     dense: CpuFfn,
     gate: ActMatrix,
     up: ActMatrix,
@@ -67,21 +128,39 @@ pub struct ActFfn {
 pub struct SparseStats {
     /// Per matrix index (`layer * 7 + proj`): (active channels, input rows).
     pub active: Vec<(u64, u64)>,
-    /// Weight bytes the channel-major kernels read.
+    /// Weight bytes the decode kernels read.
     pub kernel_bytes: u64,
-    /// Rows the kernels ran (decode rows times projections).
+    /// Input rows the decode kernels ran (decode rows times projections).
     pub kernel_rows: u64,
+}
+
+/// One parallel task: outputs of tile `t` of job `j` over groups `g0..g1`,
+/// into `parts[slot * MAX_TILE ..]`.
+#[derive(Debug, Clone, Copy)]
+struct Task {
+    j: u16,
+    t: u16,
+    g0: u32,
+    g1: u32,
 }
 
 #[derive(Default)]
 struct Scratch {
     active: Vec<ActiveChannels>,
+    tasks: Vec<Task>,
     parts: Vec<f32>,
+    counts: Vec<u32>,
     masked: Vec<f32>,
+    gate: CpuActivations,
+    up: CpuActivations,
+    hidden: Vec<f32>,
 }
 
-/// Inputs recorded per matrix index: rows of the matrix's input width.
-pub type Recording = Vec<Vec<f32>>;
+/// Sparsity settings: per-matrix thresholds.
+#[derive(Debug, Default)]
+struct Settings {
+    thresholds: Vec<Option<Arc<[f32]>>>,
+}
 
 /// The activation-sparsity backend. See the module doc.
 pub struct ActivationBackend {
@@ -89,7 +168,8 @@ pub struct ActivationBackend {
     artifact: Option<Arc<ActivationArtifact>>,
     n_layer: usize,
     family: ChannelMajorKernel,
-    thresholds: RwLock<Vec<Option<Arc<Vec<f32>>>>>,
+    settings: RwLock<Arc<Settings>>,
+    recording_on: AtomicBool,
     recording: Mutex<Option<Recording>>,
     scratch: Mutex<Scratch>,
     stats: Mutex<SparseStats>,
@@ -110,6 +190,10 @@ fn invalid(msg: String) -> RuntimeError {
     RuntimeError::InvalidArgument(msg)
 }
 
+/// Tasks per thread of one parallel product (load balance against the
+/// cost of a task).
+const TASKS_PER_THREAD: usize = 3;
+
 impl ActivationBackend {
     /// A backend for a model of `n_layer` layers: decode rows run the
     /// channel-major kernels of `artifact` (when given), everything else
@@ -124,7 +208,10 @@ impl ActivationBackend {
             artifact,
             n_layer,
             family: ChannelMajorKernel::best(),
-            thresholds: RwLock::new(vec![None; n_layer * Proj::ALL.len()]),
+            settings: RwLock::new(Arc::new(Settings {
+                thresholds: vec![None; n_layer * Proj::ALL.len() + 1],
+            })),
+            recording_on: AtomicBool::new(false),
             recording: Mutex::new(None),
             scratch: Mutex::new(Scratch::default()),
             stats: Mutex::new(SparseStats::default()),
@@ -148,42 +235,74 @@ impl ActivationBackend {
         self.artifact.as_ref()
     }
 
+    fn settings(&self) -> Arc<Settings> {
+        self.settings
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn update(&self, f: impl FnOnce(&mut Settings)) {
+        let mut s = self.settings.write().unwrap_or_else(|e| e.into_inner());
+        let mut next = Settings {
+            thresholds: s.thresholds.clone(),
+        };
+        f(&mut next);
+        *s = Arc::new(next);
+    }
+
     /// Sets every matrix's per-channel thresholds (`None`: dense), indexed
-    /// by [`matrix_index`]; each vector holds the matrix's input width.
+    /// by [`matrix_index`], the head last; each vector holds the matrix's
+    /// input width.
     pub fn set_thresholds(&self, thresholds: Vec<Option<Vec<f32>>>) -> crate::Result<()> {
-        if thresholds.len() != self.n_layer * Proj::ALL.len() {
+        if thresholds.len() != self.n_layer * Proj::ALL.len() + 1 {
             return Err(crate::ArtifactError::InvalidArgument(format!(
-                "{} threshold entries for {} layers",
+                "{} threshold entries for {} layers and the head",
                 thresholds.len(),
                 self.n_layer
             )));
         }
-        let mut t = self.thresholds.write().unwrap_or_else(|e| e.into_inner());
-        *t = thresholds.into_iter().map(|v| v.map(Arc::new)).collect();
+        self.update(|s| s.thresholds = thresholds.into_iter().map(|v| v.map(Into::into)).collect());
         Ok(())
     }
 
     /// Sets the thresholds of one matrix (`None`: dense).
     pub fn set_matrix_thresholds(&self, layer: usize, proj: Proj, thr: Option<Vec<f32>>) {
-        let mut t = self.thresholds.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(slot) = t.get_mut(matrix_index(layer, proj)) {
-            *slot = thr.map(Arc::new);
+        self.update(|s| {
+            if let Some(slot) = s.thresholds.get_mut(matrix_index(layer, proj)) {
+                *slot = thr.map(Into::into);
+            }
+        });
+    }
+
+    /// Sets the lm head's per-channel thresholds (`None`: dense).
+    pub fn set_head_thresholds(&self, thr: Option<Vec<f32>>) {
+        let h = super::fit::head_index(self.n_layer);
+        self.update(|s| s.thresholds[h] = thr.map(Into::into));
+    }
+
+    /// Starts recording every layer's projection inputs and the head's
+    /// (cleared).
+    pub fn start_recording(&self) {
+        *self.recording.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(vec![Vec::new(); Slot::head_index(self.n_layer) + 1]);
+        self.recording_on.store(true, Ordering::Release);
+    }
+
+    /// Returns the rows recorded per [`Slot::index`] since the last call
+    /// (cleared; recording goes on until [`Self::stop_recording`]).
+    pub fn take_recording(&self) -> Recording {
+        let mut r = self.recording.lock().unwrap_or_else(|e| e.into_inner());
+        match r.as_mut() {
+            Some(v) => v.iter_mut().map(std::mem::take).collect(),
+            None => Vec::new(),
         }
     }
 
-    /// Starts recording every projection's input rows (cleared).
-    pub fn start_recording(&self) {
-        *self.recording.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(vec![Vec::new(); self.n_layer * Proj::ALL.len()]);
-    }
-
-    /// Stops recording and returns the rows recorded per matrix index.
-    pub fn take_recording(&self) -> Recording {
-        self.recording
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .unwrap_or_default()
+    /// Stops recording.
+    pub fn stop_recording(&self) {
+        self.recording_on.store(false, Ordering::Release);
+        *self.recording.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     /// The counters since the last call (cleared).
@@ -192,184 +311,255 @@ impl ActivationBackend {
         std::mem::take(&mut *s)
     }
 
-    fn make(&self, m: &HostMatrix, id: Option<(usize, Proj)>) -> RtResult<ActMatrix> {
+    fn make(&self, m: &HostMatrix, id: Option<MatrixId>) -> RtResult<ActMatrix> {
         let dense = self.inner.upload_matrix(m)?;
-        let (id, cm) = match id {
-            None => (None, None),
-            Some((l, p)) => {
-                let idx = matrix_index(l, p);
-                if l >= self.n_layer {
+        let index = match id {
+            Some(MatrixId::Proj(l, _)) if l >= self.n_layer => {
+                return Err(invalid(format!(
+                    "{}: layer {l} beyond the backend's {} layers",
+                    m.name, self.n_layer
+                )))
+            }
+            Some(MatrixId::Proj(l, p)) => Some(matrix_index(l, p)),
+            Some(MatrixId::Head) => Some(super::fit::head_index(self.n_layer)),
+            None => None,
+        };
+        let cm = match (id, &self.artifact) {
+            (Some(id), Some(a)) => {
+                let e = match id {
+                    MatrixId::Proj(l, p) => a.matrix(l, p),
+                    MatrixId::Head => (a.meta().head_tensor == m.name).then(|| a.head()),
+                }
+                .ok_or_else(|| invalid(format!("{}: not in the activation artifact", m.name)))?;
+                if e.layout.rows() != m.rows || e.layout.cols() != m.cols || e.layout.ty() != m.ty {
                     return Err(invalid(format!(
-                        "{}: layer {l} beyond the backend's {} layers",
-                        m.name, self.n_layer
+                        "{}: the artifact holds a {}x{} {} matrix, the model a {}x{} {}",
+                        m.name,
+                        e.layout.rows(),
+                        e.layout.cols(),
+                        e.layout.ty(),
+                        m.rows,
+                        m.cols,
+                        m.ty
                     )));
                 }
-                let cm = match &self.artifact {
-                    None => None,
-                    Some(a) => {
-                        let e = a.matrix(l, p).ok_or_else(|| {
-                            invalid(format!("{}: not in the activation artifact", m.name))
-                        })?;
-                        if e.layout.rows() != m.rows
-                            || e.layout.cols() != m.cols
-                            || e.layout.ty() != m.ty
-                        {
-                            return Err(invalid(format!(
-                                "{}: the artifact holds a {}x{} {} matrix, the model a {}x{} {}",
-                                m.name,
-                                e.layout.rows(),
-                                e.layout.cols(),
-                                e.layout.ty(),
-                                m.rows,
-                                m.cols,
-                                m.ty
-                            )));
-                        }
-                        let kernel = self.family.kernel(m.ty).ok_or_else(|| {
-                            invalid(format!(
-                                "{}: no {} channel-major kernel for {}",
-                                m.name,
-                                self.family.name(),
-                                m.ty
-                            ))
-                        })?;
-                        Some(ChannelMajor {
-                            layout: e.layout,
-                            offset: e.offset,
-                            kernel,
-                        })
-                    }
-                };
-                (Some(idx), cm)
+                let kernel = self.family.kernel(m.ty).ok_or_else(|| {
+                    invalid(format!(
+                        "{}: no {} channel-major kernel for {}",
+                        m.name,
+                        self.family.name(),
+                        m.ty
+                    ))
+                })?;
+                Some(ChannelMajor {
+                    layout: e.layout,
+                    offset: e.offset,
+                    kernel,
+                })
             }
+            _ => None,
         };
-        Ok(ActMatrix { dense, id, cm })
+        Ok(ActMatrix {
+            dense,
+            host: m.clone(),
+            id,
+            index,
+            cm,
+        })
     }
 
-    fn threshold_of(&self, w: &ActMatrix) -> Option<Arc<Vec<f32>>> {
-        let t = self.thresholds.read().unwrap_or_else(|e| e.into_inner());
-        w.id.and_then(|i| t.get(i).cloned().flatten())
+    fn recording(&self) -> bool {
+        self.recording_on.load(Ordering::Acquire)
     }
 
-    fn recording_on(&self) -> bool {
-        self.recording
+    fn record(&self, layer: usize, slot: Slot, x: &[f32]) {
+        if !self.recording() {
+            return;
+        }
+        if let Some(rec) = self
+            .recording
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .is_some()
-    }
-
-    fn record(&self, w: &ActMatrix, x: &[f32]) {
-        if let Some(id) = w.id {
-            if let Some(rec) = self
-                .recording
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .as_mut()
-            {
-                rec[id].extend_from_slice(x);
+            .as_mut()
+        {
+            if let Some(v) = rec.get_mut(slot.index(layer)) {
+                v.extend_from_slice(x);
             }
         }
     }
 
-    /// Whether `w` needs this backend's own path (else the inner dense op).
-    fn touched(&self, w: &ActMatrix, rows: usize) -> bool {
-        w.id.is_some()
-            && ((rows == 1 && w.cm.is_some())
-                || self.recording_on()
-                || self.threshold_of(w).is_some())
+    /// Records `x` as the input of `w` when `w` is the first matrix
+    /// reading that slot (Q for Q/K/V, gate for gate/up; the head).
+    fn record_input(&self, w: &ActMatrix, x: &[f32]) {
+        match w.id {
+            Some(MatrixId::Proj(l, p))
+                if matches!(p, Proj::Q | Proj::O | Proj::Gate | Proj::Down) =>
+            {
+                self.record(l, Slot::input_of(p), x)
+            }
+            Some(MatrixId::Head) => {
+                if !self.recording() {
+                    return;
+                }
+                if let Some(rec) = self
+                    .recording
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .as_mut()
+                {
+                    if let Some(v) = rec.get_mut(Slot::head_index(self.n_layer)) {
+                        v.extend_from_slice(x);
+                    }
+                }
+            }
+            _ => {}
+        }
     }
 
-    /// `outs[m] = W_m x_m` for one input row per job, by the channel-major
-    /// kernels over each job's active channels; one parallel loop over all
-    /// jobs' tiles.
+    fn add_active(&self, counts: impl Iterator<Item = (usize, u64, u64)>, bytes: u64, rows: u64) {
+        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        if st.active.is_empty() {
+            st.active = vec![(0, 0); self.n_layer * Proj::ALL.len()];
+        }
+        for (m, act, n) in counts {
+            if let Some(e) = st.active.get_mut(m) {
+                e.0 += act;
+                e.1 += n;
+            }
+        }
+        st.kernel_bytes += bytes;
+        st.kernel_rows += rows;
+    }
+
+    /// `outs[k] = W_k x_k` for one input row per job, by the channel-major
+    /// kernels over each job's active channels (`keep[k]`: the job's
+    /// per-channel thresholds, `None`: every channel); one parallel loop
+    /// over all jobs' tiles.
     fn sparse_products(
         &self,
-        jobs: &[(&ActMatrix, &[f32])],
-        outs: &mut [Vec<f32>],
+        jobs: &[(&ActMatrix, &[f32], Option<&[f32]>)],
+        outs: &mut [&mut [f32]],
+        s: &mut Scratch,
     ) -> RtResult<()> {
         let artifact = self
             .artifact
             .as_ref()
             .ok_or_else(|| invalid("channel-major product without an artifact".into()))?;
         let bytes = artifact.bytes();
-        let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let s = &mut *s;
         while s.active.len() < jobs.len() {
             s.active.push(ActiveChannels::default());
         }
         let mut kernel_bytes = 0u64;
-        let mut counts = Vec::with_capacity(jobs.len());
-        for (j, (w, x)) in jobs.iter().enumerate() {
+        let mut cms = Vec::with_capacity(jobs.len());
+        for (k, (w, x, thr)) in jobs.iter().enumerate() {
             let cm =
-                w.cm.as_ref()
-                    .ok_or_else(|| invalid("no channel-major copy".into()))?;
-            let group = cm.layout.group();
-            match self.threshold_of(w) {
-                Some(thr) => s.active[j].fill(x, group, |i, v| v.abs() >= thr[i]),
-                None => s.active[j].fill(x, group, |_, _| true),
+                w.cm.ok_or_else(|| invalid(format!("{}: no channel-major copy", w.host.name)))?;
+            if x.len() != cm.layout.cols() || outs[k].len() != cm.layout.rows() {
+                return Err(invalid(format!(
+                    "{}: input {} / output {} for a {}x{} matrix",
+                    w.host.name,
+                    x.len(),
+                    outs[k].len(),
+                    cm.layout.rows(),
+                    cm.layout.cols()
+                )));
             }
-            kernel_bytes += cm.layout.bytes_read(&s.active[j]) as u64;
-            counts.push(s.active[j].len() as u64);
+            let group = cm.layout.group();
+            match thr {
+                Some(t) => s.active[k].fill(x, group, |i, v| v.abs() >= t[i]),
+                None => s.active[k].fill(x, group, |_, _| true),
+            }
+            kernel_bytes += cm.layout.bytes_read(&s.active[k]) as u64;
+            cms.push(cm);
         }
-        // Tasks: (job, tile, group range). Matrices with few tiles are split
-        // along their groups so that every thread gets work.
+        self.add_active(
+            jobs.iter()
+                .zip(&s.active)
+                .filter_map(|((w, _, _), a)| w.index().map(|m| (m, a.len() as u64, 1))),
+            kernel_bytes,
+            jobs.len() as u64,
+        );
+        // Tasks: (job, tile, group range), group ranges cut at equal counts
+        // of active channels so that the tasks cost about the same.
         let threads = self.inner.threads().max(1);
-        let total_tiles: usize = jobs
-            .iter()
-            .map(|(w, _)| w.cm.map_or(0, |c| c.layout.n_tiles()))
-            .sum();
-        let mut tasks: Vec<(usize, usize, usize, usize)> = Vec::new();
-        for (j, (w, _)) in jobs.iter().enumerate() {
-            let l = w.cm.expect("checked above").layout;
-            let want = (4 * threads).div_ceil(total_tiles.max(1));
-            let split = want.clamp(1, (l.n_groups() / 8).max(1));
+        let total_tiles: usize = cms.iter().map(|c| c.layout.n_tiles()).sum();
+        let split = (TASKS_PER_THREAD * threads).div_ceil(total_tiles.max(1));
+        s.tasks.clear();
+        for (k, cm) in cms.iter().enumerate() {
+            let l = cm.layout;
+            let a = &s.active[k];
+            let ng = l.n_groups();
+            let parts = split.clamp(1, (ng / 4).max(1));
+            s.counts.clear();
+            let mut acc = 0u32;
+            for g in 0..ng {
+                acc += a.group_len(g) as u32;
+                s.counts.push(acc);
+            }
+            let total = acc.max(1);
+            let mut bounds = vec![0u32];
+            for p in 1..parts {
+                let want = total as u64 * p as u64 / parts as u64;
+                let g = s.counts.partition_point(|&c| (c as u64) <= want) as u32;
+                if g > *bounds.last().expect("non-empty") && (g as usize) < ng {
+                    bounds.push(g);
+                }
+            }
+            bounds.push(ng as u32);
             for t in 0..l.n_tiles() {
-                for k in 0..split {
-                    let g0 = l.n_groups() * k / split;
-                    let g1 = l.n_groups() * (k + 1) / split;
-                    tasks.push((j, t, g0, g1));
+                for w in bounds.windows(2) {
+                    s.tasks.push(Task {
+                        j: k as u16,
+                        t: t as u16,
+                        g0: w[0],
+                        g1: w[1],
+                    });
                 }
             }
         }
-        const STRIDE: usize = channel_major::MAX_TILE;
-        s.parts.resize(tasks.len() * STRIDE, 0.0);
-        let active = &s.active;
-        s.parts
-            .par_chunks_mut(STRIDE)
-            .zip(tasks.par_iter())
-            .for_each(|(part, &(j, t, g0, g1))| {
-                let cm = jobs[j].0.cm.expect("checked above");
-                let tile = cm.layout.tile();
-                let data = &bytes[cm.offset..cm.offset + cm.layout.bytes()];
-                // SAFETY: the layout was validated against the artifact's
-                // bytes at load; t < n_tiles and g0..g1 within n_groups by
-                // construction; `active[j]` was built with the layout's group
-                // over the matrix's input width (checked below by the caller's
-                // width check); the kernel comes from `family.kernel`.
-                unsafe { (cm.kernel)(&cm.layout, data, t, g0..g1, &active[j], &mut part[..tile]) };
-            });
-        for (o, (w, _)) in outs.iter_mut().zip(jobs) {
-            o.clear();
-            o.resize(w.cm.expect("checked above").layout.rows(), 0.0);
+        const STRIDE: usize = mirage_gguf::quant::channel_major::MAX_TILE;
+        s.parts.resize(s.tasks.len() * STRIDE, 0.0);
+        let (tasks, active) = (&s.tasks, &s.active);
+        let cms = &cms;
+        self.inner.run(|| {
+            s.parts
+                .par_chunks_mut(STRIDE)
+                .zip(tasks.par_iter())
+                .with_max_len(1)
+                .for_each(|(part, task)| {
+                    let cm = &cms[task.j as usize];
+                    let t = task.t as usize;
+                    let r = cm.layout.tile_rows(t);
+                    let data = &bytes[cm.offset..cm.offset + cm.layout.bytes()];
+                    // SAFETY: the layout was validated against the artifact's
+                    // bytes at load; t < n_tiles and g0..g1 within n_groups by
+                    // construction; `active[j]` was built with the layout's
+                    // group over the matrix's input width (checked above); the
+                    // kernel comes from `family.kernel`.
+                    unsafe {
+                        (cm.kernel)(
+                            &cm.layout,
+                            data,
+                            t,
+                            task.g0 as usize..task.g1 as usize,
+                            &active[task.j as usize],
+                            &mut part[..r],
+                        )
+                    };
+                })
+        });
+        for o in outs.iter_mut() {
+            o.fill(0.0);
         }
-        for (part, &(j, t, _, _)) in s.parts.chunks(STRIDE).zip(&tasks) {
-            let tile = jobs[j].0.cm.expect("checked above").layout.tile();
-            for (y, p) in outs[j][t * tile..(t + 1) * tile].iter_mut().zip(part) {
+        for (part, task) in s.parts.chunks(STRIDE).zip(tasks) {
+            let cm = &cms[task.j as usize];
+            let t = task.t as usize;
+            let r = cm.layout.tile_rows(t);
+            let at = t * cm.layout.tile();
+            for (y, p) in outs[task.j as usize][at..at + r].iter_mut().zip(part) {
                 *y += p;
             }
         }
-        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        if st.active.is_empty() {
-            st.active = vec![(0, 0); self.n_layer * Proj::ALL.len()];
-        }
-        for ((w, _), c) in jobs.iter().zip(counts) {
-            if let Some(e) = w.id.and_then(|i| st.active.get_mut(i)) {
-                e.0 += c;
-                e.1 += 1;
-            }
-        }
-        st.kernel_bytes += kernel_bytes;
-        st.kernel_rows += jobs.len() as u64;
         Ok(())
     }
 
@@ -377,18 +567,23 @@ impl ActivationBackend {
     fn masked_product(
         &self,
         w: &ActMatrix,
+        thr: Option<&[f32]>,
         x: &CpuActivations,
         out: &mut CpuActivations,
     ) -> RtResult<()> {
         if x.width() != w.dense.cols() {
             return Err(invalid(format!(
-                "input width {} != {}",
+                "{}: input width {} != {}",
+                w.host.name,
                 x.width(),
                 w.dense.cols()
             )));
         }
-        self.record(w, x.data());
-        let Some(thr) = self.threshold_of(w) else {
+        let Some(thr) = thr else {
+            if let Some(m) = w.index() {
+                let n = x.rows() as u64;
+                self.add_active(std::iter::once((m, n * x.width() as u64, n)), 0, 0);
+            }
             return self.inner.matmul(&w.dense, x, out);
         };
         let mut masked = {
@@ -408,15 +603,8 @@ impl ActivationBackend {
                 }
             }
         }
-        {
-            let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-            if st.active.is_empty() {
-                st.active = vec![(0, 0); self.n_layer * Proj::ALL.len()];
-            }
-            if let Some(e) = w.id.and_then(|i| st.active.get_mut(i)) {
-                e.0 += kept;
-                e.1 += x.rows() as u64;
-            }
+        if let Some(m) = w.index() {
+            self.add_active(std::iter::once((m, kept, x.rows() as u64)), 0, 0);
         }
         let xm = CpuActivations::from_vec(x.rows(), width, masked)?;
         let r = self.inner.matmul(&w.dense, &xm, out);
@@ -425,8 +613,14 @@ impl ActivationBackend {
         r
     }
 
-    fn one_row_sparse(&self, ws: &[&ActMatrix], x: &CpuActivations) -> bool {
+    fn decodes(&self, ws: &[&ActMatrix], x: &CpuActivations) -> bool {
         x.rows() == 1 && ws.iter().all(|w| w.cm.is_some() && w.id.is_some())
+    }
+
+    fn threshold<'a>(&self, st: &'a Settings, w: &ActMatrix) -> Option<&'a [f32]> {
+        w.index()
+            .and_then(|m| st.thresholds.get(m))
+            .and_then(|t| t.as_deref())
     }
 }
 
@@ -448,7 +642,23 @@ impl Backend for ActivationBackend {
         self.inner.run(f)
     }
     fn upload_matrix(&self, m: &HostMatrix) -> RtResult<ActMatrix> {
-        self.make(m, Proj::parse_tensor(&m.name))
+        // The head: `output.weight`, else the tied embedding (which the
+        // graph reads through `embed` as a table, and through `matmul` as
+        // the head).
+        let id = match Proj::parse_tensor(&m.name) {
+            Some((l, p)) => Some(MatrixId::Proj(l, p)),
+            None if m.name == "output.weight" => Some(MatrixId::Head),
+            None if m.name == "token_embd.weight"
+                && self
+                    .artifact
+                    .as_ref()
+                    .is_none_or(|a| a.meta().head_tensor == m.name) =>
+            {
+                Some(MatrixId::Head)
+            }
+            None => None,
+        };
+        self.make(m, id)
     }
     fn upload_vector(&self, v: &[f32]) -> RtResult<Vec<f32>> {
         self.inner.upload_vector(v)
@@ -461,10 +671,11 @@ impl Backend for ActivationBackend {
         down: &HostMatrix,
     ) -> RtResult<ActFfn> {
         Ok(ActFfn {
+            layer,
             dense: self.inner.upload_ffn(layer, gate, up, down)?,
-            gate: self.make(gate, Some((layer, Proj::Gate)))?,
-            up: self.make(up, Some((layer, Proj::Up)))?,
-            down: self.make(down, Some((layer, Proj::Down)))?,
+            gate: self.make(gate, Some(MatrixId::Proj(layer, Proj::Gate)))?,
+            up: self.make(up, Some(MatrixId::Proj(layer, Proj::Up)))?,
+            down: self.make(down, Some(MatrixId::Proj(layer, Proj::Down)))?,
         })
     }
     fn new_kv_cache(&self, spec: KvSpec) -> RtResult<KvCache> {
@@ -503,25 +714,29 @@ impl Backend for ActivationBackend {
         self.inner.rms_norm(x, weight, eps, out)
     }
     fn matmul(&self, w: &ActMatrix, x: &CpuActivations, out: &mut CpuActivations) -> RtResult<()> {
-        if !self.touched(w, x.rows()) {
+        if w.id.is_none() {
             return self.inner.matmul(&w.dense, x, out);
         }
-        if self.one_row_sparse(&[w], x) {
-            if x.width() != w.dense.cols() {
-                return Err(invalid(format!(
-                    "input width {} != {}",
-                    x.width(),
-                    w.dense.cols()
-                )));
-            }
-            self.record(w, x.data());
-            let mut o = vec![Vec::new()];
-            self.sparse_products(&[(w, x.row(0))], &mut o)?;
-            let rows = o[0].len();
-            *out = CpuActivations::from_vec(1, rows, o.pop().unwrap_or_default())?;
-            return Ok(());
+        if x.width() != w.dense.cols() {
+            return Err(invalid(format!(
+                "{}: input width {} != {}",
+                w.host.name,
+                x.width(),
+                w.dense.cols()
+            )));
         }
-        self.masked_product(w, x, out)
+        self.record_input(w, x.data());
+        let st = self.settings();
+        let thr = self.threshold(&st, w);
+        // A matrix without thresholds reads every channel: the row-major
+        // kernels over the source do that faster than the channel-major
+        // ones (and round the activations as the dense path does).
+        if thr.is_some() && self.decodes(&[w], x) {
+            out.reshape(1, w.dense.rows());
+            let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            return self.sparse_products(&[(w, x.row(0), thr)], &mut [out.data_mut()], &mut s);
+        }
+        self.masked_product(w, thr, x, out)
     }
     fn matmul_many(
         &self,
@@ -532,32 +747,51 @@ impl Backend for ActivationBackend {
         if ws.len() != outs.len() {
             return Err(invalid("matmul_many: one output per matrix".into()));
         }
-        if !ws.iter().any(|w| self.touched(w, x.rows())) {
+        if ws.iter().any(|w| w.id.is_none()) {
             let dense: Vec<&CpuMatrix> = ws.iter().map(|w| &w.dense).collect();
             return self.inner.matmul_many(&dense, x, outs);
         }
-        if self.one_row_sparse(ws, x) {
-            if let Some(w) = ws.iter().find(|w| w.dense.cols() != x.width()) {
-                return Err(invalid(format!(
-                    "input width {} != {}",
-                    x.width(),
-                    w.dense.cols()
-                )));
-            }
+        if let Some(w) = ws.iter().find(|w| w.dense.cols() != x.width()) {
+            return Err(invalid(format!(
+                "{}: input width {} != {}",
+                w.host.name,
+                x.width(),
+                w.dense.cols()
+            )));
+        }
+        if let Some(w) = ws.first() {
+            self.record_input(w, x.data());
+        }
+        let st = self.settings();
+        let any_thr = ws.iter().any(|w| self.threshold(&st, w).is_some());
+        if any_thr && self.decodes(ws, x) {
+            let jobs: Vec<(&ActMatrix, &[f32], Option<&[f32]>)> = ws
+                .iter()
+                .map(|w| (*w, x.row(0), self.threshold(&st, w)))
+                .collect();
+            let mut slices: Vec<&mut [f32]> = outs
+                .iter_mut()
+                .zip(ws)
+                .map(|(o, w)| {
+                    o.reshape(1, w.dense.rows());
+                    o.data_mut()
+                })
+                .collect();
+            let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            return self.sparse_products(&jobs, &mut slices, &mut s);
+        }
+        if !any_thr && !self.recording() {
+            let dense: Vec<&CpuMatrix> = ws.iter().map(|w| &w.dense).collect();
             for w in ws {
-                self.record(w, x.data());
+                if let Some(m) = w.index() {
+                    let n = x.rows() as u64;
+                    self.add_active(std::iter::once((m, n * x.width() as u64, n)), 0, 0);
+                }
             }
-            let jobs: Vec<(&ActMatrix, &[f32])> = ws.iter().map(|w| (*w, x.row(0))).collect();
-            let mut o = vec![Vec::new(); ws.len()];
-            self.sparse_products(&jobs, &mut o)?;
-            for (out, v) in outs.iter_mut().zip(o) {
-                let rows = v.len();
-                **out = CpuActivations::from_vec(1, rows, v)?;
-            }
-            return Ok(());
+            return self.inner.matmul_many(&dense, x, outs);
         }
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            self.masked_product(w, x, out)?;
+            self.masked_product(w, self.threshold(&st, w), x, out)?;
         }
         Ok(())
     }
@@ -583,11 +817,6 @@ impl Backend for ActivationBackend {
             .attention(layer, params, q, k, v, qk_norm, slots, cache, out)
     }
     fn ffn(&self, f: &ActFfn, x: &CpuActivations, out: &mut CpuActivations) -> RtResult<()> {
-        let n = x.rows();
-        let any = [&f.gate, &f.up, &f.down].iter().any(|w| self.touched(w, n));
-        if !any {
-            return self.inner.ffn(&f.dense, x, out);
-        }
         if x.width() != f.gate.dense.cols() {
             return Err(invalid(format!(
                 "ffn input width {} != {}",
@@ -595,27 +824,63 @@ impl Backend for ActivationBackend {
                 f.gate.dense.cols()
             )));
         }
+        let st = self.settings();
+        let (tg, tu, td) = (
+            self.threshold(&st, &f.gate),
+            self.threshold(&st, &f.up),
+            self.threshold(&st, &f.down),
+        );
+        self.record(f.layer, Slot::FfnIn, x.data());
+        let decode = self.decodes(&[&f.gate, &f.up, &f.down], x);
+        let n = x.rows();
         let n_ff = f.gate.dense.rows();
-        let mut h = vec![0f32; n * n_ff];
-        if self.one_row_sparse(&[&f.gate, &f.up, &f.down], x) {
-            self.record(&f.gate, x.data());
-            self.record(&f.up, x.data());
-            let mut gu = vec![Vec::new(), Vec::new()];
-            self.sparse_products(&[(&f.gate, x.row(0)), (&f.up, x.row(0))], &mut gu)?;
-            mirage_runtime::ops::swiglu(&gu[0], &gu[1], &mut h);
-            self.record(&f.down, &h);
-            let mut d = vec![Vec::new()];
-            self.sparse_products(&[(&f.down, &h)], &mut d)?;
-            let rows = d[0].len();
-            *out = CpuActivations::from_vec(1, rows, d.pop().unwrap_or_default())?;
-            return Ok(());
+        if !self.recording() && tg.is_none() && tu.is_none() && td.is_none() {
+            if let Some(m) = f.gate.index() {
+                let nn = n as u64;
+                self.add_active(
+                    [
+                        (m, nn * x.width() as u64, nn),
+                        (m + 1, nn * x.width() as u64, nn),
+                        (m + 2, nn * n_ff as u64, nn),
+                    ]
+                    .into_iter(),
+                    0,
+                    0,
+                );
+            }
+            return self.inner.ffn(&f.dense, x, out);
+        }
+        if decode {
+            let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            let s = &mut *guard;
+            let (mut g, mut u) = (std::mem::take(&mut s.gate), std::mem::take(&mut s.up));
+            g.reshape(1, n_ff);
+            u.reshape(1, n_ff);
+            let r = self.sparse_products(
+                &[(&f.gate, x.row(0), tg), (&f.up, x.row(0), tu)],
+                &mut [g.data_mut(), u.data_mut()],
+                s,
+            );
+            let mut h = std::mem::take(&mut s.hidden);
+            h.resize(n_ff, 0.0);
+            mirage_runtime::ops::swiglu(g.data(), u.data(), &mut h);
+            s.gate = g;
+            s.up = u;
+            r?;
+            self.record(f.layer, Slot::FfnHidden, &h);
+            out.reshape(1, f.down.dense.rows());
+            let r = self.sparse_products(&[(&f.down, &h, td)], &mut [out.data_mut()], s);
+            s.hidden = h;
+            return r;
         }
         let (mut g, mut u) = (CpuActivations::default(), CpuActivations::default());
-        self.masked_product(&f.gate, x, &mut g)?;
-        self.masked_product(&f.up, x, &mut u)?;
+        self.masked_product(&f.gate, tg, x, &mut g)?;
+        self.masked_product(&f.up, tu, x, &mut u)?;
+        let mut h = vec![0f32; n * n_ff];
         mirage_runtime::ops::swiglu(g.data(), u.data(), &mut h);
+        self.record(f.layer, Slot::FfnHidden, &h);
         let h = CpuActivations::from_vec(n, n_ff, h)?;
-        self.masked_product(&f.down, &h, out)
+        self.masked_product(&f.down, td, &h, out)
     }
     fn select_rows(
         &self,

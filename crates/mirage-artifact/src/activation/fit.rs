@@ -1,38 +1,49 @@
-//! Fitting activation sparsity on calibration text: score quantiles per
+//! Fitting activation sparsity on calibration text: score statistics per
 //! matrix, TEAL's block-wise greedy, and the allocations of a model-wide
 //! target over the matrices.
 //!
-//! - [`quantile_tables`]: per matrix and criterion, the sorted calibration
-//!   scores at [`QUANTILE_LEVELS`] + 1 levels (the threshold that skips a
-//!   given share of them).
-//! - [`block_greedy`]: TEAL's algorithm for one layer. Starting from
+//! Matrices are the seven projections of every layer (index `layer * 7 +
+//! proj`) and, last, the lm head ([`head_index`]). A model-wide sparsity is
+//! the share of the bytes of all of them that a decode step skips: the
+//! quantity decode speed follows.
+//!
+//! - [`matrix_stats`]: per matrix and criterion, the calibration score at
+//!   [`QUANTILE_LEVELS`] + 1 levels (the threshold that skips a given share
+//!   of them) and the error curve `E(s)`: the mean per token of the output
+//!   error energy `sum (x_i ||W[:, i]||)^2` of the channels that threshold
+//!   skips (what the product loses, to first order, when columns are about
+//!   orthogonal).
+//! - [`block_greedy`]: TEAL's algorithm for one layer (the baseline). From
 //!   every projection dense, each step tries raising each projection's
-//!   sparsity by `step / w_p` (`w_p`: its parameters relative to the query's,
-//!   so that every candidate removes the same number of weights), runs the
-//!   layer on its calibration inputs with the candidate thresholds, and keeps
-//!   the candidate with the least block-output error (mean over the last
-//!   quarter of the positions of the L2 norm of the difference to the dense
-//!   block output). The path records, per step, the block's
-//!   parameter-weighted sparsity, the seven sparsities and the error.
-//! - Allocations: [`uniform_rows`] (every matrix at the target),
-//!   [`block_greedy_rows`] (TEAL: every layer at the target, the
+//!   sparsity by `step / w_p` (`w_p`: its parameters relative to the
+//!   query's, so that every candidate removes the same number of weights),
+//!   runs the layer on its calibration inputs with the candidate thresholds,
+//!   and keeps the candidate with the least block-output error (mean over the
+//!   last positions of the L2 norm of the difference to the dense output).
+//! - Allocations: [`uniform_rows`] (every projection at the same sparsity),
+//!   [`block_greedy_rows`] (TEAL: every layer at the same sparsity, its
 //!   projections as its greedy path has them there) and
-//!   [`sensitivity_rows`] (the layers' shares of the target chosen to
-//!   minimise `sum_l kappa_l * E_l(s_l)^2`, where `E_l` is layer `l`'s
-//!   greedy-path error and `kappa_l` its measured sensitivity: the mean KL
-//!   divergence of the model's next-token distribution when layer `l` alone
-//!   runs at a reference sparsity, over `E_l` there squared; a small
-//!   perturbation of a layer's output moves the loss quadratically).
+//!   [`sensitivity_rows`] (ours: every matrix's sparsity chosen to minimise
+//!   `sum_m kappa_m E_m(s_m)` for the bytes skipped, where `kappa_m` is the
+//!   matrix's measured sensitivity, the mean KL divergence of the model's
+//!   next-token distribution per unit of error energy, fitted by
+//!   [`fit_kappa`] from a few calibration passes).
 
 use mirage_runtime::backend::cpu::CpuActivations;
 use mirage_runtime::backend::TokenSlot;
 use mirage_runtime::{Backend, ModelConfig};
 
-use super::backend::{ActivationBackend, Recording};
+use super::backend::ActivationBackend;
 use super::format::{thresholds_for, MatrixScores, QUANTILE_LEVELS};
 use super::graph::Graph;
 use super::{matrix_index, Criterion, Proj};
-use crate::error::{ArtifactError, Result};
+use crate::error::Result;
+
+/// Index of the lm head in per-matrix tables of a model of `n_layer`
+/// layers (after the projections).
+pub fn head_index(n_layer: usize) -> usize {
+    n_layer * Proj::ALL.len()
+}
 
 /// Parameters of each projection of one layer, in [`Proj::ALL`] order.
 pub fn param_counts(c: &ModelConfig) -> [f64; 7] {
@@ -51,41 +62,63 @@ pub fn effective(sp: &[f32; 7], w: &[f64; 7]) -> f32 {
     (sp.iter().zip(w).map(|(s, w)| *s as f64 * w).sum::<f64>() / tot) as f32
 }
 
-/// Quantile tables of every matrix from its recorded inputs (`rows x cols`
-/// each) and column norms.
-pub fn quantile_tables(recording: &Recording, col_norms: &[Vec<f32>]) -> Result<Vec<MatrixScores>> {
-    let mut out = Vec::with_capacity(col_norms.len());
-    for (m, norms) in col_norms.iter().enumerate() {
-        let x = recording.get(m).map(|v| v.as_slice()).unwrap_or(&[]);
-        let cols = norms.len();
-        if cols == 0 || x.is_empty() || x.len() % cols != 0 {
-            return Err(ArtifactError::InvalidArgument(format!(
-                "matrix {m}: {} recorded values for {cols} columns",
-                x.len()
-            )));
-        }
-        let table = |score: &dyn Fn(usize, f32) -> f32| -> Vec<f32> {
-            let mut v: Vec<f32> = x
+/// Byte-weighted sparsity of a row of per-matrix sparsities.
+pub fn byte_sparsity(row: &[f32], bytes: &[f64]) -> f64 {
+    let tot: f64 = bytes.iter().sum();
+    row.iter()
+        .zip(bytes)
+        .map(|(s, b)| *s as f64 * b)
+        .sum::<f64>()
+        / tot.max(1.0)
+}
+
+/// One criterion's statistics of one matrix's calibration inputs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CriterionStats {
+    /// The score at sparsity `k / QUANTILE_LEVELS`.
+    pub quantiles: Vec<f32>,
+    /// The mean per token of the skipped channels' error energy at
+    /// sparsity `k / QUANTILE_LEVELS`.
+    pub error: Vec<f64>,
+}
+
+/// Statistics of one matrix from its recorded inputs `x` (`rows x cols`,
+/// row-major) and column norms, per criterion ([`Criterion::ALL`] order).
+pub fn matrix_stats(x: &[f32], norms: &[f32]) -> Vec<CriterionStats> {
+    let cols = norms.len().max(1);
+    let rows = (x.len() / cols).max(1);
+    Criterion::ALL
+        .iter()
+        .map(|&c| {
+            let mut v: Vec<(f32, f32)> = x
                 .iter()
                 .enumerate()
-                .map(|(k, &a)| score(k % cols, a))
-                .collect();
-            v.sort_unstable_by(|a, b| a.total_cmp(b));
-            (0..=QUANTILE_LEVELS)
-                .map(|k| {
-                    let pos = (k * (v.len() - 1)) / QUANTILE_LEVELS;
-                    v[pos]
+                .map(|(k, &a)| {
+                    let n = norms[k % cols];
+                    let score = match c {
+                        Criterion::Teal => a.abs(),
+                        Criterion::Wina => a.abs() * n,
+                    };
+                    (score, (a * n) * (a * n))
                 })
-                .collect()
-        };
-        let teal = table(&|_, a| a.abs());
-        let wina = table(&|i, a| a.abs() * norms[i]);
-        out.push(MatrixScores {
-            col_norms: norms.clone(),
-            quantiles: [teal, wina],
-        });
-    }
-    Ok(out)
+                .collect();
+            v.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+            let mut quantiles = Vec::with_capacity(QUANTILE_LEVELS + 1);
+            let mut error = Vec::with_capacity(QUANTILE_LEVELS + 1);
+            let mut acc = 0f64;
+            let mut at = 0usize;
+            for k in 0..=QUANTILE_LEVELS {
+                let pos = (k * v.len()) / QUANTILE_LEVELS;
+                while at < pos {
+                    acc += v[at].1 as f64;
+                    at += 1;
+                }
+                quantiles.push(v[pos.min(v.len() - 1)].0);
+                error.push(acc / rows as f64);
+            }
+            CriterionStats { quantiles, error }
+        })
+        .collect()
 }
 
 /// One point of a layer's greedy path.
@@ -113,8 +146,8 @@ pub struct GreedyOptions {
 impl Default for GreedyOptions {
     fn default() -> Self {
         GreedyOptions {
-            step: 0.025,
-            max_sparsity: 0.85,
+            step: 0.05,
+            max_sparsity: 0.8,
             last_fraction: 0.25,
         }
     }
@@ -251,46 +284,125 @@ pub fn path_at(path: &[PathPoint], s: f32) -> PathPoint {
     }
 }
 
-/// Every matrix at the target.
-pub fn uniform_rows(n_layer: usize, targets: &[f32]) -> Vec<Vec<f32>> {
+/// The projection sparsity that skips `target` of all matrices' bytes when
+/// the head stays dense.
+fn projection_share(target: f32, bytes: &[f64]) -> f32 {
+    let (n, tot) = (bytes.len() - 1, bytes.iter().sum::<f64>());
+    let proj: f64 = bytes[..n].iter().sum();
+    ((target as f64 * tot / proj.max(1.0)) as f32).min(MAX_MATRIX_SPARSITY)
+}
+
+/// Every projection at the sparsity that skips `target` of the bytes
+/// (`bytes`: per matrix, the head last; the head stays dense).
+pub fn uniform_rows(bytes: &[f64], targets: &[f32]) -> Vec<Vec<f32>> {
+    let n = bytes.len() - 1;
     targets
         .iter()
-        .map(|&t| vec![t; n_layer * Proj::ALL.len()])
+        .map(|&t| {
+            let mut row = vec![projection_share(t, bytes); n];
+            row.push(0.0);
+            row
+        })
         .collect()
 }
 
-/// TEAL's allocation: every layer at the target, along its greedy path.
-pub fn block_greedy_rows(paths: &[Vec<PathPoint>], targets: &[f32]) -> Vec<Vec<f32>> {
+/// TEAL's allocation: every layer at the sparsity that skips `target` of the
+/// bytes, along its greedy path (the head stays dense).
+pub fn block_greedy_rows(
+    paths: &[Vec<PathPoint>],
+    bytes: &[f64],
+    targets: &[f32],
+) -> Vec<Vec<f32>> {
     targets
         .iter()
-        .map(|&t| paths.iter().flat_map(|p| path_at(p, t).sp).collect())
+        .map(|&t| {
+            let s = projection_share(t, bytes);
+            let mut row: Vec<f32> = paths.iter().flat_map(|p| path_at(p, s).sp).collect();
+            row.push(0.0);
+            row
+        })
         .collect()
 }
 
-/// The layers' shares of each target by least `sum_l kappa_l E_l(s_l)^2`
-/// (marginal-cost greedy in steps of `delta`), each layer along its path.
-pub fn sensitivity_rows(paths: &[Vec<PathPoint>], kappa: &[f64], targets: &[f32]) -> Vec<Vec<f32>> {
-    const DELTA: f32 = 0.005;
-    let n = paths.len();
-    let cost = |l: usize, s: f32| kappa[l] * (path_at(&paths[l], s).err as f64).powi(2);
-    let cap: Vec<f32> = paths
-        .iter()
-        .map(|p| p.last().map_or(0.0, |q| q.eff))
-        .collect();
+/// Per matrix sensitivity `kappa` from KL divergences measured with groups
+/// of matrices sparsified at one reference level: `kl_layer[l]` (all
+/// projections of layer `l`), `kl_proj[p]` (projection `p` of every layer)
+/// and `kl_head` (the head alone), with `e_ref[m]` each matrix's error
+/// energy there. Fits `kappa_{l,p} = a_l * b_p` so that the predicted KL of
+/// each group, `sum kappa_m E_m`, matches the measured one (alternating
+/// scaling), and `kappa_head = kl_head / E_head`.
+pub fn fit_kappa(e_ref: &[f64], kl_layer: &[f64], kl_proj: &[f64; 7], kl_head: f64) -> Vec<f64> {
+    let nl = kl_layer.len();
+    let e = |l: usize, p: usize| e_ref[l * 7 + p].max(1e-30);
+    let (mut a, mut b) = (vec![1f64; nl], [1f64; 7]);
+    for _ in 0..100 {
+        for l in 0..nl {
+            let pred: f64 = (0..7).map(|p| b[p] * e(l, p)).sum();
+            a[l] = kl_layer[l].max(1e-12) / pred;
+        }
+        for p in 0..7 {
+            let pred: f64 = (0..nl).map(|l| a[l] * e(l, p)).sum();
+            b[p] = kl_proj[p].max(1e-12) / pred;
+        }
+    }
+    let mut kappa: Vec<f64> = (0..nl * 7).map(|m| a[m / 7] * b[m % 7]).collect();
+    kappa.push(kl_head.max(1e-12) / e_ref[nl * 7].max(1e-30));
+    kappa
+}
+
+/// The error curve `E(s)` of a matrix at any sparsity (linear between
+/// levels).
+pub fn error_at(error: &[f64], s: f32) -> f64 {
+    let levels = error.len() - 1;
+    let x = (s.clamp(0.0, 1.0) as f64 * levels as f64).min(levels as f64);
+    let k = (x.floor() as usize).min(levels - 1);
+    let w = x - k as f64;
+    error[k] + w * (error[k + 1] - error[k])
+}
+
+/// Our allocation: per matrix the sparsity minimising the predicted loss
+/// `sum_m kappa_m E_m(s_m)` for each target share of the bytes skipped
+/// (marginal greedy in steps of 1/200 of a matrix, cheapest predicted loss
+/// per byte first; the rows rise with the targets). `with_head`: the head
+/// may be sparsified too, else it stays dense.
+pub fn sensitivity_rows(
+    bytes: &[f64],
+    error: &[&[f64]],
+    kappa: &[f64],
+    targets: &[f32],
+    with_head: bool,
+) -> Vec<Vec<f32>> {
+    const STEP: f32 = 1.0 / 200.0;
+    let n = bytes.len();
+    let tot: f64 = bytes.iter().sum();
+    let cost = |m: usize, s: f32| kappa[m] * error_at(error[m], s);
+    let movable = |m: usize| with_head || m + 1 < n;
     let mut s = vec![0f32; n];
+    let mut skipped = 0f64;
+    // Marginal cost per byte of each matrix's next step.
+    let next = |m: usize, s: &[f32]| -> f64 {
+        if !movable(m) || s[m] + STEP > MAX_MATRIX_SPARSITY + 1e-6 || bytes[m] <= 0.0 {
+            return f64::INFINITY;
+        }
+        (cost(m, s[m] + STEP) - cost(m, s[m])) / (STEP as f64 * bytes[m])
+    };
+    let mut marg: Vec<f64> = (0..n).map(|m| next(m, &s)).collect();
     let mut rows = Vec::with_capacity(targets.len());
     for &t in targets {
-        while s.iter().sum::<f32>() / (n as f32) < t - 1e-6 {
-            let best = (0..n)
-                .filter(|&l| s[l] + DELTA <= cap[l] + 1e-6)
-                .map(|l| (cost(l, s[l] + DELTA) - cost(l, s[l]), l))
-                .min_by(|a, b| a.0.total_cmp(&b.0));
-            match best {
-                Some((_, l)) => s[l] += DELTA,
-                None => break,
-            }
+        while skipped < t as f64 * tot - 1e-9 {
+            let Some((m, _)) = marg
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.is_finite())
+                .min_by(|a, b| a.1.total_cmp(b.1))
+            else {
+                break;
+            };
+            s[m] += STEP;
+            skipped += STEP as f64 * bytes[m];
+            marg[m] = next(m, &s);
         }
-        rows.push((0..n).flat_map(|l| path_at(&paths[l], s[l]).sp).collect());
+        rows.push(s.clone());
     }
     rows
 }
@@ -330,7 +442,8 @@ pub fn mean_kl(dense: &[f32], sparse: &[f32], vocab: usize) -> f64 {
     tot / rows.max(1) as f64
 }
 
-/// Per-channel thresholds of every matrix for the per-matrix sparsities `row`.
+/// Per-channel thresholds of every matrix (the head last) for the
+/// per-matrix sparsities `row`.
 pub fn thresholds_row(
     scores: &[MatrixScores],
     criterion: Criterion,
@@ -341,4 +454,92 @@ pub fn thresholds_row(
         .zip(row)
         .map(|(s, &sp)| thresholds_for(s, criterion, sp))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_give_quantiles_and_a_rising_error_curve() {
+        let cols = 4;
+        let norms = vec![1.0f32, 2.0, 1.0, 0.5];
+        let x: Vec<f32> = (0..400)
+            .map(|k| ((k * 37 % 101) as f32 - 50.0) / 10.0)
+            .collect();
+        let st = matrix_stats(&x, &norms);
+        for c in &st {
+            assert_eq!(c.quantiles.len(), QUANTILE_LEVELS + 1);
+            assert!(c.quantiles.windows(2).all(|w| w[0] <= w[1]));
+            assert!(c.error.windows(2).all(|w| w[0] <= w[1]));
+            assert_eq!(c.error[0], 0.0);
+        }
+        // All skipped: the whole error energy per token.
+        let total: f64 = x
+            .iter()
+            .enumerate()
+            .map(|(k, a)| ((a * norms[k % cols]) as f64).powi(2))
+            .sum::<f64>()
+            / (x.len() / cols) as f64;
+        for c in &st {
+            let last = *c.error.last().unwrap();
+            assert!((last - total).abs() < 1e-6 * total, "{last} vs {total}");
+        }
+    }
+
+    #[test]
+    fn sensitivity_rows_meet_targets_and_prefer_cheap_bytes() {
+        // Two equal matrices, the second 10x as sensitive; a head twice as big.
+        let bytes = vec![100.0, 100.0, 200.0];
+        let lin: Vec<f64> = (0..=QUANTILE_LEVELS)
+            .map(|k| (k as f64 / QUANTILE_LEVELS as f64).powi(2))
+            .collect();
+        let errs = vec![&lin[..], &lin[..], &lin[..]];
+        let kappa = vec![1.0, 10.0, 1.0];
+        let targets = [0.0f32, 0.1, 0.2, 0.4];
+        let rows = sensitivity_rows(&bytes, &errs, &kappa, &targets, false);
+        for (r, &t) in rows.iter().zip(&targets) {
+            let got = byte_sparsity(r, &bytes);
+            assert!((got - t as f64).abs() < 0.01, "{got} vs {t}");
+            assert_eq!(r[2], 0.0, "the head stays dense");
+            assert!(r[0] >= r[1], "the cheaper matrix goes first: {r:?}");
+        }
+        for w in rows.windows(2) {
+            assert!(w[0].iter().zip(&w[1]).all(|(a, b)| a <= b), "rows rise");
+        }
+        let with_head = sensitivity_rows(&bytes, &errs, &kappa, &targets, true);
+        assert!(with_head[3][2] > 0.0, "the head takes its share");
+    }
+
+    #[test]
+    fn kappa_fit_reproduces_separable_sensitivities() {
+        let nl = 3;
+        let a = [1.0, 2.0, 0.5];
+        let b = [1.0, 3.0, 1.0, 0.2, 1.0, 1.0, 4.0];
+        let e: Vec<f64> = (0..nl * 7 + 1).map(|m| 1.0 + (m % 5) as f64).collect();
+        let kl_layer: Vec<f64> = (0..nl)
+            .map(|l| (0..7).map(|p| a[l] * b[p] * e[l * 7 + p]).sum())
+            .collect();
+        let mut kl_proj = [0f64; 7];
+        for p in 0..7 {
+            kl_proj[p] = (0..nl).map(|l| a[l] * b[p] * e[l * 7 + p]).sum();
+        }
+        let k = fit_kappa(&e, &kl_layer, &kl_proj, 2.0 * e[nl * 7]);
+        for l in 0..nl {
+            for p in 0..7 {
+                let want = a[l] * b[p];
+                assert!((k[l * 7 + p] - want).abs() < 1e-6 * want, "({l},{p})");
+            }
+        }
+        assert!((k[nl * 7] - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn uniform_rows_skip_the_target_share_of_all_bytes() {
+        let bytes = vec![10.0, 30.0, 60.0];
+        let rows = uniform_rows(&bytes, &[0.0, 0.2]);
+        assert_eq!(rows[0], vec![0.0, 0.0, 0.0]);
+        assert!((byte_sparsity(&rows[1], &bytes) - 0.2).abs() < 1e-6);
+        assert_eq!(rows[1][2], 0.0);
+    }
 }

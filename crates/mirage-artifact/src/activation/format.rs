@@ -1,9 +1,9 @@
-//! The activation-sparsity artifact (format version 2, spec in
-//! docs/ARTIFACT.md): the seven projections of every layer in the
-//! channel-major layout, each matrix's column norms and score quantiles per
-//! criterion, and allocation plans (per-matrix sparsities for a grid of
-//! model-wide targets, with the calibration perplexity of each). Same
-//! container as the page-major kind (header, checksummed sections).
+//! The activation-sparsity artifact (format version 3, spec in
+//! docs/ARTIFACT.md): the seven projections of every layer and the lm head
+//! in the channel-major layout, each matrix's column norms and score
+//! quantiles per criterion, and allocation plans (per-matrix sparsities for
+//! a grid of model-wide targets, with the calibration perplexity of each).
+//! Same container as the page-major kind (header, checksummed sections).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -12,6 +12,7 @@ use mirage_gguf::quant::channel_major::ChannelMajorLayout;
 use mirage_gguf::GgmlType;
 use serde::{Deserialize, Serialize};
 
+use super::fit::head_index;
 use super::{matrix_index, Criterion, Proj, SparsityTarget};
 use crate::error::{ArtifactError, Result};
 use crate::format::{
@@ -29,16 +30,16 @@ pub const QUANTILE_LEVELS: usize = 200;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Allocation {
-    /// Every matrix at the target.
+    /// Every projection at the same sparsity (the head dense).
     Uniform,
-    /// TEAL's block-wise greedy: within each layer, the per-projection
-    /// sparsities its greedy path reaches at the target; every layer at the
-    /// target.
+    /// TEAL's block-wise greedy: every layer at the same sparsity, its
+    /// projections as its greedy path has them there (the head dense).
     BlockGreedy,
-    /// The block-wise greedy paths, with each layer's share of the target set
-    /// by the layer's measured sensitivity (least calibration loss for the
-    /// target).
-    LayerSensitivity,
+    /// Every projection's sparsity by least predicted loss per byte
+    /// (measured sensitivity times error energy; the head dense).
+    Sensitivity,
+    /// As [`Allocation::Sensitivity`], the lm head included.
+    SensitivityHead,
 }
 
 impl Allocation {
@@ -47,7 +48,8 @@ impl Allocation {
         match self {
             Allocation::Uniform => "uniform",
             Allocation::BlockGreedy => "block-greedy",
-            Allocation::LayerSensitivity => "layer-sensitivity",
+            Allocation::Sensitivity => "sensitivity",
+            Allocation::SensitivityHead => "sensitivity+head",
         }
     }
 }
@@ -61,7 +63,8 @@ pub struct PlanMeta {
     pub criterion: Criterion,
     /// How the target is spread.
     pub allocation: Allocation,
-    /// Model-wide targets of the rows, ascending, the first 0.
+    /// Model-wide targets of the rows (shares of the bytes of every
+    /// projection and the head skipped), ascending, the first 0.
     pub targets: Vec<f32>,
 }
 
@@ -80,6 +83,9 @@ pub struct ActivationMeta {
     pub n_ff: usize,
     /// File name of the source GGUF.
     pub source_name: String,
+    /// The source tensor the lm head reads (`output.weight`, or
+    /// `token_embd.weight` when tied).
+    pub head_tensor: String,
     /// sha256 of the source GGUF (hex).
     pub source_sha256: String,
     /// Name of the calibration text.
@@ -132,19 +138,19 @@ pub struct PlanTable {
 pub struct ActivationContents {
     /// META.
     pub meta: ActivationMeta,
-    /// Per matrix index.
+    /// Per matrix index (the head last).
     pub scores: Vec<MatrixScores>,
     /// Per plan (META order).
     pub plans: Vec<PlanTable>,
 }
 
 /// Serializes an activation artifact: `matrices[matrix_index]` holds the
-/// projection's channel-major bytes and layout.
+/// matrix's channel-major bytes and layout (the head last).
 pub fn write_bytes(
     c: &ActivationContents,
     matrices: &[(ChannelMajorLayout, Vec<u8>)],
 ) -> Result<Vec<u8>> {
-    let n = c.meta.n_layer * Proj::ALL.len();
+    let n = c.meta.n_layer * Proj::ALL.len() + 1;
     if matrices.len() != n || c.scores.len() != n || c.plans.len() != c.meta.plans.len() {
         return Err(ArtifactError::InvalidArgument(
             "one matrix and score entry per projection, one table per plan".into(),
@@ -172,7 +178,7 @@ pub fn write_bytes(
             layout.ty().id(),
             layout.rows() as u32,
             layout.cols() as u32,
-            0,
+            layout.tile() as u32,
         ] {
             table.extend_from_slice(&v.to_le_bytes());
         }
@@ -297,7 +303,7 @@ pub struct ResolvedSparsity {
     pub calib_ppl: f64,
     /// Dense calibration perplexity.
     pub dense_calib_ppl: f64,
-    /// Per matrix index: its sparsity.
+    /// Per matrix index (the head last): its sparsity.
     pub per_matrix: Vec<f32>,
 }
 
@@ -336,7 +342,7 @@ impl ActivationArtifact {
         if meta.n_layer == 0 || meta.n_layer > 4096 {
             return Err(ArtifactError::Malformed(format!("{} layers", meta.n_layer)));
         }
-        let n = meta.n_layer * Proj::ALL.len();
+        let n = meta.n_layer * Proj::ALL.len() + 1;
         let weights_off = sec[2].as_ptr() as usize - b.as_ptr() as usize;
         let mut mc = Cursor {
             b: sec[1],
@@ -346,11 +352,16 @@ impl ActivationArtifact {
         let mut matrices = Vec::with_capacity(n);
         for m in 0..n {
             let bad = |s: String| ArtifactError::Malformed(format!("matrix {m}: {s}"));
-            let (ty, rows, cols, _) =
-                (mc.u32()?, mc.u32()? as usize, mc.u32()? as usize, mc.u32()?);
+            let (ty, rows, cols, tile) = (
+                mc.u32()?,
+                mc.u32()? as usize,
+                mc.u32()? as usize,
+                mc.u32()? as usize,
+            );
             let (off, len) = (mc.u64()? as usize, mc.u64()? as usize);
             let ty = GgmlType::from_id(ty).ok_or_else(|| bad(format!("unknown type id {ty}")))?;
-            let layout = ChannelMajorLayout::new(ty, rows, cols).map_err(|e| bad(e.to_string()))?;
+            let layout = ChannelMajorLayout::with_tile(ty, rows, cols, tile)
+                .map_err(|e| bad(e.to_string()))?;
             if len != layout.bytes()
                 || off % PAGE_ALIGN != 0
                 || off.checked_add(len).is_none_or(|e| e > sec[2].len())
@@ -436,12 +447,20 @@ impl ActivationArtifact {
     pub fn matrix(&self, l: usize, p: Proj) -> Option<MatrixEntry> {
         (l < self.meta.n_layer).then(|| self.matrices[matrix_index(l, p)])
     }
+    /// The lm head.
+    pub fn head(&self) -> MatrixEntry {
+        self.matrices[head_index(self.meta.n_layer)]
+    }
+    /// Every matrix, by matrix index (the head last).
+    pub fn matrices(&self) -> &[MatrixEntry] {
+        &self.matrices
+    }
     /// The channel-major bytes of projection `p` of layer `l`.
     pub fn matrix_bytes(&self, l: usize, p: Proj) -> Option<&[u8]> {
         let e = self.matrix(l, p)?;
         Some(&self.storage.bytes()[e.offset..e.offset + e.layout.bytes()])
     }
-    /// Score statistics per matrix index.
+    /// Score statistics per matrix index (the head last).
     pub fn scores(&self) -> &[MatrixScores] {
         &self.scores
     }

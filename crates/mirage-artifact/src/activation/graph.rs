@@ -105,6 +105,21 @@ pub fn projection(file: &Arc<GgufFile>, c: &ModelConfig, l: usize, p: Proj) -> R
     host(file, &p.tensor(l), cols, rows)
 }
 
+/// The host form of the lm head (`output.weight`, else the tied
+/// `token_embd.weight`; `[vocab, n_embd]`).
+pub fn head_matrix(file: &Arc<GgufFile>, c: &ModelConfig) -> Result<HostMatrix> {
+    let name = if file.tensor_info("output.weight").is_some() {
+        "output.weight"
+    } else {
+        "token_embd.weight"
+    };
+    let rows = file
+        .tensor_info(name)
+        .ok_or_else(|| RuntimeError::MissingTensor(name.into()))?
+        .n_rows() as usize;
+    host(file, name, c.n_embd, rows)
+}
+
 impl<B: Backend> Graph<B> {
     /// Uploads every weight of `file` to `backend`.
     pub fn load(file: &Arc<GgufFile>, backend: B) -> Result<Graph<B>> {

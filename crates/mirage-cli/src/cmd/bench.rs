@@ -144,6 +144,11 @@ pub struct BenchArgs {
     /// Activation sparsity: the artifact's plan (default: its default plan).
     #[arg(long)]
     pub sparsity_plan: Option<String>,
+    /// Activation sparsity: the prompt is this text's first --prompt tokens (held-out text, so that the
+    /// channels skipped are those of real text; default: /usr/lib/python3.11/textwrap.py when present,
+    /// else random tokens).
+    #[arg(long)]
+    pub sparsity_text: Option<PathBuf>,
     /// Activation sparsity: rounds of dense + every sparsity, alternating.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,

@@ -4,15 +4,16 @@
 //! sparsity, one after the other, so that machine load hits them alike;
 //! the table shows per configuration the median over rounds of decode tok/s,
 //! its ratio to dense in the same round (median of the per-round ratios),
-//! and the weight bytes one decode token reads.
+//! the weight bytes one decode token reads and the sparsity achieved.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use mirage_artifact::activation::backend::ActivationBackend;
 use mirage_artifact::activation::format::ActivationArtifact;
-use mirage_artifact::activation::{Proj, SparsityTarget};
+use mirage_artifact::activation::SparsityTarget;
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::Backend;
 use mirage_runtime::{CpuBackend, KvDtype, Model, TokenSlot};
@@ -20,9 +21,12 @@ use mirage_runtime::{CpuBackend, KvDtype, Model, TokenSlot};
 use super::bench::BenchArgs;
 
 /// The default activation artifact of a model: `<model>.activation.mirage`.
-pub fn default_artifact(model: &std::path::Path) -> std::path::PathBuf {
+pub fn default_artifact(model: &Path) -> PathBuf {
     model.with_extension("activation.mirage")
 }
+
+/// The held-out text the prompt comes from by default.
+const DEFAULT_TEXT: &str = "/usr/lib/python3.11/textwrap.py";
 
 fn load_avg() -> String {
     std::fs::read_to_string("/proc/loadavg")
@@ -30,7 +34,7 @@ fn load_avg() -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-fn prompt(n: usize, vocab: usize) -> Vec<u32> {
+fn random_prompt(n: usize, vocab: usize) -> Vec<u32> {
     let mut state = 0x2545_f491_4f6c_dd1du64;
     (0..n)
         .map(|_| {
@@ -52,8 +56,14 @@ fn argmax(v: &[f32]) -> u32 {
     b as u32
 }
 
-/// Prefills `prompt`, then decodes `gen` tokens greedily; returns decode tok/s.
-fn decode<B: Backend>(model: &Model<B>, prompt: &[u32], gen: usize) -> anyhow::Result<f64> {
+/// Prefills `prompt`, calls `after_prefill`, then decodes `gen` tokens
+/// greedily; returns decode tok/s.
+fn decode<B: Backend>(
+    model: &Model<B>,
+    prompt: &[u32],
+    gen: usize,
+    after_prefill: &dyn Fn(),
+) -> anyhow::Result<f64> {
     let n = prompt.len();
     let mut cache = model.new_kv_cache(n + gen + 1, 1, KvDtype::F32)?;
     let mut s = model.new_scratch();
@@ -61,6 +71,7 @@ fn decode<B: Backend>(model: &Model<B>, prompt: &[u32], gen: usize) -> anyhow::R
     let slots: Vec<TokenSlot> = (0..n).map(|pos| TokenSlot { seq: 0, pos }).collect();
     model.forward(prompt, &slots, &[n - 1], &mut cache, &mut s, &mut logits)?;
     let mut tok = argmax(&logits);
+    after_prefill();
     let t = Instant::now();
     for i in 0..gen {
         let slot = TokenSlot { seq: 0, pos: n + i };
@@ -110,30 +121,53 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let kernels = sparse_backend.name();
     let sparse = Model::load(file.clone(), sparse_backend)?;
     let weight_bytes = super::bench::weight_bytes_per_token(&file);
-    let proj_bytes: u64 = (0..n_layer)
-        .flat_map(|l| Proj::ALL.into_iter().map(move |p| p.tensor(l)))
+    // Source bytes of the matrices the sparse path reads channel-major.
+    let sparse_src_bytes: u64 = (0..n_layer)
+        .flat_map(|l| {
+            mirage_artifact::activation::Proj::ALL
+                .into_iter()
+                .map(move |p| p.tensor(l))
+        })
+        .chain(std::iter::once(artifact.meta().head_tensor.clone()))
         .filter_map(|n| file.tensor_info(&n).map(|t| t.n_bytes()))
         .sum();
-    let toks = prompt(args.prompt.max(1), dense.config().vocab_size.max(2));
+    let text_path = args
+        .sparsity_text
+        .clone()
+        .or_else(|| Some(PathBuf::from(DEFAULT_TEXT)).filter(|p| p.exists()));
+    let (toks, prompt_from) = match &text_path {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let tok = mirage_tokenizer::Tokenizer::from_gguf(&file)?;
+            let mut t = tok.encode(&text, true, true)?;
+            t.truncate(args.prompt.max(1));
+            (t, p.display().to_string())
+        }
+        None => (
+            random_prompt(args.prompt.max(1), dense.config().vocab_size.max(2)),
+            "random tokens".to_string(),
+        ),
+    };
     let gen = args.gen.max(1);
     let plan = args.sparsity_plan.as_deref();
-    // Configurations: dense, then each sparsity (thresholds and the plan's
+    // Configurations: dense, then each sparsity (thresholds of the plan's
     // resolved per-matrix sparsities).
     let mut configs: Vec<(String, Option<Vec<Option<Vec<f32>>>>)> = vec![("dense".into(), None)];
-    let crit = |name: &str| {
-        artifact
-            .plan(name)
-            .map(|(m, _)| m.criterion)
-            .ok_or_else(|| anyhow::anyhow!("no plan `{name}` in the artifact"))
-    };
     for &s in &args.sparsity {
         let r = artifact.resolve(plan, SparsityTarget::Fixed(s))?;
-        let thr = artifact.thresholds(crit(&r.plan)?, &r.per_matrix);
-        configs.push((format!("{} @ {s:.2}", r.plan), Some(thr)));
+        let crit = artifact
+            .plan(&r.plan)
+            .map(|(m, _)| m.criterion)
+            .ok_or_else(|| anyhow::anyhow!("no plan `{}` in the artifact", r.plan))?;
+        configs.push((
+            format!("{} @ {s:.2}", r.plan),
+            Some(artifact.thresholds(crit, &r.per_matrix)),
+        ));
     }
     let load0 = load_avg();
     eprintln!(
-        "bench: {} | {} prompt + {} decode tokens | {} rounds | {} threads | load {}",
+        "bench: {} | prompt {} tokens of {prompt_from} + {} decode tokens | {} rounds | {} threads | load {}",
         args.model.display(),
         toks.len(),
         gen,
@@ -142,37 +176,30 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         load0
     );
     // Warm-up: one short decode each (page in the weights).
-    decode(&dense, &toks[..toks.len().min(8)], 2)?;
-    decode(&sparse, &toks[..toks.len().min(8)], 2)?;
+    decode(&dense, &toks[..toks.len().min(8)], 2, &|| {})?;
+    decode(&sparse, &toks[..toks.len().min(8)], 2, &|| {})?;
     let mut speed: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
     let mut ratio: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
     let mut bytes: Vec<f64> = vec![weight_bytes as f64; configs.len()];
     let mut achieved: Vec<f64> = vec![0.0; configs.len()];
-    let w = mirage_artifact::activation::fit::param_counts(sparse.config());
+    let mut loads = Vec::new();
     for _round in 0..args.rounds.max(1) {
+        loads.push(load_avg());
         let mut dense_tps = f64::NAN;
         for (c, (_, thr)) in configs.iter().enumerate() {
             let tps = match thr {
-                None => decode(&dense, &toks, gen)?,
+                None => decode(&dense, &toks, gen, &|| {})?,
                 Some(t) => {
                     sparse.backend().set_thresholds(t.clone())?;
-                    sparse.backend().take_stats();
-                    let tps = decode(&sparse, &toks, gen)?;
+                    let tps = decode(&sparse, &toks, gen, &|| {
+                        sparse.backend().take_stats();
+                    })?;
                     let st = sparse.backend().take_stats();
                     if st.kernel_rows > 0 {
+                        // The decode steps' bytes and channels.
                         let per_tok = st.kernel_bytes as f64 / gen as f64;
-                        bytes[c] = weight_bytes as f64 - proj_bytes as f64 + per_tok;
-                        let (mut kept, mut tot) = (0f64, 0f64);
-                        for (m, (act, n)) in st.active.iter().enumerate() {
-                            if let (true, Some(e)) =
-                                (*n > 0, artifact.matrix(m / 7, Proj::ALL[m % 7]))
-                            {
-                                kept +=
-                                    w[m % 7] * (*act as f64 / *n as f64) / e.layout.cols() as f64;
-                                tot += w[m % 7];
-                            }
-                        }
-                        achieved[c] = 1.0 - kept / tot.max(1.0);
+                        bytes[c] = weight_bytes as f64 - sparse_src_bytes as f64 + per_tok;
+                        achieved[c] = super::eval_activation::achieved_sparsity(&artifact, &st);
                     }
                     tps
                 }
@@ -186,7 +213,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let load1 = load_avg();
     println!(
-        "model {} | cpu, {} threads, {} | prompt {} + decode {} tokens, {} rounds | load before {} after {}",
+        "model {} | cpu, {} threads, {} | prompt {} tokens ({prompt_from}) + decode {} tokens, {} rounds | load (1/5/15 min) before {} after {}; at each round: {}",
         args.model.display(),
         threads,
         kernels,
@@ -194,15 +221,20 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         gen,
         args.rounds.max(1),
         load0,
-        load1
+        load1,
+        loads
+            .iter()
+            .map(|l| l.split_whitespace().next().unwrap_or("?").to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     println!(
-        "{:<32} {:>9} {:>8} {:>12} {:>9}",
+        "{:<34} {:>9} {:>8} {:>12} {:>9}",
         "config", "tok/s", "x dense", "MiB/token", "achieved"
     );
     for (c, (name, _)) in configs.iter().enumerate() {
         println!(
-            "{:<32} {:>9.2} {:>8.3} {:>12.1} {:>9.3}",
+            "{:<34} {:>9.2} {:>8.3} {:>12.1} {:>9.3}",
             name,
             median(&mut speed[c]),
             median(&mut ratio[c]),

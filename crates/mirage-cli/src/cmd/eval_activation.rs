@@ -1,11 +1,14 @@
 //! `mirage-cli eval --sparsity 0.25,0.4,0.5 --artifact M.activation.mirage`:
 //! fidelity of activation sparsity on held-out text, per plan (criterion and
 //! allocation) and sparsity, against MIRAGE's own dense path on the source
-//! GGUF: perplexity, its change, the mean logit cosine and top-1 agreement
-//! (against the same path at sparsity 0, exact f32).
-//! A first row measures the repacked model itself at sparsity 0 through the
-//! decode kernels (token by token, on the first `--repack-tokens`
-//! positions) against the dense path and against exact f32 arithmetic.
+//! GGUF (the same quantized kernels, the same batch): perplexity, its change,
+//! the mean logit cosine and top-1 agreement, and the sparsity achieved on
+//! this text (the share of the projections' and the head's bytes skipped).
+//! The rows run the batch path (the dense kernels on the masked inputs);
+//! `--decode-tokens N` also runs the first N positions token by token
+//! through the channel-major decode kernels and compares. A first row
+//! measures the repacked model itself at sparsity 0 through the decode
+//! kernels against the dense path.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,12 +16,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use mirage_artifact::activation::backend::ActivationBackend;
+use mirage_artifact::activation::backend::{ActivationBackend, SparseStats};
 use mirage_artifact::activation::format::ActivationArtifact;
-use mirage_artifact::activation::{Criterion, Proj, SparsityTarget};
+use mirage_artifact::activation::{Criterion, SparsityTarget};
 use mirage_artifact::metrics::{cosine, nll};
 use mirage_gguf::GgufFile;
-use mirage_runtime::{Backend, CpuBackend, Engine, EngineOptions, KvDtype, Model, TokenSlot};
+use mirage_runtime::{Backend, CpuBackend, KvDtype, Model, TokenSlot};
 use serde_json::json;
 
 /// The activation-sparsity options of `eval`.
@@ -31,12 +34,15 @@ pub struct ActivationEvalArgs {
     /// Only the plans of these criteria (teal, wina; comma-separated). Default: every plan.
     #[arg(long, value_delimiter = ',')]
     pub criterion: Vec<Criterion>,
-    /// Only these plans (e.g. teal/block-greedy,wina/layer-sensitivity). Default: every plan.
+    /// Only these plans (e.g. teal/block-greedy,wina/sensitivity+head). Default: every plan.
     #[arg(long, value_delimiter = ',')]
     pub plan: Vec<String>,
     /// Positions decoded token by token for the repacked model's own row.
     #[arg(long = "repack-tokens", default_value_t = 96)]
     pub repack_tokens: usize,
+    /// Also decode the first N positions of every row through the channel-major kernels.
+    #[arg(long = "decode-tokens", default_value_t = 0)]
+    pub decode_tokens: usize,
 }
 
 struct Scored {
@@ -94,6 +100,24 @@ fn decode_logits<B: Backend>(model: &Model<B>, tokens: &[u32]) -> anyhow::Result
     Ok(all)
 }
 
+/// Share of the bytes of every matrix (projections and head) the products
+/// counted in `st` skipped.
+pub fn achieved_sparsity(artifact: &ActivationArtifact, st: &SparseStats) -> f64 {
+    let (mut skipped, mut tot) = (0f64, 0f64);
+    for (e, (act, n)) in artifact.matrices().iter().zip(&st.active) {
+        let b = e.layout.bytes() as f64;
+        tot += b;
+        if *n > 0 {
+            skipped += b * (1.0 - *act as f64 / *n as f64 / e.layout.cols() as f64);
+        }
+    }
+    if tot > 0.0 {
+        skipped / tot
+    } else {
+        0.0
+    }
+}
+
 /// Runs the activation-sparsity evaluation.
 #[allow(clippy::too_many_arguments)]
 pub fn run(
@@ -123,17 +147,14 @@ pub fn run(
             text_path.display()
         );
     }
-    let opts = EngineOptions {
-        threads,
-        ..EngineOptions::default()
-    };
-    let dense = Engine::from_file(file.clone(), CpuBackend::new(threads)?, opts)?;
-    let mut tokens = dense.encode(&text, true)?;
-    tokens.truncate(max_tokens.min(dense.n_ctx()));
+    let dense = Model::load(file.clone(), CpuBackend::new(threads)?)?;
+    let tokenizer = mirage_tokenizer::Tokenizer::from_gguf(&file)?;
+    let mut tokens = tokenizer.encode(&text, true, true)?;
+    tokens.truncate(max_tokens.min(dense.config().n_ctx_train.max(2)));
     if tokens.len() < 2 {
         bail!("the text gives fewer than 2 tokens");
     }
-    let vocab = dense.model().config().vocab_size;
+    let vocab = dense.config().vocab_size;
     let n_layer = meta.n_layer;
     eprintln!(
         "eval: {} tokens of {} (held out; calibration was {})",
@@ -141,41 +162,47 @@ pub fn run(
         text_path.display(),
         meta.calib_name
     );
-    let dense_logits = dense.model().logits_all(&tokens, KvDtype::F32)?;
+    let t0 = Instant::now();
+    let dense_logits = dense.logits_all(&tokens, KvDtype::F32)?;
     let d = score(&dense_logits, &dense_logits, &tokens, vocab);
+    eprintln!(
+        "dense: ppl {:.4} ({:.1} s)",
+        d.ppl,
+        t0.elapsed().as_secs_f64()
+    );
+    // Batch rows: the dense kernels (the own dense path's) on masked inputs.
+    let masked = Model::load(
+        file.clone(),
+        ActivationBackend::new(CpuBackend::new(threads)?, None, n_layer),
+    )?;
+    // Decode rows: the channel-major kernels of the artifact.
     let sparse = Model::load(
         file.clone(),
         ActivationBackend::new(CpuBackend::new(threads)?, Some(artifact.clone()), n_layer),
     )?;
-    // Whole-text runs: the batch path in f32 (dense kernels on the masked
-    // input, no activation rounding), which computes what the decode kernels
-    // compute; its sparsity-0 run is the reference the rows' changes are
-    // measured against, so they show the cost of the skipped channels alone.
-    let masked = Model::load(
-        file.clone(),
-        ActivationBackend::new(CpuBackend::new_f32_activations(threads)?, None, n_layer),
-    )?;
-    let exact_logits = masked.logits_all(&tokens, KvDtype::F32)?;
-    let x = score(&exact_logits, &exact_logits, &tokens, vocab);
-    let params: Vec<f64> = {
-        let w = mirage_artifact::activation::fit::param_counts(sparse.config());
-        (0..n_layer).flat_map(|_| w).collect()
-    };
 
     // The repacked model at sparsity 0, through the decode kernels.
     let k = a.repack_tokens.clamp(2, tokens.len());
     let head = &tokens[..k];
     let t0 = Instant::now();
+    // Thresholds of 0 keep every channel but run the channel-major kernels
+    // (a matrix without thresholds takes the row-major dense path).
+    sparse.backend().set_thresholds(
+        artifact
+            .matrices()
+            .iter()
+            .map(|e| Some(vec![0.0; e.layout.cols()]))
+            .collect(),
+    )?;
     let repacked = decode_logits(&sparse, head)?;
-    let dense_head = decode_logits(dense.model(), head)?;
-    let exact = Model::load(file.clone(), CpuBackend::new_f32_activations(threads)?)?;
-    let exact_head = exact.logits_all(head, KvDtype::F32)?;
-    drop(exact);
+    sparse
+        .backend()
+        .set_thresholds(vec![None; artifact.matrices().len()])?;
+    let dense_head = decode_logits(&dense, head)?;
     let r_vs_dense = score(&repacked, &dense_head, head, vocab);
-    let r_vs_exact = score(&repacked, &exact_head, head, vocab);
     let d_head = score(&dense_head, &dense_head, head, vocab);
-    let x_head = score(&exact_head, &dense_head, head, vocab);
     let repack_s = t0.elapsed().as_secs_f64();
+    eprintln!("repacked model at sparsity 0: {repack_s:.1} s");
 
     let plans: Vec<(String, Criterion)> = meta
         .plans
@@ -194,88 +221,126 @@ pub fn run(
                 .join(", ")
         );
     }
+    let kd = a.decode_tokens.min(tokens.len());
     let mut rows = Vec::new();
     for (name, crit) in &plans {
         for &s in &a.sparsity {
+            let t = Instant::now();
             let r = artifact.resolve(Some(name), SparsityTarget::Fixed(s))?;
-            masked
-                .backend()
-                .set_thresholds(artifact.thresholds(*crit, &r.per_matrix))?;
+            let thr = artifact.thresholds(*crit, &r.per_matrix);
+            masked.backend().set_thresholds(thr.clone())?;
             masked.backend().take_stats();
             let lg = masked.logits_all(&tokens, KvDtype::F32)?;
-            let st = masked.backend().take_stats();
-            // Achieved sparsity on this text, parameter-weighted.
-            let mut kept = 0f64;
-            let mut tot = 0f64;
-            for (m, (act, n)) in st.active.iter().enumerate() {
-                if *n == 0 {
-                    continue;
-                }
-                let cols = artifact
-                    .matrix(m / Proj::ALL.len(), Proj::ALL[m % Proj::ALL.len()])
-                    .map_or(1, |e| e.layout.cols()) as f64;
-                kept += params[m] * (*act as f64 / *n as f64) / cols;
-                tot += params[m];
-            }
-            let achieved = if tot > 0.0 { 1.0 - kept / tot } else { 0.0 };
-            let sc = score(&lg, &exact_logits, &tokens, vocab);
-            rows.push((name.clone(), s, achieved, sc));
+            let achieved = achieved_sparsity(&artifact, &masked.backend().take_stats());
+            let sc = score(&lg, &dense_logits, &tokens, vocab);
+            let dec = if kd >= 2 {
+                sparse.backend().set_thresholds(thr)?;
+                sparse.backend().take_stats();
+                let dl = decode_logits(&sparse, &tokens[..kd])?;
+                let ach = achieved_sparsity(&artifact, &sparse.backend().take_stats());
+                let vs_batch = score(&dl, &lg[..kd * vocab], &tokens[..kd], vocab);
+                let batch = score(
+                    &lg[..kd * vocab],
+                    &dense_logits[..kd * vocab],
+                    &tokens[..kd],
+                    vocab,
+                );
+                let dd = score(
+                    &dense_logits[..kd * vocab],
+                    &dense_logits[..kd * vocab],
+                    &tokens[..kd],
+                    vocab,
+                );
+                Some((
+                    ach,
+                    vs_batch,
+                    batch.ppl / dd.ppl - 1.0,
+                    score(&dl, &dense_logits[..kd * vocab], &tokens[..kd], vocab).ppl / dd.ppl
+                        - 1.0,
+                ))
+            } else {
+                None
+            };
+            eprintln!(
+                "{name} @ {s:.2}: ppl {:.4} ({:+.2} %), achieved {achieved:.3} ({:.1} s)",
+                sc.ppl,
+                100.0 * (sc.ppl / d.ppl - 1.0),
+                t.elapsed().as_secs_f64()
+            );
+            rows.push((
+                name.clone(),
+                s,
+                r.per_matrix.last().copied().unwrap_or(0.0),
+                achieved,
+                sc,
+                dec,
+            ));
         }
     }
     sparse
         .backend()
-        .set_thresholds(vec![None; n_layer * Proj::ALL.len()])?;
+        .set_thresholds(vec![None; artifact.matrices().len()])?;
 
     if as_json {
         let out = json!({
             "model": meta.source_name, "text": text_path.display().to_string(), "tokens": tokens.len(),
-            "calibration": meta.calib_name, "dense_ppl": d.ppl, "exact_f32_ppl": x.ppl,
+            "calibration": meta.calib_name, "dense_ppl": d.ppl,
             "repacked": {
-                "tokens": k, "ppl": r_vs_dense.ppl, "dense_ppl": d_head.ppl, "exact_f32_ppl": x_head.ppl,
+                "tokens": k, "ppl": r_vs_dense.ppl, "dense_ppl": d_head.ppl,
                 "cosine_vs_dense": r_vs_dense.cosine, "top1_vs_dense": r_vs_dense.top1,
-                "cosine_vs_exact_f32": r_vs_exact.cosine, "top1_vs_exact_f32": r_vs_exact.top1,
             },
-            "rows": rows.iter().map(|(p, s, ach, sc)| json!({
-                "plan": p, "sparsity": s, "achieved": ach, "ppl": sc.ppl,
-                "delta_ppl": sc.ppl / x.ppl - 1.0, "cosine": sc.cosine, "top1": sc.top1,
+            "rows": rows.iter().map(|(p, s, hs, ach, sc, dec)| json!({
+                "plan": p, "sparsity": s, "head_sparsity": hs, "achieved": ach, "ppl": sc.ppl,
+                "delta_ppl": sc.ppl / d.ppl - 1.0, "cosine": sc.cosine, "top1": sc.top1,
+                "decode": dec.as_ref().map(|(ach, vb, bd, dd)| json!({
+                    "tokens": kd, "achieved": ach, "cosine_vs_batch": vb.cosine, "top1_vs_batch": vb.top1,
+                    "delta_ppl_batch": bd, "delta_ppl_decode": dd,
+                })),
             })).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
     println!(
-        "model {} | held-out {} ({} tokens) | dense ppl {:.4} (own dense path), {:.4} (exact f32: the rows' reference)",
+        "model {} | held-out {} ({} tokens) | own dense ppl {:.4} (batch, quantized activations)",
         meta.source_name,
         text_path.display(),
         tokens.len(),
         d.ppl,
-        x.ppl
     );
     println!(
-        "repacked model at sparsity 0 (decode kernels, first {k} tokens, {repack_s:.1} s): ppl {:.4} vs dense {:.4} ({:+.3} %), exact f32 {:.4}; logit cosine {:.6} vs dense, {:.6} vs exact f32; top-1 {:.4} vs dense",
+        "repacked model at sparsity 0 (decode kernels, first {k} tokens, {repack_s:.1} s): ppl {:.4} vs dense decode {:.4} ({:+.3} %); logit cosine {:.6}, top-1 {:.4} vs dense",
         r_vs_dense.ppl,
         d_head.ppl,
         100.0 * (r_vs_dense.ppl / d_head.ppl - 1.0),
-        x_head.ppl,
         r_vs_dense.cosine,
-        r_vs_exact.cosine,
         r_vs_dense.top1
     );
     println!(
-        "{:<26} {:>8} {:>8} {:>10} {:>8} {:>9} {:>7}",
-        "plan", "sparsity", "achieved", "ppl", "dppl %", "cosine", "top-1"
+        "{:<24} {:>8} {:>8} {:>8} {:>10} {:>8} {:>9} {:>7}",
+        "plan", "sparsity", "head", "achieved", "ppl", "dppl %", "cosine", "top-1"
     );
-    for (p, s, ach, sc) in &rows {
+    for (p, s, hs, ach, sc, dec) in &rows {
         println!(
-            "{:<26} {:>8.2} {:>8.3} {:>10.4} {:>+8.2} {:>9.5} {:>7.4}",
+            "{:<24} {:>8.2} {:>8.2} {:>8.3} {:>10.4} {:>+8.2} {:>9.5} {:>7.4}",
             p,
             s,
+            hs,
             ach,
             sc.ppl,
-            100.0 * (sc.ppl / x.ppl - 1.0),
+            100.0 * (sc.ppl / d.ppl - 1.0),
             sc.cosine,
             sc.top1
         );
+        if let Some((ach, vb, bd, dd)) = dec {
+            println!(
+                "  decode kernels, first {kd} tokens: achieved {ach:.3}, cosine {:.5} / top-1 {:.4} vs the batch path; dppl {:+.2} % (decode) vs {:+.2} % (batch) there",
+                vb.cosine,
+                vb.top1,
+                100.0 * dd,
+                100.0 * bd
+            );
+        }
     }
     Ok(())
 }

@@ -292,12 +292,15 @@ impl CpuActivations {
     pub fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.width..(r + 1) * self.width]
     }
-    fn reshape(&mut self, rows: usize, width: usize) {
+    /// Sets the shape, keeping the allocation (new elements are 0, old ones
+    /// keep their values).
+    pub fn reshape(&mut self, rows: usize, width: usize) {
         self.rows = rows;
         self.width = width;
         self.data.resize(rows * width, 0.0);
     }
-    fn data_mut(&mut self) -> &mut [f32] {
+    /// All rows, for writing.
+    pub fn data_mut(&mut self) -> &mut [f32] {
         let n = self.rows * self.width;
         &mut self.data[..n]
     }

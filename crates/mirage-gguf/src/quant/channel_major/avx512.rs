@@ -1,17 +1,23 @@
-//! AVX-512 tile kernels of the channel-major layout.
+//! The AVX-512 VNNI tile kernel of the channel-major layout.
 //!
-//! One channel's codes of a whole tile (64 or 128 outputs) are widened to
-//! 16-lane integers, converted to floats and multiplied into `tile / 16`
-//! accumulators with the channel's activation broadcast: every code byte is
-//! read once, the accumulators stay in registers for the whole group, and
-//! the group's scales are applied once per output at its end (see the
-//! parent module for the arithmetic). Tiles of 32 outputs go to the AVX2
-//! kernels.
+//! Per group and block of 128 outputs, the active channels go 4 at a time:
+//! the 64 base-plane bytes of each of the 4 runs are loaded and transposed
+//! in registers (`unpack` of bytes, then of 16-bit pairs), so that each
+//! 32-bit lane holds the same output's byte of the 4 channels; the low and
+//! high nibbles (`and`, GFNI affine) are that lane's 4 codes for two
+//! outputs, and one `vpdpbusd` against the 4 channels' int8 activations
+//! (broadcast) adds their 4 products to each of 16 outputs' i32 sums. The
+//! 5- and 6-bit types transpose their high-bit plane the same way and merge
+//! the bits in with GFNI affine maps; Q8_0 transposes two vectors of codes.
+//! The code placement of the layout ([`super::code_position`]) is what
+//! makes each vector's 16 lanes 16 consecutive outputs. After a group's
+//! channels, its i32 sums are scaled once per output (the epilogue of the
+//! parent module, the same float operations in the same order).
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{ActiveChannels, ChannelMajorLayout, TileKernel};
+use super::{ActiveChannels, ChannelMajorLayout, TileKernel, BLOCK};
 use crate::types::GgmlType;
 
 /// Whether this CPU runs the kernels here.
@@ -19,250 +25,477 @@ pub(super) fn available() -> bool {
     is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
-        && super::avx2::available()
+        && is_x86_feature_detected!("avx512vnni")
+        && is_x86_feature_detected!("gfni")
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
 }
+
+// Epilogue kinds.
+const OFF8: u8 = 0; // Q4_0
+const OFF16: u8 = 1; // Q5_0
+const OFF128: u8 = 2; // Q8_0
+const MIN: u8 = 3; // Q4_1, Q5_1
+const KQ: u8 = 4; // Q4_K, Q5_K
+const K6: u8 = 5; // Q6_K
 
 /// The kernel for `ty`. Callers check [`available`] first.
 pub(super) fn kernel(ty: GgmlType) -> Option<TileKernel> {
     use GgmlType::*;
     Some(match ty {
-        Q4_0 => tile_q4_0,
-        Q4_1 => tile_q4_1,
-        Q5_0 => tile_q5_0,
-        Q5_1 => tile_q5_1,
-        Q8_0 => tile_q8_0,
-        Q4_K => tile_q4_k,
-        Q5_K => tile_q5_k,
-        Q6_K => tile_q6_k,
+        Q4_0 => tile::<4, OFF8>,
+        Q4_1 => tile::<4, MIN>,
+        Q5_0 => tile::<5, OFF16>,
+        Q5_1 => tile::<5, MIN>,
+        Q8_0 => tile::<8, OFF128>,
+        Q4_K => tile::<4, KQ>,
+        Q5_K => tile::<5, KQ>,
+        Q6_K => tile::<6, K6>,
         _ => return None,
     })
 }
 
-/// Widens the codes of chunk `c` (32 outputs) of a channel into two
-/// 16-lane integer vectors (outputs 0..16 and 16..32 of the chunk).
-macro_rules! codes {
-    (4, $ch:expr, $tile:expr, $c:expr) => {{
-        let v = _mm512_cvtepu8_epi32(_mm_loadu_si128($ch.add(16 * $c) as *const __m128i));
-        (
-            _mm512_and_si512(v, _mm512_set1_epi32(15)),
-            _mm512_srli_epi32(v, 4),
-        )
-    }};
-    (5, $ch:expr, $tile:expr, $c:expr) => {{
-        let (lo, hi) = codes!(4, $ch, $tile, $c);
-        let h = ($ch.add($tile / 2 + 4 * $c) as *const u32).read_unaligned();
-        let sixteen = _mm512_set1_epi32(16);
-        (
-            _mm512_mask_or_epi32(lo, h as u16, lo, sixteen),
-            _mm512_mask_or_epi32(hi, (h >> 16) as u16, hi, sixteen),
-        )
-    }};
-    (6, $ch:expr, $tile:expr, $c:expr) => {{
-        let (lo, hi) = codes!(4, $ch, $tile, $c);
-        let h = ($ch.add($tile / 2 + 8 * $c) as *const u64).read_unaligned();
-        let shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let three = _mm512_set1_epi32(3);
-        let top = |w: u32| {
-            _mm512_slli_epi32(
-                _mm512_and_si512(
-                    _mm512_srlv_epi32(_mm512_set1_epi32(w as i32), shifts),
-                    three,
-                ),
-                4,
-            )
-        };
-        (
-            _mm512_or_si512(lo, top(h as u32)),
-            _mm512_or_si512(hi, top((h >> 32) as u32)),
-        )
-    }};
-    (8, $ch:expr, $tile:expr, $c:expr) => {{
-        (
-            _mm512_cvtepi8_epi32(_mm_loadu_si128($ch.add(32 * $c) as *const __m128i)),
-            _mm512_cvtepi8_epi32(_mm_loadu_si128($ch.add(32 * $c + 16) as *const __m128i)),
-        )
-    }};
+/// GF(2) affine map (`gf2p8affine`) moving bit `s` of each byte to bit `t`.
+const fn bit_move(s: u32, t: u32) -> u64 {
+    (1u64 << s) << (8 * (7 - t))
+}
+/// High nibble to low nibble.
+const HI_NIBBLE: u64 = bit_move(4, 0) | bit_move(5, 1) | bit_move(6, 2) | bit_move(7, 3);
+/// Bit `f` to bit 4 (the fifth bit of a 5-bit code).
+const fn fifth(f: u32) -> u64 {
+    bit_move(f, 4)
+}
+/// Bits `2f, 2f+1` to bits 4, 5 (the top of a 6-bit code).
+const fn top2(f: u32) -> u64 {
+    bit_move(2 * f, 4) | bit_move(2 * f + 1, 5)
+}
+/// `(a & c) | b` for `vpternlogd`.
+const AND_OR: i32 = 0xEC;
+
+/// The 4x4 byte transpose of 4 vectors: lane `4L + m` of result `q` holds
+/// byte `16L + 4q + m` of `a`, `b`, `c`, `d` (in that byte order).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+fn transpose512(a: __m512i, b: __m512i, c: __m512i, d: __m512i) -> [__m512i; 4] {
+    let ab_lo = _mm512_unpacklo_epi8(a, b);
+    let ab_hi = _mm512_unpackhi_epi8(a, b);
+    let cd_lo = _mm512_unpacklo_epi8(c, d);
+    let cd_hi = _mm512_unpackhi_epi8(c, d);
+    [
+        _mm512_unpacklo_epi16(ab_lo, cd_lo),
+        _mm512_unpackhi_epi16(ab_lo, cd_lo),
+        _mm512_unpacklo_epi16(ab_hi, cd_hi),
+        _mm512_unpackhi_epi16(ab_hi, cd_hi),
+    ]
+}
+
+/// [`transpose512`] on 256-bit vectors (2 lanes of 128 bits).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+fn transpose256(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> [__m256i; 4] {
+    let ab_lo = _mm256_unpacklo_epi8(a, b);
+    let ab_hi = _mm256_unpackhi_epi8(a, b);
+    let cd_lo = _mm256_unpacklo_epi8(c, d);
+    let cd_hi = _mm256_unpackhi_epi8(c, d);
+    [
+        _mm256_unpacklo_epi16(ab_lo, cd_lo),
+        _mm256_unpackhi_epi16(ab_lo, cd_lo),
+        _mm256_unpacklo_epi16(ab_hi, cd_hi),
+        _mm256_unpackhi_epi16(ab_hi, cd_hi),
+    ]
+}
+
+/// [`transpose512`] on 128-bit vectors.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+fn transpose128(a: __m128i, b: __m128i, c: __m128i, d: __m128i) -> [__m128i; 4] {
+    let ab_lo = _mm_unpacklo_epi8(a, b);
+    let ab_hi = _mm_unpackhi_epi8(a, b);
+    let cd_lo = _mm_unpacklo_epi8(c, d);
+    let cd_hi = _mm_unpackhi_epi8(c, d);
+    [
+        _mm_unpacklo_epi16(ab_lo, cd_lo),
+        _mm_unpackhi_epi16(ab_lo, cd_lo),
+        _mm_unpacklo_epi16(ab_hi, cd_hi),
+        _mm_unpackhi_epi16(ab_hi, cd_hi),
+    ]
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+unsafe fn load512(p: *const u8) -> __m512i {
+    _mm512_loadu_si512(p as *const __m512i)
+}
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+unsafe fn load256(p: *const u8) -> __m256i {
+    _mm256_loadu_si256(p as *const __m256i)
+}
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+unsafe fn load128(p: *const u8) -> __m128i {
+    _mm_loadu_si128(p as *const __m128i)
+}
+
+/// Adds one set of 4 channels (`p`: their runs; `xb`: their 4 int8
+/// activations in every lane) to the 8 sums of block `b` (128 outputs) of a
+/// tile of `r` outputs.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+unsafe fn block_set<const BITS: usize>(
+    p: [*const u8; 4],
+    r: usize,
+    b: usize,
+    xb: __m512i,
+    acc: &mut [__m512i; 8],
+) {
+    let m0f = _mm512_set1_epi8(0x0f);
+    if BITS == 8 {
+        for z in 0..2 {
+            let at = BLOCK * b + 64 * z;
+            let q = transpose512(
+                load512(p[0].add(at)),
+                load512(p[1].add(at)),
+                load512(p[2].add(at)),
+                load512(p[3].add(at)),
+            );
+            for k in 0..4 {
+                acc[4 * z + k] = _mm512_dpbusd_epi32(acc[4 * z + k], q[k], xb);
+            }
+        }
+        return;
+    }
+    let at = (BLOCK / 2) * b;
+    let q = transpose512(
+        load512(p[0].add(at)),
+        load512(p[1].add(at)),
+        load512(p[2].add(at)),
+        load512(p[3].add(at)),
+    );
+    let hi_nib = _mm512_set1_epi64(HI_NIBBLE as i64);
+    match BITS {
+        4 => {
+            for k in 0..4 {
+                let lo = _mm512_and_si512(q[k], m0f);
+                let hi = _mm512_gf2p8affine_epi64_epi8::<0>(q[k], hi_nib);
+                acc[k] = _mm512_dpbusd_epi32(acc[k], lo, xb);
+                acc[4 + k] = _mm512_dpbusd_epi32(acc[4 + k], hi, xb);
+            }
+        }
+        5 => {
+            let at = r / 2 + 16 * b;
+            let h = transpose128(
+                load128(p[0].add(at)),
+                load128(p[1].add(at)),
+                load128(p[2].add(at)),
+                load128(p[3].add(at)),
+            );
+            let z = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set_m128i(h[1], h[0])),
+                _mm256_set_m128i(h[3], h[2]),
+            );
+            macro_rules! f5 {
+                ($f:expr) => {
+                    _mm512_gf2p8affine_epi64_epi8::<0>(z, _mm512_set1_epi64(fifth($f) as i64))
+                };
+            }
+            let tops = [
+                f5!(0),
+                f5!(1),
+                f5!(2),
+                f5!(3),
+                f5!(4),
+                f5!(5),
+                f5!(6),
+                f5!(7),
+            ];
+            for k in 0..4 {
+                let lo = _mm512_ternarylogic_epi32::<AND_OR>(q[k], tops[k], m0f);
+                let hi = _mm512_or_si512(
+                    _mm512_gf2p8affine_epi64_epi8::<0>(q[k], hi_nib),
+                    tops[4 + k],
+                );
+                acc[k] = _mm512_dpbusd_epi32(acc[k], lo, xb);
+                acc[4 + k] = _mm512_dpbusd_epi32(acc[4 + k], hi, xb);
+            }
+        }
+        _ => {
+            let at = r / 2 + 32 * b;
+            let h = transpose256(
+                load256(p[0].add(at)),
+                load256(p[1].add(at)),
+                load256(p[2].add(at)),
+                load256(p[3].add(at)),
+            );
+            let z0 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(h[0]), h[1]);
+            let z1 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(h[2]), h[3]);
+            macro_rules! t2 {
+                ($z:expr, $f:expr) => {
+                    _mm512_gf2p8affine_epi64_epi8::<0>($z, _mm512_set1_epi64(top2($f) as i64))
+                };
+            }
+            let lo_tops = [t2!(z0, 0), t2!(z0, 1), t2!(z0, 2), t2!(z0, 3)];
+            let hi_tops = [t2!(z1, 0), t2!(z1, 1), t2!(z1, 2), t2!(z1, 3)];
+            for k in 0..4 {
+                let lo = _mm512_ternarylogic_epi32::<AND_OR>(q[k], lo_tops[k], m0f);
+                let hi =
+                    _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8::<0>(q[k], hi_nib), hi_tops[k]);
+                acc[k] = _mm512_dpbusd_epi32(acc[k], lo, xb);
+                acc[4 + k] = _mm512_dpbusd_epi32(acc[4 + k], hi, xb);
+            }
+        }
+    }
+}
+
+/// [`block_set`] for a last block of 64 outputs (4- and 8-bit types only):
+/// 8 sums of 8 outputs.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+unsafe fn half_block_set<const BITS: usize>(
+    p: [*const u8; 4],
+    b: usize,
+    xb: __m256i,
+    acc: &mut [__m256i; 8],
+) {
+    if BITS == 8 {
+        for z in 0..2 {
+            let at = BLOCK * b + 32 * z;
+            let q = transpose256(
+                load256(p[0].add(at)),
+                load256(p[1].add(at)),
+                load256(p[2].add(at)),
+                load256(p[3].add(at)),
+            );
+            for k in 0..4 {
+                acc[4 * z + k] = _mm256_dpbusd_epi32(acc[4 * z + k], q[k], xb);
+            }
+        }
+        return;
+    }
+    let at = (BLOCK / 2) * b;
+    let q = transpose256(
+        load256(p[0].add(at)),
+        load256(p[1].add(at)),
+        load256(p[2].add(at)),
+        load256(p[3].add(at)),
+    );
+    let m0f = _mm256_set1_epi8(0x0f);
+    let hi_nib = _mm256_set1_epi64x(HI_NIBBLE as i64);
+    for k in 0..4 {
+        let lo = _mm256_and_si256(q[k], m0f);
+        let hi = _mm256_gf2p8affine_epi64_epi8::<0>(q[k], hi_nib);
+        acc[k] = _mm256_dpbusd_epi32(acc[k], lo, xb);
+        acc[4 + k] = _mm256_dpbusd_epi32(acc[4 + k], hi, xb);
+    }
 }
 
 /// 16 f16 values at `p` as floats.
-macro_rules! f16x16 {
-    ($p:expr) => {
-        _mm512_cvtph_ps(_mm256_loadu_si256($p as *const __m256i))
-    };
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+unsafe fn f16x16(p: *const u8) -> __m512 {
+    _mm512_cvtph_ps(load256(p))
+}
+/// 8 f16 values at `p` as floats.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+unsafe fn f16x8(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(load128(p))
 }
 
-/// Defines one tile kernel: `$bits` per code, `$epi` the group epilogue
-/// `|rec, hdr, tile, p, t, sum, y| -> new y` over 16 outputs at position
-/// `p` of the tile.
-macro_rules! tile_kernel {
-    ($name:ident, $inner:ident, $bits:tt, $epi:expr) => {
-        /// See [`TileKernel`].
-        unsafe fn $name(
-            layout: &ChannelMajorLayout,
-            data: &[u8],
-            t: usize,
-            groups: Range<usize>,
-            active: &ActiveChannels,
-            y: &mut [f32],
-        ) {
-            match layout.tile() {
-                t128 if t128 % 128 == 0 => $inner::<8>(layout, data, t, groups, active, y),
-                t64 if t64 % 64 == 0 => $inner::<4>(layout, data, t, groups, active, y),
-                // 32-output tiles: the AVX2 kernel (same arithmetic).
-                _ => {
-                    if let Some(k) = super::avx2::kernel(layout.ty()) {
-                        k(layout, data, t, groups, active, y)
-                    }
+/// The epilogue of 16 outputs `j0..j0 + 16` of a tile of `r` outputs:
+/// `y += dx * (a * acc + c * sum)` with the parent module's float operations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn epilogue16<const E: u8>(
+    rec: *const u8,
+    hdr: *const u8,
+    r: usize,
+    j0: usize,
+    acc: __m512i,
+    sum: i32,
+    dx: f32,
+    y: *mut f32,
+) {
+    let yv = _mm512_loadu_ps(y.add(j0));
+    let dxv = _mm512_set1_ps(dx);
+    let dxs = _mm512_set1_ps(dx * sum as f32);
+    let out = match E {
+        OFF8 | OFF16 | OFF128 => {
+            let off = match E {
+                OFF8 => 8,
+                OFF16 => 16,
+                _ => 128,
+            };
+            let t = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(off * sum)));
+            _mm512_fmadd_ps(_mm512_mul_ps(f16x16(rec.add(2 * j0)), dxv), t, yv)
+        }
+        MIN => {
+            let d = f16x16(rec.add(2 * j0));
+            let m = f16x16(rec.add(2 * r + 2 * j0));
+            let y1 = _mm512_fmadd_ps(_mm512_mul_ps(d, dxv), _mm512_cvtepi32_ps(acc), yv);
+            _mm512_fmadd_ps(m, dxs, y1)
+        }
+        KQ => {
+            let d = f16x16(hdr.add(2 * j0));
+            let dmin = f16x16(hdr.add(2 * r + 2 * j0));
+            let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load128(rec.add(j0))));
+            let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load128(rec.add(r + j0))));
+            let a = _mm512_mul_ps(_mm512_mul_ps(d, sc), dxv);
+            let y1 = _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(acc), yv);
+            _mm512_fnmadd_ps(_mm512_mul_ps(dmin, mn), dxs, y1)
+        }
+        _ => {
+            let d = f16x16(hdr.add(2 * j0));
+            let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(rec.add(j0))));
+            let a = _mm512_mul_ps(_mm512_mul_ps(d, sc), dxv);
+            let t = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(32 * sum)));
+            _mm512_fmadd_ps(a, t, yv)
+        }
+    };
+    _mm512_storeu_ps(y.add(j0), out);
+}
+
+/// [`epilogue16`] for 8 outputs (the last block of 64; types without a
+/// header).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn epilogue8<const E: u8>(
+    rec: *const u8,
+    r: usize,
+    j0: usize,
+    acc: __m256i,
+    sum: i32,
+    dx: f32,
+    y: *mut f32,
+) {
+    let yv = _mm256_loadu_ps(y.add(j0));
+    let dxv = _mm256_set1_ps(dx);
+    let out = match E {
+        MIN => {
+            let d = f16x8(rec.add(2 * j0));
+            let m = f16x8(rec.add(2 * r + 2 * j0));
+            let y1 = _mm256_fmadd_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(acc), yv);
+            _mm256_fmadd_ps(m, _mm256_set1_ps(dx * sum as f32), y1)
+        }
+        _ => {
+            let off = if E == OFF8 { 8 } else { 128 };
+            let t = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, _mm256_set1_epi32(off * sum)));
+            _mm256_fmadd_ps(_mm256_mul_ps(f16x8(rec.add(2 * j0)), dxv), t, yv)
+        }
+    };
+    _mm256_storeu_ps(y.add(j0), out);
+}
+
+/// Blocks ahead that the kernel prefetches. The prefetches go to the outer
+/// caches (`T2`): prefetching into L1 (`T0`) this far ahead holds the L1
+/// miss buffers and halves the kernel's memory bandwidth, while too short a
+/// distance leaves the runs' first lines (each run starts a new stream the
+/// hardware prefetchers have not learnt) waiting on memory.
+const PREFETCH_BLOCKS: usize = 8;
+
+/// Prefetches the lines of block `b` (of a tile of `r` outputs) of the
+/// channels `ids` of one group (runs at `chans`, `rl` bytes each).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+unsafe fn prefetch_block<const BITS: usize>(
+    chans: *const u8,
+    ids: &[[u8; 4]],
+    rl: usize,
+    r: usize,
+    b: usize,
+) {
+    for set in ids {
+        for &i in set {
+            let run = chans.add(i as usize * rl);
+            if BITS == 8 {
+                _mm_prefetch::<_MM_HINT_T2>(run.add(BLOCK * b) as *const i8);
+                _mm_prefetch::<_MM_HINT_T2>(run.add(BLOCK * b + 64) as *const i8);
+            } else {
+                _mm_prefetch::<_MM_HINT_T2>(run.add((BLOCK / 2) * b) as *const i8);
+                if BITS == 5 {
+                    _mm_prefetch::<_MM_HINT_T2>(run.add(r / 2 + 16 * b) as *const i8);
+                } else if BITS == 6 {
+                    _mm_prefetch::<_MM_HINT_T2>(run.add(r / 2 + 32 * b) as *const i8);
                 }
             }
         }
-
-        /// Sub-strips of `16 V` outputs; every active channel's codes of the
-        /// tile are prefetched when its group starts.
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-        unsafe fn $inner<const V: usize>(
-            layout: &ChannelMajorLayout,
-            data: &[u8],
-            t: usize,
-            groups: Range<usize>,
-            active: &ActiveChannels,
-            y: &mut [f32],
-        ) {
-            let tile = layout.tile();
-            let base = data.as_ptr();
-            let (gsize, cb, rb) = (
-                layout.group(),
-                layout.channel_bytes(),
-                layout.record_bytes(),
-            );
-            let yp = y.as_mut_ptr();
-            for v in 0..tile / 16 {
-                _mm512_storeu_ps(yp.add(16 * v), _mm512_setzero_ps());
-            }
-            let per_sb = layout.superblock() / gsize;
-            let strips = tile / (16 * V);
-            for g in groups {
-                let r = active.range(g);
-                if r.is_empty() {
-                    continue;
-                }
-                let rec = base.add(layout.record_offset(t, g));
-                let chans = rec.add(rb);
-                if strips > 1 {
-                    for k in r.clone() {
-                        let i = *active.idx.get_unchecked(k) as usize;
-                        let ch = chans.add((i - g * gsize) * cb);
-                        let mut off = 0;
-                        while off < cb {
-                            _mm_prefetch(ch.add(off) as *const i8, _MM_HINT_T0);
-                            off += 64;
-                        }
-                    }
-                }
-                let sum = *active.sums.get_unchecked(g);
-                let hdr = base.add(layout.header_offset(t, g / per_sb));
-                for strip in 0..strips {
-                    let mut acc = [_mm512_setzero_ps(); V];
-                    for k in r.clone() {
-                        let i = *active.idx.get_unchecked(k) as usize;
-                        let x = _mm512_set1_ps(*active.vals.get_unchecked(k));
-                        let ch = chans.add((i - g * gsize) * cb);
-                        for c in 0..V / 2 {
-                            let (lo, hi) = codes!($bits, ch, tile, strip * (V / 2) + c);
-                            acc[2 * c] = _mm512_fmadd_ps(x, _mm512_cvtepi32_ps(lo), acc[2 * c]);
-                            acc[2 * c + 1] =
-                                _mm512_fmadd_ps(x, _mm512_cvtepi32_ps(hi), acc[2 * c + 1]);
-                        }
-                    }
-                    for v in 0..V {
-                        let p = strip * 16 * V + 16 * v;
-                        let yv = _mm512_loadu_ps(yp.add(p));
-                        let out = ($epi)(rec, hdr, tile, p, acc[v], sum, yv);
-                        _mm512_storeu_ps(yp.add(p), out);
-                    }
-                }
-            }
-        }
-    };
+    }
 }
 
-tile_kernel!(
-    tile_q4_0,
-    inner_q4_0,
-    4,
-    |rec: *const u8, _h: *const u8, _t: usize, p: usize, acc: __m512, sum: f32, y: __m512| {
-        _mm512_fmadd_ps(
-            f16x16!(rec.add(2 * p)),
-            _mm512_add_ps(acc, _mm512_set1_ps(-8.0 * sum)),
-            y,
-        )
-    }
-);
-tile_kernel!(
-    tile_q5_0,
-    inner_q5_0,
-    5,
-    |rec: *const u8, _h: *const u8, _t: usize, p: usize, acc: __m512, sum: f32, y: __m512| {
-        _mm512_fmadd_ps(
-            f16x16!(rec.add(2 * p)),
-            _mm512_add_ps(acc, _mm512_set1_ps(-16.0 * sum)),
-            y,
-        )
-    }
-);
-tile_kernel!(
-    tile_q8_0,
-    inner_q8_0,
-    8,
-    |rec: *const u8, _h: *const u8, _t: usize, p: usize, acc: __m512, _sum: f32, y: __m512| {
-        _mm512_fmadd_ps(f16x16!(rec.add(2 * p)), acc, y)
-    }
-);
-tile_kernel!(
-    tile_q4_1,
-    inner_q4_1,
-    4,
-    |rec: *const u8, _h: *const u8, tile: usize, p: usize, acc: __m512, sum: f32, y: __m512| {
-        let y = _mm512_fmadd_ps(f16x16!(rec.add(2 * p)), acc, y);
-        _mm512_fmadd_ps(f16x16!(rec.add(2 * tile + 2 * p)), _mm512_set1_ps(sum), y)
-    }
-);
-tile_kernel!(
-    tile_q5_1,
-    inner_q5_1,
-    5,
-    |rec: *const u8, _h: *const u8, tile: usize, p: usize, acc: __m512, sum: f32, y: __m512| {
-        let y = _mm512_fmadd_ps(f16x16!(rec.add(2 * p)), acc, y);
-        _mm512_fmadd_ps(f16x16!(rec.add(2 * tile + 2 * p)), _mm512_set1_ps(sum), y)
-    }
-);
-
-macro_rules! k_epilogue {
-    () => {
-        |rec: *const u8, hdr: *const u8, tile: usize, p: usize, acc: __m512, sum: f32, y: __m512| {
-            let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                rec.add(p) as *const __m128i
-            )));
-            let m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                rec.add(tile + p) as *const __m128i
-            )));
-            let a = _mm512_mul_ps(f16x16!(hdr.add(2 * p)), sc);
-            let c = _mm512_mul_ps(f16x16!(hdr.add(2 * tile + 2 * p)), m);
-            _mm512_fnmadd_ps(c, _mm512_set1_ps(sum), _mm512_fmadd_ps(a, acc, y))
+/// See [`TileKernel`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+unsafe fn tile<const BITS: usize, const E: u8>(
+    layout: &ChannelMajorLayout,
+    data: &[u8],
+    t: usize,
+    groups: Range<usize>,
+    active: &ActiveChannels,
+    y: &mut [f32],
+) {
+    let r = layout.tile_rows(t);
+    let rl = layout.run_bytes(r);
+    let (full, tail) = (r / BLOCK, r % BLOCK != 0);
+    let base = data.as_ptr();
+    let yp = y.as_mut_ptr();
+    y.fill(0.0);
+    let gps = layout.groups_per_superblock();
+    let rec_bytes = layout.record_bytes(r);
+    let nblocks = full + tail as usize;
+    // The next group with active channels (its first blocks are prefetched
+    // while this group's last ones run).
+    let next_after = |g: usize| (g + 1..groups.end).find(|&n| !active.sets(n).is_empty());
+    let mut next = groups.clone().find(|&n| !active.sets(n).is_empty());
+    if let Some(g) = next {
+        let chans = base.add(layout.record_offset(t, g) + rec_bytes);
+        let ids = active.set_idx.get_unchecked(active.sets(g));
+        for b in 0..PREFETCH_BLOCKS.min(nblocks) {
+            prefetch_block::<BITS>(chans, ids, rl, r, b);
         }
-    };
-}
-tile_kernel!(tile_q4_k, inner_q4_k, 4, k_epilogue!());
-tile_kernel!(tile_q5_k, inner_q5_k, 5, k_epilogue!());
-tile_kernel!(
-    tile_q6_k,
-    inner_q6_k,
-    6,
-    |rec: *const u8, hdr: *const u8, _t: usize, p: usize, acc: __m512, sum: f32, y: __m512| {
-        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-            rec.add(p) as *const __m128i
-        )));
-        let a = _mm512_mul_ps(f16x16!(hdr.add(2 * p)), sc);
-        _mm512_fmadd_ps(a, _mm512_add_ps(acc, _mm512_set1_ps(-32.0 * sum)), y)
     }
-);
+    while let Some(g) = next {
+        next = next_after(g);
+        let sets = active.sets(g);
+        let rec = base.add(layout.record_offset(t, g));
+        let chans = rec.add(rec_bytes);
+        let hdr = base.add(layout.header_offset(t, g / gps));
+        let (dx, sum) = (*active.dx.get_unchecked(g), *active.sum.get_unchecked(g));
+        let idx = active.set_idx.get_unchecked(sets.clone());
+        let xqs = active.set_xq.get_unchecked(sets);
+        let (next_chans, next_ids) = match next {
+            Some(n) => (
+                base.add(layout.record_offset(t, n) + rec_bytes),
+                active.set_idx.get_unchecked(active.sets(n)),
+            ),
+            None => (chans, &[][..]),
+        };
+        for b in 0..full {
+            let ahead = b + PREFETCH_BLOCKS;
+            if ahead < nblocks {
+                prefetch_block::<BITS>(chans, idx, rl, r, ahead);
+            } else if ahead - nblocks < nblocks {
+                prefetch_block::<BITS>(next_chans, next_ids, rl, r, ahead - nblocks);
+            }
+            let mut acc = [_mm512_setzero_si512(); 8];
+            for (ids, &xq) in idx.iter().zip(xqs) {
+                let p = ids.map(|i| chans.add(i as usize * rl));
+                block_set::<BITS>(p, r, b, _mm512_set1_epi32(xq), &mut acc);
+            }
+            for (v, a) in acc.iter().enumerate() {
+                epilogue16::<E>(rec, hdr, r, BLOCK * b + 16 * v, *a, sum, dx, yp);
+            }
+        }
+        if tail && (BITS == 4 || BITS == 8) {
+            let mut acc = [_mm256_setzero_si256(); 8];
+            for (ids, &xq) in idx.iter().zip(xqs) {
+                let p = ids.map(|i| chans.add(i as usize * rl));
+                half_block_set::<BITS>(p, full, _mm256_set1_epi32(xq), &mut acc);
+            }
+            for (v, a) in acc.iter().enumerate() {
+                epilogue8::<E>(rec, r, BLOCK * full + 8 * v, *a, sum, dx, yp);
+            }
+        }
+    }
+}
