@@ -75,7 +75,6 @@ fn main() {
     let mut best = vec![f64::INFINITY; 1 + keeps.len()];
     let mut ratios = vec![Vec::new(); keeps.len()];
     for _ in 0..rounds {
-        let mut dense_t = 0f64;
         let t = Instant::now();
         for it in 0..iters {
             let w = &dense[it % copies];
@@ -84,7 +83,7 @@ fn main() {
                 y[r] = unsafe { dot(cols, &w[r * rb..(r + 1) * rb], &xq) };
             }
         }
-        dense_t = t.elapsed().as_secs_f64() / iters as f64;
+        let dense_t = t.elapsed().as_secs_f64() / iters as f64;
         best[0] = best[0].min(dense_t);
         for (c, act) in acts.iter().enumerate() {
             let t = Instant::now();
