@@ -16,6 +16,20 @@
 //! | cuda, auto | - | - | [`cuda::CudaBackend`] (auto: when a GPU answers, else the CPU) |
 //! | cuda | yes or no | yes, or an artifact | [`cuda::SparseCudaBackend`] (pages from the artifact, or synthetic pages from the model's own FFN) |
 //!
+//! For most programs [`LoadedEngine`] is the whole API: one engine type
+//! whatever backend was picked, sessions that own what they need (they move
+//! into threads and async tasks), generation as a callback, an iterator or
+//! (feature `async`) a `Stream`, grammars and embeddings, and one [`Error`]:
+//!
+//! ```no_run
+//! use mirage::{BackendChoice, GenerateParams, LoadedEngine};
+//! let engine = LoadedEngine::load("models/smollm2-135m-instruct-q4_1.gguf", BackendChoice::Auto)?;
+//! for piece in engine.session()?.stream("The capital of France is", &GenerateParams::default())? {
+//!     print!("{}", piece?.text);
+//! }
+//! # Ok::<(), mirage::Error>(())
+//! ```
+//!
 //! The engine's backend is a type parameter (`Engine<B>`), chosen at run
 //! time. [`load`] hands the engine to a [`WithEngine`] visitor whose `run`
 //! is generic over the backend, so the caller's code is compiled once per
