@@ -11,6 +11,9 @@ against it:
            by a separate process), active sequences back to 0, RSS flat
            after warm-up; prints one table
   openai   scripts/server_openai_test.py
+  structured
+           scripts/server_openai_structured_test.py (json_schema on
+           --prompts prompts, tool calls, logprobs, embeddings)
   determinism
            the cost of --deterministic: tok/s with 1 and 8 concurrent
            greedy clients, default vs --deterministic servers measured in
@@ -590,7 +593,7 @@ def print_table(rows, exit_row=None):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("check", choices=["browser", "load", "openai", "determinism"])
+    ap.add_argument("check", choices=["browser", "load", "openai", "structured", "determinism"])
     ap.add_argument("--binary", default=os.path.join(ROOT, "target/release/mirage-server"))
     ap.add_argument("--model", default=os.path.join(ROOT, "models/smollm2-135m-instruct-q4_1.gguf"))
     ap.add_argument("--clients", type=int, default=64)
@@ -603,6 +606,7 @@ def main():
     ap.add_argument("--drain", type=float, default=120, help="seconds after the deadline for requests in flight")
     ap.add_argument("--screenshot", default="/tmp/mirage-chat-page.png")
     ap.add_argument("--rounds", type=int, default=2, help="determinism: rounds of 1 and 8 clients")
+    ap.add_argument("--prompts", type=int, default=20, help="structured: json_schema prompts")
     ap.add_argument("--server-files", type=int, help="run the server under this open-file limit (ulimit -n)")
     ap.add_argument("--json")
     ap.add_argument("--server-args", default="--max-batch 16 --queue 128 --ctx 1024",
@@ -621,6 +625,9 @@ def main():
             env = dict(os.environ)
             env.setdefault("NODE_PATH", "/tmp/mirage-node/node_modules")
             rc = subprocess.call(["node", os.path.join(ROOT, "scripts/server_chat_page.js"), base, args.screenshot], env=env)
+        elif args.check == "structured":
+            rc = subprocess.call([sys.executable, os.path.join(ROOT, "scripts/server_openai_structured_test.py"),
+                                  "--base-url", base + "/v1", "--prompts", str(args.prompts)])
         else:
             rc = subprocess.call([sys.executable, os.path.join(ROOT, "scripts/server_openai_test.py"),
                                   "--base-url", base + "/v1"])

@@ -111,8 +111,9 @@ def main() -> int:
     @check("json_object")
     def _():
         r = client.chat.completions.create(
-            model=model, max_tokens=120, temperature=0, response_format={"type": "json_object"},
-            messages=[{"role": "user", "content": "Give me a JSON object describing a cat."}])
+            model=model, max_tokens=200, temperature=0, response_format={"type": "json_object"},
+            messages=[{"role": "user", "content": "Give me a JSON object with the name and age of a cat."}])
+        assert r.choices[0].finish_reason == "stop", (r.choices[0].finish_reason, r.choices[0].message.content)
         assert isinstance(json.loads(r.choices[0].message.content), dict), r.choices[0].message.content
 
     question = [{"role": "user", "content": "What is the weather in Paris right now?"}]
@@ -219,8 +220,11 @@ def main() -> int:
     @check("embeddings (batched, normalised, similar closer than unrelated)")
     def _():
         texts = ["The cat sat on the mat.", "A cat is sitting on a rug.", "Quarterly tax filing deadlines."]
-        r = client.embeddings.create(model=model, input=texts)
+        r = client.embeddings.create(model=model, input=texts)  # the client asks for base64
         vs = [d.embedding for d in sorted(r.data, key=lambda d: d.index)]
+        f = client.embeddings.create(model=model, input=texts, encoding_format="float")
+        vf = [d.embedding for d in sorted(f.data, key=lambda d: d.index)]
+        assert all(abs(a - b) < 1e-6 for u, w in zip(vs, vf) for a, b in zip(u, w)), "base64 and float differ"
         assert len(vs) == 3 and r.usage.prompt_tokens > 0
         for v in vs:
             assert abs(sum(x * x for x in v) - 1) < 1e-3

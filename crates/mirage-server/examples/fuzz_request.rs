@@ -51,7 +51,11 @@ pub const SEEDS: &[&str] = &[
     r#"{"prompt":[1,2,3,4],"echo":false,"stream":true,"seed":-5}"#,
     r#"{"prompt":["Once upon a time"],"echo":true,"max_tokens":900,"temperature":0.8,"user":"u"}"#,
     r#"{"prompt":[[15,16]],"logit_bias":{},"best_of":1,"suffix":""}"#,
-    r#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}],"response_format":{"type":"json_object"},"logprobs":true,"top_logprobs":3}"#,
+    r#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"p","strict":true,"schema":{"type":"object","properties":{"a":{"type":"integer"}}}}},"logprobs":true,"top_logprobs":3}"#,
+    r#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"x\":1}"}}]},{"role":"tool","tool_call_id":"c1","content":"2"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}],"tool_choice":"required","parallel_tool_calls":false}"#,
+    r#"{"prompt":"x","logprobs":5,"stream":true}"#,
+    r#"{"input":["a","b"],"encoding_format":"base64","model":"m"}"#,
+    r#"{"messages":[{"role":"user","content":"hi"}],"functions":[{"name":"f"}],"logit_bias":{"1":2}}"#,
 ];
 
 /// Bytes that make interesting JSON when spliced in.

@@ -6,6 +6,7 @@ use mirage_tokenizer::ChatMessage;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
+use crate::structured::{self, ChatStructure, EmbeddingEncoding, EmbeddingInput};
 use crate::unsupported::{self, Endpoint};
 
 /// `stop`: one string or a list of them.
@@ -150,6 +151,15 @@ pub struct CompletionRequest {
 pub enum Prompt {
     /// Chat messages, rendered with the model's template.
     Chat(Vec<ChatMessage>),
+    /// Chat messages with tools, tool calls or tool results, as the
+    /// template reads them ([`structured::template_messages`]), and the
+    /// tools the prompt shows.
+    ChatJson {
+        /// The messages.
+        messages: serde_json::Value,
+        /// The tools (`None`: none shown).
+        tools: Option<serde_json::Value>,
+    },
     /// Raw text (tokenized with BOS where the model wants it).
     Text(String),
     /// Token ids as given.
@@ -195,6 +205,12 @@ impl WithKnobs for CompletionRequest {
 /// `#[serde(flatten)]`, which would hide the name of a field of the wrong
 /// type).
 pub fn parse_request<T: WithKnobs>(body: &[u8]) -> Result<T, ApiError> {
+    parse_request_value(body).map(|(r, _)| r)
+}
+
+/// [`parse_request`], also giving back the body as JSON (for the
+/// structured-output fields, read by [`crate::structured`]).
+pub fn parse_request_value<T: WithKnobs>(body: &[u8]) -> Result<(T, serde_json::Value), ApiError> {
     let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::invalid(
             format!("We could not parse the JSON body of your request: {e}"),
@@ -210,9 +226,9 @@ pub fn parse_request<T: WithKnobs>(body: &[u8]) -> Result<T, ApiError> {
     };
     unsupported::check_request(object, T::ENDPOINT)?;
     let knobs: Knobs = from_value(value.clone())?;
-    let mut req: T = from_value(value)?;
+    let mut req: T = from_value(value.clone())?;
     *req.knobs_mut() = knobs;
-    Ok(req)
+    Ok((req, value))
 }
 
 fn check_range(name: &str, v: Option<f32>, lo: f32, hi: f32) -> Result<(), ApiError> {
@@ -414,7 +430,15 @@ pub fn completion_prompt(p: &PromptField) -> Result<Prompt, ApiError> {
 pub struct ValidChat {
     /// The conversation.
     pub messages: Vec<ChatMessage>,
-    /// Sampling, stop strings, token limit, streaming.
+    /// Response format, tools, log-probabilities.
+    pub structure: ChatStructure,
+    /// The messages as the template reads them when tools, tool calls or
+    /// tool results take part (rendered with `render_json`); `None`: a
+    /// plain conversation.
+    pub template_messages: Option<serde_json::Value>,
+    /// Sampling, stop strings, token limit, streaming; `params.logprobs`
+    /// set, `params.constraint` left to the handler (it needs the model's
+    /// vocabulary).
     pub checked: Checked,
 }
 
@@ -422,10 +446,29 @@ pub struct ValidChat {
 /// context of `n_ctx` positions; `fresh_seed` is the seed when the request
 /// has none.
 pub fn validate_chat(body: &[u8], n_ctx: usize, fresh_seed: u64) -> Result<ValidChat, ApiError> {
-    let req: ChatRequest = parse_request(body)?;
+    let (req, value): (ChatRequest, _) = parse_request_value(body)?;
     let messages = chat_messages(&req.messages)?;
-    let checked = check_knobs(&req.knobs, n_ctx, None, fresh_seed)?;
-    Ok(ValidChat { messages, checked })
+    let structure = structured::chat_structure(&value)?;
+    let with_tools = structure.prompt_tools().is_some()
+        || req.messages.iter().any(|m| m.role == "tool")
+        || value["messages"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|m| m.get("tool_calls").is_some_and(|t| !t.is_null()));
+    let template_messages = if with_tools {
+        Some(structured::template_messages(&value["messages"])?)
+    } else {
+        None
+    };
+    let mut checked = check_knobs(&req.knobs, n_ctx, None, fresh_seed)?;
+    checked.params.logprobs = structure.logprobs;
+    Ok(ValidChat {
+        messages,
+        structure,
+        template_messages,
+        checked,
+    })
 }
 
 /// A completion request, parsed and checked.
@@ -446,10 +489,11 @@ pub fn validate_completion(
     n_ctx: usize,
     fresh_seed: u64,
 ) -> Result<ValidCompletion, ApiError> {
-    let req: CompletionRequest = parse_request(body)?;
+    let (req, value): (CompletionRequest, _) = parse_request_value(body)?;
     let prompt = completion_prompt(&req.prompt)?;
     // OpenAI's legacy default is 16 new tokens.
-    let checked = check_knobs(&req.knobs, n_ctx, Some(16), fresh_seed)?;
+    let mut checked = check_knobs(&req.knobs, n_ctx, Some(16), fresh_seed)?;
+    checked.params.logprobs = structured::completion_logprobs(&value)?;
     let echo = match (&prompt, req.echo.unwrap_or(false)) {
         (Prompt::Text(t), true) => Some(t.clone()),
         (Prompt::Tokens(_), true) => {
@@ -465,6 +509,32 @@ pub fn validate_completion(
         echo,
         checked,
     })
+}
+
+/// Parses and checks the body of `POST /v1/embeddings` (at most
+/// `max_inputs` inputs).
+pub fn validate_embeddings(
+    body: &[u8],
+    max_inputs: usize,
+) -> Result<(EmbeddingInput, EmbeddingEncoding), ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid(
+            format!("We could not parse the JSON body of your request: {e}"),
+            None,
+        )
+        .with_code("invalid_json")
+    })?;
+    let Some(object) = value.as_object() else {
+        return Err(
+            ApiError::invalid("The request body must be a JSON object.", None)
+                .with_code("invalid_type"),
+        );
+    };
+    unsupported::check_request(object, Endpoint::Embedding)?;
+    Ok((
+        structured::embedding_input(&value, max_inputs)?,
+        structured::embedding_encoding(&value)?,
+    ))
 }
 
 /// OpenAI's `finish_reason` for a stop reason.

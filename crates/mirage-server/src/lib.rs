@@ -20,7 +20,8 @@ pub mod unsupported;
 /// the checks of both generation endpoints exactly as the handlers do
 /// ([`api::validate_chat`], [`api::validate_completion`]) and checks what
 /// comes out: a request either validates, within the context, or is
-/// refused with a 4xx whose body is the OpenAI error JSON. Panics only when
+/// refused with a 4xx whose body is the OpenAI error JSON. The same for
+/// the embeddings endpoint ([`api::validate_embeddings`]). Panics only when
 /// that does not hold (or when a check panics), which is what a fuzzer
 /// looks for.
 pub fn fuzz_request(bytes: &[u8]) {
@@ -51,9 +52,20 @@ pub fn fuzz_request(bytes: &[u8]) {
             match &v.prompt {
                 api::Prompt::Text(t) => assert!(!t.is_empty()),
                 api::Prompt::Tokens(t) => assert!(!t.is_empty()),
-                api::Prompt::Chat(_) => panic!("a completion became a chat"),
+                api::Prompt::Chat(_) | api::Prompt::ChatJson { .. } => {
+                    panic!("a completion became a chat")
+                }
             }
             budget(&v.checked);
+        }
+        Err(e) => refused(&e),
+    }
+    match api::validate_embeddings(bytes, 8) {
+        Ok((structured::EmbeddingInput::Texts(t), _)) => {
+            assert!(!t.is_empty() && t.len() <= 8 && t.iter().all(|s| !s.is_empty()))
+        }
+        Ok((structured::EmbeddingInput::Tokens(t), _)) => {
+            assert!(!t.is_empty() && t.len() <= 8 && t.iter().all(|s| !s.is_empty()))
         }
         Err(e) => refused(&e),
     }

@@ -22,7 +22,10 @@ use crate::api::{self, Checked, Prompt, Usage};
 use crate::body::{ApiBody, BodyLimits};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::scheduler::{Job, JobEvent, ModelInfo};
+use crate::scheduler::{Job, JobEvent, ModelInfo, Work};
+use crate::structured::{self, TokenPieces};
+use mirage_grammar::{parse_tool_calls, GrammarCompiler, ToolCallStream, ToolStreamEvent};
+use mirage_runtime::TokenLogprob;
 
 /// State shared by every handler.
 pub struct AppState {
@@ -49,6 +52,7 @@ pub struct AppState {
 }
 
 const CHAT_PAGE: &str = include_str!("../static/index.html");
+const MARKDOWN_JS: &str = include_str!("../static/markdown.js");
 
 /// The application router. Checks run in this order: `Host` and `Origin`
 /// ([`access`]), CORS when on, the API key (on `/v1/*` and `/metrics`),
@@ -57,6 +61,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     let keyed = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/metrics", get(metrics))
@@ -64,6 +69,15 @@ pub fn router(state: Arc<AppState>) -> Router {
     let mut app = Router::new()
         .merge(keyed)
         .route("/", get(|| async { Html(CHAT_PAGE) }))
+        .route(
+            "/markdown.js",
+            get(|| async {
+                (
+                    [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+                    MARKDOWN_JS,
+                )
+            }),
+        )
         .route("/health", get(health))
         .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() });
@@ -145,19 +159,14 @@ impl AppState {
         t ^ self.next_id().wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
 
-    /// Queues a job and waits until it holds a sequence slot.
-    async fn submit(
-        &self,
-        prompt: Prompt,
-        checked: &Checked,
-    ) -> Result<(mpsc::UnboundedReceiver<JobEvent>, usize), ApiError> {
+    /// Queues a job: its event channel.
+    fn queue(&self, work: Work) -> Result<mpsc::UnboundedReceiver<JobEvent>, ApiError> {
         if self.shutting_down.load(Ordering::Relaxed) {
             return Err(ApiError::shutting_down());
         }
-        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::unbounded_channel();
         let job = Job {
-            prompt,
-            params: checked.params.clone(),
+            work,
             events: tx,
             arrived: Instant::now(),
         };
@@ -172,8 +181,21 @@ impl AppState {
                 mpsc::error::TrySendError::Closed(_) => ApiError::shutting_down(),
             });
         }
+        Ok(rx)
+    }
+
+    /// Queues a generation and waits until it holds a sequence slot.
+    async fn submit(
+        &self,
+        prompt: Prompt,
+        checked: &Checked,
+    ) -> Result<mpsc::UnboundedReceiver<JobEvent>, ApiError> {
+        let mut rx = self.queue(Work::Generate {
+            prompt,
+            params: checked.params.clone(),
+        })?;
         match rx.recv().await {
-            Some(JobEvent::Started { prompt_tokens }) => Ok((rx, prompt_tokens)),
+            Some(JobEvent::Started { .. }) => Ok(rx),
             Some(JobEvent::Failed(e)) => Err(e),
             Some(other) => Err(ApiError::internal(format!(
                 "scheduler answered {other:?} before starting"
@@ -181,33 +203,50 @@ impl AppState {
             None => Err(ApiError::shutting_down()),
         }
     }
+
+    /// The grammar compiler, or why this model has none.
+    fn grammars(&self, param: &str) -> Result<&GrammarCompiler, ApiError> {
+        self.info.grammars.as_deref().map_err(|why| {
+            ApiError::invalid(
+                format!("This model cannot constrain its output: {why}"),
+                Some(param),
+            )
+        })
+    }
+}
+
+/// A whole generation.
+struct Collected {
+    text: String,
+    logprobs: Vec<TokenLogprob>,
+    finish: &'static str,
+    usage: Usage,
 }
 
 /// Collects a whole generation.
-async fn collect(
-    mut rx: mpsc::UnboundedReceiver<JobEvent>,
-    prompt_tokens: usize,
-) -> Result<(String, &'static str, Usage), ApiError> {
+async fn collect(mut rx: mpsc::UnboundedReceiver<JobEvent>) -> Result<Collected, ApiError> {
     let mut text = String::new();
+    let mut logprobs = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             JobEvent::Text(t) => text.push_str(&t),
+            JobEvent::Logprob(l) => logprobs.push(l),
             JobEvent::Done {
                 reason,
                 prompt_tokens,
                 completion_tokens,
             } => {
-                return Ok((
+                return Ok(Collected {
                     text,
-                    api::finish_reason(reason),
-                    Usage::new(prompt_tokens, completion_tokens),
-                ))
+                    logprobs,
+                    finish: api::finish_reason(reason),
+                    usage: Usage::new(prompt_tokens, completion_tokens),
+                })
             }
             JobEvent::Failed(e) => return Err(e),
-            JobEvent::Started { .. } => {}
+            JobEvent::Started { .. } | JobEvent::Embeddings { .. } => {}
         }
     }
-    let _ = prompt_tokens;
     Err(ApiError::internal(
         "the scheduler stopped before the generation ended",
     ))
@@ -217,14 +256,24 @@ fn sse_json(v: &serde_json::Value) -> Result<Event, Infallible> {
     Ok(Event::default().data(v.to_string()))
 }
 
-/// Builds the event stream of a generation; `chunk(text, finish, usage)`
-/// shapes one chunk of the endpoint's kind.
+/// Turns a generation's events into the chunks of one endpoint's stream.
+trait Chunker: Send + 'static {
+    /// Chunks for a piece of text (none while text is held back).
+    fn text(&mut self, text: &str) -> Vec<serde_json::Value>;
+    /// Keeps a token's log-probability for the next chunk.
+    fn logprob(&mut self, l: TokenLogprob);
+    /// The last chunks, the one with `finish_reason` last.
+    fn finish(&mut self, finish: &'static str, usage: Usage) -> Vec<serde_json::Value>;
+    /// The separate usage chunk (`stream_options.include_usage`).
+    fn usage_only(&self, usage: Usage) -> serde_json::Value;
+}
+
+/// Builds the event stream of a generation.
 fn sse_stream(
     mut rx: mpsc::UnboundedReceiver<JobEvent>,
     first: Option<serde_json::Value>,
     include_usage: bool,
-    chunk: impl Fn(Option<&str>, Option<&str>, Option<Usage>) -> serde_json::Value + Send + 'static,
-    usage_only: impl Fn(Usage) -> serde_json::Value + Send + 'static,
+    mut chunker: impl Chunker,
 ) -> Response {
     let stream = async_stream::stream! {
         if let Some(first) = first {
@@ -232,12 +281,19 @@ fn sse_stream(
         }
         while let Some(ev) = rx.recv().await {
             match ev {
-                JobEvent::Text(t) => yield sse_json(&chunk(Some(&t), None, None)),
+                JobEvent::Text(t) => {
+                    for c in chunker.text(&t) {
+                        yield sse_json(&c);
+                    }
+                }
+                JobEvent::Logprob(l) => chunker.logprob(l),
                 JobEvent::Done { reason, prompt_tokens, completion_tokens } => {
                     let usage = Usage::new(prompt_tokens, completion_tokens);
-                    yield sse_json(&chunk(None, Some(api::finish_reason(reason)), Some(usage)));
+                    for c in chunker.finish(api::finish_reason(reason), usage) {
+                        yield sse_json(&c);
+                    }
                     if include_usage {
-                        yield sse_json(&usage_only(usage));
+                        yield sse_json(&chunker.usage_only(usage));
                     }
                     break;
                 }
@@ -245,7 +301,7 @@ fn sse_stream(
                     yield Ok(Event::default().data(e.body_json()));
                     break;
                 }
-                JobEvent::Started { .. } => {}
+                JobEvent::Started { .. } | JobEvent::Embeddings { .. } => {}
             }
         }
         yield Ok(Event::default().data("[DONE]"));
@@ -255,63 +311,227 @@ fn sse_stream(
         .into_response()
 }
 
+/// The chunks of a chat stream: content deltas, tool-call deltas (each
+/// call whole, once its block closes) and log-probabilities riding on the
+/// next chunk.
+struct ChatChunker {
+    id: String,
+    created: u64,
+    model: String,
+    pieces: Arc<TokenPieces>,
+    /// Parses tool calls out of the text (when the request has tools).
+    tools: Option<ToolCallStream>,
+    /// Log-probabilities asked for.
+    logprobs: bool,
+    pending: Vec<TokenLogprob>,
+}
+
+impl ChatChunker {
+    fn chunk(
+        &mut self,
+        delta: serde_json::Value,
+        finish: Option<&str>,
+        usage: Option<Usage>,
+    ) -> serde_json::Value {
+        let logprobs = if self.logprobs && !self.pending.is_empty() {
+            let v = structured::chat_logprobs(&self.pieces, &self.pending);
+            self.pending.clear();
+            v
+        } else {
+            serde_json::Value::Null
+        };
+        let mut v = json!({
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "system_fingerprint": "mirage",
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        });
+        if let Some(u) = usage {
+            v["usage"] = json!(u);
+        }
+        v
+    }
+
+    fn tool_events(&mut self, events: Vec<ToolStreamEvent>) -> Vec<serde_json::Value> {
+        let mut out = Vec::new();
+        for ev in events {
+            let delta = match ev {
+                ToolStreamEvent::Content(t) => json!({"content": t}),
+                ToolStreamEvent::Call(c) => {
+                    let index = self.tools.as_ref().map_or(1, |t| t.calls()) - 1;
+                    json!({"tool_calls": [structured::tool_call_json(&self.id, index, &c, true)]})
+                }
+            };
+            out.push(self.chunk(delta, None, None));
+        }
+        out
+    }
+}
+
+impl Chunker for ChatChunker {
+    fn text(&mut self, text: &str) -> Vec<serde_json::Value> {
+        match self.tools.as_mut() {
+            Some(t) => {
+                let events = t.push(text);
+                self.tool_events(events)
+            }
+            None => vec![self.chunk(json!({"content": text}), None, None)],
+        }
+    }
+
+    fn logprob(&mut self, l: TokenLogprob) {
+        self.pending.push(l);
+    }
+
+    fn finish(&mut self, finish: &'static str, usage: Usage) -> Vec<serde_json::Value> {
+        let mut out = Vec::new();
+        let mut finish = finish;
+        if let Some(t) = self.tools.as_mut() {
+            let events = t.finish();
+            out = self.tool_events(events);
+            if self.tools.as_ref().is_some_and(|t| t.calls() > 0) {
+                finish = "tool_calls";
+            }
+        }
+        out.push(self.chunk(json!({}), Some(finish), Some(usage)));
+        out
+    }
+
+    fn usage_only(&self, usage: Usage) -> serde_json::Value {
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+               "system_fingerprint": "mirage", "choices": [], "usage": usage})
+    }
+}
+
 async fn chat_completions(
     State(st): State<Arc<AppState>>,
     ApiBody(body): ApiBody,
 ) -> Result<Response, ApiError> {
-    let api::ValidChat { messages, checked } =
-        api::validate_chat(&body, st.info.n_ctx, st.fresh_seed())?;
+    let api::ValidChat {
+        messages,
+        structure,
+        template_messages,
+        mut checked,
+    } = api::validate_chat(&body, st.info.n_ctx, st.fresh_seed())?;
     if !st.info.has_chat_template {
         return Err(ApiError::invalid(
             "This model has no chat template; use /v1/completions.",
             Some("messages"),
         ));
     }
-    let (rx, prompt_tokens) = st.submit(Prompt::Chat(messages), &checked).await?;
+    if structure.response_format.is_some() || structure.parses_tool_calls() {
+        let param = if structure.tools.is_some() {
+            "tools"
+        } else {
+            "response_format"
+        };
+        checked.params.constraint = structure.constraint(st.grammars(param)?)?;
+    }
+    let prompt = match template_messages {
+        Some(messages) => Prompt::ChatJson {
+            messages,
+            tools: structure.prompt_tools().cloned(),
+        },
+        None => Prompt::Chat(messages),
+    };
+    let rx = st.submit(prompt, &checked).await?;
     let id = format!("chatcmpl-{}", st.next_id());
     let created = now_secs();
     let model = st.info.id.clone();
     if checked.stream {
-        let (id2, model2) = (id.clone(), model.clone());
-        let head = move |delta: serde_json::Value, finish: Option<&str>, usage: Option<Usage>| {
-            let mut v = json!({
-                "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "system_fingerprint": "mirage",
-                "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
-            });
-            if let Some(u) = usage {
-                v["usage"] = json!(u);
-            }
-            v
+        let mut chunker = ChatChunker {
+            id,
+            created,
+            model,
+            pieces: st.info.pieces.clone(),
+            tools: structure.parses_tool_calls().then(ToolCallStream::default),
+            logprobs: structure.logprobs.is_some(),
+            pending: Vec::new(),
         };
-        let first = head(json!({"role": "assistant", "content": ""}), None, None);
-        let chunk = move |text: Option<&str>, finish: Option<&str>, usage: Option<Usage>| {
-            let delta = match text {
-                Some(t) => json!({"content": t}),
-                None => json!({}),
-            };
-            head(delta, finish, usage)
-        };
-        let usage_only = move |u: Usage| {
-            json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": model2,
-                   "system_fingerprint": "mirage", "choices": [], "usage": u})
-        };
-        return Ok(sse_stream(
-            rx,
-            Some(first),
-            checked.include_usage,
-            chunk,
-            usage_only,
-        ));
+        let first = chunker.chunk(json!({"role": "assistant", "content": ""}), None, None);
+        return Ok(sse_stream(rx, Some(first), checked.include_usage, chunker));
     }
-    let (text, finish, usage) = collect(rx, prompt_tokens).await?;
+    let c = collect(rx).await?;
+    let logprobs = match structure.logprobs {
+        Some(_) => structured::chat_logprobs(&st.info.pieces, &c.logprobs),
+        None => serde_json::Value::Null,
+    };
+    let mut finish = c.finish;
+    let message = if structure.parses_tool_calls() {
+        let (content, calls) = parse_tool_calls(&c.text);
+        if calls.is_empty() {
+            json!({"role": "assistant", "content": content})
+        } else {
+            finish = "tool_calls";
+            json!({"role": "assistant", "content": (!content.is_empty()).then_some(content),
+                   "tool_calls": structured::tool_calls_json(&id, &calls)})
+        }
+    } else {
+        json!({"role": "assistant", "content": c.text})
+    };
     Ok(Json(json!({
         "id": id, "object": "chat.completion", "created": created, "model": model,
         "system_fingerprint": "mirage",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
-        "usage": usage,
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
+        "usage": c.usage,
     }))
     .into_response())
+}
+
+/// The chunks of a legacy completion stream.
+struct CompletionChunker {
+    id: String,
+    created: u64,
+    model: String,
+    pieces: Arc<TokenPieces>,
+    logprobs: bool,
+    pending: Vec<TokenLogprob>,
+    /// Bytes of text sent so far (`text_offset` of the next token).
+    offset: usize,
+}
+
+impl CompletionChunker {
+    fn chunk(
+        &mut self,
+        text: &str,
+        finish: Option<&str>,
+        usage: Option<Usage>,
+    ) -> serde_json::Value {
+        let logprobs = if self.logprobs {
+            let v = structured::completion_logprobs_json(&self.pieces, &self.pending, self.offset);
+            self.pending.clear();
+            v
+        } else {
+            serde_json::Value::Null
+        };
+        self.offset += text.len();
+        let mut v = json!({
+            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        });
+        if let Some(u) = usage {
+            v["usage"] = json!(u);
+        }
+        v
+    }
+}
+
+impl Chunker for CompletionChunker {
+    fn text(&mut self, text: &str) -> Vec<serde_json::Value> {
+        vec![self.chunk(text, None, None)]
+    }
+
+    fn logprob(&mut self, l: TokenLogprob) {
+        self.pending.push(l);
+    }
+
+    fn finish(&mut self, finish: &'static str, usage: Usage) -> Vec<serde_json::Value> {
+        vec![self.chunk("", Some(finish), Some(usage))]
+    }
+
+    fn usage_only(&self, usage: Usage) -> serde_json::Value {
+        json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+               "choices": [], "usage": usage})
+    }
 }
 
 async fn completions(
@@ -323,43 +543,70 @@ async fn completions(
         echo,
         checked,
     } = api::validate_completion(&body, st.info.n_ctx, st.fresh_seed())?;
-    let (rx, prompt_tokens) = st.submit(prompt, &checked).await?;
+    let rx = st.submit(prompt, &checked).await?;
     let id = format!("cmpl-{}", st.next_id());
     let created = now_secs();
     let model = st.info.id.clone();
+    let want_logprobs = checked.params.logprobs.is_some();
     if checked.stream {
-        let (id2, model2) = (id.clone(), model.clone());
-        let chunk = move |text: Option<&str>, finish: Option<&str>, usage: Option<Usage>| {
-            let mut v = json!({
-                "id": id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}],
-            });
-            if let Some(u) = usage {
-                v["usage"] = json!(u);
-            }
-            v
+        let mut chunker = CompletionChunker {
+            id,
+            created,
+            model,
+            pieces: st.info.pieces.clone(),
+            logprobs: want_logprobs,
+            pending: Vec::new(),
+            offset: 0,
         };
-        let first = echo.map(|e| chunk(Some(&e), None, None));
-        let usage_only = move |u: Usage| json!({"id": id2, "object": "text_completion", "created": created, "model": model2, "choices": [], "usage": u});
-        return Ok(sse_stream(
-            rx,
-            first,
-            checked.include_usage,
-            chunk,
-            usage_only,
-        ));
+        let first = echo.map(|e| chunker.chunk(&e, None, None));
+        return Ok(sse_stream(rx, first, checked.include_usage, chunker));
     }
-    let (text, finish, usage) = collect(rx, prompt_tokens).await?;
+    let c = collect(rx).await?;
+    let offset = echo.as_ref().map_or(0, String::len);
     let text = match echo {
-        Some(e) => e + &text,
-        None => text,
+        Some(e) => e + &c.text,
+        None => c.text,
+    };
+    let logprobs = if want_logprobs {
+        structured::completion_logprobs_json(&st.info.pieces, &c.logprobs, offset)
+    } else {
+        serde_json::Value::Null
     };
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
-        "usage": usage,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": c.finish}],
+        "usage": c.usage,
     }))
     .into_response())
+}
+
+/// Most inputs of one `/v1/embeddings` request (they run whole between
+/// decode steps).
+pub const MAX_EMBEDDING_INPUTS: usize = 256;
+
+async fn embeddings(
+    State(st): State<Arc<AppState>>,
+    ApiBody(body): ApiBody,
+) -> Result<Response, ApiError> {
+    let (input, encoding) = api::validate_embeddings(&body, MAX_EMBEDDING_INPUTS)?;
+    let mut rx = st.queue(Work::Embed(input))?;
+    match rx.recv().await {
+        Some(JobEvent::Embeddings {
+            vectors,
+            prompt_tokens,
+        }) => Ok(Json(structured::embeddings_json(
+            &st.info.id,
+            &vectors,
+            prompt_tokens,
+            encoding,
+        ))
+        .into_response()),
+        Some(JobEvent::Failed(e)) => Err(e),
+        Some(other) => Err(ApiError::internal(format!(
+            "scheduler answered {other:?} to an embedding request"
+        ))),
+        None => Err(ApiError::shutting_down()),
+    }
 }
 
 fn model_json(info: &ModelInfo) -> serde_json::Value {

@@ -9,13 +9,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mirage::{Backend, Engine, LoadSpec, WithEngine};
+use mirage_grammar::GrammarCompiler;
 use mirage_runtime::batch::{Batcher, SeqEvent};
-use mirage_runtime::{GenerateParams, StopReason};
+use mirage_runtime::{GenerateParams, StopReason, TokenLogprob};
 use tokio::sync::mpsc;
 
 use crate::api::Prompt;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
+use crate::structured::{EmbeddingInput, TokenPieces};
 
 /// What the scheduler tells a job's handler.
 #[derive(Debug)]
@@ -27,6 +29,16 @@ pub enum JobEvent {
     },
     /// Generated text.
     Text(String),
+    /// The log-probability of the next generated token (before the text
+    /// it completes), when the job asked for them.
+    Logprob(TokenLogprob),
+    /// The vectors of an embedding job, in input order.
+    Embeddings {
+        /// One unit vector per input.
+        vectors: Vec<Vec<f32>>,
+        /// Tokens over all inputs.
+        prompt_tokens: usize,
+    },
     /// Generation ended.
     Done {
         /// Why.
@@ -40,13 +52,25 @@ pub enum JobEvent {
     Failed(ApiError),
 }
 
+/// What a job asks the engine for.
+#[derive(Debug)]
+pub enum Work {
+    /// A generation.
+    Generate {
+        /// The prompt.
+        prompt: Prompt,
+        /// Settings; `max_tokens` 0 means "the room the prompt leaves".
+        params: GenerateParams,
+    },
+    /// Embeddings of the inputs (run between decode steps, whole).
+    Embed(EmbeddingInput),
+}
+
 /// One request for the scheduler.
 #[derive(Debug)]
 pub struct Job {
-    /// The prompt.
-    pub prompt: Prompt,
-    /// Settings; `max_tokens` 0 means "the room the prompt leaves".
-    pub params: GenerateParams,
+    /// What to do.
+    pub work: Work,
     /// Where events go; dropped by the handler when the client leaves.
     pub events: mpsc::UnboundedSender<JobEvent>,
     /// When the request arrived.
@@ -66,6 +90,11 @@ pub struct ModelInfo {
     pub artifact: Option<String>,
     /// Whether chat requests can be rendered.
     pub has_chat_template: bool,
+    /// Compiles response formats and tool-call grammars for this
+    /// vocabulary; `Err`: why the model cannot have them.
+    pub grammars: Result<Arc<GrammarCompiler>, String>,
+    /// Token bytes, for log-probability answers.
+    pub pieces: Arc<TokenPieces>,
     /// Unix seconds when it was loaded.
     pub created: u64,
 }
@@ -167,6 +196,10 @@ impl WithEngine for Serve<'_> {
                     .unwrap_or_default()
             }),
             has_chat_template: engine.chat_template().is_some(),
+            grammars: GrammarCompiler::new(engine.tokenizer(), engine.model().config().vocab_size)
+                .map(Arc::new)
+                .map_err(|e| e.to_string()),
+            pieces: Arc::new(TokenPieces::new(engine.tokenizer())),
             created,
         };
         let batcher = match Batcher::new(&engine, cfg.max_batch, cfg.load.options.n_batch) {
@@ -196,6 +229,17 @@ fn tokenize<B: Backend>(engine: &Engine<B>, prompt: &Prompt) -> Result<Vec<u32>,
         Prompt::Chat(messages) => {
             let text = engine
                 .render_chat(messages)
+                .map_err(|e| ApiError::invalid(format!("Chat template: {e}"), Some("messages")))?;
+            engine
+                .encode(&text, true)
+                .map_err(|e| ApiError::invalid(format!("Tokenizer: {e}"), Some("messages")))
+        }
+        Prompt::ChatJson { messages, tools } => {
+            let template = engine.chat_template().ok_or_else(|| {
+                ApiError::invalid("This model has no chat template.", Some("messages"))
+            })?;
+            let text = template
+                .render_json(messages, tools.as_ref(), true)
                 .map_err(|e| ApiError::invalid(format!("Chat template: {e}"), Some("messages")))?;
             engine
                 .encode(&text, true)
@@ -238,6 +282,46 @@ impl Throughput {
             total as f64 / secs
         }
     }
+}
+
+/// Runs an embedding job whole: tokenizes (with BOS where the model wants
+/// it), refuses inputs longer than the context, embeds.
+fn embed<B: Backend>(engine: &Engine<B>, input: &EmbeddingInput) -> Result<JobEvent, ApiError> {
+    let tokens = match input {
+        EmbeddingInput::Texts(texts) => texts
+            .iter()
+            .map(|t| engine.encode(t, true))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ApiError::invalid(format!("Tokenizer: {e}"), Some("input")))?,
+        EmbeddingInput::Tokens(t) => t.clone(),
+    };
+    let vocab = engine.model().config().vocab_size;
+    let n_ctx = engine.n_ctx();
+    for (i, t) in tokens.iter().enumerate() {
+        if let Some(bad) = t.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ApiError::invalid(
+                format!("input[{i}]: token id {bad} is outside the vocabulary ({vocab})."),
+                Some("input"),
+            ));
+        }
+        if t.len() > n_ctx {
+            return Err(ApiError::invalid(
+                format!(
+                    "input[{i}] has {} tokens; this model's context holds {n_ctx}.",
+                    t.len()
+                ),
+                Some("input"),
+            )
+            .with_code("context_length_exceeded"));
+        }
+    }
+    let vectors = engine
+        .embed_tokens(&tokens)
+        .map_err(|e| ApiError::internal(format!("engine: {e}")))?;
+    Ok(JobEvent::Embeddings {
+        vectors,
+        prompt_tokens: tokens.iter().map(Vec::len).sum(),
+    })
 }
 
 fn run<B: Backend>(
@@ -289,14 +373,22 @@ fn run<B: Backend>(
                 let _ = job.events.send(JobEvent::Failed(ApiError::shutting_down()));
                 continue;
             }
-            let prompt = match tokenize(engine, &job.prompt) {
+            let (job_prompt, job_params) = match job.work {
+                Work::Generate { prompt, params } => (prompt, params),
+                Work::Embed(input) => {
+                    let ev = embed(engine, &input).unwrap_or_else(JobEvent::Failed);
+                    let _ = job.events.send(ev);
+                    continue;
+                }
+            };
+            let prompt = match tokenize(engine, &job_prompt) {
                 Ok(p) => p,
                 Err(e) => {
                     let _ = job.events.send(JobEvent::Failed(e));
                     continue;
                 }
             };
-            let mut params = job.params;
+            let mut params = job_params;
             let room = n_ctx.saturating_sub(prompt.len());
             if params.max_tokens == 0 {
                 params.max_tokens = room;
@@ -309,7 +401,7 @@ fn run<B: Backend>(
                         prompt.len(),
                         params.max_tokens
                     ),
-                    Some(if matches!(job.prompt, Prompt::Chat(_)) { "messages" } else { "prompt" }),
+                    Some(if matches!(job_prompt, Prompt::Chat(_) | Prompt::ChatJson { .. }) { "messages" } else { "prompt" }),
                 )
                 .with_code("context_length_exceeded");
                 let _ = job.events.send(JobEvent::Failed(e));
@@ -398,8 +490,11 @@ fn run<B: Backend>(
                         m.cancelled.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                // Requests do not ask for log-probabilities yet.
-                SeqEvent::Logprob { .. } => {}
+                SeqEvent::Logprob { slot, logprob } => {
+                    if let Some(r) = running[slot].as_ref() {
+                        let _ = r.events.send(JobEvent::Logprob(logprob));
+                    }
+                }
                 SeqEvent::Finished {
                     slot,
                     reason,

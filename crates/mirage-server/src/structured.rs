@@ -3,7 +3,6 @@
 //! `tool_choice` / `parallel_tool_calls`, `logprobs` / `top_logprobs`,
 //! tool and assistant-tool-call messages, and `/v1/embeddings` input and
 //! output. The routes call these; the grammar work is `mirage-grammar`'s.
-#![allow(dead_code)] // wired into the routes with the request-hardening change
 
 use std::sync::Arc;
 
@@ -308,8 +307,43 @@ pub fn template_messages(messages: &Value) -> Result<Value, ApiError> {
     Ok(Value::Array(out))
 }
 
-fn token_entry(tokenizer: &Tokenizer, id: u32, logprob: f32) -> Value {
-    let bytes = tokenizer.token_to_piece(id);
+/// The bytes of every token of the vocabulary, copied once from the
+/// tokenizer (which stays on the scheduler thread) so that handlers can
+/// write log-probability answers.
+#[derive(Debug, Default)]
+pub struct TokenPieces {
+    bytes: Vec<u8>,
+    ends: Vec<usize>,
+}
+
+impl TokenPieces {
+    /// Copies `tokenizer`'s pieces.
+    pub fn new(tokenizer: &Tokenizer) -> TokenPieces {
+        let n = tokenizer.vocab_size();
+        let mut bytes = Vec::new();
+        let mut ends = Vec::with_capacity(n);
+        for id in 0..n as u32 {
+            bytes.extend_from_slice(tokenizer.token_to_piece(id));
+            ends.push(bytes.len());
+        }
+        TokenPieces { bytes, ends }
+    }
+
+    /// The bytes of token `id` (empty past the vocabulary).
+    pub fn piece(&self, id: u32) -> &[u8] {
+        let i = id as usize;
+        match self.ends.get(i) {
+            Some(&end) => {
+                let start = if i == 0 { 0 } else { self.ends[i - 1] };
+                &self.bytes[start..end]
+            }
+            None => &[],
+        }
+    }
+}
+
+fn token_entry(pieces: &TokenPieces, id: u32, logprob: f32) -> Value {
+    let bytes = pieces.piece(id);
     json!({
         "token": String::from_utf8_lossy(bytes),
         "logprob": logprob,
@@ -319,15 +353,15 @@ fn token_entry(tokenizer: &Tokenizer, id: u32, logprob: f32) -> Value {
 
 /// A chat choice's `logprobs`: `{"content": [{token, logprob, bytes,
 /// top_logprobs: [...]}, ...]}`.
-pub fn chat_logprobs(tokenizer: &Tokenizer, entries: &[TokenLogprob]) -> Value {
+pub fn chat_logprobs(pieces: &TokenPieces, entries: &[TokenLogprob]) -> Value {
     let content: Vec<Value> = entries
         .iter()
         .map(|e| {
-            let mut v = token_entry(tokenizer, e.token, e.logprob);
+            let mut v = token_entry(pieces, e.token, e.logprob);
             v["top_logprobs"] = e
                 .top
                 .iter()
-                .map(|&(t, l)| token_entry(tokenizer, t, l))
+                .map(|&(t, l)| token_entry(pieces, t, l))
                 .collect();
             v
         })
@@ -339,21 +373,21 @@ pub fn chat_logprobs(tokenizer: &Tokenizer, entries: &[TokenLogprob]) -> Value {
 /// `token_logprobs`, `top_logprobs` (token text to log-probability) and
 /// `text_offset` (bytes into the choice's text, from `offset`).
 pub fn completion_logprobs_json(
-    tokenizer: &Tokenizer,
+    pieces: &TokenPieces,
     entries: &[TokenLogprob],
     offset: usize,
 ) -> Value {
     let mut at = offset;
     let (mut tokens, mut lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
     for e in entries {
-        let text = String::from_utf8_lossy(tokenizer.token_to_piece(e.token)).into_owned();
+        let text = String::from_utf8_lossy(pieces.piece(e.token)).into_owned();
         offsets.push(at);
         at += text.len();
         tokens.push(text);
         lps.push(e.logprob);
         let mut top = serde_json::Map::new();
         for &(t, l) in &e.top {
-            top.entry(String::from_utf8_lossy(tokenizer.token_to_piece(t)).into_owned())
+            top.entry(String::from_utf8_lossy(pieces.piece(t)).into_owned())
                 .or_insert(json!(l));
         }
         tops.push(Value::Object(top));
@@ -392,18 +426,34 @@ pub enum EmbeddingInput {
     Tokens(Vec<Vec<u32>>),
 }
 
-/// Reads `input` (a string, strings, token ids, or lists of token ids) and
-/// `encoding_format` (`float` only) of an embeddings request.
-pub fn embedding_input(body: &Value, max_inputs: usize) -> Result<EmbeddingInput, ApiError> {
-    match body.get("encoding_format").and_then(Value::as_str) {
-        None | Some("float") => {}
-        Some(f) => {
-            return Err(invalid(
-                format!("encoding_format {f:?} is not supported (use float)"),
-                "encoding_format",
-            ))
-        }
+/// How `/v1/embeddings` writes each vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EmbeddingEncoding {
+    /// A JSON array of numbers.
+    #[default]
+    Float,
+    /// The little-endian `f32` bytes in base64 (what the `openai` Python
+    /// client asks for by default).
+    Base64,
+}
+
+/// Reads `encoding_format` of an embeddings request.
+pub fn embedding_encoding(body: &Value) -> Result<EmbeddingEncoding, ApiError> {
+    match body.get("encoding_format") {
+        None | Some(Value::Null) => Ok(EmbeddingEncoding::Float),
+        Some(Value::String(f)) if f == "float" => Ok(EmbeddingEncoding::Float),
+        Some(Value::String(f)) if f == "base64" => Ok(EmbeddingEncoding::Base64),
+        Some(f) => Err(invalid(
+            format!("encoding_format {f} is not float or base64"),
+            "encoding_format",
+        )),
     }
+}
+
+/// Reads `input` (a string, strings, token ids, or lists of token ids) of
+/// an embeddings request.
+pub fn embedding_input(body: &Value, max_inputs: usize) -> Result<EmbeddingInput, ApiError> {
+    embedding_encoding(body)?;
     let ids = |v: &Value| -> Option<Vec<u32>> {
         v.as_array()?
             .iter()
@@ -458,10 +508,23 @@ pub fn embedding_input(body: &Value, max_inputs: usize) -> Result<EmbeddingInput
 }
 
 /// The `/v1/embeddings` answer.
-pub fn embeddings_json(model: &str, vectors: &[Vec<f32>], prompt_tokens: usize) -> Value {
+pub fn embeddings_json(
+    model: &str,
+    vectors: &[Vec<f32>],
+    prompt_tokens: usize,
+    encoding: EmbeddingEncoding,
+) -> Value {
+    use base64::Engine as _;
+    let vector = |v: &Vec<f32>| match encoding {
+        EmbeddingEncoding::Float => json!(v),
+        EmbeddingEncoding::Base64 => {
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+        }
+    };
     json!({
         "object": "list",
-        "data": vectors.iter().enumerate().map(|(i, v)| json!({"object": "embedding", "index": i, "embedding": v})).collect::<Vec<_>>(),
+        "data": vectors.iter().enumerate().map(|(i, v)| json!({"object": "embedding", "index": i, "embedding": vector(v)})).collect::<Vec<_>>(),
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     })
@@ -601,13 +664,20 @@ mod tests {
             json!({"input": []}),
             json!({"input": [1, "a"]}),
             json!({}),
-            json!({"input": "a", "encoding_format": "base64"}),
+            json!({"input": "a", "encoding_format": "int8"}),
             json!({"input": ["a", "b", "c"]}),
         ] {
             assert!(embedding_input(&bad, 2).is_err(), "{bad}");
         }
-        let v = embeddings_json("m", &[vec![0.6, 0.8]], 3);
+        let v = embeddings_json("m", &[vec![0.6, 0.8]], 3, EmbeddingEncoding::Float);
         assert_eq!(v["data"][0]["embedding"], json!([0.6f32, 0.8f32]));
         assert_eq!(v["usage"]["total_tokens"], 3);
+        // 1.0f32 = 00 00 80 3f, 2.0f32 = 00 00 00 40 (little-endian).
+        let v = embeddings_json("m", &[vec![1.0, 2.0]], 3, EmbeddingEncoding::Base64);
+        assert_eq!(v["data"][0]["embedding"], "AACAPwAAAEA=");
+        assert_eq!(
+            embedding_encoding(&json!({"encoding_format": "base64"})).unwrap(),
+            EmbeddingEncoding::Base64
+        );
     }
 }

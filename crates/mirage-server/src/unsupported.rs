@@ -22,6 +22,8 @@ pub enum Endpoint {
     Completion,
     /// One object of a chat request's `messages`.
     Message,
+    /// The body of `POST /v1/embeddings`.
+    Embedding,
 }
 
 /// Fields the server implements.
@@ -43,16 +45,26 @@ fn implemented(e: Endpoint) -> &'static [&'static str] {
     ];
     match e {
         Endpoint::Chat => {
-            const CHAT: &[&str] = &["messages", "max_completion_tokens"];
-            const ALL: [&str; 15] = concat_fields(SAMPLING, CHAT);
+            const CHAT: &[&str] = &[
+                "messages",
+                "max_completion_tokens",
+                "response_format",
+                "tools",
+                "tool_choice",
+                "parallel_tool_calls",
+                "logprobs",
+                "top_logprobs",
+            ];
+            const ALL: [&str; 21] = concat_fields(SAMPLING, CHAT);
             &ALL
         }
         Endpoint::Completion => {
-            const COMPLETION: &[&str] = &["prompt", "echo"];
-            const ALL: [&str; 15] = concat_fields(SAMPLING, COMPLETION);
+            const COMPLETION: &[&str] = &["prompt", "echo", "logprobs"];
+            const ALL: [&str; 16] = concat_fields(SAMPLING, COMPLETION);
             &ALL
         }
-        Endpoint::Message => &["role", "content"],
+        Endpoint::Message => &["role", "content", "tool_calls", "tool_call_id"],
+        Endpoint::Embedding => &["input", "encoding_format"],
     }
 }
 
@@ -87,12 +99,9 @@ fn ignored(e: Endpoint) -> &'static [&'static str] {
             "safety_identifier",
             "prompt_cache_key",
             "service_tier",
-            // Only meaningful with `tools`, which are refused unless empty.
-            "parallel_tool_calls",
         ],
-        Endpoint::Completion => &["model", "user"],
-        // A tool message's link to the call it answers; its content is rendered.
-        Endpoint::Message => &["tool_call_id"],
+        Endpoint::Completion | Endpoint::Embedding => &["model", "user"],
+        Endpoint::Message => &[],
     }
 }
 
@@ -129,16 +138,8 @@ fn null_or_empty(v: &Value) -> bool {
 fn null_or_none(v: &Value) -> bool {
     v.is_null() || v.as_str() == Some("none")
 }
-fn null_or_zero(v: &Value) -> bool {
-    v.is_null() || v.as_u64() == Some(0)
-}
 fn null_or_one(v: &Value) -> bool {
     v.is_null() || v.as_u64() == Some(1)
-}
-fn null_or_text_format(v: &Value) -> bool {
-    v.is_null()
-        || (v.get("type").and_then(Value::as_str) == Some("text")
-            && v.as_object().is_some_and(|o| o.len() == 1))
 }
 fn null_or_text_modality(v: &Value) -> bool {
     v.is_null()
@@ -150,23 +151,10 @@ const CHAT: &[Endpoint] = &[Endpoint::Chat];
 const COMPLETION: &[Endpoint] = &[Endpoint::Completion];
 const BOTH: &[Endpoint] = &[Endpoint::Chat, Endpoint::Completion];
 const MESSAGE: &[Endpoint] = &[Endpoint::Message];
+const EMBEDDING: &[Endpoint] = &[Endpoint::Embedding];
 
 /// The refused fields, one row each.
 pub const UNSUPPORTED: &[Unsupported] = &[
-    Unsupported {
-        field: "tools",
-        endpoints: CHAT,
-        what: "tool calling",
-        off: null_or_empty,
-        off_text: "an empty list",
-    },
-    Unsupported {
-        field: "tool_choice",
-        endpoints: CHAT,
-        what: "tool calling",
-        off: null_or_none,
-        off_text: "\"none\"",
-    },
     Unsupported {
         field: "functions",
         endpoints: CHAT,
@@ -180,34 +168,6 @@ pub const UNSUPPORTED: &[Unsupported] = &[
         what: "function calling",
         off: null_or_none,
         off_text: "\"none\"",
-    },
-    Unsupported {
-        field: "response_format",
-        endpoints: CHAT,
-        what: "structured output",
-        off: null_or_text_format,
-        off_text: "{\"type\": \"text\"}",
-    },
-    Unsupported {
-        field: "logprobs",
-        endpoints: CHAT,
-        what: "log probabilities",
-        off: null_or_false,
-        off_text: "false",
-    },
-    Unsupported {
-        field: "logprobs",
-        endpoints: COMPLETION,
-        what: "log probabilities",
-        off: null,
-        off_text: "null",
-    },
-    Unsupported {
-        field: "top_logprobs",
-        endpoints: CHAT,
-        what: "log probabilities",
-        off: null_or_zero,
-        off_text: "0",
     },
     Unsupported {
         field: "logit_bias",
@@ -280,18 +240,18 @@ pub const UNSUPPORTED: &[Unsupported] = &[
         off_text: "false",
     },
     Unsupported {
+        field: "dimensions",
+        endpoints: EMBEDDING,
+        what: "shortened embeddings",
+        off: null,
+        off_text: "null",
+    },
+    Unsupported {
         field: "name",
         endpoints: MESSAGE,
         what: "participant names",
         off: null_or_empty,
         off_text: "an empty string",
-    },
-    Unsupported {
-        field: "tool_calls",
-        endpoints: MESSAGE,
-        what: "tool calling",
-        off: null_or_empty,
-        off_text: "an empty list",
     },
     Unsupported {
         field: "function_call",
@@ -373,19 +333,8 @@ mod tests {
     fn every_refused_field_is_named_and_its_off_value_passes() {
         let msg = json!([{"role": "user", "content": "hi"}]);
         let cases: &[(&str, Value, Value)] = &[
-            (
-                "tools",
-                json!([{"type": "function", "function": {"name": "f"}}]),
-                json!([]),
-            ),
-            ("tool_choice", json!("auto"), json!("none")),
-            (
-                "response_format",
-                json!({"type": "json_object"}),
-                json!({"type": "text"}),
-            ),
-            ("logprobs", json!(true), json!(false)),
-            ("top_logprobs", json!(3), json!(0)),
+            ("functions", json!([{"name": "f"}]), json!([])),
+            ("function_call", json!("auto"), json!("none")),
             ("logit_bias", json!({"50256": -100}), json!({})),
             ("store", json!(true), json!(false)),
             ("modalities", json!(["text", "audio"]), json!(["text"])),
@@ -403,11 +352,19 @@ mod tests {
             body[*field] = Value::Null;
             check(body, Endpoint::Chat).unwrap();
         }
-        let e = check(json!({"prompt": "x", "logprobs": 2}), Endpoint::Completion).unwrap_err();
+        let e = check(json!({"prompt": "x", "best_of": 2}), Endpoint::Completion).unwrap_err();
         assert_eq!(
             (e.code, e.param.as_deref()),
-            (Some("unsupported_parameter"), Some("logprobs"))
+            (Some("unsupported_parameter"), Some("best_of"))
         );
+        check(json!({"prompt": "x", "logprobs": 2}), Endpoint::Completion).unwrap();
+        let e = check(json!({"input": "x", "dimensions": 8}), Endpoint::Embedding).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("dimensions"));
+        check(
+            json!({"input": "x", "model": "m", "encoding_format": "float"}),
+            Endpoint::Embedding,
+        )
+        .unwrap();
         let e = check(
             json!({"prompt": "x", "suffix": "end"}),
             Endpoint::Completion,
@@ -424,12 +381,12 @@ mod tests {
     #[test]
     fn message_fields_and_unknown_fields_are_refused() {
         let e = check(
-            json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": null,
-                   "tool_calls": [{"id": "1"}]}]}),
+            json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b",
+                   "name": "bot"}]}),
             Endpoint::Chat,
         )
         .unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("messages[1].tool_calls"));
+        assert_eq!(e.param.as_deref(), Some("messages[1].name"));
         assert_eq!(e.code, Some("unsupported_parameter"));
         let e = check(json!({"messages": [], "mirostat": 2}), Endpoint::Chat).unwrap_err();
         assert_eq!(
@@ -440,7 +397,10 @@ mod tests {
         let e = check(json!({"prompt": "x", "messages": []}), Endpoint::Completion).unwrap_err();
         assert_eq!(e.code, Some("unknown_parameter"));
         check(
-            json!({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}],
+            json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c1"}]},
+                   {"role": "tool", "content": "42", "tool_call_id": "c1"}],
+                   "tools": [], "tool_choice": "auto", "response_format": {"type": "json_object"},
+                   "logprobs": true, "top_logprobs": 2,
                    "parallel_tool_calls": false, "metadata": {"k": "v"}}),
             Endpoint::Chat,
         )

@@ -38,7 +38,8 @@ fn seeds_are_what_the_handlers_accept_or_refuse() {
     let n = driver::SEEDS.len();
     for s in &driver::SEEDS[..n - 1] {
         let ok = mirage_server::api::validate_chat(s.as_bytes(), 1024, 0).is_ok()
-            || mirage_server::api::validate_completion(s.as_bytes(), 1024, 0).is_ok();
+            || mirage_server::api::validate_completion(s.as_bytes(), 1024, 0).is_ok()
+            || mirage_server::api::validate_embeddings(s.as_bytes(), 8).is_ok();
         assert!(ok, "{s}");
     }
     let e =

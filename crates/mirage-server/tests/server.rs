@@ -3,279 +3,18 @@
 //! the non-batched `Session` API as the reference for greedy text, and by
 //! the `openai` Python package.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use common::*;
 
 use mirage_runtime::{Engine, EngineOptions, GenerateParams};
 use mirage_tokenizer::ChatMessage;
 use serde_json::{json, Value};
-
-fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The SmolLM2 model, or None (with the reason printed) when model tests
-/// are skipped on purpose.
-fn model() -> Option<PathBuf> {
-    let p = workspace().join("models/smollm2-135m-instruct-q4_1.gguf");
-    if p.exists() {
-        return Some(p);
-    }
-    if std::env::var("MIRAGE_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!(
-            "skipping: {} is missing and MIRAGE_SKIP_MODEL_TESTS=1",
-            p.display()
-        );
-        return None;
-    }
-    panic!("{} is missing: run `cargo xtask fetch-models`", p.display());
-}
-
-struct Server {
-    child: Child,
-    addr: String,
-    /// The API key, sent with /metrics requests.
-    key: Option<String>,
-}
-
-impl Server {
-    fn start(model: &std::path::Path, extra: &[&str]) -> Server {
-        Server::start_with_files(model, extra, None)
-    }
-
-    /// Starts the server; with `files`, under that open-file limit (soft
-    /// and hard, so that the server cannot raise it).
-    fn start_with_files(model: &std::path::Path, extra: &[&str], files: Option<u32>) -> Server {
-        let mut cmd = match files {
-            Some(n) => {
-                let mut c = Command::new("sh");
-                c.args([
-                    "-c",
-                    &format!("ulimit -n {n} && exec \"$0\" \"$@\""),
-                    env!("CARGO_BIN_EXE_mirage-server"),
-                ]);
-                c
-            }
-            None => Command::new(env!("CARGO_BIN_EXE_mirage-server")),
-        };
-        let mut child = cmd
-            .arg("--model")
-            .arg(model)
-            .args(["--port", "0", "--ctx", "1024", "--threads", "2"])
-            // The references are CPU sessions: pin the backend unless the test picks one.
-            .args(if extra.contains(&"--backend") {
-                &[][..]
-            } else {
-                &["--backend", "cpu"][..]
-            })
-            .args(extra)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn mirage-server");
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let line = lines.next().expect("server printed nothing").unwrap();
-        let addr = line.rsplit("http://").next().unwrap().trim().to_string();
-        assert!(line.contains("listening on"), "{line}");
-        let key = extra
-            .iter()
-            .position(|a| *a == "--api-key")
-            .map(|i| extra[i + 1].to_string());
-        Server { child, addr, key }
-    }
-
-    fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Response {
-        Response::parse(&self.raw(
-            request_head(&self.addr, method, path, headers, body.len()).as_bytes(),
-            body,
-            Duration::from_secs(300),
-        ))
-    }
-
-    /// Sends `head` then `body` on a new connection and reads until the
-    /// server closes it (or the read times out, or the connection is reset
-    /// after an early answer such as 413): what came back.
-    fn raw(&self, head: &[u8], body: &[u8], timeout: Duration) -> Vec<u8> {
-        let mut s = TcpStream::connect(&self.addr).unwrap();
-        s.set_read_timeout(Some(timeout)).unwrap();
-        s.write_all(head).unwrap();
-        // A server may answer (413) before the whole body is sent.
-        let _ = s.write_all(body);
-        read_all(&mut s)
-    }
-
-    fn post(&self, path: &str, body: &Value) -> Response {
-        self.request(
-            "POST",
-            path,
-            &[("Content-Type", "application/json")],
-            body.to_string().as_bytes(),
-        )
-    }
-
-    fn metric(&self, name: &str) -> f64 {
-        let auth = self.key.as_ref().map(|k| format!("Bearer {k}"));
-        let headers: Vec<(&str, &str)> =
-            auth.iter().map(|a| ("Authorization", a.as_str())).collect();
-        let text = self.request("GET", "/metrics", &headers, b"").body;
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix(name)
-                    .and_then(|r| r.strip_prefix(' '))
-                    .map(|v| v.trim().parse::<f64>().unwrap())
-            })
-            .unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
-    }
-
-    /// Polls a metric until `ok` holds, for up to `secs`.
-    fn wait_metric(&self, name: &str, secs: u64, ok: impl Fn(f64) -> bool) -> f64 {
-        let t0 = Instant::now();
-        loop {
-            let v = self.metric(name);
-            if ok(v) || t0.elapsed() > Duration::from_secs(secs) {
-                return v;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn terminate(mut self) -> std::process::ExitStatus {
-        let pid = self.child.id().to_string();
-        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-        let t0 = Instant::now();
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "server did not stop after SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Reads until EOF, a timeout or a reset, keeping what arrived.
-fn read_all(s: &mut TcpStream) -> Vec<u8> {
-    let mut raw = Vec::new();
-    let mut buf = [0u8; 65536];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) | Err(_) => return raw,
-            Ok(n) => raw.extend_from_slice(&buf[..n]),
-        }
-    }
-}
-
-fn request_head(
-    addr: &str,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    len: usize,
-) -> String {
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {len}\r\n");
-    for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    head.push_str("\r\n");
-    head
-}
-
-struct Response {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: String,
-}
-
-impl Response {
-    fn parse(raw: &[u8]) -> Response {
-        let split = raw
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .expect("no header end");
-        let head = std::str::from_utf8(&raw[..split]).unwrap();
-        let mut lines = head.split("\r\n");
-        let status = lines
-            .next()
-            .unwrap()
-            .split(' ')
-            .nth(1)
-            .unwrap()
-            .parse()
-            .unwrap();
-        let headers: Vec<(String, String)> = lines
-            .filter_map(|l| l.split_once(':'))
-            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-            .collect();
-        let mut body = raw[split + 4..].to_vec();
-        if headers
-            .iter()
-            .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"))
-        {
-            body = dechunk(&body);
-        }
-        Response {
-            status,
-            headers,
-            body: String::from_utf8(body).unwrap(),
-        }
-    }
-
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
-    }
-
-    /// The `data:` payloads of an event stream.
-    fn events(&self) -> Vec<String> {
-        self.body
-            .lines()
-            .filter_map(|l| l.strip_prefix("data:"))
-            .map(|d| d.trim().to_string())
-            .collect()
-    }
-
-    fn error(&self) -> Value {
-        let j = self.json();
-        let e = &j["error"];
-        for k in ["message", "type", "param", "code"] {
-            assert!(e.get(k).is_some(), "error without `{k}`: {j}");
-        }
-        e.clone()
-    }
-}
-
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    while let Some(eol) = b.windows(2).position(|w| w == b"\r\n") {
-        let size =
-            usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap();
-        if size == 0 {
-            break;
-        }
-        out.extend_from_slice(&b[eol + 2..eol + 2 + size]);
-        b = &b[eol + 2 + size + 2..];
-    }
-    out
-}
 
 /// Reference greedy text from the non-batched `Session` API.
 fn session_greedy(model: &std::path::Path, prompts: &[&str], max_tokens: usize) -> Vec<String> {
@@ -1212,16 +951,9 @@ fn unimplemented_openai_fields_are_refused() {
     };
     let cases = [
         (
-            "tools",
-            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+            "functions",
+            json!({"functions": [{"name": "f", "parameters": {}}]}),
         ),
-        ("tool_choice", json!({"tool_choice": "required"})),
-        (
-            "response_format",
-            json!({"response_format": {"type": "json_object"}}),
-        ),
-        ("logprobs", json!({"logprobs": true})),
-        ("top_logprobs", json!({"top_logprobs": 5})),
         ("logit_bias", json!({"logit_bias": {"42": 10}})),
         (
             "messages[0].name",
@@ -1238,11 +970,14 @@ fn unimplemented_openai_fields_are_refused() {
     }
     let r = srv.post(
         "/v1/completions",
-        &json!({"prompt": "Hi", "max_tokens": 2, "logprobs": 3}),
+        &json!({"prompt": "Hi", "max_tokens": 2, "suffix": "end"}),
     );
     assert_eq!(r.status, 400);
-    assert_eq!(r.error()["param"], "logprobs");
+    assert_eq!(r.error()["param"], "suffix");
     assert_eq!(r.error()["code"], "unsupported_parameter");
+    let r = srv.post("/v1/embeddings", &json!({"input": "Hi", "dimensions": 8}));
+    assert_eq!(r.status, 400);
+    assert_eq!(r.error()["param"], "dimensions");
     let r = chat(json!({"n": 2}));
     assert_eq!(r.status, 400);
     assert_eq!(r.error()["param"], "n");
@@ -1251,7 +986,7 @@ fn unimplemented_openai_fields_are_refused() {
     assert_eq!(r.error()["code"], "unknown_parameter");
     // Their "off" values ask for what the server does anyway.
     let r = chat(
-        json!({"tools": [], "tool_choice": "none", "logprobs": false,
+        json!({"tools": [], "tool_choice": "none", "logprobs": false, "functions": [],
                         "response_format": {"type": "text"}, "n": 1, "user": "u"}),
     );
     assert_eq!(r.status, 200, "{}", r.body);

@@ -340,17 +340,42 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(template_error)?;
+        // The same output and time bounds as `render`, by the size of the input.
+        let input = (messages.to_string().len()
+            + tools.map_or(0, |t| t.to_string().len())
+            + self.bos_token.len()
+            + self.eos_token.len()) as u64;
+        let limit = chat_limits::BASE_LIMIT
+            .saturating_add(input.saturating_mul(chat_limits::LIMIT_PER_INPUT_BYTE));
+        let mut out = chat_limits::CappedString {
+            text: String::new(),
+            cap: usize::try_from(limit).unwrap_or(usize::MAX),
+            overflowed: false,
+        };
         let messages = Value::from_serialize(messages);
         let tools = tools.map(Value::from_serialize);
-        template
-            .render(minijinja::context! {
-                messages => messages,
-                tools => tools,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => &self.bos_token,
-                eos_token => &self.eos_token,
+        let rendered = chat_limits::with_limit(limit, || {
+            engine_call(|| {
+                template.render_captured_to(
+                    minijinja::context! {
+                        messages => messages,
+                        tools => tools,
+                        add_generation_prompt => add_generation_prompt,
+                        bos_token => &self.bos_token,
+                        eos_token => &self.eos_token,
+                    },
+                    &mut out,
+                )
             })
-            .map_err(template_error)
+            .map(|_| ())
+        });
+        if out.overflowed {
+            return Err(TokenizerError::Template(format!(
+                "the output would exceed this render's limit of {limit} bytes"
+            )));
+        }
+        rendered.map_err(template_error)?;
+        Ok(out.text)
     }
 }
 

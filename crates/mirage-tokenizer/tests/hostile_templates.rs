@@ -224,3 +224,21 @@ fn repeating_a_sequence_a_huge_number_of_times_is_refused() {
         "1,2,1,2,1,2"
     );
 }
+
+#[test]
+fn rendering_with_tools_is_bounded_too() {
+    let t = ChatTemplate::new(
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}{{ tools|length }}",
+        "<s>",
+        "</s>",
+    )
+    .unwrap();
+    let messages = serde_json::json!([{"role": "user", "content": "hello"}]);
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
+    let t0 = std::time::Instant::now();
+    match t.render_json(&messages, Some(&tools), true) {
+        Err(TokenizerError::Template(m)) => assert!(m.contains("limit"), "{m}"),
+        other => panic!("not refused: {:?}", other.map(|s| s.len())),
+    }
+    assert!(t0.elapsed().as_secs_f64() < 5.0, "took {:?}", t0.elapsed());
+}

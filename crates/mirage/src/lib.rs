@@ -16,6 +16,20 @@
 //! | cuda, auto | - | - | [`cuda::CudaBackend`] (auto: when a GPU answers, else the CPU) |
 //! | cuda | yes or no | yes, or an artifact | [`cuda::SparseCudaBackend`] (pages from the artifact, or synthetic pages from the model's own FFN) |
 //!
+//! For most programs [`LoadedEngine`] is the whole API: one engine type
+//! whatever backend was picked, sessions that own what they need (they move
+//! into threads and async tasks), generation as a callback, an iterator or
+//! (feature `async`) a `Stream`, grammars and embeddings, and one [`Error`]:
+//!
+//! ```no_run
+//! use mirage::{BackendChoice, GenerateParams, LoadedEngine};
+//! let engine = LoadedEngine::load("models/smollm2-135m-instruct-q4_1.gguf", BackendChoice::Auto)?;
+//! for piece in engine.session()?.stream("The capital of France is", &GenerateParams::default())? {
+//!     print!("{}", piece?.text);
+//! }
+//! # Ok::<(), mirage::Error>(())
+//! ```
+//!
 //! The engine's backend is a type parameter (`Engine<B>`), chosen at run
 //! time. [`load`] hands the engine to a [`WithEngine`] visitor whose `run`
 //! is generic over the backend, so the caller's code is compiled once per
@@ -45,20 +59,34 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
 
+#[cfg(feature = "async")]
+mod async_stream;
+mod error;
+mod loaded;
+
+#[cfg(feature = "async")]
+pub use async_stream::AsyncTokenStream;
+pub use error::{Error, Result};
+pub use loaded::{LoadedEngine, LoadedSession, LoadedStream};
+
 pub use mirage_artifact as artifact;
 pub use mirage_cuda as cuda;
 pub use mirage_gguf as gguf;
+pub use mirage_grammar as grammar;
 pub use mirage_runtime as runtime;
 pub use mirage_tokenizer as tokenizer;
 
 pub use mirage_artifact::activation::{Criterion, SparsityTarget};
 pub use mirage_artifact::SparseMode;
 pub use mirage_cuda::{CudaOptions, PageFormat, SparsePages, WeightFormat};
+pub use mirage_grammar::{GrammarError, GrammarSpec};
 pub use mirage_runtime::{
     Backend, CpuBackend, Engine, EngineOptions, GenerateParams, Generation, GenerationStats,
-    KvDtype, Model, RuntimeError, SamplingParams, Session, StopReason,
+    KvDtype, Model, RuntimeError, SamplingParams, Session, StopReason, TokenLogprob, TokenPiece,
 };
+pub use mirage_tokenizer::{ChatMessage, TokenizerError};
 
+use mirage_artifact::activation::backend::ActivationBackend;
 use mirage_artifact::{Artifact, SuperblockBackend};
 #[cfg(feature = "cuda")]
 use mirage_cuda::{CudaBackend, PageSource, RouteTraversal, SparseCudaBackend};
@@ -579,6 +607,32 @@ fn open_model(spec: &LoadSpec) -> Result<Arc<GgufFile>, LoadError> {
         })
 }
 
+/// An engine on the backend a spec resolved to, before it is handed to a
+/// [`WithEngine`] visitor ([`load`]) or boxed ([`LoadedEngine`]).
+pub(crate) enum Built {
+    Cpu(Engine<CpuBackend>),
+    SuperblockCpu(Engine<SuperblockBackend>),
+    ActivationCpu(Engine<ActivationBackend>),
+    #[cfg(feature = "cuda")]
+    Cuda(Engine<CudaBackend>),
+    #[cfg(feature = "cuda")]
+    SparseCuda(Engine<SparseCudaBackend>),
+}
+
+impl Built {
+    fn run<V: WithEngine>(self, visitor: V) -> V::Out {
+        match self {
+            Built::Cpu(e) => visitor.run(e),
+            Built::SuperblockCpu(e) => visitor.run(e),
+            Built::ActivationCpu(e) => visitor.run(e),
+            #[cfg(feature = "cuda")]
+            Built::Cuda(e) => visitor.run(e),
+            #[cfg(feature = "cuda")]
+            Built::SparseCuda(e) => visitor.run(e),
+        }
+    }
+}
+
 /// Loads `spec.model` (with `spec.artifact` or `spec.cuda_pages` when given)
 /// on the backend `spec.backend` resolves to (the table in the crate
 /// documentation), and runs `visitor` with the engine.
@@ -586,8 +640,13 @@ fn open_model(spec: &LoadSpec) -> Result<Arc<GgufFile>, LoadError> {
 /// An artifact must have been built from this very model file (its sha256
 /// and its shape are checked).
 pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadError> {
+    Ok(build(spec)?.run(visitor))
+}
+
+/// The engine [`load`] runs a visitor with.
+pub(crate) fn build(spec: &LoadSpec) -> Result<Built, LoadError> {
     if let Some(sp) = &spec.sparsity {
-        return load_sparse(spec, sp, visitor);
+        return load_sparse(spec, sp).map(Built::ActivationCpu);
     }
     let file = open_model(spec)?;
     let engine = |backend: &str, e: RuntimeError| LoadError::Engine {
@@ -598,25 +657,26 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
     let opts = spec.options.clone();
     Ok(match start(spec, &file)? {
         Started::Cpu(b) => {
-            visitor.run(Engine::from_file(file, b, opts).map_err(|e| engine("cpu", e))?)
+            Built::Cpu(Engine::from_file(file, b, opts).map_err(|e| engine("cpu", e))?)
         }
-        Started::SuperblockCpu(b) => {
-            visitor.run(Engine::from_file(file, *b, opts).map_err(|e| engine("superblock-cpu", e))?)
-        }
+        Started::SuperblockCpu(b) => Built::SuperblockCpu(
+            Engine::from_file(file, *b, opts).map_err(|e| engine("superblock-cpu", e))?,
+        ),
         #[cfg(feature = "cuda")]
         Started::Cuda(b) => match Engine::from_file(file.clone(), *b, opts.clone()) {
-            Ok(e) => visitor.run(e),
+            Ok(e) => Built::Cuda(e),
             // `auto` falls back to the CPU for a graph the CUDA backend lacks (gemma3).
             Err(RuntimeError::Unsupported { what, .. }) if spec.backend == BackendChoice::Auto => {
                 tracing::info!(backend = "cpu", reason = %what, "backend auto: cpu (the cuda backend does not run this model)");
                 let cpu = CpuBackend::new(spec.options.threads).map_err(|e| engine("cpu", e))?;
-                visitor.run(Engine::from_file(file, cpu, opts).map_err(|e| engine("cpu", e))?)
+                Built::Cpu(Engine::from_file(file, cpu, opts).map_err(|e| engine("cpu", e))?)
             }
             Err(e) => return Err(engine("cuda", e)),
         },
         #[cfg(feature = "cuda")]
-        Started::SparseCuda(b) => visitor
-            .run(Engine::from_file(file, *b, opts).map_err(|e| engine("superblock-cuda", e))?),
+        Started::SparseCuda(b) => Built::SparseCuda(
+            Engine::from_file(file, *b, opts).map_err(|e| engine("superblock-cuda", e))?,
+        ),
     })
 }
 
@@ -629,12 +689,7 @@ pub fn activation_artifact_path(spec: &LoadSpec) -> PathBuf {
         .unwrap_or_else(|| spec.model.with_extension("activation.mirage"))
 }
 
-fn load_sparse<V: WithEngine>(
-    spec: &LoadSpec,
-    sp: &SparsitySpec,
-    visitor: V,
-) -> Result<V::Out, LoadError> {
-    use mirage_artifact::activation::backend::ActivationBackend;
+fn load_sparse(spec: &LoadSpec, sp: &SparsitySpec) -> Result<Engine<ActivationBackend>, LoadError> {
     use mirage_artifact::activation::format::ActivationArtifact;
     let path = activation_artifact_path(spec);
     let refuse = |reason: String| LoadError::Sparsity {
@@ -686,8 +741,7 @@ fn load_sparse<V: WithEngine>(
     backend
         .set_thresholds(thresholds)
         .map_err(|e| refuse(e.to_string()))?;
-    let engine = Engine::from_file(file, backend, spec.options.clone()).map_err(engine_err)?;
-    Ok(visitor.run(engine))
+    Engine::from_file(file, backend, spec.options.clone()).map_err(engine_err)
 }
 
 /// Loads a model as [`load`] does, as a bare [`Model`] (no tokenizer

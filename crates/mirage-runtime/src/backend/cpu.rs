@@ -388,6 +388,9 @@ pub struct CpuBackend {
     f32_activations: bool,
     deterministic: bool,
     scratch: Mutex<Scratch>,
+    /// Held by the thread that runs a forward pass in the pool (see
+    /// [`Backend::run`]).
+    pass: Mutex<()>,
     /// KV-page pruning of decode attention (off when `None`).
     kv_pruning: Option<crate::kv_pages::KvPruning>,
 }
@@ -426,6 +429,7 @@ impl CpuBackend {
             f32_activations: false,
             deterministic: false,
             scratch: Mutex::new(Scratch::default()),
+            pass: Mutex::new(()),
             kv_pruning: None,
         })
     }
@@ -730,6 +734,11 @@ impl Backend for CpuBackend {
     }
 
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        // One pass in the pool at a time, taken on the caller's thread: the
+        // ops hold the scratch lock across their parallel loops, and a
+        // worker waiting in one of them may steal another session's whole
+        // pass (rayon's work stealing) and block on the lock it holds.
+        let _pass = self.pass.lock().unwrap_or_else(|e| e.into_inner());
         self.pool.install(f)
     }
 
