@@ -734,6 +734,11 @@ impl Backend for CpuBackend {
     }
 
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        // Already inside this pool (an op of a pass that holds the lock, such
+        // as a wrapping backend's kernel): run in place, not lock again.
+        if self.pool.current_thread_index().is_some() {
+            return f();
+        }
         // One pass in the pool at a time, taken on the caller's thread: the
         // ops hold the scratch lock across their parallel loops, and a
         // worker waiting in one of them may steal another session's whole
