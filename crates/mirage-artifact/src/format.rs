@@ -408,6 +408,15 @@ pub(crate) enum Storage {
 }
 
 impl Storage {
+    /// `path`, memory-mapped read-only.
+    pub(crate) fn map(path: &Path) -> Result<Storage> {
+        let f = std::fs::File::open(path).map_err(|e| ArtifactError::io(path, e))?;
+        // SAFETY: the file is opened read-only; artifacts are written
+        // atomically (rename), so a mapped file is never rewritten in place.
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| ArtifactError::io(path, e))?;
+        Ok(Storage::Mapped(map))
+    }
+
     pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             Storage::Mapped(m) => m,
@@ -563,12 +572,7 @@ fn check_meta_against_sections(meta: &ArtifactMeta, sections: &[&[u8]]) -> Resul
 impl Artifact {
     /// Memory-maps and validates an artifact file.
     pub fn open(path: impl AsRef<Path>) -> Result<Arc<Artifact>> {
-        let path = path.as_ref();
-        let f = std::fs::File::open(path).map_err(|e| ArtifactError::io(path, e))?;
-        // SAFETY: the file is opened read-only; artifacts are written
-        // atomically (rename), so a mapped file is never rewritten in place.
-        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| ArtifactError::io(path, e))?;
-        Ok(Arc::new(Artifact::parse(Storage::Mapped(map))?))
+        Ok(Arc::new(Artifact::parse(Storage::map(path.as_ref())?)?))
     }
 
     /// Validates an artifact held in memory.
@@ -780,14 +784,20 @@ impl Artifact {
     /// Refuses a model whose sha256 differs from the one the artifact was
     /// built from.
     pub fn check_source_sha256(&self, sha256_hex: &str) -> Result<()> {
-        if sha256_hex != self.meta.source_sha256 {
-            return Err(ArtifactError::SourceMismatch {
-                expected: self.meta.source_sha256.clone(),
-                found: sha256_hex.into(),
-            });
-        }
-        Ok(())
+        check_sha256(&self.meta.source_sha256, sha256_hex)
     }
+}
+
+/// [`ArtifactError::SourceMismatch`] unless a model's sha256 (hex) is the
+/// one an artifact was built from.
+pub(crate) fn check_sha256(expected: &str, found: &str) -> Result<()> {
+    if found != expected {
+        return Err(ArtifactError::SourceMismatch {
+            expected: expected.into(),
+            found: found.into(),
+        });
+    }
+    Ok(())
 }
 
 /// sha256 (hex) of a file's bytes.

@@ -310,12 +310,9 @@ pub struct ResolvedSparsity {
 impl ActivationArtifact {
     /// Memory-maps and validates an activation artifact.
     pub fn open(path: impl AsRef<Path>) -> Result<Arc<ActivationArtifact>> {
-        let path = path.as_ref();
-        let f = std::fs::File::open(path).map_err(|e| ArtifactError::io(path, e))?;
-        // SAFETY: opened read-only; artifacts are written atomically
-        // (rename), so a mapped file is never rewritten in place.
-        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| ArtifactError::io(path, e))?;
-        Ok(Arc::new(ActivationArtifact::parse(Storage::Mapped(map))?))
+        Ok(Arc::new(ActivationArtifact::parse(Storage::map(
+            path.as_ref(),
+        )?)?))
     }
 
     /// Validates an activation artifact held in memory.
@@ -472,13 +469,7 @@ impl ActivationArtifact {
 
     /// Refuses a model whose sha256 differs from the source's.
     pub fn check_source_sha256(&self, sha256_hex: &str) -> Result<()> {
-        if sha256_hex != self.meta.source_sha256 {
-            return Err(ArtifactError::SourceMismatch {
-                expected: self.meta.source_sha256.clone(),
-                found: sha256_hex.into(),
-            });
-        }
-        Ok(())
+        crate::format::check_sha256(&self.meta.source_sha256, sha256_hex)
     }
 
     /// The per-matrix sparsities of `plan` (default: the artifact's) for
