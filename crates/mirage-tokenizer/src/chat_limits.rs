@@ -31,7 +31,11 @@
 //! - **Work.** Fuel counts instructions, but one `~` may copy a megabyte: a
 //!   loop appending to a growing string costs the square of its length. So
 //!   the bytes each checked operation builds or walks are added up, and a
-//!   render stops at [`WORK_PER_LIMIT`] times its limit.
+//!   render stops at [`WORK_PER_LIMIT`] times its limit. Comparisons and
+//!   `in` walk their operands in one instruction too (`i in range(65535)`
+//!   in a loop of 65,535 is four billion steps), so every operand of a
+//!   comparison is rewritten into `__mirage_walk(operand)`, which charges
+//!   its size; so do the `in` test and the filters that walk a sequence.
 //!
 //! The limit of one render is [`BASE_LIMIT`] plus [`LIMIT_PER_INPUT_BYTE`]
 //! per byte of the conversation (roles, contents, BOS/EOS): room for any
@@ -291,6 +295,68 @@ fn operator_function(op: ast::BinOpKind) -> Option<&'static str> {
     }
 }
 
+/// Where `e`'s source starts. minijinja's spans of comparisons and `if`
+/// expressions start at the token before them, those of filters and tests
+/// at their name and those of a second `.x`, `[i]` or call at its own
+/// token, so those are found through their operands.
+fn expr_start(e: &ast::Expr<'_>) -> usize {
+    use ast::Expr as E;
+    match e {
+        E::BinOp(b) if is_comparison(b.op) => expr_start(&b.left),
+        E::Compare(c) => expr_start(&c.expr),
+        E::IfExpr(i) => expr_start(&i.true_expr),
+        E::Filter(f) => f
+            .expr
+            .as_ref()
+            .map_or(e.span().start_offset as usize, expr_start),
+        E::Test(t) => expr_start(&t.expr),
+        E::GetAttr(g) => expr_start(&g.expr),
+        E::GetItem(g) => expr_start(&g.expr),
+        E::Slice(s) => expr_start(&s.expr),
+        E::Call(c) => expr_start(&c.expr),
+        E::UnaryOp(u)
+            if matches!(&u.expr, E::Test(_))
+                || matches!(&u.expr, E::BinOp(b) if is_comparison(b.op)) =>
+        {
+            expr_start(&u.expr)
+        }
+        _ => e.span().start_offset as usize,
+    }
+}
+
+fn is_comparison(op: ast::BinOpKind) -> bool {
+    use ast::BinOpKind as K;
+    matches!(op, K::Eq | K::Ne | K::Lt | K::Lte | K::Gt | K::Gte | K::In)
+}
+
+/// Length of the comparison operator `rest` starts with (`not in` with the
+/// spaces between), if it starts with one.
+fn comparison_operator_len(rest: &[u8]) -> Option<usize> {
+    let word_end = |n: usize| {
+        rest.get(n)
+            .is_none_or(|c| !(c.is_ascii_alphanumeric() || *c == b'_'))
+    };
+    if rest.starts_with(b"==")
+        || rest.starts_with(b"!=")
+        || rest.starts_with(b"<=")
+        || rest.starts_with(b">=")
+    {
+        Some(2)
+    } else if rest.starts_with(b"<") || rest.starts_with(b">") {
+        Some(1)
+    } else if rest.starts_with(b"in") && word_end(2) {
+        Some(2)
+    } else if rest.starts_with(b"not") && word_end(3) {
+        let mut n = 3;
+        while rest.get(n).is_some_and(|c| c.is_ascii_whitespace()) {
+            n += 1;
+        }
+        (n > 3 && rest[n..].starts_with(b"in") && word_end(n + 2)).then_some(n + 2)
+    } else {
+        None
+    }
+}
+
 fn operator_char(op: ast::BinOpKind) -> u8 {
     match op {
         ast::BinOpKind::Add => b'+',
@@ -470,10 +536,30 @@ impl Walker<'_> {
             E::UnaryOp(u) => self.expr(&u.expr),
             E::BinOp(b) => {
                 self.binop(b);
+                if is_comparison(b.op) {
+                    self.comparison(
+                        expr_start(&b.left),
+                        b.left.span().end_offset as usize,
+                        &[b.span().end_offset as usize],
+                    );
+                }
                 self.expr(&b.left);
                 self.expr(&b.right);
             }
             E::Compare(c) => {
+                let mut ends: Vec<usize> = c
+                    .ops
+                    .iter()
+                    .map(|op| op.expr.span().end_offset as usize)
+                    .collect();
+                if let Some(last) = ends.last_mut() {
+                    *last = c.span().end_offset as usize;
+                }
+                self.comparison(
+                    expr_start(&c.expr),
+                    c.expr.span().end_offset as usize,
+                    &ends,
+                );
                 self.expr(&c.expr);
                 for op in &c.ops {
                     self.expr(&op.expr);
@@ -560,6 +646,59 @@ impl Walker<'_> {
             order: (0, std::cmp::Reverse(usize::MAX - len)),
             remove: 0,
             text: format!(", {})", ns.id).into(),
+        });
+    }
+
+    /// `A op B op C` (`==`, `!=`, `<`, `<=`, `>`, `>=`, `in`, `not in`)
+    /// becomes `__mirage_walk(A) op __mirage_walk(B) op __mirage_walk(C)`.
+    /// The chain starts at `start`; its first operand ends at `first_end`
+    /// and each following one at `ends[i]` (the last one ends the chain).
+    /// Each operator is the first non-space byte after the previous operand
+    /// that is not the `)` of a parenthesized operand.
+    fn comparison(&mut self, start: usize, first_end: usize, ends: &[usize]) {
+        let mut operand_start = start;
+        let mut operand_end = first_end;
+        for &next_end in ends {
+            let (mut at, mut close) = (operand_end, operand_end);
+            while at < next_end
+                && (self.source[at].is_ascii_whitespace() || self.source[at] == b')')
+            {
+                at += 1;
+                if self.source[at - 1] == b')' {
+                    close = at;
+                }
+            }
+            let Some(op_len) = comparison_operator_len(&self.source[at..next_end]) else {
+                self.error = Some(Error::new(
+                    ErrorKind::SyntaxError,
+                    format!("cannot locate the comparison at byte {at}"),
+                ));
+                return;
+            };
+            self.wrap(operand_start, close, "__mirage_walk(");
+            operand_start = at + op_len;
+            while operand_start < next_end && self.source[operand_start].is_ascii_whitespace() {
+                operand_start += 1;
+            }
+            operand_end = next_end;
+        }
+        self.wrap(operand_start, operand_end, "__mirage_walk(");
+    }
+
+    /// Encloses `source[start..end]` in `open` ... `)`.
+    fn wrap(&mut self, start: usize, end: usize, open: &'static str) {
+        let len = end - start;
+        self.edits.push(Edit {
+            at: start,
+            order: (1, std::cmp::Reverse(len)),
+            remove: 0,
+            text: open.into(),
+        });
+        self.edits.push(Edit {
+            at: end,
+            order: (0, std::cmp::Reverse(usize::MAX - len)),
+            remove: 0,
+            text: ")".into(),
         });
     }
 
@@ -724,6 +863,17 @@ pub(crate) fn install(env: &mut Environment<'_>) {
     env.add_function("__mirage_concat", concat);
     env.add_function("__mirage_mul", mul);
     env.add_function("__mirage_store", store);
+    env.add_function("__mirage_walk", |v: Value| -> Result<Value, Error> {
+        size(&v);
+        check_work()?;
+        Ok(v)
+    });
+    env.add_test("in", |state: &State, v: &Value, other: &Value| {
+        size(other);
+        check_work()?;
+        minijinja::tests::is_in(state, v, other)
+    });
+    install_walking_filters(env);
     env.add_filter("string", |state: &State, v: &Value| {
         check("`string`", size(v))?;
         minijinja::filters::string(state, v)
@@ -850,6 +1000,96 @@ pub(crate) fn install(env: &mut Environment<'_>) {
     });
 }
 
+/// The filters that walk a whole sequence in one step, each charged the
+/// size of what it walks first.
+fn install_walking_filters(env: &mut Environment<'_>) {
+    use minijinja::filters as f;
+    fn walked(v: &Value) -> Result<(), Error> {
+        size(v);
+        check_work()
+    }
+    env.add_filter("sum", |s: &State, v: Value| {
+        walked(&v)?;
+        f::sum(s, v)
+    });
+    env.add_filter("min", |s: &State, v: Value| {
+        walked(&v)?;
+        f::min(s, v)
+    });
+    env.add_filter("max", |s: &State, v: Value| {
+        walked(&v)?;
+        f::max(s, v)
+    });
+    env.add_filter("sort", |s: &State, v: Value, k: Kwargs| {
+        walked(&v)?;
+        f::sort(s, v, k)
+    });
+    env.add_filter("unique", |s: &State, v: Value, k: Kwargs| {
+        walked(&v)?;
+        f::unique(s, v, k)
+    });
+    env.add_filter("reverse", |v: &Value| {
+        walked(v)?;
+        f::reverse(v)
+    });
+    env.add_filter("last", |v: Value| {
+        walked(&v)?;
+        f::last(v)
+    });
+    env.add_filter("dictsort", |v: &Value, k: Kwargs| {
+        walked(v)?;
+        f::dictsort(v, k)
+    });
+    env.add_filter("items", |v: &Value| {
+        walked(v)?;
+        f::items(v)
+    });
+    env.add_filter("groupby", |v: Value, a: Option<&str>, k: Kwargs| {
+        walked(&v)?;
+        f::groupby(v, a, k)
+    });
+    env.add_filter(
+        "select",
+        |s: &State, v: Value, t: Option<std::borrow::Cow<'_, str>>, a: Rest<Value>| {
+            walked(&v)?;
+            f::select(s, v, t, a)
+        },
+    );
+    env.add_filter(
+        "reject",
+        |s: &State, v: Value, t: Option<std::borrow::Cow<'_, str>>, a: Rest<Value>| {
+            walked(&v)?;
+            f::reject(s, v, t, a)
+        },
+    );
+    env.add_filter(
+        "selectattr",
+        |s: &State,
+         v: Value,
+         attr: std::borrow::Cow<'_, str>,
+         t: Option<std::borrow::Cow<'_, str>>,
+         a: Rest<Value>| {
+            walked(&v)?;
+            f::selectattr(s, v, attr, t, a)
+        },
+    );
+    env.add_filter(
+        "rejectattr",
+        |s: &State,
+         v: Value,
+         attr: std::borrow::Cow<'_, str>,
+         t: Option<std::borrow::Cow<'_, str>>,
+         a: Rest<Value>| {
+            walked(&v)?;
+            f::rejectattr(s, v, attr, t, a)
+        },
+    );
+    env.add_filter("map", |s: &State, v: Value, a: Rest<Value>| {
+        walked(&v)?;
+        f::map(s, v, a)
+    });
+}
+
 /// The Python string methods templates call (minijinja-contrib's pycompat),
 /// with the growing ones checked first.
 pub(crate) fn method(
@@ -953,6 +1193,21 @@ mod tests {
         assert_eq!(
             out,
             "{% set ns.s = __mirage_store(__mirage_concat(ns.s , x|trim), ns) %}{% set y = __mirage_add(1 , 2) %}"
+        );
+    }
+
+    #[test]
+    fn comparison_operands_are_charged_as_walks() {
+        let (out, _) = rewrite_operators(
+            "{% if m[0]['role'].x == 'x' and b not in c|list %}{% endif %}{{ 1 < x <= 3 }}{{ (a) in (b) }}{{ a ~ b in c }}",
+            ws(),
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            "{% if __mirage_walk(m[0]['role'].x) == __mirage_walk('x') and __mirage_walk(b) not in __mirage_walk(c|list) %}{% endif %}\
+             {{ __mirage_walk(1) < __mirage_walk(x) <= __mirage_walk(3) }}{{ (__mirage_walk(a)) in __mirage_walk((b)) }}\
+             {{ __mirage_walk(__mirage_concat(a , b)) in __mirage_walk(c) }}"
         );
     }
 

@@ -207,6 +207,27 @@ fn quadratic_string_building_is_refused_fast() {
     );
 }
 
+/// Found by the fuzzer: `in` over a range, a comparison of long lists and
+/// the filters that walk a sequence each take one instruction of fuel but
+/// as many steps as the value has items, so a loop of them ran for hours.
+#[test]
+fn walking_a_long_sequence_in_a_loop_is_refused_fast() {
+    for source in [
+        "{% set ns = namespace(s='x') %}{% for i in range(65535) %}{% set ns.s =i in range(65535) %}{% set ns.s =ns.s is defined %}{% endfor %}s }}",
+        "{% set r = range(65535) %}{% for i in range(65535) %}{% if i not in r %}x{% endif %}{% endfor %}",
+        "{% set r = range(65535)|list %}{% for i in range(65535) %}{% if r == r %}{% endif %}{% endfor %}",
+        "{% set r = range(65535) %}{% for i in range(65535) %}{% if 1 < 2 < r|length %}{% endif %}{{ r|sum }}{% endfor %}",
+        "{% set r = range(65535) %}{% for i in range(65535) %}{% if i is in(r) %}{% endif %}{% endfor %}",
+    ] {
+        refused(source, "work");
+    }
+    assert_eq!(
+        render("{{ 2 in [1, 2] }} {{ 3 not in [1, 2] }} {{ 1 < 2 <= 2 }} {{ (1) == (1) }} {{ 'a' not  in 'abc' }}")
+            .unwrap(),
+        "True True True True False"
+    );
+}
+
 /// Found by the fuzzer: `[] * n` is a lazy sequence that yields nothing but
 /// takes n steps to find that out, so any walk of it with a huge n hangs.
 #[test]
