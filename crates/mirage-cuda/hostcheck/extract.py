@@ -1,7 +1,7 @@
 """Cuts the device code the host checks run out of the kernel sources in
 cuda/ (brace matching), so the checks always compile the current kernels.
 Writes matvec_extract.h, norm_extract.h, split_extract.h, att_partial_extract.h,
-ffn_p1_extract.h, ffn_p2_extract.h and mmq_extract.h into the folder given
+ffn_p1_extract.h, ffn_p2_extract.h, mmq_extract.h and fa_extract.h into the folder given
 (default: here)."""
 import pathlib
 import sys
@@ -107,3 +107,9 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
     "#define MMQ_LD", "struct MmqTile", "#define MMQ_Q8_0", "#define MMQ_Q4_K", "#define MMQ_Q5_0",
     "#define MMQ_Q6_K", "void quantize_q8_1_block(", "void mmq_load_w(", "void mmq_load_x(", "u32 mmq_word(",
     "void mmq_tile("))
+
+# The prefill attention on f16 tensor cores (attention.cu); the mma
+# instruction is mma_emu.h's.
+(out / "fa_extract.h").write_text(cut(
+    "#define FA_ROWS", "#define FA_KEYS", "#define FA_WARPS", "#define FA_LOG2E", "u32 fa_pack(", "u32 fa_word(",
+    "void attend_prefill("))

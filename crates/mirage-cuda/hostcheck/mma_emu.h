@@ -69,3 +69,41 @@ inline void mma_s8_k16(int* c, const unsigned* a, const unsigned* b) {
     mma_emu::mma<16>(c);
     __syncwarp();
 }
+
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32: A 16 x 16 and B 16 x 8
+// in f16 (two per register, the lower index in the lower half), f32
+// accumulators; products exact in f32 (as the hardware's), summed in f64
+// here, then rounded once.
+namespace mma_emu {
+inline unsigned h_a[MAX_WARPS][32][4], h_b[MAX_WARPS][32][2];
+}  // namespace mma_emu
+inline void mma_f16_k16(float* c, const unsigned* a, const unsigned* b) {
+    const int w = threadIdx.x >> 5, me = threadIdx.x & 31;
+    for (int i = 0; i < 4; i++) mma_emu::h_a[w][me][i] = a[i];
+    for (int i = 0; i < 2; i++) mma_emu::h_b[w][me][i] = b[i];
+    __syncwarp();
+    float A[16][16], B[16][8];
+    for (int lane = 0; lane < 32; lane++) {
+        const int group = lane >> 2, tig = lane & 3;
+        // A: a0..a7 (two per register): row group for a0, a1, a4, a5, else
+        // group + 8; column tig * 2 + (i & 1), plus 8 for i >= 4.
+        for (int i = 0; i < 8; i++) {
+            const int row = (i < 2 || (i >= 4 && i < 6)) ? group : group + 8;
+            const int col = tig * 2 + (i & 1) + (i >= 4 ? 8 : 0);
+            A[row][col] = h2f((u16)(mma_emu::h_a[w][lane][i >> 1] >> (16 * (i & 1))));
+        }
+        // B: b0..b3: row tig * 2 + (i & 1), plus 8 for i >= 2; column group.
+        for (int i = 0; i < 4; i++) {
+            const int row = tig * 2 + (i & 1) + (i >= 2 ? 8 : 0);
+            B[row][group] = h2f((u16)(mma_emu::h_b[w][lane][i >> 1] >> (16 * (i & 1))));
+        }
+    }
+    const int group = me >> 2, tig = me & 3;
+    for (int i = 0; i < 4; i++) {
+        const int row = i < 2 ? group : group + 8, col = tig * 2 + (i & 1);
+        double s = c[i];
+        for (int k = 0; k < 16; k++) s += (double)A[row][k] * B[k][col];
+        c[i] = (float)s;
+    }
+    __syncwarp();
+}

@@ -2,8 +2,8 @@
 //! the split-K decode attention (`attend_split_*`: the query heads of a GQA
 //! group in one block, so the cache is read once per KV head, split over the
 //! context so that every length fills the device; RoPE and the KV store
-//! folded in where it can; `attend_combine` merges the splits), the tiled
-//! prefill attention, and decode attention over selected KV pages (page
+//! folded in where it can; `attend_combine` merges the splits), the prefill
+//! attention on f16 tensor cores (FlashAttention-2 style), and decode attention over selected KV pages (page
 //! boxes kept on the device, chosen per head by `cuda/attention_pruned.cu`,
 //! merged by the same `attend_combine`).
 
@@ -52,12 +52,16 @@ const SPLIT_BLOCKS_PER_SM: usize = 4;
 /// fewer blocks than this.
 const ATTEND_TARGET_BLOCKS: usize = 1024;
 
-/// Query rows per block of the tiled prefill attention (`PF_ROWS`), its
-/// threads per block (`PF_THREADS`) and the largest head size it takes
-/// (`PF_MAX_HD`; a multiple of 16), in cuda/attention.cu.
-const PREFILL_ROWS: usize = 16;
-const PREFILL_THREADS: u32 = 256;
-const PREFILL_MAX_HEAD_DIM: usize = 128;
+/// Rows (position, query head pairs of one KV head's group) per block of
+/// the prefill attention on tensor cores (`FA_ROWS`), its threads per block
+/// (`FA_WARPS` warps) and the head sizes it is built for
+/// (`attend_prefill_<kv>_d<HD>`), in cuda/attention.cu.
+const PREFILL_ROWS: usize = 64;
+const PREFILL_THREADS: u32 = 128;
+pub(crate) const PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Batches of fewer rows take the split attention (`attend_split_*`).
+const PREFILL_MIN_ROWS: usize = 16;
 
 /// Threads of `page_keys` and `select_pages` (`KEY_THREADS`, `SEL_THREADS` in
 /// cuda/attention_pruned.cu).
@@ -457,29 +461,37 @@ impl CudaBackend {
                 }
             }
         }
-        // A prefill batch of one sequence's consecutive positions: the tiled
-        // kernel reads each key once per 16 query rows, not once per row.
+        // A prefill batch of one sequence's consecutive positions: the
+        // tensor-core kernel stages each key and value tile once per 64 rows
+        // of a KV head's query heads, not once per row.
         let tiled = pruned != Some(false)
-            && n >= PREFILL_ROWS
-            && hd <= PREFILL_MAX_HEAD_DIM
-            && hd % 16 == 0
+            && n >= PREFILL_MIN_ROWS
+            && PREFILL_HEAD_DIMS.contains(&hd)
             && slots
                 .windows(2)
                 .all(|w| w[1].seq == w[0].seq && w[1].pos == w[0].pos + 1);
         if tiled {
+            let group = p.n_head / p.n_head_kv;
             self.plain(
-                &format!("attend_prefill_{kv}"),
-                (n.div_ceil(PREFILL_ROWS) as u32, p.n_head as u32, 1),
+                &format!("attend_prefill_{kv}_d{hd}"),
+                (
+                    (n * group).div_ceil(PREFILL_ROWS) as u32,
+                    p.n_head_kv as u32,
+                    1,
+                ),
                 (PREFILL_THREADS, 1, 1),
                 [
                     at.cache_args(),
-                    vec![Arg::I32(n as i32)],
-                    at.heads().to_vec(),
+                    vec![
+                        Arg::I32(n as i32),
+                        Arg::I32(p.n_head as i32),
+                        Arg::I32(p.n_head_kv as i32),
+                        Arg::I32(at.n_ctx as i32),
+                        Arg::F32(scale),
+                        Arg::Ptr(po),
+                    ],
                 ]
-                .concat()
-                .into_iter()
-                .chain([Arg::F32(scale), Arg::Ptr(po)])
-                .collect(),
+                .concat(),
             )?;
         } else if pruned != Some(false) {
             let rope = rope_in_attention.then_some(RopeIn {

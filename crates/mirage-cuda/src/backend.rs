@@ -110,12 +110,14 @@ pub(crate) fn kernel_names() -> Vec<String> {
     for kv in ["f32", "f16"] {
         for k in [
             "rope_store",
-            "attend_prefill",
             "page_bounds",
             "page_bounds_rows",
             "attend_pages_part",
         ] {
             names.push(format!("{k}_{kv}"));
+        }
+        for hd in crate::attention::PREFILL_HEAD_DIMS {
+            names.push(format!("attend_prefill_{kv}_d{hd}"));
         }
         for hd in crate::attention::SPLIT_HEAD_DIMS {
             for k in ["attend_split", "attend_split_rope"] {

@@ -16,8 +16,9 @@
 //! `hostcheck`: the kernels' device functions compiled as C++ and run on the
 //! CPU (`hostcheck/run.sh`: the mat-vecs' dot helpers and element
 //! accessors, the RMSNorm row, the decode attention, the fused Q8_0 FFN's
-//! two phases, the pruned attention and the prefill int8 tensor-core
-//! products (mma fragments emulated per the PTX ISA) against f64 references
+//! two phases, the pruned attention, the prefill int8 tensor-core products
+//! and the prefill attention on f16 tensor cores (mma fragments emulated
+//! per the PTX ISA) against f64 references
 //! or the plain forms), each emulated block's threads as fibers on one OS thread. Needs
 //! g++ (C++20) and python3; without them it prints why and passes.
 

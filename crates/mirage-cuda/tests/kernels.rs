@@ -354,10 +354,10 @@ fn smollm2_logits_match_cpu() {
 /// the KV cache in f32 and in f16, against the CPU backend with the same
 /// cache type: a prefill of 300 rows, then decode steps past 600.
 /// Long prefill chunks and decode rows against the CPU, f32 and f16 caches,
-/// with the tiled prefill kernel (`attend_prefill_*`: batches of one
-/// sequence's consecutive positions) and without it (row by row, the
+/// with the prefill kernel on tensor cores (`attend_prefill_*`: batches of
+/// one sequence's consecutive positions) and without it (row by row, the
 /// split-K decode kernel), for head sizes 128 and 64 (GQA 4:1 and 7:1) and
-/// chunks that are not multiples of the kernel's 16-row tile.
+/// chunks that are not multiples of the kernel's 64-row tile.
 #[test]
 fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
     let Some(gpu) = cuda("attention_long_context_splits_match_cpu_f32_and_f16_cache") else {
@@ -413,8 +413,11 @@ fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
                         "long attention hd {hd} {dtype:?} rows {n} from pos {}: rel err {e:.2e}",
                         slots[0].pos
                     );
+                    // Chunks of 16 rows and more run on f16 tensor cores
+                    // (f16 queries and probabilities: a few 1e-4).
+                    let bound = if n >= 16 { 2e-3 } else { 1e-4 };
                     assert!(
-                        e < 1e-4,
+                        e < bound,
                         "hd {hd} {dtype:?} rows {n} at {}: attention rel err {e}",
                         slots[0].pos
                     );
