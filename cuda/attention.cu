@@ -541,7 +541,13 @@ __device__ void attend_combine_body(const float* __restrict__ part, const int* _
 // and V transposed [d][key] in shared memory, rows padded by 8 halves so the
 // fragment loads hit 32 distinct banks. Keys past the block's last position
 // are staged as zeros and masked. Grid (ceil(n * group / FA_ROWS),
-// n_head_kv), block FA_WARPS warps. HD is 64 or 128.
+// n_head_kv, splits), block FA_WARPS warps. HD is 64 or 128.
+// Long contexts split the keys (so that a batch of few rows still fills the
+// device): block z takes keys [z chunk, (z + 1) chunk) (chunk a multiple of
+// FA_KEYS) and writes, per row, its running max (base 2), sum and unscaled
+// output to part (row (z, position, head), HD + 2 floats: m, l, o), which
+// attend_prefill_combine merges; with part null (one split) the block
+// writes the normalized output itself.
 #define FA_ROWS 64
 #define FA_KEYS 64
 #define FA_WARPS 4
@@ -563,10 +569,40 @@ __device__ __forceinline__ void mma_f16_k16(float* c, const u32* a, const u32* b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Keys and values k0 .. k0 + FA_KEYS - 1 into ks ([key][d], row stride HD +
+// 8) and vt ([d][key], row stride FA_KEYS + 8) as f16; keys past `last` as
+// zeros. An f16 cache is copied 8 halves at a time.
+template <int HD>
+__device__ __forceinline__ void fa_stage(const u16* __restrict__ K, const u16* __restrict__ V, u16* ks, u16* vt, int k0,
+                                         int last) {
+    for (int i = threadIdx.x; i < FA_KEYS * HD / 8; i += FA_WARPS * 32) {
+        int kk = i / (HD / 8), d = 8 * (i % (HD / 8));
+        bool live = k0 + kk <= last;
+        long at = (long)(k0 + kk) * HD + d;
+        uint4 kv = live ? *(const uint4*)(K + at) : make_uint4(0, 0, 0, 0);
+        uint4 vv = live ? *(const uint4*)(V + at) : make_uint4(0, 0, 0, 0);
+        *(uint4*)(ks + kk * (HD + 8) + d) = kv;
+        u32 w[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+        for (int e = 0; e < 8; e++) vt[(d + e) * (FA_KEYS + 8) + kk] = (u16)(w[e >> 1] >> (16 * (e & 1)));
+    }
+}
+template <int HD>
+__device__ __forceinline__ void fa_stage(const float* __restrict__ K, const float* __restrict__ V, u16* ks, u16* vt,
+                                         int k0, int last) {
+    for (int i = threadIdx.x; i < FA_KEYS * HD; i += FA_WARPS * 32) {
+        int kk = i / HD, d = i % HD;
+        bool live = k0 + kk <= last;
+        long at = (long)(k0 + kk) * HD + d;
+        ks[kk * (HD + 8) + d] = live ? f2h(K[at]) : (u16)0;
+        vt[d * (FA_KEYS + 8) + kk] = live ? f2h(V[at]) : (u16)0;
+    }
+}
+
 template <typename KV, int HD>
 __device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
                                const int* __restrict__ slots, int n, int n_head, int n_head_kv, int n_ctx, float scale,
-                               float* __restrict__ out) {
+                               int chunk, float* __restrict__ part, float* __restrict__ out) {
     constexpr int LDK = HD + 8, LDV = FA_KEYS + 8;
     __shared__ __align__(16) u16 ks[FA_KEYS * LDK];  // Q's staging first, then each key tile
     __shared__ __align__(16) u16 vt[HD * LDV];
@@ -609,15 +645,10 @@ __device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict
     float m[2] = {-MIRAGE_INF, -MIRAGE_INF}, l[2] = {0.f, 0.f};
     const KV* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
     const KV* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
-    for (int k0 = 0; k0 <= last; k0 += FA_KEYS) {
+    const int kbeg = blockIdx.z * chunk, kend = min(kbeg + chunk, last + 1);
+    for (int k0 = kbeg; k0 < kend; k0 += FA_KEYS) {
         __syncthreads();  // Q's fragments are read, or the previous tile is consumed
-        for (int i = threadIdx.x; i < FA_KEYS * HD; i += FA_WARPS * 32) {
-            int kk = i / HD, d = i % HD;
-            bool live = k0 + kk <= last;
-            long at = (long)(k0 + kk) * HD + d;
-            ks[kk * LDK + d] = live ? f2h(kv_load(K, at)) : (u16)0;
-            vt[d * LDV + kk] = live ? f2h(kv_load(V, at)) : (u16)0;
-        }
+        fa_stage<HD>(K, V, ks, vt, k0, last);
         __syncthreads();
         if (k0 > wlast) continue;  // every row of this warp is before the tile
         float s[FA_KEYS / 8][4];
@@ -682,14 +713,46 @@ __device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
         int f = wf + g + 8 * h;
         if (f >= total) continue;
-        float* orow = out + ((long)(f / group) * n_head + kvh * group + f % group) * HD;
-        float inv = 1.f / l[h];
+        long row = (long)(f / group) * n_head + kvh * group + f % group;
+        float* orow;
+        float inv;
+        if (part != 0) {
+            float* pr = part + ((long)blockIdx.z * n * n_head + row) * (HD + 2);
+            if (t == 0) {
+                pr[0] = m[h];
+                pr[1] = l[h];
+            }
+            orow = pr + 2;
+            inv = 1.f;
+        } else {
+            orow = out + row * HD;
+            inv = 1.f / l[h];
+        }
 #pragma unroll
         for (int j = 0; j < HD / 8; j++) {
             orow[8 * j + 2 * t] = o[j][2 * h] * inv;
             orow[8 * j + 2 * t + 1] = o[j][2 * h + 1] * inv;
         }
     }
+}
+
+// Output element d of row `row` (position x head) of a split prefill
+// attention: the splits' partials (attend_prefill's part, n_rows rows per
+// split) weighted by 2^(m_z - max m); a split that saw no key of the row
+// (m = -inf) weighs 0. Key 0 is in the first split, so max m is finite.
+__device__ __forceinline__ float attend_prefill_merge(const float* __restrict__ part, long row, long n_rows, int hd,
+                                                      int n_split, int d) {
+    float mx = -MIRAGE_INF;
+    for (int z = 0; z < n_split; z++) mx = fmaxf(mx, part[(z * n_rows + row) * (hd + 2)]);
+    float L = 0.f, a = 0.f;
+    for (int z = 0; z < n_split; z++) {
+        const float* pr = part + (z * n_rows + row) * (hd + 2);
+        if (pr[0] == -MIRAGE_INF) continue;
+        float w = exp2f(pr[0] - mx);
+        L += w * pr[1];
+        a += w * pr[2 + d];
+    }
+    return a / L;
 }
 
 #define KV_INSTANCE(NAME, KV)                                                                                       \
@@ -702,15 +765,16 @@ __device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                    \
         attend_prefill_##NAME##_d64(const float* q, const KV* kc, const KV* vc, const int* slots, int n, int n_head, \
-                                    int n_head_kv, int n_ctx, float scale, float* out) {                            \
+                                    int n_head_kv, int n_ctx, float scale, int chunk, float* part, float* out) {    \
         PDL_ENTRY();                                                                                                \
-        attend_prefill<KV, 64>(q, kc, vc, slots, n, n_head, n_head_kv, n_ctx, scale, out);                         \
+        attend_prefill<KV, 64>(q, kc, vc, slots, n, n_head, n_head_kv, n_ctx, scale, chunk, part, out);            \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                    \
         attend_prefill_##NAME##_d128(const float* q, const KV* kc, const KV* vc, const int* slots, int n,          \
-                                     int n_head, int n_head_kv, int n_ctx, float scale, float* out) {               \
+                                     int n_head, int n_head_kv, int n_ctx, float scale, int chunk, float* part,     \
+                                     float* out) {                                                                  \
         PDL_ENTRY();                                                                                                \
-        attend_prefill<KV, 128>(q, kc, vc, slots, n, n_head, n_head_kv, n_ctx, scale, out);                        \
+        attend_prefill<KV, 128>(q, kc, vc, slots, n, n_head, n_head_kv, n_ctx, scale, chunk, part, out);           \
     }
 
 KV_INSTANCE(f32, float)
@@ -740,6 +804,15 @@ SPLIT_INSTANCE(f32, float, 256)
 SPLIT_INSTANCE(f16, u16, 64)
 SPLIT_INSTANCE(f16, u16, 128)
 SPLIT_INSTANCE(f16, u16, 256)
+
+// out[row, :] for the rows (position x head) of a split prefill attention;
+// grid (n * n_head), block 128.
+extern "C" __global__ void attend_prefill_combine(const float* part, long n_rows, int hd, int n_split, float* out) {
+    PDL_ENTRY();
+    long row = blockIdx.x;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x)
+        out[row * hd + d] = attend_prefill_merge(part, row, n_rows, hd, n_split, d);
+}
 
 extern "C" __global__ void attend_combine(const float* part, const int* slots, int n_head, int head_dim, int n_split,
                                           int chunk, int only_decode, int n_rows, int row_base, float* out) {

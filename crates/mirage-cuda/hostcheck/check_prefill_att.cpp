@@ -4,7 +4,8 @@
 // attend_prefill<KV, HD> against an f64 causal softmax attention over the
 // cache as stored, for f32 and f16 caches, head sizes 64 and 128, GQA groups
 // of 1, 2 and 7 query heads, and batches that start at position 0 or after
-// 70 cached positions, with lengths that leave partial row and key tiles.
+// 70 cached positions, with lengths that leave partial row and key tiles;
+// the keys in one block or split over several (attend_prefill_merge).
 // Build and run: hostcheck/run.sh.
 #include <cstdint>
 #include <cstdio>
@@ -21,7 +22,8 @@
 static int fails = 0;
 
 template <typename KV, int HD>
-void check(std::mt19937& rng, int n_head_kv, int group, int pos0, int n, const char* kv_name, KV (*store)(float)) {
+void check(std::mt19937& rng, int n_head_kv, int group, int pos0, int n, int n_split, const char* kv_name,
+           KV (*store)(float)) {
     const int n_head = n_head_kv * group, n_ctx = pos0 + n + 5;
     std::normal_distribution<float> N(0.f, 1.f);
     std::vector<float> q((size_t)n * n_head * HD);
@@ -36,13 +38,22 @@ void check(std::mt19937& rng, int n_head_kv, int group, int pos0, int n, const c
     std::vector<float> out((size_t)n * n_head * HD, NAN);
     const float scale = 1.f / std::sqrt((float)HD);
     const int rows = n * group;
-    gridDim = dim3_{(unsigned)((rows + FA_ROWS - 1) / FA_ROWS), (unsigned)n_head_kv, 1};
-    for (unsigned by = 0; by < gridDim.y; by++)
-        for (unsigned bx = 0; bx < gridDim.x; bx++)
-            run_block(FA_WARPS * 32, dim3_{bx, by, 0}, [&] {
-                attend_prefill<KV, HD>(q.data(), kc.data(), vc.data(), slots.data(), n, n_head, n_head_kv, n_ctx,
-                                       scale, out.data());
-            });
+    // Keys per split: a multiple of the key tile, n_split splits cover them.
+    const int keys = pos0 + n, tiles = (keys + FA_KEYS - 1) / FA_KEYS;
+    const int chunk = FA_KEYS * ((tiles + n_split - 1) / n_split);
+    std::vector<float> part(n_split > 1 ? (size_t)n_split * n * n_head * (HD + 2) : 0, NAN);
+    gridDim = dim3_{(unsigned)((rows + FA_ROWS - 1) / FA_ROWS), (unsigned)n_head_kv, (unsigned)n_split};
+    for (unsigned bz = 0; bz < gridDim.z; bz++)
+        for (unsigned by = 0; by < gridDim.y; by++)
+            for (unsigned bx = 0; bx < gridDim.x; bx++)
+                run_block(FA_WARPS * 32, dim3_{bx, by, bz}, [&] {
+                    attend_prefill<KV, HD>(q.data(), kc.data(), vc.data(), slots.data(), n, n_head, n_head_kv, n_ctx,
+                                           scale, chunk, n_split > 1 ? part.data() : nullptr, out.data());
+                });
+    if (n_split > 1)
+        for (long row = 0; row < (long)n * n_head; row++)
+            for (int d = 0; d < HD; d++)
+                out[row * HD + d] = attend_prefill_merge(part.data(), row, (long)n * n_head, HD, n_split, d);
     double worst = 0, num = 0, den = 0;
     for (int i = 0; i < n; i++)
         for (int h = 0; h < n_head; h++) {
@@ -78,20 +89,25 @@ void check(std::mt19937& rng, int n_head_kv, int group, int pos0, int n, const c
                 }
             }
         }
-    printf("prefill attention %s d%d, %d KV heads x group %d, positions %d..%d: max abs err %.2e, rel err %.2e\n",
-           kv_name, HD, n_head_kv, group, pos0, pos0 + n - 1, worst, std::sqrt(num / den));
+    printf("prefill attention %s d%d, %d KV heads x group %d, positions %d..%d, %d splits of %d keys: max abs err "
+           "%.2e, rel err %.2e\n",
+           kv_name, HD, n_head_kv, group, pos0, pos0 + n - 1, n_split, chunk, worst, std::sqrt(num / den));
 }
 
 static float keep(float v) { return v; }
 
 int main() {
     std::mt19937 rng(5);
-    check<float, 64>(rng, 2, 7, 0, 37, "f32", keep);
-    check<u16, 64>(rng, 2, 7, 70, 37, "f16", f2h);
-    check<u16, 64>(rng, 1, 1, 0, 130, "f16", f2h);
-    check<u16, 128>(rng, 2, 2, 70, 45, "f16", f2h);
-    check<float, 128>(rng, 1, 7, 3, 20, "f32", keep);
-    check<u16, 128>(rng, 2, 4, 300, 64, "f16", f2h);  // a long context's chunk
+    check<float, 64>(rng, 2, 7, 0, 37, 1, "f32", keep);
+    check<u16, 64>(rng, 2, 7, 70, 37, 1, "f16", f2h);
+    check<u16, 64>(rng, 1, 1, 0, 130, 1, "f16", f2h);
+    check<u16, 128>(rng, 2, 2, 70, 45, 1, "f16", f2h);
+    check<float, 128>(rng, 1, 7, 3, 20, 1, "f32", keep);
+    // Split keys: rows whose positions end before a split, a last split
+    // that is partly past the batch.
+    check<u16, 64>(rng, 2, 7, 200, 37, 3, "f16", f2h);
+    check<u16, 128>(rng, 2, 4, 300, 64, 4, "f16", f2h);  // a long context's chunk
+    check<float, 64>(rng, 1, 2, 0, 150, 2, "f32", keep);
     if (fails) {
         fprintf(stderr, "check_prefill_att: %d failures\n", fails);
         return 1;

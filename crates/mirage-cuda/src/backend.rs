@@ -137,6 +137,7 @@ pub(crate) fn kernel_names() -> Vec<String> {
         "page_keys",
         "select_pages",
         "attend_combine",
+        "attend_prefill_combine",
     ] {
         names.push(k.into());
     }
@@ -171,6 +172,9 @@ pub(crate) struct Scratch {
     pub hidden: CudaActivations,
     /// Attention split partials `[rows, n_head, n_split, head_dim + 2]`.
     pub attn_part: CudaActivations,
+    /// Prefill attention split partials `[n_split, rows, n_head, head_dim +
+    /// 2]`.
+    pub prefill_part: Option<CudaSlice<f32>>,
     /// Last uploaded token slots (seq, pos pairs) and their device copy:
     /// every layer of a step passes the same slots (ops outside a step).
     pub slots_host: Vec<i32>,

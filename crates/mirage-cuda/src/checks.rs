@@ -100,6 +100,14 @@ mod nvrtc_check {
                 crate::attention::SPLIT_ARGS
             } else if name == "attend_combine" {
                 crate::attention::COMBINE_ARGS
+            } else if name.starts_with("attend_prefill_combine") {
+                crate::attention::PREFILL_COMBINE_ARGS
+            } else if name.starts_with("attend_prefill_") {
+                crate::attention::PREFILL_ARGS
+            } else if name.starts_with("mmq_") {
+                crate::matvec::MMQ_ARGS
+            } else if name == "quantize_q8_1" {
+                crate::matvec::QUANTIZE_ARGS
             } else {
                 continue;
             };

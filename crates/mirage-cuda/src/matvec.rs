@@ -17,6 +17,11 @@ pub(crate) const MV3_ARGS: usize = 23;
 /// Arguments of an `ffn_*` launch (`FFN_PARAMS`).
 #[cfg(test)]
 pub(crate) const FFN_ARGS: usize = 13;
+/// Arguments of an `mmq_*` launch and of `quantize_q8_1`.
+#[cfg(test)]
+pub(crate) const MMQ_ARGS: usize = 7;
+#[cfg(test)]
+pub(crate) const QUANTIZE_ARGS: usize = 4;
 
 /// Warps per block of the mat-vec kernels (`FAST_WARPS` in cuda/matvec.cu).
 const WARPS: usize = 8;
