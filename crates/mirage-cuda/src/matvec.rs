@@ -402,12 +402,12 @@ impl CudaBackend {
     }
 
     /// The FFN of `n` rows at `px` into `po`: gate/up/SwiGLU in one launch
-    /// (or, for a prefill through cuBLAS or gate and up of different
+    /// (or, for a prefill on tensor cores or gate and up of different
     /// layouts, two products and `swiglu`), then the down product.
     pub(crate) fn ffn_rows(&self, f: &CudaFfn, px: u64, n: usize, po: u64) -> Result<()> {
         let n_ff = f.gate.rows;
-        // The scratch lock is released before the products: the GEMM path
-        // takes it again for its f16 buffers.
+        // The scratch lock is released before the products: the GEMM paths
+        // take it again for their buffers.
         let (pg, pu, ph) = {
             let mut s = self.scratch();
             let s = &mut *s;
