@@ -85,9 +85,12 @@ fn mmq_every_layout_matches_f64_reference() {
 }
 
 /// One prompt of `n` tokens prefilled in one batch (the int8 tensor-core
-/// products) against the same tokens fed one at a time (the batch-1 decode
-/// path: mat-vecs on f32 activations), then greedy decoding from each
-/// cache: per-position logits cosine and the same greedy tokens.
+/// products, the prefill attention on f16 tensor cores) against the same
+/// tokens fed one at a time (the batch-1 decode path: mat-vecs on f32
+/// activations): per-position logits cosine and arg-max; then greedy decode
+/// from the decode path's cache, its tokens teacher-forced through the
+/// prefill path's cache: at every step the same arg-max, or a near-tie
+/// (within 1e-3 of the logit range, on random weights' flat logits).
 fn prefill_matches_decode(test: &str, file: std::sync::Arc<mirage_gguf::GgufFile>) {
     let Some(gpu) = cuda_with(test, &CudaOptions::default()) else {
         return;
@@ -97,39 +100,25 @@ fn prefill_matches_decode(test: &str, file: std::sync::Arc<mirage_gguf::GgufFile
     let (n, steps) = (64usize, 64usize);
     let tokens: Vec<u32> = (0..n).map(|i| ((i * 53 + 7) % vocab) as u32).collect();
     let slot = |pos| TokenSlot { seq: 0, pos };
-    let greedy = |cache: &mut _, scratch: &mut _, mut last: u32| {
-        let mut out = Vec::new();
-        let mut logits = Vec::new();
-        for i in 0..steps {
-            model
-                .forward(&[last], &[slot(n + i)], &[0], cache, scratch, &mut logits)
-                .unwrap();
-            last = argmax(&logits);
-            out.push(last);
-        }
-        out
-    };
     // Prefill: one batch, every position's logits.
-    let mut cache = model.new_kv_cache(n + steps + 1, 1, KvDtype::F16).unwrap();
-    let mut scratch = model.new_scratch();
+    let mut pc = model.new_kv_cache(n + steps + 1, 1, KvDtype::F16).unwrap();
+    let mut ps = model.new_scratch();
     let mut batch = Vec::new();
     let slots: Vec<TokenSlot> = (0..n).map(slot).collect();
     let rows: Vec<usize> = (0..n).collect();
     model
-        .forward(&tokens, &slots, &rows, &mut cache, &mut scratch, &mut batch)
+        .forward(&tokens, &slots, &rows, &mut pc, &mut ps, &mut batch)
         .unwrap();
-    let prefill_tokens = greedy(&mut cache, &mut scratch, argmax(&batch[(n - 1) * vocab..]));
     // Decode: the same tokens one at a time.
-    let mut cache = model.new_kv_cache(n + steps + 1, 1, KvDtype::F16).unwrap();
-    let mut scratch = model.new_scratch();
+    let mut dc = model.new_kv_cache(n + steps + 1, 1, KvDtype::F16).unwrap();
+    let mut ds = model.new_scratch();
     let (mut one, mut step) = (Vec::new(), Vec::new());
     for (i, &t) in tokens.iter().enumerate() {
         model
-            .forward(&[t], &[slot(i)], &[0], &mut cache, &mut scratch, &mut step)
+            .forward(&[t], &[slot(i)], &[0], &mut dc, &mut ds, &mut step)
             .unwrap();
         one.extend_from_slice(&step);
     }
-    let decode_tokens = greedy(&mut cache, &mut scratch, argmax(&one[(n - 1) * vocab..]));
     let mut worst = 1.0f64;
     let mut same_argmax = 0;
     for p in 0..n {
@@ -140,22 +129,45 @@ fn prefill_matches_decode(test: &str, file: std::sync::Arc<mirage_gguf::GgufFile
         worst = worst.min(cosine(a, b));
         same_argmax += usize::from(argmax(a) == argmax(b));
     }
-    let same_greedy = prefill_tokens
-        .iter()
-        .zip(&decode_tokens)
-        .filter(|(a, b)| a == b)
-        .count();
+    // Greedy from both caches, the decode path's tokens fed to both.
+    let (mut dl, mut pl) = (step.clone(), batch[(n - 1) * vocab..].to_vec());
+    let (mut worst_step, mut exact, mut ties) = (1.0f64, 0, 0);
+    for i in 0..steps {
+        let want = argmax(&dl);
+        let got = argmax(&pl);
+        if got == want {
+            exact += 1;
+        } else {
+            let max = dl[want as usize];
+            let min = dl.iter().copied().fold(f32::MAX, f32::min);
+            let gap = max - dl[got as usize];
+            assert!(
+                gap <= 1e-3 * (max - min),
+                "{test}: step {i}: prefill path chose {got}, decode path {want} by {gap} (not a near-tie)"
+            );
+            ties += 1;
+        }
+        let pos = n + i;
+        model
+            .forward(&[want], &[slot(pos)], &[0], &mut dc, &mut ds, &mut dl)
+            .unwrap();
+        model
+            .forward(&[want], &[slot(pos)], &[0], &mut pc, &mut ps, &mut pl)
+            .unwrap();
+        worst_step = worst_step.min(cosine(&dl, &pl));
+    }
     eprintln!(
-        "{test}: prefill (int8 tensor cores) vs batch-1 decode: worst position cosine {worst:.7}, \
-         same argmax at {same_argmax}/{n} positions, same greedy tokens {same_greedy}/{steps}"
+        "{test}: prefill (tensor cores) vs batch-1 decode: worst position cosine {worst:.7}, \
+         same arg-max at {same_argmax}/{n} positions; {steps} greedy steps after: worst cosine \
+         {worst_step:.7}, same tokens {exact}, near-ties {ties}"
     );
     // The activations of the batch are rounded to 8 bits per 32 values
     // (as llama.cpp's MMQ does): ~1e-5 of cosine per product, so the bound
-    // is 1e-4 rather than the f16-tile path's few 1e-6.
+    // is 1e-4 rather than the decode path's 1e-5.
     assert!(worst >= 0.9999, "prefill vs decode cosine {worst}");
-    assert_eq!(
-        prefill_tokens, decode_tokens,
-        "greedy tokens after the prefill differ"
+    assert!(
+        worst_step >= 0.9999,
+        "decode after prefill vs after decode: cosine {worst_step}"
     );
 }
 
