@@ -1,14 +1,15 @@
 """Cuts the device code the host checks run out of the kernel sources in
 cuda/ (brace matching), so the checks always compile the current kernels.
 Writes matvec_extract.h, norm_extract.h, split_extract.h, att_partial_extract.h,
-ffn_p1_extract.h and ffn_p2_extract.h into the folder given (default: here)."""
+ffn_p1_extract.h, ffn_p2_extract.h, mmq_extract.h and fa_extract.h into the folder given
+(default: here)."""
 import pathlib
 import sys
 
 root = pathlib.Path(__file__).resolve().parents[3]
 src = "".join((root / "cuda" / f).read_text() for f in [
     "norm.cu", "nvfp4.cu", "ggml.cu", "attention.cu", "matvec.cu", "matvec_lanes.cu", "matvec_split.cu",
-    "superblock.cu"])
+    "mmq.cu", "superblock.cu"])
 
 
 def extract(name):
@@ -96,3 +97,19 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
     "#define SB_WARPS", "#define SB_THREADS", "#define SB_PAGE_CH", "#define SB_P2_QUADS", "#define SB_MAGIC",
     "float sb_byte_f32(", "void sb_q8x4(", "void nv_reduce_scatter(", "void sb_q8x16_axpy(",
     "void sb_q8s_p2_quads(", "void sb_sum_chunk_parts(", "void sb_finish_item(", "void sb_ffn_q8s_phase2("))
+
+# The prefill int8 tensor-core products (mmq.cu) with the split layouts'
+# element accessors they are checked against; the mma instructions
+# themselves are mma_emu.h's.
+(out / "mmq_extract.h").write_text(cut(
+    "u32 q4k_scale_byte(", "void q4k_scale_min(", "float q8s_elem(", "float q4ks_elem(", "float q5s_elem(",
+    "float q6ks_elem(", "#define MMQ_ROWS", "#define MMQ_TOKS", "#define MMQ_K", "#define MMQ_WARPS",
+    "#define MMQ_LD", "struct MmqTile", "#define MMQ_Q8_0", "#define MMQ_Q4_K", "#define MMQ_Q5_0",
+    "#define MMQ_Q6_K", "void quantize_q8_1_block(", "void mmq_load_w(", "void mmq_load_x(", "u32 mmq_word(",
+    "void mmq_tile("))
+
+# The prefill attention on f16 tensor cores (attention.cu); the mma
+# instruction is mma_emu.h's.
+(out / "fa_extract.h").write_text(cut(
+    "#define FA_ROWS", "#define FA_KEYS", "#define FA_WARPS", "#define FA_LOG2E", "u32 fa_pack(", "u32 fa_word(",
+    "void fa_stage(const u16*", "void fa_stage(const float*", "void attend_prefill(", "float attend_prefill_merge("))

@@ -2,8 +2,8 @@
 //! the split-K decode attention (`attend_split_*`: the query heads of a GQA
 //! group in one block, so the cache is read once per KV head, split over the
 //! context so that every length fills the device; RoPE and the KV store
-//! folded in where it can; `attend_combine` merges the splits), the tiled
-//! prefill attention, and decode attention over selected KV pages (page
+//! folded in where it can; `attend_combine` merges the splits), the prefill
+//! attention on f16 tensor cores (FlashAttention-2 style), and decode attention over selected KV pages (page
 //! boxes kept on the device, chosen per head by `cuda/attention_pruned.cu`,
 //! merged by the same `attend_combine`).
 
@@ -35,6 +35,12 @@ const SPLIT_THREADS: u32 = 128;
 pub(crate) const SPLIT_ARGS: usize = 10;
 pub(crate) const SPLIT_ROPE_ARGS: usize = 14;
 pub(crate) const COMBINE_ARGS: usize = 10;
+/// Arguments of an `attend_prefill_*` launch and of `attend_prefill_combine`
+/// (`CudaBackend::attend_prefill`).
+#[cfg(test)]
+pub(crate) const PREFILL_ARGS: usize = 12;
+#[cfg(test)]
+pub(crate) const PREFILL_COMBINE_ARGS: usize = 5;
 const SPLIT_MAX_HEADS: usize = 8;
 const SPLIT_MAX: usize = 1024;
 
@@ -52,12 +58,29 @@ const SPLIT_BLOCKS_PER_SM: usize = 4;
 /// fewer blocks than this.
 const ATTEND_TARGET_BLOCKS: usize = 1024;
 
-/// Query rows per block of the tiled prefill attention (`PF_ROWS`), its
-/// threads per block (`PF_THREADS`) and the largest head size it takes
-/// (`PF_MAX_HD`; a multiple of 16), in cuda/attention.cu.
-const PREFILL_ROWS: usize = 16;
-const PREFILL_THREADS: u32 = 256;
-const PREFILL_MAX_HEAD_DIM: usize = 128;
+/// Rows (position, query head pairs of one KV head's group) per block of
+/// the prefill attention on tensor cores (`FA_ROWS`), its threads per block
+/// (`FA_WARPS` warps) and the head sizes it is built for
+/// (`attend_prefill_<kv>_d<HD>`), in cuda/attention.cu.
+const PREFILL_ROWS: usize = 64;
+const PREFILL_THREADS: u32 = 128;
+pub(crate) const PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Batches of fewer rows take the split attention (`attend_split_*`).
+const PREFILL_MIN_ROWS: usize = 16;
+
+/// Keys per tile of the prefill attention (`FA_KEYS`): its key splits are
+/// whole tiles.
+const PREFILL_KEYS: usize = 64;
+
+/// The prefill attention splits its keys until the grid has this many
+/// blocks (of 4 warps) per SM, e.g. the 0.5B shape's two KV heads at 512
+/// rows give 112 blocks, fewer than an H100 has SMs ...
+const PREFILL_BLOCKS_PER_SM: usize = 4;
+
+/// ... with no split shorter than this many keys (each split costs a
+/// partial row of head_dim + 2 floats per row and head, and the combine).
+const PREFILL_MIN_SPLIT_KEYS: usize = 512;
 
 /// Threads of `page_keys` and `select_pages` (`KEY_THREADS`, `SEL_THREADS` in
 /// cuda/attention_pruned.cu).
@@ -457,30 +480,19 @@ impl CudaBackend {
                 }
             }
         }
-        // A prefill batch of one sequence's consecutive positions: the tiled
-        // kernel reads each key once per 16 query rows, not once per row.
+        // A prefill batch of one sequence's consecutive positions: the
+        // tensor-core kernel stages each key and value tile once per 64 rows
+        // of a KV head's query heads, not once per row.
         let tiled = pruned != Some(false)
-            && n >= PREFILL_ROWS
-            && hd <= PREFILL_MAX_HEAD_DIM
-            && hd % 16 == 0
+            && n >= PREFILL_MIN_ROWS
+            && PREFILL_HEAD_DIMS.contains(&hd)
+            && p.n_head_kv > 0
+            && p.n_head % p.n_head_kv == 0
             && slots
                 .windows(2)
                 .all(|w| w[1].seq == w[0].seq && w[1].pos == w[0].pos + 1);
         if tiled {
-            self.plain(
-                &format!("attend_prefill_{kv}"),
-                (n.div_ceil(PREFILL_ROWS) as u32, p.n_head as u32, 1),
-                (PREFILL_THREADS, 1, 1),
-                [
-                    at.cache_args(),
-                    vec![Arg::I32(n as i32)],
-                    at.heads().to_vec(),
-                ]
-                .concat()
-                .into_iter()
-                .chain([Arg::F32(scale), Arg::Ptr(po)])
-                .collect(),
-            )?;
+            self.attend_prefill(&at, p, slots[n - 1].pos + 1, scale, po)?;
         } else if pruned != Some(false) {
             let rope = rope_in_attention.then_some(RopeIn {
                 k: pk,
@@ -502,6 +514,69 @@ impl CudaBackend {
             } else {
                 self.attend_pages(pages, layer, &at, 0, n, only_decode)?;
             }
+        }
+        Ok(())
+    }
+
+    /// A prefill batch (`at.rows` consecutive positions of one sequence, the
+    /// last at `keys - 1`) on tensor cores: `attend_prefill_*`, its keys
+    /// split so that the grid has `PREFILL_BLOCKS_PER_SM` blocks per SM (no
+    /// split shorter than `PREFILL_MIN_SPLIT_KEYS`), then
+    /// `attend_prefill_combine` when split.
+    fn attend_prefill(
+        &self,
+        at: &CacheAttention,
+        p: &AttentionParams,
+        keys: usize,
+        scale: f32,
+        po: u64,
+    ) -> Result<()> {
+        let (n, hd, kv) = (at.rows, at.head_dim, at.kv);
+        let row_blocks = (n * (p.n_head / p.n_head_kv)).div_ceil(PREFILL_ROWS);
+        let base = row_blocks * p.n_head_kv;
+        let want = (PREFILL_BLOCKS_PER_SM * self.sm_count).div_ceil(base);
+        let tiles = keys.div_ceil(PREFILL_KEYS);
+        let splits = want.min(keys.div_ceil(PREFILL_MIN_SPLIT_KEYS)).max(1);
+        let chunk = PREFILL_KEYS * tiles.div_ceil(splits);
+        let splits = keys.div_ceil(chunk);
+        let part = if splits > 1 {
+            let mut s = self.scratch();
+            self.grow_scratch(&mut s.prefill_part, splits * n * p.n_head * (hd + 2))?
+        } else {
+            0
+        };
+        self.plain(
+            &format!("attend_prefill_{kv}_d{hd}"),
+            (row_blocks as u32, p.n_head_kv as u32, splits as u32),
+            (PREFILL_THREADS, 1, 1),
+            [
+                at.cache_args(),
+                vec![
+                    Arg::I32(n as i32),
+                    Arg::I32(p.n_head as i32),
+                    Arg::I32(p.n_head_kv as i32),
+                    Arg::I32(at.n_ctx as i32),
+                    Arg::F32(scale),
+                    Arg::I32(chunk as i32),
+                    Arg::Ptr(part),
+                    Arg::Ptr(po),
+                ],
+            ]
+            .concat(),
+        )?;
+        if splits > 1 {
+            self.plain(
+                "attend_prefill_combine",
+                ((n * p.n_head) as u32, 1, 1),
+                (128, 1, 1),
+                vec![
+                    Arg::Ptr(part),
+                    Arg::I64((n * p.n_head) as i64),
+                    Arg::I32(hd as i32),
+                    Arg::I32(splits as i32),
+                    Arg::Ptr(po),
+                ],
+            )?;
         }
         Ok(())
     }

@@ -104,15 +104,20 @@ pub(crate) fn kernel_names() -> Vec<String> {
         }
     }
     names.push("mv3_q8_0s_grid".into());
+    for s in crate::matvec::MMQ_SUFFIXES {
+        names.push(format!("mmq_{s}"));
+    }
     for kv in ["f32", "f16"] {
         for k in [
             "rope_store",
-            "attend_prefill",
             "page_bounds",
             "page_bounds_rows",
             "attend_pages_part",
         ] {
             names.push(format!("{k}_{kv}"));
+        }
+        for hd in crate::attention::PREFILL_HEAD_DIMS {
+            names.push(format!("attend_prefill_{kv}_d{hd}"));
         }
         for hd in crate::attention::SPLIT_HEAD_DIMS {
             for k in ["attend_split", "attend_split_rope"] {
@@ -128,9 +133,11 @@ pub(crate) fn kernel_names() -> Vec<String> {
         "gather_rows",
         "argmax_rows",
         "f32_to_f16",
+        "quantize_q8_1",
         "page_keys",
         "select_pages",
         "attend_combine",
+        "attend_prefill_combine",
     ] {
         names.push(k.into());
     }
@@ -165,6 +172,9 @@ pub(crate) struct Scratch {
     pub hidden: CudaActivations,
     /// Attention split partials `[rows, n_head, n_split, head_dim + 2]`.
     pub attn_part: CudaActivations,
+    /// Prefill attention split partials `[n_split, rows, n_head, head_dim +
+    /// 2]`.
+    pub prefill_part: Option<CudaSlice<f32>>,
     /// Last uploaded token slots (seq, pos pairs) and their device copy:
     /// every layer of a step passes the same slots (ops outside a step).
     pub slots_host: Vec<i32>,
@@ -172,6 +182,9 @@ pub(crate) struct Scratch {
     pub indices: Option<CudaSlice<u32>>,
     /// f16 copies of a GEMM's activations and of one weight tile.
     pub gemm_x: Option<CudaSlice<u16>>,
+    /// A prefill product's activations in q8_1 blocks: int8 quants, then
+    /// (scale, scale * sum) f32 pairs per 32 values.
+    pub mmq_x: Option<CudaSlice<u8>>,
     pub gemm_w: Option<CudaSlice<u16>>,
     /// Pruned attention: page keys `[rows, n_head, max_pages]`, chosen pages
     /// `[rows, n_head, max_sel]`, their counts, split partials.
@@ -189,7 +202,8 @@ pub(crate) enum MemKind {
 
 /// The CUDA backend: one device, one stream, kernels compiled by NVRTC.
 /// Decode steps run as CUDA graphs (`graph`); prefill batches launch op by
-/// op and multiply through cuBLAS on tensor cores.
+/// op and multiply on tensor cores (int8 `mmq_*` from the split layouts,
+/// cuBLAS on f16 tiles for the other layouts).
 pub struct CudaBackend {
     // First, so that recorded graphs are destroyed before the module whose
     // kernels they launch is unloaded.
@@ -203,6 +217,8 @@ pub struct CudaBackend {
     graphs: std::sync::atomic::AtomicBool,
     weights: WeightFormat,
     pub(crate) gemm_tile_bytes: usize,
+    /// `CudaOptions::prefill_gemm`.
+    pub(crate) prefill_gemm: bool,
     pub(crate) blas: Option<CudaBlas>,
     device_name: String,
     compute_capability: (i32, i32),
@@ -290,6 +306,7 @@ impl CudaBackend {
             graphs: options.graphs.into(),
             weights: options.weights,
             gemm_tile_bytes: options.gemm_tile_bytes.max(1),
+            prefill_gemm: options.prefill_gemm,
             blas,
             device_name,
             compute_capability: cc,
@@ -319,10 +336,12 @@ impl CudaBackend {
         self.weights
     }
 
-    /// Whether batches of more than 16 rows multiply through cuBLAS (the
-    /// option on and the library loaded); otherwise they take the mat-vec.
+    /// Whether batches of more than 16 rows multiply on tensor cores (the
+    /// option on): the split layouts through the int8 products of
+    /// `cuda/mmq.cu`, the other layouts through cuBLAS when the library
+    /// loaded (else the mat-vec).
     pub fn prefill_gemm(&self) -> bool {
-        self.blas.is_some()
+        self.prefill_gemm
     }
 
     /// Whether programmatic dependent launch is on (sm_90 and up).
@@ -674,12 +693,6 @@ impl Backend for CudaBackend {
                 outs.len()
             )));
         }
-        if self.use_gemm(x.rows) {
-            for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                self.matmul(w, x, out)?;
-            }
-            return Ok(());
-        }
         if let Some(w) = ws.iter().find(|w| w.cols != x.width) {
             return Err(bad(format!(
                 "{}: input width {} != {}",
@@ -690,6 +703,9 @@ impl Backend for CudaBackend {
         let mut ys = Vec::with_capacity(ws.len());
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             ys.push(self.reshape(out, x.rows, w.rows)?);
+        }
+        if self.use_gemm(x.rows) {
+            return self.matvec_many(ws, px, x.rows, &ys);
         }
         // Runs of up to three matrices read by the same kernel share a launch.
         let mut i = 0;

@@ -16,8 +16,10 @@
 //! `hostcheck`: the kernels' device functions compiled as C++ and run on the
 //! CPU (`hostcheck/run.sh`: the mat-vecs' dot helpers and element
 //! accessors, the RMSNorm row, the decode attention, the fused Q8_0 FFN's
-//! two phases and the pruned attention against f64 references or the plain
-//! forms), each emulated block's threads as fibers on one OS thread. Needs
+//! two phases, the pruned attention, the prefill int8 tensor-core products
+//! and the prefill attention on f16 tensor cores (mma fragments emulated
+//! per the PTX ISA) against f64 references
+//! or the plain forms), each emulated block's threads as fibers on one OS thread. Needs
 //! g++ (C++20) and python3; without them it prints why and passes.
 
 mod nvrtc_check {
@@ -98,6 +100,14 @@ mod nvrtc_check {
                 crate::attention::SPLIT_ARGS
             } else if name == "attend_combine" {
                 crate::attention::COMBINE_ARGS
+            } else if name.starts_with("attend_prefill_combine") {
+                crate::attention::PREFILL_COMBINE_ARGS
+            } else if name.starts_with("attend_prefill_") {
+                crate::attention::PREFILL_ARGS
+            } else if name.starts_with("mmq_") {
+                crate::matvec::MMQ_ARGS
+            } else if name == "quantize_q8_1" {
+                crate::matvec::QUANTIZE_ARGS
             } else {
                 continue;
             };

@@ -1,7 +1,8 @@
 //! Products with the weight matrices: the decode mat-vecs (`mv3_*`: up to
 //! three matrices of one input in one launch; `ffn_*`: gate, up and SwiGLU
 //! in one launch), their launch shape (column split, persistent grid), and
-//! the prefill GEMM through cuBLAS on tensor cores.
+//! the prefill products on tensor cores: int8 `mmq_*` for the split layouts,
+//! cuBLAS on f16 tiles for the others.
 
 use mirage_runtime::{Result, RuntimeError};
 
@@ -16,6 +17,11 @@ pub(crate) const MV3_ARGS: usize = 23;
 /// Arguments of an `ffn_*` launch (`FFN_PARAMS`).
 #[cfg(test)]
 pub(crate) const FFN_ARGS: usize = 13;
+/// Arguments of an `mmq_*` launch and of `quantize_q8_1`.
+#[cfg(test)]
+pub(crate) const MMQ_ARGS: usize = 7;
+#[cfg(test)]
+pub(crate) const QUANTIZE_ARGS: usize = 4;
 
 /// Warps per block of the mat-vec kernels (`FAST_WARPS` in cuda/matvec.cu).
 const WARPS: usize = 8;
@@ -44,9 +50,21 @@ const SPLIT_K_MIN_SLICE: usize = 128;
 /// 0.5B shape's stay one block per row group.
 const GRID_MIN_COLS: usize = 2048;
 
-/// Batches of more rows than this multiply through cuBLAS on tensor cores
-/// (weights dequantized to f16 tile by tile); smaller ones use the mat-vec.
+/// Batches of more rows than this multiply on tensor cores; smaller ones
+/// use the mat-vec.
 const GEMM_MIN_ROWS: usize = 17;
+
+/// Layouts the int8 tensor-core products read (`mmq_*` in cuda/mmq.cu),
+/// with the column multiple each needs: whole stages of `MMQ_K` = 128
+/// columns, and whole 256-column super-blocks for the K-quants.
+pub(crate) const MMQ_SUFFIXES: [&str; 4] = ["q8_0s", "q4_ks", "q5_0s", "q6_ks"];
+const MMQ_COLS: [usize; 4] = [128, 256, 128, 256];
+
+/// Weight rows and activation rows of one `mmq_*` block (`MMQ_ROWS`,
+/// `MMQ_TOKS`) and its threads (`MMQ_WARPS` warps).
+const MMQ_ROWS: usize = 64;
+const MMQ_TOKS: usize = 64;
+const MMQ_THREADS: u32 = 128;
 
 impl CudaBackend {
     /// Blocks of `kernel` (a block of `threads`, no dynamic shared memory)
@@ -90,17 +108,115 @@ impl CudaBackend {
         best
     }
 
-    /// Whether a product over `n_act` activation rows goes through cuBLAS.
+    /// Whether a product over `n_act` activation rows goes to tensor cores.
     pub(crate) fn use_gemm(&self, n_act: usize) -> bool {
-        n_act >= GEMM_MIN_ROWS && self.blas.is_some() && !self.recording()
+        n_act >= GEMM_MIN_ROWS && self.prefill_gemm && !self.recording()
+    }
+
+    /// The `mmq_*` suffix of `w` when the int8 products read it.
+    fn mmq_suffix(w: &CudaMatrix) -> Option<&'static str> {
+        let i = MMQ_SUFFIXES.iter().position(|&s| s == w.suffix())?;
+        (w.cols % MMQ_COLS[i] == 0).then_some(MMQ_SUFFIXES[i])
     }
 
     /// `y[a, :] = W x[a, :]` for `n_act` rows.
     pub(crate) fn matvec(&self, w: &CudaMatrix, x: u64, n_act: usize, y: u64) -> Result<()> {
-        if self.use_gemm(n_act) {
-            return self.gemm(w, x, n_act, y);
+        self.matvec_many(&[w], x, n_act, &[y])
+    }
+
+    /// `ys[i][a, :] = ws[i] x[a, :]` one product after another (a batch on
+    /// tensor cores quantizes `x` once for all the int8 products).
+    pub(crate) fn matvec_many(
+        &self,
+        ws: &[&CudaMatrix],
+        x: u64,
+        n_act: usize,
+        ys: &[u64],
+    ) -> Result<()> {
+        let mut quantized: Option<(usize, u64, u64)> = None;
+        for (w, &y) in ws.iter().zip(ys) {
+            if self.use_gemm(n_act) {
+                if let Some(s) = Self::mmq_suffix(w) {
+                    let (pq, pds) = match quantized {
+                        Some((cols, pq, pds)) if cols == w.cols => (pq, pds),
+                        _ => {
+                            let (pq, pds) = self.quantize_q8_1(x, n_act, w.cols)?;
+                            quantized = Some((w.cols, pq, pds));
+                            (pq, pds)
+                        }
+                    };
+                    self.mmq(w, s, pq, pds, n_act, y)?;
+                    continue;
+                }
+                if self.blas.is_some() {
+                    self.gemm(w, x, n_act, y)?;
+                    continue;
+                }
+            }
+            self.mv3(&[w], x, n_act, &[y])?;
         }
-        self.mv3(&[w], x, n_act, &[y])
+        Ok(())
+    }
+
+    /// The `n_act x cols` activations at `x` in q8_1 blocks (32 values:
+    /// int8 quants, and the scale d = max|x| / 127 with d * sum(q)) in the
+    /// scratch: returns the quants' and the (d, d * sum) pairs' addresses.
+    fn quantize_q8_1(&self, x: u64, n_act: usize, cols: usize) -> Result<(u64, u64)> {
+        let n_blocks = n_act * cols / 32;
+        // Quants, then the 8-byte pairs 16-byte aligned.
+        let q_bytes = (n_act * cols).next_multiple_of(16);
+        let pq = {
+            let mut s = self.scratch();
+            self.grow_scratch(&mut s.mmq_x, q_bytes + 8 * n_blocks)?
+        };
+        let pds = pq + q_bytes as u64;
+        self.push_launch(Launch {
+            kernel: self.kernels.index("quantize_q8_1")?,
+            grid: (n_blocks.div_ceil(8) as u32, 1, 1),
+            block: (256, 1, 1),
+            smem: 0,
+            work: Work::Plain(vec![
+                Arg::Ptr(x),
+                Arg::I64(n_blocks as i64),
+                Arg::Ptr(pq),
+                Arg::Ptr(pds),
+            ]),
+        })?;
+        Ok((pq, pds))
+    }
+
+    /// `y[a, r] = W[r, :] . x[a, :]` on int8 tensor cores, x given as q8_1
+    /// blocks (`quantize_q8_1`): `mmq_<suffix>` reads the weight's own
+    /// blocks tile by tile (cuda/mmq.cu).
+    fn mmq(
+        &self,
+        w: &CudaMatrix,
+        suffix: &str,
+        pq: u64,
+        pds: u64,
+        n_act: usize,
+        y: u64,
+    ) -> Result<()> {
+        let (rows, cols) = (w.rows, w.cols);
+        self.push_launch(Launch {
+            kernel: self.kernels.index(&format!("mmq_{suffix}"))?,
+            grid: (
+                rows.div_ceil(MMQ_ROWS) as u32,
+                n_act.div_ceil(MMQ_TOKS) as u32,
+                1,
+            ),
+            block: (MMQ_THREADS, 1, 1),
+            smem: 0,
+            work: Work::Plain(vec![
+                Arg::Ptr(self.ptr(&w.data)),
+                Arg::I32(rows as i32),
+                Arg::I32(cols as i32),
+                Arg::Ptr(pq),
+                Arg::Ptr(pds),
+                Arg::I32(n_act as i32),
+                Arg::Ptr(y),
+            ]),
+        })
     }
 
     /// `ys[i][a, :] = ws[i] x[a, :]` for 1 to 3 matrices of one layout and
@@ -286,12 +402,12 @@ impl CudaBackend {
     }
 
     /// The FFN of `n` rows at `px` into `po`: gate/up/SwiGLU in one launch
-    /// (or, for a prefill through cuBLAS or gate and up of different
+    /// (or, for a prefill on tensor cores or gate and up of different
     /// layouts, two products and `swiglu`), then the down product.
     pub(crate) fn ffn_rows(&self, f: &CudaFfn, px: u64, n: usize, po: u64) -> Result<()> {
         let n_ff = f.gate.rows;
-        // The scratch lock is released before the products: the GEMM path
-        // takes it again for its f16 buffers.
+        // The scratch lock is released before the products: the GEMM paths
+        // take it again for their buffers.
         let (pg, pu, ph) = {
             let mut s = self.scratch();
             let s = &mut *s;
@@ -303,8 +419,7 @@ impl CudaBackend {
         };
         let fused = !self.use_gemm(n) && self.ffn_gate_up(f, px, n, ph)?;
         if !fused {
-            self.matvec(&f.gate, px, n, pg)?;
-            self.matvec(&f.up, px, n, pu)?;
+            self.matvec_many(&[&f.gate, &f.up], px, n, &[pg, pu])?;
             self.elementwise("swiglu", n * n_ff, &[pg, pu, ph], None)?;
         }
         self.matvec(&f.down, ph, n, po)

@@ -11,11 +11,13 @@ pub struct CudaOptions {
     pub graphs: bool,
     /// The encoding of the weight matrices on the device.
     pub weights: WeightFormat,
-    /// Multiply prefill batches (more than 16 rows) through cuBLAS on tensor
-    /// cores when the library loads (`true`, the default), or run them
+    /// Multiply prefill batches (more than 16 rows) on tensor cores (`true`,
+    /// the default): Q8_0, Q4_K, Q5_0 and Q6_K as int8 products read from
+    /// their blocks (activations rounded to 8 bits per 32 values), the other
+    /// types through cuBLAS on f16 tiles when the library loads; or run them
     /// through the mat-vec kernels row by row (`false`, for debugging).
     pub prefill_gemm: bool,
-    /// Bytes of the f16 weight tile a prefill GEMM dequantizes at a time:
+    /// Bytes of the f16 weight tile a cuBLAS prefill GEMM dequantizes at a time:
     /// bounds that workspace (at least 16 rows a tile; default 32 MiB).
     pub gemm_tile_bytes: usize,
 }
@@ -117,7 +119,14 @@ impl StepProfile {
 
 /// The op class a kernel's time counts in ([`StepProfile`]), by its name.
 pub fn op_class(kernel: &str) -> OpClass {
-    const MATVEC: [&str; 4] = ["mv3_", "ffn_", "dequant_", "superblock_"];
+    const MATVEC: [&str; 6] = [
+        "mv3_",
+        "ffn_",
+        "dequant_",
+        "superblock_",
+        "mmq_",
+        "quantize_q8_1",
+    ];
     const ATTENTION: [&str; 4] = ["attend_", "page_keys", "page_bounds", "select_pages"];
     if MATVEC.iter().any(|p| kernel.starts_with(p)) {
         OpClass::MatVec

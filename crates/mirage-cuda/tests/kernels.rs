@@ -354,10 +354,10 @@ fn smollm2_logits_match_cpu() {
 /// the KV cache in f32 and in f16, against the CPU backend with the same
 /// cache type: a prefill of 300 rows, then decode steps past 600.
 /// Long prefill chunks and decode rows against the CPU, f32 and f16 caches,
-/// with the tiled prefill kernel (`attend_prefill_*`: batches of one
-/// sequence's consecutive positions) and without it (row by row, the
+/// with the prefill kernel on tensor cores (`attend_prefill_*`: batches of
+/// one sequence's consecutive positions) and without it (row by row, the
 /// split-K decode kernel), for head sizes 128 and 64 (GQA 4:1 and 7:1) and
-/// chunks that are not multiples of the kernel's 16-row tile.
+/// chunks that are not multiples of the kernel's 64-row tile.
 #[test]
 fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
     let Some(gpu) = cuda("attention_long_context_splits_match_cpu_f32_and_f16_cache") else {
@@ -413,8 +413,11 @@ fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
                         "long attention hd {hd} {dtype:?} rows {n} from pos {}: rel err {e:.2e}",
                         slots[0].pos
                     );
+                    // Chunks of 16 rows and more run on f16 tensor cores
+                    // (f16 queries and probabilities: a few 1e-4).
+                    let bound = if n >= 16 { 2e-3 } else { 1e-4 };
                     assert!(
-                        e < 1e-4,
+                        e < bound,
                         "hd {hd} {dtype:?} rows {n} at {}: attention rel err {e}",
                         slots[0].pos
                     );
@@ -454,7 +457,7 @@ fn tiny_model_prefill_gemm_and_f16_cache_match() {
     if model.backend().prefill_gemm() {
         let gemm = model.logits_all(&tokens, KvDtype::F32).unwrap();
         let c = worst(&gemm, &matvec);
-        eprintln!("tiny model prefill cuBLAS f16 GEMM vs mat-vec: worst position cosine {c:.7}");
+        eprintln!("tiny model prefill on tensor cores vs mat-vec: worst position cosine {c:.7}");
         assert!(c >= 0.9999, "gemm vs matvec cosine {c}");
     } else if require_cuda_tests() {
         panic!("cuBLAS did not load, so the prefill GEMM path was not tested");
@@ -487,10 +490,10 @@ fn tiny_model_fixture_runs_on_cpu() {
     );
 }
 
-/// The prefill GEMM path (weights dequantized to f16 on the device, cuBLAS
-/// f16 x f16 -> f32) against the mat-vec path for every weight type, in
-/// one weight tile and in tiles of 48 rows (300 rows: six tiles, the last
-/// one partial).
+/// The prefill GEMM path (the split layouts on int8 tensor cores; the
+/// others dequantized to f16 on the device, cuBLAS f16 x f16 -> f32)
+/// against the mat-vec path for every weight type, in one weight tile and
+/// in tiles of 48 rows (300 rows: six tiles, the last one partial).
 #[test]
 fn prefill_gemm_every_type_matches_matvec() {
     let test = "prefill_gemm_every_type_matches_matvec";
@@ -527,10 +530,17 @@ fn prefill_gemm_every_type_matches_matvec() {
         };
         let want = run(&plain);
         for (what, b) in [("one tile", &one_tile), ("tiles of 48 rows", &tiles)] {
-            // f16 activations (and f16 copies of F32/BF16 weights): ~1e-3.
+            // f16 activations (and f16 copies of F32/BF16 weights): ~1e-3;
+            // the split layouts' int8 products on q8_1 activations: ~5e-3
+            // (their exact check is prefill_mmq.rs's).
+            let int8 = matches!(
+                ty,
+                GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q5_0 | GgmlType::Q6_K
+            );
             let e = rel_err(&run(b), &want);
             eprintln!("{ty}: prefill GEMM ({what}) vs mat-vec rel err {e:.2e}");
-            assert!(e < 5e-3, "{ty} {what}: GEMM rel err {e}");
+            let bound = if int8 { 2e-2 } else { 5e-3 };
+            assert!(e < bound, "{ty} {what}: GEMM rel err {e}");
         }
     }
 }

@@ -172,7 +172,7 @@ fn smollm2_cuda_embeddings_and_constrained_decoding_match_cpu() {
 /// Decode at depth: a context of 700 positions (the prompts' tokens
 /// repeated), prefilled on each backend, then 64 greedy steps on the GPU,
 /// each token teacher-forced through the CPU (f32 activations, the same KV
-/// cache type): at every step the logits' cosine >= 0.99999 and the GPU's
+/// cache type): at every step the logits' cosine >= 0.9999 and the GPU's
 /// token is the CPU's arg-max (or within a near-tie of it, 1e-3 of the logit
 /// range). The decode steps run the split decode attention over many splits
 /// (the cache is 1024 positions) with RoPE and the KV store folded in.
@@ -234,9 +234,13 @@ fn check_depth(test: &str, name: &str, kv: mirage_runtime::KvDtype) {
             .unwrap();
         let cos = cosine(&gl, &cl);
         worst = worst.min(cos);
+        // The context was prefilled on int8 tensor cores (activations
+        // rounded to 8 bits per 32 values, as llama.cpp's MMQ), so the cached
+        // keys and values carry that rounding: 1e-4, not the decode path's
+        // own 1e-5.
         assert!(
-            cos >= 0.99999,
-            "{name} {kv:?}: decode step {i} at depth {pos}: logit cosine cuda vs cpu {cos} < 0.99999"
+            cos >= 0.9999,
+            "{name} {kv:?}: decode step {i} at depth {pos}: logit cosine cuda vs cpu {cos} < 0.9999"
         );
     }
     eprintln!(

@@ -74,8 +74,9 @@ pub struct BenchArgs {
     /// (`off`, for debugging: the same results).
     #[arg(long, default_value = "on")]
     pub cuda_graphs: String,
-    /// CUDA: multiply prompt batches through cuBLAS on tensor cores (`on`)
-    /// or with the mat-vec kernels (`off`).
+    /// CUDA: multiply prompt batches on tensor cores (`on`: int8 products
+    /// from the quantized blocks, cuBLAS for the other weight types) or with
+    /// the mat-vec kernels (`off`).
     #[arg(long, default_value = "on")]
     pub cuda_gemm: String,
     /// CUDA: weight encoding on the device, `native` (the file's) or
@@ -525,7 +526,7 @@ fn measure<B: Backend>(
     let mut logits = Vec::new();
     let mut scratch = model.new_scratch();
     // Warm-up in a throw-away cache: a prefill of 32 rows (large enough to
-    // take the CUDA backend's GEMM path, so cuBLAS's one-time set-up is not
+    // take the CUDA backend's GEMM path, so its one-time set-up is not
     // timed) and two decode steps.
     {
         let n_warm = 32.min(prompt.len());
@@ -785,7 +786,11 @@ fn print_table(r: &BenchReport) {
             r.graph_captures.unwrap_or(0),
             r.graph_replays.unwrap_or(0),
             r.eager_steps.unwrap_or(0),
-            if gm { "on (cuBLAS)" } else { "off (mat-vec)" }
+            if gm {
+                "on (tensor cores)"
+            } else {
+                "off (mat-vec)"
+            }
         );
     }
     if let Some(w) = &r.weight_format {

@@ -1,0 +1,145 @@
+// Host check of mmq.cu's prefill products (no GPU; extract.py ->
+// mmq_extract.h), the mma instructions emulated by the PTX ISA's fragment
+// layout (mma_emu.h), blocks run as fibers (block_emu.h):
+//   1. quantize_q8_1_block: every quant is round(x / d) with d = max|x| /
+//      127, and the block's pair is (d, d * sum(q));
+//   2. mmq_tile of every layout (q8_0s, q4_ks, q5_0s, q6_ks) on random
+//      split-layout bytes with valid f16 scales, against an f64 product of
+//      the layout's element accessors (q8s_elem, ...) and the dequantized
+//      q8_1 activations: 72 weight rows and 70 activation rows (a second,
+//      partly filled tile of each), several column stages.
+// Build and run: hostcheck/run.sh.
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <vector>
+#include "block_emu.h"
+#include "ptx_emu.h"
+struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
+#include "mma_emu.h"
+#include "mmq_extract.h"
+
+static std::mt19937 gen(11);
+static int fails = 0;
+
+// A random normal f16 of magnitude 2^-6 .. 2^-1, either sign.
+static u16 rand_half() {
+    std::uniform_int_distribution<int> e(9, 13), m(0, 1023), s(0, 1);
+    return (u16)((s(gen) << 15) | (e(gen) << 10) | m(gen));
+}
+
+// Random bytes of a split-layout matrix, its f16 fields made valid.
+static std::vector<uint4> random_matrix(int fmt, int rows, int cols) {
+    long bytes = fmt == MMQ_Q8_0   ? (long)rows * cols + (long)rows * cols / 16
+                 : fmt == MMQ_Q4_K ? (long)rows * cols / 2 + (long)rows * cols / 16
+                 : fmt == MMQ_Q5_0 ? (long)rows * cols / 2 + (long)rows * cols / 8 + (long)rows * cols / 16
+                                   : (long)rows * cols / 2 + (long)rows * cols / 4 + (long)rows * cols / 16 +
+                                       (long)rows * cols / 128;
+    std::vector<uint4> buf((bytes + 15) / 16 + 1);
+    u8* p = (u8*)buf.data();
+    std::uniform_int_distribution<int> byte(0, 255);
+    for (long i = 0; i < bytes; i++) p[i] = (u8)byte(gen);
+    auto halves = [&](long at, long n, long stride) {
+        for (long i = 0; i < n; i++) {
+            u16 h = rand_half();
+            memcpy(p + at + i * stride, &h, 2);
+        }
+    };
+    const long rc = (long)rows * cols;
+    if (fmt == MMQ_Q8_0) halves(rc, rc / 32, 2);
+    if (fmt == MMQ_Q4_K) {
+        halves(rc / 2, rc / 256, 16);      // d
+        halves(rc / 2 + 2, rc / 256, 16);  // dmin
+    }
+    if (fmt == MMQ_Q5_0) halves(rc / 2 + rc / 8, rc / 32, 2);
+    if (fmt == MMQ_Q6_K) halves(rc / 2 + rc / 4 + rc / 16, rc / 256, 2);
+    return buf;
+}
+
+static float elem(int fmt, const u8* W, int rows, int cols, int r, int i) {
+    switch (fmt) {
+        case MMQ_Q8_0: return q8s_elem(W, rows, cols, r, i);
+        case MMQ_Q4_K: return q4ks_elem(W, rows, cols, r, i);
+        case MMQ_Q5_0: return q5s_elem(W, rows, cols, r, i);
+        default: return q6ks_elem(W, rows, cols, r, i);
+    }
+}
+
+static void check(bool ok, const char* what) {
+    if (!ok) {
+        fprintf(stderr, "FAIL: %s\n", what);
+        fails++;
+    }
+}
+
+template <int FMT> void check_layout(const char* name, int rows, int cols, int n_act) {
+    std::vector<uint4> wbuf = random_matrix(FMT, rows, cols);
+    const u8* W = (const u8*)wbuf.data();
+    std::normal_distribution<float> N(0.f, 1.f);
+    std::vector<float> x((size_t)n_act * cols);
+    for (auto& v : x) v = N(gen);
+    for (int i = 0; i < cols; i++) x[i] = 0.f;  // an all-zero activation row
+    const long n_blocks = (long)n_act * cols / 32;
+    std::vector<uint4> qbuf(((size_t)n_act * cols + 15) / 16);
+    i8* xq = (i8*)qbuf.data();
+    std::vector<float2> xds(n_blocks);
+    // 1. Quantization: one warp per block, 8 warps a block.
+    gridDim = dim3_{(unsigned)((n_blocks + 7) / 8), 1, 1};
+    for (unsigned bx = 0; bx < gridDim.x; bx++)
+        run_block(256, dim3_{bx, 0, 0}, [&] {
+            long b = (long)blockIdx.x * 8 + (threadIdx.x >> 5);
+            if (b < n_blocks) quantize_q8_1_block(x.data(), xq, xds.data(), b, threadIdx.x & 31);
+        });
+    for (long b = 0; b < n_blocks; b++) {
+        float amax = 0;
+        for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(x[b * 32 + i]));
+        float d = amax / 127.f;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) {
+            int want = amax == 0 ? 0 : (int)std::nearbyint(x[b * 32 + i] / d);
+            check(xq[b * 32 + i] == want, "q8_1 quant");
+            sum += want;
+        }
+        check(xds[b].x == d && std::fabs(xds[b].y - d * sum) <= 1e-6f * std::fabs(d * sum) + 1e-30f, "q8_1 pair");
+    }
+    // 2. The product, blocks in reverse order.
+    std::vector<float> y((size_t)n_act * rows, NAN);
+    gridDim = dim3_{(unsigned)((rows + MMQ_ROWS - 1) / MMQ_ROWS), (unsigned)((n_act + MMQ_TOKS - 1) / MMQ_TOKS), 1};
+    for (int by = gridDim.y - 1; by >= 0; by--)
+        for (int bx = gridDim.x - 1; bx >= 0; bx--)
+            run_block(MMQ_WARPS * 32, dim3_{(unsigned)bx, (unsigned)by, 0},
+                      [&] { mmq_tile<FMT>(W, rows, cols, xq, xds.data(), n_act, y.data()); });
+    double worst = 0, scale = 0;
+    for (int a = 0; a < n_act; a++)
+        for (int r = 0; r < rows; r++) {
+            double want = 0, mag = 0;
+            for (int i = 0; i < cols; i++) {
+                double t = (double)elem(FMT, W, rows, cols, r, i) * ((double)xq[(long)a * cols + i] *
+                                                                     xds[((long)a * cols + i) / 32].x);
+                want += t;
+                mag += std::fabs(t);
+            }
+            double got = y[(long)a * rows + r];
+            if (!(std::fabs(got - want) <= 1e-5 * mag + 1e-30)) {
+                if (fails < 10) fprintf(stderr, "%s: y[%d][%d] = %g, want %g\n", name, a, r, got, want);
+                fails++;
+            }
+            worst = std::max(worst, std::fabs(got - want) / (mag + 1e-30));
+            scale = std::max(scale, mag);
+        }
+    printf("mmq %s: %d x %d times %d rows: worst error %.2e of the sum of |terms|\n", name, rows, cols, n_act, worst);
+}
+
+int main() {
+    check_layout<MMQ_Q8_0>("q8_0s", 72, 384, 70);
+    check_layout<MMQ_Q4_K>("q4_ks", 72, 512, 70);
+    check_layout<MMQ_Q5_0>("q5_0s", 72, 384, 70);
+    check_layout<MMQ_Q6_K>("q6_ks", 72, 512, 70);
+    if (fails) {
+        fprintf(stderr, "check_mmq: %d failures\n", fails);
+        return 1;
+    }
+    printf("check_mmq: ok\n");
+    return 0;
+}

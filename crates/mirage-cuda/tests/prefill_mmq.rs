@@ -1,0 +1,242 @@
+//! The prefill products on int8 tensor cores (`mmq_*`, cuda/mmq.cu) on the
+//! GPU: each split layout against an f64 reference on random blocks, and a
+//! whole prefill against the batch-1 decode path. Without a GPU (or without
+//! the `cuda` feature) every test prints why it skips and passes.
+
+use mirage_cuda::{CudaBackend, CudaOptions};
+use mirage_gguf::GgmlType;
+use mirage_runtime::backend::{Backend, TokenSlot};
+use mirage_runtime::kv_cache::KvDtype;
+use mirage_runtime::Model;
+
+mod common;
+use common::{
+    argmax, cosine, cuda_with, dequantized, host_matrix, matvec_reference, randn, rel_err, rng,
+    Tiny,
+};
+
+/// `x` through q8_1 blocks of 32 and back, as `quantize_q8_1` does it: d =
+/// max|x| / 127 and q = round-half-even(x / d), both in f32.
+fn q8_1_roundtrip(x: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for b in x.chunks(32) {
+        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        out.extend(b.iter().map(|&v| {
+            let q = if amax == 0.0 {
+                0.0
+            } else {
+                (v / d).round_ties_even()
+            };
+            q * d
+        }));
+    }
+    out
+}
+
+/// Every layout `mmq_*` reads (Q8_0, Q4_K, Q5_0 and Q6_K, uploaded in their
+/// split layouts) against an f64 product of the dequantized weights and the
+/// q8_1-rounded activations (the kernel's own inputs: only the summation
+/// order differs), and against the exact activations (the q8_1 rounding
+/// costs ~0.5 % there). 300 rows and 70 activation rows leave partial tiles
+/// of both; 512 columns are two super-blocks, four stages.
+#[test]
+fn mmq_every_layout_matches_f64_reference() {
+    let test = "mmq_every_layout_matches_f64_reference";
+    let Some(gpu) = cuda_with(test, &CudaOptions::default()) else {
+        return;
+    };
+    let (rows, cols, n_act) = (300usize, 512usize, 70usize);
+    let mut r = rng(77);
+    for ty in [
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_0,
+        GgmlType::Q6_K,
+    ] {
+        let hm = host_matrix(
+            &format!("test.{ty}"),
+            ty,
+            rows,
+            cols,
+            &randn(&mut r, rows * cols),
+        );
+        let w = dequantized(&hm);
+        let x = randn(&mut r, n_act * cols);
+        let dm = gpu.upload_matrix(&hm).unwrap();
+        assert!(dm.is_repacked(), "{ty}: not uploaded in its split layout");
+        let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
+        let mut dy = gpu.new_activations();
+        gpu.matmul(&dm, &dx, &mut dy).unwrap();
+        let mut got = Vec::new();
+        assert_eq!(gpu.read(&dy, &mut got).unwrap(), (n_act, rows));
+        let exact_inputs = matvec_reference(&w, &q8_1_roundtrip(&x), rows, cols, n_act);
+        let e = rel_err(&got, &exact_inputs);
+        let e_f32 = rel_err(&got, &matvec_reference(&w, &x, rows, cols, n_act));
+        eprintln!(
+            "{ty}: mmq vs f64 on its q8_1 inputs rel err {e:.2e}; vs f32 activations {e_f32:.2e}"
+        );
+        assert!(e < 1e-5, "{ty}: mmq vs f64 reference rel err {e}");
+        assert!(
+            e_f32 < 2e-2,
+            "{ty}: mmq vs f32-activation reference rel err {e_f32}"
+        );
+    }
+}
+
+/// One prompt of `n` tokens prefilled in one batch (the int8 tensor-core
+/// products, the prefill attention on f16 tensor cores) against the same
+/// tokens fed one at a time (the batch-1 decode path: mat-vecs on f32
+/// activations): per-position logits cosine and arg-max; then greedy decode
+/// from the decode path's cache, its tokens teacher-forced through the
+/// prefill path's cache: at every step the same arg-max, or a near-tie
+/// (within 1e-3 of the logit range, on random weights' flat logits).
+fn prefill_matches_decode(test: &str, file: std::sync::Arc<mirage_gguf::GgufFile>) {
+    let Some(gpu) = cuda_with(test, &CudaOptions::default()) else {
+        return;
+    };
+    let model = Model::load(file, gpu).unwrap();
+    let vocab = model.config().vocab_size;
+    let (n, steps) = (64usize, 64usize);
+    let tokens: Vec<u32> = (0..n).map(|i| ((i * 53 + 7) % vocab) as u32).collect();
+    let slot = |pos| TokenSlot { seq: 0, pos };
+    // Prefill: one batch, every position's logits.
+    let mut pc = model.new_kv_cache(n + steps + 1, 1, KvDtype::F16).unwrap();
+    let mut ps = model.new_scratch();
+    let mut batch = Vec::new();
+    let slots: Vec<TokenSlot> = (0..n).map(slot).collect();
+    let rows: Vec<usize> = (0..n).collect();
+    model
+        .forward(&tokens, &slots, &rows, &mut pc, &mut ps, &mut batch)
+        .unwrap();
+    // Decode: the same tokens one at a time.
+    let mut dc = model.new_kv_cache(n + steps + 1, 1, KvDtype::F16).unwrap();
+    let mut ds = model.new_scratch();
+    let (mut one, mut step) = (Vec::new(), Vec::new());
+    for (i, &t) in tokens.iter().enumerate() {
+        model
+            .forward(&[t], &[slot(i)], &[0], &mut dc, &mut ds, &mut step)
+            .unwrap();
+        one.extend_from_slice(&step);
+    }
+    let mut worst = 1.0f64;
+    let mut same_argmax = 0;
+    for p in 0..n {
+        let (a, b) = (
+            &batch[p * vocab..(p + 1) * vocab],
+            &one[p * vocab..(p + 1) * vocab],
+        );
+        worst = worst.min(cosine(a, b));
+        same_argmax += usize::from(argmax(a) == argmax(b));
+    }
+    // Greedy from both caches, the decode path's tokens fed to both.
+    let (mut dl, mut pl) = (step.clone(), batch[(n - 1) * vocab..].to_vec());
+    let (mut worst_step, mut exact, mut ties) = (1.0f64, 0, 0);
+    for i in 0..steps {
+        let want = argmax(&dl);
+        let got = argmax(&pl);
+        if got == want {
+            exact += 1;
+        } else {
+            let max = dl[want as usize];
+            let min = dl.iter().copied().fold(f32::MAX, f32::min);
+            let gap = max - dl[got as usize];
+            assert!(
+                gap <= 1e-3 * (max - min),
+                "{test}: step {i}: prefill path chose {got}, decode path {want} by {gap} (not a near-tie)"
+            );
+            ties += 1;
+        }
+        let pos = n + i;
+        model
+            .forward(&[want], &[slot(pos)], &[0], &mut dc, &mut ds, &mut dl)
+            .unwrap();
+        model
+            .forward(&[want], &[slot(pos)], &[0], &mut pc, &mut ps, &mut pl)
+            .unwrap();
+        worst_step = worst_step.min(cosine(&dl, &pl));
+    }
+    eprintln!(
+        "{test}: prefill (tensor cores) vs batch-1 decode: worst position cosine {worst:.7}, \
+         same arg-max at {same_argmax}/{n} positions; {steps} greedy steps after: worst cosine \
+         {worst_step:.7}, same tokens {exact}, near-ties {ties}"
+    );
+    // The activations of the batch are rounded to 8 bits per 32 values
+    // (as llama.cpp's MMQ does): ~1e-5 of cosine per product, so the bound
+    // is 1e-4 rather than the decode path's 1e-5.
+    assert!(worst >= 0.9999, "prefill vs decode cosine {worst}");
+    assert!(
+        worst_step >= 0.9999,
+        "decode after prefill vs after decode: cosine {worst_step}"
+    );
+}
+
+/// Qwen2-shaped, every matrix Q8_0 with Q/K/V biases, Q6_K lm head.
+#[test]
+fn prefill_q8_0_matches_decode() {
+    prefill_matches_decode("prefill_q8_0_matches_decode", Tiny::Q8_BIASED.build(5));
+}
+
+/// The Q4_K_M mix: Q4_K, Q5_0 keys, Q6_K values, down and lm head.
+#[test]
+fn prefill_q4_k_mix_matches_decode() {
+    let tiny = Tiny {
+        arch: "qwen2",
+        embd: GgmlType::Q4_K,
+        types: [
+            GgmlType::Q4_K,
+            GgmlType::Q5_0,
+            GgmlType::Q6_K,
+            GgmlType::Q4_K,
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+        ],
+        bias: true,
+    };
+    prefill_matches_decode("prefill_q4_k_mix_matches_decode", tiny.build(9));
+}
+
+/// The products really take the tensor-core path here: a backend with the
+/// option off multiplies the same batch through the mat-vecs, and the two
+/// differ by the q8_1 rounding (not bit for bit), while agreeing closely.
+#[test]
+fn mmq_path_is_taken_for_batches() {
+    let test = "mmq_path_is_taken_for_batches";
+    let off = CudaOptions {
+        prefill_gemm: false,
+        ..CudaOptions::default()
+    };
+    let (Some(on), Some(off)) = (
+        cuda_with(test, &CudaOptions::default()),
+        cuda_with(test, &off),
+    ) else {
+        return;
+    };
+    let (rows, cols, n_act) = (128usize, 256usize, 33usize);
+    let mut r = rng(3);
+    let hm = host_matrix(
+        "test.q8_0",
+        GgmlType::Q8_0,
+        rows,
+        cols,
+        &randn(&mut r, rows * cols),
+    );
+    let x = randn(&mut r, n_act * cols);
+    let run = |b: &CudaBackend| {
+        let dm = b.upload_matrix(&hm).unwrap();
+        let dx = b.upload_activations(n_act, cols, &x).unwrap();
+        let mut y = b.new_activations();
+        b.matmul(&dm, &dx, &mut y).unwrap();
+        let mut out = Vec::new();
+        b.read(&y, &mut out).unwrap();
+        out
+    };
+    let (a, b) = (run(&on), run(&off));
+    let e = rel_err(&a, &b);
+    eprintln!("{test}: tensor-core vs mat-vec rel err {e:.2e}");
+    assert!(
+        e > 1e-6,
+        "the batch did not take the int8 path (bit-identical to the mat-vec)"
+    );
+    assert!(e < 2e-2, "int8 path vs mat-vec rel err {e}");
+}
