@@ -29,6 +29,10 @@
 mod error;
 pub use error::CudaError;
 
+/// Activation sparsity on CUDA (channel-major projections from an
+/// activation artifact).
+#[cfg(feature = "cuda")]
+pub mod activation;
 #[cfg(feature = "cuda")]
 mod attention;
 #[cfg(feature = "cuda")]
@@ -55,6 +59,8 @@ pub mod sparse;
 #[cfg(feature = "cuda")]
 mod weights;
 
+#[cfg(feature = "cuda")]
+pub use activation::{ActivationCudaBackend, ActivationStats};
 #[cfg(feature = "cuda")]
 pub use attention::CudaKvCache;
 #[cfg(feature = "cuda")]
