@@ -192,6 +192,21 @@ struct ActMats {
     float* y[3];
     int rows[3];
     int tile[3];
+    const float* bias[3];  // added to the outputs (null: none)
+};
+
+// What the launch folds in besides the product (null pointers: nothing):
+// res += y after y is written (the residual add that follows a projection,
+// single-matrix launches only); and the RMSNorm that precedes it: the input
+// is then rms_norm(nx) * nw (eps neps), computed by every block for its
+// channels from the whole row, and block (0, 0, 0) writes the normalized
+// row to nout as the unfused norm would.
+struct ActFold {
+    float* res;
+    const float* nx;
+    const float* nw;
+    float neps;
+    float* nout;
 };
 
 // The thread's 8 outputs in its tile and where their codes lie.
@@ -270,12 +285,13 @@ __device__ __forceinline__ float act_silu_mul(float g, float u) { return g / (1.
 template <int TY>
 __device__ void act_matvec(ActMats mats, int cols, const float* __restrict__ x, const float* __restrict__ up,
                            int gpb, float* __restrict__ partials, int prow, u32* __restrict__ counters,
-                           int ctr_stride, u64* __restrict__ stats) {
+                           int ctr_stride, u64* __restrict__ stats, ActFold fold) {
     typedef CmType<TY> S;
     __shared__ float sx[ACT_MAX_CH];
     __shared__ u8 sid[ACT_MAX_CH];
     __shared__ int scount[ACT_MAX_CH / 16 + 2];
     __shared__ int last;
+    __shared__ float s32[32];
     const int mi = blockIdx.z, t = blockIdx.x, s = blockIdx.y, n_split = gridDim.y;
     CmLayout<TY> L;
     L.rows = mats.rows[mi];
@@ -287,15 +303,34 @@ __device__ void act_matvec(ActMats mats, int cols, const float* __restrict__ x, 
     const int g0 = s * gpb, g1 = min(n_groups, g0 + gpb);
     const int c0 = g0 * S::group, nch = max(0, g1 - g0) * S::group;
     const float* thr = mats.thr[mi];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = (blockDim.x + 31) / 32;
+
+    // 0. A folded norm: the row's scale (every block the same sum, in the
+    // same order), and the normalized row for the norm's other readers.
+    float nscale = 0.f;
+    if (fold.nw) {
+        float ss = 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) ss = fmaf(fold.nx[c], fold.nx[c], ss);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) s32[warp] = ss;
+        __syncthreads();
+        ss = 0.f;
+        for (int k = 0; k < n_warps; k++) ss += s32[k];
+        nscale = rsqrtf(ss / (float)cols + fold.neps);
+        if (t == 0 && s == 0 && mi == 0)
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) fold.nout[c] = fold.nx[c] * nscale * fold.nw[c];
+    }
 
     // 1. Score and compact this block's channels, one warp per 32.
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = (blockDim.x + 31) / 32;
     for (int b = warp * 32; b < nch; b += n_warps * 32) {
         const int c = b + lane;
         float v = 0.f;
         bool keep = false;
         if (c < nch) {
-            v = up ? act_silu_mul(x[c0 + c], up[c0 + c]) : x[c0 + c];
+            v = fold.nw ? fold.nx[c0 + c] * nscale * fold.nw[c0 + c]
+                : up    ? act_silu_mul(x[c0 + c], up[c0 + c])
+                        : x[c0 + c];
             keep = fabsf(v) >= thr[c0 + c];
         }
         const u32 mask = act_ballot(keep);
@@ -371,10 +406,17 @@ __device__ void act_matvec(ActMats mats, int cols, const float* __restrict__ x, 
 
     // 3. One split: the outputs. Else partials, and the tile's last block adds them.
     float* yout = mats.y[mi] + (long)t * L.tile;
+    const float* bias = mats.bias[mi] ? mats.bias[mi] + (long)t * L.tile : 0;
+    float* res = fold.res ? fold.res + (long)t * L.tile : 0;
     if (n_split == 1) {
         if (owns) {
 #pragma unroll
-            for (int k = 0; k < 8; k++) yout[ln.p[k / 4] + k % 4] = y[k];
+            for (int k = 0; k < 8; k++) {
+                const int o = ln.p[k / 4] + k % 4;
+                const float v = bias ? y[k] + bias[o] : y[k];
+                yout[o] = v;
+                if (res) res[o] += v;
+            }
         }
         return;
     }
@@ -396,22 +438,28 @@ __device__ void act_matvec(ActMats mats, int cols, const float* __restrict__ x, 
     for (int o = threadIdx.x; o < r; o += blockDim.x) {
         float v = 0.f;
         for (int k = 0; k < n_split; k++) v += act_ldcg(part + (long)k * prow + o);
+        if (bias) v += bias[o];
         yout[o] = v;
+        if (res) res[o] += v;
     }
 }
 
 #ifndef ACT_HOST
 // Arguments: per matrix slot 0..2 data, thresholds, y, rows, tile (slots
 // past gridDim.z unused), then cols, x, up, gpb, partials, prow, counters,
-// ctr_stride, stats (`ACT_ARGS` in activation.rs).
+// ctr_stride, stats, the biases of slots 0..2, res, nx, nw, neps, nout
+// (`ACT_ARGS` in activation.rs; launch.rs's ActMatVec writes them).
 #define ACT_KERNEL(NAME, ID)                                                                                     \
     extern "C" __global__ void act_mv_##NAME(                                                                  \
         const u8* d0, const u8* d1, const u8* d2, const float* t0, const float* t1, const float* t2, float* y0, \
         float* y1, float* y2, int r0, int r1, int r2, int tl0, int tl1, int tl2, int cols, const float* x,      \
-        const float* up, int gpb, float* partials, int prow, u32* counters, int ctr_stride, u64* stats) {      \
+        const float* up, int gpb, float* partials, int prow, u32* counters, int ctr_stride, u64* stats,        \
+        const float* b0, const float* b1, const float* b2, float* res, const float* nx, const float* nw,        \
+        float neps, float* nout) {                                                                             \
         PDL_ENTRY();                                                                                             \
-        ActMats m = {{d0, d1, d2}, {t0, t1, t2}, {y0, y1, y2}, {r0, r1, r2}, {tl0, tl1, tl2}};                 \
-        act_matvec<ID>(m, cols, x, up, gpb, partials, prow, counters, ctr_stride, stats);                       \
+        ActMats m = {{d0, d1, d2}, {t0, t1, t2}, {y0, y1, y2}, {r0, r1, r2}, {tl0, tl1, tl2}, {b0, b1, b2}};   \
+        ActFold f = {res, nx, nw, neps, nout};                                                                   \
+        act_matvec<ID>(m, cols, x, up, gpb, partials, prow, counters, ctr_stride, stats, f);                    \
     }
 ACT_KERNEL(q4_0, 2)
 ACT_KERNEL(q4_1, 3)

@@ -169,10 +169,10 @@ static float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 // template of the current type.
 static int cur_type;
 template <> void act_matvec<0>(ActMats m, int cols, const float* x, const float* up, int gpb, float* partials, int prow,
-                               u32* counters, int ctr_stride, u64* stats) {
+                               u32* counters, int ctr_stride, u64* stats, ActFold f) {
     switch (cur_type) {
 #define T(ID) \
-    case ID: return act_matvec<ID>(m, cols, x, up, gpb, partials, prow, counters, ctr_stride, stats);
+    case ID: return act_matvec<ID>(m, cols, x, up, gpb, partials, prow, counters, ctr_stride, stats, f);
         T(2) T(3) T(6) T(7) T(8) T(12) T(13) T(14)
 #undef T
     }
@@ -180,15 +180,27 @@ template <> void act_matvec<0>(ActMats m, int cols, const float* x, const float*
 
 // One launch of `mats` (1..3 matrices of type s, `cols` inputs) against the
 // reference; keep: the share of channels the thresholds keep.
-static void check(const Scheme& s, std::vector<std::array<int, 2>> shapes, int cols, double keep, bool swiglu, int sms) {
+// Folded into the launch: biases, a residual add (one matrix), a norm.
+enum { F_BIAS = 1, F_RES = 2, F_NORM = 4 };
+static void check(const Scheme& s, std::vector<std::array<int, 2>> shapes, int cols, double keep, bool swiglu, int sms,
+                  int folds = 0) {
     int nm = shapes.size();
     std::vector<Ref> L(nm);
     std::vector<std::vector<u8>> data(nm);
     std::vector<std::vector<float>> thr(nm), y(nm);
     std::normal_distribution<float> N(0, 1);
     std::vector<float> x(cols), up(cols), in(cols);
-    for (int i = 0; i < cols; i++) x[i] = N(rng), up[i] = N(rng), in[i] = swiglu ? silu_mul(x[i], up[i]) : x[i];
+    std::vector<float> nw(cols), nout(cols, NAN);
+    for (int i = 0; i < cols; i++) x[i] = N(rng), up[i] = N(rng), nw[i] = 0.5f + 0.05f * N(rng);
+    double ss = 0;
+    for (int i = 0; i < cols; i++) ss += (double)x[i] * x[i];
+    const double scale = 1 / std::sqrt(ss / cols + 1e-6);
+    for (int i = 0; i < cols; i++)
+        in[i] = (folds & F_NORM) ? (float)(x[i] * scale * nw[i]) : swiglu ? silu_mul(x[i], up[i]) : x[i];
     ActMats m{};
+    ActFold fold{};
+    std::vector<std::vector<float>> bias(nm);
+    std::vector<float> res, res0;
     int max_tiles = 0, prow = 0, threads = 32, sum_tiles = 0;
     for (int k = 0; k < nm; k++) {
         L[k] = {s, shapes[k][0], cols, shapes[k][1]};
@@ -207,7 +219,19 @@ static void check(const Scheme& s, std::vector<std::array<int, 2>> shapes, int c
         threads = std::max(threads, (L[k].tile / 8 + 31) / 32 * 32);
         m.data[k] = data[k].data(), m.thr[k] = thr[k].data(), m.y[k] = y[k].data();
         m.rows[k] = L[k].rows, m.tile[k] = L[k].tile;
+        if (folds & F_BIAS) {
+            bias[k].resize(L[k].rows);
+            for (auto& b : bias[k]) b = N(rng);
+            m.bias[k] = bias[k].data();
+        }
     }
+    if (folds & F_RES) {
+        res.resize(L[0].rows);
+        for (auto& r : res) r = N(rng);
+        res0 = res;
+        fold.res = res.data();
+    }
+    if (folds & F_NORM) fold.nx = x.data(), fold.nw = nw.data(), fold.neps = 1e-6f, fold.nout = nout.data();
     // split_for (activation.rs).
     int n_groups = cols / s.group;
     int min_split = std::max(1, (cols + ACT_MAX_CH - 1) / ACT_MAX_CH);
@@ -224,8 +248,17 @@ static void check(const Scheme& s, std::vector<std::array<int, 2>> shapes, int c
             for (int t = 0; t < max_tiles; t++)
                 run_block(threads, {(unsigned)t, (unsigned)sp, (unsigned)z}, [&] {
                     act_matvec<0>(m, cols, x.data(), swiglu ? up.data() : nullptr, gpb, partials.data(), prow,
-                                  counters.data(), 64, stats.data());
+                                  counters.data(), 64, stats.data(), fold);
                 });
+    if (folds & F_NORM) {
+        // The norm against f64; the product then against the kernel's own
+        // normalized row (a channel at its threshold may flip with the
+        // rounding of the row's scale).
+        double nerr = 0;
+        for (int i = 0; i < cols; i++) nerr = std::max(nerr, std::fabs(nout[i] - in[i]) / (std::fabs(in[i]) + 1e-3));
+        if (!(nerr < 1e-5)) printf("FAIL %s: folded norm rel err %.3g\n", s.name, nerr), fails++;
+        in = nout;
+    }
     for (int k = 0; k < nm; k++) {
         std::vector<double> w = dequant(L[k], data[k]);
         long active = 0;
@@ -240,9 +273,13 @@ static void check(const Scheme& s, std::vector<std::array<int, 2>> shapes, int c
             double acc = 0;
             for (int i = 0; i < cols; i++)
                 if (std::fabs(in[i]) >= thr[k][i]) acc += w[(size_t)j * cols + i] * in[i];
+            if (folds & F_BIAS) acc += bias[k][j];
             ref[j] = acc, amax = std::max(amax, std::fabs(acc));
         }
-        for (int j = 0; j < L[k].rows; j++) err = std::max(err, std::fabs(y[k][j] - ref[j]) / amax);
+        for (int j = 0; j < L[k].rows; j++) {
+            err = std::max(err, std::fabs(y[k][j] - ref[j]) / amax);
+            if (k == 0 && (folds & F_RES)) err = std::max(err, std::fabs(res[j] - (res0[j] + ref[j])) / amax);
+        }
         if (!(err < 2e-5) || (active == 0 && amax > 1e-30)) {
             printf("FAIL %s %dx%d tile %d (matrix %d of %d, split %d, keep %.2f%s): rel err %.3g\n", s.name, L[k].rows,
                    cols, L[k].tile, k, nm, split, keep, swiglu ? ", swiglu" : "", err);
@@ -273,6 +310,11 @@ int main() {
         }
         // Down: the input is silu(gate) * up, computed by the kernel.
         check(s, {{256, 256}}, 768, 0.4, true, 16), n++;
+        // Folded epilogues and prologue: biases (Q, K, V), the residual add
+        // (one matrix, one split and many), the norm before it.
+        check(s, {{256, 256}, {128, 128}, {128, 128}}, 512, 0.5, false, 8, F_BIAS | F_NORM), n++;
+        check(s, {{384, 256}}, 512, 0.5, false, 1, F_RES), n++;
+        check(s, {{384, 256}}, 512, 0.6, false, 64, F_RES | F_BIAS | F_NORM), n++;
     }
     printf("activation: %d launches, worst relative error %.3g, %d failures\n", n, worst, fails);
     return fails ? 1 : 0;

@@ -35,11 +35,11 @@ use mirage_runtime::kv_pages::KvPruning;
 use mirage_runtime::Result;
 
 use crate::backend::{bad, drv, CudaActivations, CudaBackend, MemKind};
-use crate::launch::{Arg, Launch, Work};
+use crate::launch::{ActMatVec, Launch, Work};
 use crate::{module, CudaError, CudaFfn, CudaKvCache, CudaMatrix, CudaVector};
 
 /// Arguments of the `act_mv_*` kernels (`ACT_KERNEL` in cuda/activation.cu).
-pub(crate) const ACT_ARGS: usize = 24;
+pub(crate) const ACT_ARGS: usize = 32;
 
 /// Most channels one block of `act_mv_*` scores (`ACT_MAX_CH`).
 const MAX_BLOCK_CHANNELS: usize = 2048;
@@ -424,29 +424,32 @@ impl ActivationCudaBackend {
             + 16 * first.index as u64;
         drop(s);
         let slot = |k: usize| jobs.get(k).unwrap_or(first);
-        let mut args = Vec::with_capacity(ACT_ARGS);
-        args.extend((0..3).map(|k| Arg::Ptr(self.inner.ptr(&slot(k).cm.data))));
-        args.extend((0..3).map(|k| Arg::Ptr(slot(k).thr)));
-        args.extend((0..3).map(|k| Arg::Ptr(slot(k).y)));
-        args.extend((0..3).map(|k| Arg::I32(slot(k).cm.layout.rows() as i32)));
-        args.extend((0..3).map(|k| Arg::I32(slot(k).cm.layout.tile() as i32)));
-        args.extend([
-            Arg::I32(cols as i32),
-            Arg::Ptr(px),
-            Arg::Ptr(up),
-            Arg::I32(gpb as i32),
-            Arg::Ptr(partials),
-            Arg::I32(prow as i32),
-            Arg::Ptr(counters),
-            Arg::I32(COUNTERS_PER_SLOT as i32),
-            Arg::Ptr(stats),
-        ]);
+        let work = ActMatVec {
+            n: jobs.len(),
+            data: [0, 1, 2].map(|k| self.inner.ptr(&slot(k).cm.data)),
+            thr: [0, 1, 2].map(|k| slot(k).thr),
+            y: [0, 1, 2].map(|k| slot(k).y),
+            rows: [0, 1, 2].map(|k| slot(k).cm.layout.rows() as i32),
+            tile: [0, 1, 2].map(|k| slot(k).cm.layout.tile() as i32),
+            cols: cols as i32,
+            x: px,
+            up,
+            gpb: gpb as i32,
+            partials,
+            prow: prow as i32,
+            counters,
+            ctr_stride: COUNTERS_PER_SLOT as i32,
+            stats,
+            bias: [0; 3],
+            res: 0,
+            norm: None,
+        };
         self.inner.push_launch(Launch {
             kernel: self.inner.kernels.index(&format!("act_mv_{}", ty.name()))?,
             grid: (max_tiles as u32, n_split as u32, jobs.len() as u32),
             block: (threads, 1, 1),
             smem: 0,
-            work: Work::Plain(args),
+            work: Work::ActMatVec(work),
         })
     }
 
