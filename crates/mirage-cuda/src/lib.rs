@@ -7,7 +7,9 @@
 //! over a device KV cache, SwiGLU, lm head, argmax); a decode step runs as
 //! one CUDA graph. [`SparseCudaBackend`] wraps it and runs the FFN from
 //! page-major pages (Q8_0, NVFP4 or Q2_K) with the page router on the
-//! device.
+//! device. [`ActivationCudaBackend`] wraps it for activation sparsity: the
+//! projections' decode products over the active input channels of their
+//! channel-major copies (`activation`).
 //!
 //! Kernels live in `cuda/*.cu` at the workspace root and are compiled at run
 //! time by NVRTC for the device's compute capability; the PTX is cached on
