@@ -16,7 +16,8 @@
 #    so speed only, fidelity means nothing), then
 #    `mirage-cli bench --backend cuda --sparsity 0.25,0.4,0.5`: dense and
 #    sparse decode tok/s of the same loaded model in one run, alternating
-#    over ROUNDS rounds;
+#    over ROUNDS rounds, and one decode step per configuration profiled op
+#    by op (the mat-vecs' share of the copy bandwidth for the bytes read);
 # then one table. Each step runs under `timeout`; no step starts once
 # BUDGET seconds (default 330) have passed. Environment: WORK (default
 # /tmp/mirage-act; about 16 GB free for the 7B Q8_0 model and its
@@ -58,8 +59,8 @@ for shape in $SHAPES; do
     step "bench-$shape-$q" 180 "$W/mirage-cli" bench --backend cuda --model "$f" --artifact "$a" \
       --sparsity 0.25,0.4,0.5 --sparsity-plan teal/uniform --sparsity-text "$WORK/calib.txt" \
       --prompt 16 --gen "$GEN" --rounds "$ROUNDS"
-    # The bench's table rows: config, tok/s, x dense, MiB/token, GB/s, % copy bw, skipped.
-    awk -v m="$shape $q" '/^(dense|teal)/ { n = NF; printf "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", m, ($1 == "dense" ? "dense" : $(n-6)), $(n-5), $(n-4), $(n-3), $(n-1), $n }' \
+    # The bench's table rows: config, tok/s, x dense, MiB/token, GB/s, % copy bw, skipped, mv us, mv % copy.
+    awk -v m="$shape $q" '/^(dense|teal)/ { n = NF; printf "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", m, ($1 == "dense" ? "dense" : $(n-8)), $(n-7), $(n-6), $(n-5), $(n-3), $(n-2), $n }' \
       "$LOG/bench-$shape-$q.log" >> "$LOG/rows.txt"
     grep -E '^model ' "$LOG/bench-$shape-$q.log" | head -1
     rm -f "$f" "$a"
@@ -72,7 +73,7 @@ printf '%-20s %7s %7s %7s\n' suite passed failed seconds
 while read -r _ name p f s; do printf '%-20s %7s %7s %7s\n' "$name" "$p" "$f" "$s"; done < "$LOG/suites.txt"
 echo
 echo "## activation-sparse decode (mirage-cli bench --backend cuda --sparsity 0.25,0.4,0.5, plan teal/uniform)"
-printf '%-18s %-8s %10s %8s %10s %10s %9s\n' model sparsity "tok/s" "x dense" "MiB/tok" "% copy bw" skipped
-while IFS=$'\t' read -r m c t x b p s; do printf '%-18s %-8s %10s %8s %10s %10s %9s\n' "$m" "$c" "$t" "$x" "$b" "$p" "$s"; done < "$LOG/rows.txt"
+printf '%-18s %-8s %10s %8s %10s %10s %9s %10s\n' model sparsity "tok/s" "x dense" "MiB/tok" "% copy bw" skipped "mv % copy"
+while IFS=$'\t' read -r m c t x b p s v; do printf '%-18s %-8s %10s %8s %10s %10s %9s %10s\n' "$m" "$c" "$t" "$x" "$b" "$p" "$s" "$v"; done < "$LOG/rows.txt"
 echo
 echo "total $((SECONDS - T0)) s; logs in $LOG"

@@ -38,7 +38,9 @@ use crate::backend::{bad, drv, CudaActivations, CudaBackend, MemKind};
 use crate::launch::{ActMatVec, Launch, Work};
 use crate::{module, CudaError, CudaFfn, CudaKvCache, CudaMatrix, CudaVector};
 
-/// Arguments of the `act_mv_*` kernels (`ACT_KERNEL` in cuda/activation.cu).
+/// Arguments of the `act_mv_*` kernels (`ACT_KERNEL` in cuda/activation.cu);
+/// `checks::nvrtc_check` holds the PTX to it.
+#[cfg(test)]
 pub(crate) const ACT_ARGS: usize = 32;
 
 /// Most channels one block of `act_mv_*` scores (`ACT_MAX_CH`).

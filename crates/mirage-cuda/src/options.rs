@@ -117,7 +117,7 @@ impl StepProfile {
 
 /// The op class a kernel's time counts in ([`StepProfile`]), by its name.
 pub fn op_class(kernel: &str) -> OpClass {
-    const MATVEC: [&str; 4] = ["mv3_", "ffn_", "dequant_", "superblock_"];
+    const MATVEC: [&str; 5] = ["mv3_", "ffn_", "dequant_", "superblock_", "act_mv_"];
     const ATTENTION: [&str; 4] = ["attend_", "page_keys", "page_bounds", "select_pages"];
     if MATVEC.iter().any(|p| kernel.starts_with(p)) {
         OpClass::MatVec

@@ -7,8 +7,10 @@
 //! at each sparsity; the table shows per configuration the median decode
 //! tok/s over rounds, its ratio to dense in the same round, the weight
 //! bytes one decode token reads (the sparse kernels' own count of the
-//! active channels and groups), the effective bandwidth and the share of
-//! the sparse matrices' bytes skipped.
+//! active channels and groups), the effective bandwidth, the share of the
+//! sparse matrices' bytes skipped, and from one decode step launched op by
+//! op between events the mat-vecs' device time and the bandwidth it means
+//! for those bytes.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -135,6 +137,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             ratio[c].push(tps / dense_tps);
         }
     }
+    // One decode step per configuration launched op by op between events:
+    // the mat-vecs' device time, against the weight bytes a token reads.
+    let mut mv_us = vec![f64::NAN; n];
+    for (c, (_, thr)) in configs.iter().enumerate() {
+        b.set_thresholds(thr.clone())?;
+        decode(&model, &toks[..toks.len().min(8)], 2, &|| {
+            b.inner().profile_next_step()
+        })?;
+        if let Some(p) = b.inner().take_step_profile() {
+            mv_us[c] = p.matvec_us;
+        }
+    }
     println!(
         "model {} | cuda, {device} ({}) | prompt {} tokens ({prompt_from}) + decode {gen} tokens, {} rounds | copy bandwidth {:.0} GB/s",
         args.model.display(),
@@ -144,21 +158,31 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         copy_bw / 1e9
     );
     println!(
-        "{:<34} {:>9} {:>8} {:>12} {:>9} {:>10} {:>9}",
-        "config", "tok/s", "x dense", "MiB/token", "GB/s", "% copy bw", "skipped"
+        "{:<34} {:>9} {:>8} {:>12} {:>9} {:>10} {:>9} {:>8} {:>10}",
+        "config",
+        "tok/s",
+        "x dense",
+        "MiB/token",
+        "GB/s",
+        "% copy bw",
+        "skipped",
+        "mv us",
+        "mv % copy"
     );
     for (c, (name, _)) in configs.iter().enumerate() {
         let tps = median(&mut speed[c]);
         let gbs = bytes[c] * tps / 1e9;
         println!(
-            "{:<34} {:>9.1} {:>8.3} {:>12.1} {:>9.0} {:>10.1} {:>9.3}",
+            "{:<34} {:>9.1} {:>8.3} {:>12.1} {:>9.0} {:>10.1} {:>9.3} {:>8.0} {:>10.1}",
             name,
             tps,
             median(&mut ratio[c]),
             bytes[c] / (1 << 20) as f64,
             gbs,
             100.0 * gbs * 1e9 / copy_bw,
-            skipped[c]
+            skipped[c],
+            mv_us[c],
+            100.0 * bytes[c] / (mv_us[c] * 1e-6) / copy_bw
         );
     }
     Ok(())
