@@ -132,6 +132,22 @@ mod nvrtc_check {
             assert_eq!(param_count(&ptx, name), want, "{name}");
         }
     }
+    #[test]
+    fn activation_module_compiles_and_its_launches_fit_the_kernels() {
+        if !nvrtc_present() {
+            return;
+        }
+        let names = crate::activation::kernel_names();
+        let ptx = check("activation", module::ACTIVATION_SOURCE, &names);
+        for name in names.iter().filter(|n| n.starts_with("act_mv_")) {
+            assert_eq!(
+                param_count(&ptx, name),
+                crate::activation::ACT_ARGS,
+                "{name}"
+            );
+        }
+        assert_eq!(param_count(&ptx, "act_mask"), 5);
+    }
 }
 
 mod ggml_types {

@@ -7,7 +7,9 @@
 //! over a device KV cache, SwiGLU, lm head, argmax); a decode step runs as
 //! one CUDA graph. [`SparseCudaBackend`] wraps it and runs the FFN from
 //! page-major pages (Q8_0, NVFP4 or Q2_K) with the page router on the
-//! device.
+//! device. [`ActivationCudaBackend`] wraps it for activation sparsity: the
+//! projections' decode products over the active input channels of their
+//! channel-major copies (`activation`).
 //!
 //! Kernels live in `cuda/*.cu` at the workspace root and are compiled at run
 //! time by NVRTC for the device's compute capability; the PTX is cached on
@@ -29,6 +31,10 @@
 mod error;
 pub use error::CudaError;
 
+/// Activation sparsity on CUDA (channel-major projections from an
+/// activation artifact).
+#[cfg(feature = "cuda")]
+pub mod activation;
 #[cfg(feature = "cuda")]
 mod attention;
 #[cfg(feature = "cuda")]
@@ -55,6 +61,8 @@ pub mod sparse;
 #[cfg(feature = "cuda")]
 mod weights;
 
+#[cfg(feature = "cuda")]
+pub use activation::{ActivationCudaBackend, ActivationStats};
 #[cfg(feature = "cuda")]
 pub use attention::CudaKvCache;
 #[cfg(feature = "cuda")]

@@ -49,6 +49,13 @@ pub const SPARSE_SOURCE: &str = concat!(
     include_str!("../../../cuda/route.cu")
 );
 
+/// The activation module: `cuda/pdl.cu` and the activation-sparse
+/// mat-vecs over channel-major matrices (`cuda/activation.cu`).
+pub const ACTIVATION_SOURCE: &str = concat!(
+    include_str!("../../../cuda/pdl.cu"),
+    include_str!("../../../cuda/activation.cu")
+);
+
 /// NVRTC options besides the architecture. Precise `expf`/division: the
 /// backend is checked against the CPU reference to cosine 0.9999.
 const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
