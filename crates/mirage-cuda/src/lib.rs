@@ -51,6 +51,8 @@ mod matvec;
 pub mod module;
 /// The sparse CUDA backend and its page formats.
 #[cfg(feature = "cuda")]
+mod schedule;
+#[cfg(feature = "cuda")]
 pub mod sparse;
 #[cfg(feature = "cuda")]
 mod weights;
