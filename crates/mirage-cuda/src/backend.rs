@@ -201,6 +201,7 @@ pub struct CudaBackend {
     /// capability 9.0 and up).
     pub(crate) pdl: bool,
     graphs: std::sync::atomic::AtomicBool,
+    pub(crate) decode: crate::DecodeMode,
     weights: WeightFormat,
     pub(crate) gemm_tile_bytes: usize,
     pub(crate) blas: Option<CudaBlas>,
@@ -288,6 +289,7 @@ impl CudaBackend {
             kernels,
             pdl: cc.0 >= 9,
             graphs: options.graphs.into(),
+            decode: options.decode,
             weights: options.weights,
             gemm_tile_bytes: options.gemm_tile_bytes.max(1),
             blas,

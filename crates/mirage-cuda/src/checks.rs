@@ -105,6 +105,29 @@ mod nvrtc_check {
         }
     }
 
+    /// The persistent decode module (every task body inlined into one
+    /// kernel, at the 7B shape's head size; the 64 of the 0.5B shape is the
+    /// same code at another template argument, compiled by the dense
+    /// check): the kernel is there with the arguments `persistent.rs`
+    /// passes, the counters are acquire loads and release adds, the task
+    /// barrier is a named one, and no body waits on a prerequisite grid
+    /// (its pdl_wait is the task's wait).
+    #[test]
+    fn persistent_module_compiles_with_every_task_body() {
+        if !nvrtc_present() {
+            return;
+        }
+        let source = crate::persistent::persistent_source(128);
+        let ptx = module::compile("persistent", &source, 9, 0)
+            .unwrap_or_else(|e| panic!("persistent: {e}"));
+        assert_eq!(param_count(&ptx, "decode_persistent"), 8);
+        assert!(ptx.contains("ld.acquire.gpu.global.u32"));
+        assert!(ptx.contains("red.release.gpu.global.add.u32"));
+        assert!(ptx.contains("bar.sync 1, %r"), "the task barrier");
+        assert!(!ptx.contains("griddepcontrol.wait"));
+        eprintln!("persistent: decode_persistent compiles for sm_90");
+    }
+
     #[test]
     fn sparse_module_compiles_and_its_launches_fit_the_kernels() {
         if !nvrtc_present() {
