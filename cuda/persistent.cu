@@ -149,10 +149,13 @@ __device__ __forceinline__ void task_run(const TaskStage* st) {
     }
 }
 
+// Two blocks an SM (128 registers a thread), as the mat-vec kernels run
+// (100 registers, two of their blocks an SM): one block of 8 warps leaves
+// too few loads in flight to stream weights at the copy rate.
 // tasks[t] = (stage, index of the task within its stage, first wait, end of
 // waits); waits[i] = (stage, its task count); counters[s]: tasks of stage s
 // done since the counters were allocated; status: TASK_* and where.
-extern "C" __global__ void __launch_bounds__(TASK_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(TASK_THREADS, 2)
     decode_persistent(const uint4* tasks, unsigned n_tasks, const uint2* waits, const TaskStage* stages,
                       unsigned* counters, unsigned generation, unsigned long long timeout_ns, unsigned* status) {
     if (threadIdx.x == 0) task_ctx.abort = 0;

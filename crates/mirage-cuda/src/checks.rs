@@ -17,7 +17,8 @@
 //! CPU (`hostcheck/run.sh`: the mat-vecs' dot helpers and element
 //! accessors, the RMSNorm row, the decode attention, the fused Q8_0 FFN's
 //! two phases and the pruned attention against f64 references or the plain
-//! forms), each emulated block's threads as fibers on one OS thread. Needs
+//! forms; the persistent decode kernel's task loop on a grid of blocks),
+//! each emulated block's threads as fibers on one OS thread. Needs
 //! g++ (C++20) and python3; without them it prints why and passes.
 
 mod nvrtc_check {
