@@ -34,6 +34,9 @@
 #define TK_ATTEND_SPLIT_ROPE_F16 18
 #define TK_ATTEND_COMBINE 19
 #define TK_ROPE_STORE_F16 20
+#define TK_GATHER_ROWS 21
+#define TK_ADD_INPLACE 22
+#define TK_ADD_BIAS 23
 
 // Head size of the attention tasks: the module is compiled per model (one
 // attention body per kind, so the kernel's static shared memory is one
@@ -105,6 +108,9 @@ TASK_FN(task_attend_split_rope) {
                                                              SP(float*, 9), SP(const float*, 10),
                                                              SP(const float*, 11), SI(12), SF(13));
 }
+TASK_FN(task_gather_rows) { gather_rows_body(SP(const float*, 0), SP(const u32*, 1), SI(2), SP(float*, 3)); }
+TASK_FN(task_add_inplace) { add_inplace_body(SP(float*, 0), SP(const float*, 1), SL(2)); }
+TASK_FN(task_add_bias) { add_bias_body(SP(float*, 0), SP(const float*, 1), SI(2), SL(3)); }
 // attend_combine's and rope_store_f16's wrappers: PDL_ENTRY, then the body.
 TASK_FN(task_attend_combine) {
     PDL_ENTRY();
@@ -145,6 +151,9 @@ __device__ __forceinline__ void task_run(const TaskStage* st) {
         case TK_ATTEND_SPLIT_ROPE_F16: task_attend_split_rope(a, v); break;
         case TK_ATTEND_COMBINE: task_attend_combine(a, v); break;
         case TK_ROPE_STORE_F16: task_rope_store(a, v); break;
+        case TK_GATHER_ROWS: task_gather_rows(a, v); break;
+        case TK_ADD_INPLACE: task_add_inplace(a, v); break;
+        case TK_ADD_BIAS: task_add_bias(a, v); break;
         default: break;
     }
 }

@@ -8,7 +8,8 @@
 //!
 //! Chosen at load with [`crate::DecodeMode`]. A step with a launch whose
 //! kernel has no task kind here (a sparse FFN, the pruned attention, f32 KV,
-//! NVFP4 weights) runs as a graph instead, counted in
+//! NVFP4 weights, ggml-layout mat-vecs of the types no layout repacks, a
+//! separate SwiGLU) runs as a graph instead, counted in
 //! `GraphStats::captures`/`replays`, not `persistent`.
 //!
 //! Hangs cannot hang the caller: every wait on the device gives up after
@@ -48,7 +49,7 @@ pub(crate) const HOST_TIMEOUT: Duration = Duration::from_secs(10);
 const PLAN_CACHE: usize = 4;
 
 /// Task kinds (`TK_*` in cuda/persistent.cu; a test checks the numbers).
-pub(crate) const TASK_KINDS: [(&str, u32); 20] = [
+pub(crate) const TASK_KINDS: [(&str, u32); 23] = [
     ("TK_MV3_Q8S", 1),
     ("TK_MV3_Q8S_GRID", 2),
     ("TK_MV3_Q4KS", 3),
@@ -69,6 +70,9 @@ pub(crate) const TASK_KINDS: [(&str, u32); 20] = [
     ("TK_ATTEND_SPLIT_ROPE_F16", 18),
     ("TK_ATTEND_COMBINE", 19),
     ("TK_ROPE_STORE_F16", 20),
+    ("TK_GATHER_ROWS", 21),
+    ("TK_ADD_INPLACE", 22),
+    ("TK_ADD_BIAS", 23),
 ];
 
 fn kind(name: &str) -> u32 {
@@ -144,6 +148,9 @@ pub(crate) fn task_kind(name: &str, head_dim: usize) -> Option<(u32, u32)> {
         "argmax_rows" => "TK_ARGMAX",
         "attend_combine" => "TK_ATTEND_COMBINE",
         "rope_store_f16" => "TK_ROPE_STORE_F16",
+        "gather_rows" => "TK_GATHER_ROWS",
+        "add_inplace" => "TK_ADD_INPLACE",
+        "add_bias" => "TK_ADD_BIAS",
         _ if name == format!("attend_split_f16_d{head_dim}") => "TK_ATTEND_SPLIT_F16",
         _ if name == format!("attend_split_rope_f16_d{head_dim}") => "TK_ATTEND_SPLIT_ROPE_F16",
         _ => return None,
@@ -583,6 +590,8 @@ mod tests {
             ("attend_split_rope_f16_d64", 18, 0),
             ("attend_combine", 19, 0),
             ("rope_store_f16", 20, 0),
+            ("gather_rows", 21, 0),
+            ("add_inplace", 22, 0),
         ] {
             assert_eq!(task_kind(name, 64), Some((kind, variant)), "{name}");
         }
