@@ -18,8 +18,9 @@
 //! accessors, the RMSNorm row, the decode attention, the fused Q8_0 FFN's
 //! two phases, the pruned attention, the prefill int8 tensor-core products
 //! and the prefill attention on f16 tensor cores (mma fragments emulated
-//! per the PTX ISA) against f64 references
-//! or the plain forms), each emulated block's threads as fibers on one OS thread. Needs
+//! per the PTX ISA) against f64 references or the plain forms; the
+//! persistent decode kernel's task loop on a grid of blocks), each emulated
+//! block's threads as fibers on one OS thread. Needs
 //! g++ (C++20) and python3; without them it prints why and passes.
 
 mod nvrtc_check {
@@ -113,6 +114,29 @@ mod nvrtc_check {
             };
             assert_eq!(param_count(&ptx, name), want, "{name}");
         }
+    }
+
+    /// The persistent decode module (every task body inlined into one
+    /// kernel, at the 7B shape's head size; the 64 of the 0.5B shape is the
+    /// same code at another template argument, compiled by the dense
+    /// check): the kernel is there with the arguments `persistent.rs`
+    /// passes, the counters are acquire loads and release adds, the task
+    /// barrier is a named one, and no body waits on a prerequisite grid
+    /// (its pdl_wait is the task's wait).
+    #[test]
+    fn persistent_module_compiles_with_every_task_body() {
+        if !nvrtc_present() {
+            return;
+        }
+        let source = crate::persistent::persistent_source(128);
+        let ptx = module::compile("persistent", &source, 9, 0)
+            .unwrap_or_else(|e| panic!("persistent: {e}"));
+        assert_eq!(param_count(&ptx, "decode_persistent"), 8);
+        assert!(ptx.contains("ld.acquire.gpu.global.u32"));
+        assert!(ptx.contains("red.release.gpu.global.add.u32"));
+        assert!(ptx.contains("bar.sync 1, %r"), "the task barrier");
+        assert!(!ptx.contains("griddepcontrol.wait"));
+        eprintln!("persistent: decode_persistent compiles for sm_90");
     }
 
     #[test]

@@ -57,6 +57,10 @@ mod matvec;
 pub mod module;
 /// The sparse CUDA backend and its page formats.
 #[cfg(feature = "cuda")]
+mod persistent;
+#[cfg(feature = "cuda")]
+mod schedule;
+#[cfg(feature = "cuda")]
 pub mod sparse;
 #[cfg(feature = "cuda")]
 mod weights;
@@ -77,8 +81,8 @@ pub use weights::{CudaFfn, CudaMatrix, CudaVector};
 
 pub mod options;
 pub use options::{
-    op_class, CudaOptions, GraphStats, MemoryStats, OpClass, PageFormat, RouteTraversal,
-    SparsePages, StepProfile, WeightFormat, ROUTE_SCAN_MAX_PRIMS,
+    op_class, CudaOptions, DecodeMode, GraphStats, MemoryStats, OpClass, PageFormat,
+    RouteTraversal, SparsePages, StepProfile, WeightFormat, ROUTE_SCAN_MAX_PRIMS,
 };
 
 /// Threads of an `rms_norm` block (norm.cu's row function gives the same

@@ -57,8 +57,8 @@ const GEMM_MIN_ROWS: usize = 17;
 /// Layouts the int8 tensor-core products read (`mmq_*` in cuda/mmq.cu),
 /// with the column multiple each needs: whole stages of `MMQ_K` = 128
 /// columns, and whole 256-column super-blocks for the K-quants.
-pub(crate) const MMQ_SUFFIXES: [&str; 4] = ["q8_0s", "q4_ks", "q5_0s", "q6_ks"];
-const MMQ_COLS: [usize; 4] = [128, 256, 128, 256];
+pub(crate) const MMQ_SUFFIXES: [&str; 2] = ["q8_0s", "q5_0s"];
+const MMQ_COLS: [usize; 2] = [128, 128];
 
 /// Weight rows and activation rows of one `mmq_*` block (`MMQ_ROWS`,
 /// `MMQ_TOKS`) and its threads (`MMQ_WARPS` warps).

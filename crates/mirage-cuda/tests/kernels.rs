@@ -458,7 +458,8 @@ fn tiny_model_prefill_gemm_and_f16_cache_match() {
         let gemm = model.logits_all(&tokens, KvDtype::F32).unwrap();
         let c = worst(&gemm, &matvec);
         eprintln!("tiny model prefill on tensor cores vs mat-vec: worst position cosine {c:.7}");
-        assert!(c >= 0.9999, "gemm vs matvec cosine {c}");
+        // Int8 activations in the Q8_0 and Q5_0 products (see prefill_mmq.rs).
+        assert!(c >= 0.999, "gemm vs matvec cosine {c}");
     } else if require_cuda_tests() {
         panic!("cuBLAS did not load, so the prefill GEMM path was not tested");
     } else {

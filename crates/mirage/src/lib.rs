@@ -80,7 +80,7 @@ pub use mirage_tokenizer as tokenizer;
 
 pub use mirage_artifact::activation::{Criterion, SparsityTarget};
 pub use mirage_artifact::SparseMode;
-pub use mirage_cuda::{CudaOptions, PageFormat, SparsePages, WeightFormat};
+pub use mirage_cuda::{CudaOptions, DecodeMode, PageFormat, SparsePages, WeightFormat};
 pub use mirage_grammar::{GrammarError, GrammarSpec};
 pub use mirage_runtime::{
     Backend, CpuBackend, Engine, EngineOptions, GenerateParams, Generation, GenerationStats,
