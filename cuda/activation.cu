@@ -472,8 +472,9 @@ ACT_KERNEL(q6_k, 14)
 
 // out[i, c] = x[i, c] where |x[i, c]| >= thr[c], else 0 (prompt batches:
 // the dense kernels on the masked input, as the CPU path runs them).
-extern "C" __global__ void act_mask(const float* __restrict__ x, const float* __restrict__ thr, int width,
-                                    float* __restrict__ out, long n) {
+// Arguments in `CudaBackend::elementwise`'s order: pointers, width, count.
+extern "C" __global__ void act_mask(const float* __restrict__ x, const float* __restrict__ thr,
+                                    float* __restrict__ out, int width, long n) {
     PDL_ENTRY();
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {

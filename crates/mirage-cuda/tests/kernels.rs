@@ -473,7 +473,8 @@ fn tiny_model_prefill_gemm_and_f16_cache_match() {
     let cpu16 = cpu.logits_all(&tokens, KvDtype::F16).unwrap();
     let c = worst(&f16, &cpu16);
     eprintln!("tiny model f16 KV cuda vs cpu f16 KV: worst position cosine {c:.7}");
-    assert!(c >= 0.9999, "f16 cache cuda vs cpu cosine {c}");
+    // The CUDA prefill's int8 activations (as above), not the f16 cache.
+    assert!(c >= 0.999, "f16 cache cuda vs cpu cosine {c}");
 }
 
 /// The in-memory fixture of the GPU model tests is a valid model (runs
