@@ -782,35 +782,21 @@ KV_INSTANCE(f16, u16)
 
 // attend_split and attend_split_rope per cache type and head size (one
 // kernel per head size: the shared arrays are sized by it).
-// The bodies are device functions (the persistent decode kernel runs them
-// as tasks, persistent.cu).
 #define SPLIT_INSTANCE(NAME, KV, HD)                                                                                \
-    __device__ __forceinline__ void attend_split_body_##NAME##_d##HD(const float* q, const KV* kc, const KV* vc,   \
-                                                                     const int* slots, int n_head, int n_head_kv,  \
-                                                                     int n_ctx, int chunk, float scale,            \
-                                                                     float* part) {                                \
+    extern "C" __global__ void __launch_bounds__(AS_THREADS)                                                       \
+        attend_split_##NAME##_d##HD(const float* q, const KV* kc, const KV* vc, const int* slots, int n_head,      \
+                                    int n_head_kv, int n_ctx, int chunk, float scale, float* part) {               \
         PDL_ENTRY();                                                                                                \
         attend_split<KV, HD>(q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, part);                       \
     }                                                                                                               \
     /* attend_split's arguments, then the rows' unrotated k and v and the RoPE's mode and base. */             \
-    __device__ __forceinline__ void attend_split_rope_body_##NAME##_d##HD(                                          \
-        const float* q, KV* kc, KV* vc, const int* slots, int n_head, int n_head_kv, int n_ctx, int chunk,         \
-        float scale, float* part, const float* k, const float* v, int neox, float freq_base) {                     \
-        PDL_ENTRY();                                                                                                \
-        attend_split_rope<KV, HD>(q, k, v, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, neox, freq_base, \
-                                  part);                                                                            \
-    }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(AS_THREADS)                                                       \
-        attend_split_##NAME##_d##HD(const float* q, const KV* kc, const KV* vc, const int* slots, int n_head,      \
-                                    int n_head_kv, int n_ctx, int chunk, float scale, float* part) {               \
-        attend_split_body_##NAME##_d##HD(q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, part);           \
-    }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(AS_THREADS)                                                       \
         attend_split_rope_##NAME##_d##HD(const float* q, KV* kc, KV* vc, const int* slots, int n_head,             \
                                          int n_head_kv, int n_ctx, int chunk, float scale, float* part,            \
                                          const float* k, const float* v, int neox, float freq_base) {              \
-        attend_split_rope_body_##NAME##_d##HD(q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, part, k,   \
-                                              v, neox, freq_base);                                                  \
+        PDL_ENTRY();                                                                                                \
+        attend_split_rope<KV, HD>(q, k, v, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, neox, freq_base, \
+                                  part);                                                                            \
     }
 SPLIT_INSTANCE(f32, float, 64)
 SPLIT_INSTANCE(f32, float, 128)

@@ -1,40 +1,28 @@
 // Element-wise and row kernels of the dense module: the RMSNorm launch,
 // bias and residual adds, SwiGLU, row gathers, f16 conversion, argmax.
 
-// The bodies of the kernels a decode step launches (rms_norm, add_bias,
-// add_inplace, gather_rows, argmax_rows) are device functions that the
-// persistent decode kernel (persistent.cu) runs as tasks.
-
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w; grid (rows), block 256.
-__device__ __forceinline__ void rms_norm_body(const float* __restrict__ x, const float* __restrict__ w, float eps,
-                                              int width, float* __restrict__ out) {
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float eps, int width,
+                                    float* __restrict__ out) {
     PDL_ENTRY();
     __shared__ float s32[32];
     float* o = out + (long)blockIdx.x * width;
     rms_norm_row(x + (long)blockIdx.x * width, w, eps, width, s32, [&](int i, float v) { o[i] = v; });
 }
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float eps, int width,
-                                    float* __restrict__ out) {
-    rms_norm_body(x, w, eps, width, out);
-}
 
 // x[i] += b[i % width]
-__device__ __forceinline__ void add_bias_body(float* x, const float* __restrict__ b, int width, long n) {
+extern "C" __global__ void add_bias(float* x, const float* __restrict__ b, int width, long n) {
     PDL_ENTRY();
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += b[i % width];
 }
-extern "C" __global__ void add_bias(float* x, const float* __restrict__ b, int width, long n) {
-    add_bias_body(x, b, width, n);
-}
 
 // acc[i] += x[i]
-__device__ __forceinline__ void add_inplace_body(float* acc, const float* __restrict__ x, long n) {
+extern "C" __global__ void add_inplace(float* acc, const float* __restrict__ x, long n) {
     PDL_ENTRY();
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) acc[i] += x[i];
 }
-extern "C" __global__ void add_inplace(float* acc, const float* __restrict__ x, long n) { add_inplace_body(acc, x, n); }
 
 // h[i] = silu(g[i]) * u[i]
 extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ h,
@@ -48,16 +36,12 @@ extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __re
 }
 
 // out[i, :] = x[idx[i], :]; grid (n_out), block 256.
-__device__ __forceinline__ void gather_rows_body(const float* __restrict__ x, const u32* __restrict__ idx, int width,
-                                                 float* __restrict__ out) {
+extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ idx, int width,
+                                       float* __restrict__ out) {
     PDL_ENTRY();
     const float* src = x + (long)idx[blockIdx.x] * width;
     float* dst = out + (long)blockIdx.x * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
-}
-extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ idx, int width,
-                                       float* __restrict__ out) {
-    gather_rows_body(x, idx, width, out);
 }
 
 // y[i] = f16(x[i])
@@ -67,10 +51,8 @@ extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restri
     if (i < n) y[i] = f2h(x[i]);
 }
 
-// idx[r] = argmax(x[r, :]) (first maximum); grid (rows), block 1024 (any
-// multiple of 32 gives the same index: max and the lowest index among equal
-// values do not depend on the order they are taken in).
-__device__ __forceinline__ void argmax_rows_body(const float* __restrict__ x, int width, u32* __restrict__ idx) {
+// idx[r] = argmax(x[r, :]) (first maximum); grid (rows), block 1024.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, u32* __restrict__ idx) {
     PDL_ENTRY();
     __shared__ float bv[32];
     __shared__ int bi[32];
@@ -102,6 +84,4 @@ __device__ __forceinline__ void argmax_rows_body(const float* __restrict__ x, in
         if (lane == 0) idx[blockIdx.x] = (u32)besti;
     }
 }
-extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, u32* __restrict__ idx) {
-    argmax_rows_body(x, width, idx);
-}
+

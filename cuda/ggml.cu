@@ -302,14 +302,10 @@ __device__ void dequant_f16(const u8* __restrict__ W, long row_bytes, int cols, 
 
 // The ggml-layout kernels of every type: embedding rows, GEMM weight tiles.
 #define GGML_KERNELS(T, S, ID, B, E)                                                                                 \
-    __device__ __forceinline__ void embed_body_##S(const u8* table, long row_bytes, int n_rows, int cols,          \
-                                                   const u32* tokens, float* out) {                                 \
-        PDL_ENTRY();                                                                                                 \
-        embed<TY_##T>(table, row_bytes, n_rows, cols, tokens, out);                                                  \
-    }                                                                                                                \
     extern "C" __global__ void embed_##S(const u8* table, long row_bytes, int n_rows, int cols, const u32* tokens,  \
                                          float* out) {                                                              \
-        embed_body_##S(table, row_bytes, n_rows, cols, tokens, out);                                                 \
+        PDL_ENTRY();                                                                                                 \
+        embed<TY_##T>(table, row_bytes, n_rows, cols, tokens, out);                                                  \
     }                                                                                                                \
     extern "C" __global__ void dequant_f16_##S(const u8* W, long row_bytes, int cols, int r0, u16* wh) {             \
         PDL_ENTRY();                                                                                                 \

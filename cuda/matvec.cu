@@ -144,20 +144,15 @@ __device__ void ffn_ggml(FFN_PARAMS) {
     if (lane == 0) h[(long)a * rows + r] = silu_mul(g, u);
 }
 
-// Each kernel is a thin wrapper of its body (`*_body`), which the persistent
-// decode kernel (persistent.cu) runs as a task: the same code either way.
-#define FFN_ARGS Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout
 #define GGML_MATVECS(T, S, ID, B, E)                                                                                 \
-    __device__ __forceinline__ void mv3_body_##S(MV3_PARAMS) {                                                       \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_##S(MV3_PARAMS) {                             \
         PDL_ENTRY();                                                                                                 \
         mv3_ggml<TY_##T>(MV3_ARGS);                                                                                  \
     }                                                                                                                \
-    __device__ __forceinline__ void ffn_body_##S(FFN_PARAMS) {                                                       \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_##S(FFN_PARAMS) {                             \
         PDL_ENTRY();                                                                                                 \
-        ffn_ggml<TY_##T>(FFN_ARGS);                                                                                  \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_##S(MV3_PARAMS) { mv3_body_##S(MV3_ARGS); }   \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_##S(FFN_PARAMS) { ffn_body_##S(FFN_ARGS); }
+        ffn_ggml<TY_##T>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                       \
+    }
 GGML_TYPES(GGML_MATVECS)
 
 // Columns [lo, lo + n) of warp slice `slice` of S over rows of cols
@@ -196,16 +191,8 @@ __device__ __forceinline__ void mv3_store(const float* acc, float (*part)[NR], i
     }
 }
 // mv3_<suffix>, mv3_<suffix>_k2, _k4, _k8 (the column splits S) from the
-// template FN<..., S>; mv3_body_<suffix>(S, ...) is the body of all four.
+// template FN<..., S>.
 #define MV3_KERNELS(NAME, FN, ...)                                                                                   \
-    __device__ __forceinline__ void mv3_body_##NAME(int split, MV3_PARAMS) {                                         \
-        switch (split) {                                                                                             \
-            case 1: FN<__VA_ARGS__, 1>(MV3_ARGS); break;                                                             \
-            case 2: FN<__VA_ARGS__, 2>(MV3_ARGS); break;                                                             \
-            case 4: FN<__VA_ARGS__, 4>(MV3_ARGS); break;                                                             \
-            default: FN<__VA_ARGS__, 8>(MV3_ARGS); break;                                                            \
-        }                                                                                                            \
-    }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_##NAME(MV3_PARAMS) {                          \
         FN<__VA_ARGS__, 1>(MV3_ARGS);                                                                                \
     }                                                                                                                \
@@ -305,16 +292,12 @@ __device__ __forceinline__ float q6ks_elem(const u8* W, int rows, int cols, long
 // from its element accessor ELEM(W, rows, cols, r, i); __VA_ARGS__: the
 // layout's extra parameters (nvfp4's tensor scale).
 #define REPACKED_ELEMENT_KERNELS(NAME, ELEM, ...)                                                                   \
-    __device__ __forceinline__ void embed_body_##NAME(const u8* W, int n_rows, int cols, __VA_ARGS__ const u32* tokens, \
-                                                      float* out) {                                                 \
+    extern "C" __global__ void embed_##NAME(const u8* W, int n_rows, int cols, __VA_ARGS__ const u32* tokens,      \
+                                            float* out) {                                                           \
         PDL_ENTRY();                                                                                                 \
         u32 t = tokens[blockIdx.x];                                                                                  \
         if (t >= (u32)n_rows) return; /* checked on the host */                                                     \
         for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(long)blockIdx.x * cols + i] = ELEM(W, n_rows, cols, t, i); \
-    }                                                                                                                \
-    extern "C" __global__ void embed_##NAME(const u8* W, int n_rows, int cols, __VA_ARGS__ const u32* tokens,      \
-                                            float* out) {                                                           \
-        embed_body_##NAME(W, n_rows, cols, REPACKED_EXTRA_ARGS_##NAME tokens, out);                                 \
     }                                                                                                                \
     extern "C" __global__ void dequant_f16_##NAME(const u8* W, int rows, int cols, __VA_ARGS__ int r0, u16* wh) {  \
         PDL_ENTRY();                                                                                                 \
@@ -322,12 +305,6 @@ __device__ __forceinline__ float q6ks_elem(const u8* W, int rows, int cols, long
         for (int i = threadIdx.x; i < cols; i += blockDim.x) wh[(long)blockIdx.x * cols + i] = f2h(ELEM(W, rows, cols, r, i)); \
     }
 #define NVFP4_ELEM(W, rows, cols, r, i) nvfp4_elem(W, rows, cols, ts, r, i)
-// The extra arguments of each layout's element kernels, as passed on.
-#define REPACKED_EXTRA_ARGS_q8_0s
-#define REPACKED_EXTRA_ARGS_q4_ks
-#define REPACKED_EXTRA_ARGS_q5_0s
-#define REPACKED_EXTRA_ARGS_q6_ks
-#define REPACKED_EXTRA_ARGS_nvfp4 ts,
 REPACKED_ELEMENT_KERNELS(q8_0s, q8s_elem, )
 REPACKED_ELEMENT_KERNELS(q4_ks, q4ks_elem, )
 REPACKED_ELEMENT_KERNELS(q5_0s, q5s_elem, )

@@ -262,8 +262,9 @@ __device__ __forceinline__ void ffn_lanes(FFN_PARAMS) {
 
 #define LANE_KERNELS(NAME, R)                                                                                        \
     MV3_KERNELS(NAME, mv3_lanes, R)                                                                                  \
-    __device__ __forceinline__ void ffn_body_##NAME(FFN_PARAMS) { ffn_lanes<R>(FFN_ARGS); }                         \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_##NAME(FFN_PARAMS) { ffn_body_##NAME(FFN_ARGS); }
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_##NAME(FFN_PARAMS) {                          \
+        ffn_lanes<R>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                           \
+    }
 LANE_KERNELS(nvfp4, Nvfp4Rows)
 LANE_KERNELS(q5_0s, Q5sRows)
 LANE_KERNELS(q6_ks, Q6ksRows)

@@ -365,8 +365,10 @@ __device__ __forceinline__ void ffn_split(FFN_PARAMS) {
 MV3_KERNELS(q8_0s, mv3_split, MVV_Q8, MV_NR, MV_U_Q8)
 MV3_KERNELS(q8_0s_grid, mv3_grid, MV_NR, MV_U_Q8)
 MV3_KERNELS(q4_ks, mv3_split, MVV_Q4K, MV_NR, MV_U_Q4K)
-__device__ __forceinline__ void ffn_body_q8_0s(FFN_PARAMS) { ffn_split<MVV_Q8, MV_NR, MV_U_Q8>(FFN_ARGS); }
-__device__ __forceinline__ void ffn_body_q4_ks(FFN_PARAMS) { ffn_split<MVV_Q4K, MV_NR, MV_U_Q4K>(FFN_ARGS); }
-extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q8_0s(FFN_PARAMS) { ffn_body_q8_0s(FFN_ARGS); }
-extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q4_ks(FFN_PARAMS) { ffn_body_q4_ks(FFN_ARGS); }
+extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q8_0s(FFN_PARAMS) {
+    ffn_split<MVV_Q8, MV_NR, MV_U_Q8>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);
+}
+extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q4_ks(FFN_PARAMS) {
+    ffn_split<MVV_Q4K, MV_NR, MV_U_Q4K>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);
+}
 

@@ -20,15 +20,6 @@
 //                 most two grids overlap: one computing, the next one
 //                 staged behind its own wait.
 
-//
-// In the persistent decode module (cuda/task_prelude.cu first, then these
-// files, then cuda/persistent.cu) a kernel's body runs as a task of one
-// launch: there pdl_wait() is the task's wait on the counters of the tasks
-// it depends on, and the weight prefetch before it overlaps that wait.
-#ifdef MIRAGE_TASK_LOOP
-__device__ __forceinline__ void pdl_wait() { task_wait_dependencies(); }
-__device__ __forceinline__ void pdl_trigger() {}
-#else
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -40,7 +31,6 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-#endif
 
 #define PDL_ENTRY()     \
     do {                \

@@ -26,7 +26,7 @@
 #                                    tok/s" lines.
 
 # The GPU suites of mirage-cuda, by test binary name (a bundle may lack some).
-GPU_SUITES="kernels fast_decode prefill_mmq sparse_backend kv_pruning_gpu kv_pruning_backend sparse_pages activation_backend real_models"
+GPU_SUITES="kernels fast_decode prefill_mmq sparse_backend kv_pruning_gpu kv_pruning_backend sparse_pages real_models"
 
 test_executables() {
   nice cargo test --release "$@" --no-run --message-format json 2>/dev/null |

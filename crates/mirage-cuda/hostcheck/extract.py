@@ -1,8 +1,8 @@
 """Cuts the device code the host checks run out of the kernel sources in
 cuda/ (brace matching), so the checks always compile the current kernels.
 Writes matvec_extract.h, norm_extract.h, split_extract.h, att_partial_extract.h,
-ffn_p1_extract.h, ffn_p2_extract.h, mmq_extract.h, fa_extract.h and
-persistent_extract.h into the folder given (default: here)."""
+ffn_p1_extract.h, ffn_p2_extract.h, mmq_extract.h and fa_extract.h into the folder given
+(default: here)."""
 import pathlib
 import sys
 
@@ -113,14 +113,3 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
 (out / "fa_extract.h").write_text(cut(
     "#define FA_ROWS", "#define FA_KEYS", "#define FA_WARPS", "#define FA_LOG2E", "u32 fa_pack(", "u32 fa_word(",
     "void fa_stage(const u16*", "void fa_stage(const float*", "void attend_prefill(", "float attend_prefill_merge("))
-
-# The persistent kernel's task loop and its counter waits (task_prelude.cu,
-# persistent.cu), without the kernel attributes.
-task_src = "".join((root / "cuda" / f).read_text() for f in ["task_prelude.cu", "persistent.cu"])
-src = task_src
-head = 'extern "C" __global__ void __launch_bounds__(TASK_THREADS, 2)\n    decode_persistent('
-assert head in src, "decode_persistent's head line"
-loop = extract("decode_persistent(").replace("    decode_persistent(", "void decode_persistent(", 1)
-(out / "persistent_extract.h").write_text(cut(
-    "#define TASK_OK", "#define TASK_TIMEOUT", "#define TASK_NO_WAIT", "struct TaskContext",
-    "bool task_counter_reached(", "void task_wait_dependencies(", "struct TaskStage") + loop)

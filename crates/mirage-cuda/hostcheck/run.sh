@@ -3,20 +3,18 @@
 # current sources (extract.py cuts the functions out of cuda/*.cu): the
 # mat-vecs' dot helpers and element accessors, the RMSNorm row, the split decode
 # attention and its combine, phases 1 and 2 of the fused Q8_0 FFN, and the pruned decode
-# attention (attention_pruned.cu, included whole), the activation-sparse
-# mat-vec (activation.cu, included whole), the prefill int8 tensor-core
-# products (mmq.cu), the prefill attention on f16 tensor cores, and the
-# persistent decode kernel's task loop on a whole grid of blocks
-# (check_persistent.cpp). Blocks run as fibers on one thread (block_emu.h);
-# PRMT and the int8 and f16 mma fragments are emulated per the PTX spec
-# (ptx_emu.h, mma_emu.h).
+# attention (attention_pruned.cu, included whole), the prefill int8
+# tensor-core products (mmq.cu) and the prefill attention on f16 tensor
+# cores. Blocks run as fibers on one thread
+# (block_emu.h); PRMT and the int8 and f16 mma fragments are emulated per the PTX
+# spec (ptx_emu.h, mma_emu.h).
 # Needs python3 and g++ with C++20.
 set -euo pipefail
 cd "$(dirname "$0")"
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 python3 extract.py "$T"
-for c in check_matvec check_norm check_split check_ffn_p1 check_ffn_p2 check_pruned check_mmq check_prefill_att check_activation check_persistent; do
+for c in check_matvec check_norm check_split check_ffn_p1 check_ffn_p2 check_pruned check_mmq check_prefill_att; do
   g++ -O1 -std=c++20 -I"$T" -I. -I../../../cuda -o "$T/$c" "$c.cpp"
   "$T/$c"
 done

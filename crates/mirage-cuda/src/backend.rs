@@ -215,7 +215,6 @@ pub struct CudaBackend {
     /// capability 9.0 and up).
     pub(crate) pdl: bool,
     graphs: std::sync::atomic::AtomicBool,
-    pub(crate) decode: crate::DecodeMode,
     weights: WeightFormat,
     pub(crate) gemm_tile_bytes: usize,
     /// `CudaOptions::prefill_gemm`.
@@ -305,7 +304,6 @@ impl CudaBackend {
             kernels,
             pdl: cc.0 >= 9,
             graphs: options.graphs.into(),
-            decode: options.decode,
             weights: options.weights,
             gemm_tile_bytes: options.gemm_tile_bytes.max(1),
             prefill_gemm: options.prefill_gemm,

@@ -18,9 +18,8 @@
 //! accessors, the RMSNorm row, the decode attention, the fused Q8_0 FFN's
 //! two phases, the pruned attention, the prefill int8 tensor-core products
 //! and the prefill attention on f16 tensor cores (mma fragments emulated
-//! per the PTX ISA) against f64 references or the plain forms; the
-//! persistent decode kernel's task loop on a grid of blocks), each emulated
-//! block's threads as fibers on one OS thread. Needs
+//! per the PTX ISA) against f64 references
+//! or the plain forms), each emulated block's threads as fibers on one OS thread. Needs
 //! g++ (C++20) and python3; without them it prints why and passes.
 
 mod nvrtc_check {
@@ -116,29 +115,6 @@ mod nvrtc_check {
         }
     }
 
-    /// The persistent decode module (every task body inlined into one
-    /// kernel, at the 7B shape's head size; the 64 of the 0.5B shape is the
-    /// same code at another template argument, compiled by the dense
-    /// check): the kernel is there with the arguments `persistent.rs`
-    /// passes, the counters are acquire loads and release adds, the task
-    /// barrier is a named one, and no body waits on a prerequisite grid
-    /// (its pdl_wait is the task's wait).
-    #[test]
-    fn persistent_module_compiles_with_every_task_body() {
-        if !nvrtc_present() {
-            return;
-        }
-        let source = crate::persistent::persistent_source(128);
-        let ptx = module::compile("persistent", &source, 9, 0)
-            .unwrap_or_else(|e| panic!("persistent: {e}"));
-        assert_eq!(param_count(&ptx, "decode_persistent"), 8);
-        assert!(ptx.contains("ld.acquire.gpu.global.u32"));
-        assert!(ptx.contains("red.release.gpu.global.add.u32"));
-        assert!(ptx.contains("bar.sync 1, %r"), "the task barrier");
-        assert!(!ptx.contains("griddepcontrol.wait"));
-        eprintln!("persistent: decode_persistent compiles for sm_90");
-    }
-
     #[test]
     fn sparse_module_compiles_and_its_launches_fit_the_kernels() {
         if !nvrtc_present() {
@@ -155,22 +131,6 @@ mod nvrtc_check {
         ] {
             assert_eq!(param_count(&ptx, name), want, "{name}");
         }
-    }
-    #[test]
-    fn activation_module_compiles_and_its_launches_fit_the_kernels() {
-        if !nvrtc_present() {
-            return;
-        }
-        let names = crate::activation::kernel_names();
-        let ptx = check("activation", module::ACTIVATION_SOURCE, &names);
-        for name in names.iter().filter(|n| n.starts_with("act_mv_")) {
-            assert_eq!(
-                param_count(&ptx, name),
-                crate::activation::ACT_ARGS,
-                "{name}"
-            );
-        }
-        assert_eq!(param_count(&ptx, "act_mask"), 5);
     }
 }
 

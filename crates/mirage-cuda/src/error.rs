@@ -38,22 +38,6 @@ pub enum CudaError {
         /// Compiler log.
         log: String,
     },
-    /// The persistent decode step's schedule could not be built.
-    #[error("persistent decode schedule: {0}")]
-    Schedule(String),
-    /// A persistent decode step stopped: a task's dependency was not met in
-    /// time, or a task ran without waiting (u32::MAX where not known).
-    #[error("persistent decode step stalled at task {task} (stage {stage}, waiting on stage {waiting_on}): {what}")]
-    PersistentStall {
-        /// The task that stopped.
-        task: u32,
-        /// Its stage (the launch of the recorded step it belongs to).
-        stage: u32,
-        /// The stage it waited on.
-        waiting_on: u32,
-        /// What happened.
-        what: String,
-    },
 }
 
 impl From<CudaError> for RuntimeError {

@@ -73,13 +73,6 @@ pub(crate) fn fold_norm(pn: &PendingNorm, l: &mut Launch) -> bool {
             f.norm = Some(pn.fold());
             return true;
         }
-        Work::ActMatVec(a) if a.x == pn.out && a.cols == width && a.up == 0 && a.norm.is_none() => {
-            if pn.rows != 1 {
-                return false;
-            }
-            a.norm = Some(pn.fold());
-            return true;
-        }
         Work::Route(r) if r.x == pn.out && r.d == width && r.norm.is_none() => {
             if pn.rows != 1 {
                 return false;
@@ -128,18 +121,6 @@ pub(crate) fn fold_epilogue(
                 f.y = extra;
                 f.accumulate = true;
                 return true;
-            }
-            Work::ActMatVec(a) if n_rows == 1 => {
-                if let Some(i) = (0..a.n).find(|&i| a.y[i] == target) {
-                    let reads_extra =
-                        a.x == extra || a.up == extra || a.norm.is_some_and(|n| n.x == extra);
-                    let slot = if res { &mut a.res } else { &mut a.bias[i] };
-                    if (res && (a.n != 1 || reads_extra)) || *slot != 0 {
-                        return false;
-                    }
-                    *slot = extra;
-                    return true;
-                }
             }
             Work::MatVec(m) if batch == n_rows => {
                 if let Some(i) = (0..3).find(|&i| m.y[i] == target && m.rows[i] != 0) {
@@ -241,76 +222,6 @@ mod tests {
         let mut rec = vec![mv(3, [10, 0, 0], [256, 0, 0])];
         let pn = PendingNorm { x: 10, ..norm() };
         assert!(!fold_epilogue(&mut rec, Some(&pn), 10, 1, 30, true));
-    }
-
-    fn act(n: usize, x: u64, y: [u64; 3]) -> Launch {
-        Launch {
-            kernel: 2,
-            grid: (2, 8, n as u32),
-            block: (128, 1, 1),
-            smem: 0,
-            work: Work::ActMatVec(crate::launch::ActMatVec {
-                n,
-                data: [50, 51, 52],
-                thr: [60, 61, 62],
-                y,
-                rows: [256, 128, 128],
-                tile: [256, 128, 128],
-                cols: 256,
-                x,
-                up: 0,
-                gpb: 1,
-                partials: 70,
-                prow: 256,
-                counters: 71,
-                ctr_stride: 4096,
-                stats: 72,
-                bias: [0; 3],
-                res: 0,
-                norm: None,
-            }),
-        }
-    }
-
-    #[test]
-    fn the_activation_sparse_mat_vec_takes_norms_biases_and_residual_adds() {
-        // A one-row norm folds in (the grid's y is the split count, not a batch).
-        let mut l = act(3, 3, [10, 11, 12]);
-        assert!(fold_norm(&norm(), &mut l));
-        assert_eq!(l.smem, 0);
-        assert!(!fold_norm(&norm(), &mut l), "a second norm");
-        let two_rows = PendingNorm { rows: 2, ..norm() };
-        assert!(!fold_norm(&two_rows, &mut act(1, 3, [10, 0, 0])));
-        // Not into the down projection, whose input is silu(gate) * up.
-        let mut down = act(1, 3, [10, 0, 0]);
-        if let Work::ActMatVec(a) = &mut down.work {
-            a.up = 4;
-        }
-        assert!(!fold_norm(&norm(), &mut down));
-        // Biases per matrix of the launch; a second one is refused.
-        let mut rec = vec![l];
-        assert!(fold_epilogue(&mut rec, None, 12, 1, 20, false));
-        assert!(!fold_epilogue(&mut rec, None, 12, 1, 21, false));
-        assert!(!fold_epilogue(&mut rec, None, 11, 2, 22, false), "two rows");
-        // The residual add: one matrix, not reading the residual itself.
-        assert!(
-            !fold_epilogue(&mut rec, None, 10, 1, 30, true),
-            "three matrices"
-        );
-        let mut rec = vec![act(1, 3, [10, 0, 0])];
-        assert!(
-            !fold_epilogue(&mut rec, None, 10, 1, 3, true),
-            "its own input"
-        );
-        assert!(fold_epilogue(&mut rec, None, 10, 1, 30, true));
-        let Work::ActMatVec(a) = &rec[0].work else {
-            unreachable!()
-        };
-        assert_eq!((a.res, a.y[0]), (30, 10));
-        assert_eq!(rec[0].work.args().len(), crate::activation::ACT_ARGS);
-        // A later launch reading the output stops the fold.
-        let mut rec = vec![act(1, 3, [10, 0, 0]), mv(10, [40, 0, 0], [256, 0, 0])];
-        assert!(!fold_epilogue(&mut rec, None, 10, 1, 30, true));
     }
 
     #[test]

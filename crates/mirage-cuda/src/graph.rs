@@ -18,8 +18,7 @@ use mirage_runtime::Result;
 use crate::backend::{bad, drv, CudaBackend, MemKind};
 use crate::fusion::{fold_epilogue, fold_norm, PendingNorm};
 use crate::launch::{launch_ex, Launch};
-use crate::persistent::PersistentState;
-use crate::{op_class, DecodeMode, GraphStats, OpClass, StepProfile};
+use crate::{op_class, GraphStats, OpClass, StepProfile};
 
 /// Batches of at most this many rows are recorded and replayed as a CUDA
 /// graph (decode steps); larger ones (prefill) launch op by op.
@@ -66,8 +65,6 @@ pub(crate) struct StepState {
     /// (`profile_next_step`), its times kept in `profile`.
     profile_next: bool,
     profile: Option<StepProfile>,
-    /// The persistent module and its plans (`DecodeMode::Persistent`).
-    persistent: Option<PersistentState>,
 }
 
 impl CudaBackend {
@@ -238,23 +235,12 @@ impl CudaBackend {
     }
 
     /// Replays the graph recorded with exactly `launches`, or captures one
-    /// (or, for a profiled step, launches them one by one between events;
-    /// with `DecodeMode::Persistent`, runs them as one persistent launch
-    /// when every kernel has a task kind).
+    /// (or, for a profiled step, launches them one by one between events).
     fn run_recorded(&self, st: &mut StepState, launches: Vec<Launch>) -> Result<()> {
         if std::mem::take(&mut st.profile_next) {
             st.profile = Some(self.profile_launches(&launches)?);
             st.stats.eager += 1;
             return Ok(());
-        }
-        if self.decode == DecodeMode::Persistent {
-            let mut p = st.persistent.take();
-            let ran = self.run_persistent(&mut p, &launches);
-            st.persistent = p;
-            if ran? {
-                st.stats.persistent += 1;
-                return Ok(());
-            }
         }
         if let Some(i) = st.graphs.iter().position(|g| g.launches == launches) {
             st.graphs[i].graph.launch().map_err(drv)?;

@@ -208,61 +208,6 @@ impl Route {
     }
 }
 
-/// `act_mv_*` (`ACT_KERNEL` in cuda/activation.cu): `y[m] = W[m] x` over
-/// the channels of `x` that pass matrix m's thresholds, for up to three
-/// channel-major matrices of one input and type, with optional epilogues
-/// (biases, a residual add) and a folded norm.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct ActMatVec {
-    /// Matrices in the launch (1..=3); slots past it repeat slot 0.
-    pub n: usize,
-    pub data: [u64; 3],
-    pub thr: [u64; 3],
-    pub y: [u64; 3],
-    pub rows: [i32; 3],
-    pub tile: [i32; 3],
-    pub cols: i32,
-    pub x: u64,
-    /// SwiGLU's up input (0: the input is `x` itself).
-    pub up: u64,
-    pub gpb: i32,
-    pub partials: u64,
-    pub prow: i32,
-    pub counters: u64,
-    pub ctr_stride: i32,
-    pub stats: u64,
-    pub bias: [u64; 3],
-    /// `res += y` (0: none; single-matrix launches).
-    pub res: u64,
-    pub norm: Option<NormFold>,
-}
-
-impl ActMatVec {
-    fn args(&self) -> Vec<Arg> {
-        let mut a = Vec::with_capacity(32);
-        a.extend(self.data.map(Arg::Ptr));
-        a.extend(self.thr.map(Arg::Ptr));
-        a.extend(self.y.map(Arg::Ptr));
-        a.extend(self.rows.map(Arg::I32));
-        a.extend(self.tile.map(Arg::I32));
-        a.extend([
-            Arg::I32(self.cols),
-            Arg::Ptr(self.x),
-            Arg::Ptr(self.up),
-            Arg::I32(self.gpb),
-            Arg::Ptr(self.partials),
-            Arg::I32(self.prow),
-            Arg::Ptr(self.counters),
-            Arg::I32(self.ctr_stride),
-            Arg::Ptr(self.stats),
-        ]);
-        a.extend(self.bias.map(Arg::Ptr));
-        a.push(Arg::Ptr(self.res));
-        a.extend(norm_args(self.norm, true));
-        a
-    }
-}
-
 /// What a launch does, as far as the fusions need to know.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Work {
@@ -272,7 +217,6 @@ pub(crate) enum Work {
     GateUp(GateUp),
     SparseFfn(SparseFfn),
     Route(Route),
-    ActMatVec(ActMatVec),
 }
 
 impl Work {
@@ -284,7 +228,6 @@ impl Work {
             Work::GateUp(g) => g.args(),
             Work::SparseFfn(f) => f.args(),
             Work::Route(r) => r.args(),
-            Work::ActMatVec(m) => m.args(),
         }
     }
 

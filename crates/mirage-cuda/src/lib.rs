@@ -7,9 +7,7 @@
 //! over a device KV cache, SwiGLU, lm head, argmax); a decode step runs as
 //! one CUDA graph. [`SparseCudaBackend`] wraps it and runs the FFN from
 //! page-major pages (Q8_0, NVFP4 or Q2_K) with the page router on the
-//! device. [`ActivationCudaBackend`] wraps it for activation sparsity: the
-//! projections' decode products over the active input channels of their
-//! channel-major copies (`activation`).
+//! device.
 //!
 //! Kernels live in `cuda/*.cu` at the workspace root and are compiled at run
 //! time by NVRTC for the device's compute capability; the PTX is cached on
@@ -31,10 +29,6 @@
 mod error;
 pub use error::CudaError;
 
-/// Activation sparsity on CUDA (channel-major projections from an
-/// activation artifact).
-#[cfg(feature = "cuda")]
-pub mod activation;
 #[cfg(feature = "cuda")]
 mod attention;
 #[cfg(feature = "cuda")]
@@ -57,16 +51,10 @@ mod matvec;
 pub mod module;
 /// The sparse CUDA backend and its page formats.
 #[cfg(feature = "cuda")]
-mod persistent;
-#[cfg(feature = "cuda")]
-mod schedule;
-#[cfg(feature = "cuda")]
 pub mod sparse;
 #[cfg(feature = "cuda")]
 mod weights;
 
-#[cfg(feature = "cuda")]
-pub use activation::{ActivationCudaBackend, ActivationStats};
 #[cfg(feature = "cuda")]
 pub use attention::CudaKvCache;
 #[cfg(feature = "cuda")]
@@ -81,8 +69,8 @@ pub use weights::{CudaFfn, CudaMatrix, CudaVector};
 
 pub mod options;
 pub use options::{
-    op_class, CudaOptions, DecodeMode, GraphStats, MemoryStats, OpClass, PageFormat,
-    RouteTraversal, SparsePages, StepProfile, WeightFormat, ROUTE_SCAN_MAX_PRIMS,
+    op_class, CudaOptions, GraphStats, MemoryStats, OpClass, PageFormat, RouteTraversal,
+    SparsePages, StepProfile, WeightFormat, ROUTE_SCAN_MAX_PRIMS,
 };
 
 /// Threads of an `rms_norm` block (norm.cu's row function gives the same

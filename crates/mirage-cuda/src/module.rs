@@ -37,25 +37,6 @@ pub const DENSE_SOURCE: &str = concat!(
     include_str!("../../../cuda/attention_pruned.cu")
 );
 
-/// The persistent decode module (`crate::persistent`): `cuda/task_prelude.cu`
-/// (which makes every kernel body below runnable as a task of one launch),
-/// the dense module's files but the pruned attention, then the task loop
-/// (`cuda/persistent.cu`). Compiled per head size, after a
-/// `#define TASK_HEAD_DIM`.
-pub const PERSISTENT_SOURCE: &str = concat!(
-    include_str!("../../../cuda/task_prelude.cu"),
-    include_str!("../../../cuda/pdl.cu"),
-    include_str!("../../../cuda/norm.cu"),
-    include_str!("../../../cuda/nvfp4.cu"),
-    include_str!("../../../cuda/ggml.cu"),
-    include_str!("../../../cuda/elementwise.cu"),
-    include_str!("../../../cuda/attention.cu"),
-    include_str!("../../../cuda/matvec.cu"),
-    include_str!("../../../cuda/matvec_lanes.cu"),
-    include_str!("../../../cuda/matvec_split.cu"),
-    include_str!("../../../cuda/persistent.cu")
-);
-
 /// The sparse module: the same first three, the fused FFN kernels over
 /// pages (`cuda/superblock.cu`, `cuda/superblock_q2k.cu`) and the router
 /// (`cuda/route.cu`).
@@ -66,13 +47,6 @@ pub const SPARSE_SOURCE: &str = concat!(
     include_str!("../../../cuda/superblock.cu"),
     include_str!("../../../cuda/superblock_q2k.cu"),
     include_str!("../../../cuda/route.cu")
-);
-
-/// The activation module: `cuda/pdl.cu` and the activation-sparse
-/// mat-vecs over channel-major matrices (`cuda/activation.cu`).
-pub const ACTIVATION_SOURCE: &str = concat!(
-    include_str!("../../../cuda/pdl.cu"),
-    include_str!("../../../cuda/activation.cu")
 );
 
 /// NVRTC options besides the architecture. Precise `expf`/division: the

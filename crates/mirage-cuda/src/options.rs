@@ -20,45 +20,6 @@ pub struct CudaOptions {
     /// Bytes of the f16 weight tile a cuBLAS prefill GEMM dequantizes at a time:
     /// bounds that workspace (at least 16 rows a tile; default 32 MiB).
     pub gemm_tile_bytes: usize,
-    /// How a decode step runs when `graphs` is on: as a CUDA graph of its
-    /// kernels (the default) or as one persistent launch.
-    pub decode: DecodeMode,
-}
-
-/// How a recorded decode step runs on the device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DecodeMode {
-    /// A CUDA graph of the step's kernels.
-    #[default]
-    Graph,
-    /// One launch of a persistent kernel: every block of every kernel of
-    /// the step is a task of a schedule built once per recorded step,
-    /// ordered by counters in device memory. A step with a kernel no task
-    /// runs (sparse FFN, pruned attention, f32 KV cache, NVFP4 weights)
-    /// runs as a graph.
-    Persistent,
-}
-
-impl std::str::FromStr for DecodeMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<DecodeMode, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "graph" => Ok(DecodeMode::Graph),
-            "persistent" => Ok(DecodeMode::Persistent),
-            other => Err(format!(
-                "decode mode `{other}`: expected graph or persistent"
-            )),
-        }
-    }
-}
-
-impl std::fmt::Display for DecodeMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            DecodeMode::Graph => "graph",
-            DecodeMode::Persistent => "persistent",
-        })
-    }
 }
 
 impl Default for CudaOptions {
@@ -68,7 +29,6 @@ impl Default for CudaOptions {
             weights: WeightFormat::Native,
             prefill_gemm: true,
             gemm_tile_bytes: 32 << 20,
-            decode: DecodeMode::Graph,
         }
     }
 }
@@ -129,8 +89,6 @@ pub struct GraphStats {
     pub replays: u64,
     /// Steps launched op by op (too many rows, or graphs off).
     pub eager: u64,
-    /// Steps run as one persistent launch (`DecodeMode::Persistent`).
-    pub persistent: u64,
 }
 
 /// Device time of one decode step by op class (`CudaBackend::profile_next_step`):
@@ -161,14 +119,13 @@ impl StepProfile {
 
 /// The op class a kernel's time counts in ([`StepProfile`]), by its name.
 pub fn op_class(kernel: &str) -> OpClass {
-    const MATVEC: [&str; 7] = [
+    const MATVEC: [&str; 6] = [
         "mv3_",
         "ffn_",
         "dequant_",
         "superblock_",
         "mmq_",
         "quantize_q8_1",
-        "act_mv_",
     ];
     const ATTENTION: [&str; 4] = ["attend_", "page_keys", "page_bounds", "select_pages"];
     if MATVEC.iter().any(|p| kernel.starts_with(p)) {

@@ -79,11 +79,6 @@ pub struct BenchArgs {
     /// the mat-vec kernels (`off`).
     #[arg(long, default_value = "on")]
     pub cuda_gemm: String,
-    /// CUDA: run each decode step as a CUDA graph of its kernels (`graph`)
-    /// or as one persistent launch working through a task schedule
-    /// (`persistent`; a step it cannot run falls back to the graph).
-    #[arg(long, default_value = "graph")]
-    pub decode: mirage::DecodeMode,
     /// CUDA: weight encoding on the device, `native` (the file's) or
     /// `nvfp4` (attention and FFN matrices requantized at upload).
     #[arg(long, default_value = "native")]
@@ -194,8 +189,6 @@ struct BenchReport {
     graph_captures: Option<u64>,
     graph_replays: Option<u64>,
     eager_steps: Option<u64>,
-    /// Decode steps run as one persistent launch (`--decode persistent`).
-    persistent_steps: Option<u64>,
     first_tokens: Vec<u32>,
     /// Bytes of KV cache one decode step reads, averaged over the steps.
     kv_bytes_per_token: u64,
@@ -276,7 +269,6 @@ pub(crate) fn spec(args: &BenchArgs) -> anyhow::Result<LoadSpec> {
             graphs: on_off("cuda-graphs", &args.cuda_graphs)?,
             prefill_gemm: on_off("cuda-gemm", &args.cuda_gemm)?,
             weights: args.weights,
-            decode: args.decode,
             ..CudaOptions::default()
         });
     spec.cuda_device = args.device;
@@ -369,7 +361,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             r.graph_captures = Some(g.captures);
             r.graph_replays = Some(g.replays);
             r.eager_steps = Some(g.eager);
-            r.persistent_steps = Some(g.persistent);
             r.peak_device_bytes = Some(m.peak);
             r.weights_bytes = Some(m.weights);
             r.kv_cache_bytes = Some(m.kv_cache);
@@ -688,7 +679,6 @@ fn measure<B: Backend>(
         graph_captures: None,
         graph_replays: None,
         eager_steps: None,
-        persistent_steps: None,
         first_tokens: first.first_tokens,
         kv_bytes_per_token: first.kv_bytes_per_token,
         profile: first.profile,
@@ -791,12 +781,11 @@ fn print_table(r: &BenchReport) {
     );
     if let (Some(gr), Some(gm)) = (r.cuda_graphs, r.cuda_gemm) {
         println!(
-            "cuda             graphs {} ({} captured, {} replayed, {} op by op, {} persistent), prefill GEMM {}",
+            "cuda             graphs {} ({} captured, {} replayed, {} op by op), prefill GEMM {}",
             if gr { "on" } else { "off" },
             r.graph_captures.unwrap_or(0),
             r.graph_replays.unwrap_or(0),
             r.eager_steps.unwrap_or(0),
-            r.persistent_steps.unwrap_or(0),
             if gm {
                 "on (tensor cores)"
             } else {

@@ -28,13 +28,13 @@ pub fn default_artifact(model: &Path) -> PathBuf {
 /// The held-out text the prompt comes from by default.
 const DEFAULT_TEXT: &str = "/usr/lib/python3.11/textwrap.py";
 
-pub(super) fn load_avg() -> String {
+fn load_avg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "?".into())
 }
 
-pub(super) fn random_prompt(n: usize, vocab: usize) -> Vec<u32> {
+fn random_prompt(n: usize, vocab: usize) -> Vec<u32> {
     let mut state = 0x2545_f491_4f6c_dd1du64;
     (0..n)
         .map(|_| {
@@ -58,7 +58,7 @@ fn argmax(v: &[f32]) -> u32 {
 
 /// Prefills `prompt`, calls `after_prefill`, then decodes `gen` tokens
 /// greedily; returns decode tok/s.
-pub(super) fn decode<B: Backend>(
+fn decode<B: Backend>(
     model: &Model<B>,
     prompt: &[u32],
     gen: usize,
@@ -81,21 +81,15 @@ pub(super) fn decode<B: Backend>(
     Ok(gen as f64 / t.elapsed().as_secs_f64())
 }
 
-pub(super) fn median(v: &mut [f64]) -> f64 {
+fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// Runs the activation-sparsity bench.
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    if args.backend == "cuda" {
-        #[cfg(feature = "cuda")]
-        return super::bench_activation_cuda::run(args);
-        #[cfg(not(feature = "cuda"))]
-        bail!("--backend cuda --sparsity needs the CUDA backend: build mirage-cli with --features cuda");
-    }
     if args.backend != "cpu" {
-        bail!("--sparsity benches the CPU or the CUDA kernels: use --backend cpu or cuda");
+        bail!("--sparsity benches the CPU kernels: use --backend cpu");
     }
     for &s in &args.sparsity {
         SparsityTarget::Fixed(s).validate()?;
