@@ -1,6 +1,6 @@
 // ===========================================================================
 // Prefill products on int8 tensor cores, reading the quantized weights in
-// their split layouts (after matvec.cu, whose q4k_scale_min it uses).
+// their split layouts (after matvec.cu, whose f16 helpers it uses).
 //
 //   quantize_q8_1 : the activations, once per product, to 8-bit blocks of 32
 //                   (q8_1: quants, and per block the scale d and d * sum(q)).
@@ -11,13 +11,14 @@
 //                   per-block scales in f32), then every warp multiplies its
 //                   32 x 32 sub-tile with mma.sync m16n8k32 (s8 x s8 -> s32)
 //                   and applies the scales of that 32-column block in f32:
-//                     Q8_0, Q5_0 : d_w * d_x * dot(q_w, q_x)
-//                     Q4_K       : d*sc * d_x * dot(q_w, q_x) - dmin*m * d_x*sum(q_x)
-//                     Q6_K       : per 16 columns (two m16n8k16), d*sc * d_x * dot
+//                     d_w * d_x * dot(q_w, q_x)
+// for the two layouts read here, Q8_0 and Q5_0. (Int8 tiles of Q4_K and
+// Q6_K measured slower than cuBLAS on f16 tiles at 7B, so those types
+// multiply there.)
 // No dequantized copy of a weight exists anywhere; the int8 tile lives only
 // in shared memory. Grid (rows / MMQ_ROWS, n_act / MMQ_TOKS), rounded up;
-// block MMQ_WARPS warps. cols must be a multiple of MMQ_K (Q8_0, Q5_0) or of
-// 256 (Q4_K, Q6_K: whole super-blocks; checked on the host).
+// block MMQ_WARPS warps. cols must be a multiple of MMQ_K (checked on the
+// host).
 // ===========================================================================
 
 #define MMQ_ROWS 64
@@ -31,16 +32,12 @@
 struct MmqTile {
     i8 w[MMQ_ROWS][MMQ_LD];
     i8 x[MMQ_TOKS][MMQ_LD];
-    float wd[MMQ_ROWS][MMQ_K / 16];  // weight scale per 32 (per 16 for Q6_K) columns
-    float wm[MMQ_ROWS][MMQ_K / 32];  // Q4_K: dmin * m per 32 columns
+    float wd[MMQ_ROWS][MMQ_K / 32];  // weight scale per 32 columns
     float xd[MMQ_TOKS][MMQ_K / 32];  // activation scale
-    float xs[MMQ_TOKS][MMQ_K / 32];  // activation scale times the sum of its quants
 };
 
 #define MMQ_Q8_0 0
-#define MMQ_Q4_K 1
-#define MMQ_Q5_0 2
-#define MMQ_Q6_K 3
+#define MMQ_Q5_0 1
 
 // c += a (16 x 32, row) * b (32 x 8, col), s8 inputs, s32 accumulators.
 // Fragments per the PTX ISA (g = lane / 4, t = lane % 4): a[0] row g, a[1]
@@ -53,13 +50,6 @@ __device__ __forceinline__ void mma_s8_k32(int* c, const u32* a, const u32* b) {
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-// The m16n8k16 form: a[0], a[1] and b[0] as the first half of the k32 form.
-__device__ __forceinline__ void mma_s8_k16(int* c, const u32* a, const u32* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
-                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(b[0]));
-}
-
 // One warp per block of 32 values of x ([n_act][cols], cols % 32 == 0): q =
 // round(x / d) with d = max|x| / 127, written as xq (same shape, int8) and
 // xds[block] = (d, d * sum(q)).
@@ -96,35 +86,7 @@ __device__ __forceinline__ void mmq_load_w(MmqTile& s, const u8* __restrict__ W,
             long gr = min(r0 + r, rows - 1);
             s.wd[r][b] = h2f(sc[gr * (cols >> 5) + (k0 >> 5) + b]);
         }
-    } else if (FMT == MMQ_Q4_K) {
-        // quants [rows][cols / 2]: per super-block four groups of 32 bytes,
-        // low nibbles the group's first 32 values, high nibbles the next 32;
-        // MMQ_K = 128 columns are half a super-block (64 bytes).
-        for (int i = tid; i < MMQ_ROWS * 4; i += nt) {
-            int r = i >> 2, c = i & 3;
-            long gr = min(r0 + r, rows - 1);
-            uint4 v = *(const uint4*)(W + gr * (cols >> 1) + (k0 >> 1) + 16 * c);
-            int j = c >> 1, o = 16 * (c & 1);
-            uint4 lo = make_uint4(v.x & 0x0f0f0f0fu, v.y & 0x0f0f0f0fu, v.z & 0x0f0f0f0fu, v.w & 0x0f0f0f0fu);
-            uint4 hi = make_uint4((v.x >> 4) & 0x0f0f0f0fu, (v.y >> 4) & 0x0f0f0f0fu, (v.z >> 4) & 0x0f0f0f0fu,
-                                  (v.w >> 4) & 0x0f0f0f0fu);
-            *(uint4*)&s.w[r][64 * j + o] = lo;
-            *(uint4*)&s.w[r][64 * j + 32 + o] = hi;
-        }
-        for (int r = tid; r < MMQ_ROWS; r += nt) {
-            long gr = min(r0 + r, rows - 1);
-            uint4 h = *(const uint4*)(W + (long)rows * (cols >> 1) + gr * (cols >> 4) + ((long)(k0 >> 8) << 4));
-            float d = h2f((u16)(h.x & 0xffffu)), dmin = h2f((u16)(h.x >> 16));
-            int sub0 = (k0 >> 5) & 7;
-#pragma unroll
-            for (int b = 0; b < MMQ_K / 32; b++) {
-                float sc, m;
-                q4k_scale_min(h, sub0 + b, &sc, &m);
-                s.wd[r][b] = d * sc;
-                s.wm[r][b] = dmin * m;
-            }
-        }
-    } else if (FMT == MMQ_Q5_0) {
+    } else {
         // quants [rows][cols / 2] (16 bytes a block: low nibbles values
         // 0..15, high nibbles 16..31), then u32 high bits [rows][cols / 32],
         // then f16 scales [rows][cols / 32]; value = d * (q - 16).
@@ -155,47 +117,11 @@ __device__ __forceinline__ void mmq_load_w(MmqTile& s, const u8* __restrict__ W,
             *(uint4*)&s.w[r][32 * b + 16] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
             s.wd[r][b] = h2f(sc[blk]);
         }
-    } else {
-        // Q6_K: ql [rows][cols / 2] (128 bytes a super-block), qh (64), int8
-        // scales (16, one per 16 values), f16 d. MMQ_K = 128 columns are
-        // half n of a super-block: value e (0..127) of it is, with k = e / 32
-        // and l = e % 32, (ql[64n + 32(k & 1) + l] >> 4(k >> 1)) & 15 | ((qh[32n
-        // + l] >> 2k) & 3) << 4, minus 32; its scale is scales[8n + e / 16].
-        const long nsb = cols >> 8;
-        const u8* qhp = W + (long)rows * (cols >> 1);
-        const i8* scp = (const i8*)(W + (long)rows * (cols >> 1) + (long)rows * (cols >> 2));
-        const u16* dp = (const u16*)(W + (long)rows * (cols >> 1) + (long)rows * (cols >> 2) + (long)rows * (cols >> 4));
-        const int n = (k0 >> 7) & 1;
-        for (int i = tid; i < MMQ_ROWS * 8; i += nt) {
-            int r = i >> 3, part = i & 7, k = part >> 1, l0 = 16 * (part & 1);
-            long gr = min(r0 + r, rows - 1);
-            long b = gr * nsb + (k0 >> 8);
-            const u8* ql = W + b * 128 + 64 * n + 32 * (k & 1) + l0;
-            const u8* qh = qhp + b * 64 + 32 * n + l0;
-            uint4 vl = *(const uint4*)ql, vh = *(const uint4*)qh;
-            u32 L[4] = {vl.x, vl.y, vl.z, vl.w}, H[4] = {vh.x, vh.y, vh.z, vh.w}, o[4];
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-                u32 lo4 = (L[w] >> (4 * (k >> 1))) & 0x0f0f0f0fu;
-                u32 hi2 = ((H[w] >> (2 * k)) & 0x03030303u) << 4;
-                // Each byte (0..63) minus 32, as int8.
-                u32 v = lo4 | hi2, r8 = 0;
-#pragma unroll
-                for (int q = 0; q < 4; q++) r8 |= ((((v >> (8 * q)) & 255u) - 32u) & 255u) << (8 * q);
-                o[w] = r8;
-            }
-            *(uint4*)&s.w[r][32 * k + l0] = make_uint4(o[0], o[1], o[2], o[3]);
-            if (part == 0) {
-                float d = h2f(dp[b]);
-#pragma unroll
-                for (int j = 0; j < 8; j++) s.wd[r][j] = d * (float)scp[b * 16 + 8 * n + j];
-            }
-        }
     }
 }
 
 // Stage of the activation tile: rows [t0, t0 + MMQ_TOKS) of xq (clamped),
-// columns [k0, k0 + MMQ_K), with their block scales and sums.
+// columns [k0, k0 + MMQ_K), with their block scales.
 __device__ __forceinline__ void mmq_load_x(MmqTile& s, const i8* __restrict__ xq, const float2* __restrict__ xds,
                                            int n_act, int cols, int t0, int k0) {
     const int tid = threadIdx.x, nt = MMQ_WARPS * 32;
@@ -207,9 +133,7 @@ __device__ __forceinline__ void mmq_load_x(MmqTile& s, const i8* __restrict__ xq
     for (int i = tid; i < MMQ_TOKS * (MMQ_K / 32); i += nt) {
         int t = i / (MMQ_K / 32), b = i % (MMQ_K / 32);
         long ga = min(t0 + t, n_act - 1);
-        float2 v = xds[ga * (cols >> 5) + (k0 >> 5) + b];
-        s.xd[t][b] = v.x;
-        s.xs[t][b] = v.y;
+        s.xd[t][b] = xds[ga * (cols >> 5) + (k0 >> 5) + b].x;
     }
 }
 
@@ -254,50 +178,25 @@ __device__ void mmq_tile(const u8* __restrict__ W, int rows, int cols, const i8*
                 b[j][0] = mmq_word(&s.x[n][c]);
                 b[j][1] = mmq_word(&s.x[n][c + 16]);
             }
-            float xd[4][2], xs[4][2];
+            float xd[4][2];
 #pragma unroll
             for (int j = 0; j < 4; j++)
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int n = wa + 8 * j + 2 * t + e;
-                    xd[j][e] = s.xd[n][kb];
-                    xs[j][e] = s.xs[n][kb];
-                }
+                for (int e = 0; e < 2; e++) xd[j][e] = s.xd[wa + 8 * j + 2 * t + e][kb];
             // Weight scales of this thread's rows g and g + 8 of each m tile.
-            float wd[2][2], wd1[2][2], wm[2][2];
+            float wd[2][2];
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = wr + 16 * i + g + 8 * h;
-                    wd[i][h] = FMT == MMQ_Q6_K ? s.wd[r][2 * kb] : s.wd[r][kb];
-                    wd1[i][h] = FMT == MMQ_Q6_K ? s.wd[r][2 * kb + 1] : 0.f;
-                    wm[i][h] = FMT == MMQ_Q4_K ? s.wm[r][kb] : 0.f;
-                }
+                for (int h = 0; h < 2; h++) wd[i][h] = s.wd[wr + 16 * i + g + 8 * h][kb];
 #pragma unroll
             for (int i = 0; i < 2; i++) {
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     int ci[4] = {0, 0, 0, 0};
-                    if (FMT == MMQ_Q6_K) {
-                        int ch[4] = {0, 0, 0, 0};
-                        u32 alo[2] = {a[i][0], a[i][1]}, ahi[2] = {a[i][2], a[i][3]};
-                        mma_s8_k16(ci, alo, &b[j][0]);
-                        mma_s8_k16(ch, ahi, &b[j][1]);
+                    mma_s8_k32(ci, a[i], b[j]);
 #pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const float v = wd[i][e >> 1] * (float)ci[e] + wd1[i][e >> 1] * (float)ch[e];
-                            acc[i][j][e] += v * xd[j][e & 1];
-                        }
-                    } else {
-                        mma_s8_k32(ci, a[i], b[j]);
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            float v = wd[i][e >> 1] * xd[j][e & 1] * (float)ci[e];
-                            if (FMT == MMQ_Q4_K) v -= wm[i][e >> 1] * xs[j][e & 1];
-                            acc[i][j][e] += v;
-                        }
-                    }
+                    for (int e = 0; e < 4; e++) acc[i][j][e] += wd[i][e >> 1] * xd[j][e & 1] * (float)ci[e];
                 }
             }
         }
@@ -326,8 +225,5 @@ extern "C" __global__ void __launch_bounds__(256) quantize_q8_1(const float* x, 
         PDL_ENTRY();                                                                                                 \
         mmq_tile<FMT>(W, rows, cols, xq, xds, n_act, y);                                                             \
     }
-// Q4_K and Q6_K (the tile's K-quant forms, kept for their host check)
-// measured slower than cuBLAS on f16 tiles at 7B (pp512 on an H100), so only
-// these two are kernels.
 MMQ_KERNEL(q8_0s, MMQ_Q8_0)
 MMQ_KERNEL(q5_0s, MMQ_Q5_0)

@@ -31,11 +31,8 @@ static u16 rand_half() {
 
 // Random bytes of a split-layout matrix, its f16 fields made valid.
 static std::vector<uint4> random_matrix(int fmt, int rows, int cols) {
-    long bytes = fmt == MMQ_Q8_0   ? (long)rows * cols + (long)rows * cols / 16
-                 : fmt == MMQ_Q4_K ? (long)rows * cols / 2 + (long)rows * cols / 16
-                 : fmt == MMQ_Q5_0 ? (long)rows * cols / 2 + (long)rows * cols / 8 + (long)rows * cols / 16
-                                   : (long)rows * cols / 2 + (long)rows * cols / 4 + (long)rows * cols / 16 +
-                                       (long)rows * cols / 128;
+    long bytes = fmt == MMQ_Q8_0 ? (long)rows * cols + (long)rows * cols / 16
+                                 : (long)rows * cols / 2 + (long)rows * cols / 8 + (long)rows * cols / 16;
     std::vector<uint4> buf((bytes + 15) / 16 + 1);
     u8* p = (u8*)buf.data();
     std::uniform_int_distribution<int> byte(0, 255);
@@ -48,22 +45,12 @@ static std::vector<uint4> random_matrix(int fmt, int rows, int cols) {
     };
     const long rc = (long)rows * cols;
     if (fmt == MMQ_Q8_0) halves(rc, rc / 32, 2);
-    if (fmt == MMQ_Q4_K) {
-        halves(rc / 2, rc / 256, 16);      // d
-        halves(rc / 2 + 2, rc / 256, 16);  // dmin
-    }
     if (fmt == MMQ_Q5_0) halves(rc / 2 + rc / 8, rc / 32, 2);
-    if (fmt == MMQ_Q6_K) halves(rc / 2 + rc / 4 + rc / 16, rc / 256, 2);
     return buf;
 }
 
 static float elem(int fmt, const u8* W, int rows, int cols, int r, int i) {
-    switch (fmt) {
-        case MMQ_Q8_0: return q8s_elem(W, rows, cols, r, i);
-        case MMQ_Q4_K: return q4ks_elem(W, rows, cols, r, i);
-        case MMQ_Q5_0: return q5s_elem(W, rows, cols, r, i);
-        default: return q6ks_elem(W, rows, cols, r, i);
-    }
+    return fmt == MMQ_Q8_0 ? q8s_elem(W, rows, cols, r, i) : q5s_elem(W, rows, cols, r, i);
 }
 
 static void check(bool ok, const char* what) {
@@ -133,9 +120,7 @@ template <int FMT> void check_layout(const char* name, int rows, int cols, int n
 
 int main() {
     check_layout<MMQ_Q8_0>("q8_0s", 72, 384, 70);
-    check_layout<MMQ_Q4_K>("q4_ks", 72, 512, 70);
     check_layout<MMQ_Q5_0>("q5_0s", 72, 384, 70);
-    check_layout<MMQ_Q6_K>("q6_ks", 72, 512, 70);
     if (fails) {
         fprintf(stderr, "check_mmq: %d failures\n", fails);
         return 1;

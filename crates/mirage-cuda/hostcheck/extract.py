@@ -102,10 +102,10 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
 # element accessors they are checked against; the mma instructions
 # themselves are mma_emu.h's.
 (out / "mmq_extract.h").write_text(cut(
-    "u32 q4k_scale_byte(", "void q4k_scale_min(", "float q8s_elem(", "float q4ks_elem(", "float q5s_elem(",
-    "float q6ks_elem(", "#define MMQ_ROWS", "#define MMQ_TOKS", "#define MMQ_K", "#define MMQ_WARPS",
-    "#define MMQ_LD", "struct MmqTile", "#define MMQ_Q8_0", "#define MMQ_Q4_K", "#define MMQ_Q5_0",
-    "#define MMQ_Q6_K", "void quantize_q8_1_block(", "void mmq_load_w(", "void mmq_load_x(", "u32 mmq_word(",
+    "float q8s_elem(", "float q5s_elem(",
+    "#define MMQ_ROWS", "#define MMQ_TOKS", "#define MMQ_K", "#define MMQ_WARPS",
+    "#define MMQ_LD", "struct MmqTile", "#define MMQ_Q8_0", "#define MMQ_Q5_0",
+    "void quantize_q8_1_block(", "void mmq_load_w(", "void mmq_load_x(", "u32 mmq_word(",
     "void mmq_tile("))
 
 # The prefill attention on f16 tensor cores (attention.cu); the mma

@@ -1,5 +1,5 @@
 // Host stand-ins for the warp-wide int8 tensor-core instructions mmq.cu
-// issues (mma.sync.aligned.m16n8k32 and m16n8k16, .row.col.s32.s8.s8.s32),
+// issues (mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32),
 // on the fibers of block_emu.h: every lane of the warp deposits its
 // fragment registers, the warp meets at a barrier, and each lane builds the
 // whole A, B and C matrices from the deposits by the PTX ISA's fragment
@@ -14,32 +14,23 @@ constexpr int MAX_WARPS = 32;
 inline unsigned a_regs[MAX_WARPS][32][4], b_regs[MAX_WARPS][32][2];
 inline int byte_of(unsigned reg, int i) { return (int)(signed char)((reg >> (8 * i)) & 255u); }
 
-// k = 32 or 16: A (16 x k) from a_regs, B (k x 8) from b_regs, D = A B + C
-// for this lane's four accumulators.
-template <int K> void mma(int* c) {
+// A (16 x 32) from a_regs, B (32 x 8) from b_regs, D = A B + C for this
+// lane's four accumulators.
+inline void mma_k32(int* c) {
     const int w = threadIdx.x >> 5;
     int A[16][32] = {}, B[32][8] = {};
     for (int lane = 0; lane < 32; lane++) {
         const int group = lane >> 2, tig = lane & 3;
-        if (K == 32) {
-            // A: 16 s8 elements a0..a15 in 4 registers (4 a register).
-            for (int i = 0; i < 16; i++) {
-                const int row = (i < 4 || (i >= 8 && i < 12)) ? group : group + 8;
-                const int col = i < 8 ? tig * 4 + (i & 3) : tig * 4 + (i & 3) + 16;
-                A[row][col] = byte_of(a_regs[w][lane][i >> 2], i & 3);
-            }
-            // B: 8 s8 elements b0..b7 in 2 registers.
-            for (int i = 0; i < 8; i++) {
-                const int row = i < 4 ? tig * 4 + (i & 3) : tig * 4 + (i & 3) + 16;
-                B[row][group] = byte_of(b_regs[w][lane][i >> 2], i & 3);
-            }
-        } else {
-            // m16n8k16: A a0..a7 in 2 registers, B b0..b3 in 1.
-            for (int i = 0; i < 8; i++) {
-                const int row = i < 4 ? group : group + 8;
-                A[row][tig * 4 + (i & 3)] = byte_of(a_regs[w][lane][i >> 2], i & 3);
-            }
-            for (int i = 0; i < 4; i++) B[tig * 4 + i][group] = byte_of(b_regs[w][lane][0], i);
+        // A: 16 s8 elements a0..a15 in 4 registers (4 a register).
+        for (int i = 0; i < 16; i++) {
+            const int row = (i < 4 || (i >= 8 && i < 12)) ? group : group + 8;
+            const int col = i < 8 ? tig * 4 + (i & 3) : tig * 4 + (i & 3) + 16;
+            A[row][col] = byte_of(a_regs[w][lane][i >> 2], i & 3);
+        }
+        // B: 8 s8 elements b0..b7 in 2 registers.
+        for (int i = 0; i < 8; i++) {
+            const int row = i < 4 ? tig * 4 + (i & 3) : tig * 4 + (i & 3) + 16;
+            B[row][group] = byte_of(b_regs[w][lane][i >> 2], i & 3);
         }
     }
     // C/D: c0..c3, row group (c0, c1) or group + 8, column 2 tig + (i & 1).
@@ -47,7 +38,7 @@ template <int K> void mma(int* c) {
     for (int i = 0; i < 4; i++) {
         const int row = i < 2 ? group : group + 8, col = tig * 2 + (i & 1);
         int s = 0;
-        for (int k = 0; k < K; k++) s += A[row][k] * B[k][col];
+        for (int k = 0; k < 32; k++) s += A[row][k] * B[k][col];
         c[i] += s;
     }
 }
@@ -58,15 +49,7 @@ inline void mma_s8_k32(int* c, const unsigned* a, const unsigned* b) {
     for (int i = 0; i < 4; i++) mma_emu::a_regs[w][lane][i] = a[i];
     for (int i = 0; i < 2; i++) mma_emu::b_regs[w][lane][i] = b[i];
     __syncwarp();
-    mma_emu::mma<32>(c);
-    __syncwarp();
-}
-inline void mma_s8_k16(int* c, const unsigned* a, const unsigned* b) {
-    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int i = 0; i < 2; i++) mma_emu::a_regs[w][lane][i] = a[i];
-    mma_emu::b_regs[w][lane][0] = b[0];
-    __syncwarp();
-    mma_emu::mma<16>(c);
+    mma_emu::mma_k32(c);
     __syncwarp();
 }
 
