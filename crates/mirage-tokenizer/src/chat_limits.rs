@@ -659,15 +659,7 @@ impl Walker<'_> {
         let mut operand_start = start;
         let mut operand_end = first_end;
         for &next_end in ends {
-            let (mut at, mut close) = (operand_end, operand_end);
-            while at < next_end
-                && (self.source[at].is_ascii_whitespace() || self.source[at] == b')')
-            {
-                at += 1;
-                if self.source[at - 1] == b')' {
-                    close = at;
-                }
-            }
+            let (at, close) = self.operator_after(operand_end, next_end);
             let Some(op_len) = comparison_operator_len(&self.source[at..next_end]) else {
                 self.error = Some(Error::new(
                     ErrorKind::SyntaxError,
@@ -685,7 +677,23 @@ impl Walker<'_> {
         self.wrap(operand_start, operand_end, "__mirage_walk(");
     }
 
-    /// Encloses `source[start..end]` in `open` ... `)`.
+    /// Where the operator after an operand ending at `operand_end` starts
+    /// (the first byte before `end` that is neither space nor the `)` of a
+    /// parenthesized operand), and where the operand's parentheses end.
+    fn operator_after(&self, operand_end: usize, end: usize) -> (usize, usize) {
+        let (mut at, mut close) = (operand_end, operand_end);
+        while at < end && (self.source[at].is_ascii_whitespace() || self.source[at] == b')') {
+            at += 1;
+            if self.source[at - 1] == b')' {
+                close = at;
+            }
+        }
+        (at, close)
+    }
+
+    /// Encloses `source[start..end]` in `open` ... `)`. At one offset,
+    /// closing parentheses come first, shorter (inner) spans first, then
+    /// openings of longer (outer) spans before shorter ones.
     fn wrap(&mut self, start: usize, end: usize, open: &'static str) {
         let len = end - start;
         self.edits.push(Edit {
@@ -702,19 +710,15 @@ impl Walker<'_> {
         });
     }
 
-    /// `LEFT op RIGHT` becomes `__fn(LEFT , RIGHT)`. The operator is the
-    /// first byte after the left operand's end that is neither space nor
-    /// the `)` of a parenthesized left operand.
+    /// `LEFT op RIGHT` becomes `__fn(LEFT , RIGHT)`; the operator is found
+    /// by [`Self::operator_after`].
     fn binop(&mut self, b: &ast::Spanned<ast::BinOp<'_>>) {
         let Some(function) = operator_function(b.op) else {
             return;
         };
         let span = b.span();
         let (start, end) = (span.start_offset as usize, span.end_offset as usize);
-        let mut at = b.left.span().end_offset as usize;
-        while at < end && (self.source[at].is_ascii_whitespace() || self.source[at] == b')') {
-            at += 1;
-        }
+        let (at, _) = self.operator_after(b.left.span().end_offset as usize, end);
         if at >= end || self.source[at] != operator_char(b.op) {
             self.error = Some(Error::new(
                 ErrorKind::SyntaxError,
@@ -722,30 +726,17 @@ impl Walker<'_> {
             ));
             return;
         }
-        let len = end - start;
         let open: &'static str = match function {
             "__mirage_add" => "__mirage_add(",
             "__mirage_concat" => "__mirage_concat(",
             _ => "__mirage_mul(",
         };
-        self.edits.push(Edit {
-            at: start,
-            order: (1, std::cmp::Reverse(len)),
-            remove: 0,
-            text: open.into(),
-        });
+        self.wrap(start, end, open);
         self.edits.push(Edit {
             at,
             order: (1, std::cmp::Reverse(0)),
             remove: 1,
             text: ",".into(),
-        });
-        // Closing: shorter (inner) spans first.
-        self.edits.push(Edit {
-            at: end,
-            order: (0, std::cmp::Reverse(usize::MAX - len)),
-            remove: 0,
-            text: ")".into(),
         });
     }
 }
@@ -864,13 +855,11 @@ pub(crate) fn install(env: &mut Environment<'_>) {
     env.add_function("__mirage_mul", mul);
     env.add_function("__mirage_store", store);
     env.add_function("__mirage_walk", |v: Value| -> Result<Value, Error> {
-        size(&v);
-        check_work()?;
+        walked(&v)?;
         Ok(v)
     });
     env.add_test("in", |state: &State, v: &Value, other: &Value| {
-        size(other);
-        check_work()?;
+        walked(other)?;
         minijinja::tests::is_in(state, v, other)
     });
     install_walking_filters(env);
@@ -1000,14 +989,16 @@ pub(crate) fn install(env: &mut Environment<'_>) {
     });
 }
 
+/// Charges walking `v` (its size) as work.
+fn walked(v: &Value) -> Result<(), Error> {
+    size(v);
+    check_work()
+}
+
 /// The filters that walk a whole sequence in one step, each charged the
 /// size of what it walks first.
 fn install_walking_filters(env: &mut Environment<'_>) {
     use minijinja::filters as f;
-    fn walked(v: &Value) -> Result<(), Error> {
-        size(v);
-        check_work()
-    }
     env.add_filter("sum", |s: &State, v: Value| {
         walked(&v)?;
         f::sum(s, v)
