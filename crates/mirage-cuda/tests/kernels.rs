@@ -16,8 +16,8 @@ use mirage_runtime::{CpuBackend, Model};
 
 mod common;
 use common::{
-    cosine, cuda, cuda_with, dequantized, matvec_reference, randn, rel_err, require_cuda_tests,
-    rng, worst_cosine, Tiny,
+    cosine, cuda, cuda_with, dequantized, device_matmul, matvec_reference, randn, rel_err,
+    require_cuda_tests, rng, worst_cosine, Tiny,
 };
 
 /// A matrix of the kernel tests.
@@ -521,15 +521,8 @@ fn prefill_gemm_every_type_matches_matvec() {
     for ty in types() {
         let hm = host_matrix(ty, rows, cols, &randn(&mut r, rows * cols));
         let x = randn(&mut r, n_act * cols);
-        let run = |b: &CudaBackend| {
-            let dm = b.upload_matrix(&hm).unwrap();
-            let dx = b.upload_activations(n_act, cols, &x).unwrap();
-            let mut y = b.new_activations();
-            b.matmul(&dm, &dx, &mut y).unwrap();
-            let mut out = Vec::new();
-            b.read(&y, &mut out).unwrap();
-            out
-        };
+        let run =
+            |b: &CudaBackend| device_matmul(b, &b.upload_matrix(&hm).unwrap(), &x, n_act, rows);
         let want = run(&plain);
         for (what, b) in [("one tile", &one_tile), ("tiles of 48 rows", &tiles)] {
             // f16 activations (and f16 copies of F32/BF16 weights): ~1e-3;

@@ -11,8 +11,8 @@ use mirage_runtime::Model;
 
 mod common;
 use common::{
-    argmax, cosine, cuda_with, dequantized, host_matrix, matvec_reference, randn, rel_err, rng,
-    Tiny,
+    argmax, cosine, cuda_with, dequantized, device_matmul, host_matrix, matvec_reference, randn,
+    rel_err, rng, Tiny,
 };
 
 /// `x` through q8_1 blocks of 32 and back, as `quantize_q8_1` does it: d =
@@ -60,11 +60,7 @@ fn mmq_every_layout_matches_f64_reference() {
         let x = randn(&mut r, n_act * cols);
         let dm = gpu.upload_matrix(&hm).unwrap();
         assert!(dm.is_repacked(), "{ty}: not uploaded in its split layout");
-        let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
-        let mut dy = gpu.new_activations();
-        gpu.matmul(&dm, &dx, &mut dy).unwrap();
-        let mut got = Vec::new();
-        assert_eq!(gpu.read(&dy, &mut got).unwrap(), (n_act, rows));
+        let got = device_matmul(&gpu, &dm, &x, n_act, rows);
         let exact_inputs = matvec_reference(&w, &q8_1_roundtrip(&x), rows, cols, n_act);
         let e = rel_err(&got, &exact_inputs);
         let e_f32 = rel_err(&got, &matvec_reference(&w, &x, rows, cols, n_act));
@@ -219,15 +215,7 @@ fn mmq_path_is_taken_for_batches() {
         &randn(&mut r, rows * cols),
     );
     let x = randn(&mut r, n_act * cols);
-    let run = |b: &CudaBackend| {
-        let dm = b.upload_matrix(&hm).unwrap();
-        let dx = b.upload_activations(n_act, cols, &x).unwrap();
-        let mut y = b.new_activations();
-        b.matmul(&dm, &dx, &mut y).unwrap();
-        let mut out = Vec::new();
-        b.read(&y, &mut out).unwrap();
-        out
-    };
+    let run = |b: &CudaBackend| device_matmul(b, &b.upload_matrix(&hm).unwrap(), &x, n_act, rows);
     let (a, b) = (run(&on), run(&off));
     let e = rel_err(&a, &b);
     eprintln!("{test}: tensor-core vs mat-vec rel err {e:.2e}");

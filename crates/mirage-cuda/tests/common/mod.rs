@@ -217,6 +217,24 @@ pub fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
+/// `W x` on the device for the `n_act` rows of `x` (one `matmul`, so a
+/// batch takes the prefill products), read back as `n_act` rows of
+/// `rows` outputs.
+pub fn device_matmul(
+    b: &CudaBackend,
+    w: &mirage_cuda::CudaMatrix,
+    x: &[f32],
+    n_act: usize,
+    rows: usize,
+) -> Vec<f32> {
+    let dx = b.upload_activations(n_act, x.len() / n_act, x).unwrap();
+    let mut dy = b.new_activations();
+    b.matmul(w, &dx, &mut dy).unwrap();
+    let mut out = Vec::new();
+    assert_eq!(b.read(&dy, &mut out).unwrap(), (n_act, rows));
+    out
+}
+
 /// f64 reference of `y = W x` for `n_act` rows of `x`.
 pub fn matvec_reference(w: &[f32], x: &[f32], rows: usize, cols: usize, n_act: usize) -> Vec<f32> {
     let mut y = vec![0f32; n_act * rows];
