@@ -43,17 +43,7 @@ gpu_env "$W"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 
 MODELS=${MODELS:-qwen2.5-0.5b:q8_0 qwen2.5-7b:q8_0 qwen2.5-7b:q4_k}
-# The files, one after another in the background (the CPU writes them while
-# the GPU runs the suites).
-(
-  for m in $MODELS; do
-    shape=${m%:*} q=${m#*:}
-    step "synth-$shape-$q" 300 "$W/xtask" synth-model --like "$shape" --quant "$q" \
-      --tokenizer-from "$W/tok.gguf" --out "$WORK/$shape-$q.gguf.part" &&
-      mv "$WORK/$shape-$q.gguf.part" "$WORK/$shape-$q.gguf"
-  done
-) > "$LOG/synth.out" 2>&1 &
-SYNTH=$!
+synth_models
 
 if [ -n "${MIRAGE_MODELS_DIR:-}" ] && [ -d "$MIRAGE_MODELS_DIR" ]; then
   export MIRAGE_MODELS_DIR
@@ -66,12 +56,6 @@ for s in ${SUITES-kernels fast_decode kv_pruning_gpu kv_pruning_backend real_mod
   budget_left "suite $s" && SUITE_LIMIT=150 suite run "$W" "$s"
 done
 
-# Waits until the file of $1 is written (or its writer gave up).
-wait_file() {
-  while [ ! -f "$1" ] && kill -0 "$SYNTH" 2>/dev/null; do sleep 2; done
-  [ -f "$1" ]
-}
-
 deepest=${DEPTHS##*,}
 shallow=${DEPTHS%,*}
 [ "$shallow" = "$DEPTHS" ] && shallow=
@@ -83,11 +67,7 @@ for m in $MODELS; do
   wait_file "$f" || { echo "no $f (see $LOG/synth-$tag.log)"; continue; }
   step "mirage-$tag" 240 "$W/mirage-cli" bench --backend cuda --model "$f" --kv f16 -d "$DEPTHS" --gen "$GEN" --json
 done
-# Waits for LLAMA_BENCH while its build (process LLAMA_BUILD_PID) runs.
-while [ -n "$LB" ] && [ ! -x "$LB" ] && kill -0 "${LLAMA_BUILD_PID:-0}" 2>/dev/null && budget_left "llama-bench build"; do
-  sleep 5
-done
-if [ -n "$LB" ] && [ ! -x "$LB" ]; then echo "no llama-bench at $LB: the peer columns stay empty"; LB=; fi
+await_llama_bench
 for m in $MODELS; do
   [ -n "$LB" ] || break
   shape=${m%:*} q=${m#*:} f=$WORK/${m%:*}-${m#*:}.gguf tag=$shape-$q

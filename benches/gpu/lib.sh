@@ -60,6 +60,36 @@ step() {
   return $r
 }
 
+# Writes the synthetic files of MODELS (shape:quant) into WORK, one after
+# another in the background (the CPU writes them while the GPU runs the
+# suites); SYNTH is the writer's process.
+synth_models() {
+  (
+    for m in $MODELS; do
+      local shape=${m%:*} q=${m#*:}
+      step "synth-$shape-$q" 300 "$W/xtask" synth-model --like "$shape" --quant "$q" \
+        --tokenizer-from "$W/tok.gguf" --out "$WORK/$shape-$q.gguf.part" &&
+        mv "$WORK/$shape-$q.gguf.part" "$WORK/$shape-$q.gguf"
+    done
+  ) > "$LOG/synth.out" 2>&1 &
+  SYNTH=$!
+}
+
+# Waits until the file of $1 is written (or its writer gave up).
+wait_file() {
+  while [ ! -f "$1" ] && kill -0 "$SYNTH" 2>/dev/null; do sleep 2; done
+  [ -f "$1" ]
+}
+
+# Waits for the llama-bench binary LB while its build (process
+# LLAMA_BUILD_PID) runs; clears LB when there is none.
+await_llama_bench() {
+  while [ -n "$LB" ] && [ ! -x "$LB" ] && kill -0 "${LLAMA_BUILD_PID:-0}" 2>/dev/null && budget_left "llama-bench build"; do
+    sleep 5
+  done
+  if [ -n "$LB" ] && [ ! -x "$LB" ]; then echo "no llama-bench at $LB: the peer columns stay empty"; LB=; fi
+}
+
 budget_left() {
   [ $((SECONDS - T0)) -lt "$BUDGET" ] || { echo "(budget of $BUDGET s spent: skipping $1)"; return 1; }
 }

@@ -40,15 +40,7 @@ gpu_env "$W"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 
 MODELS=${MODELS:-qwen2.5-0.5b:q8_0 qwen2.5-7b:q8_0 qwen2.5-7b:q4_k}
-(
-  for m in $MODELS; do
-    shape=${m%:*} q=${m#*:}
-    step "synth-$shape-$q" 300 "$W/xtask" synth-model --like "$shape" --quant "$q" \
-      --tokenizer-from "$W/tok.gguf" --out "$WORK/$shape-$q.gguf.part" &&
-      mv "$WORK/$shape-$q.gguf.part" "$WORK/$shape-$q.gguf"
-  done
-) > "$LOG/synth.out" 2>&1 &
-SYNTH=$!
+synth_models
 
 for s in ${SUITES-prefill_mmq kernels fast_decode}; do
   budget_left "suite $s" && SUITE_LIMIT=150 suite run "$W" "$s"
@@ -56,11 +48,6 @@ done
 # The measured errors and cosines of the prefill suite (libtest keeps a
 # passing test's output otherwise).
 [ -x "$W/prefill_mmq" ] && MIRAGE_REQUIRE_CUDA_TESTS=1 step prefill_mmq-detail 60 "$W/prefill_mmq" --nocapture --test-threads 1
-
-wait_file() {
-  while [ ! -f "$1" ] && kill -0 "$SYNTH" 2>/dev/null; do sleep 2; done
-  [ -f "$1" ]
-}
 
 for m in $MODELS; do
   shape=${m%:*} q=${m#*:} f=$WORK/$shape-$q.gguf tag=$shape-$q
@@ -71,10 +58,7 @@ for m in $MODELS; do
         -p "$p" -n 1 -r "$REPS" --json
   done
 done
-while [ -n "$LB" ] && [ ! -x "$LB" ] && kill -0 "${LLAMA_BUILD_PID:-0}" 2>/dev/null && budget_left "llama-bench build"; do
-  sleep 5
-done
-if [ -n "$LB" ] && [ ! -x "$LB" ]; then echo "no llama-bench at $LB: the peer columns stay empty"; LB=; fi
+await_llama_bench
 for m in $MODELS; do
   [ -n "$LB" ] || break
   shape=${m%:*} q=${m#*:} f=$WORK/$shape-$q.gguf tag=$shape-$q
