@@ -84,7 +84,10 @@ wait_file() {
 # Waits for the llama-bench binary LB while its build (process
 # LLAMA_BUILD_PID) runs; clears LB when there is none.
 await_llama_bench() {
-  while [ -n "$LB" ] && [ ! -x "$LB" ] && kill -0 "${LLAMA_BUILD_PID:-0}" 2>/dev/null && budget_left "llama-bench build"; do
+  # (Without LLAMA_BUILD_PID there is nothing to wait for: `kill -0 0`
+  # would signal this process group and succeed.)
+  while [ -n "$LB" ] && [ ! -x "$LB" ] && [ -n "${LLAMA_BUILD_PID:-}" ] &&
+    kill -0 "$LLAMA_BUILD_PID" 2>/dev/null && budget_left "llama-bench build"; do
     sleep 5
   done
   if [ -n "$LB" ] && [ ! -x "$LB" ]; then echo "no llama-bench at $LB: the peer columns stay empty"; LB=; fi
