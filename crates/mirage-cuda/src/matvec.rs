@@ -54,11 +54,11 @@ const GRID_MIN_COLS: usize = 2048;
 /// use the mat-vec.
 const GEMM_MIN_ROWS: usize = 17;
 
-/// Layouts the int8 tensor-core products read (`mmq_*` in cuda/mmq.cu),
-/// with the column multiple each needs: whole stages of `MMQ_K` = 128
-/// columns, and whole 256-column super-blocks for the K-quants.
+/// Layouts the int8 tensor-core products read (`mmq_*` in cuda/mmq.cu).
 pub(crate) const MMQ_SUFFIXES: [&str; 2] = ["q8_0s", "q5_0s"];
-const MMQ_COLS: [usize; 2] = [128, 128];
+/// Columns of one `mmq_*` stage (`MMQ_K`): a matrix's columns must be a
+/// multiple.
+const MMQ_K: usize = 128;
 
 /// Weight rows and activation rows of one `mmq_*` block (`MMQ_ROWS`,
 /// `MMQ_TOKS`) and its threads (`MMQ_WARPS` warps).
@@ -115,8 +115,8 @@ impl CudaBackend {
 
     /// The `mmq_*` suffix of `w` when the int8 products read it.
     fn mmq_suffix(w: &CudaMatrix) -> Option<&'static str> {
-        let i = MMQ_SUFFIXES.iter().position(|&s| s == w.suffix())?;
-        (w.cols % MMQ_COLS[i] == 0).then_some(MMQ_SUFFIXES[i])
+        let suffix = MMQ_SUFFIXES.into_iter().find(|&s| s == w.suffix())?;
+        (w.cols % MMQ_K == 0).then_some(suffix)
     }
 
     /// `y[a, :] = W x[a, :]` for `n_act` rows.
