@@ -5,7 +5,8 @@
 // Weight layouts, chosen at upload (crates/mirage-cuda/src/weights.rs):
 //   ggml  : the file's blocks, read by dequant_unit<T> (ggml.cu), this file.
 //   q8_0s, q4_ks : split Q8_0 / Q4_K (quants of every row, then their
-//           scales or super-block headers), matvec_split.cu.
+//           scales or super-block headers): matvec_split.cu (Q8_0) and
+//           matvec_imma.cu (Q4_K, on int8 tensor cores).
 //   nvfp4, q5_0s, q6_ks : matvec_lanes.cu.
 // Element accessors of the repacked layouts (embedding rows, GEMM weight
 // tiles) are at the end of this file.
@@ -228,7 +229,7 @@ __device__ __forceinline__ float nvfp4_elem(const u8* W, int rows, int cols, flo
 // Split Q4_K ("q4_ks"): the 128 quant bytes of every super-block, [rows]
 // [cols/2], then the 16 header bytes of every super-block (d, dmin, 12 packed
 // 6-bit scales/mins), [rows][cols/256][16]. Same bytes as ggml. The
-// mat-vecs are q4ks_dot16's (below).
+// mat-vecs are in matvec_imma.cu.
 
 // Byte i (0..11) of the packed scales held in header words y, z, w.
 __device__ __forceinline__ u32 q4k_scale_byte(uint4 h, int i) {

@@ -2,7 +2,6 @@
 
 #define MV_NR 4     // weight rows per warp
 #define MV_U_Q8 2   // 512-element chunks in flight per row (split Q8_0)
-#define MV_U_Q4K 1  // chunks of 4 super-blocks in flight per row (split Q4_K)
 
 // Rows of a variant's dot: row k < NH of the warp is quants qa + rk * qs and
 // scales/headers ma + rk * ms with rk = min(k, last) (the last row is
@@ -102,132 +101,11 @@ __device__ __forceinline__ void q8s_dot16(const MvvRows& R, const float* __restr
     }
 }
 
-// Sum of the four bytes of v (small unsigned values), each times the
-// matching x.
-__device__ __forceinline__ float q4v_nib_dot(u32 v, float4 x) {
-    return sb_byte_f32(v, 0, 8388608.0f) * x.x + sb_byte_f32(v, 1, 8388608.0f) * x.y +
-           sb_byte_f32(v, 2, 8388608.0f) * x.z + sb_byte_f32(v, 3, 8388608.0f) * x.w;
-}
-
-// This lane's share of NR split-Q4_K rows dotted with xa[0..cols), U chunks
-// of 4 super-blocks in flight per row. Lane l takes super-block 4c + l / 8
-// of chunk c, bytes 16 (l % 8)..+15 of its 128 quant bytes: group j = (l % 8)
-// / 2 of ggml's qs, elements 64j + 16 ((l % 8) & 1) + i (low nibbles,
-// sub-block 2j) and 32 more (high nibbles, sub-block 2j + 1), i < 16.
-// Every lane runs every shuffle (no lane leaves the loop early).
-template <int NR, int NH, int U>
-__device__ __forceinline__ void q4ks_dot16(const MvvRows& R, const float* __restrict__ xa, int cols, int lane,
-                                           float* acc) {
-    const int n_sb = cols >> 8;
-    const int g = lane >> 3, s8 = lane & 7, j = s8 >> 1;
-    const int xoff = 64 * j + 16 * (s8 & 1);
-    const int sh = 16 * (j & 1);  // byte pair (2j, 2j + 1) mod 4 of a scale word
-    const bool upper = j >= 2;    // sub-blocks 4..7: 6-bit values split over two bytes
-    const int base = lane & 24;   // first lane of this super-block's group
-    const int n_chunks = (n_sb + 3) >> 2;
-    auto load = [&](uint4 (&w)[U][NR], u32 (&hw)[U][NR], int c) {
-#pragma unroll
-        for (int h = 0; h < U; h++) {
-            int sb = ((c + h) << 2) + g;
-            bool ok = sb < n_sb;
-#pragma unroll
-            for (int k = 0; k < NR; k++) {
-                w[h][k] = ok ? __ldg((const uint4*)(mvv_q<NH>(R, k) + (sb << 7) + (s8 << 4)))
-                             : make_uint4(0u, 0u, 0u, 0u);
-                hw[h][k] = ok ? __ldg((const u32*)(mvv_m<NH>(R, k) + (sb << 4)) + (s8 & 3)) : 0u;
-            }
-        }
-    };
-    auto compute = [&](const uint4 (&w)[U][NR], const u32 (&hw)[U][NR], int c) {
-#pragma unroll
-        for (int h = 0; h < U; h++) {
-            int sb = ((c + h) << 2) + g;
-            // Header words of every row, from lanes base..base+3 (all lanes).
-            u32 hx[NR], sc2[NR], m2[NR];
-#pragma unroll
-            for (int k = 0; k < NR; k++) {
-                hx[k] = __shfl_sync(0xffffffffu, hw[h][k], base);
-                u32 a = __shfl_sync(0xffffffffu, hw[h][k], base + 1) >> sh;
-                u32 b = __shfl_sync(0xffffffffu, hw[h][k], base + 2) >> sh;
-                u32 cc = __shfl_sync(0xffffffffu, hw[h][k], base + 3) >> sh;
-                // ggml's get_scale_min_k4 for sub-blocks 2j and 2j + 1 (bytes 0, 1).
-                sc2[k] = upper ? ((cc & 0x0f0fu) | ((a >> 2) & 0x3030u)) : (a & 0x3f3fu);
-                m2[k] = upper ? (((cc >> 4) & 0x0f0fu) | ((b >> 2) & 0x3030u)) : (b & 0x3f3fu);
-            }
-            if (sb >= n_sb) continue;
-            const float* xs = xa + (sb << 8) + xoff;
-            float dl[NR], dh[NR];
-            float sxl, sxh;
-            {
-                const float4* xp = (const float4*)xs;
-                float4 x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3];
-                sxl = ((x0.x + x0.y) + (x0.z + x0.w)) + ((x1.x + x1.y) + (x1.z + x1.w)) +
-                      ((x2.x + x2.y) + (x2.z + x2.w)) + ((x3.x + x3.y) + (x3.z + x3.w));
-#pragma unroll
-                for (int k = 0; k < NR; k++) {
-                    dl[k] = q4v_nib_dot(w[h][k].x & 0x0f0f0f0fu, x0) + q4v_nib_dot(w[h][k].y & 0x0f0f0f0fu, x1) +
-                            q4v_nib_dot(w[h][k].z & 0x0f0f0f0fu, x2) + q4v_nib_dot(w[h][k].w & 0x0f0f0f0fu, x3);
-                }
-            }
-            {
-                const float4* xp = (const float4*)(xs + 32);
-                float4 x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3];
-                sxh = ((x0.x + x0.y) + (x0.z + x0.w)) + ((x1.x + x1.y) + (x1.z + x1.w)) +
-                      ((x2.x + x2.y) + (x2.z + x2.w)) + ((x3.x + x3.y) + (x3.z + x3.w));
-#pragma unroll
-                for (int k = 0; k < NR; k++) {
-                    dh[k] = q4v_nib_dot((w[h][k].x >> 4) & 0x0f0f0f0fu, x0) +
-                            q4v_nib_dot((w[h][k].y >> 4) & 0x0f0f0f0fu, x1) +
-                            q4v_nib_dot((w[h][k].z >> 4) & 0x0f0f0f0fu, x2) +
-                            q4v_nib_dot((w[h][k].w >> 4) & 0x0f0f0f0fu, x3);
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < NR; k++) {
-                float d = h2f((u16)(hx[k] & 0xffffu)), dmin = h2f((u16)(hx[k] >> 16));
-                float sc0 = sb_byte_f32(sc2[k], 0, 8388608.0f), sc1 = sb_byte_f32(sc2[k], 1, 8388608.0f);
-                float m0 = sb_byte_f32(m2[k], 0, 8388608.0f), m1 = sb_byte_f32(m2[k], 1, 8388608.0f);
-                acc[k] += d * (sc0 * dl[k] + sc1 * dh[k]) - dmin * (m0 * sxl + m1 * sxh);
-            }
-        }
-    };
-    uint4 w[U][NR];
-    u32 hw[U][NR];
-    for (int c = 0; c < n_chunks; c += U) {
-        load(w, hw, c);
-        compute(w, hw, c);
-    }
-}
-
-#define MVV_Q8 0
-#define MVV_Q4K 1
-
-template <int L, int NR, int NH, int U>
-__device__ __forceinline__ void mvv_dot(const MvvRows& R, const float* xa, int cols, int lane, float* acc) {
-    if (L == MVV_Q8)
-        q8s_dot16<NR, NH, U>(R, xa, cols, lane, acc);
-    else
-        q4ks_dot16<NR, NH, U>(R, xa, cols, lane, acc);
-}
-
-// Quant bytes and scale/header bytes per row of layout L (split Q8_0: cols
-// int8 then cols / 32 f16; split Q4_K: cols / 2 then cols / 16).
-template <int L>
-__device__ __forceinline__ int mvv_qrow(int cols) {
-    return L == MVV_Q8 ? cols : (cols >> 1);
-}
-template <int L>
-__device__ __forceinline__ int mvv_mrow(int cols) {
-    return L == MVV_Q8 ? (cols >> 4) : (cols >> 4);
-}
-
-// Rows r0.. of a split matrix of layout L from column c_lo on. Bytes of
-// the slice start: c_lo / 2 (Q4_K quants) or c_lo (Q8_0); scales/headers
-// c_lo / 16 in both (2 bytes per 32, 16 per 256).
-template <int L>
+// Rows r0.. of a split Q8_0 matrix (a row: qs = cols int8 quants, then
+// ms = cols / 16 bytes of f16 scales) from column c_lo on.
 __device__ __forceinline__ MvvRows mv3_rows(const u8* W, int rows, int r0, int c_lo, int qs, int ms) {
     MvvRows R;
-    R.qa = R.qb = W + (long)r0 * qs + (L == MVV_Q8 ? c_lo : (c_lo >> 1));
+    R.qa = R.qb = W + (long)r0 * qs + c_lo;
     R.ma = R.mb = W + (long)rows * qs + (long)r0 * ms + (c_lo >> 4);
     R.qs = qs;
     R.ms = ms;
@@ -235,17 +113,17 @@ __device__ __forceinline__ MvvRows mv3_rows(const u8* W, int rows, int r0, int c
     return R;
 }
 
-// mv3 of a split layout: S warps per group of NR rows (S = 1: no split),
-// each over one column slice of whole G-element granules.
-template <int L, int NR, int U, int S>
+// mv3 of split Q8_0: S warps per group of NR rows (S = 1: no split), each
+// over one column slice of whole G-element granules.
+template <int NR, int U, int S>
 __device__ __forceinline__ void mv3_split(MV3_PARAMS) {
-    const int G = L == MVV_Q8 ? 128 : 256;
+    const int G = 128;
     MV3_PICK_W((FAST_WARPS / S) * NR)
     {
         // The block's rows (all columns), before waiting on the previous
         // kernel: weights only (pdl.cu).
         const int rb = bx * (FAST_WARPS / S) * NR, nb = min((FAST_WARPS / S) * NR, rows - rb);
-        const int qs = mvv_qrow<L>(cols), ms = mvv_mrow<L>(cols);
+        const int qs = cols, ms = cols >> 4;
         if (blockIdx.y == 0) {
             l2_prefetch_rows(W + (long)rb * qs, qs, nb, min(qs, L2_PREFETCH_ROW));
             l2_prefetch_block(W + (long)rows * qs + (long)rb * ms, (long)nb * ms);
@@ -262,8 +140,8 @@ __device__ __forceinline__ void mv3_split(MV3_PARAMS) {
 #pragma unroll
     for (int k = 0; k < NR; k++) acc[k] = 0.f;
     if (r0 < rows && c_n > 0) {
-        const MvvRows R = mv3_rows<L>(W, rows, r0, c_lo, mvv_qrow<L>(cols), mvv_mrow<L>(cols));
-        mvv_dot<L, NR, NR, U>(R, xa + c_lo, c_n, lane, acc);
+        const MvvRows R = mv3_rows(W, rows, r0, c_lo, cols, cols >> 4);
+        q8s_dot16<NR, NR, U>(R, xa + c_lo, c_n, lane, acc);
     }
     mv3_store<NR, S>(acc, part, warp, lane, slice, r0, y, bias, rs, a, rows);
 }
@@ -287,7 +165,7 @@ __device__ __forceinline__ void mv3_tile_loop(MV3_PARAMS, const float* xa, int a
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slice = warp % S;
     int c_lo, c_n;
     mv3_slice<G, S>(cols, slice, c_lo, c_n);
-    const int qs = mvv_qrow<MVV_Q8>(cols), ms = mvv_mrow<MVV_Q8>(cols);
+    const int qs = cols, ms = cols >> 4;
     for (int i = blockIdx.x; i < n_tiles; i += gridDim.x) {
         const int t = order(i, n_tiles);
         MV3_MATRIX(t, per_block)
@@ -296,8 +174,8 @@ __device__ __forceinline__ void mv3_tile_loop(MV3_PARAMS, const float* xa, int a
 #pragma unroll
         for (int k = 0; k < NR; k++) acc[k] = 0.f;
         if (r0 < rows && c_n > 0) {
-            const MvvRows R = mv3_rows<MVV_Q8>(W, rows, r0, c_lo, qs, ms);
-            mvv_dot<MVV_Q8, NR, NR, U>(R, xa + c_lo, c_n, lane, acc);
+            const MvvRows R = mv3_rows(W, rows, r0, c_lo, qs, ms);
+            q8s_dot16<NR, NR, U>(R, xa + c_lo, c_n, lane, acc);
         }
         mv3_store<NR, S>(acc, part, warp, lane, slice, r0, y, bias, rs, a, rows);
         after(m, bx);
@@ -324,13 +202,13 @@ __device__ __forceinline__ void mv3_grid(MV3_PARAMS) {
         });
 }
 
-// gate/up/SwiGLU of a split layout: NR / 2 channels per warp (their gate
+// gate/up/SwiGLU of split Q8_0: NR / 2 channels per warp (their gate
 // rows, then their up rows, are the warp's NR rows).
-template <int L, int NR, int U>
+template <int NR, int U>
 __device__ __forceinline__ void ffn_split(FFN_PARAMS) {
     const int NC = NR / 2;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int qs = mvv_qrow<L>(cols), ms = mvv_mrow<L>(cols);
+    const int qs = cols, ms = cols >> 4;
     {
         // The block's gate and up rows before waiting (see mv3_split).
         const int rb = blockIdx.x * FAST_WARPS * NC, nb = min(FAST_WARPS * NC, rows - rb);
@@ -352,7 +230,7 @@ __device__ __forceinline__ void ffn_split(FFN_PARAMS) {
     float acc[NR];
 #pragma unroll
     for (int k = 0; k < NR; k++) acc[k] = 0.f;
-    mvv_dot<L, NR, NC, U>(R, xa, cols, lane, acc);
+    q8s_dot16<NR, NC, U>(R, xa, cols, lane, acc);
 #pragma unroll
     for (int k = 0; k < NC; k++) {
         float gs = warp_sum(acc[k]), us = warp_sum(acc[NC + k]);
@@ -362,13 +240,9 @@ __device__ __forceinline__ void ffn_split(FFN_PARAMS) {
 
 // The kernels: MV_NR rows per warp, MV_U_* chunks in flight per row, at
 // every column split.
-MV3_KERNELS(q8_0s, mv3_split, MVV_Q8, MV_NR, MV_U_Q8)
+MV3_KERNELS(q8_0s, mv3_split, MV_NR, MV_U_Q8)
 MV3_KERNELS(q8_0s_grid, mv3_grid, MV_NR, MV_U_Q8)
-MV3_KERNELS(q4_ks, mv3_split, MVV_Q4K, MV_NR, MV_U_Q4K)
 extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q8_0s(FFN_PARAMS) {
-    ffn_split<MVV_Q8, MV_NR, MV_U_Q8>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);
-}
-extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q4_ks(FFN_PARAMS) {
-    ffn_split<MVV_Q4K, MV_NR, MV_U_Q4K>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);
+    ffn_split<MV_NR, MV_U_Q8>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);
 }
 

@@ -1,6 +1,7 @@
 // ===========================================================================
 // Prefill products on int8 tensor cores, reading the quantized weights in
-// their split layouts (after matvec.cu, whose f16 helpers it uses).
+// their split layouts (after matvec.cu, whose f16 helpers it uses, and
+// matvec_imma.cu, whose mma_s8_k32 it issues).
 //
 //   quantize_q8_1 : the activations, once per product, to 8-bit blocks of 32
 //                   (q8_1: quants, and per block the scale d and d * sum(q)).
@@ -39,17 +40,6 @@ struct MmqTile {
 #define MMQ_Q8_0 0
 #define MMQ_Q5_0 1
 
-// c += a (16 x 32, row) * b (32 x 8, col), s8 inputs, s32 accumulators.
-// Fragments per the PTX ISA (g = lane / 4, t = lane % 4): a[0] row g, a[1]
-// row g + 8, a[2] row g, a[3] row g + 8, columns 4t..4t+3 (a[0], a[1]) and
-// 16 + 4t.. (a[2], a[3]); b[0] column g, k 4t..4t+3, b[1] k 16 + 4t..; c[0],
-// c[1] row g, columns 2t, 2t + 1; c[2], c[3] row g + 8.
-__device__ __forceinline__ void mma_s8_k32(int* c, const u32* a, const u32* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 // One warp per block of 32 values of x ([n_act][cols], cols % 32 == 0): q =
 // round(x / d) with d = max|x| / 127, written as xq (same shape, int8) and
 // xds[block] = (d, d * sum(q)).

@@ -5,7 +5,7 @@
 //      bit for bit, after the field split the upload does (weights.rs's
 //      split_fields); nvfp4_elem equals code x scale x tensor scale;
 //   2. the lane dots of matvec_lanes.cu (Nvfp4Rows, Q5sRows, Q6ksRows) and
-//      of matvec_split.cu (q8s_dot16, q4ks_dot16 over MvvRows, a warp run
+//      of matvec_split.cu (q8s_dot16 over MvvRows, a warp run
 //      as 32 fibers for its shuffles), summed over the warp, equal an f64
 //      dot over the accessors, at every column split S (mv3_slice), with the
 //      last row repeated past the matrix end, and in the FFN kernels' row
@@ -176,14 +176,13 @@ template <class F> static void warp_sums(F dot, double* tot) {
     }
 }
 
-// matvec_split.cu's layout L (MVV_Q8 or MVV_Q4K, U chunks in flight) over A
-// at every split S (mv3_rows), then gate rows of A and up rows of B
-// (ffn_rows).
-template <int L, int U, class El>
+// matvec_split.cu's split Q8_0 (U chunks in flight) over A at every split S
+// (mv3_rows), then gate rows of A and up rows of B (ffn_rows).
+template <int U, class El>
 static void check_split(const char* what, const u8* A, const u8* B, int rows, int cols, El el_a, El el_b,
                         const std::vector<float>& x) {
-    constexpr int G = L == MVV_Q8 ? 128 : 256;
-    const int qs = mvv_qrow<L>(cols), ms = mvv_mrow<L>(cols);
+    constexpr int G = 128;
+    const int qs = cols, ms = cols >> 4;
     for (int S : {1, 2, 4, 8})
         for (int r0 = 0; r0 < rows; r0 += MV_NR) {
             double tot[MV_NR] = {};
@@ -196,9 +195,9 @@ static void check_split(const char* what, const u8* A, const u8* B, int rows, in
                     default: mv3_slice<G, 8>(cols, slice, c_lo, c_n); break;
                 }
                 if (c_n <= 0) continue;
-                const MvvRows R = mv3_rows<L>(A, rows, r0, c_lo, qs, ms);
+                const MvvRows R = mv3_rows(A, rows, r0, c_lo, qs, ms);
                 double t[MV_NR];
-                warp_sums([&](int lane, float* acc) { mvv_dot<L, MV_NR, MV_NR, U>(R, x.data() + c_lo, c_n, lane, acc); },
+                warp_sums([&](int lane, float* acc) { q8s_dot16<MV_NR, MV_NR, U>(R, x.data() + c_lo, c_n, lane, acc); },
                           t);
                 for (int k = 0; k < MV_NR; k++) tot[k] += t[k];
             }
@@ -211,7 +210,7 @@ static void check_split(const char* what, const u8* A, const u8* B, int rows, in
     for (int r0 = 0; r0 < rows; r0 += NC) {
         const MvvRows R = ffn_rows(A, B, rows, r0, qs, ms);
         double tot[MV_NR];
-        warp_sums([&](int lane, float* acc) { mvv_dot<L, MV_NR, MV_NR / 2, U>(R, x.data(), cols, lane, acc); }, tot);
+        warp_sums([&](int lane, float* acc) { q8s_dot16<MV_NR, MV_NR / 2, U>(R, x.data(), cols, lane, acc); }, tot);
         for (int k = 0; k < NC && r0 + k < rows; k++) {
             double mag, want = ref_dot(el_a, r0 + k, cols, x, &mag);
             expect(what, 0, rows, cols, r0 + k, tot[k], want, mag);
@@ -268,8 +267,7 @@ int main() {
             if (t.ty == TY_Q5_0) check_lanes<Q5sRows>(t.name, A.data(), B.data(), rows, cols, 0.f, ea, eb, x);
             if (t.ty == TY_Q6_K) check_lanes<Q6ksRows>(t.name, A.data(), B.data(), rows, cols, 0.f, ea, eb, x);
             if (t.ty == TY_Q8_0 && cols % 128 == 0)
-                check_split<MVV_Q8, MV_U_Q8>(t.name, A.data(), B.data(), rows, cols, ea, eb, x);
-            if (t.ty == TY_Q4_K) check_split<MVV_Q4K, MV_U_Q4K>(t.name, A.data(), B.data(), rows, cols, ea, eb, x);
+                check_split<MV_U_Q8>(t.name, A.data(), B.data(), rows, cols, ea, eb, x);
         }
     }
     for (auto& sh : legacy) {

@@ -1,7 +1,7 @@
 """Cuts the device code the host checks run out of the kernel sources in
 cuda/ (brace matching), so the checks always compile the current kernels.
 Writes matvec_extract.h, norm_extract.h, split_extract.h, att_partial_extract.h,
-ffn_p1_extract.h, ffn_p2_extract.h, mmq_extract.h and fa_extract.h into the folder given
+ffn_p1_extract.h, ffn_p2_extract.h, mmq_extract.h, imma_extract.h and fa_extract.h into the folder given
 (default: here)."""
 import pathlib
 import sys
@@ -9,7 +9,7 @@ import sys
 root = pathlib.Path(__file__).resolve().parents[3]
 src = "".join((root / "cuda" / f).read_text() for f in [
     "norm.cu", "nvfp4.cu", "ggml.cu", "attention.cu", "matvec.cu", "matvec_lanes.cu", "matvec_split.cu",
-    "mmq.cu", "superblock.cu"])
+    "matvec_imma.cu", "mmq.cu", "superblock.cu"])
 
 
 def extract(name):
@@ -58,7 +58,7 @@ norm = ["#define NORM_VEC", "float norm_warp_sum(", "float norm_block_sum(", "vo
 # ggml dequantizers they are checked against.
 (out / "matvec_extract.h").write_text(cut(
     "#define GGML_TYPES", "#define GGML_TY_ID", "enum GgmlType", "#define FAST_WARPS", "#define FAST_ROWS",
-    "#define SB_MAGIC", "#define MVV_Q8", "#define MVV_Q4K", "#define MV_NR", "#define MV_U_Q8", "#define MV_U_Q4K",
+    "#define SB_MAGIC", "#define MV_NR", "#define MV_U_Q8",
     "float sb_byte_f32(", "void sb_q8x4(", "void sb_e2m1x4_doubled(", "float sb_e4m3(", "int pick3(",
     "void scale_min_k4(", "void dequant_unit<TY_Q8_0>(", "void dequant_unit<TY_Q4_K>(",
     "void dequant_unit<TY_Q5_0>(", "void dequant_unit<TY_Q6_K>(", "void mv3_slice(",
@@ -66,8 +66,7 @@ norm = ["#define NORM_VEC", "float norm_warp_sum(", "float norm_block_sum(", "vo
     "float q4ks_elem(", "float q5s_elem(", "float q6ks_elem(",
     "void nvfp4_dot(", "void q5s_dot(", "void q6ks_dot(", "struct Nvfp4Rows", "struct Q5sRows", "struct Q6ksRows",
     "struct MvvRows", "const u8* mvv_q(", "const u8* mvv_m(", "MvvRows ffn_rows(", "void q8s_load16(",
-    "void q8s_compute16(", "void q8s_dot16(", "float q4v_nib_dot(", "void q4ks_dot16(", "void mvv_dot(",
-    "int mvv_qrow(", "int mvv_mrow(", "MvvRows mv3_rows("))
+    "void q8s_compute16(", "void q8s_dot16(", "MvvRows mv3_rows("))
 
 (out / "norm_extract.h").write_text(cut(*norm, "void sb_stage_x("))
 
@@ -107,6 +106,13 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
     "#define MMQ_LD", "struct MmqTile", "#define MMQ_Q8_0", "#define MMQ_Q5_0",
     "void quantize_q8_1_block(", "void mmq_load_w(", "void mmq_load_x(", "u32 mmq_word(",
     "void mmq_tile("))
+
+# The decode mat-vecs of split Q4_K on int8 tensor cores (matvec_imma.cu)
+# with the accessor they are checked against; the mma instruction is
+# mma_emu.h's.
+(out / "imma_extract.h").write_text(cut(
+    "#define IMMA_ROWS", "u32 q4k_scale_byte(", "void q4k_scale_min(", "float q4ks_elem(", "struct ImmaX",
+    "void imma_quantize_x(", "void imma_q4k_dot(", "void imma_slice("))
 
 # The prefill attention on f16 tensor cores (attention.cu); the mma
 # instruction is mma_emu.h's.

@@ -59,7 +59,31 @@ pub(crate) struct Kernels {
     index: HashMap<String, usize>,
 }
 
+/// Kernels whose blocks may take more than the default 48 KB of dynamic
+/// shared memory (the tensor-core mat-vecs' activation planes of wide rows).
+const IMMA_KERNEL_PREFIXES: &[&str] = &["mv3_q4_ks", "ffn_q4_ks"];
+
 impl Kernels {
+    /// Lets the kernels whose names start with one of `prefixes` take up to
+    /// `optin` bytes of shared memory a block (less their static share).
+    fn opt_in_smem(&self, prefixes: &[&str], optin: usize) -> std::result::Result<(), CudaError> {
+        use cudarc::driver::sys::CUfunction_attribute as A;
+        for (f, name) in self.functions.iter().zip(&self.names) {
+            if !prefixes.iter().any(|p| name.starts_with(p)) {
+                continue;
+            }
+            let d =
+                |e: cudarc::driver::DriverError| CudaError::Driver(format!("kernel {name}: {e}"));
+            let fixed = f
+                .get_attribute(A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+                .map_err(d)?;
+            let dynamic = (optin as i32 - fixed).max(0);
+            f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic)
+                .map_err(d)?;
+        }
+        Ok(())
+    }
+
     /// Loads `names` of `module` (whose PTX is `ptx`).
     pub fn load(
         &mut self,
@@ -102,6 +126,9 @@ pub(crate) fn kernel_names() -> Vec<String> {
         for k in &SPLIT_K[1..] {
             names.push(format!("mv3_{s}_k{k}"));
         }
+    }
+    for k in &SPLIT_K[1..] {
+        names.push(format!("ffn_q4_ks_k{k}"));
     }
     names.push("mv3_q8_0s_grid".into());
     for s in crate::matvec::MMQ_SUFFIXES {
@@ -225,6 +252,9 @@ pub struct CudaBackend {
     ptx_from_cache: bool,
     /// Streaming multiprocessors of the device.
     pub(crate) sm_count: usize,
+    /// Shared memory a block may take when its kernel opts in (the
+    /// tensor-core mat-vecs do, at load).
+    pub(crate) smem_optin: usize,
     /// `resident_blocks` answers by (kernel index, threads).
     pub(crate) resident: Mutex<HashMap<(usize, u32), usize>>,
     scratch: Mutex<Scratch>,
@@ -280,6 +310,12 @@ impl CudaBackend {
             )
             .map_err(d)?
             .max(1) as usize;
+        let smem_optin = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(d)?
+            .max(0) as usize;
         let (ptx, ptx_from_cache) = module::ptx_for("dense", module::DENSE_SOURCE, cc.0, cc.1)?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx.clone()))
@@ -291,6 +327,7 @@ impl CudaBackend {
             index: HashMap::new(),
         };
         kernels.load(&module, &ptx, &kernel_names())?;
+        kernels.opt_in_smem(IMMA_KERNEL_PREFIXES, smem_optin)?;
         // cuBLAS is optional: without the library prefill uses the mat-vec.
         // SAFETY: only probes whether the shared library can be opened.
         let blas = if options.prefill_gemm && unsafe { cudarc::cublas::sys::is_culib_present() } {
@@ -312,6 +349,7 @@ impl CudaBackend {
             compute_capability: cc,
             ptx_from_cache,
             sm_count,
+            smem_optin,
             resident: Mutex::new(HashMap::new()),
             scratch: Mutex::new(Scratch::default()),
             step_state: Mutex::new(StepState::default()),

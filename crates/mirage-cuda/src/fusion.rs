@@ -51,8 +51,9 @@ impl PendingNorm {
 /// Folds `pn` into `l` when `l` reads exactly the norm's output (all its
 /// rows, the same width) and folds no norm yet: a dense mat-vec or gate/up
 /// (which then normalizes its input row into shared memory first, `width`
-/// floats of it), or a one-row sparse FFN phase 1 or router that takes the
-/// norm. Returns whether it folded.
+/// floats of it before whatever shared memory the launch already takes),
+/// or a one-row sparse FFN phase 1 or router that takes the norm. Returns
+/// whether it folded.
 pub(crate) fn fold_norm(pn: &PendingNorm, l: &mut Launch) -> bool {
     let width = pn.width as i32;
     let batch = l.grid.1 as usize;
@@ -82,11 +83,11 @@ pub(crate) fn fold_norm(pn: &PendingNorm, l: &mut Launch) -> bool {
         }
         _ => return false,
     };
-    if batch != pn.rows || l.smem != 0 {
+    if batch != pn.rows {
         return false;
     }
     *into_matvec = Some(pn.fold());
-    l.smem = (pn.width * 4) as u32;
+    l.smem += (pn.width * 4) as u32;
     true
 }
 
@@ -196,6 +197,12 @@ mod tests {
         assert!(!fold_norm(&norm(), &mut wide), "another batch");
         let mut plain = PendingNorm::launch(&norm(), 0);
         assert!(!fold_norm(&norm(), &mut plain));
+        // A launch with shared memory of its own (the tensor-core mat-vecs'
+        // planes) takes the norm's row in front of it.
+        let mut staged = mv(3, [10, 0, 0], [256, 0, 0]);
+        staged.smem = 576;
+        assert!(fold_norm(&norm(), &mut staged));
+        assert_eq!(staged.smem, 576 + 1024);
     }
 
     #[test]

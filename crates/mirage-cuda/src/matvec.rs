@@ -1,6 +1,7 @@
 //! Products with the weight matrices: the decode mat-vecs (`mv3_*`: up to
 //! three matrices of one input in one launch; `ffn_*`: gate, up and SwiGLU
-//! in one launch), their launch shape (column split, persistent grid), and
+//! in one launch; split Q4_K's on int8 tensor cores, cuda/matvec_imma.cu),
+//! their launch shape (column split, persistent grid, shared memory), and
 //! the prefill products on tensor cores: int8 `mmq_*` for the split layouts,
 //! cuBLAS on f16 tiles for the others.
 
@@ -29,6 +30,21 @@ const WARPS: usize = 8;
 /// Weight rows per warp of the split-layout and NVFP4 mat-vecs (`FAST_ROWS`,
 /// `MV_NR`); the ggml-layout kernels take one row per warp.
 const ROWS_PER_WARP: usize = 4;
+
+/// Weight rows per warp of the tensor-core mat-vecs of split Q4_K
+/// (`IMMA_ROWS`: the mma's 16 rows).
+const IMMA_ROWS: usize = 16;
+
+/// Their column split is the smallest giving at least this many blocks per
+/// SM (their blocks stage the input in shared memory, so fewer and larger
+/// blocks than the f32 kernels'), with slices of at least one super-block.
+const IMMA_BLOCKS_PER_SM: usize = 2;
+
+/// Shared memory of the tensor-core mat-vecs' activation planes for rows of
+/// `cols` (`imma_stage_x`: two int8 planes, a scale and a sum per 32).
+pub(crate) fn imma_smem(cols: usize) -> usize {
+    2 * cols + 8 * (cols / 32)
+}
 
 /// Column splits of the split-layout mat-vecs (`mv3_<suffix>_k<S>`; 1 is
 /// one warp per row group).
@@ -90,14 +106,34 @@ impl CudaBackend {
     /// `SPLIT_K_BLOCKS_PER_SM` blocks per SM with column slices of at least
     /// `SPLIT_K_MIN_SLICE` elements.
     fn split_k_for(&self, rows: &[usize], cols: usize) -> usize {
+        self.split_for(
+            rows,
+            cols,
+            ROWS_PER_WARP,
+            SPLIT_K_BLOCKS_PER_SM,
+            SPLIT_K_MIN_SLICE,
+        )
+    }
+
+    /// The smallest column split whose grid (`rows_per_warp` rows a warp)
+    /// has at least `per_sm` blocks per SM, with slices of at least
+    /// `min_slice` columns.
+    fn split_for(
+        &self,
+        rows: &[usize],
+        cols: usize,
+        rows_per_warp: usize,
+        per_sm: usize,
+        min_slice: usize,
+    ) -> usize {
         let blocks = |k: usize| -> usize {
-            let per_block = WARPS / k * ROWS_PER_WARP;
+            let per_block = WARPS / k * rows_per_warp;
             rows.iter().map(|r| r.div_ceil(per_block)).sum()
         };
-        let target = SPLIT_K_BLOCKS_PER_SM * self.sm_count;
+        let target = per_sm * self.sm_count;
         let mut best = 1;
         for &k in &SPLIT_K {
-            if k > 1 && cols / k < SPLIT_K_MIN_SLICE {
+            if k > 1 && cols / k < min_slice {
                 break;
             }
             best = k;
@@ -231,12 +267,21 @@ impl CudaBackend {
         if ws.iter().any(|w| w.suffix() != suffix || w.cols != w0.cols) {
             return Err(bad("mv3 matrices differ in layout or row length"));
         }
-        let (split, per_block) = if w0.layout == Layout::Ggml {
-            (1, WARPS)
-        } else {
-            let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
-            let split = self.split_k_for(&rows, w0.cols);
-            (split, WARPS * ROWS_PER_WARP / split)
+        let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
+        let (split, per_block, smem) = match w0.layout {
+            Layout::Ggml => (1, WARPS, 0),
+            Layout::Q4KSplit => {
+                let split = self.imma_split(&rows, w0.cols);
+                (
+                    split,
+                    WARPS / split * IMMA_ROWS,
+                    self.imma_smem_checked(w0.cols)?,
+                )
+            }
+            _ => {
+                let split = self.split_k_for(&rows, w0.cols);
+                (split, WARPS * ROWS_PER_WARP / split, 0)
+            }
         };
         let mut m = MatVec {
             w: [self.ptr(&w0.data); 3],
@@ -277,9 +322,28 @@ impl CudaBackend {
             kernel,
             grid: (blocks as u32, n_act as u32, 1),
             block: ((32 * WARPS) as u32, 1, 1),
-            smem: 0,
+            smem,
             work: Work::MatVec(m),
         })
+    }
+
+    /// Column split of the tensor-core mat-vecs over matrices of these row
+    /// counts (`IMMA_BLOCKS_PER_SM`).
+    fn imma_split(&self, rows: &[usize], cols: usize) -> usize {
+        self.split_for(rows, cols, IMMA_ROWS, IMMA_BLOCKS_PER_SM, 256)
+    }
+
+    /// `imma_smem(cols)` as a launch's dynamic shared memory, refused when
+    /// it could not take a folded norm's row as well on this device.
+    fn imma_smem_checked(&self, cols: usize) -> Result<u32> {
+        let need = imma_smem(cols) + 4 * cols;
+        if need > self.smem_optin {
+            return Err(bad(&format!(
+                "rows of {cols} columns need {need} bytes of shared memory a block; the device allows {}",
+                self.smem_optin
+            )));
+        }
+        Ok(imma_smem(cols) as u32)
     }
 
     /// `h[a, r] = silu(gate[r] . x[a]) * (up[r] . x[a])` in one launch;
@@ -290,15 +354,29 @@ impl CudaBackend {
         if g.suffix() != u.suffix() || g.row_bytes != u.row_bytes {
             return Ok(false);
         }
-        let per_block = match g.layout {
-            Layout::Ggml => WARPS,
-            _ => WARPS * ROWS_PER_WARP / 2,
+        let (per_block, kernel, smem) = match g.layout {
+            Layout::Ggml => (WARPS, format!("ffn_{}", g.suffix()), 0),
+            Layout::Q4KSplit => {
+                // A warp's 16 channels are 32 weight rows (gate and up).
+                let split = self.imma_split(&[2 * g.rows], g.cols);
+                let k = if split == 1 {
+                    String::new()
+                } else {
+                    format!("_k{split}")
+                };
+                (
+                    WARPS / split * IMMA_ROWS,
+                    format!("ffn_{}{k}", g.suffix()),
+                    self.imma_smem_checked(g.cols)?,
+                )
+            }
+            _ => (WARPS * ROWS_PER_WARP / 2, format!("ffn_{}", g.suffix()), 0),
         };
         self.push_launch(Launch {
-            kernel: self.kernels.index(&format!("ffn_{}", g.suffix()))?,
+            kernel: self.kernels.index(&kernel)?,
             grid: (g.rows.div_ceil(per_block) as u32, n_act as u32, 1),
             block: ((32 * WARPS) as u32, 1, 1),
-            smem: 0,
+            smem,
             work: Work::GateUp(GateUp {
                 gate: self.ptr(&g.data),
                 up: self.ptr(&u.data),

@@ -20,7 +20,7 @@ use crate::CudaError;
 /// (`cuda/ggml.cu`, whose helpers the later files use), element-wise and row
 /// kernels (`cuda/elementwise.cu`), attention (`cuda/attention.cu`), the
 /// mat-vecs (`cuda/matvec.cu`, `cuda/matvec_lanes.cu`,
-/// `cuda/matvec_split.cu`), the prefill products on int8 tensor cores
+/// `cuda/matvec_split.cu`, `cuda/matvec_imma.cu`), the prefill products on int8 tensor cores
 /// (`cuda/mmq.cu`) and the pruned decode attention
 /// (`cuda/attention_pruned.cu`).
 pub const DENSE_SOURCE: &str = concat!(
@@ -33,6 +33,7 @@ pub const DENSE_SOURCE: &str = concat!(
     include_str!("../../../cuda/matvec.cu"),
     include_str!("../../../cuda/matvec_lanes.cu"),
     include_str!("../../../cuda/matvec_split.cu"),
+    include_str!("../../../cuda/matvec_imma.cu"),
     include_str!("../../../cuda/mmq.cu"),
     include_str!("../../../cuda/attention_pruned.cu")
 );

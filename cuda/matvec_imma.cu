@@ -1,0 +1,339 @@
+// ===========================================================================
+// Decode mat-vecs of split Q4_K on int8 tensor cores (after matvec_split.cu,
+// whose launch helpers they share; mmq.cu uses mma_s8_k32 from here).
+//
+// At the copy rate an H100 streams ~6e12 4-bit weights a second; turning
+// each into a float and multiplying it (3+ instructions a weight) keeps the
+// SMs' issue slots busier than the memory, so the f32 kernels stayed near
+// half the copy rate. Here the weights never become floats:
+//   * the activation row is quantized per 32-element block to 16 bits
+//     (scale max|x| / 32639) and split into two int8 planes,
+//     x = s * (256 * hi + lo), in shared memory (imma_stage_x): about
+//     2^-15 of each block's largest value, against the 8-bit q8_1 blocks
+//     of the prefill products;
+//   * one mma.m16n8k32.s8 multiplies 16 weight rows by a 32-element
+//     sub-block of both planes at once (B column 0 = hi, 1 = lo), so a
+//     nibble costs one mask (or shift and mask) on its way into the A
+//     fragment, and the exact int32 dot 256 * hi + lo gets the sub-block's
+//     scales in f32.
+// k-permutation: the dot sums over k, so any bijection of the 32 k-slots
+// that A and B share is exact. Lane (g, t) loads 16 bytes of rows g and g + 8
+// at byte 16t of a 64-byte span (two 32-byte qs groups of a super-block:
+// lanes t < 2 the first, t >= 2 the second); the span's low nibbles are two
+// sub-blocks and its high nibbles two more. B columns 0/1 carry the planes
+// of the sub-block in lanes t < 2's k-slots, columns 2/3 those of lanes
+// t >= 2's, so after two mmas lane t = 0 holds the first sub-block's
+// (hi, lo) dots for rows g, g + 8 and lane t = 1 the second's.
+//
+//   mv3_q4_ks[_kS] : mv3 (matvec.cu: up to three matrices, bias and
+//                    residual epilogues, folded norm), 16 rows a warp,
+//                    S warps a row group splitting the super-blocks.
+//   ffn_q4_ks[_kS] : gate, up and silu(g) * u, 16 channels a warp.
+// Dynamic shared memory: the folded norm's row (4 * cols bytes, when nx is
+// set), then the planes (2 * cols + 8 * cols / 32 bytes: matvec.rs's
+// imma_smem).
+// ===========================================================================
+
+#define IMMA_ROWS 16  // weight rows per warp: the mma's M
+
+// c += a (16 x 32, row) * b (32 x 8, col), s8 inputs, s32 accumulators.
+// Fragments per the PTX ISA (g = lane / 4, t = lane % 4): a[0] row g, a[1]
+// row g + 8, a[2] row g, a[3] row g + 8, columns 4t..4t+3 (a[0], a[1]) and
+// 16 + 4t.. (a[2], a[3]); b[0] column g, k 4t..4t+3, b[1] k 16 + 4t..; c[0],
+// c[1] row g, columns 2t, 2t + 1; c[2], c[3] row g + 8.
+__device__ __forceinline__ void mma_s8_k32(int* c, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The activation row as the mma reads it: int8 planes hi and lo
+// ([cols] each), and per 32-element block the scale and the f32 sum of x
+// (for Q4_K's min term).
+struct ImmaX {
+    const i8 *hi, *lo;
+    const float *sc, *sum;
+};
+
+// x[0..cols) (global or shared) into the planes, by the whole block: a
+// thread takes float4s, eight lanes a block of 32.
+__device__ __forceinline__ void imma_quantize_x(const float* xa, int cols, i8* hi, i8* lo, float* sc, float* sum) {
+    const int n4 = cols >> 2, lane = threadIdx.x & 31;
+    for (int j0 = threadIdx.x; j0 - (int)threadIdx.x < n4; j0 += 4 * blockDim.x) {
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int j = j0 + u * blockDim.x;
+            v[u] = j < n4 ? ((const float4*)xa)[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int j = j0 + u * blockDim.x;
+            float amax = fmaxf(fmaxf(fabsf(v[u].x), fabsf(v[u].y)), fmaxf(fabsf(v[u].z), fabsf(v[u].w)));
+            float s = (v[u].x + v[u].y) + (v[u].z + v[u].w);
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) {
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                s += __shfl_xor_sync(0xffffffffu, s, o);
+            }
+            if (j < n4) {
+                const float inv = amax > 0.f ? 32639.f / amax : 0.f;
+                const float e[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+                u32 hw = 0, lw = 0;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    // |q| <= 32639 = 127 * 256 + 127: hi and lo both fit int8.
+                    const int q = __float2int_rn(e[i] * inv);
+                    const int h = (q + 128) >> 8;
+                    hw |= ((u32)h & 0xffu) << (8 * i);
+                    lw |= ((u32)(q - (h << 8)) & 0xffu) << (8 * i);
+                }
+                ((u32*)hi)[j] = hw;
+                ((u32*)lo)[j] = lw;
+                if ((lane & 7) == 0) {
+                    sc[j >> 3] = amax / 32639.f;
+                    sum[j >> 3] = s;
+                }
+            }
+        }
+    }
+}
+
+// The planes of xa in dynamic shared memory, after the folded norm's row
+// when there is one; every thread of the block calls it.
+__device__ __forceinline__ ImmaX imma_stage_x(const float* xa, int cols, bool after_norm) {
+    u8* base = (u8*)fused_norm_xs + (after_norm ? 4 * cols : 0);
+    i8* hi = (i8*)base;
+    i8* lo = hi + cols;
+    float* sc = (float*)(lo + cols);
+    float* sum = sc + (cols >> 5);
+    imma_quantize_x(xa, cols, hi, lo, sc, sum);
+    __syncthreads();
+    return ImmaX{hi, lo, sc, sum};
+}
+
+// Rows r0 + g and r0 + g + 8 (clamped to the last row; the caller does not
+// store past it) of NM split-Q4_K matrices dotted with X over super-blocks
+// [s_lo, s_hi), US super-blocks of loads in flight. Afterwards lane t = 0
+// of each quad holds acc[m][0] (row g) and acc[m][1] (row g + 8). Every lane
+// of the warp calls it.
+template <int NM, int US>
+__device__ __forceinline__ void imma_q4k_dot(const u8* const (&Ws)[NM], int rows, int cols, int r0, int s_lo,
+                                             int s_hi, const ImmaX& X, int lane, float (&acc)[NM][2]) {
+    const int g = lane >> 2, t = lane & 3;
+    const long qs = cols >> 1;
+    const int ns = cols >> 8;
+    const int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1);
+    // This lane's B column: plane g & 1 of the pair's sub-block g >> 1, in
+    // its k-slots only (the other lanes' columns 2..7 stay zero).
+    const bool xs_on = g < 4 && (g >> 1) == (t >> 1);
+    const i8* xpl = (g & 1) ? X.lo : X.hi;
+    for (int s = s_lo; s < s_hi; s += US) {
+        uint4 qa[US][NM][2], qb[US][NM][2], ha[US][NM], hb[US][NM];
+#pragma unroll
+        for (int u = 0; u < US; u++) {
+            const bool ok = s + u < s_hi;
+#pragma unroll
+            for (int m = 0; m < NM; m++) {
+                const u8* wa = Ws[m] + (long)ra * qs + (long)(s + u) * 128 + 16 * t;
+                const u8* wb = Ws[m] + (long)rb * qs + (long)(s + u) * 128 + 16 * t;
+                const uint4* hdr = (const uint4*)(Ws[m] + (long)rows * qs);
+                const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    qa[u][m][h] = ok ? __ldg((const uint4*)(wa + 64 * h)) : z;
+                    qb[u][m][h] = ok ? __ldg((const uint4*)(wb + 64 * h)) : z;
+                }
+                ha[u][m] = ok && t < 2 ? __ldg(hdr + (long)ra * ns + s + u) : z;
+                hb[u][m] = ok && t < 2 ? __ldg(hdr + (long)rb * ns + s + u) : z;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < US; u++) {
+            if (s + u >= s_hi) break;
+            float sa[NM], ma[NM], sb[NM], mb[NM];
+#pragma unroll
+            for (int m = 0; m < NM; m++) sa[m] = ma[m] = sb[m] = mb[m] = 0.f;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+#pragma unroll
+                for (int nib = 0; nib < 2; nib++) {
+                    // Sub-blocks 4h + nib (lanes t < 2) and 4h + nib + 2.
+                    const int j0 = 4 * h + nib, sh = 4 * nib;
+                    u32 b0[2] = {0u, 0u}, b1[2] = {0u, 0u};
+                    if (xs_on) {
+                        const i8* p = xpl + ((s + u) * 8 + j0 + 2 * (g >> 1)) * 32 + 16 * (t & 1);
+                        const uint4 xv = *(const uint4*)p;
+                        b0[0] = xv.x;
+                        b0[1] = xv.y;
+                        b1[0] = xv.z;
+                        b1[1] = xv.w;
+                    }
+                    const int j = j0 + 2 * (t & 1);  // the sub-block lane t (< 2) reads out
+                    const int blk = (s + u) * 8 + j;
+                    const float sx = X.sc[blk], xsum = X.sum[blk];
+#pragma unroll
+                    for (int m = 0; m < NM; m++) {
+                        const uint4 wa = qa[u][m][h], wb = qb[u][m][h];
+                        int c[4] = {0, 0, 0, 0};
+                        const u32 a0[4] = {(wa.x >> sh) & 0x0f0f0f0fu, (wb.x >> sh) & 0x0f0f0f0fu,
+                                           (wa.y >> sh) & 0x0f0f0f0fu, (wb.y >> sh) & 0x0f0f0f0fu};
+                        mma_s8_k32(c, a0, b0);
+                        const u32 a1[4] = {(wa.z >> sh) & 0x0f0f0f0fu, (wb.z >> sh) & 0x0f0f0f0fu,
+                                           (wa.w >> sh) & 0x0f0f0f0fu, (wb.w >> sh) & 0x0f0f0f0fu};
+                        mma_s8_k32(c, a1, b1);
+                        float sc, mn;
+                        q4k_scale_min(ha[u][m], j, &sc, &mn);
+                        sa[m] += sc * ((float)(c[0] * 256 + c[1]) * sx);
+                        ma[m] += mn * xsum;
+                        q4k_scale_min(hb[u][m], j, &sc, &mn);
+                        sb[m] += sc * ((float)(c[2] * 256 + c[3]) * sx);
+                        mb[m] += mn * xsum;
+                    }
+                }
+            }
+            if (t < 2) {
+#pragma unroll
+                for (int m = 0; m < NM; m++) {
+                    acc[m][0] += h2f((u16)(ha[u][m].x & 0xffffu)) * sa[m] - h2f((u16)(ha[u][m].x >> 16)) * ma[m];
+                    acc[m][1] += h2f((u16)(hb[u][m].x & 0xffffu)) * sb[m] - h2f((u16)(hb[u][m].x >> 16)) * mb[m];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; m++) {
+        acc[m][0] += __shfl_xor_sync(0xffffffffu, acc[m][0], 1);
+        acc[m][1] += __shfl_xor_sync(0xffffffffu, acc[m][1], 1);
+    }
+}
+
+// Super-blocks [lo, lo + n) of slice `slice` of S over ns super-blocks.
+template <int S>
+__device__ __forceinline__ void imma_slice(int ns, int slice, int& lo, int& hi) {
+    const int per = (ns + S - 1) / S;
+    lo = min(ns, slice * per);
+    hi = min(ns, lo + per);
+}
+
+// The end of an imma mat-vec: rows r0 + g, r0 + g + 8 from lane t = 0 of
+// each quad (S = 1), or summed over the S slices of the row group in slice
+// order by the slice-0 warp (part: FAST_WARPS x 16 floats of shared
+// memory), through mv_store's epilogues.
+template <int S>
+__device__ __forceinline__ void imma_store(const float (&acc)[2], float (*part)[IMMA_ROWS], int warp, int lane,
+                                           int slice, int r0, float* y, const float* bias, float* rs, int a,
+                                           int rows) {
+    const int g = lane >> 2, t = lane & 3;
+    if (S == 1) {
+#pragma unroll
+        for (int k = 0; k < 2; k++)
+            if (t == 0 && r0 + g + 8 * k < rows) mv_store(acc[k], y, bias, rs, a, rows, r0 + g + 8 * k);
+    } else {
+        if (t == 0) {
+            part[warp][g] = acc[0];
+            part[warp][g + 8] = acc[1];
+        }
+        __syncthreads();
+        if (slice == 0 && lane < IMMA_ROWS && r0 + lane < rows) {
+            float v = 0.f;
+            for (int s = 0; s < S; s++) v += part[warp + s][lane];
+            mv_store(v, y, bias, rs, a, rows, r0 + lane);
+        }
+    }
+}
+
+// mv3 of split Q4_K: (FAST_WARPS / S) row groups of 16 a block.
+template <int S>
+__device__ __forceinline__ void mv3_q4ks_imma(MV3_PARAMS) {
+    const int PER = (FAST_WARPS / S) * IMMA_ROWS;
+    MV3_PICK_W(PER)
+    const int qs = cols >> 1, ms = cols >> 4;
+    {
+        // The block's rows before waiting on the previous kernel (pdl.cu).
+        const int rb = bx * PER, nb = min(PER, rows - rb);
+        if (blockIdx.y == 0) {
+            l2_prefetch_rows(W + (long)rb * qs, qs, nb, min(qs, L2_PREFETCH_ROW));
+            l2_prefetch_block(W + (long)rows * qs + (long)rb * ms, (long)nb * ms);
+        }
+    }
+    PDL_ENTRY();
+    FAST_INPUT
+    const ImmaX X = imma_stage_x(xa, cols, nx != 0);
+    __shared__ float part[S > 1 ? FAST_WARPS : 1][IMMA_ROWS];
+    const int slice = warp % S, r0 = (bx * (FAST_WARPS / S) + warp / S) * IMMA_ROWS;
+    int s_lo, s_hi;
+    imma_slice<S>(cols >> 8, slice, s_lo, s_hi);
+    float acc[1][2] = {{0.f, 0.f}};
+    const u8* const Ws[1] = {W};
+    if (r0 < rows) imma_q4k_dot<1, 2>(Ws, rows, cols, r0, s_lo, s_hi, X, lane, acc);
+    imma_store<S>(acc[0], part, warp, lane, slice, r0, y, bias, rs, a, rows);
+}
+
+// gate/up/SwiGLU of split Q4_K: 16 channels a warp (their gate and up rows).
+template <int S>
+__device__ __forceinline__ void ffn_q4ks_imma(FFN_PARAMS) {
+    const int PER = (FAST_WARPS / S) * IMMA_ROWS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int qs = cols >> 1, ms = cols >> 4;
+    (void)row_bytes;
+    (void)ts_g;
+    (void)ts_u;
+    {
+        const int rb = blockIdx.x * PER, nb = min(PER, rows - rb);
+        if (blockIdx.y == 0) {
+            const long pr = min(qs, L2_PREFETCH_ROW);
+            l2_prefetch_rows(Wg + (long)rb * qs, qs, nb, pr);
+            l2_prefetch_rows(Wu + (long)rb * qs, qs, nb, pr);
+            if (pr > 0) {
+                l2_prefetch_block(Wg + (long)rows * qs + (long)rb * ms, (long)nb * ms);
+                l2_prefetch_block(Wu + (long)rows * qs + (long)rb * ms, (long)nb * ms);
+            }
+        }
+    }
+    PDL_ENTRY();
+    FAST_INPUT
+    const ImmaX X = imma_stage_x(xa, cols, nx != 0);
+    __shared__ float part[S > 1 ? FAST_WARPS : 1][2 * IMMA_ROWS];
+    const int slice = warp % S, r0 = (blockIdx.x * (FAST_WARPS / S) + warp / S) * IMMA_ROWS;
+    int s_lo, s_hi;
+    imma_slice<S>(cols >> 8, slice, s_lo, s_hi);
+    float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+    const u8* const Ws[2] = {Wg, Wu};
+    if (r0 < rows) imma_q4k_dot<2, 1>(Ws, rows, cols, r0, s_lo, s_hi, X, lane, acc);
+    const int g = lane >> 2, t = lane & 3;
+    if (S == 1) {
+#pragma unroll
+        for (int k = 0; k < 2; k++)
+            if (t == 0 && r0 + g + 8 * k < rows) h[(long)a * rows + r0 + g + 8 * k] = silu_mul(acc[0][k], acc[1][k]);
+    } else {
+        if (t == 0) {
+            part[warp][g] = acc[0][0];
+            part[warp][g + 8] = acc[0][1];
+            part[warp][IMMA_ROWS + g] = acc[1][0];
+            part[warp][IMMA_ROWS + g + 8] = acc[1][1];
+        }
+        __syncthreads();
+        if (slice == 0 && lane < IMMA_ROWS && r0 + lane < rows) {
+            float gs = 0.f, us = 0.f;
+            for (int s = 0; s < S; s++) {
+                gs += part[warp + s][lane];
+                us += part[warp + s][IMMA_ROWS + lane];
+            }
+            h[(long)a * rows + r0 + lane] = silu_mul(gs, us);
+        }
+    }
+}
+
+#define IMMA_KERNELS(SUFFIX, S)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q4_ks##SUFFIX(MV3_PARAMS) {                   \
+        mv3_q4ks_imma<S>(MV3_ARGS);                                                                                  \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q4_ks##SUFFIX(FFN_PARAMS) {                   \
+        ffn_q4ks_imma<S>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                       \
+    }
+IMMA_KERNELS(, 1)
+IMMA_KERNELS(_k2, 2)
+IMMA_KERNELS(_k4, 4)
+IMMA_KERNELS(_k8, 8)
