@@ -357,8 +357,8 @@ impl CudaBackend {
         let (per_block, kernel, smem) = match g.layout {
             Layout::Ggml => (WARPS, format!("ffn_{}", g.suffix()), 0),
             Layout::Q4KSplit => {
-                // A warp's 16 channels are 32 weight rows (gate and up).
-                let split = self.imma_split(&[2 * g.rows], g.cols);
+                // A warp takes 16 channels (their gate and up rows).
+                let split = self.imma_split(&[g.rows], g.cols);
                 let k = if split == 1 {
                     String::new()
                 } else {
