@@ -56,6 +56,10 @@ pub(crate) struct Kernels {
     pub waits: Vec<bool>,
     /// Each function's kernel name.
     pub names: Vec<String>,
+    /// Each function's parameters as its PTX declares them: every launch is
+    /// checked against them (a pointer passed where an int is expected, or
+    /// the reverse, would otherwise run and write through garbage).
+    pub params: Vec<Vec<module::ParamKind>>,
     index: HashMap<String, usize>,
 }
 
@@ -98,6 +102,8 @@ impl Kernels {
             self.index.insert(name.clone(), self.functions.len());
             self.functions.push(f);
             self.waits.push(module::waits_on_prerequisite(ptx, name));
+            self.params
+                .push(module::param_kinds(ptx, name).unwrap_or_default());
             self.names.push(name.clone());
         }
         Ok(())
@@ -324,6 +330,7 @@ impl CudaBackend {
             functions: Vec::new(),
             waits: Vec::new(),
             names: Vec::new(),
+            params: Vec::new(),
             index: HashMap::new(),
         };
         kernels.load(&module, &ptx, &kernel_names())?;

@@ -2,7 +2,9 @@
 //!
 //! `nvrtc_check`: every CUDA module compiles (NVRTC, for the H100/H200's
 //! sm_90), every kernel a backend loads is in its PTX with the argument
-//! count its launches pass, and every one of them waits on its prerequisite
+//! count its launches pass (and the typed mat-vec launches' argument kinds;
+//! the backend checks every launch's kinds at run time), and every one of
+//! them waits on its prerequisite
 //! grid (the programmatic-dependent-launch rule, cuda/pdl.cu). Needs only
 //! `libnvrtc` (`pip install nvidia-cuda-nvrtc`, which `.ci/run` does), no
 //! driver and no GPU: a kernel that would not compile on the device fails
@@ -77,6 +79,15 @@ mod nvrtc_check {
             unused.is_empty(),
             "{module_name}: kernels no backend loads: {unused:?}"
         );
+        // Every parameter has a kind the launches can be checked against.
+        for k in kernels {
+            let kinds = module::param_kinds(&ptx, k).unwrap();
+            assert_eq!(kinds.len(), param_count(&ptx, k), "{k}: parameter kinds");
+            assert!(
+                !kinds.contains(&module::ParamKind::Other),
+                "{k}: a parameter of a kind no launch writes: {kinds:?}"
+            );
+        }
         eprintln!("{module_name}: {} kernels compile for sm_90", kernels.len());
         ptx
     }
@@ -112,6 +123,43 @@ mod nvrtc_check {
                 continue;
             };
             assert_eq!(param_count(&ptx, name), want, "{name}");
+        }
+        // The typed mat-vec launches fill their kernels kind by kind (the
+        // backend checks every launch the same way before it runs).
+        use crate::launch::{check_args, GateUp, MatVec, Work, F32};
+        let mv = Work::MatVec(MatVec {
+            w: [1; 3],
+            rows: [32; 3],
+            row_bytes: 64,
+            cols: 256,
+            x: 2,
+            y: [3; 3],
+            tensor_scale: [F32(1.0); 3],
+            bias: [0; 3],
+            res: 0,
+            norm: None,
+        });
+        let gu = Work::GateUp(GateUp {
+            gate: 1,
+            up: 2,
+            rows: 32,
+            row_bytes: 64,
+            cols: 256,
+            x: 3,
+            h: 4,
+            tensor_scale: [F32(1.0); 2],
+            norm: None,
+        });
+        for name in &names {
+            let work = if name.starts_with("mv3_") {
+                &mv
+            } else if name.starts_with("ffn_") {
+                &gu
+            } else {
+                continue;
+            };
+            let kinds = module::param_kinds(&ptx, name).unwrap();
+            check_args(&kinds, &work.args()).unwrap_or_else(|e| panic!("{name}: {e}"));
         }
     }
 

@@ -131,6 +131,9 @@ impl CudaBackend {
     /// kernel waits on its prerequisite grid and the device has PDL.
     pub(crate) fn launch_now(&self, l: &Launch) -> Result<()> {
         let programmatic = self.kernels.waits[l.kernel] && self.pdl;
+        let args = l.work.args();
+        crate::launch::check_args(&self.kernels.params[l.kernel], &args)
+            .map_err(|e| bad(format!("kernel {}: {e}", self.kernels.names[l.kernel])))?;
         // SAFETY: every call site builds the kernel's argument list (typed
         // launches write it in the kernel's order) over device buffers of
         // this backend, after checking the shapes; the function belongs to
@@ -142,7 +145,7 @@ impl CudaBackend {
                 l.grid,
                 l.block,
                 l.smem,
-                &l.work.args(),
+                &args,
                 programmatic,
             )
         }

@@ -25,6 +25,37 @@ pub(crate) enum Arg {
     F32(f32),
 }
 
+impl Arg {
+    /// The PTX parameter kind this argument fills.
+    pub(crate) fn kind(&self) -> crate::module::ParamKind {
+        use crate::module::ParamKind;
+        match self {
+            Arg::Ptr(_) | Arg::I64(_) => ParamKind::Word64,
+            Arg::I32(_) => ParamKind::Int32,
+            Arg::F32(_) => ParamKind::F32,
+        }
+    }
+}
+
+/// Whether `args` fill a kernel whose parameters are `params` (count and
+/// kind by kind): `Err` names the first that does not.
+pub(crate) fn check_args(params: &[crate::module::ParamKind], args: &[Arg]) -> Result<(), String> {
+    if params.len() != args.len() {
+        return Err(format!(
+            "{} arguments for {} parameters",
+            args.len(),
+            params.len()
+        ));
+    }
+    match params.iter().zip(args).position(|(p, a)| *p != a.kind()) {
+        Some(i) => Err(format!(
+            "argument {i} is {:?}, the parameter is {:?}",
+            args[i], params[i]
+        )),
+        None => Ok(()),
+    }
+}
+
 impl PartialEq for Arg {
     fn eq(&self, other: &Arg) -> bool {
         match (self, other) {
@@ -318,6 +349,23 @@ mod tests {
     /// the PTX holds (checked against the PTX by `checks::nvrtc_check`), a
     /// folded norm in its slots, the sparse FFN's input replaced by the
     /// norm's.
+    #[test]
+    fn launches_are_checked_kind_by_kind_against_the_kernels_parameters() {
+        use crate::module::{param_kinds, ParamKind};
+        let ptx = ".visible .entry k(\n\t.param .u64 k_param_0,\n\t.param .u32 k_param_1,\n\t.param .f32 k_param_2\n)\n{\n}\n";
+        let kinds = param_kinds(ptx, "k").unwrap();
+        assert_eq!(kinds, [ParamKind::Word64, ParamKind::Int32, ParamKind::F32]);
+        assert!(check_args(&kinds, &[Arg::Ptr(1), Arg::I32(2), Arg::F32(3.0)]).is_ok());
+        assert!(check_args(&kinds, &[Arg::I64(1), Arg::I32(2), Arg::F32(3.0)]).is_ok());
+        // An int where the pointer goes (the bug this exists for), a float
+        // for an int, one argument short.
+        let e = check_args(&kinds, &[Arg::I32(2), Arg::Ptr(1), Arg::F32(3.0)]).unwrap_err();
+        assert!(e.starts_with("argument 0"), "{e}");
+        assert!(check_args(&kinds, &[Arg::Ptr(1), Arg::F32(2.0), Arg::F32(3.0)]).is_err());
+        assert!(check_args(&kinds, &[Arg::Ptr(1), Arg::I32(2)]).is_err());
+        assert!(param_kinds(ptx, "other").is_none());
+    }
+
     #[test]
     fn typed_launches_write_the_kernels_argument_lists() {
         let norm = NormFold {

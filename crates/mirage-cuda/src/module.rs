@@ -75,6 +75,41 @@ pub(crate) fn entry<'a>(ptx: &'a str, name: &str) -> Option<&'a str> {
     Some(&body[..body.find(".entry ").unwrap_or(body.len())])
 }
 
+/// The width and kind of each parameter of kernel `name` in `ptx`, in order
+/// (`.u64` / `.s64` / `.b64` pointers and longs, `.u32` / `.s32` / `.b32`
+/// ints, `.f32` floats); `None` when the PTX has no such kernel.
+pub(crate) fn param_kinds(ptx: &str, name: &str) -> Option<Vec<ParamKind>> {
+    let e = entry(ptx, name)?;
+    let list = &e[..e.find(')').unwrap_or(e.len())];
+    Some(
+        list.split(".param")
+            .skip(1)
+            .map(|p| {
+                let ty = p.split_whitespace().next().unwrap_or("");
+                match ty {
+                    ".u64" | ".s64" | ".b64" => ParamKind::Word64,
+                    ".u32" | ".s32" | ".b32" => ParamKind::Int32,
+                    ".f32" => ParamKind::F32,
+                    _ => ParamKind::Other,
+                }
+            })
+            .collect(),
+    )
+}
+
+/// A kernel parameter's kind as the PTX declares it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ParamKind {
+    /// 64 bits: a pointer or a `long`.
+    Word64,
+    /// A 32-bit integer.
+    Int32,
+    /// A 32-bit float.
+    F32,
+    /// Anything else (aligned structs, other widths).
+    Other,
+}
+
 fn fnv1a(parts: &[&str]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for p in parts {
