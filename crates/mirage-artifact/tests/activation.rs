@@ -180,6 +180,27 @@ fn sparsity_zero_decode_is_as_exact_as_the_dense_decode() {
         st.kernel_rows > 0,
         "the decode rows ran the channel-major kernels"
     );
+    // Every decode row ran every matrix through them: the source bytes they
+    // stood in for are a whole number of tokens' worth, and at sparsity 0
+    // they read about as many bytes as the source matrices hold.
+    let per_token: u64 = a
+        .matrices()
+        .iter()
+        .map(|e| {
+            let (ty, rows, cols) = (e.layout.ty(), e.layout.rows(), e.layout.cols());
+            (rows * cols / ty.block_size() * ty.type_size()) as u64
+        })
+        .sum();
+    assert!(
+        st.replaced_bytes > 0 && st.replaced_bytes % per_token == 0,
+        "{} bytes replaced, {per_token} a token",
+        st.replaced_bytes
+    );
+    let read = st.kernel_bytes as f64 / st.replaced_bytes as f64;
+    assert!(
+        (0.9..1.3).contains(&read),
+        "channel-major bytes / source bytes {read}"
+    );
     sparse
         .backend()
         .set_thresholds(vec![None; a.matrices().len()])

@@ -130,6 +130,10 @@ pub struct SparseStats {
     pub active: Vec<(u64, u64)>,
     /// Weight bytes the decode kernels read.
     pub kernel_bytes: u64,
+    /// Bytes of the source (row-major) matrices those kernels stood in for:
+    /// what the dense path would have read for the same products (matrices
+    /// without thresholds run the dense path and count in neither).
+    pub replaced_bytes: u64,
     /// Input rows the decode kernels ran (decode rows times projections).
     pub kernel_rows: u64,
 }
@@ -416,7 +420,13 @@ impl ActivationBackend {
         }
     }
 
-    fn add_active(&self, counts: impl Iterator<Item = (usize, u64, u64)>, bytes: u64, rows: u64) {
+    fn add_active(
+        &self,
+        counts: impl Iterator<Item = (usize, u64, u64)>,
+        bytes: u64,
+        replaced: u64,
+        rows: u64,
+    ) {
         let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
         if st.active.is_empty() {
             st.active = vec![(0, 0); self.n_layer * Proj::ALL.len()];
@@ -428,6 +438,7 @@ impl ActivationBackend {
             }
         }
         st.kernel_bytes += bytes;
+        st.replaced_bytes += replaced;
         st.kernel_rows += rows;
     }
 
@@ -477,6 +488,12 @@ impl ActivationBackend {
                 .zip(&s.active)
                 .filter_map(|((w, _, _), a)| w.index().map(|m| (m, a.len() as u64, 1))),
             kernel_bytes,
+            jobs.iter()
+                .map(|(w, _, _)| {
+                    let h = &w.host;
+                    (h.rows * h.cols / h.ty.block_size() * h.ty.type_size()) as u64
+                })
+                .sum(),
             jobs.len() as u64,
         );
         // Tasks: (job, tile, group range), group ranges cut at equal counts
@@ -582,7 +599,7 @@ impl ActivationBackend {
         let Some(thr) = thr else {
             if let Some(m) = w.index() {
                 let n = x.rows() as u64;
-                self.add_active(std::iter::once((m, n * x.width() as u64, n)), 0, 0);
+                self.add_active(std::iter::once((m, n * x.width() as u64, n)), 0, 0, 0);
             }
             return self.inner.matmul(&w.dense, x, out);
         };
@@ -604,7 +621,7 @@ impl ActivationBackend {
             }
         }
         if let Some(m) = w.index() {
-            self.add_active(std::iter::once((m, kept, x.rows() as u64)), 0, 0);
+            self.add_active(std::iter::once((m, kept, x.rows() as u64)), 0, 0, 0);
         }
         let xm = CpuActivations::from_vec(x.rows(), width, masked)?;
         let r = self.inner.matmul(&w.dense, &xm, out);
@@ -785,7 +802,7 @@ impl Backend for ActivationBackend {
             for w in ws {
                 if let Some(m) = w.index() {
                     let n = x.rows() as u64;
-                    self.add_active(std::iter::once((m, n * x.width() as u64, n)), 0, 0);
+                    self.add_active(std::iter::once((m, n * x.width() as u64, n)), 0, 0, 0);
                 }
             }
             return self.inner.matmul_many(&dense, x, outs);
@@ -844,6 +861,7 @@ impl Backend for ActivationBackend {
                         (m + 2, nn * n_ff as u64, nn),
                     ]
                     .into_iter(),
+                    0,
                     0,
                     0,
                 );

@@ -121,16 +121,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let kernels = sparse_backend.name();
     let sparse = Model::load(file.clone(), sparse_backend)?;
     let weight_bytes = super::bench::weight_bytes_per_token(&file);
-    // Source bytes of the matrices the sparse path reads channel-major.
-    let sparse_src_bytes: u64 = (0..n_layer)
-        .flat_map(|l| {
-            mirage_artifact::activation::Proj::ALL
-                .into_iter()
-                .map(move |p| p.tensor(l))
-        })
-        .chain(std::iter::once(artifact.meta().head_tensor.clone()))
-        .filter_map(|n| file.tensor_info(&n).map(|t| t.n_bytes()))
-        .sum();
     let text_path = args
         .sparsity_text
         .clone()
@@ -197,8 +187,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                     let st = sparse.backend().take_stats();
                     if st.kernel_rows > 0 {
                         // The decode steps' bytes and channels.
+                        // The dense bytes less those of the products the
+                        // channel-major kernels ran, plus what they read.
                         let per_tok = st.kernel_bytes as f64 / gen as f64;
-                        bytes[c] = weight_bytes as f64 - sparse_src_bytes as f64 + per_tok;
+                        let replaced = st.replaced_bytes as f64 / gen as f64;
+                        bytes[c] = weight_bytes as f64 - replaced + per_tok;
                         achieved[c] = super::eval_activation::achieved_sparsity(&artifact, &st);
                     }
                     tps
