@@ -79,6 +79,39 @@ impl Kernels {
         Ok(())
     }
 
+    /// Lets every `mmq_*` kernel whose ring of stages fits the device's
+    /// shared memory (`optin`: the most a block may opt in to) launch with
+    /// it in dynamic shared memory (`matvec::mmq_shared_bytes`; past 48 KiB
+    /// a kernel must opt in). Returns the largest tile edge that fits.
+    pub fn allow_mmq_shared_memory(&self, optin: usize) -> std::result::Result<usize, CudaError> {
+        let mut largest = crate::matvec::MMQ_TILES[0];
+        for t in crate::matvec::MMQ_TILES {
+            let bytes = crate::matvec::mmq_shared_bytes(t);
+            if bytes > optin.max(48 * 1024) {
+                continue;
+            }
+            largest = largest.max(t);
+            if bytes <= 48 * 1024 {
+                continue;
+            }
+            for s in crate::matvec::MMQ_SUFFIXES {
+                let name = format!("mmq_{s}_t{t}");
+                let i = self
+                    .index
+                    .get(&name)
+                    .copied()
+                    .ok_or_else(|| CudaError::Driver(format!("no kernel {name}")))?;
+                self.functions[i]
+                    .set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        bytes as i32,
+                    )
+                    .map_err(|e| CudaError::Driver(format!("kernel {name}: {e}")))?;
+            }
+        }
+        Ok(largest)
+    }
+
     /// The index of kernel `name`.
     pub fn index(&self, name: &str) -> Result<usize> {
         self.index
@@ -105,7 +138,9 @@ pub(crate) fn kernel_names() -> Vec<String> {
     }
     names.push("mv3_q8_0s_grid".into());
     for s in crate::matvec::MMQ_SUFFIXES {
-        names.push(format!("mmq_{s}"));
+        for t in crate::matvec::MMQ_TILES {
+            names.push(format!("mmq_{s}_t{t}"));
+        }
     }
     for kv in ["f32", "f16"] {
         for k in [
@@ -225,8 +260,12 @@ pub struct CudaBackend {
     ptx_from_cache: bool,
     /// Streaming multiprocessors of the device.
     pub(crate) sm_count: usize,
-    /// `resident_blocks` answers by (kernel index, threads).
-    pub(crate) resident: Mutex<HashMap<(usize, u32), usize>>,
+    /// The largest `mmq_*` tile edge whose ring fits the device's shared
+    /// memory (`matvec::MMQ_TILES`).
+    pub(crate) mmq_max_tile: usize,
+    /// `resident_blocks` answers by (kernel index, threads, dynamic shared
+    /// memory).
+    pub(crate) resident: Mutex<HashMap<(usize, u32, u32), usize>>,
     scratch: Mutex<Scratch>,
     mem: Mutex<MemoryStats>,
 }
@@ -291,6 +330,13 @@ impl CudaBackend {
             index: HashMap::new(),
         };
         kernels.load(&module, &ptx, &kernel_names())?;
+        let optin = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(d)?
+            .max(0) as usize;
+        let mmq_max_tile = kernels.allow_mmq_shared_memory(optin)?;
         // cuBLAS is optional: without the library prefill uses the mat-vec.
         // SAFETY: only probes whether the shared library can be opened.
         let blas = if options.prefill_gemm && unsafe { cudarc::cublas::sys::is_culib_present() } {
@@ -312,6 +358,7 @@ impl CudaBackend {
             compute_capability: cc,
             ptx_from_cache,
             sm_count,
+            mmq_max_tile,
             resident: Mutex::new(HashMap::new()),
             scratch: Mutex::new(Scratch::default()),
             step_state: Mutex::new(StepState::default()),

@@ -1,7 +1,8 @@
 //! Checks of the device code that need no GPU.
 //!
 //! `nvrtc_check`: every CUDA module compiles (NVRTC, for the H100/H200's
-//! sm_90), every kernel a backend loads is in its PTX with the argument
+//! sm_90: for a real architecture NVRTC also assembles the PTX, so inline
+//! PTX that ptxas rejects fails here), every kernel a backend loads is in its PTX with the argument
 //! count its launches pass, and every one of them waits on its prerequisite
 //! grid (the programmatic-dependent-launch rule, cuda/pdl.cu). Needs only
 //! `libnvrtc` (`pip install nvidia-cuda-nvrtc`, which `.ci/run` does), no
