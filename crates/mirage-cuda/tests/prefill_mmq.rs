@@ -70,7 +70,7 @@ fn every_layout_matches_f64_reference(
         let e = rel_err(&got, &exact_inputs);
         let e_f32 = rel_err(&got, &matvec_reference(&w, &x, rows, cols, n_act));
         eprintln!(
-            "{ty}: mmq (tile {tile}, {rows} x {cols} times {n_act}) vs f64 on its q8_1 inputs rel err \
+            "{ty}: mmq vs f64 on its q8_1 inputs (tile {tile}, {rows} x {cols} times {n_act}) rel err \
              {e:.2e}; vs f32 activations {e_f32:.2e}"
         );
         assert!(e < 1e-5, "{ty}: mmq vs f64 reference rel err {e}");
