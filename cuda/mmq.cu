@@ -2,9 +2,8 @@
 // Prefill products on int8 tensor cores, reading the quantized weights in
 // their split layouts (after matvec.cu, whose f16 helpers it uses).
 //
-//   quantize_q8_1    : the activations, once per product, to 8-bit blocks of
-//                      32 (q8_1: quants, and per block the scale d and
-//                      d * sum(q)).
+//   quantize_q8      : the activations, once per product, to 8-bit blocks of
+//                      32: int8 quants, and per block the f32 scale d.
 //   mmq_<layout>_t<T>: y[a, r] = W[r, :] . x[a, :] for a tile of T weight
 //                      rows x T activation rows per block (T = 64: 4 warps;
 //                      T = 128: 16 warps), every warp a 32 x 32 sub-tile
@@ -18,7 +17,7 @@
 // Stages of MMQ_K columns flow through a ring of MMQ_STAGES(T) buffers in
 // dynamic shared memory: while the warps multiply stage s, the copies of
 // stage s + MMQ_STAGES - 1 are in flight. Q8_0's quants and scales and the
-// q8_1 activations are plain rows, so they go global -> shared with
+// 8-bit activations are plain rows, so they go global -> shared with
 // cp.async (16-byte copies; 8 for a row's four f16 scales) and never pass
 // through registers. Q5_0's weights need unpacking: each thread loads its
 // part of that stage into registers before it multiplies and unpacks them
@@ -46,9 +45,9 @@
 // loads (8 rows x 4 words per instruction) hit 32 distinct banks.
 #define MMQ_LD (MMQ_K + 16)
 // Bytes of one stage of a T x T tile: weight quants [T][MMQ_LD], activation
-// quants [T][MMQ_LD], weight scales [T][MMQ_K / 32] f16, activation
-// (d, d * sum) pairs [T][MMQ_K / 32] float2.
-#define MMQ_STAGE_BYTES(T) ((T) * (2 * MMQ_LD + 2 * (MMQ_K / 32) + 8 * (MMQ_K / 32)))
+// quants [T][MMQ_LD], weight scales [T][MMQ_K / 32] f16, activation scales
+// [T][MMQ_K / 32] f32.
+#define MMQ_STAGE_BYTES(T) ((T) * (2 * MMQ_LD + 2 * (MMQ_K / 32) + 4 * (MMQ_K / 32)))
 // Stages in the ring: two for the 64 tile (several blocks share an SM and
 // hide each other's waits), three for the 128 tile (one block per SM).
 #define MMQ_STAGES(T) ((T) == 64 ? 2 : 3)
@@ -92,9 +91,10 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 
 // One warp per block of 32 values of x ([n_act][cols], cols % 32 == 0): q =
 // round(x / d) with d = max|x| / 127, written as xq (same shape, int8) and
-// xds[block] = (d, d * sum(q)).
-__device__ __forceinline__ void quantize_q8_1_block(const float* __restrict__ x, i8* __restrict__ xq,
-                                                    float2* __restrict__ xds, long b, int lane) {
+// xd[block] = d. (No sum of the quants, as ggml's q8_1 carries: the weights
+// read here are symmetric, q * d, so nothing needs it.)
+__device__ __forceinline__ void quantize_q8_block(const float* __restrict__ x, i8* __restrict__ xq,
+                                                  float* __restrict__ xd, long b, int lane) {
     float v = x[b * 32 + lane];
     float amax = fabsf(v);
 #pragma unroll
@@ -102,10 +102,7 @@ __device__ __forceinline__ void quantize_q8_1_block(const float* __restrict__ x,
     float d = amax / 127.f;
     int q = amax == 0.f ? 0 : (int)rintf(v / d);
     xq[b * 32 + lane] = (i8)q;
-    int s = q;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) xds[b] = make_float2(d, d * (float)s);
+    if (lane == 0) xd[b] = d;
 }
 
 // One stage of a T x T tile in the ring (byte offsets from its start).
@@ -113,7 +110,7 @@ template <int T> struct MmqStage {
     static constexpr int W = 0;                              // i8 [T][MMQ_LD]
     static constexpr int X = T * MMQ_LD;                     // i8 [T][MMQ_LD]
     static constexpr int WD = 2 * T * MMQ_LD;                // u16 [T][MMQ_K / 32]
-    static constexpr int XD = WD + T * 2 * (MMQ_K / 32);     // float2 [T][MMQ_K / 32]
+    static constexpr int XD = WD + T * 2 * (MMQ_K / 32);     // f32 [T][MMQ_K / 32]
 };
 
 // Q5_0 blocks of one stage that one thread unpacks (T rows x MMQ_K / 32
@@ -128,13 +125,13 @@ template <int T> struct MmqQ5Held {
 
 // Copies (cp.async) of the activation stage: rows [t0, t0 + T) of xq
 // (clamped to the last row; the clamped rows' outputs are not stored),
-// columns [k0, k0 + MMQ_K), with their (d, d * sum) pairs.
+// columns [k0, k0 + MMQ_K), with their scales.
 template <int T>
-__device__ __forceinline__ void mmq_fetch_x(u8* st, const i8* __restrict__ xq, const float2* __restrict__ xds,
+__device__ __forceinline__ void mmq_fetch_x(u8* st, const i8* __restrict__ xq, const float* __restrict__ xd,
                                             int n_act, int cols, int t0, int k0) {
     constexpr int NT = T * T / 32;
     // T rows of MMQ_K / 16 copies (a whole number of rounds of the block's
-    // threads), then T rows of two copies of pairs.
+    // threads), then T rows of one copy of scales.
 #pragma unroll
     for (int n = 0; n < T * MMQ_K / 16 / NT; n++) {
         const int i = threadIdx.x + n * NT;
@@ -142,10 +139,10 @@ __device__ __forceinline__ void mmq_fetch_x(u8* st, const i8* __restrict__ xq, c
         const long ga = min(t0 + t, n_act - 1);
         cp_async16(st + MmqStage<T>::X + t * MMQ_LD + 16 * c, xq + ga * cols + k0 + 16 * c);
     }
-    if (threadIdx.x < T * 2) {
-        const int t = threadIdx.x >> 1, h = threadIdx.x & 1;
+    if (threadIdx.x < T) {
+        const int t = threadIdx.x;
         const long ga = min(t0 + t, n_act - 1);
-        cp_async16(st + MmqStage<T>::XD + t * 32 + 16 * h, xds + ga * (cols >> 5) + (k0 >> 5) + 2 * h);
+        cp_async16(st + MmqStage<T>::XD + t * 16, xd + ga * (cols >> 5) + (k0 >> 5));
     }
 }
 
@@ -228,7 +225,7 @@ __device__ __forceinline__ void mmq_stage_product(const u8* st, int wr, int wa, 
     const u8* sw = st + MmqStage<T>::W;
     const u8* sx = st + MmqStage<T>::X;
     const u16* swd = (const u16*)(st + MmqStage<T>::WD);
-    const float2* sxd = (const float2*)(st + MmqStage<T>::XD);
+    const float* sxd = (const float*)(st + MmqStage<T>::XD);
 #pragma unroll
     for (int kb = 0; kb < MMQ_K / 32; kb++) {
         const int c = 32 * kb + 4 * t;
@@ -251,7 +248,7 @@ __device__ __forceinline__ void mmq_stage_product(const u8* st, int wr, int wa, 
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
-            for (int e = 0; e < 2; e++) xd[j][e] = sxd[(wa + 8 * j + 2 * t + e) * (MMQ_K / 32) + kb].x;
+            for (int e = 0; e < 2; e++) xd[j][e] = sxd[(wa + 8 * j + 2 * t + e) * (MMQ_K / 32) + kb];
         // Weight scales of this thread's rows g and g + 8 of each m tile,
         // and the bias's share of them.
         float wd[2][2], wb[2][2];
@@ -283,9 +280,9 @@ __device__ __forceinline__ void mmq_stage_product(const u8* st, int wr, int wa, 
 // activation rows 32 (w / (T / 32))...
 template <int FMT, int T>
 __device__ void mmq_tile(const u8* __restrict__ W, int rows, int cols, const i8* __restrict__ xq,
-                         const float2* __restrict__ xds, int n_act, float* __restrict__ y, u8* ring) {
+                         const float* __restrict__ xd, int n_act, float* __restrict__ y, u8* ring) {
     constexpr int STAGES = MMQ_STAGES(T);
-    static_assert((T * MMQ_K / 16) % (T * T / 32) == 0 && 2 * T <= T * T / 32, "copies per thread");
+    static_assert((T * MMQ_K / 16) % (T * T / 32) == 0 && T <= T * T / 32, "copies per thread");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int a0 = blockIdx.x * T, r0 = blockIdx.y * T;
     const int wr = 32 * (warp % (T / 32)), wa = 32 * (warp / (T / 32));
@@ -304,7 +301,7 @@ __device__ void mmq_tile(const u8* __restrict__ W, int rows, int cols, const i8*
     for (int p = 0; p < STAGES - 1; p++) {
         if (p < n_stages) {
             u8* st = ring + p * MMQ_STAGE_BYTES(T);
-            mmq_fetch_x<T>(st, xq, xds, n_act, cols, a0, p * MMQ_K);
+            mmq_fetch_x<T>(st, xq, xd, n_act, cols, a0, p * MMQ_K);
             if (FMT == MMQ_Q8_0) {
                 mmq_fetch_w_q8<T>(st, W, rows, cols, r0, p * MMQ_K);
             } else {
@@ -322,7 +319,7 @@ __device__ void mmq_tile(const u8* __restrict__ W, int rows, int cols, const i8*
         const int f = s + STAGES - 1;
         u8* fst = ring + (f % STAGES) * MMQ_STAGE_BYTES(T);
         if (f < n_stages) {
-            mmq_fetch_x<T>(fst, xq, xds, n_act, cols, a0, f * MMQ_K);
+            mmq_fetch_x<T>(fst, xq, xd, n_act, cols, a0, f * MMQ_K);
             if (FMT == MMQ_Q8_0)
                 mmq_fetch_w_q8<T>(fst, W, rows, cols, r0, f * MMQ_K);
             else
@@ -343,10 +340,10 @@ __device__ void mmq_tile(const u8* __restrict__ W, int rows, int cols, const i8*
             }
 }
 
-extern "C" __global__ void __launch_bounds__(256) quantize_q8_1(const float* x, long n_blocks, i8* xq, float2* xds) {
+extern "C" __global__ void __launch_bounds__(256) quantize_q8(const float* x, long n_blocks, i8* xq, float* xd) {
     PDL_ENTRY();
     long b = (long)blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (b < n_blocks) quantize_q8_1_block(x, xq, xds, b, threadIdx.x & 31);
+    if (b < n_blocks) quantize_q8_block(x, xq, xd, b, threadIdx.x & 31);
 }
 
 __device__ __forceinline__ u32 dynamic_smem_bytes() {
@@ -360,11 +357,11 @@ __device__ __forceinline__ u32 dynamic_smem_bytes() {
 // less traps rather than write past it).
 #define MMQ_KERNEL(NAME, FMT, T)                                                                                     \
     extern "C" __global__ void __launch_bounds__(T * T / 32, MMQ_MIN_BLOCKS(T))                                      \
-        mmq_##NAME##_t##T(const u8* W, int rows, int cols, const i8* xq, const float2* xds, int n_act, float* y) {   \
+        mmq_##NAME##_t##T(const u8* W, int rows, int cols, const i8* xq, const float* xd, int n_act, float* y) {     \
         extern __shared__ __align__(16) u8 mmq_ring[];                                                               \
         PDL_ENTRY();                                                                                                 \
         if (dynamic_smem_bytes() < MMQ_STAGES(T) * MMQ_STAGE_BYTES(T)) __trap();                                    \
-        mmq_tile<FMT, T>(W, rows, cols, xq, xds, n_act, y, mmq_ring);                                                \
+        mmq_tile<FMT, T>(W, rows, cols, xq, xd, n_act, y, mmq_ring);                                                 \
     }
 MMQ_KERNEL(q8_0s, MMQ_Q8_0, 64)
 MMQ_KERNEL(q5_0s, MMQ_Q5_0, 64)

@@ -168,7 +168,7 @@ pub(crate) fn kernel_names() -> Vec<String> {
         "gather_rows",
         "argmax_rows",
         "f32_to_f16",
-        "quantize_q8_1",
+        "quantize_q8",
         "page_keys",
         "select_pages",
         "attend_combine",
@@ -217,8 +217,8 @@ pub(crate) struct Scratch {
     pub indices: Option<CudaSlice<u32>>,
     /// f16 copies of a GEMM's activations and of one weight tile.
     pub gemm_x: Option<CudaSlice<u16>>,
-    /// A prefill product's activations in q8_1 blocks: int8 quants, then
-    /// (scale, scale * sum) f32 pairs per 32 values.
+    /// A prefill product's activations in 8-bit blocks: int8 quants, then
+    /// an f32 scale per 32 values.
     pub mmq_x: Option<CudaSlice<u8>>,
     pub gemm_w: Option<CudaSlice<u16>>,
     /// Pruned attention: page keys `[rows, n_head, max_pages]`, chosen pages

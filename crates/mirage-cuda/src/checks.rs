@@ -107,7 +107,7 @@ mod nvrtc_check {
                 crate::attention::PREFILL_ARGS
             } else if name.starts_with("mmq_") {
                 crate::matvec::MMQ_ARGS
-            } else if name == "quantize_q8_1" {
+            } else if name == "quantize_q8" {
                 crate::matvec::QUANTIZE_ARGS
             } else {
                 continue;

@@ -17,7 +17,7 @@ pub(crate) const MV3_ARGS: usize = 23;
 /// Arguments of an `ffn_*` launch (`FFN_PARAMS`).
 #[cfg(test)]
 pub(crate) const FFN_ARGS: usize = 13;
-/// Arguments of an `mmq_*` launch and of `quantize_q8_1`.
+/// Arguments of an `mmq_*` launch and of `quantize_q8`.
 #[cfg(test)]
 pub(crate) const MMQ_ARGS: usize = 7;
 #[cfg(test)]
@@ -78,9 +78,9 @@ const fn mmq_stages(t: usize) -> usize {
 /// Dynamic shared memory of an `mmq_*_t<T>` launch: its ring of stages
 /// (`MMQ_STAGES(T) * MMQ_STAGE_BYTES(T)`: per stage T rows of weight and of
 /// activation quants with 16 bytes of padding, and their per-32-column
-/// scales, f16 and (d, d * sum) f32 pairs).
+/// scales, f16 and f32).
 pub(crate) const fn mmq_shared_bytes(t: usize) -> usize {
-    mmq_stages(t) * t * (2 * (MMQ_K + 16) + 2 * (MMQ_K / 32) + 8 * (MMQ_K / 32))
+    mmq_stages(t) * t * (2 * (MMQ_K + 16) + 2 * (MMQ_K / 32) + 4 * (MMQ_K / 32))
 }
 
 /// Least share of the 128 tile's work that is useful for it to take a
@@ -179,15 +179,15 @@ impl CudaBackend {
         for (w, &y) in ws.iter().zip(ys) {
             if self.use_gemm(n_act) {
                 if let Some(s) = Self::mmq_suffix(w) {
-                    let (pq, pds) = match quantized {
-                        Some((cols, pq, pds)) if cols == w.cols => (pq, pds),
+                    let (pq, pxd) = match quantized {
+                        Some((cols, pq, pxd)) if cols == w.cols => (pq, pxd),
                         _ => {
-                            let (pq, pds) = self.quantize_q8_1(x, n_act, w.cols)?;
-                            quantized = Some((w.cols, pq, pds));
-                            (pq, pds)
+                            let (pq, pxd) = self.quantize_q8(x, n_act, w.cols)?;
+                            quantized = Some((w.cols, pq, pxd));
+                            (pq, pxd)
                         }
                     };
-                    self.mmq(w, s, pq, pds, n_act, y)?;
+                    self.mmq(w, s, pq, pxd, n_act, y)?;
                     continue;
                 }
                 if self.blas.is_some() {
@@ -200,20 +200,21 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The `n_act x cols` activations at `x` in q8_1 blocks (32 values:
-    /// int8 quants, and the scale d = max|x| / 127 with d * sum(q)) in the
-    /// scratch: returns the quants' and the (d, d * sum) pairs' addresses.
-    fn quantize_q8_1(&self, x: u64, n_act: usize, cols: usize) -> Result<(u64, u64)> {
+    /// The `n_act x cols` activations at `x` in 8-bit blocks (32 values:
+    /// int8 quants, and the f32 scale d = max|x| / 127) in the scratch:
+    /// returns the quants' and the scales' addresses.
+    fn quantize_q8(&self, x: u64, n_act: usize, cols: usize) -> Result<(u64, u64)> {
         let n_blocks = n_act * cols / 32;
-        // Quants, then the 8-byte pairs 16-byte aligned.
+        // Quants, then the scales 16-byte aligned (`mmq_*` copies a row's
+        // four scales of a stage as 16 bytes).
         let q_bytes = (n_act * cols).next_multiple_of(16);
         let pq = {
             let mut s = self.scratch();
-            self.grow_scratch(&mut s.mmq_x, q_bytes + 8 * n_blocks)?
+            self.grow_scratch(&mut s.mmq_x, q_bytes + 4 * n_blocks)?
         };
-        let pds = pq + q_bytes as u64;
+        let pxd = pq + q_bytes as u64;
         self.push_launch(Launch {
-            kernel: self.kernels.index("quantize_q8_1")?,
+            kernel: self.kernels.index("quantize_q8")?,
             grid: (n_blocks.div_ceil(8) as u32, 1, 1),
             block: (256, 1, 1),
             smem: 0,
@@ -221,10 +222,10 @@ impl CudaBackend {
                 Arg::Ptr(x),
                 Arg::I64(n_blocks as i64),
                 Arg::Ptr(pq),
-                Arg::Ptr(pds),
+                Arg::Ptr(pxd),
             ]),
         })?;
-        Ok((pq, pds))
+        Ok((pq, pxd))
     }
 
     /// The tile edge `mmq_*` takes for `rows` weight rows and `n_act`
@@ -242,8 +243,8 @@ impl CudaBackend {
         Ok(mmq_tile_for(rows, n_act, slots))
     }
 
-    /// `y[a, r] = W[r, :] . x[a, :]` on int8 tensor cores, x given as q8_1
-    /// blocks (`quantize_q8_1`): `mmq_<suffix>_t<T>` reads the weight's own
+    /// `y[a, r] = W[r, :] . x[a, :]` on int8 tensor cores, x given as 8-bit
+    /// blocks (`quantize_q8`): `mmq_<suffix>_t<T>` reads the weight's own
     /// blocks tile by tile (cuda/mmq.cu). Activation tiles are the grid's
     /// x, so the blocks of one weight tile run side by side.
     fn mmq(
@@ -251,7 +252,7 @@ impl CudaBackend {
         w: &CudaMatrix,
         suffix: &str,
         pq: u64,
-        pds: u64,
+        pxd: u64,
         n_act: usize,
         y: u64,
     ) -> Result<()> {
@@ -267,7 +268,7 @@ impl CudaBackend {
                 Arg::I32(rows as i32),
                 Arg::I32(cols as i32),
                 Arg::Ptr(pq),
-                Arg::Ptr(pds),
+                Arg::Ptr(pxd),
                 Arg::I32(n_act as i32),
                 Arg::Ptr(y),
             ]),
@@ -490,9 +491,9 @@ mod tests {
     /// block per SM on sm_90's 227 KiB).
     #[test]
     fn mmq_rings_fit_their_devices() {
-        assert_eq!(mmq_shared_bytes(64), 41_984);
+        assert_eq!(mmq_shared_bytes(64), 39_936);
         assert!(mmq_shared_bytes(64) <= 48 * 1024);
-        assert_eq!(mmq_shared_bytes(128), 125_952);
+        assert_eq!(mmq_shared_bytes(128), 119_808);
         assert!(mmq_shared_bytes(128) <= 227 * 1024);
     }
 

@@ -16,9 +16,9 @@ use common::{
     rel_err, rng, Tiny,
 };
 
-/// `x` through q8_1 blocks of 32 and back, as `quantize_q8_1` does it: d =
+/// `x` through 8-bit blocks of 32 and back, as `quantize_q8` does it: d =
 /// max|x| / 127 and q = round-half-even(x / d), both in f32.
-fn q8_1_roundtrip(x: &[f32]) -> Vec<f32> {
+fn q8_roundtrip(x: &[f32]) -> Vec<f32> {
     let mut out = Vec::with_capacity(x.len());
     for b in x.chunks(32) {
         let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -37,9 +37,9 @@ fn q8_1_roundtrip(x: &[f32]) -> Vec<f32> {
 
 /// Every layout `mmq_*` reads (Q8_0 and Q5_0, uploaded in their split
 /// layouts) in a product of this shape, which must take the `tile` tile,
-/// against an f64 product of the dequantized weights and the q8_1-rounded
+/// against an f64 product of the dequantized weights and the 8-bit-rounded
 /// activations (the kernel's own inputs: only the summation order
-/// differs), and against the exact activations (the q8_1 rounding costs
+/// differs), and against the exact activations (the 8-bit rounding costs
 /// ~0.5 % there).
 fn every_layout_matches_f64_reference(
     test: &str,
@@ -66,11 +66,11 @@ fn every_layout_matches_f64_reference(
         let dm = gpu.upload_matrix(&hm).unwrap();
         assert!(dm.is_repacked(), "{ty}: not uploaded in its split layout");
         let got = device_matmul(gpu, &dm, &x, n_act, rows);
-        let exact_inputs = matvec_reference(&w, &q8_1_roundtrip(&x), rows, cols, n_act);
+        let exact_inputs = matvec_reference(&w, &q8_roundtrip(&x), rows, cols, n_act);
         let e = rel_err(&got, &exact_inputs);
         let e_f32 = rel_err(&got, &matvec_reference(&w, &x, rows, cols, n_act));
         eprintln!(
-            "{ty}: mmq vs f64 on its q8_1 inputs (tile {tile}, {rows} x {cols} times {n_act}) rel err \
+            "{ty}: mmq vs f64 on its 8-bit inputs (tile {tile}, {rows} x {cols} times {n_act}) rel err \
              {e:.2e}; vs f32 activations {e_f32:.2e}"
         );
         assert!(e < 1e-5, "{ty}: mmq vs f64 reference rel err {e}");
@@ -225,7 +225,7 @@ fn prefill_q4_k_mix_matches_decode() {
 
 /// The products really take the tensor-core path here: a backend with the
 /// option off multiplies the same batch through the mat-vecs, and the two
-/// differ by the q8_1 rounding (not bit for bit), while agreeing closely.
+/// differ by the 8-bit rounding (not bit for bit), while agreeing closely.
 #[test]
 fn mmq_path_is_taken_for_batches() {
     let test = "mmq_path_is_taken_for_batches";
