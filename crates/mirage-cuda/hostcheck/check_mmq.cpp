@@ -8,7 +8,7 @@
 //      product of the layout's element accessors (q8s_elem, q5s_elem) and
 //      the dequantized 8-bit activations: a second, partly filled tile of
 //      weight rows and of activation rows, more column stages than the
-//      ring has buffers; the asynchronous copies landing when issued and,
+//      ring has buffers and fewer; the asynchronous copies landing when issued and,
 //      again, as late as their waits allow (cp_async_emu.h), and none
 //      still in flight when a block ends.
 // Build and run: hostcheck/run.sh.
@@ -146,6 +146,10 @@ int main() {
     check_layout<MMQ_Q5_0, 64>("q5_0s", 72, 384, 70);
     check_layout<MMQ_Q8_0, 128>("q8_0s", 136, 640, 140);
     check_layout<MMQ_Q5_0, 128>("q5_0s", 136, 640, 140);
+    // Fewer stages than the ring has buffers, in one partial tile.
+    check_layout<MMQ_Q8_0, 128>("q8_0s", 72, 128, 50);
+    check_layout<MMQ_Q5_0, 128>("q5_0s", 72, 256, 50);
+    check_layout<MMQ_Q8_0, 64>("q8_0s", 40, 128, 20);
     if (fails) {
         fprintf(stderr, "check_mmq: %d failures\n", fails);
         return 1;
