@@ -8,9 +8,9 @@
 //      product of the layout's element accessors (q8s_elem, q5s_elem) and
 //      the dequantized 8-bit activations: a second, partly filled tile of
 //      weight rows and of activation rows, more column stages than the
-//      ring has buffers and fewer; the asynchronous copies landing when issued and,
-//      again, as late as their waits allow (cp_async_emu.h), and none
-//      still in flight when a block ends.
+//      ring has buffers and fewer; the asynchronous copies landing when
+//      issued and, again, as late as their waits allow (cp_async_emu.h),
+//      and none still in flight when a block ends.
 // Build and run: hostcheck/run.sh.
 #include <cstdint>
 #include <cstdio>
