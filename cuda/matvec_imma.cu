@@ -1,6 +1,6 @@
 // ===========================================================================
 // Decode mat-vecs of split Q4_K on int8 tensor cores (after matvec_split.cu,
-// whose launch helpers they share; mmq.cu uses mma_s8_k32 from here).
+// whose launch helpers they share; mmq.cu uses mma_s8_k32_from from here).
 //
 // At the copy rate an H100 streams ~6e12 4-bit weights a second; turning
 // each into a float and multiplying it (3+ instructions a weight) keeps the
@@ -36,16 +36,17 @@
 
 #define IMMA_ROWS 16  // weight rows per warp: the mma's M
 
-// c += a (16 x 32, row) * b (32 x 8, col), s8 inputs, s32 accumulators.
-// Fragments per the PTX ISA (g = lane / 4, t = lane % 4): a[0] row g, a[1]
-// row g + 8, a[2] row g, a[3] row g + 8, columns 4t..4t+3 (a[0], a[1]) and
-// 16 + 4t.. (a[2], a[3]); b[0] column g, k 4t..4t+3, b[1] k 16 + 4t..; c[0],
-// c[1] row g, columns 2t, 2t + 1; c[2], c[3] row g + 8.
-__device__ __forceinline__ void mma_s8_k32(int* c, const u32* a, const u32* b) {
+// d = a (16 x 32, row) * b (32 x 8, col) + c in every accumulator, s8
+// inputs, s32 accumulators. Fragments per the PTX ISA (g = lane / 4, t =
+// lane % 4): a[0] row g, a[1] row g + 8, a[2] row g, a[3] row g + 8,
+// columns 4t..4t+3 (a[0], a[1]) and 16 + 4t.. (a[2], a[3]); b[0] column g,
+// k 4t..4t+3, b[1] k 16 + 4t..; d[0], d[1] row g, columns 2t, 2t + 1; d[2],
+// d[3] row g + 8.
+__device__ __forceinline__ void mma_s8_k32_from(int* d, const u32* a, const u32* b, int c) {
     asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(c), "r"(c), "r"(c), "r"(c));
 }
 
 // The activation row as the mma reads it: int8 planes hi and lo
@@ -176,13 +177,15 @@ __device__ __forceinline__ void imma_q4k_dot(const u8* const (&Ws)[NM], int rows
 #pragma unroll
                     for (int m = 0; m < NM; m++) {
                         const uint4 wa = qa[u][m][h], wb = qb[u][m][h];
-                        int c[4] = {0, 0, 0, 0};
+                        int c[4], c1[4];
                         const u32 a0[4] = {(wa.x >> sh) & 0x0f0f0f0fu, (wb.x >> sh) & 0x0f0f0f0fu,
                                            (wa.y >> sh) & 0x0f0f0f0fu, (wb.y >> sh) & 0x0f0f0f0fu};
-                        mma_s8_k32(c, a0, b0);
+                        mma_s8_k32_from(c, a0, b0, 0);
                         const u32 a1[4] = {(wa.z >> sh) & 0x0f0f0f0fu, (wb.z >> sh) & 0x0f0f0f0fu,
                                            (wa.w >> sh) & 0x0f0f0f0fu, (wb.w >> sh) & 0x0f0f0f0fu};
-                        mma_s8_k32(c, a1, b1);
+                        mma_s8_k32_from(c1, a1, b1, 0);
+#pragma unroll
+                        for (int i = 0; i < 4; i++) c[i] += c1[i];
                         float sc, mn;
                         q4k_scale_min(ha[u][m], j, &sc, &mn);
                         sa[m] += sc * ((float)(c[0] * 256 + c[1]) * sx);

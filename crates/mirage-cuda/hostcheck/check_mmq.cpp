@@ -1,13 +1,16 @@
 // Host check of mmq.cu's prefill products (no GPU; extract.py ->
 // mmq_extract.h), the mma instructions emulated by the PTX ISA's fragment
 // layout (mma_emu.h), blocks run as fibers (block_emu.h):
-//   1. quantize_q8_1_block: every quant is round(x / d) with d = max|x| /
-//      127, and the block's pair is (d, d * sum(q));
-//   2. mmq_tile of every layout (q8_0s, q4_ks, q5_0s, q6_ks) on random
-//      split-layout bytes with valid f16 scales, against an f64 product of
-//      the layout's element accessors (q8s_elem, ...) and the dequantized
-//      q8_1 activations: 72 weight rows and 70 activation rows (a second,
-//      partly filled tile of each), several column stages.
+//   1. quantize_q8_block: every quant is round(x / d) with d = max|x| /
+//      127, and the block's scale is d;
+//   2. mmq_tile of both layouts (q8_0s, q5_0s) and both tiles (64 and 128)
+//      on random split-layout bytes with valid f16 scales, against an f64
+//      product of the layout's element accessors (q8s_elem, q5s_elem) and
+//      the dequantized 8-bit activations: a second, partly filled tile of
+//      weight rows and of activation rows, more column stages than the
+//      ring has buffers and fewer; the asynchronous copies landing when
+//      issued and, again, as late as their waits allow (cp_async_emu.h),
+//      and none still in flight when a block ends.
 // Build and run: hostcheck/run.sh.
 #include <cstdint>
 #include <cstdio>
@@ -15,9 +18,8 @@
 #include <vector>
 #include "block_emu.h"
 #include "ptx_emu.h"
-struct float2 { float x, y; };
-inline float2 make_float2(float x, float y) { return {x, y}; }
 #include "mma_emu.h"
+#include "cp_async_emu.h"
 #include "mmq_extract.h"
 
 static std::mt19937 gen(11);
@@ -60,7 +62,8 @@ static void check(bool ok, const char* what) {
     }
 }
 
-template <int FMT> void check_layout(const char* name, int rows, int cols, int n_act) {
+template <int FMT, int T> void check_layout(const char* name, int rows, int cols, int n_act) {
+    std::vector<float> y_eager;
     std::vector<uint4> wbuf = random_matrix(FMT, rows, cols);
     const u8* W = (const u8*)wbuf.data();
     std::normal_distribution<float> N(0.f, 1.f);
@@ -70,40 +73,58 @@ template <int FMT> void check_layout(const char* name, int rows, int cols, int n
     const long n_blocks = (long)n_act * cols / 32;
     std::vector<uint4> qbuf(((size_t)n_act * cols + 15) / 16);
     i8* xq = (i8*)qbuf.data();
-    std::vector<float2> xds(n_blocks);
+    // 16-byte aligned, as the device buffers are (cp.async reads 16 bytes).
+    std::vector<uint4> xd_buf((n_blocks + 3) / 4);
+    float* xd = (float*)xd_buf.data();
     // 1. Quantization: one warp per block, 8 warps a block.
     gridDim = dim3_{(unsigned)((n_blocks + 7) / 8), 1, 1};
     for (unsigned bx = 0; bx < gridDim.x; bx++)
         run_block(256, dim3_{bx, 0, 0}, [&] {
             long b = (long)blockIdx.x * 8 + (threadIdx.x >> 5);
-            if (b < n_blocks) quantize_q8_1_block(x.data(), xq, xds.data(), b, threadIdx.x & 31);
+            if (b < n_blocks) quantize_q8_block(x.data(), xq, xd, b, threadIdx.x & 31);
         });
     for (long b = 0; b < n_blocks; b++) {
         float amax = 0;
         for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(x[b * 32 + i]));
         float d = amax / 127.f;
-        int sum = 0;
         for (int i = 0; i < 32; i++) {
             int want = amax == 0 ? 0 : (int)std::nearbyint(x[b * 32 + i] / d);
-            check(xq[b * 32 + i] == want, "q8_1 quant");
-            sum += want;
+            check(xq[b * 32 + i] == want, "q8 quant");
         }
-        check(xds[b].x == d && std::fabs(xds[b].y - d * sum) <= 1e-6f * std::fabs(d * sum) + 1e-30f, "q8_1 pair");
+        check(xd[b] == d, "q8 scale");
     }
-    // 2. The product, blocks in reverse order.
+    // 2. The product, blocks in reverse order, the copies landing early
+    // and late.
+    std::vector<uint4> ring_buf(MMQ_STAGES(T) * MMQ_STAGE_BYTES(T) / 16);
+    u8* ring = (u8*)ring_buf.data();
     std::vector<float> y((size_t)n_act * rows, NAN);
-    gridDim = dim3_{(unsigned)((rows + MMQ_ROWS - 1) / MMQ_ROWS), (unsigned)((n_act + MMQ_TOKS - 1) / MMQ_TOKS), 1};
-    for (int by = gridDim.y - 1; by >= 0; by--)
-        for (int bx = gridDim.x - 1; bx >= 0; bx--)
-            run_block(MMQ_WARPS * 32, dim3_{(unsigned)bx, (unsigned)by, 0},
-                      [&] { mmq_tile<FMT>(W, rows, cols, xq, xds.data(), n_act, y.data()); });
+    for (cp_async_emu::Mode mode : {cp_async_emu::Eager, cp_async_emu::Deferred}) {
+        cp_async_emu::mode = mode;
+        std::fill(y.begin(), y.end(), NAN);
+        gridDim = dim3_{(unsigned)((n_act + T - 1) / T), (unsigned)((rows + T - 1) / T), 1};
+        for (int by = gridDim.y - 1; by >= 0; by--)
+            for (int bx = gridDim.x - 1; bx >= 0; bx--) {
+                memset(ring, 0x5a, ring_buf.size() * 16);  // stale bytes, not zeros
+                cp_async_emu::start_block(T * T / 32);
+                run_block(T * T / 32, dim3_{(unsigned)bx, (unsigned)by, 0},
+                          [&] { mmq_tile<FMT, T>(W, rows, cols, xq, xd, n_act, y.data(), ring); });
+                check(cp_async_emu::block_drained(), "cp.async copies still in flight at the block's end");
+            }
+        if (mode == cp_async_emu::Eager) y_eager = y;
+    }
+    check(cp_async_emu::copies_landed == cp_async_emu::copies_issued, "cp.async copies lost");
+    for (size_t i = 0; i < y.size(); i++)
+        if (memcmp(&y[i], &y_eager[i], 4) != 0) {
+            check(false, "early and late copies gave different bits");
+            break;
+        }
     double worst = 0, scale = 0;
     for (int a = 0; a < n_act; a++)
         for (int r = 0; r < rows; r++) {
             double want = 0, mag = 0;
             for (int i = 0; i < cols; i++) {
                 double t = (double)elem(FMT, W, rows, cols, r, i) * ((double)xq[(long)a * cols + i] *
-                                                                     xds[((long)a * cols + i) / 32].x);
+                                                                     xd[((long)a * cols + i) / 32]);
                 want += t;
                 mag += std::fabs(t);
             }
@@ -115,12 +136,20 @@ template <int FMT> void check_layout(const char* name, int rows, int cols, int n
             worst = std::max(worst, std::fabs(got - want) / (mag + 1e-30));
             scale = std::max(scale, mag);
         }
-    printf("mmq %s: %d x %d times %d rows: worst error %.2e of the sum of |terms|\n", name, rows, cols, n_act, worst);
+    printf("mmq %s, tile %d: %d x %d times %d rows: worst error %.2e of the sum of |terms|\n", name, T, rows, cols, n_act, worst);
 }
 
 int main() {
-    check_layout<MMQ_Q8_0>("q8_0s", 72, 384, 70);
-    check_layout<MMQ_Q5_0>("q5_0s", 72, 384, 70);
+    // 3 stages of columns (the 64 tile's ring has 2 buffers), 5 (the 128
+    // tile's has 3).
+    check_layout<MMQ_Q8_0, 64>("q8_0s", 72, 384, 70);
+    check_layout<MMQ_Q5_0, 64>("q5_0s", 72, 384, 70);
+    check_layout<MMQ_Q8_0, 128>("q8_0s", 136, 640, 140);
+    check_layout<MMQ_Q5_0, 128>("q5_0s", 136, 640, 140);
+    // Fewer stages than the ring has buffers, in one partial tile.
+    check_layout<MMQ_Q8_0, 128>("q8_0s", 72, 128, 50);
+    check_layout<MMQ_Q5_0, 128>("q5_0s", 72, 256, 50);
+    check_layout<MMQ_Q8_0, 64>("q8_0s", 40, 128, 20);
     if (fails) {
         fprintf(stderr, "check_mmq: %d failures\n", fails);
         return 1;

@@ -98,14 +98,14 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
     "void sb_q8s_p2_quads(", "void sb_sum_chunk_parts(", "void sb_finish_item(", "void sb_ffn_q8s_phase2("))
 
 # The prefill int8 tensor-core products (mmq.cu) with the split layouts'
-# element accessors they are checked against; the mma instructions
-# themselves are mma_emu.h's.
+# element accessors they are checked against; the mma and cp.async
+# instructions themselves are mma_emu.h's and cp_async_emu.h's.
 (out / "mmq_extract.h").write_text(cut(
     "float q8s_elem(", "float q5s_elem(",
-    "#define MMQ_ROWS", "#define MMQ_TOKS", "#define MMQ_K", "#define MMQ_WARPS",
-    "#define MMQ_LD", "struct MmqTile", "#define MMQ_Q8_0", "#define MMQ_Q5_0",
-    "void quantize_q8_1_block(", "void mmq_load_w(", "void mmq_load_x(", "u32 mmq_word(",
-    "void mmq_tile("))
+    "#define MMQ_K", "#define MMQ_LD", "#define MMQ_STAGE_BYTES", "#define MMQ_STAGES", "#define MMQ_BIAS",
+    "#define MMQ_BIAS_F", "#define MMQ_Q8_0", "#define MMQ_Q5_0",
+    "void quantize_q8_block(", "struct MmqStage", "struct MmqQ5Held", "void mmq_fetch_x(", "void mmq_fetch_w_q8(",
+    "void mmq_load_w_q5(", "void mmq_store_w_q5(", "u32 mmq_word(", "void mmq_stage_product(", "void mmq_tile("))
 
 # The decode mat-vecs of split Q4_K on int8 tensor cores (matvec_imma.cu)
 # with the accessor they are checked against; the mma instruction is

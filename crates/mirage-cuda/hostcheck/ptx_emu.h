@@ -10,6 +10,7 @@ typedef unsigned char sb_u8; typedef unsigned short sb_u16; typedef unsigned int
 struct uint4 { u32 x, y, z, w; };
 inline uint4 make_uint4(u32 a, u32 b, u32 c, u32 d) { return {a, b, c, d}; }
 inline float __uint_as_float(u32 u) { float f; memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline float half_to_float(u16 h) {
     u32 s = (h >> 15) & 1, e = (h >> 10) & 31, m = h & 1023;
     float v = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? INFINITY : std::ldexp((float)(m | 1024), (int)e - 25);

@@ -8,7 +8,8 @@
 # tensor cores (matvec_imma.cu) and the prefill attention on f16 tensor
 # cores. Blocks run as fibers on one thread
 # (block_emu.h); PRMT and the int8 and f16 mma fragments are emulated per the PTX
-# spec (ptx_emu.h, mma_emu.h).
+# spec (ptx_emu.h, mma_emu.h), the asynchronous copies landing both at issue and
+# at their wait (cp_async_emu.h).
 # Needs python3 and g++ with C++20.
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -109,6 +109,39 @@ impl Kernels {
         Ok(())
     }
 
+    /// Lets every `mmq_*` kernel whose ring of stages fits the device's
+    /// shared memory (`optin`: the most a block may opt in to) launch with
+    /// it in dynamic shared memory (`matvec::mmq_shared_bytes`; past 48 KiB
+    /// a kernel must opt in). Returns the largest tile edge that fits.
+    pub fn allow_mmq_shared_memory(&self, optin: usize) -> std::result::Result<usize, CudaError> {
+        let mut largest = crate::matvec::MMQ_TILES[0];
+        for t in crate::matvec::MMQ_TILES {
+            let bytes = crate::matvec::mmq_shared_bytes(t);
+            if bytes > optin.max(48 * 1024) {
+                continue;
+            }
+            largest = largest.max(t);
+            if bytes <= 48 * 1024 {
+                continue;
+            }
+            for s in crate::matvec::MMQ_SUFFIXES {
+                let name = format!("mmq_{s}_t{t}");
+                let i = self
+                    .index
+                    .get(&name)
+                    .copied()
+                    .ok_or_else(|| CudaError::Driver(format!("no kernel {name}")))?;
+                self.functions[i]
+                    .set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        bytes as i32,
+                    )
+                    .map_err(|e| CudaError::Driver(format!("kernel {name}: {e}")))?;
+            }
+        }
+        Ok(largest)
+    }
+
     /// The index of kernel `name`.
     pub fn index(&self, name: &str) -> Result<usize> {
         self.index
@@ -138,7 +171,9 @@ pub(crate) fn kernel_names() -> Vec<String> {
     }
     names.push("mv3_q8_0s_grid".into());
     for s in crate::matvec::MMQ_SUFFIXES {
-        names.push(format!("mmq_{s}"));
+        for t in crate::matvec::MMQ_TILES {
+            names.push(format!("mmq_{s}_t{t}"));
+        }
     }
     for kv in ["f32", "f16"] {
         for k in [
@@ -166,7 +201,7 @@ pub(crate) fn kernel_names() -> Vec<String> {
         "gather_rows",
         "argmax_rows",
         "f32_to_f16",
-        "quantize_q8_1",
+        "quantize_q8",
         "page_keys",
         "select_pages",
         "attend_combine",
@@ -215,8 +250,8 @@ pub(crate) struct Scratch {
     pub indices: Option<CudaSlice<u32>>,
     /// f16 copies of a GEMM's activations and of one weight tile.
     pub gemm_x: Option<CudaSlice<u16>>,
-    /// A prefill product's activations in q8_1 blocks: int8 quants, then
-    /// (scale, scale * sum) f32 pairs per 32 values.
+    /// A prefill product's activations in 8-bit blocks: int8 quants, then
+    /// an f32 scale per 32 values.
     pub mmq_x: Option<CudaSlice<u8>>,
     pub gemm_w: Option<CudaSlice<u16>>,
     /// Pruned attention: page keys `[rows, n_head, max_pages]`, chosen pages
@@ -259,10 +294,14 @@ pub struct CudaBackend {
     /// Streaming multiprocessors of the device.
     pub(crate) sm_count: usize,
     /// Shared memory a block may take when its kernel opts in (the
-    /// tensor-core mat-vecs do, at load).
+    /// tensor-core mat-vecs and the larger `mmq_*` tiles do, at load).
     pub(crate) smem_optin: usize,
-    /// `resident_blocks` answers by (kernel index, threads).
-    pub(crate) resident: Mutex<HashMap<(usize, u32), usize>>,
+    /// The largest `mmq_*` tile edge whose ring fits the device's shared
+    /// memory (`matvec::MMQ_TILES`).
+    pub(crate) mmq_max_tile: usize,
+    /// `resident_blocks` answers by (kernel index, threads, dynamic shared
+    /// memory).
+    pub(crate) resident: Mutex<HashMap<(usize, u32, u32), usize>>,
     scratch: Mutex<Scratch>,
     mem: Mutex<MemoryStats>,
 }
@@ -335,6 +374,7 @@ impl CudaBackend {
         };
         kernels.load(&module, &ptx, &kernel_names())?;
         kernels.opt_in_smem(IMMA_KERNEL_PREFIXES, smem_optin)?;
+        let mmq_max_tile = kernels.allow_mmq_shared_memory(smem_optin)?;
         // cuBLAS is optional: without the library prefill uses the mat-vec.
         // SAFETY: only probes whether the shared library can be opened.
         let blas = if options.prefill_gemm && unsafe { cudarc::cublas::sys::is_culib_present() } {
@@ -357,6 +397,7 @@ impl CudaBackend {
             ptx_from_cache,
             sm_count,
             smem_optin,
+            mmq_max_tile,
             resident: Mutex::new(HashMap::new()),
             scratch: Mutex::new(Scratch::default()),
             step_state: Mutex::new(StepState::default()),

@@ -1,10 +1,11 @@
 //! Checks of the device code that need no GPU.
 //!
 //! `nvrtc_check`: every CUDA module compiles (NVRTC, for the H100/H200's
-//! sm_90), every kernel a backend loads is in its PTX with the argument
-//! count its launches pass (and the typed mat-vec launches' argument kinds;
-//! the backend checks every launch's kinds at run time), and every one of
-//! them waits on its prerequisite
+//! sm_90: for a real architecture NVRTC also assembles the PTX, so inline
+//! PTX that ptxas rejects fails here), every kernel a backend loads is in
+//! its PTX with the argument count its launches pass (and the typed mat-vec
+//! launches' argument kinds; the backend checks every launch's kinds at run
+//! time), and every one of them waits on its prerequisite
 //! grid (the programmatic-dependent-launch rule, cuda/pdl.cu). Needs only
 //! `libnvrtc` (`pip install nvidia-cuda-nvrtc`, which `.ci/run` does), no
 //! driver and no GPU: a kernel that would not compile on the device fails
@@ -117,7 +118,7 @@ mod nvrtc_check {
                 crate::attention::PREFILL_ARGS
             } else if name.starts_with("mmq_") {
                 crate::matvec::MMQ_ARGS
-            } else if name == "quantize_q8_1" {
+            } else if name == "quantize_q8" {
                 crate::matvec::QUANTIZE_ARGS
             } else {
                 continue;

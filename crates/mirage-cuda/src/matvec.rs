@@ -18,7 +18,7 @@ pub(crate) const MV3_ARGS: usize = 23;
 /// Arguments of an `ffn_*` launch (`FFN_PARAMS`).
 #[cfg(test)]
 pub(crate) const FFN_ARGS: usize = 13;
-/// Arguments of an `mmq_*` launch and of `quantize_q8_1`.
+/// Arguments of an `mmq_*` launch and of `quantize_q8`.
 #[cfg(test)]
 pub(crate) const MMQ_ARGS: usize = 7;
 #[cfg(test)]
@@ -70,34 +70,76 @@ const GRID_MIN_COLS: usize = 2048;
 /// use the mat-vec.
 const GEMM_MIN_ROWS: usize = 17;
 
-/// Layouts the int8 tensor-core products read (`mmq_*` in cuda/mmq.cu).
+/// Layouts the int8 tensor-core products read (`mmq_<suffix>_t<T>` in
+/// cuda/mmq.cu).
 pub(crate) const MMQ_SUFFIXES: [&str; 2] = ["q8_0s", "q5_0s"];
+/// Tile edges of the `mmq_*` kernels (`_t<T>`: T weight rows x T activation
+/// rows a block, T * T / 32 threads): the 64 tile fills the SMs on small
+/// matrices and short batches; the 128 tile reads half the bytes per
+/// product from L2 and shared memory, for the large ones.
+pub(crate) const MMQ_TILES: [usize; 2] = [64, 128];
 /// Columns of one `mmq_*` stage (`MMQ_K`): a matrix's columns must be a
 /// multiple.
 const MMQ_K: usize = 128;
 
-/// Weight rows and activation rows of one `mmq_*` block (`MMQ_ROWS`,
-/// `MMQ_TOKS`) and its threads (`MMQ_WARPS` warps).
-const MMQ_ROWS: usize = 64;
-const MMQ_TOKS: usize = 64;
-const MMQ_THREADS: u32 = 128;
+/// Stages in the ring of an `mmq_*_t<T>` block (`MMQ_STAGES(T)`).
+const fn mmq_stages(t: usize) -> usize {
+    if t == 64 {
+        2
+    } else {
+        3
+    }
+}
+
+/// Dynamic shared memory of an `mmq_*_t<T>` launch: its ring of stages
+/// (`MMQ_STAGES(T) * MMQ_STAGE_BYTES(T)`: per stage T rows of weight and of
+/// activation quants with 16 bytes of padding, and their per-32-column
+/// scales, f16 and f32).
+pub(crate) const fn mmq_shared_bytes(t: usize) -> usize {
+    mmq_stages(t) * t * (2 * (MMQ_K + 16) + 2 * (MMQ_K / 32) + 4 * (MMQ_K / 32))
+}
+
+/// Least share of the 128 tile's work that is useful for it to take a
+/// product: its grid's blocks over the block slots of its waves (the
+/// device's resident blocks, a last partial wave counting whole), times the
+/// tile's share of real rows and activation rows. Below it the 64 tile's
+/// finer blocks keep more of the device busy.
+const MMQ_WIDE_MIN_SHARE: f64 = 0.75;
+
+/// The tile edge (`MMQ_TILES`) of a product of `rows` weight rows and
+/// `n_act` activation rows, when the device holds `wide_slots` blocks of the
+/// 128 tile at once. At 7B (ubatches of 512) the FFN, Q, O and down
+/// matrices take the 128 tile, K and V the 64; at 0.5B every matrix the 64.
+pub(crate) fn mmq_tile_for(rows: usize, n_act: usize, wide_slots: usize) -> usize {
+    let t = MMQ_TILES[1];
+    let blocks = rows.div_ceil(t) * n_act.div_ceil(t);
+    let slots = wide_slots.max(1);
+    let fill = blocks as f64 / (blocks.div_ceil(slots) * slots) as f64;
+    let real = (rows * n_act) as f64 / (blocks * t * t) as f64;
+    if fill * real >= MMQ_WIDE_MIN_SHARE {
+        t
+    } else {
+        MMQ_TILES[0]
+    }
+}
 
 impl CudaBackend {
-    /// Blocks of `kernel` (a block of `threads`, no dynamic shared memory)
-    /// resident on the whole device at once. Asked of the driver once per
-    /// kernel and kept: the decode path runs on the host every step (the
-    /// step is recorded, then its graph replayed), and a driver query per
-    /// mat-vec launch would cost the host more than the grid saves.
-    fn resident_blocks(&self, kernel: usize, threads: u32) -> Result<usize> {
+    /// Blocks of `kernel` (a block of `threads`, `smem` bytes of dynamic
+    /// shared memory) resident on the whole device at once. Asked of the
+    /// driver once per kernel and kept: the decode path runs on the host
+    /// every step (the step is recorded, then its graph replayed), and a
+    /// driver query per mat-vec launch would cost the host more than the
+    /// grid saves.
+    fn resident_blocks(&self, kernel: usize, threads: u32, smem: u32) -> Result<usize> {
         let mut known = self.resident.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(&n) = known.get(&(kernel, threads)) {
+        if let Some(&n) = known.get(&(kernel, threads, smem)) {
             return Ok(n);
         }
         let per_sm = self.kernels.functions[kernel]
-            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
             .map_err(drv)?;
         let n = per_sm.max(1) as usize * self.sm_count;
-        known.insert((kernel, threads), n);
+        known.insert((kernel, threads, smem), n);
         Ok(n)
     }
 
@@ -173,15 +215,15 @@ impl CudaBackend {
         for (w, &y) in ws.iter().zip(ys) {
             if self.use_gemm(n_act) {
                 if let Some(s) = Self::mmq_suffix(w) {
-                    let (pq, pds) = match quantized {
-                        Some((cols, pq, pds)) if cols == w.cols => (pq, pds),
+                    let (pq, pxd) = match quantized {
+                        Some((cols, pq, pxd)) if cols == w.cols => (pq, pxd),
                         _ => {
-                            let (pq, pds) = self.quantize_q8_1(x, n_act, w.cols)?;
-                            quantized = Some((w.cols, pq, pds));
-                            (pq, pds)
+                            let (pq, pxd) = self.quantize_q8(x, n_act, w.cols)?;
+                            quantized = Some((w.cols, pq, pxd));
+                            (pq, pxd)
                         }
                     };
-                    self.mmq(w, s, pq, pds, n_act, y)?;
+                    self.mmq(w, s, pq, pxd, n_act, y)?;
                     continue;
                 }
                 if self.blas.is_some() {
@@ -194,20 +236,21 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The `n_act x cols` activations at `x` in q8_1 blocks (32 values:
-    /// int8 quants, and the scale d = max|x| / 127 with d * sum(q)) in the
-    /// scratch: returns the quants' and the (d, d * sum) pairs' addresses.
-    fn quantize_q8_1(&self, x: u64, n_act: usize, cols: usize) -> Result<(u64, u64)> {
+    /// The `n_act x cols` activations at `x` in 8-bit blocks (32 values:
+    /// int8 quants, and the f32 scale d = max|x| / 127) in the scratch:
+    /// returns the quants' and the scales' addresses.
+    fn quantize_q8(&self, x: u64, n_act: usize, cols: usize) -> Result<(u64, u64)> {
         let n_blocks = n_act * cols / 32;
-        // Quants, then the 8-byte pairs 16-byte aligned.
+        // Quants, then the scales 16-byte aligned (`mmq_*` copies a row's
+        // four scales of a stage as 16 bytes).
         let q_bytes = (n_act * cols).next_multiple_of(16);
         let pq = {
             let mut s = self.scratch();
-            self.grow_scratch(&mut s.mmq_x, q_bytes + 8 * n_blocks)?
+            self.grow_scratch(&mut s.mmq_x, q_bytes + 4 * n_blocks)?
         };
-        let pds = pq + q_bytes as u64;
+        let pxd = pq + q_bytes as u64;
         self.push_launch(Launch {
-            kernel: self.kernels.index("quantize_q8_1")?,
+            kernel: self.kernels.index("quantize_q8")?,
             grid: (n_blocks.div_ceil(8) as u32, 1, 1),
             block: (256, 1, 1),
             smem: 0,
@@ -215,40 +258,53 @@ impl CudaBackend {
                 Arg::Ptr(x),
                 Arg::I64(n_blocks as i64),
                 Arg::Ptr(pq),
-                Arg::Ptr(pds),
+                Arg::Ptr(pxd),
             ]),
         })?;
-        Ok((pq, pds))
+        Ok((pq, pxd))
     }
 
-    /// `y[a, r] = W[r, :] . x[a, :]` on int8 tensor cores, x given as q8_1
-    /// blocks (`quantize_q8_1`): `mmq_<suffix>` reads the weight's own
-    /// blocks tile by tile (cuda/mmq.cu).
+    /// The tile edge `mmq_*` takes for `rows` weight rows and `n_act`
+    /// activation rows on this device (`mmq_tile_for`; the 64 tile where
+    /// the 128 tile's ring does not fit the device's shared memory).
+    pub fn mmq_tile(&self, rows: usize, n_act: usize) -> Result<usize> {
+        let t = MMQ_TILES[1];
+        if self.mmq_max_tile < t {
+            return Ok(MMQ_TILES[0]);
+        }
+        let wide = self
+            .kernels
+            .index(&format!("mmq_{}_t{t}", MMQ_SUFFIXES[0]))?;
+        let slots = self.resident_blocks(wide, (t * t / 32) as u32, mmq_shared_bytes(t) as u32)?;
+        Ok(mmq_tile_for(rows, n_act, slots))
+    }
+
+    /// `y[a, r] = W[r, :] . x[a, :]` on int8 tensor cores, x given as 8-bit
+    /// blocks (`quantize_q8`): `mmq_<suffix>_t<T>` reads the weight's own
+    /// blocks tile by tile (cuda/mmq.cu). Activation tiles are the grid's
+    /// x, so the blocks of one weight tile run side by side.
     fn mmq(
         &self,
         w: &CudaMatrix,
         suffix: &str,
         pq: u64,
-        pds: u64,
+        pxd: u64,
         n_act: usize,
         y: u64,
     ) -> Result<()> {
         let (rows, cols) = (w.rows, w.cols);
+        let t = self.mmq_tile(rows, n_act)?;
         self.push_launch(Launch {
-            kernel: self.kernels.index(&format!("mmq_{suffix}"))?,
-            grid: (
-                rows.div_ceil(MMQ_ROWS) as u32,
-                n_act.div_ceil(MMQ_TOKS) as u32,
-                1,
-            ),
-            block: (MMQ_THREADS, 1, 1),
-            smem: 0,
+            kernel: self.kernels.index(&format!("mmq_{suffix}_t{t}"))?,
+            grid: (n_act.div_ceil(t) as u32, rows.div_ceil(t) as u32, 1),
+            block: ((t * t / 32) as u32, 1, 1),
+            smem: mmq_shared_bytes(t) as u32,
             work: Work::Plain(vec![
                 Arg::Ptr(self.ptr(&w.data)),
                 Arg::I32(rows as i32),
                 Arg::I32(cols as i32),
                 Arg::Ptr(pq),
-                Arg::Ptr(pds),
+                Arg::Ptr(pxd),
                 Arg::I32(n_act as i32),
                 Arg::Ptr(y),
             ]),
@@ -311,7 +367,7 @@ impl CudaBackend {
         let mut kernel = self.kernels.index(&format!("mv3_{suffix}{k}"))?;
         if w0.layout == Layout::Q8Split && w0.cols >= GRID_MIN_COLS {
             let grid = self.kernels.index(&format!("mv3_q8_0s_grid{k}"))?;
-            let resident = self.resident_blocks(grid, (32 * WARPS) as u32)?;
+            let resident = self.resident_blocks(grid, (32 * WARPS) as u32, 0)?;
             if blocks > resident {
                 // Grid-stride over the same row groups: no more blocks than fit.
                 kernel = grid;
@@ -501,5 +557,47 @@ impl CudaBackend {
             self.elementwise("swiglu", n * n_ff, &[pg, pu, ph], None)?;
         }
         self.matvec(&f.down, ph, n, po)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rings the launches reserve: two stages of the 64 tile (under the
+    /// 48 KiB a launch gets without opting in), three of the 128 tile (one
+    /// block per SM on sm_90's 227 KiB).
+    #[test]
+    fn mmq_rings_fit_their_devices() {
+        assert_eq!(mmq_shared_bytes(64), 39_936);
+        assert!(mmq_shared_bytes(64) <= 48 * 1024);
+        assert_eq!(mmq_shared_bytes(128), 119_808);
+        assert!(mmq_shared_bytes(128) <= 227 * 1024);
+    }
+
+    /// The tile rule on the Qwen2.5 shapes at ubatches of 512 on an H100's
+    /// 132 SMs (one block of the 128 tile each): at 7B the FFN, Q, O and
+    /// down take the 128 tile, K and V (16 blocks) the 64; at 0.5B every
+    /// matrix the 64 (the FFN's 152 blocks would leave most SMs idle in a
+    /// second wave); short batches the 64 (mostly padding in a 128 tile).
+    #[test]
+    fn mmq_tile_rule_on_the_benchmark_shapes() {
+        let slots = 132;
+        for rows in [18944, 3584] {
+            assert_eq!(mmq_tile_for(rows, 512, slots), 128, "7B, {rows} rows");
+        }
+        assert_eq!(mmq_tile_for(512, 512, slots), 64, "7B K and V");
+        for rows in [4864, 896, 128] {
+            assert_eq!(mmq_tile_for(rows, 512, slots), 64, "0.5B, {rows} rows");
+        }
+        assert_eq!(mmq_tile_for(18944, 40, slots), 64, "a short batch");
+        assert_eq!(
+            mmq_tile_for(18944, 300, slots),
+            64,
+            "300 rows: 22 % padding"
+        );
+        assert_eq!(mmq_tile_for(18944, 384, slots), 128);
+        // A device that reports no slots still gets an answer.
+        assert_eq!(mmq_tile_for(18944, 512, 0), 128);
     }
 }

@@ -125,7 +125,7 @@ pub fn op_class(kernel: &str) -> OpClass {
         "dequant_",
         "superblock_",
         "mmq_",
-        "quantize_q8_1",
+        "quantize_q8",
     ];
     const ATTENTION: [&str; 4] = ["attend_", "page_keys", "page_bounds", "select_pages"];
     if MATVEC.iter().any(|p| kernel.starts_with(p)) {

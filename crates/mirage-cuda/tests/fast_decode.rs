@@ -307,7 +307,7 @@ fn nvfp4_matvec_ffn_embed_gemm_match_cpu_codec() {
         let e = rel_err(&run(&gemm), &run(&plain));
         eprintln!("{fmt} {ty}: GEMM on the repacked layout vs mat-vec rel err {e:.2e}");
         // NVFP4 goes through f16 tiles (~1e-3); the split layouts through
-        // int8 products on q8_1 activations (~5e-3 on random data; their
+        // int8 products on 8-bit activations (~5e-3 on random data; their
         // exact check is prefill_mmq.rs's).
         let bound = if fmt == WeightFormat::Nvfp4 {
             5e-3

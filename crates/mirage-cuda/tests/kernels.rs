@@ -526,7 +526,7 @@ fn prefill_gemm_every_type_matches_matvec() {
         let want = run(&plain);
         for (what, b) in [("one tile", &one_tile), ("tiles of 48 rows", &tiles)] {
             // f16 activations (and f16 copies of F32/BF16 weights): ~1e-3;
-            // the split layouts' int8 products on q8_1 activations: ~5e-3
+            // the split layouts' int8 products on 8-bit activations: ~5e-3
             // (their exact check is prefill_mmq.rs's).
             let int8 = matches!(
                 ty,

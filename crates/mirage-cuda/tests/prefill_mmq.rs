@@ -1,7 +1,8 @@
 //! The prefill products on int8 tensor cores (`mmq_*`, cuda/mmq.cu) on the
-//! GPU: each split layout against an f64 reference on random blocks, and a
-//! whole prefill against the batch-1 decode path. Without a GPU (or without
-//! the `cuda` feature) every test prints why it skips and passes.
+//! GPU: each split layout and tile against an f64 reference on random
+//! blocks, and a whole prefill against the batch-1 decode path. Without a
+//! GPU (or without the `cuda` feature) every test prints why it skips and
+//! passes.
 
 use mirage_cuda::{CudaBackend, CudaOptions};
 use mirage_gguf::GgmlType;
@@ -15,9 +16,9 @@ use common::{
     rel_err, rng, Tiny,
 };
 
-/// `x` through q8_1 blocks of 32 and back, as `quantize_q8_1` does it: d =
+/// `x` through 8-bit blocks of 32 and back, as `quantize_q8` does it: d =
 /// max|x| / 127 and q = round-half-even(x / d), both in f32.
-fn q8_1_roundtrip(x: &[f32]) -> Vec<f32> {
+fn q8_roundtrip(x: &[f32]) -> Vec<f32> {
     let mut out = Vec::with_capacity(x.len());
     for b in x.chunks(32) {
         let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -35,18 +36,22 @@ fn q8_1_roundtrip(x: &[f32]) -> Vec<f32> {
 }
 
 /// Every layout `mmq_*` reads (Q8_0 and Q5_0, uploaded in their split
-/// layouts) against an f64 product of the dequantized weights and the
-/// q8_1-rounded activations (the kernel's own inputs: only the summation
-/// order differs), and against the exact activations (the q8_1 rounding
-/// costs ~0.5 % there). 300 rows and 70 activation rows leave partial tiles
-/// of both; 512 columns are two super-blocks, four stages.
-#[test]
-fn mmq_every_layout_matches_f64_reference() {
-    let test = "mmq_every_layout_matches_f64_reference";
-    let Some(gpu) = cuda_with(test, &CudaOptions::default()) else {
-        return;
-    };
-    let (rows, cols, n_act) = (300usize, 512usize, 70usize);
+/// layouts) in a product of this shape, which must take the `tile` tile,
+/// against an f64 product of the dequantized weights and the 8-bit-rounded
+/// activations (the kernel's own inputs: only the summation order
+/// differs), and against the exact activations (the 8-bit rounding costs
+/// ~0.5 % there).
+fn every_layout_matches_f64_reference(
+    test: &str,
+    gpu: &CudaBackend,
+    (rows, cols, n_act): (usize, usize, usize),
+    tile: usize,
+) {
+    assert_eq!(
+        gpu.mmq_tile(rows, n_act).unwrap(),
+        tile,
+        "{test}: {rows} x {n_act} does not take the {tile} tile"
+    );
     let mut r = rng(77);
     for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
         let hm = host_matrix(
@@ -60,12 +65,13 @@ fn mmq_every_layout_matches_f64_reference() {
         let x = randn(&mut r, n_act * cols);
         let dm = gpu.upload_matrix(&hm).unwrap();
         assert!(dm.is_repacked(), "{ty}: not uploaded in its split layout");
-        let got = device_matmul(&gpu, &dm, &x, n_act, rows);
-        let exact_inputs = matvec_reference(&w, &q8_1_roundtrip(&x), rows, cols, n_act);
+        let got = device_matmul(gpu, &dm, &x, n_act, rows);
+        let exact_inputs = matvec_reference(&w, &q8_roundtrip(&x), rows, cols, n_act);
         let e = rel_err(&got, &exact_inputs);
         let e_f32 = rel_err(&got, &matvec_reference(&w, &x, rows, cols, n_act));
         eprintln!(
-            "{ty}: mmq vs f64 on its q8_1 inputs rel err {e:.2e}; vs f32 activations {e_f32:.2e}"
+            "{ty}: mmq vs f64 on its 8-bit inputs (tile {tile}, {rows} x {cols} times {n_act}) rel err \
+             {e:.2e}; vs f32 activations {e_f32:.2e}"
         );
         assert!(e < 1e-5, "{ty}: mmq vs f64 reference rel err {e}");
         assert!(
@@ -73,6 +79,34 @@ fn mmq_every_layout_matches_f64_reference() {
             "{ty}: mmq vs f32-activation reference rel err {e_f32}"
         );
     }
+}
+
+/// The 64 tile: 300 rows and 70 activation rows leave partial tiles of
+/// both; 512 columns are four stages (the ring has two buffers).
+#[test]
+fn mmq_every_layout_matches_f64_reference() {
+    let test = "mmq_every_layout_matches_f64_reference";
+    let Some(gpu) = cuda_with(test, &CudaOptions::default()) else {
+        return;
+    };
+    every_layout_matches_f64_reference(test, &gpu, (300, 512, 70), 64);
+}
+
+/// The 128 tile: the fewest rows (128 k + 37, a partial tile) that take it
+/// beside 549 activation rows (a partial tile) on this device; 640 columns
+/// are five stages (the ring has three buffers).
+#[test]
+fn mmq_wide_tile_matches_f64_reference() {
+    let test = "mmq_wide_tile_matches_f64_reference";
+    let Some(gpu) = cuda_with(test, &CudaOptions::default()) else {
+        return;
+    };
+    let n_act = 549;
+    let rows = (1..=64)
+        .map(|k| 128 * k + 37)
+        .find(|&rows| gpu.mmq_tile(rows, n_act).unwrap() == 128)
+        .expect("no shape of up to 8229 rows takes the 128 tile");
+    every_layout_matches_f64_reference(test, &gpu, (rows, 640, n_act), 128);
 }
 
 /// One prompt of `n` tokens prefilled in one batch (the int8 tensor-core
@@ -191,7 +225,7 @@ fn prefill_q4_k_mix_matches_decode() {
 
 /// The products really take the tensor-core path here: a backend with the
 /// option off multiplies the same batch through the mat-vecs, and the two
-/// differ by the q8_1 rounding (not bit for bit), while agreeing closely.
+/// differ by the 8-bit rounding (not bit for bit), while agreeing closely.
 #[test]
 fn mmq_path_is_taken_for_batches() {
     let test = "mmq_path_is_taken_for_batches";
