@@ -69,7 +69,6 @@ fn matvec_and_embed_every_type_match_f64_reference() {
         let dm = gpu.upload_matrix(&hm).unwrap();
         let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
         let mut dy = gpu.new_activations();
-        // Poison: a previous, larger result in the output buffer.
         gpu.matmul(&dm, &dx, &mut dy).unwrap();
         let mut got = Vec::new();
         assert_eq!(gpu.read(&dy, &mut got).unwrap(), (n_act, rows));
