@@ -476,10 +476,7 @@ impl ActivationBackend {
                 )));
             }
             let group = cm.layout.group();
-            match thr {
-                Some(t) => s.active[k].fill(x, group, |i, v| v.abs() >= t[i]),
-                None => s.active[k].fill(x, group, |_, _| true),
-            }
+            s.active[k].fill_above(x, group, *thr);
             kernel_bytes += cm.layout.bytes_read(&s.active[k]) as u64;
             cms.push(cm);
         }
