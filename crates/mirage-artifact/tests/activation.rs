@@ -233,6 +233,29 @@ fn sparsity_zero_decode_is_as_exact_as_the_dense_decode() {
         sparse_dense >= 0.999,
         "mean sparse vs dense cosine {sparse_dense}"
     );
+    // Thresholds of the wrong width: a typed error naming them, not a panic.
+    let mut short: Vec<Option<Vec<f32>>> = a
+        .matrices()
+        .iter()
+        .map(|e| Some(vec![0.0; e.layout.cols()]))
+        .collect();
+    if let Some(Some(t)) = short.first_mut() {
+        t.pop();
+    }
+    sparse.backend().set_thresholds(short).unwrap();
+    let mut cache = sparse.new_kv_cache(4, 1, KvDtype::F32).unwrap();
+    let mut scratch = sparse.new_scratch();
+    let err = sparse
+        .forward(
+            &tokens[..1],
+            &[TokenSlot { seq: 0, pos: 0 }],
+            &[0],
+            &mut cache,
+            &mut scratch,
+            &mut Vec::new(),
+        )
+        .expect_err("thresholds one short of the input width");
+    assert!(err.to_string().contains("thresholds"), "{err}");
 }
 
 /// The decode kernels at 10 % equal the batch path (the dense kernels on

@@ -476,10 +476,15 @@ impl ActivationBackend {
                 )));
             }
             let group = cm.layout.group();
-            match thr {
-                Some(t) => s.active[k].fill(x, group, |i, v| v.abs() >= t[i]),
-                None => s.active[k].fill(x, group, |_, _| true),
+            if let Some(t) = thr.filter(|t| t.len() != x.len()) {
+                return Err(invalid(format!(
+                    "{}: {} thresholds for {} input channels",
+                    w.host.name,
+                    t.len(),
+                    x.len()
+                )));
             }
+            s.active[k].fill_above(x, group, *thr);
             kernel_bytes += cm.layout.bytes_read(&s.active[k]) as u64;
             cms.push(cm);
         }

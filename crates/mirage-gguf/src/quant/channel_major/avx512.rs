@@ -499,3 +499,90 @@ unsafe fn tile<const BITS: usize, const E: u8>(
         }
     }
 }
+
+/// One group's active channels as [`super::ActiveChannels::fill_above`]
+/// stores them: positions and int8 codes of the `k` kept channels in order
+/// (then padded to a multiple of 4: positions with the last kept one,
+/// codes with 0), the group's scale and the sum of its codes.
+pub(super) struct FilledGroup {
+    pub k: usize,
+    pub idx: [u8; 48],
+    pub codes: [u8; 48],
+    pub dx: f32,
+    pub sum: i32,
+}
+
+/// Builds one group (16 or 32 channels) of an active-channel list: channel
+/// `j` kept when `|x_j| >= thr_j` (`thr` `None`: every channel), with the
+/// scalar builder's float operations, so that the result is the same bits.
+///
+/// # Safety
+/// The CPU runs [`available`]'s features; `x.len()` (and `thr`'s) is 16 or 32.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+pub(super) unsafe fn fill_group(x: &[f32], thr: Option<&[f32]>) -> FilledGroup {
+    let halves = x.len() / 16;
+    let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
+    let mut on = [0u16; 2];
+    let mut vx = [_mm512_setzero_ps(); 2];
+    let mut amax = _mm512_setzero_ps();
+    for h in 0..halves {
+        let v = _mm512_loadu_ps(x.as_ptr().add(16 * h));
+        let a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+        let m = match thr {
+            Some(t) => _mm512_cmp_ps_mask::<_CMP_GE_OQ>(a, _mm512_loadu_ps(t.as_ptr().add(16 * h))),
+            None => 0xffff,
+        };
+        // `max(a, amax)` returns `amax` where `a` is NaN, as `f32::max` does.
+        amax = _mm512_max_ps(_mm512_maskz_mov_ps(m, a), amax);
+        on[h] = m;
+        vx[h] = v;
+    }
+    let amax = _mm512_reduce_max_ps(amax);
+    let dx = amax / 127.0;
+    let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+    let mut f = FilledGroup {
+        k: 0,
+        idx: [0; 48],
+        codes: [0; 48],
+        dx,
+        sum: 0,
+    };
+    let idv = _mm512_set1_ps(id);
+    let magic = _mm512_set1_ps(12_582_912.0);
+    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let mut sum = _mm512_setzero_si512();
+    for h in 0..halves {
+        let m = on[h];
+        // round_i8: (q + 1.5 * 2^23) bits - 0x4B40_0000, clamped to +-127.
+        let r = _mm512_add_ps(_mm512_mul_ps(vx[h], idv), magic);
+        let q = _mm512_sub_epi32(_mm512_castps_si512(r), _mm512_set1_epi32(0x4B40_0000));
+        let q = _mm512_max_epi32(
+            _mm512_min_epi32(q, _mm512_set1_epi32(127)),
+            _mm512_set1_epi32(-127),
+        );
+        let q = _mm512_maskz_compress_epi32(m, q);
+        let ids = _mm512_maskz_compress_epi32(
+            m,
+            _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * h as i32)),
+        );
+        sum = _mm512_add_epi32(sum, q);
+        _mm_storeu_si128(
+            f.codes.as_mut_ptr().add(f.k) as *mut __m128i,
+            _mm512_cvtepi32_epi8(q),
+        );
+        _mm_storeu_si128(
+            f.idx.as_mut_ptr().add(f.k) as *mut __m128i,
+            _mm512_cvtepi32_epi8(ids),
+        );
+        f.k += m.count_ones() as usize;
+    }
+    f.sum = _mm512_reduce_add_epi32(sum);
+    if f.k > 0 {
+        let last = f.idx[f.k - 1];
+        for j in f.k..f.k.next_multiple_of(4) {
+            f.idx[j] = last;
+            f.codes[j] = 0;
+        }
+    }
+    f
+}
