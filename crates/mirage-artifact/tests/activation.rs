@@ -256,6 +256,19 @@ fn sparsity_zero_decode_is_as_exact_as_the_dense_decode() {
         )
         .expect_err("thresholds one short of the input width");
     assert!(err.to_string().contains("thresholds"), "{err}");
+    // The same in a batch (the dense kernels on masked inputs).
+    let mut cache = sparse.new_kv_cache(4, 1, KvDtype::F32).unwrap();
+    let err = sparse
+        .forward(
+            &tokens[..2],
+            &[TokenSlot { seq: 0, pos: 0 }, TokenSlot { seq: 0, pos: 1 }],
+            &[1],
+            &mut cache,
+            &mut scratch,
+            &mut Vec::new(),
+        )
+        .expect_err("a batch with thresholds one short of the input width");
+    assert!(err.to_string().contains("thresholds"), "{err}");
 }
 
 /// The decode kernels at 10 % equal the batch path (the dense kernels on

@@ -608,6 +608,14 @@ impl ActivationBackend {
             }
             return self.inner.matmul(&w.dense, x, out);
         };
+        if thr.len() != x.width() {
+            return Err(invalid(format!(
+                "{}: {} thresholds for {} input channels",
+                w.host.name,
+                thr.len(),
+                x.width()
+            )));
+        }
         let mut masked = {
             let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
             std::mem::take(&mut s.masked)
