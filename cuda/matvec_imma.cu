@@ -252,15 +252,7 @@ template <int S>
 __device__ __forceinline__ void mv3_q4ks_imma(MV3_PARAMS) {
     const int PER = (FAST_WARPS / S) * IMMA_ROWS;
     MV3_PICK_W(PER)
-    const int qs = cols >> 1, ms = cols >> 4;
-    {
-        // The block's rows before waiting on the previous kernel (pdl.cu).
-        const int rb = bx * PER, nb = min(PER, rows - rb);
-        if (blockIdx.y == 0) {
-            l2_prefetch_rows(W + (long)rb * qs, qs, nb, min(qs, L2_PREFETCH_ROW));
-            l2_prefetch_block(W + (long)rows * qs + (long)rb * ms, (long)nb * ms);
-        }
-    }
+    split_rows_l2_prefetch(W, rows, bx * PER, min(PER, rows - bx * PER), cols >> 1, cols >> 4);
     PDL_ENTRY();
     FAST_INPUT
     const ImmaX X = imma_stage_x(xa, cols, nx != 0);
@@ -279,21 +271,14 @@ template <int S>
 __device__ __forceinline__ void ffn_q4ks_imma(FFN_PARAMS) {
     const int PER = (FAST_WARPS / S) * IMMA_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int qs = cols >> 1, ms = cols >> 4;
     (void)row_bytes;
     (void)ts_g;
     (void)ts_u;
     {
+        // The block's gate and up rows.
         const int rb = blockIdx.x * PER, nb = min(PER, rows - rb);
-        if (blockIdx.y == 0) {
-            const long pr = min(qs, L2_PREFETCH_ROW);
-            l2_prefetch_rows(Wg + (long)rb * qs, qs, nb, pr);
-            l2_prefetch_rows(Wu + (long)rb * qs, qs, nb, pr);
-            if (pr > 0) {
-                l2_prefetch_block(Wg + (long)rows * qs + (long)rb * ms, (long)nb * ms);
-                l2_prefetch_block(Wu + (long)rows * qs + (long)rb * ms, (long)nb * ms);
-            }
-        }
+        split_rows_l2_prefetch(Wg, rows, rb, nb, cols >> 1, cols >> 4);
+        split_rows_l2_prefetch(Wu, rows, rb, nb, cols >> 1, cols >> 4);
     }
     PDL_ENTRY();
     FAST_INPUT

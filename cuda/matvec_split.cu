@@ -113,6 +113,17 @@ __device__ __forceinline__ MvvRows mv3_rows(const u8* W, int rows, int r0, int c
     return R;
 }
 
+// Rows [rb, rb + n) of a split-layout matrix W (rows of qs quant bytes,
+// then rows of ms scale or header bytes) asked of L2 before the block waits
+// on the previous kernel (weights only, pdl.cu): the first L2_PREFETCH_ROW
+// bytes of each row's quants and all of their scales, by the blocks of
+// activation row 0.
+__device__ __forceinline__ void split_rows_l2_prefetch(const u8* W, int rows, int rb, int n, int qs, int ms) {
+    if (blockIdx.y != 0) return;
+    l2_prefetch_rows(W + (long)rb * qs, qs, n, min(qs, L2_PREFETCH_ROW));
+    l2_prefetch_block(W + (long)rows * qs + (long)rb * ms, (long)n * ms);
+}
+
 // mv3 of split Q8_0: S warps per group of NR rows (S = 1: no split), each
 // over one column slice of whole G-element granules.
 template <int NR, int U, int S>
@@ -120,14 +131,9 @@ __device__ __forceinline__ void mv3_split(MV3_PARAMS) {
     const int G = 128;
     MV3_PICK_W((FAST_WARPS / S) * NR)
     {
-        // The block's rows (all columns), before waiting on the previous
-        // kernel: weights only (pdl.cu).
-        const int rb = bx * (FAST_WARPS / S) * NR, nb = min((FAST_WARPS / S) * NR, rows - rb);
-        const int qs = cols, ms = cols >> 4;
-        if (blockIdx.y == 0) {
-            l2_prefetch_rows(W + (long)rb * qs, qs, nb, min(qs, L2_PREFETCH_ROW));
-            l2_prefetch_block(W + (long)rows * qs + (long)rb * ms, (long)nb * ms);
-        }
+        // The block's rows (all columns).
+        const int rb = bx * (FAST_WARPS / S) * NR;
+        split_rows_l2_prefetch(W, rows, rb, min((FAST_WARPS / S) * NR, rows - rb), cols, cols >> 4);
     }
     PDL_ENTRY();
     FAST_INPUT
@@ -210,17 +216,10 @@ __device__ __forceinline__ void ffn_split(FFN_PARAMS) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int qs = cols, ms = cols >> 4;
     {
-        // The block's gate and up rows before waiting (see mv3_split).
+        // The block's gate and up rows.
         const int rb = blockIdx.x * FAST_WARPS * NC, nb = min(FAST_WARPS * NC, rows - rb);
-        if (blockIdx.y == 0) {
-            const long pr = min(qs, L2_PREFETCH_ROW);
-            l2_prefetch_rows(Wg + (long)rb * qs, qs, nb, pr);
-            l2_prefetch_rows(Wu + (long)rb * qs, qs, nb, pr);
-            if (pr > 0) {
-                l2_prefetch_block(Wg + (long)rows * qs + (long)rb * ms, (long)nb * ms);
-                l2_prefetch_block(Wu + (long)rows * qs + (long)rb * ms, (long)nb * ms);
-            }
-        }
+        split_rows_l2_prefetch(Wg, rows, rb, nb, qs, ms);
+        split_rows_l2_prefetch(Wu, rows, rb, nb, qs, ms);
     }
     PDL_ENTRY();
     FAST_INPUT
