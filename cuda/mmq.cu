@@ -111,22 +111,29 @@ template <int T> struct MmqQ5Held {
     u16 d[N];
 };
 
+// Copies (cp.async) of rows [r0, r0 + T) (clamped to the last of n rows;
+// the clamped rows' outputs are not stored), columns [k0, k0 + MMQ_K), of an
+// int8 matrix src ([n][cols]) into the stage's tile at dst (rows MMQ_LD
+// bytes apart): T rows of MMQ_K / 16 copies, a whole number of rounds of the
+// block's threads.
+template <int T>
+__device__ __forceinline__ void mmq_fetch_rows(u8* dst, const u8* __restrict__ src, int n, int cols, int r0, int k0) {
+    constexpr int NT = T * T / 32;
+#pragma unroll
+    for (int j = 0; j < T * MMQ_K / 16 / NT; j++) {
+        const int i = threadIdx.x + j * NT;
+        const int r = i / (MMQ_K / 16), c = i % (MMQ_K / 16);
+        const long g = min(r0 + r, n - 1);
+        cp_async16(dst + r * MMQ_LD + 16 * c, src + g * cols + k0 + 16 * c);
+    }
+}
+
 // Copies (cp.async) of the activation stage: rows [t0, t0 + T) of xq
-// (clamped to the last row; the clamped rows' outputs are not stored),
-// columns [k0, k0 + MMQ_K), with their scales.
+// (clamped), columns [k0, k0 + MMQ_K), then one copy of scales a row.
 template <int T>
 __device__ __forceinline__ void mmq_fetch_x(u8* st, const i8* __restrict__ xq, const float* __restrict__ xd,
                                             int n_act, int cols, int t0, int k0) {
-    constexpr int NT = T * T / 32;
-    // T rows of MMQ_K / 16 copies (a whole number of rounds of the block's
-    // threads), then T rows of one copy of scales.
-#pragma unroll
-    for (int n = 0; n < T * MMQ_K / 16 / NT; n++) {
-        const int i = threadIdx.x + n * NT;
-        const int t = i / (MMQ_K / 16), c = i % (MMQ_K / 16);
-        const long ga = min(t0 + t, n_act - 1);
-        cp_async16(st + MmqStage<T>::X + t * MMQ_LD + 16 * c, xq + ga * cols + k0 + 16 * c);
-    }
+    mmq_fetch_rows<T>(st + MmqStage<T>::X, (const u8*)xq, n_act, cols, t0, k0);
     if (threadIdx.x < T) {
         const int t = threadIdx.x;
         const long ga = min(t0 + t, n_act - 1);
@@ -138,14 +145,7 @@ __device__ __forceinline__ void mmq_fetch_x(u8* st, const i8* __restrict__ xq, c
 // copies (cp.async) of rows [r0, r0 + T) (clamped), columns [k0, k0 + MMQ_K).
 template <int T>
 __device__ __forceinline__ void mmq_fetch_w_q8(u8* st, const u8* __restrict__ W, int rows, int cols, int r0, int k0) {
-    constexpr int NT = T * T / 32;
-#pragma unroll
-    for (int n = 0; n < T * MMQ_K / 16 / NT; n++) {
-        const int i = threadIdx.x + n * NT;
-        const int r = i / (MMQ_K / 16), c = i % (MMQ_K / 16);
-        const long gr = min(r0 + r, rows - 1);
-        cp_async16(st + MmqStage<T>::W + r * MMQ_LD + 16 * c, W + gr * cols + k0 + 16 * c);
-    }
+    mmq_fetch_rows<T>(st + MmqStage<T>::W, W, rows, cols, r0, k0);
     if (threadIdx.x < T) {
         const int r = threadIdx.x;
         const long gr = min(r0 + r, rows - 1);

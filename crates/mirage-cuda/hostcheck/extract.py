@@ -104,7 +104,7 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
     "float q8s_elem(", "float q5s_elem(",
     "#define MMQ_K", "#define MMQ_LD", "#define MMQ_STAGE_BYTES", "#define MMQ_STAGES", "#define MMQ_BIAS",
     "#define MMQ_BIAS_F", "#define MMQ_Q8_0", "#define MMQ_Q5_0",
-    "void quantize_q8_block(", "struct MmqStage", "struct MmqQ5Held", "void mmq_fetch_x(", "void mmq_fetch_w_q8(",
+    "void quantize_q8_block(", "struct MmqStage", "struct MmqQ5Held", "void mmq_fetch_rows(", "void mmq_fetch_x(", "void mmq_fetch_w_q8(",
     "void mmq_load_w_q5(", "void mmq_store_w_q5(", "u32 mmq_word(", "void mmq_stage_product(", "void mmq_tile("))
 
 # The decode mat-vecs of split Q4_K on int8 tensor cores (matvec_imma.cu)
