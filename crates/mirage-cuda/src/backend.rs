@@ -64,8 +64,9 @@ pub(crate) struct Kernels {
 }
 
 /// Kernels whose blocks may take more than the default 48 KB of dynamic
-/// shared memory (the tensor-core mat-vecs' activation planes of wide rows).
-const IMMA_KERNEL_PREFIXES: &[&str] = &["mv3_q4_ks", "ffn_q4_ks"];
+/// shared memory: the tensor-core mat-vecs (activation planes of wide rows)
+/// and the prefill products (their rings of stages).
+const LARGE_SMEM_KERNEL_PREFIXES: &[&str] = &["mv3_q4_ks", "ffn_q4_ks", "mmq_"];
 
 impl Kernels {
     /// Lets the kernels whose names start with one of `prefixes` take up to
@@ -107,39 +108,6 @@ impl Kernels {
             self.names.push(name.clone());
         }
         Ok(())
-    }
-
-    /// Lets every `mmq_*` kernel whose ring of stages fits the device's
-    /// shared memory (`optin`: the most a block may opt in to) launch with
-    /// it in dynamic shared memory (`matvec::mmq_shared_bytes`; past 48 KiB
-    /// a kernel must opt in). Returns the largest tile edge that fits.
-    pub fn allow_mmq_shared_memory(&self, optin: usize) -> std::result::Result<usize, CudaError> {
-        let mut largest = crate::matvec::MMQ_TILES[0];
-        for t in crate::matvec::MMQ_TILES {
-            let bytes = crate::matvec::mmq_shared_bytes(t);
-            if bytes > optin.max(48 * 1024) {
-                continue;
-            }
-            largest = largest.max(t);
-            if bytes <= 48 * 1024 {
-                continue;
-            }
-            for s in crate::matvec::MMQ_SUFFIXES {
-                let name = format!("mmq_{s}_t{t}");
-                let i = self
-                    .index
-                    .get(&name)
-                    .copied()
-                    .ok_or_else(|| CudaError::Driver(format!("no kernel {name}")))?;
-                self.functions[i]
-                    .set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        bytes as i32,
-                    )
-                    .map_err(|e| CudaError::Driver(format!("kernel {name}: {e}")))?;
-            }
-        }
-        Ok(largest)
     }
 
     /// The index of kernel `name`.
@@ -373,8 +341,8 @@ impl CudaBackend {
             index: HashMap::new(),
         };
         kernels.load(&module, &ptx, &kernel_names())?;
-        kernels.opt_in_smem(IMMA_KERNEL_PREFIXES, smem_optin)?;
-        let mmq_max_tile = kernels.allow_mmq_shared_memory(smem_optin)?;
+        kernels.opt_in_smem(LARGE_SMEM_KERNEL_PREFIXES, smem_optin)?;
+        let mmq_max_tile = crate::matvec::mmq_max_tile(smem_optin);
         // cuBLAS is optional: without the library prefill uses the mat-vec.
         // SAFETY: only probes whether the shared library can be opened.
         let blas = if options.prefill_gemm && unsafe { cudarc::cublas::sys::is_culib_present() } {

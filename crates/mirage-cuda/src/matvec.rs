@@ -99,6 +99,17 @@ pub(crate) const fn mmq_shared_bytes(t: usize) -> usize {
     mmq_stages(t) * t * (2 * (MMQ_K + 16) + 2 * (MMQ_K / 32) + 4 * (MMQ_K / 32))
 }
 
+/// The largest tile edge (`MMQ_TILES`) whose ring fits a block's shared
+/// memory on a device that lets a kernel opt in to `optin` bytes (the
+/// smallest tile always: it fits the default 48 KiB).
+pub(crate) fn mmq_max_tile(optin: usize) -> usize {
+    MMQ_TILES
+        .into_iter()
+        .filter(|&t| mmq_shared_bytes(t) <= optin.max(48 * 1024))
+        .max()
+        .unwrap_or(MMQ_TILES[0])
+}
+
 /// Least share of the 128 tile's work that is useful for it to take a
 /// product: its grid's blocks over the block slots of its waves (the
 /// device's resident blocks, a last partial wave counting whole), times the
@@ -580,6 +591,14 @@ mod tests {
     /// down take the 128 tile, K and V (16 blocks) the 64; at 0.5B every
     /// matrix the 64 (the FFN's 152 blocks would leave most SMs idle in a
     /// second wave); short batches the 64 (mostly padding in a 128 tile).
+    #[test]
+    fn the_large_tile_needs_the_shared_memory_for_its_ring() {
+        assert_eq!(mmq_max_tile(227 * 1024), 128, "an H100's opt-in");
+        assert_eq!(mmq_max_tile(mmq_shared_bytes(128)), 128);
+        assert_eq!(mmq_max_tile(mmq_shared_bytes(128) - 1), 64);
+        assert_eq!(mmq_max_tile(0), 64, "the 64 tile fits the default 48 KiB");
+    }
+
     #[test]
     fn mmq_tile_rule_on_the_benchmark_shapes() {
         let slots = 132;
