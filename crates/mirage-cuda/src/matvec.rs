@@ -405,7 +405,7 @@ impl CudaBackend {
     fn imma_smem_checked(&self, cols: usize) -> Result<u32> {
         let need = imma_smem(cols) + 4 * cols;
         if need > self.smem_optin {
-            return Err(bad(&format!(
+            return Err(bad(format!(
                 "rows of {cols} columns need {need} bytes of shared memory a block; the device allows {}",
                 self.smem_optin
             )));
