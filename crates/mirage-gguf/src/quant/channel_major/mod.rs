@@ -661,11 +661,8 @@ pub struct ActiveChannels {
 }
 
 impl ActiveChannels {
-    /// Rebuilds the list from `x` (one input vector) keeping channel `i`
-    /// when `keep(i, x_i)`; `group` is the layout's [`ChannelMajorLayout::group`]
-    /// (at most 32).
-    pub fn fill(&mut self, x: &[f32], group: usize, mut keep: impl FnMut(usize, f32) -> bool) {
-        let group = group.clamp(1, 32);
+    /// Empties the list (keeping its allocations) for groups of `group`.
+    fn reset(&mut self, group: usize) {
         self.group = group;
         self.len = 0;
         self.set_start.clear();
@@ -674,6 +671,14 @@ impl ActiveChannels {
         self.count.clear();
         self.dx.clear();
         self.sum.clear();
+    }
+
+    /// Rebuilds the list from `x` (one input vector) keeping channel `i`
+    /// when `keep(i, x_i)`; `group` is the layout's [`ChannelMajorLayout::group`]
+    /// (at most 32).
+    pub fn fill(&mut self, x: &[f32], group: usize, mut keep: impl FnMut(usize, f32) -> bool) {
+        let group = group.clamp(1, 32);
+        self.reset(group);
         let mut idx = [0u8; 32];
         let mut val = [0f32; 32];
         for (g, xs) in x.chunks(group).enumerate() {
@@ -729,14 +734,7 @@ impl ActiveChannels {
         #[cfg(target_arch = "x86_64")]
         {
             if matches!(group, 16 | 32) && x.len() % group == 0 && avx512::available() {
-                self.group = group;
-                self.len = 0;
-                self.set_start.clear();
-                self.set_idx.clear();
-                self.set_xq.clear();
-                self.count.clear();
-                self.dx.clear();
-                self.sum.clear();
+                self.reset(group);
                 for (g, xs) in x.chunks_exact(group).enumerate() {
                     let t = thr.map(|t| &t[g * group..(g + 1) * group]);
                     // SAFETY: AVX-512 checked above; `xs` and `t` hold
