@@ -243,32 +243,24 @@ fn sparsity_zero_decode_is_as_exact_as_the_dense_decode() {
         t.pop();
     }
     sparse.backend().set_thresholds(short).unwrap();
-    let mut cache = sparse.new_kv_cache(4, 1, KvDtype::F32).unwrap();
+    // One decode row (the channel-major kernels) and a batch of two (the
+    // dense kernels on masked inputs).
     let mut scratch = sparse.new_scratch();
-    let err = sparse
-        .forward(
-            &tokens[..1],
-            &[TokenSlot { seq: 0, pos: 0 }],
-            &[0],
-            &mut cache,
-            &mut scratch,
-            &mut Vec::new(),
-        )
-        .expect_err("thresholds one short of the input width");
-    assert!(err.to_string().contains("thresholds"), "{err}");
-    // The same in a batch (the dense kernels on masked inputs).
-    let mut cache = sparse.new_kv_cache(4, 1, KvDtype::F32).unwrap();
-    let err = sparse
-        .forward(
-            &tokens[..2],
-            &[TokenSlot { seq: 0, pos: 0 }, TokenSlot { seq: 0, pos: 1 }],
-            &[1],
-            &mut cache,
-            &mut scratch,
-            &mut Vec::new(),
-        )
-        .expect_err("a batch with thresholds one short of the input width");
-    assert!(err.to_string().contains("thresholds"), "{err}");
+    for n in [1usize, 2] {
+        let mut cache = sparse.new_kv_cache(4, 1, KvDtype::F32).unwrap();
+        let slots: Vec<TokenSlot> = (0..n).map(|p| TokenSlot { seq: 0, pos: p }).collect();
+        let err = sparse
+            .forward(
+                &tokens[..n],
+                &slots,
+                &[n - 1],
+                &mut cache,
+                &mut scratch,
+                &mut Vec::new(),
+            )
+            .expect_err("thresholds one short of the input width");
+        assert!(err.to_string().contains("thresholds"), "{n} rows: {err}");
+    }
 }
 
 /// The decode kernels at 10 % equal the batch path (the dense kernels on
