@@ -46,6 +46,15 @@ pub(crate) fn imma_smem(cols: usize) -> usize {
     2 * cols + 8 * (cols / 32)
 }
 
+/// The kernel-name suffix of column split `split` (`_k<S>`; none for 1).
+fn split_suffix(split: usize) -> String {
+    if split == 1 {
+        String::new()
+    } else {
+        format!("_k{split}")
+    }
+}
+
 /// Column splits of the split-layout mat-vecs (`mv3_<suffix>_k<S>`; 1 is
 /// one warp per row group).
 pub(crate) const SPLIT_K: [usize; 4] = [1, 2, 4, 8];
@@ -370,11 +379,7 @@ impl CudaBackend {
             m.tensor_scale[i] = F32(w.tensor_scale());
             blocks += w.rows.div_ceil(per_block);
         }
-        let k = if split == 1 {
-            String::new()
-        } else {
-            format!("_k{split}")
-        };
+        let k = split_suffix(split);
         let mut kernel = self.kernels.index(&format!("mv3_{suffix}{k}"))?;
         if w0.layout == Layout::Q8Split && w0.cols >= GRID_MIN_COLS {
             let grid = self.kernels.index(&format!("mv3_q8_0s_grid{k}"))?;
@@ -426,14 +431,9 @@ impl CudaBackend {
             Layout::Q4KSplit => {
                 // A warp takes 16 channels (their gate and up rows).
                 let split = self.imma_split(&[g.rows], g.cols);
-                let k = if split == 1 {
-                    String::new()
-                } else {
-                    format!("_k{split}")
-                };
                 (
                     WARPS / split * IMMA_ROWS,
-                    format!("ffn_{}{k}", g.suffix()),
+                    format!("ffn_{}{}", g.suffix(), split_suffix(split)),
                     self.imma_smem_checked(g.cols)?,
                 )
             }
