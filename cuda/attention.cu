@@ -79,10 +79,10 @@ __device__ void rope_store(float* q, float* k, const float* __restrict__ v, cons
 // Decode attention: split-K ("flash-decoding") over the cache, in two
 // launches. attend_split_* (grid (rows, n_head_kv * hg, n_split), block
 // AS_THREADS): block (row, y, s) takes the query heads h0 .. h0 + gb of KV
-// head kvh = y / hg (the heads of a GQA group, at most AS_MAX_G per block:
-// hg = ceil(G / AS_MAX_G) blocks per group, G = n_head / n_head_kv), so
-// every key and value of the split is read once for all of them, over
-// positions [s * c, min((s + 1) * c, n)) of the row's sequence (n = pos + 1,
+// head kvh = y / hg (hpb heads of a GQA group per block, at most AS_MAX_G:
+// hg = ceil(G / hpb) blocks per group, G = n_head / n_head_kv), so every key
+// and value of the split is read once for all of them, over positions
+// [s * c, min((s + 1) * c, n)) of the row's sequence (n = pos + 1,
 // c = att_chunk(n, n_split, chunk)), with an online softmax in tiles of
 // AS_TILE keys, and writes each head's running max m, sum l and
 // unnormalised V sum to part[((row * n_head + head) * n_split + s) *
@@ -92,6 +92,9 @@ __device__ void rope_store(float* q, float* k, const float* __restrict__ v, cons
 // at any length, and the host sizes n_split so that a long context fills
 // the device (several blocks per SM) while a short one still takes one
 // split per ATT_MIN_KEYS keys.
+// Short contexts (every row's keys fit one split) take one launch instead:
+// one split, one or a few heads per block (hpb) for more blocks, each
+// block writing its heads' final output (the `out` argument), no combine.
 // Pruned attention (attention_pruned.cu) uses ATT_THREADS / ATT_TILE and the
 // partial helpers below, and the same combine.
 #define ATT_THREADS 256
@@ -203,24 +206,28 @@ __device__ __forceinline__ void kv_load_n(const u16* p, float* x) {
     }
 }
 
-// The query heads of block (row, y) of attend_split: the first head h0 and
-// how many (gb), the KV head and whether this block is the group's first.
+// The query heads of block (row, y) of attend_split, which takes hpb
+// (1 .. AS_MAX_G) heads of a group per block: the first head h0 and how many
+// (gb), the KV head and whether this block is the group's first.
 struct SplitHeads {
     int kvh, h0, gb;
     bool first;
 };
-__device__ __forceinline__ SplitHeads split_heads(int n_head, int n_head_kv) {
-    const int G = n_head / n_head_kv, hg = (G + AS_MAX_G - 1) / AS_MAX_G;
+__device__ __forceinline__ SplitHeads split_heads(int n_head, int n_head_kv, int hpb) {
+    const int G = n_head / n_head_kv, hg = (G + hpb - 1) / hpb;
     const int kvh = blockIdx.y / hg, sub = blockIdx.y % hg;
-    const int h0 = kvh * G + sub * AS_MAX_G;
-    return SplitHeads{kvh, h0, min(AS_MAX_G, kvh * G + G - h0), sub == 0};
+    const int h0 = kvh * G + sub * hpb;
+    return SplitHeads{kvh, h0, min(hpb, kvh * G + G - h0), sub == 0};
 }
 
 // attend_split's body for head size HD (64, 128 or 256): the query heads
 // staged by load_q(qs) (a copy from q, or attend_split_rope's rotated copy)
 // and, when psub >= 0, the key and value of position psub taken from ksub /
 // vsub (shared memory, as the cache will hold them) instead of the cache,
-// which the same launch writes.
+// which the same launch writes. With out non-null (a launch of one split
+// whose chunk covers every row: the host's short-context form) the block
+// writes each head's normalized output acc / l to out, the bits
+// attend_combine would give for that one split, and no partial.
 // Scores: AS_LPK lanes per key, each multiplying its 16-byte units of the
 // key with every query head (a shuffle sum over the AS_LPK lanes per head);
 // the loads of AS_U keys per lane are issued before the first product.
@@ -230,8 +237,8 @@ __device__ __forceinline__ SplitHeads split_heads(int n_head, int n_head_kv) {
 template <typename KV, int HD, typename LoadQ>
 __device__ void attend_split_with(LoadQ load_q, const KV* __restrict__ kc, const KV* __restrict__ vc,
                                   const int* __restrict__ slots, int n_head, int n_head_kv, int n_ctx, int chunk,
-                                  float scale, const float* ksub, const float* vsub, int psub,
-                                  float* __restrict__ part) {
+                                  int hpb, float scale, const float* ksub, const float* vsub, int psub,
+                                  float* __restrict__ part, float* __restrict__ out) {
     constexpr int EPU = 16 / (int)sizeof(KV);       // elements per 16-byte unit
     constexpr int UPL = HD / EPU / AS_LPK;          // units per lane of one key
     constexpr int AS_U = UPL >= 8 ? 1 : UPL >= 4 ? 2 : 4;  // keys per lane in flight
@@ -247,7 +254,7 @@ __device__ void attend_split_with(LoadQ load_q, const KV* __restrict__ kc, const
     __shared__ float red[AS_MAX_G * HD];
     __shared__ float ms[AS_MAX_G], ls[AS_MAX_G], fs[AS_MAX_G];
     const int row = blockIdx.x, split = blockIdx.z, n_split = gridDim.z;
-    const SplitHeads sh = split_heads(n_head, n_head_kv);
+    const SplitHeads sh = split_heads(n_head, n_head_kv, hpb);
     const int gb = sh.gb;
     const int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
     chunk = att_chunk(n, n_split, chunk);
@@ -377,7 +384,21 @@ __device__ void attend_split_with(LoadQ load_q, const KV* __restrict__ kc, const
                     }
         __syncthreads();
     }
-    if (grp == 0) {
+    if (grp == 0 && out) {
+        // attend_combine's arithmetic for one split: weight exp(0) = 1, so
+        // L = l and a = the V sum, then a / L.
+#pragma unroll
+        for (int g = 0; g < AS_MAX_G; g++)
+            if (g < gb) {
+                float* o = out + ((long)row * n_head + sh.h0 + g) * HD;
+                const float L = ls[g];
+#pragma unroll
+                for (int e = 0; e < DPT; e++) {
+                    const float a = NGRP > 1 ? acc[g][e] + red[g * HD + d0 + e] : acc[g][e];
+                    o[d0 + e] = L > 0.f ? a / L : 0.f;
+                }
+            }
+    } else if (grp == 0) {
 #pragma unroll
         for (int g = 0; g < AS_MAX_G; g++)
             if (g < gb) {
@@ -401,11 +422,11 @@ __device__ __forceinline__ void split_copy_q(const float* __restrict__ q, int n_
 
 template <typename KV, int HD>
 __device__ void attend_split(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
-                             const int* __restrict__ slots, int n_head, int n_head_kv, int n_ctx, int chunk,
-                             float scale, float* __restrict__ part) {
+                             const int* __restrict__ slots, int n_head, int n_head_kv, int n_ctx, int chunk, int hpb,
+                             float scale, float* __restrict__ part, float* __restrict__ out) {
     attend_split_with<KV, HD>(
         [&](float (*qs)[HD], int h0, int gb) { split_copy_q<HD>(q, n_head, qs, h0, gb); }, kc, vc, slots, n_head,
-        n_head_kv, n_ctx, chunk, scale, (const float*)0, (const float*)0, -1, part);
+        n_head_kv, n_ctx, chunk, hpb, scale, (const float*)0, (const float*)0, -1, part, out);
 }
 
 // Decode rows' RoPE and KV store folded into the split attention (one
@@ -419,48 +440,47 @@ __device__ void attend_split(const float* __restrict__ q, const KV* __restrict__
 // then attend_split: the same rotation (rope_angle, rope_turn) and the same
 // values per key. Only for batches whose rows are in different sequences (a
 // row never attends another row's new key) and without the per-head q/k
-// norm (the host checks both).
+// norm (the host checks both). Thread i < HD / 2 rotates pair i of the key
+// and of every query head, so it computes that pair's angle (in double, a
+// long dependent chain) once for both.
 template <typename KV, int HD>
 __device__ void attend_split_rope(const float* __restrict__ q, const float* __restrict__ k,
                                   const float* __restrict__ v, KV* kc, KV* vc, const int* __restrict__ slots,
-                                  int n_head, int n_head_kv, int n_ctx, int chunk, float scale, int neox,
-                                  float freq_base, float* __restrict__ part) {
+                                  int n_head, int n_head_kv, int n_ctx, int chunk, int hpb, float scale, int neox,
+                                  float freq_base, float* __restrict__ part, float* __restrict__ out) {
     __shared__ float kr[HD], vr[HD];
     constexpr int half = HD / 2;
-    const int row = blockIdx.x;
+    static_assert(half <= AS_THREADS, "one rotated pair per thread");
+    const int row = blockIdx.x, i = threadIdx.x;
     const int seq = slots[2 * row], pos = slots[2 * row + 1];
-    const SplitHeads sh = split_heads(n_head, n_head_kv);
+    const SplitHeads sh = split_heads(n_head, n_head_kv, hpb);
+    const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+    float c = 0.f, s = 0.f;
+    if (i < half) rope_angle(i, pos, HD, freq_base, &c, &s);
     // The split of position pos is the last one with positions.
     const bool has_new = (int)blockIdx.z == pos / att_chunk(pos + 1, gridDim.z, chunk);
     const bool stores = has_new && sh.first;
     const float* kh = k + ((long)row * n_head_kv + sh.kvh) * HD;
     const float* vh = v + ((long)row * n_head_kv + sh.kvh) * HD;
     const long at = (((long)seq * n_head_kv + sh.kvh) * n_ctx + pos) * HD;
-    if (has_new) {
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-            float c, s, ra, rb;
-            rope_angle(i, pos, HD, freq_base, &c, &s);
-            rope_turn(kh[ia], kh[ib], c, s, &ra, &rb);
-            const float va = vh[ia], vb = vh[ib];
-            kr[ia] = kv_round(kc, ra);
-            kr[ib] = kv_round(kc, rb);
-            vr[ia] = kv_round(vc, va);
-            vr[ib] = kv_round(vc, vb);
-            if (stores) {
-                kv_store(kc, at + ia, ra);
-                kv_store(kc, at + ib, rb);
-                kv_store(vc, at + ia, va);
-                kv_store(vc, at + ib, vb);
-            }
+    if (has_new && i < half) {
+        float ra, rb;
+        rope_turn(kh[ia], kh[ib], c, s, &ra, &rb);
+        const float va = vh[ia], vb = vh[ib];
+        kr[ia] = kv_round(kc, ra);
+        kr[ib] = kv_round(kc, rb);
+        vr[ia] = kv_round(vc, va);
+        vr[ib] = kv_round(vc, vb);
+        if (stores) {
+            kv_store(kc, at + ia, ra);
+            kv_store(kc, at + ib, rb);
+            kv_store(vc, at + ia, va);
+            kv_store(vc, at + ib, vb);
         }
     }
     auto load_q = [&](float (*qs)[HD], int h0, int gb) {
         const float* qh = q + ((long)row * n_head + h0) * HD;
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-            float c, s;
-            rope_angle(i, pos, HD, freq_base, &c, &s);
+        if (i < half) {
             for (int g = 0; g < gb; g++) {
                 float ra, rb;
                 rope_turn(qh[g * HD + ia], qh[g * HD + ib], c, s, &ra, &rb);
@@ -469,8 +489,8 @@ __device__ void attend_split_rope(const float* __restrict__ q, const float* __re
             }
         }
     };
-    attend_split_with<KV, HD>(load_q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, kr, vr,
-                              has_new ? pos : -1, part);
+    attend_split_with<KV, HD>(load_q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb, scale, kr, vr,
+                              has_new ? pos : -1, part, out);
 }
 
 // Whether row `row` is the only row of its sequence among `n_rows` (always,
@@ -785,18 +805,19 @@ KV_INSTANCE(f16, u16)
 #define SPLIT_INSTANCE(NAME, KV, HD)                                                                                \
     extern "C" __global__ void __launch_bounds__(AS_THREADS)                                                       \
         attend_split_##NAME##_d##HD(const float* q, const KV* kc, const KV* vc, const int* slots, int n_head,      \
-                                    int n_head_kv, int n_ctx, int chunk, float scale, float* part) {               \
+                                    int n_head_kv, int n_ctx, int chunk, int hpb, float scale, float* part,        \
+                                    float* out) {                                                                   \
         PDL_ENTRY();                                                                                                \
-        attend_split<KV, HD>(q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, part);                       \
+        attend_split<KV, HD>(q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb, scale, part, out);             \
     }                                                                                                               \
     /* attend_split's arguments, then the rows' unrotated k and v and the RoPE's mode and base. */             \
     extern "C" __global__ void __launch_bounds__(AS_THREADS)                                                       \
         attend_split_rope_##NAME##_d##HD(const float* q, KV* kc, KV* vc, const int* slots, int n_head,             \
-                                         int n_head_kv, int n_ctx, int chunk, float scale, float* part,            \
-                                         const float* k, const float* v, int neox, float freq_base) {              \
+                                         int n_head_kv, int n_ctx, int chunk, int hpb, float scale, float* part,   \
+                                         float* out, const float* k, const float* v, int neox, float freq_base) {  \
         PDL_ENTRY();                                                                                                \
-        attend_split_rope<KV, HD>(q, k, v, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, neox, freq_base, \
-                                  part);                                                                            \
+        attend_split_rope<KV, HD>(q, k, v, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb, scale, neox,       \
+                                  freq_base, part, out);                                                            \
     }
 SPLIT_INSTANCE(f32, float, 64)
 SPLIT_INSTANCE(f32, float, 128)

@@ -10,7 +10,11 @@
 //      then attend_split: the same partials and the same cache bits, with the
 //      new position's cache slots poisoned and the blocks run in reverse
 //      order (a block that read the slot instead of its staged copy, or a
-//      store by the wrong block, would show).
+//      store by the wrong block, would show);
+//   3. the short-context form (one split, one query head per block, the
+//      output written by the split kernel, with and without RoPE folded in)
+//      against the split form's one split and attend_combine, bit for bit,
+//      cache included.
 // Build and run: hostcheck/run.sh.
 #include <cstdint>
 #include <cstdio>
@@ -80,8 +84,8 @@ static int check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int 
     std::vector<float> part((size_t)rows * n_head * n_split * (HD + 2), NAN), out((size_t)rows * n_head * HD, -99.f);
     const float scale = 1.f / std::sqrt((float)HD);
     run_split_grid(rows, head_blocks(n_head, n_head_kv), n_split, false, [&] {
-        attend_split<KV, HD>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, n_ctx, chunk, scale,
-                             part.data());
+        attend_split<KV, HD>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, n_ctx, chunk, AS_MAX_G, scale,
+                             part.data(), (float*)0);
     });
     gridDim = dim3_{(unsigned)rows, (unsigned)n_head, 1};
     for (int r = 0; r < rows; r++)
@@ -152,11 +156,12 @@ static int check_rope(std::mt19937& rng, int n_head, int n_head_kv, int n_split,
             });
     const int hb = head_blocks(n_head, n_head_kv);
     run_split_grid(rows, hb, n_split, false, [&] {
-        attend_split<KV, HD>(q1.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, n_ctx, chunk, scale, a.data());
+        attend_split<KV, HD>(q1.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, n_ctx, chunk, AS_MAX_G, scale,
+                             a.data(), (float*)0);
     });
     run_split_grid(rows, hb, n_split, true, [&] {
         attend_split_rope<KV, HD>(q.data(), k.data(), v.data(), kc2.data(), vc2.data(), slots, n_head, n_head_kv,
-                                  n_ctx, chunk, scale, neox, base, b.data());
+                                  n_ctx, chunk, AS_MAX_G, scale, neox, base, b.data(), (float*)0);
     });
     int differ = 0, cache_differ = 0;
     for (size_t i = 0; i < np; i++) differ += memcmp(&a[i], &b[i], 4) != 0;
@@ -166,6 +171,78 @@ static int check_rope(std::mt19937& rng, int n_head, int n_head_kv, int n_split,
     printf("attend_split_rope %s head_dim %3d heads %2d/%d splits %2d neox %d lengths %3d/%3d: %s (%d of %zu partial "
            "floats, %d cache entries differ)\n", ty, HD, n_head, n_head_kv, n_split, neox, len0, len1,
            bad ? "FAIL" : "ok", differ, np, cache_differ);
+    return bad;
+}
+
+// The short-context form of rows of len0 and len1 keys (at most one tile)
+// against rope_store, attend_split with AS_MAX_G heads per block over one
+// split, and attend_combine: the same output bits and cache bits. With
+// rope, the short form folds RoPE and the store in (attend_split_rope,
+// blocks in reverse order, the new slots poisoned), else it reads the
+// rotated cache (attend_split).
+template <class KV, int HD>
+static int check_short(std::mt19937& rng, int n_head, int n_head_kv, bool rope, int len0, int len1, const char* ty,
+                       KV (*conv)(float)) {
+    const int rows = 2, n_ctx = 200, n_seq = 2, neox = 1;
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> q((size_t)rows * n_head * HD), k((size_t)rows * n_head_kv * HD), v(k.size());
+    for (auto* x : {&q, &k, &v})
+        for (auto& e : *x) e = nd(rng);
+    std::vector<KV> kc((size_t)n_seq * n_head_kv * n_ctx * HD), vc(kc.size());
+    for (auto& e : kc) e = conv(nd(rng));
+    for (auto& e : vc) e = conv(nd(rng));
+    int slots[4] = {1, len0 - 1, 0, len1 - 1};
+    std::vector<KV> kc2 = kc, vc2 = vc;
+    const float scale = 1.f / std::sqrt((float)HD), base = 10000.f;
+    std::vector<float> q1 = q, k1 = k;
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < n_head + n_head_kv; h++)
+            run_block(HD / 2, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
+                rope_store<KV>(q1.data(), k1.data(), v.data(), slots, n_head, n_head_kv, HD, neox, base,
+                               (const float*)0, (const float*)0, 1e-6f, kc.data(), vc.data(), n_ctx);
+            });
+    if (rope) {
+        for (int r = 0; r < rows; r++)
+            for (int h = 0; h < n_head_kv; h++)
+                for (int d = 0; d < HD; d++) {
+                    long at = (((long)slots[2 * r] * n_head_kv + h) * n_ctx + slots[2 * r + 1]) * HD + d;
+                    kc2[at] = conv(300.f);
+                    vc2[at] = conv(-300.f);
+                }
+    } else {
+        kc2 = kc;
+        vc2 = vc;
+    }
+    // The split form: one split, then the combine.
+    std::vector<float> part((size_t)rows * n_head * (HD + 2), NAN), want((size_t)rows * n_head * HD, -99.f);
+    run_split_grid(rows, head_blocks(n_head, n_head_kv), 1, false, [&] {
+        attend_split<KV, HD>(q1.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, n_ctx, n_ctx, AS_MAX_G, scale,
+                             part.data(), (float*)0);
+    });
+    gridDim = dim3_{(unsigned)rows, (unsigned)n_head, 1};
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < n_head; h++)
+            run_block(HD, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
+                attend_combine_body(part.data(), slots, n_head, HD, 1, n_ctx, 0, rows, 0, want.data());
+            });
+    // The short form: one head per block, writing the output.
+    std::vector<float> got(want.size(), -77.f);
+    run_split_grid(rows, n_head, 1, true, [&] {
+        if (rope)
+            attend_split_rope<KV, HD>(q.data(), k.data(), v.data(), kc2.data(), vc2.data(), slots, n_head, n_head_kv,
+                                      n_ctx, n_ctx, 1, scale, neox, base, (float*)0, got.data());
+        else
+            attend_split<KV, HD>(q1.data(), kc2.data(), vc2.data(), slots, n_head, n_head_kv, n_ctx, n_ctx, 1, scale,
+                                 (float*)0, got.data());
+    });
+    int differ = 0, cache_differ = 0;
+    for (size_t i = 0; i < want.size(); i++) differ += memcmp(&want[i], &got[i], 4) != 0;
+    for (size_t i = 0; i < kc.size(); i++)
+        cache_differ += memcmp(&kc[i], &kc2[i], sizeof(KV)) != 0 || memcmp(&vc[i], &vc2[i], sizeof(KV)) != 0;
+    const bool bad = differ || cache_differ;
+    printf("short form%s %s head_dim %3d heads %2d/%d lengths %3d/%3d: %s (%d of %zu outputs, %d cache entries "
+           "differ)\n", rope ? " + rope" : "", ty, HD, n_head, n_head_kv, len0, len1, bad ? "FAIL" : "ok", differ,
+           want.size(), cache_differ);
     return bad;
 }
 
@@ -197,6 +274,14 @@ int main() {
                 fails += check_rope<u16, 128>(rng, nh, nkv, n_split, neox, 64, 129, "f16", f2h);
                 cases += 2;
             }
-    printf("attend_split / attend_combine / attend_split_rope: %d of %d cases ok\n", cases - fails, cases);
+    for (auto [nh, nkv] : {std::pair{14, 2}, std::pair{12, 1}, std::pair{4, 4}})
+        for (bool rope : {false, true}) {
+            fails += check_short<float, 64>(rng, nh, nkv, rope, 1, 37, "f32", keep);
+            fails += check_short<u16, 128>(rng, nh, nkv, rope, 128, 64, "f16", f2h);
+            fails += check_short<u16, 256>(rng, nh, nkv, rope, 100, 2, "f16", f2h);
+            cases += 3;
+        }
+    printf("attend_split / attend_combine / attend_split_rope / short form: %d of %d cases ok\n", cases - fails,
+           cases);
     return fails ? 1 : 0;
 }

@@ -32,8 +32,8 @@ pub(crate) const SPLIT_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 const SPLIT_THREADS: u32 = 128;
 /// Parameters of `attend_split_*`, `attend_split_rope_*` and
 /// `attend_combine` (checked against the PTX by `checks::nvrtc_check`).
-pub(crate) const SPLIT_ARGS: usize = 10;
-pub(crate) const SPLIT_ROPE_ARGS: usize = 14;
+pub(crate) const SPLIT_ARGS: usize = 12;
+pub(crate) const SPLIT_ROPE_ARGS: usize = 16;
 pub(crate) const COMBINE_ARGS: usize = 10;
 /// Arguments of an `attend_prefill_*` launch and of `attend_prefill_combine`
 /// (`CudaBackend::attend_prefill`).
@@ -53,6 +53,15 @@ const ATTEND_MIN_CHUNK: usize = 64;
 /// Split blocks per SM the decode attention's grid is sized for at long
 /// context: enough loads in flight to read the cache at the copy rate.
 const SPLIT_BLOCKS_PER_SM: usize = 4;
+
+/// Rows of at most this many keys (one tile of `attend_split`, `AS_TILE`)
+/// take the short-context form: one split, one query head per block, the
+/// output written by the split kernel itself, no `attend_combine`. At that
+/// length the split form has one split per KV head with keys, so the step
+/// was a chain of two launches of a few blocks each; this is one launch of
+/// `n_head` blocks per row. A recorded step on either side of the bound is
+/// its own graph.
+const SHORT_KEYS: usize = 128;
 
 /// Attention splits of the pruned attention are added while its grid has
 /// fewer blocks than this.
@@ -140,6 +149,8 @@ pub(crate) struct CacheAttention {
     pub n_head_kv: usize,
     pub head_dim: usize,
     pub n_ctx: usize,
+    /// Keys the longest row attends (its position + 1).
+    pub max_keys: usize,
     /// `f32` or `f16`: the cache's element type in kernel names.
     pub kv: &'static str,
 }
@@ -423,6 +434,7 @@ impl CudaBackend {
             n_head_kv: p.n_head_kv,
             head_dim: hd,
             n_ctx: spec.n_ctx,
+            max_keys: max_pos + 1,
             kv,
         };
         // The RoPE and KV store fold into the decode attention (the same
@@ -587,7 +599,9 @@ impl CudaBackend {
     /// count depends on the batch, the cache size and the device only, so a
     /// recorded decode step replays at every position: enough splits that
     /// the grid has `SPLIT_BLOCKS_PER_SM` blocks per SM, at most one per
-    /// `ATTEND_MIN_CHUNK` positions of the cache.
+    /// `ATTEND_MIN_CHUNK` positions of the cache. Rows of at most
+    /// `SHORT_KEYS` keys take one split of one head per block instead,
+    /// which writes the output itself.
     pub(crate) fn attend_cache(&self, at: &CacheAttention, rope: Option<RopeIn>) -> Result<()> {
         let (n, hd) = (at.rows, at.head_dim);
         if !SPLIT_HEAD_DIMS.contains(&hd) {
@@ -596,15 +610,27 @@ impl CudaBackend {
             )));
         }
         let group = at.n_head / at.n_head_kv;
-        let head_blocks = at.n_head_kv * group.div_ceil(SPLIT_MAX_HEADS);
-        let n_split = (SPLIT_BLOCKS_PER_SM * self.sm_count)
-            .div_ceil(n * head_blocks)
-            .min(at.n_ctx.div_ceil(ATTEND_MIN_CHUNK))
-            .clamp(1, SPLIT_MAX);
+        let short = at.max_keys <= SHORT_KEYS;
+        let heads_per_block = if short { 1 } else { group.min(SPLIT_MAX_HEADS) };
+        let head_blocks = at.n_head_kv * group.div_ceil(heads_per_block);
+        let n_split = if short {
+            1
+        } else {
+            (SPLIT_BLOCKS_PER_SM * self.sm_count)
+                .div_ceil(n * head_blocks)
+                .min(at.n_ctx.div_ceil(ATTEND_MIN_CHUNK))
+                .clamp(1, SPLIT_MAX)
+        };
         let chunk = at.n_ctx.div_ceil(n_split);
-        let ppart = {
+        // The short form writes the output; the split form its partials.
+        let (ppart, pout) = if short {
+            (0, at.out)
+        } else {
             let mut s = self.scratch();
-            self.reshape(&mut s.attn_part, n * at.n_head * n_split, hd + 2)?
+            (
+                self.reshape(&mut s.attn_part, n * at.n_head * n_split, hd + 2)?,
+                0,
+            )
         };
         let mut args = at.cache_args();
         args.extend([
@@ -612,8 +638,10 @@ impl CudaBackend {
             Arg::I32(at.n_head_kv as i32),
             Arg::I32(at.n_ctx as i32),
             Arg::I32(chunk as i32),
+            Arg::I32(heads_per_block as i32),
             Arg::F32(1.0 / (hd as f32).sqrt()),
             Arg::Ptr(ppart),
+            Arg::Ptr(pout),
         ]);
         let rope_args = rope.is_some();
         let kernel = match rope {
@@ -643,6 +671,9 @@ impl CudaBackend {
             (SPLIT_THREADS, 1, 1),
             args,
         )?;
+        if short {
+            return Ok(());
+        }
         self.combine(at, ppart, n_split, chunk, None)
     }
 

@@ -24,8 +24,10 @@ use crate::{op_class, GraphStats, OpClass, StepProfile};
 /// graph (decode steps); larger ones (prefill) launch op by op.
 pub(crate) const GRAPH_MAX_ROWS: usize = 16;
 
-/// Recorded graphs kept (e.g. decode at two batch sizes, or two sessions).
-const GRAPH_CACHE: usize = 4;
+/// Recorded graphs kept (e.g. decode at two batch sizes, or two sessions,
+/// each at a short context and past it: the decode attention's short form
+/// is another launch sequence).
+const GRAPH_CACHE: usize = 8;
 
 /// A captured step and the launches it replays.
 struct RecordedGraph {

@@ -210,6 +210,8 @@ impl PrunedAttention {
             n_head_kv: s.n_head_kv,
             head_dim: s.head_dim,
             n_ctx: s.n_ctx,
+            // The positions are on the device only: any up to the cache size.
+            max_keys: s.n_ctx,
             kv: kv_name(s.dtype),
         };
         match pruning {
