@@ -11,11 +11,11 @@
 //               share one, gate/up one).
 //   asp_mv_*    the product over the listed channels.
 //
-// Layout of a rows x cols matrix (cols a multiple of 32; of 256 for Q4_K).
-// Tiles of 512 outputs (the last one r = rows - 512 t outputs, padded to
-// rp = r rounded up to 16 with zero codes and scales); tile t starts at byte
-// 512 t * (cols * B + cols / 16) (B = code bytes per weight: 1 for Q8_0, 1/2
-// for Q4_K) and holds
+// Layout of a rows x cols matrix (cols a multiple of 32; of 256 for Q4_K),
+// for a tile width TW = 512, 1024 or 2048 outputs. Tiles of TW outputs (the
+// last one r = rows - TW t outputs, padded to rp = r rounded up to 16 with
+// zero codes and scales); tile t starts at byte TW t * (cols * B + cols / 16)
+// (B = code bytes per weight: 1 for Q8_0, 1/2 for Q4_K) and holds
 //   codes:  per channel c, its run: the codes of the tile's rp outputs,
 //           rp * B bytes, at c * rp * B. Q8_0: byte o = code of output o
 //           (ggml's int8, as stored). Q4_K: byte 8 l + b = output 16 l + b
@@ -39,8 +39,10 @@
 //   each in order, 255 past k; 12..19: their xq_i (int8), 0 past k; 20..31: 0.
 // Words 4 + b and 12 + b are "batch" b: four channels and their codes.
 //
-// Product (asp_matvec). A warp owns a tile's 512 outputs, lane l outputs
-// 16 l .. 16 l + 15, and walks groups; per group it loads, for every active
+// Product (asp_matvec). A warp owns 512 outputs of a tile (H = TW / 512
+// warps side by side cover it, so that the bytes of an active channel's run
+// are read together), lane l outputs 16 l .. 16 l + 15 of them, and walks
+// groups; per group it loads, for every active
 // channel, the lane's 16 B (Q8_0) or 8 B (Q4_K) of the channel's run, in
 // rounds of up to CH channels. Four channels' words are transposed with 8
 // byte permutes (word k of the result: byte k of each channel) so that one
@@ -52,8 +54,8 @@
 //   Q4_K: y += d * sc * dx * acc - dmin * m * dx * sum(xq).
 // The serial variant waits for each round before it multiplies; the
 // pipelined one keeps the next round's loads in flight while it multiplies.
-// A block (NW warps) owns one tile and NW * gpw consecutive groups, gpw per
-// warp; its warps' outputs are summed in shared memory in warp order. With
+// A block (NW warps) owns one tile and NW / H * gpw consecutive groups, gpw
+// per warp; its warps' outputs are summed in shared memory in warp order. With
 // several blocks per tile ("splits") each writes a partial row and the last
 // block to finish (an integer counter) adds the partials in split order:
 // the same bits on every run.
@@ -64,13 +66,13 @@ typedef signed char i8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 
-#define ASP_TILE 512              // outputs per tile: 32 lanes x 16
+#define ASP_WARP_OUT 512          // outputs of one warp: 32 lanes x 16
 #define ASP_GROUP 32              // channels per scale group
 #define ASP_REC_WORDS 32          // words of one group's list record
 #define ASP_REC_IDX 4             // word of batch 0's channel positions
 #define ASP_REC_XQ 12             // word of batch 0's codes
 #define ASP_NONE 255u             // channel position past the active ones
-#define ASP_MAX_BLOCK_GROUPS 64   // groups of one block (NW * gpw)
+#define ASP_MAX_BLOCK_GROUPS 64   // groups of one block (NW / H * gpw)
 #define ASP_Q8_0 8                // ggml type ids
 #define ASP_Q4_K 12
 
@@ -112,17 +114,18 @@ struct AspTile {
     const u8* scales;  // the tile's scale region
     int rp;            // outputs of the tile, padded to 16
     int run;           // bytes of one channel's run
-    int lane;
+    int lane;          // the lane's 16 outputs: 16 lane .. of the tile
     bool on;           // whether the lane has outputs in the tile
 };
 
+// Tile t (of tw outputs) as lane `lane` (0 .. tw / 16) sees it.
 template <int TY>
-__device__ __forceinline__ AspTile asp_tile(const u8* W, int rows, int cols, int t, int lane) {
+__device__ __forceinline__ AspTile asp_tile(const u8* W, int rows, int cols, int tw, int t, int lane) {
     AspTile T;
-    const int r = min(ASP_TILE, rows - t * ASP_TILE);
+    const int r = min(tw, rows - t * tw);
     T.rp = (r + 15) & ~15;
     T.run = TY == ASP_Q8_0 ? T.rp : T.rp / 2;
-    const u8* base = W + (long)t * ASP_TILE * asp_row_bytes<TY>(cols);
+    const u8* base = W + (long)t * tw * asp_row_bytes<TY>(cols);
     T.codes = base + lane * (TY == ASP_Q8_0 ? 16 : 8);
     T.scales = base + (long)cols * T.run;
     T.lane = lane;
@@ -257,7 +260,7 @@ __device__ __forceinline__ void asp_batch(const AspBuf<TY, CH>& B, int b, u32 xq
 }
 
 // The group's scales into the lane's outputs: ys[q * 32 + lane] holds
-// outputs 16 lane + 4 q .. + 3 of this warp.
+// outputs 16 lane + 4 q .. + 3 of this warp's 512.
 template <int TY, int CH>
 __device__ __forceinline__ void asp_flush(const AspBuf<TY, CH>& B, int g, const u32* rec, const int (&acc)[16],
                                           float4* ys, int lane) {
@@ -310,40 +313,43 @@ __device__ __forceinline__ void asp_compute(const AspBuf<TY, CH>& B, const AspRo
     if (r.last) asp_flush<TY, CH>(B, r.g, rec, acc, ys, lane);
 }
 
-// The product (see the file's head). Matrix m = blockIdx.y (w0/l0/y0 or
-// w1/l1/y1: gate and up in one launch); blockIdx.x = tile * splits + split.
-// part: per matrix `splits` rows of n_tiles * 512 floats; ctr: per matrix
-// n_tiles counters, zero before the first launch (each launch leaves them
-// zero).
-template <int TY, int NW, int CH, bool PIPE>
+// The product (see the file's head), tiles of H * 512 outputs. Matrix m =
+// blockIdx.y (w0/l0/y0 or w1/l1/y1: gate and up in one launch); blockIdx.x
+// = tile * splits + split. part: per matrix `splits` rows of n_tiles * TW
+// floats; ctr: per matrix n_tiles counters, zero before the first launch
+// (each launch leaves them zero).
+template <int TY, int NW, int CH, bool PIPE, int H>
 __device__ __forceinline__ void asp_matvec(const u8* __restrict__ w0, const u8* __restrict__ w1,
                                            const u8* __restrict__ l0, const u8* __restrict__ l1, float* y0,
                                            float* y1, int rows, int cols, int gpw, int splits, float* part,
                                            u32* ctr) {
     static_assert(CH % 4 == 0 && CH >= 4 && CH <= 32, "rounds of whole batches");
+    static_assert(NW % H == 0, "whole tiles of warps");
+    constexpr int TW = H * ASP_WARP_OUT, NS = NW / H;  // tile width, warps on one output range
     __shared__ uint4 lst4[ASP_MAX_BLOCK_GROUPS * ASP_REC_WORDS / 4];
-    __shared__ float4 ys4[NW * ASP_TILE / 4];
+    __shared__ float4 ys4[NW * ASP_WARP_OUT / 4];
     __shared__ int is_last;
     const int m = blockIdx.y;
     const u8* W = m ? w1 : w0;
     const u8* L = m ? l1 : l0;
     float* y = m ? y1 : y0;
-    const int n_tiles = (rows + ASP_TILE - 1) / ASP_TILE;
+    const int n_tiles = (rows + TW - 1) / TW;
     const int t = blockIdx.x / splits, s = blockIdx.x % splits;
     const int n_groups = cols / ASP_GROUP;
-    if (NW * gpw > ASP_MAX_BLOCK_GROUPS) __trap();
-    const int gb0 = min(n_groups, s * NW * gpw), gb1 = min(n_groups, gb0 + NW * gpw);
+    if (NS * gpw > ASP_MAX_BLOCK_GROUPS) __trap();
+    const int gb0 = min(n_groups, s * NS * gpw), gb1 = min(n_groups, gb0 + NS * gpw);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
     for (int i = tid; i < (gb1 - gb0) * (ASP_REC_WORDS / 4); i += NW * 32)
         lst4[i] = __ldg((const uint4*)(L + (long)gb0 * ASP_REC_WORDS * 4) + i);
-    for (int i = tid; i < NW * ASP_TILE / 4; i += NW * 32) ys4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i = tid; i < NW * ASP_WARP_OUT / 4; i += NW * 32) ys4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     __syncthreads();
 
     const u32* lst = (const u32*)lst4;
-    const int gw0 = min(gb1, gb0 + warp * gpw), gw1 = min(gb1, gw0 + gpw);
-    const AspTile T = asp_tile<TY>(W, rows, cols, t, lane);
-    float4* ys = ys4 + warp * (ASP_TILE / 4);
+    // Warp w: outputs 512 (w % H) .. of the tile, groups of subset w / H.
+    const int gw0 = min(gb1, gb0 + (warp / H) * gpw), gw1 = min(gb1, gw0 + gpw);
+    const AspTile T = asp_tile<TY>(W, rows, cols, TW, t, 32 * (warp % H) + lane);
+    float4* ys = ys4 + warp * (ASP_WARP_OUT / 4);
     int acc[16];
 #pragma unroll
     for (int k = 0; k < 16; k++) acc[k] = 0;
@@ -375,17 +381,18 @@ __device__ __forceinline__ void asp_matvec(const u8* __restrict__ w0, const u8* 
     // The block's outputs (padded ones included, zero): the warps' rows
     // added in warp order.
     const float* ysf = (const float*)ys4;
-    const int r = min(ASP_TILE, rows - t * ASP_TILE), rp = (r + 15) & ~15;
-    const long prow = (long)n_tiles * ASP_TILE;
+    const int r = min(TW, rows - t * TW), rp = (r + 15) & ~15;
+    const long prow = (long)n_tiles * TW;
     for (int o = tid; o < rp; o += NW * 32) {
-        const int at = ((o & 15) >> 2) * 128 + (o >> 4) * 4 + (o & 3);
+        const int h = o / ASP_WARP_OUT, oo = o % ASP_WARP_OUT;
+        const int at = ((oo & 15) >> 2) * 128 + (oo >> 4) * 4 + (oo & 3);
         float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < NW; w++) v += ysf[w * ASP_TILE + at];
+        for (int w = 0; w < NS; w++) v += ysf[(w * H + h) * ASP_WARP_OUT + at];
         if (splits == 1) {
-            if (o < r) y[(long)t * ASP_TILE + o] = v;
+            if (o < r) y[(long)t * TW + o] = v;
         } else {
-            part[((long)m * splits + s) * prow + (long)t * ASP_TILE + o] = v;
+            part[((long)m * splits + s) * prow + (long)t * TW + o] = v;
         }
     }
     if (splits == 1) return;
@@ -402,7 +409,7 @@ __device__ __forceinline__ void asp_matvec(const u8* __restrict__ w0, const u8* 
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    const float4* first = (const float4*)(part + (long)m * splits * prow + (long)t * ASP_TILE);
+    const float4* first = (const float4*)(part + (long)m * splits * prow + (long)t * TW);
     const long prow4 = prow / 4;
     for (int j = tid; j < rp / 4; j += NW * 32) {
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -418,7 +425,7 @@ __device__ __forceinline__ void asp_matvec(const u8* __restrict__ w0, const u8* 
             const float4 p = asp_ldcg4(first + k * prow4 + j);
             v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
         }
-        float* out = y + (long)t * ASP_TILE + 4 * j;
+        float* out = y + (long)t * TW + 4 * j;
         const float vs[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int i = 0; i < 4; i++)
@@ -483,19 +490,21 @@ extern "C" __global__ void __launch_bounds__(256) asp_select(const float* __rest
     const u8 *__restrict__ w0, const u8 *__restrict__ w1, const u8 *__restrict__ l0, const u8 *__restrict__ l1, \
         float *y0, float *y1, int rows, int cols, int gpw, int splits, float *part, u32 *ctr
 #define ASP_MV_ARGS w0, w1, l0, l1, y0, y1, rows, cols, gpw, splits, part, ctr
-// asp_mv_<type>_<serial|pipelined>_c<CH>_w<NW>: grid (tiles * splits,
-// matrices), NW * 32 threads.
-#define ASP_MV(TYNAME, TY, VARIANT, PIPE, CH, NW)                                                  \
-    extern "C" __global__ void __launch_bounds__(NW * 32, 16 / NW)                               \
-        asp_mv_##TYNAME##_##VARIANT##_c##CH##_w##NW(ASP_MV_PARAMS) {                             \
-        asp_matvec<TY, NW, CH, PIPE>(ASP_MV_ARGS);                                                 \
+// asp_mv_<type>_<serial|pipelined>_c<CH>_w<NW>_t<TW>: grid (tiles *
+// splits, matrices), NW * 32 threads, tiles of TW = 512 H outputs.
+#define ASP_MV(TYNAME, TY, VARIANT, PIPE, CH, NW, H, TW)                                            \
+    extern "C" __global__ void __launch_bounds__(NW * 32, 16 / NW)                                \
+        asp_mv_##TYNAME##_##VARIANT##_c##CH##_w##NW##_t##TW(ASP_MV_PARAMS) {                      \
+        asp_matvec<TY, NW, CH, PIPE, H>(ASP_MV_ARGS);                                               \
     }
-ASP_MV(q8_0, ASP_Q8_0, serial, false, 8, 4)
-ASP_MV(q8_0, ASP_Q8_0, serial, false, 8, 8)
-ASP_MV(q8_0, ASP_Q8_0, pipelined, true, 8, 4)
-ASP_MV(q8_0, ASP_Q8_0, pipelined, true, 8, 8)
-ASP_MV(q4_k, ASP_Q4_K, serial, false, 16, 4)
-ASP_MV(q4_k, ASP_Q4_K, serial, false, 16, 8)
-ASP_MV(q4_k, ASP_Q4_K, pipelined, true, 8, 4)
-ASP_MV(q4_k, ASP_Q4_K, pipelined, true, 8, 8)
+#define ASP_MV_SHAPES(TYNAME, TY, VARIANT, PIPE, CH)    \
+    ASP_MV(TYNAME, TY, VARIANT, PIPE, CH, 4, 1, 512)   \
+    ASP_MV(TYNAME, TY, VARIANT, PIPE, CH, 8, 1, 512)   \
+    ASP_MV(TYNAME, TY, VARIANT, PIPE, CH, 4, 2, 1024)  \
+    ASP_MV(TYNAME, TY, VARIANT, PIPE, CH, 8, 2, 1024)  \
+    ASP_MV(TYNAME, TY, VARIANT, PIPE, CH, 8, 4, 2048)
+ASP_MV_SHAPES(q8_0, ASP_Q8_0, serial, false, 8)
+ASP_MV_SHAPES(q8_0, ASP_Q8_0, pipelined, true, 8)
+ASP_MV_SHAPES(q4_k, ASP_Q4_K, serial, false, 16)
+ASP_MV_SHAPES(q4_k, ASP_Q4_K, pipelined, true, 8)
 #endif

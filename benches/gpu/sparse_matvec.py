@@ -15,6 +15,10 @@ skipped: exactly 0). Then one table: for the Qwen2.5-7B and -0.5B shapes,
 Q8_0 and Q4_K, and 0 / 25 / 50 / 75 % of the input channels skipped (random
 activations, one threshold), each variant at its best launch shape:
 
+  launch       the fastest launch shape of the variant: w warps a block,
+               tiles of t outputs (t / 512 warps side by side on a tile, so
+               an active channel's run, t / 2 bytes in Q4_K and t in Q8_0,
+               is read at once), g groups of 32 channels a warp
   us +select   a product including the list kernel (asp_select) before it
   us product   the product alone (the list made once per input vector is
                shared by every matrix reading it: Q/K/V, gate and up)
@@ -26,9 +30,10 @@ activations, one threshold), each variant at its best launch shape:
                graphs), its time and its share of copy for the whole matrix
   sparse/dense time ratios, with the list kernel and without
 
-Each timing is a graph of 40 launches, each reading another copy of the
-matrices (L2 holds none of them). Exits non-zero when a correctness bound
-fails.
+A second table gives, at 50 % skipped, the best product time per tile width
+(any variant, warps, groups). Each timing is a graph of 40 launches, each
+reading another copy of the matrices (L2 holds none of them). Exits non-zero
+when a correctness bound fails.
 """
 import math
 import pathlib
@@ -42,7 +47,7 @@ import matvec_shapes as dense  # noqa: E402  (the dense module, copy rate, timed
 cp = dense.cp
 ROOT = dense.ROOT
 I32, NULL = np.int32, np.uint64(0)
-TILE, REC, MAX_BLOCK_GROUPS = 512, 128, 64
+REC, MAX_BLOCK_GROUPS = 128, 64
 SHAPES = [("7B Q/K/V", 4608, 3584, 1), ("7B O", 3584, 3584, 1), ("7B gate+up", 18944, 3584, 2),
           ("7B down", 3584, 18944, 1), ("0.5B Q/K/V", 1152, 896, 1), ("0.5B O", 896, 896, 1),
           ("0.5B gate+up", 4864, 896, 2), ("0.5B down", 896, 4864, 1)]
@@ -50,7 +55,8 @@ SKIPPED = (0.0, 0.25, 0.5, 0.75)
 # Per type: the dense split layout, and the variants (name, channels a round).
 TYPES = {"q8_0": ("q8_0s", [("serial", 8), ("pipelined", 8)]),
          "q4_k": ("q4_ks", [("serial", 16), ("pipelined", 8)])}
-WARPS, GROUPS_PER_WARP = (4, 8), (1, 2, 4, 8)
+# Block shapes: (warps, tile width); then groups of 32 channels a warp.
+BLOCKS, GROUPS_PER_WARP = ((4, 512), (8, 512), (4, 1024), (8, 1024), (8, 2048)), (1, 2, 4, 8)
 BOUND_CODES, BOUND_X = 1e-5, 2e-2
 rng = np.random.default_rng(3)
 
@@ -110,8 +116,9 @@ def dequantize(ty, b):
     return dd * sub(sc) * q - dm * sub(m)
 
 
-def pack(ty, b, rows, cols):
-    """The channel-major bytes of ggml blocks b (every bit of them, moved)."""
+def pack(ty, b, rows, cols, tile):
+    """The channel-major bytes of ggml blocks b for tiles of `tile` outputs
+    (every bit of them, moved)."""
     out = np.zeros(layout_bytes(ty, rows, cols), np.uint8)
     if ty == "q8_0":
         q = b[..., 2:].reshape(rows, cols)
@@ -119,11 +126,11 @@ def pack(ty, b, rows, cols):
     else:
         q, d, dmin, sc, m = q4k_fields(b)
         q = q.astype(np.uint8)
-    for t in range((rows + TILE - 1) // TILE):
-        r = min(TILE, rows - t * TILE)
+    for t in range((rows + tile - 1) // tile):
+        r = min(tile, rows - t * tile)
         rp = padded(r)
-        rs = slice(t * TILE, t * TILE + r)
-        at = t * TILE * row_bytes(ty, cols)
+        rs = slice(t * tile, t * tile + r)
+        at = t * tile * row_bytes(ty, cols)
         codes = np.zeros((cols, rp), np.uint8)
         codes[:, :r] = q[rs].T
         if ty == "q8_0":
@@ -192,7 +199,7 @@ def list_fields(lst):
 
 def bytes_read(ty, rows, cols, k):
     """Weight bytes a product over a list with per-group counts k reads."""
-    rp = (rows // TILE) * TILE + (padded(rows % TILE) if rows % TILE else 0)
+    rp = padded(rows)  # the tiles' padded outputs: only the last tile is padded
     active, groups = int(k.sum()), int((k > 0).sum())
     if ty == "q8_0":
         return active * rp + groups * 2 * rp
@@ -218,19 +225,21 @@ class Sparse:
         self.mod = cp.RawModule(code=src, options=("--std=c++17", "-default-device"), backend="nvrtc")
         self.select = self.mod.get_function("asp_select")
 
-    def kernel(self, ty, variant, ch, nw):
-        return self.mod.get_function(f"asp_mv_{ty}_{variant}_c{ch}_w{nw}")
+    def kernel(self, ty, variant, ch, nw, tile):
+        return self.mod.get_function(f"asp_mv_{ty}_{variant}_c{ch}_w{nw}_t{tile}")
 
     def select_launch(self, x, thr, lst):
         groups = x.size // 32
         return lambda: self.select(((groups + 7) // 8, 1), (256,), (x, I32(x.size), thr, NULL, NULL, lst, NULL,
                                                                      NULL))
 
-    def product_launch(self, fn, nw, gpw, rows, cols, mats, ws, lst, ys, part, ctr):
+    def product_launch(self, fn, nw, tile, gpw, rows, cols, mats, ws, lst, ys, part, ctr):
         """launch(i): the product of matrix copy i (gate+up: copies i, i + 1)."""
-        n_tiles = (rows + TILE - 1) // TILE
-        splits = -(-(cols // 32) // (nw * gpw))
-        assert nw * gpw <= MAX_BLOCK_GROUPS and part.size >= mats * splits * n_tiles * TILE
+        n_tiles = (rows + tile - 1) // tile
+        subsets = nw // (tile // 512)  # warps of a block on one output range
+        splits = -(-(cols // 32) // (subsets * gpw))
+        assert subsets * gpw <= MAX_BLOCK_GROUPS and part.size >= mats * splits * n_tiles * tile
+        assert ctr.size >= mats * n_tiles
         copies = len(ws)
 
         def launch(i):
@@ -241,14 +250,15 @@ class Sparse:
         return launch
 
 
-def configs(cols):
-    return [(nw, gpw) for nw in WARPS for gpw in GROUPS_PER_WARP if nw * gpw <= MAX_BLOCK_GROUPS]
+def configs():
+    return [(nw, tile, gpw) for nw, tile in BLOCKS for gpw in GROUPS_PER_WARP
+            if nw // (tile // 512) * gpw <= MAX_BLOCK_GROUPS]
 
 
 def scratch(rows, cols, mats):
-    n_tiles = (rows + TILE - 1) // TILE
-    most = mats * -(-(cols // 32) // min(WARPS)) * n_tiles * TILE
-    return cp.zeros(max(most, mats * 3 * n_tiles * TILE), cp.float32), cp.zeros(mats * n_tiles, cp.uint32)
+    """Partial rows and counters enough for every launch shape."""
+    most = max(mats * -(-(cols // 32) // (nw // (tile // 512))) * -(-rows // tile) * tile for nw, tile in BLOCKS)
+    return cp.zeros(most, cp.float32), cp.zeros(mats * -(-rows // 512), cp.uint32)
 
 
 # ---------------------------------------------------------------------------
@@ -261,7 +271,8 @@ def correctness(sp, failures):
     for ty, rows, cols in (("q8_0", 1152, 896), ("q4_k", 896, 4864)):
         b0, b1 = random_blocks(ty, rows, cols), random_blocks(ty, rows, cols)
         W = [dequantize(ty, b0), dequantize(ty, b1)]
-        ws = [cp.asarray(pack(ty, b0, rows, cols)), cp.asarray(pack(ty, b1, rows, cols))]
+        tiles = sorted({tile for _, tile in BLOCKS})
+        ws = {tile: [cp.asarray(pack(ty, b, rows, cols, tile)) for b in (b0, b1)] for tile in tiles}
         x = rng.standard_normal(cols).astype(np.float32)
         x[5] = 0
         xd = cp.asarray(x)
@@ -285,11 +296,11 @@ def correctness(sp, failures):
             worst_q = worst_x = 0.0
             names = []
             for variant, ch in TYPES[ty][1]:
-                for nw in WARPS:
-                    fn = sp.kernel(ty, variant, ch, nw)
-                    names.append(f"{variant}_c{ch}_w{nw}")
+                for nw, tile in BLOCKS:
+                    fn = sp.kernel(ty, variant, ch, nw, tile)
+                    names.append(f"{variant}_c{ch}_w{nw}_t{tile}")
                     for gpw in (1, 3):
-                        launch = sp.product_launch(fn, nw, gpw, rows, cols, 2, [ws[0], ws[1]], lst, ys, part, ctr)
+                        launch = sp.product_launch(fn, nw, tile, gpw, rows, cols, 2, ws[tile], lst, ys, part, ctr)
                         outs = []
                         for _ in range(2):
                             for y in ys:
@@ -298,13 +309,13 @@ def correctness(sp, failures):
                             outs.append([cp.asnumpy(y) for y in ys])
                         if any(not np.array_equal(a.view(np.uint32), b.view(np.uint32))
                                for a, b in zip(outs[0], outs[1])):
-                            failures.append(f"{ty} {variant} w{nw} gpw {gpw}: two runs differ")
+                            failures.append(f"{ty} {variant} w{nw} t{tile} gpw {gpw}: two runs differ")
                         if int(cp.asnumpy(ctr).max()) != 0:
-                            failures.append(f"{ty} {variant} w{nw} gpw {gpw}: counters left non-zero")
+                            failures.append(f"{ty} {variant} w{nw} t{tile} gpw {gpw}: counters left non-zero")
                         for y, rq, rx in zip(outs[0], refs_q, refs_x):
                             if skipped >= 1:
                                 if np.any(y != 0):
-                                    failures.append(f"{ty} {variant} w{nw}: all skipped but y != 0")
+                                    failures.append(f"{ty} {variant} w{nw} t{tile}: all skipped but y != 0")
                                 continue
                             scale = np.abs(rq).max()
                             eq = np.abs(y - rq).max() / scale
@@ -312,10 +323,10 @@ def correctness(sp, failures):
                             eq = np.inf if np.isnan(eq) else eq
                             worst_q, worst_x = max(worst_q, eq), max(worst_x, ex)
                             if not eq <= BOUND_CODES or not ex <= BOUND_X:
-                                failures.append(f"{ty} {variant} w{nw} gpw {gpw} at {skipped:.0%} skipped: error "
+                                failures.append(f"{ty} {variant} w{nw} t{tile} gpw {gpw} at {skipped:.0%} skipped: error "
                                                 f"{eq:.3g} (dx * xq) {ex:.3g} (x)")
             print(f"| {ty} | {rows} x {cols} | {skipped:.0%} | {'yes' if same else 'NO'} | {worst_q:.2e} | "
-                  f"{worst_x:.2e} | {', '.join(names)}, 1 and 3 groups a warp |", flush=True)
+                  f"{worst_x:.2e} | {len(names)} ({', '.join(names[:2])}, ...), 1 and 3 groups a warp |", flush=True)
         del ws, ys, part, ctr
         cp.get_default_memory_pool().free_all_blocks()
 
@@ -329,13 +340,13 @@ def main():
     sp = Sparse()
     failures = []
     correctness(sp, failures)
-    print("\nTimings (graphs of 40 launches, every launch another copy of the matrices; best launch shape of "
-          "each variant: w = warps a block, g = groups of 32 channels a warp; skipped = share of input channels "
-          "skipped, as measured on the list):")
+    print("\nTimings (graphs of 40 launches, every launch another copy of the matrices; each variant at its "
+          "fastest launch: w warps a block, t outputs a tile, g groups of 32 channels a warp; skipped: the share "
+          "of input channels the list skips):")
     print("| shape | type | skipped | variant | launch | µs +select | µs product | MB read | % copy | dense kernel | "
           "dense µs | dense MB | dense % copy | sparse/dense +select | sparse/dense product |")
     print("|---|---|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
-    summary = []
+    summary, by_tile = [], {}
     for ty, (kind, variants) in TYPES.items():
         for name, rows, cols, mats in SHAPES:
             if ty == "q4_k" and cols % 256:
@@ -368,27 +379,41 @@ def main():
                 measured = 1 - k.sum() / cols
                 for variant, ch in variants:
                     best = None
-                    for nw, gpw in configs(cols):
-                        launch = sp.product_launch(sp.kernel(ty, variant, ch, nw), nw, gpw, rows, cols, mats, ws,
-                                                   lst, ys, part, ctr)
+                    for nw, tile, gpw in configs():
+                        launch = sp.product_launch(sp.kernel(ty, variant, ch, nw, tile), nw, tile, gpw, rows, cols,
+                                                   mats, ws, lst, ys, part, ctr)
                         cp.cuda.Device().synchronize()
                         t = dense.timed(launch)
                         if best is None or t < best[0]:
-                            best = (t, nw, gpw, launch)
-                    t, nw, gpw, launch = best
+                            best = (t, nw, tile, gpw, launch)
+                        key = (name, ty, skipped, tile)
+                        if key not in by_tile or t < by_tile[key][0]:
+                            by_tile[key] = (t, f"{variant} w{nw} g{gpw}", nbytes, t_dense)
+                    t, nw, tile, gpw, launch = best
 
                     def with_select(i, launch=launch):
                         select()
                         launch(i)
                     t_sel = dense.timed(with_select)
                     share = nbytes / t / copy
-                    print(f"| {name} | {ty} | {measured:.0%} | {variant} c{ch} | w{nw} g{gpw} | {t_sel * 1e6:.2f} | "
+                    print(f"| {name} | {ty} | {measured:.0%} | {variant} c{ch} | w{nw} t{tile} g{gpw} | {t_sel * 1e6:.2f} | "
                           f"{t * 1e6:.2f} | {nbytes / 1e6:.1f} | {share:.0%} | `{dense_name}` | "
                           f"{t_dense * 1e6:.2f} | {dense_bytes / 1e6:.1f} | {dense_bytes / t_dense / copy:.0%} | "
                           f"{t_sel / t_dense:.2f} | {t / t_dense:.2f} |", flush=True)
                     summary.append((name, ty, skipped, variant, share, t_dense / t, t_dense / t_sel))
             del ws, first, ys, part, ctr, lst
             cp.get_default_memory_pool().free_all_blocks()
+    tiles = sorted({tile for _, tile in BLOCKS})
+    print("\nAt 50 % skipped, the best product per tile width (µs, % of copy for its bytes, sparse/dense time; "
+          "variant and launch):")
+    print("| shape | type | " + " | ".join(f"tiles of {tile}" for tile in tiles) + " |")
+    print("|---|---|" + "---|" * len(tiles))
+    for (name, ty) in dict.fromkeys((k[0], k[1]) for k in by_tile):
+        cells = []
+        for tile in tiles:
+            t, how, nbytes, t_dense = by_tile[(name, ty, 0.5, tile)]
+            cells.append(f"{t * 1e6:.2f} µs, {nbytes / t / copy:.0%}, {t / t_dense:.2f} ({how})")
+        print(f"| {name} | {ty} | " + " | ".join(cells) + " |")
     print("\nAt 50 % skipped, 7B shapes (goal: product >= 75 % of copy for its bytes):")
     for name, ty, skipped, variant, share, speed, speed_sel in summary:
         if skipped == 0.5 and name.startswith("7B"):

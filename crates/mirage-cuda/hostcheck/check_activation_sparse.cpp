@@ -7,8 +7,9 @@
 //      threshold vectors giving 0, ~25, ~50, ~75 and 100 % skipped
 //      channels, none (every channel), and a vector where one group alone
 //      has active channels;
-//   2. every product kernel (the serial and pipelined variants at the
-//      device's round sizes, and at rounds of 4 channels, 4 and 8 warps) at
+//   2. the product kernels (the serial and pipelined variants at the
+//      device's round sizes and at rounds of 4 channels; tiles of 512, 1024
+//      and 2048 outputs; 4 and 8 warps) at
 //      several groups per warp (one block per tile, and up to 18 blocks
 //      whose partials the last one adds) over matrices packed from random ggml
 //      blocks (Q8_0 codes -128..127, Q4_K with random 6-bit scales and mins)
@@ -148,19 +149,20 @@ static std::vector<u8> random_ggml(int ty, int rows, int cols) {
     return v;
 }
 
-// The layout of activation_sparse.cu's head, element by element.
-static std::vector<u8> pack(int ty, const std::vector<u8>& src, int rows, int cols) {
+// The layout of activation_sparse.cu's head for tiles of tw outputs,
+// element by element.
+static std::vector<u8> pack(int ty, const std::vector<u8>& src, int rows, int cols, int tw) {
     const long row_bytes = (ty == ASP_Q8_0 ? cols : cols / 2) + cols / 16;
-    const int n_tiles = (rows + 511) / 512;
+    const int n_tiles = (rows + tw - 1) / tw;
     const int rp_total = (rows + 15) / 16 * 16;
     std::vector<u8> out((size_t)rp_total * row_bytes, 0);
     for (int t = 0; t < n_tiles; t++) {
-        const int r = std::min(512, rows - 512 * t), rp = (r + 15) / 16 * 16;
+        const int r = std::min(tw, rows - tw * t), rp = (r + 15) / 16 * 16;
         const int run = ty == ASP_Q8_0 ? rp : rp / 2;
-        u8* base = out.data() + (size_t)t * 512 * row_bytes;
+        u8* base = out.data() + (size_t)t * tw * row_bytes;
         u8* sc = base + (size_t)cols * run;
         for (int o = 0; o < r; o++) {
-            const int row = 512 * t + o;
+            const int row = tw * t + o;
             if (ty == ASP_Q8_0) {
                 for (int c = 0; c < cols; c++) {
                     const u8* blk = &src[((size_t)row * (cols / 32) + c / 32) * 34];
@@ -207,14 +209,14 @@ static std::vector<u8> pack(int ty, const std::vector<u8>& src, int rows, int co
 // the runs of active channels (read exactly once), 2 for the scales of
 // groups with an active channel (read at least once), 0 for all others
 // (never read).
-static std::vector<u8> needed(int ty, int rows, int cols, const std::vector<u8>& list) {
+static std::vector<u8> needed(int ty, int rows, int cols, const std::vector<u8>& list, int tw) {
     const long row_bytes = (ty == ASP_Q8_0 ? cols : cols / 2) + cols / 16;
-    const int n_tiles = (rows + 511) / 512;
+    const int n_tiles = (rows + tw - 1) / tw;
     std::vector<u8> need((size_t)((rows + 15) / 16 * 16) * row_bytes, 0);
     for (int t = 0; t < n_tiles; t++) {
-        const int r = std::min(512, rows - 512 * t), rp = (r + 15) / 16 * 16;
+        const int r = std::min(tw, rows - tw * t), rp = (r + 15) / 16 * 16;
         const int run = ty == ASP_Q8_0 ? rp : rp / 2;
-        const size_t base = (size_t)t * 512 * row_bytes, sc = base + (size_t)cols * run;
+        const size_t base = (size_t)t * tw * row_bytes, sc = base + (size_t)cols * run;
         for (int g = 0; g < cols / 32; g++) {
             const u32* rec = (const u32*)&list[(size_t)g * 128];
             const u8* idx = (const u8*)&rec[4];
@@ -328,27 +330,30 @@ typedef void (*MatVec)(const u8*, const u8*, const u8*, const u8*, float*, float
                        u32*);
 struct Kernel {
     const char* name;
-    int ty, nw;
+    int ty, nw, h;
     MatVec f;
 };
-template <int TY, int NW, int CH, bool PIPE>
+template <int TY, int NW, int CH, bool PIPE, int H>
 static void body(const u8* w0, const u8* w1, const u8* l0, const u8* l1, float* y0, float* y1, int rows, int cols,
                  int gpw, int splits, float* part, u32* ctr) {
-    asp_matvec<TY, NW, CH, PIPE>(w0, w1, l0, l1, y0, y1, rows, cols, gpw, splits, part, ctr);
+    asp_matvec<TY, NW, CH, PIPE, H>(w0, w1, l0, l1, y0, y1, rows, cols, gpw, splits, part, ctr);
 }
+// The device's round sizes at every block shape, and rounds of 4 channels.
 static const Kernel KERNELS[] = {
-    {"q8_0 serial c8 w4", ASP_Q8_0, 4, body<ASP_Q8_0, 4, 8, false>},
-    {"q8_0 serial c8 w8", ASP_Q8_0, 8, body<ASP_Q8_0, 8, 8, false>},
-    {"q8_0 pipelined c8 w4", ASP_Q8_0, 4, body<ASP_Q8_0, 4, 8, true>},
-    {"q8_0 pipelined c8 w8", ASP_Q8_0, 8, body<ASP_Q8_0, 8, 8, true>},
-    {"q8_0 serial c4 w4", ASP_Q8_0, 4, body<ASP_Q8_0, 4, 4, false>},
-    {"q8_0 pipelined c4 w4", ASP_Q8_0, 4, body<ASP_Q8_0, 4, 4, true>},
-    {"q4_k serial c16 w4", ASP_Q4_K, 4, body<ASP_Q4_K, 4, 16, false>},
-    {"q4_k serial c16 w8", ASP_Q4_K, 8, body<ASP_Q4_K, 8, 16, false>},
-    {"q4_k pipelined c8 w4", ASP_Q4_K, 4, body<ASP_Q4_K, 4, 8, true>},
-    {"q4_k pipelined c8 w8", ASP_Q4_K, 8, body<ASP_Q4_K, 8, 8, true>},
-    {"q4_k serial c4 w4", ASP_Q4_K, 4, body<ASP_Q4_K, 4, 4, false>},
-    {"q4_k pipelined c4 w4", ASP_Q4_K, 4, body<ASP_Q4_K, 4, 4, true>},
+    {"q8_0 serial c8 w4 t512", ASP_Q8_0, 4, 1, body<ASP_Q8_0, 4, 8, false, 1>},
+    {"q8_0 serial c8 w8 t1024", ASP_Q8_0, 8, 2, body<ASP_Q8_0, 8, 8, false, 2>},
+    {"q8_0 pipelined c8 w8 t512", ASP_Q8_0, 8, 1, body<ASP_Q8_0, 8, 8, true, 1>},
+    {"q8_0 pipelined c8 w4 t1024", ASP_Q8_0, 4, 2, body<ASP_Q8_0, 4, 8, true, 2>},
+    {"q8_0 pipelined c8 w8 t2048", ASP_Q8_0, 8, 4, body<ASP_Q8_0, 8, 8, true, 4>},
+    {"q8_0 serial c4 w8 t2048", ASP_Q8_0, 8, 4, body<ASP_Q8_0, 8, 4, false, 4>},
+    {"q8_0 pipelined c4 w4 t512", ASP_Q8_0, 4, 1, body<ASP_Q8_0, 4, 4, true, 1>},
+    {"q4_k serial c16 w8 t512", ASP_Q4_K, 8, 1, body<ASP_Q4_K, 8, 16, false, 1>},
+    {"q4_k serial c16 w4 t1024", ASP_Q4_K, 4, 2, body<ASP_Q4_K, 4, 16, false, 2>},
+    {"q4_k serial c16 w8 t2048", ASP_Q4_K, 8, 4, body<ASP_Q4_K, 8, 16, false, 4>},
+    {"q4_k pipelined c8 w4 t512", ASP_Q4_K, 4, 1, body<ASP_Q4_K, 4, 8, true, 1>},
+    {"q4_k pipelined c8 w8 t1024", ASP_Q4_K, 8, 2, body<ASP_Q4_K, 8, 8, true, 2>},
+    {"q4_k serial c4 w4 t512", ASP_Q4_K, 4, 1, body<ASP_Q4_K, 4, 4, false, 1>},
+    {"q4_k pipelined c4 w8 t2048", ASP_Q4_K, 8, 4, body<ASP_Q4_K, 8, 4, true, 4>},
 };
 
 // Thresholds skipping about `share` of x's channels (1: all; < 0: a null
@@ -370,14 +375,18 @@ static std::vector<float> thresholds(const std::vector<float>& x, double share, 
     return t;
 }
 
-static void run_shape(int ty, int rows, int cols) {
+// every: every kernel at every group count; else the first two kernels of
+// the type at one group a warp (many blocks a tile).
+static void run_shape(int ty, int rows, int cols, bool every = true) {
     std::normal_distribution<float> N(0, 1);
     const auto src0 = random_ggml(ty, rows, cols), src1 = random_ggml(ty, rows, cols);
-    const auto w0 = pack(ty, src0, rows, cols), w1 = pack(ty, src1, rows, cols);
+    std::vector<u8> packed[3][2];  // tiles of 512, 1024, 2048
+    for (int h = 0; h < 3; h++)
+        for (int m = 0; m < 2; m++) packed[h][m] = pack(ty, m ? src1 : src0, rows, cols, 512 << h);
     std::vector<float> x(cols);
     for (auto& v : x) v = N(gen);
     x[3] = 0.f;
-    const int G = cols / 32, n_tiles = (rows + 511) / 512;
+    const int G = cols / 32;
     struct Case {
         double share0, share1;
         int only;
@@ -394,13 +403,22 @@ static void run_shape(int ty, int rows, int cols) {
         for (int o = 0; o < rows; o++) scale0 = std::max(scale0, std::fabs(rq0[o]));
         for (int o = 0; o < rows; o++) scale1 = std::max(scale1, std::fabs(rq1[o]));
         const bool none = cs.share0 >= 1;
-        const auto need0 = needed(ty, rows, cols, l0), need1 = needed(ty, rows, cols, l1);
+        int tried = 0;
         for (const Kernel& k : KERNELS) {
-            if (k.ty != ty) continue;
-            for (int gpw : {1, 3, 64 / k.nw}) {
-                const int splits = (G + k.nw * gpw - 1) / (k.nw * gpw);
+            if (k.ty != ty || (!every && tried == 2)) continue;
+            tried++;
+            const int tw = 512 * k.h, hi = k.h == 1 ? 0 : k.h == 2 ? 1 : 2, ns = k.nw / k.h;
+            const int n_tiles = (rows + tw - 1) / tw;
+            const auto& w0 = packed[hi][0];
+            const auto& w1 = packed[hi][1];
+            const auto need0 = needed(ty, rows, cols, l0, tw), need1 = needed(ty, rows, cols, l1, tw);
+            // One group a warp (many blocks a tile), 3 (the last warp's
+            // range cut short), the most a block stages (one or two blocks).
+            for (int gpw : {1, 3, 64 / ns}) {
+                if ((gpw == 3 && k.h != 2) || (!every && gpw != 1)) continue;
+                const int splits = (G + ns * gpw - 1) / (ns * gpw);
                 std::vector<float> y0(rows, NAN), y1(rows, NAN);
-                std::vector<float> part((size_t)2 * splits * n_tiles * 512, NAN);
+                std::vector<float> part((size_t)2 * splits * n_tiles * tw, NAN);
                 std::vector<u32> ctr(2 * n_tiles, 0);
                 watch = {{w0.data(), w0.size(), std::vector<int>(w0.size(), 0)},
                          {w1.data(), w1.size(), std::vector<int>(w1.size(), 0)}};
@@ -444,12 +462,13 @@ static void run_shape(int ty, int rows, int cols) {
 }
 
 int main() {
-    run_shape(ASP_Q8_0, 528, 224);   // tiles of 512 and 16 outputs, 7 groups
+    run_shape(ASP_Q8_0, 2100, 96);   // tiles of 512 x 4 + 52, 1024 x 2 + 52, 2048 + 52
+    run_shape(ASP_Q8_0, 528, 224);   // 7 groups
     run_shape(ASP_Q8_0, 72, 96);     // one tile, lanes 5.. without outputs
-    run_shape(ASP_Q4_K, 1040, 512);  // tiles of 512, 512, 16; 2 super-blocks
+    run_shape(ASP_Q4_K, 1040, 512);  // tiles of 512 x 2 + 16, 1024 + 16, 1040; 2 super-blocks
     run_shape(ASP_Q4_K, 200, 768);   // one tile of 208 padded outputs
-    run_shape(ASP_Q8_0, 40, 2240);   // 70 groups: 18 blocks a tile at 4 warps of one group
-    run_shape(ASP_Q4_K, 24, 2304);   // 72 groups
+    run_shape(ASP_Q8_0, 40, 2240, false);  // 70 groups: 18 blocks a tile at 4 warps of one group
+    run_shape(ASP_Q4_K, 24, 2304, false);  // 72 groups
     printf("activation-sparse products: lists equal the CPU rule, worst error %.3g (list codes) %.3g (x): %s\n",
            worst_q, worst_x, fails ? "FAILED" : "ok");
     return fails ? 1 : 0;
