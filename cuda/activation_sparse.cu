@@ -42,14 +42,16 @@
 // Product (asp_matvec). A warp owns 512 outputs of a tile (H = TW / 512
 // warps side by side cover it, so that the bytes of an active channel's run
 // are read together), lane l outputs 16 l .. 16 l + 15 of them, and walks
-// groups; per group it loads, for every active
-// channel, the lane's 16 B (Q8_0) or 8 B (Q4_K) of the channel's run, in
-// rounds of up to CH channels. Four channels' words are transposed with 8
-// byte permutes (word k of the result: byte k of each channel) so that one
-// dp4a multiplies 4 channels of one output by the batch's 4 int8 codes
-// (Q4_K: the low and the high nibbles masked apart, the high ones 16x):
-// exact int32 sums per (output, group), about 0.75 instructions a weight.
-// At the group's end its scales enter once per output, in f32:
+// groups; per group it loads, for every active channel, the lane's 16 B
+// (Q8_0) or 8 B (Q4_K) of the channel's run, in rounds of up to CH
+// channels. Four channels' words are transposed with 8 byte permutes (word
+// k of the result: byte k of each channel) so that one dp4a multiplies 4
+// channels of one output by the batch's 4 int8 codes (Q4_K: the low and the
+// high nibbles masked apart, the high ones 16x): exact int32 sums per
+// (output, group). Per 4 channels x 16 outputs a lane issues 16 dp4a, 16
+// (Q4_K: 8 and 16 masks) or 32 (Q8_0) permutes and 4 loads with their
+// addresses: about 1.2 instructions a weight. At the group's end its scales
+// enter once per output, in f32 (about 14 instructions for Q4_K, 5 for Q8_0):
 //   Q8_0: y += d * dx * acc;
 //   Q4_K: y += d * sc * dx * acc - dmin * m * dx * sum(xq).
 // The serial variant waits for each round before it multiplies; the
@@ -267,36 +269,34 @@ __device__ __forceinline__ void asp_flush(const AspBuf<TY, CH>& B, int g, const 
     const float dx = __uint_as_float(rec[1]);
 #pragma unroll
     for (int q = 0; q < 4; q++) {
-        float4 y = ys[q * 32 + lane];
-        float v[4];
+        float4 y4 = ys[q * 32 + lane];
+        float y[4] = {y4.x, y4.y, y4.z, y4.w};
         if constexpr (TY == ASP_Q8_0) {
             const uint4 dw = B.d[q >> 1];
             const u32 w0 = asp_word(dw, 2 * (q & 1)), w1 = asp_word(dw, 2 * (q & 1) + 1);
             const u32 h[4] = {w0 & 0xffffu, w0 >> 16, w1 & 0xffffu, w1 >> 16};
 #pragma unroll
-            for (int i = 0; i < 4; i++) v[i] = (dx * asp_h2f(h[i])) * (float)acc[4 * q + i];
+            for (int i = 0; i < 4; i++) y[i] = fmaf(dx * asp_h2f(h[i]), (float)acc[4 * q + i], y[i]);
         } else {
-            const float dxs = __uint_as_float(rec[2]);
+            // y += d * (dx * sc * acc) - dmin * (dx * sum(xq) * m); acc[8..16)
+            // is 16x: its dx / 16.
+            const float dxk = q < 2 ? dx : dx * 0.0625f, dxs = __uint_as_float(rec[2]);
             const u32 sh = 4u * (u32)(g & 1);
             const u32 L = asp_word(B.lo, q), H = asp_word(B.hi, q) >> sh;
             const u32 sc4 = (L & 0x0f0f0f0fu) | ((H << 4) & 0x30303030u);
             const u32 m4 = ((L >> 4) & 0x0f0f0f0fu) | ((H << 2) & 0x30303030u);
-            // acc[8..16) is 16x: its dx / 16.
-            const float dxk = q < 2 ? dx : dx * 0.0625f;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int k = 4 * q + i;
                 const u32 dd = asp_word(B.dd[k >> 2], k & 3);
-                const int sc = (int)((sc4 >> (8 * i)) & 255u), mn = (int)((m4 >> (8 * i)) & 255u);
-                v[i] = (dxk * asp_h2f(dd & 0xffffu)) * (float)(sc * acc[k]) -
-                       (dxs * asp_h2f(dd >> 16)) * (float)mn;
+                // byte i of sc4 and m4 (prmt: bytes 1..3 from the zero word)
+                const int sc = (int)asp_prmt(sc4, 0u, 0x4440u | (u32)i);
+                const int mn = (int)asp_prmt(m4, 0u, 0x4440u | (u32)i);
+                y[i] = fmaf(asp_h2f(dd & 0xffffu), dxk * (float)(sc * acc[k]), y[i]);
+                y[i] = fmaf(-asp_h2f(dd >> 16), dxs * (float)mn, y[i]);
             }
         }
-        y.x += v[0];
-        y.y += v[1];
-        y.z += v[2];
-        y.w += v[3];
-        ys[q * 32 + lane] = y;
+        ys[q * 32 + lane] = make_float4(y[0], y[1], y[2], y[3]);
     }
 }
 
