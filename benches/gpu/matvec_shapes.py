@@ -74,11 +74,14 @@ def split_matrix(kind, rows, cols):
     return np.concatenate([qs, hdr.ravel()])
 
 
-def main():
+def dense_module():
+    """The dense module (cuda/*.cu in DENSE_SOURCE order) and the streaming read."""
     src = "".join((ROOT / "cuda" / f"{f}.cu").read_text() for f in FILES) + READ
-    mod = cp.RawModule(code=src, options=("--std=c++17", "-default-device"), backend="nvrtc")
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    sms = props["multiProcessorCount"]
+    return cp.RawModule(code=src, options=("--std=c++17", "-default-device"), backend="nvrtc")
+
+
+def copy_rate():
+    """Device-to-device copy rate, bytes read + written a second."""
     a, b = cp.empty(1 << 30, cp.uint8), cp.empty(1 << 30, cp.uint8)
     b[:] = a
     t0, t1 = cp.cuda.Event(), cp.cuda.Event()
@@ -87,8 +90,58 @@ def main():
         b[:] = a
     t1.record()
     t1.synchronize()
-    copy = 2 * (1 << 30) * 10 / (cp.cuda.get_elapsed_time(t0, t1) * 1e-3)
+    rate = 2 * (1 << 30) * 10 / (cp.cuda.get_elapsed_time(t0, t1) * 1e-3)
     del a, b
+    cp.get_default_memory_pool().free_all_blocks()
+    return rate
+
+
+def dense_launches(mod, kind, ffn, rows, cols, ws, x, y):
+    """(kernel name, launch(i)) of every column split of the dense kernel for
+    split-layout matrices `ws` (launch i reads copy i % len(ws); gate+up:
+    copies i and i + 1 as gate and up, `rows` channels)."""
+    copies = len(ws)
+    imma = kind == "q4_ks"
+    smem = 2 * cols + 8 * (cols // 32) if imma else 0
+    out = []
+    for s in (1, 2, 4, 8):
+        suffix = "" if s == 1 else f"_k{s}"
+        if ffn:
+            if not imma and s > 1:
+                continue
+            name = f"ffn_{kind}{suffix}"
+            fn = mod.get_function(name)
+            per = (8 // s) * 16 if imma else 16
+            grid = ((rows + per - 1) // per, 1)
+
+            def launch(i, fn=fn, grid=grid):
+                fn(grid, (256,), (ws[i % copies], ws[(i + 1) % copies], I32(rows), I64(0), I32(cols), x, y,
+                                  F32(1), F32(1), NULL, NULL, F32(0), NULL), shared_mem=smem)
+        else:
+            name = f"mv3_{kind}{suffix}"
+            fn = mod.get_function(name)
+            per = (8 // s) * (16 if imma else 4)
+            grid = ((rows + per - 1) // per, 1)
+
+            def launch(i, fn=fn, grid=grid):
+                fn(grid, (256,), (ws[i % copies], NULL, NULL, I32(rows), I32(0), I32(0), I64(0), I32(cols),
+                                  x, y, NULL, NULL, F32(1), F32(1), F32(1), NULL, NULL, NULL, NULL, NULL,
+                                  NULL, F32(0), NULL), shared_mem=smem)
+        out.append((name, launch))
+    return out
+
+
+def best_dense(mod, kind, ffn, rows, cols, ws, x, y):
+    """(kernel name, seconds a launch) of the fastest column split."""
+    return min(((name, timed(launch)) for name, launch in dense_launches(mod, kind, ffn, rows, cols, ws, x, y)),
+               key=lambda b: b[1])
+
+
+def main():
+    mod = dense_module()
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    sms = props["multiProcessorCount"]
+    copy = copy_rate()
     print(f"{props['name'].decode()}, {sms} SMs, copy {copy / 1e9:.0f} GB/s (read + written)")
     read = mod.get_function("stream_read")
     out = cp.zeros(4, cp.uint32)
@@ -105,38 +158,11 @@ def main():
             nbytes = raw.size * (2 if ffn else 1)
             x = cp.asarray(rng.standard_normal(cols).astype(np.float32))
             y = cp.zeros(rows, cp.float32)
-            imma = kind == "q4_ks"
-            smem = 2 * cols + 8 * (cols // 32) if imma else 0
-            best = None
-            for s in (1, 2, 4, 8):
-                suffix = "" if s == 1 else f"_k{s}"
-                if ffn:
-                    if not imma and s > 1:
-                        continue
-                    fn = mod.get_function(f"ffn_{kind}{suffix}")
-                    per = (8 // s) * 16 if imma else 16
-                    grid = ((rows + per - 1) // per, 1)
-
-                    def launch(i, fn=fn, grid=grid):
-                        fn(grid, (256,), (ws[i % copies], ws[(i + 1) % copies], I32(rows), I64(0), I32(cols), x, y,
-                                          F32(1), F32(1), NULL, NULL, F32(0), NULL), shared_mem=smem)
-                else:
-                    fn = mod.get_function(f"mv3_{kind}{suffix}")
-                    per = (8 // s) * (16 if imma else 4)
-                    grid = ((rows + per - 1) // per, 1)
-
-                    def launch(i, fn=fn, grid=grid):
-                        fn(grid, (256,), (ws[i % copies], NULL, NULL, I32(rows), I32(0), I32(0), I64(0), I32(cols),
-                                          x, y, NULL, NULL, F32(1), F32(1), F32(1), NULL, NULL, NULL, NULL, NULL,
-                                          NULL, F32(0), NULL), shared_mem=smem)
-                t = timed(launch)
-                if best is None or t < best[1]:
-                    best = (f"{'ffn' if ffn else 'mv3'}_{kind}{suffix}", t)
+            label, t = best_dense(mod, kind, ffn, rows, cols, ws, x, y)
             n16 = raw.size // 16
             tr = min(timed(lambda i, g=g: read((g,), (256,), (ws[i % copies], I64(n16), out)))
                      for g in (2 * sms, 4 * sms, 8 * sms))
             tr *= 2 if ffn else 1
-            label, t = best
             print(f"| {name} | {kind} | {nbytes / 1e6:.1f} | `{label}` | {t * 1e6:.2f} | {nbytes / t / copy:.0%} | "
                   f"{tr * 1e6:.2f} | {nbytes / tr / copy:.0%} |", flush=True)
             del ws

@@ -1,8 +1,8 @@
 """Cuts the device code the host checks run out of the kernel sources in
 cuda/ (brace matching), so the checks always compile the current kernels.
 Writes matvec_extract.h, norm_extract.h, split_extract.h, att_partial_extract.h,
-ffn_p1_extract.h, ffn_p2_extract.h, mmq_extract.h, imma_extract.h and fa_extract.h into the folder given
-(default: here)."""
+ffn_p1_extract.h, ffn_p2_extract.h, mmq_extract.h, imma_extract.h, fa_extract.h and dequant_extract.h into
+the folder given (default: here)."""
 import pathlib
 import sys
 
@@ -119,3 +119,10 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
 (out / "fa_extract.h").write_text(cut(
     "#define FA_ROWS", "#define FA_KEYS", "#define FA_WARPS", "#define FA_LOG2E", "u32 fa_pack(", "u32 fa_word(",
     "void fa_stage(const u16*", "void fa_stage(const float*", "void attend_prefill(", "float attend_prefill_merge("))
+
+# ggml's Q8_0 and Q4_K dequantizers (ggml.cu), the reference the
+# activation-sparse products (activation_sparse.cu, included whole) are
+# checked against.
+(out / "dequant_extract.h").write_text(cut(
+    "#define GGML_TYPES", "#define GGML_TY_ID", "enum GgmlType", "void scale_min_k4(", "void dequant_unit<TY_Q8_0>(",
+    "void dequant_unit<TY_Q4_K>("))

@@ -19,9 +19,9 @@
 //! `hostcheck`: the kernels' device functions compiled as C++ and run on the
 //! CPU (`hostcheck/run.sh`: the mat-vecs' dot helpers and element
 //! accessors, the RMSNorm row, the decode attention, the fused Q8_0 FFN's
-//! two phases, the pruned attention, the prefill int8 tensor-core products
-//! and the prefill attention on f16 tensor cores (mma fragments emulated
-//! per the PTX ISA) against f64 references
+//! two phases, the pruned attention, the prefill int8 tensor-core products,
+//! the prefill attention on f16 tensor cores (mma fragments emulated
+//! per the PTX ISA) and the activation-sparse mat-vecs against f64 references
 //! or the plain forms), each emulated block's threads as fibers on one OS thread. Needs
 //! g++ (C++20) and python3; without them it prints why and passes.
 
@@ -91,6 +91,32 @@ mod nvrtc_check {
         }
         eprintln!("{module_name}: {} kernels compile for sm_90", kernels.len());
         ptx
+    }
+
+    /// The activation-sparse mat-vecs (cuda/activation_sparse.cu, measured
+    /// against the dense kernels by benches/gpu/sparse_matvec.py; no backend
+    /// loads them) compile for sm_90 with the kernels and argument counts
+    /// that bench launches.
+    #[test]
+    fn activation_sparse_kernels_compile() {
+        if !nvrtc_present() {
+            return;
+        }
+        let src = include_str!("../../../cuda/activation_sparse.cu");
+        let ptx = module::compile("activation_sparse", src, 9, 0)
+            .unwrap_or_else(|e| panic!("activation_sparse: {e}"));
+        assert_eq!(param_count(&ptx, "asp_select"), 8);
+        for variant in [
+            "q8_0_serial_c8",
+            "q8_0_pipelined_c8",
+            "q4_k_serial_c16",
+            "q4_k_pipelined_c8",
+        ] {
+            for shape in ["w4_t512", "w8_t512", "w4_t1024", "w8_t1024", "w8_t2048"] {
+                let name = format!("asp_mv_{variant}_{shape}");
+                assert_eq!(param_count(&ptx, &name), 12, "{name}");
+            }
+        }
     }
 
     #[test]
