@@ -235,6 +235,28 @@ __device__ __forceinline__ SplitHeads split_heads(int n_head, int n_head_kv, int
     return SplitHeads{kvh, h0, min(hpb, kvh * G + G - h0), sub == 0};
 }
 
+// Before pdl_wait(): asks L2 for the first tile (AS_TILE positions) of the
+// keys and values this block attends before the row's own position, so that
+// its first loads after the wait, the chain that a short-context attention's
+// time is, find them there while the previous kernel still runs. The slots
+// are the step's inputs (copied before its first launch); the positions
+// before the row's were written by earlier steps, or in a prefill batch by
+// the rope_store just before, which a prefetch cannot make stale: it reads
+// into L2, where every write lands, and changes no value.
+template <typename KV, int HD>
+__device__ __forceinline__ void split_prefetch_kv(const KV* kc, const KV* vc, const int* slots, int n_head,
+                                                  int n_head_kv, int n_ctx, int chunk, int hpb) {
+    const int seq = slots[2 * blockIdx.x], pos = slots[2 * blockIdx.x + 1];
+    const SplitHeads sh = split_heads(n_head, n_head_kv, hpb);
+    const int c = att_chunk(pos + 1, gridDim.z, chunk);
+    const int j0 = blockIdx.z * c, j1 = min(min(pos, j0 + c), j0 + AS_TILE);
+    if (j0 >= j1) return;
+    const long at = (((long)seq * n_head_kv + sh.kvh) * n_ctx + j0) * HD;
+    const long bytes = (long)(j1 - j0) * HD * (long)sizeof(KV);
+    l2_prefetch_block(kc + at, bytes);
+    l2_prefetch_block(vc + at, bytes);
+}
+
 // attend_split's body for head size HD (64, 128 or 256): the query heads
 // staged by load_q(qs) (a copy from q, or attend_split_rope's rotated copy)
 // and, when psub >= 0, the key and value of position psub taken from ksub /
@@ -819,6 +841,7 @@ KV_INSTANCE(f16, u16)
         attend_split_##NAME##_d##HD(const float* q, const KV* kc, const KV* vc, const int* slots, int n_head,      \
                                     int n_head_kv, int n_ctx, int chunk, int hpb, float scale, float* part,        \
                                     float* out) {                                                                   \
+        split_prefetch_kv<KV, HD>(kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb);                             \
         PDL_ENTRY();                                                                                                \
         attend_split<KV, HD>(q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb, scale, part, out);             \
     }                                                                                                               \
@@ -827,6 +850,7 @@ KV_INSTANCE(f16, u16)
         attend_split_rope_##NAME##_d##HD(const float* q, KV* kc, KV* vc, const int* slots, int n_head,             \
                                          int n_head_kv, int n_ctx, int chunk, int hpb, float scale, float* part,   \
                                          float* out, const float* k, const float* v, int neox, const float* rope) { \
+        split_prefetch_kv<KV, HD>(kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb);                             \
         PDL_ENTRY();                                                                                                \
         attend_split_rope<KV, HD>(q, k, v, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb, scale, neox, rope,  \
                                   part, out);                                                                       \

@@ -40,9 +40,10 @@ __device__ __forceinline__ void pdl_trigger() {
 
 // Asks L2 to fetch bytes [p, p + n) (whole 128-byte lines around them), this
 // thread's share of a block-wide prefetch: thread t of the block takes lines
-// t, t + blockDim.x, ... Issued before pdl_wait() on weights only, so the
-// lines stream in while the previous kernel still runs. No-op for n <= 0
-// at an aligned p.
+// t, t + blockDim.x, ... Issued before pdl_wait() on weights, and by the
+// decode attention on the KV cache positions before its rows' own, so the
+// lines stream in while the previous kernel still runs (a prefetch changes
+// no value, so it cannot race a write). No-op for n <= 0 at an aligned p.
 __device__ __forceinline__ void l2_prefetch_block(const void* p, long n) {
     const char* a = (const char*)((unsigned long long)p & ~127ull);
     const long span = (const char*)p + n - a;
