@@ -29,6 +29,10 @@
 mod error;
 pub use error::CudaError;
 
+/// The GPU channel-major layout of the activation-sparse kernels, built
+/// from an activation artifact's matrices (host code, every build).
+pub mod asp_layout;
+
 #[cfg(feature = "cuda")]
 mod attention;
 #[cfg(feature = "cuda")]
