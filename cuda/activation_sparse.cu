@@ -508,3 +508,14 @@ ASP_MV_SHAPES(q8_0, ASP_Q8_0, pipelined, true, 8)
 ASP_MV_SHAPES(q4_k, ASP_Q4_K, serial, false, 16)
 ASP_MV_SHAPES(q4_k, ASP_Q4_K, pipelined, true, 8)
 #endif
+
+#ifndef ASP_HOST
+// A prompt batch's input with its inactive channels zeroed (the CPU path
+// runs batches as the dense product of that): out[i] = x[i] where
+// |x[i]| >= thr[i % width], else 0.
+extern "C" __global__ void asp_mask(const float* __restrict__ x, const float* __restrict__ thr, float* __restrict__ out,
+                                    int width, long n) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = fabsf(x[i]) >= thr[i % width] ? x[i] : 0.f;
+}
+#endif
