@@ -317,6 +317,17 @@ impl ActivationCudaBackend {
         // Let queued work that reads the old thresholds finish first.
         self.inner.synchronize()?;
         *self.thresholds.lock().unwrap_or_else(|e| e.into_inner()) = dev;
+        // The lists were written under the old thresholds: until a decode
+        // row rewrites them, `last_row_ffn_bytes` must not count them.
+        for l in self
+            .layers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter_mut()
+            .flatten()
+        {
+            l.2 = false;
+        }
         Ok(())
     }
 
