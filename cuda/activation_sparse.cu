@@ -48,7 +48,7 @@
 // k of the result: byte k of each channel) so that one dp4a multiplies 4
 // channels of one output by the batch's 4 int8 codes (Q4_K: the low and the
 // high nibbles masked apart, the high ones 16x): exact int32 sums per
-// (output, group). Per 4 channels x 16 outputs a lane issues 16 dp4a, 16
+// (output, group). Per 4 channels x 16 outputs a lane runs 16 dp4a, 16
 // permutes and 16 masks (Q4_K) or 32 permutes (Q8_0), and 4 loads with
 // their addresses: about 1.2 instructions a weight. At the group's end its scales
 // enter once per output, in f32 (about 14 instructions for Q4_K, 5 for Q8_0):
