@@ -384,30 +384,28 @@ __device__ void attend_split_with(LoadQ load_q, const KV* __restrict__ kc, const
                     }
         __syncthreads();
     }
-    if (grp == 0 && out) {
-        // attend_combine's arithmetic for one split: weight exp(0) = 1, so
-        // L = l and a = the V sum, then a / L.
+    // Group 0 holds each head's V sum (its own plus red's): with out, the
+    // output attend_combine's arithmetic gives for one split (weight
+    // exp(0) = 1, so L = l and a = the V sum, then a / L); else the partial.
+    if (grp == 0) {
 #pragma unroll
         for (int g = 0; g < AS_MAX_G; g++)
             if (g < gb) {
-                float* o = out + ((long)row * n_head + sh.h0 + g) * HD;
+                const long head = (long)row * n_head + sh.h0 + g;
+                float* o = out ? out + head * HD : (float*)0;
+                float* P = out ? (float*)0 : part + (head * n_split + split) * (HD + 2);
                 const float L = ls[g];
 #pragma unroll
                 for (int e = 0; e < DPT; e++) {
                     const float a = NGRP > 1 ? acc[g][e] + red[g * HD + d0 + e] : acc[g][e];
-                    o[d0 + e] = L > 0.f ? a / L : 0.f;
+                    if (o)
+                        o[d0 + e] = L > 0.f ? a / L : 0.f;
+                    else
+                        P[2 + d0 + e] = a;
                 }
-            }
-    } else if (grp == 0) {
-#pragma unroll
-        for (int g = 0; g < AS_MAX_G; g++)
-            if (g < gb) {
-                float* P = part + (((long)row * n_head + sh.h0 + g) * n_split + split) * (HD + 2);
-#pragma unroll
-                for (int e = 0; e < DPT; e++) P[2 + d0 + e] = NGRP > 1 ? acc[g][e] + red[g * HD + d0 + e] : acc[g][e];
-                if (d0 == 0) {
+                if (P && d0 == 0) {
                     P[0] = ms[g];
-                    P[1] = ls[g];
+                    P[1] = L;
                 }
             }
     }

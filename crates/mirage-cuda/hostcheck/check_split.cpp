@@ -69,6 +69,25 @@ static int head_blocks(int n_head, int n_head_kv) {
     return n_head_kv * ((G + AS_MAX_G - 1) / AS_MAX_G);
 }
 
+// attend_combine over every (row, head) of rows decode rows: the splits'
+// partials in part to out.
+static void run_combine(int rows, int n_head, int hd, const float* part, const int* slots, int n_split, int chunk,
+                        float* out) {
+    gridDim = dim3_{(unsigned)rows, (unsigned)n_head, 1};
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < n_head; h++)
+            run_block(hd, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
+                attend_combine_body(part, slots, n_head, hd, n_split, chunk, 0, rows, 0, out);
+            });
+}
+
+// Floats of a and b whose bits differ.
+static int differ_bits(const std::vector<float>& a, const std::vector<float>& b) {
+    int n = 0;
+    for (size_t i = 0; i < a.size(); i++) n += memcmp(&a[i], &b[i], 4) != 0;
+    return n;
+}
+
 template <class KV, int HD>
 static int check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int len0, int len1, const char* ty,
                  KV (*conv)(float)) {
@@ -87,12 +106,7 @@ static int check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int 
         attend_split<KV, HD>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, n_ctx, chunk, AS_MAX_G, scale,
                              part.data(), (float*)0);
     });
-    gridDim = dim3_{(unsigned)rows, (unsigned)n_head, 1};
-    for (int r = 0; r < rows; r++)
-        for (int h = 0; h < n_head; h++)
-            run_block(HD, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
-                attend_combine_body(part.data(), slots, n_head, HD, n_split, chunk, 0, rows, 0, out.data());
-            });
+    run_combine(rows, n_head, HD, part.data(), slots, n_split, chunk, out.data());
     double worst = 0;
     for (int r = 0; r < rows; r++) {
         const int seq = slots[2 * r], n = slots[2 * r + 1] + 1;
@@ -123,50 +137,79 @@ static int check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int 
     return bad;
 }
 
+// Two decode rows (sequence 1 at position len0 - 1, sequence 0 at len1 - 1)
+// over a random cache: the unrotated q, k and v; the cache kc / vc after
+// rope_store, with q1 / k1 its rotated q and k; and kc2 / vc2, the cache
+// before it with the rows' new slots poisoned (what attend_split_rope must
+// write itself, reading its staged copy).
+template <class KV, int HD>
+struct RopeCase {
+    static constexpr int rows = 2, n_seq = 2;
+    static constexpr float base = 10000.f;
+    int n_head, n_head_kv, n_ctx, neox;
+    int slots[4];
+    std::vector<float> q, k, v, q1, k1;
+    std::vector<KV> kc, vc, kc2, vc2;
+
+    RopeCase(std::mt19937& rng, int n_head, int n_head_kv, int n_ctx, int neox, int len0, int len1, KV (*conv)(float))
+        : n_head(n_head), n_head_kv(n_head_kv), n_ctx(n_ctx), neox(neox), slots{1, len0 - 1, 0, len1 - 1} {
+        std::normal_distribution<float> nd(0.f, 1.f);
+        q.resize((size_t)rows * n_head * HD);
+        k.resize((size_t)rows * n_head_kv * HD);
+        v.resize(k.size());
+        for (auto* x : {&q, &k, &v})
+            for (auto& e : *x) e = nd(rng);
+        kc.resize((size_t)n_seq * n_head_kv * n_ctx * HD);
+        vc.resize(kc.size());
+        for (auto& e : kc) e = conv(nd(rng));
+        for (auto& e : vc) e = conv(nd(rng));
+        kc2 = kc;
+        vc2 = vc;
+        for (int r = 0; r < rows; r++)
+            for (int h = 0; h < n_head_kv; h++)
+                for (int d = 0; d < HD; d++) {
+                    long at = (((long)slots[2 * r] * n_head_kv + h) * n_ctx + slots[2 * r + 1]) * HD + d;
+                    kc2[at] = conv(300.f);
+                    vc2[at] = conv(-300.f);
+                }
+        q1 = q;
+        k1 = k;
+        for (int r = 0; r < rows; r++)
+            for (int h = 0; h < n_head + n_head_kv; h++)
+                run_block(HD / 2, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
+                    rope_store<KV>(q1.data(), k1.data(), v.data(), slots, n_head, n_head_kv, HD, neox, base,
+                                   (const float*)0, (const float*)0, 1e-6f, kc.data(), vc.data(), n_ctx);
+                });
+    }
+
+    // Cache entries (key or value) where kc2 / vc2 differ from kc / vc.
+    int cache_differ() const {
+        int n = 0;
+        for (size_t i = 0; i < kc.size(); i++)
+            n += memcmp(&kc[i], &kc2[i], sizeof(KV)) != 0 || memcmp(&vc[i], &vc2[i], sizeof(KV)) != 0;
+        return n;
+    }
+};
+
 template <class KV, int HD>
 static int check_rope(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int neox, int len0, int len1,
                       const char* ty, KV (*conv)(float)) {
-    const int rows = 2, n_ctx = 160, n_seq = 2;
+    RopeCase<KV, HD> c(rng, n_head, n_head_kv, 160, neox, len0, len1, conv);
+    const int rows = c.rows, n_ctx = c.n_ctx;
     const int chunk = (n_ctx + n_split - 1) / n_split;
-    std::normal_distribution<float> nd(0.f, 1.f);
-    std::vector<float> q((size_t)rows * n_head * HD), k((size_t)rows * n_head_kv * HD), v(k.size());
-    for (auto* x : {&q, &k, &v})
-        for (auto& e : *x) e = nd(rng);
-    std::vector<KV> kc((size_t)n_seq * n_head_kv * n_ctx * HD), vc(kc.size());
-    for (auto& e : kc) e = conv(nd(rng));
-    for (auto& e : vc) e = conv(nd(rng));
-    int slots[4] = {1, len0 - 1, 0, len1 - 1};
-    std::vector<KV> kc2 = kc, vc2 = vc;
-    for (int r = 0; r < rows; r++)
-        for (int h = 0; h < n_head_kv; h++)
-            for (int d = 0; d < HD; d++) {
-                long at = (((long)slots[2 * r] * n_head_kv + h) * n_ctx + slots[2 * r + 1]) * HD + d;
-                kc2[at] = conv(300.f);
-                vc2[at] = conv(-300.f);
-            }
     const size_t np = (size_t)rows * n_head * n_split * (HD + 2);
     std::vector<float> a(np, 7.f), b(np, 7.f);
-    const float scale = 1.f / std::sqrt((float)HD), base = 10000.f;
-    std::vector<float> q1 = q, k1 = k;
-    for (int r = 0; r < rows; r++)
-        for (int h = 0; h < n_head + n_head_kv; h++)
-            run_block(HD / 2, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
-                rope_store<KV>(q1.data(), k1.data(), v.data(), slots, n_head, n_head_kv, HD, neox, base,
-                               (const float*)0, (const float*)0, 1e-6f, kc.data(), vc.data(), n_ctx);
-            });
+    const float scale = 1.f / std::sqrt((float)HD);
     const int hb = head_blocks(n_head, n_head_kv);
     run_split_grid(rows, hb, n_split, false, [&] {
-        attend_split<KV, HD>(q1.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, n_ctx, chunk, AS_MAX_G, scale,
-                             a.data(), (float*)0);
+        attend_split<KV, HD>(c.q1.data(), c.kc.data(), c.vc.data(), c.slots, n_head, n_head_kv, n_ctx, chunk, AS_MAX_G,
+                             scale, a.data(), (float*)0);
     });
     run_split_grid(rows, hb, n_split, true, [&] {
-        attend_split_rope<KV, HD>(q.data(), k.data(), v.data(), kc2.data(), vc2.data(), slots, n_head, n_head_kv,
-                                  n_ctx, chunk, AS_MAX_G, scale, neox, base, b.data(), (float*)0);
+        attend_split_rope<KV, HD>(c.q.data(), c.k.data(), c.v.data(), c.kc2.data(), c.vc2.data(), c.slots, n_head,
+                                  n_head_kv, n_ctx, chunk, AS_MAX_G, scale, neox, c.base, b.data(), (float*)0);
     });
-    int differ = 0, cache_differ = 0;
-    for (size_t i = 0; i < np; i++) differ += memcmp(&a[i], &b[i], 4) != 0;
-    for (size_t i = 0; i < kc.size(); i++)
-        cache_differ += memcmp(&kc[i], &kc2[i], sizeof(KV)) != 0 || memcmp(&vc[i], &vc2[i], sizeof(KV)) != 0;
+    const int differ = differ_bits(a, b), cache_differ = c.cache_differ();
     const bool bad = differ || cache_differ;
     printf("attend_split_rope %s head_dim %3d heads %2d/%d splits %2d neox %d lengths %3d/%3d: %s (%d of %zu partial "
            "floats, %d cache entries differ)\n", ty, HD, n_head, n_head_kv, n_split, neox, len0, len1,
@@ -183,62 +226,31 @@ static int check_rope(std::mt19937& rng, int n_head, int n_head_kv, int n_split,
 template <class KV, int HD>
 static int check_short(std::mt19937& rng, int n_head, int n_head_kv, bool rope, int len0, int len1, const char* ty,
                        KV (*conv)(float)) {
-    const int rows = 2, n_ctx = 200, n_seq = 2, neox = 1;
-    std::normal_distribution<float> nd(0.f, 1.f);
-    std::vector<float> q((size_t)rows * n_head * HD), k((size_t)rows * n_head_kv * HD), v(k.size());
-    for (auto* x : {&q, &k, &v})
-        for (auto& e : *x) e = nd(rng);
-    std::vector<KV> kc((size_t)n_seq * n_head_kv * n_ctx * HD), vc(kc.size());
-    for (auto& e : kc) e = conv(nd(rng));
-    for (auto& e : vc) e = conv(nd(rng));
-    int slots[4] = {1, len0 - 1, 0, len1 - 1};
-    std::vector<KV> kc2 = kc, vc2 = vc;
-    const float scale = 1.f / std::sqrt((float)HD), base = 10000.f;
-    std::vector<float> q1 = q, k1 = k;
-    for (int r = 0; r < rows; r++)
-        for (int h = 0; h < n_head + n_head_kv; h++)
-            run_block(HD / 2, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
-                rope_store<KV>(q1.data(), k1.data(), v.data(), slots, n_head, n_head_kv, HD, neox, base,
-                               (const float*)0, (const float*)0, 1e-6f, kc.data(), vc.data(), n_ctx);
-            });
-    if (rope) {
-        for (int r = 0; r < rows; r++)
-            for (int h = 0; h < n_head_kv; h++)
-                for (int d = 0; d < HD; d++) {
-                    long at = (((long)slots[2 * r] * n_head_kv + h) * n_ctx + slots[2 * r + 1]) * HD + d;
-                    kc2[at] = conv(300.f);
-                    vc2[at] = conv(-300.f);
-                }
-    } else {
-        kc2 = kc;
-        vc2 = vc;
+    RopeCase<KV, HD> c(rng, n_head, n_head_kv, 200, 1, len0, len1, conv);
+    const int rows = c.rows, n_ctx = c.n_ctx;
+    if (!rope) {
+        c.kc2 = c.kc;
+        c.vc2 = c.vc;
     }
+    const float scale = 1.f / std::sqrt((float)HD);
     // The split form: one split, then the combine.
     std::vector<float> part((size_t)rows * n_head * (HD + 2), NAN), want((size_t)rows * n_head * HD, -99.f);
     run_split_grid(rows, head_blocks(n_head, n_head_kv), 1, false, [&] {
-        attend_split<KV, HD>(q1.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, n_ctx, n_ctx, AS_MAX_G, scale,
-                             part.data(), (float*)0);
+        attend_split<KV, HD>(c.q1.data(), c.kc.data(), c.vc.data(), c.slots, n_head, n_head_kv, n_ctx, n_ctx, AS_MAX_G,
+                             scale, part.data(), (float*)0);
     });
-    gridDim = dim3_{(unsigned)rows, (unsigned)n_head, 1};
-    for (int r = 0; r < rows; r++)
-        for (int h = 0; h < n_head; h++)
-            run_block(HD, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
-                attend_combine_body(part.data(), slots, n_head, HD, 1, n_ctx, 0, rows, 0, want.data());
-            });
+    run_combine(rows, n_head, HD, part.data(), c.slots, 1, n_ctx, want.data());
     // The short form: one head per block, writing the output.
     std::vector<float> got(want.size(), -77.f);
     run_split_grid(rows, n_head, 1, true, [&] {
         if (rope)
-            attend_split_rope<KV, HD>(q.data(), k.data(), v.data(), kc2.data(), vc2.data(), slots, n_head, n_head_kv,
-                                      n_ctx, n_ctx, 1, scale, neox, base, (float*)0, got.data());
+            attend_split_rope<KV, HD>(c.q.data(), c.k.data(), c.v.data(), c.kc2.data(), c.vc2.data(), c.slots, n_head,
+                                      n_head_kv, n_ctx, n_ctx, 1, scale, c.neox, c.base, (float*)0, got.data());
         else
-            attend_split<KV, HD>(q1.data(), kc2.data(), vc2.data(), slots, n_head, n_head_kv, n_ctx, n_ctx, 1, scale,
-                                 (float*)0, got.data());
+            attend_split<KV, HD>(c.q1.data(), c.kc2.data(), c.vc2.data(), c.slots, n_head, n_head_kv, n_ctx, n_ctx, 1,
+                                 scale, (float*)0, got.data());
     });
-    int differ = 0, cache_differ = 0;
-    for (size_t i = 0; i < want.size(); i++) differ += memcmp(&want[i], &got[i], 4) != 0;
-    for (size_t i = 0; i < kc.size(); i++)
-        cache_differ += memcmp(&kc[i], &kc2[i], sizeof(KV)) != 0 || memcmp(&vc[i], &vc2[i], sizeof(KV)) != 0;
+    const int differ = differ_bits(want, got), cache_differ = c.cache_differ();
     const bool bad = differ || cache_differ;
     printf("short form%s %s head_dim %3d heads %2d/%d lengths %3d/%3d: %s (%d of %zu outputs, %d cache entries "
            "differ)\n", rope ? " + rope" : "", ty, HD, n_head, n_head_kv, len0, len1, bad ? "FAIL" : "ok", differ,

@@ -195,6 +195,46 @@ pub(crate) fn kv_name(dtype: KvDtype) -> &'static str {
     }
 }
 
+/// The grid of `attend_split_*` for one attention over the cache.
+#[derive(Debug, PartialEq)]
+struct SplitPlan {
+    /// The short form: one split whose chunk covers every row, output
+    /// written by the split kernel, no combine.
+    short: bool,
+    /// Query heads of a GQA group per block (`hpb`).
+    heads_per_block: usize,
+    /// Blocks per row along y: `n_head_kv * ceil(group / heads_per_block)`.
+    head_blocks: usize,
+    n_split: usize,
+    /// The host's chunk (`att_chunk`'s cap): `ceil(n_ctx / n_split)`.
+    chunk: usize,
+}
+
+/// `attend_cache`'s grid: the short form for rows of at most `SHORT_KEYS`
+/// keys, else splits that depend on the batch, the cache size and the SM
+/// count only (so a recorded step replays at every longer position).
+fn split_plan(at: &CacheAttention, sm_count: usize) -> SplitPlan {
+    let group = at.n_head / at.n_head_kv;
+    let short = at.max_keys <= SHORT_KEYS;
+    let heads_per_block = if short { 1 } else { group.min(SPLIT_MAX_HEADS) };
+    let head_blocks = at.n_head_kv * group.div_ceil(heads_per_block);
+    let n_split = if short {
+        1
+    } else {
+        (SPLIT_BLOCKS_PER_SM * sm_count)
+            .div_ceil(at.rows * head_blocks)
+            .min(at.n_ctx.div_ceil(ATTEND_MIN_CHUNK))
+            .clamp(1, SPLIT_MAX)
+    };
+    SplitPlan {
+        short,
+        heads_per_block,
+        head_blocks,
+        n_split,
+        chunk: at.n_ctx.div_ceil(n_split),
+    }
+}
+
 impl CudaBackend {
     /// A launch no fusion changes.
     fn plain(
@@ -609,19 +649,13 @@ impl CudaBackend {
                 "decode attention takes head_dim {SPLIT_HEAD_DIMS:?}, not {hd}"
             )));
         }
-        let group = at.n_head / at.n_head_kv;
-        let short = at.max_keys <= SHORT_KEYS;
-        let heads_per_block = if short { 1 } else { group.min(SPLIT_MAX_HEADS) };
-        let head_blocks = at.n_head_kv * group.div_ceil(heads_per_block);
-        let n_split = if short {
-            1
-        } else {
-            (SPLIT_BLOCKS_PER_SM * self.sm_count)
-                .div_ceil(n * head_blocks)
-                .min(at.n_ctx.div_ceil(ATTEND_MIN_CHUNK))
-                .clamp(1, SPLIT_MAX)
-        };
-        let chunk = at.n_ctx.div_ceil(n_split);
+        let SplitPlan {
+            short,
+            heads_per_block,
+            head_blocks,
+            n_split,
+            chunk,
+        } = split_plan(at, self.sm_count);
         // The short form writes the output; the split form its partials.
         let (ppart, pout) = if short {
             (0, at.out)
@@ -905,5 +939,76 @@ impl CudaBackend {
             .collect(),
         )?;
         self.combine(at, ppart, n_split, 0, Some((only_decode, row_base, rows)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(
+        rows: usize,
+        n_head: usize,
+        n_head_kv: usize,
+        n_ctx: usize,
+        max_keys: usize,
+    ) -> CacheAttention {
+        CacheAttention {
+            q: 0,
+            kc: 0,
+            vc: 0,
+            slots: 0,
+            out: 0,
+            rows,
+            n_head,
+            n_head_kv,
+            head_dim: 64,
+            n_ctx,
+            max_keys,
+            kv: "f16",
+        }
+    }
+
+    #[test]
+    fn short_rows_take_one_split_of_one_head_per_block_covering_every_row() {
+        for (n_head, n_head_kv) in [(14, 2), (28, 4), (12, 1), (4, 4)] {
+            for max_keys in [1, 64, SHORT_KEYS] {
+                let p = split_plan(&shape(3, n_head, n_head_kv, 32768, max_keys), 132);
+                assert!(p.short);
+                assert_eq!(
+                    (p.n_split, p.heads_per_block, p.head_blocks),
+                    (1, 1, n_head)
+                );
+                // att_chunk(n, 1, chunk) >= n for every row: the one split holds all keys.
+                assert!(p.chunk >= max_keys);
+            }
+        }
+        // A cache of at most SHORT_KEYS positions is always short.
+        assert!(split_plan(&shape(1, 14, 2, SHORT_KEYS, SHORT_KEYS), 132).short);
+    }
+
+    #[test]
+    fn longer_rows_split_the_cache_whatever_their_position() {
+        // One key past the short form: the split form, the same grid as at
+        // the end of the cache (a recorded step replays at every length).
+        let at = |max_keys| split_plan(&shape(1, 14, 2, 32768, max_keys), 132);
+        let (p, end) = (at(SHORT_KEYS + 1), at(32768));
+        assert!(!p.short);
+        assert_eq!(p, end);
+        assert_eq!((p.heads_per_block, p.head_blocks), (7, 2));
+        assert_eq!(p.n_split, (SPLIT_BLOCKS_PER_SM * 132).div_ceil(2));
+        assert!(p.chunk * p.n_split >= 32768);
+        // A group wider than a block takes two blocks; splits are capped by
+        // the cache (one per ATTEND_MIN_CHUNK positions) and SPLIT_MAX.
+        let wide = split_plan(&shape(1, 12, 1, 512, 300), 132);
+        assert_eq!(
+            (wide.heads_per_block, wide.head_blocks),
+            (SPLIT_MAX_HEADS, 2)
+        );
+        assert_eq!(wide.n_split, 512 / ATTEND_MIN_CHUNK);
+        let huge = split_plan(&shape(1, 1, 1, 1 << 20, 1 << 20), 100_000);
+        assert_eq!(huge.n_split, SPLIT_MAX);
+        let batch = split_plan(&shape(16, 28, 4, 4096, 4096), 132);
+        assert!(batch.n_split >= 1 && batch.chunk * batch.n_split >= 4096);
     }
 }
