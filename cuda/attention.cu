@@ -30,11 +30,25 @@ __device__ __forceinline__ void rope_turn(float a, float b, float c, float s, fl
     *ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
     *rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
 }
-__device__ __forceinline__ void rope_rotate(float a, float b, int i, int pos, int head_dim, float freq_base, float* ra,
-                                            float* rb) {
+// The RoPE table of a KV cache (rope_table): per position and pair i, the
+// cosine and sine rope_angle gives, so the decode and prefill kernels read
+// the same bits with one load instead of the double-precision chain (pow,
+// cos, sin: several microseconds of latency per launch).
+__device__ __forceinline__ void rope_cs(const float* __restrict__ rope, int pos, int i, int head_dim, float* c,
+                                        float* s) {
+    const float2 t = ((const float2*)rope)[(long)pos * (head_dim >> 1) + i];
+    *c = t.x;
+    *s = t.y;
+}
+
+// rope[pos, i] = (cos, sin) of pair i at position pos, for positions
+// 0 .. n_pos - 1. Grid ceil(n_pos * head_dim / 2 / 256), block 256.
+__device__ void rope_table_body(float* __restrict__ rope, int n_pos, int head_dim, float freq_base) {
+    const long half = head_dim >> 1, e = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= (long)n_pos * half) return;
     float c, s;
-    rope_angle(i, pos, head_dim, freq_base, &c, &s);
-    rope_turn(a, b, c, s, ra, rb);
+    rope_angle((int)(e % half), (int)(e / half), head_dim, freq_base, &c, &s);
+    ((float2*)rope)[e] = make_float2(c, s);
 }
 
 // Optional per-head RMSNorm (qwen3) and RoPE of every q and k head of every
@@ -45,8 +59,8 @@ __device__ __forceinline__ void rope_rotate(float a, float b, int i, int pos, in
 // Cache layout per layer: [n_seq, n_head_kv, n_ctx, head_dim] of KV.
 template <typename KV>
 __device__ void rope_store(float* q, float* k, const float* __restrict__ v, const int* __restrict__ slots, int n_head,
-                           int n_head_kv, int head_dim, int neox, float freq_base, const float* qn, const float* kn,
-                           float norm_eps, KV* kc, KV* vc, int n_ctx) {
+                           int n_head_kv, int head_dim, int neox, const float* __restrict__ rope, const float* qn,
+                           const float* kn, float norm_eps, KV* kc, KV* vc, int n_ctx) {
     __shared__ float s32[32];
     int row = blockIdx.x, hh = blockIdx.y, i = threadIdx.x, half = head_dim >> 1;
     int seq = slots[2 * row], pos = slots[2 * row + 1];
@@ -62,8 +76,9 @@ __device__ void rope_store(float* q, float* k, const float* __restrict__ v, cons
         a = a * scale * nw[ia];
         b = b * scale * nw[ib];
     }
-    float ra, rb;
-    rope_rotate(a, b, i, pos, head_dim, freq_base, &ra, &rb);
+    float c, s, ra, rb;
+    rope_cs(rope, pos, i, head_dim, &c, &s);
+    rope_turn(a, b, c, s, &ra, &rb);
     x[ia] = ra;
     x[ib] = rb;
     if (!is_q) {
@@ -439,13 +454,13 @@ __device__ void attend_split(const float* __restrict__ q, const KV* __restrict__
 // values per key. Only for batches whose rows are in different sequences (a
 // row never attends another row's new key) and without the per-head q/k
 // norm (the host checks both). Thread i < HD / 2 rotates pair i of the key
-// and of every query head, so it computes that pair's angle (in double, a
-// long dependent chain) once for both.
+// and of every query head, with that pair's angle from the cache's RoPE
+// table (rope_cs).
 template <typename KV, int HD>
 __device__ void attend_split_rope(const float* __restrict__ q, const float* __restrict__ k,
                                   const float* __restrict__ v, KV* kc, KV* vc, const int* __restrict__ slots,
                                   int n_head, int n_head_kv, int n_ctx, int chunk, int hpb, float scale, int neox,
-                                  float freq_base, float* __restrict__ part, float* __restrict__ out) {
+                                  const float* __restrict__ rope, float* __restrict__ part, float* __restrict__ out) {
     __shared__ float kr[HD], vr[HD];
     constexpr int half = HD / 2;
     static_assert(half <= AS_THREADS, "one rotated pair per thread");
@@ -454,7 +469,7 @@ __device__ void attend_split_rope(const float* __restrict__ q, const float* __re
     const SplitHeads sh = split_heads(n_head, n_head_kv, hpb);
     const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
     float c = 0.f, s = 0.f;
-    if (i < half) rope_angle(i, pos, HD, freq_base, &c, &s);
+    if (i < half) rope_cs(rope, pos, i, HD, &c, &s);
     // The split of position pos is the last one with positions.
     const bool has_new = (int)blockIdx.z == pos / att_chunk(pos + 1, gridDim.z, chunk);
     const bool stores = has_new && sh.first;
@@ -775,11 +790,10 @@ __device__ __forceinline__ float attend_prefill_merge(const float* __restrict__ 
 
 #define KV_INSTANCE(NAME, KV)                                                                                       \
     extern "C" __global__ void rope_store_##NAME(float* q, float* k, const float* v, const int* slots, int n_head,  \
-                                                 int n_head_kv, int head_dim, int neox, float freq_base,            \
+                                                 int n_head_kv, int head_dim, int neox, const float* rope,          \
                                                  const float* qn, const float* kn, float norm_eps, KV* kc, KV* vc,  \
                                                  int n_ctx) { PDL_ENTRY();                                           \
-        rope_store<KV>(q, k, v, slots, n_head, n_head_kv, head_dim, neox, freq_base, qn, kn, norm_eps, kc, vc,     \
-                       n_ctx);                                                                                      \
+        rope_store<KV>(q, k, v, slots, n_head, n_head_kv, head_dim, neox, rope, qn, kn, norm_eps, kc, vc, n_ctx);   \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                    \
         attend_prefill_##NAME##_d64(const float* q, const KV* kc, const KV* vc, const int* slots, int n, int n_head, \
@@ -812,10 +826,10 @@ KV_INSTANCE(f16, u16)
     extern "C" __global__ void __launch_bounds__(AS_THREADS)                                                       \
         attend_split_rope_##NAME##_d##HD(const float* q, KV* kc, KV* vc, const int* slots, int n_head,             \
                                          int n_head_kv, int n_ctx, int chunk, int hpb, float scale, float* part,   \
-                                         float* out, const float* k, const float* v, int neox, float freq_base) {  \
+                                         float* out, const float* k, const float* v, int neox, const float* rope) { \
         PDL_ENTRY();                                                                                                \
-        attend_split_rope<KV, HD>(q, k, v, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb, scale, neox,       \
-                                  freq_base, part, out);                                                            \
+        attend_split_rope<KV, HD>(q, k, v, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb, scale, neox, rope,  \
+                                  part, out);                                                                       \
     }
 SPLIT_INSTANCE(f32, float, 64)
 SPLIT_INSTANCE(f32, float, 128)
@@ -831,6 +845,11 @@ extern "C" __global__ void attend_prefill_combine(const float* part, long n_rows
     long row = blockIdx.x;
     for (int d = threadIdx.x; d < hd; d += blockDim.x)
         out[row * hd + d] = attend_prefill_merge(part, row, n_rows, hd, n_split, d);
+}
+
+extern "C" __global__ void rope_table(float* rope, int n_pos, int head_dim, float freq_base) {
+    PDL_ENTRY();
+    rope_table_body(rope, n_pos, head_dim, freq_base);
 }
 
 extern "C" __global__ void attend_combine(const float* part, const int* slots, int n_head, int head_dim, int n_split,

@@ -28,6 +28,7 @@ typedef unsigned int u32;
 struct uint4 { u32 x, y, z, w; };
 struct uint2 { u32 x, y; };
 struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float __uint_as_float(u32 u) { float f; memcpy(&f, &u, 4); return f; }
 inline float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -62,6 +63,16 @@ static void run_split_grid(int rows, int head_blocks, int n_split, bool reverse,
         const int r = b / (head_blocks * n_split), y = b / n_split % head_blocks, s = b % n_split;
         run_block(AS_THREADS, dim3_{(unsigned)r, (unsigned)y, (unsigned)s}, f);
     }
+}
+
+// The RoPE table of a cache of n_ctx positions (rope_table's blocks).
+template <int HD>
+static std::vector<float> rope_table(int n_ctx, float base) {
+    std::vector<float> t((size_t)n_ctx * HD);
+    const int blocks = (n_ctx * HD / 2 + 255) / 256;
+    for (int b = 0; b < blocks; b++)
+        run_block(256, dim3_{(unsigned)b, 0, 0}, [&] { rope_table_body(t.data(), n_ctx, HD, base); });
+    return t;
 }
 
 static int head_blocks(int n_head, int n_head_kv) {
@@ -141,14 +152,14 @@ static int check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int 
 // over a random cache: the unrotated q, k and v; the cache kc / vc after
 // rope_store, with q1 / k1 its rotated q and k; and kc2 / vc2, the cache
 // before it with the rows' new slots poisoned (what attend_split_rope must
-// write itself, reading its staged copy).
+// write itself, reading its staged copy); rope, the cache's RoPE table.
 template <class KV, int HD>
 struct RopeCase {
     static constexpr int rows = 2, n_seq = 2;
     static constexpr float base = 10000.f;
     int n_head, n_head_kv, n_ctx, neox;
     int slots[4];
-    std::vector<float> q, k, v, q1, k1;
+    std::vector<float> q, k, v, q1, k1, rope;
     std::vector<KV> kc, vc, kc2, vc2;
 
     RopeCase(std::mt19937& rng, int n_head, int n_head_kv, int n_ctx, int neox, int len0, int len1, KV (*conv)(float))
@@ -172,12 +183,13 @@ struct RopeCase {
                     kc2[at] = conv(300.f);
                     vc2[at] = conv(-300.f);
                 }
+        rope = rope_table<HD>(n_ctx, base);
         q1 = q;
         k1 = k;
         for (int r = 0; r < rows; r++)
             for (int h = 0; h < n_head + n_head_kv; h++)
                 run_block(HD / 2, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
-                    rope_store<KV>(q1.data(), k1.data(), v.data(), slots, n_head, n_head_kv, HD, neox, base,
+                    rope_store<KV>(q1.data(), k1.data(), v.data(), slots, n_head, n_head_kv, HD, neox, rope.data(),
                                    (const float*)0, (const float*)0, 1e-6f, kc.data(), vc.data(), n_ctx);
                 });
     }
@@ -207,7 +219,7 @@ static int check_rope(std::mt19937& rng, int n_head, int n_head_kv, int n_split,
     });
     run_split_grid(rows, hb, n_split, true, [&] {
         attend_split_rope<KV, HD>(c.q.data(), c.k.data(), c.v.data(), c.kc2.data(), c.vc2.data(), c.slots, n_head,
-                                  n_head_kv, n_ctx, chunk, AS_MAX_G, scale, neox, c.base, b.data(), (float*)0);
+                                  n_head_kv, n_ctx, chunk, AS_MAX_G, scale, neox, c.rope.data(), b.data(), (float*)0);
     });
     const int differ = differ_bits(a, b), cache_differ = c.cache_differ();
     const bool bad = differ || cache_differ;
@@ -245,7 +257,7 @@ static int check_short(std::mt19937& rng, int n_head, int n_head_kv, bool rope, 
     run_split_grid(rows, n_head, 1, true, [&] {
         if (rope)
             attend_split_rope<KV, HD>(c.q.data(), c.k.data(), c.v.data(), c.kc2.data(), c.vc2.data(), c.slots, n_head,
-                                      n_head_kv, n_ctx, n_ctx, 1, scale, c.neox, c.base, (float*)0, got.data());
+                                      n_head_kv, n_ctx, n_ctx, 1, scale, c.neox, c.rope.data(), (float*)0, got.data());
         else
             attend_split<KV, HD>(c.q1.data(), c.kc2.data(), c.vc2.data(), c.slots, n_head, n_head_kv, n_ctx, n_ctx, 1,
                                  scale, (float*)0, got.data());

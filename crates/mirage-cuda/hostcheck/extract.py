@@ -75,7 +75,7 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
          "#define AS_LPK", "#define AS_MAX_SPLITS", "bool pruned_row(", "void attend_combine_body("]
 (out / "split_extract.h").write_text(cut(
     "void kv_store(float*", "void kv_store(u16*", "float kv_round(const float*", "float kv_round(const u16*",
-    "void rope_angle(", "void rope_turn(", "void rope_rotate(", "void rope_store(", *split,
+    "void rope_angle(", "void rope_turn(", "void rope_cs(", "void rope_table_body(", "void rope_store(", *split,
     "void kv_unpack(uint4 r, const float*", "void kv_unpack(uint4 r, const u16*", "void kv_load_n(const float*",
     "void kv_load_n(const u16*", "struct SplitHeads", "SplitHeads split_heads(", "void attend_split_with(",
     "void split_copy_q(", "void attend_split(", "void attend_split_rope("))

@@ -106,6 +106,10 @@ pub struct CudaKvCache {
     pub(crate) k: Vec<CudaSlice<u8>>,
     pub(crate) v: Vec<CudaSlice<u8>>,
     pub(crate) pages: Option<KvPageBoxes>,
+    /// RoPE tables by frequency base (f32 bits): per position of the cache
+    /// and rotated pair, the cosine and sine (`rope_table`), made on the
+    /// first attention at that base.
+    rope: Vec<(u32, CudaSlice<f32>)>,
 }
 
 impl CudaKvCache {
@@ -179,12 +183,13 @@ impl CacheAttention {
 }
 
 /// The RoPE a decode attention applies to its rows' q and k itself (and
-/// stores k and v): the unrotated k and v, the pairing and the base.
+/// stores k and v): the unrotated k and v, the pairing and the cache's
+/// RoPE table (`CudaBackend::rope_table`).
 pub(crate) struct RopeIn {
     pub k: u64,
     pub v: u64,
     pub neox: bool,
-    pub freq_base: f32,
+    pub table: u64,
 }
 
 pub(crate) fn kv_name(dtype: KvDtype) -> &'static str {
@@ -253,6 +258,40 @@ impl CudaBackend {
         })
     }
 
+    /// The RoPE table of `cache` at `freq_base` (made now if it has none:
+    /// one launch of `rope_table`, outside any recorded step, whose values
+    /// are `rope_angle`'s, so the kernels that read it rotate with the same
+    /// bits as computing the angles themselves).
+    fn rope_table(&self, cache: &mut CudaKvCache, freq_base: f32) -> Result<u64> {
+        let key = freq_base.to_bits();
+        if let Some((_, t)) = cache.rope.iter().find(|(b, _)| *b == key) {
+            return Ok(self.ptr(t));
+        }
+        let (n_pos, hd) = (cache.spec.n_ctx, cache.spec.head_dim);
+        let n = n_pos
+            .checked_mul(hd)
+            .filter(|&n| n <= i32::MAX as usize)
+            .ok_or_else(|| bad(format!("RoPE table of {n_pos} x {hd} overflows")))?;
+        let table = self.stream.alloc_zeros::<f32>(n.max(1)).map_err(drv)?;
+        self.account(MemKind::Kv, 4 * n);
+        let pairs = n / 2;
+        self.launch_now(&Launch {
+            kernel: self.kernels.index("rope_table")?,
+            grid: (pairs.div_ceil(256).max(1) as u32, 1, 1),
+            block: (256, 1, 1),
+            smem: 0,
+            work: Work::Plain(vec![
+                Arg::Ptr(self.ptr(&table)),
+                Arg::I32(n_pos as i32),
+                Arg::I32(hd as i32),
+                Arg::F32(freq_base),
+            ]),
+        })?;
+        let p = self.ptr(&table);
+        cache.rope.push((key, table));
+        Ok(p)
+    }
+
     pub(crate) fn new_cache(&self, spec: KvSpec) -> Result<CudaKvCache> {
         if spec.head_dim == 0 || spec.n_ctx == 0 || spec.n_seq == 0 {
             return Err(bad(format!("empty KV cache shape {spec:?}")));
@@ -291,6 +330,7 @@ impl CudaBackend {
             k,
             v,
             pages: None,
+            rope: Vec::new(),
         })
     }
 
@@ -434,7 +474,7 @@ impl CudaBackend {
             return Err(bad(format!("sequence slot {} >= {}", s.seq, spec.n_seq)));
         }
         if !p.rope_scaling.is_none() {
-            // rope_store computes the unscaled angles on the device.
+            // The RoPE table holds the unscaled angles.
             return Err(bad(format!(
                 "RoPE scaling {:?} is not implemented on CUDA",
                 p.rope_scaling.kind
@@ -455,6 +495,7 @@ impl CudaBackend {
             None => (0u64, 0u64),
         };
         let (pkc, pvc) = (self.ptr(&cache.k[layer]), self.ptr(&cache.v[layer]));
+        let prope = self.rope_table(cache, p.rope_freq_base)?;
         let kv = kv_name(spec.dtype);
         let (nh, nkv, hdi, n_ctx) = (
             p.n_head as i32,
@@ -502,7 +543,7 @@ impl CudaBackend {
                     Arg::I32(nkv),
                     Arg::I32(hdi),
                     Arg::I32(neox),
-                    Arg::F32(p.rope_freq_base),
+                    Arg::Ptr(prope),
                     Arg::Ptr(pqn),
                     Arg::Ptr(pkn),
                     Arg::F32(p.norm_eps),
@@ -550,7 +591,7 @@ impl CudaBackend {
                 k: pk,
                 v: pv,
                 neox: neox == 1,
-                freq_base: p.rope_freq_base,
+                table: prope,
             });
             self.attend_cache(&at, rope)?;
         }
@@ -685,7 +726,7 @@ impl CudaBackend {
                     Arg::Ptr(r.k),
                     Arg::Ptr(r.v),
                     Arg::I32(r.neox as i32),
-                    Arg::F32(r.freq_base),
+                    Arg::Ptr(r.table),
                 ]);
                 format!("attend_split_rope_{}_d{hd}", at.kv)
             }

@@ -138,6 +138,7 @@ pub(crate) fn kernel_names() -> Vec<String> {
         names.push(format!("ffn_q4_ks_k{k}"));
     }
     names.push("mv3_q8_0s_grid".into());
+    names.push("rope_table".into());
     for s in crate::matvec::MMQ_SUFFIXES {
         for t in crate::matvec::MMQ_TILES {
             names.push(format!("mmq_{s}_t{t}"));
