@@ -1,16 +1,29 @@
 //! The activation-sparse CUDA FFN against the CPU activation backend
 //! (mirage-artifact's `ActivationBackend`, an independent implementation:
 //! its own channel-major kernels on the host) on the same artifact,
-//! thresholds and tokens, on small random models (Q8_0 and Q4_K FFNs):
-//! every decode step's logits at cosine >= 0.9999 and the same greedy
-//! tokens over 32 steps, with about 40 % of gate's, up's and down's input
-//! channels skipped (Q/K/V/O and the head dense on both). Both round the
-//! active inputs of a group to int8 with the same rule and sum exactly in
-//! integers, so what differs is f32 summation order and the dense CUDA
-//! path's own distance to the CPU (held to 0.9999 by the backend's tests):
-//! hence 0.9999. With every channel kept (thresholds 0), the sparse kernels
-//! against the dense CUDA path: the same bound, the dense kernels round
-//! their activations differently. Skips (printing why) without a GPU;
+//! thresholds and tokens, on small random models (Q8_0 and Q4_K FFNs),
+//! Q/K/V/O and the head dense on both.
+//!
+//! The exact check uses thresholds of 0 or `f32::MAX` (a fixed random 40 %
+//! of gate's, up's and down's input channels skipped in every layer), so
+//! both paths skip the same channels whatever their rounding: every decode
+//! step's logits at cosine >= 0.9999 and the same greedy tokens over 32
+//! steps. Both round the active inputs of a group to int8 with the same
+//! rule and sum exactly in integers, so what differs is f32 summation order
+//! and the dense CUDA path's own distance to the CPU (held to 0.9999 by the
+//! backend's tests).
+//!
+//! With thresholds at a quantile of the recorded inputs the paths cannot
+//! agree that closely: a channel within rounding distance of its threshold
+//! is kept by one and skipped by the other. On the CPU alone, scaling the
+//! thresholds by 1 + 1e-6 moves the worst step cosine to 0.9997 and changes
+//! greedy tokens on the Q8_0 model; the GPU path's inputs differ from the
+//! CPU's by the dense kernels' int8 rounding. That check asserts 0.99 and
+//! the share of channels kept.
+//!
+//! With every channel kept (thresholds 0), the sparse kernels against the
+//! dense CUDA path: 0.9999, the dense kernels round their activations
+//! differently. Skips (printing why) without a GPU;
 //! `MIRAGE_REQUIRE_CUDA_TESTS=1` makes that a failure.
 
 mod common;
@@ -30,6 +43,7 @@ use mirage_gguf::quant::channel_major::{repack, ChannelMajorLayout};
 use mirage_gguf::{GgmlType, GgufFile};
 use mirage_runtime::kv_cache::KvDtype;
 use mirage_runtime::{CpuBackend, Model, ModelConfig};
+use rand::seq::SliceRandom;
 
 /// An activation artifact of `file` holding only what the backends read:
 /// every projection and the head channel-major (scores and the one plan
@@ -120,6 +134,27 @@ fn ffn_thresholds(file: &Arc<GgufFile>, prompt: &[u32], sparsity: f32) -> Vec<Op
     thr
 }
 
+/// Thresholds that keep exactly `keep` of gate's, up's and down's input
+/// channels whatever the inputs: 0 (always kept) or `f32::MAX` (never), a
+/// different random choice per layer and matrix; every other matrix dense.
+fn mask_thresholds(file: &Arc<GgufFile>, keep: f32, seed: u64) -> Vec<Option<Vec<f32>>> {
+    let c = ModelConfig::from_hparams(&file.hparams().unwrap()).unwrap();
+    let mut r = common::rng(seed);
+    let mut thr = vec![None; c.n_layer * Proj::ALL.len() + 1];
+    for l in 0..c.n_layer {
+        for p in [Proj::Gate, Proj::Up, Proj::Down] {
+            let width = if p == Proj::Down { c.n_ff } else { c.n_embd };
+            let kept = (keep * width as f32).round() as usize;
+            let mut t: Vec<f32> = (0..width)
+                .map(|i| if i < kept { 0.0 } else { f32::MAX })
+                .collect();
+            t.shuffle(&mut r);
+            thr[matrix_index(l, p)] = Some(t);
+        }
+    }
+    thr
+}
+
 fn worst_step_cosine(a: &[f32], b: &[f32], vocab: usize) -> f64 {
     a.chunks(vocab)
         .zip(b.chunks(vocab))
@@ -148,7 +183,15 @@ fn ffn_tiny(ty: GgmlType) -> Tiny {
     }
 }
 
-fn compare_with_cpu(test: &str, tiny: &Tiny) {
+/// How the GPU path is held to the CPU's (see the module doc).
+enum Thresholds {
+    /// A fixed 60 % of the channels kept: the same channels on both paths.
+    Mask,
+    /// TEAL thresholds that skip 40 % of the prompt's inputs.
+    Quantile,
+}
+
+fn compare_with_cpu(test: &str, tiny: &Tiny, kind: Thresholds) {
     let file = tiny.build(7);
     let a = artifact(&file);
     let Some(gpu) = cuda_backend(test, &a) else {
@@ -160,7 +203,10 @@ fn compare_with_cpu(test: &str, tiny: &Tiny) {
         steps: 32,
         ..Greedy::default()
     };
-    let thr = ffn_thresholds(&file, &common::prompt(0, g.prompt, vocab), 0.4);
+    let thr = match kind {
+        Thresholds::Mask => mask_thresholds(&file, 0.6, 11),
+        Thresholds::Quantile => ffn_thresholds(&file, &common::prompt(0, g.prompt, vocab), 0.4),
+    };
     let n_layer = a.meta().n_layer;
     let cpu = ActivationBackend::new(CpuBackend::new(0).unwrap(), Some(a.clone()), n_layer);
     cpu.set_thresholds(thr.clone()).unwrap();
@@ -179,28 +225,65 @@ fn compare_with_cpu(test: &str, tiny: &Tiny) {
     let worst = worst_step_cosine(&got, &want, vocab);
     let bytes = gpu.backend().last_row_ffn_bytes().unwrap();
     eprintln!(
-        "{test}: worst step cosine {worst:.6} over {} steps; last row kept {:.3} of the FFN channels, {} of {} FFN bytes",
-        g.steps, bytes.kept, bytes.sparse, bytes.dense
-    );
-    assert!(worst >= 0.9999, "{test}: worst step cosine {worst}");
-    assert_eq!(gtoks, toks, "{test}: greedy tokens differ");
-    // The kernels did skip: near 0.6 of the channels kept, fewer bytes.
-    assert!(
-        (0.2..0.9).contains(&bytes.kept),
-        "{test}: kept {}",
-        bytes.kept
+        "{test}: worst step cosine {worst:.6} over {} steps, same tokens {}; last row kept {:.3} of the FFN channels, {} of {} FFN bytes",
+        g.steps,
+        gtoks == toks,
+        bytes.kept,
+        bytes.sparse,
+        bytes.dense
     );
     assert!(bytes.sparse < bytes.dense, "{test}: {bytes:?}");
+    match kind {
+        Thresholds::Mask => {
+            assert!(worst >= 0.9999, "{test}: worst step cosine {worst}");
+            assert_eq!(gtoks, toks, "{test}: greedy tokens differ");
+            assert!(
+                (bytes.kept - 0.6).abs() < 0.01,
+                "{test}: kept {}",
+                bytes.kept
+            );
+        }
+        Thresholds::Quantile => {
+            assert!(worst >= 0.99, "{test}: worst step cosine {worst}");
+            // The kernels did skip: near 0.6 of the channels kept.
+            assert!(
+                (0.2..0.9).contains(&bytes.kept),
+                "{test}: kept {}",
+                bytes.kept
+            );
+        }
+    }
 }
 
 #[test]
 fn q8_0_sparse_ffn_decode_matches_the_cpu_activation_backend() {
-    compare_with_cpu("q8_0_sparse_ffn_decode", &ffn_tiny(GgmlType::Q8_0));
+    compare_with_cpu(
+        "q8_0_sparse_ffn_decode",
+        &ffn_tiny(GgmlType::Q8_0),
+        Thresholds::Mask,
+    );
 }
 
 #[test]
 fn q4_k_sparse_ffn_decode_matches_the_cpu_activation_backend() {
-    compare_with_cpu("q4_k_sparse_ffn_decode", &ffn_tiny(GgmlType::Q4_K));
+    compare_with_cpu(
+        "q4_k_sparse_ffn_decode",
+        &ffn_tiny(GgmlType::Q4_K),
+        Thresholds::Mask,
+    );
+}
+
+/// Thresholds at a quantile of the inputs: close to the CPU path, not
+/// bit-close (channels at their threshold flip).
+#[test]
+fn quantile_thresholds_stay_close_to_the_cpu_activation_backend() {
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_K] {
+        compare_with_cpu(
+            &format!("quantile_{ty}"),
+            &ffn_tiny(ty),
+            Thresholds::Quantile,
+        );
+    }
 }
 
 /// Every channel kept (thresholds 0, sparsity 0 through the sparse
