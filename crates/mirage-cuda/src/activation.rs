@@ -4,17 +4,16 @@
 //! kernels at half the channels skipped, the FFN's 1.4-1.8x).
 //!
 //! Per FFN and decode row (`cuda/activation_sparse.cu`, inside the step's
-//! CUDA graph, nothing read back):
-//! 1. the FFN norm, launched on its own: the dense path folds it into its
-//!    gate/up kernel, but the sparse product reads no input vector, only
-//!    `asp_select`'s list, whose blocks each cover 8 groups: folding the
-//!    norm there would make every block reduce the whole row again;
-//! 2. `asp_select` on the normed row: gate's and up's lists (their own
-//!    thresholds) in one launch;
-//! 3. the gate and up products in one `asp_mv_*` launch, then `swiglu`;
-//! 4. `asp_select` on h with down's thresholds, the down product; the
-//!    runtime's residual add after it is the dense path's `add_inplace`
-//!    (the kernel writes its output, it does not accumulate).
+//! CUDA graph, nothing read back), three launches where the dense FFN takes
+//! two:
+//! 1. `asp_select` on the normed row: gate's and up's lists (their own
+//!    thresholds) in one launch, the FFN's RMSNorm folded in
+//!    (`fusion::fold_norm`: each of its few blocks normalizes the row
+//!    itself; the product's many blocks read only the lists);
+//! 2. the gate and up products in one `asp_mv_*` launch, whose epilogue
+//!    makes h = SiLU(gate) * up and down's list of it, tile by tile;
+//! 3. the down product, the runtime's residual add folded in
+//!    (`fusion::fold_epilogue`: `y = product + y`).
 //!
 //! The active channels of a matrix are those with `|x_i| >= thr_i` (the
 //! CPU `ActivationBackend`'s rule and its int8 rounding of the active
@@ -23,10 +22,9 @@
 //! runs the dense FFN. Prompt batches run the dense kernels on inputs with
 //! the inactive channels zeroed (`asp_mask`), as the CPU path does.
 //!
-//! The module's kernels do not wait on their prerequisite grid
-//! (`griddepcontrol.wait`), so they launch with ordinary stream order (after
-//! the previous kernel has completed), the dense kernels after them with
-//! programmatic serialization as usual.
+//! The module's kernels start by waiting on their prerequisite grid
+//! (`cuda/pdl.cu`), so they launch with programmatic serialization like the
+//! dense ones.
 //!
 //! Device memory: the dense weights (prompt batches, layers without
 //! thresholds) and the GPU channel-major copies of gate, up and down
@@ -48,7 +46,7 @@ use mirage_runtime::Result;
 
 use crate::asp_layout::{from_channel_major, AspLayout, GROUP, RECORD_BYTES, WARP_OUTPUTS};
 use crate::backend::{bad, drv, CudaActivations, CudaBackend, MemKind};
-use crate::launch::{Arg, Launch, Work};
+use crate::launch::{Arg, Launch, NormFold, Work};
 use crate::{module, CudaError, CudaFfn, CudaKvCache, CudaMatrix, CudaVector};
 
 /// Warps of an `asp_mv_*` block.
@@ -62,9 +60,9 @@ pub const DEFAULT_TILE: usize = 512;
 
 /// `asp_select`'s parameters, and `asp_mv_*`'s.
 #[cfg(test)]
-pub(crate) const SELECT_ARGS: usize = 8;
+pub(crate) const SELECT_ARGS: usize = 11;
 #[cfg(test)]
-pub(crate) const MATVEC_ARGS: usize = 12;
+pub(crate) const MATVEC_ARGS: usize = 15;
 
 /// The product kernel of `ty` for tiles of `tile` outputs.
 fn matvec_kernel(ty: GgmlType, tile: usize) -> String {
@@ -101,16 +99,41 @@ pub(crate) fn launch_shape(l: &AspLayout, mats: usize, sm_count: usize) -> (usiz
     (1, splits(1))
 }
 
-/// The argument list of `asp_select` (x of `cols` channels; up to three
-/// threshold vectors, 0: every channel).
-pub(crate) fn select_args(x: u64, cols: usize, thr: [u64; 3], lists: [u64; 3]) -> Vec<Arg> {
-    let mut a = vec![Arg::Ptr(x), Arg::I32(cols as i32)];
-    a.extend(thr.map(Arg::Ptr));
-    a.extend(lists.map(Arg::Ptr));
-    a
+/// One `asp_select` launch: the lists of x (`cols` channels) for up to three
+/// threshold vectors (0: every channel), with the RMSNorm before it folded
+/// in or not (`fusion::fold_norm`).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct AspSelect {
+    pub x: u64,
+    pub cols: usize,
+    pub thr: [u64; 3],
+    pub lists: [u64; 3],
+    pub norm: Option<NormFold>,
 }
 
-/// One or two matrices of one product launch (gate and up share one).
+impl AspSelect {
+    pub(crate) fn args(&self) -> Vec<Arg> {
+        let (x, w, eps, out) = self
+            .norm
+            .map_or((self.x, 0, 0.0, 0), |n| (n.x, n.w, n.eps.0, n.out));
+        let mut a = vec![
+            Arg::Ptr(x),
+            Arg::I32(self.cols as i32),
+            Arg::Ptr(w),
+            Arg::F32(eps),
+            Arg::Ptr(out),
+        ];
+        a.extend(self.thr.map(Arg::Ptr));
+        a.extend(self.lists.map(Arg::Ptr));
+        a
+    }
+}
+
+/// One or two matrices of one product launch (gate and up share one), with
+/// its epilogues: down's list of SiLU(gate) * up (`hlist`, `hthr`: gate and
+/// up), or `y = product + y` (`accumulate`: one matrix, set by
+/// `fusion::fold_epilogue`).
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct AspProduct {
     pub w: [u64; 2],
     pub lists: [u64; 2],
@@ -121,11 +144,14 @@ pub(crate) struct AspProduct {
     pub splits: usize,
     pub part: u64,
     pub ctr: u64,
+    pub hthr: u64,
+    pub hlist: u64,
+    pub accumulate: bool,
 }
 
 impl AspProduct {
     pub(crate) fn args(&self) -> Vec<Arg> {
-        let mut a = Vec::with_capacity(12);
+        let mut a = Vec::with_capacity(15);
         a.extend(self.w.map(Arg::Ptr));
         a.extend(self.lists.map(Arg::Ptr));
         a.extend(self.y.map(Arg::Ptr));
@@ -136,6 +162,9 @@ impl AspProduct {
             Arg::I32(self.splits as i32),
             Arg::Ptr(self.part),
             Arg::Ptr(self.ctr),
+            Arg::Ptr(self.hthr),
+            Arg::Ptr(self.hlist),
+            Arg::I32(self.accumulate as i32),
         ]);
         a
     }
@@ -170,7 +199,6 @@ pub struct AspFfn {
 struct AspScratch {
     gate: Option<CudaSlice<f32>>,
     up: Option<CudaSlice<f32>>,
-    hidden: Option<CudaSlice<f32>>,
     part: Option<CudaSlice<f32>>,
     ctr: Option<CudaSlice<u32>>,
     masked: CudaActivations,
@@ -430,13 +458,14 @@ impl ActivationCudaBackend {
         let (_, s_d) = launch_shape(&f.down.layout, 1, sm);
         let part = (2 * s_gu * f.gate.layout.n_tiles() * self.tile)
             .max(s_d * f.down.layout.n_tiles() * self.tile);
-        let ctr = 2 * f.gate.layout.n_tiles().max(f.down.layout.n_tiles());
+        // Gate's and up's tile counters, then the SwiGLU epilogue's; down
+        // uses the first of them.
+        let ctr = (3 * f.gate.layout.n_tiles()).max(f.down.layout.n_tiles());
         let mut guard = self.scratch();
         let s = &mut *guard;
         let mut retired = std::mem::take(&mut s.retired);
         self.grow_f32(&mut retired, &mut s.gate, n_ff)?;
         self.grow_f32(&mut retired, &mut s.up, n_ff)?;
-        self.grow_f32(&mut retired, &mut s.hidden, n_ff)?;
         self.grow_f32(&mut retired, &mut s.part, part)?;
         s.retired = retired;
         if s.ctr.as_ref().is_none_or(|c| c.len() < ctr) {
@@ -458,26 +487,33 @@ impl ActivationCudaBackend {
             .map_or(0, |s| self.inner.ptr(s))
     }
 
-    fn push(&self, kernel: &str, grid: (u32, u32, u32), args: Vec<Arg>) -> Result<()> {
+    fn select(&self, x: u64, cols: usize, thr: [u64; 3], lists: [u64; 3], n: usize) -> Result<()> {
+        let groups = (cols / GROUP) as u32;
         self.inner.push_launch(Launch {
-            kernel: self.inner.kernels.index(kernel)?,
-            grid,
+            kernel: self.inner.kernels.index("asp_select")?,
+            grid: (groups.div_ceil(8), n as u32, 1),
             block: (256, 1, 1),
             smem: 0,
-            work: Work::Plain(args),
+            work: Work::AspSelect(AspSelect {
+                x,
+                cols,
+                thr,
+                lists,
+                norm: None,
+            }),
         })
     }
 
-    fn select(&self, x: u64, cols: usize, thr: [u64; 3], lists: [u64; 3], n: usize) -> Result<()> {
-        let groups = (cols / GROUP) as u32;
-        self.push(
-            "asp_select",
-            (groups.div_ceil(8), n as u32, 1),
-            select_args(x, cols, thr, lists),
-        )
-    }
-
-    fn product(&self, ms: &[&AspMatrix], lists: [u64; 2], y: [u64; 2]) -> Result<()> {
+    /// The product of `ms` (one, or gate and up with down's list of h made
+    /// against `hthr` into `hlist`).
+    fn product(
+        &self,
+        ms: &[&AspMatrix],
+        lists: [u64; 2],
+        y: [u64; 2],
+        hthr: u64,
+        hlist: u64,
+    ) -> Result<()> {
         let l = ms[0].layout;
         let (gpw, splits) = launch_shape(&l, ms.len(), self.inner.sm_count);
         let (part, ctr) = {
@@ -502,34 +538,34 @@ impl ActivationCudaBackend {
             splits,
             part,
             ctr,
+            hthr,
+            hlist,
+            accumulate: false,
         };
         self.inner.push_launch(Launch {
             kernel: self.inner.kernels.index(&matvec_kernel(l.ty, l.tile))?,
             grid: ((l.n_tiles() * splits) as u32, ms.len() as u32, 1),
             block: ((WARPS * 32) as u32, 1, 1),
             smem: 0,
-            work: Work::Plain(p.args()),
+            work: Work::AspMv(p),
         })
     }
 
     /// One decode row through the sparse kernels (see the module doc).
     fn ffn_row(&self, f: &AspFfn, px: u64, po: u64, thr: [u64; 3]) -> Result<()> {
-        let (d, n_ff) = (f.gate.layout.cols, f.gate.layout.rows);
-        let (pg, pu, ph) = {
+        let d = f.gate.layout.cols;
+        let (pg, pu) = {
             let s = self.scratch();
             let p = |b: &Option<CudaSlice<f32>>| b.as_ref().map(|b| self.inner.ptr(b));
-            (p(&s.gate), p(&s.up), p(&s.hidden))
+            (p(&s.gate), p(&s.up))
         };
-        let (Some(pg), Some(pu), Some(ph)) = (pg, pu, ph) else {
+        let (Some(pg), Some(pu)) = (pg, pu) else {
             return Err(bad("sparse FFN buffers missing"));
         };
         let [lg, lu, ld] = f.lists;
         self.select(px, d, [thr[0], thr[1], 0], [lg, lu, 0], 2)?;
-        self.product(&[&f.gate, &f.up], [lg, lu], [pg, pu])?;
-        self.inner
-            .elementwise("swiglu", n_ff, &[pg, pu, ph], None)?;
-        self.select(ph, n_ff, [thr[2], 0, 0], [ld, 0, 0], 1)?;
-        self.product(&[&f.down], [ld, 0], [po, 0])
+        self.product(&[&f.gate, &f.up], [lg, lu], [pg, pu], thr[2], ld)?;
+        self.product(&[&f.down], [ld, 0], [po, 0], 0, 0)
     }
 
     /// `out = W (x with its inactive channels zeroed)`, or `W x` without

@@ -103,15 +103,15 @@ mod nvrtc_check {
             return;
         }
         // Not `check`: the module also holds the bench's other launch
-        // shapes, and its kernels take no programmatic launch (they do not
-        // wait on the prerequisite grid, so they launch after it completes).
+        // shapes. Every kernel the backend launches waits on its
+        // prerequisite grid (launched with PDL).
         let ptx = module::compile("activation_sparse", module::ACTIVATION_SPARSE_SOURCE, 9, 0)
             .unwrap_or_else(|e| panic!("activation_sparse: {e}"));
         for k in crate::activation::kernel_names() {
             assert!(module::entry(&ptx, &k).is_some(), "{k} not in the PTX");
             assert!(
-                !module::waits_on_prerequisite(&ptx, &k),
-                "{k}: launched without PDL"
+                module::waits_on_prerequisite(&ptx, &k),
+                "{k}: does not wait on its prerequisite grid"
             );
         }
         assert_eq!(
@@ -134,8 +134,21 @@ mod nvrtc_check {
             }
         }
         let kinds = |name: &str| module::param_kinds(&ptx, name).unwrap();
-        let select = crate::activation::select_args(1, 256, [2, 3, 0], [4, 5, 0]);
-        crate::launch::check_args(&kinds("asp_select"), &select).unwrap();
+        let mut select = crate::activation::AspSelect {
+            x: 1,
+            cols: 256,
+            thr: [2, 3, 0],
+            lists: [4, 5, 0],
+            norm: None,
+        };
+        crate::launch::check_args(&kinds("asp_select"), &select.args()).unwrap();
+        select.norm = Some(crate::launch::NormFold {
+            x: 6,
+            w: 7,
+            eps: crate::launch::F32(1e-6),
+            out: 8,
+        });
+        crate::launch::check_args(&kinds("asp_select"), &select.args()).unwrap();
         let product = crate::activation::AspProduct {
             w: [1, 2],
             lists: [3, 4],
@@ -146,6 +159,9 @@ mod nvrtc_check {
             splits: 1,
             part: 7,
             ctr: 8,
+            hthr: 9,
+            hlist: 10,
+            accumulate: false,
         };
         for name in crate::activation::kernel_names()
             .iter()

@@ -248,6 +248,8 @@ pub(crate) enum Work {
     GateUp(GateUp),
     SparseFfn(SparseFfn),
     Route(Route),
+    AspSelect(crate::activation::AspSelect),
+    AspMv(crate::activation::AspProduct),
 }
 
 impl Work {
@@ -259,6 +261,8 @@ impl Work {
             Work::GateUp(g) => g.args(),
             Work::SparseFfn(f) => f.args(),
             Work::Route(r) => r.args(),
+            Work::AspSelect(s) => s.args(),
+            Work::AspMv(p) => p.args(),
         }
     }
 
