@@ -106,8 +106,6 @@ fn artifact(file: &Arc<GgufFile>) -> Arc<ActivationArtifact> {
     ActivationArtifact::from_bytes(write_bytes(&contents, &matrices).unwrap()).unwrap()
 }
 
-/// TEAL thresholds that skip `sparsity` of every projection's inputs on
-
 /// TEAL thresholds that skip `sparsity` of gate's, up's and down's inputs
 /// on the prompt (recorded by the CPU backend); every other matrix dense.
 fn ffn_thresholds(file: &Arc<GgufFile>, prompt: &[u32], sparsity: f32) -> Vec<Option<Vec<f32>>> {
