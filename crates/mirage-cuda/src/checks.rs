@@ -134,7 +134,7 @@ mod nvrtc_check {
             }
         }
         let kinds = |name: &str| module::param_kinds(&ptx, name).unwrap();
-        let mut select = crate::activation::AspSelect {
+        let mut select = crate::launch::AspSelect {
             x: 1,
             cols: 256,
             thr: [2, 3, 0],
@@ -149,7 +149,7 @@ mod nvrtc_check {
             out: 8,
         });
         crate::launch::check_args(&kinds("asp_select"), &select.args()).unwrap();
-        let product = crate::activation::AspProduct {
+        let product = crate::launch::AspProduct {
             w: [1, 2],
             lists: [3, 4],
             y: [5, 6],

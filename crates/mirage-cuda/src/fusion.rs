@@ -289,7 +289,7 @@ mod tests {
             grid: (14, 2, 1),
             block: (256, 1, 1),
             smem: 0,
-            work: Work::AspSelect(crate::activation::AspSelect {
+            work: Work::AspSelect(crate::launch::AspSelect {
                 x,
                 cols: 256,
                 thr: [40, 41, 0],
@@ -305,7 +305,7 @@ mod tests {
             grid: (8, if y[1] == 0 { 1 } else { 2 }, 1),
             block: (256, 1, 1),
             smem: 0,
-            work: Work::AspMv(crate::activation::AspProduct {
+            work: Work::AspMv(crate::launch::AspProduct {
                 w: [60, 61],
                 lists: [50, 51],
                 y,
