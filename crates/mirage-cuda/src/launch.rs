@@ -7,7 +7,8 @@
 //!
 //! A launch whose arguments a fusion may change is described by what the op
 //! is ([`Work::MatVec`], [`Work::GateUp`], [`Work::SparseFfn`],
-//! [`Work::Route`]): its input, output, the norm it folds, its epilogues.
+//! [`Work::Route`], the activation-sparse [`Work::AspSelect`] and
+//! [`Work::AspMv`]): its input, output, the norm it folds, its epilogues.
 //! The kernel's argument list is written from that description in one place
 //! per kind (`args`), so no fusion touches argument positions.
 
