@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use mirage::cuda::{ActivationCudaBackend, CudaBackend};
+use mirage::cuda::{ActivationCudaBackend, CudaBackend, StepProfile};
 use mirage_artifact::activation::format::ActivationArtifact;
 use mirage_artifact::activation::{Proj, SparsityTarget};
 use mirage_gguf::GgufFile;
@@ -28,24 +28,29 @@ use super::bench_activation::{decode, default_artifact, median, prompt};
 /// Decode rows whose FFN bytes are averaged per configuration.
 const BYTE_ROWS: usize = 8;
 
-/// What the FFN of one decode token read, averaged over [`BYTE_ROWS`] rows.
+/// What the FFN of one decode token read, averaged over [`BYTE_ROWS`] rows,
+/// and one more decode step's time per op class.
 struct FfnRead {
     /// Weight bytes of gate, up and down read per token.
     bytes: f64,
     /// Active input channels over all of gate's, up's and down's.
     kept: f64,
+    /// The step run launch by launch between events (no overlap, launch
+    /// latency counted): where a configuration's time goes.
+    profile: Option<StepProfile>,
 }
 
 /// Prefills `prompt`, then decodes [`BYTE_ROWS`] tokens greedily, reading
 /// the last row's FFN bytes back after each (untimed: each read waits for
-/// the device). `ffn_dense` is what a layer run by the dense kernels reads.
+/// the device), then one profiled step. `ffn_dense` is what a layer run by
+/// the dense kernels reads.
 fn ffn_read(
     model: &Model<ActivationCudaBackend>,
     prompt: &[u32],
     ffn_dense: f64,
 ) -> anyhow::Result<FfnRead> {
     let n = prompt.len();
-    let mut cache = model.new_kv_cache(n + BYTE_ROWS + 1, 1, KvDtype::F32)?;
+    let mut cache = model.new_kv_cache(n + BYTE_ROWS + 2, 1, KvDtype::F32)?;
     let mut s = model.new_scratch();
     let mut logits = Vec::new();
     let slots: Vec<TokenSlot> = (0..n).map(|pos| TokenSlot { seq: 0, pos }).collect();
@@ -65,9 +70,24 @@ fn ffn_read(
             kept += b.kept;
         }
     }
+    let inner = model.backend().inner();
+    inner.profile_next_step();
+    let slot = TokenSlot {
+        seq: 0,
+        pos: n + BYTE_ROWS,
+    };
+    model.forward(
+        &[argmax(&logits)],
+        &[slot],
+        &[0],
+        &mut cache,
+        &mut s,
+        &mut logits,
+    )?;
     Ok(FfnRead {
         bytes: bytes / BYTE_ROWS as f64,
         kept: kept / BYTE_ROWS as f64,
+        profile: inner.take_step_profile(),
     })
 }
 
@@ -201,6 +221,15 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             total / (1 << 20) as f64,
             total * tps / 1e9
         );
+    }
+    println!("one decode step per configuration, launch by launch between events (launch latency counted, nothing overlapped):");
+    for (c, (name, _)) in configs.iter().enumerate() {
+        if let Some(p) = &read[c].profile {
+            println!(
+                "{name:<28} mat-vec {:.0} us, attention {:.0} us, other {:.0} us, {} launches",
+                p.matvec_us, p.attention_us, p.other_us, p.launches
+            );
+        }
     }
     Ok(())
 }
