@@ -1,6 +1,6 @@
 """Decode mat-vecs in isolation on the GPU: each kernel of the dense module
 (cuda/*.cu, compiled with NVRTC as the backend does) on random split-layout
-matrices of the Qwen2.5-7B and -0.5B shapes, timed as graphs of 40 launches
+matrices (Q8_0, Q4_K, Q6_K, Q5_0) of the Qwen2.5-7B and -0.5B shapes, timed as graphs of 40 launches
 (no host gaps, no PDL overlap; every launch reads another copy of the
 matrix, so L2 holds none of it), beside a plain 16-byte streaming read of
 the same bytes: how close each kernel comes to the copy rate, shape by
@@ -61,12 +61,25 @@ def timed(launch, reps=40):
     return cp.cuda.get_elapsed_time(t0, t1) / reps * 1e-3
 
 
+def f16_bytes(n, lo, hi):
+    return rng.uniform(lo, hi, size=n).astype(np.float16).view(np.uint8)
+
+
 def split_matrix(kind, rows, cols):
     """Random split-layout bytes (weights.rs) with sane f16 scales."""
+    n = rows * cols
     if kind == "q8_0s":
-        q = rng.integers(-127, 128, size=rows * cols, dtype=np.int8).view(np.uint8)
-        sc = rng.uniform(0.002, 0.02, size=rows * cols // 32).astype(np.float16).view(np.uint8)
-        return np.concatenate([q, sc])
+        q = rng.integers(-127, 128, size=n, dtype=np.int8).view(np.uint8)
+        return np.concatenate([q, f16_bytes(n // 32, 0.002, 0.02)])
+    if kind == "q5_0s":
+        # quants [rows][cols/2], high-bit words [rows][cols/32], f16 d
+        return np.concatenate([rng.integers(0, 256, size=n // 2 + 4 * (n // 32), dtype=np.uint8),
+                               f16_bytes(n // 32, 0.002, 0.02)])
+    if kind == "q6_ks":
+        # ql [rows][cols/2], qh [rows][cols/4], int8 scales [rows][cols/16], f16 d
+        scales = rng.integers(-32, 32, size=n // 16, dtype=np.int8).view(np.uint8)
+        return np.concatenate([rng.integers(0, 256, size=n // 2 + n // 4, dtype=np.uint8), scales,
+                               f16_bytes(n // 256, 0.0005, 0.003)])
     ns = cols // 256
     qs = rng.integers(0, 256, size=rows * cols // 2, dtype=np.uint8)
     hdr = rng.integers(0, 256, size=(rows * ns, 16), dtype=np.uint8)
@@ -147,9 +160,10 @@ def main():
     out = cp.zeros(4, cp.uint32)
     print("| shape | layout | MB | kernel (best split) | µs | share of copy | streaming read µs | its share |")
     print("|---|---|---:|---|---:|---:|---:|---:|")
-    for kind in ("q8_0s", "q4_ks"):
+    # The types of the Q4_K_M mix as shipped: Q4_K, Q6_K (down, V, head), Q5_0 (some Q/K/V).
+    for kind in ("q8_0s", "q4_ks", "q6_ks", "q5_0s"):
         for name, rows, cols in SHAPES:
-            if kind == "q4_ks" and cols % 256:
+            if kind in ("q4_ks", "q6_ks") and cols % 256:
                 continue
             ffn = name.endswith("gate+up")
             raw = split_matrix(kind, rows, cols)

@@ -31,7 +31,8 @@ pub struct SynthModelArgs {
     #[arg(long, required_unless_present = "tokenizer_only")]
     like: Option<String>,
     /// Weight type: q8_0, q4_k or q2_k (K-quants fall back to q5_0 / q4_0 for rows not a multiple of 256,
-    /// as llama.cpp does).
+    /// as llama.cpp does), or q4_k_m: llama.cpp's Q4_K_M mix (Q4_K; Q6_K for the output and for attn_v
+    /// and ffn_down of some layers; Q5_0 and Q8_0 where rows are not a multiple of 256).
     #[arg(long, default_value = "q8_0")]
     quant: String,
     /// Random seed (the file's bytes depend only on it and the shape and type).
@@ -146,26 +147,99 @@ struct Planned {
     fill: Fill,
 }
 
+/// The weight types of a file: one type, or llama.cpp's Q4_K_M mix.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Quant {
+    One(GgmlType),
+    Q4KM,
+}
+
+impl Quant {
+    /// llama_ftype of the file (MOSTLY_Q8_0, MOSTLY_Q4_K_S, MOSTLY_Q2_K,
+    /// MOSTLY_Q4_K_M).
+    fn ftype(self) -> u32 {
+        match self {
+            Quant::One(GgmlType::Q8_0) => 7,
+            Quant::One(GgmlType::Q4_K) => 14,
+            Quant::One(_) => 10,
+            Quant::Q4KM => 15,
+        }
+    }
+
+    fn name(self) -> String {
+        match self {
+            Quant::One(t) => t.to_string(),
+            Quant::Q4KM => "Q4_K_M".into(),
+        }
+    }
+}
+
 /// The type a weight matrix with rows of `row` values gets: `quant`, or
 /// llama.cpp's fallback when the row is not a whole number of its blocks.
 fn weight_type(quant: GgmlType, row: usize) -> GgmlType {
     match (row % quant.block_size(), quant) {
         (0, _) => quant,
         (_, GgmlType::Q4_K) => GgmlType::Q5_0,
+        (_, GgmlType::Q6_K) => GgmlType::Q8_0,
         _ => GgmlType::Q4_0,
     }
 }
 
-fn plan(shape: &Shape, quant: GgmlType) -> Vec<Planned> {
+/// llama.cpp's `use_more_bits`: which of `n` layers get more bits in the
+/// mixes that spend them on some layers only.
+fn use_more_bits(i: usize, n: usize) -> bool {
+    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
+}
+
+/// The position of `layer` among `n` layers in the order their tensor
+/// names sort as strings (`blk.0`, `blk.1`, `blk.10`, ...): the order the
+/// shipped Qwen2.5 GGUFs were quantized in, which is the counter llama.cpp
+/// gives `use_more_bits`.
+fn name_order(layer: usize, n: usize) -> usize {
+    let key = layer.to_string();
+    (0..n).filter(|i| i.to_string() < key).count()
+}
+
+/// The type of one weight matrix: `kind` is its name without `blk.N.`
+/// (`attn_v.weight`, `output.weight`, ...), `layer` its block (if any) of
+/// `n_layer`, `row` the values in one of its rows.
+fn tensor_type(
+    quant: Quant,
+    kind: &str,
+    layer: Option<usize>,
+    n_layer: usize,
+    row: usize,
+) -> GgmlType {
+    let ty = match quant {
+        Quant::One(t) => t,
+        Quant::Q4KM => match (kind, layer) {
+            ("output.weight", _) => GgmlType::Q6_K,
+            ("attn_v.weight" | "ffn_down.weight", Some(l))
+                if use_more_bits(name_order(l, n_layer), n_layer) =>
+            {
+                GgmlType::Q6_K
+            }
+            _ => GgmlType::Q4_K,
+        },
+    };
+    weight_type(ty, row)
+}
+
+fn plan(shape: &Shape, quant: Quant) -> Vec<Planned> {
     let head_dim = shape.n_embd / shape.n_head;
     let kv = shape.n_head_kv * head_dim;
     let mut out = Vec::new();
     let weight = |out: &mut Vec<Planned>, name: String, cols: usize, rows: usize| {
+        let (layer, kind) = match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
+            Some((l, kind)) => (l.parse().ok(), kind.to_string()),
+            None => (None, name.clone()),
+        };
+        let ty = tensor_type(quant, &kind, layer, shape.n_layer, cols);
         out.push(Planned {
             decl: TensorDecl {
                 name,
                 dims: vec![cols as u64, rows as u64],
-                ty: weight_type(quant, cols),
+                ty,
             },
             fill: Fill::Weights(1.0 / (cols as f32).sqrt()),
         })
@@ -268,22 +342,18 @@ fn tokenizer_metadata(
     Ok(keys)
 }
 
-fn parse_quant(q: &str) -> anyhow::Result<GgmlType> {
+fn parse_quant(q: &str) -> anyhow::Result<Quant> {
     Ok(match q.to_ascii_lowercase().as_str() {
-        "q8_0" => GgmlType::Q8_0,
-        "q4_k" => GgmlType::Q4_K,
-        "q2_k" => GgmlType::Q2_K,
-        other => bail!("--quant {other}: expected q8_0, q4_k or q2_k"),
+        "q8_0" => Quant::One(GgmlType::Q8_0),
+        "q4_k" => Quant::One(GgmlType::Q4_K),
+        "q2_k" => Quant::One(GgmlType::Q2_K),
+        "q4_k_m" => Quant::Q4KM,
+        other => bail!("--quant {other}: expected q8_0, q4_k, q2_k or q4_k_m"),
     })
 }
 
 /// The file's metadata.
-fn metadata(
-    shape: &Shape,
-    quant: GgmlType,
-    seed: u64,
-    tokenizer: Vec<(String, Value)>,
-) -> Metadata {
+fn metadata(shape: &Shape, quant: Quant, seed: u64, tokenizer: Vec<(String, Value)>) -> Metadata {
     let mut md = Metadata::new();
     let s = |x: &str| Value::String(x.to_string());
     let u = |x: usize| Value::U32(x as u32);
@@ -293,7 +363,8 @@ fn metadata(
         "general.name",
         s(&format!(
             "synthetic {} shape, random {} weights (seed {seed}; speed only, not a model)",
-            shape.name, quant
+            shape.name,
+            quant.name()
         )),
     );
     md.insert("qwen2.block_count", u(shape.n_layer));
@@ -307,13 +378,7 @@ fn metadata(
         "qwen2.attention.layer_norm_rms_epsilon",
         Value::F32(RMS_EPS),
     );
-    // llama_ftype: MOSTLY_Q8_0, MOSTLY_Q4_K_S, MOSTLY_Q2_K.
-    let ftype = match quant {
-        GgmlType::Q8_0 => 7,
-        GgmlType::Q4_K => 14,
-        _ => 10,
-    };
-    md.insert("general.file_type", Value::U32(ftype));
+    md.insert("general.file_type", Value::U32(quant.ftype()));
     md.insert("general.quantization_version", Value::U32(2));
     md.insert("mirage.synth.like", s(shape.name));
     md.insert("mirage.synth.seed", Value::U64(seed));
@@ -474,7 +539,7 @@ pub fn run(args: &SynthModelArgs) -> anyhow::Result<()> {
         "{}: {} {} ({:.2} B parameters), {:.2} GB in {:.1} s ({:.0} MB/s)",
         args.out.display(),
         shape.name,
-        quant,
+        quant.name(),
         params as f64 / 1e9,
         n as f64 / 1e9,
         secs,
@@ -486,6 +551,71 @@ pub fn run(args: &SynthModelArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The layers whose attn_v and ffn_down get more bits in the shipped
+    /// Qwen2.5-Coder-0.5B-Instruct Q4_K_M file (24 layers, read with gguf-py;
+    /// Q8_0 there, the Q6_K fallback for rows of 896).
+    #[test]
+    fn q4_k_m_spends_more_bits_on_the_shipped_files_layers() {
+        let more: Vec<usize> = (0..24)
+            .filter(|&l| use_more_bits(name_order(l, 24), 24))
+            .collect();
+        assert_eq!(more, [0, 1, 3, 6, 7, 8, 9, 10, 13, 16, 19, 21]);
+        let shape = SHAPES.iter().find(|s| s.name == "qwen2.5-0.5b").unwrap();
+        let types: Vec<(String, GgmlType)> = plan(shape, Quant::Q4KM)
+            .into_iter()
+            .filter(|p| p.decl.ty != GgmlType::F32)
+            .map(|p| (p.decl.name, p.decl.ty))
+            .collect();
+        let ty = |n: &str| types.iter().find(|(name, _)| name == n).unwrap().1;
+        assert_eq!(ty("token_embd.weight"), GgmlType::Q5_0);
+        assert_eq!(ty("output.weight"), GgmlType::Q8_0);
+        assert_eq!(ty("blk.2.attn_v.weight"), GgmlType::Q5_0);
+        assert_eq!(ty("blk.3.attn_v.weight"), GgmlType::Q8_0);
+        assert_eq!(ty("blk.3.ffn_down.weight"), GgmlType::Q6_K);
+        assert_eq!(ty("blk.2.ffn_down.weight"), GgmlType::Q4_K);
+        assert_eq!(ty("blk.0.ffn_gate.weight"), GgmlType::Q5_0);
+    }
+
+    /// Every weight tensor of the Q4_K_M plan has the type of the same
+    /// tensor in the shipped Q4_K_M files (made by llama.cpp), for the
+    /// sizes on this machine.
+    #[test]
+    fn q4_k_m_types_equal_the_shipped_qwen_files() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        for (like, file) in [
+            (
+                "qwen2.5-0.5b",
+                "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            ),
+            (
+                "qwen2.5-1.5b",
+                "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            ),
+        ] {
+            let path = root.join(file);
+            if !path.exists() {
+                eprintln!("{like}: {file} is not here (cargo xtask fetch-models): not compared");
+                continue;
+            }
+            let real = GgufFile::open(&path).unwrap();
+            let shape = SHAPES.iter().find(|s| s.name == like).unwrap();
+            let mut compared = 0;
+            for p in plan(shape, Quant::Q4KM) {
+                if p.decl.ty == GgmlType::F32 {
+                    continue;
+                }
+                let t = real
+                    .tensors()
+                    .iter()
+                    .find(|t| t.name == p.decl.name)
+                    .unwrap_or_else(|| panic!("{like}: {} not in {file}", p.decl.name));
+                assert_eq!(t.ty, p.decl.ty, "{like}: {}", p.decl.name);
+                compared += 1;
+            }
+            eprintln!("{like}: {compared} weight types equal {file}'s");
+        }
+    }
 
     #[test]
     fn tokenizer_is_padded_to_the_vocabulary_with_unused_tokens() {
@@ -542,7 +672,7 @@ mod tests {
 
     #[test]
     fn plans_have_the_real_shapes_and_fallback_types() {
-        let q05 = plan(&SHAPES[0], GgmlType::Q4_K);
+        let q05 = plan(&SHAPES[0], Quant::One(GgmlType::Q4_K));
         // 1 embedding + 12 per layer + output norm + output.
         assert_eq!(q05.len(), 1 + 24 * 12 + 2);
         let get =
@@ -557,7 +687,7 @@ mod tests {
         );
         assert_eq!(get(&q05, "blk.0.attn_k.weight").dims, vec![896, 128]);
         assert_eq!(get(&q05, "blk.0.attn_v.bias").dims, vec![128]);
-        let q7 = plan(&SHAPES[2], GgmlType::Q8_0);
+        let q7 = plan(&SHAPES[2], Quant::One(GgmlType::Q8_0));
         assert_eq!(get(&q7, "output.weight").dims, vec![3584, 152064]);
         assert_eq!(get(&q7, "blk.27.attn_k.weight").dims, vec![3584, 512]);
         let params: u64 = q7.iter().map(|p| p.decl.dims.iter().product::<u64>()).sum();
@@ -565,7 +695,7 @@ mod tests {
         assert!((7.6e9..7.65e9).contains(&(params as f64)), "{params}");
         let bytes: u64 = q7.iter().map(|p| p.decl.n_bytes().unwrap()).sum();
         assert!((8.0e9..8.2e9).contains(&(bytes as f64)), "{bytes}");
-        let q14 = plan(&SHAPES[3], GgmlType::Q2_K);
+        let q14 = plan(&SHAPES[3], Quant::One(GgmlType::Q2_K));
         assert!(q14
             .iter()
             .all(|p| p.decl.ty == GgmlType::Q2_K || p.decl.ty == GgmlType::F32));

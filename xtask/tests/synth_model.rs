@@ -284,3 +284,47 @@ fn bad_arguments_are_refused() {
     assert!(!o.status.success(), "--like is required");
     assert!(!out.exists());
 }
+
+/// `--quant q4_k_m`: llama.cpp's mix on the tiny shape (the last of its two
+/// layers gets more bits: attn_v and ffn_down in Q6_K, and so does the
+/// output). The gguf package reads the types and dequantizes the Q6_K
+/// blocks to non-zero weights of the asked std.
+#[test]
+fn tiny_q4_k_m_synth_model_has_llama_cpps_mix() {
+    let Some(qwen) = qwen() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tiny-q4_k_m.gguf");
+    let printed = synth(&[
+        "--like",
+        "tiny",
+        "--quant",
+        "q4_k_m",
+        "--tokenizer-from",
+        qwen.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(printed.contains("Q4_K_M"), "{printed}");
+    let py = python_json(GGUF_PY, &out);
+    let ty = |name: &str| py["tensors"][name]["type"].as_str().unwrap().to_string();
+    for (name, want) in [
+        ("token_embd.weight", "Q4_K"),
+        ("output.weight", "Q6_K"),
+        ("blk.0.attn_v.weight", "Q4_K"),
+        ("blk.1.attn_v.weight", "Q6_K"),
+        ("blk.0.ffn_down.weight", "Q4_K"),
+        ("blk.1.ffn_down.weight", "Q6_K"),
+        ("blk.1.ffn_up.weight", "Q4_K"),
+    ] {
+        assert_eq!(ty(name), want, "{name}");
+    }
+    let s = &py["stats"]["blk.1.ffn_down.weight"];
+    let want = 1.0 / 512f64.sqrt();
+    let std = s["std"].as_f64().unwrap();
+    assert!(
+        (std - want).abs() < 0.03 * want,
+        "Q6_K std {std}, want {want}"
+    );
+    assert!(s["mean"].as_f64().unwrap().abs() < 0.05 * want, "{s}");
+    assert_eq!(s["zeros"], 0, "{s}");
+}

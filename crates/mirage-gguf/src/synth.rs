@@ -52,13 +52,14 @@ pub fn mix_seed(words: &[u64]) -> u64 {
 }
 
 /// The types [`fill_random`] can write.
-pub const SYNTH_TYPES: [GgmlType; 7] = [
+pub const SYNTH_TYPES: [GgmlType; 8] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::Q5_0,
     GgmlType::Q4_K,
+    GgmlType::Q6_K,
     GgmlType::Q2_K,
 ];
 
@@ -181,6 +182,35 @@ pub fn fill_random(ty: GgmlType, std: f32, seed: u64, out: &mut [u8]) -> Result<
                 b[4..16].copy_from_slice(&scales);
                 for q in b[16..144].chunks_mut(8) {
                     q.copy_from_slice(&rng.next_u64().to_le_bytes());
+                }
+            }
+        }
+        GgmlType::Q6_K => {
+            // Every 16-value group: scale 2, so a weight is 2d·(q - 32), q - 32
+            // in ±1..=31: rms 2·sqrt(336)·d. Block: ql[128], qh[64],
+            // scales[16], d. In each half of 128 values, value l (< 32) takes
+            // the low nibble of ql[l] and bits 0-1 of qh[l], value l + 32 the
+            // low nibble of ql[l + 32] and bits 2-3, l + 64 the high nibble of
+            // ql[l] and bits 4-5, l + 96 the high nibble of ql[l + 32] and
+            // bits 6-7 (ggml's dequantize_row_q6_K).
+            let d = half_bytes(std / (2.0 * 336f32.sqrt()));
+            for b in out.chunks_exact_mut(ts) {
+                let (ql, rest) = b.split_at_mut(128);
+                let (qh, rest) = rest.split_at_mut(64);
+                rest[..16].fill(2);
+                rest[16..18].copy_from_slice(&d);
+                for half in 0..2 {
+                    for l in 0..32 {
+                        let c: [u8; 4] = std::array::from_fn(|_| {
+                            (symmetric_code(rng.next_u64() & 0xffff, 31) + 32) as u8
+                        });
+                        ql[64 * half + l] = (c[0] & 15) | ((c[2] & 15) << 4);
+                        ql[64 * half + l + 32] = (c[1] & 15) | ((c[3] & 15) << 4);
+                        qh[32 * half + l] = (c[0] >> 4)
+                            | ((c[1] >> 4) << 2)
+                            | ((c[2] >> 4) << 4)
+                            | ((c[3] >> 4) << 6);
+                    }
                 }
             }
         }
@@ -399,10 +429,10 @@ mod tests {
         assert!(fill_random(GgmlType::Q8_0, 0.1, 0, &mut [0u8; 33]).is_err());
         assert!(fill_random(GgmlType::Q8_0, 0.0, 0, &mut [0u8; 34]).is_err());
         assert!(fill_random(
-            GgmlType::Q6_K,
+            GgmlType::Q5_K,
             0.1,
             0,
-            &mut vec![0u8; GgmlType::Q6_K.type_size()]
+            &mut vec![0u8; GgmlType::Q5_K.type_size()]
         )
         .is_err());
     }
