@@ -114,7 +114,7 @@ pub fn run(args: &BuildArtifactsArgs) -> anyhow::Result<()> {
         println!(
             "plan {name}{}: calibration perplexity per target",
             if *name == m.default_plan {
-                " (default)"
+                " (the default on ties)"
             } else {
                 ""
             }
@@ -129,9 +129,10 @@ pub fn run(args: &BuildArtifactsArgs) -> anyhow::Result<()> {
     for budget in [0.01f32, 0.03] {
         match loaded.resolve(None, SparsityTarget::MaxPplIncrease(budget)) {
             Ok(r) => println!(
-                "  --sparsity auto --max-ppl-increase {}% picks {:.2}",
+                "  --sparsity auto --max-ppl-increase {}% picks {:.2} ({})",
                 100.0 * budget,
-                r.sparsity
+                r.sparsity,
+                r.plan
             ),
             Err(e) => println!("  --max-ppl-increase {}%: {e}", 100.0 * budget),
         }

@@ -430,7 +430,9 @@ fn thresholds_skip_their_share_of_the_calibration_inputs() {
 #[test]
 fn budget_search_picks_the_highest_target_within_the_budget() {
     let Some((_, a)) = built() else { return };
-    let (pm, t) = a.plan(&a.meta().default_plan).unwrap();
+    let name = a.meta().default_plan.clone();
+    let plan = Some(name.as_str());
+    let (pm, t) = a.plan(&name).unwrap();
     let dense = a.meta().dense_calib_ppl;
     assert_eq!(pm.targets, TARGETS.to_vec());
     assert!(t.ppl.iter().all(|p| p.is_finite()), "{:?}", t.ppl);
@@ -440,8 +442,14 @@ fn budget_search_picks_the_highest_target_within_the_budget() {
     for r in 1..TARGETS.len() {
         let budget = incr[1..=r].iter().fold(0f64, |m, v| m.max(*v)) as f32 + 1e-4;
         let got = a
+            .resolve(plan, SparsityTarget::MaxPplIncrease(budget))
+            .unwrap();
+        // Unnamed, the choice over every measured plan reaches at least as
+        // far.
+        let chosen = a
             .resolve(None, SparsityTarget::MaxPplIncrease(budget))
             .unwrap();
+        assert!(chosen.sparsity >= got.sparsity, "{budget}: {chosen:?}");
         assert!(
             got.sparsity >= TARGETS[r] - 1e-6,
             "budget {budget}: {}",
@@ -453,15 +461,15 @@ fn budget_search_picks_the_highest_target_within_the_budget() {
     // A budget below the first target's cost: refused, naming it.
     if incr[1] > 0.0 {
         let e = a
-            .resolve(None, SparsityTarget::MaxPplIncrease((incr[1] / 2.0) as f32))
+            .resolve(plan, SparsityTarget::MaxPplIncrease((incr[1] / 2.0) as f32))
             .unwrap_err()
             .to_string();
         assert!(e.contains("no sparsity meets"), "{e}");
     }
     // Fixed targets: interpolated between rows, refused outside.
-    let mid = a.resolve(None, SparsityTarget::Fixed(0.25)).unwrap();
-    let lo = a.resolve(None, SparsityTarget::Fixed(0.2)).unwrap();
-    let hi = a.resolve(None, SparsityTarget::Fixed(0.3)).unwrap();
+    let mid = a.resolve(plan, SparsityTarget::Fixed(0.25)).unwrap();
+    let lo = a.resolve(plan, SparsityTarget::Fixed(0.2)).unwrap();
+    let hi = a.resolve(plan, SparsityTarget::Fixed(0.3)).unwrap();
     for ((m, l), h) in mid
         .per_matrix
         .iter()

@@ -163,7 +163,8 @@ pub struct ArtifactSpec {
 pub struct SparsitySpec {
     /// A fixed sparsity in `[0, 1)` or a calibration-perplexity budget.
     pub target: SparsityTarget,
-    /// The artifact's plan (criterion/allocation); `None`: its default.
+    /// The artifact's plan (criterion/allocation); `None`: chosen per target
+    /// on the calibration text (`ActivationArtifact::resolve`).
     pub plan: Option<String>,
     /// The activation artifact; `None`: [`LoadSpec::artifact`]'s path, else
     /// `<model>.activation.mirage` beside the model.
@@ -171,7 +172,7 @@ pub struct SparsitySpec {
 }
 
 impl SparsitySpec {
-    /// `target` from the artifact beside the model, default plan.
+    /// `target` from the artifact beside the model, no plan named.
     pub fn new(target: SparsityTarget) -> SparsitySpec {
         SparsitySpec {
             target,
@@ -723,13 +724,16 @@ fn load_sparse(spec: &LoadSpec, sp: &SparsitySpec) -> Result<Built, LoadError> {
         .plan(&r.plan)
         .map(|(m, _)| m.criterion)
         .ok_or_else(|| refuse(format!("no plan `{}`", r.plan)))?;
+    let label = format!("{} @ {:.2}, {}", r.plan, r.sparsity, r.choice.describe());
     tracing::info!(
         plan = %r.plan,
+        choice = r.choice.describe(),
         sparsity = r.sparsity,
         calib_ppl_increase_percent = 100.0 * (r.calib_ppl / r.dense_calib_ppl - 1.0),
-        "activation sparsity: {:.2} of the projections' weights skipped per token (plan {}; calibration perplexity {:+.2} %)",
+        "activation sparsity: {:.2} of the projections' weights skipped per token (plan {}, {}; calibration perplexity {:+.2} %)",
         r.sparsity,
         r.plan,
+        r.choice.describe(),
         100.0 * (r.calib_ppl / r.dense_calib_ppl - 1.0)
     );
     let engine_err = |backend: &'static str| {
@@ -774,7 +778,7 @@ fn load_sparse(spec: &LoadSpec, sp: &SparsitySpec) -> Result<Built, LoadError> {
         match b {}
     }
     let cpu = CpuBackend::new(spec.options.threads).map_err(engine_err("activation-sparse-cpu"))?;
-    let backend = ActivationBackend::new(cpu, Some(artifact), n_layer);
+    let backend = ActivationBackend::new(cpu, Some(artifact), n_layer).with_label(label);
     backend
         .set_thresholds(thresholds)
         .map_err(|e| refuse(e.to_string()))?;

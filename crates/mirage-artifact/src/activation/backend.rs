@@ -172,6 +172,8 @@ pub struct ActivationBackend {
     artifact: Option<Arc<ActivationArtifact>>,
     n_layer: usize,
     family: ChannelMajorKernel,
+    /// What runs (plan and sparsity), for [`Backend::name`].
+    label: Option<String>,
     settings: RwLock<Arc<Settings>>,
     recording_on: AtomicBool,
     recording: Mutex<Option<Recording>>,
@@ -212,6 +214,7 @@ impl ActivationBackend {
             artifact,
             n_layer,
             family: ChannelMajorKernel::best(),
+            label: None,
             settings: RwLock::new(Arc::new(Settings {
                 thresholds: vec![None; n_layer * Proj::ALL.len() + 1],
             })),
@@ -226,6 +229,13 @@ impl ActivationBackend {
     /// fastest the CPU runs). Applies to matrices uploaded afterwards.
     pub fn with_kernels(mut self, family: ChannelMajorKernel) -> ActivationBackend {
         self.family = family;
+        self
+    }
+
+    /// Names what runs (e.g. the plan and sparsity) in [`Backend::name`],
+    /// which engines print beside their speeds.
+    pub fn with_label(mut self, label: impl Into<String>) -> ActivationBackend {
+        self.label = Some(label.into());
         self
     }
 
@@ -663,7 +673,10 @@ impl Backend for ActivationBackend {
 
     fn name(&self) -> String {
         if self.artifact.is_some() {
-            format!("activation-sparse-cpu ({})", self.family.name())
+            match &self.label {
+                Some(l) => format!("activation-sparse-cpu ({}; {l})", self.family.name()),
+                None => format!("activation-sparse-cpu ({})", self.family.name()),
+            }
         } else {
             "activation-masked-cpu".into()
         }

@@ -448,8 +448,9 @@ pub fn build_activation(
             progress(BuildEvent::Step);
         }
     }
-    // The default: of our plans, the one with the lower mean calibration
-    // perplexity over the targets up to 0.5.
+    // The default plan (what an unnamed plan runs where the measured plans
+    // tie or none is measured): of our plans, the one with the lower mean
+    // calibration perplexity over the targets up to 0.5.
     let mean_ppl = |pi: usize| -> f64 {
         let v: Vec<f64> = targets
             .iter()

@@ -100,7 +100,8 @@ pub struct ActivationMeta {
     pub dense_calib_ppl: f64,
     /// The plans, in PLANS order.
     pub plans: Vec<PlanMeta>,
-    /// The plan `--sparsity` uses unless told otherwise.
+    /// The plan an unnamed `--sparsity` runs where the plans measured on the
+    /// calibration text tie or none is measured (`ActivationArtifact::resolve`).
     pub default_plan: String,
 }
 
@@ -297,6 +298,8 @@ impl std::fmt::Debug for ActivationArtifact {
 pub struct ResolvedSparsity {
     /// The plan.
     pub plan: String,
+    /// How the plan was chosen.
+    pub choice: PlanChoice,
     /// Model-wide sparsity (parameter-weighted over the projections).
     pub sparsity: f32,
     /// Calibration perplexity there, when measured (else NaN).
@@ -305,6 +308,31 @@ pub struct ResolvedSparsity {
     pub dense_calib_ppl: f64,
     /// Per matrix index (the head last): its sparsity.
     pub per_matrix: Vec<f32>,
+}
+
+/// How [`ActivationArtifact::resolve`] came to its plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanChoice {
+    /// The caller named it.
+    Named,
+    /// None named: of the plans with a measured calibration perplexity
+    /// at the target, the lowest one (a fixed sparsity), or the one that
+    /// reaches the highest sparsity within the budget.
+    Calibration,
+    /// None named and no plan has a measured calibration perplexity at the
+    /// target: the artifact's default plan.
+    ArtifactDefault,
+}
+
+impl PlanChoice {
+    /// Words for logs and tables.
+    pub fn describe(self) -> &'static str {
+        match self {
+            PlanChoice::Named => "named",
+            PlanChoice::Calibration => "chosen by calibration perplexity",
+            PlanChoice::ArtifactDefault => "the artifact's default",
+        }
+    }
 }
 
 impl ActivationArtifact {
@@ -463,7 +491,7 @@ impl ActivationArtifact {
     }
     /// The plan named `name` (its META and table).
     pub fn plan(&self, name: &str) -> Option<(&PlanMeta, &PlanTable)> {
-        let i = self.meta.plans.iter().position(|p| p.name == name)?;
+        let i = self.plan_index(name)?;
         Some((&self.meta.plans[i], &self.plans[i]))
     }
 
@@ -472,26 +500,77 @@ impl ActivationArtifact {
         crate::format::check_sha256(&self.meta.source_sha256, sha256_hex)
     }
 
-    /// The per-matrix sparsities of `plan` (default: the artifact's) for
-    /// `target`: a fixed model-wide sparsity (rows interpolated linearly;
-    /// above the highest stored target is refused), or the highest stored
-    /// target such that it and every smaller one keep the calibration
-    /// perplexity within the budget (refused when not even the smallest
-    /// non-zero target does).
+    /// The per-matrix sparsities of a plan for `target`: a fixed
+    /// model-wide sparsity (rows interpolated linearly; above the highest
+    /// stored target is refused), or the highest stored target such that it
+    /// and every smaller one keep the calibration perplexity within the
+    /// budget (refused when not even the smallest non-zero target does).
+    ///
+    /// `plan` names the plan; `None` chooses per target on the calibration
+    /// text: for a fixed sparsity the plan with the lowest (interpolated)
+    /// calibration perplexity there, for a budget the plan reaching the
+    /// highest sparsity within it (ties: the lower perplexity, then the
+    /// artifact's default plan). Plans without measured perplexities are
+    /// not candidates; where no plan has one, the default plan runs.
     pub fn resolve(&self, plan: Option<&str>, target: SparsityTarget) -> Result<ResolvedSparsity> {
         let target = target.validate()?;
-        let name = plan.unwrap_or(&self.meta.default_plan);
-        let (pm, t) = self.plan(name).ok_or_else(|| {
-            ArtifactError::InvalidArgument(format!(
-                "no plan `{name}` in this artifact (it has {})",
-                self.meta
-                    .plans
-                    .iter()
-                    .map(|p| p.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))
-        })?;
+        if let Some(name) = plan {
+            let i = self.plan_index(name).ok_or_else(|| {
+                ArtifactError::InvalidArgument(format!(
+                    "no plan `{name}` in this artifact (it has {})",
+                    self.meta
+                        .plans
+                        .iter()
+                        .map(|p| p.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })?;
+            return self.resolve_plan(i, target, PlanChoice::Named);
+        }
+        let default = self
+            .plan_index(&self.meta.default_plan)
+            .expect("validated at load");
+        // The default first, so that it wins ties.
+        let order = std::iter::once(default).chain((0..self.plans.len()).filter(|&i| i != default));
+        let mut best: Option<ResolvedSparsity> = None;
+        for i in order {
+            let Ok(r) = self.resolve_plan(i, target, PlanChoice::Calibration) else {
+                continue;
+            };
+            if !r.calib_ppl.is_finite() {
+                continue;
+            }
+            let better = best.as_ref().is_none_or(|b| match target {
+                SparsityTarget::Fixed(_) => r.calib_ppl < b.calib_ppl,
+                SparsityTarget::MaxPplIncrease(_) => {
+                    r.sparsity > b.sparsity
+                        || (r.sparsity == b.sparsity && r.calib_ppl < b.calib_ppl)
+                }
+            });
+            if better {
+                best = Some(r);
+            }
+        }
+        match best {
+            Some(r) => Ok(r),
+            None => self.resolve_plan(default, target, PlanChoice::ArtifactDefault),
+        }
+    }
+
+    fn plan_index(&self, name: &str) -> Option<usize> {
+        self.meta.plans.iter().position(|p| p.name == name)
+    }
+
+    /// [`ActivationArtifact::resolve`] within plan `i`.
+    fn resolve_plan(
+        &self,
+        i: usize,
+        target: SparsityTarget,
+        choice: PlanChoice,
+    ) -> Result<ResolvedSparsity> {
+        let (pm, t) = (&self.meta.plans[i], &self.plans[i]);
+        let name = pm.name.as_str();
         let dense = self.meta.dense_calib_ppl;
         let (sparsity, per_matrix, ppl) = match target {
             SparsityTarget::Fixed(s) => {
@@ -544,6 +623,7 @@ impl ActivationArtifact {
         };
         Ok(ResolvedSparsity {
             plan: name.to_string(),
+            choice,
             sparsity,
             calib_ppl: ppl,
             dense_calib_ppl: dense,
@@ -589,4 +669,168 @@ pub fn thresholds_for(s: &MatrixScores, criterion: Criterion, sparsity: f32) -> 
             .map(|&n| if n > 0.0 { tau / n } else { f32::INFINITY })
             .collect(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-layer artifact of tiny Q8_0 matrices with three plans over
+    /// targets 0, 0.1, 0.2, 0.3 (`c/z`: to 0.5): `a/x` and `b/y` with
+    /// calibration perplexities that cross between 0.1 and 0.2 (at 1/6),
+    /// `c/z` unmeasured. Every matrix of a plan's row holds `target * k`
+    /// (k = 1, 2, 3 per plan), so a result shows which plan it came from.
+    fn crossing() -> Arc<ActivationArtifact> {
+        let n = Proj::ALL.len() + 1;
+        let layout = ChannelMajorLayout::new(GgmlType::Q8_0, 128, 32).unwrap();
+        let matrices = vec![(layout, vec![0u8; layout.bytes()]); n];
+        let scores = vec![
+            MatrixScores {
+                col_norms: vec![1.0; 32],
+                quantiles: [
+                    vec![0.0; QUANTILE_LEVELS + 1],
+                    vec![0.0; QUANTILE_LEVELS + 1],
+                ],
+            };
+            n
+        ];
+        let plan = |name: &str, criterion, targets: &[f32], k: f32, ppl: &[f32]| {
+            (
+                PlanMeta {
+                    name: name.into(),
+                    criterion,
+                    allocation: Allocation::SensitivityHead,
+                    targets: targets.to_vec(),
+                },
+                PlanTable {
+                    rows: targets.iter().map(|t| vec![t * k; n]).collect(),
+                    ppl: ppl.to_vec(),
+                },
+            )
+        };
+        let grid = [0.0, 0.1, 0.2, 0.3];
+        let (metas, tables): (Vec<_>, Vec<_>) = [
+            plan(
+                "a/x",
+                Criterion::Teal,
+                &grid,
+                1.0,
+                &[10.0, 10.1, 10.5, 12.0],
+            ),
+            plan(
+                "b/y",
+                Criterion::Wina,
+                &grid,
+                2.0,
+                &[10.0, 10.3, 10.4, 11.0],
+            ),
+            plan(
+                "c/z",
+                Criterion::Teal,
+                &[0.0, 0.1, 0.3, 0.5],
+                3.0,
+                &[f32::NAN; 4],
+            ),
+        ]
+        .into_iter()
+        .unzip();
+        let meta = ActivationMeta {
+            kind: "activation".into(),
+            arch: "llama".into(),
+            n_layer: 1,
+            d_model: 32,
+            n_ff: 32,
+            source_name: "tiny.gguf".into(),
+            head_tensor: "output.weight".into(),
+            source_sha256: "ab".repeat(32),
+            calib_name: "calib".into(),
+            calib_sha256: "cd".repeat(32),
+            calib_tokens: 8,
+            ppl_tokens: 8,
+            dense_calib_ppl: 10.0,
+            plans: metas,
+            default_plan: "b/y".into(),
+        };
+        let c = ActivationContents {
+            meta,
+            scores,
+            plans: tables,
+        };
+        ActivationArtifact::from_bytes(write_bytes(&c, &matrices).unwrap()).unwrap()
+    }
+
+    fn fixed(a: &ActivationArtifact, plan: Option<&str>, s: f32) -> ResolvedSparsity {
+        a.resolve(plan, SparsityTarget::Fixed(s)).unwrap()
+    }
+
+    fn budget(a: &ActivationArtifact, b: f32) -> Result<ResolvedSparsity> {
+        a.resolve(None, SparsityTarget::MaxPplIncrease(b))
+    }
+
+    #[test]
+    fn the_default_takes_the_lower_calibration_perplexity_per_target() {
+        let a = crossing();
+        // 0.16: a/x 10.34 < b/y 10.36; 0.17: a/x 10.38 > b/y 10.37.
+        for (s, plan, k, ppl) in [
+            (0.05, "a/x", 1.0, 10.05),
+            (0.1, "a/x", 1.0, 10.1),
+            (0.16, "a/x", 1.0, 10.34),
+            (0.17, "b/y", 2.0, 10.37),
+            (0.2, "b/y", 2.0, 10.4),
+            (0.3, "b/y", 2.0, 11.0),
+        ] {
+            let r = fixed(&a, None, s);
+            assert_eq!((r.plan.as_str(), r.choice), (plan, PlanChoice::Calibration));
+            assert!((r.calib_ppl - ppl).abs() < 1e-4, "{s}: {}", r.calib_ppl);
+            assert!(r.per_matrix.iter().all(|&m| (m - s * k).abs() < 1e-6));
+        }
+        // A tie (both dense at 0): the artifact's default.
+        assert_eq!(fixed(&a, None, 0.0).plan, "b/y");
+        // Only the unmeasured plan reaches 0.4: the default's refusal.
+        let e = a
+            .resolve(None, SparsityTarget::Fixed(0.4))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("above the highest target plan `b/y`"), "{e}");
+    }
+
+    #[test]
+    fn a_budget_takes_the_plan_reaching_further() {
+        let a = crossing();
+        // +2 %: a/x reaches 0.1, b/y nothing.
+        let r = budget(&a, 0.02).unwrap();
+        assert_eq!((r.plan.as_str(), r.sparsity), ("a/x", 0.1));
+        // +6 %: both reach 0.2; b/y's perplexity there is lower.
+        let r = budget(&a, 0.06).unwrap();
+        assert_eq!((r.plan.as_str(), r.sparsity), ("b/y", 0.2));
+        // +12 %: b/y reaches 0.3, a/x stops at 0.2.
+        let r = budget(&a, 0.12).unwrap();
+        assert_eq!((r.plan.as_str(), r.sparsity), ("b/y", 0.3));
+        assert_eq!(r.choice, PlanChoice::Calibration);
+        assert!(r.per_matrix.iter().all(|&m| (m - 0.6).abs() < 1e-6));
+        // +0.5 %: no plan meets it.
+        let e = budget(&a, 0.005).unwrap_err().to_string();
+        assert!(e.contains("no sparsity meets"), "{e}");
+    }
+
+    #[test]
+    fn a_named_plan_is_honoured() {
+        let a = crossing();
+        let r = fixed(&a, Some("b/y"), 0.1);
+        assert_eq!((r.plan.as_str(), r.choice), ("b/y", PlanChoice::Named));
+        assert!(r.per_matrix.iter().all(|&m| (m - 0.2).abs() < 1e-6));
+        let r = fixed(&a, Some("c/z"), 0.4);
+        assert_eq!(r.plan, "c/z");
+        assert!(r.calib_ppl.is_nan());
+        assert!(r.per_matrix.iter().all(|&m| (m - 1.2).abs() < 1e-6));
+        let r = a
+            .resolve(Some("a/x"), SparsityTarget::MaxPplIncrease(0.12))
+            .unwrap();
+        assert_eq!((r.plan.as_str(), r.sparsity), ("a/x", 0.2));
+        let e = a
+            .resolve(Some("c/z"), SparsityTarget::MaxPplIncrease(0.5))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no measured calibration perplexity"), "{e}");
+    }
 }

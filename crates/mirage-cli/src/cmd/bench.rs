@@ -142,7 +142,8 @@ pub struct BenchArgs {
     /// `<model>.activation.mirage`).
     #[arg(long, value_delimiter = ',')]
     pub sparsity: Vec<f32>,
-    /// Activation sparsity: the artifact's plan (default: its default plan).
+    /// Activation sparsity: the artifact's plan (default: per sparsity, the plan of lowest calibration
+    /// perplexity).
     #[arg(long)]
     pub sparsity_plan: Option<String>,
     /// Activation sparsity: the prompt is this text's first --prompt tokens (held-out text, so that the

@@ -170,10 +170,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             .plan(&r.plan)
             .map(|(m, _)| m.criterion)
             .ok_or_else(|| anyhow::anyhow!("no plan `{}` in the artifact", r.plan))?;
-        configs.push((
-            format!("{} @ {s:.2}", r.plan),
-            Some(artifact.thresholds(crit, &r.per_matrix)),
-        ));
+        // An unnamed plan is chosen per sparsity: the label says which.
+        let label = match plan {
+            Some(_) => format!("{} @ {s:.2}", r.plan),
+            None => format!("default: {} @ {s:.2}", r.plan),
+        };
+        configs.push((label, Some(artifact.thresholds(crit, &r.per_matrix))));
     }
     let load0 = load_avg();
     eprintln!(
@@ -242,12 +244,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             .join(", ")
     );
     println!(
-        "{:<34} {:>9} {:>8} {:>12} {:>9}",
+        "{:<40} {:>9} {:>8} {:>12} {:>9}",
         "config", "tok/s", "x dense", "MiB/token", "achieved"
     );
     for (c, (name, _)) in configs.iter().enumerate() {
         println!(
-            "{:<34} {:>9.2} {:>8.3} {:>12.1} {:>9.3}",
+            "{:<40} {:>9.2} {:>8.3} {:>12.1} {:>9.3}",
             name,
             median(&mut speed[c]),
             median(&mut ratio[c]),

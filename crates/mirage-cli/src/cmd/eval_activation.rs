@@ -17,12 +17,15 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::Args;
 use mirage_artifact::activation::backend::{ActivationBackend, SparseStats};
-use mirage_artifact::activation::format::ActivationArtifact;
+use mirage_artifact::activation::format::{ActivationArtifact, ResolvedSparsity};
 use mirage_artifact::activation::{Criterion, SparsityTarget};
 use mirage_artifact::metrics::{cosine, nll};
 use mirage_gguf::GgufFile;
 use mirage_runtime::{Backend, CpuBackend, KvDtype, Model, TokenSlot};
 use serde_json::json;
+
+/// The `--plan` word for the artifact's own choice (no plan named).
+const DEFAULT_PLAN: &str = "default";
 
 /// The activation-sparsity options of `eval`.
 #[derive(Debug, Args)]
@@ -34,7 +37,8 @@ pub struct ActivationEvalArgs {
     /// Only the plans of these criteria (teal, wina; comma-separated). Default: every plan.
     #[arg(long, value_delimiter = ',')]
     pub criterion: Vec<Criterion>,
-    /// Only these plans (e.g. teal/block-greedy,wina/sensitivity+head). Default: every plan.
+    /// Only these plans (e.g. teal/block-greedy,wina/sensitivity+head; `default`: what an unnamed plan
+    /// runs, the plan chosen per sparsity by calibration perplexity). Default: every plan and `default`.
     #[arg(long, value_delimiter = ',')]
     pub plan: Vec<String>,
     /// Positions decoded token by token for the repacked model's own row.
@@ -98,6 +102,12 @@ fn decode_logits<B: Backend>(model: &Model<B>, tokens: &[u32]) -> anyhow::Result
         all.extend_from_slice(&out);
     }
     Ok(all)
+}
+
+/// The calibration perplexity's rise over dense where the plan runs (NaN:
+/// not measured), what an unnamed plan is chosen by.
+fn calib_increase(r: &ResolvedSparsity) -> f64 {
+    r.calib_ppl / r.dense_calib_ppl - 1.0
 }
 
 /// Share of the bytes of every matrix (projections and head) the products
@@ -204,16 +214,20 @@ pub fn run(
     let repack_s = t0.elapsed().as_secs_f64();
     eprintln!("repacked model at sparsity 0: {repack_s:.1} s");
 
-    let plans: Vec<(String, Criterion)> = meta
+    // `None`: the artifact's own choice per sparsity (no plan named).
+    let mut plans: Vec<Option<String>> = meta
         .plans
         .iter()
         .filter(|p| a.criterion.is_empty() || a.criterion.contains(&p.criterion))
         .filter(|p| a.plan.is_empty() || a.plan.contains(&p.name))
-        .map(|p| (p.name.clone(), p.criterion))
+        .map(|p| Some(p.name.clone()))
         .collect();
+    if a.plan.iter().any(|p| p == DEFAULT_PLAN) || (a.plan.is_empty() && a.criterion.is_empty()) {
+        plans.push(None);
+    }
     if plans.is_empty() {
         bail!(
-            "no plan matches (the artifact has {})",
+            "no plan matches (the artifact has {}, and `{DEFAULT_PLAN}`)",
             meta.plans
                 .iter()
                 .map(|p| p.name.as_str())
@@ -223,11 +237,19 @@ pub fn run(
     }
     let kd = a.decode_tokens.min(tokens.len());
     let mut rows = Vec::new();
-    for (name, crit) in &plans {
+    for plan in &plans {
         for &s in &a.sparsity {
             let t = Instant::now();
-            let r = artifact.resolve(Some(name), SparsityTarget::Fixed(s))?;
-            let thr = artifact.thresholds(*crit, &r.per_matrix);
+            let r = artifact.resolve(plan.as_deref(), SparsityTarget::Fixed(s))?;
+            let crit = artifact
+                .plan(&r.plan)
+                .map(|(m, _)| m.criterion)
+                .ok_or_else(|| anyhow::anyhow!("no plan `{}` in the artifact", r.plan))?;
+            let name = match plan {
+                Some(n) => n.clone(),
+                None => format!("{DEFAULT_PLAN}: {}", r.plan),
+            };
+            let thr = artifact.thresholds(crit, &r.per_matrix);
             masked.backend().set_thresholds(thr.clone())?;
             masked.backend().take_stats();
             let lg = masked.logits_all(&tokens, KvDtype::F32)?;
@@ -267,14 +289,7 @@ pub fn run(
                 100.0 * (sc.ppl / d.ppl - 1.0),
                 t.elapsed().as_secs_f64()
             );
-            rows.push((
-                name.clone(),
-                s,
-                r.per_matrix.last().copied().unwrap_or(0.0),
-                achieved,
-                sc,
-                dec,
-            ));
+            rows.push((plan.is_none(), r, achieved, sc, dec));
         }
     }
     sparse
@@ -289,8 +304,10 @@ pub fn run(
                 "tokens": k, "ppl": r_vs_dense.ppl, "dense_ppl": d_head.ppl,
                 "cosine_vs_dense": r_vs_dense.cosine, "top1_vs_dense": r_vs_dense.top1,
             },
-            "rows": rows.iter().map(|(p, s, hs, ach, sc, dec)| json!({
-                "plan": p, "sparsity": s, "head_sparsity": hs, "achieved": ach, "ppl": sc.ppl,
+            "rows": rows.iter().map(|(default, r, ach, sc, dec)| json!({
+                "plan": r.plan, "default": default, "sparsity": r.sparsity,
+                "head_sparsity": r.per_matrix.last().copied().unwrap_or(0.0),
+                "calib_delta_ppl": calib_increase(r), "achieved": ach, "ppl": sc.ppl,
                 "delta_ppl": sc.ppl / d.ppl - 1.0, "cosine": sc.cosine, "top1": sc.top1,
                 "decode": dec.as_ref().map(|(ach, vb, bd, dd)| json!({
                     "tokens": kd, "achieved": ach, "cosine_vs_batch": vb.cosine, "top1_vs_batch": vb.top1,
@@ -317,15 +334,21 @@ pub fn run(
         r_vs_dense.top1
     );
     println!(
-        "{:<24} {:>8} {:>8} {:>8} {:>10} {:>8} {:>9} {:>7}",
-        "plan", "sparsity", "head", "achieved", "ppl", "dppl %", "cosine", "top-1"
+        "{:<32} {:>8} {:>8} {:>8} {:>8} {:>10} {:>8} {:>9} {:>7}",
+        "plan", "sparsity", "head", "calib %", "achieved", "ppl", "dppl %", "cosine", "top-1"
     );
-    for (p, s, hs, ach, sc, dec) in &rows {
+    for (default, r, ach, sc, dec) in &rows {
+        let p = if *default {
+            format!("{DEFAULT_PLAN}: {}", r.plan)
+        } else {
+            r.plan.clone()
+        };
         println!(
-            "{:<24} {:>8.2} {:>8.2} {:>8.3} {:>10.4} {:>+8.2} {:>9.5} {:>7.4}",
+            "{:<32} {:>8.2} {:>8.2} {:>+8.2} {:>8.3} {:>10.4} {:>+8.2} {:>9.5} {:>7.4}",
             p,
-            s,
-            hs,
+            r.sparsity,
+            r.per_matrix.last().copied().unwrap_or(0.0),
+            100.0 * calib_increase(r),
             ach,
             sc.ppl,
             100.0 * (sc.ppl / d.ppl - 1.0),
