@@ -128,6 +128,22 @@ pub fn achieved_sparsity(artifact: &ActivationArtifact, st: &SparseStats) -> f64
     }
 }
 
+/// Every `--plan` name is a plan of the artifact (`names`) or `default`: a
+/// misspelled name is an error, not a filter that matches nothing, and it
+/// is said before the long passes start.
+fn check_plan_names(names: &[&str], asked: &[String]) -> anyhow::Result<()> {
+    if let Some(bad) = asked
+        .iter()
+        .find(|p| p.as_str() != DEFAULT_PLAN && !names.contains(&p.as_str()))
+    {
+        bail!(
+            "--plan {bad}: no such plan (there are {}, and `{DEFAULT_PLAN}`)",
+            names.join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// Runs the activation-sparsity evaluation.
 #[allow(clippy::too_many_arguments)]
 pub fn run(
@@ -145,6 +161,9 @@ pub fn run(
     let artifact = ActivationArtifact::open(artifact_path)
         .with_context(|| format!("loading {}", artifact_path.display()))?;
     let meta = artifact.meta().clone();
+    let names: Vec<&str> = meta.plans.iter().map(|p| p.name.as_str()).collect();
+    check_plan_names(&names, &a.plan)
+        .with_context(|| format!("the plans of {}", artifact_path.display()))?;
     let model_path = model.unwrap_or_else(|| PathBuf::from("models").join(&meta.source_name));
     super::generate::check_model(&model_path)?;
     let file = Arc::new(GgufFile::open(&model_path)?);
@@ -366,4 +385,24 @@ pub fn run(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_name_that_is_no_plan_is_refused_by_name() {
+        let names = ["teal/block-greedy", "wina/sensitivity+head"];
+        let asked = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(check_plan_names(&names, &asked(&[])).is_ok());
+        assert!(check_plan_names(&names, &asked(&["default", "teal/block-greedy"])).is_ok());
+        let e = check_plan_names(&names, &asked(&["default", "teal/block-gredy"]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("teal/block-gredy") && e.contains("wina/sensitivity+head"),
+            "{e}"
+        );
+    }
 }
