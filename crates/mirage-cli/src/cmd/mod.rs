@@ -4,6 +4,8 @@
 
 pub mod bench;
 pub mod bench_activation;
+#[cfg(feature = "cuda")]
+pub mod bench_activation_cuda;
 pub mod bench_grammar;
 pub mod bench_peer;
 #[cfg(feature = "cuda")]
