@@ -1,6 +1,7 @@
 // ===========================================================================
 // Activation-sparse decode mat-vecs of Q8_0 and Q4_K matrices over a
-// channel-major GPU layout. Self-contained (NVRTC, --std=c++17, no headers).
+// channel-major GPU layout. Compiled after pdl.cu and norm.cu (the module's
+// source is the three files in that order; NVRTC, --std=c++17, no headers).
 //
 // Per input vector x (one decode token), the input channels with
 // |x_i| >= thr_i are "active"; the product reads the weight bytes of the
@@ -8,8 +9,15 @@
 //   asp_select  per group of 32 channels (one warp): which pass, and their
 //               int8 codes. Written once per input vector into a list that
 //               every block of every matrix reading that input uses (Q/K/V
-//               share one, gate/up one).
-//   asp_mv_*    the product over the listed channels.
+//               share one, gate/up one). It may take the RMSNorm of its
+//               input row first (norm.cu's row function, so the same bits
+//               as the norm kernel), saving the norm's launch.
+//   asp_mv_*    the product over the listed channels. Two optional
+//               epilogues, each saving a launch of a decode step: for gate
+//               and up in one launch, h = SiLU(gate) * up of a tile and
+//               down's list of it, by the block that completes the tile's
+//               second matrix; for one matrix, y = product + y (the
+//               residual add).
 //
 // Layout of a rows x cols matrix (cols a multiple of 32; of 256 for Q4_K),
 // for a tile width TW = 512, 1024 or 2048 outputs. Tiles of TW outputs (the
@@ -95,6 +103,7 @@ __device__ __forceinline__ float asp_h2f(u32 h) {
 }
 __device__ __forceinline__ u32 asp_ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 __device__ __forceinline__ float4 asp_ldcg4(const float4* p) { return __ldcg(p); }
+__device__ __forceinline__ float asp_ldcg1(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ uint4 asp_ld16(const u8* p) { return __ldg((const uint4*)p); }
 __device__ __forceinline__ uint2 asp_ld8(const u8* p) { return __ldg((const uint2*)p); }
 #endif
@@ -313,22 +322,98 @@ __device__ __forceinline__ void asp_compute(const AspBuf<TY, CH>& B, const AspRo
     if (r.last) asp_flush<TY, CH>(B, r.g, rec, acc, ys, lane);
 }
 
+// One group's list record (see the file's head) by one warp: v is this
+// lane's channel 32 g + lane, held against thr (null: every channel active).
+__device__ __forceinline__ void asp_select_value(float v, const float* __restrict__ thr, int g,
+                                                 u8* __restrict__ out, int lane, u8* sidx, u8* sxq) {
+    const int c = g * ASP_GROUP + lane;
+    const bool on = thr ? fabsf(v) >= thr[c] : true;
+    const u32 mask = asp_ballot(on);
+    const int k = __popc(mask), pos = __popc(mask & ((1u << lane) - 1u));
+    float amax = on ? fabsf(v) : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float dx = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    const int q = on ? max(-127, min(127, __float2int_rn(v * id))) : 0;
+    int sum = q;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (on) {
+        sidx[pos] = (u8)lane;
+        sxq[pos] = (u8)q;
+    }
+    if (lane >= k) {
+        sidx[lane] = (u8)ASP_NONE;
+        sxq[lane] = 0;
+    }
+    __syncwarp();
+    u32 word = 0u;
+    if (lane == 0) word = (u32)k;
+    if (lane == 1) word = __float_as_uint(dx);
+    if (lane == 2) word = __float_as_uint(dx * (float)sum);
+    if (lane >= ASP_REC_IDX && lane < ASP_REC_IDX + 8) word = ((const u32*)sidx)[lane - ASP_REC_IDX];
+    if (lane >= ASP_REC_XQ && lane < ASP_REC_XQ + 8) word = ((const u32*)sxq)[lane - ASP_REC_XQ];
+    ((u32*)(out + (long)g * ASP_REC_WORDS * 4))[lane] = word;
+    __syncwarp();
+}
+
+// The same for channels 32 g .. 32 g + 31 of x.
+__device__ __forceinline__ void asp_select_group(const float* __restrict__ x, const float* __restrict__ thr, int g,
+                                                 u8* __restrict__ out, int lane, u8* sidx, u8* sxq) {
+    asp_select_value(x[g * ASP_GROUP + lane], thr, g, out, lane, sidx, sxq);
+}
+
+// asp_select's body (256 threads): with norm_w, x is the raw row and every
+// block first takes its RMSNorm into xs (cols floats of shared memory) with
+// norm.cu's row function, the norm kernel's bits (block (0, 0) writes it to
+// norm_out as well, as a folded norm does); the lists are then made from
+// the normed row.
+__device__ __forceinline__ void asp_select_block(const float* __restrict__ x, int cols,
+                                                 const float* __restrict__ norm_w, float eps, float* norm_out,
+                                                 const float* thr0,
+                                                 const float* thr1, const float* thr2, u8* list0, u8* list1,
+                                                 u8* list2, float* xs, float* s32, u8 (*sidx)[ASP_GROUP],
+                                                 u8 (*sxq)[ASP_GROUP]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* src = x;
+    if (norm_w) {
+        const bool first = blockIdx.x == 0 && blockIdx.y == 0;
+        rms_norm_row(x, norm_w, eps, cols, s32, [&](int i, float v) {
+            xs[i] = v;
+            if (first) norm_out[i] = v;
+        });
+        __syncthreads();
+        src = xs;
+    }
+    const int g = blockIdx.x * 8 + warp;
+    if (g >= cols / ASP_GROUP) return;
+    const int n = blockIdx.y;
+    const float* thr = n == 0 ? thr0 : n == 1 ? thr1 : thr2;
+    u8* out = n == 0 ? list0 : n == 1 ? list1 : list2;
+    asp_select_group(src, thr, g, out, lane, sidx[warp], sxq[warp]);
+}
+
 // The product (see the file's head), tiles of H * 512 outputs. Matrix m =
 // blockIdx.y (w0/l0/y0 or w1/l1/y1: gate and up in one launch); blockIdx.x
 // = tile * splits + split. part: per matrix `splits` rows of n_tiles * TW
-// floats; ctr: per matrix n_tiles counters, zero before the first launch
-// (each launch leaves them zero).
+// floats; ctr: per matrix n_tiles counters and n_tiles more for the SwiGLU
+// epilogue, zero before the first launch (each launch leaves them zero).
+// Epilogues (see the file's head): hlist (gate and up in one launch):
+// down's list of h = SiLU(y0) * y1 against hthr (null: every channel),
+// y0 and y1 written as well; accumulate (one matrix): y = product + y.
 template <int TY, int NW, int CH, bool PIPE, int H>
 __device__ __forceinline__ void asp_matvec(const u8* __restrict__ w0, const u8* __restrict__ w1,
                                            const u8* __restrict__ l0, const u8* __restrict__ l1, float* y0,
                                            float* y1, int rows, int cols, int gpw, int splits, float* part,
-                                           u32* ctr) {
+                                           u32* ctr, const float* __restrict__ hthr, u8* hlist, int accumulate) {
     static_assert(CH % 4 == 0 && CH >= 4 && CH <= 32, "rounds of whole batches");
     static_assert(NW % H == 0, "whole tiles of warps");
     constexpr int TW = H * ASP_WARP_OUT, NS = NW / H;  // tile width, warps on one output range
     __shared__ uint4 lst4[ASP_MAX_BLOCK_GROUPS * ASP_REC_WORDS / 4];
     __shared__ float4 ys4[NW * ASP_WARP_OUT / 4];
     __shared__ int is_last;
+    __shared__ u32 hidx[NW][ASP_GROUP / 4];  // asp_select_value's bytes, word-aligned
+    __shared__ u32 hxq[NW][ASP_GROUP / 4];
     const int m = blockIdx.y;
     const u8* W = m ? w1 : w0;
     const u8* L = m ? l1 : l0;
@@ -390,111 +475,102 @@ __device__ __forceinline__ void asp_matvec(const u8* __restrict__ w0, const u8* 
 #pragma unroll
         for (int w = 0; w < NS; w++) v += ysf[(w * H + h) * ASP_WARP_OUT + at];
         if (splits == 1) {
-            if (o < r) y[(long)t * TW + o] = v;
+            if (o < r) {
+                float* yo = y + (long)t * TW + o;
+                *yo = accumulate ? v + *yo : v;
+            }
         } else {
             part[((long)m * splits + s) * prow + (long)t * TW + o] = v;
         }
     }
-    if (splits == 1) return;
+    if (splits > 1) {
+        // Several blocks per tile: the last one to finish adds the
+        // partials, in split order, four outputs a thread and 16 partials in
+        // flight.
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            u32* c = ctr + (long)m * n_tiles + t;
+            is_last = atomicAdd(c, 1u) == (u32)(splits - 1);
+            if (is_last) *c = 0u;
+        }
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        const float4* first = (const float4*)(part + (long)m * splits * prow + (long)t * TW);
+        const long prow4 = prow / 4;
+        for (int j = tid; j < rp / 4; j += NW * 32) {
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            int k = 0;
+            for (; k + 16 <= splits; k += 16) {
+                float4 p[16];
+#pragma unroll
+                for (int u = 0; u < 16; u++) p[u] = asp_ldcg4(first + (k + u) * prow4 + j);
+#pragma unroll
+                for (int u = 0; u < 16; u++) v.x += p[u].x, v.y += p[u].y, v.z += p[u].z, v.w += p[u].w;
+            }
+            for (; k < splits; k++) {
+                const float4 p = asp_ldcg4(first + k * prow4 + j);
+                v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
+            }
+            float* out = y + (long)t * TW + 4 * j;
+            const float vs[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (4 * j + i < r) out[i] = accumulate ? vs[i] + out[i] : vs[i];
+        }
+    }
+    if (!hlist) return;
 
-    // Several blocks per tile: the last one to finish adds the partials, in
-    // split order, four outputs a thread and 16 partials in flight.
+    // The tile of this matrix is complete; the block that completes the
+    // tile's second matrix makes h of the tile (swiglu's arithmetic) and
+    // down's records of its groups (r is a multiple of 32: down's channels).
     __threadfence();
     __syncthreads();
     if (tid == 0) {
-        u32* c = ctr + (long)m * n_tiles + t;
-        is_last = atomicAdd(c, 1u) == (u32)(splits - 1);
+        u32* c = ctr + 2L * n_tiles + t;
+        is_last = atomicAdd(c, 1u) == 1u;
         if (is_last) *c = 0u;
     }
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    const float4* first = (const float4*)(part + (long)m * splits * prow + (long)t * TW);
-    const long prow4 = prow / 4;
-    for (int j = tid; j < rp / 4; j += NW * 32) {
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        int k = 0;
-        for (; k + 16 <= splits; k += 16) {
-            float4 p[16];
-#pragma unroll
-            for (int u = 0; u < 16; u++) p[u] = asp_ldcg4(first + (k + u) * prow4 + j);
-#pragma unroll
-            for (int u = 0; u < 16; u++) v.x += p[u].x, v.y += p[u].y, v.z += p[u].z, v.w += p[u].w;
-        }
-        for (; k < splits; k++) {
-            const float4 p = asp_ldcg4(first + k * prow4 + j);
-            v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
-        }
-        float* out = y + (long)t * TW + 4 * j;
-        const float vs[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            if (4 * j + i < r) out[i] = vs[i];
+    for (int gi = warp; gi < r / ASP_GROUP; gi += NW) {
+        const long c = (long)t * TW + gi * ASP_GROUP + lane;
+        const float gv = asp_ldcg1(y0 + c), uv = asp_ldcg1(y1 + c);
+        const float h = gv / (1.f + expf(-gv)) * uv;
+        asp_select_value(h, hthr, (int)(c / ASP_GROUP), hlist, lane, (u8*)hidx[warp], (u8*)hxq[warp]);
     }
-}
-
-// One group's list record (see the file's head) by one warp: channels
-// 32 g .. 32 g + 31 of x against thr (null: every channel active).
-__device__ __forceinline__ void asp_select_group(const float* __restrict__ x, const float* __restrict__ thr, int g,
-                                                 u8* __restrict__ out, int lane, u8* sidx, u8* sxq) {
-    const int c = g * ASP_GROUP + lane;
-    const float v = x[c];
-    const bool on = thr ? fabsf(v) >= thr[c] : true;
-    const u32 mask = asp_ballot(on);
-    const int k = __popc(mask), pos = __popc(mask & ((1u << lane) - 1u));
-    float amax = on ? fabsf(v) : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float dx = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-    const int q = on ? max(-127, min(127, __float2int_rn(v * id))) : 0;
-    int sum = q;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (on) {
-        sidx[pos] = (u8)lane;
-        sxq[pos] = (u8)q;
-    }
-    if (lane >= k) {
-        sidx[lane] = (u8)ASP_NONE;
-        sxq[lane] = 0;
-    }
-    __syncwarp();
-    u32 word = 0u;
-    if (lane == 0) word = (u32)k;
-    if (lane == 1) word = __float_as_uint(dx);
-    if (lane == 2) word = __float_as_uint(dx * (float)sum);
-    if (lane >= ASP_REC_IDX && lane < ASP_REC_IDX + 8) word = ((const u32*)sidx)[lane - ASP_REC_IDX];
-    if (lane >= ASP_REC_XQ && lane < ASP_REC_XQ + 8) word = ((const u32*)sxq)[lane - ASP_REC_XQ];
-    ((u32*)(out + (long)g * ASP_REC_WORDS * 4))[lane] = word;
-    __syncwarp();
 }
 
 #ifndef ASP_HOST
 // Lists of x for up to three threshold vectors (gridDim.y of them; thr
-// null: every channel), one warp per group: grid (ceil(groups / 8), n).
-extern "C" __global__ void __launch_bounds__(256) asp_select(const float* __restrict__ x, int cols,
-                                                             const float* thr0, const float* thr1,
-                                                             const float* thr2, u8* list0, u8* list1, u8* list2) {
+// null: every channel), one warp per group: grid (ceil(groups / 8), n), 256
+// threads; with norm_w (the norm folded in) cols * 4 bytes of dynamic
+// shared memory.
+extern "C" __global__ void __launch_bounds__(256)
+    asp_select(const float* __restrict__ x, int cols, const float* __restrict__ norm_w, float eps, float* norm_out,
+               const float* thr0, const float* thr1, const float* thr2, u8* list0, u8* list1, u8* list2) {
+    PDL_ENTRY();
+    extern __shared__ float asp_xs[];
+    __shared__ float s32[32];
     __shared__ __align__(4) u8 sidx[8][ASP_GROUP];
     __shared__ __align__(4) u8 sxq[8][ASP_GROUP];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = blockIdx.x * 8 + warp;
-    if (g >= cols / ASP_GROUP) return;
-    const int n = blockIdx.y;
-    const float* thr = n == 0 ? thr0 : n == 1 ? thr1 : thr2;
-    u8* out = n == 0 ? list0 : n == 1 ? list1 : list2;
-    asp_select_group(x, thr, g, out, lane, sidx[warp], sxq[warp]);
+    asp_select_block(x, cols, norm_w, eps, norm_out, thr0, thr1, thr2, list0, list1, list2, asp_xs, s32, sidx,
+                     sxq);
 }
 
 #define ASP_MV_PARAMS                                                                                               \
     const u8 *__restrict__ w0, const u8 *__restrict__ w1, const u8 *__restrict__ l0, const u8 *__restrict__ l1, \
-        float *y0, float *y1, int rows, int cols, int gpw, int splits, float *part, u32 *ctr
-#define ASP_MV_ARGS w0, w1, l0, l1, y0, y1, rows, cols, gpw, splits, part, ctr
+        float *y0, float *y1, int rows, int cols, int gpw, int splits, float *part, u32 *ctr,                      \
+        const float *__restrict__ hthr, u8 *hlist, int accumulate
+#define ASP_MV_ARGS w0, w1, l0, l1, y0, y1, rows, cols, gpw, splits, part, ctr, hthr, hlist, accumulate
 // asp_mv_<type>_<serial|pipelined>_c<CH>_w<NW>_t<TW>: grid (tiles *
 // splits, matrices), NW * 32 threads, tiles of TW = 512 H outputs.
 #define ASP_MV(TYNAME, TY, VARIANT, PIPE, CH, NW, H, TW)                                            \
     extern "C" __global__ void __launch_bounds__(NW * 32, 16 / NW)                                \
         asp_mv_##TYNAME##_##VARIANT##_c##CH##_w##NW##_t##TW(ASP_MV_PARAMS) {                      \
+        PDL_ENTRY();                                                                                \
         asp_matvec<TY, NW, CH, PIPE, H>(ASP_MV_ARGS);                                               \
     }
 #define ASP_MV_SHAPES(TYNAME, TY, VARIANT, PIPE, CH)    \
@@ -507,4 +583,16 @@ ASP_MV_SHAPES(q8_0, ASP_Q8_0, serial, false, 8)
 ASP_MV_SHAPES(q8_0, ASP_Q8_0, pipelined, true, 8)
 ASP_MV_SHAPES(q4_k, ASP_Q4_K, serial, false, 16)
 ASP_MV_SHAPES(q4_k, ASP_Q4_K, pipelined, true, 8)
+#endif
+
+#ifndef ASP_HOST
+// A prompt batch's input with its inactive channels zeroed (the CPU path
+// runs batches as the dense product of that): out[i] = x[i] where
+// |x[i]| >= thr[i % width], else 0.
+extern "C" __global__ void asp_mask(const float* __restrict__ x, const float* __restrict__ thr, float* __restrict__ out,
+                                    int width, long n) {
+    PDL_ENTRY();
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = fabsf(x[i]) >= thr[i % width] ? x[i] : 0.f;
+}
 #endif

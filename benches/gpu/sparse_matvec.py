@@ -221,7 +221,7 @@ def thresholds(x, skipped):
 
 class Sparse:
     def __init__(self):
-        src = (ROOT / "cuda" / "activation_sparse.cu").read_text()
+        src = "".join((ROOT / "cuda" / f).read_text() for f in ("pdl.cu", "norm.cu", "activation_sparse.cu"))
         self.mod = cp.RawModule(code=src, options=("--std=c++17", "-default-device"), backend="nvrtc")
         self.select = self.mod.get_function("asp_select")
 

@@ -39,6 +39,7 @@ pub fn run(args: &BuildArtifactsArgs) -> anyhow::Result<()> {
             ..GreedyOptions::default()
         },
         threads: args.threads,
+        statistics_only: args.statistics_only,
         ..ActivationBuildOptions::default()
     };
     let style =
@@ -89,11 +90,13 @@ pub fn run(args: &BuildArtifactsArgs) -> anyhow::Result<()> {
         m.calib_name, m.calib_tokens, m.ppl_tokens, m.dense_calib_ppl
     );
     let n = built.kappa.len();
-    println!(
-        "sensitivity (KL per unit of error energy) per layer: q k v o gate up down; head {:.3e}",
-        built.kappa[n - 1]
-    );
-    for l in 0..m.n_layer {
+    if n > 0 {
+        println!(
+            "sensitivity (KL per unit of error energy) per layer: q k v o gate up down; head {:.3e}",
+            built.kappa[n - 1]
+        );
+    }
+    for l in (0..m.n_layer).filter(|_| n > 0) {
         let k = &built.kappa[l * 7..l * 7 + 7];
         println!(
             "  layer {l:>2}: {}",

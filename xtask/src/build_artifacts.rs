@@ -60,6 +60,11 @@ pub struct BuildArtifactsArgs {
     /// Activation mode: layer sparsity one step of TEAL's greedy search (the baseline plan) adds.
     #[arg(long, default_value_t = 0.05)]
     pub(crate) greedy_step: f32,
+    /// Activation mode: thresholds from the calibration statistics alone (uniform plans; no
+    /// sensitivities, greedy search or sparse perplexities). For speed measurements on synthetic
+    /// models, whose fidelity means nothing: seconds instead of minutes on a 7B shape.
+    #[arg(long)]
+    pub(crate) statistics_only: bool,
 }
 
 /// Runs the task.

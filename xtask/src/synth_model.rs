@@ -20,6 +20,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
+use mirage_gguf::quant_mix::{plan_model, LayerOrder, Plan, Preset, Target, TensorEntry};
 use mirage_gguf::synth::{fill_random, mix_seed, WyRand};
 use mirage_gguf::{GgmlType, GgufFile, GgufStreamWriter, Metadata, TensorDecl, Value, ValueType};
 use rayon::prelude::*;
@@ -147,99 +148,50 @@ struct Planned {
     fill: Fill,
 }
 
-/// The weight types of a file: one type, or llama.cpp's Q4_K_M mix.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Quant {
-    One(GgmlType),
-    Q4KM,
-}
-
-impl Quant {
-    /// llama_ftype of the file (MOSTLY_Q8_0, MOSTLY_Q4_K_S, MOSTLY_Q2_K,
-    /// MOSTLY_Q4_K_M).
-    fn ftype(self) -> u32 {
-        match self {
-            Quant::One(GgmlType::Q8_0) => 7,
-            Quant::One(GgmlType::Q4_K) => 14,
-            Quant::One(_) => 10,
-            Quant::Q4KM => 15,
-        }
+impl TensorEntry for Planned {
+    fn name(&self) -> &str {
+        &self.decl.name
     }
-
-    fn name(self) -> String {
-        match self {
-            Quant::One(t) => t.to_string(),
-            Quant::Q4KM => "Q4_K_M".into(),
-        }
+    fn dims(&self) -> &[u64] {
+        &self.decl.dims
+    }
+    fn ty(&self) -> GgmlType {
+        self.decl.ty
     }
 }
 
-/// The type a weight matrix with rows of `row` values gets: `quant`, or
-/// llama.cpp's fallback when the row is not a whole number of its blocks.
-fn weight_type(quant: GgmlType, row: usize) -> GgmlType {
-    match (row % quant.block_size(), quant) {
-        (0, _) => quant,
+/// The weight types' name in `general.name` (`Q8_0`, `Q4_K_M`, ...).
+fn target_label(target: Target) -> String {
+    match target {
+        Target::Single(ty) => ty.to_string(),
+        Target::Preset(p) => p.name().to_ascii_uppercase(),
+    }
+}
+
+/// The type a weight matrix with rows of `row` values gets when every
+/// matrix is `ty`: `ty`, or the fallback of the llama.cpp versions before
+/// IQ4_NL when the row is not a whole number of its blocks (Q4_K -> Q5_0,
+/// the others -> Q4_0).
+fn single_type(ty: GgmlType, row: u64) -> GgmlType {
+    match (row % ty.block_size() as u64, ty) {
+        (0, _) => ty,
         (_, GgmlType::Q4_K) => GgmlType::Q5_0,
-        (_, GgmlType::Q6_K) => GgmlType::Q8_0,
         _ => GgmlType::Q4_0,
     }
 }
 
-/// llama.cpp's `use_more_bits`: which of `n` layers get more bits in the
-/// mixes that spend them on some layers only.
-fn use_more_bits(i: usize, n: usize) -> bool {
-    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
-}
-
-/// The position of `layer` among `n` layers in the order their tensor
-/// names sort as strings (`blk.0`, `blk.1`, `blk.10`, ...): the order the
-/// shipped Qwen2.5 GGUFs were quantized in, which is the counter llama.cpp
-/// gives `use_more_bits`.
-fn name_order(layer: usize, n: usize) -> usize {
-    let key = layer.to_string();
-    (0..n).filter(|i| i.to_string() < key).count()
-}
-
-/// The type of one weight matrix: `kind` is its name without `blk.N.`
-/// (`attn_v.weight`, `output.weight`, ...), `layer` its block (if any) of
-/// `n_layer`, `row` the values in one of its rows.
-fn tensor_type(
-    quant: Quant,
-    kind: &str,
-    layer: Option<usize>,
-    n_layer: usize,
-    row: usize,
-) -> GgmlType {
-    let ty = match quant {
-        Quant::One(t) => t,
-        Quant::Q4KM => match (kind, layer) {
-            ("output.weight", _) => GgmlType::Q6_K,
-            ("attn_v.weight" | "ffn_down.weight", Some(l))
-                if use_more_bits(name_order(l, n_layer), n_layer) =>
-            {
-                GgmlType::Q6_K
-            }
-            _ => GgmlType::Q4_K,
-        },
-    };
-    weight_type(ty, row)
-}
-
-fn plan(shape: &Shape, quant: Quant) -> Vec<Planned> {
+fn plan(shape: &Shape, target: Target) -> anyhow::Result<Vec<Planned>> {
     let head_dim = shape.n_embd / shape.n_head;
     let kv = shape.n_head_kv * head_dim;
     let mut out = Vec::new();
     let weight = |out: &mut Vec<Planned>, name: String, cols: usize, rows: usize| {
-        let (layer, kind) = match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
-            Some((l, kind)) => (l.parse().ok(), kind.to_string()),
-            None => (None, name.clone()),
-        };
-        let ty = tensor_type(quant, &kind, layer, shape.n_layer, cols);
         out.push(Planned {
             decl: TensorDecl {
                 name,
                 dims: vec![cols as u64, rows as u64],
-                ty,
+                // Unquantized, as a converted model is before llama-quantize;
+                // the types are planned below, once every tensor is known.
+                ty: GgmlType::F32,
             },
             fill: Fill::Weights(1.0 / (cols as f32).sqrt()),
         })
@@ -287,7 +239,34 @@ fn plan(shape: &Shape, quant: Quant) -> Vec<Planned> {
         Fill::NearOne,
     );
     weight(&mut out, "output.weight".into(), shape.n_embd, shape.vocab);
-    out
+    match target {
+        Target::Single(ty) => {
+            for p in out
+                .iter_mut()
+                .filter(|p| matches!(p.fill, Fill::Weights(_)))
+            {
+                p.decl.ty = single_type(ty, p.row_len());
+            }
+        }
+        Target::Preset(_) => {
+            // Counted in the shipped files' layer order, so that the types
+            // are theirs tensor for tensor.
+            let plans = plan_model(&out, shape.n_layer, target, LayerOrder::Name);
+            for (p, (tensor_plan, _)) in out.iter_mut().zip(plans) {
+                match (tensor_plan, p.fill) {
+                    (Plan::Convert(ty), _) => p.decl.ty = ty,
+                    (Plan::Keep, Fill::Weights(_)) => bail!(
+                        "{}: rows of {} values fit no type of {}",
+                        p.decl.name,
+                        p.row_len(),
+                        target.name()
+                    ),
+                    (Plan::Keep, _) => {}
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The tokenizer.* keys of `src`, with the token list (and its types)
@@ -342,18 +321,26 @@ fn tokenizer_metadata(
     Ok(keys)
 }
 
-fn parse_quant(q: &str) -> anyhow::Result<Quant> {
+fn parse_quant(q: &str) -> anyhow::Result<Target> {
     Ok(match q.to_ascii_lowercase().as_str() {
-        "q8_0" => Quant::One(GgmlType::Q8_0),
-        "q4_k" => Quant::One(GgmlType::Q4_K),
-        "q2_k" => Quant::One(GgmlType::Q2_K),
-        "q4_k_m" => Quant::Q4KM,
+        "q8_0" => Target::Single(GgmlType::Q8_0),
+        "q4_k" => Target::Single(GgmlType::Q4_K),
+        "q2_k" => Target::Single(GgmlType::Q2_K),
+        "q4_k_m" => Target::Preset(Preset::Q4KM),
         other => bail!("--quant {other}: expected q8_0, q4_k, q2_k or q4_k_m"),
     })
 }
 
 /// The file's metadata.
-fn metadata(shape: &Shape, quant: Quant, seed: u64, tokenizer: Vec<(String, Value)>) -> Metadata {
+fn metadata(
+    shape: &Shape,
+    target: Target,
+    seed: u64,
+    tokenizer: Vec<(String, Value)>,
+) -> anyhow::Result<Metadata> {
+    let file_type = target
+        .file_type()
+        .with_context(|| format!("{} has no llama_ftype", target.name()))?;
     let mut md = Metadata::new();
     let s = |x: &str| Value::String(x.to_string());
     let u = |x: usize| Value::U32(x as u32);
@@ -364,7 +351,7 @@ fn metadata(shape: &Shape, quant: Quant, seed: u64, tokenizer: Vec<(String, Valu
         s(&format!(
             "synthetic {} shape, random {} weights (seed {seed}; speed only, not a model)",
             shape.name,
-            quant.name()
+            target_label(target)
         )),
     );
     md.insert("qwen2.block_count", u(shape.n_layer));
@@ -378,14 +365,14 @@ fn metadata(shape: &Shape, quant: Quant, seed: u64, tokenizer: Vec<(String, Valu
         "qwen2.attention.layer_norm_rms_epsilon",
         Value::F32(RMS_EPS),
     );
-    md.insert("general.file_type", Value::U32(quant.ftype()));
+    md.insert("general.file_type", Value::U32(file_type));
     md.insert("general.quantization_version", Value::U32(2));
     md.insert("mirage.synth.like", s(shape.name));
     md.insert("mirage.synth.seed", Value::U64(seed));
     for (k, v) in tokenizer {
         md.insert(k, v);
     }
-    md
+    Ok(md)
 }
 
 /// Bytes generated per seeded chunk (whole blocks).
@@ -521,14 +508,14 @@ pub fn run(args: &SynthModelArgs) -> anyhow::Result<()> {
             let names: Vec<&str> = SHAPES.iter().map(|s| s.name).collect();
             format!("--like {like}: expected one of {}", names.join(", "))
         })?;
-    let quant = parse_quant(&args.quant)?;
+    let target = parse_quant(&args.quant)?;
     let md = metadata(
         shape,
-        quant,
+        target,
         args.seed,
         tokenizer_metadata(&src, Some(shape.vocab))?,
-    );
-    let planned = plan(shape, quant);
+    )?;
+    let planned = plan(shape, target)?;
     let n = write_file(&args.out, &md, &planned, args.seed)?;
     let secs = started.elapsed().as_secs_f64();
     let params: u64 = planned
@@ -539,7 +526,7 @@ pub fn run(args: &SynthModelArgs) -> anyhow::Result<()> {
         "{}: {} {} ({:.2} B parameters), {:.2} GB in {:.1} s ({:.0} MB/s)",
         args.out.display(),
         shape.name,
-        quant.name(),
+        target_label(target),
         params as f64 / 1e9,
         n as f64 / 1e9,
         secs,
@@ -552,17 +539,29 @@ pub fn run(args: &SynthModelArgs) -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
+    const Q4KM: Target = Target::Preset(Preset::Q4KM);
+
     /// The layers whose attn_v and ffn_down get more bits in the shipped
     /// Qwen2.5-Coder-0.5B-Instruct Q4_K_M file (24 layers, read with gguf-py;
     /// Q8_0 there, the Q6_K fallback for rows of 896).
     #[test]
     fn q4_k_m_spends_more_bits_on_the_shipped_files_layers() {
-        let more: Vec<usize> = (0..24)
-            .filter(|&l| use_more_bits(name_order(l, 24), 24))
-            .collect();
-        assert_eq!(more, [0, 1, 3, 6, 7, 8, 9, 10, 13, 16, 19, 21]);
         let shape = SHAPES.iter().find(|s| s.name == "qwen2.5-0.5b").unwrap();
-        let types: Vec<(String, GgmlType)> = plan(shape, Quant::Q4KM)
+        let planned = plan(shape, Q4KM).unwrap();
+        let layers_in = |kind: &str, ty: GgmlType| -> Vec<usize> {
+            (0..24)
+                .filter(|l| {
+                    let name = format!("blk.{l}.{kind}");
+                    planned
+                        .iter()
+                        .any(|p| p.decl.name == name && p.decl.ty == ty)
+                })
+                .collect()
+        };
+        let more = [0, 1, 3, 6, 7, 8, 9, 10, 13, 16, 19, 21];
+        assert_eq!(layers_in("attn_v.weight", GgmlType::Q8_0), more);
+        assert_eq!(layers_in("ffn_down.weight", GgmlType::Q6_K), more);
+        let types: Vec<(String, GgmlType)> = planned
             .into_iter()
             .filter(|p| p.decl.ty != GgmlType::F32)
             .map(|p| (p.decl.name, p.decl.ty))
@@ -601,7 +600,7 @@ mod tests {
             let real = GgufFile::open(&path).unwrap();
             let shape = SHAPES.iter().find(|s| s.name == like).unwrap();
             let mut compared = 0;
-            for p in plan(shape, Quant::Q4KM) {
+            for p in plan(shape, Q4KM).unwrap() {
                 if p.decl.ty == GgmlType::F32 {
                     continue;
                 }
@@ -672,7 +671,7 @@ mod tests {
 
     #[test]
     fn plans_have_the_real_shapes_and_fallback_types() {
-        let q05 = plan(&SHAPES[0], Quant::One(GgmlType::Q4_K));
+        let q05 = plan(&SHAPES[0], Target::Single(GgmlType::Q4_K)).unwrap();
         // 1 embedding + 12 per layer + output norm + output.
         assert_eq!(q05.len(), 1 + 24 * 12 + 2);
         let get =
@@ -685,9 +684,13 @@ mod tests {
             (down.dims.clone(), down.ty),
             (vec![4864, 896], GgmlType::Q4_K)
         );
+        // Under q2_k the rows of 896 fall back to Q4_0, as llama.cpp did before IQ4_NL.
+        let q05_q2k = plan(&SHAPES[0], Target::Single(GgmlType::Q2_K)).unwrap();
+        assert_eq!(get(&q05_q2k, "blk.0.attn_q.weight").ty, GgmlType::Q4_0);
+        assert_eq!(get(&q05_q2k, "blk.0.ffn_down.weight").ty, GgmlType::Q2_K);
         assert_eq!(get(&q05, "blk.0.attn_k.weight").dims, vec![896, 128]);
         assert_eq!(get(&q05, "blk.0.attn_v.bias").dims, vec![128]);
-        let q7 = plan(&SHAPES[2], Quant::One(GgmlType::Q8_0));
+        let q7 = plan(&SHAPES[2], Target::Single(GgmlType::Q8_0)).unwrap();
         assert_eq!(get(&q7, "output.weight").dims, vec![3584, 152064]);
         assert_eq!(get(&q7, "blk.27.attn_k.weight").dims, vec![3584, 512]);
         let params: u64 = q7.iter().map(|p| p.decl.dims.iter().product::<u64>()).sum();
@@ -695,7 +698,7 @@ mod tests {
         assert!((7.6e9..7.65e9).contains(&(params as f64)), "{params}");
         let bytes: u64 = q7.iter().map(|p| p.decl.n_bytes().unwrap()).sum();
         assert!((8.0e9..8.2e9).contains(&(bytes as f64)), "{bytes}");
-        let q14 = plan(&SHAPES[3], Quant::One(GgmlType::Q2_K));
+        let q14 = plan(&SHAPES[3], Target::Single(GgmlType::Q2_K)).unwrap();
         assert!(q14
             .iter()
             .all(|p| p.decl.ty == GgmlType::Q2_K || p.decl.ty == GgmlType::F32));

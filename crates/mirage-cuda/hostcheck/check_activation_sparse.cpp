@@ -22,6 +22,12 @@
 //      zero after every launch; and the weight bytes read are exactly those
 //      the list needs: every byte of an active channel's run once, the
 //      scales of groups with an active channel, nothing else.
+//   3. the epilogues: gate and up with down's list of SiLU(gate) * up
+//      (records equal the CPU rule on h from the launch's outputs), one
+//      matrix accumulating into a residual (bit for bit the plain output
+//      plus it), and the list kernel with the RMSNorm folded in (the same
+//      records and normed row as norm.cu's row function then the plain
+//      list kernel).
 // Build and run: hostcheck/run.sh.
 #include <algorithm>
 #include <cstdint>
@@ -62,6 +68,7 @@ inline u32 asp_ballot(bool p) {
     return m;
 }
 inline float4 asp_ldcg4(const float4* p) { return *p; }
+inline float asp_ldcg1(const float* p) { return *p; }
 // Weight loads counted per byte: the matrices of the launch under test
 // (`watch`), a count per byte each.
 struct Watched {
@@ -101,6 +108,7 @@ inline u32 atomicAdd(u32* p, u32 v) {
     *p = old + v;
     return old;
 }
+#include "norm.cu"
 #include "activation_sparse.cu"
 
 inline u16 ld16(const u8* p) {
@@ -327,7 +335,7 @@ static void reference(int ty, const std::vector<u8>& src, int rows, int cols, co
 }
 
 typedef void (*MatVec)(const u8*, const u8*, const u8*, const u8*, float*, float*, int, int, int, int, float*,
-                       u32*);
+                       u32*, const float*, u8*, int);
 struct Kernel {
     const char* name;
     int ty, nw, h;
@@ -335,8 +343,9 @@ struct Kernel {
 };
 template <int TY, int NW, int CH, bool PIPE, int H>
 static void body(const u8* w0, const u8* w1, const u8* l0, const u8* l1, float* y0, float* y1, int rows, int cols,
-                 int gpw, int splits, float* part, u32* ctr) {
-    asp_matvec<TY, NW, CH, PIPE, H>(w0, w1, l0, l1, y0, y1, rows, cols, gpw, splits, part, ctr);
+                 int gpw, int splits, float* part, u32* ctr, const float* hthr, u8* hlist, int accumulate) {
+    asp_matvec<TY, NW, CH, PIPE, H>(w0, w1, l0, l1, y0, y1, rows, cols, gpw, splits, part, ctr, hthr, hlist,
+                                    accumulate);
 }
 // The device's round sizes at every block shape, and rounds of 4 channels.
 static const Kernel KERNELS[] = {
@@ -424,7 +433,7 @@ static void run_shape(int ty, int rows, int cols, bool every = true) {
                          {w1.data(), w1.size(), std::vector<int>(w1.size(), 0)}};
                 launch(dim3_{(unsigned)(n_tiles * splits), 2, 1}, 32 * k.nw, [&] {
                     k.f(w0.data(), w1.data(), l0.data(), l1.data(), y0.data(), y1.data(), rows, cols, gpw, splits,
-                        splits > 1 ? part.data() : nullptr, ctr.data());
+                        splits > 1 ? part.data() : nullptr, ctr.data(), nullptr, nullptr, 0);
                 });
                 for (u32 c : ctr) check(c == 0, "counter left non-zero", gpw, splits);
                 for (int m = 0; m < 2; m++) {
@@ -461,6 +470,96 @@ static void run_shape(int ty, int rows, int cols, bool every = true) {
     }
 }
 
+// The epilogues, per kernel and at one group a warp (many blocks a tile) and
+// the most a block stages: (1) gate and up with down's list of h =
+// SiLU(gate) * up: every record equals the CPU rule on h computed from the
+// launch's own outputs (rows a multiple of 32, as down's channels are), the
+// outputs themselves unchanged by it, counters left zero; (2) one matrix
+// with accumulate: y = (the plain launch's output) + y, bit for bit.
+static void run_epilogues(int ty, int rows, int cols) {
+    std::normal_distribution<float> N(0, 1);
+    const auto src0 = random_ggml(ty, rows, cols), src1 = random_ggml(ty, rows, cols);
+    std::vector<float> x(cols);
+    for (auto& v : x) v = N(gen);
+    const auto t0 = thresholds(x, 0.4), t1 = thresholds(x, 0.6);
+    const auto l0 = run_select(x, t0.data()), l1 = run_select(x, t1.data());
+    const int G = cols / 32;
+    for (const Kernel& k : KERNELS) {
+        if (k.ty != ty) continue;
+        const int tw = 512 * k.h, ns = k.nw / k.h, n_tiles = (rows + tw - 1) / tw;
+        const auto w0 = pack(ty, src0, rows, cols, tw), w1 = pack(ty, src1, rows, cols, tw);
+        for (int gpw : {1, 64 / ns}) {
+            const int splits = (G + ns * gpw - 1) / (ns * gpw);
+            std::vector<float> part((size_t)2 * splits * n_tiles * tw, NAN);
+            std::vector<u32> ctr(3 * n_tiles, 0);
+            auto run = [&](int mats, float* y0, float* y1, const float* hthr, u8* hlist, int acc) {
+                launch(dim3_{(unsigned)(n_tiles * splits), (unsigned)mats, 1}, 32 * k.nw, [&] {
+                    k.f(w0.data(), w1.data(), l0.data(), l1.data(), y0, y1, rows, cols, gpw, splits,
+                        splits > 1 ? part.data() : nullptr, ctr.data(), hthr, hlist, acc);
+                });
+                for (u32 c : ctr) check(c == 0, "counter left non-zero", gpw, splits);
+            };
+            // Plain outputs, then the same launch with the SwiGLU epilogue.
+            std::vector<float> g(rows, NAN), u(rows, NAN), g2(rows, NAN), u2(rows, NAN);
+            run(2, g.data(), u.data(), nullptr, nullptr, 0);
+            std::vector<float> h(rows);
+            for (int o = 0; o < rows; o++) h[o] = g[o] / (1.f + expf(-g[o])) * u[o];
+            for (int every = 0; every < 2; every++) {
+                const auto th = thresholds(h, 0.5);
+                const float* hthr = every ? nullptr : th.data();
+                std::vector<u8> hlist((size_t)rows / 32 * 128, 0xcd);
+                run(2, g2.data(), u2.data(), hthr, hlist.data(), 0);
+                check(memcmp(g.data(), g2.data(), 4 * rows) == 0 && memcmp(u.data(), u2.data(), 4 * rows) == 0,
+                      "outputs changed by the SwiGLU epilogue", gpw, splits);
+                for (int gi = 0; gi < rows / 32; gi++) {
+                    const auto want = cpu_record(h.data(), hthr, gi);
+                    check(memcmp(want.data(), &hlist[(size_t)gi * 128], 128) == 0, "h record", gi, gpw);
+                }
+            }
+            // One matrix, accumulating into a residual.
+            std::vector<float> res(rows), y(rows);
+            for (auto& v : res) v = N(gen);
+            y = res;
+            run(1, y.data(), nullptr, nullptr, nullptr, 1);
+            for (int o = 0; o < rows; o++) check(y[o] == g[o] + res[o], "accumulate", o, gpw);
+        }
+    }
+}
+
+// asp_select_block with the norm folded in against the norm kernel's row
+// (rms_norm_row by 256 threads) then the plain select: the same records,
+// and the normed row written by block (0, 0).
+static void run_norm_select(int cols) {
+    std::normal_distribution<float> N(0, 1);
+    std::vector<float> x(cols), w(cols), normed(cols), out(cols, NAN);
+    for (auto& v : x) v = 3.f * N(gen);
+    for (auto& v : w) v = 1.f + 0.2f * N(gen);
+    const float eps = 1e-6f;
+    launch(dim3_{1, 1, 1}, 256, [&] {
+        static float s32[32];
+        rms_norm_row(x.data(), w.data(), eps, cols, s32, [&](int i, float v) { normed[i] = v; });
+    });
+    const auto ta = thresholds(normed, 0.3), tb = thresholds(normed, 0.7);
+    const int G = cols / 32;
+    std::vector<u8> fa((size_t)G * 128, 0xcd), fb = fa, pa = fa, pb = fa;
+    for (int fold = 0; fold < 2; fold++) {
+        launch(dim3_{(unsigned)((G + 7) / 8), 2, 1}, 256, [&] {
+            static std::vector<float> xs;
+            static float s32[32];
+            alignas(4) static u8 sidx[8][32], sxq[8][32];
+            xs.resize(cols);
+            if (fold)
+                asp_select_block(x.data(), cols, w.data(), eps, out.data(), ta.data(), tb.data(), nullptr, fa.data(),
+                                 fb.data(), nullptr, xs.data(), s32, sidx, sxq);
+            else
+                asp_select_block(normed.data(), cols, nullptr, 0.f, nullptr, ta.data(), tb.data(), nullptr,
+                                 pa.data(), pb.data(), nullptr, xs.data(), s32, sidx, sxq);
+        });
+    }
+    check(fa == pa && fb == pb, "folded-norm select records", cols);
+    check(memcmp(out.data(), normed.data(), 4 * cols) == 0, "folded norm's output row", cols);
+}
+
 int main() {
     run_shape(ASP_Q8_0, 2100, 96);   // tiles of 512 x 4 + 52, 1024 x 2 + 52, 2048 + 52
     run_shape(ASP_Q8_0, 528, 224);   // 7 groups
@@ -469,7 +568,12 @@ int main() {
     run_shape(ASP_Q4_K, 200, 768);   // one tile of 208 padded outputs
     run_shape(ASP_Q8_0, 40, 2240, false);  // 70 groups: 18 blocks a tile at 4 warps of one group
     run_shape(ASP_Q4_K, 24, 2304, false);  // 72 groups
-    printf("activation-sparse products: lists equal the CPU rule, worst error %.3g (list codes) %.3g (x): %s\n",
+    run_epilogues(ASP_Q8_0, 1056, 320);    // tiles of 512 x 2 + 32; 10 groups
+    run_epilogues(ASP_Q4_K, 544, 512);     // tiles of 512 + 32; 2 super-blocks
+    run_norm_select(896);                  // 28 groups: 4 blocks of 8 warps
+    run_norm_select(200 * 32 + 96);        // not a whole round of float4s per thread
+    printf("activation-sparse products: lists equal the CPU rule, worst error %.3g (list codes) %.3g (x); "
+           "SwiGLU lists, residual add and folded norm exact: %s\n",
            worst_q, worst_x, fails ? "FAILED" : "ok");
     return fails ? 1 : 0;
 }

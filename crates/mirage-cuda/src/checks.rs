@@ -93,19 +93,31 @@ mod nvrtc_check {
         ptx
     }
 
-    /// The activation-sparse mat-vecs (cuda/activation_sparse.cu, measured
-    /// against the dense kernels by benches/gpu/sparse_matvec.py; no backend
-    /// loads them) compile for sm_90 with the kernels and argument counts
-    /// that bench launches.
+    /// The activation-sparse module (cuda/activation_sparse.cu) compiles
+    /// for sm_90 with every kernel the bench launches, and the launches the
+    /// backend builds (`activation.rs`) fit its kernels' parameters kind by
+    /// kind.
     #[test]
     fn activation_sparse_kernels_compile() {
         if !nvrtc_present() {
             return;
         }
-        let src = include_str!("../../../cuda/activation_sparse.cu");
-        let ptx = module::compile("activation_sparse", src, 9, 0)
+        // Not `check`: the module also holds the bench's other launch
+        // shapes. Every kernel the backend launches waits on its
+        // prerequisite grid (launched with PDL).
+        let ptx = module::compile("activation_sparse", module::ACTIVATION_SPARSE_SOURCE, 9, 0)
             .unwrap_or_else(|e| panic!("activation_sparse: {e}"));
-        assert_eq!(param_count(&ptx, "asp_select"), 8);
+        for k in crate::activation::kernel_names() {
+            assert!(module::entry(&ptx, &k).is_some(), "{k} not in the PTX");
+            assert!(
+                module::waits_on_prerequisite(&ptx, &k),
+                "{k}: does not wait on its prerequisite grid"
+            );
+        }
+        assert_eq!(
+            param_count(&ptx, "asp_select"),
+            crate::activation::SELECT_ARGS
+        );
         for variant in [
             "q8_0_serial_c8",
             "q8_0_pipelined_c8",
@@ -114,9 +126,58 @@ mod nvrtc_check {
         ] {
             for shape in ["w4_t512", "w8_t512", "w4_t1024", "w8_t1024", "w8_t2048"] {
                 let name = format!("asp_mv_{variant}_{shape}");
-                assert_eq!(param_count(&ptx, &name), 12, "{name}");
+                assert_eq!(
+                    param_count(&ptx, &name),
+                    crate::activation::MATVEC_ARGS,
+                    "{name}"
+                );
             }
         }
+        let kinds = |name: &str| module::param_kinds(&ptx, name).unwrap();
+        let mut select = crate::launch::AspSelect {
+            x: 1,
+            cols: 256,
+            thr: [2, 3, 0],
+            lists: [4, 5, 0],
+            norm: None,
+        };
+        crate::launch::check_args(&kinds("asp_select"), &select.args()).unwrap();
+        select.norm = Some(crate::launch::NormFold {
+            x: 6,
+            w: 7,
+            eps: crate::launch::F32(1e-6),
+            out: 8,
+        });
+        crate::launch::check_args(&kinds("asp_select"), &select.args()).unwrap();
+        let product = crate::launch::AspProduct {
+            w: [1, 2],
+            lists: [3, 4],
+            y: [5, 6],
+            rows: 512,
+            cols: 256,
+            gpw: 2,
+            splits: 1,
+            part: 7,
+            ctr: 8,
+            hthr: 9,
+            hlist: 10,
+            accumulate: false,
+        };
+        for name in crate::activation::kernel_names()
+            .iter()
+            .filter(|n| n.starts_with("asp_mv_"))
+        {
+            crate::launch::check_args(&kinds(name), &product.args())
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        let mask = [
+            crate::launch::Arg::Ptr(1),
+            crate::launch::Arg::Ptr(2),
+            crate::launch::Arg::Ptr(3),
+            crate::launch::Arg::I32(256),
+            crate::launch::Arg::I64(512),
+        ];
+        crate::launch::check_args(&kinds("asp_mask"), &mask).unwrap();
     }
 
     #[test]

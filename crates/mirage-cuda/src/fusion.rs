@@ -52,8 +52,8 @@ impl PendingNorm {
 /// rows, the same width) and folds no norm yet: a dense mat-vec or gate/up
 /// (which then normalizes its input row into shared memory first, `width`
 /// floats of it before whatever shared memory the launch already takes),
-/// or a one-row sparse FFN phase 1 or router that takes the norm. Returns
-/// whether it folded.
+/// or a one-row sparse FFN phase 1, router or activation-sparse list kernel
+/// that takes the norm. Returns whether it folded.
 pub(crate) fn fold_norm(pn: &PendingNorm, l: &mut Launch) -> bool {
     let width = pn.width as i32;
     let batch = l.grid.1 as usize;
@@ -81,6 +81,16 @@ pub(crate) fn fold_norm(pn: &PendingNorm, l: &mut Launch) -> bool {
             r.norm = Some(pn.fold());
             return true;
         }
+        // The activation-sparse list kernel: grid.1 counts its lists, not
+        // rows; each block normalizes the row into shared memory.
+        Work::AspSelect(s) if s.x == pn.out && s.cols == pn.width && s.norm.is_none() => {
+            if pn.rows != 1 {
+                return false;
+            }
+            s.norm = Some(pn.fold());
+            l.smem += (pn.width * 4) as u32;
+            return true;
+        }
         _ => return false,
     };
     if batch != pn.rows {
@@ -94,8 +104,9 @@ pub(crate) fn fold_norm(pn: &PendingNorm, l: &mut Launch) -> bool {
 /// Folds an elementwise op on `target` (written by a recorded launch) into
 /// that launch as an epilogue: a bias (`res` false: `bias[m]` of the matrix
 /// whose output is `target`) or a residual add (`res` true: `extra += target`;
-/// a single-matrix mat-vec's `res`, or a one-row sparse FFN's last phase,
-/// which then writes `extra = FFN + extra`, the same add as `add_inplace`'s).
+/// a single-matrix mat-vec's `res`, a one-row sparse FFN's last phase or a
+/// one-row, one-matrix activation-sparse product, which then write
+/// `extra = FFN + extra`, the same add as `add_inplace`'s).
 /// Only when no launch after the producer reads or writes `target` or
 /// `extra`, and `pending` (a norm not yet launched, which must read its
 /// input before the op it precedes) touches neither. Returns whether it
@@ -121,6 +132,16 @@ pub(crate) fn fold_epilogue(
                 }
                 f.y = extra;
                 f.accumulate = true;
+                return true;
+            }
+            Work::AspMv(p) if p.y[0] == target && p.hlist == 0 && !p.accumulate => {
+                // One matrix, one row; it reads only its lists besides the
+                // weights, never the residual.
+                if !res || n_rows != 1 || p.y[1] != 0 {
+                    return false;
+                }
+                p.y[0] = extra;
+                p.accumulate = true;
                 return true;
             }
             Work::MatVec(m) if batch == n_rows => {
@@ -260,5 +281,81 @@ mod tests {
             unreachable!()
         };
         assert!(f.accumulate && f.y == 30);
+    }
+
+    fn asp_select(x: u64) -> Launch {
+        Launch {
+            kernel: 0,
+            grid: (14, 2, 1),
+            block: (256, 1, 1),
+            smem: 0,
+            work: Work::AspSelect(crate::launch::AspSelect {
+                x,
+                cols: 256,
+                thr: [40, 41, 0],
+                lists: [50, 51, 0],
+                norm: None,
+            }),
+        }
+    }
+
+    fn asp_mv(y: [u64; 2], hlist: u64) -> Launch {
+        Launch {
+            kernel: 0,
+            grid: (8, if y[1] == 0 { 1 } else { 2 }, 1),
+            block: (256, 1, 1),
+            smem: 0,
+            work: Work::AspMv(crate::launch::AspProduct {
+                w: [60, 61],
+                lists: [50, 51],
+                y,
+                rows: 512,
+                cols: 256,
+                gpw: 2,
+                splits: 1,
+                part: 70,
+                ctr: 71,
+                hthr: 0,
+                hlist,
+                accumulate: false,
+            }),
+        }
+    }
+
+    #[test]
+    fn a_norm_folds_into_the_activation_sparse_list_kernel_of_one_row() {
+        // grid.1 is the list count (2), not a batch: one row folds.
+        let mut l = asp_select(3);
+        assert!(fold_norm(&norm(), &mut l));
+        assert_eq!(l.smem, 1024);
+        let Work::AspSelect(s) = &l.work else {
+            unreachable!()
+        };
+        assert_eq!(s.norm.map(|n| (n.x, n.w, n.out)), Some((1, 2, 3)));
+        // The kernel reads the norm's input and writes its output too.
+        assert_eq!(s.args()[0], Arg::Ptr(1));
+        assert_eq!(s.args()[4], Arg::Ptr(3));
+        let mut two_rows = asp_select(3);
+        assert!(!fold_norm(
+            &PendingNorm { rows: 2, ..norm() },
+            &mut two_rows
+        ));
+        assert!(!fold_norm(&norm(), &mut asp_select(4)), "another input");
+    }
+
+    #[test]
+    fn the_residual_add_folds_into_a_one_matrix_activation_sparse_product() {
+        let mut rec = vec![asp_select(3), asp_mv([20, 21], 52), asp_mv([22, 0], 0)];
+        assert!(!fold_epilogue(&mut rec, None, 22, 2, 30, true), "a batch");
+        assert!(!fold_epilogue(&mut rec, None, 22, 1, 30, false), "a bias");
+        assert!(fold_epilogue(&mut rec, None, 22, 1, 30, true));
+        let Work::AspMv(p) = &rec[2].work else {
+            unreachable!()
+        };
+        assert!(p.accumulate && p.y[0] == 30);
+        assert!(!fold_epilogue(&mut rec, None, 30, 1, 31, true), "twice");
+        // Gate and up (two outputs, the SwiGLU epilogue): never.
+        let mut rec = vec![asp_mv([20, 21], 52)];
+        assert!(!fold_epilogue(&mut rec, None, 20, 1, 30, true));
     }
 }

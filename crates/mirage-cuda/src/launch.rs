@@ -7,7 +7,8 @@
 //!
 //! A launch whose arguments a fusion may change is described by what the op
 //! is ([`Work::MatVec`], [`Work::GateUp`], [`Work::SparseFfn`],
-//! [`Work::Route`]): its input, output, the norm it folds, its epilogues.
+//! [`Work::Route`], the activation-sparse [`Work::AspSelect`] and
+//! [`Work::AspMv`]): its input, output, the norm it folds, its epilogues.
 //! The kernel's argument list is written from that description in one place
 //! per kind (`args`), so no fusion touches argument positions.
 
@@ -239,6 +240,77 @@ impl Route {
     }
 }
 
+/// One `asp_select` launch: the lists of x (`cols` channels) for up to three
+/// threshold vectors (0: every channel), with the RMSNorm before it folded
+/// in or not (`fusion::fold_norm`).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct AspSelect {
+    pub x: u64,
+    pub cols: usize,
+    pub thr: [u64; 3],
+    pub lists: [u64; 3],
+    pub norm: Option<NormFold>,
+}
+
+impl AspSelect {
+    pub(crate) fn args(&self) -> Vec<Arg> {
+        let (x, w, eps, out) = self
+            .norm
+            .map_or((self.x, 0, 0.0, 0), |n| (n.x, n.w, n.eps.0, n.out));
+        let mut a = vec![
+            Arg::Ptr(x),
+            Arg::I32(self.cols as i32),
+            Arg::Ptr(w),
+            Arg::F32(eps),
+            Arg::Ptr(out),
+        ];
+        a.extend(self.thr.map(Arg::Ptr));
+        a.extend(self.lists.map(Arg::Ptr));
+        a
+    }
+}
+
+/// One or two matrices of one product launch (gate and up share one), with
+/// its epilogues: down's list of SiLU(gate) * up (`hlist`, `hthr`: gate and
+/// up), or `y = product + y` (`accumulate`: one matrix, set by
+/// `fusion::fold_epilogue`).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct AspProduct {
+    pub w: [u64; 2],
+    pub lists: [u64; 2],
+    pub y: [u64; 2],
+    pub rows: usize,
+    pub cols: usize,
+    pub gpw: usize,
+    pub splits: usize,
+    pub part: u64,
+    pub ctr: u64,
+    pub hthr: u64,
+    pub hlist: u64,
+    pub accumulate: bool,
+}
+
+impl AspProduct {
+    pub(crate) fn args(&self) -> Vec<Arg> {
+        let mut a = Vec::with_capacity(15);
+        a.extend(self.w.map(Arg::Ptr));
+        a.extend(self.lists.map(Arg::Ptr));
+        a.extend(self.y.map(Arg::Ptr));
+        a.extend([
+            Arg::I32(self.rows as i32),
+            Arg::I32(self.cols as i32),
+            Arg::I32(self.gpw as i32),
+            Arg::I32(self.splits as i32),
+            Arg::Ptr(self.part),
+            Arg::Ptr(self.ctr),
+            Arg::Ptr(self.hthr),
+            Arg::Ptr(self.hlist),
+            Arg::I32(self.accumulate as i32),
+        ]);
+        a
+    }
+}
+
 /// What a launch does, as far as the fusions need to know.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Work {
@@ -248,6 +320,8 @@ pub(crate) enum Work {
     GateUp(GateUp),
     SparseFfn(SparseFfn),
     Route(Route),
+    AspSelect(AspSelect),
+    AspMv(AspProduct),
 }
 
 impl Work {
@@ -259,6 +333,8 @@ impl Work {
             Work::GateUp(g) => g.args(),
             Work::SparseFfn(f) => f.args(),
             Work::Route(r) => r.args(),
+            Work::AspSelect(s) => s.args(),
+            Work::AspMv(p) => p.args(),
         }
     }
 

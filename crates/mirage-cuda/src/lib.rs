@@ -7,7 +7,9 @@
 //! over a device KV cache, SwiGLU, lm head, argmax); a decode step runs as
 //! one CUDA graph. [`SparseCudaBackend`] wraps it and runs the FFN from
 //! page-major pages (Q8_0, NVFP4 or Q2_K) with the page router on the
-//! device.
+//! device. [`ActivationCudaBackend`] wraps it and runs the FFN's decode
+//! rows over only the input channels an activation artifact's thresholds
+//! keep.
 //!
 //! Kernels live in `cuda/*.cu` at the workspace root and are compiled at run
 //! time by NVRTC for the device's compute capability; the PTX is cached on
@@ -29,6 +31,12 @@
 mod error;
 pub use error::CudaError;
 
+/// The GPU channel-major layout of the activation-sparse kernels, built
+/// from an activation artifact's matrices (host code, every build).
+pub mod asp_layout;
+
+#[cfg(feature = "cuda")]
+mod activation;
 #[cfg(feature = "cuda")]
 mod attention;
 #[cfg(feature = "cuda")]
@@ -55,6 +63,8 @@ pub mod sparse;
 #[cfg(feature = "cuda")]
 mod weights;
 
+#[cfg(feature = "cuda")]
+pub use activation::{ActivationCudaBackend, AspFfn, FfnBytes};
 #[cfg(feature = "cuda")]
 pub use attention::CudaKvCache;
 #[cfg(feature = "cuda")]

@@ -50,6 +50,15 @@ pub const SPARSE_SOURCE: &str = concat!(
     include_str!("../../../cuda/route.cu")
 );
 
+/// The activation-sparse module (`cuda/activation_sparse.cu` after
+/// `pdl.cu` and `norm.cu`): the list kernel, the mat-vecs over the GPU
+/// channel-major layout and the prompt-batch mask.
+pub const ACTIVATION_SPARSE_SOURCE: &str = concat!(
+    include_str!("../../../cuda/pdl.cu"),
+    include_str!("../../../cuda/norm.cu"),
+    include_str!("../../../cuda/activation_sparse.cu")
+);
+
 /// NVRTC options besides the architecture. Precise `expf`/division: the
 /// backend is checked against the CPU reference to cosine 0.9999.
 const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];

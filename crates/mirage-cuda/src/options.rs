@@ -119,13 +119,14 @@ impl StepProfile {
 
 /// The op class a kernel's time counts in ([`StepProfile`]), by its name.
 pub fn op_class(kernel: &str) -> OpClass {
-    const MATVEC: [&str; 6] = [
+    const MATVEC: [&str; 7] = [
         "mv3_",
         "ffn_",
         "dequant_",
         "superblock_",
         "mmq_",
         "quantize_q8",
+        "asp_",
     ];
     const ATTENTION: [&str; 4] = ["attend_", "page_keys", "page_bounds", "select_pages"];
     if MATVEC.iter().any(|p| kernel.starts_with(p)) {

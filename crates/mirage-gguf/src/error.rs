@@ -238,6 +238,21 @@ pub enum GgufError {
         #[source]
         source: crate::quant::QuantError,
     },
+    /// A quantization target that is neither one of llama.cpp's presets nor
+    /// a weight type ([`crate::quant_mix::Target::parse`]); the message lists
+    /// both.
+    #[error(
+        "unknown type {asked:?}{}: presets (llama.cpp's mixes) {}; single types {}",
+        crate::quant_mix::activation_format_note(.activation_format),
+        crate::quant_mix::preset_names(),
+        crate::quant_mix::single_type_names()
+    )]
+    UnknownQuantTarget {
+        /// The name asked for, as given.
+        asked: String,
+        /// The type it names when that is an activation format (Q8_1, Q8_K), not a weight type.
+        activation_format: Option<GgmlType>,
+    },
     /// A tensor too large to materialise in this address space.
     #[error("tensor {name:?} has {n_elements} elements, too many to dequantize here")]
     TooLarge {

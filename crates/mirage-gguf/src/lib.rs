@@ -21,6 +21,8 @@
 //! - [`SafetensorsFile`]: a `.safetensors` file whose F32/F16/BF16 tensors come
 //!   out as [`ImportedTensor`]s (dims reversed into ggml order), ready for a
 //!   writer.
+//! - [`quant_mix`]: the ggml type each tensor gets under one of llama.cpp's
+//!   quantization presets or a single type, as `llama-quantize` picks it.
 //! - [`GgufError`]: every error; parse errors carry the byte offset.
 //!
 //! The reader is our own rather than the `gguf-rs` crate: gguf-rs truncates
@@ -48,6 +50,7 @@ pub mod error;
 pub mod hparams;
 pub mod metadata;
 pub mod quant;
+pub mod quant_mix;
 pub mod reader;
 pub mod safetensors;
 pub mod synth;

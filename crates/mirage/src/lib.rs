@@ -15,6 +15,8 @@
 //! | cpu, auto | yes | - | the CPU superblock backend ([`artifact::SuperblockBackend`]) |
 //! | cuda, auto | - | - | [`cuda::CudaBackend`] (auto: when a GPU answers, else the CPU) |
 //! | cuda | yes or no | yes, or an artifact | [`cuda::SparseCudaBackend`] (pages from the artifact, or synthetic pages from the model's own FFN) |
+//! | cpu (with `sparsity`) | an activation artifact | - | [`artifact::activation::backend::ActivationBackend`] |
+//! | cuda, auto (with `sparsity`) | an activation artifact | - | [`cuda::ActivationCudaBackend`] (auto: when a GPU answers, else the CPU) |
 //!
 //! For most programs [`LoadedEngine`] is the whole API: one engine type
 //! whatever backend was picked, sessions that own what they need (they move
@@ -89,7 +91,9 @@ pub use mirage_tokenizer::{ChatMessage, TokenizerError};
 use mirage_artifact::activation::backend::ActivationBackend;
 use mirage_artifact::{Artifact, SuperblockBackend};
 #[cfg(feature = "cuda")]
-use mirage_cuda::{CudaBackend, PageSource, RouteTraversal, SparseCudaBackend};
+use mirage_cuda::{
+    ActivationCudaBackend, CudaBackend, PageSource, RouteTraversal, SparseCudaBackend,
+};
 use mirage_gguf::GgufFile;
 
 /// Whether this build has the CUDA backend compiled in (the `cuda` feature).
@@ -615,6 +619,8 @@ pub(crate) enum Built {
     SuperblockCpu(Engine<SuperblockBackend>),
     ActivationCpu(Engine<ActivationBackend>),
     #[cfg(feature = "cuda")]
+    ActivationCuda(Engine<ActivationCudaBackend>),
+    #[cfg(feature = "cuda")]
     Cuda(Engine<CudaBackend>),
     #[cfg(feature = "cuda")]
     SparseCuda(Engine<SparseCudaBackend>),
@@ -626,6 +632,8 @@ impl Built {
             Built::Cpu(e) => visitor.run(e),
             Built::SuperblockCpu(e) => visitor.run(e),
             Built::ActivationCpu(e) => visitor.run(e),
+            #[cfg(feature = "cuda")]
+            Built::ActivationCuda(e) => visitor.run(e),
             #[cfg(feature = "cuda")]
             Built::Cuda(e) => visitor.run(e),
             #[cfg(feature = "cuda")]
@@ -647,7 +655,7 @@ pub fn load<V: WithEngine>(spec: &LoadSpec, visitor: V) -> Result<V::Out, LoadEr
 /// The engine [`load`] runs a visitor with.
 pub(crate) fn build(spec: &LoadSpec) -> Result<Built, LoadError> {
     if let Some(sp) = &spec.sparsity {
-        return load_sparse(spec, sp).map(Built::ActivationCpu);
+        return load_sparse(spec, sp);
     }
     let file = open_model(spec)?;
     let engine = |backend: &str, e: RuntimeError| LoadError::Engine {
@@ -690,18 +698,13 @@ pub fn activation_artifact_path(spec: &LoadSpec) -> PathBuf {
         .unwrap_or_else(|| spec.model.with_extension("activation.mirage"))
 }
 
-fn load_sparse(spec: &LoadSpec, sp: &SparsitySpec) -> Result<Engine<ActivationBackend>, LoadError> {
+fn load_sparse(spec: &LoadSpec, sp: &SparsitySpec) -> Result<Built, LoadError> {
     use mirage_artifact::activation::format::ActivationArtifact;
     let path = activation_artifact_path(spec);
     let refuse = |reason: String| LoadError::Sparsity {
         artifact: path.clone(),
         reason,
     };
-    if spec.backend == BackendChoice::Cuda {
-        return Err(refuse(
-            "activation sparsity runs on the CPU backend for now; use --backend cpu or auto".into(),
-        ));
-    }
     let artifact = ActivationArtifact::open(&path).map_err(|error| LoadError::Artifact {
         path: path.clone(),
         error: Box::new(error),
@@ -733,19 +736,55 @@ fn load_sparse(spec: &LoadSpec, sp: &SparsitySpec) -> Result<Engine<ActivationBa
         r.choice.describe(),
         100.0 * (r.calib_ppl / r.dense_calib_ppl - 1.0)
     );
-    let engine_err = |error| LoadError::Engine {
-        path: spec.model.clone(),
-        backend: "activation-sparse-cpu".into(),
-        error: Box::new(error),
+    let engine_err = |backend: &'static str| {
+        let model = spec.model.clone();
+        move |error| LoadError::Engine {
+            path: model,
+            backend: backend.into(),
+            error: Box::new(error),
+        }
     };
-    let cpu = CpuBackend::new(spec.options.threads).map_err(engine_err)?;
     let n_layer = artifact.meta().n_layer;
     let thresholds = artifact.thresholds(criterion, &r.per_matrix);
+    // CUDA when asked for, or (auto) when a GPU answers; else the CPU.
+    let cuda = match spec.backend {
+        BackendChoice::Cpu => None,
+        BackendChoice::Cuda => Some(start_cuda(spec.cuda_device, &spec.cuda)?),
+        BackendChoice::Auto => match start_cuda(spec.cuda_device, &spec.cuda) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                tracing::info!(backend = "cpu", reason = %e, "activation sparsity, backend auto: cpu");
+                None
+            }
+        },
+    };
+    #[allow(unreachable_code, clippy::needless_return)]
+    if let Some(b) = cuda {
+        #[cfg(feature = "cuda")]
+        {
+            tracing::info!(
+                "activation sparsity on CUDA: gate, up and down take their thresholds; Q/K/V/O and the head run dense"
+            );
+            let backend = ActivationCudaBackend::new(b, artifact)
+                .map_err(|e| LoadError::CudaUnavailable(Box::new(e)))?;
+            backend
+                .set_thresholds(thresholds)
+                .map_err(|e| refuse(e.to_string()))?;
+            return Engine::from_file(file, backend, spec.options.clone())
+                .map(Built::ActivationCuda)
+                .map_err(engine_err("activation-sparse-cuda"));
+        }
+        #[cfg(not(feature = "cuda"))]
+        match b {}
+    }
+    let cpu = CpuBackend::new(spec.options.threads).map_err(engine_err("activation-sparse-cpu"))?;
     let backend = ActivationBackend::new(cpu, Some(artifact), n_layer).with_label(label);
     backend
         .set_thresholds(thresholds)
         .map_err(|e| refuse(e.to_string()))?;
-    Engine::from_file(file, backend, spec.options.clone()).map_err(engine_err)
+    Engine::from_file(file, backend, spec.options.clone())
+        .map(Built::ActivationCpu)
+        .map_err(engine_err("activation-sparse-cpu"))
 }
 
 /// Loads a model as [`load`] does, as a bare [`Model`] (no tokenizer

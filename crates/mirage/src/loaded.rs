@@ -163,6 +163,8 @@ impl LoadedEngine {
             Built::SuperblockCpu(e) => Arc::new(e),
             Built::ActivationCpu(e) => Arc::new(e),
             #[cfg(feature = "cuda")]
+            Built::ActivationCuda(e) => Arc::new(e),
+            #[cfg(feature = "cuda")]
             Built::Cuda(e) => Arc::new(e),
             #[cfg(feature = "cuda")]
             Built::SparseCuda(e) => Arc::new(e),

@@ -53,6 +53,12 @@ pub struct ActivationBuildOptions {
     pub kappa_at: f32,
     /// CPU threads (0: all).
     pub threads: usize,
+    /// Thresholds from the calibration statistics alone: the uniform plans
+    /// only, no sensitivities, greedy search or sparse perplexities (the
+    /// dense perplexity comes from the calibration pass itself). For speed
+    /// measurements on models whose fidelity does not matter (synthetic
+    /// weights): seconds instead of minutes on a 7B model.
+    pub statistics_only: bool,
 }
 
 impl Default for ActivationBuildOptions {
@@ -67,6 +73,7 @@ impl Default for ActivationBuildOptions {
             targets: (0..=16).map(|k| k as f32 * 0.05).collect(),
             kappa_at: 0.4,
             threads: 0,
+            statistics_only: false,
         }
     }
 }
@@ -156,8 +163,12 @@ pub fn build_activation(
     let mut tokens = tokenizer
         .encode(&opts.calib_text, true, true)
         .map_err(|e| ArtifactError::InvalidArgument(format!("tokenizing: {e}")))?;
-    let need = opts.calib_tokens.max(opts.ppl_tokens);
-    if tokens.len() < need.min(64) || opts.greedy_tokens < 8 {
+    let need = if opts.statistics_only {
+        opts.calib_tokens
+    } else {
+        opts.calib_tokens.max(opts.ppl_tokens)
+    };
+    if tokens.len() < need.min(64) || tokens.len() < 2 || opts.greedy_tokens < 8 {
         return Err(ArtifactError::InvalidArgument(format!(
             "the calibration text gives {} tokens; at least {} are needed",
             tokens.len(),
@@ -166,7 +177,11 @@ pub fn build_activation(
     }
     tokens.truncate(need);
     let n_calib = opts.calib_tokens.min(tokens.len());
-    let n_ppl = opts.ppl_tokens.min(tokens.len());
+    let n_ppl = if opts.statistics_only {
+        n_calib
+    } else {
+        opts.ppl_tokens.min(tokens.len())
+    };
     let n_greedy = opts.greedy_tokens.min(n_calib);
 
     let cpu = CpuBackend::new(opts.threads)?;
@@ -222,6 +237,7 @@ pub fn build_activation(
     let mut block_inputs: Vec<Vec<f32>> = Vec::with_capacity(n_layer);
     let mut scores: Vec<Option<MatrixScores>> = vec![None; n_mat];
     let mut errors: Vec<[Vec<f64>; 2]> = vec![[Vec::new(), Vec::new()]; n_mat];
+    let mut calib_logits = Vec::new();
     {
         let slots: Vec<TokenSlot> = (0..n_calib).map(|pos| TokenSlot { seq: 0, pos }).collect();
         let mut cache = graph.new_cache(n_calib)?;
@@ -258,8 +274,7 @@ pub fn build_activation(
             stats_of(&rec, ms)?;
             progress(BuildEvent::Step);
         }
-        let mut out = Vec::new();
-        backend.run(|| graph.logits(&x, &mut s, &mut out))?;
+        backend.run(|| graph.logits(&x, &mut s, &mut calib_logits))?;
         let rec = backend.take_recording();
         stats_of(&rec, vec![(head, Slot::head_index(n_layer))])?;
         progress(BuildEvent::Step);
@@ -273,6 +288,32 @@ pub fn build_activation(
         .collect::<Result<_>>()?;
     timings.push(("calibrate", t1.elapsed().as_secs_f64()));
 
+    if opts.statistics_only {
+        let dense_ppl = mean_nll(&calib_logits, &tokens[..n_calib], config.vocab_size).exp();
+        let (plan_metas, tables) = uniform_plans(&bytes, &opts.targets, dense_ppl);
+        return finish(Finish {
+            file: &file,
+            model_path,
+            opts,
+            config: &config,
+            head_name: &head_host.name,
+            source_sha256,
+            n_calib,
+            n_ppl,
+            dense_ppl,
+            plan_metas,
+            tables,
+            default: 0,
+            scores,
+            matrices,
+            src_bytes,
+            cm_bytes,
+            paths: Vec::new(),
+            kappa: Vec::new(),
+            timings,
+        });
+    }
+    drop(calib_logits);
     // 3. Sensitivities: KL of the next-token distribution with each layer,
     // each projection kind and the head sparsified alone at `kappa_at`.
     let t2 = Instant::now();
@@ -425,6 +466,99 @@ pub fn build_activation(
         .expect("two plans of ours");
     timings.push(("calib ppl", t4.elapsed().as_secs_f64()));
 
+    finish(Finish {
+        file: &file,
+        model_path,
+        opts,
+        config: &config,
+        head_name: &head_host.name,
+        source_sha256,
+        n_calib,
+        n_ppl,
+        dense_ppl,
+        plan_metas,
+        tables,
+        default,
+        scores,
+        matrices,
+        src_bytes,
+        cm_bytes,
+        paths,
+        kappa,
+        timings,
+    })
+}
+
+/// The uniform plans (TEAL's and WINA's criterion), perplexity measured at
+/// 0 only.
+fn uniform_plans(
+    bytes: &[f64],
+    targets: &[f32],
+    dense_ppl: f64,
+) -> (Vec<PlanMeta>, Vec<PlanTable>) {
+    let (mut metas, mut tables) = (Vec::new(), Vec::new());
+    for c in [Criterion::Teal, Criterion::Wina] {
+        let rows = uniform_rows(bytes, targets);
+        let mut ppl = vec![f32::NAN; rows.len()];
+        ppl[0] = dense_ppl as f32;
+        metas.push(PlanMeta {
+            name: plan_name(c, Allocation::Uniform),
+            criterion: c,
+            allocation: Allocation::Uniform,
+            targets: targets.to_vec(),
+        });
+        tables.push(PlanTable { ppl, rows });
+    }
+    (metas, tables)
+}
+
+/// What the last stage writes the artifact from.
+struct Finish<'a> {
+    file: &'a GgufFile,
+    model_path: &'a Path,
+    opts: &'a ActivationBuildOptions,
+    config: &'a mirage_runtime::ModelConfig,
+    head_name: &'a str,
+    source_sha256: String,
+    n_calib: usize,
+    n_ppl: usize,
+    dense_ppl: f64,
+    plan_metas: Vec<PlanMeta>,
+    tables: Vec<PlanTable>,
+    default: usize,
+    scores: Vec<MatrixScores>,
+    matrices: Vec<(channel_major::ChannelMajorLayout, Vec<u8>)>,
+    src_bytes: u64,
+    cm_bytes: u64,
+    paths: Vec<Vec<PathPoint>>,
+    kappa: Vec<f64>,
+    timings: Vec<(&'static str, f64)>,
+}
+
+fn finish(f: Finish<'_>) -> Result<ActivationBuildOutput> {
+    let Finish {
+        file,
+        model_path,
+        opts,
+        config,
+        head_name,
+        source_sha256,
+        n_calib,
+        n_ppl,
+        dense_ppl,
+        plan_metas,
+        tables,
+        default,
+        scores,
+        matrices,
+        src_bytes,
+        cm_bytes,
+        paths,
+        kappa,
+        timings,
+    } = f;
+    let n_layer = config.n_layer;
+    let d = config.n_embd;
     let meta = ActivationMeta {
         kind: "activation".into(),
         arch: file
@@ -438,7 +572,7 @@ pub fn build_activation(
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
-        head_tensor: head_host.name.clone(),
+        head_tensor: head_name.to_string(),
         source_sha256,
         calib_name: opts.calib_name.clone(),
         calib_sha256: sha256_hex(opts.calib_text.as_bytes()),

@@ -137,7 +137,7 @@ pub struct BenchArgs {
     /// down columns copied or, in an artifact's order, re-encoded in Q8_0).
     #[arg(long, default_value = "on")]
     pub prefix_dense: String,
-    /// Activation sparsity (CPU): decode at these model-wide sparsities (comma-separated) beside the
+    /// Activation sparsity (CPU, or CUDA: only the FFN sparse): decode at these model-wide sparsities (comma-separated) beside the
     /// dense path in the same process, from the activation artifact (--artifact, default
     /// `<model>.activation.mirage`).
     #[arg(long, value_delimiter = ',')]

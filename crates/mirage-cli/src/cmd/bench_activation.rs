@@ -34,7 +34,7 @@ fn load_avg() -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-fn random_prompt(n: usize, vocab: usize) -> Vec<u32> {
+pub(super) fn random_prompt(n: usize, vocab: usize) -> Vec<u32> {
     let mut state = 0x2545_f491_4f6c_dd1du64;
     (0..n)
         .map(|_| {
@@ -58,7 +58,7 @@ fn argmax(v: &[f32]) -> u32 {
 
 /// Prefills `prompt`, calls `after_prefill`, then decodes `gen` tokens
 /// greedily; returns decode tok/s.
-fn decode<B: Backend>(
+pub(super) fn decode<B: Backend>(
     model: &Model<B>,
     prompt: &[u32],
     gen: usize,
@@ -81,15 +81,52 @@ fn decode<B: Backend>(
     Ok(gen as f64 / t.elapsed().as_secs_f64())
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(super) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
+/// The prompt of an activation bench: the first `--prompt` tokens of
+/// `--sparsity-text` (default [`DEFAULT_TEXT`] when present), else random
+/// tokens; and where they came from.
+pub(super) fn prompt(
+    args: &BenchArgs,
+    file: &GgufFile,
+    vocab: usize,
+) -> anyhow::Result<(Vec<u32>, String)> {
+    let text_path = args
+        .sparsity_text
+        .clone()
+        .or_else(|| Some(PathBuf::from(DEFAULT_TEXT)).filter(|p| p.exists()));
+    Ok(match &text_path {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let tok = mirage_tokenizer::Tokenizer::from_gguf(file)?;
+            let mut t = tok.encode(&text, true, true)?;
+            t.truncate(args.prompt.max(1));
+            if t.is_empty() {
+                bail!("{} gives no tokens", p.display());
+            }
+            (t, p.display().to_string())
+        }
+        None => (
+            random_prompt(args.prompt.max(1), vocab.max(2)),
+            "random tokens".to_string(),
+        ),
+    })
+}
+
 /// Runs the activation-sparsity bench.
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    if args.backend == "cuda" {
+        #[cfg(feature = "cuda")]
+        return super::bench_activation_cuda::run(args);
+        #[cfg(not(feature = "cuda"))]
+        bail!("--backend cuda --sparsity needs the CUDA backend: build mirage-cli with --features cuda");
+    }
     if args.backend != "cpu" {
-        bail!("--sparsity benches the CPU kernels: use --backend cpu");
+        bail!("--sparsity benches the CPU or the CUDA kernels: use --backend cpu or cuda");
     }
     for &s in &args.sparsity {
         SparsityTarget::Fixed(s).validate()?;
@@ -121,24 +158,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let kernels = sparse_backend.name();
     let sparse = Model::load(file.clone(), sparse_backend)?;
     let weight_bytes = super::bench::weight_bytes_per_token(&file);
-    let text_path = args
-        .sparsity_text
-        .clone()
-        .or_else(|| Some(PathBuf::from(DEFAULT_TEXT)).filter(|p| p.exists()));
-    let (toks, prompt_from) = match &text_path {
-        Some(p) => {
-            let text =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            let tok = mirage_tokenizer::Tokenizer::from_gguf(&file)?;
-            let mut t = tok.encode(&text, true, true)?;
-            t.truncate(args.prompt.max(1));
-            (t, p.display().to_string())
-        }
-        None => (
-            random_prompt(args.prompt.max(1), dense.config().vocab_size.max(2)),
-            "random tokens".to_string(),
-        ),
-    };
+    let (toks, prompt_from) = prompt(args, &file, dense.config().vocab_size)?;
     let gen = args.gen.max(1);
     let plan = args.sparsity_plan.as_deref();
     // Configurations: dense, then each sparsity (thresholds of the plan's

@@ -52,7 +52,7 @@ pub struct ModelArgs {
     /// context), e.g. `--kv-prune page=16,sinks=4,recent=8,top=32,top_percent=20`. CPU and CUDA backends.
     #[arg(long)]
     pub kv_prune: Option<KvPruning>,
-    /// Activation sparsity (CPU): skip this share of the projections' weights per token (e.g. 0.4), or
+    /// Activation sparsity (CPU; with --backend cuda only the FFN goes sparse): skip this share of the projections' weights per token (e.g. 0.4), or
     /// `auto` with --max-ppl-increase; reads `<model>.activation.mirage` unless --artifact names the
     /// activation artifact (`cargo xtask build-artifacts --mode activation`).
     #[arg(long, conflicts_with = "margin")]

@@ -4,6 +4,8 @@
 
 pub mod bench;
 pub mod bench_activation;
+#[cfg(feature = "cuda")]
+pub mod bench_activation_cuda;
 pub mod bench_grammar;
 pub mod bench_peer;
 #[cfg(feature = "cuda")]
@@ -18,9 +20,6 @@ pub mod inspect;
 pub mod perplexity;
 pub mod progress;
 pub mod quantize;
-pub mod quantize_mix;
-
-use mirage_gguf::GgmlType;
 
 /// llama.cpp's `llama_ftype` name for a `general.file_type` value.
 pub fn file_type_name(file_type: u64) -> Option<&'static str> {
@@ -46,32 +45,11 @@ pub fn file_type_name(file_type: u64) -> Option<&'static str> {
     })
 }
 
-/// The `general.file_type` (llama.cpp `llama_ftype`) of a file whose weights
-/// are mostly `ty`; `None` for types that are not weight formats (Q8_1, Q8_K).
-/// Pure K-quant files get the `_S` ("small", mostly that type) variants.
-pub fn file_type_of(ty: GgmlType) -> Option<u32> {
-    use GgmlType::*;
-    Some(match ty {
-        F32 => 0,
-        F16 => 1,
-        Q4_0 => 2,
-        Q4_1 => 3,
-        Q8_0 => 7,
-        Q5_0 => 8,
-        Q5_1 => 9,
-        Q2_K => 10,
-        Q3_K => 11,
-        Q4_K => 14,
-        Q5_K => 16,
-        Q6_K => 18,
-        BF16 => 32,
-        Q8_1 | Q8_K => return None,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mirage_gguf::quant_mix::file_type_of;
+    use mirage_gguf::GgmlType;
 
     #[test]
     fn file_types_round_trip_to_names_of_the_same_type() {

@@ -3,7 +3,7 @@
 //! way `llama-quantize` does: TYPE is one of llama.cpp's mixes (`q4_k_m`,
 //! `q5_k_m`, `q6_k`, `q8_0`) or a single ggml type for every weight matrix
 //! (`q4_0`, `q4_k`, `f16`, ...). Which tensor gets which type is
-//! [`super::quantize_mix`]'s business; this module reads, converts and
+//! [`mirage_gguf::quant_mix`]'s business; this module reads, converts and
 //! writes (to a temporary name, then renamed), and refuses to write over
 //! its input.
 
@@ -15,10 +15,9 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use indicatif::ProgressBar;
 use mirage_gguf::quant::{dequantize, quantize};
+use mirage_gguf::quant_mix::{is_weight_matrix, plan_model, LayerOrder, Plan, Target};
 use mirage_gguf::{GgmlType, GgufFile, GgufWriter, TensorInfo, Value};
 use rayon::prelude::*;
-
-use super::quantize_mix::{plan_model, Plan, Target};
 
 /// Arguments of `mirage-cli quantize`.
 #[derive(Debug, clap::Args)]
@@ -128,7 +127,9 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
 }
 
 fn quantize_file(args: &QuantizeArgs, target: Target) -> anyhow::Result<()> {
-    let file_type = target.file_type();
+    let file_type = target
+        .file_type()
+        .with_context(|| format!("{} has no llama_ftype", target.name()))?;
     let started = Instant::now();
     let input =
         GgufFile::open(&args.input).with_context(|| format!("reading {}", args.input.display()))?;
@@ -137,14 +138,15 @@ fn quantize_file(args: &QuantizeArgs, target: Target) -> anyhow::Result<()> {
         .get_str("general.architecture")
         .and_then(|arch| input.metadata().get_u64(&format!("{arch}.block_count")))
         .unwrap_or(0) as usize;
-    let plans = plan_model(input.tensors(), n_layer, target);
+    // Layers counted as current llama.cpp counts them.
+    let plans = plan_model(input.tensors(), n_layer, target, LayerOrder::LayerIndex);
     if args.dry_run {
         for (info, (plan, note)) in input.tensors().iter().zip(&plans) {
             let to = match plan {
                 Plan::Keep => info.ty,
                 Plan::Convert(to) => *to,
             };
-            let note = note.as_deref().map_or(String::new(), |n| format!(" ({n})"));
+            let note = note.map_or(String::new(), |n| format!(" ({n})"));
             println!("{}: {} -> {to}{note}", info.name, info.ty);
         }
         return Ok(());
@@ -184,7 +186,7 @@ fn quantize_file(args: &QuantizeArgs, target: Target) -> anyhow::Result<()> {
         *counts
             .entry((info.ty.to_string(), to.to_string()))
             .or_default() += 1;
-        if super::quantize_mix::is_weight_matrix(info) {
+        if is_weight_matrix(info) {
             let (layer, kind) = split_layer(&info.name);
             kinds
                 .entry((kind.to_string(), to.to_string()))
@@ -192,7 +194,7 @@ fn quantize_file(args: &QuantizeArgs, target: Target) -> anyhow::Result<()> {
                 .push(layer.to_string());
         }
         if let Some(note) = note {
-            *notes.entry(note).or_default() += 1;
+            *notes.entry(note.to_string()).or_default() += 1;
         }
         writer
             .add_tensor(info.name.clone(), info.dims.clone(), to, data)

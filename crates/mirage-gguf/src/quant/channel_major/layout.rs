@@ -306,6 +306,23 @@ pub(super) fn get_code(bits: usize, r: usize, run: &[u8], o: usize) -> u8 {
     q
 }
 
+/// The source's code of output `j`, input channel `i` of a channel-major
+/// matrix `data` (as ggml stores it: Q8_0 its int8 bits, the K-quants their
+/// unsigned codes), read back from the channel's run: for converters to
+/// other layouts that must keep every bit.
+pub fn source_code(layout: &ChannelMajorLayout, data: &[u8], j: usize, i: usize) -> u8 {
+    let (t, p) = (j / layout.tile, j % layout.tile);
+    let r = layout.tile_rows(t);
+    let at = layout.channel_offset(t, i);
+    let q = get_code(layout.s.bits, r, &data[at..at + layout.run_bytes(r)], p);
+    // Q8_0 codes are stored + 128.
+    if layout.ty == GgmlType::Q8_0 {
+        q ^ 0x80
+    } else {
+        q
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

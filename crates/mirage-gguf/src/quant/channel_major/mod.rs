@@ -70,7 +70,9 @@ mod layout;
 pub use active::ActiveChannels;
 pub use codec::{dequantize, repack};
 pub use kernel::{tile_checked, ChannelMajorKernel, TileKernel};
-pub use layout::{code_position, default_tile, supports, ChannelMajorLayout, BLOCK, MAX_TILE};
+pub use layout::{
+    code_position, default_tile, source_code, supports, ChannelMajorLayout, BLOCK, MAX_TILE,
+};
 
 /// Deterministic inputs in about [-1, 1] for the submodules' tests.
 #[cfg(test)]
