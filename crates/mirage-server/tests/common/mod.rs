@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 pub fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -279,4 +279,10 @@ pub fn dechunk(mut b: &[u8]) -> Vec<u8> {
         b = &b[eol + 2 + size + 2..];
     }
     out
+}
+
+/// A chat completion request for `prompt` at temperature 0.
+pub fn chat_body(prompt: &str, max_tokens: usize, stream: bool) -> Value {
+    json!({"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+           "temperature": 0, "stream": stream})
 }
