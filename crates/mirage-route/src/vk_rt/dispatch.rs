@@ -17,13 +17,7 @@ impl VulkanRtRouter {
             return Ok(());
         }
         if let Some(old) = self.batch.take() {
-            for b in [
-                &old.points_host,
-                &old.points,
-                &old.masks,
-                &old.out_bits,
-                &old.readback,
-            ] {
+            for b in old.buffers() {
                 self.destroy_buf(b);
             }
         }
@@ -124,18 +118,7 @@ impl VulkanRtRouter {
         let bytes = f32_bytes(points.iter().flatten().copied());
         // SAFETY: the host buffer holds capacity_queries * slices * 12 >= bytes.len() bytes.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), b.points_host.mapped, bytes.len()) };
-        let push: Vec<u8> = [
-            queries as u32,
-            self.slices as u32,
-            self.pages as u32,
-            words as u32,
-        ]
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect();
         let out_bytes = (queries * words * 4) as u64;
-        let groups = (queries * words).div_ceil(64).max(1) as u32;
-        let (gx, gy) = (groups.min(65535), groups.div_ceil(65535));
         self.submit(|cmd| unsafe {
             let d = &self.device;
             if !bytes.is_empty() {
@@ -148,50 +131,12 @@ impl VulkanRtRouter {
             }
             d.cmd_fill_buffer(cmd, b.masks.buffer, 0, vk::WHOLE_SIZE, 0);
             self.barrier(cmd);
-            d.cmd_push_constants(
+            self.record_trace_and_threshold(
                 cmd,
-                self.pipeline_layout,
-                vk::ShaderStageFlags::ALL,
-                0,
-                &push,
+                self.desc_set,
+                queries,
+                self.pages > 0 && queries > 0,
             );
-            if self.pages > 0 && queries > 0 {
-                d.cmd_bind_pipeline(
-                    cmd,
-                    vk::PipelineBindPoint::RAY_TRACING_KHR,
-                    self.rt_pipeline,
-                );
-                d.cmd_bind_descriptor_sets(
-                    cmd,
-                    vk::PipelineBindPoint::RAY_TRACING_KHR,
-                    self.pipeline_layout,
-                    0,
-                    &[self.desc_set],
-                    &[],
-                );
-                let r = &self.regions;
-                self.rt_fn.cmd_trace_rays(
-                    cmd,
-                    &r[0],
-                    &r[1],
-                    &r[2],
-                    &r[3],
-                    queries as u32,
-                    self.slices as u32,
-                    1,
-                );
-                self.barrier(cmd);
-            }
-            d.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, self.comp_pipeline);
-            d.cmd_bind_descriptor_sets(
-                cmd,
-                vk::PipelineBindPoint::COMPUTE,
-                self.pipeline_layout,
-                0,
-                &[self.desc_set],
-                &[],
-            );
-            d.cmd_dispatch(cmd, gx, gy, 1);
             self.barrier(cmd);
             if out_bytes > 0 {
                 d.cmd_copy_buffer(
@@ -221,5 +166,80 @@ impl VulkanRtRouter {
             *o = u32::from_le_bytes(c.try_into().expect("4 bytes"));
         }
         Ok(())
+    }
+
+    /// Records the route of `queries` queries over descriptor set `set`:
+    /// the push constants, the trace (with `trace`) and a barrier, then the
+    /// threshold pass; for the batch and the interop command buffers.
+    ///
+    /// # Safety
+    /// `cmd` must be recording and `set` hold buffers for `queries` queries.
+    pub(super) unsafe fn record_trace_and_threshold(
+        &self,
+        cmd: vk::CommandBuffer,
+        set: vk::DescriptorSet,
+        queries: usize,
+        trace: bool,
+    ) {
+        let words = self.pages.div_ceil(32);
+        let push: Vec<u8> = [
+            queries as u32,
+            self.slices as u32,
+            self.pages as u32,
+            words as u32,
+        ]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+        let groups = (queries * words).div_ceil(64).max(1) as u32;
+        let (gx, gy) = (groups.min(65535), groups.div_ceil(65535));
+        let d = &self.device;
+        // SAFETY: the caller's contract; the pipelines, layout and regions are the router's own.
+        unsafe {
+            d.cmd_push_constants(
+                cmd,
+                self.pipeline_layout,
+                vk::ShaderStageFlags::ALL,
+                0,
+                &push,
+            );
+            if trace {
+                d.cmd_bind_pipeline(
+                    cmd,
+                    vk::PipelineBindPoint::RAY_TRACING_KHR,
+                    self.rt_pipeline,
+                );
+                d.cmd_bind_descriptor_sets(
+                    cmd,
+                    vk::PipelineBindPoint::RAY_TRACING_KHR,
+                    self.pipeline_layout,
+                    0,
+                    &[set],
+                    &[],
+                );
+                let r = &self.regions;
+                self.rt_fn.cmd_trace_rays(
+                    cmd,
+                    &r[0],
+                    &r[1],
+                    &r[2],
+                    &r[3],
+                    queries as u32,
+                    self.slices as u32,
+                    1,
+                );
+                self.barrier(cmd);
+            }
+            d.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, self.comp_pipeline);
+            d.cmd_bind_descriptor_sets(
+                cmd,
+                vk::PipelineBindPoint::COMPUTE,
+                self.pipeline_layout,
+                0,
+                &[set],
+                &[],
+            );
+            d.cmd_dispatch(cmd, gx, gy, 1);
+        }
     }
 }

@@ -82,6 +82,19 @@ struct Batch {
     readback: Buf,
 }
 
+impl Batch {
+    /// Every buffer of the batch (to destroy them).
+    fn buffers(&self) -> [&Buf; 5] {
+        [
+            &self.points_host,
+            &self.points,
+            &self.masks,
+            &self.out_bits,
+            &self.readback,
+        ]
+    }
+}
+
 /// The Vulkan ray-tracing router.
 pub struct VulkanRtRouter {
     _entry: ash::Entry,
@@ -180,13 +193,7 @@ impl Drop for VulkanRtRouter {
                 self.destroy_interop(st);
             }
             if let Some(b) = self.batch.take() {
-                for x in [
-                    &b.points_host,
-                    &b.points,
-                    &b.masks,
-                    &b.out_bits,
-                    &b.readback,
-                ] {
+                for x in b.buffers() {
                     self.destroy_buf(x);
                 }
             }
