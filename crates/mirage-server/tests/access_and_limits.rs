@@ -47,22 +47,7 @@ fn api_key_queue_limit_and_graceful_shutdown() {
 
     // One request holds the only slot, one waits in the queue of one, the
     // third is turned away with 429 and Retry-After.
-    let open = |body: &str| {
-        let mut s = TcpStream::connect(&srv.addr).unwrap();
-        s.write_all(
-            request_head(
-                &srv.addr,
-                "POST",
-                "/v1/chat/completions",
-                &[auth, ct],
-                body.len(),
-            )
-            .as_bytes(),
-        )
-        .unwrap();
-        s.write_all(body.as_bytes()).unwrap();
-        s
-    };
+    let open = |body: &str| srv.send("/v1/chat/completions", &[auth, ct], body);
     let first = open(&chat);
     assert_eq!(
         srv.wait_metric("mirage_active_sequences", 10, |v| v == 1.0),
@@ -92,19 +77,7 @@ fn api_key_queue_limit_and_graceful_shutdown() {
 
     // SIGTERM while a request streams: it finishes, the server exits 0.
     let body = chat_body("Count to five.", 40, false).to_string();
-    let mut s = TcpStream::connect(&srv.addr).unwrap();
-    s.write_all(
-        request_head(
-            &srv.addr,
-            "POST",
-            "/v1/chat/completions",
-            &[auth, ct],
-            body.len(),
-        )
-        .as_bytes(),
-    )
-    .unwrap();
-    s.write_all(body.as_bytes()).unwrap();
+    let mut s = open(&body);
     assert_eq!(
         srv.wait_metric("mirage_active_sequences", 10, |v| v == 1.0),
         1.0

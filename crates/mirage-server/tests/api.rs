@@ -7,8 +7,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io::Read;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -244,19 +243,11 @@ fn api_matches_the_session_and_reports_errors() {
     // A client that disconnects mid-stream frees its sequence at once.
     let cancelled_before = srv.metric("mirage_cancelled_sequences_total");
     let body = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0.8, "stream": true}).to_string();
-    let mut s = TcpStream::connect(&srv.addr).unwrap();
-    s.write_all(
-        request_head(
-            &srv.addr,
-            "POST",
-            "/v1/completions",
-            &[("Content-Type", "application/json")],
-            body.len(),
-        )
-        .as_bytes(),
-    )
-    .unwrap();
-    s.write_all(body.as_bytes()).unwrap();
+    let mut s = srv.send(
+        "/v1/completions",
+        &[("Content-Type", "application/json")],
+        &body,
+    );
     let mut buf = [0u8; 4096];
     let mut seen = String::new();
     while seen.matches("data:").count() < 3 {

@@ -111,6 +111,17 @@ impl Server {
         read_all(&mut s)
     }
 
+    /// Sends a POST of `body` to `path` on a new connection and returns the
+    /// connection unread (for a streaming client, one that leaves early, or
+    /// one still waiting when the server stops).
+    pub fn send(&self, path: &str, headers: &[(&str, &str)], body: &str) -> TcpStream {
+        let mut s = TcpStream::connect(&self.addr).unwrap();
+        s.write_all(request_head(&self.addr, "POST", path, headers, body.len()).as_bytes())
+            .unwrap();
+        s.write_all(body.as_bytes()).unwrap();
+        s
+    }
+
     pub fn post(&self, path: &str, body: &Value) -> Response {
         self.request(
             "POST",
