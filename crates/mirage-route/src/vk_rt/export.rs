@@ -491,33 +491,9 @@ impl VulkanRtRouter {
                     None,
                 )
                 .map_err(vkerr("vkCreateCommandPool (interop)"))?;
-            let sizes = [
-                vk::DescriptorPoolSize::default()
-                    .ty(vk::DescriptorType::ACCELERATION_STRUCTURE_KHR)
-                    .descriptor_count(1),
-                vk::DescriptorPoolSize::default()
-                    .ty(vk::DescriptorType::STORAGE_BUFFER)
-                    .descriptor_count(6),
-            ];
-            st.desc_pool = self
-                .device
-                .create_descriptor_pool(
-                    &vk::DescriptorPoolCreateInfo::default()
-                        .max_sets(1)
-                        .pool_sizes(&sizes),
-                    None,
-                )
-                .map_err(vkerr("vkCreateDescriptorPool (interop)"))?;
-            let layouts = [self.set_layout];
-            st.desc_set = self
-                .device
-                .allocate_descriptor_sets(
-                    &vk::DescriptorSetAllocateInfo::default()
-                        .descriptor_pool(st.desc_pool)
-                        .set_layouts(&layouts),
-                )
-                .map_err(vkerr("vkAllocateDescriptorSets (interop)"))?[0];
         }
+        st.desc_pool = self.create_descriptor_pool(" (interop)")?;
+        st.desc_set = self.allocate_descriptor_set(st.desc_pool, " (interop)")?;
         // Same bindings as the batch path, with the exported buffers for the
         // points and the bits.
         // SAFETY: the set is new and not in use.

@@ -48,32 +48,9 @@ impl VulkanRtRouter {
                     None,
                 )
                 .map_err(vkerr("vkCreatePipelineLayout"))?;
-            let sizes = [
-                vk::DescriptorPoolSize::default()
-                    .ty(vk::DescriptorType::ACCELERATION_STRUCTURE_KHR)
-                    .descriptor_count(1),
-                vk::DescriptorPoolSize::default()
-                    .ty(vk::DescriptorType::STORAGE_BUFFER)
-                    .descriptor_count(6),
-            ];
-            self.desc_pool = self
-                .device
-                .create_descriptor_pool(
-                    &vk::DescriptorPoolCreateInfo::default()
-                        .max_sets(1)
-                        .pool_sizes(&sizes),
-                    None,
-                )
-                .map_err(vkerr("vkCreateDescriptorPool"))?;
-            self.desc_set = self
-                .device
-                .allocate_descriptor_sets(
-                    &vk::DescriptorSetAllocateInfo::default()
-                        .descriptor_pool(self.desc_pool)
-                        .set_layouts(&layouts),
-                )
-                .map_err(vkerr("vkAllocateDescriptorSets"))?[0];
         }
+        self.desc_pool = self.create_descriptor_pool("")?;
+        self.desc_set = self.allocate_descriptor_set(self.desc_pool, "")?;
 
         let mut module = |bytes: &[u8]| -> Result<vk::ShaderModule, RouteError> {
             let code = spirv(bytes)?;
@@ -237,5 +214,51 @@ impl VulkanRtRouter {
             vk::StridedDeviceAddressRegionKHR::default(),
         ];
         Ok(())
+    }
+
+    /// A pool for one descriptor set of the router's layout (the TLAS and
+    /// six storage buffers); `what` labels its errors. The caller destroys it.
+    pub(super) fn create_descriptor_pool(
+        &self,
+        what: &str,
+    ) -> Result<vk::DescriptorPool, RouteError> {
+        let sizes = [
+            vk::DescriptorPoolSize::default()
+                .ty(vk::DescriptorType::ACCELERATION_STRUCTURE_KHR)
+                .descriptor_count(1),
+            vk::DescriptorPoolSize::default()
+                .ty(vk::DescriptorType::STORAGE_BUFFER)
+                .descriptor_count(6),
+        ];
+        // SAFETY: valid create info.
+        unsafe {
+            self.device.create_descriptor_pool(
+                &vk::DescriptorPoolCreateInfo::default()
+                    .max_sets(1)
+                    .pool_sizes(&sizes),
+                None,
+            )
+        }
+        .map_err(vkerr(&format!("vkCreateDescriptorPool{what}")))
+    }
+
+    /// The one descriptor set of the router's layout from `pool`; `what`
+    /// labels its errors.
+    pub(super) fn allocate_descriptor_set(
+        &self,
+        pool: vk::DescriptorPool,
+        what: &str,
+    ) -> Result<vk::DescriptorSet, RouteError> {
+        let layouts = [self.set_layout];
+        // SAFETY: `pool` has room for one set of this layout.
+        unsafe {
+            self.device.allocate_descriptor_sets(
+                &vk::DescriptorSetAllocateInfo::default()
+                    .descriptor_pool(pool)
+                    .set_layouts(&layouts),
+            )
+        }
+        .map(|sets| sets[0])
+        .map_err(vkerr(&format!("vkAllocateDescriptorSets{what}")))
     }
 }
