@@ -37,7 +37,7 @@ use cudarc::driver::CudaSlice;
 use mirage_artifact::activation::format::ActivationArtifact;
 use mirage_artifact::activation::{matrix_index, Proj};
 use mirage_gguf::GgmlType;
-use mirage_runtime::backend::{Backend, HostMatrix, StepInputs};
+use mirage_runtime::backend::{Backend, HostMatrix};
 use mirage_runtime::Result;
 
 use crate::asp_layout::{from_channel_major, AspLayout, GROUP, RECORD_BYTES, WARP_OUTPUTS};
@@ -531,18 +531,6 @@ impl Backend for ActivationCudaBackend {
 
     fn name(&self) -> String {
         "activation-sparse-cuda".into()
-    }
-
-    fn step<R>(&self, inputs: &StepInputs<'_>, pass: impl FnOnce() -> Result<R>) -> Result<R> {
-        self.inner.step(inputs, pass)
-    }
-
-    fn upload_matrix(&self, m: &HostMatrix) -> Result<CudaMatrix> {
-        self.inner.upload_matrix(m)
-    }
-
-    fn upload_vector(&self, v: &[f32]) -> Result<CudaVector> {
-        self.inner.upload_vector(v)
     }
 
     fn upload_ffn(

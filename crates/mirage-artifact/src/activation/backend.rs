@@ -703,9 +703,6 @@ impl Backend for ActivationBackend {
         };
         self.make(m, id)
     }
-    fn upload_vector(&self, v: &[f32]) -> RtResult<Vec<f32>> {
-        self.inner.upload_vector(v)
-    }
     fn upload_ffn(
         &self,
         layer: usize,

@@ -22,7 +22,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::CudaSlice;
 use mirage_artifact::Artifact;
 use mirage_gguf::GgmlType;
-use mirage_runtime::backend::{Backend, HostMatrix, StepInputs};
+use mirage_runtime::backend::{Backend, HostMatrix};
 use mirage_runtime::{Result, RuntimeError};
 
 use crate::backend::{bad, drv, CudaActivations, CudaBackend, MemKind};
@@ -563,15 +563,6 @@ impl Backend for SparseCudaBackend {
 
     fn name(&self) -> String {
         "superblock-cuda".into()
-    }
-    fn step<R>(&self, inputs: &StepInputs<'_>, pass: impl FnOnce() -> Result<R>) -> Result<R> {
-        self.inner.step(inputs, pass)
-    }
-    fn upload_matrix(&self, m: &HostMatrix) -> Result<CudaMatrix> {
-        self.inner.upload_matrix(m)
-    }
-    fn upload_vector(&self, v: &[f32]) -> Result<CudaVector> {
-        self.inner.upload_vector(v)
     }
     fn upload_ffn(
         &self,

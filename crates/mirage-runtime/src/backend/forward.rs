@@ -4,13 +4,17 @@
 
 /// Inside `impl Backend for W`, where `W` holds the backend it wraps in
 /// field `$inner` and uses its vector, activation and KV cache types: the
-/// KV cache ops, the activation buffer, RMSNorm, bias and residual adds and
-/// attention, each forwarded to `self.$inner`. With `, matrices` also the
-/// products and the embedding lookup (for wrappers that use the inner
-/// backend's matrix type as well).
+/// vector upload, the KV cache ops, the activation buffer, RMSNorm, bias
+/// and residual adds and attention, each forwarded to `self.$inner`. With
+/// `, matrices` also the step, the matrix upload, the products and the
+/// embedding lookup (for wrappers that use the inner backend's matrix type
+/// as well).
 #[macro_export]
 macro_rules! forward_backend_ops {
     ($inner:ident) => {
+        fn upload_vector(&self, v: &[f32]) -> $crate::Result<Self::Vector> {
+            self.$inner.upload_vector(v)
+        }
         fn new_kv_cache(&self, spec: $crate::kv_cache::KvSpec) -> $crate::Result<Self::KvCache> {
             self.$inner.new_kv_cache(spec)
         }
@@ -67,6 +71,16 @@ macro_rules! forward_backend_ops {
     };
     ($inner:ident, matrices) => {
         $crate::forward_backend_ops!($inner);
+        fn step<R>(
+            &self,
+            inputs: &$crate::backend::StepInputs<'_>,
+            pass: impl FnOnce() -> $crate::Result<R>,
+        ) -> $crate::Result<R> {
+            self.$inner.step(inputs, pass)
+        }
+        fn upload_matrix(&self, m: &$crate::backend::HostMatrix) -> $crate::Result<Self::Matrix> {
+            self.$inner.upload_matrix(m)
+        }
         fn embed(
             &self,
             table: &Self::Matrix,
