@@ -24,7 +24,7 @@
 // boxes of the calibration points), so a traversal visits nearly every leaf,
 // one dependent primitive load after another on `slices` threads (the first
 // version spent ~30 us per layer there); a block tests 512 primitives in one
-// parallel load. The host picks (route_scan_max in sparse_backend.rs); the
+// parallel load. The host picks (RouteTraversal::scans, sparse/router.rs); the
 // traversal stays for large routers and is tested against the CPU too.
 //
 // Block RT_THREADS; dynamic shared memory: the hit masks (4 * n_pages bytes,

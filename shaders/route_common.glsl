@@ -1,4 +1,4 @@
-// Shared declarations of the Vulkan ray-tracing router (see crates/mirage-route/src/vk_rt.rs).
+// Shared declarations of the Vulkan ray-tracing router (see crates/mirage-route/src/vk_rt/).
 // Launch grid: x = query within the chunk, y = slice.
 layout(push_constant) uniform Push {
     uint queries;

@@ -35,15 +35,7 @@ GEN=${GEN:-64}
 ROUNDS=${ROUNDS:-3}
 DEADLINE=${DEADLINE:-470}
 BUDGET=$((DEADLINE - 60))
-LOG=$WORK/log
-W=$WORK/bin
-mkdir -p "$LOG"
-: > "$LOG/suites.txt"
-: > "$LOG/rows.txt"
-T0=$SECONDS
-gpu_unpack "$BUNDLE" "$W" || exit 1
-gpu_env "$W"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+gpu_start
 
 for b in activation_backend xtask mirage-cli tok.gguf; do
   [ -e "$W/$b" ] || { echo "no $b in the bundle"; exit 1; }

@@ -4,6 +4,11 @@
 #                                    (`cargo test --release ARGS --no-run`)
 #                                    and prints "name path" per binary, from
 #                                    cargo's JSON;
+#   gpu_start                        (GPU machine) the start of a script:
+#                                    LOG=$WORK/log and W=$WORK/bin made,
+#                                    $LOG/suites.txt and rows.txt emptied,
+#                                    T0 set, $BUNDLE unpacked into $W,
+#                                    gpu_env, the GPU named;
 #   gpu_unpack BUNDLE_DIR WORK_DIR   (GPU machine) unpacks
 #                                    BUNDLE_DIR/bins.tar.xz into WORK_DIR;
 #   gpu_env WORK_DIR                 puts the CUDA toolkit's libnvrtc on
@@ -41,6 +46,18 @@ gpu_unpack() {
   mkdir -p "$2" && tar -xJf "$1/bins.tar.xz" -C "$2" && chmod +x "$2"/* 2>/dev/null
   [ -f "$1/COMMIT" ] && echo "bundle $1: commit $(cat "$1/COMMIT")"
   return 0
+}
+
+gpu_start() {
+  LOG=$WORK/log
+  W=$WORK/bin
+  mkdir -p "$LOG"
+  : > "$LOG/suites.txt"
+  : > "$LOG/rows.txt"
+  T0=$SECONDS
+  gpu_unpack "$BUNDLE" "$W" || exit 1
+  gpu_env "$W"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 }
 
 gpu_env() {

@@ -30,14 +30,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 WORK=${WORK:-/tmp/mirage-prefill}
 BUDGET=${BUDGET:-420}
 REPS=${REPS:-3}
-LOG=$WORK/log
-W=$WORK/bin
-mkdir -p "$LOG"
-: > "$LOG/suites.txt"
-T0=$SECONDS
-gpu_unpack "$BUNDLE" "$W" || exit 1
-gpu_env "$W"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+gpu_start
 
 MODELS=${MODELS:-qwen2.5-0.5b:q8_0 qwen2.5-7b:q8_0 qwen2.5-7b:q4_k}
 synth_models

@@ -30,15 +30,7 @@ WORK=${WORK:-/tmp/mirage-gpu}
 SHAPES=${SHAPES:-qwen2.5-0.5b qwen2.5-7b}
 QUANTS=${QUANTS:-q8_0 q4_k}
 BUDGET=${BUDGET:-1500}
-LOG=$WORK/log
-W=$WORK/bin
-mkdir -p "$LOG"
-: > "$LOG/suites.txt"
-: > "$LOG/rows.txt"
-T0=$SECONDS
-gpu_unpack "$BUNDLE" "$W" || exit 1
-gpu_env "$W"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+gpu_start
 
 for s in $GPU_SUITES; do
   budget_left "suite $s" && suite run "$W" "$s"

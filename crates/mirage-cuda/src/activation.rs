@@ -37,11 +37,7 @@ use cudarc::driver::CudaSlice;
 use mirage_artifact::activation::format::ActivationArtifact;
 use mirage_artifact::activation::{matrix_index, Proj};
 use mirage_gguf::GgmlType;
-use mirage_runtime::backend::{
-    AttentionParams, Backend, HostMatrix, QkNorm, StepInputs, TokenSlot,
-};
-use mirage_runtime::kv_cache::KvSpec;
-use mirage_runtime::kv_pages::KvPruning;
+use mirage_runtime::backend::{Backend, HostMatrix};
 use mirage_runtime::Result;
 
 use crate::asp_layout::{from_channel_major, AspLayout, GROUP, RECORD_BYTES, WARP_OUTPUTS};
@@ -537,18 +533,6 @@ impl Backend for ActivationCudaBackend {
         "activation-sparse-cuda".into()
     }
 
-    fn step<R>(&self, inputs: &StepInputs<'_>, pass: impl FnOnce() -> Result<R>) -> Result<R> {
-        self.inner.step(inputs, pass)
-    }
-
-    fn upload_matrix(&self, m: &HostMatrix) -> Result<CudaMatrix> {
-        self.inner.upload_matrix(m)
-    }
-
-    fn upload_vector(&self, v: &[f32]) -> Result<CudaVector> {
-        self.inner.upload_vector(v)
-    }
-
     fn upload_ffn(
         &self,
         layer: usize,
@@ -585,76 +569,7 @@ impl Backend for ActivationCudaBackend {
         Ok(f)
     }
 
-    fn new_kv_cache(&self, spec: KvSpec) -> Result<CudaKvCache> {
-        self.inner.new_kv_cache(spec)
-    }
-
-    fn new_kv_cache_pruned(&self, spec: KvSpec, pruning: Option<KvPruning>) -> Result<CudaKvCache> {
-        self.inner.new_kv_cache_pruned(spec, pruning)
-    }
-
-    fn kv_set_pruning(&self, cache: &mut CudaKvCache, pruning: Option<KvPruning>) -> Result<()> {
-        self.inner.kv_set_pruning(cache, pruning)
-    }
-
-    fn kv_truncate(&self, cache: &mut CudaKvCache, seq: usize, pos: usize) {
-        self.inner.kv_truncate(cache, seq, pos)
-    }
-
-    fn new_activations(&self) -> CudaActivations {
-        self.inner.new_activations()
-    }
-
-    fn embed(&self, table: &CudaMatrix, tokens: &[u32], out: &mut CudaActivations) -> Result<()> {
-        self.inner.embed(table, tokens, out)
-    }
-
-    fn rms_norm(
-        &self,
-        x: &CudaActivations,
-        weight: &CudaVector,
-        eps: f32,
-        out: &mut CudaActivations,
-    ) -> Result<()> {
-        self.inner.rms_norm(x, weight, eps, out)
-    }
-
-    fn matmul(&self, w: &CudaMatrix, x: &CudaActivations, out: &mut CudaActivations) -> Result<()> {
-        self.inner.matmul(w, x, out)
-    }
-
-    fn matmul_many(
-        &self,
-        ws: &[&CudaMatrix],
-        x: &CudaActivations,
-        outs: &mut [&mut CudaActivations],
-    ) -> Result<()> {
-        self.inner.matmul_many(ws, x, outs)
-    }
-
-    fn add_bias(&self, x: &mut CudaActivations, bias: &CudaVector) -> Result<()> {
-        self.inner.add_bias(x, bias)
-    }
-
-    fn add(&self, acc: &mut CudaActivations, x: &CudaActivations) -> Result<()> {
-        self.inner.add(acc, x)
-    }
-
-    fn attention(
-        &self,
-        layer: usize,
-        p: &AttentionParams,
-        q: &mut CudaActivations,
-        k: &mut CudaActivations,
-        v: &CudaActivations,
-        qk_norm: Option<QkNorm<'_, CudaVector>>,
-        slots: &[TokenSlot],
-        cache: &mut CudaKvCache,
-        out: &mut CudaActivations,
-    ) -> Result<()> {
-        self.inner
-            .attention(layer, p, q, k, v, qk_norm, slots, cache, out)
-    }
+    mirage_runtime::forward_backend_ops!(inner, matrices);
 
     fn ffn(&self, f: &AspFfn, x: &CudaActivations, out: &mut CudaActivations) -> Result<()> {
         let (d, n_ff) = (f.gate.layout.cols, f.gate.layout.rows);

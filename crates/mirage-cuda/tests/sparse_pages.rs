@@ -2,7 +2,7 @@
 //! Q2_K pages decode to the weights they were packed from, read by the
 //! layouts the kernels document, and the Q2_K kernel's indexing emulated on
 //! the CPU against an f64 reference. The kernels themselves run in
-//! tests/sparse_backend.rs.
+//! tests/sparse_backend/.
 
 use mirage_cuda::sparse::pages::{
     join_q2k_rows, q2k_scale_slot, quantize_rows, split_q2k_rows, PAGE_CHANNELS,

@@ -27,8 +27,8 @@ use mirage_gguf::quant::channel_major::{
     ActiveChannels, ChannelMajorKernel, ChannelMajorLayout, TileKernel,
 };
 use mirage_runtime::backend::cpu::{CpuActivations, CpuFfn, CpuMatrix};
-use mirage_runtime::backend::{AttentionParams, HostMatrix, QkNorm, TokenSlot};
-use mirage_runtime::kv_cache::{KvCache, KvSpec};
+use mirage_runtime::backend::HostMatrix;
+use mirage_runtime::kv_cache::KvCache;
 use mirage_runtime::{Backend, CpuBackend, RuntimeError};
 use rayon::prelude::*;
 
@@ -703,9 +703,6 @@ impl Backend for ActivationBackend {
         };
         self.make(m, id)
     }
-    fn upload_vector(&self, v: &[f32]) -> RtResult<Vec<f32>> {
-        self.inner.upload_vector(v)
-    }
     fn upload_ffn(
         &self,
         layer: usize,
@@ -721,40 +718,10 @@ impl Backend for ActivationBackend {
             down: self.make(down, Some(MatrixId::Proj(layer, Proj::Down)))?,
         })
     }
-    fn new_kv_cache(&self, spec: KvSpec) -> RtResult<KvCache> {
-        self.inner.new_kv_cache(spec)
-    }
-    fn new_kv_cache_pruned(
-        &self,
-        spec: KvSpec,
-        pruning: Option<mirage_runtime::KvPruning>,
-    ) -> RtResult<KvCache> {
-        self.inner.new_kv_cache_pruned(spec, pruning)
-    }
-    fn kv_set_pruning(
-        &self,
-        cache: &mut KvCache,
-        pruning: Option<mirage_runtime::KvPruning>,
-    ) -> RtResult<()> {
-        self.inner.kv_set_pruning(cache, pruning)
-    }
-    fn kv_truncate(&self, cache: &mut KvCache, seq: usize, pos: usize) {
-        self.inner.kv_truncate(cache, seq, pos)
-    }
-    fn new_activations(&self) -> CpuActivations {
-        self.inner.new_activations()
-    }
+    mirage_runtime::forward_backend_ops!(inner);
+
     fn embed(&self, table: &ActMatrix, tokens: &[u32], out: &mut CpuActivations) -> RtResult<()> {
         self.inner.embed(&table.dense, tokens, out)
-    }
-    fn rms_norm(
-        &self,
-        x: &CpuActivations,
-        weight: &Vec<f32>,
-        eps: f32,
-        out: &mut CpuActivations,
-    ) -> RtResult<()> {
-        self.inner.rms_norm(x, weight, eps, out)
     }
     fn matmul(&self, w: &ActMatrix, x: &CpuActivations, out: &mut CpuActivations) -> RtResult<()> {
         if w.id.is_none() {
@@ -837,27 +804,6 @@ impl Backend for ActivationBackend {
             self.masked_product(w, self.threshold(&st, w), x, out)?;
         }
         Ok(())
-    }
-    fn add_bias(&self, x: &mut CpuActivations, bias: &Vec<f32>) -> RtResult<()> {
-        self.inner.add_bias(x, bias)
-    }
-    fn add(&self, acc: &mut CpuActivations, x: &CpuActivations) -> RtResult<()> {
-        self.inner.add(acc, x)
-    }
-    fn attention(
-        &self,
-        layer: usize,
-        params: &AttentionParams,
-        q: &mut CpuActivations,
-        k: &mut CpuActivations,
-        v: &CpuActivations,
-        qk_norm: Option<QkNorm<'_, Vec<f32>>>,
-        slots: &[TokenSlot],
-        cache: &mut KvCache,
-        out: &mut CpuActivations,
-    ) -> RtResult<()> {
-        self.inner
-            .attention(layer, params, q, k, v, qk_norm, slots, cache, out)
     }
     fn ffn(&self, f: &ActFfn, x: &CpuActivations, out: &mut CpuActivations) -> RtResult<()> {
         if x.width() != f.gate.dense.cols() {

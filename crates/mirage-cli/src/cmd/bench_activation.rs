@@ -117,17 +117,12 @@ pub(super) fn prompt(
     })
 }
 
-/// Runs the activation-sparsity bench.
-pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    if args.backend == "cuda" {
-        #[cfg(feature = "cuda")]
-        return super::bench_activation_cuda::run(args);
-        #[cfg(not(feature = "cuda"))]
-        bail!("--backend cuda --sparsity needs the CUDA backend: build mirage-cli with --features cuda");
-    }
-    if args.backend != "cpu" {
-        bail!("--sparsity benches the CPU or the CUDA kernels: use --backend cpu or cuda");
-    }
+/// The sparsities checked, the activation artifact (`--artifact` or the
+/// model's default) and the model it was built from, its sha256 checked:
+/// what both the CPU and the CUDA sparsity benches start from.
+pub(super) fn open_inputs(
+    args: &BenchArgs,
+) -> anyhow::Result<(Arc<ActivationArtifact>, Arc<GgufFile>)> {
     for &s in &args.sparsity {
         SparsityTarget::Fixed(s).validate()?;
     }
@@ -147,6 +142,21 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
     );
     artifact.check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))?;
+    Ok((artifact, file))
+}
+
+/// Runs the activation-sparsity bench.
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    if args.backend == "cuda" {
+        #[cfg(feature = "cuda")]
+        return super::bench_activation_cuda::run(args);
+        #[cfg(not(feature = "cuda"))]
+        bail!("--backend cuda --sparsity needs the CUDA backend: build mirage-cli with --features cuda");
+    }
+    if args.backend != "cpu" {
+        bail!("--sparsity benches the CPU or the CUDA kernels: use --backend cpu or cuda");
+    }
+    let (artifact, file) = open_inputs(args)?;
     let n_layer = artifact.meta().n_layer;
     let dense = Model::load(file.clone(), CpuBackend::new(args.threads)?)?;
     let sparse_backend = ActivationBackend::new(

@@ -12,18 +12,14 @@
 //! token reads, the share of the FFN's input channels kept and the whole
 //! model's bytes per token.
 
-use std::sync::Arc;
-
 use anyhow::Context;
 use mirage::cuda::{ActivationCudaBackend, CudaBackend, StepProfile};
-use mirage_artifact::activation::format::ActivationArtifact;
 use mirage_artifact::activation::{Proj, SparsityTarget};
-use mirage_gguf::GgufFile;
 use mirage_runtime::backend::Backend;
 use mirage_runtime::{KvDtype, Model, TokenSlot};
 
 use super::bench::BenchArgs;
-use super::bench_activation::{decode, default_artifact, median, prompt};
+use super::bench_activation::{decode, median, prompt};
 
 /// Decode rows whose FFN bytes are averaged per configuration.
 const BYTE_ROWS: usize = 8;
@@ -103,25 +99,7 @@ fn argmax(v: &[f32]) -> u32 {
 
 /// Runs the CUDA activation-sparsity bench.
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    for &s in &args.sparsity {
-        SparsityTarget::Fixed(s).validate()?;
-    }
-    super::generate::check_model(&args.model)?;
-    let path = args
-        .artifact
-        .clone()
-        .unwrap_or_else(|| default_artifact(&args.model));
-    let artifact = ActivationArtifact::open(&path).with_context(|| {
-        format!(
-            "loading the activation artifact {} (build it with `cargo xtask build-artifacts --mode activation --model {}`)",
-            path.display(),
-            args.model.display()
-        )
-    })?;
-    let file = Arc::new(
-        GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
-    );
-    artifact.check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))?;
+    let (artifact, file) = super::bench_activation::open_inputs(args)?;
     let spec = super::bench::spec(args)?;
     let inner = CudaBackend::with_options(args.device, &spec.cuda).with_context(|| {
         format!(

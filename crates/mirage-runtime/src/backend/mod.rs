@@ -27,6 +27,7 @@
 //! op; the CPU backend keeps the default, which just runs the ops.
 
 pub mod cpu;
+mod forward;
 
 use std::sync::Arc;
 

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 pub fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -109,6 +109,17 @@ impl Server {
         // A server may answer (413) before the whole body is sent.
         let _ = s.write_all(body);
         read_all(&mut s)
+    }
+
+    /// Sends a POST of `body` to `path` on a new connection and returns the
+    /// connection unread (for a streaming client, one that leaves early, or
+    /// one still waiting when the server stops).
+    pub fn send(&self, path: &str, headers: &[(&str, &str)], body: &str) -> TcpStream {
+        let mut s = TcpStream::connect(&self.addr).unwrap();
+        s.write_all(request_head(&self.addr, "POST", path, headers, body.len()).as_bytes())
+            .unwrap();
+        s.write_all(body.as_bytes()).unwrap();
+        s
     }
 
     pub fn post(&self, path: &str, body: &Value) -> Response {
@@ -279,4 +290,10 @@ pub fn dechunk(mut b: &[u8]) -> Vec<u8> {
         b = &b[eol + 2 + size + 2..];
     }
     out
+}
+
+/// A chat completion request for `prompt` at temperature 0.
+pub fn chat_body(prompt: &str, max_tokens: usize, stream: bool) -> Value {
+    json!({"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+           "temperature": 0, "stream": stream})
 }

@@ -346,18 +346,6 @@ impl VulkanRtRouter {
         st: &InteropState,
         queries: usize,
     ) -> Result<vk::CommandBuffer, RouteError> {
-        let words = self.pages.div_ceil(32);
-        let push: Vec<u8> = [
-            queries as u32,
-            self.slices as u32,
-            self.pages as u32,
-            words as u32,
-        ]
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect();
-        let groups = (queries * words).div_ceil(64).max(1) as u32;
-        let (gx, gy) = (groups.min(65535), groups.div_ceil(65535));
         let d = &self.device;
         // SAFETY: the pool is ours; recording state is checked by the calls' results.
         unsafe {
@@ -397,50 +385,7 @@ impl VulkanRtRouter {
                 d.cmd_fill_buffer(cmd, st.masks.buffer, 0, mask_bytes, 0);
             }
             self.barrier(cmd);
-            d.cmd_push_constants(
-                cmd,
-                self.pipeline_layout,
-                vk::ShaderStageFlags::ALL,
-                0,
-                &push,
-            );
-            if self.pages > 0 {
-                d.cmd_bind_pipeline(
-                    cmd,
-                    vk::PipelineBindPoint::RAY_TRACING_KHR,
-                    self.rt_pipeline,
-                );
-                d.cmd_bind_descriptor_sets(
-                    cmd,
-                    vk::PipelineBindPoint::RAY_TRACING_KHR,
-                    self.pipeline_layout,
-                    0,
-                    &[st.desc_set],
-                    &[],
-                );
-                let r = &self.regions;
-                self.rt_fn.cmd_trace_rays(
-                    cmd,
-                    &r[0],
-                    &r[1],
-                    &r[2],
-                    &r[3],
-                    queries as u32,
-                    self.slices as u32,
-                    1,
-                );
-                self.barrier(cmd);
-            }
-            d.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, self.comp_pipeline);
-            d.cmd_bind_descriptor_sets(
-                cmd,
-                vk::PipelineBindPoint::COMPUTE,
-                self.pipeline_layout,
-                0,
-                &[st.desc_set],
-                &[],
-            );
-            d.cmd_dispatch(cmd, gx, gy, 1);
+            self.record_trace_and_threshold(cmd, st.desc_set, queries, self.pages > 0);
             // Release the bits to CUDA.
             let release = [vk::BufferMemoryBarrier::default()
                 .src_access_mask(vk::AccessFlags::SHADER_WRITE)
@@ -546,33 +491,9 @@ impl VulkanRtRouter {
                     None,
                 )
                 .map_err(vkerr("vkCreateCommandPool (interop)"))?;
-            let sizes = [
-                vk::DescriptorPoolSize::default()
-                    .ty(vk::DescriptorType::ACCELERATION_STRUCTURE_KHR)
-                    .descriptor_count(1),
-                vk::DescriptorPoolSize::default()
-                    .ty(vk::DescriptorType::STORAGE_BUFFER)
-                    .descriptor_count(6),
-            ];
-            st.desc_pool = self
-                .device
-                .create_descriptor_pool(
-                    &vk::DescriptorPoolCreateInfo::default()
-                        .max_sets(1)
-                        .pool_sizes(&sizes),
-                    None,
-                )
-                .map_err(vkerr("vkCreateDescriptorPool (interop)"))?;
-            let layouts = [self.set_layout];
-            st.desc_set = self
-                .device
-                .allocate_descriptor_sets(
-                    &vk::DescriptorSetAllocateInfo::default()
-                        .descriptor_pool(st.desc_pool)
-                        .set_layouts(&layouts),
-                )
-                .map_err(vkerr("vkAllocateDescriptorSets (interop)"))?[0];
         }
+        st.desc_pool = self.create_descriptor_pool(" (interop)")?;
+        st.desc_set = self.allocate_descriptor_set(st.desc_pool, " (interop)")?;
         // Same bindings as the batch path, with the exported buffers for the
         // points and the bits.
         // SAFETY: the set is new and not in use.

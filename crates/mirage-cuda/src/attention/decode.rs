@@ -1,0 +1,270 @@
+//! The split-KV decode attention: `attend_split_*` (a block per up to 8
+//! query heads of a GQA group and range of positions, RoPE and the KV store
+//! folded in where it can), its grid (`split_plan`: the short form for rows
+//! of at most `SHORT_KEYS` keys, else splits that depend on the batch, the
+//! cache size and the SM count only), and `attend_combine`, which merges
+//! the splits of this and of the pruned attention.
+
+use mirage_runtime::Result;
+
+use super::{CacheAttention, RopeIn};
+use crate::backend::{bad, CudaBackend};
+use crate::launch::Arg;
+
+/// Head sizes the split decode attention is compiled for (`attend_split_*_dN`).
+pub(crate) const SPLIT_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Threads of an `attend_split` block and query heads it takes at most
+/// (`AS_THREADS`, `AS_MAX_G`), and the most splits `attend_combine` merges
+/// (`AS_MAX_SPLITS`), in cuda/attention.cu.
+const SPLIT_THREADS: u32 = 128;
+/// Parameters of `attend_split_*`, `attend_split_rope_*` and
+/// `attend_combine` (checked against the PTX by `checks::nvrtc_check`).
+pub(crate) const SPLIT_ARGS: usize = 12;
+pub(crate) const SPLIT_ROPE_ARGS: usize = 16;
+pub(crate) const COMBINE_ARGS: usize = 10;
+const SPLIT_MAX_HEADS: usize = 8;
+const SPLIT_MAX: usize = 1024;
+
+/// Keys per attention split the host plans for at least: the splits of a
+/// cache are at most `n_ctx / this`, and the kernels spread each row's
+/// positions over them (`att_chunk`, whose floor `ATT_MIN_KEYS` is the same
+/// number).
+const ATTEND_MIN_CHUNK: usize = 64;
+
+/// Split blocks per SM the decode attention's grid is sized for at long
+/// context: enough loads in flight to read the cache at the copy rate.
+const SPLIT_BLOCKS_PER_SM: usize = 4;
+
+/// Rows of at most this many keys (one tile of `attend_split`, `AS_TILE`)
+/// take the short-context form: one split, one query head per block, the
+/// output written by the split kernel itself, no `attend_combine`. At that
+/// length the split form has one split per KV head with keys, so the step
+/// was a chain of two launches of a few blocks each; this is one launch of
+/// `n_head` blocks per row. A recorded step on either side of the bound is
+/// its own graph.
+const SHORT_KEYS: usize = 128;
+
+/// The grid of `attend_split_*` for one attention over the cache.
+#[derive(Debug, PartialEq)]
+struct SplitPlan {
+    /// The short form: one split whose chunk covers every row, output
+    /// written by the split kernel, no combine.
+    short: bool,
+    /// Query heads of a GQA group per block (`hpb`).
+    heads_per_block: usize,
+    /// Blocks per row along y: `n_head_kv * ceil(group / heads_per_block)`.
+    head_blocks: usize,
+    n_split: usize,
+    /// The host's chunk (`att_chunk`'s cap): `ceil(n_ctx / n_split)`.
+    chunk: usize,
+}
+
+/// `attend_cache`'s grid: the short form for rows of at most `SHORT_KEYS`
+/// keys, else splits that depend on the batch, the cache size and the SM
+/// count only (so a recorded step replays at every longer position).
+fn split_plan(at: &CacheAttention, sm_count: usize) -> SplitPlan {
+    let group = at.n_head / at.n_head_kv;
+    let short = at.max_keys <= SHORT_KEYS;
+    let heads_per_block = if short { 1 } else { group.min(SPLIT_MAX_HEADS) };
+    let head_blocks = at.n_head_kv * group.div_ceil(heads_per_block);
+    let n_split = if short {
+        1
+    } else {
+        (SPLIT_BLOCKS_PER_SM * sm_count)
+            .div_ceil(at.rows * head_blocks)
+            .min(at.n_ctx.div_ceil(ATTEND_MIN_CHUNK))
+            .clamp(1, SPLIT_MAX)
+    };
+    SplitPlan {
+        short,
+        heads_per_block,
+        head_blocks,
+        n_split,
+        chunk: at.n_ctx.div_ceil(n_split),
+    }
+}
+
+impl CudaBackend {
+    /// Every row of `at` over positions `0..=pos` of its sequence: the split
+    /// attention (`attend_split_*`, with the rows' RoPE and KV store folded
+    /// in when `rope` is given) and the combine of its splits. The split
+    /// count depends on the batch, the cache size and the device only, so a
+    /// recorded decode step replays at every position: enough splits that
+    /// the grid has `SPLIT_BLOCKS_PER_SM` blocks per SM, at most one per
+    /// `ATTEND_MIN_CHUNK` positions of the cache. Rows of at most
+    /// `SHORT_KEYS` keys take one split of one head per block instead,
+    /// which writes the output itself.
+    pub(crate) fn attend_cache(&self, at: &CacheAttention, rope: Option<RopeIn>) -> Result<()> {
+        let (n, hd) = (at.rows, at.head_dim);
+        if !SPLIT_HEAD_DIMS.contains(&hd) {
+            return Err(bad(format!(
+                "decode attention takes head_dim {SPLIT_HEAD_DIMS:?}, not {hd}"
+            )));
+        }
+        let SplitPlan {
+            short,
+            heads_per_block,
+            head_blocks,
+            n_split,
+            chunk,
+        } = split_plan(at, self.sm_count);
+        // The short form writes the output; the split form its partials.
+        let (ppart, pout) = if short {
+            (0, at.out)
+        } else {
+            let mut s = self.scratch();
+            (
+                self.reshape(&mut s.attn_part, n * at.n_head * n_split, hd + 2)?,
+                0,
+            )
+        };
+        let mut args = at.cache_args();
+        args.extend([
+            Arg::I32(at.n_head as i32),
+            Arg::I32(at.n_head_kv as i32),
+            Arg::I32(at.n_ctx as i32),
+            Arg::I32(chunk as i32),
+            Arg::I32(heads_per_block as i32),
+            Arg::F32(1.0 / (hd as f32).sqrt()),
+            Arg::Ptr(ppart),
+            Arg::Ptr(pout),
+        ]);
+        let rope_args = rope.is_some();
+        let kernel = match rope {
+            // attend_split_rope: then the unrotated k and v, mode and base.
+            Some(r) => {
+                args.extend([
+                    Arg::Ptr(r.k),
+                    Arg::Ptr(r.v),
+                    Arg::I32(r.neox as i32),
+                    Arg::Ptr(r.table),
+                ]);
+                format!("attend_split_rope_{}_d{hd}", at.kv)
+            }
+            None => format!("attend_split_{}_d{hd}", at.kv),
+        };
+        debug_assert_eq!(
+            args.len(),
+            if rope_args {
+                SPLIT_ROPE_ARGS
+            } else {
+                SPLIT_ARGS
+            }
+        );
+        self.plain(
+            &kernel,
+            (n as u32, head_blocks as u32, n_split as u32),
+            (SPLIT_THREADS, 1, 1),
+            args,
+        )?;
+        if short {
+            return Ok(());
+        }
+        self.combine(at, ppart, n_split, chunk, None)
+    }
+
+    /// `attend_combine`: rows `at` (or, with `pruned = Some((only_decode,
+    /// row_base, rows))`, the launch's rows of the pruned attention) from
+    /// their `n_split` partials at `ppart`; `chunk` 0 merges every split.
+    pub(super) fn combine(
+        &self,
+        at: &CacheAttention,
+        ppart: u64,
+        n_split: usize,
+        chunk: usize,
+        pruned: Option<(bool, usize, usize)>,
+    ) -> Result<()> {
+        let (only_decode, row_base, rows) = pruned.unwrap_or((false, 0, at.rows));
+        let args = vec![
+            Arg::Ptr(ppart),
+            Arg::Ptr(at.slots),
+            Arg::I32(at.n_head as i32),
+            Arg::I32(at.head_dim as i32),
+            Arg::I32(n_split as i32),
+            Arg::I32(chunk as i32),
+            Arg::I32(only_decode as i32),
+            Arg::I32(at.rows as i32),
+            Arg::I32(row_base as i32),
+            Arg::Ptr(at.out),
+        ];
+        debug_assert_eq!(args.len(), COMBINE_ARGS);
+        self.plain(
+            "attend_combine",
+            (rows as u32, at.n_head as u32, 1),
+            (at.head_dim as u32, 1, 1),
+            args,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(
+        rows: usize,
+        n_head: usize,
+        n_head_kv: usize,
+        n_ctx: usize,
+        max_keys: usize,
+    ) -> CacheAttention {
+        CacheAttention {
+            q: 0,
+            kc: 0,
+            vc: 0,
+            slots: 0,
+            out: 0,
+            rows,
+            n_head,
+            n_head_kv,
+            head_dim: 64,
+            n_ctx,
+            max_keys,
+            kv: "f16",
+        }
+    }
+
+    #[test]
+    fn short_rows_take_one_split_of_one_head_per_block_covering_every_row() {
+        for (n_head, n_head_kv) in [(14, 2), (28, 4), (12, 1), (4, 4)] {
+            for max_keys in [1, 64, SHORT_KEYS] {
+                let p = split_plan(&shape(3, n_head, n_head_kv, 32768, max_keys), 132);
+                assert!(p.short);
+                assert_eq!(
+                    (p.n_split, p.heads_per_block, p.head_blocks),
+                    (1, 1, n_head)
+                );
+                // att_chunk(n, 1, chunk) >= n for every row: the one split holds all keys.
+                assert!(p.chunk >= max_keys);
+            }
+        }
+        // A cache of at most SHORT_KEYS positions is always short.
+        assert!(split_plan(&shape(1, 14, 2, SHORT_KEYS, SHORT_KEYS), 132).short);
+    }
+
+    #[test]
+    fn longer_rows_split_the_cache_whatever_their_position() {
+        // One key past the short form: the split form, the same grid as at
+        // the end of the cache (a recorded step replays at every length).
+        let at = |max_keys| split_plan(&shape(1, 14, 2, 32768, max_keys), 132);
+        let (p, end) = (at(SHORT_KEYS + 1), at(32768));
+        assert!(!p.short);
+        assert_eq!(p, end);
+        assert_eq!((p.heads_per_block, p.head_blocks), (7, 2));
+        assert_eq!(p.n_split, (SPLIT_BLOCKS_PER_SM * 132).div_ceil(2));
+        assert!(p.chunk * p.n_split >= 32768);
+        // A group wider than a block takes two blocks; splits are capped by
+        // the cache (one per ATTEND_MIN_CHUNK positions) and SPLIT_MAX.
+        let wide = split_plan(&shape(1, 12, 1, 512, 300), 132);
+        assert_eq!(
+            (wide.heads_per_block, wide.head_blocks),
+            (SPLIT_MAX_HEADS, 2)
+        );
+        assert_eq!(wide.n_split, 512 / ATTEND_MIN_CHUNK);
+        let huge = split_plan(&shape(1, 1, 1, 1 << 20, 1 << 20), 100_000);
+        assert_eq!(huge.n_split, SPLIT_MAX);
+        let batch = split_plan(&shape(16, 28, 4, 4096, 4096), 132);
+        assert!(batch.n_split >= 1 && batch.chunk * batch.n_split >= 4096);
+    }
+}
