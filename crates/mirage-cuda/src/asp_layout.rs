@@ -11,8 +11,9 @@
 //! GPU one for a warp's 16-byte loads (runs of a tile's outputs in order,
 //! int8 Q8_0 codes, Q4_K's 6-bit scales in nibble and 2-bit planes).
 
-use mirage_gguf::quant::channel_major::{source_code, ChannelMajorLayout};
+use mirage_gguf::quant::channel_major::{code_position, ChannelMajorLayout};
 use mirage_gguf::GgmlType;
+use rayon::prelude::*;
 
 /// Outputs per warp of the kernels (`ASP_WARP_OUT`): tile widths are
 /// multiples of it.
@@ -144,73 +145,100 @@ pub fn from_channel_major(
     }
     let mut out = vec![0u8; l.bytes()];
     let cols = l.cols;
-    let code = |j: usize, i: usize| source_code(cm, data, j, i);
-    for t in 0..l.n_tiles() {
-        let (r, rp) = l.tile_rows(t);
-        let base = t * l.tile * l.row_bytes();
-        let run = if l.ty == GgmlType::Q8_0 { rp } else { rp / 2 };
-        let scales = base + cols * run;
-        let t0 = t * l.tile;
-        // Codes: channel i's run at i * run.
-        for i in 0..cols {
-            let dst = &mut out[base + i * run..base + (i + 1) * run];
+    // Tiles are independent, each a contiguous part of `out` (the last one
+    // padded to 16 outputs): converted in parallel (a 7B FFN matrix took
+    // about a second on one core, so a 7B model's 84 of them dominated the
+    // backend's load).
+    out.par_chunks_mut(l.tile * l.row_bytes())
+        .enumerate()
+        .for_each(|(t, tile_out)| {
+            let (r, rp) = l.tile_rows(t);
+            let run = if l.ty == GgmlType::Q8_0 { rp } else { rp / 2 };
+            let scales = cols * run;
+            let t0 = t * l.tile;
+            // Where output o's code sits in its channel-major tile's run of
+            // every channel (the same for all channels): the tile, the byte
+            // in the run and the shift (`code_position`, what `source_code`
+            // reads per code, hoisted out of the loop over channels).
+            let at: Vec<(usize, usize, u32)> = (t0..t0 + r)
+                .map(|j| {
+                    let (ct, p) = (j / cm.tile(), j % cm.tile());
+                    let ((b, sh), hi) = code_position(cm.bits(), cm.tile_rows(ct), p);
+                    debug_assert!(hi.is_none(), "4- and 8-bit codes only");
+                    (ct, b, sh)
+                })
+                .collect();
+            let (ct_lo, ct_hi) = (at[0].0, at[r - 1].0);
+            let mut run_at = vec![0usize; ct_hi - ct_lo + 1];
+            // Codes: channel i's run at i * run.
+            for i in 0..cols {
+                for (k, ct) in (ct_lo..=ct_hi).enumerate() {
+                    run_at[k] = cm.channel_offset(ct, i);
+                }
+                let dst = &mut tile_out[i * run..(i + 1) * run];
+                for (o, &(ct, b, sh)) in at.iter().enumerate() {
+                    let byte = data[run_at[ct - ct_lo] + b];
+                    let q = match l.ty {
+                        // Q8_0 codes are stored + 128.
+                        GgmlType::Q8_0 => byte ^ 0x80,
+                        _ => (byte >> sh) & 0xf,
+                    };
+                    match l.ty {
+                        GgmlType::Q8_0 => dst[o] = q,
+                        _ => {
+                            // byte 8 l + b: output 16 l + b low, 16 l + 8 + b high.
+                            let (blk, k) = (o / 16, o % 16);
+                            let at = 8 * blk + (k % 8);
+                            dst[at] |= if k < 8 { q & 0xf } else { (q & 0xf) << 4 };
+                        }
+                    }
+                }
+            }
             for o in 0..r {
-                let q = code(t0 + o, i);
+                let j = t0 + o;
+                let (ct, p) = (j / cm.tile(), j % cm.tile());
+                let cr = cm.tile_rows(ct);
                 match l.ty {
-                    GgmlType::Q8_0 => dst[o] = q,
+                    GgmlType::Q8_0 => {
+                        for g in 0..cols / GROUP {
+                            let rec = cm.record_offset(ct, g);
+                            let d = &data[rec + 2 * p..rec + 2 * p + 2];
+                            let at = scales + g * 2 * rp + 2 * o;
+                            tile_out[at..at + 2].copy_from_slice(d);
+                        }
+                    }
                     _ => {
-                        // byte 8 l + b: output 16 l + b low, 16 l + 8 + b high.
-                        let (blk, k) = (o / 16, o % 16);
-                        let at = 8 * blk + (k % 8);
-                        dst[at] |= if k < 8 { q & 0xf } else { (q & 0xf) << 4 };
-                    }
-                }
-            }
-        }
-        for o in 0..r {
-            let j = t0 + o;
-            let (ct, p) = (j / cm.tile(), j % cm.tile());
-            let cr = cm.tile_rows(ct);
-            match l.ty {
-                GgmlType::Q8_0 => {
-                    for g in 0..cols / GROUP {
-                        let rec = cm.record_offset(ct, g);
-                        let d = &data[rec + 2 * p..rec + 2 * p + 2];
-                        let at = scales + g * 2 * rp + 2 * o;
-                        out[at..at + 2].copy_from_slice(d);
-                    }
-                }
-                _ => {
-                    for sb in 0..cols / 256 {
-                        let s = scales + sb * 16 * rp;
-                        let h = cm.header_offset(ct, sb);
-                        // (d, dmin) of output o as two f16.
-                        out[s + 4 * o..s + 4 * o + 2]
-                            .copy_from_slice(&data[h + 2 * p..h + 2 * p + 2]);
-                        out[s + 4 * o + 2..s + 4 * o + 4]
-                            .copy_from_slice(&data[h + 2 * cr + 2 * p..h + 2 * cr + 2 * p + 2]);
-                        let mut sc = [0u8; 8];
-                        let mut mn = [0u8; 8];
-                        for j8 in 0..8 {
-                            let rec = cm.record_offset(ct, 8 * sb + j8);
-                            sc[j8] = data[rec + p];
-                            mn[j8] = data[rec + cr + p];
-                        }
-                        for j8 in 0..8 {
-                            out[s + (4 + j8) * rp + o] = (sc[j8] & 15) | ((mn[j8] & 15) << 4);
-                        }
-                        for k in 0..4 {
-                            let (a, b) = (2 * k, 2 * k + 1);
-                            out[s + (12 + k) * rp + o] = (sc[a] >> 4)
-                                | ((mn[a] >> 4) << 2)
-                                | ((sc[b] >> 4) << 4)
-                                | ((mn[b] >> 4) << 6);
+                        for sb in 0..cols / 256 {
+                            let s = scales + sb * 16 * rp;
+                            let h = cm.header_offset(ct, sb);
+                            // (d, dmin) of output o as two f16.
+                            tile_out[s + 4 * o..s + 4 * o + 2]
+                                .copy_from_slice(&data[h + 2 * p..h + 2 * p + 2]);
+                            tile_out[s + 4 * o + 2..s + 4 * o + 4]
+                                .copy_from_slice(&data[h + 2 * cr + 2 * p..h + 2 * cr + 2 * p + 2]);
+                            let mut sc = [0u8; 8];
+                            let mut mn = [0u8; 8];
+                            for j8 in 0..8 {
+                                let rec = cm.record_offset(ct, 8 * sb + j8);
+                                sc[j8] = data[rec + p];
+                                mn[j8] = data[rec + cr + p];
+                            }
+                            for j8 in 0..8 {
+                                tile_out[s + (4 + j8) * rp + o] =
+                                    (sc[j8] & 15) | ((mn[j8] & 15) << 4);
+                            }
+                            for k in 0..4 {
+                                let (a, b) = (2 * k, 2 * k + 1);
+                                tile_out[s + (12 + k) * rp + o] = (sc[a] >> 4)
+                                    | ((mn[a] >> 4) << 2)
+                                    | ((sc[b] >> 4) << 4)
+                                    | ((mn[b] >> 4) << 6);
+                            }
                         }
                     }
                 }
             }
-        }
-    }
+        });
     Ok((l, out))
 }
 

@@ -95,7 +95,10 @@ fn budget(dense_layers: usize) -> KvPruning {
 /// backend without pruning (another split of the same sums) at every decode
 /// step, batch 1 and 2, f32 and f16 KV, in CUDA graphs that are replayed:
 /// rel err < 1e-5 with f32 KV (1.2e-6 measured on an H100) and < 3e-5 with
-/// f16 KV (2e-6 to 1.3e-5 measured, depending on the prompt's cache).
+/// f16 KV (2e-6 to 1.3e-5 measured, depending on the prompt's cache): each
+/// run writes its own decode rows' keys and values, and a value that the
+/// other summation order moves across an f16 rounding boundary is stored
+/// one f16 step (~5e-4 of it) apart.
 #[test]
 fn every_page_selected_equals_unpruned_backend() {
     let Some(probe) = cuda("every_page_selected_equals_unpruned_backend") else {
