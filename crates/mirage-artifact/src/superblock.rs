@@ -15,8 +15,8 @@ use mirage_gguf::quant::{self, DotFn};
 use mirage_gguf::GgmlType;
 use mirage_route::{CpuBvh, Router};
 use mirage_runtime::backend::cpu::{CpuActivations, CpuMatrix};
-use mirage_runtime::backend::{AttentionParams, HostMatrix, QkNorm, TokenSlot};
-use mirage_runtime::kv_cache::{KvCache, KvSpec};
+use mirage_runtime::backend::HostMatrix;
+use mirage_runtime::kv_cache::KvCache;
 use mirage_runtime::{Backend, CpuBackend, RuntimeError};
 use rayon::prelude::*;
 
@@ -443,23 +443,9 @@ impl Backend for SuperblockBackend {
     fn name(&self) -> String {
         "superblock-cpu".into()
     }
-    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.inner.run(f)
-    }
-    fn matmul_many(
-        &self,
-        ws: &[&CpuMatrix],
-        x: &CpuActivations,
-        outs: &mut [&mut CpuActivations],
-    ) -> mirage_runtime::Result<()> {
-        self.inner.matmul_many(ws, x, outs)
-    }
-    fn upload_matrix(&self, m: &HostMatrix) -> mirage_runtime::Result<CpuMatrix> {
-        self.inner.upload_matrix(m)
-    }
-    fn upload_vector(&self, v: &[f32]) -> mirage_runtime::Result<Vec<f32>> {
-        self.inner.upload_vector(v)
-    }
+    // Everything but the FFN is the inner CPU backend's: attention, KV
+    // caches and their page pruning included.
+    mirage_runtime::forward_backend_ops!(inner, matrices);
     fn upload_ffn(
         &self,
         layer: usize,
@@ -485,76 +471,6 @@ impl Backend for SuperblockBackend {
             dot,
             row_bytes,
         })
-    }
-    fn new_kv_cache(&self, spec: KvSpec) -> mirage_runtime::Result<KvCache> {
-        self.inner.new_kv_cache(spec)
-    }
-    fn new_kv_cache_pruned(
-        &self,
-        spec: KvSpec,
-        pruning: Option<mirage_runtime::KvPruning>,
-    ) -> mirage_runtime::Result<KvCache> {
-        // Attention is the inner CPU backend's, so is its KV-page pruning.
-        self.inner.new_kv_cache_pruned(spec, pruning)
-    }
-    fn kv_set_pruning(
-        &self,
-        cache: &mut KvCache,
-        pruning: Option<mirage_runtime::KvPruning>,
-    ) -> mirage_runtime::Result<()> {
-        self.inner.kv_set_pruning(cache, pruning)
-    }
-    fn kv_truncate(&self, cache: &mut KvCache, seq: usize, pos: usize) {
-        self.inner.kv_truncate(cache, seq, pos)
-    }
-    fn new_activations(&self) -> CpuActivations {
-        self.inner.new_activations()
-    }
-    fn embed(
-        &self,
-        table: &CpuMatrix,
-        tokens: &[u32],
-        out: &mut CpuActivations,
-    ) -> mirage_runtime::Result<()> {
-        self.inner.embed(table, tokens, out)
-    }
-    fn rms_norm(
-        &self,
-        x: &CpuActivations,
-        weight: &Vec<f32>,
-        eps: f32,
-        out: &mut CpuActivations,
-    ) -> mirage_runtime::Result<()> {
-        self.inner.rms_norm(x, weight, eps, out)
-    }
-    fn matmul(
-        &self,
-        w: &CpuMatrix,
-        x: &CpuActivations,
-        out: &mut CpuActivations,
-    ) -> mirage_runtime::Result<()> {
-        self.inner.matmul(w, x, out)
-    }
-    fn add_bias(&self, x: &mut CpuActivations, bias: &Vec<f32>) -> mirage_runtime::Result<()> {
-        self.inner.add_bias(x, bias)
-    }
-    fn add(&self, acc: &mut CpuActivations, x: &CpuActivations) -> mirage_runtime::Result<()> {
-        self.inner.add(acc, x)
-    }
-    fn attention(
-        &self,
-        layer: usize,
-        params: &AttentionParams,
-        q: &mut CpuActivations,
-        k: &mut CpuActivations,
-        v: &CpuActivations,
-        qk_norm: Option<QkNorm<'_, Vec<f32>>>,
-        slots: &[TokenSlot],
-        cache: &mut KvCache,
-        out: &mut CpuActivations,
-    ) -> mirage_runtime::Result<()> {
-        self.inner
-            .attention(layer, params, q, k, v, qk_norm, slots, cache, out)
     }
     fn ffn(
         &self,
@@ -590,20 +506,5 @@ impl Backend for SuperblockBackend {
         let data: Vec<f32> = rows.into_iter().flat_map(|r| r.0).collect();
         *out = CpuActivations::from_vec(n, d, data)?;
         Ok(())
-    }
-    fn select_rows(
-        &self,
-        x: &CpuActivations,
-        rows: &[usize],
-        out: &mut CpuActivations,
-    ) -> mirage_runtime::Result<()> {
-        self.inner.select_rows(x, rows, out)
-    }
-    fn read(
-        &self,
-        x: &CpuActivations,
-        out: &mut Vec<f32>,
-    ) -> mirage_runtime::Result<(usize, usize)> {
-        self.inner.read(x, out)
     }
 }

@@ -608,17 +608,4 @@ impl Backend for ActivationCudaBackend {
         self.scratch().batch = b;
         r
     }
-
-    fn select_rows(
-        &self,
-        x: &CudaActivations,
-        rows: &[usize],
-        out: &mut CudaActivations,
-    ) -> Result<()> {
-        self.inner.select_rows(x, rows, out)
-    }
-
-    fn read(&self, x: &CudaActivations, out: &mut Vec<f32>) -> Result<(usize, usize)> {
-        self.inner.read(x, out)
-    }
 }

@@ -681,9 +681,6 @@ impl Backend for ActivationBackend {
             "activation-masked-cpu".into()
         }
     }
-    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.inner.run(f)
-    }
     fn upload_matrix(&self, m: &HostMatrix) -> RtResult<ActMatrix> {
         // The head: `output.weight`, else the tied embedding (which the
         // graph reads through `embed` as a table, and through `matmul` as
@@ -871,16 +868,5 @@ impl Backend for ActivationBackend {
         self.record(f.layer, Slot::FfnHidden, &h);
         let h = CpuActivations::from_vec(n, n_ff, h)?;
         self.masked_product(&f.down, td, &h, out)
-    }
-    fn select_rows(
-        &self,
-        x: &CpuActivations,
-        rows: &[usize],
-        out: &mut CpuActivations,
-    ) -> RtResult<()> {
-        self.inner.select_rows(x, rows, out)
-    }
-    fn read(&self, x: &CpuActivations, out: &mut Vec<f32>) -> RtResult<(usize, usize)> {
-        self.inner.read(x, out)
     }
 }

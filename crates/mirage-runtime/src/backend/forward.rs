@@ -3,15 +3,19 @@
 //! own FFN and hand every other op to the dense backend inside them).
 
 /// Inside `impl Backend for W`, where `W` holds the backend it wraps in
-/// field `$inner` and uses its vector, activation and KV cache types: the
-/// vector upload, the KV cache ops, the activation buffer, RMSNorm, bias
-/// and residual adds and attention, each forwarded to `self.$inner`. With
+/// field `$inner` and uses its vector, activation and KV cache types: its
+/// thread pool (`run`), the vector upload, the KV cache ops, the activation
+/// buffer, RMSNorm, bias and residual adds, attention, row selection and
+/// read-back, each forwarded to `self.$inner`. With
 /// `, matrices` also the step, the matrix upload, the products and the
 /// embedding lookup (for wrappers that use the inner backend's matrix type
 /// as well).
 #[macro_export]
 macro_rules! forward_backend_ops {
     ($inner:ident) => {
+        fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+            self.$inner.run(f)
+        }
         fn upload_vector(&self, v: &[f32]) -> $crate::Result<Self::Vector> {
             self.$inner.upload_vector(v)
         }
@@ -67,6 +71,21 @@ macro_rules! forward_backend_ops {
         ) -> $crate::Result<()> {
             self.$inner
                 .attention(layer, params, q, k, v, qk_norm, slots, cache, out)
+        }
+        fn select_rows(
+            &self,
+            x: &Self::Activations,
+            rows: &[usize],
+            out: &mut Self::Activations,
+        ) -> $crate::Result<()> {
+            self.$inner.select_rows(x, rows, out)
+        }
+        fn read(
+            &self,
+            x: &Self::Activations,
+            out: &mut Vec<f32>,
+        ) -> $crate::Result<(usize, usize)> {
+            self.$inner.read(x, out)
         }
     };
     ($inner:ident, matrices) => {
