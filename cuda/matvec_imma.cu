@@ -29,6 +29,8 @@
 //                    residual epilogues, folded norm), 16 rows a warp,
 //                    S warps a row group splitting the super-blocks.
 //   ffn_q4_ks[_kS] : gate, up and silu(g) * u, 16 channels a warp.
+//   mvx_q4_ks_xS   : one matrix, long rows: the split across S blocks, each
+//                    rounding only its slice of x (imma_xsplit).
 // Dynamic shared memory: the folded norm's row (4 * cols bytes, when nx is
 // set), then the planes (2 * cols + 8 * cols / 32 bytes: matvec.rs's
 // imma_smem).
@@ -314,6 +316,86 @@ __device__ __forceinline__ void ffn_q4ks_imma(FFN_PARAMS) {
     }
 }
 
+// mvx_q4_ks_x{S}: the column split across blocks, for long rows (down):
+// every block of mv3_q4_ks rounds the whole input row into its planes,
+// which for a 7B down row (18,944 values, 224 blocks) was about a quarter
+// of the kernel's time. Here a block is 8 row groups of 16 rows on one of S
+// slices of the super-blocks and rounds only that slice; its warps' sums go
+// to part[a][slice][row], and the block that completes a tile's S slices
+// (ctr[a][tile], reset to 0 by that block) adds them in slice order and
+// stores through mv_store's epilogues, so the result does not depend on
+// which block finishes last. smem: the slice's planes (imma_smem of the
+// slice's columns).
+template <int S>
+__device__ __forceinline__ void imma_xsplit(const u8* W, int rows, int cols, const float* xa, float* y,
+                                            const float* bias, float* rs, float* part, unsigned* ctr, int a,
+                                            int tile, int slice, int tiles, u8* smem) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    constexpr int PER = FAST_WARPS * IMMA_ROWS;
+    const int rb = tile * PER, nb = min(PER, rows - rb);
+    int s_lo, s_hi;
+    imma_slice<S>(cols >> 8, slice, s_lo, s_hi);
+    const int c0 = s_lo * 256, nc = (s_hi - s_lo) * 256;
+    i8* hi = (i8*)smem;
+    i8* lo = hi + nc;
+    float* sc = (float*)(lo + nc);
+    float* sum = sc + (nc >> 5);
+    imma_quantize_x(xa + c0, nc, hi, lo, sc, sum);
+    __syncthreads();
+    // Indexed by absolute super-block in imma_q4k_dot: shifted by the slice.
+    const ImmaX X{hi - c0, lo - c0, sc - (c0 >> 5), sum - (c0 >> 5)};
+    const int r0 = rb + warp * IMMA_ROWS;
+    float acc[1][2] = {{0.f, 0.f}};
+    const u8* const Ws[1] = {W};
+    if (r0 < rows && s_lo < s_hi) imma_q4k_dot<1, 2>(Ws, rows, cols, r0, s_lo, s_hi, X, lane, acc);
+    const int g = lane >> 2, t = lane & 3;
+    float* mine = part + ((long)a * S + slice) * rows;
+    if (t == 0) {
+        if (r0 + g < rows) mine[r0 + g] = acc[0][0];
+        if (r0 + g + 8 < rows) mine[r0 + g + 8] = acc[0][1];
+    }
+    // Each thread's partials are visible device-wide before the block
+    // counts itself done (the pattern of CUDA's threadFenceReduction).
+    __threadfence();
+    __syncthreads();
+    __shared__ unsigned xsplit_last;
+    unsigned* c = ctr + (long)a * tiles + tile;
+    if (threadIdx.x == 0) xsplit_last = atomicAdd(c, 1u) == (unsigned)(S - 1);
+    __syncthreads();
+    if (!xsplit_last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < nb; i += blockDim.x) {
+        float v = 0.f;
+        for (int k = 0; k < S; k++) v += __ldcg(part + ((long)a * S + k) * rows + rb + i);
+        mv_store(v, y, bias, rs, a, rows, rb + i);
+    }
+    if (threadIdx.x == 0) *c = 0u;
+}
+
+// The kernel: mv3's parameters (matrix 0 only, no folded norm: the host
+// launches it only so), then part and ctr.
+template <int S>
+__device__ __forceinline__ void mvx_q4ks(MV3_PARAMS, float* part, unsigned* ctr) {
+    const int tile = blockIdx.x / S, slice = blockIdx.x % S, tiles = gridDim.x / S;
+    {
+        // The block's rows of its slice: quants, then headers.
+        constexpr int PER = FAST_WARPS * IMMA_ROWS;
+        const int rb = tile * PER, nb = min(PER, rows0 - rb), ns = cols >> 8;
+        int s_lo, s_hi;
+        imma_slice<S>(ns, slice, s_lo, s_hi);
+        const long qs = cols >> 1;
+        if (blockIdx.y == 0 && s_lo < s_hi) {
+            l2_prefetch_rows(W0 + (long)rb * qs + (long)s_lo * 128, qs, nb,
+                             min((long)(s_hi - s_lo) * 128, (long)L2_PREFETCH_ROW));
+            l2_prefetch_rows(W0 + (long)rows0 * qs + ((long)rb * ns + s_lo) * 16, (long)ns * 16, nb,
+                             (long)(s_hi - s_lo) * 16);
+        }
+    }
+    PDL_ENTRY();
+    imma_xsplit<S>(W0, rows0, cols, x + (long)blockIdx.y * cols, y0, bias0, res, part, ctr, blockIdx.y, tile, slice,
+                   tiles, (u8*)fused_norm_xs);
+}
+
 #define IMMA_KERNELS(SUFFIX, S)                                                                                      \
     extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q4_ks##SUFFIX(MV3_PARAMS) {                   \
         mv3_q4ks_imma<S>(MV3_ARGS);                                                                                  \
@@ -325,3 +407,13 @@ IMMA_KERNELS(, 1)
 IMMA_KERNELS(_k2, 2)
 IMMA_KERNELS(_k4, 4)
 IMMA_KERNELS(_k8, 8)
+
+#define MVX_KERNEL(S)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mvx_q4_ks_x##S(MV3_PARAMS, float* part,           \
+                                                                               unsigned* ctr) {                     \
+        mvx_q4ks<S>(MV3_ARGS, part, ctr);                                                                            \
+    }
+MVX_KERNEL(2)
+MVX_KERNEL(4)
+MVX_KERNEL(8)
+MVX_KERNEL(16)

@@ -141,6 +141,21 @@ def dense_launches(mod, kind, ffn, rows, cols, ws, x, y):
                                   x, y, NULL, NULL, F32(1), F32(1), F32(1), NULL, NULL, NULL, NULL, NULL,
                                   NULL, F32(0), NULL), shared_mem=smem)
         out.append((name, launch))
+    if imma and not ffn and cols // 256 >= 32:
+        # The column split across blocks (matvec.rs XSPLIT, rows of 32
+        # super-blocks and more): each block rounds only its slice of x.
+        tiles = (rows + 127) // 128
+        for s in (2, 4, 8, 16):
+            fn = mod.get_function(f"mvx_q4_ks_x{s}")
+            part, ctr = cp.zeros(s * rows, cp.float32), cp.zeros(tiles, cp.uint32)
+            slice_cols = -(-(cols // 256) // s) * 256
+            slice_smem = 2 * slice_cols + 8 * (slice_cols // 32)
+
+            def launch(i, fn=fn, s=s, part=part, ctr=ctr, slice_smem=slice_smem):
+                fn((tiles * s, 1), (256,), (ws[i % copies], NULL, NULL, I32(rows), I32(0), I32(0), I64(0), I32(cols),
+                                           x, y, NULL, NULL, F32(1), F32(1), F32(1), NULL, NULL, NULL, NULL, NULL,
+                                           NULL, F32(0), NULL, part, ctr), shared_mem=slice_smem)
+            out.append((f"mvx_q4_ks_x{s}", launch))
     return out
 
 

@@ -10,7 +10,14 @@
 //      an f64 dot of the layout's accessor (q4ks_elem, checked against
 //      ggml's dequantizer in check_matvec) with x, within the planes'
 //      rounding (half a step per element) and f32 summing.
+//   3. imma_xsplit (mvx_q4_ks_xS, the split across blocks): the grid's
+//      blocks run one by one in two shuffled orders, two activation rows;
+//      each output equals the f64 dot plus its bias within the same bound,
+//      the residual gets exactly the stored value added, both orders give
+//      the same bits (the slices are summed in slice order whichever block
+//      completes the tile), and every tile counter is back at 0.
 // Build and run: hostcheck/run.sh.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -21,6 +28,15 @@
 #include "ptx_emu.h"
 #include "mma_emu.h"
 inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
+// One block runs at a time: the device-wide fences are no-ops, the atomic
+// a plain add, the L2 load a load.
+inline void __threadfence() {}
+inline u32 atomicAdd(u32* p, u32 v) {
+    const u32 old = *p;
+    *p = old + v;
+    return old;
+}
+inline float __ldcg(const float* p) { return *p; }
 #include "imma_extract.h"
 
 static std::mt19937 gen(5);
@@ -160,7 +176,77 @@ static void check_dot(int rows, int cols) {
     printf("imma q4_ks, %d matrices, %d x %d: worst error %.2e of the sum of |terms|\n", NM, rows, cols, worst);
 }
 
+// y[a] (and rs[a] += y[a]) of every block of an S-slice grid over `rows`
+// rows, the blocks run in `order` (indices into the grid, a-major).
+template <int S>
+static void run_xsplit(const u8* W, int rows, int cols, const std::vector<float>& x, const std::vector<float>& bias,
+                       std::vector<float>& y, std::vector<float>& rs, std::vector<u32>& ctr,
+                       const std::vector<int>& order) {
+    const int tiles = (rows + 127) / 128, n_act = (int)x.size() / cols;
+    std::vector<float> part((size_t)n_act * S * rows, NAN);
+    std::vector<uint4> smem(cols / 8 + 16);  // a slice's planes fit a whole row's
+    gridDim = dim3_{(unsigned)(tiles * S), (unsigned)n_act, 1};
+    for (int i : order) {
+        const int a = i / (tiles * S), bx = i % (tiles * S);
+        run_block(256, dim3_{(unsigned)bx, (unsigned)a, 0}, [&] {
+            imma_xsplit<S>(W, rows, cols, x.data() + (long)a * cols, y.data(), bias.data(), rs.data(), part.data(),
+                           ctr.data(), a, bx / S, bx % S, tiles, (u8*)smem.data());
+        });
+    }
+}
+
+template <int S>
+static void check_xsplit(int rows, int cols) {
+    std::normal_distribution<float> N(0.f, 1.f);
+    const int n_act = 2, tiles = (rows + 127) / 128, ns = cols / 256;
+    std::vector<float> x((size_t)n_act * cols), bias(rows), rs0((size_t)n_act * rows);
+    for (auto& v : x) v = N(gen);
+    x[5] *= 60.f;
+    for (auto& v : bias) v = N(gen);
+    for (auto& v : rs0) v = N(gen);
+    const auto mat = random_q4ks(rows, cols);
+    const u8* W = (const u8*)mat.data();
+    std::vector<int> order(n_act * tiles * S);
+    for (int i = 0; i < (int)order.size(); i++) order[i] = i;
+    std::vector<float> y1((size_t)n_act * rows, NAN), y2 = y1, rs1 = rs0, rs2 = rs0;
+    std::vector<u32> ctr((size_t)n_act * tiles, 0u);
+    std::shuffle(order.begin(), order.end(), gen);
+    run_xsplit<S>(W, rows, cols, x, bias, y1, rs1, ctr, order);
+    check(std::all_of(ctr.begin(), ctr.end(), [](u32 c) { return c == 0; }), "xsplit counters reset");
+    std::shuffle(order.begin(), order.end(), gen);
+    run_xsplit<S>(W, rows, cols, x, bias, y2, rs2, ctr, order);
+    check(memcmp(y1.data(), y2.data(), y1.size() * 4) == 0, "xsplit: the same bits in another block order");
+    double worst = 0;
+    for (int a = 0; a < n_act; a++) {
+        std::vector<float> xa(x.begin() + (long)a * cols, x.begin() + (long)(a + 1) * cols);
+        const Planes P = quantize(xa);
+        for (int r = 0; r < rows; r++) {
+            double want = bias[r], mag = std::fabs(bias[r]), step = 0;
+            for (int i = 0; i < cols; i++) {
+                const double w = q4ks_elem(W, rows, cols, r, i);
+                want += w * xa[i];
+                mag += std::fabs(w * xa[i]);
+                step += std::fabs(w) * 0.5 * P.sc[i / 32];
+            }
+            const long k = (long)a * rows + r;
+            const double err = std::fabs(y1[k] - want);
+            worst = std::max(worst, err / (mag + 1e-30));
+            if (!(err <= 1.01 * step + 2e-6 * mag)) {
+                if (fails < 10)
+                    fprintf(stderr, "xsplit S=%d %dx%d a %d row %d: got %.9g want %.9g\n", S, rows, cols, a, r, y1[k],
+                            want);
+                fails++;
+            }
+            check(rs1[k] == rs0[k] + y1[k], "xsplit residual gets the stored value");
+        }
+    }
+    printf("imma q4_ks split across %d blocks (%d super-blocks), %d x %d: worst error %.2e of the sum of |terms|\n",
+           S, ns, rows, cols, worst);
+}
+
 int main() {
+    check_xsplit<4>(136, 2304);
+    check_xsplit<16>(136, 2304);  // 9 super-blocks: some slices are empty
     check_dot<1, 2>(40, 1024);
     check_dot<1, 2>(40, 2304);
     check_dot<2, 1>(40, 2304);

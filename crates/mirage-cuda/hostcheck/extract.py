@@ -111,8 +111,9 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
 # with the accessor they are checked against; the mma instruction is
 # mma_emu.h's.
 (out / "imma_extract.h").write_text(cut(
-    "#define IMMA_ROWS", "u32 q4k_scale_byte(", "void q4k_scale_min(", "float q4ks_elem(", "struct ImmaX",
-    "void imma_quantize_x(", "void imma_q4k_dot(", "void imma_slice("))
+    "#define FAST_WARPS", "#define IMMA_ROWS", "u32 q4k_scale_byte(", "void q4k_scale_min(", "float q4ks_elem(",
+    "struct ImmaX", "void mv_store(", "void imma_quantize_x(", "void imma_q4k_dot(", "void imma_slice(",
+    "void imma_xsplit("))
 
 # The prefill attention on f16 tensor cores (attention.cu); the mma
 # instruction is mma_emu.h's.

@@ -66,7 +66,7 @@ pub(crate) struct Kernels {
 /// Kernels whose blocks may take more than the default 48 KB of dynamic
 /// shared memory: the tensor-core mat-vecs (activation planes of wide rows)
 /// and the prefill products (their rings of stages).
-const LARGE_SMEM_KERNEL_PREFIXES: &[&str] = &["mv3_q4_ks", "ffn_q4_ks", "mmq_"];
+const LARGE_SMEM_KERNEL_PREFIXES: &[&str] = &["mv3_q4_ks", "mvx_q4_ks", "ffn_q4_ks", "mmq_"];
 
 impl Kernels {
     /// Lets the kernels whose names start with one of `prefixes` take up to
@@ -136,6 +136,9 @@ pub(crate) fn kernel_names() -> Vec<String> {
     }
     for k in &SPLIT_K[1..] {
         names.push(format!("ffn_q4_ks_k{k}"));
+    }
+    for k in crate::matvec::XSPLIT {
+        names.push(format!("mvx_q4_ks_x{k}"));
     }
     names.push("mv3_q8_0s_grid".into());
     names.push("rope_table".into());
@@ -229,6 +232,10 @@ pub(crate) struct Scratch {
     pub prune_sel: Option<CudaSlice<i32>>,
     pub prune_nsel: Option<CudaSlice<i32>>,
     pub prune_part: Option<CudaSlice<f32>>,
+    /// Split-across-blocks mat-vecs (`launch::XSplit`): partial sums and
+    /// tile counters (zero between launches).
+    pub xsplit_part: Option<CudaSlice<f32>>,
+    pub xsplit_ctr: Option<CudaSlice<u32>>,
 }
 
 pub(crate) enum MemKind {

@@ -214,7 +214,7 @@ mod nvrtc_check {
         }
         // The typed mat-vec launches fill their kernels kind by kind (the
         // backend checks every launch the same way before it runs).
-        use crate::launch::{check_args, GateUp, MatVec, Work, F32};
+        use crate::launch::{check_args, GateUp, MatVec, Work, XSplit, F32};
         let mv = Work::MatVec(MatVec {
             w: [1; 3],
             rows: [32; 3],
@@ -226,7 +226,15 @@ mod nvrtc_check {
             bias: [0; 3],
             res: 0,
             norm: None,
+            xsplit: None,
         });
+        let mvx = match &mv {
+            Work::MatVec(m) => Work::MatVec(MatVec {
+                xsplit: Some(XSplit { part: 5, ctr: 6 }),
+                ..m.clone()
+            }),
+            _ => unreachable!("built above"),
+        };
         let gu = Work::GateUp(GateUp {
             gate: 1,
             up: 2,
@@ -241,6 +249,8 @@ mod nvrtc_check {
         for name in &names {
             let work = if name.starts_with("mv3_") {
                 &mv
+            } else if name.starts_with("mvx_") {
+                &mvx
             } else if name.starts_with("ffn_") {
                 &gu
             } else {

@@ -58,7 +58,11 @@ pub(crate) fn fold_norm(pn: &PendingNorm, l: &mut Launch) -> bool {
     let width = pn.width as i32;
     let batch = l.grid.1 as usize;
     let into_matvec = match &mut l.work {
-        Work::MatVec(m) if m.x == pn.out && m.cols == width && m.norm.is_none() => &mut m.norm,
+        Work::MatVec(m)
+            if m.x == pn.out && m.cols == width && m.norm.is_none() && m.xsplit.is_none() =>
+        {
+            &mut m.norm
+        }
         Work::GateUp(g) if g.x == pn.out && g.cols == width && g.norm.is_none() => &mut g.norm,
         Work::SparseFfn(f)
             if f.takes_norm
@@ -190,6 +194,7 @@ mod tests {
                 bias: [0; 3],
                 res: 0,
                 norm: None,
+                xsplit: None,
             }),
         }
     }
@@ -224,6 +229,15 @@ mod tests {
         staged.smem = 576;
         assert!(fold_norm(&norm(), &mut staged));
         assert_eq!(staged.smem, 576 + 1024);
+        // The split across blocks rounds only a slice of its input: no norm.
+        let mut xsplit = mv(3, [10, 0, 0], [256, 0, 0]);
+        if let Work::MatVec(m) = &mut xsplit.work {
+            m.xsplit = Some(crate::launch::XSplit { part: 5, ctr: 6 });
+        }
+        assert!(
+            !fold_norm(&norm(), &mut xsplit),
+            "a split-across-blocks launch"
+        );
     }
 
     #[test]

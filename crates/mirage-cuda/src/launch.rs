@@ -110,6 +110,18 @@ pub(crate) struct MatVec {
     /// Residual stream matrix 0's outputs are added into (0: none).
     pub res: u64,
     pub norm: Option<NormFold>,
+    /// The split across blocks (`mvx_*`): its partial sums and tile
+    /// counters; such a launch takes no folded norm.
+    pub xsplit: Option<XSplit>,
+}
+
+/// Device scratch of a mat-vec whose column split runs across blocks:
+/// `part[n_act][split][rows]` partial sums and `ctr[n_act][tiles]` counters
+/// (zero between launches: the last block of a tile resets its own).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct XSplit {
+    pub part: u64,
+    pub ctr: u64,
 }
 
 impl MatVec {
@@ -127,6 +139,9 @@ impl MatVec {
         a.extend(self.bias.map(Arg::Ptr));
         a.push(Arg::Ptr(self.res));
         a.extend(norm_args(self.norm, true));
+        if let Some(xs) = self.xsplit {
+            a.extend([Arg::Ptr(xs.part), Arg::Ptr(xs.ctr)]);
+        }
         a
     }
 }
@@ -461,9 +476,18 @@ mod tests {
             bias: [0; 3],
             res: 5,
             norm: Some(norm),
+            xsplit: None,
         };
         let a = mv.args();
         assert_eq!(a.len(), crate::matvec::MV3_ARGS);
+        let x = MatVec {
+            norm: None,
+            xsplit: Some(XSplit { part: 11, ctr: 12 }),
+            ..mv.clone()
+        }
+        .args();
+        assert_eq!(x.len(), crate::matvec::MV3_ARGS + 2);
+        assert_eq!(x[crate::matvec::MV3_ARGS..], [Arg::Ptr(11), Arg::Ptr(12)]);
         assert_eq!(a[8], Arg::Ptr(9));
         assert_eq!(a[18], Arg::Ptr(5));
         assert_eq!(

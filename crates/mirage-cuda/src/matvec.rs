@@ -8,7 +8,7 @@
 use mirage_runtime::{Result, RuntimeError};
 
 use crate::backend::{bad, drv, CudaBackend};
-use crate::launch::{Arg, GateUp, Launch, MatVec, Work, F32};
+use crate::launch::{Arg, GateUp, Launch, MatVec, Work, XSplit, F32};
 use crate::weights::{CudaFfn, CudaMatrix, Layout};
 use crate::CudaError;
 
@@ -39,6 +39,17 @@ const IMMA_ROWS: usize = 16;
 /// SM (their blocks stage the input in shared memory, so fewer and larger
 /// blocks than the f32 kernels'), with slices of at least one super-block.
 const IMMA_BLOCKS_PER_SM: usize = 2;
+
+/// Splits of `mvx_q4_ks_x*` (cuda/matvec_imma.cu), the column split across
+/// blocks: each block rounds only its slice of x, which for long rows is a
+/// large share of the one-block-a-row-group kernels' time (7B down, 74
+/// super-blocks: about a quarter of `mv3_q4_ks_k8`'s, measured alone on an
+/// H100). Rows of fewer super-blocks keep those kernels.
+pub(crate) const XSPLIT: [usize; 4] = [2, 4, 8, 16];
+const XSPLIT_MIN_SUPERBLOCKS: usize = 32;
+/// Activation rows a split-across-blocks launch takes (its scratch grows
+/// with them; larger batches are prefill products).
+const XSPLIT_MAX_ROWS: usize = 16;
 
 /// Shared memory of the tensor-core mat-vecs' activation planes for rows of
 /// `cols` (`imma_stage_x`: two int8 planes, a scale and a sum per 32).
@@ -370,7 +381,11 @@ impl CudaBackend {
             bias: [0; 3],
             res: 0,
             norm: None,
+            xsplit: None,
         };
+        if let Some(split) = self.xsplit_for(w0, ws.len(), n_act) {
+            return self.mvx(w0, m, split, n_act);
+        }
         let mut blocks = 0usize;
         for (i, (w, &y)) in ws.iter().zip(ys).enumerate() {
             m.w[i] = self.ptr(&w.data);
@@ -395,6 +410,52 @@ impl CudaBackend {
             grid: (blocks as u32, n_act as u32, 1),
             block: ((32 * WARPS) as u32, 1, 1),
             smem,
+            work: Work::MatVec(m),
+        })
+    }
+
+    /// The split across blocks (`mvx_q4_ks_x*`) for one split-Q4_K matrix
+    /// with rows of at least `XSPLIT_MIN_SUPERBLOCKS` super-blocks and at
+    /// most `XSPLIT_MAX_ROWS` activation rows: the largest split whose grid
+    /// still fits `IMMA_BLOCKS_PER_SM` blocks an SM (at least 2), or `None`
+    /// for the one-block-a-row-group kernels.
+    fn xsplit_for(&self, w: &CudaMatrix, n_mats: usize, n_act: usize) -> Option<usize> {
+        if w.layout != Layout::Q4KSplit
+            || n_mats != 1
+            || n_act > XSPLIT_MAX_ROWS
+            || w.cols / 256 < XSPLIT_MIN_SUPERBLOCKS
+        {
+            return None;
+        }
+        let tiles = w.rows.div_ceil(WARPS * IMMA_ROWS);
+        let target = IMMA_BLOCKS_PER_SM * self.sm_count;
+        let fits = XSPLIT
+            .iter()
+            .copied()
+            .filter(|&s| tiles * s <= target)
+            .max();
+        Some(fits.unwrap_or(XSPLIT[0]))
+    }
+
+    /// `mvx_q4_ks_x{split}` for the one matrix of `m` (norm not folded:
+    /// `fusion::fold_norm` leaves these launches alone).
+    fn mvx(&self, w: &CudaMatrix, mut m: MatVec, split: usize, n_act: usize) -> Result<()> {
+        let tiles = w.rows.div_ceil(WARPS * IMMA_ROWS);
+        let slice_cols = (w.cols / 256).div_ceil(split) * 256;
+        let (part, ctr) = {
+            let mut s = self.scratch();
+            let s = &mut *s;
+            (
+                self.grow_scratch(&mut s.xsplit_part, n_act * split * w.rows)?,
+                self.grow_scratch(&mut s.xsplit_ctr, n_act * tiles)?,
+            )
+        };
+        m.xsplit = Some(XSplit { part, ctr });
+        self.push_launch(Launch {
+            kernel: self.kernels.index(&format!("mvx_q4_ks_x{split}"))?,
+            grid: ((tiles * split) as u32, n_act as u32, 1),
+            block: ((32 * WARPS) as u32, 1, 1),
+            smem: imma_smem(slice_cols) as u32,
             work: Work::MatVec(m),
         })
     }

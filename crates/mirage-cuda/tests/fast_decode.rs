@@ -444,6 +444,44 @@ fn recorded_step_fusions_equal_op_by_op_decode() {
     }
 }
 
+/// FFN rows of 32 super-blocks and more (a 7B down row has 74) take the
+/// Q4_K column split across blocks, the residual add folded into it: the
+/// recorded decode equals the CPU backend with f32 activations on the same
+/// inputs (the CPU's greedy tokens forced), batch 1 and 2.
+#[test]
+fn long_q4_k_down_rows_decode_matches_cpu() {
+    let test = "long_q4_k_down_rows_decode_matches_cpu";
+    let Some(gpu) = cuda(test) else {
+        return;
+    };
+    let q8 = GgmlType::Q8_0;
+    let file = Tiny {
+        types: [q8, q8, q8, q8, GgmlType::Q4_K, GgmlType::Q4_K],
+        ..Tiny::Q8_BIASED
+    }
+    .build_with_ffn(29, 32 * 256);
+    let cuda = Model::load(file.clone(), gpu).unwrap();
+    let cpu = Model::load(file, CpuBackend::new_f32_activations(0).unwrap()).unwrap();
+    let vocab = cpu.config().vocab_size;
+    for batch in [1usize, 2] {
+        let g = Greedy {
+            batch,
+            ..Greedy::default()
+        };
+        let (want, tokens) = greedy_run(&cpu, g);
+        let (got, _) = greedy_run(
+            &cuda,
+            Greedy {
+                force: Some(&tokens),
+                ..g
+            },
+        );
+        let worst = worst_cosine(&got, &want, vocab);
+        eprintln!("batch {batch}: CUDA vs CPU worst step cosine {worst:.7}");
+        assert!(worst >= 0.9999, "batch {batch}: cosine {worst}");
+    }
+}
+
 /// The GPU tests' fixtures are valid without a GPU (a shape a type cannot
 /// hold fails here, not on the device): every matrix they quantize, and the
 /// biased models run on the CPU backend with finite logits.

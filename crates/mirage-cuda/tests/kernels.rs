@@ -101,6 +101,49 @@ fn matvec_and_embed_every_type_match_f64_reference() {
         .is_err());
 }
 
+/// Q4_K rows of 32 super-blocks and more take the column split across
+/// blocks (`mvx_q4_ks_x*`, the partials summed by each tile's last block):
+/// the f64 reference at 1 and 3 activation rows, 300 rows (a partly filled
+/// last tile), rows of 33 and 74 super-blocks (some splits hold empty
+/// slices), and the same bits when run again (the tile counters reset).
+#[test]
+fn long_q4_k_rows_split_across_blocks_match_f64_reference() {
+    let Some(gpu) = cuda("long_q4_k_rows_split_across_blocks_match_f64_reference") else {
+        return;
+    };
+    let mut r = rng(4);
+    let rows = 300usize;
+    for cols in [33 * 256usize, 74 * 256] {
+        let values = randn(&mut r, rows * cols);
+        let hm = host_matrix(GgmlType::Q4_K, rows, cols, &values);
+        let w = dequantized(&hm);
+        let dm = gpu.upload_matrix(&hm).unwrap();
+        for n_act in [1usize, 3] {
+            let x = randn(&mut r, n_act * cols);
+            let want = matvec_reference(&w, &x, rows, cols, n_act);
+            let dx = gpu.upload_activations(n_act, cols, &x).unwrap();
+            let mut runs = Vec::new();
+            for _ in 0..2 {
+                let mut dy = gpu.new_activations();
+                gpu.matmul(&dm, &dx, &mut dy).unwrap();
+                let mut got = Vec::new();
+                assert_eq!(gpu.read(&dy, &mut got).unwrap(), (n_act, rows));
+                runs.push(got);
+            }
+            let e = rel_err(&runs[0], &want);
+            eprintln!("Q4_K {rows} x {cols}, {n_act} rows: matvec rel err {e:.2e}");
+            assert!(
+                e < matvec_bound(GgmlType::Q4_K),
+                "{cols} columns, {n_act} rows: rel err {e}"
+            );
+            assert_eq!(
+                runs[0], runs[1],
+                "{cols} columns, {n_act} rows: a second run differs"
+            );
+        }
+    }
+}
+
 #[test]
 fn norm_bias_residual_select_and_argmax_match_cpu() {
     let Some(gpu) = cuda("norm_bias_residual_select_and_argmax_match_cpu") else {

@@ -286,7 +286,12 @@ impl Tiny {
 
     /// The model's GGUF bytes, weights drawn from `seed`.
     pub fn build(&self, seed: u64) -> Arc<GgufFile> {
-        let (d, ff, vocab, n_layer) = (256usize, 512usize, 384usize, 2usize);
+        self.build_with_ffn(seed, 512)
+    }
+
+    /// [`Tiny::build`] with an FFN of `ff` channels (a multiple of 256).
+    pub fn build_with_ffn(&self, seed: u64, ff: usize) -> Arc<GgufFile> {
+        let (d, vocab, n_layer) = (256usize, 384usize, 2usize);
         let (n_head, n_head_kv, hd) = (4usize, 2usize, 64usize);
         let arch = self.arch;
         let qwen = arch == "qwen2";
