@@ -383,9 +383,6 @@ impl CudaBackend {
             norm: None,
             xsplit: None,
         };
-        if let Some(split) = self.xsplit_for(w0, ws.len(), n_act) {
-            return self.mvx(w0, m, split, n_act);
-        }
         let mut blocks = 0usize;
         for (i, (w, &y)) in ws.iter().zip(ys).enumerate() {
             m.w[i] = self.ptr(&w.data);
@@ -393,6 +390,9 @@ impl CudaBackend {
             m.y[i] = y;
             m.tensor_scale[i] = F32(w.tensor_scale());
             blocks += w.rows.div_ceil(per_block);
+        }
+        if let Some(split) = self.xsplit_for(w0, ws.len(), n_act) {
+            return self.mvx(w0, m, split, n_act);
         }
         let k = split_suffix(split);
         let mut kernel = self.kernels.index(&format!("mv3_{suffix}{k}"))?;

@@ -119,8 +119,9 @@ impl StepProfile {
 
 /// The op class a kernel's time counts in ([`StepProfile`]), by its name.
 pub fn op_class(kernel: &str) -> OpClass {
-    const MATVEC: [&str; 7] = [
+    const MATVEC: [&str; 8] = [
         "mv3_",
+        "mvx_",
         "ffn_",
         "dequant_",
         "superblock_",
