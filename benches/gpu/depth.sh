@@ -23,7 +23,8 @@
 # (default 0,4096,32768), GEN (decode steps per depth, default 64), BUDGET
 # (default 500), MODELS (shape:quant list), SUITES (test binaries; empty for
 # none), MIRAGE_MODELS_DIR, LLAMA_BUILD_PID (a llama-bench build
-# running beside this script: the peer rows wait for it).
+# running beside this script: the peer rows wait for it), LLAMA_FA
+# (llama-bench's -fa: 0 by default; 1 for a build with FlashAttention).
 set -uo pipefail
 BUNDLE=$(cd "${1:?usage: depth.sh BUNDLE_DIR [LLAMA_BENCH]}" && pwd)
 LB=${2:-}
@@ -32,6 +33,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 WORK=${WORK:-/tmp/mirage-depth}
 DEPTHS=${DEPTHS:-0,4096,32768}
 GEN=${GEN:-64}
+LLAMA_FA=${LLAMA_FA:-0}
 BUDGET=${BUDGET:-500}
 gpu_start
 
@@ -66,10 +68,10 @@ for m in $MODELS; do
   shape=${m%:*} q=${m#*:} f=$WORK/${m%:*}-${m#*:}.gguf tag=$shape-$q
   [ -f "$f" ] || continue
   if [ -n "$shallow" ] && budget_left "llama-bench $tag"; then
-    step "llama-$tag" 150 "$LB" -m "$f" -ngl 99 -p 0 -n "$GEN" -d "$shallow" -r 3 -o json
+    step "llama-$tag" 150 "$LB" -m "$f" -ngl 99 -fa "$LLAMA_FA" -p 0 -n "$GEN" -d "$shallow" -r 3 -o json
   fi
   budget_left "llama-bench $tag at $deepest" &&
-    step "llama-deep-$tag" 150 "$LB" -m "$f" -ngl 99 -p 0 -n "$GEN" -d "$deepest" -r 1 -o json
+    step "llama-deep-$tag" 150 "$LB" -m "$f" -ngl 99 -fa "$LLAMA_FA" -p 0 -n "$GEN" -d "$deepest" -r 1 -o json
 done
 kill "$SYNTH" 2>/dev/null
 wait 2>/dev/null
@@ -80,7 +82,7 @@ echo "## GPU suites (bundle $(cat "$BUNDLE/COMMIT" 2>/dev/null || echo '?'))"
 printf '%-20s %7s %7s %7s\n' suite passed failed seconds
 while read -r _ name p f s; do printf '%-20s %7s %7s %7s\n' "$name" "$p" "$f" "$s"; done < "$LOG/suites.txt"
 echo
-echo "## decode at depth: mirage-cli bench --kv f16 -d $DEPTHS --gen $GEN vs llama-bench -p 0 -n $GEN -d D"
+echo "## decode at depth: mirage-cli bench --kv f16 -d $DEPTHS --gen $GEN vs llama-bench -fa $LLAMA_FA -p 0 -n $GEN -d D"
 python3 - "$LOG" $MODELS <<'PY'
 import json, os, sys
 log, models = sys.argv[1], sys.argv[2:]
