@@ -13,6 +13,14 @@
 #       (there) unpacks and builds llama-bench for sm_90 with CUDA, FlashAttention kernels off
 #       (GGML_CUDA_FA=OFF keeps the build near 5 minutes on 16 cores). Idempotent.
 #
+#   benches/gpu_peer.sh build-fa SRC.tar.xz BUILD_DIR
+#       (here, no GPU needed) builds llama-bench for sm_90 with the FlashAttention kernels
+#       (GGML_CUDA_FA=ON, the `-fa 1` peer), too long a build for one call on the GPU machine
+#       (about 30 minutes on 2 cores here). Fetches the CUDA 13.0 compiler, runtime and cuBLAS
+#       wheels from PyPI into BUILD_DIR/cuda (~1.2 GB unpacked; the GPU machine's driver is CUDA
+#       13.0), links against a stub libcuda.so (the real one is the GPU machine's), and leaves
+#       BUILD_DIR/llama-bench-fa.tar.xz (the stripped binary, ~40 MiB) to carry there.
+#
 #   benches/gpu_peer.sh compare LLAMA_BENCH MIRAGE_CLI MODEL.gguf [MODEL.gguf ...]
 #       (there) for each model: llama-bench -p 512 -n 128 -ngl 99 -r 3 (JSON) and
 #       mirage-cli bench --backend cuda --prompt 512 --gen 128 --json, then a markdown table with the
@@ -55,6 +63,41 @@ build)
         || { tail -60 "$dir/build.log"; exit 1; }
     ls -l "$dir/build/bin/llama-bench"
     ;;
+build-fa)
+    tarball="${1:?usage: gpu_peer.sh build-fa SRC.tar.xz BUILD_DIR}"; dir="${2:?build dir}"
+    mkdir -p "$dir" && dir="$(cd "$dir" && pwd)"
+    cuda="$dir/cuda/nvidia/cu13"
+    if [[ ! -x "$cuda/bin/nvcc" ]]; then
+        python3 -m pip download --no-deps -d "$dir/wheels" nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 \
+            nvidia-cuda-crt==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cublas==13.0.2.14 nvidia-cuda-cccl==13.0.85
+        for w in "$dir"/wheels/*.whl; do python3 -m zipfile -e "$w" "$dir/cuda"; done
+        chmod -R +x "$cuda/bin" "$cuda/nvvm/bin"
+        for l in cudart cublas cublasLt; do ln -sf "lib$l.so.13" "$cuda/lib/lib$l.so"; done
+        ln -sfn lib "$cuda/lib64"
+    fi
+    [[ -d "$dir/llama.cpp" ]] || tar -C "$dir" -xJf "$tarball"
+    # ggml-cuda's memory pool calls the driver API: the link needs a libcuda.so that names those
+    # functions (the GPU machine's libcuda.so.1 provides them at run time).
+    mkdir -p "$dir/stub"
+    printf 'int %s(void) { return 0; }\n' cuDeviceGet cuDeviceGetAttribute cuGetErrorString cuMemAddressFree \
+        cuMemAddressReserve cuMemCreate cuMemGetAllocationGranularity cuMemMap cuMemRelease cuMemSetAccess \
+        cuMemUnmap >"$dir/stub/libcuda.c"
+    gcc -shared -fPIC -Wl,-soname,libcuda.so.1 "$dir/stub/libcuda.c" -o "$dir/stub/libcuda.so"
+    PATH="$cuda/bin:$PATH" cmake -S "$dir/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=ON -DGGML_NATIVE=OFF \
+        -DCMAKE_CUDA_COMPILER="$cuda/bin/nvcc" -DCUDAToolkit_ROOT="$cuda" \
+        -DCUDA_cuda_driver_LIBRARY="$dir/stub/libcuda.so" \
+        -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$dir/cmake.log" 2>&1 \
+        || { tail -40 "$dir/cmake.log"; exit 1; }
+    PATH="$cuda/bin:$PATH" nice cmake --build "$dir/build" --target llama-bench -j "$(nproc)" >"$dir/build.log" 2>&1 \
+        || { grep -E "error|undefined" "$dir/build.log" | head -20; exit 1; }
+    s="$(mktemp -d)"
+    cp "$dir/build/bin/llama-bench" "$s/" && strip "$s/llama-bench"
+    tar -C "$s" -cJf "$dir/llama-bench-fa.tar.xz.tmp" llama-bench && mv "$dir/llama-bench-fa.tar.xz.tmp" "$dir/llama-bench-fa.tar.xz"
+    rm -rf "$s"
+    ls -l "$dir/llama-bench-fa.tar.xz"
+    ;;
 compare)
     lb="${1:?usage: gpu_peer.sh compare LLAMA_BENCH MIRAGE_CLI MODEL...}"; mc="${2:?mirage-cli}"; shift 2
     reps="${PEER_REPS:-3}"; outdir="${PEER_OUT:-.}"; mkdir -p "$outdir"
@@ -81,5 +124,5 @@ PY
     printf '%s\n' "${rows[@]}"
     ;;
 *)
-    sed -n '2,22p' "$0"; exit 2 ;;
+    sed -n '2,27p' "$0"; exit 2 ;;
 esac
