@@ -394,9 +394,9 @@ fn thresholds_skip_their_share_of_the_calibration_inputs() {
     )
     .unwrap();
     for crit in Criterion::ALL {
-        // Every projection at 0.4, the head dense.
+        // Every projection and the head at 0.4.
         let mut row = vec![0.4f32; n_layer * 7];
-        row.push(0.0);
+        row.push(0.4);
         sparse
             .backend()
             .set_thresholds(a.thresholds(crit, &row))
@@ -424,6 +424,16 @@ fn thresholds_skip_their_share_of_the_calibration_inputs() {
                 );
             }
         }
+        // The head's products are counted too, last (its input depends on
+        // every layer's masks).
+        assert_eq!(st.active.len(), n_layer * 7 + 1);
+        let (kept, rows) = st.active[n_layer * 7];
+        let cols = a.matrices().last().unwrap().layout.cols() as f64;
+        let skipped = 1.0 - kept as f64 / rows.max(1) as f64 / cols;
+        assert!(
+            rows > 0 && (skipped - 0.4).abs() < 0.15,
+            "{crit} head: {rows} rows, skipped {skipped}"
+        );
     }
 }
 

@@ -126,7 +126,8 @@ pub struct ActFfn {
 /// Counters of the sparse products since the last [`ActivationBackend::take_stats`].
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SparseStats {
-    /// Per matrix index (`layer * 7 + proj`): (active channels, input rows).
+    /// Per matrix index (`layer * 7 + proj`, then the lm head): (active
+    /// channels, input rows).
     pub active: Vec<(u64, u64)>,
     /// Weight bytes the decode kernels read.
     pub kernel_bytes: u64,
@@ -439,7 +440,7 @@ impl ActivationBackend {
     ) {
         let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
         if st.active.is_empty() {
-            st.active = vec![(0, 0); self.n_layer * Proj::ALL.len()];
+            st.active = vec![(0, 0); super::fit::head_index(self.n_layer) + 1];
         }
         for (m, act, n) in counts {
             if let Some(e) = st.active.get_mut(m) {
