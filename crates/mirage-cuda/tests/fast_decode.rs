@@ -447,11 +447,13 @@ fn recorded_step_fusions_equal_op_by_op_decode() {
 /// FFN rows of 32 super-blocks and more (a 7B down row has 74) take the
 /// Q4_K column split across blocks, the residual add folded into it: the
 /// recorded decode equals the CPU backend with f32 activations on the same
-/// inputs (the CPU's greedy tokens forced), batch 1 and 2.
+/// inputs (the CPU's greedy tokens forced), batch 1 and 2. The prompt goes
+/// through the decode mat-vecs too: the prefill GEMMs round activations to
+/// 16 bits (worst step cosine 0.99983 with them, under the bound).
 #[test]
 fn long_q4_k_down_rows_decode_matches_cpu() {
     let test = "long_q4_k_down_rows_decode_matches_cpu";
-    let Some(gpu) = cuda(test) else {
+    let Some(gpu) = cuda_with(test, &matvec_only(WeightFormat::Native)) else {
         return;
     };
     let q8 = GgmlType::Q8_0;
