@@ -8,7 +8,8 @@
 //! `--decode-tokens N` also runs the first N positions token by token
 //! through the channel-major decode kernels and compares. A first row
 //! measures the repacked model itself at sparsity 0 through the decode
-//! kernels against the dense path.
+//! kernels against the dense path, and both against the same weights with
+//! f32 activations.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
