@@ -3,11 +3,15 @@ compiled with NVRTC) beside the shipped dense kernels on the same shapes, in
 one run. Needs CuPy and numpy (the GPU machine has them); about 2 minutes on
 an H100.
 
-    python3 benches/gpu/sparse_matvec.py
+    python3 benches/gpu/sparse_matvec.py [--real REAL.npz] [--correctness-only]
 
 First the correctness of the sparse kernels: on one shape per type (Q8_0 at
 1152 x 896, Q4_K at 896 x 4864, both with a partial last tile) matrices
-packed from random ggml blocks, the channel lists against the CPU rule, and
+packed from random ggml blocks and, with --real, the real Q8_0 and Q4_K
+matrices that benches/gpu/real_blocks.py copies from the shipped
+Qwen2.5-Coder-0.5B (after checking this script's reading of their blocks
+against the gguf package's dequantization), the channel lists against the
+CPU rule, and
 every kernel variant's product against an f64 numpy product over the same
 active channels (error = max |y - ref| / max |ref|; bounds: 1e-5 against
 the list's int8 activations dx * xq, 2e-2 against x itself; all channels
@@ -263,13 +267,35 @@ def scratch(rows, cols, mats):
 
 # ---------------------------------------------------------------------------
 
-def correctness(sp, failures):
+def real_pairs(path, failures):
+    """The real matrix pairs of real_blocks.py's file: (label, type, rows,
+    cols, blocks 0, blocks 1), each matrix's numpy reading checked against
+    the gguf package's product stored beside it."""
+    data = np.load(path)
+    pairs = []
+    for ty in ("q8_0", "q4_k"):
+        bs = [data[f"{ty}_{i}"] for i in (0, 1)]
+        for i, b in enumerate(bs):
+            got = dequantize(ty, b) @ data[f"{ty}_{i}_v"]
+            want = data[f"{ty}_{i}_wv"]
+            err = np.abs(got - want).max() / np.abs(want).max()
+            if not err <= 1e-6:
+                failures.append(f"real {ty} {i}: this script's dequantization differs from gguf's ({err:.3g})")
+        rows, cols = bs[0].shape[0], bs[0].shape[1] * (32 if ty == "q8_0" else 256)
+        pairs.append((f"real {ty}", ty, rows, cols, bs[0], bs[1]))
+    return pairs
+
+
+def correctness(sp, failures, real=None):
     print("Correctness (error = max |y - ref| / max |ref|; bounds "
           f"{BOUND_CODES:g} against the list's dx * xq, {BOUND_X:g} against x):")
     print("| type | shape | skipped | lists = CPU rule | worst error (dx * xq) | worst error (x) | kernels |")
     print("|---|---|---:|---|---:|---:|---|")
-    for ty, rows, cols in (("q8_0", 1152, 896), ("q4_k", 896, 4864)):
-        b0, b1 = random_blocks(ty, rows, cols), random_blocks(ty, rows, cols)
+    cases = [(ty, ty, rows, cols, random_blocks(ty, rows, cols), random_blocks(ty, rows, cols))
+             for ty, rows, cols in (("q8_0", 1152, 896), ("q4_k", 896, 4864))]
+    if real:
+        cases += real_pairs(real, failures)
+    for label, ty, rows, cols, b0, b1 in cases:
         W = [dequantize(ty, b0), dequantize(ty, b1)]
         tiles = sorted({tile for _, tile in BLOCKS})
         ws = {tile: [cp.asarray(pack(ty, b, rows, cols, tile)) for b in (b0, b1)] for tile in tiles}
@@ -285,7 +311,7 @@ def correctness(sp, failures):
             got = cp.asnumpy(lst)
             same = bool(np.array_equal(got, cpu_list(x, thr)))
             if not same:
-                failures.append(f"{ty}: list differs from the CPU rule at {skipped:.0%} skipped")
+                failures.append(f"{label}: list differs from the CPU rule at {skipped:.0%} skipped")
             k, xq = list_fields(got)
             act = np.zeros(cols, bool)  # the listed channels
             rec = got.view(np.uint32).reshape(-1, 32)
@@ -309,13 +335,13 @@ def correctness(sp, failures):
                             outs.append([cp.asnumpy(y) for y in ys])
                         if any(not np.array_equal(a.view(np.uint32), b.view(np.uint32))
                                for a, b in zip(outs[0], outs[1])):
-                            failures.append(f"{ty} {variant} w{nw} t{tile} gpw {gpw}: two runs differ")
+                            failures.append(f"{label} {variant} w{nw} t{tile} gpw {gpw}: two runs differ")
                         if int(cp.asnumpy(ctr).max()) != 0:
-                            failures.append(f"{ty} {variant} w{nw} t{tile} gpw {gpw}: counters left non-zero")
+                            failures.append(f"{label} {variant} w{nw} t{tile} gpw {gpw}: counters left non-zero")
                         for y, rq, rx in zip(outs[0], refs_q, refs_x):
                             if skipped >= 1:
                                 if np.any(y != 0):
-                                    failures.append(f"{ty} {variant} w{nw} t{tile}: all skipped but y != 0")
+                                    failures.append(f"{label} {variant} w{nw} t{tile}: all skipped but y != 0")
                                 continue
                             scale = np.abs(rq).max()
                             eq = np.abs(y - rq).max() / scale
@@ -323,9 +349,9 @@ def correctness(sp, failures):
                             eq = np.inf if np.isnan(eq) else eq
                             worst_q, worst_x = max(worst_q, eq), max(worst_x, ex)
                             if not eq <= BOUND_CODES or not ex <= BOUND_X:
-                                failures.append(f"{ty} {variant} w{nw} t{tile} gpw {gpw} at {skipped:.0%} skipped: error "
+                                failures.append(f"{label} {variant} w{nw} t{tile} gpw {gpw} at {skipped:.0%} skipped: error "
                                                 f"{eq:.3g} (dx * xq) {ex:.3g} (x)")
-            print(f"| {ty} | {rows} x {cols} | {skipped:.0%} | {'yes' if same else 'NO'} | {worst_q:.2e} | "
+            print(f"| {label} | {rows} x {cols} | {skipped:.0%} | {'yes' if same else 'NO'} | {worst_q:.2e} | "
                   f"{worst_x:.2e} | {len(names)} ({', '.join(names[:2])}, ...), 1 and 3 groups a warp |", flush=True)
         del ws, ys, part, ctr
         cp.get_default_memory_pool().free_all_blocks()
@@ -339,7 +365,15 @@ def main():
     dmod = dense.dense_module()
     sp = Sparse()
     failures = []
-    correctness(sp, failures)
+    args = sys.argv[1:]
+    real = args[args.index("--real") + 1] if "--real" in args else None
+    correctness(sp, failures, real)
+    if "--correctness-only" in args:
+        if failures:
+            print("\nFAILED:\n  " + "\n  ".join(failures))
+            return 1
+        print("\nall correctness checks passed")
+        return 0
     print("\nTimings (graphs of 40 launches, every launch another copy of the matrices; each variant at its "
           "fastest launch: w warps a block, t outputs a tile, g groups of 32 channels a warp; skipped: the share "
           "of input channels the list skips):")
