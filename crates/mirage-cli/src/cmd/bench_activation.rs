@@ -18,7 +18,7 @@ use mirage_gguf::GgufFile;
 use mirage_runtime::backend::Backend;
 use mirage_runtime::{CpuBackend, KvDtype, Model, TokenSlot};
 
-use super::bench::BenchArgs;
+use super::bench::{argmax, bench_prompt, BenchArgs};
 
 /// The default activation artifact of a model: `<model>.activation.mirage`.
 pub fn default_artifact(model: &Path) -> PathBuf {
@@ -32,28 +32,6 @@ fn load_avg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "?".into())
-}
-
-pub(super) fn random_prompt(n: usize, vocab: usize) -> Vec<u32> {
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    (0..n)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 33) % (vocab.min(32000) as u64 - 1) + 1) as u32
-        })
-        .collect()
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut b = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[b] {
-            b = i;
-        }
-    }
-    b as u32
 }
 
 /// Prefills `prompt`, calls `after_prefill`, then decodes `gen` tokens
@@ -111,7 +89,7 @@ pub(super) fn prompt(
             (t, p.display().to_string())
         }
         None => (
-            random_prompt(args.prompt.max(1), vocab.max(2)),
+            bench_prompt(vocab, args.prompt.max(1)),
             "random tokens".to_string(),
         ),
     })

@@ -18,7 +18,7 @@ use mirage_artifact::activation::{Proj, SparsityTarget};
 use mirage_runtime::backend::Backend;
 use mirage_runtime::{KvDtype, Model, TokenSlot};
 
-use super::bench::BenchArgs;
+use super::bench::{argmax, BenchArgs};
 use super::bench_activation::{decode, median, prompt};
 
 /// Decode rows whose FFN bytes are averaged per configuration.
@@ -85,16 +85,6 @@ fn ffn_read(
         kept: kept / BYTE_ROWS as f64,
         profile: inner.take_step_profile(),
     })
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut b = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[b] {
-            b = i;
-        }
-    }
-    b as u32
 }
 
 /// Runs the CUDA activation-sparsity bench.

@@ -25,6 +25,8 @@ use mirage_gguf::GgufFile;
 use mirage_runtime::{Backend, CpuBackend, KvDtype, Model, TokenSlot};
 use serde_json::json;
 
+use super::bench::argmax;
+
 /// The `--plan` word for the artifact's own choice (no plan named).
 const DEFAULT_PLAN: &str = "default";
 
@@ -54,16 +56,6 @@ struct Scored {
     ppl: f64,
     cosine: f64,
     top1: f64,
-}
-
-fn argmax(v: &[f32]) -> usize {
-    let mut b = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[b] {
-            b = i;
-        }
-    }
-    b
 }
 
 fn score(logits: &[f32], dense: &[f32], tokens: &[u32], vocab: usize) -> Scored {
