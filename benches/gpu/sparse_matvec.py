@@ -369,11 +369,7 @@ def main():
     real = args[args.index("--real") + 1] if "--real" in args else None
     correctness(sp, failures, real)
     if "--correctness-only" in args:
-        if failures:
-            print("\nFAILED:\n  " + "\n  ".join(failures))
-            return 1
-        print("\nall correctness checks passed")
-        return 0
+        return verdict(failures)
     print("\nTimings (graphs of 40 launches, every launch another copy of the matrices; each variant at its "
           "fastest launch: w warps a block, t outputs a tile, g groups of 32 channels a warp; skipped: the share "
           "of input channels the list skips):")
@@ -453,6 +449,11 @@ def main():
         if skipped == 0.5 and name.startswith("7B"):
             print(f"  {name:11s} {ty} {variant:9s}: {share:4.0%} of copy, {speed:.2f}x dense "
                   f"({speed_sel:.2f}x with the list kernel)")
+    return verdict(failures)
+
+
+def verdict(failures):
+    """Prints the failed checks (exit status 1) or that all passed (0)."""
     if failures:
         print("\nFAILED:\n  " + "\n  ".join(failures))
         return 1
