@@ -234,8 +234,9 @@ class Sparse:
 
     def select_launch(self, x, thr, lst):
         groups = x.size // 32
-        return lambda: self.select(((groups + 7) // 8, 1), (256,), (x, I32(x.size), thr, NULL, NULL, lst, NULL,
-                                                                     NULL))
+        # asp_select(x, cols, norm_w, eps, norm_out, thr0..2, list0..2): no folded norm, one matrix.
+        return lambda: self.select(((groups + 7) // 8, 1), (256,), (x, I32(x.size), NULL, np.float32(0), NULL, thr,
+                                                                     NULL, NULL, lst, NULL, NULL))
 
     def product_launch(self, fn, nw, tile, gpw, rows, cols, mats, ws, lst, ys, part, ctr):
         """launch(i): the product of matrix copy i (gate+up: copies i, i + 1)."""
@@ -250,7 +251,7 @@ class Sparse:
             w1 = ws[(i + 1) % copies] if mats == 2 else NULL
             fn((n_tiles * splits, mats), (32 * nw,),
                (ws[i % copies], w1, lst, lst if mats == 2 else NULL, ys[0], ys[1] if mats == 2 else NULL,
-                I32(rows), I32(cols), I32(gpw), I32(splits), part, ctr))
+                I32(rows), I32(cols), I32(gpw), I32(splits), part, ctr, NULL, NULL, I32(0)))  # no epilogue
         return launch
 
 
