@@ -163,7 +163,7 @@ def launch(fn, grid, args, types, stream, pdl):
         cfg.numAttrs = 1
     else:
         cfg.numAttrs = 0
-    check(cu.cuLaunchKernelEx(cfg, cu.CUfunction(fn.ptr), (tuple(args), tuple(types)), 0))
+    check(cu.cuLaunchKernelEx(cfg, cu.CUfunction(fn.kernel.ptr), (tuple(args), tuple(types)), 0))
 
 
 def graph_time(stream, body, reps):
@@ -207,7 +207,7 @@ def main():
     f_launch = mod.get_function("op_launch")
     f_pers = {0: mod.get_function("op_persistent"), 4: mod.get_function("op_persistent_r4"),
               16: mod.get_function("op_persistent_r16")}
-    occ = min(check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(cu.CUfunction(f.ptr), THREADS, 0))
+    occ = min(check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(cu.CUfunction(f.kernel.ptr), THREADS, 0))
               for f in f_pers.values())
     if occ < 2:
         raise SystemExit(f"the persistent kernel fits {occ} blocks an SM, needs 2 for a grid of {grid}")
