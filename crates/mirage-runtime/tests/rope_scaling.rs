@@ -24,7 +24,7 @@ fn params(rope_scaling: RopeScaling) -> AttentionParams {
 
 fn row(width: usize, seed: u32) -> Vec<f32> {
     (0..width)
-        .map(|i| (((i as u32 * 2654435761u32) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+        .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
         .collect()
 }
 
