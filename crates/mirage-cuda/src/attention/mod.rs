@@ -15,10 +15,10 @@
 //! - `prefill`: the tiled prefill attention on tensor cores;
 //! - `pruned`: page-box refresh and attention over selected KV pages.
 
-use mirage_runtime::backend::{AttentionParams, QkNorm, TokenSlot};
+use mirage_runtime::backend::{AttentionParams, InputShape, QkNorm, TokenSlot};
 use mirage_runtime::kv_cache::KvDtype;
 use mirage_runtime::ops::RopeMode;
-use mirage_runtime::{Result, RuntimeError};
+use mirage_runtime::Result;
 
 use crate::backend::{bad, drv, CudaActivations, CudaBackend, Scratch};
 use crate::graph::GRAPH_MAX_ROWS;
@@ -161,31 +161,18 @@ impl CudaBackend {
     ) -> Result<()> {
         let hd = p.head_dim;
         let n = slots.len();
-        if p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 || !SPLIT_HEAD_DIMS.contains(&hd) {
+        let shape = |a: &CudaActivations| InputShape {
+            rows: a.rows,
+            width: a.width,
+        };
+        let spec = cache.spec;
+        p.check_batch(shape(q), shape(k), shape(v), slots, &spec, layer)?;
+        if !SPLIT_HEAD_DIMS.contains(&hd) {
             return Err(bad(format!(
                 "attention shape {p:?} (the cuda kernels take head_dim {SPLIT_HEAD_DIMS:?})"
             )));
         }
-        if q.rows != n
-            || k.rows != n
-            || v.rows != n
-            || q.width != p.n_head * hd
-            || k.width != p.n_head_kv * hd
-            || v.width != k.width
-        {
-            return Err(bad("attention inputs do not match the batch"));
-        }
-        let spec = cache.spec;
-        if spec.head_dim != hd || spec.n_head_kv != p.n_head_kv || layer >= spec.n_layer {
-            return Err(bad("KV cache shape does not match the layer"));
-        }
         let max_pos = slots.iter().map(|s| s.pos).max().unwrap_or(0);
-        if max_pos >= spec.n_ctx {
-            return Err(RuntimeError::ContextFull { n_ctx: spec.n_ctx });
-        }
-        if let Some(s) = slots.iter().find(|s| s.seq >= spec.n_seq) {
-            return Err(bad(format!("sequence slot {} >= {}", s.seq, spec.n_seq)));
-        }
         if !p.rope_scaling.is_none() {
             // The RoPE table holds the unscaled angles.
             return Err(bad(format!(

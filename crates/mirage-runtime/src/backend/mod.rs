@@ -151,6 +151,71 @@ pub struct AttentionParams {
     pub norm_eps: f32,
 }
 
+/// The rows and width of one attention input (q, k or v) of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InputShape {
+    /// Token rows.
+    pub rows: usize,
+    /// Elements a row.
+    pub width: usize,
+}
+
+impl AttentionParams {
+    /// The checks every backend makes before it attends a batch, with the
+    /// errors it returns: the query heads group evenly over the KV heads,
+    /// `head_dim` is even (RoPE turns pairs), q, k and v hold one row per
+    /// slot of their heads' width, the cache holds layer `layer` with this
+    /// layer's KV heads and head size, and every slot fits the cache
+    /// (`ContextFull` past its positions).
+    pub fn check_batch(
+        &self,
+        q: InputShape,
+        k: InputShape,
+        v: InputShape,
+        slots: &[TokenSlot],
+        cache: &KvSpec,
+        layer: usize,
+    ) -> Result<()> {
+        use crate::error::RuntimeError;
+        let hd = self.head_dim;
+        if self.n_head_kv == 0
+            || !self.n_head.is_multiple_of(self.n_head_kv)
+            || !hd.is_multiple_of(2)
+        {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "bad attention shape {self:?}"
+            )));
+        }
+        let n = slots.len();
+        if q.rows != n
+            || k.rows != n
+            || v.rows != n
+            || q.width != self.n_head * hd
+            || k.width != self.n_head_kv * hd
+            || v.width != k.width
+        {
+            return Err(RuntimeError::InvalidArgument(
+                "attention inputs do not match the batch".into(),
+            ));
+        }
+        if cache.head_dim != hd || cache.n_head_kv != self.n_head_kv || layer >= cache.n_layer {
+            return Err(RuntimeError::InvalidArgument(
+                "KV cache shape does not match the layer".into(),
+            ));
+        }
+        if slots.iter().any(|s| s.pos >= cache.n_ctx) {
+            return Err(RuntimeError::ContextFull { n_ctx: cache.n_ctx });
+        }
+        if let Some(s) = slots.iter().find(|s| s.seq >= cache.n_seq) {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "sequence slot {} >= {}",
+                s.seq, cache.n_seq
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// The activation of a gated FFN: `down(act(gate x) * up x)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FfnActivation {
@@ -442,4 +507,61 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// Copies `x` to the host as `rows * width` floats; returns `(rows, width)`.
     fn read(&self, x: &Self::Activations, out: &mut Vec<f32>) -> Result<(usize, usize)>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::RuntimeError;
+    use crate::kv_cache::KvDtype;
+
+    fn params(n_head: usize, n_head_kv: usize, head_dim: usize) -> AttentionParams {
+        AttentionParams {
+            n_head,
+            n_head_kv,
+            head_dim,
+            rope_mode: RopeMode::Neox,
+            rope_freq_base: 10000.0,
+            rope_scaling: crate::rope::RopeScaling::none(),
+            norm_eps: 1e-6,
+        }
+    }
+
+    #[test]
+    fn check_batch_names_each_bad_input() {
+        let cache = KvSpec {
+            n_layer: 2,
+            n_head_kv: 2,
+            head_dim: 8,
+            n_ctx: 16,
+            n_seq: 2,
+            dtype: KvDtype::F32,
+        };
+        let shape = |rows, width| InputShape { rows, width };
+        let slots = [TokenSlot { seq: 1, pos: 15 }];
+        let check = |p: AttentionParams, q, k, slots: &[TokenSlot], layer| {
+            p.check_batch(q, k, k, slots, &cache, layer)
+        };
+        let p = params(6, 2, 8);
+        let (q, k) = (shape(1, 48), shape(1, 16));
+        assert!(check(p, q, k, &slots, 1).is_ok());
+        let msg = |r: Result<()>| match r {
+            Err(RuntimeError::InvalidArgument(m)) => m,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        };
+        assert!(msg(check(params(6, 4, 8), q, k, &slots, 1)).contains("bad attention shape"));
+        assert!(msg(check(params(6, 2, 7), q, k, &slots, 1)).contains("bad attention shape"));
+        assert!(msg(check(params(6, 0, 8), q, k, &slots, 1)).contains("bad attention shape"));
+        assert!(msg(check(p, shape(2, 48), k, &slots, 1)).contains("do not match the batch"));
+        assert!(msg(check(p, q, shape(1, 24), &slots, 1)).contains("do not match the batch"));
+        assert!(msg(check(p, q, k, &slots, 2)).contains("KV cache shape"));
+        assert!(msg(check(params(12, 4, 4), shape(1, 48), k, &slots, 0)).contains("KV cache shape"));
+        let past = [TokenSlot { seq: 0, pos: 16 }];
+        assert!(matches!(
+            check(p, q, k, &past, 0),
+            Err(RuntimeError::ContextFull { n_ctx: 16 })
+        ));
+        let seq = [TokenSlot { seq: 2, pos: 0 }];
+        assert!(msg(check(p, q, k, &seq, 0)).contains("sequence slot 2 >= 2"));
+    }
 }

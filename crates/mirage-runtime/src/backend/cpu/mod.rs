@@ -41,7 +41,8 @@ use mirage_gguf::GgmlType;
 use rayon::prelude::*;
 
 use super::{
-    AttentionOptions, AttentionParams, Backend, FfnActivation, HostMatrix, QkNorm, TokenSlot,
+    AttentionOptions, AttentionParams, Backend, FfnActivation, HostMatrix, InputShape, QkNorm,
+    TokenSlot,
 };
 use crate::error::{Result, RuntimeError};
 use crate::kv_cache::{KvCache, KvSpec};
@@ -533,39 +534,13 @@ impl Backend for CpuBackend {
                 "a sliding window of 0 positions".into(),
             ));
         }
-        let n = slots.len();
-        if p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 || hd % 2 != 0 {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "bad attention shape {p:?}"
-            )));
-        }
-        if q.rows != n
-            || k.rows != n
-            || v.rows != n
-            || q.width != p.n_head * hd
-            || k.width != p.n_head_kv * hd
-            || v.width != k.width
-        {
-            return Err(RuntimeError::InvalidArgument(
-                "attention inputs do not match the batch".into(),
-            ));
-        }
+        let shape = |a: &CpuActivations| InputShape {
+            rows: a.rows,
+            width: a.width,
+        };
         let spec = *cache.spec();
-        if spec.head_dim != hd || spec.n_head_kv != p.n_head_kv {
-            return Err(RuntimeError::InvalidArgument(
-                "KV cache shape does not match the layer".into(),
-            ));
-        }
+        p.check_batch(shape(q), shape(k), shape(v), slots, &spec, layer)?;
         let max_pos = slots.iter().map(|s| s.pos).max().unwrap_or(0);
-        if max_pos >= spec.n_ctx {
-            return Err(RuntimeError::ContextFull { n_ctx: spec.n_ctx });
-        }
-        if let Some(s) = slots.iter().find(|s| s.seq >= spec.n_seq) {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "sequence slot {} >= {}",
-                s.seq, spec.n_seq
-            )));
-        }
         let mut s = self.scratch();
         let s = &mut *s;
         // Rotary tables for positions 0..=max_pos, one per (head size, base,
@@ -598,7 +573,7 @@ impl Backend for CpuBackend {
             }
             cache.write(layer, slot.seq, slot.pos, k.row(i), v.row(i))?;
         }
-        out.reshape(n, p.n_head * hd);
+        out.reshape(slots.len(), p.n_head * hd);
         let group = p.n_head / p.n_head_kv;
         let scale = options.scale.unwrap_or(1.0 / (hd as f32).sqrt());
         let window = options.sliding_window;
