@@ -213,7 +213,7 @@ def main():
         raise SystemExit(f"the persistent kernel fits {occ} blocks an SM, needs 2 for a grid of {grid}")
     stream = cp.cuda.Stream(non_blocking=True)
     copy = copy_rate(stream)
-    print(f"{dev.attributes['MultiProcessorCount']} SMs, copy {copy / 1e12:.2f} TB/s, {opts.phases} ops, grid {grid} x {THREADS}")
+    print(f"{sms} SMs, copy {copy / 1e12:.2f} TB/s, {opts.phases} ops, grid {grid} x {THREADS}")
     P = opts.phases
     act = cp.zeros(2 * N, dtype=cp.float32)
     bar = cp.zeros(1, dtype=cp.uint32)
