@@ -319,6 +319,15 @@ __device__ void attend_split_with(LoadQ load_q, const KV* __restrict__ kc, const
     __syncthreads();
     for (int t0 = j0; t0 < j1; t0 += AS_TILE) {
         const int cnt = min(AS_TILE, j1 - t0);
+        // The tile's values are read only after its softmax, and the next
+        // tile's keys only after that: ask L2 for both now, so that their
+        // DRAM reads overlap the scoring instead of following it.
+        l2_prefetch_block(V + (long)t0 * HD, (long)cnt * HD * (long)sizeof(KV));
+        if (t0 + AS_TILE < j1) {
+            const long next = (long)min(AS_TILE, j1 - t0 - AS_TILE) * HD * (long)sizeof(KV);
+            l2_prefetch_block(K + (long)(t0 + AS_TILE) * HD, next);
+            l2_prefetch_block(V + (long)(t0 + AS_TILE) * HD, next);
+        }
         // Scores of the tile's keys (warp-uniform loop: every lane of the
         // warp takes part in the shuffles).
         for (int sb = warp * KPW; sb < cnt; sb += NW * KPW * AS_U) {
@@ -544,46 +553,88 @@ __device__ __forceinline__ bool pruned_row(const int* __restrict__ slots, int ro
 
 // Split-K attention, part 2: out[row, head, :] = sum_s e^(m_s - M) acc_s /
 // sum_s e^(m_s - M) l_s over the splits (0 when no split saw a position).
-// Grid (rows, n_head), block head_dim. With chunk > 0 (attend_split's
-// partials) the splits are those att_chunk gives the row's length; with
-// chunk = 0 (the pruned attention's) all n_split, those that saw nothing
-// holding m = -inf. Row r of the launch is batch row row_base + r (slots,
-// out); rows skipped by only_decode are left as they are. The weights of
-// the splits are computed once into shared memory; every sum runs in split
-// order (unrolled, so that the independent loads go out together).
+// Grid (rows, n_head), block a multiple of head_dim threads, at most
+// AC_THREADS: slice k of head_dim threads takes splits k, k + slices, ...
+// With chunk > 0 (attend_split's partials) the splits are those att_chunk
+// gives the row's length; with chunk = 0 (the pruned attention's) all
+// n_split, those that saw nothing holding m = -inf. Row r of the launch is
+// batch row row_base + r (slots, out); rows skipped by only_decode are left
+// as they are. The weights of the splits are computed once into shared
+// memory. A long row has hundreds of splits, and a sum that waits on each
+// split's loads before the next costs an L2 round trip per split: so each
+// thread keeps AC_BATCH independent sums (its i-th split goes to sum
+// i % AC_BATCH) and issues a batch's loads before its first product; the
+// sums are added in order, then slice 0 adds the slices in order. With one
+// split the output is the bits of acc / l, as the short form writes.
+#define AC_THREADS 512
+#define AC_BATCH 8
 __device__ void attend_combine_body(const float* __restrict__ part, const int* __restrict__ slots, int n_head,
                                     int head_dim, int n_split, int chunk, int only_decode, int n_rows, int row_base,
                                     float* __restrict__ out) {
     __shared__ float w[AS_MAX_SPLITS];
     __shared__ float s32[32];
-    const int row = row_base + blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+    __shared__ float ared[AC_THREADS];
+    __shared__ float lred[AC_THREADS];
+    const int row = row_base + blockIdx.x, head = blockIdx.y, t = threadIdx.x;
     if (!pruned_row(slots, row, n_rows, only_decode)) return;
+    const int slices = blockDim.x / head_dim, slice = t / head_dim, d = t % head_dim;
     int ns = min(n_split, AS_MAX_SPLITS);
     if (chunk > 0) {
         const int n = slots[2 * row + 1] + 1, c = att_chunk(n, n_split, chunk);
         ns = min(ns, (n + c - 1) / c);
     }
-    const float* P = part + ((long)blockIdx.x * n_head + head) * n_split * (head_dim + 2);
+    const long stride = head_dim + 2;
+    const float* P = part + ((long)blockIdx.x * n_head + head) * n_split * stride;
     float M = -MIRAGE_INF;
-    for (int s = d; s < ns; s += blockDim.x) M = fmaxf(M, P[(long)s * (head_dim + 2)]);
+    for (int s = t; s < ns; s += blockDim.x) M = fmaxf(M, P[(long)s * stride]);
     M = warp_max(M);
-    if ((d & 31) == 0) s32[d >> 5] = M;
+    if ((t & 31) == 0) s32[t >> 5] = M;
     __syncthreads();
     M = -MIRAGE_INF;
     for (int i = 0; i < (int)(blockDim.x + 31) / 32; i++) M = fmaxf(M, s32[i]);
-    for (int s = d; s < ns; s += blockDim.x) {
-        const float m = P[(long)s * (head_dim + 2)];
+    for (int s = t; s < ns; s += blockDim.x) {
+        const float m = P[(long)s * stride];
         w[s] = m == -MIRAGE_INF ? 0.f : expf(m - M);
     }
     __syncthreads();
+    float Lb[AC_BATCH], ab[AC_BATCH];
+#pragma unroll
+    for (int b = 0; b < AC_BATCH; b++) Lb[b] = ab[b] = 0.f;
+    if (slice < slices)
+        for (int s0 = slice; s0 < ns; s0 += slices * AC_BATCH) {
+            float pl[AC_BATCH], pa[AC_BATCH], ws[AC_BATCH];
+#pragma unroll
+            for (int b = 0; b < AC_BATCH; b++) {
+                const int s = s0 + b * slices;
+                const float* ps = P + (long)min(s, ns - 1) * stride;  // clamped: a read split
+                pl[b] = __ldcg(ps + 1);
+                pa[b] = __ldcg(ps + 2 + d);
+                ws[b] = s < ns ? w[s] : 0.f;
+            }
+#pragma unroll
+            for (int b = 0; b < AC_BATCH; b++) {
+                Lb[b] += ws[b] * pl[b];
+                ab[b] += ws[b] * pa[b];
+            }
+        }
     float L = 0.f, a = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < ns; s++) {
-        const float* ps = P + (long)s * (head_dim + 2);
-        L += w[s] * ps[1];
-        a += w[s] * ps[2 + d];
+#pragma unroll
+    for (int b = 0; b < AC_BATCH; b++) {
+        L += Lb[b];
+        a += ab[b];
     }
-    if (d < head_dim) out[((long)row * n_head + head) * head_dim + d] = L > 0.f ? a / L : 0.f;
+    if (slice > 0 && slice < slices) {
+        ared[t] = a;
+        lred[t] = L;
+    }
+    __syncthreads();
+    if (slice == 0) {
+        for (int k = 1; k < slices; k++) {
+            a += ared[k * head_dim + d];
+            L += lred[k * head_dim + d];
+        }
+        out[((long)row * n_head + head) * head_dim + d] = L > 0.f ? a / L : 0.f;
+    }
 }
 
 // Causal attention of a prefill batch on f16 tensor cores, FlashAttention-2
@@ -880,8 +931,12 @@ extern "C" __global__ void rope_table(float* rope, int n_pos, int head_dim, floa
     rope_table_body(rope, n_pos, head_dim, freq_base);
 }
 
-extern "C" __global__ void attend_combine(const float* part, const int* slots, int n_head, int head_dim, int n_split,
-                                          int chunk, int only_decode, int n_rows, int row_base, float* out) {
+// (AC_THREADS, 1): told one block an SM is enough, ptxas issues a batch's
+// 16 loads before its first product; with AC_THREADS alone it sank each
+// load to its product, four loads in flight (sm_90, CUDA 13.0).
+extern "C" __global__ void __launch_bounds__(AC_THREADS, 1)
+    attend_combine(const float* part, const int* slots, int n_head, int head_dim, int n_split, int chunk,
+                   int only_decode, int n_rows, int row_base, float* out) {
     PDL_ENTRY();
     attend_combine_body(part, slots, n_head, head_dim, n_split, chunk, only_decode, n_rows, row_base, out);
 }

@@ -19,6 +19,7 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 #define __global__
 #define MIRAGE_INF INFINITY
+template <class T> T __ldcg(const T* p) { return *p; }
 #define ATT_THREADS 256
 #define ATT_TILE 64
 // Programmatic dependent launch (cuda/pdl.cu) orders kernels on the device;
@@ -201,7 +202,7 @@ static void check_attention(std::mt19937& rng, int n_split, int count_pages, int
         attend_pages_part<float>(q.data(), k.data(), v.data(), slots.data(), sel.data(), nsel.data(), n_head,
                                  n_head_kv, head_dim, n_ctx, page, max_sel, 1, n_rows, 0, scale, part.data());
     });
-    launch({(unsigned)n_rows, (unsigned)n_head, 1}, head_dim, [&] {
+    launch({(unsigned)n_rows, (unsigned)n_head, 1}, AC_THREADS / head_dim * head_dim, [&] {
         attend_combine_body(part.data(), slots.data(), n_head, head_dim, n_split, 0, 1, n_rows, 0, out.data());
     });
     double worst = 0;

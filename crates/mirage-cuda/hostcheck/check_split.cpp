@@ -4,7 +4,8 @@
 //   1. attend_split + attend_combine against an f64 softmax attention over
 //      the cache as stored: f32 and f16 caches, head sizes 64, 128 and 256,
 //      GQA groups of 1, 7 and 12 query heads (12: two blocks per group),
-//      lengths 1 to 300 (not multiples of the split or the tile), one split
+//      lengths 1 to 300 (not multiples of the split or the tile) and two
+//      rows of thousands of keys (more splits than one combine batch), one split
 //      (several tiles per block) to many;
 //   2. attend_split_rope (RoPE and KV store folded in) against rope_store
 //      then attend_split: the same partials and the same cache bits, with the
@@ -25,6 +26,9 @@
 typedef unsigned short u16;
 typedef unsigned int u32;
 #define MIRAGE_INF INFINITY
+template <class T> T __ldcg(const T* p) { return *p; }
+// An L2 prefetch changes no value.
+inline void l2_prefetch_block(const void*, long) {}
 struct uint4 { u32 x, y, z, w; };
 struct uint2 { u32 x, y; };
 struct float2 { float x, y; };
@@ -81,13 +85,14 @@ static int head_blocks(int n_head, int n_head_kv) {
 }
 
 // attend_combine over every (row, head) of rows decode rows: the splits'
-// partials in part to out.
+// partials in part to out, in blocks of the host's size (whole slices of hd
+// threads, at most AC_THREADS).
 static void run_combine(int rows, int n_head, int hd, const float* part, const int* slots, int n_split, int chunk,
                         float* out) {
     gridDim = dim3_{(unsigned)rows, (unsigned)n_head, 1};
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < n_head; h++)
-            run_block(hd, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
+            run_block(AC_THREADS / hd * hd, dim3_{(unsigned)r, (unsigned)h, 0}, [&] {
                 attend_combine_body(part, slots, n_head, hd, n_split, chunk, 0, rows, 0, out);
             });
 }
@@ -101,8 +106,8 @@ static int differ_bits(const std::vector<float>& a, const std::vector<float>& b)
 
 template <class KV, int HD>
 static int check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int len0, int len1, const char* ty,
-                 KV (*conv)(float)) {
-    const int rows = 2, n_ctx = 320, n_seq = 2;
+                 KV (*conv)(float), int n_ctx = 320) {
+    const int rows = 2, n_seq = 2;
     const int chunk = (n_ctx + n_split - 1) / n_split;
     std::normal_distribution<float> nd(0.f, 1.f);
     std::vector<float> q((size_t)rows * n_head * HD);
@@ -290,6 +295,11 @@ int main() {
     check_head_dim<64>(rng, fails, cases);
     check_head_dim<128>(rng, fails, cases);
     check_head_dim<256>(rng, fails, cases);
+    // Long rows: more splits than a combine block's slices take in one batch
+    // (80 and 71 splits against 8 slices x AC_BATCH at head size 64).
+    fails += check<u16, 64>(rng, 14, 2, 80, 5100, 4500, "f16", f2h, 5120);
+    fails += check<float, 128>(rng, 7, 1, 80, 5120, 3000, "f32", keep, 5120);
+    cases += 2;
     for (auto [nh, nkv] : {std::pair{14, 2}, std::pair{12, 1}})
         for (int n_split : {1, 7})
             for (int neox = 0; neox < 2; neox++) {

@@ -72,7 +72,8 @@ norm = ["#define NORM_VEC", "float norm_warp_sum(", "float norm_block_sum(", "vo
 
 # The split decode attention and its combine, with RoPE and the KV store.
 split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#define AS_TILE", "#define AS_MAX_G",
-         "#define AS_LPK", "#define AS_MAX_SPLITS", "bool pruned_row(", "void attend_combine_body("]
+         "#define AS_LPK", "#define AS_MAX_SPLITS", "bool pruned_row(", "#define AC_THREADS", "#define AC_BATCH",
+         "void attend_combine_body("]
 (out / "split_extract.h").write_text(cut(
     "void kv_store(float*", "void kv_store(u16*", "float kv_round(const float*", "float kv_round(const u16*",
     "void rope_angle(", "void rope_turn(", "void rope_cs(", "void rope_table_body(", "void rope_store(", *split,

@@ -25,6 +25,20 @@ pub(crate) const SPLIT_ROPE_ARGS: usize = 16;
 pub(crate) const COMBINE_ARGS: usize = 10;
 const SPLIT_MAX_HEADS: usize = 8;
 const SPLIT_MAX: usize = 1024;
+/// Most threads of an `attend_combine` block (`AC_THREADS`): slices of
+/// `head_dim` threads that share a row's splits.
+const COMBINE_THREADS: usize = 512;
+
+/// `attend_combine`'s block: as many whole slices of `head_dim` threads as
+/// fit in `COMBINE_THREADS`.
+fn combine_threads(head_dim: usize) -> Result<u32> {
+    if head_dim == 0 || head_dim > COMBINE_THREADS {
+        return Err(bad(format!(
+            "attention head size {head_dim}: the split combine takes 1 to {COMBINE_THREADS}"
+        )));
+    }
+    Ok((COMBINE_THREADS / head_dim * head_dim) as u32)
+}
 
 /// Keys per attention split the host plans for at least: the splits of a
 /// cache are at most `n_ctx / this`, and the kernels spread each row's
@@ -192,7 +206,7 @@ impl CudaBackend {
         self.plain(
             "attend_combine",
             (rows as u32, at.n_head as u32, 1),
-            (at.head_dim as u32, 1, 1),
+            (combine_threads(at.head_dim)?, 1, 1),
             args,
         )
     }
@@ -223,6 +237,17 @@ mod tests {
             max_keys,
             kv: "f16",
         }
+    }
+
+    #[test]
+    fn combine_blocks_are_whole_slices_of_the_head() {
+        assert_eq!(combine_threads(64).unwrap(), 512);
+        assert_eq!(combine_threads(128).unwrap(), 512);
+        assert_eq!(combine_threads(96).unwrap(), 480);
+        assert_eq!(combine_threads(256).unwrap(), 512);
+        assert_eq!(combine_threads(512).unwrap(), 512);
+        assert!(combine_threads(0).is_err());
+        assert!(combine_threads(640).is_err());
     }
 
     #[test]
