@@ -10,6 +10,7 @@ use super::avx2::{bytes_from_bits_32, nibbles_32};
 use super::gemm_q8_0::{
     CORR_AT, PACKED_BLOCK_BYTES, Q8_0_BYTES, Q8_0_TOKEN_GROUP, QK, QS_AT, SCALES_AT,
 };
+use super::util::prefetch_ahead_of;
 use crate::types::GgmlType;
 
 /// Weight rows per register tile.
@@ -272,7 +273,9 @@ pub(crate) unsafe fn matvec_avx2(cols: usize, w: &[u8], rows: usize, act: &[u8],
     let rb = cols / QK * Q8_0_BYTES;
     let dot = super::avx2::dot_fn(GgmlType::Q8_0).expect("AVX2 has a Q8_0 kernel");
     for i in 0..rows {
-        out[i] = dot(cols, &w[i * rb..(i + 1) * rb], act);
+        let row = &w[i * rb..(i + 1) * rb];
+        prefetch_ahead_of(row.as_ptr(), row.len());
+        out[i] = dot(cols, row, act);
     }
 }
 
@@ -327,7 +330,9 @@ pub(crate) mod vnni {
     /// vector ops per block against ~12 for the single-row kernel, whose
     /// per-block widening, convert and scalar scale products made decode
     /// compute-bound. Rows are read front to back (the hardware
-    /// prefetchers follow that; a multi-row column order defeated them).
+    /// prefetchers follow that; a multi-row column order defeated them),
+    /// each step asking for the bytes [`super::util::PREFETCH_AHEAD`]
+    /// further on.
     ///
     /// # Safety
     /// [`super::super::MatvecFn`]'s contract.
@@ -375,6 +380,7 @@ pub(crate) mod vnni {
                 while k < kc {
                     let m = (kc - k).min(8);
                     let x = x0.add(k * bs);
+                    prefetch_ahead_of(x, m * bs);
                     let mut p = [_mm256_setzero_si256(); 8];
                     for (b, p) in p.iter_mut().enumerate().take(m) {
                         let q = decode::<T>(x.add(b * bs));

@@ -55,6 +55,7 @@ pub use gemm_q8_0::{pack_q8_0_rows, packed_q8_0_bytes, PACKED_BLOCK_BYTES, Q8_0_
 pub use gemm_q8_k::{pack_q8_k_rows, packed_q8_k_bytes, K_TOKEN_GROUP, PACKED_SB_BYTES};
 pub use nvfp4::{Nvfp4Error, Nvfp4Tensor, NVFP4_ARTIFACT_TAG, NVFP4_BLOCK_SIZE};
 pub use rows::{dot_rows_fn, scalar_dot_rows_fn, DotRowsFn, DOT_ROWS};
+pub use util::prefetch_ahead;
 
 /// Why a codec call was refused.
 #[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]

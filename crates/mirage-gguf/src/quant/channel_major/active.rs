@@ -48,7 +48,7 @@ impl ActiveChannels {
     }
 
     /// Rebuilds the list from `x` (one input vector) keeping channel `i`
-    /// when `keep(i, x_i)`; `group` is the layout's [`ChannelMajorLayout::group`]
+    /// when `keep(i, x_i)`; `group` is the layout's [`super::ChannelMajorLayout::group`]
     /// (at most 32).
     pub fn fill(&mut self, x: &[f32], group: usize, mut keep: impl FnMut(usize, f32) -> bool) {
         let group = group.clamp(1, 32);

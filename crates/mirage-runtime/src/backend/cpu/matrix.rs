@@ -74,7 +74,9 @@ impl CpuMatrix {
         );
         match *act {
             ActRows::Quantized { data, row_bytes } if out.len() == 1 => {
-                // Decode: one activation row.
+                // Decode: one activation row. The rows stream front to
+                // back, as in the mat-vec kernels: ask for those ahead.
+                quant::prefetch_ahead(wr);
                 // SAFETY: as below.
                 out[0] = unsafe { (self.dot)(cols, wr, &data[..row_bytes]) };
             }
