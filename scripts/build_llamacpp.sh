@@ -8,6 +8,10 @@
 #
 # Everything lands under target/llamacpp/ (git-ignored). Idempotent: exits early when all three
 # binaries already exist. Usage: [LLAMACPP_WITH_CLI=1] scripts/build_llamacpp.sh [JOBS]   (default JOBS=2)
+#
+# LLAMACPP_NO_AMX=1 builds without Intel AMX (-mno-amx-*): on an Intel Xeon VM whose CPU flags
+# list AMX, every llama-bench run of the native build died with SIGSEGV in
+# ggml_backend_amx_mul_mat (llama-bench --repack 0, which skips that path, ran).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -61,8 +65,14 @@ LLAMA_SRC="$(echo "$SRC_PARENT"/llama_cpp_python-*/vendor/llama.cpp)"
 [[ -f "$LLAMA_SRC/CMakeLists.txt" ]] || { echo "vendored llama.cpp not found under $SRC_PARENT" >&2; exit 1; }
 echo "llama.cpp source: $LLAMA_SRC (from $(basename "$SDIST"))"
 
+NO_AMX=()
+if [[ "${LLAMACPP_NO_AMX:-0}" == 1 ]]; then
+    NO_AMX=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+fi
 cmake -S "$LLAMA_SRC" -B "$WORK/build" \
     -DCMAKE_BUILD_TYPE=Release \
+    "${NO_AMX[@]}" \
     -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF \
     -DBUILD_SHARED_LIBS=OFF \
