@@ -31,11 +31,12 @@ fn main() {
         None => ChannelMajorLayout::new(ty, rows, cols).unwrap(),
     };
     let rounds: usize = args.get(5).and_then(|s| s.parse().ok()).unwrap_or(5);
-    // Several copies so that the working set is far beyond the caches.
+    // Several copies so that the working set is far beyond the caches (1 GiB
+    // of each layout: some servers have an L3 of several hundred MiB).
     let copies = args
         .get(6)
         .and_then(|s| s.parse().ok())
-        .unwrap_or(((256usize << 20) / (rows * cols / 2).max(1)).clamp(2, 64));
+        .unwrap_or(((1usize << 30) / (rows * cols / 2).max(1)).clamp(2, 256));
     let rb = quant::row_bytes(ty, cols).unwrap();
     let mut s = 1u64;
     let vals: Vec<f32> = (0..rows * cols)
