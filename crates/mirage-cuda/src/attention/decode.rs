@@ -140,6 +140,17 @@ fn split_plan(at: &CacheAttention, sm_count: usize, smem_optin: usize) -> SplitP
     }
 }
 
+/// The split kernels' arguments after the cache's: heads, KV heads, cache
+/// positions and the host's chunk.
+fn split_shape_args(at: &CacheAttention, chunk: usize) -> [Arg; 4] {
+    [
+        Arg::I32(at.n_head as i32),
+        Arg::I32(at.n_head_kv as i32),
+        Arg::I32(at.n_ctx as i32),
+        Arg::I32(chunk as i32),
+    ]
+}
+
 impl CudaBackend {
     /// Every row of `at` over positions `0..=pos` of its sequence: the split
     /// attention (`attend_split_*`, with the rows' RoPE and KV store folded
@@ -179,11 +190,8 @@ impl CudaBackend {
             )
         };
         let mut args = at.cache_args();
+        args.extend(split_shape_args(at, chunk));
         args.extend([
-            Arg::I32(at.n_head as i32),
-            Arg::I32(at.n_head_kv as i32),
-            Arg::I32(at.n_ctx as i32),
-            Arg::I32(chunk as i32),
             Arg::I32(heads_per_block as i32),
             Arg::F32(1.0 / (hd as f32).sqrt()),
             Arg::Ptr(ppart),
@@ -242,14 +250,8 @@ impl CudaBackend {
             self.reshape(&mut s.attn_part, at.rows * at.n_head * n_split, hd + 2)?
         };
         let mut args = at.cache_args();
-        args.extend([
-            Arg::I32(at.n_head as i32),
-            Arg::I32(at.n_head_kv as i32),
-            Arg::I32(at.n_ctx as i32),
-            Arg::I32(chunk as i32),
-            Arg::F32(1.0 / (hd as f32).sqrt()),
-            Arg::Ptr(ppart),
-        ]);
+        args.extend(split_shape_args(at, chunk));
+        args.extend([Arg::F32(1.0 / (hd as f32).sqrt()), Arg::Ptr(ppart)]);
         debug_assert_eq!(args.len(), SPLIT_MMA_ARGS);
         self.push_launch(Launch {
             kernel: self.kernels.index(&format!("attend_split_mma_f16_d{hd}"))?,
