@@ -25,7 +25,9 @@
 // in flight while it computes one; its running max, sum and output stay in
 // registers, and the warps' results are merged in warp order at the end
 // into the split's partial, as attend_split writes it (m, l, V sum[HD]),
-// for attend_combine. Grid (rows, n_head_kv, n_split), block TM_WARPS warps,
+// for attend_combine. RoPE and the store of the rows' new keys and values
+// can be folded in (attend_split_mma's rope argument). Grid (rows,
+// n_head_kv, n_split), block TM_WARPS warps,
 // dynamic shared memory 2 * TM_WARPS * TM_STAGES * TM_STAGE_HALVES(HD) bytes
 // (decode.rs: mma_smem).
 // ===========================================================================
@@ -56,11 +58,30 @@ __device__ __forceinline__ void tm_issue(const u16* K, const u16* V, int k0, int
     }
 }
 
+// Element c of a query head x after RoPE at position pos, rope_store's
+// arithmetic (the same bits).
 template <int HD>
-__device__ void attend_split_mma(const float* __restrict__ q, const u16* __restrict__ kc,
-                                 const u16* __restrict__ vc, const int* __restrict__ slots, int n_head,
-                                 int n_head_kv, int n_ctx, int chunk, float scale, float* __restrict__ part,
-                                 u16* smem) {
+__device__ __forceinline__ float tm_rope_q(const float* x, int c, int pos, int neox, const float* rope) {
+    constexpr int half = HD / 2;
+    const int i = neox ? c % half : c / 2;
+    const bool second = neox ? c >= half : (c & 1);
+    float cs, sn, ra, rb;
+    rope_cs(rope, pos, i, HD, &cs, &sn);
+    rope_turn(x[neox ? i : 2 * i], x[neox ? i + half : 2 * i + 1], cs, sn, &ra, &rb);
+    return second ? rb : ra;
+}
+
+// With rope non-null, RoPE and the KV store of the rows' new position are
+// folded in, with rope_store's arithmetic (the same bits): the block whose
+// split holds the position rotates k and stores k and v there before its
+// copies read the cache (the launch is that slot's only writer and reader),
+// and every block rotates its copy of q. k and v: the rows' unrotated keys
+// and values ([rows][n_head_kv][HD]); neox the pairing.
+template <int HD>
+__device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, const int* __restrict__ slots,
+                                 int n_head, int n_head_kv, int n_ctx, int chunk, float scale,
+                                 float* __restrict__ part, const float* __restrict__ k, const float* __restrict__ v,
+                                 int neox, const float* __restrict__ rope, u16* smem) {
     constexpr int LD = HD + 8, STAGE = TM_STAGE_HALVES(HD);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, n_split = gridDim.z;
@@ -69,7 +90,26 @@ __device__ void attend_split_mma(const float* __restrict__ q, const u16* __restr
     chunk = att_chunk(n, n_split, chunk);
     const int j0 = split * chunk, j1 = min(n, j0 + chunk);
     if (j0 >= j1) return;  // attend_combine skips splits past the position
-    // Q of the group's heads, scaled, as hi and lo A fragments.
+    const int pos = n - 1;
+    if (rope) {
+        if (j1 == n && (int)threadIdx.x < HD / 2) {  // the split that holds pos
+            const int i = threadIdx.x, ia = neox ? i : 2 * i, ib = neox ? i + HD / 2 : 2 * i + 1;
+            const float* kh = k + ((long)row * n_head_kv + kvh) * HD;
+            const float* vh = v + ((long)row * n_head_kv + kvh) * HD;
+            float cs, sn, ra, rb;
+            rope_cs(rope, pos, i, HD, &cs, &sn);
+            rope_turn(kh[ia], kh[ib], cs, sn, &ra, &rb);
+            const long at = (((long)seq * n_head_kv + kvh) * n_ctx + pos) * HD;
+            kv_store(kc, at + ia, ra);
+            kv_store(kc, at + ib, rb);
+            kv_store(vc, at + ia, vh[ia]);
+            kv_store(vc, at + ib, vh[ib]);
+            __threadfence();  // in L2, where the block's cp.async copies read
+        }
+        __syncthreads();
+    }
+    // Q of the group's heads (rotated with rope), scaled, as hi and lo A
+    // fragments.
     const float* qg = q + ((long)row * n_head + (long)kvh * G) * HD;
     u32 qh[HD / 16][4], ql[HD / 16][4];
 #pragma unroll
@@ -77,8 +117,12 @@ __device__ void attend_split_mma(const float* __restrict__ q, const u16* __restr
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int r = g + 8 * (i & 1), c = 16 * kk + 2 * t + 8 * (i >> 1);
-            const float x0 = r < G ? qg[r * HD + c] * scale : 0.f;
-            const float x1 = r < G ? qg[r * HD + c + 1] * scale : 0.f;
+            float x0 = 0.f, x1 = 0.f;
+            if (r < G) {
+                const float* x = qg + r * HD;
+                x0 = (rope ? tm_rope_q<HD>(x, c, pos, neox, rope) : x[c]) * scale;
+                x1 = (rope ? tm_rope_q<HD>(x, c + 1, pos, neox, rope) : x[c + 1]) * scale;
+            }
             const u16 h0 = f2h(x0), h1 = f2h(x1);
             qh[kk][i] = (u32)h0 | ((u32)h1 << 16);
             ql[kk][i] = fa_pack(x0 - h2f(h0), x1 - h2f(h1));
@@ -212,11 +256,13 @@ __device__ void attend_split_mma(const float* __restrict__ q, const u16* __restr
 
 #define SPLIT_MMA_INSTANCE(HD)                                                                                      \
     extern "C" __global__ void __launch_bounds__(TM_WARPS * 32)                                                    \
-        attend_split_mma_f16_d##HD(const float* q, const u16* kc, const u16* vc, const int* slots, int n_head,     \
-                                   int n_head_kv, int n_ctx, int chunk, float scale, float* part) {                 \
+        attend_split_mma_f16_d##HD(const float* q, u16* kc, u16* vc, const int* slots, int n_head, int n_head_kv, \
+                                   int n_ctx, int chunk, float scale, float* part, const float* k, const float* v,  \
+                                   int neox, const float* rope) {                                                   \
         extern __shared__ __align__(16) u16 tm_smem[];                                                              \
         PDL_ENTRY();                                                                                                \
-        attend_split_mma<HD>(q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, part, tm_smem);             \
+        attend_split_mma<HD>(q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, part, k, v, neox, rope,     \
+                             tm_smem);                                                                              \
     }
 SPLIT_MMA_INSTANCE(64)
 SPLIT_MMA_INSTANCE(128)

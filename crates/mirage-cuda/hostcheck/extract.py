@@ -123,14 +123,15 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
     "#define FA_ROWS", "#define FA_KEYS", "#define FA_WARPS", "#define FA_LOG2E", "u32 fa_pack(", "u32 fa_word(",
     "void fa_stage(const u16*", "void fa_stage(const float*", "void attend_prefill(", "float attend_prefill_merge("))
 
-# The split decode attention on f16 tensor cores (attention_mma.cu) and the
-# combine; the mma and cp.async instructions are mma_emu.h's and
-# cp_async_emu.h's.
+# The split decode attention on f16 tensor cores (attention_mma.cu), the
+# combine and rope_store (the reference of its folded RoPE and store); the
+# mma and cp.async instructions are mma_emu.h's and cp_async_emu.h's.
 (out / "split_mma_extract.h").write_text(cut(
+    "void kv_store(float*", "void kv_store(u16*", "void rope_turn(", "void rope_cs(", "void rope_store(",
     "#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_MAX_SPLITS", "bool pruned_row(", "#define AC_THREADS",
     "#define AC_BATCH", "void attend_combine_body(", "u32 fa_pack(", "u32 fa_word(", "#define TM_WARPS",
     "#define TM_KEYS", "#define TM_STAGES", "#define TM_MAX_G", "#define TM_STAGE_HALVES", "void tm_issue(",
-    "void attend_split_mma("))
+    "float tm_rope_q(", "void attend_split_mma("))
 
 # ggml's Q8_0 and Q4_K dequantizers (ggml.cu), the reference the
 # activation-sparse products (activation_sparse.cu, included whole) are

@@ -48,7 +48,7 @@ const MMA_WARPS: usize = 4;
 const MMA_KEYS: usize = 16;
 const MMA_STAGES: usize = 3;
 const MMA_MAX_GROUP: usize = 16;
-pub(crate) const SPLIT_MMA_ARGS: usize = 10;
+pub(crate) const SPLIT_MMA_ARGS: usize = 14;
 
 /// Dynamic shared memory of an `attend_split_mma` block: each warp's ring
 /// of stages of `MMA_KEYS` keys and values, rows padded by 8 halves.
@@ -231,9 +231,8 @@ impl CudaBackend {
         self.combine(at, ppart, n_split, chunk, None)
     }
 
-    /// The split form on tensor cores: RoPE and the KV store first when
-    /// `rope` is given (`rope_store`; this kernel reads the new keys from
-    /// the cache), then `attend_split_mma_f16_d*` and the combine.
+    /// The split form on tensor cores (`attend_split_mma_f16_d*`, RoPE and
+    /// the KV store folded in when `rope` is given) and the combine.
     fn attend_split_mma(
         &self,
         at: &CacheAttention,
@@ -242,9 +241,6 @@ impl CudaBackend {
         chunk: usize,
     ) -> Result<()> {
         let hd = at.head_dim;
-        if let Some(r) = rope {
-            self.rope_store(at, &r, (0, 0), 0.0)?;
-        }
         let ppart = {
             let mut s = self.scratch();
             self.reshape(&mut s.attn_part, at.rows * at.n_head * n_split, hd + 2)?
@@ -252,6 +248,20 @@ impl CudaBackend {
         let mut args = at.cache_args();
         args.extend(split_shape_args(at, chunk));
         args.extend([Arg::F32(1.0 / (hd as f32).sqrt()), Arg::Ptr(ppart)]);
+        // Then the unrotated k and v, the pairing and the RoPE table (0: the
+        // cache already holds the rows' keys and values).
+        let r = rope.unwrap_or(RopeIn {
+            k: 0,
+            v: 0,
+            neox: false,
+            table: 0,
+        });
+        args.extend([
+            Arg::Ptr(r.k),
+            Arg::Ptr(r.v),
+            Arg::I32(r.neox as i32),
+            Arg::Ptr(r.table),
+        ]);
         debug_assert_eq!(args.len(), SPLIT_MMA_ARGS);
         self.push_launch(Launch {
             kernel: self.kernels.index(&format!("attend_split_mma_f16_d{hd}"))?,
