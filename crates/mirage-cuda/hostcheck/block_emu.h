@@ -95,6 +95,7 @@ inline int idx_src(int, int o) { return o & 31; }
 struct float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 template <class T> T __ldg(const T* p) { return *p; }
+template <class T> T __ldcg(const T* p) { return *p; }
 inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
@@ -106,6 +107,17 @@ template <class T> T __shfl_xor_sync(unsigned, T v, int o) { return emu::shfl<T>
 template <class T> T __shfl_up_sync(unsigned, T v, int o) { return emu::shfl<T>(v, emu::up_src, o); }
 template <class T> T __shfl_down_sync(unsigned, T v, int o) { return emu::shfl<T>(v, emu::down_src, o); }
 template <class T> T __shfl_sync(unsigned, T v, int src) { return emu::shfl<T>(v, emu::idx_src, src); }
+// ggml.cu's warp reductions (butterfly over the warp's 32 lanes).
+inline float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+inline float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// The fibers share one OS thread: every write is seen at once.
+inline void __threadfence() {}
 
 // Runs f() on `threads` threads as one block whose blockIdx is `block`.
 inline void run_block(int threads, dim3_ block, const std::function<void()>& f) {

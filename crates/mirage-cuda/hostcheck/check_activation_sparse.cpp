@@ -101,7 +101,6 @@ inline u32 __float_as_uint(float f) {
     memcpy(&u, &f, 4);
     return u;
 }
-inline void __threadfence() {}
 inline void __trap() { abort(); }
 inline u32 atomicAdd(u32* p, u32 v) {
     const u32 old = *p;

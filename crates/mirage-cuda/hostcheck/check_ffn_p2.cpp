@@ -23,9 +23,7 @@
 #include "block_emu.h"
 #include "ptx_emu.h"
 
-template <class T> T __ldcg(const T* p) { return *p; }
 inline sb_u32 atomicAdd(sb_u32* p, sb_u32 v) { return std::atomic_ref<sb_u32>(*p).fetch_add(v); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 #include "ffn_p2_extract.h"
 

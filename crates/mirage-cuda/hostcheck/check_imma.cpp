@@ -30,13 +30,11 @@
 inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
 // One block runs at a time: the device-wide fences are no-ops, the atomic
 // a plain add, the L2 load a load.
-inline void __threadfence() {}
 inline u32 atomicAdd(u32* p, u32 v) {
     const u32 old = *p;
     *p = old + v;
     return old;
 }
-inline float __ldcg(const float* p) { return *p; }
 #include "imma_extract.h"
 
 static std::mt19937 gen(5);

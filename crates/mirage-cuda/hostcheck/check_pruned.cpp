@@ -19,7 +19,6 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 #define __global__
 #define MIRAGE_INF INFINITY
-template <class T> T __ldcg(const T* p) { return *p; }
 #define ATT_THREADS 256
 #define ATT_TILE 64
 // Programmatic dependent launch (cuda/pdl.cu) orders kernels on the device;
@@ -31,14 +30,6 @@ inline long min(long a, long b) { return a < b ? a : b; }
 inline u32 min(u32 a, u32 b) { return a < b ? a : b; }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 
-inline float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-inline float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 inline float kv_load(const float* p, long i) { return p[i]; }
 inline float kv_load(const u16* p, long i) {
     u16 h = p[i];

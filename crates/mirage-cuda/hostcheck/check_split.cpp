@@ -26,7 +26,6 @@
 typedef unsigned short u16;
 typedef unsigned int u32;
 #define MIRAGE_INF INFINITY
-template <class T> T __ldcg(const T* p) { return *p; }
 // An L2 prefetch changes no value.
 inline void l2_prefetch_block(const void*, long) {}
 struct uint4 { u32 x, y, z, w; };
@@ -34,14 +33,6 @@ struct uint2 { u32 x, y; };
 struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float __uint_as_float(u32 u) { float f; memcpy(&f, &u, 4); return f; }
-inline float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-inline float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 using std::max;
 inline float h2f(u16 h) {
     u32 s = (h >> 15) & 1, e = (h >> 10) & 31, m = h & 1023;

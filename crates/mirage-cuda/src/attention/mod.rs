@@ -295,8 +295,6 @@ impl CudaBackend {
         let tiled = pruned != Some(false)
             && n >= PREFILL_MIN_ROWS
             && PREFILL_HEAD_DIMS.contains(&hd)
-            && p.n_head_kv > 0
-            && p.n_head % p.n_head_kv == 0
             && slots
                 .windows(2)
                 .all(|w| w[1].seq == w[0].seq && w[1].pos == w[0].pos + 1);
