@@ -27,15 +27,9 @@ typedef unsigned int u32;
 #include "att_emu.h"
 #include "mma_emu.h"
 #include "cp_async_emu.h"
-template <class T> T __ldcg(const T* p) { return *p; }
 struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
-inline void __threadfence() {}
 inline float block_sum(float, float*) { abort(); }  // rope_store's q/k norm: not used here
-inline float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 #include "split_mma_extract.h"
 
 static int fails = 0;

@@ -130,13 +130,11 @@ impl CudaBackend {
         qk_norm: (u64, u64),
         norm_eps: f32,
     ) -> Result<()> {
-        let mut args = vec![
+        let args = vec![
             Arg::Ptr(at.q),
             Arg::Ptr(r.k),
             Arg::Ptr(r.v),
             Arg::Ptr(at.slots),
-        ];
-        args.extend([
             Arg::I32(at.n_head as i32),
             Arg::I32(at.n_head_kv as i32),
             Arg::I32(at.head_dim as i32),
@@ -148,7 +146,7 @@ impl CudaBackend {
             Arg::Ptr(at.kc),
             Arg::Ptr(at.vc),
             Arg::I32(at.n_ctx as i32),
-        ]);
+        ];
         self.plain(
             &format!("rope_store_{}", at.kv),
             (at.rows as u32, (at.n_head + at.n_head_kv) as u32, 1),
@@ -259,15 +257,14 @@ impl CudaBackend {
                 .iter()
                 .enumerate()
                 .all(|(i, a)| slots[..i].iter().all(|b| b.seq != a.seq));
-        let neox = (p.rope_mode == RopeMode::Neox) as i32;
+        let rope = RopeIn {
+            k: pk,
+            v: pv,
+            neox: p.rope_mode == RopeMode::Neox,
+            table: prope,
+        };
         if !rope_in_attention {
-            let r = RopeIn {
-                k: pk,
-                v: pv,
-                neox: neox == 1,
-                table: prope,
-            };
-            self.rope_store(&at, &r, (pqn, pkn), p.norm_eps)?;
+            self.rope_store(&at, &rope, (pqn, pkn), p.norm_eps)?;
         }
         let scale = 1.0 / (hd as f32).sqrt();
         // KV-page pruning: the boxes of the pages this batch wrote, then
@@ -301,13 +298,7 @@ impl CudaBackend {
         if tiled {
             self.attend_prefill(&at, p, slots[n - 1].pos + 1, scale, po)?;
         } else if pruned != Some(false) {
-            let rope = rope_in_attention.then_some(RopeIn {
-                k: pk,
-                v: pv,
-                neox: neox == 1,
-                table: prope,
-            });
-            self.attend_cache(&at, rope)?;
+            self.attend_cache(&at, rope_in_attention.then_some(rope))?;
         }
         if let (Some(only_decode), Some(pages)) = (pruned, &cache.pages) {
             if only_decode && n > GRAPH_MAX_ROWS {
