@@ -4,13 +4,12 @@
 // Needs u16, u32 and h2f declared first.
 #pragma once
 #include <cstring>
-inline u16 f2h(float f) {  // round to nearest (normal range only, enough for test data)
-    u32 u; memcpy(&u, &f, 4);
-    u32 s = (u >> 16) & 0x8000; int e = ((u >> 23) & 255) - 127 + 15; u32 m = u & 0x7fffff;
-    if (e <= 0) return (u16)s;
-    u32 h = s | (e << 10) | (m >> 13);
-    if ((m >> 12) & 1) h++;
-    return (u16)h;
+// cvt.rn.f16.f32: round to nearest even, subnormals kept (g++'s _Float16).
+inline u16 f2h(float f) {
+    const _Float16 h = (_Float16)f;
+    u16 u;
+    memcpy(&u, &h, 2);
+    return u;
 }
 inline float kv_load(const float* p, long i) { return p[i]; }
 inline float kv_load(const u16* p, long i) { return h2f(p[i]); }

@@ -1,7 +1,8 @@
 """Cuts the device code the host checks run out of the kernel sources in
 cuda/ (brace matching), so the checks always compile the current kernels.
 Writes matvec_extract.h, norm_extract.h, split_extract.h, att_partial_extract.h,
-ffn_p1_extract.h, ffn_p2_extract.h, mmq_extract.h, imma_extract.h, fa_extract.h and dequant_extract.h into
+ffn_p1_extract.h, ffn_p2_extract.h, mmq_extract.h, imma_extract.h, fa_extract.h, split_mma_extract.h and
+dequant_extract.h into
 the folder given (default: here)."""
 import pathlib
 import sys
@@ -9,7 +10,7 @@ import sys
 root = pathlib.Path(__file__).resolve().parents[3]
 src = "".join((root / "cuda" / f).read_text() for f in [
     "norm.cu", "nvfp4.cu", "ggml.cu", "attention.cu", "matvec.cu", "matvec_lanes.cu", "matvec_split.cu",
-    "matvec_imma.cu", "mmq.cu", "superblock.cu"])
+    "matvec_imma.cu", "mmq.cu", "superblock.cu", "attention_mma.cu"])
 
 
 def extract(name):
@@ -121,6 +122,16 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
 (out / "fa_extract.h").write_text(cut(
     "#define FA_ROWS", "#define FA_KEYS", "#define FA_WARPS", "#define FA_LOG2E", "u32 fa_pack(", "u32 fa_word(",
     "void fa_stage(const u16*", "void fa_stage(const float*", "void attend_prefill(", "float attend_prefill_merge("))
+
+# The split decode attention on f16 tensor cores (attention_mma.cu), the
+# combine and rope_store (the reference of its folded RoPE and store); the
+# mma and cp.async instructions are mma_emu.h's and cp_async_emu.h's.
+(out / "split_mma_extract.h").write_text(cut(
+    "void kv_store(float*", "void kv_store(u16*", "void rope_turn(", "void rope_cs(", "void rope_store(",
+    "#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_MAX_SPLITS", "bool pruned_row(", "#define AC_THREADS",
+    "#define AC_BATCH", "void attend_combine_body(", "u32 fa_pack(", "u32 fa_word(", "#define TM_WARPS",
+    "#define TM_KEYS", "#define TM_STAGES", "#define TM_MAX_G", "#define TM_STAGE_HALVES", "void tm_issue(",
+    "float tm_rope_q(", "void attend_split_mma("))
 
 # ggml's Q8_0 and Q4_K dequantizers (ggml.cu), the reference the
 # activation-sparse products (activation_sparse.cu, included whole) are

@@ -5,9 +5,9 @@
 # attention and its combine, phases 1 and 2 of the fused Q8_0 FFN, and the pruned decode
 # attention (attention_pruned.cu, included whole), the prefill int8
 # tensor-core products (mmq.cu), the split-Q4_K decode mat-vecs on int8
-# tensor cores (matvec_imma.cu), the prefill attention on f16 tensor
-# cores and the activation-sparse mat-vecs (activation_sparse.cu, included
-# whole). Blocks run as fibers on one thread
+# tensor cores (matvec_imma.cu), the prefill attention and the split
+# decode attention on f16 tensor cores (attention_mma.cu) and the
+# activation-sparse mat-vecs (activation_sparse.cu, included whole). Blocks run as fibers on one thread
 # (block_emu.h); PRMT and the int8 and f16 mma fragments are emulated per the PTX
 # spec (ptx_emu.h, mma_emu.h), the asynchronous copies landing both at issue and
 # at their wait (cp_async_emu.h).
@@ -17,7 +17,7 @@ cd "$(dirname "$0")"
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 python3 extract.py "$T"
-for c in check_matvec check_norm check_split check_ffn_p1 check_ffn_p2 check_pruned check_mmq check_imma check_prefill_att check_activation_sparse; do
+for c in check_matvec check_norm check_split check_ffn_p1 check_ffn_p2 check_pruned check_mmq check_imma check_prefill_att check_split_mma check_activation_sparse; do
   g++ -O1 -std=c++20 -I"$T" -I. -I../../../cuda -o "$T/$c" "$c.cpp"
   "$T/$c"
 done

@@ -65,8 +65,15 @@ pub(crate) struct Kernels {
 
 /// Kernels whose blocks may take more than the default 48 KB of dynamic
 /// shared memory: the tensor-core mat-vecs (activation planes of wide rows)
-/// and the prefill products (their rings of stages).
-const LARGE_SMEM_KERNEL_PREFIXES: &[&str] = &["mv3_q4_ks", "mvx_q4_ks", "ffn_q4_ks", "mmq_"];
+/// the prefill products and the tensor-core decode attention (their rings
+/// of stages).
+const LARGE_SMEM_KERNEL_PREFIXES: &[&str] = &[
+    "mv3_q4_ks",
+    "mvx_q4_ks",
+    "ffn_q4_ks",
+    "mmq_",
+    "attend_split_mma",
+];
 
 impl Kernels {
     /// Lets the kernels whose names start with one of `prefixes` take up to
@@ -164,6 +171,9 @@ pub(crate) fn kernel_names() -> Vec<String> {
                 names.push(format!("{k}_{kv}_d{hd}"));
             }
         }
+    }
+    for hd in crate::attention::MMA_HEAD_DIMS {
+        names.push(format!("attend_split_mma_f16_d{hd}"));
     }
     for k in [
         "rms_norm",

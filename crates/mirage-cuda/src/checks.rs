@@ -193,6 +193,8 @@ mod nvrtc_check {
                 crate::matvec::MV3_ARGS
             } else if name.starts_with("ffn_") {
                 crate::matvec::FFN_ARGS
+            } else if name.starts_with("attend_split_mma_") {
+                crate::attention::SPLIT_MMA_ARGS
             } else if name.starts_with("attend_split_rope_") {
                 crate::attention::SPLIT_ROPE_ARGS
             } else if name.starts_with("attend_split_") {

@@ -21,8 +21,9 @@ use crate::CudaError;
 /// kernels (`cuda/elementwise.cu`), attention (`cuda/attention.cu`), the
 /// mat-vecs (`cuda/matvec.cu`, `cuda/matvec_lanes.cu`,
 /// `cuda/matvec_split.cu`, `cuda/matvec_imma.cu`), the prefill products on int8 tensor cores
-/// (`cuda/mmq.cu`) and the pruned decode attention
-/// (`cuda/attention_pruned.cu`).
+/// (`cuda/mmq.cu`), the pruned decode attention
+/// (`cuda/attention_pruned.cu`) and the split decode attention on tensor
+/// cores (`cuda/attention_mma.cu`).
 pub const DENSE_SOURCE: &str = concat!(
     include_str!("../../../cuda/pdl.cu"),
     include_str!("../../../cuda/norm.cu"),
@@ -35,7 +36,8 @@ pub const DENSE_SOURCE: &str = concat!(
     include_str!("../../../cuda/matvec_split.cu"),
     include_str!("../../../cuda/matvec_imma.cu"),
     include_str!("../../../cuda/mmq.cu"),
-    include_str!("../../../cuda/attention_pruned.cu")
+    include_str!("../../../cuda/attention_pruned.cu"),
+    include_str!("../../../cuda/attention_mma.cu")
 );
 
 /// The sparse module: the same first three, the fused FFN kernels over

@@ -9,7 +9,7 @@ use mirage_runtime::Result;
 
 use super::{CacheAttention, RopeIn};
 use crate::backend::{bad, CudaBackend};
-use crate::launch::Arg;
+use crate::launch::{Arg, Launch, Work};
 
 /// Head sizes the split decode attention is compiled for (`attend_split_*_dN`).
 pub(crate) const SPLIT_HEAD_DIMS: [usize; 3] = [64, 128, 256];
@@ -40,6 +40,22 @@ fn combine_threads(head_dim: usize) -> Result<u32> {
     Ok((COMBINE_THREADS / head_dim * head_dim) as u32)
 }
 
+/// `attend_split_mma_f16_d*` (cuda/attention_mma.cu): head sizes, warps a
+/// block, keys a warp's step, stages of its ring, the most query heads of a
+/// group (the rows of one m16n8k16 product) and its parameters.
+pub(crate) const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
+const MMA_WARPS: usize = 4;
+const MMA_KEYS: usize = 16;
+const MMA_STAGES: usize = 3;
+const MMA_MAX_GROUP: usize = 16;
+pub(crate) const SPLIT_MMA_ARGS: usize = 14;
+
+/// Dynamic shared memory of an `attend_split_mma` block: each warp's ring
+/// of stages of `MMA_KEYS` keys and values, rows padded by 8 halves.
+fn mma_smem(head_dim: usize) -> usize {
+    MMA_WARPS * MMA_STAGES * 2 * MMA_KEYS * (head_dim + 8) * 2
+}
+
 /// Keys per attention split the host plans for at least: the splits of a
 /// cache are at most `n_ctx / this`, and the kernels spread each row's
 /// positions over them (`att_chunk`, whose floor `ATT_MIN_KEYS` is the same
@@ -65,6 +81,9 @@ struct SplitPlan {
     /// The short form: one split whose chunk covers every row, output
     /// written by the split kernel, no combine.
     short: bool,
+    /// The split form on tensor cores (`attend_split_mma`): all of a KV
+    /// head's query heads in one block, so `heads_per_block` is the group.
+    mma: bool,
     /// Query heads of a GQA group per block (`hpb`).
     heads_per_block: usize,
     /// Blocks per row along y: `n_head_kv * ceil(group / heads_per_block)`.
@@ -76,27 +95,60 @@ struct SplitPlan {
 
 /// `attend_cache`'s grid: the short form for rows of at most `SHORT_KEYS`
 /// keys, else splits that depend on the batch, the cache size and the SM
-/// count only (so a recorded step replays at every longer position).
-fn split_plan(at: &CacheAttention, sm_count: usize) -> SplitPlan {
+/// count only (so a recorded step replays at every longer position). The
+/// split form runs on tensor cores (`mma`) for an f16 cache, head sizes
+/// `MMA_HEAD_DIMS` and groups of at most `MMA_MAX_GROUP` heads, when a
+/// block's `mma_smem` fits `smem_optin` (the device's shared memory a
+/// block may opt in to): as many blocks a split as fit an SM by that
+/// memory (`smem_optin` plus the 1 KiB an SM keeps per block, as on sm_90).
+fn split_plan(at: &CacheAttention, sm_count: usize, smem_optin: usize) -> SplitPlan {
     let group = at.n_head / at.n_head_kv;
     let short = at.max_keys <= SHORT_KEYS;
-    let heads_per_block = if short { 1 } else { group.min(SPLIT_MAX_HEADS) };
+    let mma = !short
+        && at.kv == "f16"
+        && MMA_HEAD_DIMS.contains(&at.head_dim)
+        && group <= MMA_MAX_GROUP
+        && mma_smem(at.head_dim) <= smem_optin;
+    let heads_per_block = if short {
+        1
+    } else if mma {
+        group
+    } else {
+        group.min(SPLIT_MAX_HEADS)
+    };
     let head_blocks = at.n_head_kv * group.div_ceil(heads_per_block);
+    let blocks_per_sm = if mma {
+        ((smem_optin + 1024) / (mma_smem(at.head_dim) + 1024)).max(1)
+    } else {
+        SPLIT_BLOCKS_PER_SM
+    };
     let n_split = if short {
         1
     } else {
-        (SPLIT_BLOCKS_PER_SM * sm_count)
+        (blocks_per_sm * sm_count)
             .div_ceil(at.rows * head_blocks)
             .min(at.n_ctx.div_ceil(ATTEND_MIN_CHUNK))
             .clamp(1, SPLIT_MAX)
     };
     SplitPlan {
         short,
+        mma,
         heads_per_block,
         head_blocks,
         n_split,
         chunk: at.n_ctx.div_ceil(n_split),
     }
+}
+
+/// The split kernels' arguments after the cache's: heads, KV heads, cache
+/// positions and the host's chunk.
+fn split_shape_args(at: &CacheAttention, chunk: usize) -> [Arg; 4] {
+    [
+        Arg::I32(at.n_head as i32),
+        Arg::I32(at.n_head_kv as i32),
+        Arg::I32(at.n_ctx as i32),
+        Arg::I32(chunk as i32),
+    ]
 }
 
 impl CudaBackend {
@@ -118,11 +170,15 @@ impl CudaBackend {
         }
         let SplitPlan {
             short,
+            mma,
             heads_per_block,
             head_blocks,
             n_split,
             chunk,
-        } = split_plan(at, self.sm_count);
+        } = split_plan(at, self.sm_count, self.smem_optin);
+        if mma {
+            return self.attend_split_mma(at, rope, n_split, chunk);
+        }
         // The short form writes the output; the split form its partials.
         let (ppart, pout) = if short {
             (0, at.out)
@@ -134,11 +190,8 @@ impl CudaBackend {
             )
         };
         let mut args = at.cache_args();
+        args.extend(split_shape_args(at, chunk));
         args.extend([
-            Arg::I32(at.n_head as i32),
-            Arg::I32(at.n_head_kv as i32),
-            Arg::I32(at.n_ctx as i32),
-            Arg::I32(chunk as i32),
             Arg::I32(heads_per_block as i32),
             Arg::F32(1.0 / (hd as f32).sqrt()),
             Arg::Ptr(ppart),
@@ -175,6 +228,48 @@ impl CudaBackend {
         if short {
             return Ok(());
         }
+        self.combine(at, ppart, n_split, chunk, None)
+    }
+
+    /// The split form on tensor cores (`attend_split_mma_f16_d*`, RoPE and
+    /// the KV store folded in when `rope` is given) and the combine.
+    fn attend_split_mma(
+        &self,
+        at: &CacheAttention,
+        rope: Option<RopeIn>,
+        n_split: usize,
+        chunk: usize,
+    ) -> Result<()> {
+        let hd = at.head_dim;
+        let ppart = {
+            let mut s = self.scratch();
+            self.reshape(&mut s.attn_part, at.rows * at.n_head * n_split, hd + 2)?
+        };
+        let mut args = at.cache_args();
+        args.extend(split_shape_args(at, chunk));
+        args.extend([Arg::F32(1.0 / (hd as f32).sqrt()), Arg::Ptr(ppart)]);
+        // Then the unrotated k and v, the pairing and the RoPE table (0: the
+        // cache already holds the rows' keys and values).
+        let r = rope.unwrap_or(RopeIn {
+            k: 0,
+            v: 0,
+            neox: false,
+            table: 0,
+        });
+        args.extend([
+            Arg::Ptr(r.k),
+            Arg::Ptr(r.v),
+            Arg::I32(r.neox as i32),
+            Arg::Ptr(r.table),
+        ]);
+        debug_assert_eq!(args.len(), SPLIT_MMA_ARGS);
+        self.push_launch(Launch {
+            kernel: self.kernels.index(&format!("attend_split_mma_f16_d{hd}"))?,
+            grid: (at.rows as u32, at.n_head_kv as u32, n_split as u32),
+            block: ((MMA_WARPS * 32) as u32, 1, 1),
+            smem: mma_smem(hd) as u32,
+            work: Work::Plain(args),
+        })?;
         self.combine(at, ppart, n_split, chunk, None)
     }
 
@@ -254,7 +349,11 @@ mod tests {
     fn short_rows_take_one_split_of_one_head_per_block_covering_every_row() {
         for (n_head, n_head_kv) in [(14, 2), (28, 4), (12, 1), (4, 4)] {
             for max_keys in [1, 64, SHORT_KEYS] {
-                let p = split_plan(&shape(3, n_head, n_head_kv, 32768, max_keys), 132);
+                let p = split_plan(
+                    &shape(3, n_head, n_head_kv, 32768, max_keys),
+                    132,
+                    H100_OPTIN,
+                );
                 assert!(p.short);
                 assert_eq!(
                     (p.n_split, p.heads_per_block, p.head_blocks),
@@ -265,14 +364,50 @@ mod tests {
             }
         }
         // A cache of at most SHORT_KEYS positions is always short.
-        assert!(split_plan(&shape(1, 14, 2, SHORT_KEYS, SHORT_KEYS), 132).short);
+        assert!(split_plan(&shape(1, 14, 2, SHORT_KEYS, SHORT_KEYS), 132, H100_OPTIN).short);
+    }
+
+    /// An H100's shared memory a block may opt in to (227 KiB).
+    const H100_OPTIN: usize = 232_448;
+
+    #[test]
+    fn long_rows_of_an_f16_cache_take_the_tensor_core_split_form() {
+        let at = |max_keys| split_plan(&shape(1, 14, 2, 32768, max_keys), 132, H100_OPTIN);
+        let (p, end) = (at(SHORT_KEYS + 1), at(32768));
+        assert!(p.mma && !p.short);
+        assert_eq!(p, end);
+        // The whole group in one block; four 55,296-byte blocks fit an SM.
+        assert_eq!(mma_smem(64), 55_296);
+        assert_eq!((p.heads_per_block, p.head_blocks), (7, 2));
+        assert_eq!(p.n_split, (4 * 132usize).div_ceil(2));
+        assert!(p.chunk * p.n_split >= 32768);
+        // Head size 128: two blocks an SM.
+        let mut wide = shape(1, 28, 4, 32768, 32768);
+        wide.head_dim = 128;
+        assert_eq!(
+            split_plan(&wide, 132, H100_OPTIN).n_split,
+            (2 * 132usize).div_ceil(4)
+        );
+        // Not for an f32 cache, a head size it is not built for, a group of
+        // more than 16 heads or a device whose blocks cannot hold a ring.
+        let mut f32_cache = shape(1, 14, 2, 32768, 32768);
+        f32_cache.kv = "f32";
+        wide.head_dim = 256;
+        for other in [
+            split_plan(&f32_cache, 132, H100_OPTIN),
+            split_plan(&wide, 132, H100_OPTIN),
+            split_plan(&shape(1, 17, 1, 32768, 32768), 132, H100_OPTIN),
+            split_plan(&shape(1, 14, 2, 32768, 32768), 132, 48 * 1024),
+        ] {
+            assert!(!other.mma && !other.short);
+        }
     }
 
     #[test]
     fn longer_rows_split_the_cache_whatever_their_position() {
         // One key past the short form: the split form, the same grid as at
         // the end of the cache (a recorded step replays at every length).
-        let at = |max_keys| split_plan(&shape(1, 14, 2, 32768, max_keys), 132);
+        let at = |max_keys| split_plan(&shape(1, 14, 2, 32768, max_keys), 132, 0);
         let (p, end) = (at(SHORT_KEYS + 1), at(32768));
         assert!(!p.short);
         assert_eq!(p, end);
@@ -281,15 +416,15 @@ mod tests {
         assert!(p.chunk * p.n_split >= 32768);
         // A group wider than a block takes two blocks; splits are capped by
         // the cache (one per ATTEND_MIN_CHUNK positions) and SPLIT_MAX.
-        let wide = split_plan(&shape(1, 12, 1, 512, 300), 132);
+        let wide = split_plan(&shape(1, 12, 1, 512, 300), 132, 0);
         assert_eq!(
             (wide.heads_per_block, wide.head_blocks),
             (SPLIT_MAX_HEADS, 2)
         );
         assert_eq!(wide.n_split, 512 / ATTEND_MIN_CHUNK);
-        let huge = split_plan(&shape(1, 1, 1, 1 << 20, 1 << 20), 100_000);
+        let huge = split_plan(&shape(1, 1, 1, 1 << 20, 1 << 20), 100_000, 0);
         assert_eq!(huge.n_split, SPLIT_MAX);
-        let batch = split_plan(&shape(16, 28, 4, 4096, 4096), 132);
+        let batch = split_plan(&shape(16, 28, 4, 4096, 4096), 132, 0);
         assert!(batch.n_split >= 1 && batch.chunk * batch.n_split >= 4096);
     }
 }

@@ -32,9 +32,9 @@ mod pruned;
 
 pub use cache::CudaKvCache;
 pub(crate) use cache::KvPageBoxes;
-pub(crate) use decode::SPLIT_HEAD_DIMS;
 #[cfg(test)]
-pub(crate) use decode::{COMBINE_ARGS, SPLIT_ARGS, SPLIT_ROPE_ARGS};
+pub(crate) use decode::{COMBINE_ARGS, SPLIT_ARGS, SPLIT_MMA_ARGS, SPLIT_ROPE_ARGS};
+pub(crate) use decode::{MMA_HEAD_DIMS, SPLIT_HEAD_DIMS};
 pub(crate) use prefill::PREFILL_HEAD_DIMS;
 use prefill::PREFILL_MIN_ROWS;
 #[cfg(test)]
@@ -120,6 +120,41 @@ impl CudaBackend {
         })
     }
 
+    /// `rope_store_*`: the rows' q and k through the per-head norms at
+    /// `qk_norm` (q's, k's weights; 0 for none) and RoPE, in place, and k
+    /// and v stored into the cache at the rows' slots.
+    fn rope_store(
+        &self,
+        at: &CacheAttention,
+        r: &RopeIn,
+        qk_norm: (u64, u64),
+        norm_eps: f32,
+    ) -> Result<()> {
+        let args = vec![
+            Arg::Ptr(at.q),
+            Arg::Ptr(r.k),
+            Arg::Ptr(r.v),
+            Arg::Ptr(at.slots),
+            Arg::I32(at.n_head as i32),
+            Arg::I32(at.n_head_kv as i32),
+            Arg::I32(at.head_dim as i32),
+            Arg::I32(r.neox as i32),
+            Arg::Ptr(r.table),
+            Arg::Ptr(qk_norm.0),
+            Arg::Ptr(qk_norm.1),
+            Arg::F32(norm_eps),
+            Arg::Ptr(at.kc),
+            Arg::Ptr(at.vc),
+            Arg::I32(at.n_ctx as i32),
+        ];
+        self.plain(
+            &format!("rope_store_{}", at.kv),
+            (at.rows as u32, (at.n_head + at.n_head_kv) as u32, 1),
+            ((at.head_dim / 2) as u32, 1, 1),
+            args,
+        )
+    }
+
     /// The device address of the batch's (seq, pos) slots: the step's
     /// staged copy, or one uploaded now.
     pub(crate) fn slots_ptr(&self, s: &mut Scratch, slots: &[TokenSlot]) -> Result<u64> {
@@ -197,12 +232,6 @@ impl CudaBackend {
         let (pkc, pvc) = (self.ptr(&cache.k[layer]), self.ptr(&cache.v[layer]));
         let prope = self.rope_table(cache, p.rope_freq_base)?;
         let kv = kv_name(spec.dtype);
-        let (nh, nkv, hdi, n_ctx) = (
-            p.n_head as i32,
-            p.n_head_kv as i32,
-            hd as i32,
-            spec.n_ctx as i32,
-        );
         let po = self.reshape(out, n, p.n_head * hd)?;
         let at = CacheAttention {
             q: pq,
@@ -228,30 +257,14 @@ impl CudaBackend {
                 .iter()
                 .enumerate()
                 .all(|(i, a)| slots[..i].iter().all(|b| b.seq != a.seq));
-        let neox = (p.rope_mode == RopeMode::Neox) as i32;
+        let rope = RopeIn {
+            k: pk,
+            v: pv,
+            neox: p.rope_mode == RopeMode::Neox,
+            table: prope,
+        };
         if !rope_in_attention {
-            self.plain(
-                &format!("rope_store_{kv}"),
-                (n as u32, (p.n_head + p.n_head_kv) as u32, 1),
-                ((hd / 2) as u32, 1, 1),
-                vec![
-                    Arg::Ptr(pq),
-                    Arg::Ptr(pk),
-                    Arg::Ptr(pv),
-                    Arg::Ptr(pslots),
-                    Arg::I32(nh),
-                    Arg::I32(nkv),
-                    Arg::I32(hdi),
-                    Arg::I32(neox),
-                    Arg::Ptr(prope),
-                    Arg::Ptr(pqn),
-                    Arg::Ptr(pkn),
-                    Arg::F32(p.norm_eps),
-                    Arg::Ptr(pkc),
-                    Arg::Ptr(pvc),
-                    Arg::I32(n_ctx),
-                ],
-            )?;
+            self.rope_store(&at, &rope, (pqn, pkn), p.norm_eps)?;
         }
         let scale = 1.0 / (hd as f32).sqrt();
         // KV-page pruning: the boxes of the pages this batch wrote, then
@@ -285,13 +298,7 @@ impl CudaBackend {
         if tiled {
             self.attend_prefill(&at, p, slots[n - 1].pos + 1, scale, po)?;
         } else if pruned != Some(false) {
-            let rope = rope_in_attention.then_some(RopeIn {
-                k: pk,
-                v: pv,
-                neox: neox == 1,
-                table: prope,
-            });
-            self.attend_cache(&at, rope)?;
+            self.attend_cache(&at, rope_in_attention.then_some(rope))?;
         }
         if let (Some(only_decode), Some(pages)) = (pruned, &cache.pages) {
             if only_decode && n > GRAPH_MAX_ROWS {

@@ -1,0 +1,268 @@
+// ===========================================================================
+// The split decode attention on f16 tensor cores, for long rows of an f16
+// cache (after attention.cu, whose att_chunk, fa_word, fa_pack and
+// mma_f16_k16 it uses, and mmq.cu, whose cp.async helpers it uses).
+//
+// attend_split's scores and value sums are f32 FMAs fed from shared memory:
+// at 32k keys they, not the cache reads, set its pace (an H100 read a 7B
+// cache at about 0.7 TB/s). Here a block takes one row, one KV head and one
+// split, and the G query heads of that KV head are the 16 rows of m16n8k16
+// products (G <= 16, the rest zero), so each staged key and value serves the
+// whole group at tensor-core rate:
+//   S (16 x 8 keys)  = Q K^T : B fragments are K rows as stored ([key][d]);
+//                      Q is split into f16 hi + lo parts (two products), so
+//                      the scores keep about 22 bits of Q;
+//   O (16 x 8 dims) += P V   : P reuses S's accumulator layout as A
+//                      fragments, split into f16 hi + lo parts as Q is;
+//                      V's B fragments pair two keys of one dimension, read
+//                      as halves from shared memory.
+// With both splits the products' inputs keep about 22 bits, near the f32
+// arithmetic of attend_split (one f16 rounding of Q or P, as the prefill
+// kernel does, gave 4e-5 to 5e-4 of error in the host check).
+// Each warp streams its own steps of TM_KEYS keys (steps w, w + TM_WARPS,
+// ... of the block's chunk) through a ring of TM_STAGES stages in shared
+// memory filled by cp.async, so TM_STAGES - 1 steps of keys and values are
+// in flight while it computes one; its running max, sum and output stay in
+// registers, and the warps' results are merged in warp order at the end
+// into the split's partial, as attend_split writes it (m, l, V sum[HD]),
+// for attend_combine. RoPE and the store of the rows' new keys and values
+// can be folded in (attend_split_mma's rope argument). Grid (rows,
+// n_head_kv, n_split), block TM_WARPS warps,
+// dynamic shared memory 2 * TM_WARPS * TM_STAGES * TM_STAGE_HALVES(HD) bytes
+// (decode.rs: mma_smem).
+// ===========================================================================
+
+#define TM_WARPS 4
+#define TM_KEYS 16
+#define TM_STAGES 3
+#define TM_MAX_G 16
+
+// Halves of one stage of a warp's ring: TM_KEYS keys, then TM_KEYS values,
+// rows padded by 8 halves so that fragment loads hit distinct banks. A
+// block's dynamic shared memory: TM_WARPS rings of TM_STAGES stages.
+#define TM_STAGE_HALVES(HD) (2 * TM_KEYS * ((HD) + 8))
+
+// Copies the keys and values k0 .. k0 + TM_KEYS - 1 (clamped to last: a
+// key past it is masked, and its clamped row holds finite cache data) into
+// a stage; every lane of the warp calls it.
+template <int HD>
+__device__ __forceinline__ void tm_issue(const u16* K, const u16* V, int k0, int last, u16* stage, int lane) {
+    constexpr int UPR = HD / 8, LD = HD + 8;
+    u16* vs = stage + TM_KEYS * LD;
+#pragma unroll
+    for (int c = 0; c < TM_KEYS * UPR / 32; c++) {
+        const int i = lane + 32 * c, r = i / UPR, u = i % UPR;
+        const long at = (long)min(k0 + r, last) * HD + 8 * u;
+        cp_async16(stage + r * LD + 8 * u, K + at);
+        cp_async16(vs + r * LD + 8 * u, V + at);
+    }
+}
+
+// Element c of a query head x after RoPE at position pos, rope_store's
+// arithmetic (the same bits).
+template <int HD>
+__device__ __forceinline__ float tm_rope_q(const float* x, int c, int pos, int neox, const float* rope) {
+    constexpr int half = HD / 2;
+    const int i = neox ? c % half : c / 2;
+    const bool second = neox ? c >= half : (c & 1);
+    float cs, sn, ra, rb;
+    rope_cs(rope, pos, i, HD, &cs, &sn);
+    rope_turn(x[neox ? i : 2 * i], x[neox ? i + half : 2 * i + 1], cs, sn, &ra, &rb);
+    return second ? rb : ra;
+}
+
+// With rope non-null, RoPE and the KV store of the rows' new position are
+// folded in, with rope_store's arithmetic (the same bits): the block whose
+// split holds the position rotates k and stores k and v there before its
+// copies read the cache (the launch is that slot's only writer and reader),
+// and every block rotates its copy of q. k and v: the rows' unrotated keys
+// and values ([rows][n_head_kv][HD]); neox the pairing.
+template <int HD>
+__device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, const int* __restrict__ slots,
+                                 int n_head, int n_head_kv, int n_ctx, int chunk, float scale,
+                                 float* __restrict__ part, const float* __restrict__ k, const float* __restrict__ v,
+                                 int neox, const float* __restrict__ rope, u16* smem) {
+    constexpr int LD = HD + 8, STAGE = TM_STAGE_HALVES(HD);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, n_split = gridDim.z;
+    const int G = n_head / n_head_kv;
+    const int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
+    chunk = att_chunk(n, n_split, chunk);
+    const int j0 = split * chunk, j1 = min(n, j0 + chunk);
+    if (j0 >= j1) return;  // attend_combine skips splits past the position
+    const int pos = n - 1;
+    if (rope) {
+        if (j1 == n && (int)threadIdx.x < HD / 2) {  // the split that holds pos
+            const int i = threadIdx.x, ia = neox ? i : 2 * i, ib = neox ? i + HD / 2 : 2 * i + 1;
+            const float* kh = k + ((long)row * n_head_kv + kvh) * HD;
+            const float* vh = v + ((long)row * n_head_kv + kvh) * HD;
+            float cs, sn, ra, rb;
+            rope_cs(rope, pos, i, HD, &cs, &sn);
+            rope_turn(kh[ia], kh[ib], cs, sn, &ra, &rb);
+            const long at = (((long)seq * n_head_kv + kvh) * n_ctx + pos) * HD;
+            kv_store(kc, at + ia, ra);
+            kv_store(kc, at + ib, rb);
+            kv_store(vc, at + ia, vh[ia]);
+            kv_store(vc, at + ib, vh[ib]);
+            __threadfence();  // in L2, where the block's cp.async copies read
+        }
+        __syncthreads();
+    }
+    // Q of the group's heads (rotated with rope), scaled, as hi and lo A
+    // fragments.
+    const float* qg = q + ((long)row * n_head + (long)kvh * G) * HD;
+    u32 qh[HD / 16][4], ql[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = g + 8 * (i & 1), c = 16 * kk + 2 * t + 8 * (i >> 1);
+            float x0 = 0.f, x1 = 0.f;
+            if (r < G) {
+                const float* x = qg + r * HD;
+                x0 = (rope ? tm_rope_q<HD>(x, c, pos, neox, rope) : x[c]) * scale;
+                x1 = (rope ? tm_rope_q<HD>(x, c + 1, pos, neox, rope) : x[c + 1]) * scale;
+            }
+            const u16 h0 = f2h(x0), h1 = f2h(x1);
+            qh[kk][i] = (u32)h0 | ((u32)h1 << 16);
+            ql[kk][i] = fa_pack(x0 - h2f(h0), x1 - h2f(h1));
+        }
+    const u16* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
+    const u16* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
+    const int steps = (j1 - j0 + TM_KEYS - 1) / TM_KEYS;
+    const int mine = steps > warp ? (steps - warp + TM_WARPS - 1) / TM_WARPS : 0;
+    u16* ring = smem + warp * TM_STAGES * STAGE;
+#pragma unroll
+    for (int p = 0; p < TM_STAGES - 1; p++) {
+        if (p < mine) tm_issue<HD>(K, V, j0 + (warp + p * TM_WARPS) * TM_KEYS, j1 - 1, ring + p * STAGE, lane);
+        cp_async_commit();
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[j][e] = 0.f;
+    float m[2] = {-MIRAGE_INF, -MIRAGE_INF}, l[2] = {0.f, 0.f};
+    for (int i = 0; i < mine; i++) {
+        cp_async_wait<TM_STAGES - 2>();  // step i has landed
+        __syncwarp();
+        {
+            // Refill the stage step i - 1 used (read before the __syncwarp
+            // that ended it).
+            const int p = i + TM_STAGES - 1;
+            if (p < mine)
+                tm_issue<HD>(K, V, j0 + (warp + p * TM_WARPS) * TM_KEYS, j1 - 1, ring + (p % TM_STAGES) * STAGE,
+                             lane);
+            cp_async_commit();
+        }
+        const u16* ks = ring + (i % TM_STAGES) * STAGE;
+        const u16* vs = ks + TM_KEYS * LD;
+        const int k0 = j0 + (warp + i * TM_WARPS) * TM_KEYS;
+        float s[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[j][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                const u16* kr = ks + (8 * j + g) * LD + 16 * kk + 2 * t;
+                const u32 b[2] = {fa_word(kr), fa_word(kr + 8)};
+                mma_f16_k16(s[j], qh[kk], b);
+                mma_f16_k16(s[j], ql[kk], b);
+            }
+        }
+        // Online softmax of rows g (e < 2) and g + 8: keys past the chunk
+        // masked, the step's max over the quad, the rounded weights.
+        float mx[2] = {-MIRAGE_INF, -MIRAGE_INF};
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                if (k0 + 8 * j + 2 * t + (e & 1) >= j1) s[j][e] = -MIRAGE_INF;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            const float nm = fmaxf(m[h], mx[h]);  // finite: key k0 is before j1
+            alpha[h] = expf(m[h] - nm);          // 0 on the first step (m = -inf)
+            m[h] = nm;
+            l[h] *= alpha[h];
+        }
+        u32 ph[4], pl[4];
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const float p0 = expf(s[j][2 * hh] - m[hh]), p1 = expf(s[j][2 * hh + 1] - m[hh]);
+                const u16 h0 = f2h(p0), h1 = f2h(p1);
+                l[hh] += p0 + p1;
+                ph[2 * j + hh] = (u32)h0 | ((u32)h1 << 16);
+                pl[2 * j + hh] = fa_pack(p0 - h2f(h0), p1 - h2f(h1));
+            }
+#pragma unroll
+        for (int jd = 0; jd < HD / 8; jd++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[jd][e] *= alpha[e >> 1];
+            const u16* vr = vs + 2 * t * LD + 8 * jd + g;
+            const u32 b[2] = {(u32)vr[0] | ((u32)vr[LD] << 16), (u32)vr[8 * LD] | ((u32)vr[9 * LD] << 16)};
+            mma_f16_k16(o[jd], ph, b);
+            mma_f16_k16(o[jd], pl, b);
+        }
+        __syncwarp();  // the stage is read before the next step refills it
+    }
+    cp_async_wait<0>();  // the trailing groups are empty
+    // The warps' results, merged in warp order: per row the block's max, then
+    // each warp's sum and output scaled to it. The rings are free now.
+    __syncthreads();
+    float* red = (float*)smem;  // [TM_WARPS][16][HD]
+    float* wm = red + TM_WARPS * 16 * HD;
+    float* wl = wm + TM_WARPS * 16;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        if (t == 0) {
+            wm[warp * 16 + g + 8 * h] = m[h];
+            wl[warp * 16 + g + 8 * h] = l[h];
+        }
+    }
+#pragma unroll
+    for (int jd = 0; jd < HD / 8; jd++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) red[(warp * 16 + g + 8 * (e >> 1)) * HD + 8 * jd + 2 * t + (e & 1)] = o[jd][e];
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+        const int r = i / HD, d = i % HD;
+        float M = -MIRAGE_INF;
+        for (int w = 0; w < TM_WARPS; w++) M = fmaxf(M, wm[w * 16 + r]);
+        float L = 0.f, a = 0.f;
+        for (int w = 0; w < TM_WARPS; w++) {
+            const float mw = wm[w * 16 + r];
+            const float f = mw == -MIRAGE_INF ? 0.f : expf(mw - M);  // a warp with no step
+            L += f * wl[w * 16 + r];
+            a += f * red[(w * 16 + r) * HD + d];
+        }
+        float* P = part + (((long)row * n_head + (long)kvh * G + r) * n_split + split) * (HD + 2);
+        P[2 + d] = a;
+        if (d == 0) {
+            P[0] = M;
+            P[1] = L;
+        }
+    }
+}
+
+#define SPLIT_MMA_INSTANCE(HD)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(TM_WARPS * 32)                                                    \
+        attend_split_mma_f16_d##HD(const float* q, u16* kc, u16* vc, const int* slots, int n_head, int n_head_kv, \
+                                   int n_ctx, int chunk, float scale, float* part, const float* k, const float* v,  \
+                                   int neox, const float* rope) {                                                   \
+        extern __shared__ __align__(16) u16 tm_smem[];                                                              \
+        PDL_ENTRY();                                                                                                \
+        attend_split_mma<HD>(q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, part, k, v, neox, rope,     \
+                             tm_smem);                                                                              \
+    }
+SPLIT_MMA_INSTANCE(64)
+SPLIT_MMA_INSTANCE(128)
