@@ -201,12 +201,7 @@ impl CudaBackend {
         let kernel = match rope {
             // attend_split_rope: then the unrotated k and v, mode and base.
             Some(r) => {
-                args.extend([
-                    Arg::Ptr(r.k),
-                    Arg::Ptr(r.v),
-                    Arg::I32(r.neox as i32),
-                    Arg::Ptr(r.table),
-                ]);
+                args.extend(r.args());
                 format!("attend_split_rope_{}_d{hd}", at.kv)
             }
             None => format!("attend_split_{}_d{hd}", at.kv),
@@ -248,20 +243,9 @@ impl CudaBackend {
         let mut args = at.cache_args();
         args.extend(split_shape_args(at, chunk));
         args.extend([Arg::F32(1.0 / (hd as f32).sqrt()), Arg::Ptr(ppart)]);
-        // Then the unrotated k and v, the pairing and the RoPE table (0: the
-        // cache already holds the rows' keys and values).
-        let r = rope.unwrap_or(RopeIn {
-            k: 0,
-            v: 0,
-            neox: false,
-            table: 0,
-        });
-        args.extend([
-            Arg::Ptr(r.k),
-            Arg::Ptr(r.v),
-            Arg::I32(r.neox as i32),
-            Arg::Ptr(r.table),
-        ]);
+        // Then the RoPE inputs (all 0: the cache already holds the rows' keys
+        // and values).
+        args.extend(rope.unwrap_or_default().args());
         debug_assert_eq!(args.len(), SPLIT_MMA_ARGS);
         self.push_launch(Launch {
             kernel: self.kernels.index(&format!("attend_split_mma_f16_d{hd}"))?,

@@ -86,12 +86,27 @@ impl CacheAttention {
 
 /// The RoPE a decode attention applies to its rows' q and k itself (and
 /// stores k and v): the unrotated k and v, the pairing and the cache's
-/// RoPE table (`CudaBackend::rope_table`).
+/// RoPE table (`CudaBackend::rope_table`). The default (all 0) tells a
+/// kernel that takes them optionally that the cache already holds the rows.
+#[derive(Default)]
 pub(crate) struct RopeIn {
     pub k: u64,
     pub v: u64,
     pub neox: bool,
     pub table: u64,
+}
+
+impl RopeIn {
+    /// The kernels' trailing arguments: the unrotated k and v, the pairing
+    /// and the table.
+    pub(crate) fn args(&self) -> [Arg; 4] {
+        [
+            Arg::Ptr(self.k),
+            Arg::Ptr(self.v),
+            Arg::I32(self.neox as i32),
+            Arg::Ptr(self.table),
+        ]
+    }
 }
 
 pub(crate) fn kv_name(dtype: KvDtype) -> &'static str {

@@ -10,7 +10,7 @@ use super::avx2::{bytes_from_bits_32, nibbles_32};
 use super::gemm_q8_0::{
     CORR_AT, PACKED_BLOCK_BYTES, Q8_0_BYTES, Q8_0_TOKEN_GROUP, QK, QS_AT, SCALES_AT,
 };
-use super::util::prefetch_ahead_of;
+use super::util::{prefetch_ahead, prefetch_ahead_of};
 use crate::types::GgmlType;
 
 /// Weight rows per register tile.
@@ -274,7 +274,7 @@ pub(crate) unsafe fn matvec_avx2(cols: usize, w: &[u8], rows: usize, act: &[u8],
     let dot = super::avx2::dot_fn(GgmlType::Q8_0).expect("AVX2 has a Q8_0 kernel");
     for i in 0..rows {
         let row = &w[i * rb..(i + 1) * rb];
-        prefetch_ahead_of(row.as_ptr(), row.len());
+        prefetch_ahead(row);
         out[i] = dot(cols, row, act);
     }
 }
