@@ -19,17 +19,45 @@ pub fn default_path(model: &std::path::Path) -> std::path::PathBuf {
     model.with_extension("activation.mirage")
 }
 
+/// The default calibration text: the system Python's argparse.py (the
+/// newest /usr/lib/python3.*), else Debian's GPL-3. Measured on the shipped
+/// models, code calibrates better than the GPL: the models have the GPL by
+/// heart (calibration perplexity 1.54 on the 1.5B against 4.95 on held-out
+/// Python), so perplexity on it says little about held-out text.
+fn default_calib() -> std::path::PathBuf {
+    let mut found: Vec<std::path::PathBuf> = std::fs::read_dir("/usr/lib")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("python3."))
+        .map(|e| e.path().join("argparse.py"))
+        .filter(|p| p.is_file())
+        .collect();
+    // python3.9 < python3.11: order by the minor version, not by name.
+    found.sort_by_key(|p| {
+        p.parent()
+            .and_then(|d| d.file_name())
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("python3."))
+            .and_then(|m| m.parse::<u32>().ok())
+    });
+    found
+        .pop()
+        .unwrap_or_else(|| crate::build_artifacts::GPL3.into())
+}
+
 /// Runs the activation build.
 pub fn run(args: &BuildArtifactsArgs) -> anyhow::Result<()> {
     let started = Instant::now();
-    let calib_text = std::fs::read_to_string(&args.calib)
-        .with_context(|| format!("reading {}", args.calib.display()))?;
+    let calib = args.calib.clone().unwrap_or_else(default_calib);
+    let calib_text =
+        std::fs::read_to_string(&calib).with_context(|| format!("reading {}", calib.display()))?;
     let out = args
         .out
         .clone()
         .unwrap_or_else(|| default_path(&args.model));
     let opts = ActivationBuildOptions {
-        calib_name: args.calib.display().to_string(),
+        calib_name: calib.display().to_string(),
         calib_text,
         calib_tokens: args.calib_tokens,
         greedy_tokens: args.greedy_tokens,

@@ -17,9 +17,12 @@ pub struct BuildArtifactsArgs {
     /// The source GGUF model.
     #[arg(long)]
     pub(crate) model: PathBuf,
-    /// Calibration text (default: /usr/share/common-licenses/GPL-3; keep evaluation text disjoint).
-    #[arg(long, default_value = "/usr/share/common-licenses/GPL-3")]
-    pub(crate) calib: PathBuf,
+    /// Calibration text; keep evaluation text disjoint. Default: pages mode
+    /// /usr/share/common-licenses/GPL-3; activation mode the system Python's argparse.py
+    /// (/usr/lib/python3.*/argparse.py: code, which the models have not memorized as they have the
+    /// GPL, so its perplexities predict held-out text), else GPL-3.
+    #[arg(long)]
+    pub(crate) calib: Option<PathBuf>,
     /// Output file (default: next to the model, `<stem>.mirage`).
     #[arg(long)]
     pub(crate) out: Option<PathBuf>,
@@ -67,6 +70,9 @@ pub struct BuildArtifactsArgs {
     pub(crate) statistics_only: bool,
 }
 
+/// Debian's GPL-3 text (base-files: on every Debian machine).
+pub(crate) const GPL3: &str = "/usr/share/common-licenses/GPL-3";
+
 /// Runs the task.
 pub fn run(args: &BuildArtifactsArgs, _root: &Path) -> anyhow::Result<()> {
     if args.mode == "activation" {
@@ -78,14 +84,15 @@ pub fn run(args: &BuildArtifactsArgs, _root: &Path) -> anyhow::Result<()> {
         "q2_k" => GgmlType::Q2_K,
         q => anyhow::bail!("--quant {q}: expected q8_0 or q2_k"),
     };
-    let calib_text = std::fs::read_to_string(&args.calib)
-        .with_context(|| format!("reading {}", args.calib.display()))?;
+    let calib = args.calib.clone().unwrap_or_else(|| PathBuf::from(GPL3));
+    let calib_text =
+        std::fs::read_to_string(&calib).with_context(|| format!("reading {}", calib.display()))?;
     let out = args
         .out
         .clone()
         .unwrap_or_else(|| args.model.with_extension("mirage"));
     let opts = BuildOptions {
-        calib_name: args.calib.display().to_string(),
+        calib_name: calib.display().to_string(),
         calib_text,
         max_calib_tokens: args.max_tokens,
         quant,
