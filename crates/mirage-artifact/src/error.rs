@@ -17,7 +17,7 @@ pub enum ArtifactError {
     #[error("not a MIRAGE artifact (bad magic)")]
     BadMagic,
     /// The file's format version is not one this reader knows.
-    #[error("artifact format version {found}, this reader knows {supported}")]
+    #[error("artifact format version {found}, this reader knows {supported}: rebuild it with this version's `cargo xtask build-artifacts`")]
     UnsupportedVersion {
         /// Version in the file.
         found: u32,
