@@ -772,6 +772,16 @@ impl Backend for ActivationBackend {
         }
         let st = self.settings();
         let any_thr = ws.iter().any(|w| self.threshold(&st, w).is_some());
+        let all_thr = ws.iter().all(|w| self.threshold(&st, w).is_some());
+        if any_thr && !all_thr && self.decodes(ws, x) {
+            // A decode row where only some matrices have thresholds: those
+            // on the channel-major kernels, the others on the row-major
+            // ones (faster over every channel).
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul(w, x, out)?;
+            }
+            return Ok(());
+        }
         if any_thr && self.decodes(ws, x) {
             let jobs: Vec<(&ActMatrix, &[f32], Option<&[f32]>)> = ws
                 .iter()
@@ -856,6 +866,14 @@ impl Backend for ActivationBackend {
             s.up = u;
             r?;
             self.record(f.layer, Slot::FfnHidden, &h);
+            if td.is_none() {
+                // Down without thresholds: the row-major kernels of the
+                // source read every channel faster than the channel-major
+                // ones (as in `matmul`).
+                drop(guard);
+                let hx = CpuActivations::from_vec(1, n_ff, h)?;
+                return self.masked_product(&f.down, None, &hx, out);
+            }
             out.reshape(1, f.down.dense.rows());
             let r = self.sparse_products(&[(&f.down, &h, td)], &mut [out.data_mut()], s);
             s.hidden = h;

@@ -21,7 +21,8 @@ use rayon::prelude::*;
 use super::backend::{ActivationBackend, Slot};
 use super::fit::{
     block_greedy, block_greedy_rows, fit_kappa, head_index, matrix_stats, mean_kl, mean_nll,
-    sensitivity_rows, thresholds_row, uniform_rows, CriterionStats, GreedyOptions, PathPoint,
+    sensitivity_rows, skipping_pays, thresholds_row, uniform_rows, CriterionStats, GreedyOptions,
+    PathPoint,
 };
 use super::format::{
     write_bytes, ActivationContents, ActivationMeta, Allocation, MatrixScores, PlanMeta, PlanTable,
@@ -405,14 +406,22 @@ pub fn build_activation(
         (Criterion::Teal, Allocation::SensitivityHead),
         (Criterion::Wina, Allocation::SensitivityHead),
     ];
+    // Our allocations skip channels only where that saves time.
+    let pays: Vec<bool> = matrices.iter().map(|(l, _)| skipping_pays(l)).collect();
+    let mut pays_no_head = pays.clone();
+    pays_no_head[head] = false;
     for (c, a) in plans {
         let ci = Criterion::ALL.iter().position(|&x| x == c).expect("in ALL");
         let curves: Vec<&[f64]> = errors.iter().map(|e| e[ci].as_slice()).collect();
         let rows = match a {
             Allocation::Uniform => uniform_rows(&bytes, targets),
             Allocation::BlockGreedy => block_greedy_rows(&paths, &bytes, targets),
-            Allocation::Sensitivity => sensitivity_rows(&bytes, &curves, &kappa, targets, false),
-            Allocation::SensitivityHead => sensitivity_rows(&bytes, &curves, &kappa, targets, true),
+            Allocation::Sensitivity => {
+                sensitivity_rows(&bytes, &curves, &kappa, targets, &pays_no_head)
+            }
+            Allocation::SensitivityHead => {
+                sensitivity_rows(&bytes, &curves, &kappa, targets, &pays)
+            }
         };
         plan_metas.push(PlanMeta {
             name: plan_name(c, a),
