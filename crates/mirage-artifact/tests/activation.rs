@@ -263,6 +263,54 @@ fn sparsity_zero_decode_is_as_exact_as_the_dense_decode() {
     }
 }
 
+/// In a decode row, a matrix without thresholds runs on the row-major
+/// kernels of the source even where others of its layer run sparse: with
+/// thresholds on gate and up only, the channel-major kernels stand in for
+/// exactly gate's and up's bytes (not down's, nor attention's), and the
+/// logits stay within activation rounding of the dense decode.
+#[test]
+fn matrices_without_thresholds_decode_on_the_row_major_kernels() {
+    let Some((file, a)) = built() else { return };
+    let n_layer = a.meta().n_layer;
+    let tokens = held_out_tokens(&file, 6);
+    let sparse = Model::load(
+        file.clone(),
+        ActivationBackend::new(CpuBackend::new(2).unwrap(), Some(a.clone()), n_layer),
+    )
+    .unwrap();
+    for l in 0..n_layer {
+        for p in [Proj::Gate, Proj::Up] {
+            let cols = a.matrix(l, p).unwrap().layout.cols();
+            sparse
+                .backend()
+                .set_matrix_thresholds(l, p, Some(vec![0.0; cols]));
+        }
+    }
+    let got = decode_all(&sparse, &tokens);
+    let st = sparse.backend().take_stats();
+    let source = |l: usize, p: Proj| {
+        let e = a.matrix(l, p).unwrap().layout;
+        (e.rows() * e.cols() / e.ty().block_size() * e.ty().type_size()) as u64
+    };
+    let gate_up: u64 = (0..n_layer)
+        .map(|l| source(l, Proj::Gate) + source(l, Proj::Up))
+        .sum();
+    assert_eq!(
+        st.replaced_bytes,
+        gate_up * tokens.len() as u64,
+        "only gate and up ran on the channel-major kernels"
+    );
+    // Thresholds of 0 keep every channel: the same products as the dense
+    // decode up to the two kernel families' activation rounding.
+    let dense = Model::load(file.clone(), CpuBackend::new(2).unwrap()).unwrap();
+    let want = decode_all(&dense, &tokens);
+    let vocab = sparse.config().vocab_size;
+    for (i, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let c = cosine(g, w);
+        assert!(c >= 0.999, "position {i}: cosine {c} to the dense decode");
+    }
+}
+
 /// The decode kernels at 10 % equal the batch path (the dense kernels on
 /// the masked input) at 10 %: the same channels are skipped either way.
 /// (At 40 % this 135M model is chaotic: the rounding differences of two
