@@ -365,13 +365,13 @@ pub fn error_at(error: &[f64], s: f32) -> f64 {
 
 /// The shortest channel run (bytes of one input channel's codes in a tile)
 /// worth skipping. Shorter runs read slower through the channel-major
-/// kernels than the row-major source does, even with half of them skipped:
-/// one thread, out of cache, Q4_K with 1,536 outputs (768-byte runs) ran
-/// 0.75x the dense mat-vec with every channel and 0.91x with half; Q6_K
-/// with 1,536 (1,152-byte runs) 1.00x and 1.38x; Q4_K with 8,960 (4,480)
-/// 1.06x and 1.68x (`channel_major_bench`). The hardware prefetchers
-/// follow a run within its 4 KiB page, and a short run ends before they
-/// have ramped up.
+/// kernels than the row-major source does, or gain little with half of
+/// them skipped: one thread, out of cache, Q4_K with 1,536 outputs
+/// (768-byte runs) ran 0.75–0.85x the dense mat-vec with every channel and
+/// 0.91–1.12x with half; Q6_K with 1,536 (1,152-byte runs) 1.00x and
+/// 1.38x; Q4_K with 8,960 (4,480) 1.06x and 1.68x (`channel_major_bench`).
+/// The hardware prefetchers follow a run within its 4 KiB page, and a
+/// short run ends before they have ramped up.
 pub const MIN_SKIPPED_RUN: usize = 1024;
 
 /// Whether skipping channels of a matrix of this layout saves time: its
