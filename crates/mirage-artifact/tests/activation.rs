@@ -135,6 +135,16 @@ fn decode_all<B: Backend>(model: &Model<B>, tokens: &[u32]) -> Vec<f32> {
     all
 }
 
+/// `file` on an [`ActivationBackend`] over `a` (two threads, no thresholds).
+fn sparse_model(file: &Arc<GgufFile>, a: &Arc<ActivationArtifact>) -> Model<ActivationBackend> {
+    let backend = ActivationBackend::new(
+        CpuBackend::new(2).unwrap(),
+        Some(a.clone()),
+        a.meta().n_layer,
+    );
+    Model::load(file.clone(), backend).unwrap()
+}
+
 fn held_out_tokens(file: &GgufFile, n: usize) -> Vec<u32> {
     let tok = mirage_tokenizer::Tokenizer::from_gguf(file).unwrap();
     let text = std::fs::read_to_string("/usr/lib/python3.11/textwrap.py")
@@ -153,13 +163,8 @@ fn held_out_tokens(file: &GgufFile, n: usize) -> Vec<u32> {
 #[test]
 fn sparsity_zero_decode_is_as_exact_as_the_dense_decode() {
     let Some((file, a)) = built() else { return };
-    let n_layer = a.meta().n_layer;
     let tokens = held_out_tokens(&file, 24);
-    let sparse = Model::load(
-        file.clone(),
-        ActivationBackend::new(CpuBackend::new(2).unwrap(), Some(a.clone()), n_layer),
-    )
-    .unwrap();
+    let sparse = sparse_model(&file, &a);
     // Thresholds of 0 keep every channel but run the channel-major kernels
     // (with no thresholds at all a matrix takes the row-major dense path).
     sparse
@@ -273,11 +278,7 @@ fn matrices_without_thresholds_decode_on_the_row_major_kernels() {
     let Some((file, a)) = built() else { return };
     let n_layer = a.meta().n_layer;
     let tokens = held_out_tokens(&file, 6);
-    let sparse = Model::load(
-        file.clone(),
-        ActivationBackend::new(CpuBackend::new(2).unwrap(), Some(a.clone()), n_layer),
-    )
-    .unwrap();
+    let sparse = sparse_model(&file, &a);
     for l in 0..n_layer {
         for p in [Proj::Gate, Proj::Up] {
             let cols = a.matrix(l, p).unwrap().layout.cols();
@@ -323,11 +324,7 @@ fn sparse_decode_matches_the_masked_batch_path() {
     let tokens = held_out_tokens(&file, 16);
     let r = a.resolve(None, SparsityTarget::Fixed(0.1)).unwrap();
     let crit = a.plan(&r.plan).unwrap().0.criterion;
-    let sparse = Model::load(
-        file.clone(),
-        ActivationBackend::new(CpuBackend::new(2).unwrap(), Some(a.clone()), n_layer),
-    )
-    .unwrap();
+    let sparse = sparse_model(&file, &a);
     sparse
         .backend()
         .set_thresholds(a.thresholds(crit, &r.per_matrix))
@@ -436,11 +433,7 @@ fn thresholds_skip_their_share_of_the_calibration_inputs() {
     let tok = mirage_tokenizer::Tokenizer::from_gguf(&file).unwrap();
     let mut tokens = tok.encode(&calib_text(), true, true).unwrap();
     tokens.truncate(128);
-    let sparse = Model::load(
-        file.clone(),
-        ActivationBackend::new(CpuBackend::new(2).unwrap(), Some(a.clone()), n_layer),
-    )
-    .unwrap();
+    let sparse = sparse_model(&file, &a);
     for crit in Criterion::ALL {
         // Every projection and the head at 0.4.
         let mut row = vec![0.4f32; n_layer * 7];

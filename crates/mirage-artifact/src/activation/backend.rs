@@ -7,10 +7,12 @@
 //! channel; gate and up read the FFN input, down the SwiGLU output). The
 //! lm head counts as one more matrix (its input: the final norm's output).
 //! Then:
-//! - one row (decode) with the matrix in an activation artifact: the
-//!   channel-major integer kernels over the active channels only, tiles
-//!   (and, for matrices with few tiles, group ranges) spread over the pool;
-//!   the bytes of skipped channels are never touched;
+//! - one row (decode) with the matrix in an activation artifact and
+//!   thresholds set: the channel-major integer kernels over the active
+//!   channels only, tiles (and, for matrices with few tiles, group ranges)
+//!   spread over the pool; the bytes of skipped channels are never touched;
+//! - one row without thresholds: the row-major kernels of the source,
+//!   which read every channel faster;
 //! - otherwise (a prompt batch, or no artifact, as during calibration): the
 //!   dense kernels of the source matrix on the input with the inactive
 //!   channels zeroed — the same product up to the activation rounding
@@ -453,16 +455,33 @@ impl ActivationBackend {
         st.kernel_rows += rows;
     }
 
-    /// `outs[k] = W_k x_k` for one input row per job, by the channel-major
-    /// kernels over each job's active channels (`keep[k]`: the job's
-    /// per-channel thresholds, `None`: every channel); one parallel loop
-    /// over all jobs' tiles.
+    /// `outs[k] = W_k x_k` for one input row per job: by the channel-major
+    /// kernels over each job's active channels where the job has
+    /// per-channel thresholds (one parallel loop over all such jobs'
+    /// tiles), by the row-major kernels of the source where it has none
+    /// (they read every channel faster, as in `matmul`).
     fn sparse_products(
         &self,
         jobs: &[(&ActMatrix, &[f32], Option<&[f32]>)],
         outs: &mut [&mut [f32]],
         s: &mut Scratch,
     ) -> RtResult<()> {
+        if jobs.iter().any(|(_, _, thr)| thr.is_none()) {
+            let (mut sparse, mut sparse_outs) = (Vec::new(), Vec::new());
+            for (&(w, x, thr), out) in jobs.iter().zip(outs.iter_mut()) {
+                match thr {
+                    None => self.dense_row(w, x, out)?,
+                    Some(_) => {
+                        sparse.push((w, x, thr));
+                        sparse_outs.push(&mut **out);
+                    }
+                }
+            }
+            if sparse.is_empty() {
+                return Ok(());
+            }
+            return self.sparse_products(&sparse, &mut sparse_outs, s);
+        }
         let artifact = self
             .artifact
             .as_ref()
@@ -593,6 +612,23 @@ impl ActivationBackend {
                 *y += p;
             }
         }
+        Ok(())
+    }
+
+    /// `out = W x` for one row through the row-major kernels of the source.
+    fn dense_row(&self, w: &ActMatrix, x: &[f32], out: &mut [f32]) -> RtResult<()> {
+        let xa = CpuActivations::from_vec(1, x.len(), x.to_vec())?;
+        let mut o = CpuActivations::default();
+        self.masked_product(w, None, &xa, &mut o)?;
+        if o.data().len() != out.len() {
+            return Err(invalid(format!(
+                "{}: output {} for {} rows",
+                w.host.name,
+                out.len(),
+                o.data().len()
+            )));
+        }
+        out.copy_from_slice(o.data());
         Ok(())
     }
 
@@ -772,16 +808,6 @@ impl Backend for ActivationBackend {
         }
         let st = self.settings();
         let any_thr = ws.iter().any(|w| self.threshold(&st, w).is_some());
-        let all_thr = ws.iter().all(|w| self.threshold(&st, w).is_some());
-        if any_thr && !all_thr && self.decodes(ws, x) {
-            // A decode row where only some matrices have thresholds: those
-            // on the channel-major kernels, the others on the row-major
-            // ones (faster over every channel).
-            for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                self.matmul(w, x, out)?;
-            }
-            return Ok(());
-        }
         if any_thr && self.decodes(ws, x) {
             let jobs: Vec<(&ActMatrix, &[f32], Option<&[f32]>)> = ws
                 .iter()
@@ -866,14 +892,6 @@ impl Backend for ActivationBackend {
             s.up = u;
             r?;
             self.record(f.layer, Slot::FfnHidden, &h);
-            if td.is_none() {
-                // Down without thresholds: the row-major kernels of the
-                // source read every channel faster than the channel-major
-                // ones (as in `matmul`).
-                drop(guard);
-                let hx = CpuActivations::from_vec(1, n_ff, h)?;
-                return self.masked_product(&f.down, None, &hx, out);
-            }
             out.reshape(1, f.down.dense.rows());
             let r = self.sparse_products(&[(&f.down, &h, td)], &mut [out.data_mut()], s);
             s.hidden = h;
