@@ -156,10 +156,12 @@ fn held_out_tokens(file: &GgufFile, n: usize) -> Vec<u32> {
 }
 
 /// At sparsity 0 the sparse decode (channel-major kernels over the
-/// repacked weights, int8 activations per group of 32 channels) is as close
-/// to an exact f32 pass as the ordinary dense decode (row-major kernels over
-/// the source, int8 activations per block) is: both round the activations,
-/// and that rounding is all that separates them.
+/// repacked weights, int8 activations per group of 32 channels, a group's
+/// outlier channel on its own) equals an exact f32 pass over the same
+/// weights to a logit cosine of 0.9999 at most positions, and is closer to
+/// it than the ordinary dense decode (row-major kernels over the source,
+/// int8 activations per block): the activation rounding is all that
+/// separates either from the exact pass.
 #[test]
 fn sparsity_zero_decode_is_as_exact_as_the_dense_decode() {
     let Some((file, a)) = built() else { return };
@@ -216,27 +218,30 @@ fn sparsity_zero_decode_is_as_exact_as_the_dense_decode() {
     );
     let e = exact.logits_all(&tokens, KvDtype::F32).unwrap();
     let vocab = sparse.config().vocab_size;
-    let (mut sparse_exact, mut dense_exact, mut sparse_dense) = (0f64, 0f64, 0f64);
+    let (mut sparse_exact, mut dense_exact) = (0f64, 0f64);
+    let mut per_position = Vec::new();
     for i in 0..tokens.len() {
         let r = i * vocab..(i + 1) * vocab;
         let se = cosine(&s[r.clone()], &e[r.clone()]);
         // Position 14 is ill-conditioned: the dense decode is at 0.979
-        // from the exact pass there.
+        // from the exact pass there, the sparse one at 0.9955.
         assert!(
-            se >= 0.975,
+            se >= 0.99,
             "position {i}: sparse vs exact logit cosine {se}"
         );
+        per_position.push(se);
         sparse_exact += se / tokens.len() as f64;
-        dense_exact += cosine(&d[r.clone()], &e[r.clone()]) / tokens.len() as f64;
-        sparse_dense += cosine(&s[r.clone()], &d[r]) / tokens.len() as f64;
+        dense_exact += cosine(&d[r.clone()], &e[r]) / tokens.len() as f64;
     }
+    per_position.sort_by(f64::total_cmp);
+    let median = per_position[per_position.len() / 2];
     assert!(
-        sparse_exact >= dense_exact - 1e-4,
-        "mean cosine to exact: sparse {sparse_exact}, dense {dense_exact}"
+        median >= 0.9999,
+        "median sparse vs exact logit cosine {median}"
     );
     assert!(
-        sparse_dense >= 0.999,
-        "mean sparse vs dense cosine {sparse_dense}"
+        sparse_exact > dense_exact,
+        "mean cosine to exact: sparse {sparse_exact}, dense {dense_exact}"
     );
     // Thresholds of the wrong width: a typed error naming them, not a panic.
     let mut short: Vec<Option<Vec<f32>>> = a

@@ -17,6 +17,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use super::active::GroupTop;
 use super::{ActiveChannels, ChannelMajorLayout, TileKernel, BLOCK};
 use crate::types::GgmlType;
 
@@ -389,6 +390,123 @@ unsafe fn epilogue8<const E: u8>(
     _mm256_storeu_ps(y.add(j0), out);
 }
 
+/// A group's int32 sums with its lone channel's (see
+/// [`super::ActiveChannels`]): `acc` and `sum` over the group's sets at the
+/// scale `dx`, `lone_acc` and `lone.sum` of the lone channel at `lone.dx`.
+#[derive(Clone, Copy)]
+struct LoneSums<V> {
+    lone_acc: V,
+    sum: i32,
+    dx: f32,
+}
+
+/// [`epilogue16`] of a group with a lone channel: both sums scaled and
+/// added before the per-output scales, so that the scales are read once,
+/// with the float operations of the parent module's `epilogue_lone`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn epilogue16_lone<const E: u8>(
+    rec: *const u8,
+    hdr: *const u8,
+    r: usize,
+    j0: usize,
+    acc: __m512i,
+    sum: i32,
+    dx: f32,
+    lone: LoneSums<__m512i>,
+    y: *mut f32,
+) {
+    let yv = _mm512_loadu_ps(y.add(j0));
+    let (dxv, ldx) = (_mm512_set1_ps(dx), _mm512_set1_ps(lone.dx));
+    // Integer parts with the offset folded in, then scaled and summed.
+    let offset_sum = |off: i32| {
+        let t = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(off * sum)));
+        let t2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+            lone.lone_acc,
+            _mm512_set1_epi32(off * lone.sum),
+        ));
+        _mm512_fmadd_ps(t2, ldx, _mm512_mul_ps(t, dxv))
+    };
+    let a = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(lone.lone_acc),
+        ldx,
+        _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dxv),
+    );
+    let s = _mm512_set1_ps((lone.sum as f32).mul_add(lone.dx, dx * sum as f32));
+    let out = match E {
+        OFF8 | OFF16 | OFF128 => {
+            let off = match E {
+                OFF8 => 8,
+                OFF16 => 16,
+                _ => 128,
+            };
+            _mm512_fmadd_ps(f16x16(rec.add(2 * j0)), offset_sum(off), yv)
+        }
+        MIN => {
+            let d = f16x16(rec.add(2 * j0));
+            let m = f16x16(rec.add(2 * r + 2 * j0));
+            _mm512_fmadd_ps(m, s, _mm512_fmadd_ps(d, a, yv))
+        }
+        KQ => {
+            let d = f16x16(hdr.add(2 * j0));
+            let dmin = f16x16(hdr.add(2 * r + 2 * j0));
+            let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load128(rec.add(j0))));
+            let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load128(rec.add(r + j0))));
+            let y1 = _mm512_fmadd_ps(_mm512_mul_ps(d, sc), a, yv);
+            _mm512_fnmadd_ps(_mm512_mul_ps(dmin, mn), s, y1)
+        }
+        _ => {
+            let d = f16x16(hdr.add(2 * j0));
+            let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(rec.add(j0))));
+            _mm512_fmadd_ps(_mm512_mul_ps(d, sc), offset_sum(32), yv)
+        }
+    };
+    _mm512_storeu_ps(y.add(j0), out);
+}
+
+/// [`epilogue16_lone`] for 8 outputs (see [`epilogue8`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn epilogue8_lone<const E: u8>(
+    rec: *const u8,
+    r: usize,
+    j0: usize,
+    acc: __m256i,
+    sum: i32,
+    dx: f32,
+    lone: LoneSums<__m256i>,
+    y: *mut f32,
+) {
+    let yv = _mm256_loadu_ps(y.add(j0));
+    let (dxv, ldx) = (_mm256_set1_ps(dx), _mm256_set1_ps(lone.dx));
+    let out = match E {
+        MIN => {
+            let d = f16x8(rec.add(2 * j0));
+            let m = f16x8(rec.add(2 * r + 2 * j0));
+            let a = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(lone.lone_acc),
+                ldx,
+                _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dxv),
+            );
+            let s = _mm256_set1_ps((lone.sum as f32).mul_add(lone.dx, dx * sum as f32));
+            _mm256_fmadd_ps(m, s, _mm256_fmadd_ps(d, a, yv))
+        }
+        _ => {
+            let off = if E == OFF8 { 8 } else { 128 };
+            let t = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, _mm256_set1_epi32(off * sum)));
+            let t2 = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+                lone.lone_acc,
+                _mm256_set1_epi32(off * lone.sum),
+            ));
+            let comb = _mm256_fmadd_ps(t2, ldx, _mm256_mul_ps(t, dxv));
+            _mm256_fmadd_ps(f16x8(rec.add(2 * j0)), comb, yv)
+        }
+    };
+    _mm256_storeu_ps(y.add(j0), out);
+}
+
 /// Blocks ahead that the kernel prefetches. The prefetches go to the outer
 /// caches (`T2`): prefetching into L1 (`T0`) this far ahead holds the L1
 /// miss buffers and halves the kernel's memory bandwidth, while too short a
@@ -400,9 +518,9 @@ const PREFETCH_BLOCKS: usize = 8;
 /// channels `ids` of one group (runs at `chans`, `rl` bytes each).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
 #[inline]
-unsafe fn prefetch_block<const BITS: usize>(
+unsafe fn prefetch_block<const BITS: usize, const N: usize>(
     chans: *const u8,
-    ids: &[[u8; 4]],
+    ids: &[[u8; N]],
     rl: usize,
     r: usize,
     b: usize,
@@ -452,7 +570,7 @@ unsafe fn tile<const BITS: usize, const E: u8>(
         let chans = base.add(layout.record_offset(t, g) + rec_bytes);
         let ids = active.set_idx.get_unchecked(active.sets(g));
         for b in 0..PREFETCH_BLOCKS.min(nblocks) {
-            prefetch_block::<BITS>(chans, ids, rl, r, b);
+            prefetch_block::<BITS, _>(chans, ids, rl, r, b);
         }
     }
     while let Some(g) = next {
@@ -464,6 +582,7 @@ unsafe fn tile<const BITS: usize, const E: u8>(
         let (dx, sum) = (*active.dx.get_unchecked(g), *active.sum.get_unchecked(g));
         let idx = active.set_idx.get_unchecked(sets.clone());
         let xqs = active.set_xq.get_unchecked(sets);
+        let lone = *active.lone.get_unchecked(g);
         let (next_chans, next_ids) = match next {
             Some(n) => (
                 base.add(layout.record_offset(t, n) + rec_bytes),
@@ -474,17 +593,37 @@ unsafe fn tile<const BITS: usize, const E: u8>(
         for b in 0..full {
             let ahead = b + PREFETCH_BLOCKS;
             if ahead < nblocks {
-                prefetch_block::<BITS>(chans, idx, rl, r, ahead);
+                prefetch_block::<BITS, _>(chans, idx, rl, r, ahead);
+                if let Some(l) = lone {
+                    prefetch_block::<BITS, _>(chans, &[[l.idx[0]; 1]], rl, r, ahead);
+                }
             } else if ahead - nblocks < nblocks {
-                prefetch_block::<BITS>(next_chans, next_ids, rl, r, ahead - nblocks);
+                prefetch_block::<BITS, _>(next_chans, next_ids, rl, r, ahead - nblocks);
             }
             let mut acc = [_mm512_setzero_si512(); 8];
             for (ids, &xq) in idx.iter().zip(xqs) {
                 let p = ids.map(|i| chans.add(i as usize * rl));
                 block_set::<BITS>(p, r, b, _mm512_set1_epi32(xq), &mut acc);
             }
-            for (v, a) in acc.iter().enumerate() {
-                epilogue16::<E>(rec, hdr, r, BLOCK * b + 16 * v, *a, sum, dx, yp);
+            match lone {
+                None => {
+                    for (v, a) in acc.iter().enumerate() {
+                        epilogue16::<E>(rec, hdr, r, BLOCK * b + 16 * v, *a, sum, dx, yp);
+                    }
+                }
+                Some(l) => {
+                    let mut lacc = [_mm512_setzero_si512(); 8];
+                    let p = l.idx.map(|i| chans.add(i as usize * rl));
+                    block_set::<BITS>(p, r, b, _mm512_set1_epi32(l.xq), &mut lacc);
+                    for (v, (a, la)) in acc.iter().zip(lacc).enumerate() {
+                        let ls = LoneSums {
+                            lone_acc: la,
+                            sum: l.sum,
+                            dx: l.dx,
+                        };
+                        epilogue16_lone::<E>(rec, hdr, r, BLOCK * b + 16 * v, *a, sum, dx, ls, yp);
+                    }
+                }
             }
         }
         if tail && (BITS == 4 || BITS == 8) {
@@ -493,8 +632,25 @@ unsafe fn tile<const BITS: usize, const E: u8>(
                 let p = ids.map(|i| chans.add(i as usize * rl));
                 half_block_set::<BITS>(p, full, _mm256_set1_epi32(xq), &mut acc);
             }
-            for (v, a) in acc.iter().enumerate() {
-                epilogue8::<E>(rec, r, BLOCK * full + 8 * v, *a, sum, dx, yp);
+            match lone {
+                None => {
+                    for (v, a) in acc.iter().enumerate() {
+                        epilogue8::<E>(rec, r, BLOCK * full + 8 * v, *a, sum, dx, yp);
+                    }
+                }
+                Some(l) => {
+                    let mut lacc = [_mm256_setzero_si256(); 8];
+                    let p = l.idx.map(|i| chans.add(i as usize * rl));
+                    half_block_set::<BITS>(p, full, _mm256_set1_epi32(l.xq), &mut lacc);
+                    for (v, (a, la)) in acc.iter().zip(lacc).enumerate() {
+                        let ls = LoneSums {
+                            lone_acc: la,
+                            sum: l.sum,
+                            dx: l.dx,
+                        };
+                        epilogue8_lone::<E>(rec, r, BLOCK * full + 8 * v, *a, sum, dx, ls, yp);
+                    }
+                }
             }
         }
     }
@@ -512,14 +668,69 @@ pub(super) struct FilledGroup {
     pub sum: i32,
 }
 
-/// Builds one group (16 or 32 channels) of an active-channel list: channel
-/// `j` kept when `|x_j| >= thr_j` (`thr` `None`: every channel), with the
-/// scalar builder's float operations, so that the result is the same bits.
+/// The largest and second-largest `|x_j|` of one group's kept channels
+/// (kept as in [`fill_group`]; NaN never counts) and the first position of
+/// the largest, as the scalar builder finds them.
 ///
 /// # Safety
 /// The CPU runs [`available`]'s features; `x.len()` (and `thr`'s) is 16 or 32.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
-pub(super) unsafe fn fill_group(x: &[f32], thr: Option<&[f32]>) -> FilledGroup {
+pub(super) unsafe fn group_top(x: &[f32], thr: Option<&[f32]>) -> GroupTop {
+    let halves = x.len() / 16;
+    let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
+    let mut va = [_mm512_setzero_ps(); 2];
+    let mut amax = _mm512_setzero_ps();
+    for h in 0..halves {
+        let v = _mm512_loadu_ps(x.as_ptr().add(16 * h));
+        let a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+        let m = match thr {
+            Some(t) => _mm512_cmp_ps_mask::<_CMP_GE_OQ>(a, _mm512_loadu_ps(t.as_ptr().add(16 * h))),
+            None => 0xffff,
+        };
+        let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(a, a);
+        let a = _mm512_maskz_mov_ps(m & ordered, a);
+        amax = _mm512_max_ps(a, amax);
+        va[h] = a;
+    }
+    let a1 = _mm512_reduce_max_ps(amax);
+    let mut top = GroupTop {
+        a1,
+        a2: 0.0,
+        pos: GroupTop::NONE,
+    };
+    if a1 <= 0.0 {
+        return top;
+    }
+    for h in 0..halves {
+        let eq = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(va[h], _mm512_set1_ps(a1));
+        if eq != 0 {
+            top.pos = (16 * h) as u8 + eq.trailing_zeros() as u8;
+            break;
+        }
+    }
+    let mut rest = _mm512_setzero_ps();
+    for h in 0..halves {
+        let lane = top.pos as usize;
+        let m = if lane / 16 == h {
+            !(1u16 << (lane % 16))
+        } else {
+            0xffff
+        };
+        rest = _mm512_max_ps(_mm512_maskz_mov_ps(m, va[h]), rest);
+    }
+    top.a2 = _mm512_reduce_max_ps(rest);
+    top
+}
+
+/// Builds one group (16 or 32 channels) of an active-channel list: channel
+/// `j` kept when `|x_j| >= thr_j` (`thr` `None`: every channel) and `j` is
+/// not `lone` (the channel multiplied on its own), with the scalar
+/// builder's float operations, so that the result is the same bits.
+///
+/// # Safety
+/// The CPU runs [`available`]'s features; `x.len()` (and `thr`'s) is 16 or 32.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+pub(super) unsafe fn fill_group(x: &[f32], thr: Option<&[f32]>, lone: Option<u8>) -> FilledGroup {
     let halves = x.len() / 16;
     let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
     let mut on = [0u16; 2];
@@ -531,6 +742,10 @@ pub(super) unsafe fn fill_group(x: &[f32], thr: Option<&[f32]>) -> FilledGroup {
         let m = match thr {
             Some(t) => _mm512_cmp_ps_mask::<_CMP_GE_OQ>(a, _mm512_loadu_ps(t.as_ptr().add(16 * h))),
             None => 0xffff,
+        };
+        let m = match lone {
+            Some(j) if j as usize / 16 == h => m & !(1u16 << (j % 16)),
+            _ => m,
         };
         // `max(a, amax)` returns `amax` where `a` is NaN, as `f32::max` does.
         amax = _mm512_max_ps(_mm512_maskz_mov_ps(m, a), amax);

@@ -85,6 +85,33 @@ fn epilogue(sc: Scales, acc: i32, sum: i32, dx: f32, y: f32) -> f32 {
     }
 }
 
+/// [`epilogue`] of a group with a lone channel (`acc2`, `sum2` at the
+/// scale `dx2`): both sums scaled and added before the per-output scales,
+/// with the float operations of the SIMD kernels.
+#[inline]
+#[allow(clippy::too_many_arguments)]
+fn epilogue_lone(
+    sc: Scales,
+    acc: i32,
+    sum: i32,
+    dx: f32,
+    acc2: i32,
+    sum2: i32,
+    dx2: f32,
+    y: f32,
+) -> f32 {
+    let offset_sum =
+        |off: i32| ((acc2 - off * sum2) as f32).mul_add(dx2, (acc - off * sum) as f32 * dx);
+    let a = (acc2 as f32).mul_add(dx2, acc as f32 * dx);
+    let s = (sum2 as f32).mul_add(dx2, dx * sum as f32);
+    match sc {
+        Scales::Offset { d, off } => d.mul_add(offset_sum(off), y),
+        Scales::Min { d, m } => m.mul_add(s, d.mul_add(a, y)),
+        Scales::K { d, sc, dmin, mn } => (-(dmin * mn)).mul_add(s, (d * sc).mul_add(a, y)),
+        Scales::K6 { d, sc } => (d * sc).mul_add(offset_sum(32), y),
+    }
+}
+
 /// An unchecked tile kernel: `y = sum over groups in `groups` of the
 /// active channels' contributions to the outputs of tile `t`` (`y` holds
 /// [`ChannelMajorLayout::tile_rows`] floats and is overwritten).
@@ -231,22 +258,33 @@ unsafe fn scalar_tile(
             continue;
         }
         let chans = layout.record_offset(t, g) + layout.record_bytes(r);
-        for p in 0..r {
+        let set_sum = |idx: &[[u8; 4]], xqs: &[i32], p: usize| {
             let mut acc = 0i32;
-            for k in sets.clone() {
-                let xq = active.set_xq[k].to_le_bytes();
-                for (c, &i) in active.set_idx[k].iter().enumerate() {
+            for (ids, xq) in idx.iter().zip(xqs) {
+                let xq = xq.to_le_bytes();
+                for (c, &i) in ids.iter().enumerate() {
                     let run = &data[chans + i as usize * rl..][..rl];
                     acc += xq[c] as i8 as i32 * get_code(bits, r, run, p) as i32;
                 }
             }
-            y[p] = epilogue(
-                scales(layout, data, t, g, p),
-                acc,
-                active.sum[g],
-                active.dx[g],
-                y[p],
+            acc
+        };
+        let lone = active.lone[g];
+        for p in 0..r {
+            let sc = scales(layout, data, t, g, p);
+            let acc = set_sum(
+                &active.set_idx[sets.clone()],
+                &active.set_xq[sets.clone()],
+                p,
             );
+            let (sum, dx) = (active.sum[g], active.dx[g]);
+            y[p] = match lone {
+                None => epilogue(sc, acc, sum, dx, y[p]),
+                Some(l) => {
+                    let acc2 = set_sum(&[l.idx], &[l.xq], p);
+                    epilogue_lone(sc, acc, sum, dx, acc2, l.sum, l.dx, y[p])
+                }
+            };
         }
     }
 }
@@ -294,10 +332,24 @@ mod tests {
                 let layout = ChannelMajorLayout::with_tile(ty, rows, cols, tile).unwrap();
                 let mut cm = vec![0u8; layout.bytes()];
                 repack(&layout, &src, &mut cm).unwrap();
-                let x = lcg(99, cols);
-                for keep_share in [1.0f32, 0.5, 0.13, 0.0] {
+                // Plain inputs, and inputs with channels far above their
+                // groups (the kernels' lone-channel path).
+                let plain = lcg(99, cols);
+                let mut outliers = plain.clone();
+                for i in (5..cols).step_by(97) {
+                    outliers[i] *= 40.0;
+                }
+                for (x, keep_share) in [
+                    (&plain, 1.0f32),
+                    (&plain, 0.5),
+                    (&plain, 0.13),
+                    (&plain, 0.0),
+                ]
+                .into_iter()
+                .chain([1.0f32, 0.5].map(|k| (&outliers, k)))
+                {
                     let mut act = ActiveChannels::default();
-                    act.fill(&x, layout.group(), |i, _| {
+                    act.fill(x, layout.group(), |i, _| {
                         ((i * 2654435761) % 1000) as f32 / 1000.0 < keep_share
                     });
                     let xv = act.values(cols);

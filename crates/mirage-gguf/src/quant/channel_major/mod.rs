@@ -50,6 +50,18 @@
 //! of single input channels: every active channel costs its run's bytes and
 //! a quarter of a `vpdpbusd` per 16 outputs.
 //!
+//! **Lone channels.** One channel far above the rest of its group (the
+//! outlier features of these models) would set the group's `dx` and round
+//! the other 31 coarsely. When taking a group's largest channel out lowers
+//! the group's rounding error energy (`~ amax^2`) by more than the input
+//! vector's average group holds, that channel becomes the group's *lone*
+//! channel: the group's sets and `dx` cover the rest, and the lone channel
+//! is one more set with code `±127` at scale `|x| / 127`, so it enters
+//! exactly; both sums meet in the same epilogue. About one group in seven
+//! splits on the real models, and the repacked model at sparsity 0 comes
+//! within a logit cosine of 0.99992 of f32 activations (0.99964 on SmolLM2
+//! without it).
+//!
 //! Kernels ([`TileKernel`]) compute one tile of outputs over a range of
 //! groups, from an [`ActiveChannels`] list built once per input vector; the
 //! caller spreads tiles (and, for matrices with few tiles, group ranges) over
