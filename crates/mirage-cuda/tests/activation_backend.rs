@@ -8,10 +8,12 @@
 //! of gate's, up's and down's input channels skipped in every layer), so
 //! both paths skip the same channels whatever their rounding: every decode
 //! step's logits at cosine >= 0.9999 and the same greedy tokens over 32
-//! steps. Both round the active inputs of a group to int8 with the same
-//! rule and sum exactly in integers, so what differs is f32 summation order
-//! and the dense CUDA path's own distance to the CPU's dense products with
-//! f32 activations (held to 0.9999 by the backend's tests).
+//! steps up to near-ties. Both round the active inputs of a group to int8
+//! and sum exactly in integers; the CPU takes a group's outlier channel out
+//! of the group's scale (its lone channel), the GPU does not, so what
+//! differs is that rounding, f32 summation order and the dense CUDA path's
+//! own distance to the CPU's dense products with f32 activations (held to
+//! 0.9999 by the backend's tests).
 //!
 //! With thresholds at a quantile of the recorded inputs the paths cannot
 //! agree that closely: a channel within rounding distance of its threshold
@@ -160,6 +162,29 @@ fn worst_step_cosine(a: &[f32], b: &[f32], vocab: usize) -> f64 {
         .fold(1.0, f64::min)
 }
 
+/// Steps where the GPU's arg-max (`got`) is not the CPU's (`want`, the
+/// arg-max of the CPU logits `cpu`): each must be a near-tie, within 1e-3
+/// of the CPU's logit range (random weights give flat logits, where the two
+/// paths' different activation rounding may pick either of two tokens).
+fn near_ties(test: &str, cpu: &[f32], want: &[u32], got: &[u32], vocab: usize) -> usize {
+    assert_eq!(want.len(), got.len(), "{test}: steps");
+    let mut ties = 0;
+    for (i, (&w, &g)) in want.iter().zip(got).enumerate() {
+        if w == g {
+            continue;
+        }
+        let l = &cpu[i * vocab..(i + 1) * vocab];
+        let (max, min) = (l[w as usize], l.iter().copied().fold(f32::MAX, f32::min));
+        let gap = max - l[g as usize];
+        assert!(
+            gap <= 1e-3 * (max - min),
+            "{test}: step {i}: GPU chose {g}, CPU {w} by {gap} (not a near-tie)"
+        );
+        ties += 1;
+    }
+    ties
+}
+
 fn cuda_backend(test: &str, a: &Arc<ActivationArtifact>) -> Option<ActivationCudaBackend> {
     let b = common::cuda(test)?;
     Some(ActivationCudaBackend::new(b, a.clone()).unwrap())
@@ -248,7 +273,8 @@ fn compare_with_cpu(test: &str, tiny: &Tiny, kind: Thresholds) {
     match kind {
         Thresholds::Mask => {
             assert!(worst >= 0.9999, "{test}: worst step cosine {worst}");
-            assert_eq!(gtoks, toks, "{test}: greedy tokens differ");
+            let ties = near_ties(test, &want, &toks, &gtoks, vocab);
+            eprintln!("{test}: greedy tokens equal but {ties} near-ties");
             assert!(
                 (bytes.kept - 0.6).abs() < 0.01,
                 "{test}: kept {}",
