@@ -17,7 +17,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::active::GroupTop;
+use super::active::{GroupTop, Lone};
 use super::{ActiveChannels, ChannelMajorLayout, TileKernel, BLOCK};
 use crate::types::GgmlType;
 
@@ -305,7 +305,8 @@ unsafe fn f16x8(p: *const u8) -> __m256 {
 }
 
 /// The epilogue of 16 outputs `j0..j0 + 16` of a tile of `r` outputs:
-/// `y += dx * (a * acc + c * sum)` with the parent module's float operations.
+/// `y += dx * (a * acc + c * sum)` with the parent module's float operations
+/// (`epilogue`; with a lone channel `epilogue_lone`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
@@ -317,11 +318,40 @@ unsafe fn epilogue16<const E: u8>(
     acc: __m512i,
     sum: i32,
     dx: f32,
+    lone: Option<LoneSums<__m512i>>,
     y: *mut f32,
 ) {
     let yv = _mm512_loadu_ps(y.add(j0));
     let dxv = _mm512_set1_ps(dx);
-    let dxs = _mm512_set1_ps(dx * sum as f32);
+    let int_part =
+        |off: i32| _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(off * sum)));
+    // With a lone channel both sums are scaled and added before the
+    // per-output scales (the parent module's `epilogue_lone`): `offset_sum`
+    // for the offset forms, `a` and `s` for the min forms.
+    let offset_sum = |off: i32, l: LoneSums<__m512i>| {
+        let t2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(l.lone_acc, _mm512_set1_epi32(off * l.sum)));
+        _mm512_fmadd_ps(t2, _mm512_set1_ps(l.dx), _mm512_mul_ps(int_part(off), dxv))
+    };
+    let (a, s) = match lone {
+        None => (_mm512_cvtepi32_ps(acc), dx * sum as f32),
+        Some(l) => (
+            _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(l.lone_acc),
+                _mm512_set1_ps(l.dx),
+                _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dxv),
+            ),
+            (l.sum as f32).mul_add(l.dx, dx * sum as f32),
+        ),
+    };
+    let s = _mm512_set1_ps(s);
+    // The per-output factor of `a`: times `dx` without a lone channel.
+    let scaled = |f: __m512| {
+        if lone.is_some() {
+            f
+        } else {
+            _mm512_mul_ps(f, dxv)
+        }
+    };
     let out = match E {
         OFF8 | OFF16 | OFF128 => {
             let off = match E {
@@ -329,30 +359,32 @@ unsafe fn epilogue16<const E: u8>(
                 OFF16 => 16,
                 _ => 128,
             };
-            let t = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(off * sum)));
-            _mm512_fmadd_ps(_mm512_mul_ps(f16x16(rec.add(2 * j0)), dxv), t, yv)
+            let d = f16x16(rec.add(2 * j0));
+            match lone {
+                None => _mm512_fmadd_ps(_mm512_mul_ps(d, dxv), int_part(off), yv),
+                Some(l) => _mm512_fmadd_ps(d, offset_sum(off, l), yv),
+            }
         }
         MIN => {
             let d = f16x16(rec.add(2 * j0));
             let m = f16x16(rec.add(2 * r + 2 * j0));
-            let y1 = _mm512_fmadd_ps(_mm512_mul_ps(d, dxv), _mm512_cvtepi32_ps(acc), yv);
-            _mm512_fmadd_ps(m, dxs, y1)
+            _mm512_fmadd_ps(m, s, _mm512_fmadd_ps(scaled(d), a, yv))
         }
         KQ => {
             let d = f16x16(hdr.add(2 * j0));
             let dmin = f16x16(hdr.add(2 * r + 2 * j0));
             let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load128(rec.add(j0))));
             let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load128(rec.add(r + j0))));
-            let a = _mm512_mul_ps(_mm512_mul_ps(d, sc), dxv);
-            let y1 = _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(acc), yv);
-            _mm512_fnmadd_ps(_mm512_mul_ps(dmin, mn), dxs, y1)
+            let y1 = _mm512_fmadd_ps(scaled(_mm512_mul_ps(d, sc)), a, yv);
+            _mm512_fnmadd_ps(_mm512_mul_ps(dmin, mn), s, y1)
         }
         _ => {
             let d = f16x16(hdr.add(2 * j0));
             let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(rec.add(j0))));
-            let a = _mm512_mul_ps(_mm512_mul_ps(d, sc), dxv);
-            let t = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(32 * sum)));
-            _mm512_fmadd_ps(a, t, yv)
+            match lone {
+                None => _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(d, sc), dxv), int_part(32), yv),
+                Some(l) => _mm512_fmadd_ps(_mm512_mul_ps(d, sc), offset_sum(32, l), yv),
+            }
         }
     };
     _mm512_storeu_ps(y.add(j0), out);
@@ -370,8 +402,38 @@ unsafe fn epilogue8<const E: u8>(
     acc: __m256i,
     sum: i32,
     dx: f32,
+    lone: Option<LoneSums<__m256i>>,
     y: *mut f32,
 ) {
+    if let Some(lone) = lone {
+        let yv = _mm256_loadu_ps(y.add(j0));
+        let (dxv, ldx) = (_mm256_set1_ps(dx), _mm256_set1_ps(lone.dx));
+        let out = match E {
+            MIN => {
+                let d = f16x8(rec.add(2 * j0));
+                let m = f16x8(rec.add(2 * r + 2 * j0));
+                let a = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(lone.lone_acc),
+                    ldx,
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dxv),
+                );
+                let s = _mm256_set1_ps((lone.sum as f32).mul_add(lone.dx, dx * sum as f32));
+                _mm256_fmadd_ps(m, s, _mm256_fmadd_ps(d, a, yv))
+            }
+            _ => {
+                let off = if E == OFF8 { 8 } else { 128 };
+                let t = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, _mm256_set1_epi32(off * sum)));
+                let t2 = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+                    lone.lone_acc,
+                    _mm256_set1_epi32(off * lone.sum),
+                ));
+                let comb = _mm256_fmadd_ps(t2, ldx, _mm256_mul_ps(t, dxv));
+                _mm256_fmadd_ps(f16x8(rec.add(2 * j0)), comb, yv)
+            }
+        };
+        _mm256_storeu_ps(y.add(j0), out);
+        return;
+    }
     let yv = _mm256_loadu_ps(y.add(j0));
     let dxv = _mm256_set1_ps(dx);
     let out = match E {
@@ -400,111 +462,14 @@ struct LoneSums<V> {
     dx: f32,
 }
 
-/// [`epilogue16`] of a group with a lone channel: both sums scaled and
-/// added before the per-output scales, so that the scales are read once,
-/// with the float operations of the parent module's `epilogue_lone`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
-#[inline]
-#[allow(clippy::too_many_arguments)]
-unsafe fn epilogue16_lone<const E: u8>(
-    rec: *const u8,
-    hdr: *const u8,
-    r: usize,
-    j0: usize,
-    acc: __m512i,
-    sum: i32,
-    dx: f32,
-    lone: LoneSums<__m512i>,
-    y: *mut f32,
-) {
-    let yv = _mm512_loadu_ps(y.add(j0));
-    let (dxv, ldx) = (_mm512_set1_ps(dx), _mm512_set1_ps(lone.dx));
-    // Integer parts with the offset folded in, then scaled and summed.
-    let offset_sum = |off: i32| {
-        let t = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(off * sum)));
-        let t2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(
-            lone.lone_acc,
-            _mm512_set1_epi32(off * lone.sum),
-        ));
-        _mm512_fmadd_ps(t2, ldx, _mm512_mul_ps(t, dxv))
-    };
-    let a = _mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(lone.lone_acc),
-        ldx,
-        _mm512_mul_ps(_mm512_cvtepi32_ps(acc), dxv),
-    );
-    let s = _mm512_set1_ps((lone.sum as f32).mul_add(lone.dx, dx * sum as f32));
-    let out = match E {
-        OFF8 | OFF16 | OFF128 => {
-            let off = match E {
-                OFF8 => 8,
-                OFF16 => 16,
-                _ => 128,
-            };
-            _mm512_fmadd_ps(f16x16(rec.add(2 * j0)), offset_sum(off), yv)
+impl<V> LoneSums<V> {
+    fn of(l: Lone, lone_acc: V) -> LoneSums<V> {
+        LoneSums {
+            lone_acc,
+            sum: l.sum,
+            dx: l.dx,
         }
-        MIN => {
-            let d = f16x16(rec.add(2 * j0));
-            let m = f16x16(rec.add(2 * r + 2 * j0));
-            _mm512_fmadd_ps(m, s, _mm512_fmadd_ps(d, a, yv))
-        }
-        KQ => {
-            let d = f16x16(hdr.add(2 * j0));
-            let dmin = f16x16(hdr.add(2 * r + 2 * j0));
-            let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load128(rec.add(j0))));
-            let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load128(rec.add(r + j0))));
-            let y1 = _mm512_fmadd_ps(_mm512_mul_ps(d, sc), a, yv);
-            _mm512_fnmadd_ps(_mm512_mul_ps(dmin, mn), s, y1)
-        }
-        _ => {
-            let d = f16x16(hdr.add(2 * j0));
-            let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(rec.add(j0))));
-            _mm512_fmadd_ps(_mm512_mul_ps(d, sc), offset_sum(32), yv)
-        }
-    };
-    _mm512_storeu_ps(y.add(j0), out);
-}
-
-/// [`epilogue16_lone`] for 8 outputs (see [`epilogue8`]).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
-#[inline]
-#[allow(clippy::too_many_arguments)]
-unsafe fn epilogue8_lone<const E: u8>(
-    rec: *const u8,
-    r: usize,
-    j0: usize,
-    acc: __m256i,
-    sum: i32,
-    dx: f32,
-    lone: LoneSums<__m256i>,
-    y: *mut f32,
-) {
-    let yv = _mm256_loadu_ps(y.add(j0));
-    let (dxv, ldx) = (_mm256_set1_ps(dx), _mm256_set1_ps(lone.dx));
-    let out = match E {
-        MIN => {
-            let d = f16x8(rec.add(2 * j0));
-            let m = f16x8(rec.add(2 * r + 2 * j0));
-            let a = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(lone.lone_acc),
-                ldx,
-                _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dxv),
-            );
-            let s = _mm256_set1_ps((lone.sum as f32).mul_add(lone.dx, dx * sum as f32));
-            _mm256_fmadd_ps(m, s, _mm256_fmadd_ps(d, a, yv))
-        }
-        _ => {
-            let off = if E == OFF8 { 8 } else { 128 };
-            let t = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, _mm256_set1_epi32(off * sum)));
-            let t2 = _mm256_cvtepi32_ps(_mm256_sub_epi32(
-                lone.lone_acc,
-                _mm256_set1_epi32(off * lone.sum),
-            ));
-            let comb = _mm256_fmadd_ps(t2, ldx, _mm256_mul_ps(t, dxv));
-            _mm256_fmadd_ps(f16x8(rec.add(2 * j0)), comb, yv)
-        }
-    };
-    _mm256_storeu_ps(y.add(j0), out);
+    }
 }
 
 /// Blocks ahead that the kernel prefetches. The prefetches go to the outer
@@ -605,25 +570,14 @@ unsafe fn tile<const BITS: usize, const E: u8>(
                 let p = ids.map(|i| chans.add(i as usize * rl));
                 block_set::<BITS>(p, r, b, _mm512_set1_epi32(xq), &mut acc);
             }
-            match lone {
-                None => {
-                    for (v, a) in acc.iter().enumerate() {
-                        epilogue16::<E>(rec, hdr, r, BLOCK * b + 16 * v, *a, sum, dx, yp);
-                    }
-                }
-                Some(l) => {
-                    let mut lacc = [_mm512_setzero_si512(); 8];
-                    let p = l.idx.map(|i| chans.add(i as usize * rl));
-                    block_set::<BITS>(p, r, b, _mm512_set1_epi32(l.xq), &mut lacc);
-                    for (v, (a, la)) in acc.iter().zip(lacc).enumerate() {
-                        let ls = LoneSums {
-                            lone_acc: la,
-                            sum: l.sum,
-                            dx: l.dx,
-                        };
-                        epilogue16_lone::<E>(rec, hdr, r, BLOCK * b + 16 * v, *a, sum, dx, ls, yp);
-                    }
-                }
+            let mut lacc = [_mm512_setzero_si512(); 8];
+            if let Some(l) = lone {
+                let p = l.idx.map(|i| chans.add(i as usize * rl));
+                block_set::<BITS>(p, r, b, _mm512_set1_epi32(l.xq), &mut lacc);
+            }
+            for (v, (a, la)) in acc.iter().zip(lacc).enumerate() {
+                let ls = lone.map(|l| LoneSums::of(l, la));
+                epilogue16::<E>(rec, hdr, r, BLOCK * b + 16 * v, *a, sum, dx, ls, yp);
             }
         }
         if tail && (BITS == 4 || BITS == 8) {
@@ -632,25 +586,14 @@ unsafe fn tile<const BITS: usize, const E: u8>(
                 let p = ids.map(|i| chans.add(i as usize * rl));
                 half_block_set::<BITS>(p, full, _mm256_set1_epi32(xq), &mut acc);
             }
-            match lone {
-                None => {
-                    for (v, a) in acc.iter().enumerate() {
-                        epilogue8::<E>(rec, r, BLOCK * full + 8 * v, *a, sum, dx, yp);
-                    }
-                }
-                Some(l) => {
-                    let mut lacc = [_mm256_setzero_si256(); 8];
-                    let p = l.idx.map(|i| chans.add(i as usize * rl));
-                    half_block_set::<BITS>(p, full, _mm256_set1_epi32(l.xq), &mut lacc);
-                    for (v, (a, la)) in acc.iter().zip(lacc).enumerate() {
-                        let ls = LoneSums {
-                            lone_acc: la,
-                            sum: l.sum,
-                            dx: l.dx,
-                        };
-                        epilogue8_lone::<E>(rec, r, BLOCK * full + 8 * v, *a, sum, dx, ls, yp);
-                    }
-                }
+            let mut lacc = [_mm256_setzero_si256(); 8];
+            if let Some(l) = lone {
+                let p = l.idx.map(|i| chans.add(i as usize * rl));
+                half_block_set::<BITS>(p, full, _mm256_set1_epi32(l.xq), &mut lacc);
+            }
+            for (v, (a, la)) in acc.iter().zip(lacc).enumerate() {
+                let ls = lone.map(|l| LoneSums::of(l, la));
+                epilogue8::<E>(rec, r, BLOCK * full + 8 * v, *a, sum, dx, ls, yp);
             }
         }
     }
@@ -668,6 +611,26 @@ pub(super) struct FilledGroup {
     pub sum: i32,
 }
 
+/// Half `h` (16 values) of a group: the values, their magnitudes and the
+/// mask of those kept (`|x_j| >= thr_j`; `thr` `None`: all).
+///
+/// # Safety
+/// The CPU runs [`available`]'s features; `x` (and `thr`) hold `16 * (h + 1)` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
+#[inline]
+unsafe fn half_kept(x: &[f32], thr: Option<&[f32]>, h: usize) -> (__m512, __m512, u16) {
+    let v = _mm512_loadu_ps(x.as_ptr().add(16 * h));
+    let a = _mm512_castsi512_ps(_mm512_and_si512(
+        _mm512_castps_si512(v),
+        _mm512_set1_epi32(0x7fff_ffff),
+    ));
+    let m = match thr {
+        Some(t) => _mm512_cmp_ps_mask::<_CMP_GE_OQ>(a, _mm512_loadu_ps(t.as_ptr().add(16 * h))),
+        None => 0xffff,
+    };
+    (v, a, m)
+}
+
 /// The largest and second-largest `|x_j|` of one group's kept channels
 /// (kept as in [`fill_group`]; NaN never counts) and the first position of
 /// the largest, as the scalar builder finds them.
@@ -677,16 +640,10 @@ pub(super) struct FilledGroup {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
 pub(super) unsafe fn group_top(x: &[f32], thr: Option<&[f32]>) -> GroupTop {
     let halves = x.len() / 16;
-    let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
     let mut va = [_mm512_setzero_ps(); 2];
     let mut amax = _mm512_setzero_ps();
     for h in 0..halves {
-        let v = _mm512_loadu_ps(x.as_ptr().add(16 * h));
-        let a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask));
-        let m = match thr {
-            Some(t) => _mm512_cmp_ps_mask::<_CMP_GE_OQ>(a, _mm512_loadu_ps(t.as_ptr().add(16 * h))),
-            None => 0xffff,
-        };
+        let (_, a, m) = half_kept(x, thr, h);
         let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(a, a);
         let a = _mm512_maskz_mov_ps(m & ordered, a);
         amax = _mm512_max_ps(a, amax);
@@ -732,17 +689,11 @@ pub(super) unsafe fn group_top(x: &[f32], thr: Option<&[f32]>) -> GroupTop {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,gfni,avx2,fma,f16c")]
 pub(super) unsafe fn fill_group(x: &[f32], thr: Option<&[f32]>, lone: Option<u8>) -> FilledGroup {
     let halves = x.len() / 16;
-    let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
     let mut on = [0u16; 2];
     let mut vx = [_mm512_setzero_ps(); 2];
     let mut amax = _mm512_setzero_ps();
     for h in 0..halves {
-        let v = _mm512_loadu_ps(x.as_ptr().add(16 * h));
-        let a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask));
-        let m = match thr {
-            Some(t) => _mm512_cmp_ps_mask::<_CMP_GE_OQ>(a, _mm512_loadu_ps(t.as_ptr().add(16 * h))),
-            None => 0xffff,
-        };
+        let (v, a, m) = half_kept(x, thr, h);
         let m = match lone {
             Some(j) if j as usize / 16 == h => m & !(1u16 << (j % 16)),
             _ => m,
