@@ -61,7 +61,7 @@ impl GroupTop {
 /// channel far above the rest of its group (the outlier features of these
 /// models) otherwise rounds its whole group coarsely: on SmolLM2 the
 /// repacked model's logit cosine against f32 activations went from 0.99964
-/// to 0.99993 with about one group in seven split.
+/// to 0.99992 with about one group in seven split.
 fn lone_of(tops: &[GroupTop]) -> impl Fn(&GroupTop) -> bool {
     // The same summation order on every path (the lists compare bit for bit).
     let mut e = 0f32;
