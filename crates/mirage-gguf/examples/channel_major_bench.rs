@@ -1,11 +1,14 @@
-//! Single-thread speed of the channel-major tile kernels against the dense
+//! Speed of the channel-major tile kernels against the dense
 //! row-major dot kernels on one matrix (random weights, out of cache),
 //! alternating in rounds so that machine load hits them alike (the dense
 //! baseline: the decode matrix-vector kernel of the type); prints per
 //! configuration the best round and the median over rounds of its speed-up
 //! against the dense pass of the same round:
-//! `cargo run --release -p mirage-gguf --example channel_major_bench [TYPE ROWS COLS [TILE [ROUNDS [COPIES]]]]`
-//! (one copy of a small matrix: the kernels' speed in cache).
+//! `cargo run --release -p mirage-gguf --example channel_major_bench [TYPE ROWS COLS [TILE [ROUNDS [COPIES [THREADS]]]]]`
+//! (TILE or COPIES 0: the default; one copy of a small matrix: the kernels'
+//! speed in cache; THREADS > 1:
+//! that many threads, each on other copies, as the decode's threads share
+//! the memory; times are per matrix).
 
 use std::time::Instant;
 
@@ -36,7 +39,9 @@ fn main() {
     let copies = args
         .get(6)
         .and_then(|s| s.parse().ok())
+        .filter(|&c: &usize| c > 0)
         .unwrap_or(((1usize << 30) / (rows * cols / 2).max(1)).clamp(2, 256));
+    let threads: usize = args.get(7).and_then(|s| s.parse().ok()).unwrap_or(1).max(1);
     let rb = quant::row_bytes(ty, cols).unwrap();
     let mut s = 1u64;
     let vals: Vec<f32> = (0..rows * cols)
@@ -72,40 +77,49 @@ fn main() {
             act
         })
         .collect();
-    let mut y = vec![0f32; rows];
-    let mut out = vec![0f32; layout.tile().min(rows)];
+    let out_len = layout.tile().min(rows);
     let iters = (2 * copies).max(64);
+    // Seconds per iteration of `f(iteration, buffer)` over `iters`
+    // iterations spread over `threads` threads (each its own buffer of
+    // `len` floats).
+    let timed = |len: usize, f: &(dyn Fn(usize, &mut [f32]) + Sync)| -> f64 {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for j in 0..threads {
+                s.spawn(move || {
+                    let mut buf = vec![0f32; len];
+                    for it in (j..iters).step_by(threads) {
+                        f(it, &mut buf);
+                    }
+                });
+            }
+        });
+        t.elapsed().as_secs_f64() / iters as f64
+    };
     let mut best = vec![f64::INFINITY; 1 + keeps.len()];
     let mut ratios = vec![Vec::new(); keeps.len()];
     let mut best_dot = f64::INFINITY;
     for _ in 0..rounds {
-        let t = Instant::now();
-        for it in 0..iters {
+        let dot_t = timed(rows, &|it, y| {
             let w = &dense[it % copies];
             for r in 0..rows {
                 // SAFETY: rows of `cols` elements of `ty`; `xq` its vec_dot_type.
                 y[r] = unsafe { dot(cols, &w[r * rb..(r + 1) * rb], &xq) };
             }
-        }
-        let dot_t = t.elapsed().as_secs_f64() / iters as f64;
+        });
         best_dot = best_dot.min(dot_t);
         let dense_t = match matvec {
-            Some(mv) => {
-                let t = Instant::now();
-                for it in 0..iters {
-                    let w = &dense[it % copies];
-                    // SAFETY: `rows` rows of `cols` elements of `ty`; `xq`
-                    // one row of its vec_dot_type; `y` holds `rows`.
-                    unsafe { mv(cols, w, rows, &xq, &mut y) };
-                }
-                t.elapsed().as_secs_f64() / iters as f64
-            }
+            Some(mv) => timed(rows, &|it, y| {
+                let w = &dense[it % copies];
+                // SAFETY: `rows` rows of `cols` elements of `ty`; `xq`
+                // one row of its vec_dot_type; `y` holds `rows`.
+                unsafe { mv(cols, w, rows, &xq, y) };
+            }),
             None => dot_t,
         };
         best[0] = best[0].min(dense_t);
         for (c, act) in acts.iter().enumerate() {
-            let t = Instant::now();
-            for it in 0..iters {
+            let el = timed(out_len, &|it, out| {
                 let w = &cms[it % copies];
                 for tt in 0..layout.n_tiles() {
                     let r = layout.tile_rows(tt);
@@ -113,15 +127,14 @@ fn main() {
                     // `act` built over `cols` with the layout's group.
                     unsafe { k(&layout, w, tt, 0..layout.n_groups(), act, &mut out[..r]) };
                 }
-            }
-            let el = t.elapsed().as_secs_f64() / iters as f64;
+            });
             best[c + 1] = best[c + 1].min(el);
             ratios[c].push(dense_t / el);
         }
     }
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "{ty} {rows}x{cols} (tile {}), best of {rounds} rounds, load {}",
+        "{ty} {rows}x{cols} (tile {}), {threads} thread(s), best of {rounds} rounds, load {}",
         layout.tile(),
         load.split_whitespace()
             .take(3)
