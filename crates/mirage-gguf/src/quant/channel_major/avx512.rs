@@ -405,48 +405,45 @@ unsafe fn epilogue8<const E: u8>(
     lone: Option<LoneSums<__m256i>>,
     y: *mut f32,
 ) {
-    if let Some(lone) = lone {
-        let yv = _mm256_loadu_ps(y.add(j0));
-        let (dxv, ldx) = (_mm256_set1_ps(dx), _mm256_set1_ps(lone.dx));
-        let out = match E {
-            MIN => {
-                let d = f16x8(rec.add(2 * j0));
-                let m = f16x8(rec.add(2 * r + 2 * j0));
-                let a = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(lone.lone_acc),
-                    ldx,
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dxv),
-                );
-                let s = _mm256_set1_ps((lone.sum as f32).mul_add(lone.dx, dx * sum as f32));
-                _mm256_fmadd_ps(m, s, _mm256_fmadd_ps(d, a, yv))
-            }
-            _ => {
-                let off = if E == OFF8 { 8 } else { 128 };
-                let t = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, _mm256_set1_epi32(off * sum)));
-                let t2 = _mm256_cvtepi32_ps(_mm256_sub_epi32(
-                    lone.lone_acc,
-                    _mm256_set1_epi32(off * lone.sum),
-                ));
-                let comb = _mm256_fmadd_ps(t2, ldx, _mm256_mul_ps(t, dxv));
-                _mm256_fmadd_ps(f16x8(rec.add(2 * j0)), comb, yv)
-            }
-        };
-        _mm256_storeu_ps(y.add(j0), out);
-        return;
-    }
     let yv = _mm256_loadu_ps(y.add(j0));
     let dxv = _mm256_set1_ps(dx);
+    // As in `epilogue16`: with a lone channel both sums are scaled and added
+    // before the per-output scales.
     let out = match E {
         MIN => {
             let d = f16x8(rec.add(2 * j0));
             let m = f16x8(rec.add(2 * r + 2 * j0));
-            let y1 = _mm256_fmadd_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(acc), yv);
-            _mm256_fmadd_ps(m, _mm256_set1_ps(dx * sum as f32), y1)
+            match lone {
+                None => {
+                    let y1 = _mm256_fmadd_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(acc), yv);
+                    _mm256_fmadd_ps(m, _mm256_set1_ps(dx * sum as f32), y1)
+                }
+                Some(l) => {
+                    let a = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(l.lone_acc),
+                        _mm256_set1_ps(l.dx),
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(acc), dxv),
+                    );
+                    let s = _mm256_set1_ps((l.sum as f32).mul_add(l.dx, dx * sum as f32));
+                    _mm256_fmadd_ps(m, s, _mm256_fmadd_ps(d, a, yv))
+                }
+            }
         }
         _ => {
             let off = if E == OFF8 { 8 } else { 128 };
+            let d = f16x8(rec.add(2 * j0));
             let t = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, _mm256_set1_epi32(off * sum)));
-            _mm256_fmadd_ps(_mm256_mul_ps(f16x8(rec.add(2 * j0)), dxv), t, yv)
+            match lone {
+                None => _mm256_fmadd_ps(_mm256_mul_ps(d, dxv), t, yv),
+                Some(l) => {
+                    let t2 = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+                        l.lone_acc,
+                        _mm256_set1_epi32(off * l.sum),
+                    ));
+                    let comb = _mm256_fmadd_ps(t2, _mm256_set1_ps(l.dx), _mm256_mul_ps(t, dxv));
+                    _mm256_fmadd_ps(d, comb, yv)
+                }
+            }
         }
     };
     _mm256_storeu_ps(y.add(j0), out);

@@ -269,15 +269,11 @@ unsafe fn scalar_tile(
             }
             acc
         };
-        let lone = active.lone[g];
+        let (idx, xqs) = (&active.set_idx[sets.clone()], &active.set_xq[sets]);
+        let (sum, dx, lone) = (active.sum[g], active.dx[g], active.lone[g]);
         for p in 0..r {
             let sc = scales(layout, data, t, g, p);
-            let acc = set_sum(
-                &active.set_idx[sets.clone()],
-                &active.set_xq[sets.clone()],
-                p,
-            );
-            let (sum, dx) = (active.sum[g], active.dx[g]);
+            let acc = set_sum(idx, xqs, p);
             y[p] = match lone {
                 None => epilogue(sc, acc, sum, dx, y[p]),
                 Some(l) => {
