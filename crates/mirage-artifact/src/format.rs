@@ -5,7 +5,8 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 
-use mirage_gguf::{quant, GgmlType};
+use mirage_gguf::resident::FileBytes;
+use mirage_gguf::{quant, FileMemory, GgmlType};
 use mirage_route::RouterData;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -401,26 +402,32 @@ pub(crate) fn read_container<'a>(b: &'a [u8], want: u32, names: &[&str]) -> Resu
 
 /// Where an artifact's bytes live.
 pub(crate) enum Storage {
-    /// A read-only memory map.
-    Mapped(memmap2::Mmap),
+    /// The file, mapped or read into memory.
+    File(FileBytes),
     /// Bytes in memory.
     Owned(Vec<u8>),
 }
 
 impl Storage {
-    /// `path`, memory-mapped read-only.
-    pub(crate) fn map(path: &Path) -> Result<Storage> {
-        let f = std::fs::File::open(path).map_err(|e| ArtifactError::io(path, e))?;
-        // SAFETY: the file is opened read-only; artifacts are written
-        // atomically (rename), so a mapped file is never rewritten in place.
-        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| ArtifactError::io(path, e))?;
-        Ok(Storage::Mapped(map))
+    /// `path`, held as `memory` says.
+    pub(crate) fn open(path: &Path, memory: FileMemory) -> Result<Storage> {
+        // Artifacts are written atomically (rename), so a mapped file is
+        // never rewritten in place.
+        let bytes = FileBytes::open(path, memory).map_err(|e| ArtifactError::io(path, e))?;
+        Ok(Storage::File(bytes))
     }
 
     pub(crate) fn bytes(&self) -> &[u8] {
         match self {
-            Storage::Mapped(m) => m,
+            Storage::File(m) => m,
             Storage::Owned(v) => v,
+        }
+    }
+
+    pub(crate) fn memory(&self) -> FileMemory {
+        match self {
+            Storage::File(m) => m.memory(),
+            Storage::Owned(_) => FileMemory::Mapped,
         }
     }
 }
@@ -572,7 +579,20 @@ fn check_meta_against_sections(meta: &ArtifactMeta, sections: &[&[u8]]) -> Resul
 impl Artifact {
     /// Memory-maps and validates an artifact file.
     pub fn open(path: impl AsRef<Path>) -> Result<Arc<Artifact>> {
-        Ok(Arc::new(Artifact::parse(Storage::map(path.as_ref())?)?))
+        Artifact::open_with(path, FileMemory::Mapped)
+    }
+
+    /// Validates an artifact file held as `memory` says.
+    pub fn open_with(path: impl AsRef<Path>, memory: FileMemory) -> Result<Arc<Artifact>> {
+        Ok(Arc::new(Artifact::parse(Storage::open(
+            path.as_ref(),
+            memory,
+        )?)?))
+    }
+
+    /// How the artifact's bytes are held.
+    pub fn memory(&self) -> FileMemory {
+        self.storage.memory()
     }
 
     /// Validates an artifact held in memory.

@@ -6,7 +6,8 @@
 //! against the dense pass of the same round:
 //! `cargo run --release -p mirage-gguf --example channel_major_bench [TYPE ROWS COLS [TILE [ROUNDS [COPIES [THREADS]]]]]`
 //! (TILE or COPIES 0: the default; one copy of a small matrix: the kernels'
-//! speed in cache; THREADS > 1:
+//! speed in cache; the copies in huge-page memory, as the CPU backends hold
+//! a model's weights; THREADS > 1:
 //! that many threads, each on other copies, as the decode's threads share
 //! the memory; times are per matrix).
 
@@ -56,8 +57,10 @@ fn main() {
     quant::quantize(ty, &vals, &mut src).unwrap();
     let mut cm = vec![0u8; layout.bytes()];
     quant::channel_major::repack(&layout, &src, &mut cm).unwrap();
-    let dense: Vec<Vec<u8>> = (0..copies).map(|_| src.clone()).collect();
-    let cms: Vec<Vec<u8>> = (0..copies).map(|_| cm.clone()).collect();
+    let dense_copies = copies_in_huge_pages(&src, copies);
+    let cm_copies = copies_in_huge_pages(&cm, copies);
+    let dense: Vec<&[u8]> = dense_copies.iter().collect();
+    let cms: Vec<&[u8]> = cm_copies.iter().collect();
     let x: Vec<f32> = vals[..cols].to_vec();
     let at = quant::vec_dot_type(ty);
     let mut xq = vec![0u8; quant::row_bytes(at, cols).unwrap()];
@@ -164,5 +167,39 @@ fn main() {
                 r[r.len() / 2]
             }
         );
+    }
+}
+
+/// `copies` copies of `bytes` in anonymous memory advised for huge pages, as
+/// the CPU backends hold a model's weights (`mirage_gguf::resident`).
+struct Copies {
+    map: memmap2::MmapMut,
+    stride: usize,
+    len: usize,
+    n: usize,
+}
+
+impl Copies {
+    fn iter(&self) -> impl Iterator<Item = &[u8]> {
+        (0..self.n).map(|i| &self.map[i * self.stride..i * self.stride + self.len])
+    }
+}
+
+fn copies_in_huge_pages(bytes: &[u8], n: usize) -> Copies {
+    let stride = bytes.len().next_multiple_of(4096);
+    let mut map = memmap2::MmapOptions::new()
+        .len((stride * n).max(1))
+        .map_anon()
+        .unwrap();
+    #[cfg(target_os = "linux")]
+    map.advise(memmap2::Advice::HugePage).unwrap();
+    for i in 0..n {
+        map[i * stride..i * stride + bytes.len()].copy_from_slice(bytes);
+    }
+    Copies {
+        map,
+        stride,
+        len: bytes.len(),
+        n,
     }
 }

@@ -7,7 +7,9 @@
 //! # Public surface
 //!
 //! - [`GgufFile`]: a parsed GGUF v2/v3 file that owns its bytes (a read-only
-//!   memory map from [`GgufFile::open`], or a `Vec<u8>` from
+//!   memory map from [`GgufFile::open`], the file read into huge-page
+//!   memory from [`GgufFile::open_with`] and [`FileMemory::Resident`] (the
+//!   CPU decode's weights: [`resident`] says why), or a `Vec<u8>` from
 //!   [`GgufFile::from_bytes`], same parser). [`GgufFile::metadata`] is the
 //!   ordered key -> [`Value`] map ([`Metadata`]); [`GgufFile::tensors`] the
 //!   [`TensorInfo`] records in file order (dims in ggml order: `dims[0]` is
@@ -52,6 +54,7 @@ pub mod metadata;
 pub mod quant;
 pub mod quant_mix;
 pub mod reader;
+pub mod resident;
 pub mod safetensors;
 pub mod synth;
 pub mod tensor;
@@ -62,6 +65,7 @@ pub use error::GgufError;
 pub use hparams::{Arch, ModelHparams, RopeScaling, RopeScalingType};
 pub use metadata::{Array, Metadata, Value, ValueType};
 pub use reader::{GgufFile, DEFAULT_ALIGNMENT, MAX_ARRAY_DEPTH, MAX_DIMS};
+pub use resident::FileMemory;
 pub use safetensors::{ImportedTensor, SafetensorsFile};
 pub use tensor::{TensorInfo, TensorView};
 pub use types::{GgmlType, QK_K};

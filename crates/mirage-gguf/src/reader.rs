@@ -7,14 +7,12 @@
 //! [`MAX_ARRAY_DEPTH`]; every error carries the byte offset of the problem.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::Path;
-
-use memmap2::Mmap;
 
 use crate::error::GgufError;
 use crate::hparams::ModelHparams;
 use crate::metadata::{Array, Metadata, Value, ValueType};
+use crate::resident::{FileBytes, FileMemory};
 use crate::tensor::{TensorInfo, TensorView};
 use crate::GgmlType;
 
@@ -33,14 +31,14 @@ pub const MAX_DIMS: u32 = 4;
 /// The bytes a [`GgufFile`] parses: a read-only map of a file, or an owned
 /// buffer.
 enum Storage {
-    Mmap(Mmap),
+    File(FileBytes),
     Owned(Vec<u8>),
 }
 
 impl Storage {
     fn bytes(&self) -> &[u8] {
         match self {
-            Storage::Mmap(m) => m,
+            Storage::File(m) => m,
             Storage::Owned(v) => v,
         }
     }
@@ -74,23 +72,27 @@ impl std::fmt::Debug for GgufFile {
 impl GgufFile {
     /// Memory-maps and parses a file.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
+        GgufFile::open_with(path, FileMemory::Mapped)
+    }
+
+    /// Parses a file held as `memory` says: mapped, or read into memory
+    /// ([`FileMemory::Resident`], for the CPU decode: see [`crate::resident`]).
+    pub fn open_with(path: impl AsRef<Path>, memory: FileMemory) -> Result<GgufFile, GgufError> {
         let path = path.as_ref();
-        let io_err = |source| GgufError::Io {
+        let bytes = FileBytes::open(path, memory).map_err(|source| GgufError::Io {
             path: path.to_path_buf(),
             source,
-        };
-        let file = File::open(path).map_err(io_err)?;
-        let len = file.metadata().map_err(io_err)?.len();
-        if len == 0 {
-            // Mapping an empty file fails on some platforms; an empty buffer
-            // gives the proper Truncated error instead.
-            return GgufFile::from_bytes(Vec::new());
+        })?;
+        GgufFile::parse(Storage::File(bytes))
+    }
+
+    /// How the file's bytes are held ([`FileMemory::Mapped`] also for an
+    /// owned buffer from [`GgufFile::from_bytes`]).
+    pub fn memory(&self) -> FileMemory {
+        match &self.storage {
+            Storage::File(b) => b.memory(),
+            Storage::Owned(_) => FileMemory::Mapped,
         }
-        // SAFETY: the map is read-only. Like every mmap-based model loader we
-        // rely on nobody truncating or rewriting the file while it is open
-        // (the writer replaces files by rename, never in place).
-        let map = unsafe { Mmap::map(&file) }.map_err(io_err)?;
-        GgufFile::parse(Storage::Mmap(map))
     }
 
     /// Parses an owned buffer (same parser as [`GgufFile::open`]).

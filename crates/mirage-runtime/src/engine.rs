@@ -17,7 +17,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use mirage_gguf::GgufFile;
+use mirage_gguf::{FileMemory, GgufFile};
 use mirage_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
 use crate::backend::cpu::CpuBackend;
@@ -256,6 +256,8 @@ pub struct Engine<B: Backend = CpuBackend> {
     chat_template: std::result::Result<ChatTemplate, String>,
     options: EngineOptions,
     n_ctx: usize,
+    /// How the model file's bytes are held.
+    file_memory: FileMemory,
 }
 
 impl<B: Backend> std::fmt::Debug for Engine<B> {
@@ -308,6 +310,7 @@ impl<B: Backend> Engine<B> {
             }
             e => e.to_string(),
         });
+        let file_memory = file.memory();
         let model = Model::load(file, backend)?;
         let train = model.config().n_ctx_train.max(1);
         let n_ctx = if options.n_ctx == 0 {
@@ -323,7 +326,14 @@ impl<B: Backend> Engine<B> {
             chat_template,
             options,
             n_ctx,
+            file_memory,
         })
+    }
+
+    /// How the model file's bytes are held: mapped, or read into memory
+    /// (see [`mirage_gguf::resident`]).
+    pub fn file_memory(&self) -> FileMemory {
+        self.file_memory
     }
 
     /// The model.

@@ -94,7 +94,7 @@ use mirage_artifact::{Artifact, SuperblockBackend};
 use mirage_cuda::{
     ActivationCudaBackend, CudaBackend, PageSource, RouteTraversal, SparseCudaBackend,
 };
-use mirage_gguf::GgufFile;
+use mirage_gguf::{FileMemory, GgufFile};
 
 /// Whether this build has the CUDA backend compiled in (the `cuda` feature).
 pub const COMPILED_WITH_CUDA: bool = mirage_cuda::COMPILED_WITH_CUDA;
@@ -221,6 +221,40 @@ pub struct CudaPages {
     pub mode: Option<SparsePages>,
 }
 
+/// How the model file (and an artifact) are held in memory while they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightMemory {
+    /// Read into huge-page memory for the CPU backends when the file fits in
+    /// the memory available ([`FileMemory::resident_if_it_fits`]); mapped for
+    /// CUDA, which copies the weights to the device.
+    #[default]
+    Auto,
+    /// Always a memory map of the file (instant start, pages shared with
+    /// other processes; the CPU decode is slower through 4 KiB pages).
+    Mapped,
+    /// Always read into memory (huge pages where the kernel gives them).
+    Resident,
+}
+
+impl WeightMemory {
+    /// What a file of `len` bytes gets on a CPU backend (`cpu`) or not.
+    pub fn for_backend(self, cpu: bool, len: u64) -> FileMemory {
+        match self {
+            WeightMemory::Mapped => FileMemory::Mapped,
+            WeightMemory::Resident => FileMemory::Resident,
+            WeightMemory::Auto if cpu => FileMemory::resident_if_it_fits(len),
+            WeightMemory::Auto => FileMemory::Mapped,
+        }
+    }
+}
+
+/// What `path`'s size makes of `memory` on a CPU backend (`cpu`) or not
+/// (an unreadable file is mapped: opening it reports the error).
+fn file_memory(memory: WeightMemory, cpu: bool, path: &Path) -> FileMemory {
+    let len = std::fs::metadata(path).map_or(u64::MAX, |m| m.len());
+    memory.for_backend(cpu, len)
+}
+
 /// Everything [`load`] needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadSpec {
@@ -244,6 +278,8 @@ pub struct LoadSpec {
     pub options: EngineOptions,
     /// Run every projection under activation sparsity.
     pub sparsity: Option<SparsitySpec>,
+    /// How the model file and the artifact are held in memory.
+    pub memory: WeightMemory,
 }
 
 impl LoadSpec {
@@ -258,7 +294,14 @@ impl LoadSpec {
             cuda_pages: None,
             options: EngineOptions::default(),
             sparsity: None,
+            memory: WeightMemory::Auto,
         }
+    }
+
+    /// With the model file and artifact held in memory this way.
+    pub fn memory(mut self, memory: WeightMemory) -> LoadSpec {
+        self.memory = memory;
+        self
     }
 
     /// With activation sparsity.
@@ -501,11 +544,16 @@ fn resolve(spec: &LoadSpec) -> Result<Resolved, LoadError> {
 }
 
 /// Opens the artifact of `spec` (if any) and checks it belongs to `file`.
-fn open_artifact(spec: &LoadSpec, file: &GgufFile) -> Result<Option<Arc<Artifact>>, LoadError> {
+fn open_artifact(
+    spec: &LoadSpec,
+    file: &GgufFile,
+    cpu: bool,
+) -> Result<Option<Arc<Artifact>>, LoadError> {
     let Some(a) = &spec.artifact else {
         return Ok(None);
     };
-    let artifact = Artifact::open(&a.path).map_err(|error| LoadError::Artifact {
+    let memory = file_memory(spec.memory, cpu, &a.path);
+    let artifact = Artifact::open_with(&a.path, memory).map_err(|error| LoadError::Artifact {
         path: a.path.clone(),
         error: Box::new(error),
     })?;
@@ -550,8 +598,8 @@ fn pages_mode(
     }
 }
 
-/// Starts the backend `spec` resolves to for `file`.
-fn start(spec: &LoadSpec, file: &GgufFile) -> Result<Started, LoadError> {
+/// Starts the backend `spec` resolved to for `file`.
+fn start(spec: &LoadSpec, file: &GgufFile, resolved: Resolved) -> Result<Started, LoadError> {
     let engine_err = |backend: &str| {
         let path = spec.model.clone();
         let backend = backend.to_string();
@@ -561,8 +609,8 @@ fn start(spec: &LoadSpec, file: &GgufFile) -> Result<Started, LoadError> {
             error: Box::new(error),
         }
     };
-    let artifact = open_artifact(spec, file)?;
-    match resolve(spec)? {
+    let artifact = open_artifact(spec, file, matches!(resolved, Resolved::Cpu))?;
+    match resolved {
         Resolved::Cpu => {
             let cpu = CpuBackend::new(spec.options.threads).map_err(engine_err("cpu"))?;
             let Some(artifact) = artifact else {
@@ -602,14 +650,21 @@ fn start(spec: &LoadSpec, file: &GgufFile) -> Result<Started, LoadError> {
     }
 }
 
-/// `spec.model`, opened.
-fn open_model(spec: &LoadSpec) -> Result<Arc<GgufFile>, LoadError> {
-    GgufFile::open(&spec.model)
-        .map(Arc::new)
-        .map_err(|error| LoadError::Model {
-            path: spec.model.clone(),
-            error: Box::new(error),
-        })
+/// `spec.model`, opened for a CPU backend (`cpu`) or not.
+fn open_model(spec: &LoadSpec, cpu: bool) -> Result<Arc<GgufFile>, LoadError> {
+    let memory = file_memory(spec.memory, cpu, &spec.model);
+    let file = GgufFile::open_with(&spec.model, memory);
+    if let Ok(f) = &file {
+        tracing::debug!(
+            memory = f.memory().as_str(),
+            "model file {}",
+            spec.model.display()
+        );
+    }
+    file.map(Arc::new).map_err(|error| LoadError::Model {
+        path: spec.model.clone(),
+        error: Box::new(error),
+    })
 }
 
 /// An engine on the backend a spec resolved to, before it is handed to a
@@ -657,14 +712,15 @@ pub(crate) fn build(spec: &LoadSpec) -> Result<Built, LoadError> {
     if let Some(sp) = &spec.sparsity {
         return load_sparse(spec, sp);
     }
-    let file = open_model(spec)?;
+    let resolved = resolve(spec)?;
+    let file = open_model(spec, matches!(resolved, Resolved::Cpu))?;
     let engine = |backend: &str, e: RuntimeError| LoadError::Engine {
         path: spec.model.clone(),
         backend: backend.to_string(),
         error: Box::new(e),
     };
     let opts = spec.options.clone();
-    Ok(match start(spec, &file)? {
+    Ok(match start(spec, &file, resolved)? {
         Started::Cpu(b) => {
             Built::Cpu(Engine::from_file(file, b, opts).map_err(|e| engine("cpu", e))?)
         }
@@ -705,11 +761,25 @@ fn load_sparse(spec: &LoadSpec, sp: &SparsitySpec) -> Result<Built, LoadError> {
         artifact: path.clone(),
         reason,
     };
-    let artifact = ActivationArtifact::open(&path).map_err(|error| LoadError::Artifact {
-        path: path.clone(),
-        error: Box::new(error),
-    })?;
-    let file = open_model(spec)?;
+    // CUDA when asked for, or (auto) when a GPU answers; else the CPU.
+    let cuda = match spec.backend {
+        BackendChoice::Cpu => None,
+        BackendChoice::Cuda => Some(start_cuda(spec.cuda_device, &spec.cuda)?),
+        BackendChoice::Auto => match start_cuda(spec.cuda_device, &spec.cuda) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                tracing::info!(backend = "cpu", reason = %e, "activation sparsity, backend auto: cpu");
+                None
+            }
+        },
+    };
+    let memory = file_memory(spec.memory, cuda.is_none(), &path);
+    let artifact =
+        ActivationArtifact::open_with(&path, memory).map_err(|error| LoadError::Artifact {
+            path: path.clone(),
+            error: Box::new(error),
+        })?;
+    let file = open_model(spec, cuda.is_none())?;
     artifact
         .check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))
         .map_err(|error| LoadError::ArtifactMismatch {
@@ -746,18 +816,6 @@ fn load_sparse(spec: &LoadSpec, sp: &SparsitySpec) -> Result<Built, LoadError> {
     };
     let n_layer = artifact.meta().n_layer;
     let thresholds = artifact.thresholds(criterion, &r.per_matrix);
-    // CUDA when asked for, or (auto) when a GPU answers; else the CPU.
-    let cuda = match spec.backend {
-        BackendChoice::Cpu => None,
-        BackendChoice::Cuda => Some(start_cuda(spec.cuda_device, &spec.cuda)?),
-        BackendChoice::Auto => match start_cuda(spec.cuda_device, &spec.cuda) {
-            Ok(b) => Some(b),
-            Err(e) => {
-                tracing::info!(backend = "cpu", reason = %e, "activation sparsity, backend auto: cpu");
-                None
-            }
-        },
-    };
     #[allow(unreachable_code, clippy::needless_return)]
     if let Some(b) = cuda {
         #[cfg(feature = "cuda")]
@@ -797,16 +855,17 @@ pub fn load_model(spec: &LoadSpec, file: Option<Arc<GgufFile>>) -> Result<Loaded
             reason: "a bare model does not run activation sparsity; load an engine (`load`)".into(),
         });
     }
+    let resolved = resolve(spec)?;
     let file = match file {
         Some(f) => f,
-        None => open_model(spec)?,
+        None => open_model(spec, matches!(resolved, Resolved::Cpu))?,
     };
     let model = |backend: &str, e: RuntimeError| LoadError::Engine {
         path: spec.model.clone(),
         backend: backend.to_string(),
         error: Box::new(e),
     };
-    Ok(match start(spec, &file)? {
+    Ok(match start(spec, &file, resolved)? {
         Started::Cpu(b) => LoadedModel::Cpu(Model::load(file, b).map_err(|e| model("cpu", e))?),
         Started::SuperblockCpu(b) => LoadedModel::SuperblockCpu(
             Model::load(file, *b).map_err(|e| model("superblock-cpu", e))?,

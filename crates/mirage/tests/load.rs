@@ -5,8 +5,10 @@
 use std::path::PathBuf;
 
 use mirage::artifact::{build, BuildOptions};
+use mirage::gguf::FileMemory;
 use mirage::{
-    Backend, BackendChoice, Engine, EngineOptions, LoadError, LoadSpec, SparseMode, WithEngine,
+    Backend, BackendChoice, Engine, EngineOptions, LoadError, LoadSpec, SparseMode, WeightMemory,
+    WithEngine,
 };
 
 fn model_path() -> Option<PathBuf> {
@@ -60,6 +62,42 @@ fn argmax(v: &[f32]) -> usize {
         .max_by(|a, b| a.1.total_cmp(b.1))
         .unwrap()
         .0
+}
+
+/// How the engine holds its model file, and the last position's logits.
+struct Memory;
+
+impl WithEngine for Memory {
+    type Out = (FileMemory, Vec<f32>);
+    fn run<B: Backend>(self, engine: Engine<B>) -> Self::Out {
+        let memory = engine.file_memory();
+        (memory, Probe.run(engine).1)
+    }
+}
+
+#[test]
+fn the_cpu_reads_the_model_into_memory_unless_told_to_map_it() {
+    let Some(model) = model_path() else { return };
+    let spec = LoadSpec::new(&model)
+        .backend(BackendChoice::Cpu)
+        .options(options());
+    // 98 MB: it fits wherever these tests run.
+    let (memory, resident) = mirage::load(&spec, Memory).unwrap();
+    assert_eq!(memory, FileMemory::Resident);
+    let (memory, mapped) =
+        mirage::load(&spec.clone().memory(WeightMemory::Mapped), Memory).unwrap();
+    assert_eq!(memory, FileMemory::Mapped);
+    assert_eq!(resident, mapped, "the same bytes give the same logits");
+    // Auto never copies for CUDA, which uploads the weights.
+    assert_eq!(WeightMemory::Auto.for_backend(false, 1), FileMemory::Mapped);
+    assert_eq!(
+        WeightMemory::Auto.for_backend(true, u64::MAX),
+        FileMemory::Mapped
+    );
+    assert_eq!(
+        WeightMemory::Resident.for_backend(false, u64::MAX),
+        FileMemory::Resident
+    );
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use mirage_gguf::quant::channel_major::ChannelMajorLayout;
-use mirage_gguf::GgmlType;
+use mirage_gguf::{FileMemory, GgmlType};
 use serde::{Deserialize, Serialize};
 
 use super::fit::head_index;
@@ -338,9 +338,24 @@ impl PlanChoice {
 impl ActivationArtifact {
     /// Memory-maps and validates an activation artifact.
     pub fn open(path: impl AsRef<Path>) -> Result<Arc<ActivationArtifact>> {
-        Ok(Arc::new(ActivationArtifact::parse(Storage::map(
+        ActivationArtifact::open_with(path, FileMemory::Mapped)
+    }
+
+    /// Validates an activation artifact held as `memory` says (the CPU
+    /// decode reads it best resident: [`mirage_gguf::resident`]).
+    pub fn open_with(
+        path: impl AsRef<Path>,
+        memory: FileMemory,
+    ) -> Result<Arc<ActivationArtifact>> {
+        Ok(Arc::new(ActivationArtifact::parse(Storage::open(
             path.as_ref(),
+            memory,
         )?)?))
+    }
+
+    /// How the artifact's bytes are held.
+    pub fn memory(&self) -> FileMemory {
+        self.storage.memory()
     }
 
     /// Validates an activation artifact held in memory.

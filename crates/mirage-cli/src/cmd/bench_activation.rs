@@ -109,16 +109,17 @@ pub(super) fn open_inputs(
         .artifact
         .clone()
         .unwrap_or_else(|| default_artifact(&args.model));
-    let artifact = ActivationArtifact::open(&path).with_context(|| {
+    let cpu = args.backend != "cuda";
+    let len = std::fs::metadata(&path).map_or(u64::MAX, |m| m.len());
+    let memory = super::generate::weight_memory(args.mmap).for_backend(cpu, len);
+    let artifact = ActivationArtifact::open_with(&path, memory).with_context(|| {
         format!(
             "loading the activation artifact {} (build it with `cargo xtask build-artifacts --mode activation --model {}`)",
             path.display(),
             args.model.display()
         )
     })?;
-    let file = Arc::new(
-        GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?,
-    );
+    let file = Arc::new(super::bench::open_model(&args.model, args.mmap, cpu)?);
     artifact.check_source_sha256(&mirage_artifact::format::sha256_hex(file.as_bytes()))?;
     Ok((artifact, file))
 }

@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use mirage_gguf::GgufFile;
 use mirage_runtime::{CpuBackend, KvDtype, Model, TokenSlot};
 
 /// What one comparison measured (also the `--json` output).
@@ -80,6 +79,8 @@ pub struct PeerArgs<'a> {
     pub pp: &'a [usize],
     pub tg: usize,
     pub reps: usize,
+    /// Map the model file instead of reading it into memory.
+    pub mmap: bool,
 }
 
 /// Runs the comparison (see the module docs).
@@ -93,9 +94,7 @@ pub fn compare(a: &PeerArgs<'_>) -> anyhow::Result<PeerReport> {
             a.llama_bench.display()
         );
     }
-    let file = Arc::new(
-        GgufFile::open(a.model).with_context(|| format!("opening {}", a.model.display()))?,
-    );
+    let file = Arc::new(super::bench::open_model(a.model, a.mmap, true)?);
     let weight_bytes = super::bench::weight_bytes_per_token(&file);
     let backend = CpuBackend::new(a.threads)?;
     let threads = backend.threads();
