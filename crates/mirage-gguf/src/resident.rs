@@ -7,7 +7,7 @@
 //! walk). Read into anonymous memory advised for transparent huge pages
 //! (`MADV_HUGEPAGE`, 2 MiB pages on x86-64) the same bytes need 512 times
 //! fewer translations: on a 2-vCPU Intel Xeon VM the 1.5B model decoded at
-//! 24.5 tok/s from such a copy against 15.1 from the map (docs/BENCHMARKS.md).
+//! 24.5 tok/s from such a copy against 15.1 from the map in one hour, 25.0 against 19.3 in another (docs/BENCHMARKS.md).
 //! A map starts at once and shares its pages with other processes; a
 //! resident copy costs one read of the file at load. Anonymous memory is also
 //! never reclaimed behind the decode's back while it runs (a map's pages are,

@@ -91,7 +91,7 @@ struct Args {
     deterministic: bool,
     /// Map the model file (and artifact) instead of reading it into memory: an instant start and pages
     /// shared with other processes, but the CPU decode reads the weights through 4 KiB pages (on a
-    /// 2-vCPU Xeon VM the 1.5B model decoded 1.4-1.6x slower so). Default: read into huge-page memory on
+    /// 2-vCPU Xeon VM the 1.5B model decoded 1.3-1.7x slower so). Default: read into huge-page memory on
     /// the CPU when it fits.
     #[arg(long)]
     mmap: bool,
