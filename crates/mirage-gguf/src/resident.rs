@@ -33,11 +33,11 @@ pub enum FileMemory {
 
 impl FileMemory {
     /// `Resident` when a file of `len` bytes fits in the memory the system
-    /// reports as available with room to spare (a quarter of it, at least
+    /// reports as available ([`available_bytes`]) with room to spare (a quarter of it, at least
     /// 1 GiB, stays free), else `Mapped`. Systems that report no available
     /// memory (anything but Linux) get `Mapped`.
     pub fn resident_if_it_fits(len: u64) -> FileMemory {
-        match available_memory() {
+        match available_bytes() {
             Some(avail) if len.saturating_add((avail / 4).max(1 << 30)) <= avail => {
                 FileMemory::Resident
             }
@@ -54,12 +54,51 @@ impl FileMemory {
     }
 }
 
-/// `MemAvailable` from `/proc/meminfo`, in bytes.
-fn available_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+/// Bytes that new allocations can still take, when the system says: the
+/// kernel's estimate of memory that can be allocated without swapping
+/// (`MemAvailable` in `/proc/meminfo`), lowered to the room left under the
+/// process's cgroup v2 limit (`memory.max` minus `memory.current`) when one
+/// is set; `None` where neither exists (not Linux).
+pub fn available_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let mem = meminfo
+        .as_deref()
+        .and_then(|m| meminfo_field(m, "MemAvailable"));
+    let cgroup = cgroup_room();
+    match (mem, cgroup) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// A `Name:  1234 kB` field of `/proc/meminfo`, in bytes.
+fn meminfo_field(meminfo: &str, name: &str) -> Option<u64> {
+    let line = meminfo
+        .lines()
+        .find(|l| l.split(':').next() == Some(name))?;
+    let mut parts = line.split(':').nth(1)?.split_whitespace();
+    let n: u64 = parts.next()?.parse().ok()?;
+    match parts.next() {
+        Some("kB") => n.checked_mul(1024),
+        None => Some(n),
+        Some(_) => None,
+    }
+}
+
+/// Room under this process's cgroup v2 memory limit, if it has one.
+fn cgroup_room() -> Option<u64> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    // cgroup v2: one line `0::/path`.
+    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let dir = std::path::Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'));
+    let max = std::fs::read_to_string(dir.join("memory.max")).ok()?;
+    let max: u64 = max.trim().parse().ok()?; // "max": no limit
+    let current: u64 = std::fs::read_to_string(dir.join("memory.current"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(max.saturating_sub(current))
 }
 
 /// A file's bytes as [`FileMemory`] says: deref to `[u8]`.
@@ -137,6 +176,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn meminfo_fields_parse_in_bytes() {
+        let m = "MemTotal:       24000000 kB\nMemAvailable:   21000000 kB\nHugePages_Total: 0\n";
+        assert_eq!(meminfo_field(m, "MemAvailable"), Some(21_000_000 * 1024));
+        assert_eq!(meminfo_field(m, "HugePages_Total"), Some(0));
+        assert_eq!(meminfo_field(m, "Nope"), None);
+        if cfg!(target_os = "linux") {
+            let a = available_bytes().expect("Linux reports MemAvailable");
+            assert!(a > 0);
+        }
+    }
+
+    #[test]
     fn both_forms_hold_the_file_bytes() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f.bin");
@@ -165,7 +216,7 @@ mod tests {
             FileMemory::resident_if_it_fits(u64::MAX),
             FileMemory::Mapped
         );
-        match available_memory() {
+        match available_bytes() {
             Some(avail) if avail >= 4 << 30 => {
                 assert_eq!(
                     FileMemory::resident_if_it_fits(1 << 20),

@@ -1,7 +1,8 @@
 //! How much memory a new buffer may take, and fallible allocation of the
 //! buffers whose size comes from input (context length, sequence count).
 //!
-//! [`available_bytes`] is the kernel's estimate of memory that can be
+//! [`available_bytes`] (from `mirage_gguf::resident`, which sizes resident
+//! model copies by it) is the kernel's estimate of memory that can be
 //! allocated without swapping (`MemAvailable` in `/proc/meminfo`), lowered
 //! to the room left under the process's cgroup v2 limit
 //! (`/sys/fs/cgroup/memory.max` minus `memory.current`) when one is set.
@@ -11,48 +12,7 @@
 
 use crate::error::RuntimeError;
 
-/// Bytes that new allocations can still take, when the system says.
-pub fn available_bytes() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
-    let mem = meminfo
-        .as_deref()
-        .and_then(|m| meminfo_field(m, "MemAvailable"));
-    let cgroup = cgroup_room();
-    match (mem, cgroup) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
-}
-
-/// A `Name:  1234 kB` field of `/proc/meminfo`, in bytes.
-fn meminfo_field(meminfo: &str, name: &str) -> Option<u64> {
-    let line = meminfo
-        .lines()
-        .find(|l| l.split(':').next() == Some(name))?;
-    let mut parts = line.split(':').nth(1)?.split_whitespace();
-    let n: u64 = parts.next()?.parse().ok()?;
-    match parts.next() {
-        Some("kB") => n.checked_mul(1024),
-        None => Some(n),
-        Some(_) => None,
-    }
-}
-
-/// Room under this process's cgroup v2 memory limit, if it has one.
-fn cgroup_room() -> Option<u64> {
-    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    // cgroup v2: one line `0::/path`.
-    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
-    let dir = std::path::Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'));
-    let max = std::fs::read_to_string(dir.join("memory.max")).ok()?;
-    let max: u64 = max.trim().parse().ok()?; // "max": no limit
-    let current: u64 = std::fs::read_to_string(dir.join("memory.current"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(max.saturating_sub(current))
-}
+pub use mirage_gguf::resident::available_bytes;
 
 /// `bytes` in decimal units with one decimal (`65.5 TB`), for messages.
 pub fn human_bytes(bytes: u64) -> String {
@@ -125,18 +85,6 @@ pub fn try_zeroed_vec<T: Zeroable>(n: usize, what: &str) -> Result<Vec<T>, Runti
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn meminfo_fields_parse_in_bytes() {
-        let m = "MemTotal:       24000000 kB\nMemAvailable:   21000000 kB\nHugePages_Total: 0\n";
-        assert_eq!(meminfo_field(m, "MemAvailable"), Some(21_000_000 * 1024));
-        assert_eq!(meminfo_field(m, "HugePages_Total"), Some(0));
-        assert_eq!(meminfo_field(m, "Nope"), None);
-        if cfg!(target_os = "linux") {
-            let a = available_bytes().expect("Linux reports MemAvailable");
-            assert!(a > 0);
-        }
-    }
 
     #[test]
     fn human_bytes_is_decimal_with_one_decimal() {
