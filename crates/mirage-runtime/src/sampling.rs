@@ -160,41 +160,7 @@ impl Sampler {
         if p.temperature <= 0.0 {
             return Some(arg_max(&self.candidates));
         }
-        // Sort descending once; top-k, top-p and min-p are then prefixes.
-        // The order is total (logit, then id), so with top-k the k best,
-        // selected in linear time and then sorted, are the same prefix a
-        // sort of the whole vocabulary gives (151,936 candidates for Qwen:
-        // a full sort took a few percent of a CPU decode step).
-        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < self.candidates.len() {
-            self.candidates.select_nth_unstable_by(p.top_k - 1, order);
-            self.candidates.truncate(p.top_k);
-        }
-        self.candidates.sort_unstable_by(order);
-        let mut keep = self.candidates.len();
-        // Probabilities at temperature 1, as llama.cpp's top-p/min-p see them.
-        let max = self.candidates[0].1;
-        let probs: Vec<f32> = self.candidates[..keep]
-            .iter()
-            .map(|c| (c.1 - max).exp())
-            .collect();
-        let total: f32 = probs.iter().sum();
-        if p.top_p < 1.0 {
-            let mut cum = 0.0;
-            for (i, pr) in probs.iter().enumerate() {
-                cum += pr / total;
-                if cum >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        if p.min_p > 0.0 {
-            // probs[0] is the maximum (exp(0) = 1).
-            let cut = p.min_p;
-            let n = probs[..keep].iter().take_while(|&&pr| pr >= cut).count();
-            keep = n.max(1);
-        }
+        let (keep, max) = self.cut();
         let cands = &self.candidates[..keep];
         let inv_t = 1.0 / p.temperature;
         let weights: Vec<f32> = cands.iter().map(|c| ((c.1 - max) * inv_t).exp()).collect();
@@ -207,6 +173,66 @@ impl Sampler {
             r -= w;
         }
         Some(cands[keep - 1].0)
+    }
+
+    /// Applies top-k, top-p and min-p to the candidates (after the
+    /// penalties): the first `keep` of them, in the order the draw walks,
+    /// are the ones left; `max` is the best logit.
+    fn cut(&mut self) -> (usize, f32) {
+        // Top-k, top-p and min-p keep prefixes of the candidates sorted best
+        // first. The order is total (logit, then id), so the k best,
+        // selected in linear time and then sorted, are the same prefix a
+        // sort of the whole vocabulary gives, and without top-k only the
+        // prefix that top-p and min-p can keep needs sorting (151,936
+        // candidates for Qwen: a full sort cost more than a small model's
+        // CPU decode step takes to pick its weights' next bytes).
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let p = &self.params;
+        let c = &mut self.candidates;
+        let top_k = p.top_k > 0 && p.top_k < c.len();
+        if top_k {
+            c.select_nth_unstable_by(p.top_k - 1, order);
+            c.truncate(p.top_k);
+        }
+        // Probabilities at temperature 1 relative to the best candidate, as
+        // llama.cpp's top-p/min-p see them.
+        let max = c.iter().min_by(|a, b| order(a, b)).expect("not empty").1;
+        let prob = |c: &(u32, f32)| (c.1 - max).exp();
+        let (total, sorted) = if top_k || c.len() <= FULL_SORT {
+            c.sort_unstable_by(order);
+            (c.iter().map(prob).sum::<f32>(), c.len())
+        } else if p.top_p >= 1.0 && p.min_p <= 0.0 {
+            // Nothing to cut: the draw needs no order.
+            (f32::NAN, 0)
+        } else {
+            let total: f32 = c.iter().map(prob).sum();
+            (
+                total,
+                sort_kept_prefix(c, order, &prob, total, p.top_p, p.min_p),
+            )
+        };
+        let mut keep = c.len();
+        if sorted > 0 {
+            keep = sorted;
+            let probs: Vec<f32> = c[..keep].iter().map(prob).collect();
+            if p.top_p < 1.0 {
+                let mut cum = 0.0;
+                for (i, pr) in probs.iter().enumerate() {
+                    cum += pr / total;
+                    if cum >= p.top_p {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+            }
+            if p.min_p > 0.0 {
+                // probs[0] is the maximum (exp(0) = 1).
+                let cut = p.min_p;
+                let n = probs[..keep].iter().take_while(|&&pr| pr >= cut).count();
+                keep = n.max(1);
+            }
+        }
+        (keep, max)
     }
 
     fn apply_penalties(&mut self, history: &[u32]) {
@@ -233,6 +259,43 @@ impl Sampler {
             c.1 -= count as f32 * p.frequency_penalty + p.presence_penalty;
         }
     }
+}
+
+/// Candidates up to this many are sorted whole.
+const FULL_SORT: usize = 1024;
+
+/// Sorts best first the shortest prefix of `c` that holds every candidate
+/// top-p (`top_p` of `total`, the probabilities' sum) and min-p (`min_p` of
+/// the best) may keep, and returns its length: the best 256 are selected and
+/// sorted, then 8 times as many, until top-p's running sum reaches `top_p`
+/// or min-p's cut falls inside them; at worst the whole of `c` is sorted.
+fn sort_kept_prefix(
+    c: &mut [(u32, f32)],
+    order: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering + Copy,
+    prob: &impl Fn(&(u32, f32)) -> f32,
+    total: f32,
+    top_p: f32,
+    min_p: f32,
+) -> usize {
+    let mut k = 256;
+    while k < c.len() {
+        c.select_nth_unstable_by(k - 1, order);
+        c[..k].sort_unstable_by(order);
+        // The same running sum as the caller's cut, so that where it stops
+        // inside this prefix the caller's does too.
+        let mut cum = 0.0f32;
+        let top_p_inside = top_p < 1.0
+            && c[..k].iter().any(|x| {
+                cum += prob(x) / total;
+                cum >= top_p
+            });
+        if top_p_inside || (min_p > 0.0 && prob(&c[k - 1]) < min_p) {
+            return k;
+        }
+        k *= 8;
+    }
+    c.sort_unstable_by(order);
+    c.len()
 }
 
 fn arg_max(c: &[(u32, f32)]) -> u32 {
@@ -438,6 +501,96 @@ mod tests {
         let mut s = Sampler::new(params);
         for _ in 0..50 {
             assert_eq!(s.sample(&logits(), &[]), 1);
+        }
+    }
+
+    #[test]
+    fn the_cut_keeps_what_a_sort_of_the_whole_vocabulary_keeps() {
+        // A peaked distribution over 50,000 tokens with repeated values.
+        let mut x = 7u64;
+        let logits: Vec<f32> = (0..50_000)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let u = (x >> 40) as f32 / (1u64 << 24) as f32;
+                (12.0 * u * u * u * 4.0).round() / 4.0
+            })
+            .collect();
+        // The rules applied to the whole vocabulary sorted best first, in
+        // f32 as the sampler computes them: the probabilities' sum in
+        // vocabulary order, top-p's running sum best first.
+        let reference = |top_k: usize, top_p: f32, min_p: f32| -> Vec<u32> {
+            let mut c: Vec<(u32, f32)> = logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as u32, l))
+                .collect();
+            let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let sum_in_vocab_order: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
+            c.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            if top_k > 0 {
+                c.truncate(top_k);
+            }
+            let pr: Vec<f32> = c.iter().map(|c| (c.1 - max).exp()).collect();
+            let total = if top_k > 0 {
+                pr.iter().sum()
+            } else {
+                sum_in_vocab_order
+            };
+            let mut keep = c.len();
+            if top_p < 1.0 {
+                let mut cum = 0.0;
+                keep = pr
+                    .iter()
+                    .position(|p| {
+                        cum += p / total;
+                        cum >= top_p
+                    })
+                    .map_or(keep, |i| i + 1);
+            }
+            if min_p > 0.0 {
+                keep = pr[..keep]
+                    .iter()
+                    .take_while(|&&p| p >= min_p)
+                    .count()
+                    .max(1);
+            }
+            let mut ids: Vec<u32> = c[..keep].iter().map(|c| c.0).collect();
+            ids.sort();
+            ids
+        };
+        for (top_k, top_p, min_p) in [
+            (0, 1.0, 0.0),
+            (0, 0.9, 0.0),
+            (0, 0.5, 0.0),
+            (0, 0.999, 0.0),
+            (0, 1.0, 0.05),
+            (0, 0.95, 0.01),
+            (40, 0.95, 0.0),
+            (3000, 1.0, 0.0),
+        ] {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                top_k,
+                top_p,
+                min_p,
+                ..Default::default()
+            });
+            s.candidates = logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as u32, l))
+                .collect();
+            let (keep, max) = s.cut();
+            assert_eq!(max, 12.0);
+            let mut ids: Vec<u32> = s.candidates[..keep].iter().map(|c| c.0).collect();
+            ids.sort();
+            assert_eq!(
+                ids,
+                reference(top_k, top_p, min_p),
+                "top-k {top_k}, top-p {top_p}, min-p {min_p}"
+            );
         }
     }
 
