@@ -261,14 +261,19 @@ impl Sampler {
     }
 }
 
+/// The candidates [`sort_kept_prefix`] first tries to cut within.
+const FIRST_PREFIX: usize = 512;
+
 /// Candidates up to this many are sorted whole.
 const FULL_SORT: usize = 1024;
 
 /// Sorts best first the shortest prefix of `c` that holds every candidate
 /// top-p (`top_p` of `total`, the probabilities' sum) and min-p (`min_p` of
-/// the best) may keep, and returns its length: the best 256 are selected and
-/// sorted, then 8 times as many, until top-p's running sum reaches `top_p`
-/// or min-p's cut falls inside them; at worst the whole of `c` is sorted.
+/// the best) may keep, and returns its length: the best [`FIRST_PREFIX`] are
+/// selected and sorted; when top-p's running sum does not reach `top_p`
+/// inside them and min-p's cut does not fall inside them either, the whole
+/// of `c` is sorted (so a flat distribution costs one selection more than a
+/// sort).
 fn sort_kept_prefix(
     c: &mut [(u32, f32)],
     order: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering + Copy,
@@ -277,8 +282,8 @@ fn sort_kept_prefix(
     top_p: f32,
     min_p: f32,
 ) -> usize {
-    let mut k = 256;
-    while k < c.len() {
+    let k = FIRST_PREFIX;
+    if k < c.len() {
         c.select_nth_unstable_by(k - 1, order);
         c[..k].sort_unstable_by(order);
         // The same running sum as the caller's cut, so that where it stops
@@ -292,7 +297,6 @@ fn sort_kept_prefix(
         if top_p_inside || (min_p > 0.0 && prob(&c[k - 1]) < min_p) {
             return k;
         }
-        k *= 8;
     }
     c.sort_unstable_by(order);
     c.len()
