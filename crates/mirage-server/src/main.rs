@@ -196,11 +196,7 @@ fn serve(args: Args) -> anyhow::Result<()> {
     let mut load = LoadSpec::new(&args.model)
         .backend(args.backend)
         .options(engine)
-        .memory(if args.mmap {
-            WeightMemory::Mapped
-        } else {
-            WeightMemory::Auto
-        });
+        .memory(WeightMemory::mapped_if(args.mmap));
     load.cuda_device = args.device;
     if let Some(a) = &args.artifact {
         load = load.artifact(a, args.margin.map(|margin| SparseMode::Bvh { margin }));

@@ -237,6 +237,15 @@ pub enum WeightMemory {
 }
 
 impl WeightMemory {
+    /// `Mapped` when a user asked for a map (`--mmap`), else `Auto`.
+    pub fn mapped_if(mmap: bool) -> WeightMemory {
+        if mmap {
+            WeightMemory::Mapped
+        } else {
+            WeightMemory::Auto
+        }
+    }
+
     /// What a file of `len` bytes gets on a CPU backend (`cpu`) or not.
     pub fn for_backend(self, cpu: bool, len: u64) -> FileMemory {
         match self {
@@ -246,13 +255,13 @@ impl WeightMemory {
             WeightMemory::Auto => FileMemory::Mapped,
         }
     }
-}
 
-/// What `path`'s size makes of `memory` on a CPU backend (`cpu`) or not
-/// (an unreadable file is mapped: opening it reports the error).
-fn file_memory(memory: WeightMemory, cpu: bool, path: &Path) -> FileMemory {
-    let len = std::fs::metadata(path).map_or(u64::MAX, |m| m.len());
-    memory.for_backend(cpu, len)
+    /// [`WeightMemory::for_backend`] for the file at `path` (an unreadable
+    /// file is mapped: opening it reports the error).
+    pub fn for_file(self, cpu: bool, path: &Path) -> FileMemory {
+        let len = std::fs::metadata(path).map_or(u64::MAX, |m| m.len());
+        self.for_backend(cpu, len)
+    }
 }
 
 /// Everything [`load`] needs.
@@ -552,7 +561,7 @@ fn open_artifact(
     let Some(a) = &spec.artifact else {
         return Ok(None);
     };
-    let memory = file_memory(spec.memory, cpu, &a.path);
+    let memory = spec.memory.for_file(cpu, &a.path);
     let artifact = Artifact::open_with(&a.path, memory).map_err(|error| LoadError::Artifact {
         path: a.path.clone(),
         error: Box::new(error),
@@ -652,7 +661,7 @@ fn start(spec: &LoadSpec, file: &GgufFile, resolved: Resolved) -> Result<Started
 
 /// `spec.model`, opened for a CPU backend (`cpu`) or not.
 fn open_model(spec: &LoadSpec, cpu: bool) -> Result<Arc<GgufFile>, LoadError> {
-    let memory = file_memory(spec.memory, cpu, &spec.model);
+    let memory = spec.memory.for_file(cpu, &spec.model);
     let file = GgufFile::open_with(&spec.model, memory);
     if let Ok(f) = &file {
         tracing::debug!(
@@ -773,7 +782,7 @@ fn load_sparse(spec: &LoadSpec, sp: &SparsitySpec) -> Result<Built, LoadError> {
             }
         },
     };
-    let memory = file_memory(spec.memory, cuda.is_none(), &path);
+    let memory = spec.memory.for_file(cuda.is_none(), &path);
     let artifact =
         ActivationArtifact::open_with(&path, memory).map_err(|error| LoadError::Artifact {
             path: path.clone(),

@@ -26,7 +26,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::Args;
 use mirage::cuda::StepProfile;
-use mirage::{BackendChoice, CudaOptions, LoadSpec, LoadedModel};
+use mirage::{BackendChoice, CudaOptions, LoadSpec, LoadedModel, WeightMemory};
 use mirage_gguf::GgufFile;
 use mirage_runtime::backend::Backend;
 use mirage_runtime::{KvDtype, KvPruning, Model, TokenSlot};
@@ -280,16 +280,13 @@ pub(crate) fn spec(args: &BenchArgs) -> anyhow::Result<LoadSpec> {
         });
     spec.cuda_device = args.device;
     spec.options.threads = args.threads;
-    spec.memory = super::generate::weight_memory(args.mmap);
+    spec.memory = WeightMemory::mapped_if(args.mmap);
     Ok(spec)
 }
 
 /// `path` held in memory as `--mmap` and the backend (`cpu` or not) say.
 pub(super) fn open_model(path: &Path, mmap: bool, cpu: bool) -> anyhow::Result<GgufFile> {
-    let len = std::fs::metadata(path)
-        .with_context(|| format!("opening {}", path.display()))?
-        .len();
-    let memory = super::generate::weight_memory(mmap).for_backend(cpu, len);
+    let memory = WeightMemory::mapped_if(mmap).for_file(cpu, path);
     GgufFile::open_with(path, memory).with_context(|| format!("opening {}", path.display()))
 }
 

@@ -110,8 +110,7 @@ pub(super) fn open_inputs(
         .clone()
         .unwrap_or_else(|| default_artifact(&args.model));
     let cpu = args.backend != "cuda";
-    let len = std::fs::metadata(&path).map_or(u64::MAX, |m| m.len());
-    let memory = super::generate::weight_memory(args.mmap).for_backend(cpu, len);
+    let memory = mirage::WeightMemory::mapped_if(args.mmap).for_file(cpu, &path);
     let artifact = ActivationArtifact::open_with(&path, memory).with_context(|| {
         format!(
             "loading the activation artifact {} (build it with `cargo xtask build-artifacts --mode activation --model {}`)",

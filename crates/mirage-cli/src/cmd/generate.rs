@@ -96,7 +96,7 @@ impl ModelArgs {
         let mut spec = LoadSpec::new(&self.model)
             .backend(self.backend)
             .options(options)
-            .memory(weight_memory(self.mmap));
+            .memory(WeightMemory::mapped_if(self.mmap));
         spec.cuda_device = self.device;
         if let Some(a) = &self.artifact {
             spec = spec.artifact(a, self.margin.map(|margin| SparseMode::Bvh { margin }));
@@ -134,15 +134,6 @@ impl ModelArgs {
             .with_context(|| format!("loading {}", self.model.display()));
         spinner.finish_and_clear();
         out?
-    }
-}
-
-/// `--mmap`'s [`WeightMemory`].
-pub fn weight_memory(mmap: bool) -> WeightMemory {
-    if mmap {
-        WeightMemory::Mapped
-    } else {
-        WeightMemory::Auto
     }
 }
 
