@@ -12,7 +12,9 @@
 //      and 2048 outputs; 4 and 8 warps) at
 //      several groups per warp (one block per tile, and up to 18 blocks
 //      whose partials the last one adds) over matrices packed from random ggml
-//      blocks (Q8_0 codes -128..127, Q4_K with random 6-bit scales and mins)
+//      blocks (Q8_0 codes -128..127, Q4_K with random 6-bit scales and mins,
+//      Q4_1, Q5_0 and Q6_K with random codes, high bits and Q6_K's int8
+//      scales)
 //      of row counts that leave a partial last tile (16 rows, and a tile of
 //      lanes without outputs), gate and up in one launch with different
 //      lists: each output equals an f64 sum over the active channels of
@@ -94,6 +96,18 @@ inline uint2 asp_ld8(const u8* p) {
     memcpy(&v, p, 8);
     return v;
 }
+inline u32 asp_ld4(const u8* p) {
+    count_read(p, 4);
+    u32 v;
+    memcpy(&v, p, 4);
+    return v;
+}
+inline u32 asp_ld2(const u8* p) {
+    count_read(p, 2);
+    u16 v;
+    memcpy(&v, p, 2);
+    return v;
+}
 inline int __popc(u32 v) { return __builtin_popcount(v); }
 inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
 inline u32 __float_as_uint(float f) {
@@ -142,39 +156,123 @@ static u16 rand_half() {
     return (u16)((e(gen) << 10) | m(gen));
 }
 
+// Bytes and elements of one ggml block of ty, and where its f16 scales sit.
+struct BlockShape {
+    int bytes, elems;
+    std::vector<int> halves;
+};
+static BlockShape block_shape(int ty) {
+    switch (ty) {
+        case ASP_Q8_0: return {34, 32, {0}};
+        case ASP_Q5_0: return {22, 32, {0}};
+        case ASP_Q4_1: return {20, 32, {0, 2}};
+        case ASP_Q4_K: return {144, 256, {0, 2}};
+        default: return {210, 256, {208}};  // Q6_K
+    }
+}
+
 // ggml blocks of a random rows x cols matrix of type ty.
 static std::vector<u8> random_ggml(int ty, int rows, int cols) {
     std::uniform_int_distribution<int> byte(0, 255);
-    const int bs = ty == ASP_Q8_0 ? 34 : 144, be = ty == ASP_Q8_0 ? 32 : 256;
-    std::vector<u8> v((size_t)rows * (cols / be) * bs);
-    for (auto& b : v) b = (u8)byte(gen);
-    for (size_t at = 0; at < v.size(); at += bs)
-        for (int f = 0; f < (ty == ASP_Q8_0 ? 1 : 2); f++) {
+    const BlockShape b = block_shape(ty);
+    std::vector<u8> v((size_t)rows * (cols / b.elems) * b.bytes);
+    for (auto& x : v) x = (u8)byte(gen);
+    for (size_t at = 0; at < v.size(); at += b.bytes)
+        for (int f : b.halves) {
             const u16 h = rand_half();
-            memcpy(&v[at + 2 * f], &h, 2);
+            memcpy(&v[at + f], &h, 2);
         }
     return v;
+}
+
+// Bytes per output row in the layout, and per channel run (low codes, high
+// bits) in a tile of rp outputs.
+static long layout_row_bytes(int ty, int cols) {
+    switch (ty) {
+        case ASP_Q8_0: return cols + cols / 16;
+        case ASP_Q4_K: return cols / 2 + cols / 16;
+        case ASP_Q4_1: return cols / 2 + cols / 8;
+        case ASP_Q5_0: return cols / 2 + cols / 8 + cols / 16;
+        default: return cols / 2 + cols / 4 + 9L * cols / 128;
+    }
+}
+static int layout_run(int ty, int rp) { return ty == ASP_Q8_0 ? rp : rp / 2; }
+static int layout_hrun(int ty, int rp) { return ty == ASP_Q5_0 ? rp / 8 : ty == ASP_Q6_K ? rp / 4 : 0; }
+
+// The unsigned code of channel c of a Q4_1, Q5_0 or Q6_K row (ggml's bit
+// layout).
+static int code_of(int ty, const u8* row, int c) {
+    if (ty == ASP_Q4_1) {
+        const u8* b = row + (size_t)(c / 32) * 20;
+        const int j = c % 32;
+        return j < 16 ? b[4 + j] & 15 : b[4 + j - 16] >> 4;
+    }
+    if (ty == ASP_Q5_0) {
+        const u8* b = row + (size_t)(c / 32) * 22;
+        const int j = c % 32;
+        u32 qh;
+        memcpy(&qh, b + 2, 4);
+        const int nib = j < 16 ? b[6 + j] & 15 : b[6 + j - 16] >> 4;
+        return nib | (int)((qh >> j) & 1) << 4;
+    }
+    const u8* b = row + (size_t)(c / 256) * 210;
+    const int e = c % 256, h = e / 128, k = (e % 128) / 32, l = e % 32;
+    const int nib = (b[64 * h + 32 * (k & 1) + l] >> (4 * (k >> 1))) & 15;
+    const int hb = (b[128 + 32 * h + l] >> (2 * k)) & 3;
+    return nib | hb << 4;
 }
 
 // The layout of activation_sparse.cu's head for tiles of tw outputs,
 // element by element.
 static std::vector<u8> pack(int ty, const std::vector<u8>& src, int rows, int cols, int tw) {
-    const long row_bytes = (ty == ASP_Q8_0 ? cols : cols / 2) + cols / 16;
+    const long row_bytes = layout_row_bytes(ty, cols);
+    const BlockShape bsh = block_shape(ty);
+    const size_t src_row = (size_t)(cols / bsh.elems) * bsh.bytes;
     const int n_tiles = (rows + tw - 1) / tw;
     const int rp_total = (rows + 15) / 16 * 16;
     std::vector<u8> out((size_t)rp_total * row_bytes, 0);
     for (int t = 0; t < n_tiles; t++) {
         const int r = std::min(tw, rows - tw * t), rp = (r + 15) / 16 * 16;
-        const int run = ty == ASP_Q8_0 ? rp : rp / 2;
+        const int run = layout_run(ty, rp), hrun = layout_hrun(ty, rp);
         u8* base = out.data() + (size_t)t * tw * row_bytes;
-        u8* sc = base + (size_t)cols * run;
+        u8* hbase = base + (size_t)cols * run;
+        u8* sc = hbase + (size_t)cols * hrun;
         for (int o = 0; o < r; o++) {
             const int row = tw * t + o;
+            const int l = o / 16, k = o % 16;
             if (ty == ASP_Q8_0) {
                 for (int c = 0; c < cols; c++) {
                     const u8* blk = &src[((size_t)row * (cols / 32) + c / 32) * 34];
                     base[(size_t)c * run + o] = blk[2 + c % 32];
                     if (c % 32 == 0) memcpy(sc + (size_t)(c / 32) * 2 * rp + 2 * o, blk, 2);
+                }
+            } else if (ty == ASP_Q4_1 || ty == ASP_Q5_0 || ty == ASP_Q6_K) {
+                const u8* srow = &src[(size_t)row * src_row];
+                for (int c = 0; c < cols; c++) {
+                    const int q = code_of(ty, srow, c);
+                    base[(size_t)c * run + 8 * l + k % 8] |= (u8)(k >= 8 ? (q & 15) << 4 : q & 15);
+                    // output 16 l + 4 i + m
+                    const int i = k / 4, m = k % 4;
+                    u8* hb = hbase + (size_t)c * hrun;
+                    if (ty == ASP_Q4_1) {
+                    } else if (ty == ASP_Q5_0) {
+                        const int bit = 4 * m + i;
+                        hb[2 * l + bit / 8] |= (u8)(((q >> 4) & 1) << (bit % 8));
+                    } else {
+                        hb[4 * l + m] |= (u8)(((q >> 4) & 3) << (2 * i));
+                    }
+                }
+                if (ty == ASP_Q4_1) {
+                    for (int g = 0; g < cols / 32; g++) memcpy(sc + (size_t)g * 4 * rp + 4 * o, srow + g * 20, 4);
+                } else if (ty == ASP_Q5_0) {
+                    for (int g = 0; g < cols / 32; g++) memcpy(sc + (size_t)g * 2 * rp + 2 * o, srow + g * 22, 2);
+                } else {
+                    for (int s = 0; s < cols / 256; s++) {
+                        const u8* blk = srow + (size_t)s * 210;
+                        u8* sp = sc + (size_t)s * 18 * rp;
+                        memcpy(sp + 2 * o, blk + 208, 2);
+                        for (int j = 0; j < 8; j++) memcpy(sp + (size_t)(1 + j) * 2 * rp + 2 * o, blk + 192 + 2 * j, 2);
+                    }
                 }
             } else {
                 for (int c = 0; c < cols; c++) {
@@ -217,21 +315,30 @@ static std::vector<u8> pack(int ty, const std::vector<u8>& src, int rows, int co
 // groups with an active channel (read at least once), 0 for all others
 // (never read).
 static std::vector<u8> needed(int ty, int rows, int cols, const std::vector<u8>& list, int tw) {
-    const long row_bytes = (ty == ASP_Q8_0 ? cols : cols / 2) + cols / 16;
+    const long row_bytes = layout_row_bytes(ty, cols);
     const int n_tiles = (rows + tw - 1) / tw;
     std::vector<u8> need((size_t)((rows + 15) / 16 * 16) * row_bytes, 0);
     for (int t = 0; t < n_tiles; t++) {
         const int r = std::min(tw, rows - tw * t), rp = (r + 15) / 16 * 16;
-        const int run = ty == ASP_Q8_0 ? rp : rp / 2;
-        const size_t base = (size_t)t * tw * row_bytes, sc = base + (size_t)cols * run;
+        const int run = layout_run(ty, rp), hrun = layout_hrun(ty, rp);
+        const size_t base = (size_t)t * tw * row_bytes, hbase = base + (size_t)cols * run;
+        const size_t sc = hbase + (size_t)cols * hrun;
         for (int g = 0; g < cols / 32; g++) {
             const u32* rec = (const u32*)&list[(size_t)g * 128];
             const u8* idx = (const u8*)&rec[4];
-            for (u32 i = 0; i < rec[0]; i++)
+            for (u32 i = 0; i < rec[0]; i++) {
                 memset(&need[base + (size_t)(32 * g + idx[i]) * run], 1, run);
+                if (hrun) memset(&need[hbase + (size_t)(32 * g + idx[i]) * hrun], 1, hrun);
+            }
             if (rec[0] == 0) continue;
-            if (ty == ASP_Q8_0) {
+            if (ty == ASP_Q8_0 || ty == ASP_Q5_0) {
                 memset(&need[sc + (size_t)g * 2 * rp], 2, 2 * rp);
+            } else if (ty == ASP_Q4_1) {
+                memset(&need[sc + (size_t)g * 4 * rp], 2, 4 * rp);
+            } else if (ty == ASP_Q6_K) {
+                const size_t s = sc + (size_t)(g / 8) * 18 * rp;
+                memset(&need[s], 2, 2 * rp);
+                memset(&need[s + (size_t)(1 + g % 8) * 2 * rp], 2, 2 * rp);
             } else {
                 const size_t s = sc + (size_t)(g / 8) * 16 * rp;
                 memset(&need[s], 2, 4 * rp);
@@ -306,7 +413,8 @@ static std::vector<u8> run_select(const std::vector<float>& x, const float* thr)
 static void reference(int ty, const std::vector<u8>& src, int rows, int cols, const std::vector<float>& x,
                       const std::vector<u8>& list, std::vector<double>& ref_q, std::vector<double>& ref_x) {
     const int units = cols / 32;
-    const size_t row_bytes = ty == ASP_Q8_0 ? (size_t)units * 34 : (size_t)(cols / 256) * 144;
+    const BlockShape bsh = block_shape(ty);
+    const size_t row_bytes = (size_t)(cols / bsh.elems) * bsh.bytes;
     ref_q.assign(rows, 0);
     ref_x.assign(rows, 0);
     for (int o = 0; o < rows; o++) {
@@ -318,8 +426,14 @@ static void reference(int ty, const std::vector<u8>& src, int rows, int cols, co
             float w[32];
             if (ty == ASP_Q8_0)
                 dequant_unit<TY_Q8_0>(row, u, w);
-            else
+            else if (ty == ASP_Q4_K)
                 dequant_unit<TY_Q4_K>(row, u, w);
+            else if (ty == ASP_Q5_0)
+                dequant_unit<TY_Q5_0>(row, u, w);
+            else if (ty == ASP_Q4_1)
+                dequant_unit<TY_Q4_1>(row, u, w);
+            else
+                dequant_unit<TY_Q6_K>(row, u, w);
             float dx;
             memcpy(&dx, &rec[1], 4);
             const u8* idx = (const u8*)&rec[4];
@@ -362,6 +476,18 @@ static const Kernel KERNELS[] = {
     {"q4_k pipelined c8 w8 t1024", ASP_Q4_K, 8, 2, body<ASP_Q4_K, 8, 8, true, 2>},
     {"q4_k serial c4 w4 t512", ASP_Q4_K, 4, 1, body<ASP_Q4_K, 4, 4, false, 1>},
     {"q4_k pipelined c4 w8 t2048", ASP_Q4_K, 8, 4, body<ASP_Q4_K, 8, 4, true, 4>},
+    {"q4_1 pipelined c8 w8 t512", ASP_Q4_1, 8, 1, body<ASP_Q4_1, 8, 8, true, 1>},
+    {"q4_1 serial c16 w4 t1024", ASP_Q4_1, 4, 2, body<ASP_Q4_1, 4, 16, false, 2>},
+    {"q4_1 pipelined c8 w8 t2048", ASP_Q4_1, 8, 4, body<ASP_Q4_1, 8, 8, true, 4>},
+    {"q4_1 serial c4 w4 t512", ASP_Q4_1, 4, 1, body<ASP_Q4_1, 4, 4, false, 1>},
+    {"q5_0 pipelined c8 w8 t512", ASP_Q5_0, 8, 1, body<ASP_Q5_0, 8, 8, true, 1>},
+    {"q5_0 serial c8 w4 t1024", ASP_Q5_0, 4, 2, body<ASP_Q5_0, 4, 8, false, 2>},
+    {"q5_0 pipelined c8 w8 t2048", ASP_Q5_0, 8, 4, body<ASP_Q5_0, 8, 8, true, 4>},
+    {"q5_0 pipelined c4 w4 t512", ASP_Q5_0, 4, 1, body<ASP_Q5_0, 4, 4, true, 1>},
+    {"q6_k pipelined c4 w8 t512", ASP_Q6_K, 8, 1, body<ASP_Q6_K, 8, 4, true, 1>},
+    {"q6_k serial c8 w4 t1024", ASP_Q6_K, 4, 2, body<ASP_Q6_K, 4, 8, false, 2>},
+    {"q6_k pipelined c4 w8 t2048", ASP_Q6_K, 8, 4, body<ASP_Q6_K, 8, 4, true, 4>},
+    {"q6_k serial c4 w4 t512", ASP_Q6_K, 4, 1, body<ASP_Q6_K, 4, 4, false, 1>},
 };
 
 // Thresholds skipping about `share` of x's channels (1: all; < 0: a null
@@ -569,6 +695,18 @@ int main() {
     run_shape(ASP_Q4_K, 24, 2304, false);  // 72 groups
     run_epilogues(ASP_Q8_0, 1056, 320);    // tiles of 512 x 2 + 32; 10 groups
     run_epilogues(ASP_Q4_K, 544, 512);     // tiles of 512 + 32; 2 super-blocks
+    run_shape(ASP_Q4_1, 2100, 96);
+    run_shape(ASP_Q4_1, 72, 224);
+    run_shape(ASP_Q4_1, 40, 2240, false);
+    run_epilogues(ASP_Q4_1, 1056, 320);
+    run_shape(ASP_Q5_0, 2100, 96);
+    run_shape(ASP_Q5_0, 72, 224);
+    run_shape(ASP_Q6_K, 1040, 512);
+    run_shape(ASP_Q6_K, 200, 768);
+    run_shape(ASP_Q5_0, 40, 2240, false);
+    run_shape(ASP_Q6_K, 24, 2304, false);
+    run_epilogues(ASP_Q5_0, 1056, 320);
+    run_epilogues(ASP_Q6_K, 544, 512);
     run_norm_select(896);                  // 28 groups: 4 blocks of 8 warps
     run_norm_select(200 * 32 + 96);        // not a whole round of float4s per thread
     printf("activation-sparse products: lists equal the CPU rule, worst error %.3g (list codes) %.3g (x); "

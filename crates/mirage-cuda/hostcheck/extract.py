@@ -133,9 +133,10 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
     "#define TM_KEYS", "#define TM_STAGES", "#define TM_MAX_G", "#define TM_STAGE_HALVES", "void tm_issue(",
     "float tm_rope_q(", "void attend_split_mma("))
 
-# ggml's Q8_0 and Q4_K dequantizers (ggml.cu), the reference the
+# ggml's Q8_0, Q4_K, Q4_1, Q5_0 and Q6_K dequantizers (ggml.cu), the reference the
 # activation-sparse products (activation_sparse.cu, included whole) are
 # checked against.
 (out / "dequant_extract.h").write_text(cut(
     "#define GGML_TYPES", "#define GGML_TY_ID", "enum GgmlType", "void scale_min_k4(", "void dequant_unit<TY_Q8_0>(",
-    "void dequant_unit<TY_Q4_K>("))
+    "void dequant_unit<TY_Q4_K>(", "void dequant_unit<TY_Q4_1>(", "void dequant_unit<TY_Q5_0>(",
+    "void dequant_unit<TY_Q6_K>("))

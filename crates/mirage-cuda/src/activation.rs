@@ -64,6 +64,9 @@ pub(crate) const MATVEC_ARGS: usize = 15;
 fn matvec_kernel(ty: GgmlType, tile: usize) -> String {
     let variant = match ty {
         GgmlType::Q8_0 => "q8_0_pipelined_c8",
+        GgmlType::Q4_1 => "q4_1_pipelined_c8",
+        GgmlType::Q5_0 => "q5_0_pipelined_c8",
+        GgmlType::Q6_K => "q6_k_pipelined_c4",
         _ => "q4_k_pipelined_c8",
     };
     format!("asp_mv_{variant}_w{WARPS}_t{tile}")
@@ -72,7 +75,12 @@ fn matvec_kernel(ty: GgmlType, tile: usize) -> String {
 /// Every kernel the backend loads from the activation-sparse module.
 pub(crate) fn kernel_names() -> Vec<String> {
     let mut v = vec!["asp_select".to_string(), "asp_mask".to_string()];
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_K] {
+    for ty in [
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_0,
+        GgmlType::Q6_K,
+    ] {
         for tile in [512, 1024, 2048] {
             v.push(matvec_kernel(ty, tile));
         }

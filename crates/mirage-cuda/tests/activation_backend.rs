@@ -1,8 +1,9 @@
 //! The activation-sparse CUDA FFN against the CPU activation backend
 //! (mirage-artifact's `ActivationBackend`, an independent implementation:
 //! its own channel-major kernels on the host) on the same artifact,
-//! thresholds and tokens, on small random models (Q8_0 and Q4_K FFNs),
-//! Q/K/V/O and the head dense on both.
+//! thresholds and tokens, on small random models (FFNs of every type the
+//! kernels read: Q8_0, Q4_K, Q4_1, and Q5_0 gate and up with a Q6_K down as
+//! the shipped Q4_K_M files mix them), Q/K/V/O and the head dense on both.
 //!
 //! The exact check uses thresholds of 0 or `f32::MAX` (a fixed random 40 %
 //! of gate's, up's and down's input channels skipped in every layer), so
@@ -191,6 +192,11 @@ fn cuda_backend(test: &str, a: &Arc<ActivationArtifact>) -> Option<ActivationCud
 }
 
 fn ffn_tiny(ty: GgmlType) -> Tiny {
+    ffn_mix(ty, ty)
+}
+
+/// Gate and up of `gate_up`, down of `down`.
+fn ffn_mix(gate_up: GgmlType, down: GgmlType) -> Tiny {
     Tiny {
         arch: "qwen2",
         embd: GgmlType::Q8_0,
@@ -199,8 +205,8 @@ fn ffn_tiny(ty: GgmlType) -> Tiny {
             GgmlType::Q8_0,
             GgmlType::Q8_0,
             GgmlType::Q8_0,
-            ty,
-            ty,
+            gate_up,
+            down,
         ],
         bias: true,
     }
@@ -311,14 +317,42 @@ fn q4_k_sparse_ffn_decode_matches_the_cpu_activation_backend() {
     );
 }
 
+#[test]
+fn q4_1_sparse_ffn_decode_matches_the_cpu_activation_backend() {
+    compare_with_cpu(
+        "q4_1_sparse_ffn_decode",
+        &ffn_tiny(GgmlType::Q4_1),
+        Thresholds::Mask,
+    );
+}
+
+#[test]
+fn q5_0_gate_up_and_q6_k_down_decode_matches_the_cpu_activation_backend() {
+    compare_with_cpu(
+        "q5_0_q6_k_sparse_ffn_decode",
+        &ffn_mix(GgmlType::Q5_0, GgmlType::Q6_K),
+        Thresholds::Mask,
+    );
+}
+
+/// Every FFN form of the tests above.
+fn every_mix() -> [Tiny; 4] {
+    [
+        ffn_tiny(GgmlType::Q8_0),
+        ffn_tiny(GgmlType::Q4_K),
+        ffn_tiny(GgmlType::Q4_1),
+        ffn_mix(GgmlType::Q5_0, GgmlType::Q6_K),
+    ]
+}
+
 /// Thresholds at a quantile of the inputs: close to the CPU path, not
 /// bit-close (channels at their threshold flip).
 #[test]
 fn quantile_thresholds_stay_close_to_the_cpu_activation_backend() {
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_K] {
+    for tiny in every_mix() {
         compare_with_cpu(
-            &format!("quantile_{ty}"),
-            &ffn_tiny(ty),
+            &format!("quantile_{}_{}", tiny.types[4], tiny.types[5]),
+            &tiny,
             Thresholds::Quantile,
         );
     }
@@ -328,9 +362,9 @@ fn quantile_thresholds_stay_close_to_the_cpu_activation_backend() {
 /// kernels): the dense CUDA path's logits and tokens.
 #[test]
 fn keeping_every_channel_gives_the_dense_cuda_logits() {
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_K] {
-        let test = format!("keep_all_{ty}");
-        let file = ffn_tiny(ty).build(3);
+    for tiny in every_mix() {
+        let test = format!("keep_all_{}_{}", tiny.types[4], tiny.types[5]);
+        let file = tiny.build(3);
         let a = artifact(&file);
         let Some(gpu) = cuda_backend(&test, &a) else {
             return;
@@ -370,7 +404,7 @@ fn keeping_every_channel_gives_the_dense_cuda_logits() {
 /// path refuses a type without a kernel the same way).
 #[test]
 fn an_unsupported_ffn_type_is_refused_by_name() {
-    let file = ffn_tiny(GgmlType::Q6_K).build(5);
+    let file = ffn_tiny(GgmlType::Q5_1).build(5);
     let a = artifact(&file);
     let Some(gpu) = cuda_backend("unsupported_type", &a) else {
         return;
@@ -379,7 +413,7 @@ fn an_unsupported_ffn_type_is_refused_by_name() {
         .map(|_| ())
         .unwrap_err()
         .to_string();
-    assert!(e.contains("Q6_K") && e.contains("CUDA"), "{e}");
+    assert!(e.contains("Q5_1") && e.contains("CUDA"), "{e}");
 }
 
 /// An artifact of another model (other FFN width): refused at load.
