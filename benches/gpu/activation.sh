@@ -5,9 +5,10 @@
 #   benches/gpu/activation.sh BUNDLE_DIR
 #
 # 1. The GPU suite `activation_backend` (the sparse CUDA FFN decode
-#    against the CPU activation backend on small random Q8_0 and Q4_K
-#    models; every channel kept against the dense CUDA path; a type the
-#    kernels do not read and an artifact of another model refused) with
+#    against the CPU activation backend on small random models of every
+#    FFN type the kernels read; every channel kept against the dense CUDA
+#    path; a type the kernels do not read and an artifact of another
+#    model refused) with
 #    MIRAGE_REQUIRE_CUDA_TESTS=1, its log showing each test's worst cosine
 #    and the FFN bytes of its last decode row.
 # 2. Per synthetic Qwen2.5-7B file (MODELS, default Q8_0 and Q4_K), written
