@@ -333,6 +333,12 @@ __device__ __forceinline__ void asp_transpose(u32 a, u32 b, u32 c, u32 d, u32 (&
     t[3] = asp_prmt(ab1, cd1, 0x7632u);
 }
 
+// asp_transpose of word p (0: .x, 1: .y) of batch b's four 8-byte loads.
+__device__ __forceinline__ void asp_transpose_half(const uint2* c, int b, int p, u32 (&t)[4]) {
+    asp_transpose(p ? c[4 * b].y : c[4 * b].x, p ? c[4 * b + 1].y : c[4 * b + 1].x, p ? c[4 * b + 2].y : c[4 * b + 2].x,
+                  p ? c[4 * b + 3].y : c[4 * b + 3].x, t);
+}
+
 // A lane's integer sums over a group: a[k] for output 16 l + k (Q4_K and
 // Q4_1: a[8..16) 16x). Q6_K keeps the channels of the group's first sub-block
 // (positions < 16) in a and the others in b; Q5_0 and Q6_K also sum the
@@ -381,8 +387,7 @@ __device__ __forceinline__ void asp_batch(const AspBuf<TY, CH>& B, int b, u32 xq
 #pragma unroll
         for (int p = 0; p < 2; p++) {
             u32 t[4];
-            asp_transpose(p ? B.c[4 * b].y : B.c[4 * b].x, p ? B.c[4 * b + 1].y : B.c[4 * b + 1].x,
-                          p ? B.c[4 * b + 2].y : B.c[4 * b + 2].x, p ? B.c[4 * b + 3].y : B.c[4 * b + 3].x, t);
+            asp_transpose_half(B.c, b, p, t);
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 A.a[4 * p + k] = asp_dp4a_us(t[k] & 0x0f0f0f0fu, xq4, A.a[4 * p + k]);
@@ -419,8 +424,7 @@ __device__ __forceinline__ void asp_batch(const AspBuf<TY, CH>& B, int b, u32 xq
 #pragma unroll
         for (int p = 0; p < 2; p++) {
             u32 t[4];
-            asp_transpose(p ? B.c[4 * b].y : B.c[4 * b].x, p ? B.c[4 * b + 1].y : B.c[4 * b + 1].x,
-                          p ? B.c[4 * b + 2].y : B.c[4 * b + 2].x, p ? B.c[4 * b + 3].y : B.c[4 * b + 3].x, t);
+            asp_transpose_half(B.c, b, p, t);
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 // Outputs 4 p + k (low nibbles: i = p) and 8 + 4 p + k (high

@@ -84,30 +84,16 @@ inline void count_read(const u8* p, int n) {
         if (p >= w.base && p + n <= w.base + w.n)
             for (int i = 0; i < n; i++) w.reads[p - w.base + i]++;
 }
-inline uint4 asp_ld16(const u8* p) {
-    count_read(p, 16);
-    uint4 v;
-    memcpy(&v, p, 16);
+template <class T> inline T counted_load(const u8* p) {
+    count_read(p, sizeof(T));
+    T v;
+    memcpy(&v, p, sizeof(T));
     return v;
 }
-inline uint2 asp_ld8(const u8* p) {
-    count_read(p, 8);
-    uint2 v;
-    memcpy(&v, p, 8);
-    return v;
-}
-inline u32 asp_ld4(const u8* p) {
-    count_read(p, 4);
-    u32 v;
-    memcpy(&v, p, 4);
-    return v;
-}
-inline u32 asp_ld2(const u8* p) {
-    count_read(p, 2);
-    u16 v;
-    memcpy(&v, p, 2);
-    return v;
-}
+inline uint4 asp_ld16(const u8* p) { return counted_load<uint4>(p); }
+inline uint2 asp_ld8(const u8* p) { return counted_load<uint2>(p); }
+inline u32 asp_ld4(const u8* p) { return counted_load<u32>(p); }
+inline u32 asp_ld2(const u8* p) { return counted_load<u16>(p); }
 inline int __popc(u32 v) { return __builtin_popcount(v); }
 inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
 inline u32 __float_as_uint(float f) {

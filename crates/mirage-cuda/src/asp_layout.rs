@@ -320,16 +320,8 @@ pub fn from_channel_major(
                         // (d, m) of each output as two f16 at 4 o; the
                         // channel-major record holds the d's, then the m's.
                         for g in 0..cols / GROUP {
-                            let rec = cm.record_offset(ct, g);
-                            let at = scales + g * 4 * rp;
-                            for x in 0..n {
-                                let (o, p) = (o0 + x, p0 + x);
-                                tile_out[at + 4 * o..at + 4 * o + 2]
-                                    .copy_from_slice(&data[rec + 2 * p..rec + 2 * p + 2]);
-                                tile_out[at + 4 * o + 2..at + 4 * o + 4].copy_from_slice(
-                                    &data[rec + 2 * cr + 2 * p..rec + 2 * cr + 2 * p + 2],
-                                );
-                            }
+                            let (rec, at) = (cm.record_offset(ct, g), scales + g * 4 * rp);
+                            pair_f16s(&mut tile_out[at + 4 * o0..], &data[rec..], cr, p0, n);
                         }
                     }
                     GgmlType::Q6_K => {
@@ -357,14 +349,10 @@ pub fn from_channel_major(
                             let h = cm.header_offset(ct, sb);
                             let recs: [usize; 8] =
                                 std::array::from_fn(|j8| cm.record_offset(ct, 8 * sb + j8));
+                            // (d, dmin) of each output as two f16.
+                            pair_f16s(&mut tile_out[s + 4 * o0..], &data[h..], cr, p0, n);
                             for x in 0..n {
                                 let (o, p) = (o0 + x, p0 + x);
-                                // (d, dmin) of output o as two f16.
-                                tile_out[s + 4 * o..s + 4 * o + 2]
-                                    .copy_from_slice(&data[h + 2 * p..h + 2 * p + 2]);
-                                tile_out[s + 4 * o + 2..s + 4 * o + 4].copy_from_slice(
-                                    &data[h + 2 * cr + 2 * p..h + 2 * cr + 2 * p + 2],
-                                );
                                 let sc: [u8; 8] = std::array::from_fn(|j8| data[recs[j8] + p]);
                                 let mn: [u8; 8] = std::array::from_fn(|j8| data[recs[j8] + cr + p]);
                                 for j8 in 0..8 {
@@ -385,6 +373,17 @@ pub fn from_channel_major(
             }
         });
     Ok((l, out))
+}
+
+/// Outputs `p0 .. p0 + n` of a channel-major record or header of two f16
+/// planes (`src`: the first plane's `cr` values, then the second's) into
+/// `dst` as a pair per output, 4 bytes apart.
+fn pair_f16s(dst: &mut [u8], src: &[u8], cr: usize, p0: usize, n: usize) {
+    for (x, d) in dst[..4 * n].chunks_exact_mut(4).enumerate() {
+        let p = p0 + x;
+        d[..2].copy_from_slice(&src[2 * p..2 * p + 2]);
+        d[2..].copy_from_slice(&src[2 * cr + 2 * p..2 * cr + 2 * p + 2]);
+    }
 }
 
 /// The f32 weights of a GPU-layout matrix, row-major, with ggml's float
