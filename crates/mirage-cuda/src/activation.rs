@@ -67,6 +67,7 @@ fn matvec_kernel(ty: GgmlType, tile: usize) -> String {
         GgmlType::Q4_1 => "q4_1_pipelined_c8",
         GgmlType::Q5_0 => "q5_0_pipelined_c8",
         GgmlType::Q6_K => "q6_k_pipelined_c4",
+        // Q4_K; the layout refuses every other type before a launch.
         _ => "q4_k_pipelined_c8",
     };
     format!("asp_mv_{variant}_w{WARPS}_t{tile}")
@@ -78,6 +79,7 @@ pub(crate) fn kernel_names() -> Vec<String> {
     for ty in [
         GgmlType::Q8_0,
         GgmlType::Q4_K,
+        GgmlType::Q4_1,
         GgmlType::Q5_0,
         GgmlType::Q6_K,
     ] {
@@ -615,5 +617,32 @@ impl Backend for ActivationCudaBackend {
         })();
         self.scratch().batch = b;
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every type the GPU layout takes has its product kernel, named for
+    /// the type, among those the backend loads (the NVRTC check holds the
+    /// loaded names to the module's PTX).
+    #[test]
+    fn every_layout_type_has_a_loaded_product_kernel() {
+        let loaded = kernel_names();
+        let mut types = 0;
+        for ty in GgmlType::ALL {
+            if AspLayout::new(ty, 512, 256, DEFAULT_TILE).is_err() {
+                continue;
+            }
+            types += 1;
+            let suffix = ty.to_string().to_lowercase();
+            for tile in [512, 1024, 2048] {
+                let k = matvec_kernel(ty, tile);
+                assert!(k.starts_with(&format!("asp_mv_{suffix}_")), "{ty}: {k}");
+                assert!(loaded.contains(&k), "{ty}: {k} is not loaded");
+            }
+        }
+        assert_eq!(types, 5);
     }
 }

@@ -123,6 +123,12 @@ mod nvrtc_check {
             "q8_0_pipelined_c8",
             "q4_k_serial_c16",
             "q4_k_pipelined_c8",
+            "q4_1_serial_c16",
+            "q4_1_pipelined_c8",
+            "q5_0_serial_c8",
+            "q5_0_pipelined_c8",
+            "q6_k_serial_c8",
+            "q6_k_pipelined_c4",
         ] {
             for shape in ["w4_t512", "w8_t512", "w4_t1024", "w8_t1024", "w8_t2048"] {
                 let name = format!("asp_mv_{variant}_{shape}");
