@@ -25,8 +25,8 @@
 //! the share of channels kept.
 //!
 //! With every channel kept (thresholds 0), the sparse kernels against the
-//! dense CUDA path: 0.9999, the dense kernels round their activations
-//! differently. Skips (printing why) without a GPU;
+//! dense CUDA path: 0.9999 and the same greedy tokens up to near-ties, the
+//! dense kernels round their activations differently. Skips (printing why) without a GPU;
 //! `MIRAGE_REQUIRE_CUDA_TESTS=1` makes that a failure.
 
 mod common;
@@ -359,7 +359,7 @@ fn quantile_thresholds_stay_close_to_the_cpu_activation_backend() {
 }
 
 /// Every channel kept (thresholds 0, sparsity 0 through the sparse
-/// kernels): the dense CUDA path's logits and tokens.
+/// kernels): the dense CUDA path's logits and tokens (up to near-ties).
 #[test]
 fn keeping_every_channel_gives_the_dense_cuda_logits() {
     for tiny in every_mix() {
@@ -395,7 +395,10 @@ fn keeping_every_channel_gives_the_dense_cuda_logits() {
         let bytes = gpu.backend().last_row_ffn_bytes().unwrap();
         eprintln!("{test}: worst step cosine {worst:.7}, kept {}", bytes.kept);
         assert!(worst >= 0.9999, "{test}: worst step cosine {worst}");
-        assert_eq!(stoks, toks, "{test}");
+        // The dense kernels keep 16-bit or f32 activations, the sparse ones
+        // round each group to int8: flat random logits may tie.
+        let ties = near_ties(&test, &dense, &toks, &stoks, 384);
+        eprintln!("{test}: greedy tokens equal but {ties} near-ties");
         assert_eq!(bytes.kept, 1.0, "{test}");
     }
 }
