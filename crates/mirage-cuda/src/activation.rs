@@ -76,13 +76,7 @@ fn matvec_kernel(ty: GgmlType, tile: usize) -> String {
 /// Every kernel the backend loads from the activation-sparse module.
 pub(crate) fn kernel_names() -> Vec<String> {
     let mut v = vec!["asp_select".to_string(), "asp_mask".to_string()];
-    for ty in [
-        GgmlType::Q8_0,
-        GgmlType::Q4_K,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q6_K,
-    ] {
+    for ty in crate::asp_layout::TYPES {
         for tile in [512, 1024, 2048] {
             v.push(matvec_kernel(ty, tile));
         }
@@ -643,6 +637,6 @@ mod tests {
                 assert!(loaded.contains(&k), "{ty}: {k} is not loaded");
             }
         }
-        assert_eq!(types, 5);
+        assert_eq!(types, crate::asp_layout::TYPES.len());
     }
 }

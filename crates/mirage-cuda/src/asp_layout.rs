@@ -22,6 +22,15 @@ use rayon::prelude::*;
 /// multiples of it.
 pub const WARP_OUTPUTS: usize = 512;
 
+/// The types the kernels read.
+pub const TYPES: [GgmlType; 5] = [
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q6_K,
+];
+
 /// Channels per scale group and list record (`ASP_GROUP`).
 pub const GROUP: usize = 32;
 
@@ -536,13 +545,7 @@ mod tests {
         }
         round_trip(GgmlType::Q6_K, 2304, 256, 512);
         // GPU tiles across CPU tiles (of 384 outputs, the last shorter).
-        for ty in [
-            GgmlType::Q8_0,
-            GgmlType::Q4_K,
-            GgmlType::Q4_1,
-            GgmlType::Q5_0,
-            GgmlType::Q6_K,
-        ] {
+        for ty in TYPES {
             let cm = ChannelMajorLayout::with_tile(ty, 1280, 256, 384).unwrap();
             round_trip_from(cm, 512);
             round_trip_from(cm, 1024);
