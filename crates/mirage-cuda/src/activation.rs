@@ -1,7 +1,8 @@
 //! [`ActivationCudaBackend`]: activation sparsity on CUDA for the FFN.
 //! Every op but the FFN is the inner [`CudaBackend`]'s (Q/K/V/O and the lm
-//! head stay dense: on an H100 their sparse products ran 0.8-1.2x the dense
-//! kernels at half the channels skipped, the FFN's 1.4-1.8x).
+//! head stay dense: on an H100, with their list kernel, their sparse
+//! products ran 0.7-1.3x the dense kernels at half the channels skipped,
+//! the FFN's 1.4-2.3x).
 //!
 //! Per FFN and decode row (`cuda/activation_sparse.cu`, inside the step's
 //! CUDA graph, nothing read back), three launches where the dense FFN takes
