@@ -169,17 +169,11 @@ impl AspLayout {
     /// groups), padding counted.
     pub fn bytes_read(&self, active: usize, groups: usize) -> usize {
         let padded = self.bytes() / self.row_bytes();
-        // Codes: a byte (Q8_0), half a byte (Q4_K), 5/8 (Q5_0) or 3/4 (Q6_K)
-        // of a byte an output. Scales: two bytes an output and group (Q8_0's
-        // and Q5_0's d; Q4_K's super-block of 16 bytes an output over its 8
-        // groups), 2.25 for Q6_K (18 bytes over 8 groups), 4 for Q4_1 (d
-        // and m).
-        let scales = match self.ty {
-            GgmlType::Q6_K => padded * groups * 9 / 4,
-            GgmlType::Q4_1 => padded * groups * 4,
-            _ => padded * groups * 2,
-        };
-        padded * active * self.code_bytes_per_output() / self.cols + scales
+        // Codes: the active channels' share of an output's code bytes.
+        // Scales: a group's share of an output's scale bytes (super-block
+        // headers spread over their groups).
+        padded * active * self.code_bytes_per_output() / self.cols
+            + padded * groups * self.scale_bytes_per_output() * GROUP / self.cols
     }
 }
 

@@ -221,10 +221,7 @@ impl Sampler {
                     return (c.len(), max);
                 }
             }
-            (
-                total,
-                sort_kept_prefix(c, order, &prob, total, p.top_p, p.min_p),
-            )
+            (total, sort_kept_prefix(c, order, &prob, total, p.top_p))
         };
         let mut keep = c.len();
         if sorted > 0 {
@@ -313,19 +310,17 @@ const FIRST_PREFIX: usize = 512;
 const FULL_SORT: usize = 1024;
 
 /// Sorts best first the shortest prefix of `c` that holds every candidate
-/// top-p (`top_p` of `total`, the probabilities' sum) and min-p (`min_p` of
-/// the best) may keep, and returns its length: the best [`FIRST_PREFIX`] are
-/// selected and sorted; when top-p's running sum does not reach `top_p`
-/// inside them and min-p's cut does not fall inside them either, the whole
-/// of `c` is sorted (so a flat distribution costs one selection more than a
-/// sort).
+/// top-p (`top_p` of `total`, the probabilities' sum) may keep (min-p has
+/// already filtered `c`), and returns its length: the best [`FIRST_PREFIX`]
+/// are selected and sorted; when top-p's running sum does not reach `top_p`
+/// inside them, the whole of `c` is sorted (so a flat distribution costs one
+/// selection more than a sort).
 fn sort_kept_prefix(
     c: &mut [(u32, f32)],
     order: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering + Copy,
     prob: &impl Fn(&(u32, f32)) -> f32,
     total: f32,
     top_p: f32,
-    min_p: f32,
 ) -> usize {
     let k = FIRST_PREFIX;
     if k < c.len() {
@@ -339,7 +334,7 @@ fn sort_kept_prefix(
                 cum += prob(x) / total;
                 cum >= top_p
             });
-        if top_p_inside || (min_p > 0.0 && prob(&c[k - 1]) < min_p) {
+        if top_p_inside {
             return k;
         }
     }
