@@ -7,7 +7,7 @@
 //   q8_0s, q4_ks : split Q8_0 / Q4_K (quants of every row, then their
 //           scales or super-block headers): matvec_split.cu (Q8_0) and
 //           matvec_imma.cu (Q4_K, on int8 tensor cores).
-//   nvfp4, q5_0s, q6_ks : matvec_lanes.cu.
+//   nvfp4, q5_0s : matvec_lanes.cu.
 // Element accessors of the repacked layouts (embedding rows, GEMM weight
 // tiles) are at the end of this file.
 //

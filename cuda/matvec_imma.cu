@@ -214,6 +214,164 @@ __device__ __forceinline__ void imma_q4k_dot(const u8* const (&Ws)[NM], int rows
     }
 }
 
+// Split Q6_K (q6_ks: every super-block's 128 ql bytes [rows][cols/2], then
+// its 64 qh bytes [rows][cols/4], its 16 int8 scales [rows][cols/16] and
+// its f16 d [rows][cols/256]). ql byte j of half h (0, 1) holds element
+// 128 h + j in its low nibble and 128 h + 64 + j in its high one; their
+// two high bits are bits 2 k of qh byte 32 h + j % 32, k = j / 32 (low) or
+// 2 + j / 32 (high); sub-block e / 16 of the super-block has scale e / 16.
+// Lane (g, t) loads 16 ql bytes of rows g and g + 8 at 64 h + 16 t and the
+// 16 qh bytes they need at 32 h + 16 (t & 1). One mma per (h, nibble, half
+// of those 16 bytes): the lane's 8 bytes are 8 elements of sub-block
+// 8 h + 4 nibble + t, so each lane's k-slots belong to one sub-block and B
+// column 2 t' + p carries plane p of x in lane t''s k-slots only: after the
+// mma lane t holds its own sub-block's (hi, lo) dots for rows g and g + 8.
+// Codes go in as q - 32 (int8), so no offset term is left.
+
+// Four codes of ql word w (nibble nib) and qh word hw (bits 2 k) as int8
+// q - 32.
+__device__ __forceinline__ u32 q6k_imma_word(u32 w, u32 hw, int nib, int k) {
+    const u32 lo = (w >> (4 * nib)) & 0x0f0f0f0fu;
+    // The high bits b as (b - 2) << 4, sign-extended: 0x20 -> 0xe0, 0x30 -> 0xf0.
+    u32 v = (((hw >> (2 * k)) & 0x03030303u) ^ 0x02020202u) << 4;
+    v |= (v & 0x20202020u) * 6u;
+    return v | lo;
+}
+
+// Byte i (0..15, any lane-dependent value) of v as a signed int.
+__device__ __forceinline__ int imma_byte_i8(const uint4& v, int i) {
+    const int w = i >> 2;
+    const u32 word = w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+    return (int)(i8)(u8)(word >> (8 * (i & 3)));
+}
+
+// Component w of a uint4 (w known at compile time after unrolling).
+__device__ __forceinline__ u32 imma_word(const uint4& v, int w) {
+    return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+}
+
+// imma_q4k_dot for split Q6_K, one super-block of loads in flight.
+template <int NM>
+__device__ __forceinline__ void imma_q6k_dot(const u8* const (&Ws)[NM], int rows, int cols, int r0, int s_lo,
+                                             int s_hi, const ImmaX& X, int lane, float (&acc)[NM][2]) {
+    const int g = lane >> 2, t = lane & 3;
+    const long qs = cols >> 1, hs = cols >> 2, ss = cols >> 4;
+    const int ns = cols >> 8;
+    const int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1);
+    const bool xs_on = (g >> 1) == t;
+    const i8* xpl = (g & 1) ? X.lo : X.hi;
+    for (int s = s_lo; s < s_hi; s++) {
+        uint4 la[NM][2], lb[NM][2], ha[NM][2], hb[NM][2], sca[NM], scb[NM];
+        u32 da[NM], db[NM];
+#pragma unroll
+        for (int m = 0; m < NM; m++) {
+            const u8* ql = Ws[m];
+            const u8* qh = ql + (long)rows * qs;
+            const u8* sc = qh + (long)rows * hs;
+            const u16* dd = (const u16*)(sc + (long)rows * ss);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                la[m][h] = __ldg((const uint4*)(ql + (long)ra * qs + s * 128 + 64 * h + 16 * t));
+                lb[m][h] = __ldg((const uint4*)(ql + (long)rb * qs + s * 128 + 64 * h + 16 * t));
+                ha[m][h] = __ldg((const uint4*)(qh + (long)ra * hs + s * 64 + 32 * h + 16 * (t & 1)));
+                hb[m][h] = __ldg((const uint4*)(qh + (long)rb * hs + s * 64 + 32 * h + 16 * (t & 1)));
+            }
+            sca[m] = __ldg((const uint4*)(sc + (long)ra * ss + s * 16));
+            scb[m] = __ldg((const uint4*)(sc + (long)rb * ss + s * 16));
+            da[m] = __ldg(dd + (long)ra * ns + s);
+            db[m] = __ldg(dd + (long)rb * ns + s);
+        }
+        float fa[NM], fb[NM];
+#pragma unroll
+        for (int m = 0; m < NM; m++) fa[m] = fb[m] = 0.f;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+#pragma unroll
+            for (int nib = 0; nib < 2; nib++) {
+                const int k = 2 * nib + (t >> 1), sub = 8 * h + 4 * nib + t;
+                const float sx = X.sc[s * 8 + 4 * h + 2 * nib + (t >> 1)];
+                int c[NM][4];
+#pragma unroll
+                for (int m = 0; m < NM; m++) c[m][0] = c[m][1] = c[m][2] = c[m][3] = 0;
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    u32 b[2] = {0u, 0u};
+                    if (xs_on) {
+                        const uint2 xv = *(const uint2*)(xpl + s * 256 + 128 * h + 64 * nib + 16 * t + 8 * half);
+                        b[0] = xv.x;
+                        b[1] = xv.y;
+                    }
+#pragma unroll
+                    for (int m = 0; m < NM; m++) {
+                        const u32 a[4] = {
+                            q6k_imma_word(imma_word(la[m][h], 2 * half), imma_word(ha[m][h], 2 * half), nib, k),
+                            q6k_imma_word(imma_word(lb[m][h], 2 * half), imma_word(hb[m][h], 2 * half), nib, k),
+                            q6k_imma_word(imma_word(la[m][h], 2 * half + 1), imma_word(ha[m][h], 2 * half + 1), nib,
+                                          k),
+                            q6k_imma_word(imma_word(lb[m][h], 2 * half + 1), imma_word(hb[m][h], 2 * half + 1), nib,
+                                          k)};
+                        int d[4];
+                        mma_s8_k32_from(d, a, b, 0);
+#pragma unroll
+                        for (int i = 0; i < 4; i++) c[m][i] += d[i];
+                    }
+                }
+#pragma unroll
+                for (int m = 0; m < NM; m++) {
+                    fa[m] += (float)imma_byte_i8(sca[m], sub) * ((float)(c[m][0] * 256 + c[m][1]) * sx);
+                    fb[m] += (float)imma_byte_i8(scb[m], sub) * ((float)(c[m][2] * 256 + c[m][3]) * sx);
+                }
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < NM; m++) {
+            acc[m][0] += h2f((u16)da[m]) * fa[m];
+            acc[m][1] += h2f((u16)db[m]) * fb[m];
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; m++) {
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+            acc[m][0] += __shfl_xor_sync(0xffffffffu, acc[m][0], o);
+            acc[m][1] += __shfl_xor_sync(0xffffffffu, acc[m][1], o);
+        }
+    }
+}
+
+// The rows [rb, rb + n) of a split-Q6_K matrix asked of L2 (ql, qh and the
+// scales; the d are a few bytes).
+__device__ __forceinline__ void q6ks_rows_l2_prefetch(const u8* W, int rows, int rb, int n, int cols) {
+    if (blockIdx.y != 0) return;
+    const long qs = cols >> 1, hs = cols >> 2;
+    l2_prefetch_rows(W + (long)rb * qs, qs, n, min(qs, (long)L2_PREFETCH_ROW));
+    l2_prefetch_rows(W + (long)rows * qs + (long)rb * hs, hs, n, min(hs, (long)L2_PREFETCH_ROW));
+    l2_prefetch_block(W + (long)rows * (qs + hs) + (long)rb * (cols >> 4), (long)n * (cols >> 4));
+}
+
+// The weight types of the tensor-core decode mat-vecs.
+#define IMMA_Q4K 0
+#define IMMA_Q6K 1
+
+// The rows [rb, rb + n) of a matrix of type TY asked of L2.
+template <int TY>
+__device__ __forceinline__ void imma_rows_l2_prefetch(const u8* W, int rows, int rb, int n, int cols) {
+    if (TY == IMMA_Q6K)
+        q6ks_rows_l2_prefetch(W, rows, rb, n, cols);
+    else
+        split_rows_l2_prefetch(W, rows, rb, n, cols >> 1, cols >> 4);
+}
+
+// The dot of TY (US: Q4_K's super-blocks of loads in flight).
+template <int TY, int NM, int US>
+__device__ __forceinline__ void imma_dot(const u8* const (&Ws)[NM], int rows, int cols, int r0, int s_lo, int s_hi,
+                                         const ImmaX& X, int lane, float (&acc)[NM][2]) {
+    if (TY == IMMA_Q6K)
+        imma_q6k_dot<NM>(Ws, rows, cols, r0, s_lo, s_hi, X, lane, acc);
+    else
+        imma_q4k_dot<NM, US>(Ws, rows, cols, r0, s_lo, s_hi, X, lane, acc);
+}
+
 // Super-blocks [lo, lo + n) of slice `slice` of S over ns super-blocks.
 template <int S>
 __device__ __forceinline__ void imma_slice(int ns, int slice, int& lo, int& hi) {
@@ -249,12 +407,12 @@ __device__ __forceinline__ void imma_store(const float (&acc)[2], float (*part)[
     }
 }
 
-// mv3 of split Q4_K: (FAST_WARPS / S) row groups of 16 a block.
-template <int S>
-__device__ __forceinline__ void mv3_q4ks_imma(MV3_PARAMS) {
+// mv3 of split Q4_K or Q6_K: (FAST_WARPS / S) row groups of 16 a block.
+template <int TY, int S>
+__device__ __forceinline__ void mv3_imma(MV3_PARAMS) {
     const int PER = (FAST_WARPS / S) * IMMA_ROWS;
     MV3_PICK_W(PER)
-    split_rows_l2_prefetch(W, rows, bx * PER, min(PER, rows - bx * PER), cols >> 1, cols >> 4);
+    imma_rows_l2_prefetch<TY>(W, rows, bx * PER, min(PER, rows - bx * PER), cols);
     PDL_ENTRY();
     FAST_INPUT
     const ImmaX X = imma_stage_x(xa, cols, nx != 0);
@@ -264,13 +422,14 @@ __device__ __forceinline__ void mv3_q4ks_imma(MV3_PARAMS) {
     imma_slice<S>(cols >> 8, slice, s_lo, s_hi);
     float acc[1][2] = {{0.f, 0.f}};
     const u8* const Ws[1] = {W};
-    if (r0 < rows) imma_q4k_dot<1, 2>(Ws, rows, cols, r0, s_lo, s_hi, X, lane, acc);
+    if (r0 < rows) imma_dot<TY, 1, 2>(Ws, rows, cols, r0, s_lo, s_hi, X, lane, acc);
     imma_store<S>(acc[0], part, warp, lane, slice, r0, y, bias, rs, a, rows);
 }
 
-// gate/up/SwiGLU of split Q4_K: 16 channels a warp (their gate and up rows).
-template <int S>
-__device__ __forceinline__ void ffn_q4ks_imma(FFN_PARAMS) {
+// gate/up/SwiGLU of split Q4_K or Q6_K: 16 channels a warp (their gate and
+// up rows).
+template <int TY, int S>
+__device__ __forceinline__ void ffn_imma(FFN_PARAMS) {
     const int PER = (FAST_WARPS / S) * IMMA_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     (void)row_bytes;
@@ -279,8 +438,8 @@ __device__ __forceinline__ void ffn_q4ks_imma(FFN_PARAMS) {
     {
         // The block's gate and up rows.
         const int rb = blockIdx.x * PER, nb = min(PER, rows - rb);
-        split_rows_l2_prefetch(Wg, rows, rb, nb, cols >> 1, cols >> 4);
-        split_rows_l2_prefetch(Wu, rows, rb, nb, cols >> 1, cols >> 4);
+        imma_rows_l2_prefetch<TY>(Wg, rows, rb, nb, cols);
+        imma_rows_l2_prefetch<TY>(Wu, rows, rb, nb, cols);
     }
     PDL_ENTRY();
     FAST_INPUT
@@ -291,7 +450,7 @@ __device__ __forceinline__ void ffn_q4ks_imma(FFN_PARAMS) {
     imma_slice<S>(cols >> 8, slice, s_lo, s_hi);
     float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
     const u8* const Ws[2] = {Wg, Wu};
-    if (r0 < rows) imma_q4k_dot<2, 1>(Ws, rows, cols, r0, s_lo, s_hi, X, lane, acc);
+    if (r0 < rows) imma_dot<TY, 2, 1>(Ws, rows, cols, r0, s_lo, s_hi, X, lane, acc);
     const int g = lane >> 2, t = lane & 3;
     if (S == 1) {
 #pragma unroll
@@ -326,7 +485,7 @@ __device__ __forceinline__ void ffn_q4ks_imma(FFN_PARAMS) {
 // stores through mv_store's epilogues, so the result does not depend on
 // which block finishes last. smem: the slice's planes (imma_smem of the
 // slice's columns).
-template <int S>
+template <int TY, int S>
 __device__ __forceinline__ void imma_xsplit(const u8* W, int rows, int cols, const float* xa, float* y,
                                             const float* bias, float* rs, float* part, unsigned* ctr, int a,
                                             int tile, int slice, int tiles, u8* smem) {
@@ -347,7 +506,7 @@ __device__ __forceinline__ void imma_xsplit(const u8* W, int rows, int cols, con
     const int r0 = rb + warp * IMMA_ROWS;
     float acc[1][2] = {{0.f, 0.f}};
     const u8* const Ws[1] = {W};
-    if (r0 < rows && s_lo < s_hi) imma_q4k_dot<1, 2>(Ws, rows, cols, r0, s_lo, s_hi, X, lane, acc);
+    if (r0 < rows && s_lo < s_hi) imma_dot<TY, 1, 2>(Ws, rows, cols, r0, s_lo, s_hi, X, lane, acc);
     const int g = lane >> 2, t = lane & 3;
     float* mine = part + ((long)a * S + slice) * rows;
     if (t == 0) {
@@ -374,46 +533,58 @@ __device__ __forceinline__ void imma_xsplit(const u8* W, int rows, int cols, con
 
 // The kernel: mv3's parameters (matrix 0 only, no folded norm: the host
 // launches it only so), then part and ctr.
-template <int S>
-__device__ __forceinline__ void mvx_q4ks(MV3_PARAMS, float* part, unsigned* ctr) {
+template <int TY, int S>
+__device__ __forceinline__ void mvx_imma(MV3_PARAMS, float* part, unsigned* ctr) {
     const int tile = blockIdx.x / S, slice = blockIdx.x % S, tiles = gridDim.x / S;
     {
-        // The block's rows of its slice: quants, then headers.
+        // The block's rows of its slice: quants, then (Q4_K) headers or
+        // (Q6_K) high bits and scales, each field a span per row.
         constexpr int PER = FAST_WARPS * IMMA_ROWS;
         const int rb = tile * PER, nb = min(PER, rows0 - rb), ns = cols >> 8;
         int s_lo, s_hi;
         imma_slice<S>(ns, slice, s_lo, s_hi);
         const long qs = cols >> 1;
         if (blockIdx.y == 0 && s_lo < s_hi) {
-            l2_prefetch_rows(W0 + (long)rb * qs + (long)s_lo * 128, qs, nb,
-                             min((long)(s_hi - s_lo) * 128, (long)L2_PREFETCH_ROW));
-            l2_prefetch_rows(W0 + (long)rows0 * qs + ((long)rb * ns + s_lo) * 16, (long)ns * 16, nb,
-                             (long)(s_hi - s_lo) * 16);
+            const long n = s_hi - s_lo;
+            l2_prefetch_rows(W0 + (long)rb * qs + (long)s_lo * 128, qs, nb, min(n * 128, (long)L2_PREFETCH_ROW));
+            if (TY == IMMA_Q6K) {
+                const long hs = cols >> 2, base = (long)rows0 * qs;
+                l2_prefetch_rows(W0 + base + (long)rb * hs + (long)s_lo * 64, hs, nb, min(n * 64, (long)L2_PREFETCH_ROW));
+                l2_prefetch_rows(W0 + base + (long)rows0 * hs + ((long)rb * ns + s_lo) * 16, (long)ns * 16, nb, n * 16);
+            } else {
+                l2_prefetch_rows(W0 + (long)rows0 * qs + ((long)rb * ns + s_lo) * 16, (long)ns * 16, nb, n * 16);
+            }
         }
     }
     PDL_ENTRY();
-    imma_xsplit<S>(W0, rows0, cols, x + (long)blockIdx.y * cols, y0, bias0, res, part, ctr, blockIdx.y, tile, slice,
-                   tiles, (u8*)fused_norm_xs);
+    imma_xsplit<TY, S>(W0, rows0, cols, x + (long)blockIdx.y * cols, y0, bias0, res, part, ctr, blockIdx.y, tile,
+                       slice, tiles, (u8*)fused_norm_xs);
 }
 
-#define IMMA_KERNELS(SUFFIX, S)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_q4_ks##SUFFIX(MV3_PARAMS) {                   \
-        mv3_q4ks_imma<S>(MV3_ARGS);                                                                                  \
+#define IMMA_KERNELS(NAME, TY, SUFFIX, S)                                                                            \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mv3_##NAME##SUFFIX(MV3_PARAMS) {                  \
+        mv3_imma<TY, S>(MV3_ARGS);                                                                                   \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_q4_ks##SUFFIX(FFN_PARAMS) {                   \
-        ffn_q4ks_imma<S>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                       \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) ffn_##NAME##SUFFIX(FFN_PARAMS) {                  \
+        ffn_imma<TY, S>(Wg, Wu, rows, row_bytes, cols, x, h, ts_g, ts_u, nx, nw, neps, nout);                        \
     }
-IMMA_KERNELS(, 1)
-IMMA_KERNELS(_k2, 2)
-IMMA_KERNELS(_k4, 4)
-IMMA_KERNELS(_k8, 8)
+#define IMMA_SPLITS(NAME, TY)         \
+    IMMA_KERNELS(NAME, TY, , 1)       \
+    IMMA_KERNELS(NAME, TY, _k2, 2)    \
+    IMMA_KERNELS(NAME, TY, _k4, 4)    \
+    IMMA_KERNELS(NAME, TY, _k8, 8)
+IMMA_SPLITS(q4_ks, IMMA_Q4K)
+IMMA_SPLITS(q6_ks, IMMA_Q6K)
 
-#define MVX_KERNEL(S)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mvx_q4_ks_x##S(MV3_PARAMS, float* part,           \
-                                                                               unsigned* ctr) {                     \
-        mvx_q4ks<S>(MV3_ARGS, part, ctr);                                                                            \
+#define MVX_KERNEL(NAME, TY, S)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(FAST_WARPS * 32) mvx_##NAME##_x##S(MV3_PARAMS, float* part,        \
+                                                                                  unsigned* ctr) {                  \
+        mvx_imma<TY, S>(MV3_ARGS, part, ctr);                                                                        \
     }
-MVX_KERNEL(2)
-MVX_KERNEL(4)
-MVX_KERNEL(8)
-MVX_KERNEL(16)
+#define MVX_SPLITS(NAME, TY)    \
+    MVX_KERNEL(NAME, TY, 2)     \
+    MVX_KERNEL(NAME, TY, 4)     \
+    MVX_KERNEL(NAME, TY, 8)     \
+    MVX_KERNEL(NAME, TY, 16)
+MVX_SPLITS(q4_ks, IMMA_Q4K)
+MVX_SPLITS(q6_ks, IMMA_Q6K)

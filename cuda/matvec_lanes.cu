@@ -1,5 +1,5 @@
 // Decode mat-vecs of the repacked layouts whose lanes each read one 32-bit
-// word of a 128-byte line per row (nvfp4, q5_0s, q6_ks): `mv3_<suffix>`,
+// word of a 128-byte line per row (nvfp4, q5_0s): `mv3_<suffix>`,
 // its column splits `_k2/_k4/_k8` and `ffn_<suffix>`, FAST_ROWS rows per
 // warp.
 //
@@ -99,64 +99,6 @@ __device__ __forceinline__ void q5s_dot(const u8* const* q, const u32* const* qh
     }
 }
 // ---------------------------------------------------------------------------
-// Split Q6_K ("q6_ks"): every super-block's 128 ql bytes [rows][cols/2], then
-// its 64 qh bytes [rows][cols/4], then its 16 int8 scales [rows][cols/16],
-// then its f16 d [rows][cols/256]. Same bytes as ggml. Lane l reads the
-// 32-bit ql word l of a super-block (one 128-byte line per warp load): half
-// n = l / 16, m = l % 16; m < 8: ql bytes 64n + 4m..+3 hold quarters 0
-// (low nibbles) and 2 (high) at position p = 4m; m >= 8: ql bytes
-// 64n + 32 + p (p = 4m - 32) hold quarters 1 and 3. Quarter k of half n is
-// elements 128n + 32k + p .. +3, its 2 high bits at qh[32n + p] >> 2k, its
-// scale scales[8n + 2k + p / 16] (ggml's dequantize_row_q6_K).
-template <int NR>
-__device__ __forceinline__ void q6ks_dot(const u8* const* ql, const u8* const* qh, const i8* const* sc,
-                                         const u16* const* dd, const float* __restrict__ xa, int cols, int lane,
-                                         float* acc) {
-    const int n_sb = cols >> 8;
-    const int n = lane >> 4, m = lane & 15;
-    const int p = m < 8 ? 4 * m : 4 * m - 32;
-    const int k_lo = m < 8 ? 0 : 1, k_hi = k_lo + 2;
-    const int qh_off = 32 * n + p, sc_lo = 8 * n + 2 * k_lo + (p >> 4), sc_hi = sc_lo + 4;
-    const int x_lo = 128 * n + 32 * k_lo + p, x_hi = x_lo + 64;
-    for (int c = 0; c < n_sb; c += 2) {
-        u32 w[2][NR], hb[2][NR];
-        float s_lo[2][NR], s_hi[2][NR];
-        u16 dv[2][NR];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            bool ok = c + h < n_sb;
-            int sb = c + h;
-#pragma unroll
-            for (int k = 0; k < NR; k++) {
-                w[h][k] = ok ? __ldg((const u32*)(ql[k] + (sb << 7) + (lane << 2))) : 0u;
-                hb[h][k] = ok ? __ldg((const u32*)(qh[k] + (sb << 6) + qh_off)) : 0u;
-                s_lo[h][k] = ok ? (float)__ldg(sc[k] + (sb << 4) + sc_lo) : 0.f;
-                s_hi[h][k] = ok ? (float)__ldg(sc[k] + (sb << 4) + sc_hi) : 0.f;
-                dv[h][k] = ok ? __ldg(dd[k] + sb) : (u16)0;
-            }
-        }
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            if (c + h >= n_sb) continue;
-            const float* xs = xa + ((c + h) << 8);
-            float4 xl = *(const float4*)(xs + x_lo), xh = *(const float4*)(xs + x_hi);
-#pragma unroll
-            for (int k = 0; k < NR; k++) {
-                u32 lo = (w[h][k] & 0x0f0f0f0fu) | (((hb[h][k] >> (2 * k_lo)) & 0x03030303u) << 4);
-                u32 hi = ((w[h][k] >> 4) & 0x0f0f0f0fu) | (((hb[h][k] >> (2 * k_hi)) & 0x03030303u) << 4);
-                float ql4[4], qh4[4];
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    ql4[i] = sb_byte_f32(lo, i, 8388640.0f);  // 2^23 + 32: q - 32
-                    qh4[i] = sb_byte_f32(hi, i, 8388640.0f);
-                }
-                float dl = ql4[0] * xl.x + ql4[1] * xl.y + ql4[2] * xl.z + ql4[3] * xl.w;
-                float dh = qh4[0] * xh.x + qh4[1] * xh.y + qh4[2] * xh.z + qh4[3] * xh.w;
-                acc[k] += h2f(dv[h][k]) * (s_lo[h][k] * dl + s_hi[h][k] * dh);
-            }
-        }
-    }
-}
 // Row pointers of the FAST_ROWS rows a warp dots, one struct per layout:
 // set(k, W, rows, cols, r, c) points slot k at row r of the rows x cols
 // matrix W from column c on (c a multiple of 256, the split granule), dot()
@@ -186,24 +128,6 @@ struct Q5sRows {
     }
     __device__ __forceinline__ void dot(const float* xa, int n, int lane, float* acc) const {
         q5s_dot<FAST_ROWS>(q, qh, s, xa, n, lane, acc);
-    }
-    __device__ __forceinline__ static float scale(float) { return 1.f; }
-};
-
-struct Q6ksRows {
-    const u8* ql[FAST_ROWS];
-    const u8* qh[FAST_ROWS];
-    const i8* sc[FAST_ROWS];
-    const u16* dd[FAST_ROWS];
-    __device__ __forceinline__ void set(int k, const u8* W, int rows, int cols, int r, int c) {
-        const long q = (long)rows * (cols >> 1), h = (long)rows * (cols >> 2), s = (long)rows * (cols >> 4);
-        ql[k] = W + (long)r * (cols >> 1) + (c >> 1);
-        qh[k] = W + q + (long)r * (cols >> 2) + (c >> 2);
-        sc[k] = (const i8*)(W + q + h) + (long)r * (cols >> 4) + (c >> 4);
-        dd[k] = (const u16*)(W + q + h + s) + (long)r * (cols >> 8) + (c >> 8);
-    }
-    __device__ __forceinline__ void dot(const float* xa, int n, int lane, float* acc) const {
-        q6ks_dot<FAST_ROWS>(ql, qh, sc, dd, xa, n, lane, acc);
     }
     __device__ __forceinline__ static float scale(float) { return 1.f; }
 };
@@ -267,4 +191,3 @@ __device__ __forceinline__ void ffn_lanes(FFN_PARAMS) {
     }
 LANE_KERNELS(nvfp4, Nvfp4Rows)
 LANE_KERNELS(q5_0s, Q5sRows)
-LANE_KERNELS(q6_ks, Q6ksRows)

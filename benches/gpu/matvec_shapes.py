@@ -6,12 +6,13 @@ matrix, so L2 holds none of it), beside a plain 16-byte streaming read of
 the same bytes: how close each kernel comes to the copy rate, shape by
 shape. Needs CuPy (the GPU machine has it).
 
-    python3 benches/gpu/matvec_shapes.py
+    python3 benches/gpu/matvec_shapes.py [--kinds q4_ks,q6_ks]
 
 Prints one table: microseconds a launch and the weight bytes a second as a
 share of the device-to-device copy rate (read + written), for the best
 column split of each kernel.
 """
+import argparse
 import pathlib
 import sys
 
@@ -21,7 +22,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # crates/mirage-cuda/src/module.rs DENSE_SOURCE, in its order.
 FILES = ["pdl", "norm", "nvfp4", "ggml", "elementwise", "attention", "matvec", "matvec_lanes", "matvec_split",
-         "matvec_imma", "mmq", "attention_pruned"]
+         "matvec_imma", "mmq", "attention_pruned", "attention_mma"]
 READ = r'''
 extern "C" __global__ void __launch_bounds__(256) stream_read(const uint4* p, long n16, unsigned* out) {
     unsigned a = 0;
@@ -114,7 +115,7 @@ def dense_launches(mod, kind, ffn, rows, cols, ws, x, y):
     split-layout matrices `ws` (launch i reads copy i % len(ws); gate+up:
     copies i and i + 1 as gate and up, `rows` channels)."""
     copies = len(ws)
-    imma = kind == "q4_ks"
+    imma = kind in ("q4_ks", "q6_ks")
     smem = 2 * cols + 8 * (cols // 32) if imma else 0
     out = []
     for s in (1, 2, 4, 8):
@@ -146,7 +147,7 @@ def dense_launches(mod, kind, ffn, rows, cols, ws, x, y):
         # super-blocks and more): each block rounds only its slice of x.
         tiles = (rows + 127) // 128
         for s in (2, 4, 8, 16):
-            fn = mod.get_function(f"mvx_q4_ks_x{s}")
+            fn = mod.get_function(f"mvx_{kind}_x{s}")
             part, ctr = cp.zeros(s * rows, cp.float32), cp.zeros(tiles, cp.uint32)
             slice_cols = -(-(cols // 256) // s) * 256
             slice_smem = 2 * slice_cols + 8 * (slice_cols // 32)
@@ -155,7 +156,7 @@ def dense_launches(mod, kind, ffn, rows, cols, ws, x, y):
                 fn((tiles * s, 1), (256,), (ws[i % copies], NULL, NULL, I32(rows), I32(0), I32(0), I64(0), I32(cols),
                                            x, y, NULL, NULL, F32(1), F32(1), F32(1), NULL, NULL, NULL, NULL, NULL,
                                            NULL, F32(0), NULL, part, ctr), shared_mem=slice_smem)
-            out.append((f"mvx_q4_ks_x{s}", launch))
+            out.append((f"mvx_{kind}_x{s}", launch))
     return out
 
 
@@ -166,6 +167,10 @@ def best_dense(mod, kind, ffn, rows, cols, ws, x, y):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kinds", default="q8_0s,q4_ks,q6_ks,q5_0s",
+                    help="split layouts to time, comma-separated (default: all four)")
+    kinds = ap.parse_args().kinds.split(",")
     mod = dense_module()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     sms = props["multiProcessorCount"]
@@ -176,7 +181,7 @@ def main():
     print("| shape | layout | MB | kernel (best split) | µs | share of copy | streaming read µs | its share |")
     print("|---|---|---:|---|---:|---:|---:|---:|")
     # The types of the Q4_K_M mix as shipped: Q4_K, Q6_K (down, V, head), Q5_0 (some Q/K/V).
-    for kind in ("q8_0s", "q4_ks", "q6_ks", "q5_0s"):
+    for kind in kinds:
         for name, rows, cols in SHAPES:
             if kind in ("q4_ks", "q6_ks") and cols % 256:
                 continue

@@ -40,10 +40,6 @@
 #include "block_emu.h"
 #include "ptx_emu.h"
 
-struct uint2 {
-    u32 x, y;
-};
-inline uint2 make_uint2(u32 a, u32 b) { return {a, b}; }
 #define ASP_HOST
 #define __global__
 #define __launch_bounds__(...)

@@ -1,13 +1,14 @@
-// Host check of matvec_imma.cu's split-Q4_K decode mat-vecs (no GPU;
+// Host check of matvec_imma.cu's split-Q4_K and split-Q6_K decode mat-vecs (no GPU;
 // extract.py -> imma_extract.h), the mma instruction emulated by the PTX
 // ISA's fragment layout (mma_emu.h), warps run as fibers (block_emu.h):
 //   1. imma_quantize_x: every element is s * (256 hi + lo) with s =
 //      max|x| / 32639 of its block of 32 and 256 hi + lo = round(x / s),
 //      and the block's sum is the f32 sum of x;
-//   2. imma_q4k_dot, one matrix with two super-blocks in flight and two
+//   2. imma_q4k_dot and imma_q6k_dot (through imma_dot), one matrix (Q4_K
+//      with two super-blocks in flight) and two
 //      matrices (gate and up) with one, at every column split S
 //      (imma_slice), over a partly filled last row group: each row equals
-//      an f64 dot of the layout's accessor (q4ks_elem, checked against
+//      an f64 dot of the layout's accessor (q4ks_elem, q6ks_elem, checked against
 //      ggml's dequantizer in check_matvec) with x, within the planes'
 //      rounding (half a step per element) and f32 summing.
 //   3. imma_xsplit (mvx_q4_ks_xS, the split across blocks): the grid's
@@ -51,6 +52,20 @@ static void check(bool ok, const char* what) {
 static u16 rand_half() {
     std::uniform_int_distribution<int> e(9, 13), m(0, 1023), s(0, 1);
     return (u16)((s(gen) << 15) | (e(gen) << 10) | m(gen));
+}
+
+// Random split-Q6_K bytes (ql, qh, int8 scales, then f16 d) with valid d.
+static std::vector<uint4> random_q6ks(int rows, int cols) {
+    const long n = (long)rows * cols, body = n / 2 + n / 4 + n / 16, dbytes = n / 128;
+    std::vector<uint4> buf((body + dbytes + 15) / 16);
+    u8* p = (u8*)buf.data();
+    std::uniform_int_distribution<int> byte(0, 255);
+    for (long i = 0; i < body; i++) p[i] = (u8)byte(gen);
+    for (long i = 0; i < dbytes / 2; i++) {
+        const u16 v = rand_half();
+        memcpy(p + body + 2 * i, &v, 2);
+    }
+    return buf;
 }
 
 // Random split-Q4_K bytes (quants, then 16-byte headers) with valid d, dmin.
@@ -98,13 +113,13 @@ static Planes quantize(const std::vector<float>& x) {
 
 // One warp's rows r0.. of the NM matrices over super-blocks [lo, hi):
 // out[m][row - r0] from lane t = 0 of each quad.
-template <int NM, int US>
+template <int TY, int NM, int US>
 static void warp_rows(const u8* const (&Ws)[NM], int rows, int cols, int r0, int lo, int hi, const ImmaX& X,
                       double (&out)[NM][16]) {
     float got[32][NM][2] = {};
     run_block(32, dim3_{0, 0, 0}, [&] {
         float acc[NM][2] = {};
-        imma_q4k_dot<NM, US>(Ws, rows, cols, r0, lo, hi, X, (int)threadIdx.x, acc);
+        imma_dot<TY, NM, US>(Ws, rows, cols, r0, lo, hi, X, (int)threadIdx.x, acc);
         for (int m = 0; m < NM; m++)
             for (int k = 0; k < 2; k++) got[threadIdx.x][m][k] = acc[m][k];
     });
@@ -120,7 +135,16 @@ static void slice_of(int ns, int s, int& lo, int& hi) {
     imma_slice<S>(ns, s, lo, hi);
 }
 
-template <int NM, int US>
+// Random bytes of a matrix of TY, and element i of its row r.
+static std::vector<uint4> random_mat(int ty, int rows, int cols) {
+    return ty == IMMA_Q6K ? random_q6ks(rows, cols) : random_q4ks(rows, cols);
+}
+static double elem(int ty, const u8* W, int rows, int cols, int r, int i) {
+    return ty == IMMA_Q6K ? q6ks_elem(W, rows, cols, r, i) : q4ks_elem(W, rows, cols, r, i);
+}
+static const char* ty_name(int ty) { return ty == IMMA_Q6K ? "q6_ks" : "q4_ks"; }
+
+template <int TY, int NM, int US>
 static void check_dot(int rows, int cols) {
     std::normal_distribution<float> N(0.f, 1.f);
     std::vector<float> x(cols);
@@ -129,7 +153,7 @@ static void check_dot(int rows, int cols) {
     for (int i = 64; i < 96; i++) x[i] = 0.f;  // an all-zero block
     const Planes P = quantize(x);
     std::vector<std::vector<uint4>> mats;
-    for (int m = 0; m < NM; m++) mats.push_back(random_q4ks(rows, cols));
+    for (int m = 0; m < NM; m++) mats.push_back(random_mat(TY, rows, cols));
     const u8* Ws[NM];
     for (int m = 0; m < NM; m++) Ws[m] = (const u8*)mats[m].data();
     const int ns = cols / 256;
@@ -147,7 +171,7 @@ static void check_dot(int rows, int cols) {
                 }
                 if (lo >= hi) continue;
                 double part[NM][16];
-                warp_rows<NM, US>(Ws, rows, cols, r0, lo, hi, P.view(), part);
+                warp_rows<TY, NM, US>(Ws, rows, cols, r0, lo, hi, P.view(), part);
                 for (int m = 0; m < NM; m++)
                     for (int k = 0; k < 16; k++) tot[m][k] += part[m][k];
             }
@@ -156,7 +180,7 @@ static void check_dot(int rows, int cols) {
                     const int r = r0 + k;
                     double want = 0, mag = 0, step = 0;
                     for (int i = 0; i < cols; i++) {
-                        const double w = q4ks_elem(Ws[m], rows, cols, r, i);
+                        const double w = elem(TY, Ws[m], rows, cols, r, i);
                         want += w * x[i];
                         mag += std::fabs(w * x[i]);
                         step += std::fabs(w) * 0.5 * P.sc[i / 32];
@@ -165,18 +189,19 @@ static void check_dot(int rows, int cols) {
                     worst = std::max(worst, err / (mag + 1e-30));
                     if (!(err <= 1.01 * step + 2e-6 * mag)) {
                         if (fails < 10)
-                            fprintf(stderr, "imma NM=%d S=%d %dx%d row %d: got %.9g want %.9g (bound %.3g)\n", NM, S,
-                                    rows, cols, r, tot[m][k], want, step + 2e-6 * mag);
+                            fprintf(stderr, "imma %s NM=%d S=%d %dx%d row %d: got %.9g want %.9g (bound %.3g)\n",
+                                    ty_name(TY), NM, S, rows, cols, r, tot[m][k], want, step + 2e-6 * mag);
                         fails++;
                     }
                 }
         }
-    printf("imma q4_ks, %d matrices, %d x %d: worst error %.2e of the sum of |terms|\n", NM, rows, cols, worst);
+    printf("imma %s, %d matrices, %d x %d: worst error %.2e of the sum of |terms|\n", ty_name(TY), NM, rows, cols,
+           worst);
 }
 
 // y[a] (and rs[a] += y[a]) of every block of an S-slice grid over `rows`
 // rows, the blocks run in `order` (indices into the grid, a-major).
-template <int S>
+template <int TY, int S>
 static void run_xsplit(const u8* W, int rows, int cols, const std::vector<float>& x, const std::vector<float>& bias,
                        std::vector<float>& y, std::vector<float>& rs, std::vector<u32>& ctr,
                        const std::vector<int>& order) {
@@ -187,13 +212,13 @@ static void run_xsplit(const u8* W, int rows, int cols, const std::vector<float>
     for (int i : order) {
         const int a = i / (tiles * S), bx = i % (tiles * S);
         run_block(256, dim3_{(unsigned)bx, (unsigned)a, 0}, [&] {
-            imma_xsplit<S>(W, rows, cols, x.data() + (long)a * cols, y.data(), bias.data(), rs.data(), part.data(),
+            imma_xsplit<TY, S>(W, rows, cols, x.data() + (long)a * cols, y.data(), bias.data(), rs.data(), part.data(),
                            ctr.data(), a, bx / S, bx % S, tiles, (u8*)smem.data());
         });
     }
 }
 
-template <int S>
+template <int TY, int S>
 static void check_xsplit(int rows, int cols) {
     std::normal_distribution<float> N(0.f, 1.f);
     const int n_act = 2, tiles = (rows + 127) / 128, ns = cols / 256;
@@ -202,17 +227,17 @@ static void check_xsplit(int rows, int cols) {
     x[5] *= 60.f;
     for (auto& v : bias) v = N(gen);
     for (auto& v : rs0) v = N(gen);
-    const auto mat = random_q4ks(rows, cols);
+    const auto mat = random_mat(TY, rows, cols);
     const u8* W = (const u8*)mat.data();
     std::vector<int> order(n_act * tiles * S);
     for (int i = 0; i < (int)order.size(); i++) order[i] = i;
     std::vector<float> y1((size_t)n_act * rows, NAN), y2 = y1, rs1 = rs0, rs2 = rs0;
     std::vector<u32> ctr((size_t)n_act * tiles, 0u);
     std::shuffle(order.begin(), order.end(), gen);
-    run_xsplit<S>(W, rows, cols, x, bias, y1, rs1, ctr, order);
+    run_xsplit<TY, S>(W, rows, cols, x, bias, y1, rs1, ctr, order);
     check(std::all_of(ctr.begin(), ctr.end(), [](u32 c) { return c == 0; }), "xsplit counters reset");
     std::shuffle(order.begin(), order.end(), gen);
-    run_xsplit<S>(W, rows, cols, x, bias, y2, rs2, ctr, order);
+    run_xsplit<TY, S>(W, rows, cols, x, bias, y2, rs2, ctr, order);
     check(memcmp(y1.data(), y2.data(), y1.size() * 4) == 0, "xsplit: the same bits in another block order");
     double worst = 0;
     for (int a = 0; a < n_act; a++) {
@@ -221,7 +246,7 @@ static void check_xsplit(int rows, int cols) {
         for (int r = 0; r < rows; r++) {
             double want = bias[r], mag = std::fabs(bias[r]), step = 0;
             for (int i = 0; i < cols; i++) {
-                const double w = q4ks_elem(W, rows, cols, r, i);
+                const double w = elem(TY, W, rows, cols, r, i);
                 want += w * xa[i];
                 mag += std::fabs(w * xa[i]);
                 step += std::fabs(w) * 0.5 * P.sc[i / 32];
@@ -238,16 +263,26 @@ static void check_xsplit(int rows, int cols) {
             check(rs1[k] == rs0[k] + y1[k], "xsplit residual gets the stored value");
         }
     }
-    printf("imma q4_ks split across %d blocks (%d super-blocks), %d x %d: worst error %.2e of the sum of |terms|\n",
-           S, ns, rows, cols, worst);
+    printf("imma %s split across %d blocks (%d super-blocks), %d x %d: worst error %.2e of the sum of |terms|\n",
+           ty_name(TY), S, ns, rows, cols, worst);
 }
 
 int main() {
-    check_xsplit<4>(136, 2304);
-    check_xsplit<16>(136, 2304);  // 9 super-blocks: some slices are empty
-    check_dot<1, 2>(40, 1024);
-    check_dot<1, 2>(40, 2304);
-    check_dot<2, 1>(40, 2304);
+    for (int ty : {IMMA_Q4K, IMMA_Q6K}) {
+        if (ty == IMMA_Q4K) {
+            check_xsplit<IMMA_Q4K, 4>(136, 2304);
+            check_xsplit<IMMA_Q4K, 16>(136, 2304);  // 9 super-blocks: some slices are empty
+            check_dot<IMMA_Q4K, 1, 2>(40, 1024);
+            check_dot<IMMA_Q4K, 1, 2>(40, 2304);
+            check_dot<IMMA_Q4K, 2, 1>(40, 2304);
+        } else {
+            check_xsplit<IMMA_Q6K, 4>(136, 2304);
+            check_xsplit<IMMA_Q6K, 16>(136, 2304);
+            check_dot<IMMA_Q6K, 1, 2>(40, 1024);
+            check_dot<IMMA_Q6K, 1, 2>(40, 2304);
+            check_dot<IMMA_Q6K, 2, 1>(40, 2304);
+        }
+    }
     if (fails) {
         fprintf(stderr, "check_imma: %d failures\n", fails);
         return 1;

@@ -4,7 +4,7 @@
 //      q5s_elem, q6ks_elem) equal ggml's dequant_unit<T> on the same blocks,
 //      bit for bit, after the field split the upload does (weights.rs's
 //      split_fields); nvfp4_elem equals code x scale x tensor scale;
-//   2. the lane dots of matvec_lanes.cu (Nvfp4Rows, Q5sRows, Q6ksRows) and
+//   2. the lane dots of matvec_lanes.cu (Nvfp4Rows, Q5sRows) and
 //      of matvec_split.cu (q8s_dot16 over MvvRows, a warp run
 //      as 32 fibers for its shuffles), summed over the warp, equal an f64
 //      dot over the accessors, at every column split S (mv3_slice), with the
@@ -265,7 +265,6 @@ int main() {
             };
             auto ea = el(A), eb = el(B);
             if (t.ty == TY_Q5_0) check_lanes<Q5sRows>(t.name, A.data(), B.data(), rows, cols, 0.f, ea, eb, x);
-            if (t.ty == TY_Q6_K) check_lanes<Q6ksRows>(t.name, A.data(), B.data(), rows, cols, 0.f, ea, eb, x);
             if (t.ty == TY_Q8_0 && cols % 128 == 0)
                 check_split<MV_U_Q8>(t.name, A.data(), B.data(), rows, cols, ea, eb, x);
         }

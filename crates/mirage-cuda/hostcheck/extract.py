@@ -65,7 +65,7 @@ norm = ["#define NORM_VEC", "float norm_warp_sum(", "float norm_block_sum(", "vo
     "void dequant_unit<TY_Q5_0>(", "void dequant_unit<TY_Q6_K>(", "void mv3_slice(",
     "float q8s_elem(", "float e2m1_f32(", "float nvfp4_elem(", "u32 q4k_scale_byte(", "void q4k_scale_min(",
     "float q4ks_elem(", "float q5s_elem(", "float q6ks_elem(",
-    "void nvfp4_dot(", "void q5s_dot(", "void q6ks_dot(", "struct Nvfp4Rows", "struct Q5sRows", "struct Q6ksRows",
+    "void nvfp4_dot(", "void q5s_dot(", "struct Nvfp4Rows", "struct Q5sRows",
     "struct MvvRows", "const u8* mvv_q(", "const u8* mvv_m(", "MvvRows ffn_rows(", "void q8s_load16(",
     "void q8s_compute16(", "void q8s_dot16(", "MvvRows mv3_rows("))
 
@@ -109,13 +109,14 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
     "void quantize_q8_block(", "struct MmqStage", "struct MmqQ5Held", "void mmq_fetch_rows(", "void mmq_fetch_x(", "void mmq_fetch_w_q8(",
     "void mmq_load_w_q5(", "void mmq_store_w_q5(", "u32 mmq_word(", "void mmq_stage_product(", "void mmq_tile("))
 
-# The decode mat-vecs of split Q4_K on int8 tensor cores (matvec_imma.cu)
+# The decode mat-vecs of split Q4_K and Q6_K on int8 tensor cores (matvec_imma.cu)
 # with the accessor they are checked against; the mma instruction is
 # mma_emu.h's.
 (out / "imma_extract.h").write_text(cut(
     "#define FAST_WARPS", "#define IMMA_ROWS", "u32 q4k_scale_byte(", "void q4k_scale_min(", "float q4ks_elem(",
-    "struct ImmaX", "void mv_store(", "void imma_quantize_x(", "void imma_q4k_dot(", "void imma_slice(",
-    "void imma_xsplit("))
+    "float q6ks_elem(", "struct ImmaX", "void mv_store(", "void imma_quantize_x(", "void imma_q4k_dot(",
+    "u32 q6k_imma_word(", "int imma_byte_i8(", "u32 imma_word(", "void imma_q6k_dot(", "#define IMMA_Q4K",
+    "#define IMMA_Q6K", "void imma_dot(", "void imma_slice(", "void imma_xsplit("))
 
 # The prefill attention on f16 tensor cores (attention.cu); the mma
 # instruction is mma_emu.h's.

@@ -9,6 +9,8 @@ typedef unsigned char u8; typedef signed char i8; typedef unsigned short u16; ty
 typedef unsigned char sb_u8; typedef unsigned short sb_u16; typedef unsigned int sb_u32;
 struct uint4 { u32 x, y, z, w; };
 inline uint4 make_uint4(u32 a, u32 b, u32 c, u32 d) { return {a, b, c, d}; }
+struct uint2 { u32 x, y; };
+inline uint2 make_uint2(u32 a, u32 b) { return {a, b}; }
 inline float __uint_as_float(u32 u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline float half_to_float(u16 h) {

@@ -4,7 +4,7 @@
 # mat-vecs' dot helpers and element accessors, the RMSNorm row, the split decode
 # attention and its combine, phases 1 and 2 of the fused Q8_0 FFN, and the pruned decode
 # attention (attention_pruned.cu, included whole), the prefill int8
-# tensor-core products (mmq.cu), the split-Q4_K decode mat-vecs on int8
+# tensor-core products (mmq.cu), the split-Q4_K and -Q6_K decode mat-vecs on int8
 # tensor cores (matvec_imma.cu), the prefill attention and the split
 # decode attention on f16 tensor cores (attention_mma.cu) and the
 # activation-sparse mat-vecs (activation_sparse.cu, included whole). Blocks run as fibers on one thread

@@ -71,6 +71,9 @@ const LARGE_SMEM_KERNEL_PREFIXES: &[&str] = &[
     "mv3_q4_ks",
     "mvx_q4_ks",
     "ffn_q4_ks",
+    "mv3_q6_ks",
+    "mvx_q6_ks",
+    "ffn_q6_ks",
     "mmq_",
     "attend_split_mma",
 ];
@@ -141,11 +144,13 @@ pub(crate) fn kernel_names() -> Vec<String> {
             names.push(format!("mv3_{s}_k{k}"));
         }
     }
-    for k in &SPLIT_K[1..] {
-        names.push(format!("ffn_q4_ks_k{k}"));
-    }
-    for k in crate::matvec::XSPLIT {
-        names.push(format!("mvx_q4_ks_x{k}"));
+    for s in ["q4_ks", "q6_ks"] {
+        for k in &SPLIT_K[1..] {
+            names.push(format!("ffn_{s}_k{k}"));
+        }
+        for k in crate::matvec::XSPLIT {
+            names.push(format!("mvx_{s}_x{k}"));
+        }
     }
     names.push("mv3_q8_0s_grid".into());
     names.push("rope_table".into());

@@ -1,6 +1,7 @@
 //! Products with the weight matrices: the decode mat-vecs (`mv3_*`: up to
 //! three matrices of one input in one launch; `ffn_*`: gate, up and SwiGLU
-//! in one launch; split Q4_K's on int8 tensor cores, cuda/matvec_imma.cu),
+//! in one launch; split Q4_K's and Q6_K's on int8 tensor cores,
+//! cuda/matvec_imma.cu),
 //! their launch shape (column split, persistent grid, shared memory), and
 //! the prefill products on tensor cores: int8 `mmq_*` for the split layouts,
 //! cuBLAS on f16 tiles for the others.
@@ -31,7 +32,7 @@ const WARPS: usize = 8;
 /// `MV_NR`); the ggml-layout kernels take one row per warp.
 const ROWS_PER_WARP: usize = 4;
 
-/// Weight rows per warp of the tensor-core mat-vecs of split Q4_K
+/// Weight rows per warp of the tensor-core mat-vecs of split Q4_K and Q6_K
 /// (`IMMA_ROWS`: the mma's 16 rows).
 const IMMA_ROWS: usize = 16;
 
@@ -40,7 +41,8 @@ const IMMA_ROWS: usize = 16;
 /// blocks than the f32 kernels'), with slices of at least one super-block.
 const IMMA_BLOCKS_PER_SM: usize = 2;
 
-/// Splits of `mvx_q4_ks_x*` (cuda/matvec_imma.cu), the column split across
+/// Splits of `mvx_q4_ks_x*` and `mvx_q6_ks_x*` (cuda/matvec_imma.cu), the
+/// column split across
 /// blocks: each block rounds only its slice of x, which for long rows is a
 /// large share of the one-block-a-row-group kernels' time (7B down, 74
 /// super-blocks: about a quarter of `mv3_q4_ks_k8`'s, measured alone on an
@@ -357,7 +359,7 @@ impl CudaBackend {
         let rows: Vec<usize> = ws.iter().map(|w| w.rows).collect();
         let (split, per_block, smem) = match w0.layout {
             Layout::Ggml => (1, WARPS, 0),
-            Layout::Q4KSplit => {
+            Layout::Q4KSplit | Layout::Q6KSplit => {
                 let split = self.imma_split(&rows, w0.cols);
                 (
                     split,
@@ -414,13 +416,13 @@ impl CudaBackend {
         })
     }
 
-    /// The split across blocks (`mvx_q4_ks_x*`) for one split-Q4_K matrix
+    /// The split across blocks (`mvx_*_x*`) for one split-Q4_K or -Q6_K matrix
     /// with rows of at least `XSPLIT_MIN_SUPERBLOCKS` super-blocks and at
     /// most `XSPLIT_MAX_ROWS` activation rows: the largest split whose grid
     /// still fits `IMMA_BLOCKS_PER_SM` blocks an SM (at least 2), or `None`
     /// for the one-block-a-row-group kernels.
     fn xsplit_for(&self, w: &CudaMatrix, n_mats: usize, n_act: usize) -> Option<usize> {
-        if w.layout != Layout::Q4KSplit
+        if !matches!(w.layout, Layout::Q4KSplit | Layout::Q6KSplit)
             || n_mats != 1
             || n_act > XSPLIT_MAX_ROWS
             || w.cols / 256 < XSPLIT_MIN_SUPERBLOCKS
@@ -437,7 +439,7 @@ impl CudaBackend {
         Some(fits.unwrap_or(XSPLIT[0]))
     }
 
-    /// `mvx_q4_ks_x{split}` for the one matrix of `m` (norm not folded:
+    /// `mvx_<suffix>_x{split}` for the one matrix of `m` (norm not folded:
     /// `fusion::fold_norm` leaves these launches alone).
     fn mvx(&self, w: &CudaMatrix, mut m: MatVec, split: usize, n_act: usize) -> Result<()> {
         let tiles = w.rows.div_ceil(WARPS * IMMA_ROWS);
@@ -452,7 +454,9 @@ impl CudaBackend {
         };
         m.xsplit = Some(XSplit { part, ctr });
         self.push_launch(Launch {
-            kernel: self.kernels.index(&format!("mvx_q4_ks_x{split}"))?,
+            kernel: self
+                .kernels
+                .index(&format!("mvx_{}_x{split}", w.suffix()))?,
             grid: ((tiles * split) as u32, n_act as u32, 1),
             block: ((32 * WARPS) as u32, 1, 1),
             smem: imma_smem(slice_cols) as u32,
@@ -489,7 +493,7 @@ impl CudaBackend {
         }
         let (per_block, kernel, smem) = match g.layout {
             Layout::Ggml => (WARPS, format!("ffn_{}", g.suffix()), 0),
-            Layout::Q4KSplit => {
+            Layout::Q4KSplit | Layout::Q6KSplit => {
                 // A warp takes 16 channels (their gate and up rows).
                 let split = self.imma_split(&[g.rows], g.cols);
                 (
