@@ -64,12 +64,12 @@ pub(crate) const MATVEC_ARGS: usize = 15;
 /// The product kernel of `ty` for tiles of `tile` outputs.
 fn matvec_kernel(ty: GgmlType, tile: usize) -> String {
     let variant = match ty {
-        GgmlType::Q8_0 => "q8_0_pipelined_c8",
-        GgmlType::Q4_1 => "q4_1_pipelined_c8",
+        GgmlType::Q8_0 => "q8_0_serial_c8",
+        GgmlType::Q4_1 => "q4_1_serial_c16",
         GgmlType::Q5_0 => "q5_0_pipelined_c8",
-        GgmlType::Q6_K => "q6_k_pipelined_c4",
+        GgmlType::Q6_K => "q6_k_serial_c8",
         // Q4_K; the layout refuses every other type before a launch.
-        _ => "q4_k_pipelined_c8",
+        _ => "q4_k_serial_c16",
     };
     format!("asp_mv_{variant}_w{WARPS}_t{tile}")
 }
