@@ -163,11 +163,21 @@ fn worst_step_cosine(a: &[f32], b: &[f32], vocab: usize) -> f64 {
         .fold(1.0, f64::min)
 }
 
-/// Steps where the GPU's arg-max (`got`) is not the CPU's (`want`, the
-/// arg-max of the CPU logits `cpu`): each must be a near-tie, within 1e-3
-/// of the CPU's logit range (random weights give flat logits, where the two
-/// paths' different activation rounding may pick either of two tokens).
-fn near_ties(test: &str, cpu: &[f32], want: &[u32], got: &[u32], vocab: usize) -> usize {
+/// Steps where the GPU's arg-max (`got`, from the logits `gpu`) is not the
+/// reference's (`want`, the arg-max of the reference logits `cpu`): each must
+/// be a near-tie, the reference's lead of its token over the GPU's within
+/// 1e-3 of its logit range or within 4 root-mean-squares of the two paths'
+/// logit differences at that step (random weights give flat logits, where
+/// the paths' different activation rounding may pick either of two tokens;
+/// a flip that the step's overall error cannot explain fails).
+fn near_ties(
+    test: &str,
+    cpu: &[f32],
+    gpu: &[f32],
+    want: &[u32],
+    got: &[u32],
+    vocab: usize,
+) -> usize {
     assert_eq!(want.len(), got.len(), "{test}: steps");
     let mut ties = 0;
     for (i, (&w, &g)) in want.iter().zip(got).enumerate() {
@@ -175,11 +185,19 @@ fn near_ties(test: &str, cpu: &[f32], want: &[u32], got: &[u32], vocab: usize) -
             continue;
         }
         let l = &cpu[i * vocab..(i + 1) * vocab];
+        let o = &gpu[i * vocab..(i + 1) * vocab];
         let (max, min) = (l[w as usize], l.iter().copied().fold(f32::MAX, f32::min));
+        let rms = (l
+            .iter()
+            .zip(o)
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum::<f64>()
+            / vocab as f64)
+            .sqrt();
         let gap = max - l[g as usize];
         assert!(
-            gap <= 1e-3 * (max - min),
-            "{test}: step {i}: GPU chose {g}, CPU {w} by {gap} (not a near-tie)"
+            gap <= 1e-3 * (max - min) || gap as f64 <= 4.0 * rms,
+            "{test}: step {i}: GPU chose {g}, reference {w} by {gap}, logit differences {rms:.2e} rms (not a near-tie)"
         );
         ties += 1;
     }
@@ -279,7 +297,7 @@ fn compare_with_cpu(test: &str, tiny: &Tiny, kind: Thresholds) {
     match kind {
         Thresholds::Mask => {
             assert!(worst >= 0.9999, "{test}: worst step cosine {worst}");
-            let ties = near_ties(test, &want, &toks, &gtoks, vocab);
+            let ties = near_ties(test, &want, &got, &toks, &gtoks, vocab);
             eprintln!("{test}: greedy tokens equal but {ties} near-ties");
             assert!(
                 (bytes.kept - 0.6).abs() < 0.01,
@@ -397,7 +415,7 @@ fn keeping_every_channel_gives_the_dense_cuda_logits() {
         assert!(worst >= 0.9999, "{test}: worst step cosine {worst}");
         // The dense kernels keep 16-bit or f32 activations, the sparse ones
         // round each group to int8: flat random logits may tie.
-        let ties = near_ties(&test, &dense, &toks, &stoks, 384);
+        let ties = near_ties(&test, &dense, &sparse, &toks, &stoks, 384);
         eprintln!("{test}: greedy tokens equal but {ties} near-ties");
         assert_eq!(bytes.kept, 1.0, "{test}");
     }
