@@ -19,27 +19,32 @@
 // With both splits the products' inputs keep about 22 bits, near the f32
 // arithmetic of attend_split (one f16 rounding of Q or P, as the prefill
 // kernel does, gave 4e-5 to 5e-4 of error in the host check).
-// Each warp streams its own steps of TM_KEYS keys (steps w, w + TM_WARPS,
-// ... of the block's chunk) through a ring of TM_STAGES stages in shared
-// memory filled by cp.async, so TM_STAGES - 1 steps of keys and values are
-// in flight while it computes one; its running max, sum and output stay in
+// Each warp streams its own steps of TM_KEYS keys (steps w, w + W, ... of
+// the block's chunk, W = tm_warps(HD)) through a ring of S = tm_stages(HD)
+// stages in shared memory filled by cp.async, so S - 1 steps of keys and
+// values are in flight while it computes one; its running max, sum and output stay in
 // registers, and the warps' results are merged in warp order at the end
 // into the split's partial, as attend_split writes it (m, l, V sum[HD]),
 // for attend_combine. RoPE and the store of the rows' new keys and values
 // can be folded in (attend_split_mma's rope argument). Grid (rows,
-// n_head_kv, n_split), block TM_WARPS warps,
-// dynamic shared memory 2 * TM_WARPS * TM_STAGES * TM_STAGE_HALVES(HD) bytes
-// (decode.rs: mma_smem).
+// n_head_kv, n_split), block tm_warps(HD) warps, dynamic shared memory
+// 2 * tm_warps(HD) * tm_stages(HD) * TM_STAGE_HALVES(HD) bytes (decode.rs:
+// mma_smem, which also sizes the splits for MMA_SM_WARPS warps an SM).
 // ===========================================================================
 
-#define TM_WARPS 4
 #define TM_KEYS 16
-#define TM_STAGES 3
 #define TM_MAX_G 16
+
+// Warps of a block and stages of each warp's ring, by head size: of the
+// shapes measured on an H100 at 32k keys (benches/gpu/attention_split.py),
+// 4 warps of 3 stages read a 64-wide cache fastest and 2 warps of 4 stages
+// a 128-wide one.
+__device__ __forceinline__ constexpr int tm_warps(int hd) { return hd == 64 ? 4 : 2; }
+__device__ __forceinline__ constexpr int tm_stages(int hd) { return hd == 64 ? 3 : 4; }
 
 // Halves of one stage of a warp's ring: TM_KEYS keys, then TM_KEYS values,
 // rows padded by 8 halves so that fragment loads hit distinct banks. A
-// block's dynamic shared memory: TM_WARPS rings of TM_STAGES stages.
+// block's dynamic shared memory: tm_warps(HD) rings of tm_stages(HD) stages.
 #define TM_STAGE_HALVES(HD) (2 * TM_KEYS * ((HD) + 8))
 
 // Copies the keys and values k0 .. k0 + TM_KEYS - 1 (clamped to last: a
@@ -82,7 +87,7 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
                                  int n_head, int n_head_kv, int n_ctx, int chunk, float scale,
                                  float* __restrict__ part, const float* __restrict__ k, const float* __restrict__ v,
                                  int neox, const float* __restrict__ rope, u16* smem) {
-    constexpr int LD = HD + 8, STAGE = TM_STAGE_HALVES(HD);
+    constexpr int LD = HD + 8, STAGE = TM_STAGE_HALVES(HD), WARPS = tm_warps(HD), STAGES = tm_stages(HD);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, n_split = gridDim.z;
     const int G = n_head / n_head_kv;
@@ -130,11 +135,11 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
     const u16* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
     const u16* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
     const int steps = (j1 - j0 + TM_KEYS - 1) / TM_KEYS;
-    const int mine = steps > warp ? (steps - warp + TM_WARPS - 1) / TM_WARPS : 0;
-    u16* ring = smem + warp * TM_STAGES * STAGE;
+    const int mine = steps > warp ? (steps - warp + WARPS - 1) / WARPS : 0;
+    u16* ring = smem + warp * STAGES * STAGE;
 #pragma unroll
-    for (int p = 0; p < TM_STAGES - 1; p++) {
-        if (p < mine) tm_issue<HD>(K, V, j0 + (warp + p * TM_WARPS) * TM_KEYS, j1 - 1, ring + p * STAGE, lane);
+    for (int p = 0; p < STAGES - 1; p++) {
+        if (p < mine) tm_issue<HD>(K, V, j0 + (warp + p * WARPS) * TM_KEYS, j1 - 1, ring + p * STAGE, lane);
         cp_async_commit();
     }
     float o[HD / 8][4];
@@ -144,20 +149,20 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
         for (int e = 0; e < 4; e++) o[j][e] = 0.f;
     float m[2] = {-MIRAGE_INF, -MIRAGE_INF}, l[2] = {0.f, 0.f};
     for (int i = 0; i < mine; i++) {
-        cp_async_wait<TM_STAGES - 2>();  // step i has landed
+        cp_async_wait<STAGES - 2>();  // step i has landed
         __syncwarp();
         {
             // Refill the stage step i - 1 used (read before the __syncwarp
             // that ended it).
-            const int p = i + TM_STAGES - 1;
+            const int p = i + STAGES - 1;
             if (p < mine)
-                tm_issue<HD>(K, V, j0 + (warp + p * TM_WARPS) * TM_KEYS, j1 - 1, ring + (p % TM_STAGES) * STAGE,
+                tm_issue<HD>(K, V, j0 + (warp + p * WARPS) * TM_KEYS, j1 - 1, ring + (p % STAGES) * STAGE,
                              lane);
             cp_async_commit();
         }
-        const u16* ks = ring + (i % TM_STAGES) * STAGE;
+        const u16* ks = ring + (i % STAGES) * STAGE;
         const u16* vs = ks + TM_KEYS * LD;
-        const int k0 = j0 + (warp + i * TM_WARPS) * TM_KEYS;
+        const int k0 = j0 + (warp + i * WARPS) * TM_KEYS;
         float s[2][4];
 #pragma unroll
         for (int j = 0; j < 2; j++) {
@@ -217,9 +222,9 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
     // The warps' results, merged in warp order: per row the block's max, then
     // each warp's sum and output scaled to it. The rings are free now.
     __syncthreads();
-    float* red = (float*)smem;  // [TM_WARPS][16][HD]
-    float* wm = red + TM_WARPS * 16 * HD;
-    float* wl = wm + TM_WARPS * 16;
+    float* red = (float*)smem;  // [WARPS][16][HD]
+    float* wm = red + WARPS * 16 * HD;
+    float* wl = wm + WARPS * 16;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
@@ -237,9 +242,9 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
     for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
         const int r = i / HD, d = i % HD;
         float M = -MIRAGE_INF;
-        for (int w = 0; w < TM_WARPS; w++) M = fmaxf(M, wm[w * 16 + r]);
+        for (int w = 0; w < WARPS; w++) M = fmaxf(M, wm[w * 16 + r]);
         float L = 0.f, a = 0.f;
-        for (int w = 0; w < TM_WARPS; w++) {
+        for (int w = 0; w < WARPS; w++) {
             const float mw = wm[w * 16 + r];
             const float f = mw == -MIRAGE_INF ? 0.f : expf(mw - M);  // a warp with no step
             L += f * wl[w * 16 + r];
@@ -255,7 +260,7 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
 }
 
 #define SPLIT_MMA_INSTANCE(HD)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(TM_WARPS * 32)                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * tm_warps(HD))                                                 \
         attend_split_mma_f16_d##HD(const float* q, u16* kc, u16* vc, const int* slots, int n_head, int n_head_kv, \
                                    int n_ctx, int chunk, float scale, float* part, const float* k, const float* v,  \
                                    int neox, const float* rope) {                                                   \

@@ -28,8 +28,12 @@ from matvec_shapes import FILES, READ, ROOT, copy_rate  # noqa: E402
 
 # (name, query heads, KV heads, head size)
 SHAPES = [("0.5B", 14, 2, 64), ("1.5B", 12, 2, 128), ("7B", 28, 4, 128)]
-# (warps a block, ring stages): the shipped form first.
+# (warps a block, ring stages); the shipped forms are attention_mma.cu's
+# tm_warps / tm_stages: (4, 3) at head size 64, (2, 4) at 128.
 VARIANTS = [(4, 3), (4, 4), (8, 2), (8, 3), (2, 4)]
+SHIPPED = {64: (4, 3), 128: (2, 4)}
+# Warps an SM the shipped splits are sized for (decode.rs MMA_SM_WARPS).
+SM_WARPS = 4
 SPLITS = [32, 64, 128, 256, 512]
 SMEM_OPTIN = 227 * 1024
 I32, F32, NULL = np.int32, np.float32, np.uint64(0)
@@ -106,11 +110,11 @@ def module():
     src = "".join((ROOT / "cuda" / f"{f}.cu").read_text() for f in FILES) + READ + COMBINE_DS
     mma = (ROOT / "cuda" / "attention_mma.cu").read_text()
     for i, (warps, stages) in enumerate(VARIANTS):
-        v = re.sub(r"\b(tm_issue|tm_rope_q|attend_split_mma)\b", rf"\1_v{i}", mma)
+        v = re.sub(r"\b(tm_issue|tm_rope_q|tm_warps|tm_stages|attend_split_mma)\b", rf"\1_v{i}", mma)
         v = v.replace("attend_split_mma_f16_d", f"attend_split_mma_v{i}_f16_d")
-        v = re.sub(r"#define (TM_WARPS|TM_KEYS|TM_STAGES|TM_MAX_G|TM_STAGE_HALVES|SPLIT_MMA_INSTANCE)\b", r"#undef \1\n#define \1", v)
-        v = v.replace("#define TM_WARPS 4", f"#define TM_WARPS {warps}")
-        v = v.replace("#define TM_STAGES 3", f"#define TM_STAGES {stages}")
+        v = re.sub(rf"(tm_warps_v{i}\(int hd\) {{ return )[^;]*;", rf"\g<1>{warps};", v)
+        v = re.sub(rf"(tm_stages_v{i}\(int hd\) {{ return )[^;]*;", rf"\g<1>{stages};", v)
+        v = re.sub(r"#define (TM_KEYS|TM_MAX_G|TM_STAGE_HALVES|SPLIT_MMA_INSTANCE)\b", r"#undef \1\n#define \1", v)
         src += v
     return cp.RawModule(code=src, options=("--std=c++17", "-default-device"), backend="nvrtc")
 
@@ -189,7 +193,7 @@ def main():
                     continue
                 fn = mod.get_function(f"attend_split_mma_v{vi}_f16_d{hd}")
                 fn.max_dynamic_shared_size_bytes = sm
-                per_sm = (SMEM_OPTIN + 1024) // (sm + 1024)
+                per_sm = min(max(SM_WARPS // warps, 1), (SMEM_OPTIN + 1024) // (sm + 1024))
                 shipped = min(-(-per_sm * sms // n_kv), -(-n_ctx // 64), 1024)
                 for n_split in sorted(set(SPLITS + [shipped])):
                     if n_split > n_ctx // 64:
@@ -219,7 +223,7 @@ def main():
                     err = max(err, float(np.abs(out.get() - ref).max() / np.abs(ref).max()))
                     ts, tc, tb = timed([split]), timed([combine]), timed([split, combine])
                     tcd, tbd = timed([combine_ds]), timed([split, combine_ds])
-                    mark = " (shipped)" if vi == 0 and n_split == shipped else ""
+                    mark = " (shipped)" if SHIPPED[hd] == (warps, stages) and n_split == shipped else ""
                     print(f"| {name} | {n_ctx} | {warps} × {stages} | {n_split}{mark} | {ts * 1e6:.2f} | "
                           f"{tc * 1e6:.2f} / {tcd * 1e6:.2f} | {tb * 1e6:.2f} / {tbd * 1e6:.2f} | "
                           f"{kv_bytes / min(tb, tbd) / copy:.0%} | {err:.1e} | {tr * 1e6:.2f} |", flush=True)

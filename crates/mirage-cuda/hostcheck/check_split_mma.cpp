@@ -46,7 +46,7 @@ static void check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int
     for (auto& v : vc) v = f2h(nd(rng));
     const int slots[4] = {1, len0 - 1, 0, len1 - 1};
     const float scale = 1.f / std::sqrt((float)HD);
-    const size_t smem_halves = (size_t)TM_WARPS * TM_STAGES * TM_STAGE_HALVES(HD);
+    const size_t smem_halves = (size_t)tm_warps(HD) * tm_stages(HD) * TM_STAGE_HALVES(HD);
     std::vector<float> out_eager;
     for (cp_async_emu::Mode mode : {cp_async_emu::Eager, cp_async_emu::Deferred}) {
         cp_async_emu::mode = mode;
@@ -58,8 +58,8 @@ static void check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int
         for (unsigned z = 0; z < gridDim.z; z++)
             for (unsigned y = 0; y < gridDim.y; y++)
                 for (unsigned x = 0; x < gridDim.x; x++) {
-                    cp_async_emu::start_block(TM_WARPS * 32);
-                    run_block(TM_WARPS * 32, dim3_{x, y, z}, [&] {
+                    cp_async_emu::start_block(tm_warps(HD) * 32);
+                    run_block(tm_warps(HD) * 32, dim3_{x, y, z}, [&] {
                         attend_split_mma<HD>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, n_ctx, chunk,
                                              scale, part.data(), nullptr, nullptr, 0, nullptr, smem.data());
                     });
@@ -139,14 +139,14 @@ static void check_rope(std::mt19937& rng, int n_head, int n_head_kv, int n_split
     for (auto& x : vc) x = f2h(nd(rng));
     const int slots[4] = {1, len0 - 1, 0, len1 - 1};
     const float scale = 1.f / std::sqrt((float)HD);
-    std::vector<u16> smem((size_t)TM_WARPS * TM_STAGES * TM_STAGE_HALVES(HD));
+    std::vector<u16> smem((size_t)tm_warps(HD) * tm_stages(HD) * TM_STAGE_HALVES(HD));
     auto grid = [&](bool reverse, const std::function<void()>& f) {
         gridDim = dim3_{(unsigned)rows, (unsigned)n_head_kv, (unsigned)n_split};
         for (unsigned zz = 0; zz < gridDim.z; zz++)
             for (unsigned y = 0; y < gridDim.y; y++)
                 for (unsigned x = 0; x < gridDim.x; x++) {
-                    cp_async_emu::start_block(TM_WARPS * 32);
-                    run_block(TM_WARPS * 32, dim3_{x, y, reverse ? gridDim.z - 1 - zz : zz}, f);
+                    cp_async_emu::start_block(tm_warps(HD) * 32);
+                    run_block(tm_warps(HD) * 32, dim3_{x, y, reverse ? gridDim.z - 1 - zz : zz}, f);
                 }
     };
     // rope_store (q rotated in place, k and v into the cache), then the

@@ -130,8 +130,8 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
 (out / "split_mma_extract.h").write_text(cut(
     "void kv_store(float*", "void kv_store(u16*", "void rope_turn(", "void rope_cs(", "void rope_store(",
     "#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_MAX_SPLITS", "bool pruned_row(", "#define AC_THREADS",
-    "#define AC_BATCH", "void attend_combine_body(", "u32 fa_pack(", "u32 fa_word(", "#define TM_WARPS",
-    "#define TM_KEYS", "#define TM_STAGES", "#define TM_MAX_G", "#define TM_STAGE_HALVES", "void tm_issue(",
+    "#define AC_BATCH", "void attend_combine_body(", "u32 fa_pack(", "u32 fa_word(", "#define TM_KEYS",
+    "#define TM_MAX_G", "int tm_warps(", "int tm_stages(", "#define TM_STAGE_HALVES", "void tm_issue(",
     "float tm_rope_q(", "void attend_split_mma("))
 
 # ggml's Q8_0, Q4_K, Q4_1, Q5_0 and Q6_K dequantizers (ggml.cu), the reference the

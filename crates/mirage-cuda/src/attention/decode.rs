@@ -40,20 +40,43 @@ fn combine_threads(head_dim: usize) -> Result<u32> {
     Ok((COMBINE_THREADS / head_dim * head_dim) as u32)
 }
 
-/// `attend_split_mma_f16_d*` (cuda/attention_mma.cu): head sizes, warps a
-/// block, keys a warp's step, stages of its ring, the most query heads of a
-/// group (the rows of one m16n8k16 product) and its parameters.
+/// `attend_split_mma_f16_d*` (cuda/attention_mma.cu): head sizes, keys a
+/// warp's step, the most query heads of a group (the rows of one m16n8k16
+/// product) and its parameters.
 pub(crate) const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
-const MMA_WARPS: usize = 4;
 const MMA_KEYS: usize = 16;
-const MMA_STAGES: usize = 3;
 const MMA_MAX_GROUP: usize = 16;
 pub(crate) const SPLIT_MMA_ARGS: usize = 14;
+
+/// Warps of an `attend_split_mma` block and stages of each warp's ring, by
+/// head size (`tm_warps`, `tm_stages`): 4 warps of 3 stages at 64, 2 of 4 at
+/// 128.
+fn mma_warps(head_dim: usize) -> usize {
+    if head_dim == 64 {
+        4
+    } else {
+        2
+    }
+}
+
+fn mma_stages(head_dim: usize) -> usize {
+    if head_dim == 64 {
+        3
+    } else {
+        4
+    }
+}
+
+/// Warps an SM the tensor-core split is sized for at long context: with
+/// more (shorter splits, more partials to combine) an H100 read a 32k cache
+/// slower at every Qwen2.5 head shape (benches/gpu/attention_split.py: the
+/// 0.5B's layer took 14.5 µs with 4 warps an SM against 18.2 with 16).
+const MMA_SM_WARPS: usize = 4;
 
 /// Dynamic shared memory of an `attend_split_mma` block: each warp's ring
 /// of stages of `MMA_KEYS` keys and values, rows padded by 8 halves.
 fn mma_smem(head_dim: usize) -> usize {
-    MMA_WARPS * MMA_STAGES * 2 * MMA_KEYS * (head_dim + 8) * 2
+    mma_warps(head_dim) * mma_stages(head_dim) * 2 * MMA_KEYS * (head_dim + 8) * 2
 }
 
 /// Keys per attention split the host plans for at least: the splits of a
@@ -99,8 +122,9 @@ struct SplitPlan {
 /// split form runs on tensor cores (`mma`) for an f16 cache, head sizes
 /// `MMA_HEAD_DIMS` and groups of at most `MMA_MAX_GROUP` heads, when a
 /// block's `mma_smem` fits `smem_optin` (the device's shared memory a
-/// block may opt in to): as many blocks a split as fit an SM by that
-/// memory (`smem_optin` plus the 1 KiB an SM keeps per block, as on sm_90).
+/// block may opt in to), with `MMA_SM_WARPS` warps' worth of blocks an SM,
+/// at most as many as fit an SM by that memory (`smem_optin` plus the 1 KiB
+/// an SM keeps per block, as on sm_90).
 fn split_plan(at: &CacheAttention, sm_count: usize, smem_optin: usize) -> SplitPlan {
     let group = at.n_head / at.n_head_kv;
     let short = at.max_keys <= SHORT_KEYS;
@@ -118,7 +142,8 @@ fn split_plan(at: &CacheAttention, sm_count: usize, smem_optin: usize) -> SplitP
     };
     let head_blocks = at.n_head_kv * group.div_ceil(heads_per_block);
     let blocks_per_sm = if mma {
-        ((smem_optin + 1024) / (mma_smem(at.head_dim) + 1024)).max(1)
+        let fit = (smem_optin + 1024) / (mma_smem(at.head_dim) + 1024);
+        (MMA_SM_WARPS / mma_warps(at.head_dim)).clamp(1, fit.max(1))
     } else {
         SPLIT_BLOCKS_PER_SM
     };
@@ -250,7 +275,7 @@ impl CudaBackend {
         self.push_launch(Launch {
             kernel: self.kernels.index(&format!("attend_split_mma_f16_d{hd}"))?,
             grid: (at.rows as u32, at.n_head_kv as u32, n_split as u32),
-            block: ((MMA_WARPS * 32) as u32, 1, 1),
+            block: ((mma_warps(hd) * 32) as u32, 1, 1),
             smem: mma_smem(hd) as u32,
             work: Work::Plain(args),
         })?;
@@ -360,18 +385,22 @@ mod tests {
         let (p, end) = (at(SHORT_KEYS + 1), at(32768));
         assert!(p.mma && !p.short);
         assert_eq!(p, end);
-        // The whole group in one block; four 55,296-byte blocks fit an SM.
+        // The whole group in one block of 4 warps (55,296 bytes), one
+        // block an SM.
         assert_eq!(mma_smem(64), 55_296);
         assert_eq!((p.heads_per_block, p.head_blocks), (7, 2));
-        assert_eq!(p.n_split, (4 * 132usize).div_ceil(2));
+        assert_eq!(p.n_split, 132usize.div_ceil(2));
         assert!(p.chunk * p.n_split >= 32768);
-        // Head size 128: two blocks an SM.
+        // Head size 128: blocks of 2 warps (69,632 bytes), two an SM.
         let mut wide = shape(1, 28, 4, 32768, 32768);
         wide.head_dim = 128;
+        assert_eq!(mma_smem(128), 69_632);
         assert_eq!(
             split_plan(&wide, 132, H100_OPTIN).n_split,
             (2 * 132usize).div_ceil(4)
         );
+        // A device whose SM holds one such block: one an SM.
+        assert_eq!(split_plan(&wide, 132, 69_632).n_split, 132usize.div_ceil(4));
         // Not for an f32 cache, a head size it is not built for, a group of
         // more than 16 heads or a device whose blocks cannot hold a ring.
         let mut f32_cache = shape(1, 14, 2, 32768, 32768);
