@@ -142,9 +142,10 @@ def dense_launches(mod, kind, ffn, rows, cols, ws, x, y):
                                   x, y, NULL, NULL, F32(1), F32(1), F32(1), NULL, NULL, NULL, NULL, NULL,
                                   NULL, F32(0), NULL), shared_mem=smem)
         out.append((name, launch))
-    if imma and not ffn and cols // 256 >= 32:
-        # The column split across blocks (matvec.rs XSPLIT, rows of 32
-        # super-blocks and more): each block rounds only its slice of x.
+    if imma and not ffn and cols // 256 >= 16:
+        # The column split across blocks (matvec.rs XSPLIT, which the backend
+        # takes for rows of 32 super-blocks and more; timed here from 16):
+        # each block rounds only its slice of x.
         tiles = (rows + 127) // 128
         for s in (2, 4, 8, 16):
             fn = mod.get_function(f"mvx_{kind}_x{s}")
