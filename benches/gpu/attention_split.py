@@ -10,10 +10,9 @@ GPU machine has it).
 
     python3 benches/gpu/attention_split.py [--depths 4096,32768]
 
-Prints one table: microseconds of the split kernel, the combine (as shipped,
-and with a block per 32 of a head's dimensions) and both (one graph), and the
-cache bytes a second of the faster pair as a share of the device-to-device
-copy rate (read + written).
+Prints one table: microseconds of the split kernel, the combine and both (one
+graph), and the cache bytes a second of both as a share of the
+device-to-device copy rate (read + written).
 """
 import argparse
 import pathlib
@@ -24,7 +23,7 @@ import cupy as cp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from matvec_shapes import FILES, READ, ROOT, copy_rate  # noqa: E402
+from matvec_shapes import FILES, READ, ROOT, copy_rate, timed as timed_one  # noqa: E402
 
 # (name, query heads, KV heads, head size)
 SHAPES = [("0.5B", 14, 2, 64), ("1.5B", 12, 2, 128), ("7B", 28, 4, 128)]
@@ -37,67 +36,6 @@ SM_WARPS = 4
 SPLITS = [32, 64, 128, 256, 512]
 SMEM_OPTIN = 227 * 1024
 I32, F32, NULL = np.int32, np.float32, np.uint64(0)
-STREAM = cp.cuda.Stream(non_blocking=True)
-
-
-# The combine with each block taking DS of a head's dimensions (grid (rows,
-# heads, head_dim / DS)): more blocks, each reading fewer partials.
-COMBINE_DS = r'''
-extern "C" __global__ void __launch_bounds__(512) attend_combine_ds(const float* __restrict__ part,
-        const int* __restrict__ slots, int n_head, int head_dim, int n_split, int chunk, int ds,
-        float* __restrict__ out) {
-    __shared__ float w[AS_MAX_SPLITS];
-    __shared__ float s32[32];
-    __shared__ float ared[512];
-    __shared__ float lred[512];
-    const int row = blockIdx.x, head = blockIdx.y, d0 = blockIdx.z * ds, t = threadIdx.x;
-    const int slices = blockDim.x / ds, slice = t / ds, d = d0 + t % ds;
-    int ns = min(n_split, AS_MAX_SPLITS);
-    const int n = slots[2 * row + 1] + 1, c = att_chunk(n, n_split, chunk);
-    ns = min(ns, (n + c - 1) / c);
-    const long stride = head_dim + 2;
-    const float* P = part + ((long)row * n_head + head) * n_split * stride;
-    float M = -MIRAGE_INF;
-    for (int s = t; s < ns; s += blockDim.x) M = fmaxf(M, P[(long)s * stride]);
-    M = warp_max(M);
-    if ((t & 31) == 0) s32[t >> 5] = M;
-    __syncthreads();
-    M = -MIRAGE_INF;
-    for (int i = 0; i < (int)(blockDim.x + 31) / 32; i++) M = fmaxf(M, s32[i]);
-    for (int s = t; s < ns; s += blockDim.x) {
-        const float m = P[(long)s * stride];
-        w[s] = m == -MIRAGE_INF ? 0.f : expf(m - M);
-    }
-    __syncthreads();
-    float L = 0.f, a = 0.f;
-    for (int s0 = slice; s0 < ns; s0 += slices * 4) {
-        float pl[4], pa[4], ws[4];
-#pragma unroll
-        for (int b = 0; b < 4; b++) {
-            const int s = s0 + b * slices;
-            const float* ps = P + (long)min(s, ns - 1) * stride;
-            pl[b] = __ldcg(ps + 1);
-            pa[b] = __ldcg(ps + 2 + d);
-            ws[b] = s < ns ? w[s] : 0.f;
-        }
-#pragma unroll
-        for (int b = 0; b < 4; b++) {
-            L += ws[b] * pl[b];
-            a += ws[b] * pa[b];
-        }
-    }
-    ared[t] = a;
-    lred[t] = L;
-    __syncthreads();
-    if (slice == 0) {
-        for (int k = 1; k < slices; k++) {
-            a += ared[k * ds + t];
-            L += lred[k * ds + t];
-        }
-        out[((long)row * n_head + head) * head_dim + d] = L > 0.f ? a / L : 0.f;
-    }
-}
-'''
 
 
 def smem(warps, stages, hd):
@@ -107,7 +45,7 @@ def smem(warps, stages, hd):
 
 def module():
     """The dense module plus one renamed copy of attention_mma.cu per variant."""
-    src = "".join((ROOT / "cuda" / f"{f}.cu").read_text() for f in FILES) + READ + COMBINE_DS
+    src = "".join((ROOT / "cuda" / f"{f}.cu").read_text() for f in FILES) + READ
     mma = (ROOT / "cuda" / "attention_mma.cu").read_text()
     for i, (warps, stages) in enumerate(VARIANTS):
         v = re.sub(r"\b(tm_issue|tm_rope_q|tm_warps|tm_stages|attend_split_mma)\b", rf"\1_v{i}", mma)
@@ -120,24 +58,8 @@ def module():
 
 
 def timed(launches, reps=20):
-    """Seconds of one pass of `launches` (each a function of the copy index),
-    from a graph of `reps` passes."""
-    with STREAM:
-        for i in range(2):
-            for f in launches:
-                f(i)
-        STREAM.begin_capture()
-        for i in range(reps):
-            for f in launches:
-                f(i)
-        graph = STREAM.end_capture()
-        graph.launch(stream=STREAM)
-        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
-        t0.record(STREAM)
-        graph.launch(stream=STREAM)
-        t1.record(STREAM)
-        t1.synchronize()
-    return cp.cuda.get_elapsed_time(t0, t1) / reps * 1e-3
+    """Seconds of one pass of `launches` (each a function of the copy index)."""
+    return timed_one(lambda i: [f(i) for f in launches], reps)
 
 
 def reference(q, k, v, n_head, n_kv):
@@ -165,10 +87,9 @@ def main():
     read = mod.get_function("stream_read")
     rd_out = cp.zeros(4, cp.uint32)
     comb = mod.get_function("attend_combine")
-    comb_ds = mod.get_function("attend_combine_ds")
     rng = np.random.default_rng(3)
-    print("| shape | depth | warps × stages | splits a KV head | split µs | combine µs (shipped / 32 dims a block) "
-          "| both µs (same) | share of copy (best) | worst error | streaming read µs |")
+    print("| shape | depth | warps × stages | splits a KV head | split µs | combine µs | both µs | share of copy "
+          "| worst error | streaming read µs |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, n_head, n_kv, hd in SHAPES:
         for n_ctx in depths:
@@ -211,22 +132,14 @@ def main():
                         comb((1, n_head), (cthreads,), (part, slots, I32(n_head), I32(hd), I32(n_split), I32(chunk),
                                                         I32(0), I32(1), I32(0), out))
 
-                    def combine_ds(i, n_split=n_split, chunk=chunk, part=part):
-                        comb_ds((1, n_head, hd // 32), (512,), (part, slots, I32(n_head), I32(hd), I32(n_split),
-                                                               I32(chunk), I32(32), out))
-
                     split(0)
                     combine(0)
                     err = float(np.abs(out.get() - ref).max() / np.abs(ref).max())
-                    out.fill(0)
-                    combine_ds(0)
-                    err = max(err, float(np.abs(out.get() - ref).max() / np.abs(ref).max()))
                     ts, tc, tb = timed([split]), timed([combine]), timed([split, combine])
-                    tcd, tbd = timed([combine_ds]), timed([split, combine_ds])
                     mark = " (shipped)" if SHIPPED[hd] == (warps, stages) and n_split == shipped else ""
                     print(f"| {name} | {n_ctx} | {warps} × {stages} | {n_split}{mark} | {ts * 1e6:.2f} | "
-                          f"{tc * 1e6:.2f} / {tcd * 1e6:.2f} | {tb * 1e6:.2f} / {tbd * 1e6:.2f} | "
-                          f"{kv_bytes / min(tb, tbd) / copy:.0%} | {err:.1e} | {tr * 1e6:.2f} |", flush=True)
+                          f"{tc * 1e6:.2f} | {tb * 1e6:.2f} | {kv_bytes / tb / copy:.0%} | {err:.1e} | "
+                          f"{tr * 1e6:.2f} |", flush=True)
             del kc, vc
             cp.get_default_memory_pool().free_all_blocks()
 
