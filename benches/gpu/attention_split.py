@@ -23,7 +23,7 @@ import cupy as cp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from matvec_shapes import FILES, READ, ROOT, copy_rate, timed as timed_one  # noqa: E402
+from matvec_shapes import FILES, READ, ROOT, device_line, timed as timed_one  # noqa: E402
 
 # (name, query heads, KV heads, head size)
 SHAPES = [("0.5B", 14, 2, 64), ("1.5B", 12, 2, 128), ("7B", 28, 4, 128)]
@@ -80,10 +80,7 @@ def main():
     ap.add_argument("--depths", default="4096,32768", help="cache positions, comma-separated")
     depths = [int(d) for d in ap.parse_args().depths.split(",")]
     mod = module()
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    sms = props["multiProcessorCount"]
-    copy = copy_rate()
-    print(f"{props['name'].decode()}, {sms} SMs, copy {copy / 1e9:.0f} GB/s (read + written)")
+    sms, copy = device_line()
     read = mod.get_function("stream_read")
     rd_out = cp.zeros(4, cp.uint32)
     comb = mod.get_function("attend_combine")

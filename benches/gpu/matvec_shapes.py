@@ -110,6 +110,14 @@ def copy_rate():
     return rate
 
 
+def device_line():
+    """(SM count, copy rate) of the device, after printing both with its name."""
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    sms, copy = props["multiProcessorCount"], copy_rate()
+    print(f"{props['name'].decode()}, {sms} SMs, copy {copy / 1e9:.0f} GB/s (read + written)")
+    return sms, copy
+
+
 def dense_launches(mod, kind, ffn, rows, cols, ws, x, y):
     """(kernel name, launch(i)) of every column split of the dense kernel for
     split-layout matrices `ws` (launch i reads copy i % len(ws); gate+up:
@@ -173,10 +181,7 @@ def main():
                     help="split layouts to time, comma-separated (default: all four)")
     kinds = ap.parse_args().kinds.split(",")
     mod = dense_module()
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    sms = props["multiProcessorCount"]
-    copy = copy_rate()
-    print(f"{props['name'].decode()}, {sms} SMs, copy {copy / 1e9:.0f} GB/s (read + written)")
+    sms, copy = device_line()
     read = mod.get_function("stream_read")
     out = cp.zeros(4, cp.uint32)
     print("| shape | layout | MB | kernel (best split) | µs | share of copy | streaming read µs | its share |")
