@@ -222,7 +222,7 @@ pub fn sm120_reorder_scales(
     operand: Operand,
     rowmajor: &[u8],
 ) -> Result<Vec<u8>, Error> {
-    if k % 128 != 0 {
+    if !k.is_multiple_of(128) {
         return Err(Error::InvalidArgument(format!(
             "k={k} is not a multiple of 128"
         )));
@@ -284,7 +284,7 @@ pub fn sm120_nvfp4_gemm_host(
     d: &mut [f32],
     iters: u32,
 ) -> Result<Option<f32>, Error> {
-    if k % 128 != 0 {
+    if !k.is_multiple_of(128) {
         return Err(Error::InvalidArgument(format!(
             "k={k} is not a multiple of 128"
         )));

@@ -129,7 +129,7 @@ fn quant_ladder(d_model: usize) -> Vec<GgmlType> {
         GgmlType::Q2_K,
     ]
     .into_iter()
-    .filter(|t| d_model % t.block_size() == 0)
+    .filter(|t| d_model.is_multiple_of(t.block_size()))
     .collect()
 }
 

@@ -98,7 +98,7 @@ pub struct LayerData {
 
 /// Bytes of one packed page of `d_model`-wide rows in `ty`.
 pub fn page_bytes(ty: GgmlType, d_model: usize) -> Result<usize> {
-    if d_model % ty.block_size() != 0 {
+    if !d_model.is_multiple_of(ty.block_size()) {
         return Err(ArtifactError::QuantUnsupported {
             ty,
             d_model,
@@ -534,7 +534,7 @@ fn check_meta_against_sections(meta: &ArtifactMeta, sections: &[&[u8]]) -> Resul
             meta.n_layer
         ));
     }
-    if meta.n_ff == 0 || meta.n_ff % PAGE_CHANNELS != 0 {
+    if meta.n_ff == 0 || !meta.n_ff.is_multiple_of(PAGE_CHANNELS) {
         return bad(format!(
             "META n_ff {} is not a positive multiple of {PAGE_CHANNELS}",
             meta.n_ff
@@ -651,7 +651,7 @@ impl Artifact {
                 )));
             }
             let pb = page_bytes(quant, d)?;
-            if stride != page_stride(quant, d)? || offset % PAGE_ALIGN != 0 {
+            if stride != page_stride(quant, d)? || !offset.is_multiple_of(PAGE_ALIGN) {
                 return Err(bad(format!(
                     "page stride {stride} / offset {offset} not aligned packing of {pb}-byte pages"
                 )));

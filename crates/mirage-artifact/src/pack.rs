@@ -56,7 +56,7 @@ pub fn unpack_pages(pages: &[&[u8]], ty: GgmlType, d_model: usize) -> Result<Ffn
 /// The quant type a layer really gets for `wanted`: K-quants need
 /// `d_model % 256 == 0`; otherwise Q8_0 (what llama.cpp falls back to).
 pub fn effective_quant(wanted: GgmlType, d_model: usize) -> GgmlType {
-    if d_model % wanted.block_size() == 0 {
+    if d_model.is_multiple_of(wanted.block_size()) {
         wanted
     } else {
         GgmlType::Q8_0

@@ -160,7 +160,7 @@ pub fn prefix_slice(
             }
             let row_in = bytes_for(ty, n_ff)?;
             let identity = keep.iter().enumerate().all(|(i, &c)| i == c);
-            let (out_ty, data) = if identity && kept % ty.block_size() == 0 {
+            let (out_ty, data) = if identity && kept.is_multiple_of(ty.block_size()) {
                 let row_out = bytes_for(ty, kept)?;
                 let mut data = Vec::with_capacity(row_out * d);
                 for r in 0..d {

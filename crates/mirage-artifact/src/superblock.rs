@@ -89,7 +89,7 @@ impl PageSelector {
                     "oracle-top fraction {fraction} is not in (0, 1]"
                 )));
             }
-            if group_channels == 0 || PAGE_CHANNELS % group_channels as usize != 0 {
+            if group_channels == 0 || !PAGE_CHANNELS.is_multiple_of(group_channels as usize) {
                 return Err(ArtifactError::InvalidArgument(format!(
                     "oracle-top group of {group_channels} channels does not divide a page of {PAGE_CHANNELS}"
                 )));

@@ -199,7 +199,7 @@ fn sparsity_zero_decode_is_as_exact_as_the_dense_decode() {
         })
         .sum();
     assert!(
-        st.replaced_bytes > 0 && st.replaced_bytes % per_token == 0,
+        st.replaced_bytes > 0 && st.replaced_bytes.is_multiple_of(per_token),
         "{} bytes replaced, {per_token} a token",
         st.replaced_bytes
     );

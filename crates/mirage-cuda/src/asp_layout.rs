@@ -75,7 +75,7 @@ impl AspLayout {
             GgmlType::Q4_K | GgmlType::Q6_K => 256,
             t => return Err(AspLayoutError::Unsupported(t)),
         };
-        if cols == 0 || cols % unit != 0 || rows == 0 {
+        if cols == 0 || !cols.is_multiple_of(unit) || rows == 0 {
             return Err(AspLayoutError::Shape(format!(
                 "a {rows} x {cols} {ty} matrix: the kernels take rows > 0 and columns a multiple of {unit}"
             )));

@@ -186,7 +186,7 @@ impl PrunedAttention {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         let s = kv.shape;
-        if rows == 0 || n_head == 0 || n_head % s.n_head_kv != 0 {
+        if rows == 0 || n_head == 0 || !n_head.is_multiple_of(s.n_head_kv) {
             return Err(bad(format!(
                 "{rows} rows, {n_head} heads over {} KV heads",
                 s.n_head_kv

@@ -227,7 +227,7 @@ impl CudaBackend {
     /// The `mmq_*` suffix of `w` when the int8 products read it.
     fn mmq_suffix(w: &CudaMatrix) -> Option<&'static str> {
         let suffix = MMQ_SUFFIXES.into_iter().find(|&s| s == w.suffix())?;
-        (w.cols % MMQ_K == 0).then_some(suffix)
+        w.cols.is_multiple_of(MMQ_K).then_some(suffix)
     }
 
     /// `y[a, :] = W x[a, :]` for `n_act` rows.

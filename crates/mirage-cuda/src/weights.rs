@@ -216,7 +216,7 @@ impl CudaBackend {
                 what: m.name.clone(),
             });
         }
-        if m.cols % 32 != 0 {
+        if !m.cols.is_multiple_of(32) {
             return Err(bad(format!(
                 "{}: row length {} is not a multiple of 32",
                 m.name, m.cols

@@ -171,7 +171,11 @@ fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 fn nvfp4_page_weight(page: &[u8], d: usize, ts: [f32; 3], k: usize, row: usize, i: usize) -> f32 {
     let (mat, smat) = (PAGE_CHANNELS * d / 2, PAGE_CHANNELS * d / 16);
     let byte = page[k * mat + row * d / 2 + i / 2];
-    let code = if i % 2 == 0 { byte & 15 } else { byte >> 4 };
+    let code = if i.is_multiple_of(2) {
+        byte & 15
+    } else {
+        byte >> 4
+    };
     let scale = page[3 * mat + k * smat + row * d / 16 + i / 16];
     e2m1_to_f32(code) * (e4m3_to_f32(scale) * ts[k])
 }

@@ -426,7 +426,7 @@ fn preset_type<T: TensorEntry + ?Sized>(
         p.more_bits_in_some_layers() && position(c).is_some_and(|(i, n)| use_more_bits(i, n))
     };
     if name == "output.weight" || (!has_output && name == "token_embd.weight") {
-        if tensor.row_len() % base.block_size() as u64 != 0 {
+        if !tensor.row_len().is_multiple_of(base.block_size() as u64) {
             GgmlType::Q8_0
         } else if base != GgmlType::Q8_0 {
             GgmlType::Q6_K
@@ -466,7 +466,7 @@ fn fit<T: TensorEntry + ?Sized>(
     single: bool,
 ) -> (Plan, Option<Fallback>) {
     let row_len = tensor.row_len();
-    let fits = |ty: GgmlType| row_len % ty.block_size() as u64 == 0;
+    let fits = |ty: GgmlType| row_len.is_multiple_of(ty.block_size() as u64);
     let (ty, note) = if fits(chosen) {
         (chosen, None)
     } else {

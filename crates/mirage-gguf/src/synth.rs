@@ -83,7 +83,7 @@ fn symmetric_code(r: u64, k: u32) -> i32 {
 /// values in `±std·√3` (never exactly zero).
 pub fn fill_random(ty: GgmlType, std: f32, seed: u64, out: &mut [u8]) -> Result<(), GgufError> {
     let ts = ty.type_size();
-    if out.len() % ts != 0 {
+    if !out.len().is_multiple_of(ts) {
         return Err(GgufError::InvalidInput(format!(
             "{} bytes is not a whole number of {ty} blocks ({ts} bytes)",
             out.len()

@@ -186,7 +186,7 @@ pub trait Router {
 
 /// Checks the batch shape and returns the number of queries.
 pub(crate) fn check_points(points: &[[f32; 3]], slices: usize) -> Result<usize, RouteError> {
-    if slices == 0 || points.len() % slices != 0 {
+    if slices == 0 || !points.len().is_multiple_of(slices) {
         return Err(RouteError::InvalidInput(format!(
             "{} points is not a whole number of queries of {slices} slices",
             points.len()

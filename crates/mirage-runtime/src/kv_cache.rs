@@ -206,7 +206,7 @@ impl KvCache {
                 "empty KV cache shape {spec:?}"
             )));
         }
-        if spec.dtype == KvDtype::Q8_0 && spec.head_dim % Q8_0_BLOCK != 0 {
+        if spec.dtype == KvDtype::Q8_0 && !spec.head_dim.is_multiple_of(Q8_0_BLOCK) {
             return Err(RuntimeError::InvalidArgument(format!(
                 "a q8_0 KV cache needs head_dim divisible by {Q8_0_BLOCK}, not {}",
                 spec.head_dim

@@ -365,7 +365,7 @@ impl PageSummaries {
             let li = layer * self.n_seq + seq;
             let len = self.lens[li].min(pos);
             self.lens[li] = len;
-            if len % self.page == 0 {
+            if len.is_multiple_of(self.page) {
                 continue; // no page is cut; pages past `len` are cleared on the next write
             }
             let first = len / self.page * self.page;

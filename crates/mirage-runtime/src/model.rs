@@ -67,7 +67,7 @@ impl ModelConfig {
             return Err(unsupported("value heads of a different size".into()));
         }
         let rope_scaling = RopeScaling::from_hparams(hp)?;
-        if hp.n_head_kv == 0 || hp.n_head % hp.n_head_kv != 0 {
+        if hp.n_head_kv == 0 || !hp.n_head.is_multiple_of(hp.n_head_kv) {
             return Err(unsupported(format!(
                 "{} heads over {} KV heads",
                 hp.n_head, hp.n_head_kv

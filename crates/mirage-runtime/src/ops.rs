@@ -213,7 +213,7 @@ pub fn attend_f32_portable(
 fn simd_attention(d: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        d % 8 == 0
+        d.is_multiple_of(8)
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")

@@ -35,7 +35,7 @@ impl CharsMap {
             .ok_or_else(|| bad(format!("{} bytes, shorter than its header", bytes.len())))?;
         let trie_bytes = u32::from_le_bytes(header) as usize;
         let rest = &bytes[4..];
-        if trie_bytes % 4 != 0 || trie_bytes >= rest.len() {
+        if !trie_bytes.is_multiple_of(4) || trie_bytes >= rest.len() {
             return Err(bad(format!(
                 "trie of {trie_bytes} bytes does not fit the {} bytes after the header",
                 rest.len()

@@ -170,7 +170,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     if let Some(g) = args
         .oracle_top_groups
         .iter()
-        .find(|&&g| g == 0 || PAGE_CHANNELS % g as usize != 0)
+        .find(|&&g| g == 0 || !PAGE_CHANNELS.is_multiple_of(g as usize))
     {
         bail!("--oracle-top-groups {g}: each group must divide a page of {PAGE_CHANNELS} channels");
     }

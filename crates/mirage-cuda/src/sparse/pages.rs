@@ -82,7 +82,7 @@ impl PageFormat {
             PageFormat::Q8_0 | PageFormat::Nvfp4 => (32, usize::MAX),
             PageFormat::Q2K => (GgmlType::Q2_K.block_size(), Q2K_MAX_D),
         };
-        if d_model == 0 || d_model % step != 0 || d_model > max {
+        if d_model == 0 || !d_model.is_multiple_of(step) || d_model > max {
             let hint = if self == PageFormat::Q2K {
                 " (one Q2_K super-block); use page format q8_0 or nvfp4 for this model"
             } else {
@@ -149,7 +149,7 @@ impl PageFormat {
         threads: usize,
     ) -> Result<(Vec<u8>, f32), PageError> {
         self.check_d_model(d)?;
-        if values.len() % d != 0 {
+        if !values.len().is_multiple_of(d) {
             return Err(invalid(format!(
                 "{} values are not rows of {d}",
                 values.len()
@@ -304,7 +304,7 @@ impl Pages {
     ) -> Result<Pages, PageError> {
         format.check_d_model(d_model)?;
         let n = gate.len();
-        if n % d_model != 0 || up.len() != n || down_t.len() != n {
+        if !n.is_multiple_of(d_model) || up.len() != n || down_t.len() != n {
             return Err(invalid(format!(
                 "gate, up and down_t must be the same rows of {d_model}: {} / {} / {} values",
                 gate.len(),
@@ -357,7 +357,7 @@ impl Pages {
     /// channel's row bytes are moved plane by plane, nothing is re-encoded.
     pub fn permuted(&self, perm: &[u32]) -> Result<Pages, PageError> {
         let n = perm.len();
-        if n == 0 || n % PAGE_CHANNELS != 0 {
+        if n == 0 || !n.is_multiple_of(PAGE_CHANNELS) {
             return Err(invalid(format!(
                 "a channel order of {n} channels is not whole pages of {PAGE_CHANNELS}"
             )));
@@ -450,7 +450,11 @@ impl Pages {
 fn nvfp4_shape(t: &Nvfp4Tensor) -> Result<(usize, usize), PageError> {
     let cols = t.row_len();
     let n = t.n_elements();
-    if cols == 0 || cols % 16 != 0 || n % cols != 0 || t.block_scales.len() != n / 16 {
+    if cols == 0
+        || !cols.is_multiple_of(16)
+        || !n.is_multiple_of(cols)
+        || t.block_scales.len() != n / 16
+    {
         return Err(invalid(format!(
             "NVFP4 tensor with row length {cols}, {n} elements and {} block scales is not a matrix of 16-element blocks",
             t.block_scales.len()
@@ -507,7 +511,7 @@ fn regroup(
 fn check_rows(ty: GgmlType, data: &[u8], rows: usize, d: usize) -> Result<(), PageError> {
     let want = ty
         .bytes_for((rows * d) as u64)
-        .filter(|_| d > 0 && d % ty.block_size() == 0)
+        .filter(|_| d > 0 && d.is_multiple_of(ty.block_size()))
         .ok_or_else(|| {
             invalid(format!(
                 "{ty} row length {d} is not a positive multiple of {}",
@@ -608,7 +612,7 @@ pub fn quantize_rows(
     d: usize,
     threads: usize,
 ) -> Result<Vec<u8>, PageError> {
-    if d == 0 || values.len() % d != 0 {
+    if d == 0 || !values.len().is_multiple_of(d) {
         return Err(invalid(format!(
             "{} values are not rows of {d}",
             values.len()

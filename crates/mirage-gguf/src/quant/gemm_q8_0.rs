@@ -81,7 +81,7 @@ pub fn pack_q8_0_rows(
     let nb = cols / QK;
     // Every byte of a full group is written below; only a last partial
     // group has lanes to clear.
-    if n_tokens % Q8_0_TOKEN_GROUP != 0 {
+    if !n_tokens.is_multiple_of(Q8_0_TOKEN_GROUP) {
         let last = n_tokens / Q8_0_TOKEN_GROUP * nb * PACKED_BLOCK_BYTES;
         dst[last..].fill(0);
     }

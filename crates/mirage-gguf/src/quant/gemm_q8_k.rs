@@ -76,7 +76,7 @@ pub fn pack_q8_k_rows(
     let bytes = packed_q8_k_bytes(n_tokens, cols)?;
     super::check_len(ty, "packed activation bytes", bytes, dst.len())?;
     let nsb = cols / QK_K;
-    if n_tokens % K_TOKEN_GROUP != 0 {
+    if !n_tokens.is_multiple_of(K_TOKEN_GROUP) {
         let last = n_tokens / K_TOKEN_GROUP * nsb * PACKED_SB_BYTES;
         dst[last..].fill(0);
     }

@@ -105,7 +105,7 @@ pub type DotFn = unsafe fn(n: usize, weights: &[u8], act: &[u8]) -> f32;
 /// Bytes that `n` elements of `ty` occupy, checking the block multiple.
 pub fn row_bytes(ty: GgmlType, n: usize) -> Result<usize, QuantError> {
     let block_size = ty.block_size();
-    if n % block_size != 0 {
+    if !n.is_multiple_of(block_size) {
         return Err(QuantError::NotBlockMultiple { ty, n, block_size });
     }
     Ok(n / block_size * ty.type_size())

@@ -205,7 +205,7 @@ fn check_len(what: &'static str, expected: usize, got: usize) -> Result<(), Nvfp
 }
 
 fn check_blocks(n: usize) -> Result<(), Nvfp4Error> {
-    if n % NVFP4_BLOCK_SIZE != 0 {
+    if !n.is_multiple_of(NVFP4_BLOCK_SIZE) {
         return Err(Nvfp4Error::NotBlockMultiple {
             n,
             block: NVFP4_BLOCK_SIZE,
@@ -333,7 +333,7 @@ impl Nvfp4Tensor {
         let threads = threads.clamp(1, rows.max(1));
         let row_bytes = crate::quant::row_bytes(ty, row_len)?;
         if threads == 1
-            || row_len % NVFP4_BLOCK_SIZE != 0
+            || !row_len.is_multiple_of(NVFP4_BLOCK_SIZE)
             || row_bytes.checked_mul(rows) != Some(data.len())
         {
             return Self::requantize(ty, data, dims);
@@ -459,7 +459,7 @@ pub fn serialized_len(n: usize) -> usize {
 
 fn dims_elements(dims: &[u64]) -> Result<usize, Nvfp4Error> {
     let row = dims.first().copied().unwrap_or(0) as usize;
-    if row % NVFP4_BLOCK_SIZE != 0 {
+    if !row.is_multiple_of(NVFP4_BLOCK_SIZE) {
         return Err(Nvfp4Error::NotBlockMultiple {
             n: row,
             block: NVFP4_BLOCK_SIZE,
@@ -509,7 +509,7 @@ const Q8_0_BLOCK: usize = 32;
 const Q8_0_BYTES: usize = 34;
 
 fn check_q8(n: usize, block_scales: &[u8], packed: &[u8], act: &[u8]) -> Result<(), Nvfp4Error> {
-    if n % Q8_0_BLOCK != 0 {
+    if !n.is_multiple_of(Q8_0_BLOCK) {
         return Err(Nvfp4Error::NotBlockMultiple {
             n,
             block: Q8_0_BLOCK,

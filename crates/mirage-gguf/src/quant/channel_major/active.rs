@@ -197,7 +197,7 @@ impl ActiveChannels {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            if matches!(group, 16 | 32) && x.len() % group == 0 && avx512::available() {
+            if matches!(group, 16 | 32) && x.len().is_multiple_of(group) && avx512::available() {
                 self.reset(group);
                 let thr_of = |g: usize| thr.map(|t| &t[g * group..(g + 1) * group]);
                 let mut tops = std::mem::take(&mut self.tops);

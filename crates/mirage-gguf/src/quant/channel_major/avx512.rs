@@ -517,7 +517,7 @@ unsafe fn tile<const BITS: usize, const E: u8>(
 ) {
     let r = layout.tile_rows(t);
     let rl = layout.run_bytes(r);
-    let (full, tail) = (r / BLOCK, r % BLOCK != 0);
+    let (full, tail) = (r / BLOCK, !r.is_multiple_of(BLOCK));
     let base = data.as_ptr();
     let yp = y.as_mut_ptr();
     y.fill(0.0);

@@ -100,7 +100,7 @@ impl ChannelMajorLayout {
             ty,
             op: "channel-major layout",
         })?;
-        if cols == 0 || cols % s.superblock != 0 {
+        if cols == 0 || !cols.is_multiple_of(s.superblock) {
             return Err(QuantError::NotBlockMultiple {
                 ty,
                 n: cols,
@@ -114,14 +114,14 @@ impl ChannelMajorLayout {
         } else {
             BLOCK
         };
-        if rows == 0 || rows % row_unit != 0 {
+        if rows == 0 || !rows.is_multiple_of(row_unit) {
             return Err(QuantError::NotBlockMultiple {
                 ty,
                 n: rows,
                 block_size: row_unit,
             });
         }
-        if tile == 0 || tile % BLOCK != 0 || tile > MAX_TILE {
+        if tile == 0 || !tile.is_multiple_of(BLOCK) || tile > MAX_TILE {
             return Err(QuantError::NotBlockMultiple {
                 ty,
                 n: tile,
@@ -389,7 +389,7 @@ mod tests {
         assert_eq!(default_tile(128), 128);
         for rows in (64..40000).step_by(64) {
             let t = default_tile(rows);
-            assert!(t % BLOCK == 0 && t <= MAX_TILE, "{rows}: {t}");
+            assert!(t.is_multiple_of(BLOCK) && t <= MAX_TILE, "{rows}: {t}");
             assert_eq!(
                 rows.div_ceil(t),
                 rows.div_ceil(MAX_TILE),
