@@ -220,6 +220,18 @@ mod nvrtc_check {
             };
             assert_eq!(param_count(&ptx, name), want, "{name}");
         }
+        // The split attention's blocks are as wide as its kernels' launch
+        // bounds (the warp count is chosen in both places, per head size).
+        for hd in crate::attention::MMA_HEAD_DIMS {
+            let name = format!("attend_split_mma_f16_d{hd}");
+            let e = module::entry(&ptx, &name).unwrap();
+            let bound = e
+                .split(".maxntid")
+                .nth(1)
+                .and_then(|r| r.trim_start().split(',').next())
+                .and_then(|n| n.trim().parse::<usize>().ok());
+            assert_eq!(bound, Some(32 * crate::attention::mma_warps(hd)), "{name}");
+        }
         // The typed mat-vec launches fill their kernels kind by kind (the
         // backend checks every launch the same way before it runs).
         use crate::launch::{check_args, GateUp, MatVec, Work, XSplit, F32};

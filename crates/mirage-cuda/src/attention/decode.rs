@@ -51,7 +51,7 @@ pub(crate) const SPLIT_MMA_ARGS: usize = 14;
 /// Warps of an `attend_split_mma` block and stages of each warp's ring, by
 /// head size (`tm_warps`, `tm_stages`): 4 warps of 3 stages at 64, 2 of 4 at
 /// 128.
-fn mma_warps(head_dim: usize) -> usize {
+pub(crate) fn mma_warps(head_dim: usize) -> usize {
     if head_dim == 64 {
         4
     } else {
