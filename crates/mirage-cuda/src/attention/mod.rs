@@ -32,9 +32,11 @@ mod pruned;
 
 pub use cache::CudaKvCache;
 pub(crate) use cache::KvPageBoxes;
-pub(crate) use decode::{mma_warps, MMA_HEAD_DIMS, SPLIT_HEAD_DIMS};
+#[cfg(test)]
+pub(crate) use decode::mma_warps;
 #[cfg(test)]
 pub(crate) use decode::{COMBINE_ARGS, SPLIT_ARGS, SPLIT_MMA_ARGS, SPLIT_ROPE_ARGS};
+pub(crate) use decode::{MMA_HEAD_DIMS, SPLIT_HEAD_DIMS};
 pub(crate) use prefill::PREFILL_HEAD_DIMS;
 use prefill::PREFILL_MIN_ROWS;
 #[cfg(test)]
