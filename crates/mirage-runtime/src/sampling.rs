@@ -199,7 +199,7 @@ impl Sampler {
         }
         // Probabilities at temperature 1 relative to the best candidate, as
         // llama.cpp's top-p/min-p see them.
-        let max = c.iter().min_by(|a, b| order(a, b)).expect("not empty").1;
+        let (best, max) = *c.iter().min_by(|a, b| order(a, b)).expect("not empty");
         let prob = |c: &(u32, f32)| fast_exp(c.1 - max);
         let (total, sorted) = if top_k || c.len() <= FULL_SORT {
             c.sort_unstable_by(order);
@@ -211,12 +211,13 @@ impl Sampler {
             let total: f32 = c.iter().map(prob).sum();
             if p.min_p > 0.0 {
                 // Min-p keeps every candidate at least min_p times as likely
-                // as the best one (at least the best itself): a filter in
-                // vocabulary order. On a flat distribution that is most of
-                // the vocabulary, which a sort of the best 512 does not
-                // reach, and sorting it all cost 4-8 ms a draw.
+                // as the best one, and the best itself (whose probability is
+                // NaN when its logit is infinite): a filter in vocabulary
+                // order. On a flat distribution that is most of the
+                // vocabulary, which a sort of the best 512 does not reach,
+                // and sorting it all cost 4-8 ms a draw.
                 let cut = p.min_p;
-                c.retain(|x| prob(x) >= cut);
+                c.retain(|x| x.0 == best || prob(x) >= cut);
                 if p.top_p >= 1.0 {
                     return (c.len(), max);
                 }
@@ -677,6 +678,28 @@ mod tests {
             seen.insert(s.sample(&logits, &[]));
         }
         assert_eq!(seen.into_iter().collect::<Vec<_>>(), want);
+    }
+
+    /// An infinite logit leaves min-p one candidate, itself, whether the
+    /// vocabulary is sorted whole or filtered unsorted.
+    #[test]
+    fn min_p_keeps_an_infinite_best_logit() {
+        for (n, top_p) in [(100, 1.0), (5000, 1.0), (5000, 0.9)] {
+            let mut logits = vec![0.5f32; n];
+            logits[n / 3] = f32::INFINITY;
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p,
+                min_p: 0.05,
+                ..Default::default()
+            });
+            assert_eq!(
+                s.sample(&logits, &[]),
+                (n / 3) as u32,
+                "{n} logits, top-p {top_p}"
+            );
+        }
     }
 
     #[test]
