@@ -3,14 +3,103 @@
 // of a KV group together, RoPE and the store folded in where it can) with
 // its combine, and the tiled prefill attention.
 
-// KV-cache element access: f32 or f16 (stored as raw u16 bits).
-__device__ __forceinline__ float kv_load(const float* p, long i) { return p[i]; }
-__device__ __forceinline__ float kv_load(const u16* p, long i) { return h2f(p[i]); }
+// KV-cache element access: f32 or f16 (stored as raw u16 bits), through
+// the read-only path (__ldg: no kernel that reads the cache element by
+// element writes it).
+__device__ __forceinline__ float kv_load(const float* p, long i) { return __ldg(p + i); }
+__device__ __forceinline__ float kv_load(const u16* p, long i) { return h2f(__ldg(p + i)); }
 __device__ __forceinline__ void kv_store(float* p, long i, float v) { p[i] = v; }
 __device__ __forceinline__ void kv_store(u16* p, long i, float v) { p[i] = f2h(v); }
 // What kv_load returns after kv_store(p, i, v): v as the cache holds it.
 __device__ __forceinline__ float kv_round(const float*, float v) { return v; }
 __device__ __forceinline__ float kv_round(const u16*, float v) { return h2f(f2h(v)); }
+
+// A q8_0 cache (kernels named *_q8_0): the codes as signed bytes in the
+// layout of the other caches ([n_seq, n_head_kv, n_ctx, head_dim], one byte
+// an element) and one f16 scale per 32 codes in a second array ([n_seq,
+// n_head_kv, n_ctx, head_dim / 32]): element e is q[e] * d[e / 32], ggml's
+// q8_0 blocks as the CPU's cache holds them. A KvQ8 stands for element o of
+// such a cache and adds offsets as a pointer does, so the kernels' templates
+// take it where they take a pointer to an f32 or f16 cache.
+struct KvQ8 {
+    i8* q;
+    u16* d;
+    long o;
+};
+__device__ __forceinline__ KvQ8 operator+(KvQ8 p, long i) { return KvQ8{p.q, p.d, p.o + i}; }
+__device__ __forceinline__ float kv_load(KvQ8 p, long i) {
+    const long e = p.o + i;
+    return (float)__ldg(p.q + e) * h2f(__ldg(p.d + (e >> 5)));
+}
+// Bytes an element takes in the cache's main array.
+__device__ __forceinline__ constexpr int kv_bytes(const float*) { return 4; }
+__device__ __forceinline__ constexpr int kv_bytes(const u16*) { return 2; }
+__device__ __forceinline__ constexpr int kv_bytes(KvQ8) { return 1; }
+// Asks L2 for elements [0, n) at p (and their scales).
+__device__ __forceinline__ void kv_prefetch(const float* p, long n) { l2_prefetch_block(p, 4 * n); }
+__device__ __forceinline__ void kv_prefetch(const u16* p, long n) { l2_prefetch_block(p, 2 * n); }
+__device__ __forceinline__ void kv_prefetch(KvQ8 p, long n) {
+    l2_prefetch_block(p.q + p.o, n);
+    l2_prefetch_block(p.d + (p.o >> 5), n / 16);
+}
+
+// Stores a rotated pair of a head row into the cache: thread i of threads
+// 0 .. half - 1 (whole warps, all of them calling) holds elements ia and ib
+// (neox: i and i + half, else 2i and 2i + 1) of the row that starts at
+// element `at`, values a and b (only if `store`); *ha and *hb get the
+// values the cache then holds (kv_load's). A q8_0 row is quantized as the
+// CPU's quantize_q8_0 (d = max|x| / 127, q = round(x / d), d stored as
+// f16): with neox the 32 lanes of a warp hold one block of each half, else
+// 16 lanes hold one block (head sizes of 64 and more).
+__device__ __forceinline__ void kv_store_pair(float* p, long at, int i, int neox, int half, float a, float b,
+                                              float* ha, float* hb, bool store = true) {
+    const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+    if (store) {
+        kv_store(p, at + ia, a);
+        kv_store(p, at + ib, b);
+    }
+    *ha = kv_round(p, a);
+    *hb = kv_round(p, b);
+}
+__device__ __forceinline__ void kv_store_pair(u16* p, long at, int i, int neox, int half, float a, float b, float* ha,
+                                              float* hb, bool store = true) {
+    const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+    if (store) {
+        kv_store(p, at + ia, a);
+        kv_store(p, at + ib, b);
+    }
+    *ha = kv_round(p, a);
+    *hb = kv_round(p, b);
+}
+__device__ __forceinline__ i8 q8_code(float x, float inv) { return (i8)roundf(x * inv); }
+__device__ __forceinline__ void kv_store_pair(KvQ8 p, long at, int i, int neox, int half, float a, float b, float* ha,
+                                              float* hb, bool store = true) {
+    float ma, mb;
+    if (neox) {
+        ma = warp_max(fabsf(a));
+        mb = warp_max(fabsf(b));
+    } else {
+        ma = fmaxf(fabsf(a), fabsf(b));
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) ma = fmaxf(ma, __shfl_xor_sync(0xffffffffu, ma, o));
+        mb = ma;
+    }
+    const float da = ma / 127.f, db = mb / 127.f;
+    const i8 qa = q8_code(a, da != 0.f ? 1.f / da : 0.f), qb = q8_code(b, db != 0.f ? 1.f / db : 0.f);
+    const u16 ha16 = f2h(da), hb16 = f2h(db);
+    const long e = p.o + at;
+    const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+    if (store) {
+        p.q[e + ia] = qa;
+        p.q[e + ib] = qb;
+    }
+    if (store && (neox ? (i & 31) == 0 : (i & 15) == 0)) {
+        p.d[(e + ia) >> 5] = ha16;
+        if (neox) p.d[(e + ib) >> 5] = hb16;
+    }
+    *ha = (float)qa * h2f(ha16);
+    *hb = (float)qb * h2f(hb16);
+}
 
 // RoPE of pair i of a head (elements ia, ib: neox halves or adjacent) at
 // position pos, rope_store's arithmetic (shared with attend_rope, so both
@@ -57,10 +146,10 @@ __device__ void rope_table_body(float* __restrict__ rope, int n_pos, int head_di
 // a recorded step replays for any position). Grid (rows, n_head +
 // n_head_kv), block head_dim / 2 (one thread per rotated pair).
 // Cache layout per layer: [n_seq, n_head_kv, n_ctx, head_dim] of KV.
-template <typename KV>
+template <typename KP>
 __device__ void rope_store(float* q, float* k, const float* __restrict__ v, const int* __restrict__ slots, int n_head,
                            int n_head_kv, int head_dim, int neox, const float* __restrict__ rope, const float* qn,
-                           const float* kn, float norm_eps, KV* kc, KV* vc, int n_ctx) {
+                           const float* kn, float norm_eps, KP kc, KP vc, int n_ctx) {
     __shared__ float s32[32];
     int row = blockIdx.x, hh = blockIdx.y, i = threadIdx.x, half = head_dim >> 1;
     int seq = slots[2 * row], pos = slots[2 * row + 1];
@@ -83,11 +172,10 @@ __device__ void rope_store(float* q, float* k, const float* __restrict__ v, cons
     x[ib] = rb;
     if (!is_q) {
         long at = (((long)seq * n_head_kv + head) * n_ctx + pos) * head_dim;
-        kv_store(kc, at + ia, ra);
-        kv_store(kc, at + ib, rb);
         const float* vr = v + ((long)row * n_head_kv + head) * head_dim;
-        kv_store(vc, at + ia, vr[ia]);
-        kv_store(vc, at + ib, vr[ib]);
+        float h0, h1;
+        kv_store_pair(kc, at, i, neox, half, ra, rb, &h0, &h1);
+        kv_store_pair(vc, at, i, neox, half, vr[ia], vr[ib], &h0, &h1);
     }
 }
 
@@ -174,14 +262,21 @@ __device__ __forceinline__ void att_store_partial(float acc, float l, float m, i
 #define AS_LPK 8
 #define AS_MAX_SPLITS 1024
 
-// The elements of a 16-byte unit of the cache as f32.
-__device__ __forceinline__ void kv_unpack(uint4 r, const float*, float* x) {
+// The 16-byte unit of the cache's main array at element e of p (e a
+// multiple of its elements per unit).
+__device__ __forceinline__ uint4 kv_unit(const float* p, long e) { return *(const uint4*)(p + e); }
+__device__ __forceinline__ uint4 kv_unit(const u16* p, long e) { return *(const uint4*)(p + e); }
+__device__ __forceinline__ uint4 kv_unit(KvQ8 p, long e) { return *(const uint4*)(p.q + p.o + e); }
+
+// The elements of the 16-byte unit r (element e of p, for a q8_0 cache's
+// scale) as f32.
+__device__ __forceinline__ void kv_unpack(uint4 r, const float*, long, float* x) {
     x[0] = __uint_as_float(r.x);
     x[1] = __uint_as_float(r.y);
     x[2] = __uint_as_float(r.z);
     x[3] = __uint_as_float(r.w);
 }
-__device__ __forceinline__ void kv_unpack(uint4 r, const u16*, float* x) {
+__device__ __forceinline__ void kv_unpack(uint4 r, const u16*, long, float* x) {
     const unsigned w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -189,7 +284,13 @@ __device__ __forceinline__ void kv_unpack(uint4 r, const u16*, float* x) {
         x[2 * i + 1] = h2f((u16)(w[i] >> 16));
     }
 }
-// N consecutive elements at p (N * sizeof(KV) bytes, aligned to that) as f32.
+__device__ __forceinline__ void kv_unpack(uint4 r, KvQ8 p, long e, float* x) {
+    const float d = h2f(p.d[(p.o + e) >> 5]);
+    const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 16; i++) x[i] = (float)(i8)(w[i >> 2] >> (8 * (i & 3))) * d;
+}
+// N consecutive elements at p (N elements' bytes, aligned to that) as f32.
 template <int N>
 __device__ __forceinline__ void kv_load_n(const float* p, float* x) {
     if constexpr (N == 2) {
@@ -220,6 +321,14 @@ __device__ __forceinline__ void kv_load_n(const u16* p, float* x) {
         x[3] = h2f((u16)(r.y >> 16));
     }
 }
+template <int N>
+__device__ __forceinline__ void kv_load_n(KvQ8 p, float* x) {
+    static_assert(N == 2 || N == 4, "2 or 4 elements");
+    const unsigned r = N == 2 ? (unsigned)*(const unsigned short*)(p.q + p.o) : *(const unsigned*)(p.q + p.o);
+    const float d = h2f(p.d[p.o >> 5]);
+#pragma unroll
+    for (int i = 0; i < N; i++) x[i] = (float)(i8)(r >> (8 * i)) * d;
+}
 
 // The query heads of block (row, y) of attend_split, which takes hpb
 // (1 .. AS_MAX_G) heads of a group per block: the first head h0 and how many
@@ -243,8 +352,8 @@ __device__ __forceinline__ SplitHeads split_heads(int n_head, int n_head_kv, int
 // before the row's were written by earlier steps, or in a prefill batch by
 // the rope_store just before, which a prefetch cannot make stale: it reads
 // into L2, where every write lands, and changes no value.
-template <typename KV, int HD>
-__device__ __forceinline__ void split_prefetch_kv(const KV* kc, const KV* vc, const int* slots, int n_head,
+template <int HD, typename KP>
+__device__ __forceinline__ void split_prefetch_kv(KP kc, KP vc, const int* slots, int n_head,
                                                   int n_head_kv, int n_ctx, int chunk, int hpb) {
     // Only when the launch has one split (short rows): at long context the
     // first tile is a small share of a split's reads (measured on an H100 at
@@ -256,9 +365,8 @@ __device__ __forceinline__ void split_prefetch_kv(const KV* kc, const KV* vc, co
     const int j0 = blockIdx.z * c, j1 = min(min(pos, j0 + c), j0 + AS_TILE);
     if (j0 >= j1) return;
     const long at = (((long)seq * n_head_kv + sh.kvh) * n_ctx + j0) * HD;
-    const long bytes = (long)(j1 - j0) * HD * (long)sizeof(KV);
-    l2_prefetch_block(kc + at, bytes);
-    l2_prefetch_block(vc + at, bytes);
+    kv_prefetch(kc + at, (long)(j1 - j0) * HD);
+    kv_prefetch(vc + at, (long)(j1 - j0) * HD);
 }
 
 // attend_split's body for head size HD (64, 128 or 256): the query heads
@@ -275,15 +383,16 @@ __device__ __forceinline__ void split_prefetch_kv(const KV* kc, const KV* vc, co
 // Weighted V sum: thread t owns DPT consecutive output elements of every
 // head and takes every NGRP-th key of the tile (NGRP groups of HD / DPT
 // threads, added in group order at the end).
-template <typename KV, int HD, typename LoadQ>
-__device__ void attend_split_with(LoadQ load_q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+template <int HD, typename KP, typename LoadQ>
+__device__ void attend_split_with(LoadQ load_q, KP kc, KP vc,
                                   const int* __restrict__ slots, int n_head, int n_head_kv, int n_ctx, int chunk,
                                   int hpb, float scale, const float* ksub, const float* vsub, int psub,
                                   float* __restrict__ part, float* __restrict__ out) {
-    constexpr int EPU = 16 / (int)sizeof(KV);       // elements per 16-byte unit
-    constexpr int UPL = HD / EPU / AS_LPK;          // units per lane of one key
+    constexpr int EPU = 16 / kv_bytes(KP{});        // elements per 16-byte unit
+    constexpr int LPK = HD / EPU < AS_LPK ? HD / EPU : AS_LPK;  // lanes per key
+    constexpr int UPL = HD / EPU / LPK;             // units per lane of one key
     constexpr int AS_U = UPL >= 8 ? 1 : UPL >= 4 ? 2 : 4;  // keys per lane in flight
-    constexpr int KPW = 32 / AS_LPK;                // keys per warp and step
+    constexpr int KPW = 32 / LPK;                   // keys per warp and step
     constexpr int NW = AS_THREADS / 32;
     constexpr int DPT = HD >= 256 ? 4 : 2;          // V elements per thread
     constexpr int TPK = HD / DPT;                   // threads per value row
@@ -307,9 +416,9 @@ __device__ void attend_split_with(LoadQ load_q, const KV* __restrict__ kc, const
         ms[tid] = -MIRAGE_INF;
         ls[tid] = 0.f;
     }
-    const KV* K = kc + ((long)seq * n_head_kv + sh.kvh) * n_ctx * HD;
-    const KV* V = vc + ((long)seq * n_head_kv + sh.kvh) * n_ctx * HD;
-    const int kl = lane % AS_LPK, kw = lane / AS_LPK;
+    const KP K = kc + ((long)seq * n_head_kv + sh.kvh) * n_ctx * HD;
+    const KP V = vc + ((long)seq * n_head_kv + sh.kvh) * n_ctx * HD;
+    const int kl = lane % LPK, kw = lane / LPK;
     const int grp = tid / TPK, d0 = (tid % TPK) * DPT;
     float acc[AS_MAX_G][DPT];
 #pragma unroll
@@ -322,11 +431,11 @@ __device__ void attend_split_with(LoadQ load_q, const KV* __restrict__ kc, const
         // The tile's values are read only after its softmax, and the next
         // tile's keys only after that: ask L2 for both now, so that their
         // DRAM reads overlap the scoring instead of following it.
-        l2_prefetch_block(V + (long)t0 * HD, (long)cnt * HD * (long)sizeof(KV));
+        kv_prefetch(V + (long)t0 * HD, (long)cnt * HD);
         if (t0 + AS_TILE < j1) {
-            const long next = (long)min(AS_TILE, j1 - t0 - AS_TILE) * HD * (long)sizeof(KV);
-            l2_prefetch_block(K + (long)(t0 + AS_TILE) * HD, next);
-            l2_prefetch_block(V + (long)(t0 + AS_TILE) * HD, next);
+            const long next = (long)min(AS_TILE, j1 - t0 - AS_TILE) * HD;
+            kv_prefetch(K + (long)(t0 + AS_TILE) * HD, next);
+            kv_prefetch(V + (long)(t0 + AS_TILE) * HD, next);
         }
         // Scores of the tile's keys (warp-uniform loop: every lane of the
         // warp takes part in the shuffles).
@@ -335,9 +444,8 @@ __device__ void attend_split_with(LoadQ load_q, const KV* __restrict__ kc, const
 #pragma unroll
             for (int u = 0; u < AS_U; u++) {
                 const int kk = min(sb + u * NW * KPW + kw, cnt - 1);  // clamped: an in-range, read row
-                const uint4* kr = (const uint4*)(K + (long)(t0 + kk) * HD);
 #pragma unroll
-                for (int i = 0; i < UPL; i++) raw[u][i] = kr[kl + AS_LPK * i];
+                for (int i = 0; i < UPL; i++) raw[u][i] = kv_unit(K, (long)(t0 + kk) * HD + (kl + LPK * i) * EPU);
             }
 #pragma unroll
             for (int u = 0; u < AS_U; u++) {
@@ -347,9 +455,10 @@ __device__ void attend_split_with(LoadQ load_q, const KV* __restrict__ kc, const
                 for (int g = 0; g < AS_MAX_G; g++) s[g] = 0.f;
 #pragma unroll
                 for (int i = 0; i < UPL; i++) {
-                    const int e0 = (kl + AS_LPK * i) * EPU;
+                    const int e0 = (kl + LPK * i) * EPU;
                     float x[EPU];
-                    kv_unpack(raw[u][i], K, x);
+                    // The row raw was loaded from (clamped: a q8_0 scale is read there too).
+                    kv_unpack(raw[u][i], K, (long)(t0 + min(kk, cnt - 1)) * HD + e0, x);
                     if (t0 + kk == psub)
 #pragma unroll
                         for (int e = 0; e < EPU; e++) x[e] = ksub[e0 + e];
@@ -363,7 +472,7 @@ __device__ void attend_split_with(LoadQ load_q, const KV* __restrict__ kc, const
                 for (int g = 0; g < AS_MAX_G; g++) {
                     if (g < gb) {
 #pragma unroll
-                        for (int o = AS_LPK / 2; o > 0; o >>= 1) s[g] += __shfl_xor_sync(0xffffffffu, s[g], o);
+                        for (int o = LPK / 2; o > 0; o >>= 1) s[g] += __shfl_xor_sync(0xffffffffu, s[g], o);
                         if (kl == 0 && kk < cnt) sc[g][kk] = s[g] * scale;
                     }
                 }
@@ -468,11 +577,11 @@ __device__ __forceinline__ void split_copy_q(const float* __restrict__ q, int n_
     for (int i = threadIdx.x; i < gb * HD; i += blockDim.x) qs[i / HD][i % HD] = qh[i];
 }
 
-template <typename KV, int HD>
-__device__ void attend_split(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+template <int HD, typename KP>
+__device__ void attend_split(const float* __restrict__ q, KP kc, KP vc,
                              const int* __restrict__ slots, int n_head, int n_head_kv, int n_ctx, int chunk, int hpb,
                              float scale, float* __restrict__ part, float* __restrict__ out) {
-    attend_split_with<KV, HD>(
+    attend_split_with<HD>(
         [&](float (*qs)[HD], int h0, int gb) { split_copy_q<HD>(q, n_head, qs, h0, gb); }, kc, vc, slots, n_head,
         n_head_kv, n_ctx, chunk, hpb, scale, (const float*)0, (const float*)0, -1, part, out);
 }
@@ -491,9 +600,9 @@ __device__ void attend_split(const float* __restrict__ q, const KV* __restrict__
 // norm (the host checks both). Thread i < HD / 2 rotates pair i of the key
 // and of every query head, with that pair's angle from the cache's RoPE
 // table (rope_cs).
-template <typename KV, int HD>
+template <int HD, typename KP>
 __device__ void attend_split_rope(const float* __restrict__ q, const float* __restrict__ k,
-                                  const float* __restrict__ v, KV* kc, KV* vc, const int* __restrict__ slots,
+                                  const float* __restrict__ v, KP kc, KP vc, const int* __restrict__ slots,
                                   int n_head, int n_head_kv, int n_ctx, int chunk, int hpb, float scale, int neox,
                                   const float* __restrict__ rope, float* __restrict__ part, float* __restrict__ out) {
     __shared__ float kr[HD], vr[HD];
@@ -514,17 +623,10 @@ __device__ void attend_split_rope(const float* __restrict__ q, const float* __re
     if (has_new && i < half) {
         float ra, rb;
         rope_turn(kh[ia], kh[ib], c, s, &ra, &rb);
-        const float va = vh[ia], vb = vh[ib];
-        kr[ia] = kv_round(kc, ra);
-        kr[ib] = kv_round(kc, rb);
-        vr[ia] = kv_round(vc, va);
-        vr[ib] = kv_round(vc, vb);
-        if (stores) {
-            kv_store(kc, at + ia, ra);
-            kv_store(kc, at + ib, rb);
-            kv_store(vc, at + ia, va);
-            kv_store(vc, at + ib, vb);
-        }
+        // Every block of the split quantizes the row (the same bits); the
+        // group's first stores it.
+        kv_store_pair(kc, at, i, neox, half, ra, rb, &kr[ia], &kr[ib], stores);
+        kv_store_pair(vc, at, i, neox, half, vh[ia], vh[ib], &vr[ia], &vr[ib], stores);
     }
     auto load_q = [&](float (*qs)[HD], int h0, int gb) {
         const float* qh = q + ((long)row * n_head + h0) * HD;
@@ -537,7 +639,7 @@ __device__ void attend_split_rope(const float* __restrict__ q, const float* __re
             }
         }
     };
-    attend_split_with<KV, HD>(load_q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb, scale, kr, vr,
+    attend_split_with<HD>(load_q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb, scale, kr, vr,
                               has_new ? pos : -1, part, out);
 }
 
@@ -689,28 +791,28 @@ __device__ __forceinline__ void fa_stage(const u16* __restrict__ K, const u16* _
         int kk = i / (HD / 8), d = 8 * (i % (HD / 8));
         bool live = k0 + kk <= last;
         long at = (long)(k0 + kk) * HD + d;
-        uint4 kv = live ? *(const uint4*)(K + at) : make_uint4(0, 0, 0, 0);
-        uint4 vv = live ? *(const uint4*)(V + at) : make_uint4(0, 0, 0, 0);
+        uint4 kv = live ? __ldg((const uint4*)(K + at)) : make_uint4(0, 0, 0, 0);
+        uint4 vv = live ? __ldg((const uint4*)(V + at)) : make_uint4(0, 0, 0, 0);
         *(uint4*)(ks + kk * (HD + 8) + d) = kv;
         u32 w[4] = {vv.x, vv.y, vv.z, vv.w};
 #pragma unroll
         for (int e = 0; e < 8; e++) vt[(d + e) * (FA_KEYS + 8) + kk] = (u16)(w[e >> 1] >> (16 * (e & 1)));
     }
 }
-template <int HD>
-__device__ __forceinline__ void fa_stage(const float* __restrict__ K, const float* __restrict__ V, u16* ks, u16* vt,
-                                         int k0, int last) {
+// An f32 or q8_0 cache is rounded to f16 an element at a time.
+template <int HD, typename KP>
+__device__ __forceinline__ void fa_stage(KP K, KP V, u16* ks, u16* vt, int k0, int last) {
     for (int i = threadIdx.x; i < FA_KEYS * HD; i += FA_WARPS * 32) {
         int kk = i / HD, d = i % HD;
         bool live = k0 + kk <= last;
         long at = (long)(k0 + kk) * HD + d;
-        ks[kk * (HD + 8) + d] = live ? f2h(K[at]) : (u16)0;
-        vt[d * (FA_KEYS + 8) + kk] = live ? f2h(V[at]) : (u16)0;
+        ks[kk * (HD + 8) + d] = live ? f2h(kv_load(K, at)) : (u16)0;
+        vt[d * (FA_KEYS + 8) + kk] = live ? f2h(kv_load(V, at)) : (u16)0;
     }
 }
 
-template <typename KV, int HD>
-__device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+template <int HD, typename KP>
+__device__ void attend_prefill(const float* __restrict__ q, KP kc, KP vc,
                                const int* __restrict__ slots, int n, int n_head, int n_head_kv, int n_ctx, float scale,
                                int chunk, float* __restrict__ part, float* __restrict__ out) {
     constexpr int LDK = HD + 8, LDV = FA_KEYS + 8;
@@ -753,8 +855,8 @@ __device__ void attend_prefill(const float* __restrict__ q, const KV* __restrict
 #pragma unroll
         for (int e = 0; e < 4; e++) o[j][e] = 0.f;
     float m[2] = {-MIRAGE_INF, -MIRAGE_INF}, l[2] = {0.f, 0.f};
-    const KV* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
-    const KV* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
+    const KP K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
+    const KP V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
     const int kbeg = blockIdx.z * chunk, kend = min(kbeg + chunk, last + 1);
     for (int k0 = kbeg; k0 < kend; k0 += FA_KEYS) {
         __syncthreads();  // Q's fragments are read, or the previous tile is consumed
@@ -865,29 +967,46 @@ __device__ __forceinline__ float attend_prefill_merge(const float* __restrict__ 
     return a / L;
 }
 
+// The kernels over the cache, per cache type: NAME in the kernel name, KV
+// the element type of the cache arguments. A q8_0 cache's kernels take
+// the scales of the keys and values as two more arguments, last
+// (KV_SCALES); KV_CACHE makes the cache argument the templates take.
+#define KV_SCALES_f32
+#define KV_SCALES_f16
+#define KV_SCALES_q8_0 , const u16 *kd, const u16 *vd
+#define KV_CACHE_f32(P, D) (P)
+#define KV_CACHE_f16(P, D) (P)
+#define KV_CACHE_q8_0(P, D) (KvQ8{(i8*)(P), (u16*)(D), 0})
+
 #define KV_INSTANCE(NAME, KV)                                                                                       \
     extern "C" __global__ void rope_store_##NAME(float* q, float* k, const float* v, const int* slots, int n_head,  \
                                                  int n_head_kv, int head_dim, int neox, const float* rope,          \
                                                  const float* qn, const float* kn, float norm_eps, KV* kc, KV* vc,  \
-                                                 int n_ctx) { PDL_ENTRY();                                           \
-        rope_store<KV>(q, k, v, slots, n_head, n_head_kv, head_dim, neox, rope, qn, kn, norm_eps, kc, vc, n_ctx);   \
+                                                 int n_ctx KV_SCALES_##NAME) {                                      \
+        PDL_ENTRY();                                                                                                \
+        rope_store(q, k, v, slots, n_head, n_head_kv, head_dim, neox, rope, qn, kn, norm_eps,                      \
+                   KV_CACHE_##NAME(kc, kd), KV_CACHE_##NAME(vc, vd), n_ctx);                                        \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                    \
         attend_prefill_##NAME##_d64(const float* q, const KV* kc, const KV* vc, const int* slots, int n, int n_head, \
-                                    int n_head_kv, int n_ctx, float scale, int chunk, float* part, float* out) {    \
+                                    int n_head_kv, int n_ctx, float scale, int chunk, float* part,                  \
+                                    float* out KV_SCALES_##NAME) {                                                  \
         PDL_ENTRY();                                                                                                \
-        attend_prefill<KV, 64>(q, kc, vc, slots, n, n_head, n_head_kv, n_ctx, scale, chunk, part, out);            \
+        attend_prefill<64>(q, KV_CACHE_##NAME(kc, kd), KV_CACHE_##NAME(vc, vd), slots, n, n_head, n_head_kv,       \
+                           n_ctx, scale, chunk, part, out);                                                         \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                    \
         attend_prefill_##NAME##_d128(const float* q, const KV* kc, const KV* vc, const int* slots, int n,          \
                                      int n_head, int n_head_kv, int n_ctx, float scale, int chunk, float* part,     \
-                                     float* out) {                                                                  \
+                                     float* out KV_SCALES_##NAME) {                                                 \
         PDL_ENTRY();                                                                                                \
-        attend_prefill<KV, 128>(q, kc, vc, slots, n, n_head, n_head_kv, n_ctx, scale, chunk, part, out);           \
+        attend_prefill<128>(q, KV_CACHE_##NAME(kc, kd), KV_CACHE_##NAME(vc, vd), slots, n, n_head, n_head_kv,      \
+                            n_ctx, scale, chunk, part, out);                                                        \
     }
 
 KV_INSTANCE(f32, float)
 KV_INSTANCE(f16, u16)
+KV_INSTANCE(q8_0, i8)
 
 // attend_split and attend_split_rope per cache type and head size (one
 // kernel per head size: the shared arrays are sized by it).
@@ -895,20 +1014,24 @@ KV_INSTANCE(f16, u16)
     extern "C" __global__ void __launch_bounds__(AS_THREADS)                                                       \
         attend_split_##NAME##_d##HD(const float* q, const KV* kc, const KV* vc, const int* slots, int n_head,      \
                                     int n_head_kv, int n_ctx, int chunk, int hpb, float scale, float* part,        \
-                                    float* out) {                                                                   \
-        split_prefetch_kv<KV, HD>(kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb);                             \
+                                    float* out KV_SCALES_##NAME) {                                                  \
+        split_prefetch_kv<HD>(KV_CACHE_##NAME(kc, kd), KV_CACHE_##NAME(vc, vd), slots, n_head, n_head_kv, n_ctx,    \
+                              chunk, hpb);                                                                          \
         PDL_ENTRY();                                                                                                \
-        attend_split<KV, HD>(q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb, scale, part, out);             \
+        attend_split<HD>(q, KV_CACHE_##NAME(kc, kd), KV_CACHE_##NAME(vc, vd), slots, n_head, n_head_kv, n_ctx,      \
+                         chunk, hpb, scale, part, out);                                                             \
     }                                                                                                               \
     /* attend_split's arguments, then the rows' unrotated k and v and the RoPE's mode and base. */             \
     extern "C" __global__ void __launch_bounds__(AS_THREADS)                                                       \
         attend_split_rope_##NAME##_d##HD(const float* q, KV* kc, KV* vc, const int* slots, int n_head,             \
                                          int n_head_kv, int n_ctx, int chunk, int hpb, float scale, float* part,   \
-                                         float* out, const float* k, const float* v, int neox, const float* rope) { \
-        split_prefetch_kv<KV, HD>(kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb);                             \
+                                         float* out, const float* k, const float* v, int neox,                      \
+                                         const float* rope KV_SCALES_##NAME) {                                      \
+        split_prefetch_kv<HD>(KV_CACHE_##NAME(kc, kd), KV_CACHE_##NAME(vc, vd), slots, n_head, n_head_kv, n_ctx,    \
+                              chunk, hpb);                                                                          \
         PDL_ENTRY();                                                                                                \
-        attend_split_rope<KV, HD>(q, k, v, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, hpb, scale, neox, rope,  \
-                                  part, out);                                                                       \
+        attend_split_rope<HD>(q, k, v, KV_CACHE_##NAME(kc, kd), KV_CACHE_##NAME(vc, vd), slots, n_head, n_head_kv,  \
+                              n_ctx, chunk, hpb, scale, neox, rope, part, out);                                     \
     }
 SPLIT_INSTANCE(f32, float, 64)
 SPLIT_INSTANCE(f32, float, 128)
@@ -916,6 +1039,9 @@ SPLIT_INSTANCE(f32, float, 256)
 SPLIT_INSTANCE(f16, u16, 64)
 SPLIT_INSTANCE(f16, u16, 128)
 SPLIT_INSTANCE(f16, u16, 256)
+SPLIT_INSTANCE(q8_0, i8, 64)
+SPLIT_INSTANCE(q8_0, i8, 128)
+SPLIT_INSTANCE(q8_0, i8, 256)
 
 // out[row, :] for the rows (position x head) of a split prefill attention;
 // grid (n * n_head), block 128.

@@ -47,6 +47,12 @@ __device__ __forceinline__ constexpr int tm_stages(int hd) { return hd == 64 ? 3
 // block's dynamic shared memory: tm_warps(HD) rings of tm_stages(HD) stages.
 #define TM_STAGE_HALVES(HD) (2 * TM_KEYS * ((HD) + 8))
 
+// A stage of a q8_0 cache, in bytes: TM_KEYS rows of the keys' codes, then
+// of the values' (rows padded by 16 bytes), then TM_KEYS rows of HD / 32
+// key scales and of value scales (f16).
+#define TM_Q8_LD(HD) ((HD) + 16)
+#define TM_Q8_STAGE_BYTES(HD) (2 * TM_KEYS * TM_Q8_LD(HD) + 2 * TM_KEYS * ((HD) / 16))
+
 // Copies the keys and values k0 .. k0 + TM_KEYS - 1 (clamped to last: a
 // key past it is masked, and its clamped row holds finite cache data) into
 // a stage; every lane of the warp calls it.
@@ -61,6 +67,49 @@ __device__ __forceinline__ void tm_issue(const u16* K, const u16* V, int k0, int
         cp_async16(stage + r * LD + 8 * u, K + at);
         cp_async16(vs + r * LD + 8 * u, V + at);
     }
+}
+
+// tm_issue for a q8_0 cache: the codes in 16-byte units, then each key's
+// and value's row of scales (lanes 0 .. 15 the keys', 16 .. 31 the
+// values'), rows clamped as tm_issue's.
+template <int HD>
+__device__ __forceinline__ void tm_issue_q8(KvQ8 K, KvQ8 V, int k0, int last, u8* stage, int lane) {
+    constexpr int UPR = HD / 16, LD = TM_Q8_LD(HD), SB = HD / 16;
+    u8* vs = stage + TM_KEYS * LD;
+#pragma unroll
+    for (int c = 0; c < TM_KEYS * UPR / 32; c++) {
+        const int i = lane + 32 * c, r = i / UPR, u = i % UPR;
+        const long at = (long)min(k0 + r, last) * HD + 16 * u;
+        cp_async16(stage + r * LD + 16 * u, K.q + K.o + at);
+        cp_async16(vs + r * LD + 16 * u, V.q + V.o + at);
+    }
+    const int r = lane & 15;
+    const KvQ8 X = lane < 16 ? K : V;
+    const u16* src = X.d + ((X.o + (long)min(k0 + r, last) * HD) >> 5);
+    u8* dst = stage + 2 * TM_KEYS * LD + (lane < 16 ? 0 : TM_KEYS * SB) + r * SB;
+    if constexpr (SB == 8)
+        cp_async8(dst, src);
+    else
+        cp_async4(dst, src);
+}
+
+// f16x2 arithmetic, rounded once (no contraction).
+__device__ __forceinline__ u32 h2_sub(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 h2_mul(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+// Two q8_0 codes (bytes 0 and 1 of c) times their scales (the halves of
+// s, f16) as an f16x2 word: 0x6400 | (b ^ 0x80) is 1152 + b as f16, so the
+// codes are exact before the one rounding of each product (the value an
+// f16 cache would hold of the CPU's q * d).
+__device__ __forceinline__ u32 q8_h2(u32 c, u32 s) {
+    return h2_mul(h2_sub(__byte_perm(c ^ 0x8080u, 0x64u, 0x4140u), 0x64806480u), s);
 }
 
 // Element c of a query head x after RoPE at position pos, rope_store's
@@ -82,12 +131,15 @@ __device__ __forceinline__ float tm_rope_q(const float* x, int c, int pos, int n
 // copies read the cache (the launch is that slot's only writer and reader),
 // and every block rotates its copy of q. k and v: the rows' unrotated keys
 // and values ([rows][n_head_kv][HD]); neox the pairing.
-template <int HD>
-__device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, const int* __restrict__ slots,
+template <int HD, typename KP>
+__device__ void attend_split_mma(const float* __restrict__ q, KP kc, KP vc, const int* __restrict__ slots,
                                  int n_head, int n_head_kv, int n_ctx, int chunk, float scale,
                                  float* __restrict__ part, const float* __restrict__ k, const float* __restrict__ v,
                                  int neox, const float* __restrict__ rope, u16* smem) {
-    constexpr int LD = HD + 8, STAGE = TM_STAGE_HALVES(HD), WARPS = tm_warps(HD), STAGES = tm_stages(HD);
+    constexpr bool Q8 = kv_bytes(KP{}) == 1;
+    constexpr int LD = HD + 8, WARPS = tm_warps(HD), STAGES = tm_stages(HD);
+    // A stage in bytes, and the row stride of its codes (q8_0) in bytes.
+    constexpr int STAGE_BYTES = Q8 ? TM_Q8_STAGE_BYTES(HD) : 2 * TM_STAGE_HALVES(HD), LDB = TM_Q8_LD(HD);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, n_split = gridDim.z;
     const int G = n_head / n_head_kv;
@@ -101,14 +153,12 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
             const int i = threadIdx.x, ia = neox ? i : 2 * i, ib = neox ? i + HD / 2 : 2 * i + 1;
             const float* kh = k + ((long)row * n_head_kv + kvh) * HD;
             const float* vh = v + ((long)row * n_head_kv + kvh) * HD;
-            float cs, sn, ra, rb;
+            float cs, sn, ra, rb, h0, h1;
             rope_cs(rope, pos, i, HD, &cs, &sn);
             rope_turn(kh[ia], kh[ib], cs, sn, &ra, &rb);
             const long at = (((long)seq * n_head_kv + kvh) * n_ctx + pos) * HD;
-            kv_store(kc, at + ia, ra);
-            kv_store(kc, at + ib, rb);
-            kv_store(vc, at + ia, vh[ia]);
-            kv_store(vc, at + ib, vh[ib]);
+            kv_store_pair(kc, at, i, neox, HD / 2, ra, rb, &h0, &h1);
+            kv_store_pair(vc, at, i, neox, HD / 2, vh[ia], vh[ib], &h0, &h1);
             __threadfence();  // in L2, where the block's cp.async copies read
         }
         __syncthreads();
@@ -121,7 +171,10 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
     for (int kk = 0; kk < HD / 16; kk++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const int r = g + 8 * (i & 1), c = 16 * kk + 2 * t + 8 * (i >> 1);
+            // A q8_0 key's B fragment takes 4 consecutive codes a lane (k
+            // index 2t + {0, 1} is dimension 4t + {0, 1}, 2t + 8 + {0, 1}
+            // is 4t + 2 + {0, 1}): Q's columns follow the same order.
+            const int r = g + 8 * (i & 1), c = 16 * kk + (Q8 ? 4 * t + 2 * (i >> 1) : 2 * t + 8 * (i >> 1));
             float x0 = 0.f, x1 = 0.f;
             if (r < G) {
                 const float* x = qg + r * HD;
@@ -132,14 +185,21 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
             qh[kk][i] = (u32)h0 | ((u32)h1 << 16);
             ql[kk][i] = fa_pack(x0 - h2f(h0), x1 - h2f(h1));
         }
-    const u16* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
-    const u16* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
+    const KP K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
+    const KP V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * HD;
     const int steps = (j1 - j0 + TM_KEYS - 1) / TM_KEYS;
     const int mine = steps > warp ? (steps - warp + WARPS - 1) / WARPS : 0;
-    u16* ring = smem + warp * STAGES * STAGE;
+    u8* ring = (u8*)smem + warp * STAGES * STAGE_BYTES;
+    auto issue = [&](int p, u8* stage) {
+        const int k0 = j0 + (warp + p * WARPS) * TM_KEYS;
+        if constexpr (Q8)
+            tm_issue_q8<HD>(K, V, k0, j1 - 1, stage, lane);
+        else
+            tm_issue<HD>(K, V, k0, j1 - 1, (u16*)stage, lane);
+    };
 #pragma unroll
     for (int p = 0; p < STAGES - 1; p++) {
-        if (p < mine) tm_issue<HD>(K, V, j0 + (warp + p * WARPS) * TM_KEYS, j1 - 1, ring + p * STAGE, lane);
+        if (p < mine) issue(p, ring + p * STAGE_BYTES);
         cp_async_commit();
     }
     float o[HD / 8][4];
@@ -155,13 +215,17 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
             // Refill the stage step i - 1 used (read before the __syncwarp
             // that ended it).
             const int p = i + STAGES - 1;
-            if (p < mine)
-                tm_issue<HD>(K, V, j0 + (warp + p * WARPS) * TM_KEYS, j1 - 1, ring + (p % STAGES) * STAGE,
-                             lane);
+            if (p < mine) issue(p, ring + (p % STAGES) * STAGE_BYTES);
             cp_async_commit();
         }
-        const u16* ks = ring + (i % STAGES) * STAGE;
+        const u8* stage = ring + (i % STAGES) * STAGE_BYTES;
+        const u16* ks = (const u16*)stage;
         const u16* vs = ks + TM_KEYS * LD;
+        // q8_0: the codes' rows and the scales' rows (HD / 32 a row).
+        const u8* kq = stage;
+        const u8* vq = stage + TM_KEYS * LDB;
+        const u16* kds = (const u16*)(stage + 2 * TM_KEYS * LDB);
+        const u16* vds = kds + TM_KEYS * (HD / 32);
         const int k0 = j0 + (warp + i * WARPS) * TM_KEYS;
         float s[2][4];
 #pragma unroll
@@ -170,8 +234,18 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
             for (int e = 0; e < 4; e++) s[j][e] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++) {
-                const u16* kr = ks + (8 * j + g) * LD + 16 * kk + 2 * t;
-                const u32 b[2] = {fa_word(kr), fa_word(kr + 8)};
+                u32 b[2];
+                if constexpr (Q8) {
+                    const u32 c = *(const u32*)(kq + (8 * j + g) * LDB + 16 * kk + 4 * t);
+                    const u32 d = kds[(8 * j + g) * (HD / 32) + kk / 2];
+                    const u32 d2 = d | (d << 16);
+                    b[0] = q8_h2(c, d2);
+                    b[1] = q8_h2(c >> 16, d2);
+                } else {
+                    const u16* kr = ks + (8 * j + g) * LD + 16 * kk + 2 * t;
+                    b[0] = fa_word(kr);
+                    b[1] = fa_word(kr + 8);
+                }
                 mma_f16_k16(s[j], qh[kk], b);
                 mma_f16_k16(s[j], ql[kk], b);
             }
@@ -211,8 +285,19 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
         for (int jd = 0; jd < HD / 8; jd++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) o[jd][e] *= alpha[e >> 1];
-            const u16* vr = vs + 2 * t * LD + 8 * jd + g;
-            const u32 b[2] = {(u32)vr[0] | ((u32)vr[LD] << 16), (u32)vr[8 * LD] | ((u32)vr[9 * LD] << 16)};
+            u32 b[2];
+            if constexpr (Q8) {
+                // Keys 2t, 2t + 1 and 2t + 8, 2t + 9 of dimension 8 jd + g.
+                const u8* vr = vq + 2 * t * LDB + 8 * jd + g;
+                const u16* dr = vds + 2 * t * (HD / 32) + jd / 4;
+                b[0] = q8_h2((u32)vr[0] | ((u32)vr[LDB] << 8), (u32)dr[0] | ((u32)dr[HD / 32] << 16));
+                b[1] = q8_h2((u32)vr[8 * LDB] | ((u32)vr[9 * LDB] << 8),
+                             (u32)dr[8 * (HD / 32)] | ((u32)dr[9 * (HD / 32)] << 16));
+            } else {
+                const u16* vr = vs + 2 * t * LD + 8 * jd + g;
+                b[0] = (u32)vr[0] | ((u32)vr[LD] << 16);
+                b[1] = (u32)vr[8 * LD] | ((u32)vr[9 * LD] << 16);
+            }
             mma_f16_k16(o[jd], ph, b);
             mma_f16_k16(o[jd], pl, b);
         }
@@ -259,15 +344,19 @@ __device__ void attend_split_mma(const float* __restrict__ q, u16* kc, u16* vc, 
     }
 }
 
-#define SPLIT_MMA_INSTANCE(HD)                                                                                      \
+// Per cache type (f16, q8_0: attention.cu's KV_SCALES, KV_CACHE) and head size.
+#define SPLIT_MMA_INSTANCE(NAME, KV, HD)                                                                            \
     extern "C" __global__ void __launch_bounds__(32 * tm_warps(HD))                                                 \
-        attend_split_mma_f16_d##HD(const float* q, u16* kc, u16* vc, const int* slots, int n_head, int n_head_kv, \
-                                   int n_ctx, int chunk, float scale, float* part, const float* k, const float* v,  \
-                                   int neox, const float* rope) {                                                   \
+        attend_split_mma_##NAME##_d##HD(const float* q, KV* kc, KV* vc, const int* slots, int n_head,              \
+                                        int n_head_kv, int n_ctx, int chunk, float scale, float* part,              \
+                                        const float* k, const float* v, int neox,                                   \
+                                        const float* rope KV_SCALES_##NAME) {                                       \
         extern __shared__ __align__(16) u16 tm_smem[];                                                              \
         PDL_ENTRY();                                                                                                \
-        attend_split_mma<HD>(q, kc, vc, slots, n_head, n_head_kv, n_ctx, chunk, scale, part, k, v, neox, rope,     \
-                             tm_smem);                                                                              \
+        attend_split_mma<HD>(q, KV_CACHE_##NAME(kc, kd), KV_CACHE_##NAME(vc, vd), slots, n_head, n_head_kv, n_ctx,  \
+                             chunk, scale, part, k, v, neox, rope, tm_smem);                                        \
     }
-SPLIT_MMA_INSTANCE(64)
-SPLIT_MMA_INSTANCE(128)
+SPLIT_MMA_INSTANCE(f16, u16, 64)
+SPLIT_MMA_INSTANCE(f16, u16, 128)
+SPLIT_MMA_INSTANCE(q8_0, i8, 64)
+SPLIT_MMA_INSTANCE(q8_0, i8, 128)

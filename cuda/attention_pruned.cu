@@ -36,12 +36,12 @@
 // Box of page p of KV head kvh of `seq` over positions [p * page, min(n,
 // (p + 1) * page)); block head_dim threads. An empty page gets the empty box
 // (+inf, -inf).
-template <typename KV>
-__device__ void page_box(const KV* __restrict__ kc, int seq, int kvh, int n_head_kv, int head_dim, int n_ctx, int page,
+template <typename KP>
+__device__ void page_box(KP kc, int seq, int kvh, int n_head_kv, int head_dim, int n_ctx, int page,
                          int p, int n, int max_pages, float* __restrict__ kmin, float* __restrict__ kmax) {
     int d = threadIdx.x;
     if (p < 0 || p >= max_pages || d >= head_dim) return;
-    const KV* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    const KP K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
     int j0 = p * page, j1 = min(min(n, n_ctx), j0 + page);
     float lo = MIRAGE_INF, hi = -MIRAGE_INF;
     for (int j = j0; j < j1; j++) {
@@ -56,10 +56,10 @@ __device__ void page_box(const KV* __restrict__ kc, int seq, int kvh, int n_head
 
 // Boxes of pages p0 .. p0 + gridDim.x of KV head blockIdx.y of `seq` over
 // positions < n. Grid (pages, n_head_kv), block head_dim.
-template <typename KV>
-__device__ void page_bounds(const KV* __restrict__ kc, int seq, int n_head_kv, int head_dim, int n_ctx, int page,
+template <typename KP>
+__device__ void page_bounds(KP kc, int seq, int n_head_kv, int head_dim, int n_ctx, int page,
                             int p0, int n, int max_pages, float* __restrict__ kmin, float* __restrict__ kmax) {
-    page_box<KV>(kc, seq, blockIdx.y, n_head_kv, head_dim, n_ctx, page, p0 + blockIdx.x, n, max_pages, kmin, kmax);
+    page_box(kc, seq, blockIdx.y, n_head_kv, head_dim, n_ctx, page, p0 + blockIdx.x, n, max_pages, kmin, kmax);
 }
 
 // The box of the page row blockIdx.x wrote, over the positions of its
@@ -67,8 +67,8 @@ __device__ void page_bounds(const KV* __restrict__ kc, int seq, int n_head_kv, i
 // sequence in one page write the same box). Grid (n_rows, n_head_kv), block
 // head_dim. Every write recomputes its page from the cache, so boxes never
 // need work on truncation.
-template <typename KV>
-__device__ void page_bounds_rows(const KV* __restrict__ kc, const int* __restrict__ slots, int n_rows, int n_head_kv,
+template <typename KP>
+__device__ void page_bounds_rows(KP kc, const int* __restrict__ slots, int n_rows, int n_head_kv,
                                  int head_dim, int n_ctx, int page, int max_pages, float* __restrict__ kmin,
                                  float* __restrict__ kmax) {
     int row = blockIdx.x;
@@ -76,7 +76,7 @@ __device__ void page_bounds_rows(const KV* __restrict__ kc, const int* __restric
     int n = pos + 1;
     for (int r = 0; r < n_rows; r++)
         if (slots[2 * r] == seq) n = max(n, slots[2 * r + 1] + 1);
-    page_box<KV>(kc, seq, blockIdx.y, n_head_kv, head_dim, n_ctx, page, pos / page, n, max_pages, kmin, kmax);
+    page_box(kc, seq, blockIdx.y, n_head_kv, head_dim, n_ctx, page, pos / page, n, max_pages, kmin, kmax);
 }
 
 // Order-preserving key of a bound (larger bound, larger key; -0 below +0
@@ -275,8 +275,8 @@ extern "C" __global__ void select_pages(const unsigned int* __restrict__ keys, c
 // stream in tiles of ATT_TILE (positions >= n of the partial last page are
 // masked) and writes (m, l, unnormalised V sum) to part as attention.cu's
 // attend_part does; a split with no page writes (-inf, 0, 0).
-template <typename KV>
-__device__ void attend_pages_part(const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,
+template <typename KP>
+__device__ void attend_pages_part(const float* __restrict__ q, KP kc, KP vc,
                                   const int* __restrict__ slots, const int* __restrict__ sel,
                                   const int* __restrict__ nsel, int n_head, int n_head_kv, int head_dim, int n_ctx,
                                   int page, int max_sel, int only_decode, int n_rows, int row_base, float scale,
@@ -297,8 +297,8 @@ __device__ void attend_pages_part(const float* __restrict__ q, const KV* __restr
     int kvh = head / (n_head / n_head_kv);
     const float* qh = q + ((long)row * n_head + head) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d];
-    const KV* K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
-    const KV* V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    const KP K = kc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
+    const KP V = vc + ((long)seq * n_head_kv + kvh) * n_ctx * head_dim;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     int groups = blockDim.x / head_dim, g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
     float m = -MIRAGE_INF, l = 0.f, acc = 0.f;
@@ -348,25 +348,37 @@ __device__ void attend_pages_part(const float* __restrict__ q, const KV* __restr
 }
 
 
+// Per cache type, as attention.cu's KV_INSTANCE (KV_SCALES, KV_CACHE): the
+// page boxes read only the keys, so their q8_0 kernels take the key
+// scales alone (KV_KSCALES).
+#define KV_KSCALES_f32
+#define KV_KSCALES_f16
+#define KV_KSCALES_q8_0 , const u16 *kd
 #define PRUNED_INSTANCE(NAME, KV)                                                                                  \
     extern "C" __global__ void page_bounds_##NAME(const KV* kc, int seq, int n_head_kv, int head_dim, int n_ctx,   \
                                                   int page, int p0, int n, int max_pages, float* kmin,             \
-                                                  float* kmax) { PDL_ENTRY();                                       \
-        page_bounds<KV>(kc, seq, n_head_kv, head_dim, n_ctx, page, p0, n, max_pages, kmin, kmax);                  \
+                                                  float* kmax KV_KSCALES_##NAME) {                                  \
+        PDL_ENTRY();                                                                                               \
+        page_bounds(KV_CACHE_##NAME(kc, kd), seq, n_head_kv, head_dim, n_ctx, page, p0, n, max_pages, kmin, kmax); \
     }                                                                                                              \
     extern "C" __global__ void page_bounds_rows_##NAME(const KV* kc, const int* slots, int n_rows, int n_head_kv,  \
                                                        int head_dim, int n_ctx, int page, int max_pages,           \
-                                                       float* kmin, float* kmax) { PDL_ENTRY();                     \
-        page_bounds_rows<KV>(kc, slots, n_rows, n_head_kv, head_dim, n_ctx, page, max_pages, kmin, kmax);          \
+                                                       float* kmin, float* kmax KV_KSCALES_##NAME) {                \
+        PDL_ENTRY();                                                                                               \
+        page_bounds_rows(KV_CACHE_##NAME(kc, kd), slots, n_rows, n_head_kv, head_dim, n_ctx, page, max_pages,      \
+                         kmin, kmax);                                                                              \
     }                                                                                                              \
     extern "C" __global__ void attend_pages_part_##NAME(const float* q, const KV* kc, const KV* vc,               \
                                                         const int* slots, const int* sel, const int* nsel,         \
                                                         int n_head, int n_head_kv, int head_dim, int n_ctx,        \
                                                         int page, int max_sel, int only_decode, int n_rows,        \
-                                                        int row_base, float scale, float* part) { PDL_ENTRY();      \
-        attend_pages_part<KV>(q, kc, vc, slots, sel, nsel, n_head, n_head_kv, head_dim, n_ctx, page, max_sel,      \
-                              only_decode, n_rows, row_base, scale, part);                                         \
+                                                        int row_base, float scale,                                 \
+                                                        float* part KV_SCALES_##NAME) {                             \
+        PDL_ENTRY();                                                                                               \
+        attend_pages_part(q, KV_CACHE_##NAME(kc, kd), KV_CACHE_##NAME(vc, vd), slots, sel, nsel, n_head,          \
+                          n_head_kv, head_dim, n_ctx, page, max_sel, only_decode, n_rows, row_base, scale, part);  \
     }
 
 PRUNED_INSTANCE(f32, float)
 PRUNED_INSTANCE(f16, u16)
+PRUNED_INSTANCE(q8_0, i8)

@@ -1,11 +1,14 @@
 // Host check of attention.cu's prefill attention on f16 tensor cores (no
 // GPU; extract.py -> fa_extract.h), the mma instruction emulated by the PTX
 // ISA's fragment layout (mma_emu.h), blocks run as fibers (block_emu.h):
-// attend_prefill<KV, HD> against an f64 causal softmax attention over the
-// cache as stored, for f32 and f16 caches, head sizes 64 and 128, GQA groups
-// of 1, 2 and 7 query heads, and batches that start at position 0 or after
-// 70 cached positions, with lengths that leave partial row and key tiles;
-// the keys in one block or split over several (attend_prefill_merge).
+// attend_prefill<HD> against an f64 causal softmax attention over the
+// cache as stored, for f32, f16 and q8_0 caches (kv_caches.h; q8_0: the
+// codes times their f16 scales, the arrays ending where an unreadable page
+// begins), head sizes 64 and 128, GQA groups of 1, 2, 4 and 7 query heads,
+// and batches that start at position 0 or after 70 and more cached
+// positions, with lengths that leave partial row and key tiles or end at
+// the cache's last position; the keys in one block or split over several
+// (attend_prefill_merge).
 // Build and run: hostcheck/run.sh.
 #include <cstdint>
 #include <cstdio>
@@ -18,21 +21,22 @@
 #define __align__(n) __attribute__((aligned(n)))
 #include "mma_emu.h"
 #include "fa_extract.h"
+#include "kv_caches.h"
 
 static int fails = 0;
 
-template <typename KV, int HD>
-void check(std::mt19937& rng, int n_head_kv, int group, int pos0, int n, int n_split, const char* kv_name,
-           KV (*store)(float)) {
-    const int n_head = n_head_kv * group, n_ctx = pos0 + n + 5;
+template <class S, int HD>
+void check(std::mt19937& rng, int n_head_kv, int group, int pos0, int n, int n_split, int spare = 5) {
+    const int n_head = n_head_kv * group, n_ctx = pos0 + n + spare;
     std::normal_distribution<float> N(0.f, 1.f);
     std::vector<float> q((size_t)n * n_head * HD);
     for (auto& v : q) v = N(rng);
     // Cache [seq 0 .. 1][kv head][n_ctx][HD]; the batch is sequence 1.
     const long per_seq = (long)n_head_kv * n_ctx * HD;
-    std::vector<KV> kc(2 * per_seq), vc(2 * per_seq);
-    for (auto& v : kc) v = store(N(rng));
-    for (auto& v : vc) v = store(N(rng));
+    S kc(2 * per_seq), vc(2 * per_seq);
+    kc.fill(rng, N);
+    vc.fill(rng, N);
+    const char* kv_name = S::name;
     std::vector<int> slots(2 * n);
     for (int i = 0; i < n; i++) slots[2 * i] = 1, slots[2 * i + 1] = pos0 + i;
     std::vector<float> out((size_t)n * n_head * HD, NAN);
@@ -47,8 +51,8 @@ void check(std::mt19937& rng, int n_head_kv, int group, int pos0, int n, int n_s
         for (unsigned by = 0; by < gridDim.y; by++)
             for (unsigned bx = 0; bx < gridDim.x; bx++)
                 run_block(FA_WARPS * 32, dim3_{bx, by, bz}, [&] {
-                    attend_prefill<KV, HD>(q.data(), kc.data(), vc.data(), slots.data(), n, n_head, n_head_kv, n_ctx,
-                                           scale, chunk, n_split > 1 ? part.data() : nullptr, out.data());
+                    attend_prefill<HD>(q.data(), kc.cptr(), vc.cptr(), slots.data(), n, n_head, n_head_kv, n_ctx,
+                                       scale, chunk, n_split > 1 ? part.data() : nullptr, out.data());
                 });
     if (n_split > 1)
         for (long row = 0; row < (long)n * n_head; row++)
@@ -58,14 +62,13 @@ void check(std::mt19937& rng, int n_head_kv, int group, int pos0, int n, int n_s
     for (int i = 0; i < n; i++)
         for (int h = 0; h < n_head; h++) {
             const int kvh = h / group, pos = pos0 + i;
-            const KV* K = kc.data() + per_seq + (long)kvh * n_ctx * HD;
-            const KV* V = vc.data() + per_seq + (long)kvh * n_ctx * HD;
+            const long K = per_seq + (long)kvh * n_ctx * HD, V = K;
             const float* qr = q.data() + ((long)i * n_head + h) * HD;
             std::vector<double> s(pos + 1);
             double mx = -1e300;
             for (int k = 0; k <= pos; k++) {
                 double a = 0;
-                for (int d = 0; d < HD; d++) a += (double)qr[d] * kv_load(K, (long)k * HD + d);
+                for (int d = 0; d < HD; d++) a += (double)qr[d] * kc.get(K + (long)k * HD + d);
                 s[k] = a * scale;
                 mx = std::max(mx, s[k]);
             }
@@ -73,7 +76,7 @@ void check(std::mt19937& rng, int n_head_kv, int group, int pos0, int n, int n_s
             for (int k = 0; k <= pos; k++) sum += (s[k] = std::exp(s[k] - mx));
             for (int d = 0; d < HD; d++) {
                 double want = 0;
-                for (int k = 0; k <= pos; k++) want += s[k] * kv_load(V, (long)k * HD + d);
+                for (int k = 0; k <= pos; k++) want += s[k] * vc.get(V + (long)k * HD + d);
                 want /= sum;
                 double got = out[((long)i * n_head + h) * HD + d];
                 double err = std::fabs(got - want);
@@ -94,20 +97,28 @@ void check(std::mt19937& rng, int n_head_kv, int group, int pos0, int n, int n_s
            kv_name, HD, n_head_kv, group, pos0, pos0 + n - 1, n_split, chunk, worst, std::sqrt(num / den));
 }
 
-static float keep(float v) { return v; }
-
 int main() {
     std::mt19937 rng(5);
-    check<float, 64>(rng, 2, 7, 0, 37, 1, "f32", keep);
-    check<u16, 64>(rng, 2, 7, 70, 37, 1, "f16", f2h);
-    check<u16, 64>(rng, 1, 1, 0, 130, 1, "f16", f2h);
-    check<u16, 128>(rng, 2, 2, 70, 45, 1, "f16", f2h);
-    check<float, 128>(rng, 1, 7, 3, 20, 1, "f32", keep);
+    check<F32, 64>(rng, 2, 7, 0, 37, 1);
+    check<F16, 64>(rng, 2, 7, 70, 37, 1);
+    check<F16, 64>(rng, 1, 1, 0, 130, 1);
+    check<F16, 128>(rng, 2, 2, 70, 45, 1);
+    check<F32, 128>(rng, 1, 7, 3, 20, 1);
     // Split keys: rows whose positions end before a split, a last split
     // that is partly past the batch.
-    check<u16, 64>(rng, 2, 7, 200, 37, 3, "f16", f2h);
-    check<u16, 128>(rng, 2, 4, 300, 64, 4, "f16", f2h);  // a long context's chunk
-    check<float, 64>(rng, 1, 2, 0, 150, 2, "f32", keep);
+    check<F16, 64>(rng, 2, 7, 200, 37, 3);
+    check<F16, 128>(rng, 2, 4, 300, 64, 4);  // a long context's chunk
+    check<F32, 64>(rng, 1, 2, 0, 150, 2);
+    // The q8_0 cache (its own generator: the cases above keep their data);
+    // the last two end at the cache's last position.
+    std::mt19937 rq(19);
+    check<Q8, 64>(rq, 2, 7, 70, 37, 1);
+    check<Q8, 64>(rq, 1, 1, 0, 130, 1);
+    check<Q8, 128>(rq, 2, 2, 70, 45, 1);
+    check<Q8, 64>(rq, 2, 7, 200, 37, 3);
+    check<Q8, 128>(rq, 2, 4, 300, 64, 4);
+    check<Q8, 64>(rq, 1, 2, 0, 150, 2, 0);
+    check<Q8, 128>(rq, 2, 4, 100, 29, 1, 0);
     if (fails) {
         fprintf(stderr, "check_prefill_att: %d failures\n", fails);
         return 1;

@@ -7,12 +7,14 @@
 //      on both sides of the shared-memory key limit, only_decode/row_base;
 //   2. attend_pages_part + attend_combine (attention.cu) over a chosen list equal an
 //      f64 softmax over the same positions (partial last page, empty splits,
-//      an empty list).
+//      an empty list), over f32 and q8_0 caches (kv_caches.h; q8_0: the
+//      codes times their f16 scales).
 // Build and run: hostcheck/run.sh.
 #include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <random>
+#include <type_traits>
 #include "block_emu.h"
 
 typedef unsigned short u16;
@@ -30,16 +32,17 @@ inline long min(long a, long b) { return a < b ? a : b; }
 inline u32 min(u32 a, u32 b) { return a < b ? a : b; }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 
-inline float kv_load(const float* p, long i) { return p[i]; }
-inline float kv_load(const u16* p, long i) {
-    u16 h = p[i];
+typedef signed char i8;
+inline float h2f(u16 h) {
     u32 s = (h >> 15) & 1, e = (h >> 10) & 31, m = h & 1023;
     float v = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? INFINITY : std::ldexp((float)(m | 1024), (int)e - 25);
     return s ? -v : v;
 }
+#include "att_emu.h"  // kv_load of f32 and f16 caches, f2h
 
 #include "att_partial_extract.h"
 #include "attention_pruned.cu"
+#include "kv_caches.h"
 
 // Runs `f` over the grid, one block at a time, `threads` threads each.
 static void launch(dim3_ grid, unsigned threads, const std::function<void()>& f) {
@@ -158,6 +161,11 @@ static void check_selection(std::mt19937& rng, int n_pages, int sinks, int recen
     }
 }
 
+// The cache S holding the values x (q8_0: quantized by q8_ref_block).
+static void hold(F32& c, const std::vector<float>& x) { c.v = x; }
+static void hold(Q8& c, const std::vector<float>& x) { c.quantize(0, x.data(), (int)x.size()); }
+
+template <class S>
 static void check_attention(std::mt19937& rng, int n_split, int count_pages, int partial) {
     const int n_head = 4, n_head_kv = 2, head_dim = 64, page = 16, n_ctx = 40 * page + 5, n_rows = 2, max_sel = 40;
     std::uniform_real_distribution<float> u(-1.f, 1.f);
@@ -185,13 +193,16 @@ static void check_attention(std::mt19937& rng, int n_split, int count_pages, int
         for (size_t i = 0; i < pick.size(); i++) sel[(size_t)at * max_sel + i] = pick[i];
         nsel[at] = (int)pick.size();
     }
+    S kc(k.size()), vc(v.size());
+    hold(kc, k);
+    hold(vc, v);
     std::vector<float> part((size_t)n_rows * n_head * n_split * (head_dim + 2), NAN),
         out((size_t)n_rows * n_head * head_dim, -99.f);
     float scale = 1.f / std::sqrt((float)head_dim);
     // only_decode on: row 1 (seq 0) is alone, row 0 (seq 1) too; both run.
     launch({(unsigned)n_rows, (unsigned)n_head, (unsigned)n_split}, ATT_THREADS, [&] {
-        attend_pages_part<float>(q.data(), k.data(), v.data(), slots.data(), sel.data(), nsel.data(), n_head,
-                                 n_head_kv, head_dim, n_ctx, page, max_sel, 1, n_rows, 0, scale, part.data());
+        attend_pages_part(q.data(), kc.cptr(), vc.cptr(), slots.data(), sel.data(), nsel.data(), n_head, n_head_kv,
+                          head_dim, n_ctx, page, max_sel, 1, n_rows, 0, scale, part.data());
     });
     launch({(unsigned)n_rows, (unsigned)n_head, 1}, AC_THREADS / head_dim * head_dim, [&] {
         attend_combine_body(part.data(), slots.data(), n_head, head_dim, n_split, 0, 1, n_rows, 0, out.data());
@@ -200,8 +211,7 @@ static void check_attention(std::mt19937& rng, int n_split, int count_pages, int
     for (int h = 0; h < n_head; h++) {
         int kvh = h / (n_head / n_head_kv);
         const float* qh = &q[(size_t)(1 * n_head + h) * head_dim];
-        const float* K = &k[(size_t)(0 * n_head_kv + kvh) * n_ctx * head_dim];
-        const float* V = &v[(size_t)(0 * n_head_kv + kvh) * n_ctx * head_dim];
+        const size_t K = (size_t)(0 * n_head_kv + kvh) * n_ctx * head_dim, V = K;
         std::vector<int> ps;
         for (int p : chosen[h])
             for (int j = p * page; j < std::min((p + 1) * page, pos + 1); j++) ps.push_back(j);
@@ -209,7 +219,7 @@ static void check_attention(std::mt19937& rng, int n_split, int count_pages, int
         double m = -INFINITY;
         for (size_t i = 0; i < ps.size(); i++) {
             double acc = 0;
-            for (int d = 0; d < head_dim; d++) acc += (double)qh[d] * K[(size_t)ps[i] * head_dim + d];
+            for (int d = 0; d < head_dim; d++) acc += (double)qh[d] * kc.get(K + (size_t)ps[i] * head_dim + d);
             s[i] = acc * scale;
             m = std::max(m, s[i]);
         }
@@ -217,14 +227,16 @@ static void check_attention(std::mt19937& rng, int n_split, int count_pages, int
         for (auto& x : s) l += (x = std::exp(x - m));
         for (int d = 0; d < head_dim; d++) {
             double a = 0;
-            for (size_t i = 0; i < ps.size(); i++) a += s[i] * V[(size_t)ps[i] * head_dim + d];
+            for (size_t i = 0; i < ps.size(); i++) a += s[i] * vc.get(V + (size_t)ps[i] * head_dim + d);
             double want = ps.empty() ? 0.0 : a / l;
             worst = std::max(worst, std::fabs(want - out[(size_t)(1 * n_head + h) * head_dim + d]));
         }
     }
-    CHECK(worst < 2e-5, "attention over pages off f64 by %g (n_split %d, pages %d, partial %d)", worst, n_split,
-          count_pages, partial);
-    printf("attend_pages n_split %2d pages %2d partial %2d: max abs err %.2e\n", n_split, count_pages, partial, worst);
+    const char* ty = std::is_same_v<S, Q8> ? " q8_0" : "";
+    CHECK(worst < 2e-5, "attention over pages%s off f64 by %g (n_split %d, pages %d, partial %d)", ty, worst,
+          n_split, count_pages, partial);
+    printf("attend_pages%s n_split %2d pages %2d partial %2d: max abs err %.2e\n", ty, n_split, count_pages, partial,
+           worst);
 }
 
 int main() {
@@ -251,7 +263,12 @@ int main() {
     printf("selection: %d cases x 2 heads checked against the CPU rule\n", cases);
     for (int n_split : {1, 3, 8, 50})
         for (int pages : {0, 1, 5, 40})
-            for (int partial : {0, 15}) check_attention(rng, n_split, pages, partial);
+            for (int partial : {0, 15}) check_attention<F32>(rng, n_split, pages, partial);
+    // The q8_0 cache (its own generator: the cases above keep their data).
+    std::mt19937 rq(23);
+    for (int n_split : {1, 8})
+        for (int pages : {1, 40})
+            for (int partial : {0, 15}) check_attention<Q8>(rq, n_split, pages, partial);
     if (failures) {
         printf("%d FAILURES\n", failures);
         return 1;

@@ -2,23 +2,29 @@
 // cores (no GPU; extract.py -> split_mma_extract.h), the mma instruction
 // emulated by the PTX ISA's fragment layout (mma_emu.h), the cp.async copies
 // landing at issue and, again, as late as their waits allow (cp_async_emu.h),
-// blocks run as fibers (block_emu.h):
+// the f16x2 arithmetic of the q8_0 dequantization rounded once per half
+// (att_emu.h), blocks run as fibers (block_emu.h), over f16 and q8_0 caches
+// (kv_caches.h: a q8_0 cache's arrays end where an unreadable page begins):
 //   attend_split_mma<HD> + attend_combine against an f64 softmax attention
-//   over the f16 cache as stored, head sizes 64 and 128, GQA groups of 1, 7,
-//   12 and 16 query heads, two rows of other sequences and lengths (not
-//   multiples of a step, a split or the warps' share), one split to many;
-//   every copy issued lands, and both timings give the same bits;
+//   over the cache as the kernel multiplies it (f16; q8_0: each code times
+//   its scale rounded once to f16), head sizes 64 and 128, GQA groups of 1,
+//   7, 12 and 16 query heads, two rows of other sequences and lengths (not
+//   multiples of a step, a split or the warps' share), one split to many,
+//   the dynamic shared memory poisoned; every copy issued lands, and both
+//   timings give the same bits;
 //   with RoPE and the store folded in, against rope_store then the kernel
-//   without: the same partial bits and cache bits (the new slots poisoned,
-//   the splits run last to first), both pairings.
+//   without: the same partial bits and cache bits (q8_0: codes and scales;
+//   the new slots poisoned, the splits run last to first), both pairings.
 // Build and run: hostcheck/run.sh.
 #include <cstdint>
 #include <cstdio>
 #include <random>
+#include <type_traits>
 #include <vector>
 #include "block_emu.h"
 
 typedef unsigned char u8;
+typedef signed char i8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 #define MIRAGE_INF INFINITY
@@ -31,36 +37,60 @@ struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float block_sum(float, float*) { abort(); }  // rope_store's q/k norm: not used here
 #include "split_mma_extract.h"
+#include "kv_caches.h"
 
 static int fails = 0;
 
-template <int HD>
-static void check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int len0, int len1) {
-    const int rows = 2, n_seq = 2, n_ctx = std::max(len0, len1) + 9, G = n_head / n_head_kv;
+// The block's dynamic shared memory: the warps' rings (f16: 2 *
+// TM_STAGE_HALVES bytes a stage; q8_0: TM_Q8_STAGE_BYTES), at least the
+// end's merge (tm_warps * 16 rows of HD + 2 floats), 16-byte aligned,
+// every halfword `poison`.
+template <class S, int HD> struct Smem {
+    static constexpr bool q8 = std::is_same_v<S, Q8>;
+    static constexpr size_t ring = (size_t)tm_warps(HD) * tm_stages(HD) *
+                                   (q8 ? TM_Q8_STAGE_BYTES(HD) : 2 * TM_STAGE_HALVES(HD));
+    static constexpr size_t merge = (size_t)tm_warps(HD) * 16 * (HD + 2) * 4;
+    static constexpr size_t bytes = ring > merge ? ring : merge;
+    std::vector<uint4> v;
+    explicit Smem(u16 poison) : v((bytes + 15) / 16) {
+        u16* h = (u16*)v.data();
+        for (size_t i = 0; i < v.size() * 8; i++) h[i] = poison;
+    }
+    u16* data() { return (u16*)v.data(); }
+};
+
+// Slots of a new position poisoned: f16 NaN, q8_0 Q8::poison.
+static void poison_row(F16& c, size_t at, int n, bool) {
+    for (int i = 0; i < n; i++) c.v[at + i] = 0x7e00;
+}
+static void poison_row(Q8& c, size_t at, int n, bool key) { c.poison(at, n, key); }
+
+template <class S, int HD>
+static void check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int len0, int len1, int spare = 9) {
+    const int rows = 2, n_seq = 2, n_ctx = std::max(len0, len1) + spare, G = n_head / n_head_kv;
     const int chunk = (n_ctx + n_split - 1) / n_split;
     std::normal_distribution<float> nd(0.f, 1.f);
     std::vector<float> q((size_t)rows * n_head * HD);
     for (auto& v : q) v = 1.5f * nd(rng);
-    std::vector<u16> kc((size_t)n_seq * n_head_kv * n_ctx * HD), vc(kc.size());
-    for (auto& v : kc) v = f2h(nd(rng));
-    for (auto& v : vc) v = f2h(nd(rng));
+    S kc((size_t)n_seq * n_head_kv * n_ctx * HD), vc(kc.size());
+    kc.fill(rng, nd);
+    vc.fill(rng, nd);
     const int slots[4] = {1, len0 - 1, 0, len1 - 1};
     const float scale = 1.f / std::sqrt((float)HD);
-    const size_t smem_halves = (size_t)tm_warps(HD) * tm_stages(HD) * TM_STAGE_HALVES(HD);
     std::vector<float> out_eager;
     for (cp_async_emu::Mode mode : {cp_async_emu::Eager, cp_async_emu::Deferred}) {
         cp_async_emu::mode = mode;
         std::vector<float> part((size_t)rows * n_head * n_split * (HD + 2), NAN);
         std::vector<float> out((size_t)rows * n_head * HD, -99.f);
         // Poisoned: a read of a stage before its copies landed shows.
-        std::vector<u16> smem(smem_halves, 0x7e00);
+        Smem<S, HD> smem(0x7e00);
         gridDim = dim3_{(unsigned)rows, (unsigned)n_head_kv, (unsigned)n_split};
         for (unsigned z = 0; z < gridDim.z; z++)
             for (unsigned y = 0; y < gridDim.y; y++)
                 for (unsigned x = 0; x < gridDim.x; x++) {
                     cp_async_emu::start_block(tm_warps(HD) * 32);
                     run_block(tm_warps(HD) * 32, dim3_{x, y, z}, [&] {
-                        attend_split_mma<HD>(q.data(), kc.data(), vc.data(), slots, n_head, n_head_kv, n_ctx, chunk,
+                        attend_split_mma<HD>(q.data(), kc.ptr(), vc.ptr(), slots, n_head, n_head_kv, n_ctx, chunk,
                                              scale, part.data(), nullptr, nullptr, 0, nullptr, smem.data());
                     });
                     if (!cp_async_emu::block_drained()) {
@@ -89,20 +119,19 @@ static void check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int
         for (int h = 0; h < n_head; h++) {
             const int kvh = h / G;
             const float* qh = &q[((size_t)r * n_head + h) * HD];
-            const u16* K = &kc[((size_t)seq * n_head_kv + kvh) * n_ctx * HD];
-            const u16* V = &vc[((size_t)seq * n_head_kv + kvh) * n_ctx * HD];
+            const size_t K = ((size_t)seq * n_head_kv + kvh) * n_ctx * HD, V = K;
             std::vector<double> s(n);
             double m = -INFINITY, l = 0;
             for (int j = 0; j < n; j++) {
                 double a = 0;
-                for (int d = 0; d < HD; d++) a += (double)qh[d] * h2f(K[(size_t)j * HD + d]);
+                for (int d = 0; d < HD; d++) a += (double)qh[d] * kc.get_f16(K + (size_t)j * HD + d);
                 s[j] = a * scale;
                 m = std::max(m, s[j]);
             }
             for (int j = 0; j < n; j++) l += std::exp(s[j] - m);
             for (int d = 0; d < HD; d++) {
                 double o = 0;
-                for (int j = 0; j < n; j++) o += std::exp(s[j] - m) * h2f(V[(size_t)j * HD + d]);
+                for (int j = 0; j < n; j++) o += std::exp(s[j] - m) * vc.get_f16(V + (size_t)j * HD + d);
                 const double got = out_eager[((size_t)r * n_head + h) * HD + d];
                 const double err = std::fabs(got - o / l);
                 worst = std::isnan(got) ? INFINITY : std::max(worst, err);
@@ -113,14 +142,16 @@ static void check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int
     // of either gives 1e-4 and more here.
     const bool ok = worst < 1e-5;
     fails += !ok;
-    printf("attend_split_mma head_dim %3d heads %2d/%d splits %2d lengths %4d/%4d: %s (max abs err %.2e)\n", HD,
-           n_head, n_head_kv, n_split, len0, len1, ok ? "ok" : "FAIL", worst);
+    printf("attend_split_mma%s head_dim %3d heads %2d/%d splits %2d lengths %4d/%4d: %s (max abs err %.2e)\n",
+           std::is_same_v<S, Q8> ? " q8_0" : "", HD, n_head, n_head_kv, n_split, len0, len1, ok ? "ok" : "FAIL",
+           worst);
 }
 
 // RoPE and the KV store folded into attend_split_mma against rope_store
 // then attend_split_mma without: the same partials and cache, bit for bit.
-template <int HD>
+template <class S, int HD>
 static void check_rope(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int neox, int len0, int len1) {
+    constexpr bool q8 = std::is_same_v<S, Q8>;
     const int rows = 2, n_seq = 2, n_ctx = std::max(len0, len1) + 9, half = HD / 2;
     const int chunk = (n_ctx + n_split - 1) / n_split;
     std::normal_distribution<float> nd(0.f, 1.f);
@@ -128,18 +159,20 @@ static void check_rope(std::mt19937& rng, int n_head, int n_head_kv, int n_split
     std::vector<float> q((size_t)rows * n_head * HD), k((size_t)rows * n_head_kv * HD), v(k.size());
     for (auto* a : {&q, &k, &v})
         for (auto& x : *a) x = 1.5f * nd(rng);
+    if (q8) q8_edge_rows<HD>(v, rows * n_head_kv, rng);
     std::vector<float> rope((size_t)n_ctx * half * 2);
     for (size_t i = 0; i < rope.size(); i += 2) {
         const float t = ang(rng);
         rope[i] = std::cos(t);
         rope[i + 1] = std::sin(t);
     }
-    std::vector<u16> kc((size_t)n_seq * n_head_kv * n_ctx * HD), vc(kc.size());
-    for (auto& x : kc) x = f2h(nd(rng));
-    for (auto& x : vc) x = f2h(nd(rng));
+    S kc((size_t)n_seq * n_head_kv * n_ctx * HD), vc(kc.size());
+    kc.fill(rng, nd);
+    vc.fill(rng, nd);
     const int slots[4] = {1, len0 - 1, 0, len1 - 1};
     const float scale = 1.f / std::sqrt((float)HD);
-    std::vector<u16> smem((size_t)tm_warps(HD) * tm_stages(HD) * TM_STAGE_HALVES(HD));
+    // f16: zeros, as the kernel's rings start (the q8_0 ones poisoned).
+    Smem<S, HD> smem(q8 ? 0x7e7e : 0);
     auto grid = [&](bool reverse, const std::function<void()>& f) {
         gridDim = dim3_{(unsigned)rows, (unsigned)n_head_kv, (unsigned)n_split};
         for (unsigned zz = 0; zz < gridDim.z; zz++)
@@ -152,51 +185,66 @@ static void check_rope(std::mt19937& rng, int n_head, int n_head_kv, int n_split
     // rope_store (q rotated in place, k and v into the cache), then the
     // kernel without RoPE.
     std::vector<float> qa = q, ka = k, pa((size_t)rows * n_head * n_split * (HD + 2), NAN);
-    std::vector<u16> kca = kc, vca = vc;
+    S kca = kc, vca = vc;
     gridDim = dim3_{(unsigned)rows, (unsigned)(n_head + n_head_kv), 1};
     for (unsigned r = 0; r < (unsigned)rows; r++)
         for (unsigned h = 0; h < (unsigned)(n_head + n_head_kv); h++)
             run_block(half, dim3_{r, h, 0}, [&] {
-                rope_store<u16>(qa.data(), ka.data(), v.data(), slots, n_head, n_head_kv, HD, neox, rope.data(),
-                                nullptr, nullptr, 0.f, kca.data(), vca.data(), n_ctx);
+                rope_store(qa.data(), ka.data(), v.data(), slots, n_head, n_head_kv, HD, neox, rope.data(), nullptr,
+                           nullptr, 0.f, kca.ptr(), vca.ptr(), n_ctx);
             });
     grid(false, [&] {
-        attend_split_mma<HD>(qa.data(), kca.data(), vca.data(), slots, n_head, n_head_kv, n_ctx, chunk, scale,
+        attend_split_mma<HD>(qa.data(), kca.ptr(), vca.ptr(), slots, n_head, n_head_kv, n_ctx, chunk, scale,
                              pa.data(), nullptr, nullptr, 0, nullptr, smem.data());
     });
     // Folded: the new slots poisoned, the splits last to first.
-    std::vector<u16> kcb = kc, vcb = vc;
+    S kcb = kc, vcb = vc;
     for (int r = 0; r < rows; r++)
-        for (int h = 0; h < n_head_kv; h++)
-            for (int d = 0; d < HD; d++) {
-                const size_t at = (((size_t)slots[2 * r] * n_head_kv + h) * n_ctx + slots[2 * r + 1]) * HD + d;
-                kcb[at] = vcb[at] = 0x7e00;
-            }
+        for (int h = 0; h < n_head_kv; h++) {
+            const size_t at = (((size_t)slots[2 * r] * n_head_kv + h) * n_ctx + slots[2 * r + 1]) * HD;
+            poison_row(kcb, at, HD, true);
+            poison_row(vcb, at, HD, false);
+        }
     std::vector<float> pb(pa.size(), NAN);
     grid(true, [&] {
-        attend_split_mma<HD>(q.data(), kcb.data(), vcb.data(), slots, n_head, n_head_kv, n_ctx, chunk, scale,
+        attend_split_mma<HD>(q.data(), kcb.ptr(), vcb.ptr(), slots, n_head, n_head_kv, n_ctx, chunk, scale,
                              pb.data(), k.data(), v.data(), neox, rope.data(), smem.data());
     });
-    int differ = 0, cache_differ = 0;
+    int differ = 0;
     for (size_t i = 0; i < pa.size(); i++) differ += memcmp(&pa[i], &pb[i], 4) != 0;
-    for (size_t i = 0; i < kca.size(); i++) cache_differ += (kca[i] != kcb[i]) + (vca[i] != vcb[i]);
+    const int cache_differ = kca.differ(kcb) + vca.differ(vcb);
     const bool bad = differ || cache_differ;
     fails += bad;
-    printf("attend_split_mma + rope head_dim %3d heads %2d/%d splits %2d neox %d lengths %4d/%4d: %s (%d of %zu "
-           "partial floats, %d cache entries differ)\n", HD, n_head, n_head_kv, n_split, neox, len0, len1,
-           bad ? "FAIL" : "ok", differ, pa.size(), cache_differ);
+    printf("attend_split_mma + rope%s head_dim %3d heads %2d/%d splits %2d neox %d lengths %4d/%4d: %s (%d of %zu "
+           "partial floats, %d cache entries differ)\n", q8 ? " q8_0" : "", HD, n_head, n_head_kv, n_split, neox,
+           len0, len1, bad ? "FAIL" : "ok", differ, pa.size(), cache_differ);
 }
 
 int main() {
     std::mt19937 rng(5);
-    check<64>(rng, 14, 2, 1, 300, 129);
-    check<64>(rng, 14, 2, 9, 1000, 700);
-    check<64>(rng, 4, 4, 5, 777, 130);
-    check<128>(rng, 28, 4, 3, 640, 200);
-    check<128>(rng, 12, 1, 7, 901, 517);
-    check<128>(rng, 16, 1, 2, 150, 333);
-    check_rope<64>(rng, 14, 2, 5, 1, 600, 133);
-    check_rope<128>(rng, 28, 4, 3, 0, 300, 451);
+    check<F16, 64>(rng, 14, 2, 1, 300, 129);
+    check<F16, 64>(rng, 14, 2, 9, 1000, 700);
+    check<F16, 64>(rng, 4, 4, 5, 777, 130);
+    check<F16, 128>(rng, 28, 4, 3, 640, 200);
+    check<F16, 128>(rng, 12, 1, 7, 901, 517);
+    check<F16, 128>(rng, 16, 1, 2, 150, 333);
+    check_rope<F16, 64>(rng, 14, 2, 5, 1, 600, 133);
+    check_rope<F16, 128>(rng, 28, 4, 3, 0, 300, 451);
+    // The q8_0 cache (its own generator: the cases above keep their data);
+    // the last two with a row at the cache's last position.
+    std::mt19937 rq(17);
+    check<Q8, 64>(rq, 14, 2, 1, 300, 129);
+    check<Q8, 64>(rq, 14, 2, 9, 1000, 700);
+    check<Q8, 64>(rq, 4, 4, 5, 777, 130);
+    check<Q8, 128>(rq, 28, 4, 3, 640, 200);
+    check<Q8, 128>(rq, 12, 1, 7, 901, 517);
+    check<Q8, 128>(rq, 16, 1, 2, 150, 333);
+    check<Q8, 64>(rq, 7, 1, 4, 515, 77, 0);
+    check<Q8, 128>(rq, 8, 2, 1, 200, 31, 0);
+    for (int neox = 0; neox < 2; neox++) {
+        check_rope<Q8, 64>(rq, 14, 2, 5, neox, 600, 133);
+        check_rope<Q8, 128>(rq, 28, 4, 3, neox, 300, 451);
+    }
     printf("attend_split_mma: %s\n", fails ? "FAILED" : "ok");
     return fails ? 1 : 0;
 }

@@ -1,6 +1,7 @@
-// Host stand-ins for the asynchronous global -> shared copies mmq.cu issues
-// (cp.async.{cg,ca}.shared.global, commit_group, wait_group), on the fibers
-// of block_emu.h. Two timings, so that a check sees both kinds of race:
+// Host stand-ins for the asynchronous global -> shared copies mmq.cu and
+// attention_mma.cu issue (cp.async.{cg,ca}.shared.global of 16, 8 or 4
+// bytes, commit_group, wait_group), on the fibers of block_emu.h. Two
+// timings, so that a check sees both kinds of race:
 //   Eager    : the copy lands when it is issued. A copy into a buffer that
 //              another warp may still be reading (no barrier between its
 //              reads and the issue) overwrites data the reader then takes.
@@ -78,6 +79,13 @@ inline void cp_async8(void* dst, const void* src) {
         abort();
     }
     cp_async_emu::issue(dst, src, 8);
+}
+inline void cp_async4(void* dst, const void* src) {
+    if (((size_t)dst | (size_t)src) & 3) {
+        fprintf(stderr, "cp.async 4: misaligned address\n");
+        abort();
+    }
+    cp_async_emu::issue(dst, src, 4);
 }
 inline void cp_async_commit() {
     using namespace cp_async_emu;

@@ -75,16 +75,27 @@ norm = ["#define NORM_VEC", "float norm_warp_sum(", "float norm_block_sum(", "vo
 split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#define AS_TILE", "#define AS_MAX_G",
          "#define AS_LPK", "#define AS_MAX_SPLITS", "bool pruned_row(", "#define AC_THREADS", "#define AC_BATCH",
          "void attend_combine_body("]
+# The q8_0 cache (KvQ8) and its loads, every cache type's element size and
+# stores (kv_store_pair: a q8_0 row quantized across lanes).
+kv_q8 = ["struct KvQ8", "KvQ8 operator+(KvQ8", "float kv_load(KvQ8", "constexpr int kv_bytes(const float*",
+         "constexpr int kv_bytes(const u16*", "constexpr int kv_bytes(KvQ8"]
+kv_store = ["void kv_store(float*", "void kv_store(u16*", "float kv_round(const float*", "float kv_round(const u16*",
+            "void kv_store_pair(float*", "void kv_store_pair(u16*", "i8 q8_code(", "void kv_store_pair(KvQ8"]
 (out / "split_extract.h").write_text(cut(
-    "void kv_store(float*", "void kv_store(u16*", "float kv_round(const float*", "float kv_round(const u16*",
+    *kv_q8, "void kv_prefetch(const float*", "void kv_prefetch(const u16*", "void kv_prefetch(KvQ8", *kv_store,
     "void rope_angle(", "void rope_turn(", "void rope_cs(", "void rope_table_body(", "void rope_store(", *split,
-    "void kv_unpack(uint4 r, const float*", "void kv_unpack(uint4 r, const u16*", "void kv_load_n(const float*",
-    "void kv_load_n(const u16*", "struct SplitHeads", "SplitHeads split_heads(", "void attend_split_with(",
-    "void split_copy_q(", "void attend_split(", "void attend_split_rope("))
+    "uint4 kv_unit(const float*", "uint4 kv_unit(const u16*", "uint4 kv_unit(KvQ8",
+    "void kv_unpack(uint4 r, const float*", "void kv_unpack(uint4 r, const u16*", "void kv_unpack(uint4 r, KvQ8",
+    "void kv_load_n(const float*", "void kv_load_n(const u16*", "void kv_load_n(KvQ8", "struct SplitHeads",
+    "SplitHeads split_heads(", "void attend_split_with(", "void split_copy_q(", "void attend_split(",
+    "void attend_split_rope("))
 
 # The attention's partial store and the combine, for the pruned attention
 # (check_pruned.cpp includes attention_pruned.cu whole).
-(out / "att_partial_extract.h").write_text(cut("void att_rescale(", "void att_store_partial(", *split))
+(out / "att_partial_extract.h").write_text(cut(
+    "struct KvQ8", "KvQ8 operator+(KvQ8", "float kv_load(KvQ8", "#define KV_SCALES_f32", "#define KV_SCALES_f16",
+    "#define KV_SCALES_q8_0", "#define KV_CACHE_f32", "#define KV_CACHE_f16", "#define KV_CACHE_q8_0",
+    "void att_rescale(", "void att_store_partial(", *split))
 
 # Phase 1 of the fused Q8_0 FFN (superblock.cu) with the helpers it calls.
 (out / "ffn_p1_extract.h").write_text(cut(
@@ -122,17 +133,20 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
 # instruction is mma_emu.h's.
 (out / "fa_extract.h").write_text(cut(
     "#define FA_ROWS", "#define FA_KEYS", "#define FA_WARPS", "#define FA_LOG2E", "u32 fa_pack(", "u32 fa_word(",
-    "void fa_stage(const u16*", "void fa_stage(const float*", "void attend_prefill(", "float attend_prefill_merge("))
+    "struct KvQ8", "KvQ8 operator+(KvQ8", "float kv_load(KvQ8", "void fa_stage(const u16*", "void fa_stage(KP K",
+    "void attend_prefill(", "float attend_prefill_merge("))
 
 # The split decode attention on f16 tensor cores (attention_mma.cu), the
 # combine and rope_store (the reference of its folded RoPE and store); the
-# mma and cp.async instructions are mma_emu.h's and cp_async_emu.h's.
+# mma and cp.async instructions are mma_emu.h's and cp_async_emu.h's, the
+# f16x2 h2_sub and h2_mul att_emu.h's.
 (out / "split_mma_extract.h").write_text(cut(
-    "void kv_store(float*", "void kv_store(u16*", "void rope_turn(", "void rope_cs(", "void rope_store(",
+    *kv_q8, *kv_store, "void rope_turn(", "void rope_cs(", "void rope_store(",
     "#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_MAX_SPLITS", "bool pruned_row(", "#define AC_THREADS",
     "#define AC_BATCH", "void attend_combine_body(", "u32 fa_pack(", "u32 fa_word(", "#define TM_KEYS",
-    "#define TM_MAX_G", "int tm_warps(", "int tm_stages(", "#define TM_STAGE_HALVES", "void tm_issue(",
-    "float tm_rope_q(", "void attend_split_mma("))
+    "#define TM_MAX_G", "int tm_warps(", "int tm_stages(", "#define TM_STAGE_HALVES", "#define TM_Q8_LD",
+    "#define TM_Q8_STAGE_BYTES", "void tm_issue(", "void tm_issue_q8(", "u32 q8_h2(", "float tm_rope_q(",
+    "void attend_split_mma("))
 
 # ggml's Q8_0, Q4_K, Q4_1, Q5_0 and Q6_K dequantizers (ggml.cu), the reference the
 # activation-sparse products (activation_sparse.cu, included whole) are

@@ -1,6 +1,6 @@
-// Host stand-ins for the PTX the device helpers use (prmt, cvt.f32.f16) and
-// the integer and vector types of the kernel sources; shared by prelude.h and the
-// checks that run whole blocks (block_emu.h).
+// Host stand-ins for the PTX the device helpers use (prmt, __byte_perm,
+// cvt.f32.f16) and the integer and vector types of the kernel sources;
+// shared by prelude.h and the checks that run whole blocks (block_emu.h).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -30,3 +30,6 @@ inline sb_u32 sb_prmt(sb_u32 a, sb_u32 b, sb_u32 sel) {
     }
     return r;
 }
+// CUDA's __byte_perm: prmt.b32 with the selector's low 3 bits of each
+// nibble (no sign replication).
+inline u32 __byte_perm(u32 x, u32 y, u32 s) { return sb_prmt(x, y, s & 0x7777u); }

@@ -7,7 +7,10 @@
 # tensor-core products (mmq.cu), the split-Q4_K and -Q6_K decode mat-vecs on int8
 # tensor cores (matvec_imma.cu), the prefill attention and the split
 # decode attention on f16 tensor cores (attention_mma.cu) and the
-# activation-sparse mat-vecs (activation_sparse.cu, included whole). Blocks run as fibers on one thread
+# activation-sparse mat-vecs (activation_sparse.cu, included whole). The
+# split, tensor-core split and prefill attentions also run over q8_0 KV
+# caches (kv_caches.h: the stores against ggml's quantizer, the arrays
+# ending at an unreadable page). Blocks run as fibers on one thread
 # (block_emu.h); PRMT and the int8 and f16 mma fragments are emulated per the PTX
 # spec (ptx_emu.h, mma_emu.h), the asynchronous copies landing both at issue and
 # at their wait (cp_async_emu.h).

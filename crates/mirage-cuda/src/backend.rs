@@ -159,7 +159,7 @@ pub(crate) fn kernel_names() -> Vec<String> {
             names.push(format!("mmq_{s}_t{t}"));
         }
     }
-    for kv in ["f32", "f16"] {
+    for kv in ["f32", "f16", "q8_0"] {
         for k in [
             "rope_store",
             "page_bounds",
@@ -178,7 +178,9 @@ pub(crate) fn kernel_names() -> Vec<String> {
         }
     }
     for hd in crate::attention::MMA_HEAD_DIMS {
-        names.push(format!("attend_split_mma_f16_d{hd}"));
+        for kv in ["f16", "q8_0"] {
+            names.push(format!("attend_split_mma_{kv}_d{hd}"));
+        }
     }
     for k in [
         "rms_norm",

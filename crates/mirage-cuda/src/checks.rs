@@ -218,12 +218,21 @@ mod nvrtc_check {
             } else {
                 continue;
             };
+            // A q8_0 cache's kernels take its key and value scales last.
+            let want = if name.starts_with("attend_") && name.contains("_q8_0_") {
+                want + crate::attention::KV_SCALE_ARGS
+            } else {
+                want
+            };
             assert_eq!(param_count(&ptx, name), want, "{name}");
         }
         // The split attention's blocks are as wide as its kernels' launch
         // bounds (the warp count is chosen in both places, per head size).
-        for hd in crate::attention::MMA_HEAD_DIMS {
-            let name = format!("attend_split_mma_f16_d{hd}");
+        for (hd, kv) in crate::attention::MMA_HEAD_DIMS
+            .into_iter()
+            .flat_map(|hd| [(hd, "f16"), (hd, "q8_0")])
+        {
+            let name = format!("attend_split_mma_{kv}_d{hd}");
             let e = module::entry(&ptx, &name).unwrap();
             let bound = e
                 .split(".maxntid")

@@ -116,6 +116,12 @@ impl PrunedAttention {
         v: &[f32],
     ) -> Result<DeviceLayerKv, CudaError> {
         let n = shape.n_seq * shape.n_head_kv * shape.n_ctx * shape.head_dim;
+        if shape.dtype == KvDtype::Q8_0 {
+            return Err(bad(
+                "upload_kv writes f32 or f16 caches; a q8_0 cache is written by the model's steps"
+                    .into(),
+            ));
+        }
         if k.len() != n || v.len() != n || shape.page == 0 {
             return Err(bad(format!(
                 "KV of {} / {} values for shape {shape:?} ({n})",
@@ -163,9 +169,17 @@ impl PrunedAttention {
         let b = &self.backend;
         let pslots = b.slots_ptr(&mut b.scratch(), &slots).map_err(rt)?;
         let pages = kv.cache.pages.as_ref().expect("made with page boxes");
-        let pkc = b.ptr(&kv.cache.k[0]);
-        b.refresh_page_boxes(pages, 0, &slots, pslots, pkc, kv_name(s.dtype), &s.spec())
-            .map_err(rt)
+        let [pkc, _, pkd, _] = b.layer_cache(&kv.cache, 0);
+        b.refresh_page_boxes(
+            pages,
+            0,
+            &slots,
+            pslots,
+            [pkc, pkd],
+            kv_name(s.dtype),
+            &s.spec(),
+        )
+        .map_err(rt)
     }
 
     /// The split attention of `rows` query rows (`q`: `[rows, n_head,
@@ -199,10 +213,13 @@ impl PrunedAttention {
             return Err(bad("query, output or slot buffer too small".into()));
         }
         let b = &self.backend;
+        let [kc, vc, kd, vd] = b.layer_cache(&kv.cache, 0);
         let at = CacheAttention {
             q: b.ptr(q),
-            kc: b.ptr(&kv.cache.k[0]),
-            vc: b.ptr(&kv.cache.v[0]),
+            kc,
+            vc,
+            kd,
+            vd,
             slots: b.ptr(slots),
             out: b.ptr(out),
             rows,

@@ -393,7 +393,7 @@ fn smollm2_logits_match_cpu() {
 }
 
 /// Split-K attention over a long context (several splits per head), with
-/// the KV cache in f32 and in f16, against the CPU backend with the same
+/// the KV cache in f32, f16 and q8_0, against the CPU backend with the same
 /// cache type: a prefill of 300 rows, then decode steps past 600.
 /// Long prefill chunks and decode rows against the CPU, f32 and f16 caches,
 /// with the prefill kernel on tensor cores (`attend_prefill_*`: batches of
@@ -401,8 +401,8 @@ fn smollm2_logits_match_cpu() {
 /// split-K decode kernel), for head sizes 128 and 64 (GQA 4:1 and 7:1) and
 /// chunks that are not multiples of the kernel's 64-row tile.
 #[test]
-fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
-    let Some(gpu) = cuda("attention_long_context_splits_match_cpu_f32_and_f16_cache") else {
+fn attention_long_context_splits_match_cpu_every_cache_type() {
+    let Some(gpu) = cuda("attention_long_context_splits_match_cpu_every_cache_type") else {
         return;
     };
     let cpu = CpuBackend::new(0).unwrap();
@@ -417,7 +417,7 @@ fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
             rope_scaling: Default::default(),
             norm_eps: 1e-6,
         };
-        for dtype in [KvDtype::F32, KvDtype::F16] {
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8_0] {
             {
                 let spec = KvSpec {
                     n_layer: 1,
@@ -456,8 +456,17 @@ fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
                         slots[0].pos
                     );
                     // Chunks of 16 rows and more run on f16 tensor cores
-                    // (f16 queries and probabilities: a few 1e-4).
-                    let bound = if n >= 16 { 2e-3 } else { 1e-4 };
+                    // (f16 queries and probabilities: a few 1e-4). A q8_0
+                    // cache's decode split on tensor cores multiplies each
+                    // key and value as f16(q * d), one rounding (at most
+                    // 2^-11 of it) the CPU's f32 q * d does not make.
+                    let bound = if n >= 16 {
+                        2e-3
+                    } else if dtype == KvDtype::Q8_0 {
+                        3e-4
+                    } else {
+                        1e-4
+                    };
                     assert!(
                         e < bound,
                         "hd {hd} {dtype:?} rows {n} at {}: attention rel err {e}",
@@ -471,7 +480,8 @@ fn attention_long_context_splits_match_cpu_f32_and_f16_cache() {
 
 /// The tiny model on the GPU (split-K attention, graphs) against the CPU
 /// f32-activation reference; the prompt batch through cuBLAS against the
-/// mat-vec path; an f16 KV cache against f32.
+/// mat-vec path; f16 and q8_0 KV caches against f32 and against the CPU's
+/// cache of the same type.
 #[test]
 fn tiny_model_prefill_gemm_and_f16_cache_match() {
     let test = "tiny_model_prefill_gemm_and_f16_cache_match";
@@ -517,6 +527,14 @@ fn tiny_model_prefill_gemm_and_f16_cache_match() {
     eprintln!("tiny model f16 KV cuda vs cpu f16 KV: worst position cosine {c:.7}");
     // The CUDA prefill's int8 activations (as above), not the f16 cache.
     assert!(c >= 0.999, "f16 cache cuda vs cpu cosine {c}");
+    let q8 = model.logits_all(&tokens, KvDtype::Q8_0).unwrap();
+    let c = worst(&q8, &f32);
+    eprintln!("tiny model q8_0 KV vs f32 KV: worst position cosine {c:.7}");
+    assert!(c >= 0.999, "q8_0 cache cosine {c}");
+    let cpu8 = cpu.logits_all(&tokens, KvDtype::Q8_0).unwrap();
+    let c = worst(&q8, &cpu8);
+    eprintln!("tiny model q8_0 KV cuda vs cpu q8_0 KV: worst position cosine {c:.7}");
+    assert!(c >= 0.999, "q8_0 cache cuda vs cpu cosine {c}");
 }
 
 /// The in-memory fixture of the GPU model tests is a valid model (runs

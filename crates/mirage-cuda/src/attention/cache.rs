@@ -1,9 +1,9 @@
-//! The KV cache on the device: per-layer keys and values (f32 or f16), the
+//! The KV cache on the device: per-layer keys and values (f32, f16 or q8_0), the
 //! RoPE tables its attention reads (one per frequency base), and, for a
 //! pruned cache, the page key boxes its decode attention selects pages by.
 
 use cudarc::driver::CudaSlice;
-use mirage_runtime::kv_cache::{KvDtype, KvSpec};
+use mirage_runtime::kv_cache::{KvDtype, KvSpec, Q8_0_BLOCK};
 use mirage_runtime::kv_pages::KvPruning;
 use mirage_runtime::Result;
 
@@ -11,14 +11,21 @@ use crate::backend::{bad, drv, CudaBackend, MemKind};
 use crate::launch::{Arg, Launch, Work};
 
 /// The KV cache on the device: per layer, `[n_seq, n_head_kv, n_ctx,
-/// head_dim]` keys and values, f32 or f16 (`spec.dtype`), and, for a cache
-/// made by `new_kv_cache_pruned(spec, Some(..))`, the page key boxes its
-/// decode attention chooses pages by.
+/// head_dim]` keys and values, f32, f16 or q8_0 (`spec.dtype`; q8_0 keeps
+/// the codes there, one signed byte an element, and one f16 scale per 32 of
+/// them in `k_scale` / `v_scale`, `[n_seq, n_head_kv, n_ctx, head_dim /
+/// 32]`: ggml's q8_0 blocks, split so that the kernels read aligned
+/// 16-byte units of codes), and, for a cache made by
+/// `new_kv_cache_pruned(spec, Some(..))`, the page key boxes its decode
+/// attention chooses pages by.
 #[derive(Debug)]
 pub struct CudaKvCache {
     pub(crate) spec: KvSpec,
     pub(crate) k: Vec<CudaSlice<u8>>,
     pub(crate) v: Vec<CudaSlice<u8>>,
+    /// q8_0 only (else empty): the scales of `k` and `v`, per layer.
+    pub(crate) k_scale: Vec<CudaSlice<u8>>,
+    pub(crate) v_scale: Vec<CudaSlice<u8>>,
     pub(crate) pages: Option<KvPageBoxes>,
     /// RoPE tables by frequency base (f32 bits): per position of the cache
     /// and rotated pair, the cosine and sine (`rope_table`), made on the
@@ -53,6 +60,18 @@ pub(crate) struct KvPageBoxes {
 }
 
 impl CudaBackend {
+    /// The device addresses of `layer`'s keys, values, key scales and value
+    /// scales (the scales 0 unless the cache is q8_0).
+    pub(crate) fn layer_cache(&self, cache: &CudaKvCache, layer: usize) -> [u64; 4] {
+        let scale = |s: &[CudaSlice<u8>]| s.get(layer).map_or(0, |x| self.ptr(x));
+        [
+            self.ptr(&cache.k[layer]),
+            self.ptr(&cache.v[layer]),
+            scale(&cache.k_scale),
+            scale(&cache.v_scale),
+        ]
+    }
+
     /// The RoPE table of `cache` at `freq_base` (made now if it has none:
     /// one launch of `rope_table`, outside any recorded step, whose values
     /// are `rope_angle`'s, so the kernels that read it rotate with the same
@@ -91,10 +110,17 @@ impl CudaBackend {
         if spec.head_dim == 0 || spec.n_ctx == 0 || spec.n_seq == 0 {
             return Err(bad(format!("empty KV cache shape {spec:?}")));
         }
-        if spec.dtype == KvDtype::Q8_0 {
-            return Err(bad("a q8_0 KV cache has no CUDA kernels (use f16)"));
+        if spec.dtype == KvDtype::Q8_0 && !spec.head_dim.is_multiple_of(Q8_0_BLOCK) {
+            return Err(bad(format!(
+                "a q8_0 KV cache needs head_dim divisible by {Q8_0_BLOCK}, not {}",
+                spec.head_dim
+            )));
         }
-        let elem = if spec.dtype == KvDtype::F32 { 4 } else { 2 };
+        let elem = match spec.dtype {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+            KvDtype::Q8_0 => 1,
+        };
         let per_layer = spec
             .n_seq
             .checked_mul(spec.n_head_kv)
@@ -102,9 +128,16 @@ impl CudaBackend {
             .and_then(|x| x.checked_mul(spec.head_dim))
             .and_then(|x| x.checked_mul(elem))
             .ok_or_else(|| bad("KV cache size overflows"))?;
+        // q8_0: one f16 scale per 32 codes.
+        let scales_per_layer = if spec.dtype == KvDtype::Q8_0 {
+            per_layer / Q8_0_BLOCK * 2
+        } else {
+            0
+        };
         // Refused with both sizes named, before the first of 2 x n_layer
         // allocations (a failed one would say only "out of memory").
-        let needed = (per_layer as u64).saturating_mul(2 * spec.n_layer as u64);
+        let needed =
+            ((per_layer + scales_per_layer) as u64).saturating_mul(2 * spec.n_layer as u64);
         let (free, _) = self.device_memory()?;
         if needed > free as u64 {
             return Err(mirage_runtime::RuntimeError::OutOfMemory {
@@ -115,15 +148,26 @@ impl CudaBackend {
         }
         let mut k = Vec::with_capacity(spec.n_layer);
         let mut v = Vec::with_capacity(spec.n_layer);
+        let (mut k_scale, mut v_scale) = (Vec::new(), Vec::new());
+        let alloc = |n: usize| self.stream.alloc_zeros::<u8>(n).map_err(drv);
         for _ in 0..spec.n_layer {
-            k.push(self.stream.alloc_zeros::<u8>(per_layer).map_err(drv)?);
-            v.push(self.stream.alloc_zeros::<u8>(per_layer).map_err(drv)?);
+            k.push(alloc(per_layer)?);
+            v.push(alloc(per_layer)?);
+            if scales_per_layer > 0 {
+                k_scale.push(alloc(scales_per_layer)?);
+                v_scale.push(alloc(scales_per_layer)?);
+            }
         }
-        self.account(MemKind::Kv, 2 * spec.n_layer * per_layer);
+        self.account(
+            MemKind::Kv,
+            2 * spec.n_layer * (per_layer + scales_per_layer),
+        );
         Ok(CudaKvCache {
             spec,
             k,
             v,
+            k_scale,
+            v_scale,
             pages: None,
             rope: Vec::new(),
         })

@@ -19,10 +19,14 @@ pub(crate) const SPLIT_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// (`AS_MAX_SPLITS`), in cuda/attention.cu.
 const SPLIT_THREADS: u32 = 128;
 /// Parameters of `attend_split_*`, `attend_split_rope_*` and
-/// `attend_combine` (checked against the PTX by `checks::nvrtc_check`).
+/// `attend_combine` (checked against the PTX by `checks::nvrtc_check`); a
+/// q8_0 cache's kernels take its two scale arrays after them
+/// (`KV_SCALE_ARGS`).
 pub(crate) const SPLIT_ARGS: usize = 12;
 pub(crate) const SPLIT_ROPE_ARGS: usize = 16;
 pub(crate) const COMBINE_ARGS: usize = 10;
+#[cfg(test)]
+pub(crate) const KV_SCALE_ARGS: usize = 2;
 const SPLIT_MAX_HEADS: usize = 8;
 const SPLIT_MAX: usize = 1024;
 /// Most threads of an `attend_combine` block (`AC_THREADS`): slices of
@@ -40,7 +44,7 @@ fn combine_threads(head_dim: usize) -> Result<u32> {
     Ok((COMBINE_THREADS / head_dim * head_dim) as u32)
 }
 
-/// `attend_split_mma_f16_d*` (cuda/attention_mma.cu): head sizes, keys a
+/// `attend_split_mma_{f16,q8_0}_d*` (cuda/attention_mma.cu): head sizes, keys a
 /// warp's step, the most query heads of a group (the rows of one m16n8k16
 /// product) and its parameters.
 pub(crate) const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
@@ -74,9 +78,19 @@ fn mma_stages(head_dim: usize) -> usize {
 const MMA_SM_WARPS: usize = 4;
 
 /// Dynamic shared memory of an `attend_split_mma` block: each warp's ring
-/// of stages of `MMA_KEYS` keys and values, rows padded by 8 halves.
-fn mma_smem(head_dim: usize) -> usize {
-    mma_warps(head_dim) * mma_stages(head_dim) * 2 * MMA_KEYS * (head_dim + 8) * 2
+/// of stages of `MMA_KEYS` keys and values (f16: rows padded by 8 halves;
+/// q8_0: code rows padded by 16 bytes, then the rows' scales,
+/// `TM_Q8_STAGE_BYTES`), or the warps' partial sums at the end, whichever
+/// is larger.
+fn mma_smem(head_dim: usize, kv: &str) -> usize {
+    let stage = if kv == "q8_0" {
+        2 * MMA_KEYS * (head_dim + 16) + 2 * MMA_KEYS * (head_dim / 16)
+    } else {
+        2 * MMA_KEYS * (head_dim + 8) * 2
+    };
+    let warps = mma_warps(head_dim);
+    let merge = warps * 16 * (head_dim + 2) * 4;
+    (warps * mma_stages(head_dim) * stage).max(merge)
 }
 
 /// Keys per attention split the host plans for at least: the splits of a
@@ -119,7 +133,7 @@ struct SplitPlan {
 /// `attend_cache`'s grid: the short form for rows of at most `SHORT_KEYS`
 /// keys, else splits that depend on the batch, the cache size and the SM
 /// count only (so a recorded step replays at every longer position). The
-/// split form runs on tensor cores (`mma`) for an f16 cache, head sizes
+/// split form runs on tensor cores (`mma`) for an f16 or q8_0 cache, head sizes
 /// `MMA_HEAD_DIMS` and groups of at most `MMA_MAX_GROUP` heads, when a
 /// block's `mma_smem` fits `smem_optin` (the device's shared memory a
 /// block may opt in to), with `MMA_SM_WARPS` warps' worth of blocks an SM,
@@ -129,10 +143,10 @@ fn split_plan(at: &CacheAttention, sm_count: usize, smem_optin: usize) -> SplitP
     let group = at.n_head / at.n_head_kv;
     let short = at.max_keys <= SHORT_KEYS;
     let mma = !short
-        && at.kv == "f16"
+        && (at.kv == "f16" || at.kv == "q8_0")
         && MMA_HEAD_DIMS.contains(&at.head_dim)
         && group <= MMA_MAX_GROUP
-        && mma_smem(at.head_dim) <= smem_optin;
+        && mma_smem(at.head_dim, at.kv) <= smem_optin;
     let heads_per_block = if short {
         1
     } else if mma {
@@ -142,7 +156,7 @@ fn split_plan(at: &CacheAttention, sm_count: usize, smem_optin: usize) -> SplitP
     };
     let head_blocks = at.n_head_kv * group.div_ceil(heads_per_block);
     let blocks_per_sm = if mma {
-        let fit = (smem_optin + 1024) / (mma_smem(at.head_dim) + 1024);
+        let fit = (smem_optin + 1024) / (mma_smem(at.head_dim, at.kv) + 1024);
         (MMA_SM_WARPS / mma_warps(at.head_dim)).clamp(1, fit.max(1))
     } else {
         SPLIT_BLOCKS_PER_SM
@@ -231,14 +245,16 @@ impl CudaBackend {
             }
             None => format!("attend_split_{}_d{hd}", at.kv),
         };
+        let scales = at.scale_args();
         debug_assert_eq!(
-            args.len(),
+            args.len() + scales.len(),
             if rope_args {
                 SPLIT_ROPE_ARGS
             } else {
                 SPLIT_ARGS
-            }
+            } + scales.len()
         );
+        args.extend(scales);
         self.plain(
             &kernel,
             (n as u32, head_blocks as u32, n_split as u32),
@@ -251,7 +267,7 @@ impl CudaBackend {
         self.combine(at, ppart, n_split, chunk, None)
     }
 
-    /// The split form on tensor cores (`attend_split_mma_f16_d*`, RoPE and
+    /// The split form on tensor cores (`attend_split_mma_*_d*`, RoPE and
     /// the KV store folded in when `rope` is given) and the combine.
     fn attend_split_mma(
         &self,
@@ -272,11 +288,14 @@ impl CudaBackend {
         // and values).
         args.extend(rope.unwrap_or_default().args());
         debug_assert_eq!(args.len(), SPLIT_MMA_ARGS);
+        args.extend(at.scale_args());
         self.push_launch(Launch {
-            kernel: self.kernels.index(&format!("attend_split_mma_f16_d{hd}"))?,
+            kernel: self
+                .kernels
+                .index(&format!("attend_split_mma_{}_d{hd}", at.kv))?,
             grid: (at.rows as u32, at.n_head_kv as u32, n_split as u32),
             block: ((mma_warps(hd) * 32) as u32, 1, 1),
-            smem: mma_smem(hd) as u32,
+            smem: mma_smem(hd, at.kv) as u32,
             work: Work::Plain(args),
         })?;
         self.combine(at, ppart, n_split, chunk, None)
@@ -331,6 +350,8 @@ mod tests {
             q: 0,
             kc: 0,
             vc: 0,
+            kd: 0,
+            vd: 0,
             slots: 0,
             out: 0,
             rows,
@@ -387,20 +408,34 @@ mod tests {
         assert_eq!(p, end);
         // The whole group in one block of 4 warps (55,296 bytes), one
         // block an SM.
-        assert_eq!(mma_smem(64), 55_296);
+        assert_eq!(mma_smem(64, "f16"), 55_296);
         assert_eq!((p.heads_per_block, p.head_blocks), (7, 2));
         assert_eq!(p.n_split, 132usize.div_ceil(2));
         assert!(p.chunk * p.n_split >= 32768);
         // Head size 128: blocks of 2 warps (69,632 bytes), two an SM.
         let mut wide = shape(1, 28, 4, 32768, 32768);
         wide.head_dim = 128;
-        assert_eq!(mma_smem(128), 69_632);
+        assert_eq!(mma_smem(128, "f16"), 69_632);
         assert_eq!(
             split_plan(&wide, 132, H100_OPTIN).n_split,
             (2 * 132usize).div_ceil(4)
         );
         // A device whose SM holds one such block: one an SM.
         assert_eq!(split_plan(&wide, 132, 69_632).n_split, 132usize.div_ceil(4));
+        // A q8_0 cache: the same plan, from smaller rings (codes rows of
+        // head size + 16 bytes, then 2 bytes of scale per 32 codes).
+        assert_eq!(mma_smem(64, "q8_0"), 4 * 3 * (2 * 16 * 80 + 2 * 16 * 4));
+        assert_eq!(mma_smem(128, "q8_0"), 2 * 4 * (2 * 16 * 144 + 2 * 16 * 8));
+        let mut q8 = shape(1, 14, 2, 32768, 32768);
+        q8.kv = "q8_0";
+        assert_eq!(split_plan(&q8, 132, H100_OPTIN), end);
+        wide.kv = "q8_0";
+        assert!(split_plan(&wide, 132, H100_OPTIN).mma);
+        assert_eq!(
+            split_plan(&wide, 132, H100_OPTIN).n_split,
+            (2 * 132usize).div_ceil(4)
+        );
+        wide.kv = "f16";
         // Not for an f32 cache, a head size it is not built for, a group of
         // more than 16 heads or a device whose blocks cannot hold a ring.
         let mut f32_cache = shape(1, 14, 2, 32768, 32768);

@@ -35,7 +35,7 @@ pub(crate) use cache::KvPageBoxes;
 #[cfg(test)]
 pub(crate) use decode::mma_warps;
 #[cfg(test)]
-pub(crate) use decode::{COMBINE_ARGS, SPLIT_ARGS, SPLIT_MMA_ARGS, SPLIT_ROPE_ARGS};
+pub(crate) use decode::{COMBINE_ARGS, KV_SCALE_ARGS, SPLIT_ARGS, SPLIT_MMA_ARGS, SPLIT_ROPE_ARGS};
 pub(crate) use decode::{MMA_HEAD_DIMS, SPLIT_HEAD_DIMS};
 pub(crate) use prefill::PREFILL_HEAD_DIMS;
 use prefill::PREFILL_MIN_ROWS;
@@ -49,6 +49,9 @@ pub(crate) struct CacheAttention {
     pub q: u64,
     pub kc: u64,
     pub vc: u64,
+    /// The scales of a q8_0 cache's keys and values (0 for f32 and f16).
+    pub kd: u64,
+    pub vd: u64,
     pub slots: u64,
     pub out: u64,
     /// Query rows.
@@ -59,7 +62,7 @@ pub(crate) struct CacheAttention {
     pub n_ctx: usize,
     /// Keys the longest row attends (its position + 1).
     pub max_keys: usize,
-    /// `f32` or `f16`: the cache's element type in kernel names.
+    /// `f32`, `f16` or `q8_0`: the cache's element type in kernel names.
     pub kv: &'static str,
 }
 
@@ -73,6 +76,16 @@ impl CacheAttention {
             Arg::Ptr(self.vc),
             Arg::Ptr(self.slots),
         ]
+    }
+
+    /// The last arguments of a q8_0 cache's kernels: the key and value
+    /// scales (none for f32 and f16).
+    fn scale_args(&self) -> Vec<Arg> {
+        if self.kv == "q8_0" {
+            vec![Arg::Ptr(self.kd), Arg::Ptr(self.vd)]
+        } else {
+            Vec::new()
+        }
     }
 
     /// Heads, KV heads, head size and cache positions.
@@ -114,8 +127,8 @@ impl RopeIn {
 pub(crate) fn kv_name(dtype: KvDtype) -> &'static str {
     match dtype {
         KvDtype::F32 => "f32",
-        // new_kv_cache refuses q8_0.
-        KvDtype::F16 | KvDtype::Q8_0 => "f16",
+        KvDtype::F16 => "f16",
+        KvDtype::Q8_0 => "q8_0",
     }
 }
 
@@ -147,7 +160,7 @@ impl CudaBackend {
         qk_norm: (u64, u64),
         norm_eps: f32,
     ) -> Result<()> {
-        let args = vec![
+        let mut args = vec![
             Arg::Ptr(at.q),
             Arg::Ptr(r.k),
             Arg::Ptr(r.v),
@@ -164,6 +177,7 @@ impl CudaBackend {
             Arg::Ptr(at.vc),
             Arg::I32(at.n_ctx as i32),
         ];
+        args.extend(at.scale_args());
         self.plain(
             &format!("rope_store_{}", at.kv),
             (at.rows as u32, (at.n_head + at.n_head_kv) as u32, 1),
@@ -246,7 +260,7 @@ impl CudaBackend {
             Some(nm) => (self.ptr(&nm.q.data), self.ptr(&nm.k.data)),
             None => (0u64, 0u64),
         };
-        let (pkc, pvc) = (self.ptr(&cache.k[layer]), self.ptr(&cache.v[layer]));
+        let [pkc, pvc, pkd, pvd] = self.layer_cache(cache, layer);
         let prope = self.rope_table(cache, p.rope_freq_base)?;
         let kv = kv_name(spec.dtype);
         let po = self.reshape(out, n, p.n_head * hd)?;
@@ -254,6 +268,8 @@ impl CudaBackend {
             q: pq,
             kc: pkc,
             vc: pvc,
+            kd: pkd,
+            vd: pvd,
             slots: pslots,
             out: po,
             rows: n,
@@ -293,7 +309,7 @@ impl CudaBackend {
         if let Some(pages) = &cache.pages {
             // Refreshed even while the selection is off, so that switching
             // it back on finds exact boxes.
-            self.refresh_page_boxes(pages, layer, slots, pslots, pkc, kv, &spec)?;
+            self.refresh_page_boxes(pages, layer, slots, pslots, [pkc, pkd], kv, &spec)?;
             if pages.active && layer >= pages.cfg.dense_layers {
                 let decode = mirage_runtime::attention_pruned::decode_rows(slots);
                 if decode.iter().all(|&d| d) {

@@ -85,6 +85,7 @@ impl CudaBackend {
                     Arg::Ptr(part),
                     Arg::Ptr(po),
                 ],
+                at.scale_args(),
             ]
             .concat(),
         )?;

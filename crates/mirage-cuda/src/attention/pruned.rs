@@ -27,7 +27,8 @@ pub(crate) const SEL_THREADS: u32 = 512;
 
 impl CudaBackend {
     /// Rewrites the boxes of the pages the batch `slots` wrote in `layer`
-    /// (after rope_store). Inside a recorded step (and for small batches)
+    /// (after rope_store), from the layer's keys `[codes, scales]` (scales 0
+    /// unless `kv` is q8_0). Inside a recorded step (and for small batches)
     /// one launch reads the positions from device memory; a large eager
     /// batch (prefill) launches per sequence over its range of pages.
     #[allow(clippy::too_many_arguments)]
@@ -37,10 +38,15 @@ impl CudaBackend {
         layer: usize,
         slots: &[TokenSlot],
         pslots: u64,
-        pkc: u64,
+        [pkc, pkd]: [u64; 2],
         kv: &str,
         spec: &KvSpec,
     ) -> Result<()> {
+        let key_scale: Vec<Arg> = if kv == "q8_0" {
+            vec![Arg::Ptr(pkd)]
+        } else {
+            Vec::new()
+        };
         let (pmin, pmax) = (self.ptr(&pages.kmin[layer]), self.ptr(&pages.kmax[layer]));
         let page = pages.cfg.page.min(spec.n_ctx) as i32;
         let (nkv, hd, n_ctx, maxp) = (
@@ -69,7 +75,10 @@ impl CudaBackend {
                     Arg::I32(maxp),
                     Arg::Ptr(pmin),
                     Arg::Ptr(pmax),
-                ],
+                ]
+                .into_iter()
+                .chain(key_scale)
+                .collect(),
             );
         }
         let mut ranges: std::collections::BTreeMap<usize, (usize, usize)> = Default::default();
@@ -97,7 +106,10 @@ impl CudaBackend {
                     Arg::I32(maxp),
                     Arg::Ptr(pmin),
                     Arg::Ptr(pmax),
-                ],
+                ]
+                .into_iter()
+                .chain(key_scale.iter().cloned())
+                .collect(),
             )?;
         }
         Ok(())
@@ -218,6 +230,7 @@ impl CudaBackend {
                 Arg::F32(1.0 / (hd as f32).sqrt()),
                 Arg::Ptr(ppart),
             ])
+            .chain(at.scale_args())
             .collect(),
         )?;
         self.combine(at, ppart, n_split, 0, Some((only_decode, row_base, rows)))
