@@ -13,18 +13,20 @@
 #   2. the mirage-cuda GPU suites of the attention (kernels, fast_decode,
 #      kv_pruning_gpu, kv_pruning_backend, real_models; the real-model tests
 #      need the model files in MIRAGE_MODELS_DIR, else they skip saying so);
-#   3. per file: `mirage-cli bench --backend cuda --kv f16 -d DEPTHS --gen N`
+#   3. per file: `mirage-cli bench --backend cuda --kv KV -d DEPTHS --gen N`
 #      (decode tok/s after a context of each depth, the share of the copy
 #      bandwidth counting weights and KV read per token, the time per op
 #      class of one decode step run op by op between events) and, with
-#      LLAMA_BENCH, `llama-bench -p 0 -n N -d D -ngl 99` (f16 KV, as the
-#      bench's --kv f16), fewer repetitions at the deepest depth;
+#      LLAMA_BENCH, `llama-bench -p 0 -n N -d D -ngl 99 -ctk KV -ctv KV` (the
+#      same cache type), fewer repetitions at the deepest depth;
 # then one table. Environment: WORK (default /tmp/mirage-depth), DEPTHS
 # (default 0,4096,32768), GEN (decode steps per depth, default 64), BUDGET
 # (default 500), MODELS (shape:quant list), SUITES (test binaries; empty for
 # none), MIRAGE_MODELS_DIR, LLAMA_BUILD_PID (a llama-bench build
 # running beside this script: the peer rows wait for it), LLAMA_FA
-# (llama-bench's -fa: 0 by default; 1 for a build with FlashAttention).
+# (llama-bench's -fa: 0 by default; 1 for a build with FlashAttention, which
+# llama.cpp needs for a q8_0 value cache), KV (the cache type of both: f16,
+# the default, or q8_0).
 set -uo pipefail
 BUNDLE=$(cd "${1:?usage: depth.sh BUNDLE_DIR [LLAMA_BENCH]}" && pwd)
 LB=${2:-}
@@ -34,6 +36,7 @@ WORK=${WORK:-/tmp/mirage-depth}
 DEPTHS=${DEPTHS:-0,4096,32768}
 GEN=${GEN:-64}
 LLAMA_FA=${LLAMA_FA:-0}
+KV=${KV:-f16}
 BUDGET=${BUDGET:-500}
 gpu_start
 
@@ -60,7 +63,7 @@ for m in $MODELS; do
   shape=${m%:*} q=${m#*:} f=$WORK/${m%:*}-${m#*:}.gguf tag=$shape-$q
   budget_left "$tag" || break
   wait_file "$f" || { echo "no $f (see $LOG/synth-$tag.log)"; continue; }
-  step "mirage-$tag" 240 "$W/mirage-cli" bench --backend cuda --model "$f" --kv f16 -d "$DEPTHS" --gen "$GEN" --json
+  step "mirage-$tag" 240 "$W/mirage-cli" bench --backend cuda --model "$f" --kv "$KV" -d "$DEPTHS" --gen "$GEN" --json
 done
 await_llama_bench
 for m in $MODELS; do
@@ -68,10 +71,10 @@ for m in $MODELS; do
   shape=${m%:*} q=${m#*:} f=$WORK/${m%:*}-${m#*:}.gguf tag=$shape-$q
   [ -f "$f" ] || continue
   if [ -n "$shallow" ] && budget_left "llama-bench $tag"; then
-    step "llama-$tag" 150 "$LB" -m "$f" -ngl 99 -fa "$LLAMA_FA" -p 0 -n "$GEN" -d "$shallow" -r 3 -o json
+    step "llama-$tag" 150 "$LB" -m "$f" -ngl 99 -fa "$LLAMA_FA" -ctk "$KV" -ctv "$KV" -p 0 -n "$GEN" -d "$shallow" -r 3 -o json
   fi
   budget_left "llama-bench $tag at $deepest" &&
-    step "llama-deep-$tag" 150 "$LB" -m "$f" -ngl 99 -fa "$LLAMA_FA" -p 0 -n "$GEN" -d "$deepest" -r 1 -o json
+    step "llama-deep-$tag" 150 "$LB" -m "$f" -ngl 99 -fa "$LLAMA_FA" -ctk "$KV" -ctv "$KV" -p 0 -n "$GEN" -d "$deepest" -r 1 -o json
 done
 kill "$SYNTH" 2>/dev/null
 wait 2>/dev/null
@@ -82,7 +85,7 @@ echo "## GPU suites (bundle $(cat "$BUNDLE/COMMIT" 2>/dev/null || echo '?'))"
 printf '%-20s %7s %7s %7s\n' suite passed failed seconds
 while read -r _ name p f s; do printf '%-20s %7s %7s %7s\n' "$name" "$p" "$f" "$s"; done < "$LOG/suites.txt"
 echo
-echo "## decode at depth: mirage-cli bench --kv f16 -d $DEPTHS --gen $GEN vs llama-bench -fa $LLAMA_FA -p 0 -n $GEN -d D"
+echo "## decode at depth: mirage-cli bench --kv $KV -d $DEPTHS --gen $GEN vs llama-bench -fa $LLAMA_FA -ctk $KV -ctv $KV -p 0 -n $GEN -d D"
 python3 - "$LOG" $MODELS <<'PY'
 import json, os, sys
 log, models = sys.argv[1], sys.argv[2:]

@@ -61,7 +61,8 @@ pub struct BenchArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
-    /// KV cache element type: `f32` or `f16`.
+    /// KV cache element type: `f32`, `f16` or `q8_0` (ggml's blocks of 32
+    /// codes and an f16 scale, as llama-bench's `-ctk q8_0 -ctv q8_0`).
     #[arg(long, default_value = "f32")]
     pub kv: String,
     /// Decode attention over selected KV pages only (cpu and cuda), as
@@ -330,7 +331,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let kv = match args.kv.as_str() {
         "f32" => KvDtype::F32,
         "f16" => KvDtype::F16,
-        other => bail!("--kv takes `f32` or `f16`, not `{other}`"),
+        "q8_0" => KvDtype::Q8_0,
+        other => bail!("--kv takes `f32`, `f16` or `q8_0`, not `{other}`"),
     };
     let spec = spec(&args)?;
     let loading = format!("loading {}", args.model.display());
@@ -432,9 +434,9 @@ pub(crate) fn bench_prompt(vocab: usize, n: usize) -> Vec<u32> {
 /// Bytes of KV cache a decode step at position `pos` reads: keys and
 /// values of positions `0..=pos` in every layer.
 fn kv_bytes_at(model_cfg: &mirage_runtime::ModelConfig, kv: KvDtype, pos: usize) -> u64 {
-    let elem = if kv == KvDtype::F32 { 4 } else { 2 };
-    (2 * model_cfg.n_layer * model_cfg.n_head_kv * model_cfg.head_dim * elem) as u64
-        * (pos as u64 + 1)
+    let values = (2 * model_cfg.n_layer * model_cfg.n_head_kv * model_cfg.head_dim) as u64
+        * (pos as u64 + 1);
+    kv.bytes_for(values).unwrap_or(u64::MAX)
 }
 
 /// Mean and sample standard deviation (n - 1 in the denominator, as

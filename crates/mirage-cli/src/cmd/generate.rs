@@ -46,7 +46,7 @@ pub struct ModelArgs {
     /// Store the KV cache as f16 instead of f32.
     #[arg(long)]
     pub kv_f16: bool,
-    /// Store the KV cache as ggml Q8_0 blocks (about a quarter of f32; CPU backend only).
+    /// Store the KV cache as ggml Q8_0 blocks (about a quarter of f32; CPU and CUDA backends).
     #[arg(long, conflicts_with = "kv_f16")]
     pub kv_q8: bool,
     /// Decode attention over selected KV pages only: `default`, `all`, or key=number pairs over the default
