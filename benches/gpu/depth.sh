@@ -26,7 +26,9 @@
 # running beside this script: the peer rows wait for it), LLAMA_FA
 # (llama-bench's -fa: 0 by default; 1 for a build with FlashAttention, which
 # llama.cpp needs for a q8_0 value cache), KV (the cache type of both: f16,
-# the default, or q8_0).
+# the default, or q8_0), PRUNE (KV-page pruning settings, e.g.
+# `page=16,sinks=4,recent=8,top=32,top_percent=10`: MIRAGE also decodes at
+# the deepest depth with `--kv-prune PRUNE`, a row of its own).
 set -uo pipefail
 BUNDLE=$(cd "${1:?usage: depth.sh BUNDLE_DIR [LLAMA_BENCH]}" && pwd)
 LB=${2:-}
@@ -64,6 +66,10 @@ for m in $MODELS; do
   budget_left "$tag" || break
   wait_file "$f" || { echo "no $f (see $LOG/synth-$tag.log)"; continue; }
   step "mirage-$tag" 240 "$W/mirage-cli" bench --backend cuda --model "$f" --kv "$KV" -d "$DEPTHS" --gen "$GEN" --json
+  if [ -n "${PRUNE:-}" ] && budget_left "pruned $tag"; then
+    step "mirage-pruned-$tag" 240 "$W/mirage-cli" bench --backend cuda --model "$f" --kv "$KV" \
+      --kv-prune "$PRUNE" -d "$deepest" --gen "$GEN" --json
+  fi
 done
 await_llama_bench
 for m in $MODELS; do
@@ -86,9 +92,9 @@ printf '%-20s %7s %7s %7s\n' suite passed failed seconds
 while read -r _ name p f s; do printf '%-20s %7s %7s %7s\n' "$name" "$p" "$f" "$s"; done < "$LOG/suites.txt"
 echo
 echo "## decode at depth: mirage-cli bench --kv $KV -d $DEPTHS --gen $GEN vs llama-bench -fa $LLAMA_FA -ctk $KV -ctv $KV -p 0 -n $GEN -d D"
-python3 - "$LOG" $MODELS <<'PY'
+python3 - "$LOG" "${PRUNE:-}" $MODELS <<'PY'
 import json, os, sys
-log, models = sys.argv[1], sys.argv[2:]
+log, prune, models = sys.argv[1], sys.argv[2], sys.argv[3:]
 
 def records(path):
     """The JSON of a log (a JSON line of mirage-cli, or llama-bench's array)."""
@@ -122,13 +128,15 @@ for m in models:
             if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0:
                 peer[r.get("n_depth", 0)] = r["avg_ts"]
     copy = mi.get("copy_gb_s")
-    for run in mi.get("runs", []):
+    pruned = records(os.path.join(log, f"mirage-pruned-{tag}.log")) or {}
+    for run in mi.get("runs", []) + [dict(r, pruned=True) for r in pruned.get("runs", [])]:
         d = run["depth"]
         p = run.get("profile") or {}
         share = lambda k: f"{100 * p[k]:.0f} %" if k in p else "-"
         ll = peer.get(d)
         ratio = f"{run['decode_tok_s'] / ll:.2f}x" if ll else "-"
-        print(f"| {m} | {d} | {run['decode_tok_s']:.1f} | {f'{ll:.1f}' if ll else '-'} | {ratio} | "
+        name = f"{m}, --kv-prune {prune}" if run.get("pruned") else m
+        print(f"| {name} | {d} | {run['decode_tok_s']:.1f} | {f'{ll:.1f}' if ll else '-'} | {ratio} | "
               f"{100 * run['share_of_copy']:.0f} % | {share('matvec_share')} | {share('attention_share')} | "
               f"{share('other_share')} |")
     if not mi:
