@@ -131,22 +131,60 @@ __device__ __forceinline__ float tm_rope_q(const float* x, int c, int pos, int n
 // copies read the cache (the launch is that slot's only writer and reader),
 // and every block rotates its copy of q. k and v: the rows' unrotated keys
 // and values ([rows][n_head_kv][HD]); neox the pairing.
-template <int HD, typename KP>
+//
+// With PAGES (attend_pages_mma: the pruned decode attention) the block's
+// keys are not a range of positions but its split of the pages the group's
+// query heads chose (union_pages in attention_pruned.cu: the union in
+// increasing order, and per page which heads chose it): split z takes pages
+// [z c, (z + 1) c) of that list (c = ceil(count / n_split)), a step of
+// TM_KEYS keys lies in one page (page % TM_KEYS == 0), and a head's row
+// masks the keys of pages it did not choose and positions past its own.
+// Batch row row_base + blockIdx.x (q, slots), launch row blockIdx.x (the
+// union, part); rows the pruned attention skips (pruned_row) are left to
+// the full attention, and a split with no key writes m = -inf, as
+// attend_pages_part does. No RoPE (the pruned path stores with rope_store).
+struct MmaPages {
+    const int* upages;
+    const unsigned* umask;
+    const int* ucount;
+    int max_pages, page, only_decode, n_rows, row_base;
+};
+template <int HD, bool PAGES = false, typename KP>
 __device__ void attend_split_mma(const float* __restrict__ q, KP kc, KP vc, const int* __restrict__ slots,
                                  int n_head, int n_head_kv, int n_ctx, int chunk, float scale,
                                  float* __restrict__ part, const float* __restrict__ k, const float* __restrict__ v,
-                                 int neox, const float* __restrict__ rope, u16* smem) {
+                                 int neox, const float* __restrict__ rope, u16* smem, MmaPages pg = MmaPages{}) {
     constexpr bool Q8 = kv_bytes(KP{}) == 1;
     constexpr int LD = HD + 8, WARPS = tm_warps(HD), STAGES = tm_stages(HD);
     // A stage in bytes, and the row stride of its codes (q8_0) in bytes.
     constexpr int STAGE_BYTES = Q8 ? TM_Q8_STAGE_BYTES(HD) : 2 * TM_STAGE_HALVES(HD), LDB = TM_Q8_LD(HD);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, n_split = gridDim.z;
+    const int row = PAGES ? pg.row_base + blockIdx.x : blockIdx.x, kvh = blockIdx.y, split = blockIdx.z,
+              n_split = gridDim.z;
     const int G = n_head / n_head_kv;
     const int seq = slots[2 * row], n = slots[2 * row + 1] + 1;
-    chunk = att_chunk(n, n_split, chunk);
-    const int j0 = split * chunk, j1 = min(n, j0 + chunk);
-    if (j0 >= j1) return;  // attend_combine skips splits past the position
+    // Without PAGES, keys [j0, j1) are positions; with, indices into the
+    // split's pages (page e0 + key / page of the union).
+    int j0, j1, e0 = 0;
+    const int* upages = 0;
+    const unsigned* umask = 0;
+    if constexpr (PAGES) {
+        if (!pruned_row(slots, row, pg.n_rows, pg.only_decode)) return;
+        const long u = ((long)blockIdx.x * n_head_kv + kvh) * pg.max_pages;
+        upages = pg.upages + u;
+        umask = pg.umask + u;
+        const int count = pg.ucount[blockIdx.x * n_head_kv + kvh], per = (count + n_split - 1) / n_split;
+        e0 = min(count, split * per);
+        j0 = 0;
+        j1 = (min(count, e0 + per) - e0) * pg.page;
+    } else {
+        chunk = att_chunk(n, n_split, chunk);
+        j0 = split * chunk;
+        j1 = min(n, j0 + chunk);
+        if (j0 >= j1) return;  // attend_combine skips splits past the position
+    }
+    // The first position of a step's keys (PAGES: in one page).
+    auto step_pos = [&](int k0) { return PAGES ? upages[e0 + k0 / pg.page] * pg.page + k0 % pg.page : k0; };
     const int pos = n - 1;
     if (rope) {
         if (j1 == n && (int)threadIdx.x < HD / 2) {  // the split that holds pos
@@ -190,12 +228,14 @@ __device__ void attend_split_mma(const float* __restrict__ q, KP kc, KP vc, cons
     const int steps = (j1 - j0 + TM_KEYS - 1) / TM_KEYS;
     const int mine = steps > warp ? (steps - warp + WARPS - 1) / WARPS : 0;
     u8* ring = (u8*)smem + warp * STAGES * STAGE_BYTES;
+    // With PAGES a step's positions past the row's are clamped to its last.
+    const int last = PAGES ? n - 1 : j1 - 1;
     auto issue = [&](int p, u8* stage) {
-        const int k0 = j0 + (warp + p * WARPS) * TM_KEYS;
+        const int k0 = step_pos(j0 + (warp + p * WARPS) * TM_KEYS);
         if constexpr (Q8)
-            tm_issue_q8<HD>(K, V, k0, j1 - 1, stage, lane);
+            tm_issue_q8<HD>(K, V, k0, last, stage, lane);
         else
-            tm_issue<HD>(K, V, k0, j1 - 1, (u16*)stage, lane);
+            tm_issue<HD>(K, V, k0, last, (u16*)stage, lane);
     };
 #pragma unroll
     for (int p = 0; p < STAGES - 1; p++) {
@@ -226,7 +266,9 @@ __device__ void attend_split_mma(const float* __restrict__ q, KP kc, KP vc, cons
         const u8* vq = stage + TM_KEYS * LDB;
         const u16* kds = (const u16*)(stage + 2 * TM_KEYS * LDB);
         const u16* vds = kds + TM_KEYS * (HD / 32);
-        const int k0 = j0 + (warp + i * WARPS) * TM_KEYS;
+        const int kv0 = j0 + (warp + i * WARPS) * TM_KEYS, k0 = step_pos(kv0);
+        // PAGES: the heads (rows) that chose this step's page.
+        const unsigned heads = PAGES ? umask[e0 + kv0 / pg.page] : 0u;
         float s[2][4];
 #pragma unroll
         for (int j = 0; j < 2; j++) {
@@ -257,7 +299,12 @@ __device__ void attend_split_mma(const float* __restrict__ q, KP kc, KP vc, cons
         for (int j = 0; j < 2; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                if (k0 + 8 * j + 2 * t + (e & 1) >= j1) s[j][e] = -MIRAGE_INF;
+                if constexpr (PAGES) {
+                    if (k0 + 8 * j + 2 * t + (e & 1) >= n || !((heads >> (g + 8 * (e >> 1))) & 1u))
+                        s[j][e] = -MIRAGE_INF;
+                } else if (k0 + 8 * j + 2 * t + (e & 1) >= j1) {
+                    s[j][e] = -MIRAGE_INF;
+                }
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
             }
         float alpha[2];
@@ -265,8 +312,10 @@ __device__ void attend_split_mma(const float* __restrict__ q, KP kc, KP vc, cons
         for (int h = 0; h < 2; h++) {
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            const float nm = fmaxf(m[h], mx[h]);  // finite: key k0 is before j1
-            alpha[h] = expf(m[h] - nm);          // 0 on the first step (m = -inf)
+            const float nm = fmaxf(m[h], mx[h]);  // finite without PAGES: key k0 is before j1
+            // 0 on the first step (m = -inf); with PAGES a row may have seen
+            // no key yet (nm = -inf).
+            alpha[h] = PAGES && nm == -MIRAGE_INF ? 1.f : expf(m[h] - nm);
             m[h] = nm;
             l[h] *= alpha[h];
         }
@@ -275,7 +324,8 @@ __device__ void attend_split_mma(const float* __restrict__ q, KP kc, KP vc, cons
         for (int j = 0; j < 2; j++)
 #pragma unroll
             for (int hh = 0; hh < 2; hh++) {
-                const float p0 = expf(s[j][2 * hh] - m[hh]), p1 = expf(s[j][2 * hh + 1] - m[hh]);
+                float p0 = expf(s[j][2 * hh] - m[hh]), p1 = expf(s[j][2 * hh + 1] - m[hh]);
+                if (PAGES && m[hh] == -MIRAGE_INF) p0 = p1 = 0.f;  // every key so far masked
                 const u16 h0 = f2h(p0), h1 = f2h(p1);
                 l[hh] += p0 + p1;
                 ph[2 * j + hh] = (u32)h0 | ((u32)h1 << 16);
@@ -335,7 +385,7 @@ __device__ void attend_split_mma(const float* __restrict__ q, KP kc, KP vc, cons
             L += f * wl[w * 16 + r];
             a += f * red[(w * 16 + r) * HD + d];
         }
-        float* P = part + (((long)row * n_head + (long)kvh * G + r) * n_split + split) * (HD + 2);
+        float* P = part + (((long)blockIdx.x * n_head + (long)kvh * G + r) * n_split + split) * (HD + 2);
         P[2 + d] = a;
         if (d == 0) {
             P[0] = M;
@@ -356,6 +406,26 @@ __device__ void attend_split_mma(const float* __restrict__ q, KP kc, KP vc, cons
         attend_split_mma<HD>(q, KV_CACHE_##NAME(kc, kd), KV_CACHE_##NAME(vc, vd), slots, n_head, n_head_kv, n_ctx,  \
                              chunk, scale, part, k, v, neox, rope, tm_smem);                                        \
     }
+// The pruned decode attention over the pages union_pages listed: grid
+// (rows, n_head_kv, n_split), the block of attend_split_mma.
+#define PAGES_MMA_INSTANCE(NAME, KV, HD)                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * tm_warps(HD))                                                 \
+        attend_pages_mma_##NAME##_d##HD(const float* q, KV* kc, KV* vc, const int* slots, const int* upages,        \
+                                        const unsigned* umask, const int* ucount, int n_head, int n_head_kv,       \
+                                        int n_ctx, int max_pages, int page, int only_decode, int n_rows,            \
+                                        int row_base, float scale, float* part KV_SCALES_##NAME) {                  \
+        extern __shared__ __align__(16) u16 tm_smem[];                                                              \
+        PDL_ENTRY();                                                                                                \
+        attend_split_mma<HD, true>(                                                                                 \
+            q, KV_CACHE_##NAME(kc, kd), KV_CACHE_##NAME(vc, vd), slots, n_head, n_head_kv, n_ctx, 0, scale, part,   \
+            (const float*)0, (const float*)0, 0, (const float*)0, tm_smem,                                          \
+            MmaPages{upages, umask, ucount, max_pages, page, only_decode, n_rows, row_base});                        \
+    }
+PAGES_MMA_INSTANCE(f16, u16, 64)
+PAGES_MMA_INSTANCE(f16, u16, 128)
+PAGES_MMA_INSTANCE(q8_0, i8, 64)
+PAGES_MMA_INSTANCE(q8_0, i8, 128)
+
 SPLIT_MMA_INSTANCE(f16, u16, 64)
 SPLIT_MMA_INSTANCE(f16, u16, 128)
 SPLIT_MMA_INSTANCE(q8_0, i8, 64)

@@ -268,6 +268,54 @@ extern "C" __global__ void select_pages(const unsigned int* __restrict__ keys, c
     if (threadIdx.x == 0) nsel[at] = k;
 }
 
+// The union of the pages a KV head's query heads chose (select_pages), for
+// the tensor-core pruned attention (attend_pages_mma in attention_mma.cu):
+// upages[u + i] for i < ucount[r * n_head_kv + kvh] the pages in increasing
+// order and umask[u + i] the heads of the group that chose page upages[i]
+// (bit g: query head kvh * G + g), u = (r * n_head_kv + kvh) * max_pages.
+// umask is the per-page bitmap while it is built (compacted in place: each
+// chunk's reads end before its block scan, and a page moves only down).
+// Grid (rows, n_head_kv), block SEL_THREADS; a row the pruned attention
+// skips (only_decode) gets count 0.
+extern "C" __global__ void union_pages(const int* __restrict__ sel, const int* __restrict__ nsel,
+                                       const int* __restrict__ slots, int n_head, int n_head_kv, int page,
+                                       int max_pages, int max_sel, int only_decode, int n_rows, int row_base,
+                                       int* __restrict__ upages, unsigned* __restrict__ umask,
+                                       int* __restrict__ ucount) {
+    PDL_ENTRY();
+    __shared__ unsigned long long wsum[32];
+    const int row = row_base + blockIdx.x, kvh = blockIdx.y, at = blockIdx.x * n_head_kv + kvh;
+    if (!pruned_row(slots, row, n_rows, only_decode)) {
+        if (threadIdx.x == 0) ucount[at] = 0;
+        return;
+    }
+    const int n = slots[2 * row + 1] + 1, n_pages = min((n + page - 1) / page, max_pages);
+    const int G = n_head / n_head_kv;
+    const long u = (long)at * max_pages;
+    unsigned* bits = umask + u;
+    for (int p = threadIdx.x; p < n_pages; p += blockDim.x) bits[p] = 0u;
+    __syncthreads();
+    for (int g = 0; g < G; g++) {
+        const long h = (long)blockIdx.x * n_head + kvh * G + g;
+        const int* list = sel + h * max_sel;
+        for (int i = threadIdx.x; i < nsel[h]; i += blockDim.x) atomicOr(&bits[list[i]], 1u << g);
+    }
+    __syncthreads();
+    unsigned long long base = 0ull;
+    for (int c0 = 0; c0 < n_pages; c0 += blockDim.x) {
+        const int p = c0 + threadIdx.x;
+        const unsigned m = p < n_pages ? bits[p] : 0u;
+        unsigned long long total;
+        const unsigned long long at_out = base + block_scan_excl(m != 0u, wsum, &total);
+        if (m != 0u) {
+            upages[u + at_out] = p;
+            bits[at_out] = m;
+        }
+        base += total;
+    }
+    if (threadIdx.x == 0) ucount[at] = (int)base;
+}
+
 // Split-K attention over the selected pages, part 1. Grid (rows, n_head,
 // n_split), block ATT_THREADS. The row's selected pages are cut into
 // n_split runs of ceil(count / n_split) pages (in the kernel: the grid does

@@ -9,6 +9,8 @@
 //      f64 softmax over the same positions (partial last page, empty splits,
 //      an empty list), over f32 and q8_0 caches (kv_caches.h; q8_0: the
 //      codes times their f16 scales).
+// union_pages and the tensor-core attention over its union are checked by
+// check_pruned_mma.cpp.
 // Build and run: hostcheck/run.sh.
 #include <algorithm>
 #include <cstdint>
@@ -31,6 +33,7 @@ inline u32 __float_as_uint(float f) { u32 u; memcpy(&u, &f, 4); return u; }
 inline long min(long a, long b) { return a < b ? a : b; }
 inline u32 min(u32 a, u32 b) { return a < b ? a : b; }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
 
 typedef signed char i8;
 inline float h2f(u16 h) {

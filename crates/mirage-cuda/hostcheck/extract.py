@@ -1,16 +1,15 @@
 """Cuts the device code the host checks run out of the kernel sources in
 cuda/ (brace matching), so the checks always compile the current kernels.
 Writes matvec_extract.h, norm_extract.h, split_extract.h, att_partial_extract.h,
-ffn_p1_extract.h, ffn_p2_extract.h, mmq_extract.h, imma_extract.h, fa_extract.h, split_mma_extract.h and
-dequant_extract.h into
-the folder given (default: here)."""
+ffn_p1_extract.h, ffn_p2_extract.h, mmq_extract.h, imma_extract.h, fa_extract.h, split_mma_extract.h,
+union_extract.h and dequant_extract.h into the folder given (default: here)."""
 import pathlib
 import sys
 
 root = pathlib.Path(__file__).resolve().parents[3]
 src = "".join((root / "cuda" / f).read_text() for f in [
     "norm.cu", "nvfp4.cu", "ggml.cu", "attention.cu", "matvec.cu", "matvec_lanes.cu", "matvec_split.cu",
-    "matvec_imma.cu", "mmq.cu", "superblock.cu", "attention_mma.cu"])
+    "matvec_imma.cu", "mmq.cu", "superblock.cu", "attention_mma.cu", "attention_pruned.cu"])
 
 
 def extract(name):
@@ -20,7 +19,19 @@ def extract(name):
     prev = src.rfind("\n", 0, ls - 1) + 1
     if src[prev:ls].startswith("template"):
         ls = prev
-    k = src.index("{", i)
+    k = i
+    if "(" in name:  # a function: its body's brace follows the parameters (a default may hold braces)
+        k = src.index("(", i)
+        depth = 0
+        while True:
+            if src[k] == "(":
+                depth += 1
+            elif src[k] == ")":
+                depth -= 1
+                if depth == 0:
+                    break
+            k += 1
+    k = src.index("{", k)
     depth = 0
     while True:
         if src[k] == "{":
@@ -146,7 +157,13 @@ kv_store = ["void kv_store(float*", "void kv_store(u16*", "float kv_round(const 
     "#define AC_BATCH", "void attend_combine_body(", "u32 fa_pack(", "u32 fa_word(", "#define TM_KEYS",
     "#define TM_MAX_G", "int tm_warps(", "int tm_stages(", "#define TM_STAGE_HALVES", "#define TM_Q8_LD",
     "#define TM_Q8_STAGE_BYTES", "void tm_issue(", "void tm_issue_q8(", "u32 q8_h2(", "float tm_rope_q(",
-    "void attend_split_mma("))
+    "struct MmaPages", "void attend_split_mma("))
+
+# The union of a KV head's group's page choices (attention_pruned.cu), which
+# the pruned decode attention on f16 tensor cores (attend_split_mma with
+# PAGES) walks; with split_mma_extract.h.
+(out / "union_extract.h").write_text(cut(
+    "#define SEL_THREADS", "unsigned long long block_scan_excl(", "void union_pages("))
 
 # ggml's Q8_0, Q4_K, Q4_1, Q5_0 and Q6_K dequantizers (ggml.cu), the reference the
 # activation-sparse products (activation_sparse.cu, included whole) are

@@ -76,6 +76,7 @@ const LARGE_SMEM_KERNEL_PREFIXES: &[&str] = &[
     "ffn_q6_ks",
     "mmq_",
     "attend_split_mma",
+    "attend_pages_mma",
 ];
 
 impl Kernels {
@@ -180,6 +181,7 @@ pub(crate) fn kernel_names() -> Vec<String> {
     for hd in crate::attention::MMA_HEAD_DIMS {
         for kv in ["f16", "q8_0"] {
             names.push(format!("attend_split_mma_{kv}_d{hd}"));
+            names.push(format!("attend_pages_mma_{kv}_d{hd}"));
         }
     }
     for k in [
@@ -193,6 +195,7 @@ pub(crate) fn kernel_names() -> Vec<String> {
         "quantize_q8",
         "page_keys",
         "select_pages",
+        "union_pages",
         "attend_combine",
         "attend_prefill_combine",
     ] {
@@ -244,11 +247,15 @@ pub(crate) struct Scratch {
     pub mmq_x: Option<CudaSlice<u8>>,
     pub gemm_w: Option<CudaSlice<u16>>,
     /// Pruned attention: page keys `[rows, n_head, max_pages]`, chosen pages
-    /// `[rows, n_head, max_sel]`, their counts, split partials.
+    /// `[rows, n_head, max_sel]`, their counts, split partials, and for its
+    /// tensor-core form the union of a KV head's pages (`union_pages`:
+    /// pages and head masks `[rows, n_head_kv, max_pages]` each, then the
+    /// counts `[rows, n_head_kv]`).
     pub prune_keys: Option<CudaSlice<u32>>,
     pub prune_sel: Option<CudaSlice<i32>>,
     pub prune_nsel: Option<CudaSlice<i32>>,
     pub prune_part: Option<CudaSlice<f32>>,
+    pub prune_union: Option<CudaSlice<u32>>,
     /// Split-across-blocks mat-vecs (`launch::XSplit`): partial sums and
     /// tile counters (zero between launches).
     pub xsplit_part: Option<CudaSlice<f32>>,

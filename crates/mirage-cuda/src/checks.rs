@@ -201,6 +201,8 @@ mod nvrtc_check {
                 crate::matvec::FFN_ARGS
             } else if name.starts_with("attend_split_mma_") {
                 crate::attention::SPLIT_MMA_ARGS
+            } else if name.starts_with("attend_pages_mma_") {
+                crate::attention::PAGES_MMA_ARGS
             } else if name.starts_with("attend_split_rope_") {
                 crate::attention::SPLIT_ROPE_ARGS
             } else if name.starts_with("attend_split_") {
@@ -228,11 +230,12 @@ mod nvrtc_check {
         }
         // The split attention's blocks are as wide as its kernels' launch
         // bounds (the warp count is chosen in both places, per head size).
-        for (hd, kv) in crate::attention::MMA_HEAD_DIMS
+        for (hd, kv, form) in crate::attention::MMA_HEAD_DIMS
             .into_iter()
             .flat_map(|hd| [(hd, "f16"), (hd, "q8_0")])
+            .flat_map(|(hd, kv)| ["split", "pages"].map(|form| (hd, kv, form)))
         {
-            let name = format!("attend_split_mma_{kv}_d{hd}");
+            let name = format!("attend_{form}_mma_{kv}_d{hd}");
             let e = module::entry(&ptx, &name).unwrap();
             let bound = e
                 .split(".maxntid")

@@ -150,7 +150,8 @@ fn every_page_selected_equals_unpruned_backend() {
 }
 
 /// A real budget: the CUDA backend's pruned decode (graphs on) against the
-/// CPU backend's (same rule, f32 activations), teacher-forced on the CPU's
+/// CPU backend's (same rule and cache type, f32 activations), f32 and f16
+/// caches, teacher-forced on the CPU's
 /// greedy tokens, over a 420-token prompt and 24 decode steps: logits
 /// cosine at least 0.9999 at every step. The pruning really changes the
 /// logits (against the unpruned GPU run), and graph replay equals op-by-op
@@ -167,54 +168,26 @@ fn pruned_cuda_decode_equals_pruned_cpu_decode() {
     let eager = gpu_model(&file, false);
     let vocab = cpu.config().vocab_size;
     let (prompt_len, steps) = (420, 24);
-    for dense in [0usize, 1] {
+    // f16 KV: the pages are attended on tensor cores (attend_pages_mma), f32
+    // KV by attend_pages_part.
+    for (dense, kv) in [(0usize, KvDtype::F32), (1, KvDtype::F32), (0, KvDtype::F16)] {
         let cfg = budget(dense);
         for batch in [1usize, 2] {
-            let (want, toks) = greedy_run(
-                &cpu,
-                Some(cfg),
-                KvDtype::F32,
-                prompt_len,
-                batch,
-                steps,
-                None,
-            );
+            let (want, toks) = greedy_run(&cpu, Some(cfg), kv, prompt_len, batch, steps, None);
             let before = gpu.backend().graph_stats();
-            let (got, gtoks) = greedy_run(
-                &gpu,
-                Some(cfg),
-                KvDtype::F32,
-                prompt_len,
-                batch,
-                steps,
-                Some(&toks),
-            );
+            let (got, gtoks) =
+                greedy_run(&gpu, Some(cfg), kv, prompt_len, batch, steps, Some(&toks));
             let after = gpu.backend().graph_stats();
-            let (full, _) = greedy_run(
-                &gpu,
-                None,
-                KvDtype::F32,
-                prompt_len,
-                batch,
-                steps,
-                Some(&toks),
-            );
-            let (op, otoks) = greedy_run(
-                &eager,
-                Some(cfg),
-                KvDtype::F32,
-                prompt_len,
-                batch,
-                steps,
-                Some(&toks),
-            );
+            let (full, _) = greedy_run(&gpu, None, kv, prompt_len, batch, steps, Some(&toks));
+            let (op, otoks) =
+                greedy_run(&eager, Some(cfg), kv, prompt_len, batch, steps, Some(&toks));
             let worst = |a: &[f32], b: &[f32]| worst_cosine(a, b, vocab);
             let (vs_cpu, vs_full, vs_eager) =
                 (worst(&got, &want), worst(&got, &full), worst(&got, &op));
             let agree =
                 toks.iter().zip(&gtoks).filter(|(a, b)| a == b).count() as f64 / toks.len() as f64;
             eprintln!(
-                "dense {dense} batch {batch}: cuda pruned vs cpu pruned worst step cosine {vs_cpu:.9} \
+                "{kv:?} dense {dense} batch {batch}: cuda pruned vs cpu pruned worst step cosine {vs_cpu:.9} \
                  (argmax agreement {agree:.3}); vs cuda unpruned {vs_full:.6}; graph vs eager {vs_eager:.9}; replays {}",
                 after.replays - before.replays
             );

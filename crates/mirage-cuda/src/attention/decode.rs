@@ -51,6 +51,8 @@ pub(crate) const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
 const MMA_KEYS: usize = 16;
 const MMA_MAX_GROUP: usize = 16;
 pub(crate) const SPLIT_MMA_ARGS: usize = 14;
+/// Parameters of `attend_pages_mma_*` (before a q8_0 cache's scales).
+pub(crate) const PAGES_MMA_ARGS: usize = 17;
 
 /// Warps of an `attend_split_mma` block and stages of each warp's ring, by
 /// head size (`tm_warps`, `tm_stages`): 4 warps of 3 stages at 64, 2 of 4 at
@@ -177,6 +179,46 @@ fn split_plan(at: &CacheAttention, sm_count: usize, smem_optin: usize) -> SplitP
         n_split,
         chunk: at.n_ctx.div_ceil(n_split),
     }
+}
+
+/// The grid of the pruned attention on tensor cores (`attend_pages_mma_*`,
+/// `attend_split_mma` over the union of a KV head's chosen pages): its
+/// split count and dynamic shared memory, or `None` where that form does
+/// not apply (the cache type, head size, group or device as for
+/// `split_plan`'s `mma`, and pages a whole number of the kernel's steps).
+/// Splits as `split_plan`'s for a launch of `rows` rows, at most one per
+/// page of the longest union (`max_union`).
+pub(super) fn pages_mma_plan(
+    at: &CacheAttention,
+    rows: usize,
+    page: usize,
+    max_union: usize,
+    sm_count: usize,
+    smem_optin: usize,
+) -> Option<(usize, usize)> {
+    let group = at.n_head / at.n_head_kv;
+    let smem = mma_smem(at.head_dim, at.kv);
+    let fits = (at.kv == "f16" || at.kv == "q8_0")
+        && MMA_HEAD_DIMS.contains(&at.head_dim)
+        && group <= MMA_MAX_GROUP
+        && page > 0
+        && page.is_multiple_of(MMA_KEYS)
+        && smem <= smem_optin;
+    if !fits {
+        return None;
+    }
+    let fit = (smem_optin + 1024) / (smem + 1024);
+    let blocks_per_sm = (MMA_SM_WARPS / mma_warps(at.head_dim)).clamp(1, fit.max(1));
+    let n_split = (blocks_per_sm * sm_count)
+        .div_ceil(rows.max(1) * at.n_head_kv)
+        .min(max_union)
+        .clamp(1, SPLIT_MAX);
+    Some((n_split, smem))
+}
+
+/// Threads of an `attend_split_mma` / `attend_pages_mma` block.
+pub(super) fn mma_threads(head_dim: usize) -> u32 {
+    (mma_warps(head_dim) * 32) as u32
 }
 
 /// The split kernels' arguments after the cache's: heads, KV heads, cache
@@ -449,6 +491,31 @@ mod tests {
         ] {
             assert!(!other.mma && !other.short);
         }
+    }
+
+    #[test]
+    fn pruned_pages_take_the_tensor_core_split_where_it_applies() {
+        let mut at = shape(1, 14, 2, 32768, 32768);
+        // Splits as the unpruned split's, capped by the longest union.
+        let (n_split, smem) = pages_mma_plan(&at, 1, 16, 2048, 132, H100_OPTIN).unwrap();
+        assert_eq!(n_split, split_plan(&at, 132, H100_OPTIN).n_split);
+        assert_eq!(smem, mma_smem(64, "f16"));
+        assert_eq!(pages_mma_plan(&at, 1, 16, 5, 132, H100_OPTIN).unwrap().0, 5);
+        // A launch of more rows: fewer splits each.
+        assert_eq!(
+            pages_mma_plan(&at, 4, 64, 2048, 132, H100_OPTIN).unwrap().0,
+            132usize.div_ceil(8)
+        );
+        at.kv = "q8_0";
+        assert!(pages_mma_plan(&at, 1, 64, 512, 132, H100_OPTIN).is_some());
+        // Not for pages that split a step of keys, an f32 cache or a device
+        // whose blocks cannot hold the ring.
+        assert!(pages_mma_plan(&at, 1, 24, 512, 132, H100_OPTIN).is_none());
+        assert!(pages_mma_plan(&at, 1, 0, 512, 132, H100_OPTIN).is_none());
+        at.kv = "f32";
+        assert!(pages_mma_plan(&at, 1, 16, 512, 132, H100_OPTIN).is_none());
+        at.kv = "f16";
+        assert!(pages_mma_plan(&at, 1, 16, 512, 132, 48 * 1024).is_none());
     }
 
     #[test]

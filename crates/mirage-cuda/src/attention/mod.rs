@@ -35,7 +35,9 @@ pub(crate) use cache::KvPageBoxes;
 #[cfg(test)]
 pub(crate) use decode::mma_warps;
 #[cfg(test)]
-pub(crate) use decode::{COMBINE_ARGS, KV_SCALE_ARGS, SPLIT_ARGS, SPLIT_MMA_ARGS, SPLIT_ROPE_ARGS};
+pub(crate) use decode::{
+    COMBINE_ARGS, KV_SCALE_ARGS, PAGES_MMA_ARGS, SPLIT_ARGS, SPLIT_MMA_ARGS, SPLIT_ROPE_ARGS,
+};
 pub(crate) use decode::{MMA_HEAD_DIMS, SPLIT_HEAD_DIMS};
 pub(crate) use prefill::PREFILL_HEAD_DIMS;
 use prefill::PREFILL_MIN_ROWS;

@@ -7,10 +7,11 @@ use mirage_runtime::backend::TokenSlot;
 use mirage_runtime::kv_cache::KvSpec;
 use mirage_runtime::Result;
 
+use super::decode::{mma_threads, pages_mma_plan, PAGES_MMA_ARGS};
 use super::{CacheAttention, KvPageBoxes};
 use crate::backend::CudaBackend;
 use crate::graph::GRAPH_MAX_ROWS;
-use crate::launch::Arg;
+use crate::launch::{Arg, Launch, Work};
 
 /// Threads of a pruned-attention block (`ATT_THREADS` in cuda/attention.cu):
 /// the largest head_dim its kernels take.
@@ -117,7 +118,12 @@ impl CudaBackend {
 
     /// Attention of rows `row_base .. row_base + rows` of `at` over the
     /// pages the cache's rule selects: page keys, radix select, split-K over
-    /// the chosen pages, combine (attention_pruned.cu). With
+    /// the chosen pages, combine (attention_pruned.cu). Where the cache's
+    /// decode attention runs on tensor cores (`decode::pages_mma_plan`), the
+    /// split is `attend_pages_mma_*` over the union of each KV head's pages
+    /// (`union_pages`; each head masks the pages it did not choose), so a
+    /// page is read once for the group; otherwise `attend_pages_part_*`, a
+    /// block per query head. With
     /// `only_decode`, rows that share their sequence with another row of the
     /// batch are skipped (they attend every position). Every grid depends on
     /// the batch and the cache size only; the positions are read from
@@ -136,9 +142,23 @@ impl CudaBackend {
         let n_rows = at.rows;
         let max_pages = pages.max_pages;
         let max_sel = cfg.max_selected_for(max_pages).min(max_pages).max(1);
-        let n_split = max_sel
-            .min((ATTEND_TARGET_BLOCKS / (rows * at.n_head)).max(1))
-            .max(1);
+        let page_len = cfg.page.min(at.n_ctx);
+        let group = at.n_head / at.n_head_kv;
+        let max_union = (group * max_sel).min(max_pages);
+        let mma = pages_mma_plan(
+            at,
+            rows,
+            page_len,
+            max_union,
+            self.sm_count,
+            self.smem_optin,
+        );
+        let n_split = match mma {
+            Some((n_split, _)) => n_split,
+            None => max_sel
+                .min((ATTEND_TARGET_BLOCKS / (rows * at.n_head)).max(1))
+                .max(1),
+        };
         let heads = rows * at.n_head;
         let (pkeys, psel, pnsel, ppart) = {
             let mut s = self.scratch();
@@ -210,6 +230,68 @@ impl CudaBackend {
                 Arg::Ptr(pnsel),
             ],
         )?;
+        if let Some((_, smem)) = mma {
+            let groups = rows * at.n_head_kv;
+            let span = groups * max_pages;
+            let punion = {
+                let mut s = self.scratch();
+                self.grow_scratch(&mut s.prune_union, 2 * span + groups)?
+            };
+            let (pupages, pumask, pucount) =
+                (punion, punion + 4 * span as u64, punion + 8 * span as u64);
+            self.plain(
+                "union_pages",
+                (rows as u32, at.n_head_kv as u32, 1),
+                (SEL_THREADS, 1, 1),
+                vec![
+                    Arg::Ptr(psel),
+                    Arg::Ptr(pnsel),
+                    Arg::Ptr(at.slots),
+                    Arg::I32(nh),
+                    Arg::I32(nkv),
+                    Arg::I32(page),
+                    Arg::I32(maxp),
+                    Arg::I32(max_sel as i32),
+                    Arg::I32(od),
+                    Arg::I32(nr),
+                    Arg::I32(rb),
+                    Arg::Ptr(pupages),
+                    Arg::Ptr(pumask),
+                    Arg::Ptr(pucount),
+                ],
+            )?;
+            let mut args = vec![
+                Arg::Ptr(at.q),
+                Arg::Ptr(at.kc),
+                Arg::Ptr(at.vc),
+                Arg::Ptr(at.slots),
+                Arg::Ptr(pupages),
+                Arg::Ptr(pumask),
+                Arg::Ptr(pucount),
+                Arg::I32(nh),
+                Arg::I32(nkv),
+                Arg::I32(at.n_ctx as i32),
+                Arg::I32(maxp),
+                Arg::I32(page),
+                Arg::I32(od),
+                Arg::I32(nr),
+                Arg::I32(rb),
+                Arg::F32(1.0 / (hd as f32).sqrt()),
+                Arg::Ptr(ppart),
+            ];
+            debug_assert_eq!(args.len(), PAGES_MMA_ARGS);
+            args.extend(at.scale_args());
+            self.push_launch(Launch {
+                kernel: self
+                    .kernels
+                    .index(&format!("attend_pages_mma_{kv}_d{hd}"))?,
+                grid: (rows as u32, at.n_head_kv as u32, n_split as u32),
+                block: (mma_threads(hd), 1, 1),
+                smem: smem as u32,
+                work: Work::Plain(args),
+            })?;
+            return self.combine(at, ppart, n_split, 0, Some((only_decode, row_base, rows)));
+        }
         self.plain(
             &format!("attend_pages_part_{kv}"),
             (rows as u32, at.n_head as u32, n_split as u32),
