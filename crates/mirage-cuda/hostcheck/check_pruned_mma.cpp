@@ -63,6 +63,7 @@ inline unsigned atomicOr(unsigned* p, unsigned v) {
 #include "split_mma_extract.h"
 #include "union_extract.h"
 #include "kv_caches.h"
+#include "mma_smem.h"
 
 static int fails = 0;
 #define CHECK(c, ...)                          \
@@ -207,23 +208,6 @@ static void check_union_random(std::mt19937& rng, int n_head, int n_head_kv, int
     run_union(L, "random");
 }
 
-// The block's dynamic shared memory as check_split_mma.cpp's: the warps'
-// rings, at least the end's merge, 16-byte aligned, every halfword
-// `poison`.
-template <class S, int HD> struct Smem {
-    static constexpr bool q8 = std::is_same_v<S, Q8>;
-    static constexpr size_t ring = (size_t)tm_warps(HD) * tm_stages(HD) *
-                                   (q8 ? TM_Q8_STAGE_BYTES(HD) : 2 * TM_STAGE_HALVES(HD));
-    static constexpr size_t merge = (size_t)tm_warps(HD) * 16 * (HD + 2) * 4;
-    static constexpr size_t bytes = ring > merge ? ring : merge;
-    std::vector<uint4> v;
-    explicit Smem(u16 poison) : v((bytes + 15) / 16) {
-        u16* h = (u16*)v.data();
-        for (size_t i = 0; i < v.size() * 8; i++) h[i] = poison;
-    }
-    u16* data() { return (u16*)v.data(); }
-};
-
 static bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
     return a.size() == b.size() && memcmp(a.data(), b.data(), a.size() * 4) == 0;
 }
@@ -283,18 +267,11 @@ static void check_att(std::mt19937& rng, int n_head, int n_head_kv, int page, in
         std::vector<float> part((size_t)rows * n_head * n_split * (HD + 2), NAN);
         std::vector<float> out((size_t)n_rows * n_head * HD, -99.f);
         Smem<S, HD> smem(0x7e00);  // a read of a stage before its copies landed shows
-        gridDim = dim3_{(unsigned)rows, (unsigned)n_head_kv, (unsigned)n_split};
-        for (unsigned z = 0; z < gridDim.z; z++)
-            for (unsigned y = 0; y < gridDim.y; y++)
-                for (unsigned x = 0; x < gridDim.x; x++) {
-                    cp_async_emu::start_block(tm_warps(HD) * 32);
-                    run_block(tm_warps(HD) * 32, dim3_{x, y, z}, [&] {
-                        attend_split_mma<HD, true>(q.data(), kc.ptr(), vc.ptr(), L.slots.data(), n_head, n_head_kv,
-                                                   n_ctx, 0, scale, part.data(), nullptr, nullptr, 0, nullptr,
-                                                   smem.data(), pg);
-                    });
-                    CHECK(cp_async_emu::block_drained(), "cp.async copies still in flight at a block's end");
-                }
+        const int undrained = run_mma_grid<HD>(rows, n_head_kv, n_split, [&] {
+            attend_split_mma<HD, true>(q.data(), kc.ptr(), vc.ptr(), L.slots.data(), n_head, n_head_kv, n_ctx, 0,
+                                       scale, part.data(), nullptr, nullptr, 0, nullptr, smem.data(), pg);
+        });
+        CHECK(undrained == 0, "cp.async copies still in flight at a block's end");
         gridDim = dim3_{(unsigned)rows, (unsigned)n_head, 1};
         for (unsigned r = 0; r < (unsigned)rows; r++)
             for (unsigned h = 0; h < (unsigned)n_head; h++)
@@ -347,16 +324,10 @@ static void check_att(std::mt19937& rng, int n_head, int n_head_kv, int page, in
         const int chunk = (n_ctx + n_split - 1) / n_split;
         std::vector<float> part((size_t)n_rows * n_head * n_split * (HD + 2), NAN);
         Smem<S, HD> smem(0x7e00);
-        gridDim = dim3_{(unsigned)n_rows, (unsigned)n_head_kv, (unsigned)n_split};
-        for (unsigned z = 0; z < gridDim.z; z++)
-            for (unsigned y = 0; y < gridDim.y; y++)
-                for (unsigned x = 0; x < gridDim.x; x++) {
-                    cp_async_emu::start_block(tm_warps(HD) * 32);
-                    run_block(tm_warps(HD) * 32, dim3_{x, y, z}, [&] {
-                        attend_split_mma<HD>(q.data(), kc.ptr(), vc.ptr(), L.slots.data(), n_head, n_head_kv, n_ctx,
-                                             chunk, scale, part.data(), nullptr, nullptr, 0, nullptr, smem.data());
-                    });
-                }
+        run_mma_grid<HD>(n_rows, n_head_kv, n_split, [&] {
+            attend_split_mma<HD>(q.data(), kc.ptr(), vc.ptr(), L.slots.data(), n_head, n_head_kv, n_ctx, chunk, scale,
+                                 part.data(), nullptr, nullptr, 0, nullptr, smem.data());
+        });
         gridDim = dim3_{(unsigned)n_rows, (unsigned)n_head, 1};
         for (unsigned r = 0; r < (unsigned)n_rows; r++)
             for (unsigned h = 0; h < (unsigned)n_head; h++)

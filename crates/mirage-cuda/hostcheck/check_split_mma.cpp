@@ -38,26 +38,9 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float block_sum(float, float*) { abort(); }  // rope_store's q/k norm: not used here
 #include "split_mma_extract.h"
 #include "kv_caches.h"
+#include "mma_smem.h"
 
 static int fails = 0;
-
-// The block's dynamic shared memory: the warps' rings (f16: 2 *
-// TM_STAGE_HALVES bytes a stage; q8_0: TM_Q8_STAGE_BYTES), at least the
-// end's merge (tm_warps * 16 rows of HD + 2 floats), 16-byte aligned,
-// every halfword `poison`.
-template <class S, int HD> struct Smem {
-    static constexpr bool q8 = std::is_same_v<S, Q8>;
-    static constexpr size_t ring = (size_t)tm_warps(HD) * tm_stages(HD) *
-                                   (q8 ? TM_Q8_STAGE_BYTES(HD) : 2 * TM_STAGE_HALVES(HD));
-    static constexpr size_t merge = (size_t)tm_warps(HD) * 16 * (HD + 2) * 4;
-    static constexpr size_t bytes = ring > merge ? ring : merge;
-    std::vector<uint4> v;
-    explicit Smem(u16 poison) : v((bytes + 15) / 16) {
-        u16* h = (u16*)v.data();
-        for (size_t i = 0; i < v.size() * 8; i++) h[i] = poison;
-    }
-    u16* data() { return (u16*)v.data(); }
-};
 
 // Slots of a new position poisoned: f16 NaN, q8_0 Q8::poison.
 static void poison_row(F16& c, size_t at, int n, bool) {
@@ -84,20 +67,13 @@ static void check(std::mt19937& rng, int n_head, int n_head_kv, int n_split, int
         std::vector<float> out((size_t)rows * n_head * HD, -99.f);
         // Poisoned: a read of a stage before its copies landed shows.
         Smem<S, HD> smem(0x7e00);
-        gridDim = dim3_{(unsigned)rows, (unsigned)n_head_kv, (unsigned)n_split};
-        for (unsigned z = 0; z < gridDim.z; z++)
-            for (unsigned y = 0; y < gridDim.y; y++)
-                for (unsigned x = 0; x < gridDim.x; x++) {
-                    cp_async_emu::start_block(tm_warps(HD) * 32);
-                    run_block(tm_warps(HD) * 32, dim3_{x, y, z}, [&] {
-                        attend_split_mma<HD>(q.data(), kc.ptr(), vc.ptr(), slots, n_head, n_head_kv, n_ctx, chunk,
-                                             scale, part.data(), nullptr, nullptr, 0, nullptr, smem.data());
-                    });
-                    if (!cp_async_emu::block_drained()) {
-                        printf("FAIL: cp.async copies still in flight at a block's end\n");
-                        fails++;
-                    }
-                }
+        if (run_mma_grid<HD>(rows, n_head_kv, n_split, [&] {
+                attend_split_mma<HD>(q.data(), kc.ptr(), vc.ptr(), slots, n_head, n_head_kv, n_ctx, chunk, scale,
+                                     part.data(), nullptr, nullptr, 0, nullptr, smem.data());
+            })) {
+            printf("FAIL: cp.async copies still in flight at a block's end\n");
+            fails++;
+        }
         gridDim = dim3_{(unsigned)rows, (unsigned)n_head, 1};
         for (unsigned r = 0; r < (unsigned)rows; r++)
             for (unsigned h = 0; h < (unsigned)n_head; h++)
