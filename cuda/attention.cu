@@ -48,8 +48,8 @@ __device__ __forceinline__ void kv_prefetch(KvQ8 p, long n) {
 // (neox: i and i + half, else 2i and 2i + 1) of the row that starts at
 // element `at`, values a and b (only if `store`); *ha and *hb get the
 // values the cache then holds (kv_load's). A q8_0 row is quantized as the
-// CPU's quantize_q8_0 (d = max|x| / 127, q = round(x / d), d stored as
-// f16): with neox the 32 lanes of a warp hold one block of each half, else
+// CPU's quantize_q8_0 (d = max|x| / 127, q = round(x * (1 / d)) with ties
+// away from zero, d stored as f16): with neox the 32 lanes of a warp hold one block of each half, else
 // 16 lanes hold one block (head sizes of 64 and more).
 __device__ __forceinline__ void kv_store_pair(float* p, long at, int i, int neox, int half, float a, float b,
                                               float* ha, float* hb, bool store = true) {

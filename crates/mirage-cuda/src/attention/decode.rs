@@ -287,16 +287,15 @@ impl CudaBackend {
             }
             None => format!("attend_split_{}_d{hd}", at.kv),
         };
-        let scales = at.scale_args();
         debug_assert_eq!(
-            args.len() + scales.len(),
+            args.len(),
             if rope_args {
                 SPLIT_ROPE_ARGS
             } else {
                 SPLIT_ARGS
-            } + scales.len()
+            }
         );
-        args.extend(scales);
+        args.extend(at.scale_args());
         self.plain(
             &kernel,
             (n as u32, head_blocks as u32, n_split as u32),
