@@ -10,7 +10,7 @@
 use cudarc::driver::CudaSlice;
 use half::f16;
 use mirage_runtime::backend::TokenSlot;
-use mirage_runtime::kv_cache::{KvDtype, KvSpec};
+use mirage_runtime::kv_cache::{quantize_q8_0, KvDtype, KvSpec, Q8_0_BLOCK};
 use mirage_runtime::kv_pages::KvPruning;
 
 use crate::attention::{kv_name, CacheAttention, CudaKvCache};
@@ -107,8 +107,9 @@ impl PrunedAttention {
 
     /// A layer cache filled from host keys and values (`shape.elements`
     /// f32 each, the device layout `[n_seq, n_head_kv, n_ctx, head_dim]`),
-    /// stored as `shape.dtype`; page boxes zeroed (call
-    /// [`PrunedAttention::refresh_bounds`]).
+    /// stored as `shape.dtype` (q8_0: quantized per 32 values as the CPU's
+    /// cache, `mirage_runtime::kv_cache::quantize_q8_0`); page boxes zeroed
+    /// (call [`PrunedAttention::refresh_bounds`]).
     pub fn upload_kv(
         &self,
         shape: LayerKvShape,
@@ -116,12 +117,6 @@ impl PrunedAttention {
         v: &[f32],
     ) -> Result<DeviceLayerKv, CudaError> {
         let n = shape.n_seq * shape.n_head_kv * shape.n_ctx * shape.head_dim;
-        if shape.dtype == KvDtype::Q8_0 {
-            return Err(bad(
-                "upload_kv writes f32 or f16 caches; a q8_0 cache is written by the model's steps"
-                    .into(),
-            ));
-        }
         if k.len() != n || v.len() != n || shape.page == 0 {
             return Err(bad(format!(
                 "KV of {} / {} values for shape {shape:?} ({n})",
@@ -134,18 +129,35 @@ impl PrunedAttention {
             .backend
             .new_cache_pruned(shape.spec(), Some(pruning))
             .map_err(rt)?;
-        let bytes = |x: &[f32]| -> Vec<u8> {
+        // The cache's bytes and, for q8_0, the scales' bytes.
+        let bytes = |x: &[f32]| -> (Vec<u8>, Vec<u8>) {
             match shape.dtype {
-                KvDtype::F16 => x
-                    .iter()
-                    .flat_map(|&f| f16::from_f32(f).to_bits().to_le_bytes())
-                    .collect(),
-                _ => x.iter().flat_map(|f| f.to_le_bytes()).collect(),
+                KvDtype::F16 => (
+                    x.iter()
+                        .flat_map(|&f| f16::from_f32(f).to_bits().to_le_bytes())
+                        .collect(),
+                    Vec::new(),
+                ),
+                KvDtype::F32 => (x.iter().flat_map(|f| f.to_le_bytes()).collect(), Vec::new()),
+                KvDtype::Q8_0 => {
+                    let (mut q, mut d) =
+                        (vec![0i8; x.len()], vec![f16::ZERO; x.len() / Q8_0_BLOCK]);
+                    quantize_q8_0(x, &mut q, &mut d);
+                    (
+                        q.iter().map(|&c| c as u8).collect(),
+                        d.iter().flat_map(|s| s.to_bits().to_le_bytes()).collect(),
+                    )
+                }
             }
         };
         let s = &self.backend.stream;
-        s.memcpy_htod(&bytes(k), &mut cache.k[0]).map_err(drv)?;
-        s.memcpy_htod(&bytes(v), &mut cache.v[0]).map_err(drv)?;
+        let ((kb, kd), (vb, vd)) = (bytes(k), bytes(v));
+        s.memcpy_htod(&kb, &mut cache.k[0]).map_err(drv)?;
+        s.memcpy_htod(&vb, &mut cache.v[0]).map_err(drv)?;
+        if shape.dtype == KvDtype::Q8_0 {
+            s.memcpy_htod(&kd, &mut cache.k_scale[0]).map_err(drv)?;
+            s.memcpy_htod(&vd, &mut cache.v_scale[0]).map_err(drv)?;
+        }
         Ok(DeviceLayerKv { shape, cache })
     }
 

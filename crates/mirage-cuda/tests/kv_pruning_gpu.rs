@@ -1,12 +1,16 @@
 //! Pruned decode attention on the GPU (`mirage_cuda::kv_pruning`): device
 //! page boxes equal the host min/max, every page selected equals attention.cu's
 //! full split-K attention, and a real selection equals an f64 host reference
-//! of the CPU path's rule. Without a GPU each test prints why it skips; with
+//! of the CPU path's rule, for f32, f16 and q8_0 caches (f16 and q8_0 with
+//! head size 64 attend the pages on tensor cores, `attend_pages_mma`).
+//! Without a GPU each test prints why it skips; with
 //! MIRAGE_REQUIRE_CUDA_TESTS=1 a missing GPU fails them.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use half::f16;
+use mirage_runtime::kv_cache::{dequantize_q8_0, quantize_q8_0, Q8_0_BLOCK};
 use mirage_runtime::kv_pages::{page_upper_bound, KvPruning};
+use mirage_runtime::KvDtype;
 use rand::{Rng, SeedableRng};
 
 const N_SEQ: usize = 2;
@@ -17,17 +21,29 @@ const N_CTX: usize = 1000;
 const PAGE: usize = 64;
 
 /// Keys, values (device layout [seq, kv head, pos, d]) and queries
-/// ([row, head, d]); keys drift by page so that bounds differ.
-fn data(seed: u64, round_f16: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+/// ([row, head, d]); keys drift by page so that bounds differ. Keys and
+/// values are the values a cache of `dtype` holds (f16: rounded; q8_0:
+/// quantized per 32 and widened back, as the CPU's cache does).
+fn data(seed: u64, dtype: KvDtype) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut r = rand::rngs::StdRng::seed_from_u64(seed);
     let n = N_SEQ * N_HEAD_KV * N_CTX * HD;
     let mut k: Vec<f32> = (0..n)
         .map(|i| r.random_range(-1.0f32..1.0) + ((i / HD % N_CTX / PAGE) as f32 * 0.37).sin())
         .collect();
     let mut v: Vec<f32> = (0..n).map(|_| r.random_range(-1.0f32..1.0)).collect();
-    if round_f16 {
-        for x in k.iter_mut().chain(v.iter_mut()) {
-            *x = f16::from_f32(*x).to_f32();
+    match dtype {
+        KvDtype::F32 => {}
+        KvDtype::F16 => {
+            for x in k.iter_mut().chain(v.iter_mut()) {
+                *x = f16::from_f32(*x).to_f32();
+            }
+        }
+        KvDtype::Q8_0 => {
+            for x in [&mut k, &mut v] {
+                let (mut q, mut d) = (vec![0i8; x.len()], vec![f16::ZERO; x.len() / Q8_0_BLOCK]);
+                quantize_q8_0(x, &mut q, &mut d);
+                dequantize_q8_0(&q, &d, x);
+            }
         }
     }
     let q = (0..ROWS.len() * N_HEAD * HD)
@@ -109,7 +125,6 @@ mod device {
     use super::*;
     use mirage_cuda::kv_pruning::{LayerKvShape, PrunedAttention};
     use mirage_cuda::CudaError;
-    use mirage_runtime::KvDtype;
 
     fn device(test: &str) -> Option<PrunedAttention> {
         let require = std::env::var("MIRAGE_REQUIRE_CUDA_TESTS").is_ok_and(|v| v == "1");
@@ -153,8 +168,8 @@ mod device {
         let Some(dev) = device("device_page_boxes_equal_host_min_max") else {
             return;
         };
-        for dtype in [KvDtype::F32, KvDtype::F16] {
-            let (k, v, _) = data(1, dtype == KvDtype::F16);
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8_0] {
+            let (k, v, _) = data(1, dtype);
             let mut kv = dev.upload_kv(shape(dtype), &k, &v).unwrap();
             let n = 777;
             dev.refresh_bounds(&mut kv, 1, 0, n).unwrap();
@@ -181,8 +196,8 @@ mod device {
         let Some(mut dev) = device("every_page_selected_equals_full_cuda_attention") else {
             return;
         };
-        for dtype in [KvDtype::F32, KvDtype::F16] {
-            let (k, v, q) = data(2, dtype == KvDtype::F16);
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8_0] {
+            let (k, v, q) = data(2, dtype);
             let mut kv = dev.upload_kv(shape(dtype), &k, &v).unwrap();
             for seq in 0..N_SEQ {
                 dev.refresh_bounds(&mut kv, seq, 0, N_CTX).unwrap();
@@ -251,8 +266,8 @@ mod device {
             top_percent: 0,
             dense_layers: 0,
         };
-        for dtype in [KvDtype::F32, KvDtype::F16] {
-            let (k, v, q) = data(3, dtype == KvDtype::F16);
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8_0] {
+            let (k, v, q) = data(3, dtype);
             let mut kv = dev.upload_kv(shape(dtype), &k, &v).unwrap();
             for (seq, _) in ROWS {
                 dev.refresh_bounds(&mut kv, seq, 0, N_CTX).unwrap();
