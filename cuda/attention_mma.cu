@@ -1,7 +1,9 @@
 // ===========================================================================
 // The split decode attention on f16 tensor cores, for long rows of an f16
-// cache (after attention.cu, whose att_chunk, fa_word, fa_pack and
-// mma_f16_k16 it uses, and mmq.cu, whose cp.async helpers it uses).
+// or q8_0 cache, and the pruned decode attention over pages on the same
+// kernel (after attention.cu, whose att_chunk, fa_word, fa_pack,
+// mma_f16_k16 and KvQ8 it uses, and mmq.cu, whose cp.async helpers it
+// uses).
 //
 // attend_split's scores and value sums are f32 FMAs fed from shared memory:
 // at 32k keys they, not the cache reads, set its pace (an H100 read a 7B
@@ -28,7 +30,8 @@
 // for attend_combine. RoPE and the store of the rows' new keys and values
 // can be folded in (attend_split_mma's rope argument). Grid (rows,
 // n_head_kv, n_split), block tm_warps(HD) warps, dynamic shared memory
-// 2 * tm_warps(HD) * tm_stages(HD) * TM_STAGE_HALVES(HD) bytes (decode.rs:
+// 2 * tm_warps(HD) * tm_stages(HD) * TM_STAGE_HALVES(HD) bytes, for q8_0
+// tm_warps(HD) * tm_stages(HD) * TM_Q8_STAGE_BYTES(HD) (decode.rs:
 // mma_smem, which also sizes the splits for MMA_SM_WARPS warps an SM).
 // ===========================================================================
 

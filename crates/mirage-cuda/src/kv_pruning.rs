@@ -35,7 +35,7 @@ pub struct LayerKvShape {
     pub n_ctx: usize,
     /// Elements per head.
     pub head_dim: usize,
-    /// Element type (f32 or f16).
+    /// Element type (f32, f16 or q8_0).
     pub dtype: KvDtype,
     /// Positions per page.
     pub page: usize,
