@@ -135,20 +135,18 @@ struct SplitPlan {
 /// `attend_cache`'s grid: the short form for rows of at most `SHORT_KEYS`
 /// keys, else splits that depend on the batch, the cache size and the SM
 /// count only (so a recorded step replays at every longer position). The
-/// split form runs on tensor cores (`mma`) for an f16 or q8_0 cache, head sizes
-/// `MMA_HEAD_DIMS` and groups of at most `MMA_MAX_GROUP` heads, when a
-/// block's `mma_smem` fits `smem_optin` (the device's shared memory a
-/// block may opt in to), with `MMA_SM_WARPS` warps' worth of blocks an SM,
-/// at most as many as fit an SM by that memory (`smem_optin` plus the 1 KiB
-/// an SM keeps per block, as on sm_90).
+/// split form runs on tensor cores (`mma`) where `mma_blocks_per_sm` allows
+/// (`smem_optin`: the device's shared memory a block may opt in to), with
+/// as many blocks an SM as it gives.
 fn split_plan(at: &CacheAttention, sm_count: usize, smem_optin: usize) -> SplitPlan {
     let group = at.n_head / at.n_head_kv;
     let short = at.max_keys <= SHORT_KEYS;
-    let mma = !short
-        && (at.kv == "f16" || at.kv == "q8_0")
-        && MMA_HEAD_DIMS.contains(&at.head_dim)
-        && group <= MMA_MAX_GROUP
-        && mma_smem(at.head_dim, at.kv) <= smem_optin;
+    let mma_blocks = if short {
+        None
+    } else {
+        mma_blocks_per_sm(at, smem_optin)
+    };
+    let mma = mma_blocks.is_some();
     let heads_per_block = if short {
         1
     } else if mma {
@@ -157,12 +155,7 @@ fn split_plan(at: &CacheAttention, sm_count: usize, smem_optin: usize) -> SplitP
         group.min(SPLIT_MAX_HEADS)
     };
     let head_blocks = at.n_head_kv * group.div_ceil(heads_per_block);
-    let blocks_per_sm = if mma {
-        let fit = (smem_optin + 1024) / (mma_smem(at.head_dim, at.kv) + 1024);
-        (MMA_SM_WARPS / mma_warps(at.head_dim)).clamp(1, fit.max(1))
-    } else {
-        SPLIT_BLOCKS_PER_SM
-    };
+    let blocks_per_sm = mma_blocks.unwrap_or(SPLIT_BLOCKS_PER_SM);
     let n_split = if short {
         1
     } else {
@@ -181,11 +174,31 @@ fn split_plan(at: &CacheAttention, sm_count: usize, smem_optin: usize) -> SplitP
     }
 }
 
+/// Blocks an SM of the tensor-core split (`attend_split_mma_*`,
+/// `attend_pages_mma_*`) over `at`'s cache, or `None` where that form does
+/// not apply: an f16 or q8_0 cache, head sizes `MMA_HEAD_DIMS`, groups of
+/// at most `MMA_MAX_GROUP` heads and a block's `mma_smem` within
+/// `smem_optin`. `MMA_SM_WARPS` warps' worth, at most as many as fit an SM
+/// by shared memory (`smem_optin` plus the 1 KiB an SM keeps per block, as
+/// on sm_90).
+fn mma_blocks_per_sm(at: &CacheAttention, smem_optin: usize) -> Option<usize> {
+    let group = at.n_head / at.n_head_kv;
+    let smem = mma_smem(at.head_dim, at.kv);
+    let fits = (at.kv == "f16" || at.kv == "q8_0")
+        && MMA_HEAD_DIMS.contains(&at.head_dim)
+        && group <= MMA_MAX_GROUP
+        && smem <= smem_optin;
+    fits.then(|| {
+        let fit = (smem_optin + 1024) / (smem + 1024);
+        (MMA_SM_WARPS / mma_warps(at.head_dim)).clamp(1, fit.max(1))
+    })
+}
+
 /// The grid of the pruned attention on tensor cores (`attend_pages_mma_*`,
 /// `attend_split_mma` over the union of a KV head's chosen pages): its
 /// split count and dynamic shared memory, or `None` where that form does
-/// not apply (the cache type, head size, group or device as for
-/// `split_plan`'s `mma`, and pages a whole number of the kernel's steps).
+/// not apply (`mma_blocks_per_sm`, and pages a whole number of the
+/// kernel's steps).
 /// Splits as `split_plan`'s for a launch of `rows` rows, at most one per
 /// page of the longest union (`max_union`).
 pub(super) fn pages_mma_plan(
@@ -196,24 +209,15 @@ pub(super) fn pages_mma_plan(
     sm_count: usize,
     smem_optin: usize,
 ) -> Option<(usize, usize)> {
-    let group = at.n_head / at.n_head_kv;
-    let smem = mma_smem(at.head_dim, at.kv);
-    let fits = (at.kv == "f16" || at.kv == "q8_0")
-        && MMA_HEAD_DIMS.contains(&at.head_dim)
-        && group <= MMA_MAX_GROUP
-        && page > 0
-        && page.is_multiple_of(MMA_KEYS)
-        && smem <= smem_optin;
-    if !fits {
+    if page == 0 || !page.is_multiple_of(MMA_KEYS) {
         return None;
     }
-    let fit = (smem_optin + 1024) / (smem + 1024);
-    let blocks_per_sm = (MMA_SM_WARPS / mma_warps(at.head_dim)).clamp(1, fit.max(1));
+    let blocks_per_sm = mma_blocks_per_sm(at, smem_optin)?;
     let n_split = (blocks_per_sm * sm_count)
         .div_ceil(rows.max(1) * at.n_head_kv)
         .min(max_union)
         .clamp(1, SPLIT_MAX);
-    Some((n_split, smem))
+    Some((n_split, mma_smem(at.head_dim, at.kv)))
 }
 
 /// Threads of an `attend_split_mma` / `attend_pages_mma` block.
