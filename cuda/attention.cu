@@ -31,13 +31,14 @@ __device__ __forceinline__ float kv_load(KvQ8 p, long i) {
     const long e = p.o + i;
     return (float)__ldg(p.q + e) * h2f(__ldg(p.d + (e >> 5)));
 }
-// Bytes an element takes in the cache's main array.
-__device__ __forceinline__ constexpr int kv_bytes(const float*) { return 4; }
-__device__ __forceinline__ constexpr int kv_bytes(const u16*) { return 2; }
+// Bytes an element takes in the cache's main array (T: float or u16 for an
+// f32 or f16 cache).
 __device__ __forceinline__ constexpr int kv_bytes(KvQ8) { return 1; }
+template <typename T> __device__ __forceinline__ constexpr int kv_bytes(const T*) { return (int)sizeof(T); }
 // Asks L2 for elements [0, n) at p (and their scales).
-__device__ __forceinline__ void kv_prefetch(const float* p, long n) { l2_prefetch_block(p, 4 * n); }
-__device__ __forceinline__ void kv_prefetch(const u16* p, long n) { l2_prefetch_block(p, 2 * n); }
+template <typename T> __device__ __forceinline__ void kv_prefetch(const T* p, long n) {
+    l2_prefetch_block(p, (long)sizeof(T) * n);
+}
 __device__ __forceinline__ void kv_prefetch(KvQ8 p, long n) {
     l2_prefetch_block(p.q + p.o, n);
     l2_prefetch_block(p.d + (p.o >> 5), n / 16);
@@ -51,17 +52,8 @@ __device__ __forceinline__ void kv_prefetch(KvQ8 p, long n) {
 // CPU's quantize_q8_0 (d = max|x| / 127, q = round(x * (1 / d)) with ties
 // away from zero, d stored as f16): with neox the 32 lanes of a warp hold one block of each half, else
 // 16 lanes hold one block (head sizes of 64 and more).
-__device__ __forceinline__ void kv_store_pair(float* p, long at, int i, int neox, int half, float a, float b,
-                                              float* ha, float* hb, bool store = true) {
-    const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-    if (store) {
-        kv_store(p, at + ia, a);
-        kv_store(p, at + ib, b);
-    }
-    *ha = kv_round(p, a);
-    *hb = kv_round(p, b);
-}
-__device__ __forceinline__ void kv_store_pair(u16* p, long at, int i, int neox, int half, float a, float b, float* ha,
+template <typename T>
+__device__ __forceinline__ void kv_store_pair(T* p, long at, int i, int neox, int half, float a, float b, float* ha,
                                               float* hb, bool store = true) {
     const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
     if (store) {
@@ -264,9 +256,8 @@ __device__ __forceinline__ void att_store_partial(float acc, float l, float m, i
 
 // The 16-byte unit of the cache's main array at element e of p (e a
 // multiple of its elements per unit).
-__device__ __forceinline__ uint4 kv_unit(const float* p, long e) { return *(const uint4*)(p + e); }
-__device__ __forceinline__ uint4 kv_unit(const u16* p, long e) { return *(const uint4*)(p + e); }
 __device__ __forceinline__ uint4 kv_unit(KvQ8 p, long e) { return *(const uint4*)(p.q + p.o + e); }
+template <typename T> __device__ __forceinline__ uint4 kv_unit(const T* p, long e) { return *(const uint4*)(p + e); }
 
 // The elements of the 16-byte unit r (element e of p, for a q8_0 cache's
 // scale) as f32.

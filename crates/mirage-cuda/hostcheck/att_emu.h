@@ -1,9 +1,12 @@
 // Host stand-ins for the decode attention's cache and rounding helpers
 // (attention.cu's f2h, kv_load, kv_widen, __fmul_rn, ...; attention_mma.cu's
-// f16x2 h2_sub and h2_mul), shared by the checks that run the attention code.
+// f16x2 h2_sub and h2_mul; attention_pruned.cu's atomicOr), shared by the
+// checks that run the attention code.
 // Needs u16, u32 and h2f declared first.
 #pragma once
 #include <cstring>
+// As the device's atomicOr (relaxed).
+inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
 // cvt.rn.f16.f32: round to nearest even, subnormals kept (g++'s _Float16).
 inline u16 f2h(float f) {
     const _Float16 h = (_Float16)f;

@@ -33,7 +33,6 @@ inline u32 __float_as_uint(float f) { u32 u; memcpy(&u, &f, 4); return u; }
 inline long min(long a, long b) { return a < b ? a : b; }
 inline u32 min(u32 a, u32 b) { return a < b ? a : b; }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
-inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
 
 typedef signed char i8;
 inline float h2f(u16 h) {

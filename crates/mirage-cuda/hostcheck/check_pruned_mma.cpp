@@ -54,12 +54,6 @@ typedef unsigned int u32;
 struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float block_sum(float, float*) { abort(); }  // rope_store's q/k norm: not used here
-// The fibers share one OS thread: a shared atomic is a plain update.
-inline unsigned atomicOr(unsigned* p, unsigned v) {
-    const unsigned o = *p;
-    *p = o | v;
-    return o;
-}
 #include "split_mma_extract.h"
 #include "union_extract.h"
 #include "kv_caches.h"

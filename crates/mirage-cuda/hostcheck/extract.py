@@ -88,14 +88,13 @@ split = ["#define ATT_MIN_KEYS", "int att_chunk(", "#define AS_THREADS", "#defin
          "void attend_combine_body("]
 # The q8_0 cache (KvQ8) and its loads, every cache type's element size and
 # stores (kv_store_pair: a q8_0 row quantized across lanes).
-kv_q8 = ["struct KvQ8", "KvQ8 operator+(KvQ8", "float kv_load(KvQ8", "constexpr int kv_bytes(const float*",
-         "constexpr int kv_bytes(const u16*", "constexpr int kv_bytes(KvQ8"]
+kv_q8 = ["struct KvQ8", "KvQ8 operator+(KvQ8", "float kv_load(KvQ8", "constexpr int kv_bytes(const T*", "constexpr int kv_bytes(KvQ8"]
 kv_store = ["void kv_store(float*", "void kv_store(u16*", "float kv_round(const float*", "float kv_round(const u16*",
-            "void kv_store_pair(float*", "void kv_store_pair(u16*", "i8 q8_code(", "void kv_store_pair(KvQ8"]
+            "void kv_store_pair(T*", "i8 q8_code(", "void kv_store_pair(KvQ8"]
 (out / "split_extract.h").write_text(cut(
-    *kv_q8, "void kv_prefetch(const float*", "void kv_prefetch(const u16*", "void kv_prefetch(KvQ8", *kv_store,
+    *kv_q8, "void kv_prefetch(const T*", "void kv_prefetch(KvQ8", *kv_store,
     "void rope_angle(", "void rope_turn(", "void rope_cs(", "void rope_table_body(", "void rope_store(", *split,
-    "uint4 kv_unit(const float*", "uint4 kv_unit(const u16*", "uint4 kv_unit(KvQ8",
+    "uint4 kv_unit(const T*", "uint4 kv_unit(KvQ8",
     "void kv_unpack(uint4 r, const float*", "void kv_unpack(uint4 r, const u16*", "void kv_unpack(uint4 r, KvQ8",
     "void kv_load_n(const float*", "void kv_load_n(const u16*", "void kv_load_n(KvQ8", "struct SplitHeads",
     "SplitHeads split_heads(", "void attend_split_with(", "void split_copy_q(", "void attend_split(",
