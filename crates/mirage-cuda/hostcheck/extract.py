@@ -8,8 +8,8 @@ import sys
 
 root = pathlib.Path(__file__).resolve().parents[3]
 src = "".join((root / "cuda" / f).read_text() for f in [
-    "norm.cu", "nvfp4.cu", "ggml.cu", "attention.cu", "matvec.cu", "matvec_lanes.cu", "matvec_split.cu",
-    "matvec_imma.cu", "mmq.cu", "superblock.cu", "attention_mma.cu", "attention_pruned.cu"])
+    "norm.cu", "nvfp4.cu", "ggml.cu", "attention.cu", "attention_prefill.cu", "matvec.cu", "matvec_lanes.cu",
+    "matvec_split.cu", "matvec_imma.cu", "mmq.cu", "superblock.cu", "attention_mma.cu", "attention_pruned.cu"])
 
 
 def extract(name):
@@ -139,7 +139,7 @@ kv_store = ["void kv_store(float*", "void kv_store(u16*", "float kv_round(const 
     "u32 q6k_imma_word(", "int imma_byte_i8(", "u32 imma_word(", "void imma_q6k_dot(", "#define IMMA_Q4K",
     "#define IMMA_Q6K", "void imma_dot(", "void imma_slice(", "void imma_xsplit("))
 
-# The prefill attention on f16 tensor cores (attention.cu); the mma
+# The prefill attention on f16 tensor cores (attention_prefill.cu); the mma
 # instruction is mma_emu.h's.
 (out / "fa_extract.h").write_text(cut(
     "#define FA_ROWS", "#define FA_KEYS", "#define FA_WARPS", "#define FA_LOG2E", "u32 fa_pack(", "u32 fa_word(",

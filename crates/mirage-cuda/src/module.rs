@@ -18,7 +18,8 @@ use crate::CudaError;
 /// modules run), `cuda/nvfp4.cu` (the weight decode helpers both modules
 /// share), then the dense kernels by concern: ggml block decoding
 /// (`cuda/ggml.cu`, whose helpers the later files use), element-wise and row
-/// kernels (`cuda/elementwise.cu`), attention (`cuda/attention.cu`), the
+/// kernels (`cuda/elementwise.cu`), decode attention (`cuda/attention.cu`),
+/// the prefill attention (`cuda/attention_prefill.cu`), the
 /// mat-vecs (`cuda/matvec.cu`, `cuda/matvec_lanes.cu`,
 /// `cuda/matvec_split.cu`, `cuda/matvec_imma.cu`), the prefill products on int8 tensor cores
 /// (`cuda/mmq.cu`), the pruned decode attention
@@ -31,6 +32,7 @@ pub const DENSE_SOURCE: &str = concat!(
     include_str!("../../../cuda/ggml.cu"),
     include_str!("../../../cuda/elementwise.cu"),
     include_str!("../../../cuda/attention.cu"),
+    include_str!("../../../cuda/attention_prefill.cu"),
     include_str!("../../../cuda/matvec.cu"),
     include_str!("../../../cuda/matvec_lanes.cu"),
     include_str!("../../../cuda/matvec_split.cu"),
