@@ -68,7 +68,8 @@ pub struct BenchArgs {
     /// Decode attention over selected KV pages only (cpu and cuda), as
     /// generate's `--kv-prune`: `default`, `all`, or key=number pairs, e.g.
     /// `page=16,sinks=4,recent=8,top=32,top_percent=20`. The prompt still
-    /// attends every position.
+    /// attends every position. On CUDA it measured slower than full attention
+    /// at 32k (which runs on tensor cores there).
     #[arg(long)]
     pub kv_prune: Option<KvPruning>,
     /// CUDA: record decode steps as CUDA graphs (`on`) or launch op by op

@@ -51,7 +51,8 @@ pub struct ModelArgs {
     pub kv_q8: bool,
     /// Decode attention over selected KV pages only: `default`, `all`, or key=number pairs over the default
     /// (`page=64,sinks=1,recent=2,top=8,top_percent=0,dense=0`; top_percent: a budget growing with the
-    /// context), e.g. `--kv-prune page=16,sinks=4,recent=8,top=32,top_percent=20`. CPU and CUDA backends.
+    /// context), e.g. `--kv-prune page=16,sinks=4,recent=8,top=32,top_percent=20`. CPU and CUDA backends; on CUDA it
+    /// measured slower than full attention at 32k (which runs on tensor cores there; docs/BENCHMARKS.md).
     #[arg(long)]
     pub kv_prune: Option<KvPruning>,
     /// Activation sparsity (CPU; with --backend cuda only the FFN goes sparse): skip this share of the projections' weights per token (e.g. 0.4), or
