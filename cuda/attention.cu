@@ -730,6 +730,25 @@ __device__ void attend_combine_body(const float* __restrict__ part, const int* _
     }
 }
 
+// f16 tensor-core helpers of the prefill attention (attention_prefill.cu)
+// and the split decode attention (attention_mma.cu): two floats as an f16
+// pair, an f16 pair from memory, and one m16n8k16 product.
+__device__ __forceinline__ u32 fa_pack(float lo, float hi) { return (u32)f2h(lo) | ((u32)f2h(hi) << 16); }
+__device__ __forceinline__ u32 fa_word(const u16* p) { return *(const u32*)p; }
+
+// c += a (16 x 16, row) * b (16 x 8, col), f16 inputs, f32 accumulators.
+// Fragments per the PTX ISA (g = lane / 4, t = lane % 4): a[0] = A[g][2t,
+// 2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..];
+// b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]; c[0], c[1] = C[g][2t,
+// 2t+1], c[2], c[3] = C[g+8][2t, 2t+1]. The lower half of each register is
+// the lower index.
+__device__ __forceinline__ void mma_f16_k16(float* c, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // The kernels over the cache, per cache type (the prefill attention's are
 // attention_prefill.cu's): NAME in the kernel name, KV
 // the element type of the cache arguments. A q8_0 cache's kernels take

@@ -1,9 +1,9 @@
 // ===========================================================================
 // The split decode attention on f16 tensor cores, for long rows of an f16
 // or q8_0 cache, and the pruned decode attention over pages on the same
-// kernel (after attention.cu, whose att_chunk and KvQ8 it uses,
-// attention_prefill.cu, whose fa_word, fa_pack and mma_f16_k16 it uses, and
-// mmq.cu, whose cp.async helpers it uses).
+// kernel (after attention.cu, whose att_chunk, fa_word, fa_pack,
+// mma_f16_k16 and KvQ8 it uses, and mmq.cu, whose cp.async helpers it
+// uses).
 //
 // attend_split's scores and value sums are f32 FMAs fed from shared memory:
 // at 32k keys they, not the cache reads, set its pace (an H100 read a 7B
